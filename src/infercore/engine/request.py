@@ -1,0 +1,80 @@
+"""A request's state inside the engine and the output it reports."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """What the engine reports for a request after a step (or at the end of ``generate``).
+
+    ``new_token_ids``/``new_text`` hold what this step added (for streaming); ``token_ids``/``text``
+    everything generated so far.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    # the params' seed, or one drawn at arrival: sampling depends on (seed, position) alone
+    seed: int = 0
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV is in the cache; the next forward feeds all_token_ids[num_computed:...].
+    num_computed_tokens: int = 0
+    finish_reason: str | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+    # incremental detokenization state
+    text: str = ""
+    _reported_tokens: int = 0
+    _reported_text: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

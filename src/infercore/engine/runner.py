@@ -1,0 +1,106 @@
+"""Turns a scheduled batch into tensors, runs the model and samples.
+
+The runner owns the KV cache tensors and builds the per-step metadata explicitly (no global
+context): tokens-first ragged ``input_ids``/``positions``, int32 ``cu_seqlens_q``, ``seq_lens``,
+a padded int32 block table and the slot mapping where new K/V are written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kv import BlockManager
+from ..ops import AttentionMetadata, SamplingTensors, sample
+from .request import Request
+from .scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list,
+        block_manager: BlockManager,
+        *,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.bm = block_manager
+        self.device = device
+
+    def _tensor(self, data, dtype=torch.int32) -> torch.Tensor:
+        # Build on the host, copy once; pinned + non_blocking would help on CUDA for large batches.
+        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            start = req.num_computed_tokens
+            end = start + n
+            input_ids += req.all_token_ids[start:end]
+            positions += range(start, end)
+            slots += self.bm.slot_mapping(req.request_id, start, end)
+            cu.append(cu[-1] + n)
+            seq_lens.append(end)
+            tables.append(self.bm.block_table(req.request_id))
+            if end == req.num_tokens:
+                sample_rows.append(i)
+        width = max(len(t) for t in tables)
+        table = [t + [0] * (width - len(t)) for t in tables]
+        max_q = max(batch.num_new_tokens)
+        meta = AttentionMetadata(
+            cu_seqlens_q=self._tensor(cu),
+            seq_lens=self._tensor(seq_lens),
+            block_table=self._tensor(table),
+            slot_mapping=self._tensor(slots),
+            max_seqlen_q=max_q,
+            max_seqlen_k=max(seq_lens),
+            decode_only=max_q == 1,
+        )
+        return self._tensor(input_ids, torch.long), self._tensor(positions, torch.long), meta, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> dict[Request, int]:
+        """Run one forward over ``batch``; returns the token sampled for each request that has
+        now consumed all of its known tokens (partial prefill chunks sample nothing)."""
+        input_ids, positions, meta, rows = self.prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not rows:
+            return {}
+        last = meta.cu_seqlens_q[1:][torch.tensor(rows, device=self.device)] - 1
+        logits = self.model.compute_logits(hidden[last.long()])
+        reqs = [batch.requests[i] for i in rows]
+        tokens = sample(logits, sampling_tensors(reqs, self.device), prev_tokens=_prev_tokens(reqs, self.device))
+        return dict(zip(reqs, tokens.tolist()))
+
+
+def sampling_tensors(reqs: list[Request], device: torch.device) -> SamplingTensors:
+    ps = [r.params for r in reqs]
+
+    def t(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return SamplingTensors(
+        temperature=t([p.temperature for p in ps], torch.float32),
+        top_k=t([p.top_k for p in ps], torch.int32),
+        top_p=t([p.top_p for p in ps], torch.float32),
+        min_p=t([p.min_p for p in ps], torch.float32),
+        repetition_penalty=t([p.repetition_penalty for p in ps], torch.float32),
+        seeds=t([r.seed for r in reqs], torch.int64),
+        offsets=t([len(r.output_token_ids) for r in reqs], torch.int64),
+    )
+
+
+def _prev_tokens(reqs: list[Request], device: torch.device) -> torch.Tensor | None:
+    if all(r.params.repetition_penalty == 1.0 for r in reqs):
+        return None
+    seqs = [r.all_token_ids if r.params.repetition_penalty != 1.0 else [] for r in reqs]
+    width = max(1, max(len(s) for s in seqs))
+    return torch.tensor([s + [-1] * (width - len(s)) for s in seqs], dtype=torch.int32, device=device)

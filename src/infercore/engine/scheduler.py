@@ -1,0 +1,136 @@
+"""Continuous batching with chunked prefill, prefix-cache reuse and preemption by recompute.
+
+Each step the scheduler hands out a token budget: running requests first (one token per decode,
+or the next chunk of an unfinished prefill), in arrival order; then waiting requests, whose
+prompts are admitted (and chunked) while budget, sequence slots and KV pages last. When pages
+run out for a running request, the most recently admitted running request is preempted: its
+pages are freed and it goes back to the front of the queue, to be recomputed later (its
+prefix pages usually stay in the prefix cache). Nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..kv import BlockManager
+from .request import Request, Status
+
+
+@dataclass
+class ScheduledBatch:
+    """The work of one step: ``num_new_tokens[i]`` tokens of ``requests[i]`` are fed, starting at
+    its ``num_computed_tokens``."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Request | None:
+        for req in self.waiting:
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                return req
+        for req in self.running:
+            if req.request_id == request_id:
+                self.running.remove(req)
+                self.bm.free(req.request_id)
+                return req
+        return None
+
+    def _preempt(self, req: Request) -> None:
+        self.bm.free(req.request_id)
+        req.status = Status.WAITING
+        req.num_computed_tokens = 0
+        req.metrics.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+
+        # 1. Running requests, oldest first; preempt from the newest end when pages run short.
+        pending = list(self.running)
+        kept: list[Request] = []
+        while pending:
+            req = pending.pop(0)
+            if budget == 0:
+                kept.append(req)
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.bm.grow(req.request_id, req.num_computed_tokens + n):
+                victim = pending.pop() if pending else req
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                batch.requests.append(req)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                kept.append(req)
+        self.running = kept
+
+        # 2. Admit waiting requests; none after a preemption this step (the pool is tight).
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+            req = self.waiting[0]
+            tokens = req.all_token_ids
+            cached = self.bm.allocate(
+                req.request_id, tokens, len(tokens), max_cached_tokens=len(tokens) - 1
+            )
+            if cached is None:
+                break
+            remaining = len(tokens) - cached
+            if remaining > budget and not self.enable_chunked_prefill and batch.requests:
+                self.bm.free(req.request_id)
+                break
+            self.waiting.popleft()
+            n = min(remaining, budget)
+            req.num_computed_tokens = cached
+            req.status = Status.RUNNING
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.perf_counter()
+                req.metrics.num_cached_tokens = cached
+            self.running.append(req)
+            batch.requests.append(req)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.metrics.finish_time = time.perf_counter()
+        self.running.remove(req)
+        self.bm.free(req.request_id)

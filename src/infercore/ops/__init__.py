@@ -1,0 +1,30 @@
+"""Tensor-level operators: a pure-PyTorch reference beside every fast kernel.
+
+Each public function validates its arguments (dtype, shape, device; errors name the argument),
+then calls ``infercore.devices.dispatch("<function name>", device)``. Implementations are
+registered under the public function's name (``"rms_norm"``, ``"write_kv_cache_"``, ...) and receive
+the validated arguments with the public signature; the reference is named ``"reference"``.
+"""
+
+from .activation import gelu_and_mul, silu_and_mul
+from .attention import AttentionMetadata, paged_attention, paged_attention_decode, paged_attention_prefill
+from .kv_cache import write_kv_cache_
+from .norm import fused_add_rms_norm, rms_norm
+from .rope import apply_rope, rope_cos_sin_cache, rope_inv_freq
+
+__all__ = [
+    "AttentionMetadata",
+    "apply_rope",
+    "fused_add_rms_norm",
+    "gelu_and_mul",
+    "paged_attention",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "rms_norm",
+    "rope_cos_sin_cache",
+    "rope_inv_freq",
+    "silu_and_mul",
+    "write_kv_cache_",
+]
+
+from . import _fast  # noqa: F401,E402  (registers fast implementations)

@@ -1,0 +1,71 @@
+"""Argument checks shared by the public op wrappers.
+
+Every check raises ``TypeError`` (wrong kind / dtype) or ``ValueError`` (wrong shape / value) whose
+message starts with ``"<op>: <argument> ..."`` so the caller sees which argument was wrong. The checks
+only look at metadata (shape, dtype, device), never at values, so they never synchronize a GPU and
+stay legal inside CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def tensor(op: str, name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def floating(op: str, name: str, t: object, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> torch.Tensor:
+    t = tensor(op, name, t)
+    if not t.is_floating_point():
+        raise TypeError(f"{op}: {name} must be a floating tensor, got {t.dtype}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{op}: {name} must have dtype in {_names(dtypes)}, got {t.dtype}")
+    return t
+
+
+def integer(op: str, name: str, t: object, dtypes: tuple[torch.dtype, ...] = INDEX_DTYPES) -> torch.Tensor:
+    t = tensor(op, name, t)
+    if t.dtype not in dtypes:
+        raise TypeError(f"{op}: {name} must have dtype in {_names(dtypes)}, got {t.dtype}")
+    return t
+
+
+def ndim(op: str, name: str, t: torch.Tensor, n: int, layout: str) -> None:
+    if t.dim() != n:
+        raise ValueError(f"{op}: {name} must be {n}-D {layout}, got shape {tuple(t.shape)}")
+
+
+def min_ndim(op: str, name: str, t: torch.Tensor, n: int, layout: str) -> None:
+    if t.dim() < n:
+        raise ValueError(f"{op}: {name} must be at least {n}-D {layout}, got shape {tuple(t.shape)}")
+
+
+def same_dtype(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{op}: {name} must have the dtype of {ref_name} ({ref.dtype}), got {t.dtype}")
+
+
+def same_device(op: str, ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, t in others.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}")
+
+
+def number(op: str, name: str, x: object, *, positive: bool = False, nonneg: bool = False) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{op}: {name} must be a number, got {type(x).__name__}")
+    x = float(x)
+    if x != x or (positive and not x > 0) or (nonneg and not x >= 0):
+        need = "> 0" if positive else ">= 0" if nonneg else "a finite number"
+        raise ValueError(f"{op}: {name} must be {need}, got {x}")
+    return x
+
+
+def _names(dtypes: tuple[torch.dtype, ...]) -> str:
+    return "(" + ", ".join(str(d).removeprefix("torch.") for d in dtypes) + ")"

@@ -1,0 +1,174 @@
+"""Causal attention over a paged KV cache (prefill with cached prefixes, and decode)."""
+
+from __future__ import annotations
+
+import torch
+
+from ...devices import dispatch, register
+from .. import _validate as V
+from .metadata import AttentionMetadata
+from .naive import paged_attention_decode_ref, paged_attention_prefill_ref
+
+__all__ = ["AttentionMetadata", "paged_attention", "paged_attention_decode", "paged_attention_prefill"]
+
+_I32 = (torch.int32,)
+
+
+def _check_common(
+    op: str,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> None:
+    V.floating(op, "q", q)
+    V.ndim(op, "q", q, 3, "[tokens, q_heads, head_dim]")
+    V.floating(op, "k_cache", k_cache)
+    V.ndim(op, "k_cache", k_cache, 4, "[num_pages, page_size, kv_heads, head_dim]")
+    V.floating(op, "v_cache", v_cache)
+    V.same_dtype(op, "v_cache", v_cache, "k_cache", k_cache)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"{op}: v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}")
+    hq, d = q.shape[1], q.shape[2]
+    hk = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"{op}: k_cache head_dim {k_cache.shape[3]} != q head_dim {d}")
+    if hk == 0 or hq % hk:
+        raise ValueError(f"{op}: q heads ({hq}) must be a multiple of k_cache kv heads ({hk})")
+    V.integer(op, "seq_lens", seq_lens, _I32)
+    V.ndim(op, "seq_lens", seq_lens, 1, "[batch]")
+    V.integer(op, "block_table", block_table, _I32)
+    V.ndim(op, "block_table", block_table, 2, "[batch, max_pages]")
+    if block_table.shape[0] != seq_lens.shape[0]:
+        raise ValueError(
+            f"{op}: block_table has {block_table.shape[0]} rows but seq_lens has {seq_lens.shape[0]} sequences"
+        )
+    V.number(op, "scale", scale, positive=True)
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window <= 0
+    ):
+        raise ValueError(f"{op}: sliding_window must be a positive int or None, got {sliding_window!r}")
+    if softcap is not None:
+        V.number(op, "softcap", softcap, positive=True)
+    V.same_device(op, "q", q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens, block_table=block_table)
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
+    """Causal attention for a ragged batch of query chunks against their paged KV.
+
+    Args:
+        q: ``[T, Hq, D]`` fp32/fp16/bf16, sequences concatenated (tokens first).
+        k_cache, v_cache: ``[num_pages, page_size, Hk, D]``; this step's K/V must already be written
+            (see :func:`write_kv_cache_`). ``Hq % Hk == 0`` (GQA: query head h uses KV head ``h // (Hq/Hk)``).
+        cu_seqlens_q: int32 ``[B+1]``; sequence b owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q.
+        seq_lens: int32 ``[B]``, total KV length of each sequence *including* this step's queries;
+            the queries of sequence b sit at positions ``seq_lens[b] - q_len_b ... seq_lens[b] - 1``
+            (everything before is a cached prefix).
+        block_table: int32 ``[B, max_pages]``; token j of sequence b is at
+            ``cache[block_table[b, j // page_size], j % page_size]``.
+        scale: multiplier of ``q . k`` (usually ``D ** -0.5``).
+        sliding_window: HF semantics, query i sees key j iff ``i - w < j <= i``; None = full causal.
+        softcap: ``s = softcap * tanh(s / softcap)`` on the scaled scores (Gemma 2); None = off.
+        max_seqlen_q: optional host-side upper bound of the query lengths (a launch hint for kernels).
+
+    Returns:
+        ``[T, Hq, D]`` in ``q.dtype``; softmax in fp32.
+    """
+    op = "paged_attention_prefill"
+    _check_common(op, q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, softcap)
+    V.integer(op, "cu_seqlens_q", cu_seqlens_q, _I32)
+    V.ndim(op, "cu_seqlens_q", cu_seqlens_q, 1, "[batch + 1]")
+    if cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError(
+            f"{op}: cu_seqlens_q has {cu_seqlens_q.shape[0]} entries, expected len(seq_lens) + 1 = "
+            f"{seq_lens.shape[0] + 1}"
+        )
+    if max_seqlen_q is not None and (isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int)):
+        raise TypeError(f"{op}: max_seqlen_q must be an int or None, got {type(max_seqlen_q).__name__}")
+    V.same_device(op, "q", q, cu_seqlens_q=cu_seqlens_q)
+    return dispatch(op, q.device)(
+        q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_table=block_table,
+        scale=float(scale), sliding_window=sliding_window,
+        softcap=None if softcap is None else float(softcap), max_seqlen_q=max_seqlen_q,
+    )
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """One query per sequence (at position ``seq_lens[b] - 1``) against its paged KV.
+
+    Args:
+        q: ``[B, Hq, D]`` fp32/fp16/bf16.
+        k_cache, v_cache, block_table, scale, sliding_window, softcap: as in :func:`paged_attention_prefill`.
+        seq_lens: int32 ``[B]`` KV lengths including the current token; a sequence with length 0
+            (batch padding) yields zeros.
+
+    Returns:
+        ``[B, Hq, D]`` in ``q.dtype``; softmax in fp32.
+    """
+    op = "paged_attention_decode"
+    _check_common(op, q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, softcap)
+    if seq_lens.shape[0] != q.shape[0]:
+        raise ValueError(f"{op}: seq_lens has {seq_lens.shape[0]} entries but q has {q.shape[0]} sequences")
+    return dispatch(op, q.device)(
+        q, k_cache, v_cache, seq_lens=seq_lens, block_table=block_table, scale=float(scale),
+        sliding_window=sliding_window, softcap=None if softcap is None else float(softcap),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Paged attention driven by the step's :class:`AttentionMetadata`.
+
+    ``q`` is ``[T, Hq, D]``; uses :func:`paged_attention_decode` when ``meta.decode_only`` (then
+    ``T == B``) and :func:`paged_attention_prefill` otherwise. Returns ``[T, Hq, D]`` in ``q.dtype``.
+    """
+    if not isinstance(meta, AttentionMetadata):
+        raise TypeError(f"paged_attention: meta must be an AttentionMetadata, got {type(meta).__name__}")
+    if meta.decode_only:
+        return paged_attention_decode(
+            q, k_cache, v_cache, seq_lens=meta.seq_lens, block_table=meta.block_table, scale=scale,
+            sliding_window=sliding_window, softcap=softcap,
+        )
+    return paged_attention_prefill(
+        q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens,
+        block_table=meta.block_table, scale=scale, sliding_window=sliding_window, softcap=softcap,
+        max_seqlen_q=meta.max_seqlen_q,
+    )
+
+
+register("paged_attention_prefill", "reference", paged_attention_prefill_ref)
+register("paged_attention_decode", "reference", paged_attention_decode_ref)

@@ -1,0 +1,77 @@
+"""Per-step batch metadata for paged attention (built once per step, shared by every layer)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's queries and keys live for one forward step.
+
+    Attributes:
+        cu_seqlens_q: int32 ``[B+1]``, prefix sums of query lengths (rows of the ragged ``[T, H, D]`` q).
+        seq_lens: int32 ``[B]``, total KV length of each sequence including this step's tokens.
+        block_table: int32 ``[B, P]``, page ids of each sequence in order (entries past the
+            sequence's last page are ignored).
+        slot_mapping: int32 ``[T]``, flat cache slot of each new token (``-1`` = do not store).
+        max_seqlen_q: largest query length in the batch (host int, no sync needed).
+        max_seqlen_k: largest ``seq_lens`` entry (host int).
+        decode_only: every sequence has exactly one query token.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    decode_only: bool
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @classmethod
+    def from_lists(
+        cls,
+        *,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        slot_mapping: Sequence[int],
+        device: torch.device | str | None = None,
+        pad_pages_to: int | None = None,
+    ) -> AttentionMetadata:
+        """Build from host lists: ``block_tables[b]`` lists sequence b's pages; rows are padded with 0
+        to ``pad_pages_to`` (default: the longest row) so the table is rectangular."""
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+            raise ValueError(
+                "AttentionMetadata.from_lists: query_lens, seq_lens and block_tables must have one entry per "
+                f"sequence, got {len(query_lens)}, {len(seq_lens)}, {len(block_tables)}"
+            )
+        if any(q < 0 or q > s for q, s in zip(query_lens, seq_lens)):
+            raise ValueError("AttentionMetadata.from_lists: need 0 <= query_lens[b] <= seq_lens[b]")
+        if len(slot_mapping) != sum(query_lens):
+            raise ValueError(
+                f"AttentionMetadata.from_lists: slot_mapping has {len(slot_mapping)} entries, "
+                f"expected sum(query_lens) = {sum(query_lens)}"
+            )
+        width = max([len(r) for r in block_tables] + [pad_pages_to or 0, 1])
+        table = [list(r) + [0] * (width - len(r)) for r in block_tables]
+        cu = [0]
+        for q in query_lens:
+            cu.append(cu[-1] + q)
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(
+            cu_seqlens_q=torch.tensor(cu, **i32),
+            seq_lens=torch.tensor(list(seq_lens), **i32),
+            block_table=torch.tensor(table, **i32).reshape(len(block_tables), width),
+            slot_mapping=torch.tensor(list(slot_mapping), **i32),
+            max_seqlen_q=max(query_lens, default=0),
+            max_seqlen_k=max(seq_lens, default=0),
+            decode_only=len(query_lens) > 0 and all(q == 1 for q in query_lens),
+        )

@@ -1,0 +1,135 @@
+"""Pure-PyTorch paged attention.
+
+This is both the specification for the Triton kernels and the CPU engine's production path, so it
+avoids per-token Python loops: decode gathers every sequence's pages at once and runs batched
+matmuls; prefill loops over sequences (a handful per step) and attends each one in a single call.
+
+GQA never materializes repeated K/V: q ``[T, Hq, D]`` is regrouped as ``[Hk, group * T, D]`` so each
+KV head is matched against all of its query heads in one matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """``cache[num_pages, page_size, Hk, D]``, ``pages[..., n]`` -> ``[..., n * page_size, Hk, D]``."""
+    g = cache[pages.long()]
+    return g.reshape(*pages.shape[:-1], pages.shape[-1] * cache.shape[1], *cache.shape[2:])
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """fp32 ``q[..., Hk, M, D]``, ``k/v[..., Hk, L, D]``, bool ``mask[..., M, L]`` (True = visible)."""
+    mask = mask.unsqueeze(-3)  # broadcast over KV heads
+    if softcap is None:
+        # SDPA's fused CPU kernel avoids materializing the [M, L] score matrix; it takes the same
+        # boolean mask (True = attend) and computes in fp32 for fp32 inputs.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        s = torch.matmul(q, k.transpose(-1, -2)) * scale
+        s = softcap * torch.tanh(s / softcap)
+        s = s.masked_fill(~mask, float("-inf"))
+        out = torch.matmul(torch.softmax(s, dim=-1), v)
+    # A row with no visible key (e.g. a zero-length padded sequence) has no defined softmax: emit zeros
+    # instead of NaN so padding never poisons later layers.
+    return torch.where(mask.any(-1, keepdim=True), out, 0.0)
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal (+ sliding window) mask: query at position i sees key j iff ``i - w < j <= i`` and j < seq_len."""
+    qp, kp = q_pos.unsqueeze(-1), k_pos.unsqueeze(-2)
+    m = (kp <= qp) & (kp < seq_len)
+    if window is not None:
+        m &= kp > qp - window
+    return m
+
+
+def paged_attention_decode_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    b, hq, d = q.shape
+    page_size, hk = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hk
+    if b == 0:
+        return q.new_empty(q.shape)
+    max_len = int(seq_lens.max())
+    if max_len <= 0:
+        return torch.zeros_like(q)
+    n_pages = -(-max_len // page_size)
+    # Entries past a sequence's own pages may hold anything (padding): clamp to a valid page id and
+    # let the mask hide them.
+    pages = block_table[:, :n_pages].long().clamp(0, k_cache.shape[0] - 1)
+    keys = _gather_pages(k_cache, pages).float().permute(0, 2, 1, 3)  # [B, Hk, L, D]
+    vals = _gather_pages(v_cache, pages).float().permute(0, 2, 1, 3)
+    L = keys.shape[2]
+    seq = seq_lens.long().view(b, 1)
+    k_pos = torch.arange(L, device=q.device)
+    mask = _visible(seq - 1, k_pos, seq.unsqueeze(-1), sliding_window)  # [B, 1, L]
+    # Hidden slots may be uninitialized memory (NaN/inf); 0 * NaN would leak through P @ V.
+    vals = vals.masked_fill(~mask.view(b, 1, L, 1), 0.0)
+    qg = q.float().view(b, hk, group, d)  # heads h = kv_head * group + g, matching HF's repeat_kv
+    out = _attend(qg, keys, vals, mask, scale=scale, softcap=softcap)
+    return out.reshape(b, hq, d).to(q.dtype)
+
+
+def paged_attention_prefill_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
+    del max_seqlen_q  # a launch-size hint for kernels; the reference reads the lengths directly
+    t, hq, d = q.shape
+    page_size, hk = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hk
+    out = torch.zeros_like(q)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        q0, q1 = cu[b], cu[b + 1]
+        q_len = q1 - q0
+        if q_len == 0:
+            continue
+        if q_len > seq_len:
+            raise ValueError(f"paged_attention_prefill: sequence {b} has {q_len} queries but seq_lens {seq_len}")
+        first_q = seq_len - q_len  # queries are the last q_len positions (the rest is cached prefix)
+        # With a window, keys before first_q - w + 1 are invisible to every query: skip their pages.
+        first_page = 0 if sliding_window is None else max(0, first_q - sliding_window + 1) // page_size
+        last_page = -(-seq_len // page_size)
+        pages = block_table[b, first_page:last_page].long()
+        k_off = first_page * page_size
+        keys = _gather_pages(k_cache, pages)[: seq_len - k_off].float().transpose(0, 1)  # [Hk, L, D]
+        vals = _gather_pages(v_cache, pages)[: seq_len - k_off].float().transpose(0, 1)
+        q_pos = torch.arange(first_q, seq_len, device=q.device)
+        k_pos = torch.arange(k_off, seq_len, device=q.device)
+        mask = _visible(q_pos, k_pos, torch.tensor(seq_len, device=q.device), sliding_window)  # [q_len, L]
+        # [q_len, Hq, D] -> [Hk, group * q_len, D]; the mask repeats once per query head of the group.
+        qg = q[q0:q1].float().view(q_len, hk, group, d).permute(1, 2, 0, 3).reshape(hk, group * q_len, d)
+        o = _attend(qg, keys, vals, mask.repeat(group, 1), scale=scale, softcap=softcap)
+        out[q0:q1] = o.view(hk, group, q_len, d).permute(2, 0, 1, 3).reshape(q_len, hq, d).to(q.dtype)
+    return out

@@ -1,0 +1,104 @@
+"""Rotary position embedding (neox / GPT-J styles, partial rotary, HF rope_scaling)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ...devices import dispatch, register
+from .. import _validate as V
+from .naive import apply_rope_ref, rope_cos_sin_cache_ref, rope_inv_freq
+
+__all__ = ["apply_rope", "rope_cos_sin_cache", "rope_inv_freq"]
+
+
+def rope_cos_sin_cache(
+    *,
+    rotary_dim: int,
+    max_positions: int,
+    base: float,
+    scaling: Mapping[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Precomputed rotation table for :func:`apply_rope`.
+
+    Args:
+        rotary_dim: number of rotated channels per head (even; ``< head_dim`` for partial rotary).
+        max_positions: number of positions (rows) in the table.
+        base: ``rope_theta``.
+        scaling: the HF ``rope_scaling`` / ``rope_parameters`` dict or None. ``rope_type`` (or legacy
+            ``type``) ``default``, ``linear`` (``factor``), ``llama3`` (``factor``, ``low_freq_factor``,
+            ``high_freq_factor``, ``original_max_position_embeddings``) or ``yarn`` (``factor``,
+            ``original_max_position_embeddings``, optional ``beta_fast``, ``beta_slow``, ``mscale``,
+            ``mscale_all_dim``, ``attention_factor``, ``truncate``). Other keys are ignored.
+
+    Returns:
+        ``[max_positions, rotary_dim]`` in ``dtype``: columns ``[:rotary_dim//2]`` hold cos, the rest sin,
+        both already multiplied by YaRN's attention factor.
+    """
+    op = "rope_cos_sin_cache"
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"{op}: rotary_dim must be a positive even int, got {rotary_dim!r}")
+    if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions <= 0:
+        raise ValueError(f"{op}: max_positions must be a positive int, got {max_positions!r}")
+    V.number(op, "base", base, positive=True)
+    if scaling is not None and not isinstance(scaling, Mapping):
+        raise TypeError(f"{op}: scaling must be a dict or None, got {type(scaling).__name__}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{op}: dtype must be a floating torch.dtype, got {dtype!r}")
+    try:
+        return rope_cos_sin_cache_ref(
+            rotary_dim=rotary_dim, max_positions=max_positions, base=float(base), scaling=scaling,
+            dtype=dtype, device=device,
+        )
+    except KeyError as e:
+        raise ValueError(f"{op}: scaling is missing key {e.args[0]!r} for rope_type {scaling.get('rope_type')!r}") from None
+
+
+def apply_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    *,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate the first ``rotary_dim = cos_sin_cache.shape[-1]`` channels of every head of q and k.
+
+    Args:
+        q: ``[T, Hq, D]`` fp32/fp16/bf16, tokens first.
+        k: ``[T, Hk, D]`` same dtype.
+        positions: ``[T]`` int32/int64 absolute positions (rows of the cache).
+        cos_sin_cache: ``[max_positions, rotary_dim]`` from :func:`rope_cos_sin_cache`.
+        is_neox: True rotates the two halves of the rotary channels against each other (HF Llama
+            ``rotate_half``); False rotates adjacent pairs ``(2i, 2i+1)`` (GPT-J / interleaved).
+
+    Returns:
+        New ``(q, k)`` in the input dtype; channels ``[rotary_dim:]`` pass through unchanged.
+        The rotation is computed in fp32.
+    """
+    op = "apply_rope"
+    V.floating(op, "q", q)
+    V.ndim(op, "q", q, 3, "[tokens, q_heads, head_dim]")
+    V.floating(op, "k", k)
+    V.ndim(op, "k", k, 3, "[tokens, kv_heads, head_dim]")
+    V.same_dtype(op, "k", k, "q", q)
+    if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"{op}: k has shape {tuple(k.shape)}, incompatible with q {tuple(q.shape)}")
+    V.integer(op, "positions", positions)
+    V.ndim(op, "positions", positions, 1, "[tokens]")
+    if positions.shape[0] != q.shape[0]:
+        raise ValueError(f"{op}: positions has {positions.shape[0]} entries but q has {q.shape[0]} tokens")
+    V.floating(op, "cos_sin_cache", cos_sin_cache)
+    V.ndim(op, "cos_sin_cache", cos_sin_cache, 2, "[max_positions, rotary_dim]")
+    rd = cos_sin_cache.shape[-1]
+    if rd % 2 or rd > q.shape[-1] or rd == 0:
+        raise ValueError(f"{op}: cos_sin_cache rotary_dim {rd} must be even and <= head_dim {q.shape[-1]}")
+    V.same_device(op, "q", q, k=k, positions=positions, cos_sin_cache=cos_sin_cache)
+    return dispatch(op, q.device)(q, k, positions, cos_sin_cache, is_neox=bool(is_neox))
+
+
+register("apply_rope", "reference", apply_rope_ref)

@@ -59,7 +59,7 @@ def _layer_shapes(specs: Sequence[KVSpec], dtype: torch.dtype) -> list[tuple[int
     return out
 
 
-def bytes_per_page(specs: Sequence[KVSpec], page_size: int, *, dtype: torch.dtype) -> int:
+def bytes_per_page(specs: Sequence[KVSpec], page_size: int, dtype: torch.dtype) -> int:
     """Bytes one page id costs across all layers: ``sum 2 * page_size * Hk * D * itemsize``."""
     _check_positive("page_size", page_size)
     return sum(2 * page_size * hk * d * dt.itemsize for hk, d, dt in _layer_shapes(specs, dtype))
@@ -97,5 +97,7 @@ def allocate_kv_caches(
     caches = []
     for hk, d, dt in shapes:
         shape = (num_pages, page_size, hk, d)
-        caches.append((torch.zeros(shape, dtype=dt, device=device), torch.zeros(shape, dtype=dt, device=device)))
+        caches.append(
+            (torch.zeros(shape, dtype=dt, device=device), torch.zeros(shape, dtype=dt, device=device))
+        )
     return caches

@@ -11,10 +11,14 @@ from .attention import AttentionMetadata, paged_attention, paged_attention_decod
 from .kv_cache import write_kv_cache_
 from .norm import fused_add_rms_norm, rms_norm
 from .rope import apply_rope, rope_cos_sin_cache, rope_inv_freq
+from .sampling import SamplingTensors, apply_repetition_penalty, apply_top_k_top_p_min_p, sample
 
 __all__ = [
     "AttentionMetadata",
+    "SamplingTensors",
+    "apply_repetition_penalty",
     "apply_rope",
+    "apply_top_k_top_p_min_p",
     "fused_add_rms_norm",
     "gelu_and_mul",
     "paged_attention",
@@ -23,6 +27,7 @@ __all__ = [
     "rms_norm",
     "rope_cos_sin_cache",
     "rope_inv_freq",
+    "sample",
     "silu_and_mul",
     "write_kv_cache_",
 ]

@@ -1,5 +1,21 @@
 """Registers the fast (Triton) implementations of the ops with the device registry.
 
 Importing this module is a side effect of ``import infercore.ops``; it must not fail where Triton
-or a GPU is missing (the references then serve every op).
+or a GPU is missing (the references then serve every op). Each kernel module registers itself with
+``available=lambda cap: cap.is_cuda and cap.triton``, so on the CPU the references keep serving
+unless ``INFERCORE_BACKEND`` forces ``triton`` (the interpreter tests do this per call instead).
 """
+
+from __future__ import annotations
+
+from ..devices import triton_available
+from .rope import fused as _rope_fused  # noqa: F401  (reference of "rope_and_write_kv"; needs no Triton)
+
+if triton_available():
+    from .activation import triton as _activation_triton  # noqa: F401
+    from .attention import triton_decode as _attention_decode_triton  # noqa: F401
+    from .attention import triton_prefill as _attention_prefill_triton  # noqa: F401
+    from .kv_cache import triton as _kv_cache_triton  # noqa: F401
+    from .norm import triton as _norm_triton  # noqa: F401
+    from .rope import triton as _rope_triton  # noqa: F401
+    from .sampling import triton as _sampling_triton  # noqa: F401

@@ -4,8 +4,9 @@ This is both the specification for the Triton kernels and the CPU engine's produ
 avoids per-token Python loops: decode gathers every sequence's pages at once and runs batched
 matmuls; prefill loops over sequences (a handful per step) and attends each one in a single call.
 
-GQA never materializes repeated K/V: q ``[T, Hq, D]`` is regrouped as ``[Hk, group * T, D]`` so each
-KV head is matched against all of its query heads in one matmul.
+GQA never materializes repeated K/V: in prefill q ``[T, Hq, D]`` is regrouped as ``[Hk, group * T, D]``
+so each KV head meets all of its query heads in one call; decode runs one batched matmul per KV head
+on strided views of the gathered pages.
 """
 
 from __future__ import annotations
@@ -15,9 +16,14 @@ import torch.nn.functional as F
 
 
 def _gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """``cache[num_pages, page_size, Hk, D]``, ``pages[..., n]`` -> ``[..., n * page_size, Hk, D]``."""
-    g = cache[pages.long()]
-    return g.reshape(*pages.shape[:-1], pages.shape[-1] * cache.shape[1], *cache.shape[2:])
+    """``cache[num_pages, page_size, Hk, D]``, ``pages[..., n]`` -> fresh ``[..., n * page_size, Hk, D]``.
+
+    Gathers whole pages (one contiguous row of ``page_size * Hk * D`` elements each) with index_select,
+    a plain row copy on the CPU.
+    """
+    flat = cache.reshape(cache.shape[0], -1)
+    g = flat.index_select(0, pages.reshape(-1).long())
+    return g.view(*pages.shape[:-1], pages.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
 def _attend(
@@ -45,8 +51,10 @@ def _attend(
     return torch.where(mask.any(-1, keepdim=True), out, 0.0)
 
 
-def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Causal (+ sliding window) mask: query at position i sees key j iff ``i - w < j <= i`` and j < seq_len."""
+def _visible(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """Causal (+ window) mask: query at position i sees key j iff ``i - w < j <= i`` and ``j < seq_len``."""
     qp, kp = q_pos.unsqueeze(-1), k_pos.unsqueeze(-2)
     m = (kp <= qp) & (kp < seq_len)
     if window is not None:
@@ -76,17 +84,34 @@ def paged_attention_decode_ref(
     n_pages = -(-max_len // page_size)
     # Entries past a sequence's own pages may hold anything (padding): clamp to a valid page id and
     # let the mask hide them.
-    pages = block_table[:, :n_pages].long().clamp(0, k_cache.shape[0] - 1)
-    keys = _gather_pages(k_cache, pages).float().permute(0, 2, 1, 3)  # [B, Hk, L, D]
-    vals = _gather_pages(v_cache, pages).float().permute(0, 2, 1, 3)
-    L = keys.shape[2]
+    pages = block_table[:, :n_pages].clamp(0, k_cache.shape[0] - 1)
+    keys = _gather_pages(k_cache, pages).float()  # [B, L, Hk, D]
+    vals = _gather_pages(v_cache, pages).float()
+    L = keys.shape[1]
     seq = seq_lens.long().view(b, 1)
-    k_pos = torch.arange(L, device=q.device)
-    mask = _visible(seq - 1, k_pos, seq.unsqueeze(-1), sliding_window)  # [B, 1, L]
-    # Hidden slots may be uninitialized memory (NaN/inf); 0 * NaN would leak through P @ V.
-    vals = vals.masked_fill(~mask.view(b, 1, L, 1), 0.0)
+    k_pos = torch.arange(L, device=q.device).view(1, L)
+    valid = k_pos < seq
+    if sliding_window is not None:
+        valid &= k_pos > seq - 1 - sliding_window
+    # Slots past a sequence's end may be uninitialized memory (NaN/inf). Scores are masked by
+    # replacement (masked_fill), which also removes NaN; V must be zeroed since 0 * NaN leaks
+    # through P @ V. Only the tails need it (keys outside the window are real data), and `vals`
+    # is our own copy, so zero them in place.
+    for row, n in enumerate(seq_lens.tolist()):
+        if n < L:
+            vals[row, max(n, 0) :] = 0.0
     qg = q.float().view(b, hk, group, d)  # heads h = kv_head * group + g, matching HF's repeat_kv
-    out = _attend(qg, keys, vals, mask, scale=scale, softcap=softcap)
+    # One batched matmul per KV head on strided views of the gathered [B, L, Hk, D] pages: BLAS takes
+    # the head stride as its leading dimension, whereas a head-major permute would copy all of K and V.
+    s = torch.stack([torch.matmul(qg[:, h], keys[:, :, h].transpose(1, 2)) for h in range(hk)], dim=1)
+    s = s * scale  # [B, Hk, G, L]
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s.masked_fill_(~valid.view(b, 1, 1, L), float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    out = torch.stack([torch.matmul(p[:, h], vals[:, :, h]) for h in range(hk)], dim=1)  # [B, Hk, G, D]
+    # seq_len 0 (batch padding) has no visible key: zeros, not NaN.
+    out = torch.where((seq > 0).view(b, 1, 1, 1), out, 0.0)
     return out.reshape(b, hq, d).to(q.dtype)
 
 
@@ -116,12 +141,14 @@ def paged_attention_prefill_ref(
         if q_len == 0:
             continue
         if q_len > seq_len:
-            raise ValueError(f"paged_attention_prefill: sequence {b} has {q_len} queries but seq_lens {seq_len}")
+            raise ValueError(
+                f"paged_attention_prefill: sequence {b} has {q_len} queries but seq_lens {seq_len}"
+            )
         first_q = seq_len - q_len  # queries are the last q_len positions (the rest is cached prefix)
         # With a window, keys before first_q - w + 1 are invisible to every query: skip their pages.
         first_page = 0 if sliding_window is None else max(0, first_q - sliding_window + 1) // page_size
         last_page = -(-seq_len // page_size)
-        pages = block_table[b, first_page:last_page].long()
+        pages = block_table[b, first_page:last_page]
         k_off = first_page * page_size
         keys = _gather_pages(k_cache, pages)[: seq_len - k_off].float().transpose(0, 1)  # [Hk, L, D]
         vals = _gather_pages(v_cache, pages)[: seq_len - k_off].float().transpose(0, 1)

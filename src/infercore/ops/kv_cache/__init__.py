@@ -38,7 +38,9 @@ def write_kv_cache_(
         raise TypeError(f"{op}: k_cache must be a floating tensor, got {k_cache.dtype}")
     V.ndim(op, "k_cache", k_cache, 4, "[num_pages, page_size, kv_heads, head_dim]")
     if k_cache.shape[2:] != k.shape[1:]:
-        raise ValueError(f"{op}: k_cache heads/head_dim {tuple(k_cache.shape[2:])} != k's {tuple(k.shape[1:])}")
+        raise ValueError(
+            f"{op}: k_cache heads/head_dim {tuple(k_cache.shape[2:])} != k's {tuple(k.shape[1:])}"
+        )
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise ValueError(
             f"{op}: v_cache ({tuple(v_cache.shape)}, {v_cache.dtype}) must match k_cache "
@@ -49,7 +51,9 @@ def write_kv_cache_(
     V.integer(op, "slot_mapping", slot_mapping, (torch.int32,))
     V.ndim(op, "slot_mapping", slot_mapping, 1, "[tokens]")
     if slot_mapping.shape[0] != k.shape[0]:
-        raise ValueError(f"{op}: slot_mapping has {slot_mapping.shape[0]} entries but k has {k.shape[0]} tokens")
+        raise ValueError(
+            f"{op}: slot_mapping has {slot_mapping.shape[0]} entries but k has {k.shape[0]} tokens"
+        )
     V.same_device(op, "k", k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     dispatch(op, k.device)(k, v, k_cache, v_cache, slot_mapping)
 

@@ -55,7 +55,7 @@ def rope_cos_sin_cache(
             dtype=dtype, device=device,
         )
     except KeyError as e:
-        raise ValueError(f"{op}: scaling is missing key {e.args[0]!r} for rope_type {scaling.get('rope_type')!r}") from None
+        raise ValueError(f"{op}: scaling is missing key {e.args[0]!r} needed by its rope_type") from None
 
 
 def apply_rope(

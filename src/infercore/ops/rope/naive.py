@@ -85,7 +85,9 @@ def _rope_type(scaling: Mapping[str, Any] | None) -> str:
     # Old HF configs spell the key "type"; "rope_type" wins when both are present.
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in _SUPPORTED:
-        raise ValueError(f"rope_cos_sin_cache: scaling rope_type {rope_type!r} is not supported; use one of {_SUPPORTED}")
+        raise ValueError(
+            f"rope_cos_sin_cache: scaling rope_type {rope_type!r} is not supported; use one of {_SUPPORTED}"
+        )
     return rope_type
 
 

@@ -1,0 +1,199 @@
+"""Two-level page pool: large pages, each carved into small pages of one layer group.
+
+Small page ``k`` of large page ``L`` in group ``g`` has id ``L * smalls_per_large[g] + k``, so a
+group's small pages index dim 0 of a ``[num_large * smalls_per_large[g], small_bytes]`` view of one
+byte buffer (see :func:`infercore.kv.hybrid.allocate_hybrid_buffer`).
+
+Placement is request-aware (Jenga): a large page is carved *for* an owner (a request), and that
+owner's later small pages of the same group come from it first. Requests therefore hold mostly
+whole large pages of their own, and freeing a request hands back whole large pages instead of
+scattering holes through pages that others still hold. Free slots of other owners' pages are
+used only once no large page is free.
+
+The pool knows nothing of prefix caching: a small page is either free or taken; the manager above
+decides when a taken page is released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+
+class TwoLevelPool:
+    """Large pages carved on demand into per-group small pages.
+
+    Args:
+        num_large: large pages in the pool.
+        smalls_per_large: per group, how many small pages one large page holds.
+    """
+
+    def __init__(self, num_large: int, smalls_per_large: list[int]) -> None:
+        if isinstance(num_large, bool) or not isinstance(num_large, int) or num_large < 0:
+            raise ValueError(f"num_large must be a non-negative int, got {num_large!r}")
+        if not smalls_per_large or any(n <= 0 for n in smalls_per_large):
+            raise ValueError(f"smalls_per_large must be positive counts, got {smalls_per_large!r}")
+        self.num_large = num_large
+        self.smalls_per_large = list(smalls_per_large)
+        # Free large pages, FIFO (reusing the least recently freed spreads wear evenly; it also
+        # makes allocation order deterministic, which the tests rely on).
+        self._free_large: dict[int, None] = dict.fromkeys(range(num_large))
+        self._group: list[int | None] = [None] * num_large
+        self._owner: list[Hashable | None] = [None] * num_large
+        self._taken: list[int] = [0] * num_large
+        # Per large page: free small offsets (a stack), only while carved.
+        self._free_in: list[list[int]] = [[] for _ in range(num_large)]
+        # Per group: carved large pages with a free small slot (ordered set).
+        self._partial: list[dict[int, None]] = [{} for _ in smalls_per_large]
+        # Per (owner, group): the owner's carved large pages with a free slot.
+        self._owned: dict[tuple[Hashable, int], dict[int, None]] = {}
+        # Per group: free small slots inside carved large pages (kept so queries are O(1)).
+        self._free_slots: list[int] = [0] * len(smalls_per_large)
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free_large(self) -> int:
+        return len(self._free_large)
+
+    def num_free_small(self, group: int) -> int:
+        """Small pages of ``group`` obtainable without eviction (free slots + free large pages)."""
+        return self._free_slots[group] + self.smalls_per_large[group] * len(self._free_large)
+
+    def num_taken_small(self, group: int) -> int:
+        return sum(self._taken[L] for L in range(self.num_large) if self._group[L] == group)
+
+    def large_of(self, group: int, small: int) -> int:
+        return small // self.smalls_per_large[group]
+
+    def group_of_large(self, large: int) -> int | None:
+        return self._group[large]
+
+    def taken_in(self, large: int) -> int:
+        return self._taken[large]
+
+    def carved(self, group: int | None = None) -> list[int]:
+        """Carved large pages (of ``group``, or of any group)."""
+        return [
+            L for L in range(self.num_large) if self._group[L] is not None and group in (None, self._group[L])
+        ]
+
+    # ------------------------------------------------------------------ mutations
+
+    def take(self, group: int, owner: Hashable, n: int) -> list[int] | None:
+        """``n`` small pages of ``group`` for ``owner``, or None (nothing taken) if short."""
+        if n <= 0:
+            return []
+        if self.num_free_small(group) < n:
+            return None
+        out: list[int] = []
+        owned = self._owned.get((owner, group), {})
+        # 1. the owner's own partly filled large pages; 2. fresh large pages carved for the
+        # owner; 3. free slots of pages other owners carved (orphaned pages first).
+        while len(out) < n and owned:
+            self._take_from(next(iter(owned)), group, n - len(out), out)
+        while len(out) < n and self._free_large:
+            L = next(iter(self._free_large))
+            del self._free_large[L]
+            self._carve(L, group, owner)
+            self._take_from(L, group, n - len(out), out)
+        if len(out) < n:
+            partial = sorted(self._partial[group], key=lambda L: self._owner[L] is not None)
+            for L in partial:
+                self._take_from(L, group, n - len(out), out)
+                if len(out) == n:
+                    break
+        return out
+
+    def release(self, group: int, small: int) -> bool:
+        """Return one small page; True if its large page became free as a whole."""
+        per = self.smalls_per_large[group]
+        L, k = divmod(small, per)
+        if self._group[L] != group:
+            raise ValueError(f"small page {small} of group {group} lies in a large page not carved for it")
+        free_in = self._free_in[L]
+        if len(free_in) + self._taken[L] != per or k in free_in:
+            raise ValueError(f"small page {small} of group {group} is not taken (double free?)")
+        self._taken[L] -= 1
+        if self._taken[L] == 0:
+            self._free_slots[group] -= per - 1
+            self._uncarve(L)
+            return True
+        self._free_slots[group] += 1
+        free_in.append(k)
+        self._partial[group][L] = None
+        owner = self._owner[L]
+        if owner is not None:
+            self._owned.setdefault((owner, group), {})[L] = None
+        return False
+
+    def disown(self, owner: Hashable) -> None:
+        """Forget ``owner``'s affinity (the request finished): pages it left partly taken --
+        e.g. by prefix-cached pages -- become anyone's to fill."""
+        for key in [k for k in self._owned if k[0] == owner]:
+            del self._owned[key]
+        for L in range(self.num_large):
+            if self._owner[L] == owner:
+                self._owner[L] = None
+
+    # ------------------------------------------------------------------ internals
+
+    def _carve(self, L: int, group: int, owner: Hashable) -> None:
+        per = self.smalls_per_large[group]
+        self._group[L] = group
+        self._owner[L] = owner
+        self._taken[L] = 0
+        # Reversed so that pop() hands out offsets in ascending order.
+        self._free_in[L] = list(range(per - 1, -1, -1))
+        self._free_slots[group] += per
+        self._partial[group][L] = None
+        self._owned.setdefault((owner, group), {})[L] = None
+
+    def _uncarve(self, L: int) -> None:
+        group, owner = self._group[L], self._owner[L]
+        self._partial[group].pop(L, None)
+        if owner is not None:
+            owned = self._owned.get((owner, group))
+            if owned is not None:
+                owned.pop(L, None)
+                if not owned:
+                    del self._owned[(owner, group)]
+        self._group[L] = None
+        self._owner[L] = None
+        self._free_in[L] = []
+        self._free_large[L] = None
+
+    def _take_from(self, L: int, group: int, n: int, out: list[int]) -> None:
+        per, free_in = self.smalls_per_large[group], self._free_in[L]
+        base = L * per
+        k = min(n, len(free_in))
+        self._free_slots[group] -= k
+        for _ in range(k):
+            out.append(base + free_in.pop())
+        self._taken[L] = per - len(free_in)
+        if not free_in:
+            self._partial[group].pop(L, None)
+            owner = self._owner[L]
+            if owner is not None:
+                owned = self._owned.get((owner, group))
+                if owned is not None:
+                    owned.pop(L, None)
+                    if not owned:
+                        del self._owned[(owner, group)]
+
+    def check(self) -> None:
+        """Assert internal consistency (tests)."""
+        for L in range(self.num_large):
+            g = self._group[L]
+            if g is None:
+                assert L in self._free_large and self._taken[L] == 0 and not self._free_in[L], L
+                continue
+            per = self.smalls_per_large[g]
+            assert L not in self._free_large, L
+            assert len(set(self._free_in[L])) == len(self._free_in[L])
+            assert self._taken[L] + len(self._free_in[L]) == per and self._taken[L] > 0, L
+            assert (L in self._partial[g]) == bool(self._free_in[L]), L
+        for g in range(len(self.smalls_per_large)):
+            assert self._free_slots[g] == sum(len(self._free_in[L]) for L in self._partial[g]), g
+        for (owner, g), owned in self._owned.items():
+            for L in owned:
+                assert self._owner[L] == owner and self._group[L] == g and self._free_in[L], (owner, L)

@@ -1,0 +1,326 @@
+"""Dense Llama-family decoder (Llama 2/3.x, SmolLM2, Mistral, Qwen2, Qwen3) built from infercore ops.
+
+Layout: tokens-first ragged batches. ``input_ids`` and ``positions`` are ``[T]`` for all sequences of
+the step concatenated; the per-step :class:`~infercore.ops.AttentionMetadata` says where each sequence's
+tokens and KV pages are. Every layer owns a ``(k_cache, v_cache)`` pair of shape
+``[num_pages, page_size, num_kv_heads, head_dim]`` supplied by the caller (see :meth:`kv_specs`).
+
+Projections are merged (one ``qkv_proj`` and one ``gate_up_proj`` GEMM per layer); :meth:`load_weights`
+stacks the separate HF tensors into them, so checkpoints keep their HF names. All linear layers are
+plain ``torch.nn.Linear`` so quantization can swap them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from functools import partial
+
+import torch
+from torch import nn
+
+from ..kv.spec import FullAttentionSpec
+from ..ops import (
+    AttentionMetadata,
+    apply_rope,
+    fused_add_rms_norm,
+    gelu_and_mul,
+    paged_attention,
+    rms_norm,
+    rope_cos_sin_cache,
+    silu_and_mul,
+    write_kv_cache_,
+)
+from .config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """Holds the weight; the math is :func:`infercore.ops.rms_norm` (called by the owner)."""
+
+    def __init__(self, hidden: int, *, eps: float, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, eps=self.eps)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        d = config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.q_size, self.kv_size = config.num_heads * d, config.num_kv_heads * d
+        self.scale = d**-0.5
+        self.sliding_window = config.layer_sliding_window(layer)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias, dtype=dtype)
+        # Qwen3 normalises each head of q and k (over head_dim) before RoPE.
+        self.q_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = apply_rope(q, k, positions, cos_sin)
+        k_cache, v_cache = kv_cache
+        write_kv_cache_(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, meta, scale=self.scale, sliding_window=self.sliding_window)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = nn.Linear(h, 2 * i, bias=config.mlp_bias, dtype=dtype)
+        self.down_proj = nn.Linear(i, h, bias=config.mlp_bias, dtype=dtype)
+        if config.hidden_act == "silu":
+            self.act = silu_and_mul
+        else:
+            approximate = "tanh" if config.hidden_act == "gelu_pytorch_tanh" else "none"
+            self.act = partial(gelu_and_mul, approximate=approximate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer, dtype=dtype)
+        self.mlp = LlamaMLP(config, dtype=dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm fuses the preceding residual add.
+        norm = self.input_layernorm
+        if residual is None:
+            residual, x = x, rms_norm(x, norm.weight, eps=norm.eps)
+        else:
+            x, residual = fused_add_rms_norm(x, residual, norm.weight, eps=norm.eps)
+        x = self.self_attn(x, positions, cos_sin, kv_cache, meta)
+        norm = self.post_attention_layernorm
+        x, residual = fused_add_rms_norm(x, residual, norm.weight, eps=norm.eps)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype=dtype) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over paged KV.
+
+    Module names follow HF (``model.layers.{i}.self_attn.qkv_proj`` ...) except that q/k/v and gate/up
+    are merged. The RoPE cos/sin table (fp32, ``[max_position_embeddings, rotary_dim]``) is a
+    non-persistent buffer built once.
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, dtype=dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+        self.finish_init()
+
+    def finish_init(self) -> None:
+        """(Re)build what is not a checkpoint weight: the embedding tie and the RoPE table.
+
+        Call again after materialising a model built on the ``meta`` device (``to_empty`` replaces
+        parameters one by one, which unties shared ones, and leaves buffers uninitialised).
+        """
+        cfg = self.config
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        device = self.model.embed_tokens.weight.device
+        if device.type == "meta":
+            self.cos_sin_cache = torch.empty(cfg.max_position_embeddings, cfg.rotary_dim, device=device)
+            return
+        self.cos_sin_cache = rope_cos_sin_cache(
+            rotary_dim=cfg.rotary_dim,
+            max_positions=cfg.max_position_embeddings,
+            base=cfg.rope_theta,
+            scaling=cfg.rope_scaling,
+            dtype=torch.float32,
+            device=device,
+        )
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run the decoder over one ragged step.
+
+        Args:
+            input_ids: ``[T]`` int32/int64 token ids, all sequences of the step concatenated.
+            positions: ``[T]`` int32/int64 absolute position of each token.
+            kv_caches: one ``(k_cache, v_cache)`` per layer, each ``[num_pages, page_size, Hk, D]``;
+                this step's keys/values are written at ``meta.slot_mapping``.
+            meta: the step's :class:`~infercore.ops.AttentionMetadata`.
+
+        Returns:
+            ``[T, hidden_size]`` final-normed hidden states in the model dtype (pass the rows you need
+            to :meth:`compute_logits`).
+        """
+        layers = self.model.layers
+        if input_ids.ndim != 1:
+            raise ValueError(f"input_ids must be 1-D [tokens], got shape {tuple(input_ids.shape)}")
+        if positions.shape != input_ids.shape:
+            raise ValueError(f"positions has shape {tuple(positions.shape)}, expected {tuple(input_ids.shape)}")
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"kv_caches has {len(kv_caches)} entries, expected one per layer ({len(layers)})")
+        x = self.model.embed_tokens(input_ids)
+        residual = None
+        cos_sin = self.cos_sin_cache
+        for layer, kv_cache in zip(layers, kv_caches):
+            x, residual = layer(x, residual, positions, cos_sin, kv_cache, meta)
+        norm = self.model.norm
+        x, _ = fused_add_rms_norm(x, residual, norm.weight, eps=norm.eps)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, H]`` -> fp32 logits ``[N, vocab_size]`` (tied to the embedding when configured)."""
+        return self.lm_head(hidden).float()
+
+    def kv_specs(self) -> list[FullAttentionSpec]:
+        """One KV spec per layer (the paged cache each layer expects)."""
+        dtype = self.model.embed_tokens.weight.dtype
+        return [
+            FullAttentionSpec(
+                num_kv_heads=layer.self_attn.num_kv_heads,
+                head_dim=layer.self_attn.head_dim,
+                dtype=dtype,
+                sliding_window=layer.self_attn.sliding_window,
+            )
+            for layer in self.model.layers
+        ]
+
+    # ------------------------------------------------------------------ weights
+    _STACKED = {  # HF projection name -> (merged module name, shard index)
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    _STACKED_RE = re.compile(r"^(.*\.)(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+    # Saved by some older exports; recomputed here.
+    _IGNORED_RE = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+    def _shard_rows(self, merged: str, shard: int) -> tuple[int, int]:
+        cfg = self.config
+        if merged == "qkv_proj":
+            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
+        i = cfg.intermediate_size
+        return (shard * i, (shard + 1) * i)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the model (casting to each parameter's dtype/device).
+
+        q/k/v and gate/up are stacked into the merged projections. With tied embeddings an
+        ``lm_head.weight`` in the checkpoint is ignored. Raises ``ValueError`` naming the tensor for an
+        unknown name, a shape mismatch, a duplicate, or (after the iterable ends) any missing tensor.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        tied = self.config.tie_word_embeddings
+        # Everything we expect to receive: plain parameters and each shard of the merged ones.
+        expected: set[str] = set()
+        for name in params:
+            if tied and name == "lm_head.weight":
+                continue
+            if ".qkv_proj." in name or ".gate_up_proj." in name:
+                merged = "qkv_proj" if ".qkv_proj." in name else "gate_up_proj"
+                for hf, (m, _) in self._STACKED.items():
+                    if m == merged:
+                        expected.add(name.replace(merged, hf))
+            else:
+                expected.add(name)
+        seen: set[str] = set()
+        for hf_name, tensor in weights:
+            if self._IGNORED_RE.search(hf_name) or (tied and hf_name == "lm_head.weight"):
+                continue
+            if hf_name not in expected:
+                raise ValueError(f"load_weights: unexpected tensor {hf_name!r} for {self.config.architecture}")
+            if hf_name in seen:
+                raise ValueError(f"load_weights: tensor {hf_name!r} given twice")
+            seen.add(hf_name)
+            m = self._STACKED_RE.match(hf_name)
+            if m is not None:
+                prefix, proj, kind = m.groups()
+                merged, shard = self._STACKED[proj]
+                param = params[f"{prefix}{merged}.{kind}"]
+                start, end = self._shard_rows(merged, shard)
+                target = param.data[start:end]
+            else:
+                target = params[hf_name].data
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"load_weights: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+        missing = expected - seen
+        if missing:
+            listed = ", ".join(sorted(missing)[:8]) + (" ..." if len(missing) > 8 else "")
+            raise ValueError(f"load_weights: {len(missing)} tensors missing from the checkpoint: {listed}")
+
+
+# Mistral, Qwen2 and Qwen3 differ from Llama only in what ModelConfig.from_hf resolves (window,
+# biases, qk-norm); the names exist so registries and reprs read naturally.
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+__all__ = [
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+]

@@ -1,0 +1,227 @@
+"""Triton paged decode attention (one query token per sequence), flash-decoding style.
+
+Layout: q ``[B, Hq, D]``; caches ``[num_pages, page_size, Hk, D]``; ``block_table`` int32
+``[B, max_pages]``; ``seq_lens`` int32 ``[B]`` (the query sits at position ``seq_lens[b] - 1``).
+
+Design:
+- GQA packing: one program owns one (sequence, KV head, split) and all ``Hq / Hk`` query heads of
+  that KV head, so each K/V tile is read from DRAM once per KV head rather than once per query head.
+  The query heads form the M side of ``tl.dot`` (padded to 16 rows, the MMA minimum); decode is
+  bandwidth-bound, so the padded rows cost nothing that matters.
+- Split-K (flash-decoding): the key range of each sequence is cut into ``num_splits`` chunks that run
+  as separate programs; each writes an fp32 partial output and its log-sum-exp, and a second kernel
+  merges them. The split count depends only on static shapes (batch, KV heads, block-table width),
+  never on sequence lengths read from the device, so the launch is CUDA-graph safe.
+- Keys are gathered row by row through the block table, so any power-of-two page size works and a
+  tile may span several pages; a page of 16 tokens is still ``16 * D * 2`` contiguous bytes.
+- Sliding window / softcap are compile-time switches; softmax runs in base 2 with the scale and
+  ``log2(e)`` folded into one multiply.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from infercore.devices import register, triton_interpreter
+
+_LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+# Tuning knobs (H200, bf16, D=128); benchmarks/bench_ops.py --sweep explores them.
+TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 3, "target_programs_per_sm": 4, "min_split_tokens": 256}
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, kc_ptr, vc_ptr, seq_lens_ptr, bt_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    qk_scale, scale, softcap, window,
+    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_bt, stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    GROUP, HEAD_DIM,
+    PAGE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    # Each split takes a BLOCK_N-aligned chunk of this sequence's visible keys [lo, seq_len).
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * GROUP + offs_g
+    gmask = offs_g < GROUP
+    dmask = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=gmask[:, None] & dmask[None, :], other=0.0,
+    ).to(kc_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for j0 in range(start, end, BLOCK_N):
+        kpos = j0 + offs_n
+        nmask = kpos < end
+        page = tl.load(bt_row + kpos // PAGE, mask=nmask, other=0).to(tl.int64)
+        row = kpos % PAGE
+        kvmask = nmask[:, None] & dmask[None, :]
+        k = tl.load(kc_ptr + (page * stride_kp + row * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
+                    mask=kvmask, other=0.0)  # fmt: skip
+        v = tl.load(vc_ptr + (page * stride_vp + row * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
+                    mask=kvmask, other=0.0)  # fmt: skip
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if HAS_SOFTCAP:
+            # softcap * tanh(x / softcap), tanh(z) = 2 sigmoid(2z) - 1 (no libdevice needed).
+            s = softcap * (2.0 * tl.sigmoid(2.0 * (s * scale) / softcap) - 1.0) * _LOG2E
+        else:
+            s = s * qk_scale
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds at least one key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # Empty ranges (padding rows with seq_len 0, or a split past the end) produce zeros / lse -inf.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    omask = gmask[:, None] & dmask[None, :]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        base = b.to(tl.int64) * stride_mb + split * stride_ms
+        tl.store(mid_o_ptr + base + heads[:, None] * stride_mh + offs_d[None, :], o, mask=omask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(mid_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+    HEAD_DIM,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < NUM_SPLITS
+    lse = tl.load(mid_lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)  # 0 for empty splits
+    o = tl.load(mid_o_ptr + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
+                mask=smask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # fmt: skip
+    denom = tl.sum(w, axis=0)
+    res = tl.sum(o * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _pick_splits(batch: int, kv_heads: int, max_ctx: int, device: torch.device) -> int:
+    """Enough programs to fill the GPU, but never splits shorter than ``min_split_tokens``."""
+    programs = max(batch * kv_heads, 1)
+    want = triton.cdiv(TUNING["target_programs_per_sm"] * _num_sms(device), programs)
+    cap = max(max_ctx // TUNING["min_split_tokens"], 1)
+    return int(max(1, min(want, cap, 64)))
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Decode attention over the paged cache; see the module docstring for layouts.
+
+    ``num_splits`` overrides the split-K factor (default: chosen from static shapes only).
+    Returns ``[B, Hq, D]`` in ``q.dtype``; sequences with ``seq_lens == 0`` get zeros.
+    """
+    B, Hq, D = q.shape
+    page_size, Hk = k_cache.shape[1], k_cache.shape[2]
+    if page_size & (page_size - 1):
+        raise ValueError(f"k_cache: page_size must be a power of two, got {page_size}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache/v_cache: the head_dim axis must be contiguous")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    group = Hq // Hk
+    interp = triton_interpreter()
+    block_n = 16 if interp else TUNING["block_n"]
+    if num_splits is None:
+        num_splits = _pick_splits(B, Hk, block_table.shape[1] * page_size, q.device)
+    block_d = max(triton.next_power_of_2(D), 16)
+    block_g = max(triton.next_power_of_2(group), 16)
+    if num_splits > 1:
+        mid_o = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        mid_o = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
+        mid_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
+    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    extra = {} if interp else {"num_warps": TUNING["num_warps"], "num_stages": TUNING["num_stages"]}
+    _decode_kernel[(B, Hk, num_splits)](
+        q, k_cache, v_cache, seq_lens, block_table, out, mid_o, mid_lse,
+        scale * _LOG2E.value, scale, softcap or 1.0, sliding_window or 0,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        group, D,
+        PAGE=page_size, NUM_SPLITS=num_splits, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
+        DOT_PRECISION=precision, **extra,
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge_kernel[(B, Hq)](
+            mid_o, mid_lse, out,
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+            out.stride(0), out.stride(1), D,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        )  # fmt: skip
+    return out
+
+
+register(
+    "paged_attention_decode", "triton", paged_attention_decode, priority=10,
+    available=lambda cap: cap.is_cuda and cap.triton,
+)  # fmt: skip

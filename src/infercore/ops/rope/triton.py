@@ -1,0 +1,154 @@
+"""Triton rotary embedding, alone or fused with the paged KV-cache write.
+
+``cos_sin_cache`` is ``[max_positions, rotary_dim]`` (first half cos, second half sin); the first
+``rotary_dim`` dims of each head rotate, the rest pass through (partial rotary). Instead of
+permuting registers, every lane also loads its rotation partner (``d +- rotary_dim/2`` for neox,
+``d ^ 1`` for interleaved); the second read hits L1, so each row still costs one DRAM read.
+
+The fused kernel rotates q into a new tensor and writes the rotated k and the untouched v straight
+into their cache slots: k never round-trips through DRAM, which saves a launch and ``2*T*Hk*D``
+element reads+writes per layer compared with ``apply_rope`` followed by ``write_kv_cache_``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from infercore.devices import register
+
+from .fused import rope_and_write_kv_cache_reference  # noqa: F401  (registers the reference)
+
+
+@triton.jit
+def _rotate_heads(x_ptr, stride_h, H, D, offs_h, offs_d, partner, rot, sign, cos, sin):
+    """Rotated ``[BLOCK_H, BLOCK_D]`` fp32 tile of one token's heads, plus its mask."""
+    mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
+    base = x_ptr + offs_h[:, None] * stride_h
+    x = tl.load(base + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(base + partner[None, :], mask=mask & rot[None, :], other=0.0).to(tl.float32)
+    out = tl.where(rot[None, :], x * cos[None, :] + sign[None, :] * xp * sin[None, :], x)
+    return out, mask
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, qo_ptr, ko_ptr, kc_ptr, vc_ptr, slot_ptr,
+    Hq, Hk, D, ROT, PAGE,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
+    stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
+    IS_NEOX: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    half = ROT // 2
+    offs_d = tl.arange(0, BLOCK_D)
+    rot = offs_d < ROT
+    if IS_NEOX:
+        first = offs_d < half
+        partner = tl.where(first, offs_d + half, offs_d - half)
+        sign = tl.where(first, -1.0, 1.0)
+        ci = tl.where(first, offs_d, offs_d - half)
+    else:
+        partner = offs_d ^ 1
+        sign = tl.where((offs_d % 2) == 0, -1.0, 1.0)
+        ci = offs_d // 2
+    cos = tl.load(cs_ptr + pos * stride_cs + ci, mask=rot, other=1.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + half + ci, mask=rot, other=0.0).to(tl.float32)
+
+    offs_hq = tl.arange(0, BLOCK_HQ)
+    q, qmask = _rotate_heads(q_ptr + t * stride_qt, stride_qh, Hq, D, offs_hq, offs_d, partner, rot, sign, cos, sin)
+    qo = qo_ptr + t * stride_qot + offs_hq[:, None] * stride_qoh + offs_d[None, :]
+    tl.store(qo, q.to(qo_ptr.dtype.element_ty), mask=qmask)
+
+    offs_hk = tl.arange(0, BLOCK_HK)
+    k, kmask = _rotate_heads(k_ptr + t * stride_kt, stride_kh, Hk, D, offs_hk, offs_d, partner, rot, sign, cos, sin)
+    if WRITE_CACHE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            page = slot // PAGE
+            off = slot % PAGE
+            kc = kc_ptr + page * stride_kcp + off * stride_kcs + offs_hk[:, None] * stride_kch + offs_d[None, :]
+            tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=kmask)
+            v = tl.load(v_ptr + t * stride_vt + offs_hk[:, None] * stride_vh + offs_d[None, :], mask=kmask)
+            vc = vc_ptr + page * stride_vcp + off * stride_vcs + offs_hk[:, None] * stride_vch + offs_d[None, :]
+            tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=kmask)
+    else:
+        ko = ko_ptr + t * stride_kot + offs_hk[:, None] * stride_koh + offs_d[None, :]
+        tl.store(ko, k.to(ko_ptr.dtype.element_ty), mask=kmask)
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox):
+    T, Hq, D = q.shape
+    Hk = k.shape[1]
+    rot = cos_sin_cache.shape[-1]
+    q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
+    cos_sin_cache = _last_dim_contiguous(cos_sin_cache)
+    positions = positions.contiguous()
+    q_out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+    write = k_cache is not None
+    if write:
+        if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+            raise ValueError("k_cache/v_cache: the head_dim axis must be contiguous")
+        v = _last_dim_contiguous(v)
+        slot_mapping = slot_mapping.contiguous()
+        k_out = None
+        ko, kc, vc, slots, vv = q_out, k_cache, v_cache, slot_mapping, v
+    else:
+        k_out = torch.empty((T, Hk, D), dtype=k.dtype, device=k.device)
+        ko, kc, vc, slots, vv = k_out, k_out, k_out, positions, k  # cache args unused
+    if T > 0:
+        _rope_kernel[(T,)](
+            q, k, vv, positions, cos_sin_cache, q_out, ko, kc, vc, slots,
+            Hq, Hk, D, rot, kc.shape[1] if write else 1,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
+            q_out.stride(0), q_out.stride(1), ko.stride(0), ko.stride(1), cos_sin_cache.stride(0),
+            kc.stride(0), kc.stride(1), kc.stride(2) if write else 0,
+            vc.stride(0), vc.stride(1), vc.stride(2) if write else 0,
+            IS_NEOX=bool(is_neox), WRITE_CACHE=write,
+            BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HK=triton.next_power_of_2(Hk),
+            BLOCK_D=triton.next_power_of_2(D), num_warps=4,
+        )  # fmt: skip
+    return q_out, k_out
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, *, is_neox: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` at ``positions`` ``[T]``; returns new tensors."""
+    return _launch(q, k, None, positions, cos_sin_cache, None, None, None, is_neox)
+
+
+def rope_and_write_kv_cache_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    is_neox: bool = True,
+) -> torch.Tensor:
+    """Rotate q and k, write rotated k and v into the paged caches; returns the rotated q.
+
+    q ``[T, Hq, D]``, k/v ``[T, Hk, D]``, caches ``[P, page_size, Hk, D]``, ``slot_mapping`` int32
+    ``[T]`` (``-1`` skips the cache write of that token; its q is still rotated).
+    """
+    return _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox)[0]
+
+
+_available = lambda cap: cap.is_cuda and cap.triton
+register("apply_rope", "triton", apply_rope, priority=10, available=_available)
+register("rope_and_write_kv", "triton", rope_and_write_kv_cache_, priority=10, available=_available)

@@ -1,0 +1,169 @@
+"""Triton sampler: temperature, top-k, top-p, min-p and the exponential race, without a sort.
+
+One program samples one row of ``logits [B, V]``, streaming the row in ``BLOCK`` chunks:
+
+1. max / argmax of the (penalized) logits; greedy rows (``temperature == 0``) stop here.
+2. top-k threshold: bisection over the *bit patterns* of ``z = x / T`` mapped to order-preserving
+   int32 keys, so 32 halvings pin the k-th largest value exactly (ties at the boundary are kept,
+   as in the reference) and the search stops as soon as exactly ``k`` keys lie above the pivot.
+3. top-p threshold: the same bisection on the probability mass above the pivot (among the top-k
+   survivors), i.e. the largest key whose upper set holds ``>= top_p`` of the mass.
+4. min-p needs no search: ``p_i >= min_p * p_max``  <=>  ``exp(z_i - z_max) >= min_p``.
+5. exponential race ``argmax(z_i - log E_i)`` over the survivors, ``E_i = -log U_i`` with ``U_i`` from
+   Philox keyed by the row's seed and countered by ``(token id, offset)``: a function of
+   ``(seed, offset)`` alone, and seeds/offsets are device tensors, so the step is graph-capturable.
+
+Each search pass re-reads the row (from L2 for realistic vocabularies); a search costs ~30 passes
+only when top-k/top-p are on. The random stream differs from the reference's CPU generator; the
+filtered support and the sampling distribution are the same.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from infercore.devices import register, triton_interpreter
+
+from .naive import apply_repetition_penalty
+
+_LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _upper_set(x_ptr, V, t, z_max, pivot, BLOCK: tl.constexpr):
+    """Count and unnormalized probability mass of the tokens whose key is >= pivot.
+
+    Keys are an order-preserving map fp32 -> int32 (``a < b`` iff ``key(a) < key(b)``); ``z = x / T``
+    uses correctly rounded division so the keys match the reference's ``x / T`` bit for bit.
+    (Written inline rather than through helpers: the interpreter pays per helper call.)
+    """
+    mass = tl.zeros([], dtype=tl.float32)
+    cnt = tl.zeros([], dtype=tl.int32)
+    for c in range(0, V, BLOCK):
+        offs = c + tl.arange(0, BLOCK)
+        z = tl.div_rn(tl.load(x_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32), t)
+        bits = z.to(tl.int32, bitcast=True)
+        sel = (tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) >= pivot) & (offs < V)
+        mass += tl.sum(tl.where(sel, tl.exp2((z - z_max) * _LOG2E), 0.0), axis=0)
+        cnt += tl.sum(sel.to(tl.int32), axis=0)
+    return mass, cnt
+
+
+@triton.jit
+def _sample_kernel(
+    x_ptr, stride_x, V,
+    temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, out_ptr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    x_ptr += row.to(tl.int64) * stride_x
+
+    # Pass 1: max and first-occurrence argmax of the raw (penalized) logits.
+    best = tl.full([], float("-inf"), dtype=tl.float32)
+    best_i = tl.zeros([], dtype=tl.int32)
+    for c in range(0, V, BLOCK):
+        offs = c + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        cm, ci = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        upd = cm > best  # strict: an earlier chunk wins ties, like torch.argmax
+        best_i = tl.where(upd, ci + c, best_i)
+        best = tl.where(upd, cm, best)
+    t = tl.load(temp_ptr + row)
+    if t == 0.0:
+        tl.store(out_ptr + row, best_i.to(tl.int64))
+    else:
+        z_max = tl.div_rn(best, t)
+        zb = z_max.to(tl.int32, bitcast=True)
+        key_hi = tl.where(zb >= 0, zb, zb ^ 0x7FFFFFFF).to(tl.int64) + 1  # no key reaches it
+
+        # Both searches keep lo (predicate true) and hi (false) with the counts of keys >= each, and
+        # stop once [lo, hi) holds at most one key: then every pivot in between selects the same set.
+        # top-k: largest pivot with count(key >= pivot) >= k is exactly the k-th largest key.
+        k = tl.load(top_k_ptr + row)
+        lo = tl.full([], -2147483648, dtype=tl.int64)
+        cnt_lo = V
+        if (k > 0) & (k < V):
+            hi = key_hi
+            cnt_hi = 0
+            while (hi - lo > 1) & (cnt_lo - cnt_hi > 1) & (cnt_lo != k):
+                mid = lo + (hi - lo) // 2
+                _, cnt = _upper_set(x_ptr, V, t, z_max, mid, BLOCK)
+                if cnt >= k:
+                    lo = mid
+                    cnt_lo = cnt
+                else:
+                    hi = mid
+                    cnt_hi = cnt
+
+        # top-p over the top-k survivors: largest pivot whose upper set holds >= top_p of their mass.
+        p = tl.load(top_p_ptr + row)
+        if p < 1.0:
+            total, _ = _upper_set(x_ptr, V, t, z_max, lo, BLOCK)
+            target = p * total
+            hi = key_hi
+            cnt_hi = 0
+            while (hi - lo > 1) & (cnt_lo - cnt_hi > 1):
+                mid = lo + (hi - lo) // 2
+                mass, cnt = _upper_set(x_ptr, V, t, z_max, mid, BLOCK)
+                if mass >= target:
+                    lo = mid
+                    cnt_lo = cnt
+                else:
+                    hi = mid
+                    cnt_hi = cnt
+
+        min_p = tl.load(min_p_ptr + row)
+        seed = tl.load(seed_ptr + row)
+        off = tl.load(offset_ptr + row)
+        c1 = tl.zeros([BLOCK], dtype=tl.uint32) + (off & 0xFFFFFFFF).to(tl.uint32)
+        c2 = tl.zeros([BLOCK], dtype=tl.uint32) + ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        c3 = tl.zeros([BLOCK], dtype=tl.uint32)
+        race = tl.full([], float("-inf"), dtype=tl.float32)
+        race_i = best_i
+        for c in range(0, V, BLOCK):
+            offs = c + tl.arange(0, BLOCK)
+            z = tl.div_rn(tl.load(x_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32), t)
+            bits = z.to(tl.int32, bitcast=True)
+            e = tl.exp2((z - z_max) * _LOG2E)
+            keep = (offs < V) & (tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) >= lo) & (e >= min_p)
+            r, _, _, _ = tl.philox(seed, offs.to(tl.uint32), c1, c2, c3)
+            u = tl.maximum(tl.uint_to_uniform_float(r), 1e-30)
+            # argmax p_i / E_i == argmax z_i - log(E_i), E_i = -log(U_i) ~ Exp(1).
+            score = tl.where(keep, z - tl.log(-tl.log(u)), float("-inf"))
+            cm, ci = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            upd = cm > race
+            race_i = tl.where(upd, ci + c, race_i)
+            race = tl.where(upd, cm, race)
+        tl.store(out_ptr + row, race_i.to(tl.int64))
+
+
+def sample(logits: torch.Tensor, params, *, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Draw one token per row of ``logits [B, V]`` (any float dtype); returns int64 ``[B]``.
+
+    ``params`` is a :class:`~infercore.ops.sampling.SamplingTensors` on the logits' device;
+    ``prev_tokens`` int32/int64 ``[B, L]`` padded with ``-1`` enables the repetition penalty.
+    No host synchronization: safe inside CUDA-graph capture.
+    """
+    B, V = logits.shape
+    out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    if B == 0:
+        return out
+    x = logits
+    if prev_tokens is not None:
+        x = apply_repetition_penalty(logits.float(), prev_tokens, params.repetition_penalty)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cap = 1024 if triton_interpreter() else 4096
+    BLOCK = min(triton.next_power_of_2(V), cap)
+    extra = {} if triton_interpreter() else {"num_warps": 8}
+    _sample_kernel[(B,)](
+        x, x.stride(0), V,
+        params.temperature, params.top_k, params.top_p, params.min_p, params.seeds, params.offsets, out,
+        BLOCK=BLOCK, **extra,
+    )  # fmt: skip
+    return out
+
+
+register("sample", "triton", sample, priority=10, available=lambda cap: cap.is_cuda and cap.triton)

@@ -1,0 +1,255 @@
+"""Model-level quantization: named schemes, calibration, ``quantize(model, scheme)``, checkpoints.
+
+``quantize`` swaps every eligible ``nn.Linear`` for a :class:`QuantLinear` in place. Schemes that
+need activation statistics (SmoothQuant factors, the initial MixQ outlier set) take them from
+``calibration``: either precomputed :class:`CalibrationStats`, or a callable that runs the model
+over sample text (see :func:`collect_calibration`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from .formats import FP8_BLOCK, FP8Weight, GGUFWeight, Int8Weight, IntWeight, QuantizedWeight
+from .linear import QuantLinear
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """A named recipe. ``weight``: ``int4``/``int8`` (weight-only), ``fp8`` (weight-only,
+    emulated), ``w8a8`` (``act`` = ``int8`` or ``fp8``), or a GGUF block type ``q4_0``/``q4_1``/``q8_0``."""
+
+    name: str
+    weight: str
+    description: str
+    group_size: int | None = None
+    symmetric: bool = False
+    fp8_block: int | None = None
+    act: str | None = None
+    smooth_alpha: float | None = None
+    outlier_threshold: float | None = None
+    max_outliers: int = 256
+
+
+SCHEMES: dict[str, QuantScheme] = {
+    s.name: s
+    for s in [
+        QuantScheme("w4a16-g128", "int4", "INT4 weights, asymmetric, groups of 128 along K; bf16 activations "
+                    "(AWQ/GPTQ-compatible packing)", group_size=128),
+        QuantScheme("w4a16-g128-sym", "int4", "INT4 weights, symmetric (zero point 8), groups of 128",
+                    group_size=128, symmetric=True),
+        QuantScheme("w8a16", "int8", "INT8 weights, symmetric per output channel; bf16 activations",
+                    group_size=None, symmetric=True),
+        QuantScheme("fp8-wo", "fp8", "FP8 e4m3 weights, per-channel scales, emulated decode (any GPU)"),
+        QuantScheme("fp8-wo-block", "fp8", "FP8 e4m3 weights, 128x128 block scales, emulated decode",
+                    fp8_block=FP8_BLOCK),
+        QuantScheme("fp8-w8a8", "w8a8", "FP8 e4m3 per-channel weights x per-token FP8 activations "
+                    "(native FP8 tensor cores, sm89+)", act="fp8"),
+        QuantScheme("w8a8", "w8a8", "INT8 per-channel weights x per-token INT8 activations", act="int8"),
+        QuantScheme("w8a8-smooth", "w8a8", "INT8 W8A8 with SmoothQuant factors (alpha 0.5; needs calibration)",
+                    act="int8", smooth_alpha=0.5),
+        QuantScheme("w8a8-mixed", "w8a8", "MixQ: INT8 W8A8 with outlier input channels (abs(x) > 6) kept in "
+                    "bf16; set seeded by calibration and grown online", act="int8", outlier_threshold=6.0),
+        QuantScheme("gguf-q4_0", "q4_0", "GGUF Q4_0 blocks (32 values, fp16 scale), run as stored"),
+        QuantScheme("gguf-q4_1", "q4_1", "GGUF Q4_1 blocks (32 values, fp16 scale and min), run as stored"),
+        QuantScheme("gguf-q8_0", "q8_0", "GGUF Q8_0 blocks (32 values, fp16 scale), run as stored"),
+    ]
+}
+
+
+class CalibrationStats(dict):
+    """``{linear module name: fp32 [K] per-input-channel max |x|}`` over the calibration text."""
+
+
+def collect_calibration(model: nn.Module, run: Callable[[nn.Module], object]) -> CalibrationStats:
+    """Record per-input-channel ``max |x|`` of every ``nn.Linear`` while ``run(model)`` executes.
+
+    ``run`` drives the model over sample text (e.g. a few hundred tokens of prose) however the
+    model's forward wants to be called.
+    """
+    stats = CalibrationStats()
+    hooks = []
+
+    def make_hook(name: str):
+        def hook(_mod, inputs, _out):
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float().abs().amax(0).cpu()
+            stats[name] = x if name not in stats else torch.maximum(stats[name], x)
+
+        return hook
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            hooks.append(mod.register_forward_hook(make_hook(name)))
+    try:
+        with torch.no_grad():
+            run(model)
+    finally:
+        for h in hooks:
+            h.remove()
+    return stats
+
+
+def _resolve(scheme: str | QuantScheme) -> QuantScheme:
+    if isinstance(scheme, QuantScheme):
+        return scheme
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme: unknown {scheme!r}; known: {sorted(SCHEMES)}")
+    return SCHEMES[scheme]
+
+
+def quantize_weight(
+    w: torch.Tensor, scheme: str | QuantScheme, *, act_absmax: torch.Tensor | None = None,
+) -> QuantizedWeight:
+    """Quantize one ``[N, K]`` weight by ``scheme``; ``act_absmax`` ``[K]`` feeds SmoothQuant/MixQ."""
+    s = _resolve(scheme)
+    if s.weight in ("int4", "int8"):
+        return IntWeight.quantize(w, bits=4 if s.weight == "int4" else 8, group_size=s.group_size,
+                                  symmetric=s.symmetric)
+    if s.weight == "fp8":
+        return FP8Weight.quantize(w, block_size=s.fp8_block)
+    if s.weight in ("q4_0", "q4_1", "q8_0"):
+        return GGUFWeight.quantize(w, qtype=s.weight)
+    smooth = outliers = None
+    if act_absmax is not None:
+        a = act_absmax.float().to(w.device)
+        if s.smooth_alpha is not None:
+            # SmoothQuant: s_j = max|x_j|^a / max|W_j|^(1-a), moving range from x to W.
+            wmax = w.float().abs().amax(0).clamp_min(1e-5)
+            smooth = (a.clamp_min(1e-5) ** s.smooth_alpha / wmax ** (1 - s.smooth_alpha)).clamp_min(1e-5)
+        if s.outlier_threshold is not None:
+            outliers = (a > s.outlier_threshold).nonzero().flatten()[: s.max_outliers].to(torch.int32)
+    elif s.smooth_alpha is not None:
+        raise ValueError(f"scheme {s.name!r}: SmoothQuant needs calibration statistics")
+    return Int8Weight.quantize(w, act=s.act, smooth=smooth, outlier_idx=outliers,
+                               outlier_dtype=torch.bfloat16 if w.dtype == torch.float32 else w.dtype)
+
+
+def _eligible(name: str, mod: nn.Module, s: QuantScheme, skip: Iterable[str]) -> bool:
+    if not isinstance(mod, nn.Linear) or any(name == p or name.endswith("." + p) or name.startswith(p + ".")
+                                             for p in skip):
+        return False
+    k = mod.in_features
+    return not (s.weight.startswith("q") and k % 32)
+
+
+def quantize(
+    model: nn.Module, scheme: str | QuantScheme, *,
+    calibration: CalibrationStats | Callable[[nn.Module], object] | None = None,
+    skip: Iterable[str] = ("lm_head",),
+) -> nn.Module:
+    """Replace every eligible ``nn.Linear`` of ``model`` by a :class:`QuantLinear`, in place.
+
+    Args:
+        model: any module tree (weights in any float dtype, on any device).
+        scheme: a name from :data:`SCHEMES` or a :class:`QuantScheme`.
+        calibration: :class:`CalibrationStats`, or a callable ``run(model)`` over sample text from
+            which they are collected first. Required by ``w8a8-smooth``; seeds ``w8a8-mixed``.
+        skip: module names (or trailing name components) left unquantized; GGUF schemes also
+            skip layers whose K is not a multiple of 32.
+
+    Returns:
+        ``model`` (modified in place).
+    """
+    s = _resolve(scheme)
+    if callable(calibration) and not isinstance(calibration, CalibrationStats):
+        calibration = collect_calibration(model, calibration)
+    skip = tuple(skip)
+    targets = [(n, m) for n, m in model.named_modules() if _eligible(n, m, s, skip)]
+    for name, mod in targets:
+        act_absmax = calibration.get(name) if calibration is not None else None
+        with torch.no_grad():
+            qw = quantize_weight(mod.weight.detach(), s, act_absmax=act_absmax)
+        new = QuantLinear(qw, mod.bias, outlier_threshold=s.outlier_threshold, max_outliers=s.max_outliers)
+        _set_submodule(model, name, new)
+    return model
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def outlier_hit_rate(model: nn.Module) -> dict[str, float]:
+    """Fraction of (layer, token) pairs whose outliers were all in the predicted set, and growths."""
+    tokens = covered = grown = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m.outlier_threshold is not None:
+            tokens += m.outlier_stats["tokens"]
+            covered += m.outlier_stats["covered"]
+            grown += m.outlier_stats["grown"]
+    return {"hit_rate": covered / tokens if tokens else float("nan"), "tokens": tokens, "grown": grown}
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints (safetensors): module state plus a JSON header describing each QuantLinear
+# ----------------------------------------------------------------------------------------------
+
+_META_KEY = "infercore.quant"
+
+
+def save_quantized(model: nn.Module, path: str | os.PathLike) -> None:
+    """Write ``model``'s full state (quantized buffers included) to one safetensors file."""
+    from safetensors.torch import save_file
+
+    layers = {}
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            layers[name] = {"format": m._meta, "outlier_threshold": m.outlier_threshold,
+                            "max_outliers": m.max_outliers, "bias": m.bias is not None}
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    # Tied weights (e.g. lm_head = embed_tokens) are one tensor; safetensors refuses shared storage.
+    seen: dict[int, str] = {}
+    for k in list(state):
+        ptr = state[k].data_ptr()
+        if ptr in seen and state[k].numel():
+            state[k] = state[k].clone()
+        seen[ptr] = k
+    save_file(state, os.fspath(path), metadata={_META_KEY: json.dumps(layers)})
+
+
+def load_quantized(model: nn.Module, path: str | os.PathLike) -> nn.Module:
+    """Swap ``model``'s linears for the :class:`QuantLinear` s recorded in ``path`` and load its state.
+
+    ``model`` is the unquantized architecture (weights may be uninitialised); returns it, in place.
+    """
+    from safetensors import safe_open
+
+    with safe_open(os.fspath(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if _META_KEY not in meta:
+            raise ValueError(f"path: {path} is not an infercore quantized checkpoint")
+        layers = json.loads(meta[_META_KEY])
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    device = next(iter(model.parameters())).device
+    for name, info in layers.items():
+        fmt_meta = info["format"]
+        prefix = name + "."
+        tensors = {k[len(prefix):]: v.to(device) for k, v in state.items()
+                   if k.startswith(prefix) and "." not in k[len(prefix):]}
+        bias = tensors.pop("bias", None)
+        qw = QuantizedWeight.from_parts(fmt_meta, tensors)
+        new = QuantLinear(qw, bias, outlier_threshold=info["outlier_threshold"],
+                          max_outliers=info["max_outliers"])
+        _set_submodule(model, name, new)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or missing:
+        raise ValueError(f"path: checkpoint does not match the model (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]})")
+    return model
+
+
+def scheme_table() -> str:
+    """The schemes as a markdown table (used in docs/quantization.md)."""
+    rows = ["| scheme | weights | activations | description |", "|---|---|---|---|"]
+    for s in SCHEMES.values():
+        d = asdict(s)
+        w = s.weight + (f" g{s.group_size}" if s.group_size else "") + (" sym" if s.symmetric else "")
+        rows.append(f"| `{s.name}` | {w} | {d['act'] or 'bf16/fp16'} | {s.description} |")
+    return "\n".join(rows)

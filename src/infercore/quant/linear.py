@@ -1,0 +1,115 @@
+"""``QuantLinear``: an ``nn.Linear`` replacement over any quantized format.
+
+The format's tensors are module buffers (so ``.to()``, ``state_dict()`` and safetensors save/load
+work unchanged); ``forward`` rebuilds the small format dataclass and dispatches to the op for its
+kind. W8A8 layers quantize activations per token on the fly; MixQ layers additionally keep a set
+of outlier input channels in high precision, predicted online (see :meth:`QuantLinear._mixed`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .formats import FP8Weight, GGUFWeight, Int8Weight, IntWeight, QuantizedWeight
+from .ops import fp8_wo_matmul, gguf_matmul, per_token_quant, w8a8_matmul, wq_matmul
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ W^T + b`` with ``W`` held in a :class:`QuantizedWeight`.
+
+    Args:
+        weight: the quantized weight ``[N, K]``.
+        bias: optional ``[N]``.
+        outlier_threshold: MixQ only (an :class:`Int8Weight` with ``act="int8"``): an input channel
+            whose ``|x|`` exceeds this joins the high-precision outlier set (default 6.0 in the
+            ``w8a8-mixed`` scheme). ``None`` disables online growth.
+        max_outliers: cap on the outlier set (growth stops there; later misses are only counted).
+    """
+
+    def __init__(
+        self, weight: QuantizedWeight, bias: torch.Tensor | None = None, *,
+        outlier_threshold: float | None = None, max_outliers: int = 256,
+    ) -> None:
+        super().__init__()
+        if not isinstance(weight, QuantizedWeight):
+            raise TypeError(f"weight: expected a QuantizedWeight, got {type(weight).__name__}")
+        if outlier_threshold is not None and not (isinstance(weight, Int8Weight) and weight.act == "int8"):
+            raise ValueError("outlier_threshold: only INT8 W8A8 weights carry an outlier set")
+        self._meta = weight.meta()
+        self._names: list[str] = []
+        self._set_weight(weight)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+        self.outlier_threshold = outlier_threshold
+        self.max_outliers = max_outliers
+        # Online outlier prediction statistics: tokens seen, tokens fully covered by the
+        # predicted set (no new outlier), and how many times the set grew.
+        self.outlier_stats = {"tokens": 0, "covered": 0, "grown": 0}
+
+    def _set_weight(self, weight: QuantizedWeight) -> None:
+        for name in self._names:
+            delattr(self, name)
+        self._names = []
+        for name, t in weight.tensors().items():
+            self.register_buffer(name, t)
+            self._names.append(name)
+
+    @property
+    def qweight_format(self) -> QuantizedWeight:
+        return QuantizedWeight.from_parts(self._meta, {n: getattr(self, n) for n in self._names})
+
+    @property
+    def kind(self) -> str:
+        return self._meta["kind"]
+
+    def extra_repr(self) -> str:
+        meta = {k: v for k, v in self._meta.items() if k != "kind"}
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} {meta}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.qweight_format
+        if isinstance(w, IntWeight):
+            return wq_matmul(x, w, bias=self.bias)
+        if isinstance(w, FP8Weight):
+            return fp8_wo_matmul(x, w, bias=self.bias)
+        if isinstance(w, GGUFWeight):
+            return gguf_matmul(x, w, bias=self.bias)
+        x2 = x.reshape(-1, self.in_features)
+        if self.outlier_threshold is not None:
+            y = self._mixed(x2, w)
+        else:
+            q, s, xo = per_token_quant(x2, act=w.act, smooth=w.smooth, outlier_idx=w.outlier_idx)
+            y = w8a8_matmul(q, s, w, x_out=xo, bias=self.bias, out_dtype=x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _mixed(self, x2: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+        """MixQ: per-token INT8 over ordinary channels + high-precision outlier channels.
+
+        The per-token scale is computed anyway; a token whose scale exceeds ``threshold / 127``
+        has a channel outside the predicted set above the threshold. Only then are the
+        activations scanned for the new channels, which join the set for this and every later
+        call (outlier positions are stable across tokens, so this is rare after warm-up).
+        """
+        thr = float(self.outlier_threshold)
+        q, s, xo = per_token_quant(x2, act="int8", smooth=w.smooth, outlier_idx=w.outlier_idx)
+        miss = s > thr / 127.0
+        n_miss = int(miss.sum())
+        self.outlier_stats["tokens"] += x2.shape[0]
+        self.outlier_stats["covered"] += x2.shape[0] - n_miss
+        if n_miss and w.num_outliers < self.max_outliers:
+            known = torch.zeros(self.in_features, dtype=torch.bool, device=x2.device)
+            if w.num_outliers:
+                known[w.outlier_idx.long()] = True
+            xs = x2[miss].float()
+            if w.smooth is not None:
+                xs = xs / w.smooth
+            new = ((xs.abs() > thr).any(0) & ~known).nonzero().flatten()
+            new = new[: self.max_outliers - w.num_outliers]
+            if new.numel():
+                w = w.with_outliers(new.to(torch.int32))
+                self._set_weight(w)
+                self._meta = w.meta()
+                self.outlier_stats["grown"] += 1
+                q, s, xo = per_token_quant(x2, act="int8", smooth=w.smooth, outlier_idx=w.outlier_idx)
+        return w8a8_matmul(q, s, w, x_out=xo, bias=self.bias, out_dtype=x2.dtype)

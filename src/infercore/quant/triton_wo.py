@@ -1,0 +1,428 @@
+"""Triton weight-only GEMV/GEMM kernels with the dequantization fused into the load.
+
+* ``_wq_gemv_kernel`` -- INT4/INT8 group-wise weights, small M (decode). One program owns
+  ``BLOCK_N`` output channels and one K slice (split-K when there are too few channels to fill the
+  GPU; fp32 partials then land in a workspace the wrapper sums). No tensor cores: per K sub-block of constant
+  scale it forms ``sum_k q[n,k] x[k]`` and applies ``s * (. - z * sum_k x[k])``, so the zero point
+  costs one multiply per group, not per weight. 4-bit codes are not interleaved back into K
+  order; the even and odd activations are read separately instead.
+* ``_wq_gemm_kernel`` -- the same weights, larger M: codes -> ``(q - z) * s`` in the activation
+  dtype -> ``tl.dot``.
+* ``_fp8_wo_kernel`` -- FP8 e4m3 weights *emulated*: the byte becomes an fp32 bit pattern by
+  ``(x & 0x80) << 24 | (x & 0x7F) << 20`` (value times 2**-120, exact for normals and
+  subnormals), the 2**120 is folded into the per-channel / per-block scale, then a bf16/fp16 dot.
+  No FP8 instruction, so it runs on sm80.
+* ``_gguf_kernel`` -- GGUF Q4_0/Q4_1/Q8_0 blocks read as stored (fp16 ``d``/``m`` assembled from
+  bytes), dequantized in registers, then ``tl.dot``.
+
+Autotuning runs on GPUs only; under ``TRITON_INTERPRET=1`` (CPU tests) each kernel has one config.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .formats import FP8_BLOCK, FP8Weight, GGUFWeight, IntWeight
+from .gguf import BLOCK_BYTES
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# INFERCORE_QUANT_AUTOTUNE=0 keeps only the first GPU config of each kernel (fast test runs).
+_AUTOTUNE = os.environ.get("INFERCORE_QUANT_AUTOTUNE", "1") != "0"
+_GGUF_QTYPE = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
+# Below this many rows the GEMV kernel is used for INT weights.
+GEMV_MAX_M = 4
+
+
+def _configs(gpu: list[triton.Config], interp: triton.Config) -> list[triton.Config]:
+    if _INTERPRET:
+        return [interp]
+    return gpu if _AUTOTUNE else gpu[:1]
+
+
+def _m_bucket(m: int) -> int:
+    return min(triton.next_power_of_2(max(m, 1)), 256)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 activations (CPU tests, fp32 models) must not silently drop to tf32.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _swizzle(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # Grouped ordering: GROUP_M row-tiles share each column tile while it is hot in L2.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n
+
+
+# ----------------------------------------------------------------------------------------------
+# INT4 / INT8 weight-only
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.autotune(
+    configs=_configs(
+        [
+            triton.Config({"BLOCK_N": 16, "BLOCK_K": 512}, num_warps=4),
+            triton.Config({"BLOCK_N": 32, "BLOCK_K": 256}, num_warps=4),
+            triton.Config({"BLOCK_N": 32, "BLOCK_K": 512}, num_warps=8),
+            triton.Config({"BLOCK_N": 64, "BLOCK_K": 256}, num_warps=8),
+        ],
+        triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4),
+    ),
+    key=["N", "KP", "BITS", "GROUP", "SPLIT_K"],
+)
+@triton.jit
+def _wq_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr,
+    N, K, KP, num_groups, k_per_split,
+    stride_xm, stride_qn, stride_sn, stride_ym, stride_ys,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2).to(tl.int64)
+    SUB: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K  # K run of one scale
+    NSUB: tl.constexpr = BLOCK_K // SUB
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    row = offs_n.to(tl.int64)[:, None]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, KP)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if BITS == 4:
+            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            b = tl.load(qw_ptr + row * stride_qn + offs_b[None, :],
+                        mask=n_mask[:, None] & (offs_b[None, :] < KP // 2), other=0)
+            offs_e = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            xe = tl.load(x_ptr + m * stride_xm + offs_e, mask=offs_e < K, other=0.0).to(tl.float32)
+            xo = tl.load(x_ptr + m * stride_xm + offs_e + 1, mask=offs_e + 1 < K, other=0.0).to(tl.float32)
+            prod = (b & 15).to(tl.float32) * xe[None, :] + (b >> 4).to(tl.float32) * xo[None, :]
+            part = tl.sum(tl.reshape(prod, [BLOCK_N, NSUB, SUB // 2]), axis=2)
+            xs = tl.sum(tl.reshape(xe + xo, [NSUB, SUB // 2]), axis=1)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            b = tl.load(qw_ptr + row * stride_qn + offs_k[None, :],
+                        mask=n_mask[:, None] & (offs_k[None, :] < KP), other=0)
+            xv = tl.load(x_ptr + m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            part = tl.sum(tl.reshape(b.to(tl.float32) * xv[None, :], [BLOCK_N, NSUB, SUB]), axis=2)
+            xs = tl.sum(tl.reshape(xv, [NSUB, SUB]), axis=1)
+        offs_g = (k0 + tl.arange(0, NSUB) * SUB) // GROUP
+        g_mask = n_mask[:, None] & (offs_g[None, :] < num_groups)
+        s = tl.load(s_ptr + row * stride_sn + offs_g[None, :], mask=g_mask, other=0.0)
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + row * stride_sn + offs_g[None, :], mask=g_mask, other=0).to(tl.float32)
+        else:
+            z = tl.full([BLOCK_N, NSUB], 2 ** (BITS - 1), dtype=tl.float32)
+        acc += tl.sum((part - z * xs[None, :]) * s, axis=1)
+    # Split-K partials go to their own slice of an fp32 workspace (summed by the caller):
+    # deterministic, and nothing to zero between autotuning runs.
+    y_ptrs = y_ptr + pid_k.to(tl.int64) * stride_ys + m * stride_ym + offs_n
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.autotune(
+    configs=_configs(
+        [
+            triton.Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
+            triton.Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
+            triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
+            triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
+            triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
+        ],
+        triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2}, num_warps=4),
+    ),
+    key=["M_BUCKET", "N", "KP", "BITS", "GROUP"],
+    prune_configs_by={"early_config_prune": lambda cfgs, nargs, **kw: _prune_wq(cfgs, nargs)},
+)
+@triton.jit
+def _wq_gemm_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr,
+    M, N, K, KP, M_BUCKET,
+    stride_xm, stride_qn, stride_sn, stride_ym,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = _swizzle(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    rows_x = offs_m.to(tl.int64)[:, None] * stride_xm
+    rows_w = offs_n.to(tl.int64)[:, None] * stride_qn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, KP, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + rows_x + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+        if BITS == 4:
+            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            b = tl.load(qw_ptr + rows_w + offs_b[None, :],
+                        mask=n_mask[:, None] & (offs_b[None, :] < KP // 2), other=0)
+            q = tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_N, BLOCK_K])
+        else:
+            q = tl.load(qw_ptr + rows_w + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < KP), other=0)
+        g = k0 // GROUP  # BLOCK_K <= GROUP: one scale per channel per step
+        s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
+        else:
+            z = tl.full([BLOCK_N], 2 ** (BITS - 1), dtype=tl.float32)
+        w = ((q.to(tl.float32) - z[:, None]) * s[:, None]).to(a.dtype)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _prune_wq(configs, nargs):
+    group = nargs["GROUP"]
+    out = [c for c in configs if c.kwargs["BLOCK_K"] <= group]
+    m = nargs["M_BUCKET"]
+    small = [c for c in out if c.kwargs["BLOCK_M"] <= max(16, m)]
+    if small or out:
+        return small or out
+    c = configs[0]  # every tile is longer than a group: shrink the first one's K step
+    return [triton.Config({**c.kwargs, "BLOCK_K": group}, num_warps=c.num_warps, num_stages=c.num_stages)]
+
+
+def _kernel_group(w: IntWeight) -> int:
+    # Per-channel (one group spanning K): any power of two >= Kp keeps every sub-block inside it.
+    if w.scales.shape[1] == 1:
+        return max(triton.next_power_of_2(w.padded_in_features), 64)
+    return w.group_size
+
+
+def wq_matmul_triton(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K]`` (fp16/bf16/fp32) times INT4/INT8 ``w`` -> ``[M, N]`` in ``x.dtype``."""
+    if w.group_size & (w.group_size - 1) and w.scales.shape[1] != 1:
+        raise ValueError(f"w: Triton kernels need a power-of-two group size, got {w.group_size}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    n = w.shape[0]
+    kp = w.padded_in_features
+    group = _kernel_group(w)
+    zeros = w.zeros if w.zeros is not None else w.scales
+    if m <= GEMV_MAX_M:
+        # Split K when the channel tiles alone cannot cover the multiprocessors twice.
+        tiles = triton.cdiv(n, 32) * m
+        split = 1
+        while split < 8 and tiles * split < 2 * _num_sms(x.device) and kp // (split * 2) >= 512:
+            split *= 2
+        k_per_split = triton.cdiv(triton.cdiv(kp, split), 512) * 512
+        ws = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split, m)
+        _wq_gemv_kernel[grid](
+            x, w.qweight, w.scales, zeros, ws, n, k, kp, w.scales.shape[1], k_per_split,
+            x.stride(0), w.qweight.stride(0), w.scales.stride(0), ws.stride(1), ws.stride(0),
+            BITS=w.bits, GROUP=group, HAS_ZEROS=w.zeros is not None, SPLIT_K=split,
+        )
+        y = ws[0] if split == 1 else ws.sum(0).to(x.dtype)
+    else:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+        _wq_gemm_kernel[grid](
+            x, w.qweight, w.scales, zeros, y, m, n, k, kp, _m_bucket(m),
+            x.stride(0), w.qweight.stride(0), w.scales.stride(0), y.stride(0),
+            BITS=w.bits, GROUP=group, HAS_ZEROS=w.zeros is not None, DOT_PRECISION=_dot_precision(x.dtype),
+        )
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 e4m3, emulated (integer decode + bf16/fp16 dot)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fp8_e4m3_bits_to_f32(b):
+    """uint8 e4m3 -> fp32 equal to the e4m3 value times 2**-120 (two shifts, no FP8 instruction)."""
+    x = b.to(tl.int32)
+    bits = ((x & 0x80) << 24) | ((x & 0x7F) << 20)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_decode_kernel(q_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    v = _fp8_e4m3_bits_to_f32(tl.load(q_ptr + offs, mask=mask, other=0))
+    tl.store(y_ptr + offs, v * 1.329227995784916e36, mask=mask)  # 2**120, exact
+
+
+def fp8_decode_triton(q: torch.Tensor) -> torch.Tensor:
+    """e4m3 bytes ``uint8`` (any shape) -> fp32, through the emulated decode."""
+    q = q.contiguous()
+    y = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    if q.numel():
+        _fp8_decode_kernel[(triton.cdiv(q.numel(), 1024),)](q, y, q.numel(), BLOCK=1024)
+    return y
+
+
+@triton.autotune(
+    configs=_configs(
+        [
+            triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
+            triton.Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
+            triton.Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=6),
+            triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
+            triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=8, num_stages=3),
+        ],
+        triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2}, num_warps=4),
+    ),
+    key=["M_BUCKET", "N", "K", "SCALE_BLOCK"],
+    prune_configs_by={"early_config_prune": lambda cfgs, nargs, **kw: _prune_m(cfgs, nargs)},
+)
+@triton.jit
+def _fp8_wo_kernel(
+    x_ptr, qw_ptr, s_ptr, y_ptr,
+    M, N, K, M_BUCKET,
+    stride_xm, stride_qn, stride_sn, stride_ym,
+    SCALE_BLOCK: tl.constexpr,  # 0: per output channel; else block edge (scales [N/B, K/B])
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    FOLD: tl.constexpr = 1.329227995784916e36  # 2**120: the emulated decode's offset
+    pid_m, pid_n = _swizzle(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    rows_x = offs_m.to(tl.int64)[:, None] * stride_xm
+    rows_w = offs_n.to(tl.int64)[:, None] * stride_qn
+    if SCALE_BLOCK == 0:
+        s_fold = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0) * FOLD
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(x_ptr + rows_x + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(qw_ptr + rows_w + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0)
+        if SCALE_BLOCK != 0:  # BLOCK_K divides SCALE_BLOCK: one block column per step
+            s_fold = tl.load(s_ptr + (offs_n // SCALE_BLOCK) * stride_sn + k0 // SCALE_BLOCK,
+                             mask=n_mask, other=0.0) * FOLD
+        w = (_fp8_e4m3_bits_to_f32(b) * s_fold[:, None]).to(a.dtype)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _prune_m(configs, nargs):
+    m = nargs["M_BUCKET"]
+    small = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, m)]
+    return small or configs[:1]
+
+
+def fp8_wo_matmul_triton(x: torch.Tensor, w: FP8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K]`` (fp16/bf16/fp32) times emulated-FP8 ``w`` -> ``[M, N]`` in ``x.dtype``."""
+    if w.block_size is not None and w.block_size != FP8_BLOCK:
+        raise ValueError(f"w: block scales must be {FP8_BLOCK}x{FP8_BLOCK}, got {w.block_size}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+    _fp8_wo_kernel[grid](
+        x, w.qweight, w.scales, y, m, n, k, _m_bucket(m),
+        x.stride(0), w.qweight.stride(0), w.scales.stride(0), y.stride(0),
+        SCALE_BLOCK=0 if w.block_size is None else w.block_size, DOT_PRECISION=_dot_precision(x.dtype),
+    )
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF Q4_0 / Q4_1 / Q8_0 blocks as stored
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_f16(ptr, mask):
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.autotune(
+    configs=_configs(
+        [
+            triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "NBLK": 4, "GROUP_M": 8}, num_warps=4, num_stages=3),
+            triton.Config({"BLOCK_M": 16, "BLOCK_N": 64, "NBLK": 4, "GROUP_M": 8}, num_warps=4, num_stages=3),
+            triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "NBLK": 2, "GROUP_M": 8}, num_warps=4, num_stages=3),
+        ],
+        triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "NBLK": 2, "GROUP_M": 2}, num_warps=4),
+    ),
+    key=["M_BUCKET", "N", "K", "QTYPE"],
+    prune_configs_by={"early_config_prune": lambda cfgs, nargs, **kw: _prune_m(cfgs, nargs)},
+)
+@triton.jit
+def _gguf_kernel(
+    x_ptr, raw_ptr, y_ptr,
+    M, N, K, M_BUCKET,
+    stride_xm, stride_rn, stride_ym,
+    QTYPE: tl.constexpr, BB: tl.constexpr, HDR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NBLK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    BLOCK_K: tl.constexpr = NBLK * 32
+    pid_m, pid_n = _swizzle(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    rows_x = offs_m.to(tl.int64)[:, None] * stride_xm
+    i = tl.arange(0, 32)[None, None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    nb = K // 32
+    for b0 in range(0, nb, NBLK):
+        offs_blk = b0 + tl.arange(0, NBLK)
+        bmask = (n_mask[:, None] & (offs_blk[None, :] < nb))[:, :, None]  # [BN, NBLK, 1]
+        base = raw_ptr + offs_n.to(tl.int64)[:, None, None] * stride_rn + offs_blk[None, :, None] * BB
+        d = _load_f16(base, bmask)
+        if QTYPE == 2:  # Q8_0
+            q = tl.load(base + 2 + i, mask=bmask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            w = q * d
+        else:
+            byte = tl.load(base + HDR + (i % 16), mask=bmask, other=0)
+            q = ((byte >> ((i // 16) * 4).to(tl.uint8)) & 15).to(tl.float32)
+            if QTYPE == 1:
+                w = q * d + _load_f16(base + 2, bmask)
+            else:
+                w = (q - 8.0) * d
+        offs_k = b0 * 32 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + rows_x + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+        wk = tl.reshape(w, [BLOCK_N, BLOCK_K]).to(a.dtype)
+        acc = tl.dot(a, tl.trans(wk), acc, input_precision=DOT_PRECISION)
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def gguf_matmul_triton(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K]`` times GGUF raw blocks ``w`` -> ``[M, N]`` in ``x.dtype``."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+    _gguf_kernel[grid](
+        x, w.raw, y, m, n, k, _m_bucket(m), x.stride(0), w.raw.stride(0), y.stride(0),
+        QTYPE=_GGUF_QTYPE[w.qtype], BB=BLOCK_BYTES[w.qtype], HDR=4 if w.qtype == "q4_1" else 2,
+        DOT_PRECISION=_dot_precision(x.dtype),
+    )
+    return y if bias is None else y + bias.to(y.dtype)

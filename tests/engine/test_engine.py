@@ -1,0 +1,156 @@
+import math
+import random
+
+import pytest
+import torch
+
+from infercore import Engine, SamplingParams
+
+from engine_helpers import hf_greedy, ours_from_hf, tiny_hf
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40, vocab: int = 96) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
+def test_batched_chunked_greedy_matches_transformers(kind):
+    hf = tiny_hf(kind)
+    ps = prompts(4, seed=1)
+    # page 4 and an 11-token budget: prompts are chunked across steps and mixed with decodes.
+    eng = Engine(ours_from_hf(hf), page_size=4, num_pages=256, max_num_batched_tokens=11)
+    outs = eng.generate(ps, GREEDY)
+    for p, o in zip(ps, outs):
+        assert o.token_ids == hf_greedy(hf, p, 32)
+        assert o.finish_reason == "length"
+    assert eng.block_manager.num_free_pages == 256
+
+
+def test_prefix_cache_hit_gives_same_tokens(llama_pair):
+    hf, model = llama_pair
+    shared = prompts(1, seed=2, lo=30, hi=30)[0]
+    a, b = shared + [5, 6, 7], shared + [8, 9]
+    eng = Engine(model, page_size=4, num_pages=128)
+    first = eng.generate([a], GREEDY)[0]
+    second = eng.generate([b], GREEDY)[0]
+    assert first.metrics.num_cached_tokens == 0
+    assert second.metrics.num_cached_tokens == 28  # 7 full pages of the shared 30 tokens
+    assert first.token_ids == hf_greedy(hf, a, 32)
+    assert second.token_ids == hf_greedy(hf, b, 32)
+    # the whole prompt cached: the last token is still recomputed to get logits
+    third = eng.generate([a], GREEDY)[0]
+    assert third.metrics.num_cached_tokens == 32 and third.token_ids == first.token_ids
+
+
+def test_preemption_keeps_outputs(llama_pair):
+    _, model = llama_pair
+    ps = prompts(6, seed=3, lo=10, hi=20)
+    ref = Engine(model, page_size=4, num_pages=512).generate(ps, GREEDY)
+    eng = Engine(model, page_size=4, num_pages=24, enable_prefix_caching=False)
+    outs = eng.generate(ps, GREEDY)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert eng.block_manager.num_free_pages == 24
+
+
+def test_seeded_sampling_is_independent_of_batch(llama_pair):
+    _, model = llama_pair
+    ps = prompts(4, seed=4)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=123, max_tokens=16, ignore_eos=True)
+    alone = Engine(model, num_pages=64).generate([ps[0]], sp)[0].token_ids
+    others = [SamplingParams(temperature=0.8, seed=i, max_tokens=10) for i in range(3)]
+    mixed = Engine(model, num_pages=64).generate(ps, [sp] + others)[0].token_ids
+    assert alone == mixed
+    unseeded = [Engine(model, num_pages=64).generate([ps[0]], SamplingParams(temperature=1.0, max_tokens=16,
+                                                                             ignore_eos=True))[0].token_ids
+                for _ in range(2)]
+    assert unseeded[0] != unseeded[1]
+
+
+def test_stop_token_ids_and_max_tokens(llama_pair):
+    hf, model = llama_pair
+    p = prompts(1, seed=5)[0]
+    ref = hf_greedy(hf, p, 32)
+    stop = ref[5]
+    first = ref.index(stop)
+    eng = Engine(model, num_pages=64)
+    out = eng.generate([p], SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == ref[: first + 1]
+    out = eng.generate([p], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and out.token_ids == ref[:3]
+
+
+def test_abort_frees_pages(llama_pair):
+    _, model = llama_pair
+    eng = Engine(model, page_size=4, num_pages=64)
+    a = eng.add_request(prompts(1, seed=6)[0], GREEDY)
+    b = eng.add_request(prompts(1, seed=7)[0], GREEDY)
+    eng.step()
+    eng.step()
+    eng.abort(a)
+    done = []
+    while eng.has_unfinished():
+        done += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in done] == [b]
+    assert eng.block_manager.num_free_pages == 64
+
+
+@pytest.mark.parametrize(
+    "prompt, params, err",
+    [
+        ([], None, ValueError),
+        ([1] * 300, None, ValueError),  # longer than max_position_embeddings=256
+        ([1, 2, 500], None, ValueError),  # outside the vocabulary
+        ("text", None, ValueError),  # no tokenizer
+        (3.5, None, TypeError),
+    ],
+)
+def test_bad_requests_are_rejected_and_others_keep_going(llama_pair, prompt, params, err):
+    hf, model = llama_pair
+    eng = Engine(model, num_pages=64)
+    good = eng.add_request([1, 2, 3], GREEDY)
+    with pytest.raises(err):
+        eng.add_request(prompt, params)
+    outs = []
+    while eng.has_unfinished():
+        outs += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in outs] == [good]
+    assert outs[0].token_ids == hf_greedy(hf, [1, 2, 3], 32)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("temperature", -1.0), ("temperature", math.nan), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
+     ("min_p", 2.0), ("repetition_penalty", 0.0), ("max_tokens", 0), ("temperature", math.inf)],
+)
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_request_too_big_for_pool(llama_pair):
+    _, model = llama_pair
+    eng = Engine(model, page_size=4, num_pages=4)
+    with pytest.raises(ValueError, match="KV pages"):
+        eng.add_request([1] * 10, SamplingParams(max_tokens=32))
+
+
+def test_repetition_penalty_changes_greedy_output(llama_pair):
+    _, model = llama_pair
+    p = prompts(1, seed=8)[0]
+    eng = Engine(model, num_pages=64)
+    plain = eng.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].token_ids
+    pen = eng.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                           repetition_penalty=5.0))[0].token_ids
+    assert plain != pen
+    assert len(set(pen)) >= len(set(plain))
+
+
+def test_kv_pool_dtype_and_device_follow_model(llama_pair):
+    _, model = llama_pair
+    eng = Engine(model, num_pages=8)
+    k, v = eng.runner.kv_caches[0]
+    assert k.dtype == torch.float32 and k.shape[1] == 16 and k.device.type == "cpu"

@@ -1,0 +1,106 @@
+"""Quant kernels on a CUDA GPU (bf16/fp8 numerics, real shapes). Run with ``pytest -m gpu``."""
+
+import os
+
+os.environ.setdefault("INFERCORE_QUANT_AUTOTUNE", "0")  # one config per kernel: fast compile
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from infercore.quant import (  # noqa: E402
+    FP8Weight,
+    GGUFWeight,
+    Int8Weight,
+    IntWeight,
+    QuantLinear,
+    fp8_decode,
+    fp8_wo_matmul,
+    gguf_matmul,
+    per_token_quant,
+    w8a8_matmul,
+    wq_matmul,
+)
+from infercore.quant import naive as R  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+dev = "cuda"
+
+
+def _rel(y, r):
+    return ((y.float() - r.float()).norm() / r.float().norm()).item()
+
+
+def test_fp8_decode_bit_exact_on_gpu():
+    q = torch.arange(256, dtype=torch.int32, device=dev).to(torch.uint8)
+    ref = q.view(torch.float8_e4m3fn).float()
+    got = fp8_decode(q)
+    ok = ~torch.isnan(ref)
+    assert torch.equal(got[ok].view(torch.int32), ref[ok].view(torch.int32))
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("bits,group,sym", [(4, 128, False), (4, 128, True), (8, None, True)])
+def test_wq_bf16(m, bits, group, sym):
+    torch.manual_seed(0)
+    w = IntWeight.quantize(torch.randn(1000, 1536, device=dev), bits=bits, group_size=group, symmetric=sym)
+    x = torch.randn(m, 1536, device=dev, dtype=torch.bfloat16)
+    assert _rel(wq_matmul(x, w), R.wq_matmul_ref(x, w)) < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 16, 200])
+@pytest.mark.parametrize("block", [None, 128])
+def test_fp8_emulated_bf16(m, block):
+    torch.manual_seed(0)
+    w = FP8Weight.quantize(torch.randn(1000, 1024, device=dev) * 0.02, block_size=block)
+    x = torch.randn(m, 1024, device=dev, dtype=torch.bfloat16)
+    assert _rel(fp8_wo_matmul(x, w), R.fp8_wo_matmul_ref(x, w)) < 1e-2
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
+def test_gguf_bf16(qtype):
+    torch.manual_seed(0)
+    w = GGUFWeight.quantize(torch.randn(576, 1536, device=dev), qtype=qtype)
+    x = torch.randn(5, 1536, device=dev, dtype=torch.bfloat16)
+    assert _rel(gguf_matmul(x, w), R.gguf_matmul_ref(x, w)) < 1e-2
+
+
+@pytest.mark.parametrize("act", ["int8", "fp8"])
+def test_per_token_quant_gpu(act):
+    torch.manual_seed(0)
+    x = torch.randn(300, 2000, device=dev, dtype=torch.bfloat16) * 4
+    idx = torch.tensor([1, 999], dtype=torch.int32, device=dev)
+    q, s, xo = per_token_quant(x, act=act, outlier_idx=idx)
+    rq, rs, rxo = R.per_token_quant_ref(x, act=act, outlier_idx=idx)
+    assert torch.allclose(s, rs, rtol=1e-6) and torch.equal(xo, rxo)
+    if act == "int8":
+        assert (q.int() - rq.int()).abs().max() <= 1 and (q != rq).float().mean() < 1e-3
+    else:
+        assert (q.float() - rq.float()).abs().max() / 448 < 0.07
+        assert (q.view(torch.uint8) != rq.view(torch.uint8)).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("act", ["int8", "fp8"])
+@pytest.mark.parametrize("m", [5, 512])
+def test_w8a8_gpu(act, m):
+    torch.manual_seed(0)
+    wt = torch.randn(1024, 2048, device=dev) * 0.05
+    x = torch.randn(m, 2048, device=dev, dtype=torch.bfloat16)
+    idx = torch.arange(0, 2048, 37, device=dev, dtype=torch.int32) if act == "int8" else None
+    w = Int8Weight.quantize(wt, act=act, outlier_idx=idx)
+    q, s, xo = per_token_quant(x, act=act, outlier_idx=w.outlier_idx)
+    y = w8a8_matmul(q, s, w, x_out=xo, out_dtype=torch.bfloat16)
+    assert _rel(y, R.w8a8_matmul_ref(q, s, w, x_out=xo)) < 1e-2
+    assert _rel(y, x.float() @ wt.T) < 0.06
+
+
+def test_mixed_linear_grows_outliers_on_gpu():
+    torch.manual_seed(0)
+    wt = torch.randn(256, 512, device=dev) * 0.05
+    lin = QuantLinear(Int8Weight.quantize(wt), outlier_threshold=6.0)
+    x = torch.randn(64, 512, device=dev, dtype=torch.bfloat16)
+    x[:, 100] = 40.0
+    y = lin(x)
+    assert lin.qweight_format.num_outliers == 1 and lin.outlier_stats["grown"] == 1
+    assert _rel(y, x.float() @ wt.T) < 0.02
+    lin(x)
+    assert lin.outlier_stats["covered"] == 64  # second call fully predicted

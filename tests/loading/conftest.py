@@ -42,7 +42,9 @@ def hf_gguf_state_dict(smollm_path: Path) -> dict[str, torch.Tensor]:
     config = AutoConfig.from_pretrained(smollm_path.parent, gguf_file=smollm_path.name)
     with torch.device("meta"):  # only its parameter names are used
         model = LlamaForCausalLM(config)
-    out = load_gguf_checkpoint(str(smollm_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32)
+    out = load_gguf_checkpoint(
+        str(smollm_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
+    )
     return out["tensors"]
 
 

@@ -26,9 +26,19 @@ def test_real_config_matches_transformers(smollm, smollm_path):
 
     ref = AutoConfig.from_pretrained(smollm_path.parent, gguf_file=smollm_path.name)
     cfg = smollm.to_hf_config()
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "max_position_embeddings", "vocab_size", "tie_word_embeddings",
-                "bos_token_id", "eos_token_id", "rms_norm_eps"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "vocab_size",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "rms_norm_eps",
+    ):
         assert cfg[key] == getattr(ref, key), key
     assert cfg["rope_theta"] == ref.rope_parameters["rope_theta"] == 100000.0
     assert cfg["model_type"] == "llama" and cfg["head_dim"] == 64 and "rope_scaling" not in cfg
@@ -45,7 +55,10 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def _tiny_llama(tmp_path, write_gguf, *, tied: bool, extra_kv=None, extra_tensors=None):
     rng = np.random.default_rng(0)
     hidden, heads, kv_heads, head_dim, inter, layers, vocab = 32, 4, 2, 8, 48, 2, 50
-    hf = {"model.embed_tokens.weight": rng.standard_normal((vocab, hidden)), "model.norm.weight": rng.random(hidden)}
+    hf = {
+        "model.embed_tokens.weight": rng.standard_normal((vocab, hidden)),
+        "model.norm.weight": rng.random(hidden),
+    }
     if not tied:
         hf["lm_head.weight"] = rng.standard_normal((vocab, hidden))
     for i in range(layers):
@@ -61,9 +74,17 @@ def _tiny_llama(tmp_path, write_gguf, *, tied: bool, extra_kv=None, extra_tensor
         hf[p + "mlp.down_proj.weight"] = rng.standard_normal((hidden, inter))
     hf = {k: v.astype(np.float32) for k, v in hf.items()}
 
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     tensors = {}
     for k, v in hf.items():
         if k.startswith("model.layers."):
@@ -75,8 +96,11 @@ def _tiny_llama(tmp_path, write_gguf, *, tied: bool, extra_kv=None, extra_tensor
                 v = llama_cpp_permute(v, kv_heads)
             name = f"blk.{i}.{names[module]}.weight"
         else:
-            name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                    "lm_head.weight": "output.weight"}[k]
+            name = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[k]
         # Store the FFN in F16 so a non-F32 path goes through the permutation-free branch too.
         tensors[name] = (v.astype(np.float16) if "ffn_up" in name else v, None)
         if "ffn_up" in name:
@@ -110,10 +134,19 @@ def test_synthetic_llama_roundtrip(tmp_path, write_gguf, tied):
         assert torch.equal(ours[k], torch.from_numpy(v)), k
     cfg = gf.to_hf_config()
     assert cfg["tie_word_embeddings"] is tied
-    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (32, 4, 2, 8)
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (
+        32,
+        4,
+        2,
+        8,
+    )
     assert (cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (48, 2, 50)
     assert (cfg["rope_theta"], cfg["max_position_embeddings"], cfg["bos_token_id"], cfg["eos_token_id"]) == (
-        500000.0, 4096, 1, 2)
+        500000.0,
+        4096,
+        1,
+        2,
+    )
     assert cfg["rms_norm_eps"] == pytest.approx(1e-6)
     bf16 = dict(gguf_hf_weights(gf, dtype=torch.bfloat16))
     assert all(t.dtype == torch.bfloat16 for t in bf16.values())
@@ -159,11 +192,17 @@ def _llama_cpp_rope_freqs(head_dim: int, base: float, factor: float) -> np.ndarr
 def test_llama3_rope_freqs(tmp_path, write_gguf):
     freqs = _llama_cpp_rope_freqs(8, 500000.0, 8.0)
     assert ((freqs > 1) & (freqs < 8)).any()  # head_dim 8 at this base reaches the smoothed band
-    path, hf = _tiny_llama(tmp_path, write_gguf, tied=True, extra_tensors={"rope_freqs.weight": (freqs, None)})
+    path, hf = _tiny_llama(
+        tmp_path, write_gguf, tied=True, extra_tensors={"rope_freqs.weight": (freqs, None)}
+    )
     gf = GGUFFile(path)
     assert gf.to_hf_config()["rope_scaling"] == {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192}
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     assert set(dict(gf.weights())) == set(hf)  # rope_freqs is config, not a weight
 
 
@@ -178,7 +217,11 @@ def test_unknown_tensor_and_arch(tmp_path, write_gguf):
     extra = {"blk.0.ffn_gate_exps.weight": (np.zeros((2, 4, 32), np.float32), None)}
     path, _ = _tiny_llama(tmp_path, write_gguf, tied=True, extra_tensors=extra)
     with pytest.raises(ValueError, match="ffn_gate_exps"):
-        list(GGUFFile(path).weights())
-    other = write_gguf(tmp_path / "g.gguf", arch="gemma3", tensors={"token_embd.weight": (np.zeros((4, 32), np.float32), None)})
+        GGUFFile(path).weights()  # raised when asked, before any tensor is read
+    other = write_gguf(
+        tmp_path / "g.gguf",
+        arch="gemma3",
+        tensors={"token_embd.weight": (np.zeros((4, 32), np.float32), None)},
+    )
     with pytest.raises(ValueError, match="gemma3"):
         GGUFFile(other).to_hf_config()

@@ -15,8 +15,16 @@ from infercore.loading.gguf_quants import BLOCK_LAYOUT, DEQUANTIZABLE
 
 # Byte offsets of each format's fp16 scale fields (random bytes there could be inf/NaN).
 _F16_FIELDS = {
-    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
 }
 
 
@@ -69,7 +77,9 @@ def test_plain_types():
     x = np.random.default_rng(0).standard_normal(64).astype(np.float32)
     np.testing.assert_array_equal(dequantize(x.view(np.uint8).reshape(-1, 4), GGMLType.F32), x)
     h = x.astype(np.float16)
-    np.testing.assert_array_equal(dequantize(h.view(np.uint8).reshape(-1, 2), GGMLType.F16), h.astype(np.float32))
+    np.testing.assert_array_equal(
+        dequantize(h.view(np.uint8).reshape(-1, 2), GGMLType.F16), h.astype(np.float32)
+    )
     bf = torch.from_numpy(x).to(torch.bfloat16)
     raw = bf.view(torch.int16).numpy().view(np.uint8).reshape(-1, 2)
     np.testing.assert_array_equal(dequantize(raw, GGMLType.BF16), bf.float().numpy())

@@ -39,7 +39,12 @@ def test_metadata_all_value_types(tmp_path, write_gguf):
     md = gf.metadata
     assert gf.version == 3 and gf.architecture == "llama"
     assert (md["t.u8"], md["t.i8"], md["t.u16"], md["t.i16"]) == (250, -5, 65000, -30000)
-    assert (md["t.u32"], md["t.i32"], md["t.u64"], md["t.i64"]) == (4_000_000_000, -2_000_000_000, 2**63 + 5, -(2**62))
+    assert (md["t.u32"], md["t.i32"], md["t.u64"], md["t.i64"]) == (
+        4_000_000_000,
+        -2_000_000_000,
+        2**63 + 5,
+        -(2**62),
+    )
     assert md["t.f32"] == 0.25 and md["t.f64"] == 1e-300 and md["t.bool"] is True
     assert md["t.str"] == "héllo ✓"
     assert md["t.arr_str"] == ["a", "", "日本"]
@@ -48,7 +53,11 @@ def test_metadata_all_value_types(tmp_path, write_gguf):
     assert md["t.arr_bool"] == [True, False]
     assert md["t.arr_nested"] == [[1, 2], [3]]
     # ...and every key the reference reader sees, we see.
-    assert set(md) == set(gguf.GGUFReader(path).fields) - {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}
+    assert set(md) == set(gguf.GGUFReader(path).fields) - {
+        "GGUF.version",
+        "GGUF.tensor_count",
+        "GGUF.kv_count",
+    }
     assert torch.equal(gf.tensor("x"), torch.from_numpy(x))
 
 
@@ -84,8 +93,16 @@ def test_real_file_table_matches_reference(smollm, ref_reader):
     assert len(tokens) == 49152 and tokens[1] == "<|im_start|>"
 
 
-@pytest.mark.parametrize("name", ["token_embd.weight", "blk.0.attn_q.weight", "blk.7.ffn_down.weight",
-                                  "blk.29.ffn_norm.weight", "output_norm.weight"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "token_embd.weight",
+        "blk.0.attn_q.weight",
+        "blk.7.ffn_down.weight",
+        "blk.29.ffn_norm.weight",
+        "output_norm.weight",
+    ],
+)
 def test_real_tensors_match_reference(smollm, ref_reader, name):
     """Q8_0, Q4_1 and F32 tensors of the real model, dequantized by us and by gguf-py."""
     ref = next(t for t in ref_reader.tensors if t.name == name)

@@ -41,7 +41,8 @@ def test_encode_matches_transformers(gguf_tok, hf_gguf_tokenizer):
     for text in [*TEXTS, chat]:
         assert gguf_tok.encode(text) == hf_gguf_tokenizer.encode(text), repr(text)
         assert gguf_tok.encode(text, add_special_tokens=False) == hf_gguf_tokenizer.encode(
-            text, add_special_tokens=False), repr(text)
+            text, add_special_tokens=False
+        ), repr(text)
 
 
 def test_decode_roundtrip(gguf_tok, hf_gguf_tokenizer):
@@ -101,16 +102,24 @@ def test_hf_dir(tmp_path, gguf_tok):
     """An HF directory: tokenizer.json + tokenizer_config.json (+ generation_config.json)."""
     gguf_tok.backend.save(str(tmp_path / "tokenizer.json"))
     template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": {"content": "<|im_start|>", "special": True},
-        "eos_token": "<|endoftext|>",
-        "chat_template": [{"name": "default", "template": template}, {"name": "tool_use", "template": "x"}],
-    }))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": {"content": "<|im_start|>", "special": True},
+                "eos_token": "<|endoftext|>",
+                "chat_template": [
+                    {"name": "default", "template": template},
+                    {"name": "tool_use", "template": "x"},
+                ],
+            }
+        )
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 5]}))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
     tok = Tokenizer.from_hf_dir(tmp_path)
     assert tok.bos_token_id == 1 and tok.eos_token_id == 0
-    # eos, generation_config's ids, and the template's turn-end token <|im_end|> (id 2)
-    assert tok.eos_token_ids == {0, 2, 5}
+    # eos, config/generation_config ids, and the template's turn-end token <|im_end|> (id 2)
+    assert tok.eos_token_ids == {0, 2, 5, 7}
     for text in TEXTS:
         assert tok.encode(text) == gguf_tok.encode(text)
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|im_start|>hi<|im_end|>"

@@ -24,12 +24,14 @@ pytestmark = pytest.mark.slow  # ~30 s on 2 cores; still part of the default CI 
 
 def _hf_from_gguf(path):
     import transformers as tf
+    from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     meta = load_gguf_checkpoint(str(path), return_tensors=False)
     config = tf.AutoConfig.for_model(**meta["config"])
     config._attn_implementation = "eager"
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with no_init_weights():  # every weight is overwritten below; skip ~2 s of random init
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)

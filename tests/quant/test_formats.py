@@ -179,8 +179,8 @@ def test_bad_arguments():
 
 def test_gguf_raw_dequant_of_real_file_rows():
     """The real SmolLM2 Q4_1 blocks decode the same through our torch path and the loader."""
-    from infercore.loading import gguf as G
     from infercore.loading import default_model_path
+    from infercore.loading import gguf as G
 
     f = G.GGUFFile(default_model_path())
     blocks, _, shape = f.raw("blk.0.attn_q.weight")

@@ -12,9 +12,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is decorated
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from infercore.quant import FP8Weight, GGUFWeight, Int8Weight, IntWeight  # noqa: E402
+from infercore.quant import FP8Weight, GGUFWeight, Int8Weight, IntWeight, triton_w8a8, triton_wo  # noqa: E402  # noqa: E402
 from infercore.quant import naive as R  # noqa: E402
-from infercore.quant import triton_w8a8, triton_wo  # noqa: E402
 
 # Another test module may have imported the kernels before the flag was set: re-decorate them.
 for _mod in (triton_wo, triton_w8a8):

@@ -55,8 +55,14 @@ class Checkpoint:
         config: HF ``config.json`` keys (for GGUF, derived from its metadata).
     """
 
-    def __init__(self, path: Path, format: Literal["safetensors", "gguf"], config: dict[str, Any],
-                 *, gguf: GGUFFile | None = None):
+    def __init__(
+        self,
+        path: Path,
+        format: Literal["safetensors", "gguf"],
+        config: dict[str, Any],
+        *,
+        gguf: GGUFFile | None = None,
+    ):
         self.path = path
         self.format = format
         self.config = config
@@ -91,7 +97,8 @@ class Checkpoint:
         return self._gguf
 
     def __repr__(self) -> str:
-        return f"Checkpoint({str(self.path)!r}, format={self.format!r}, model_type={self.config.get('model_type')!r})"
+        model_type = self.config.get("model_type")
+        return f"Checkpoint({str(self.path)!r}, format={self.format!r}, model_type={model_type!r})"
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -106,7 +113,8 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(
-            f"checkpoint not found: {p} (expected an HF directory with config.json + *.safetensors, or a .gguf file)"
+            f"checkpoint not found: {p} (expected an HF directory with config.json + *.safetensors, "
+            "or a .gguf file)"
         )
     if p.is_dir():
         config = read_config(p)

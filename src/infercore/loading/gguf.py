@@ -32,10 +32,32 @@ DEFAULT_ALIGNMENT = 32
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 
 # Metadata value types (gguf_type in gguf.h): id -> struct format of a scalar.
-_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                   10: "<Q", 11: "<q", 12: "<d"}
-_SCALAR_DTYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
-                  6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_SCALAR_FORMATS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_SCALAR_DTYPES = {
+    0: np.uint8,
+    1: np.int8,
+    2: np.uint16,
+    3: np.int16,
+    4: np.uint32,
+    5: np.int32,
+    6: np.float32,
+    7: np.bool_,
+    10: np.uint64,
+    11: np.int64,
+    12: np.float64,
+}
 _STRING, _ARRAY = 8, 9
 
 
@@ -132,6 +154,8 @@ class GGUFFile:
         cur.pos = 4
         self.version = cur.scalar("<I")
         if self.version not in (2, 3):
+            if self.version in (2 << 24, 3 << 24):
+                raise ValueError(f"big-endian GGUF files are not supported: {self.path}")
             raise ValueError(f"unsupported GGUF version {self.version} (expected 2 or 3): {self.path}")
         n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
 
@@ -159,7 +183,9 @@ class GGUFFile:
         for name, dims, type_id, offset in table:
             self.tensors[name] = self._check_tensor(name, dims, type_id, offset, size)
 
-    def _check_tensor(self, name: str, dims: list[int], type_id: int, offset: int, size: int) -> GGUFTensorInfo:
+    def _check_tensor(
+        self, name: str, dims: list[int], type_id: int, offset: int, size: int
+    ) -> GGUFTensorInfo:
         if name in self.tensors:
             raise ValueError(f"duplicate tensor name {name!r}: {self.path}")
         try:
@@ -221,9 +247,7 @@ class GGUFFile:
         block_elems, block_bytes = BLOCK_LAYOUT[info.ggml_type]
         shape = info.shape or (1,)
         flat = self._mm[info.offset : info.offset + info.nbytes]
-        blocks = np.ndarray(
-            (*shape[:-1], shape[-1] // block_elems, block_bytes), dtype=np.uint8, buffer=flat
-        )
+        blocks = np.ndarray((*shape[:-1], shape[-1] // block_elems, block_bytes), dtype=np.uint8, buffer=flat)
         blocks.flags.writeable = False
         return blocks, info.ggml_type, info.shape
 
@@ -249,7 +273,9 @@ class GGUFFile:
             )
         return t if dtype is None else t.to(dtype)
 
-    def iter_tensors(self, *, dtype: torch.dtype | None = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_tensors(
+        self, *, dtype: torch.dtype | None = torch.float32
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(gguf_name, tensor)`` for every tensor, in file order."""
         for name in self.tensors:
             yield name, self.tensor(name, dtype=dtype)

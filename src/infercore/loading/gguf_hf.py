@@ -99,7 +99,9 @@ def _llama3_rope_scaling(factors: torch.Tensor, *, head_dim: int, theta: float, 
     expected = torch.where(
         wavelen < orig / high,
         torch.ones_like(wavelen),
-        torch.where(wavelen > orig / low, torch.full_like(wavelen, factor), 1 / ((1 - smooth) / factor + smooth)),
+        torch.where(
+            wavelen > orig / low, torch.full_like(wavelen, factor), 1 / ((1 - smooth) / factor + smooth)
+        ),
     )
     if expected.shape != factors.shape or not torch.allclose(factors.double(), expected, rtol=1e-4):
         raise ValueError(f"rope_freqs.weight does not match any known llama3 RoPE scaling: {path}")
@@ -148,8 +150,11 @@ def gguf_to_hf_config(gf: GGUFFile) -> dict[str, Any]:
         "mlp_bias": "blk.0.ffn_up.bias" in gf.tensors,
         "tie_word_embeddings": "output.weight" not in gf.tensors,
     }
-    for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                             ("pad_token_id", "padding_token_id")):
+    for hf_key, gguf_key in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("pad_token_id", "padding_token_id"),
+    ):
         value = gf.get(f"tokenizer.ggml.{gguf_key}")
         if value is not None:
             config[hf_key] = int(value)
@@ -159,7 +164,10 @@ def gguf_to_hf_config(gf: GGUFFile) -> dict[str, Any]:
 
     scaling_type = _scalar(gf, k("rope.scaling.type"))
     if scaling_type and scaling_type != "none":
-        scaling: dict[str, Any] = {"rope_type": scaling_type, "factor": float(_scalar(gf, k("rope.scaling.factor"), 1.0))}
+        scaling: dict[str, Any] = {
+            "rope_type": scaling_type,
+            "factor": float(_scalar(gf, k("rope.scaling.factor"), 1.0)),
+        }
         orig = _scalar(gf, k("rope.scaling.original_context_length"))
         if orig:
             scaling["original_max_position_embeddings"] = int(orig)
@@ -182,26 +190,37 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_hf_weights(gf: GGUFFile, *, dtype: torch.dtype | None = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_hf_weights(
+    gf: GGUFFile, *, dtype: torch.dtype | None = torch.float32
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, tensor)`` for every weight, dequantized to ``dtype`` (fp32 first), in file order.
 
-    Fails (ValueError) on the first tensor with no HF counterpart rather than dropping it.
+    Raises ValueError, when called, if any tensor has no HF counterpart (rather than dropping
+    it). The q/k rows of Llama-family files are un-permuted (``unpermute_qk``).
     """
     arch, spec = _arch(gf)
     heads = {
         "self_attn.q_proj": int(_scalar(gf, f"{arch}.attention.head_count", required=True)),
     }
     heads["self_attn.k_proj"] = int(_scalar(gf, f"{arch}.attention.head_count_kv", heads["self_attn.q_proj"]))
+    # Map every name before yielding anything, so an unsupported file fails before any loading.
+    targets: list[tuple[str, str]] = []
     for name in gf.tensors:
         try:
             target = hf_name(name)
         except ValueError as e:
             raise ValueError(f"{e} (architecture {arch!r}): {gf.path}") from None
-        if target is None:
-            continue
+        if target is not None:
+            targets.append((name, target))
+    return _hf_weights(gf, targets, heads if spec["permute_qk"] else {}, dtype)
+
+
+def _hf_weights(
+    gf: GGUFFile, targets: list[tuple[str, str]], heads: dict[str, int], dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, target in targets:
         t = gf.tensor(name, dtype=torch.float32)
-        if spec["permute_qk"]:
-            module = target.split(".", 3)[-1].rsplit(".", 1)[0]  # e.g. "self_attn.q_proj"
-            if module in heads:
-                t = unpermute_qk(t, heads[module])
+        module = target.split(".", 3)[-1].rsplit(".", 1)[0]  # e.g. "self_attn.q_proj"
+        if module in heads:
+            t = unpermute_qk(t, heads[module])
         yield target, t if dtype is None else t.to(dtype)

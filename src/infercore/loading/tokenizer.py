@@ -23,8 +23,16 @@ _INSTALL_HINT = "pip install 'infercore[text]'"
 
 # Turn-ending tokens of common chat formats. One that appears in the chat template and exists in
 # the vocabulary also stops generation: a model often emits it where the config names another eos.
-_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>",
-                    "<end_of_turn>", "<|end|>", "<|return|>")
+_TURN_END_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+    "<end_of_turn>",
+    "<|end|>",
+    "<|return|>",
+)
 
 # GGUF token types (llama_token_type): 3 = control (special), 4 = user-defined (added, not special).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -52,8 +60,10 @@ def _require(module: str) -> Any:
 @lru_cache(maxsize=1)
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1)
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
     )
     mapping, extra = {}, 0
     for b in range(256):
@@ -74,9 +84,16 @@ def _compile_template(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
@@ -138,7 +155,8 @@ class Tokenizer:
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> Tokenizer:
         """From ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja``,
-        ``special_tokens_map.json``, ``generation_config.json`` when present)."""
+        ``special_tokens_map.json``, and the eos ids of ``config.json``/``generation_config.json``
+        when present)."""
         tokenizers = _require("tokenizers")
         root = Path(path)
         tok_file = root / "tokenizer.json"
@@ -149,7 +167,11 @@ class Tokenizer:
         except Exception as e:  # the Rust side raises a bare Exception on malformed files
             raise ValueError(f"cannot load {tok_file}: {e}") from None
         cfg = _read_json(root / "tokenizer_config.json") if (root / "tokenizer_config.json").is_file() else {}
-        special = _read_json(root / "special_tokens_map.json") if (root / "special_tokens_map.json").is_file() else {}
+        special = (
+            _read_json(root / "special_tokens_map.json")
+            if (root / "special_tokens_map.json").is_file()
+            else {}
+        )
 
         template = cfg.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
@@ -158,10 +180,12 @@ class Tokenizer:
         if (root / "chat_template.jinja").is_file():
             template = (root / "chat_template.jinja").read_text(encoding="utf-8")
 
+        # Stop ids the model config and the generation config add (int or list in either).
         extra: list[int] = []
-        if (root / "generation_config.json").is_file():
-            eos = _read_json(root / "generation_config.json").get("eos_token_id")
-            extra = [eos] if isinstance(eos, int) else list(eos or [])
+        for name in ("config.json", "generation_config.json"):
+            if (root / name).is_file():
+                eos = _read_json(root / name).get("eos_token_id")
+                extra += [eos] if isinstance(eos, int) else list(eos or [])
         return cls(
             backend,
             bos_token=_token_content(cfg.get("bos_token")) or _token_content(special.get("bos_token")),
@@ -182,14 +206,17 @@ class Tokenizer:
             raise ValueError(f"GGUF file has no tokenizer (tokenizer.ggml.model missing): {gf.path}")
         if model != "gpt2":
             raise ValueError(
-                f"GGUF tokenizer model {model!r} is not supported (supported: 'gpt2' byte-level BPE): {gf.path}"
+                f"GGUF tokenizer model {model!r} is not supported (supported: 'gpt2' byte-level BPE): "
+                f"{gf.path}"
             )
         tokens: list[str] = gf.get("tokenizer.ggml.tokens") or []
         types: list[int] = gf.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         merges: list[str] = gf.get("tokenizer.ggml.merges") or []
         pre = gf.get("tokenizer.ggml.pre", "default")
         if len(types) != len(tokens):
-            raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens: {gf.path}")
+            raise ValueError(
+                f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens: {gf.path}"
+            )
         backend = _byte_level_bpe(tokens, types, merges, pre=pre)
 
         def token(key: str) -> str | None:
@@ -279,24 +306,31 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], *, p
 
     # Llama 3 matches whole words in the vocabulary before merging (its tokenizer.json sets it).
     llama3 = pre in ("llama-bpe", "llama3", "llama-v3")
-    backend = tk.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
-                                      ignore_merges=llama3))
+    backend = tk.Tokenizer(
+        models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False, ignore_merges=llama3)
+    )
     if pre == "smollm":
         backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True),
-             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
         )
     elif llama3:
         backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
-             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
         )
     else:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
 
     special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
-    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+    user = [
+        AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED
+    ]
     if special:
         backend.add_special_tokens(special)
     if user:

@@ -83,7 +83,7 @@ class LlamaAttention(nn.Module):
         q, k = apply_rope(q, k, positions, cos_sin)
         k_cache, v_cache = kv_cache
         write_kv_cache_(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, meta, scale=self.scale, sliding_window=self.sliding_window)
+        o = paged_attention(q, k_cache, v_cache, meta, scale=self.scale, sliding_window=None)
         return self.o_proj(o.reshape(T, self.q_size))
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import E4M3_MAX
 from .formats import FP8Weight, GGUFWeight, Int8Weight, IntWeight
+from .fp8 import E4M3_MAX
 
 # Per-token scales never drop below this (an all-zero row quantizes to zeros, not NaN).
 ACT_SCALE_EPS = 1e-8

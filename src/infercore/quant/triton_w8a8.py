@@ -133,7 +133,7 @@ def _prune(configs, nargs):
 @triton.autotune(
     configs=_configs(),
     key=["M_BUCKET", "N", "K", "IS_INT8", "HAS_OUTLIERS"],
-    prune_configs_by={"early_config_prune": lambda cfgs, nargs, **kw: _prune(cfgs, nargs)},
+    prune_configs_by={"early_config_prune": lambda cfgs, nargs, **kw: _prune(cfgs, {**nargs, **kw})},
 )
 @triton.jit
 def _scaled_mm_kernel(
@@ -164,7 +164,10 @@ def _scaled_mm_kernel(
         k_mask = offs_k[None, :] < K
         a = tl.load(a_ptr + rows_a + offs_k[None, :], mask=m_mask[:, None] & k_mask, other=0)
         b = tl.load(b_ptr + rows_b + offs_k[None, :], mask=n_mask[:, None] & k_mask, other=0)
-        acc = tl.dot(a, tl.trans(b), acc)
+        if IS_INT8:
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
     sa = tl.load(sa_ptr + offs_m, mask=m_mask, other=0.0)
     sb = tl.load(sb_ptr + offs_n, mask=n_mask, other=0.0)
     y = acc.to(tl.float32) * sa[:, None] * sb[None, :]

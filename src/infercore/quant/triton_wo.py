@@ -82,9 +82,10 @@ def _swizzle(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.con
     configs=_configs(
         [
             triton.Config({"BLOCK_N": 16, "BLOCK_K": 512}, num_warps=4),
-            triton.Config({"BLOCK_N": 32, "BLOCK_K": 256}, num_warps=4),
-            triton.Config({"BLOCK_N": 32, "BLOCK_K": 512}, num_warps=8),
-            triton.Config({"BLOCK_N": 64, "BLOCK_K": 256}, num_warps=8),
+            triton.Config({"BLOCK_N": 32, "BLOCK_K": 512}, num_warps=4),
+            triton.Config({"BLOCK_N": 16, "BLOCK_K": 1024}, num_warps=8),
+            triton.Config({"BLOCK_N": 32, "BLOCK_K": 1024}, num_warps=8),
+            triton.Config({"BLOCK_N": 8, "BLOCK_K": 1024}, num_warps=4),
         ],
         triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4),
     ),
@@ -103,48 +104,56 @@ def _wq_gemv_kernel(
     m = tl.program_id(2).to(tl.int64)
     SUB: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K  # K run of one scale
     NSUB: tl.constexpr = BLOCK_K // SUB
+    PACK: tl.constexpr = 2 if BITS == 4 else 1
+    HS: tl.constexpr = SUB // PACK  # bytes of one row in one sub-block
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    row = offs_n.to(tl.int64)[:, None]
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    n_mask = (offs_n < N)[:, None, None]
+    row = offs_n.to(tl.int64)[:, None, None]
+    j = tl.arange(0, NSUB)[None, :, None]
+    i = tl.arange(0, HS)[None, None, :]
+    x_row = x_ptr + m * stride_xm
+    # Tiles are [BLOCK_N, NSUB, HS] (3-D so each scale broadcasts without a reshape); partial
+    # products accumulate elementwise and are reduced once at the end.
+    acc = tl.zeros([BLOCK_N, NSUB, HS], dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, KP)
     for k0 in range(k_start, k_end, BLOCK_K):
-        if BITS == 4:
-            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            b = tl.load(qw_ptr + row * stride_qn + offs_b[None, :],
-                        mask=n_mask[:, None] & (offs_b[None, :] < KP // 2), other=0)
-            offs_e = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            xe = tl.load(x_ptr + m * stride_xm + offs_e, mask=offs_e < K, other=0.0).to(tl.float32)
-            xo = tl.load(x_ptr + m * stride_xm + offs_e + 1, mask=offs_e + 1 < K, other=0.0).to(tl.float32)
-            prod = (b & 15).to(tl.float32) * xe[None, :] + (b >> 4).to(tl.float32) * xo[None, :]
-            part = tl.sum(tl.reshape(prod, [BLOCK_N, NSUB, SUB // 2]), axis=2)
-            xs = tl.sum(tl.reshape(xe + xo, [NSUB, SUB // 2]), axis=1)
-        else:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            b = tl.load(qw_ptr + row * stride_qn + offs_k[None, :],
-                        mask=n_mask[:, None] & (offs_k[None, :] < KP), other=0)
-            xv = tl.load(x_ptr + m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            part = tl.sum(tl.reshape(b.to(tl.float32) * xv[None, :], [BLOCK_N, NSUB, SUB]), axis=2)
-            xs = tl.sum(tl.reshape(xv, [NSUB, SUB]), axis=1)
-        offs_g = (k0 + tl.arange(0, NSUB) * SUB) // GROUP
-        g_mask = n_mask[:, None] & (offs_g[None, :] < num_groups)
-        s = tl.load(s_ptr + row * stride_sn + offs_g[None, :], mask=g_mask, other=0.0)
+        kb = k0 // PACK + j * HS + i
+        b = tl.load(qw_ptr + row * stride_qn + kb, mask=n_mask & (kb < KP // PACK), other=0).to(tl.int32)
+        g = (k0 + j * SUB) // GROUP
+        g_mask = n_mask & (g < num_groups)
+        s = tl.load(s_ptr + row * stride_sn + g, mask=g_mask, other=0.0)
         if HAS_ZEROS:
-            z = tl.load(z_ptr + row * stride_sn + offs_g[None, :], mask=g_mask, other=0).to(tl.float32)
+            z = tl.load(z_ptr + row * stride_sn + g, mask=g_mask, other=0).to(tl.float32)
         else:
-            z = tl.full([BLOCK_N, NSUB], 2 ** (BITS - 1), dtype=tl.float32)
-        acc += tl.sum((part - z * xs[None, :]) * s, axis=1)
+            z = tl.full([BLOCK_N, NSUB, 1], 2 ** (BITS - 1), dtype=tl.float32)
+        # Codes -> floats without int-to-float instructions: OR-ing a code into the mantissa of
+        # 2**23 gives 2**23 + code exactly; the 2**23 is subtracted together with the zero point.
+        zc = z + 8388608.0
+        if BITS == 4:
+            ke = k0 + j * SUB + 2 * i
+            xe = tl.load(x_row + ke, mask=ke < K, other=0.0).to(tl.float32)
+            xo = tl.load(x_row + ke + 1, mask=ke + 1 < K, other=0.0).to(tl.float32)
+            lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - zc
+            hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - zc
+            acc += (lo * xe + hi * xo) * s
+        else:
+            kk = k0 + j * SUB + i
+            xv = tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)
+            acc += ((b | 0x4B000000).to(tl.float32, bitcast=True) - zc) * xv * s
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
     # Split-K partials go to their own slice of an fp32 workspace (summed by the caller):
     # deterministic, and nothing to zero between autotuning runs.
-    y_ptrs = y_ptr + pid_k.to(tl.int64) * stride_ys + m * stride_ym + offs_n
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+    offs_o = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    y_ptrs = y_ptr + pid_k.to(tl.int64) * stride_ys + m * stride_ym + offs_o
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=offs_o < N)
 
 
 @triton.autotune(
     configs=_configs(
         [
             triton.Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
+            triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
             triton.Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
             triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
             triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
@@ -153,7 +162,7 @@ def _wq_gemv_kernel(
         triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2}, num_warps=4),
     ),
     key=["M_BUCKET", "N", "KP", "BITS", "GROUP"],
-    prune_configs_by={"early_config_prune": lambda cfgs, nargs, **kw: _prune_wq(cfgs, nargs)},
+    prune_configs_by={"early_config_prune": lambda cfgs, nargs, **kw: _prune_wq(cfgs, {**nargs, **kw})},
 )
 @triton.jit
 def _wq_gemm_kernel(
@@ -161,6 +170,7 @@ def _wq_gemm_kernel(
     M, N, K, KP, M_BUCKET,
     stride_xm, stride_qn, stride_sn, stride_ym,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MAGIC: tl.constexpr, MAGIC_BASE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _swizzle(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -172,25 +182,46 @@ def _wq_gemm_kernel(
     rows_w = offs_n.to(tl.int64)[:, None] * stride_qn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, KP, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + rows_x + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
-        if BITS == 4:
-            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            b = tl.load(qw_ptr + rows_w + offs_b[None, :],
-                        mask=n_mask[:, None] & (offs_b[None, :] < KP // 2), other=0)
-            q = tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_N, BLOCK_K])
-        else:
-            q = tl.load(qw_ptr + rows_w + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < KP), other=0)
         g = k0 // GROUP  # BLOCK_K <= GROUP: one scale per channel per step
         s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
         if HAS_ZEROS:
             z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
         else:
             z = tl.full([BLOCK_N], 2 ** (BITS - 1), dtype=tl.float32)
-        w = ((q.to(tl.float32) - z[:, None]) * s[:, None]).to(a.dtype)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if BITS == 4:
+            # Even and odd K in two dots, so nibbles never need interleaving. Each nibble becomes
+            # MAGIC_BASE + code by OR-ing it into the mantissa of MAGIC_BASE (exact, no convert
+            # instruction); the dot of the activations with MAGIC_BASE + z is subtracted after.
+            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            b = tl.load(qw_ptr + rows_w + offs_b[None, :],
+                        mask=n_mask[:, None] & (offs_b[None, :] < KP // 2), other=0)
+            ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            ae = tl.load(x_ptr + rows_x + ke[None, :], mask=m_mask[:, None] & (ke[None, :] < K), other=0.0)
+            ao = tl.load(x_ptr + rows_x + ke[None, :] + 1, mask=m_mask[:, None] & (ke[None, :] + 1 < K),
+                         other=0.0)
+            if MAGIC == 0:  # fp32 activations
+                lo = ((b.to(tl.int32) & 15) | 0x4B000000).to(tl.float32, bitcast=True)
+                hi = ((b.to(tl.int32) >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
+            else:
+                lo = ((b.to(tl.int16) & 15) | MAGIC).to(ae.dtype, bitcast=True)
+                hi = ((b.to(tl.int16) >> 4) | MAGIC).to(ae.dtype, bitcast=True)
+            part = tl.dot(ae, tl.trans(lo), input_precision=DOT_PRECISION)
+            part = tl.dot(ao, tl.trans(hi), part, input_precision=DOT_PRECISION)
+            asum = tl.sum(ae.to(tl.float32), axis=1) + tl.sum(ao.to(tl.float32), axis=1)
+            part -= asum[:, None] * (z + MAGIC_BASE)[None, :]
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_ptr + rows_x + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+            q = tl.load(qw_ptr + rows_w + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < KP), other=0)
+            w = (q.to(tl.float32) - z[:, None]).to(a.dtype)  # |q - z| <= 255: exact in bf16/fp16
+            part = tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
+        acc += part * s[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# (pattern, value) of the magic float into whose mantissa a 4-bit code is OR-ed, per activation dtype.
+_MAGIC = {torch.float32: (0, 8388608.0), torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 
 
 def _prune_wq(configs, nargs):
@@ -227,7 +258,7 @@ def wq_matmul_triton(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = 
         split = 1
         while split < 8 and tiles * split < 2 * _num_sms(x.device) and kp // (split * 2) >= 512:
             split *= 2
-        k_per_split = triton.cdiv(triton.cdiv(kp, split), 512) * 512
+        k_per_split = triton.cdiv(triton.cdiv(kp, split), 1024) * 1024
         ws = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split, m)
         _wq_gemv_kernel[grid](
@@ -243,6 +274,7 @@ def wq_matmul_triton(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = 
             x, w.qweight, w.scales, zeros, y, m, n, k, kp, _m_bucket(m),
             x.stride(0), w.qweight.stride(0), w.scales.stride(0), y.stride(0),
             BITS=w.bits, GROUP=group, HAS_ZEROS=w.zeros is not None, DOT_PRECISION=_dot_precision(x.dtype),
+            MAGIC=_MAGIC[x.dtype][0], MAGIC_BASE=_MAGIC[x.dtype][1],
         )
     return y if bias is None else y + bias.to(y.dtype)
 
@@ -280,16 +312,65 @@ def fp8_decode_triton(q: torch.Tensor) -> torch.Tensor:
 @triton.autotune(
     configs=_configs(
         [
-            triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
+            triton.Config({"BLOCK_N": 16, "BLOCK_K": 512}, num_warps=4),
+            triton.Config({"BLOCK_N": 32, "BLOCK_K": 512}, num_warps=8),
+            triton.Config({"BLOCK_N": 16, "BLOCK_K": 1024}, num_warps=8),
+            triton.Config({"BLOCK_N": 8, "BLOCK_K": 1024}, num_warps=4),
+        ],
+        triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4),
+    ),
+    key=["N", "K", "SCALE_BLOCK"],
+)
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, y_ptr,
+    N, K, stride_xm, stride_qn, stride_sn, stride_ym,
+    SCALE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Small-M FP8 weight-only: fp32 FMAs on the emulated decode, scale applied per block/row."""
+    FOLD: tl.constexpr = 1.329227995784916e36  # 2**120
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    SUB: tl.constexpr = SCALE_BLOCK if (SCALE_BLOCK != 0 and SCALE_BLOCK < BLOCK_K) else BLOCK_K
+    NSUB: tl.constexpr = BLOCK_K // SUB
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = (offs_n < N)[:, None, None]
+    row = offs_n.to(tl.int64)[:, None, None]
+    j = tl.arange(0, NSUB)[None, :, None]
+    i = tl.arange(0, SUB)[None, None, :]
+    acc = tl.zeros([BLOCK_N, NSUB, SUB], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + j * SUB + i
+        kmask = kk < K
+        b = tl.load(qw_ptr + row * stride_qn + kk, mask=n_mask & kmask, other=0)
+        xv = tl.load(x_ptr + m * stride_xm + kk, mask=kmask, other=0.0).to(tl.float32)
+        prod = _fp8_e4m3_bits_to_f32(b) * xv
+        if SCALE_BLOCK != 0:
+            kb = (k0 + j * SUB) // SCALE_BLOCK
+            sb = tl.load(s_ptr + (row // SCALE_BLOCK) * stride_sn + kb, mask=n_mask & (kb * SCALE_BLOCK < K),
+                         other=0.0)
+            prod = prod * sb
+        acc += prod
+    out = tl.sum(tl.sum(acc, axis=2), axis=1) * FOLD
+    if SCALE_BLOCK == 0:
+        out = out * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)
+    tl.store(y_ptr + m * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.autotune(
+    configs=_configs(
+        [
             triton.Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
-            triton.Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=6),
+            triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
+            triton.Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
             triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
             triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=8, num_stages=3),
+            triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
         ],
         triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2}, num_warps=4),
     ),
     key=["M_BUCKET", "N", "K", "SCALE_BLOCK"],
-    prune_configs_by={"early_config_prune": lambda cfgs, nargs, **kw: _prune_m(cfgs, nargs)},
+    prune_configs_by={"early_config_prune": lambda cfgs, nargs, **kw: _prune_m(cfgs, {**nargs, **kw})},
 )
 @triton.jit
 def _fp8_wo_kernel(
@@ -297,10 +378,11 @@ def _fp8_wo_kernel(
     M, N, K, M_BUCKET,
     stride_xm, stride_qn, stride_sn, stride_ym,
     SCALE_BLOCK: tl.constexpr,  # 0: per output channel; else block edge (scales [N/B, K/B])
+    DECODE: tl.constexpr,  # 0: fp32 pattern (fp32 x); 1: bf16 pattern; 2: fp16 pattern
+    FOLD: tl.constexpr,  # the decode's power-of-two offset: 2**120 (fp32/bf16) or 2**8 (fp16)
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    FOLD: tl.constexpr = 1.329227995784916e36  # 2**120: the emulated decode's offset
     pid_m, pid_n = _swizzle(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -308,19 +390,31 @@ def _fp8_wo_kernel(
     n_mask = offs_n < N
     rows_x = offs_m.to(tl.int64)[:, None] * stride_xm
     rows_w = offs_n.to(tl.int64)[:, None] * stride_qn
-    if SCALE_BLOCK == 0:
-        s_fold = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0) * FOLD
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         a = tl.load(x_ptr + rows_x + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(qw_ptr + rows_w + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0)
-        if SCALE_BLOCK != 0:  # BLOCK_K divides SCALE_BLOCK: one block column per step
-            s_fold = tl.load(s_ptr + (offs_n // SCALE_BLOCK) * stride_sn + k0 // SCALE_BLOCK,
-                             mask=n_mask, other=0.0) * FOLD
-        w = (_fp8_e4m3_bits_to_f32(b) * s_fold[:, None]).to(a.dtype)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        # The e4m3 byte becomes the operand's own bit pattern (value times 1/FOLD): the same two
+        # shifts as the fp32 decode, landing in a 16-bit float when the activations are 16-bit,
+        # so there is no float conversion and no multiply per weight. Scales apply after the dot.
+        if DECODE == 0:
+            w = _fp8_e4m3_bits_to_f32(b)
+        else:
+            x16 = b.to(tl.int16)
+            if DECODE == 1:
+                w = (((x16 & 0x80) << 8) | ((x16 & 0x7F) << 4)).to(tl.bfloat16, bitcast=True)
+            else:
+                w = (((x16 & 0x80) << 8) | ((x16 & 0x7F) << 7)).to(tl.float16, bitcast=True)
+        if SCALE_BLOCK == 0:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        else:  # BLOCK_K divides SCALE_BLOCK: one block column per step
+            sb = tl.load(s_ptr + (offs_n // SCALE_BLOCK) * stride_sn + k0 // SCALE_BLOCK, mask=n_mask, other=0.0)
+            acc += tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION) * sb[None, :]
+    if SCALE_BLOCK == 0:
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    acc = acc * FOLD
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -339,12 +433,20 @@ def fp8_wo_matmul_triton(x: torch.Tensor, w: FP8Weight, bias: torch.Tensor | Non
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-    _fp8_wo_kernel[grid](
-        x, w.qweight, w.scales, y, m, n, k, _m_bucket(m),
-        x.stride(0), w.qweight.stride(0), w.scales.stride(0), y.stride(0),
-        SCALE_BLOCK=0 if w.block_size is None else w.block_size, DOT_PRECISION=_dot_precision(x.dtype),
-    )
+    scale_block = 0 if w.block_size is None else w.block_size
+    if m <= GEMV_MAX_M:
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)
+        _fp8_gemv_kernel[grid](x, w.qweight, w.scales, y, n, k, x.stride(0), w.qweight.stride(0),
+                               w.scales.stride(0), y.stride(0), SCALE_BLOCK=scale_block)
+    else:
+        decode, fold = {torch.float32: (0, 2.0**120), torch.bfloat16: (1, 2.0**120),
+                        torch.float16: (2, 2.0**8)}[x.dtype]
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+        _fp8_wo_kernel[grid](
+            x, w.qweight, w.scales, y, m, n, k, _m_bucket(m),
+            x.stride(0), w.qweight.stride(0), w.scales.stride(0), y.stride(0),
+            SCALE_BLOCK=scale_block, DECODE=decode, FOLD=fold, DOT_PRECISION=_dot_precision(x.dtype),
+        )
     return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -370,7 +472,7 @@ def _load_f16(ptr, mask):
         triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "NBLK": 2, "GROUP_M": 2}, num_warps=4),
     ),
     key=["M_BUCKET", "N", "K", "QTYPE"],
-    prune_configs_by={"early_config_prune": lambda cfgs, nargs, **kw: _prune_m(cfgs, nargs)},
+    prune_configs_by={"early_config_prune": lambda cfgs, nargs, **kw: _prune_m(cfgs, {**nargs, **kw})},
 )
 @triton.jit
 def _gguf_kernel(

@@ -102,7 +102,6 @@ class HybridBlockManager:
         self.enable_prefix_caching = bool(enable_prefix_caching)
         G = len(layout.groups)
         self.per_large = [layout.smalls_per_large(g) for g in range(G)]
-        self.pool = TwoLevelPool(num_large_pages, self.per_large)
         self.policies: list = []
         for g in range(G):
             kind = layout.effective_kind(g)
@@ -112,6 +111,8 @@ class HybridBlockManager:
                 self.policies.append(SlidingWindowPolicy(P, layout.groups[g].window))
             else:
                 self.policies.append(LinearStatePolicy(P, layout.checkpoint_interval))
+        dense = [p.kind == LINEAR for p in self.policies]
+        self.pool = TwoLevelPool(num_large_pages, self.per_large, dense=dense)
         self._full_groups = [g for g in range(G) if self.policies[g].kind == FULL]
         self._linear_groups = [g for g in range(G) if self.policies[g].kind == LINEAR]
         self._token_groups = [g for g in range(G) if self.policies[g].kind != LINEAR]

@@ -25,15 +25,24 @@ class TwoLevelPool:
     Args:
         num_large: large pages in the pool.
         smalls_per_large: per group, how many small pages one large page holds.
+        dense: per group, fill any carved page's free slots before carving a new one (for
+            groups a request holds one page of); default False (request-aware placement).
     """
 
-    def __init__(self, num_large: int, smalls_per_large: list[int]) -> None:
+    def __init__(self, num_large: int, smalls_per_large: list[int], *, dense: list[bool] | None = None) -> None:
         if isinstance(num_large, bool) or not isinstance(num_large, int) or num_large < 0:
             raise ValueError(f"num_large must be a non-negative int, got {num_large!r}")
         if not smalls_per_large or any(n <= 0 for n in smalls_per_large):
             raise ValueError(f"smalls_per_large must be positive counts, got {smalls_per_large!r}")
         self.num_large = num_large
         self.smalls_per_large = list(smalls_per_large)
+        # Below this many free large pages, fill other owners' free slots before carving.
+        self.low_watermark = num_large // 8
+        # Dense groups skip owner affinity: a request holds one small page of them (a linear
+        # state slot), so a large page carved for it alone would mostly sit empty.
+        self.dense = list(dense) if dense is not None else [False] * len(smalls_per_large)
+        if len(self.dense) != len(smalls_per_large):
+            raise ValueError("dense must have one flag per group")
         # Free large pages, FIFO (reusing the least recently freed spreads wear evenly; it also
         # makes allocation order deterministic, which the tests rely on).
         self._free_large: dict[int, None] = dict.fromkeys(range(num_large))
@@ -88,21 +97,30 @@ class TwoLevelPool:
         out: list[int] = []
         owned = self._owned.get((owner, group), {})
         # 1. the owner's own partly filled large pages; 2. fresh large pages carved for the
-        # owner; 3. free slots of pages other owners carved (orphaned pages first).
+        # owner, while more than the low watermark of them are free; 3. free slots of pages
+        # other owners carved (orphaned pages first); 4. the last free large pages.
+        # Without the watermark every request would strand the tail of its last large page, and
+        # a group with bigger small pages (linear state) could find no whole large page left
+        # while many bytes sit free in other groups' pages.
         while len(out) < n and owned:
             self._take_from(next(iter(owned)), group, n - len(out), out)
-        while len(out) < n and self._free_large:
-            L = next(iter(self._free_large))
-            del self._free_large[L]
-            self._carve(L, group, owner)
-            self._take_from(L, group, n - len(out), out)
+        if not self.dense[group]:
+            self._take_fresh(group, owner, n, out, keep=self.low_watermark)
         if len(out) < n:
             partial = sorted(self._partial[group], key=lambda L: self._owner[L] is not None)
             for L in partial:
                 self._take_from(L, group, n - len(out), out)
                 if len(out) == n:
                     break
+        self._take_fresh(group, owner, n, out, keep=0)
         return out
+
+    def _take_fresh(self, group: int, owner: Hashable, n: int, out: list[int], *, keep: int) -> None:
+        while len(out) < n and len(self._free_large) > keep:
+            L = next(iter(self._free_large))
+            del self._free_large[L]
+            self._carve(L, group, owner)
+            self._take_from(L, group, n - len(out), out)
 
     def release(self, group: int, small: int) -> bool:
         """Return one small page; True if its large page became free as a whole."""

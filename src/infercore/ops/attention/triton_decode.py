@@ -31,7 +31,13 @@ from infercore.devices import register, triton_interpreter
 _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 # Tuning knobs (H200, bf16, D=128); benchmarks/bench_ops.py --sweep explores them.
-TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 3, "target_programs_per_sm": 4, "min_split_tokens": 256}
+TUNING = {
+    "block_n": 64,
+    "num_warps": 4,
+    "num_stages": 3,
+    "target_programs_per_sm": 4,
+    "min_split_tokens": 256,
+}
 
 
 @triton.jit
@@ -70,7 +76,8 @@ def _decode_kernel(
     dmask = offs_d < HEAD_DIM
     q = tl.load(
         q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=gmask[:, None] & dmask[None, :], other=0.0,
+        mask=gmask[:, None] & dmask[None, :],
+        other=0.0,
     ).to(kc_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -83,10 +90,10 @@ def _decode_kernel(
         page = tl.load(bt_row + kpos // PAGE, mask=nmask, other=0).to(tl.int64)
         row = kpos % PAGE
         kvmask = nmask[:, None] & dmask[None, :]
-        k = tl.load(kc_ptr + (page * stride_kp + row * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
-                    mask=kvmask, other=0.0)  # fmt: skip
-        v = tl.load(vc_ptr + (page * stride_vp + row * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
-                    mask=kvmask, other=0.0)  # fmt: skip
+        k_rows = page * stride_kp + row * stride_ks + kvh * stride_kh
+        v_rows = page * stride_vp + row * stride_vs + kvh * stride_vh
+        k = tl.load(kc_ptr + k_rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+        v = tl.load(vc_ptr + v_rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if HAS_SOFTCAP:
             # softcap * tanh(x / softcap), tanh(z) = 2 sigmoid(2z) - 1 (no libdevice needed).
@@ -141,7 +148,7 @@ def _merge_kernel(
              mask=offs_d < HEAD_DIM)  # fmt: skip
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

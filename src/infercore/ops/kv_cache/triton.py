@@ -86,5 +86,9 @@ def write_kv_cache_(
 
 
 register(
-    "write_kv_cache_", "triton", write_kv_cache_, priority=10, available=lambda cap: cap.is_cuda and cap.triton
+    "write_kv_cache_",
+    "triton",
+    write_kv_cache_,
+    priority=10,
+    available=lambda cap: cap.is_cuda and cap.triton,
 )

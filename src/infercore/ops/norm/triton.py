@@ -78,7 +78,10 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float, offset: float = 0.0) -> torch.Tensor:
-    """``x / rms(x) * (offset + weight)`` over the last dim. x ``[..., H]``, weight ``[H]``; returns x.dtype."""
+    """``x / rms(x) * (offset + weight)`` over the last dim.
+
+    x ``[..., H]`` fp32/fp16/bf16 (last dim contiguous or copied), weight ``[H]``; returns x.dtype.
+    """
     return _launch(x, None, weight, eps, offset)[0]
 
 

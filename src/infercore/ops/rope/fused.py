@@ -59,9 +59,13 @@ def rope_and_write_kv_cache_(
         raise ValueError(f"k_cache/v_cache: expected [P, page_size, {k.shape[1]}, {D}], got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")  # fmt: skip
     if positions.shape != (T,) or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"positions: expected int32/int64 [{T}], got {positions.dtype} {tuple(positions.shape)}")
+        raise ValueError(
+            f"positions: expected int32/int64 [{T}], got {positions.dtype} {tuple(positions.shape)}"
+        )
     if slot_mapping.shape != (T,) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping: expected int32 [{T}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+        raise ValueError(
+            f"slot_mapping: expected int32 [{T}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
     rot = cos_sin_cache.shape[-1]
     if cos_sin_cache.dim() != 2 or rot % 2 or rot > D:
         raise ValueError(f"cos_sin_cache: expected [max_positions, rotary_dim] with even rotary_dim <= {D}, "

@@ -63,21 +63,37 @@ def _rope_kernel(
     sin = tl.load(cs_ptr + pos * stride_cs + half + ci, mask=rot, other=0.0).to(tl.float32)
 
     offs_hq = tl.arange(0, BLOCK_HQ)
-    q, qmask = _rotate_heads(q_ptr + t * stride_qt, stride_qh, Hq, D, offs_hq, offs_d, partner, rot, sign, cos, sin)
+    q, qmask = _rotate_heads(
+        q_ptr + t * stride_qt, stride_qh, Hq, D, offs_hq, offs_d, partner, rot, sign, cos, sin
+    )
     qo = qo_ptr + t * stride_qot + offs_hq[:, None] * stride_qoh + offs_d[None, :]
     tl.store(qo, q.to(qo_ptr.dtype.element_ty), mask=qmask)
 
     offs_hk = tl.arange(0, BLOCK_HK)
-    k, kmask = _rotate_heads(k_ptr + t * stride_kt, stride_kh, Hk, D, offs_hk, offs_d, partner, rot, sign, cos, sin)
+    k, kmask = _rotate_heads(
+        k_ptr + t * stride_kt, stride_kh, Hk, D, offs_hk, offs_d, partner, rot, sign, cos, sin
+    )
     if WRITE_CACHE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
             page = slot // PAGE
             off = slot % PAGE
-            kc = kc_ptr + page * stride_kcp + off * stride_kcs + offs_hk[:, None] * stride_kch + offs_d[None, :]
+            kc = (
+                kc_ptr
+                + page * stride_kcp
+                + off * stride_kcs
+                + offs_hk[:, None] * stride_kch
+                + offs_d[None, :]
+            )
             tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=kmask)
             v = tl.load(v_ptr + t * stride_vt + offs_hk[:, None] * stride_vh + offs_d[None, :], mask=kmask)
-            vc = vc_ptr + page * stride_vcp + off * stride_vcs + offs_hk[:, None] * stride_vch + offs_d[None, :]
+            vc = (
+                vc_ptr
+                + page * stride_vcp
+                + off * stride_vcs
+                + offs_hk[:, None] * stride_vch
+                + offs_d[None, :]
+            )
             tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=kmask)
     else:
         ko = ko_ptr + t * stride_kot + offs_hk[:, None] * stride_koh + offs_d[None, :]
@@ -123,7 +139,12 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, i
 
 
 def apply_rope(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, *, is_neox: bool = True
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    *,
+    is_neox: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` at ``positions`` ``[T]``; returns new tensors."""
     return _launch(q, k, None, positions, cos_sin_cache, None, None, None, is_neox)

@@ -1,0 +1,97 @@
+"""Shared helpers of the benchmark scripts: timing, measured ceilings, and the results JSON.
+
+The JSON layout is the one in CONVENTIONS.md::
+
+    {"name", "device", "date", "command", "env": {torch, triton, gpu},
+     "cases": [{"case", "metric", "unit", "ours", "peers": {name: value}, "floor",
+                "ours_over_floor", "ours_vs_best_peer", ...extra keys}]}
+
+Every metric is higher-is-better (TB/s, TFLOP/s, tok/s), so every ratio reads the same way.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def bench_ms(fn: Callable[[], Any], *, warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds of ``fn`` (CUDA events through ``triton.testing.do_bench``)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def copy_bandwidth(device: str = "cuda", nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    a.random_(0, 255)
+    b = torch.empty_like(a)
+    t = bench_ms(lambda: b.copy_(a))
+    return 2 * nbytes / (t * 1e-3)
+
+
+def matmul_flops(device: str = "cuda", n: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Measured dense matmul rate (FLOP/s) on random data, the compute ceiling."""
+    x = torch.randn(n, n, device=device, dtype=dtype)
+    y = torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / (bench_ms(lambda: x @ y) * 1e-3)
+
+
+def case(
+    name: str,
+    *,
+    metric: str,
+    unit: str,
+    ours: float,
+    peers: dict[str, float],
+    floor: float | None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """One result row; ``floor`` is the physical ceiling in the same unit (None if not meaningful)."""
+    best = max(peers.values()) if peers else None
+    row = {
+        "case": name,
+        "metric": metric,
+        "unit": unit,
+        "ours": ours,
+        "peers": peers,
+        "floor": floor,
+        "ours_over_floor": (ours / floor) if floor else None,
+        "ours_vs_best_peer": (ours / best) if best else None,
+    }
+    row.update(extra)
+    return row
+
+
+def env_info() -> dict[str, str]:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    return {"torch": torch.__version__, "triton": triton_version, "gpu": gpu}
+
+
+def write_results(path: str, name: str, device: str, cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Write the results JSON to ``path`` (directories created) and return it."""
+    doc = {
+        "name": name,
+        "device": device,
+        "date": datetime.date.today().isoformat(),
+        "command": "python " + " ".join(sys.argv),
+        "env": env_info(),
+        "cases": cases,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    return doc

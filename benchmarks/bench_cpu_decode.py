@@ -1,0 +1,106 @@
+"""CPU greedy decode of SmolLM2-135M-Instruct: infercore Engine vs transformers `generate`.
+
+Both run in this process on the same dequantized GGUF weights, in the same dtype, the same
+prompt and the same number of threads. Decode rate = (N - 1) / (t(N tokens) - t(1 token)), so the
+prefill is excluded identically for both. The floor is the weight-read bound:
+measured copy bandwidth (read + write bytes / s) / weight bytes read per token.
+
+    python benchmarks/bench_cpu_decode.py [--tokens 64] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import result_case, write_result  # noqa: E402
+
+from infercore import Engine, SamplingParams  # noqa: E402
+from infercore.loading import default_model_path  # noqa: E402
+
+PROMPT = "Write a short story about a lighthouse keeper."
+
+
+def copy_bandwidth() -> float:
+    x = torch.randn(64 << 20)  # 256 MiB, far past the caches
+    y = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(7):
+        t = time.perf_counter()
+        y.copy_(x)
+        best = min(best, time.perf_counter() - t)
+    return 2 * x.numel() * 4 / best
+
+
+def decode_rate(run, n: int, repeats: int) -> float:
+    run(1)
+    t1 = min(_timed(run, 1) for _ in range(repeats))
+    tn = min(_timed(run, n) for _ in range(repeats))
+    return (n - 1) / (tn - t1)
+
+
+def _timed(run, n: int) -> float:
+    t = time.perf_counter()
+    run(n)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    args = ap.parse_args()
+
+    import transformers
+
+    path = default_model_path()
+    bw = copy_bandwidth()
+    cases = []
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name)
+        eng = Engine.from_pretrained(path, device="cpu", dtype=dtype, enable_prefix_caching=False)
+        ids = eng.tokenizer.encode(
+            eng.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+
+        def ours(n: int, eng=eng, ids=ids) -> list[int]:
+            sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            return eng.generate([ids], sp)[0].token_ids
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype
+        ).eval()
+        x = torch.tensor([ids])
+
+        @torch.inference_mode()
+        def theirs(n: int) -> list[int]:
+            out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=2)
+            return out[0, len(ids):].tolist()
+
+        same = ours(args.tokens) == theirs(args.tokens)
+        r_ours = decode_rate(ours, args.tokens, args.repeats)
+        r_hf = decode_rate(theirs, args.tokens, args.repeats)
+        weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
+        floor = bw / weight_bytes
+        print(f"{name}: infercore {r_ours:.1f} tok/s, transformers {r_hf:.1f} tok/s "
+              f"({r_ours / r_hf:.2f}x), floor {floor:.1f} tok/s, same tokens: {same}")
+        cases.append(result_case(
+            case=f"smollm2-135m decode bs1 {name} {args.tokens} tokens",
+            metric="decode tokens/s", unit="tok/s", ours=r_ours, peers={"transformers generate": r_hf},
+            floor=floor, extra={"greedy_tokens_identical": same, "weight_bytes": weight_bytes,
+                                "copy_bandwidth_GBps": bw / 1e9, "threads": torch.get_num_threads()},
+        ))
+        del eng, hf
+    write_result("cpu_decode", "cpu", cases)
+
+
+if __name__ == "__main__":
+    main()

@@ -10,9 +10,9 @@ Cases (bf16):
   norm / silu / rope_kv: GB/s vs torch eager; floor: copy bandwidth.
   sample   64 x 128256 logits, temperature + top-k + top-p, vs torch sort-based filtering.
 
-    python benchmarks/bench_ops.py --out benchmarks/results/h200/ops.json [--sweep]
+    python benchmarks/bench_ops.py --out benchmarks/results/h200/ops.json [--sweep decode,prefill]
 
-``--sweep`` first times a grid of kernel configurations for decode and prefill, prints it, and uses
+``--sweep decode,prefill`` first times a grid of kernel configurations, prints it, and uses
 the best one for the reported numbers (the grid and the choice go into the JSON).
 """
 
@@ -145,22 +145,29 @@ def bench_prefill(peak: float, sweep: bool, log: list) -> list[dict]:
     )
     if sweep:
         best = None
-        for bm, bn, nw, ns in [
-            (128, 64, 8, 3),
-            (128, 64, 8, 4),
-            (128, 128, 8, 2),
-            (128, 64, 4, 3),
-            (64, 64, 4, 3),
-            (128, 32, 4, 4),
+        for bm, bn, nw, ns, ws in [
+            (128, 128, 8, 3, False),
+            (128, 128, 8, 2, False),
+            (128, 64, 8, 3, False),
+            (128, 128, 8, 3, True),
+            (128, 64, 8, 3, True),
+            (128, 128, 4, 2, True),
         ]:
-            triton_prefill.TUNING[128] = {"block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": ns}
+            triton_prefill.TUNING[128] = {
+                "block_m": bm,
+                "block_n": bn,
+                "num_warps": nw,
+                "num_stages": ns,
+                "warp_specialize": ws,
+            }
             try:
                 err = rel(ours(), ref)
                 t = bench_ms(ours)
             except Exception as e:
                 print(f"prefill {bm}x{bn} warps={nw} stages={ns}: {type(e).__name__}")
                 continue
-            row = {"block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": ns, "ms": t, "err": err}
+            row = {"block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": ns, "warp_specialize": ws}
+            row.update(ms=t, err=err)
             log.append({"prefill": row})
             print("prefill", row, flush=True)
             if err < 1e-2 and (best is None or t < best["ms"]):
@@ -320,7 +327,9 @@ def bench_sampling() -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/h200/ops.json")
-    ap.add_argument("--sweep", action="store_true", help="time a grid of kernel configs first")
+    ap.add_argument(
+        "--sweep", default="", help="comma list of decode,prefill: time a grid of kernel configs first"
+    )
     ap.add_argument("--only", default="", help="comma list of: decode,prefill,elementwise,sample")
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
@@ -345,8 +354,8 @@ def main() -> None:
             json.dump(doc, f, indent=1)
 
     for name, run in [
-        ("decode", lambda: [bench_decode(bw, args.sweep, log)]),
-        ("prefill", lambda: bench_prefill(peak, args.sweep, log)),
+        ("decode", lambda: [bench_decode(bw, "decode" in args.sweep, log)]),
+        ("prefill", lambda: bench_prefill(peak, "prefill" in args.sweep, log)),
         ("elementwise", lambda: bench_elementwise(bw)),
         ("sample", bench_sampling),
     ]:

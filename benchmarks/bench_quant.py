@@ -9,6 +9,7 @@ Each case also records its median time in ms and its relative error against the 
     python benchmarks/bench_quant.py --out benchmarks/results/h200/quant.json
 """
 
+# ruff: noqa: B023  (each closure is timed inside the loop iteration that defines it)
 from __future__ import annotations
 
 import argparse
@@ -95,7 +96,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "date": datetime.date.today().isoformat(),
         "command": "python benchmarks/bench_quant.py " + " ".join(sys.argv[1:]),
-        "env": {"torch": torch.__version__, "triton": triton.__version__, "gpu": torch.cuda.get_device_name()},
+        "env": {"torch": torch.__version__, "triton": triton.__version__,
+                "gpu": torch.cuda.get_device_name()},
         "ceilings": {"copy_TBps": ceil["copy_bw"] / 1e12, "bf16_TFLOPs": ceil["bf16_flops"] / 1e12,
                      "fp8_TFLOPs": ceil["fp8_flops"] / 1e12, "int8_TOPs": ceil["int8_flops"] / 1e12},
         "cases": [],
@@ -112,12 +114,14 @@ def main() -> None:
         floor_s = max(bytes_moved / ceil["copy_bw"], flops / peak)  # copy_bw: bytes moved per second
         peers = {k: tf(v) for k, v in peers_ms.items() if v is not None}
         row = {"case": f"{case} M={m}", "metric": "effective TFLOP/s", "unit": "TFLOP/s", "ours": tf(ours_ms),
-               "peers": peers, "floor": flops / floor_s / 1e12, "ours_over_floor": tf(ours_ms) / (flops / floor_s / 1e12),
+               "peers": peers, "floor": flops / floor_s / 1e12,
+               "ours_over_floor": tf(ours_ms) / (flops / floor_s / 1e12),
                "ours_vs_best_peer": tf(ours_ms) / max(peers.values()) if peers else None,
                "ours_ms": ours_ms, "peers_ms": {k: v for k, v in peers_ms.items() if v is not None},
                "floor_ms": floor_s * 1e3, "rel_err_vs_reference": err}
         result["cases"].append(row)
-        print(json.dumps({k: row[k] for k in ("case", "ours_ms", "peers_ms", "floor_ms", "rel_err_vs_reference")}),
+        keys = ("case", "ours_ms", "peers_ms", "floor_ms", "rel_err_vs_reference")
+        print(json.dumps({k: row[k] for k in keys}),
               flush=True)
         write()
 
@@ -145,7 +149,8 @@ def main() -> None:
             sb = torch.ones(1, N, device=DEV)
             wq8 = f8a.qweight.view(torch.float8_e4m3fn)
             try:
-                t_sm = bench(lambda: torch._scaled_mm(xs, wq8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+                t_sm = bench(lambda: torch._scaled_mm(xs, wq8.t(), scale_a=sa, scale_b=sb,
+                                                      out_dtype=torch.bfloat16))
             except Exception as e:  # noqa: BLE001
                 print("_scaled_mm unavailable:", repr(e)[:200])
                 t_sm = None
@@ -160,7 +165,8 @@ def main() -> None:
             err = rel(y, R.w8a8_matmul_ref(q, s, f8a))
             sa = s[:, None].contiguous()
             sb = f8a.scales[None, :].contiguous()
-            t_sm = bench(lambda: torch._scaled_mm(q, wq8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+            t_sm = bench(lambda: torch._scaled_mm(q, wq8.t(), scale_a=sa, scale_b=sb,
+                                                  out_dtype=torch.bfloat16))
             add("FP8 W8A8 native (GEMM)", m, bench(lambda: TW.w8a8_matmul_triton(q, s, f8a)),
                 {"torch._scaled_mm fp8 rowwise": t_sm, "bf16 torch": t_bf16}, N * K + m * K + act_bytes / 2,
                 ceil["fp8_flops"], err)
@@ -183,8 +189,10 @@ def main() -> None:
             q, s, xo = TW.per_token_quant_triton(x, outlier_idx=mx.outlier_idx)
             y = TW.w8a8_matmul_triton(q, s, mx, x_out=xo)
             err = rel(y, R.w8a8_matmul_ref(q, s, mx, x_out=xo))
-            add("Mixed INT8 + 128 outliers (GEMM)", m, bench(lambda: TW.w8a8_matmul_triton(q, s, mx, x_out=xo)),
-                {"bf16 torch": t_bf16, "ours pure INT8 (GEMM)": t_i8}, N * K + m * K + act_bytes / 2 + N * 256,
+            t_mx = bench(lambda: TW.w8a8_matmul_triton(q, s, mx, x_out=xo))
+            add("Mixed INT8 + 128 outliers (GEMM)", m, t_mx,
+                {"bf16 torch": t_bf16, "ours pure INT8 (GEMM)": t_i8},
+                N * K + m * K + act_bytes / 2 + N * 256,
                 ceil["int8_flops"], err)
         except Exception:
             traceback.print_exc()

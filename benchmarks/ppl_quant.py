@@ -113,7 +113,8 @@ def main() -> None:
     native = copy.deepcopy(base)
     swapped = use_gguf_blocks(native, path)
     nat = greedy(native, p_ids, 12)
-    demo = {"prompt": "What is the capital of France?", "dense": tok.decode(dense), "native_q4_1": tok.decode(nat),
+    demo = {"prompt": "What is the capital of France?", "dense": tok.decode(dense),
+            "native_q4_1": tok.decode(nat),
             "identical": dense == nat, "native_linears": len(swapped)}
     print(demo, flush=True)
     with open(args.out, "w") as f:

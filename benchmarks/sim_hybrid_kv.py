@@ -51,7 +51,9 @@ def model_specs(name: str) -> list:
     if name == "sliding5to1":
         return ([SlidingWindowSpec(8, 128, 1024)] * 5 + [FullAttentionSpec(8, 128)]) * 8
     if name == "linear3to1":
-        gdn = LinearStateSpec((8192, 3), (32, 128, 128), conv_dtype=torch.bfloat16, recurrent_dtype=torch.float32)
+        gdn = LinearStateSpec(
+            (8192, 3), (32, 128, 128), conv_dtype=torch.bfloat16, recurrent_dtype=torch.float32
+        )
         return ([gdn] * 3 + [FullAttentionSpec(2, 256)]) * 12
     raise ValueError(f"model must be 'sliding5to1' or 'linear3to1', got {name!r}")
 
@@ -138,13 +140,17 @@ def trace(layout: HybridKVLayout, length: int, num_requests: int, *, token_budge
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="contexts 4k and 32k only, no trace")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu" / "sim_hybrid_kv.json"))
+    parser.add_argument(
+        "--out", default=str(Path(__file__).parent / "results" / "cpu" / "sim_hybrid_kv.json")
+    )
     args = parser.parse_args()
     contexts = [4096, 32768] if args.quick else CONTEXTS
     cases = []
     for model in ("sliding5to1", "linear3to1"):
         specs = model_specs(model)
-        layouts = {m: HybridKVLayout.build(specs, page_tokens=PAGE_TOKENS, mode=m) for m in ("multi", "uniform")}
+        layouts = {
+            m: HybridKVLayout.build(specs, page_tokens=PAGE_TOKENS, mode=m) for m in ("multi", "uniform")
+        }
         for length in contexts:
             ideal = BUDGET // layouts["multi"].needed_bytes(length)
             cap = {m: capacity(lay, length) for m, lay in layouts.items()}
@@ -153,7 +159,8 @@ def main() -> None:
                 for m, lay in layouts.items():
                     row[m]["trace_peak"] = trace(lay, length, max(8, 4 * cap[m][0]))
             print(f"{model:12s} {length:>6d}: ideal {ideal:4d} | " + " | ".join(
-                f"{m}: cap {r['capacity']:4d} util {100 * r['utilization']:5.1f}% peak {r.get('trace_peak', '-')}"
+                f"{m}: cap {r['capacity']:4d} util {100 * r['utilization']:5.1f}% "
+                f"peak {r.get('trace_peak', '-')}"
                 for m, r in row.items()
             ), flush=True)  # fmt: skip
             ours, base = row["multi"], row["uniform"]
@@ -171,8 +178,13 @@ def main() -> None:
         "device": "cpu",
         "date": datetime.date.today().isoformat(),
         "command": "PYTHONPATH=src python benchmarks/sim_hybrid_kv.py" + (" --quick" if args.quick else ""),
-        "env": {"torch": torch.__version__, "triton": _triton_version(), "gpu": None,
-                "python": sys.version.split()[0], "machine": platform.machine()},  # fmt: skip
+        "env": {
+            "torch": torch.__version__,
+            "triton": _triton_version(),
+            "gpu": None,
+            "python": sys.version.split()[0],
+            "machine": platform.machine(),
+        },  # fmt: skip
         "notes": "KV budget 40 GiB; page 16 tokens; prefill chunk 2048; peers.uniform = one page size for "
         "every layer (sliding layers keep full history, states padded to an inflated token page); "
         "floor = the ideal (no waste) value.",

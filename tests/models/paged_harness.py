@@ -87,9 +87,18 @@ def tiny_hf_config(kind: str, **overrides):
     import transformers as tf
 
     common = dict(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.1,
-        bos_token_id=1, eos_token_id=None, pad_token_id=0,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=0,
     )
     if kind == "llama":
         cfg = tf.LlamaConfig(**{**common, **overrides})
@@ -110,8 +119,10 @@ def tiny_hf_model(kind: str, *, seed: int = 0, **overrides):
 
     cfg = tiny_hf_config(kind, **overrides)
     cls = {
-        "llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
-        "qwen3": tf.Qwen3ForCausalLM, "mistral": tf.MistralForCausalLM,
+        "llama": tf.LlamaForCausalLM,
+        "qwen2": tf.Qwen2ForCausalLM,
+        "qwen3": tf.Qwen3ForCausalLM,
+        "mistral": tf.MistralForCausalLM,
     }[kind]
     torch.manual_seed(seed)
     model = cls(cfg).eval()
@@ -139,7 +150,11 @@ def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
 def hf_greedy(hf_model, tokens: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = hf_model.generate(
-            torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
-            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+            torch.tensor([tokens]),
+            attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
-    return out[0, len(tokens):].tolist()
+    return out[0, len(tokens) :].tolist()

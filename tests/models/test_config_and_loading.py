@@ -24,7 +24,9 @@ def _hf_dict(kind: str, **overrides) -> dict:
 
 # ----------------------------------------------------------------------------------- from_hf
 def test_from_hf_llama_fields():
-    cfg = ModelConfig.from_hf(_hf_dict("llama", tie_word_embeddings=True, rope_theta=123.0, eos_token_id=[2, 7]))
+    cfg = ModelConfig.from_hf(
+        _hf_dict("llama", tie_word_embeddings=True, rope_theta=123.0, eos_token_id=[2, 7])
+    )
     assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size) == (300, 64, 128)
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2, 4, 2, 16)
     assert cfg.tie_word_embeddings and cfg.rope_theta == 123.0 and cfg.rope_scaling is None
@@ -46,7 +48,9 @@ def test_from_hf_family_quirks():
 
 
 def test_from_hf_qwen2_window_layers():
-    d = _hf_dict("qwen2", num_hidden_layers=4, use_sliding_window=True, sliding_window=16, max_window_layers=2)
+    d = _hf_dict(
+        "qwen2", num_hidden_layers=4, use_sliding_window=True, sliding_window=16, max_window_layers=2
+    )
     cfg = ModelConfig.from_hf(d)
     assert [cfg.layer_sliding_window(i) for i in range(4)] == [None, None, 16, 16]
     d = _hf_dict("qwen2", use_sliding_window=False, sliding_window=16)
@@ -56,14 +60,25 @@ def test_from_hf_qwen2_window_layers():
 def test_from_hf_legacy_rope_keys():
     """transformers 4.x layout: top-level rope_theta and rope_scaling with legacy "type"."""
     d = {
-        "model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "rope_theta": 5e5, "max_position_embeddings": 64,
+        "model_type": "llama",
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "rope_theta": 5e5,
+        "max_position_embeddings": 64,
         "rope_scaling": {"type": "linear", "factor": 2.0},
     }
     cfg = ModelConfig.from_hf(d)
     assert cfg.rope_theta == 5e5 and cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert cfg.num_kv_heads == 2 and cfg.head_dim == 4
-    d["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    d["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    }
     assert ModelConfig.from_hf(d).rope_scaling["original_max_position_embeddings"] == 64
 
 
@@ -84,8 +99,13 @@ def test_from_hf_errors():
 
 # ----------------------------------------------------------------------------------- build_model
 @pytest.mark.parametrize(
-    "kind,cls", [("llama", LlamaForCausalLM), ("mistral", MistralForCausalLM), ("qwen2", Qwen2ForCausalLM),
-                 ("qwen3", Qwen3ForCausalLM)]
+    "kind,cls",
+    [
+        ("llama", LlamaForCausalLM),
+        ("mistral", MistralForCausalLM),
+        ("qwen2", Qwen2ForCausalLM),
+        ("qwen3", Qwen3ForCausalLM),
+    ],
 )
 def test_build_model_registry_and_kv_specs(kind, cls):
     cfg = ModelConfig.from_hf(_hf_dict(kind))
@@ -94,9 +114,15 @@ def test_build_model_registry_and_kv_specs(kind, cls):
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert model.cos_sin_cache.dtype == torch.float32
     window = 8 if kind == "mistral" else None
-    assert model.kv_specs() == [
-        FullAttentionSpec(num_kv_heads=2, head_dim=cfg.head_dim, dtype=torch.bfloat16, sliding_window=window)
-    ] * 2
+    assert (
+        model.kv_specs()
+        == [
+            FullAttentionSpec(
+                num_kv_heads=2, head_dim=cfg.head_dim, dtype=torch.bfloat16, sliding_window=window
+            )
+        ]
+        * 2
+    )
     # "normal" init gives finite, non-trivial weights usable for speed runs.
     w = model.model.layers[0].self_attn.qkv_proj.weight
     assert torch.isfinite(w).all() and w.float().std() > 0.01
@@ -144,8 +170,8 @@ def test_load_weights_stacks_projections():
     attn, hf_attn = model.model.layers[1].self_attn, hf.model.layers[1].self_attn
     q, k, v = attn.qkv_proj.weight.split([attn.q_size, attn.kv_size, attn.kv_size])
     assert torch.equal(q, hf_attn.q_proj.weight) and torch.equal(v, hf_attn.v_proj.weight)
-    assert torch.equal(attn.qkv_proj.bias[attn.q_size:attn.q_size + attn.kv_size], hf_attn.k_proj.bias)
-    up = model.model.layers[1].mlp.gate_up_proj.weight[hf.config.intermediate_size:]
+    assert torch.equal(attn.qkv_proj.bias[attn.q_size : attn.q_size + attn.kv_size], hf_attn.k_proj.bias)
+    up = model.model.layers[1].mlp.gate_up_proj.weight[hf.config.intermediate_size :]
     assert torch.equal(up, hf.model.layers[1].mlp.up_proj.weight)
 
 

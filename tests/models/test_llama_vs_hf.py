@@ -18,13 +18,19 @@ CASES = {
     "llama_tied": dict(kind="llama", tie_word_embeddings=True),
     "llama3_rope": dict(
         kind="llama",
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 16},
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
         rope_theta=500000.0,
     ),
     "qwen2_bias": dict(kind="qwen2"),
-    "qwen2_window_layers": dict(kind="qwen2", num_hidden_layers=3, use_sliding_window=True, sliding_window=8,
-                                max_window_layers=1),
+    "qwen2_window_layers": dict(
+        kind="qwen2", num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1
+    ),
     "qwen3_qk_norm": dict(kind="qwen3"),
     "mistral_window": dict(kind="mistral", sliding_window=8),
 }
@@ -57,7 +63,9 @@ def test_sliding_window_is_really_applied(case, tmp_path):
     hf = _hf(case)
     spec = dict(CASES[case])
     kind = spec.pop("kind")
-    spec.update(sliding_window=None, use_sliding_window=False) if kind == "qwen2" else spec.update(sliding_window=None)
+    spec["sliding_window"] = None
+    if kind == "qwen2":
+        spec["use_sliding_window"] = False
     full = tiny_hf_model(kind, **spec)  # same shapes, no window; then the same weights
     full.load_state_dict(hf.state_dict())
     prompt = PROMPTS[0]
@@ -100,7 +108,7 @@ def test_chunked_prefill_matches_full_prefill(case, tmp_path):
         logits = runner.step(step)
         for seq_id, chunk in step:
             pieces[seq_id].append(logits[: len(chunk)])
-            logits = logits[len(chunk):]
+            logits = logits[len(chunk) :]
     for seq_id, prompt in enumerate(PROMPTS):
         _check_close(torch.cat(pieces[seq_id]), hf_logits(hf, prompt))
 

@@ -54,11 +54,14 @@ def test_fp8_decode_kernel_bit_exact():
 
 
 @pytest.mark.parametrize("block", [None, 128])
-def test_fp8_weight_only(block):
+@pytest.mark.parametrize("m,dtype", [(2, torch.float32), (5, torch.float32), (17, torch.float16)])
+def test_fp8_weight_only(block, m, dtype):
     torch.manual_seed(0)
     w = FP8Weight.quantize(torch.randn(40, 160), block_size=block)
-    x = torch.randn(5, 160)
-    _close(triton_wo.fp8_wo_matmul_triton(x, w), R.fp8_wo_matmul_ref(x, w), 1e-5)
+    x = torch.randn(m, 160).to(dtype)
+    # m=2: FMA GEMV; m=5: dot on the fp32 pattern; fp16: dot on the fp16 pattern (fold 2**8).
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    _close(triton_wo.fp8_wo_matmul_triton(x, w), R.fp8_wo_matmul_ref(x, w), tol)
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])

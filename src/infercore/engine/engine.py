@@ -13,6 +13,7 @@ import torch
 from ..kv import BlockManager, allocate_kv_caches, bytes_per_page
 from .params import SamplingParams
 from .request import Request, RequestOutput, Status
+from .graph_runner import CUDAGraphRunner
 from .runner import ModelRunner
 from .scheduler import Scheduler
 
@@ -31,6 +32,8 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # CUDA only: capture decode steps of up to this many requests in CUDA graphs (0 = eager)
+    cuda_graph_max_batch: int = 256
 
     def validate(self) -> None:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -77,6 +80,15 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
+        self.graph_runner = None
+        if self.device.type == "cuda" and config.cuda_graph_max_batch > 0:
+            self.graph_runner = CUDAGraphRunner(
+                self.runner,
+                max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
+                max_model_len=self.max_model_len,
+                page_size=config.page_size,
+            )
+            self.graph_runner.capture()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._eos = frozenset(getattr(tokenizer, "eos_token_ids", None) or _config_eos(mcfg))
@@ -195,7 +207,10 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.requests:
             return []
-        sampled = self.runner.execute(batch)
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            sampled = self.graph_runner.execute(batch)
+        else:
+            sampled = self.runner.execute(batch)
         outputs = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n

@@ -7,12 +7,26 @@ a padded int32 block table and the slot mapping where new K/V are written.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ..kv import BlockManager
 from ..ops import AttentionMetadata, SamplingTensors, sample
 from .request import Request
 from .scheduler import ScheduledBatch
+
+
+@dataclass
+class StepInputs:
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    cu_seqlens: list[int] = field(default_factory=lambda: [0])
+    seq_lens: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    max_q: int = 0
 
 
 class ModelRunner:
@@ -33,38 +47,37 @@ class ModelRunner:
         # Build on the host, copy once; pinned + non_blocking would help on CUDA for large batches.
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
+    def host_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        """The step's inputs as host lists (one pass over the batch)."""
+        x = StepInputs()
         for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             start = req.num_computed_tokens
             end = start + n
-            input_ids += req.all_token_ids[start:end]
-            positions += range(start, end)
-            slots += self.bm.slot_mapping(req.request_id, start, end)
-            cu.append(cu[-1] + n)
-            seq_lens.append(end)
-            tables.append(self.bm.block_table(req.request_id))
+            x.input_ids += req.all_token_ids[start:end]
+            x.positions += range(start, end)
+            x.slots += self.bm.slot_mapping(req.request_id, start, end)
+            x.cu_seqlens.append(x.cu_seqlens[-1] + n)
+            x.seq_lens.append(end)
+            x.tables.append(self.bm.block_table(req.request_id))
             if end == req.num_tokens:
-                sample_rows.append(i)
-        width = max(len(t) for t in tables)
-        table = [t + [0] * (width - len(t)) for t in tables]
-        max_q = max(batch.num_new_tokens)
+                x.sample_rows.append(i)
+        x.max_q = max(batch.num_new_tokens)
+        return x
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        x = self.host_inputs(batch)
+        width = max(len(t) for t in x.tables)
+        table = [t + [0] * (width - len(t)) for t in x.tables]
         meta = AttentionMetadata(
-            cu_seqlens_q=self._tensor(cu),
-            seq_lens=self._tensor(seq_lens),
+            cu_seqlens_q=self._tensor(x.cu_seqlens),
+            seq_lens=self._tensor(x.seq_lens),
             block_table=self._tensor(table),
-            slot_mapping=self._tensor(slots),
-            max_seqlen_q=max_q,
-            max_seqlen_k=max(seq_lens),
-            decode_only=max_q == 1,
+            slot_mapping=self._tensor(x.slots),
+            max_seqlen_q=x.max_q,
+            max_seqlen_k=max(x.seq_lens),
+            decode_only=x.max_q == 1,
         )
-        return self._tensor(input_ids, torch.long), self._tensor(positions, torch.long), meta, sample_rows
+        return self._tensor(x.input_ids, torch.long), self._tensor(x.positions, torch.long), meta, x.sample_rows
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> dict[Request, int]:
@@ -76,7 +89,10 @@ class ModelRunner:
             return {}
         last = meta.cu_seqlens_q[1:][torch.tensor(rows, device=self.device)] - 1
         logits = self.model.compute_logits(hidden[last.long()])
-        reqs = [batch.requests[i] for i in rows]
+        return self.sample([batch.requests[i] for i in rows], logits)
+
+    def sample(self, reqs: list[Request], logits: torch.Tensor) -> dict[Request, int]:
+        """Sample one token per request from ``logits`` ``[len(reqs), V]`` (the step's only host sync)."""
         tokens = sample(logits, sampling_tensors(reqs, self.device), prev_tokens=_prev_tokens(reqs, self.device))
         return dict(zip(reqs, tokens.tolist()))
 

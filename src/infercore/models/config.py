@@ -95,8 +95,16 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
@@ -133,8 +141,9 @@ class ModelConfig:
         if self.sliding_window is not None and (
             not isinstance(self.sliding_window, int) or self.sliding_window <= 0
         ):
-            raise ValueError(f"ModelConfig.sliding_window must be a positive int or None, got "
-                             f"{self.sliding_window!r}")
+            raise ValueError(
+                f"ModelConfig.sliding_window must be a positive int or None, got {self.sliding_window!r}"
+            )
         if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
             raise ValueError("ModelConfig.sliding_window is None but layer_types has sliding layers")
 
@@ -188,7 +197,9 @@ class ModelConfig:
         sliding_window, layer_types = _parse_sliding(hf, model_type, num_layers, get)
 
         eos = get("eos_token_id")
-        eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list | tuple) else [eos]))
+        eos_ids = (
+            () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list | tuple) else [eos]))
+        )
         archs = hf.get("architectures") or [_ARCHITECTURES[model_type]]
 
         return cls(
@@ -240,12 +251,15 @@ def _parse_rope(hf: Mapping[str, Any], max_positions: int) -> tuple[float, dict[
     scaling = {"rope_type": rope_type, **params}
     if rope_type in ("llama3", "yarn", "longrope"):
         # HF falls back to the model's max_position_embeddings for the pretraining length.
-        scaling.setdefault("original_max_position_embeddings",
-                           hf.get("original_max_position_embeddings") or max_positions)
+        scaling.setdefault(
+            "original_max_position_embeddings", hf.get("original_max_position_embeddings") or max_positions
+        )
     return float(theta), scaling, float(partial)
 
 
-def _parse_sliding(hf: Mapping[str, Any], model_type: str, num_layers: int, get) -> tuple[int | None, list[str]]:
+def _parse_sliding(
+    hf: Mapping[str, Any], model_type: str, num_layers: int, get
+) -> tuple[int | None, list[str]]:
     """(sliding_window, layer_types) following each family's HF modeling code."""
     if model_type == "llama":
         return None, [FULL_ATTENTION] * num_layers
@@ -262,5 +276,7 @@ def _parse_sliding(hf: Mapping[str, Any], model_type: str, num_layers: int, get)
     layer_types = hf.get("layer_types")
     if layer_types is None:
         max_window_layers = get("max_window_layers", 28)
-        layer_types = [SLIDING_ATTENTION if i >= max_window_layers else FULL_ATTENTION for i in range(num_layers)]
+        layer_types = [
+            SLIDING_ATTENTION if i >= max_window_layers else FULL_ATTENTION for i in range(num_layers)
+        ]
     return window, list(layer_types)

@@ -83,7 +83,7 @@ class LlamaAttention(nn.Module):
         q, k = apply_rope(q, k, positions, cos_sin)
         k_cache, v_cache = kv_cache
         write_kv_cache_(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, meta, scale=self.scale, sliding_window=None)
+        o = paged_attention(q, k_cache, v_cache, meta, scale=self.scale, sliding_window=self.sliding_window)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -136,7 +136,9 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype=dtype) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype=dtype) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
 
 
@@ -203,9 +205,13 @@ class LlamaForCausalLM(nn.Module):
         if input_ids.ndim != 1:
             raise ValueError(f"input_ids must be 1-D [tokens], got shape {tuple(input_ids.shape)}")
         if positions.shape != input_ids.shape:
-            raise ValueError(f"positions has shape {tuple(positions.shape)}, expected {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"positions has shape {tuple(positions.shape)}, expected {tuple(input_ids.shape)}"
+            )
         if len(kv_caches) != len(layers):
-            raise ValueError(f"kv_caches has {len(kv_caches)} entries, expected one per layer ({len(layers)})")
+            raise ValueError(
+                f"kv_caches has {len(kv_caches)} entries, expected one per layer ({len(layers)})"
+            )
         x = self.model.embed_tokens(input_ids)
         residual = None
         cos_sin = self.cos_sin_cache
@@ -279,7 +285,9 @@ class LlamaForCausalLM(nn.Module):
             if self._IGNORED_RE.search(hf_name) or (tied and hf_name == "lm_head.weight"):
                 continue
             if hf_name not in expected:
-                raise ValueError(f"load_weights: unexpected tensor {hf_name!r} for {self.config.architecture}")
+                raise ValueError(
+                    f"load_weights: unexpected tensor {hf_name!r} for {self.config.architecture}"
+                )
             if hf_name in seen:
                 raise ValueError(f"load_weights: tensor {hf_name!r} given twice")
             seen.add(hf_name)

@@ -49,6 +49,7 @@ __all__ = [
     "scheme_table",
     "to_awq",
     "to_gptq",
+    "write_quantized_kv_cache_",
     "w8a8_matmul",
     "wq_matmul",
 ]

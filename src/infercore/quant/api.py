@@ -52,7 +52,8 @@ SCHEMES: dict[str, QuantScheme] = {
         QuantScheme("fp8-w8a8", "w8a8", "FP8 e4m3 per-channel weights x per-token FP8 activations "
                     "(native FP8 tensor cores, sm89+)", act="fp8"),
         QuantScheme("w8a8", "w8a8", "INT8 per-channel weights x per-token INT8 activations", act="int8"),
-        QuantScheme("w8a8-smooth", "w8a8", "INT8 W8A8 with SmoothQuant factors (alpha 0.5; needs calibration)",
+        QuantScheme("w8a8-smooth", "w8a8",
+                    "INT8 W8A8 with SmoothQuant factors (alpha 0.5; needs calibration)",
                     act="int8", smooth_alpha=0.5),
         QuantScheme("w8a8-mixed", "w8a8", "MixQ: INT8 W8A8 with outlier input channels (abs(x) > 6) kept in "
                     "bf16; set seeded by calibration and grown online", act="int8", outlier_threshold=6.0),

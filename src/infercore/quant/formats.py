@@ -331,7 +331,9 @@ class Int8Weight(QuantizedWeight):
         q[:, new_idx.long()] = 0
         idx = new_idx if self.outlier_idx is None else torch.cat([self.outlier_idx, new_idx])
         w_out = cols.to(dtype) if self.w_outlier is None else torch.cat([self.w_outlier, cols.to(dtype)], 1)
-        return dataclasses.replace(self, qweight=q, outlier_idx=idx.contiguous(), w_outlier=w_out.contiguous())
+        return dataclasses.replace(
+            self, qweight=q, outlier_idx=idx.contiguous(), w_outlier=w_out.contiguous()
+        )
 
 
 # ----------------------------------------------------------------------------------------------

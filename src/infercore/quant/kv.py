@@ -34,7 +34,9 @@ def quantize_kv(x: torch.Tensor, *, kv_dtype: str) -> tuple[torch.Tensor, torch.
     return q, scale
 
 
-def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize_kv(
+    q: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """Inverse of :func:`quantize_kv`: ``q [..., D]`` times ``scale [...]`` -> ``dtype``."""
     if scale.shape != q.shape[:-1]:
         raise ValueError(f"scale: expected shape {tuple(q.shape[:-1])}, got {tuple(scale.shape)}")

@@ -75,6 +75,8 @@ class QuantLinear(nn.Module):
             return fp8_wo_matmul(x, w, bias=self.bias)
         if isinstance(w, GGUFWeight):
             return gguf_matmul(x, w, bias=self.bias)
+        if x.dim() < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(f"QuantLinear: x must be [..., {self.in_features}], got {tuple(x.shape)}")
         x2 = x.reshape(-1, self.in_features)
         if self.outlier_threshold is not None:
             y = self._mixed(x2, w)

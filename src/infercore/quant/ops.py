@@ -64,7 +64,10 @@ def wq_matmul(x: torch.Tensor, w: IntWeight, *, bias: torch.Tensor | None = None
 
 
 def fp8_wo_matmul(x: torch.Tensor, w: FP8Weight, *, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ dequant(w).T`` for e4m3 weights (per-channel or 128x128 block scales); ``[..., N]`` in x.dtype."""
+    """``x @ dequant(w).T`` for e4m3 weights (per-channel or 128x128 block scales).
+
+    Emulated decode on every GPU (no FP8 instruction); returns ``[..., N]`` in ``x.dtype``.
+    """
     return _weight_only("quant.fp8_wo_matmul", FP8Weight, x, w, bias)
 
 

@@ -60,7 +60,8 @@ def from_gptq(
     if g_idx is not None and not torch.equal(
         g_idx.cpu().long(), torch.arange(k) // group_size
     ):
-        raise ValueError("g_idx: act-order (desc_act) checkpoints are not supported; expected k // group_size")
+        raise ValueError("g_idx: act-order (desc_act) checkpoints are not supported; "
+                         "expected k // group_size")
     q = _unpack_last(qweight.t().contiguous(), bits)  # [N, K]
     z = _unpack_last(qzeros, bits).t() + 1  # [N, K/g]
     return IntWeight(_pack_codes(q, bits), scales.t().float().contiguous(),
@@ -82,7 +83,9 @@ def to_gptq(w: IntWeight) -> dict[str, torch.Tensor]:
     }
 
 
-def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *, group_size: int) -> IntWeight:
+def from_awq(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *, group_size: int
+) -> IntWeight:
     """AWQ GEMM tensors (4-bit) -> :class:`IntWeight`."""
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
         raise TypeError("qweight/qzeros: expected int32 tensors")

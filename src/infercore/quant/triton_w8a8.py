@@ -27,6 +27,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _AUTOTUNE = os.environ.get("INFERCORE_QUANT_AUTOTUNE", "1") != "0"
 
 
+def _mm_cfg(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps,
+                         num_stages=stages)
+
+
 @triton.jit
 def _act_quant_kernel(
     x_ptr, smooth_ptr, mask_ptr, idx_ptr, q_ptr, s_ptr, xo_ptr,
@@ -113,11 +118,11 @@ def _configs() -> list[triton.Config]:
     if _INTERPRET:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2}, num_warps=4)]
     configs = [
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=8, num_stages=4),
-        triton.Config({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 8}, num_warps=4, num_stages=4),
+        _mm_cfg(128, 256, 128, 8, 3),
+        _mm_cfg(128, 128, 128, 8, 4),
+        _mm_cfg(256, 128, 128, 8, 3),
+        _mm_cfg(64, 128, 128, 4, 4),
+        _mm_cfg(16, 64, 256, 4, 4),
     ]
     return configs if _AUTOTUNE else configs[:1]
 
@@ -166,8 +171,9 @@ def _scaled_mm_kernel(
         b = tl.load(b_ptr + rows_b + offs_k[None, :], mask=n_mask[:, None] & k_mask, other=0)
         if IS_INT8:
             acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
-        else:
-            acc = tl.dot(a, tl.trans(b), acc)
+        else:  # FP8 operands travel as bytes (a zero byte is +0.0) and are reinterpreted here
+            a8 = a.to(tl.float8e4nv, bitcast=True)
+            acc = tl.dot(a8, tl.trans(b.to(tl.float8e4nv, bitcast=True)), acc)
     sa = tl.load(sa_ptr + offs_m, mask=m_mask, other=0.0)
     sb = tl.load(sb_ptr + offs_n, mask=n_mask, other=0.0)
     y = acc.to(tl.float32) * sa[:, None] * sb[None, :]
@@ -197,7 +203,8 @@ def w8a8_matmul_triton(
     m, k = qx.shape
     n = w.shape[0]
     is_int8 = w.act == "int8"
-    b = w.qweight if is_int8 else w.qweight.view(torch.float8_e4m3fn)
+    b = w.qweight  # int8, or uint8 e4m3 bytes
+    a = qx if is_int8 else qx.view(torch.uint8)
     has_out = w.num_outliers > 0 and x_out is not None
     if has_out and x_out.dtype != w.w_outlier.dtype:
         x_out = x_out.to(w.w_outlier.dtype)
@@ -206,10 +213,10 @@ def w8a8_matmul_triton(
         return c
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
     _scaled_mm_kernel[grid](
-        qx, b, sx, w.scales, x_out if has_out else sx, w.w_outlier if has_out else sx,
+        a, b, sx, w.scales, x_out if has_out else sx, w.w_outlier if has_out else sx,
         bias if bias is not None else sx, c,
         m, n, k, w.num_outliers if has_out else 0, min(triton.next_power_of_2(m), 256),
-        qx.stride(0), b.stride(0), x_out.stride(0) if has_out else 0,
+        a.stride(0), b.stride(0), x_out.stride(0) if has_out else 0,
         w.w_outlier.stride(0) if has_out else 0, c.stride(0),
         IS_INT8=is_int8, HAS_OUTLIERS=has_out, HAS_BIAS=bias is not None,
         OUT_PRECISION="ieee" if has_out and x_out.dtype == torch.float32 else "tf32",

@@ -32,6 +32,11 @@ from .gguf import BLOCK_BYTES
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # INFERCORE_QUANT_AUTOTUNE=0 keeps only the first GPU config of each kernel (fast test runs).
 _AUTOTUNE = os.environ.get("INFERCORE_QUANT_AUTOTUNE", "1") != "0"
+
+
+def _mm_cfg(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps,
+                         num_stages=stages)
 _GGUF_QTYPE = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
 # Below this many rows the GEMV kernel is used for INT weights.
 GEMV_MAX_M = 4
@@ -115,10 +120,12 @@ def _wq_gemv_kernel(
     # Tiles are [BLOCK_N, NSUB, HS] (3-D so each scale broadcasts without a reshape); partial
     # products accumulate elementwise and are reduced once at the end.
     acc = tl.zeros([BLOCK_N, NSUB, HS], dtype=tl.float32)
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, KP)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        kb = k0 // PACK + j * HS + i
+    # Iterate over byte offsets (not k // 2) so alignment analysis can prove 16-byte loads.
+    kb_start = pid_k * (k_per_split // PACK)
+    kb_end = tl.minimum(kb_start + k_per_split // PACK, KP // PACK)
+    for kb0 in range(kb_start, kb_end, BLOCK_K // PACK):
+        k0 = kb0 * PACK
+        kb = kb0 + j * HS + i
         b = tl.load(qw_ptr + row * stride_qn + kb, mask=n_mask & (kb < KP // PACK), other=0).to(tl.int32)
         g = (k0 + j * SUB) // GROUP
         g_mask = n_mask & (g < num_groups)
@@ -152,12 +159,12 @@ def _wq_gemv_kernel(
 @triton.autotune(
     configs=_configs(
         [
-            triton.Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
-            triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
-            triton.Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
-            triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
-            triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
-            triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
+            _mm_cfg(16, 64, 128, 4, 4),
+            _mm_cfg(16, 32, 128, 4, 4),
+            _mm_cfg(16, 128, 128, 4, 4),
+            _mm_cfg(64, 128, 64, 4, 4),
+            _mm_cfg(128, 128, 64, 8, 4),
+            _mm_cfg(128, 256, 64, 8, 3),
         ],
         triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2}, num_warps=4),
     ),
@@ -181,7 +188,9 @@ def _wq_gemm_kernel(
     rows_x = offs_m.to(tl.int64)[:, None] * stride_xm
     rows_w = offs_n.to(tl.int64)[:, None] * stride_qn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, KP, BLOCK_K):
+    PACK: tl.constexpr = 2 if BITS == 4 else 1
+    for kb0 in range(0, KP // PACK, BLOCK_K // PACK):  # byte offsets: provably aligned loads
+        k0 = kb0 * PACK
         g = k0 // GROUP  # BLOCK_K <= GROUP: one scale per channel per step
         s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
         if HAS_ZEROS:
@@ -192,16 +201,16 @@ def _wq_gemm_kernel(
             # Even and odd K in two dots, so nibbles never need interleaving. Each nibble becomes
             # MAGIC_BASE + code by OR-ing it into the mantissa of MAGIC_BASE (exact, no convert
             # instruction); the dot of the activations with MAGIC_BASE + z is subtracted after.
-            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            offs_b = kb0 + tl.arange(0, BLOCK_K // 2)
             b = tl.load(qw_ptr + rows_w + offs_b[None, :],
                         mask=n_mask[:, None] & (offs_b[None, :] < KP // 2), other=0)
-            ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            ae = tl.load(x_ptr + rows_x + ke[None, :], mask=m_mask[:, None] & (ke[None, :] < K), other=0.0)
-            ao = tl.load(x_ptr + rows_x + ke[None, :] + 1, mask=m_mask[:, None] & (ke[None, :] + 1 < K),
-                         other=0.0)
-            if MAGIC == 0:  # fp32 activations
-                lo = ((b.to(tl.int32) & 15) | 0x4B000000).to(tl.float32, bitcast=True)
-                hi = ((b.to(tl.int32) >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_ptr + rows_x + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K),
+                        other=0.0)
+            ae, ao = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
+            if MAGIC == 0:  # fp32 activations: a 2**23 offset would swamp fp32 products; convert
+                lo = (b & 15).to(tl.float32)
+                hi = (b >> 4).to(tl.float32)
             else:
                 lo = ((b.to(tl.int16) & 15) | MAGIC).to(ae.dtype, bitcast=True)
                 hi = ((b.to(tl.int16) >> 4) | MAGIC).to(ae.dtype, bitcast=True)
@@ -211,8 +220,10 @@ def _wq_gemm_kernel(
             part -= asum[:, None] * (z + MAGIC_BASE)[None, :]
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(x_ptr + rows_x + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
-            q = tl.load(qw_ptr + rows_w + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < KP), other=0)
+            a = tl.load(x_ptr + rows_x + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K),
+                        other=0.0)
+            q = tl.load(qw_ptr + rows_w + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < KP),
+                        other=0)
             w = (q.to(tl.float32) - z[:, None]).to(a.dtype)  # |q - z| <= 255: exact in bf16/fp16
             part = tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
         acc += part * s[None, :]
@@ -221,7 +232,7 @@ def _wq_gemm_kernel(
 
 
 # (pattern, value) of the magic float into whose mantissa a 4-bit code is OR-ed, per activation dtype.
-_MAGIC = {torch.float32: (0, 8388608.0), torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+_MAGIC = {torch.float32: (0, 0.0), torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 
 
 def _prune_wq(configs, nargs):
@@ -360,12 +371,12 @@ def _fp8_gemv_kernel(
 @triton.autotune(
     configs=_configs(
         [
-            triton.Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
-            triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
-            triton.Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
-            triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
-            triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=8, num_stages=3),
-            triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
+            _mm_cfg(16, 64, 128, 4, 4),
+            _mm_cfg(16, 32, 128, 4, 4),
+            _mm_cfg(16, 128, 128, 4, 4),
+            _mm_cfg(64, 128, 128, 4, 4),
+            _mm_cfg(128, 128, 128, 8, 3),
+            _mm_cfg(128, 256, 64, 8, 3),
         ],
         triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2}, num_warps=4),
     ),
@@ -410,7 +421,8 @@ def _fp8_wo_kernel(
         if SCALE_BLOCK == 0:
             acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
         else:  # BLOCK_K divides SCALE_BLOCK: one block column per step
-            sb = tl.load(s_ptr + (offs_n // SCALE_BLOCK) * stride_sn + k0 // SCALE_BLOCK, mask=n_mask, other=0.0)
+            sb = tl.load(s_ptr + (offs_n // SCALE_BLOCK) * stride_sn + k0 // SCALE_BLOCK, mask=n_mask,
+                         other=0.0)
             acc += tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION) * sb[None, :]
     if SCALE_BLOCK == 0:
         acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]

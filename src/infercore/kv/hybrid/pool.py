@@ -2,7 +2,7 @@
 
 Small page ``k`` of large page ``L`` in group ``g`` has id ``L * smalls_per_large[g] + k``, so a
 group's small pages index dim 0 of a ``[num_large * smalls_per_large[g], small_bytes]`` view of one
-byte buffer (see :func:`infercore.kv.hybrid.allocate_hybrid_buffer`).
+byte buffer of ``num_large * large_bytes`` bytes.
 
 Placement is request-aware (Jenga): a large page is carved *for* an owner (a request), and that
 owner's later small pages of the same group come from it first. Requests therefore hold mostly
@@ -29,7 +29,9 @@ class TwoLevelPool:
             groups a request holds one page of); default False (request-aware placement).
     """
 
-    def __init__(self, num_large: int, smalls_per_large: list[int], *, dense: list[bool] | None = None) -> None:
+    def __init__(
+        self, num_large: int, smalls_per_large: list[int], *, dense: list[bool] | None = None
+    ) -> None:
         if isinstance(num_large, bool) or not isinstance(num_large, int) or num_large < 0:
             raise ValueError(f"num_large must be a non-negative int, got {num_large!r}")
         if not smalls_per_large or any(n <= 0 for n in smalls_per_large):

@@ -85,8 +85,8 @@ class LinearStateSpec:
     """A recurrent layer (Mamba2, gated DeltaNet): one state per request, whatever its length.
 
     Attributes:
-        conv_state_shape: per-request causal-conv state, e.g. ``(conv_dim, kernel - 1)``;
-            ``()``-free: a layer without a conv passes ``conv_state_shape=None``.
+        conv_state_shape: per-request causal-conv state, e.g. ``(conv_dim, kernel - 1)``, or
+            None for a layer without a conv.
         recurrent_state_shape: per-request recurrent state, e.g. ``(Hv, Dk, Dv)`` for gated
             DeltaNet or ``(H, P, N)`` for Mamba2.
         conv_dtype, recurrent_dtype: element types (the recurrent state is usually fp32).

@@ -106,9 +106,16 @@ def paged_attention_prefill(
         raise TypeError(f"{op}: max_seqlen_q must be an int or None, got {type(max_seqlen_q).__name__}")
     V.same_device(op, "q", q, cu_seqlens_q=cu_seqlens_q)
     return dispatch(op, q.device)(
-        q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_table=block_table,
-        scale=float(scale), sliding_window=sliding_window,
-        softcap=None if softcap is None else float(softcap), max_seqlen_q=max_seqlen_q,
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q=cu_seqlens_q,
+        seq_lens=seq_lens,
+        block_table=block_table,
+        scale=float(scale),
+        sliding_window=sliding_window,
+        softcap=None if softcap is None else float(softcap),
+        max_seqlen_q=max_seqlen_q,
     )
 
 
@@ -139,8 +146,14 @@ def paged_attention_decode(
     if seq_lens.shape[0] != q.shape[0]:
         raise ValueError(f"{op}: seq_lens has {seq_lens.shape[0]} entries but q has {q.shape[0]} sequences")
     return dispatch(op, q.device)(
-        q, k_cache, v_cache, seq_lens=seq_lens, block_table=block_table, scale=float(scale),
-        sliding_window=sliding_window, softcap=None if softcap is None else float(softcap),
+        q,
+        k_cache,
+        v_cache,
+        seq_lens=seq_lens,
+        block_table=block_table,
+        scale=float(scale),
+        sliding_window=sliding_window,
+        softcap=None if softcap is None else float(softcap),
     )
 
 
@@ -163,12 +176,25 @@ def paged_attention(
         raise TypeError(f"paged_attention: meta must be an AttentionMetadata, got {type(meta).__name__}")
     if meta.decode_only:
         return paged_attention_decode(
-            q, k_cache, v_cache, seq_lens=meta.seq_lens, block_table=meta.block_table, scale=scale,
-            sliding_window=sliding_window, softcap=softcap,
+            q,
+            k_cache,
+            v_cache,
+            seq_lens=meta.seq_lens,
+            block_table=meta.block_table,
+            scale=scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
         )
     return paged_attention_prefill(
-        q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens,
-        block_table=meta.block_table, scale=scale, sliding_window=sliding_window, softcap=softcap,
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q=meta.cu_seqlens_q,
+        seq_lens=meta.seq_lens,
+        block_table=meta.block_table,
+        scale=scale,
+        sliding_window=sliding_window,
+        softcap=softcap,
         max_seqlen_q=meta.max_seqlen_q,
     )
 

@@ -46,7 +46,8 @@ def _decode_kernel(
     qk_scale, scale, softcap, window,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-    GROUP, HEAD_DIM,
+    GROUP,
+    HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -105,7 +106,7 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
     # Empty ranges (padding rows with seq_len 0, or a split past the end) produce zeros / lse -inf.

@@ -25,7 +25,7 @@ _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 # Tuning knobs per head-dim bucket (H200, bf16); benchmarks/bench_ops.py --sweep explores them.
 TUNING = {
     64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
-    128: {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
+    128: {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
     256: {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2},
 }
 
@@ -42,33 +42,45 @@ def _tile(
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     kpos = j0 + offs_n
-    nmask = kpos < seq_len
-    page = tl.load(bt_row + kpos // PAGE, mask=nmask, other=0).to(tl.int64)
+    if MASKED:
+        nmask = kpos < seq_len
+        page = tl.load(bt_row + kpos // PAGE, mask=nmask, other=0).to(tl.int64)
+        kvmask = nmask[:, None] & dmask[None, :]
+    else:
+        # Interior tiles lie entirely below seq_len: no key mask (and dmask folds away when
+        # HEAD_DIM == BLOCK_D), so the loads carry no per-element predicate.
+        page = tl.load(bt_row + kpos // PAGE).to(tl.int64)
+        kvmask = dmask[None, :]
     row = kpos % PAGE
-    kvmask = nmask[:, None] & dmask[None, :]
     k = tl.load(kc_ptr + (page * stride_kp + row * stride_ks + k_head)[:, None] + offs_d[None, :],
                 mask=kvmask, other=0.0)  # fmt: skip
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if HAS_SOFTCAP:
         s = softcap * (2.0 * tl.sigmoid(2.0 * (s * scale) / softcap) - 1.0) * _LOG2E
-    else:
-        s = s * qk_scale
     if MASKED:
         visible = (kpos[None, :] <= q_pos[:, None]) & nmask[None, :]
         if HAS_WINDOW:
             visible = visible & (kpos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
+    if HAS_SOFTCAP:
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    else:
+        # Raw scores stay unscaled: the scale folds into the row max (scale > 0) and into one FMA
+        # inside exp2 below, saving a full multiply pass over the [BLOCK_M, BLOCK_N] tile.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+    if MASKED:
         # A row may see no key of this tile (window, or rows past the sequence end): keep exp2 finite.
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if HAS_SOFTCAP:
+        p = tl.exp2(s - m_new[:, None])
+    else:
+        p = tl.exp2(s * qk_scale - m_new[:, None])
     v = tl.load(vc_ptr + (page * stride_vp + row * stride_vs + v_head)[:, None] + offs_d[None, :],
                 mask=kvmask, other=0.0)  # fmt: skip
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    # Accumulating inside the dot lets the MMA read the rescaled accumulator directly.
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
 
@@ -78,7 +90,8 @@ def _prefill_kernel(
     qk_scale, scale, softcap, window,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_ot, stride_oh,
-    GROUP, HEAD_DIM,
+    GROUP,
+    HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -86,6 +99,7 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):  # fmt: skip
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -128,12 +142,20 @@ def _prefill_kernel(
     else:
         # Keys < first_q + 1 are visible to every query of the block: no mask needed there.
         mid = (first_q + 1) // BLOCK_N * BLOCK_N
-        for j0 in range(0, mid, BLOCK_N):
-            acc, l_i, m_i = _tile(
-                acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
-                stride_kp, stride_ks, stride_vp, stride_vs, k_head, v_head, qk_scale, scale, softcap, window,
-                PAGE, False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION,
-            )  # fmt: skip
+        if WARP_SPECIALIZE:
+            for j0 in tl.range(0, mid, BLOCK_N, warp_specialize=True):
+                acc, l_i, m_i = _tile(
+                    acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
+                    stride_kp, stride_ks, stride_vp, stride_vs, k_head, v_head, qk_scale, scale, softcap, window,
+                    PAGE, False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION,
+                )  # fmt: skip
+        else:
+            for j0 in range(0, mid, BLOCK_N):
+                acc, l_i, m_i = _tile(
+                    acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
+                    stride_kp, stride_ks, stride_vp, stride_vs, k_head, v_head, qk_scale, scale, softcap, window,
+                    PAGE, False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION,
+                )  # fmt: skip
         for j0 in range(mid, hi, BLOCK_N):
             acc, l_i, m_i = _tile(
                 acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
@@ -199,7 +221,7 @@ def paged_attention_prefill(
         Hq // Hk, D,
         PAGE=page_size, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_D=block_d,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        DOT_PRECISION=precision, **extra,
+        DOT_PRECISION=precision, WARP_SPECIALIZE=cfg.get("warp_specialize", False), **extra,
     )  # fmt: skip
     return out
 

@@ -25,13 +25,17 @@ def _conv(xx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
     return y
 
 
-def causal_conv1d_prefill_ref(x, weight, conv_state, *, cu_seqlens, state_slots, has_initial_state, bias, activation):
+def causal_conv1d_prefill_ref(
+    x, weight, conv_state, *, cu_seqlens, state_slots, has_initial_state, bias, activation
+):
     W = weight.shape[1]
     out = torch.empty_like(x)
     bounds, slots, init = cu_seqlens.tolist(), state_slots.tolist(), has_initial_state.tolist()
     for b, slot in enumerate(slots):
         s, e = bounds[b], bounds[b + 1]
-        prev = conv_state[slot].float().t() if init[b] else x.new_zeros(W - 1, x.shape[1], dtype=torch.float32)
+        prev = (
+            conv_state[slot].float().t() if init[b] else x.new_zeros(W - 1, x.shape[1], dtype=torch.float32)
+        )
         xx = torch.cat([prev, x[s:e].float()])
         out[s:e] = _conv(xx, weight, bias, activation).to(x.dtype)
         conv_state[slot] = xx[xx.shape[0] - (W - 1) :].t().to(conv_state.dtype)

@@ -44,14 +44,15 @@ def _check(op, q, k, v, g, beta, state_pool, scale):
             f"got {tuple(state_pool.shape)}"
         )
     V.same_device(op, "q", q, k=k, v=v, g=g, beta=beta, state_pool=state_pool)
-    return dk ** -0.5 if scale is None else V.number(op, "scale", scale, positive=True)
+    return dk**-0.5 if scale is None else V.number(op, "scale", scale, positive=True)
 
 
 def _slots(op, state_slots, n, device):
     V.integer(op, "state_slots", state_slots, (torch.int32,))
     if state_slots.shape != (n,):
         raise ValueError(f"{op}: state_slots must be int32 [{n}], got shape {tuple(state_slots.shape)}")
-    V.same_device(op, "state_slots", state_slots, device=torch.empty(0, device=device))
+    if state_slots.device != device:
+        raise ValueError(f"{op}: state_slots is on {state_slots.device} but q is on {device}")
 
 
 def chunk_gated_delta_rule_(

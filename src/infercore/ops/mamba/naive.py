@@ -42,7 +42,10 @@ def ssd_recurrent(x, dt, A, B, C, state, *, D, z, dt_bias, dt_softplus, dt_limit
     y = torch.empty(L, H, P, dtype=torch.float32, device=x.device)
     xf = x.float()
     for t in range(L):
-        S = S * torch.exp(dt[t] * A.float())[:, None, None] + (dt[t][:, None] * xf[t])[:, :, None] * B[t][:, None, :]
+        S = (
+            S * torch.exp(dt[t] * A.float())[:, None, None]
+            + (dt[t][:, None] * xf[t])[:, :, None] * B[t][:, None, :]
+        )
         y[t] = torch.einsum("hpn,hn->hp", S, C[t])
     if D is not None:
         y = y + D.float()[:, None] * xf
@@ -83,7 +86,21 @@ def ssd_chunked(x, dt, A, B, C, state, *, D, z, dt_bias, dt_softplus, dt_limit, 
 
 
 def mamba_chunk_scan_ref(
-    x, dt, A, B, C, state_pool, *, cu_seqlens, state_slots, has_initial_state, D, z, dt_bias, dt_softplus, dt_limit
+    x,
+    dt,
+    A,
+    B,
+    C,
+    state_pool,
+    *,
+    cu_seqlens,
+    state_slots,
+    has_initial_state,
+    D,
+    z,
+    dt_bias,
+    dt_softplus,
+    dt_limit,
 ):
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     bounds, slots, init = cu_seqlens.tolist(), state_slots.tolist(), has_initial_state.tolist()
@@ -98,7 +115,9 @@ def mamba_chunk_scan_ref(
     return out
 
 
-def selective_state_update_ref(x, dt, A, B, C, state_pool, *, state_slots, D, z, dt_bias, dt_softplus, dt_limit):
+def selective_state_update_ref(
+    x, dt, A, B, C, state_pool, *, state_slots, D, z, dt_bias, dt_softplus, dt_limit
+):
     slots = state_slots.long()
     H = x.shape[1]
     dt = _dt(dt, dt_bias, dt_softplus, dt_limit)  # [Bt, H]

@@ -11,6 +11,8 @@ import torch
 
 from infercore.devices import dispatch, implementation, register
 
+from .. import _validate as V
+
 
 def rope_and_write_kv_cache_reference(
     q: torch.Tensor,
@@ -49,29 +51,43 @@ def rope_and_write_kv_cache_(
     ``[num_pages, page_size, Hk, D]``, ``slot_mapping`` int32 ``[T]`` (``-1`` = skip the write).
     Returns the rotated q ``[T, Hq, D]`` (a new tensor).
     """
-    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
-        raise ValueError(f"q/k/v: expected [T, H, D] with v.shape == k.shape, got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
+    op = "rope_and_write_kv_cache_"
+    V.floating(op, "q", q)
+    V.ndim(op, "q", q, 3, "[tokens, q_heads, head_dim]")
+    V.floating(op, "k", k)
+    V.ndim(op, "k", k, 3, "[tokens, kv_heads, head_dim]")
+    V.same_dtype(op, "k", k, "q", q)
+    V.floating(op, "v", v)
+    if v.shape != k.shape:
+        raise ValueError(f"{op}: v has shape {tuple(v.shape)} but k has {tuple(k.shape)}")
     T, _, D = q.shape
     if k.shape[0] != T or k.shape[2] != D:
-        raise ValueError(f"k: expected [{T}, Hk, {D}], got {tuple(k.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape[2:] != k.shape[1:] or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache/v_cache: expected [P, page_size, {k.shape[1]}, {D}], got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")  # fmt: skip
-    if positions.shape != (T,) or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"positions: expected int32/int64 [{T}], got {positions.dtype} {tuple(positions.shape)}"
-        )
-    if slot_mapping.shape != (T,) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"slot_mapping: expected int32 [{T}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
-        )
-    rot = cos_sin_cache.shape[-1]
-    if cos_sin_cache.dim() != 2 or rot % 2 or rot > D:
-        raise ValueError(f"cos_sin_cache: expected [max_positions, rotary_dim] with even rotary_dim <= {D}, "
-                         f"got {tuple(cos_sin_cache.shape)}")  # fmt: skip
+        raise ValueError(f"{op}: k has shape {tuple(k.shape)}, incompatible with q {tuple(q.shape)}")
+    V.floating(op, "k_cache", k_cache)
+    V.ndim(op, "k_cache", k_cache, 4, "[num_pages, page_size, kv_heads, head_dim]")
+    if k_cache.shape[2:] != k.shape[1:]:
+        raise ValueError(f"{op}: k_cache heads/head_dim {tuple(k_cache.shape[2:])} != k {tuple(k.shape[1:])}")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"{op}: v_cache ({tuple(v_cache.shape)}, {v_cache.dtype}) must match k_cache "
+                         f"({tuple(k_cache.shape)}, {k_cache.dtype})")  # fmt: skip
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{op}: k_cache and v_cache must be contiguous")
+    V.integer(op, "positions", positions)
+    V.ndim(op, "positions", positions, 1, "[tokens]")
+    V.integer(op, "slot_mapping", slot_mapping, (torch.int32,))
+    V.ndim(op, "slot_mapping", slot_mapping, 1, "[tokens]")
+    if positions.shape[0] != T or slot_mapping.shape[0] != T:
+        raise ValueError(f"{op}: positions ({positions.shape[0]}) and slot_mapping ({slot_mapping.shape[0]}) "
+                         f"must have one entry per token ({T})")  # fmt: skip
+    V.floating(op, "cos_sin_cache", cos_sin_cache)
+    V.ndim(op, "cos_sin_cache", cos_sin_cache, 2, "[max_positions, rotary_dim]")
+    rd = cos_sin_cache.shape[-1]
+    if rd % 2 or rd > D or rd == 0:
+        raise ValueError(f"{op}: cos_sin_cache rotary_dim {rd} must be even and <= head_dim {D}")
+    V.same_device(op, "q", q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, positions=positions,
+                  slot_mapping=slot_mapping, cos_sin_cache=cos_sin_cache)  # fmt: skip
     fn = dispatch("rope_and_write_kv", q.device)
-    return fn(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=is_neox)
+    return fn(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=bool(is_neox))
 
 
 register("rope_and_write_kv", "reference", rope_and_write_kv_cache_reference)

@@ -1,0 +1,103 @@
+"""Per-layer batch metadata and cache helpers shared by the hybrid models (Gemma 3, Qwen3-Next, Mamba2).
+
+A dense model gets one :class:`~infercore.ops.AttentionMetadata` for every layer: all layers share
+page ids. A hybrid model's layers do not share them -- each layer *group* of the
+:class:`infercore.kv.hybrid.HybridKVLayout` has its own block table and slot mapping, and recurrent
+layers address a state slot instead of pages -- so the engine hands it a :class:`HybridMetadata`
+holding one entry per layer, and each layer asks :func:`layer_metadata` for its own.
+
+Cache entries (``kv_caches[i]``) follow the same split: ``(k_cache, v_cache)`` pairs
+``[num_pages, page_size, Hk, D]`` for attention layers (possibly page-strided views of the shared
+pool), ``(conv_state, recurrent_state)`` pools ``[num_slots, ...]`` for recurrent layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..ops import AttentionMetadata, write_kv_cache_
+
+__all__ = ["HybridMetadata", "LinearStateMetadata", "layer_metadata", "linear_metadata", "write_paged_kv_"]
+
+
+@dataclass
+class LinearStateMetadata:
+    """Where each sequence's recurrent state lives for one step (Mamba2 / gated DeltaNet layers).
+
+    Attributes:
+        cu_seqlens: int32 ``[B + 1]``, the step's tokens per sequence (same as attention's
+            ``cu_seqlens_q``).
+        state_slots: int32 ``[B]``, each sequence's live state slot in this layer group's pools.
+        has_initial_state: bool ``[B]``, False for a sequence's first chunk (start from zeros).
+        decode_only: every sequence has exactly one token (the recurrent-update kernels apply).
+    """
+
+    cu_seqlens: torch.Tensor
+    state_slots: torch.Tensor
+    has_initial_state: torch.Tensor
+    decode_only: bool
+
+
+@dataclass
+class HybridMetadata:
+    """One entry per model layer: an :class:`AttentionMetadata` (its group's block table and slot
+    mapping) or a :class:`LinearStateMetadata`. Layers of one group share the same object.
+    ``cu_seqlens_q`` (int32 ``[B + 1]``) is the step's ragged token layout, shared by all layers."""
+
+    layers: Sequence[AttentionMetadata | LinearStateMetadata]
+    cu_seqlens_q: torch.Tensor
+
+    @property
+    def decode_only(self) -> bool:
+        return all(m.decode_only for m in self.layers)
+
+
+def layer_metadata(meta: AttentionMetadata | HybridMetadata, layer: int) -> AttentionMetadata:
+    """The attention metadata of ``layer``: ``meta`` itself for a dense step (all layers share page ids)."""
+    if isinstance(meta, AttentionMetadata):
+        return meta
+    if not isinstance(meta, HybridMetadata):
+        raise TypeError(f"meta must be an AttentionMetadata or HybridMetadata, got {type(meta).__name__}")
+    m = meta.layers[layer]
+    if not isinstance(m, AttentionMetadata):
+        raise TypeError(f"meta.layers[{layer}] must be an AttentionMetadata, got {type(m).__name__}")
+    return m
+
+
+def linear_metadata(meta: AttentionMetadata | HybridMetadata, layer: int) -> LinearStateMetadata:
+    """The recurrent-state metadata of ``layer`` (only a :class:`HybridMetadata` carries state slots)."""
+    if not isinstance(meta, HybridMetadata):
+        raise TypeError(
+            f"layer {layer} is recurrent: meta must be a HybridMetadata with state slots, got "
+            f"{type(meta).__name__} (run the model through the hybrid KV manager)"
+        )
+    m = meta.layers[layer]
+    if not isinstance(m, LinearStateMetadata):
+        raise TypeError(f"meta.layers[{layer}] must be a LinearStateMetadata, got {type(m).__name__}")
+    return m
+
+
+def write_paged_kv_(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """:func:`infercore.ops.write_kv_cache_` that also accepts page-strided caches.
+
+    The hybrid pool hands each layer a view ``[num_pages, page_size, Hk, D]`` whose page stride
+    spans the other layers of its small page, so the cache is not contiguous; such views are
+    written with one indexed store (page = slot // page_size). ``slot_mapping`` must not hold -1
+    there (the engine never emits it for hybrid steps).
+    """
+    if k_cache.is_contiguous() and v_cache.is_contiguous():
+        write_kv_cache_(k, v, k_cache, v_cache, slot_mapping)
+        return
+    if slot_mapping.dtype != torch.int32 or slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"slot_mapping must be int32 [{k.shape[0]}], got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")  # fmt: skip
+    slots = slot_mapping.long()
+    page_size = k_cache.shape[1]
+    page, offset = slots // page_size, slots % page_size
+    k_cache[page, offset] = k.to(k_cache.dtype)
+    v_cache[page, offset] = v.to(v_cache.dtype)

@@ -18,7 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import result_case, write_result  # noqa: E402
+from _common import case, write_results  # noqa: E402
 
 from infercore import Engine, SamplingParams  # noqa: E402
 from infercore.loading import default_model_path  # noqa: E402
@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--out", default="benchmarks/results/cpu/cpu_decode.json")
     args = ap.parse_args()
 
     import transformers
@@ -80,7 +81,7 @@ def main() -> None:
         x = torch.tensor([ids])
 
         @torch.inference_mode()
-        def theirs(n: int) -> list[int]:
+        def theirs(n: int, hf=hf, x=x, ids=ids) -> list[int]:
             out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
                               do_sample=False, pad_token_id=2)
             return out[0, len(ids):].tolist()
@@ -92,14 +93,13 @@ def main() -> None:
         floor = bw / weight_bytes
         print(f"{name}: infercore {r_ours:.1f} tok/s, transformers {r_hf:.1f} tok/s "
               f"({r_ours / r_hf:.2f}x), floor {floor:.1f} tok/s, same tokens: {same}")
-        cases.append(result_case(
-            case=f"smollm2-135m decode bs1 {name} {args.tokens} tokens",
-            metric="decode tokens/s", unit="tok/s", ours=r_ours, peers={"transformers generate": r_hf},
-            floor=floor, extra={"greedy_tokens_identical": same, "weight_bytes": weight_bytes,
-                                "copy_bandwidth_GBps": bw / 1e9, "threads": torch.get_num_threads()},
+        cases.append(case(
+            f"smollm2-135m decode bs1 {name} {args.tokens} tokens",
+            metric="decode throughput", unit="tok/s", ours=r_ours, peers={"transformers generate": r_hf},
+            floor=floor, greedy_tokens_identical=same, weight_bytes=weight_bytes,
+            copy_bandwidth_GBps=bw / 1e9, threads=torch.get_num_threads(),
         ))
-        del eng, hf
-    write_result("cpu_decode", "cpu", cases)
+    write_results(args.out, "cpu_decode", "cpu", cases)
 
 
 if __name__ == "__main__":

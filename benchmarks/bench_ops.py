@@ -75,9 +75,7 @@ def bench_decode(bw: float, sweep: bool, log: list) -> dict:
             [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 3)], [1, 2, 4]
         ):
             triton_decode.TUNING.update(block_n=bn, num_warps=nw, num_stages=ns)
-            call = lambda splits=splits: fn(
-                q, kc, vc, seq_lens=seq, block_table=table, scale=scale, num_splits=splits
-            )
+            call = lambda splits=splits: fn(q, kc, vc, seq_lens=seq, block_table=table, scale=scale, num_splits=splits)
             try:
                 err = rel(call(), ref)
                 t = bench_ms(call)
@@ -96,9 +94,7 @@ def bench_decode(bw: float, sweep: bool, log: list) -> dict:
             print("decode", row, flush=True)
             if err < 1e-2 and (best is None or t < best["ms"]):
                 best = row
-        triton_decode.TUNING.update(
-            block_n=best["block_n"], num_warps=best["num_warps"], num_stages=best["num_stages"]
-        )
+        triton_decode.TUNING.update(block_n=best["block_n"], num_warps=best["num_warps"], num_stages=best["num_stages"])
         chosen = best
     splits = chosen["num_splits"] if chosen else None
     ours_fn = lambda: ops.paged_attention_decode(q, kc, vc, seq_lens=seq, block_table=table, scale=scale)
@@ -107,10 +103,7 @@ def bench_decode(bw: float, sweep: bool, log: list) -> dict:
     err = rel(ours_fn(), ref)
     t_ours, t_sdpa = bench_ms(ours_fn), bench_ms(sdpa)
     tbs = lambda t: nbytes / (t * 1e-3) / 1e12
-    print(
-        f"decode: ours {t_ours:.4f} ms ({tbs(t_ours):.2f} TB/s), "
-        f"sdpa {t_sdpa:.4f} ms ({tbs(t_sdpa):.2f} TB/s)"
-    )
+    print(f"decode: ours {t_ours:.4f} ms ({tbs(t_ours):.2f} TB/s), sdpa {t_sdpa:.4f} ms ({tbs(t_sdpa):.2f} TB/s)")
     return case(
         "paged_decode_b64_ctx4096_h32kv8_d128_page16_bf16",
         metric="effective KV bandwidth",
@@ -145,20 +138,17 @@ def bench_prefill(peak: float, sweep: bool, log: list) -> list[dict]:
     )
     if sweep:
         best = None
-        for bm, bn, nw, ns, ws in [
-            (128, 128, 8, 3, False),
-            (128, 128, 8, 2, False),
-            (128, 64, 8, 3, False),
-            (128, 128, 8, 3, True),
-            (128, 64, 8, 3, True),
-            (128, 128, 4, 2, True),
+        for bm, bn, nw, ns in [
+            (128, 128, 8, 3),
+            (128, 128, 8, 2),
+            (128, 64, 8, 3),
+            (64, 64, 4, 3),
         ]:
             triton_prefill.TUNING[128] = {
                 "block_m": bm,
                 "block_n": bn,
                 "num_warps": nw,
                 "num_stages": ns,
-                "warp_specialize": ws,
             }
             try:
                 err = rel(ours(), ref)
@@ -166,21 +156,17 @@ def bench_prefill(peak: float, sweep: bool, log: list) -> list[dict]:
             except Exception as e:
                 print(f"prefill {bm}x{bn} warps={nw} stages={ns}: {type(e).__name__}")
                 continue
-            row = {"block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": ns, "warp_specialize": ws}
+            row = {"block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": ns}
             row.update(ms=t, err=err)
             log.append({"prefill": row})
             print("prefill", row, flush=True)
             if err < 1e-2 and (best is None or t < best["ms"]):
                 best = row
-        triton_prefill.TUNING[128] = {
-            k_: best[k_] for k_ in ("block_m", "block_n", "num_warps", "num_stages")
-        }
+        triton_prefill.TUNING[128] = {k_: best[k_] for k_ in ("block_m", "block_n", "num_warps", "num_stages")}
     err = rel(ours(), ref)
     t_ours, t_sdpa = bench_ms(ours), bench_ms(sdpa)
     tf = lambda t: flops / (t * 1e-3) / 1e12
-    print(
-        f"prefill: ours {t_ours:.3f} ms ({tf(t_ours):.0f} TF/s), sdpa {t_sdpa:.3f} ms ({tf(t_sdpa):.0f} TF/s)"
-    )
+    print(f"prefill: ours {t_ours:.3f} ms ({tf(t_ours):.0f} TF/s), sdpa {t_sdpa:.3f} ms ({tf(t_sdpa):.0f} TF/s)")
     rows = [
         case(
             "paged_prefill_causal_8192_h32kv8_d128_page16_bf16",
@@ -327,9 +313,7 @@ def bench_sampling() -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/h200/ops.json")
-    ap.add_argument(
-        "--sweep", default="", help="comma list of decode,prefill: time a grid of kernel configs first"
-    )
+    ap.add_argument("--sweep", default="", help="comma list of decode,prefill: time a grid of kernel configs first")
     ap.add_argument("--only", default="", help="comma list of: decode,prefill,elementwise,sample")
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
@@ -339,9 +323,7 @@ def main() -> None:
     peak = matmul_flops()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s", flush=True)
     cases, log = [], []
-    device = (
-        "h200" if "H200" in torch.cuda.get_device_name() else torch.cuda.get_device_name().replace(" ", "_")
-    )
+    device = "h200" if "H200" in torch.cuda.get_device_name() else torch.cuda.get_device_name().replace(" ", "_")
 
     def flush():
         doc = write_results(args.out, "ops", device, cases)

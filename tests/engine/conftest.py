@@ -1,5 +1,4 @@
 import pytest
-
 from engine_helpers import ours_from_hf, tiny_hf
 
 

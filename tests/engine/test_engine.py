@@ -3,10 +3,9 @@ import random
 
 import pytest
 import torch
+from engine_helpers import hf_greedy, ours_from_hf, tiny_hf
 
 from infercore import Engine, SamplingParams
-
-from engine_helpers import hf_greedy, ours_from_hf, tiny_hf
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 

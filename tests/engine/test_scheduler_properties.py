@@ -1,11 +1,10 @@
 """Random arrivals, lengths, aborts and pool sizes through the real scheduler and a tiny model."""
 
+from engine_helpers import ours_from_hf, tiny_hf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from infercore import Engine, SamplingParams
-
-from engine_helpers import ours_from_hf, tiny_hf
 
 _MODEL = None
 _REF: dict[tuple, list[int]] = {}

@@ -70,9 +70,7 @@ def test_rope_and_kv_write_bf16(is_neox, rot):
     kc = torch.zeros(64, page, Hk, D, device=DEV, dtype=BF16)
     vc, kc_r, vc_r = kc.clone(), kc.clone(), kc.clone()
     q1 = implementation("rope_and_write_kv", "triton")(q, k, v, pos, cache, kc, vc, slots, is_neox=is_neox)
-    q2 = implementation("rope_and_write_kv", "reference")(
-        q, k, v, pos, cache, kc_r, vc_r, slots, is_neox=is_neox
-    )
+    q2 = implementation("rope_and_write_kv", "reference")(q, k, v, pos, cache, kc_r, vc_r, slots, is_neox=is_neox)
     assert rel(q1, q2) < 5e-3 and rel(kc, kc_r) < 5e-3 and torch.equal(vc, vc_r)
 
 
@@ -151,9 +149,7 @@ def test_decode_is_graph_capturable():
         out = fn(q, kc, vc, seq_lens=sl, block_table=table, scale=0.1)
     sl.copy_(torch.tensor([5, 6, 7], device=DEV))
     g.replay()
-    want = implementation("paged_attention_decode", "reference")(
-        q, kc, vc, seq_lens=sl, block_table=table, scale=0.1
-    )
+    want = implementation("paged_attention_decode", "reference")(q, kc, vc, seq_lens=sl, block_table=table, scale=0.1)
     assert rel(out, want) < 1e-2
 
 
@@ -184,9 +180,7 @@ def test_sampling_distribution(temperature, top_k, top_p, min_p):
         offsets=[5] * N,
         device=DEV,
     )
-    probs = apply_top_k_top_p_min_p(
-        row[None] / temperature, params.top_k[:1], params.top_p[:1], params.min_p[:1]
-    )
+    probs = apply_top_k_top_p_min_p(row[None] / temperature, params.top_k[:1], params.top_p[:1], params.min_p[:1])
     probs = probs.softmax(-1)[0].double()
     got = implementation("sample", "triton")(logits, params)
     support = probs > 0
@@ -201,9 +195,7 @@ def test_sampling_distribution(temperature, top_k, top_p, min_p):
 def test_sampling_is_graph_capturable():
     B, V = 8, 4096
     logits = torch.randn(B, V, device=DEV)
-    params = SamplingTensors.from_lists(
-        temperature=[1.0] * B, top_p=[0.9] * B, seeds=list(range(B)), device=DEV
-    )
+    params = SamplingTensors.from_lists(temperature=[1.0] * B, top_p=[0.9] * B, seeds=list(range(B)), device=DEV)
     fn = implementation("sample", "triton")
     first = fn(logits, params).clone()
     g = torch.cuda.CUDAGraph()
@@ -218,3 +210,20 @@ def test_sampling_is_graph_capturable():
         draws.add(tuple(out.tolist()))
         params.offsets.add_(1)
     assert len(draws) > 1
+
+
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 128), (torch.float16, 64), (BF16, 256)])
+def test_attention_other_dtypes_and_head_dims(dtype, d):
+    # Exercises the shared-memory fitting of the tuned configs (fp32 caches, head_dim 256).
+    q_lens, lens = [300, 1, 77], [300, 900, 500]
+    kc, vc, table = _paged(lens, 2, d, 16, dtype)
+    sl = torch.tensor(lens, device=DEV, dtype=torch.int32)
+    q = torch.randn(sum(q_lens), 8, d, device=DEV, dtype=dtype)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), device=DEV, dtype=torch.int32)
+    kw = dict(cu_seqlens_q=cu, seq_lens=sl, block_table=table, scale=d**-0.5)
+    got, want = both("paged_attention_prefill", q, kc, vc, **kw)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert rel(got, want) < tol
+    qd = torch.randn(len(lens), 8, d, device=DEV, dtype=dtype)
+    got, want = both("paged_attention_decode", qd, kc, vc, seq_lens=sl, block_table=table, scale=d**-0.5)
+    assert rel(got, want) < tol

@@ -50,7 +50,7 @@ def triton_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe(device_type: str, index: int | None) -> DeviceCapability:
     if device_type == "cuda":
         idx = torch.cuda.current_device() if index is None else index

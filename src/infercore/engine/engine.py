@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from ..kv import BlockManager, allocate_kv_caches, bytes_per_page
+from .graph_runner import CUDAGraphRunner
+from .hybrid import HybridModelRunner, build_hybrid_kv, choose_kv_layout, fits
 from .params import SamplingParams
 from .request import Request, RequestOutput, Status
-from .graph_runner import CUDAGraphRunner
 from .runner import ModelRunner
 from .scheduler import Scheduler
 
@@ -21,7 +22,14 @@ from .scheduler import Scheduler
 @dataclass
 class EngineConfig:
     """Engine limits. ``num_pages`` wins over ``kv_cache_bytes``; with neither, the KV pool takes
-    ``gpu_memory_fraction`` of free CUDA memory, or 1 GiB on the CPU."""
+    ``gpu_memory_fraction`` of free CUDA memory, or 1 GiB on the CPU.
+
+    ``kv_layout`` picks the KV manager: None (auto: multi-granularity pages for models that declare
+    sliding-window or recurrent layers and read per-layer metadata, dense otherwise), ``"dense"``
+    (one page table for all layers), ``"multi"`` or ``"uniform"`` (the hybrid manager's two modes;
+    see ``docs/hybrid_kv.md``). With a hybrid layout ``num_pages`` counts dense-equivalent pages
+    (the bytes ``num_pages`` full-attention pages would take) and ``checkpoint_interval`` overrides
+    the spacing of recurrent-state checkpoints (tokens, a multiple of ``page_size``)."""
 
     page_size: int = 16
     num_pages: int | None = None
@@ -32,6 +40,8 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    kv_layout: str | None = None
+    checkpoint_interval: int | None = None
     # CUDA only: capture decode steps of up to this many requests in CUDA graphs (0 = eager)
     cuda_graph_max_batch: int = 256
 
@@ -40,7 +50,7 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {v!r}")
-        for name in ("num_pages", "kv_cache_bytes", "max_model_len"):
+        for name in ("num_pages", "kv_cache_bytes", "max_model_len", "checkpoint_interval"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v <= 0):
                 raise ValueError(f"EngineConfig.{name} must be a positive int or None, got {v!r}")
@@ -68,20 +78,36 @@ class Engine:
         self.max_model_len = config.max_model_len or model_max or 4096
         self.vocab_size = getattr(mcfg, "vocab_size", None)
         specs = model.kv_specs()
-        num_pages = config.num_pages or self._pages_for_memory(specs)
-        self.block_manager = BlockManager(
-            num_pages, config.page_size, enable_prefix_caching=config.enable_prefix_caching
-        )
-        kv = allocate_kv_caches(specs, num_pages, config.page_size, dtype=self.dtype, device=self.device)
-        self.runner = ModelRunner(model, kv, self.block_manager, device=self.device)
+        self.kv_layout = choose_kv_layout(model, specs, config.kv_layout)
+        chunk_boundary = None
+        if self.kv_layout == "dense":
+            num_pages = config.num_pages or self._pages_for_memory(specs)
+            self.block_manager = BlockManager(
+                num_pages, config.page_size, enable_prefix_caching=config.enable_prefix_caching
+            )
+            kv = allocate_kv_caches(specs, num_pages, config.page_size, dtype=self.dtype, device=self.device)
+            self.runner = ModelRunner(model, kv, self.block_manager, device=self.device)
+        else:
+            self.block_manager, kv, rows = build_hybrid_kv(
+                specs, mode=self.kv_layout, page_tokens=config.page_size, budget_bytes=self._budget_bytes(specs),
+                dtype=self.dtype, device=self.device, enable_prefix_caching=config.enable_prefix_caching,
+                checkpoint_interval=config.checkpoint_interval,
+            )  # fmt: skip
+            self.runner = HybridModelRunner(model, kv, self.block_manager, rows, device=self.device)
+            layout = self.block_manager.layout
+            if layout.linear_groups and config.enable_prefix_caching:
+                # Recurrent states are checkpointed only when a step ends exactly on the interval.
+                chunk_boundary = layout.checkpoint_interval
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            chunk_boundary=chunk_boundary,
         )
         self.graph_runner = None
-        if self.device.type == "cuda" and config.cuda_graph_max_batch > 0:
+        # The captured decode graphs use the dense metadata layout.
+        if self.device.type == "cuda" and config.cuda_graph_max_batch > 0 and self.kv_layout == "dense":
             self.graph_runner = CUDAGraphRunner(
                 self.runner,
                 max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
@@ -116,15 +142,23 @@ class Engine:
         model, tokenizer, _ = load_model(path or default_model_path(), dtype=dtype, device=device)
         return cls(model, tokenizer, **kwargs)
 
-    def _pages_for_memory(self, specs) -> int:
-        per_page = bytes_per_page(specs, self.config.page_size, self.dtype)
+    def _budget_bytes(self, specs) -> int:
         budget = self.config.kv_cache_bytes
+        if budget is None and self.config.num_pages is not None and self.kv_layout != "dense":
+            if any(not hasattr(s, "num_kv_heads") for s in specs):
+                raise ValueError("EngineConfig.num_pages has no meaning for recurrent layers; set kv_cache_bytes")
+            budget = self.config.num_pages * bytes_per_page(specs, self.config.page_size, self.dtype)
         if budget is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
                 budget = int(free * self.config.gpu_memory_fraction)
             else:
                 budget = 1 << 30
+        return budget
+
+    def _pages_for_memory(self, specs) -> int:
+        per_page = bytes_per_page(specs, self.config.page_size, self.dtype)
+        budget = self._budget_bytes(specs)
         pages = budget // per_page
         if pages < 1:
             raise ValueError(f"KV cache budget of {budget} bytes holds no page of {per_page} bytes")
@@ -157,10 +191,16 @@ class Engine:
                 "(the prompt must leave room for at least one new token)"
             )
         longest = min(len(ids) + params.max_tokens, self.max_model_len)
-        pages = -(-longest // self.config.page_size)
-        if pages > self.block_manager.num_pages:
+        if self.kv_layout == "dense":
+            pages = -(-longest // self.config.page_size)
+            if pages > self.block_manager.num_pages:
+                raise ValueError(
+                    f"request needs up to {pages} KV pages but the pool has {self.block_manager.num_pages}; "
+                    "lower max_tokens or give the engine more KV memory"
+                )
+        elif not fits(self.block_manager, longest, chunk_tokens=self.config.max_num_batched_tokens):
             raise ValueError(
-                f"request needs up to {pages} KV pages but the pool has {self.block_manager.num_pages}; "
+                f"request of up to {longest} tokens does not fit in the hybrid KV pool; "
                 "lower max_tokens or give the engine more KV memory"
             )
         if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
@@ -224,7 +264,7 @@ class Engine:
         now = time.perf_counter()
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
-        req.output_token_ids.append(token)
+        req.append_token(token)
         p = req.params
         n = len(req.output_token_ids)
         reason = None

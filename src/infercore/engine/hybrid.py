@@ -114,10 +114,17 @@ def build_hybrid_kv(
     enable_prefix_caching: bool,
     checkpoint_interval: int | None = None,
 ) -> tuple[HybridBlockManager, list, list[torch.Tensor]]:
-    """Layout, manager and cache tensors for ``budget_bytes`` of KV memory."""
-    layout = HybridKVLayout.build(
-        list(specs), page_tokens=page_tokens, mode=mode, dtype=dtype, checkpoint_interval=checkpoint_interval
-    )
+    """Layout, manager and cache tensors for ``budget_bytes`` of KV memory.
+
+    ``checkpoint_interval`` is rounded up to a multiple of the layout's page size (uniform mode
+    enlarges pages to hold a recurrent state)."""
+    layout = HybridKVLayout.build(list(specs), page_tokens=page_tokens, mode=mode, dtype=dtype)
+    if checkpoint_interval is not None:
+        P = layout.page_tokens
+        layout = HybridKVLayout.build(
+            list(specs), page_tokens=page_tokens, mode=mode, dtype=dtype,
+            checkpoint_interval=-(-checkpoint_interval // P) * P,
+        )  # fmt: skip
     num_large = layout.num_large_pages(budget_bytes)
     if num_large < 1:
         raise ValueError(f"KV cache budget of {budget_bytes} bytes holds no large page of {layout.large_bytes} bytes")

@@ -62,18 +62,28 @@ class Request:
     num_computed_tokens: int = 0
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+    # prompt + output in one list, appended in place (never copied per step)
+    _all: list[int] = field(default_factory=list)
     # incremental detokenization state
     text: str = ""
     _reported_tokens: int = 0
     _reported_text: int = 0
 
+    def __post_init__(self) -> None:
+        self._all = list(self.prompt_token_ids) + list(self.output_token_ids)
+
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then output tokens; a live view, do not mutate."""
+        return self._all
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self._all)
+
+    def append_token(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self._all.append(token)
 
     @property
     def is_finished(self) -> bool:

@@ -93,24 +93,27 @@ class ModelRunner:
 
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> dict[Request, int]:
         """Sample one token per request from ``logits`` ``[len(reqs), V]`` (the step's only host sync)."""
-        tokens = sample(logits, sampling_tensors(reqs, self.device), prev_tokens=_prev_tokens(reqs, self.device))
+        tokens = sample(logits, sampling_tensors(reqs, self.device), prev_tokens=_prev_tokens(reqs, self.device),
+                        check_values=False)
         return dict(zip(reqs, tokens.tolist()))
 
 
 def sampling_tensors(reqs: list[Request], device: torch.device) -> SamplingTensors:
+    """Per-row sampling parameters, moved to ``device`` in two copies (one float, one int block)."""
     ps = [r.params for r in reqs]
-
-    def t(values, dtype):
-        return torch.tensor(values, dtype=dtype, device=device)
-
+    f = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
+                      [p.repetition_penalty for p in ps]], dtype=torch.float32)
+    i = torch.tensor([[p.top_k for p in ps], [r.seed for r in reqs], [len(r.output_token_ids) for r in reqs]],
+                     dtype=torch.int64)
+    f, i = f.to(device, non_blocking=True), i.to(device, non_blocking=True)
     return SamplingTensors(
-        temperature=t([p.temperature for p in ps], torch.float32),
-        top_k=t([p.top_k for p in ps], torch.int32),
-        top_p=t([p.top_p for p in ps], torch.float32),
-        min_p=t([p.min_p for p in ps], torch.float32),
-        repetition_penalty=t([p.repetition_penalty for p in ps], torch.float32),
-        seeds=t([r.seed for r in reqs], torch.int64),
-        offsets=t([len(r.output_token_ids) for r in reqs], torch.int64),
+        temperature=f[0],
+        top_p=f[1],
+        min_p=f[2],
+        repetition_penalty=f[3],
+        top_k=i[0].to(torch.int32),
+        seeds=i[1],
+        offsets=i[2],
     )
 
 

@@ -6,6 +6,10 @@ prompts are admitted (and chunked) while budget, sequence slots and KV pages las
 run out for a running request, the most recently admitted running request is preempted: its
 pages are freed and it goes back to the front of the queue, to be recomputed later (its
 prefix pages usually stay in the prefix cache). Nothing is dropped.
+
+With ``chunk_boundary`` set (models with recurrent layers and prefix caching), a prefill chunk that
+would cross a multiple of it is cut there: recurrent states can only be checkpointed for the prefix
+cache when a step ends exactly on the boundary.
 """
 
 from __future__ import annotations
@@ -43,8 +47,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        chunk_boundary: int | None = None,
     ) -> None:
         self.bm = block_manager
+        self.chunk_boundary = chunk_boundary
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -69,6 +75,13 @@ class Scheduler:
                 return req
         return None
 
+    def _cut(self, start: int, n: int) -> int:
+        """``n`` tokens from ``start``, shortened to end on the next multiple of ``chunk_boundary``."""
+        b = self.chunk_boundary
+        if b is None or n <= 1:
+            return n
+        return min(n, (start // b + 1) * b - start)
+
     def _preempt(self, req: Request) -> None:
         self.bm.free(req.request_id)
         req.status = Status.WAITING
@@ -88,7 +101,7 @@ class Scheduler:
             if budget == 0:
                 kept.append(req)
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._cut(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
             while not self.bm.grow(req.request_id, req.num_computed_tokens + n):
                 victim = pending.pop() if pending else req
                 self._preempt(victim)
@@ -116,7 +129,7 @@ class Scheduler:
                 self.bm.free(req.request_id)
                 break
             self.waiting.popleft()
-            n = min(remaining, budget)
+            n = self._cut(cached, min(remaining, budget))
             req.num_computed_tokens = cached
             req.status = Status.RUNNING
             if req.metrics.first_scheduled_time is None:

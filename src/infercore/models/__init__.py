@@ -14,11 +14,21 @@ import torch
 from torch import nn
 
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig
+from .gemma3 import Gemma3Config, Gemma3ForCausalLM
 from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from .mamba2 import BambaForCausalLM, Mamba2Config, Mamba2ForCausalLM
+from .qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
+    "BambaForCausalLM",
+    "Gemma3Config",
+    "Gemma3ForCausalLM",
+    "Qwen3NextConfig",
+    "Qwen3NextForCausalLM",
     "LlamaForCausalLM",
+    "Mamba2Config",
+    "Mamba2ForCausalLM",
     "MistralForCausalLM",
     "ModelConfig",
     "Qwen2ForCausalLM",
@@ -46,6 +56,10 @@ register_model("llama", LlamaForCausalLM, architectures=("LlamaForCausalLM",))
 register_model("mistral", MistralForCausalLM, architectures=("MistralForCausalLM",))
 register_model("qwen2", Qwen2ForCausalLM, architectures=("Qwen2ForCausalLM",))
 register_model("qwen3", Qwen3ForCausalLM, architectures=("Qwen3ForCausalLM",))
+register_model("gemma3_text", Gemma3ForCausalLM, architectures=("Gemma3ForCausalLM",))
+register_model("qwen3_next", Qwen3NextForCausalLM, architectures=("Qwen3NextForCausalLM",))
+register_model("mamba2", Mamba2ForCausalLM, architectures=("Mamba2ForCausalLM",))
+register_model("bamba", BambaForCausalLM, architectures=("BambaForCausalLM",))
 
 
 def model_class(config: Any) -> type[nn.Module]:

@@ -13,14 +13,22 @@ pool), ``(conv_state, recurrent_state)`` pools ``[num_slots, ...]`` for recurren
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..ops import AttentionMetadata, write_kv_cache_
 
-__all__ = ["HybridMetadata", "LinearStateMetadata", "layer_metadata", "linear_metadata", "write_paged_kv_"]
+__all__ = [
+    "HybridMetadata",
+    "LinearStateMetadata",
+    "layer_metadata",
+    "linear_metadata",
+    "load_hf_weights",
+    "write_paged_kv_",
+]
 
 
 @dataclass
@@ -101,3 +109,46 @@ def write_paged_kv_(
     page, offset = slots // page_size, slots % page_size
     k_cache[page, offset] = k.to(k_cache.dtype)
     v_cache[page, offset] = v.to(v_cache.dtype)
+
+
+def load_hf_weights(
+    model: torch.nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    resolve: Callable[[str], tuple[str, Any] | None],
+    *,
+    arch: str,
+    ignore: Callable[[str], bool] = lambda name: False,
+) -> None:
+    """Copy HF-named tensors into ``model`` (cast to each parameter's dtype/device).
+
+    ``resolve(hf_name)`` returns ``(parameter_name, index)`` -- the tensor lands in
+    ``param.data[index]`` (``index`` None = the whole parameter; a slice or tuple for a shard of a
+    merged projection or one expert of a stacked expert tensor) -- or None for a name the model
+    does not know. Names for which ``ignore`` is true are skipped. Raises ``ValueError`` naming the
+    tensor for an unknown name, a duplicate or a shape mismatch, and (after the iterable ends)
+    naming every parameter that was not completely written.
+    """
+    params = dict(model.named_parameters())
+    written = dict.fromkeys(params, 0)
+    seen: set[str] = set()
+    for hf_name, tensor in weights:
+        if ignore(hf_name):
+            continue
+        r = resolve(hf_name)
+        if r is None or r[0] not in params:
+            raise ValueError(f"load_weights: unexpected tensor {hf_name!r} for {arch}")
+        if hf_name in seen:
+            raise ValueError(f"load_weights: tensor {hf_name!r} given twice")
+        seen.add(hf_name)
+        name, index = r
+        target = params[name].data if index is None else params[name].data[index]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(
+                f"load_weights: tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+        written[name] += target.numel()
+    missing = sorted(n for n, w in written.items() if w < params[n].numel())
+    if missing:
+        listed = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise ValueError(f"load_weights: {len(missing)} parameters not (fully) in the checkpoint: {listed}")

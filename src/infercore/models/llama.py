@@ -22,14 +22,13 @@ from torch import nn
 from ..kv.spec import FullAttentionSpec
 from ..ops import (
     AttentionMetadata,
-    apply_rope,
     fused_add_rms_norm,
     gelu_and_mul,
     paged_attention,
     rms_norm,
+    rope_and_write_kv_cache_,
     rope_cos_sin_cache,
     silu_and_mul,
-    write_kv_cache_,
 )
 from .config import ModelConfig
 
@@ -80,9 +79,9 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = apply_rope(q, k, positions, cos_sin)
         k_cache, v_cache = kv_cache
-        write_kv_cache_(k, v, k_cache, v_cache, meta.slot_mapping)
+        # one kernel: rotate q and k, write the rotated k and v into the paged cache
+        q = rope_and_write_kv_cache_(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, scale=self.scale, sliding_window=self.sliding_window)
         return self.o_proj(o.reshape(T, self.q_size))
 

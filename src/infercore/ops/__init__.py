@@ -8,12 +8,24 @@ the validated arguments with the public signature; the reference is named ``"ref
 
 from .activation import gelu_and_mul, silu_and_mul
 from .attention import AttentionMetadata, paged_attention, paged_attention_decode, paged_attention_prefill
+from .conv1d import causal_conv1d_prefill_, causal_conv1d_update_
+from .gated_delta import chunk_gated_delta_rule_, fused_recurrent_gated_delta_rule_
+from .gated_norm import gated_rms_norm
 from .kv_cache import write_kv_cache_
+from .mamba import mamba_chunk_scan_, selective_state_update_
 from .norm import fused_add_rms_norm, rms_norm
 from .rope import apply_rope, rope_cos_sin_cache, rope_inv_freq
+from .rope.fused import rope_and_write_kv_cache_
 from .sampling import SamplingTensors, apply_repetition_penalty, apply_top_k_top_p_min_p, sample
 
 __all__ = [
+    "causal_conv1d_prefill_",
+    "causal_conv1d_update_",
+    "chunk_gated_delta_rule_",
+    "fused_recurrent_gated_delta_rule_",
+    "gated_rms_norm",
+    "mamba_chunk_scan_",
+    "selective_state_update_",
     "AttentionMetadata",
     "SamplingTensors",
     "apply_repetition_penalty",
@@ -25,6 +37,7 @@ __all__ = [
     "paged_attention_decode",
     "paged_attention_prefill",
     "rms_norm",
+    "rope_and_write_kv_cache_",
     "rope_cos_sin_cache",
     "rope_inv_freq",
     "sample",

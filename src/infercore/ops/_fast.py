@@ -15,7 +15,11 @@ if triton_available():
     from .activation import triton as _activation_triton  # noqa: F401
     from .attention import triton_decode as _attention_decode_triton  # noqa: F401
     from .attention import triton_prefill as _attention_prefill_triton  # noqa: F401
+    from .conv1d import triton as _conv1d_triton  # noqa: F401
+    from .gated_delta import triton as _gated_delta_triton  # noqa: F401
+    from .gated_norm import triton as _gated_norm_triton  # noqa: F401
     from .kv_cache import triton as _kv_cache_triton  # noqa: F401
+    from .mamba import triton as _mamba_triton  # noqa: F401
     from .norm import triton as _norm_triton  # noqa: F401
     from .rope import triton as _rope_triton  # noqa: F401
     from .sampling import triton as _sampling_triton  # noqa: F401

@@ -32,9 +32,7 @@ def _check_common(
     V.floating(op, "v_cache", v_cache)
     V.same_dtype(op, "v_cache", v_cache, "k_cache", k_cache)
     if v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"{op}: v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}"
-        )
+        raise ValueError(f"{op}: v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}")
     hq, d = q.shape[1], q.shape[2]
     hk = k_cache.shape[2]
     if k_cache.shape[3] != d:
@@ -47,8 +45,7 @@ def _check_common(
     V.ndim(op, "block_table", block_table, 2, "[batch, max_pages]")
     if block_table.shape[0] != seq_lens.shape[0]:
         raise ValueError(
-            f"{op}: block_table has {block_table.shape[0]} rows but seq_lens has "
-            f"{seq_lens.shape[0]} sequences"
+            f"{op}: block_table has {block_table.shape[0]} rows but seq_lens has {seq_lens.shape[0]} sequences"
         )
     V.number(op, "scale", scale, positive=True)
     if sliding_window is not None and (

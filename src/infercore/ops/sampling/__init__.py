@@ -118,7 +118,11 @@ class SamplingTensors:
 
 
 def sample(
-    logits: torch.Tensor, params: SamplingTensors, *, prev_tokens: torch.Tensor | None = None
+    logits: torch.Tensor,
+    params: SamplingTensors,
+    *,
+    prev_tokens: torch.Tensor | None = None,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """Draw one token per row.
 
@@ -130,6 +134,9 @@ def sample(
         logits: ``[B, V]`` any float dtype (math in fp32).
         params: :class:`SamplingTensors` with ``B`` rows on the logits' device.
         prev_tokens: optional int32/int64 ``[B, L]`` token ids padded with ``-1``, for the penalty.
+        check_values: validate the parameter values (one host sync); callers that validated them
+            already (the engine does, per request) pass False to keep the step sync-free and
+            capturable in a CUDA graph.
 
     Returns:
         int64 ``[B]`` token ids.
@@ -153,7 +160,8 @@ def sample(
                 f"{op}: prev_tokens has {prev_tokens.shape[0]} rows but logits has {logits.shape[0]}"
             )
         V.same_device(op, "logits", logits, prev_tokens=prev_tokens)
-    params.check_values()
+    if check_values:
+        params.check_values()
     return dispatch(op, logits.device)(logits, params, prev_tokens=prev_tokens)
 
 

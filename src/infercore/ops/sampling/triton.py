@@ -3,18 +3,20 @@
 One program samples one row of ``logits [B, V]``, streaming the row in ``BLOCK`` chunks:
 
 1. max / argmax of the (penalized) logits; greedy rows (``temperature == 0``) stop here.
-2. top-k threshold: bisection over the *bit patterns* of ``z = x / T`` mapped to order-preserving
-   int32 keys, so 32 halvings pin the k-th largest value exactly (ties at the boundary are kept,
-   as in the reference) and the search stops as soon as exactly ``k`` keys lie above the pivot.
+2. top-k threshold: bisection over the values of ``z = x / T`` for the largest pivot with at least
+   ``k`` values above it. It stops as soon as exactly ``k`` values lie above the pivot, or no value
+   lies strictly inside the bracket, or no float does (so it is exact: the pivot lands on the k-th
+   largest value, and ties at the boundary are kept, as in the reference).
 3. top-p threshold: the same bisection on the probability mass above the pivot (among the top-k
-   survivors), i.e. the largest key whose upper set holds ``>= top_p`` of the mass.
+   survivors), i.e. the largest pivot whose upper set holds ``>= top_p`` of the mass.
 4. min-p needs no search: ``p_i >= min_p * p_max``  <=>  ``exp(z_i - z_max) >= min_p``.
 5. exponential race ``argmax(z_i - log E_i)`` over the survivors, ``E_i = -log U_i`` with ``U_i`` from
    Philox keyed by the row's seed and countered by ``(token id, offset)``: a function of
    ``(seed, offset)`` alone, and seeds/offsets are device tensors, so the step is graph-capturable.
 
-Each search pass re-reads the row (from L2 for realistic vocabularies); a search costs ~30 passes
-only when top-k/top-p are on. The random stream differs from the reference's CPU generator; the
+Each search pass re-reads the row (from L2 for realistic vocabularies); a search takes about
+``log2(value range / gap at the threshold)`` passes (10-20 for real vocabularies), and only runs
+when top-k/top-p are on. The random stream differs from the reference's CPU generator; the
 filtered support and the sampling distribution are the same.
 """
 
@@ -33,19 +35,17 @@ _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def _upper_set(x_ptr, V, t, z_max, pivot, BLOCK: tl.constexpr):
-    """Count and unnormalized probability mass of the tokens whose key is >= pivot.
+    """Count and unnormalized probability mass (``exp(z - z_max)``) of the tokens with ``z >= pivot``.
 
-    Keys are an order-preserving map fp32 -> int32 (``a < b`` iff ``key(a) < key(b)``); ``z = x / T``
-    uses correctly rounded division so the keys match the reference's ``x / T`` bit for bit.
-    (Written inline rather than through helpers: the interpreter pays per helper call.)
+    ``z = x / T`` uses correctly rounded division, so it matches the reference's ``x / T`` bit for
+    bit. (Written inline rather than through helpers: the interpreter pays per helper call.)
     """
     mass = tl.zeros([], dtype=tl.float32)
     cnt = tl.zeros([], dtype=tl.int32)
     for c in range(0, V, BLOCK):
         offs = c + tl.arange(0, BLOCK)
         z = tl.div_rn(tl.load(x_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32), t)
-        bits = z.to(tl.int32, bitcast=True)
-        sel = (tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) >= pivot) & (offs < V)
+        sel = (z >= pivot) & (offs < V)
         mass += tl.sum(tl.where(sel, tl.exp2((z - z_max) * _LOG2E), 0.0), axis=0)
         cnt += tl.sum(sel.to(tl.int32), axis=0)
     return mass, cnt
@@ -63,9 +63,11 @@ def _sample_kernel(
     # Pass 1: max and first-occurrence argmax of the raw (penalized) logits.
     best = tl.full([], float("-inf"), dtype=tl.float32)
     best_i = tl.zeros([], dtype=tl.int32)
+    low = tl.full([], float("inf"), dtype=tl.float32)  # smallest finite logit: a bracket for the searches
     for c in range(0, V, BLOCK):
         offs = c + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        low = tl.minimum(low, tl.min(tl.where(x > float("-inf"), x, float("inf")), axis=0))
         cm, ci = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
         upd = cm > best  # strict: an earlier chunk wins ties, like torch.argmax
         best_i = tl.where(upd, ci + c, best_i)
@@ -75,20 +77,22 @@ def _sample_kernel(
         tl.store(out_ptr + row, best_i.to(tl.int64))
     else:
         z_max = tl.div_rn(best, t)
-        zb = z_max.to(tl.int32, bitcast=True)
-        key_hi = tl.where(zb >= 0, zb, zb ^ 0x7FFFFFFF).to(tl.int64) + 1  # no key reaches it
-
-        # Both searches keep lo (predicate true) and hi (false) with the counts of keys >= each, and
-        # stop once [lo, hi) holds at most one key: then every pivot in between selects the same set.
-        # top-k: largest pivot with count(key >= pivot) >= k is exactly the k-th largest key.
-        k = tl.load(top_k_ptr + row)
-        lo = tl.full([], -2147483648, dtype=tl.int64)
+        # Bracket [lo, hi): the predicate holds at lo and fails at hi. cnt_* count the values >= each
+        # end; a search stops once at most one value lies in [lo, hi) or no float lies strictly
+        # inside it (then every pivot in the bracket selects the same set). NaN brackets (all -inf
+        # rows) fail every comparison and skip the searches.
+        lo = tl.div_rn(low, t)
+        hi_init = z_max + tl.maximum(tl.abs(z_max), 1.0)  # above every value
         cnt_lo = V
+
+        # top-k: the largest pivot with count(z >= pivot) >= k is the k-th largest value.
+        k = tl.load(top_k_ptr + row)
         if (k > 0) & (k < V):
-            hi = key_hi
+            hi = hi_init
             cnt_hi = 0
-            while (hi - lo > 1) & (cnt_lo - cnt_hi > 1) & (cnt_lo != k):
-                mid = lo + (hi - lo) // 2
+            mid = lo * 0.5 + hi * 0.5
+            go = (mid > lo) & (mid < hi)
+            while go:
                 _, cnt = _upper_set(x_ptr, V, t, z_max, mid, BLOCK)
                 if cnt >= k:
                     lo = mid
@@ -96,16 +100,19 @@ def _sample_kernel(
                 else:
                     hi = mid
                     cnt_hi = cnt
+                mid = lo * 0.5 + hi * 0.5
+                go = (cnt_lo > k) & (cnt_lo - cnt_hi > 1) & (mid > lo) & (mid < hi)
 
-        # top-p over the top-k survivors: largest pivot whose upper set holds >= top_p of their mass.
+        # top-p over the top-k survivors: the largest pivot whose upper set holds >= top_p of their mass.
         p = tl.load(top_p_ptr + row)
         if p < 1.0:
             total, _ = _upper_set(x_ptr, V, t, z_max, lo, BLOCK)
             target = p * total
-            hi = key_hi
+            hi = hi_init
             cnt_hi = 0
-            while (hi - lo > 1) & (cnt_lo - cnt_hi > 1):
-                mid = lo + (hi - lo) // 2
+            mid = lo * 0.5 + hi * 0.5
+            go = (cnt_lo - cnt_hi > 1) & (mid > lo) & (mid < hi)
+            while go:
                 mass, cnt = _upper_set(x_ptr, V, t, z_max, mid, BLOCK)
                 if mass >= target:
                     lo = mid
@@ -113,6 +120,8 @@ def _sample_kernel(
                 else:
                     hi = mid
                     cnt_hi = cnt
+                mid = lo * 0.5 + hi * 0.5
+                go = (cnt_lo - cnt_hi > 1) & (mid > lo) & (mid < hi)
 
         min_p = tl.load(min_p_ptr + row)
         seed = tl.load(seed_ptr + row)
@@ -125,9 +134,8 @@ def _sample_kernel(
         for c in range(0, V, BLOCK):
             offs = c + tl.arange(0, BLOCK)
             z = tl.div_rn(tl.load(x_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32), t)
-            bits = z.to(tl.int32, bitcast=True)
             e = tl.exp2((z - z_max) * _LOG2E)
-            keep = (offs < V) & (tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) >= lo) & (e >= min_p)
+            keep = (offs < V) & (z >= lo) & (e >= min_p)
             r, _, _, _ = tl.philox(seed, offs.to(tl.uint32), c1, c2, c3)
             u = tl.maximum(tl.uint_to_uniform_float(r), 1e-30)
             # argmax p_i / E_i == argmax z_i - log(E_i), E_i = -log(U_i) ~ Exp(1).

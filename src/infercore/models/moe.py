@@ -1,0 +1,199 @@
+"""Sparse mixture of experts: top-k routing and the expert computation, with a shared expert.
+
+Experts are stored stacked, in HF transformers 5 layout: ``gate_up_proj [E, 2I, H]`` (gate rows
+first, then up) and ``down_proj [E, H, I]``. Three implementations of the expert computation give
+the same result:
+
+* :func:`moe_experts_reference` -- loop over experts, gather each one's tokens (the spec; the HF
+  ``Qwen3NextExperts`` loop).
+* :func:`moe_experts_grouped` -- sort the (token, expert) pairs by expert and run one GEMM pair per
+  active expert on a contiguous slice (one host sync for the group sizes). Prefill.
+* :func:`moe_experts_dense` -- every expert on every token with two batched GEMMs, combined by a
+  ``[T, E]`` routing matrix. No sync, static shapes (CUDA-graph friendly), and at decode batch
+  sizes it reads each expert's weights once, which is the memory-bound floor anyway. Decode.
+
+:func:`moe_experts` picks between them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops import silu_and_mul
+
+__all__ = [
+    "SparseMoeBlock",
+    "moe_experts",
+    "moe_experts_dense",
+    "moe_experts_grouped",
+    "moe_experts_reference",
+    "route_topk",
+]
+
+# Above this many (token, expert) products the dense form wastes more compute than it saves.
+DENSE_MAX_TOKEN_EXPERTS = 1 << 16
+
+
+def route_topk(router_logits: torch.Tensor, *, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax-then-top-k routing (Qwen/Mixtral style).
+
+    Args:
+        router_logits: ``[T, E]`` any float dtype.
+        top_k: experts per token, ``1 <= top_k <= E``.
+        renormalize: rescale the chosen probabilities to sum to 1 (HF ``norm_topk_prob``).
+
+    Returns:
+        ``(weights fp32 [T, top_k], expert ids int64 [T, top_k])``.
+    """
+    if router_logits.ndim != 2:
+        raise ValueError(f"router_logits must be [tokens, experts], got shape {tuple(router_logits.shape)}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= router_logits.shape[1]:
+        raise ValueError(f"top_k must be an int in [1, {router_logits.shape[1]}], got {top_k!r}")
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _check(x, gate_up, down, weights, ids) -> None:
+    if x.ndim != 2:
+        raise ValueError(f"x must be [tokens, hidden], got shape {tuple(x.shape)}")
+    E, two_i, H = gate_up.shape
+    if H != x.shape[1] or two_i % 2 or down.shape != (E, H, two_i // 2):
+        raise ValueError(
+            f"gate_up_proj {tuple(gate_up.shape)} / down_proj {tuple(down.shape)} do not match "
+            f"x {tuple(x.shape)} (expected [E, 2I, H] and [E, H, I])"
+        )
+    if weights.shape != ids.shape or weights.ndim != 2 or weights.shape[0] != x.shape[0]:
+        raise ValueError(f"topk weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must be [tokens, k]")
+
+
+def _expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul(x @ gate_up.t()) @ down.t()
+
+
+def moe_experts_reference(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` with SiLU-gated experts, expert by expert.
+
+    Args:
+        x: ``[T, H]``; gate_up: ``[E, 2I, H]``; down: ``[E, H, I]`` (same dtype as x).
+        weights: ``[T, k]`` (any float); ids: ``[T, k]`` integer expert ids.
+
+    Returns:
+        ``[T, H]`` in ``x.dtype`` (each expert's output is scaled in fp32, summed in x.dtype).
+    """
+    _check(x, gate_up, down, weights, ids)
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.where(ids == e)
+        y = _expert(x[tok], gate_up[e], down[e])
+        out.index_add_(0, tok, (y.float() * weights[tok, slot, None].float()).to(x.dtype))
+    return out
+
+
+def moe_experts_grouped(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """As :func:`moe_experts_reference`, with the (token, expert) pairs sorted by expert so each
+    active expert runs on one contiguous slice; one host sync reads the group sizes."""
+    _check(x, gate_up, down, weights, ids)
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    tok = order // k
+    xs = x[tok]
+    w = weights.reshape(-1)[order].float()
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            ys[start : start + n] = _expert(xs[start : start + n], gate_up[e], down[e])
+            start += n
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, tok, ys.float() * w[:, None])
+    return out.to(x.dtype)
+
+
+def moe_experts_dense(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """As :func:`moe_experts_reference`, computing every expert on every token (two batched GEMMs
+    over ``[E, T, *]``) and combining with the ``[T, E]`` routing matrix. For small ``T * E``."""
+    _check(x, gate_up, down, weights, ids)
+    T, E = x.shape[0], gate_up.shape[0]
+    combine = torch.zeros(T, E, dtype=torch.float32, device=x.device)
+    combine.scatter_(1, ids.long(), weights.float())
+    h = torch.bmm(x.unsqueeze(0).expand(E, -1, -1), gate_up.transpose(1, 2))  # [E, T, 2I]
+    y = torch.bmm(silu_and_mul(h), down.transpose(1, 2))  # [E, T, H]
+    return torch.einsum("te,eth->th", combine, y.float()).to(x.dtype)
+
+
+def moe_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """Dispatch: the dense form for small ``T * E`` on accelerators, the grouped form otherwise
+    (the CPU reference loop costs less than either there)."""
+    if x.device.type == "cpu":
+        return moe_experts_reference(x, gate_up, down, weights, ids)
+    if x.shape[0] * gate_up.shape[0] <= DENSE_MAX_TOKEN_EXPERTS:
+        return moe_experts_dense(x, gate_up, down, weights, ids)
+    return moe_experts_grouped(x, gate_up, down, weights, ids)
+
+
+class StackedExperts(nn.Module):
+    """Expert weights, HF transformers 5 names: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, *, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=dtype))
+
+
+class GatedMLP(nn.Module):
+    """SiLU-gated MLP with merged ``gate_up_proj`` (the shared expert, or a dense layer's MLP)."""
+
+    def __init__(self, hidden: int, intermediate: int, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """Top-k routed experts plus an optional sigmoid-gated shared expert (Qwen2-MoE / Qwen3-Next).
+
+    ``forward(x [T, H]) -> [T, H]``: ``sum_k p_k expert_k(x) + sigmoid(x . g) * shared(x)``.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        *,
+        num_experts: int,
+        top_k: int,
+        intermediate: int,
+        shared_intermediate: int = 0,
+        renormalize: bool = True,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = nn.Linear(hidden, num_experts, bias=False, dtype=dtype)
+        self.experts = StackedExperts(num_experts, hidden, intermediate, dtype=dtype)
+        self.shared_expert = GatedMLP(hidden, shared_intermediate, dtype=dtype) if shared_intermediate else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype) if shared_intermediate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_topk(self.gate(x), top_k=self.top_k, renormalize=self.renormalize)
+        # HF casts the routing weights to the activation dtype before the experts scale by them.
+        out = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights.to(x.dtype), ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

@@ -1,0 +1,132 @@
+"""Qwen3-Next (gated DeltaNet + gated attention + sparse MoE) against transformers'
+Qwen3NextForCausalLM, through the engine's hybrid KV manager; and the MoE implementations."""
+
+import random
+
+import pytest
+import torch
+from hybrid_harness import engine_prefill_logits, hf_greedy, hf_logits
+
+from infercore import Engine, SamplingParams
+from infercore.models import Qwen3NextConfig, build_model
+from infercore.models.moe import (
+    moe_experts_dense,
+    moe_experts_grouped,
+    moe_experts_reference,
+    route_topk,
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+KV = dict(page_size=4, kv_cache_bytes=1 << 20, checkpoint_interval=8)
+
+
+def _prompts(n, seed, lo=5, hi=30, vocab=96):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    import transformers
+
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
+        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, decoder_sparse_step=1, mlp_only_layers=[1],
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.Qwen3NextForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or "dt_bias" in name:
+                p.normal_(0.0, 0.3)
+        hf.lm_head.weight.mul_(4.0)
+    ours = build_model(Qwen3NextConfig.from_hf(cfg.to_dict()), dtype=torch.float32, device="cpu", init="empty")
+    ours.load_weights(hf.state_dict().items())
+    return hf, ours
+
+
+def test_moe_implementations_agree():
+    torch.manual_seed(1)
+    T, E, H, I, k = 13, 6, 16, 8, 3
+    x = torch.randn(T, H)
+    gate_up, down = torch.randn(E, 2 * I, H) * 0.3, torch.randn(E, H, I) * 0.3
+    w, ids = route_topk(torch.randn(T, E), top_k=k, renormalize=True)
+    torch.testing.assert_close(w.sum(-1), torch.ones(T))
+    # The spec, written out token by token.
+    want = torch.zeros(T, H)
+    for t in range(T):
+        for j in range(k):
+            e = ids[t, j]
+            h = gate_up[e] @ x[t]
+            want[t] += w[t, j] * (down[e] @ (torch.nn.functional.silu(h[:I]) * h[I:]))
+    for fn in (moe_experts_reference, moe_experts_grouped, moe_experts_dense):
+        torch.testing.assert_close(fn(x, gate_up, down, w, ids), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="top_k"):
+        route_topk(torch.randn(T, E), top_k=E + 1, renormalize=False)
+
+
+def test_loads_per_expert_hub_names(pair):
+    hf, ours = pair
+    sd = dict(hf.state_dict())
+    split = {}
+    for name, t in sd.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            i = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                split[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = t[e, :i]
+                split[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = t[e, i:]
+        elif name.endswith("mlp.experts.down_proj"):
+            for e in range(t.shape[0]):
+                split[name.replace("down_proj", f"{e}.down_proj.weight")] = t[e]
+        else:
+            split[name] = t
+    other = build_model(ours.config, dtype=torch.float32, device="cpu", init="empty")
+    other.load_weights(split.items())
+    for (n, a), (_, b) in zip(ours.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(a, b), n
+    with pytest.raises(ValueError, match="not \\(fully\\)"):
+        other.load_weights((n, t) for n, t in split.items() if ".experts.3.up_proj" not in n)
+
+
+@pytest.mark.parametrize("layout", ["multi", "uniform"])
+def test_prefill_logits_match(pair, layout):
+    hf, ours = pair
+    ps = _prompts(3, seed=1)
+    # Without prefix caching no checkpoint boundary cuts the prompts: one step holds them all.
+    eng = Engine(ours, kv_layout=layout, enable_prefix_caching=False, **KV)
+    for p, got in zip(ps, engine_prefill_logits(eng, ps)):
+        torch.testing.assert_close(got, hf_logits(hf, p), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["multi", "uniform"])
+def test_batched_chunked_greedy_matches_transformers(pair, layout):
+    hf, ours = pair
+    ps = _prompts(3, seed=2)
+    eng = Engine(ours, max_num_batched_tokens=11, kv_layout=layout, **KV)
+    outs = eng.generate(ps, GREEDY)
+    for p, o in zip(ps, outs):
+        assert o.token_ids == hf_greedy(hf, p, 32)
+    eng.block_manager.check_invariants()
+
+
+def test_prefix_hit_restores_checkpointed_state(pair):
+    hf, ours = pair
+    shared = _prompts(1, seed=3, lo=22, hi=22)[0]
+    a, b = shared + [5, 6, 7], shared + [8, 9]
+    eng = Engine(ours, **KV)
+    assert eng.kv_layout == "multi" and eng.scheduler.chunk_boundary == 8
+    first = eng.generate([a], GREEDY)[0]
+    second = eng.generate([b], GREEDY)[0]
+    third = eng.generate([a], GREEDY)[0]
+    assert first.metrics.num_cached_tokens == 0
+    assert second.metrics.num_cached_tokens == 16  # the last checkpoint inside the shared 22 tokens
+    assert third.metrics.num_cached_tokens == 24
+    assert second.token_ids == hf_greedy(hf, b, 32)
+    assert third.token_ids == first.token_ids == hf_greedy(hf, a, 32)
+    eng.block_manager.check_invariants()

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import case, write_results  # noqa: E402
 
 from infercore import Engine, SamplingParams  # noqa: E402
-from infercore.loading import default_model_path  # noqa: E402
+from infercore.loading import default_model_path, load_checkpoint  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper."
 
@@ -75,9 +75,14 @@ def main() -> None:
             sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
             return eng.generate([ids], sp)[0].token_ids
 
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype
-        ).eval()
+        # transformers on the same dequantized weights in the same dtype (its GGUF loader would keep
+        # them packed and run its own quantized kernels, which is another comparison).
+        ckpt = load_checkpoint(path)
+        hcfg = transformers.AutoConfig.for_model(**ckpt.config)
+        hf = transformers.LlamaForCausalLM(hcfg).to(dtype).eval()
+        missing, unexpected = hf.load_state_dict({k: v.to(dtype) for k, v in ckpt.weights()}, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+        hf.tie_weights()
         x = torch.tensor([ids])
 
         @torch.inference_mode()

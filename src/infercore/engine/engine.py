@@ -104,6 +104,7 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
             chunk_boundary=chunk_boundary,
+            lazy_prefill_alloc=self.kv_layout != "dense",
         )
         self.graph_runner = None
         # The captured decode graphs use the dense metadata layout.

@@ -10,6 +10,10 @@ prefix pages usually stay in the prefix cache). Nothing is dropped.
 With ``chunk_boundary`` set (models with recurrent layers and prefix caching), a prefill chunk that
 would cross a multiple of it is cut there: recurrent states can only be checkpointed for the prefix
 cache when a step ends exactly on the boundary.
+
+With ``lazy_prefill_alloc`` (the hybrid KV manager), an admitted request gets pages for its first
+chunk only; later chunks grow it. Sliding-window layers then never hold more than a window plus a
+chunk, instead of the whole prompt until its pages leave the window.
 """
 
 from __future__ import annotations
@@ -48,9 +52,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         chunk_boundary: int | None = None,
+        lazy_prefill_alloc: bool = False,
     ) -> None:
         self.bm = block_manager
         self.chunk_boundary = chunk_boundary
+        self.lazy_prefill_alloc = lazy_prefill_alloc
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -119,17 +125,21 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             req = self.waiting[0]
             tokens = req.all_token_ids
-            cached = self.bm.allocate(
-                req.request_id, tokens, len(tokens), max_cached_tokens=len(tokens) - 1
-            )
+            room = len(tokens)
+            if self.lazy_prefill_alloc:
+                room = min(room, self.bm.match_prefix(tokens, max_cached_tokens=len(tokens) - 1) + budget)
+            cached = self.bm.allocate(req.request_id, tokens, room, max_cached_tokens=len(tokens) - 1)
             if cached is None:
                 break
             remaining = len(tokens) - cached
             if remaining > budget and not self.enable_chunked_prefill and batch.requests:
                 self.bm.free(req.request_id)
                 break
-            self.waiting.popleft()
             n = self._cut(cached, min(remaining, budget))
+            if cached + n > room and not self.bm.grow(req.request_id, cached + n):
+                self.bm.free(req.request_id)
+                break
+            self.waiting.popleft()
             req.num_computed_tokens = cached
             req.status = Status.RUNNING
             if req.metrics.first_scheduled_time is None:

@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 # Above this many (token, expert) products the dense form wastes more compute than it saves.
-DENSE_MAX_TOKEN_EXPERTS = 1 << 16
+DENSE_MAX_TOKEN_EXPERTS = 1 << 17
 
 
 def route_topk(router_logits: torch.Tensor, *, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,11 +126,11 @@ def moe_experts_dense(
     over ``[E, T, *]``) and combining with the ``[T, E]`` routing matrix. For small ``T * E``."""
     _check(x, gate_up, down, weights, ids)
     T, E = x.shape[0], gate_up.shape[0]
-    combine = torch.zeros(T, E, dtype=torch.float32, device=x.device)
-    combine.scatter_(1, ids.long(), weights.float())
+    combine = torch.zeros(T, E, dtype=x.dtype, device=x.device)
+    combine.scatter_(1, ids.long(), weights.to(x.dtype))
     h = torch.bmm(x.unsqueeze(0).expand(E, -1, -1), gate_up.transpose(1, 2))  # [E, T, 2I]
     y = torch.bmm(silu_and_mul(h), down.transpose(1, 2))  # [E, T, H]
-    return torch.einsum("te,eth->th", combine, y.float()).to(x.dtype)
+    return torch.einsum("te,eth->th", combine, y)
 
 
 def moe_experts(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kv import BlockManager, allocate_kv_caches, bytes_per_page
+from ..models.layout import pack_linears_for_cpu_
 from .graph_runner import CUDAGraphRunner
 from .hybrid import HybridModelRunner, build_hybrid_kv, choose_kv_layout, fits
 from .params import SamplingParams
@@ -44,6 +45,8 @@ class EngineConfig:
     checkpoint_interval: int | None = None
     # CUDA only: capture decode steps of up to this many requests in CUDA graphs (0 = eager)
     cuda_graph_max_batch: int = 256
+    # CPU: run linears on oneDNN-packed weights (see models.layout.CPUPackedLinear)
+    cpu_packed_linears: bool = True
 
     def validate(self) -> None:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -77,6 +80,8 @@ class Engine:
         model_max = getattr(mcfg, "max_position_embeddings", None)
         self.max_model_len = config.max_model_len or model_max or 4096
         self.vocab_size = getattr(mcfg, "vocab_size", None)
+        if config.cpu_packed_linears and self.device.type == "cpu":
+            pack_linears_for_cpu_(model)
         specs = model.kv_specs()
         self.kv_layout = choose_kv_layout(model, specs, config.kv_layout)
         chunk_boundary = None

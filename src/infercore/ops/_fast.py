@@ -9,6 +9,10 @@ unless ``INFERCORE_BACKEND`` forces ``triton`` (the interpreter tests do this pe
 from __future__ import annotations
 
 from ..devices import triton_available
+from .activation import cpu as _activation_cpu  # noqa: F401  (CPU fast paths: plain ATen, always there)
+from .attention import cpu as _attention_cpu  # noqa: F401
+from .norm import cpu as _norm_cpu  # noqa: F401
+from .rope import cpu as _rope_cpu  # noqa: F401
 from .rope import fused as _rope_fused  # noqa: F401  (reference of "rope_and_write_kv"; needs no Triton)
 
 if triton_available():

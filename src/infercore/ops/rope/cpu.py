@@ -1,0 +1,31 @@
+"""CPU fast path of RoPE fused with the KV-cache write (neox style, full rotary): q and k rotate
+together in one pass of elementwise ops, and the write is one ``index_copy_`` per cache. Other
+variants (interleaved, partial rotary, skipped slots) take the reference."""
+
+from __future__ import annotations
+
+import torch
+
+from ...devices import implementation, register
+
+
+def rope_and_write_kv_cpu(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, is_neox=True):
+    T, hq, d = q.shape
+    rd = cos_sin_cache.shape[-1]
+    if not is_neox or rd != d or bool((slot_mapping < 0).any()):
+        ref = implementation("rope_and_write_kv", "reference")
+        return ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=is_neox)
+    half = d // 2
+    cs = cos_sin_cache[positions.long()].float()  # [T, rd]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    x = torch.cat([q, k], dim=1).float()  # [T, Hq + Hk, D]
+    x1, x2 = x[..., :half], x[..., half:]
+    rot = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(q.dtype)
+    num_pages, page_size, hk, _ = k_cache.shape
+    slots = slot_mapping.long()
+    k_cache.view(num_pages * page_size, hk, d).index_copy_(0, slots, rot[:, hq:].to(k_cache.dtype))
+    v_cache.view(num_pages * page_size, hk, d).index_copy_(0, slots, v.to(v_cache.dtype))
+    return rot[:, :hq]
+
+
+register("rope_and_write_kv", "cpu", rope_and_write_kv_cpu, priority=5, available=lambda cap: cap.device_type == "cpu")

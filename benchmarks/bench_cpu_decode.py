@@ -37,11 +37,18 @@ def read_bandwidth() -> float:
     return x.numel() * 4 / best
 
 
-def decode_rate(run, n: int, repeats: int) -> float:
-    run(1)
-    t1 = min(_timed(run, 1) for _ in range(repeats))
-    tn = min(_timed(run, n) for _ in range(repeats))
-    return (n - 1) / (tn - t1)
+def decode_rates(runs: list, n: int, repeats: int) -> list[float]:
+    """Decode rate of each runner; their timings interleave so a drift of the machine's memory
+    bandwidth (a shared VM) hits all of them alike. Best of ``repeats`` for each length."""
+    for run in runs:
+        run(1)
+    t1 = [float("inf")] * len(runs)
+    tn = [float("inf")] * len(runs)
+    for _ in range(repeats):
+        for i, run in enumerate(runs):
+            t1[i] = min(t1[i], _timed(run, 1))
+            tn[i] = min(tn[i], _timed(run, n))
+    return [(n - 1) / (b - a) for a, b in zip(t1, tn)]
 
 
 def _timed(run, n: int) -> float:
@@ -53,7 +60,7 @@ def _timed(run, n: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--out", default="benchmarks/results/cpu/cpu_decode.json")
     args = ap.parse_args()
@@ -92,8 +99,7 @@ def main() -> None:
             return out[0, len(ids):].tolist()
 
         same = ours(args.tokens) == theirs(args.tokens)
-        r_ours = decode_rate(ours, args.tokens, args.repeats)
-        r_hf = decode_rate(theirs, args.tokens, args.repeats)
+        r_ours, r_hf = decode_rates([ours, theirs], args.tokens, args.repeats)
         weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
         floor = bw / weight_bytes
         print(f"{name}: infercore {r_ours:.1f} tok/s, transformers {r_hf:.1f} tok/s "

@@ -87,11 +87,12 @@ def _forced(op: str) -> str | None:
 
 def resolve(op: str, device: torch.device | str) -> Impl:
     """The implementation that serves ``op`` on ``device``."""
-    device = torch.device(device)
-    forced = _forced(op)
-    key = (op, str(device), forced or "")
+    # Called once per op call: the cache key is built from cheap values only.
+    key = (op, device, os.environ.get("INFERCORE_BACKEND", ""))
     impl = _CACHE.get(key)
     if impl is None:
+        device = torch.device(device)
+        forced = _forced(op)
         entry = _OPS.get(op)
         if entry is None or REFERENCE not in entry.impls:
             raise ValueError(f"unknown op {op!r}")
@@ -107,7 +108,7 @@ def resolve(op: str, device: torch.device | str) -> Impl:
 
 def dispatch(op: str, device: torch.device | str) -> Callable:
     impl = resolve(op, device)
-    _OPS[op].served[str(torch.device(device))] = impl.name
+    _OPS[op].served[device] = impl.name
     return impl.fn
 
 
@@ -115,7 +116,7 @@ def report(device: torch.device | str | None = None) -> dict[str, dict]:
     """Per op: the registered implementations, which one would serve ``device``, and which served last."""
     out = {}
     for op, entry in sorted(_OPS.items()):
-        row = {"implementations": sorted(entry.impls), "served": dict(entry.served)}
+        row = {"implementations": sorted(entry.impls), "served": {str(d): n for d, n in entry.served.items()}}
         if device is not None:
             row["selected"] = resolve(op, device).name
         out[op] = row

@@ -33,16 +33,17 @@ def paged_attention_decode_cpu(q, k_cache, v_cache, *, seq_lens, block_table, sc
             sliding_window=sliding_window, softcap=softcap)
     # One query row: ATen's fp32 CPU attention is ~2x faster than its bf16 path at these sizes,
     # and the upcasts are tiny.
-    out = torch.zeros(q.shape, dtype=torch.float32)
+    qf = q.float().unsqueeze(2)  # [B, Hq, 1, D]
+    rows = []
     for b, n in enumerate(seq_lens.tolist()):
         if n <= 0:
+            rows.append(qf.new_zeros(qf.shape[1:]).unsqueeze(0))
             continue
         start = max(0, n - sliding_window) if sliding_window is not None else 0
         k, v = _context(k_cache, v_cache, block_table[b], start, n)
-        qb = q[b].float().unsqueeze(0).unsqueeze(2)  # [1, Hq, 1, D]
-        o = F.scaled_dot_product_attention(qb, k.float(), v.float(), scale=scale, enable_gqa=True)
-        out[b] = o[0, :, 0]
-    return out.to(q.dtype)
+        rows.append(F.scaled_dot_product_attention(qf[b : b + 1], k.float(), v.float(), scale=scale, enable_gqa=True))
+    out = rows[0] if len(rows) == 1 else torch.cat(rows)
+    return out.squeeze(2).to(q.dtype)
 
 
 def paged_attention_prefill_cpu(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_table, scale,

@@ -12,9 +12,10 @@ from ...devices import register
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, *, eps: float, offset: float = 0.0) -> torch.Tensor:
-    w = weight.float() if offset == 0.0 else weight.float() + offset
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    if offset == 0.0 and weight.dtype == x.dtype:
+        # ATen's fused kernel accumulates in fp32 and rounds once, as the reference does.
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    w = weight.float() + offset
     return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
 
 

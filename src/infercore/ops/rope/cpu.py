@@ -12,11 +12,11 @@ from ...devices import implementation, register
 def rope_and_write_kv_cpu(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, is_neox=True):
     T, hq, d = q.shape
     rd = cos_sin_cache.shape[-1]
-    if not is_neox or rd != d or bool((slot_mapping < 0).any()):
+    if not is_neox or rd != d or int(slot_mapping.min()) < 0:
         ref = implementation("rope_and_write_kv", "reference")
         return ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=is_neox)
     half = d // 2
-    cs = cos_sin_cache[positions.long()].float()  # [T, rd]
+    cs = cos_sin_cache[positions.long()].float()  # [T, rd] = [cos | sin]
     cos, sin = cs[:, None, :half], cs[:, None, half:]
     x = torch.cat([q, k], dim=1).float()  # [T, Hq + Hk, D]
     x1, x2 = x[..., :half], x[..., half:]

@@ -40,7 +40,7 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
         raise FileNotFoundError(f"no config.json in checkpoint directory {root}")
     try:
         with open(config_file, encoding="utf-8") as f:
-            config = json.load(f)
+            config = json.load(f, object_hook=_decode_special_floats)
     except json.JSONDecodeError as e:
         raise ValueError(f"invalid JSON in {config_file}: {e}") from None
     if not isinstance(config, dict):
@@ -101,3 +101,10 @@ def iter_safetensors(
                 except SafetensorError as e:
                     raise _corrupt(file, f"tensor {name!r}: {e}") from None
                 yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def _decode_special_floats(obj: dict):
+    # transformers writes non-finite floats as {"__float__": "Infinity"} (JSON has no inf/nan)
+    if len(obj) == 1 and "__float__" in obj:
+        return float(obj["__float__"])
+    return obj

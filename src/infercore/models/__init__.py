@@ -20,6 +20,7 @@ from .mamba2 import BambaForCausalLM, Mamba2Config, Mamba2ForCausalLM
 from .qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 
 __all__ = [
+    "config_from_hf",
     "SUPPORTED_MODEL_TYPES",
     "BambaForCausalLM",
     "Gemma3Config",
@@ -43,11 +44,15 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _BY_MODEL_TYPE: dict[str, type[nn.Module]] = {}
 _BY_ARCHITECTURE: dict[str, type[nn.Module]] = {}
+_CONFIGS: dict[str, Any] = {}  # HF model_type -> config class with ``from_hf``
 
 
-def register_model(model_type: str, cls: type[nn.Module], *, architectures: tuple[str, ...] = ()) -> None:
+def register_model(model_type: str, cls: type[nn.Module], *, architectures: tuple[str, ...] = (),
+                   config_class: Any = ModelConfig, hf_model_types: tuple[str, ...] = ()) -> None:
     """Make ``build_model`` construct ``cls(config, dtype=)`` for ``model_type`` / HF ``architectures``."""
     _BY_MODEL_TYPE[model_type] = cls
+    for mt in (model_type, *hf_model_types):
+        _CONFIGS[mt] = config_class
     for arch in architectures:
         _BY_ARCHITECTURE[arch] = cls
 
@@ -56,10 +61,20 @@ register_model("llama", LlamaForCausalLM, architectures=("LlamaForCausalLM",))
 register_model("mistral", MistralForCausalLM, architectures=("MistralForCausalLM",))
 register_model("qwen2", Qwen2ForCausalLM, architectures=("Qwen2ForCausalLM",))
 register_model("qwen3", Qwen3ForCausalLM, architectures=("Qwen3ForCausalLM",))
-register_model("gemma3_text", Gemma3ForCausalLM, architectures=("Gemma3ForCausalLM",))
-register_model("qwen3_next", Qwen3NextForCausalLM, architectures=("Qwen3NextForCausalLM",))
-register_model("mamba2", Mamba2ForCausalLM, architectures=("Mamba2ForCausalLM",))
-register_model("bamba", BambaForCausalLM, architectures=("BambaForCausalLM",))
+register_model("gemma3_text", Gemma3ForCausalLM, architectures=("Gemma3ForCausalLM",), config_class=Gemma3Config,
+               hf_model_types=("gemma3",))
+register_model("qwen3_next", Qwen3NextForCausalLM, architectures=("Qwen3NextForCausalLM",),
+               config_class=Qwen3NextConfig)
+register_model("mamba2", Mamba2ForCausalLM, architectures=("Mamba2ForCausalLM",), config_class=Mamba2Config)
+register_model("bamba", BambaForCausalLM, architectures=("BambaForCausalLM",), config_class=Mamba2Config)
+
+
+def config_from_hf(hf: dict) -> Any:
+    """The family config for an HF ``config.json`` dict, chosen by its ``model_type``."""
+    mt = hf.get("model_type")
+    if mt not in _CONFIGS:
+        raise ValueError(f"config: model_type {mt!r} is not supported; supported: {sorted(_CONFIGS)}")
+    return _CONFIGS[mt].from_hf(hf)
 
 
 def model_class(config: Any) -> type[nn.Module]:
@@ -137,7 +152,7 @@ def load_model(
 
     dtype = _check_dtype(dtype)
     ckpt = load_checkpoint(path)
-    config = ModelConfig.from_hf(ckpt.config)
+    config = config_from_hf(ckpt.config)
     model = build_model(config, dtype=dtype, device=device, init="empty")
     model.load_weights(ckpt.weights(dtype))
     return model, ckpt.tokenizer(), config

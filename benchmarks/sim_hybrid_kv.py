@@ -9,6 +9,14 @@ Models (KV shapes of public architectures, layer counts rounded to the stated ra
 * ``linear3to1`` -- Qwen3-Next-like: 48 layers, 36 gated-DeltaNet (conv state 8192 x 3 bf16,
   recurrent state 32 x 128 x 128 fp32) + 12 full attention (2 KV heads x 256, bf16).
 
+Budget sweep (capacity only) at the shapes of the public configs, 1 / 4 / 16 / 40 GiB pools:
+
+* ``qwen3_next_80b`` -- Qwen3-Next-80B-A3B: 48 layers, 36 gated DeltaNet + 12 gated attention
+  (the ``linear3to1`` specs in the config's layer order), at 512 + 256 and 32k tokens;
+* ``qwen3_next_80b_8l`` -- its first 8 layers, the model of ``benchmarks/bench_hybrid_e2e.py``;
+* ``gemma3_27b`` -- Gemma-3-27B: 62 layers, 52 sliding (window 1024) + 10 global, 16 KV heads x
+  128, at 512 + 256, 4k + 256 and 32k tokens.
+
 Per context length ``L`` (4k..128k) and mode, on a 40 GiB KV pool:
 
 * **capacity** -- requests of ``L`` tokens (prefilled in 2048-token chunks) admitted until the pool
@@ -20,6 +28,8 @@ Per context length ``L`` (4k..128k) and mode, on a 40 GiB KV pool:
 * **trace** -- continuous batching of 4x-capacity requests (prompt ``L - 256`` + 256 decoded
   tokens, chunked prefill, preemption of the newest request when the pool runs short): the peak
   number of running requests.
+
+Layouts are built for their pool (``HybridKVLayout.build(..., budget_bytes=)``), as the engine does.
 
 Run: ``PYTHONPATH=src python benchmarks/sim_hybrid_kv.py`` (a few minutes on 2 cores;
 ``--quick`` for a smoke run). Writes ``benchmarks/results/cpu/sim_hybrid_kv.json``.
@@ -45,22 +55,31 @@ BUDGET = 40 * GiB
 CHUNK = 2048
 PAGE_TOKENS = 16
 CONTEXTS = [4096, 8192, 16384, 32768, 65536, 131072]
+SWEEP_BUDGETS = [1, 4, 16, 40]  # GiB
+SWEEP = {  # model -> contexts (prompt + 256 decoded tokens)
+    "qwen3_next_80b": [768, 32768],
+    "qwen3_next_80b_8l": [768, 32768],
+    "gemma3_27b": [768, 4352, 32768],
+}
+GDN = LinearStateSpec((8192, 3), (32, 128, 128), conv_dtype=torch.bfloat16, recurrent_dtype=torch.float32)
 
 
 def model_specs(name: str) -> list:
     if name == "sliding5to1":
         return ([SlidingWindowSpec(8, 128, 1024)] * 5 + [FullAttentionSpec(8, 128)]) * 8
     if name == "linear3to1":
-        gdn = LinearStateSpec(
-            (8192, 3), (32, 128, 128), conv_dtype=torch.bfloat16, recurrent_dtype=torch.float32
-        )
-        return ([gdn] * 3 + [FullAttentionSpec(2, 256)]) * 12
-    raise ValueError(f"model must be 'sliding5to1' or 'linear3to1', got {name!r}")
+        return ([GDN] * 3 + [FullAttentionSpec(2, 256)]) * 12
+    if name.startswith("qwen3_next_80b"):
+        layers = 8 if name.endswith("_8l") else 48
+        return [FullAttentionSpec(2, 256) if (i + 1) % 4 == 0 else GDN for i in range(layers)]
+    if name == "gemma3_27b":
+        return [FullAttentionSpec(16, 128) if (i + 1) % 6 == 0 else SlidingWindowSpec(16, 128, 1024) for i in range(62)]
+    raise ValueError(f"unknown model {name!r}")
 
 
-def capacity(layout: HybridKVLayout, length: int) -> tuple[int, float]:
+def capacity(layout: HybridKVLayout, length: int, budget: int = BUDGET) -> tuple[int, float]:
     """Requests of ``length`` tokens resident at once, and the memory utilization then."""
-    mgr = HybridBlockManager(layout, layout.num_large_pages(BUDGET), enable_prefix_caching=False)
+    mgr = HybridBlockManager(layout, layout.num_large_pages(budget), enable_prefix_caching=False)
     tokens = range(length)  # ids are irrelevant without prefix caching
     n = 0
     while True:
@@ -85,9 +104,11 @@ def capacity(layout: HybridKVLayout, length: int) -> tuple[int, float]:
     return n, util
 
 
-def trace(layout: HybridKVLayout, length: int, num_requests: int, *, token_budget: int = 16384) -> int:
+def trace(
+    layout: HybridKVLayout, length: int, num_requests: int, *, token_budget: int = 16384, budget: int = BUDGET
+) -> int:
     """Peak running requests under continuous batching with chunked prefill and preemption."""
-    mgr = HybridBlockManager(layout, layout.num_large_pages(BUDGET), enable_prefix_caching=False)
+    mgr = HybridBlockManager(layout, layout.num_large_pages(budget), enable_prefix_caching=False)
     tokens = range(length)
     waiting: deque[int] = deque(range(num_requests))
     computed: dict[int, int] = {}
@@ -140,16 +161,15 @@ def trace(layout: HybridKVLayout, length: int, num_requests: int, *, token_budge
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="contexts 4k and 32k only, no trace")
-    parser.add_argument(
-        "--out", default=str(Path(__file__).parent / "results" / "cpu" / "sim_hybrid_kv.json")
-    )
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu" / "sim_hybrid_kv.json"))
     args = parser.parse_args()
     contexts = [4096, 32768] if args.quick else CONTEXTS
     cases = []
     for model in ("sliding5to1", "linear3to1"):
         specs = model_specs(model)
         layouts = {
-            m: HybridKVLayout.build(specs, page_tokens=PAGE_TOKENS, mode=m) for m in ("multi", "uniform")
+            m: HybridKVLayout.build(specs, page_tokens=PAGE_TOKENS, mode=m, budget_bytes=BUDGET)
+            for m in ("multi", "uniform")
         }
         for length in contexts:
             ideal = BUDGET // layouts["multi"].needed_bytes(length)
@@ -173,6 +193,7 @@ def main() -> None:
                 # No floor: running requests include ones still early in their prefill.
                 cases.append(_case(f"{tag} trace", "peak running requests (trace)", "requests",
                                    ours["trace_peak"], base["trace_peak"], None))  # fmt: skip
+    cases += budget_sweep(trace_small=not args.quick)
     result = {
         "name": "sim_hybrid_kv",
         "device": "cpu",
@@ -185,15 +206,45 @@ def main() -> None:
             "python": sys.version.split()[0],
             "machine": platform.machine(),
         },  # fmt: skip
-        "notes": "KV budget 40 GiB; page 16 tokens; prefill chunk 2048; peers.uniform = one page size for "
-        "every layer (sliding layers keep full history, states padded to an inflated token page); "
-        "floor = the ideal (no waste) value.",
+        "notes": "KV budget 40 GiB unless the case names one; page 16 tokens; prefill chunk 2048; "
+        "peers.uniform = one page size for every layer (sliding layers keep full history, states padded "
+        "to an inflated token page); floor = the ideal (no waste) value; layouts built for their budget.",
         "cases": cases,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+
+
+def budget_sweep(*, trace_small: bool) -> list[dict]:
+    """Capacity of multi vs uniform at the public configs' shapes across pool sizes (and the
+    continuous-batching peak where the pool is small enough for the trace to be quick)."""
+    cases = []
+    for model, contexts in SWEEP.items():
+        specs = model_specs(model)
+        for gib in SWEEP_BUDGETS:
+            budget = gib * GiB
+            layouts = {
+                m: HybridKVLayout.build(specs, page_tokens=PAGE_TOKENS, mode=m, budget_bytes=budget)
+                for m in ("multi", "uniform")
+            }
+            for length in contexts:
+                ideal = budget // layouts["multi"].needed_bytes(length)
+                cap = {m: capacity(lay, length, budget)[0] for m, lay in layouts.items()}
+                tag = f"{model} {gib}GiB ctx={length}"
+                line = (f"{tag:34s}: ideal {ideal:5d} | multi {cap['multi']:5d} | uniform {cap['uniform']:5d} "
+                        f"| large page multi {layouts['multi'].large_bytes / 2**20:.1f} MiB x "
+                        f"{layouts['multi'].num_large_pages(budget)}")  # fmt: skip
+                cases.append(_case(f"{tag} capacity", "max concurrent requests", "requests",
+                                   cap["multi"], cap["uniform"], ideal))  # fmt: skip
+                if trace_small and gib <= 4 and length <= 4352 and cap["uniform"] > 0:
+                    peak = {m: trace(lay, length, max(8, 4 * cap[m]), budget=budget) for m, lay in layouts.items()}
+                    line += f" | trace peak {peak['multi']} vs {peak['uniform']}"
+                    cases.append(_case(f"{tag} trace", "peak running requests (trace)", "requests",
+                                       peak["multi"], peak["uniform"], None))  # fmt: skip
+                print(line, flush=True)
+    return cases
 
 
 def _case(case: str, metric: str, unit: str, ours: float, uniform: float, floor: float | None) -> dict:

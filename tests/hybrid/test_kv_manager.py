@@ -235,11 +235,15 @@ def test_checkpoints_are_released_with_their_prefix():
 
 def test_free_returns_whole_large_pages():
     layout = _layout("sliding_5to1")
-    mgr = HybridBlockManager(layout, 32, enable_prefix_caching=False)
-    # Interleave two requests' growth: request-aware placement keeps their pages apart.
-    mgr.allocate("a", [0] * 4, 4, max_cached_tokens=0)
-    mgr.allocate("b", [1] * 4, 4, max_cached_tokens=0)
-    for n in range(8, 41, 4):
+    full = 1
+    per = layout.smalls_per_large(full)
+    span = per * P  # tokens that fill one large page of the full group
+    mgr = HybridBlockManager(layout, 64, enable_prefix_caching=False)
+    # Interleave two requests' growth one large page at a time: request-aware placement carves
+    # whole large pages for each, so their pages stay apart.
+    mgr.allocate("a", [0] * span, span, max_cached_tokens=0)
+    mgr.allocate("b", [1] * span, span, max_cached_tokens=0)
+    for n in range(2 * span, 4 * span + 1, span):
         assert mgr.grow("a", n) and mgr.grow("b", n)
     larges = {
         r: {mgr.pool.large_of(g, p) for g in range(mgr.num_groups) for p in mgr.block_table(r, g) if p >= 0}
@@ -250,6 +254,26 @@ def test_free_returns_whole_large_pages():
     mgr.free("a")
     assert mgr.pool.num_free_large == before + len(larges["a"])
     mgr.check_invariants()
+
+
+def test_a_group_strands_less_than_one_large_page():
+    # Requests far smaller than a large page (the Qwen3-Next case: 48 of 393 attention pages):
+    # their remainders share carved pages instead of each carving its own, so no group ever
+    # holds a large page's worth of free slots that another group could have used.
+    layout = _layout("linear_3to1")
+    lin, full = 0, 1
+    per = layout.smalls_per_large(full)
+    assert per >= 4
+    mgr = HybridBlockManager(layout, 64, enable_prefix_caching=False)
+    n = 0
+    while mgr.allocate(n, [0] * P, P, max_cached_tokens=0) is not None:  # one page per group
+        assert mgr.pool._free_slots[full] < per and mgr.pool._free_slots[lin] < layout.smalls_per_large(lin)
+        n += 1
+        for rid in range(0, n, 3):  # some grow by a page, interleaved, as decode would
+            mgr.grow(rid, P * (len(mgr.block_table(rid, full)) + 1))
+    mgr.check_invariants()
+    mem = mgr.memory()
+    assert mem["free"] == 0 and mem["fragment"] < layout.large_bytes * mgr.num_groups
 
 
 def test_accounting_is_exact_without_cache():

@@ -116,15 +116,17 @@ def build_hybrid_kv(
 ) -> tuple[HybridBlockManager, list, list[torch.Tensor]]:
     """Layout, manager and cache tensors for ``budget_bytes`` of KV memory.
 
-    ``checkpoint_interval`` is rounded up to a multiple of the layout's page size (uniform mode
-    enlarges pages to hold a recurrent state)."""
-    layout = HybridKVLayout.build(list(specs), page_tokens=page_tokens, mode=mode, dtype=dtype)
+    The layout is sized for the budget (a large page that is coarse relative to the pool is
+    replaced by a finer granule, see :meth:`HybridKVLayout.build`). ``checkpoint_interval`` is
+    rounded up to a multiple of the layout's page size (uniform mode enlarges pages to hold a
+    recurrent state)."""
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
+    kw = dict(page_tokens=page_tokens, mode=mode, dtype=dtype, budget_bytes=budget_bytes)
+    layout = HybridKVLayout.build(list(specs), **kw)
     if checkpoint_interval is not None:
         P = layout.page_tokens
-        layout = HybridKVLayout.build(
-            list(specs), page_tokens=page_tokens, mode=mode, dtype=dtype,
-            checkpoint_interval=-(-checkpoint_interval // P) * P,
-        )  # fmt: skip
+        layout = HybridKVLayout.build(list(specs), **kw, checkpoint_interval=-(-checkpoint_interval // P) * P)
     num_large = layout.num_large_pages(budget_bytes)
     if num_large < 1:
         raise ValueError(f"KV cache budget of {budget_bytes} bytes holds no large page of {layout.large_bytes} bytes")

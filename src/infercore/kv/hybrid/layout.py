@@ -10,6 +10,11 @@ Two modes, for side-by-side comparison:
   common multiple of the small-page sizes, so any large page can be carved into small pages of any
   one group without a gap. If that LCM is unreasonably large (above ``max_large_page_bytes``),
   small pages are padded to a common granule that keeps the LCM small at the least padding.
+  Given the pool size (``budget_bytes``), the large page is chosen to minimize the expected waste:
+  padding, plus the budget's remainder modulo the large page, plus about one partly used large
+  page per group (see :mod:`.pool`). A large page that is coarse relative to the pool -- the
+  147 MiB LCM of Qwen3-Next-80B in a 1 GiB pool -- is then replaced by a granule of the largest
+  small page, at ~0.25% padding of the state page.
 * ``"uniform"`` (the common baseline): one page size for every layer. Token pages of
   ``page_tokens`` tokens, enlarged to a multiple of ``page_tokens`` until one layer's token page
   can hold one layer's state when the model has linear layers (the vLLM-style "inflated block");
@@ -108,6 +113,7 @@ class HybridKVLayout:
         dtype: torch.dtype = torch.bfloat16,
         max_large_page_bytes: int | None = None,
         checkpoint_interval: int | None = None,
+        budget_bytes: int | None = None,
     ) -> HybridKVLayout:
         """Lay out the KV memory of a model with per-layer ``specs``.
 
@@ -118,11 +124,15 @@ class HybridKVLayout:
                 that uniform mode enlarges.
             mode: ``"multi"`` or ``"uniform"`` (see the module docstring).
             dtype: cache dtype of attention specs whose ``dtype`` is None.
-            max_large_page_bytes: cap on the large page in multi mode; default ``4 *`` the
-                largest small page. Above it small pages are padded to a common granule.
+            max_large_page_bytes: cap on the large page in multi mode; default ``16 *`` the
+                largest small page, or ``budget_bytes`` when given. Above it small pages are
+                padded to a common granule.
             checkpoint_interval: tokens between linear-state checkpoints (a multiple of the page
                 size). Default: the fewest pages whose attention KV outweighs one checkpoint, so
                 checkpoints at most double the cached bytes per cached token.
+            budget_bytes: the pool size the layout is for (multi mode). When given, the large
+                page (within the cap) minimizes padding + budget remainder + one large page per
+                group; when None, the least padding wins (the natural LCM if it fits the cap).
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -133,6 +143,10 @@ class HybridKVLayout:
         if isinstance(specs, (str, bytes)) or not isinstance(specs, Sequence) or len(specs) == 0:
             raise ValueError("specs must be a non-empty sequence of layer specs")
         norm = [normalize_spec(s, name=f"specs[{i}]") for i, s in enumerate(specs)]
+        if budget_bytes is not None and (
+            isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0
+        ):
+            raise ValueError(f"budget_bytes must be a positive int or None, got {budget_bytes!r}")
 
         # Group identical specs (resolved dtype included), ordered by first layer.
         keyed: dict[object, list[int]] = {}
@@ -165,12 +179,17 @@ class HybridKVLayout:
         if mode == "uniform":
             small, large = raw_small, _lcm(raw_small)
         else:
-            cap = max_large_page_bytes if max_large_page_bytes is not None else 4 * max(raw_small)
+            # Without a budget, a generous cap: the natural LCM of real models is a few times the
+            # largest page (5x for Gemma-3-27B's 52 sliding + 10 global layers), and padding a
+            # page to dodge it costs up to ~15% of every request. With a budget, the waste
+            # estimate of _fit_large_page decides, so only the budget itself bounds the page.
+            if max_large_page_bytes is not None:
+                cap = max_large_page_bytes
+            else:
+                cap = 16 * max(raw_small) if budget_bytes is None else max(budget_bytes, max(raw_small))
             if cap < max(raw_small):
-                raise ValueError(
-                    f"max_large_page_bytes={cap} is below the largest small page ({max(raw_small)} bytes)"
-                )
-            small, large = _fit_large_page(raw_small, cap)
+                raise ValueError(f"max_large_page_bytes={cap} is below the largest small page ({max(raw_small)} bytes)")
+            small, large = _fit_large_page(raw_small, cap, budget_bytes)
 
         groups = []
         for g, (m, stride, sb) in enumerate(zip(members, strides, small)):
@@ -257,14 +276,22 @@ def _lcm(sizes: Sequence[int]) -> int:
     return out
 
 
-def _fit_large_page(sizes: list[int], cap: int) -> tuple[list[int], int]:
+def _fit_large_page(sizes: list[int], cap: int, budget: int | None = None) -> tuple[list[int], int]:
     """Small-page sizes (padded if needed) and their LCM, the large page, with LCM <= cap.
 
     Granule candidates: each size times a small power of two (pad every page to a multiple of one
-    group's page) and powers of two (pad to an alignment). Least relative padding wins.
+    group's page) and powers of two (pad to an alignment; small ones leave the sizes unpadded, so
+    the natural LCM is a candidate). Without ``budget`` the least relative padding wins (the
+    natural LCM whenever it fits). With it, the expected waste fraction wins:
+
+        max relative padding + (budget % LCM + len(sizes) * LCM) / budget
+
+    -- the remainder of the budget that is no whole large page, plus one partly used large page
+    per group (the pool strands less than that per group during admission; a worst case, so the
+    estimate leans to finer pages when padding them is nearly free).
     """
     large = _lcm(sizes)
-    if large <= cap:
+    if large <= cap and budget is None:
         return list(sizes), large
     candidates = {s << k for s in sizes for k in range(6)} | {1 << k for k in range(8, 40)}
     best: tuple[float, int, list[int]] | None = None
@@ -274,6 +301,8 @@ def _fit_large_page(sizes: list[int], cap: int) -> tuple[list[int], int]:
         if lcm > cap:
             continue
         waste = max((p - s) / p for p, s in zip(padded, sizes))
+        if budget is not None:
+            waste += (budget % lcm + len(sizes) * lcm) / budget
         if best is None or (waste, lcm) < (best[0], best[1]):
             best = (waste, lcm, padded)
     if best is None:  # unreachable: u = max(sizes) pads everything to one size, LCM = max <= cap

@@ -4,11 +4,25 @@ Small page ``k`` of large page ``L`` in group ``g`` has id ``L * smalls_per_larg
 group's small pages index dim 0 of a ``[num_large * smalls_per_large[g], small_bytes]`` view of one
 byte buffer of ``num_large * large_bytes`` bytes.
 
-Placement is request-aware (Jenga): a large page is carved *for* an owner (a request), and that
-owner's later small pages of the same group come from it first. Requests therefore hold mostly
-whole large pages of their own, and freeing a request hands back whole large pages instead of
-scattering holes through pages that others still hold. Free slots of other owners' pages are
-used only once no large page is free.
+Placement is request-aware (Jenga), but never at the price of stranding memory. An owner (a
+request) takes small pages of a group from, in order:
+
+1. its own carved large pages that still have a free slot;
+2. whole fresh large pages, carved for it, for the part of its need that fills them by itself --
+   these go back to the pool whole when it finishes;
+3. for the remainder (less than one large page): free slots of pages carved earlier, if they
+   cover it (pages whose owner left first, then the fullest); otherwise a fresh large page
+   carved for it, so that its later pages (decode growth) land next to its earlier ones.
+
+So a group never holds a large page's worth of free slots while it carves a new large page:
+during admission each group strands less than one large page, whatever the page sizes. (An
+earlier design carved a fresh large page for every request until only 1/8 of the pool was free.
+With a large page much bigger than a request's footprint -- a 768-token request fills 12% of
+the 24.6 MiB large page of the 8-layer Qwen3-Next shape -- that stranded half the pool in
+attention pages the linear-state group could not use, and multi-granularity held fewer requests
+than the uniform baseline: 34 vs 46 in a 1 GiB pool.) The price: short requests admitted
+together share large pages, so freeing one leaves free slots rather than a free large page;
+those slots are refilled by the same group first.
 
 The pool knows nothing of prefix caching: a small page is either free or taken; the manager above
 decides when a taken page is released.
@@ -29,17 +43,13 @@ class TwoLevelPool:
             groups a request holds one page of); default False (request-aware placement).
     """
 
-    def __init__(
-        self, num_large: int, smalls_per_large: list[int], *, dense: list[bool] | None = None
-    ) -> None:
+    def __init__(self, num_large: int, smalls_per_large: list[int], *, dense: list[bool] | None = None) -> None:
         if isinstance(num_large, bool) or not isinstance(num_large, int) or num_large < 0:
             raise ValueError(f"num_large must be a non-negative int, got {num_large!r}")
         if not smalls_per_large or any(n <= 0 for n in smalls_per_large):
             raise ValueError(f"smalls_per_large must be positive counts, got {smalls_per_large!r}")
         self.num_large = num_large
         self.smalls_per_large = list(smalls_per_large)
-        # Below this many free large pages, fill other owners' free slots before carving.
-        self.low_watermark = num_large // 8
         # Dense groups skip owner affinity: a request holds one small page of them (a linear
         # state slot), so a large page carved for it alone would mostly sit empty.
         self.dense = list(dense) if dense is not None else [False] * len(smalls_per_large)
@@ -84,41 +94,48 @@ class TwoLevelPool:
 
     def carved(self, group: int | None = None) -> list[int]:
         """Carved large pages (of ``group``, or of any group)."""
-        return [
-            L for L in range(self.num_large) if self._group[L] is not None and group in (None, self._group[L])
-        ]
+        return [L for L in range(self.num_large) if self._group[L] is not None and group in (None, self._group[L])]
 
     # ------------------------------------------------------------------ mutations
 
     def take(self, group: int, owner: Hashable, n: int) -> list[int] | None:
-        """``n`` small pages of ``group`` for ``owner``, or None (nothing taken) if short."""
+        """``n`` small pages of ``group`` for ``owner``, or None (nothing taken) if short.
+
+        Placement order: the owner's own pages, whole fresh large pages for it, then -- for a
+        remainder under one large page -- free slots of carved pages if they cover it, else a
+        fresh large page for it (see the module doc).
+        """
         if n <= 0:
             return []
         if self.num_free_small(group) < n:
             return None
         out: list[int] = []
         owned = self._owned.get((owner, group), {})
-        # 1. the owner's own partly filled large pages; 2. fresh large pages carved for the
-        # owner, while more than the low watermark of them are free; 3. free slots of pages
-        # other owners carved (orphaned pages first); 4. the last free large pages.
-        # Without the watermark every request would strand the tail of its last large page, and
-        # a group with bigger small pages (linear state) could find no whole large page left
-        # while many bytes sit free in other groups' pages.
         while len(out) < n and owned:
             self._take_from(next(iter(owned)), group, n - len(out), out)
-        if not self.dense[group]:
-            self._take_fresh(group, owner, n, out, keep=self.low_watermark)
-        if len(out) < n:
-            partial = sorted(self._partial[group], key=lambda L: self._owner[L] is not None)
+        dense = self.dense[group]
+        if not dense:
+            self._take_fresh(group, owner, n, out, whole=True)
+        # Carving a fresh page for a remainder strands its unused tail until the owner grows
+        # into it: do it only if the free slots already carved cannot take the remainder (then
+        # the group's free slots stay below one large page), or when no large page is free.
+        rest = n - len(out)
+        if rest and (dense or self._free_slots[group] >= rest or not self._free_large):
+            # Orphaned pages first (no live owner will grow into them), then the fullest ones,
+            # so that the remainder lands in few pages and emptier pages can drain to free.
+            partial = sorted(self._partial[group], key=lambda L: (self._owner[L] is not None, len(self._free_in[L])))
             for L in partial:
                 self._take_from(L, group, n - len(out), out)
                 if len(out) == n:
                     break
-        self._take_fresh(group, owner, n, out, keep=0)
+        self._take_fresh(group, owner, n, out, whole=False)
         return out
 
-    def _take_fresh(self, group: int, owner: Hashable, n: int, out: list[int], *, keep: int) -> None:
-        while len(out) < n and len(self._free_large) > keep:
+    def _take_fresh(self, group: int, owner: Hashable, n: int, out: list[int], *, whole: bool) -> None:
+        """Carve free large pages for ``owner`` until ``out`` holds ``n`` pages (``whole``: only
+        while the rest of the need fills a whole large page)."""
+        per = self.smalls_per_large[group]
+        while len(out) < n and self._free_large and (not whole or n - len(out) >= per):
             L = next(iter(self._free_large))
             del self._free_large[L]
             self._carve(L, group, owner)

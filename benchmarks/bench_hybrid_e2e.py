@@ -113,9 +113,11 @@ def run(model, layout: str, args, device: torch.device) -> dict:
                  enable_prefix_caching=False)  # fmt: skip
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    # Warm-up (kernel compilation, allocator) on a short request, not timed.
-    eng.generate([torch.randint(0, vocab, (32,), generator=gen).tolist()],
-                 SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # fmt: skip
+    # Warm-up, not timed: Triton specializes integer arguments (== 1, divisible by 16), so run
+    # batches of several sizes through prefill and decode for both layouts alike.
+    for n in (1, 16, 17):
+        eng.generate([torch.randint(0, vocab, (32 + i,), generator=gen).tolist() for i in range(n)],
+                     SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
     prompts = [torch.randint(0, vocab, (args.prompt,), generator=gen).tolist() for _ in range(args.requests)]
 

@@ -15,6 +15,7 @@ from .api import (
 )
 from .formats import FP8Weight, GGUFWeight, Int8Weight, IntWeight, QuantizedWeight
 from .fp8 import fp8_e4m3_decode_emulated, fp8_e4m3_encode
+from .gptq import gptq_quantize
 from .kv import dequantize_kv, quantize_kv, write_quantized_kv_cache_
 from .linear import QuantLinear
 from .ops import fp8_decode, fp8_wo_matmul, gguf_matmul, per_token_quant, w8a8_matmul, wq_matmul
@@ -39,6 +40,7 @@ __all__ = [
     "from_awq",
     "from_gptq",
     "gguf_matmul",
+    "gptq_quantize",
     "load_quantized",
     "outlier_hit_rate",
     "per_token_quant",

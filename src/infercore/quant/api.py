@@ -8,6 +8,7 @@ over sample text (see :func:`collect_calibration`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from .formats import FP8_BLOCK, FP8Weight, GGUFWeight, Int8Weight, IntWeight, QuantizedWeight
+from .gptq import gptq_quantize
 from .linear import QuantLinear
 
 
@@ -35,6 +37,9 @@ class QuantScheme:
     smooth_alpha: float | None = None
     outlier_threshold: float | None = None
     max_outliers: int = 256
+    method: str = "rtn"  # "rtn" (round to nearest, clip search) or "gptq" (int4/int8 only)
+    act_order: bool = False  # GPTQ: columns in decreasing diag(H) order
+    scale_search: bool = False  # fp8 per-channel: least activation-weighted MSE scale
 
 
 SCHEMES: dict[str, QuantScheme] = {
@@ -44,9 +49,13 @@ SCHEMES: dict[str, QuantScheme] = {
                     "(AWQ/GPTQ-compatible packing)", group_size=128),
         QuantScheme("w4a16-g128-sym", "int4", "INT4 weights, symmetric (zero point 8), groups of 128",
                     group_size=128, symmetric=True),
+        QuantScheme("w4a16-g128-gptq", "int4", "INT4 weights as `w4a16-g128`, codes chosen by GPTQ (act-order, "
+                    "1% damping; needs calibration)", group_size=128, method="gptq", act_order=True),
         QuantScheme("w8a16", "int8", "INT8 weights, symmetric per output channel; bf16 activations",
                     group_size=None, symmetric=True),
         QuantScheme("fp8-wo", "fp8", "FP8 e4m3 weights, per-channel scales, emulated decode (any GPU)"),
+        QuantScheme("fp8-wo-search", "fp8", "FP8 e4m3 weights, per-channel scales from a least-MSE search "
+                    "weighted by calibration mean x^2", scale_search=True),
         QuantScheme("fp8-wo-block", "fp8", "FP8 e4m3 weights, 128x128 block scales, emulated decode",
                     fp8_block=FP8_BLOCK),
         QuantScheme("fp8-w8a8", "w8a8", "FP8 e4m3 per-channel weights x per-token FP8 activations "
@@ -65,27 +74,60 @@ SCHEMES: dict[str, QuantScheme] = {
 
 
 class CalibrationStats(dict):
-    """``{linear module name: fp32 [K] per-input-channel max |x|}`` over the calibration text."""
+    """``{linear module name: fp32 [K] per-input-channel max |x|}`` over the calibration text.
+
+    Attributes:
+        mean_sq: ``{name: fp32 [K]}`` per-input-channel mean ``x^2`` (always collected).
+        hessians: ``{name: fp32 [K, K]}`` mean ``x^T x`` over calibration tokens (GPTQ's
+            Hessian up to the factor 2); only when collected with ``hessian=True``.
+        tokens: ``{name: int}`` rows of ``x`` seen.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.mean_sq: dict[str, torch.Tensor] = {}
+        self.hessians: dict[str, torch.Tensor] = {}
+        self.tokens: dict[str, int] = {}
 
 
-def collect_calibration(model: nn.Module, run: Callable[[nn.Module], object]) -> CalibrationStats:
-    """Record per-input-channel ``max |x|`` of every ``nn.Linear`` while ``run(model)`` executes.
+def collect_calibration(
+    model: nn.Module, run: Callable[[nn.Module], object], *, hessian: bool = False,
+    names: Iterable[str] | None = None,
+) -> CalibrationStats:
+    """Record input statistics of every ``nn.Linear`` while ``run(model)`` executes.
 
     ``run`` drives the model over sample text (e.g. a few hundred tokens of prose) however the
-    model's forward wants to be called.
+    model's forward wants to be called. Always records per-input-channel ``max |x|`` and mean
+    ``x^2``; with ``hessian=True`` also the mean ``x^T x`` ``[K, K]`` (fp32, on the layer's
+    device) that GPTQ needs. ``names`` restricts recording to those modules.
     """
     stats = CalibrationStats()
     hooks = []
+    wanted = None if names is None else set(names)
 
     def make_hook(name: str):
         def hook(_mod, inputs, _out):
-            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float().abs().amax(0).cpu()
-            stats[name] = x if name not in stats else torch.maximum(stats[name], x)
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
+            amax = x.abs().amax(0).cpu()
+            n_old = stats.tokens.get(name, 0)
+            n_new = n_old + x.shape[0]
+            # Running means (not sums) keep magnitudes independent of the amount of text.
+            sq = (x * x).sum(0).cpu()
+            if name not in stats:
+                stats[name], stats.mean_sq[name] = amax, sq / n_new
+            else:
+                stats[name] = torch.maximum(stats[name], amax)
+                stats.mean_sq[name] = stats.mean_sq[name] * (n_old / n_new) + sq / n_new
+            if hessian:
+                h = x.T @ x
+                old = stats.hessians.get(name)
+                stats.hessians[name] = h / n_new if old is None else old * (n_old / n_new) + h / n_new
+            stats.tokens[name] = n_new
 
         return hook
 
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear):
+        if isinstance(mod, nn.Linear) and (wanted is None or name in wanted):
             hooks.append(mod.register_forward_hook(make_hook(name)))
     try:
         with torch.no_grad():
@@ -106,14 +148,30 @@ def _resolve(scheme: str | QuantScheme) -> QuantScheme:
 
 def quantize_weight(
     w: torch.Tensor, scheme: str | QuantScheme, *, act_absmax: torch.Tensor | None = None,
+    act_mean_sq: torch.Tensor | None = None, hessian: torch.Tensor | None = None,
 ) -> QuantizedWeight:
-    """Quantize one ``[N, K]`` weight by ``scheme``; ``act_absmax`` ``[K]`` feeds SmoothQuant/MixQ."""
+    """Quantize one ``[N, K]`` weight by ``scheme``.
+
+    ``act_absmax`` ``[K]`` feeds SmoothQuant/MixQ; ``act_mean_sq`` ``[K]`` weights the FP8 scale
+    search; ``hessian`` ``[K, K]`` (mean ``x^T x``) is required by GPTQ schemes.
+    """
     s = _resolve(scheme)
+    if s.method not in ("rtn", "gptq"):
+        raise ValueError(f"method: expected 'rtn' or 'gptq', got {s.method!r}")
+    if s.method == "gptq" and s.weight not in ("int4", "int8"):
+        raise ValueError(f"method: GPTQ applies to int4/int8 weight-only schemes, not {s.name!r}")
     if s.weight in ("int4", "int8"):
-        return IntWeight.quantize(w, bits=4 if s.weight == "int4" else 8, group_size=s.group_size,
-                                  symmetric=s.symmetric)
+        bits = 4 if s.weight == "int4" else 8
+        if s.method == "gptq":
+            if hessian is None:
+                raise ValueError(f"scheme {s.name!r}: GPTQ needs calibration Hessians "
+                                 "(collect_calibration(..., hessian=True) or a calibration callable)")
+            return gptq_quantize(w, hessian, bits=bits, group_size=s.group_size, symmetric=s.symmetric,
+                                 act_order=s.act_order)
+        return IntWeight.quantize(w, bits=bits, group_size=s.group_size, symmetric=s.symmetric)
     if s.weight == "fp8":
-        return FP8Weight.quantize(w, block_size=s.fp8_block)
+        return FP8Weight.quantize(w, block_size=s.fp8_block, scale_search=s.scale_search,
+                                  importance=act_mean_sq if s.scale_search else None)
     if s.weight in ("q4_0", "q4_1", "q8_0"):
         return GGUFWeight.quantize(w, qtype=s.weight)
     smooth = outliers = None
@@ -142,7 +200,7 @@ def _eligible(name: str, mod: nn.Module, s: QuantScheme, skip: Iterable[str]) ->
 def quantize(
     model: nn.Module, scheme: str | QuantScheme, *,
     calibration: CalibrationStats | Callable[[nn.Module], object] | None = None,
-    skip: Iterable[str] = ("lm_head",),
+    skip: Iterable[str] = ("lm_head",), method: str | None = None,
 ) -> nn.Module:
     """Replace every eligible ``nn.Linear`` of ``model`` by a :class:`QuantLinear`, in place.
 
@@ -150,22 +208,36 @@ def quantize(
         model: any module tree (weights in any float dtype, on any device).
         scheme: a name from :data:`SCHEMES` or a :class:`QuantScheme`.
         calibration: :class:`CalibrationStats`, or a callable ``run(model)`` over sample text from
-            which they are collected first. Required by ``w8a8-smooth``; seeds ``w8a8-mixed``.
+            which they are collected first. Required by ``w8a8-smooth`` and GPTQ (which needs
+            Hessians: a callable, or stats from ``collect_calibration(..., hessian=True)``);
+            seeds ``w8a8-mixed``; weights the ``fp8-wo-search`` scale search.
         skip: module names (or trailing name components) left unquantized; GGUF schemes also
             skip layers whose K is not a multiple of 32.
+        method: ``"rtn"`` or ``"gptq"`` to override the scheme's method (e.g.
+            ``quantize(model, "w4a16-g128", calibration=run, method="gptq")``).
 
     Returns:
         ``model`` (modified in place).
     """
     s = _resolve(scheme)
-    if callable(calibration) and not isinstance(calibration, CalibrationStats):
-        calibration = collect_calibration(model, calibration)
+    if method is not None:
+        if method not in ("rtn", "gptq"):
+            raise ValueError(f"method: expected 'rtn' or 'gptq', got {method!r}")
+        s = dataclasses.replace(s, method=method)
+    if s.method == "gptq" and s.weight not in ("int4", "int8"):
+        raise ValueError(f"method: GPTQ applies to int4/int8 weight-only schemes, not {s.name!r}")
     skip = tuple(skip)
     targets = [(n, m) for n, m in model.named_modules() if _eligible(n, m, s, skip)]
+    if callable(calibration) and not isinstance(calibration, CalibrationStats):
+        calibration = collect_calibration(model, calibration, hessian=s.method == "gptq",
+                                          names=[n for n, _ in targets])
+    if s.method == "gptq" and (calibration is None or not calibration.hessians):
+        raise ValueError(f"calibration: scheme {s.name!r} with GPTQ needs calibration Hessians")
     for name, mod in targets:
-        act_absmax = calibration.get(name) if calibration is not None else None
+        stats = calibration if calibration is not None else CalibrationStats()
         with torch.no_grad():
-            qw = quantize_weight(mod.weight.detach(), s, act_absmax=act_absmax)
+            qw = quantize_weight(mod.weight.detach(), s, act_absmax=stats.get(name),
+                                 act_mean_sq=stats.mean_sq.get(name), hessian=stats.hessians.get(name))
         new = QuantLinear(qw, mod.bias, outlier_threshold=s.outlier_threshold, max_outliers=s.max_outliers)
         _set_submodule(model, name, new)
     return model

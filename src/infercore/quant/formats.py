@@ -36,6 +36,8 @@ from .fp8 import E4M3_MAX, fp8_e4m3_decode_emulated, fp8_e4m3_encode
 from .gguf import BLOCK_BYTES, QK, gguf_dequantize, gguf_quantize
 
 FP8_BLOCK = 128
+# Per-channel FP8 scale search: fractions of absmax / 448 tried (see FP8Weight.quantize).
+_FP8_SCALE_RATIOS = tuple(1.0 - 0.0125 * i for i in range(1, 25))
 
 
 @dataclass
@@ -225,14 +227,45 @@ class FP8Weight(QuantizedWeight):
         return (v * (self.scale_per_element() * 2.0**120)).to(dtype)
 
     @classmethod
-    def quantize(cls, w: torch.Tensor, *, block_size: int | None = None) -> FP8Weight:
-        """Per-channel (``block_size=None``) or ``block_size x block_size`` block-scaled e4m3."""
+    def quantize(
+        cls, w: torch.Tensor, *, block_size: int | None = None, scale_search: bool = False,
+        importance: torch.Tensor | None = None,
+    ) -> FP8Weight:
+        """Per-channel (``block_size=None``) or ``block_size x block_size`` block-scaled e4m3.
+
+        ``scale_search`` (per-channel only): try scales below ``absmax / 448`` and keep, per
+        output channel, the one of least squared error, weighted per input channel by
+        ``importance [K]`` when given (e.g. the calibration's mean ``x^2``: errors on channels
+        with large activations cost more). e4m3's error is relative, so clipping the largest
+        weight a little can move every other weight of the row onto a finer step.
+        """
         _check_weight(w)
         n, k = w.shape
         wf = w.float()
         if block_size is None:
-            s = (wf.abs().amax(1) / E4M3_MAX).clamp_min(1e-12)
+            amax = wf.abs().amax(1)
+            s = (amax / E4M3_MAX).clamp_min(1e-12)
             q = fp8_e4m3_encode(wf / s[:, None])
+            if scale_search:
+                imp = None
+                if importance is not None:
+                    if importance.shape != (k,):
+                        raise ValueError(f"importance: expected shape ({k},), got {tuple(importance.shape)}")
+                    imp = importance.float().to(w.device)[None, :]
+
+                def err_of(qb: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+                    d2 = (qb.view(torch.float8_e4m3fn).float() * sc[:, None] - wf) ** 2
+                    return (d2 if imp is None else d2 * imp).sum(1)
+
+                best_err = err_of(q, s)
+                for r in _FP8_SCALE_RATIOS:
+                    s_r = (amax * r / E4M3_MAX).clamp_min(1e-12)
+                    q_r = fp8_e4m3_encode(wf / s_r[:, None])
+                    e = err_of(q_r, s_r)
+                    better = e < best_err
+                    s = torch.where(better, s_r, s)
+                    q = torch.where(better[:, None], q_r, q)
+                    best_err = torch.minimum(e, best_err)
         else:
             b = int(block_size)
             nb, kb = math.ceil(n / b), math.ceil(k / b)

@@ -8,7 +8,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _hybrid_interp import interpreted  # noqa: E402
 from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qn  # noqa: E402
 
@@ -24,8 +23,8 @@ from infercore.ops.mamba import mamba_chunk_scan_, selective_state_update_  # no
 from infercore.ops.mamba import triton as mamba_triton  # noqa: E402
 from infercore.ops.mamba.naive import ssd_chunked, ssd_recurrent  # noqa: E402
 
-for _m in (conv_triton, gdr_triton, norm_triton, mamba_triton):
-    interpreted(_m)
+# importing the kernel modules registers their "triton" implementations
+_KERNELS = (conv_triton, gdr_triton, norm_triton, mamba_triton)
 
 IMPLS = ["reference", "triton"]
 i32 = torch.int32

@@ -30,7 +30,8 @@ def test_load_model_from_safetensors_dir(tmp_path, kind):
     model, _, config = load_model(tmp_path, dtype=torch.float32, device="cpu")
     assert type(model).__name__.lower().startswith(kind[:5])
     prompt = [3, 17, 5, 42, 8, 8, 1, 30, 9]
-    out = Engine(model, kv_cache_bytes=64 << 20).generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = Engine(model, kv_cache_bytes=64 << 20).generate([prompt], sp)
     x = torch.tensor([prompt])
     with torch.inference_mode():
         ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, min_new_tokens=8, do_sample=False,

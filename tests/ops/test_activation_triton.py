@@ -6,13 +6,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from _triton_interp import interpreted  # noqa: E402
 
 import infercore.ops  # noqa: E402,F401
 from infercore.devices import implementation  # noqa: E402
-from infercore.ops.activation import triton as act_triton  # noqa: E402
-
-interpreted(act_triton)
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 

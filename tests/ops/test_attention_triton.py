@@ -6,14 +6,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from _triton_interp import interpreted  # noqa: E402
 
 import infercore.ops  # noqa: E402,F401
 from infercore.devices import implementation  # noqa: E402
-from infercore.ops.attention import triton_decode, triton_prefill  # noqa: E402
-
-interpreted(triton_decode)
-interpreted(triton_prefill)
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
 

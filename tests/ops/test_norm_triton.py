@@ -6,13 +6,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from _triton_interp import interpreted  # noqa: E402
 
 import infercore.ops  # noqa: E402,F401  (registers the references)
 from infercore.devices import implementation, resolve  # noqa: E402
-from infercore.ops.norm import triton as norm_triton  # noqa: E402
-
-interpreted(norm_triton)
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 

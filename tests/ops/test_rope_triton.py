@@ -6,16 +6,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from _triton_interp import interpreted  # noqa: E402
 
 import infercore.ops  # noqa: E402,F401
 from infercore.devices import implementation  # noqa: E402
-from infercore.ops.kv_cache import triton as kv_triton  # noqa: E402
 from infercore.ops.rope import fused as rope_fused  # noqa: E402
-from infercore.ops.rope import triton as rope_triton  # noqa: E402
-
-interpreted(kv_triton)
-interpreted(rope_triton)
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
 

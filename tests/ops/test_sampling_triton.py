@@ -11,14 +11,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from _triton_interp import interpreted  # noqa: E402
 
 import infercore.ops  # noqa: E402,F401
 from infercore.devices import implementation  # noqa: E402
 from infercore.ops.sampling import SamplingTensors, apply_top_k_top_p_min_p  # noqa: E402
-from infercore.ops.sampling import triton as sampling_triton  # noqa: E402
-
-interpreted(sampling_triton)
 
 
 def _sample(logits, params, prev=None):

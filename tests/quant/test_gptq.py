@@ -131,3 +131,25 @@ def test_gptq_needs_hessians():
         quantize(_mlp(), "w4a16-g128-gptq")
     with pytest.raises(ValueError, match="method"):
         quantize(_mlp(), "fp8-wo", calibration=lambda m: m(x), method="gptq")
+
+
+def test_calibration_hessian_is_the_running_mean_of_xtx():
+    lin = nn.Linear(32, 8).eval()
+    xs = [torch.randn(5, 32), torch.randn(3, 2, 32)]  # two calls, one with a batch dimension
+    stats = collect_calibration(lin, lambda m: [m(x) for x in xs], hessian=True)
+    flat = torch.cat([x.reshape(-1, 32) for x in xs])
+    assert stats.tokens[""] == 11
+    assert torch.allclose(stats.hessians[""], flat.T @ flat / 11, atol=1e-5)
+    assert torch.allclose(stats.mean_sq[""], (flat**2).mean(0), atol=1e-5)
+    assert torch.equal(stats[""], flat.abs().amax(0))
+
+
+def test_gptq_lazy_block_updates_match_unblocked():
+    # Blocking only defers the trailing update; the chosen codes must not depend on it.
+    torch.manual_seed(5)
+    w = torch.randn(32, 192)
+    x = _correlated_inputs(384, 192, seed=5)
+    a = gptq_quantize(w, x.T @ x, group_size=64, block_size=192)
+    b = gptq_quantize(w, x.T @ x, group_size=64, block_size=16)
+    assert (a.codes() == b.codes()).float().mean() > 0.99
+    assert abs(_out_err(x, w, a) - _out_err(x, w, b)) < 1e-3

@@ -39,6 +39,7 @@ class QuantScheme:
     max_outliers: int = 256
     method: str = "rtn"  # "rtn" (round to nearest, clip search) or "gptq" (int4/int8 only)
     act_order: bool = False  # GPTQ: columns in decreasing diag(H) order
+    damp: float = 0.01  # GPTQ: fraction of mean diag(H) added to the diagonal
     scale_search: bool = False  # fp8 per-channel: least activation-weighted MSE scale
 
 
@@ -49,8 +50,10 @@ SCHEMES: dict[str, QuantScheme] = {
                     "(AWQ/GPTQ-compatible packing)", group_size=128),
         QuantScheme("w4a16-g128-sym", "int4", "INT4 weights, symmetric (zero point 8), groups of 128",
                     group_size=128, symmetric=True),
+        # 0.1% damping: on SmolLM2-135M it measured +4.4% perplexity against +6.0% with 1%.
         QuantScheme("w4a16-g128-gptq", "int4", "INT4 weights as `w4a16-g128`, codes chosen by GPTQ (act-order, "
-                    "1% damping; needs calibration)", group_size=128, method="gptq", act_order=True),
+                    "0.1% damping; needs calibration)", group_size=128, method="gptq", act_order=True,
+                    damp=0.001),
         QuantScheme("w8a16", "int8", "INT8 weights, symmetric per output channel; bf16 activations",
                     group_size=None, symmetric=True),
         QuantScheme("fp8-wo", "fp8", "FP8 e4m3 weights, per-channel scales, emulated decode (any GPU)"),
@@ -66,6 +69,9 @@ SCHEMES: dict[str, QuantScheme] = {
                     act="int8", smooth_alpha=0.5),
         QuantScheme("w8a8-mixed", "w8a8", "MixQ: INT8 W8A8 with outlier input channels (abs(x) > 6) kept in "
                     "bf16; set seeded by calibration and grown online", act="int8", outlier_threshold=6.0),
+        QuantScheme("w8a8-mixed-smooth", "w8a8", "MixQ on SmoothQuant-ed activations (alpha 0.5): outliers are "
+                    "channels with abs(x / smooth) > 6, seeded by calibration and grown online; needs calibration",
+                    act="int8", smooth_alpha=0.5, outlier_threshold=6.0),
         QuantScheme("gguf-q4_0", "q4_0", "GGUF Q4_0 blocks (32 values, fp16 scale), run as stored"),
         QuantScheme("gguf-q4_1", "q4_1", "GGUF Q4_1 blocks (32 values, fp16 scale and min), run as stored"),
         QuantScheme("gguf-q8_0", "q8_0", "GGUF Q8_0 blocks (32 values, fp16 scale), run as stored"),
@@ -167,7 +173,7 @@ def quantize_weight(
                 raise ValueError(f"scheme {s.name!r}: GPTQ needs calibration Hessians "
                                  "(collect_calibration(..., hessian=True) or a calibration callable)")
             return gptq_quantize(w, hessian, bits=bits, group_size=s.group_size, symmetric=s.symmetric,
-                                 act_order=s.act_order)
+                                 act_order=s.act_order, damp=s.damp)
         return IntWeight.quantize(w, bits=bits, group_size=s.group_size, symmetric=s.symmetric)
     if s.weight == "fp8":
         return FP8Weight.quantize(w, block_size=s.fp8_block, scale_search=s.scale_search,
@@ -182,7 +188,9 @@ def quantize_weight(
             wmax = w.float().abs().amax(0).clamp_min(1e-5)
             smooth = (a.clamp_min(1e-5) ** s.smooth_alpha / wmax ** (1 - s.smooth_alpha)).clamp_min(1e-5)
         if s.outlier_threshold is not None:
-            outliers = (a > s.outlier_threshold).nonzero().flatten()[: s.max_outliers].to(torch.int32)
+            # The threshold applies to what the quantizer sees: x / smooth when smoothing.
+            seen = a if smooth is None else a / smooth
+            outliers = (seen > s.outlier_threshold).nonzero().flatten()[: s.max_outliers].to(torch.int32)
     elif s.smooth_alpha is not None:
         raise ValueError(f"scheme {s.name!r}: SmoothQuant needs calibration statistics")
     return Int8Weight.quantize(w, act=s.act, smooth=smooth, outlier_idx=outliers,

@@ -19,20 +19,30 @@ from functools import partial
 import torch
 from torch import nn
 
+from ..devices import dispatch
 from ..kv.spec import FullAttentionSpec
 from ..ops import (
     AttentionMetadata,
     fused_add_rms_norm,
     gelu_and_mul,
-    paged_attention,
     rms_norm,
-    rope_and_write_kv_cache_,
     rope_cos_sin_cache,
     silu_and_mul,
 )
 from .config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def _attention(q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_window):
+    """:func:`infercore.ops.paged_attention` without re-checking the step's metadata every layer."""
+    if meta.decode_only:
+        return dispatch("paged_attention_decode", q.device)(
+            q, k_cache, v_cache, seq_lens=meta.seq_lens, block_table=meta.block_table, scale=scale,
+            sliding_window=sliding_window, softcap=None)  # fmt: skip
+    return dispatch("paged_attention_prefill", q.device)(
+        q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens, block_table=meta.block_table,
+        scale=scale, sliding_window=sliding_window, softcap=None, max_seqlen_q=meta.max_seqlen_q)  # fmt: skip
 
 
 class RMSNorm(nn.Module):
@@ -81,8 +91,10 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k)
         k_cache, v_cache = kv_cache
         # one kernel: rotate q and k, write the rotated k and v into the paged cache
-        q = rope_and_write_kv_cache_(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, meta, scale=self.scale, sliding_window=self.sliding_window)
+        # Model-internal calls go straight to the registered implementation: the shapes are the
+        # model's own, so the public wrappers' argument checks would only repeat per layer.
+        q = dispatch("rope_and_write_kv", x.device)(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
+        o = _attention(q, k_cache, v_cache, meta, scale=self.scale, sliding_window=self.sliding_window)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -99,7 +111,10 @@ class LlamaMLP(nn.Module):
             self.act = partial(gelu_and_mul, approximate=approximate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        if self.act is silu_and_mul:
+            return self.down_proj(dispatch("silu_and_mul", h.device)(h))
+        return self.down_proj(self.act(h))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -122,12 +137,12 @@ class LlamaDecoderLayer(nn.Module):
         # The residual stream is carried separately so each norm fuses the preceding residual add.
         norm = self.input_layernorm
         if residual is None:
-            residual, x = x, rms_norm(x, norm.weight, eps=norm.eps)
+            residual, x = x, dispatch("rms_norm", x.device)(x, norm.weight, eps=norm.eps)
         else:
-            x, residual = fused_add_rms_norm(x, residual, norm.weight, eps=norm.eps)
+            x, residual = dispatch("fused_add_rms_norm", x.device)(x, residual, norm.weight, eps=norm.eps)
         x = self.self_attn(x, positions, cos_sin, kv_cache, meta)
         norm = self.post_attention_layernorm
-        x, residual = fused_add_rms_norm(x, residual, norm.weight, eps=norm.eps)
+        x, residual = dispatch("fused_add_rms_norm", x.device)(x, residual, norm.weight, eps=norm.eps)
         return self.mlp(x), residual
 
 

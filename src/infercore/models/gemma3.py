@@ -31,10 +31,10 @@ from ..ops import (
     gelu_and_mul,
     paged_attention,
     rms_norm,
-    rope_cos_sin_cache,
 )
 from .config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from .hybrid import HybridMetadata, layer_metadata, load_hf_weights, write_paged_kv_
+from .llama import tie_and_rope_table
 
 __all__ = ["Gemma3Config", "Gemma3ForCausalLM"]
 
@@ -249,17 +249,8 @@ class Gemma3ForCausalLM(nn.Module):
     def finish_init(self) -> None:
         """(Re)build the embedding tie and the RoPE tables (after materialising from ``meta``)."""
         cfg = self.config
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        device = self.model.embed_tokens.weight.device
-        shape = (cfg.max_position_embeddings, cfg.rotary_dim)
-        if device.type == "meta":
-            self.cos_sin_global = torch.empty(shape, device=device)
-            self.cos_sin_local = torch.empty(shape, device=device)
-            return
-        common = dict(rotary_dim=cfg.rotary_dim, max_positions=cfg.max_position_embeddings, device=device)
-        self.cos_sin_global = rope_cos_sin_cache(base=cfg.rope_theta, scaling=cfg.rope_scaling, **common)
-        self.cos_sin_local = rope_cos_sin_cache(base=cfg.rope_local_theta, scaling=cfg.rope_local_scaling, **common)
+        self.cos_sin_global = tie_and_rope_table(self, base=cfg.rope_theta, scaling=cfg.rope_scaling)
+        self.cos_sin_local = tie_and_rope_table(self, base=cfg.rope_local_theta, scaling=cfg.rope_local_scaling)
 
     def forward(
         self,

@@ -34,6 +34,20 @@ from .config import ModelConfig
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+def tie_and_rope_table(model: nn.Module, *, base: float, scaling: dict | None) -> torch.Tensor:
+    """Re-tie ``lm_head`` to the embedding when the config says so, and build the fp32 RoPE table
+    ``[max_position_embeddings, rotary_dim]`` on the model's device (an uninitialised placeholder on
+    ``meta``). Shared by every family's ``finish_init``."""
+    cfg = model.config
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    device = model.model.embed_tokens.weight.device
+    if device.type == "meta":
+        return torch.empty(cfg.max_position_embeddings, cfg.rotary_dim, device=device)
+    return rope_cos_sin_cache(rotary_dim=cfg.rotary_dim, max_positions=cfg.max_position_embeddings, base=base,
+                              scaling=scaling, dtype=torch.float32, device=device)
+
+
 def _attention(q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_window):
     """:func:`infercore.ops.paged_attention` without re-checking the step's metadata every layer."""
     if meta.decode_only:
@@ -178,21 +192,7 @@ class LlamaForCausalLM(nn.Module):
         Call again after materialising a model built on the ``meta`` device (``to_empty`` replaces
         parameters one by one, which unties shared ones, and leaves buffers uninitialised).
         """
-        cfg = self.config
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        device = self.model.embed_tokens.weight.device
-        if device.type == "meta":
-            self.cos_sin_cache = torch.empty(cfg.max_position_embeddings, cfg.rotary_dim, device=device)
-            return
-        self.cos_sin_cache = rope_cos_sin_cache(
-            rotary_dim=cfg.rotary_dim,
-            max_positions=cfg.max_position_embeddings,
-            base=cfg.rope_theta,
-            scaling=cfg.rope_scaling,
-            dtype=torch.float32,
-            device=device,
-        )
+        self.cos_sin_cache = tie_and_rope_table(self, base=self.config.rope_theta, scaling=self.config.rope_scaling)
 
     # ------------------------------------------------------------------ forward
     def forward(

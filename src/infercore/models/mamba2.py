@@ -26,11 +26,12 @@ import torch
 from torch import nn
 
 from ..kv.hybrid import FullAttentionSpec, LinearStateSpec
-from ..ops import apply_rope, fused_add_rms_norm, paged_attention, rms_norm, rope_cos_sin_cache, silu_and_mul
+from ..ops import apply_rope, fused_add_rms_norm, paged_attention, rms_norm, silu_and_mul
 from ..ops.conv1d import causal_conv1d_prefill_, causal_conv1d_update_
 from ..ops.gated_norm import gated_rms_norm
 from ..ops.mamba import mamba_chunk_scan_, selective_state_update_
 from .hybrid import HybridMetadata, layer_metadata, linear_metadata, load_hf_weights, write_paged_kv_
+from .llama import tie_and_rope_table
 
 __all__ = ["BambaForCausalLM", "Mamba2Config", "Mamba2ForCausalLM"]
 
@@ -354,16 +355,7 @@ class BambaForCausalLM(nn.Module):
         self.finish_init()
 
     def finish_init(self) -> None:
-        cfg = self.config
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        device = self.model.embed_tokens.weight.device
-        if device.type == "meta":
-            self.cos_sin_cache = torch.empty(cfg.max_position_embeddings, cfg.rotary_dim, device=device)
-            return
-        self.cos_sin_cache = rope_cos_sin_cache(
-            rotary_dim=cfg.rotary_dim, max_positions=cfg.max_position_embeddings, base=cfg.rope_theta, device=device
-        )
+        self.cos_sin_cache = tie_and_rope_table(self, base=self.config.rope_theta, scaling=None)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: HybridMetadata

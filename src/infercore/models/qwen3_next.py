@@ -27,11 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kv.hybrid import FullAttentionSpec, LinearStateSpec
-from ..ops import apply_rope, fused_add_rms_norm, paged_attention, rms_norm, rope_cos_sin_cache
+from ..ops import apply_rope, fused_add_rms_norm, paged_attention, rms_norm
 from ..ops.conv1d import causal_conv1d_prefill_, causal_conv1d_update_
 from ..ops.gated_delta import chunk_gated_delta_rule_, fused_recurrent_gated_delta_rule_
 from ..ops.gated_norm import gated_rms_norm
 from .hybrid import HybridMetadata, layer_metadata, linear_metadata, load_hf_weights, write_paged_kv_
+from .llama import tie_and_rope_table
 from .moe import GatedMLP, SparseMoeBlock
 
 __all__ = ["Qwen3NextConfig", "Qwen3NextForCausalLM"]
@@ -305,17 +306,7 @@ class Qwen3NextForCausalLM(nn.Module):
 
     def finish_init(self) -> None:
         """(Re)build the embedding tie and the RoPE table (after materialising from ``meta``)."""
-        cfg = self.config
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        device = self.model.embed_tokens.weight.device
-        if device.type == "meta":
-            self.cos_sin_cache = torch.empty(cfg.max_position_embeddings, cfg.rotary_dim, device=device)
-            return
-        self.cos_sin_cache = rope_cos_sin_cache(
-            rotary_dim=cfg.rotary_dim, max_positions=cfg.max_position_embeddings, base=cfg.rope_theta,
-            scaling=cfg.rope_scaling, device=device,
-        )  # fmt: skip
+        self.cos_sin_cache = tie_and_rope_table(self, base=self.config.rope_theta, scaling=self.config.rope_scaling)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: HybridMetadata

@@ -15,7 +15,7 @@ from torch import nn
 
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig
 from .gemma3 import Gemma3Config, Gemma3ForCausalLM
-from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, RMSNorm
 from .mamba2 import BambaForCausalLM, Mamba2Config, Mamba2ForCausalLM
 from .qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -127,8 +127,11 @@ def build_model(
     model.finish_init()
     if init == "normal":
         with torch.no_grad():
+            offsets = {f"{n}.weight": m.offset for n, m in model.named_modules() if isinstance(m, RMSNorm)}
             for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
+                if name in offsets:
+                    p.fill_(1.0 - offsets[name])  # an identity norm, also for the ``1 + w`` form
+                elif name.endswith("norm.weight"):
                     p.fill_(1.0)
                 elif name.endswith(".bias"):
                     p.zero_()

@@ -30,11 +30,10 @@ from ..ops import (
     fused_add_rms_norm,
     gelu_and_mul,
     paged_attention,
-    rms_norm,
 )
 from .config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from .hybrid import HybridMetadata, layer_metadata, load_hf_weights, write_paged_kv_
-from .llama import tie_and_rope_table
+from .llama import RMSNorm, tie_and_rope_table
 
 __all__ = ["Gemma3Config", "Gemma3ForCausalLM"]
 
@@ -131,18 +130,6 @@ class Gemma3Config(ModelConfig):
         )
 
 
-class GemmaRMSNorm(nn.Module):
-    """Holds the weight of a ``1 + w`` RMSNorm (HF stores ``w``, zero-centred)."""
-
-    def __init__(self, hidden: int, *, eps: float, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(hidden, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, eps=self.eps, offset=1.0)
-
-
 class Gemma3Attention(nn.Module):
     def __init__(self, config: Gemma3Config, layer: int, *, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -157,8 +144,8 @@ class Gemma3Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias, dtype=dtype)
-        self.q_norm = GemmaRMSNorm(d, eps=config.rms_norm_eps, dtype=dtype)
-        self.k_norm = GemmaRMSNorm(d, eps=config.rms_norm_eps, dtype=dtype)
+        self.q_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype, offset=1.0)
+        self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype, offset=1.0)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: KVCache,
@@ -196,10 +183,10 @@ class Gemma3DecoderLayer(nn.Module):
         eps, h = config.rms_norm_eps, config.hidden_size
         self.self_attn = Gemma3Attention(config, layer, dtype=dtype)
         self.mlp = Gemma3MLP(config, dtype=dtype)
-        self.input_layernorm = GemmaRMSNorm(h, eps=eps, dtype=dtype)
-        self.post_attention_layernorm = GemmaRMSNorm(h, eps=eps, dtype=dtype)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps=eps, dtype=dtype)
-        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps=eps, dtype=dtype)
+        self.input_layernorm = RMSNorm(h, eps=eps, dtype=dtype, offset=1.0)
+        self.post_attention_layernorm = RMSNorm(h, eps=eps, dtype=dtype, offset=1.0)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps=eps, dtype=dtype, offset=1.0)
+        self.post_feedforward_layernorm = RMSNorm(h, eps=eps, dtype=dtype, offset=1.0)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -222,7 +209,7 @@ class Gemma3Model(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, dtype=dtype) for i in range(config.num_layers))
-        self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, offset=1.0)
 
 
 class Gemma3ForCausalLM(nn.Module):

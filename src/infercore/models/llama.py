@@ -60,15 +60,19 @@ def _attention(q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_w
 
 
 class RMSNorm(nn.Module):
-    """Holds the weight; the math is :func:`infercore.ops.rms_norm` (called by the owner)."""
+    """Holds the weight ``[hidden]``; the math is :func:`infercore.ops.rms_norm` (called by the owner).
 
-    def __init__(self, hidden: int, *, eps: float, dtype: torch.dtype | None = None) -> None:
+    ``offset=1.0`` is the ``1 + w`` form (Gemma, Qwen3-Next), whose stored weight is zero-centred.
+    """
+
+    def __init__(self, hidden: int, *, eps: float, dtype: torch.dtype | None = None, offset: float = 0.0) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
+        self.weight = nn.Parameter(torch.full((hidden,), 1.0 - offset, dtype=dtype))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, eps=self.eps)
+        return rms_norm(x, self.weight, eps=self.eps, offset=self.offset)
 
 
 class LlamaAttention(nn.Module):

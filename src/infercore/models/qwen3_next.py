@@ -27,12 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kv.hybrid import FullAttentionSpec, LinearStateSpec
-from ..ops import apply_rope, fused_add_rms_norm, paged_attention, rms_norm
+from ..ops import apply_rope, fused_add_rms_norm, paged_attention
 from ..ops.conv1d import causal_conv1d_prefill_, causal_conv1d_update_
 from ..ops.gated_delta import chunk_gated_delta_rule_, fused_recurrent_gated_delta_rule_
 from ..ops.gated_norm import gated_rms_norm
 from .hybrid import HybridMetadata, layer_metadata, linear_metadata, load_hf_weights, write_paged_kv_
-from .llama import tie_and_rope_table
+from .llama import RMSNorm, tie_and_rope_table
 from .moe import GatedMLP, SparseMoeBlock
 
 __all__ = ["Qwen3NextConfig", "Qwen3NextForCausalLM"]
@@ -142,18 +142,6 @@ class Qwen3NextConfig:
         )
 
 
-class OffsetRMSNorm(nn.Module):
-    """Weight of a ``1 + w`` RMSNorm (HF ``Qwen3NextRMSNorm``)."""
-
-    def __init__(self, hidden: int, *, eps: float, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(hidden, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, eps=self.eps, offset=1.0)
-
-
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: Qwen3NextConfig, *, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -224,8 +212,8 @@ class GatedAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, 2 * self.q_size + 2 * self.kv_size, bias=cfg.attention_bias,
                                   dtype=dtype)  # fmt: skip
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias, dtype=dtype)
-        self.q_norm = OffsetRMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.k_norm = OffsetRMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype, offset=1.0)
+        self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype, offset=1.0)
 
     def forward(self, x, positions, cos_sin, kv_cache, meta) -> torch.Tensor:
         T, H, D = x.shape[0], self.num_heads, self.head_dim
@@ -258,8 +246,8 @@ class Qwen3NextDecoderLayer(nn.Module):
             )  # fmt: skip
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
-        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, offset=1.0)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, offset=1.0)
 
     def forward(self, x, residual, positions, cos_sin, cache, meta, layer: int):
         norm = self.input_layernorm
@@ -281,7 +269,7 @@ class Qwen3NextModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(Qwen3NextDecoderLayer(cfg, i, dtype=dtype) for i in range(cfg.num_layers))
-        self.norm = OffsetRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, offset=1.0)
 
 
 class Qwen3NextForCausalLM(nn.Module):

@@ -1,0 +1,22 @@
+"""build_model(init="normal") gives identity norms for both RMSNorm forms (random-weight speed runs)."""
+
+import torch
+
+from infercore.models import build_model
+from infercore.models.gemma3 import Gemma3Config
+from infercore.models.llama import RMSNorm
+
+
+def test_random_init_norms_are_identity_for_offset_and_plain_forms():
+    cfg = Gemma3Config.from_hf(dict(
+        model_type="gemma3_text", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"]))
+    model = build_model(cfg, dtype=torch.float32, device="cpu", init="normal")
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.offset == 1.0 for m in norms)
+    x = torch.randn(3, 32)
+    for m in norms:
+        if m.weight.shape[0] == 32:
+            y = m(x)
+            torch.testing.assert_close(y, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.eps))

@@ -11,9 +11,10 @@ class CPUPackedLinear(nn.Linear):
     """``nn.Linear`` whose CPU forward runs oneDNN on a weight pre-packed in oneDNN's blocked layout.
 
     On x86 CPUs a decode GEMV through the packed weight reads memory closer to the bandwidth limit
-    than ``F.linear`` does (benchmarks/bench_cpu_decode.py shows the end-to-end effect). ``weight`` stays the plain ``[out, in]`` parameter (state dicts,
-    quantization and ``load_weights`` see an ordinary ``nn.Linear``); the packed copy is rebuilt
-    whenever the weight is written in place. Inputs on other devices take ``F.linear``.
+    than ``F.linear`` does (benchmarks/bench_cpu_decode.py shows the end-to-end effect).
+    ``weight`` stays the plain ``[out, in]`` parameter (state dicts, quantization and
+    ``load_weights`` see an ordinary ``nn.Linear``); the packed copy is rebuilt whenever the
+    weight is written in place. Inputs on other devices take ``F.linear``.
     """
 
     def _pack(self) -> None:

@@ -56,6 +56,24 @@ def test_fp8_emulated_bf16(m, block):
     assert _rel(fp8_wo_matmul(x, w), R.fp8_wo_matmul_ref(x, w)) < 1e-2
 
 
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_small_m_every_mode_bf16(mode, m):
+    """Each small-M kernel variant the sweep may pick, with split-K, on bf16 activations."""
+    from infercore.quant import triton_wo
+
+    torch.manual_seed(0)
+    wt = torch.randn(1000, 2048, device=dev)
+    x = torch.randn(m, 2048, device=dev, dtype=torch.bfloat16)
+    w4 = IntWeight.quantize(wt, bits=4, group_size=128)
+    f8 = FP8Weight.quantize(wt)
+    for split in (1, 4):
+        cfg = {"MODE": mode, "BLOCK_N": 64 if mode else 32, "BLOCK_K": 128, "SPLIT": split, "num_warps": 4,
+               "num_stages": 3}
+        assert _rel(triton_wo.wq_matmul_triton(x, w4, config=cfg), R.wq_matmul_ref(x, w4)) < 1e-2
+        assert _rel(triton_wo.fp8_wo_matmul_triton(x, f8, config=cfg), R.fp8_wo_matmul_ref(x, f8)) < 1e-2
+
+
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
 def test_gguf_bf16(qtype):
     torch.manual_seed(0)
@@ -91,6 +109,26 @@ def test_w8a8_gpu(act, m):
     y = w8a8_matmul(q, s, w, x_out=xo, out_dtype=torch.bfloat16)
     assert _rel(y, R.w8a8_matmul_ref(q, s, w, x_out=xo)) < 1e-2
     assert _rel(y, x.float() @ wt.T) < 0.06
+
+
+@pytest.mark.parametrize("variant", ["int8", "fp8", "mixed"])
+def test_w8a8_every_table_config_on_gpu(variant):
+    # Each M bucket's table entry (TMA path) and the pointer path, on a ragged N and a K that is
+    # not a multiple of BLOCK_K (the TMA unit zero-fills the last K box; pointer loads mask it).
+    from infercore.quant import triton_w8a8 as TW
+
+    torch.manual_seed(0)
+    wt = torch.randn(1000, 1040, device=dev) * 0.05
+    idx = torch.arange(3, 1040, 9, device=dev, dtype=torch.int32)[:112] if variant == "mixed" else None
+    w = Int8Weight.quantize(wt, act="fp8" if variant == "fp8" else "int8", outlier_idx=idx)
+    for bound, cfg in TW.MM_CONFIGS[variant]:
+        m = min(bound, 300)
+        x = torch.randn(m, 1040, device=dev, dtype=torch.bfloat16)
+        q, s, xo = per_token_quant(x, act=w.act, outlier_idx=w.outlier_idx)
+        r = R.w8a8_matmul_ref(q, s, w, x_out=xo)
+        for c in (cfg, cfg._replace(tma=False)):
+            y = TW.w8a8_matmul_triton(q, s, w, x_out=xo, config=c)
+            assert _rel(y, r) < 1e-2, (m, c)
 
 
 def test_mixed_linear_grows_outliers_on_gpu():

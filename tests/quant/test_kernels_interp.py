@@ -110,3 +110,43 @@ def test_int8_scaled_mm_exact_and_mixed():
     qp, sp, _ = R.per_token_quant_ref(x)
     plain_y = R.w8a8_matmul_ref(qp, sp, plain, out_dtype=torch.float32)
     assert (y - exact).norm() < 0.5 * (plain_y - exact).norm()
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("k", [80, 96])  # 80: ragged last K step (masked / TMA zero-fill)
+def test_int8_scaled_mm_paths(tma, k):
+    torch.manual_seed(2)
+    wt, x = torch.randn(40, k), torch.randn(20, k)
+    x[:, 5] *= 30
+    cfg = triton_w8a8.MMConfig(16, 16, 32, 2, 4, 1, tma=tma, block_o=16)
+    plain = Int8Weight.quantize(wt)
+    q, s, _ = R.per_token_quant_ref(x)
+    y = triton_w8a8.w8a8_matmul_triton(q, s, plain, out_dtype=torch.float32, config=cfg)
+    _close(y, R.w8a8_matmul_ref(q, s, plain, out_dtype=torch.float32), 1e-6)
+    # 20 outliers: a second, ragged step of the outlier loop; fp32 rows of 80 bytes meet TMA rules.
+    idx = torch.arange(1, k, k // 20, dtype=torch.int32)[:20]
+    mixed = Int8Weight.quantize(wt, outlier_idx=idx, outlier_dtype=torch.float32)
+    q, s, xo = R.per_token_quant_ref(x, outlier_idx=mixed.outlier_idx)
+    bias = torch.randn(40)
+    y = triton_w8a8.w8a8_matmul_triton(q, s, mixed, x_out=xo, bias=bias, out_dtype=torch.float32, config=cfg)
+    _close(y, R.w8a8_matmul_ref(q, s, mixed, x_out=xo, bias=bias, out_dtype=torch.float32), 1e-6)
+
+
+def test_fp8_scaled_mm_codes():
+    # FP8 codes come from the reference encoder (the interpreter's fp32 -> fp8 cast is unreliable);
+    # the kernel only loads e4m3 and multiplies, and products of e4m3 values are exact in fp32.
+    # K = 96 divides BLOCK_K: the interpreter cannot build a masked fp8 load's fill value.
+    torch.manual_seed(3)
+    wt, x = torch.randn(40, 96), torch.randn(20, 96)
+    w = Int8Weight.quantize(wt, act="fp8")
+    q, s, _ = R.per_token_quant_ref(x, act="fp8")
+    y = triton_w8a8.w8a8_matmul_triton(q, s, w, out_dtype=torch.float32)
+    _close(y, R.w8a8_matmul_ref(q, s, w, out_dtype=torch.float32), 1e-5)
+
+
+def test_mm_config_table_covers_all_m():
+    for variant, table in triton_w8a8.MM_CONFIGS.items():
+        bounds = [b for b, _ in table]
+        assert bounds == sorted(bounds) and bounds[-1] >= 1 << 40, variant
+        for bound, cfg in table:
+            assert cfg.block_m <= max(16, triton_w8a8.triton.next_power_of_2(bound)), (variant, cfg)

@@ -29,6 +29,7 @@ from ..ops import (
     rope_cos_sin_cache,
     silu_and_mul,
 )
+from ..ops.kv_cache import dequantize_paged_kv, scale_aware
 from .config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -48,14 +49,27 @@ def tie_and_rope_table(model: nn.Module, *, base: float, scaling: dict | None) -
                               scaling=scaling, dtype=torch.float32, device=device)
 
 
-def _attention(q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_window):
-    """:func:`infercore.ops.paged_attention` without re-checking the step's metadata every layer."""
+def _attention(q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_window, k_scale=None, v_scale=None):
+    """:func:`infercore.ops.paged_attention` without re-checking the step's metadata every layer.
+
+    With a quantized cache (``k_scale``/``v_scale`` given, see :class:`~infercore.kv.cache.QuantizedKVCache`)
+    decode reads the 1-byte codes directly; prefill dequantizes the pages it reads into a temporary
+    cache in q's dtype first (the prefill kernels read float caches only).
+    """
     if meta.decode_only:
+        if k_scale is not None:
+            return scale_aware("paged_attention_decode", q.device)(
+                q, k_cache, v_cache, seq_lens=meta.seq_lens, block_table=meta.block_table, scale=scale,
+                sliding_window=sliding_window, softcap=None, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         return dispatch("paged_attention_decode", q.device)(
             q, k_cache, v_cache, seq_lens=meta.seq_lens, block_table=meta.block_table, scale=scale,
             sliding_window=sliding_window, softcap=None)  # fmt: skip
+    block_table = meta.block_table
+    if k_scale is not None:
+        k_cache, v_cache, block_table = dequantize_paged_kv(
+            k_cache, v_cache, k_scale, v_scale, block_table=block_table, seq_lens=meta.seq_lens, dtype=q.dtype)
     return dispatch("paged_attention_prefill", q.device)(
-        q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens, block_table=meta.block_table,
+        q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens, block_table=block_table,
         scale=scale, sliding_window=sliding_window, softcap=None, max_seqlen_q=meta.max_seqlen_q)  # fmt: skip
 
 
@@ -108,11 +122,20 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         k_cache, v_cache = kv_cache
+        # Quantized caches (kv.QuantizedKVCache) carry their per-(token, head) scales.
+        k_scale, v_scale = getattr(kv_cache, "k_scale", None), getattr(kv_cache, "v_scale", None)
         # one kernel: rotate q and k, write the rotated k and v into the paged cache
         # Model-internal calls go straight to the registered implementation: the shapes are the
         # model's own, so the public wrappers' argument checks would only repeat per layer.
-        q = dispatch("rope_and_write_kv", x.device)(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
-        o = _attention(q, k_cache, v_cache, meta, scale=self.scale, sliding_window=self.sliding_window)
+        if k_scale is None:
+            q = dispatch("rope_and_write_kv", x.device)(q, k, v, positions, cos_sin, k_cache, v_cache,
+                                                        meta.slot_mapping)  # fmt: skip
+        else:
+            rope_write = scale_aware("rope_and_write_kv", x.device)
+            q = rope_write(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping,
+                           k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        o = _attention(q, k_cache, v_cache, meta, scale=self.scale, sliding_window=self.sliding_window,
+                       k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         return self.o_proj(o.reshape(T, self.q_size))
 
 

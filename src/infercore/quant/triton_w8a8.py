@@ -6,30 +6,28 @@
   of ``x`` for the statistics and one for the codes.
 * ``_scaled_mm_kernel`` -- ``y = (A_q @ W_q^T) * s_x[m] * s_w[n] (+ X_out @ W_out^T) (+ bias)``.
   INT8 operands accumulate in int32 (exact), FP8 e4m3 operands in fp32 (native FP8 tensor cores,
-  sm89+). With outliers (MixQ) the high-precision correction is a second, short dot loop in the
-  same program, added in the epilogue: the INT8 main loop is untouched and no second output
-  pass over ``y`` is needed.
+  sm89+). Operands arrive through host TMA descriptors when their strides allow (else pointer
+  loads). With outliers (MixQ) the int32 tile is dequantized to fp32 first and the outlier
+  channels run as a short bf16/fp16 dot loop accumulating onto that same fp32 tile, so only one
+  accumulator is ever live and no second pass over ``y`` is needed.
+* Launch configs come from :data:`MM_CONFIGS` by kernel variant and M bucket (no autotuning:
+  first calls cost one compile, not a sweep); ``benchmarks/sweep_w8a8.py`` fills the table.
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .formats import Int8Weight
 from .naive import ACT_SCALE_EPS
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# INFERCORE_QUANT_AUTOTUNE=0 keeps only the first GPU config of each kernel (fast test runs).
-_AUTOTUNE = os.environ.get("INFERCORE_QUANT_AUTOTUNE", "1") != "0"
-
-
-def _mm_cfg(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps,
-                         num_stages=stages)
 
 
 @triton.jit
@@ -114,112 +112,192 @@ def per_token_quant_triton(
     return q, s, xo
 
 
-def _configs() -> list[triton.Config]:
+class MMConfig(NamedTuple):
+    """One launch configuration of :func:`_scaled_mm_kernel` (paste sweep results as these)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    warps: int = 8
+    stages: int = 4
+    tma: bool = True  # host TMA descriptors for A, B (and the outliers) when strides allow
+    block_o: int = 64  # outlier-channel step of the MixQ loop
+
+
+# Per kernel variant, per M bucket (upper bound of M, ascending; the last covers everything).
+# Picked by benchmarks/sweep_w8a8.py on an H200; paste its printed "best" table here.
+MM_CONFIGS: dict[str, list[tuple[int, MMConfig]]] = {
+    "int8": [
+        (8, MMConfig(16, 64, 256, 1, 4, 4)),
+        (64, MMConfig(16, 64, 256, 1, 4, 4)),
+        (256, MMConfig(64, 128, 128, 8, 4, 4)),
+        (1 << 62, MMConfig(128, 256, 128, 8, 8, 3)),
+    ],
+    "fp8": [
+        (8, MMConfig(16, 64, 256, 1, 4, 4)),
+        (64, MMConfig(16, 64, 256, 1, 4, 4)),
+        (256, MMConfig(64, 128, 128, 8, 4, 4)),
+        (1 << 62, MMConfig(128, 256, 128, 8, 8, 3)),
+    ],
+    "mixed": [
+        (8, MMConfig(16, 64, 256, 1, 4, 4)),
+        (64, MMConfig(16, 64, 256, 1, 4, 4)),
+        (256, MMConfig(64, 128, 128, 8, 4, 4)),
+        (1 << 62, MMConfig(128, 256, 128, 8, 8, 3)),
+    ],
+}
+# The interpreter runs ~1 ms per program: tiny tiles. Tests pass ``config=`` to reach the TMA path.
+_INTERP_CONFIG = MMConfig(16, 16, 32, 2, 4, 1, tma=False, block_o=16)
+
+
+def pick_config(variant: str, m: int) -> MMConfig:
+    """The table entry for ``variant`` ("int8" | "fp8" | "mixed") at ``M = m``."""
     if _INTERPRET:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2}, num_warps=4)]
-    configs = [
-        _mm_cfg(128, 256, 128, 8, 3),
-        _mm_cfg(128, 128, 128, 8, 4),
-        _mm_cfg(256, 128, 128, 8, 3),
-        _mm_cfg(64, 128, 128, 4, 4),
-        _mm_cfg(16, 64, 256, 4, 4),
-    ]
-    return configs if _AUTOTUNE else configs[:1]
+        return _INTERP_CONFIG
+    for bound, cfg in MM_CONFIGS[variant]:
+        if m <= bound:
+            return cfg
+    return MM_CONFIGS[variant][-1][1]
 
 
-def _prune(configs, nargs):
-    m = nargs["M_BUCKET"]
-    out = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, m)]
-    if m <= 64:  # skinny: only the small-M tiles
-        out = [c for c in out if c.kwargs["BLOCK_M"] <= 64]
-    return out or configs[:1]
-
-
-@triton.autotune(
-    configs=_configs(),
-    key=["M_BUCKET", "N", "K", "IS_INT8", "HAS_OUTLIERS"],
-    prune_configs_by={"early_config_prune": lambda cfgs, nargs, **kw: _prune(cfgs, {**nargs, **kw})},
-)
-@triton.jit
+# M is not specialized (no recompile when a batch size crosses 1 or a multiple of 16); N, K and the
+# strides are, which is what the address math needs.
+@triton.jit(do_not_specialize=["M"])
 def _scaled_mm_kernel(
     a_ptr, b_ptr, sa_ptr, sb_ptr, xo_ptr, wo_ptr, bias_ptr, c_ptr,
-    M, N, K, n_out, M_BUCKET,
+    M, N, K, n_out,
     stride_am, stride_bn, stride_om, stride_won, stride_cm,
     IS_INT8: tl.constexpr, HAS_OUTLIERS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    OUT_PRECISION: tl.constexpr, BLOCK_O: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    OUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, TMA_OUT: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_O: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M row tiles sweep the columns together so their B tiles stay in L2.
     width = GROUP_M * num_n
     first_m = (pid // width) * GROUP_M
     size_m = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % width) % size_m
     pid_n = (pid % width) // size_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    rows_a = offs_m.to(tl.int64)[:, None] * stride_am
-    rows_b = offs_n.to(tl.int64)[:, None] * stride_bn
+    if not USE_TMA:
+        # Wrapped row indices instead of row masks: duplicate rows are harmless (never stored)
+        # and keep the operand loads unpredicated along M/N.
+        rows_a = (offs_m % M).to(tl.int64)[:, None] * stride_am
+        rows_b = (offs_n % N).to(tl.int64)[:, None] * stride_bn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32 if IS_INT8 else tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k[None, :] < K
-        a = tl.load(a_ptr + rows_a + offs_k[None, :], mask=m_mask[:, None] & k_mask, other=0)
-        b = tl.load(b_ptr + rows_b + offs_k[None, :], mask=n_mask[:, None] & k_mask, other=0)
+        if USE_TMA:  # out-of-bounds boxes are zero-filled by the TMA unit
+            a = a_ptr.load([off_m, k0])
+            b = b_ptr.load([off_n, k0])
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                a = tl.load(a_ptr + rows_a + offs_k[None, :])
+                b = tl.load(b_ptr + rows_b + offs_k[None, :])
+            else:
+                k_mask = offs_k[None, :] < K
+                a = tl.load(a_ptr + rows_a + offs_k[None, :], mask=k_mask, other=0)
+                b = tl.load(b_ptr + rows_b + offs_k[None, :], mask=k_mask, other=0)
+        # B is [N, K] row-major = K-major, the layout 8-bit wgmma requires for both operands.
         if IS_INT8:
             acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
-        else:  # FP8 operands travel as bytes (a zero byte is +0.0) and are reinterpreted here
-            a8 = a.to(tl.float8e4nv, bitcast=True)
-            acc = tl.dot(a8, tl.trans(b.to(tl.float8e4nv, bitcast=True)), acc)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
     sa = tl.load(sa_ptr + offs_m, mask=m_mask, other=0.0)
     sb = tl.load(sb_ptr + offs_n, mask=n_mask, other=0.0)
+    # One fp32 tile from here on: the int32 accumulator dies before the outlier loop starts, so
+    # the MixQ variant never holds two [BLOCK_M, BLOCK_N] accumulators (that spilled before).
     y = acc.to(tl.float32) * sa[:, None] * sb[None, :]
     if HAS_OUTLIERS:
-        # MixQ epilogue: the few outlier channels as a short high-precision GEMM, same tile.
-        acc_o = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        rows_o = offs_m.to(tl.int64)[:, None] * stride_om
-        rows_w = offs_n.to(tl.int64)[:, None] * stride_won
-        for j0 in range(0, n_out, BLOCK_O):
-            offs_j = j0 + tl.arange(0, BLOCK_O)
-            j_mask = offs_j[None, :] < n_out
-            xo = tl.load(xo_ptr + rows_o + offs_j[None, :], mask=m_mask[:, None] & j_mask, other=0.0)
-            wo = tl.load(wo_ptr + rows_w + offs_j[None, :], mask=n_mask[:, None] & j_mask, other=0.0)
-            acc_o = tl.dot(xo, tl.trans(wo), acc_o, input_precision=OUT_PRECISION)
-        y += acc_o
+        # MixQ: the outlier channels are raw (unscaled) activations x raw weights, so they
+        # accumulate straight onto the dequantized tile as a short extra K loop.
+        if TMA_OUT:
+            for j0 in range(0, n_out, BLOCK_O):
+                xo = xo_ptr.load([off_m, j0])
+                wo = wo_ptr.load([off_n, j0])
+                y = tl.dot(xo, tl.trans(wo), y, input_precision=OUT_PRECISION)
+        else:
+            rows_o = (offs_m % M).to(tl.int64)[:, None] * stride_om
+            rows_w = (offs_n % N).to(tl.int64)[:, None] * stride_won
+            for j0 in range(0, n_out, BLOCK_O):
+                offs_j = j0 + tl.arange(0, BLOCK_O)
+                j_mask = offs_j[None, :] < n_out
+                xo = tl.load(xo_ptr + rows_o + offs_j[None, :], mask=j_mask, other=0.0)
+                wo = tl.load(wo_ptr + rows_w + offs_j[None, :], mask=j_mask, other=0.0)
+                y = tl.dot(xo, tl.trans(wo), y, input_precision=OUT_PRECISION)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+def _tma_ok(*ts: torch.Tensor) -> bool:
+    """Whether every 2-D tensor meets the TMA rules (unit inner stride, 16-byte rows and base)."""
+    return all(t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+               and t.data_ptr() % 16 == 0 for t in ts)
+
+
 def w8a8_matmul_triton(
     qx: torch.Tensor, sx: torch.Tensor, w: Int8Weight, *, x_out: torch.Tensor | None = None,
     bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+    config: MMConfig | None = None,
 ) -> torch.Tensor:
-    """Same contract as :func:`infercore.quant.naive.w8a8_matmul_ref`."""
+    """Same contract as :func:`infercore.quant.naive.w8a8_matmul_ref`.
+
+    ``qx`` ``[M, K]`` int8 or float8_e4m3fn (row-major), ``w.qweight`` ``[N, K]`` row-major
+    (K-major for the tensor cores), ``x_out`` ``[M, n_out]`` and ``w.w_outlier`` ``[N, n_out]``.
+    ``config`` overrides the per-M table :data:`MM_CONFIGS` (used by the sweep).
+    """
     m, k = qx.shape
     n = w.shape[0]
     is_int8 = w.act == "int8"
-    b = w.qweight  # int8, or uint8 e4m3 bytes
-    a = qx if is_int8 else qx.view(torch.uint8)
+    a = qx if qx.stride(1) == 1 else qx.contiguous()
+    # FP8 travels as float8_e4m3fn so the loads feed the tensor cores directly; a uint8 load plus
+    # an in-kernel bitcast kept the operands from the async shared-memory pipeline.
+    b = w.qweight if is_int8 else w.qweight.view(torch.float8_e4m3fn)
+    if not is_int8 and a.dtype != torch.float8_e4m3fn:
+        a = a.view(torch.float8_e4m3fn)
     has_out = w.num_outliers > 0 and x_out is not None
-    if has_out and x_out.dtype != w.w_outlier.dtype:
-        x_out = x_out.to(w.w_outlier.dtype)
+    wo = w.w_outlier if has_out else None
+    if has_out and x_out.dtype != wo.dtype:
+        x_out = x_out.to(wo.dtype)
+    if has_out and x_out.stride(1) != 1:
+        x_out = x_out.contiguous()
     c = torch.empty((m, n), dtype=out_dtype, device=qx.device)
     if m == 0:
         return c
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+    cfg = config or pick_config("mixed" if has_out else ("int8" if is_int8 else "fp8"), m)
+    use_tma = cfg.tma and _tma_ok(a, b)
+    tma_out = use_tma and has_out and _tma_ok(x_out, wo)
+    if use_tma:
+        a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
+        b_arg = TensorDescriptor.from_tensor(b, [cfg.block_n, cfg.block_k])
+    else:
+        a_arg, b_arg = a, b
+    if tma_out:
+        xo_arg = TensorDescriptor.from_tensor(x_out, [cfg.block_m, cfg.block_o])
+        wo_arg = TensorDescriptor.from_tensor(wo, [cfg.block_n, cfg.block_o])
+    else:
+        xo_arg, wo_arg = (x_out, wo) if has_out else (sx, sx)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _scaled_mm_kernel[grid](
-        a, b, sx, w.scales, x_out if has_out else sx, w.w_outlier if has_out else sx,
-        bias if bias is not None else sx, c,
-        m, n, k, w.num_outliers if has_out else 0, min(triton.next_power_of_2(m), 256),
+        a_arg, b_arg, sx, w.scales, xo_arg, wo_arg, bias if bias is not None else sx, c,
+        m, n, k, w.num_outliers if has_out else 0,
         a.stride(0), b.stride(0), x_out.stride(0) if has_out else 0,
-        w.w_outlier.stride(0) if has_out else 0, c.stride(0),
+        wo.stride(0) if has_out else 0, c.stride(0),
         IS_INT8=is_int8, HAS_OUTLIERS=has_out, HAS_BIAS=bias is not None,
         OUT_PRECISION="ieee" if has_out and x_out.dtype == torch.float32 else "tf32",
-        BLOCK_O=32,
+        USE_TMA=use_tma, TMA_OUT=tma_out, EVEN_K=k % cfg.block_k == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_O=cfg.block_o,
+        GROUP_M=cfg.group_m, num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return c

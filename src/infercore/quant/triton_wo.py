@@ -1,13 +1,16 @@
 """Triton weight-only GEMV/GEMM kernels with the dequantization fused into the load.
 
-* ``_wq_gemv_kernel`` -- INT4/INT8 group-wise weights, small M (decode). One program owns
-  ``BLOCK_N`` output channels and one K slice (split-K when there are too few channels to fill the
-  GPU; fp32 partials then land in a workspace the wrapper sums). No tensor cores: per K sub-block of constant
-  scale it forms ``sum_k q[n,k] x[k]`` and applies ``s * (. - z * sum_k x[k])``, so the zero point
-  costs one multiply per group, not per weight. 4-bit codes are not interleaved back into K
-  order; the even and odd activations are read separately instead.
+* ``_wq_small_kernel`` -- INT4/INT8 group-wise weights, M <= 16 (decode). One program owns
+  ``BLOCK_N`` output channels and one K slice (split-K when the channel tiles alone cannot keep
+  ~4 programs per SM in flight; fp32 partials then land in a workspace the wrapper sums). Each
+  weight tile is loaded once (16-byte loads along K) and serves all M rows: FMAs for M = 1, or a
+  ``tl.dot`` with the rows padded to 16 (``x @ w^T`` or the swapped ``w @ x^T``). Per K step of
+  constant scale it forms ``sum_k q[n,k] x[k]`` and applies ``s * (. - z * sum_k x[k])``, so the
+  zero point costs one multiply per group, not per weight. 4-bit codes are not interleaved back
+  into K order; the even and odd activations are multiplied separately instead.
 * ``_wq_gemm_kernel`` -- the same weights, larger M: codes -> ``(q - z) * s`` in the activation
   dtype -> ``tl.dot``.
+* ``_fp8_small_kernel`` -- the same small-M structure for the emulated FP8 weights below.
 * ``_fp8_wo_kernel`` -- FP8 e4m3 weights *emulated*: the byte becomes an fp32 bit pattern by
   ``(x & 0x80) << 24 | (x & 0x7F) << 20`` (value times 2**-120, exact for normals and
   subnormals), the 2**120 is folded into the per-channel / per-block scale, then a bf16/fp16 dot.
@@ -38,8 +41,8 @@ def _mm_cfg(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps,
                          num_stages=stages)
 _GGUF_QTYPE = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
-# Below this many rows the GEMV kernel is used for INT weights.
-GEMV_MAX_M = 4
+# Up to this many rows the small-M (decode) kernels run; above, the tiled GEMMs.
+SMALL_M_MAX = 16
 
 
 def _configs(gpu: list[triton.Config], interp: triton.Config) -> list[triton.Config]:
@@ -83,77 +86,111 @@ def _swizzle(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.con
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.autotune(
-    configs=_configs(
-        [
-            triton.Config({"BLOCK_N": 16, "BLOCK_K": 512}, num_warps=4),
-            triton.Config({"BLOCK_N": 32, "BLOCK_K": 512}, num_warps=4),
-            triton.Config({"BLOCK_N": 16, "BLOCK_K": 1024}, num_warps=8),
-            triton.Config({"BLOCK_N": 32, "BLOCK_K": 1024}, num_warps=8),
-            triton.Config({"BLOCK_N": 8, "BLOCK_K": 1024}, num_warps=4),
-        ],
-        triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4),
-    ),
-    key=["N", "KP", "BITS", "GROUP", "SPLIT_K"],
-)
 @triton.jit
-def _wq_gemv_kernel(
+def _wq_small_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, y_ptr,
-    N, K, KP, num_groups, k_per_split,
+    M, N, K, KP, k_per_split,
     stride_xm, stride_qn, stride_sn, stride_ym, stride_ys,
-    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, MODE: tl.constexpr,
+    MAGIC: tl.constexpr, MAGIC_BASE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """Small-M (decode) INT4/INT8 weight-only; every loaded weight tile serves all M rows.
+
+    Grid ``(cdiv(N, BLOCK_N), SPLIT)``: program ``(n, s)`` owns ``BLOCK_N`` channels and the K range
+    ``[s * k_per_split, (s+1) * k_per_split)``; with ``SPLIT > 1`` it writes fp32 partials to slice
+    ``s`` of ``y`` (stride ``stride_ys``). ``BLOCK_K <= GROUP``, so one scale/zero per channel
+    per step, applied to the step's partial sums, never per weight.
+
+    MODE 0: CUDA-core FMAs on fp32 codes (``BLOCK_M`` rows unrolled over one decoded tile).
+    MODE 1: ``tl.dot(x, w^T)`` with the rows padded to ``BLOCK_M >= 16``.
+    MODE 2: ``tl.dot(w, x^T)`` ("swap AB"): the decoded weights are the register-resident A operand,
+    the tiny activation tile is B, so the wide ``BLOCK_N`` fills the MMA's M dimension.
+    """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    m = tl.program_id(2).to(tl.int64)
-    SUB: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K  # K run of one scale
-    NSUB: tl.constexpr = BLOCK_K // SUB
     PACK: tl.constexpr = 2 if BITS == 4 else 1
-    HS: tl.constexpr = SUB // PACK  # bytes of one row in one sub-block
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = (offs_n < N)[:, None, None]
-    row = offs_n.to(tl.int64)[:, None, None]
-    j = tl.arange(0, NSUB)[None, :, None]
-    i = tl.arange(0, HS)[None, None, :]
-    x_row = x_ptr + m * stride_xm
-    # Tiles are [BLOCK_N, NSUB, HS] (3-D so each scale broadcasts without a reshape); partial
-    # products accumulate elementwise and are reduced once at the end.
-    acc = tl.zeros([BLOCK_N, NSUB, HS], dtype=tl.float32)
-    # Iterate over byte offsets (not k // 2) so alignment analysis can prove 16-byte loads.
+    n_mask = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    rows_w = offs_n.to(tl.int64)[:, None] * stride_qn
+    rows_x = offs_m.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # MODE 2's accumulator
+    # Byte offsets (not k // 2) so alignment analysis can prove 16-byte loads along K.
     kb_start = pid_k * (k_per_split // PACK)
     kb_end = tl.minimum(kb_start + k_per_split // PACK, KP // PACK)
     for kb0 in range(kb_start, kb_end, BLOCK_K // PACK):
         k0 = kb0 * PACK
-        kb = kb0 + j * HS + i
-        b = tl.load(qw_ptr + row * stride_qn + kb, mask=n_mask & (kb < KP // PACK), other=0).to(tl.int32)
-        g = (k0 + j * SUB) // GROUP
-        g_mask = n_mask & (g < num_groups)
-        s = tl.load(s_ptr + row * stride_sn + g, mask=g_mask, other=0.0)
+        g = k0 // GROUP
+        s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
         if HAS_ZEROS:
-            z = tl.load(z_ptr + row * stride_sn + g, mask=g_mask, other=0).to(tl.float32)
+            z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
         else:
-            z = tl.full([BLOCK_N, NSUB, 1], 2 ** (BITS - 1), dtype=tl.float32)
-        # Codes -> floats without int-to-float instructions: OR-ing a code into the mantissa of
-        # 2**23 gives 2**23 + code exactly; the 2**23 is subtracted together with the zero point.
-        zc = z + 8388608.0
+            z = tl.full([BLOCK_N], 2 ** (BITS - 1), dtype=tl.float32)
+        offs_b = kb0 + tl.arange(0, BLOCK_K // PACK)
+        # Weights are read once per call: evict them first so x and the scales stay cached.
+        b = tl.load(qw_ptr + rows_w + offs_b[None, :], mask=n_mask[:, None] & (offs_b[None, :] < KP // PACK),
+                    other=0, eviction_policy="evict_first")
         if BITS == 4:
-            ke = k0 + j * SUB + 2 * i
-            xe = tl.load(x_row + ke, mask=ke < K, other=0.0).to(tl.float32)
-            xo = tl.load(x_row + ke + 1, mask=ke + 1 < K, other=0.0).to(tl.float32)
-            lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - zc
-            hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - zc
-            acc += (lo * xe + hi * xo) * s
+            # Even and odd K go to separate products, so nibbles never need interleaving.
+            if MODE == 0:  # one row: two strided loads (L1 hits) beat reshuffling a loaded tile
+                ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+                ae = tl.load(x_ptr + rows_x + ke[None, :], mask=m_mask[:, None] & (ke[None, :] < K), other=0.0)
+                ao = tl.load(x_ptr + rows_x + ke[None, :] + 1, mask=m_mask[:, None] & (ke[None, :] + 1 < K),
+                             other=0.0)
+            else:  # 16 rows: vector loads, then split (the dot converts layouts anyway)
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(x_ptr + rows_x + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K),
+                            other=0.0)
+                ae, ao = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
+            if MODE == 0:
+                # Nibble OR-ed into the mantissa of 2**23 is 2**23 + code exactly (no I2F).
+                lo = ((b.to(tl.int32) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                hi = ((b.to(tl.int32) >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                part = tl.sum(lo[None, :, :] * ae.to(tl.float32)[:, None, :]
+                              + hi[None, :, :] * ao.to(tl.float32)[:, None, :], axis=2)
+                zb = z
+            else:
+                if MAGIC == 0:  # fp32 activations: exact small integers, converted
+                    lo = (b & 15).to(tl.float32)
+                    hi = (b >> 4).to(tl.float32)
+                    zb = z
+                else:  # 16-bit activations: MAGIC_BASE + code, no convert instruction
+                    lo = ((b.to(tl.int16) & 15) | MAGIC).to(ae.dtype, bitcast=True)
+                    hi = ((b.to(tl.int16) >> 4) | MAGIC).to(ae.dtype, bitcast=True)
+                    zb = z + MAGIC_BASE
+                if MODE == 1:
+                    part = tl.dot(ae, tl.trans(lo), input_precision=DOT_PRECISION)
+                    part = tl.dot(ao, tl.trans(hi), part, input_precision=DOT_PRECISION)
+                else:  # [BLOCK_N, BLOCK_M]: stays in the MMA's orientation until the store
+                    part = tl.dot(lo, tl.trans(ae), input_precision=DOT_PRECISION)
+                    part = tl.dot(hi, tl.trans(ao), part, input_precision=DOT_PRECISION)
+            asum = tl.sum(ae.to(tl.float32), axis=1) + tl.sum(ao.to(tl.float32), axis=1)
         else:
-            kk = k0 + j * SUB + i
-            xv = tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)
-            acc += ((b | 0x4B000000).to(tl.float32, bitcast=True) - zc) * xv * s
-    out = tl.sum(tl.sum(acc, axis=2), axis=1)
-    # Split-K partials go to their own slice of an fp32 workspace (summed by the caller):
-    # deterministic, and nothing to zero between autotuning runs.
-    offs_o = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    y_ptrs = y_ptr + pid_k.to(tl.int64) * stride_ys + m * stride_ym + offs_o
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=offs_o < N)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_ptr + rows_x + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+            if MODE == 0:
+                q = (b.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                part = tl.sum(q[None, :, :] * a.to(tl.float32)[:, None, :], axis=2)
+            else:
+                q = b.to(tl.float32).to(a.dtype)  # codes <= 255: exact in bf16/fp16
+                if MODE == 1:
+                    part = tl.dot(a, tl.trans(q), input_precision=DOT_PRECISION)
+                else:
+                    part = tl.dot(q, tl.trans(a), input_precision=DOT_PRECISION)
+            zb = z
+            asum = tl.sum(a.to(tl.float32), axis=1)
+        # sum_k (q - z) x = sum_k q x - z sum_k x: the zero point costs one FMA per step, not per weight.
+        if MODE == 2:
+            acc_t += (part - zb[:, None] * asum[None, :]) * s[:, None]
+        else:
+            acc += (part - asum[:, None] * zb[None, :]) * s[None, :]
+    if MODE == 2:
+        acc = tl.trans(acc_t)
+    y_ptrs = y_ptr + pid_k.to(tl.int64) * stride_ys + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.autotune(
@@ -253,8 +290,15 @@ def _kernel_group(w: IntWeight) -> int:
     return w.group_size
 
 
-def wq_matmul_triton(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K]`` (fp16/bf16/fp32) times INT4/INT8 ``w`` -> ``[M, N]`` in ``x.dtype``."""
+def wq_matmul_triton(
+    x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None, *, config: dict | None = None,
+) -> torch.Tensor:
+    """``x [M, K]`` (fp16/bf16/fp32) times INT4/INT8 ``w`` -> ``[M, N]`` in ``x.dtype``.
+
+    ``config`` (M <= ``SMALL_M_MAX`` only; benchmarks/sweeps): the small-M launch parameters
+    ``{"MODE", "BLOCK_N", "BLOCK_K", "SPLIT", "num_warps", "num_stages"}`` instead of the tuned
+    table / heuristic.
+    """
     if w.group_size & (w.group_size - 1) and w.scales.shape[1] != 1:
         raise ValueError(f"w: Triton kernels need a power-of-two group size, got {w.group_size}")
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -263,21 +307,18 @@ def wq_matmul_triton(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = 
     kp = w.padded_in_features
     group = _kernel_group(w)
     zeros = w.zeros if w.zeros is not None else w.scales
-    if m <= GEMV_MAX_M:
-        # Split K when the channel tiles alone cannot cover the multiprocessors twice.
-        tiles = triton.cdiv(n, 32) * m
-        split = 1
-        while split < 8 and tiles * split < 2 * _num_sms(x.device) and kp // (split * 2) >= 512:
-            split *= 2
-        k_per_split = triton.cdiv(triton.cdiv(kp, split), 1024) * 1024
-        ws = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split, m)
-        _wq_gemv_kernel[grid](
-            x, w.qweight, w.scales, zeros, ws, n, k, kp, w.scales.shape[1], k_per_split,
+    if m <= SMALL_M_MAX:
+        cfg = _small_cfg(f"int{w.bits}", n, kp, m, group, x.device, config)
+        ws, split, kps = _small_out(x, m, n, kp, cfg)
+        _wq_small_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
+            x, w.qweight, w.scales, zeros, ws, m, n, k, kp, kps,
             x.stride(0), w.qweight.stride(0), w.scales.stride(0), ws.stride(1), ws.stride(0),
-            BITS=w.bits, GROUP=group, HAS_ZEROS=w.zeros is not None, SPLIT_K=split,
+            BITS=w.bits, GROUP=group, HAS_ZEROS=w.zeros is not None, MODE=cfg["MODE"],
+            MAGIC=_MAGIC[x.dtype][0], MAGIC_BASE=_MAGIC[x.dtype][1], DOT_PRECISION=_dot_precision(x.dtype),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
-        y = ws[0] if split == 1 else ws.sum(0).to(x.dtype)
+        y = _finish_splits(ws, x.dtype)
     else:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
@@ -288,6 +329,72 @@ def wq_matmul_triton(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = 
             MAGIC=_MAGIC[x.dtype][0], MAGIC_BASE=_MAGIC[x.dtype][1],
         )
     return y if bias is None else y + bias.to(y.dtype)
+
+
+# Small-M launch table: (kind, N, K, M bucket) -> config, from benchmarks/sweep_quant_wo.py on an
+# H200 (its "table" output). Missing entries use the heuristic in ``_small_cfg``.
+SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {}
+
+
+def _small_cfg(kind: str, n: int, kp: int, m: int, kmax: int, device: torch.device,
+               override: dict | None) -> dict:
+    """Launch parameters of the small-M kernels; ``kmax`` caps BLOCK_K (group / scale block)."""
+    mb = triton.next_power_of_2(m)
+    if override is not None:
+        cfg = dict(override)
+    elif _INTERPRET:
+        cfg = {"MODE": 0 if m == 1 else 2, "BLOCK_N": 16, "BLOCK_K": 64, "SPLIT": 0, "num_warps": 4,
+               "num_stages": 1}
+    elif any((kind, n, kp, b) in SMALL_M_TUNED for b in (mb, 2 * mb, 4 * mb, 8 * mb, 16 * mb)):
+        # A bucket not swept borrows the next larger one (the same tile serves fewer rows).
+        b = next(b for b in (mb, 2 * mb, 4 * mb, 8 * mb, 16 * mb) if (kind, n, kp, b) in SMALL_M_TUNED)
+        cfg = dict(SMALL_M_TUNED[(kind, n, kp, b)])
+    elif m == 1:
+        # One row: FMAs on CUDA cores; each program streams BLOCK_N rows x BLOCK_K codes per step.
+        cfg = {"MODE": 0, "BLOCK_N": 16 if kind == "fp8" else 32, "BLOCK_K": 256, "SPLIT": 0,
+               "num_warps": 4, "num_stages": 3}
+    else:
+        cfg = {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 0, "num_warps": 4, "num_stages": 4}
+    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], kmax)
+    cfg["BLOCK_M"] = mb if cfg["MODE"] == 0 else max(16, mb)
+    if not cfg.get("SPLIT"):
+        # Split K until programs cover the multiprocessors ~4 times, keeping >= 4 steps per split.
+        tiles = triton.cdiv(n, cfg["BLOCK_N"])
+        split = 1
+        while split < 16 and tiles * split < 4 * _num_sms(device) and kp // (2 * split) >= 4 * cfg["BLOCK_K"]:
+            split *= 2
+        cfg["SPLIT"] = split
+    return cfg
+
+
+@triton.jit
+def _sum_splits_kernel(ws_ptr, y_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in tl.static_range(SPLIT):
+        acc += tl.load(ws_ptr + i * numel + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _finish_splits(ws: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 split-K partials ``[split, m, n]`` -> their sum ``[m, n]`` in ``dtype``: one launch
+    (not a sum and a cast), which matters at decode where each kernel is a few microseconds."""
+    if ws.shape[0] == 1:
+        return ws[0]
+    y = torch.empty(ws.shape[1:], dtype=dtype, device=ws.device)
+    numel = y.numel()
+    _sum_splits_kernel[(triton.cdiv(numel, 1024),)](ws, y, numel, SPLIT=ws.shape[0], BLOCK=1024)
+    return y
+
+
+def _small_out(x: torch.Tensor, m: int, n: int, k: int, cfg: dict) -> tuple[torch.Tensor, int, int]:
+    """Output (or fp32 split-K workspace ``[split, m, n]``), split count, K per split."""
+    bk = cfg["BLOCK_K"]
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg["SPLIT"]), bk) * bk
+    split = triton.cdiv(k, k_per_split)
+    ws = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    return ws, split, k_per_split
 
 
 # ----------------------------------------------------------------------------------------------
@@ -320,52 +427,69 @@ def fp8_decode_triton(q: torch.Tensor) -> torch.Tensor:
     return y
 
 
-@triton.autotune(
-    configs=_configs(
-        [
-            triton.Config({"BLOCK_N": 16, "BLOCK_K": 512}, num_warps=4),
-            triton.Config({"BLOCK_N": 32, "BLOCK_K": 512}, num_warps=8),
-            triton.Config({"BLOCK_N": 16, "BLOCK_K": 1024}, num_warps=8),
-            triton.Config({"BLOCK_N": 8, "BLOCK_K": 1024}, num_warps=4),
-        ],
-        triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4),
-    ),
-    key=["N", "K", "SCALE_BLOCK"],
-)
 @triton.jit
-def _fp8_gemv_kernel(
+def _fp8_small_kernel(
     x_ptr, qw_ptr, s_ptr, y_ptr,
-    N, K, stride_xm, stride_qn, stride_sn, stride_ym,
-    SCALE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    M, N, K, k_per_split,
+    stride_xm, stride_qn, stride_sn, stride_ym, stride_ys,
+    SCALE_BLOCK: tl.constexpr,  # 0: per output channel; else block edge (scales [N/B, K/B])
+    DECODE: tl.constexpr, FOLD: tl.constexpr, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Small-M FP8 weight-only: fp32 FMAs on the emulated decode, scale applied per block/row."""
-    FOLD: tl.constexpr = 1.329227995784916e36  # 2**120
+    """Small-M emulated-FP8 weight-only; grid, split-K and MODE as in ``_wq_small_kernel``.
+
+    MODE 0 decodes to the fp32 pattern and uses FMAs; MODEs 1/2 decode to the activation dtype's
+    own pattern (DECODE, as in ``_fp8_wo_kernel``) and use ``tl.dot``. ``BLOCK_K`` divides
+    ``SCALE_BLOCK``, so a block scale is one per channel per step.
+    """
     pid_n = tl.program_id(0)
-    m = tl.program_id(1).to(tl.int64)
-    SUB: tl.constexpr = SCALE_BLOCK if (SCALE_BLOCK != 0 and SCALE_BLOCK < BLOCK_K) else BLOCK_K
-    NSUB: tl.constexpr = BLOCK_K // SUB
+    pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = (offs_n < N)[:, None, None]
-    row = offs_n.to(tl.int64)[:, None, None]
-    j = tl.arange(0, NSUB)[None, :, None]
-    i = tl.arange(0, SUB)[None, None, :]
-    acc = tl.zeros([BLOCK_N, NSUB, SUB], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + j * SUB + i
-        kmask = kk < K
-        b = tl.load(qw_ptr + row * stride_qn + kk, mask=n_mask & kmask, other=0)
-        xv = tl.load(x_ptr + m * stride_xm + kk, mask=kmask, other=0.0).to(tl.float32)
-        prod = _fp8_e4m3_bits_to_f32(b) * xv
+    n_mask = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    rows_w = offs_n.to(tl.int64)[:, None] * stride_qn
+    rows_x = offs_m.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # MODE 2's accumulator
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        b = tl.load(qw_ptr + rows_w + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0,
+                    eviction_policy="evict_first")
+        a = tl.load(x_ptr + rows_x + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if MODE == 0:
+            w = _fp8_e4m3_bits_to_f32(b)
+            part = tl.sum(w[None, :, :] * a.to(tl.float32)[:, None, :], axis=2)
+        else:
+            if DECODE == 0:
+                w = _fp8_e4m3_bits_to_f32(b)
+            else:
+                x16 = b.to(tl.int16)
+                if DECODE == 1:
+                    w = (((x16 & 0x80) << 8) | ((x16 & 0x7F) << 4)).to(tl.bfloat16, bitcast=True)
+                else:
+                    w = (((x16 & 0x80) << 8) | ((x16 & 0x7F) << 7)).to(tl.float16, bitcast=True)
+            if MODE == 1:
+                part = tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
+            else:  # [BLOCK_N, BLOCK_M]: stays in the MMA's orientation until the end
+                part = tl.dot(w, tl.trans(a), input_precision=DOT_PRECISION)
         if SCALE_BLOCK != 0:
-            kb = (k0 + j * SUB) // SCALE_BLOCK
-            sb = tl.load(s_ptr + (row // SCALE_BLOCK) * stride_sn + kb, mask=n_mask & (kb * SCALE_BLOCK < K),
-                         other=0.0)
-            prod = prod * sb
-        acc += prod
-    out = tl.sum(tl.sum(acc, axis=2), axis=1) * FOLD
+            sb = tl.load(s_ptr + (offs_n // SCALE_BLOCK) * stride_sn + k0 // SCALE_BLOCK, mask=n_mask, other=0.0)
+            part = part * (sb[:, None] if MODE == 2 else sb[None, :])
+        if MODE == 2:
+            acc_t += part
+        else:
+            acc += part
+    if MODE == 2:
+        acc = tl.trans(acc_t)
     if SCALE_BLOCK == 0:
-        out = out * tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0)
-    tl.store(y_ptr + m * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    acc = acc * FOLD
+    y_ptrs = y_ptr + pid_k.to(tl.int64) * stride_ys + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.autotune(
@@ -437,22 +561,38 @@ def _prune_m(configs, nargs):
     return small or configs[:1]
 
 
-def fp8_wo_matmul_triton(x: torch.Tensor, w: FP8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K]`` (fp16/bf16/fp32) times emulated-FP8 ``w`` -> ``[M, N]`` in ``x.dtype``."""
+def fp8_wo_matmul_triton(
+    x: torch.Tensor, w: FP8Weight, bias: torch.Tensor | None = None, *, config: dict | None = None,
+) -> torch.Tensor:
+    """``x [M, K]`` (fp16/bf16/fp32) times emulated-FP8 ``w`` -> ``[M, N]`` in ``x.dtype``.
+
+    ``config``: small-M launch override, as in :func:`wq_matmul_triton`.
+    """
     if w.block_size is not None and w.block_size != FP8_BLOCK:
         raise ValueError(f"w: block scales must be {FP8_BLOCK}x{FP8_BLOCK}, got {w.block_size}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     m, k = x.shape
     n = w.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     scale_block = 0 if w.block_size is None else w.block_size
-    if m <= GEMV_MAX_M:
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)
-        _fp8_gemv_kernel[grid](x, w.qweight, w.scales, y, n, k, x.stride(0), w.qweight.stride(0),
-                               w.scales.stride(0), y.stride(0), SCALE_BLOCK=scale_block)
+    decode, fold = {torch.float32: (0, 2.0**120), torch.bfloat16: (1, 2.0**120),
+                    torch.float16: (2, 2.0**8)}[x.dtype]
+    if m <= SMALL_M_MAX:
+        kmax = scale_block or max(triton.next_power_of_2(k), 64)
+        cfg = _small_cfg("fp8", n, k, m, kmax, x.device, config)
+        if cfg["MODE"] == 0:
+            decode, fold = 0, 2.0**120  # FMAs run on the fp32 pattern whatever x is
+        ws, split, kps = _small_out(x, m, n, k, cfg)
+        _fp8_small_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
+            x, w.qweight, w.scales, ws, m, n, k, kps,
+            x.stride(0), w.qweight.stride(0), w.scales.stride(0), ws.stride(1), ws.stride(0),
+            SCALE_BLOCK=scale_block, DECODE=decode, FOLD=fold, MODE=cfg["MODE"],
+            DOT_PRECISION=_dot_precision(x.dtype),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        y = _finish_splits(ws, x.dtype)
     else:
-        decode, fold = {torch.float32: (0, 2.0**120), torch.bfloat16: (1, 2.0**120),
-                        torch.float16: (2, 2.0**8)}[x.dtype]
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
         _fp8_wo_kernel[grid](
             x, w.qweight, w.scales, y, m, n, k, _m_bucket(m),

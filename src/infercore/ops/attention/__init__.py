@@ -6,6 +6,8 @@ import torch
 
 from ...devices import dispatch, register
 from .. import _validate as V
+from ..kv_cache import dequantize_paged_kv, is_quantized_kv, scale_aware
+from ..kv_cache.quant import check_kv_scales
 from .metadata import AttentionMetadata
 from .naive import paged_attention_decode_ref, paged_attention_prefill_ref
 
@@ -27,9 +29,12 @@ def _check_common(
 ) -> None:
     V.floating(op, "q", q)
     V.ndim(op, "q", q, 3, "[tokens, q_heads, head_dim]")
-    V.floating(op, "k_cache", k_cache)
+    if not is_quantized_kv(k_cache.dtype):
+        V.floating(op, "k_cache", k_cache)
+    else:
+        V.tensor(op, "k_cache", k_cache)
     V.ndim(op, "k_cache", k_cache, 4, "[num_pages, page_size, kv_heads, head_dim]")
-    V.floating(op, "v_cache", v_cache)
+    V.tensor(op, "v_cache", v_cache)
     V.same_dtype(op, "v_cache", v_cache, "k_cache", k_cache)
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"{op}: v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}")
@@ -69,6 +74,8 @@ def paged_attention_prefill(
     sliding_window: int | None = None,
     softcap: float | None = None,
     max_seqlen_q: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for a ragged batch of query chunks against their paged KV.
 
@@ -86,6 +93,10 @@ def paged_attention_prefill(
         sliding_window: HF semantics, query i sees key j iff ``i - w < j <= i``; None = full causal.
         softcap: ``s = softcap * tanh(s / softcap)`` on the scaled scores (Gemma 2); None = off.
         max_seqlen_q: optional host-side upper bound of the query lengths (a launch hint for kernels).
+        k_scale, v_scale: fp32 ``[num_pages, page_size, Hk]``, required exactly when the caches are
+            int8 / float8_e4m3fn (``ops/kv_cache/quant.py``). The prefill kernels read float caches
+            only, so the pages this batch reads are first dequantized into a temporary cache in
+            ``q.dtype`` (:func:`~infercore.ops.kv_cache.dequantize_paged_kv`; one host sync).
 
     Returns:
         ``[T, Hq, D]`` in ``q.dtype``; softmax in fp32.
@@ -102,6 +113,9 @@ def paged_attention_prefill(
     if max_seqlen_q is not None and (isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int)):
         raise TypeError(f"{op}: max_seqlen_q must be an int or None, got {type(max_seqlen_q).__name__}")
     V.same_device(op, "q", q, cu_seqlens_q=cu_seqlens_q)
+    if check_kv_scales(op, k_cache, v_cache, k_scale, v_scale):
+        k_cache, v_cache, block_table = dequantize_paged_kv(
+            k_cache, v_cache, k_scale, v_scale, block_table=block_table, seq_lens=seq_lens, dtype=q.dtype)
     return dispatch(op, q.device)(
         q,
         k_cache,
@@ -126,12 +140,16 @@ def paged_attention_decode(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence (at position ``seq_lens[b] - 1``) against its paged KV.
 
     Args:
         q: ``[B, Hq, D]`` fp32/fp16/bf16.
         k_cache, v_cache, block_table, scale, sliding_window, softcap: as in :func:`paged_attention_prefill`.
+        k_scale, v_scale: fp32 ``[num_pages, page_size, Hk]`` for int8 / float8_e4m3fn caches; the
+            kernels read the 1-byte codes and dequantize in registers (no temporary cache).
         seq_lens: int32 ``[B]`` KV lengths including the current token; a sequence with length 0
             (batch padding) yields zeros.
 
@@ -142,6 +160,11 @@ def paged_attention_decode(
     _check_common(op, q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, softcap)
     if seq_lens.shape[0] != q.shape[0]:
         raise ValueError(f"{op}: seq_lens has {seq_lens.shape[0]} entries but q has {q.shape[0]} sequences")
+    if check_kv_scales(op, k_cache, v_cache, k_scale, v_scale):
+        return scale_aware(op, q.device)(
+            q, k_cache, v_cache, seq_lens=seq_lens, block_table=block_table, scale=float(scale),
+            sliding_window=sliding_window, softcap=None if softcap is None else float(softcap),
+            k_scale=k_scale, v_scale=v_scale)  # fmt: skip
     return dispatch(op, q.device)(
         q,
         k_cache,
@@ -163,11 +186,14 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged attention driven by the step's :class:`AttentionMetadata`.
 
     ``q`` is ``[T, Hq, D]``; uses :func:`paged_attention_decode` when ``meta.decode_only`` (then
-    ``T == B``) and :func:`paged_attention_prefill` otherwise. Returns ``[T, Hq, D]`` in ``q.dtype``.
+    ``T == B``) and :func:`paged_attention_prefill` otherwise. ``k_scale``/``v_scale`` as there
+    (quantized caches). Returns ``[T, Hq, D]`` in ``q.dtype``.
     """
     if not isinstance(meta, AttentionMetadata):
         raise TypeError(f"paged_attention: meta must be an AttentionMetadata, got {type(meta).__name__}")
@@ -181,6 +207,8 @@ def paged_attention(
             scale=scale,
             sliding_window=sliding_window,
             softcap=softcap,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     return paged_attention_prefill(
         q,
@@ -193,6 +221,8 @@ def paged_attention(
         sliding_window=sliding_window,
         softcap=softcap,
         max_seqlen_q=meta.max_seqlen_q,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 

@@ -15,7 +15,8 @@ from ...devices import implementation, register
 
 
 def _context(k_cache, v_cache, pages_row, start: int, end: int):
-    """K/V of key positions [start, end) of one sequence, as [1, Hk, L, D] views."""
+    """K/V of key positions [start, end) of one sequence, as [1, Hk, L, D] views (scale caches
+    ``[P, page_size, Hk]`` give ``[1, Hk, L]``)."""
     ps = k_cache.shape[1]
     p0, p1 = start // ps, -(-end // ps)
     pages = pages_row[p0:p1]
@@ -26,11 +27,11 @@ def _context(k_cache, v_cache, pages_row, start: int, end: int):
 
 
 def paged_attention_decode_cpu(q, k_cache, v_cache, *, seq_lens, block_table, scale, sliding_window=None,
-                               softcap=None):
+                               softcap=None, k_scale=None, v_scale=None):
     if softcap is not None:
         return implementation("paged_attention_decode", "reference")(
             q, k_cache, v_cache, seq_lens=seq_lens, block_table=block_table, scale=scale,
-            sliding_window=sliding_window, softcap=softcap)
+            sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
     # One query row: ATen's fp32 CPU attention is ~2x faster than its bf16 path at these sizes,
     # and the upcasts are tiny.
     qf = q.float().unsqueeze(2)  # [B, Hq, 1, D]
@@ -41,6 +42,10 @@ def paged_attention_decode_cpu(q, k_cache, v_cache, *, seq_lens, block_table, sc
             continue
         start = max(0, n - sliding_window) if sliding_window is not None else 0
         k, v = _context(k_cache, v_cache, block_table[b], start, n)
+        if k_scale is not None:
+            # int8 / fp8 codes: dequantize only this sequence's (windowed) context.
+            ks, vs = _context(k_scale, v_scale, block_table[b], start, n)
+            k, v = k.float() * ks.unsqueeze(-1), v.float() * vs.unsqueeze(-1)
         rows.append(F.scaled_dot_product_attention(qf[b : b + 1], k.float(), v.float(), scale=scale, enable_gqa=True))
     out = rows[0] if len(rows) == 1 else torch.cat(rows)
     return out.squeeze(2).to(q.dtype)

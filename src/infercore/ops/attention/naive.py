@@ -16,10 +16,10 @@ import torch.nn.functional as F
 
 
 def _gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """``cache[num_pages, page_size, Hk, D]``, ``pages[..., n]`` -> fresh ``[..., n * page_size, Hk, D]``.
+    """``cache[num_pages, page_size, *rest]``, ``pages[..., n]`` -> fresh ``[..., n * page_size, *rest]``.
 
     Gathers whole pages (one contiguous row of ``page_size * Hk * D`` elements each) with index_select,
-    a plain row copy on the CPU.
+    a plain row copy on the CPU. Also gathers scale caches ``[num_pages, page_size, Hk]``.
     """
     flat = cache.reshape(cache.shape[0], -1)
     g = flat.index_select(0, pages.reshape(-1).long())
@@ -70,6 +70,8 @@ def paged_attention_decode_ref(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     b, hq, d = q.shape
     page_size, hk = k_cache.shape[1], k_cache.shape[2]
@@ -85,6 +87,10 @@ def paged_attention_decode_ref(
     pages = block_table[:, :n_pages].clamp(0, k_cache.shape[0] - 1)
     keys = _gather_pages(k_cache, pages).float()  # [B, L, Hk, D]
     vals = _gather_pages(v_cache, pages).float()
+    if k_scale is not None:
+        # int8 / fp8 codes: value = code * scale[token, head] (ops/kv_cache/quant.py)
+        keys *= _gather_pages(k_scale, pages).unsqueeze(-1)
+        vals *= _gather_pages(v_scale, pages).unsqueeze(-1)
     L = keys.shape[1]
     seq = seq_lens.long().view(b, 1)
     k_pos = torch.arange(L, device=q.device).view(1, L)

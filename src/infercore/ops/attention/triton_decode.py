@@ -16,6 +16,14 @@ Design:
   tile may span several pages; a page of 16 tokens is still ``16 * D * 2`` contiguous bytes.
 - Sliding window / softcap are compile-time switches; softmax runs in base 2 with the scale and
   ``log2(e)`` folded into one multiply.
+- Quantized KV (int8 / float8_e4m3fn codes, fp32 scale per (token, KV head) in
+  ``[num_pages, page_size, Hk]``, see ``ops/kv_cache/quant.py``): tiles load as 1-byte codes (half the
+  DRAM traffic of bf16) and convert to q's dtype in registers; the scales never touch the D axis.
+  ``q . (c_j s_j) = s_j (q . c_j)`` scales the score columns, and ``sum_j p_j s_j c_j`` folds the V
+  scale into ``p`` before the PV dot. int8 codes are exact in bf16/fp16. FP8 uses Triton's e4m3
+  conversion where the GPU has it (sm89+); elsewhere the byte is reinterpreted as an fp16 bit
+  pattern, ``(x & 0x80) << 8 | (x & 0x7F) << 7`` = value * 2**-8 (exact, subnormals included; the
+  same trick as ``quant/triton_wo.py``), with the 2**8 folded into the scales.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infercore.devices import register, triton_interpreter
+from infercore.devices import capability, register, triton_interpreter
 
 _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -44,9 +52,10 @@ TUNING = {
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, seq_lens_ptr, bt_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
-    qk_scale, scale, softcap, window,
+    q_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, seq_lens_ptr, bt_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    qk_scale, scale, softcap, window, code_scale,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_ksp, stride_kss, stride_vsp, stride_vss,
     stride_bt, stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     GROUP,
     HEAD_DIM: tl.constexpr,
@@ -58,6 +67,7 @@ def _decode_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_MODE: tl.constexpr,  # 0 float cache, 1 int8, 2 fp8 (native convert), 3 fp8 bytes (emulated)
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -81,7 +91,9 @@ def _decode_kernel(
         q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
         mask=gmask[:, None] & dmask[None, :],
         other=0.0,
-    ).to(kc_ptr.dtype.element_ty)
+    )
+    if KV_MODE == 0:
+        q = q.to(kc_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -95,9 +107,23 @@ def _decode_kernel(
         kvmask = nmask[:, None] & dmask[None, :]
         k_rows = page * stride_kp + row * stride_ks + kvh * stride_kh
         v_rows = page * stride_vp + row * stride_vs + kvh * stride_vh
-        k = tl.load(kc_ptr + k_rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
-        v = tl.load(vc_ptr + v_rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+        if KV_MODE == 0:
+            k = tl.load(kc_ptr + k_rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+            v = tl.load(vc_ptr + v_rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+        else:
+            k = tl.load(kc_ptr + k_rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+            v = tl.load(vc_ptr + v_rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+            if KV_MODE == 3:
+                k = _e4m3_bytes_to_f16(k)
+                v = _e4m3_bytes_to_f16(v)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+            # Masked keys get scale 0: their scores are replaced by -inf below, their p by 0.
+            k_sc = tl.load(ksc_ptr + page * stride_ksp + row * stride_kss + kvh, mask=nmask, other=0.0) * code_scale
+            v_sc = tl.load(vsc_ptr + page * stride_vsp + row * stride_vss + kvh, mask=nmask, other=0.0) * code_scale
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if KV_MODE != 0:
+            s = s * k_sc[None, :]
         if HAS_SOFTCAP:
             # softcap * tanh(x / softcap), tanh(z) = 2 sigmoid(2z) - 1 (no libdevice needed).
             s = softcap * (2.0 * tl.sigmoid(2.0 * (s * scale) / softcap) - 1.0) * _LOG2E
@@ -108,7 +134,11 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        if KV_MODE == 0:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        else:
+            pv = p * v_sc[None, :]
+            acc = tl.dot(pv.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
     # Empty ranges (padding rows with seq_len 0, or a split past the end) produce zeros / lse -inf.
@@ -123,6 +153,13 @@ def _decode_kernel(
         tl.store(mid_o_ptr + base + heads[:, None] * stride_mh + offs_d[None, :], o, mask=omask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(mid_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=gmask)
+
+
+@triton.jit
+def _e4m3_bytes_to_f16(c):
+    """uint8 e4m3 bytes -> fp16 equal to the e4m3 value times 2**-8 (exact, no FP8 instruction)."""
+    x = c.to(tl.int16)
+    return (((x & 0x80) << 8) | ((x & 0x7F) << 7)).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -166,6 +203,10 @@ def _pick_splits(batch: int, kv_heads: int, max_ctx: int, device: torch.device) 
     return int(max(1, min(want, cap, 64)))
 
 
+def _scale_strides(s: torch.Tensor, kv_mode: int) -> tuple[int, int]:
+    return (s.stride(0), s.stride(1)) if kv_mode else (0, 0)
+
+
 def paged_attention_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -176,12 +217,18 @@ def paged_attention_decode(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
+    fp8_emulation: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache; see the module docstring for layouts.
 
-    ``num_splits`` overrides the split-K factor (default: chosen from static shapes only).
-    Returns ``[B, Hq, D]`` in ``q.dtype``; sequences with ``seq_lens == 0`` get zeros.
+    ``k_scale``/``v_scale`` fp32 ``[num_pages, page_size, Hk]`` are required for int8 /
+    float8_e4m3fn caches. ``num_splits`` overrides the split-K factor (default: chosen from static
+    shapes only); ``fp8_emulation`` forces (True) or forbids (False) the bit-trick FP8 decode
+    (default: emulate where the GPU lacks native FP8). Returns ``[B, Hq, D]`` in ``q.dtype``;
+    sequences with ``seq_lens == 0`` get zeros.
     """
     B, Hq, D = q.shape
     page_size, Hk = k_cache.shape[1], k_cache.shape[2]
@@ -206,23 +253,39 @@ def paged_attention_decode(
     else:
         mid_o = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
         mid_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
-    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    kv_mode, code_scale = 0, 1.0
+    if k_cache.dtype in (torch.int8, torch.float8_e4m3fn):
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"paged_attention_decode: a {k_cache.dtype} cache needs k_scale/v_scale")
+        kv_mode = 1
+        if k_cache.dtype == torch.float8_e4m3fn:
+            if fp8_emulation is None:
+                fp8_emulation = q.device.type == "cuda" and not capability(q.device).native_fp8
+            kv_mode = 3 if fp8_emulation else 2
+            if fp8_emulation:
+                k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+                code_scale = 256.0  # the fp16 bit pattern is the e4m3 value times 2**-8
+    else:
+        k_scale = v_scale = seq_lens  # unused pointers
+    dot_dtype = q.dtype if kv_mode else k_cache.dtype
+    precision = "ieee" if dot_dtype == torch.float32 else "tf32"
     stages = TUNING["num_stages"]
     # Keep the pipelined K/V tiles within shared memory for wide heads or fp32 caches.
     while stages > 1 and 2 * stages * block_n * block_d * k_cache.element_size() > 160 * 1024:
         stages -= 1
     extra = {} if interp else {"num_warps": TUNING["num_warps"], "num_stages": stages}
     _decode_kernel[(B, Hk, num_splits)](
-        q, k_cache, v_cache, seq_lens, block_table, out, mid_o, mid_lse,
-        scale * _LOG2E.value, scale, softcap or 1.0, sliding_window or 0,
+        q, k_cache, v_cache, k_scale, v_scale, seq_lens, block_table, out, mid_o, mid_lse,
+        scale * _LOG2E.value, scale, softcap or 1.0, sliding_window or 0, code_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *_scale_strides(k_scale, kv_mode), *_scale_strides(v_scale, kv_mode), block_table.stride(0),
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         group, D,
         PAGE=page_size, NUM_SPLITS=num_splits, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        DOT_PRECISION=precision, **extra,
+        DOT_PRECISION=precision, KV_MODE=kv_mode, **extra,
     )  # fmt: skip
     if num_splits > 1:
         _merge_kernel[(B, Hq)](

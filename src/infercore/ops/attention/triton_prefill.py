@@ -8,8 +8,11 @@ positions (everything before them is a cached prefix, so chunked prefill needs n
 Flash-attention forward: one program owns ``BLOCK_M`` queries of one (sequence, query head), streams
 ``BLOCK_N``-key tiles gathered through the block table, and keeps an fp32 online softmax (base 2,
 scale folded into one multiply). The key loop is split in two: tiles entirely below the first query
-of the block need no mask, only the diagonal band pays for causal/window masking. Programs walk the
-query blocks last-first so the longest (causal) ones start early and the tail stays short.
+of the block need no mask, only the diagonal band pays for causal/window masking. The grid puts
+(sequence, head) on the fast axis and walks query blocks last-first, so every head's longest (causal)
+block starts in the first wave and the tail holds only short ones. Per-key cache offsets are int32 when
+the cache allows it (the KV head goes into the base pointer). Optional variants (hand-pipelined QK^T,
+warp specialization) are switched by the config; see ``_VARIANT_DEFAULTS``.
 """
 
 from __future__ import annotations
@@ -22,39 +25,64 @@ from infercore.devices import register, triton_interpreter
 
 _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
-# Tuning knobs per head-dim bucket (H200, bf16); `benchmarks/bench_ops.py --sweep prefill` explores the
-# D=128 one (128x128 tiles, 8 warps, 3 stages measured best of 6 configs, 2026-11-30).
+# Tuning knobs per head-dim bucket (H200, bf16); `benchmarks/sweep_prefill_attn.py` explores the D=128
+# one. Besides tile sizes, a config may carry the kernel variant switches (see `_VARIANT_DEFAULTS`).
 TUNING = {
     64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
     128: {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
     256: {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2},
 }
 
+# Variant switches (each a constexpr of the kernel):
+#   heads_fast   grid axis 0 = (sequence, head) and axis 1 = query block, heaviest block first: every
+#                head's longest causal block is issued in the first wave, so the tail holds only short
+#                blocks (with the block axis fastest, the last head's long blocks were issued last).
+#   pipe_qk      software-pipeline the interior loop by hand: S = Q K^T of tile j+1 is issued before the
+#                softmax of tile j, so the async wgmma can overlap the exp2s (FA3's intra-warpgroup
+#                overlap). Costs a second S tile of registers: pair it with block_n 64.
+#   warp_spec    `tl.range(..., warp_specialize=True)` on the interior loop (producer/consumer warps);
+#                only some Triton builds accept it for pointer (non-TMA) loads, so it stays opt-in.
+_VARIANT_DEFAULTS = {"heads_fast": True, "pipe_qk": False, "warp_spec": False}
+
 
 @triton.jit
-def _tile(
-    acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
-    stride_kp, stride_ks, stride_vp, stride_vs, k_head, v_head,
-    qk_scale, scale, softcap, window,
-    PAGE: tl.constexpr,
-    MASKED: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+def _kv_rows(bt_row, j0, offs_n, seq_len, PAGE: tl.constexpr, MASKED: tl.constexpr, OFF64: tl.constexpr):
+    """Key positions of the tile at ``j0``, their validity, and (page, row-in-page) of each key."""
     kpos = j0 + offs_n
+    nmask = kpos < seq_len
     if MASKED:
-        nmask = kpos < seq_len
-        page = tl.load(bt_row + kpos // PAGE, mask=nmask, other=0).to(tl.int64)
-        kvmask = nmask[:, None] & dmask[None, :]
+        page = tl.load(bt_row + kpos // PAGE, mask=nmask, other=0)
     else:
-        # Interior tiles lie entirely below seq_len: no key mask (and dmask folds away when
-        # HEAD_DIM == BLOCK_D), so the loads carry no per-element predicate.
-        page = tl.load(bt_row + kpos // PAGE).to(tl.int64)
-        kvmask = dmask[None, :]
-    row = kpos % PAGE
-    k = tl.load(kc_ptr + (page * stride_kp + row * stride_ks + k_head)[:, None] + offs_d[None, :],
-                mask=kvmask, other=0.0)  # fmt: skip
+        page = tl.load(bt_row + kpos // PAGE)
+    if OFF64:
+        page = page.to(tl.int64)
+    return kpos, nmask, page, kpos % PAGE
+
+
+@triton.jit
+def _load_kv(c_ptr, page, row, stride_p, stride_s, offs_d, nmask, dmask,
+             MASKED: tl.constexpr, EVEN_D: tl.constexpr):  # fmt: skip
+    # c_ptr already points at this KV head. Interior tiles lie below seq_len and, with EVEN_D, the loads
+    # carry no predicate at all.
+    ptrs = c_ptr + (page * stride_p + row * stride_s)[:, None] + offs_d[None, :]
+    if MASKED:
+        if EVEN_D:
+            t = tl.load(ptrs, mask=nmask[:, None], other=0.0)
+        else:
+            t = tl.load(ptrs, mask=nmask[:, None] & dmask[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            t = tl.load(ptrs)
+        else:
+            t = tl.load(ptrs, mask=dmask[None, :], other=0.0)
+    return t
+
+
+@triton.jit
+def _scores(q, k, kpos, nmask, q_pos, scale, softcap, window,
+            MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """Raw scores ``q k^T``; with softcap already capped and in log2 units, masked with -inf."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if HAS_SOFTCAP:
         s = softcap * (2.0 * tl.sigmoid(2.0 * (s * scale) / softcap) - 1.0) * _LOG2E
@@ -63,6 +91,13 @@ def _tile(
         if HAS_WINDOW:
             visible = visible & (kpos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _softmax_pv(acc, l_i, m_i, s, v, qk_scale,
+                MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """Online-softmax update of (acc, l, m) with the score tile ``s`` and its value tile ``v``."""
     if HAS_SOFTCAP:
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
     else:
@@ -77,12 +112,22 @@ def _tile(
         p = tl.exp2(s - m_new[:, None])
     else:
         p = tl.exp2(s * qk_scale - m_new[:, None])
-    v = tl.load(vc_ptr + (page * stride_vp + row * stride_vs + v_head)[:, None] + offs_d[None, :],
-                mask=kvmask, other=0.0)  # fmt: skip
     l_i = l_i * alpha + tl.sum(p, axis=1)
     # Accumulating inside the dot lets the MMA read the rescaled accumulator directly.
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, l_i, m_new
+
+
+@triton.jit
+def _tile(acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
+          stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, scale, softcap, window,
+          PAGE: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+          DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr, OFF64: tl.constexpr):  # fmt: skip
+    kpos, nmask, page, row = _kv_rows(bt_row, j0, offs_n, seq_len, PAGE, MASKED, OFF64)
+    k = _load_kv(kc_ptr, page, row, stride_kp, stride_ks, offs_d, nmask, dmask, MASKED, EVEN_D)
+    s = _scores(q, k, kpos, nmask, q_pos, scale, softcap, window, MASKED, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION)
+    v = _load_kv(vc_ptr, page, row, stride_vp, stride_vs, offs_d, nmask, dmask, MASKED, EVEN_D)
+    return _softmax_pv(acc, l_i, m_i, s, v, qk_scale, MASKED, HAS_SOFTCAP, DOT_PRECISION)
 
 
 @triton.jit
@@ -91,7 +136,7 @@ def _prefill_kernel(
     qk_scale, scale, softcap, window,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_ot, stride_oh,
-    GROUP,
+    NUM_HEADS, GROUP,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -100,10 +145,19 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    OFF64: tl.constexpr,
+    HEADS_FAST: tl.constexpr,
+    PIPE_QK: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+    if HEADS_FAST:
+        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+        h = tl.program_id(0) % NUM_HEADS
+        b = tl.program_id(0) // NUM_HEADS
+    else:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
     q_start = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_start
     if pid_m * BLOCK_M >= q_len:
@@ -111,6 +165,7 @@ def _prefill_kernel(
     seq_len = tl.load(seq_lens_ptr + b)
     ctx = seq_len - q_len  # position of the first query of this sequence
     kvh = h // GROUP
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -126,34 +181,60 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    k_head = kvh.to(tl.int64) * stride_kh
-    v_head = kvh.to(tl.int64) * stride_vh
+    # The KV head offset goes into the base pointer once, so the per-key offsets can stay int32
+    # (OFF64 is off whenever the whole cache has fewer than 2**31 elements).
+    kc_ptr += kvh.to(tl.int64) * stride_kh
+    vc_ptr += kvh.to(tl.int64) * stride_vh
 
     first_q = ctx + pid_m * BLOCK_M
     hi = tl.minimum(first_q + BLOCK_M, seq_len)  # one past the last query position of the block
     if HAS_WINDOW:
         lo = tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N
-        for j0 in range(lo, hi, BLOCK_N):
-            acc, l_i, m_i = _tile(
-                acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
-                stride_kp, stride_ks, stride_vp, stride_vs, k_head, v_head, qk_scale, scale, softcap, window,
-                PAGE, True, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION,
-            )  # fmt: skip
+        mid = lo
     else:
         # Keys < first_q + 1 are visible to every query of the block: no mask needed there.
         mid = (first_q + 1) // BLOCK_N * BLOCK_N
-        for j0 in range(0, mid, BLOCK_N):
-            acc, l_i, m_i = _tile(
-                acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
-                stride_kp, stride_ks, stride_vp, stride_vs, k_head, v_head, qk_scale, scale, softcap, window,
-                PAGE, False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION,
-            )  # fmt: skip
-        for j0 in range(mid, hi, BLOCK_N):
-            acc, l_i, m_i = _tile(
-                acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
-                stride_kp, stride_ks, stride_vp, stride_vs, k_head, v_head, qk_scale, scale, softcap, window,
-                PAGE, True, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION,
-            )  # fmt: skip
+        if PIPE_QK:
+            if mid > 0:
+                kpos, nmask, page, row = _kv_rows(bt_row, 0, offs_n, seq_len, PAGE, False, OFF64)
+                k = _load_kv(kc_ptr, page, row, stride_kp, stride_ks, offs_d, nmask, dmask, False, EVEN_D)
+                s = _scores(q, k, kpos, nmask, q_pos, scale, softcap, window, False, HAS_WINDOW, HAS_SOFTCAP,
+                            DOT_PRECISION)  # fmt: skip
+                for j0 in range(BLOCK_N, mid, BLOCK_N):
+                    # Issue the next tile's QK^T before this tile's softmax; V addresses are recomputed
+                    # from the induction variable so the pipeliner can still prefetch them.
+                    kpos, nmask, page, row = _kv_rows(bt_row, j0, offs_n, seq_len, PAGE, False, OFF64)
+                    k = _load_kv(kc_ptr, page, row, stride_kp, stride_ks, offs_d, nmask, dmask, False, EVEN_D)
+                    s_next = _scores(q, k, kpos, nmask, q_pos, scale, softcap, window, False, HAS_WINDOW,
+                                     HAS_SOFTCAP, DOT_PRECISION)  # fmt: skip
+                    kpos, nmask, page, row = _kv_rows(bt_row, j0 - BLOCK_N, offs_n, seq_len, PAGE, False, OFF64)
+                    v = _load_kv(vc_ptr, page, row, stride_vp, stride_vs, offs_d, nmask, dmask, False, EVEN_D)
+                    acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, s, v, qk_scale, False, HAS_SOFTCAP, DOT_PRECISION)
+                    s = s_next
+                kpos, nmask, page, row = _kv_rows(bt_row, mid - BLOCK_N, offs_n, seq_len, PAGE, False, OFF64)
+                v = _load_kv(vc_ptr, page, row, stride_vp, stride_vs, offs_d, nmask, dmask, False, EVEN_D)
+                acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, s, v, qk_scale, False, HAS_SOFTCAP, DOT_PRECISION)
+        elif WARP_SPEC:
+            for j0 in tl.range(0, mid, BLOCK_N, warp_specialize=True):
+                acc, l_i, m_i = _tile(
+                    acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
+                    stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, scale, softcap, window,
+                    PAGE, False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, OFF64,
+                )  # fmt: skip
+        else:
+            for j0 in range(0, mid, BLOCK_N):
+                acc, l_i, m_i = _tile(
+                    acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
+                    stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, scale, softcap, window,
+                    PAGE, False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, OFF64,
+                )  # fmt: skip
+    # The diagonal band (and, with a window, every tile) pays for the causal/window/length masks.
+    for j0 in range(mid, hi, BLOCK_N):
+        acc, l_i, m_i = _tile(
+            acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
+            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, scale, softcap, window,
+            PAGE, True, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, OFF64,
+        )  # fmt: skip
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -198,7 +279,6 @@ def paged_attention_prefill(
     sync, so pass it inside CUDA graphs). Returns ``[T, Hq, D]`` in ``q.dtype``.
     """
     T, Hq, D = q.shape
-    page_size, Hk = k_cache.shape[1], k_cache.shape[2]
     # Any page size works (pages are looked up per key); powers of two make // and % shifts.
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache/v_cache: the head_dim axis must be contiguous")
@@ -215,25 +295,55 @@ def paged_attention_prefill(
     block_d = max(triton.next_power_of_2(D), 16)
     if triton_interpreter():
         cfg = {"block_m": 16, "block_n": 16}
-        extra = {}
     else:
         cfg = _fit_shared_memory(dict(TUNING[min(max(block_d, 64), 256)]), block_d, k_cache.element_size())
-        extra = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    _launch(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, softcap,
+            max_seqlen_q, cfg)  # fmt: skip
+    return out
+
+
+def _launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    max_seqlen_q: int,
+    cfg: dict,
+) -> None:
+    """Launch the kernel with an explicit config: ``block_m``, ``block_n`` and optionally ``num_warps``,
+    ``num_stages``, the variant switches of ``_VARIANT_DEFAULTS`` and ``off64`` (force int64 key offsets;
+    the sweep and the variant tests call this directly)."""
+    Hq, D = q.shape[1], q.shape[2]
+    page_size, Hk = k_cache.shape[1], k_cache.shape[2]
+    B = seq_lens.shape[0]
+    var = {**_VARIANT_DEFAULTS, **{k: v for k, v in cfg.items() if k in _VARIANT_DEFAULTS}}
+    extra = {k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg}
     block_m = cfg["block_m"]
+    n_m = triton.cdiv(max_seqlen_q, block_m)
+    grid = (B * Hq, n_m) if var["heads_fast"] else (n_m, Hq, B)
+    # int32 key offsets are exact when the farthest element of each cache is (strides, not numel: a
+    # cache may be a view into a larger buffer).
+    span = lambda t: sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+    off64 = cfg.get("off64", False) or max(span(k_cache), span(v_cache)) >= 2**31
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
-    grid = (triton.cdiv(max_seqlen_q, block_m), Hq, B)
     _prefill_kernel[grid](
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, out,
         scale * _LOG2E.value, scale, softcap or 1.0, sliding_window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1),
-        Hq // Hk, D,
-        PAGE=page_size, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_D=block_d,
+        Hq, Hq // Hk, D,
+        PAGE=page_size, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_D=triton.next_power_of_2(max(D, 16)),
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        DOT_PRECISION=precision, **extra,
+        DOT_PRECISION=precision, OFF64=off64, HEADS_FAST=var["heads_fast"], PIPE_QK=var["pipe_qk"],
+        WARP_SPEC=var["warp_spec"], **extra,
     )  # fmt: skip
-    return out
 
 
 register(

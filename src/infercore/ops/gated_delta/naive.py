@@ -87,7 +87,7 @@ def chunk_gated_delta_rule(
     q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1) for x in (q, k, v))
     g, beta = (torch.nn.functional.pad(x, (0, 0, 0, pad)).transpose(0, 1) for x in (g, beta))
     n = (L + pad) // C
-    q, k, v = (x.reshape(H, n, C, -1) for x in (q, k, v))
+    q, k, v = (x.reshape(H, n, C, x.shape[-1]) for x in (q, k, v))  # explicit: n may be 0
     g, beta = g.reshape(H, n, C), beta.reshape(H, n, C)
     gc = g.cumsum(-1)  # log decay from the chunk start through position i
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()

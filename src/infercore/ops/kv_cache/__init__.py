@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
+
 import torch
 
-from ...devices import dispatch, register
+from ...devices import dispatch, implementation, register
 from .. import _validate as V
 from .naive import write_kv_cache_ref
+from .quant import check_kv_scales, dequantize_paged_kv, is_quantized_kv
 
-__all__ = ["write_kv_cache_"]
+__all__ = ["dequantize_paged_kv", "is_quantized_kv", "scale_aware", "write_kv_cache_"]
 
 
 def write_kv_cache_(
@@ -17,14 +22,20 @@ def write_kv_cache_(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Store token ``t``'s key/value at flat slot ``slot_mapping[t]`` of the caches, in place.
 
     Args:
         k, v: ``[T, Hk, D]`` fp32/fp16/bf16.
-        k_cache, v_cache: ``[num_pages, page_size, Hk, D]``, contiguous; values are cast to their dtype.
+        k_cache, v_cache: ``[num_pages, page_size, Hk, D]``, contiguous; values are cast to their dtype,
+            or, for int8 / float8_e4m3fn caches, quantized (see ``ops/kv_cache/quant.py``).
         slot_mapping: ``[T]`` int32; ``slot = page * page_size + offset_in_page``, ``-1`` skips the token.
             Slots must be distinct (duplicate slots give an unspecified winner).
+        k_scale, v_scale: fp32 ``[num_pages, page_size, Hk]``, required exactly when the caches are
+            int8/fp8; each written token gets ``scale = amax_D |x| / qmax`` per head.
     """
     op = "write_kv_cache_"
     V.floating(op, "k", k)
@@ -34,8 +45,8 @@ def write_kv_cache_(
         raise ValueError(f"{op}: v has shape {tuple(v.shape)} but k has {tuple(k.shape)}")
     V.tensor(op, "k_cache", k_cache)
     V.tensor(op, "v_cache", v_cache)
-    if not k_cache.is_floating_point():
-        raise TypeError(f"{op}: k_cache must be a floating tensor, got {k_cache.dtype}")
+    if not (k_cache.is_floating_point() or is_quantized_kv(k_cache.dtype)):
+        raise TypeError(f"{op}: k_cache must be a floating, int8 or float8_e4m3fn tensor, got {k_cache.dtype}")
     V.ndim(op, "k_cache", k_cache, 4, "[num_pages, page_size, kv_heads, head_dim]")
     if k_cache.shape[2:] != k.shape[1:]:
         raise ValueError(
@@ -55,7 +66,30 @@ def write_kv_cache_(
             f"{op}: slot_mapping has {slot_mapping.shape[0]} entries but k has {k.shape[0]} tokens"
         )
     V.same_device(op, "k", k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
-    dispatch(op, k.device)(k, v, k_cache, v_cache, slot_mapping)
+    if check_kv_scales(op, k_cache, v_cache, k_scale, v_scale):
+        scale_aware(op, k.device)(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    else:
+        dispatch(op, k.device)(k, v, k_cache, v_cache, slot_mapping)
+
+
+@functools.cache
+def _takes_scales(fn: Callable) -> bool:
+    try:
+        return "k_scale" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def scale_aware(op: str, device: torch.device | str) -> Callable:
+    """The implementation of ``op`` that :func:`~infercore.devices.dispatch` picks, or the reference
+    when that one takes no ``k_scale``/``v_scale`` (an implementation written before quantized KV).
+
+    For ops over quantized caches (``write_kv_cache_``, ``rope_and_write_kv``,
+    ``paged_attention_decode``): a fast path that cannot read scales falls back to the reference
+    rather than misreading codes.
+    """
+    fn = dispatch(op, device)
+    return fn if _takes_scales(fn) else implementation(op, "reference")
 
 
 register("write_kv_cache_", "reference", write_kv_cache_ref)

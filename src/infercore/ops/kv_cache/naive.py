@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .quant import write_kv_cache_quantized_ref
+
 
 def write_kv_cache_ref(
     k: torch.Tensor,
@@ -11,7 +13,14 @@ def write_kv_cache_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
+    if k_scale is not None:
+        # int8 / fp8 cache: quantize on write, one fp32 scale per (token, head) beside the codes.
+        write_kv_cache_quantized_ref(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+        return
     num_pages, page_size, hk, d = k_cache.shape
     # A view (not reshape) so the write lands in the caller's storage.
     k_flat = k_cache.view(num_pages * page_size, hk, d)

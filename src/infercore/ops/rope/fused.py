@@ -12,6 +12,8 @@ import torch
 from infercore.devices import dispatch, implementation, register
 
 from .. import _validate as V
+from ..kv_cache import scale_aware
+from ..kv_cache.quant import check_kv_scales, is_quantized_kv
 
 
 def rope_and_write_kv_cache_reference(
@@ -25,10 +27,16 @@ def rope_and_write_kv_cache_reference(
     slot_mapping: torch.Tensor,
     *,
     is_neox: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # Looked up at call time: the reference ops register when their packages are imported.
     q_rot, k_rot = implementation("apply_rope", "reference")(q, k, positions, cos_sin_cache, is_neox=is_neox)
-    implementation("write_kv_cache_", "reference")(k_rot, v, k_cache, v_cache, slot_mapping)
+    write = implementation("write_kv_cache_", "reference")
+    if k_scale is None:
+        write(k_rot, v, k_cache, v_cache, slot_mapping)
+    else:
+        write(k_rot, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     return q_rot
 
 
@@ -43,12 +51,16 @@ def rope_and_write_kv_cache_(
     slot_mapping: torch.Tensor,
     *,
     is_neox: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q/k by RoPE and write the rotated k and v into the paged caches in place.
 
     q ``[T, Hq, D]``, k/v ``[T, Hk, D]`` (one dtype), ``positions`` int32/int64 ``[T]``,
     ``cos_sin_cache`` ``[max_positions, rotary_dim]`` (cos | sin halves), caches
     ``[num_pages, page_size, Hk, D]``, ``slot_mapping`` int32 ``[T]`` (``-1`` = skip the write).
+    int8 / float8_e4m3fn caches take fp32 ``k_scale``/``v_scale`` ``[num_pages, page_size, Hk]`` and
+    are quantized on write (the rotated k is rounded to k's dtype first, as the unfused ops would).
     Returns the rotated q ``[T, Hq, D]`` (a new tensor).
     """
     op = "rope_and_write_kv_cache_"
@@ -63,7 +75,8 @@ def rope_and_write_kv_cache_(
     T, _, D = q.shape
     if k.shape[0] != T or k.shape[2] != D:
         raise ValueError(f"{op}: k has shape {tuple(k.shape)}, incompatible with q {tuple(q.shape)}")
-    V.floating(op, "k_cache", k_cache)
+    if not (k_cache.is_floating_point() or is_quantized_kv(k_cache.dtype)):
+        raise TypeError(f"{op}: k_cache must be a floating, int8 or float8_e4m3fn tensor, got {k_cache.dtype}")
     V.ndim(op, "k_cache", k_cache, 4, "[num_pages, page_size, kv_heads, head_dim]")
     if k_cache.shape[2:] != k.shape[1:]:
         raise ValueError(f"{op}: k_cache heads/head_dim {tuple(k_cache.shape[2:])} != k {tuple(k.shape[1:])}")
@@ -86,6 +99,10 @@ def rope_and_write_kv_cache_(
         raise ValueError(f"{op}: cos_sin_cache rotary_dim {rd} must be even and <= head_dim {D}")
     V.same_device(op, "q", q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, positions=positions,
                   slot_mapping=slot_mapping, cos_sin_cache=cos_sin_cache)  # fmt: skip
+    if check_kv_scales(op, k_cache, v_cache, k_scale, v_scale):
+        fn = scale_aware("rope_and_write_kv", q.device)
+        return fn(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=bool(is_neox),
+                  k_scale=k_scale, v_scale=v_scale)  # fmt: skip
     fn = dispatch("rope_and_write_kv", q.device)
     return fn(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=bool(is_neox))
 

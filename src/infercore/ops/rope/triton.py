@@ -18,6 +18,8 @@ import triton.language as tl
 
 from infercore.devices import register
 
+from ..kv_cache.quant import write_kv_cache_quantized_ref
+from ..kv_cache.triton import QUANT_FP8, QUANT_NONE, native_fp8_store, quant_mode, quantize_rows
 from .fused import rope_and_write_kv_cache_reference  # noqa: F401  (registers the reference)
 
 
@@ -34,13 +36,15 @@ def _rotate_heads(x_ptr, stride_h, H, D, offs_h, offs_d, partner, rot, sign, cos
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, qo_ptr, ko_ptr, kc_ptr, vc_ptr, slot_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, qo_ptr, ko_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr,
     Hq, Hk, D, ROT, PAGE,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
     stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
+    stride_ksp, stride_kss, stride_vsp, stride_vss,
     IS_NEOX: tl.constexpr,
     WRITE_CACHE: tl.constexpr,
+    QUANT: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -85,8 +89,8 @@ def _rope_kernel(
                 + offs_hk[:, None] * stride_kch
                 + offs_d[None, :]
             )
-            tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=kmask)
-            v = tl.load(v_ptr + t * stride_vt + offs_hk[:, None] * stride_vh + offs_d[None, :], mask=kmask)
+            v = tl.load(v_ptr + t * stride_vt + offs_hk[:, None] * stride_vh + offs_d[None, :], mask=kmask,
+                        other=0.0)  # fmt: skip
             vc = (
                 vc_ptr
                 + page * stride_vcp
@@ -94,7 +98,20 @@ def _rope_kernel(
                 + offs_hk[:, None] * stride_vch
                 + offs_d[None, :]
             )
-            tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=kmask)
+            if QUANT == 0:
+                tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=kmask)
+                tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=kmask)
+            else:
+                # Quantize the k the unfused ops would write (rounded to k's dtype), so codes and
+                # scales match the reference composition.
+                kr = k.to(k_ptr.dtype.element_ty).to(tl.float32)
+                kq, ks = quantize_rows(tl.where(kmask, kr, 0.0), QUANT)
+                vq, vs = quantize_rows(v.to(tl.float32), QUANT)
+                hmask = offs_hk < Hk
+                tl.store(kc, kq.to(kc_ptr.dtype.element_ty), mask=kmask)
+                tl.store(vc, vq.to(vc_ptr.dtype.element_ty), mask=kmask)
+                tl.store(ks_ptr + page * stride_ksp + off * stride_kss + offs_hk, ks, mask=hmask)
+                tl.store(vs_ptr + page * stride_vsp + off * stride_vss + offs_hk, vs, mask=hmask)
     else:
         ko = ko_ptr + t * stride_kot + offs_hk[:, None] * stride_koh + offs_d[None, :]
         tl.store(ko, k.to(ko_ptr.dtype.element_ty), mask=kmask)
@@ -104,7 +121,7 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox):
+def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox, k_scale=None, v_scale=None):
     T, Hq, D = q.shape
     Hk = k.shape[1]
     rot = cos_sin_cache.shape[-1]
@@ -113,6 +130,10 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, i
     positions = positions.contiguous()
     q_out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
     write = k_cache is not None
+    mode = quant_mode(k_cache.dtype) if write else QUANT_NONE
+    if mode != QUANT_NONE and k_scale is None:
+        raise ValueError(f"rope_and_write_kv_cache_: a {k_cache.dtype} cache needs k_scale/v_scale")
+    ks, vs = (k_scale, v_scale) if mode else (q_out, q_out)  # unused pointers when not quantized
     if write:
         if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
             raise ValueError("k_cache/v_cache: the head_dim axis must be contiguous")
@@ -125,13 +146,14 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, i
         ko, kc, vc, slots, vv = k_out, k_out, k_out, positions, k  # cache args unused
     if T > 0:
         _rope_kernel[(T,)](
-            q, k, vv, positions, cos_sin_cache, q_out, ko, kc, vc, slots,
+            q, k, vv, positions, cos_sin_cache, q_out, ko, kc, vc, ks, vs, slots,
             Hq, Hk, D, rot, kc.shape[1] if write else 1,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
             q_out.stride(0), q_out.stride(1), ko.stride(0), ko.stride(1), cos_sin_cache.stride(0),
             kc.stride(0), kc.stride(1), kc.stride(2) if write else 0,
             vc.stride(0), vc.stride(1), vc.stride(2) if write else 0,
-            IS_NEOX=bool(is_neox), WRITE_CACHE=write,
+            ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
+            IS_NEOX=bool(is_neox), WRITE_CACHE=write, QUANT=mode,
             BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HK=triton.next_power_of_2(Hk),
             BLOCK_D=triton.next_power_of_2(D), num_warps=4,
         )  # fmt: skip
@@ -161,13 +183,21 @@ def rope_and_write_kv_cache_(
     slot_mapping: torch.Tensor,
     *,
     is_neox: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q and k, write rotated k and v into the paged caches; returns the rotated q.
 
     q ``[T, Hq, D]``, k/v ``[T, Hk, D]``, caches ``[P, page_size, Hk, D]``, ``slot_mapping`` int32
-    ``[T]`` (``-1`` skips the cache write of that token; its q is still rotated).
+    ``[T]`` (``-1`` skips the cache write of that token; its q is still rotated). int8 /
+    float8_e4m3fn caches are quantized on write with fp32 ``k_scale``/``v_scale`` ``[P, page_size, Hk]``.
     """
-    return _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox)[0]
+    if quant_mode(k_cache.dtype) == QUANT_FP8 and not native_fp8_store(q.device):
+        # No e4m3 conversion in Triton before sm89: rotate here, quantize with torch.
+        q_rot, k_rot = _launch(q, k, None, positions, cos_sin_cache, None, None, None, is_neox)
+        write_kv_cache_quantized_ref(k_rot, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+        return q_rot
+    return _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox, k_scale, v_scale)[0]
 
 
 _available = lambda cap: cap.is_cuda and cap.triton

@@ -1,0 +1,265 @@
+"""Weight-only quantized small-M sweep: W4A16 g128 and emulated FP8 kernels x configs vs peers.
+
+For the Llama-3.1-8B linear shapes and decode M (W4A16: 1, 2, 4, 8, 16; FP8 weight-only: 1, 16),
+every config of ``triton_wo``'s small-M kernels is first checked against ``dequantize()`` + an fp32
+matmul (relative error < 1e-2), then timed in a CUDA graph of many calls that rotates over enough
+weight copies (>= 256 MB, the H200 L2 is 60 MB) that weights stream from HBM as in decode.
+Peers in the same run, timed the same way: bf16 ``F.linear`` (cuBLAS), torch tinygemm INT4 g128
+(``_weight_int4pack_mm``); the floor is the bytes moved / the copy bandwidth measured here.
+A second stage re-times each best config with every split-K factor (no recompiles).
+
+    python benchmarks/sweep_quant_wo.py --out $OUT/sweep_quant_wo.json     # H200, <= ~3 min
+    python benchmarks/sweep_quant_wo.py --smoke --out /tmp/sq.json        # CPU interpreter, tiny
+
+The JSON holds every row, CONVENTIONS cases (best config per kernel/shape/M, effective TFLOP/s)
+and ``best``: ``"kind,N,K,M": {config, us, ...}``; ``table`` is the same as Python literal lines
+to paste into ``SMALL_M_TUNED`` in ``src/infercore/quant/triton_wo.py``.
+"""
+
+# ruff: noqa: B023  (closures are run inside the loop iteration that defines them)
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import case, write_results  # noqa: E402
+
+from infercore.quant import FP8Weight, IntWeight  # noqa: E402
+from infercore.quant import triton_wo as TW  # noqa: E402
+
+SHAPES = {"gate_up/2 (14336x4096)": (14336, 4096), "qkv (6144x4096)": (6144, 4096),
+          "o_proj (4096x4096)": (4096, 4096), "gate_up (28672x4096)": (28672, 4096),
+          "down (4096x14336)": (4096, 14336)}
+MS = {"int4": (1, 2, 4, 8, 16), "fp8": (1, 16)}
+WORKING_SET = 256 << 20
+
+
+def _c(mode, bn, bk, warps, stages):
+    return {"MODE": mode, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+
+
+# Candidate configs (SPLIT chosen by the kernel's heuristic, then refined in stage 2). int4 g128
+# caps BLOCK_K at the group (128 codes = 64 bytes per row per step).
+CONFIGS = {
+    ("int4", 1): [_c(0, 16, 128, 4, 3), _c(0, 32, 128, 4, 3), _c(0, 64, 128, 4, 3), _c(0, 32, 128, 8, 3),
+                  _c(0, 16, 128, 2, 4), _c(0, 32, 128, 4, 2), _c(2, 64, 128, 4, 3), _c(2, 128, 128, 8, 3),
+                  _c(1, 32, 128, 4, 3)],
+    ("int4", 2): [_c(0, 32, 128, 4, 3), _c(0, 16, 128, 4, 3)],
+    ("int4", 16): [_c(2, 64, 128, 4, 3), _c(2, 64, 128, 4, 4), _c(2, 128, 128, 8, 3), _c(2, 32, 128, 4, 3),
+                   _c(2, 64, 64, 4, 4), _c(1, 64, 128, 4, 3), _c(1, 32, 128, 4, 3)],
+    ("fp8", 1): [_c(0, 16, 256, 4, 3), _c(0, 32, 256, 4, 3), _c(0, 16, 512, 4, 3), _c(0, 8, 512, 4, 3),
+                 _c(0, 32, 128, 4, 3), _c(0, 16, 512, 8, 3), _c(2, 64, 128, 4, 3), _c(2, 64, 256, 8, 3)],
+    ("fp8", 16): [_c(2, 64, 128, 4, 3), _c(2, 64, 256, 4, 3), _c(2, 128, 128, 8, 3), _c(2, 32, 128, 4, 3),
+                  _c(2, 64, 128, 4, 4), _c(1, 64, 128, 4, 3), _c(1, 32, 256, 4, 3)],
+}
+SMOKE_CONFIGS = [_c(0, 16, 64, 4, 1), _c(1, 16, 64, 4, 1), _c(2, 16, 64, 4, 1)]
+
+
+def configs_for(kind: str, m: int, smoke: bool) -> list[dict]:
+    if smoke:
+        return SMOKE_CONFIGS
+    out = list(CONFIGS.get((kind, 16 if m > 1 else 1), []))
+    if kind == "int4" and m == 2:
+        out += CONFIGS[("int4", 2)]
+    return out
+
+
+def time_graph(calls, n_calls: int, reps: int = 7) -> float:
+    """Seconds per call: ``calls(i)`` captured ``n_calls`` times in one CUDA graph (median replay)."""
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(n_calls):
+            calls(i)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    del g
+    times.sort()
+    return times[len(times) // 2] / n_calls
+
+
+def time_eager(calls, n_calls: int) -> float:
+    t = time.perf_counter()
+    for i in range(n_calls):
+        calls(i)
+    return (time.perf_counter() - t) / n_calls
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
+    b = torch.empty_like(a)
+    t = time_graph(lambda i: b.copy_(a), 4)
+    return 2 * a.numel() / t
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def make_weights(kind: str, w: torch.Tensor, copies: int):
+    if kind == "int4":
+        q = IntWeight.quantize(w, bits=4, group_size=128, clip_search=False)
+        fn = TW.wq_matmul_triton
+    else:
+        q = FP8Weight.quantize(w)
+        fn = TW.fp8_wo_matmul_triton
+    qs = [q] + [dataclasses.replace(q, **{k: v.clone() for k, v in q.tensors().items()})
+                for _ in range(copies - 1)]
+    nbytes = sum(t.numel() * t.element_size() for t in q.tensors().values())
+    return q, qs, fn, nbytes
+
+
+def tinygemm_calls(n: int, k: int, copies: int, xs: torch.Tensor):
+    """tinygemm INT4 g128 (timing only: random codes and scales), one packed weight per copy."""
+    wps, szs = [], []
+    for _ in range(copies):
+        q = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.int32)
+        wps.append(torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 8))
+        szs.append(torch.rand(k // 128, n, 2, device="cuda", dtype=torch.bfloat16))
+    return lambda i: torch.ops.aten._weight_int4pack_mm(xs, wps[i % copies], 128, szs[i % copies])
+
+
+def main() -> None:  # noqa: C901 (one linear script)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter (checks the script)")
+    ap.add_argument("--budget-s", type=float, default=165.0, help="stop starting new configs after this")
+    ap.add_argument("--shapes", default="", help="comma-separated subset of shape names (default: all)")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    smoke = args.smoke
+    dev = "cpu" if smoke else "cuda"
+    act = torch.float16 if smoke else torch.bfloat16  # the interpreter cannot do bf16 math
+    shapes = {"tiny (48x256)": (48, 256)} if smoke else SHAPES
+    if args.shapes:
+        shapes = {k: v for k, v in shapes.items() if any(s in k for s in args.shapes.split(","))}
+    ms = {"int4": (1, 3), "fp8": (1, 3)} if smoke else MS
+    bw = 3.0e12 if smoke else copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    timer = (lambda c, n: time_eager(c, n)) if smoke else time_graph
+    rows, cases, best = [], [], {}
+    torch.manual_seed(0)
+
+    def over_budget() -> bool:
+        return time.perf_counter() - t_start > args.budget_s
+
+    for sname, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=dev) * 0.02
+        w16 = w.to(act)
+        copies_bf16 = 1 if smoke else max(1, math.ceil(WORKING_SET / (n * k * 2)))
+        w16s = [w16] + [w16.clone() for _ in range(copies_bf16 - 1)]
+        for kind in ("int4", "fp8"):
+            wb = n * k // 2 if kind == "int4" else n * k
+            copies = 1 if smoke else max(1, math.ceil(WORKING_SET / wb))
+            q, qs, fn, qbytes = make_weights(kind, w, copies)
+            wref = q.dequantize(torch.float32)
+            for m in ms[kind]:
+                x = torch.randn(m, k, device=dev).to(act)
+                ref = x.float() @ wref.T
+                io_bytes = (m * k + m * n) * 2
+                n_calls = max(copies, 24 if not smoke else 1)
+                n_calls = math.ceil(n_calls / copies) * copies
+                peers_us = {}
+                if not smoke:
+                    n16 = math.ceil(n_calls / copies_bf16) * copies_bf16
+                    peers_us["bf16 F.linear"] = timer(lambda i: F.linear(x, w16s[i % copies_bf16]), n16) * 1e6
+                    if kind == "int4":
+                        try:
+                            tg = tinygemm_calls(n, k, copies, x)
+                            peers_us["tinygemm int4"] = timer(tg, n_calls) * 1e6
+                        except Exception as e:  # noqa: BLE001
+                            print("tinygemm unavailable:", repr(e)[:160], flush=True)
+                floor_us = (qbytes + io_bytes) / bw * 1e6
+                key = f"{kind},{n},{k},{m}"
+                results = []  # (us, cfg)
+
+                def run_cfg(cfg, label):
+                    try:
+                        y = fn(x, q, config=cfg)
+                        err = rel_err(y, ref)
+                        if not err < 1e-2:
+                            raise RuntimeError(f"rel err {err:.3g}")
+                        us = timer(lambda i: fn(x, qs[i % copies], config=cfg), n_calls) * 1e6
+                    except Exception as e:  # noqa: BLE001
+                        msg = repr(e).splitlines()[0][:200] if str(e) else traceback.format_exc()[-200:]
+                        rows.append({"kind": kind, "shape": sname, "N": n, "K": k, "M": m, "config": cfg,
+                                     "label": label, "error": msg})
+                        print(f"  {key} {label} {cfg}: FAILED {msg}", flush=True)
+                        return None
+                    full = TW._small_cfg(kind, n, k, m, 128 if kind == "int4" else 1 << 30, x.device, cfg)
+                    rows.append({"kind": kind, "shape": sname, "N": n, "K": k, "M": m, "config": full,
+                                 "label": label, "us": us, "rel_err": err, "floor_us": floor_us,
+                                 "vs_bf16": peers_us.get("bf16 F.linear", float("nan")) / us})
+                    if cfg is not None:
+                        results.append((us, full))
+                    return us
+
+                default_us = run_cfg(None, "default")
+                for cfg in configs_for(kind, m, smoke):
+                    if over_budget():
+                        print("  budget reached: skipping remaining configs", flush=True)
+                        break
+                    run_cfg(cfg, "sweep")
+                if results:  # stage 2: split-K factors of the best tile (SPLIT is a runtime arg)
+                    us0, cfg0 = min(results, key=lambda r: r[0])
+                    for split in (1, 2, 4, 8, 16):
+                        if split != cfg0["SPLIT"] and k // split >= cfg0["BLOCK_K"] and not over_budget():
+                            run_cfg({**cfg0, "SPLIT": split}, "split")
+                if not results:
+                    continue
+                us, cfg = min(results, key=lambda r: r[0])
+                flops = 2 * m * n * k
+                tf = lambda t_us: flops / (t_us * 1e-6) / 1e12
+                peers = {name: tf(t) for name, t in peers_us.items()}
+                best[key] = {"config": cfg, "us": us, "default_us": default_us, "floor_us": floor_us,
+                             "peers_us": peers_us}
+                cases.append(case(f"{'W4A16 g128' if kind == 'int4' else 'FP8 weight-only emulated'} "
+                                  f"{sname} M={m}", metric="effective TFLOP/s", unit="TFLOP/s", ours=tf(us),
+                                  peers=peers, floor=tf(floor_us), ours_us=us, peers_us=peers_us,
+                                  floor_us=floor_us, default_config_us=default_us, config=cfg))
+                bf = peers_us.get("bf16 F.linear")
+                tg = peers_us.get("tinygemm int4")
+                print(f"{kind:4s} {sname:24s} M={m:2d} best {us:7.2f} us (default {default_us or float('nan'):7.2f})"
+                      f" bf16 {bf or float('nan'):7.2f} tinygemm {tg or float('nan'):7.2f} floor {floor_us:6.2f}"
+                      f" | x bf16 {(bf or float('nan')) / us:5.2f} | {cfg}", flush=True)
+                write_results(args.out, "sweep_quant_wo", "cpu" if smoke else torch.cuda.get_device_name(),
+                              cases)
+    doc = write_results(args.out, "sweep_quant_wo", "cpu" if smoke else torch.cuda.get_device_name(), cases)
+    table = []
+    for key, b in best.items():
+        kind, n, k, m = key.split(",")
+        c = {kk: v for kk, v in b["config"].items() if kk != "BLOCK_M"}
+        table.append(f'    ("{kind}", {n}, {k}, {m}): {c},')
+    doc.update({"rows": rows, "best": best, "table": table, "copy_bw_TBps": bw / 1e12,
+                "wall_s": time.perf_counter() - t_start})
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print("\nSMALL_M_TUNED entries:\n" + "\n".join(table))
+    print(f"wall {time.perf_counter() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,318 @@
+"""Triton skinny GEMV/GEMM for decode: ``y = x @ W^T (+ bias)`` with few rows of ``x``.
+
+At batch 1-16 a linear layer is a pure weight stream: each weight byte is read once and used
+for at most 16 multiply-adds. cuBLAS picks tiles for larger M and leaves 20-60% of the HBM
+bandwidth unused on the Llama-8B shapes with N = 4096-6144 (too few CTAs in flight). These
+kernels exist only to keep enough 16-byte weight loads in flight on every SM:
+
+* ``fma``: one program owns ``BLOCK_N`` weight rows x a K-range, loads ``[BLOCK_N, BLOCK_K]``
+  tiles (K contiguous, so each thread issues 16-byte loads), multiplies by the ``BLOCK_M`` rows of
+  x held in registers, and keeps an elementwise fp32 accumulator that is reduced over K once at
+  the end (no cross-lane reduction inside the loop).
+* ``dot``: the same weight stream but the product goes through ``tl.dot`` with M padded to 16
+  (mma), for M = 8-16 where the elementwise accumulator would need too many registers.
+
+Either variant can split K over ``SPLIT_K`` programs (grid axis 1) to get >= 4 programs per SM
+on N = 4096; partial sums then go to an fp32 workspace ``[SPLIT_K, M, N]`` and a tiny second
+kernel adds them (plus bias) and casts. Without split the bias and the cast are fused.
+
+Layouts: ``x [M, K]`` (last dim contiguous), ``weight [N, K]`` row-major (nn.Linear), ``bias [N]``,
+``y [M, N]`` in x.dtype. Accumulation is fp32 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from infercore.devices import register
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch configuration. ``block_m`` is derived from M at launch (``fma``: next power of two
+    of min(M, 4), more rows take more programs; ``dot``: 16), so a config serves its whole M bucket."""
+
+    variant: str = "fma"  # "fma" | "dot"
+    block_n: int = 4
+    block_k: int = 512
+    num_warps: int = 4
+    split_k: int = 1
+    evict_first: bool = True
+    num_stages: int = 3
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+# Tuned on an H200 (benchmarks/sweep_gemv.py; its "best" output pastes here). Key:
+# (N, K, M-bucket) with M-bucket in 1, 2, 4, 8, 16. Value: (config, speedup over cuBLAS); the
+# model-level swap (models.gpu_layout) only uses the kernel where the speedup is > 1.
+# H200, bf16, 2026 sweep (weights cold in L2, CUDA graph of many calls): the GEMV wins at M = 1
+# (1.01-1.18x, o_proj most); at M >= 2 cuBLAS is as fast or faster except o_proj M = 8-16.
+TUNED: dict[tuple[int, int, int], tuple[GemvConfig, float]] = {
+    (6144, 4096, 1): (GemvConfig("fma", 4, 1024, 4, 1), 1.078),
+    (6144, 4096, 2): (GemvConfig("dot", 64, 128, 4, 4), 0.938),
+    (6144, 4096, 4): (GemvConfig("dot", 64, 128, 4, 4), 0.951),
+    (6144, 4096, 8): (GemvConfig("dot", 64, 128, 4, 4), 0.922),
+    (6144, 4096, 16): (GemvConfig("dot", 32, 128, 4, 2), 0.94),
+    (4096, 4096, 1): (GemvConfig("fma", 1, 2048, 4, 1), 1.185),
+    (4096, 4096, 2): (GemvConfig("fma", 2, 1024, 4, 1, evict_first=False), 0.982),
+    (4096, 4096, 4): (GemvConfig("dot", 64, 128, 4, 4), 0.987),
+    (4096, 4096, 8): (GemvConfig("dot", 64, 128, 4, 4), 1.005),
+    (4096, 4096, 16): (GemvConfig("dot", 64, 128, 4, 4), 1.029),
+    (28672, 4096, 1): (GemvConfig("fma", 4, 1024, 4, 1), 1.014),
+    (28672, 4096, 2): (GemvConfig("dot", 64, 128, 4, 1), 0.87),
+    (28672, 4096, 4): (GemvConfig("dot", 64, 128, 4, 1), 0.891),
+    (28672, 4096, 8): (GemvConfig("dot", 64, 128, 4, 1), 0.915),
+    (28672, 4096, 16): (GemvConfig("dot", 32, 128, 4, 1), 0.993),
+    (4096, 14336, 1): (GemvConfig("fma", 2, 1024, 4, 1), 1.038),
+    (4096, 14336, 2): (GemvConfig("dot", 64, 128, 4, 4), 0.951),
+    (4096, 14336, 4): (GemvConfig("dot", 64, 128, 4, 4), 0.982),
+    (4096, 14336, 8): (GemvConfig("dot", 64, 128, 4, 4), 0.988),
+    (4096, 14336, 16): (GemvConfig("dot", 32, 128, 4, 4), 0.994),
+    (128256, 4096, 1): (GemvConfig("fma", 4, 1024, 4, 1), 1.049),
+    (128256, 4096, 2): (GemvConfig("dot", 64, 128, 4, 1), 0.982),
+    (128256, 4096, 4): (GemvConfig("dot", 64, 128, 4, 1), 0.983),
+    (128256, 4096, 8): (GemvConfig("dot", 64, 128, 4, 1), 0.988),
+    (128256, 4096, 16): (GemvConfig("dot", 64, 128, 4, 1), 1.03),
+}
+
+# Untuned shapes: 4 rows x 512 K per program streams 4 KB per iteration per program; with
+# N >= 4096 that is >= 1024 programs, several per SM.
+DEFAULT = GemvConfig()
+DEFAULT_DOT = GemvConfig(variant="dot", block_n=16, block_k=256, num_warps=4, split_k=1)
+
+
+def m_bucket(m: int) -> int:
+    """1, 2, 4, 8 or 16 (M above 16 shares the 16 bucket)."""
+    b = 1
+    while b < m and b < 16:
+        b *= 2
+    return b
+
+
+def pick_config(n: int, k: int, m: int) -> GemvConfig:
+    hit = TUNED.get((n, k, m_bucket(m)))
+    if hit is not None:
+        return hit[0]
+    return DEFAULT if m <= 2 else DEFAULT_DOT
+
+
+def beats_cublas(n: int, k: int, m: int) -> bool:
+    """Whether the tuning table measured this kernel faster than cuBLAS for the shape (False if untuned)."""
+    hit = TUNED.get((n, k, m_bucket(m)))
+    return hit is not None and hit[1] > 1.0
+
+
+@triton.jit
+def _wload(ptrs, mask, EVEN: tl.constexpr, EVICT: tl.constexpr):
+    # The weight is streamed once per call: "evict_first" keeps it from pushing activations and
+    # the partial sums out of L2.
+    if EVEN:
+        if EVICT:
+            w = tl.load(ptrs, eviction_policy="evict_first")
+        else:
+            w = tl.load(ptrs)
+    else:
+        if EVICT:
+            w = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+        else:
+            w = tl.load(ptrs, mask=mask, other=0.0)
+    return w
+
+
+@triton.jit
+def _store_row(out, m, M, offs_n, n_mask, pid_k, b_ptr, y_ptr, ws_ptr, N, stride_ym,
+               HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr):  # fmt: skip
+    mask = n_mask & (offs_n * 0 + m < M)  # a tensor compare: the interpreter rejects a scalar mask
+    if USE_WS:
+        tl.store(ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n, out, mask=mask)
+    else:
+        if HAS_BIAS:
+            out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m.to(tl.int64) * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_fma_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr,
+    M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr, EVEN: tl.constexpr, EVICT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # Rows of x are unrolled by hand (BLOCK_M <= 4), each with its own 2-D accumulator over the
+    # same weight tile: a 3-D [M, N, K] product made Triton shuffle the tile through shared memory.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m0 = tl.program_id(2) * BLOCK_M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+    k_lo = pid_k * k_per_split
+    n_mask = offs_n < N
+    # Clamped rows read valid memory, so full tiles need no mask at all (EVEN: K-range divides).
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    x0 = x_ptr + tl.minimum(m0, M - 1).to(tl.int64) * stride_xm + k_lo + offs_k
+    x1 = x_ptr + tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_xm + k_lo + offs_k
+    x2 = x_ptr + tl.minimum(m0 + 2, M - 1).to(tl.int64) * stride_xm + k_lo + offs_k
+    x3 = x_ptr + tl.minimum(m0 + 3, M - 1).to(tl.int64) * stride_xm + k_lo + offs_k
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, k_per_split, BLOCK_K):
+        k_ok = k_lo + k0 + offs_k < K
+        w = _wload(w_ptrs, k_ok[None, :], EVEN, EVICT).to(tl.float32)
+        if EVEN:
+            acc0 += w * tl.load(x0 + k0).to(tl.float32)[None, :]
+        else:
+            acc0 += w * tl.load(x0 + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        if BLOCK_M > 1:
+            if EVEN:
+                acc1 += w * tl.load(x1 + k0).to(tl.float32)[None, :]
+            else:
+                acc1 += w * tl.load(x1 + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        if BLOCK_M > 2:
+            if EVEN:
+                acc2 += w * tl.load(x2 + k0).to(tl.float32)[None, :]
+                acc3 += w * tl.load(x3 + k0).to(tl.float32)[None, :]
+            else:
+                acc2 += w * tl.load(x2 + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+                acc3 += w * tl.load(x3 + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+    _store_row(tl.sum(acc0, axis=1), m0, M, offs_n, n_mask, pid_k, b_ptr, y_ptr, ws_ptr, N, stride_ym,
+               HAS_BIAS, USE_WS)  # fmt: skip
+    if BLOCK_M > 1:
+        _store_row(tl.sum(acc1, axis=1), m0 + 1, M, offs_n, n_mask, pid_k, b_ptr, y_ptr, ws_ptr, N, stride_ym,
+                   HAS_BIAS, USE_WS)  # fmt: skip
+    if BLOCK_M > 2:
+        _store_row(tl.sum(acc2, axis=1), m0 + 2, M, offs_n, n_mask, pid_k, b_ptr, y_ptr, ws_ptr, N, stride_ym,
+                   HAS_BIAS, USE_WS)  # fmt: skip
+        _store_row(tl.sum(acc3, axis=1), m0 + 3, M, offs_n, n_mask, pid_k, b_ptr, y_ptr, ws_ptr, N, stride_ym,
+                   HAS_BIAS, USE_WS)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_dot_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr,
+    M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr, EVEN: tl.constexpr, EVICT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+    k_lo = pid_k * k_per_split
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_per_split, BLOCK_K):
+        k_ok = k_lo + k0 + offs_k < K
+        w = _wload(w_ptrs, k_ok[None, :], EVEN, EVICT)
+        if EVEN:
+            xv = tl.load(x_ptrs)
+        else:
+            xv = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+        # Padded x rows are duplicates of row M-1 (clamped), discarded at the store.
+        acc = tl.dot(xv, tl.trans(w), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    omask = m_mask[:, None] & n_mask[None, :]
+    if USE_WS:
+        ws = ws_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
+        tl.store(ws, acc, mask=omask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, b_ptr, y_ptr, MN, N, stride_ym, SPLIT_K: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+    n = offs % N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + (offs // N) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N]`` with one explicit config (no checks).
+
+    x and weight must have a contiguous last dim; fp32 inputs always take the ``fma`` variant
+    (``tl.dot`` would round them to tf32).
+    """
+    M, K = x.shape
+    N = weight.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
+    cfg = config
+    variant = "fma" if x.dtype == torch.float32 else cfg.variant
+    if variant == "dot":
+        block_m, kernel = 16, _gemv_dot_kernel
+    else:
+        block_m, kernel = min(m_bucket(M), 4), _gemv_fma_kernel
+    bk = cfg.block_k
+    split = max(1, min(cfg.split_k, triton.cdiv(K, bk)))
+    # Each split owns a whole number of BLOCK_K tiles, so only the last one can be ragged.
+    k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
+    split = triton.cdiv(K, k_per_split)
+    even = K % k_per_split == 0 and K % bk == 0
+    use_ws = split > 1
+    ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if use_ws else y
+    b = bias if bias is not None else y
+    grid = (triton.cdiv(N, cfg.block_n), split, triton.cdiv(M, block_m))
+    kernel[grid](
+        x, weight, b, y, ws, M, N, K, k_per_split,
+        x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, USE_WS=use_ws, EVEN=even, EVICT=cfg.evict_first,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if use_ws:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
+            ws, b, y, M * N, N, y.stride(0), SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4
+        )
+    return y
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for few rows: x ``[..., K]``, weight ``[N, K]``, bias ``[N]`` -> ``[..., N]`` in x.dtype.
+
+    The launch config comes from :data:`TUNED` (by N, K and the M bucket) or :data:`DEFAULT`.
+    """
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    if bias is not None and bias.stride(-1) != 1:
+        bias = bias.contiguous()
+    cfg = pick_config(weight.shape[0], K, x2.shape[0])
+    return gemv(x2, weight, bias, cfg).reshape(*x.shape[:-1], weight.shape[0])
+
+
+register("skinny_linear", "triton", skinny_linear, priority=10, available=lambda cap: cap.is_cuda and cap.triton)

@@ -1,0 +1,72 @@
+"""Small-M (decode) weight-only kernels, every MODE and split-K, vs the references (interpreter).
+
+Tiny fp32/fp16 shapes: the interpreter's bf16 dot/arithmetic is unreliable, and fp8 numerics are
+checked through the integer decode only (bit-exact elsewhere).
+"""
+
+import importlib
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is decorated
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from infercore.quant import FP8Weight, IntWeight, triton_wo  # noqa: E402
+from infercore.quant import naive as R  # noqa: E402
+
+if not triton_wo._INTERPRET:
+    importlib.reload(triton_wo)
+
+
+def _err(y, r):
+    return ((y.float() - r.float()).norm() / r.float().norm().clamp_min(1e-12)).item()
+
+
+def _cfg(mode, split, bn=16, bk=64):
+    return {"MODE": mode, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": 4, "num_stages": 1}
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("bits,sym,group", [(4, False, 64), (4, True, None), (8, False, 32)])
+@pytest.mark.parametrize("m", [1, 3])
+def test_wq_small_modes(mode, bits, sym, group, m):
+    torch.manual_seed(mode * 10 + m)
+    w = IntWeight.quantize(torch.randn(40, 200), bits=bits, group_size=group, symmetric=sym)  # K padded
+    x = torch.randn(m, 200)
+    r = R.wq_matmul_ref(x, w)
+    for split in (1, 2):
+        y = triton_wo.wq_matmul_triton(x, w, config=_cfg(mode, split, bk=min(64, group or 64)))
+        assert y.shape == (m, 40) and _err(y, r) < 1e-5, (split, _err(y, r))
+
+
+@pytest.mark.parametrize("mode", [0, 2])
+def test_wq_small_fp16_rows_up_to_16(mode):
+    torch.manual_seed(1)
+    w = IntWeight.quantize(torch.randn(48, 128), bits=4, group_size=32)
+    x = torch.randn(16, 128).half()
+    bias = torch.randn(48)
+    y = triton_wo.wq_matmul_triton(x, w, bias, config=_cfg(mode, 2, bk=32))
+    assert y.dtype == torch.float16 and _err(y, R.wq_matmul_ref(x, w, bias)) < 2e-3
+
+
+def test_wq_small_default_config_picks_split():
+    w = IntWeight.quantize(torch.randn(32, 1024), bits=4, group_size=64)
+    cfg = triton_wo._small_cfg("int4", 32, 1024, 1, 64, torch.device("cpu"), None)
+    assert cfg["SPLIT"] > 1 and cfg["BLOCK_K"] <= 64 and cfg["BLOCK_M"] == 1
+    x = torch.randn(1, 1024)
+    assert _err(triton_wo.wq_matmul_triton(x, w), R.wq_matmul_ref(x, w)) < 1e-5
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("block", [None, 128])
+@pytest.mark.parametrize("m,dtype", [(1, torch.float32), (4, torch.float32), (3, torch.float16)])
+def test_fp8_small_modes(mode, block, m, dtype):
+    torch.manual_seed(mode + m)
+    w = FP8Weight.quantize(torch.randn(40, 288), block_size=block)  # K not a multiple of BLOCK_K
+    x = torch.randn(m, 288).to(dtype)
+    r = R.fp8_wo_matmul_ref(x, w)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    for split in (1, 3):
+        y = triton_wo.fp8_wo_matmul_triton(x, w, config=_cfg(mode, split))
+        assert y.dtype == dtype and _err(y, r) < tol, (split, _err(y, r))

@@ -44,8 +44,16 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def steady_decode(eng: Engine, prompts: torch.Tensor, new: int) -> float:
-    """Decode tokens/s once every request is past its prefill (all B decode in every step)."""
+def steady_decode(eng: Engine, prompts: torch.Tensor, new: int, async_scheduling: bool | None = None) -> float:
+    """Decode tokens/s once every request is past its prefill (all B decode in every step).
+
+    ``async_scheduling`` switches the engine's overlap of host work with the device for this run
+    (None: leave the engine's setting); the engine is idle between runs, so switching is safe."""
+    while eng.has_unfinished():  # settle anything still in flight
+        eng.step()
+    saved = eng.async_scheduling
+    if async_scheduling is not None:
+        eng.async_scheduling = async_scheduling
     sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     for p in prompts:
         eng.add_request(p.tolist(), sp)
@@ -61,6 +69,7 @@ def steady_decode(eng: Engine, prompts: torch.Tensor, new: int) -> float:
     rate = len(reqs) * steps / (time.perf_counter() - t)
     while eng.has_unfinished():
         eng.step()
+    eng.async_scheduling = saved
     return rate
 
 
@@ -113,7 +122,8 @@ def main() -> None:
         t1 = min(timed(lambda: ours(1)) for _ in range(2))
         tn = timed(lambda: ours(args.new))
         r_ours = B * (args.new - 1) / (tn - t1)
-        steady = steady_decode(eng, prompts, args.new)
+        steady = steady_decode(eng, prompts, args.new, async_scheduling=True)
+        steady_sync = steady_decode(eng, prompts, args.new, async_scheduling=False)
         peers = {}
         same = None
         if hf is not None:
@@ -134,12 +144,16 @@ def main() -> None:
                 same = sum(int(u == v) for u, v in zip(a, b))
         mean_ctx = args.prompt + args.new / 2
         floor = B * bw / (read_bytes + B * mean_ctx * kv_per_token)
-        print(f"decode B={B}: ours {r_ours:.1f} tok/s (steady {steady:.1f}), peers {peers}, floor {floor:.1f}, "
+        print(f"decode B={B}: ours {r_ours:.1f} tok/s (steady {steady:.1f} = {steady / floor:.3f} of floor, "
+              f"{1e3 * B / steady:.2f} ms/step; synchronous scheduling {steady_sync:.1f} = "
+              f"{steady_sync / floor:.3f}, {1e3 * B / steady_sync:.2f} ms/step), peers {peers}, floor {floor:.1f}, "
               f"ours/floor {r_ours / floor:.3f}", flush=True)
         cases.append(case(f"llama3.1-8b-shape decode bs{B} prompt{args.prompt} new{args.new} bf16",
                           metric="decode throughput", unit="tok/s", ours=r_ours, peers=peers, floor=floor,
                           greedy_first16_agree=same, weight_bytes=weight_bytes, copy_bw_TBps=bw / 1e12,
-                          steady_decode_tok_s=steady))
+                          steady_decode_tok_s=steady, steady_over_floor=steady / floor,
+                          steady_step_ms=1e3 * B / steady, steady_decode_sync_sched_tok_s=steady_sync,
+                          steady_sync_sched_step_ms=1e3 * B / steady_sync, async_scheduling=eng.async_scheduling))
     del eng
     gc.collect()
     torch.cuda.empty_cache()

@@ -11,6 +11,9 @@ in the kernel, log-space gates):
   the slot pool) vs fla-core's ``fused_recurrent_gated_delta_rule`` (dense state in, new state out)
   and vs the copy bandwidth measured in the same run (the floor). Our decode kernel's
   ``(BLOCK_V, num_warps)`` choices are swept and the best is reported beside the default.
+* prefill config sweep: each of the four chunked kernels (kkt, wu, state, output) timed alone under
+  <= 12 launch configs (``SWEEP``), each config's whole-prefill output checked against the fp32
+  reference; then the prefill with every kernel at its best swept config. Budget ~75 s of sweeps.
 
 Outputs are checked first: ours and fla against the fp32 reference, and against each other.
 fla-core is not installed here; on the GPU machine run first::
@@ -43,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import bench_ms, case, copy_bandwidth, write_results  # noqa: E402
 
 from infercore.devices import implementation  # noqa: E402
+from infercore.ops.gated_delta import chunk as gdr_chunk  # noqa: E402
 from infercore.ops.gated_delta import chunk_gated_delta_rule_, fused_recurrent_gated_delta_rule_  # noqa: E402
 from infercore.ops.gated_delta import triton as gdr_triton  # noqa: E402
 
@@ -89,7 +93,7 @@ def inputs(T: int, H: int, K: int, V: int, dev: str):
     return q, k, v, gate, beta
 
 
-def bench_prefill(name, lens, H, K, V, dev, fla_chunk, mem_bw, cases):
+def bench_prefill(name, lens, H, K, V, dev, fla_chunk, mem_bw, cases, sweep_kernels=()):
     T, B = sum(lens), len(lens)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     q, k, v, gate, beta = inputs(T, H, K, V, dev)
@@ -149,6 +153,64 @@ def bench_prefill(name, lens, H, K, V, dev, fla_chunk, mem_bw, cases):
     if not DRY:
         row["kernel_us"] = kernel_breakdown(lambda: chunk_gated_delta_rule_(q, k, v, gate, beta, p_run, **kw))
         log(f"{name}: per-kernel us {row['kernel_us']}")
+    if sweep_kernels:
+        row["config_sweep"] = sweep_prefill(name, sweep_kernels, (q, k, v, gate, beta, pool), kw, o_ref)
+        best = {kn: r["best"] for kn, r in row["config_sweep"].items() if r.get("best") is not None}
+        if best:
+            cfg = {kn: SWEEP[kn][i] for kn, i in best.items()}
+            p_b = pool.clone()
+            t_b = timed(lambda: gdr_chunk.chunk_gated_delta_rule_(q, k, v, gate, beta, p_b, config=cfg, **kw))
+            row["best_swept_config"] = {kn: dict(c) for kn, c in cfg.items()}
+            row["ms_ours_best_swept"] = t_b
+            log(f"{name}: best swept configs {cfg}: {t_b * 1e3:.1f} us total (default {t_ours * 1e3:.1f} us)")
+
+
+# Per-kernel launch configs swept by the benchmark (each <= 12); see chunk.DEFAULT_PREFILL_CONFIG.
+_WS = ((4, 1), (4, 2), (8, 2))
+SWEEP: dict[str, list[dict]] = {
+    "kkt": [{"num_warps": w, "num_stages": 1} for w in (1, 2, 4, 8)] + [{"num_warps": 4, "PREC": "tf32x3"}],
+    "wu": [{"BK": b, "BV": b, "num_warps": w, "num_stages": s} for b in (64, 128) for (w, s) in _WS],
+    "state": [{"BV": b, "num_warps": w, "num_stages": s} for b in (16, 32, 64) for (w, s) in ((4, 2), (4, 3), (8, 2))],
+    "output": [{"BV": b, "num_warps": w, "num_stages": s} for b in (64, 128) for (w, s) in _WS],
+}
+SWEEP_BUDGET_S = 75.0  # all sweeps together; the rest is skipped (and logged) past it
+_SWEEP_T0: list[float] = []
+
+
+def sweep_prefill(name, kernels, tensors, kw, o_ref) -> dict:
+    """Time each kernel alone under each of its configs (the other kernels at their defaults), and
+    check the output of the whole prefill under that config against the fp32 reference."""
+    q, k, v, gate, beta, pool = tensors
+    if not _SWEEP_T0:
+        _SWEEP_T0.append(time.time())
+    out: dict = {}
+    for kn in kernels:
+        res: dict = {"configs": [], "best": None}
+        best_us = float("inf")
+        for i, cfg in enumerate(SWEEP[kn][:1] if DRY else SWEEP[kn]):
+            if time.time() - _SWEEP_T0[0] > SWEEP_BUDGET_S:
+                log(f"{name}: sweep budget spent, skipping {kn} {cfg}")
+                continue
+            entry = {"config": dict(cfg)}
+            try:
+                p = pool.clone()
+                stages, o, final = gdr_chunk.prefill_stages(q, k, v, gate, beta, p, config={kn: cfg}, **kw)
+                for _, launch in stages:
+                    launch()
+                entry["rel_err"] = rel(o, o_ref)
+                launch = dict(stages)[kn]
+                entry["us"] = timed(launch) * 1e3 if DRY else bench_ms(launch, warmup=5, rep=30) * 1e3
+                if entry["rel_err"] < 2e-2 and entry["us"] < best_us:
+                    best_us, res["best"] = entry["us"], i
+            except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result, not a crash
+                entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            res["configs"].append(entry)
+        out[kn] = res
+        log(f"{name}: sweep {kn}")
+        for e in res["configs"]:
+            tag = e.get("error") or f"{e['us']:9.1f} us  rel_err {e['rel_err']:.2e}"
+            log(f"    {str(e['config']):62s} {tag}")
+    return out
 
 
 def kernel_breakdown(fn, iters: int = 10) -> dict[str, float]:
@@ -260,9 +322,11 @@ def main() -> None:
         log(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
     cases: list = []
     t0 = time.time()
-    for name, lens in prefill:
+    # The per-chunk kernels behave alike in both cases; the sequential scan is swept in each.
+    sweeps = [("kkt", "wu", "state", "output"), ("state",)]
+    for (name, lens), sw in zip(prefill, sweeps):
         try:
-            bench_prefill(name, lens, H, K, V, dev, fla_chunk, copy_bw, cases)
+            bench_prefill(name, lens, H, K, V, dev, fla_chunk, copy_bw, cases, sweep_kernels=sw)
         except Exception:  # noqa: BLE001
             log(f"{name} failed\n{traceback.format_exc()}")
     try:

@@ -130,3 +130,16 @@ def test_chunked_prefill_strided_views():
     want = chunk_gated_delta_rule_ref(q, k, v, gate, beta, want_pool, **kw)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(pool, want_pool, atol=2e-5, rtol=1e-4)
+
+
+def test_chunked_prefill_tiled_configs():
+    # K and V split into 16-wide tiles in every kernel that tiles them (the GPU configs use 64-128).
+    cfg = {"wu": {"BK": 16, "BV": 16}, "state": {"BV": 16}, "output": {"BV": 16}}
+    fn = lambda *a, **kw: gdr_chunk.chunk_gated_delta_rule_(*a, config=cfg, **kw)  # noqa: E731
+    _check_prefill(fn, [70, 5], Hk=1, Hv=2, K=32, V=32, l2=True, seed=11)
+    _check_prefill(fn, [33], Hk=1, Hv=1, K=32, V=24, l2=False, seed=12)
+
+
+def test_decode_default_config():
+    # H200 sweep: 64-wide value blocks at 4 warps for 128-dim heads
+    assert gdr_triton.decode_config(128, 128) == (64, 4)

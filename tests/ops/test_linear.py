@@ -121,3 +121,173 @@ def test_gemv_linear_falls_back_off_cuda():
     lin.__class__ = TritonGemvLinear  # what use_triton_gemv_ does to CUDA modules
     torch.testing.assert_close(lin(x), want)
     assert isinstance(lin, nn.Linear) and set(lin.state_dict()) == {"weight", "bias"}
+
+
+# ---------------------------------------------------------------- gated-MLP epilogue (act=...)
+
+ACT_CONFIGS = [
+    T.GemvConfig("fma", 4, 32, 1, 1),
+    T.GemvConfig("fma", 2, 16, 1, 3, evict_first=False),  # split-K: the act runs in the reduce kernel
+    T.GemvConfig("dot", 16, 32, 1, 1),
+    T.GemvConfig("dot", 16, 16, 1, 2),
+]
+ACTS = ["silu", "gelu_tanh", "gelu"]
+
+
+def _act_ref(x, w, b, act):
+    # Float64 of the reference op (F.linear, then ops.activation's *_and_mul reference).
+    return L.naive.skinny_linear_ref(x.double(), w.double(), None if b is None else b.double(), act=act)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("cfg", ACT_CONFIGS, ids=lambda c: f"{c.variant}-bn{c.block_n}-bk{c.block_k}-s{c.split_k}")
+def test_gemv_act_configs(dtype, m, cfg):
+    d, k = 19, 50  # D odd (a ragged last program), K not a multiple of any block
+    act = ACTS[m % 3]
+    x = torch.randn(m, k, dtype=dtype)
+    w = torch.randn(2 * d, k, dtype=dtype) * 0.3
+    b = torch.randn(2 * d, dtype=dtype) if m % 2 else None
+    y = T.gemv(x, w, b, cfg, act)
+    assert y.shape == (m, d) and y.dtype == dtype
+    assert _rel(y, _act_ref(x, w, b, act)) < TOL[dtype] * 2
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_gemv_act_matches_unfused_path(act):
+    # Against what the models do without the fusion: the linear, then the *_and_mul kernel (fp16
+    # rounding of g and u included), so both paths agree to about one fp16 rounding.
+    from infercore.ops.activation import triton as A
+
+    x = torch.randn(3, 40, dtype=torch.float16)
+    w = torch.randn(2 * 24, 40, dtype=torch.float16) * 0.3
+    fused = implementation("skinny_linear", "triton")(x, w, None, act=act)
+    h = T.skinny_linear(x, w)
+    approximate = "tanh" if act == "gelu_tanh" else "none"
+    unfused = A.silu_and_mul(h) if act == "silu" else A.gelu_and_mul(h, approximate=approximate)
+    torch.testing.assert_close(fused, unfused, atol=2e-3, rtol=2e-3)
+    assert not torch.equal(fused, T.skinny_linear(x, w)[:, :24])  # the activation did run
+
+
+def test_gemv_act_rejects_odd_block_n():
+    with pytest.raises(ValueError, match="block_n"):
+        T.gemv(torch.randn(1, 8), torch.randn(6, 8), None, T.GemvConfig("fma", 3, 8, 1, 1), "silu")
+
+
+def test_public_op_act_reference_and_checks():
+    x, w = torch.randn(2, 16), torch.randn(8, 16)
+    h = x @ w.T
+    torch.testing.assert_close(L.skinny_linear(x, w, act="silu"), torch.nn.functional.silu(h[:, :4]) * h[:, 4:])
+    with pytest.raises(ValueError, match="skinny_linear: act"):
+        L.skinny_linear(x, w, act="relu")
+    with pytest.raises(ValueError, match="even N"):
+        L.skinny_linear(x, torch.randn(7, 16), act="silu")
+
+
+def test_act_tuning_lookup():
+    old = dict(T.TUNED_ACT)
+    try:
+        T.TUNED_ACT.clear()
+        n, k = 28672, 4096
+        base = T.TUNED.get((n, k, 1))
+        assert T.pick_config(n, k, 1, "silu").block_n % 2 == 0
+        assert T.pick_config(4096, 4096, 1, "silu").block_n == 2  # TUNED has block_n=1 there
+        assert T.beats_cublas(n, k, 1, "silu") == (base is not None and base[1] > 1.0)
+        cfg = T.GemvConfig("fma", 8, 512, 4, 1)
+        T.TUNED_ACT[(n, k, 1)] = (cfg, 0.9)
+        assert T.pick_config(n, k, 1, "silu") is cfg and not T.beats_cublas(n, k, 1, "silu")
+        assert T.pick_config(n, k, 1) is not cfg  # the plain GEMV keeps its own table
+    finally:
+        T.TUNED_ACT.clear()
+        T.TUNED_ACT.update(old)
+
+
+# ---------------------------------------------------------------- the model-level swap
+
+
+def _tiny_llama(hidden_act="silu", mlp_bias=False):
+    from infercore.models import ModelConfig, build_model
+
+    cfg = ModelConfig.from_hf(dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=61, hidden_size=32,
+        intermediate_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+        hidden_act=hidden_act, mlp_bias=mlp_bias,
+    ))  # fmt: skip
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype=torch.float32, device="cpu", init="normal")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)  # build_model zeroes them: make a mixed-up bias visible
+    return model
+
+
+def _run(model, prompt: list[int], extra: int) -> torch.Tensor:
+    """Prefill ``prompt`` (M = len rows), then decode ``extra`` greedy tokens (M = 1); returns the
+    fp32 logits of every step's rows, concatenated."""
+    from infercore.ops import AttentionMetadata
+
+    page = 4
+    caches = [(torch.zeros(8, page, s.num_kv_heads, s.head_dim), torch.zeros(8, page, s.num_kv_heads, s.head_dim))
+              for s in model.kv_specs()]  # fmt: skip
+    table = [3, 0, 5, 1, 7]
+    out, toks, start = [], list(prompt), 0
+    with torch.inference_mode():
+        for _ in range(extra + 1):
+            new = toks[start:]
+            end = len(toks)
+            meta = AttentionMetadata.from_lists(
+                query_lens=[len(new)], seq_lens=[end], block_tables=[table],
+                slot_mapping=[table[p // page] * page + p % page for p in range(start, end)], device="cpu")  # fmt: skip
+            pos = torch.arange(start, end, dtype=torch.int32)
+            logits = model.compute_logits(model(torch.tensor(new, dtype=torch.int32), pos, caches, meta))
+            out.append(logits)
+            toks.append(int(logits[-1].argmax()))
+            start = end
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("hidden_act, mlp_bias", [("silu", False), ("gelu_pytorch_tanh", True)])
+def test_use_triton_gemv_on_tiny_llama_keeps_logits(hidden_act, mlp_bias, monkeypatch):
+    model = _tiny_llama(hidden_act, mlp_bias)
+    want = _run(model, [5, 17, 3, 40, 22], 2)
+    params = {n: p.data_ptr() for n, p in model.named_parameters()}
+    calls = []
+    real = T.skinny_linear
+    monkeypatch.setattr(T, "skinny_linear", lambda *a, **kw: calls.append(kw.get("act")) or real(*a, **kw))
+    # force: convert CPU modules and take the GEMV (Triton interpreter) whatever the tuning table says
+    assert use_triton_gemv_(model, max_m=8, force=True) == 2 * 4 + 1  # qkv, o, gate_up, down; lm_head
+    mlp = model.model.layers[0].mlp
+    assert type(mlp).__name__ == "GemvFusedLlamaMLP" and isinstance(mlp, type(model.model.layers[0].mlp))
+    assert mlp.gemv_act == ("silu" if hidden_act == "silu" else "gelu_tanh")
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == params  # no copies
+    got = _run(model, [5, 17, 3, 40, 22], 2)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # per forward: 2 layers x (qkv, o, fused gate_up+act, down) + lm_head, for 3 forwards
+    assert calls.count(mlp.gemv_act) == 3 * 2 and calls.count(None) == 3 * (2 * 3 + 1)
+    calls.clear()
+    _run(model, list(range(1, 10)), 0)  # 9 rows > max_m: every module takes its original forward
+    assert calls == []
+
+
+def test_use_triton_gemv_fusion_off_and_fallbacks():
+    model = _tiny_llama()
+    assert use_triton_gemv_(model, max_m=4, fuse_act=False, force=True) == 9
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+    assert use_triton_gemv_(model, max_m=4, force=True) == 0  # already converted; adds the fusion
+    mlp = model.model.layers[0].mlp
+    assert type(mlp).__name__ == "GemvFusedLlamaMLP"
+    x = torch.randn(2, 32)
+    want = mlp.down_proj(torch.nn.functional.silu(mlp.gate_up_proj(x)[:, :40]) * mlp.gate_up_proj(x)[:, 40:])
+    torch.testing.assert_close(mlp(x), want, atol=1e-5, rtol=1e-5)
+
+    class OtherLinear(nn.Linear):  # e.g. a quantized linear swapped in after use_triton_gemv_
+        def forward(self, x):
+            return super().forward(x) * 0.0
+
+    mlp.gate_up_proj.__class__ = OtherLinear
+    torch.testing.assert_close(mlp(x), mlp.down_proj(torch.zeros(2, 40)))  # the original forward ran
+    # without force nothing happens on the CPU
+    fresh = _tiny_llama()
+    assert use_triton_gemv_(fresh) == 0 and type(fresh.model.layers[0].mlp).__name__ == "LlamaMLP"

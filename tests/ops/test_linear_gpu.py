@@ -64,3 +64,46 @@ def test_gemv_linear_cuda_graph():
     finally:
         T.TUNED.clear()
         T.TUNED.update(old)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "gelu"])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16])
+def test_gate_up_act_epilogue_bf16(act, m):
+    from infercore.ops.activation.naive import gelu_and_mul_ref, silu_and_mul_ref
+    from infercore.ops.linear import skinny_linear
+    from infercore.ops.linear import triton as T
+
+    torch.manual_seed(0)
+    n, k = 2 * 14336, 4096
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    h = F.linear(x.float(), w.float())
+    approximate = "tanh" if act == "gelu_tanh" else "none"
+    ref = silu_and_mul_ref(h) if act == "silu" else gelu_and_mul_ref(h, approximate=approximate)
+    assert _rel(skinny_linear(x, w, act=act), ref) < 1e-2
+    for cfg in (T.DEFAULT, T.DEFAULT_DOT, T.GemvConfig("fma", 8, 512, 4, 4), T.GemvConfig("dot", 64, 128, 4, 2)):
+        assert _rel(T.gemv(x, w, None, cfg, act), ref) < 1e-2, cfg
+
+
+def test_fused_mlp_cuda_graph():
+    from infercore.models import ModelConfig, build_model
+    from infercore.models.gpu_layout import use_triton_gemv_
+
+    cfg = ModelConfig.from_hf(dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=1000, hidden_size=1024,
+        intermediate_size=3584, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2,
+        max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu",
+    ))  # fmt: skip
+    model = build_model(cfg, dtype=torch.bfloat16, device="cuda", init="normal")
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    want = mlp(x).float()
+    use_triton_gemv_(model, max_m=4, force=True)  # force: the table may not list these shapes
+    assert type(mlp).__name__ == "GemvFusedLlamaMLP"
+    mlp(x)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = mlp(x)
+    g.replay()
+    torch.cuda.synchronize()
+    assert _rel(y, want) < 1e-2

@@ -113,8 +113,8 @@ def test_w8a8_gpu(act, m):
 
 @pytest.mark.parametrize("variant", ["int8", "fp8", "mixed"])
 def test_w8a8_every_table_config_on_gpu(variant):
-    # Each M bucket's table entry (TMA path) and the pointer path, on a ragged N and a K that is
-    # not a multiple of BLOCK_K (the TMA unit zero-fills the last K box; pointer loads mask it).
+    # Each M bucket's table entry and its variants, on a ragged N and a K that is not a multiple
+    # of BLOCK_K (the TMA unit zero-fills the last K box; pointer loads mask it).
     from infercore.quant import triton_w8a8 as TW
 
     torch.manual_seed(0)
@@ -126,7 +126,11 @@ def test_w8a8_every_table_config_on_gpu(variant):
         x = torch.randn(m, 1040, device=dev, dtype=torch.bfloat16)
         q, s, xo = per_token_quant(x, act=w.act, outlier_idx=w.outlier_idx)
         r = R.w8a8_matmul_ref(q, s, w, x_out=xo)
-        for c in (cfg, cfg._replace(tma=False)):
+        # The table entry, its pointer path (masked 8-bit loads on the ragged K), and the
+        # persistent + TMA-store form of it the sweep explores (the TMA store's staging tile does not
+        # fit beside a 4-stage 128x256 main loop, so that form keeps plain stores there).
+        wide = cfg.block_m * cfg.block_n >= 128 * 256 and cfg.stages > 3
+        for c in (cfg, cfg._replace(tma=False), cfg._replace(tma=True, persistent=True, tma_c=not wide)):
             y = TW.w8a8_matmul_triton(q, s, w, x_out=xo, config=c)
             assert _rel(y, r) < 1e-2, (m, c)
 

@@ -132,16 +132,37 @@ def test_int8_scaled_mm_paths(tma, k):
     _close(y, R.w8a8_matmul_ref(q, s, mixed, x_out=xo, bias=bias, out_dtype=torch.float32), 1e-6)
 
 
-def test_fp8_scaled_mm_codes():
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("k", [80, 96])  # 80: ragged last K step (masked fp8 loads / TMA zero-fill)
+def test_fp8_scaled_mm_codes(tma, k):
     # FP8 codes come from the reference encoder (the interpreter's fp32 -> fp8 cast is unreliable);
     # the kernel only loads e4m3 and multiplies, and products of e4m3 values are exact in fp32.
-    # K = 96 divides BLOCK_K: the interpreter cannot build a masked fp8 load's fill value.
+    # k=80 on the pointer path is the masked fp8 load whose int fill once failed to compile.
     torch.manual_seed(3)
-    wt, x = torch.randn(40, 96), torch.randn(20, 96)
+    wt, x = torch.randn(40, k), torch.randn(20, k)
     w = Int8Weight.quantize(wt, act="fp8")
     q, s, _ = R.per_token_quant_ref(x, act="fp8")
-    y = triton_w8a8.w8a8_matmul_triton(q, s, w, out_dtype=torch.float32)
+    cfg = triton_w8a8.MMConfig(16, 16, 32, 2, 4, 1, tma=tma)
+    y = triton_w8a8.w8a8_matmul_triton(q, s, w, out_dtype=torch.float32, config=cfg)
     _close(y, R.w8a8_matmul_ref(q, s, w, out_dtype=torch.float32), 1e-5)
+
+
+@pytest.mark.parametrize("variant", ["int8", "fp8", "mixed"])
+@pytest.mark.parametrize("persistent,tma,tma_c", [(True, False, False), (True, True, True), (False, True, True)])
+def test_scaled_mm_persistent_and_tma_store(variant, persistent, tma, tma_c):
+    # 2 x 3 tiles over 4 programs under the interpreter: some programs walk two tiles, and the
+    # last row/column tiles are ragged (clipped by the TMA store, masked by the pointer store).
+    torch.manual_seed(4)
+    wt, x = torch.randn(40, 80), torch.randn(20, 80)
+    x[:, 7] *= 30
+    idx = torch.tensor([7, 30, 41], dtype=torch.int32) if variant == "mixed" else None
+    act = "fp8" if variant == "fp8" else "int8"
+    w = Int8Weight.quantize(wt, act=act, outlier_idx=idx, outlier_dtype=torch.float32)
+    q, s, xo = R.per_token_quant_ref(x, act=act, outlier_idx=w.outlier_idx)
+    cfg = triton_w8a8.MMConfig(16, 16, 32, 2, 4, 1, tma=tma, block_o=16, persistent=persistent, tma_c=tma_c)
+    bias = torch.randn(40)
+    y = triton_w8a8.w8a8_matmul_triton(q, s, w, x_out=xo, bias=bias, out_dtype=torch.float32, config=cfg)
+    _close(y, R.w8a8_matmul_ref(q, s, w, x_out=xo, bias=bias, out_dtype=torch.float32), 1e-5)
 
 
 def test_mm_config_table_covers_all_m():

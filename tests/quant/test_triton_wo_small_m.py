@@ -53,7 +53,10 @@ def test_wq_small_fp16_rows_up_to_16(mode):
 def test_wq_small_default_config_picks_split():
     w = IntWeight.quantize(torch.randn(32, 1024), bits=4, group_size=64)
     cfg = triton_wo._small_cfg("int4", 32, 1024, 1, 64, torch.device("cpu"), None)
-    assert cfg["SPLIT"] > 1 and cfg["BLOCK_K"] <= 64 and cfg["BLOCK_M"] == 1
+    assert cfg["MODE"] == 3 and cfg["BLOCK_K"] <= 64 and cfg["BLOCK_M"] == 1
+    tiles = 32 // cfg["BLOCK_N"]
+    split, _ = triton_wo._gemv_split(tiles, 1024 // 8, cfg["BLOCK_K"] // 8 * cfg["UNROLL"], torch.device("cpu"), 0)
+    assert split > 1
     x = torch.randn(1, 1024)
     assert _err(triton_wo.wq_matmul_triton(x, w), R.wq_matmul_ref(x, w)) < 1e-5
 
@@ -70,3 +73,57 @@ def test_fp8_small_modes(mode, block, m, dtype):
     for split in (1, 3):
         y = triton_wo.fp8_wo_matmul_triton(x, w, config=_cfg(mode, split))
         assert y.dtype == dtype and _err(y, r) < tol, (split, _err(y, r))
+
+
+def _gemv(split, bk=64, unroll=2):
+    return {"MODE": 3, "BLOCK_N": 16, "BLOCK_K": bk, "UNROLL": unroll, "SPLIT": split, "num_warps": 4}
+
+
+@pytest.mark.parametrize("bits,sym,group", [(4, False, 64), (4, True, None), (8, False, 32), (8, True, 128)])
+@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_wq_gemv_words(bits, sym, group, m, dtype):
+    """MODE 3 over int32 words; bf16 x goes through the int32-pair widening (no bf16 math in the
+    kernel, so the interpreter can run it); split-K is reduced inside the kernel."""
+    torch.manual_seed(bits + m)
+    w = IntWeight.quantize(torch.randn(37, 256), bits=bits, group_size=group, symmetric=sym)  # odd N
+    x = torch.randn(m, 256).to(dtype)
+    r = R.wq_matmul_ref(x.float(), w)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    for split in (1, 2, 4):
+        y = triton_wo.wq_matmul_triton(x, w, config=_gemv(split))
+        assert y.dtype == dtype and _err(y, r) < tol, (split, _err(y, r))
+
+
+def test_wq_gemv_unaligned_rows_fall_back():
+    # K = 198 (per-channel): 99 bytes per row cannot be read as words; the dot mode runs instead.
+    torch.manual_seed(3)
+    w = IntWeight.quantize(torch.randn(24, 198), bits=4, group_size=None)
+    x = torch.randn(1, 198)
+    assert _err(triton_wo.wq_matmul_triton(x, w, config=_gemv(1)), R.wq_matmul_ref(x, w)) < 1e-5
+
+
+@pytest.mark.parametrize("block", [None, 128])
+@pytest.mark.parametrize("m,dtype", [(1, torch.float32), (4, torch.float32), (3, torch.bfloat16), (2, torch.float16)])
+def test_fp8_gemv_words(block, m, dtype):
+    torch.manual_seed(m)
+    w = FP8Weight.quantize(torch.randn(40, 288), block_size=block)
+    x = torch.randn(m, 288).to(dtype)
+    r = R.fp8_wo_matmul_ref(x.float(), w)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    for split in (1, 3):
+        y = triton_wo.fp8_wo_matmul_triton(x, w, config=_gemv(split))
+        assert _err(y, r) < tol, (split, _err(y, r))
+
+
+def test_fp8_gemv_decode_bit_exact():
+    """Every e4m3 byte (subnormals, both signs; NaN codes excluded) through the GEMV's decode with
+    a one-hot activation equals torch's float8_e4m3fn conversion times the scale, exactly."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # 254 codes
+    q = codes.view(-1, 1).repeat(1, 8)  # [254, 8]: row n holds code n
+    w = FP8Weight(q.contiguous(), torch.ones(q.shape[0]), None)
+    x = torch.zeros(1, 8)
+    x[0, 5] = 1.0
+    y = triton_wo.fp8_wo_matmul_triton(x, w, config=_gemv(1, bk=8, unroll=1))
+    assert torch.equal(y[0], codes.view(torch.float8_e4m3fn).float())

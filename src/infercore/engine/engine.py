@@ -8,16 +8,18 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from ..kv import BlockManager, allocate_kv_caches, bytes_per_page
+from ..kv import BlockManager, allocate_kv_caches, bytes_per_page, resolve_kv_cache_dtype
+from ..models.gpu_layout import use_triton_gemv_
 from ..models.layout import pack_linears_for_cpu_
 from .graph_runner import CUDAGraphRunner
 from .hybrid import HybridModelRunner, build_hybrid_kv, choose_kv_layout, fits
 from .params import SamplingParams
 from .request import Request, RequestOutput, Status
-from .runner import ModelRunner
-from .scheduler import Scheduler
+from .runner import Gather, ModelRunner
+from .scheduler import ScheduledBatch, Scheduler
 
 
 @dataclass
@@ -47,8 +49,22 @@ class EngineConfig:
     cuda_graph_max_batch: int = 256
     # CPU: run linears on oneDNN-packed weights (see models.layout.CPUPackedLinear)
     cpu_packed_linears: bool = True
+    # Overlap the host's work for step n+1 with the device's step n (see Engine.step). None: on for
+    # CUDA, off elsewhere (on the CPU nothing overlaps; True there only exercises the bookkeeping).
+    # Dense KV layout only: the hybrid runner keeps the synchronous loop.
+    async_scheduling: bool | None = None
+    # CUDA: decode-size linears (<= 16 rows) run the Triton GEMV, and gated MLPs its fused
+    # gate_up+activation form, where the tuning tables measured them faster than cuBLAS (see
+    # models.gpu_layout); False keeps torch/cuBLAS everywhere.
+    gpu_gemv_linears: bool = True
+    # KV cache element type: "auto" (the model dtype), "int8" or "fp8" (e4m3), both with one fp32
+    # scale per (token, kv head); quantized KV needs the dense layout.
+    kv_cache_dtype: str = "auto"
 
     def validate(self) -> None:
+        resolve_kv_cache_dtype(self.kv_cache_dtype)
+        if self.kv_cache_dtype != "auto" and self.kv_layout not in (None, "dense"):
+            raise ValueError("EngineConfig.kv_cache_dtype: quantized KV needs kv_layout='dense' (or None)")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
@@ -80,17 +96,25 @@ class Engine:
         model_max = getattr(mcfg, "max_position_embeddings", None)
         self.max_model_len = config.max_model_len or model_max or 4096
         self.vocab_size = getattr(mcfg, "vocab_size", None)
+        # Device-specific linear layouts are chosen here, once, before the KV pool and CUDA graphs.
         if config.cpu_packed_linears and self.device.type == "cpu":
             pack_linears_for_cpu_(model)
+        elif config.gpu_gemv_linears and self.device.type == "cuda":
+            use_triton_gemv_(model, max_m=min(16, config.max_num_seqs))
         specs = model.kv_specs()
         self.kv_layout = choose_kv_layout(model, specs, config.kv_layout)
+        if config.kv_cache_dtype != "auto" and self.kv_layout != "dense":
+            raise ValueError(
+                f"EngineConfig.kv_cache_dtype={config.kv_cache_dtype!r} needs the dense KV layout; this model "
+                f"uses {self.kv_layout!r}")
         chunk_boundary = None
         if self.kv_layout == "dense":
             num_pages = config.num_pages or self._pages_for_memory(specs)
             self.block_manager = BlockManager(
                 num_pages, config.page_size, enable_prefix_caching=config.enable_prefix_caching
             )
-            kv = allocate_kv_caches(specs, num_pages, config.page_size, dtype=self.dtype, device=self.device)
+            kv = allocate_kv_caches(specs, num_pages, config.page_size, dtype=self.dtype, device=self.device,
+                                    kv_cache_dtype=config.kv_cache_dtype)
             self.runner = ModelRunner(model, kv, self.block_manager, device=self.device)
         else:
             self.block_manager, kv, rows = build_hybrid_kv(
@@ -123,6 +147,12 @@ class Engine:
             self.graph_runner.capture()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        want_async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        self.async_scheduling = bool(want_async) and self.kv_layout == "dense"
+        # mark_computed is a no-op for the dense manager without prefix caching: skip its per-request call
+        self._publishes_pages = self.kv_layout != "dense" or config.enable_prefix_caching
+        # async scheduling: the launched step whose tokens the host has not read yet
+        self._inflight: _Step | None = None
         self._eos = frozenset(getattr(tokenizer, "eos_token_ids", None) or _config_eos(mcfg))
 
     @classmethod
@@ -153,7 +183,8 @@ class Engine:
         if budget is None and self.config.num_pages is not None and self.kv_layout != "dense":
             if any(not hasattr(s, "num_kv_heads") for s in specs):
                 raise ValueError("EngineConfig.num_pages has no meaning for recurrent layers; set kv_cache_bytes")
-            budget = self.config.num_pages * bytes_per_page(specs, self.config.page_size, self.dtype)
+            budget = self.config.num_pages * bytes_per_page(specs, self.config.page_size, self.dtype,
+                                                            kv_cache_dtype=self.config.kv_cache_dtype)
         if budget is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
@@ -163,7 +194,7 @@ class Engine:
         return budget
 
     def _pages_for_memory(self, specs) -> int:
-        per_page = bytes_per_page(specs, self.config.page_size, self.dtype)
+        per_page = bytes_per_page(specs, self.config.page_size, self.dtype, kv_cache_dtype=self.config.kv_cache_dtype)
         budget = self._budget_bytes(specs)
         pages = budget // per_page
         if pages < 1:
@@ -241,35 +272,110 @@ class Engine:
         if req is not None:
             req.status = Status.FINISHED
             req.finish_reason = "abort"
+            req.drop_placeholders()
+            self.runner.release(req)
             self.requests.pop(req.request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
-        """One engine iteration; returns an output for each request that advanced."""
-        batch = self.scheduler.schedule()
+        """One engine iteration; returns an output for each request that advanced.
+
+        Synchronous: schedule, run, read the sampled tokens, postprocess. With async scheduling the
+        host schedules and launches step n+1 before it reads step n's tokens: it assumes every
+        running request continues (the token it sampled at n stays on the device and is gathered
+        into n+1's inputs; a placeholder stands for it on the host), then reads n's tokens while
+        the device runs n+1 and postprocesses them. A request found finished at n has its
+        speculative token of n+1 discarded; a request whose token at n ends it by length is not
+        scheduled at n+1 at all, so ``max_tokens`` never costs an extra step or page. The outputs
+        (tokens, texts, finish reasons, streaming order) equal the synchronous engine's; they only
+        come back one call later.
+        """
+        if not self.async_scheduling:
+            launched = self._launch(self.scheduler.schedule(), None)
+            return [] if launched is None else self._process(launched)
+        outputs: list[RequestOutput] = []
+        prev = self._inflight
+        if prev is not None and prev.penalized:
+            # Repetition penalties read every token on the host: settle step n first.
+            outputs = self._process(prev)
+            prev = self._inflight = None
+        self._inflight = self._launch(self.scheduler.schedule(), prev)
+        if prev is not None:
+            outputs += self._process(prev)
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch, prev: _Step | None) -> _Step | None:
+        """Enqueue ``batch`` on the device; ``prev`` (async) is the step whose tokens are still there."""
+        for req in batch.preempted:
+            self.runner.release(req)
         if not batch.requests:
-            return []
+            return None
+        gather = None
+        if prev is not None and prev.rows:
+            # A request that sampled at ``prev`` feeds that token now: it is its only new token.
+            dst, src, off = [], [], 0
+            rows = prev.rows
+            for req, n in zip(batch.requests, batch.num_new_tokens):
+                i = rows.get(req)
+                if i is not None:
+                    dst.append(off + n - 1)
+                    src.append(i)
+                off += n
+            if dst:
+                gather = Gather(np.asarray(dst, dtype=np.int64), np.asarray(src, dtype=np.int64), prev.tokens)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            sampled = self.graph_runner.execute(batch)
+            reqs, tokens = self.graph_runner.launch(batch, gather)
         else:
-            sampled = self.runner.execute(batch)
-        outputs = []
+            reqs, tokens = self.runner.launch(batch, gather)
+        computed = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
-            self.block_manager.mark_computed(req.request_id, req.all_token_ids, req.num_computed_tokens)
-            if req in sampled:
-                self._append(req, sampled[req])
-                outputs.append(self._output(req))
+            computed.append(req.num_computed_tokens)
+        step = _Step(batch, computed, reqs, tokens)
+        if tokens is None:
+            return step
+        if self.async_scheduling:
+            step.penalized = any(r.params.repetition_penalty != 1.0 for r in reqs)
+            limit = self.max_model_len
+            for i, req in enumerate(reqs):
+                prompt = len(req.prompt_token_ids)
+                generated = req.num_tokens - prompt + 1  # counting this step's token
+                if generated < req.params.max_tokens and prompt + generated < limit:
+                    req.add_placeholder()
+                    step.rows[req] = i
+            if tokens.is_cuda:
+                step.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+                step.host.copy_(tokens, non_blocking=True)
+                step.event = torch.cuda.Event()
+                step.event.record()
+        return step
+
+    def _process(self, step: _Step) -> list[RequestOutput]:
+        """Read ``step``'s tokens (waits for the device) and postprocess them."""
+        bm = self.block_manager
+        if self._publishes_pages:
+            running = Status.RUNNING
+            for req, computed in zip(step.batch.requests, step.computed):
+                # Preempted (back in the queue) or finished since: its pages are gone.
+                if req.status is running:
+                    bm.mark_computed(req.request_id, req.all_token_ids, computed)
+        if step.tokens is None:
+            return []
+        outputs = []
+        for req, token in zip(step.reqs, step.read()):
+            if req.is_finished:  # aborted, or ended at the previous step: a speculative token
+                continue
+            self._append(req, token)
+            outputs.append(self._output(req))
         return outputs
 
     def _append(self, req: Request, token: int) -> None:
-        now = time.perf_counter()
         if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
+            req.metrics.first_token_time = time.perf_counter()
         req.append_token(token)
         p = req.params
         n = len(req.output_token_ids)
@@ -278,42 +384,39 @@ class Engine:
             (not p.ignore_eos and token in req.eos_token_ids) or token in p.stop_token_ids
         ):
             reason = "stop"
-        elif n >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        elif n >= p.max_tokens or len(req.prompt_token_ids) + n >= self.max_model_len:
             reason = "length"
         if self.tokenizer is not None:
+            before = len(req.text)
             req.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
             if p.stop and reason is None and n >= p.min_tokens:
-                cut = _find_stop(req.text, p.stop, req._reported_text)
+                cut = _find_stop(req.text, p.stop, before)
                 if cut is not None:
                     req.text = req.text[:cut]
                     reason = "stop"
         if reason is not None:
             self.scheduler.finish(req, reason)
+            req.drop_placeholders()
+            self.runner.release(req)
 
     def _output(self, req: Request) -> RequestOutput:
-        new_ids = req.output_token_ids[req._reported_tokens :]
+        out = req.output_token_ids
+        new_ids = out[req._reported_tokens :]
         text = req.text
-        if not req.is_finished:
+        finished = req.status is Status.FINISHED
+        if text and not finished:
             # Hold back an incomplete UTF-8 sequence and a possible start of a stop string.
-            hold = max((len(s) - 1 for s in req.params.stop), default=0)
+            stops = req.params.stop
+            hold = max(len(s) for s in stops) - 1 if stops else 0
             stable = len(text.rstrip("\ufffd")) - hold
             text = text[: max(stable, req._reported_text)]
         new_text = text[req._reported_text :]
-        req._reported_tokens = len(req.output_token_ids)
+        req._reported_tokens = len(out)
         req._reported_text = len(text)
-        if req.is_finished:
+        if finished:
             self.requests.pop(req.request_id, None)
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids),
-            text=text,
-            new_token_ids=new_ids,
-            new_text=new_text,
-            finished=req.is_finished,
-            finish_reason=req.finish_reason,
-            metrics=req.metrics,
-        )
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(out), text, new_ids, new_text, finished,
+                             req.finish_reason, req.metrics)
 
     # ------------------------------------------------------------------ conveniences
 
@@ -351,9 +454,32 @@ class Engine:
                         return
 
 
-def _find_stop(text: str, stops: list[str], reported: int) -> int | None:
-    start = max(0, reported - max(len(s) for s in stops))
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+class _Step:
+    """A launched step: its batch, each request's ``num_computed_tokens`` after it, the requests
+    that sample and their tokens on the device (with a pending host copy under async scheduling);
+    ``rows`` maps each request that got a placeholder to its row of ``tokens``."""
+
+    __slots__ = ("batch", "computed", "reqs", "tokens", "host", "event", "rows", "penalized")
+
+    def __init__(self, batch: ScheduledBatch, computed: list[int], reqs: list[Request],
+                 tokens: torch.Tensor | None) -> None:
+        self.batch, self.computed, self.reqs, self.tokens = batch, computed, reqs, tokens
+        self.host: torch.Tensor | None = tokens
+        self.event = None
+        self.rows: dict[Request, int] = {}
+        self.penalized = False
+
+    def read(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+def _find_stop(text: str, stops: list[str], before: int) -> int | None:
+    """First stop string that ends in ``text[before:]``, the text this token added. Earlier ones were
+    seen by earlier checks, or completed before ``min_tokens`` and do not count; either way the held
+    back tail (the longest stop string less one character) keeps a match out of streamed text."""
+    hits = [i for i in (text.find(s, max(0, before - len(s) + 1)) for s in stops) if i >= 0]
     return min(hits) if hits else None
 
 

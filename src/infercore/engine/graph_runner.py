@@ -15,18 +15,27 @@ import torch
 from ..devices import resolve
 from ..ops import AttentionMetadata, SamplingTensors, sample
 from .request import Request
-from .runner import ModelRunner
+from .runner import Gather, ModelRunner
 from .scheduler import ScheduledBatch
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 # int64 staging rows (each B long), then the block table (B x max_pages)
-_IDS, _POS, _SLOT, _LEN, _TOPK, _SEED, _OFF, _NI = range(8)
+_IDS, _POS, _SLOT, _LEN, _TOPK, _SEED, _OFF, _GDST, _GSRC, _NI = range(10)
 # float32 staging rows
 _TEMP, _TOPP, _MINP, _NF = range(4)
 
 
 class CUDAGraphRunner:
+    """Captured decode graphs over ``runner``'s model and caches.
+
+    The host half of a step (:meth:`stage`) writes the step's inputs into one of two pinned staging
+    buffers with a few numpy ops; the device half copies them over and replays. Two buffers, so
+    that with async scheduling the host can fill one while the copy out of the other is still
+    queued behind the running step. On the CPU the runner can be built (no capture) so the host
+    half can be measured.
+    """
+
     def __init__(self, runner: ModelRunner, *, max_batch: int, max_model_len: int, page_size: int,
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
         self.runner = runner
@@ -37,8 +46,14 @@ class CUDAGraphRunner:
         self.max_seqlen_k = P * page_size
         self.ints = torch.zeros(_NI * B + B * P, dtype=torch.long, device=dev)
         self.floats = torch.zeros(_NF * B, dtype=torch.float32, device=dev)
-        self.ints_host = torch.zeros_like(self.ints, device="cpu").pin_memory()
-        self.floats_host = torch.zeros_like(self.floats, device="cpu").pin_memory()
+        pin = dev.type == "cuda"
+        self.ints_host = [torch.zeros(self.ints.shape, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self.floats_host = [torch.zeros(self.floats.shape, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        self._ints_np = [t.numpy() for t in self.ints_host]
+        self._floats_np = [t.numpy() for t in self.floats_host]
+        # the event after the last copy out of each staging buffer (None: no copy queued)
+        self._copied: list = [None, None]
+        self._flip = 0
         self.input_ids, self.positions = self._row(self.ints, _IDS, B), self._row(self.ints, _POS, B)
         # the kernels take int32 index tensors: separate buffers, filled from the staging copy
         self.slot_mapping = torch.full((B,), -1, dtype=torch.int32, device=dev)
@@ -95,39 +110,81 @@ class CUDAGraphRunner:
         return (
             bool(self.graphs)
             and len(batch) <= self.B
-            and all(n == 1 for n in batch.num_new_tokens)
+            and batch.num_tokens == len(batch)
             and all(r.num_computed_tokens + 1 == r.num_tokens for r in batch.requests)
         )
 
-    @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> dict[Request, int]:
-        reqs = batch.requests
+    def stage(self, batch: ScheduledBatch, gather: Gather | None = None) -> tuple[int, int, int, int, int]:
+        """The host half of a step: write ``batch`` (a decode batch every request of which samples)
+        into the next staging buffer. Returns ``(buffer, n, bucket, width, num_gathered)``."""
         x = self.runner.host_inputs(batch)
-        n, B, P = len(reqs), self.B, self.max_pages
+        n, B, P = len(batch), self.B, self.max_pages
         b = next(s for s in self.buckets if s >= n)
-        pad = b - n
-        ps = [r.params for r in reqs]
-        width = max(len(t) for t in x.tables)
-        ih, fh = self.ints_host, self.floats_host
-        rows = [x.input_ids, x.positions, x.slots + [-1] * pad, x.seq_lens + [0] * pad,
-                [p.top_k for p in ps] + [0] * pad, [r.seed for r in reqs] + [0] * pad,
-                [len(r.output_token_ids) for r in reqs] + [0] * pad]
-        for k, row in enumerate(rows):
-            ih[k * B : k * B + len(row)] = torch.tensor(row)
-        ih[_NI * B : _NI * B + n * P].view(n, P)[:, :width] = torch.tensor(
-            [t + [0] * (width - len(t)) for t in x.tables])
-        frows = [[p.temperature for p in ps] + [0.0] * pad, [p.top_p for p in ps] + [1.0] * pad,
-                 [p.min_p for p in ps] + [0.0] * pad]
-        for k, row in enumerate(frows):
-            fh[k * B : k * B + b] = torch.tensor(row)
+        k = self._flip
+        self._flip ^= 1
+        if self._copied[k] is not None:
+            self._copied[k].synchronize()  # normally long done: it was queued two steps ago
+            self._copied[k] = None
+        ih, fh = self._ints_np[k], self._floats_np[k]
+        rt = self.runner.rows
+        rows = x.rows
+        # Padded rows must hold valid ids: a stale placeholder (-1) would index the embedding.
+        ih[_IDS * B + n : _IDS * B + b] = 0
+        ih[_POS * B + n : _POS * B + b] = 0
+        ih[_IDS * B : _IDS * B + n] = x.input_ids
+        ih[_POS * B : _POS * B + n] = x.positions
+        ih[_SLOT * B : _SLOT * B + b] = -1
+        ih[_SLOT * B : _SLOT * B + n] = x.slots
+        ih[_LEN * B : _LEN * B + b] = 0
+        ih[_LEN * B : _LEN * B + n] = x.seq_lens
+        ih[_TOPK * B : _TOPK * B + b] = 0
+        ih[_TOPK * B : _TOPK * B + n] = rt.iparams[rows, 0]
+        ih[_SEED * B : _SEED * B + b] = 0
+        ih[_SEED * B : _SEED * B + n] = rt.iparams[rows, 1]
+        ih[_OFF * B : _OFF * B + b] = 0
+        ih[_OFF * B : _OFF * B + n] = x.seq_lens - rt.prompt_lens[rows]  # decode: num_tokens == end
+        g = 0 if gather is None else len(gather.dst)
+        if g:
+            ih[_GDST * B : _GDST * B + g] = gather.dst
+            ih[_GSRC * B : _GSRC * B + g] = gather.src
+        width = x.table.shape[1]
+        ih[_NI * B : _NI * B + n * P].reshape(n, P)[:, :width] = x.table
+        fh[_TEMP * B : _TEMP * B + b] = 0.0
+        fh[_TOPP * B : _TOPP * B + b] = 1.0
+        fh[_MINP * B : _MINP * B + b] = 0.0
+        fp = rt.fparams[rows]
+        fh[_TEMP * B : _TEMP * B + n] = fp[:, 0]
+        fh[_TOPP * B : _TOPP * B + n] = fp[:, 1]
+        fh[_MINP * B : _MINP * B + n] = fp[:, 2]
+        self._penalized = bool((fp[:, 3] != 1.0).any())
+        return k, n, b, width, g
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, gather: Gather | None = None) -> tuple[list[Request], torch.Tensor]:
+        """Stage, copy and replay; returns every request of ``batch`` and its sampled token, int64
+        ``[n]`` on the device, without waiting for the device."""
+        k, n, b, width, g = self.stage(batch, gather)
+        B, P = self.B, self.max_pages
         used = _NI * B + n * P
-        self.ints[:used].copy_(ih[:used], non_blocking=True)
-        self.floats.copy_(fh, non_blocking=True)
+        self.ints[:used].copy_(self.ints_host[k][:used], non_blocking=True)
+        self.floats.copy_(self.floats_host[k], non_blocking=True)
+        if self.ints.is_cuda:  # elsewhere the copy is done when it returns
+            ev = torch.cuda.Event()
+            ev.record()
+            self._copied[k] = ev
         self.slot_mapping[:b] = self._row(self.ints, _SLOT, b)
         self.seq_lens[:b] = self._row(self.ints, _LEN, b)
         self.top_k[:b] = self._row(self.ints, _TOPK, b)
         self.block_table[:n, :width] = self.ints[_NI * B : used].view(n, P)[:, :width]
+        if g:
+            src = self._row(self.ints, _GSRC, g)
+            self.input_ids[self._row(self.ints, _GDST, g)] = gather.prev[src]
         self.graphs[b].replay()
-        if self.graph_samples and all(p.repetition_penalty == 1.0 for p in ps):
-            return dict(zip(reqs, self.tokens[b][:n].tolist()))
-        return self.runner.sample(reqs, self.logits[b][:n])
+        reqs = batch.requests
+        if self.graph_samples and not self._penalized:
+            return reqs, self.tokens[b][:n]
+        return reqs, self.runner.sample_tokens(reqs, self.logits[b][:n])
+
+    def execute(self, batch: ScheduledBatch) -> dict[Request, int]:
+        reqs, tokens = self.launch(batch)
+        return dict(zip(reqs, tokens.tolist()))

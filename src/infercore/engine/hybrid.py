@@ -236,8 +236,8 @@ class HybridModelRunner(ModelRunner):
         return self._tensor(input_ids, torch.long), self._tensor(positions, torch.long), meta, sample_rows
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> dict:
+    def launch(self, batch: ScheduledBatch, gather=None) -> tuple:
         # Checkpoint copies queued by the last mark_computed (live -> checkpoint) and by this step's
         # admissions (checkpoint -> live) must land before the forward touches the live states.
         self.apply_state_copies()
-        return super().execute(batch)
+        return super().launch(batch, gather)

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 
 from .params import SamplingParams
 
+# Stands for a token sampled on the device but not read back yet; never fed to a model (the runner
+# gathers the real token on the device) and never hashed (it lies past the computed prefix).
+PLACEHOLDER = -1
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -66,6 +70,8 @@ class Request:
     _all: list[int] = field(default_factory=list)
     # incremental detokenization state
     text: str = ""
+    # the runner's persistent host row (block table, sampling parameters); -1 = none
+    _row: int = -1
     _reported_tokens: int = 0
     _reported_text: int = 0
 
@@ -81,9 +87,31 @@ class Request:
     def num_tokens(self) -> int:
         return len(self._all)
 
+    @property
+    def num_resolved_tokens(self) -> int:
+        """Prompt plus output tokens whose values are known on the host."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Placeholders at the tail of ``all_token_ids``: tokens sampled by a launched step that the
+        host has not read yet (async scheduling; always 0 in the synchronous engine)."""
+        return len(self._all) - self.num_resolved_tokens
+
+    def add_placeholder(self) -> None:
+        self._all.append(PLACEHOLDER)
+
+    def drop_placeholders(self) -> None:
+        del self._all[self.num_resolved_tokens :]
+
     def append_token(self, token: int) -> None:
+        """Record the next output token; it takes the place of the oldest placeholder, if any."""
+        i = self.num_resolved_tokens
         self.output_token_ids.append(token)
-        self._all.append(token)
+        if i < len(self._all):
+            self._all[i] = token
+        else:
+            self._all.append(token)
 
     @property
     def is_finished(self) -> bool:

@@ -3,12 +3,19 @@
 The runner owns the KV cache tensors and builds the per-step metadata explicitly (no global
 context): tokens-first ragged ``input_ids``/``positions``, int32 ``cu_seqlens_q``, ``seq_lens``,
 a padded int32 block table and the slot mapping where new K/V are written.
+
+Host cost matters at large batches (it is paid every decode step), so the per-request state the
+step needs lives in persistent numpy rows (:class:`RowTable`): each running request owns a row
+holding its block table (extended by the new page ids only when it crosses a page boundary) and
+its sampling parameters; a step gathers those rows with one numpy indexing op instead of walking
+Python lists of every request.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..kv import BlockManager
@@ -17,16 +24,96 @@ from .request import Request
 from .scheduler import ScheduledBatch
 
 
+class RowTable:
+    """Host rows of the running requests: block tables and static sampling parameters.
+
+    ``tables`` int32 ``[R, P]`` (page ids, valid up to ``num_pages[row]``), ``fparams`` fp32 ``[R, 4]``
+    (temperature, top_p, min_p, repetition_penalty), ``iparams`` int64 ``[R, 2]`` (top_k, seed),
+    ``prompt_lens`` int64 ``[R]``. Rows and columns grow on demand.
+    """
+
+    def __init__(self, rows: int = 64, pages: int = 16) -> None:
+        self.tables = np.zeros((rows, pages), dtype=np.int32)
+        self.num_pages = np.zeros(rows, dtype=np.int64)
+        self.fparams = np.zeros((rows, 4), dtype=np.float32)
+        self.iparams = np.zeros((rows, 2), dtype=np.int64)
+        self.prompt_lens = np.zeros(rows, dtype=np.int64)
+        self.free = list(range(rows - 1, -1, -1))
+
+    def _grow_rows(self) -> None:
+        old = self.tables.shape[0]
+        new = 2 * old
+        self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
+        self.num_pages = np.concatenate([self.num_pages, np.zeros_like(self.num_pages)])
+        self.fparams = np.concatenate([self.fparams, np.zeros_like(self.fparams)])
+        self.iparams = np.concatenate([self.iparams, np.zeros_like(self.iparams)])
+        self.prompt_lens = np.concatenate([self.prompt_lens, np.zeros_like(self.prompt_lens)])
+        self.free.extend(range(new - 1, old - 1, -1))
+
+    def assign(self, req: Request) -> int:
+        if not self.free:
+            self._grow_rows()
+        row = self.free.pop()
+        p = req.params
+        self.num_pages[row] = 0
+        self.fparams[row] = (p.temperature, p.top_p, p.min_p, p.repetition_penalty)
+        self.iparams[row] = (p.top_k, req.seed)
+        self.prompt_lens[row] = len(req.prompt_token_ids)
+        req._row = row
+        return row
+
+    def release(self, req: Request) -> None:
+        if req._row >= 0:
+            self.free.append(req._row)
+            req._row = -1
+
+    def sync_pages(self, bm: BlockManager, reqs: list[Request], rows: np.ndarray, need: np.ndarray) -> None:
+        """Make ``tables[rows[i], :need[i]]`` hold the request's pages; only rows that crossed a page
+        boundary since the last step ask the block manager (pages are only ever appended)."""
+        stale = np.flatnonzero(need > self.num_pages[rows])
+        if stale.size == 0:
+            return
+        width = int(need[stale].max())
+        if width > self.tables.shape[1]:
+            cols = max(width, 2 * self.tables.shape[1])
+            self.tables = np.pad(self.tables, ((0, 0), (0, cols - self.tables.shape[1])))
+        for i in stale.tolist():
+            row = int(rows[i])
+            have = int(self.num_pages[row])
+            pages = bm.block_table(reqs[i].request_id)[have:]
+            self.tables[row, have : have + len(pages)] = pages
+            self.num_pages[row] = have + len(pages)
+
+
 @dataclass
 class StepInputs:
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    cu_seqlens: list[int] = field(default_factory=lambda: [0])
-    seq_lens: list[int] = field(default_factory=list)
-    tables: list[list[int]] = field(default_factory=list)
-    sample_rows: list[int] = field(default_factory=list)
-    max_q: int = 0
+    """One step's inputs on the host (numpy).
+
+    ``input_ids``/``positions``/``slots`` int64 ``[T]`` (``input_ids`` holds ``PLACEHOLDER`` where the
+    token is still on the device), ``cu_seqlens`` int64 ``[B+1]``, ``seq_lens`` int64 ``[B]``,
+    ``rows`` int64 ``[B]`` (RowTable rows), ``table`` int32 ``[B, width]``, ``sample_rows`` int64
+    (indices into the batch of the requests that sample this step), ``max_q`` largest query length.
+    """
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    cu_seqlens: np.ndarray
+    seq_lens: np.ndarray
+    rows: np.ndarray
+    table: np.ndarray
+    sample_rows: np.ndarray
+    max_q: int
+
+
+@dataclass
+class Gather:
+    """Tokens of the previous step still on the device: ``input_ids[dst] = prev[src]`` before the
+    forward. ``dst`` int64 indices into this step's flat input, ``src`` int64 rows of ``prev``."""
+
+    dst: np.ndarray
+    src: np.ndarray
+    prev: torch.Tensor
 
 
 class ModelRunner:
@@ -42,60 +129,118 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.bm = block_manager
         self.device = device
+        self.rows = RowTable()
 
     def _tensor(self, data, dtype=torch.int32) -> torch.Tensor:
-        # Build on the host, copy once; pinned + non_blocking would help on CUDA for large batches.
+        if isinstance(data, np.ndarray):
+            return torch.from_numpy(data).to(device=self.device, dtype=dtype, non_blocking=True)
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
-    def host_inputs(self, batch: ScheduledBatch) -> StepInputs:
-        """The step's inputs as host lists (one pass over the batch)."""
-        x = StepInputs()
-        for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            start = req.num_computed_tokens
-            end = start + n
-            x.input_ids += req.all_token_ids[start:end]
-            x.positions += range(start, end)
-            x.slots += self.bm.slot_mapping(req.request_id, start, end)
-            x.cu_seqlens.append(x.cu_seqlens[-1] + n)
-            x.seq_lens.append(end)
-            x.tables.append(self.bm.block_table(req.request_id))
-            if end == req.num_tokens:
-                x.sample_rows.append(i)
-        x.max_q = max(batch.num_new_tokens)
-        return x
+    def release(self, req: Request) -> None:
+        """Forget ``req``'s host row (it finished, was aborted or preempted)."""
+        self.rows.release(req)
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def host_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        """The step's inputs as numpy arrays: one Python pass over the batch, the rest vectorized."""
+        reqs = batch.requests
+        rt = self.rows
+        for r in reqs:
+            if r._row < 0:
+                rt.assign(r)
+        B = len(reqs)
+        state = np.array([(r.num_computed_tokens, r.num_tokens, r._row) for r in reqs], dtype=np.int64).reshape(B, 3)
+        starts, totals, rows = state[:, 0], state[:, 1], state[:, 2]
+        n = np.asarray(batch.num_new_tokens, dtype=np.int64)
+        ends = starts + n
+        ps = self.bm.page_size
+        need = (ends + ps - 1) // ps
+        rt.sync_pages(self.bm, reqs, rows, need)
+        cu = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(n, out=cu[1:])
+        max_q = int(n.max())
+        if max_q == 1:
+            positions = starts
+            input_ids = np.array([r._all[s] for r, s in zip(reqs, starts.tolist())], dtype=np.int64)
+            tok_rows = rows
+        else:
+            positions = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1] - starts, n)
+            ids: list[int] = []
+            for r, s, e in zip(reqs, starts.tolist(), ends.tolist()):
+                ids += r._all[s:e]
+            input_ids = np.array(ids, dtype=np.int64)
+            tok_rows = np.repeat(rows, n)
+        slots = rt.tables[tok_rows, positions // ps].astype(np.int64) * ps + positions % ps
+        width = int(need.max())
+        return StepInputs(
+            input_ids=input_ids, positions=positions, slots=slots, cu_seqlens=cu, seq_lens=ends, rows=rows,
+            table=rt.tables[rows, :width], sample_rows=np.flatnonzero(ends == totals), max_q=max_q,
+        )  # fmt: skip
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
         x = self.host_inputs(batch)
-        width = max(len(t) for t in x.tables)
-        table = [t + [0] * (width - len(t)) for t in x.tables]
         meta = AttentionMetadata(
             cu_seqlens_q=self._tensor(x.cu_seqlens),
             seq_lens=self._tensor(x.seq_lens),
-            block_table=self._tensor(table),
+            block_table=self._tensor(x.table),
             slot_mapping=self._tensor(x.slots),
             max_seqlen_q=x.max_q,
-            max_seqlen_k=max(x.seq_lens),
+            max_seqlen_k=int(x.seq_lens.max()),
             decode_only=x.max_q == 1,
         )
         return self._tensor(x.input_ids, torch.long), self._tensor(x.positions, torch.long), meta, x.sample_rows
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> dict[Request, int]:
-        """Run one forward over ``batch``; returns the token sampled for each request that has
-        now consumed all of its known tokens (partial prefill chunks sample nothing)."""
+    def launch(self, batch: ScheduledBatch, gather: Gather | None = None) -> tuple[list[Request], torch.Tensor | None]:
+        """Enqueue one forward over ``batch`` and the sampling, without waiting for the device.
+
+        Returns the requests that sample (those that have now consumed all of their known tokens;
+        partial prefill chunks sample nothing) and their tokens, int64 ``[len(reqs)]`` on the
+        device (None when no request samples)."""
         input_ids, positions, meta, rows = self.prepare(batch)
+        if gather is not None and len(gather.dst):
+            input_ids[torch.from_numpy(gather.dst).to(self.device)] = gather.prev[
+                torch.from_numpy(gather.src).to(gather.prev.device)]
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if not rows:
-            return {}
-        last = meta.cu_seqlens_q[1:][torch.tensor(rows, device=self.device)] - 1
+        rows = np.asarray(rows, dtype=np.int64)
+        if not rows.size:
+            return [], None
+        last = meta.cu_seqlens_q[1:][torch.from_numpy(rows).to(self.device)] - 1
         logits = self.model.compute_logits(hidden[last.long()])
-        return self.sample([batch.requests[i] for i in rows], logits)
+        reqs = [batch.requests[i] for i in rows.tolist()]
+        return reqs, self.sample_tokens(reqs, logits)
+
+    def execute(self, batch: ScheduledBatch) -> dict[Request, int]:
+        """Run one forward over ``batch`` and wait; returns the token sampled for each request that
+        has now consumed all of its known tokens."""
+        reqs, tokens = self.launch(batch)
+        return {} if tokens is None else dict(zip(reqs, tokens.tolist()))
+
+    def sample_tokens(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """Sample one token per request from ``logits`` ``[len(reqs), V]``; int64 ``[len(reqs)]`` on
+        the device, not synced."""
+        rows = [r._row for r in reqs]
+        if min(rows) >= 0:
+            params = self.row_sampling_tensors(np.asarray(rows, dtype=np.int64),
+                                               np.array([r.num_tokens for r in reqs], dtype=np.int64))
+        else:
+            params = sampling_tensors(reqs, self.device)
+        return sample(logits, params, prev_tokens=_prev_tokens(reqs, self.device), check_values=False)
 
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> dict[Request, int]:
-        """Sample one token per request from ``logits`` ``[len(reqs), V]`` (the step's only host sync)."""
-        tokens = sample(logits, sampling_tensors(reqs, self.device), prev_tokens=_prev_tokens(reqs, self.device),
-                        check_values=False)
-        return dict(zip(reqs, tokens.tolist()))
+        """Sample one token per request from ``logits`` ``[len(reqs), V]`` (syncs)."""
+        return dict(zip(reqs, self.sample_tokens(reqs, logits).tolist()))
+
+    def row_sampling_tensors(self, rows: np.ndarray, num_tokens: np.ndarray) -> SamplingTensors:
+        """Sampling parameters of RowTable ``rows``; ``num_tokens`` (prompt + generated, placeholders
+        included) gives the offsets. Two host-to-device copies."""
+        rt = self.rows
+        f = torch.from_numpy(np.ascontiguousarray(rt.fparams[rows].T)).to(self.device, non_blocking=True)
+        i = np.empty((3, len(rows)), dtype=np.int64)
+        i[:2] = rt.iparams[rows].T
+        i[2] = num_tokens - rt.prompt_lens[rows]
+        i = torch.from_numpy(i).to(self.device, non_blocking=True)
+        return SamplingTensors(temperature=f[0], top_p=f[1], min_p=f[2], repetition_penalty=f[3],
+                               top_k=i[0].to(torch.int32), seeds=i[1], offsets=i[2])
 
 
 def sampling_tensors(reqs: list[Request], device: torch.device) -> SamplingTensors:
@@ -103,8 +248,8 @@ def sampling_tensors(reqs: list[Request], device: torch.device) -> SamplingTenso
     ps = [r.params for r in reqs]
     f = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
                       [p.repetition_penalty for p in ps]], dtype=torch.float32)
-    i = torch.tensor([[p.top_k for p in ps], [r.seed for r in reqs], [len(r.output_token_ids) for r in reqs]],
-                     dtype=torch.int64)
+    i = torch.tensor([[p.top_k for p in ps], [r.seed for r in reqs],
+                      [r.num_tokens - len(r.prompt_token_ids) for r in reqs]], dtype=torch.int64)
     f, i = f.to(device, non_blocking=True), i.to(device, non_blocking=True)
     return SamplingTensors(
         temperature=f[0],

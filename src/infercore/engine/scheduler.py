@@ -100,14 +100,17 @@ class Scheduler:
         budget = self.max_num_batched_tokens
 
         # 1. Running requests, oldest first; preempt from the newest end when pages run short.
-        pending = list(self.running)
+        pending = deque(self.running)
         kept: list[Request] = []
         while pending:
-            req = pending.pop(0)
-            if budget == 0:
+            req = pending.popleft()
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n == 0:
+                # No budget left, or (async scheduling) every known token is computed and the request
+                # only awaits the read-back of its last sampled token, which ends it by length.
                 kept.append(req)
                 continue
-            n = self._cut(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
+            n = self._cut(req.num_computed_tokens, n)
             while not self.bm.grow(req.request_id, req.num_computed_tokens + n):
                 victim = pending.pop() if pending else req
                 self._preempt(victim)
@@ -152,8 +155,13 @@ class Scheduler:
         return batch
 
     def finish(self, req: Request, reason: str) -> None:
+        """End ``req`` and release its pages. With async scheduling a request can end while back in
+        the queue: it was preempted after the step that sampled its last token was launched."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self.bm.free(req.request_id)
+        else:
+            self.waiting.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.metrics.finish_time = time.perf_counter()
-        self.running.remove(req)
-        self.bm.free(req.request_id)

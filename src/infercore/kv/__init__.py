@@ -6,7 +6,7 @@ and slot indices that the attention ops consume.
 """
 
 from .block_manager import BlockManager
-from .cache import allocate_kv_caches, bytes_per_page, pages_for_budget
+from .cache import QuantizedKVCache, allocate_kv_caches, bytes_per_page, pages_for_budget, resolve_kv_cache_dtype
 from .prefix_cache import PrefixCacheStats, hash_page, hash_pages, root_hash
 from .spec import FullAttentionSpec
 
@@ -14,10 +14,12 @@ __all__ = [
     "BlockManager",
     "FullAttentionSpec",
     "PrefixCacheStats",
+    "QuantizedKVCache",
     "allocate_kv_caches",
     "bytes_per_page",
     "hash_page",
     "hash_pages",
     "pages_for_budget",
+    "resolve_kv_cache_dtype",
     "root_hash",
 ]

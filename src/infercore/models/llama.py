@@ -29,6 +29,7 @@ from ..ops import (
     rope_cos_sin_cache,
     silu_and_mul,
 )
+from ..ops.attention import takes_new_kv
 from ..ops.kv_cache import dequantize_paged_kv, scale_aware
 from .config import ModelConfig
 
@@ -49,12 +50,15 @@ def tie_and_rope_table(model: nn.Module, *, base: float, scaling: dict | None) -
                               scaling=scaling, dtype=torch.float32, device=device)
 
 
-def _attention(q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_window, k_scale=None, v_scale=None):
+def _attention(q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_window, k_scale=None, v_scale=None,
+               k=None, v=None):  # fmt: skip
     """:func:`infercore.ops.paged_attention` without re-checking the step's metadata every layer.
 
     With a quantized cache (``k_scale``/``v_scale`` given, see :class:`~infercore.kv.cache.QuantizedKVCache`)
     decode reads the 1-byte codes directly; prefill dequantizes the pages it reads into a temporary
-    cache in q's dtype first (the prefill kernels read float caches only).
+    cache in q's dtype first (the prefill kernels read float caches only). ``k``/``v`` ``[T, Hk, D]``:
+    this step's rotated keys and values, passed to a prefill implementation that takes them (see
+    :func:`prefill_takes_new_kv`) so it reads the new tokens contiguously instead of through the pages.
     """
     if meta.decode_only:
         if k_scale is not None:
@@ -68,9 +72,18 @@ def _attention(q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_w
     if k_scale is not None:
         k_cache, v_cache, block_table = dequantize_paged_kv(
             k_cache, v_cache, k_scale, v_scale, block_table=block_table, seq_lens=meta.seq_lens, dtype=q.dtype)
-    return dispatch("paged_attention_prefill", q.device)(
+    fn = dispatch("paged_attention_prefill", q.device)
+    new_kv = {"k": k, "v": v} if k is not None and takes_new_kv(fn) else {}
+    return fn(
         q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens, block_table=block_table,
-        scale=scale, sliding_window=sliding_window, softcap=None, max_seqlen_q=meta.max_seqlen_q)  # fmt: skip
+        scale=scale, sliding_window=sliding_window, softcap=None, max_seqlen_q=meta.max_seqlen_q, **new_kv)  # fmt: skip
+
+
+def prefill_takes_new_kv(meta: AttentionMetadata, device: torch.device) -> bool:
+    """Whether this step's prefill attention reads the new tokens' K/V from contiguous tensors (the GPU
+    kernel does; the CPU fast path reads everything from the cache). Then the caller keeps the rotated k
+    instead of fusing RoPE into the cache write."""
+    return not meta.decode_only and takes_new_kv(dispatch("paged_attention_prefill", device))
 
 
 class RMSNorm(nn.Module):
@@ -127,15 +140,27 @@ class LlamaAttention(nn.Module):
         # one kernel: rotate q and k, write the rotated k and v into the paged cache
         # Model-internal calls go straight to the registered implementation: the shapes are the
         # model's own, so the public wrappers' argument checks would only repeat per layer.
-        if k_scale is None:
-            q = dispatch("rope_and_write_kv", x.device)(q, k, v, positions, cos_sin, k_cache, v_cache,
-                                                        meta.slot_mapping)  # fmt: skip
+        if prefill_takes_new_kv(meta, x.device):
+            # Prefill reads this step's K/V straight from k/v (contiguous rows, as FlashAttention varlen
+            # does), so keep the rotated k; the cache write is still needed for later steps.
+            q, k = dispatch("apply_rope", x.device)(q, k, positions, cos_sin)
+            if k_scale is None:
+                dispatch("write_kv_cache_", x.device)(k, v, k_cache, v_cache, meta.slot_mapping)
+            else:
+                scale_aware("write_kv_cache_", x.device)(k, v, k_cache, v_cache, meta.slot_mapping,
+                                                         k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+            new_kv = {"k": k, "v": v}
         else:
-            rope_write = scale_aware("rope_and_write_kv", x.device)
-            q = rope_write(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping,
-                           k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+            new_kv = {}
+            if k_scale is None:
+                q = dispatch("rope_and_write_kv", x.device)(q, k, v, positions, cos_sin, k_cache, v_cache,
+                                                            meta.slot_mapping)  # fmt: skip
+            else:
+                rope_write = scale_aware("rope_and_write_kv", x.device)
+                q = rope_write(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping,
+                               k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         o = _attention(q, k_cache, v_cache, meta, scale=self.scale, sliding_window=self.sliding_window,
-                       k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+                       k_scale=k_scale, v_scale=v_scale, **new_kv)  # fmt: skip
         return self.o_proj(o.reshape(T, self.q_size))
 
 

@@ -12,6 +12,7 @@ from .conv1d import causal_conv1d_prefill_, causal_conv1d_update_
 from .gated_delta import chunk_gated_delta_rule_, fused_recurrent_gated_delta_rule_
 from .gated_norm import gated_rms_norm
 from .kv_cache import write_kv_cache_
+from .linear import skinny_linear
 from .mamba import mamba_chunk_scan_, selective_state_update_
 from .norm import fused_add_rms_norm, rms_norm
 from .rope import apply_rope, rope_cos_sin_cache, rope_inv_freq
@@ -42,6 +43,7 @@ __all__ = [
     "rope_inv_freq",
     "sample",
     "silu_and_mul",
+    "skinny_linear",
     "write_kv_cache_",
 ]
 

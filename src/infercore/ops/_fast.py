@@ -23,6 +23,7 @@ if triton_available():
     from .gated_delta import triton as _gated_delta_triton  # noqa: F401
     from .gated_norm import triton as _gated_norm_triton  # noqa: F401
     from .kv_cache import triton as _kv_cache_triton  # noqa: F401
+    from .linear import triton as _linear_triton  # noqa: F401
     from .mamba import triton as _mamba_triton  # noqa: F401
     from .norm import triton as _norm_triton  # noqa: F401
     from .rope import triton as _rope_triton  # noqa: F401

@@ -9,7 +9,9 @@
   sm89+). Operands arrive through host TMA descriptors when their strides allow (else pointer
   loads). With outliers (MixQ) the int32 tile is dequantized to fp32 first and the outlier
   channels run as a short bf16/fp16 dot loop accumulating onto that same fp32 tile, so only one
-  accumulator is ever live and no second pass over ``y`` is needed.
+  accumulator is ever live and no second pass over ``y`` is needed; that loop has its own
+  shallow pipeline (``MMConfig.out_stages``) so its 16-bit tiles never set the shared-memory peak.
+  Optionally persistent (one program per SM, grouped tile order) and with a TMA store of C.
 * Launch configs come from :data:`MM_CONFIGS` by kernel variant and M bucket (no autotuning:
   first calls cost one compile, not a sweep); ``benchmarks/sweep_w8a8.py`` fills the table.
 """
@@ -123,28 +125,40 @@ class MMConfig(NamedTuple):
     stages: int = 4
     tma: bool = True  # host TMA descriptors for A, B (and the outliers) when strides allow
     block_o: int = 64  # outlier-channel step of the MixQ loop
+    # Pipeline depth of the outlier loop alone. Its 16-bit tiles are twice the bytes of the 8-bit
+    # main-loop tiles, so at the main loop's depth they set the shared-memory peak (128x256 s4 with
+    # BLOCK_O 64 would need as much as the whole main loop); 2 keeps them well under it.
+    out_stages: int = 2
+    # One program per SM walking the tiles in grouped order; the main loop's next-tile loads then
+    # overlap this tile's epilogue (the K loop is flattened into the tile loop without outliers).
+    persistent: bool = False
+    tma_c: bool = False  # store C through a TMA descriptor (needs N * itemsize % 16 == 0)
 
 
 # Per kernel variant, per M bucket (upper bound of M, ascending; the last covers everything).
-# Picked by benchmarks/sweep_w8a8.py on an H200; paste its printed "best" table here.
+# Picked by benchmarks/sweep_w8a8.py on an H200 (results/h200/sweeps/sweep_w8a8.json, 2026-11-30,
+# N=14336 K=4096 at M=1, 16, 128, 2048). Pointer loads beat TMA at M <= 128: with one or a few
+# row tiles the kernel is weight-bandwidth bound and the TMA box round trips add latency.
 MM_CONFIGS: dict[str, list[tuple[int, MMConfig]]] = {
+    # From benchmarks/sweep_w8a8.py on the H200 (benchmarks/results/h200/sweeps/sweep_w8a8.json),
+    # N=14336, K=4096; the comment is the measured time at the M of that row.
     "int8": [
-        (8, MMConfig(16, 64, 256, 1, 4, 4)),
-        (64, MMConfig(16, 64, 256, 1, 4, 4)),
-        (256, MMConfig(64, 128, 128, 8, 4, 4)),
-        (1 << 62, MMConfig(128, 256, 128, 8, 8, 3)),
+        (8, MMConfig(16, 64, 256, 1, 4, 4)),  # 25.5 us at M=1
+        (64, MMConfig(16, 64, 256, 1, 4, 4, tma=False)),  # 24.8 us at M=16
+        (256, MMConfig(64, 128, 128, 8, 4, 4, tma=False)),  # 29.1 us at M=128
+        (1 << 62, MMConfig(128, 256, 128, 8, 8, 4, persistent=True)),  # 197.5 us at M=2048
     ],
     "fp8": [
-        (8, MMConfig(16, 64, 256, 1, 4, 4)),
-        (64, MMConfig(16, 64, 256, 1, 4, 4)),
-        (256, MMConfig(64, 128, 128, 8, 4, 4)),
-        (1 << 62, MMConfig(128, 256, 128, 8, 8, 3)),
+        (8, MMConfig(16, 64, 128, 1, 4, 6, tma=False)),  # 28.8 us at M=1
+        (64, MMConfig(16, 64, 256, 1, 4, 4, tma=False)),  # 25.6 us at M=16
+        (256, MMConfig(64, 128, 128, 8, 4, 4, tma=False)),  # 27.8 us at M=128
+        (1 << 62, MMConfig(128, 256, 128, 8, 8, 3, persistent=True, tma_c=True)),  # 167.9 us at M=2048
     ],
     "mixed": [
-        (8, MMConfig(16, 64, 256, 1, 4, 4)),
-        (64, MMConfig(16, 64, 256, 1, 4, 4)),
-        (256, MMConfig(64, 128, 128, 8, 4, 4)),
-        (1 << 62, MMConfig(128, 256, 128, 8, 8, 3)),
+        (8, MMConfig(16, 64, 256, 1, 4, 4, tma=False)),  # 28.6 us at M=1
+        (64, MMConfig(16, 64, 256, 1, 4, 4, tma=False)),  # 26.3 us at M=16
+        (256, MMConfig(64, 128, 128, 8, 4, 4, tma=False)),  # 31.5 us at M=128
+        (1 << 62, MMConfig(128, 256, 128, 8, 8, 4, tma_c=True)),  # 219.5 us at M=2048
     ],
 }
 # The interpreter runs ~1 ms per program: tiny tiles. Tests pass ``config=`` to reach the TMA path.
@@ -161,27 +175,26 @@ def pick_config(variant: str, m: int) -> MMConfig:
     return MM_CONFIGS[variant][-1][1]
 
 
-# M is not specialized (no recompile when a batch size crosses 1 or a multiple of 16); N, K and the
-# strides are, which is what the address math needs.
-@triton.jit(do_not_specialize=["M"])
-def _scaled_mm_kernel(
-    a_ptr, b_ptr, sa_ptr, sb_ptr, xo_ptr, wo_ptr, bias_ptr, c_ptr,
-    M, N, K, n_out,
-    stride_am, stride_bn, stride_om, stride_won, stride_cm,
-    IS_INT8: tl.constexpr, HAS_OUTLIERS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    OUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, TMA_OUT: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_O: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
+@triton.jit
+def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
     # Grouped order: GROUP_M row tiles sweep the columns together so their B tiles stay in L2.
     width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
+    first_m = (tile // width) * GROUP_M
     size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
+    pid_m = first_m + (tile % width) % size_m
+    pid_n = (tile % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _mm_tile(
+    a_ptr, b_ptr, sa_ptr, sb_ptr, xo_ptr, wo_ptr, bias_ptr, c_ptr, pid_m, pid_n,
+    M, N, K, n_out, stride_am, stride_bn, stride_om, stride_won, stride_cm,
+    IS_INT8: tl.constexpr, HAS_OUTLIERS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    OUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, TMA_OUT: tl.constexpr, TMA_C: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_O: tl.constexpr, OUT_STAGES: tl.constexpr,
+):
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
     offs_m = off_m + tl.arange(0, BLOCK_M)
@@ -204,9 +217,11 @@ def _scaled_mm_kernel(
                 a = tl.load(a_ptr + rows_a + offs_k[None, :])
                 b = tl.load(b_ptr + rows_b + offs_k[None, :])
             else:
+                # A float fill: an int literal cannot be cast to fp8e4nv (and 0.0 is exact in
+                # int8 and e4m3 alike). Both operands are zeroed: e4m3 garbage may be NaN.
                 k_mask = offs_k[None, :] < K
-                a = tl.load(a_ptr + rows_a + offs_k[None, :], mask=k_mask, other=0)
-                b = tl.load(b_ptr + rows_b + offs_k[None, :], mask=k_mask, other=0)
+                a = tl.load(a_ptr + rows_a + offs_k[None, :], mask=k_mask, other=0.0)
+                b = tl.load(b_ptr + rows_b + offs_k[None, :], mask=k_mask, other=0.0)
         # B is [N, K] row-major = K-major, the layout 8-bit wgmma requires for both operands.
         if IS_INT8:
             acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
@@ -219,16 +234,17 @@ def _scaled_mm_kernel(
     y = acc.to(tl.float32) * sa[:, None] * sb[None, :]
     if HAS_OUTLIERS:
         # MixQ: the outlier channels are raw (unscaled) activations x raw weights, so they
-        # accumulate straight onto the dequantized tile as a short extra K loop.
+        # accumulate straight onto the dequantized tile as a short extra K loop with its own,
+        # shallower pipeline (its buffers reuse the main loop's shared memory, which is dead here).
         if TMA_OUT:
-            for j0 in range(0, n_out, BLOCK_O):
+            for j0 in tl.range(0, n_out, BLOCK_O, num_stages=OUT_STAGES):
                 xo = xo_ptr.load([off_m, j0])
                 wo = wo_ptr.load([off_n, j0])
                 y = tl.dot(xo, tl.trans(wo), y, input_precision=OUT_PRECISION)
         else:
             rows_o = (offs_m % M).to(tl.int64)[:, None] * stride_om
             rows_w = (offs_n % N).to(tl.int64)[:, None] * stride_won
-            for j0 in range(0, n_out, BLOCK_O):
+            for j0 in tl.range(0, n_out, BLOCK_O, num_stages=OUT_STAGES):
                 offs_j = j0 + tl.arange(0, BLOCK_O)
                 j_mask = offs_j[None, :] < n_out
                 xo = tl.load(xo_ptr + rows_o + offs_j[None, :], mask=j_mask, other=0.0)
@@ -236,8 +252,60 @@ def _scaled_mm_kernel(
                 y = tl.dot(xo, tl.trans(wo), y, input_precision=OUT_PRECISION)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    if TMA_C:  # the TMA unit clips the rows/columns past M, N
+        c_ptr.store([off_m, off_n], y.to(c_ptr.dtype))
+    else:
+        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# M (and the persistent grid size, which follows M while the tiles are fewer than the SMs) is not
+# specialized: no recompile when a batch size crosses 1 or a multiple of 16; N, K and the strides
+# are, which is what the address math needs.
+@triton.jit(do_not_specialize=["M", "num_progs"])
+def _scaled_mm_kernel(
+    a_ptr, b_ptr, sa_ptr, sb_ptr, xo_ptr, wo_ptr, bias_ptr, c_ptr,
+    M, N, K, n_out, num_progs,
+    stride_am, stride_bn, stride_om, stride_won, stride_cm,
+    IS_INT8: tl.constexpr, HAS_OUTLIERS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    OUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, TMA_OUT: tl.constexpr, TMA_C: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_O: tl.constexpr, OUT_STAGES: tl.constexpr, GROUP_M: tl.constexpr,
+    PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        # FLATTEN lets the pipeliner prefetch the next tile's K steps during this epilogue; with
+        # outliers there are two inner loops, which the flattener does not take.
+        for tile in tl.range(tl.program_id(0), num_m * num_n, num_progs, flatten=FLATTEN):
+            pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+            _mm_tile(
+                a_ptr, b_ptr, sa_ptr, sb_ptr, xo_ptr, wo_ptr, bias_ptr, c_ptr, pid_m, pid_n,
+                M, N, K, n_out, stride_am, stride_bn, stride_om, stride_won, stride_cm,
+                IS_INT8, HAS_OUTLIERS, HAS_BIAS, OUT_PRECISION, USE_TMA, TMA_OUT, TMA_C, EVEN_K,
+                BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_O, OUT_STAGES,
+            )
+    else:
+        pid_m, pid_n = _tile_coords(tl.program_id(0), num_m, num_n, GROUP_M)
+        _mm_tile(
+            a_ptr, b_ptr, sa_ptr, sb_ptr, xo_ptr, wo_ptr, bias_ptr, c_ptr, pid_m, pid_n,
+            M, N, K, n_out, stride_am, stride_bn, stride_om, stride_won, stride_cm,
+            IS_INT8, HAS_OUTLIERS, HAS_BIAS, OUT_PRECISION, USE_TMA, TMA_OUT, TMA_C, EVEN_K,
+            BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_O, OUT_STAGES,
+        )
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if _INTERPRET or device.type != "cuda":
+        return 4  # a few programs, so the interpreter still walks several tiles per program
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
 
 
 def _tma_ok(*ts: torch.Tensor) -> bool:
@@ -288,16 +356,21 @@ def w8a8_matmul_triton(
         wo_arg = TensorDescriptor.from_tensor(wo, [cfg.block_n, cfg.block_o])
     else:
         xo_arg, wo_arg = (x_out, wo) if has_out else (sx, sx)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _scaled_mm_kernel[grid](
-        a_arg, b_arg, sx, w.scales, xo_arg, wo_arg, bias if bias is not None else sx, c,
-        m, n, k, w.num_outliers if has_out else 0,
+    tma_c = use_tma and cfg.tma_c and _tma_ok(c)
+    c_arg = TensorDescriptor.from_tensor(c, [cfg.block_m, cfg.block_n]) if tma_c else c
+    num_tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    num_progs = min(num_tiles, _num_sms(c.device)) if cfg.persistent else num_tiles
+    _scaled_mm_kernel[(num_progs,)](
+        a_arg, b_arg, sx, w.scales, xo_arg, wo_arg, bias if bias is not None else sx, c_arg,
+        m, n, k, w.num_outliers if has_out else 0, num_progs,
         a.stride(0), b.stride(0), x_out.stride(0) if has_out else 0,
         wo.stride(0) if has_out else 0, c.stride(0),
         IS_INT8=is_int8, HAS_OUTLIERS=has_out, HAS_BIAS=bias is not None,
         OUT_PRECISION="ieee" if has_out and x_out.dtype == torch.float32 else "tf32",
-        USE_TMA=use_tma, TMA_OUT=tma_out, EVEN_K=k % cfg.block_k == 0,
+        USE_TMA=use_tma, TMA_OUT=tma_out, TMA_C=tma_c, EVEN_K=k % cfg.block_k == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_O=cfg.block_o,
-        GROUP_M=cfg.group_m, num_warps=cfg.warps, num_stages=cfg.stages,
+        OUT_STAGES=cfg.out_stages, GROUP_M=cfg.group_m,
+        PERSISTENT=cfg.persistent, FLATTEN=cfg.persistent and not has_out,
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return c

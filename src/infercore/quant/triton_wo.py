@@ -43,6 +43,8 @@ def _mm_cfg(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config
 _GGUF_QTYPE = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
 # Up to this many rows the small-M (decode) kernels run; above, the tiled GEMMs.
 SMALL_M_MAX = 16
+# Up to this many rows MODE 3 (the CUDA-core GEMV over int32 words) can run.
+GEMV_M_MAX = 4
 
 
 def _configs(gpu: list[triton.Config], interp: triton.Config) -> list[triton.Config]:
@@ -309,6 +311,14 @@ def wq_matmul_triton(
     zeros = w.zeros if w.zeros is not None else w.scales
     if m <= SMALL_M_MAX:
         cfg = _small_cfg(f"int{w.bits}", n, kp, m, group, x.device, config)
+        words = _as_words(w.qweight) if cfg["MODE"] == 3 and m <= GEMV_M_MAX else None
+        if words is not None:
+            y = _launch_gemv(_wq_gemv_kernel, x, words, n, cfg, (w.scales, zeros), w.scales.stride(0),
+                             group * w.bits // 32, bits_per_code=w.bits, BITS=w.bits, GROUP=group,
+                             HAS_ZEROS=w.zeros is not None)
+            return y if bias is None else y + bias.to(y.dtype)
+        if cfg["MODE"] == 3:  # rows not word-aligned, or too many rows: the tensor-core path
+            cfg = _small_cfg(f"int{w.bits}", n, kp, m, group, x.device, {**cfg, "MODE": 2, "SPLIT": 0})
         ws, split, kps = _small_out(x, m, n, kp, cfg)
         _wq_small_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
             x, w.qweight, w.scales, zeros, ws, m, n, k, kp, kps,
@@ -316,7 +326,7 @@ def wq_matmul_triton(
             BITS=w.bits, GROUP=group, HAS_ZEROS=w.zeros is not None, MODE=cfg["MODE"],
             MAGIC=_MAGIC[x.dtype][0], MAGIC_BASE=_MAGIC[x.dtype][1], DOT_PRECISION=_dot_precision(x.dtype),
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
         )
         y = _finish_splits(ws, x.dtype)
     else:
@@ -333,31 +343,74 @@ def wq_matmul_triton(
 
 # Small-M launch table: (kind, N, K, M bucket) -> config, from benchmarks/sweep_quant_wo.py on an
 # H200 (its "table" output). Missing entries use the heuristic in ``_small_cfg``.
-SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {}
+SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
+    ("int4", 14336, 4096, 1): {'MODE': 3, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 1, 'UNROLL': 2, 'SPLIT': 8},
+    ("int4", 14336, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("int4", 14336, 4096, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("fp8", 14336, 4096, 1): {'MODE': 3, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 1, 'UNROLL': 4, 'SPLIT': 4},
+    ("fp8", 14336, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("fp8", 14336, 4096, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
+    ("int4", 6144, 4096, 1): {'MODE': 3, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 1, 'UNROLL': 2, 'SPLIT': 8},
+    ("int4", 6144, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("int4", 6144, 4096, 16): {'MODE': 2, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 8, 'num_stages': 3, 'SPLIT': 8},
+    ("fp8", 6144, 4096, 1): {'MODE': 3, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 1, 'UNROLL': 4, 'SPLIT': 4},
+    ("fp8", 6144, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("fp8", 6144, 4096, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
+    ("int4", 4096, 4096, 1): {'MODE': 3, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 1, 'UNROLL': 2, 'SPLIT': 8},
+    ("int4", 4096, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("int4", 4096, 4096, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("fp8", 4096, 4096, 1): {'MODE': 3, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 1, 'UNROLL': 4, 'SPLIT': 4},
+    ("fp8", 4096, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("fp8", 4096, 4096, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
+    ("int4", 28672, 4096, 1): {'MODE': 3, 'BLOCK_N': 256, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 1, 'UNROLL': 2, 'SPLIT': 8},
+    ("int4", 28672, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
+    ("int4", 28672, 4096, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
+    ("fp8", 28672, 4096, 1): {'MODE': 3, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 1, 'UNROLL': 4, 'SPLIT': 4},
+    ("fp8", 28672, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
+    ("fp8", 28672, 4096, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 1},
+    ("int4", 4096, 14336, 1): {'MODE': 3, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 1, 'UNROLL': 2, 'SPLIT': 0},
+    ("int4", 4096, 14336, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
+    ("int4", 4096, 14336, 16): {'MODE': 2, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 8, 'num_stages': 3, 'SPLIT': 8},
+    ("fp8", 4096, 14336, 1): {'MODE': 3, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 1, 'UNROLL': 4, 'SPLIT': 0},
+    ("fp8", 4096, 14336, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
+    ("fp8", 4096, 14336, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+}
 
 
 def _small_cfg(kind: str, n: int, kp: int, m: int, kmax: int, device: torch.device,
                override: dict | None) -> dict:
-    """Launch parameters of the small-M kernels; ``kmax`` caps BLOCK_K (group / scale block)."""
+    """Launch parameters of the small-M kernels; ``kmax`` caps BLOCK_K (group / scale block).
+
+    Keys: MODE (0 FMA tile, 1 dot, 2 swapped dot, 3 word GEMV for M <= GEMV_M_MAX), BLOCK_N,
+    BLOCK_K (codes per tile; MODE 3 tiles stay inside one group), UNROLL (MODE 3: tiles loaded per
+    K step), SPLIT (0: heuristic), num_warps, num_stages.
+    """
     mb = triton.next_power_of_2(m)
     if override is not None:
         cfg = dict(override)
     elif _INTERPRET:
-        cfg = {"MODE": 0 if m == 1 else 2, "BLOCK_N": 16, "BLOCK_K": 64, "SPLIT": 0, "num_warps": 4,
-               "num_stages": 1}
+        cfg = {"MODE": 3 if m <= GEMV_M_MAX else 2, "BLOCK_N": 16, "BLOCK_K": 64, "UNROLL": 2, "SPLIT": 0,
+               "num_warps": 4, "num_stages": 1}
     elif any((kind, n, kp, b) in SMALL_M_TUNED for b in (mb, 2 * mb, 4 * mb, 8 * mb, 16 * mb)):
         # A bucket not swept borrows the next larger one (the same tile serves fewer rows).
         b = next(b for b in (mb, 2 * mb, 4 * mb, 8 * mb, 16 * mb) if (kind, n, kp, b) in SMALL_M_TUNED)
         cfg = dict(SMALL_M_TUNED[(kind, n, kp, b)])
+        if cfg["MODE"] == 3 and m > GEMV_M_MAX:
+            cfg = {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 0, "num_warps": 4, "num_stages": 3}
     elif m == 1:
-        # One row: FMAs on CUDA cores; each program streams BLOCK_N rows x BLOCK_K codes per step.
-        cfg = {"MODE": 0, "BLOCK_N": 16 if kind == "fp8" else 32, "BLOCK_K": 256, "SPLIT": 0,
-               "num_warps": 4, "num_stages": 3}
+        # (Untuned M = 2..4 measured ~40x slower in the word GEMV than in the swapped dot on the H200.)
+        # Word GEMV: 128 channels x one group's words per tile (4 rows of 16 B per thread), 4 tiles
+        # in flight per step; split-K (reduced in the kernel) brings the programs to ~2 per SM.
+        cfg = {"MODE": 3, "BLOCK_N": 128, "BLOCK_K": 128 if kind == "int4" else 64, "UNROLL": 4, "SPLIT": 0,
+               "num_warps": 4, "num_stages": 1}
     else:
-        cfg = {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 0, "num_warps": 4, "num_stages": 4}
+        cfg = {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 0, "num_warps": 4, "num_stages": 3}
     cfg["BLOCK_K"] = min(cfg["BLOCK_K"], kmax)
-    cfg["BLOCK_M"] = mb if cfg["MODE"] == 0 else max(16, mb)
-    if not cfg.get("SPLIT"):
+    cfg["BLOCK_M"] = mb if cfg["MODE"] in (0, 3) else max(16, mb)
+    if cfg["MODE"] == 3:
+        cfg.setdefault("UNROLL", 1)
+        cfg.setdefault("SPLIT", 0)  # 0: chosen at launch (_gemv_split)
+    elif not cfg.get("SPLIT"):
         # Split K until programs cover the multiprocessors ~4 times, keeping >= 4 steps per split.
         tiles = triton.cdiv(n, cfg["BLOCK_N"])
         split = 1
@@ -395,6 +448,280 @@ def _small_out(x: torch.Tensor, m: int, n: int, k: int, cfg: dict) -> tuple[torc
     split = triton.cdiv(k, k_per_split)
     ws = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     return ws, split, k_per_split
+
+
+# ----------------------------------------------------------------------------------------------
+# MODE 3: CUDA-core GEMV over 32-bit words (M <= 4), bandwidth-bound decode path
+# ----------------------------------------------------------------------------------------------
+# Why a separate kernel: at M = 1 the tl.dot modes waste the tensor cores on one row and the
+# reduction across lanes every K step costs more than the dequantization. Here each thread keeps
+# a private accumulator per (row, word) it owns for the whole K loop and the lanes are reduced
+# once at the end. The stored byte layout is read as little-endian int32 words, which for INT4 is
+# GPTQ's word order (code k = 8i + j at bits 4j), so no repack is needed and every load is 16 B.
+
+
+@triton.jit
+def _gemv_x(x_ptr, row, k, K, XPAIRS: tl.constexpr, HIGH: tl.constexpr):
+    """Activations ``x[row, k]`` for code positions ``k [BLOCK_KW]`` as fp32 ``[1, BLOCK_KW]``.
+
+    XPAIRS: x is bf16 passed as int32 pairs (``row`` in pairs); the bf16 -> fp32 widening is then
+    a shift (even ``k``) or a mask (odd ``k``, HIGH), no convert instruction.
+    """
+    if XPAIRS:
+        v = tl.load(x_ptr + row + k // 2, mask=k < K, other=0)
+        if HIGH:
+            f = (v & -65536).to(tl.float32, bitcast=True)
+        else:
+            f = (v << 16).to(tl.float32, bitcast=True)
+    else:
+        f = tl.load(x_ptr + row + k, mask=k < K, other=0).to(tl.float32)
+    return f[None, :]
+
+
+@triton.jit
+def _gemv_rows(acc, a0, a1, a2, a3, offs_m):
+    """Row sums of the per-thread accumulators, assembled into ``[BLOCK_M, BLOCK_N]``."""
+    acc = tl.where(offs_m[:, None] == 0, tl.sum(a0, axis=1)[None, :], acc)
+    acc = tl.where(offs_m[:, None] == 1, tl.sum(a1, axis=1)[None, :], acc)
+    acc = tl.where(offs_m[:, None] == 2, tl.sum(a2, axis=1)[None, :], acc)
+    acc = tl.where(offs_m[:, None] == 3, tl.sum(a3, axis=1)[None, :], acc)
+    return acc
+
+
+@triton.jit
+def _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N,
+                 SPLIT_K: tl.constexpr):
+    """Store ``acc [BLOCK_M, BLOCK_N]``; with split-K the last program of a column tile to arrive
+    sums the fp32 partials (no second launch: at decode a launch costs as much as the GEMV)."""
+    pid_n = tl.program_id(0)
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K:
+        pid_k = tl.program_id(1)
+        nsplit = tl.num_programs(1)
+        mn = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + mn, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == nsplit - 1:
+            tot = tl.zeros_like(acc)
+            for s in range(0, nsplit):
+                tot += tl.load(ws_ptr + s * M * N + mn, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch (graph replays too)
+    else:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _wq_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, ws_ptr, y_ptr, cnt_ptr,
+    M, N, K, KW, kw_per_split,
+    stride_xm, stride_qn, stride_sn, stride_ym,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, XPAIRS: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
+    """INT4/INT8 GEMV, ``M <= 4``: ``qw`` int32 words ``[N, KW]`` (``32 / BITS`` codes each; code
+    ``j`` of word ``i`` is ``k = (32 / BITS) * i + j`` at bits ``BITS * j``).
+
+    Grid ``(cdiv(N, BLOCK_N), split)``. Each K step loads UNROLL tiles of ``[BLOCK_N, BLOCK_KW]``
+    words (several 16-byte loads in flight per thread); a tile lies in one group
+    (``BLOCK_KW * 32 / BITS <= GROUP``), so its scale is one per channel. Per code: shift,
+    mask-or into the mantissa of 2**23 (exact ``2**23 + q``), subtract ``2**23 + z`` (exact
+    ``q - z``: the zero point costs nothing), one FMA per row into a per-thread accumulator. Per
+    word and row: one FMA with the scale. Lanes are reduced once, after the K loop.
+    """
+    CPW: tl.constexpr = 32 // BITS
+    CMASK: tl.constexpr = (1 << BITS) - 1
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_i = tl.arange(0, BLOCK_KW)
+    rows_w = offs_n.to(tl.int64)[:, None] * stride_qn
+    a0 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+    kw_start = pid_k * kw_per_split
+    kw_end = tl.minimum(kw_start + kw_per_split, KW)
+    for kw0 in range(kw_start, kw_end, BLOCK_KW * UNROLL):
+        for u in tl.static_range(UNROLL):
+            kb = kw0 + u * BLOCK_KW
+            kw = kb + offs_i
+            w = tl.load(qw_ptr + rows_w + kw[None, :], mask=n_mask[:, None] & (kw < kw_end)[None, :], other=0,
+                        eviction_policy="evict_first")
+            g = (kb * CPW) // GROUP
+            s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)[:, None]
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.int32)
+                zm = (z | 0x4B000000).to(tl.float32, bitcast=True)[:, None]
+            else:
+                zm = 8388608.0 + 2 ** (BITS - 1)
+            p0 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+            p1 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+            p2 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+            p3 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+            for j in tl.static_range(CPW):
+                q = ((((w >> (BITS * j)) & CMASK) | 0x4B000000).to(tl.float32, bitcast=True) - zm)
+                k = kw * CPW + j
+                p0 += q * _gemv_x(x_ptr, 0, k, K, XPAIRS, j % 2)
+                if BLOCK_M > 1:
+                    p1 += q * _gemv_x(x_ptr, tl.minimum(1, M - 1) * stride_xm, k, K, XPAIRS, j % 2)
+                if BLOCK_M > 2:
+                    p2 += q * _gemv_x(x_ptr, tl.minimum(2, M - 1) * stride_xm, k, K, XPAIRS, j % 2)
+                    p3 += q * _gemv_x(x_ptr, tl.minimum(3, M - 1) * stride_xm, k, K, XPAIRS, j % 2)
+            a0 += p0 * s
+            if BLOCK_M > 1:
+                a1 += p1 * s
+            if BLOCK_M > 2:
+                a2 += p2 * s
+                a3 += p3 * s
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    acc = _gemv_rows(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a0, a1, a2, a3, offs_m)
+    _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, ws_ptr, y_ptr, cnt_ptr,
+    M, N, K, KW, kw_per_split,
+    stride_xm, stride_qn, stride_sn, stride_ym,
+    SCALE_BLOCK: tl.constexpr, XPAIRS: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, UNROLL: tl.constexpr,
+):
+    """Emulated-FP8 GEMV, ``M <= 4``, over int32 words of 4 e4m3 bytes (``k = 4i + j`` in byte ``j``).
+
+    Byte ``j`` is shifted to the top of the word (none for ``j = 3``); an arithmetic shift by 4
+    then puts its sign at bit 31 and its 7 exponent/mantissa bits at bits 20..26, and one mask
+    leaves exactly the fp32 pattern of ``e4m3 * 2**-120`` (subnormals included): <= 3 integer ops
+    and one FMA per weight. ``2**120`` and the scale are applied per word and row (128x128 block
+    scales; ``4 * BLOCK_KW`` divides the block) or once at the end (per channel).
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_i = tl.arange(0, BLOCK_KW)
+    rows_w = offs_n.to(tl.int64)[:, None] * stride_qn
+    a0 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+    kw_start = pid_k * kw_per_split
+    kw_end = tl.minimum(kw_start + kw_per_split, KW)
+    for kw0 in range(kw_start, kw_end, BLOCK_KW * UNROLL):
+        for u in tl.static_range(UNROLL):
+            kb = kw0 + u * BLOCK_KW
+            kw = kb + offs_i
+            w = tl.load(qw_ptr + rows_w + kw[None, :], mask=n_mask[:, None] & (kw < kw_end)[None, :], other=0,
+                        eviction_policy="evict_first")
+            p0 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+            p1 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+            p2 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+            p3 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+            for j in tl.static_range(4):
+                if j < 3:
+                    t = w << (24 - 8 * j)
+                else:
+                    t = w
+                wf = ((t >> 4) & -2014314496).to(tl.float32, bitcast=True)  # mask 0x87F00000
+                k = kw * 4 + j
+                p0 += wf * _gemv_x(x_ptr, 0, k, K, XPAIRS, j % 2)
+                if BLOCK_M > 1:
+                    p1 += wf * _gemv_x(x_ptr, tl.minimum(1, M - 1) * stride_xm, k, K, XPAIRS, j % 2)
+                if BLOCK_M > 2:
+                    p2 += wf * _gemv_x(x_ptr, tl.minimum(2, M - 1) * stride_xm, k, K, XPAIRS, j % 2)
+                    p3 += wf * _gemv_x(x_ptr, tl.minimum(3, M - 1) * stride_xm, k, K, XPAIRS, j % 2)
+            if SCALE_BLOCK != 0:
+                sb = tl.load(s_ptr + (offs_n // SCALE_BLOCK) * stride_sn + (kb * 4) // SCALE_BLOCK, mask=n_mask,
+                             other=0.0)[:, None]
+                a0 += p0 * sb
+                if BLOCK_M > 1:
+                    a1 += p1 * sb
+                if BLOCK_M > 2:
+                    a2 += p2 * sb
+                    a3 += p3 * sb
+            else:
+                a0 += p0
+                if BLOCK_M > 1:
+                    a1 += p1
+                if BLOCK_M > 2:
+                    a2 += p2
+                    a3 += p3
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    acc = _gemv_rows(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a0, a1, a2, a3, offs_m)
+    if SCALE_BLOCK == 0:
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    acc = acc * 1.329227995784916e36  # 2**120, exact
+    _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the in-kernel split-K reduction (reset by the kernel).
+
+    One buffer per device: launches on one stream are ordered, so they may share it. Allocate
+    before CUDA-graph capture (the first decode call does) so the graph does not own it.
+    """
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < n:
+        c = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = c
+    return c
+
+
+def _as_words(t: torch.Tensor) -> torch.Tensor | None:
+    """uint8 ``[N, B]`` -> int32 ``[N, B / 4]`` view, or None when rows are not 4-byte aligned."""
+    if t.shape[1] % 4 or t.stride(1) != 1 or t.stride(0) % 4 or t.data_ptr() % 16:
+        return None
+    return t.view(torch.int32)
+
+
+def _gemv_x_arg(x: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+    """bf16 rows of even length are passed as int32 pairs (the widening is then one ALU op)."""
+    if x.dtype == torch.bfloat16 and x.shape[1] % 2 == 0 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0:
+        return x.view(torch.int32), x.stride(0) // 2, True
+    return x, x.stride(0), False
+
+
+def _gemv_split(n_tiles: int, kw: int, bkw: int, device: torch.device, split: int) -> tuple[int, int]:
+    """Split count and words per split: ~2 programs per SM unless ``split`` is given (> 0)."""
+    if split <= 0:
+        split = 1
+        while split < 16 and n_tiles * split < 2 * _num_sms(device) and kw // (2 * split) >= 4 * bkw:
+            split *= 2
+    per = triton.cdiv(triton.cdiv(kw, split), bkw) * bkw
+    return triton.cdiv(kw, per), per
+
+
+def _launch_gemv(kernel, x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, tensors: tuple,
+                 stride_sn: int, bkw_max: int, **meta) -> torch.Tensor:
+    """Run a MODE 3 GEMV kernel; ``cfg["BLOCK_K"]`` counts codes, ``bkw_max`` caps the words per tile."""
+    m, k = x.shape
+    kw = words.shape[1]
+    cpw = 32 // meta.pop("bits_per_code")
+    bn = cfg["BLOCK_N"]
+    bkw = max(1, min(cfg["BLOCK_K"] // cpw, bkw_max))
+    unroll = cfg.get("UNROLL", 1)
+    tiles = triton.cdiv(n, bn)
+    split, per = _gemv_split(tiles, kw, bkw * unroll, x.device, cfg.get("SPLIT", 0))
+    cfg["SPLIT"] = split
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    cnt = _counters(x.device, tiles) if split > 1 else y
+    xa, sxm, pairs = _gemv_x_arg(x)
+    kernel[(tiles, split)](
+        xa, words, *tensors, ws, y, cnt, m, n, k, kw, per, sxm, words.stride(0), stride_sn, y.stride(0),
+        XPAIRS=pairs, SPLIT_K=split > 1, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_KW=bkw,
+        UNROLL=unroll, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1), **meta,
+    )
+    return y
 
 
 # ----------------------------------------------------------------------------------------------
@@ -579,6 +906,13 @@ def fp8_wo_matmul_triton(
     if m <= SMALL_M_MAX:
         kmax = scale_block or max(triton.next_power_of_2(k), 64)
         cfg = _small_cfg("fp8", n, k, m, kmax, x.device, config)
+        words = _as_words(w.qweight) if cfg["MODE"] == 3 and m <= GEMV_M_MAX else None
+        if words is not None:
+            y = _launch_gemv(_fp8_gemv_kernel, x, words, n, cfg, (w.scales,), w.scales.stride(0),
+                             (scale_block or 1 << 30) // 4, bits_per_code=8, SCALE_BLOCK=scale_block)
+            return y if bias is None else y + bias.to(y.dtype)
+        if cfg["MODE"] == 3:
+            cfg = _small_cfg("fp8", n, k, m, kmax, x.device, {**cfg, "MODE": 2, "SPLIT": 0})
         if cfg["MODE"] == 0:
             decode, fold = 0, 2.0**120  # FMAs run on the fp32 pattern whatever x is
         ws, split, kps = _small_out(x, m, n, k, cfg)
@@ -588,7 +922,7 @@ def fp8_wo_matmul_triton(
             SCALE_BLOCK=scale_block, DECODE=decode, FOLD=fold, MODE=cfg["MODE"],
             DOT_PRECISION=_dot_precision(x.dtype),
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
         )
         y = _finish_splits(ws, x.dtype)
     else:

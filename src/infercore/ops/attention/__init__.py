@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
+
 import torch
 
-from ...devices import dispatch, register
+from ...devices import dispatch, implementation, register
 from .. import _validate as V
 from ..kv_cache import dequantize_paged_kv, is_quantized_kv, scale_aware
 from ..kv_cache.quant import check_kv_scales
@@ -76,6 +80,8 @@ def paged_attention_prefill(
     max_seqlen_q: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for a ragged batch of query chunks against their paged KV.
 
@@ -97,6 +103,13 @@ def paged_attention_prefill(
             int8 / float8_e4m3fn (``ops/kv_cache/quant.py``). The prefill kernels read float caches
             only, so the pages this batch reads are first dequantized into a temporary cache in
             ``q.dtype`` (:func:`~infercore.ops.kv_cache.dequantize_paged_kv`; one host sync).
+        k, v: optional ``[T, Hk, D]`` in ``q.dtype``, ragged like q: this step's new keys/values (the
+            values just written into the cache, before any cache quantization). When given, the new
+            positions' keys/values are taken from them and only the cached prefix is read through the
+            block table, as FlashAttention varlen / FlashInfer ragged prefill do (the GPU kernel then
+            reads contiguous rows instead of page gathers; with a quantized cache the new tokens attend
+            unquantized). Implementations that cannot take them read the cache instead when it holds the
+            same values, else the reference runs.
 
     Returns:
         ``[T, Hq, D]`` in ``q.dtype``; softmax in fp32.
@@ -113,10 +126,14 @@ def paged_attention_prefill(
     if max_seqlen_q is not None and (isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int)):
         raise TypeError(f"{op}: max_seqlen_q must be an int or None, got {type(max_seqlen_q).__name__}")
     V.same_device(op, "q", q, cu_seqlens_q=cu_seqlens_q)
-    if check_kv_scales(op, k_cache, v_cache, k_scale, v_scale):
+    _check_new_kv(op, q, k_cache, k, v)
+    quantized = check_kv_scales(op, k_cache, v_cache, k_scale, v_scale)
+    fn = prefill_impl(q.device, new_kv=k is not None, cache_holds_new_kv=not quantized and k_cache.dtype == q.dtype)
+    if quantized:
         k_cache, v_cache, block_table = dequantize_paged_kv(
             k_cache, v_cache, k_scale, v_scale, block_table=block_table, seq_lens=seq_lens, dtype=q.dtype)
-    return dispatch(op, q.device)(
+    new_kv = {"k": k, "v": v} if k is not None and takes_new_kv(fn) else {}
+    return fn(
         q,
         k_cache,
         v_cache,
@@ -127,7 +144,44 @@ def paged_attention_prefill(
         sliding_window=sliding_window,
         softcap=None if softcap is None else float(softcap),
         max_seqlen_q=max_seqlen_q,
+        **new_kv,
     )
+
+
+def _check_new_kv(op: str, q: torch.Tensor, k_cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None):
+    if (k is None) != (v is None):
+        raise ValueError(f"{op}: pass both k and v (this step's new keys/values) or neither")
+    if k is None:
+        return
+    want = (q.shape[0], k_cache.shape[2], q.shape[2])
+    for name, t in (("k", k), ("v", v)):
+        V.floating(op, name, t)
+        V.ndim(op, name, t, 3, "[tokens, kv_heads, head_dim]")
+        if tuple(t.shape) != want:
+            raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, expected [T, Hk, D] = {want} (ragged like q)")
+        V.same_dtype(op, name, t, "q", q)
+        V.same_device(op, "q", q, **{name: t})
+
+
+@functools.cache
+def takes_new_kv(fn: Callable) -> bool:
+    try:
+        return "k" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def prefill_impl(device: torch.device | str, *, new_kv: bool, cache_holds_new_kv: bool) -> Callable:
+    """The ``paged_attention_prefill`` implementation to call with (``new_kv``) or without this step's
+    contiguous k/v. One that cannot take them is still right when the cache holds the same values
+    (``cache_holds_new_kv``: a float cache of k's dtype), the caller then drops k/v; otherwise (a
+    quantized cache, whose new tokens would read as quantized) the reference runs. Callers pass
+    ``k=``/``v=`` only when :func:`takes_new_kv` says the returned function accepts them."""
+    fn = dispatch("paged_attention_prefill", device)
+    if new_kv and not cache_holds_new_kv and not takes_new_kv(fn):
+        return implementation("paged_attention_prefill", "reference")
+    return fn
+
 
 
 def paged_attention_decode(
@@ -188,12 +242,15 @@ def paged_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged attention driven by the step's :class:`AttentionMetadata`.
 
     ``q`` is ``[T, Hq, D]``; uses :func:`paged_attention_decode` when ``meta.decode_only`` (then
     ``T == B``) and :func:`paged_attention_prefill` otherwise. ``k_scale``/``v_scale`` as there
-    (quantized caches). Returns ``[T, Hq, D]`` in ``q.dtype``.
+    (quantized caches); ``k``/``v`` (this step's new K/V, optional) go to prefill only. Returns
+    ``[T, Hq, D]`` in ``q.dtype``.
     """
     if not isinstance(meta, AttentionMetadata):
         raise TypeError(f"paged_attention: meta must be an AttentionMetadata, got {type(meta).__name__}")
@@ -223,6 +280,8 @@ def paged_attention(
         max_seqlen_q=meta.max_seqlen_q,
         k_scale=k_scale,
         v_scale=v_scale,
+        k=k,
+        v=v,
     )
 
 

@@ -131,7 +131,11 @@ def paged_attention_prefill_ref(
     sliding_window: int | None = None,
     softcap: float | None = None,
     max_seqlen_q: int | None = None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """``k``/``v`` ``[T, Hk, D]`` (ragged like q), when given, supply the keys/values of each sequence's
+    own query positions; then only the cached prefix is read from the pages."""
     del max_seqlen_q  # a launch-size hint for kernels; the reference reads the lengths directly
     t, hq, d = q.shape
     page_size, hk = k_cache.shape[1], k_cache.shape[2]
@@ -149,11 +153,14 @@ def paged_attention_prefill_ref(
         first_q = seq_len - q_len  # queries are the last q_len positions (the rest is cached prefix)
         # With a window, keys before first_q - w + 1 are invisible to every query: skip their pages.
         first_page = 0 if sliding_window is None else max(0, first_q - sliding_window + 1) // page_size
-        last_page = -(-seq_len // page_size)
-        pages = block_table[b, first_page:last_page]
-        k_off = first_page * page_size
-        keys = _gather_pages(k_cache, pages)[: seq_len - k_off].float().transpose(0, 1)  # [Hk, L, D]
-        vals = _gather_pages(v_cache, pages)[: seq_len - k_off].float().transpose(0, 1)
+        cached_end = seq_len if k is None else first_q  # keys read from the pages: [k_off, cached_end)
+        k_off = min(first_page * page_size, cached_end)
+        pages = block_table[b, k_off // page_size : -(-cached_end // page_size)]
+        keys = _gather_pages(k_cache, pages)[: cached_end - k_off].float().transpose(0, 1)  # [Hk, L, D]
+        vals = _gather_pages(v_cache, pages)[: cached_end - k_off].float().transpose(0, 1)
+        if k is not None:
+            keys = torch.cat([keys, k[q0:q1].float().transpose(0, 1)], dim=1)
+            vals = torch.cat([vals, v[q0:q1].float().transpose(0, 1)], dim=1)
         q_pos = torch.arange(first_q, seq_len, device=q.device)
         k_pos = torch.arange(k_off, seq_len, device=q.device)
         mask = _visible(q_pos, k_pos, torch.tensor(seq_len, device=q.device), sliding_window)  # [q_len, L]

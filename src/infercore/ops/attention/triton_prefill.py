@@ -13,6 +13,12 @@ of the block need no mask, only the diagonal band pays for causal/window masking
 block starts in the first wave and the tail holds only short ones. Per-key cache offsets are int32 when
 the cache allows it (the KV head goes into the base pointer). Optional variants (hand-pipelined QK^T,
 warp specialization) are switched by the config; see ``_VARIANT_DEFAULTS``.
+
+With this step's keys/values passed as contiguous ragged ``k``/``v`` ``[T, Hk, D]`` (as FlashAttention's
+varlen and FlashInfer's ragged prefill take them), only the cached prefix ``[0, seq_len - q_len)`` is
+gathered through the block table; the new tokens' tiles are plain row blocks of k/v, aligned to the
+first new token and read with TMA descriptors (``tma``), which is what Triton's warp specialization
+pipelines best. Without them, every key comes from the cache.
 """
 
 from __future__ import annotations
@@ -20,6 +26,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+try:  # host-side TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
 
 from infercore.devices import register, triton_interpreter
 
@@ -29,8 +40,13 @@ _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 # one. Besides tile sizes, a config may carry the kernel variant switches (see `_VARIANT_DEFAULTS`).
 TUNING = {
     64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
-    128: {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3},
+    128: {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "warp_spec": True},
     256: {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2},
+}
+# With this step's K/V passed contiguously (the model's path); buckets not listed use `TUNING`.
+# Both 128 entries: best of benchmarks/sweep_prefill_attn.py on the H200 (results/h200/sweeps/).
+TUNING_NEW_KV = {
+    128: {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "warp_spec": True, "tma": True},
 }
 
 # Variant switches (each a constexpr of the kernel):
@@ -42,7 +58,12 @@ TUNING = {
 #                overlap). Costs a second S tile of registers: pair it with block_n 64.
 #   warp_spec    `tl.range(..., warp_specialize=True)` on the interior loop (producer/consumer warps);
 #                only some Triton builds accept it for pointer (non-TMA) loads, so it stays opt-in.
-_VARIANT_DEFAULTS = {"heads_fast": True, "pipe_qk": False, "warp_spec": False}
+#   tma          with the new tokens' contiguous k/v given: read them through TMA tensor descriptors
+#                (Hopper's bulk copies, which Triton's warp specialization pairs with best); off = pointer
+#                loads of the same rows. The cached prefix always goes through the block table.
+#   ws_prefix    warp-specialize the cached-prefix loop too (only with k/v given; `warp_spec` covers the
+#                new-token loop then, and the whole interior loop of the paged-only path).
+_VARIANT_DEFAULTS = {"heads_fast": True, "pipe_qk": False, "warp_spec": False, "tma": True, "ws_prefix": False}
 
 
 @triton.jit
@@ -131,11 +152,39 @@ def _tile(acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, 
 
 
 @triton.jit
+def _tile_new(acc, l_i, m_i, q, q_rel, q_len, r0, k_ptr, v_ptr, k_desc, v_desc, tok0, col, offs_n, offs_d, dmask,
+              stride_kt, stride_vt, qk_scale, scale, softcap, window,
+              MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
+              DTYPE: tl.constexpr):  # fmt: skip
+    """One key tile of this step's own tokens, read from the contiguous ragged ``k``/``v`` ``[T, Hk, D]``.
+
+    Positions are relative to the sequence's first query (``q_rel``, ``r0``): the causal/window masks are
+    shift-invariant, and tiles aligned to the first new token make the diagonal band the same as in a
+    fresh prompt whatever the cached length. ``k_ptr``/``v_ptr`` already point at (first token, KV head).
+    """
+    kpos = r0 + offs_n
+    nmask = kpos < q_len
+    if USE_TMA:
+        # Rows past this sequence belong to the next one (or are zero-filled past T): the score mask
+        # hides them, and they are finite, so p = 0 keeps them out of P @ V.
+        k = k_desc.load([tok0 + r0, col]).to(DTYPE)
+    else:
+        k = _load_kv(k_ptr, kpos, 0, stride_kt, 0, offs_d, nmask, dmask, MASKED, EVEN_D).to(DTYPE)
+    s = _scores(q, k, kpos, nmask, q_rel, scale, softcap, window, MASKED, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION)
+    if USE_TMA:
+        v = v_desc.load([tok0 + r0, col]).to(DTYPE)
+    else:
+        v = _load_kv(v_ptr, kpos, 0, stride_vt, 0, offs_d, nmask, dmask, MASKED, EVEN_D).to(DTYPE)
+    return _softmax_pv(acc, l_i, m_i, s, v, qk_scale, MASKED, HAS_SOFTCAP, DOT_PRECISION)
+
+
+@triton.jit
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr,
+    q_ptr, kc_ptr, vc_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr, kn_ptr, vn_ptr, k_desc, v_desc,
     qk_scale, scale, softcap, window,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    stride_bt, stride_ot, stride_oh,
+    stride_bt, stride_ot, stride_oh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     NUM_HEADS, GROUP,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
@@ -149,6 +198,9 @@ def _prefill_kernel(
     HEADS_FAST: tl.constexpr,
     PIPE_QK: tl.constexpr,
     WARP_SPEC: tl.constexpr,
+    NEW_KV: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    WS_PREFIX: tl.constexpr,
 ):  # fmt: skip
     if HEADS_FAST:
         pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -187,54 +239,117 @@ def _prefill_kernel(
     vc_ptr += kvh.to(tl.int64) * stride_vh
 
     first_q = ctx + pid_m * BLOCK_M
-    hi = tl.minimum(first_q + BLOCK_M, seq_len)  # one past the last query position of the block
-    if HAS_WINDOW:
-        lo = tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N
-        mid = lo
-    else:
-        # Keys < first_q + 1 are visible to every query of the block: no mask needed there.
-        mid = (first_q + 1) // BLOCK_N * BLOCK_N
-        if PIPE_QK:
-            if mid > 0:
-                kpos, nmask, page, row = _kv_rows(bt_row, 0, offs_n, seq_len, PAGE, False, OFF64)
-                k = _load_kv(kc_ptr, page, row, stride_kp, stride_ks, offs_d, nmask, dmask, False, EVEN_D)
-                s = _scores(q, k, kpos, nmask, q_pos, scale, softcap, window, False, HAS_WINDOW, HAS_SOFTCAP,
-                            DOT_PRECISION)  # fmt: skip
-                for j0 in range(BLOCK_N, mid, BLOCK_N):
-                    # Issue the next tile's QK^T before this tile's softmax; V addresses are recomputed
-                    # from the induction variable so the pipeliner can still prefetch them.
-                    kpos, nmask, page, row = _kv_rows(bt_row, j0, offs_n, seq_len, PAGE, False, OFF64)
-                    k = _load_kv(kc_ptr, page, row, stride_kp, stride_ks, offs_d, nmask, dmask, False, EVEN_D)
-                    s_next = _scores(q, k, kpos, nmask, q_pos, scale, softcap, window, False, HAS_WINDOW,
-                                     HAS_SOFTCAP, DOT_PRECISION)  # fmt: skip
-                    kpos, nmask, page, row = _kv_rows(bt_row, j0 - BLOCK_N, offs_n, seq_len, PAGE, False, OFF64)
-                    v = _load_kv(vc_ptr, page, row, stride_vp, stride_vs, offs_d, nmask, dmask, False, EVEN_D)
-                    acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, s, v, qk_scale, False, HAS_SOFTCAP, DOT_PRECISION)
-                    s = s_next
-                kpos, nmask, page, row = _kv_rows(bt_row, mid - BLOCK_N, offs_n, seq_len, PAGE, False, OFF64)
-                v = _load_kv(vc_ptr, page, row, stride_vp, stride_vs, offs_d, nmask, dmask, False, EVEN_D)
-                acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, s, v, qk_scale, False, HAS_SOFTCAP, DOT_PRECISION)
-        elif WARP_SPEC:
-            for j0 in tl.range(0, mid, BLOCK_N, warp_specialize=True):
+    if NEW_KV:
+        # Cached prefix [0, ctx) through the block table: every such key precedes every query, so only
+        # the tile holding ctx (the length mask) and, with a window, the window's edge need masks.
+        if HAS_WINDOW:
+            p_lo = tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N
+            p_mid = p_lo
+        else:
+            p_lo = 0
+            p_mid = ctx // BLOCK_N * BLOCK_N
+        if WS_PREFIX:
+            for j0 in tl.range(p_lo, p_mid, BLOCK_N, warp_specialize=True):
                 acc, l_i, m_i = _tile(
-                    acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
+                    acc, l_i, m_i, q, q_pos, ctx, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
                     stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, scale, softcap, window,
                     PAGE, False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, OFF64,
                 )  # fmt: skip
         else:
-            for j0 in range(0, mid, BLOCK_N):
+            for j0 in range(p_lo, p_mid, BLOCK_N):
                 acc, l_i, m_i = _tile(
-                    acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
+                    acc, l_i, m_i, q, q_pos, ctx, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
                     stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, scale, softcap, window,
                     PAGE, False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, OFF64,
                 )  # fmt: skip
-    # The diagonal band (and, with a window, every tile) pays for the causal/window/length masks.
-    for j0 in range(mid, hi, BLOCK_N):
-        acc, l_i, m_i = _tile(
-            acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
-            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, scale, softcap, window,
-            PAGE, True, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, OFF64,
-        )  # fmt: skip
+        for j0 in range(p_mid, ctx, BLOCK_N):
+            acc, l_i, m_i = _tile(
+                acc, l_i, m_i, q, q_pos, ctx, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
+                stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, scale, softcap, window,
+                PAGE, True, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, OFF64,
+            )  # fmt: skip
+        # This step's tokens from the contiguous k/v, in coordinates relative to the first query.
+        tok0 = q_start
+        kn_ptr += tok0.to(tl.int64) * stride_knt + kvh.to(tl.int64) * stride_knh
+        vn_ptr += tok0.to(tl.int64) * stride_vnt + kvh.to(tl.int64) * stride_vnh
+        col = kvh * HEAD_DIM
+        m0 = pid_m * BLOCK_M
+        n_hi = tl.minimum(m0 + BLOCK_M, q_len)
+        if HAS_WINDOW:
+            n_lo = tl.maximum(m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+            n_mid = n_lo
+        else:
+            n_lo = 0
+            n_mid = (m0 + 1) // BLOCK_N * BLOCK_N
+        if WARP_SPEC:
+            for r0 in tl.range(n_lo, n_mid, BLOCK_N, warp_specialize=True):
+                acc, l_i, m_i = _tile_new(
+                    acc, l_i, m_i, q, offs_m, q_len, r0, kn_ptr, vn_ptr, k_desc, v_desc, tok0, col, offs_n,
+                    offs_d, dmask, stride_knt, stride_vnt, qk_scale, scale, softcap, window,
+                    False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, USE_TMA, kc_ptr.dtype.element_ty,
+                )  # fmt: skip
+        else:
+            for r0 in range(n_lo, n_mid, BLOCK_N):
+                acc, l_i, m_i = _tile_new(
+                    acc, l_i, m_i, q, offs_m, q_len, r0, kn_ptr, vn_ptr, k_desc, v_desc, tok0, col, offs_n,
+                    offs_d, dmask, stride_knt, stride_vnt, qk_scale, scale, softcap, window,
+                    False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, USE_TMA, kc_ptr.dtype.element_ty,
+                )  # fmt: skip
+        for r0 in range(n_mid, n_hi, BLOCK_N):
+            acc, l_i, m_i = _tile_new(
+                acc, l_i, m_i, q, offs_m, q_len, r0, kn_ptr, vn_ptr, k_desc, v_desc, tok0, col, offs_n,
+                offs_d, dmask, stride_knt, stride_vnt, qk_scale, scale, softcap, window,
+                True, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, USE_TMA, kc_ptr.dtype.element_ty,
+            )  # fmt: skip
+    else:
+        hi = tl.minimum(first_q + BLOCK_M, seq_len)  # one past the last query position of the block
+        if HAS_WINDOW:
+            lo = tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N
+            mid = lo
+        else:
+            # Keys < first_q + 1 are visible to every query of the block: no mask needed there.
+            mid = (first_q + 1) // BLOCK_N * BLOCK_N
+            if PIPE_QK:
+                if mid > 0:
+                    kpos, nmask, page, row = _kv_rows(bt_row, 0, offs_n, seq_len, PAGE, False, OFF64)
+                    k = _load_kv(kc_ptr, page, row, stride_kp, stride_ks, offs_d, nmask, dmask, False, EVEN_D)
+                    s = _scores(q, k, kpos, nmask, q_pos, scale, softcap, window, False, HAS_WINDOW, HAS_SOFTCAP,
+                                DOT_PRECISION)  # fmt: skip
+                    for j0 in range(BLOCK_N, mid, BLOCK_N):
+                        # Issue the next tile's QK^T before this tile's softmax; V addresses are recomputed
+                        # from the induction variable so the pipeliner can still prefetch them.
+                        kpos, nmask, page, row = _kv_rows(bt_row, j0, offs_n, seq_len, PAGE, False, OFF64)
+                        k = _load_kv(kc_ptr, page, row, stride_kp, stride_ks, offs_d, nmask, dmask, False, EVEN_D)
+                        s_next = _scores(q, k, kpos, nmask, q_pos, scale, softcap, window, False, HAS_WINDOW,
+                                         HAS_SOFTCAP, DOT_PRECISION)  # fmt: skip
+                        kpos, nmask, page, row = _kv_rows(bt_row, j0 - BLOCK_N, offs_n, seq_len, PAGE, False, OFF64)
+                        v = _load_kv(vc_ptr, page, row, stride_vp, stride_vs, offs_d, nmask, dmask, False, EVEN_D)
+                        acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, s, v, qk_scale, False, HAS_SOFTCAP, DOT_PRECISION)
+                        s = s_next
+                    kpos, nmask, page, row = _kv_rows(bt_row, mid - BLOCK_N, offs_n, seq_len, PAGE, False, OFF64)
+                    v = _load_kv(vc_ptr, page, row, stride_vp, stride_vs, offs_d, nmask, dmask, False, EVEN_D)
+                    acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, s, v, qk_scale, False, HAS_SOFTCAP, DOT_PRECISION)
+            elif WARP_SPEC:
+                for j0 in tl.range(0, mid, BLOCK_N, warp_specialize=True):
+                    acc, l_i, m_i = _tile(
+                        acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
+                        stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, scale, softcap, window,
+                        PAGE, False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, OFF64,
+                    )  # fmt: skip
+            else:
+                for j0 in range(0, mid, BLOCK_N):
+                    acc, l_i, m_i = _tile(
+                        acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
+                        stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, scale, softcap, window,
+                        PAGE, False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, OFF64,
+                    )  # fmt: skip
+        # The diagonal band (and, with a window, every tile) pays for the causal/window/length masks.
+        for j0 in range(mid, hi, BLOCK_N):
+            acc, l_i, m_i = _tile(
+                acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
+                stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, scale, softcap, window,
+                PAGE, True, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, OFF64,
+            )  # fmt: skip
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -272,11 +387,16 @@ def paged_attention_prefill(
     sliding_window: int | None = None,
     softcap: float | None = None,
     max_seqlen_q: int | None = None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal prefill attention over the paged cache; see the module docstring for layouts.
 
     ``max_seqlen_q`` sizes the launch grid; when None it is read from ``cu_seqlens_q`` (one device
-    sync, so pass it inside CUDA graphs). Returns ``[T, Hq, D]`` in ``q.dtype``.
+    sync, so pass it inside CUDA graphs). ``k``/``v`` ``[T, Hk, D]`` (ragged like q, last dim
+    contiguous) are this step's new keys/values: when given, keys at positions ``>= seq_len - q_len``
+    are read from them (contiguous rows, TMA where possible) and only the cached prefix goes through
+    the block table. Returns ``[T, Hq, D]`` in ``q.dtype``.
     """
     T, Hq, D = q.shape
     # Any page size works (pages are looked up per key); powers of two make // and % shifts.
@@ -284,6 +404,9 @@ def paged_attention_prefill(
         raise ValueError("k_cache/v_cache: the head_dim axis must be contiguous")
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if k is not None:
+        k = k if k.stride(-1) == 1 else k.contiguous()
+        v = v if v.stride(-1) == 1 else v.contiguous()
     out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
     B = seq_lens.shape[0]
     if T == 0 or B == 0:
@@ -294,12 +417,25 @@ def paged_attention_prefill(
         return out.zero_()
     block_d = max(triton.next_power_of_2(D), 16)
     if triton_interpreter():
-        cfg = {"block_m": 16, "block_n": 16}
+        cfg = {"block_m": 16, "block_n": 16, "tma": False}
     else:
-        cfg = _fit_shared_memory(dict(TUNING[min(max(block_d, 64), 256)]), block_d, k_cache.element_size())
+        bucket = min(max(block_d, 64), 256)
+        tuned = TUNING_NEW_KV.get(bucket, TUNING[bucket]) if k is not None else TUNING[bucket]
+        cfg = _fit_shared_memory(dict(tuned), block_d, k_cache.element_size())
     _launch(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, softcap,
-            max_seqlen_q, cfg)  # fmt: skip
+            max_seqlen_q, cfg, k=k, v=v)  # fmt: skip
     return out
+
+
+def _tma_ok(t: torch.Tensor, D: int) -> bool:
+    """Whether ``t [T, Hk, D]`` can be read through a 2-D TMA descriptor over ``[T, Hk * D]`` with
+    ``[BLOCK_N, D]`` boxes: heads packed, head_dim a power of two, 16-byte aligned base and row stride."""
+    es = t.element_size()
+    return (
+        TensorDescriptor is not None and (t.is_cuda or triton_interpreter())
+        and D == triton.next_power_of_2(D) and D * es >= 16 and t.stride(2) == 1 and t.stride(1) == D
+        and t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0
+    )  # fmt: skip
 
 
 def _launch(
@@ -315,34 +451,52 @@ def _launch(
     softcap: float | None,
     max_seqlen_q: int,
     cfg: dict,
+    *,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> None:
     """Launch the kernel with an explicit config: ``block_m``, ``block_n`` and optionally ``num_warps``,
-    ``num_stages``, the variant switches of ``_VARIANT_DEFAULTS`` and ``off64`` (force int64 key offsets;
-    the sweep and the variant tests call this directly)."""
+    ``num_stages``, ``maxnreg``, the variant switches of ``_VARIANT_DEFAULTS`` and ``off64`` (force int64
+    key offsets; the sweep and the variant tests call this directly). ``k``/``v``: the new tokens'
+    contiguous K/V (see :func:`paged_attention_prefill`); ``tma`` then picks descriptor loads for them
+    when the layout allows (else pointer loads)."""
     Hq, D = q.shape[1], q.shape[2]
     page_size, Hk = k_cache.shape[1], k_cache.shape[2]
     B = seq_lens.shape[0]
-    var = {**_VARIANT_DEFAULTS, **{k: v for k, v in cfg.items() if k in _VARIANT_DEFAULTS}}
-    extra = {k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg}
-    block_m = cfg["block_m"]
+    var = {**_VARIANT_DEFAULTS, **{k_: v_ for k_, v_ in cfg.items() if k_ in _VARIANT_DEFAULTS}}
+    extra = {k_: cfg[k_] for k_ in ("num_warps", "num_stages", "maxnreg") if k_ in cfg}
+    block_m, block_n = cfg["block_m"], cfg["block_n"]
+    block_d = triton.next_power_of_2(max(D, 16))
     n_m = triton.cdiv(max_seqlen_q, block_m)
     grid = (B * Hq, n_m) if var["heads_fast"] else (n_m, Hq, B)
     # int32 key offsets are exact when the farthest element of each cache is (strides, not numel: a
     # cache may be a view into a larger buffer).
     span = lambda t: sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
-    off64 = cfg.get("off64", False) or max(span(k_cache), span(v_cache)) >= 2**31
+    spans = [span(k_cache), span(v_cache)] + ([span(k), span(v)] if k is not None else [])
+    off64 = cfg.get("off64", False) or max(spans) >= 2**31
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    new_kv = k is not None
+    use_tma = new_kv and var["tma"] and D == block_d and _tma_ok(k, D) and _tma_ok(v, D)
+    if use_tma:
+        # Host-side descriptors (passed by value, no device scratch allocator needed); 2-D over
+        # [T, Hk * D] so one box is one (key tile, KV head).
+        T = k.shape[0]
+        k_desc = TensorDescriptor(k, [T, Hk * D], [k.stride(0), 1], [block_n, D])
+        v_desc = TensorDescriptor(v, [T, Hk * D], [v.stride(0), 1], [block_n, D])
+    else:
+        k_desc = v_desc = q  # unused
+    kn, vn = (k, v) if new_kv else (q, q)  # placeholders when there are no new K/V
     _prefill_kernel[grid](
-        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, out,
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, out, kn, vn, k_desc, v_desc,
         scale * _LOG2E.value, scale, softcap or 1.0, sliding_window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         Hq, Hq // Hk, D,
-        PAGE=page_size, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_D=triton.next_power_of_2(max(D, 16)),
+        PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        DOT_PRECISION=precision, OFF64=off64, HEADS_FAST=var["heads_fast"], PIPE_QK=var["pipe_qk"],
-        WARP_SPEC=var["warp_spec"], **extra,
+        DOT_PRECISION=precision, OFF64=off64, HEADS_FAST=var["heads_fast"], PIPE_QK=var["pipe_qk"] and not new_kv,
+        WARP_SPEC=var["warp_spec"], NEW_KV=new_kv, USE_TMA=use_tma, WS_PREFIX=var["ws_prefix"] and new_kv, **extra,
     )  # fmt: skip
 
 

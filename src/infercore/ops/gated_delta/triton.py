@@ -135,11 +135,11 @@ def _gdr_decode_kernel(
 
 
 def decode_config(K: int, V: int) -> tuple[int, int]:
-    """``(BLOCK_V, num_warps)`` of the decode kernel: a ``[K, BLOCK_V]`` fp32 slice of about 16 KB
-    per program (32 registers a thread at 4 warps) -- small enough that several programs per SM
-    keep loads in flight, wide enough for 16-byte row vectors."""
+    """``(BLOCK_V, num_warps)`` of the decode kernel: a ``[K, BLOCK_V]`` fp32 slice of about 32 KB
+    per program (64 registers a thread at 4 warps). Measured on an H200 at K = V = 128, batch 256:
+    BLOCK_V 64 / 4 warps 3.64 TB/s, 32 / 4 warps 3.16, 128 / 4 warps 3.10 (fla-core 2.84)."""
     block_k = triton.next_power_of_2(K)
-    return min(triton.next_power_of_2(V), max(16, 4096 // block_k)), 4
+    return min(triton.next_power_of_2(V), max(16, 8192 // block_k)), 4
 
 
 def decode_launch(

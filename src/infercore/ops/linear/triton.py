@@ -18,6 +18,14 @@ kernel adds them (plus bias) and casts. Without split the bias and the cast are 
 
 Layouts: ``x [M, K]`` (last dim contiguous), ``weight [N, K]`` row-major (nn.Linear), ``bias [N]``,
 ``y [M, N]`` in x.dtype. Accumulation is fp32 whatever the input dtype.
+
+Gated-MLP epilogue (``act="silu" | "gelu_tanh" | "gelu"``): for a merged ``gate_up_proj`` weight
+``[2D, K]`` (rows ``[0, D)`` gate, ``[D, 2D)`` up, the models' layout) each program streams gate row
+``c`` and up row ``D + c`` side by side (interleaved in its tile) and writes ``act(g) * u`` ``[M, D]``
+directly: ``ops.silu_and_mul``/``gelu_and_mul`` of the ``[M, 2D]`` GEMV output, without the extra
+launch or the round trip. The activation is evaluated once per output element (in the consumer's
+prologue it would be re-evaluated by every program of the down projection). g and u are rounded to
+x.dtype first, as the unfused path stores them, so both paths agree to the last rounding.
 """
 
 from __future__ import annotations
@@ -86,6 +94,21 @@ TUNED: dict[tuple[int, int, int], tuple[GemvConfig, float]] = {
 DEFAULT = GemvConfig()
 DEFAULT_DOT = GemvConfig(variant="dot", block_n=16, block_k=256, num_warps=4, split_k=1)
 
+# The gated epilogue (``act=...``), keyed like TUNED by the *merged* weight's (N = 2D, K, M-bucket);
+# the speedup is over cuBLAS ``F.linear`` followed by the ``*_and_mul`` kernel (both in one CUDA
+# graph, so the saved launch counts). ``block_n`` counts weight rows (gate + up), so it is even.
+# Untuned shapes fall back to TUNED's config for the merged shape (block_n rounded up to even).
+TUNED_ACT: dict[tuple[int, int, int], tuple[GemvConfig, float]] = {
+    # benchmarks/bench_decode_step.py on the H200 (results/h200/decode_step.json): 54.3 us vs 59.9 us
+    # for cuBLAS + silu_and_mul.
+    (28672, 4096, 1): (GemvConfig(variant="fma", block_n=2, block_k=1024, num_warps=4, split_k=1,
+                                  evict_first=True, num_stages=3), 1.103),
+}
+
+ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2, "gelu": 3}
+_SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)
+_INV_SQRT_2: tl.constexpr = tl.constexpr(0.7071067811865476)
+
 
 def m_bucket(m: int) -> int:
     """1, 2, 4, 8 or 16 (M above 16 shares the 16 bucket)."""
@@ -95,17 +118,63 @@ def m_bucket(m: int) -> int:
     return b
 
 
-def pick_config(n: int, k: int, m: int) -> GemvConfig:
+def pick_config(n: int, k: int, m: int, act: str | None = None) -> GemvConfig:
+    """Launch config for weight ``[n, k]`` and ``m`` rows (``act``: the gated epilogue, n = 2D)."""
+    if act is not None:
+        hit = TUNED_ACT.get((n, k, m_bucket(m)))
+        if hit is not None:
+            return hit[0]
     hit = TUNED.get((n, k, m_bucket(m)))
-    if hit is not None:
-        return hit[0]
-    return DEFAULT if m <= 2 else DEFAULT_DOT
+    cfg = hit[0] if hit is not None else (DEFAULT if m <= 2 else DEFAULT_DOT)
+    if act is not None and cfg.block_n % 2:
+        cfg = GemvConfig(**{**cfg.as_dict(), "block_n": cfg.block_n + 1})
+    return cfg
 
 
-def beats_cublas(n: int, k: int, m: int) -> bool:
-    """Whether the tuning table measured this kernel faster than cuBLAS for the shape (False if untuned)."""
-    hit = TUNED.get((n, k, m_bucket(m)))
+def beats_cublas(n: int, k: int, m: int, act: str | None = None) -> bool:
+    """Whether the tuning tables measured the kernel faster than cuBLAS for the shape (False if untuned).
+
+    With ``act`` the fused-epilogue table decides where it has the shape; otherwise the plain GEMV's
+    entry for the merged weight does (the epilogue streams the same bytes and saves a launch)."""
+    b = m_bucket(m)
+    hit = TUNED_ACT.get((n, k, b)) if act is not None else None
+    if hit is None:
+        hit = TUNED.get((n, k, b))
     return hit is not None and hit[1] > 1.0
+
+
+@triton.jit
+def _act_mul(g, u, y_ptr, ACT: tl.constexpr):
+    # Round g and u to the output dtype first: the unfused path stores them in it before
+    # *_and_mul reads them back, and the two paths should differ only by accumulation order.
+    g = g.to(y_ptr.dtype.element_ty).to(tl.float32)
+    u = u.to(y_ptr.dtype.element_ty).to(tl.float32)
+    if ACT == 1:
+        a = g * tl.sigmoid(g)
+    elif ACT == 2:
+        # tanh(z) = 2*sigmoid(2z) - 1 (as ops.activation): no libdevice, so the interpreter runs it.
+        z = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
+        a = 0.5 * g * (2.0 * tl.sigmoid(2.0 * z))
+    else:
+        a = 0.5 * g * (1.0 + tl.erf(g * _INV_SQRT_2))
+    return a * u
+
+
+@triton.jit
+def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, ACT: tl.constexpr):
+    """The program's weight rows (clamped into range) and their validity mask. With ACT the tile
+    interleaves gate row c (even slots) and up row D + c (odd slots), D = N // 2."""
+    r = tl.arange(0, BLOCK_N)
+    if ACT != 0:
+        d = N // 2
+        c = pid_n * (BLOCK_N // 2) + r // 2
+        rows = tl.minimum(c, d - 1) + (r % 2) * d
+        ok = c < d
+    else:
+        n = pid_n * BLOCK_N + r
+        rows = tl.minimum(n, N - 1)
+        ok = n < N
+    return rows, ok
 
 
 @triton.jit
@@ -126,15 +195,23 @@ def _wload(ptrs, mask, EVEN: tl.constexpr, EVICT: tl.constexpr):
 
 
 @triton.jit
-def _store_row(out, m, M, offs_n, n_mask, pid_k, b_ptr, y_ptr, ws_ptr, N, stride_ym,
-               HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr):  # fmt: skip
-    mask = n_mask & (offs_n * 0 + m < M)  # a tensor compare: the interpreter rejects a scalar mask
+def _store_row(out, m, M, rows, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, N, stride_ym,
+               HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Row m of the program's result ``out [BLOCK_N]`` (one value per weight row in ``rows``)."""
+    mask = n_mask & (rows * 0 + m < M)  # a tensor compare: the interpreter rejects a scalar mask
     if USE_WS:
-        tl.store(ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n, out, mask=mask)
+        tl.store(ws_ptr + (pid_k * M + m).to(tl.int64) * N + rows, out, mask=mask)
     else:
         if HAS_BIAS:
-            out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + m.to(tl.int64) * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask)
+            out += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)
+        if ACT != 0:
+            g, u = tl.split(tl.reshape(out, (BLOCK_N // 2, 2)))
+            cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            y = _act_mul(g, u, y_ptr, ACT)
+            ok = (cols < N // 2) & (cols * 0 + m < M)
+            tl.store(y_ptr + m.to(tl.int64) * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
+        else:
+            tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -143,19 +220,18 @@ def _gemv_fma_kernel(
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr, EVEN: tl.constexpr, EVICT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr = 0,
 ):  # fmt: skip
     # Rows of x are unrolled by hand (BLOCK_M <= 4), each with its own 2-D accumulator over the
     # same weight tile: a 3-D [M, N, K] product made Triton shuffle the tile through shared memory.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
     k_lo = pid_k * k_per_split
-    n_mask = offs_n < N
     # Clamped rows read valid memory, so full tiles need no mask at all (EVEN: K-range divides).
-    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    rows, n_mask = _weight_rows(pid_n, N, BLOCK_N, ACT)
+    rows_n = rows.to(tl.int64)
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     x0 = x_ptr + tl.minimum(m0, M - 1).to(tl.int64) * stride_xm + k_lo + offs_k
     x1 = x_ptr + tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_xm + k_lo + offs_k
@@ -185,16 +261,16 @@ def _gemv_fma_kernel(
                 acc2 += w * tl.load(x2 + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
                 acc3 += w * tl.load(x3 + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
-    _store_row(tl.sum(acc0, axis=1), m0, M, offs_n, n_mask, pid_k, b_ptr, y_ptr, ws_ptr, N, stride_ym,
-               HAS_BIAS, USE_WS)  # fmt: skip
+    _store_row(tl.sum(acc0, axis=1), m0, M, rows, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, N, stride_ym,
+               HAS_BIAS, USE_WS, ACT, BLOCK_N)  # fmt: skip
     if BLOCK_M > 1:
-        _store_row(tl.sum(acc1, axis=1), m0 + 1, M, offs_n, n_mask, pid_k, b_ptr, y_ptr, ws_ptr, N, stride_ym,
-                   HAS_BIAS, USE_WS)  # fmt: skip
+        _store_row(tl.sum(acc1, axis=1), m0 + 1, M, rows, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, N,
+                   stride_ym, HAS_BIAS, USE_WS, ACT, BLOCK_N)  # fmt: skip
     if BLOCK_M > 2:
-        _store_row(tl.sum(acc2, axis=1), m0 + 2, M, offs_n, n_mask, pid_k, b_ptr, y_ptr, ws_ptr, N, stride_ym,
-                   HAS_BIAS, USE_WS)  # fmt: skip
-        _store_row(tl.sum(acc3, axis=1), m0 + 3, M, offs_n, n_mask, pid_k, b_ptr, y_ptr, ws_ptr, N, stride_ym,
-                   HAS_BIAS, USE_WS)  # fmt: skip
+        _store_row(tl.sum(acc2, axis=1), m0 + 2, M, rows, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, N,
+                   stride_ym, HAS_BIAS, USE_WS, ACT, BLOCK_N)  # fmt: skip
+        _store_row(tl.sum(acc3, axis=1), m0 + 3, M, rows, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, N,
+                   stride_ym, HAS_BIAS, USE_WS, ACT, BLOCK_N)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -203,18 +279,17 @@ def _gemv_dot_kernel(
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr, EVEN: tl.constexpr, EVICT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr = 0,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
     k_lo = pid_k * k_per_split
-    n_mask = offs_n < N
+    rows, n_mask = _weight_rows(pid_n, N, BLOCK_N, ACT)
     m_mask = offs_m < M
-    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    rows_n = rows.to(tl.int64)
     rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
@@ -232,43 +307,72 @@ def _gemv_dot_kernel(
         x_ptrs += BLOCK_K
     omask = m_mask[:, None] & n_mask[None, :]
     if USE_WS:
-        ws = ws_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
+        ws = ws_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * N + rows[None, :]
         tl.store(ws, acc, mask=omask)
     else:
         if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=omask)
+            acc += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if ACT != 0:
+            g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+            out = _act_mul(g, u, y_ptr, ACT)
+            cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+            tl.store(y, out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & (cols < N // 2)[None, :])
+        else:
+            y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + rows[None, :]
+            tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
-def _splitk_reduce_kernel(ws_ptr, b_ptr, y_ptr, MN, N, stride_ym, SPLIT_K: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _splitk_reduce_kernel(ws_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    # One lane per output element: N of them per row, or N // 2 (gate/up pairs) with ACT.
+    n_out = N // 2 if ACT != 0 else N
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
+    mask = offs < M * n_out
+    m = offs // n_out
+    n = offs % n_out
+    src = ws_ptr + m * N + n
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
-        acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
-    n = offs % N
+        acc += tl.load(src + s * M * N, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + (offs // N) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    if ACT != 0:
+        up = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            up += tl.load(src + s * M * N + n_out, mask=mask, other=0.0)
+        if HAS_BIAS:
+            up += tl.load(b_ptr + n_out + n, mask=mask, other=0.0).to(tl.float32)
+        acc = _act_mul(acc, up, y_ptr, ACT)
+    tl.store(y_ptr + m * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig,
+         act: str | None = None) -> torch.Tensor:  # fmt: skip
     """``x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N]`` with one explicit config (no checks).
 
-    x and weight must have a contiguous last dim; fp32 inputs always take the ``fma`` variant
-    (``tl.dot`` would round them to tf32).
+    With ``act`` (``"silu"``, ``"gelu_tanh"``, ``"gelu"``) the weight is a merged ``[gate; up]``
+    projection (N = 2D, even) and the result is ``act(gate) * up`` ``[M, D]``; ``config.block_n``
+    must then be even (it counts gate + up rows). x and weight must have a contiguous last dim;
+    fp32 inputs always take the ``fma`` variant (``tl.dot`` would round them to tf32).
     """
     M, K = x.shape
     N = weight.shape[0]
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    code = ACTIVATIONS[act]
+    n_out = N // 2 if code else N
+    y = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
     if K == 0:
+        if code:
+            # g = u = bias (or 0): still the activation of the stored values
+            src = torch.zeros(M, N, dtype=x.dtype, device=x.device) if bias is None else bias.expand(M, N)
+            return _act_ref(src, act).to(x.dtype)
         return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
     cfg = config
+    if code and (cfg.block_n < 2 or cfg.block_n % 2):
+        raise ValueError(f"gemv: act={act!r} needs an even block_n >= 2, got {cfg.block_n}")
     variant = "fma" if x.dtype == torch.float32 else cfg.variant
     if variant == "dot":
         block_m, kernel = 16, _gemv_dot_kernel
@@ -283,25 +387,39 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     use_ws = split > 1
     ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if use_ws else y
     b = bias if bias is not None else y
-    grid = (triton.cdiv(N, cfg.block_n), split, triton.cdiv(M, block_m))
+    rows_per_prog = cfg.block_n // 2 if code else cfg.block_n
+    grid = (triton.cdiv(n_out, rows_per_prog), split, triton.cdiv(M, block_m))
     kernel[grid](
         x, weight, b, y, ws, M, N, K, k_per_split,
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, USE_WS=use_ws, EVEN=even, EVICT=cfg.evict_first,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, ACT=code,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if use_ws:
         block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
-            ws, b, y, M * N, N, y.stride(0), SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4
-        )
+        _splitk_reduce_kernel[(triton.cdiv(M * n_out, block),)](
+            ws, b, y, M, N, y.stride(0), SPLIT_K=split, HAS_BIAS=bias is not None, ACT=code, BLOCK=block,
+            num_warps=4,
+        )  # fmt: skip
     return y
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _act_ref(h: torch.Tensor, act: str) -> torch.Tensor:
+    from ..activation.naive import gelu_and_mul_ref, silu_and_mul_ref
+
+    if act == "silu":
+        return silu_and_mul_ref(h)
+    return gelu_and_mul_ref(h, approximate="tanh" if act == "gelu_tanh" else "none")
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  act: str | None = None) -> torch.Tensor:  # fmt: skip
     """``F.linear`` for few rows: x ``[..., K]``, weight ``[N, K]``, bias ``[N]`` -> ``[..., N]`` in x.dtype.
 
-    The launch config comes from :data:`TUNED` (by N, K and the M bucket) or :data:`DEFAULT`.
+    With ``act`` the result is ``act_and_mul(F.linear(x, weight, bias))`` ``[..., N // 2]`` in one
+    kernel (see :func:`gemv`). The launch config comes from :data:`TUNED_ACT`/:data:`TUNED` (by N,
+    K and the M bucket) or :data:`DEFAULT`.
     """
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
@@ -311,8 +429,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         weight = weight.contiguous()
     if bias is not None and bias.stride(-1) != 1:
         bias = bias.contiguous()
-    cfg = pick_config(weight.shape[0], K, x2.shape[0])
-    return gemv(x2, weight, bias, cfg).reshape(*x.shape[:-1], weight.shape[0])
+    cfg = pick_config(weight.shape[0], K, x2.shape[0], act)
+    y = gemv(x2, weight, bias, cfg, act)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 register("skinny_linear", "triton", skinny_linear, priority=10, available=lambda cap: cap.is_cuda and cap.triton)

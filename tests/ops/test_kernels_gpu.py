@@ -163,13 +163,45 @@ def test_sampling_greedy_exact(dtype):
     assert torch.equal(got, want)
 
 
+def _sampling_failures(got: torch.Tensor, probs: torch.Tensor, z: float = 5.0, min_count: float = 50.0) -> list[str]:
+    """Frequency check valid at small counts (see tests/ops/test_sampling_stats.py, which tests it):
+    tokens expected >= min_count times on their own, rarer ones pooled into groups of ~min_count
+    expected draws, plus a chi-square over all groups. A per-token normal check fails an exact
+    sampler ~40% of the time when top-p keeps thousands of rare tokens."""
+    n, probs = got.numel(), probs.double().cpu()
+    counts = torch.bincount(got.cpu(), minlength=probs.numel()).double()
+    lam = probs * n
+    groups = [i.view(1) for i in torch.nonzero(lam >= min_count).flatten()]
+    small = torch.nonzero((lam > 0) & (lam < min_count)).flatten()
+    small = small[lam[small].argsort(descending=True)]
+    gid = (lam[small].cumsum(0) / min_count).floor().long()
+    if len(small) and gid.max() > 0 and lam[small][gid == gid.max()].sum() < min_count:
+        gid[gid == gid.max()] -= 1
+    groups += [small[gid == g] for g in gid.unique()]
+    out, chi2, k = [], 0.0, 0
+    for idx in groups:
+        p, c = probs[idx].sum().item(), counts[idx].sum().item()
+        var = n * p * (1 - p)
+        if var == 0:
+            continue
+        if abs(c - n * p) > z * var**0.5:
+            out.append(f"tokens {idx.tolist()[:5]}: drawn {c:.0f}, expected {n * p:.1f}")
+        chi2 += (c - n * p) ** 2 / var
+        k += 1
+    if k and chi2 > k + 6 * (2 * k) ** 0.5:
+        out.append(f"chi2 {chi2:.1f} over {k} groups")
+    return out
+
+
 @pytest.mark.parametrize(
     "temperature,top_k,top_p,min_p", [(0.8, 20, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (1.3, 50, 0.9, 0.05)]
 )
 def test_sampling_distribution(temperature, top_k, top_p, min_p):
     N, V = 40000, 32000
-    row = torch.randn(V, device=DEV) * 2
-    row[torch.randperm(V, device=DEV)[:8]] += 6.0  # a handful of likely tokens
+    g = torch.Generator().manual_seed(1234)  # the row must not depend on which tests ran before
+    row = torch.randn(V, generator=g) * 2
+    row[torch.randperm(V, generator=g)[:8]] += 6.0  # a handful of likely tokens
+    row = row.to(DEV)
     logits = row.expand(N, V).contiguous()
     params = SamplingTensors.from_lists(
         temperature=[temperature] * N,
@@ -185,10 +217,10 @@ def test_sampling_distribution(temperature, top_k, top_p, min_p):
     got = implementation("sample", "triton")(logits, params)
     support = probs > 0
     assert support[got].all(), "sampled a token outside the filtered support"
-    freq = torch.bincount(got, minlength=V).double() / N
-    sigma = (probs * (1 - probs) / N).sqrt()
-    assert ((freq - probs).abs() <= 4.5 * sigma + 1e-9).all()
+    failures = _sampling_failures(got, probs)
+    assert not failures, failures
     # Every token with >= 0.2% probability shows up (support equality where it is observable).
+    freq = torch.bincount(got, minlength=V).double() / N
     assert (freq[probs > 2e-3] > 0).all()
 
 

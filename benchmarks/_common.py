@@ -28,6 +28,37 @@ def bench_ms(fn: Callable[[], Any], *, warmup: int = 25, rep: int = 100) -> floa
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def time_graph(calls: Callable[[int], Any], n_calls: int, reps: int = 10, warmup: int = 2) -> float:
+    """Seconds per call: ``calls(i)`` for i in ``range(n_calls)`` captured in one CUDA graph, timed
+    over ``reps`` replays (median) after ``warmup`` untimed ones. For kernels of a few microseconds,
+    where launch gaps would hide the kernel: ``calls(i)`` can rotate over weight copies whose total
+    exceeds the L2 so that every call reads its weights from HBM."""
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(n_calls):
+            calls(i)
+    for _ in range(warmup):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    del g
+    times.sort()
+    return times[len(times) // 2] / n_calls
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||y - ref|| / ||ref||`` in fp32 (``ref`` fp32 or wider)."""
+    return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
 def copy_bandwidth(device: str = "cuda", nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)

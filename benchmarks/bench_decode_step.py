@@ -39,7 +39,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import case, copy_bandwidth, write_results  # noqa: E402
+from _common import case, copy_bandwidth, rel_err, time_graph, write_results  # noqa: E402
 from bench_e2e import LLAMA_8B  # noqa: E402
 
 from infercore import Engine, SamplingParams  # noqa: E402
@@ -71,13 +71,7 @@ def time_calls(fn, dry: bool, n_calls: int = 20) -> float:
         t = time.perf_counter()
         fn()
         return time.perf_counter() - t
-    from sweep_gemv import time_graph
-
     return time_graph(lambda i: fn(), n_calls)
-
-
-def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def tune_fused_act(model, dev, dry: bool) -> dict:
@@ -95,7 +89,7 @@ def tune_fused_act(model, dev, dry: bool) -> dict:
     rows = []
     for cfg in ACT_CANDIDATES if not dry else ACT_CANDIDATES[:2]:
         try:
-            err = rel(T.gemv(x, w, None, cfg, "silu"), ref)
+            err = rel_err(T.gemv(x, w, None, cfg, "silu"), ref)
             t = time_calls(lambda cfg=cfg: T.gemv(x, w, None, cfg, "silu"), dry) if err < 2e-2 else float("inf")
         except Exception as e:  # a config that fails to compile is logged, not fatal
             print(f"fused act config {cfg} failed: {type(e).__name__}: {e}", flush=True)

@@ -133,10 +133,6 @@ def bench_prefill(name, lens, H, K, V, dev, fla_chunk, mem_bw, cases, sweep_kern
 
     p_run = pool.clone()
     t_ours = timed(lambda: chunk_gated_delta_rule_(q, k, v, gate, beta, p_run, **kw))
-    t_serial = None
-    if T <= 8192:
-        serial = implementation("chunk_gated_delta_rule_", "triton_serial")
-        t_serial = timed(lambda: serial(q, k, v, gate, beta, p_run, **kw))
     peers = {}
     if fla_fn is not None:
         peers["fla-core chunk_gated_delta_rule"] = T / (timed(fla_fn) * 1e-3)
@@ -145,8 +141,6 @@ def bench_prefill(name, lens, H, K, V, dev, fla_chunk, mem_bw, cases, sweep_kern
         name, metric="prefill tokens/s", unit="tok/s", ours=T / (t_ours * 1e-3), peers=peers,
         floor=(T / (nbytes / mem_bw)) if mem_bw else None, ms_ours=t_ours, correct=ok, **check,
     )  # fmt: skip
-    if t_serial is not None:
-        row["tok_s_ours_token_serial_kernel"] = T / (t_serial * 1e-3)
     if peers:
         row["ms_fla"] = T / next(iter(peers.values())) * 1e3
     cases.append(row)
@@ -272,8 +266,8 @@ def bench_decode(B, H, K, V, dev, fla_rec, copy_bw, cases):
         for bv in (16, 32, 64, 128):
             for nw in (2, 4, 8):
                 try:
-                    t = timed(lambda bv=bv, nw=nw: gdr_triton.decode_launch(
-                        q, k, v, gate, beta, p_run, slots, K**-0.5, True, block_v=bv, num_warps=nw))  # fmt: skip
+                    t = timed(lambda bv=bv, nw=nw: gdr_triton.fused_recurrent_gated_delta_rule_(
+                        q, k, v, gate, beta, p_run, block_v=bv, num_warps=nw, **kw))  # fmt: skip
                     sweep[f"BV{bv}_w{nw}"] = round(state_bytes / (t * 1e-3) / 1e12, 3)
                 except Exception as e:  # noqa: BLE001
                     log(f"decode config BV={bv} warps={nw} failed: {type(e).__name__}: {e}")

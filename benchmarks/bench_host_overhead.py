@@ -21,7 +21,6 @@ Phases (median over the timed steps, ms):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,6 +29,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import case, write_results  # noqa: E402
 
 import infercore.engine.graph_runner as graph_runner_mod  # noqa: E402
 import infercore.engine.runner as runner_mod  # noqa: E402
@@ -171,8 +173,12 @@ def main() -> None:
     for r in results:
         print(f"{r['batch']:>6} " + " ".join(f"{r[k]:9.3f}" for k in keys))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"name": "host_overhead", "unit": "ms/step", "results": results}, f, indent=1)
+        # Shared format (higher is better): host-limited steps per second; the phases ride along in ms.
+        cases = [case(f"engine host work per decode step, batch {r['batch']} (stub model)",
+                      metric="host-limited step rate", unit="steps/s", ours=1e3 / r["total"], peers={}, floor=None,
+                      ms_per_step={k: r[k] for k in keys}, async_scheduling=args.async_scheduling)
+                 for r in results]
+        write_results(args.out, "host_overhead", f"cpu ({os.cpu_count()} cores)", cases)
 
 
 if __name__ == "__main__":

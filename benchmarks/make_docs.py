@@ -81,7 +81,10 @@ def main() -> None:
             doc = json.load(f)
         if "cases" not in doc:
             continue
-        out += [f"## `{os.path.relpath(path, ROOT)}`", ""] + table(doc)
+        out += [f"## `{os.path.relpath(path, ROOT)}`", ""]
+        if doc.get("note"):
+            out += [f"> {doc['note']}", ""]
+        out += table(doc)
         if doc["name"] == "e2e":
             png = os.path.join(ROOT, "docs", "decode_vs_batch.png")
             if plot_decode(doc, png):

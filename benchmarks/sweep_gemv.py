@@ -33,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import case, copy_bandwidth, write_results  # noqa: E402
+from _common import case, copy_bandwidth, rel_err, time_graph, write_results  # noqa: E402
 
 from infercore.ops.linear import triton as T  # noqa: E402
 
@@ -77,31 +77,11 @@ def configs_for(n: int, k: int, m: int) -> list[T.GemvConfig]:
     return out
 
 
-def time_graph(calls, n_calls: int, reps: int = 10) -> float:
-    """Seconds per call: ``calls(i)`` is captured ``n_calls`` times in one CUDA graph."""
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n_calls):
-            calls(i)
-    g.replay()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    del g
-    times.sort()
-    return times[len(times) // 2] / n_calls
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+def time_once(calls, n_calls: int) -> float:
+    """``--dry-run`` timer (the interpreter has no CUDA graphs): one eager call, in seconds."""
+    s = time.perf_counter()
+    calls(0)
+    return time.perf_counter() - s
 
 
 def sweep_shape(name, n, k, dtype, dev, ms, bw, rows, n_calls_min, dry):
@@ -111,6 +91,7 @@ def sweep_shape(name, n, k, dtype, dev, ms, bw, rows, n_calls_min, dry):
     n_calls = max(n_calls_min, copies)
     n_calls = math.ceil(n_calls / copies) * copies
     ws = [torch.randn(n, k, dtype=dtype, device=dev) * 0.02 for _ in range(copies)]
+    timer = time_once if dry else time_graph
     best = {}
     for m in ms:
         x = torch.randn(m, k, dtype=dtype, device=dev)
@@ -125,7 +106,7 @@ def sweep_shape(name, n, k, dtype, dev, ms, bw, rows, n_calls_min, dry):
             return row
 
         err = rel_err(F.linear(x, ws[0]), ref)
-        cub = record("cublas", None, time_graph(lambda i, x=x: F.linear(x, ws[i % copies]), n_calls), err)
+        cub = record("cublas", None, timer(lambda i, x=x: F.linear(x, ws[i % copies]), n_calls), err)
         best_row = None
         for cfg in configs_for(n, k, m):
             try:
@@ -133,7 +114,7 @@ def sweep_shape(name, n, k, dtype, dev, ms, bw, rows, n_calls_min, dry):
                 if not err < 1e-2:
                     record("triton", cfg, float("inf"), err)["error"] = "wrong result"
                     continue
-                t = time_graph(lambda i, x=x, cfg=cfg: T.gemv(x, ws[i % copies], None, cfg), n_calls)
+                t = timer(lambda i, x=x, cfg=cfg: T.gemv(x, ws[i % copies], None, cfg), n_calls)
             except Exception as e:  # a config that fails to compile or launch is logged, not fatal
                 rows.append({"shape": name, "M": m, "impl": "triton", "config": cfg.as_dict(), "error": repr(e)[:300]})
                 continue
@@ -186,7 +167,6 @@ def decode_step(best, dtype, bw, layers: int) -> dict:
 
 
 def main() -> None:
-    global time_graph
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU interpreter (checks the script)")
@@ -202,12 +182,6 @@ def main() -> None:
         SHAPES.clear()
         SHAPES.update({"tiny_a": (48, 64), "tiny_b": (16, 96)})
         dtype, dev, bw = torch.float16, "cpu", 1e9
-
-        def time_graph(calls, n_calls, reps=1):  # noqa: F811
-            s = time.perf_counter()
-            calls(0)
-            return time.perf_counter() - s
-
         for name, (n, k) in SHAPES.items():
             best.update(sweep_shape(name, n, k, dtype, dev, ms[:2], bw, rows, 1, True))
     else:

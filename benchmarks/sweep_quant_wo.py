@@ -37,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import case, write_results  # noqa: E402
+from _common import case, time_graph, write_results  # noqa: E402
 
 from infercore.quant import FP8Weight, IntWeight  # noqa: E402
 from infercore.quant import triton_wo as TW  # noqa: E402
@@ -77,28 +77,6 @@ def configs_for(kind: str, m: int, smoke: bool) -> list[dict]:
     if m == 4:
         out = out[:4] + CONFIGS[(kind, 16)][:1]  # is the tensor-core tile already better at 4 rows?
     return out
-
-
-def time_graph(calls, n_calls: int, reps: int = 7) -> float:
-    """Seconds per call: ``calls(i)`` captured ``n_calls`` times in one CUDA graph (median replay)."""
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n_calls):
-            calls(i)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    del g
-    times.sort()
-    return times[len(times) // 2] / n_calls
 
 
 def time_eager(calls, n_calls: int) -> float:
@@ -163,7 +141,7 @@ def main() -> None:  # noqa: C901 (one linear script)
     ms = {"int4": (1, 3, 8), "fp8": (1, 3)} if smoke else MS
     bw = 3.0e12 if smoke else copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    timer = (lambda c, n: time_eager(c, n)) if smoke else time_graph
+    timer = (lambda c, n: time_eager(c, n)) if smoke else (lambda c, n: time_graph(c, n, reps=7, warmup=1))
     rows, cases, best = [], [], {}
     torch.manual_seed(0)
 

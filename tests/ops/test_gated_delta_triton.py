@@ -1,4 +1,4 @@
-"""Gated delta rule Triton kernels (chunked prefill, decode, token-serial) against the fp32 reference,
+"""Gated delta rule Triton kernels (chunked prefill, decode) against the fp32 reference,
 under TRITON_INTERPRET=1 on the CPU: tiny fp32 shapes, ragged batches with lengths that are not
 multiples of the chunk (including 1 and 0), grouped value heads, l2-normalised q/k, state slots."""
 
@@ -12,7 +12,11 @@ import torch  # noqa: E402
 from infercore.devices import implementation  # noqa: E402
 from infercore.ops.gated_delta import chunk as gdr_chunk  # noqa: E402
 from infercore.ops.gated_delta import triton as gdr_triton  # noqa: E402
-from infercore.ops.gated_delta.naive import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule  # noqa: E402
+from infercore.ops.gated_delta.naive import (  # noqa: E402
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_ref,
+    recurrent_gated_delta_rule,
+)
 
 i32 = torch.int32
 
@@ -69,10 +73,6 @@ def test_chunked_prefill_head_dim_32():
     _check_prefill(fn, [45, 2], Hk=2, Hv=2, K=32, V=32, l2=True, seed=3)
 
 
-def test_serial_prefill_matches_reference():
-    _check_prefill(implementation("chunk_gated_delta_rule_", "triton_serial"), [9, 1, 4], 2, 4, 8, 16, l2=True)
-
-
 def test_chunk_layout_ragged():
     cu = torch.tensor([0, 3, 3, 67, 68], dtype=i32)  # lengths 3, 0, 64, 1
     off, info = gdr_chunk.chunk_layout(cu, 68, 16)
@@ -90,7 +90,9 @@ def test_decode_matches_recurrence_in_place(block_v, l2):
     slots = torch.tensor([4, 0, 2], dtype=i32)
     want_pool = pool.clone()
     # block_v=16 splits the value dim across two programs per head
-    out = gdr_triton.decode_launch(q, k, v, gate, beta, pool, slots, 0.3, l2, block_v=block_v)
+    out = gdr_triton.fused_recurrent_gated_delta_rule_(
+        q, k, v, gate, beta, pool, state_slots=slots, scale=0.3, use_qk_l2norm=l2, block_v=block_v
+    )
     for b in range(B):
         t = slice(b, b + 1)
         o, S = recurrent_gated_delta_rule(
@@ -143,3 +145,22 @@ def test_chunked_prefill_tiled_configs():
 def test_decode_default_config():
     # H200 sweep: 64-wide value blocks at 4 warps for 128-dim heads
     assert gdr_triton.decode_config(128, 128) == (64, 4)
+
+
+def test_kernel_knobs_rejected_by_name():
+    cu, q, k, v, gate, beta = _inputs([5], 1, 1, 16, 16)
+    pool = torch.zeros(1, 1, 16, 16)
+    kw = dict(cu_seqlens=cu, state_slots=torch.zeros(1, dtype=i32), has_initial_state=torch.tensor([False]),
+              scale=0.25, use_qk_l2norm=True)  # fmt: skip
+    with pytest.raises(ValueError, match="chunk_size"):
+        gdr_chunk.chunk_gated_delta_rule_(q, k, v, gate, beta, pool, chunk_size=48, **kw)
+    with pytest.raises(ValueError, match=r"config\['scan'\]"):
+        gdr_chunk.chunk_gated_delta_rule_(q, k, v, gate, beta, pool, config={"scan": {"BV": 16}}, **kw)
+    with pytest.raises(ValueError, match=r"config\['wu'\]"):
+        gdr_chunk.chunk_gated_delta_rule_(q, k, v, gate, beta, pool, config={"wu": {"BLOCK": 16}}, **kw)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_gated_delta_rule(q, k, v, gate, beta, None, scale=0.25, chunk_size=0)
+    with pytest.raises(ValueError, match="block_v"):
+        gdr_triton.fused_recurrent_gated_delta_rule_(
+            q, k, v, gate, beta, pool, state_slots=kw["state_slots"], scale=0.25, use_qk_l2norm=True, block_v=24
+        )

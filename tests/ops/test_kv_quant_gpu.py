@@ -74,13 +74,18 @@ def test_decode_quantized_bf16(kv, b, ctx, hq, hk, d, page, window):
 
 
 def test_fp8_emulation_matches_native():
-    if not capability(DEV).native_fp8:
-        pytest.skip("GPU without native FP8: only the emulated path exists")
     (kc, vc, ks, vs), table, lens = _cache(16, 2048, 8, 128, 16, "fp8")
     q = torch.randn(16, 32, 128, device=DEV, dtype=BF16)
     fn = implementation("paged_attention_decode", "triton")
     kw = dict(seq_lens=lens, block_table=table, scale=128**-0.5, k_scale=ks, v_scale=vs)
-    assert rel(fn(q, kc, vc, fp8_emulation=True, **kw), fn(q, kc, vc, fp8_emulation=False, **kw)) < 2e-3
+    emulated = fn(q, kc, vc, fp8_emulation=True, **kw)
+    if capability(DEV).native_fp8:
+        # Both decodes are exact, so only the accumulation order may differ.
+        assert rel(emulated, fn(q, kc, vc, fp8_emulation=False, **kw)) < 2e-3
+    else:
+        # No native conversion on this GPU: the emulated kernel is the only one; hold it to the reference.
+        want = implementation("paged_attention_decode", "reference")(q, kc, vc, **kw)
+        assert rel(emulated, want) < 1e-2
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8"])

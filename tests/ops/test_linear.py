@@ -112,6 +112,8 @@ def test_gpu_layout_swap_leaves_cpu_models_alone():
     assert all(type(m) is not TritonGemvLinear for m in model.modules())
     with pytest.raises(ValueError, match="max_m"):
         use_triton_gemv_(model, max_m=-1)
+    with pytest.raises(TypeError, match="use_triton_gemv_: model"):
+        use_triton_gemv_([nn.Linear(4, 4)])
 
 
 def test_gemv_linear_falls_back_off_cuda():
@@ -167,6 +169,21 @@ def test_gemv_act_matches_unfused_path(act):
     unfused = A.silu_and_mul(h) if act == "silu" else A.gelu_and_mul(h, approximate=approximate)
     torch.testing.assert_close(fused, unfused, atol=2e-3, rtol=2e-3)
     assert not torch.equal(fused, T.skinny_linear(x, w)[:, :24])  # the activation did run
+
+
+@pytest.mark.parametrize("act", [None, "silu", "gelu"])
+def test_gemv_empty_dims(act):
+    # K = 0: nothing to stream, y = act(bias) (or act(0)); M = 0: an empty result.
+    cfg = T.GemvConfig("fma", 4, 32, 1, 1)
+    b = torch.randn(6)
+    for bias in (None, b):
+        y = T.gemv(torch.randn(3, 0), torch.randn(6, 0), bias, cfg, act)
+        want = (torch.zeros(3, 6) if bias is None else b.expand(3, 6)).double()
+        if act is not None:
+            want = L.naive.skinny_linear_ref(want, torch.eye(6, dtype=torch.float64), None, act=act)
+        assert y.shape == (3, 6 if act is None else 3) and y.dtype == torch.float32
+        torch.testing.assert_close(y.double(), want)
+    assert T.gemv(torch.randn(0, 8), torch.randn(6, 8), b, cfg, act).shape == (0, 6 if act is None else 3)
 
 
 def test_gemv_act_rejects_odd_block_n():

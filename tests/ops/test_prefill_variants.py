@@ -1,5 +1,5 @@
-"""Every variant of the Triton prefill kernel (grid order, hand-pipelined QK^T, warp-specialized loop,
-int64 offsets, tile shapes) against the reference, under the interpreter with tiny shapes."""
+"""Every variant of the Triton prefill kernel (warp-specialized loop, TMA or pointer loads of the new
+K/V, int64 offsets, tile shapes) against the reference, under the interpreter with tiny shapes."""
 
 import os
 
@@ -14,9 +14,7 @@ from infercore.ops.attention import triton_prefill  # noqa: E402
 
 VARIANTS = [
     {"block_m": 16, "block_n": 16},
-    {"block_m": 16, "block_n": 16, "heads_fast": False},
-    {"block_m": 16, "block_n": 16, "pipe_qk": True},
-    {"block_m": 32, "block_n": 16, "pipe_qk": True, "off64": True},
+    {"block_m": 32, "block_n": 16},
     {"block_m": 16, "block_n": 32, "warp_spec": True},
 ]
 
@@ -26,6 +24,13 @@ CASES = [
     ([20, 33], [70, 33], 2, 1, 24, 16, None, 15.0),  # chunked prefill, head_dim 24, softcap
     ([37], [60], 2, 2, 16, 8, 9, None),  # sliding window
 ]
+
+
+def _launch(q, kc, vc, kw, max_q, cfg, **new_kv):
+    got = torch.full_like(q, float("nan"))
+    triton_prefill._launch(q, kc, vc, got, kw["cu_seqlens_q"], kw["seq_lens"], kw["block_table"], kw["scale"],
+                           kw["sliding_window"], kw["softcap"], max_q, cfg, **new_kv)  # fmt: skip
+    return got
 
 
 def _case(case, dtype):
@@ -48,20 +53,36 @@ def test_variant_matches_reference(cfg, case):
     torch.manual_seed(0)
     q, kc, vc, kw, max_q = _case(case, torch.float32)
     want = implementation("paged_attention_prefill", "reference")(q, kc, vc, **kw)
-    got = torch.full_like(q, float("nan"))
-    triton_prefill._launch(q, kc, vc, got, kw["cu_seqlens_q"], kw["seq_lens"], kw["block_table"], kw["scale"],
-                           kw["sliding_window"], kw["softcap"], max_q, cfg)  # fmt: skip
+    got = _launch(q, kc, vc, kw, max_q, cfg)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-def test_pipelined_variant_fp16():
+def test_variant_fp16():
     torch.manual_seed(1)
     q, kc, vc, kw, max_q = _case(CASES[0], torch.float16)
     want = implementation("paged_attention_prefill", "reference")(q, kc, vc, **kw)
-    got = torch.empty_like(q)
-    triton_prefill._launch(q, kc, vc, got, kw["cu_seqlens_q"], kw["seq_lens"], kw["block_table"], kw["scale"],
-                           None, None, max_q, {"block_m": 16, "block_n": 16, "pipe_qk": True})  # fmt: skip
+    got = _launch(q, kc, vc, kw, max_q, {"block_m": 16, "block_n": 16, "warp_spec": True})
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("new_kv", [False, True], ids=["paged", "new_kv"])
+def test_int64_offsets(monkeypatch, new_kv):
+    """The int64 key offsets that caches of 2**31 elements or more take, forced on tiny ones."""
+    monkeypatch.setattr(triton_prefill, "_INT32_SPAN", 0)
+    torch.manual_seed(10)
+    q, kc, vc, k, v, kw, max_q = _new_kv_case(NEW_KV_CASES[1], torch.float32)
+    kv = {"k": k, "v": v} if new_kv else {}
+    if not new_kv:  # the cache must hold the new tokens then
+        _write_new_kv(kc, vc, k, v, kw["block_table"], NEW_KV_CASES[1])
+    want = implementation("paged_attention_prefill", "reference")(q, kc, vc, **kv, **kw)
+    got = _launch(q, kc, vc, kw, max_q, {"block_m": 16, "block_n": 16, "tma": False}, **kv)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_launch_rejects_unknown_config_keys():
+    q, kc, vc, kw, max_q = _case(CASES[0], torch.float32)
+    with pytest.raises(ValueError, match="unknown config keys"):
+        _launch(q, kc, vc, kw, max_q, {"block_m": 16, "block_n": 16, "pipe_qk": True})
 
 
 # --- the new tokens' K/V passed contiguously (k/v [T, Hk, D]); only the cached prefix is paged ---
@@ -69,8 +90,8 @@ def test_pipelined_variant_fp16():
 NEW_KV_VARIANTS = [
     {"block_m": 16, "block_n": 16, "tma": False},
     {"block_m": 16, "block_n": 16, "tma": True},
-    {"block_m": 32, "block_n": 16, "tma": True, "warp_spec": True, "ws_prefix": True},
-    {"block_m": 16, "block_n": 32, "tma": False, "heads_fast": False, "off64": True},
+    {"block_m": 32, "block_n": 16, "tma": True, "warp_spec": True},
+    {"block_m": 16, "block_n": 32, "tma": False, "warp_spec": True},
 ]
 
 NEW_KV_CASES = CASES + [
@@ -80,18 +101,27 @@ NEW_KV_CASES = CASES + [
 NEW_KV_IDS = ["prefix", "chunk_softcap", "window", "gqa_unaligned", "window_softcap"]
 
 
+def _new_token_slots(table, case):
+    """(row of k/v, page, row in page) of every new token's cache slot."""
+    q_lens, lens, page = case[0], case[1], case[5]
+    slots = [(b, pos) for b, (ql, n) in enumerate(zip(q_lens, lens)) for pos in range(n - ql, n)]
+    return [(t, int(table[b, pos // page]), pos % page) for t, (b, pos) in enumerate(slots)]
+
+
+def _write_new_kv(kc, vc, k, v, table, case):
+    for t, p, r in _new_token_slots(table, case):
+        kc[p, r], vc[p, r] = k[t], v[t]
+
+
 def _new_kv_case(case, dtype):
     """As `_case`, plus the new tokens' K/V; the cache slots of the new tokens hold NaN, so any read of
     them (instead of k/v) poisons the output."""
     q, kc, vc, kw, max_q = _case(case, dtype)
-    q_lens, lens, _, hk, d, page = case[:6]
+    hk, d = case[3], case[4]
     k = torch.randn(q.shape[0], hk, d, dtype=dtype)
     v = torch.randn(q.shape[0], hk, d, dtype=dtype)
-    table = kw["block_table"]
-    for b, (ql, n) in enumerate(zip(q_lens, lens)):
-        for pos in range(n - ql, n):
-            kc[table[b, pos // page], pos % page] = float("nan")
-            vc[table[b, pos // page], pos % page] = float("nan")
+    for _, p, r in _new_token_slots(kw["block_table"], case):
+        kc[p, r] = vc[p, r] = float("nan")
     return q, kc, vc, k, v, kw, max_q
 
 
@@ -102,9 +132,7 @@ def test_new_kv_variant_matches_reference(cfg, case):
     q, kc, vc, k, v, kw, max_q = _new_kv_case(case, torch.float32)
     want = implementation("paged_attention_prefill", "reference")(q, kc, vc, k=k, v=v, **kw)
     assert not want.isnan().any()  # the reference, too, must not read the new tokens' cache slots
-    got = torch.full_like(q, float("nan"))
-    triton_prefill._launch(q, kc, vc, got, kw["cu_seqlens_q"], kw["seq_lens"], kw["block_table"], kw["scale"],
-                           kw["sliding_window"], kw["softcap"], max_q, cfg, k=k, v=v)  # fmt: skip
+    got = _launch(q, kc, vc, kw, max_q, cfg, k=k, v=v)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
@@ -112,13 +140,7 @@ def test_new_kv_reference_equals_cache_path():
     """With the cache holding the same new K/V, passing k/v changes nothing (the contract)."""
     torch.manual_seed(3)
     q, kc, vc, k, v, kw, _ = _new_kv_case(NEW_KV_CASES[3], torch.float32)
-    q_lens, lens, page = NEW_KV_CASES[3][0], NEW_KV_CASES[3][1], NEW_KV_CASES[3][5]
-    t = 0
-    for b, (ql, n) in enumerate(zip(q_lens, lens)):
-        for pos in range(n - ql, n):
-            kc[kw["block_table"][b, pos // page], pos % page] = k[t]
-            vc[kw["block_table"][b, pos // page], pos % page] = v[t]
-            t += 1
+    _write_new_kv(kc, vc, k, v, kw["block_table"], NEW_KV_CASES[3])
     ref = implementation("paged_attention_prefill", "reference")
     torch.testing.assert_close(ref(q, kc, vc, k=k, v=v, **kw), ref(q, kc, vc, **kw), atol=1e-6, rtol=1e-6)
 
@@ -128,9 +150,7 @@ def test_new_kv_fp16(tma):
     torch.manual_seed(4)
     q, kc, vc, k, v, kw, max_q = _new_kv_case(NEW_KV_CASES[3], torch.float16)
     want = implementation("paged_attention_prefill", "reference")(q, kc, vc, k=k, v=v, **kw)
-    got = torch.empty_like(q)
-    triton_prefill._launch(q, kc, vc, got, kw["cu_seqlens_q"], kw["seq_lens"], kw["block_table"], kw["scale"],
-                           None, None, max_q, {"block_m": 16, "block_n": 16, "tma": tma}, k=k, v=v)  # fmt: skip
+    got = _launch(q, kc, vc, kw, max_q, {"block_m": 16, "block_n": 16, "tma": tma}, k=k, v=v)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
 
 
@@ -167,13 +187,7 @@ def test_public_wrapper_new_kv_on_cpu_dispatch():
     torch.manual_seed(6)
     q, kc, vc, k, v, kw, _ = _new_kv_case(NEW_KV_CASES[3], torch.float32)
     want = implementation("paged_attention_prefill", "reference")(q, kc, vc, k=k, v=v, **kw)
-    q_lens, lens, page = NEW_KV_CASES[3][0], NEW_KV_CASES[3][1], NEW_KV_CASES[3][5]
-    t = 0
-    for b, (ql, n) in enumerate(zip(q_lens, lens)):
-        for pos in range(n - ql, n):
-            kc[kw["block_table"][b, pos // page], pos % page] = k[t]
-            vc[kw["block_table"][b, pos // page], pos % page] = v[t]
-            t += 1
+    _write_new_kv(kc, vc, k, v, kw["block_table"], NEW_KV_CASES[3])
     torch.testing.assert_close(paged_attention_prefill(q, kc, vc, k=k, v=v, **kw), want, atol=1e-5, rtol=1e-5)
 
 
@@ -190,11 +204,8 @@ def test_public_wrapper_new_kv_with_quantized_cache():
     kq, vq = kq.view(kc.shape), vq.view(vc.shape)
     ks, vs = ks.view(kc.shape[:3]).clone(), vs.view(vc.shape[:3]).clone()
     kd, vd = dequantize_kv_ref(kq, ks), dequantize_kv_ref(vq, vs)
-    q_lens, lens, page = NEW_KV_CASES[3][0], NEW_KV_CASES[3][1], NEW_KV_CASES[3][5]
-    for b, (ql, n) in enumerate(zip(q_lens, lens)):
-        for pos in range(n - ql, n):
-            ks[kw["block_table"][b, pos // page], pos % page] = float("nan")
-            vs[kw["block_table"][b, pos // page], pos % page] = float("nan")
+    for _, p, r in _new_token_slots(kw["block_table"], NEW_KV_CASES[3]):
+        ks[p, r] = vs[p, r] = float("nan")
     want = implementation("paged_attention_prefill", "reference")(q, kd, vd, k=k, v=v, **kw)
     got = paged_attention_prefill(q, kq, vq, k_scale=ks, v_scale=vs, k=k, v=v, **kw)
     assert not got.isnan().any()

@@ -27,7 +27,7 @@ def _cfg(mode, split, bn=16, bk=64):
     return {"MODE": mode, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": 4, "num_stages": 1}
 
 
-@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("bits,sym,group", [(4, False, 64), (4, True, None), (8, False, 32)])
 @pytest.mark.parametrize("m", [1, 3])
 def test_wq_small_modes(mode, bits, sym, group, m):
@@ -40,7 +40,7 @@ def test_wq_small_modes(mode, bits, sym, group, m):
         assert y.shape == (m, 40) and _err(y, r) < 1e-5, (split, _err(y, r))
 
 
-@pytest.mark.parametrize("mode", [0, 2])
+@pytest.mark.parametrize("mode", [1, 2])
 def test_wq_small_fp16_rows_up_to_16(mode):
     torch.manual_seed(1)
     w = IntWeight.quantize(torch.randn(48, 128), bits=4, group_size=32)
@@ -61,7 +61,7 @@ def test_wq_small_default_config_picks_split():
     assert _err(triton_wo.wq_matmul_triton(x, w), R.wq_matmul_ref(x, w)) < 1e-5
 
 
-@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("block", [None, 128])
 @pytest.mark.parametrize("m,dtype", [(1, torch.float32), (4, torch.float32), (3, torch.float16)])
 def test_fp8_small_modes(mode, block, m, dtype):
@@ -127,3 +127,26 @@ def test_fp8_gemv_decode_bit_exact():
     x[0, 5] = 1.0
     y = triton_wo.fp8_wo_matmul_triton(x, w, config=_gemv(1, bk=8, unroll=1))
     assert torch.equal(y[0], codes.view(torch.float8_e4m3fn).float())
+
+
+@pytest.mark.parametrize("mode", [0, 4, None])
+def test_small_config_rejects_unknown_mode(mode):
+    w = IntWeight.quantize(torch.randn(16, 64), bits=4, group_size=32)
+    f = FP8Weight.quantize(torch.randn(16, 64))
+    x = torch.randn(1, 64)
+    with pytest.raises(ValueError, match="MODE"):
+        triton_wo.wq_matmul_triton(x, w, config={**_cfg(2, 1), "MODE": mode})
+    with pytest.raises(ValueError, match="MODE"):
+        triton_wo.fp8_wo_matmul_triton(x, f, config={**_cfg(2, 1), "MODE": mode})
+
+
+def test_bad_activations_raise_naming_x():
+    w = IntWeight.quantize(torch.randn(16, 64), bits=4, group_size=32)
+    f = FP8Weight.quantize(torch.randn(16, 64))
+    for fn, wt in ((triton_wo.wq_matmul_triton, w), (triton_wo.fp8_wo_matmul_triton, f)):
+        with pytest.raises(ValueError, match="x must be"):
+            fn(torch.randn(1, 65), wt)  # K mismatch
+        with pytest.raises(ValueError, match="x must be"):
+            fn(torch.randn(64), wt)  # not 2-D
+        with pytest.raises(TypeError, match="x must be"):
+            fn(torch.randn(1, 64).double(), wt)

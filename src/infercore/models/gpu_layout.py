@@ -125,9 +125,19 @@ def use_triton_gemv_(model: nn.Module, *, max_m: int = 16, fuse_act: bool = True
     subclass (activation in the ``gate_up_proj`` GEMV's epilogue). Returns how many linears were
     converted. Calling it again updates ``max_m`` and may add the MLP fusion; it never undoes it.
 
+    Parameters keep their tensors (no copy, dtype, device or layout change: weight ``[N, K]``,
+    bias ``[N]``). At run time a converted linear takes the GEMV for ``x [..., K]`` of the weight's
+    dtype (fp32/fp16/bf16) with ``1 <= rows <= max_m`` (leading dims flattened) on CUDA where
+    ``ops.linear.triton.beats_cublas`` says so, and ``F.linear`` otherwise.
+
     ``force`` converts modules on any device and takes the GEMV whenever the row count allows,
     ignoring the tuning table: for tests under the Triton interpreter and for benchmarks.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``. ValueError: ``max_m`` is not an int >= 0.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"use_triton_gemv_: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(max_m, int) or isinstance(max_m, bool) or max_m < 0:
         raise ValueError(f"use_triton_gemv_: max_m must be an int >= 0, got {max_m!r}")
     n = 0

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-E4M3_MAX = 448.0
+from ..ops.kv_cache.quant import E4M3_MAX
+
 # The emulated decode is off by exactly this power of two; kernels multiply it into the scale.
 FP8_EMU_FOLD = 2.0**120
 

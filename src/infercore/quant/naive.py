@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.kv_cache.quant import round_half_away
 from .formats import FP8Weight, GGUFWeight, Int8Weight, IntWeight
 from .fp8 import E4M3_MAX
 
@@ -34,11 +35,6 @@ def gguf_matmul_ref(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = 
 def fp8_decode_ref(q: torch.Tensor) -> torch.Tensor:
     """e4m3 bytes ``uint8`` -> fp32 through torch's own ``float8_e4m3fn`` conversion."""
     return q.view(torch.float8_e4m3fn).float()
-
-
-def round_half_away(v: torch.Tensor) -> torch.Tensor:
-    """The INT8 rounding every quantizer here uses (kernels implement the same formula)."""
-    return torch.where(v >= 0, torch.floor(v + 0.5), torch.ceil(v - 0.5))
 
 
 def per_token_quant_ref(

@@ -1,16 +1,21 @@
 """Triton weight-only GEMV/GEMM kernels with the dequantization fused into the load.
 
-* ``_wq_small_kernel`` -- INT4/INT8 group-wise weights, M <= 16 (decode). One program owns
+* ``_wq_gemv_kernel`` / ``_fp8_gemv_kernel`` -- small-M MODE 3, M <= 4 (decode): CUDA-core GEMV
+  over the weights read as int32 words, per-thread accumulators reduced once, split-K finished
+  inside the kernel. The two differ only in the weight decode; the rest is shared ``_gemv_*``
+  helpers.
+* ``_wq_small_kernel`` -- INT4/INT8 group-wise weights, M <= 16, MODE 1/2. One program owns
   ``BLOCK_N`` output channels and one K slice (split-K when the channel tiles alone cannot keep
   ~4 programs per SM in flight; fp32 partials then land in a workspace the wrapper sums). Each
-  weight tile is loaded once (16-byte loads along K) and serves all M rows: FMAs for M = 1, or a
-  ``tl.dot`` with the rows padded to 16 (``x @ w^T`` or the swapped ``w @ x^T``). Per K step of
-  constant scale it forms ``sum_k q[n,k] x[k]`` and applies ``s * (. - z * sum_k x[k])``, so the
-  zero point costs one multiply per group, not per weight. 4-bit codes are not interleaved back
-  into K order; the even and odd activations are multiplied separately instead.
+  weight tile is loaded once (16-byte loads along K) and serves all M rows through a ``tl.dot``
+  with the rows padded to 16 (``x @ w^T`` or the swapped ``w @ x^T``). Per K step of constant
+  scale it forms ``sum_k q[n,k] x[k]`` and applies ``s * (. - z * sum_k x[k])``, so the zero
+  point costs one multiply per group, not per weight. 4-bit codes are not interleaved back into
+  K order; the even and odd activations are multiplied separately instead.
 * ``_wq_gemm_kernel`` -- the same weights, larger M: codes -> ``(q - z) * s`` in the activation
   dtype -> ``tl.dot``.
-* ``_fp8_small_kernel`` -- the same small-M structure for the emulated FP8 weights below.
+* ``_fp8_small_kernel`` -- the same small-M structure (shared ``_small_*`` helpers) for the
+  emulated FP8 weights below.
 * ``_fp8_wo_kernel`` -- FP8 e4m3 weights *emulated*: the byte becomes an fp32 bit pattern by
   ``(x & 0x80) << 24 | (x & 0x7F) << 20`` (value times 2**-120, exact for normals and
   subnormals), the 2**120 is folded into the per-channel / per-block scale, then a bf16/fp16 dot.
@@ -40,7 +45,20 @@ _AUTOTUNE = os.environ.get("INFERCORE_QUANT_AUTOTUNE", "1") != "0"
 def _mm_cfg(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps,
                          num_stages=stages)
+
+
 _GGUF_QTYPE = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
+
+
+def _small_tile_cfgs() -> list[triton.Config]:
+    """The INT and FP8 GEMMs' first candidates (16-row tiles); fresh objects per autotuner."""
+    return [_mm_cfg(16, 64, 128, 4, 4), _mm_cfg(16, 32, 128, 4, 4), _mm_cfg(16, 128, 128, 4, 4)]
+
+
+def _interp_cfg() -> triton.Config:
+    return triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2}, num_warps=4)
+
+
 # Up to this many rows the small-M (decode) kernels run; above, the tiled GEMMs.
 SMALL_M_MAX = 16
 # Up to this many rows MODE 3 (the CUDA-core GEMV over int32 words) can run.
@@ -83,6 +101,130 @@ def _swizzle(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.con
     return pid_m, pid_n
 
 
+@triton.jit
+def _gemm_tile(M, N, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's ``[BLOCK_M, BLOCK_N]`` output tile (grouped order): row and channel offsets,
+    their masks, and the int64 row offsets into x."""
+    pid_m, pid_n = _swizzle(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, offs_m < M, offs_n < N, offs_m.to(tl.int64)[:, None] * stride_xm
+
+
+@triton.jit
+def _x_tile(x_ptr, rows_x, m_mask, k0, K, BLOCK_K: tl.constexpr):
+    """Activations ``x[rows, k0 : k0 + BLOCK_K]`` as ``[BLOCK_M, BLOCK_K]``, zero past M and K."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(x_ptr + rows_x + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _store_tile(y_ptr, acc, offs_m, m_mask, offs_n, n_mask, stride_ym):
+    """``acc [BLOCK_M, BLOCK_N]`` -> ``y[offs_m, offs_n]`` (row stride ``stride_ym``) in y's dtype."""
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _tile_dot(a, w, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``a [BLOCK_M, BK]`` times ``w [BLOCK_N, BK]``: MODE 1 ``a @ w^T`` ``[BLOCK_M, BLOCK_N]``;
+    MODE 2 ``w @ a^T`` ``[BLOCK_N, BLOCK_M]`` ("swap AB": the decoded weights are the
+    register-resident A operand and the wide BLOCK_N fills the MMA's M dimension)."""
+    if MODE == 1:
+        part = tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
+    else:
+        part = tl.dot(w, tl.trans(a), input_precision=DOT_PRECISION)
+    return part
+
+
+@triton.jit
+def _tile_dot_acc(a, w, acc, MODE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc + _tile_dot(a, w)`` as one accumulating dot."""
+    if MODE == 1:
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    else:
+        acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _chan(v, MODE: tl.constexpr):
+    """Per-channel ``v [BLOCK_N]`` broadcast against a tile in MODE's orientation."""
+    if MODE == 2:
+        r = v[:, None]
+    else:
+        r = v[None, :]
+    return r
+
+
+@triton.jit
+def _row(v, MODE: tl.constexpr):
+    """Per-row ``v [BLOCK_M]`` broadcast against a tile in MODE's orientation."""
+    if MODE == 2:
+        r = v[None, :]
+    else:
+        r = v[:, None]
+    return r
+
+
+@triton.jit
+def _small_setup(M, N, stride_xm, stride_qn, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program ``(n, s)`` of a small-M kernel: channel and row offsets, their masks, the int64 row
+    offsets into the weights and x, and a zero fp32 accumulator in MODE's orientation."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    if MODE == 2:  # stays in the MMA's orientation until the store
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    return (offs_n, offs_n < N, offs_m, offs_m < M, offs_n.to(tl.int64)[:, None] * stride_qn,
+            offs_m.to(tl.int64)[:, None] * stride_xm, acc)
+
+
+@triton.jit
+def _small_w(qw_ptr, rows_w, n_mask, kb0, KB, BLOCK: tl.constexpr):
+    """Weight bytes ``[BLOCK_N, BLOCK]`` from byte ``kb0`` of each row (``KB`` bytes per row)."""
+    offs_b = kb0 + tl.arange(0, BLOCK)
+    # Weights are read once per call: evict them first so x and the scales stay cached.
+    return tl.load(qw_ptr + rows_w + offs_b[None, :], mask=n_mask[:, None] & (offs_b[None, :] < KB), other=0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
+def _small_store(y_ptr, acc, offs_m, m_mask, offs_n, n_mask, stride_ym, MODE: tl.constexpr):
+    """Store a MODE-oriented accumulator as ``y[offs_m, offs_n]``."""
+    if MODE == 2:
+        acc = tl.trans(acc)
+    _store_tile(y_ptr, acc, offs_m, m_mask, offs_n, n_mask, stride_ym)
+
+
+@triton.jit
+def _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, stride_sn, g, HAS_ZEROS: tl.constexpr, BITS: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """Group ``g``'s scales ``[BLOCK_N]`` and zero points as fp32 (``2**(BITS-1)`` when symmetric)."""
+    s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
+    if HAS_ZEROS:
+        z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
+    else:
+        z = tl.full([BLOCK_N], 2 ** (BITS - 1), dtype=tl.float32)
+    return s, z
+
+
+@triton.jit
+def _int4_nibbles(b, like, MAGIC: tl.constexpr):
+    """Low and high nibbles of the bytes ``b`` as dot operands. MAGIC 0 (fp32 activations: a 2**23
+    offset would swamp fp32 products): exact small integers, converted. Else each nibble is OR-ed
+    into the mantissa of MAGIC_BASE, giving ``MAGIC_BASE + code`` in ``like``'s 16-bit dtype
+    exactly and without a convert instruction; callers subtract ``MAGIC_BASE`` with the zero point."""
+    if MAGIC == 0:
+        lo = (b & 15).to(tl.float32)
+        hi = (b >> 4).to(tl.float32)
+    else:
+        lo = ((b.to(tl.int16) & 15) | MAGIC).to(like.dtype, bitcast=True)
+        hi = ((b.to(tl.int16) >> 4) | MAGIC).to(like.dtype, bitcast=True)
+    return lo, hi
+
+
 # ----------------------------------------------------------------------------------------------
 # INT4 / INT8 weight-only
 # ----------------------------------------------------------------------------------------------
@@ -97,115 +239,57 @@ def _wq_small_kernel(
     MAGIC: tl.constexpr, MAGIC_BASE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Small-M (decode) INT4/INT8 weight-only; every loaded weight tile serves all M rows.
+    """Small-M (decode) INT4/INT8 weight-only on tensor cores; every weight tile serves all M rows.
 
     Grid ``(cdiv(N, BLOCK_N), SPLIT)``: program ``(n, s)`` owns ``BLOCK_N`` channels and the K range
     ``[s * k_per_split, (s+1) * k_per_split)``; with ``SPLIT > 1`` it writes fp32 partials to slice
     ``s`` of ``y`` (stride ``stride_ys``). ``BLOCK_K <= GROUP``, so one scale/zero per channel
-    per step, applied to the step's partial sums, never per weight.
-
-    MODE 0: CUDA-core FMAs on fp32 codes (``BLOCK_M`` rows unrolled over one decoded tile).
-    MODE 1: ``tl.dot(x, w^T)`` with the rows padded to ``BLOCK_M >= 16``.
-    MODE 2: ``tl.dot(w, x^T)`` ("swap AB"): the decoded weights are the register-resident A operand,
-    the tiny activation tile is B, so the wide ``BLOCK_N`` fills the MMA's M dimension.
+    per step, applied to the step's partial sums, never per weight. The rows are padded to
+    ``BLOCK_M >= 16``; MODE 1 / MODE 2 as in ``_tile_dot``.
     """
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     PACK: tl.constexpr = 2 if BITS == 4 else 1
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    rows_w = offs_n.to(tl.int64)[:, None] * stride_qn
-    rows_x = offs_m.to(tl.int64)[:, None] * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # MODE 2's accumulator
+    offs_n, n_mask, offs_m, m_mask, rows_w, rows_x, acc = _small_setup(M, N, stride_xm, stride_qn, MODE,
+                                                                       BLOCK_M, BLOCK_N)
+    pid_k = tl.program_id(1)
     # Byte offsets (not k // 2) so alignment analysis can prove 16-byte loads along K.
     kb_start = pid_k * (k_per_split // PACK)
     kb_end = tl.minimum(kb_start + k_per_split // PACK, KP // PACK)
     for kb0 in range(kb_start, kb_end, BLOCK_K // PACK):
         k0 = kb0 * PACK
-        g = k0 // GROUP
-        s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
-        if HAS_ZEROS:
-            z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
-        else:
-            z = tl.full([BLOCK_N], 2 ** (BITS - 1), dtype=tl.float32)
-        offs_b = kb0 + tl.arange(0, BLOCK_K // PACK)
-        # Weights are read once per call: evict them first so x and the scales stay cached.
-        b = tl.load(qw_ptr + rows_w + offs_b[None, :], mask=n_mask[:, None] & (offs_b[None, :] < KP // PACK),
-                    other=0, eviction_policy="evict_first")
+        s, z = _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, stride_sn, k0 // GROUP, HAS_ZEROS, BITS, BLOCK_N)
+        b = _small_w(qw_ptr, rows_w, n_mask, kb0, KP // PACK, BLOCK_K // PACK)
+        a = _x_tile(x_ptr, rows_x, m_mask, k0, K, BLOCK_K)
         if BITS == 4:
-            # Even and odd K go to separate products, so nibbles never need interleaving.
-            if MODE == 0:  # one row: two strided loads (L1 hits) beat reshuffling a loaded tile
-                ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-                ae = tl.load(x_ptr + rows_x + ke[None, :], mask=m_mask[:, None] & (ke[None, :] < K), other=0.0)
-                ao = tl.load(x_ptr + rows_x + ke[None, :] + 1, mask=m_mask[:, None] & (ke[None, :] + 1 < K),
-                             other=0.0)
-            else:  # 16 rows: vector loads, then split (the dot converts layouts anyway)
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(x_ptr + rows_x + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K),
-                            other=0.0)
-                ae, ao = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
-            if MODE == 0:
-                # Nibble OR-ed into the mantissa of 2**23 is 2**23 + code exactly (no I2F).
-                lo = ((b.to(tl.int32) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                hi = ((b.to(tl.int32) >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                part = tl.sum(lo[None, :, :] * ae.to(tl.float32)[:, None, :]
-                              + hi[None, :, :] * ao.to(tl.float32)[:, None, :], axis=2)
+            # Even and odd K go to separate products, so nibbles never need interleaving; the
+            # activations are loaded as vectors and split (the dot converts layouts anyway).
+            ae, ao = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
+            lo, hi = _int4_nibbles(b, ae, MAGIC)
+            if MAGIC == 0:
                 zb = z
             else:
-                if MAGIC == 0:  # fp32 activations: exact small integers, converted
-                    lo = (b & 15).to(tl.float32)
-                    hi = (b >> 4).to(tl.float32)
-                    zb = z
-                else:  # 16-bit activations: MAGIC_BASE + code, no convert instruction
-                    lo = ((b.to(tl.int16) & 15) | MAGIC).to(ae.dtype, bitcast=True)
-                    hi = ((b.to(tl.int16) >> 4) | MAGIC).to(ae.dtype, bitcast=True)
-                    zb = z + MAGIC_BASE
-                if MODE == 1:
-                    part = tl.dot(ae, tl.trans(lo), input_precision=DOT_PRECISION)
-                    part = tl.dot(ao, tl.trans(hi), part, input_precision=DOT_PRECISION)
-                else:  # [BLOCK_N, BLOCK_M]: stays in the MMA's orientation until the store
-                    part = tl.dot(lo, tl.trans(ae), input_precision=DOT_PRECISION)
-                    part = tl.dot(hi, tl.trans(ao), part, input_precision=DOT_PRECISION)
+                zb = z + MAGIC_BASE
+            part = _tile_dot(ae, lo, MODE, DOT_PRECISION)
+            part = _tile_dot_acc(ao, hi, part, MODE, DOT_PRECISION)
             asum = tl.sum(ae.to(tl.float32), axis=1) + tl.sum(ao.to(tl.float32), axis=1)
         else:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(x_ptr + rows_x + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
-            if MODE == 0:
-                q = (b.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                part = tl.sum(q[None, :, :] * a.to(tl.float32)[:, None, :], axis=2)
-            else:
-                q = b.to(tl.float32).to(a.dtype)  # codes <= 255: exact in bf16/fp16
-                if MODE == 1:
-                    part = tl.dot(a, tl.trans(q), input_precision=DOT_PRECISION)
-                else:
-                    part = tl.dot(q, tl.trans(a), input_precision=DOT_PRECISION)
+            q = b.to(tl.float32).to(a.dtype)  # codes <= 255: exact in bf16/fp16
+            part = _tile_dot(a, q, MODE, DOT_PRECISION)
             zb = z
             asum = tl.sum(a.to(tl.float32), axis=1)
         # sum_k (q - z) x = sum_k q x - z sum_k x: the zero point costs one FMA per step, not per weight.
-        if MODE == 2:
-            acc_t += (part - zb[:, None] * asum[None, :]) * s[:, None]
-        else:
-            acc += (part - asum[:, None] * zb[None, :]) * s[None, :]
-    if MODE == 2:
-        acc = tl.trans(acc_t)
-    y_ptrs = y_ptr + pid_k.to(tl.int64) * stride_ys + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        acc += (part - _chan(zb, MODE) * _row(asum, MODE)) * _chan(s, MODE)
+    _small_store(y_ptr + pid_k.to(tl.int64) * stride_ys, acc, offs_m, m_mask, offs_n, n_mask, stride_ym, MODE)
 
 
 @triton.autotune(
     configs=_configs(
         [
-            _mm_cfg(16, 64, 128, 4, 4),
-            _mm_cfg(16, 32, 128, 4, 4),
-            _mm_cfg(16, 128, 128, 4, 4),
+            *_small_tile_cfgs(),
             _mm_cfg(64, 128, 64, 4, 4),
             _mm_cfg(128, 128, 64, 8, 4),
             _mm_cfg(128, 256, 64, 8, 3),
         ],
-        triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2}, num_warps=4),
+        _interp_cfg(),
     ),
     key=["M_BUCKET", "N", "KP", "BITS", "GROUP"],
     prune_configs_by={"early_config_prune": lambda cfgs, nargs, **kw: _prune_wq(cfgs, {**nargs, **kw})},
@@ -219,55 +303,36 @@ def _wq_gemm_kernel(
     MAGIC: tl.constexpr, MAGIC_BASE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = _swizzle(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    rows_x = offs_m.to(tl.int64)[:, None] * stride_xm
+    offs_m, offs_n, m_mask, n_mask, rows_x = _gemm_tile(M, N, stride_xm, BLOCK_M, BLOCK_N, GROUP_M)
     rows_w = offs_n.to(tl.int64)[:, None] * stride_qn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     PACK: tl.constexpr = 2 if BITS == 4 else 1
     for kb0 in range(0, KP // PACK, BLOCK_K // PACK):  # byte offsets: provably aligned loads
         k0 = kb0 * PACK
-        g = k0 // GROUP  # BLOCK_K <= GROUP: one scale per channel per step
-        s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
-        if HAS_ZEROS:
-            z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
-        else:
-            z = tl.full([BLOCK_N], 2 ** (BITS - 1), dtype=tl.float32)
+        # BLOCK_K <= GROUP: one scale per channel per step
+        s, z = _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, stride_sn, k0 // GROUP, HAS_ZEROS, BITS, BLOCK_N)
         if BITS == 4:
-            # Even and odd K in two dots, so nibbles never need interleaving. Each nibble becomes
-            # MAGIC_BASE + code by OR-ing it into the mantissa of MAGIC_BASE (exact, no convert
-            # instruction); the dot of the activations with MAGIC_BASE + z is subtracted after.
+            # Even and odd K in two dots, so nibbles never need interleaving; the dot of the
+            # activations with MAGIC_BASE + z is subtracted after.
             offs_b = kb0 + tl.arange(0, BLOCK_K // 2)
             b = tl.load(qw_ptr + rows_w + offs_b[None, :],
                         mask=n_mask[:, None] & (offs_b[None, :] < KP // 2), other=0)
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(x_ptr + rows_x + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K),
-                        other=0.0)
+            a = _x_tile(x_ptr, rows_x, m_mask, k0, K, BLOCK_K)
             ae, ao = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
-            if MAGIC == 0:  # fp32 activations: a 2**23 offset would swamp fp32 products; convert
-                lo = (b & 15).to(tl.float32)
-                hi = (b >> 4).to(tl.float32)
-            else:
-                lo = ((b.to(tl.int16) & 15) | MAGIC).to(ae.dtype, bitcast=True)
-                hi = ((b.to(tl.int16) >> 4) | MAGIC).to(ae.dtype, bitcast=True)
-            part = tl.dot(ae, tl.trans(lo), input_precision=DOT_PRECISION)
-            part = tl.dot(ao, tl.trans(hi), part, input_precision=DOT_PRECISION)
+            lo, hi = _int4_nibbles(b, ae, MAGIC)
+            part = _tile_dot(ae, lo, 1, DOT_PRECISION)
+            part = _tile_dot_acc(ao, hi, part, 1, DOT_PRECISION)
             asum = tl.sum(ae.to(tl.float32), axis=1) + tl.sum(ao.to(tl.float32), axis=1)
             part -= asum[:, None] * (z + MAGIC_BASE)[None, :]
         else:
+            a = _x_tile(x_ptr, rows_x, m_mask, k0, K, BLOCK_K)
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(x_ptr + rows_x + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K),
-                        other=0.0)
             q = tl.load(qw_ptr + rows_w + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < KP),
                         other=0)
             w = (q.to(tl.float32) - z[:, None]).to(a.dtype)  # |q - z| <= 255: exact in bf16/fp16
-            part = tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
+            part = _tile_dot(a, w, 1, DOT_PRECISION)
         acc += part * s[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    _store_tile(y_ptr, acc, offs_m, m_mask, offs_n, n_mask, stride_ym)
 
 
 # (pattern, value) of the magic float into whose mantissa a 4-bit code is OR-ed, per activation dtype.
@@ -292,43 +357,43 @@ def _kernel_group(w: IntWeight) -> int:
     return w.group_size
 
 
+def _check_x(fn: str, x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x`` as a 2-D fp32/fp16/bf16 ``[M, k]`` tensor with unit stride along K (copied if not)."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in _MAGIC:
+        raise TypeError(f"{fn}: x must be a fp32/fp16/bf16 tensor, got {getattr(x, 'dtype', type(x))}")
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"{fn}: x must be [M, {k}], got {tuple(x.shape)}")
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def wq_matmul_triton(
     x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None, *, config: dict | None = None,
 ) -> torch.Tensor:
-    """``x [M, K]`` (fp16/bf16/fp32) times INT4/INT8 ``w`` -> ``[M, N]`` in ``x.dtype``.
+    """``x [M, K]`` (fp16/bf16/fp32) times INT4/INT8 ``w`` (logical ``[N, K]``) -> ``[M, N]`` in
+    ``x.dtype``.
 
-    ``config`` (M <= ``SMALL_M_MAX`` only; benchmarks/sweeps): the small-M launch parameters
-    ``{"MODE", "BLOCK_N", "BLOCK_K", "SPLIT", "num_warps", "num_stages"}`` instead of the tuned
-    table / heuristic.
+    ``bias``: optional ``[N]``. ``config`` (M <= ``SMALL_M_MAX`` only; benchmarks/sweeps): the
+    small-M launch parameters ``{"MODE", "BLOCK_N", "BLOCK_K", "SPLIT", "UNROLL", "num_warps",
+    "num_stages"}`` (see ``_small_cfg``) instead of the tuned table / heuristic.
     """
     if w.group_size & (w.group_size - 1) and w.scales.shape[1] != 1:
         raise ValueError(f"w: Triton kernels need a power-of-two group size, got {w.group_size}")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    m, k = x.shape
-    n = w.shape[0]
+    n, k = w.shape
+    x = _check_x("wq_matmul_triton", x, k)
+    m = x.shape[0]
     kp = w.padded_in_features
     group = _kernel_group(w)
     zeros = w.zeros if w.zeros is not None else w.scales
     if m <= SMALL_M_MAX:
-        cfg = _small_cfg(f"int{w.bits}", n, kp, m, group, x.device, config)
-        words = _as_words(w.qweight) if cfg["MODE"] == 3 and m <= GEMV_M_MAX else None
+        cfg, words = _small_plan(f"int{w.bits}", x, w.qweight, n, kp, group, config)
         if words is not None:
             y = _launch_gemv(_wq_gemv_kernel, x, words, n, cfg, (w.scales, zeros), w.scales.stride(0),
                              group * w.bits // 32, bits_per_code=w.bits, BITS=w.bits, GROUP=group,
                              HAS_ZEROS=w.zeros is not None)
-            return y if bias is None else y + bias.to(y.dtype)
-        if cfg["MODE"] == 3:  # rows not word-aligned, or too many rows: the tensor-core path
-            cfg = _small_cfg(f"int{w.bits}", n, kp, m, group, x.device, {**cfg, "MODE": 2, "SPLIT": 0})
-        ws, split, kps = _small_out(x, m, n, kp, cfg)
-        _wq_small_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
-            x, w.qweight, w.scales, zeros, ws, m, n, k, kp, kps,
-            x.stride(0), w.qweight.stride(0), w.scales.stride(0), ws.stride(1), ws.stride(0),
-            BITS=w.bits, GROUP=group, HAS_ZEROS=w.zeros is not None, MODE=cfg["MODE"],
-            MAGIC=_MAGIC[x.dtype][0], MAGIC_BASE=_MAGIC[x.dtype][1], DOT_PRECISION=_dot_precision(x.dtype),
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-            num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
-        )
-        y = _finish_splits(ws, x.dtype)
+        else:
+            y = _launch_small(_wq_small_kernel, x, w.qweight, (w.scales, zeros), (k, kp), n, kp, cfg,
+                              BITS=w.bits, GROUP=group, HAS_ZEROS=w.zeros is not None,
+                              MAGIC=_MAGIC[x.dtype][0], MAGIC_BASE=_MAGIC[x.dtype][1])
     else:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
@@ -341,39 +406,50 @@ def wq_matmul_triton(
     return y if bias is None else y + bias.to(y.dtype)
 
 
+
 # Small-M launch table: (kind, N, K, M bucket) -> config, from benchmarks/sweep_quant_wo.py on an
 # H200 (its "table" output). Missing entries use the heuristic in ``_small_cfg``.
 SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
-    ("int4", 14336, 4096, 1): {'MODE': 3, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 1, 'UNROLL': 2, 'SPLIT': 8},
-    ("int4", 14336, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("int4", 14336, 4096, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("fp8", 14336, 4096, 1): {'MODE': 3, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 1, 'UNROLL': 4, 'SPLIT': 4},
-    ("fp8", 14336, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("fp8", 14336, 4096, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
-    ("int4", 6144, 4096, 1): {'MODE': 3, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 1, 'UNROLL': 2, 'SPLIT': 8},
-    ("int4", 6144, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("int4", 6144, 4096, 16): {'MODE': 2, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 8, 'num_stages': 3, 'SPLIT': 8},
-    ("fp8", 6144, 4096, 1): {'MODE': 3, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 1, 'UNROLL': 4, 'SPLIT': 4},
-    ("fp8", 6144, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("fp8", 6144, 4096, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
-    ("int4", 4096, 4096, 1): {'MODE': 3, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 1, 'UNROLL': 2, 'SPLIT': 8},
-    ("int4", 4096, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("int4", 4096, 4096, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("fp8", 4096, 4096, 1): {'MODE': 3, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 1, 'UNROLL': 4, 'SPLIT': 4},
-    ("fp8", 4096, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("fp8", 4096, 4096, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
-    ("int4", 28672, 4096, 1): {'MODE': 3, 'BLOCK_N': 256, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 1, 'UNROLL': 2, 'SPLIT': 8},
-    ("int4", 28672, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
-    ("int4", 28672, 4096, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
-    ("fp8", 28672, 4096, 1): {'MODE': 3, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 1, 'UNROLL': 4, 'SPLIT': 4},
-    ("fp8", 28672, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
-    ("fp8", 28672, 4096, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 1},
-    ("int4", 4096, 14336, 1): {'MODE': 3, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 1, 'UNROLL': 2, 'SPLIT': 0},
-    ("int4", 4096, 14336, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
-    ("int4", 4096, 14336, 16): {'MODE': 2, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 8, 'num_stages': 3, 'SPLIT': 8},
-    ("fp8", 4096, 14336, 1): {'MODE': 3, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 1, 'UNROLL': 4, 'SPLIT': 0},
-    ("fp8", 4096, 14336, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
-    ("fp8", 4096, 14336, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("int4", 14336, 4096, 1):
+        {"MODE": 3, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "UNROLL": 2, "SPLIT": 8},
+    ("int4", 14336, 4096, 4): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 4},
+    ("int4", 14336, 4096, 16): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 4},
+    ("fp8", 14336, 4096, 1):
+        {"MODE": 3, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "UNROLL": 4, "SPLIT": 4},
+    ("fp8", 14336, 4096, 4): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 4},
+    ("fp8", 14336, 4096, 16): {"MODE": 1, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "SPLIT": 2},
+    ("int4", 6144, 4096, 1):
+        {"MODE": 3, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "UNROLL": 2, "SPLIT": 8},
+    ("int4", 6144, 4096, 4): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 4},
+    ("int4", 6144, 4096, 16): {"MODE": 2, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "SPLIT": 8},
+    ("fp8", 6144, 4096, 1):
+        {"MODE": 3, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "UNROLL": 4, "SPLIT": 4},
+    ("fp8", 6144, 4096, 4): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 4},
+    ("fp8", 6144, 4096, 16): {"MODE": 1, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "SPLIT": 2},
+    ("int4", 4096, 4096, 1):
+        {"MODE": 3, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "UNROLL": 2, "SPLIT": 8},
+    ("int4", 4096, 4096, 4): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 4},
+    ("int4", 4096, 4096, 16): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 4},
+    ("fp8", 4096, 4096, 1):
+        {"MODE": 3, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "UNROLL": 4, "SPLIT": 4},
+    ("fp8", 4096, 4096, 4): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 4},
+    ("fp8", 4096, 4096, 16): {"MODE": 1, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "SPLIT": 2},
+    ("int4", 28672, 4096, 1):
+        {"MODE": 3, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "UNROLL": 2, "SPLIT": 8},
+    ("int4", 28672, 4096, 4): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 2},
+    ("int4", 28672, 4096, 16): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 2},
+    ("fp8", 28672, 4096, 1):
+        {"MODE": 3, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "UNROLL": 4, "SPLIT": 4},
+    ("fp8", 28672, 4096, 4): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 2},
+    ("fp8", 28672, 4096, 16): {"MODE": 1, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "SPLIT": 1},
+    ("int4", 4096, 14336, 1):
+        {"MODE": 3, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "UNROLL": 2, "SPLIT": 0},
+    ("int4", 4096, 14336, 4): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 8},
+    ("int4", 4096, 14336, 16): {"MODE": 2, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "SPLIT": 8},
+    ("fp8", 4096, 14336, 1):
+        {"MODE": 3, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "UNROLL": 4, "SPLIT": 0},
+    ("fp8", 4096, 14336, 4): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 8},
+    ("fp8", 4096, 14336, 16): {"MODE": 1, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "SPLIT": 4},
 }
 
 
@@ -381,12 +457,14 @@ def _small_cfg(kind: str, n: int, kp: int, m: int, kmax: int, device: torch.devi
                override: dict | None) -> dict:
     """Launch parameters of the small-M kernels; ``kmax`` caps BLOCK_K (group / scale block).
 
-    Keys: MODE (0 FMA tile, 1 dot, 2 swapped dot, 3 word GEMV for M <= GEMV_M_MAX), BLOCK_N,
-    BLOCK_K (codes per tile; MODE 3 tiles stay inside one group), UNROLL (MODE 3: tiles loaded per
-    K step), SPLIT (0: heuristic), num_warps, num_stages.
+    Keys: MODE (1 dot, 2 swapped dot, 3 word GEMV for M <= GEMV_M_MAX), BLOCK_N, BLOCK_K (codes per
+    tile; MODE 3 tiles stay inside one group), UNROLL (MODE 3: tiles loaded per K step), SPLIT
+    (0: heuristic), num_warps, num_stages.
     """
     mb = triton.next_power_of_2(m)
     if override is not None:
+        if override.get("MODE") not in (1, 2, 3):
+            raise ValueError(f"config: MODE must be 1, 2 or 3, got {override.get('MODE')!r}")
         cfg = dict(override)
     elif _INTERPRET:
         cfg = {"MODE": 3 if m <= GEMV_M_MAX else 2, "BLOCK_N": 16, "BLOCK_K": 64, "UNROLL": 2, "SPLIT": 0,
@@ -406,7 +484,7 @@ def _small_cfg(kind: str, n: int, kp: int, m: int, kmax: int, device: torch.devi
     else:
         cfg = {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 0, "num_warps": 4, "num_stages": 3}
     cfg["BLOCK_K"] = min(cfg["BLOCK_K"], kmax)
-    cfg["BLOCK_M"] = mb if cfg["MODE"] in (0, 3) else max(16, mb)
+    cfg["BLOCK_M"] = mb if cfg["MODE"] == 3 else max(16, mb)
     if cfg["MODE"] == 3:
         cfg.setdefault("UNROLL", 1)
         cfg.setdefault("SPLIT", 0)  # 0: chosen at launch (_gemv_split)
@@ -450,6 +528,39 @@ def _small_out(x: torch.Tensor, m: int, n: int, k: int, cfg: dict) -> tuple[torc
     return ws, split, k_per_split
 
 
+def _small_plan(kind: str, x: torch.Tensor, qweight: torch.Tensor, n: int, kdim: int, kmax: int,
+                config: dict | None) -> tuple[dict, torch.Tensor | None]:
+    """Small-M config and, when it is MODE 3 and can run (M <= GEMV_M_MAX, rows word-aligned),
+    ``qweight`` as int32 words; otherwise ``None`` and a MODE 1/2 config."""
+    m = x.shape[0]
+    cfg = _small_cfg(kind, n, kdim, m, kmax, x.device, config)
+    if cfg["MODE"] != 3:
+        return cfg, None
+    words = _as_words(qweight) if m <= GEMV_M_MAX else None
+    if words is None:  # rows not word-aligned, or too many rows: the tensor-core path
+        cfg = _small_cfg(kind, n, kdim, m, kmax, x.device, {**cfg, "MODE": 2, "SPLIT": 0})
+    return cfg, words
+
+
+def _launch_small(kernel, x: torch.Tensor, qweight: torch.Tensor, tensors: tuple, sizes: tuple, n: int,
+                  kdim: int, cfg: dict, **meta) -> torch.Tensor:
+    """Run a MODE 1/2 small-M kernel over ``kdim`` codes per row and sum its split-K partials.
+
+    Kernel arguments: ``x, qweight, *tensors, ws, M, N, *sizes, k_per_split``, then the strides of
+    x, qweight, ``tensors[0]`` (the scales) and the workspace's rows and splits.
+    """
+    m = x.shape[0]
+    ws, split, kps = _small_out(x, m, n, kdim, cfg)
+    kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
+        x, qweight, *tensors, ws, m, n, *sizes, kps,
+        x.stride(0), qweight.stride(0), tensors[0].stride(0), ws.stride(1), ws.stride(0),
+        MODE=cfg["MODE"], DOT_PRECISION=_dot_precision(x.dtype),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1), **meta,
+    )
+    return _finish_splits(ws, x.dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # MODE 3: CUDA-core GEMV over 32-bit words (M <= 4), bandwidth-bound decode path
 # ----------------------------------------------------------------------------------------------
@@ -479,16 +590,6 @@ def _gemv_x(x_ptr, row, k, K, XPAIRS: tl.constexpr, HIGH: tl.constexpr):
 
 
 @triton.jit
-def _gemv_rows(acc, a0, a1, a2, a3, offs_m):
-    """Row sums of the per-thread accumulators, assembled into ``[BLOCK_M, BLOCK_N]``."""
-    acc = tl.where(offs_m[:, None] == 0, tl.sum(a0, axis=1)[None, :], acc)
-    acc = tl.where(offs_m[:, None] == 1, tl.sum(a1, axis=1)[None, :], acc)
-    acc = tl.where(offs_m[:, None] == 2, tl.sum(a2, axis=1)[None, :], acc)
-    acc = tl.where(offs_m[:, None] == 3, tl.sum(a3, axis=1)[None, :], acc)
-    return acc
-
-
-@triton.jit
 def _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N,
                  SPLIT_K: tl.constexpr):
     """Store ``acc [BLOCK_M, BLOCK_N]``; with split-K the last program of a column tile to arrive
@@ -514,6 +615,77 @@ def _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, st
 
 
 @triton.jit
+def _gemv_setup(N, KW, kw_per_split, stride_qn, BLOCK_N: tl.constexpr):
+    """Program ``(n, s)`` of a GEMV: channel offsets, mask, int64 word-row offsets, and its word range."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    kw_start = tl.program_id(1) * kw_per_split
+    return (offs_n, offs_n < N, offs_n.to(tl.int64)[:, None] * stride_qn, kw_start,
+            tl.minimum(kw_start + kw_per_split, KW))
+
+
+@triton.jit
+def _gemv_zeros(BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+    """Four per-thread fp32 accumulators ``[BLOCK_N, BLOCK_KW]``, one per row."""
+    return (tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32), tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32),
+            tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32), tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32))
+
+
+@triton.jit
+def _gemv_words(qw_ptr, rows_w, kb, n_mask, kw_end, BLOCK_KW: tl.constexpr):
+    """Words ``[kb, kb + BLOCK_KW)`` of the program's rows as int32 ``[BLOCK_N, BLOCK_KW]``, and their indices."""
+    kw = kb + tl.arange(0, BLOCK_KW)
+    w = tl.load(qw_ptr + rows_w + kw[None, :], mask=n_mask[:, None] & (kw < kw_end)[None, :], other=0,
+                eviction_policy="evict_first")
+    return w, kw
+
+
+@triton.jit
+def _gemv_fma(p0, p1, p2, p3, q, x_ptr, k, K, M, stride_xm, XPAIRS: tl.constexpr, HIGH: tl.constexpr,
+              BLOCK_M: tl.constexpr):
+    """``p_r += q * x[r, k]`` for the rows ``r < BLOCK_M`` (rows past M re-read row M - 1; the store masks them)."""
+    p0 += q * _gemv_x(x_ptr, 0, k, K, XPAIRS, HIGH)
+    if BLOCK_M > 1:
+        p1 += q * _gemv_x(x_ptr, tl.minimum(1, M - 1) * stride_xm, k, K, XPAIRS, HIGH)
+    if BLOCK_M > 2:
+        p2 += q * _gemv_x(x_ptr, tl.minimum(2, M - 1) * stride_xm, k, K, XPAIRS, HIGH)
+        p3 += q * _gemv_x(x_ptr, tl.minimum(3, M - 1) * stride_xm, k, K, XPAIRS, HIGH)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _gemv_add(a0, a1, a2, a3, p0, p1, p2, p3, s, BLOCK_M: tl.constexpr, SCALED: tl.constexpr):
+    """``a_r += p_r * s`` (``a_r += p_r`` unless SCALED) for the rows ``r < BLOCK_M``."""
+    if SCALED:
+        a0 += p0 * s
+        if BLOCK_M > 1:
+            a1 += p1 * s
+        if BLOCK_M > 2:
+            a2 += p2 * s
+            a3 += p3 * s
+    else:
+        a0 += p0
+        if BLOCK_M > 1:
+            a1 += p1
+        if BLOCK_M > 2:
+            a2 += p2
+            a3 += p3
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _gemv_rows(a0, a1, a2, a3, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row sums of the per-thread accumulators as ``[BLOCK_M, BLOCK_N]``, with the row offsets and mask."""
+    offs_m = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.where(offs_m[:, None] == 0, tl.sum(a0, axis=1)[None, :], acc)
+    acc = tl.where(offs_m[:, None] == 1, tl.sum(a1, axis=1)[None, :], acc)
+    acc = tl.where(offs_m[:, None] == 2, tl.sum(a2, axis=1)[None, :], acc)
+    acc = tl.where(offs_m[:, None] == 3, tl.sum(a3, axis=1)[None, :], acc)
+    return acc, offs_m, offs_m < M
+
+
+
+@triton.jit
 def _wq_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, ws_ptr, y_ptr, cnt_ptr,
     M, N, K, KW, kw_per_split,
@@ -534,24 +706,12 @@ def _wq_gemv_kernel(
     """
     CPW: tl.constexpr = 32 // BITS
     CMASK: tl.constexpr = (1 << BITS) - 1
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_i = tl.arange(0, BLOCK_KW)
-    rows_w = offs_n.to(tl.int64)[:, None] * stride_qn
-    a0 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
-    a1 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
-    a2 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
-    a3 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
-    kw_start = pid_k * kw_per_split
-    kw_end = tl.minimum(kw_start + kw_per_split, KW)
+    offs_n, n_mask, rows_w, kw_start, kw_end = _gemv_setup(N, KW, kw_per_split, stride_qn, BLOCK_N)
+    a0, a1, a2, a3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
     for kw0 in range(kw_start, kw_end, BLOCK_KW * UNROLL):
         for u in tl.static_range(UNROLL):
             kb = kw0 + u * BLOCK_KW
-            kw = kb + offs_i
-            w = tl.load(qw_ptr + rows_w + kw[None, :], mask=n_mask[:, None] & (kw < kw_end)[None, :], other=0,
-                        eviction_policy="evict_first")
+            w, kw = _gemv_words(qw_ptr, rows_w, kb, n_mask, kw_end, BLOCK_KW)
             g = (kb * CPW) // GROUP
             s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)[:, None]
             if HAS_ZEROS:
@@ -559,28 +719,13 @@ def _wq_gemv_kernel(
                 zm = (z | 0x4B000000).to(tl.float32, bitcast=True)[:, None]
             else:
                 zm = 8388608.0 + 2 ** (BITS - 1)
-            p0 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
-            p1 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
-            p2 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
-            p3 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+            p0, p1, p2, p3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
             for j in tl.static_range(CPW):
                 q = ((((w >> (BITS * j)) & CMASK) | 0x4B000000).to(tl.float32, bitcast=True) - zm)
-                k = kw * CPW + j
-                p0 += q * _gemv_x(x_ptr, 0, k, K, XPAIRS, j % 2)
-                if BLOCK_M > 1:
-                    p1 += q * _gemv_x(x_ptr, tl.minimum(1, M - 1) * stride_xm, k, K, XPAIRS, j % 2)
-                if BLOCK_M > 2:
-                    p2 += q * _gemv_x(x_ptr, tl.minimum(2, M - 1) * stride_xm, k, K, XPAIRS, j % 2)
-                    p3 += q * _gemv_x(x_ptr, tl.minimum(3, M - 1) * stride_xm, k, K, XPAIRS, j % 2)
-            a0 += p0 * s
-            if BLOCK_M > 1:
-                a1 += p1 * s
-            if BLOCK_M > 2:
-                a2 += p2 * s
-                a3 += p3 * s
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    acc = _gemv_rows(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a0, a1, a2, a3, offs_m)
+                p0, p1, p2, p3 = _gemv_fma(p0, p1, p2, p3, q, x_ptr, kw * CPW + j, K, M, stride_xm, XPAIRS, j % 2,
+                                           BLOCK_M)
+            a0, a1, a2, a3 = _gemv_add(a0, a1, a2, a3, p0, p1, p2, p3, s, BLOCK_M, True)
+    acc, offs_m, m_mask = _gemv_rows(a0, a1, a2, a3, M, BLOCK_M, BLOCK_N)
     _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K)
 
 
@@ -594,70 +739,40 @@ def _fp8_gemv_kernel(
 ):
     """Emulated-FP8 GEMV, ``M <= 4``, over int32 words of 4 e4m3 bytes (``k = 4i + j`` in byte ``j``).
 
-    Byte ``j`` is shifted to the top of the word (none for ``j = 3``); an arithmetic shift by 4
-    then puts its sign at bit 31 and its 7 exponent/mantissa bits at bits 20..26, and one mask
-    leaves exactly the fp32 pattern of ``e4m3 * 2**-120`` (subnormals included): <= 3 integer ops
-    and one FMA per weight. ``2**120`` and the scale are applied per word and row (128x128 block
-    scales; ``4 * BLOCK_KW`` divides the block) or once at the end (per channel).
+    Grid and K loop as in ``_wq_gemv_kernel``. Byte ``j`` is shifted to the top of the word (none
+    for ``j = 3``); an arithmetic shift by 4 then puts its sign at bit 31 and its 7
+    exponent/mantissa bits at bits 20..26, and one mask leaves exactly the fp32 pattern of
+    ``e4m3 * 2**-120`` (subnormals included): <= 3 integer ops and one FMA per weight. ``2**120``
+    and the scale are applied per word and row (128x128 block scales; ``4 * BLOCK_KW`` divides the
+    block) or once at the end (per channel).
     """
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_i = tl.arange(0, BLOCK_KW)
-    rows_w = offs_n.to(tl.int64)[:, None] * stride_qn
-    a0 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
-    a1 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
-    a2 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
-    a3 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
-    kw_start = pid_k * kw_per_split
-    kw_end = tl.minimum(kw_start + kw_per_split, KW)
+    offs_n, n_mask, rows_w, kw_start, kw_end = _gemv_setup(N, KW, kw_per_split, stride_qn, BLOCK_N)
+    a0, a1, a2, a3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
     for kw0 in range(kw_start, kw_end, BLOCK_KW * UNROLL):
         for u in tl.static_range(UNROLL):
             kb = kw0 + u * BLOCK_KW
-            kw = kb + offs_i
-            w = tl.load(qw_ptr + rows_w + kw[None, :], mask=n_mask[:, None] & (kw < kw_end)[None, :], other=0,
-                        eviction_policy="evict_first")
-            p0 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
-            p1 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
-            p2 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
-            p3 = tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32)
+            w, kw = _gemv_words(qw_ptr, rows_w, kb, n_mask, kw_end, BLOCK_KW)
+            p0, p1, p2, p3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
             for j in tl.static_range(4):
                 if j < 3:
                     t = w << (24 - 8 * j)
                 else:
                     t = w
                 wf = ((t >> 4) & -2014314496).to(tl.float32, bitcast=True)  # mask 0x87F00000
-                k = kw * 4 + j
-                p0 += wf * _gemv_x(x_ptr, 0, k, K, XPAIRS, j % 2)
-                if BLOCK_M > 1:
-                    p1 += wf * _gemv_x(x_ptr, tl.minimum(1, M - 1) * stride_xm, k, K, XPAIRS, j % 2)
-                if BLOCK_M > 2:
-                    p2 += wf * _gemv_x(x_ptr, tl.minimum(2, M - 1) * stride_xm, k, K, XPAIRS, j % 2)
-                    p3 += wf * _gemv_x(x_ptr, tl.minimum(3, M - 1) * stride_xm, k, K, XPAIRS, j % 2)
+                p0, p1, p2, p3 = _gemv_fma(p0, p1, p2, p3, wf, x_ptr, kw * 4 + j, K, M, stride_xm, XPAIRS, j % 2,
+                                           BLOCK_M)
             if SCALE_BLOCK != 0:
                 sb = tl.load(s_ptr + (offs_n // SCALE_BLOCK) * stride_sn + (kb * 4) // SCALE_BLOCK, mask=n_mask,
                              other=0.0)[:, None]
-                a0 += p0 * sb
-                if BLOCK_M > 1:
-                    a1 += p1 * sb
-                if BLOCK_M > 2:
-                    a2 += p2 * sb
-                    a3 += p3 * sb
             else:
-                a0 += p0
-                if BLOCK_M > 1:
-                    a1 += p1
-                if BLOCK_M > 2:
-                    a2 += p2
-                    a3 += p3
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    acc = _gemv_rows(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a0, a1, a2, a3, offs_m)
+                sb = 1.0  # unused: per-channel scales are applied after the K loop
+            a0, a1, a2, a3 = _gemv_add(a0, a1, a2, a3, p0, p1, p2, p3, sb, BLOCK_M, SCALE_BLOCK != 0)
+    acc, offs_m, m_mask = _gemv_rows(a0, a1, a2, a3, M, BLOCK_M, BLOCK_N)
     if SCALE_BLOCK == 0:
         acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     acc = acc * 1.329227995784916e36  # 2**120, exact
     _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K)
+
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -755,6 +870,22 @@ def fp8_decode_triton(q: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _fp8_as_operand(b, DECODE: tl.constexpr):
+    """e4m3 bytes -> the dot operand's own bit pattern, equal to the value times 1/FOLD: DECODE 0
+    fp32 (x fp32), 1 bf16, 2 fp16. The same two shifts as the fp32 decode, landing in a 16-bit
+    float when the activations are 16-bit, so no float conversion and no multiply per weight."""
+    if DECODE == 0:
+        w = _fp8_e4m3_bits_to_f32(b)
+    else:
+        x16 = b.to(tl.int16)
+        if DECODE == 1:
+            w = (((x16 & 0x80) << 8) | ((x16 & 0x7F) << 4)).to(tl.bfloat16, bitcast=True)
+        else:
+            w = (((x16 & 0x80) << 8) | ((x16 & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    return w
+
+
+@triton.jit
 def _fp8_small_kernel(
     x_ptr, qw_ptr, s_ptr, y_ptr,
     M, N, K, k_per_split,
@@ -765,71 +896,37 @@ def _fp8_small_kernel(
 ):
     """Small-M emulated-FP8 weight-only; grid, split-K and MODE as in ``_wq_small_kernel``.
 
-    MODE 0 decodes to the fp32 pattern and uses FMAs; MODEs 1/2 decode to the activation dtype's
-    own pattern (DECODE, as in ``_fp8_wo_kernel``) and use ``tl.dot``. ``BLOCK_K`` divides
-    ``SCALE_BLOCK``, so a block scale is one per channel per step.
+    Weights decode as in ``_fp8_wo_kernel`` (DECODE, FOLD). ``BLOCK_K`` divides ``SCALE_BLOCK``,
+    so a block scale is one per channel per step.
     """
-    pid_n = tl.program_id(0)
+    offs_n, n_mask, offs_m, m_mask, rows_w, rows_x, acc = _small_setup(M, N, stride_xm, stride_qn, MODE,
+                                                                       BLOCK_M, BLOCK_N)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    rows_w = offs_n.to(tl.int64)[:, None] * stride_qn
-    rows_x = offs_m.to(tl.int64)[:, None] * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # MODE 2's accumulator
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        b = tl.load(qw_ptr + rows_w + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0,
-                    eviction_policy="evict_first")
-        a = tl.load(x_ptr + rows_x + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if MODE == 0:
-            w = _fp8_e4m3_bits_to_f32(b)
-            part = tl.sum(w[None, :, :] * a.to(tl.float32)[:, None, :], axis=2)
-        else:
-            if DECODE == 0:
-                w = _fp8_e4m3_bits_to_f32(b)
-            else:
-                x16 = b.to(tl.int16)
-                if DECODE == 1:
-                    w = (((x16 & 0x80) << 8) | ((x16 & 0x7F) << 4)).to(tl.bfloat16, bitcast=True)
-                else:
-                    w = (((x16 & 0x80) << 8) | ((x16 & 0x7F) << 7)).to(tl.float16, bitcast=True)
-            if MODE == 1:
-                part = tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
-            else:  # [BLOCK_N, BLOCK_M]: stays in the MMA's orientation until the end
-                part = tl.dot(w, tl.trans(a), input_precision=DOT_PRECISION)
+        b = _small_w(qw_ptr, rows_w, n_mask, k0, K, BLOCK_K)
+        a = _x_tile(x_ptr, rows_x, m_mask, k0, K, BLOCK_K)
+        part = _tile_dot(a, _fp8_as_operand(b, DECODE), MODE, DOT_PRECISION)
         if SCALE_BLOCK != 0:
             sb = tl.load(s_ptr + (offs_n // SCALE_BLOCK) * stride_sn + k0 // SCALE_BLOCK, mask=n_mask, other=0.0)
-            part = part * (sb[:, None] if MODE == 2 else sb[None, :])
-        if MODE == 2:
-            acc_t += part
-        else:
-            acc += part
-    if MODE == 2:
-        acc = tl.trans(acc_t)
+            part = part * _chan(sb, MODE)
+        acc += part
     if SCALE_BLOCK == 0:
-        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+        acc = acc * _chan(tl.load(s_ptr + offs_n, mask=n_mask, other=0.0), MODE)
     acc = acc * FOLD
-    y_ptrs = y_ptr + pid_k.to(tl.int64) * stride_ys + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    _small_store(y_ptr + pid_k.to(tl.int64) * stride_ys, acc, offs_m, m_mask, offs_n, n_mask, stride_ym, MODE)
 
 
 @triton.autotune(
     configs=_configs(
         [
-            _mm_cfg(16, 64, 128, 4, 4),
-            _mm_cfg(16, 32, 128, 4, 4),
-            _mm_cfg(16, 128, 128, 4, 4),
+            *_small_tile_cfgs(),
             _mm_cfg(64, 128, 128, 4, 4),
             _mm_cfg(128, 128, 128, 8, 3),
             _mm_cfg(128, 256, 64, 8, 3),
         ],
-        triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2}, num_warps=4),
+        _interp_cfg(),
     ),
     key=["M_BUCKET", "N", "K", "SCALE_BLOCK"],
     prune_configs_by={"early_config_prune": lambda cfgs, nargs, **kw: _prune_m(cfgs, {**nargs, **kw})},
@@ -845,30 +942,14 @@ def _fp8_wo_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = _swizzle(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    rows_x = offs_m.to(tl.int64)[:, None] * stride_xm
+    offs_m, offs_n, m_mask, n_mask, rows_x = _gemm_tile(M, N, stride_xm, BLOCK_M, BLOCK_N, GROUP_M)
     rows_w = offs_n.to(tl.int64)[:, None] * stride_qn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        a = tl.load(x_ptr + rows_x + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(qw_ptr + rows_w + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0)
-        # The e4m3 byte becomes the operand's own bit pattern (value times 1/FOLD): the same two
-        # shifts as the fp32 decode, landing in a 16-bit float when the activations are 16-bit,
-        # so there is no float conversion and no multiply per weight. Scales apply after the dot.
-        if DECODE == 0:
-            w = _fp8_e4m3_bits_to_f32(b)
-        else:
-            x16 = b.to(tl.int16)
-            if DECODE == 1:
-                w = (((x16 & 0x80) << 8) | ((x16 & 0x7F) << 4)).to(tl.bfloat16, bitcast=True)
-            else:
-                w = (((x16 & 0x80) << 8) | ((x16 & 0x7F) << 7)).to(tl.float16, bitcast=True)
+        a = _x_tile(x_ptr, rows_x, m_mask, k0, K, BLOCK_K)
+        b = tl.load(qw_ptr + rows_w + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0)
+        w = _fp8_as_operand(b, DECODE)  # scales apply after the dot
         if SCALE_BLOCK == 0:
             acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
         else:  # BLOCK_K divides SCALE_BLOCK: one block column per step
@@ -878,8 +959,7 @@ def _fp8_wo_kernel(
     if SCALE_BLOCK == 0:
         acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     acc = acc * FOLD
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    _store_tile(y_ptr, acc, offs_m, m_mask, offs_n, n_mask, stride_ym)
 
 
 def _prune_m(configs, nargs):
@@ -891,40 +971,28 @@ def _prune_m(configs, nargs):
 def fp8_wo_matmul_triton(
     x: torch.Tensor, w: FP8Weight, bias: torch.Tensor | None = None, *, config: dict | None = None,
 ) -> torch.Tensor:
-    """``x [M, K]`` (fp16/bf16/fp32) times emulated-FP8 ``w`` -> ``[M, N]`` in ``x.dtype``.
+    """``x [M, K]`` (fp16/bf16/fp32) times emulated-FP8 ``w`` (logical ``[N, K]``, e4m3 bytes) -> ``[M, N]``
+    in ``x.dtype``.
 
-    ``config``: small-M launch override, as in :func:`wq_matmul_triton`.
+    ``bias``: optional ``[N]``. ``config``: small-M launch override, as in :func:`wq_matmul_triton`.
     """
     if w.block_size is not None and w.block_size != FP8_BLOCK:
         raise ValueError(f"w: block scales must be {FP8_BLOCK}x{FP8_BLOCK}, got {w.block_size}")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    m, k = x.shape
-    n = w.shape[0]
+    n, k = w.shape
+    x = _check_x("fp8_wo_matmul_triton", x, k)
+    m = x.shape[0]
     scale_block = 0 if w.block_size is None else w.block_size
     decode, fold = {torch.float32: (0, 2.0**120), torch.bfloat16: (1, 2.0**120),
                     torch.float16: (2, 2.0**8)}[x.dtype]
     if m <= SMALL_M_MAX:
         kmax = scale_block or max(triton.next_power_of_2(k), 64)
-        cfg = _small_cfg("fp8", n, k, m, kmax, x.device, config)
-        words = _as_words(w.qweight) if cfg["MODE"] == 3 and m <= GEMV_M_MAX else None
+        cfg, words = _small_plan("fp8", x, w.qweight, n, k, kmax, config)
         if words is not None:
             y = _launch_gemv(_fp8_gemv_kernel, x, words, n, cfg, (w.scales,), w.scales.stride(0),
                              (scale_block or 1 << 30) // 4, bits_per_code=8, SCALE_BLOCK=scale_block)
-            return y if bias is None else y + bias.to(y.dtype)
-        if cfg["MODE"] == 3:
-            cfg = _small_cfg("fp8", n, k, m, kmax, x.device, {**cfg, "MODE": 2, "SPLIT": 0})
-        if cfg["MODE"] == 0:
-            decode, fold = 0, 2.0**120  # FMAs run on the fp32 pattern whatever x is
-        ws, split, kps = _small_out(x, m, n, k, cfg)
-        _fp8_small_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
-            x, w.qweight, w.scales, ws, m, n, k, kps,
-            x.stride(0), w.qweight.stride(0), w.scales.stride(0), ws.stride(1), ws.stride(0),
-            SCALE_BLOCK=scale_block, DECODE=decode, FOLD=fold, MODE=cfg["MODE"],
-            DOT_PRECISION=_dot_precision(x.dtype),
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-            num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1),
-        )
-        y = _finish_splits(ws, x.dtype)
+        else:
+            y = _launch_small(_fp8_small_kernel, x, w.qweight, (w.scales,), (k,), n, k, cfg,
+                              SCALE_BLOCK=scale_block, DECODE=decode, FOLD=fold)
     else:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
@@ -969,12 +1037,7 @@ def _gguf_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NBLK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = NBLK * 32
-    pid_m, pid_n = _swizzle(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    rows_x = offs_m.to(tl.int64)[:, None] * stride_xm
+    offs_m, offs_n, m_mask, n_mask, rows_x = _gemm_tile(M, N, stride_xm, BLOCK_M, BLOCK_N, GROUP_M)
     i = tl.arange(0, 32)[None, None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     nb = K // 32
@@ -993,19 +1056,18 @@ def _gguf_kernel(
                 w = q * d + _load_f16(base + 2, bmask)
             else:
                 w = (q - 8.0) * d
-        offs_k = b0 * 32 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + rows_x + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+        a = _x_tile(x_ptr, rows_x, m_mask, b0 * 32, K, BLOCK_K)
         wk = tl.reshape(w, [BLOCK_N, BLOCK_K]).to(a.dtype)
         acc = tl.dot(a, tl.trans(wk), acc, input_precision=DOT_PRECISION)
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    _store_tile(y_ptr, acc, offs_m, m_mask, offs_n, n_mask, stride_ym)
 
 
 def gguf_matmul_triton(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K]`` times GGUF raw blocks ``w`` -> ``[M, N]`` in ``x.dtype``."""
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    m, k = x.shape
-    n = w.shape[0]
+    """``x [M, K]`` (fp16/bf16/fp32) times GGUF raw blocks ``w`` (logical ``[N, K]``; ``raw`` uint8
+    ``[N, K / 32 * block bytes]``) -> ``[M, N]`` in ``x.dtype``; ``bias``: optional ``[N]``."""
+    n, k = w.shape
+    x = _check_x("gguf_matmul_triton", x, k)
+    m = x.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
     _gguf_kernel[grid](

@@ -51,10 +51,10 @@ def _attend(
     return torch.where(mask.any(-1, keepdim=True), out, 0.0)
 
 
-def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Causal (+ window) mask: query at position i sees key j iff ``i - w < j <= i`` and ``j < seq_len``."""
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal (+ window) mask: query at position i sees key j iff ``i - w < j <= i``."""
     qp, kp = q_pos.unsqueeze(-1), k_pos.unsqueeze(-2)
-    m = (kp <= qp) & (kp < seq_len)
+    m = kp <= qp
     if window is not None:
         m &= kp > qp - window
     return m
@@ -73,6 +73,10 @@ def paged_attention_decode_ref(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """Reference of :func:`~infercore.ops.paged_attention_decode`: q ``[B, Hq, D]``, caches
+    ``[num_pages, page_size, Hk, D]`` (float, or int8/fp8 codes with fp32 ``k_scale``/``v_scale``
+    ``[num_pages, page_size, Hk]``), int32 ``seq_lens [B]`` and ``block_table [B, max_pages]``.
+    Returns ``[B, Hq, D]`` in ``q.dtype`` (fp32 softmax; zeros for a zero-length sequence)."""
     b, hq, d = q.shape
     page_size, hk = k_cache.shape[1], k_cache.shape[2]
     group = hq // hk
@@ -134,8 +138,12 @@ def paged_attention_prefill_ref(
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``k``/``v`` ``[T, Hk, D]`` (ragged like q), when given, supply the keys/values of each sequence's
-    own query positions; then only the cached prefix is read from the pages."""
+    """Reference of :func:`~infercore.ops.paged_attention_prefill` (float caches): q ``[T, Hq, D]`` ragged
+    by int32 ``cu_seqlens_q [B+1]``, caches ``[num_pages, page_size, Hk, D]``, int32 ``seq_lens [B]`` and
+    ``block_table [B, max_pages]``. ``k``/``v`` ``[T, Hk, D]`` (ragged like q), when given, supply the
+    keys/values of each sequence's own query positions; then only the cached prefix is read from the
+    pages. Returns ``[T, Hq, D]`` in ``q.dtype`` (fp32 softmax). Raises ValueError when a sequence has
+    more queries than ``seq_lens`` keys."""
     del max_seqlen_q  # a launch-size hint for kernels; the reference reads the lengths directly
     t, hq, d = q.shape
     page_size, hk = k_cache.shape[1], k_cache.shape[2]
@@ -163,7 +171,7 @@ def paged_attention_prefill_ref(
             vals = torch.cat([vals, v[q0:q1].float().transpose(0, 1)], dim=1)
         q_pos = torch.arange(first_q, seq_len, device=q.device)
         k_pos = torch.arange(k_off, seq_len, device=q.device)
-        mask = _visible(q_pos, k_pos, torch.tensor(seq_len, device=q.device), sliding_window)  # [q_len, L]
+        mask = _visible(q_pos, k_pos, sliding_window)  # [q_len, L]; every key lies below seq_len
         # [q_len, Hq, D] -> [Hk, group * q_len, D]; the mask repeats once per query head of the group.
         qg = q[q0:q1].float().view(q_len, hk, group, d).permute(1, 2, 0, 3).reshape(hk, group * q_len, d)
         o = _attend(qg, keys, vals, mask.repeat(group, 1), scale=scale, softcap=softcap)

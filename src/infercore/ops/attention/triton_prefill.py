@@ -11,8 +11,8 @@ scale folded into one multiply). The key loop is split in two: tiles entirely be
 of the block need no mask, only the diagonal band pays for causal/window masking. The grid puts
 (sequence, head) on the fast axis and walks query blocks last-first, so every head's longest (causal)
 block starts in the first wave and the tail holds only short ones. Per-key cache offsets are int32 when
-the cache allows it (the KV head goes into the base pointer). Optional variants (hand-pipelined QK^T,
-warp specialization) are switched by the config; see ``_VARIANT_DEFAULTS``.
+the cache allows it (the KV head goes into the base pointer). Warp specialization and TMA are switched
+by the config; see ``_VARIANT_DEFAULTS``.
 
 With this step's keys/values passed as contiguous ragged ``k``/``v`` ``[T, Hk, D]`` (as FlashAttention's
 varlen and FlashInfer's ragged prefill take them), only the cached prefix ``[0, seq_len - q_len)`` is
@@ -49,21 +49,17 @@ TUNING_NEW_KV = {
     128: {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "warp_spec": True, "tma": True},
 }
 
-# Variant switches (each a constexpr of the kernel):
-#   heads_fast   grid axis 0 = (sequence, head) and axis 1 = query block, heaviest block first: every
-#                head's longest causal block is issued in the first wave, so the tail holds only short
-#                blocks (with the block axis fastest, the last head's long blocks were issued last).
-#   pipe_qk      software-pipeline the interior loop by hand: S = Q K^T of tile j+1 is issued before the
-#                softmax of tile j, so the async wgmma can overlap the exp2s (FA3's intra-warpgroup
-#                overlap). Costs a second S tile of registers: pair it with block_n 64.
-#   warp_spec    `tl.range(..., warp_specialize=True)` on the interior loop (producer/consumer warps);
-#                only some Triton builds accept it for pointer (non-TMA) loads, so it stays opt-in.
+# Variant switches (each a constexpr of the kernel). The H200 sweep (results/h200/prefill_attn.json) also
+# measured a hand-pipelined QK^T, the block-fastest grid order, forced int64 offsets and a
+# warp-specialized cached-prefix loop: none was faster, so they were removed.
+#   warp_spec    `tl.range(..., warp_specialize=True)` on the interior loop (producer/consumer warps): the
+#                new tokens' loop with k/v given, else the paged loop; only some Triton builds accept it
+#                for pointer (non-TMA) loads, so it stays opt-in.
 #   tma          with the new tokens' contiguous k/v given: read them through TMA tensor descriptors
 #                (Hopper's bulk copies, which Triton's warp specialization pairs with best); off = pointer
 #                loads of the same rows. The cached prefix always goes through the block table.
-#   ws_prefix    warp-specialize the cached-prefix loop too (only with k/v given; `warp_spec` covers the
-#                new-token loop then, and the whole interior loop of the paged-only path).
-_VARIANT_DEFAULTS = {"heads_fast": True, "pipe_qk": False, "warp_spec": False, "tma": True, "ws_prefix": False}
+_VARIANT_DEFAULTS = {"warp_spec": False, "tma": True}
+_LAUNCH_KEYS = {"block_m", "block_n", "num_warps", "num_stages", "maxnreg"}
 
 
 @triton.jit
@@ -195,21 +191,13 @@ def _prefill_kernel(
     HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     OFF64: tl.constexpr,
-    HEADS_FAST: tl.constexpr,
-    PIPE_QK: tl.constexpr,
     WARP_SPEC: tl.constexpr,
     NEW_KV: tl.constexpr,
     USE_TMA: tl.constexpr,
-    WS_PREFIX: tl.constexpr,
 ):  # fmt: skip
-    if HEADS_FAST:
-        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-        h = tl.program_id(0) % NUM_HEADS
-        b = tl.program_id(0) // NUM_HEADS
-    else:
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-        h = tl.program_id(1)
-        b = tl.program_id(2)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    h = tl.program_id(0) % NUM_HEADS
+    b = tl.program_id(0) // NUM_HEADS
     q_start = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_start
     if pid_m * BLOCK_M >= q_len:
@@ -238,36 +226,43 @@ def _prefill_kernel(
     kc_ptr += kvh.to(tl.int64) * stride_kh
     vc_ptr += kvh.to(tl.int64) * stride_vh
 
+    # Keys read through the block table: [0, c_hi), all of them unmasked below c_mid. With new k/v that
+    # is the cached prefix [0, ctx), whose keys precede every query, so only the tile holding ctx (the
+    # length mask) needs one; else it runs to the block's last query and the diagonal band is masked.
+    # With a window every tile is masked, from the first one holding a visible key.
     first_q = ctx + pid_m * BLOCK_M
     if NEW_KV:
-        # Cached prefix [0, ctx) through the block table: every such key precedes every query, so only
-        # the tile holding ctx (the length mask) and, with a window, the window's edge need masks.
-        if HAS_WINDOW:
-            p_lo = tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N
-            p_mid = p_lo
+        c_len = ctx
+        c_hi = ctx
+    else:
+        c_len = seq_len
+        c_hi = tl.minimum(first_q + BLOCK_M, seq_len)  # one past the last query position of the block
+    if HAS_WINDOW:
+        c_lo = tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N
+        c_mid = c_lo
+    else:
+        c_lo = 0
+        if NEW_KV:
+            c_mid = ctx // BLOCK_N * BLOCK_N
         else:
-            p_lo = 0
-            p_mid = ctx // BLOCK_N * BLOCK_N
-        if WS_PREFIX:
-            for j0 in tl.range(p_lo, p_mid, BLOCK_N, warp_specialize=True):
-                acc, l_i, m_i = _tile(
-                    acc, l_i, m_i, q, q_pos, ctx, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
-                    stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, scale, softcap, window,
-                    PAGE, False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, OFF64,
-                )  # fmt: skip
-        else:
-            for j0 in range(p_lo, p_mid, BLOCK_N):
-                acc, l_i, m_i = _tile(
-                    acc, l_i, m_i, q, q_pos, ctx, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
-                    stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, scale, softcap, window,
-                    PAGE, False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, OFF64,
-                )  # fmt: skip
-        for j0 in range(p_mid, ctx, BLOCK_N):
+            # Keys < first_q + 1 are visible to every query of the block: no mask needed there.
+            c_mid = (first_q + 1) // BLOCK_N * BLOCK_N
+    # Warp specialization goes on the paged path's interior loop only: with new k/v it covers their loop.
+    if NEW_KV or not HAS_WINDOW:
+        for j0 in tl.range(c_lo, c_mid, BLOCK_N, warp_specialize=WARP_SPEC and not NEW_KV):
             acc, l_i, m_i = _tile(
-                acc, l_i, m_i, q, q_pos, ctx, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
+                acc, l_i, m_i, q, q_pos, c_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
                 stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, scale, softcap, window,
-                PAGE, True, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, OFF64,
+                PAGE, False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, OFF64,
             )  # fmt: skip
+    for j0 in range(c_mid, c_hi, BLOCK_N):
+        acc, l_i, m_i = _tile(
+            acc, l_i, m_i, q, q_pos, c_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
+            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, scale, softcap, window,
+            PAGE, True, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, OFF64,
+        )  # fmt: skip
+
+    if NEW_KV:
         # This step's tokens from the contiguous k/v, in coordinates relative to the first query.
         tok0 = q_start
         kn_ptr += tok0.to(tl.int64) * stride_knt + kvh.to(tl.int64) * stride_knh
@@ -281,74 +276,17 @@ def _prefill_kernel(
         else:
             n_lo = 0
             n_mid = (m0 + 1) // BLOCK_N * BLOCK_N
-        if WARP_SPEC:
-            for r0 in tl.range(n_lo, n_mid, BLOCK_N, warp_specialize=True):
-                acc, l_i, m_i = _tile_new(
-                    acc, l_i, m_i, q, offs_m, q_len, r0, kn_ptr, vn_ptr, k_desc, v_desc, tok0, col, offs_n,
-                    offs_d, dmask, stride_knt, stride_vnt, qk_scale, scale, softcap, window,
-                    False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, USE_TMA, kc_ptr.dtype.element_ty,
-                )  # fmt: skip
-        else:
-            for r0 in range(n_lo, n_mid, BLOCK_N):
-                acc, l_i, m_i = _tile_new(
-                    acc, l_i, m_i, q, offs_m, q_len, r0, kn_ptr, vn_ptr, k_desc, v_desc, tok0, col, offs_n,
-                    offs_d, dmask, stride_knt, stride_vnt, qk_scale, scale, softcap, window,
-                    False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, USE_TMA, kc_ptr.dtype.element_ty,
-                )  # fmt: skip
+        for r0 in tl.range(n_lo, n_mid, BLOCK_N, warp_specialize=WARP_SPEC):
+            acc, l_i, m_i = _tile_new(
+                acc, l_i, m_i, q, offs_m, q_len, r0, kn_ptr, vn_ptr, k_desc, v_desc, tok0, col, offs_n,
+                offs_d, dmask, stride_knt, stride_vnt, qk_scale, scale, softcap, window,
+                False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, USE_TMA, kc_ptr.dtype.element_ty,
+            )  # fmt: skip
         for r0 in range(n_mid, n_hi, BLOCK_N):
             acc, l_i, m_i = _tile_new(
                 acc, l_i, m_i, q, offs_m, q_len, r0, kn_ptr, vn_ptr, k_desc, v_desc, tok0, col, offs_n,
                 offs_d, dmask, stride_knt, stride_vnt, qk_scale, scale, softcap, window,
                 True, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, USE_TMA, kc_ptr.dtype.element_ty,
-            )  # fmt: skip
-    else:
-        hi = tl.minimum(first_q + BLOCK_M, seq_len)  # one past the last query position of the block
-        if HAS_WINDOW:
-            lo = tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N
-            mid = lo
-        else:
-            # Keys < first_q + 1 are visible to every query of the block: no mask needed there.
-            mid = (first_q + 1) // BLOCK_N * BLOCK_N
-            if PIPE_QK:
-                if mid > 0:
-                    kpos, nmask, page, row = _kv_rows(bt_row, 0, offs_n, seq_len, PAGE, False, OFF64)
-                    k = _load_kv(kc_ptr, page, row, stride_kp, stride_ks, offs_d, nmask, dmask, False, EVEN_D)
-                    s = _scores(q, k, kpos, nmask, q_pos, scale, softcap, window, False, HAS_WINDOW, HAS_SOFTCAP,
-                                DOT_PRECISION)  # fmt: skip
-                    for j0 in range(BLOCK_N, mid, BLOCK_N):
-                        # Issue the next tile's QK^T before this tile's softmax; V addresses are recomputed
-                        # from the induction variable so the pipeliner can still prefetch them.
-                        kpos, nmask, page, row = _kv_rows(bt_row, j0, offs_n, seq_len, PAGE, False, OFF64)
-                        k = _load_kv(kc_ptr, page, row, stride_kp, stride_ks, offs_d, nmask, dmask, False, EVEN_D)
-                        s_next = _scores(q, k, kpos, nmask, q_pos, scale, softcap, window, False, HAS_WINDOW,
-                                         HAS_SOFTCAP, DOT_PRECISION)  # fmt: skip
-                        kpos, nmask, page, row = _kv_rows(bt_row, j0 - BLOCK_N, offs_n, seq_len, PAGE, False, OFF64)
-                        v = _load_kv(vc_ptr, page, row, stride_vp, stride_vs, offs_d, nmask, dmask, False, EVEN_D)
-                        acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, s, v, qk_scale, False, HAS_SOFTCAP, DOT_PRECISION)
-                        s = s_next
-                    kpos, nmask, page, row = _kv_rows(bt_row, mid - BLOCK_N, offs_n, seq_len, PAGE, False, OFF64)
-                    v = _load_kv(vc_ptr, page, row, stride_vp, stride_vs, offs_d, nmask, dmask, False, EVEN_D)
-                    acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, s, v, qk_scale, False, HAS_SOFTCAP, DOT_PRECISION)
-            elif WARP_SPEC:
-                for j0 in tl.range(0, mid, BLOCK_N, warp_specialize=True):
-                    acc, l_i, m_i = _tile(
-                        acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
-                        stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, scale, softcap, window,
-                        PAGE, False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, OFF64,
-                    )  # fmt: skip
-            else:
-                for j0 in range(0, mid, BLOCK_N):
-                    acc, l_i, m_i = _tile(
-                        acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
-                        stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, scale, softcap, window,
-                        PAGE, False, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, OFF64,
-                    )  # fmt: skip
-        # The diagonal band (and, with a window, every tile) pays for the causal/window/length masks.
-        for j0 in range(mid, hi, BLOCK_N):
-            acc, l_i, m_i = _tile(
-                acc, l_i, m_i, q, q_pos, seq_len, j0, kc_ptr, vc_ptr, bt_row, offs_n, offs_d, dmask,
-                stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, scale, softcap, window,
-                PAGE, True, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, OFF64,
             )  # fmt: skip
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -356,6 +294,7 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])  # fmt: skip
 
 
+_INT32_SPAN = 2**31  # caches spanning this many elements or more take int64 key offsets (tests lower it)
 _SMEM_BUDGET = 200 * 1024  # below Hopper's 227 KB per block, with room for the compiler's scratch
 
 
@@ -392,7 +331,9 @@ def paged_attention_prefill(
 ) -> torch.Tensor:
     """Causal prefill attention over the paged cache; see the module docstring for layouts.
 
-    ``max_seqlen_q`` sizes the launch grid; when None it is read from ``cu_seqlens_q`` (one device
+    q fp32/fp16/bf16 ``[T, Hq, D]``; float caches ``[num_pages, page_size, Hk, D]`` whose head_dim axis is
+    contiguous (else ValueError); the public :func:`~infercore.ops.paged_attention_prefill` validates
+    the rest. ``max_seqlen_q`` sizes the launch grid; when None it is read from ``cu_seqlens_q`` (one device
     sync, so pass it inside CUDA graphs). ``k``/``v`` ``[T, Hk, D]`` (ragged like q, last dim
     contiguous) are this step's new keys/values: when given, keys at positions ``>= seq_len - q_len``
     are read from them (contiguous rows, TMA where possible) and only the cached prefix goes through
@@ -456,24 +397,27 @@ def _launch(
     v: torch.Tensor | None = None,
 ) -> None:
     """Launch the kernel with an explicit config: ``block_m``, ``block_n`` and optionally ``num_warps``,
-    ``num_stages``, ``maxnreg``, the variant switches of ``_VARIANT_DEFAULTS`` and ``off64`` (force int64
-    key offsets; the sweep and the variant tests call this directly). ``k``/``v``: the new tokens'
-    contiguous K/V (see :func:`paged_attention_prefill`); ``tma`` then picks descriptor loads for them
-    when the layout allows (else pointer loads)."""
+    ``num_stages``, ``maxnreg`` and the variant switches of ``_VARIANT_DEFAULTS`` (the sweep and the
+    variant tests call this directly). ``k``/``v``: the new tokens' contiguous K/V (see
+    :func:`paged_attention_prefill`); ``tma`` then picks descriptor loads for them when the layout allows
+    (else pointer loads)."""
     Hq, D = q.shape[1], q.shape[2]
     page_size, Hk = k_cache.shape[1], k_cache.shape[2]
     B = seq_lens.shape[0]
+    unknown = set(cfg) - _LAUNCH_KEYS - set(_VARIANT_DEFAULTS)
+    if unknown:
+        raise ValueError(f"paged_attention_prefill: unknown config keys {sorted(unknown)}")
     var = {**_VARIANT_DEFAULTS, **{k_: v_ for k_, v_ in cfg.items() if k_ in _VARIANT_DEFAULTS}}
     extra = {k_: cfg[k_] for k_ in ("num_warps", "num_stages", "maxnreg") if k_ in cfg}
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     block_d = triton.next_power_of_2(max(D, 16))
     n_m = triton.cdiv(max_seqlen_q, block_m)
-    grid = (B * Hq, n_m) if var["heads_fast"] else (n_m, Hq, B)
+    grid = (B * Hq, n_m)
     # int32 key offsets are exact when the farthest element of each cache is (strides, not numel: a
     # cache may be a view into a larger buffer).
     span = lambda t: sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
     spans = [span(k_cache), span(v_cache)] + ([span(k), span(v)] if k is not None else [])
-    off64 = cfg.get("off64", False) or max(spans) >= 2**31
+    off64 = max(spans) >= _INT32_SPAN
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     new_kv = k is not None
     use_tma = new_kv and var["tma"] and D == block_d and _tma_ok(k, D) and _tma_ok(v, D)
@@ -495,8 +439,7 @@ def _launch(
         Hq, Hq // Hk, D,
         PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        DOT_PRECISION=precision, OFF64=off64, HEADS_FAST=var["heads_fast"], PIPE_QK=var["pipe_qk"] and not new_kv,
-        WARP_SPEC=var["warp_spec"], NEW_KV=new_kv, USE_TMA=use_tma, WS_PREFIX=var["ws_prefix"] and new_kv, **extra,
+        DOT_PRECISION=precision, OFF64=off64, WARP_SPEC=var["warp_spec"], NEW_KV=new_kv, USE_TMA=use_tma, **extra,
     )  # fmt: skip
 
 

@@ -86,6 +86,11 @@ def _rnorm(k, L2NORM: tl.constexpr):
 
 
 @triton.jit
+def _l2norm_rows(x):
+    return x / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+
+
+@triton.jit
 def _a_block(ki, kj, ci, rnj, gci, gcj, DIAG: tl.constexpr, PREC: tl.constexpr):
     """Block (i, j) of A: ``ci k_i.k_j rn_j exp(gc_i - gc_j)``, strictly lower on the diagonal."""
     a = tl.dot(ki, tl.trans(kj), input_precision=PREC)
@@ -108,6 +113,15 @@ def _store16(base, X, bi, bj, n, s_t):
 
 
 @triton.jit
+def _chunk_span(info_ptr, cu_ptr, cid, seq, C: tl.constexpr):
+    """First token (int64) and length (int32, at most ``C``) of global chunk ``cid``, which belongs
+    to sequence ``seq`` (see :func:`chunk_layout`)."""
+    t0 = tl.load(info_ptr + 2 * cid + 1).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    return t0, tl.minimum(end - t0, C).to(tl.int32)
+
+
+@triton.jit
 def _kkt_kernel(
     k_ptr, g_ptr, beta_ptr, info_ptr, cu_ptr, gc_ptr, rn_ptr, ai_ptr,
     HK, HV, K,
@@ -120,9 +134,7 @@ def _kkt_kernel(
     seq = tl.load(info_ptr + 2 * cid)
     if seq < 0:
         return
-    t0 = tl.load(info_ptr + 2 * cid + 1).to(tl.int64)
-    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    n = tl.minimum(end - t0, C).to(tl.int32)
+    t0, n = _chunk_span(info_ptr, cu_ptr, cid, seq, C)
     hk = hv // (HV // HK)
     k_base = k_ptr + t0 * sk_t + hk * sk_h
     g_base = g_ptr + t0 * sg_t + hv
@@ -204,9 +216,7 @@ def _wu_kernel(
     seq = tl.load(info_ptr + 2 * cid)
     if seq < 0:
         return
-    t0 = tl.load(info_ptr + 2 * cid + 1).to(tl.int64)
-    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    n = tl.minimum(end - t0, C).to(tl.int32)
+    t0, n = _chunk_span(info_ptr, cu_ptr, cid, seq, C)
     hk = hv // (HV // HK)
     rs = tl.arange(0, C)
     rm = rs < n
@@ -303,9 +313,7 @@ def _output_kernel(
     seq = tl.load(info_ptr + 2 * cid)
     if seq < 0:
         return
-    t0 = tl.load(info_ptr + 2 * cid + 1).to(tl.int64)
-    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    n = tl.minimum(end - t0, C).to(tl.int32)
+    t0, n = _chunk_span(info_ptr, cu_ptr, cid, seq, C)
     hk = hv // (HV // HK)
     rs = tl.arange(0, C)
     rmask = rs < n
@@ -332,11 +340,6 @@ def _output_kernel(
     o += tl.dot(s.to(vn.dtype), vn, input_precision=PREC)
     tl.store(o_ptr + t0 * so_t + hv * so_h + rs[:, None] * so_t + vs[None, :], (o * scale).to(o_ptr.dtype.element_ty),
              mask=rmask[:, None] & vmask[None, :])  # fmt: skip
-
-
-@triton.jit
-def _l2norm_rows(x):
-    return x / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
 
 
 def chunk_layout(cu_seqlens: torch.Tensor, num_tokens: int, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -408,10 +411,18 @@ def prefill_stages(
     Returns ``(stages [(name, launch)], o [T, HV, V] in v.dtype, final [B, HV, K, V] fp32)``; the
     caller scatters ``final`` into the pool.
     """
+    # q..has_initial_state are validated by the public wrapper; only this module's own knobs here.
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_gated_delta_rule_: chunk_size must be 16, 32 or 64, got {chunk_size}")
     cfg = {name: dict(c) for name, c in DEFAULT_PREFILL_CONFIG.items()}
     for name, c in (config or {}).items():
+        # "PREC" of kkt overrides the precision of the inverse's fp32 dots (a benchmark sweep entry).
+        allowed = set(DEFAULT_PREFILL_CONFIG.get(name, ())) | ({"PREC"} if name == "kkt" else set())
+        if not allowed or not isinstance(c, dict) or not set(c) <= allowed:
+            raise ValueError(
+                f"chunk_gated_delta_rule_: config[{name!r}] must be a dict with keys in {sorted(allowed)} "
+                f"(kernels {sorted(DEFAULT_PREFILL_CONFIG)}), got {c!r}"
+            )
         cfg[name].update(c)
     C = chunk_size
     T, HK, K = q.shape
@@ -486,11 +497,15 @@ def prefill_stages(
 
 
 def chunk_gated_delta_rule_(
-    q, k, v, g, beta, state_pool, *, cu_seqlens, state_slots, has_initial_state, scale, use_qk_l2norm,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state_pool: torch.Tensor, *, cu_seqlens: torch.Tensor, state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor, scale: float, use_qk_l2norm: bool,
     chunk_size: int = 64, config: dict[str, dict] | None = None,
-):  # fmt: skip
-    """See :func:`infercore.ops.gated_delta.chunk_gated_delta_rule_`. ``chunk_size`` in {16, 32, 64};
-    ``config`` overrides the launch parameters (see :func:`prefill_stages`)."""
+) -> torch.Tensor:  # fmt: skip
+    """Chunked prefill; arguments, layouts and result as in
+    :func:`infercore.ops.gated_delta.chunk_gated_delta_rule_` (already validated there), plus
+    ``chunk_size`` in {16, 32, 64} and ``config`` (launch overrides, see :func:`prefill_stages`).
+    ``o [T, Hv, V]`` in ``v.dtype``; final states are written into ``state_pool`` in place."""
     stages, o, final = prefill_stages(
         q, k, v, g, beta, state_pool, cu_seqlens=cu_seqlens, state_slots=state_slots,
         has_initial_state=has_initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,

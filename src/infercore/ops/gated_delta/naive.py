@@ -77,7 +77,9 @@ def chunk_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence in chunks of ``chunk_size`` (the WY / UT-transform form): inside a chunk the
     delta-rule updates are batched into triangular solves and matmuls; chunks are scanned in order.
-    Same arguments and results as :func:`recurrent_gated_delta_rule`."""
+    Same arguments and results as :func:`recurrent_gated_delta_rule`; ``chunk_size >= 1``."""
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_gated_delta_rule: chunk_size must be a positive int, got {chunk_size!r}")
     q, k, v, g, beta = _prep(q, k, v, g, beta, scale, use_qk_l2norm)
     L, H, K = q.shape
     V = v.shape[-1]
@@ -114,10 +116,13 @@ def chunk_gated_delta_rule(
 
 
 def chunk_gated_delta_rule_ref(
-    q, k, v, g, beta, state_pool, *, cu_seqlens, state_slots, has_initial_state, scale, use_qk_l2norm
-):
-    """Ragged batch: each sequence runs :func:`chunk_gated_delta_rule` from its slot's state (or
-    zeros) and writes its final state back into the slot."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state_pool: torch.Tensor, *, cu_seqlens: torch.Tensor, state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor, scale: float, use_qk_l2norm: bool,
+) -> torch.Tensor:  # fmt: skip
+    """Ragged batch (layouts of the module docstring; arguments validated by the public wrapper):
+    each sequence runs :func:`chunk_gated_delta_rule` from its slot's state (or zeros) and writes
+    its final state back into the slot. Returns ``[T, Hv, V]`` in ``v.dtype``."""
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     bounds = cu_seqlens.tolist()
     slots = state_slots.tolist()
@@ -133,8 +138,12 @@ def chunk_gated_delta_rule_ref(
     return out
 
 
-def fused_recurrent_gated_delta_rule_ref(q, k, v, g, beta, state_pool, *, state_slots, scale, use_qk_l2norm):
-    """Decode: one token per sequence (``q [B, Hk, K]``), state updated in its slot."""
+def fused_recurrent_gated_delta_rule_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state_pool: torch.Tensor, *, state_slots: torch.Tensor, scale: float, use_qk_l2norm: bool,
+) -> torch.Tensor:  # fmt: skip
+    """Decode: one token per sequence (``q, k [B, Hk, K]``, ``v [B, Hv, V]``, ``g, beta [B, Hv]``),
+    state updated in its slot. Returns ``[B, Hv, V]`` in ``v.dtype``."""
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     for b, slot in enumerate(state_slots.tolist()):
         o, final = recurrent_gated_delta_rule(

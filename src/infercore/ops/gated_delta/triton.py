@@ -1,13 +1,11 @@
-"""Triton gated delta rule: the decode kernel, the token-serial kernel, and registration.
+"""Triton gated delta rule: the decode kernel, and registration of both Triton implementations.
 
 * decode (:func:`fused_recurrent_gated_delta_rule_`): one program per (sequence, value head, block
   of value columns) loads its ``[K, BLOCK_V]`` slice of the slot's state (the only large traffic:
   64 KB per head at K = V = 128 in fp32), applies one token -- decay, delta-rule write, read-out --
   and stores it back in place. Splitting the value dim keeps many programs (and loads) in flight;
   the slice's rows are contiguous, so loads are 16-byte vectors.
-* prefill (:func:`chunk_gated_delta_rule_`): the chunked tensor-core kernels of :mod:`.chunk`.
-* :func:`serial_gated_delta_rule_`: the token-serial recurrence over a ragged batch (exact, kept as
-  a cross-check of the chunked kernels and registered as ``"triton_serial"``).
+* prefill: the chunked tensor-core kernels of :mod:`.chunk` (:func:`.chunk.chunk_gated_delta_rule_`).
 """
 
 from __future__ import annotations
@@ -18,84 +16,7 @@ import triton.language as tl
 
 from infercore.devices import register, triton_interpreter
 
-from .chunk import chunk_gated_delta_rule_ as _chunk_prefill
-
-
-@triton.jit
-def _gdr_recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, cu_ptr, slot_ptr, init_ptr,
-    scale, HK, HV, K, V,
-    sq_t, sq_h, sv_t, sv_h, sg_t, sb_t, so_t, so_h, ss_slot, ss_h, ss_k,
-    L2NORM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-):  # fmt: skip
-    b = tl.program_id(0)
-    hv = tl.program_id(1)
-    vb = tl.program_id(2)
-    hk = hv // (HV // HK)
-    start = tl.load(cu_ptr + b).to(tl.int64)
-    end = tl.load(cu_ptr + b + 1).to(tl.int64)
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    init = tl.load(init_ptr + b) != 0
-    ks = tl.arange(0, BLOCK_K)
-    vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    kmask = ks < K
-    vmask = vs < V
-    smask = kmask[:, None] & vmask[None, :]
-    s_ptrs = state_ptr + slot * ss_slot + hv * ss_h + ks[:, None] * ss_k + vs[None, :]
-    S = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
-    S = tl.where(init, S, 0.0)  # a fresh sequence ignores whatever its slot held
-    for t in range(start, end):
-        q = tl.load(q_ptr + t * sq_t + hk * sq_h + ks, mask=kmask, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + t * sq_t + hk * sq_h + ks, mask=kmask, other=0.0).to(tl.float32)
-        if L2NORM:
-            q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
-            k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-        v = tl.load(v_ptr + t * sv_t + hv * sv_h + vs, mask=vmask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + t * sg_t + hv).to(tl.float32)
-        beta = tl.load(beta_ptr + t * sb_t + hv).to(tl.float32)
-        S = S * tl.exp(g)
-        pred = tl.sum(S * k[:, None], axis=0)
-        delta = (v - pred) * beta
-        S = S + k[:, None] * delta[None, :]
-        o = tl.sum(S * (q * scale)[:, None], axis=0)
-        tl.store(o_ptr + t * so_t + hv * so_h + vs, o.to(o_ptr.dtype.element_ty), mask=vmask)
-    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=smask)
-
-
-def _launch(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, has_initial_state, scale, use_qk_l2norm):
-    # The kernel addresses state rows with unit stride; a strided pool goes through a copy.
-    if state_pool.stride(-1) != 1:
-        tmp = state_pool.contiguous()
-        out = _launch_contiguous(
-            q, k, v, g, beta, tmp, cu_seqlens, state_slots, has_initial_state, scale, use_qk_l2norm
-        )
-        state_pool.copy_(tmp)
-        return out
-    return _launch_contiguous(
-        q, k, v, g, beta, state_pool, cu_seqlens, state_slots, has_initial_state, scale, use_qk_l2norm
-    )
-
-
-def _launch_contiguous(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, has_initial_state, scale, use_qk_l2norm):
-    T, HK, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-    o = torch.empty_like(v)
-    B = state_slots.shape[0]
-    if B == 0:
-        return o
-    BLOCK_K = triton.next_power_of_2(K)
-    BLOCK_V = min(triton.next_power_of_2(V), max(16, 8192 // BLOCK_K))
-    grid = (B, HV, triton.cdiv(V, BLOCK_V))
-    _gdr_recurrent_kernel[grid](
-        q, k, v, g, beta, o, state_pool, cu_seqlens, state_slots, has_initial_state.to(torch.int8),
-        float(scale), HK, HV, K, V,
-        q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        o.stride(0), o.stride(1),
-        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
-        L2NORM=use_qk_l2norm, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V,
-    )  # fmt: skip
-    return o
+from .chunk import chunk_gated_delta_rule_
 
 
 @triton.jit
@@ -142,10 +63,30 @@ def decode_config(K: int, V: int) -> tuple[int, int]:
     return min(triton.next_power_of_2(V), max(16, 8192 // block_k)), 4
 
 
-def decode_launch(
-    q, k, v, g, beta, state_pool, state_slots, scale, use_qk_l2norm, *, block_v=None, num_warps=None
-):  # fmt: skip
-    """Launch the decode kernel; ``block_v``/``num_warps`` override :func:`decode_config` (benchmarks)."""
+def fused_recurrent_gated_delta_rule_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    *,
+    state_slots: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Decode kernel; arguments, layouts and result as in
+    :func:`infercore.ops.gated_delta.fused_recurrent_gated_delta_rule_` (already validated there).
+
+    ``block_v`` / ``num_warps`` (powers of two) override :func:`decode_config` (benchmark sweeps).
+    Token and head strides are free; a last dim with stride != 1 (inputs or pool) goes through a copy.
+    """
+    for name, x in (("block_v", block_v), ("num_warps", num_warps)):
+        if x is not None and (not isinstance(x, int) or x < 1 or x & (x - 1)):
+            raise ValueError(f"fused_recurrent_gated_delta_rule_: {name} must be a power of two, got {x!r}")
+    q, k, v, g, beta = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, g, beta))
     B, HK, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     o = torch.empty_like(v)
@@ -166,32 +107,8 @@ def decode_launch(
     return o
 
 
-def serial_gated_delta_rule_(
-    q, k, v, g, beta, state_pool, *, cu_seqlens, state_slots, has_initial_state, scale, use_qk_l2norm
-):
-    """Token-serial prefill over a ragged batch (exact fp32 recurrence; state_pool updated in place)."""
-    return _launch(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, has_initial_state, scale, use_qk_l2norm)
-
-
-def chunk_gated_delta_rule_(
-    q, k, v, g, beta, state_pool, *, cu_seqlens, state_slots, has_initial_state, scale, use_qk_l2norm
-):
-    """See :func:`infercore.ops.gated_delta.chunk_gated_delta_rule_` (chunked kernels, chunk 64)."""
-    return _chunk_prefill(
-        q, k, v, g, beta, state_pool, cu_seqlens=cu_seqlens, state_slots=state_slots,
-        has_initial_state=has_initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
-    )  # fmt: skip
-
-
-def fused_recurrent_gated_delta_rule_(q, k, v, g, beta, state_pool, *, state_slots, scale, use_qk_l2norm):
-    """See :func:`infercore.ops.gated_delta.fused_recurrent_gated_delta_rule_`."""
-    q, k, v, g, beta = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, g, beta))
-    return decode_launch(q, k, v, g, beta, state_pool, state_slots, scale, use_qk_l2norm)
-
-
 _available = lambda cap: cap.is_cuda and cap.triton
 register("chunk_gated_delta_rule_", "triton", chunk_gated_delta_rule_, priority=10, available=_available)
-register("chunk_gated_delta_rule_", "triton_serial", serial_gated_delta_rule_, priority=5, available=_available)
 register(
     "fused_recurrent_gated_delta_rule_",
     "triton",

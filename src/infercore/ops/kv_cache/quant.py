@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-# Same constants as infercore.quant (ops may not import quant: it sits above ops).
+# Shared with infercore.quant, which imports them from here (quant sits above ops).
 E4M3_MAX = 448.0
 INT8_MAX = 127.0
 SCALE_EPS = 1e-8
@@ -32,6 +32,8 @@ def is_quantized_kv(dtype: torch.dtype) -> bool:
 
 
 def round_half_away(v: torch.Tensor) -> torch.Tensor:
+    """The INT8 rounding every quantizer of the project uses (KV and weights/activations in
+    ``infercore.quant``; the kernels implement the same formula)."""
     return torch.where(v >= 0, torch.floor(v + 0.5), torch.ceil(v - 0.5))
 
 

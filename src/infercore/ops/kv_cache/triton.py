@@ -17,6 +17,11 @@ from infercore.devices import capability, register
 
 from .quant import E4M3_MAX, INT8_MAX, SCALE_EPS, write_kv_cache_quantized_ref
 
+# The spec's constants (ops/kv_cache/quant.py) as compile-time values of the kernels.
+_INT8_MAX = tl.constexpr(INT8_MAX)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_SCALE_EPS = tl.constexpr(SCALE_EPS)
+
 # QUANT constexpr of the kernels: 0 = cast, 1 = int8 codes, 2 = fp8 e4m3 codes.
 QUANT_NONE, QUANT_INT8, QUANT_FP8 = 0, 1, 2
 
@@ -38,21 +43,14 @@ def quantize_rows(x, QUANT: tl.constexpr):
     rounded (div_rn), INT8 rounded half away from zero.
     """
     if QUANT == 1:
-        qmax = 127.0
+        qmax = _INT8_MAX
     else:
-        qmax = 448.0
-    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-8), qmax)
+        qmax = _E4M3_MAX
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), _SCALE_EPS), qmax)
     c = tl.div_rn(x, scale[:, None])
     if QUANT == 1:
         c = tl.where(c >= 0, tl.floor(c + 0.5), tl.ceil(c - 0.5))
-        c = tl.minimum(tl.maximum(c, -127.0), 127.0)
-    else:
-        c = tl.minimum(tl.maximum(c, -448.0), 448.0)
-    return c, scale
-
-
-# The jit helper hard-codes the constants; keep them tied to the spec.
-assert (INT8_MAX, E4M3_MAX, SCALE_EPS) == (127.0, 448.0, 1e-8)
+    return tl.minimum(tl.maximum(c, -qmax), qmax), scale
 
 
 @triton.jit

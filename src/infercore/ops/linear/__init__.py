@@ -31,6 +31,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     Returns:
         ``[..., N]`` (``[..., N // 2]`` with ``act``) in ``x.dtype``; products accumulated in fp32.
+
+    Raises:
+        TypeError: a non-tensor, a non-float dtype, or mismatched dtypes. ValueError: a wrong rank,
+        mismatched K/N, tensors on different devices, an unknown ``act`` or an odd N with ``act``.
     """
     op = "skinny_linear"
     V.floating(op, "x", x)

@@ -30,7 +30,7 @@ x.dtype first, as the unfused path stores them, so both paths agree to the last 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 import triton
@@ -38,8 +38,10 @@ import triton.language as tl
 
 from infercore.devices import register
 
+from .naive import skinny_linear_ref
 
-@dataclass(frozen=True)
+
+@dataclasses.dataclass(frozen=True)
 class GemvConfig:
     """One launch configuration. ``block_m`` is derived from M at launch (``fma``: next power of two
     of min(M, 4), more rows take more programs; ``dot``: 16), so a config serves its whole M bucket."""
@@ -57,10 +59,12 @@ class GemvConfig:
 
 
 # Tuned on an H200 (benchmarks/sweep_gemv.py; its "best" output pastes here). Key:
-# (N, K, M-bucket) with M-bucket in 1, 2, 4, 8, 16. Value: (config, speedup over cuBLAS); the
-# model-level swap (models.gpu_layout) only uses the kernel where the speedup is > 1.
+# (N, K, M-bucket) with M-bucket in 1, 2, 4, 8, 16. Value: (config, speedup over cuBLAS).
 # H200, bf16, 2026 sweep (weights cold in L2, CUDA graph of many calls): the GEMV wins at M = 1
 # (1.01-1.18x, o_proj most); at M >= 2 cuBLAS is as fast or faster except o_proj M = 8-16.
+# Entries with speedup < 1 stay on purpose: they are the measured best config of *this* kernel,
+# which the op (skinny_linear, pick_config) still launches when called; only the model-level swap
+# (models.gpu_layout, through beats_cublas) leaves those shapes to cuBLAS.
 TUNED: dict[tuple[int, int, int], tuple[GemvConfig, float]] = {
     (6144, 4096, 1): (GemvConfig("fma", 4, 1024, 4, 1), 1.078),
     (6144, 4096, 2): (GemvConfig("dot", 64, 128, 4, 4), 0.938),
@@ -118,28 +122,29 @@ def m_bucket(m: int) -> int:
     return b
 
 
+def _tuned(n: int, k: int, m: int, act: str | None) -> tuple[GemvConfig, float] | None:
+    # With act the fused-epilogue table wins where it has the shape; otherwise the plain GEMV's
+    # entry for the merged weight serves (the epilogue streams the same bytes and saves a launch).
+    b = m_bucket(m)
+    hit = TUNED_ACT.get((n, k, b)) if act is not None else None
+    return hit if hit is not None else TUNED.get((n, k, b))
+
+
 def pick_config(n: int, k: int, m: int, act: str | None = None) -> GemvConfig:
-    """Launch config for weight ``[n, k]`` and ``m`` rows (``act``: the gated epilogue, n = 2D)."""
-    if act is not None:
-        hit = TUNED_ACT.get((n, k, m_bucket(m)))
-        if hit is not None:
-            return hit[0]
-    hit = TUNED.get((n, k, m_bucket(m)))
+    """Launch config for weight ``[n, k]`` and ``m`` rows (``act``: the gated epilogue, n = 2D):
+    the tuned entry, else :data:`DEFAULT` (m <= 2) / :data:`DEFAULT_DOT`; with ``act`` an odd
+    ``block_n`` is rounded up (it counts gate + up rows)."""
+    hit = _tuned(n, k, m, act)
     cfg = hit[0] if hit is not None else (DEFAULT if m <= 2 else DEFAULT_DOT)
     if act is not None and cfg.block_n % 2:
-        cfg = GemvConfig(**{**cfg.as_dict(), "block_n": cfg.block_n + 1})
+        cfg = dataclasses.replace(cfg, block_n=cfg.block_n + 1)
     return cfg
 
 
 def beats_cublas(n: int, k: int, m: int, act: str | None = None) -> bool:
-    """Whether the tuning tables measured the kernel faster than cuBLAS for the shape (False if untuned).
-
-    With ``act`` the fused-epilogue table decides where it has the shape; otherwise the plain GEMV's
-    entry for the merged weight does (the epilogue streams the same bytes and saves a launch)."""
-    b = m_bucket(m)
-    hit = TUNED_ACT.get((n, k, b)) if act is not None else None
-    if hit is None:
-        hit = TUNED.get((n, k, b))
+    """Whether the tuning tables measured the kernel faster than cuBLAS for the shape (False if
+    untuned); looks up the same entry as :func:`pick_config`."""
+    hit = _tuned(n, k, m, act)
     return hit is not None and hit[1] > 1.0
 
 
@@ -161,9 +166,15 @@ def _act_mul(g, u, y_ptr, ACT: tl.constexpr):
 
 
 @triton.jit
-def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, ACT: tl.constexpr):
-    """The program's weight rows (clamped into range) and their validity mask. With ACT the tile
-    interleaves gate row c (even slots) and up row D + c (odd slots), D = N // 2."""
+def _program_tile(w_ptr, N, k_per_split, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  ACT: tl.constexpr):  # fmt: skip
+    """Where the program (grid axes 0: weight-row block, 1: K split) streams from: its K offsets
+    ``[BLOCK_K]`` and K start, its weight rows ``[BLOCK_N]`` (clamped into range, so full tiles need
+    no mask) with their validity mask, and the pointers of its first weight tile ``[BLOCK_N, BLOCK_K]``.
+    With ACT the tile interleaves gate row c (even slots) and up row D + c (odd slots), D = N // 2."""
+    pid_n = tl.program_id(0)
+    offs_k = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+    k_lo = tl.program_id(1) * k_per_split
     r = tl.arange(0, BLOCK_N)
     if ACT != 0:
         d = N // 2
@@ -174,24 +185,25 @@ def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, ACT: tl.constexpr):
         n = pid_n * BLOCK_N + r
         rows = tl.minimum(n, N - 1)
         ok = n < N
-    return rows, ok
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    return offs_k, k_lo, rows, ok, w_ptrs
 
 
 @triton.jit
-def _wload(ptrs, mask, EVEN: tl.constexpr, EVICT: tl.constexpr):
-    # The weight is streamed once per call: "evict_first" keeps it from pushing activations and
-    # the partial sums out of L2.
+def _load_tile(ptrs, mask, EVEN: tl.constexpr, EVICT: tl.constexpr):
+    # EVEN: the K range divides into whole tiles, so no mask. EVICT (the weight, streamed once per
+    # call): "evict_first" keeps it from pushing activations and the partial sums out of L2.
     if EVEN:
         if EVICT:
-            w = tl.load(ptrs, eviction_policy="evict_first")
+            v = tl.load(ptrs, eviction_policy="evict_first")
         else:
-            w = tl.load(ptrs)
+            v = tl.load(ptrs)
     else:
         if EVICT:
-            w = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+            v = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
         else:
-            w = tl.load(ptrs, mask=mask, other=0.0)
-    return w
+            v = tl.load(ptrs, mask=mask, other=0.0)
+    return v
 
 
 @triton.jit
@@ -227,12 +239,7 @@ def _gemv_fma_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
-    offs_k = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-    k_lo = pid_k * k_per_split
-    # Clamped rows read valid memory, so full tiles need no mask at all (EVEN: K-range divides).
-    rows, n_mask = _weight_rows(pid_n, N, BLOCK_N, ACT)
-    rows_n = rows.to(tl.int64)
-    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    offs_k, k_lo, rows, n_mask, w_ptrs = _program_tile(w_ptr, N, k_per_split, stride_wn, BLOCK_N, BLOCK_K, ACT)
     x0 = x_ptr + tl.minimum(m0, M - 1).to(tl.int64) * stride_xm + k_lo + offs_k
     x1 = x_ptr + tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_xm + k_lo + offs_k
     x2 = x_ptr + tl.minimum(m0 + 2, M - 1).to(tl.int64) * stride_xm + k_lo + offs_k
@@ -243,23 +250,13 @@ def _gemv_fma_kernel(
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, k_per_split, BLOCK_K):
         k_ok = k_lo + k0 + offs_k < K
-        w = _wload(w_ptrs, k_ok[None, :], EVEN, EVICT).to(tl.float32)
-        if EVEN:
-            acc0 += w * tl.load(x0 + k0).to(tl.float32)[None, :]
-        else:
-            acc0 += w * tl.load(x0 + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w = _load_tile(w_ptrs, k_ok[None, :], EVEN, EVICT).to(tl.float32)
+        acc0 += w * _load_tile(x0 + k0, k_ok, EVEN, False).to(tl.float32)[None, :]
         if BLOCK_M > 1:
-            if EVEN:
-                acc1 += w * tl.load(x1 + k0).to(tl.float32)[None, :]
-            else:
-                acc1 += w * tl.load(x1 + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            acc1 += w * _load_tile(x1 + k0, k_ok, EVEN, False).to(tl.float32)[None, :]
         if BLOCK_M > 2:
-            if EVEN:
-                acc2 += w * tl.load(x2 + k0).to(tl.float32)[None, :]
-                acc3 += w * tl.load(x3 + k0).to(tl.float32)[None, :]
-            else:
-                acc2 += w * tl.load(x2 + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-                acc3 += w * tl.load(x3 + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            acc2 += w * _load_tile(x2 + k0, k_ok, EVEN, False).to(tl.float32)[None, :]
+            acc3 += w * _load_tile(x3 + k0, k_ok, EVEN, False).to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
     _store_row(tl.sum(acc0, axis=1), m0, M, rows, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, N, stride_ym,
                HAS_BIAS, USE_WS, ACT, BLOCK_N)  # fmt: skip
@@ -283,24 +280,16 @@ def _gemv_dot_kernel(
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-    k_lo = pid_k * k_per_split
-    rows, n_mask = _weight_rows(pid_n, N, BLOCK_N, ACT)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k, k_lo, rows, n_mask, w_ptrs = _program_tile(w_ptr, N, k_per_split, stride_wn, BLOCK_N, BLOCK_K, ACT)
     m_mask = offs_m < M
-    rows_n = rows.to(tl.int64)
     rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
-    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_per_split, BLOCK_K):
         k_ok = k_lo + k0 + offs_k < K
-        w = _wload(w_ptrs, k_ok[None, :], EVEN, EVICT)
-        if EVEN:
-            xv = tl.load(x_ptrs)
-        else:
-            xv = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+        w = _load_tile(w_ptrs, k_ok[None, :], EVEN, EVICT)
+        xv = _load_tile(x_ptrs, k_ok[None, :], EVEN, False)
         # Padded x rows are duplicates of row M-1 (clamped), discarded at the store.
         acc = tl.dot(xv, tl.trans(w), acc)
         w_ptrs += BLOCK_K
@@ -350,7 +339,10 @@ def _splitk_reduce_kernel(ws_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.con
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig,
          act: str | None = None) -> torch.Tensor:  # fmt: skip
-    """``x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N]`` with one explicit config (no checks).
+    """``x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N]`` in x.dtype with one explicit config.
+
+    x, weight and bias share one dtype (fp32/fp16/bf16) and device; nothing but ``config.block_n``
+    is checked here (the public ``ops.linear.skinny_linear`` validates its inputs).
 
     With ``act`` (``"silu"``, ``"gelu_tanh"``, ``"gelu"``) the weight is a merged ``[gate; up]``
     projection (N = 2D, even) and the result is ``act(gate) * up`` ``[M, D]``; ``config.block_n``
@@ -365,21 +357,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     if M == 0 or N == 0:
         return y
     if K == 0:
-        if code:
-            # g = u = bias (or 0): still the activation of the stored values
-            src = torch.zeros(M, N, dtype=x.dtype, device=x.device) if bias is None else bias.expand(M, N)
-            return _act_ref(src, act).to(x.dtype)
-        return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
-    cfg = config
-    if code and (cfg.block_n < 2 or cfg.block_n % 2):
-        raise ValueError(f"gemv: act={act!r} needs an even block_n >= 2, got {cfg.block_n}")
-    variant = "fma" if x.dtype == torch.float32 else cfg.variant
+        # Nothing to stream: y = bias (or 0), then the activation of it; the reference computes that.
+        return skinny_linear_ref(x, weight, bias, act=act).to(x.dtype)
+    if code and (config.block_n < 2 or config.block_n % 2):
+        raise ValueError(f"gemv: act={act!r} needs an even block_n >= 2, got {config.block_n}")
+    variant = "fma" if x.dtype == torch.float32 else config.variant
     if variant == "dot":
         block_m, kernel = 16, _gemv_dot_kernel
     else:
         block_m, kernel = min(m_bucket(M), 4), _gemv_fma_kernel
-    bk = cfg.block_k
-    split = max(1, min(cfg.split_k, triton.cdiv(K, bk)))
+    bk = config.block_k
+    split = max(1, min(config.split_k, triton.cdiv(K, bk)))
     # Each split owns a whole number of BLOCK_K tiles, so only the last one can be ragged.
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
     split = triton.cdiv(K, k_per_split)
@@ -387,14 +375,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     use_ws = split > 1
     ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if use_ws else y
     b = bias if bias is not None else y
-    rows_per_prog = cfg.block_n // 2 if code else cfg.block_n
+    rows_per_prog = config.block_n // 2 if code else config.block_n
     grid = (triton.cdiv(n_out, rows_per_prog), split, triton.cdiv(M, block_m))
     kernel[grid](
         x, weight, b, y, ws, M, N, K, k_per_split,
         x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, USE_WS=use_ws, EVEN=even, EVICT=cfg.evict_first,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, ACT=code,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_BIAS=bias is not None, USE_WS=use_ws, EVEN=even, EVICT=config.evict_first,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=bk, ACT=code,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if use_ws:
         block = 1024
@@ -405,21 +393,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     return y
 
 
-def _act_ref(h: torch.Tensor, act: str) -> torch.Tensor:
-    from ..activation.naive import gelu_and_mul_ref, silu_and_mul_ref
-
-    if act == "silu":
-        return silu_and_mul_ref(h)
-    return gelu_and_mul_ref(h, approximate="tanh" if act == "gelu_tanh" else "none")
-
-
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   act: str | None = None) -> torch.Tensor:  # fmt: skip
     """``F.linear`` for few rows: x ``[..., K]``, weight ``[N, K]``, bias ``[N]`` -> ``[..., N]`` in x.dtype.
 
     With ``act`` the result is ``act_and_mul(F.linear(x, weight, bias))`` ``[..., N // 2]`` in one
-    kernel (see :func:`gemv`). The launch config comes from :data:`TUNED_ACT`/:data:`TUNED` (by N,
-    K and the M bucket) or :data:`DEFAULT`.
+    kernel (see :func:`gemv`). The launch config is :func:`pick_config`'s. The registered Triton
+    implementation: inputs are validated by the public ``ops.linear.skinny_linear``.
     """
     K = x.shape[-1]
     x2 = x.reshape(-1, K)

@@ -75,23 +75,27 @@ def test_fp8_small_modes(mode, block, m, dtype):
         assert y.dtype == dtype and _err(y, r) < tol, (split, _err(y, r))
 
 
-def _gemv(split, bk=64, unroll=2):
+def _gemv(split, bk=64, unroll=2, mode=3):
+    if mode == 4:
+        return {"MODE": 4, "BLOCK_N": 8, "BLOCK_K": bk, "SPLIT": split, "num_warps": 4, "num_stages": 2}
     return {"MODE": 3, "BLOCK_N": 16, "BLOCK_K": bk, "UNROLL": unroll, "SPLIT": split, "num_warps": 4}
 
 
+@pytest.mark.parametrize("mode", [3, 4])
 @pytest.mark.parametrize("bits,sym,group", [(4, False, 64), (4, True, None), (8, False, 32), (8, True, 128)])
 @pytest.mark.parametrize("m", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_wq_gemv_words(bits, sym, group, m, dtype):
-    """MODE 3 over int32 words; bf16 x goes through the int32-pair widening (no bf16 math in the
-    kernel, so the interpreter can run it); split-K is reduced inside the kernel."""
+def test_wq_gemv_words(mode, bits, sym, group, m, dtype):
+    """MODE 3 over int32 words / MODE 4 over the interleaved words; bf16 x goes through the
+    int32-pair widening in MODE 3 and a plain widening load in MODE 4 (no bf16 math in either
+    kernel, so the interpreter can run them); split-K is reduced inside the kernel."""
     torch.manual_seed(bits + m)
     w = IntWeight.quantize(torch.randn(37, 256), bits=bits, group_size=group, symmetric=sym)  # odd N
     x = torch.randn(m, 256).to(dtype)
     r = R.wq_matmul_ref(x.float(), w)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     for split in (1, 2, 4):
-        y = triton_wo.wq_matmul_triton(x, w, config=_gemv(split))
+        y = triton_wo.wq_matmul_triton(x, w, config=_gemv(split, mode=mode))
         assert y.dtype == dtype and _err(y, r) < tol, (split, _err(y, r))
 
 
@@ -103,20 +107,22 @@ def test_wq_gemv_unaligned_rows_fall_back():
     assert _err(triton_wo.wq_matmul_triton(x, w, config=_gemv(1)), R.wq_matmul_ref(x, w)) < 1e-5
 
 
+@pytest.mark.parametrize("mode", [3, 4])
 @pytest.mark.parametrize("block", [None, 128])
 @pytest.mark.parametrize("m,dtype", [(1, torch.float32), (4, torch.float32), (3, torch.bfloat16), (2, torch.float16)])
-def test_fp8_gemv_words(block, m, dtype):
+def test_fp8_gemv_words(mode, block, m, dtype):
     torch.manual_seed(m)
     w = FP8Weight.quantize(torch.randn(40, 288), block_size=block)
     x = torch.randn(m, 288).to(dtype)
     r = R.fp8_wo_matmul_ref(x.float(), w)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     for split in (1, 3):
-        y = triton_wo.fp8_wo_matmul_triton(x, w, config=_gemv(split))
+        y = triton_wo.fp8_wo_matmul_triton(x, w, config=_gemv(split, mode=mode))
         assert _err(y, r) < tol, (split, _err(y, r))
 
 
-def test_fp8_gemv_decode_bit_exact():
+@pytest.mark.parametrize("mode", [3, 4])
+def test_fp8_gemv_decode_bit_exact(mode):
     """Every e4m3 byte (subnormals, both signs; NaN codes excluded) through the GEMV's decode with
     a one-hot activation equals torch's float8_e4m3fn conversion times the scale, exactly."""
     codes = torch.arange(256, dtype=torch.uint8)
@@ -125,11 +131,11 @@ def test_fp8_gemv_decode_bit_exact():
     w = FP8Weight(q.contiguous(), torch.ones(q.shape[0]), None)
     x = torch.zeros(1, 8)
     x[0, 5] = 1.0
-    y = triton_wo.fp8_wo_matmul_triton(x, w, config=_gemv(1, bk=8, unroll=1))
+    y = triton_wo.fp8_wo_matmul_triton(x, w, config=_gemv(1, bk=8, unroll=1, mode=mode))
     assert torch.equal(y[0], codes.view(torch.float8_e4m3fn).float())
 
 
-@pytest.mark.parametrize("mode", [0, 4, None])
+@pytest.mark.parametrize("mode", [0, 5, None])
 def test_small_config_rejects_unknown_mode(mode):
     w = IntWeight.quantize(torch.randn(16, 64), bits=4, group_size=32)
     f = FP8Weight.quantize(torch.randn(16, 64))
@@ -150,3 +156,32 @@ def test_bad_activations_raise_naming_x():
             fn(torch.randn(64), wt)  # not 2-D
         with pytest.raises(TypeError, match="x must be"):
             fn(torch.randn(1, 64).double(), wt)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_interleave_words_layout(bits):
+    """MODE 4 layout: word i of each block holds codes i + (block words) * j at bits * j."""
+    cpw = 32 // bits
+    codes = torch.randint(0, 2**bits, (3, 256))
+    words = triton_wo.interleave_words(codes, bits, 128)
+    gw = 128 // cpw
+    assert words.dtype == torch.int32 and words.shape == (3, 256 // cpw)
+    u = words.to(torch.int64) & 0xFFFFFFFF
+    for blk in range(2):
+        for i in range(gw):
+            for j in range(cpw):
+                got = (u[:, blk * gw + i] >> (bits * j)) & (2**bits - 1)
+                assert torch.equal(got, codes[:, blk * 128 + i + gw * j])
+    with pytest.raises(ValueError, match="codes"):
+        triton_wo.interleave_words(codes[:, :100], bits, 128)
+
+
+def test_gemv4_words_cached_per_weight():
+    torch.manual_seed(5)
+    w = IntWeight.quantize(torch.randn(16, 256), bits=4, group_size=64)
+    x = torch.randn(1, 256)
+    y1 = triton_wo.wq_matmul_triton(x, w, config=_gemv(1, mode=4))
+    words = triton_wo._ILV_CACHE[id(w.qweight)][1]
+    y2 = triton_wo.wq_matmul_triton(x, w, config=_gemv(2, mode=4))
+    assert triton_wo._ILV_CACHE[id(w.qweight)][1] is words
+    assert _err(y1, y2) < 1e-6 and _err(y1, R.wq_matmul_ref(x, w)) < 1e-5

@@ -29,6 +29,7 @@ Autotuning runs on GPUs only; under ``TRITON_INTERPRET=1`` (CPU tests) each kern
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import triton
@@ -385,8 +386,15 @@ def wq_matmul_triton(
     group = _kernel_group(w)
     zeros = w.zeros if w.zeros is not None else w.scales
     if m <= SMALL_M_MAX:
-        cfg, words = _small_plan(f"int{w.bits}", x, w.qweight, n, kp, group, config)
-        if words is not None:
+        ilv = min(group, ILV_CODES)
+        cfg, words = _small_plan(f"int{w.bits}", x, w.qweight, n, kp, group, config,
+                                 lambda: interleave_words(_pad_codes(w.codes(), ilv), w.bits, ilv))
+        if words is not None and cfg["MODE"] == 4:
+            cpw = 32 // w.bits
+            y = _launch_gemv4(x, words, n, cfg, w.scales, zeros, w.scales.stride(0), FP8=False, BITS=w.bits,
+                              ILV=ilv // cpw, SCALE_WORDS=group // cpw, SCALE_ROWS=0,
+                              HAS_ZEROS=w.zeros is not None)
+        elif words is not None:
             y = _launch_gemv(_wq_gemv_kernel, x, words, n, cfg, (w.scales, zeros), w.scales.stride(0),
                              group * w.bits // 32, bits_per_code=w.bits, BITS=w.bits, GROUP=group,
                              HAS_ZEROS=w.zeros is not None)
@@ -463,8 +471,8 @@ def _small_cfg(kind: str, n: int, kp: int, m: int, kmax: int, device: torch.devi
     """
     mb = triton.next_power_of_2(m)
     if override is not None:
-        if override.get("MODE") not in (1, 2, 3):
-            raise ValueError(f"config: MODE must be 1, 2 or 3, got {override.get('MODE')!r}")
+        if override.get("MODE") not in (1, 2, 3, 4):
+            raise ValueError(f"config: MODE must be 1, 2, 3 or 4, got {override.get('MODE')!r}")
         cfg = dict(override)
     elif _INTERPRET:
         cfg = {"MODE": 3 if m <= GEMV_M_MAX else 2, "BLOCK_N": 16, "BLOCK_K": 64, "UNROLL": 2, "SPLIT": 0,
@@ -473,7 +481,7 @@ def _small_cfg(kind: str, n: int, kp: int, m: int, kmax: int, device: torch.devi
         # A bucket not swept borrows the next larger one (the same tile serves fewer rows).
         b = next(b for b in (mb, 2 * mb, 4 * mb, 8 * mb, 16 * mb) if (kind, n, kp, b) in SMALL_M_TUNED)
         cfg = dict(SMALL_M_TUNED[(kind, n, kp, b)])
-        if cfg["MODE"] == 3 and m > GEMV_M_MAX:
+        if cfg["MODE"] in (3, 4) and m > GEMV_M_MAX:
             cfg = {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 0, "num_warps": 4, "num_stages": 3}
     elif m == 1:
         # (Untuned M = 2..4 measured ~40x slower in the word GEMV than in the swapped dot on the H200.)
@@ -483,10 +491,12 @@ def _small_cfg(kind: str, n: int, kp: int, m: int, kmax: int, device: torch.devi
                "num_warps": 4, "num_stages": 1}
     else:
         cfg = {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 0, "num_warps": 4, "num_stages": 3}
-    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], kmax)
-    cfg["BLOCK_M"] = mb if cfg["MODE"] == 3 else max(16, mb)
-    if cfg["MODE"] == 3:
-        cfg.setdefault("UNROLL", 1)
+    if cfg["MODE"] != 4:  # MODE 4 tiles span groups (per-word scales)
+        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], kmax)
+    cfg["BLOCK_M"] = mb if cfg["MODE"] in (3, 4) else max(16, mb)
+    if cfg["MODE"] in (3, 4):
+        if cfg["MODE"] == 3:
+            cfg.setdefault("UNROLL", 1)
         cfg.setdefault("SPLIT", 0)  # 0: chosen at launch (_gemv_split)
     elif not cfg.get("SPLIT"):
         # Split K until programs cover the multiprocessors ~4 times, keeping >= 4 steps per split.
@@ -529,15 +539,18 @@ def _small_out(x: torch.Tensor, m: int, n: int, k: int, cfg: dict) -> tuple[torc
 
 
 def _small_plan(kind: str, x: torch.Tensor, qweight: torch.Tensor, n: int, kdim: int, kmax: int,
-                config: dict | None) -> tuple[dict, torch.Tensor | None]:
-    """Small-M config and, when it is MODE 3 and can run (M <= GEMV_M_MAX, rows word-aligned),
-    ``qweight`` as int32 words; otherwise ``None`` and a MODE 1/2 config."""
+                config: dict | None, make_ilv) -> tuple[dict, torch.Tensor | None]:
+    """Small-M config and, when it is a word GEMV that can run (M <= GEMV_M_MAX; MODE 3: rows
+    word-aligned; MODE 4: its interleaved words exist or may be made now, by ``make_ilv()``), the
+    int32 words; otherwise ``None`` and a MODE 1/2 config."""
     m = x.shape[0]
     cfg = _small_cfg(kind, n, kdim, m, kmax, x.device, config)
-    if cfg["MODE"] != 3:
+    if cfg["MODE"] not in (3, 4):
         return cfg, None
-    words = _as_words(qweight) if m <= GEMV_M_MAX else None
-    if words is None:  # rows not word-aligned, or too many rows: the tensor-core path
+    words = None
+    if m <= GEMV_M_MAX:
+        words = _as_words(qweight) if cfg["MODE"] == 3 else _ilv_cached(qweight, make_ilv)
+    if words is None:  # not runnable (see above): the tensor-core path
         cfg = _small_cfg(kind, n, kdim, m, kmax, x.device, {**cfg, "MODE": 2, "SPLIT": 0})
     return cfg, words
 
@@ -775,6 +788,157 @@ def _fp8_gemv_kernel(
 
 
 
+# ----------------------------------------------------------------------------------------------
+# MODE 4: streaming word GEMV (M <= 4): few channels per program, long K tiles, software-pipelined
+# ----------------------------------------------------------------------------------------------
+# MODE 3 keeps 128 channels x one group per tile and masks every word against the split's end, so
+# its weight loads are 4-byte (the mask defeats vectorization) and a program runs a few steps only.
+# MODE 4 is the layout of the bf16 skinny GEMV (ops.linear), which streams at the copy bandwidth:
+# BLOCK_N channels (clamped into range, so full tiles need no mask) x BLOCK_KW words spanning many
+# groups, 16-byte loads, the K loop pipelined by Triton (num_stages), per-word scales gathered from
+# L1. Codes become floats without a convert or a subtract: the code goes into the top mantissa bits
+# of 1.0, ``1 + q / 2**BITS`` (exact), and ``sum_k (q - z) x = 2**BITS * (sum_k v x - c sum_k x)``
+# with ``c = 1 + z / 2**BITS`` is applied once per word; per code that is a shift, one mask-or and
+# one FMA. The high half of each int4 word is shifted down once so every per-code shift is a left
+# shift (which the compiler may issue on the FMA pipe).
+
+
+@triton.jit
+def _gemv4_x(x_ptr, row, k, K, XMASK: tl.constexpr):
+    """``x[row, k]`` as fp32 for code positions ``k [1, BLOCK_KW]`` (2-D, so the load lands in the
+    weight tile's layout); XMASK: some ``k`` may be >= K (weights padded past K)."""
+    if XMASK:
+        f = tl.load(x_ptr + row + k, mask=k < K, other=0)
+    else:
+        f = tl.load(x_ptr + row + k)
+    return f.to(tl.float32)
+
+
+@triton.jit
+def _gemv4_fma(p0, p1, p2, p3, x0, x1, x2, x3, v, x_ptr, k, K, M, stride_xm, XMASK: tl.constexpr,
+               XSUM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``p_r += v * x[r, k]`` for rows ``r < BLOCK_M`` (rows past M re-read row M - 1; the store masks
+    them); XSUM: also ``x_r += x[r, k]`` (the per-word activation sums of the INT decode)."""
+    xv = _gemv4_x(x_ptr, 0, k, K, XMASK)
+    p0 += v * xv
+    if XSUM:
+        x0 += xv
+    if BLOCK_M > 1:
+        xv = _gemv4_x(x_ptr, tl.minimum(1, M - 1) * stride_xm, k, K, XMASK)
+        p1 += v * xv
+        if XSUM:
+            x1 += xv
+    if BLOCK_M > 2:
+        xv = _gemv4_x(x_ptr, tl.minimum(2, M - 1) * stride_xm, k, K, XMASK)
+        p2 += v * xv
+        xv3 = _gemv4_x(x_ptr, tl.minimum(3, M - 1) * stride_xm, k, K, XMASK)
+        p3 += v * xv3
+        if XSUM:
+            x2 += xv
+            x3 += xv3
+    return p0, p1, p2, p3, x0, x1, x2, x3
+
+
+@triton.jit
+def _gemv4_add(a0, a1, a2, a3, p0, p1, p2, p3, x0, x1, x2, x3, c, s, BLOCK_M: tl.constexpr):
+    """``a_r += (p_r - c * x_r) * s`` for the rows ``r < BLOCK_M``."""
+    a0 += (p0 - c * x0) * s
+    if BLOCK_M > 1:
+        a1 += (p1 - c * x1) * s
+    if BLOCK_M > 2:
+        a2 += (p2 - c * x2) * s
+        a3 += (p3 - c * x3) * s
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _gemv4_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, ws_ptr, y_ptr, cnt_ptr,
+    M, N, K, KW, kw_per_split,
+    stride_xm, stride_qn, stride_sn, stride_ym,
+    FP8: tl.constexpr, BITS: tl.constexpr, ILV: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    SCALE_ROWS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
+    XMASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+):
+    """MODE 4 GEMV, ``M <= 4``: ``qw`` int32 words ``[N, KW]`` in the interleaved layout of
+    ``_ilv_words`` (word ``i`` of each block of ``ILV`` words holds codes ``i + ILV * j`` at bits
+    ``BITS * j``), so code ``j`` of consecutive words is consecutive in K and x loads are vectors.
+
+    INT (``FP8`` False): scales ``[N, *]`` (one per ``SCALE_WORDS`` words), zero points likewise or
+    ``2**(BITS-1)``. FP8: e4m3 bytes; ``SCALE_ROWS`` 0: per-channel scales ``[N]`` applied after the
+    K loop; else ``[cdiv(N, SCALE_ROWS), *]`` block scales, one per ``SCALE_WORDS`` words.
+    Grid ``(cdiv(N, BLOCK_N), split)``; ``EVEN``: every split is whole tiles of ``BLOCK_KW`` words;
+    ``XMASK``: the weights are padded past K.
+    """
+    CPW: tl.constexpr = 32 // BITS
+    FIELD: tl.constexpr = ((1 << BITS) - 1) << (23 - BITS)  # the top BITS mantissa bits
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = tl.minimum(offs_n, N - 1)  # clamped: full tiles need no mask
+    kw_start = tl.program_id(1) * kw_per_split
+    kw_end = tl.minimum(kw_start + kw_per_split, KW)
+    offs_kw = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_KW), BLOCK_KW), BLOCK_KW)
+    w_rows = qw_ptr + rows.to(tl.int64)[:, None] * stride_qn
+    if FP8 and SCALE_ROWS != 0:
+        s_rows = s_ptr + (rows // SCALE_ROWS).to(tl.int64)[:, None] * stride_sn
+    else:
+        s_rows = s_ptr + rows.to(tl.int64)[:, None] * stride_sn
+    z_rows = z_ptr + rows.to(tl.int64)[:, None] * stride_sn
+    a0, a1, a2, a3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
+    for kb in tl.range(kw_start, kw_end, BLOCK_KW):
+        kw = kb + offs_kw
+        if EVEN:
+            w = tl.load(w_rows + kw[None, :], eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + kw[None, :], mask=(kw < kw_end)[None, :], other=0, eviction_policy="evict_first")
+        k = ((kw // ILV) * (ILV * CPW) + kw % ILV)[None, :]  # K position of each word's code 0
+        p0, p1, p2, p3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
+        x0, x1, x2, x3 = _gemv_zeros(1, BLOCK_KW)
+        if FP8:
+            for j in tl.static_range(4):
+                # byte j to the top, arithmetic shift by 4, mask: the fp32 pattern of e4m3 * 2**-120
+                if j < 3:
+                    t = w << (24 - 8 * j)
+                else:
+                    t = w
+                v = ((t >> 4) & -2014314496).to(tl.float32, bitcast=True)  # mask 0x87F00000
+                p0, p1, p2, p3, x0, x1, x2, x3 = _gemv4_fma(p0, p1, p2, p3, x0, x1, x2, x3, v, x_ptr, k + ILV * j,
+                                                            K, M, stride_xm, XMASK, False, BLOCK_M)
+            if SCALE_ROWS != 0:
+                s = tl.load(s_rows + (kw // SCALE_WORDS)[None, :])
+                a0, a1, a2, a3 = _gemv_add(a0, a1, a2, a3, p0, p1, p2, p3, s, BLOCK_M, True)
+            else:
+                a0, a1, a2, a3 = _gemv_add(a0, a1, a2, a3, p0, p1, p2, p3, 1.0, BLOCK_M, False)
+        else:
+            w = w.to(tl.uint32, bitcast=True)
+            hi = w >> 16
+            for j in tl.static_range(CPW):
+                # code j into the top mantissa bits of 1.0: v = 1 + q / 2**BITS exactly
+                if BITS * j < 16:
+                    t = w << (23 - BITS - BITS * j)
+                else:
+                    t = hi << (23 - BITS - (BITS * j - 16))
+                v = ((t & FIELD) | 0x3F800000).to(tl.float32, bitcast=True)
+                p0, p1, p2, p3, x0, x1, x2, x3 = _gemv4_fma(p0, p1, p2, p3, x0, x1, x2, x3, v, x_ptr, k + ILV * j,
+                                                            K, M, stride_xm, XMASK, True, BLOCK_M)
+            g = (kw // SCALE_WORDS)[None, :]
+            s = tl.load(s_rows + g).to(tl.float32)
+            # sum_k (q - z) x = 2**BITS * (sum_k v x - c * sum_k x), c = 1 + z / 2**BITS (2**BITS after the loop)
+            if HAS_ZEROS:
+                c = 1.0 + tl.load(z_rows + g).to(tl.float32) * (1.0 / (1 << BITS))
+            else:
+                c = 1.0 + (2 ** (BITS - 1)) / (1 << BITS)
+            a0, a1, a2, a3 = _gemv4_add(a0, a1, a2, a3, p0, p1, p2, p3, x0, x1, x2, x3, c, s, BLOCK_M)
+    acc, offs_m, m_mask = _gemv_rows(a0, a1, a2, a3, M, BLOCK_M, BLOCK_N)
+    if FP8:
+        if SCALE_ROWS == 0:
+            acc = acc * tl.load(s_ptr + rows)[None, :]
+        acc = acc * 1.329227995784916e36  # 2**120, exact
+    else:
+        acc = acc * (1 << BITS)
+    _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K)
+
+
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -813,6 +977,69 @@ def _gemv_split(n_tiles: int, kw: int, bkw: int, device: torch.device, split: in
             split *= 2
     per = triton.cdiv(triton.cdiv(kw, split), bkw) * bkw
     return triton.cdiv(kw, per), per
+
+
+# Codes per interleave block of the MODE 4 layout (a group smaller than this is its own block).
+ILV_CODES = 128
+# id(qweight) -> (weak reference to qweight, its MODE 4 words); entries leave with their qweight.
+_ILV_CACHE: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def interleave_words(codes: torch.Tensor, bits: int, ilv_codes: int) -> torch.Tensor:
+    """Codes ``[N, Kc]`` (ints ``< 2**bits``, ``Kc`` a multiple of ``ilv_codes``) -> int32 words
+    ``[N, Kc * bits / 32]`` in the MODE 4 layout: within each block of ``ilv_codes`` codes, word ``i``
+    holds codes ``i + (ilv_codes * bits / 32) * j`` at bits ``bits * j``."""
+    cpw = 32 // bits
+    n, kc = codes.shape
+    if kc % ilv_codes or ilv_codes % cpw:
+        raise ValueError(f"codes: {kc} columns do not split into blocks of {ilv_codes} codes of {bits} bits")
+    c = codes.to(torch.int64).reshape(n, kc // ilv_codes, cpw, ilv_codes // cpw).transpose(2, 3)
+    words = (c << (torch.arange(cpw, device=codes.device, dtype=torch.int64) * bits)).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement int32
+    return words.to(torch.int32).reshape(n, -1).contiguous()
+
+
+def _ilv_cached(qweight: torch.Tensor, make) -> torch.Tensor | None:
+    """The MODE 4 words of ``qweight`` (made once, kept while ``qweight`` lives); None while a CUDA
+    graph is being captured and they were not made yet (the capture must not allocate them)."""
+    key = id(qweight)
+    hit = _ILV_CACHE.get(key)
+    if hit is not None and hit[0]() is qweight:
+        return hit[1]
+    if qweight.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    words = make()
+    _ILV_CACHE[key] = (weakref.ref(qweight), words)
+    weakref.finalize(qweight, _ILV_CACHE.pop, key, None)
+    return words
+
+
+def _pad_codes(codes: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = -codes.shape[1] % multiple
+    return torch.nn.functional.pad(codes, (0, pad)) if pad else codes
+
+
+def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: torch.Tensor, z: torch.Tensor,
+                  stride_sn: int, **meta) -> torch.Tensor:
+    """Run the MODE 4 GEMV; ``cfg["BLOCK_K"]`` counts codes per tile."""
+    m, k = x.shape
+    kw = words.shape[1]
+    cpw = 32 // meta["BITS"]
+    bn = cfg["BLOCK_N"]
+    bkw = max(4, cfg["BLOCK_K"] // cpw)
+    tiles = triton.cdiv(n, bn)
+    split, per = _gemv_split(tiles, kw, bkw, x.device, cfg.get("SPLIT", 0))
+    cfg["SPLIT"] = split
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    cnt = _counters(x.device, tiles) if split > 1 else y
+    _gemv4_kernel[(tiles, split)](
+        x, words, s, z, ws, y, cnt, m, n, k, kw, per, x.stride(0), words.stride(0), stride_sn, y.stride(0),
+        SPLIT_K=split > 1, EVEN=kw % per == 0 and per % bkw == 0, XMASK=kw * cpw > k,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_KW=bkw, num_warps=cfg["num_warps"],
+        num_stages=cfg.get("num_stages", 1), **meta,
+    )
+    return y
 
 
 def _launch_gemv(kernel, x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, tensors: tuple,
@@ -986,8 +1213,13 @@ def fp8_wo_matmul_triton(
                     torch.float16: (2, 2.0**8)}[x.dtype]
     if m <= SMALL_M_MAX:
         kmax = scale_block or max(triton.next_power_of_2(k), 64)
-        cfg, words = _small_plan("fp8", x, w.qweight, n, k, kmax, config)
-        if words is not None:
+        cfg, words = _small_plan("fp8", x, w.qweight, n, k, kmax, config,
+                                 lambda: interleave_words(_pad_codes(w.qweight, ILV_CODES), 8, ILV_CODES))
+        if words is not None and cfg["MODE"] == 4:
+            y = _launch_gemv4(x, words, n, cfg, w.scales, w.scales, w.scales.stride(0), FP8=True, BITS=8,
+                              ILV=ILV_CODES // 4, SCALE_WORDS=max(scale_block, ILV_CODES) // 4,
+                              SCALE_ROWS=scale_block, HAS_ZEROS=False)
+        elif words is not None:
             y = _launch_gemv(_fp8_gemv_kernel, x, words, n, cfg, (w.scales,), w.scales.stride(0),
                              (scale_block or 1 << 30) // 4, bits_per_code=8, SCALE_BLOCK=scale_block)
         else:

@@ -1,0 +1,83 @@
+"""Where a large-batch decode step of the Llama-3.1-8B shape spends its time (H200 diagnostics).
+
+Builds the bench_e2e Engine (random bf16 weights, CUDA graphs up to the batch), brings ``--batch``
+requests of ``--prompt`` tokens past their prefill, decodes ``--warm`` steps, then times replays of
+the batch's decode graph and lists its kernels (torch.profiler over graph replays). The floor is
+the same as bench_e2e's: (weights except the embedding + KV bytes at the current context) / copy
+bandwidth.
+
+    python benchmarks/probe_decode_batch.py --out $OUT/probe_bs256.json          # H200, ~2 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import case, copy_bandwidth, write_results  # noqa: E402
+from bench_decode_step import kernel_breakdown, replay_ms  # noqa: E402
+from bench_e2e import LLAMA_8B  # noqa: E402
+
+from infercore import Engine, SamplingParams  # noqa: E402
+from infercore.models import ModelConfig, build_model  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--warm", type=int, default=64, help="decode steps before the measurement")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    bw = copy_bandwidth()
+    torch.manual_seed(0)
+    cfg = dict(LLAMA_8B, num_hidden_layers=args.layers)
+    model = build_model(ModelConfig.from_hf(cfg), dtype=torch.bfloat16, device=torch.device("cuda"), init="normal")
+    page, B = 16, args.batch
+    max_len = args.prompt + args.warm + 64
+    eng = Engine(model, num_pages=B * (-(-max_len // page)) + 64, page_size=page, max_num_seqs=B,
+                 max_num_batched_tokens=16384, max_model_len=max_len, enable_prefix_caching=False,
+                 cuda_graph_max_batch=B)
+    gen = torch.Generator().manual_seed(1)
+    sp = SamplingParams(temperature=0, max_tokens=args.warm + 32, ignore_eos=True)
+    for _ in range(B):
+        eng.add_request(torch.randint(0, 128000, (args.prompt,), generator=gen).tolist(), sp)
+    reqs = list(eng.requests.values())
+    while any(not r.output_token_ids for r in reqs):
+        eng.step()
+    for _ in range(args.warm):
+        eng.step()
+    torch.cuda.synchronize()
+    ctx = args.prompt + min(len(r.output_token_ids) for r in reqs)
+    g = eng.graph_runner.graphs[B]
+    ms = replay_ms(g)
+    prof = kernel_breakdown(g, 5, args.top)
+    mc = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+    kv = B * ctx * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2
+    floor_ms = (weights + kv) / bw * 1e3
+    print(f"batch {B} ctx ~{ctx}: graph replay {ms:.3f} ms, floor {floor_ms:.3f} ms -> {floor_ms / ms:.3f}", flush=True)
+    for r in prof["top"]:
+        print(f"  {r['us_per_step']:9.1f} us  x{r['calls_per_step']:5.0f}  {r['kernel']}", flush=True)
+    while eng.has_unfinished():
+        eng.step()
+    cases = [case(f"llama3.1-8b-shape decode graph replay bs{B} ctx{ctx}", metric="decode step time", unit="ms",
+                  ours=ms, peers={}, floor=floor_ms, weight_bytes=weights, kv_bytes=kv, copy_bw_TBps=bw / 1e12,
+                  profile=prof)]
+    cases[0]["wall_s"] = time.perf_counter() - t0
+    write_results(args.out, "probe_decode_batch", torch.cuda.get_device_name(), cases)
+
+
+if __name__ == "__main__":
+    main()

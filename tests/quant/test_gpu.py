@@ -56,11 +56,11 @@ def test_fp8_emulated_bf16(m, block):
     assert _rel(fp8_wo_matmul(x, w), R.fp8_wo_matmul_ref(x, w)) < 1e-2
 
 
-@pytest.mark.parametrize("mode", [1, 2, 3])
+@pytest.mark.parametrize("mode", [1, 2, 3, 4])
 @pytest.mark.parametrize("m", [1, 5, 16])
 def test_small_m_every_mode_bf16(mode, m):
-    """Each small-M kernel variant the sweep may pick, with split-K, on bf16 activations (MODE 3 at
-    M > 4 runs as the swapped dot)."""
+    """Each small-M kernel variant the sweep may pick, with split-K, on bf16 activations (MODE 3/4 at
+    M > 4 run as the swapped dot)."""
     from infercore.quant import triton_wo
 
     torch.manual_seed(0)
@@ -147,3 +147,23 @@ def test_mixed_linear_grows_outliers_on_gpu():
     assert _rel(y, x.float() @ wt.T) < 0.02
     lin(x)
     assert lin.outlier_stats["covered"] == 64  # second call fully predicted
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_gemv4_ragged_k_bf16(stages):
+    """MODE 4 with a last tile that overhangs K (K = 2176: 272 int4 words, tiles of 128 words) and
+    int4/int8/fp8 weights, bf16 activations, M = 1..4."""
+    from infercore.quant import triton_wo
+
+    torch.manual_seed(1)
+    wt = torch.randn(777, 2176, device=dev)
+    cfg = {"MODE": 4, "BLOCK_N": 4, "BLOCK_K": 1024, "SPLIT": 1, "num_warps": 4, "num_stages": stages}
+    for m in (1, 2, 4):
+        x = torch.randn(m, 2176, device=dev, dtype=torch.bfloat16)
+        for w in (IntWeight.quantize(wt, bits=4, group_size=128), IntWeight.quantize(wt, bits=8, group_size=128,
+                                                                                      symmetric=False)):
+            y = triton_wo.wq_matmul_triton(x, w, config=dict(cfg))
+            assert torch.isfinite(y).all() and _rel(y, R.wq_matmul_ref(x, w)) < 1e-2
+        f8 = FP8Weight.quantize(wt, block_size=128)
+        y = triton_wo.fp8_wo_matmul_triton(x, f8, config=dict(cfg))
+        assert torch.isfinite(y).all() and _rel(y, R.fp8_wo_matmul_ref(x, f8)) < 1e-2

@@ -77,7 +77,8 @@ def test_fp8_small_modes(mode, block, m, dtype):
 
 def _gemv(split, bk=64, unroll=2, mode=3):
     if mode == 4:
-        return {"MODE": 4, "BLOCK_N": 8, "BLOCK_K": bk, "SPLIT": split, "num_warps": 4, "num_stages": 2}
+        # PROGRAMS 1: at most 4 programs (the CPU counts as 4 SMs), so each walks several row blocks
+        return {"MODE": 4, "BLOCK_N": 8, "BLOCK_K": bk, "SPLIT": split, "num_warps": 4, "PROGRAMS": 1}
     return {"MODE": 3, "BLOCK_N": 16, "BLOCK_K": bk, "UNROLL": unroll, "SPLIT": split, "num_warps": 4}
 
 
@@ -185,3 +186,21 @@ def test_gemv4_words_cached_per_weight():
     y2 = triton_wo.wq_matmul_triton(x, w, config=_gemv(2, mode=4))
     assert triton_wo._ILV_CACHE[id(w.qweight)][1] is words
     assert _err(y1, y2) < 1e-6 and _err(y1, R.wq_matmul_ref(x, w)) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8", "fp8"])
+def test_gemv4_ragged_last_tile(kind):
+    """K whose words do not fill the last tile (KW % tile != 0): the overhang reads no x, scale or
+    zero point past K (it did once, giving NaN at K = 14336)."""
+    torch.manual_seed(7)
+    k = 384
+    x = torch.randn(2, k)
+    if kind == "fp8":
+        w = FP8Weight.quantize(torch.randn(24, k), block_size=128)
+        y = triton_wo.fp8_wo_matmul_triton(x, w, config=_gemv(1, bk=256, mode=4))
+        r = R.fp8_wo_matmul_ref(x, w)
+    else:
+        w = IntWeight.quantize(torch.randn(24, k), bits=int(kind[3:]), group_size=128, symmetric=False)
+        y = triton_wo.wq_matmul_triton(x, w, config=_gemv(1, bk=256, mode=4))
+        r = R.wq_matmul_ref(x, w)
+    assert torch.isfinite(y).all() and _err(y, r) < 1e-5

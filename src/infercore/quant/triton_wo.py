@@ -418,46 +418,39 @@ def wq_matmul_triton(
 # Small-M launch table: (kind, N, K, M bucket) -> config, from benchmarks/sweep_quant_wo.py on an
 # H200 (its "table" output). Missing entries use the heuristic in ``_small_cfg``.
 SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
-    ("int4", 14336, 4096, 1):
-        {"MODE": 3, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "UNROLL": 2, "SPLIT": 8},
-    ("int4", 14336, 4096, 4): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 4},
-    ("int4", 14336, 4096, 16): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 4},
-    ("fp8", 14336, 4096, 1):
-        {"MODE": 3, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "UNROLL": 4, "SPLIT": 4},
-    ("fp8", 14336, 4096, 4): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 4},
-    ("fp8", 14336, 4096, 16): {"MODE": 1, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "SPLIT": 2},
-    ("int4", 6144, 4096, 1):
-        {"MODE": 3, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "UNROLL": 2, "SPLIT": 8},
-    ("int4", 6144, 4096, 4): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 4},
-    ("int4", 6144, 4096, 16): {"MODE": 2, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "SPLIT": 8},
-    ("fp8", 6144, 4096, 1):
-        {"MODE": 3, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "UNROLL": 4, "SPLIT": 4},
-    ("fp8", 6144, 4096, 4): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 4},
-    ("fp8", 6144, 4096, 16): {"MODE": 1, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "SPLIT": 2},
-    ("int4", 4096, 4096, 1):
-        {"MODE": 3, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "UNROLL": 2, "SPLIT": 8},
-    ("int4", 4096, 4096, 4): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 4},
-    ("int4", 4096, 4096, 16): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 4},
-    ("fp8", 4096, 4096, 1):
-        {"MODE": 3, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "UNROLL": 4, "SPLIT": 4},
-    ("fp8", 4096, 4096, 4): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 4},
-    ("fp8", 4096, 4096, 16): {"MODE": 1, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "SPLIT": 2},
-    ("int4", 28672, 4096, 1):
-        {"MODE": 3, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "UNROLL": 2, "SPLIT": 8},
-    ("int4", 28672, 4096, 4): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 2},
-    ("int4", 28672, 4096, 16): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 2},
-    ("fp8", 28672, 4096, 1):
-        {"MODE": 3, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "UNROLL": 4, "SPLIT": 4},
-    ("fp8", 28672, 4096, 4): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 2},
-    ("fp8", 28672, 4096, 16): {"MODE": 1, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "SPLIT": 1},
-    ("int4", 4096, 14336, 1):
-        {"MODE": 3, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "UNROLL": 2, "SPLIT": 0},
-    ("int4", 4096, 14336, 4): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 8},
-    ("int4", 4096, 14336, 16): {"MODE": 2, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "SPLIT": 8},
-    ("fp8", 4096, 14336, 1):
-        {"MODE": 3, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1, "UNROLL": 4, "SPLIT": 0},
-    ("fp8", 4096, 14336, 4): {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 8},
-    ("fp8", 4096, 14336, 16): {"MODE": 1, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "SPLIT": 4},
+    # results/h200/sweeps/sweep_quant_wo_mode4.json (the int4 4096x14336 M=1 entry: the MODE 4 tile of
+    # the other shapes; its sweep row failed on a since-fixed out-of-range read, re-measured in
+    # results/h200/quant_wo_small_m.json)
+    ("int4", 14336, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 4096, 'num_warps': 4, 'num_stages': 1, 'SPLIT': 0},
+    ("int4", 14336, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("int4", 14336, 4096, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("fp8", 14336, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 1},
+    ("fp8", 14336, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("fp8", 14336, 4096, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
+    ("int4", 6144, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 4096, 'num_warps': 4, 'num_stages': 1, 'SPLIT': 1},
+    ("int4", 6144, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("int4", 6144, 4096, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("fp8", 6144, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 0},
+    ("fp8", 6144, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("fp8", 6144, 4096, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
+    ("int4", 4096, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 4096, 'num_warps': 4, 'num_stages': 1, 'SPLIT': 1},
+    ("int4", 4096, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("int4", 4096, 4096, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("fp8", 4096, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 1},
+    ("fp8", 4096, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("fp8", 4096, 4096, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
+    ("int4", 28672, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 4096, 'num_warps': 4, 'num_stages': 1, 'SPLIT': 1},
+    ("int4", 28672, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
+    ("int4", 28672, 4096, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
+    ("fp8", 28672, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 0},
+    ("fp8", 28672, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("fp8", 28672, 4096, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 1},
+    ("int4", 4096, 14336, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
+    ("int4", 4096, 14336, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
+    ("fp8", 4096, 14336, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 1},
+    ("fp8", 4096, 14336, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
+    ("fp8", 4096, 14336, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("int4", 4096, 14336, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 4096, 'num_warps': 4, 'num_stages': 1, 'SPLIT': 1},
 }
 
 
@@ -905,7 +898,7 @@ def _gemv4_kernel(
                 p0, p1, p2, p3, x0, x1, x2, x3 = _gemv4_fma(p0, p1, p2, p3, x0, x1, x2, x3, v, x_ptr, k + ILV * j,
                                                             K, M, stride_xm, XMASK, False, BLOCK_M)
             if SCALE_ROWS != 0:
-                s = tl.load(s_rows + (kw // SCALE_WORDS)[None, :])
+                s = tl.load(s_rows + (kw // SCALE_WORDS)[None, :], mask=(kw < kw_end)[None, :], other=0.0)
                 a0, a1, a2, a3 = _gemv_add(a0, a1, a2, a3, p0, p1, p2, p3, s, BLOCK_M, True)
             else:
                 a0, a1, a2, a3 = _gemv_add(a0, a1, a2, a3, p0, p1, p2, p3, 1.0, BLOCK_M, False)
@@ -922,10 +915,13 @@ def _gemv4_kernel(
                 p0, p1, p2, p3, x0, x1, x2, x3 = _gemv4_fma(p0, p1, p2, p3, x0, x1, x2, x3, v, x_ptr, k + ILV * j,
                                                             K, M, stride_xm, XMASK, True, BLOCK_M)
             g = (kw // SCALE_WORDS)[None, :]
-            s = tl.load(s_rows + g).to(tl.float32)
+            if EVEN:
+                s = tl.load(s_rows + g).to(tl.float32)
+            else:  # words past the split's end: their codes read 0, x 0, and the scale 0
+                s = tl.load(s_rows + g, mask=(kw < kw_end)[None, :], other=0.0).to(tl.float32)
             # sum_k (q - z) x = 2**BITS * (sum_k v x - c * sum_k x), c = 1 + z / 2**BITS (2**BITS after the loop)
             if HAS_ZEROS:
-                c = 1.0 + tl.load(z_rows + g).to(tl.float32) * (1.0 / (1 << BITS))
+                c = 1.0 + tl.load(z_rows + g, mask=(kw < kw_end)[None, :], other=0).to(tl.float32) * (1.0 / (1 << BITS))
             else:
                 c = 1.0 + (2 ** (BITS - 1)) / (1 << BITS)
             a0, a1, a2, a3 = _gemv4_add(a0, a1, a2, a3, p0, p1, p2, p3, x0, x1, x2, x3, c, s, BLOCK_M)
@@ -1033,9 +1029,10 @@ def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: to
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = _counters(x.device, tiles) if split > 1 else y
+    even = kw % per == 0 and per % bkw == 0
     _gemv4_kernel[(tiles, split)](
         x, words, s, z, ws, y, cnt, m, n, k, kw, per, x.stride(0), words.stride(0), stride_sn, y.stride(0),
-        SPLIT_K=split > 1, EVEN=kw % per == 0 and per % bkw == 0, XMASK=kw * cpw > k,
+        SPLIT_K=split > 1, EVEN=even, XMASK=(not even) or kw * cpw > k,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_KW=bkw, num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 1), **meta,
     )

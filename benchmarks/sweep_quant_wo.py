@@ -58,25 +58,24 @@ def _c(mode, bn, bk, warps, stages=1, unroll=None):
 
 # Candidate configs (SPLIT from the heuristic, refined in stage 2 without recompiling). MODE 3 is
 # the word GEMV (M <= 4; BLOCK_K codes per tile, capped at one group; UNROLL tiles per step);
-# MODE 4 the interleaved-word streaming GEMV (BLOCK_K codes per tile across groups, pipelined K loop);
+# MODE 4 the interleaved-word streaming GEMV (BLOCK_K codes per tile across groups);
 # MODEs 1/2 are the tensor-core tiles for M = 16. A tight grid: the H200 run must stay < 240 s.
-def _c4(bn, bk, warps, progs):
-    return {"MODE": 4, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "PROGRAMS": progs}
+def _c4(bn, bk, warps, stages):
+    return {"MODE": 4, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
 
 
 CONFIGS = {
-    ("int4", 1): [_c(3, 128, 128, 4, unroll=2), _c4(4, 4096, 4, 8), _c4(4, 4096, 4, 4), _c4(4, 4096, 2, 8),
-                  _c4(2, 4096, 2, 16), _c4(2, 4096, 1, 16), _c4(4, 2048, 2, 8), _c4(8, 4096, 4, 4),
-                  _c4(4, 4096, 4, 16)],
+    ("int4", 1): [_c(3, 128, 128, 4, unroll=2), _c4(4, 4096, 4, 1), _c4(4, 2048, 4, 2), _c4(2, 4096, 2, 1),
+                  _c4(4, 4096, 2, 1), _c4(8, 4096, 4, 1), _c4(4, 2048, 2, 2)],
     ("int4", 16): [_c(2, 64, 128, 4, 3), _c(1, 64, 128, 4, 3)],
-    ("fp8", 1): [_c(3, 64, 128, 4, unroll=4), _c4(4, 2048, 4, 8), _c4(4, 4096, 4, 4), _c4(4, 2048, 2, 8),
-                 _c4(2, 2048, 1, 16), _c4(2, 4096, 2, 8), _c4(4, 1024, 2, 8), _c4(8, 2048, 4, 4)],
+    ("fp8", 1): [_c(3, 64, 128, 4, unroll=4), _c4(4, 2048, 4, 2), _c4(4, 2048, 2, 2), _c4(4, 4096, 4, 1),
+                 _c4(4, 1024, 2, 2), _c4(8, 2048, 4, 2), _c4(2, 2048, 2, 2), _c4(4, 1024, 4, 3)],
     ("fp8", 16): [_c(2, 64, 128, 4, 3), _c(1, 32, 256, 4, 3)],
 }
 # M = 4: the best dot tile so far and MODE 4 tiles (4 row accumulators in registers).
-CONFIGS_M4 = {"int4": [_c(2, 64, 128, 4, 3), _c4(4, 2048, 4, 8), _c4(2, 2048, 2, 8), _c4(4, 1024, 2, 8)],
-              "fp8": [_c(2, 64, 128, 4, 3), _c4(4, 1024, 4, 8), _c4(2, 1024, 2, 8), _c4(4, 512, 2, 8)]}
-SMOKE_CONFIGS = [_c(3, 16, 64, 4, unroll=2), _c4(8, 256, 4, 1), _c(2, 16, 64, 4)]
+CONFIGS_M4 = {"int4": [_c(2, 64, 128, 4, 3), _c4(4, 2048, 4, 2), _c4(2, 2048, 2, 2), _c4(4, 1024, 2, 2)],
+              "fp8": [_c(2, 64, 128, 4, 3), _c4(4, 1024, 4, 2), _c4(2, 1024, 2, 2), _c4(4, 512, 2, 2)]}
+SMOKE_CONFIGS = [_c(3, 16, 64, 4, unroll=2), _c4(8, 256, 4, 2), _c(2, 16, 64, 4)]
 
 
 def configs_for(kind: str, m: int, smoke: bool) -> list[dict]:
@@ -217,16 +216,11 @@ def main() -> None:  # noqa: C901 (one linear script)
                         print("  budget reached: skipping remaining configs", flush=True)
                         break
                     run_cfg(cfg, "sweep")
-                if results:  # stage 2: split-K factors / persistent programs of the best tile (no recompiles)
+                if results:  # stage 2: split-K factors of the best tile (SPLIT is a runtime arg)
                     us0, cfg0 = min(results, key=lambda r: r[0])
-                    if cfg0["MODE"] == 4:
-                        for progs in (2, 4, 8, 16):
-                            if progs != cfg0.get("PROGRAMS") and not over_budget():
-                                run_cfg({**cfg0, "PROGRAMS": progs}, "programs")
-                    else:
-                        for split in (1, 2, 4, 8):
-                            if split != cfg0["SPLIT"] and k // split >= cfg0["BLOCK_K"] and not over_budget():
-                                run_cfg({**cfg0, "SPLIT": split}, "split")
+                    for split in (1, 2, 4, 8):
+                        if split != cfg0["SPLIT"] and k // split >= cfg0["BLOCK_K"] and not over_budget():
+                            run_cfg({**cfg0, "SPLIT": split}, "split")
                 if not results:
                     continue
                 us, cfg = min(results, key=lambda r: r[0])

@@ -308,3 +308,25 @@ def test_use_triton_gemv_fusion_off_and_fallbacks():
     # without force nothing happens on the CPU
     fresh = _tiny_llama()
     assert use_triton_gemv_(fresh) == 0 and type(fresh.model.layers[0].mlp).__name__ == "LlamaMLP"
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-g128", "fp8-wo", "w8a8"])
+def test_use_triton_gemv_swaps_quantized_gated_mlp(scheme):
+    """A gated MLP whose gate_up is weight-only quantized joins the fused class (its CUDA GEMV
+    carries the activation); W8A8 does not. On the CPU the fused class runs the unfused path, with
+    the same output."""
+    from infercore.models import ModelConfig
+    from infercore.models.llama import LlamaMLP
+    from infercore.quant import quantize
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_hf({"model_type": "llama", "hidden_size": 256, "intermediate_size": 384,
+                               "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 8,
+                               "vocab_size": 128})
+    mlp = LlamaMLP(cfg, dtype=torch.float32)
+    quantize(mlp, scheme)
+    x = torch.randn(2, 256)
+    want = mlp(x)
+    use_triton_gemv_(mlp, force=True)
+    assert type(mlp).__name__.startswith("GemvFused") == (scheme != "w8a8")
+    assert torch.allclose(mlp(x), want)

@@ -167,3 +167,27 @@ def test_gemv4_ragged_k_bf16(stages):
         f8 = FP8Weight.quantize(wt, block_size=128)
         y = triton_wo.fp8_wo_matmul_triton(x, f8, config=dict(cfg))
         assert torch.isfinite(y).all() and _rel(y, R.fp8_wo_matmul_ref(x, f8)) < 1e-2
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-g128", "fp8-wo"])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_quantized_gated_mlp_fused_act_on_gpu(scheme, m):
+    """A Llama MLP whose gate_up is quantized, swapped by use_triton_gemv_: at <= 4 rows gate_up and
+    SiLU run as one GEMV (QuantLinear.forward_act), above that the unfused path; both equal the
+    quantized module before the swap."""
+    from infercore.models import ModelConfig
+    from infercore.models.gpu_layout import use_triton_gemv_
+    from infercore.models.llama import LlamaMLP
+    from infercore.quant import quantize
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_hf({"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816,
+                               "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 8,
+                               "vocab_size": 128})
+    mlp = LlamaMLP(cfg, dtype=torch.bfloat16).to(dev)
+    quantize(mlp, scheme)
+    x = torch.randn(m, 1024, device=dev, dtype=torch.bfloat16)
+    want = mlp(x)
+    use_triton_gemv_(mlp)
+    assert type(mlp).__name__.startswith("GemvFused")
+    assert _rel(mlp(x), want) < 1e-2

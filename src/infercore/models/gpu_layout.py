@@ -81,7 +81,22 @@ class _GemvFusedMLP:
         if type(gu) in (nn.Linear, TritonGemvLinear) and _gemv_ok(self, x, gu.weight, self.gemv_act):
             h = _triton().skinny_linear(x, gu.weight, gu.bias, act=self.gemv_act)
             return self.down_proj(h)
+        if _quant_act_ok(gu, x):
+            return self.down_proj(gu.forward_act(x, self.gemv_act))
         return super().forward(x)
+
+
+def _quant_act_ok(gu: nn.Module, x: torch.Tensor) -> bool:
+    """A weight-only quantized ``gate_up_proj`` (INT or FP8) with decode-sized CUDA input: its GEMV
+    carries the activation (``QuantLinear.forward_act``)."""
+    from ..quant.linear import QuantLinear
+
+    return (isinstance(gu, QuantLinear) and gu.kind in ("int", "fp8") and x.is_cuda
+            and 0 < _rows(x) <= _GEMV_QUANT_MAX_M)
+
+
+# Rows up to which the quantized weight-only GEMV (and its fused activation) runs.
+_GEMV_QUANT_MAX_M = 4
 
 
 @functools.cache
@@ -117,6 +132,17 @@ def _on_device(mod: nn.Linear, force: bool) -> bool:
     return force or mod.weight.device.type == "cuda"
 
 
+def _fusable_gate_up(gu: nn.Module | None, force: bool) -> bool:
+    """A plain linear on CUDA, or a weight-only quantized one (INT / FP8) on CUDA."""
+    from ..quant.linear import QuantLinear
+
+    if isinstance(gu, nn.Linear):
+        return _on_device(gu, force)
+    if isinstance(gu, QuantLinear) and gu.kind in ("int", "fp8"):
+        return force or next(gu.buffers()).device.type == "cuda"
+    return False
+
+
 @torch.no_grad()
 def use_triton_gemv_(model: nn.Module, *, max_m: int = 16, fuse_act: bool = True, force: bool = False) -> int:
     """Turn every CUDA ``nn.Linear`` of ``model`` into a :class:`TritonGemvLinear` (in place) that
@@ -129,6 +155,10 @@ def use_triton_gemv_(model: nn.Module, *, max_m: int = 16, fuse_act: bool = True
     bias ``[N]``). At run time a converted linear takes the GEMV for ``x [..., K]`` of the weight's
     dtype (fp32/fp16/bf16) with ``1 <= rows <= max_m`` (leading dims flattened) on CUDA where
     ``ops.linear.triton.beats_cublas`` says so, and ``F.linear`` otherwise.
+
+    A gated MLP whose ``gate_up_proj`` is weight-only quantized (INT4/INT8/FP8 ``QuantLinear``) is
+    swapped too: at <= 4 rows on CUDA its GEMV applies the activation in the epilogue
+    (``QuantLinear.forward_act``).
 
     ``force`` converts modules on any device and takes the GEMV whenever the row count allows,
     ignoring the tuning table: for tests under the Triton interpreter and for benchmarks.
@@ -153,7 +183,7 @@ def use_triton_gemv_(model: nn.Module, *, max_m: int = 16, fuse_act: bool = True
         elif fuse_act:
             gu = getattr(mod, "gate_up_proj", None)
             act = _mlp_activation(mod)
-            if act is not None and isinstance(gu, nn.Linear) and _on_device(gu, force):
+            if act is not None and _fusable_gate_up(gu, force):
                 mod.__class__ = _fused_class(type(mod))
                 mod.gemv_act, mod.gemv_max_m, mod.gemv_force = act, max_m, force
     return n

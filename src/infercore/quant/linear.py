@@ -85,6 +85,27 @@ class QuantLinear(nn.Module):
             y = w8a8_matmul(q, s, w, x_out=xo, bias=self.bias, out_dtype=x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def forward_act(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        """``act(gate) * up`` ``[..., N // 2]`` of this merged ``[gate; up]`` projection (``act``: ``"silu"``,
+        ``"gelu_tanh"`` or ``"gelu"``). On CUDA, for INT/FP8 weight-only weights and at most
+        ``triton_wo.GEMV_M_MAX`` rows, one kernel with the activation in its epilogue where its tuned
+        path allows; otherwise :meth:`forward`, then the ``*_and_mul`` op."""
+        from ..ops import gelu_and_mul, silu_and_mul
+
+        if act not in ("silu", "gelu_tanh", "gelu"):
+            raise ValueError(f"act: expected 'silu', 'gelu_tanh' or 'gelu', got {act!r}")
+        w = self.qweight_format
+        if x.is_cuda and isinstance(w, (IntWeight, FP8Weight)) and x.dim() >= 1 and x.shape[-1] == self.in_features:
+            from . import triton_wo
+
+            x2 = x.reshape(-1, self.in_features)
+            if 0 < x2.shape[0] <= triton_wo.GEMV_M_MAX:
+                fn = triton_wo.wq_matmul_triton if isinstance(w, IntWeight) else triton_wo.fp8_wo_matmul_triton
+                y = fn(x2, w, self.bias, act=act)
+                return y.reshape(*x.shape[:-1], y.shape[-1])
+        y = self.forward(x)
+        return silu_and_mul(y) if act == "silu" else gelu_and_mul(y, approximate="tanh" if act == "gelu_tanh" else "none")
+
     def _mixed(self, x2: torch.Tensor, w: Int8Weight) -> torch.Tensor:
         """MixQ: per-token INT8 over ordinary channels + high-precision outlier channels.
 

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..ops.linear.triton import ACTIVATIONS, _act_mul
 from .formats import FP8_BLOCK, FP8Weight, GGUFWeight, IntWeight
 from .gguf import BLOCK_BYTES
 
@@ -369,6 +370,7 @@ def _check_x(fn: str, x: torch.Tensor, k: int) -> torch.Tensor:
 
 def wq_matmul_triton(
     x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None, *, config: dict | None = None,
+    act: str | None = None,
 ) -> torch.Tensor:
     """``x [M, K]`` (fp16/bf16/fp32) times INT4/INT8 ``w`` (logical ``[N, K]``) -> ``[M, N]`` in
     ``x.dtype``.
@@ -376,7 +378,11 @@ def wq_matmul_triton(
     ``bias``: optional ``[N]``. ``config`` (M <= ``SMALL_M_MAX`` only; benchmarks/sweeps): the
     small-M launch parameters ``{"MODE", "BLOCK_N", "BLOCK_K", "SPLIT", "UNROLL", "num_warps",
     "num_stages"}`` (see ``_small_cfg``) instead of the tuned table / heuristic.
+    ``act`` (``"silu"``, ``"gelu_tanh"``, ``"gelu"``): ``w`` is a merged ``[gate; up]`` weight and the
+    result is ``act(gate) * up`` ``[M, N // 2]``, in MODE 4's epilogue when that path runs (no bias),
+    else as the ``*_and_mul`` op after the product.
     """
+    _check_act(act, w.shape[0])
     if w.group_size & (w.group_size - 1) and w.scales.shape[1] != 1:
         raise ValueError(f"w: Triton kernels need a power-of-two group size, got {w.group_size}")
     n, k = w.shape
@@ -391,9 +397,12 @@ def wq_matmul_triton(
                                  lambda: interleave_words(_pad_codes(w.codes(), ilv), w.bits, ilv))
         if words is not None and cfg["MODE"] == 4:
             cpw = 32 // w.bits
-            y = _launch_gemv4(x, words, n, cfg, w.scales, zeros, w.scales.stride(0), FP8=False, BITS=w.bits,
+            fused = act if bias is None else None
+            y = _launch_gemv4(x, words, n, cfg, w.scales, zeros, w.scales.stride(0), fused, FP8=False, BITS=w.bits,
                               ILV=ilv // cpw, SCALE_WORDS=group // cpw, SCALE_ROWS=0,
                               HAS_ZEROS=w.zeros is not None)
+            if fused is not None:
+                return y
         elif words is not None:
             y = _launch_gemv(_wq_gemv_kernel, x, words, n, cfg, (w.scales, zeros), w.scales.stride(0),
                              group * w.bits // 32, bits_per_code=w.bits, BITS=w.bits, GROUP=group,
@@ -411,7 +420,24 @@ def wq_matmul_triton(
             BITS=w.bits, GROUP=group, HAS_ZEROS=w.zeros is not None, DOT_PRECISION=_dot_precision(x.dtype),
             MAGIC=_MAGIC[x.dtype][0], MAGIC_BASE=_MAGIC[x.dtype][1],
         )
-    return y if bias is None else y + bias.to(y.dtype)
+    return _apply_act(y if bias is None else y + bias.to(y.dtype), act)
+
+
+def _check_act(act: str | None, n: int) -> None:
+    if act is not None and (act not in ACTIVATIONS or n % 2):
+        raise ValueError(f"act: expected one of {sorted(k for k in ACTIVATIONS if k)} with an even N, got "
+                         f"{act!r} with N = {n}")
+
+
+def _apply_act(y: torch.Tensor, act: str | None) -> torch.Tensor:
+    """The gated activation of a merged ``[gate; up]`` product (the unfused path)."""
+    if act is None:
+        return y
+    from ..ops import gelu_and_mul, silu_and_mul
+
+    if act == "silu":
+        return silu_and_mul(y)
+    return gelu_and_mul(y, approximate="tanh" if act == "gelu_tanh" else "none")
 
 
 
@@ -852,6 +878,7 @@ def _gemv4_kernel(
     FP8: tl.constexpr, BITS: tl.constexpr, ILV: tl.constexpr, SCALE_WORDS: tl.constexpr,
     SCALE_ROWS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
     XMASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+    ACT: tl.constexpr = 0,
 ):
     """MODE 4 GEMV, ``M <= 4``: ``qw`` int32 words ``[N, KW]`` in the interleaved layout of
     ``_ilv_words`` (word ``i`` of each block of ``ILV`` words holds codes ``i + ILV * j`` at bits
@@ -862,12 +889,23 @@ def _gemv4_kernel(
     K loop; else ``[cdiv(N, SCALE_ROWS), *]`` block scales, one per ``SCALE_WORDS`` words.
     Grid ``(cdiv(N, BLOCK_N), split)``; ``EVEN``: every split is whole tiles of ``BLOCK_KW`` words;
     ``XMASK``: the weights are padded past K.
+
+    ``ACT`` (``ops.linear.triton.ACTIVATIONS``; no split-K): ``qw`` is a merged ``[gate; up]`` weight
+    (``N = 2D``), a program streams gate row ``c`` and up row ``D + c`` side by side, and ``y [M, D]``
+    gets ``act(gate) * up`` (the gated-MLP epilogue, as in ``ops.linear``'s GEMV).
     """
     CPW: tl.constexpr = 32 // BITS
     FIELD: tl.constexpr = ((1 << BITS) - 1) << (23 - BITS)  # the top BITS mantissa bits
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    rows = tl.minimum(offs_n, N - 1)  # clamped: full tiles need no mask
+    r = tl.arange(0, BLOCK_N)
+    if ACT != 0:
+        c_out = tl.program_id(0) * (BLOCK_N // 2) + r // 2
+        rows = tl.minimum(c_out, N // 2 - 1) + (r % 2) * (N // 2)
+        offs_n = rows
+        n_mask = c_out < N // 2
+    else:
+        offs_n = tl.program_id(0) * BLOCK_N + r
+        n_mask = offs_n < N
+        rows = tl.minimum(offs_n, N - 1)  # clamped: full tiles need no mask
     kw_start = tl.program_id(1) * kw_per_split
     kw_end = tl.minimum(kw_start + kw_per_split, KW)
     offs_kw = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_KW), BLOCK_KW), BLOCK_KW)
@@ -932,7 +970,14 @@ def _gemv4_kernel(
         acc = acc * 1.329227995784916e36  # 2**120, exact
     else:
         acc = acc * (1 << BITS)
-    _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K)
+    if ACT != 0:
+        g, u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
+        out = _act_mul(g, u, y_ptr, ACT)
+        cols = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :], out.to(y_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & (cols < N // 2)[None, :])
+    else:
+        _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -1016,13 +1061,27 @@ def _pad_codes(codes: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: torch.Tensor, z: torch.Tensor,
-                  stride_sn: int, **meta) -> torch.Tensor:
-    """Run the MODE 4 GEMV; ``cfg["BLOCK_K"]`` counts codes per tile."""
+                  stride_sn: int, act: str | None = None, **meta) -> torch.Tensor:
+    """Run the MODE 4 GEMV; ``cfg["BLOCK_K"]`` counts codes per tile. With ``act`` the gated
+    epilogue (``[M, n // 2]``; one K split, BLOCK_N rounded up to even)."""
     m, k = x.shape
     kw = words.shape[1]
     cpw = 32 // meta["BITS"]
     bn = cfg["BLOCK_N"]
     bkw = max(4, cfg["BLOCK_K"] // cpw)
+    if act is not None:
+        bn += bn % 2
+        tiles = triton.cdiv(n // 2, bn // 2)
+        split, per = 1, triton.cdiv(kw, bkw) * bkw
+        y = torch.empty((m, n // 2), dtype=x.dtype, device=x.device)
+        even = kw % bkw == 0
+        _gemv4_kernel[(tiles, 1)](
+            x, words, s, z, y, y, y, m, n, k, kw, per, x.stride(0), words.stride(0), stride_sn, y.stride(0),
+            SPLIT_K=False, EVEN=even, XMASK=(not even) or kw * cpw > k, BLOCK_M=triton.next_power_of_2(m),
+            BLOCK_N=bn, BLOCK_KW=bkw, ACT=ACTIVATIONS[act], num_warps=cfg["num_warps"],
+            num_stages=cfg.get("num_stages", 1), **meta,
+        )
+        return y
     tiles = triton.cdiv(n, bn)
     split, per = _gemv_split(tiles, kw, bkw, x.device, cfg.get("SPLIT", 0))
     cfg["SPLIT"] = split
@@ -1194,12 +1253,15 @@ def _prune_m(configs, nargs):
 
 def fp8_wo_matmul_triton(
     x: torch.Tensor, w: FP8Weight, bias: torch.Tensor | None = None, *, config: dict | None = None,
+    act: str | None = None,
 ) -> torch.Tensor:
     """``x [M, K]`` (fp16/bf16/fp32) times emulated-FP8 ``w`` (logical ``[N, K]``, e4m3 bytes) -> ``[M, N]``
     in ``x.dtype``.
 
-    ``bias``: optional ``[N]``. ``config``: small-M launch override, as in :func:`wq_matmul_triton`.
+    ``bias``: optional ``[N]``. ``config``: small-M launch override, ``act``: the gated epilogue, both
+    as in :func:`wq_matmul_triton`.
     """
+    _check_act(act, w.shape[0])
     if w.block_size is not None and w.block_size != FP8_BLOCK:
         raise ValueError(f"w: block scales must be {FP8_BLOCK}x{FP8_BLOCK}, got {w.block_size}")
     n, k = w.shape
@@ -1213,9 +1275,12 @@ def fp8_wo_matmul_triton(
         cfg, words = _small_plan("fp8", x, w.qweight, n, k, kmax, config,
                                  lambda: interleave_words(_pad_codes(w.qweight, ILV_CODES), 8, ILV_CODES))
         if words is not None and cfg["MODE"] == 4:
-            y = _launch_gemv4(x, words, n, cfg, w.scales, w.scales, w.scales.stride(0), FP8=True, BITS=8,
+            fused = act if bias is None else None
+            y = _launch_gemv4(x, words, n, cfg, w.scales, w.scales, w.scales.stride(0), fused, FP8=True, BITS=8,
                               ILV=ILV_CODES // 4, SCALE_WORDS=max(scale_block, ILV_CODES) // 4,
                               SCALE_ROWS=scale_block, HAS_ZEROS=False)
+            if fused is not None:
+                return y
         elif words is not None:
             y = _launch_gemv(_fp8_gemv_kernel, x, words, n, cfg, (w.scales,), w.scales.stride(0),
                              (scale_block or 1 << 30) // 4, bits_per_code=8, SCALE_BLOCK=scale_block)
@@ -1230,7 +1295,7 @@ def fp8_wo_matmul_triton(
             x.stride(0), w.qweight.stride(0), w.scales.stride(0), y.stride(0),
             SCALE_BLOCK=scale_block, DECODE=decode, FOLD=fold, DOT_PRECISION=_dot_precision(x.dtype),
         )
-    return y if bias is None else y + bias.to(y.dtype)
+    return _apply_act(y if bias is None else y + bias.to(y.dtype), act)
 
 
 # ----------------------------------------------------------------------------------------------

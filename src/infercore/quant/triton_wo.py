@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ..ops.linear.triton import ACTIVATIONS, _act_mul
+from ..ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait, prefetch_l2
 from .formats import FP8_BLOCK, FP8Weight, GGUFWeight, IntWeight
 from .gguf import BLOCK_BYTES
 
@@ -878,7 +879,7 @@ def _gemv4_kernel(
     FP8: tl.constexpr, BITS: tl.constexpr, ILV: tl.constexpr, SCALE_WORDS: tl.constexpr,
     SCALE_ROWS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
     XMASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-    ACT: tl.constexpr = 0,
+    ACT: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):
     """MODE 4 GEMV, ``M <= 4``: ``qw`` int32 words ``[N, KW]`` in the interleaved layout of
     ``_ilv_words`` (word ``i`` of each block of ``ILV`` words holds codes ``i + ILV * j`` at bits
@@ -896,6 +897,7 @@ def _gemv4_kernel(
     """
     CPW: tl.constexpr = 32 // BITS
     FIELD: tl.constexpr = ((1 << BITS) - 1) << (23 - BITS)  # the top BITS mantissa bits
+    pdl_release(USE_PDL)
     r = tl.arange(0, BLOCK_N)
     if ACT != 0:
         c_out = tl.program_id(0) * (BLOCK_N // 2) + r // 2
@@ -910,6 +912,10 @@ def _gemv4_kernel(
     kw_end = tl.minimum(kw_start + kw_per_split, KW)
     offs_kw = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_KW), BLOCK_KW), BLOCK_KW)
     w_rows = qw_ptr + rows.to(tl.int64)[:, None] * stride_qn
+    if USE_PDL:  # the first tile's lines (32 words each) into L2 while the previous kernel finishes
+        NL: tl.constexpr = (BLOCK_KW + 31) // 32
+        prefetch_l2(w_rows + tl.minimum(kw_start + tl.arange(0, NL) * 32, KW - 1)[None, :], USE_PDL)
+    pdl_wait(USE_PDL)
     if FP8 and SCALE_ROWS != 0:
         s_rows = s_ptr + (rows // SCALE_ROWS).to(tl.int64)[:, None] * stride_sn
     else:
@@ -1079,7 +1085,7 @@ def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: to
             x, words, s, z, y, y, y, m, n, k, kw, per, x.stride(0), words.stride(0), stride_sn, y.stride(0),
             SPLIT_K=False, EVEN=even, XMASK=(not even) or kw * cpw > k, BLOCK_M=triton.next_power_of_2(m),
             BLOCK_N=bn, BLOCK_KW=bkw, ACT=ACTIVATIONS[act], num_warps=cfg["num_warps"],
-            num_stages=cfg.get("num_stages", 1), **meta,
+            num_stages=cfg.get("num_stages", 1), **meta, **pdl_launch(pdl_enabled(x)),
         )
         return y
     tiles = triton.cdiv(n, bn)
@@ -1093,7 +1099,7 @@ def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: to
         x, words, s, z, ws, y, cnt, m, n, k, kw, per, x.stride(0), words.stride(0), stride_sn, y.stride(0),
         SPLIT_K=split > 1, EVEN=even, XMASK=(not even) or kw * cpw > k,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_KW=bkw, num_warps=cfg["num_warps"],
-        num_stages=cfg.get("num_stages", 1), **meta,
+        num_stages=cfg.get("num_stages", 1), **meta, **pdl_launch(pdl_enabled(x)),
     )
     return y
 

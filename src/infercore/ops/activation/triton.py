@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from infercore.devices import register
+from infercore.ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
 
 _SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)
 _INV_SQRT_2: tl.constexpr = tl.constexpr(0.7071067811865476)
@@ -25,7 +26,10 @@ def _act_and_mul_kernel(
     stride_y,
     ACT: tl.constexpr,  # 0 silu, 1 gelu (tanh approximation), 2 gelu (exact, erf)
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -52,7 +56,7 @@ def _launch(x: torch.Tensor, act: int) -> torch.Tensor:
     BLOCK = min(triton.next_power_of_2(max(d, 1)), 1024)
     if x2.shape[0] > 0 and d > 0:
         _act_and_mul_kernel[(x2.shape[0], triton.cdiv(d, BLOCK))](
-            x2, y, d, x2.stride(0), y.stride(0), ACT=act, BLOCK=BLOCK, num_warps=4
+            x2, y, d, x2.stride(0), y.stride(0), ACT=act, BLOCK=BLOCK, num_warps=4, **pdl_launch(pdl_enabled(x2))
         )
     return y.reshape(*x.shape[:-1], d)
 

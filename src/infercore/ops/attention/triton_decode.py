@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from infercore.devices import capability, register, triton_interpreter
+from infercore.ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
 
 _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -68,7 +69,10 @@ def _decode_kernel(
     HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_MODE: tl.constexpr,  # 0 float cache, 1 int8, 2 fp8 (native convert), 3 fp8 bytes (emulated)
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -170,7 +174,10 @@ def _merge_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -285,7 +292,7 @@ def paged_attention_decode(
         group, D,
         PAGE=page_size, NUM_SPLITS=num_splits, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        DOT_PRECISION=precision, KV_MODE=kv_mode, **extra,
+        DOT_PRECISION=precision, KV_MODE=kv_mode, **extra, **pdl_launch(pdl_enabled(q)),
     )  # fmt: skip
     if num_splits > 1:
         _merge_kernel[(B, Hq)](
@@ -293,6 +300,7 @@ def paged_attention_decode(
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             out.stride(0), out.stride(1), D,
             NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            **pdl_launch(pdl_enabled(q)),
         )  # fmt: skip
     return out
 

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from infercore.devices import register
+from infercore.ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait, prefetch_l2
 
 from .naive import skinny_linear_ref
 
@@ -190,6 +191,19 @@ def _program_tile(w_ptr, N, k_per_split, stride_wn, BLOCK_N: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _prefetch_first_tile(w_ptr, rows, k_lo, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    """With PDL: ask L2 for the program's first weight tile (one request per 128-byte line) before
+    waiting on the previous kernel -- the weights do not depend on it."""
+    if USE_PDL:
+        LINE: tl.constexpr = 128 // w_ptr.dtype.element_ty.primitive_bitwidth * 8
+        NL: tl.constexpr = (BLOCK_K + LINE - 1) // LINE
+        offs = k_lo + tl.arange(0, NL) * LINE
+        ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + tl.minimum(offs, K - 1)[None, :]
+        prefetch_l2(ptrs, USE_PDL)
+
+
+@triton.jit
 def _load_tile(ptrs, mask, EVEN: tl.constexpr, EVICT: tl.constexpr):
     # EVEN: the K range divides into whole tiles, so no mask. EVICT (the weight, streamed once per
     # call): "evict_first" keeps it from pushing activations and the partial sums out of L2.
@@ -233,13 +247,17 @@ def _gemv_fma_kernel(
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr, EVEN: tl.constexpr, EVICT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Rows of x are unrolled by hand (BLOCK_M <= 4), each with its own 2-D accumulator over the
     # same weight tile: a 3-D [M, N, K] product made Triton shuffle the tile through shared memory.
+    pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
     offs_k, k_lo, rows, n_mask, w_ptrs = _program_tile(w_ptr, N, k_per_split, stride_wn, BLOCK_N, BLOCK_K, ACT)
+    _prefetch_first_tile(w_ptr, rows, k_lo, K, stride_wn, BLOCK_N, BLOCK_K, USE_PDL)
+    pdl_wait(USE_PDL)
     x0 = x_ptr + tl.minimum(m0, M - 1).to(tl.int64) * stride_xm + k_lo + offs_k
     x1 = x_ptr + tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_xm + k_lo + offs_k
     x2 = x_ptr + tl.minimum(m0 + 2, M - 1).to(tl.int64) * stride_xm + k_lo + offs_k
@@ -277,11 +295,15 @@ def _gemv_dot_kernel(
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr, EVEN: tl.constexpr, EVICT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k, k_lo, rows, n_mask, w_ptrs = _program_tile(w_ptr, N, k_per_split, stride_wn, BLOCK_N, BLOCK_K, ACT)
+    _prefetch_first_tile(w_ptr, rows, k_lo, K, stride_wn, BLOCK_N, BLOCK_K, USE_PDL)
+    pdl_wait(USE_PDL)
     m_mask = offs_m < M
     rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
@@ -314,7 +336,10 @@ def _gemv_dot_kernel(
 
 @triton.jit
 def _splitk_reduce_kernel(ws_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                          HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                          USE_PDL: tl.constexpr = False):  # fmt: skip
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)
     # One lane per output element: N of them per row, or N // 2 (gate/up pairs) with ACT.
     n_out = N // 2 if ACT != 0 else N
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -382,13 +407,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, USE_WS=use_ws, EVEN=even, EVICT=config.evict_first,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=bk, ACT=code,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(pdl_enabled(x)),
     )  # fmt: skip
     if use_ws:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(M * n_out, block),)](
             ws, b, y, M, N, y.stride(0), SPLIT_K=split, HAS_BIAS=bias is not None, ACT=code, BLOCK=block,
-            num_warps=4,
+            num_warps=4, **pdl_launch(pdl_enabled(x)),
         )  # fmt: skip
     return y
 

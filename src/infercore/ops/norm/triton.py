@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from infercore.devices import register
+from infercore.ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
 
 
 @triton.jit
@@ -29,10 +30,14 @@ def _rms_norm_kernel(
     offset,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset  # a weight: before the wait
+    pdl_wait(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
@@ -43,7 +48,6 @@ def _rms_norm_kernel(
         x = s
     xf = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
     tl.store(y_ptr + row * stride_y + cols, (xf * inv_rms * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -69,7 +73,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             x2, r2, weight, y, res_out, H,
             x2.stride(0), r2.stride(0), y.stride(0), res_out.stride(0),
             float(eps), float(offset),
-            HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, num_warps=num_warps,
+            HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, num_warps=num_warps, **pdl_launch(pdl_enabled(x2)),
         )  # fmt: skip
     y = y.reshape(x.shape)
     if residual is None:

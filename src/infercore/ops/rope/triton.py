@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from infercore.devices import register
+from infercore.ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
 
 from ..kv_cache.quant import write_kv_cache_quantized_ref
 from ..kv_cache.triton import QUANT_FP8, QUANT_NONE, native_fp8_store, quant_mode, quantize_rows
@@ -48,7 +49,10 @@ def _rope_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     half = ROT // 2
@@ -155,7 +159,7 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, i
             ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
             IS_NEOX=bool(is_neox), WRITE_CACHE=write, QUANT=mode,
             BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HK=triton.next_power_of_2(Hk),
-            BLOCK_D=triton.next_power_of_2(D), num_warps=4,
+            BLOCK_D=triton.next_power_of_2(D), num_warps=4, **pdl_launch(pdl_enabled(q)),
         )  # fmt: skip
     return q_out, k_out
 

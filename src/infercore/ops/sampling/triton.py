@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from infercore.devices import register, triton_interpreter
+from infercore.ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
 
 from .naive import apply_repetition_penalty
 
@@ -56,7 +57,10 @@ def _sample_kernel(
     x_ptr, stride_x, V,
     temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, out_ptr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)
     row = tl.program_id(0)
     x_ptr += row.to(tl.int64) * stride_x
 
@@ -169,7 +173,7 @@ def sample(logits: torch.Tensor, params, *, prev_tokens: torch.Tensor | None = N
     _sample_kernel[(B,)](
         x, x.stride(0), V,
         params.temperature, params.top_k, params.top_p, params.min_p, params.seeds, params.offsets, out,
-        BLOCK=BLOCK, **extra,
+        BLOCK=BLOCK, **extra, **pdl_launch(pdl_enabled(x)),
     )  # fmt: skip
     return out
 

@@ -1,0 +1,73 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the kernels of a decode step.
+
+A batch-1 decode step is ~300 short kernels in a row (norm, GEMV, RoPE, attention, GEMV, ...), each a
+few microseconds, each paying its launch, its first-wave memory latency and its tail. With PDL a
+kernel may be scheduled while its predecessor still runs: it does the work that does not depend on
+the predecessor (computing addresses, prefetching the weights it will stream into L2), then waits in
+``griddepcontrol.wait`` until the predecessor grid has finished and its writes are visible.
+
+The contract every kernel here keeps when launched with PDL (``USE_PDL``):
+
+* ``pdl_release()`` early: lets the *next* kernel be scheduled (it waits anyway before reading);
+* ``pdl_wait()`` on every path before the first read of data a previous kernel may have written,
+  and before the program exits (so completion stays transitive down the chain: a kernel's
+  successors may read what its predecessors wrote);
+* nothing produced in this step is read before ``pdl_wait()``; weights, caches' *other* slots and
+  host-filled buffers of an earlier step are not "produced in this step" only if no kernel of the
+  step writes them -- when in doubt, read after the wait.
+
+Kernels launched without PDL (torch's, cuBLAS) are ordinary stream dependencies, so mixing is safe.
+``INFERCORE_PDL=0`` turns it off; the Triton interpreter and GPUs before sm90 never use it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from infercore.devices import triton_interpreter
+
+
+@functools.cache
+def _device_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_enabled(t: torch.Tensor) -> bool:
+    """Whether kernels reading ``t`` launch with PDL: CUDA sm90+, not the interpreter, not disabled."""
+    if not t.is_cuda or triton_interpreter() or os.environ.get("INFERCORE_PDL", "1") == "0":
+        return False
+    return _device_ok(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch(use: bool) -> dict:
+    """Launch keyword arguments for a kernel with a ``USE_PDL`` constexpr (empty when off, so the
+    interpreter and older Tritons never see the option)."""
+    return {"USE_PDL": True, "launch_pdl": True} if use else {}
+
+
+@triton.jit
+def pdl_release(USE_PDL: tl.constexpr):
+    """Allow the next kernel in the stream to be scheduled (no-op without PDL)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait until the previous kernel has finished and its writes are visible (no-op without PDL)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def prefetch_l2(ptrs, USE_PDL: tl.constexpr):
+    """Ask L2 for the lines under ``ptrs`` (any shape; no data returned, nothing waited on). Only
+    with PDL, where it overlaps the previous kernel: e.g. a GEMV's first weight tile."""
+    if USE_PDL:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)

@@ -56,11 +56,11 @@ def test_fp8_emulated_bf16(m, block):
     assert _rel(fp8_wo_matmul(x, w), R.fp8_wo_matmul_ref(x, w)) < 1e-2
 
 
-@pytest.mark.parametrize("mode", [1, 2, 3, 4])
+@pytest.mark.parametrize("mode", [1, 2, 4])
 @pytest.mark.parametrize("m", [1, 5, 16])
 def test_small_m_every_mode_bf16(mode, m):
-    """Each small-M kernel variant the sweep may pick, with split-K, on bf16 activations (MODE 3/4 at
-    M > 4 run as the swapped dot)."""
+    """Each small-M kernel variant the sweep may pick, with split-K, on bf16 activations (MODE 4 at
+    M > 4 runs as the swapped dot)."""
     from infercore.quant import triton_wo
 
     torch.manual_seed(0)
@@ -69,8 +69,7 @@ def test_small_m_every_mode_bf16(mode, m):
     w4 = IntWeight.quantize(wt, bits=4, group_size=128)
     f8 = FP8Weight.quantize(wt)
     for split in (1, 4):
-        cfg = {"MODE": mode, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": split, "UNROLL": 2, "num_warps": 4,
-               "num_stages": 1 if mode == 3 else 3}
+        cfg = {"MODE": mode, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": split, "num_warps": 4, "num_stages": 3}
         assert _rel(triton_wo.wq_matmul_triton(x, w4, config=cfg), R.wq_matmul_ref(x, w4)) < 1e-2
         assert _rel(triton_wo.fp8_wo_matmul_triton(x, f8, config=cfg), R.fp8_wo_matmul_ref(x, f8)) < 1e-2
 

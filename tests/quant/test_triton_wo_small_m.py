@@ -53,9 +53,9 @@ def test_wq_small_fp16_rows_up_to_16(mode):
 def test_wq_small_default_config_picks_split():
     w = IntWeight.quantize(torch.randn(32, 1024), bits=4, group_size=64)
     cfg = triton_wo._small_cfg("int4", 32, 1024, 1, 64, torch.device("cpu"), None)
-    assert cfg["MODE"] == 3 and cfg["BLOCK_K"] <= 64 and cfg["BLOCK_M"] == 1
+    assert cfg["MODE"] == 4 and cfg["BLOCK_M"] == 1
     tiles = 32 // cfg["BLOCK_N"]
-    split, _ = triton_wo._gemv_split(tiles, 1024 // 8, cfg["BLOCK_K"] // 8 * cfg["UNROLL"], torch.device("cpu"), 0)
+    split, _ = triton_wo._gemv_split(tiles, 1024 // 8, cfg["BLOCK_K"] // 8, torch.device("cpu"), 0)
     assert split > 1
     x = torch.randn(1, 1024)
     assert _err(triton_wo.wq_matmul_triton(x, w), R.wq_matmul_ref(x, w)) < 1e-5
@@ -75,55 +75,55 @@ def test_fp8_small_modes(mode, block, m, dtype):
         assert y.dtype == dtype and _err(y, r) < tol, (split, _err(y, r))
 
 
-def _gemv(split, bk=64, unroll=2, mode=3):
-    if mode == 4:
-        # PROGRAMS 1: at most 4 programs (the CPU counts as 4 SMs), so each walks several row blocks
-        return {"MODE": 4, "BLOCK_N": 8, "BLOCK_K": bk, "SPLIT": split, "num_warps": 4, "PROGRAMS": 1}
-    return {"MODE": 3, "BLOCK_N": 16, "BLOCK_K": bk, "UNROLL": unroll, "SPLIT": split, "num_warps": 4}
+def _gemv(split, bk=64, stages=2):
+    return {"MODE": 4, "BLOCK_N": 8, "BLOCK_K": bk, "SPLIT": split, "num_warps": 4, "num_stages": stages}
 
 
-@pytest.mark.parametrize("mode", [3, 4])
 @pytest.mark.parametrize("bits,sym,group", [(4, False, 64), (4, True, None), (8, False, 32), (8, True, 128)])
 @pytest.mark.parametrize("m", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_wq_gemv_words(mode, bits, sym, group, m, dtype):
-    """MODE 3 over int32 words / MODE 4 over the interleaved words; bf16 x goes through the
-    int32-pair widening in MODE 3 and a plain widening load in MODE 4 (no bf16 math in either
-    kernel, so the interpreter can run them); split-K is reduced inside the kernel."""
+def test_wq_gemv_words(bits, sym, group, m, dtype):
+    """MODE 4 over the interleaved words; bf16 x is widened by the load (no bf16 math in the
+    kernel, so the interpreter can run it); split-K is reduced inside the kernel."""
     torch.manual_seed(bits + m)
     w = IntWeight.quantize(torch.randn(37, 256), bits=bits, group_size=group, symmetric=sym)  # odd N
     x = torch.randn(m, 256).to(dtype)
     r = R.wq_matmul_ref(x.float(), w)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     for split in (1, 2, 4):
-        y = triton_wo.wq_matmul_triton(x, w, config=_gemv(split, mode=mode))
+        y = triton_wo.wq_matmul_triton(x, w, config=_gemv(split))
         assert y.dtype == dtype and _err(y, r) < tol, (split, _err(y, r))
 
 
-def test_wq_gemv_unaligned_rows_fall_back():
-    # K = 198 (per-channel): 99 bytes per row cannot be read as words; the dot mode runs instead.
+def test_wq_gemv_unaligned_rows():
+    # K = 198 (per-channel): 99 bytes per row; the interleaved words pad the codes to 256.
     torch.manual_seed(3)
     w = IntWeight.quantize(torch.randn(24, 198), bits=4, group_size=None)
     x = torch.randn(1, 198)
     assert _err(triton_wo.wq_matmul_triton(x, w, config=_gemv(1)), R.wq_matmul_ref(x, w)) < 1e-5
 
 
-@pytest.mark.parametrize("mode", [3, 4])
+def test_wq_gemv_rows_above_gemv_max_take_the_dot():
+    torch.manual_seed(4)
+    w = IntWeight.quantize(torch.randn(24, 256), bits=4, group_size=64)
+    x = torch.randn(6, 256)
+    assert _err(triton_wo.wq_matmul_triton(x, w, config=_gemv(1)), R.wq_matmul_ref(x, w)) < 1e-5
+
+
 @pytest.mark.parametrize("block", [None, 128])
 @pytest.mark.parametrize("m,dtype", [(1, torch.float32), (4, torch.float32), (3, torch.bfloat16), (2, torch.float16)])
-def test_fp8_gemv_words(mode, block, m, dtype):
+def test_fp8_gemv_words(block, m, dtype):
     torch.manual_seed(m)
     w = FP8Weight.quantize(torch.randn(40, 288), block_size=block)
     x = torch.randn(m, 288).to(dtype)
     r = R.fp8_wo_matmul_ref(x.float(), w)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     for split in (1, 3):
-        y = triton_wo.fp8_wo_matmul_triton(x, w, config=_gemv(split, mode=mode))
+        y = triton_wo.fp8_wo_matmul_triton(x, w, config=_gemv(split))
         assert _err(y, r) < tol, (split, _err(y, r))
 
 
-@pytest.mark.parametrize("mode", [3, 4])
-def test_fp8_gemv_decode_bit_exact(mode):
+def test_fp8_gemv_decode_bit_exact():
     """Every e4m3 byte (subnormals, both signs; NaN codes excluded) through the GEMV's decode with
     a one-hot activation equals torch's float8_e4m3fn conversion times the scale, exactly."""
     codes = torch.arange(256, dtype=torch.uint8)
@@ -132,11 +132,11 @@ def test_fp8_gemv_decode_bit_exact(mode):
     w = FP8Weight(q.contiguous(), torch.ones(q.shape[0]), None)
     x = torch.zeros(1, 8)
     x[0, 5] = 1.0
-    y = triton_wo.fp8_wo_matmul_triton(x, w, config=_gemv(1, bk=8, unroll=1, mode=mode))
+    y = triton_wo.fp8_wo_matmul_triton(x, w, config=_gemv(1, bk=8, stages=1))
     assert torch.equal(y[0], codes.view(torch.float8_e4m3fn).float())
 
 
-@pytest.mark.parametrize("mode", [0, 5, None])
+@pytest.mark.parametrize("mode", [0, 3, 5, None])
 def test_small_config_rejects_unknown_mode(mode):
     w = IntWeight.quantize(torch.randn(16, 64), bits=4, group_size=32)
     f = FP8Weight.quantize(torch.randn(16, 64))
@@ -181,9 +181,9 @@ def test_gemv4_words_cached_per_weight():
     torch.manual_seed(5)
     w = IntWeight.quantize(torch.randn(16, 256), bits=4, group_size=64)
     x = torch.randn(1, 256)
-    y1 = triton_wo.wq_matmul_triton(x, w, config=_gemv(1, mode=4))
+    y1 = triton_wo.wq_matmul_triton(x, w, config=_gemv(1))
     words = triton_wo._ILV_CACHE[id(w.qweight)][1]
-    y2 = triton_wo.wq_matmul_triton(x, w, config=_gemv(2, mode=4))
+    y2 = triton_wo.wq_matmul_triton(x, w, config=_gemv(2))
     assert triton_wo._ILV_CACHE[id(w.qweight)][1] is words
     assert _err(y1, y2) < 1e-6 and _err(y1, R.wq_matmul_ref(x, w)) < 1e-5
 
@@ -197,11 +197,11 @@ def test_gemv4_ragged_last_tile(kind):
     x = torch.randn(2, k)
     if kind == "fp8":
         w = FP8Weight.quantize(torch.randn(24, k), block_size=128)
-        y = triton_wo.fp8_wo_matmul_triton(x, w, config=_gemv(1, bk=256, mode=4))
+        y = triton_wo.fp8_wo_matmul_triton(x, w, config=_gemv(1, bk=256))
         r = R.fp8_wo_matmul_ref(x, w)
     else:
         w = IntWeight.quantize(torch.randn(24, k), bits=int(kind[3:]), group_size=128, symmetric=False)
-        y = triton_wo.wq_matmul_triton(x, w, config=_gemv(1, bk=256, mode=4))
+        y = triton_wo.wq_matmul_triton(x, w, config=_gemv(1, bk=256))
         r = R.wq_matmul_ref(x, w)
     assert torch.isfinite(y).all() and _err(y, r) < 1e-5
 
@@ -220,7 +220,7 @@ def _act_ref(y, act):
 @pytest.mark.parametrize("m", [1, 3])
 def test_gemv4_fused_act(act, kind, m):
     """MODE 4 with the gated epilogue on a merged [gate; up] weight (D = 13, odd, so the last
-    program is partial) equals act(gate) * up of the reference product; a bias, or a non-MODE-4
+    program is partial) equals act(gate) * up of the reference product; a bias, or a dot (MODE 2)
     config, takes the unfused path with the same result."""
     torch.manual_seed(m)
     k = 256
@@ -233,11 +233,11 @@ def test_gemv4_fused_act(act, kind, m):
         w = IntWeight.quantize(wt, bits=int(kind[3:]), group_size=64)
         fn, ref = triton_wo.wq_matmul_triton, R.wq_matmul_ref(x, w)
     want = _act_ref(ref, act)
-    for cfg in ({**_gemv(1, mode=4), "BLOCK_N": 4}, {**_gemv(1, mode=4), "BLOCK_N": 3}, _gemv(2, mode=3)):
+    for cfg in ({**_gemv(1), "BLOCK_N": 4}, {**_gemv(1), "BLOCK_N": 3}, _cfg(2, 2)):
         y = fn(x, w, config=cfg, act=act)
         assert y.shape == (m, 13) and _err(y, want) < 1e-5, (cfg, _err(y, want))
     bias = torch.randn(26)
-    y = fn(x, w, bias, config=_gemv(1, mode=4), act=act)
+    y = fn(x, w, bias, config=_gemv(1), act=act)
     assert _err(y, _act_ref(ref + bias, act)) < 1e-5
 
 

@@ -1,9 +1,9 @@
 """Triton weight-only GEMV/GEMM kernels with the dequantization fused into the load.
 
-* ``_wq_gemv_kernel`` / ``_fp8_gemv_kernel`` -- small-M MODE 3, M <= 4 (decode): CUDA-core GEMV
-  over the weights read as int32 words, per-thread accumulators reduced once, split-K finished
-  inside the kernel. The two differ only in the weight decode; the rest is shared ``_gemv_*``
-  helpers.
+* ``_gemv4_kernel`` -- small-M MODE 4, M <= 4 (decode): CUDA-core GEMV over INT4/INT8/FP8 weights
+  repacked once into interleaved int32 words (``interleave_words``), per-thread accumulators
+  reduced once, split-K finished inside the kernel, optional gated-activation epilogue (see the
+  MODE 4 section below).
 * ``_wq_small_kernel`` -- INT4/INT8 group-wise weights, M <= 16, MODE 1/2. One program owns
   ``BLOCK_N`` output channels and one K slice (split-K when the channel tiles alone cannot keep
   ~4 programs per SM in flight; fp32 partials then land in a workspace the wrapper sums). Each
@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ..ops.linear.triton import ACTIVATIONS, _act_mul
-from ..ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait, prefetch_l2
+from ..ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
 from .formats import FP8_BLOCK, FP8Weight, GGUFWeight, IntWeight
 from .gguf import BLOCK_BYTES
 
@@ -64,7 +64,7 @@ def _interp_cfg() -> triton.Config:
 
 # Up to this many rows the small-M (decode) kernels run; above, the tiled GEMMs.
 SMALL_M_MAX = 16
-# Up to this many rows MODE 3 (the CUDA-core GEMV over int32 words) can run.
+# Up to this many rows MODE 4 (the CUDA-core GEMV over int32 words) can run.
 GEMV_M_MAX = 4
 
 
@@ -377,8 +377,8 @@ def wq_matmul_triton(
     ``x.dtype``.
 
     ``bias``: optional ``[N]``. ``config`` (M <= ``SMALL_M_MAX`` only; benchmarks/sweeps): the
-    small-M launch parameters ``{"MODE", "BLOCK_N", "BLOCK_K", "SPLIT", "UNROLL", "num_warps",
-    "num_stages"}`` (see ``_small_cfg``) instead of the tuned table / heuristic.
+    small-M launch parameters ``{"MODE", "BLOCK_N", "BLOCK_K", "SPLIT", "num_warps", "num_stages"}``
+    (see ``_small_cfg``) instead of the tuned table / heuristic.
     ``act`` (``"silu"``, ``"gelu_tanh"``, ``"gelu"``): ``w`` is a merged ``[gate; up]`` weight and the
     result is ``act(gate) * up`` ``[M, N // 2]``, in MODE 4's epilogue when that path runs (no bias),
     else as the ``*_and_mul`` op after the product.
@@ -404,10 +404,6 @@ def wq_matmul_triton(
                               HAS_ZEROS=w.zeros is not None)
             if fused is not None:
                 return y
-        elif words is not None:
-            y = _launch_gemv(_wq_gemv_kernel, x, words, n, cfg, (w.scales, zeros), w.scales.stride(0),
-                             group * w.bits // 32, bits_per_code=w.bits, BITS=w.bits, GROUP=group,
-                             HAS_ZEROS=w.zeros is not None)
         else:
             y = _launch_small(_wq_small_kernel, x, w.qweight, (w.scales, zeros), (k, kp), n, kp, cfg,
                               BITS=w.bits, GROUP=group, HAS_ZEROS=w.zeros is not None,
@@ -445,39 +441,37 @@ def _apply_act(y: torch.Tensor, act: str | None) -> torch.Tensor:
 # Small-M launch table: (kind, N, K, M bucket) -> config, from benchmarks/sweep_quant_wo.py on an
 # H200 (its "table" output). Missing entries use the heuristic in ``_small_cfg``.
 SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
-    # results/h200/sweeps/sweep_quant_wo_mode4.json (the int4 4096x14336 M=1 entry: the MODE 4 tile of
-    # the other shapes; its sweep row failed on a since-fixed out-of-range read, re-measured in
-    # results/h200/quant_wo_small_m.json)
-    ("int4", 14336, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 4096, 'num_warps': 4, 'num_stages': 1, 'SPLIT': 0},
+    # benchmarks/sweep_quant_wo.py on the H200: results/h200/quant_wo_small_m.json
+    ("int4", 14336, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 2, 'num_stages': 2, 'SPLIT': 0},
     ("int4", 14336, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
     ("int4", 14336, 4096, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("fp8", 14336, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 1},
+    ("fp8", 14336, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 0},
     ("fp8", 14336, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
     ("fp8", 14336, 4096, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
-    ("int4", 6144, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 4096, 'num_warps': 4, 'num_stages': 1, 'SPLIT': 1},
+    ("int4", 6144, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 4096, 'num_warps': 4, 'num_stages': 1, 'SPLIT': 0},
     ("int4", 6144, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
     ("int4", 6144, 4096, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("fp8", 6144, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 0},
+    ("fp8", 6144, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 1024, 'num_warps': 2, 'num_stages': 2, 'SPLIT': 1},
     ("fp8", 6144, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
     ("fp8", 6144, 4096, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
     ("int4", 4096, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 4096, 'num_warps': 4, 'num_stages': 1, 'SPLIT': 1},
     ("int4", 4096, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
     ("int4", 4096, 4096, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("fp8", 4096, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 1},
+    ("fp8", 4096, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 0},
     ("fp8", 4096, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
     ("fp8", 4096, 4096, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
-    ("int4", 28672, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 4096, 'num_warps': 4, 'num_stages': 1, 'SPLIT': 1},
+    ("int4", 28672, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 2, 'num_stages': 2, 'SPLIT': 1},
     ("int4", 28672, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
     ("int4", 28672, 4096, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
-    ("fp8", 28672, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 0},
-    ("fp8", 28672, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("fp8", 28672, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 1024, 'num_warps': 2, 'num_stages': 2, 'SPLIT': 0},
+    ("fp8", 28672, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
     ("fp8", 28672, 4096, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 1},
+    ("int4", 4096, 14336, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 2, 'num_stages': 2, 'SPLIT': 1},
     ("int4", 4096, 14336, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
     ("int4", 4096, 14336, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
     ("fp8", 4096, 14336, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 1},
     ("fp8", 4096, 14336, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
     ("fp8", 4096, 14336, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("int4", 4096, 14336, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 4096, 'num_warps': 4, 'num_stages': 1, 'SPLIT': 1},
 }
 
 
@@ -485,38 +479,34 @@ def _small_cfg(kind: str, n: int, kp: int, m: int, kmax: int, device: torch.devi
                override: dict | None) -> dict:
     """Launch parameters of the small-M kernels; ``kmax`` caps BLOCK_K (group / scale block).
 
-    Keys: MODE (1 dot, 2 swapped dot, 3 word GEMV for M <= GEMV_M_MAX), BLOCK_N, BLOCK_K (codes per
-    tile; MODE 3 tiles stay inside one group), UNROLL (MODE 3: tiles loaded per K step), SPLIT
-    (0: heuristic), num_warps, num_stages.
+    Keys: MODE (1 dot, 2 swapped dot, 4 word GEMV for M <= GEMV_M_MAX), BLOCK_N, BLOCK_K (codes per
+    tile; MODE 1/2 tiles stay inside one group, MODE 4 tiles span groups), SPLIT (0: heuristic),
+    num_warps, num_stages.
     """
     mb = triton.next_power_of_2(m)
     if override is not None:
-        if override.get("MODE") not in (1, 2, 3, 4):
-            raise ValueError(f"config: MODE must be 1, 2, 3 or 4, got {override.get('MODE')!r}")
+        if override.get("MODE") not in (1, 2, 4):
+            raise ValueError(f"config: MODE must be 1, 2 or 4, got {override.get('MODE')!r}")
         cfg = dict(override)
     elif _INTERPRET:
-        cfg = {"MODE": 3 if m <= GEMV_M_MAX else 2, "BLOCK_N": 16, "BLOCK_K": 64, "UNROLL": 2, "SPLIT": 0,
+        cfg = {"MODE": 4 if m <= GEMV_M_MAX else 2, "BLOCK_N": 8, "BLOCK_K": 64, "SPLIT": 0,
                "num_warps": 4, "num_stages": 1}
     elif any((kind, n, kp, b) in SMALL_M_TUNED for b in (mb, 2 * mb, 4 * mb, 8 * mb, 16 * mb)):
         # A bucket not swept borrows the next larger one (the same tile serves fewer rows).
         b = next(b for b in (mb, 2 * mb, 4 * mb, 8 * mb, 16 * mb) if (kind, n, kp, b) in SMALL_M_TUNED)
         cfg = dict(SMALL_M_TUNED[(kind, n, kp, b)])
-        if cfg["MODE"] in (3, 4) and m > GEMV_M_MAX:
+        if cfg["MODE"] == 4 and m > GEMV_M_MAX:
             cfg = {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 0, "num_warps": 4, "num_stages": 3}
     elif m == 1:
-        # (Untuned M = 2..4 measured ~40x slower in the word GEMV than in the swapped dot on the H200.)
-        # Word GEMV: 128 channels x one group's words per tile (4 rows of 16 B per thread), 4 tiles
-        # in flight per step; split-K (reduced in the kernel) brings the programs to ~2 per SM.
-        cfg = {"MODE": 3, "BLOCK_N": 128, "BLOCK_K": 128 if kind == "int4" else 64, "UNROLL": 4, "SPLIT": 0,
-               "num_warps": 4, "num_stages": 1}
+        # The tile the H200 sweep picked on most Llama-8B shapes (results/h200/quant_wo_small_m.json):
+        # 4 channels x 2048 codes per step, 2-stage pipelined K loop; at M = 2..4 the swapped dot won.
+        cfg = {"MODE": 4, "BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT": 0, "num_warps": 4, "num_stages": 2}
     else:
         cfg = {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 0, "num_warps": 4, "num_stages": 3}
     if cfg["MODE"] != 4:  # MODE 4 tiles span groups (per-word scales)
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], kmax)
-    cfg["BLOCK_M"] = mb if cfg["MODE"] in (3, 4) else max(16, mb)
-    if cfg["MODE"] in (3, 4):
-        if cfg["MODE"] == 3:
-            cfg.setdefault("UNROLL", 1)
+    cfg["BLOCK_M"] = mb if cfg["MODE"] == 4 else max(16, mb)
+    if cfg["MODE"] == 4:
         cfg.setdefault("SPLIT", 0)  # 0: chosen at launch (_gemv_split)
     elif not cfg.get("SPLIT"):
         # Split K until programs cover the multiprocessors ~4 times, keeping >= 4 steps per split.
@@ -560,16 +550,14 @@ def _small_out(x: torch.Tensor, m: int, n: int, k: int, cfg: dict) -> tuple[torc
 
 def _small_plan(kind: str, x: torch.Tensor, qweight: torch.Tensor, n: int, kdim: int, kmax: int,
                 config: dict | None, make_ilv) -> tuple[dict, torch.Tensor | None]:
-    """Small-M config and, when it is a word GEMV that can run (M <= GEMV_M_MAX; MODE 3: rows
-    word-aligned; MODE 4: its interleaved words exist or may be made now, by ``make_ilv()``), the
-    int32 words; otherwise ``None`` and a MODE 1/2 config."""
+    """Small-M config and, when it is the MODE 4 GEMV and can run (M <= GEMV_M_MAX and its
+    interleaved words exist or may be made now, by ``make_ilv()``), the int32 words; otherwise
+    ``None`` and a MODE 1/2 config."""
     m = x.shape[0]
     cfg = _small_cfg(kind, n, kdim, m, kmax, x.device, config)
-    if cfg["MODE"] not in (3, 4):
+    if cfg["MODE"] != 4:
         return cfg, None
-    words = None
-    if m <= GEMV_M_MAX:
-        words = _as_words(qweight) if cfg["MODE"] == 3 else _ilv_cached(qweight, make_ilv)
+    words = _ilv_cached(qweight, make_ilv) if m <= GEMV_M_MAX else None
     if words is None:  # not runnable (see above): the tensor-core path
         cfg = _small_cfg(kind, n, kdim, m, kmax, x.device, {**cfg, "MODE": 2, "SPLIT": 0})
     return cfg, words
@@ -592,34 +580,6 @@ def _launch_small(kernel, x: torch.Tensor, qweight: torch.Tensor, tensors: tuple
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1), **meta,
     )
     return _finish_splits(ws, x.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# MODE 3: CUDA-core GEMV over 32-bit words (M <= 4), bandwidth-bound decode path
-# ----------------------------------------------------------------------------------------------
-# Why a separate kernel: at M = 1 the tl.dot modes waste the tensor cores on one row and the
-# reduction across lanes every K step costs more than the dequantization. Here each thread keeps
-# a private accumulator per (row, word) it owns for the whole K loop and the lanes are reduced
-# once at the end. The stored byte layout is read as little-endian int32 words, which for INT4 is
-# GPTQ's word order (code k = 8i + j at bits 4j), so no repack is needed and every load is 16 B.
-
-
-@triton.jit
-def _gemv_x(x_ptr, row, k, K, XPAIRS: tl.constexpr, HIGH: tl.constexpr):
-    """Activations ``x[row, k]`` for code positions ``k [BLOCK_KW]`` as fp32 ``[1, BLOCK_KW]``.
-
-    XPAIRS: x is bf16 passed as int32 pairs (``row`` in pairs); the bf16 -> fp32 widening is then
-    a shift (even ``k``) or a mask (odd ``k``, HIGH), no convert instruction.
-    """
-    if XPAIRS:
-        v = tl.load(x_ptr + row + k // 2, mask=k < K, other=0)
-        if HIGH:
-            f = (v & -65536).to(tl.float32, bitcast=True)
-        else:
-            f = (v << 16).to(tl.float32, bitcast=True)
-    else:
-        f = tl.load(x_ptr + row + k, mask=k < K, other=0).to(tl.float32)
-    return f[None, :]
 
 
 @triton.jit
@@ -648,41 +608,10 @@ def _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, st
 
 
 @triton.jit
-def _gemv_setup(N, KW, kw_per_split, stride_qn, BLOCK_N: tl.constexpr):
-    """Program ``(n, s)`` of a GEMV: channel offsets, mask, int64 word-row offsets, and its word range."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    kw_start = tl.program_id(1) * kw_per_split
-    return (offs_n, offs_n < N, offs_n.to(tl.int64)[:, None] * stride_qn, kw_start,
-            tl.minimum(kw_start + kw_per_split, KW))
-
-
-@triton.jit
 def _gemv_zeros(BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
     """Four per-thread fp32 accumulators ``[BLOCK_N, BLOCK_KW]``, one per row."""
     return (tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32), tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32),
             tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32), tl.zeros([BLOCK_N, BLOCK_KW], dtype=tl.float32))
-
-
-@triton.jit
-def _gemv_words(qw_ptr, rows_w, kb, n_mask, kw_end, BLOCK_KW: tl.constexpr):
-    """Words ``[kb, kb + BLOCK_KW)`` of the program's rows as int32 ``[BLOCK_N, BLOCK_KW]``, and their indices."""
-    kw = kb + tl.arange(0, BLOCK_KW)
-    w = tl.load(qw_ptr + rows_w + kw[None, :], mask=n_mask[:, None] & (kw < kw_end)[None, :], other=0,
-                eviction_policy="evict_first")
-    return w, kw
-
-
-@triton.jit
-def _gemv_fma(p0, p1, p2, p3, q, x_ptr, k, K, M, stride_xm, XPAIRS: tl.constexpr, HIGH: tl.constexpr,
-              BLOCK_M: tl.constexpr):
-    """``p_r += q * x[r, k]`` for the rows ``r < BLOCK_M`` (rows past M re-read row M - 1; the store masks them)."""
-    p0 += q * _gemv_x(x_ptr, 0, k, K, XPAIRS, HIGH)
-    if BLOCK_M > 1:
-        p1 += q * _gemv_x(x_ptr, tl.minimum(1, M - 1) * stride_xm, k, K, XPAIRS, HIGH)
-    if BLOCK_M > 2:
-        p2 += q * _gemv_x(x_ptr, tl.minimum(2, M - 1) * stride_xm, k, K, XPAIRS, HIGH)
-        p3 += q * _gemv_x(x_ptr, tl.minimum(3, M - 1) * stride_xm, k, K, XPAIRS, HIGH)
-    return p0, p1, p2, p3
 
 
 @triton.jit
@@ -718,101 +647,14 @@ def _gemv_rows(a0, a1, a2, a3, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 
-@triton.jit
-def _wq_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, ws_ptr, y_ptr, cnt_ptr,
-    M, N, K, KW, kw_per_split,
-    stride_xm, stride_qn, stride_sn, stride_ym,
-    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, XPAIRS: tl.constexpr,
-    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-    UNROLL: tl.constexpr,
-):
-    """INT4/INT8 GEMV, ``M <= 4``: ``qw`` int32 words ``[N, KW]`` (``32 / BITS`` codes each; code
-    ``j`` of word ``i`` is ``k = (32 / BITS) * i + j`` at bits ``BITS * j``).
-
-    Grid ``(cdiv(N, BLOCK_N), split)``. Each K step loads UNROLL tiles of ``[BLOCK_N, BLOCK_KW]``
-    words (several 16-byte loads in flight per thread); a tile lies in one group
-    (``BLOCK_KW * 32 / BITS <= GROUP``), so its scale is one per channel. Per code: shift,
-    mask-or into the mantissa of 2**23 (exact ``2**23 + q``), subtract ``2**23 + z`` (exact
-    ``q - z``: the zero point costs nothing), one FMA per row into a per-thread accumulator. Per
-    word and row: one FMA with the scale. Lanes are reduced once, after the K loop.
-    """
-    CPW: tl.constexpr = 32 // BITS
-    CMASK: tl.constexpr = (1 << BITS) - 1
-    offs_n, n_mask, rows_w, kw_start, kw_end = _gemv_setup(N, KW, kw_per_split, stride_qn, BLOCK_N)
-    a0, a1, a2, a3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
-    for kw0 in range(kw_start, kw_end, BLOCK_KW * UNROLL):
-        for u in tl.static_range(UNROLL):
-            kb = kw0 + u * BLOCK_KW
-            w, kw = _gemv_words(qw_ptr, rows_w, kb, n_mask, kw_end, BLOCK_KW)
-            g = (kb * CPW) // GROUP
-            s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)[:, None]
-            if HAS_ZEROS:
-                z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.int32)
-                zm = (z | 0x4B000000).to(tl.float32, bitcast=True)[:, None]
-            else:
-                zm = 8388608.0 + 2 ** (BITS - 1)
-            p0, p1, p2, p3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
-            for j in tl.static_range(CPW):
-                q = ((((w >> (BITS * j)) & CMASK) | 0x4B000000).to(tl.float32, bitcast=True) - zm)
-                p0, p1, p2, p3 = _gemv_fma(p0, p1, p2, p3, q, x_ptr, kw * CPW + j, K, M, stride_xm, XPAIRS, j % 2,
-                                           BLOCK_M)
-            a0, a1, a2, a3 = _gemv_add(a0, a1, a2, a3, p0, p1, p2, p3, s, BLOCK_M, True)
-    acc, offs_m, m_mask = _gemv_rows(a0, a1, a2, a3, M, BLOCK_M, BLOCK_N)
-    _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K)
-
-
-@triton.jit
-def _fp8_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, ws_ptr, y_ptr, cnt_ptr,
-    M, N, K, KW, kw_per_split,
-    stride_xm, stride_qn, stride_sn, stride_ym,
-    SCALE_BLOCK: tl.constexpr, XPAIRS: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, UNROLL: tl.constexpr,
-):
-    """Emulated-FP8 GEMV, ``M <= 4``, over int32 words of 4 e4m3 bytes (``k = 4i + j`` in byte ``j``).
-
-    Grid and K loop as in ``_wq_gemv_kernel``. Byte ``j`` is shifted to the top of the word (none
-    for ``j = 3``); an arithmetic shift by 4 then puts its sign at bit 31 and its 7
-    exponent/mantissa bits at bits 20..26, and one mask leaves exactly the fp32 pattern of
-    ``e4m3 * 2**-120`` (subnormals included): <= 3 integer ops and one FMA per weight. ``2**120``
-    and the scale are applied per word and row (128x128 block scales; ``4 * BLOCK_KW`` divides the
-    block) or once at the end (per channel).
-    """
-    offs_n, n_mask, rows_w, kw_start, kw_end = _gemv_setup(N, KW, kw_per_split, stride_qn, BLOCK_N)
-    a0, a1, a2, a3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
-    for kw0 in range(kw_start, kw_end, BLOCK_KW * UNROLL):
-        for u in tl.static_range(UNROLL):
-            kb = kw0 + u * BLOCK_KW
-            w, kw = _gemv_words(qw_ptr, rows_w, kb, n_mask, kw_end, BLOCK_KW)
-            p0, p1, p2, p3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
-            for j in tl.static_range(4):
-                if j < 3:
-                    t = w << (24 - 8 * j)
-                else:
-                    t = w
-                wf = ((t >> 4) & -2014314496).to(tl.float32, bitcast=True)  # mask 0x87F00000
-                p0, p1, p2, p3 = _gemv_fma(p0, p1, p2, p3, wf, x_ptr, kw * 4 + j, K, M, stride_xm, XPAIRS, j % 2,
-                                           BLOCK_M)
-            if SCALE_BLOCK != 0:
-                sb = tl.load(s_ptr + (offs_n // SCALE_BLOCK) * stride_sn + (kb * 4) // SCALE_BLOCK, mask=n_mask,
-                             other=0.0)[:, None]
-            else:
-                sb = 1.0  # unused: per-channel scales are applied after the K loop
-            a0, a1, a2, a3 = _gemv_add(a0, a1, a2, a3, p0, p1, p2, p3, sb, BLOCK_M, SCALE_BLOCK != 0)
-    acc, offs_m, m_mask = _gemv_rows(a0, a1, a2, a3, M, BLOCK_M, BLOCK_N)
-    if SCALE_BLOCK == 0:
-        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
-    acc = acc * 1.329227995784916e36  # 2**120, exact
-    _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K)
-
-
 
 # ----------------------------------------------------------------------------------------------
 # MODE 4: streaming word GEMV (M <= 4): few channels per program, long K tiles, software-pipelined
 # ----------------------------------------------------------------------------------------------
-# MODE 3 keeps 128 channels x one group per tile and masks every word against the split's end, so
-# its weight loads are 4-byte (the mask defeats vectorization) and a program runs a few steps only.
+# Why a CUDA-core kernel: at M = 1 the tl.dot modes waste the tensor cores on one row. Each thread
+# keeps a private accumulator per (row, word) it owns for the whole K loop; lanes are reduced once.
+# (An earlier word GEMV over the stored byte order, 128 channels x one group per tile, had its
+# 16-byte loads split into 4-byte ones by a per-word mask and measured 1.2-1.4x slower; removed.)
 # MODE 4 is the layout of the bf16 skinny GEMV (ops.linear), which streams at the copy bandwidth:
 # BLOCK_N channels (clamped into range, so full tiles need no mask) x BLOCK_KW words spanning many
 # groups, 16-byte loads, the K loop pipelined by Triton (num_stages), per-word scales gathered from
@@ -912,9 +754,6 @@ def _gemv4_kernel(
     kw_end = tl.minimum(kw_start + kw_per_split, KW)
     offs_kw = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_KW), BLOCK_KW), BLOCK_KW)
     w_rows = qw_ptr + rows.to(tl.int64)[:, None] * stride_qn
-    if USE_PDL:  # the first tile's lines (32 words each) into L2 while the previous kernel finishes
-        NL: tl.constexpr = (BLOCK_KW + 31) // 32
-        prefetch_l2(w_rows + tl.minimum(kw_start + tl.arange(0, NL) * 32, KW - 1)[None, :], USE_PDL)
     pdl_wait(USE_PDL)
     if FP8 and SCALE_ROWS != 0:
         s_rows = s_ptr + (rows // SCALE_ROWS).to(tl.int64)[:, None] * stride_sn
@@ -1002,20 +841,6 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return c
 
 
-def _as_words(t: torch.Tensor) -> torch.Tensor | None:
-    """uint8 ``[N, B]`` -> int32 ``[N, B / 4]`` view, or None when rows are not 4-byte aligned."""
-    if t.shape[1] % 4 or t.stride(1) != 1 or t.stride(0) % 4 or t.data_ptr() % 16:
-        return None
-    return t.view(torch.int32)
-
-
-def _gemv_x_arg(x: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
-    """bf16 rows of even length are passed as int32 pairs (the widening is then one ALU op)."""
-    if x.dtype == torch.bfloat16 and x.shape[1] % 2 == 0 and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0:
-        return x.view(torch.int32), x.stride(0) // 2, True
-    return x, x.stride(0), False
-
-
 def _gemv_split(n_tiles: int, kw: int, bkw: int, device: torch.device, split: int) -> tuple[int, int]:
     """Split count and words per split: ~2 programs per SM unless ``split`` is given (> 0)."""
     if split <= 0:
@@ -1100,30 +925,6 @@ def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: to
         SPLIT_K=split > 1, EVEN=even, XMASK=(not even) or kw * cpw > k,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_KW=bkw, num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 1), **meta, **pdl_launch(pdl_enabled(x)),
-    )
-    return y
-
-
-def _launch_gemv(kernel, x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, tensors: tuple,
-                 stride_sn: int, bkw_max: int, **meta) -> torch.Tensor:
-    """Run a MODE 3 GEMV kernel; ``cfg["BLOCK_K"]`` counts codes, ``bkw_max`` caps the words per tile."""
-    m, k = x.shape
-    kw = words.shape[1]
-    cpw = 32 // meta.pop("bits_per_code")
-    bn = cfg["BLOCK_N"]
-    bkw = max(1, min(cfg["BLOCK_K"] // cpw, bkw_max))
-    unroll = cfg.get("UNROLL", 1)
-    tiles = triton.cdiv(n, bn)
-    split, per = _gemv_split(tiles, kw, bkw * unroll, x.device, cfg.get("SPLIT", 0))
-    cfg["SPLIT"] = split
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    cnt = _counters(x.device, tiles) if split > 1 else y
-    xa, sxm, pairs = _gemv_x_arg(x)
-    kernel[(tiles, split)](
-        xa, words, *tensors, ws, y, cnt, m, n, k, kw, per, sxm, words.stride(0), stride_sn, y.stride(0),
-        XPAIRS=pairs, SPLIT_K=split > 1, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_KW=bkw,
-        UNROLL=unroll, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1), **meta,
     )
     return y
 
@@ -1287,9 +1088,6 @@ def fp8_wo_matmul_triton(
                               SCALE_ROWS=scale_block, HAS_ZEROS=False)
             if fused is not None:
                 return y
-        elif words is not None:
-            y = _launch_gemv(_fp8_gemv_kernel, x, words, n, cfg, (w.scales,), w.scales.stride(0),
-                             (scale_block or 1 << 30) // 4, bits_per_code=8, SCALE_BLOCK=scale_block)
         else:
             y = _launch_small(_fp8_small_kernel, x, w.qweight, (w.scales,), (k,), n, k, cfg,
                               SCALE_BLOCK=scale_block, DECODE=decode, FOLD=fold)

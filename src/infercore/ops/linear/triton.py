@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from infercore.devices import register
-from infercore.ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait, prefetch_l2
+from infercore.ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
 
 from .naive import skinny_linear_ref
 
@@ -191,19 +191,6 @@ def _program_tile(w_ptr, N, k_per_split, stride_wn, BLOCK_N: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _prefetch_first_tile(w_ptr, rows, k_lo, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         USE_PDL: tl.constexpr):
-    """With PDL: ask L2 for the program's first weight tile (one request per 128-byte line) before
-    waiting on the previous kernel -- the weights do not depend on it."""
-    if USE_PDL:
-        LINE: tl.constexpr = 128 // w_ptr.dtype.element_ty.primitive_bitwidth * 8
-        NL: tl.constexpr = (BLOCK_K + LINE - 1) // LINE
-        offs = k_lo + tl.arange(0, NL) * LINE
-        ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + tl.minimum(offs, K - 1)[None, :]
-        prefetch_l2(ptrs, USE_PDL)
-
-
-@triton.jit
 def _load_tile(ptrs, mask, EVEN: tl.constexpr, EVICT: tl.constexpr):
     # EVEN: the K range divides into whole tiles, so no mask. EVICT (the weight, streamed once per
     # call): "evict_first" keeps it from pushing activations and the partial sums out of L2.
@@ -256,7 +243,6 @@ def _gemv_fma_kernel(
     pid_k = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
     offs_k, k_lo, rows, n_mask, w_ptrs = _program_tile(w_ptr, N, k_per_split, stride_wn, BLOCK_N, BLOCK_K, ACT)
-    _prefetch_first_tile(w_ptr, rows, k_lo, K, stride_wn, BLOCK_N, BLOCK_K, USE_PDL)
     pdl_wait(USE_PDL)
     x0 = x_ptr + tl.minimum(m0, M - 1).to(tl.int64) * stride_xm + k_lo + offs_k
     x1 = x_ptr + tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_xm + k_lo + offs_k
@@ -302,7 +288,6 @@ def _gemv_dot_kernel(
     pid_k = tl.program_id(1)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k, k_lo, rows, n_mask, w_ptrs = _program_tile(w_ptr, N, k_per_split, stride_wn, BLOCK_N, BLOCK_K, ACT)
-    _prefetch_first_tile(w_ptr, rows, k_lo, K, stride_wn, BLOCK_N, BLOCK_K, USE_PDL)
     pdl_wait(USE_PDL)
     m_mask = offs_m < M
     rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)

@@ -37,7 +37,11 @@ from infercore import Engine, SamplingParams  # noqa: E402
 from infercore.models import ModelConfig, build_model  # noqa: E402
 from infercore.quant import quantize  # noqa: E402
 
-VARIANTS = (("bf16", None), ("W4A16 g128", "w4a16-g128"), ("FP8 weight-only emulated", "fp8-wo"))
+# (name, scheme, modules left unquantized). The schemes' default keeps lm_head in bf16; the last
+# variant also quantizes it (an extra row for users; the issue's target reads the default).
+VARIANTS = (("bf16", None, ("lm_head",)), ("W4A16 g128", "w4a16-g128", ("lm_head",)),
+            ("FP8 weight-only emulated", "fp8-wo", ("lm_head",)),
+            ("FP8 weight-only emulated, lm_head too", "fp8-wo", ()))
 TARGET = {"W4A16 g128": 2.5, "FP8 weight-only emulated": 1.6}
 TINY = dict(LLAMA_8B, vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4,
             num_key_value_heads=2)
@@ -65,11 +69,11 @@ def read_bytes(model: torch.nn.Module) -> int:
     return total - emb.numel() * emb.element_size()
 
 
-def run_variant(cfg: dict, scheme: str | None, dev: torch.device, args, prompt: list[int]) -> dict:
+def run_variant(cfg: dict, scheme: str | None, skip: tuple, dev: torch.device, args, prompt: list[int]) -> dict:
     torch.manual_seed(0)
     model = build_model(ModelConfig.from_hf(cfg), dtype=torch.bfloat16, device=dev, init="normal")
     if scheme is not None:
-        quantize(model, scheme)
+        quantize(model, scheme, skip=skip)
     rb = read_bytes(model)
     page = 16
     max_len = args.prompt + args.new + page
@@ -116,9 +120,9 @@ def main() -> None:
     prompt = torch.randint(0, cfg["vocab_size"] - 1, (args.prompt,), generator=torch.Generator().manual_seed(1))
     prompt = prompt.tolist()
     res = {}
-    for name, scheme in VARIANTS:
+    for name, scheme, skip in VARIANTS:
         try:
-            res[name] = run_variant(cfg, scheme, dev, args, prompt)
+            res[name] = run_variant(cfg, scheme, skip, dev, args, prompt)
             gc.collect()  # the previous model and its Engine (KV pool, graphs) go before the next
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
@@ -134,7 +138,7 @@ def main() -> None:
               f"weights read {r['read_bytes'] / 1e9:6.2f} GB", flush=True)
     base = res.get("bf16", {})
     cases = []
-    for name, _ in VARIANTS:
+    for name, _, _ in VARIANTS:
         r = res[name]
         if "error" in r:
             cases.append({"case": f"llama3.1-8b-shape decode bs1 {name}", "error": r["error"]})
@@ -150,7 +154,8 @@ def main() -> None:
                           copy_bw_TBps=bw / 1e12, speedup_vs_bf16=speedup, target_speedup=TARGET.get(name),
                           greedy_first16_agree_with_bf16=agree))
         if speedup is not None:
-            print(f"{name}: {speedup:.2f}x bf16 (target {TARGET[name]}x)", flush=True)
+            target = f" (target {TARGET[name]}x)" if name in TARGET else " (no target: lm_head quantized too)"
+            print(f"{name}: {speedup:.2f}x bf16{target}", flush=True)
     write_results(args.out, "e2e_quant", "cpu" if args.smoke else torch.cuda.get_device_name(), cases)
 
 

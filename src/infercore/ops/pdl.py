@@ -4,8 +4,9 @@ A batch-1 decode step is ~300 short kernels in a row (norm, GEMV, RoPE, attentio
 few microseconds, each paying its launch and ramp-up. With PDL a kernel may be scheduled while its
 predecessor still runs: its programs get resident and compute their addresses, then wait in
 ``griddepcontrol.wait`` until the predecessor grid has finished and its writes are visible.
-Measured on the H200 (results/h200/decode_step.json vs decode_step_nopdl.json, batch-1 decode of the
-8B shape): +1.7% tok/s. Prefetching a GEMV's first weight tile into L2 before the wait measured
+Measured on the H200 (results/h200/sweeps/decode_step_nopdl.json vs the same run with PDL, batch-1
+decode of the 8B shape): +1.7% tok/s; at batch >= 16 it cost 1-10%, so it is limited to small
+launches (:data:`PDL_MAX_ROWS`). Prefetching a GEMV's first weight tile into L2 before the wait measured
 slower (-2%, so it is not done), as did leaving the GEMVs out of PDL.
 
 The contract every kernel here keeps when launched with PDL (``USE_PDL``):
@@ -37,9 +38,19 @@ def _device_ok(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+# PDL only for launches over at most this many rows (tokens / sequences: dim 0 of the tensor given to
+# ``pdl_enabled``). Batch 1 gained; batches 16-256 measured slower with it (results/h200/e2e.json
+# and sweeps/e2e_pdl_all_batches.json): waiting programs hold multiprocessor slots that the
+# predecessor's larger grid still needs.
+PDL_MAX_ROWS = 4
+
+
 def pdl_enabled(t: torch.Tensor) -> bool:
-    """Whether kernels reading ``t`` launch with PDL: CUDA sm90+, not the interpreter, not disabled."""
+    """Whether a kernel over ``t`` launches with PDL: CUDA sm90+, at most :data:`PDL_MAX_ROWS` rows
+    (``t.shape[0]``), not the interpreter, not disabled by ``INFERCORE_PDL=0``."""
     if not t.is_cuda or triton_interpreter() or os.environ.get("INFERCORE_PDL", "1") == "0":
+        return False
+    if t.dim() == 0 or t.shape[0] > PDL_MAX_ROWS:
         return False
     return _device_ok(t.device.index if t.device.index is not None else torch.cuda.current_device())
 

@@ -87,16 +87,11 @@ class _GemvFusedMLP:
 
 
 def _quant_act_ok(gu: nn.Module, x: torch.Tensor) -> bool:
-    """A weight-only quantized ``gate_up_proj`` (INT or FP8) with decode-sized CUDA input: its GEMV
-    carries the activation (``QuantLinear.forward_act``)."""
+    """A weight-only quantized ``gate_up_proj`` (INT or FP8) on CUDA: ``QuantLinear.forward_act``
+    runs it with the activation in its GEMV's epilogue where the row count allows, else unfused."""
     from ..quant.linear import QuantLinear
 
-    return (isinstance(gu, QuantLinear) and gu.kind in ("int", "fp8") and x.is_cuda
-            and 0 < _rows(x) <= _GEMV_QUANT_MAX_M)
-
-
-# Rows up to which the quantized weight-only GEMV (and its fused activation) runs.
-_GEMV_QUANT_MAX_M = 4
+    return isinstance(gu, QuantLinear) and gu.kind in ("int", "fp8") and x.is_cuda
 
 
 @functools.cache

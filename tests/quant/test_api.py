@@ -6,7 +6,9 @@ from torch import nn
 
 from infercore.quant import (
     SCHEMES,
+    FP8Weight,
     Int8Weight,
+    IntWeight,
     QuantLinear,
     collect_calibration,
     dequantize_kv,
@@ -117,3 +119,20 @@ def test_kv_quantization(kv_dtype):
     keep = slots >= 0
     assert torch.equal(back[slots[keep].long()], dequantize_kv(q[keep], s[keep], dtype=torch.float32))
     assert torch.all(ks.view(16, 2)[[1, 2, 3]] == 0)  # untouched slots
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "gelu"])
+def test_quant_linear_forward_act_matches_unfused(act):
+    """forward_act = the *_and_mul op on forward's output (the CPU path; on CUDA at <= 4 rows it is
+    one kernel, checked in tests/quant/test_gpu.py); a bad act is refused."""
+    from infercore.ops import gelu_and_mul, silu_and_mul
+
+    torch.manual_seed(0)
+    for w in (IntWeight.quantize(torch.randn(32, 64), bits=4, group_size=32), FP8Weight.quantize(torch.randn(32, 64))):
+        lin = QuantLinear(w)
+        x = torch.randn(3, 64)
+        y = lin(x)
+        want = silu_and_mul(y) if act == "silu" else gelu_and_mul(y, approximate="tanh" if act == "gelu_tanh" else "none")
+        assert torch.allclose(lin.forward_act(x, act), want)
+    with pytest.raises(ValueError, match="act"):
+        lin.forward_act(x, "relu")

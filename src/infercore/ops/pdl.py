@@ -5,9 +5,10 @@ few microseconds, each paying its launch and ramp-up. With PDL a kernel may be s
 predecessor still runs: its programs get resident and compute their addresses, then wait in
 ``griddepcontrol.wait`` until the predecessor grid has finished and its writes are visible.
 Measured on the H200, batch-1 decode of the 8B shape (results/h200/sweeps/decode_step_pdl.json vs
-decode_step_nopdl.json, two runs of one session): 216.8 vs 213.2 tok/s, +1.7%; at batch >= 16 it cost 1-10%, so it is limited to small
-launches (:data:`PDL_MAX_ROWS`). Prefetching a GEMV's first weight tile into L2 before the wait measured
-slower (-2%, so it is not done), as did leaving the GEMVs out of PDL.
+decode_step_nopdl.json, two runs of one session): 216.8 vs 213.2 tok/s, +1.7%; at batch >= 16 it
+cost 1-10%, so it is limited to small launches (:data:`PDL_MAX_ROWS`). Prefetching a GEMV's first
+weight tile into L2 before the wait measured slower (-2%, so it is not done), as did leaving the
+GEMVs out of PDL.
 
 The contract every kernel here keeps when launched with PDL (``USE_PDL``):
 

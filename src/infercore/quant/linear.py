@@ -104,7 +104,9 @@ class QuantLinear(nn.Module):
                 y = fn(x2, w, self.bias, act=act)
                 return y.reshape(*x.shape[:-1], y.shape[-1])
         y = self.forward(x)
-        return silu_and_mul(y) if act == "silu" else gelu_and_mul(y, approximate="tanh" if act == "gelu_tanh" else "none")
+        if act == "silu":
+            return silu_and_mul(y)
+        return gelu_and_mul(y, approximate="tanh" if act == "gelu_tanh" else "none")
 
     def _mixed(self, x2: torch.Tensor, w: Int8Weight) -> torch.Tensor:
         """MixQ: per-token INT8 over ordinary channels + high-precision outlier channels.

@@ -249,3 +249,14 @@ def test_fused_act_rejects_bad_act():
     w7 = IntWeight.quantize(torch.randn(7, 64), bits=4, group_size=32)
     with pytest.raises(ValueError, match="act"):
         triton_wo.wq_matmul_triton(x, w7, act="silu")
+
+
+def test_gemv4_repack_off_takes_the_dot(monkeypatch):
+    """With the repack switched off no second copy is made and the result is the same."""
+    monkeypatch.setattr(triton_wo, "REPACK", False)
+    torch.manual_seed(6)
+    w = IntWeight.quantize(torch.randn(16, 256), bits=4, group_size=64)
+    x = torch.randn(1, 256)
+    y = triton_wo.wq_matmul_triton(x, w, config=_gemv(1))
+    assert id(w.qweight) not in triton_wo._ILV_CACHE
+    assert _err(y, R.wq_matmul_ref(x, w)) < 1e-5

@@ -871,14 +871,21 @@ def interleave_words(codes: torch.Tensor, bits: int, ilv_codes: int) -> torch.Te
     return words.to(torch.int32).reshape(n, -1).contiguous()
 
 
+# The MODE 4 repack keeps a second copy of each weight that runs it (0.5 B/param for INT4, 1 B/param for
+# INT8/FP8). ``INFERCORE_WO_REPACK=0`` (or setting this False) trades that memory for speed: decode-sized
+# calls then take the tensor-core path (MODE 2) on the stored layout.
+REPACK = os.environ.get("INFERCORE_WO_REPACK", "1") != "0"
+
+
 def _ilv_cached(qweight: torch.Tensor, make) -> torch.Tensor | None:
-    """The MODE 4 words of ``qweight`` (made once, kept while ``qweight`` lives); None while a CUDA
-    graph is being captured and they were not made yet (the capture must not allocate them)."""
+    """The MODE 4 words of ``qweight`` (made once, kept while ``qweight`` lives); None when repacking is
+    off (:data:`REPACK`) and none exist, or while a CUDA graph is being captured and they were not made
+    yet (the capture must not allocate them)."""
     key = id(qweight)
     hit = _ILV_CACHE.get(key)
     if hit is not None and hit[0]() is qweight:
         return hit[1]
-    if qweight.is_cuda and torch.cuda.is_current_stream_capturing():
+    if not REPACK or (qweight.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     words = make()
     _ILV_CACHE[key] = (weakref.ref(qweight), words)

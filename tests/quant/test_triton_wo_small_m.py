@@ -175,6 +175,10 @@ def test_interleave_words_layout(bits):
                 assert torch.equal(got, codes[:, blk * 128 + i + gw * j])
     with pytest.raises(ValueError, match="codes"):
         triton_wo.interleave_words(codes[:, :100], bits, 128)
+    with pytest.raises(ValueError, match="bits"):
+        triton_wo.interleave_words(codes, 3, 128)
+    with pytest.raises(TypeError, match="codes"):
+        triton_wo.interleave_words(codes[0], bits, 128)
 
 
 def test_gemv4_words_cached_per_weight():

@@ -861,9 +861,13 @@ def interleave_words(codes: torch.Tensor, bits: int, ilv_codes: int) -> torch.Te
     """Codes ``[N, Kc]`` (ints ``< 2**bits``, ``Kc`` a multiple of ``ilv_codes``) -> int32 words
     ``[N, Kc * bits / 32]`` in the MODE 4 layout: within each block of ``ilv_codes`` codes, word ``i``
     holds codes ``i + (ilv_codes * bits / 32) * j`` at bits ``bits * j``."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits: must be 4 or 8, got {bits!r}")
+    if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
+        raise TypeError(f"codes: expected a 2-D integer tensor, got {getattr(codes, 'shape', type(codes))}")
     cpw = 32 // bits
     n, kc = codes.shape
-    if kc % ilv_codes or ilv_codes % cpw:
+    if ilv_codes <= 0 or kc % ilv_codes or ilv_codes % cpw:
         raise ValueError(f"codes: {kc} columns do not split into blocks of {ilv_codes} codes of {bits} bits")
     c = codes.to(torch.int64).reshape(n, kc // ilv_codes, cpw, ilv_codes // cpw).transpose(2, 3)
     words = (c << (torch.arange(cpw, device=codes.device, dtype=torch.int64) * bits)).sum(-1)

@@ -20,3 +20,26 @@ def test_random_init_norms_are_identity_for_offset_and_plain_forms():
         if m.weight.shape[0] == 32:
             y = m(x)
             torch.testing.assert_close(y, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.eps))
+
+
+def test_forward_rejects_bad_step_arguments():
+    """Every family shares models.hybrid.check_step: bad ids/positions/cache lists name the argument."""
+    import pytest
+
+    from infercore.models import ModelConfig
+
+    llama = build_model(ModelConfig.from_hf(dict(
+        model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1)), dtype=torch.float32, device="cpu", init="normal")
+    gemma = build_model(Gemma3Config.from_hf(dict(
+        model_type="gemma3_text", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"])), dtype=torch.float32, device="cpu", init="normal")
+    ids = torch.zeros(3, dtype=torch.long)
+    for model in (llama, gemma):
+        with pytest.raises(ValueError, match="input_ids and positions"):
+            model(ids[None], ids[None], [None, None], None)
+        with pytest.raises(ValueError, match="input_ids and positions"):
+            model(ids, ids[:2], [None, None], None)
+        with pytest.raises(ValueError, match="kv_caches"):
+            model(ids, ids, [None], None)

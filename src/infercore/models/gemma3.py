@@ -32,7 +32,7 @@ from ..ops import (
     paged_attention,
 )
 from .config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from .hybrid import HybridMetadata, layer_metadata, load_hf_weights, write_paged_kv_
+from .hybrid import HybridMetadata, check_step, layer_metadata, load_hf_weights, write_paged_kv_
 from .llama import RMSNorm, tie_and_rope_table
 
 __all__ = ["Gemma3Config", "Gemma3ForCausalLM"]
@@ -250,13 +250,7 @@ class Gemma3ForCausalLM(nn.Module):
         ``(k_cache, v_cache)`` ``[num_pages, page_size, Hk, D]``; ``meta`` dense or per layer.
         Returns final-normed hidden states ``[T, hidden_size]`` in the model dtype."""
         layers = self.model.layers
-        if input_ids.ndim != 1 or positions.shape != input_ids.shape:
-            raise ValueError(
-                f"input_ids and positions must be 1-D of equal length, got {tuple(input_ids.shape)} "
-                f"and {tuple(positions.shape)}"
-            )
-        if len(kv_caches) != len(layers):
-            raise ValueError(f"kv_caches has {len(kv_caches)} entries, expected one per layer ({len(layers)})")
+        check_step(input_ids, positions, kv_caches, len(layers))
         emb = self.model.embed_tokens
         # HF multiplies by sqrt(hidden) cast to the weight dtype (55.4256 -> 55.5 in bf16).
         x = emb(input_ids) * torch.tensor(self.config.hidden_size**0.5, dtype=emb.weight.dtype)

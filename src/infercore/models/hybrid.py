@@ -111,6 +111,17 @@ def write_paged_kv_(
     v_cache[page, offset] = v.to(v_cache.dtype)
 
 
+
+def check_step(input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, num_layers: int) -> None:
+    """The arguments of a model's ragged ``forward``: ``input_ids``/``positions`` 1-D ``[T]`` of equal
+    length and one cache entry per layer; ``ValueError`` naming the argument otherwise."""
+    if input_ids.ndim != 1 or positions.shape != input_ids.shape:
+        raise ValueError(f"input_ids and positions must be 1-D of equal length, got {tuple(input_ids.shape)} "
+                         f"and {tuple(positions.shape)}")  # fmt: skip
+    if len(kv_caches) != num_layers:
+        raise ValueError(f"kv_caches has {len(kv_caches)} entries, expected one per layer ({num_layers})")
+
+
 def load_hf_weights(
     model: torch.nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],

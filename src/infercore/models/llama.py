@@ -32,6 +32,7 @@ from ..ops import (
 from ..ops.attention import takes_new_kv
 from ..ops.kv_cache import dequantize_paged_kv, scale_aware
 from .config import ModelConfig
+from .hybrid import check_step
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -268,16 +269,7 @@ class LlamaForCausalLM(nn.Module):
             to :meth:`compute_logits`).
         """
         layers = self.model.layers
-        if input_ids.ndim != 1:
-            raise ValueError(f"input_ids must be 1-D [tokens], got shape {tuple(input_ids.shape)}")
-        if positions.shape != input_ids.shape:
-            raise ValueError(
-                f"positions has shape {tuple(positions.shape)}, expected {tuple(input_ids.shape)}"
-            )
-        if len(kv_caches) != len(layers):
-            raise ValueError(
-                f"kv_caches has {len(kv_caches)} entries, expected one per layer ({len(layers)})"
-            )
+        check_step(input_ids, positions, kv_caches, len(layers))
         x = self.model.embed_tokens(input_ids)
         residual = None
         cos_sin = self.cos_sin_cache

@@ -30,7 +30,7 @@ from ..ops import apply_rope, fused_add_rms_norm, paged_attention, rms_norm, sil
 from ..ops.conv1d import causal_conv1d_prefill_, causal_conv1d_update_
 from ..ops.gated_norm import gated_rms_norm
 from ..ops.mamba import mamba_chunk_scan_, selective_state_update_
-from .hybrid import HybridMetadata, layer_metadata, linear_metadata, load_hf_weights, write_paged_kv_
+from .hybrid import HybridMetadata, check_step, layer_metadata, linear_metadata, load_hf_weights, write_paged_kv_
 from .llama import tie_and_rope_table
 
 __all__ = ["BambaForCausalLM", "Mamba2Config", "Mamba2ForCausalLM"]
@@ -208,14 +208,6 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(y)
 
 
-def _check_step(input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, num_layers: int) -> None:
-    if input_ids.ndim != 1 or positions.shape != input_ids.shape:
-        raise ValueError(f"input_ids and positions must be 1-D of equal length, got {tuple(input_ids.shape)} "
-                         f"and {tuple(positions.shape)}")  # fmt: skip
-    if len(kv_caches) != num_layers:
-        raise ValueError(f"kv_caches has {len(kv_caches)} entries, expected one per layer ({num_layers})")
-
-
 def _resolve_plain(name: str) -> tuple[str, Any]:
     return name, None
 
@@ -258,7 +250,7 @@ class Mamba2ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """One ragged step; ``kv_caches[i] = (conv_state, ssm_state)``. Returns ``[T, hidden]`` (model dtype)."""
         layers = self.backbone.layers
-        _check_step(input_ids, positions, kv_caches, len(layers))
+        check_step(input_ids, positions, kv_caches, len(layers))
         x = self.backbone.embeddings(input_ids)
         dtype = x.dtype
         # HF keeps the residual stream in fp32 (residual_in_fp32) and adds each mixer's output to it.
@@ -362,7 +354,7 @@ class BambaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """One ragged step over mixer and attention layers. Returns ``[T, hidden]``."""
         layers, eps = self.model.layers, self.config.norm_eps
-        _check_step(input_ids, positions, kv_caches, len(layers))
+        check_step(input_ids, positions, kv_caches, len(layers))
         x = self.model.embed_tokens(input_ids)
         residual = None
         for i, (layer, cache) in enumerate(zip(layers, kv_caches)):

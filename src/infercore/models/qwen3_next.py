@@ -31,7 +31,7 @@ from ..ops import apply_rope, fused_add_rms_norm, paged_attention
 from ..ops.conv1d import causal_conv1d_prefill_, causal_conv1d_update_
 from ..ops.gated_delta import chunk_gated_delta_rule_, fused_recurrent_gated_delta_rule_
 from ..ops.gated_norm import gated_rms_norm
-from .hybrid import HybridMetadata, layer_metadata, linear_metadata, load_hf_weights, write_paged_kv_
+from .hybrid import HybridMetadata, check_step, layer_metadata, linear_metadata, load_hf_weights, write_paged_kv_
 from .llama import RMSNorm, tie_and_rope_table
 from .moe import GatedMLP, SparseMoeBlock
 
@@ -302,11 +302,7 @@ class Qwen3NextForCausalLM(nn.Module):
         """One ragged step (``[T]`` ids/positions, one cache entry per layer, per-layer metadata);
         returns final-normed hidden states ``[T, hidden_size]``."""
         layers = self.model.layers
-        if input_ids.ndim != 1 or positions.shape != input_ids.shape:
-            raise ValueError(f"input_ids and positions must be 1-D of equal length, got {tuple(input_ids.shape)} "
-                             f"and {tuple(positions.shape)}")  # fmt: skip
-        if len(kv_caches) != len(layers):
-            raise ValueError(f"kv_caches has {len(kv_caches)} entries, expected one per layer ({len(layers)})")
+        check_step(input_ids, positions, kv_caches, len(layers))
         x = self.model.embed_tokens(input_ids)
         residual = None
         for i, (layer, cache) in enumerate(zip(layers, kv_caches)):

@@ -283,3 +283,31 @@ def test_gated_rms_norm_validates():
         gated_rms_norm(torch.randn(2, 6), torch.randn(2, 6), torch.ones(6), eps=1e-6, group_size=4)
     with pytest.raises(ValueError, match="gate"):
         gated_rms_norm(torch.randn(2, 6), torch.randn(2, 5), torch.ones(6), eps=1e-6)
+
+
+def test_ragged_prefill_ops_share_the_batch_checks():
+    """cu_seqlens / has_initial_state are checked the same way by the three ragged prefill ops."""
+    q, k, v, gate, beta = _gdr_inputs(4)
+    a = _ssd_inputs(4)
+    slots = torch.tensor([0], dtype=i32)
+    calls = {
+        "chunk_gated_delta_rule_": lambda cu, init: chunk_gated_delta_rule_(
+            q, k, v, gate, beta, torch.zeros(2, 4, 8, 8), cu_seqlens=cu, state_slots=slots, has_initial_state=init),
+        "mamba_chunk_scan_": lambda cu, init: mamba_chunk_scan_(
+            a["x"], a["dt"], a["A"], a["B"], a["C"], torch.zeros(1, 4, 4, 8), cu_seqlens=cu, state_slots=slots,
+            has_initial_state=init),
+        "causal_conv1d_prefill_": lambda cu, init: causal_conv1d_prefill_(
+            torch.randn(4, 6), torch.randn(6, 4), torch.zeros(1, 6, 3), cu_seqlens=cu, state_slots=slots,
+            has_initial_state=init),
+    }  # fmt: skip
+    cu, init = torch.tensor([0, 4], dtype=i32), torch.tensor([False])
+    for op, call in calls.items():
+        call(cu, init)  # valid
+        with pytest.raises(TypeError, match=f"{op}: cu_seqlens"):
+            call(cu.long(), init)
+        with pytest.raises(ValueError, match=f"{op}: cu_seqlens"):
+            call(cu[:0], torch.zeros(0, dtype=torch.bool))
+        with pytest.raises(ValueError, match=f"{op}: has_initial_state"):
+            call(cu, init.int())
+        with pytest.raises(ValueError, match=f"{op}: has_initial_state"):
+            call(cu, torch.tensor([False, True]))

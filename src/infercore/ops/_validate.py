@@ -67,5 +67,20 @@ def number(op: str, name: str, x: object, *, positive: bool = False, nonneg: boo
     return x
 
 
+def ragged_batch(op: str, cu_seqlens: object, has_initial_state: object) -> int:
+    """``cu_seqlens`` int32 ``[B + 1]`` and ``has_initial_state`` bool ``[B]`` of a ragged prefill; returns B."""
+    integer(op, "cu_seqlens", cu_seqlens, (torch.int32,))
+    ndim(op, "cu_seqlens", cu_seqlens, 1, "[batch + 1]")
+    B = cu_seqlens.shape[0] - 1
+    if B < 0:
+        raise ValueError(f"{op}: cu_seqlens must have at least one element")
+    tensor(op, "has_initial_state", has_initial_state)
+    if has_initial_state.dtype != torch.bool or has_initial_state.shape != (B,):
+        raise ValueError(f"{op}: has_initial_state must be bool [{B}], got {has_initial_state.dtype} "
+                         f"{tuple(has_initial_state.shape)}")  # fmt: skip
+    same_device(op, "cu_seqlens", cu_seqlens, has_initial_state=has_initial_state)
+    return B
+
+
 def _names(dtypes: tuple[torch.dtype, ...]) -> str:
     return "(" + ", ".join(str(d).removeprefix("torch.") for d in dtypes) + ")"

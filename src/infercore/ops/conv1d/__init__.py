@@ -66,13 +66,8 @@ def causal_conv1d_prefill_(
         ``[T, C]`` in ``x.dtype``.
     """
     op = "causal_conv1d_prefill_"
-    V.integer(op, "cu_seqlens", cu_seqlens, (torch.int32,))
-    V.ndim(op, "cu_seqlens", cu_seqlens, 1, "[batch + 1]")
-    B = cu_seqlens.shape[0] - 1
+    B = V.ragged_batch(op, cu_seqlens, has_initial_state)
     _check(op, x, weight, conv_state, bias, activation, state_slots, B)
-    V.tensor(op, "has_initial_state", has_initial_state)
-    if has_initial_state.dtype != torch.bool or has_initial_state.shape != (B,):
-        raise ValueError(f"{op}: has_initial_state must be bool [{B}]")
     V.same_device(op, "x", x, cu_seqlens=cu_seqlens, has_initial_state=has_initial_state)
     return dispatch(op, x.device)(
         x, weight, conv_state, cu_seqlens=cu_seqlens, state_slots=state_slots,

@@ -90,17 +90,9 @@ def chunk_gated_delta_rule_(
     """
     op = "chunk_gated_delta_rule_"
     scale = _check(op, q, k, v, g, beta, state_pool, scale)
-    V.integer(op, "cu_seqlens", cu_seqlens, (torch.int32,))
-    V.ndim(op, "cu_seqlens", cu_seqlens, 1, "[batch + 1]")
-    B = cu_seqlens.shape[0] - 1
-    if B < 0:
-        raise ValueError(f"{op}: cu_seqlens must have at least one element")
+    B = V.ragged_batch(op, cu_seqlens, has_initial_state)
     _slots(op, state_slots, B, q.device)
-    V.tensor(op, "has_initial_state", has_initial_state)
-    if has_initial_state.dtype != torch.bool or has_initial_state.shape != (B,):
-        raise ValueError(f"{op}: has_initial_state must be bool [{B}], got {has_initial_state.dtype} "
-                         f"{tuple(has_initial_state.shape)}")  # fmt: skip
-    V.same_device(op, "q", q, cu_seqlens=cu_seqlens, has_initial_state=has_initial_state)
+    V.same_device(op, "q", q, cu_seqlens=cu_seqlens)
     return dispatch(op, q.device)(
         q, k, v, g, beta, state_pool, cu_seqlens=cu_seqlens, state_slots=state_slots,
         has_initial_state=has_initial_state, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),

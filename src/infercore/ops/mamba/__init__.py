@@ -86,13 +86,9 @@ def mamba_chunk_scan_(
         ``[T, H, P]`` in ``x.dtype``.
     """
     op = "mamba_chunk_scan_"
-    V.integer(op, "cu_seqlens", cu_seqlens, (torch.int32,))
-    V.ndim(op, "cu_seqlens", cu_seqlens, 1, "[batch + 1]")
-    nb = cu_seqlens.shape[0] - 1
+    nb = V.ragged_batch(op, cu_seqlens, has_initial_state)
     _check(op, x, dt, A, B, C, state_pool, D, z, dt_bias, dt_limit, state_slots, nb)
-    V.tensor(op, "has_initial_state", has_initial_state)
-    if has_initial_state.dtype != torch.bool or has_initial_state.shape != (nb,):
-        raise ValueError(f"{op}: has_initial_state must be bool [{nb}]")
+    V.same_device(op, "x", x, cu_seqlens=cu_seqlens)
     return dispatch(op, x.device)(
         x, dt, A, B, C, state_pool, cu_seqlens=cu_seqlens, state_slots=state_slots,
         has_initial_state=has_initial_state, D=D, z=z, dt_bias=dt_bias, dt_softplus=bool(dt_softplus),

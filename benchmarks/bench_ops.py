@@ -242,46 +242,29 @@ def bench_prefill(peak: float, sweep: bool, log: list) -> list[dict]:
     return rows
 
 
+def _bandwidth_case(name: str, nbytes: int, bw: float, ours, peers: dict, check=None) -> dict:
+    """Time ``ours`` and each peer (CUDA events), report TB/s over ``nbytes`` moved; ``check``: the
+    reference to compare ``ours()``'s result with (relative error)."""
+    tbs = lambda t_ms: nbytes / (t_ms * 1e-3) / 1e12
+    t_o = bench_ms(ours)
+    extra = {} if check is None else {"rel_err_vs_reference": rel(check[0](ours()), check[1]())}
+    return case(name, metric="bandwidth", unit="TB/s", ours=tbs(t_o),
+                peers={p: tbs(bench_ms(fn)) for p, fn in peers.items()}, floor=bw / 1e12, ours_ms=t_o, **extra)
+
+
 def bench_elementwise(bw: float) -> list[dict]:
     T, H, I = 8192, 4096, 14336
-    gbs = lambda nbytes, t: nbytes / (t * 1e-3) / 1e12
-    rows = []
     x = torch.randn(T, H, device=DEV, dtype=BF16)
     r = torch.randn_like(x)
     w = torch.randn(H, device=DEV, dtype=BF16)
     ours = lambda: ops.fused_add_rms_norm(x, r, w, eps=1e-6)
     eager = lambda: implementation("fused_add_rms_norm", "reference")(x, r, w, eps=1e-6)
-    nbytes = 4 * T * H * 2
-    t_o, t_e = bench_ms(ours), bench_ms(eager)
-    rows.append(
-        case(
-            "fused_add_rms_norm_8192x4096_bf16",
-            metric="bandwidth",
-            unit="TB/s",
-            ours=gbs(nbytes, t_o),
-            peers={"torch_eager": gbs(nbytes, t_e)},
-            floor=bw / 1e12,
-            ours_ms=t_o,
-            rel_err_vs_reference=rel(ours()[0], eager()[0]),
-        )
-    )
+    rows = [_bandwidth_case("fused_add_rms_norm_8192x4096_bf16", 4 * T * H * 2, bw, ours, {"torch_eager": eager},
+                            check=(lambda y: y[0], lambda: eager()[0]))]
     g = torch.randn(T, 2 * I, device=DEV, dtype=BF16)
-    ours = lambda: ops.silu_and_mul(g)
     eager = lambda: F.silu(g[:, :I]) * g[:, I:]
-    nbytes = 3 * T * I * 2
-    t_o, t_e = bench_ms(ours), bench_ms(eager)
-    rows.append(
-        case(
-            "silu_and_mul_8192x14336_bf16",
-            metric="bandwidth",
-            unit="TB/s",
-            ours=gbs(nbytes, t_o),
-            peers={"torch_eager": gbs(nbytes, t_e)},
-            floor=bw / 1e12,
-            ours_ms=t_o,
-            rel_err_vs_reference=rel(ours(), eager()),
-        )
-    )
+    rows.append(_bandwidth_case("silu_and_mul_8192x14336_bf16", 3 * T * I * 2, bw, lambda: ops.silu_and_mul(g),
+                                {"torch_eager": eager}, check=(lambda y: y, eager)))
     Tq, Hq, Hk, D, page = 8192, 32, 8, 128, 16
     q = torch.randn(Tq, Hq, D, device=DEV, dtype=BF16)
     k = torch.randn(Tq, Hk, D, device=DEV, dtype=BF16)
@@ -292,23 +275,13 @@ def bench_elementwise(bw: float) -> list[dict]:
     vc = torch.empty_like(kc)
     slots = torch.randperm(Tq, device=DEV).to(torch.int32)
     fused = implementation("rope_and_write_kv", "triton")
-    ours = lambda: fused(q, k, v, pos, cs, kc, vc, slots, is_neox=True)
     ref_fn = implementation("rope_and_write_kv", "reference")
-    eager = lambda: ref_fn(q, k, v, pos, cs, kc, vc, slots, is_neox=True)
     two_ops = lambda: (lambda qk: ops.write_kv_cache_(qk[1], v, kc, vc, slots))(ops.apply_rope(q, k, pos, cs))
-    nbytes = 2 * Tq * Hq * D * 2 + 2 * 2 * Tq * Hk * D * 2
-    t_o, t_e, t_2 = bench_ms(ours), bench_ms(eager), bench_ms(two_ops)
-    rows.append(
-        case(
-            "rope_and_write_kv_8192tok_h32kv8_d128_bf16",
-            metric="bandwidth",
-            unit="TB/s",
-            ours=gbs(nbytes, t_o),
-            peers={"torch_eager": gbs(nbytes, t_e), "triton_apply_rope_then_write_kv": gbs(nbytes, t_2)},
-            floor=bw / 1e12,
-            ours_ms=t_o,
-        )
-    )
+    rows.append(_bandwidth_case(
+        "rope_and_write_kv_8192tok_h32kv8_d128_bf16", 2 * Tq * Hq * D * 2 + 2 * 2 * Tq * Hk * D * 2, bw,
+        lambda: fused(q, k, v, pos, cs, kc, vc, slots, is_neox=True),
+        {"torch_eager": lambda: ref_fn(q, k, v, pos, cs, kc, vc, slots, is_neox=True),
+         "triton_apply_rope_then_write_kv": two_ops}))  # fmt: skip
     return rows
 
 

@@ -54,3 +54,14 @@ def test_activation_errors_name_the_argument():
         gelu_and_mul(torch.randn(2, 8), approximate="erf")
     with pytest.raises(ValueError, match="gelu_and_mul: x"):
         gelu_and_mul(torch.tensor(1.0))
+
+
+def test_gated_act_and_mul_by_name():
+    from infercore.ops.activation import gated_act_and_mul
+
+    x = torch.randn(3, 8)
+    assert torch.equal(gated_act_and_mul(x, "silu"), silu_and_mul(x))
+    assert torch.equal(gated_act_and_mul(x, "gelu_tanh"), gelu_and_mul(x, approximate="tanh"))
+    assert torch.equal(gated_act_and_mul(x, "gelu"), gelu_and_mul(x, approximate="none"))
+    with pytest.raises(ValueError, match="act"):
+        gated_act_and_mul(x, "relu")

@@ -90,10 +90,10 @@ class QuantLinear(nn.Module):
         ``"gelu_tanh"`` or ``"gelu"``). On CUDA, for INT/FP8 weight-only weights and at most
         ``triton_wo.GEMV_M_MAX`` rows, one kernel with the activation in its epilogue where its tuned
         path allows; otherwise :meth:`forward`, then the ``*_and_mul`` op."""
-        from ..ops import gelu_and_mul, silu_and_mul
+        from ..ops.activation import GATED_ACTS, gated_act_and_mul
 
-        if act not in ("silu", "gelu_tanh", "gelu"):
-            raise ValueError(f"act: expected 'silu', 'gelu_tanh' or 'gelu', got {act!r}")
+        if act not in GATED_ACTS:
+            raise ValueError(f"act: expected one of {GATED_ACTS}, got {act!r}")
         w = self.qweight_format
         if x.is_cuda and isinstance(w, (IntWeight, FP8Weight)) and x.dim() >= 1 and x.shape[-1] == self.in_features:
             from . import triton_wo
@@ -103,10 +103,7 @@ class QuantLinear(nn.Module):
                 fn = triton_wo.wq_matmul_triton if isinstance(w, IntWeight) else triton_wo.fp8_wo_matmul_triton
                 y = fn(x2, w, self.bias, act=act)
                 return y.reshape(*x.shape[:-1], y.shape[-1])
-        y = self.forward(x)
-        if act == "silu":
-            return silu_and_mul(y)
-        return gelu_and_mul(y, approximate="tanh" if act == "gelu_tanh" else "none")
+        return gated_act_and_mul(self.forward(x), act)
 
     def _mixed(self, x2: torch.Tensor, w: Int8Weight) -> torch.Tensor:
         """MixQ: per-token INT8 over ordinary channels + high-precision outlier channels.

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..ops.activation import GATED_ACTS, gated_act_and_mul
 from ..ops.linear.triton import ACTIVATIONS, _act_mul
 from ..ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
 from .formats import FP8_BLOCK, FP8Weight, GGUFWeight, IntWeight
@@ -421,20 +422,13 @@ def wq_matmul_triton(
 
 
 def _check_act(act: str | None, n: int) -> None:
-    if act is not None and (act not in ACTIVATIONS or n % 2):
-        raise ValueError(f"act: expected one of {sorted(k for k in ACTIVATIONS if k)} with an even N, got "
-                         f"{act!r} with N = {n}")
+    if act is not None and (act not in GATED_ACTS or n % 2):
+        raise ValueError(f"act: expected one of {GATED_ACTS} with an even N, got {act!r} with N = {n}")
 
 
 def _apply_act(y: torch.Tensor, act: str | None) -> torch.Tensor:
     """The gated activation of a merged ``[gate; up]`` product (the unfused path)."""
-    if act is None:
-        return y
-    from ..ops import gelu_and_mul, silu_and_mul
-
-    if act == "silu":
-        return silu_and_mul(y)
-    return gelu_and_mul(y, approximate="tanh" if act == "gelu_tanh" else "none")
+    return y if act is None else gated_act_and_mul(y, act)
 
 
 

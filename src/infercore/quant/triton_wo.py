@@ -708,6 +708,23 @@ def _gemv4_add(a0, a1, a2, a3, p0, p1, p2, p3, x0, x1, x2, x3, c, s, BLOCK_M: tl
 
 
 @triton.jit
+def _word_load(ptrs, kw, kw_end, EVEN: tl.constexpr, EVICT: tl.constexpr):
+    """Per-word values ``[BLOCK_N, BLOCK_KW]`` at ``ptrs``; unless EVEN, words at or past ``kw_end``
+    read 0 (their codes, scales and zero points then contribute nothing)."""
+    if EVEN:
+        if EVICT:  # the weights, streamed once per call
+            v = tl.load(ptrs, eviction_policy="evict_first")
+        else:
+            v = tl.load(ptrs)
+    else:
+        if EVICT:
+            v = tl.load(ptrs, mask=(kw < kw_end)[None, :], other=0, eviction_policy="evict_first")
+        else:
+            v = tl.load(ptrs, mask=(kw < kw_end)[None, :], other=0)
+    return v
+
+
+@triton.jit
 def _gemv4_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, ws_ptr, y_ptr, cnt_ptr,
     M, N, K, KW, kw_per_split,
@@ -757,10 +774,7 @@ def _gemv4_kernel(
     a0, a1, a2, a3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
     for kb in tl.range(kw_start, kw_end, BLOCK_KW):
         kw = kb + offs_kw
-        if EVEN:
-            w = tl.load(w_rows + kw[None, :], eviction_policy="evict_first")
-        else:
-            w = tl.load(w_rows + kw[None, :], mask=(kw < kw_end)[None, :], other=0, eviction_policy="evict_first")
+        w = _word_load(w_rows + kw[None, :], kw, kw_end, EVEN, True)
         k = ((kw // ILV) * (ILV * CPW) + kw % ILV)[None, :]  # K position of each word's code 0
         p0, p1, p2, p3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
         x0, x1, x2, x3 = _gemv_zeros(1, BLOCK_KW)
@@ -775,7 +789,7 @@ def _gemv4_kernel(
                 p0, p1, p2, p3, x0, x1, x2, x3 = _gemv4_fma(p0, p1, p2, p3, x0, x1, x2, x3, v, x_ptr, k + ILV * j,
                                                             K, M, stride_xm, XMASK, False, BLOCK_M)
             if SCALE_ROWS != 0:
-                s = tl.load(s_rows + (kw // SCALE_WORDS)[None, :], mask=(kw < kw_end)[None, :], other=0.0)
+                s = _word_load(s_rows + (kw // SCALE_WORDS)[None, :], kw, kw_end, EVEN, False)
                 a0, a1, a2, a3 = _gemv_add(a0, a1, a2, a3, p0, p1, p2, p3, s, BLOCK_M, True)
             else:
                 a0, a1, a2, a3 = _gemv_add(a0, a1, a2, a3, p0, p1, p2, p3, 1.0, BLOCK_M, False)
@@ -792,13 +806,10 @@ def _gemv4_kernel(
                 p0, p1, p2, p3, x0, x1, x2, x3 = _gemv4_fma(p0, p1, p2, p3, x0, x1, x2, x3, v, x_ptr, k + ILV * j,
                                                             K, M, stride_xm, XMASK, True, BLOCK_M)
             g = (kw // SCALE_WORDS)[None, :]
-            if EVEN:
-                s = tl.load(s_rows + g).to(tl.float32)
-            else:  # words past the split's end: their codes read 0, x 0, and the scale 0
-                s = tl.load(s_rows + g, mask=(kw < kw_end)[None, :], other=0.0).to(tl.float32)
+            s = _word_load(s_rows + g, kw, kw_end, EVEN, False).to(tl.float32)
             # sum_k (q - z) x = 2**BITS * (sum_k v x - c * sum_k x), c = 1 + z / 2**BITS (2**BITS after the loop)
             if HAS_ZEROS:
-                c = 1.0 + tl.load(z_rows + g, mask=(kw < kw_end)[None, :], other=0).to(tl.float32) * (1.0 / (1 << BITS))
+                c = 1.0 + _word_load(z_rows + g, kw, kw_end, EVEN, False).to(tl.float32) * (1.0 / (1 << BITS))
             else:
                 c = 1.0 + (2 ** (BITS - 1)) / (1 << BITS)
             a0, a1, a2, a3 = _gemv4_add(a0, a1, a2, a3, p0, p1, p2, p3, x0, x1, x2, x3, c, s, BLOCK_M)
@@ -905,30 +916,22 @@ def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: to
     cpw = 32 // meta["BITS"]
     bn = cfg["BLOCK_N"]
     bkw = max(4, cfg["BLOCK_K"] // cpw)
-    if act is not None:
+    if act is not None:  # a program owns bn // 2 gate/up row pairs, all of K
         bn += bn % 2
-        tiles = triton.cdiv(n // 2, bn // 2)
+        tiles, n_out = triton.cdiv(n // 2, bn // 2), n // 2
         split, per = 1, triton.cdiv(kw, bkw) * bkw
-        y = torch.empty((m, n // 2), dtype=x.dtype, device=x.device)
-        even = kw % bkw == 0
-        _gemv4_kernel[(tiles, 1)](
-            x, words, s, z, y, y, y, m, n, k, kw, per, x.stride(0), words.stride(0), stride_sn, y.stride(0),
-            SPLIT_K=False, EVEN=even, XMASK=(not even) or kw * cpw > k, BLOCK_M=triton.next_power_of_2(m),
-            BLOCK_N=bn, BLOCK_KW=bkw, ACT=ACTIVATIONS[act], num_warps=cfg["num_warps"],
-            num_stages=cfg.get("num_stages", 1), **meta, **pdl_launch(pdl_enabled(x)),
-        )
-        return y
-    tiles = triton.cdiv(n, bn)
-    split, per = _gemv_split(tiles, kw, bkw, x.device, cfg.get("SPLIT", 0))
-    cfg["SPLIT"] = split
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    else:
+        tiles, n_out = triton.cdiv(n, bn), n
+        split, per = _gemv_split(tiles, kw, bkw, x.device, cfg.get("SPLIT", 0))
+        cfg["SPLIT"] = split
+    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = _counters(x.device, tiles) if split > 1 else y
     even = kw % per == 0 and per % bkw == 0
     _gemv4_kernel[(tiles, split)](
         x, words, s, z, ws, y, cnt, m, n, k, kw, per, x.stride(0), words.stride(0), stride_sn, y.stride(0),
-        SPLIT_K=split > 1, EVEN=even, XMASK=(not even) or kw * cpw > k,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_KW=bkw, num_warps=cfg["num_warps"],
+        SPLIT_K=split > 1, EVEN=even, XMASK=(not even) or kw * cpw > k, BLOCK_M=triton.next_power_of_2(m),
+        BLOCK_N=bn, BLOCK_KW=bkw, ACT=ACTIVATIONS[act], num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 1), **meta, **pdl_launch(pdl_enabled(x)),
     )
     return y

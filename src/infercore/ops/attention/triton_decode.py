@@ -43,7 +43,9 @@ _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 # 2026-11-30 at batch 64 / ctx 4096 / 32:8 heads: block_n 64 with 4 warps is best (0.26 ms, 4.1 TB/s,
 # 0.96-0.98x SDPA); 2 vs 3 stages and 1 vs 2 splits are within run-to-run noise there. At batch 1
 # (8 KV heads, ~640 keys) the step is latency-bound: one 64-key tile per split (min_split_tokens 64)
-# instead of ~4 sequential ones (256) -- see results/h200/decode_step.json.
+# instead of ~4 sequential ones (256). Batch-1 decode of the 8B shape, two runs of one session with
+# PDL on: 216.8 tok/s with 256 (results/h200/sweeps/decode_step_pdl.json), 227.5 with 64
+# (results/h200/decode_step.json).
 TUNING = {
     "block_n": 64,
     "num_warps": 4,

@@ -1,6 +1,7 @@
 """Shared helpers of the hybrid-model tests: prefill logits through the engine's own runner."""
 
 import torch
+from paged_harness import hf_greedy, hf_logits  # noqa: F401  (re-exported for the hybrid tests)
 
 from infercore import SamplingParams
 
@@ -23,16 +24,3 @@ def engine_prefill_logits(engine, prompts: list[list[int]]) -> list[torch.Tensor
     for rid in rids:
         engine.abort(rid)
     return list(logits.split([len(p) for p in prompts]))
-
-
-@torch.inference_mode()
-def hf_logits(hf_model, prompt: list[int]) -> torch.Tensor:
-    return hf_model(torch.tensor([prompt])).logits[0].float()
-
-
-@torch.inference_mode()
-def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                            do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()

@@ -1,0 +1,87 @@
+"""Instructions per code in the main loop of the MODE 4 weight-only GEMV, from an offline sm90 compile.
+
+No GPU needed: Triton compiles for ``cuda:90`` on the CPU and its bundled ``cuobjdump`` prints the SASS;
+the script finds the kernel's loops (backward branches) and counts the instructions of the largest
+one, divided by the codes each thread decodes per iteration. Static counts, not timings (the Triton
+here may differ from the GPU machine's).
+
+    python benchmarks/sass_count.py                       # int4 and fp8, the tuned M = 1 tiles
+    python benchmarks/sass_count.py --kind int4 --block-n 4 --block-k 4096 --warps 4 --stages 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from infercore.quant import triton_wo as TW
+
+
+def compile_gemv4(kind: str, block_n: int, block_kw: int, warps: int, stages: int):
+    ptr = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16" if kind == "int4" else "*fp32", "z_ptr": "*bf16",
+           "ws_ptr": "*fp32", "y_ptr": "*bf16", "cnt_ptr": "*i32"}
+    ints = {n: "i32" for n in ("M", "N", "K", "KW", "kw_per_split", "stride_xm", "stride_qn", "stride_sn",
+                               "stride_ym")}  # fmt: skip
+    if kind == "int4":
+        ce = dict(FP8=False, BITS=4, ILV=16, SCALE_WORDS=16, SCALE_ROWS=0, HAS_ZEROS=False)
+    else:
+        ce = dict(FP8=True, BITS=8, ILV=32, SCALE_WORDS=32, SCALE_ROWS=0, HAS_ZEROS=False)
+    ce.update(SPLIT_K=False, EVEN=True, XMASK=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_KW=block_kw, ACT=0,
+              USE_PDL=False)  # fmt: skip
+    sig = {**ptr, **ints, **{k: "constexpr" for k in ce}}
+    names = list(sig)
+    # As a real launch specializes them: pointers and sizes divisible by 16.
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*ptr, *ints)}
+    src = ASTSource(fn=TW._gemv4_kernel, signature=sig, constexprs=ce, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def largest_loop(sass: str) -> collections.Counter:
+    rows = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]+)\*/\s+([^;]*);", sass)]
+    best = collections.Counter()
+    for addr, ins in rows:
+        t = re.search(r"BRA\s+.*?0x([0-9a-f]+)", ins)
+        if t and int(t.group(1), 16) < addr:
+            lo = int(t.group(1), 16)
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0]
+                                      for a, i in rows if lo <= a <= addr)  # fmt: skip
+            if sum(ops.values()) > sum(best.values()):
+                best = ops
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kind", choices=["int4", "fp8"], default=None)
+    ap.add_argument("--block-n", type=int, default=4)
+    ap.add_argument("--block-k", type=int, default=None, help="codes per tile")
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=None)
+    args = ap.parse_args()
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    for kind in [args.kind] if args.kind else ["int4", "fp8"]:
+        cpw = 8 if kind == "int4" else 4
+        block_k = args.block_k or (4096 if kind == "int4" else 2048)
+        stages = args.stages or (1 if kind == "int4" else 2)
+        c = compile_gemv4(kind, args.block_n, block_k // cpw, args.warps, stages)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(c.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        ops = largest_loop(sass)
+        codes_per_thread = args.block_n * block_k / (args.warps * 32)
+        n = sum(ops.values())
+        print(f"{kind} BLOCK_N={args.block_n} BLOCK_K={block_k} warps={args.warps} stages={stages}: "
+              f"{n} instructions per iteration, {n / codes_per_thread:.2f} per code; top: {ops.most_common(8)}")
+
+
+if __name__ == "__main__":
+    main()

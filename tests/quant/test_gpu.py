@@ -56,7 +56,7 @@ def test_fp8_emulated_bf16(m, block):
     assert _rel(fp8_wo_matmul(x, w), R.fp8_wo_matmul_ref(x, w)) < 1e-2
 
 
-@pytest.mark.parametrize("mode", [1, 2, 4])
+@pytest.mark.parametrize("mode", [1, 2, 4, 5])
 @pytest.mark.parametrize("m", [1, 5, 16])
 def test_small_m_every_mode_bf16(mode, m):
     """Each small-M kernel variant the sweep may pick, with split-K, on bf16 activations (MODE 4 at
@@ -72,6 +72,29 @@ def test_small_m_every_mode_bf16(mode, m):
         cfg = {"MODE": mode, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": split, "num_warps": 4, "num_stages": 3}
         assert _rel(triton_wo.wq_matmul_triton(x, w4, config=cfg), R.wq_matmul_ref(x, w4)) < 1e-2
         assert _rel(triton_wo.fp8_wo_matmul_triton(x, f8, config=cfg), R.fp8_wo_matmul_ref(x, f8)) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,bn,warps", [(1024, 128, 4), (1024, 256, 8), (1000, 128, 4)])
+def test_mode5_word_decode(dtype, n, bn, warps):
+    """MODE 5 (stored words, two codes per instruction) in both 16-bit dtypes, whole tiles (the
+    unmasked EVEN path) and a ragged last channel tile; asymmetric INT4 and block-scaled FP8 too."""
+    from infercore.quant import triton_wo
+
+    torch.manual_seed(1)
+    wt = torch.randn(n, 2048, device=dev)
+    x = torch.randn(7, 2048, device=dev, dtype=dtype)
+    qs = [IntWeight.quantize(wt, bits=4, group_size=128),
+          IntWeight.quantize(wt, bits=4, group_size=128, symmetric=False),
+          FP8Weight.quantize(wt), FP8Weight.quantize(wt, block_size=128)]
+    for q in qs:
+        fn, ref = ((triton_wo.wq_matmul_triton, R.wq_matmul_ref) if isinstance(q, IntWeight)
+                   else (triton_wo.fp8_wo_matmul_triton, R.fp8_wo_matmul_ref))
+        for split in (1, 3, 4):
+            cfg = {"MODE": 5, "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT": split, "num_warps": warps, "num_stages": 3}
+            for _ in range(2):  # the second call reuses the split-K arrival counters the first reset
+                y = fn(x, q, config=cfg)
+                assert y.dtype == dtype and _rel(y, ref(x, q)) < 1e-2, (type(q).__name__, split)
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])

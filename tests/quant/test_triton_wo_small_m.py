@@ -136,7 +136,7 @@ def test_fp8_gemv_decode_bit_exact():
     assert torch.equal(y[0], codes.view(torch.float8_e4m3fn).float())
 
 
-@pytest.mark.parametrize("mode", [0, 3, 5, None])
+@pytest.mark.parametrize("mode", [0, 3, 6, None])
 def test_small_config_rejects_unknown_mode(mode):
     w = IntWeight.quantize(torch.randn(16, 64), bits=4, group_size=32)
     f = FP8Weight.quantize(torch.randn(16, 64))
@@ -264,3 +264,40 @@ def test_gemv4_repack_off_takes_the_dot(monkeypatch):
     y = triton_wo.wq_matmul_triton(x, w, config=_gemv(1))
     assert id(w.qweight) not in triton_wo._ILV_CACHE
     assert _err(y, R.wq_matmul_ref(x, w)) < 1e-5
+
+
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("kind", ["int4_sym", "int4_asym", "int4_channel", "fp8", "fp8_block"])
+def test_mode5_word_pairs(kind, m):
+    """MODE 5 (stored bytes read as int32 words, two codes per decode instruction, fp16 here: the
+    interpreter has no bf16 math) against the reference, with split-K finished in the kernel and a
+    ragged last channel tile (N = 40 with 16-channel tiles)."""
+    torch.manual_seed(m)
+    wt = torch.randn(40, 512)
+    x = torch.randn(m, 512).half()
+    if kind.startswith("int4"):
+        q = IntWeight.quantize(wt, bits=4, group_size=None if kind == "int4_channel" else 128,
+                               symmetric=kind != "int4_asym")
+        fn, ref, bk = triton_wo.wq_matmul_triton, R.wq_matmul_ref, 64
+    else:
+        q = FP8Weight.quantize(wt, block_size=128 if kind == "fp8_block" else None)
+        fn, ref, bk = triton_wo.fp8_wo_matmul_triton, R.fp8_wo_matmul_ref, 32
+    r = ref(x.float(), q)
+    for split in (1, 3):
+        for _ in range(2):  # the in-kernel split-K counters are reset for the next call
+            y = fn(x, q, config=_cfg(5, split, bk=bk))
+            assert y.dtype == torch.float16 and _err(y, r) < 2e-3, (split, _err(y, r))
+
+
+def test_mode5_falls_back_where_it_cannot_run():
+    """fp32 activations and INT8 codes take the MODE 2 tile instead (same results)."""
+    torch.manual_seed(0)
+    w8 = IntWeight.quantize(torch.randn(32, 256), bits=8, group_size=64)
+    x = torch.randn(2, 256)
+    plan = triton_wo._small_plan("int8", x.half(), w8.qweight, 32, 256, 64, _cfg(5, 1), lambda: None)[0]
+    assert plan["MODE"] == 2
+    w4 = IntWeight.quantize(torch.randn(32, 256), bits=4, group_size=64)
+    assert triton_wo._small_plan("int4", x, w4.qweight, 32, 256, 64, _cfg(5, 1), lambda: None)[0]["MODE"] == 2
+    assert triton_wo._small_plan("int4", x.half(), w4.qweight, 32, 256, 64, _cfg(5, 1), lambda: None)[0]["MODE"] == 5
+    assert _err(triton_wo.wq_matmul_triton(x, w8, config=_cfg(5, 1)), R.wq_matmul_ref(x, w8)) < 1e-5
+    assert _err(triton_wo.wq_matmul_triton(x, w4, config=_cfg(5, 1)), R.wq_matmul_ref(x, w4)) < 1e-5

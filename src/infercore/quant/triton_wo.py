@@ -405,6 +405,10 @@ def wq_matmul_triton(
                               HAS_ZEROS=w.zeros is not None)
             if fused is not None:
                 return y
+        elif cfg["MODE"] == 5:
+            y = _launch_words(x, w.qweight, w.scales, zeros, n, kp, cfg, FP8=False, GROUP=group,
+                              HAS_ZEROS=w.zeros is not None, SCALE_BLOCK=0, MAGIC=_MAGIC[x.dtype][0],
+                              MAGIC_BASE=_MAGIC[x.dtype][1], FOLD=1.0)
         else:
             y = _launch_small(_wq_small_kernel, x, w.qweight, (w.scales, zeros), (k, kp), n, kp, cfg,
                               BITS=w.bits, GROUP=group, HAS_ZEROS=w.zeros is not None,
@@ -432,40 +436,44 @@ def _apply_act(y: torch.Tensor, act: str | None) -> torch.Tensor:
 
 
 
+# MODE 5's default tile (M = 2..16, or shapes not in the table) and MODE 2's, where MODE 5 cannot run.
+_MODE5_DEFAULT = {"MODE": 5, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT": 0, "num_warps": 4, "num_stages": 3}
+_MODE2_DEFAULT = {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 0, "num_warps": 4, "num_stages": 3}
+
 # Small-M launch table: (kind, N, K, M bucket) -> config, from benchmarks/sweep_quant_wo.py on an
 # H200 (its "table" output). Missing entries use the heuristic in ``_small_cfg``.
 SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
     # benchmarks/sweep_quant_wo.py on the H200: results/h200/quant_wo_small_m.json
-    ("int4", 14336, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 2, 'num_stages': 2, 'SPLIT': 0},
-    ("int4", 14336, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("int4", 14336, 4096, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("fp8", 14336, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 0},
-    ("fp8", 14336, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("fp8", 14336, 4096, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
-    ("int4", 6144, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 4096, 'num_warps': 4, 'num_stages': 1, 'SPLIT': 0},
-    ("int4", 6144, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("int4", 6144, 4096, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("fp8", 6144, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 1024, 'num_warps': 2, 'num_stages': 2, 'SPLIT': 1},
-    ("fp8", 6144, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("fp8", 6144, 4096, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
+    ("int4", 14336, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 2, 'num_stages': 2, 'SPLIT': 1},
+    ("int4", 14336, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("int4", 14336, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("fp8", 14336, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 1024, 'num_warps': 2, 'num_stages': 2, 'SPLIT': 0},
+    ("fp8", 14336, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
+    ("fp8", 14336, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
+    ("int4", 6144, 4096, 1): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
+    ("int4", 6144, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
+    ("int4", 6144, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
+    ("fp8", 6144, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 0},
+    ("fp8", 6144, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
+    ("fp8", 6144, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
     ("int4", 4096, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 4096, 'num_warps': 4, 'num_stages': 1, 'SPLIT': 1},
-    ("int4", 4096, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("int4", 4096, 4096, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("int4", 4096, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
+    ("int4", 4096, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
     ("fp8", 4096, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 0},
-    ("fp8", 4096, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("fp8", 4096, 4096, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
-    ("int4", 28672, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 2, 'num_stages': 2, 'SPLIT': 1},
-    ("int4", 28672, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
-    ("int4", 28672, 4096, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
-    ("fp8", 28672, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 1024, 'num_warps': 2, 'num_stages': 2, 'SPLIT': 0},
-    ("fp8", 28672, 4096, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
-    ("fp8", 28672, 4096, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 1},
-    ("int4", 4096, 14336, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 2, 'num_stages': 2, 'SPLIT': 1},
-    ("int4", 4096, 14336, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
-    ("int4", 4096, 14336, 16): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
+    ("fp8", 4096, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
+    ("fp8", 4096, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("int4", 28672, 4096, 1): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("int4", 28672, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("int4", 28672, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
+    ("fp8", 28672, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 1024, 'num_warps': 2, 'num_stages': 2, 'SPLIT': 1},
+    ("fp8", 28672, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 1},
+    ("fp8", 28672, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 1},
+    ("int4", 4096, 14336, 1): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 16},
+    ("int4", 4096, 14336, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
+    ("int4", 4096, 14336, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
     ("fp8", 4096, 14336, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 1},
-    ("fp8", 4096, 14336, 4): {'MODE': 2, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
-    ("fp8", 4096, 14336, 16): {'MODE': 1, 'BLOCK_N': 32, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
+    ("fp8", 4096, 14336, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
+    ("fp8", 4096, 14336, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
 }
 
 
@@ -473,14 +481,15 @@ def _small_cfg(kind: str, n: int, kp: int, m: int, kmax: int, device: torch.devi
                override: dict | None) -> dict:
     """Launch parameters of the small-M kernels; ``kmax`` caps BLOCK_K (group / scale block).
 
-    Keys: MODE (1 dot, 2 swapped dot, 4 word GEMV for M <= GEMV_M_MAX), BLOCK_N, BLOCK_K (codes per
-    tile; MODE 1/2 tiles stay inside one group, MODE 4 tiles span groups), SPLIT (0: heuristic),
+    Keys: MODE (1 dot, 2 swapped dot, 4 word GEMV for M <= GEMV_M_MAX, 5 swapped dot over the stored
+    words, two codes per instruction), BLOCK_N, BLOCK_K (codes per tile; MODE 1/2/5 tiles stay inside
+    one group, MODE 4 tiles span groups), SPLIT (0: heuristic),
     num_warps, num_stages.
     """
     mb = triton.next_power_of_2(m)
     if override is not None:
-        if override.get("MODE") not in (1, 2, 4):
-            raise ValueError(f"config: MODE must be 1, 2 or 4, got {override.get('MODE')!r}")
+        if override.get("MODE") not in (1, 2, 4, 5):
+            raise ValueError(f"config: MODE must be 1, 2, 4 or 5, got {override.get('MODE')!r}")
         cfg = dict(override)
     elif _INTERPRET:
         cfg = {"MODE": 4 if m <= GEMV_M_MAX else 2, "BLOCK_N": 8, "BLOCK_K": 64, "SPLIT": 0,
@@ -490,23 +499,25 @@ def _small_cfg(kind: str, n: int, kp: int, m: int, kmax: int, device: torch.devi
         b = next(b for b in (mb, 2 * mb, 4 * mb, 8 * mb, 16 * mb) if (kind, n, kp, b) in SMALL_M_TUNED)
         cfg = dict(SMALL_M_TUNED[(kind, n, kp, b)])
         if cfg["MODE"] == 4 and m > GEMV_M_MAX:
-            cfg = {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 0, "num_warps": 4, "num_stages": 3}
+            cfg = dict(_MODE5_DEFAULT)
     elif m == 1:
         # The tile the H200 sweep picked on most Llama-8B shapes (results/h200/quant_wo_small_m.json):
         # 4 channels x 2048 codes per step, 2-stage pipelined K loop; at M = 2..4 the swapped dot won.
         cfg = {"MODE": 4, "BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT": 0, "num_warps": 4, "num_stages": 2}
-    else:
-        cfg = {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 0, "num_warps": 4, "num_stages": 3}
+    else:  # the tile the H200 sweep picked for M = 2..16 on most shapes (MODE 2 where MODE 5 cannot run)
+        cfg = dict(_MODE5_DEFAULT)
     if cfg["MODE"] != 4:  # MODE 4 tiles span groups (per-word scales)
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], kmax)
     cfg["BLOCK_M"] = mb if cfg["MODE"] == 4 else max(16, mb)
     if cfg["MODE"] == 4:
         cfg.setdefault("SPLIT", 0)  # 0: chosen at launch (_gemv_split)
     elif not cfg.get("SPLIT"):
-        # Split K until programs cover the multiprocessors ~4 times, keeping >= 4 steps per split.
+        # Split K until programs cover the multiprocessors ~4 times (MODE 5, whose programs are
+        # larger: ~2 times), keeping >= 4 steps per split.
         tiles = triton.cdiv(n, cfg["BLOCK_N"])
+        waves = 2 if cfg["MODE"] == 5 else 4
         split = 1
-        while split < 16 and tiles * split < 4 * _num_sms(device) and kp // (2 * split) >= 4 * cfg["BLOCK_K"]:
+        while split < 16 and tiles * split < waves * _num_sms(device) and kp // (2 * split) >= 4 * cfg["BLOCK_K"]:
             split *= 2
         cfg["SPLIT"] = split
     return cfg
@@ -546,15 +557,24 @@ def _small_plan(kind: str, x: torch.Tensor, qweight: torch.Tensor, n: int, kdim:
                 config: dict | None, make_ilv) -> tuple[dict, torch.Tensor | None]:
     """Small-M config and, when it is the MODE 4 GEMV and can run (M <= GEMV_M_MAX and its
     interleaved words exist or may be made now, by ``make_ilv()``), the int32 words; otherwise
-    ``None`` and a MODE 1/2 config."""
+    ``None`` and a tensor-core config (MODE 5 where it can run, see ``_mode5_ok``, else MODE 1/2)."""
     m = x.shape[0]
     cfg = _small_cfg(kind, n, kdim, m, kmax, x.device, config)
+    if cfg["MODE"] == 5 and not _mode5_ok(kind, x, qweight, cfg["BLOCK_K"]):
+        cfg = _small_cfg(kind, n, kdim, m, kmax, x.device, dict(_MODE2_DEFAULT))
     if cfg["MODE"] != 4:
         return cfg, None
     words = _ilv_cached(qweight, make_ilv) if m <= GEMV_M_MAX else None
     if words is None:  # not runnable (see above): the tensor-core path
-        cfg = _small_cfg(kind, n, kdim, m, kmax, x.device, {**cfg, "MODE": 2, "SPLIT": 0})
+        ok = _mode5_ok(kind, x, qweight, min(_MODE5_DEFAULT["BLOCK_K"], kmax))
+        cfg = _small_cfg(kind, n, kdim, m, kmax, x.device, dict(_MODE5_DEFAULT if ok else _MODE2_DEFAULT))
     return cfg, words
+
+
+def _mode5_ok(kind: str, x: torch.Tensor, qweight: torch.Tensor, block_k: int) -> bool:
+    """MODE 5 runs INT4 and FP8 (an INT8 code does not fit a bf16 mantissa) with 16-bit activations,
+    rows of whole 4-byte aligned words, and K steps of >= 16 pairs (the dot's minimum depth)."""
+    return kind in ("int4", "fp8") and _words_ok(x, qweight) and block_k >= 8 * (4 if kind == "fp8" else 8)
 
 
 def _launch_small(kernel, x: torch.Tensor, qweight: torch.Tensor, tensors: tuple, sizes: tuple, n: int,
@@ -938,6 +958,161 @@ def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: to
 
 
 # ----------------------------------------------------------------------------------------------
+# MODE 5: tensor-core small-M kernel decoding stored int32 words two codes per instruction
+# ----------------------------------------------------------------------------------------------
+#
+# The stored weights (INT4 bytes along K, or FP8 e4m3 bytes), read as int32 words, are turned into
+# the dot operand with a few integer instructions per *pair* of codes: each 32-bit result holds two
+# 16-bit float patterns, and that register is already what the MMA consumes (two K-adjacent
+# operand elements), so the compiler emits no repacking. A word holds ``CPW`` codes (8 INT4, 4 FP8),
+# ``k = CPW * i + p`` for code position ``p`` of word ``i``; pair ``j`` takes positions ``j`` (low half)
+# and ``j + CPW / 2`` (high half):
+#   INT4 : ((w >> 4j) & 0x000F000F) | MAGIC   -> MAGIC_BASE + q exactly (one shift, one LOP3;
+#          bf16's 7-bit mantissa cannot hold a nibble left at bits 4-7, so every pair shifts)
+#   FP8  : the e4m3 byte's sign to bit 15, its other 7 bits under the 16-bit float's exponent LSB
+#          (value times 2**-120 in bf16, 2**-8 in fp16; the factor is folded into the scale)
+# The activations are permuted to the same order (a register shuffle of a [16, BLOCK_K] tile), so
+# the dot is a plain sum over K; INT4 zero points apply per step as ``z * sum(x)`` (no per-weight
+# subtract). Cost: ~1.75 integer instructions per FP8 code, ~0.9 per INT4 code (sm90 SASS), against
+# ~5 (MODE 4) and ~6-9 (MODE 1/2); the tensor cores make M = 1..16 cost the same.
+
+
+@triton.jit
+def _pair_bits(w, J: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr, MAGIC: tl.constexpr):
+    """Pair ``J`` of every word in ``w`` (int32) as two 16-bit float bit patterns in one int32."""
+    if FP8:
+        if J == 0:  # bytes 0 and 2 move to the top of each half
+            t = w << 8
+        else:  # bytes 1 and 3 already are
+            t = w
+        if F16:  # fp16: 7 bits from bit 7 (the value times 2**-8)
+            bits = (t & -2147450880) | ((t >> 1) & 0x3F803F80)  # -2147450880 == 0x80008000
+        else:  # bf16: 7 bits from bit 4 (the value times 2**-120)
+            bits = (t & -2147450880) | ((t >> 4) & 0x07F007F0)
+    else:
+        bits = ((w >> (4 * J)) & 0x000F000F) | (MAGIC * 65537)
+    return bits
+
+
+@triton.jit
+def _unpair(bits, like):
+    """int32 ``[R, C]`` of 16-bit pairs -> ``[R, 2C]`` in ``like``'s dtype (low half first)."""
+    lo = bits.to(tl.int16).to(like.dtype, bitcast=True)
+    hi = (bits >> 16).to(tl.int16).to(like.dtype, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), [bits.shape[0], bits.shape[1] * 2])
+
+
+@triton.jit
+def _x_pairs(a, NP: tl.constexpr, BLOCK_M: tl.constexpr, BKW: tl.constexpr):
+    """``a [BLOCK_M, BKW * 2 * NP]`` -> NP tensors ``[BLOCK_M, 2 * BKW]``, the activations of each pair
+    in the order ``_unpair`` gives (word-major, then low/high half). Returned as a tuple."""
+    if NP == 2:
+        x0, x1 = tl.split(tl.reshape(a, [BLOCK_M, BKW, 2, 2]))
+        r = (tl.reshape(x0, [BLOCK_M, 2 * BKW]), tl.reshape(x1, [BLOCK_M, 2 * BKW]))
+    else:
+        e, o = tl.split(tl.reshape(a, [BLOCK_M, BKW, 2, 2, 2]))
+        x0, x2 = tl.split(e)
+        x1, x3 = tl.split(o)
+        r = (tl.reshape(x0, [BLOCK_M, 2 * BKW]), tl.reshape(x1, [BLOCK_M, 2 * BKW]),
+             tl.reshape(x2, [BLOCK_M, 2 * BKW]), tl.reshape(x3, [BLOCK_M, 2 * BKW]))
+    return r
+
+
+@triton.jit
+def _words_small_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, ws_ptr, y_ptr, cnt_ptr,
+    M, N, K, KW, k_per_split,
+    stride_xm, stride_qn, stride_sn, stride_ym,
+    FP8: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,  # FP8: 0 per channel, else the block edge; INT4: unused
+    MAGIC: tl.constexpr, MAGIC_BASE: tl.constexpr, FOLD: tl.constexpr,
+    MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    """MODE 5 small-M weight-only (INT4 group-wise or emulated FP8) on tensor cores. Grid
+    ``(cdiv(N, BLOCK_N), SPLIT)`` as in ``_wq_small_kernel``, but split-K partials are summed inside
+    the kernel by the last program of each channel tile (``_gemv_finish``), so a call is one launch.
+    MODE 1 / 2: orientation as in ``_tile_dot``. ``stride_qn`` and ``KW`` count int32 words;
+    ``BLOCK_K`` (codes) stays inside one group / scale block. ``EVEN``: every tile is whole (N, K per
+    split and K are multiples of the tile), so loads carry no channel / K masks. One dot per pair
+    (stacking the pairs into one operand measured 1.5-1.7x slower on the H200: the permutation is not
+    free in registers)."""
+    CPW: tl.constexpr = 4 if FP8 else 8
+    NP: tl.constexpr = CPW // 2
+    BKW: tl.constexpr = BLOCK_K // CPW
+    pdl_release(USE_PDL)
+    offs_n, n_mask, offs_m, m_mask, rows_w, rows_x, acc = _small_setup(M, N, stride_xm, stride_qn, MODE,
+                                                                       BLOCK_M, BLOCK_N)
+    pdl_wait(USE_PDL)  # before x: the previous kernel writes it
+    wp = qw_ptr.to(tl.pointer_type(tl.int32))
+    pid_k = tl.program_id(1)
+    kw_start = pid_k * (k_per_split // CPW)
+    kw_end = tl.minimum(kw_start + k_per_split // CPW, KW)
+    for kw0 in range(kw_start, kw_end, BKW):
+        k0 = kw0 * CPW
+        offs_w = kw0 + tl.arange(0, BKW)
+        if EVEN:
+            w = tl.load(wp + rows_w + offs_w[None, :], eviction_policy="evict_first")
+            a = tl.load(x_ptr + rows_x + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_mask[:, None], other=0.0)
+        else:
+            w = tl.load(wp + rows_w + offs_w[None, :], mask=n_mask[:, None] & (offs_w[None, :] < KW), other=0,
+                        eviction_policy="evict_first")
+            a = _x_tile(x_ptr, rows_x, m_mask, k0, K, BLOCK_K)
+        xs = _x_pairs(a, NP, BLOCK_M, BKW)
+        part = _tile_dot(xs[0], _unpair(_pair_bits(w, 0, FP8, a.dtype == tl.float16, MAGIC), a), MODE,
+                         DOT_PRECISION)
+        for j in tl.static_range(1, NP):
+            part = _tile_dot_acc(xs[j], _unpair(_pair_bits(w, j, FP8, a.dtype == tl.float16, MAGIC), a), part,
+                                 MODE, DOT_PRECISION)
+        if FP8:
+            if SCALE_BLOCK != 0:
+                sb = tl.load(s_ptr + (offs_n // SCALE_BLOCK) * stride_sn + k0 // SCALE_BLOCK, mask=n_mask,
+                             other=0.0)
+                part = part * _chan(sb, MODE)
+            acc += part
+        else:
+            s, z = _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, stride_sn, k0 // GROUP, HAS_ZEROS, 4, BLOCK_N)
+            asum = tl.sum(a.to(tl.float32), axis=1)
+            acc += (part - _chan(z + MAGIC_BASE, MODE) * _row(asum, MODE)) * _chan(s, MODE)
+    if FP8:
+        if SCALE_BLOCK == 0:
+            acc = acc * _chan(tl.load(s_ptr + offs_n, mask=n_mask, other=0.0), MODE)
+        acc = acc * FOLD
+    if MODE == 2:
+        acc = tl.trans(acc)
+    _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K)
+
+
+def _launch_words(x: torch.Tensor, qweight: torch.Tensor, s: torch.Tensor, z: torch.Tensor, n: int, kdim: int,
+                  cfg: dict, **meta) -> torch.Tensor:
+    """Run MODE 5 over ``kdim`` stored codes per row (``x`` has ``meta K`` columns): one launch,
+    split-K finished in the kernel."""
+    m, k = x.shape
+    cpw = 4 if meta["FP8"] else 8
+    bk = cfg["BLOCK_K"]
+    kps = triton.cdiv(triton.cdiv(kdim, cfg["SPLIT"]), bk) * bk
+    split = triton.cdiv(kdim, kps)
+    tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    cnt = _counters(x.device, tiles) if split > 1 else y
+    even = n % cfg["BLOCK_N"] == 0 and k == kdim and kdim % kps == 0 and kps % bk == 0
+    _words_small_kernel[(tiles, split)](
+        x, qweight, s, z, ws, y, cnt, m, n, k, kdim // cpw, kps, x.stride(0), qweight.stride(0) // 4, s.stride(0),
+        y.stride(0), MODE=2, DOT_PRECISION=_dot_precision(x.dtype), EVEN=even, SPLIT_K=split > 1,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, num_warps=cfg["num_warps"],
+        num_stages=cfg.get("num_stages", 1), **meta, **pdl_launch(pdl_enabled(x)),
+    )
+    return y
+
+
+def _words_ok(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """MODE 5 needs 16-bit activations and rows of whole, 4-byte aligned int32 words."""
+    return (x.dtype in (torch.bfloat16, torch.float16) and qweight.stride(0) % 4 == 0
+            and qweight.shape[1] % 4 == 0 and qweight.data_ptr() % 16 == 0 and qweight.stride(1) == 1)
+
+
+# ----------------------------------------------------------------------------------------------
 # FP8 e4m3, emulated (integer decode + bf16/fp16 dot)
 # ----------------------------------------------------------------------------------------------
 
@@ -1096,6 +1271,9 @@ def fp8_wo_matmul_triton(
                               SCALE_ROWS=scale_block, HAS_ZEROS=False)
             if fused is not None:
                 return y
+        elif cfg["MODE"] == 5:
+            y = _launch_words(x, w.qweight, w.scales, w.scales, n, k, cfg, FP8=True, GROUP=1, HAS_ZEROS=False,
+                              SCALE_BLOCK=scale_block, MAGIC=0, MAGIC_BASE=0.0, FOLD=fold)
         else:
             y = _launch_small(_fp8_small_kernel, x, w.qweight, (w.scales,), (k,), n, k, cfg,
                               SCALE_BLOCK=scale_block, DECODE=decode, FOLD=fold)

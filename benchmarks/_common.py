@@ -109,7 +109,9 @@ def env_info() -> dict[str, str]:
     except ImportError:
         triton_version = "none"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    return {"torch": torch.__version__, "triton": triton_version, "gpu": gpu}
+    # Switches that change what runs (INFERCORE_PDL, INFERCORE_DECODE_FUSED_MERGE, ...) are part of the result.
+    switches = {k: v for k, v in sorted(os.environ.items()) if k.startswith("INFERCORE_")}
+    return {"torch": torch.__version__, "triton": triton_version, "gpu": gpu, **switches}
 
 
 def write_results(path: str, name: str, device: str, cases: list[dict[str, Any]]) -> dict[str, Any]:

@@ -58,28 +58,6 @@ def test_decode_split_counts_agree():
         )
 
 
-@pytest.mark.parametrize("splits", [3, 11])
-def test_decode_fused_merge_matches_merge_kernel(monkeypatch, splits):
-    """The in-kernel merge (the last split of each sequence / KV head merges, counters reset for the
-    next call) equals the two-kernel path: a group of 3 heads (padded to 4), more splits than one
-    merge chunk of 8, splits past a short sequence's end (empty, lse -inf) and an empty row."""
-    from infercore.ops.attention import triton_decode
-
-    lens = [61, 5, 0, 40]
-    k_cache, v_cache, table = _paged_kv(lens, 2, 16, 8, torch.float32)
-    q = torch.randn(4, 6, 16)
-    kw = dict(seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table, scale=0.25, num_splits=splits)
-    fn = implementation("paged_attention_decode", "triton")
-    monkeypatch.setitem(triton_decode.TUNING, "fused_merge", False)
-    two = fn(q, k_cache, v_cache, **kw)
-    monkeypatch.setitem(triton_decode.TUNING, "fused_merge", True)
-    for _ in range(2):
-        torch.testing.assert_close(fn(q, k_cache, v_cache, **kw), two, atol=1e-5, rtol=1e-5)
-    want = implementation("paged_attention_decode", "reference")(q, k_cache, v_cache, **{
-        k: v for k, v in kw.items() if k != "num_splits"})
-    torch.testing.assert_close(two, want, atol=1e-4, rtol=1e-4)
-
-
 PREFILL_CASES = [
     # q_lens, seq_lens, Hq, Hk, D, page, window, softcap
     ([5, 20, 1], [5, 40, 9], 4, 2, 32, 8, None, None),  # fresh prompt, cached prefix, decode-like row

@@ -29,7 +29,6 @@ Design:
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -46,23 +45,22 @@ _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 # (8 KV heads, ~640 keys) the step is latency-bound: one 64-key tile per split (min_split_tokens 64)
 # instead of ~4 sequential ones (256). Batch-1 decode of the 8B shape, two runs of one session with
 # PDL on: 216.8 tok/s with 256 (results/h200/sweeps/decode_step_pdl.json), 227.5 with 64
-# (results/h200/decode_step.json).
+# (results/h200/decode_step.json). Merging the splits in the decode kernel (the last split of each
+# sequence / KV head, by an arrival counter) instead of the merge kernel measured slower at batch 1:
+# 219.9 vs 229.1 tok/s in one session (sweeps/decode_step_fused_merge.json vs
+# sweeps/decode_step_merge_kernel.json), so the merge stays a second launch.
 TUNING = {
     "block_n": 64,
     "num_warps": 4,
     "num_stages": 3,
     "target_programs_per_sm": 4,
     "min_split_tokens": 64,
-    # The last split program of each (sequence, KV head) merges the partials (arrival counter), so a
-    # split decode is one launch instead of two; False (or INFERCORE_DECODE_FUSED_MERGE=0): the
-    # separate merge kernel.
-    "fused_merge": os.environ.get("INFERCORE_DECODE_FUSED_MERGE", "1") != "0",
 }
 
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, seq_lens_ptr, bt_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, cnt_ptr,
+    q_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, seq_lens_ptr, bt_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     qk_scale, scale, softcap, window, code_scale,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_ksp, stride_kss, stride_vsp, stride_vss,
@@ -78,9 +76,6 @@ def _decode_kernel(
     HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_MODE: tl.constexpr,  # 0 float cache, 1 int8, 2 fp8 (native convert), 3 fp8 bytes (emulated)
-    FUSED_MERGE: tl.constexpr = False,  # the last split of each (sequence, KV head) merges (no 2nd kernel)
-    BLOCK_GM: tl.constexpr = 1,  # next_power_of_2(GROUP), the merge's head axis
-    BLOCK_S: tl.constexpr = 1,  # next_power_of_2(NUM_SPLITS)
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_release(USE_PDL)
@@ -169,52 +164,6 @@ def _decode_kernel(
         tl.store(mid_o_ptr + base + heads[:, None] * stride_mh + offs_d[None, :], o, mask=omask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(mid_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=gmask)
-        if FUSED_MERGE:
-            tl.debug_barrier()  # this program's partials are written before its arrival below
-            cidx = b * tl.num_programs(1) + kvh
-            done = tl.atomic_add(cnt_ptr + cidx, 1, sem="acq_rel", scope="gpu")
-            if done == NUM_SPLITS - 1:  # the last split to arrive merges all of them
-                _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b.to(tl.int64), kvh * GROUP, GROUP, HEAD_DIM,
-                             stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-                             NUM_SPLITS, BLOCK_S, BLOCK_GM, BLOCK_D)
-                tl.atomic_xchg(cnt_ptr + cidx, 0)  # ready for the next launch (graph replays too)
-
-
-@triton.jit
-def _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b, h0, GROUP, HEAD_DIM,
-                 stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-                 NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_GM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Merge the split partials of query heads ``h0 .. h0 + GROUP`` of sequence ``b`` into ``out``:
-    softmax-weighted by each split's log-sum-exp (base 2); empty splits (lse -inf) weigh 0. Splits
-    are read in chunks of at most 8 so the tile stays in registers; partials are read from L2 (.cg),
-    as other programs wrote them."""
-    CS: tl.constexpr = 8 if BLOCK_S > 8 else BLOCK_S
-    offs_g = tl.arange(0, BLOCK_GM)
-    offs_d = tl.arange(0, BLOCK_D)
-    gmask = offs_g < GROUP
-    heads = h0 + offs_g
-    offs_s = tl.arange(0, BLOCK_S)
-    lse_base = mid_lse_ptr + b * stride_lb + heads * stride_lh
-    lse = tl.load(lse_base[:, None] + offs_s[None, :], mask=gmask[:, None] & (offs_s < NUM_SPLITS)[None, :],
-                  other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, axis=1)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    denom = tl.sum(tl.exp2(lse - m[:, None]), axis=1)
-    acc = tl.zeros([BLOCK_GM, BLOCK_D], dtype=tl.float32)
-    o_base = mid_o_ptr + b * stride_mb + heads[None, :, None] * stride_mh + offs_d[None, None, :]
-    for s0 in tl.static_range(0, BLOCK_S, CS):
-        sc = s0 + tl.arange(0, CS)
-        smask = sc < NUM_SPLITS
-        lse_c = tl.load(lse_base[None, :] + sc[:, None], mask=smask[:, None] & gmask[None, :],
-                        other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(lse_c - m[None, :])  # [CS, BLOCK_GM]
-        o = tl.load(o_base + sc[:, None, None] * stride_ms,
-                    mask=(smask[:, None] & gmask[None, :])[:, :, None] & (offs_d < HEAD_DIM)[None, None, :],
-                    other=0.0, cache_modifier=".cg")
-        acc += tl.sum(o * w[:, :, None], axis=0)
-    res = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], res.to(out_ptr.dtype.element_ty),
-             mask=gmask[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -266,20 +215,6 @@ def _pick_splits(batch: int, kv_heads: int, max_ctx: int, device: torch.device) 
     want = triton.cdiv(TUNING["target_programs_per_sm"] * _num_sms(device), programs)
     cap = max(max_ctx // TUNING["min_split_tokens"], 1)
     return int(max(1, min(want, cap, 64)))
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for the fused merge, one per (sequence, KV head), reset by the
-    kernel. One buffer per device (launches on a stream are ordered); the first, eager decode call
-    allocates it, before any CUDA-graph capture."""
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < n:
-        c = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-        _COUNTERS[device] = c
-    return c
 
 
 def _scale_strides(s: torch.Tensor, kv_mode: int) -> tuple[int, int]:
@@ -353,10 +288,8 @@ def paged_attention_decode(
     while stages > 1 and 2 * stages * block_n * block_d * k_cache.element_size() > 160 * 1024:
         stages -= 1
     extra = {} if interp else {"num_warps": TUNING["num_warps"], "num_stages": stages}
-    fused = num_splits > 1 and TUNING["fused_merge"]
-    cnt = _merge_counters(q.device, B * Hk) if fused else seq_lens
     _decode_kernel[(B, Hk, num_splits)](
-        q, k_cache, v_cache, k_scale, v_scale, seq_lens, block_table, out, mid_o, mid_lse, cnt,
+        q, k_cache, v_cache, k_scale, v_scale, seq_lens, block_table, out, mid_o, mid_lse,
         scale * _LOG2E.value, scale, softcap or 1.0, sliding_window or 0, code_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -366,10 +299,9 @@ def paged_attention_decode(
         group, D,
         PAGE=page_size, NUM_SPLITS=num_splits, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        DOT_PRECISION=precision, KV_MODE=kv_mode, FUSED_MERGE=fused, BLOCK_GM=triton.next_power_of_2(group),
-        BLOCK_S=triton.next_power_of_2(num_splits), **extra, **pdl_launch(pdl_enabled(q)),
+        DOT_PRECISION=precision, KV_MODE=kv_mode, **extra, **pdl_launch(pdl_enabled(q)),
     )  # fmt: skip
-    if num_splits > 1 and not fused:
+    if num_splits > 1:
         _merge_kernel[(B, Hq)](
             mid_o, mid_lse, out,
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

@@ -46,7 +46,8 @@ def main() -> None:
             copies = max(1, math.ceil((256 << 20) / (n * k * 2)))
             ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
             xk = x[:, :k]
-            us = time_graph(lambda i: F.linear(xk, ws[i % copies]), copies * 4, reps=7, warmup=1) * 1e6
+            call = lambda i, xk=xk, ws=ws, c=copies: F.linear(xk, ws[i % c])  # noqa: E731
+            us = time_graph(call, copies * 4, reps=7, warmup=1) * 1e6
             floor_us = (n * k * 2 + m * (n + k) * 2) / bw * 1e6
             flop = 2 * m * n * k
             tflops = flop / (us * 1e-6) / 1e12
@@ -57,7 +58,6 @@ def main() -> None:
             cases.append(case(f"F.linear M={m} {name} ({n}x{k}) backend={backend}", metric="matmul throughput",
                               unit="TFLOP/s", ours=tflops, peers=peers, floor=ceiling, us=us, bytes_floor_us=floor_us))
             print(f"{backend:9s} {name:8s} {us:8.2f} us  {tflops:6.1f} TFLOP/s  floor {floor_us:7.2f} us", flush=True)
-            del ws
         per_backend[backend] = step_us
         print(f"{backend}: linears per step ({args.layers} layers + lm_head) {step_us / 1e3:.3f} ms", flush=True)
     torch.backends.cuda.preferred_blas_library("cublas")

@@ -1,12 +1,13 @@
-"""Instructions per code in the main loop of the MODE 4 weight-only GEMV, from an offline sm90 compile.
+"""Instructions per code in the main loop of the MODE 4 / MODE 5 weight-only kernels, from an offline sm90 compile.
 
 No GPU needed: Triton compiles for ``cuda:90`` on the CPU and its bundled ``cuobjdump`` prints the SASS;
 the script finds the kernel's loops (backward branches) and counts the instructions of the largest
 one, divided by the codes each thread decodes per iteration. Static counts, not timings (the Triton
 here may differ from the GPU machine's).
 
-    python benchmarks/sass_count.py                       # int4 and fp8, the tuned M = 1 tiles
+    python benchmarks/sass_count.py                       # MODE 4, int4 and fp8, the tuned M = 1 tiles
     python benchmarks/sass_count.py --kind int4 --block-n 4 --block-k 4096 --warps 4 --stages 1
+    python benchmarks/sass_count.py --mode 5              # MODE 5, the default 128 x 128 tile (M <= 16)
 """
 
 from __future__ import annotations
@@ -44,6 +45,23 @@ def compile_gemv4(kind: str, block_n: int, block_kw: int, warps: int, stages: in
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
+def compile_words(kind: str, block_n: int, block_k: int, warps: int, stages: int):
+    """MODE 5 (``_words_small_kernel``) for bf16 activations, whole tiles, split-K on."""
+    ptr = {"x_ptr": "*bf16", "qw_ptr": "*u8", "s_ptr": "*fp32", "z_ptr": "*u8" if kind == "int4" else "*fp32",
+           "ws_ptr": "*fp32", "y_ptr": "*bf16", "cnt_ptr": "*i32"}
+    ints = {n: "i32" for n in ("M", "N", "K", "KW", "k_per_split", "stride_xm", "stride_qn", "stride_sn",
+                               "stride_ym")}  # fmt: skip
+    fp8 = kind == "fp8"
+    ce = dict(FP8=fp8, GROUP=1 if fp8 else 128, HAS_ZEROS=False, SCALE_BLOCK=0, MAGIC=0 if fp8 else 0x4300,
+              MAGIC_BASE=0.0 if fp8 else 128.0, FOLD=2.0**120 if fp8 else 1.0, MODE=2, DOT_PRECISION="ieee",
+              EVEN=True, SPLIT_K=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=False)
+    sig = {**ptr, **ints, **{k: "constexpr" for k in ce}}
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*ptr, *ints)}
+    src = ASTSource(fn=TW._words_small_kernel, signature=sig, constexprs=ce, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
 def largest_loop(sass: str) -> collections.Counter:
     rows = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]+)\*/\s+([^;]*);", sass)]
     best = collections.Counter()
@@ -60,8 +78,9 @@ def largest_loop(sass: str) -> collections.Counter:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", type=int, choices=[4, 5], default=4)
     ap.add_argument("--kind", choices=["int4", "fp8"], default=None)
-    ap.add_argument("--block-n", type=int, default=4)
+    ap.add_argument("--block-n", type=int, default=None)
     ap.add_argument("--block-k", type=int, default=None, help="codes per tile")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=None)
@@ -69,17 +88,22 @@ def main() -> None:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     for kind in [args.kind] if args.kind else ["int4", "fp8"]:
         cpw = 8 if kind == "int4" else 4
-        block_k = args.block_k or (4096 if kind == "int4" else 2048)
-        stages = args.stages or (1 if kind == "int4" else 2)
-        c = compile_gemv4(kind, args.block_n, block_k // cpw, args.warps, stages)
+        if args.mode == 5:
+            block_n, block_k, stages = args.block_n or 128, args.block_k or 128, args.stages or 3
+            c = compile_words(kind, block_n, block_k, args.warps, stages)
+        else:
+            block_n = args.block_n or 4
+            block_k = args.block_k or (4096 if kind == "int4" else 2048)
+            stages = args.stages or (1 if kind == "int4" else 2)
+            c = compile_gemv4(kind, block_n, block_k // cpw, args.warps, stages)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(c.asm["cubin"])
             f.flush()
             sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
         ops = largest_loop(sass)
-        codes_per_thread = args.block_n * block_k / (args.warps * 32)
+        codes_per_thread = block_n * block_k / (args.warps * 32)
         n = sum(ops.values())
-        print(f"{kind} BLOCK_N={args.block_n} BLOCK_K={block_k} warps={args.warps} stages={stages}: "
+        print(f"MODE {args.mode} {kind} BLOCK_N={block_n} BLOCK_K={block_k} warps={args.warps} stages={stages}: "
               f"{n} instructions per iteration, {n / codes_per_thread:.2f} per code; top: {ops.most_common(8)}")
 
 

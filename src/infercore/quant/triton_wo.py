@@ -973,8 +973,9 @@ def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: to
 #          (value times 2**-120 in bf16, 2**-8 in fp16; the factor is folded into the scale)
 # The activations are permuted to the same order (a register shuffle of a [16, BLOCK_K] tile), so
 # the dot is a plain sum over K; INT4 zero points apply per step as ``z * sum(x)`` (no per-weight
-# subtract). Cost: ~1.75 integer instructions per FP8 code, ~0.9 per INT4 code (sm90 SASS), against
-# ~5 (MODE 4) and ~6-9 (MODE 1/2); the tensor cores make M = 1..16 cost the same.
+# subtract). The main loop at the 128x128 tile is 3.1 (INT4) / 2.7 (FP8) instructions per code against
+# 5.1 for MODE 4 and 6-9 for MODE 1/2 (benchmarks/sass_count.py, sm90); the tensor cores make
+# M = 1..16 cost about the same. It is latency-bound nonetheless (docs/quantization.md, "Speed").
 
 
 @triton.jit

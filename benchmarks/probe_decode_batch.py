@@ -7,6 +7,11 @@ the same as bench_e2e's: (weights except the embedding + KV bytes at the current
 bandwidth.
 
     python benchmarks/probe_decode_batch.py --out $OUT/probe_bs256.json          # H200, ~2 min
+    INFERCORE_PDL=0 python benchmarks/probe_decode_batch.py --batch 1 --scheme fp8-wo --out $OUT/p.json
+
+``--scheme`` quantizes the linears first (``quantize(model, scheme)``, lm_head kept in bf16 as the
+schemes' default); ``INFERCORE_PDL=0`` gives kernel durations without the overlap of programmatic
+dependent launch (with it, a kernel's time includes its wait for the previous one).
 """
 
 from __future__ import annotations
@@ -37,12 +42,17 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=64, help="decode steps before the measurement")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--scheme", default=None, help="quantization scheme for the linears (lm_head stays bf16)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     bw = copy_bandwidth()
     torch.manual_seed(0)
     cfg = dict(LLAMA_8B, num_hidden_layers=args.layers)
     model = build_model(ModelConfig.from_hf(cfg), dtype=torch.bfloat16, device=torch.device("cuda"), init="normal")
+    if args.scheme:
+        from infercore.quant import quantize
+
+        quantize(model, args.scheme, skip=("lm_head",))
     page, B = 16, args.batch
     max_len = args.prompt + args.warm + 64
     eng = Engine(model, num_pages=B * (-(-max_len // page)) + 64, page_size=page, max_num_seqs=B,
@@ -63,7 +73,9 @@ def main() -> None:
     ms = replay_ms(g)
     prof = kernel_breakdown(g, 5, args.top)
     mc = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    # Quantized linears keep their codes and scales in buffers.
+    tensors = [*model.parameters(), *(model.buffers() if args.scheme else ())]
+    weights = sum(t.numel() * t.element_size() for t in tensors)
     weights -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
     kv = B * ctx * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2
     floor_ms = (weights + kv) / bw * 1e3
@@ -72,7 +84,8 @@ def main() -> None:
         print(f"  {r['us_per_step']:9.1f} us  x{r['calls_per_step']:5.0f}  {r['kernel']}", flush=True)
     while eng.has_unfinished():
         eng.step()
-    cases = [case(f"llama3.1-8b-shape decode graph replay bs{B} ctx{ctx}", metric="decode step time", unit="ms",
+    label = f" {args.scheme}" if args.scheme else ""
+    cases = [case(f"llama3.1-8b-shape{label} decode graph replay bs{B} ctx{ctx}", metric="decode step time", unit="ms",
                   ours=ms, peers={}, floor=floor_ms, weight_bytes=weights, kv_bytes=kv, copy_bw_TBps=bw / 1e12,
                   profile=prof)]
     cases[0]["wall_s"] = time.perf_counter() - t0

@@ -122,17 +122,23 @@ def run(model, layout: str, args, device: torch.device) -> dict:
     prompts = [torch.randint(0, vocab, (args.prompt,), generator=gen).tolist() for _ in range(args.requests)]
 
     steps: list[tuple[bool, int, float]] = []  # (decode only, batch size, seconds)
-    execute = eng.runner.execute
 
-    def timed_execute(batch):
-        sync(device)
-        t = time.perf_counter()
-        out = execute(batch)
-        sync(device)
-        steps.append((max(batch.num_new_tokens) == 1, len(batch), time.perf_counter() - t))
-        return out
+    def timed(launch):
+        # Each step's launch, synchronized on both sides: its device time plus its host work (the
+        # async engine would overlap the host work of step n+1 with step n; here it does not).
+        def timed_launch(batch, gather):
+            sync(device)
+            t = time.perf_counter()
+            out = launch(batch, gather)
+            sync(device)
+            steps.append((max(batch.num_new_tokens) == 1, len(batch), time.perf_counter() - t))
+            return out
 
-    eng.runner.execute = timed_execute
+        return timed_launch
+
+    for runner in (eng.runner, eng.graph_runner):
+        if runner is not None:
+            runner.launch = timed(runner.launch)
     sync(device)
     t0 = time.perf_counter()
     outs = eng.generate(prompts, params)

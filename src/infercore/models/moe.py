@@ -9,8 +9,11 @@ the same result:
 * :func:`moe_experts_grouped` -- sort the (token, expert) pairs by expert and run one GEMM pair per
   active expert on a contiguous slice (one host sync for the group sizes). Prefill.
 * :func:`moe_experts_dense` -- every expert on every token with two batched GEMMs, combined by a
-  ``[T, E]`` routing matrix. No sync, static shapes (CUDA-graph friendly), and at decode batch
-  sizes it reads each expert's weights once, which is the memory-bound floor anyway. Decode.
+  ``[T, E]`` routing matrix. No sync, static shapes; but it computes ``E / k`` times the routed
+  work and reads every expert (kept as an alternative; not dispatched).
+* ``ops.moe_experts_routed`` -- the routed op: on CUDA a Triton grouped GEMM over the pairs sorted
+  by expert on the device (reads only the routed experts, computes only routed products, no host
+  sync: CUDA-graph safe). Decode.
 
 :func:`moe_experts` picks between them.
 """
@@ -20,7 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops import silu_and_mul
+from ..ops import moe_experts_routed, silu_and_mul
+from ..ops.moe.naive import check_moe_args, moe_experts_ref
 
 __all__ = [
     "SparseMoeBlock",
@@ -31,8 +35,9 @@ __all__ = [
     "route_topk",
 ]
 
-# Above this many (token, expert) products the dense form wastes more compute than it saves.
-DENSE_MAX_TOKEN_EXPERTS = 1 << 17
+# Up to this many tokens the routed op serves accelerators (its fp32 per-pair outputs, T * k * H,
+# stay small); longer prefills take the grouped form.
+ROUTED_MAX_TOKENS = 1024
 
 
 def route_topk(router_logits: torch.Tensor, *, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,16 +63,7 @@ def route_topk(router_logits: torch.Tensor, *, top_k: int, renormalize: bool) ->
 
 
 def _check(x, gate_up, down, weights, ids) -> None:
-    if x.ndim != 2:
-        raise ValueError(f"x must be [tokens, hidden], got shape {tuple(x.shape)}")
-    E, two_i, H = gate_up.shape
-    if H != x.shape[1] or two_i % 2 or down.shape != (E, H, two_i // 2):
-        raise ValueError(
-            f"gate_up_proj {tuple(gate_up.shape)} / down_proj {tuple(down.shape)} do not match "
-            f"x {tuple(x.shape)} (expected [E, 2I, H] and [E, H, I])"
-        )
-    if weights.shape != ids.shape or weights.ndim != 2 or weights.shape[0] != x.shape[0]:
-        raise ValueError(f"topk weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must be [tokens, k]")
+    check_moe_args("moe_experts", x, gate_up, down, weights, ids)
 
 
 def _expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -87,12 +83,7 @@ def moe_experts_reference(
         ``[T, H]`` in ``x.dtype`` (each expert's output is scaled in fp32, summed in x.dtype).
     """
     _check(x, gate_up, down, weights, ids)
-    out = torch.zeros_like(x)
-    for e in torch.unique(ids).tolist():
-        tok, slot = torch.where(ids == e)
-        y = _expert(x[tok], gate_up[e], down[e])
-        out.index_add_(0, tok, (y.float() * weights[tok, slot, None].float()).to(x.dtype))
-    return out
+    return moe_experts_ref(x, gate_up, down, weights, ids)
 
 
 def moe_experts_grouped(
@@ -136,12 +127,15 @@ def moe_experts_dense(
 def moe_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
-    """Dispatch: the dense form for small ``T * E`` on accelerators, the grouped form otherwise
-    (the CPU reference loop costs less than either there)."""
+    """Dispatch. CPU: the reference loop (it costs less than either batched form there).
+    Accelerators: up to ``ROUTED_MAX_TOKENS`` tokens (decode and CUDA-graph batches) the routed op
+    (``ops.moe_experts_routed``: on CUDA a Triton grouped GEMM over the pairs sorted by expert on the
+    device -- only routed experts read and computed, no host sync); beyond, the grouped form (one
+    host sync, cuBLAS GEMMs per expert)."""
     if x.device.type == "cpu":
         return moe_experts_reference(x, gate_up, down, weights, ids)
-    if x.shape[0] * gate_up.shape[0] <= DENSE_MAX_TOKEN_EXPERTS:
-        return moe_experts_dense(x, gate_up, down, weights, ids)
+    if x.shape[0] <= ROUTED_MAX_TOKENS:
+        return moe_experts_routed(x, gate_up, down, weights, ids)
     return moe_experts_grouped(x, gate_up, down, weights, ids)
 
 

@@ -14,6 +14,7 @@ from .gated_norm import gated_rms_norm
 from .kv_cache import write_kv_cache_
 from .linear import skinny_linear
 from .mamba import mamba_chunk_scan_, selective_state_update_
+from .moe import moe_experts_routed
 from .norm import fused_add_rms_norm, rms_norm
 from .rope import apply_rope, rope_cos_sin_cache, rope_inv_freq
 from .rope.fused import rope_and_write_kv_cache_
@@ -26,6 +27,7 @@ __all__ = [
     "fused_recurrent_gated_delta_rule_",
     "gated_rms_norm",
     "mamba_chunk_scan_",
+    "moe_experts_routed",
     "selective_state_update_",
     "AttentionMetadata",
     "SamplingTensors",

@@ -25,6 +25,7 @@ if triton_available():
     from .kv_cache import triton as _kv_cache_triton  # noqa: F401
     from .linear import triton as _linear_triton  # noqa: F401
     from .mamba import triton as _mamba_triton  # noqa: F401
+    from .moe import triton as _moe_triton  # noqa: F401
     from .norm import triton as _norm_triton  # noqa: F401
     from .rope import triton as _rope_triton  # noqa: F401
     from .sampling import triton as _sampling_triton  # noqa: F401

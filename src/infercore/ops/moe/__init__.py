@@ -1,0 +1,42 @@
+"""Routed experts of a sparse MoE layer: ``sum_k w[t, k] * expert_{ids[t, k]}(x[t])``.
+
+The Triton implementation (``triton.py``) sorts the (token, expert) pairs by expert on the device and
+runs one program per (expert, output tile) over only that expert's tokens, so it reads each
+routed expert's weights once, computes only the routed products and never syncs with the host
+(CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...devices import dispatch, register
+from .naive import check_moe_args, moe_experts_ref
+
+__all__ = ["moe_experts_routed"]
+
+
+def moe_experts_routed(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """Top-k routed SiLU-gated experts.
+
+    Args:
+        x: ``[T, H]`` fp32/fp16/bf16. gate_up: ``[E, 2I, H]`` (gate rows, then up rows); down:
+            ``[E, H, I]``; both in ``x.dtype`` (HF transformers 5 layout).
+        weights: ``[T, k]`` routing weights (any float dtype); ids: ``[T, k]`` int32/int64 expert ids
+            in ``[0, E)``.
+
+    Returns:
+        ``[T, H]`` in ``x.dtype``.
+    """
+    op = "moe_experts_routed"
+    check_moe_args(op, x, gate_up, down, weights, ids)
+    if gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        raise TypeError(f"{op}: gate_up / down must have x's dtype {x.dtype}, got {gate_up.dtype} / {down.dtype}")
+    if not weights.is_floating_point():
+        raise TypeError(f"{op}: weights must be a floating tensor, got {weights.dtype}")
+    return dispatch(op, x.device)(x, gate_up, down, weights, ids)
+
+
+register("moe_experts_routed", "reference", moe_experts_ref)

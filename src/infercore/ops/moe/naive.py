@@ -1,0 +1,44 @@
+"""Reference for the routed expert computation of a sparse MoE layer (SiLU-gated experts)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..activation import silu_and_mul
+
+
+def check_moe_args(op: str, x, gate_up, down, weights, ids) -> None:
+    """Shapes of ``x [T, H]``, ``gate_up [E, 2I, H]``, ``down [E, H, I]``, ``weights / ids [T, k]``."""
+    for name, t in (("x", x), ("gate_up", gate_up), ("down", down), ("weights", weights), ("ids", ids)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.ndim != 2:
+        raise ValueError(f"{op}: x must be [tokens, hidden], got shape {tuple(x.shape)}")
+    if gate_up.ndim != 3:
+        raise ValueError(f"{op}: gate_up must be [E, 2I, H], got shape {tuple(gate_up.shape)}")
+    E, two_i, H = gate_up.shape
+    if H != x.shape[1] or two_i % 2 or down.shape != (E, H, two_i // 2):
+        raise ValueError(
+            f"{op}: gate_up_proj {tuple(gate_up.shape)} / down_proj {tuple(down.shape)} do not match "
+            f"x {tuple(x.shape)} (expected [E, 2I, H] and [E, H, I])"
+        )
+    if weights.shape != ids.shape or weights.ndim != 2 or weights.shape[0] != x.shape[0]:
+        raise ValueError(f"{op}: topk weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must be [tokens, k]")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: ids must be int32 or int64, got {ids.dtype}")
+
+
+def moe_experts_ref(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``, expert by expert (the HF loop).
+
+    ``expert_e(v) = silu_and_mul(v @ gate_up[e]^T) @ down[e]^T``; each expert's output is scaled in
+    fp32 and summed in ``x.dtype``. Returns ``[T, H]`` in ``x.dtype``.
+    """
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.where(ids == e)
+        y = silu_and_mul(x[tok] @ gate_up[e].t()) @ down[e].t()
+        out.index_add_(0, tok, (y.float() * weights[tok, slot, None].float()).to(x.dtype))
+    return out

@@ -1,0 +1,149 @@
+"""Triton routed MoE experts: grouped GEMMs over the (token, expert) pairs sorted by expert.
+
+Host side (torch, no sync, static shapes): the ``T * k`` pairs are sorted by expert id; per-expert
+counts (a scatter-add) and their exclusive prefix sum give each expert's slice of the sorted list.
+Two kernels, each over a grid of (expert, output tile); a program whose expert got no token exits
+at once:
+
+* ``_moe_gate_up_kernel``: for its expert's pairs, in chunks of ``BLOCK_M`` rows, gathers the
+  tokens' rows of ``x``, multiplies by the expert's gate and up rows of this tile (two
+  accumulators, K loop over ``H``) and stores ``silu(gate) * up`` (fp32 math) for the tile into an
+  intermediate ``[T * k, I]`` at the pairs' sorted positions;
+* ``_moe_down_kernel``: the intermediate rows times the expert's ``down`` tile, scaled by each
+  pair's routing weight, stored at the pair's own index in ``[T * k, H]`` (fp32).
+
+The ``k`` rows of a token are then summed (``view(T, k, H).sum(1)``). Each routed expert's weights
+are read once per call (per chunk of ``BLOCK_M`` of its tokens, the rest from L2); only routed
+products are computed, against every expert on every token in the dense form.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ...devices import register
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the two kernels; tokens per expert are few at decode.
+_GPU_CFG = {"gate_up": (16, 64, 128, 4, 3), "down": (16, 64, 128, 4, 3)}
+_INTERP_CFG = {"gate_up": (16, 16, 32, 4, 1), "down": (16, 16, 32, 4, 1)}
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, w_ptr, order_ptr, counts_ptr, offsets_ptr, inter_ptr,
+    H, I, TOPK,
+    stride_xm, stride_we, stride_wn, stride_im,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    e = tl.program_id(0)
+    cnt = tl.load(counts_ptr + e)
+    if cnt > 0:
+        start = tl.load(offsets_ptr + e)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < I
+        w_e = w_ptr + e.to(tl.int64) * stride_we
+        g_rows = w_e + offs_n.to(tl.int64)[:, None] * stride_wn
+        u_rows = w_e + (I + offs_n).to(tl.int64)[:, None] * stride_wn
+        for m0 in range(0, cnt, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            r_mask = rows < cnt
+            pair = tl.load(order_ptr + start + rows, mask=r_mask, other=0)
+            x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_xm
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = offs_k < H
+                a = tl.load(x_rows + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+                wm = n_mask[:, None] & k_mask[None, :]
+                wg = tl.load(g_rows + offs_k[None, :], mask=wm, other=0.0)
+                wu = tl.load(u_rows + offs_k[None, :], mask=wm, other=0.0)
+                acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
+                acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+            y = acc_g * tl.sigmoid(acc_g) * acc_u
+            dst = inter_ptr + (start + rows).to(tl.int64)[:, None] * stride_im + offs_n[None, :]
+            tl.store(dst, y.to(inter_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    inter_ptr, w_ptr, order_ptr, counts_ptr, offsets_ptr, rw_ptr, out_ptr,
+    H, I,
+    stride_im, stride_we, stride_wn, stride_om,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    e = tl.program_id(0)
+    cnt = tl.load(counts_ptr + e)
+    if cnt > 0:
+        start = tl.load(offsets_ptr + e)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < H
+        w_rows = w_ptr + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+        for m0 in range(0, cnt, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            r_mask = rows < cnt
+            pair = tl.load(order_ptr + start + rows, mask=r_mask, other=0)
+            a_rows = inter_ptr + (start + rows).to(tl.int64)[:, None] * stride_im
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = offs_k < I
+                a = tl.load(a_rows + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+                w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            rw = tl.load(rw_ptr + pair, mask=r_mask, other=0.0).to(tl.float32)
+            dst = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+            tl.store(dst, acc * rw[:, None], mask=r_mask[:, None] & n_mask[None, :])
+
+
+def moe_experts_triton(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """See :func:`infercore.ops.moe.moe_experts_routed` (arguments checked there)."""
+    T, topk = ids.shape
+    E, two_i, H = gate_up.shape
+    inter_dim = two_i // 2
+    P = T * topk
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    if P == 0:
+        return out.zero_()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    down = down if down.stride(-1) == 1 else down.contiguous()
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True).to(torch.int32)  # sorted position -> pair index
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat.long(), torch.ones(P, dtype=torch.int32, device=x.device))
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    rw = weights.reshape(-1).contiguous()
+    inter = torch.empty((P, inter_dim), dtype=x.dtype, device=x.device)
+    out_pairs = torch.empty((P, H), dtype=torch.float32, device=x.device)
+    cfgs = _INTERP_CFG if _INTERPRET else _GPU_CFG
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    bm, bn, bk, warps, stages = cfgs["gate_up"]
+    extra = {} if _INTERPRET else {"num_warps": warps, "num_stages": stages}
+    _moe_gate_up_kernel[(E, triton.cdiv(inter_dim, bn))](
+        x, gate_up, order, counts, offsets, inter, H, inter_dim, topk,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0),
+        DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **extra,
+    )  # fmt: skip
+    bm, bn, bk, warps, stages = cfgs["down"]
+    extra = {} if _INTERPRET else {"num_warps": warps, "num_stages": stages}
+    _moe_down_kernel[(E, triton.cdiv(H, bn))](
+        inter, down, order, counts, offsets, rw, out_pairs, H, inter_dim,
+        inter.stride(0), down.stride(0), down.stride(1), out_pairs.stride(0),
+        DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **extra,
+    )  # fmt: skip
+    return out_pairs.view(T, topk, H).sum(1).to(x.dtype)
+
+
+register(
+    "moe_experts_routed", "triton", moe_experts_triton, priority=10,
+    available=lambda cap: cap.is_cuda and cap.triton,
+)  # fmt: skip

@@ -13,7 +13,9 @@ decode-only steps / their wall time), end-to-end output tok/s, mean and peak dec
 how many such requests the empty pool holds at once (from the KV manager, no forward). The
 headline is ``ours_vs_best_peer`` = multi / uniform decode tok/s. The floor is the weight-read
 bound at multi's mean decode batch: ``batch * bandwidth / weight bytes`` (KV reads ignored, so it
-is a loose upper bound).
+is a loose upper bound). Each launch is timed synchronized on both sides, and three decode-only
+steps (from the 50th) run under torch.profiler: ``decode_profile`` lists where their time went
+(device kernels on CUDA, CPU ops otherwise).
 
     python benchmarks/bench_hybrid_e2e.py --out benchmarks/results/h200     # H200, ~2-4 min
     python benchmarks/bench_hybrid_e2e.py --tiny --out /tmp/hybrid          # CPU smoke test
@@ -107,6 +109,37 @@ def capacity(eng: Engine, num_tokens: int, chunk: int) -> int:
     return n
 
 
+PROFILE_FROM, PROFILE_STEPS = 50, 3  # decode-only steps profiled (kernel breakdown in the JSON)
+
+
+def _activities(device: torch.device) -> list:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
+
+
+def _add_profile(acc: dict, prof, batch: int) -> None:
+    """Accumulate device (else CPU) self time per kernel / op name over the profiled steps."""
+    acc.setdefault("batches", []).append(batch)
+    kernels = acc.setdefault("us", {})
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", 0.0) or 0.0
+        if t <= 0 and not any(a == torch.profiler.ProfilerActivity.CUDA for a in prof.activities):
+            t = ev.self_cpu_time_total
+        if t > 0:
+            kernels[ev.key[:100]] = kernels.get(ev.key[:100], 0.0) + t
+
+
+def _summarize_profile(acc: dict, top: int = 25) -> dict | None:
+    if not acc:
+        return None
+    n = len(acc["batches"])
+    rows = sorted(((k, v / n) for k, v in acc["us"].items()), key=lambda r: -r[1])
+    return {"steps": n, "batches": acc["batches"], "us_per_step_total": sum(v for _, v in rows),
+            "top": [{"name": k, "us_per_step": v} for k, v in rows[:top]]}
+
+
 def run(model, layout: str, args, device: torch.device) -> dict:
     eng = Engine(model, page_size=args.page, kv_cache_bytes=args.kv_gib_bytes, kv_layout=layout,
                  max_num_seqs=args.max_seqs, max_num_batched_tokens=args.chunk,
@@ -122,16 +155,28 @@ def run(model, layout: str, args, device: torch.device) -> dict:
     prompts = [torch.randint(0, vocab, (args.prompt,), generator=gen).tolist() for _ in range(args.requests)]
 
     steps: list[tuple[bool, int, float]] = []  # (decode only, batch size, seconds)
+    profile: dict = {}
 
     def timed(launch):
         # Each step's launch, synchronized on both sides: its device time plus its host work (the
         # async engine would overlap the host work of step n+1 with step n; here it does not).
+        # Decode-only steps 50-52 (fewer new tokens: from new / 2) also run under torch.profiler:
+        # where a decode step's time goes.
         def timed_launch(batch, gather):
+            decode = max(batch.num_new_tokens) == 1
+            first = min(PROFILE_FROM, args.new // 2)
+            prof = decode and first <= sum(d for d, _, _ in steps) < first + PROFILE_STEPS
             sync(device)
             t = time.perf_counter()
-            out = launch(batch, gather)
+            if prof:
+                with torch.profiler.profile(activities=_activities(device)) as p:
+                    out = launch(batch, gather)
+                    sync(device)
+                _add_profile(profile, p, len(batch))
+            else:
+                out = launch(batch, gather)
             sync(device)
-            steps.append((max(batch.num_new_tokens) == 1, len(batch), time.perf_counter() - t))
+            steps.append((decode, len(batch), time.perf_counter() - t))
             return out
 
         return timed_launch
@@ -157,6 +202,7 @@ def run(model, layout: str, args, device: torch.device) -> dict:
         "page_tokens": eng.block_manager.layout.page_tokens,
         "steps": len(steps),
         "seconds": total,
+        "decode_profile": _summarize_profile(profile),
     }
     del eng
     gc.collect()

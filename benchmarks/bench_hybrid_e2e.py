@@ -119,13 +119,14 @@ def _activities(device: torch.device) -> list:
     return acts
 
 
-def _add_profile(acc: dict, prof, batch: int) -> None:
-    """Accumulate device (else CPU) self time per kernel / op name over the profiled steps."""
+def _add_profile(acc: dict, prof, batch: int, device: torch.device) -> None:
+    """Accumulate self time per kernel (CUDA: device time) or op (CPU) over the profiled steps."""
     acc.setdefault("batches", []).append(batch)
     kernels = acc.setdefault("us", {})
     for ev in prof.key_averages():
-        t = getattr(ev, "self_device_time_total", 0.0) or 0.0
-        if t <= 0 and not any(a == torch.profiler.ProfilerActivity.CUDA for a in prof.activities):
+        if device.type == "cuda":  # the attribute's older name, as bench_decode_step reads it too
+            t = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0.0)
+        else:
             t = ev.self_cpu_time_total
         if t > 0:
             kernels[ev.key[:100]] = kernels.get(ev.key[:100], 0.0) + t
@@ -172,7 +173,7 @@ def run(model, layout: str, args, device: torch.device) -> dict:
                 with torch.profiler.profile(activities=_activities(device)) as p:
                     out = launch(batch, gather)
                     sync(device)
-                _add_profile(profile, p, len(batch))
+                _add_profile(profile, p, len(batch), device)
             else:
                 out = launch(batch, gather)
             sync(device)

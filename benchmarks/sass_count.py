@@ -26,40 +26,44 @@ from triton.compiler import ASTSource
 from infercore.quant import triton_wo as TW
 
 
+def _sizes(split: str) -> tuple[str, ...]:
+    """The i32 size arguments of the MODE 4 / MODE 5 kernels (they name the K-per-split one apart)."""
+    return ("M", "N", "K", "KW", split, "stride_xm", "stride_qn", "stride_sn", "stride_ym")
+
+
+def _compile(fn, ptr: dict, sizes: tuple[str, ...], ce: dict, warps: int, stages: int):
+    """``fn`` for sm90 with these pointer types, i32 sizes and constexprs; as a real launch specializes
+    them, pointers and sizes are divisible by 16."""
+    ints = {n: "i32" for n in sizes}
+    sig = {**ptr, **ints, **{k: "constexpr" for k in ce}}
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*ptr, *ints)}
+    src = ASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
 def compile_gemv4(kind: str, block_n: int, block_kw: int, warps: int, stages: int):
+    """MODE 4 (``_gemv4_kernel``) for one bf16 row, whole tiles, no split-K."""
     ptr = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16" if kind == "int4" else "*fp32", "z_ptr": "*bf16",
            "ws_ptr": "*fp32", "y_ptr": "*bf16", "cnt_ptr": "*i32"}
-    ints = {n: "i32" for n in ("M", "N", "K", "KW", "kw_per_split", "stride_xm", "stride_qn", "stride_sn",
-                               "stride_ym")}  # fmt: skip
     if kind == "int4":
         ce = dict(FP8=False, BITS=4, ILV=16, SCALE_WORDS=16, SCALE_ROWS=0, HAS_ZEROS=False)
     else:
         ce = dict(FP8=True, BITS=8, ILV=32, SCALE_WORDS=32, SCALE_ROWS=0, HAS_ZEROS=False)
     ce.update(SPLIT_K=False, EVEN=True, XMASK=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_KW=block_kw, ACT=0,
               USE_PDL=False)  # fmt: skip
-    sig = {**ptr, **ints, **{k: "constexpr" for k in ce}}
-    names = list(sig)
-    # As a real launch specializes them: pointers and sizes divisible by 16.
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*ptr, *ints)}
-    src = ASTSource(fn=TW._gemv4_kernel, signature=sig, constexprs=ce, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    return _compile(TW._gemv4_kernel, ptr, _sizes("kw_per_split"), ce, warps, stages)
 
 
 def compile_words(kind: str, block_n: int, block_k: int, warps: int, stages: int):
     """MODE 5 (``_words_small_kernel``) for bf16 activations, whole tiles, split-K on."""
     ptr = {"x_ptr": "*bf16", "qw_ptr": "*u8", "s_ptr": "*fp32", "z_ptr": "*u8" if kind == "int4" else "*fp32",
            "ws_ptr": "*fp32", "y_ptr": "*bf16", "cnt_ptr": "*i32"}
-    ints = {n: "i32" for n in ("M", "N", "K", "KW", "k_per_split", "stride_xm", "stride_qn", "stride_sn",
-                               "stride_ym")}  # fmt: skip
     fp8 = kind == "fp8"
     ce = dict(FP8=fp8, GROUP=1 if fp8 else 128, HAS_ZEROS=False, SCALE_BLOCK=0, MAGIC=0 if fp8 else 0x4300,
               MAGIC_BASE=0.0 if fp8 else 128.0, FOLD=2.0**120 if fp8 else 1.0, MODE=2, DOT_PRECISION="ieee",
               EVEN=True, SPLIT_K=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=False)
-    sig = {**ptr, **ints, **{k: "constexpr" for k in ce}}
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*ptr, *ints)}
-    src = ASTSource(fn=TW._words_small_kernel, signature=sig, constexprs=ce, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    return _compile(TW._words_small_kernel, ptr, _sizes("k_per_split"), ce, warps, stages)
 
 
 def largest_loop(sass: str) -> collections.Counter:

@@ -57,3 +57,7 @@ def test_routed_bad_arguments_name_them():
         moe_experts_routed(x, gate_up.half(), down, w, ids)
     with pytest.raises(TypeError, match="x"):
         moe_experts_routed(x.numpy(), gate_up, down, w, ids)
+    with pytest.raises(TypeError, match="x"):
+        moe_experts_routed(x.int(), gate_up.int(), down.int(), w, ids)
+    with pytest.raises(TypeError, match="weights"):
+        moe_experts_routed(x, gate_up, down, w.int(), ids)

@@ -48,7 +48,8 @@ _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 # (results/h200/decode_step.json). Merging the splits in the decode kernel (the last split of each
 # sequence / KV head, by an arrival counter) instead of the merge kernel measured slower at batch 1:
 # 219.9 vs 229.1 tok/s in one session (sweeps/decode_step_fused_merge.json vs
-# sweeps/decode_step_merge_kernel.json), so the merge stays a second launch.
+# sweeps/decode_step_merge_kernel.json; that kernel is in commit 5a7fa22), so the merge stays a
+# second launch.
 TUNING = {
     "block_n": 64,
     "num_warps": 4,

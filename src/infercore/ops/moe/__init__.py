@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...devices import dispatch, register
+from .. import _validate as V
 from .naive import check_moe_args, moe_experts_ref
 
 __all__ = ["moe_experts_routed"]
@@ -25,13 +26,16 @@ def moe_experts_routed(
         x: ``[T, H]`` fp32/fp16/bf16. gate_up: ``[E, 2I, H]`` (gate rows, then up rows); down:
             ``[E, H, I]``; both in ``x.dtype`` (HF transformers 5 layout).
         weights: ``[T, k]`` routing weights (any float dtype); ids: ``[T, k]`` int32/int64 expert ids
-            in ``[0, E)``.
+            in ``[0, E)``. All on one device. The id values are not checked (that would read them
+            on the host, a sync a CUDA graph cannot hold); an id outside ``[0, E)`` is undefined.
 
     Returns:
         ``[T, H]`` in ``x.dtype``.
     """
     op = "moe_experts_routed"
     check_moe_args(op, x, gate_up, down, weights, ids)
+    V.floating(op, "x", x)
+    V.same_device(op, "x", x, gate_up=gate_up, down=down, weights=weights, ids=ids)
     if gate_up.dtype != x.dtype or down.dtype != x.dtype:
         raise TypeError(f"{op}: gate_up / down must have x's dtype {x.dtype}, got {gate_up.dtype} / {down.dtype}")
     if not weights.is_floating_point():

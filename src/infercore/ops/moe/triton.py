@@ -35,25 +35,37 @@ _INTERP_CFG = {"gate_up": (16, 16, 32, 4, 1), "down": (16, 16, 32, 4, 1)}
 
 
 @triton.jit
+def _expert_span(counts_ptr, offsets_ptr):
+    """This program's expert: how many (token, slot) pairs it got and where they start in the sorted list."""
+    e = tl.program_id(0)
+    return e, tl.load(counts_ptr + e), tl.load(offsets_ptr + e)
+
+
+@triton.jit
+def _chunk(order_ptr, start, cnt, m0, BLOCK_M: tl.constexpr):
+    """Rows ``m0 .. m0 + BLOCK_M`` of an expert's slice of the sorted pairs: their positions, mask
+    and pair indices (``token * top_k + slot``)."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    r_mask = rows < cnt
+    return rows, r_mask, tl.load(order_ptr + start + rows, mask=r_mask, other=0)
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, order_ptr, counts_ptr, offsets_ptr, inter_ptr,
     H, I, TOPK,
     stride_xm, stride_we, stride_wn, stride_im,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    e = tl.program_id(0)
-    cnt = tl.load(counts_ptr + e)
+    e, cnt, start = _expert_span(counts_ptr, offsets_ptr)
     if cnt > 0:
-        start = tl.load(offsets_ptr + e)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < I
         w_e = w_ptr + e.to(tl.int64) * stride_we
         g_rows = w_e + offs_n.to(tl.int64)[:, None] * stride_wn
         u_rows = w_e + (I + offs_n).to(tl.int64)[:, None] * stride_wn
         for m0 in range(0, cnt, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            r_mask = rows < cnt
-            pair = tl.load(order_ptr + start + rows, mask=r_mask, other=0)
+            rows, r_mask, pair = _chunk(order_ptr, start, cnt, m0, BLOCK_M)
             x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_xm
             acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -78,17 +90,13 @@ def _moe_down_kernel(
     stride_im, stride_we, stride_wn, stride_om,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    e = tl.program_id(0)
-    cnt = tl.load(counts_ptr + e)
+    e, cnt, start = _expert_span(counts_ptr, offsets_ptr)
     if cnt > 0:
-        start = tl.load(offsets_ptr + e)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < H
         w_rows = w_ptr + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
         for m0 in range(0, cnt, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            r_mask = rows < cnt
-            pair = tl.load(order_ptr + start + rows, mask=r_mask, other=0)
+            rows, r_mask, pair = _chunk(order_ptr, start, cnt, m0, BLOCK_M)
             a_rows = inter_ptr + (start + rows).to(tl.int64)[:, None] * stride_im
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, I, BLOCK_K):

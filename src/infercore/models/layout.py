@@ -31,6 +31,8 @@ class CPUPackedLinear(nn.Linear):
 
 
 def cpu_packing_supported(dtype: torch.dtype) -> bool:
+    """Whether this CPU build can prepack ``nn.Linear`` weights of ``dtype`` for oneDNN (fp32 always
+    when mkldnn is built in; bf16 only where the CPU has bf16 support)."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
     if dtype == torch.bfloat16:

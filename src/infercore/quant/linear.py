@@ -68,6 +68,8 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} {meta}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in_features]`` (fp32/fp16/bf16) -> ``[..., out_features]`` in ``x.dtype``, through the
+        format's op (weight-only, GGUF, or W8A8 with per-token activation quantization)."""
         w = self.qweight_format
         if isinstance(w, IntWeight):
             return wq_matmul(x, w, bias=self.bias)

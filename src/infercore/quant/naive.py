@@ -16,20 +16,26 @@ from .fp8 import E4M3_MAX
 ACT_SCALE_EPS = 1e-8
 
 
-def wq_matmul_ref(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K] @ dequant(w).T -> [M, N]`` in ``x.dtype``."""
+def _dequant_matmul(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     y = x.float() @ w.dequantize(torch.float32).T
     return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+def wq_matmul_ref(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ dequant(w).T (+ bias [N]) -> [M, N]`` in ``x.dtype`` (fp32 math)."""
+    return _dequant_matmul(x, w, bias)
 
 
 def fp8_wo_matmul_ref(x: torch.Tensor, w: FP8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    y = x.float() @ w.dequantize(torch.float32).T
-    return (y if bias is None else y + bias.float()).to(x.dtype)
+    """``x [M, K] @ dequant(w).T (+ bias [N]) -> [M, N]`` in ``x.dtype`` (fp32 math; the e4m3 decode
+    is torch's own float8_e4m3fn conversion)."""
+    return _dequant_matmul(x, w, bias)
 
 
 def gguf_matmul_ref(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    y = x.float() @ w.dequantize(torch.float32).T
-    return (y if bias is None else y + bias.float()).to(x.dtype)
+    """``x [M, K] @ dequant(w).T (+ bias [N]) -> [M, N]`` in ``x.dtype`` (fp32 math; blocks decoded by
+    ``quant.gguf``)."""
+    return _dequant_matmul(x, w, bias)
 
 
 def fp8_decode_ref(q: torch.Tensor) -> torch.Tensor:

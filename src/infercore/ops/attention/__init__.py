@@ -165,6 +165,8 @@ def _check_new_kv(op: str, q: torch.Tensor, k_cache: torch.Tensor, k: torch.Tens
 
 @functools.cache
 def takes_new_kv(fn: Callable) -> bool:
+    """Whether a prefill implementation accepts the new tokens' ``k`` / ``v`` ``[T, Hk, D]`` directly
+    (read contiguously instead of through the block table)."""
     try:
         return "k" in inspect.signature(fn).parameters
     except (TypeError, ValueError):

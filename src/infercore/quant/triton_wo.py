@@ -1036,7 +1036,8 @@ def _words_small_kernel(
     MODE 1 / 2: orientation as in ``_tile_dot``. ``stride_qn`` and ``KW`` count int32 words;
     ``BLOCK_K`` (codes) stays inside one group / scale block. ``EVEN``: every tile is whole (N, K per
     split and K are multiples of the tile), so loads carry no channel / K masks. One dot per pair
-    (stacking the pairs into one operand measured 1.5-1.7x slower on the H200: the permutation is not
+    (stacking the pairs into one operand measured 1.2-2.2x slower on the H200,
+    sweeps/sweep_quant_wo_mode5_one_dot.json: the permutation is not
     free in registers)."""
     CPW: tl.constexpr = 4 if FP8 else 8
     NP: tl.constexpr = CPW // 2

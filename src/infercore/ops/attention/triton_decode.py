@@ -11,7 +11,11 @@ Design:
 - Split-K (flash-decoding): the key range of each sequence is cut into ``num_splits`` chunks that run
   as separate programs; each writes an fp32 partial output and its log-sum-exp, and a second kernel
   merges them. The split count depends only on static shapes (batch, KV heads, block-table width),
-  never on sequence lengths read from the device, so the launch is CUDA-graph safe.
+  never on sequence lengths read from the device, so the launch is CUDA-graph safe. It is a runtime
+  argument, not a compile-time one: eager decode (hybrid models, batches past the captured sizes)
+  sees a new batch size almost every step, and a constexpr split count compiled a new kernel for
+  each (measured on the H200: one ~0.1 s compile per decode step of the hybrid benchmark,
+  results/h200/sweeps/probe_hybrid_host.json).
 - Keys are gathered row by row through the block table, so any power-of-two page size works and a
   tile may span several pages; a page of 16 tokens is still ``16 * D * 2`` contiguous bytes.
 - Sliding window / softcap are compile-time switches; softmax runs in base 2 with the scale and
@@ -66,10 +70,10 @@ def _decode_kernel(
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_ksp, stride_kss, stride_vsp, stride_vss,
     stride_bt, stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-    GROUP,
+    GROUP, num_splits,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: partials to mid_o / mid_lse for the merge kernel
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -89,7 +93,7 @@ def _decode_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
     # Each split takes a BLOCK_N-aligned chunk of this sequence's visible keys [lo, seq_len).
-    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -157,7 +161,7 @@ def _decode_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     omask = gmask[:, None] & dmask[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=omask)
     else:
@@ -178,8 +182,7 @@ def _e4m3_bytes_to_f16(c):
 def _merge_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-    HEAD_DIM,
-    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM, num_splits,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,
@@ -190,7 +193,7 @@ def _merge_kernel(
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    smask = offs_s < NUM_SPLITS
+    smask = offs_s < num_splits
     lse = tl.load(mid_lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=smask, other=float("-inf"))
     m = tl.max(lse, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -297,8 +300,8 @@ def paged_attention_decode(
         *_scale_strides(k_scale, kv_mode), *_scale_strides(v_scale, kv_mode), block_table.stride(0),
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        group, D,
-        PAGE=page_size, NUM_SPLITS=num_splits, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
+        group, num_splits, D,
+        PAGE=page_size, SPLIT=num_splits > 1, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         DOT_PRECISION=precision, KV_MODE=kv_mode, **extra, **pdl_launch(pdl_enabled(q)),
     )  # fmt: skip
@@ -306,8 +309,8 @@ def paged_attention_decode(
         _merge_kernel[(B, Hq)](
             mid_o, mid_lse, out,
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-            out.stride(0), out.stride(1), D,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            out.stride(0), out.stride(1), D, num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
             **pdl_launch(pdl_enabled(q)),
         )  # fmt: skip
     return out

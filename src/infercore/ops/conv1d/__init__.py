@@ -85,7 +85,8 @@ def causal_conv1d_update_(
     activation: str | None = "silu",
 ) -> torch.Tensor:
     """One decode step: ``x [B, C]`` (one token per sequence) against its state slot, which is
-    shifted by one input in place. Other arguments as in :func:`causal_conv1d_prefill_`.
+    shifted by one input in place. Other arguments as in :func:`causal_conv1d_prefill_`; a negative
+    slot marks a padding row (CUDA-graph batch buckets): zero history, no state write.
     Returns ``[B, C]`` in ``x.dtype``."""
     op = "causal_conv1d_update_"
     _check(op, x, weight, conv_state, bias, activation, state_slots, x.shape[0] if x.dim() == 2 else -1)

@@ -44,12 +44,14 @@ def causal_conv1d_prefill_ref(
 
 def causal_conv1d_update_ref(x, weight, conv_state, *, state_slots, bias, activation):
     slots = state_slots.long()
-    xx = torch.cat([conv_state[slots].float().transpose(1, 2), x.float()[:, None, :]], dim=1)  # [B, W, C]
+    valid = slots >= 0  # a negative slot is a padding row: zero history, no state write
+    prev = conv_state[slots.clamp(min=0)].float() * valid[:, None, None]
+    xx = torch.cat([prev.transpose(1, 2), x.float()[:, None, :]], dim=1)  # [B, W, C]
     w = weight.float().t()  # [W, C]
     y = (xx * w).sum(1)
     if bias is not None:
         y = y + bias.float()
     if activation == "silu":
         y = torch.nn.functional.silu(y)
-    conv_state[slots] = xx[:, 1:].transpose(1, 2).to(conv_state.dtype)
+    conv_state[slots[valid]] = xx[valid, 1:].transpose(1, 2).to(conv_state.dtype)
     return y.to(x.dtype)

@@ -93,17 +93,18 @@ def _conv_update_kernel(
     slot = tl.load(slot_ptr + b).to(tl.int64)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < C
+    smask = cmask & (c * 0 + slot >= 0)  # a negative slot is a padding row: no state read or write
     base = state_ptr + slot * s_slot + c * s_c
     x = tl.load(x_ptr + b * C + c, mask=cmask, other=0.0)
     acc = tl.load(w_ptr + c * W + (W - 1), mask=cmask, other=0.0).to(tl.float32) * x.to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)
     for j in tl.static_range(W - 1):
-        s = tl.load(base + j * s_w, mask=cmask, other=0.0)
+        s = tl.load(base + j * s_w, mask=smask, other=0.0)
         acc += tl.load(w_ptr + c * W + j, mask=cmask, other=0.0).to(tl.float32) * s.to(tl.float32)
         if j > 0:
-            tl.store(base + (j - 1) * s_w, s, mask=cmask)
-    tl.store(base + (W - 2) * s_w, x.to(state_ptr.dtype.element_ty), mask=cmask)
+            tl.store(base + (j - 1) * s_w, s, mask=smask)
+    tl.store(base + (W - 2) * s_w, x.to(state_ptr.dtype.element_ty), mask=smask)
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
     tl.store(y_ptr + b * C + c, acc.to(y_ptr.dtype.element_ty), mask=cmask)

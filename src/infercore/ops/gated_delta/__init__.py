@@ -115,7 +115,9 @@ def fused_recurrent_gated_delta_rule_(
 
     Args:
         q, k: ``[B, Hk, K]``; v ``[B, Hv, V]``; g, beta ``[B, Hv]`` -- one token per sequence.
-        state_pool: ``[num_slots, Hv, K, V]``; state_slots: int32 ``[B]``, distinct slots.
+        state_pool: ``[num_slots, Hv, K, V]``; state_slots: int32 ``[B]``, distinct slots; a
+            negative slot marks a padding row (CUDA-graph batch buckets): it starts from a zero
+            state and writes none.
         scale, use_qk_l2norm: as in :func:`chunk_gated_delta_rule_`.
 
     Returns:

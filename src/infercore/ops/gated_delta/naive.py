@@ -143,13 +143,16 @@ def fused_recurrent_gated_delta_rule_ref(
     state_pool: torch.Tensor, *, state_slots: torch.Tensor, scale: float, use_qk_l2norm: bool,
 ) -> torch.Tensor:  # fmt: skip
     """Decode: one token per sequence (``q, k [B, Hk, K]``, ``v [B, Hv, V]``, ``g, beta [B, Hv]``),
-    state updated in its slot. Returns ``[B, Hv, V]`` in ``v.dtype``."""
+    state updated in its slot. A negative slot is a padding row: it starts from a zero state and
+    writes none. Returns ``[B, Hv, V]`` in ``v.dtype``."""
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     for b, slot in enumerate(state_slots.tolist()):
+        init = state_pool[slot] if slot >= 0 else torch.zeros_like(state_pool[0])
         o, final = recurrent_gated_delta_rule(
-            q[b : b + 1], k[b : b + 1], v[b : b + 1], g[b : b + 1], beta[b : b + 1], state_pool[slot],
+            q[b : b + 1], k[b : b + 1], v[b : b + 1], g[b : b + 1], beta[b : b + 1], init,
             scale=scale, use_qk_l2norm=use_qk_l2norm,
         )  # fmt: skip
         out[b] = o[0].to(v.dtype)
-        state_pool[slot] = final.to(state_pool.dtype)
+        if slot >= 0:
+            state_pool[slot] = final.to(state_pool.dtype)
     return out

@@ -35,7 +35,9 @@ def _gdr_decode_kernel(
     vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     kmask = ks < K
     vmask = vs < V
-    smask = kmask[:, None] & vmask[None, :]
+    # A negative slot marks a padding row (CUDA-graph buckets): its state is neither read nor written.
+    # (The slot test is broadcast to a vector: the interpreter rejects a scalar & block mask.)
+    smask = kmask[:, None] & (vmask & (vs * 0 + slot >= 0))[None, :]
     # The state load is issued first: it is the only one that matters for time.
     s_ptrs = state_ptr + slot * ss_slot + hv * ss_h + ks[:, None] * ss_k + vs[None, :]
     S = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)

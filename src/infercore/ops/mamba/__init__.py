@@ -112,7 +112,8 @@ def selective_state_update_(
     dt_limit: tuple[float, float] = (0.0, math.inf),
 ) -> torch.Tensor:
     """One Mamba2 decode step: ``x [B, H, P]`` (one token per sequence), states updated in place.
-    Arguments as in :func:`mamba_chunk_scan_` with ``T = B``. Returns ``[B, H, P]`` in ``x.dtype``."""
+    Arguments as in :func:`mamba_chunk_scan_` with ``T = B``; a negative slot marks a padding row
+    (CUDA-graph batch buckets): zero state in, no state write. Returns ``[B, H, P]`` in ``x.dtype``."""
     op = "selective_state_update_"
     _check(
         op, x, dt, A, B, C, state_pool, D, z, dt_bias, dt_limit, state_slots, x.shape[0] if x.dim() else -1

@@ -119,10 +119,11 @@ def selective_state_update_ref(
     x, dt, A, B, C, state_pool, *, state_slots, D, z, dt_bias, dt_softplus, dt_limit
 ):
     slots = state_slots.long()
+    valid = slots >= 0  # a negative slot is a padding row: zero state, no state write
     H = x.shape[1]
     dt = _dt(dt, dt_bias, dt_softplus, dt_limit)  # [Bt, H]
     Bm, Cm = _expand(B, H), _expand(C, H)  # [Bt, H, N]
-    S = state_pool[slots].float()
+    S = state_pool[slots.clamp(min=0)].float() * valid[:, None, None, None]
     xf = x.float()
     S = S * torch.exp(dt * A.float())[:, :, None, None] + (dt[:, :, None] * xf)[..., None] * Bm[:, :, None, :]
     y = torch.einsum("bhpn,bhn->bhp", S, Cm)
@@ -130,5 +131,5 @@ def selective_state_update_ref(
         y = y + D.float()[:, None] * xf
     if z is not None:
         y = y * torch.nn.functional.silu(z.float())
-    state_pool[slots] = S.to(state_pool.dtype)
+    state_pool[slots[valid]] = S[valid].to(state_pool.dtype)
     return y.to(x.dtype)

@@ -35,7 +35,7 @@ def _ssd_recurrent_kernel(
     ns = tl.arange(0, BLOCK_N)
     pmask = ps < P
     nmask = ns < N
-    smask = pmask[:, None] & nmask[None, :]
+    smask = pmask[:, None] & (nmask & (ns * 0 + slot >= 0))[None, :]  # negative slot: padding, no state access
     s_ptrs = state_ptr + slot * ss_slot + h * ss_h + ps[:, None] * ss_p + ns[None, :]
     S = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
     S = tl.where(init, S, 0.0)  # a fresh sequence ignores whatever its slot held

@@ -44,3 +44,33 @@ def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
     out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                             do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()
+
+
+class EagerGraph:
+    """Stands in for a captured graph on the CPU: replays the graph's forward eagerly into the
+    static output buffers, so a CUDA-graph runner's staging, padding and gather run for real."""
+
+    def __init__(self, gr, b):
+        self.gr, self.b = gr, b
+
+    def replay(self):
+        logits, tokens = self.gr._forward(self.b)
+        self.gr.logits[self.b].copy_(logits)
+        if tokens is not None:
+            self.gr.tokens[self.b].copy_(tokens)
+
+
+def with_fake_graphs(eng, cls, *, max_batch, buckets):
+    """Give ``eng`` a graph runner of class ``cls`` whose graphs are :class:`EagerGraph` stand-ins."""
+    from infercore.engine.graph_runner import _TOPP
+
+    gr = cls(eng.runner, max_batch=max_batch, max_model_len=eng.max_model_len, page_size=eng.config.page_size,
+             buckets=buckets)  # fmt: skip
+    gr._row(gr.floats, _TOPP, gr.B).fill_(1.0)  # top_p of padded rows, as capture() does
+    vocab = eng.runner.model.config.vocab_size
+    for b in gr.buckets:
+        gr.logits[b] = torch.zeros(b, vocab)
+        gr.tokens[b] = torch.zeros(b, dtype=torch.long) if gr.graph_samples else None
+        gr.graphs[b] = EagerGraph(gr, b)
+    eng.graph_runner = gr
+    return gr

@@ -9,11 +9,12 @@ import random
 
 import pytest
 import torch
-from engine_helpers import ours_from_hf, tiny_hf
+from engine_helpers import ours_from_hf, tiny_hf, with_fake_graphs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from infercore import Engine, SamplingParams
+from infercore.engine.graph_runner import CUDAGraphRunner
 
 _MODEL = None
 ALPHABET = "abcdef"
@@ -228,33 +229,8 @@ def test_async_is_off_by_default_on_cpu():
     assert Engine(model(), page_size=4, num_pages=16, async_scheduling=True).async_scheduling is True
 
 
-class _EagerGraph:
-    """Stands in for a captured graph on the CPU: replays the graph's forward eagerly into the
-    static output buffers, so the CUDA-graph runner's staging, padding and gather run for real."""
-
-    def __init__(self, gr, b):
-        self.gr, self.b = gr, b
-
-    def replay(self):
-        logits, tokens = self.gr._forward(self.b)
-        self.gr.logits[self.b].copy_(logits)
-        if tokens is not None:
-            self.gr.tokens[self.b].copy_(tokens)
-
-
 def _with_fake_graphs(eng, max_batch):
-    from infercore.engine.graph_runner import _TOPP, CUDAGraphRunner
-
-    gr = CUDAGraphRunner(eng.runner, max_batch=max_batch, max_model_len=eng.max_model_len,
-                         page_size=eng.config.page_size, buckets=(1, 2))
-    gr._row(gr.floats, _TOPP, gr.B).fill_(1.0)  # top_p of padded rows, as capture() does
-    vocab = model().config.vocab_size
-    for b in gr.buckets:
-        gr.logits[b] = torch.zeros(b, vocab)
-        gr.tokens[b] = torch.zeros(b, dtype=torch.long) if gr.graph_samples else None
-        gr.graphs[b] = _EagerGraph(gr, b)
-    eng.graph_runner = gr
-    return gr
+    return with_fake_graphs(eng, CUDAGraphRunner, max_batch=max_batch, buckets=(1, 2))
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

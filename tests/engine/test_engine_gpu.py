@@ -76,3 +76,39 @@ def test_async_scheduling_matches_sync_on_cuda():
         want.pop("r5", None), got.pop("r5", None)
         assert got == want
     assert Engine(_ours_on_cuda(hf, torch.float32), num_pages=16).async_scheduling  # on by default on CUDA
+
+
+@pytest.mark.parametrize("name,layout", [("qwen3_next", "multi"), ("qwen3_next", "uniform"), ("gemma3", "multi")])
+def test_hybrid_cuda_graph_decode_matches_eager(name, layout):
+    """Hybrid models decode through captured graphs (padding rows, sliding and linear groups, MoE
+    routed on the device) with the eager engine's greedy tokens; a small pool preempts."""
+    from infercore.models import Gemma3Config, Qwen3NextConfig
+
+    if name == "qwen3_next":
+        cfg = Qwen3NextConfig(
+            vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4, num_kv_heads=2,
+            head_dim=16, layer_types=["linear_attention", "full_attention"] * 2, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            max_position_embeddings=512, partial_rotary_factor=0.5,
+        )  # fmt: skip
+    else:
+        cfg = Gemma3Config(
+            vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=6, num_heads=2, num_kv_heads=1,
+            head_dim=32, sliding_window=8, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+            max_position_embeddings=512, query_pre_attn_scalar=32.0, tie_word_embeddings=True,
+        )  # fmt: skip
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype=torch.float32, device=torch.device("cuda"))
+    prompts = [[(7 * i + 3 * j) % 96 for j in range(5 + 6 * i)] for i in range(7)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(page_size=4, kv_cache_bytes=400_000, kv_layout=layout, max_num_batched_tokens=32, checkpoint_interval=8)
+    want = [o.token_ids for o in Engine(model, cuda_graph_max_batch=0, **kw).generate(prompts, sp)]
+    eng = Engine(model, **kw)
+    assert eng.graph_runner is not None and eng.graph_runner.graphs
+    replays = []
+    orig = eng.graph_runner.launch
+    eng.graph_runner.launch = lambda batch, gather=None: (replays.append(len(batch)), orig(batch, gather))[1]
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == want
+    assert replays
+    assert eng.block_manager.memory()["used"] == 0

@@ -153,6 +153,32 @@ def test_decode_is_graph_capturable():
     assert rel(out, want) < 1e-2
 
 
+def _compiled_variants(kernel) -> int:
+    caches = getattr(kernel, "device_caches", None)  # Triton 3.x: device -> (kernels, ...)
+    if caches is not None:
+        return sum(len(c[0]) for c in caches.values())
+    return sum(len(c) for c in kernel.cache.values())
+
+
+def test_decode_split_count_does_not_recompile():
+    """Eager decode sees a new batch size (so a new split count) almost every step; the split count is
+    a runtime argument, so one compiled decode kernel (and one merge kernel per power-of-two bucket)
+    serves them all."""
+    from infercore.ops.attention import triton_decode as td
+
+    lens = [100, 2000, 37]
+    kc, vc, table = _paged(lens, 8, 128, 16)
+    q = torch.randn(3, 32, 128, device=DEV, dtype=BF16)
+    sl = torch.tensor(lens, device=DEV, dtype=torch.int32)
+    ref = implementation("paged_attention_decode", "reference")(q, kc, vc, seq_lens=sl, block_table=table, scale=0.1)
+    td.paged_attention_decode(q, kc, vc, seq_lens=sl, block_table=table, scale=0.1, num_splits=17)
+    before = _compiled_variants(td._decode_kernel)
+    for splits in (18, 19, 21, 23, 25, 27, 29, 31):
+        out = td.paged_attention_decode(q, kc, vc, seq_lens=sl, block_table=table, scale=0.1, num_splits=splits)
+        assert rel(out, ref) < 1e-2
+    assert _compiled_variants(td._decode_kernel) == before
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 def test_sampling_greedy_exact(dtype):
     B, V = 64, 128256

@@ -14,7 +14,7 @@ import torch
 from ..kv import BlockManager, allocate_kv_caches, bytes_per_page, resolve_kv_cache_dtype
 from ..models.gpu_layout import use_triton_gemv_
 from ..models.layout import pack_linears_for_cpu_
-from .graph_runner import CUDAGraphRunner
+from .graph_runner import CUDAGraphRunner, HybridCUDAGraphRunner
 from .hybrid import HybridModelRunner, build_hybrid_kv, choose_kv_layout, fits
 from .params import SamplingParams
 from .request import Request, RequestOutput, Status
@@ -136,9 +136,9 @@ class Engine:
             lazy_prefill_alloc=self.kv_layout != "dense",
         )
         self.graph_runner = None
-        # The captured decode graphs use the dense metadata layout.
-        if self.device.type == "cuda" and config.cuda_graph_max_batch > 0 and self.kv_layout == "dense":
-            self.graph_runner = CUDAGraphRunner(
+        if self.device.type == "cuda" and config.cuda_graph_max_batch > 0:
+            graph_cls = CUDAGraphRunner if self.kv_layout == "dense" else HybridCUDAGraphRunner
+            self.graph_runner = graph_cls(
                 self.runner,
                 max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
                 max_model_len=self.max_model_len,

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import torch
 
+import numpy as np
+
 from ..devices import resolve
+from ..models.hybrid import HybridMetadata, LinearStateMetadata
 from ..ops import AttentionMetadata, SamplingTensors, sample
 from .request import Request
 from .runner import Gather, ModelRunner
@@ -44,7 +47,7 @@ class CUDAGraphRunner:
         B = self.B = self.buckets[-1]
         P = self.max_pages = -(-max_model_len // page_size)
         self.max_seqlen_k = P * page_size
-        self.ints = torch.zeros(_NI * B + B * P, dtype=torch.long, device=dev)
+        self.ints = torch.zeros(_NI * B + self._table_ints(B, P), dtype=torch.long, device=dev)
         self.floats = torch.zeros(_NF * B, dtype=torch.float32, device=dev)
         pin = dev.type == "cuda"
         self.ints_host = [torch.zeros(self.ints.shape, dtype=torch.long, pin_memory=pin) for _ in range(2)]
@@ -66,6 +69,10 @@ class CUDAGraphRunner:
         self.logits: dict[int, torch.Tensor] = {}
         self.tokens: dict[int, torch.Tensor] = {}
 
+    def _table_ints(self, B: int, P: int) -> int:
+        """Staging ints after the per-row block: the slots and block table (a ``[B, P]`` region)."""
+        return B * P
+
     def _row(self, buf: torch.Tensor, k: int, b: int) -> torch.Tensor:
         return buf[k * self.B : k * self.B + b]
 
@@ -77,12 +84,16 @@ class CUDAGraphRunner:
             seeds=self._row(i, _SEED, b), offsets=self._row(i, _OFF, b),
         )
 
-    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        model = self.runner.model
-        meta = AttentionMetadata(
+    def _meta(self, b: int):
+        """The captured forward's attention metadata for bucket ``b`` (views of the persistent buffers)."""
+        return AttentionMetadata(
             cu_seqlens_q=self.cu_seqlens[: b + 1], seq_lens=self.seq_lens[:b], block_table=self.block_table[:b],
             slot_mapping=self.slot_mapping[:b], max_seqlen_q=1, max_seqlen_k=self.max_seqlen_k, decode_only=True,
         )
+
+    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        model = self.runner.model
+        meta = self._meta(b)
         logits = model.compute_logits(model(self.input_ids[:b], self.positions[:b], self.runner.kv_caches, meta))
         tokens = sample(logits, self._params(b), check_values=False) if self.graph_samples else None
         return logits, tokens
@@ -119,36 +130,49 @@ class CUDAGraphRunner:
         into the next staging buffer. Returns ``(buffer, n, bucket, width, num_gathered)``."""
         x = self.runner.host_inputs(batch)
         n, B, P = len(batch), self.B, self.max_pages
+        k, b = self._next_buffer(n)
+        ih = self._ints_np[k]
+        g = self._stage_rows(k, n, b, x.input_ids, x.positions, x.seq_lens, x.rows, gather)
+        ih[_SLOT * B : _SLOT * B + b] = -1
+        ih[_SLOT * B : _SLOT * B + n] = x.slots
+        width = x.table.shape[1]
+        ih[_NI * B : _NI * B + n * P].reshape(n, P)[:, :width] = x.table
+        return k, n, b, width, g
+
+    def _next_buffer(self, n: int) -> tuple[int, int]:
+        """The staging buffer to fill (waiting for its last copy out) and the bucket for ``n`` rows."""
         b = next(s for s in self.buckets if s >= n)
         k = self._flip
         self._flip ^= 1
         if self._copied[k] is not None:
             self._copied[k].synchronize()  # normally long done: it was queued two steps ago
             self._copied[k] = None
+        return k, b
+
+    def _stage_rows(self, k: int, n: int, b: int, input_ids, positions, seq_lens, rows, gather) -> int:
+        """Write the per-row inputs every decode graph takes (ids, positions, lengths, sampling
+        parameters, the gather of on-device tokens) into staging buffer ``k``; rows ``n..b`` are
+        padding. Returns the number of gathered tokens."""
+        B = self.B
         ih, fh = self._ints_np[k], self._floats_np[k]
         rt = self.runner.rows
-        rows = x.rows
         # Padded rows must hold valid ids: a stale placeholder (-1) would index the embedding.
         ih[_IDS * B + n : _IDS * B + b] = 0
         ih[_POS * B + n : _POS * B + b] = 0
-        ih[_IDS * B : _IDS * B + n] = x.input_ids
-        ih[_POS * B : _POS * B + n] = x.positions
-        ih[_SLOT * B : _SLOT * B + b] = -1
-        ih[_SLOT * B : _SLOT * B + n] = x.slots
+        ih[_IDS * B : _IDS * B + n] = input_ids
+        ih[_POS * B : _POS * B + n] = positions
         ih[_LEN * B : _LEN * B + b] = 0
-        ih[_LEN * B : _LEN * B + n] = x.seq_lens
+        ih[_LEN * B : _LEN * B + n] = seq_lens
         ih[_TOPK * B : _TOPK * B + b] = 0
         ih[_TOPK * B : _TOPK * B + n] = rt.iparams[rows, 0]
         ih[_SEED * B : _SEED * B + b] = 0
         ih[_SEED * B : _SEED * B + n] = rt.iparams[rows, 1]
         ih[_OFF * B : _OFF * B + b] = 0
-        ih[_OFF * B : _OFF * B + n] = x.seq_lens - rt.prompt_lens[rows]  # decode: num_tokens == end
+        ih[_OFF * B : _OFF * B + n] = seq_lens - rt.prompt_lens[rows]  # decode: num_tokens == end
         g = 0 if gather is None else len(gather.dst)
         if g:
             ih[_GDST * B : _GDST * B + g] = gather.dst
             ih[_GSRC * B : _GSRC * B + g] = gather.src
-        width = x.table.shape[1]
-        ih[_NI * B : _NI * B + n * P].reshape(n, P)[:, :width] = x.table
         fh[_TEMP * B : _TEMP * B + b] = 0.0
         fh[_TOPP * B : _TOPP * B + b] = 1.0
         fh[_MINP * B : _MINP * B + b] = 0.0
@@ -157,25 +181,17 @@ class CUDAGraphRunner:
         fh[_TOPP * B : _TOPP * B + n] = fp[:, 1]
         fh[_MINP * B : _MINP * B + n] = fp[:, 2]
         self._penalized = bool((fp[:, 3] != 1.0).any())
-        return k, n, b, width, g
+        return g
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, gather: Gather | None = None) -> tuple[list[Request], torch.Tensor]:
         """Stage, copy and replay; returns every request of ``batch`` and its sampled token, int64
         ``[n]`` on the device, without waiting for the device."""
         k, n, b, width, g = self.stage(batch, gather)
-        B, P = self.B, self.max_pages
-        used = _NI * B + n * P
-        self.ints[:used].copy_(self.ints_host[k][:used], non_blocking=True)
-        self.floats.copy_(self.floats_host[k], non_blocking=True)
-        if self.ints.is_cuda:  # elsewhere the copy is done when it returns
-            ev = torch.cuda.Event()
-            ev.record()
-            self._copied[k] = ev
-        self.slot_mapping[:b] = self._row(self.ints, _SLOT, b)
+        self._upload(k, self._used(n, width))
         self.seq_lens[:b] = self._row(self.ints, _LEN, b)
         self.top_k[:b] = self._row(self.ints, _TOPK, b)
-        self.block_table[:n, :width] = self.ints[_NI * B : used].view(n, P)[:, :width]
+        self._scatter(n, b, width)
         if g:
             src = self._row(self.ints, _GSRC, g)
             self.input_ids[self._row(self.ints, _GDST, g)] = gather.prev[src]
@@ -185,6 +201,129 @@ class CUDAGraphRunner:
             return reqs, self.tokens[b][:n]
         return reqs, self.runner.sample_tokens(reqs, self.logits[b][:n])
 
+    def _used(self, n: int, width) -> int:
+        """How much of the int staging buffer a step of ``n`` rows fills."""
+        return _NI * self.B + n * self.max_pages
+
+    def _upload(self, k: int, used: int) -> None:
+        """Copy staging buffer ``k`` to the device (its first ``used`` ints) and mark when it is free."""
+        self.ints[:used].copy_(self.ints_host[k][:used], non_blocking=True)
+        self.floats.copy_(self.floats_host[k], non_blocking=True)
+        if self.ints.is_cuda:  # elsewhere the copy is done when it returns
+            ev = torch.cuda.Event()
+            ev.record()
+            self._copied[k] = ev
+
+    def _scatter(self, n: int, b: int, width) -> None:
+        """Move the uploaded slots and block table into the buffers the graphs read."""
+        B, P = self.B, self.max_pages
+        self.slot_mapping[:b] = self._row(self.ints, _SLOT, b)
+        self.block_table[:n, :width] = self.ints[_NI * B : _NI * B + n * P].view(n, P)[:, :width]
+
     def execute(self, batch: ScheduledBatch) -> dict[Request, int]:
         reqs, tokens = self.launch(batch)
         return dict(zip(reqs, tokens.tolist()))
+
+
+class HybridCUDAGraphRunner(CUDAGraphRunner):
+    """Captured decode graphs for a :class:`~infercore.engine.hybrid.HybridModelRunner`.
+
+    The same staging and buckets as :class:`CUDAGraphRunner`, with the hybrid metadata: one block
+    table and slot row per attention group (full or sliding window; released sliding pages read
+    page 0, which the window mask never reads) and one state-slot row per linear group. Padding
+    rows have ``seq_len = 0``, ``slot = -1`` and ``state slot = -1``, so they read and write no KV
+    page and no recurrent state. The staging buffer packs each group's table as ``[n, width]``
+    (only the rows and pages of this step cross to the device). Queued checkpoint copies run
+    before the replay, as in the eager runner.
+    """
+
+    def __init__(self, runner, *, max_batch: int, max_model_len: int, page_size: int,
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+        self.token_groups = list(runner.token_groups)
+        self.linear_groups = list(runner.linear_groups)
+        # the layout's token page (uniform mode sizes it to a recurrent state: not the config's page)
+        page_size = self.page_size = runner.bm.page_tokens
+        super().__init__(runner, max_batch=max_batch, max_model_len=max_model_len, page_size=page_size,
+                         buckets=buckets)  # fmt: skip
+        dev, B, P = runner.device, self.B, self.max_pages
+        self.group_slots = [torch.full((B,), -1, dtype=torch.int32, device=dev) for _ in self.token_groups]
+        self.group_tables = [torch.zeros(B, P, dtype=torch.int32, device=dev) for _ in self.token_groups]
+        self.state_slots = [torch.full((B,), -1, dtype=torch.int32, device=dev) for _ in self.linear_groups]
+        self.has_initial_state = torch.ones(B, dtype=torch.bool, device=dev)
+        self._used_ints = 0
+
+    def _table_ints(self, B: int, P: int) -> int:
+        return (len(self.token_groups) + len(self.linear_groups)) * B + len(self.token_groups) * B * P
+
+    def _meta(self, b: int) -> HybridMetadata:
+        cu = self.cu_seqlens[: b + 1]
+        per_group: dict[int, AttentionMetadata | LinearStateMetadata] = {}
+        for i, g in enumerate(self.token_groups):
+            per_group[g] = AttentionMetadata(
+                cu_seqlens_q=cu, seq_lens=self.seq_lens[:b], block_table=self.group_tables[i][:b],
+                slot_mapping=self.group_slots[i][:b], max_seqlen_q=1, max_seqlen_k=self.max_seqlen_k,
+                decode_only=True,
+            )  # fmt: skip
+        for j, g in enumerate(self.linear_groups):
+            per_group[g] = LinearStateMetadata(
+                cu_seqlens=cu, state_slots=self.state_slots[j][:b], has_initial_state=self.has_initial_state[:b],
+                decode_only=True,
+            )  # fmt: skip
+        return HybridMetadata([per_group[g] for g in self.runner.layer_group], cu)
+
+    def stage(self, batch: ScheduledBatch, gather: Gather | None = None) -> tuple[int, int, int, tuple, int]:
+        runner, reqs = self.runner, batch.requests
+        bm, rt = runner.bm, runner.rows
+        for r in reqs:
+            if r._row < 0:
+                rt.assign(r)
+        n, B, ps = len(reqs), self.B, self.page_size
+        k, b = self._next_buffer(n)
+        ih = self._ints_np[k]
+        starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=n)
+        rows = np.fromiter((r._row for r in reqs), dtype=np.int64, count=n)
+        ids = np.fromiter((r._all[s] for r, s in zip(reqs, starts.tolist())), dtype=np.int64, count=n)
+        g = self._stage_rows(k, n, b, ids, starts, starts + 1, rows, gather)
+        base = _NI * B
+        off = base + (len(self.token_groups) + len(self.linear_groups)) * B
+        widths = []
+        for i, grp in enumerate(self.token_groups):
+            tables = [bm.block_table(r.request_id, grp) for r in reqs]
+            w = max(len(t) for t in tables)
+            region = ih[off : off + n * w].reshape(n, w)
+            region[:] = 0
+            for j, t in enumerate(tables):
+                region[j, : len(t)] = t
+            np.maximum(region, 0, out=region)  # released sliding pages (PAD_PAGE = -1) read page 0
+            slots = ih[base + i * B : base + (i + 1) * B]
+            slots[:b] = -1
+            slots[:n] = region[np.arange(n), starts // ps] * ps + starts % ps
+            widths.append(w)
+            off += n * w
+        for j, grp in enumerate(self.linear_groups):
+            row = ih[base + (len(self.token_groups) + j) * B :][:B]
+            row[:b] = -1
+            row[:n] = [bm.state_slot(r.request_id, grp) for r in reqs]
+        self._used_ints = off
+        return k, n, b, tuple(widths), g
+
+    def _used(self, n: int, width) -> int:
+        return self._used_ints
+
+    def _scatter(self, n: int, b: int, width) -> None:
+        B = self.B
+        base = _NI * B
+        off = base + (len(self.token_groups) + len(self.linear_groups)) * B
+        for i, w in enumerate(width):
+            self.group_slots[i][:b] = self.ints[base + i * B : base + i * B + b]
+            self.group_tables[i][:n, :w] = self.ints[off : off + n * w].view(n, w)
+            off += n * w
+        for j in range(len(self.linear_groups)):
+            row = base + (len(self.token_groups) + j) * B
+            self.state_slots[j][:b] = self.ints[row : row + b]
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, gather: Gather | None = None) -> tuple[list[Request], torch.Tensor]:
+        # Checkpoint copies queued by the last mark_computed / this step's admissions land first.
+        self.runner.apply_state_copies()
+        return super().launch(batch, gather)

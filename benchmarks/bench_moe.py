@@ -29,7 +29,7 @@ from infercore.ops import moe_experts_routed  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--batches", default="1,16,64,256,1024")
     args = ap.parse_args()
     bw = copy_bandwidth()
     torch.manual_seed(0)

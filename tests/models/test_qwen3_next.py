@@ -67,6 +67,15 @@ def test_moe_implementations_agree():
             want[t] += w[t, j] * (down[e] @ (torch.nn.functional.silu(h[:I]) * h[I:]))
     for fn in (moe_experts_reference, moe_experts_grouped, moe_experts_dense):
         torch.testing.assert_close(fn(x, gate_up, down, w, ids), want, atol=1e-5, rtol=1e-5)
+    # Prefill on accelerators: the routed op in chunks of ROUTED_MAX_TOKENS (here 4: 13 = 4+4+4+1).
+    from infercore.models import moe as moe_mod
+
+    old = moe_mod.ROUTED_MAX_TOKENS
+    moe_mod.ROUTED_MAX_TOKENS = 4
+    try:
+        torch.testing.assert_close(moe_mod._routed_in_chunks(x, gate_up, down, w, ids), want, atol=1e-5, rtol=1e-5)
+    finally:
+        moe_mod.ROUTED_MAX_TOKENS = old
     with pytest.raises(ValueError, match="top_k"):
         route_topk(torch.randn(T, E), top_k=E + 1, renormalize=False)
 

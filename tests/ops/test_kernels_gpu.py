@@ -303,6 +303,23 @@ def test_moe_routed_bf16(T):
     assert got.dtype == BF16 and rel(got, want) < 1e-2
 
 
+def test_moe_experts_prefill_runs_routed_chunks():
+    """A prefill longer than ROUTED_MAX_TOKENS runs the routed op chunk by chunk (2500 = 1024 + 1024
+    + 452 tokens) and matches the reference."""
+    from infercore.models.moe import ROUTED_MAX_TOKENS, moe_experts
+
+    torch.manual_seed(0)
+    T, E, H, I, k = 2500, 32, 512, 256, 4
+    assert T > 2 * ROUTED_MAX_TOKENS
+    x = torch.randn(T, H, device=DEV, dtype=BF16)
+    gate_up = (torch.randn(E, 2 * I, H, device=DEV) * 0.05).to(BF16)
+    down = (torch.randn(E, H, I, device=DEV) * 0.05).to(BF16)
+    w, ids = torch.topk(torch.softmax(torch.randn(T, E, device=DEV), -1), k, dim=-1)
+    got = moe_experts(x, gate_up, down, w.to(BF16), ids)
+    want = implementation("moe_experts_routed", "reference")(x.float(), gate_up.float(), down.float(), w, ids)
+    assert got.shape == (T, H) and rel(got, want) < 1e-2
+
+
 def test_moe_routed_in_cuda_graph():
     """No host sync inside: the op captures in a CUDA graph and replays with new routing."""
     torch.manual_seed(0)

@@ -62,6 +62,16 @@ MIXED_LARGE = [
     BIG._replace(stages=3, persistent=True, tma_c=True), C(256, 128, 128, 8, 8, 4),
     C(256, 128, 128, 8, 8, 3), C(256, 128, 128, 8, 8, 4, persistent=True),
 ]
+# Two CTAs per SM: Triton keeps an int32-accumulating wgmma synchronous (its pipeliner makes only
+# fp32-accumulator dots async: the compiled INT8 loop waits for each MMA group, "pendings = 0", where
+# FP8 keeps one group in flight), so INT8 hides that wait behind a second resident CTA instead:
+# 128x128 tiles (64 KB of int32 accumulators between two CTAs) with <= ~100 KB of stages each.
+TWO_CTA = [
+    C(128, 128, 128, 8, 4, 3), C(128, 128, 128, 8, 8, 3), C(128, 128, 64, 8, 4, 6), C(128, 128, 64, 8, 8, 6),
+    C(128, 128, 128, 8, 4, 3, tma_c=True), C(128, 128, 128, 16, 4, 3),
+]
+LARGE += TWO_CTA
+MIXED_LARGE += TWO_CTA
 MID = [
     C(64, 128, 128, 8, 4, 4, tma=False), C(64, 128, 128, 8, 4, 5, tma=False), C(64, 128, 256, 8, 4, 3, tma=False),
     C(64, 256, 128, 8, 8, 3, tma=False), C(64, 128, 128, 8, 4, 4, tma=False, persistent=True),
@@ -111,6 +121,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget", type=float, default=110.0, help="seconds; later configs are skipped")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes (CPU interpreter smoke test)")
+    ap.add_argument("--ms", default="2048,128,16,1", help="M values of the main shape (large M first)")
     args = ap.parse_args()
     t_start = time.time()
     deadline = t_start + args.budget
@@ -119,7 +130,7 @@ def main() -> None:
     n0, k0 = (64, 128) if dry else (14336, 4096)
     big_m = 32 if dry else 2048
     # Large M first: those configs matter most and compile slowest.
-    ms = [big_m, 16, 1] if dry else [2048, 128, 16, 1]
+    ms = [big_m, 16, 1] if dry else [int(v) for v in args.ms.split(",")]
     act_dtype = torch.float32 if dry else torch.bfloat16  # the interpreter has no bf16 dot
 
     if dry:

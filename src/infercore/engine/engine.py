@@ -51,7 +51,8 @@ class EngineConfig:
     cpu_packed_linears: bool = True
     # Overlap the host's work for step n+1 with the device's step n (see Engine.step). None: on for
     # CUDA, off elsewhere (on the CPU nothing overlaps; True there only exercises the bookkeeping).
-    # Dense KV layout only: the hybrid runner keeps the synchronous loop.
+    # Dense KV layout only: the hybrid runner keeps the synchronous loop (its decode steps still
+    # replay CUDA graphs).
     async_scheduling: bool | None = None
     # CUDA: decode-size linears (<= 16 rows) run the Triton GEMV, and gated MLPs its fused
     # gate_up+activation form, where the tuning tables measured them faster than cuBLAS (see

@@ -136,6 +136,10 @@ class MMConfig(NamedTuple):
 
 
 # Per kernel variant, per M bucket (upper bound of M, ascending; the last covers everything).
+# INT8 at large M runs two CTAs per SM on 128x128 tiles: Triton keeps a wgmma with an int32
+# accumulator synchronous (its pipeliner only makes fp32-accumulating dots async: the compiled INT8
+# loop waits for every MMA group, "pendings = 0", where FP8 keeps one in flight), and a second
+# resident CTA hides that wait -- 1343 vs 1221 TOP/s for the best one-CTA tile (128x256).
 # Picked by benchmarks/sweep_w8a8.py on an H200 (results/h200/sweeps/sweep_w8a8.json, 2026-11-30,
 # N=14336 K=4096 at M=1, 16, 128, 2048). Pointer loads beat TMA at M <= 128: with one or a few
 # row tiles the kernel is weight-bandwidth bound and the TMA box round trips add latency.
@@ -146,7 +150,9 @@ MM_CONFIGS: dict[str, list[tuple[int, MMConfig]]] = {
         (8, MMConfig(16, 64, 256, 1, 4, 4)),  # 25.5 us at M=1
         (64, MMConfig(16, 64, 256, 1, 4, 4, tma=False)),  # 24.8 us at M=16
         (256, MMConfig(64, 128, 128, 8, 4, 4, tma=False)),  # 29.1 us at M=128
-        (1 << 62, MMConfig(128, 256, 128, 8, 8, 4, persistent=True)),  # 197.5 us at M=2048
+        # Two CTAs per SM (sweeps/sweep_w8a8_2cta.json): 179.1 us at M=2048 vs 199.3 us for the best
+        # one-CTA tile (128x256 persistent) in the same run.
+        (1 << 62, MMConfig(128, 128, 128, 16, 4, 3)),
     ],
     "fp8": [
         (8, MMConfig(16, 64, 128, 1, 4, 6, tma=False)),  # 28.8 us at M=1
@@ -158,7 +164,7 @@ MM_CONFIGS: dict[str, list[tuple[int, MMConfig]]] = {
         (8, MMConfig(16, 64, 256, 1, 4, 4, tma=False)),  # 28.6 us at M=1
         (64, MMConfig(16, 64, 256, 1, 4, 4, tma=False)),  # 26.3 us at M=16
         (256, MMConfig(64, 128, 128, 8, 4, 4, tma=False)),  # 31.5 us at M=128
-        (1 << 62, MMConfig(128, 256, 128, 8, 8, 4, tma_c=True)),  # 219.5 us at M=2048
+        (1 << 62, MMConfig(128, 128, 128, 16, 4, 3)),  # 194.1 us at M=2048 (sweeps/sweep_w8a8_2cta.json)
     ],
 }
 # The interpreter runs ~1 ms per program: tiny tiles. Tests pass ``config=`` to reach the TMA path.

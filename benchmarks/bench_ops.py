@@ -59,8 +59,9 @@ def paged_from_contiguous(k: torch.Tensor, page: int) -> tuple[torch.Tensor, tor
     return cache, perm.view(B, L // page).to(torch.int32)
 
 
-def bench_decode(bw: float, sweep: bool, log: list) -> dict:
-    B, L, Hq, Hk, D, page = 64, 4096, 32, 8, 128, 16
+def decode_inputs(B: int, L: int, Hq: int, Hk: int, D: int, page: int):
+    """A decode-attention case: q ``[B, Hq, D]``, contiguous k / v ``[B, Hk, L, D]`` (for SDPA), the
+    same keys/values in shuffled pages (caches + block table) and the int32 sequence lengths."""
     q = torch.randn(B, Hq, D, device=DEV, dtype=BF16)
     k = torch.randn(B, Hk, L, D, device=DEV, dtype=BF16)
     v = torch.randn(B, Hk, L, D, device=DEV, dtype=BF16)
@@ -68,6 +69,12 @@ def bench_decode(bw: float, sweep: bool, log: list) -> dict:
     vc = torch.empty_like(kc)
     vc[table.view(-1).long()] = v.permute(0, 2, 1, 3).reshape(-1, page, Hk, D)
     seq = torch.full((B,), L, device=DEV, dtype=torch.int32)
+    return q, k, v, kc, vc, table, seq
+
+
+def bench_decode(bw: float, sweep: bool, log: list) -> dict:
+    B, L, Hq, Hk, D, page = 64, 4096, 32, 8, 128, 16
+    q, k, v, kc, vc, table, seq = decode_inputs(B, L, Hq, Hk, D, page)
     scale = D**-0.5
     nbytes = 2 * B * Hk * L * D * 2
     sdpa = lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)

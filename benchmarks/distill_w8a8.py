@@ -21,8 +21,8 @@ def main() -> None:
     for key, best in sweep["best"].items():
         variant, *dims = key.split("/")
         m, n, k = (int(d.split("=")[1]) for d in dims)
-        tflops = lambda ms, f=FLOPS(m, n, k): f / (ms * 1e-3) / 1e12  # noqa: E731
-        peer_tf = {name: tflops(ms) for name, ms in peers[(m, n, k)].items()}
+        flops = FLOPS(m, n, k)
+        peer_tf = {name: flops / (ms * 1e-3) / 1e12 for name, ms in peers[(m, n, k)].items()}
         cases.append({
             "case": f"W8A8 {variant} GEMM M={m} N={n} K={k}", "metric": "matmul throughput", "unit": "TFLOP/s",
             "ours": best["TFLOPs"], "peers": peer_tf, "floor": None, "ours_over_floor": None,

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import bench_ms, copy_bandwidth  # noqa: E402
-from bench_ops import paged_from_contiguous, rel  # noqa: E402
+from bench_ops import decode_inputs, rel  # noqa: E402
 
 from infercore.devices import implementation  # noqa: E402
 from infercore.ops.attention import triton_decode  # noqa: E402
@@ -33,14 +33,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=576, help="a multiple of the page (16)")
     args = ap.parse_args()
     B, L, Hq, Hk, D, page = args.batch, args.ctx, 32, 8, 128, 16
-    dev, dt = "cuda", torch.bfloat16
-    q = torch.randn(B, Hq, D, device=dev, dtype=dt)
-    k = torch.randn(B, Hk, L, D, device=dev, dtype=dt)
-    v = torch.randn(B, Hk, L, D, device=dev, dtype=dt)
-    kc, table = paged_from_contiguous(k, page)
-    vc = torch.empty_like(kc)
-    vc[table.view(-1).long()] = v.permute(0, 2, 1, 3).reshape(-1, page, Hk, D)
-    seq = torch.full((B,), L, device=dev, dtype=torch.int32)
+    q, k, v, kc, vc, table, seq = decode_inputs(B, L, Hq, Hk, D, page)
     scale = D**-0.5
     nbytes = 2 * B * Hk * L * D * 2
     sdpa = lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
@@ -54,12 +47,13 @@ def main() -> None:
         [None, 1, 2],
     ):
         triton_decode.TUNING.update(block_n=bn, num_warps=nw, num_stages=ns)
-        call = lambda: fn(q, kc, vc, seq_lens=seq, block_table=table, scale=scale, num_splits=splits)
+        call = lambda s=splits: fn(q, kc, vc, seq_lens=seq, block_table=table, scale=scale, num_splits=s)
         try:
             err = rel(call(), ref)
             t = bench_ms(call)
         except Exception as e:  # noqa: BLE001
-            rows.append({"block_n": bn, "num_warps": nw, "num_stages": ns, "num_splits": splits, "error": type(e).__name__})
+            rows.append({"block_n": bn, "num_warps": nw, "num_stages": ns, "num_splits": splits,
+                         "error": type(e).__name__})  # fmt: skip
             continue
         row = {"block_n": bn, "num_warps": nw, "num_stages": ns, "num_splits": splits or "auto", "ms": t,
                "TBps": nbytes / (t * 1e-3) / 1e12, "err": err}  # fmt: skip

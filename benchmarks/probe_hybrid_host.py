@@ -78,9 +78,11 @@ def main() -> None:
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     if args.tiny:
-        work = {"gemma3_27b": (tiny_gemma3(), 96, 16, 8, 1 / 1024), "qwen3_next_80b": (tiny_qwen3_next(), 24, 16, 8, 1 / 1024)}
+        work = {"gemma3_27b": (tiny_gemma3(), 96, 16, 8, 1 / 1024),
+                "qwen3_next_80b": (tiny_qwen3_next(), 24, 16, 8, 1 / 1024)}  # fmt: skip
     else:
-        work = {"gemma3_27b": (gemma3_27b(12), 4096, 32, 40, 6.0), "qwen3_next_80b": (qwen3_next_80b(8), 512, 32, 64, 1.0)}
+        work = {"gemma3_27b": (gemma3_27b(12), 4096, 32, 40, 6.0),
+                "qwen3_next_80b": (qwen3_next_80b(8), 512, 32, 64, 1.0)}  # fmt: skip
     res = []
     for name in args.models.split(","):
         cfg, prompt, new, requests, gib = work[name]

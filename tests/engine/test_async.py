@@ -8,7 +8,6 @@ out finished, frozen requests that end by length, preemption while a token is pe
 import random
 
 import pytest
-import torch
 from engine_helpers import ours_from_hf, tiny_hf, with_fake_graphs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

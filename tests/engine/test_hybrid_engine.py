@@ -156,8 +156,9 @@ def test_mamba2_pure_runs_with_prefix_cache():
 
 def _mamba2_hybrid():
     cfg = Mamba2Config(vocab_size=96, hidden_size=16, num_layers=3, mamba_heads=4, mamba_head_dim=8, state_size=8,
-                       n_groups=2, layer_types=["linear_attention", "full_attention", "linear_attention"], num_heads=2, num_kv_heads=1,
-                       head_dim=8, intermediate_size=32, model_type="bamba", architecture="BambaForCausalLM")  # fmt: skip
+                       n_groups=2, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                       num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32, model_type="bamba",
+                       architecture="BambaForCausalLM")  # fmt: skip
     torch.manual_seed(0)
     return build_model(cfg, dtype=torch.float32, device="cpu")
 

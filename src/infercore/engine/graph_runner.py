@@ -10,9 +10,8 @@ Prefill, mixed steps and larger batches run eagerly through :class:`ModelRunner`
 
 from __future__ import annotations
 
-import torch
-
 import numpy as np
+import torch
 
 from ..devices import resolve
 from ..models.hybrid import HybridMetadata, LinearStateMetadata

@@ -183,6 +183,9 @@ def test_graph_runner_path_matches_eager(qwen3_next, gemma3, name, layout):
     outs = eng.generate(ps, params)
     assert [o.token_ids for o in outs] == want
     assert replays and max(replays) <= 4 and 3 in replays  # bucket 4 with a padding row
+    assert sum(o.metrics.num_cached_tokens for o in outs) > 0
+    if name != "mamba2":  # the pool is small enough to preempt (re-admitted requests get new pages)
+        assert sum(o.metrics.num_preemptions for o in outs) > 0
     bm = eng.block_manager
     bm.check_invariants()
     assert bm.memory()["used"] == 0

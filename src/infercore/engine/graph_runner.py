@@ -250,6 +250,10 @@ class HybridCUDAGraphRunner(CUDAGraphRunner):
         self.state_slots = [torch.full((B,), -1, dtype=torch.int32, device=dev) for _ in self.linear_groups]
         self.has_initial_state = torch.ones(B, dtype=torch.bool, device=dev)
         self._used_ints = 0
+        # host block tables per token group and RowTable row (see _sync_tables)
+        self._owner = np.zeros(64, dtype=np.int64)  # RowTable.serial of the row's cached tables
+        self._counts = np.zeros((len(self.token_groups), 64), dtype=np.int64)
+        self._tables = [np.zeros((64, 16), dtype=np.int32) for _ in self.token_groups]
 
     def _table_ints(self, B: int, P: int) -> int:
         return (len(self.token_groups) + len(self.linear_groups)) * B + len(self.token_groups) * B * P
@@ -286,17 +290,15 @@ class HybridCUDAGraphRunner(CUDAGraphRunner):
         base = _NI * B
         off = base + (len(self.token_groups) + len(self.linear_groups)) * B
         widths = []
-        for i, grp in enumerate(self.token_groups):
-            tables = [bm.block_table(r.request_id, grp) for r in reqs]
-            w = max(len(t) for t in tables)
+        need = starts // ps + 1  # pages up to the one this step writes
+        w = int(need.max()) if n else 0
+        self._sync_tables(reqs, rows, need, w)
+        for i in range(len(self.token_groups)):
             region = ih[off : off + n * w].reshape(n, w)
-            region[:] = 0
-            for j, t in enumerate(tables):
-                region[j, : len(t)] = t
-            np.maximum(region, 0, out=region)  # released sliding pages (PAD_PAGE = -1) read page 0
+            region[:] = self._tables[i][rows, :w]
             slots = ih[base + i * B : base + (i + 1) * B]
             slots[:b] = -1
-            slots[:n] = region[np.arange(n), starts // ps] * ps + starts % ps
+            slots[:n] = region[np.arange(n), need - 1] * ps + starts % ps
             widths.append(w)
             off += n * w
         for j, grp in enumerate(self.linear_groups):
@@ -305,6 +307,35 @@ class HybridCUDAGraphRunner(CUDAGraphRunner):
             row[:n] = [bm.state_slot(r.request_id, grp) for r in reqs]
         self._used_ints = off
         return k, n, b, tuple(widths), g
+
+    def _sync_tables(self, reqs, rows: np.ndarray, need: np.ndarray, width: int) -> None:
+        """Host copies of each token group's block table per RowTable row, ``need[i]`` pages long. Pages
+        are only ever appended to a request's table, so only the new ones are read from the manager;
+        a row assigned anew (another request, or this one re-admitted after preemption: new pages)
+        starts over. Entries a sliding window released since they
+        were copied keep their old page id: the window mask never reads them. PAD entries (released
+        before the copy) read page 0."""
+        R = len(self._owner)
+        if rows.size and int(rows.max()) >= R:
+            grow = max(int(rows.max()) + 1, 2 * R)
+            self._owner = np.pad(self._owner, (0, grow - R))
+            self._counts = np.pad(self._counts, ((0, 0), (0, grow - R)))
+            self._tables = [np.pad(t, ((0, grow - R), (0, 0))) for t in self._tables]
+        if self._tables and width > self._tables[0].shape[1]:
+            cols = max(width, 2 * self._tables[0].shape[1])
+            self._tables = [np.pad(t, ((0, 0), (0, cols - t.shape[1]))) for t in self._tables]
+        bm, serial = self.runner.bm, self.runner.rows.serial[rows]
+        fresh = self._owner[rows] != serial
+        if fresh.any():
+            self._owner[rows[fresh]] = serial[fresh]
+            self._counts[:, rows[fresh]] = 0
+        for r, row, k in zip(reqs, rows.tolist(), need.tolist()):
+            for i, grp in enumerate(self.token_groups):
+                have = int(self._counts[i, row])
+                if have < k:
+                    pages = bm.block_table(r.request_id, grp, start=have)[: k - have]
+                    self._tables[i][row, have : have + len(pages)] = np.maximum(pages, 0)
+                    self._counts[i, row] = have + len(pages)
 
     def _used(self, n: int, width) -> int:
         return self._used_ints

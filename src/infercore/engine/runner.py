@@ -29,7 +29,9 @@ class RowTable:
 
     ``tables`` int32 ``[R, P]`` (page ids, valid up to ``num_pages[row]``), ``fparams`` fp32 ``[R, 4]``
     (temperature, top_p, min_p, repetition_penalty), ``iparams`` int64 ``[R, 2]`` (top_k, seed),
-    ``prompt_lens`` int64 ``[R]``. Rows and columns grow on demand.
+    ``prompt_lens`` int64 ``[R]``, ``serial`` int64 ``[R]`` (a number no other assignment of the row
+    had: lets a cache keyed by row tell a new request, or the same one re-admitted, from the last).
+    Rows and columns grow on demand.
     """
 
     def __init__(self, rows: int = 64, pages: int = 16) -> None:
@@ -38,6 +40,8 @@ class RowTable:
         self.fparams = np.zeros((rows, 4), dtype=np.float32)
         self.iparams = np.zeros((rows, 2), dtype=np.int64)
         self.prompt_lens = np.zeros(rows, dtype=np.int64)
+        self.serial = np.zeros(rows, dtype=np.int64)
+        self._assigned = 0
         self.free = list(range(rows - 1, -1, -1))
 
     def _grow_rows(self) -> None:
@@ -48,6 +52,7 @@ class RowTable:
         self.fparams = np.concatenate([self.fparams, np.zeros_like(self.fparams)])
         self.iparams = np.concatenate([self.iparams, np.zeros_like(self.iparams)])
         self.prompt_lens = np.concatenate([self.prompt_lens, np.zeros_like(self.prompt_lens)])
+        self.serial = np.concatenate([self.serial, np.zeros_like(self.serial)])
         self.free.extend(range(new - 1, old - 1, -1))
 
     def assign(self, req: Request) -> int:
@@ -59,6 +64,8 @@ class RowTable:
         self.fparams[row] = (p.temperature, p.top_p, p.min_p, p.repetition_penalty)
         self.iparams[row] = (p.top_k, req.seed)
         self.prompt_lens[row] = len(req.prompt_token_ids)
+        self._assigned += 1
+        self.serial[row] = self._assigned
         req._row = row
         return row
 

@@ -138,11 +138,12 @@ class HybridBlockManager:
     def __len__(self) -> int:
         return len(self._requests)
 
-    def block_table(self, req_id: Hashable, group: int) -> list[int]:
-        """Small page ids of an attention group in position order (a copy). Page ``i`` holds
-        positions ``[i * page_tokens, (i + 1) * page_tokens)``; released pages read ``PAD_PAGE``."""
+    def block_table(self, req_id: Hashable, group: int, *, start: int = 0) -> list[int]:
+        """Small page ids of an attention group in position order (a copy), from page ``start``. Page
+        ``i`` holds positions ``[i * page_tokens, (i + 1) * page_tokens)``; released pages read
+        ``PAD_PAGE``. Pages are only ever appended while the request holds them."""
         self._check_group(group, token=True)
-        return list(self._get(req_id).tables[group])
+        return self._get(req_id).tables[group][start:]
 
     def state_slot(self, req_id: Hashable, group: int) -> int:
         """The live state slot of a linear group (index into that group's state pools)."""

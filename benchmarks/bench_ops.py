@@ -61,7 +61,8 @@ def paged_from_contiguous(k: torch.Tensor, page: int) -> tuple[torch.Tensor, tor
 
 def decode_inputs(B: int, L: int, Hq: int, Hk: int, D: int, page: int):
     """A decode-attention case: q ``[B, Hq, D]``, contiguous k / v ``[B, Hk, L, D]`` (for SDPA), the
-    same keys/values in shuffled pages (caches + block table) and the int32 sequence lengths."""
+    same keys/values in shuffled pages (caches + block table), the int32 sequence lengths, the
+    softmax scale, the KV bytes read, the SDPA peer (a callable) and its output ``[B, Hq, D]``."""
     q = torch.randn(B, Hq, D, device=DEV, dtype=BF16)
     k = torch.randn(B, Hk, L, D, device=DEV, dtype=BF16)
     v = torch.randn(B, Hk, L, D, device=DEV, dtype=BF16)
@@ -69,16 +70,13 @@ def decode_inputs(B: int, L: int, Hq: int, Hk: int, D: int, page: int):
     vc = torch.empty_like(kc)
     vc[table.view(-1).long()] = v.permute(0, 2, 1, 3).reshape(-1, page, Hk, D)
     seq = torch.full((B,), L, device=DEV, dtype=torch.int32)
-    return q, k, v, kc, vc, table, seq
+    scale = D**-0.5
+    sdpa = lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)  # noqa: E731
+    return q, kc, vc, table, seq, scale, 2 * B * Hk * L * D * 2, sdpa, sdpa().squeeze(2)
 
 
 def bench_decode(bw: float, sweep: bool, log: list) -> dict:
-    B, L, Hq, Hk, D, page = 64, 4096, 32, 8, 128, 16
-    q, k, v, kc, vc, table, seq = decode_inputs(B, L, Hq, Hk, D, page)
-    scale = D**-0.5
-    nbytes = 2 * B * Hk * L * D * 2
-    sdpa = lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
-    ref = sdpa().squeeze(2)
+    q, kc, vc, table, seq, scale, nbytes, sdpa, ref = decode_inputs(64, 4096, 32, 8, 128, 16)
     fn = implementation("paged_attention_decode", "triton")
     chosen = None
     if sweep:

@@ -14,7 +14,6 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -33,11 +32,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=576, help="a multiple of the page (16)")
     args = ap.parse_args()
     B, L, Hq, Hk, D, page = args.batch, args.ctx, 32, 8, 128, 16
-    q, k, v, kc, vc, table, seq = decode_inputs(B, L, Hq, Hk, D, page)
-    scale = D**-0.5
-    nbytes = 2 * B * Hk * L * D * 2
-    sdpa = lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
-    ref = sdpa().squeeze(2)
+    q, kc, vc, table, seq, scale, nbytes, sdpa, ref = decode_inputs(B, L, Hq, Hk, D, page)
     fn = implementation("paged_attention_decode", "triton")
     bw = copy_bandwidth()
     default = dict(triton_decode.TUNING)

@@ -309,12 +309,13 @@ class HybridCUDAGraphRunner(CUDAGraphRunner):
         return k, n, b, tuple(widths), g
 
     def _sync_tables(self, reqs, rows: np.ndarray, need: np.ndarray, width: int) -> None:
-        """Host copies of each token group's block table per RowTable row, ``need[i]`` pages long. Pages
-        are only ever appended to a request's table, so only the new ones are read from the manager;
-        a row assigned anew (another request, or this one re-admitted after preemption: new pages)
-        starts over. Entries a sliding window released since they
-        were copied keep their old page id: the window mask never reads them. PAD entries (released
-        before the copy) read page 0."""
+        """Host copies of each token group's block table per RowTable row, ``need[i]`` pages long.
+
+        Pages are only ever appended to a request's table, so only the new ones are read from the
+        manager; a row assigned anew (another request, or this one re-admitted after preemption, with
+        new pages) starts over. Entries a sliding window released after they were copied keep their
+        old page id: the window mask never reads them. PAD entries (released before the copy) read
+        page 0."""
         R = len(self._owner)
         if rows.size and int(rows.max()) >= R:
             grow = max(int(rows.max()) + 1, 2 * R)

@@ -49,7 +49,8 @@ def test_write_kv_cache_errors_name_the_argument():
         write_kv_cache_(k, k, k_cache[0], v_cache[0], slots)
     with pytest.raises(ValueError, match="write_kv_cache_: v_cache"):
         write_kv_cache_(k, k, k_cache, v_cache[:3], slots)
-    with pytest.raises(ValueError, match="contiguous"):
-        write_kv_cache_(k, k, k_cache.transpose(0, 1), v_cache.transpose(0, 1), slots)
+    strided_d = torch.zeros(6, 4, 8, 2).transpose(2, 3)  # [6, 4, 2, 8] with head_dim stride 2
+    with pytest.raises(ValueError, match="contiguous head_dim"):
+        write_kv_cache_(k, k, strided_d, strided_d.clone().transpose(2, 3).transpose(2, 3), slots)
     with pytest.raises(TypeError, match="write_kv_cache_: k"):
         write_kv_cache_(k.int(), k, k_cache, v_cache, slots)

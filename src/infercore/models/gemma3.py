@@ -30,9 +30,10 @@ from ..ops import (
     fused_add_rms_norm,
     gelu_and_mul,
     paged_attention,
+    write_kv_cache_,
 )
 from .config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from .hybrid import HybridMetadata, check_step, layer_metadata, load_hf_weights, write_paged_kv_
+from .hybrid import HybridMetadata, check_step, layer_metadata, load_hf_weights
 from .llama import RMSNorm, tie_and_rope_table
 
 __all__ = ["Gemma3Config", "Gemma3ForCausalLM"]
@@ -158,7 +159,7 @@ class Gemma3Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, k, positions, cos_sin)
         k_cache, v_cache = kv_cache
-        write_paged_kv_(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv_cache_(k, v, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(
             q, k_cache, v_cache, meta, scale=self.scale, sliding_window=self.sliding_window, softcap=self.softcap
         )

@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from ..devices import resolve
-from ..ops import AttentionMetadata, write_kv_cache_
+from ..ops import AttentionMetadata
 
 __all__ = [
     "HybridMetadata",
@@ -28,7 +27,6 @@ __all__ = [
     "layer_metadata",
     "linear_metadata",
     "load_hf_weights",
-    "write_paged_kv_",
 ]
 
 
@@ -87,38 +85,6 @@ def linear_metadata(meta: AttentionMetadata | HybridMetadata, layer: int) -> Lin
     if not isinstance(m, LinearStateMetadata):
         raise TypeError(f"meta.layers[{layer}] must be a LinearStateMetadata, got {type(m).__name__}")
     return m
-
-
-def write_paged_kv_(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """:func:`infercore.ops.write_kv_cache_` that also accepts page-strided caches.
-
-    The hybrid pool hands each layer a view ``[num_pages, page_size, Hk, D]`` whose page stride
-    spans the other layers of its small page, so the cache is not contiguous. Where the Triton
-    kernel serves the device it writes such views directly (it takes the page stride; no host sync,
-    so CUDA graphs can capture it); elsewhere one indexed store (page = slot // page_size). Slot -1
-    (the padding rows of a CUDA-graph bucket) skips the token on both paths.
-    """
-    if k_cache.is_contiguous() and v_cache.is_contiguous():
-        write_kv_cache_(k, v, k_cache, v_cache, slot_mapping)
-        return
-    if slot_mapping.dtype != torch.int32 or slot_mapping.shape != (k.shape[0],):
-        raise ValueError(f"slot_mapping must be int32 [{k.shape[0]}], got {slot_mapping.dtype} "
-                         f"{tuple(slot_mapping.shape)}")  # fmt: skip
-    impl = resolve("write_kv_cache_", k.device)
-    if impl.name == "triton":
-        impl.fn(k, v, k_cache, v_cache, slot_mapping)
-        return
-    slots = slot_mapping.long()
-    keep = slots >= 0
-    if not bool(keep.all()):  # host sync: this path never runs under graph capture
-        k, v, slots = k[keep], v[keep], slots[keep]
-    page_size = k_cache.shape[1]
-    page, offset = slots // page_size, slots % page_size
-    k_cache[page, offset] = k.to(k_cache.dtype)
-    v_cache[page, offset] = v.to(v_cache.dtype)
-
 
 
 def check_step(input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, num_layers: int) -> None:

@@ -26,11 +26,11 @@ import torch
 from torch import nn
 
 from ..kv.hybrid import FullAttentionSpec, LinearStateSpec
-from ..ops import apply_rope, fused_add_rms_norm, paged_attention, rms_norm, silu_and_mul
+from ..ops import apply_rope, fused_add_rms_norm, paged_attention, rms_norm, silu_and_mul, write_kv_cache_
 from ..ops.conv1d import causal_conv1d_prefill_, causal_conv1d_update_
 from ..ops.gated_norm import gated_rms_norm
 from ..ops.mamba import mamba_chunk_scan_, selective_state_update_
-from .hybrid import HybridMetadata, check_step, layer_metadata, linear_metadata, load_hf_weights, write_paged_kv_
+from .hybrid import HybridMetadata, check_step, layer_metadata, linear_metadata, load_hf_weights
 from .llama import tie_and_rope_table
 
 __all__ = ["BambaForCausalLM", "Mamba2Config", "Mamba2ForCausalLM"]
@@ -292,7 +292,7 @@ class BambaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = apply_rope(q.view(T, self.num_heads, D), k.view(T, self.num_kv_heads, D), positions, cos_sin)
         v = v.view(T, self.num_kv_heads, D)
-        write_paged_kv_(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        write_kv_cache_(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         o = paged_attention(q, kv_cache[0], kv_cache[1], meta, scale=D**-0.5)
         return self.o_proj(o.reshape(T, self.q_size))
 

@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kv.hybrid import FullAttentionSpec, LinearStateSpec
-from ..ops import apply_rope, fused_add_rms_norm, paged_attention
+from ..ops import apply_rope, fused_add_rms_norm, paged_attention, write_kv_cache_
 from ..ops.conv1d import causal_conv1d_prefill_, causal_conv1d_update_
 from ..ops.gated_delta import chunk_gated_delta_rule_, fused_recurrent_gated_delta_rule_
 from ..ops.gated_norm import gated_rms_norm
-from .hybrid import HybridMetadata, check_step, layer_metadata, linear_metadata, load_hf_weights, write_paged_kv_
+from .hybrid import HybridMetadata, check_step, layer_metadata, linear_metadata, load_hf_weights
 from .llama import RMSNorm, tie_and_rope_table
 from .moe import GatedMLP, SparseMoeBlock
 
@@ -224,7 +224,7 @@ class GatedAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, D)
         q, k = apply_rope(q, k, positions, cos_sin)
         k_cache, v_cache = kv_cache
-        write_paged_kv_(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv_cache_(k, v, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, scale=self.scale)
         o = o * torch.sigmoid(gate)
         return self.o_proj(o.reshape(T, self.q_size))

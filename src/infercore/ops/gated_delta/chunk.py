@@ -113,12 +113,17 @@ def _store16(base, X, bi, bj, n, s_t):
 
 
 @triton.jit
-def _chunk_span(info_ptr, cu_ptr, cid, seq, C: tl.constexpr):
-    """First token (int64) and length (int32, at most ``C``) of global chunk ``cid``, which belongs
-    to sequence ``seq`` (see :func:`chunk_layout`)."""
+def _chunk_program(info_ptr, cu_ptr, HK, HV, C: tl.constexpr):
+    """The (global chunk, value head) of a program on a ``(chunks, HV, ...)`` grid: ``(cid, seq, t0,
+    n, hv, hk)`` -- the chunk's sequence (-1: a padding chunk, the program has nothing to do), its
+    first token (int64) and length (int32, at most ``C``; see :func:`chunk_layout`), the value head
+    and its key head. A padding chunk's row holds in-range values, so the loads are safe."""
+    cid = tl.program_id(0)
+    hv = tl.program_id(1)
+    seq = tl.load(info_ptr + 2 * cid)
     t0 = tl.load(info_ptr + 2 * cid + 1).to(tl.int64)
     end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    return t0, tl.minimum(end - t0, C).to(tl.int32)
+    return cid, seq, t0, tl.minimum(end - t0, C).to(tl.int32), hv, hv // (HV // HK)
 
 
 @triton.jit
@@ -129,13 +134,9 @@ def _kkt_kernel(
     L2NORM: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Per (chunk, value head): gc = cumsum(g), rn = 1/|k| (or 1), T = (I + A)^-1 (lower C x C)."""
-    cid = tl.program_id(0)
-    hv = tl.program_id(1)
-    seq = tl.load(info_ptr + 2 * cid)
+    cid, seq, t0, n, hv, hk = _chunk_program(info_ptr, cu_ptr, HK, HV, C)
     if seq < 0:
         return
-    t0, n = _chunk_span(info_ptr, cu_ptr, cid, seq, C)
-    hk = hv // (HV // HK)
     k_base = k_ptr + t0 * sk_t + hk * sk_h
     g_base = g_ptr + t0 * sg_t + hv
     b_base = beta_ptr + t0 * sb_t + hv
@@ -211,13 +212,9 @@ def _wu_kernel(
     PREC: tl.constexpr,
 ):  # fmt: skip
     """Per (chunk, value head): w = T (beta rn exp(gc) k), u = T (beta v), tiled over K and V."""
-    cid = tl.program_id(0)
-    hv = tl.program_id(1)
-    seq = tl.load(info_ptr + 2 * cid)
+    cid, seq, t0, n, hv, hk = _chunk_program(info_ptr, cu_ptr, HK, HV, C)
     if seq < 0:
         return
-    t0, n = _chunk_span(info_ptr, cu_ptr, cid, seq, C)
-    hk = hv // (HV // HK)
     rs = tl.arange(0, C)
     rm = rs < n
     Tm = tl.load(ai_ptr + t0 * sai_t + hv * sai_h + rs[:, None] * sai_t + rs[None, :], mask=rm[:, None], other=0.0)
@@ -307,14 +304,10 @@ def _output_kernel(
     L2NORM: tl.constexpr, C: tl.constexpr, BLOCK_K: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Per (chunk, value head, value block): o = scale * (exp(gc) q h + (q k^T * decay) v_new)."""
-    cid = tl.program_id(0)
-    hv = tl.program_id(1)
+    cid, seq, t0, n, hv, hk = _chunk_program(info_ptr, cu_ptr, HK, HV, C)
     vb = tl.program_id(2)
-    seq = tl.load(info_ptr + 2 * cid)
     if seq < 0:
         return
-    t0, n = _chunk_span(info_ptr, cu_ptr, cid, seq, C)
-    hk = hv // (HV // HK)
     rs = tl.arange(0, C)
     rmask = rs < n
     ks = tl.arange(0, BLOCK_K)

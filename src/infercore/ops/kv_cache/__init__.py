@@ -30,8 +30,10 @@ def write_kv_cache_(
 
     Args:
         k, v: ``[T, Hk, D]`` fp32/fp16/bf16.
-        k_cache, v_cache: ``[num_pages, page_size, Hk, D]``, contiguous; values are cast to their dtype,
-            or, for int8 / float8_e4m3fn caches, quantized (see ``ops/kv_cache/quant.py``).
+        k_cache, v_cache: ``[num_pages, page_size, Hk, D]`` with a contiguous head_dim axis (other
+            strides are free: the hybrid pool hands each layer a page-strided view); values are cast
+            to their dtype, or, for int8 / float8_e4m3fn caches, quantized (see
+            ``ops/kv_cache/quant.py``).
         slot_mapping: ``[T]`` int32; ``slot = page * page_size + offset_in_page``, ``-1`` skips the token.
             Slots must be distinct (duplicate slots give an unspecified winner).
         k_scale, v_scale: fp32 ``[num_pages, page_size, Hk]``, required exactly when the caches are
@@ -57,8 +59,8 @@ def write_kv_cache_(
             f"{op}: v_cache ({tuple(v_cache.shape)}, {v_cache.dtype}) must match k_cache "
             f"({tuple(k_cache.shape)}, {k_cache.dtype})"
         )
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(f"{op}: k_cache and v_cache must be contiguous")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError(f"{op}: k_cache and v_cache need a contiguous head_dim axis (stride 1)")
     V.integer(op, "slot_mapping", slot_mapping, (torch.int32,))
     V.ndim(op, "slot_mapping", slot_mapping, 1, "[tokens]")
     if slot_mapping.shape[0] != k.shape[0]:

@@ -97,16 +97,22 @@ def write_kv_cache_quantized_ref(
 ) -> None:
     """Quantize ``k``/``v`` ``[T, Hk, D]`` and scatter codes and scales to their slots, in place."""
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
+    page, off = paged_index(slot_mapping[keep], k_cache.shape[1])
     for x, cache, sc in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         codes, s = quantize_kv_ref(x[keep], cache.dtype)
-        # float8 has no index_copy_ kernel on the CPU; the byte view moves the same bits.
-        flat = cache.view(-1, *cache.shape[2:])
+        # float8 has no index_put kernel on the CPU; the byte view moves the same bits.
         if cache.dtype == torch.float8_e4m3fn:
-            flat.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
+            cache.view(torch.uint8)[page, off] = codes.view(torch.uint8)
         else:
-            flat.index_copy_(0, slots, codes)
-        sc.view(-1, sc.shape[-1]).index_copy_(0, slots, s)
+            cache[page, off] = codes
+        sc[page, off] = s
+
+
+def paged_index(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``slots`` (any int dtype, ``[T]``, no -1) -> int64 ``(page, offset in page)``, for indexed
+    stores into ``[num_pages, page_size, ...]`` caches of any page stride."""
+    slots = slots.long()
+    return slots // page_size, slots % page_size
 
 
 def dequantize_paged_kv(

@@ -200,7 +200,7 @@ class CUDAGraphRunner:
             return reqs, self.tokens[b][:n]
         return reqs, self.runner.sample_tokens(reqs, self.logits[b][:n])
 
-    def _used(self, n: int, width) -> int:
+    def _used(self, n: int, width: int) -> int:
         """How much of the int staging buffer a step of ``n`` rows fills."""
         return _NI * self.B + n * self.max_pages
 
@@ -213,7 +213,7 @@ class CUDAGraphRunner:
             ev.record()
             self._copied[k] = ev
 
-    def _scatter(self, n: int, b: int, width) -> None:
+    def _scatter(self, n: int, b: int, width: int) -> None:
         """Move the uploaded slots and block table into the buffers the graphs read."""
         B, P = self.B, self.max_pages
         self.slot_mapping[:b] = self._row(self.ints, _SLOT, b)
@@ -231,8 +231,10 @@ class HybridCUDAGraphRunner(CUDAGraphRunner):
     table and slot row per attention group (full or sliding window; released sliding pages read
     page 0, which the window mask never reads) and one state-slot row per linear group. Padding
     rows have ``seq_len = 0``, ``slot = -1`` and ``state slot = -1``, so they read and write no KV
-    page and no recurrent state. The staging buffer packs each group's table as ``[n, width]``
-    (only the rows and pages of this step cross to the device). Queued checkpoint copies run
+    page and no recurrent state. The staging buffer holds, after the per-row block, one slot row
+    per attention group and one state-slot row per linear group, then each attention group's table
+    packed as ``[n, width]`` (only the rows and pages of this step cross to the device; the groups
+    share the token page, so one width serves them all). Queued checkpoint copies run
     before the replay, as in the eager runner.
     """
 
@@ -249,7 +251,6 @@ class HybridCUDAGraphRunner(CUDAGraphRunner):
         self.group_tables = [torch.zeros(B, P, dtype=torch.int32, device=dev) for _ in self.token_groups]
         self.state_slots = [torch.full((B,), -1, dtype=torch.int32, device=dev) for _ in self.linear_groups]
         self.has_initial_state = torch.ones(B, dtype=torch.bool, device=dev)
-        self._used_ints = 0
         # host block tables per token group and RowTable row (see _sync_tables)
         self._owner = np.zeros(64, dtype=np.int64)  # RowTable.serial of the row's cached tables
         self._counts = np.zeros((len(self.token_groups), 64), dtype=np.int64)
@@ -257,6 +258,15 @@ class HybridCUDAGraphRunner(CUDAGraphRunner):
 
     def _table_ints(self, B: int, P: int) -> int:
         return (len(self.token_groups) + len(self.linear_groups)) * B + len(self.token_groups) * B * P
+
+    def _slot_row(self, j: int) -> int:
+        """Offset of slot row ``j`` in the staging ints: attention groups first, then linear groups."""
+        return (_NI + j) * self.B
+
+    def _table(self, i: int, n: int, width: int) -> slice:
+        """Where attention group ``i``'s ``[n, width]`` table sits in the staging ints."""
+        start = self._slot_row(len(self.token_groups) + len(self.linear_groups)) + i * n * width
+        return slice(start, start + n * width)
 
     def _meta(self, b: int) -> HybridMetadata:
         cu = self.cu_seqlens[: b + 1]
@@ -274,7 +284,7 @@ class HybridCUDAGraphRunner(CUDAGraphRunner):
             )  # fmt: skip
         return HybridMetadata([per_group[g] for g in self.runner.layer_group], cu)
 
-    def stage(self, batch: ScheduledBatch, gather: Gather | None = None) -> tuple[int, int, int, tuple, int]:
+    def stage(self, batch: ScheduledBatch, gather: Gather | None = None) -> tuple[int, int, int, int, int]:
         runner, reqs = self.runner, batch.requests
         bm, rt = runner.bm, runner.rows
         for r in reqs:
@@ -287,26 +297,20 @@ class HybridCUDAGraphRunner(CUDAGraphRunner):
         rows = np.fromiter((r._row for r in reqs), dtype=np.int64, count=n)
         ids = np.fromiter((r._all[s] for r, s in zip(reqs, starts.tolist())), dtype=np.int64, count=n)
         g = self._stage_rows(k, n, b, ids, starts, starts + 1, rows, gather)
-        base = _NI * B
-        off = base + (len(self.token_groups) + len(self.linear_groups)) * B
-        widths = []
         need = starts // ps + 1  # pages up to the one this step writes
-        w = int(need.max()) if n else 0
+        w = int(need.max())
         self._sync_tables(reqs, rows, need, w)
         for i in range(len(self.token_groups)):
-            region = ih[off : off + n * w].reshape(n, w)
-            region[:] = self._tables[i][rows, :w]
-            slots = ih[base + i * B : base + (i + 1) * B]
+            table = ih[self._table(i, n, w)].reshape(n, w)
+            table[:] = self._tables[i][rows, :w]
+            slots = ih[self._slot_row(i) :][:B]
             slots[:b] = -1
-            slots[:n] = region[np.arange(n), need - 1] * ps + starts % ps
-            widths.append(w)
-            off += n * w
+            slots[:n] = table[np.arange(n), need - 1] * ps + starts % ps
         for j, grp in enumerate(self.linear_groups):
-            row = ih[base + (len(self.token_groups) + j) * B :][:B]
-            row[:b] = -1
-            row[:n] = [bm.state_slot(r.request_id, grp) for r in reqs]
-        self._used_ints = off
-        return k, n, b, tuple(widths), g
+            states = ih[self._slot_row(len(self.token_groups) + j) :][:B]
+            states[:b] = -1
+            states[:n] = [bm.state_slot(r.request_id, grp) for r in reqs]
+        return k, n, b, w, g
 
     def _sync_tables(self, reqs, rows: np.ndarray, need: np.ndarray, width: int) -> None:
         """Host copies of each token group's block table per RowTable row, ``need[i]`` pages long.
@@ -338,20 +342,15 @@ class HybridCUDAGraphRunner(CUDAGraphRunner):
                     self._tables[i][row, have : have + len(pages)] = np.maximum(pages, 0)
                     self._counts[i, row] = have + len(pages)
 
-    def _used(self, n: int, width) -> int:
-        return self._used_ints
+    def _used(self, n: int, width: int) -> int:
+        return self._table(len(self.token_groups), n, width).start
 
-    def _scatter(self, n: int, b: int, width) -> None:
-        B = self.B
-        base = _NI * B
-        off = base + (len(self.token_groups) + len(self.linear_groups)) * B
-        for i, w in enumerate(width):
-            self.group_slots[i][:b] = self.ints[base + i * B : base + i * B + b]
-            self.group_tables[i][:n, :w] = self.ints[off : off + n * w].view(n, w)
-            off += n * w
+    def _scatter(self, n: int, b: int, width: int) -> None:
+        for i in range(len(self.token_groups)):
+            self.group_slots[i][:b] = self.ints[self._slot_row(i) :][:b]
+            self.group_tables[i][:n, :width] = self.ints[self._table(i, n, width)].view(n, width)
         for j in range(len(self.linear_groups)):
-            row = base + (len(self.token_groups) + j) * B
-            self.state_slots[j][:b] = self.ints[row : row + b]
+            self.state_slots[j][:b] = self.ints[self._slot_row(len(self.token_groups) + j) :][:b]
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, gather: Gather | None = None) -> tuple[list[Request], torch.Tensor]:

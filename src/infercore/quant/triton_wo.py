@@ -38,6 +38,7 @@ import triton.language as tl
 from ..ops.activation import GATED_ACTS, gated_act_and_mul
 from ..ops.linear.triton import ACTIVATIONS, _act_mul
 from ..ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
+from . import triton_frag as TF
 from .formats import FP8_BLOCK, FP8Weight, GGUFWeight, IntWeight
 from .gguf import BLOCK_BYTES
 
@@ -393,13 +394,18 @@ def wq_matmul_triton(
     kp = w.padded_in_features
     group = _kernel_group(w)
     zeros = w.zeros if w.zeros is not None else w.scales
-    if m <= SMALL_M_MAX:
+    fused = act if bias is None else None
+    cfg6 = _mode6_cfg("int4", x, n, kp, config, lambda: TF.int4_ok(x, w, fused))
+    y = TF.int4_matmul(x, w, cfg6, fused) if cfg6 is not None else None
+    if y is not None:
+        if fused is not None:
+            return y
+    elif m <= SMALL_M_MAX:
         ilv = min(group, ILV_CODES)
         cfg, words = _small_plan(f"int{w.bits}", x, w.qweight, n, kp, group, config,
                                  lambda: interleave_words(_pad_codes(w.codes(), ilv), w.bits, ilv))
         if words is not None and cfg["MODE"] == 4:
             cpw = 32 // w.bits
-            fused = act if bias is None else None
             y = _launch_gemv4(x, words, n, cfg, w.scales, zeros, w.scales.stride(0), fused, FP8=False, BITS=w.bits,
                               ILV=ilv // cpw, SCALE_WORDS=group // cpw, SCALE_ROWS=0,
                               HAS_ZEROS=w.zeros is not None)
@@ -477,6 +483,40 @@ SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
 }
 
 
+# MODE 6 (``triton_frag``: weights stored as MMA fragments) per (kind, N, K, M bucket), from the H200
+# sweep; shapes not listed use MODE 6 with ``TF.default_config`` when MODE6_DEFAULT, else the table above.
+MODE6_TUNED: dict[tuple[str, int, int, int], dict] = {}
+MODE6_DEFAULT = False
+
+
+def _mode6_cfg(kind: str, x: torch.Tensor, n: int, k: int, override: dict | None, runnable) -> dict | None:
+    """The MODE 6 launch config when MODE 6 runs this call (``override`` MODE 6, or the tuned table /
+    default for M <= 16 when ``runnable()``), else None. An override asking for MODE 6 where it
+    cannot run raises."""
+    m = x.shape[0]
+    if override is not None:
+        if override.get("MODE") != 6:
+            return None
+        if not runnable():
+            raise ValueError("config: MODE 6 cannot run here (CUDA sm80+, 16-bit activations, M <= 16, "
+                             "and the weight shape / group the fragment layout needs)")
+        cfg = TF.default_config(kind, n, k, m, _num_sms(x.device))
+        cfg.update(override)
+        return cfg
+    if m > SMALL_M_MAX or _INTERPRET or not x.is_cuda:
+        return None
+    mb = triton.next_power_of_2(m)
+    tuned = next((MODE6_TUNED[(kind, n, k, b)] for b in (mb, 2 * mb, 4 * mb, 8 * mb, 16 * mb)
+                  if (kind, n, k, b) in MODE6_TUNED), None)
+    if tuned is None and not MODE6_DEFAULT:
+        return None
+    if not runnable():
+        return None
+    cfg = TF.default_config(kind, n, k, m, _num_sms(x.device))
+    cfg.update(tuned or {})
+    return cfg
+
+
 def _small_cfg(kind: str, n: int, kp: int, m: int, kmax: int, device: torch.device,
                override: dict | None) -> dict:
     """Launch parameters of the small-M kernels; ``kmax`` caps BLOCK_K (group / scale block).
@@ -487,9 +527,12 @@ def _small_cfg(kind: str, n: int, kp: int, m: int, kmax: int, device: torch.devi
     num_warps, num_stages.
     """
     mb = triton.next_power_of_2(m)
+    if override is not None and override.get("MODE") == 6:
+        return {**TF.default_config(kind, n, kp, m, _num_sms(device) if device.type == "cuda" else 1),
+                **override}
     if override is not None:
         if override.get("MODE") not in (1, 2, 4, 5):
-            raise ValueError(f"config: MODE must be 1, 2, 4 or 5, got {override.get('MODE')!r}")
+            raise ValueError(f"config: MODE must be 1, 2, 4, 5 or 6, got {override.get('MODE')!r}")
         cfg = dict(override)
     elif _INTERPRET:
         cfg = {"MODE": 4 if m <= GEMV_M_MAX else 2, "BLOCK_N": 8, "BLOCK_K": 64, "SPLIT": 0,
@@ -1262,12 +1305,17 @@ def fp8_wo_matmul_triton(
     scale_block = 0 if w.block_size is None else w.block_size
     decode, fold = {torch.float32: (0, 2.0**120), torch.bfloat16: (1, 2.0**120),
                     torch.float16: (2, 2.0**8)}[x.dtype]
-    if m <= SMALL_M_MAX:
+    fused = act if bias is None else None
+    cfg6 = _mode6_cfg("fp8", x, n, k, config, lambda: TF.fp8_ok(x, w, fused))
+    y = TF.fp8_matmul(x, w, cfg6, fused) if cfg6 is not None else None
+    if y is not None:
+        if fused is not None:
+            return y
+    elif m <= SMALL_M_MAX:
         kmax = scale_block or max(triton.next_power_of_2(k), 64)
         cfg, words = _small_plan("fp8", x, w.qweight, n, k, kmax, config,
                                  lambda: interleave_words(_pad_codes(w.qweight, ILV_CODES), 8, ILV_CODES))
         if words is not None and cfg["MODE"] == 4:
-            fused = act if bias is None else None
             y = _launch_gemv4(x, words, n, cfg, w.scales, w.scales, w.scales.stride(0), fused, FP8=True, BITS=8,
                               ILV=ILV_CODES // 4, SCALE_WORDS=max(scale_block, ILV_CODES) // 4,
                               SCALE_ROWS=scale_block, HAS_ZEROS=False)

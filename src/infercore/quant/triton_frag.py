@@ -1,0 +1,753 @@
+"""MODE 6: small-M weight-only GEMV/GEMM whose weights are stored as MMA fragments (M <= 16).
+
+Why: the other small-M kernels (``triton_wo`` MODE 4 / 5) are latency-bound well short of the
+weight bandwidth. MODE 4 spends ~5 instructions per code on CUDA cores; MODE 5 decodes on the
+tensor-core path but its decoded tile goes through shared memory to reach the dot-operand layout.
+Here the weights are repacked once so that the 16 bytes a thread loads are *already* its operand
+fragments of ``mma.sync.m16n8k16`` (the arrangement Marlin uses), so a loaded word is decoded in
+registers and fed to the MMA by inline PTX: no shared memory and no layout conversion in the K loop.
+
+Layout (``pack_int4`` / ``pack_fp8``; ``C`` channel tiles of 16 output channels per program):
+
+* A program owns ``16 C`` output channels (64 for INT4, 32 for FP8) and a range of K steps of 128
+  (a *group*: INT4 group sizes are multiples of 128). A group is 8 MMA *chunks* of 16 K.
+* Thread ``lane = 4 g + t`` of the warp that handles chunk ``q`` holds, per channel tile, the A
+  fragment of channels ``g`` and ``g + 8`` at the chunk's logical K ``2t, 2t+1, 2t+8, 2t+9``:
+  one int32 word for INT4 (8 nibbles: pair ``j`` = nibbles ``j``, ``j + 4`` = register ``a_j``), one
+  int64 for FP8 (8 bytes). Words are ordered ``[channel block, group, chunk, lane, tile]``, so a
+  program's iteration reads one contiguous block and each thread one 16-byte vector.
+* Within a group, chunk ``q``'s logical K ``{2t, 2t+1, 2t+8, 2t+9}`` sits at physical K
+  ``32 t + 4 q + {0, 1, 2, 3}``: lane ``(g, t)``'s activations for all 8 chunks are the 32
+  consecutive values ``x[g, 128 grp + 32 t : + 32]``, so its B fragment is one 8-byte load.
+
+Decode (two codes per instruction, exact): INT4 ``((w >> 4j) & 0x000F000F) | MAGIC`` is
+``B + q`` (B = 128 in bf16, 1024 in fp16) in both halves; a second MMA with the constant fragment
+``-(B + z)`` subtracts the zero point inside the fp32 accumulation, and the group scale (fp32) is
+applied per chunk by 4 FMAs. FP8 e4m3: the byte's sign to bit 15 and its other 7 bits under the
+16-bit float's exponent LSB (the value times 2**-120 in bf16, 2**-8 in fp16, folded into the scale),
+accumulated straight into the MMA's C; per-channel scales apply once at the end, 128x128 block
+scales per chunk. No FP8 instruction is used, so the FP8 path runs on sm80 too.
+
+The warps of a program take different chunks (K), so their partial sums are added once at the end;
+split-K programs land fp32 partials in a workspace that the last program of each channel block
+sums (one launch). ``ACT`` fuses the gated activation of a merged ``[gate; up]`` weight: the repack
+puts gate rows in the first half of each program's channel tiles and the matching up rows in the
+second, so both halves of an output meet in one thread.
+
+The kernel is GPU-only (inline PTX; sm80+). ``emulate`` replays the fragment arithmetic in torch
+(the PTX fragment tables written out independently of the packers) so the CPU tests check the
+layouts bit for bit.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops.linear.triton import ACTIVATIONS, _act_mul
+from ..ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
+
+KSTEP = 128  # K per group step: 8 chunks of 16
+MAX_M = 16
+
+
+# ----------------------------------------------------------------------------------------------
+# Inline PTX, generated per variant (the strings are constexpr arguments of the kernel)
+# ----------------------------------------------------------------------------------------------
+
+
+def _mma(dtype: str, d: str, a: str, b: str, c: str) -> str:
+    return f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32 {{{d}}}, {{{a}}}, {{{b}}}, {{{c}}};"
+
+
+def _ops(first: int, n: int) -> list[str]:
+    return [f"${i}" for i in range(first, first + n)]
+
+
+def int4_asm(nb: int, f16: bool) -> tuple[str, str]:
+    """INT4 step for one word: operands ``acc'[4 nb] <- (w, z, s, x[nb], acc[4 nb], zero)``.
+
+    ``w`` b32 word, ``z`` b64 (two bf16/fp16 pairs ``-(B + z)`` for channels g, g + 8), ``s`` b64
+    (two fp32 scales), ``x`` b64 per B fragment (rows g, g + 8), ``zero`` an fp32 0."""
+    ty = "f16" if f16 else "bf16"
+    magic = "0x64006400" if f16 else "0x43004300"
+    n_out = 4 * nb
+    w, z, s = f"${n_out}", f"${n_out + 1}", f"${n_out + 2}"
+    xs = _ops(n_out + 3, nb)
+    acc = _ops(n_out + 3 + nb, n_out)
+    zero = f"${n_out + 3 + nb + n_out}"
+    lines = [
+        "{",
+        ".reg .b32 a0, a1, a2, a3, t, z0, z1, s0, s1, b0, b1, b2, b3;",
+        ".reg .f32 d0, d1, d2, d3, d4, d5, d6, d7, f0, f1;",
+        f"mov.b64 {{z0, z1}}, {z};",
+        f"mov.b64 {{s0, s1}}, {s};",
+        "mov.b32 f0, s0;",
+        "mov.b32 f1, s1;",
+        f"lop3.b32 a0, {w}, 0x000F000F, {magic}, 0xEA;",
+    ]
+    for j in (1, 2, 3):
+        lines += [f"shr.u32 t, {w}, {4 * j};", f"lop3.b32 a{j}, t, 0x000F000F, {magic}, 0xEA;"]
+    for i in range(nb):
+        d = ", ".join(f"d{4 * i + r}" for r in range(4))
+        lines += [
+            f"mov.b64 {{b{2 * i}, b{2 * i + 1}}}, {xs[i]};",
+            _mma(ty, d, "z0, z1, z0, z1", f"b{2 * i}, b{2 * i + 1}", f"{zero}, {zero}, {zero}, {zero}"),
+            _mma(ty, d, "a0, a1, a2, a3", f"b{2 * i}, b{2 * i + 1}", d),
+        ]
+        for r in range(4):  # rows g (c0, c1) use the scale of channel g, rows g + 8 (c2, c3) g + 8's
+            o = 4 * i + r
+            lines.append(f"fma.rn.f32 ${o}, d{o}, f{r // 2}, {acc[o]};")
+    lines.append("}")
+    cons = ",".join(["=f"] * n_out + ["r", "l", "l"] + ["l"] * nb + ["f"] * n_out + ["f"])
+    return "\n".join(lines), cons
+
+
+def fp8_asm(nb: int, f16: bool, block_scale: bool) -> tuple[str, str]:
+    """FP8 step for one int64 (8 e4m3 codes): ``acc'[4 nb] <- (w, x[nb], acc[4 nb][, sb, zero])``;
+    with ``block_scale`` the chunk's product is scaled by ``sb`` (fp32) before it is accumulated."""
+    ty = "f16" if f16 else "bf16"
+    # the 7 exponent/mantissa bits: under bf16's exponent LSB (bit 4) or fp16's (bit 7)
+    shift, field = ("1", "0x3F803F80") if f16 else ("4", "0x07F007F0")
+    n_out = 4 * nb
+    w = f"${n_out}"
+    xs = _ops(n_out + 1, nb)
+    acc = _ops(n_out + 1 + nb, n_out)
+    lines = [
+        "{",
+        ".reg .b32 w0, w1, t, u, a0, a1, a2, a3, b0, b1, b2, b3;",
+        ".reg .f32 d0, d1, d2, d3, d4, d5, d6, d7;",
+        f"mov.b64 {{w0, w1}}, {w};",
+    ]
+    for h in (0, 1):  # word h -> a[2h] (bytes 0, 2: channel g) and a[2h + 1] (bytes 1, 3: channel g + 8)
+        lines += [
+            f"shl.b32 t, w{h}, 8;",
+            f"shr.u32 u, t, {shift};",
+            f"and.b32 u, u, {field};",
+            f"lop3.b32 a{2 * h}, t, 0x80008000, u, 0xEA;",
+            f"shr.u32 u, w{h}, {shift};",
+            f"and.b32 u, u, {field};",
+            f"lop3.b32 a{2 * h + 1}, w{h}, 0x80008000, u, 0xEA;",
+        ]
+    if block_scale:
+        sb, zero = f"${n_out + 1 + nb + n_out}", f"${n_out + 2 + nb + n_out}"
+    for i in range(nb):
+        lines.append(f"mov.b64 {{b{2 * i}, b{2 * i + 1}}}, {xs[i]};")
+        outs = ", ".join(f"${4 * i + r}" for r in range(4))
+        accs = ", ".join(acc[4 * i:4 * i + 4])
+        if block_scale:
+            d = ", ".join(f"d{4 * i + r}" for r in range(4))
+            lines.append(_mma(ty, d, "a0, a1, a2, a3", f"b{2 * i}, b{2 * i + 1}", f"{zero}, {zero}, {zero}, {zero}"))
+            for r in range(4):
+                lines.append(f"fma.rn.f32 ${4 * i + r}, d{4 * i + r}, {sb}, {acc[4 * i + r]};")
+        else:
+            lines.append(_mma(ty, outs, "a0, a1, a2, a3", f"b{2 * i}, b{2 * i + 1}", accs))
+    lines.append("}")
+    cons = ["=f"] * n_out + ["l"] + ["l"] * nb + ["f"] * n_out + (["f", "f"] if block_scale else [])
+    return "\n".join(lines), ",".join(cons)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _x_frag(x8, xrow, grp, q, xmask):
+    """The B fragment (4 activations as one int64) of chunk ``q`` of group ``grp`` per thread row."""
+    return tl.load(x8 + (xrow + grp * 32 + q), mask=xmask, other=0)[:, None]
+
+
+@triton.jit
+def _frag_load(base, rep: tl.constexpr, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB: tl.constexpr,
+               R: tl.constexpr, CT: tl.constexpr, WARPS: tl.constexpr, GPI: tl.constexpr):
+    """Repetition ``rep`` of an iteration: the thread's fragment words ``[R, CT]`` (chunk
+    ``rep * WARPS + warp`` of the iteration) and its B fragments (rows g, and g + 8 when NB == 2)."""
+    grp = it * GPI + rep * WARPS // 8
+    q = (rep * WARPS + warp) % 8
+    w = tl.load(base + (rep * R + offs_r)[:, None] * CT + offs_c[None, :], eviction_policy="evict_first")
+    xa = _x_frag(x8, xrow, grp, q, xmask)
+    if NB == 2:
+        xb = _x_frag(x8, xrow2, grp, q, xmask2)
+    else:
+        xb = xa
+    return w, xa, xb
+
+
+@triton.jit
+def _int4_step(w, z, s, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7, zero, NB: tl.constexpr, ASM: tl.constexpr,
+               CONS: tl.constexpr):
+    if NB == 1:
+        a0, a1, a2, a3 = tl.inline_asm_elementwise(ASM, CONS, [w, z, s, xa, a0, a1, a2, a3, zero],
+                                                   dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    else:
+        a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
+            ASM, CONS, [w, z, s, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7, zero], dtype=(tl.float32,) * 8,
+            is_pure=True, pack=1)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _fp8_step(w, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7, sb, zero, NB: tl.constexpr, BSCALE: tl.constexpr,
+              ASM: tl.constexpr, CONS: tl.constexpr):
+    if NB == 1:
+        if BSCALE:
+            a0, a1, a2, a3 = tl.inline_asm_elementwise(ASM, CONS, [w, xa, a0, a1, a2, a3, sb, zero],
+                                                       dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        else:
+            a0, a1, a2, a3 = tl.inline_asm_elementwise(ASM, CONS, [w, xa, a0, a1, a2, a3],
+                                                       dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    else:
+        if BSCALE:
+            a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
+                ASM, CONS, [w, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7, sb, zero], dtype=(tl.float32,) * 8,
+                is_pure=True, pack=1)
+        else:
+            a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
+                ASM, CONS, [w, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7], dtype=(tl.float32,) * 8,
+                is_pure=True, pack=1)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _lane_sum(a, WARPS: tl.constexpr, CT: tl.constexpr):
+    """``[32 WARPS, CT]`` -> ``[32, CT]``: the warps' partial sums (they took different chunks)."""
+    return tl.sum(tl.reshape(a, [WARPS, 32, CT]), axis=0)
+
+
+@triton.jit
+def _frag_out(y_ptr, ws_ptr, a, j: tl.constexpr, pb, sp, M, N, stride_ym, g, t, offs_c, scale_ptr,
+              CT: tl.constexpr, SPLIT_K: tl.constexpr, FP8_CHANNEL: tl.constexpr, FOLD: tl.constexpr):
+    """Store accumulator ``j`` (``[32, CT]``: rows ``2t + j % 2 (+ 8 for j >= 4)``, channels
+    ``16 c + g (+ 8 for j % 4 >= 2)`` of the block) to the split's workspace or to ``y``."""
+    m = (2 * t + (j % 2) + 8 * (j // 4))[:, None]
+    n = pb * (16 * CT) + 16 * offs_c[None, :] + (g + 8 * ((j % 4) // 2))[:, None]
+    mask = (m < M) & (n < N)
+    if SPLIT_K:
+        tl.store(ws_ptr + sp.to(tl.int64) * M * N + m * N + n, a, mask=mask)
+    else:
+        if FP8_CHANNEL:
+            a = a * tl.load(scale_ptr + n, mask=mask, other=0.0)
+        tl.store(y_ptr + m * stride_ym + n, (a * FOLD).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _frag_total(ws_ptr, j: tl.constexpr, pb, nsplit, M, N, g, t, offs_c, scale_ptr, CT: tl.constexpr,
+                FP8_CHANNEL: tl.constexpr, FOLD: tl.constexpr):
+    """Sum of the splits' partials of accumulator ``j`` (the last program of the block), scaled."""
+    m = (2 * t + (j % 2) + 8 * (j // 4))[:, None]
+    n = pb * (16 * CT) + 16 * offs_c[None, :] + (g + 8 * ((j % 4) // 2))[:, None]
+    mask = (m < M) & (n < N)
+    tot = tl.zeros([32, CT], dtype=tl.float32)
+    for s in range(0, nsplit):
+        tot += tl.load(ws_ptr + s * M * N + m * N + n, mask=mask, other=0.0, cache_modifier=".cg")
+    if FP8_CHANNEL:
+        tot = tot * tl.load(scale_ptr + n, mask=mask, other=0.0)
+    return tot * FOLD, m, n, mask
+
+
+@triton.jit
+def _frag_act_store(y_ptr, tot, j: tl.constexpr, pb, M, N, stride_ym, g, t, CT: tl.constexpr, ACT: tl.constexpr):
+    """Gated epilogue of accumulator ``j``: tiles ``c < CT/2`` hold gate rows, ``c + CT/2`` the matching
+    up rows (``_act_rows``), so output channel ``8 CT pb + 16 c + row`` is ``act(gate) * up``."""
+    ga, ua = tl.split(tl.permute(tl.reshape(tot, [32, 2, CT // 2]), (0, 2, 1)))
+    m = (2 * t + (j % 2) + 8 * (j // 4))[:, None]
+    o = pb * (8 * CT) + 16 * tl.arange(0, CT // 2)[None, :] + (g + 8 * ((j % 4) // 2))[:, None]
+    out = _act_mul(ga, ua, y_ptr, ACT)
+    tl.store(y_ptr + m * stride_ym + o, out.to(y_ptr.dtype.element_ty), mask=(m < M) & (o < N // 2))
+
+
+@triton.jit
+def _frag_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, ws_ptr, y_ptr, cnt_ptr,
+    M, N, G, iters_per_split, stride_xm, stride_ym,
+    FP8: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr,
+    SPLIT_K: tl.constexpr, ACT: tl.constexpr, FOLD: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    """MODE 6. Grid ``(N / (16 CT), split)``. ``qw``: fragment words (int32 INT4 / int64 FP8) of
+    ``pack_int4`` / ``pack_fp8``; INT4: ``s``, ``z`` int64 ``[N / 64, G, 8, 4]`` (scale pairs, zero
+    pairs); FP8: ``s`` fp32 per-channel scales ``[N]`` (permuted like the rows) or, with BSCALE, the
+    128x128 block scale of each channel tile and group ``[N / 32, G, 2]`` (``pack_fp8_block_scales``),
+    ``z`` unused. ``G`` groups of 128 K; one
+    iteration covers ``WARPS * REPS / 8`` groups (the warps and repetitions take consecutive chunks).
+    """
+    CT: tl.constexpr = 2 if FP8 else 4
+    R: tl.constexpr = 32 * WARPS
+    GPI: tl.constexpr = WARPS * REPS // 8
+    pdl_release(USE_PDL)
+    pb = tl.program_id(0)
+    sp = tl.program_id(1)
+    offs_r = tl.arange(0, R)
+    lane = offs_r % 32
+    g = lane // 4
+    t = lane % 4
+    warp = offs_r // 32
+    offs_c = tl.arange(0, CT)
+    n_iters = G // GPI
+    it0 = sp * iters_per_split
+    it1 = tl.minimum(it0 + iters_per_split, n_iters)
+    if FP8:
+        wp = qw_ptr.to(tl.pointer_type(tl.int64)) + pb.to(tl.int64) * G * (8 * 32 * CT)
+    else:
+        wp = qw_ptr.to(tl.pointer_type(tl.int32)) + pb.to(tl.int64) * G * (8 * 32 * CT)
+    x8 = x_ptr.to(tl.pointer_type(tl.int64))
+    xrow = g * (stride_xm // 4) + 8 * t  # int64 units: x[g, 32 t]
+    xmask = g < M
+    xrow2 = (g + 8) * (stride_xm // 4) + 8 * t
+    xmask2 = g + 8 < M
+    sz_rows = (pb * G * 8 + g)[:, None] * CT + offs_c[None, :]  # int64 units of the scale/zero pairs
+    a0 = tl.zeros([R, CT], dtype=tl.float32)
+    a1 = tl.zeros([R, CT], dtype=tl.float32)
+    a2 = tl.zeros([R, CT], dtype=tl.float32)
+    a3 = tl.zeros([R, CT], dtype=tl.float32)
+    a4 = tl.zeros([R, CT], dtype=tl.float32)
+    a5 = tl.zeros([R, CT], dtype=tl.float32)
+    a6 = tl.zeros([R, CT], dtype=tl.float32)
+    a7 = tl.zeros([R, CT], dtype=tl.float32)
+    zero = tl.zeros([R, CT], dtype=tl.float32)
+    pdl_wait(USE_PDL)
+    for it in range(it0, it1):
+        base = wp + it * (GPI * 8 * 32 * CT)
+        # every load of the iteration first (up to 4 repetitions), then the MMAs
+        w0, xa0, xb0 = _frag_load(base, 0, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT,
+                                  WARPS, GPI)
+        if REPS > 1:
+            w1, xa1, xb1 = _frag_load(base, 1, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT,
+                                      WARPS, GPI)
+        if REPS > 2:
+            w2, xa2, xb2 = _frag_load(base, 2, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT,
+                                      WARPS, GPI)
+            w3, xa3, xb3 = _frag_load(base, 3, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT,
+                                      WARPS, GPI)
+        if FP8:
+            if BSCALE:  # the 128x128 block scale of each channel tile, per group of the iteration
+                sb0 = tl.load(s_ptr + (pb * G + it * GPI) * CT + offs_c)[None, :] + zero
+                sb1 = tl.load(s_ptr + (pb * G + it * GPI + (GPI - 1)) * CT + offs_c)[None, :] + zero
+            else:
+                sb0 = zero
+                sb1 = zero
+            a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_step(w0, xa0, xb0, a0, a1, a2, a3, a4, a5, a6, a7, sb0, zero,
+                                                       NB, BSCALE, ASM, CONS)
+            if REPS > 1:
+                sbr = sb0 if WARPS < 8 else sb1
+                a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_step(w1, xa1, xb1, a0, a1, a2, a3, a4, a5, a6, a7, sbr, zero,
+                                                           NB, BSCALE, ASM, CONS)
+            if REPS > 2:
+                a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_step(w2, xa2, xb2, a0, a1, a2, a3, a4, a5, a6, a7, sb1, zero,
+                                                           NB, BSCALE, ASM, CONS)
+                a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_step(w3, xa3, xb3, a0, a1, a2, a3, a4, a5, a6, a7, sb1, zero,
+                                                           NB, BSCALE, ASM, CONS)
+        else:
+            # scales / zero points of the iteration's first and last group (GPI is 1 or 2)
+            sz0 = sz_rows + (it * GPI) * (8 * CT)
+            s0 = tl.load(s_ptr.to(tl.pointer_type(tl.int64)) + sz0)
+            z0 = tl.load(z_ptr.to(tl.pointer_type(tl.int64)) + sz0)
+            if GPI > 1:
+                s1 = tl.load(s_ptr.to(tl.pointer_type(tl.int64)) + sz0 + 8 * CT)
+                z1 = tl.load(z_ptr.to(tl.pointer_type(tl.int64)) + sz0 + 8 * CT)
+            else:
+                s1 = s0
+                z1 = z0
+            a0, a1, a2, a3, a4, a5, a6, a7 = _int4_step(w0, z0, s0, xa0, xb0, a0, a1, a2, a3, a4, a5, a6, a7, zero,
+                                                        NB, ASM, CONS)
+            if REPS > 1:  # repetition r is in group r * WARPS // 8 of the iteration
+                zr = z0 if WARPS < 8 else z1
+                sr = s0 if WARPS < 8 else s1
+                a0, a1, a2, a3, a4, a5, a6, a7 = _int4_step(w1, zr, sr, xa1, xb1, a0, a1, a2, a3, a4, a5, a6, a7,
+                                                            zero, NB, ASM, CONS)
+            if REPS > 2:
+                a0, a1, a2, a3, a4, a5, a6, a7 = _int4_step(w2, z1, s1, xa2, xb2, a0, a1, a2, a3, a4, a5, a6, a7,
+                                                            zero, NB, ASM, CONS)
+                a0, a1, a2, a3, a4, a5, a6, a7 = _int4_step(w3, z1, s1, xa3, xb3, a0, a1, a2, a3, a4, a5, a6, a7,
+                                                            zero, NB, ASM, CONS)
+    r0 = _lane_sum(a0, WARPS, CT)
+    r1 = _lane_sum(a1, WARPS, CT)
+    r2 = _lane_sum(a2, WARPS, CT)
+    r3 = _lane_sum(a3, WARPS, CT)
+    g32 = tl.arange(0, 32) // 4
+    t32 = tl.arange(0, 32) % 4
+    FP8_CHANNEL: tl.constexpr = FP8 and not BSCALE
+    if ACT == 0 and not SPLIT_K:
+        _frag_out(y_ptr, ws_ptr, r0, 0, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
+        _frag_out(y_ptr, ws_ptr, r1, 1, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
+        _frag_out(y_ptr, ws_ptr, r2, 2, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
+        _frag_out(y_ptr, ws_ptr, r3, 3, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
+        if NB == 2:
+            r4 = _lane_sum(a4, WARPS, CT)
+            r5 = _lane_sum(a5, WARPS, CT)
+            r6 = _lane_sum(a6, WARPS, CT)
+            r7 = _lane_sum(a7, WARPS, CT)
+            _frag_out(y_ptr, ws_ptr, r4, 4, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, False,
+                      FP8_CHANNEL, FOLD)
+            _frag_out(y_ptr, ws_ptr, r5, 5, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, False,
+                      FP8_CHANNEL, FOLD)
+            _frag_out(y_ptr, ws_ptr, r6, 6, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, False,
+                      FP8_CHANNEL, FOLD)
+            _frag_out(y_ptr, ws_ptr, r7, 7, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, False,
+                      FP8_CHANNEL, FOLD)
+    else:
+        # Every partial goes through the workspace (split or not), then the block's last program
+        # (the only one without split-K) adds them up and applies scales / the activation.
+        _frag_out(y_ptr, ws_ptr, r0, 0, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, True, False, 1.0)
+        _frag_out(y_ptr, ws_ptr, r1, 1, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, True, False, 1.0)
+        _frag_out(y_ptr, ws_ptr, r2, 2, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, True, False, 1.0)
+        _frag_out(y_ptr, ws_ptr, r3, 3, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, True, False, 1.0)
+        if NB == 2:
+            r4 = _lane_sum(a4, WARPS, CT)
+            r5 = _lane_sum(a5, WARPS, CT)
+            r6 = _lane_sum(a6, WARPS, CT)
+            r7 = _lane_sum(a7, WARPS, CT)
+            _frag_out(y_ptr, ws_ptr, r4, 4, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, True, False, 1.0)
+            _frag_out(y_ptr, ws_ptr, r5, 5, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, True, False, 1.0)
+            _frag_out(y_ptr, ws_ptr, r6, 6, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, True, False, 1.0)
+            _frag_out(y_ptr, ws_ptr, r7, 7, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, True, False, 1.0)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        nsplit = tl.num_programs(1)
+        if SPLIT_K:
+            done = tl.atomic_add(cnt_ptr + pb, 1, sem="acq_rel", scope="gpu")
+        else:
+            done = nsplit - 1
+        if done == nsplit - 1:
+            for j in tl.static_range(4 * NB):
+                tot, m, n, mask = _frag_total(ws_ptr, j, pb, nsplit, M, N, g32, t32, offs_c, s_ptr, CT, FP8_CHANNEL,
+                                              FOLD)
+                if ACT != 0:
+                    _frag_act_store(y_ptr, tot, j, pb, M, N, stride_ym, g32, t32, CT, ACT)
+                else:
+                    tl.store(y_ptr + m * stride_ym + n, tot.to(y_ptr.dtype.element_ty), mask=mask)
+            if SPLIT_K:
+                tl.atomic_xchg(cnt_ptr + pb, 0)  # ready for the next launch (graph replays too)
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing (host, once per weight) and the torch emulation of the fragment arithmetic
+# ----------------------------------------------------------------------------------------------
+
+
+def _act_rows(n: int, block: int, device) -> torch.Tensor:
+    """Row order that puts gate rows ``[pb*block/2, +block/2)`` then up rows ``D + same`` in block ``pb``."""
+    d = n // 2
+    h = block // 2
+    pb = torch.arange(n // block, device=device)[:, None]
+    i = torch.arange(h, device=device)[None, :]
+    return torch.cat([pb * h + i, d + pb * h + i], dim=1).reshape(-1)
+
+
+def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
+              dtype: torch.dtype, act: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """INT4 codes ``[N, Kp]`` (0..15), fp32 ``scales`` / integer ``zeros`` ``[N, Kp / group]`` (None:
+    symmetric, zero point 8) -> (words int32 ``[N/64, G, 8, 32, 4]``, scale pairs int64 ``[N/64, G, 8, 4]``,
+    zero pairs int64 likewise) for 16-bit activations ``dtype``. ``act``: rows reordered for the
+    gated epilogue. Needs ``N % 64 == 0`` (``N/2 % 32`` with ``act``), ``Kp % 128 == 0``, ``group % 128 == 0``."""
+    n, kp = codes.shape
+    if n % 64 or kp % KSTEP or group % KSTEP or (act and (n // 2) % 32):
+        raise ValueError(f"pack_int4: shape {tuple(codes.shape)} / group {group} do not fit the fragment layout")
+    rep = group // KSTEP
+    s = scales.float().repeat_interleave(rep, dim=1)
+    z = (torch.full_like(scales, 8.0) if zeros is None else zeros.float()).repeat_interleave(rep, dim=1)
+    c = codes.to(torch.int64)
+    if act:
+        perm = _act_rows(n, 64, codes.device)
+        c, s, z = c[perm], s[perm], z[perm]
+    nbk, gk = n // 64, kp // KSTEP
+    # codes [pb, c, hi, g, grp, t, q, j] -> [pb, grp, q, g, t, c, hi, j]; nibble hi + 2 (j // 2) + 4 (j % 2)
+    c = c.view(nbk, 4, 2, 8, gk, 4, 8, 4).permute(0, 4, 6, 3, 5, 1, 2, 7)
+    hi = torch.arange(2, device=c.device)[:, None]
+    j = torch.arange(4, device=c.device)[None, :]
+    shift = 4 * (hi + 2 * (j // 2) + 4 * (j % 2))
+    words = (c << shift).sum(dim=(-2, -1))
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(nbk, gk, 8, 32, 4)
+    # scale / zero pairs [pb, grp, g, c, hi]
+    sp = s.view(nbk, 4, 2, 8, gk).permute(0, 4, 3, 1, 2).contiguous()
+    base = 1024.0 if dtype == torch.float16 else 128.0
+    zb = (-(base + z)).to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+    zb = zb | (zb << 16)
+    zp = zb.view(nbk, 4, 2, 8, gk).permute(0, 4, 3, 1, 2)
+    zp = (zp[..., 0] | (zp[..., 1] << 32)).contiguous()
+    return words.contiguous(), sp.view(torch.int64).reshape(nbk, gk, 8, 4), zp
+
+
+def pack_fp8(qweight: torch.Tensor, act: bool = False) -> torch.Tensor:
+    """e4m3 bytes ``[N, K]`` -> int64 fragments ``[N/32, K/128, 8, 32, 2]`` (``N % 32 == 0``,
+    ``K % 128 == 0``; ``act``: rows reordered for the gated epilogue, ``N/2 % 16 == 0``)."""
+    n, k = qweight.shape
+    if n % 32 or k % KSTEP or (act and (n // 2) % 16):
+        raise ValueError(f"pack_fp8: shape {tuple(qweight.shape)} does not fit the fragment layout")
+    q = qweight.view(torch.uint8)
+    if act:
+        q = q[_act_rows(n, 32, q.device)]
+    nbk, gk = n // 32, k // KSTEP
+    # bytes [pb, c, hi, g, grp, t, q, j] -> [pb, grp, q, g, t, c, j, hi]: byte 2 j + hi of the int64
+    q = q.reshape(nbk, 2, 2, 8, gk, 4, 8, 4).permute(0, 4, 6, 3, 5, 1, 7, 2).contiguous()
+    return q.reshape(nbk, gk, 8, 32, 2, 8).view(torch.int64).reshape(nbk, gk, 8, 32, 2)
+
+
+def pack_fp8_block_scales(scales: torch.Tensor, n: int, k: int, act: bool = False) -> torch.Tensor:
+    """128x128 block scales ``[ceil(N/128), ceil(K/128)]`` -> the scale of each packed 16-row channel
+    tile per group, fp32 ``[N/32, K/128, 2]`` (rows reordered like ``pack_fp8(act=act)``)."""
+    rows = torch.arange(n, device=scales.device)
+    if act:
+        rows = rows[_act_rows(n, 32, scales.device)]
+    tile_rows = rows[::16]  # a tile's 16 rows share one 128-row block
+    sb = scales.float()[tile_rows // KSTEP][:, : k // KSTEP]  # [N/16, G]
+    return sb.view(n // 32, 2, k // KSTEP).permute(0, 2, 1).contiguous()
+
+
+# PTX fragment tables of mma.m16n8k16 (row-major A 16x16, column-major B 16x8, C 16x8), lane = 4 g + t.
+def _a_frag(g: int, t: int) -> list[tuple[int, int]]:
+    """(row, col) of A elements a0..a7 held by lane (g, t)."""
+    return [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1),
+            (g, 2 * t + 8), (g, 2 * t + 9), (g + 8, 2 * t + 8), (g + 8, 2 * t + 9)]
+
+
+def _b_frag(g: int, t: int) -> list[tuple[int, int]]:
+    """(k, col) of B elements b0..b3 held by lane (g, t)."""
+    return [(2 * t, g), (2 * t + 1, g), (2 * t + 8, g), (2 * t + 9, g)]
+
+
+def _c_frag(g: int, t: int) -> list[tuple[int, int]]:
+    """(row, col) of C elements c0..c3 held by lane (g, t)."""
+    return [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]
+
+
+def emulate(x: torch.Tensor, frags: torch.Tensor, kind: str, n: int, s=None, z=None, fp8_scales=None,
+            block_scales=None, f16: bool = False) -> torch.Tensor:
+    """What MODE 6 computes (fp64 here), in packed row order, replayed lane by lane in torch from the
+    packed words: each lane's registers decoded as the PTX decodes them, placed through the A/B/C
+    fragment tables of mma.m16n8k16, multiplied, and stored through the kernel's output index map.
+    ``kind`` "int4" (``s``, ``z`` from ``pack_int4``) or "fp8" (``fp8_scales`` per packed row or
+    ``block_scales`` from ``pack_fp8_block_scales``; the 2**120 / 2**8 fold included). Slow: tests."""
+    m, k = x.shape
+    ct = 4 if kind == "int4" else 2
+    nbk, gk = frags.shape[0], frags.shape[1]
+    xf = torch.zeros(16, k, dtype=torch.float64)
+    xf[:m] = x.double().cpu()
+    y = torch.zeros(16, nbk * 16 * ct, dtype=torch.float64)
+    fr = frags.cpu()
+    for pb in range(nbk):
+        for grp in range(gk):
+            for q in range(8):
+                # B: rows g of x for the first MMA, rows g + 8 for the second; logical k of the chunk
+                # -> physical K 128 grp + 32 t' + 4 q + 2 (k // 8) + k % 2 with t' = (k % 8) // 2
+                b = torch.zeros(16, 16, dtype=torch.float64)
+                for lane in range(32):
+                    g, t = divmod(lane, 4)
+                    for kk, col in _b_frag(g, t):
+                        phys = grp * KSTEP + 32 * ((kk % 8) // 2) + 4 * q + 2 * (kk // 8) + kk % 2
+                        b[kk, col] = xf[col, phys]
+                        b[kk, col + 8] = xf[col + 8, phys]
+                for c in range(ct):
+                    a = torch.zeros(16, 16, dtype=torch.float64)
+                    scale = torch.ones(16, dtype=torch.float64)
+                    for lane in range(32):
+                        g, t = divmod(lane, 4)
+                        vals = _decode_lane(int(fr[pb, grp, q, lane, c]), kind, f16)
+                        if kind == "int4":
+                            pair = int(s[pb, grp, g, c])
+                            scale[g], scale[g + 8] = _f32(pair & 0xFFFFFFFF), _f32((pair >> 32) & 0xFFFFFFFF)
+                            zz = int(z[pb, grp, g, c])
+                            zv = (_h16(zz & 0xFFFF, f16), _h16((zz >> 32) & 0xFFFF, f16))
+                        for e, (r, col) in enumerate(_a_frag(g, t)):
+                            # INT4: (B + q) in the first MMA, -(B + z) in the second (same accumulator)
+                            a[r, col] = vals[e] + (zv[r // 8] if kind == "int4" else 0.0)
+                    d = (a * scale[:, None]) @ b  # [16 channels, 16 rows of x]
+                    if block_scales is not None:
+                        d = d * float(block_scales[pb, grp, c])
+                    for lane in range(32):  # C fragments -> the kernel's store map (accumulator j)
+                        g, t = divmod(lane, 4)
+                        for half in range(2):
+                            for j, (r, col) in enumerate(_c_frag(g, t)):
+                                jj = j + 4 * half
+                                row = 2 * t + (jj % 2) + 8 * (jj // 4)
+                                ch = pb * 16 * ct + 16 * c + g + 8 * ((jj % 4) // 2)
+                                y[row, ch] += d[r, col + 8 * half]
+    if kind == "fp8":
+        fold = 2.0**8 if f16 else 2.0**120
+        if fp8_scales is not None:
+            y = y * fp8_scales.double().cpu()[None, :]
+        y = y * fold
+    return y[:m, :n]
+
+
+def _f32(bits: int) -> float:
+    return torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
+
+
+def _h16(bits: int, f16: bool) -> float:
+    t = torch.tensor([bits], dtype=torch.int32).to(torch.int16)
+    return t.view(torch.float16 if f16 else torch.bfloat16).item()
+
+
+def _decode_lane(word: int, kind: str, f16: bool) -> list[float]:
+    """A registers a0..a7 of one lane as values (INT4: ``B + q``; FP8: the e4m3 value times 2**-120
+    (bf16) / 2**-8 (fp16)), from the word exactly as the PTX decodes it."""
+    word &= (1 << 64) - 1
+    if kind == "int4":
+        magic = 0x6400 if f16 else 0x4300
+        regs = []
+        for j in range(4):
+            v = (word >> (4 * j)) & 0x000F000F
+            regs += [_h16((v & 0xFFFF) | magic, f16), _h16(((v >> 16) & 0xFFFF) | magic, f16)]
+        return regs
+    out = []
+    for h in range(2):
+        w = (word >> (32 * h)) & 0xFFFFFFFF
+        for t in ((w << 8) & 0xFFFFFFFF, w):  # a[2h]: bytes 0, 2; a[2h+1]: bytes 1, 3
+            if f16:
+                bits = (t & 0x80008000) | ((t >> 1) & 0x3F803F80)
+            else:
+                bits = (t & 0x80008000) | ((t >> 4) & 0x07F007F0)
+            out += [_h16(bits & 0xFFFF, f16), _h16(bits >> 16, f16)]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch
+# ----------------------------------------------------------------------------------------------
+
+# id(qweight) -> (weak ref, {(kind, dtype, act): packed tensors}); entries leave with their qweight.
+_PACKS: dict[int, tuple[weakref.ref, dict]] = {}
+_ASM: dict[tuple, tuple[str, str]] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def packed(qweight: torch.Tensor, key: tuple, make):
+    """The fragment repack of ``qweight`` for ``key`` (made once, kept while ``qweight`` lives).
+    Not made during CUDA-graph capture (the first eager call makes it)."""
+    ent = _PACKS.get(id(qweight))
+    if ent is None or ent[0]() is not qweight:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        key_id = id(qweight)
+        ent = (weakref.ref(qweight, lambda _: _PACKS.pop(key_id, None)), {})
+        _PACKS[key_id] = ent
+    cache = ent[1]
+    if key not in cache:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        cache[key] = make()
+    return cache[key]
+
+
+def supported(x: torch.Tensor) -> bool:
+    """MODE 6 runs CUDA sm80+ with 16-bit activations whose rows are 8-byte aligned, M <= 16."""
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] > MAX_M:
+        return False
+    if x.stride(-1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8:
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] >= 8
+
+
+def _asm(kind: str, nb: int, f16: bool, bscale: bool) -> tuple[str, str]:
+    key = (kind, nb, f16, bscale)
+    if key not in _ASM:
+        _ASM[key] = int4_asm(nb, f16) if kind == "int4" else fp8_asm(nb, f16, bscale)
+    return _ASM[key]
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def default_config(kind: str, n: int, k: int, m: int, num_sms: int) -> dict:
+    """Warps (chunks in flight per program), repetitions per iteration and split-K: split until the
+    programs cover the multiprocessors ~3 times, keeping >= 2 iterations per split."""
+    warps, reps = 4, 4
+    blocks = n // (64 if kind == "int4" else 32)
+    iters = k // (KSTEP * warps * reps // 8)
+    split = 1
+    while blocks * split < 3 * num_sms and iters // (2 * split) >= 2:
+        split *= 2
+    return {"MODE": 6, "WARPS": warps, "REPS": reps, "SPLIT": split}
+
+
+def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *, s: torch.Tensor,
+           z: torch.Tensor | None = None, bscale: bool = False, fold: float = 1.0,
+           act: str | None = None) -> torch.Tensor:
+    """Run MODE 6: ``x [M, K]`` times the packed weights -> ``[M, N]`` (``[M, N/2]`` with ``act``)."""
+    m = x.shape[0]
+    nb = 1 if m <= 8 else 2
+    warps, reps = cfg["WARPS"], cfg["REPS"]
+    if reps not in (1, 2, 4) or warps not in (2, 4, 8) or warps * reps not in (8, 16):
+        raise ValueError(f"config: WARPS in (2, 4, 8), REPS in (1, 2, 4), WARPS * REPS 8 or 16; got {cfg}")
+    gk = frags.shape[1]
+    gpi = warps * reps // 8
+    if gk % gpi:
+        raise ValueError(f"config: {gk} groups of 128 are not a multiple of {gpi} per iteration")
+    iters = gk // gpi
+    split = max(1, min(int(cfg.get("SPLIT", 1)), iters))
+    per = triton.cdiv(iters, split)
+    split = triton.cdiv(iters, per)
+    blocks = frags.shape[0]
+    asm, cons = _asm(kind, nb, x.dtype == torch.float16, bscale)
+    code = ACTIVATIONS[act]
+    y = torch.empty((m, n // 2 if code else n), dtype=x.dtype, device=x.device)
+    via_ws = split > 1 or code != 0
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if via_ws else y
+    cnt = _counters(x.device, blocks) if split > 1 else y
+    use_pdl = pdl_enabled(x)
+    _frag_kernel[(blocks, split)](
+        x, frags, s, z if z is not None else s, ws, y, cnt,
+        m, n, gk, per, x.stride(0), y.stride(0),
+        FP8=kind == "fp8", NB=nb, BSCALE=bscale, WARPS=warps, REPS=reps, SPLIT_K=split > 1, ACT=code,
+        FOLD=fold, ASM=asm, CONS=cons, num_warps=warps, num_stages=1, **pdl_launch(use_pdl),
+    )
+    return y
+
+
+def int4_ok(x: torch.Tensor, w, act: str | None) -> bool:
+    """Whether MODE 6 can run this INT4 weight (``formats.IntWeight``) for ``x``."""
+    n, k = w.shape
+    kp = w.padded_in_features
+    group_ok = w.group_size % KSTEP == 0 or w.scales.shape[1] == 1
+    return (w.bits == 4 and group_ok and k == kp and kp % KSTEP == 0 and n % 64 == 0
+            and (act is None or (n // 2) % 32 == 0) and supported(x))
+
+
+def fp8_ok(x: torch.Tensor, w, act: str | None) -> bool:
+    """Whether MODE 6 can run this FP8 weight (``formats.FP8Weight``) for ``x``."""
+    n, k = w.shape
+    return (k % KSTEP == 0 and n % 32 == 0 and w.block_size in (None, KSTEP)
+            and (act is None or (n // 2) % 16 == 0) and supported(x))
+
+
+def int4_matmul(x: torch.Tensor, w, cfg: dict, act: str | None = None) -> torch.Tensor | None:
+    """``x @ w^T`` (``act``: the gated epilogue) through MODE 6, or None when the repack cannot be
+    made now (first call inside a CUDA-graph capture)."""
+    group = w.group_size if w.scales.shape[1] != 1 else w.padded_in_features
+    key = ("int4", x.dtype, act is not None)
+    p = packed(w.qweight, key, lambda: pack_int4(w.codes(), w.scales, w.zeros, group, x.dtype, act is not None))
+    if p is None:
+        return None
+    words, s, z = p
+    return launch(x, "int4", words, w.shape[0], cfg, s=s, z=z, act=act)
+
+
+def fp8_matmul(x: torch.Tensor, w, cfg: dict, act: str | None = None) -> torch.Tensor | None:
+    """``x @ w^T`` for emulated-FP8 ``w`` through MODE 6 (None as in :func:`int4_matmul`)."""
+    n, k = w.shape
+    fused = act is not None
+    bscale = w.block_size is not None
+
+    def make():
+        frags = pack_fp8(w.qweight, fused)
+        if bscale:
+            s = pack_fp8_block_scales(w.scales, n, k, fused)
+        else:
+            s = w.scales.float()[_act_rows(n, 32, w.scales.device)] if fused else w.scales.float().contiguous()
+        return frags, s
+
+    p = packed(w.qweight, ("fp8", fused), make)
+    if p is None:
+        return None
+    frags, s = p
+    fold = 2.0**8 if x.dtype == torch.float16 else 2.0**120
+    return launch(x, "fp8", frags, n, cfg, s=s, bscale=bscale, fold=fold, act=act)

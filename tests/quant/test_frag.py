@@ -1,0 +1,77 @@
+"""MODE 6 fragment layouts on the CPU: the packers (``pack_int4`` / ``pack_fp8``) replayed through the
+PTX fragment tables of mma.m16n8k16 by ``triton_frag.emulate`` must give ``x @ dequantize()^T``; the
+inline-PTX kernel itself runs on the GPU only (tests/quant/test_frag_gpu.py)."""
+
+import pytest
+import torch
+
+from infercore.quant import FP8Weight, IntWeight
+from infercore.quant import triton_frag as TF
+
+
+def _close(y, ref):
+    assert torch.allclose(y, ref, rtol=1e-6, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_fragments_replay_the_product(sym, dtype):
+    torch.manual_seed(0)
+    w = IntWeight.quantize(torch.randn(64, 256), bits=4, group_size=128, symmetric=sym)
+    words, s, z = TF.pack_int4(w.codes(), w.scales, w.zeros, 128, dtype)
+    assert words.shape == (1, 2, 8, 32, 4) and words.dtype == torch.int32
+    x = torch.randn(11, 256).to(dtype)
+    y = TF.emulate(x, words, "int4", 64, s=s, z=z, f16=dtype == torch.float16)
+    _close(y, x.double() @ w.dequantize(torch.float64).T)
+
+
+def test_int4_fragments_large_group_and_gated_row_order():
+    torch.manual_seed(1)
+    w = IntWeight.quantize(torch.randn(128, 256), bits=4, group_size=256)
+    words, s, z = TF.pack_int4(w.codes(), w.scales, w.zeros, 256, torch.bfloat16, act=True)
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    y = TF.emulate(x, words, "int4", 128, s=s, z=z)
+    order = TF._act_rows(128, 64, "cpu")  # block b: gate rows 32b.., then up rows 64 + 32b..
+    assert order[:64].tolist() == list(range(32)) + list(range(64, 96))
+    _close(y, (x.double() @ w.dequantize(torch.float64).T)[:, order])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_fragments_replay_the_product(dtype):
+    torch.manual_seed(2)
+    w = FP8Weight.quantize(torch.randn(64, 256))
+    frags = TF.pack_fp8(w.qweight)
+    assert frags.shape == (2, 2, 8, 32, 2) and frags.dtype == torch.int64
+    x = torch.randn(16, 256).to(dtype)
+    y = TF.emulate(x, frags, "fp8", 64, fp8_scales=w.scales, f16=dtype == torch.float16)
+    _close(y, x.double() @ w.dequantize(torch.float64).T)
+
+
+def test_fp8_block_scale_fragments():
+    torch.manual_seed(3)
+    w = FP8Weight.quantize(torch.randn(256, 256), block_size=128)
+    frags = TF.pack_fp8(w.qweight)
+    bs = TF.pack_fp8_block_scales(w.scales, 256, 256)
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    _close(TF.emulate(x, frags, "fp8", 256, block_scales=bs), x.double() @ w.dequantize(torch.float64).T)
+
+
+def test_layout_errors_name_the_shape():
+    codes = torch.zeros(48, 256, dtype=torch.int32)
+    with pytest.raises(ValueError, match="pack_int4"):
+        TF.pack_int4(codes, torch.ones(48, 2), None, 128, torch.bfloat16)
+    with pytest.raises(ValueError, match="pack_fp8"):
+        TF.pack_fp8(torch.zeros(64, 100, dtype=torch.uint8))
+    assert not TF.supported(torch.zeros(1, 256))  # CPU tensors never take MODE 6
+
+
+def test_ptx_variants_name_every_operand():
+    for nb in (1, 2):
+        for f16 in (False, True):
+            asm, cons = TF.int4_asm(nb, f16)
+            n_ops = len(cons.split(","))
+            assert f"${n_ops - 1}" in asm and f"${n_ops}" not in asm
+            for bs in (False, True):
+                asm, cons = TF.fp8_asm(nb, f16, bs)
+                n_ops = len(cons.split(","))
+                assert f"${n_ops - 1}" in asm and f"${n_ops}" not in asm

@@ -178,6 +178,58 @@ def _frag_load(base, rep: tl.constexpr, offs_r, offs_c, warp, it, x8, xrow, xmas
 
 
 @triton.jit
+def _frag_iter_loads(wp, it, pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows, s_ptr, z_ptr, zero,
+                     FP8: tl.constexpr, BSCALE: tl.constexpr, NB: tl.constexpr, R: tl.constexpr, CT: tl.constexpr,
+                     WARPS: tl.constexpr, REPS: tl.constexpr, GPI: tl.constexpr):
+    """Every load of iteration ``it``: up to 4 repetitions' words and B fragments, and the scales of
+    its (up to 2) groups: INT4 scale / zero-point pairs, FP8 block scales (else ``zero``). Slots a
+    smaller REPS does not use repeat the first (dead values the compiler drops)."""
+    base = wp + it * (GPI * 8 * 32 * CT)
+    w0, xa0, xb0 = _frag_load(base, 0, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT, WARPS, GPI)
+    w1, xa1, xb1 = w0, xa0, xb0
+    w2, xa2, xb2 = w0, xa0, xb0
+    w3, xa3, xb3 = w0, xa0, xb0
+    if REPS > 1:
+        w1, xa1, xb1 = _frag_load(base, 1, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT,
+                                  WARPS, GPI)
+    if REPS > 2:
+        w2, xa2, xb2 = _frag_load(base, 2, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT,
+                                  WARPS, GPI)
+        w3, xa3, xb3 = _frag_load(base, 3, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT,
+                                  WARPS, GPI)
+    if FP8:
+        if BSCALE:  # the 128x128 block scale of each channel tile, per group of the iteration
+            s0 = tl.load(s_ptr + (pb * G + it * GPI) * CT + offs_c)[None, :] + zero
+            s1 = tl.load(s_ptr + (pb * G + it * GPI + (GPI - 1)) * CT + offs_c)[None, :] + zero
+        else:
+            s0 = zero
+            s1 = zero
+        z0 = zero
+        z1 = zero
+    else:
+        sz0 = sz_rows + (it * GPI) * (8 * CT)
+        s0 = tl.load(s_ptr.to(tl.pointer_type(tl.int64)) + sz0)
+        z0 = tl.load(z_ptr.to(tl.pointer_type(tl.int64)) + sz0)
+        if GPI > 1:
+            s1 = tl.load(s_ptr.to(tl.pointer_type(tl.int64)) + sz0 + 8 * CT)
+            z1 = tl.load(z_ptr.to(tl.pointer_type(tl.int64)) + sz0 + 8 * CT)
+        else:
+            s1 = s0
+            z1 = z0
+    return w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, z0, s1, z1
+
+
+@triton.jit
+def _frag_step(w, xa, xb, s, z, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8: tl.constexpr, BSCALE: tl.constexpr,
+               NB: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr):
+    """One repetition's MMAs into the accumulators (``s``: INT4 scale pairs or the FP8 block scale)."""
+    if FP8:
+        return _fp8_step(w, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7, s, zero, NB, BSCALE, ASM, CONS)
+    else:
+        return _int4_step(w, z, s, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7, zero, NB, ASM, CONS)
+
+
+@triton.jit
 def _int4_step(w, z, s, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7, zero, NB: tl.constexpr, ASM: tl.constexpr,
                CONS: tl.constexpr):
     if NB == 1:
@@ -310,60 +362,28 @@ def _frag_kernel(
     a7 = tl.zeros([R, CT], dtype=tl.float32)
     zero = tl.zeros([R, CT], dtype=tl.float32)
     pdl_wait(USE_PDL)
+    # Software pipeline: iteration it + 1's loads are issued before iteration it's MMAs (loop-carried
+    # registers), so each warp keeps a whole iteration of weights in flight while it decodes.
+    (w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, z0, s1, z1) = _frag_iter_loads(
+        wp, tl.minimum(it0, n_iters - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows, s_ptr,
+        z_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
     for it in range(it0, it1):
-        base = wp + it * (GPI * 8 * 32 * CT)
-        # every load of the iteration first (up to 4 repetitions), then the MMAs
-        w0, xa0, xb0 = _frag_load(base, 0, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT,
-                                  WARPS, GPI)
-        if REPS > 1:
-            w1, xa1, xb1 = _frag_load(base, 1, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT,
-                                      WARPS, GPI)
+        (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, nz0, ns1, nz1) = _frag_iter_loads(
+            wp, tl.minimum(it + 1, it1 - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows,
+            s_ptr, z_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w0, xa0, xb0, s0, z0, a0, a1, a2, a3, a4, a5, a6, a7, zero,
+                                                    FP8, BSCALE, NB, ASM, CONS)
+        if REPS > 1:  # repetition r is in group r * WARPS // 8 of the iteration
+            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w1, xa1, xb1, s0 if WARPS < 8 else s1,
+                                                        z0 if WARPS < 8 else z1, a0, a1, a2, a3, a4, a5, a6, a7,
+                                                        zero, FP8, BSCALE, NB, ASM, CONS)
         if REPS > 2:
-            w2, xa2, xb2 = _frag_load(base, 2, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT,
-                                      WARPS, GPI)
-            w3, xa3, xb3 = _frag_load(base, 3, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT,
-                                      WARPS, GPI)
-        if FP8:
-            if BSCALE:  # the 128x128 block scale of each channel tile, per group of the iteration
-                sb0 = tl.load(s_ptr + (pb * G + it * GPI) * CT + offs_c)[None, :] + zero
-                sb1 = tl.load(s_ptr + (pb * G + it * GPI + (GPI - 1)) * CT + offs_c)[None, :] + zero
-            else:
-                sb0 = zero
-                sb1 = zero
-            a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_step(w0, xa0, xb0, a0, a1, a2, a3, a4, a5, a6, a7, sb0, zero,
-                                                       NB, BSCALE, ASM, CONS)
-            if REPS > 1:
-                sbr = sb0 if WARPS < 8 else sb1
-                a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_step(w1, xa1, xb1, a0, a1, a2, a3, a4, a5, a6, a7, sbr, zero,
-                                                           NB, BSCALE, ASM, CONS)
-            if REPS > 2:
-                a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_step(w2, xa2, xb2, a0, a1, a2, a3, a4, a5, a6, a7, sb1, zero,
-                                                           NB, BSCALE, ASM, CONS)
-                a0, a1, a2, a3, a4, a5, a6, a7 = _fp8_step(w3, xa3, xb3, a0, a1, a2, a3, a4, a5, a6, a7, sb1, zero,
-                                                           NB, BSCALE, ASM, CONS)
-        else:
-            # scales / zero points of the iteration's first and last group (GPI is 1 or 2)
-            sz0 = sz_rows + (it * GPI) * (8 * CT)
-            s0 = tl.load(s_ptr.to(tl.pointer_type(tl.int64)) + sz0)
-            z0 = tl.load(z_ptr.to(tl.pointer_type(tl.int64)) + sz0)
-            if GPI > 1:
-                s1 = tl.load(s_ptr.to(tl.pointer_type(tl.int64)) + sz0 + 8 * CT)
-                z1 = tl.load(z_ptr.to(tl.pointer_type(tl.int64)) + sz0 + 8 * CT)
-            else:
-                s1 = s0
-                z1 = z0
-            a0, a1, a2, a3, a4, a5, a6, a7 = _int4_step(w0, z0, s0, xa0, xb0, a0, a1, a2, a3, a4, a5, a6, a7, zero,
-                                                        NB, ASM, CONS)
-            if REPS > 1:  # repetition r is in group r * WARPS // 8 of the iteration
-                zr = z0 if WARPS < 8 else z1
-                sr = s0 if WARPS < 8 else s1
-                a0, a1, a2, a3, a4, a5, a6, a7 = _int4_step(w1, zr, sr, xa1, xb1, a0, a1, a2, a3, a4, a5, a6, a7,
-                                                            zero, NB, ASM, CONS)
-            if REPS > 2:
-                a0, a1, a2, a3, a4, a5, a6, a7 = _int4_step(w2, z1, s1, xa2, xb2, a0, a1, a2, a3, a4, a5, a6, a7,
-                                                            zero, NB, ASM, CONS)
-                a0, a1, a2, a3, a4, a5, a6, a7 = _int4_step(w3, z1, s1, xa3, xb3, a0, a1, a2, a3, a4, a5, a6, a7,
-                                                            zero, NB, ASM, CONS)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w2, xa2, xb2, s1, z1, a0, a1, a2, a3, a4, a5, a6, a7, zero,
+                                                        FP8, BSCALE, NB, ASM, CONS)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w3, xa3, xb3, s1, z1, a0, a1, a2, a3, a4, a5, a6, a7, zero,
+                                                        FP8, BSCALE, NB, ASM, CONS)
+        w0, w1, w2, w3, xa0, xa1, xa2, xa3 = n0, n1, n2, n3, na0, na1, na2, na3
+        xb0, xb1, xb2, xb3, s0, z0, s1, z1 = nb0, nb1, nb2, nb3, ns0, nz0, ns1, nz1
     r0 = _lane_sum(a0, WARPS, CT)
     r1 = _lane_sum(a1, WARPS, CT)
     r2 = _lane_sum(a2, WARPS, CT)

@@ -68,25 +68,31 @@ def _ops(first: int, n: int) -> list[str]:
 
 
 def int4_asm(nb: int, f16: bool) -> tuple[str, str]:
-    """INT4 step for one word: operands ``acc'[4 nb] <- (w, z, s, x[nb], acc[4 nb], zero)``.
+    """INT4 step for one word: operands ``acc'[4 nb] <- (w, sz, x[nb], acc[4 nb], zero)``.
 
-    ``w`` b32 word, ``z`` b64 (two bf16/fp16 pairs ``-(B + z)`` for channels g, g + 8), ``s`` b64
-    (two fp32 scales), ``x`` b64 per B fragment (rows g, g + 8), ``zero`` an fp32 0."""
+    ``w`` b32 word; ``sz`` b64: the fp32 scales of channels g (low half) and g + 8 (high half), each
+    carrying its zero point in the 4 low mantissa bits (a relative change below 2**-19); ``x`` b64 per
+    B fragment (rows g, g + 8 of x); ``zero`` an fp32 0. The zero points become the constant A
+    fragment ``-(B + z)`` (two instructions per channel) of a second MMA into the same accumulator."""
     ty = "f16" if f16 else "bf16"
     magic = "0x64006400" if f16 else "0x43004300"
+    neg = "0xE400E400" if f16 else "0xC300C300"  # -(B + z): B's pattern with the sign set, z below
     n_out = 4 * nb
-    w, z, s = f"${n_out}", f"${n_out + 1}", f"${n_out + 2}"
-    xs = _ops(n_out + 3, nb)
-    acc = _ops(n_out + 3 + nb, n_out)
-    zero = f"${n_out + 3 + nb + n_out}"
+    w, sz = f"${n_out}", f"${n_out + 1}"
+    xs = _ops(n_out + 2, nb)
+    acc = _ops(n_out + 2 + nb, n_out)
+    zero = f"${n_out + 2 + nb + n_out}"
     lines = [
         "{",
         ".reg .b32 a0, a1, a2, a3, t, z0, z1, s0, s1, b0, b1, b2, b3;",
         ".reg .f32 d0, d1, d2, d3, d4, d5, d6, d7, f0, f1;",
-        f"mov.b64 {{z0, z1}}, {z};",
-        f"mov.b64 {{s0, s1}}, {s};",
+        f"mov.b64 {{s0, s1}}, {sz};",
         "mov.b32 f0, s0;",
         "mov.b32 f1, s1;",
+        "prmt.b32 t, s0, 0, 0x4040;",
+        f"lop3.b32 z0, t, 0x000F000F, {neg}, 0xEA;",
+        "prmt.b32 t, s1, 0, 0x4040;",
+        f"lop3.b32 z1, t, 0x000F000F, {neg}, 0xEA;",
         f"lop3.b32 a0, {w}, 0x000F000F, {magic}, 0xEA;",
     ]
     for j in (1, 2, 3):
@@ -102,7 +108,7 @@ def int4_asm(nb: int, f16: bool) -> tuple[str, str]:
             o = 4 * i + r
             lines.append(f"fma.rn.f32 ${o}, d{o}, f{r // 2}, {acc[o]};")
     lines.append("}")
-    cons = ",".join(["=f"] * n_out + ["r", "l", "l"] + ["l"] * nb + ["f"] * n_out + ["f"])
+    cons = ",".join(["=f"] * n_out + ["r", "l"] + ["l"] * nb + ["f"] * n_out + ["f"])
     return "\n".join(lines), cons
 
 
@@ -162,104 +168,76 @@ def _x_frag(x8, xrow, grp, q, xmask):
 
 
 @triton.jit
-def _frag_load(base, rep: tl.constexpr, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB: tl.constexpr,
-               R: tl.constexpr, CT: tl.constexpr, WARPS: tl.constexpr, GPI: tl.constexpr):
-    """Repetition ``rep`` of an iteration: the thread's fragment words ``[R, CT]`` (chunk
-    ``rep * WARPS + warp`` of the iteration) and its B fragments (rows g, and g + 8 when NB == 2)."""
-    grp = it * GPI + rep * WARPS // 8
-    q = (rep * WARPS + warp) % 8
-    w = tl.load(base + (rep * R + offs_r)[:, None] * CT + offs_c[None, :], eviction_policy="evict_first")
-    xa = _x_frag(x8, xrow, grp, q, xmask)
-    if NB == 2:
-        xb = _x_frag(x8, xrow2, grp, q, xmask2)
-    else:
-        xb = xa
-    return w, xa, xb
-
-
-@triton.jit
-def _frag_iter_loads(wp, it, pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows, s_ptr, z_ptr, zero,
-                     FP8: tl.constexpr, BSCALE: tl.constexpr, NB: tl.constexpr, R: tl.constexpr, CT: tl.constexpr,
-                     WARPS: tl.constexpr, REPS: tl.constexpr, GPI: tl.constexpr):
-    """Every load of iteration ``it``: up to 4 repetitions' words and B fragments, and the scales of
-    its (up to 2) groups: INT4 scale / zero-point pairs, FP8 block scales (else ``zero``). Slots a
-    smaller REPS does not use repeat the first (dead values the compiler drops)."""
+def _frag_iter_loads(wp, it, pb, G, offs_r, offs_c, sz_rows, s_ptr, zero, FP8: tl.constexpr, BSCALE: tl.constexpr,
+                     R: tl.constexpr, CT: tl.constexpr, REPS: tl.constexpr, GPI: tl.constexpr):
+    """The DRAM loads of iteration ``it`` (prefetched one iteration ahead): the words ``[R, CT]`` of up
+    to 4 repetitions (repetition r holds chunk ``r * WARPS + warp``; slots a smaller REPS does not use
+    repeat the first, dead values the compiler drops) and the scales of its (up to 2) groups: INT4
+    scale / zero-point words, FP8 128x128 block scales (else ``zero``)."""
     base = wp + it * (GPI * 8 * 32 * CT)
-    w0, xa0, xb0 = _frag_load(base, 0, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT, WARPS, GPI)
-    w1, xa1, xb1 = w0, xa0, xb0
-    w2, xa2, xb2 = w0, xa0, xb0
-    w3, xa3, xb3 = w0, xa0, xb0
+    w0 = tl.load(base + offs_r[:, None] * CT + offs_c[None, :], eviction_policy="evict_first")
+    w1 = w0
+    w2 = w0
+    w3 = w0
     if REPS > 1:
-        w1, xa1, xb1 = _frag_load(base, 1, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT,
-                                  WARPS, GPI)
+        w1 = tl.load(base + (R + offs_r)[:, None] * CT + offs_c[None, :], eviction_policy="evict_first")
     if REPS > 2:
-        w2, xa2, xb2 = _frag_load(base, 2, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT,
-                                  WARPS, GPI)
-        w3, xa3, xb3 = _frag_load(base, 3, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT,
-                                  WARPS, GPI)
+        w2 = tl.load(base + (2 * R + offs_r)[:, None] * CT + offs_c[None, :], eviction_policy="evict_first")
+        w3 = tl.load(base + (3 * R + offs_r)[:, None] * CT + offs_c[None, :], eviction_policy="evict_first")
     if FP8:
-        if BSCALE:  # the 128x128 block scale of each channel tile, per group of the iteration
+        if BSCALE:
             s0 = tl.load(s_ptr + (pb * G + it * GPI) * CT + offs_c)[None, :] + zero
             s1 = tl.load(s_ptr + (pb * G + it * GPI + (GPI - 1)) * CT + offs_c)[None, :] + zero
         else:
             s0 = zero
             s1 = zero
-        z0 = zero
-        z1 = zero
     else:
-        sz0 = sz_rows + (it * GPI) * (8 * CT)
-        s0 = tl.load(s_ptr.to(tl.pointer_type(tl.int64)) + sz0)
-        z0 = tl.load(z_ptr.to(tl.pointer_type(tl.int64)) + sz0)
+        sz = s_ptr.to(tl.pointer_type(tl.int64)) + sz_rows + (it * GPI) * (8 * CT)
+        s0 = tl.load(sz)
         if GPI > 1:
-            s1 = tl.load(s_ptr.to(tl.pointer_type(tl.int64)) + sz0 + 8 * CT)
-            z1 = tl.load(z_ptr.to(tl.pointer_type(tl.int64)) + sz0 + 8 * CT)
+            s1 = tl.load(sz + 8 * CT)
         else:
             s1 = s0
-            z1 = z0
-    return w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, z0, s1, z1
+    return w0, w1, w2, w3, s0, s1
 
 
 @triton.jit
-def _frag_step(w, xa, xb, s, z, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8: tl.constexpr, BSCALE: tl.constexpr,
-               NB: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr):
-    """One repetition's MMAs into the accumulators (``s``: INT4 scale pairs or the FP8 block scale)."""
+def _frag_step(w, s, rep: tl.constexpr, it, warp, x8, xrow, xmask, xrow2, xmask2, a0, a1, a2, a3, a4, a5, a6, a7,
+               zero, FP8: tl.constexpr, BSCALE: tl.constexpr, NB: tl.constexpr, WARPS: tl.constexpr,
+               GPI: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr):
+    """Repetition ``rep`` of iteration ``it``: its B fragments (x rows g, and g + 8 when NB == 2; small,
+    L1-resident, loaded here), then the MMAs into the accumulators (``s``: the INT4 scale / zero-point
+    words or the FP8 block scale of the repetition's group)."""
+    grp = it * GPI + rep * WARPS // 8
+    q = (rep * WARPS + warp) % 8
+    xa = _x_frag(x8, xrow, grp, q, xmask)
+    xb = xa
+    if NB == 2:
+        xb = _x_frag(x8, xrow2, grp, q, xmask2)
     if FP8:
-        return _fp8_step(w, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7, s, zero, NB, BSCALE, ASM, CONS)
+        if NB == 1:
+            if BSCALE:
+                a0, a1, a2, a3 = tl.inline_asm_elementwise(ASM, CONS, [w, xa, a0, a1, a2, a3, s, zero],
+                                                           dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+            else:
+                a0, a1, a2, a3 = tl.inline_asm_elementwise(ASM, CONS, [w, xa, a0, a1, a2, a3],
+                                                           dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        else:
+            if BSCALE:
+                a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
+                    ASM, CONS, [w, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7, s, zero], dtype=(tl.float32,) * 8,
+                    is_pure=True, pack=1)
+            else:
+                a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
+                    ASM, CONS, [w, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7], dtype=(tl.float32,) * 8,
+                    is_pure=True, pack=1)
     else:
-        return _int4_step(w, z, s, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7, zero, NB, ASM, CONS)
-
-
-@triton.jit
-def _int4_step(w, z, s, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7, zero, NB: tl.constexpr, ASM: tl.constexpr,
-               CONS: tl.constexpr):
-    if NB == 1:
-        a0, a1, a2, a3 = tl.inline_asm_elementwise(ASM, CONS, [w, z, s, xa, a0, a1, a2, a3, zero],
-                                                   dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-    else:
-        a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
-            ASM, CONS, [w, z, s, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7, zero], dtype=(tl.float32,) * 8,
-            is_pure=True, pack=1)
-    return a0, a1, a2, a3, a4, a5, a6, a7
-
-
-@triton.jit
-def _fp8_step(w, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7, sb, zero, NB: tl.constexpr, BSCALE: tl.constexpr,
-              ASM: tl.constexpr, CONS: tl.constexpr):
-    if NB == 1:
-        if BSCALE:
-            a0, a1, a2, a3 = tl.inline_asm_elementwise(ASM, CONS, [w, xa, a0, a1, a2, a3, sb, zero],
+        if NB == 1:
+            a0, a1, a2, a3 = tl.inline_asm_elementwise(ASM, CONS, [w, s, xa, a0, a1, a2, a3, zero],
                                                        dtype=(tl.float32,) * 4, is_pure=True, pack=1)
         else:
-            a0, a1, a2, a3 = tl.inline_asm_elementwise(ASM, CONS, [w, xa, a0, a1, a2, a3],
-                                                       dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-    else:
-        if BSCALE:
             a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
-                ASM, CONS, [w, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7, sb, zero], dtype=(tl.float32,) * 8,
-                is_pure=True, pack=1)
-        else:
-            a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
-                ASM, CONS, [w, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7], dtype=(tl.float32,) * 8,
+                ASM, CONS, [w, s, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7, zero], dtype=(tl.float32,) * 8,
                 is_pure=True, pack=1)
     return a0, a1, a2, a3, a4, a5, a6, a7
 
@@ -314,17 +292,16 @@ def _frag_act_store(y_ptr, tot, j: tl.constexpr, pb, M, N, stride_ym, g, t, CT: 
 
 @triton.jit
 def _frag_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, ws_ptr, y_ptr, cnt_ptr,
+    x_ptr, qw_ptr, s_ptr, ws_ptr, y_ptr, cnt_ptr,
     M, N, G, iters_per_split, stride_xm, stride_ym,
     FP8: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr,
     SPLIT_K: tl.constexpr, ACT: tl.constexpr, FOLD: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     """MODE 6. Grid ``(N / (16 CT), split)``. ``qw``: fragment words (int32 INT4 / int64 FP8) of
-    ``pack_int4`` / ``pack_fp8``; INT4: ``s``, ``z`` int64 ``[N / 64, G, 8, 4]`` (scale pairs, zero
-    pairs); FP8: ``s`` fp32 per-channel scales ``[N]`` (permuted like the rows) or, with BSCALE, the
-    128x128 block scale of each channel tile and group ``[N / 32, G, 2]`` (``pack_fp8_block_scales``),
-    ``z`` unused. ``G`` groups of 128 K; one
+    ``pack_int4`` / ``pack_fp8``; INT4: ``s`` int64 ``[N / 64, G, 8, 4]`` (scale / zero-point words of
+    channels g, g + 8); FP8: ``s`` fp32 per-channel scales ``[N]`` (permuted like the rows) or, with BSCALE, the
+    128x128 block scale of each channel tile and group ``[N / 32, G, 2]`` (``pack_fp8_block_scales``). ``G`` groups of 128 K; one
     iteration covers ``WARPS * REPS / 8`` groups (the warps and repetitions take consecutive chunks).
     """
     CT: tl.constexpr = 2 if FP8 else 4
@@ -351,7 +328,7 @@ def _frag_kernel(
     xmask = g < M
     xrow2 = (g + 8) * (stride_xm // 4) + 8 * t
     xmask2 = g + 8 < M
-    sz_rows = (pb * G * 8 + g)[:, None] * CT + offs_c[None, :]  # int64 units of the scale/zero pairs
+    sz_rows = (pb * G * 8 + g)[:, None] * CT + offs_c[None, :]  # int64 units of the scale / zero-point words
     a0 = tl.zeros([R, CT], dtype=tl.float32)
     a1 = tl.zeros([R, CT], dtype=tl.float32)
     a2 = tl.zeros([R, CT], dtype=tl.float32)
@@ -362,28 +339,27 @@ def _frag_kernel(
     a7 = tl.zeros([R, CT], dtype=tl.float32)
     zero = tl.zeros([R, CT], dtype=tl.float32)
     pdl_wait(USE_PDL)
-    # Software pipeline: iteration it + 1's loads are issued before iteration it's MMAs (loop-carried
-    # registers), so each warp keeps a whole iteration of weights in flight while it decodes.
-    (w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, z0, s1, z1) = _frag_iter_loads(
-        wp, tl.minimum(it0, n_iters - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows, s_ptr,
-        z_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
+    # Software pipeline: iteration it + 1's weights (and scales) are loaded before iteration it's
+    # MMAs (loop-carried registers), so each warp keeps a whole iteration in flight while it decodes.
+    w0, w1, w2, w3, s0, s1 = _frag_iter_loads(wp, tl.minimum(it0, n_iters - 1), pb, G, offs_r, offs_c, sz_rows,
+                                              s_ptr, zero, FP8, BSCALE, R, CT, REPS, GPI)
     for it in range(it0, it1):
-        (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, nz0, ns1, nz1) = _frag_iter_loads(
-            wp, tl.minimum(it + 1, it1 - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows,
-            s_ptr, z_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w0, xa0, xb0, s0, z0, a0, a1, a2, a3, a4, a5, a6, a7, zero,
-                                                    FP8, BSCALE, NB, ASM, CONS)
+        n0, n1, n2, n3, ns0, ns1 = _frag_iter_loads(wp, tl.minimum(it + 1, it1 - 1), pb, G, offs_r, offs_c, sz_rows,
+                                                    s_ptr, zero, FP8, BSCALE, R, CT, REPS, GPI)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w0, s0, 0, it, warp, x8, xrow, xmask, xrow2, xmask2, a0, a1, a2,
+                                                    a3, a4, a5, a6, a7, zero, FP8, BSCALE, NB, WARPS, GPI, ASM, CONS)
         if REPS > 1:  # repetition r is in group r * WARPS // 8 of the iteration
-            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w1, xa1, xb1, s0 if WARPS < 8 else s1,
-                                                        z0 if WARPS < 8 else z1, a0, a1, a2, a3, a4, a5, a6, a7,
-                                                        zero, FP8, BSCALE, NB, ASM, CONS)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w1, s0 if WARPS < 8 else s1, 1, it, warp, x8, xrow, xmask,
+                                                        xrow2, xmask2, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8,
+                                                        BSCALE, NB, WARPS, GPI, ASM, CONS)
         if REPS > 2:
-            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w2, xa2, xb2, s1, z1, a0, a1, a2, a3, a4, a5, a6, a7, zero,
-                                                        FP8, BSCALE, NB, ASM, CONS)
-            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w3, xa3, xb3, s1, z1, a0, a1, a2, a3, a4, a5, a6, a7, zero,
-                                                        FP8, BSCALE, NB, ASM, CONS)
-        w0, w1, w2, w3, xa0, xa1, xa2, xa3 = n0, n1, n2, n3, na0, na1, na2, na3
-        xb0, xb1, xb2, xb3, s0, z0, s1, z1 = nb0, nb1, nb2, nb3, ns0, nz0, ns1, nz1
+            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w2, s1, 2, it, warp, x8, xrow, xmask, xrow2, xmask2, a0, a1,
+                                                        a2, a3, a4, a5, a6, a7, zero, FP8, BSCALE, NB, WARPS, GPI,
+                                                        ASM, CONS)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w3, s1, 3, it, warp, x8, xrow, xmask, xrow2, xmask2, a0, a1,
+                                                        a2, a3, a4, a5, a6, a7, zero, FP8, BSCALE, NB, WARPS, GPI,
+                                                        ASM, CONS)
+        w0, w1, w2, w3, s0, s1 = n0, n1, n2, n3, ns0, ns1
     r0 = _lane_sum(a0, WARPS, CT)
     r1 = _lane_sum(a1, WARPS, CT)
     r2 = _lane_sum(a2, WARPS, CT)
@@ -458,11 +434,12 @@ def _act_rows(n: int, block: int, device) -> torch.Tensor:
 
 
 def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
-              dtype: torch.dtype, act: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              act: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """INT4 codes ``[N, Kp]`` (0..15), fp32 ``scales`` / integer ``zeros`` ``[N, Kp / group]`` (None:
-    symmetric, zero point 8) -> (words int32 ``[N/64, G, 8, 32, 4]``, scale pairs int64 ``[N/64, G, 8, 4]``,
-    zero pairs int64 likewise) for 16-bit activations ``dtype``. ``act``: rows reordered for the
-    gated epilogue. Needs ``N % 64 == 0`` (``N/2 % 32`` with ``act``), ``Kp % 128 == 0``, ``group % 128 == 0``."""
+    symmetric, zero point 8) -> (words int32 ``[N/64, G, 8, 32, 4]``, scale / zero-point words int64
+    ``[N/64, G, 8, 4]``: fp32 scales of channels g (low half) and g + 8, the zero point in each one's 4
+    low mantissa bits). ``act``: rows reordered for the gated epilogue. Needs ``N % 64 == 0``
+    (``N/2 % 32`` with ``act``), ``Kp % 128 == 0``, ``group % 128 == 0``."""
     n, kp = codes.shape
     if n % 64 or kp % KSTEP or group % KSTEP or (act and (n // 2) % 32):
         raise ValueError(f"pack_int4: shape {tuple(codes.shape)} / group {group} do not fit the fragment layout")
@@ -481,14 +458,11 @@ def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | N
     shift = 4 * (hi + 2 * (j // 2) + 4 * (j % 2))
     words = (c << shift).sum(dim=(-2, -1))
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(nbk, gk, 8, 32, 4)
-    # scale / zero pairs [pb, grp, g, c, hi]
-    sp = s.view(nbk, 4, 2, 8, gk).permute(0, 4, 3, 1, 2).contiguous()
-    base = 1024.0 if dtype == torch.float16 else 128.0
-    zb = (-(base + z)).to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
-    zb = zb | (zb << 16)
-    zp = zb.view(nbk, 4, 2, 8, gk).permute(0, 4, 3, 1, 2)
-    zp = (zp[..., 0] | (zp[..., 1] << 32)).contiguous()
-    return words.contiguous(), sp.view(torch.int64).reshape(nbk, gk, 8, 4), zp
+    # scale / zero-point words [pb, grp, g, c, hi]
+    bits = (s.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFF0) | z.to(torch.int64)
+    bits = bits.view(nbk, 4, 2, 8, gk).permute(0, 4, 3, 1, 2)
+    sz = bits[..., 0] | (bits[..., 1] << 32)
+    return words.contiguous(), sz.contiguous()
 
 
 def pack_fp8(qweight: torch.Tensor, act: bool = False) -> torch.Tensor:
@@ -534,12 +508,12 @@ def _c_frag(g: int, t: int) -> list[tuple[int, int]]:
     return [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]
 
 
-def emulate(x: torch.Tensor, frags: torch.Tensor, kind: str, n: int, s=None, z=None, fp8_scales=None,
+def emulate(x: torch.Tensor, frags: torch.Tensor, kind: str, n: int, s=None, fp8_scales=None,
             block_scales=None, f16: bool = False) -> torch.Tensor:
     """What MODE 6 computes (fp64 here), in packed row order, replayed lane by lane in torch from the
     packed words: each lane's registers decoded as the PTX decodes them, placed through the A/B/C
     fragment tables of mma.m16n8k16, multiplied, and stored through the kernel's output index map.
-    ``kind`` "int4" (``s``, ``z`` from ``pack_int4``) or "fp8" (``fp8_scales`` per packed row or
+    ``kind`` "int4" (``s``, the scale / zero-point words of ``pack_int4``) or "fp8" (``fp8_scales`` per packed row or
     ``block_scales`` from ``pack_fp8_block_scales``; the 2**120 / 2**8 fold included). Slow: tests."""
     m, k = x.shape
     ct = 4 if kind == "int4" else 2
@@ -566,11 +540,11 @@ def emulate(x: torch.Tensor, frags: torch.Tensor, kind: str, n: int, s=None, z=N
                     for lane in range(32):
                         g, t = divmod(lane, 4)
                         vals = _decode_lane(int(fr[pb, grp, q, lane, c]), kind, f16)
-                        if kind == "int4":
-                            pair = int(s[pb, grp, g, c])
-                            scale[g], scale[g + 8] = _f32(pair & 0xFFFFFFFF), _f32((pair >> 32) & 0xFFFFFFFF)
-                            zz = int(z[pb, grp, g, c])
-                            zv = (_h16(zz & 0xFFFF, f16), _h16((zz >> 32) & 0xFFFF, f16))
+                        if kind == "int4":  # the scale words as the PTX reads them (z in the low bits)
+                            word = int(s[pb, grp, g, c]) & ((1 << 64) - 1)
+                            lo, hi = word & 0xFFFFFFFF, word >> 32
+                            scale[g], scale[g + 8] = _f32(lo), _f32(hi)
+                            zv = tuple(_h16((0xE400 if f16 else 0xC300) | (h & 0xF), f16) for h in (lo, hi))
                         for e, (r, col) in enumerate(_a_frag(g, t)):
                             # INT4: (B + q) in the first MMA, -(B + z) in the second (same accumulator)
                             a[r, col] = vals[e] + (zv[r // 8] if kind == "int4" else 0.0)
@@ -690,7 +664,7 @@ def default_config(kind: str, n: int, k: int, m: int, num_sms: int) -> dict:
 
 
 def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *, s: torch.Tensor,
-           z: torch.Tensor | None = None, bscale: bool = False, fold: float = 1.0,
+           bscale: bool = False, fold: float = 1.0,
            act: str | None = None) -> torch.Tensor:
     """Run MODE 6: ``x [M, K]`` times the packed weights -> ``[M, N]`` (``[M, N/2]`` with ``act``)."""
     m = x.shape[0]
@@ -715,7 +689,7 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
     cnt = _counters(x.device, blocks) if split > 1 else y
     use_pdl = pdl_enabled(x)
     _frag_kernel[(blocks, split)](
-        x, frags, s, z if z is not None else s, ws, y, cnt,
+        x, frags, s, ws, y, cnt,
         m, n, gk, per, x.stride(0), y.stride(0),
         FP8=kind == "fp8", NB=nb, BSCALE=bscale, WARPS=warps, REPS=reps, SPLIT_K=split > 1, ACT=code,
         FOLD=fold, ASM=asm, CONS=cons, num_warps=warps, num_stages=1, **pdl_launch(use_pdl),
@@ -743,12 +717,12 @@ def int4_matmul(x: torch.Tensor, w, cfg: dict, act: str | None = None) -> torch.
     """``x @ w^T`` (``act``: the gated epilogue) through MODE 6, or None when the repack cannot be
     made now (first call inside a CUDA-graph capture)."""
     group = w.group_size if w.scales.shape[1] != 1 else w.padded_in_features
-    key = ("int4", x.dtype, act is not None)
-    p = packed(w.qweight, key, lambda: pack_int4(w.codes(), w.scales, w.zeros, group, x.dtype, act is not None))
+    key = ("int4", act is not None)
+    p = packed(w.qweight, key, lambda: pack_int4(w.codes(), w.scales, w.zeros, group, act is not None))
     if p is None:
         return None
-    words, s, z = p
-    return launch(x, "int4", words, w.shape[0], cfg, s=s, z=z, act=act)
+    words, sz = p
+    return launch(x, "int4", words, w.shape[0], cfg, s=sz, act=act)
 
 
 def fp8_matmul(x: torch.Tensor, w, cfg: dict, act: str | None = None) -> torch.Tensor | None:

@@ -168,22 +168,27 @@ def _x_frag(x8, xrow, grp, q, xmask):
 
 
 @triton.jit
-def _frag_iter_loads(wp, it, pb, G, offs_r, offs_c, sz_rows, s_ptr, zero, FP8: tl.constexpr, BSCALE: tl.constexpr,
-                     R: tl.constexpr, CT: tl.constexpr, REPS: tl.constexpr, GPI: tl.constexpr):
-    """The DRAM loads of iteration ``it`` (prefetched one iteration ahead): the words ``[R, CT]`` of up
-    to 4 repetitions (repetition r holds chunk ``r * WARPS + warp``; slots a smaller REPS does not use
-    repeat the first, dead values the compiler drops) and the scales of its (up to 2) groups: INT4
-    scale / zero-point words, FP8 128x128 block scales (else ``zero``)."""
+def _frag_iter_loads(wp, it, pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows, s_ptr, zero,
+                     FP8: tl.constexpr, BSCALE: tl.constexpr, NB: tl.constexpr, R: tl.constexpr, CT: tl.constexpr,
+                     WARPS: tl.constexpr, REPS: tl.constexpr, GPI: tl.constexpr):
+    """The loads of iteration ``it`` (issued one iteration ahead): the words ``[R, CT]`` of up to 4
+    repetitions (repetition r holds chunk ``r * WARPS + warp``) with their B fragments (x rows g, and
+    g + 8 when NB == 2), and the scales of its (up to 2) groups: INT4 scale / zero-point words, FP8
+    128x128 block scales (else ``zero``). Slots a smaller REPS does not use repeat the first (dead
+    values the compiler drops)."""
     base = wp + it * (GPI * 8 * 32 * CT)
-    w0 = tl.load(base + offs_r[:, None] * CT + offs_c[None, :], eviction_policy="evict_first")
-    w1 = w0
-    w2 = w0
-    w3 = w0
+    w0, xa0, xb0 = _frag_load(base, 0, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT, WARPS, GPI)
+    w1, xa1, xb1 = w0, xa0, xb0
+    w2, xa2, xb2 = w0, xa0, xb0
+    w3, xa3, xb3 = w0, xa0, xb0
     if REPS > 1:
-        w1 = tl.load(base + (R + offs_r)[:, None] * CT + offs_c[None, :], eviction_policy="evict_first")
+        w1, xa1, xb1 = _frag_load(base, 1, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT,
+                                  WARPS, GPI)
     if REPS > 2:
-        w2 = tl.load(base + (2 * R + offs_r)[:, None] * CT + offs_c[None, :], eviction_policy="evict_first")
-        w3 = tl.load(base + (3 * R + offs_r)[:, None] * CT + offs_c[None, :], eviction_policy="evict_first")
+        w2, xa2, xb2 = _frag_load(base, 2, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT,
+                                  WARPS, GPI)
+        w3, xa3, xb3 = _frag_load(base, 3, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT,
+                                  WARPS, GPI)
     if FP8:
         if BSCALE:
             s0 = tl.load(s_ptr + (pb * G + it * GPI) * CT + offs_c)[None, :] + zero
@@ -198,22 +203,42 @@ def _frag_iter_loads(wp, it, pb, G, offs_r, offs_c, sz_rows, s_ptr, zero, FP8: t
             s1 = tl.load(sz + 8 * CT)
         else:
             s1 = s0
-    return w0, w1, w2, w3, s0, s1
+    return w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1
 
 
 @triton.jit
-def _frag_step(w, s, rep: tl.constexpr, it, warp, x8, xrow, xmask, xrow2, xmask2, a0, a1, a2, a3, a4, a5, a6, a7,
-               zero, FP8: tl.constexpr, BSCALE: tl.constexpr, NB: tl.constexpr, WARPS: tl.constexpr,
-               GPI: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr):
-    """Repetition ``rep`` of iteration ``it``: its B fragments (x rows g, and g + 8 when NB == 2; small,
-    L1-resident, loaded here), then the MMAs into the accumulators (``s``: the INT4 scale / zero-point
-    words or the FP8 block scale of the repetition's group)."""
+def _frag_load(base, rep: tl.constexpr, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB: tl.constexpr,
+               R: tl.constexpr, CT: tl.constexpr, WARPS: tl.constexpr, GPI: tl.constexpr):
     grp = it * GPI + rep * WARPS // 8
     q = (rep * WARPS + warp) % 8
+    w = tl.load(base + (rep * R + offs_r)[:, None] * CT + offs_c[None, :], eviction_policy="evict_first")
     xa = _x_frag(x8, xrow, grp, q, xmask)
     xb = xa
     if NB == 2:
         xb = _x_frag(x8, xrow2, grp, q, xmask2)
+    return w, xa, xb
+
+
+@triton.jit
+def _l2_prefetch(wp, it, n_iters, offs_r, R: tl.constexpr, CT: tl.constexpr, GPI: tl.constexpr,
+                 PF: tl.constexpr):
+    """Bulk-prefetch iteration ``it + PF``'s weights into L2 (sm90 ``cp.async.bulk.prefetch``; no
+    registers): the first lane of each warp takes its warp's slice of the contiguous block."""
+    ITER_BYTES: tl.constexpr = GPI * 8 * 32 * 16  # 16 bytes per thread and chunk, INT4 and FP8 alike
+    SLICE: tl.constexpr = ITER_BYTES // (R // 32)
+    nxt = tl.minimum(it + PF, n_iters - 1)
+    addr = (wp + nxt * (GPI * 8 * 32 * CT)).to(tl.pointer_type(tl.int8)) + (offs_r // 32) * SLICE
+    lead = (offs_r % 32 == 0).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
+        "=r,l,r,r", [addr, lead, lead * 0 + SLICE], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _frag_step(w, s, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8: tl.constexpr, BSCALE: tl.constexpr,
+               NB: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr):
+    """One repetition's MMAs into the accumulators (``s``: the INT4 scale / zero-point words or the FP8
+    block scale of the repetition's group)."""
     if FP8:
         if NB == 1:
             if BSCALE:
@@ -296,7 +321,7 @@ def _frag_kernel(
     M, N, G, iters_per_split, stride_xm, stride_ym,
     FP8: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr,
     SPLIT_K: tl.constexpr, ACT: tl.constexpr, FOLD: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    PF: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):
     """MODE 6. Grid ``(N / (16 CT), split)``. ``qw``: fragment words (int32 INT4 / int64 FP8) of
     ``pack_int4`` / ``pack_fp8``; INT4: ``s`` int64 ``[N / 64, G, 8, 4]`` (scale / zero-point words of
@@ -339,27 +364,33 @@ def _frag_kernel(
     a7 = tl.zeros([R, CT], dtype=tl.float32)
     zero = tl.zeros([R, CT], dtype=tl.float32)
     pdl_wait(USE_PDL)
-    # Software pipeline: iteration it + 1's weights (and scales) are loaded before iteration it's
-    # MMAs (loop-carried registers), so each warp keeps a whole iteration in flight while it decodes.
-    w0, w1, w2, w3, s0, s1 = _frag_iter_loads(wp, tl.minimum(it0, n_iters - 1), pb, G, offs_r, offs_c, sz_rows,
-                                              s_ptr, zero, FP8, BSCALE, R, CT, REPS, GPI)
+    # Software pipeline: iteration it + 1's loads are issued before iteration it's MMAs (loop-carried
+    # registers), so each warp keeps a whole iteration in flight while it decodes; with PF, iteration
+    # it + PF is also prefetched into L2 so those register loads wait on L2, not DRAM.
+    (w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1) = _frag_iter_loads(
+        wp, tl.minimum(it0, n_iters - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows, s_ptr,
+        zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
+    if PF > 0:
+        for d in tl.static_range(1, PF):
+            _l2_prefetch(wp, tl.minimum(it0 + d, it1 - 1), n_iters, offs_r, R, CT, GPI, 0)
     for it in range(it0, it1):
-        n0, n1, n2, n3, ns0, ns1 = _frag_iter_loads(wp, tl.minimum(it + 1, it1 - 1), pb, G, offs_r, offs_c, sz_rows,
-                                                    s_ptr, zero, FP8, BSCALE, R, CT, REPS, GPI)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w0, s0, 0, it, warp, x8, xrow, xmask, xrow2, xmask2, a0, a1, a2,
-                                                    a3, a4, a5, a6, a7, zero, FP8, BSCALE, NB, WARPS, GPI, ASM, CONS)
+        if PF > 0:
+            _l2_prefetch(wp, tl.minimum(it + PF, it1 - 1), n_iters, offs_r, R, CT, GPI, 0)
+        (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = _frag_iter_loads(
+            wp, tl.minimum(it + 1, it1 - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows,
+            s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w0, s0, xa0, xb0, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8,
+                                                    BSCALE, NB, ASM, CONS)
         if REPS > 1:  # repetition r is in group r * WARPS // 8 of the iteration
-            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w1, s0 if WARPS < 8 else s1, 1, it, warp, x8, xrow, xmask,
-                                                        xrow2, xmask2, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8,
-                                                        BSCALE, NB, WARPS, GPI, ASM, CONS)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w1, s0 if WARPS < 8 else s1, xa1, xb1, a0, a1, a2, a3, a4,
+                                                        a5, a6, a7, zero, FP8, BSCALE, NB, ASM, CONS)
         if REPS > 2:
-            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w2, s1, 2, it, warp, x8, xrow, xmask, xrow2, xmask2, a0, a1,
-                                                        a2, a3, a4, a5, a6, a7, zero, FP8, BSCALE, NB, WARPS, GPI,
-                                                        ASM, CONS)
-            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w3, s1, 3, it, warp, x8, xrow, xmask, xrow2, xmask2, a0, a1,
-                                                        a2, a3, a4, a5, a6, a7, zero, FP8, BSCALE, NB, WARPS, GPI,
-                                                        ASM, CONS)
-        w0, w1, w2, w3, s0, s1 = n0, n1, n2, n3, ns0, ns1
+            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w2, s1, xa2, xb2, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8,
+                                                        BSCALE, NB, ASM, CONS)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w3, s1, xa3, xb3, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8,
+                                                        BSCALE, NB, ASM, CONS)
+        w0, w1, w2, w3, xa0, xa1, xa2, xa3 = n0, n1, n2, n3, na0, na1, na2, na3
+        xb0, xb1, xb2, xb3, s0, s1 = nb0, nb1, nb2, nb3, ns0, ns1
     r0 = _lane_sum(a0, WARPS, CT)
     r1 = _lane_sum(a1, WARPS, CT)
     r2 = _lane_sum(a2, WARPS, CT)
@@ -688,11 +719,12 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if via_ws else y
     cnt = _counters(x.device, blocks) if split > 1 else y
     use_pdl = pdl_enabled(x)
+    pf = int(cfg.get("PF", 0)) if torch.cuda.get_device_capability(x.device)[0] >= 9 else 0
     _frag_kernel[(blocks, split)](
         x, frags, s, ws, y, cnt,
         m, n, gk, per, x.stride(0), y.stride(0),
         FP8=kind == "fp8", NB=nb, BSCALE=bscale, WARPS=warps, REPS=reps, SPLIT_K=split > 1, ACT=code,
-        FOLD=fold, ASM=asm, CONS=cons, num_warps=warps, num_stages=1, **pdl_launch(use_pdl),
+        FOLD=fold, ASM=asm, CONS=cons, PF=pf, num_warps=warps, num_stages=1, **pdl_launch(use_pdl),
     )
     return y
 

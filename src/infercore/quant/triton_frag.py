@@ -326,8 +326,9 @@ def _frag_kernel(
     """MODE 6. Grid ``(N / (16 CT), split)``. ``qw``: fragment words (int32 INT4 / int64 FP8) of
     ``pack_int4`` / ``pack_fp8``; INT4: ``s`` int64 ``[N / 64, G, 8, 4]`` (scale / zero-point words of
     channels g, g + 8); FP8: ``s`` fp32 per-channel scales ``[N]`` (permuted like the rows) or, with BSCALE, the
-    128x128 block scale of each channel tile and group ``[N / 32, G, 2]`` (``pack_fp8_block_scales``). ``G`` groups of 128 K; one
-    iteration covers ``WARPS * REPS / 8`` groups (the warps and repetitions take consecutive chunks).
+    128x128 block scale of each channel tile and group ``[N / 32, G, 2]`` (``pack_fp8_block_scales``).
+    ``G`` groups of 128 K; one iteration covers ``WARPS * REPS / 8`` groups (the warps and repetitions
+    take consecutive chunks).
     """
     CT: tl.constexpr = 2 if FP8 else 4
     R: tl.constexpr = 32 * WARPS

@@ -483,9 +483,19 @@ SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
 }
 
 
-# MODE 6 (``triton_frag``: weights stored as MMA fragments) per (kind, N, K, M bucket), from the H200
-# sweep; shapes not listed use MODE 6 with ``TF.default_config`` when MODE6_DEFAULT, else the table above.
-MODE6_TUNED: dict[tuple[str, int, int, int], dict] = {}
+# MODE 6 (``triton_frag``: weights stored as MMA fragments) where the H200 sweep measured it faster than
+# the table above (results/h200/sweeps/sweep_frag.json, ``python benchmarks/sweep_frag.py``): INT4 at
+# M <= 4 on the MLP shapes (gate_up 28672x4096 M=1: 28.1 vs 34.9 us; fused with SiLU 29.0 vs 35.7 us).
+# It lost on the attention shapes (qkv, o_proj), at M = 16 and for FP8, which keep MODEs 4 / 5.
+# Shapes not listed use MODE 6 with ``TF.default_config`` only when MODE6_DEFAULT is set.
+MODE6_TUNED: dict[tuple[str, int, int, int], dict] = {
+    ("int4", 14336, 4096, 1): {'WARPS': 4, 'REPS': 4, 'SPLIT': 2},
+    ("int4", 14336, 4096, 4): {'WARPS': 4, 'REPS': 4, 'SPLIT': 2},
+    ("int4", 28672, 4096, 1): {'WARPS': 4, 'REPS': 4, 'SPLIT': 1},
+    ("int4", 28672, 4096, 4): {'WARPS': 4, 'REPS': 4, 'SPLIT': 1},
+    ("int4", 4096, 14336, 1): {'WARPS': 4, 'REPS': 4, 'SPLIT': 8},
+    ("int4", 4096, 14336, 4): {'WARPS': 4, 'REPS': 4, 'SPLIT': 8},
+}
 MODE6_DEFAULT = False
 
 
@@ -506,8 +516,8 @@ def _mode6_cfg(kind: str, x: torch.Tensor, n: int, k: int, override: dict | None
     if m > SMALL_M_MAX or _INTERPRET or not x.is_cuda:
         return None
     mb = triton.next_power_of_2(m)
-    tuned = next((MODE6_TUNED[(kind, n, k, b)] for b in (mb, 2 * mb, 4 * mb, 8 * mb, 16 * mb)
-                  if (kind, n, k, b) in MODE6_TUNED), None)
+    tuned = next((MODE6_TUNED[(kind, n, k, b)] for b in (mb, 2 * mb, 4 * mb) if (kind, n, k, b) in MODE6_TUNED),
+                 None)
     if tuned is None and not MODE6_DEFAULT:
         return None
     if not runnable():

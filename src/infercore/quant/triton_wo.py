@@ -395,8 +395,7 @@ def wq_matmul_triton(
     group = _kernel_group(w)
     zeros = w.zeros if w.zeros is not None else w.scales
     fused = act if bias is None else None
-    cfg6 = _mode6_cfg("int4", x, n, kp, config, lambda: TF.int4_ok(x, w, fused))
-    y = TF.int4_matmul(x, w, cfg6, fused) if cfg6 is not None else None
+    y = _run_mode6("int4", x, w, n, kp, config, fused, TF.int4_ok, TF.int4_matmul)
     if y is not None:
         if fused is not None:
             return y
@@ -525,6 +524,12 @@ def _mode6_cfg(kind: str, x: torch.Tensor, n: int, k: int, override: dict | None
     cfg = TF.default_config(kind, n, k, m, _num_sms(x.device))
     cfg.update(tuned or {})
     return cfg
+
+
+def _run_mode6(kind: str, x: torch.Tensor, w, n: int, k: int, config: dict | None, act: str | None, ok, run):
+    """MODE 6's result when it runs this call (see ``_mode6_cfg``), else None."""
+    cfg = _mode6_cfg(kind, x, n, k, config, lambda: ok(x, w, act))
+    return run(x, w, cfg, act) if cfg is not None else None
 
 
 def _small_cfg(kind: str, n: int, kp: int, m: int, kmax: int, device: torch.device,
@@ -1316,8 +1321,7 @@ def fp8_wo_matmul_triton(
     decode, fold = {torch.float32: (0, 2.0**120), torch.bfloat16: (1, 2.0**120),
                     torch.float16: (2, 2.0**8)}[x.dtype]
     fused = act if bias is None else None
-    cfg6 = _mode6_cfg("fp8", x, n, k, config, lambda: TF.fp8_ok(x, w, fused))
-    y = TF.fp8_matmul(x, w, cfg6, fused) if cfg6 is not None else None
+    y = _run_mode6("fp8", x, w, n, k, config, fused, TF.fp8_ok, TF.fp8_matmul)
     if y is not None:
         if fused is not None:
             return y

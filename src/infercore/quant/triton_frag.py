@@ -220,21 +220,6 @@ def _frag_load(base, rep: tl.constexpr, offs_r, offs_c, warp, it, x8, xrow, xmas
 
 
 @triton.jit
-def _l2_prefetch(wp, it, n_iters, offs_r, R: tl.constexpr, CT: tl.constexpr, GPI: tl.constexpr,
-                 PF: tl.constexpr):
-    """Bulk-prefetch iteration ``it + PF``'s weights into L2 (sm90 ``cp.async.bulk.prefetch``; no
-    registers): the first lane of each warp takes its warp's slice of the contiguous block."""
-    ITER_BYTES: tl.constexpr = GPI * 8 * 32 * 16  # 16 bytes per thread and chunk, INT4 and FP8 alike
-    SLICE: tl.constexpr = ITER_BYTES // (R // 32)
-    nxt = tl.minimum(it + PF, n_iters - 1)
-    addr = (wp + nxt * (GPI * 8 * 32 * CT)).to(tl.pointer_type(tl.int8)) + (offs_r // 32) * SLICE
-    lead = (offs_r % 32 == 0).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
-        "=r,l,r,r", [addr, lead, lead * 0 + SLICE], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _frag_step(w, s, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8: tl.constexpr, BSCALE: tl.constexpr,
                NB: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr):
     """One repetition's MMAs into the accumulators (``s``: the INT4 scale / zero-point words or the FP8
@@ -321,7 +306,7 @@ def _frag_kernel(
     M, N, G, iters_per_split, stride_xm, stride_ym,
     FP8: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr,
     SPLIT_K: tl.constexpr, ACT: tl.constexpr, FOLD: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr,
-    PF: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
     """MODE 6. Grid ``(N / (16 CT), split)``. ``qw``: fragment words (int32 INT4 / int64 FP8) of
     ``pack_int4`` / ``pack_fp8``; INT4: ``s`` int64 ``[N / 64, G, 8, 4]`` (scale / zero-point words of
@@ -365,18 +350,13 @@ def _frag_kernel(
     a7 = tl.zeros([R, CT], dtype=tl.float32)
     zero = tl.zeros([R, CT], dtype=tl.float32)
     pdl_wait(USE_PDL)
-    # Software pipeline: iteration it + 1's loads are issued before iteration it's MMAs (loop-carried
-    # registers), so each warp keeps a whole iteration in flight while it decodes; with PF, iteration
-    # it + PF is also prefetched into L2 so those register loads wait on L2, not DRAM.
+    # Software pipeline by hand: iteration it + 1's loads are issued before iteration it's MMAs
+    # (loop-carried registers), so each warp keeps a whole iteration in flight while it decodes.
+    # (Triton does not pipeline these loads through shared memory: they feed no tl.dot.)
     (w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1) = _frag_iter_loads(
         wp, tl.minimum(it0, n_iters - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows, s_ptr,
         zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
-    if PF > 0:
-        for d in tl.static_range(1, PF):
-            _l2_prefetch(wp, tl.minimum(it0 + d, it1 - 1), n_iters, offs_r, R, CT, GPI, 0)
     for it in range(it0, it1):
-        if PF > 0:
-            _l2_prefetch(wp, tl.minimum(it + PF, it1 - 1), n_iters, offs_r, R, CT, GPI, 0)
         (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = _frag_iter_loads(
             wp, tl.minimum(it + 1, it1 - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows,
             s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
@@ -720,12 +700,11 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if via_ws else y
     cnt = _counters(x.device, blocks) if split > 1 else y
     use_pdl = pdl_enabled(x)
-    pf = int(cfg.get("PF", 0)) if torch.cuda.get_device_capability(x.device)[0] >= 9 else 0
     _frag_kernel[(blocks, split)](
         x, frags, s, ws, y, cnt,
         m, n, gk, per, x.stride(0), y.stride(0),
         FP8=kind == "fp8", NB=nb, BSCALE=bscale, WARPS=warps, REPS=reps, SPLIT_K=split > 1, ACT=code,
-        FOLD=fold, ASM=asm, CONS=cons, PF=pf, num_warps=warps, num_stages=1, **pdl_launch(use_pdl),
+        FOLD=fold, ASM=asm, CONS=cons, num_warps=warps, num_stages=1, **pdl_launch(use_pdl),
     )
     return y
 

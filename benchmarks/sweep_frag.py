@@ -4,7 +4,8 @@ For the Llama-3.1-8B linear shapes, W4A16 g128 and emulated FP8 (per channel), M
 MODE 6 tile (warps x repetitions) at the default split, then split-K 1/2/4/8 for the best two, each
 first checked against ``dequantize()`` + an fp32 matmul (relative error < 1e-2), timed in one CUDA
 graph over weight copies that exceed the L2 (as ``sweep_quant_wo.py``). Peers in the same run: the
-call without a config (the dispatcher's choice before this table), bf16 ``F.linear``, torch tinygemm
+call without a config (the dispatcher's choice: MODE 4 / 5, or MODE 6 where ``MODE6_TUNED`` lists the
+shape), bf16 ``F.linear``, torch tinygemm
 INT4 (``_weight_int4pack_mm``); the floor is the bytes moved over the copy bandwidth measured here.
 Also: the fused gated-MLP epilogue (``act="silu"``) on the merged gate_up shape, against the same call
 without MODE 6.
@@ -81,7 +82,7 @@ def main() -> None:  # noqa: C901 (one linear script)
                     peers["tinygemm int4"] = timer(tinygemm_calls(n, k, copies, x), n_calls) * 1e6
                 for qq in qs:  # eager first calls: repacks made outside the graph
                     fn(x, qq)
-                peers["previous default (MODE 4/5)"] = timer(lambda i: fn(x, qs[i % copies]), n_calls) * 1e6
+                peers["dispatcher default (no config)"] = timer(lambda i: fn(x, qs[i % copies]), n_calls) * 1e6
                 floor_us = (qbytes + (m * k + m * n) * 2) / bw * 1e6
                 key = f"{kind},{n},{k},{m}"
                 res = []
@@ -119,7 +120,7 @@ def main() -> None:  # noqa: C901 (one linear script)
                                   ours=tf(us), peers={p: tf(t) for p, t in peers.items()}, floor=tf(floor_us),
                                   ours_us=us, peers_us=peers, floor_us=floor_us, config=full,
                                   vs_bf16=peers["bf16 F.linear"] / us))
-                prev = peers["previous default (MODE 4/5)"]
+                prev = peers["dispatcher default (no config)"]
                 print(f"{kind:4s} {sname:24s} M={m:2d} MODE6 {us:7.2f} us | prev {prev:7.2f}"
                       f" bf16 {peers['bf16 F.linear']:7.2f} tinygemm {peers.get('tinygemm int4', float('nan')):7.2f}"
                       f" floor {floor_us:6.2f} | x bf16 {peers['bf16 F.linear'] / us:5.2f} | {full}", flush=True)
@@ -139,7 +140,7 @@ def main() -> None:  # noqa: C901 (one linear script)
             cfg = {**b["config"]} if b else {"MODE": 6}
             n_calls = math.ceil(max(copies, 24) / copies) * copies
             out = {}
-            for label, c in (("MODE 6 fused", cfg), ("previous default", None)):
+            for label, c in (("MODE 6 fused", cfg), ("dispatcher default (no config)", None)):
                 y = fn(x, q, config=c, act="silu")
                 for qq in qs:
                     fn(x, qq, config=c, act="silu")

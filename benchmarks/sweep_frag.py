@@ -38,7 +38,8 @@ from infercore.quant import triton_wo as TW  # noqa: E402
 
 # (warps, repetitions per iteration). The run behind quant_wo_mode6.json also tried an L2 bulk prefetch
 # 2-4 iterations ahead ("PF", since removed: it measured 0-8% slower); its rows keep that key.
-TILES = ((4, 4), (4, 2), (8, 2), (2, 4), (8, 1))
+# DEPTH: iterations whose loads are in flight ahead of the MMAs (1 or 2).
+TILES = ((4, 4, 1), (4, 4, 2), (4, 2, 2), (2, 4, 2), (8, 2, 2), (8, 1, 2))
 MS = (1, 4, 16)
 
 
@@ -103,8 +104,8 @@ def main() -> None:  # noqa: C901 (one linear script)
                     rows.append({"key": key, "config": cfg, "us": us, "rel_err": err})
                     res.append((us, cfg))
 
-                for warps, reps in TILES:
-                    run({"MODE": 6, "WARPS": warps, "REPS": reps})
+                for warps, reps, depth in TILES:
+                    run({"MODE": 6, "WARPS": warps, "REPS": reps, "DEPTH": depth})
                 for _, cfg in sorted(res, key=lambda r: r[0])[:2]:
                     for split in (1, 2, 4, 8):
                         run({**cfg, "SPLIT": split})
@@ -150,7 +151,7 @@ def main() -> None:  # noqa: C901 (one linear script)
             print(f"fused silu {kind} M={m}: {out}", flush=True)
     doc = write_results(args.out, "sweep_frag", torch.cuda.get_device_name(), cases)
     table = [f'    ("{kk.split(",")[0]}", {kk.split(",")[1]}, {kk.split(",")[2]}, {kk.split(",")[3]}): '
-             f'{ {c: v for c, v in b["config"].items() if c in ("WARPS", "REPS", "SPLIT")} },'
+             f'{ {c: v for c, v in b["config"].items() if c in ("WARPS", "REPS", "SPLIT", "DEPTH")} },'
              for kk, b in best.items()]
     doc.update({"rows": rows, "best": best, "fused_act": fused, "table": table, "copy_bw_TBps": bw / 1e12,
                 "wall_s": time.perf_counter() - t0})

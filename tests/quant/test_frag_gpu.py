@@ -20,14 +20,14 @@ def _rel(y, r):
 
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
 @pytest.mark.parametrize("sym,group", [(True, 128), (False, 128), (False, 256), (True, None)])
-@pytest.mark.parametrize("tile", [(4, 2, 1), (4, 4, 2), (8, 1, 4), (8, 2, 1), (2, 4, 3)])
+@pytest.mark.parametrize("tile", [(4, 2, 1, 1), (4, 4, 2, 1), (8, 1, 4, 2), (8, 2, 1, 2), (2, 4, 3, 2)])
 def test_mode6_int4(m, sym, group, tile):
     torch.manual_seed(m)
     n, k = 192, 1024
     w = IntWeight.quantize(torch.randn(n, k, device=dev) * 0.05, bits=4, group_size=group, symmetric=sym)
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    warps, reps, split = tile
-    y = TW.wq_matmul_triton(x, w, config={"MODE": 6, "WARPS": warps, "REPS": reps, "SPLIT": split})
+    warps, reps, split, depth = tile
+    y = TW.wq_matmul_triton(x, w, config={"MODE": 6, "WARPS": warps, "REPS": reps, "SPLIT": split, "DEPTH": depth})
     ref = x.float() @ w.dequantize(torch.float32).T
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     assert _rel(y, ref) < 8e-3
@@ -36,13 +36,13 @@ def test_mode6_int4(m, sym, group, tile):
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("block", [None, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("split", [1, 4])
-def test_mode6_fp8(m, block, dtype, split):
+@pytest.mark.parametrize("split,depth", [(1, 1), (4, 2)])
+def test_mode6_fp8(m, block, dtype, split, depth):
     torch.manual_seed(m)
     n, k = 256, 1024
     w = FP8Weight.quantize(torch.randn(n, k, device=dev) * 0.05, block_size=block)
     x = torch.randn(m, k, device=dev, dtype=dtype)
-    y = TW.fp8_wo_matmul_triton(x, w, config={"MODE": 6, "WARPS": 4, "REPS": 4, "SPLIT": split})
+    y = TW.fp8_wo_matmul_triton(x, w, config={"MODE": 6, "WARPS": 4, "REPS": 4, "SPLIT": split, "DEPTH": depth})
     ref = x.float() @ w.dequantize(torch.float32).T
     assert _rel(y, ref) < 8e-3
 
@@ -63,7 +63,7 @@ def test_mode6_fused_gated_act(kind, m, split):
     d, k = 128, 512
     wf = torch.randn(2 * d, k, device=dev) * 0.05
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    cfg = {"MODE": 6, "WARPS": 4, "REPS": 2, "SPLIT": split}
+    cfg = {"MODE": 6, "WARPS": 4, "REPS": 2, "SPLIT": split, "DEPTH": 2 if m > 1 else 1}
     if kind == "int4":
         w = IntWeight.quantize(wf, bits=4, group_size=128)
         y = TW.wq_matmul_triton(x, w, config=cfg, act="silu")
@@ -93,6 +93,8 @@ def test_mode6_graph_replay_and_bad_config():
     assert y0.shape == y.shape
     with pytest.raises(ValueError, match="WARPS"):
         TW.wq_matmul_triton(x, w, config={"MODE": 6, "WARPS": 3, "REPS": 2})
+    with pytest.raises(ValueError, match="DEPTH"):
+        TW.wq_matmul_triton(x, w, config={"MODE": 6, "WARPS": 4, "REPS": 2, "DEPTH": 3})
     w_odd = IntWeight.quantize(torch.randn(96, k, device=dev), bits=4, group_size=128)
     assert not int4_ok(x, w_odd, None)
     with pytest.raises(ValueError, match="MODE 6"):

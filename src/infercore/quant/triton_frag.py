@@ -220,6 +220,24 @@ def _frag_load(base, rep: tl.constexpr, offs_r, offs_c, warp, it, x8, xrow, xmas
 
 
 @triton.jit
+def _frag_iter_mma(w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1, a0, a1, a2, a3, a4, a5, a6, a7, zero,
+                   FP8: tl.constexpr, BSCALE: tl.constexpr, NB: tl.constexpr, WARPS: tl.constexpr,
+                   REPS: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr):
+    """The MMAs of one iteration's repetitions (repetition r is in group ``r * WARPS // 8`` of it)."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w0, s0, xa0, xb0, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8, BSCALE,
+                                                NB, ASM, CONS)
+    if REPS > 1:
+        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w1, s0 if WARPS < 8 else s1, xa1, xb1, a0, a1, a2, a3, a4, a5,
+                                                    a6, a7, zero, FP8, BSCALE, NB, ASM, CONS)
+    if REPS > 2:
+        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w2, s1, xa2, xb2, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8,
+                                                    BSCALE, NB, ASM, CONS)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w3, s1, xa3, xb3, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8,
+                                                    BSCALE, NB, ASM, CONS)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
 def _frag_step(w, s, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8: tl.constexpr, BSCALE: tl.constexpr,
                NB: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr):
     """One repetition's MMAs into the accumulators (``s``: the INT4 scale / zero-point words or the FP8
@@ -306,7 +324,7 @@ def _frag_kernel(
     M, N, G, iters_per_split, stride_xm, stride_ym,
     FP8: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr,
     SPLIT_K: tl.constexpr, ACT: tl.constexpr, FOLD: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    DEPTH: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
 ):
     """MODE 6. Grid ``(N / (16 CT), split)``. ``qw``: fragment words (int32 INT4 / int64 FP8) of
     ``pack_int4`` / ``pack_fp8``; INT4: ``s`` int64 ``[N / 64, G, 8, 4]`` (scale / zero-point words of
@@ -350,28 +368,37 @@ def _frag_kernel(
     a7 = tl.zeros([R, CT], dtype=tl.float32)
     zero = tl.zeros([R, CT], dtype=tl.float32)
     pdl_wait(USE_PDL)
-    # Software pipeline by hand: iteration it + 1's loads are issued before iteration it's MMAs
-    # (loop-carried registers), so each warp keeps a whole iteration in flight while it decodes.
+    # Software pipeline by hand: the loads of iterations it + 1 .. it + DEPTH are issued before iteration
+    # it's MMAs (loop-carried registers), so each warp keeps DEPTH iterations in flight while it decodes.
     # (Triton does not pipeline these loads through shared memory: they feed no tl.dot.)
     (w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1) = _frag_iter_loads(
         wp, tl.minimum(it0, n_iters - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows, s_ptr,
         zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
-    for it in range(it0, it1):
+    if DEPTH == 1:
+        for it in range(it0, it1):
+            (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = _frag_iter_loads(
+                wp, tl.minimum(it + 1, it1 - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2,
+                sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_iter_mma(
+                w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1, a0, a1, a2, a3, a4, a5, a6, a7, zero,
+                FP8, BSCALE, NB, WARPS, REPS, ASM, CONS)
+            w0, w1, w2, w3, xa0, xa1, xa2, xa3 = n0, n1, n2, n3, na0, na1, na2, na3
+            xb0, xb1, xb2, xb3, s0, s1 = nb0, nb1, nb2, nb3, ns0, ns1
+    else:
         (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = _frag_iter_loads(
-            wp, tl.minimum(it + 1, it1 - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows,
-            s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w0, s0, xa0, xb0, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8,
-                                                    BSCALE, NB, ASM, CONS)
-        if REPS > 1:  # repetition r is in group r * WARPS // 8 of the iteration
-            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w1, s0 if WARPS < 8 else s1, xa1, xb1, a0, a1, a2, a3, a4,
-                                                        a5, a6, a7, zero, FP8, BSCALE, NB, ASM, CONS)
-        if REPS > 2:
-            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w2, s1, xa2, xb2, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8,
-                                                        BSCALE, NB, ASM, CONS)
-            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w3, s1, xa3, xb3, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8,
-                                                        BSCALE, NB, ASM, CONS)
-        w0, w1, w2, w3, xa0, xa1, xa2, xa3 = n0, n1, n2, n3, na0, na1, na2, na3
-        xb0, xb1, xb2, xb3, s0, s1 = nb0, nb1, nb2, nb3, ns0, ns1
+            wp, tl.minimum(it0 + 1, n_iters - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2,
+            sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
+        for it in range(it0, it1):
+            (m0, m1, m2, m3, ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3, ms0, ms1) = _frag_iter_loads(
+                wp, tl.minimum(it + 2, it1 - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2,
+                sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_iter_mma(
+                w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1, a0, a1, a2, a3, a4, a5, a6, a7, zero,
+                FP8, BSCALE, NB, WARPS, REPS, ASM, CONS)
+            w0, w1, w2, w3, xa0, xa1, xa2, xa3 = n0, n1, n2, n3, na0, na1, na2, na3
+            xb0, xb1, xb2, xb3, s0, s1 = nb0, nb1, nb2, nb3, ns0, ns1
+            n0, n1, n2, n3, na0, na1, na2, na3 = m0, m1, m2, m3, ma0, ma1, ma2, ma3
+            nb0, nb1, nb2, nb3, ns0, ns1 = mb0, mb1, mb2, mb3, ms0, ms1
     r0 = _lane_sum(a0, WARPS, CT)
     r1 = _lane_sum(a1, WARPS, CT)
     r2 = _lane_sum(a2, WARPS, CT)
@@ -700,11 +727,14 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if via_ws else y
     cnt = _counters(x.device, blocks) if split > 1 else y
     use_pdl = pdl_enabled(x)
+    depth = int(cfg.get("DEPTH", 1))
+    if depth not in (1, 2):
+        raise ValueError(f"config: DEPTH (iterations loaded ahead) must be 1 or 2, got {depth}")
     _frag_kernel[(blocks, split)](
         x, frags, s, ws, y, cnt,
         m, n, gk, per, x.stride(0), y.stride(0),
         FP8=kind == "fp8", NB=nb, BSCALE=bscale, WARPS=warps, REPS=reps, SPLIT_K=split > 1, ACT=code,
-        FOLD=fold, ASM=asm, CONS=cons, num_warps=warps, num_stages=1, **pdl_launch(use_pdl),
+        FOLD=fold, ASM=asm, CONS=cons, DEPTH=depth, num_warps=warps, num_stages=1, **pdl_launch(use_pdl),
     )
     return y
 

@@ -512,7 +512,7 @@ def _mode6_cfg(kind: str, x: torch.Tensor, n: int, k: int, override: dict | None
         cfg = TF.default_config(kind, n, k, m, _num_sms(x.device))
         cfg.update(override)
         return cfg
-    if m > SMALL_M_MAX or _INTERPRET or not x.is_cuda:
+    if m > SMALL_M_MAX or _INTERPRET or not x.is_cuda or not REPACK:  # MODE 6 repacks like MODE 4
         return None
     mb = triton.next_power_of_2(m)
     tuned = next((MODE6_TUNED[(kind, n, k, b)] for b in (mb, 2 * mb, 4 * mb) if (kind, n, k, b) in MODE6_TUNED),
@@ -958,9 +958,9 @@ def interleave_words(codes: torch.Tensor, bits: int, ilv_codes: int) -> torch.Te
     return words.to(torch.int32).reshape(n, -1).contiguous()
 
 
-# The MODE 4 repack keeps a second copy of each weight that runs it (0.5 B/param for INT4, 1 B/param for
-# INT8/FP8). ``INFERCORE_WO_REPACK=0`` (or setting this False) trades that memory for speed: decode-sized
-# calls then take the tensor-core path (MODE 2) on the stored layout.
+# The MODE 4 and MODE 6 repacks keep a second copy of each weight that runs them (0.5 B/param for INT4,
+# 1 B/param for INT8/FP8). ``INFERCORE_WO_REPACK=0`` (or setting this False) trades that memory for speed:
+# decode-sized calls then take the tensor-core paths (MODE 5, else MODE 2) on the stored layout.
 REPACK = os.environ.get("INFERCORE_WO_REPACK", "1") != "0"
 
 

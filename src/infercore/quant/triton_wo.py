@@ -485,7 +485,7 @@ SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
 # MODE 6 (``triton_frag``: weights stored as MMA fragments) where the H200 sweep measured it faster than
 # the table above (results/h200/sweeps/sweep_frag.json, ``python benchmarks/sweep_frag.py``): INT4 at
 # M <= 4 on the MLP shapes (gate_up 28672x4096 M=1: 28.1 vs 34.9 us; fused with SiLU 29.0 vs 35.7 us).
-# It lost on the attention shapes (qkv, o_proj), at M = 16 and for FP8, which keep MODEs 4 / 5.
+# It lost on o_proj, at M = 16 and for FP8, which keep MODEs 4 / 5.
 # Shapes not listed use MODE 6 with ``TF.default_config`` only when MODE6_DEFAULT is set.
 MODE6_TUNED: dict[tuple[str, int, int, int], dict] = {
     ("int4", 14336, 4096, 1): {'WARPS': 4, 'REPS': 4, 'SPLIT': 2},
@@ -494,6 +494,9 @@ MODE6_TUNED: dict[tuple[str, int, int, int], dict] = {
     ("int4", 28672, 4096, 4): {'WARPS': 4, 'REPS': 4, 'SPLIT': 1},
     ("int4", 4096, 14336, 1): {'WARPS': 4, 'REPS': 4, 'SPLIT': 8},
     ("int4", 4096, 14336, 4): {'WARPS': 4, 'REPS': 4, 'SPLIT': 8},
+    # two iterations of loads in flight (sweeps/sweep_frag_depth.json): qkv 10.9 / 12.4 us vs MODE 4 11.3 / 13.8
+    ("int4", 6144, 4096, 1): {'WARPS': 2, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
+    ("int4", 6144, 4096, 4): {'WARPS': 2, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
 }
 MODE6_DEFAULT = False
 

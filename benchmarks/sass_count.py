@@ -8,6 +8,7 @@ here may differ from the GPU machine's).
     python benchmarks/sass_count.py                       # MODE 4, int4 and fp8, the tuned M = 1 tiles
     python benchmarks/sass_count.py --kind int4 --block-n 4 --block-k 4096 --warps 4 --stages 1
     python benchmarks/sass_count.py --mode 5              # MODE 5, the default 128 x 128 tile (M <= 16)
+    python benchmarks/sass_count.py --mode 6 --warps 4 --reps 4 --depth 1   # MODE 6 (triton_frag), M <= 8
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from infercore.quant import triton_frag as TF
 from infercore.quant import triton_wo as TW
 
 
@@ -66,6 +68,17 @@ def compile_words(kind: str, block_n: int, block_k: int, warps: int, stages: int
     return _compile(TW._words_small_kernel, ptr, _sizes("k_per_split"), ce, warps, stages)
 
 
+def compile_frag(kind: str, warps: int, reps: int, depth: int):
+    """MODE 6 (``triton_frag._frag_kernel``) for bf16 activations, M <= 8 (one B fragment), split-K on."""
+    asm, cons = TF._asm(kind, 1, False, False)
+    ptr = {"x_ptr": "*bf16", "qw_ptr": "*i32" if kind == "int4" else "*i64",
+           "s_ptr": "*i64" if kind == "int4" else "*fp32", "ws_ptr": "*fp32", "y_ptr": "*bf16", "cnt_ptr": "*i32"}
+    ce = dict(FP8=kind == "fp8", NB=1, BSCALE=False, WARPS=warps, REPS=reps, SPLIT_K=True, ACT=0, FOLD=1.0, ASM=asm,
+              CONS=cons, DEPTH=depth, USE_PDL=False)
+    sizes = ("M", "N", "G", "iters_per_split", "stride_xm", "stride_ym")
+    return _compile(TF._frag_kernel, ptr, sizes, ce, warps, 1)
+
+
 def largest_loop(sass: str) -> collections.Counter:
     rows = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]+)\*/\s+([^;]*);", sass)]
     best = collections.Counter()
@@ -82,17 +95,23 @@ def largest_loop(sass: str) -> collections.Counter:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", type=int, choices=[4, 5], default=4)
+    ap.add_argument("--mode", type=int, choices=[4, 5, 6], default=4)
     ap.add_argument("--kind", choices=["int4", "fp8"], default=None)
     ap.add_argument("--block-n", type=int, default=None)
     ap.add_argument("--block-k", type=int, default=None, help="codes per tile")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=4, help="MODE 6: repetitions per iteration")
+    ap.add_argument("--depth", type=int, default=1, help="MODE 6: iterations of loads in flight")
     args = ap.parse_args()
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     for kind in [args.kind] if args.kind else ["int4", "fp8"]:
         cpw = 8 if kind == "int4" else 4
-        if args.mode == 5:
+        if args.mode == 6:
+            c = compile_frag(kind, args.warps, args.reps, args.depth)
+            # per thread and iteration: REPS 16-byte loads, 32 INT4 or 16 FP8 codes each
+            block_n, block_k, stages = args.warps * 32, args.reps * (32 if kind == "int4" else 16), 1
+        elif args.mode == 5:
             block_n, block_k, stages = args.block_n or 128, args.block_k or 128, args.stages or 3
             c = compile_words(kind, block_n, block_k, args.warps, stages)
         else:
@@ -104,10 +123,14 @@ def main() -> None:
             f.write(c.asm["cubin"])
             f.flush()
             sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+            usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
         ops = largest_loop(sass)
         codes_per_thread = block_n * block_k / (args.warps * 32)
         n = sum(ops.values())
-        print(f"MODE {args.mode} {kind} BLOCK_N={block_n} BLOCK_K={block_k} warps={args.warps} stages={stages}: "
+        regs = re.search(r"REG:(\d+)", usage)
+        label = (f"reps={args.reps} depth={args.depth}" if args.mode == 6
+                 else f"BLOCK_N={block_n} BLOCK_K={block_k} stages={stages}")
+        print(f"MODE {args.mode} {kind} {label} warps={args.warps}: {regs.group(1) if regs else '?'} registers, "
               f"{n} instructions per iteration, {n / codes_per_thread:.2f} per code; top: {ops.most_common(8)}")
 
 

@@ -22,17 +22,25 @@ Layout (``pack_int4`` / ``pack_fp8``; ``C`` channel tiles of 16 output channels 
 
 Decode (two codes per instruction, exact): INT4 ``((w >> 4j) & 0x000F000F) | MAGIC`` is
 ``B + q`` (B = 128 in bf16, 1024 in fp16) in both halves; a second MMA with the constant fragment
-``-(B + z)`` subtracts the zero point inside the fp32 accumulation, and the group scale (fp32) is
+``-(B + z)`` subtracts the zero point inside the fp32 accumulation, and the group scale (fp32,
+carrying z in its 4 low mantissa bits: one 8-byte word per lane for channels g and g + 8) is
 applied per chunk by 4 FMAs. FP8 e4m3: the byte's sign to bit 15 and its other 7 bits under the
 16-bit float's exponent LSB (the value times 2**-120 in bf16, 2**-8 in fp16, folded into the scale),
 accumulated straight into the MMA's C; per-channel scales apply once at the end, 128x128 block
 scales per chunk. No FP8 instruction is used, so the FP8 path runs on sm80 too.
 
-The warps of a program take different chunks (K), so their partial sums are added once at the end;
+The K loop keeps ``DEPTH`` (1 or 2) iterations of loads in flight in loop-carried registers (Triton
+does not stage loads that feed no ``tl.dot`` through shared memory, and ptxas sinks a one-ahead
+prefetch to the end of the loop body). The warps of a program take different chunks (K), so their
+partial sums are added once at the end;
 split-K programs land fp32 partials in a workspace that the last program of each channel block
 sums (one launch). ``ACT`` fuses the gated activation of a merged ``[gate; up]`` weight: the repack
 puts gate rows in the first half of each program's channel tiles and the matching up rows in the
 second, so both halves of an output meet in one thread.
+
+Measured on the H200 (docs/quantization.md, results/h200/quant_wo_mode6.json): faster than MODEs
+4 / 5 for INT4 at M <= 4 on the 8B MLP and qkv shapes (dispatched by ``triton_wo.MODE6_TUNED``),
+slower for FP8, at M = 16 and on 4096x4096.
 
 The kernel is GPU-only (inline PTX; sm80+). ``emulate`` replays the fragment arithmetic in torch
 (the PTX fragment tables written out independently of the packers) so the CPU tests check the

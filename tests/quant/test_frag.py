@@ -76,3 +76,17 @@ def test_ptx_variants_name_every_operand():
                 asm, cons = TF.fp8_asm(nb, f16, bs)
                 n_ops = len(cons.split(","))
                 assert f"${n_ops - 1}" in asm and f"${n_ops}" not in asm
+
+
+def test_mode6_request_where_it_cannot_run_raises():
+    from infercore.quant import triton_wo as TW
+
+    w = IntWeight.quantize(torch.randn(64, 256), bits=4, group_size=128)
+    x = torch.randn(1, 256)  # CPU, fp32: no fragment kernel here
+    with pytest.raises(ValueError, match="MODE 6"):
+        TW.wq_matmul_triton(x, w, config={"MODE": 6})
+    fw = FP8Weight.quantize(torch.randn(64, 256))
+    with pytest.raises(ValueError, match="MODE 6"):
+        TW.fp8_wo_matmul_triton(x, fw, config={"MODE": 6})
+    # the dispatcher never picks MODE 6 off the GPU
+    assert TW._mode6_cfg("int4", x, 14336, 4096, None, lambda: True) is None

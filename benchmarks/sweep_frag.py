@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import case, rel_err, time_graph, write_results  # noqa: E402
 from sweep_quant_wo import SHAPES, WORKING_SET, copy_bandwidth, make_weights, tinygemm_calls  # noqa: E402
 
-from infercore.quant import triton_wo as TW  # noqa: E402
+from infercore.quant import triton_frag as TF  # noqa: E402
 
 # (warps, repetitions per iteration). The run behind quant_wo_mode6.json also tried an L2 bulk prefetch
 # 2-4 iterations ahead ("PF", since removed: it measured 0-8% slower); its rows keep that key.
@@ -112,7 +112,8 @@ def main() -> None:  # noqa: C901 (one linear script)
                 if not res:
                     continue
                 us, cfg = min(res, key=lambda r: r[0])
-                full = TW._small_cfg(kind, n, k, m, 128, x.device, cfg)
+                full = {**TF.default_config(kind, n, k, m, torch.cuda.get_device_properties(0).multi_processor_count),
+                        **cfg}
                 flops = 2 * m * n * k
                 tf = lambda t: flops / (t * 1e-6) / 1e12
                 best[key] = {"config": full, "us": us, "floor_us": floor_us, "peers_us": peers}

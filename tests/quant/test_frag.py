@@ -90,3 +90,24 @@ def test_mode6_request_where_it_cannot_run_raises():
         TW.fp8_wo_matmul_triton(x, fw, config={"MODE": 6})
     # the dispatcher never picks MODE 6 off the GPU
     assert TW._mode6_cfg("int4", x, 14336, 4096, None, lambda: True) is None
+
+
+def test_launch_checks_its_inputs_naming_the_argument():
+    w = IntWeight.quantize(torch.randn(128, 256), bits=4, group_size=128)
+    words, sz = TF.pack_int4(w.codes(), w.scales, w.zeros, 128)
+    cfg = {"WARPS": 4, "REPS": 2}
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    # a well-formed call gets past the shape checks and stops at the device (no fragment kernel on the CPU)
+    with pytest.raises(ValueError, match="x: MODE 6 needs a CUDA"):
+        TF.launch(x, "int4", words, 128, cfg, s=sz)
+    fw = FP8Weight.quantize(torch.randn(64, 256))
+    with pytest.raises(ValueError, match="x: MODE 6 needs a CUDA"):
+        TF.launch(x, "fp8", TF.pack_fp8(fw.qweight), 64, cfg, s=fw.scales, fold=2.0**120)
+    with pytest.raises(ValueError, match="frags"):
+        TF.launch(x, "int4", words.to(torch.int64), 128, cfg, s=sz)
+    with pytest.raises(ValueError, match="n:"):
+        TF.launch(x, "int4", words, 96, cfg, s=sz)
+    with pytest.raises(ValueError, match=r"x: expected \[M, 256\]"):
+        TF.launch(torch.randn(2, 128, dtype=torch.bfloat16), "int4", words, 128, cfg, s=sz)
+    with pytest.raises(ValueError, match="kind"):
+        TF.launch(x, "int8", words, 128, cfg, s=sz)

@@ -57,6 +57,7 @@ import triton.language as tl
 
 from ..ops.linear.triton import ACTIVATIONS, _act_mul
 from ..ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
+from ._splitk import arrival_counters
 
 KSTEP = 128  # K per group step: 8 chunks of 16
 MAX_M = 16
@@ -382,31 +383,28 @@ def _frag_kernel(
     (w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1) = _frag_iter_loads(
         wp, tl.minimum(it0, n_iters - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows, s_ptr,
         zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
-    if DEPTH == 1:
-        for it in range(it0, it1):
-            (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = _frag_iter_loads(
-                wp, tl.minimum(it + 1, it1 - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2,
-                sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
-            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_iter_mma(
-                w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1, a0, a1, a2, a3, a4, a5, a6, a7, zero,
-                FP8, BSCALE, NB, WARPS, REPS, ASM, CONS)
-            w0, w1, w2, w3, xa0, xa1, xa2, xa3 = n0, n1, n2, n3, na0, na1, na2, na3
-            xb0, xb1, xb2, xb3, s0, s1 = nb0, nb1, nb2, nb3, ns0, ns1
-    else:
+    # the set after it (DEPTH 2); with DEPTH 1 a copy of the first, never read
+    (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = (
+        w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1)
+    if DEPTH == 2:
         (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = _frag_iter_loads(
             wp, tl.minimum(it0 + 1, n_iters - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2,
             sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
-        for it in range(it0, it1):
-            (m0, m1, m2, m3, ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3, ms0, ms1) = _frag_iter_loads(
-                wp, tl.minimum(it + 2, it1 - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2,
-                sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
-            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_iter_mma(
-                w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1, a0, a1, a2, a3, a4, a5, a6, a7, zero,
-                FP8, BSCALE, NB, WARPS, REPS, ASM, CONS)
+    for it in range(it0, it1):
+        (m0, m1, m2, m3, ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3, ms0, ms1) = _frag_iter_loads(
+            wp, tl.minimum(it + DEPTH, it1 - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2,
+            sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_iter_mma(
+            w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1, a0, a1, a2, a3, a4, a5, a6, a7, zero,
+            FP8, BSCALE, NB, WARPS, REPS, ASM, CONS)
+        if DEPTH == 2:  # rotate: the next set becomes current, the one just issued becomes next
             w0, w1, w2, w3, xa0, xa1, xa2, xa3 = n0, n1, n2, n3, na0, na1, na2, na3
             xb0, xb1, xb2, xb3, s0, s1 = nb0, nb1, nb2, nb3, ns0, ns1
             n0, n1, n2, n3, na0, na1, na2, na3 = m0, m1, m2, m3, ma0, ma1, ma2, ma3
             nb0, nb1, nb2, nb3, ns0, ns1 = mb0, mb1, mb2, mb3, ms0, ms1
+        else:
+            w0, w1, w2, w3, xa0, xa1, xa2, xa3 = m0, m1, m2, m3, ma0, ma1, ma2, ma3
+            xb0, xb1, xb2, xb3, s0, s1 = mb0, mb1, mb2, mb3, ms0, ms1
     r0 = _lane_sum(a0, WARPS, CT)
     r1 = _lane_sum(a1, WARPS, CT)
     r2 = _lane_sum(a2, WARPS, CT)
@@ -653,12 +651,11 @@ def _decode_lane(word: int, kind: str, f16: bool) -> list[float]:
 # id(qweight) -> (weak ref, {(kind, dtype, act): packed tensors}); entries leave with their qweight.
 _PACKS: dict[int, tuple[weakref.ref, dict]] = {}
 _ASM: dict[tuple, tuple[str, str]] = {}
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def packed(qweight: torch.Tensor, key: tuple, make):
-    """The fragment repack of ``qweight`` for ``key`` (made once, kept while ``qweight`` lives).
-    Not made during CUDA-graph capture (the first eager call makes it)."""
+    """``make()``'s repack of ``qweight`` for ``key`` (made once, kept while ``qweight`` lives), or None
+    during CUDA-graph capture when it does not exist yet (the first eager call makes it)."""
     ent = _PACKS.get(id(qweight))
     if ent is None or ent[0]() is not qweight:
         if torch.cuda.is_current_stream_capturing():
@@ -675,7 +672,8 @@ def packed(qweight: torch.Tensor, key: tuple, make):
 
 
 def supported(x: torch.Tensor) -> bool:
-    """MODE 6 runs CUDA sm80+ with 16-bit activations whose rows are 8-byte aligned, M <= 16."""
+    """Whether MODE 6 can take activations ``x [M, K]``: CUDA sm80+, bf16/fp16, ``M <= 16``, unit column
+    stride, rows 8-byte aligned."""
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] > MAX_M:
         return False
     if x.stride(-1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8:
@@ -690,17 +688,10 @@ def _asm(kind: str, nb: int, f16: bool, bscale: bool) -> tuple[str, str]:
     return _ASM[key]
 
 
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
-
-
 def default_config(kind: str, n: int, k: int, m: int, num_sms: int) -> dict:
-    """Warps (chunks in flight per program), repetitions per iteration and split-K: split until the
-    programs cover the multiprocessors ~3 times, keeping >= 2 iterations per split."""
+    """Launch config for shapes the sweep did not tune (``[N, K]`` weight, ``m`` rows, unused so far):
+    4 warps x 4 repetitions, split-K until the programs cover the multiprocessors ~3 times while
+    keeping >= 2 iterations per split."""
     warps, reps = 4, 4
     blocks = n // (64 if kind == "int4" else 32)
     iters = k // (KSTEP * warps * reps // 8)
@@ -713,7 +704,29 @@ def default_config(kind: str, n: int, k: int, m: int, num_sms: int) -> dict:
 def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *, s: torch.Tensor,
            bscale: bool = False, fold: float = 1.0,
            act: str | None = None) -> torch.Tensor:
-    """Run MODE 6: ``x [M, K]`` times the packed weights -> ``[M, N]`` (``[M, N/2]`` with ``act``)."""
+    """Run MODE 6: ``x [M, K]`` (bf16/fp16, M <= 16, CUDA) times packed weights -> ``[M, N]`` in
+    ``x.dtype`` (``[M, N/2]`` with ``act``, a merged ``[gate; up]`` weight packed with ``act=True``).
+
+    ``kind`` "int4": ``frags`` int32 ``[N/64, K/128, 8, 32, 4]`` and ``s`` int64 ``[N/64, K/128, 8, 4]``
+    from :func:`pack_int4`; "fp8": ``frags`` int64 ``[N/32, K/128, 8, 32, 2]`` from :func:`pack_fp8`, ``s``
+    fp32 per-channel scales ``[N]`` (packed row order) or, with ``bscale``, :func:`pack_fp8_block_scales`;
+    ``fold`` the decode's power of two (2**120 bf16, 2**8 fp16). ``cfg``: WARPS, REPS, SPLIT, DEPTH."""
+    if kind not in ("int4", "fp8"):
+        raise ValueError(f"kind: expected 'int4' or 'fp8', got {kind!r}")
+    ct = 4 if kind == "int4" else 2
+    want = torch.int32 if kind == "int4" else torch.int64
+    if frags.dtype != want or frags.dim() != 5 or tuple(frags.shape[2:]) != (8, 32, ct):
+        raise ValueError(f"frags: expected {want} [N/{16 * ct}, K/128, 8, 32, {ct}], got {frags.dtype} "
+                         f"{tuple(frags.shape)}")
+    if n != frags.shape[0] * 16 * ct:
+        raise ValueError(f"n: {n} does not match frags, which hold {frags.shape[0] * 16 * ct} channels")
+    if x.dim() != 2 or x.shape[1] != frags.shape[1] * KSTEP:
+        raise ValueError(f"x: expected [M, {frags.shape[1] * KSTEP}], got {tuple(x.shape)}")
+    if not supported(x):
+        raise ValueError("x: MODE 6 needs a CUDA (sm80+) bf16/fp16 tensor with M <= 16, unit column stride and "
+                         f"8-byte aligned rows; got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"act: expected one of {sorted(a for a in ACTIVATIONS if a)} or None, got {act!r}")
     m = x.shape[0]
     nb = 1 if m <= 8 else 2
     warps, reps = cfg["WARPS"], cfg["REPS"]
@@ -733,7 +746,7 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
     y = torch.empty((m, n // 2 if code else n), dtype=x.dtype, device=x.device)
     via_ws = split > 1 or code != 0
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if via_ws else y
-    cnt = _counters(x.device, blocks) if split > 1 else y
+    cnt = arrival_counters(x.device, blocks) if split > 1 else y
     use_pdl = pdl_enabled(x)
     depth = int(cfg.get("DEPTH", 1))
     if depth not in (1, 2):
@@ -748,7 +761,9 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
 
 
 def int4_ok(x: torch.Tensor, w, act: str | None) -> bool:
-    """Whether MODE 6 can run this INT4 weight (``formats.IntWeight``) for ``x``."""
+    """Whether MODE 6 can run INT4 ``w`` (``formats.IntWeight``, logical ``[N, K]``) for ``x [M, K]``:
+    4-bit codes, group a multiple of 128 (or one per channel), K unpadded and a multiple of 128,
+    ``N % 64 == 0`` (``N/2 % 32`` with ``act``), and :func:`supported` ``x``."""
     n, k = w.shape
     kp = w.padded_in_features
     group_ok = w.group_size % KSTEP == 0 or w.scales.shape[1] == 1
@@ -757,15 +772,18 @@ def int4_ok(x: torch.Tensor, w, act: str | None) -> bool:
 
 
 def fp8_ok(x: torch.Tensor, w, act: str | None) -> bool:
-    """Whether MODE 6 can run this FP8 weight (``formats.FP8Weight``) for ``x``."""
+    """Whether MODE 6 can run FP8 ``w`` (``formats.FP8Weight``, e4m3 ``[N, K]``) for ``x [M, K]``:
+    ``K % 128 == 0``, ``N % 32 == 0`` (``N/2 % 16`` with ``act``), per-channel or 128x128 block
+    scales, and :func:`supported` ``x``."""
     n, k = w.shape
     return (k % KSTEP == 0 and n % 32 == 0 and w.block_size in (None, KSTEP)
             and (act is None or (n // 2) % 16 == 0) and supported(x))
 
 
 def int4_matmul(x: torch.Tensor, w, cfg: dict, act: str | None = None) -> torch.Tensor | None:
-    """``x @ w^T`` (``act``: the gated epilogue) through MODE 6, or None when the repack cannot be
-    made now (first call inside a CUDA-graph capture)."""
+    """``x [M, K]`` (bf16/fp16) times INT4 ``w`` (logical ``[N, K]``; :func:`int4_ok` holds) through
+    MODE 6 -> ``[M, N]`` in ``x.dtype`` (``[M, N/2]`` = ``act(gate) * up`` with ``act``), or None when
+    the repack cannot be made now (first call inside a CUDA-graph capture)."""
     group = w.group_size if w.scales.shape[1] != 1 else w.padded_in_features
     key = ("int4", act is not None)
     p = packed(w.qweight, key, lambda: pack_int4(w.codes(), w.scales, w.zeros, group, act is not None))
@@ -776,7 +794,8 @@ def int4_matmul(x: torch.Tensor, w, cfg: dict, act: str | None = None) -> torch.
 
 
 def fp8_matmul(x: torch.Tensor, w, cfg: dict, act: str | None = None) -> torch.Tensor | None:
-    """``x @ w^T`` for emulated-FP8 ``w`` through MODE 6 (None as in :func:`int4_matmul`)."""
+    """``x [M, K]`` (bf16/fp16) times emulated-FP8 ``w`` (e4m3 ``[N, K]``; :func:`fp8_ok` holds) through
+    MODE 6, shapes and None as in :func:`int4_matmul`."""
     n, k = w.shape
     fused = act is not None
     bscale = w.block_size is not None

@@ -39,6 +39,7 @@ from ..ops.activation import GATED_ACTS, gated_act_and_mul
 from ..ops.linear.triton import ACTIVATIONS, _act_mul
 from ..ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
 from . import triton_frag as TF
+from ._splitk import arrival_counters
 from .formats import FP8_BLOCK, FP8Weight, GGUFWeight, IntWeight
 from .gguf import BLOCK_BYTES
 
@@ -483,10 +484,9 @@ SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
 
 
 # MODE 6 (``triton_frag``: weights stored as MMA fragments) where the H200 sweep measured it faster than
-# the table above (results/h200/sweeps/sweep_frag.json, ``python benchmarks/sweep_frag.py``): INT4 at
-# M <= 4 on the MLP shapes (gate_up 28672x4096 M=1: 28.1 vs 34.9 us; fused with SiLU 29.0 vs 35.7 us).
-# It lost on o_proj, at M = 16 and for FP8, which keep MODEs 4 / 5.
-# Shapes not listed use MODE 6 with ``TF.default_config`` only when MODE6_DEFAULT is set.
+# the table above (``python benchmarks/sweep_frag.py``: results/h200/quant_wo_mode6.json and
+# sweeps/sweep_frag_depth.json): INT4 at M <= 4 on the MLP and qkv shapes (gate_up 28672x4096 M=1: 28.1 vs
+# 34.9 us; fused with SiLU 29.0 vs 35.7 us). It lost on o_proj, at M = 16 and for FP8, which keep MODEs 4 / 5.
 MODE6_TUNED: dict[tuple[str, int, int, int], dict] = {
     ("int4", 14336, 4096, 1): {'WARPS': 4, 'REPS': 4, 'SPLIT': 2},
     ("int4", 14336, 4096, 4): {'WARPS': 4, 'REPS': 4, 'SPLIT': 2},
@@ -498,13 +498,12 @@ MODE6_TUNED: dict[tuple[str, int, int, int], dict] = {
     ("int4", 6144, 4096, 1): {'WARPS': 2, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
     ("int4", 6144, 4096, 4): {'WARPS': 2, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
 }
-MODE6_DEFAULT = False
 
 
 def _mode6_cfg(kind: str, x: torch.Tensor, n: int, k: int, override: dict | None, runnable) -> dict | None:
-    """The MODE 6 launch config when MODE 6 runs this call (``override`` MODE 6, or the tuned table /
-    default for M <= 16 when ``runnable()``), else None. An override asking for MODE 6 where it
-    cannot run raises."""
+    """The MODE 6 launch config when MODE 6 runs this call (``override`` MODE 6, or a ``MODE6_TUNED``
+    entry for this shape and M bucket when ``runnable()``), else None. An override asking for MODE 6
+    where it cannot run raises."""
     m = x.shape[0]
     if override is not None:
         if override.get("MODE") != 6:
@@ -512,27 +511,29 @@ def _mode6_cfg(kind: str, x: torch.Tensor, n: int, k: int, override: dict | None
         if not runnable():
             raise ValueError("config: MODE 6 cannot run here (CUDA sm80+, 16-bit activations, M <= 16, "
                              "and the weight shape / group the fragment layout needs)")
-        cfg = TF.default_config(kind, n, k, m, _num_sms(x.device))
-        cfg.update(override)
-        return cfg
+        return {**TF.default_config(kind, n, k, m, _num_sms(x.device)), **override}
     if m > SMALL_M_MAX or _INTERPRET or not x.is_cuda or not REPACK:  # MODE 6 repacks like MODE 4
         return None
     mb = triton.next_power_of_2(m)
     tuned = next((MODE6_TUNED[(kind, n, k, b)] for b in (mb, 2 * mb, 4 * mb) if (kind, n, k, b) in MODE6_TUNED),
                  None)
-    if tuned is None and not MODE6_DEFAULT:
+    if tuned is None or not runnable():
         return None
-    if not runnable():
-        return None
-    cfg = TF.default_config(kind, n, k, m, _num_sms(x.device))
-    cfg.update(tuned or {})
-    return cfg
+    return {**TF.default_config(kind, n, k, m, _num_sms(x.device)), **tuned}
 
 
 def _run_mode6(kind: str, x: torch.Tensor, w, n: int, k: int, config: dict | None, act: str | None, ok, run):
-    """MODE 6's result when it runs this call (see ``_mode6_cfg``), else None."""
+    """MODE 6's result when it runs this call (see ``_mode6_cfg``), else None (the caller's other
+    kernels run). Its repack is made on a first eager call: a call captured into a CUDA graph before
+    one falls back, unless MODE 6 was asked for by ``config``, which then raises."""
     cfg = _mode6_cfg(kind, x, n, k, config, lambda: ok(x, w, act))
-    return run(x, w, cfg, act) if cfg is not None else None
+    if cfg is None:
+        return None
+    y = run(x, w, cfg, act)
+    if y is None and config is not None:
+        raise ValueError("config: MODE 6's weight repack is made on the first eager call; run one before "
+                         "capturing a CUDA graph")
+    return y
 
 
 def _small_cfg(kind: str, n: int, kp: int, m: int, kmax: int, device: torch.device,
@@ -545,11 +546,8 @@ def _small_cfg(kind: str, n: int, kp: int, m: int, kmax: int, device: torch.devi
     num_warps, num_stages.
     """
     mb = triton.next_power_of_2(m)
-    if override is not None and override.get("MODE") == 6:
-        return {**TF.default_config(kind, n, kp, m, _num_sms(device) if device.type == "cuda" else 1),
-                **override}
     if override is not None:
-        if override.get("MODE") not in (1, 2, 4, 5):
+        if override.get("MODE") not in (1, 2, 4, 5):  # MODE 6 is taken before (``_run_mode6``)
             raise ValueError(f"config: MODE must be 1, 2, 4, 5 or 6, got {override.get('MODE')!r}")
         cfg = dict(override)
     elif _INTERPRET:
@@ -911,22 +909,6 @@ def _gemv4_kernel(
         _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for the in-kernel split-K reduction (reset by the kernel).
-
-    One buffer per device: launches on one stream are ordered, so they may share it. Allocate
-    before CUDA-graph capture (the first decode call does) so the graph does not own it.
-    """
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < n:
-        c = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[device] = c
-    return c
-
-
 def _gemv_split(n_tiles: int, kw: int, bkw: int, device: torch.device, split: int) -> tuple[int, int]:
     """Split count and words per split: ~2 programs per SM unless ``split`` is given (> 0)."""
     if split <= 0:
@@ -1007,7 +989,7 @@ def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: to
         cfg["SPLIT"] = split
     y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    cnt = _counters(x.device, tiles) if split > 1 else y
+    cnt = arrival_counters(x.device, tiles) if split > 1 else y
     even = kw % per == 0 and per % bkw == 0
     _gemv4_kernel[(tiles, split)](
         x, words, s, z, ws, y, cnt, m, n, k, kw, per, x.stride(0), words.stride(0), stride_sn, y.stride(0),
@@ -1158,7 +1140,7 @@ def _launch_words(x: torch.Tensor, qweight: torch.Tensor, s: torch.Tensor, z: to
     tiles = triton.cdiv(n, cfg["BLOCK_N"])
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    cnt = _counters(x.device, tiles) if split > 1 else y
+    cnt = arrival_counters(x.device, tiles) if split > 1 else y
     even = n % cfg["BLOCK_N"] == 0 and k == kdim and kdim % kps == 0 and kps % bk == 0
     _words_small_kernel[(tiles, split)](
         x, qweight, s, z, ws, y, cnt, m, n, k, kdim // cpw, kps, x.stride(0), qweight.stride(0) // 4, s.stride(0),

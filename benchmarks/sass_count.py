@@ -44,7 +44,7 @@ def _compile(fn, ptr: dict, sizes: tuple[str, ...], ce: dict, warps: int, stages
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
-def compile_gemv4(kind: str, block_n: int, block_kw: int, warps: int, stages: int, pipe: int = 1):
+def compile_gemv4(kind: str, block_n: int, block_kw: int, warps: int, stages: int):
     """MODE 4 (``_gemv4_kernel``) for one bf16 row, whole tiles, no split-K."""
     ptr = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16" if kind == "int4" else "*fp32", "z_ptr": "*bf16",
            "ws_ptr": "*fp32", "y_ptr": "*bf16", "cnt_ptr": "*i32"}
@@ -53,7 +53,7 @@ def compile_gemv4(kind: str, block_n: int, block_kw: int, warps: int, stages: in
     else:
         ce = dict(FP8=True, BITS=8, ILV=32, SCALE_WORDS=32, SCALE_ROWS=0, HAS_ZEROS=False)
     ce.update(SPLIT_K=False, EVEN=True, XMASK=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_KW=block_kw, ACT=0,
-              PIPE=pipe, USE_PDL=False)  # fmt: skip
+              USE_PDL=False)  # fmt: skip
     return _compile(TW._gemv4_kernel, ptr, _sizes("kw_per_split"), ce, warps, stages)
 
 
@@ -68,13 +68,13 @@ def compile_words(kind: str, block_n: int, block_k: int, warps: int, stages: int
     return _compile(TW._words_small_kernel, ptr, _sizes("k_per_split"), ce, warps, stages)
 
 
-def compile_frag(kind: str, warps: int, reps: int, depth: int, stages: int = 0):
+def compile_frag(kind: str, warps: int, reps: int, depth: int):
     """MODE 6 (``triton_frag._frag_kernel``) for bf16 activations, M <= 8 (one B fragment), split-K on."""
     asm, cons = TF._asm(kind, 1, False, False)
     ptr = {"x_ptr": "*bf16", "qw_ptr": "*i32" if kind == "int4" else "*i64",
            "s_ptr": "*i64" if kind == "int4" else "*fp32", "ws_ptr": "*fp32", "y_ptr": "*bf16", "cnt_ptr": "*i32"}
     ce = dict(FP8=kind == "fp8", NB=1, BSCALE=False, WARPS=warps, REPS=reps, SPLIT_K=True, ACT=0, FOLD=1.0, ASM=asm,
-              CONS=cons, DEPTH=depth, STAGES=stages, USE_PDL=False)
+              CONS=cons, DEPTH=depth, USE_PDL=False)
     sizes = ("M", "N", "G", "iters_per_split", "stride_xm", "stride_ym")
     return _compile(TF._frag_kernel, ptr, sizes, ce, warps, 1)
 
@@ -108,9 +108,9 @@ def main() -> None:
     for kind in [args.kind] if args.kind else ["int4", "fp8"]:
         cpw = 8 if kind == "int4" else 4
         if args.mode == 6:
-            c = compile_frag(kind, args.warps, args.reps, args.depth, args.stages or 0)
+            c = compile_frag(kind, args.warps, args.reps, args.depth)
             # per thread and iteration: REPS 16-byte loads, 32 INT4 or 16 FP8 codes each
-            block_n, block_k, stages = args.warps * 32, args.reps * (32 if kind == "int4" else 16), args.stages or 0
+            block_n, block_k, stages = args.warps * 32, args.reps * (32 if kind == "int4" else 16), 1
         elif args.mode == 5:
             block_n, block_k, stages = args.block_n or 128, args.block_k or 128, args.stages or 3
             c = compile_words(kind, block_n, block_k, args.warps, stages)
@@ -128,7 +128,7 @@ def main() -> None:
         codes_per_thread = block_n * block_k / (args.warps * 32)
         n = sum(ops.values())
         regs = re.search(r"REG:(\d+)", usage)
-        label = (f"reps={args.reps} depth={args.depth} stages={stages}" if args.mode == 6
+        label = (f"reps={args.reps} depth={args.depth}" if args.mode == 6
                  else f"BLOCK_N={block_n} BLOCK_K={block_k} stages={stages}")
         print(f"MODE {args.mode} {kind} {label} warps={args.warps}: {regs.group(1) if regs else '?'} registers, "
               f"{n} instructions per iteration, {n / codes_per_thread:.2f} per code; top: {ops.most_common(8)}")

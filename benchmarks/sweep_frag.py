@@ -40,22 +40,7 @@ from infercore.quant import triton_frag as TF  # noqa: E402
 # 2-4 iterations ahead ("PF", since removed: it measured 0-8% slower); its rows keep that key.
 # DEPTH: iterations whose loads are in flight ahead of the MMAs (1 or 2).
 TILES = ((4, 4, 1), (4, 4, 2), (4, 2, 2), (2, 4, 2), (8, 2, 2), (8, 1, 2))
-# --cands pipe: the K loop staged through shared memory by Triton's pipeliner (cp.async), STAGES - 1
-# iterations in flight: MODE 6 (warps, repetitions, STAGES) and, for M <= 4, MODE 4 (BLOCK_N, BLOCK_K
-# codes, warps, PIPE).
-PIPE6 = ((4, 4, 3), (4, 4, 4), (4, 2, 4), (4, 2, 6), (8, 2, 3), (8, 1, 4), (2, 4, 4), (2, 4, 6))
-PIPE4 = ((4, 1024, 4, 3), (4, 1024, 4, 4), (4, 512, 4, 6), (8, 512, 4, 4), (8, 1024, 4, 3), (4, 2048, 4, 3))
 MS = (1, 4, 16)
-
-
-def candidates(which: str, m: int) -> list[dict]:
-    if which == "depth":
-        return [{"MODE": 6, "WARPS": w, "REPS": r, "DEPTH": d} for w, r, d in TILES]
-    out = [{"MODE": 6, "WARPS": w, "REPS": r, "STAGES": st} for w, r, st in PIPE6]
-    if m <= 4:
-        out += [{"MODE": 4, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": 0, "num_warps": w, "num_stages": 1, "PIPE": p}
-                for bn, bk, w, p in PIPE4]
-    return out
 
 
 def main() -> None:  # noqa: C901 (one linear script)
@@ -64,8 +49,6 @@ def main() -> None:  # noqa: C901 (one linear script)
     ap.add_argument("--shapes", default="", help="comma-separated subset of shape names (default: all)")
     ap.add_argument("--kinds", default="int4,fp8")
     ap.add_argument("--budget-s", type=float, default=400.0)
-    ap.add_argument("--cands", choices=["depth", "pipe"], default="depth")
-    ap.add_argument("--ms", default="1,4,16")
     args = ap.parse_args()
     t0 = time.perf_counter()
     dev = "cuda"
@@ -87,7 +70,7 @@ def main() -> None:  # noqa: C901 (one linear script)
             copies = max(1, math.ceil(WORKING_SET / wb))
             q, qs, fn, qbytes = make_weights(kind, w, copies)
             wref = q.dequantize(torch.float32)
-            for m in [int(v) for v in args.ms.split(",")]:
+            for m in MS:
                 if time.perf_counter() - t0 > args.budget_s:
                     print("budget reached", flush=True)
                     break
@@ -121,24 +104,21 @@ def main() -> None:  # noqa: C901 (one linear script)
                     rows.append({"key": key, "config": cfg, "us": us, "rel_err": err})
                     res.append((us, cfg))
 
-                for cfg in candidates(args.cands, m):
-                    run(cfg)
+                for warps, reps, depth in TILES:
+                    run({"MODE": 6, "WARPS": warps, "REPS": reps, "DEPTH": depth})
                 for _, cfg in sorted(res, key=lambda r: r[0])[:2]:
                     for split in (1, 2, 4, 8):
                         run({**cfg, "SPLIT": split})
                 if not res:
                     continue
                 us, cfg = min(res, key=lambda r: r[0])
-                full = cfg
-                if cfg["MODE"] == 6:
-                    sms = torch.cuda.get_device_properties(0).multi_processor_count
-                    full = {**TF.default_config(kind, n, k, m, sms), **cfg}
+                full = {**TF.default_config(kind, n, k, m, torch.cuda.get_device_properties(0).multi_processor_count),
+                        **cfg}
                 flops = 2 * m * n * k
                 tf = lambda t: flops / (t * 1e-6) / 1e12
                 best[key] = {"config": full, "us": us, "floor_us": floor_us, "peers_us": peers}
                 label = "W4A16 g128" if kind == "int4" else "FP8 weight-only emulated"
-                cases.append(case(f"{label} MODE {full['MODE']} {sname} M={m}", metric="effective TFLOP/s",
-                                  unit="TFLOP/s",
+                cases.append(case(f"{label} MODE 6 {sname} M={m}", metric="effective TFLOP/s", unit="TFLOP/s",
                                   ours=tf(us), peers={p: tf(t) for p, t in peers.items()}, floor=tf(floor_us),
                                   ours_us=us, peers_us=peers, floor_us=floor_us, config=full,
                                   vs_bf16=peers["bf16 F.linear"] / us))
@@ -172,7 +152,7 @@ def main() -> None:  # noqa: C901 (one linear script)
             print(f"fused silu {kind} M={m}: {out}", flush=True)
     doc = write_results(args.out, "sweep_frag", torch.cuda.get_device_name(), cases)
     table = [f'    ("{kk.split(",")[0]}", {kk.split(",")[1]}, {kk.split(",")[2]}, {kk.split(",")[3]}): '
-             f'{ {c: v for c, v in b["config"].items() if c != "MODE" or v != 6} },'
+             f'{ {c: v for c, v in b["config"].items() if c in ("WARPS", "REPS", "SPLIT", "DEPTH")} },'
              for kk, b in best.items()]
     doc.update({"rows": rows, "best": best, "fused_act": fused, "table": table, "copy_bw_TBps": bw / 1e12,
                 "wall_s": time.perf_counter() - t0})

@@ -29,12 +29,15 @@ applied per chunk by 4 FMAs. FP8 e4m3: the byte's sign to bit 15 and its other 7
 accumulated straight into the MMA's C; per-channel scales apply once at the end, 128x128 block
 scales per chunk. No FP8 instruction is used, so the FP8 path runs on sm80 too.
 
-The K loop keeps ``DEPTH`` (1 or 2) iterations of loads in flight in loop-carried registers (Triton
-does not stage loads that feed no ``tl.dot`` through shared memory, and ptxas sinks a one-ahead
-prefetch to the end of the loop body). The warps of a program take different chunks (K), so their
-partial sums are added once at the end;
-split-K programs land fp32 partials in a workspace that the last program of each channel block
-sums (one launch). ``ACT`` fuses the gated activation of a merged ``[gate; up]`` weight: the repack
+The K loop keeps ``DEPTH`` (1 or 2) iterations of loads in flight in loop-carried registers (ptxas
+sinks a one-ahead prefetch to the end of the loop body, hence DEPTH 2). Triton stages loads that feed
+no ``tl.dot`` through shared memory (cp.async) only when the loop names ``num_stages``
+(``tl.range(..., num_stages=S)``); that variant, 2-5 iterations in flight, measured slower than this
+one on every Llama-8B shape, INT4 and FP8, M = 1 / 4 / 16 (commit fccaab0,
+results/h200/sweeps/sweep_frag_pipe_{int4,fp8}.json), as did MODE 4 staged the same way. The warps
+of a program take different chunks (K), so their partial sums are added once at the end; split-K
+programs land fp32 partials in a workspace that the last program of each channel block sums (one
+launch). ``ACT`` fuses the gated activation of a merged ``[gate; up]`` weight: the repack
 puts gate rows in the first half of each program's channel tiles and the matching up rows in the
 second, so both halves of an output meet in one thread.
 
@@ -328,49 +331,12 @@ def _frag_act_store(y_ptr, tot, j: tl.constexpr, pb, M, N, stride_ym, g, t, CT: 
 
 
 @triton.jit
-def _frag_loop_regs(wp, it0, it1, n_iters, pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows, s_ptr,
-                    zero, a0, a1, a2, a3, a4, a5, a6, a7, FP8: tl.constexpr, BSCALE: tl.constexpr, NB: tl.constexpr,
-                    R: tl.constexpr, CT: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr, GPI: tl.constexpr,
-                    ASM: tl.constexpr, CONS: tl.constexpr, DEPTH: tl.constexpr):
-    """The K loop of ``_frag_kernel`` with the loads kept in flight in registers (STAGES == 0)."""
-    # Software pipeline by hand: the loads of iterations it + 1 .. it + DEPTH are issued before iteration
-    # it's MMAs (loop-carried registers), so each warp keeps DEPTH iterations in flight while it decodes.
-    # (Triton does not pipeline these loads through shared memory: they feed no tl.dot.)
-    (w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1) = _frag_iter_loads(
-        wp, tl.minimum(it0, n_iters - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows, s_ptr,
-        zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
-    # the set after it (DEPTH 2); with DEPTH 1 a copy of the first, never read
-    (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = (
-        w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1)
-    if DEPTH == 2:
-        (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = _frag_iter_loads(
-            wp, tl.minimum(it0 + 1, n_iters - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2,
-            sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
-    for it in range(it0, it1):
-        (m0, m1, m2, m3, ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3, ms0, ms1) = _frag_iter_loads(
-            wp, tl.minimum(it + DEPTH, it1 - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2,
-            sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_iter_mma(
-            w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1, a0, a1, a2, a3, a4, a5, a6, a7, zero,
-            FP8, BSCALE, NB, WARPS, REPS, ASM, CONS)
-        if DEPTH == 2:  # rotate: the next set becomes current, the one just issued becomes next
-            w0, w1, w2, w3, xa0, xa1, xa2, xa3 = n0, n1, n2, n3, na0, na1, na2, na3
-            xb0, xb1, xb2, xb3, s0, s1 = nb0, nb1, nb2, nb3, ns0, ns1
-            n0, n1, n2, n3, na0, na1, na2, na3 = m0, m1, m2, m3, ma0, ma1, ma2, ma3
-            nb0, nb1, nb2, nb3, ns0, ns1 = mb0, mb1, mb2, mb3, ms0, ms1
-        else:
-            w0, w1, w2, w3, xa0, xa1, xa2, xa3 = m0, m1, m2, m3, ma0, ma1, ma2, ma3
-            xb0, xb1, xb2, xb3, s0, s1 = mb0, mb1, mb2, mb3, ms0, ms1
-    return a0, a1, a2, a3, a4, a5, a6, a7
-
-
-@triton.jit
 def _frag_kernel(
     x_ptr, qw_ptr, s_ptr, ws_ptr, y_ptr, cnt_ptr,
     M, N, G, iters_per_split, stride_xm, stride_ym,
     FP8: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr,
     SPLIT_K: tl.constexpr, ACT: tl.constexpr, FOLD: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr,
-    DEPTH: tl.constexpr = 1, STAGES: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
+    DEPTH: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
 ):
     """MODE 6. Grid ``(N / (16 CT), split)``. ``qw``: fragment words (int32 INT4 / int64 FP8) of
     ``pack_int4`` / ``pack_fp8``; INT4: ``s`` int64 ``[N / 64, G, 8, 4]`` (scale / zero-point words of
@@ -414,20 +380,34 @@ def _frag_kernel(
     a7 = tl.zeros([R, CT], dtype=tl.float32)
     zero = tl.zeros([R, CT], dtype=tl.float32)
     pdl_wait(USE_PDL)
-    if STAGES > 0:
-        # Triton's pipeliner: an explicit num_stages on the loop makes it stage these loads (which feed
-        # no tl.dot) through shared memory with cp.async, STAGES - 1 iterations in flight, no registers held.
-        for it in tl.range(it0, it1, num_stages=STAGES):
-            (w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1) = _frag_iter_loads(
-                wp, it, pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows, s_ptr,
-                zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
-            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_iter_mma(
-                w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1, a0, a1, a2, a3, a4, a5, a6, a7, zero,
-                FP8, BSCALE, NB, WARPS, REPS, ASM, CONS)
-    else:
-        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_loop_regs(
-            wp, it0, it1, n_iters, pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows, s_ptr,
-            zero, a0, a1, a2, a3, a4, a5, a6, a7, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, ASM, CONS, DEPTH)
+    # Software pipeline by hand: the loads of iterations it + 1 .. it + DEPTH are issued before iteration
+    # it's MMAs (loop-carried registers), so each warp keeps DEPTH iterations in flight while it decodes.
+    # (Staging them through shared memory with tl.range(num_stages) measured slower: see the module doc.)
+    (w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1) = _frag_iter_loads(
+        wp, tl.minimum(it0, n_iters - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows, s_ptr,
+        zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
+    # the set after it (DEPTH 2); with DEPTH 1 a copy of the first, never read
+    (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = (
+        w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1)
+    if DEPTH == 2:
+        (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = _frag_iter_loads(
+            wp, tl.minimum(it0 + 1, n_iters - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2,
+            sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
+    for it in range(it0, it1):
+        (m0, m1, m2, m3, ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3, ms0, ms1) = _frag_iter_loads(
+            wp, tl.minimum(it + DEPTH, it1 - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2,
+            sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_iter_mma(
+            w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1, a0, a1, a2, a3, a4, a5, a6, a7, zero,
+            FP8, BSCALE, NB, WARPS, REPS, ASM, CONS)
+        if DEPTH == 2:  # rotate: the next set becomes current, the one just issued becomes next
+            w0, w1, w2, w3, xa0, xa1, xa2, xa3 = n0, n1, n2, n3, na0, na1, na2, na3
+            xb0, xb1, xb2, xb3, s0, s1 = nb0, nb1, nb2, nb3, ns0, ns1
+            n0, n1, n2, n3, na0, na1, na2, na3 = m0, m1, m2, m3, ma0, ma1, ma2, ma3
+            nb0, nb1, nb2, nb3, ns0, ns1 = mb0, mb1, mb2, mb3, ms0, ms1
+        else:
+            w0, w1, w2, w3, xa0, xa1, xa2, xa3 = m0, m1, m2, m3, ma0, ma1, ma2, ma3
+            xb0, xb1, xb2, xb3, s0, s1 = mb0, mb1, mb2, mb3, ms0, ms1
     r0 = _lane_sum(a0, WARPS, CT)
     r1 = _lane_sum(a1, WARPS, CT)
     r2 = _lane_sum(a2, WARPS, CT)
@@ -774,14 +754,11 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
     depth = int(cfg.get("DEPTH", 1))
     if depth not in (1, 2):
         raise ValueError(f"config: DEPTH (iterations loaded ahead) must be 1 or 2, got {depth}")
-    stages = int(cfg.get("STAGES", 0))
-    if not 0 <= stages <= 8 or stages == 1:
-        raise ValueError(f"config: STAGES (shared-memory pipeline depth) must be 0 (off) or 2..8, got {stages}")
     _frag_kernel[(blocks, split)](
         x, frags, s, ws, y, cnt,
         m, n, gk, per, x.stride(0), y.stride(0),
         FP8=kind == "fp8", NB=nb, BSCALE=bscale, WARPS=warps, REPS=reps, SPLIT_K=split > 1, ACT=code,
-        FOLD=fold, ASM=asm, CONS=cons, DEPTH=depth, STAGES=stages, num_warps=warps, num_stages=1, **pdl_launch(use_pdl),
+        FOLD=fold, ASM=asm, CONS=cons, DEPTH=depth, num_warps=warps, num_stages=1, **pdl_launch(use_pdl),
     )
     return y
 

@@ -811,7 +811,7 @@ def _gemv4_kernel(
     FP8: tl.constexpr, BITS: tl.constexpr, ILV: tl.constexpr, SCALE_WORDS: tl.constexpr,
     SCALE_ROWS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
     XMASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-    ACT: tl.constexpr = 0, PIPE: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
+    ACT: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):
     """MODE 4 GEMV, ``M <= 4``: ``qw`` int32 words ``[N, KW]`` in the interleaved layout of
     ``_ilv_words`` (word ``i`` of each block of ``ILV`` words holds codes ``i + ILV * j`` at bits
@@ -851,8 +851,7 @@ def _gemv4_kernel(
         s_rows = s_ptr + rows.to(tl.int64)[:, None] * stride_sn
     z_rows = z_ptr + rows.to(tl.int64)[:, None] * stride_sn
     a0, a1, a2, a3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
-    # PIPE > 1: Triton stages the loads through shared memory (cp.async), PIPE - 1 tiles in flight
-    for kb in tl.range(kw_start, kw_end, BLOCK_KW, num_stages=PIPE):
+    for kb in tl.range(kw_start, kw_end, BLOCK_KW):
         kw = kb + offs_kw
         w = _word_load(w_rows + kw[None, :], kw, kw_end, EVEN, True)
         k = ((kw // ILV) * (ILV * CPW) + kw % ILV)[None, :]  # K position of each word's code 0
@@ -995,7 +994,7 @@ def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: to
     _gemv4_kernel[(tiles, split)](
         x, words, s, z, ws, y, cnt, m, n, k, kw, per, x.stride(0), words.stride(0), stride_sn, y.stride(0),
         SPLIT_K=split > 1, EVEN=even, XMASK=(not even) or kw * cpw > k, BLOCK_M=triton.next_power_of_2(m),
-        BLOCK_N=bn, BLOCK_KW=bkw, ACT=ACTIVATIONS[act], PIPE=cfg.get("PIPE", 1), num_warps=cfg["num_warps"],
+        BLOCK_N=bn, BLOCK_KW=bkw, ACT=ACTIVATIONS[act], num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 1), **meta, **pdl_launch(pdl_enabled(x)),
     )
     return y

@@ -13,7 +13,8 @@ Cases (bf16):
   chunked  4 sequences of 2048 new tokens after a 2048-token cached prefix (ours only; new tokens'
            K/V contiguous, prefix paged).
   norm / silu / rope_kv: GB/s vs torch eager; floor: copy bandwidth.
-  sample   64 x 128256 logits, temperature + top-k + top-p, vs torch sort-based filtering.
+  sample   64 x 128256 logits, temperature + top-k + top-p, vs torch sort-based filtering; greedy at
+           batch 1 / 8 / 64 vs one program per row and ``torch.argmax`` (CUDA graphs).
 
     python benchmarks/bench_ops.py --out benchmarks/results/h200/ops.json [--sweep decode,prefill]
 
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import bench_ms, case, copy_bandwidth, matmul_flops, write_results  # noqa: E402
+from _common import bench_ms, case, copy_bandwidth, matmul_flops, time_graph, write_results  # noqa: E402
 
 import infercore.ops as ops  # noqa: E402
 from infercore.devices import implementation  # noqa: E402
@@ -320,6 +321,27 @@ def bench_sampling() -> list[dict]:
                 ours_ms=t_o,
             )
         )
+    # Greedy decode at small batches (the decode step's sampling): the first pass over slices of
+    # each row in parallel vs one program per row scanning it (the path for large batches) and
+    # torch.argmax; 32 calls per CUDA graph on fp32 logits as the models return them (L2-resident,
+    # as right after the lm_head, so no DRAM floor applies).
+    from infercore.ops.sampling import triton as ts
+
+    fn = implementation("sample", "triton")
+    for b in (1, 8, 64):
+        x = torch.randn(b, V, device=DEV) * 3
+        p = SamplingTensors.from_lists(temperature=[0.0] * b, device=DEV)
+        t_par = time_graph(lambda i, x=x, p=p: fn(x, p), 32) * 1e3
+        real_parts = ts._parts
+        ts._parts = lambda *a: 0
+        try:
+            t_seq = time_graph(lambda i, x=x, p=p: fn(x, p), 32) * 1e3
+        finally:
+            ts._parts = real_parts
+        t_arg = time_graph(lambda i, x=x: x.argmax(-1), 32) * 1e3
+        rows.append(case(f"sample_greedy_b{b}_v128256", metric="sampling rate", unit="rows/ms", ours=b / t_par,
+                         peers={"one program per row": b / t_seq, "torch.argmax": b / t_arg}, floor=None,
+                         ours_ms=t_par, parts=real_parts(b, V, 4096, torch.device(DEV))))  # fmt: skip
     return rows
 
 

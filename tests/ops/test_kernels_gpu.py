@@ -189,6 +189,45 @@ def test_sampling_greedy_exact(dtype):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("B", [1, 2, 8])
+def test_sampling_greedy_small_batch_slices(dtype, B):
+    # Few rows: the first pass runs over slices of each row in parallel; a tie across slices must
+    # still give the first occurrence, and a row whose maximum sits in the last slice must find it.
+    from infercore.ops.sampling import triton as ts
+
+    V = 128256
+    assert ts._parts(B, V, 4096, torch.device(DEV)) > 1
+    logits = (torch.randn(B, V, device=DEV) * 4).to(dtype)
+    logits[0, 5000] = logits[0, 120000] = 100.0
+    logits[-1, V - 1] = 200.0
+    params = SamplingTensors.from_lists(temperature=[0.0] * B, device=DEV)
+    got, want = both("sample", logits, params)
+    assert torch.equal(got, want)
+    assert got[0].item() == (5000 if B > 1 else V - 1) and got[-1].item() == V - 1
+
+
+def test_sampling_distribution_small_batch():
+    # The top-p total mass starts from the smallest finite logit, reduced over the row's slices.
+    V, draws = 32000, 3000
+    g = torch.Generator().manual_seed(99)
+    row = torch.randn(V, generator=g) * 2
+    row[torch.randperm(V, generator=g)[:8]] += 6.0
+    row = row.to(DEV)
+    params = SamplingTensors.from_lists(temperature=[1.1, 1.1], top_p=[0.85] * 2, seeds=[3, 4], device=DEV)
+    fn = implementation("sample", "triton")
+    got = []
+    for off in range(draws // 2):
+        params.offsets.fill_(off)
+        got.append(fn(torch.stack([row, row]), params))
+    got = torch.cat(got)
+    probs = apply_top_k_top_p_min_p(row[None] / 1.1, params.top_k[:1], params.top_p[:1], params.min_p[:1])
+    probs = probs.softmax(-1)[0].double()
+    assert (probs[got] > 0).all(), "sampled a token outside the filtered support"
+    failures = _sampling_failures(got, probs)
+    assert not failures, failures
+
+
 def _sampling_failures(got: torch.Tensor, probs: torch.Tensor, z: float = 5.0, min_count: float = 50.0) -> list[str]:
     """Frequency check valid at small counts (see tests/ops/test_sampling_stats.py, which tests it):
     tokens expected >= min_count times on their own, rarer ones pooled into groups of ~min_count

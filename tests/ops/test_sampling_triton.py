@@ -97,3 +97,54 @@ def test_randomness_is_a_function_of_seed_and_offset():
     p0 = SamplingTensors.from_lists(temperature=[1.0] * 8, seeds=list(range(8)), offsets=[0] * 8)
     p1 = SamplingTensors.from_lists(temperature=[1.0] * 8, seeds=list(range(8)), offsets=[1] * 8)
     assert not torch.equal(_sample(flat, p0), _sample(flat, p1))
+
+
+def test_parallel_first_pass_matches_the_sequential_scan():
+    # One or two rows of a vocabulary several blocks long: the first pass runs over slices in
+    # parallel (``_argmax_parts_kernel``); greedy picks and the top-k bracket must not change.
+    from infercore.ops.sampling import triton as ts
+
+    V = 3000
+    assert ts._parts(1, V, 1024, torch.device("cpu")) == 2 and ts._parts(2, V, 1024, torch.device("cpu")) == 2
+    assert ts._parts(3, V, 1024, torch.device("cpu")) == 0  # enough rows: one program per row scans
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, V, generator=gen)
+    logits[0, 2900] = logits[0, 40] = 9.0  # a tie across slices: the first occurrence wins
+    logits[1, :] = float("-inf")
+    logits[1, 2999] = 0.5  # the maximum in the last block of the last slice
+    logits[1, 1] = 0.5 - 1e-3
+    greedy = SamplingTensors.from_lists(temperature=[0.0, 0.0])
+    got = _sample(logits, greedy)
+    assert got.tolist() == [40, 2999]
+    assert torch.equal(got, implementation("sample", "reference")(logits, greedy))
+    everything_masked = torch.full((1, V), float("-inf"))
+    assert _sample(everything_masked, SamplingTensors.from_lists(temperature=[0.0])).item() == 0
+    # top-k brackets start from the slices' smallest finite value and maximum
+    row = torch.randn(V, generator=gen)
+    top = torch.topk(row, 4).indices
+    params = SamplingTensors.from_lists(temperature=[1.0, 1.0], top_k=[1, 4], seeds=[5, 6])
+    drawn = [set(), set()]
+    for off in range(40):
+        params.offsets.fill_(off)
+        a, b = _sample(torch.stack([row, row]), params).tolist()
+        drawn[0].add(a)
+        drawn[1].add(b)
+    assert drawn[0] == {int(top[0])}
+    assert drawn[1] <= set(top.tolist()) and len(drawn[1]) >= 2
+
+
+def test_parallel_first_pass_top_p_total_mass():
+    # top-p without top-k measures the mass above the smallest finite value, which comes from the
+    # slices' minima: slice 0 holds the 4 largest logits and a tail at -1, slice 1 (from 2048) sits
+    # at 0. Mass: 4 e^2 = 29.6, slice 0's tail 752, slice 1 952; top_p 0.02 of all of it (34.7)
+    # needs slice 1 too. (Had the tail been left out, 0.02 of the rest would keep the top 4 only.)
+    V = 3000
+    row = torch.zeros(V)
+    row[:2048] = -1.0
+    row[[3, 70, 900, 2000]] = 2.0
+    params = SamplingTensors.from_lists(temperature=[1.0], top_p=[0.02], seeds=[1])
+    drawn = set()
+    for off in range(20):
+        params.offsets.fill_(off)
+        drawn.add(_sample(row[None].clone(), params).item())
+    assert any(t >= 2048 for t in drawn), drawn

@@ -2,7 +2,10 @@
 
 One program samples one row of ``logits [B, V]``, streaming the row in ``BLOCK`` chunks:
 
-1. max / argmax of the (penalized) logits; greedy rows (``temperature == 0``) stop here.
+1. max / argmax of the (penalized) logits; greedy rows (``temperature == 0``) stop here. With few
+   rows this pass runs first over ``PARTS`` slices of each row in parallel (``_argmax_parts_kernel``),
+   and the sampling program reduces the slices' results: one program streaming a 128K-token row
+   alone is ~25 us of a batch-1 decode step (results/h200/sweeps/probe_bs1_fp8_nopdl.json).
 2. top-k threshold: bisection over the values of ``z = x / T`` for the largest pivot with at least
    ``k`` values above it. It stops as soon as exactly ``k`` values lie above the pivot, or no value
    lies strictly inside the bracket, or no float does (so it is exact: the pivot lands on the k-th
@@ -26,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infercore.devices import register, triton_interpreter
+from infercore.devices import capability, register, triton_interpreter
 from infercore.ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
 
 from .naive import apply_repetition_penalty
@@ -53,10 +56,47 @@ def _upper_set(x_ptr, V, t, z_max, pivot, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _argmax_scan(x_ptr, start, end, BLOCK: tl.constexpr):
+    """Max, first-occurrence argmax and smallest finite value of ``x[start:end]`` (``best`` -inf and
+    ``best_i`` 0 when no value beats -inf; NaNs are never picked)."""
+    best = tl.full([], float("-inf"), dtype=tl.float32)
+    best_i = tl.zeros([], dtype=tl.int32)
+    low = tl.full([], float("inf"), dtype=tl.float32)  # smallest finite logit: a bracket for the searches
+    for c in range(start, end, BLOCK):
+        offs = c + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < end, other=float("-inf")).to(tl.float32)
+        low = tl.minimum(low, tl.min(tl.where(x > float("-inf"), x, float("inf")), axis=0))
+        cm, ci = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        upd = cm > best  # strict: an earlier chunk wins ties, like torch.argmax
+        best_i = tl.where(upd, ci + c, best_i)
+        best = tl.where(upd, cm, best)
+    return best, best_i, low
+
+
+@triton.jit
+def _argmax_parts_kernel(x_ptr, stride_x, V, chunk, best_ptr, idx_ptr, low_ptr, PARTS: tl.constexpr,
+                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """Pass 1 over slice ``p`` (``chunk`` tokens) of row ``r``: results to ``[B, PARTS]`` buffers."""
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    start = part * chunk
+    best, best_i, low = _argmax_scan(x_ptr + row.to(tl.int64) * stride_x, start, tl.minimum(start + chunk, V),
+                                     BLOCK)
+    o = row * PARTS + part
+    tl.store(best_ptr + o, best)
+    tl.store(idx_ptr + o, best_i)
+    tl.store(low_ptr + o, low)
+
+
+@triton.jit
 def _sample_kernel(
     x_ptr, stride_x, V,
     temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, out_ptr,
+    best_ptr, idx_ptr, low_ptr,
     BLOCK: tl.constexpr,
+    PARTS: tl.constexpr = 0,  # > 0: pass 1 ran in _argmax_parts_kernel over this many slices
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_release(USE_PDL)
@@ -65,17 +105,17 @@ def _sample_kernel(
     x_ptr += row.to(tl.int64) * stride_x
 
     # Pass 1: max and first-occurrence argmax of the raw (penalized) logits.
-    best = tl.full([], float("-inf"), dtype=tl.float32)
-    best_i = tl.zeros([], dtype=tl.int32)
-    low = tl.full([], float("inf"), dtype=tl.float32)  # smallest finite logit: a bracket for the searches
-    for c in range(0, V, BLOCK):
-        offs = c + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        low = tl.minimum(low, tl.min(tl.where(x > float("-inf"), x, float("inf")), axis=0))
-        cm, ci = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        upd = cm > best  # strict: an earlier chunk wins ties, like torch.argmax
-        best_i = tl.where(upd, ci + c, best_i)
-        best = tl.where(upd, cm, best)
+    if PARTS > 0:
+        # The slices in order, as the sequential scan would meet them: the first slice holding the
+        # maximum gives the index; slices whose maximum is -inf (or NaN) never win.
+        offs_p = tl.arange(0, PARTS)
+        pm = tl.load(best_ptr + row * PARTS + offs_p)
+        pm = tl.where(pm > float("-inf"), pm, float("-inf"))
+        best, win = tl.max(pm, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        best_i = tl.where(best > float("-inf"), tl.load(idx_ptr + row * PARTS + win), 0)
+        low = tl.min(tl.load(low_ptr + row * PARTS + offs_p), axis=0)
+    else:
+        best, best_i, low = _argmax_scan(x_ptr, 0, V, BLOCK)
     t = tl.load(temp_ptr + row)
     if t == 0.0:
         tl.store(out_ptr + row, best_i.to(tl.int64))
@@ -170,12 +210,36 @@ def sample(logits: torch.Tensor, params, *, prev_tokens: torch.Tensor | None = N
     cap = 1024 if triton_interpreter() else 4096
     BLOCK = min(triton.next_power_of_2(V), cap)
     extra = {} if triton_interpreter() else {"num_warps": 8}
+    pdl = pdl_launch(pdl_enabled(x))
+    parts = _parts(B, V, BLOCK, x.device)
+    if parts:
+        chunk = triton.cdiv(triton.cdiv(V, parts), BLOCK) * BLOCK
+        best = torch.empty((B, parts), dtype=torch.float32, device=x.device)
+        idx = torch.empty((B, parts), dtype=torch.int32, device=x.device)
+        low = torch.empty((B, parts), dtype=torch.float32, device=x.device)
+        _argmax_parts_kernel[(B, parts)](x, x.stride(0), V, chunk, best, idx, low, PARTS=parts, BLOCK=BLOCK,
+                                         **extra, **pdl)  # fmt: skip
+    else:
+        best = idx = low = out  # unused
     _sample_kernel[(B,)](
         x, x.stride(0), V,
         params.temperature, params.top_k, params.top_p, params.min_p, params.seeds, params.offsets, out,
-        BLOCK=BLOCK, **extra, **pdl_launch(pdl_enabled(x)),
+        best, idx, low, BLOCK=BLOCK, PARTS=parts, **extra, **pdl,
     )  # fmt: skip
     return out
+
+
+def _parts(batch: int, vocab: int, block: int, device: torch.device) -> int:
+    """Slices per row for the parallel first pass (0: the sampling program scans the row itself).
+    Only while the rows alone leave most multiprocessors idle; a power of two (the reduce's width),
+    each slice at least one ``block``. From static shapes only, so graph capture sees a fixed launch."""
+    sms = capability(device).multiprocessors if device.type == "cuda" else 4
+    if batch * 2 > sms:
+        return 0
+    parts = min(triton.next_power_of_2(triton.cdiv(2 * sms, batch)), 64)
+    while parts > 1 and parts > triton.cdiv(vocab, block):
+        parts //= 2
+    return parts if parts > 1 else 0
 
 
 register("sample", "triton", sample, priority=10, available=lambda cap: cap.is_cuda and cap.triton)

@@ -9,6 +9,9 @@ bandwidth.
     python benchmarks/probe_decode_batch.py --out $OUT/probe_bs256.json          # H200, ~2 min
     INFERCORE_PDL=0 python benchmarks/probe_decode_batch.py --batch 1 --scheme fp8-wo --out $OUT/p.json
 
+``--drop norm,rope,attn`` replaces those ops by no-ops (no kernel; wrong numbers, right shapes) to
+bound what fusing them away could save: the step time without them is a floor for any fusion.
+
 ``--scheme`` quantizes the linears first (``quantize(model, scheme)``, lm_head kept in bf16 as the
 schemes' default); ``INFERCORE_PDL=0`` gives kernel durations without the overlap of programmatic
 dependent launch (with it, a kernel's time includes its wait for the previous one).
@@ -33,6 +36,21 @@ from bench_e2e import LLAMA_8B  # noqa: E402
 from infercore import Engine, SamplingParams  # noqa: E402
 from infercore.models import ModelConfig, build_model  # noqa: E402
 
+NOOPS = {
+    "norm": {"rms_norm": lambda x, w, **kw: x, "fused_add_rms_norm": lambda x, r, w, **kw: (x, r)},
+    "rope": {"rope_and_write_kv": lambda q, *a, **kw: q},
+    "attn": {"paged_attention_decode": lambda q, *a, **kw: q},
+}
+
+
+def drop(spec: str) -> None:
+    """Register no-op implementations (above every other priority) of the named op groups."""
+    from infercore.devices import register
+
+    for group in filter(None, spec.split(",")):
+        for op, fn in NOOPS[group].items():
+            register(op, "noop", fn, priority=10**6)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -43,7 +61,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--scheme", default=None, help="quantization scheme for the linears (lm_head stays bf16)")
+    ap.add_argument("--drop", default="", help="comma list of norm, rope, attn: run as no-ops (diagnostic)")
     args = ap.parse_args()
+    drop(args.drop)
     t0 = time.perf_counter()
     bw = copy_bandwidth()
     torch.manual_seed(0)
@@ -84,7 +104,7 @@ def main() -> None:
         print(f"  {r['us_per_step']:9.1f} us  x{r['calls_per_step']:5.0f}  {r['kernel']}", flush=True)
     while eng.has_unfinished():
         eng.step()
-    label = f" {args.scheme}" if args.scheme else ""
+    label = (f" {args.scheme}" if args.scheme else "") + (f" without {args.drop}" if args.drop else "")
     cases = [case(f"llama3.1-8b-shape{label} decode graph replay bs{B} ctx{ctx}", metric="decode step time", unit="ms",
                   ours=ms, peers={}, floor=floor_ms, weight_bytes=weights, kv_bytes=kv, copy_bw_TBps=bw / 1e12,
                   profile=prof)]

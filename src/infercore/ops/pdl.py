@@ -16,7 +16,10 @@ The contract every kernel here keeps when launched with PDL (``USE_PDL``):
 * ``pdl_wait()`` on every path before the first read of data a previous kernel may have written,
   and before the program exits (so completion stays transitive down the chain: a kernel's
   successors may read what its predecessors wrote);
-* only what no kernel writes (weights) may be read before ``pdl_wait()``.
+* only what no kernel of the step writes may be read before ``pdl_wait()``: weights, the step's
+  input buffers (sequence lengths, block tables: filled before its first kernel), and KV-cache rows
+  of earlier steps (the decode attention reads its first tile's older rows early; the newest row,
+  written by this step's RoPE / KV-write kernel, after the wait).
 
 Kernels launched without PDL (torch's, cuBLAS) are ordinary stream dependencies, so mixing is safe.
 ``INFERCORE_PDL=0`` turns it off; the Triton interpreter and GPUs before sm90 never use it.

@@ -33,6 +33,7 @@ Design:
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -55,12 +56,69 @@ _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 # sweeps/decode_step_merge_kernel.json; that kernel is in commit 5a7fa22), so the merge stays a
 # second launch.
 TUNING = {
+    # With PDL, the first tile's rows older than this step are read before waiting for the
+    # predecessor (the RoPE / KV-write kernel); INFERCORE_DECODE_PREWAIT=0 reads everything after.
+    "prewait": os.environ.get("INFERCORE_DECODE_PREWAIT", "1") != "0",
     "block_n": 64,
     "num_warps": 4,
     "num_stages": 3,
     "target_programs_per_sm": 4,
     "min_split_tokens": 64,
 }
+
+
+@triton.jit
+def _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_row, kpos, nmask, kvh, offs_d, dmask,
+                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ksp, stride_kss,
+                 stride_vsp, stride_vss, code_scale, q_dtype: tl.constexpr, PAGE: tl.constexpr,
+                 KV_MODE: tl.constexpr):
+    """K, V of keys ``kpos`` where ``nmask`` (masked keys: 0): the float cache's dtype, or quantized
+    codes converted to ``q_dtype`` with their per-key scales (masked: 0)."""
+    page = tl.load(bt_row + kpos // PAGE, mask=nmask, other=0).to(tl.int64)
+    row = kpos % PAGE
+    kvmask = nmask[:, None] & dmask[None, :]
+    k_rows = page * stride_kp + row * stride_ks + kvh * stride_kh
+    v_rows = page * stride_vp + row * stride_vs + kvh * stride_vh
+    k = tl.load(kc_ptr + k_rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+    v = tl.load(vc_ptr + v_rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+    if KV_MODE == 0:
+        k_sc = nmask.to(tl.float32)  # unused
+        v_sc = k_sc
+    else:
+        if KV_MODE == 3:
+            k = _e4m3_bytes_to_f16(k)
+            v = _e4m3_bytes_to_f16(v)
+        k = k.to(q_dtype)
+        v = v.to(q_dtype)
+        # Masked keys get scale 0: their scores are replaced by -inf below, their p by 0.
+        k_sc = tl.load(ksc_ptr + page * stride_ksp + row * stride_kss + kvh, mask=nmask, other=0.0) * code_scale
+        v_sc = tl.load(vsc_ptr + page * stride_vsp + row * stride_vss + kvh, mask=nmask, other=0.0) * code_scale
+    return k, v, k_sc, v_sc
+
+
+@triton.jit
+def _decode_tile(q, k, v, k_sc, v_sc, nmask, m_i, l_i, acc, qk_scale, scale, softcap,
+                 HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_MODE: tl.constexpr):
+    """Online-softmax update of ``(m_i, l_i, acc)`` with one tile of keys (at least one unmasked)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if KV_MODE != 0:
+        s = s * k_sc[None, :]
+    if HAS_SOFTCAP:
+        # softcap * tanh(x / softcap), tanh(z) = 2 sigmoid(2z) - 1 (no libdevice needed).
+        s = softcap * (2.0 * tl.sigmoid(2.0 * (s * scale) / softcap) - 1.0) * _LOG2E
+    else:
+        s = s * qk_scale
+    s = tl.where(nmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds at least one key
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if KV_MODE == 0:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    else:
+        pv = p * v_sc[None, :]
+        acc = tl.dot(pv.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -81,13 +139,18 @@ def _decode_kernel(
     HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_MODE: tl.constexpr,  # 0 float cache, 1 int8, 2 fp8 (native convert), 3 fp8 bytes (emulated)
+    PREWAIT: tl.constexpr = False,  # with PDL: read the first tile's older rows before pdl_wait
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_release(USE_PDL)
-    pdl_wait(USE_PDL)
+    if not PREWAIT:
+        pdl_wait(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # Sequence lengths and block tables are filled before the step's first kernel, and cache rows
+    # other than the newest one (position seq_len - 1, which this step's RoPE/KV-write kernel writes)
+    # were written by earlier steps: they are read before pdl_wait (the predecessor still runs).
     seq_len = tl.load(seq_lens_ptr + b)
     lo = 0
     if HAS_WINDOW:
@@ -103,6 +166,13 @@ def _decode_kernel(
     heads = kvh * GROUP + offs_g
     gmask = offs_g < GROUP
     dmask = offs_d < HEAD_DIM
+    if PREWAIT:  # the first tile, all but the newest row
+        kpos = start + offs_n
+        k, v, k_sc, v_sc = _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_ptr + b.to(tl.int64) * stride_bt, kpos,
+                                        (kpos < end) & (kpos < seq_len - 1), kvh, offs_d, dmask, stride_kp, stride_ks,
+                                        stride_kh, stride_vp, stride_vs, stride_vh, stride_ksp, stride_kss, stride_vsp,
+                                        stride_vss, code_scale, q_ptr.dtype.element_ty, PAGE, KV_MODE)  # fmt: skip
+        pdl_wait(USE_PDL)
     q = tl.load(
         q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
         mask=gmask[:, None] & dmask[None, :],
@@ -115,47 +185,32 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    for j0 in range(start, end, BLOCK_N):
+    first = start
+    if PREWAIT:
+        first = start + BLOCK_N
+        if start < end:
+            kpos = start + offs_n
+            newest = kpos == seq_len - 1
+            if start + BLOCK_N >= seq_len:  # this tile holds the newest row: read it now
+                kn, vn, ksn, vsn = _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_row, kpos, newest, kvh, offs_d,
+                                                dmask, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                                                stride_vh, stride_ksp, stride_kss, stride_vsp, stride_vss,
+                                                code_scale, q_ptr.dtype.element_ty, PAGE, KV_MODE)  # fmt: skip
+                k = tl.where(newest[:, None], kn, k)
+                v = tl.where(newest[:, None], vn, v)
+                k_sc = tl.where(newest, ksn, k_sc)
+                v_sc = tl.where(newest, vsn, v_sc)
+            m_i, l_i, acc = _decode_tile(q, k, v, k_sc, v_sc, kpos < end, m_i, l_i, acc, qk_scale, scale, softcap,
+                                         HAS_SOFTCAP, DOT_PRECISION, KV_MODE)
+    for j0 in range(first, end, BLOCK_N):
         kpos = j0 + offs_n
         nmask = kpos < end
-        page = tl.load(bt_row + kpos // PAGE, mask=nmask, other=0).to(tl.int64)
-        row = kpos % PAGE
-        kvmask = nmask[:, None] & dmask[None, :]
-        k_rows = page * stride_kp + row * stride_ks + kvh * stride_kh
-        v_rows = page * stride_vp + row * stride_vs + kvh * stride_vh
-        if KV_MODE == 0:
-            k = tl.load(kc_ptr + k_rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
-            v = tl.load(vc_ptr + v_rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
-        else:
-            k = tl.load(kc_ptr + k_rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
-            v = tl.load(vc_ptr + v_rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
-            if KV_MODE == 3:
-                k = _e4m3_bytes_to_f16(k)
-                v = _e4m3_bytes_to_f16(v)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-            # Masked keys get scale 0: their scores are replaced by -inf below, their p by 0.
-            k_sc = tl.load(ksc_ptr + page * stride_ksp + row * stride_kss + kvh, mask=nmask, other=0.0) * code_scale
-            v_sc = tl.load(vsc_ptr + page * stride_vsp + row * stride_vss + kvh, mask=nmask, other=0.0) * code_scale
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if KV_MODE != 0:
-            s = s * k_sc[None, :]
-        if HAS_SOFTCAP:
-            # softcap * tanh(x / softcap), tanh(z) = 2 sigmoid(2z) - 1 (no libdevice needed).
-            s = softcap * (2.0 * tl.sigmoid(2.0 * (s * scale) / softcap) - 1.0) * _LOG2E
-        else:
-            s = s * qk_scale
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds at least one key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if KV_MODE == 0:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        else:
-            pv = p * v_sc[None, :]
-            acc = tl.dot(pv.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        k, v, k_sc, v_sc = _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_row, kpos, nmask, kvh, offs_d, dmask,
+                                        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ksp,
+                                        stride_kss, stride_vsp, stride_vss, code_scale, q_ptr.dtype.element_ty, PAGE,
+                                        KV_MODE)
+        m_i, l_i, acc = _decode_tile(q, k, v, k_sc, v_sc, nmask, m_i, l_i, acc, qk_scale, scale, softcap,
+                                     HAS_SOFTCAP, DOT_PRECISION, KV_MODE)
 
     # Empty ranges (padding rows with seq_len 0, or a split past the end) produce zeros / lse -inf.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -292,6 +347,7 @@ def paged_attention_decode(
     while stages > 1 and 2 * stages * block_n * block_d * k_cache.element_size() > 160 * 1024:
         stages -= 1
     extra = {} if interp else {"num_warps": TUNING["num_warps"], "num_stages": stages}
+    use_pdl = pdl_enabled(q)
     _decode_kernel[(B, Hk, num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, seq_lens, block_table, out, mid_o, mid_lse,
         scale * _LOG2E.value, scale, softcap or 1.0, sliding_window or 0, code_scale,
@@ -303,7 +359,8 @@ def paged_attention_decode(
         group, num_splits, D,
         PAGE=page_size, SPLIT=num_splits > 1, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        DOT_PRECISION=precision, KV_MODE=kv_mode, **extra, **pdl_launch(pdl_enabled(q)),
+        DOT_PRECISION=precision, KV_MODE=kv_mode, PREWAIT=use_pdl and TUNING["prewait"], **extra,
+        **pdl_launch(use_pdl),
     )  # fmt: skip
     if num_splits > 1:
         _merge_kernel[(B, Hq)](
@@ -311,7 +368,7 @@ def paged_attention_decode(
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             out.stride(0), out.stride(1), D, num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            **pdl_launch(pdl_enabled(q)),
+            **pdl_launch(use_pdl),
         )  # fmt: skip
     return out
 

@@ -53,7 +53,7 @@ def compile_gemv4(kind: str, block_n: int, block_kw: int, warps: int, stages: in
     else:
         ce = dict(FP8=True, BITS=8, ILV=32, SCALE_WORDS=32, SCALE_ROWS=0, HAS_ZEROS=False)
     ce.update(SPLIT_K=False, EVEN=True, XMASK=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_KW=block_kw, ACT=0,
-              PREWAIT=False, USE_PDL=False)  # fmt: skip
+              USE_PDL=False)  # fmt: skip
     return _compile(TW._gemv4_kernel, ptr, _sizes("kw_per_split"), ce, warps, stages)
 
 

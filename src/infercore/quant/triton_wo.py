@@ -69,10 +69,6 @@ def _interp_cfg() -> triton.Config:
 SMALL_M_MAX = 16
 # Up to this many rows MODE 4 (the CUDA-core GEMV over int32 words) can run.
 GEMV_M_MAX = 4
-# With PDL, MODE 4 loads its first weight tile into registers before waiting for the previous kernel
-# (weights are never written by a kernel), so it streams in while that kernel finishes;
-# INFERCORE_GEMV_PREWAIT=0 loads it after the wait.
-GEMV_PREWAIT = os.environ.get("INFERCORE_GEMV_PREWAIT", "1") != "0"
 
 
 def _configs(gpu: list[triton.Config], interp: triton.Config) -> list[triton.Config]:
@@ -815,7 +811,7 @@ def _gemv4_kernel(
     FP8: tl.constexpr, BITS: tl.constexpr, ILV: tl.constexpr, SCALE_WORDS: tl.constexpr,
     SCALE_ROWS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
     XMASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-    ACT: tl.constexpr = 0, PREWAIT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    ACT: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):
     """MODE 4 GEMV, ``M <= 4``: ``qw`` int32 words ``[N, KW]`` in the interleaved layout of
     ``_ilv_words`` (word ``i`` of each block of ``ILV`` words holds codes ``i + ILV * j`` at bits
@@ -848,8 +844,6 @@ def _gemv4_kernel(
     kw_end = tl.minimum(kw_start + kw_per_split, KW)
     offs_kw = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_KW), BLOCK_KW), BLOCK_KW)
     w_rows = qw_ptr + rows.to(tl.int64)[:, None] * stride_qn
-    if PREWAIT:  # with PDL: the first tile's weights stream in while the previous kernel finishes
-        w_first = _word_load(w_rows + (kw_start + offs_kw)[None, :], kw_start + offs_kw, kw_end, EVEN, True)
     pdl_wait(USE_PDL)
     if FP8 and SCALE_ROWS != 0:
         s_rows = s_ptr + (rows // SCALE_ROWS).to(tl.int64)[:, None] * stride_sn
@@ -859,13 +853,7 @@ def _gemv4_kernel(
     a0, a1, a2, a3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
     for kb in tl.range(kw_start, kw_end, BLOCK_KW):
         kw = kb + offs_kw
-        if PREWAIT:
-            if kb == kw_start:
-                w = w_first
-            else:
-                w = _word_load(w_rows + kw[None, :], kw, kw_end, EVEN, True)
-        else:
-            w = _word_load(w_rows + kw[None, :], kw, kw_end, EVEN, True)
+        w = _word_load(w_rows + kw[None, :], kw, kw_end, EVEN, True)
         k = ((kw // ILV) * (ILV * CPW) + kw % ILV)[None, :]  # K position of each word's code 0
         p0, p1, p2, p3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
         x0, x1, x2, x3 = _gemv_zeros(1, BLOCK_KW)
@@ -1003,12 +991,11 @@ def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: to
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = arrival_counters(x.device, tiles) if split > 1 else y
     even = kw % per == 0 and per % bkw == 0
-    use_pdl = pdl_enabled(x)
     _gemv4_kernel[(tiles, split)](
         x, words, s, z, ws, y, cnt, m, n, k, kw, per, x.stride(0), words.stride(0), stride_sn, y.stride(0),
         SPLIT_K=split > 1, EVEN=even, XMASK=(not even) or kw * cpw > k, BLOCK_M=triton.next_power_of_2(m),
-        BLOCK_N=bn, BLOCK_KW=bkw, ACT=ACTIVATIONS[act], PREWAIT=use_pdl and GEMV_PREWAIT,
-        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1), **meta, **pdl_launch(use_pdl),
+        BLOCK_N=bn, BLOCK_KW=bkw, ACT=ACTIVATIONS[act], num_warps=cfg["num_warps"],
+        num_stages=cfg.get("num_stages", 1), **meta, **pdl_launch(pdl_enabled(x)),
     )
     return y
 

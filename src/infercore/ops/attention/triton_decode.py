@@ -18,6 +18,12 @@ Design:
   results/h200/sweeps/probe_hybrid_host.json).
 - Keys are gathered row by row through the block table, so any power-of-two page size works and a
   tile may span several pages; a page of 16 tokens is still ``16 * D * 2`` contiguous bytes.
+- With PDL (decode launches over <= 4 rows, ``ops/pdl.py``) each program reads its sequence length,
+  block-table entries and the first tile's keys/values other than the newest row before waiting for
+  the previous kernel (the RoPE / KV-write kernel, which writes only the newest row); the query and
+  that row are read after. Batch-1 decode step of the 8B shape: 4.331 -> 4.314 ms bf16, 2.775 ->
+  2.748 ms FP8 weight-only, 2.806 -> 2.754 ms W4A16 (results/h200/sweeps/probe_bs1_decode_prewait.json).
+  Without PDL the kernel is the plain loop (``PREWAIT`` off).
 - Sliding window / softcap are compile-time switches; softmax runs in base 2 with the scale and
   ``log2(e)`` folded into one multiply.
 - Quantized KV (int8 / float8_e4m3fn codes, fp32 scale per (token, KV head) in

@@ -6,6 +6,9 @@ can pick the kernels out (H200 run: results/h200/sweeps/ncu_wo_14336x4096.txt):
     ncu -k regex:"_words_small_kernel|_gemv4_kernel" -c 2 --section SpeedOfLight \\
         --section WarpStateStats --section Occupancy --section LaunchStats \\
         --section MemoryWorkloadAnalysis python benchmarks/probe_wo_ncu.py
+
+``--mode6``: instead, MODE 6 at its dispatched INT4 tile (4 warps x 4 repetitions, split 2) and
+the FP8 MODE 4 tile the dispatcher runs at this shape (results/h200/sweeps/ncu_mode6_14336x4096.txt).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from infercore.quant import IntWeight  # noqa: E402
+from infercore.quant import FP8Weight, IntWeight  # noqa: E402
 from infercore.quant import triton_wo as TW  # noqa: E402
 
 
@@ -27,6 +30,15 @@ def main() -> None:
     w = torch.randn(n, k, device="cuda") * 0.02
     q4 = IntWeight.quantize(w, bits=4, group_size=128, clip_search=False)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    if "--mode6" in sys.argv:
+        f8 = FP8Weight.quantize(w)
+        c6 = {"MODE": 6, "WARPS": 4, "REPS": 4, "SPLIT": 2}
+        c4 = {"MODE": 4, "BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 2, "SPLIT": 0}
+        for _ in range(3):
+            TW.wq_matmul_triton(x, q4, config=c6)
+            TW.fp8_wo_matmul_triton(x, f8, config=c4)
+        torch.cuda.synchronize()
+        return
     c5 = {"MODE": 5, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT": 4}
     c4 = {"MODE": 4, "BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 2, "num_stages": 2, "SPLIT": 1}
     for _ in range(3):

@@ -48,6 +48,8 @@ def drop(spec: str) -> None:
     from infercore.devices import register
 
     for group in filter(None, spec.split(",")):
+        if group not in NOOPS:
+            raise SystemExit(f"--drop: unknown group {group!r}; expected a comma list of {', '.join(NOOPS)}")
         for op, fn in NOOPS[group].items():
             register(op, "noop", fn, priority=10**6)
 

@@ -154,9 +154,9 @@ def _decode_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # Sequence lengths and block tables are filled before the step's first kernel, and cache rows
-    # other than the newest one (position seq_len - 1, which this step's RoPE/KV-write kernel writes)
-    # were written by earlier steps: they are read before pdl_wait (the predecessor still runs).
+    # PREWAIT: sequence lengths and block tables are filled before the step's first kernel, and cache
+    # rows other than the newest one (position seq_len - 1, which this step's RoPE/KV-write kernel
+    # writes) by earlier steps, so they are read before pdl_wait while the predecessor still runs.
     seq_len = tl.load(seq_lens_ptr + b)
     lo = 0
     if HAS_WINDOW:
@@ -172,7 +172,8 @@ def _decode_kernel(
     heads = kvh * GROUP + offs_g
     gmask = offs_g < GROUP
     dmask = offs_d < HEAD_DIM
-    if PREWAIT:  # the first tile, all but the newest row
+    if PREWAIT:  # the first tile, all but the newest row (bt_row below is the same address, set
+        # after the wait so that the kernel without PREWAIT keeps its old instruction order)
         kpos = start + offs_n
         k, v, k_sc, v_sc = _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_ptr + b.to(tl.int64) * stride_bt, kpos,
                                         (kpos < end) & (kpos < seq_len - 1), kvh, offs_d, dmask, stride_kp, stride_ks,

@@ -5,7 +5,8 @@ One program samples one row of ``logits [B, V]``, streaming the row in ``BLOCK``
 1. max / argmax of the (penalized) logits; greedy rows (``temperature == 0``) stop here. With few
    rows this pass runs first over ``PARTS`` slices of each row in parallel (``_argmax_parts_kernel``),
    and the sampling program reduces the slices' results: one program streaming a 128K-token row
-   alone is ~25 us of a batch-1 decode step (results/h200/sweeps/probe_bs1_fp8_nopdl.json).
+   alone is ~25 us of a batch-1 decode step (results/h200/sweeps/probe_bs1_fp8_nopdl.json); sliced,
+   2.7 us (results/h200/sampling.json).
 2. top-k threshold: bisection over the values of ``z = x / T`` for the largest pivot with at least
    ``k`` values above it. It stops as soon as exactly ``k`` values lie above the pivot, or no value
    lies strictly inside the bracket, or no float does (so it is exact: the pivot lands on the k-th
@@ -107,10 +108,9 @@ def _sample_kernel(
     # Pass 1: max and first-occurrence argmax of the raw (penalized) logits.
     if PARTS > 0:
         # The slices in order, as the sequential scan would meet them: the first slice holding the
-        # maximum gives the index; slices whose maximum is -inf (or NaN) never win.
+        # maximum gives the index (a slice's maximum is never NaN: _argmax_scan skips NaNs).
         offs_p = tl.arange(0, PARTS)
         pm = tl.load(best_ptr + row * PARTS + offs_p)
-        pm = tl.where(pm > float("-inf"), pm, float("-inf"))
         best, win = tl.max(pm, axis=0, return_indices=True, return_indices_tie_break_left=True)
         best_i = tl.where(best > float("-inf"), tl.load(idx_ptr + row * PARTS + win), 0)
         low = tl.min(tl.load(low_ptr + row * PARTS + offs_p), axis=0)

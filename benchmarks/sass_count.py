@@ -68,14 +68,13 @@ def compile_words(kind: str, block_n: int, block_k: int, warps: int, stages: int
     return _compile(TW._words_small_kernel, ptr, _sizes("k_per_split"), ce, warps, stages)
 
 
-def compile_frag(kind: str, warps: int, reps: int, depth: int, zsum: bool = True):
-    """MODE 6 (``triton_frag._frag_kernel``) for bf16 activations, M <= 8 (one B fragment), split-K on;
-    ``zsum``: INT4 zero points / scales once per group (``triton_frag.ZSUM_DEFAULT``) or per chunk."""
-    asm = TF._asm(kind, 1, False, False, zsum and kind == "int4")
+def compile_frag(kind: str, warps: int, reps: int, depth: int):
+    """MODE 6 (``triton_frag._frag_kernel``) for bf16 activations, M <= 8 (one B fragment), split-K on."""
+    asm, cons = TF._asm(kind, 1, False, False)
     ptr = {"x_ptr": "*bf16", "qw_ptr": "*i32" if kind == "int4" else "*i64",
            "s_ptr": "*i64" if kind == "int4" else "*fp32", "ws_ptr": "*fp32", "y_ptr": "*bf16", "cnt_ptr": "*i32"}
-    ce = dict(FP8=kind == "fp8", NB=1, BSCALE=False, WARPS=warps, REPS=reps, SPLIT_K=True, ACT=0, FOLD=1.0,
-              DEPTH=depth, USE_PDL=False, **asm)
+    ce = dict(FP8=kind == "fp8", NB=1, BSCALE=False, WARPS=warps, REPS=reps, SPLIT_K=True, ACT=0, FOLD=1.0, ASM=asm,
+              CONS=cons, DEPTH=depth, USE_PDL=False)
     sizes = ("M", "N", "G", "iters_per_split", "stride_xm", "stride_ym")
     return _compile(TF._frag_kernel, ptr, sizes, ce, warps, 1)
 
@@ -104,14 +103,12 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=None)
     ap.add_argument("--reps", type=int, default=4, help="MODE 6: repetitions per iteration")
     ap.add_argument("--depth", type=int, default=1, help="MODE 6: iterations of loads in flight")
-    ap.add_argument("--per-chunk", action="store_true",
-                    help="MODE 6 INT4: zero points / scales per chunk (the pre-ZSUM path)")
     args = ap.parse_args()
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     for kind in [args.kind] if args.kind else ["int4", "fp8"]:
         cpw = 8 if kind == "int4" else 4
         if args.mode == 6:
-            c = compile_frag(kind, args.warps, args.reps, args.depth, not args.per_chunk)
+            c = compile_frag(kind, args.warps, args.reps, args.depth)
             # per thread and iteration: REPS 16-byte loads, 32 INT4 or 16 FP8 codes each
             block_n, block_k, stages = args.warps * 32, args.reps * (32 if kind == "int4" else 16), 1
         elif args.mode == 5:
@@ -131,7 +128,7 @@ def main() -> None:
         codes_per_thread = block_n * block_k / (args.warps * 32)
         n = sum(ops.values())
         regs = re.search(r"REG:(\d+)", usage)
-        label = (f"reps={args.reps} depth={args.depth}{' per-chunk' if args.per_chunk else ''}" if args.mode == 6
+        label = (f"reps={args.reps} depth={args.depth}" if args.mode == 6
                  else f"BLOCK_N={block_n} BLOCK_K={block_k} stages={stages}")
         print(f"MODE {args.mode} {kind} {label} warps={args.warps}: {regs.group(1) if regs else '?'} registers, "
               f"{n} instructions per iteration, {n / codes_per_thread:.2f} per code; top: {ops.most_common(8)}")

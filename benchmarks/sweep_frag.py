@@ -39,7 +39,7 @@ from infercore.quant import triton_frag as TF  # noqa: E402
 # (warps, repetitions per iteration). The run behind quant_wo_mode6.json also tried an L2 bulk prefetch
 # 2-4 iterations ahead ("PF", since removed: it measured 0-8% slower); its rows keep that key.
 # DEPTH: iterations whose loads are in flight ahead of the MMAs (1 or 2).
-TILES = ((4, 4, 1), (4, 4, 2), (4, 2, 2), (2, 4, 1), (2, 4, 2), (8, 2, 2), (8, 1, 2))
+TILES = ((4, 4, 1), (4, 4, 2), (4, 2, 2), (2, 4, 2), (8, 2, 2), (8, 1, 2))
 MS = (1, 4, 16)
 
 
@@ -49,8 +49,6 @@ def main() -> None:  # noqa: C901 (one linear script)
     ap.add_argument("--shapes", default="", help="comma-separated subset of shape names (default: all)")
     ap.add_argument("--kinds", default="int4,fp8")
     ap.add_argument("--budget-s", type=float, default=400.0)
-    ap.add_argument("--zsum", choices=["on", "off", "both"], default="on",
-                    help="INT4: zero points / scales once per group of a thread's chunks (on), per chunk (off)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     dev = "cuda"
@@ -106,12 +104,8 @@ def main() -> None:  # noqa: C901 (one linear script)
                     rows.append({"key": key, "config": cfg, "us": us, "rel_err": err})
                     res.append((us, cfg))
 
-                flags = {"on": (True,), "off": (False,), "both": (False, True)}[args.zsum]
-                flags = flags if kind == "int4" else (None,)
                 for warps, reps, depth in TILES:
-                    for zs in flags:
-                        run({"MODE": 6, "WARPS": warps, "REPS": reps, "DEPTH": depth,
-                             **({} if zs is None else {"ZSUM": zs})})
+                    run({"MODE": 6, "WARPS": warps, "REPS": reps, "DEPTH": depth})
                 for _, cfg in sorted(res, key=lambda r: r[0])[:2]:
                     for split in (1, 2, 4, 8):
                         run({**cfg, "SPLIT": split})
@@ -158,7 +152,7 @@ def main() -> None:  # noqa: C901 (one linear script)
             print(f"fused silu {kind} M={m}: {out}", flush=True)
     doc = write_results(args.out, "sweep_frag", torch.cuda.get_device_name(), cases)
     table = [f'    ("{kk.split(",")[0]}", {kk.split(",")[1]}, {kk.split(",")[2]}, {kk.split(",")[3]}): '
-             f'{ {c: v for c, v in b["config"].items() if c in ("WARPS", "REPS", "SPLIT", "DEPTH", "ZSUM")} },'
+             f'{ {c: v for c, v in b["config"].items() if c in ("WARPS", "REPS", "SPLIT", "DEPTH")} },'
              for kk, b in best.items()]
     doc.update({"rows": rows, "best": best, "fused_act": fused, "table": table, "copy_bw_TBps": bw / 1e12,
                 "wall_s": time.perf_counter() - t0})

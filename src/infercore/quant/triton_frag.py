@@ -52,7 +52,6 @@ layouts bit for bit.
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
@@ -65,9 +64,6 @@ from ._splitk import arrival_counters
 
 KSTEP = 128  # K per group step: 8 chunks of 16
 MAX_M = 16
-# INT4: apply zero points and scales once per group of a thread's chunks (``cfg["ZSUM"]`` overrides;
-# INFERCORE_MODE6_ZSUM=0: once per chunk, the earlier path).
-ZSUM_DEFAULT = os.environ.get("INFERCORE_MODE6_ZSUM", "1") != "0"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,79 +122,6 @@ def int4_asm(nb: int, f16: bool) -> tuple[str, str]:
     lines.append("}")
     cons = ",".join(["=f"] * n_out + ["r", "l"] + ["l"] * nb + ["f"] * n_out + ["f"])
     return "\n".join(lines), cons
-
-
-def int4_raw_asm(nb: int, f16: bool, first: bool) -> tuple[str, str]:
-    """INT4 step of the group-wise path: ``d'[4 nb] <- (w, x[nb][, d[4 nb]])``, the MMA of the decoded
-    codes ``B + q`` (no zero point, no scale) with the B fragments, accumulated into ``d`` (``first``:
-    into zero, so a group's first chunk needs no zero operand)."""
-    ty = "f16" if f16 else "bf16"
-    magic = "0x64006400" if f16 else "0x43004300"
-    n_out = 4 * nb
-    w = f"${n_out}"
-    xs = _ops(n_out + 1, nb)
-    acc = [] if first else _ops(n_out + 1 + nb, n_out)
-    lines = ["{", ".reg .b32 a0, a1, a2, a3, t, b0, b1, b2, b3;", ".reg .f32 zf;"]
-    if first:
-        lines.append("mov.f32 zf, 0f00000000;")
-    lines.append(f"lop3.b32 a0, {w}, 0x000F000F, {magic}, 0xEA;")
-    for j in (1, 2, 3):
-        lines += [f"shr.u32 t, {w}, {4 * j};", f"lop3.b32 a{j}, t, 0x000F000F, {magic}, 0xEA;"]
-    for i in range(nb):
-        outs = ", ".join(f"${4 * i + r}" for r in range(4))
-        c = "zf, zf, zf, zf" if first else ", ".join(acc[4 * i:4 * i + 4])
-        lines += [f"mov.b64 {{b{2 * i}, b{2 * i + 1}}}, {xs[i]};",
-                  _mma(ty, outs, "a0, a1, a2, a3", f"b{2 * i}, b{2 * i + 1}", c)]
-    lines.append("}")
-    cons = ["=f"] * n_out + ["r"] + ["l"] * nb + ([] if first else ["f"] * n_out)
-    return "\n".join(lines), ",".join(cons)
-
-
-def ones_asm(nb: int, f16: bool, first: bool) -> tuple[str, str]:
-    """Activation sums of a chunk for the group-wise INT4 path: ``S'[2 nb] <- (x[nb][, S[2 nb]])``, an
-    MMA with the all-ones A fragment, so lane (g, t) gets the chunk's sums of x rows ``2 t`` and ``2 t + 1``
-    (of n-block i: rows ``8 i + 2 t (+ 1)``), accumulated over the group's chunks."""
-    ty = "f16" if f16 else "bf16"
-    one = "0x3C003C00" if f16 else "0x3F803F80"
-    n_out = 2 * nb
-    xs = _ops(n_out, nb)
-    acc = [] if first else _ops(n_out + nb, n_out)
-    lines = ["{", ".reg .b32 o, b0, b1, b2, b3;", ".reg .f32 zf, e0, e1;", f"mov.b32 o, {one};"]
-    if first:
-        lines.append("mov.f32 zf, 0f00000000;")
-    for i in range(nb):
-        c = "zf, zf, zf, zf" if first else f"{acc[2 * i]}, {acc[2 * i + 1]}, {acc[2 * i]}, {acc[2 * i + 1]}"
-        lines += [f"mov.b64 {{b{2 * i}, b{2 * i + 1}}}, {xs[i]};",
-                  _mma(ty, f"${2 * i}, ${2 * i + 1}, e0, e1", "o, o, o, o", f"b{2 * i}, b{2 * i + 1}", c)]
-    lines.append("}")
-    cons = ["=f"] * n_out + ["l"] * nb + ([] if first else ["f"] * n_out)
-    return "\n".join(lines), ",".join(cons)
-
-
-def int4_fix_asm(nb: int, f16: bool) -> tuple[str, str]:
-    """End of a group in the group-wise INT4 path: ``acc'[4 nb] <- (d[4 nb], S[2 nb], sz, acc[4 nb])``,
-    ``acc += s * (d - (B + z) * S)`` per C element: rows g use channel g's scale / zero point (the low
-    half of ``sz``), rows g + 8 channel g + 8's; columns ``2 t``, ``2 t + 1`` the sums ``S``. ``B + z`` is
-    made exactly from the zero point's 4 bits: ``float(2**23 + z) - (2**23 - B)``."""
-    bias = "0f4AFFF800" if f16 else "0f4AFFFF00"  # 2**23 - 1024 / 2**23 - 128
-    n_out = 4 * nb
-    d = _ops(n_out, n_out)
-    ss = _ops(2 * n_out, 2 * nb)
-    sz = f"${2 * n_out + 2 * nb}"
-    acc = _ops(2 * n_out + 2 * nb + 1, n_out)
-    lines = ["{", ".reg .b32 s0, s1, t0, t1;", ".reg .f32 f0, f1, z0, z1, e;",
-             f"mov.b64 {{s0, s1}}, {sz};", "mov.b32 f0, s0;", "mov.b32 f1, s1;"]
-    for h in (0, 1):  # z_h = -(B + z): (2**23 - B) - (2**23 + z), exact
-        lines += [f"lop3.b32 t{h}, s{h}, 0x0000000F, 0x4B000000, 0xEA;", f"mov.b32 z{h}, t{h};",
-                  f"sub.f32 z{h}, {bias}, z{h};"]
-    for i in range(nb):
-        for r in range(4):
-            o = 4 * i + r
-            lines += [f"fma.rn.f32 e, z{r // 2}, {ss[2 * i + r % 2]}, {d[o]};",
-                      f"fma.rn.f32 ${o}, e, f{r // 2}, {acc[o]};"]
-    lines.append("}")
-    cons = ["=f"] * n_out + ["f"] * n_out + ["f"] * (2 * nb) + ["l"] + ["f"] * n_out
-    return "\n".join(lines), ",".join(cons)
 
 
 def fp8_asm(nb: int, f16: bool, block_scale: bool) -> tuple[str, str]:
@@ -360,101 +283,6 @@ def _frag_step(w, s, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8: tl.const
 
 
 @triton.jit
-def _z_raw(w, xa, xb, d0, d1, d2, d3, d4, d5, d6, d7, NB: tl.constexpr, FIRST: tl.constexpr, ASM_RF: tl.constexpr,
-           CONS_RF: tl.constexpr, ASM_R: tl.constexpr, CONS_R: tl.constexpr):
-    """Group-wise INT4: one chunk's raw MMA (codes ``B + q``) into ``d`` (into zero when FIRST)."""
-    if NB == 1:
-        if FIRST:
-            d0, d1, d2, d3 = tl.inline_asm_elementwise(ASM_RF, CONS_RF, [w, xa], dtype=(tl.float32,) * 4,
-                                                       is_pure=True, pack=1)
-        else:
-            d0, d1, d2, d3 = tl.inline_asm_elementwise(ASM_R, CONS_R, [w, xa, d0, d1, d2, d3],
-                                                       dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-    else:
-        if FIRST:
-            d0, d1, d2, d3, d4, d5, d6, d7 = tl.inline_asm_elementwise(
-                ASM_RF, CONS_RF, [w, xa, xb], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-        else:
-            d0, d1, d2, d3, d4, d5, d6, d7 = tl.inline_asm_elementwise(
-                ASM_R, CONS_R, [w, xa, xb, d0, d1, d2, d3, d4, d5, d6, d7], dtype=(tl.float32,) * 8,
-                is_pure=True, pack=1)
-    return d0, d1, d2, d3, d4, d5, d6, d7
-
-
-@triton.jit
-def _z_ones(xa, xb, e0, e1, e2, e3, NB: tl.constexpr, FIRST: tl.constexpr, ASM_OF: tl.constexpr,
-            CONS_OF: tl.constexpr, ASM_O: tl.constexpr, CONS_O: tl.constexpr):
-    """Group-wise INT4: one chunk's activation sums (``[R, 1]`` per thread) into ``e`` (into zero when FIRST)."""
-    if NB == 1:
-        if FIRST:
-            e0, e1 = tl.inline_asm_elementwise(ASM_OF, CONS_OF, [xa], dtype=(tl.float32,) * 2, is_pure=True, pack=1)
-        else:
-            e0, e1 = tl.inline_asm_elementwise(ASM_O, CONS_O, [xa, e0, e1], dtype=(tl.float32,) * 2, is_pure=True,
-                                               pack=1)
-    else:
-        if FIRST:
-            e0, e1, e2, e3 = tl.inline_asm_elementwise(ASM_OF, CONS_OF, [xa, xb], dtype=(tl.float32,) * 4,
-                                                       is_pure=True, pack=1)
-        else:
-            e0, e1, e2, e3 = tl.inline_asm_elementwise(ASM_O, CONS_O, [xa, xb, e0, e1, e2, e3],
-                                                       dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-    return e0, e1, e2, e3
-
-
-@triton.jit
-def _z_rep(w, xa, xb, s, d0, d1, d2, d3, d4, d5, d6, d7, e0, e1, e2, e3, a0, a1, a2, a3, a4, a5, a6, a7,
-           NB: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, ASM_RF: tl.constexpr, CONS_RF: tl.constexpr,
-           ASM_R: tl.constexpr, CONS_R: tl.constexpr, ASM_OF: tl.constexpr, CONS_OF: tl.constexpr,
-           ASM_O: tl.constexpr, CONS_O: tl.constexpr, ASM_X: tl.constexpr, CONS_X: tl.constexpr):
-    """Group-wise INT4, one repetition: raw MMA and activation sums of its chunk; at the group's LAST chunk
-    of this thread, ``acc += s * (d - (B + z) * S)`` with the group's scale / zero-point words ``s``."""
-    d0, d1, d2, d3, d4, d5, d6, d7 = _z_raw(w, xa, xb, d0, d1, d2, d3, d4, d5, d6, d7, NB, FIRST, ASM_RF, CONS_RF,
-                                            ASM_R, CONS_R)
-    e0, e1, e2, e3 = _z_ones(xa, xb, e0, e1, e2, e3, NB, FIRST, ASM_OF, CONS_OF, ASM_O, CONS_O)
-    if LAST:
-        if NB == 1:
-            a0, a1, a2, a3 = tl.inline_asm_elementwise(ASM_X, CONS_X, [d0, d1, d2, d3, e0, e1, s, a0, a1, a2, a3],
-                                                       dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-        else:
-            a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
-                ASM_X, CONS_X, [d0, d1, d2, d3, d4, d5, d6, d7, e0, e1, e2, e3, s, a0, a1, a2, a3, a4, a5, a6, a7],
-                dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-    return d0, d1, d2, d3, d4, d5, d6, d7, e0, e1, e2, e3, a0, a1, a2, a3, a4, a5, a6, a7
-
-
-@triton.jit
-def _z_iter_mma(w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1, a0, a1, a2, a3, a4, a5, a6, a7,
-                NB: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr, ASM_RF: tl.constexpr,
-                CONS_RF: tl.constexpr, ASM_R: tl.constexpr, CONS_R: tl.constexpr, ASM_OF: tl.constexpr,
-                CONS_OF: tl.constexpr, ASM_O: tl.constexpr, CONS_O: tl.constexpr, ASM_X: tl.constexpr,
-                CONS_X: tl.constexpr):
-    """Group-wise INT4 iteration: a thread's ``8 / WARPS`` consecutive repetitions share a group, so the
-    zero point and scale are applied once per group (``_z_rep``) instead of once per chunk."""
-    RPG: tl.constexpr = 8 // WARPS
-    d0, d1, d2, d3, d4, d5, d6, d7 = a0, a1, a2, a3, a4, a5, a6, a7  # placeholders: the first chunk overwrites
-    e0 = xa0.to(tl.float32) * 0.0
-    e1, e2, e3 = e0, e0, e0
-    (d0, d1, d2, d3, d4, d5, d6, d7, e0, e1, e2, e3, a0, a1, a2, a3, a4, a5, a6, a7) = _z_rep(
-        w0, xa0, xb0, s0, d0, d1, d2, d3, d4, d5, d6, d7, e0, e1, e2, e3, a0, a1, a2, a3, a4, a5, a6, a7, NB, True,
-        RPG == 1, ASM_RF, CONS_RF, ASM_R, CONS_R, ASM_OF, CONS_OF, ASM_O, CONS_O, ASM_X, CONS_X)
-    if REPS > 1:
-        (d0, d1, d2, d3, d4, d5, d6, d7, e0, e1, e2, e3, a0, a1, a2, a3, a4, a5, a6, a7) = _z_rep(
-            w1, xa1, xb1, s0 if RPG > 1 else s1, d0, d1, d2, d3, d4, d5, d6, d7, e0, e1, e2, e3, a0, a1, a2, a3, a4,
-            a5, a6, a7, NB, RPG == 1, RPG <= 2, ASM_RF, CONS_RF, ASM_R, CONS_R, ASM_OF, CONS_OF, ASM_O, CONS_O,
-            ASM_X, CONS_X)
-    if REPS > 2:
-        (d0, d1, d2, d3, d4, d5, d6, d7, e0, e1, e2, e3, a0, a1, a2, a3, a4, a5, a6, a7) = _z_rep(
-            w2, xa2, xb2, s1 if RPG == 2 else s0, d0, d1, d2, d3, d4, d5, d6, d7, e0, e1, e2, e3, a0, a1, a2, a3, a4,
-            a5, a6, a7, NB, RPG == 2, False, ASM_RF, CONS_RF, ASM_R, CONS_R, ASM_OF, CONS_OF, ASM_O, CONS_O, ASM_X,
-            CONS_X)
-        (d0, d1, d2, d3, d4, d5, d6, d7, e0, e1, e2, e3, a0, a1, a2, a3, a4, a5, a6, a7) = _z_rep(
-            w3, xa3, xb3, s1 if RPG == 2 else s0, d0, d1, d2, d3, d4, d5, d6, d7, e0, e1, e2, e3, a0, a1, a2, a3, a4,
-            a5, a6, a7, NB, False, True, ASM_RF, CONS_RF, ASM_R, CONS_R, ASM_OF, CONS_OF, ASM_O, CONS_O, ASM_X,
-            CONS_X)
-    return a0, a1, a2, a3, a4, a5, a6, a7
-
-
-@triton.jit
 def _lane_sum(a, WARPS: tl.constexpr, CT: tl.constexpr):
     """``[32 WARPS, CT]`` -> ``[32, CT]``: the warps' partial sums (they took different chunks)."""
     return tl.sum(tl.reshape(a, [WARPS, 32, CT]), axis=0)
@@ -508,9 +336,7 @@ def _frag_kernel(
     M, N, G, iters_per_split, stride_xm, stride_ym,
     FP8: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr,
     SPLIT_K: tl.constexpr, ACT: tl.constexpr, FOLD: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr,
-    DEPTH: tl.constexpr = 1, USE_PDL: tl.constexpr = False, ZSUM: tl.constexpr = False,
-    ASM_RF: tl.constexpr = "", CONS_RF: tl.constexpr = "", ASM_OF: tl.constexpr = "", CONS_OF: tl.constexpr = "",
-    ASM_O: tl.constexpr = "", CONS_O: tl.constexpr = "", ASM_X: tl.constexpr = "", CONS_X: tl.constexpr = "",
+    DEPTH: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
 ):
     """MODE 6. Grid ``(N / (16 CT), split)``. ``qw``: fragment words (int32 INT4 / int64 FP8) of
     ``pack_int4`` / ``pack_fp8``; INT4: ``s`` int64 ``[N / 64, G, 8, 4]`` (scale / zero-point words of
@@ -571,14 +397,9 @@ def _frag_kernel(
         (m0, m1, m2, m3, ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3, ms0, ms1) = _frag_iter_loads(
             wp, tl.minimum(it + DEPTH, it1 - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2,
             sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
-        if ZSUM:
-            a0, a1, a2, a3, a4, a5, a6, a7 = _z_iter_mma(
-                w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1, a0, a1, a2, a3, a4, a5, a6, a7, NB,
-                WARPS, REPS, ASM_RF, CONS_RF, ASM, CONS, ASM_OF, CONS_OF, ASM_O, CONS_O, ASM_X, CONS_X)
-        else:
-            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_iter_mma(
-                w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1, a0, a1, a2, a3, a4, a5, a6, a7, zero,
-                FP8, BSCALE, NB, WARPS, REPS, ASM, CONS)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_iter_mma(
+            w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1, a0, a1, a2, a3, a4, a5, a6, a7, zero,
+            FP8, BSCALE, NB, WARPS, REPS, ASM, CONS)
         if DEPTH == 2:  # rotate: the next set becomes current, the one just issued becomes next
             w0, w1, w2, w3, xa0, xa1, xa2, xa3 = n0, n1, n2, n3, na0, na1, na2, na3
             xb0, xb1, xb2, xb3, s0, s1 = nb0, nb1, nb2, nb3, ns0, ns1
@@ -863,21 +684,10 @@ def supported(x: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(x.device)[0] >= 8
 
 
-def _asm(kind: str, nb: int, f16: bool, bscale: bool, zsum: bool = False) -> dict:
-    """The inline-PTX strings / constraints of a variant, as the kernel's constexpr keyword arguments."""
-    key = (kind, nb, f16, bscale, zsum)
+def _asm(kind: str, nb: int, f16: bool, bscale: bool) -> tuple[str, str]:
+    key = (kind, nb, f16, bscale)
     if key not in _ASM:
-        if kind == "fp8":
-            asm, cons = fp8_asm(nb, f16, bscale)
-            _ASM[key] = {"ASM": asm, "CONS": cons}
-        elif not zsum:
-            asm, cons = int4_asm(nb, f16)
-            _ASM[key] = {"ASM": asm, "CONS": cons}
-        else:
-            parts = {"": int4_raw_asm(nb, f16, False), "_RF": int4_raw_asm(nb, f16, True),
-                     "_O": ones_asm(nb, f16, False), "_OF": ones_asm(nb, f16, True), "_X": int4_fix_asm(nb, f16)}
-            _ASM[key] = {"ZSUM": True, **{f"ASM{k}": v[0] for k, v in parts.items()},
-                         **{f"CONS{k}": v[1] for k, v in parts.items()}}
+        _ASM[key] = int4_asm(nb, f16) if kind == "int4" else fp8_asm(nb, f16, bscale)
     return _ASM[key]
 
 
@@ -934,8 +744,7 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
     per = triton.cdiv(iters, split)
     split = triton.cdiv(iters, per)
     blocks = frags.shape[0]
-    zsum = kind == "int4" and bool(cfg.get("ZSUM", ZSUM_DEFAULT))
-    asm = _asm(kind, nb, x.dtype == torch.float16, bscale, zsum)
+    asm, cons = _asm(kind, nb, x.dtype == torch.float16, bscale)
     code = ACTIVATIONS[act]
     y = torch.empty((m, n // 2 if code else n), dtype=x.dtype, device=x.device)
     via_ws = split > 1 or code != 0
@@ -949,7 +758,7 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
         x, frags, s, ws, y, cnt,
         m, n, gk, per, x.stride(0), y.stride(0),
         FP8=kind == "fp8", NB=nb, BSCALE=bscale, WARPS=warps, REPS=reps, SPLIT_K=split > 1, ACT=code,
-        FOLD=fold, DEPTH=depth, num_warps=warps, num_stages=1, **asm, **pdl_launch(use_pdl),
+        FOLD=fold, ASM=asm, CONS=cons, DEPTH=depth, num_warps=warps, num_stages=1, **pdl_launch(use_pdl),
     )
     return y
 

@@ -330,3 +330,22 @@ def test_use_triton_gemv_swaps_quantized_gated_mlp(scheme):
     use_triton_gemv_(mlp, force=True)
     assert type(mlp).__name__.startswith("GemvFused") == (scheme != "w8a8")
     assert torch.allclose(mlp(x), want)
+
+
+@pytest.mark.parametrize("cfg", [T.GemvConfig("fma", 4, 32, 1, 1), T.GemvConfig("fma", 8, 16, 1, 3),
+                                 T.GemvConfig("fma", 4, 128, 1, 1)],
+                         ids=lambda c: f"bn{c.block_n}-bk{c.block_k}-s{c.split_k}")
+def test_gemv_first_tile_read_before_the_pdl_wait(cfg, monkeypatch):
+    """With PDL, the fma GEMV loads its first weight tile before waiting for the previous kernel
+    (PREWAIT) and consumes it ahead of the K loop; the interpreter has no PDL, so force the variant:
+    same results with one or several tiles per split, split-K, ragged K, bias and the fused activation."""
+    monkeypatch.setattr(T, "pdl_enabled", lambda t: True)
+    monkeypatch.setattr(T, "pdl_launch", lambda use: {})
+    torch.manual_seed(5)
+    for m in (1, 3):
+        x = torch.randn(m, 100)
+        w = torch.randn(38, 100)
+        b = torch.randn(38)
+        assert _rel(T.gemv(x, w, b, cfg), _ref(x, w, b)) < 1e-5
+        if cfg.block_n % 2 == 0:
+            assert _rel(T.gemv(x, w, b, cfg, "silu"), _act_ref(x, w, b, "silu")) < 2e-5

@@ -301,3 +301,27 @@ def test_mode5_falls_back_where_it_cannot_run():
     assert triton_wo._small_plan("int4", x.half(), w4.qweight, 32, 256, 64, _cfg(5, 1), lambda: None)[0]["MODE"] == 5
     assert _err(triton_wo.wq_matmul_triton(x, w8, config=_cfg(5, 1)), R.wq_matmul_ref(x, w8)) < 1e-5
     assert _err(triton_wo.wq_matmul_triton(x, w4, config=_cfg(5, 1)), R.wq_matmul_ref(x, w4)) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8", "fp8"])
+def test_gemv4_first_tile_read_before_the_pdl_wait(kind, monkeypatch):
+    """With PDL, MODE 4 loads its first weight tile before waiting for the previous kernel
+    (PREWAIT) and consumes it ahead of the K loop; the interpreter has no PDL, so force the variant:
+    same results, split or not (one to three tiles per split), ragged last tile, fused activation."""
+    monkeypatch.setattr(triton_wo, "pdl_enabled", lambda t: True)
+    monkeypatch.setattr(triton_wo, "pdl_launch", lambda use: {})
+    torch.manual_seed(11)
+    k = 384
+    x = torch.randn(3, k)
+    wt = torch.randn(26, k)
+    if kind == "fp8":
+        w = FP8Weight.quantize(wt, block_size=128)
+        fn, ref = triton_wo.fp8_wo_matmul_triton, R.fp8_wo_matmul_ref(x, w)
+    else:
+        w = IntWeight.quantize(wt, bits=int(kind[3:]), group_size=128, symmetric=False)
+        fn, ref = triton_wo.wq_matmul_triton, R.wq_matmul_ref(x, w)
+    for split, bk in ((1, 256), (2, 64), (3, 64)):
+        y = fn(x, w, config=_gemv(split, bk=bk))
+        assert _err(y, ref) < 1e-5, (split, bk, _err(y, ref))
+    y = fn(x, w, config={**_gemv(1), "BLOCK_N": 4}, act="silu")
+    assert _err(y, _act_ref(ref, "silu")) < 1e-5

@@ -6,9 +6,12 @@ predecessor still runs: its programs get resident and compute their addresses, t
 ``griddepcontrol.wait`` until the predecessor grid has finished and its writes are visible.
 Measured on the H200, batch-1 decode of the 8B shape (results/h200/sweeps/decode_step_pdl.json vs
 decode_step_nopdl.json, two runs of one session): 216.8 vs 213.2 tok/s, +1.7%; at batch >= 16 it
-cost 1-10%, so it is limited to small launches (:data:`PDL_MAX_ROWS`). Prefetching a GEMV's first
-weight tile into L2 before the wait measured slower (-2%, so it is not done), as did leaving the
-GEMVs out of PDL.
+cost 1-10%, so it is limited to small launches (:data:`PDL_MAX_ROWS`). Leaving the GEMVs out of PDL
+measured slower. The GEMVs load their first weight tile into registers before the wait and consume it
+ahead of their K loop (:data:`GEMV_PREWAIT`): batch-1 step bf16 4.279 -> 4.191 ms, FP8 weight-only
+2.737 -> 2.607, W4A16 2.744 -> 2.674 (results/h200/sweeps/probe_bs1_gemv_prewait_peel.json). Two
+earlier forms of it measured slower: a prefetch of that tile into L2 only (-2%), and a MODE 4 that kept
+the tile in registers through its K loop behind a branch (FP8 -2.2%, sweeps/probe_bs1_gemv_prewait.json).
 
 The contract every kernel here keeps when launched with PDL (``USE_PDL``):
 
@@ -47,6 +50,11 @@ def _device_ok(index: int) -> bool:
 # and sweeps/e2e_pdl_all_batches.json): waiting programs hold multiprocessor slots that the
 # predecessor's larger grid still needs.
 PDL_MAX_ROWS = 4
+
+# With PDL, the GEMV kernels (the bf16 one in ops.linear, the weight-only MODE 4 and MODE 6) load their
+# first weight tile before waiting for the previous kernel and consume it ahead of their K loop;
+# INFERCORE_GEMV_PREWAIT=0 loads everything after the wait.
+GEMV_PREWAIT = os.environ.get("INFERCORE_GEMV_PREWAIT", "1") != "0"
 
 
 def pdl_enabled(t: torch.Tensor) -> bool:

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from ..ops.linear.triton import ACTIVATIONS, _act_mul
-from ..ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
+from ..ops.pdl import GEMV_PREWAIT, pdl_enabled, pdl_launch, pdl_release, pdl_wait
 from ._splitk import arrival_counters
 
 KSTEP = 128  # K per group step: 8 chunks of 16
@@ -182,27 +182,30 @@ def _x_frag(x8, xrow, grp, q, xmask):
 @triton.jit
 def _frag_iter_loads(wp, it, pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows, s_ptr, zero,
                      FP8: tl.constexpr, BSCALE: tl.constexpr, NB: tl.constexpr, R: tl.constexpr, CT: tl.constexpr,
-                     WARPS: tl.constexpr, REPS: tl.constexpr, GPI: tl.constexpr):
+                     WARPS: tl.constexpr, REPS: tl.constexpr, GPI: tl.constexpr, LOAD_W: tl.constexpr = True,
+                     LOAD_X: tl.constexpr = True):
     """The loads of iteration ``it`` (issued one iteration ahead): the words ``[R, CT]`` of up to 4
     repetitions (repetition r holds chunk ``r * WARPS + warp``) with their B fragments (x rows g, and
     g + 8 when NB == 2), and the scales of its (up to 2) groups: INT4 scale / zero-point words, FP8
     128x128 block scales (else ``zero``). Slots a smaller REPS does not use repeat the first (dead
-    values the compiler drops)."""
+    values the compiler drops). ``LOAD_W`` / ``LOAD_X`` False: the weights and scales / the activations
+    are left out (zeros, for a caller that loads the two parts on either side of the PDL wait)."""
     base = wp + it * (GPI * 8 * 32 * CT)
-    w0, xa0, xb0 = _frag_load(base, 0, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT, WARPS, GPI)
+    w0, xa0, xb0 = _frag_load(base, 0, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT, WARPS, GPI,
+                              LOAD_W, LOAD_X)
     w1, xa1, xb1 = w0, xa0, xb0
     w2, xa2, xb2 = w0, xa0, xb0
     w3, xa3, xb3 = w0, xa0, xb0
     if REPS > 1:
         w1, xa1, xb1 = _frag_load(base, 1, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT,
-                                  WARPS, GPI)
+                                  WARPS, GPI, LOAD_W, LOAD_X)
     if REPS > 2:
         w2, xa2, xb2 = _frag_load(base, 2, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT,
-                                  WARPS, GPI)
+                                  WARPS, GPI, LOAD_W, LOAD_X)
         w3, xa3, xb3 = _frag_load(base, 3, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB, R, CT,
-                                  WARPS, GPI)
+                                  WARPS, GPI, LOAD_W, LOAD_X)
     if FP8:
-        if BSCALE:
+        if BSCALE and LOAD_W:
             s0 = tl.load(s_ptr + (pb * G + it * GPI) * CT + offs_c)[None, :] + zero
             s1 = tl.load(s_ptr + (pb * G + it * GPI + (GPI - 1)) * CT + offs_c)[None, :] + zero
         else:
@@ -210,24 +213,37 @@ def _frag_iter_loads(wp, it, pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2
             s1 = zero
     else:
         sz = s_ptr.to(tl.pointer_type(tl.int64)) + sz_rows + (it * GPI) * (8 * CT)
-        s0 = tl.load(sz)
-        if GPI > 1:
-            s1 = tl.load(sz + 8 * CT)
+        if LOAD_W:
+            s0 = tl.load(sz)
+            if GPI > 1:
+                s1 = tl.load(sz + 8 * CT)
+            else:
+                s1 = s0
         else:
+            s0 = tl.zeros(sz.shape, dtype=tl.int64)
             s1 = s0
     return w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1
 
 
 @triton.jit
 def _frag_load(base, rep: tl.constexpr, offs_r, offs_c, warp, it, x8, xrow, xmask, xrow2, xmask2, NB: tl.constexpr,
-               R: tl.constexpr, CT: tl.constexpr, WARPS: tl.constexpr, GPI: tl.constexpr):
+               R: tl.constexpr, CT: tl.constexpr, WARPS: tl.constexpr, GPI: tl.constexpr, LOAD_W: tl.constexpr,
+               LOAD_X: tl.constexpr):
     grp = it * GPI + rep * WARPS // 8
     q = (rep * WARPS + warp) % 8
-    w = tl.load(base + (rep * R + offs_r)[:, None] * CT + offs_c[None, :], eviction_policy="evict_first")
-    xa = _x_frag(x8, xrow, grp, q, xmask)
-    xb = xa
-    if NB == 2:
-        xb = _x_frag(x8, xrow2, grp, q, xmask2)
+    ptrs = base + (rep * R + offs_r)[:, None] * CT + offs_c[None, :]
+    if LOAD_W:
+        w = tl.load(ptrs, eviction_policy="evict_first")
+    else:
+        w = tl.zeros(ptrs.shape, dtype=base.dtype.element_ty)
+    if LOAD_X:
+        xa = _x_frag(x8, xrow, grp, q, xmask)
+        xb = xa
+        if NB == 2:
+            xb = _x_frag(x8, xrow2, grp, q, xmask2)
+    else:
+        xa = tl.zeros([R, 1], dtype=tl.int64)
+        xb = xa
     return w, xa, xb
 
 
@@ -336,7 +352,7 @@ def _frag_kernel(
     M, N, G, iters_per_split, stride_xm, stride_ym,
     FP8: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr,
     SPLIT_K: tl.constexpr, ACT: tl.constexpr, FOLD: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr,
-    DEPTH: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
+    DEPTH: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREWAIT: tl.constexpr = False,
 ):
     """MODE 6. Grid ``(N / (16 CT), split)``. ``qw``: fragment words (int32 INT4 / int64 FP8) of
     ``pack_int4`` / ``pack_fp8``; INT4: ``s`` int64 ``[N / 64, G, 8, 4]`` (scale / zero-point words of
@@ -379,20 +395,33 @@ def _frag_kernel(
     a6 = tl.zeros([R, CT], dtype=tl.float32)
     a7 = tl.zeros([R, CT], dtype=tl.float32)
     zero = tl.zeros([R, CT], dtype=tl.float32)
-    pdl_wait(USE_PDL)
     # Software pipeline by hand: the loads of iterations it + 1 .. it + DEPTH are issued before iteration
     # it's MMAs (loop-carried registers), so each warp keeps DEPTH iterations in flight while it decodes.
     # (Staging them through shared memory with tl.range(num_stages) measured slower: see the module doc.)
+    # PREWAIT (with PDL): the first DEPTH iterations' weights and scales are loaded before the wait (no
+    # kernel of the step writes them), their activations after it.
+    if not PREWAIT:
+        pdl_wait(USE_PDL)
     (w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1) = _frag_iter_loads(
         wp, tl.minimum(it0, n_iters - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows, s_ptr,
-        zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
+        zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, True, not PREWAIT)
     # the set after it (DEPTH 2); with DEPTH 1 a copy of the first, never read
     (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = (
         w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1)
     if DEPTH == 2:
         (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = _frag_iter_loads(
             wp, tl.minimum(it0 + 1, n_iters - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2,
-            sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
+            sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, True, not PREWAIT)
+    if PREWAIT:
+        pdl_wait(USE_PDL)
+        (t0, t1, t2, t3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, t4, t5) = _frag_iter_loads(
+            wp, tl.minimum(it0, n_iters - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows,
+            s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, False, True)
+        (na0, na1, na2, na3, nb0, nb1, nb2, nb3) = (xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3)
+        if DEPTH == 2:
+            (t0, t1, t2, t3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, t4, t5) = _frag_iter_loads(
+                wp, tl.minimum(it0 + 1, n_iters - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2,
+                sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, False, True)
     for it in range(it0, it1):
         (m0, m1, m2, m3, ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3, ms0, ms1) = _frag_iter_loads(
             wp, tl.minimum(it + DEPTH, it1 - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2,
@@ -758,7 +787,8 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
         x, frags, s, ws, y, cnt,
         m, n, gk, per, x.stride(0), y.stride(0),
         FP8=kind == "fp8", NB=nb, BSCALE=bscale, WARPS=warps, REPS=reps, SPLIT_K=split > 1, ACT=code,
-        FOLD=fold, ASM=asm, CONS=cons, DEPTH=depth, num_warps=warps, num_stages=1, **pdl_launch(use_pdl),
+        FOLD=fold, ASM=asm, CONS=cons, DEPTH=depth, PREWAIT=use_pdl and GEMV_PREWAIT, num_warps=warps, num_stages=1,
+        **pdl_launch(use_pdl),
     )
     return y
 

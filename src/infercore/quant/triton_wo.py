@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ..ops.activation import GATED_ACTS, gated_act_and_mul
 from ..ops.linear.triton import ACTIVATIONS, _act_mul
-from ..ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
+from ..ops.pdl import GEMV_PREWAIT, pdl_enabled, pdl_launch, pdl_release, pdl_wait
 from . import triton_frag as TF
 from ._splitk import arrival_counters
 from .formats import FP8_BLOCK, FP8Weight, GGUFWeight, IntWeight
@@ -804,6 +804,56 @@ def _word_load(ptrs, kw, kw_end, EVEN: tl.constexpr, EVICT: tl.constexpr):
 
 
 @triton.jit
+def _gemv4_tile(w, kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K, M, stride_xm, FP8: tl.constexpr,
+                BITS: tl.constexpr, ILV: tl.constexpr, SCALE_WORDS: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                HAS_ZEROS: tl.constexpr, EVEN: tl.constexpr, XMASK: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+    """One K tile of MODE 4: the loaded words ``w [BLOCK_N, BLOCK_KW]`` at word positions ``kw``, decoded
+    and multiplied into the per-thread accumulators ``a_r`` (see ``_gemv4_kernel``)."""
+    CPW: tl.constexpr = 32 // BITS
+    FIELD: tl.constexpr = ((1 << BITS) - 1) << (23 - BITS)  # the top BITS mantissa bits
+    k = ((kw // ILV) * (ILV * CPW) + kw % ILV)[None, :]  # K position of each word's code 0
+    p0, p1, p2, p3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
+    x0, x1, x2, x3 = _gemv_zeros(1, BLOCK_KW)
+    if FP8:
+        for j in tl.static_range(4):
+            # byte j to the top, arithmetic shift by 4, mask: the fp32 pattern of e4m3 * 2**-120
+            if j < 3:
+                t = w << (24 - 8 * j)
+            else:
+                t = w
+            v = ((t >> 4) & -2014314496).to(tl.float32, bitcast=True)  # mask 0x87F00000
+            p0, p1, p2, p3, x0, x1, x2, x3 = _gemv4_fma(p0, p1, p2, p3, x0, x1, x2, x3, v, x_ptr, k + ILV * j,
+                                                        K, M, stride_xm, XMASK, False, BLOCK_M)
+        if SCALE_ROWS != 0:
+            s = _word_load(s_rows + (kw // SCALE_WORDS)[None, :], kw, kw_end, EVEN, False)
+            a0, a1, a2, a3 = _gemv_add(a0, a1, a2, a3, p0, p1, p2, p3, s, BLOCK_M, True)
+        else:
+            a0, a1, a2, a3 = _gemv_add(a0, a1, a2, a3, p0, p1, p2, p3, 1.0, BLOCK_M, False)
+    else:
+        w = w.to(tl.uint32, bitcast=True)
+        hi = w >> 16
+        for j in tl.static_range(CPW):
+            # code j into the top mantissa bits of 1.0: v = 1 + q / 2**BITS exactly
+            if BITS * j < 16:
+                t = w << (23 - BITS - BITS * j)
+            else:
+                t = hi << (23 - BITS - (BITS * j - 16))
+            v = ((t & FIELD) | 0x3F800000).to(tl.float32, bitcast=True)
+            p0, p1, p2, p3, x0, x1, x2, x3 = _gemv4_fma(p0, p1, p2, p3, x0, x1, x2, x3, v, x_ptr, k + ILV * j,
+                                                        K, M, stride_xm, XMASK, True, BLOCK_M)
+        g = (kw // SCALE_WORDS)[None, :]
+        s = _word_load(s_rows + g, kw, kw_end, EVEN, False).to(tl.float32)
+        # sum_k (q - z) x = 2**BITS * (sum_k v x - c * sum_k x), c = 1 + z / 2**BITS (2**BITS after the loop)
+        if HAS_ZEROS:
+            c = 1.0 + _word_load(z_rows + g, kw, kw_end, EVEN, False).to(tl.float32) * (1.0 / (1 << BITS))
+        else:
+            c = 1.0 + (2 ** (BITS - 1)) / (1 << BITS)
+        a0, a1, a2, a3 = _gemv4_add(a0, a1, a2, a3, p0, p1, p2, p3, x0, x1, x2, x3, c, s, BLOCK_M)
+    return a0, a1, a2, a3
+
+
+@triton.jit
 def _gemv4_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, ws_ptr, y_ptr, cnt_ptr,
     M, N, K, KW, kw_per_split,
@@ -811,7 +861,7 @@ def _gemv4_kernel(
     FP8: tl.constexpr, BITS: tl.constexpr, ILV: tl.constexpr, SCALE_WORDS: tl.constexpr,
     SCALE_ROWS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
     XMASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-    ACT: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
+    ACT: tl.constexpr = 0, PREWAIT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     """MODE 4 GEMV, ``M <= 4``: ``qw`` int32 words ``[N, KW]`` in the interleaved layout of
     ``_ilv_words`` (word ``i`` of each block of ``ILV`` words holds codes ``i + ILV * j`` at bits
@@ -827,8 +877,6 @@ def _gemv4_kernel(
     (``N = 2D``), a program streams gate row ``c`` and up row ``D + c`` side by side, and ``y [M, D]``
     gets ``act(gate) * up`` (the gated-MLP epilogue, as in ``ops.linear``'s GEMV).
     """
-    CPW: tl.constexpr = 32 // BITS
-    FIELD: tl.constexpr = ((1 << BITS) - 1) << (23 - BITS)  # the top BITS mantissa bits
     pdl_release(USE_PDL)
     r = tl.arange(0, BLOCK_N)
     if ACT != 0:
@@ -844,6 +892,8 @@ def _gemv4_kernel(
     kw_end = tl.minimum(kw_start + kw_per_split, KW)
     offs_kw = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_KW), BLOCK_KW), BLOCK_KW)
     w_rows = qw_ptr + rows.to(tl.int64)[:, None] * stride_qn
+    if PREWAIT:  # with PDL: the first tile's weights stream in while the previous kernel finishes
+        w_first = _word_load(w_rows + (kw_start + offs_kw)[None, :], kw_start + offs_kw, kw_end, EVEN, True)
     pdl_wait(USE_PDL)
     if FP8 and SCALE_ROWS != 0:
         s_rows = s_ptr + (rows // SCALE_ROWS).to(tl.int64)[:, None] * stride_sn
@@ -851,47 +901,17 @@ def _gemv4_kernel(
         s_rows = s_ptr + rows.to(tl.int64)[:, None] * stride_sn
     z_rows = z_ptr + rows.to(tl.int64)[:, None] * stride_sn
     a0, a1, a2, a3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
-    for kb in tl.range(kw_start, kw_end, BLOCK_KW):
+    kb0 = kw_start
+    if PREWAIT:  # the first tile, loaded before the wait, is consumed here; the loop takes the rest
+        a0, a1, a2, a3 = _gemv4_tile(w_first, kw_start + offs_kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K, M,
+                                     stride_xm, FP8, BITS, ILV, SCALE_WORDS, SCALE_ROWS, HAS_ZEROS, EVEN, XMASK,
+                                     BLOCK_M, BLOCK_N, BLOCK_KW)
+        kb0 = kw_start + BLOCK_KW
+    for kb in tl.range(kb0, kw_end, BLOCK_KW):
         kw = kb + offs_kw
         w = _word_load(w_rows + kw[None, :], kw, kw_end, EVEN, True)
-        k = ((kw // ILV) * (ILV * CPW) + kw % ILV)[None, :]  # K position of each word's code 0
-        p0, p1, p2, p3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
-        x0, x1, x2, x3 = _gemv_zeros(1, BLOCK_KW)
-        if FP8:
-            for j in tl.static_range(4):
-                # byte j to the top, arithmetic shift by 4, mask: the fp32 pattern of e4m3 * 2**-120
-                if j < 3:
-                    t = w << (24 - 8 * j)
-                else:
-                    t = w
-                v = ((t >> 4) & -2014314496).to(tl.float32, bitcast=True)  # mask 0x87F00000
-                p0, p1, p2, p3, x0, x1, x2, x3 = _gemv4_fma(p0, p1, p2, p3, x0, x1, x2, x3, v, x_ptr, k + ILV * j,
-                                                            K, M, stride_xm, XMASK, False, BLOCK_M)
-            if SCALE_ROWS != 0:
-                s = _word_load(s_rows + (kw // SCALE_WORDS)[None, :], kw, kw_end, EVEN, False)
-                a0, a1, a2, a3 = _gemv_add(a0, a1, a2, a3, p0, p1, p2, p3, s, BLOCK_M, True)
-            else:
-                a0, a1, a2, a3 = _gemv_add(a0, a1, a2, a3, p0, p1, p2, p3, 1.0, BLOCK_M, False)
-        else:
-            w = w.to(tl.uint32, bitcast=True)
-            hi = w >> 16
-            for j in tl.static_range(CPW):
-                # code j into the top mantissa bits of 1.0: v = 1 + q / 2**BITS exactly
-                if BITS * j < 16:
-                    t = w << (23 - BITS - BITS * j)
-                else:
-                    t = hi << (23 - BITS - (BITS * j - 16))
-                v = ((t & FIELD) | 0x3F800000).to(tl.float32, bitcast=True)
-                p0, p1, p2, p3, x0, x1, x2, x3 = _gemv4_fma(p0, p1, p2, p3, x0, x1, x2, x3, v, x_ptr, k + ILV * j,
-                                                            K, M, stride_xm, XMASK, True, BLOCK_M)
-            g = (kw // SCALE_WORDS)[None, :]
-            s = _word_load(s_rows + g, kw, kw_end, EVEN, False).to(tl.float32)
-            # sum_k (q - z) x = 2**BITS * (sum_k v x - c * sum_k x), c = 1 + z / 2**BITS (2**BITS after the loop)
-            if HAS_ZEROS:
-                c = 1.0 + _word_load(z_rows + g, kw, kw_end, EVEN, False).to(tl.float32) * (1.0 / (1 << BITS))
-            else:
-                c = 1.0 + (2 ** (BITS - 1)) / (1 << BITS)
-            a0, a1, a2, a3 = _gemv4_add(a0, a1, a2, a3, p0, p1, p2, p3, x0, x1, x2, x3, c, s, BLOCK_M)
+        a0, a1, a2, a3 = _gemv4_tile(w, kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K, M, stride_xm, FP8, BITS,
+                                     ILV, SCALE_WORDS, SCALE_ROWS, HAS_ZEROS, EVEN, XMASK, BLOCK_M, BLOCK_N, BLOCK_KW)
     acc, offs_m, m_mask = _gemv_rows(a0, a1, a2, a3, M, BLOCK_M, BLOCK_N)
     if FP8:
         if SCALE_ROWS == 0:
@@ -991,11 +1011,12 @@ def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: to
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = arrival_counters(x.device, tiles) if split > 1 else y
     even = kw % per == 0 and per % bkw == 0
+    use_pdl = pdl_enabled(x)
     _gemv4_kernel[(tiles, split)](
         x, words, s, z, ws, y, cnt, m, n, k, kw, per, x.stride(0), words.stride(0), stride_sn, y.stride(0),
         SPLIT_K=split > 1, EVEN=even, XMASK=(not even) or kw * cpw > k, BLOCK_M=triton.next_power_of_2(m),
-        BLOCK_N=bn, BLOCK_KW=bkw, ACT=ACTIVATIONS[act], num_warps=cfg["num_warps"],
-        num_stages=cfg.get("num_stages", 1), **meta, **pdl_launch(pdl_enabled(x)),
+        BLOCK_N=bn, BLOCK_KW=bkw, ACT=ACTIVATIONS[act], PREWAIT=use_pdl and GEMV_PREWAIT,
+        num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1), **meta, **pdl_launch(use_pdl),
     )
     return y
 

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from infercore.devices import register
-from infercore.ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
+from infercore.ops.pdl import GEMV_PREWAIT, pdl_enabled, pdl_launch, pdl_release, pdl_wait
 
 from .naive import skinny_linear_ref
 
@@ -227,6 +227,20 @@ def _store_row(out, m, M, rows, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, N, s
             tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _gemv_fma_tile(w, x0, x1, x2, x3, k0, k_ok, acc0, acc1, acc2, acc3, EVEN: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One weight tile ``w [BLOCK_N, BLOCK_K]`` times the rows' activations at K offset ``k0``, into the
+    per-row 2-D accumulators."""
+    w = w.to(tl.float32)
+    acc0 += w * _load_tile(x0 + k0, k_ok, EVEN, False).to(tl.float32)[None, :]
+    if BLOCK_M > 1:
+        acc1 += w * _load_tile(x1 + k0, k_ok, EVEN, False).to(tl.float32)[None, :]
+    if BLOCK_M > 2:
+        acc2 += w * _load_tile(x2 + k0, k_ok, EVEN, False).to(tl.float32)[None, :]
+        acc3 += w * _load_tile(x3 + k0, k_ok, EVEN, False).to(tl.float32)[None, :]
+    return acc0, acc1, acc2, acc3
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_fma_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr,
@@ -234,15 +248,19 @@ def _gemv_fma_kernel(
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr, EVEN: tl.constexpr, EVICT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr = 0,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, PREWAIT: tl.constexpr = False,
 ):  # fmt: skip
     # Rows of x are unrolled by hand (BLOCK_M <= 4), each with its own 2-D accumulator over the
     # same weight tile: a 3-D [M, N, K] product made Triton shuffle the tile through shared memory.
+    # PREWAIT (with PDL): the first weight tile is loaded before waiting for the previous kernel (no
+    # kernel writes weights) and consumed ahead of the K loop.
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
     offs_k, k_lo, rows, n_mask, w_ptrs = _program_tile(w_ptr, N, k_per_split, stride_wn, BLOCK_N, BLOCK_K, ACT)
+    if PREWAIT:
+        w_first = _load_tile(w_ptrs, (k_lo + offs_k < K)[None, :], EVEN, EVICT)
     pdl_wait(USE_PDL)
     x0 = x_ptr + tl.minimum(m0, M - 1).to(tl.int64) * stride_xm + k_lo + offs_k
     x1 = x_ptr + tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_xm + k_lo + offs_k
@@ -252,15 +270,16 @@ def _gemv_fma_kernel(
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, k_per_split, BLOCK_K):
+    k_first = 0
+    if PREWAIT:
+        acc0, acc1, acc2, acc3 = _gemv_fma_tile(w_first, x0, x1, x2, x3, 0, k_lo + offs_k < K, acc0, acc1, acc2, acc3,
+                                                EVEN, BLOCK_M)
+        w_ptrs += BLOCK_K
+        k_first = BLOCK_K
+    for k0 in range(k_first, k_per_split, BLOCK_K):
         k_ok = k_lo + k0 + offs_k < K
-        w = _load_tile(w_ptrs, k_ok[None, :], EVEN, EVICT).to(tl.float32)
-        acc0 += w * _load_tile(x0 + k0, k_ok, EVEN, False).to(tl.float32)[None, :]
-        if BLOCK_M > 1:
-            acc1 += w * _load_tile(x1 + k0, k_ok, EVEN, False).to(tl.float32)[None, :]
-        if BLOCK_M > 2:
-            acc2 += w * _load_tile(x2 + k0, k_ok, EVEN, False).to(tl.float32)[None, :]
-            acc3 += w * _load_tile(x3 + k0, k_ok, EVEN, False).to(tl.float32)[None, :]
+        w = _load_tile(w_ptrs, k_ok[None, :], EVEN, EVICT)
+        acc0, acc1, acc2, acc3 = _gemv_fma_tile(w, x0, x1, x2, x3, k0, k_ok, acc0, acc1, acc2, acc3, EVEN, BLOCK_M)
         w_ptrs += BLOCK_K
     _store_row(tl.sum(acc0, axis=1), m0, M, rows, n_mask, pid_n, pid_k, b_ptr, y_ptr, ws_ptr, N, stride_ym,
                HAS_BIAS, USE_WS, ACT, BLOCK_N)  # fmt: skip
@@ -372,10 +391,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     if code and (config.block_n < 2 or config.block_n % 2):
         raise ValueError(f"gemv: act={act!r} needs an even block_n >= 2, got {config.block_n}")
     variant = "fma" if x.dtype == torch.float32 else config.variant
+    use_pdl = pdl_enabled(x)
+    extra = {}
     if variant == "dot":
         block_m, kernel = 16, _gemv_dot_kernel
     else:
         block_m, kernel = min(m_bucket(M), 4), _gemv_fma_kernel
+        extra["PREWAIT"] = use_pdl and GEMV_PREWAIT
     bk = config.block_k
     split = max(1, min(config.split_k, triton.cdiv(K, bk)))
     # Each split owns a whole number of BLOCK_K tiles, so only the last one can be ragged.
@@ -392,13 +414,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, USE_WS=use_ws, EVEN=even, EVICT=config.evict_first,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=bk, ACT=code,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(pdl_enabled(x)),
+        num_warps=config.num_warps, num_stages=config.num_stages, **extra, **pdl_launch(use_pdl),
     )  # fmt: skip
     if use_ws:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(M * n_out, block),)](
             ws, b, y, M, N, y.stride(0), SPLIT_K=split, HAS_BIAS=bias is not None, ACT=code, BLOCK=block,
-            num_warps=4, **pdl_launch(pdl_enabled(x)),
+            num_warps=4, **pdl_launch(use_pdl),
         )  # fmt: skip
     return y
 

@@ -53,7 +53,7 @@ def compile_gemv4(kind: str, block_n: int, block_kw: int, warps: int, stages: in
     else:
         ce = dict(FP8=True, BITS=8, ILV=32, SCALE_WORDS=32, SCALE_ROWS=0, HAS_ZEROS=False)
     ce.update(SPLIT_K=False, EVEN=True, XMASK=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_KW=block_kw, ACT=0,
-              USE_PDL=False)  # fmt: skip
+              PREWAIT=0, USE_PDL=False)  # fmt: skip
     return _compile(TW._gemv4_kernel, ptr, _sizes("kw_per_split"), ce, warps, stages)
 
 
@@ -74,7 +74,7 @@ def compile_frag(kind: str, warps: int, reps: int, depth: int):
     ptr = {"x_ptr": "*bf16", "qw_ptr": "*i32" if kind == "int4" else "*i64",
            "s_ptr": "*i64" if kind == "int4" else "*fp32", "ws_ptr": "*fp32", "y_ptr": "*bf16", "cnt_ptr": "*i32"}
     ce = dict(FP8=kind == "fp8", NB=1, BSCALE=False, WARPS=warps, REPS=reps, SPLIT_K=True, ACT=0, FOLD=1.0, ASM=asm,
-              CONS=cons, DEPTH=depth, USE_PDL=False)
+              CONS=cons, DEPTH=depth, USE_PDL=False, PREWAIT=False)
     sizes = ("M", "N", "G", "iters_per_split", "stride_xm", "stride_ym")
     return _compile(TF._frag_kernel, ptr, sizes, ce, warps, 1)
 

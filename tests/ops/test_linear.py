@@ -333,18 +333,21 @@ def test_use_triton_gemv_swaps_quantized_gated_mlp(scheme):
 
 
 @pytest.mark.parametrize("cfg", [T.GemvConfig("fma", 4, 32, 1, 1), T.GemvConfig("fma", 8, 16, 1, 3),
-                                 T.GemvConfig("fma", 4, 128, 1, 1)],
+                                 T.GemvConfig("fma", 4, 128, 1, 1), T.GemvConfig("fma", 4, 32, 1, 4)],
                          ids=lambda c: f"bn{c.block_n}-bk{c.block_k}-s{c.split_k}")
-def test_gemv_first_tile_read_before_the_pdl_wait(cfg, monkeypatch):
-    """With PDL, the fma GEMV loads its first weight tile before waiting for the previous kernel
-    (PREWAIT) and consumes it ahead of the K loop; the interpreter has no PDL, so force the variant:
-    same results with one or several tiles per split, split-K, ragged K, bias and the fused activation."""
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_gemv_first_tiles_read_before_the_pdl_wait(cfg, tiles, monkeypatch):
+    """With PDL, the fma GEMV loads its first 1 or 2 weight tiles before waiting for the previous
+    kernel (PREWAIT) and consumes them ahead of the K loop; the interpreter has no PDL, so force the
+    variant: same results with one or several tiles per split, split-K, ragged K, bias and the fused
+    activation."""
     monkeypatch.setattr(T, "pdl_enabled", lambda t: True)
     monkeypatch.setattr(T, "pdl_launch", lambda use: {})
+    monkeypatch.setattr(T, "GEMV_PREWAIT", tiles)
     torch.manual_seed(5)
-    for m in (1, 3):
-        x = torch.randn(m, 100)
-        w = torch.randn(38, 100)
+    for m, k in ((1, 100), (3, 100), (2, 128)):  # K = 128: whole tiles (EVEN), one or more per split
+        x = torch.randn(m, k)
+        w = torch.randn(38, k)
         b = torch.randn(38)
         assert _rel(T.gemv(x, w, b, cfg), _ref(x, w, b)) < 1e-5
         if cfg.block_n % 2 == 0:

@@ -304,12 +304,14 @@ def test_mode5_falls_back_where_it_cannot_run():
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8", "fp8"])
-def test_gemv4_first_tile_read_before_the_pdl_wait(kind, monkeypatch):
-    """With PDL, MODE 4 loads its first weight tile before waiting for the previous kernel
-    (PREWAIT) and consumes it ahead of the K loop; the interpreter has no PDL, so force the variant:
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_gemv4_first_tiles_read_before_the_pdl_wait(kind, tiles, monkeypatch):
+    """With PDL, MODE 4 loads its first 1 or 2 weight tiles before waiting for the previous kernel
+    (PREWAIT) and consumes them ahead of the K loop; the interpreter has no PDL, so force the variant:
     same results, split or not (one to three tiles per split), ragged last tile, fused activation."""
     monkeypatch.setattr(triton_wo, "pdl_enabled", lambda t: True)
     monkeypatch.setattr(triton_wo, "pdl_launch", lambda use: {})
+    monkeypatch.setattr(triton_wo, "GEMV_PREWAIT", tiles)
     torch.manual_seed(11)
     k = 384
     x = torch.randn(3, k)

@@ -7,11 +7,14 @@ predecessor still runs: its programs get resident and compute their addresses, t
 Measured on the H200, batch-1 decode of the 8B shape (results/h200/sweeps/decode_step_pdl.json vs
 decode_step_nopdl.json, two runs of one session): 216.8 vs 213.2 tok/s, +1.7%; at batch >= 16 it
 cost 1-10%, so it is limited to small launches (:data:`PDL_MAX_ROWS`). Leaving the GEMVs out of PDL
-measured slower. The GEMVs load their first weight tile into registers before the wait and consume it
-ahead of their K loop (:data:`GEMV_PREWAIT`): batch-1 step bf16 4.279 -> 4.191 ms, FP8 weight-only
-2.737 -> 2.607, W4A16 2.744 -> 2.674 (results/h200/sweeps/probe_bs1_gemv_prewait_peel.json). Two
-earlier forms of it measured slower: a prefetch of that tile into L2 only (-2%), and a MODE 4 that kept
-the tile in registers through its K loop behind a branch (FP8 -2.2%, sweeps/probe_bs1_gemv_prewait.json).
+measured slower. The GEMVs load their first two weight tiles into registers before the wait and
+consume them ahead of their K loop (:data:`GEMV_PREWAIT`). Batch-1 step of the 8B shape, one tile vs
+none: bf16 4.279 -> 4.191 ms, FP8 weight-only 2.737 -> 2.607, W4A16 2.744 -> 2.674
+(results/h200/sweeps/probe_bs1_gemv_prewait_peel.json); two tiles vs one: bf16 4.228 -> 4.103, FP8
+2.622 -> 2.562, W4A16 unchanged (MODE 6 prefetches its first DEPTH iterations either way;
+sweeps/probe_bs1_gemv_prewait_tiles.json). Two earlier forms measured slower: a prefetch of the tile
+into L2 only (-2%), and a MODE 4 that kept the tile in registers through its K loop behind a branch
+(FP8 -2.2%, sweeps/probe_bs1_gemv_prewait.json).
 
 The contract every kernel here keeps when launched with PDL (``USE_PDL``):
 
@@ -52,9 +55,12 @@ def _device_ok(index: int) -> bool:
 PDL_MAX_ROWS = 4
 
 # With PDL, the GEMV kernels (the bf16 one in ops.linear, the weight-only MODE 4 and MODE 6) load their
-# first weight tile before waiting for the previous kernel and consume it ahead of their K loop;
-# INFERCORE_GEMV_PREWAIT=0 loads everything after the wait.
-GEMV_PREWAIT = os.environ.get("INFERCORE_GEMV_PREWAIT", "1") != "0"
+# first GEMV_PREWAIT weight tiles (0, 1 or 2; MODE 6: its first DEPTH iterations when this is >= 1)
+# before waiting for the previous kernel and consume them ahead of their K loop.
+_PREWAIT_ENV = os.environ.get("INFERCORE_GEMV_PREWAIT", "2")
+if _PREWAIT_ENV not in ("0", "1", "2"):
+    raise ValueError(f"INFERCORE_GEMV_PREWAIT: expected 0, 1 or 2, got {_PREWAIT_ENV!r}")
+GEMV_PREWAIT = int(_PREWAIT_ENV)
 
 
 def pdl_enabled(t: torch.Tensor) -> bool:

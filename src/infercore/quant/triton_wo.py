@@ -861,7 +861,7 @@ def _gemv4_kernel(
     FP8: tl.constexpr, BITS: tl.constexpr, ILV: tl.constexpr, SCALE_WORDS: tl.constexpr,
     SCALE_ROWS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
     XMASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-    ACT: tl.constexpr = 0, PREWAIT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    ACT: tl.constexpr = 0, PREWAIT: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):
     """MODE 4 GEMV, ``M <= 4``: ``qw`` int32 words ``[N, KW]`` in the interleaved layout of
     ``_ilv_words`` (word ``i`` of each block of ``ILV`` words holds codes ``i + ILV * j`` at bits
@@ -892,8 +892,16 @@ def _gemv4_kernel(
     kw_end = tl.minimum(kw_start + kw_per_split, KW)
     offs_kw = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_KW), BLOCK_KW), BLOCK_KW)
     w_rows = qw_ptr + rows.to(tl.int64)[:, None] * stride_qn
-    if PREWAIT:  # with PDL: the first tile's weights stream in while the previous kernel finishes
+    # PREWAIT (with PDL): the first 1 or 2 tiles' weights stream in while the previous kernel finishes.
+    # A second tile past the split's end is read at the last whole tile instead (EVEN) or masked, and
+    # never consumed.
+    if PREWAIT >= 1:
         w_first = _word_load(w_rows + (kw_start + offs_kw)[None, :], kw_start + offs_kw, kw_end, EVEN, True)
+    if PREWAIT >= 2:
+        kw2 = kw_start + BLOCK_KW + offs_kw
+        if EVEN:
+            kw2 = tl.minimum(kw_start + BLOCK_KW, kw_end - BLOCK_KW) + offs_kw
+        w_second = _word_load(w_rows + kw2[None, :], kw2, kw_end, EVEN, True)
     pdl_wait(USE_PDL)
     if FP8 and SCALE_ROWS != 0:
         s_rows = s_ptr + (rows // SCALE_ROWS).to(tl.int64)[:, None] * stride_sn
@@ -902,11 +910,17 @@ def _gemv4_kernel(
     z_rows = z_ptr + rows.to(tl.int64)[:, None] * stride_sn
     a0, a1, a2, a3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
     kb0 = kw_start
-    if PREWAIT:  # the first tile, loaded before the wait, is consumed here; the loop takes the rest
+    if PREWAIT >= 1:  # the tiles loaded before the wait are consumed here; the loop takes the rest
         a0, a1, a2, a3 = _gemv4_tile(w_first, kw_start + offs_kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K, M,
                                      stride_xm, FP8, BITS, ILV, SCALE_WORDS, SCALE_ROWS, HAS_ZEROS, EVEN, XMASK,
                                      BLOCK_M, BLOCK_N, BLOCK_KW)
         kb0 = kw_start + BLOCK_KW
+    if PREWAIT >= 2:
+        if kb0 < kw_end:
+            a0, a1, a2, a3 = _gemv4_tile(w_second, kb0 + offs_kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K,
+                                         M, stride_xm, FP8, BITS, ILV, SCALE_WORDS, SCALE_ROWS, HAS_ZEROS, EVEN,
+                                         XMASK, BLOCK_M, BLOCK_N, BLOCK_KW)
+        kb0 = kb0 + BLOCK_KW
     for kb in tl.range(kb0, kw_end, BLOCK_KW):
         kw = kb + offs_kw
         w = _word_load(w_rows + kw[None, :], kw, kw_end, EVEN, True)
@@ -1015,7 +1029,7 @@ def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: to
     _gemv4_kernel[(tiles, split)](
         x, words, s, z, ws, y, cnt, m, n, k, kw, per, x.stride(0), words.stride(0), stride_sn, y.stride(0),
         SPLIT_K=split > 1, EVEN=even, XMASK=(not even) or kw * cpw > k, BLOCK_M=triton.next_power_of_2(m),
-        BLOCK_N=bn, BLOCK_KW=bkw, ACT=ACTIVATIONS[act], PREWAIT=use_pdl and GEMV_PREWAIT,
+        BLOCK_N=bn, BLOCK_KW=bkw, ACT=ACTIVATIONS[act], PREWAIT=GEMV_PREWAIT if use_pdl else 0,
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1), **meta, **pdl_launch(use_pdl),
     )
     return y

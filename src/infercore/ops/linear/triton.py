@@ -248,19 +248,25 @@ def _gemv_fma_kernel(
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr, EVEN: tl.constexpr, EVICT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr = 0,
-    USE_PDL: tl.constexpr = False, PREWAIT: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, PREWAIT: tl.constexpr = 0,
 ):  # fmt: skip
     # Rows of x are unrolled by hand (BLOCK_M <= 4), each with its own 2-D accumulator over the
     # same weight tile: a 3-D [M, N, K] product made Triton shuffle the tile through shared memory.
-    # PREWAIT (with PDL): the first weight tile is loaded before waiting for the previous kernel (no
-    # kernel writes weights) and consumed ahead of the K loop.
+    # PREWAIT (with PDL): the first 1 or 2 weight tiles are loaded before waiting for the previous
+    # kernel (no kernel writes weights) and consumed ahead of the K loop.
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
     offs_k, k_lo, rows, n_mask, w_ptrs = _program_tile(w_ptr, N, k_per_split, stride_wn, BLOCK_N, BLOCK_K, ACT)
-    if PREWAIT:
+    if PREWAIT >= 1:
         w_first = _load_tile(w_ptrs, (k_lo + offs_k < K)[None, :], EVEN, EVICT)
+    if PREWAIT >= 2:  # past the split's end: re-read at its last whole tile (EVEN) or masked, never used
+        k2 = BLOCK_K
+        if EVEN:
+            k2 = tl.minimum(BLOCK_K, k_per_split - BLOCK_K)
+        w_second = _load_tile(w_ptrs + k2, (k_lo + k2 + offs_k < tl.minimum(K, k_lo + k_per_split))[None, :], EVEN,
+                              EVICT)
     pdl_wait(USE_PDL)
     x0 = x_ptr + tl.minimum(m0, M - 1).to(tl.int64) * stride_xm + k_lo + offs_k
     x1 = x_ptr + tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_xm + k_lo + offs_k
@@ -271,11 +277,17 @@ def _gemv_fma_kernel(
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_first = 0
-    if PREWAIT:
+    if PREWAIT >= 1:
         acc0, acc1, acc2, acc3 = _gemv_fma_tile(w_first, x0, x1, x2, x3, 0, k_lo + offs_k < K, acc0, acc1, acc2, acc3,
                                                 EVEN, BLOCK_M)
         w_ptrs += BLOCK_K
         k_first = BLOCK_K
+    if PREWAIT >= 2:
+        if BLOCK_K < k_per_split:
+            acc0, acc1, acc2, acc3 = _gemv_fma_tile(w_second, x0, x1, x2, x3, BLOCK_K, k_lo + BLOCK_K + offs_k < K,
+                                                    acc0, acc1, acc2, acc3, EVEN, BLOCK_M)
+        w_ptrs += BLOCK_K
+        k_first = 2 * BLOCK_K
     for k0 in range(k_first, k_per_split, BLOCK_K):
         k_ok = k_lo + k0 + offs_k < K
         w = _load_tile(w_ptrs, k_ok[None, :], EVEN, EVICT)
@@ -397,7 +409,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
         block_m, kernel = 16, _gemv_dot_kernel
     else:
         block_m, kernel = min(m_bucket(M), 4), _gemv_fma_kernel
-        extra["PREWAIT"] = use_pdl and GEMV_PREWAIT
+        extra["PREWAIT"] = GEMV_PREWAIT if use_pdl else 0
     bk = config.block_k
     split = max(1, min(config.split_k, triton.cdiv(K, bk)))
     # Each split owns a whole number of BLOCK_K tiles, so only the last one can be ragged.

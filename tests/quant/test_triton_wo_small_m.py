@@ -304,9 +304,9 @@ def test_mode5_falls_back_where_it_cannot_run():
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8", "fp8"])
-@pytest.mark.parametrize("tiles", [1, 2, 4])
+@pytest.mark.parametrize("tiles", [1, 2])
 def test_gemv4_first_tiles_read_before_the_pdl_wait(kind, tiles, monkeypatch):
-    """With PDL, MODE 4 loads its first 1 to 4 weight tiles before waiting for the previous kernel
+    """With PDL, MODE 4 loads its first 1 or 2 weight tiles before waiting for the previous kernel
     (PREWAIT) and consumes them ahead of the K loop; the interpreter has no PDL, so force the variant:
     same results, split or not (one to three tiles per split), ragged last tile, fused activation."""
     monkeypatch.setattr(triton_wo, "pdl_enabled", lambda t: True)
@@ -322,7 +322,7 @@ def test_gemv4_first_tiles_read_before_the_pdl_wait(kind, tiles, monkeypatch):
     else:
         w = IntWeight.quantize(wt, bits=int(kind[3:]), group_size=128, symmetric=False)
         fn, ref = triton_wo.wq_matmul_triton, R.wq_matmul_ref(x, w)
-    for split, bk in ((1, 256), (1, 64), (2, 64), (3, 64)):
+    for split, bk in ((1, 256), (2, 64), (3, 64)):
         y = fn(x, w, config=_gemv(split, bk=bk))
         assert _err(y, ref) < 1e-5, (split, bk, _err(y, ref))
     y = fn(x, w, config={**_gemv(1), "BLOCK_N": 4}, act="silu")

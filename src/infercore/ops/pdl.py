@@ -55,11 +55,11 @@ def _device_ok(index: int) -> bool:
 PDL_MAX_ROWS = 4
 
 # With PDL, the GEMV kernels (the bf16 one in ops.linear, the weight-only MODE 4 and MODE 6) load their
-# first GEMV_PREWAIT weight tiles (0-4; the bf16 GEMV at most 2; MODE 6: its first DEPTH iterations when
-# this is >= 1) before waiting for the previous kernel and consume them ahead of their K loop.
+# first GEMV_PREWAIT weight tiles (0, 1 or 2; MODE 6: its first DEPTH iterations when this is >= 1)
+# before waiting for the previous kernel and consume them ahead of their K loop.
 _PREWAIT_ENV = os.environ.get("INFERCORE_GEMV_PREWAIT", "2")
-if _PREWAIT_ENV not in ("0", "1", "2", "3", "4"):
-    raise ValueError(f"INFERCORE_GEMV_PREWAIT: expected 0 to 4, got {_PREWAIT_ENV!r}")
+if _PREWAIT_ENV not in ("0", "1", "2"):
+    raise ValueError(f"INFERCORE_GEMV_PREWAIT: expected 0, 1 or 2, got {_PREWAIT_ENV!r}")
 GEMV_PREWAIT = int(_PREWAIT_ENV)
 
 

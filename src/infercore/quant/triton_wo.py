@@ -854,16 +854,6 @@ def _gemv4_tile(w, kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K, M, stri
 
 
 @triton.jit
-def _gemv4_pre(w_rows, kw_start, kw_end, offs_kw, i: tl.constexpr, EVEN: tl.constexpr, BLOCK_KW: tl.constexpr):
-    """Tile ``i`` of a split's words, loaded before the PDL wait; past the split's end it is read at the
-    split's last whole tile instead (EVEN) or masked to zeros, and the caller does not consume it."""
-    kw = kw_start + i * BLOCK_KW + offs_kw
-    if EVEN and i > 0:
-        kw = tl.minimum(kw_start + i * BLOCK_KW, kw_end - BLOCK_KW) + offs_kw
-    return _word_load(w_rows + kw[None, :], kw, kw_end, EVEN, True)
-
-
-@triton.jit
 def _gemv4_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, ws_ptr, y_ptr, cnt_ptr,
     M, N, K, KW, kw_per_split,
@@ -902,17 +892,16 @@ def _gemv4_kernel(
     kw_end = tl.minimum(kw_start + kw_per_split, KW)
     offs_kw = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_KW), BLOCK_KW), BLOCK_KW)
     w_rows = qw_ptr + rows.to(tl.int64)[:, None] * stride_qn
-    # PREWAIT (with PDL): the first PREWAIT (<= 4) tiles' weights stream in while the previous kernel
-    # finishes. A tile past the split's end is read at its last whole tile instead (EVEN) or masked, and
+    # PREWAIT (with PDL): the first 1 or 2 tiles' weights stream in while the previous kernel finishes.
+    # A second tile past the split's end is read at the last whole tile instead (EVEN) or masked, and
     # never consumed.
     if PREWAIT >= 1:
-        w_p0 = _gemv4_pre(w_rows, kw_start, kw_end, offs_kw, 0, EVEN, BLOCK_KW)
+        w_first = _word_load(w_rows + (kw_start + offs_kw)[None, :], kw_start + offs_kw, kw_end, EVEN, True)
     if PREWAIT >= 2:
-        w_p1 = _gemv4_pre(w_rows, kw_start, kw_end, offs_kw, 1, EVEN, BLOCK_KW)
-    if PREWAIT >= 3:
-        w_p2 = _gemv4_pre(w_rows, kw_start, kw_end, offs_kw, 2, EVEN, BLOCK_KW)
-    if PREWAIT >= 4:
-        w_p3 = _gemv4_pre(w_rows, kw_start, kw_end, offs_kw, 3, EVEN, BLOCK_KW)
+        kw2 = kw_start + BLOCK_KW + offs_kw
+        if EVEN:
+            kw2 = tl.minimum(kw_start + BLOCK_KW, kw_end - BLOCK_KW) + offs_kw
+        w_second = _word_load(w_rows + kw2[None, :], kw2, kw_end, EVEN, True)
     pdl_wait(USE_PDL)
     if FP8 and SCALE_ROWS != 0:
         s_rows = s_ptr + (rows // SCALE_ROWS).to(tl.int64)[:, None] * stride_sn
@@ -921,29 +910,16 @@ def _gemv4_kernel(
     z_rows = z_ptr + rows.to(tl.int64)[:, None] * stride_sn
     a0, a1, a2, a3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
     kb0 = kw_start
-    # the tiles loaded before the wait are consumed here (those that exist); the loop takes the rest
-    if PREWAIT >= 1:
-        a0, a1, a2, a3 = _gemv4_tile(w_p0, kb0 + offs_kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K, M,
+    if PREWAIT >= 1:  # the tiles loaded before the wait are consumed here; the loop takes the rest
+        a0, a1, a2, a3 = _gemv4_tile(w_first, kw_start + offs_kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K, M,
                                      stride_xm, FP8, BITS, ILV, SCALE_WORDS, SCALE_ROWS, HAS_ZEROS, EVEN, XMASK,
                                      BLOCK_M, BLOCK_N, BLOCK_KW)
-        kb0 = kb0 + BLOCK_KW
+        kb0 = kw_start + BLOCK_KW
     if PREWAIT >= 2:
         if kb0 < kw_end:
-            a0, a1, a2, a3 = _gemv4_tile(w_p1, kb0 + offs_kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K, M,
-                                         stride_xm, FP8, BITS, ILV, SCALE_WORDS, SCALE_ROWS, HAS_ZEROS, EVEN, XMASK,
-                                         BLOCK_M, BLOCK_N, BLOCK_KW)
-        kb0 = kb0 + BLOCK_KW
-    if PREWAIT >= 3:
-        if kb0 < kw_end:
-            a0, a1, a2, a3 = _gemv4_tile(w_p2, kb0 + offs_kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K, M,
-                                         stride_xm, FP8, BITS, ILV, SCALE_WORDS, SCALE_ROWS, HAS_ZEROS, EVEN, XMASK,
-                                         BLOCK_M, BLOCK_N, BLOCK_KW)
-        kb0 = kb0 + BLOCK_KW
-    if PREWAIT >= 4:
-        if kb0 < kw_end:
-            a0, a1, a2, a3 = _gemv4_tile(w_p3, kb0 + offs_kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K, M,
-                                         stride_xm, FP8, BITS, ILV, SCALE_WORDS, SCALE_ROWS, HAS_ZEROS, EVEN, XMASK,
-                                         BLOCK_M, BLOCK_N, BLOCK_KW)
+            a0, a1, a2, a3 = _gemv4_tile(w_second, kb0 + offs_kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K,
+                                         M, stride_xm, FP8, BITS, ILV, SCALE_WORDS, SCALE_ROWS, HAS_ZEROS, EVEN,
+                                         XMASK, BLOCK_M, BLOCK_N, BLOCK_KW)
         kb0 = kb0 + BLOCK_KW
     for kb in tl.range(kb0, kw_end, BLOCK_KW):
         kw = kb + offs_kw

@@ -409,7 +409,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
         block_m, kernel = 16, _gemv_dot_kernel
     else:
         block_m, kernel = min(m_bucket(M), 4), _gemv_fma_kernel
-        extra["PREWAIT"] = min(GEMV_PREWAIT, 2) if use_pdl else 0
+        extra["PREWAIT"] = GEMV_PREWAIT if use_pdl else 0
     bk = config.block_k
     split = max(1, min(config.split_k, triton.cdiv(K, bk)))
     # Each split owns a whole number of BLOCK_K tiles, so only the last one can be ragged.

@@ -736,8 +736,9 @@ def _gemv_rows(a0, a1, a2, a3, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 # with ``c = 1 + z / 2**BITS`` is applied once per word; per code that is a shift, one mask-or and
 # one FMA. The high half of each int4 word is shifted down once so every per-code shift is a left
 # shift (which the compiler may issue on the FMA pipe). With PDL the first two tiles are loaded before
-# the wait (``ops.pdl.GEMV_PREWAIT``) and decoded ahead of the loop: FP8 batch-1 step 2.737 -> 2.562 ms
-# with the bf16 GEMV and MODE 6 doing the same (results/h200/sweeps/probe_bs1_gemv_prewait_{peel,tiles}.json).
+# the wait (``ops.pdl.GEMV_PREWAIT``) and decoded ahead of the loop. FP8 batch-1 step, with the bf16 GEMV
+# and MODE 6 doing the same: none vs one tile 2.737 -> 2.607 ms, one vs two 2.622 -> 2.562 (two calls;
+# results/h200/sweeps/probe_bs1_gemv_prewait_{peel,tiles}.json).
 
 
 @triton.jit

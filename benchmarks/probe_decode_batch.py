@@ -64,8 +64,14 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--scheme", default=None, help="quantization scheme for the linears (lm_head stays bf16)")
     ap.add_argument("--drop", default="", help="comma list of norm, rope, attn: run as no-ops (diagnostic)")
+    ap.add_argument("--attn-min-split", type=int, default=None,
+                    help="decode attention: fewest keys per split-K chunk (triton_decode.TUNING min_split_tokens)")
     args = ap.parse_args()
     drop(args.drop)
+    if args.attn_min_split is not None:
+        from infercore.ops.attention import triton_decode
+
+        triton_decode.TUNING["min_split_tokens"] = args.attn_min_split
     t0 = time.perf_counter()
     bw = copy_bandwidth()
     torch.manual_seed(0)
@@ -107,6 +113,7 @@ def main() -> None:
     while eng.has_unfinished():
         eng.step()
     label = (f" {args.scheme}" if args.scheme else "") + (f" without {args.drop}" if args.drop else "")
+    label += f" attn-min-split {args.attn_min_split}" if args.attn_min_split is not None else ""
     cases = [case(f"llama3.1-8b-shape{label} decode graph replay bs{B} ctx{ctx}", metric="decode step time", unit="ms",
                   ours=ms, peers={}, floor=floor_ms, weight_bytes=weights, kv_bytes=kv, copy_bw_TBps=bw / 1e12,
                   profile=prof)]

@@ -56,8 +56,13 @@ _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 # (8 KV heads, ~640 keys) the step is latency-bound: one 64-key tile per split (min_split_tokens 64)
 # instead of ~4 sequential ones (256). Batch-1 decode of the 8B shape, two runs of one session with
 # PDL on: 216.8 tok/s with 256 (results/h200/sweeps/decode_step_pdl.json), 227.5 with 64
-# (results/h200/decode_step.json). Merging the splits in the decode kernel (the last split of each
-# sequence / KV head, by an arrival counter) instead of the merge kernel measured slower at batch 1:
+# (results/h200/decode_step.json). 32 measured faster again at batch 1 (graph replay, 577 keys in a
+# 640-key block table: bf16 4.071 -> 4.061 ms, FP8 weight-only 2.550 -> 2.524; 128: 4.124 / 2.605;
+# results/h200/sweeps/probe_bs1_attn_min_split.json), although there the same 10 splits hold keys
+# (chunks are 64-key aligned) and the other 10 programs are empty; it changes the split count only
+# where batch x KV heads leaves the GPU short of programs (up to 6 sequences at that length). Merging
+# the splits in the decode kernel (the last split of each sequence / KV head, by an arrival counter)
+# instead of the merge kernel measured slower at batch 1:
 # 219.9 vs 229.1 tok/s in one session (sweeps/decode_step_fused_merge.json vs
 # sweeps/decode_step_merge_kernel.json; that kernel is in commit 5a7fa22), so the merge stays a
 # second launch.
@@ -69,7 +74,7 @@ TUNING = {
     "num_warps": 4,
     "num_stages": 3,
     "target_programs_per_sm": 4,
-    "min_split_tokens": 64,
+    "min_split_tokens": 32,
 }
 
 

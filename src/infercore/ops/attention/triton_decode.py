@@ -59,8 +59,9 @@ _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 # (results/h200/decode_step.json). 32 measured faster again at batch 1 (graph replay, 577 keys in a
 # 640-key block table: bf16 4.071 -> 4.061 ms, FP8 weight-only 2.550 -> 2.524; 128: 4.124 / 2.605;
 # results/h200/sweeps/probe_bs1_attn_min_split.json), although there the same 10 splits hold keys
-# (chunks are 64-key aligned) and the other 10 programs are empty; it changes the split count only
-# where batch x KV heads leaves the GPU short of programs (up to 6 sequences at that length). Merging
+# (chunks are 64-key aligned) and the other 10 programs are empty. W4A16 measured 0.5% slower with it
+# (2.681 -> 2.696 ms, same file). It changes the split count only where batch x KV heads leaves the
+# GPU short of programs (up to 6 sequences at that length). Merging
 # the splits in the decode kernel (the last split of each sequence / KV head, by an arrival counter)
 # instead of the merge kernel measured slower at batch 1:
 # 219.9 vs 229.1 tok/s in one session (sweeps/decode_step_fused_merge.json vs

@@ -117,3 +117,136 @@ def test_prefill_matches_decode_for_single_queries():
         q, k_cache, v_cache, seq_lens=sl, block_table=table, scale=0.25
     )
     torch.testing.assert_close(pre, dec, atol=1e-5, rtol=1e-5)
+
+
+FUSED_ROPE_CASES = [
+    # seq_lens, Hq, Hk, D, rotary dim, neox, page, window, softcap, num_splits
+    ([5, 40, 1, 0], 4, 2, 32, 32, True, 8, None, None, 1),  # ragged + a padding row (slot -1)
+    ([33, 70], 8, 2, 16, 16, False, 16, 16, None, 3),  # interleaved pairs, window, split-K
+    ([50, 17], 2, 2, 24, 16, True, 8, None, 30.0, 2),  # partial rotary, head_dim 24, softcap
+    ([64, 9], 4, 1, 64, 64, True, 32, 7, 5.0, None),  # GQA 4, automatic split count
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", FUSED_ROPE_CASES)
+@pytest.mark.parametrize("prewait", [False, True])
+def test_rope_write_decode_attention(dtype, case, prewait, monkeypatch):
+    # RoPE + the new token's KV write inside the decode kernel against the composition of the two
+    # references: the same output and the same cache contents (the new rows written, nothing else).
+    from infercore.ops import rope_cos_sin_cache
+    from infercore.ops.attention import triton_decode as td
+
+    if prewait:  # the interpreter has no PDL: force the read-ahead variant
+        monkeypatch.setattr(td, "pdl_enabled", lambda t: True)
+        monkeypatch.setattr(td, "pdl_launch", lambda use: {})
+    lens, hq, hk, d, rot, neox, page, window, softcap, splits = case
+    k_cache, v_cache, table = _paged_kv(lens, hk, d, page, dtype)
+    b = len(lens)
+    q = torch.randn(b, hq, d, dtype=dtype)
+    k = torch.randn(b, hk, d, dtype=dtype)
+    v = torch.randn(b, hk, d, dtype=dtype)
+    positions = torch.tensor([max(n - 1, 0) for n in lens])
+    slots = torch.tensor([int(table[i, (n - 1) // page]) * page + (n - 1) % page if n else -1
+                          for i, n in enumerate(lens)], dtype=torch.int32)  # fmt: skip
+    cs = rope_cos_sin_cache(rotary_dim=rot, max_positions=128, base=10000.0, dtype=torch.float32)
+    kw = dict(seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table, scale=d**-0.5,
+              sliding_window=window, softcap=softcap, is_neox=neox)  # fmt: skip
+    kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
+    want = implementation("rope_write_decode_attention", "reference")(q, k, v, positions, cs, kc_ref, vc_ref, slots,
+                                                                      **kw)  # fmt: skip
+    got = td.rope_write_decode_attention(q, k, v, positions, cs, k_cache, v_cache, slots, num_splits=splits, **kw)
+    torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(k_cache, kc_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(v_cache, vc_ref, atol=0, rtol=0)
+
+
+def test_rope_write_decode_attention_rejects_quantized_caches_and_bad_shapes():
+    from infercore.ops.attention import triton_decode as td
+
+    k_cache, v_cache, table = _paged_kv([5], 2, 16, 8, torch.float32)
+    q, k, v = torch.randn(1, 4, 16), torch.randn(1, 2, 16), torch.randn(1, 2, 16)
+    pos, slots = torch.tensor([4]), torch.tensor([0], dtype=torch.int32)
+    cs = torch.randn(32, 16)
+    kw = dict(seq_lens=torch.tensor([5], dtype=torch.int32), block_table=table, scale=0.25)
+    with pytest.raises(ValueError, match="k_cache"):
+        td.rope_write_decode_attention(q, k, v, pos, cs, k_cache.to(torch.int8), v_cache.to(torch.int8), slots, **kw)
+    with pytest.raises(ValueError, match="k/v"):
+        td.rope_write_decode_attention(q, k[:, :1], v, pos, cs, k_cache, v_cache, slots, **kw)
+    with pytest.raises(ValueError, match="positions"):
+        td.rope_write_decode_attention(q, k, v, pos.repeat(2), cs, k_cache, v_cache, slots, **kw)
+    with pytest.raises(ValueError, match="rotary dim"):
+        td.rope_write_decode_attention(q, k, v, pos, torch.randn(32, 15), k_cache, v_cache, slots, **kw)
+
+
+def test_llama_decode_with_rope_fused_into_attention_keeps_logits(monkeypatch):
+    # INFERCORE_FUSED_ROPE_ATTENTION: decode-only steps of the Llama layer call the fused kernel (here
+    # through the interpreter) instead of RoPE / KV write + attention; the logits stay those of the
+    # unfused path, and the cache rows written by the fused steps serve the later steps.
+    from infercore.models import ModelConfig, build_model, llama
+    from infercore.ops import AttentionMetadata
+
+    cfg = ModelConfig.from_hf(dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=61, hidden_size=32, intermediate_size=40,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False))  # fmt: skip
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype=torch.float32, device="cpu", init="normal")
+
+    def run(prompt, extra):
+        page, table = 4, [3, 0, 5, 1, 7]
+        caches = [(torch.zeros(8, page, s.num_kv_heads, s.head_dim), torch.zeros(8, page, s.num_kv_heads, s.head_dim))
+                  for s in model.kv_specs()]  # fmt: skip
+        out, toks, start = [], list(prompt), 0
+        with torch.inference_mode():
+            for _ in range(extra + 1):
+                new, end = toks[start:], len(toks)
+                meta = AttentionMetadata.from_lists(
+                    query_lens=[len(new)], seq_lens=[end], block_tables=[table],
+                    slot_mapping=[table[p // page] * page + p % page for p in range(start, end)], device="cpu")
+                pos = torch.arange(start, end, dtype=torch.int32)
+                logits = model.compute_logits(model(torch.tensor(new, dtype=torch.int32), pos, caches, meta))
+                out.append(logits)
+                toks.append(int(logits[-1].argmax()))
+                start = end
+        return torch.cat(out)
+
+    want = run([5, 17, 3, 40, 22], 4)
+    calls = []
+    fused = implementation("rope_write_decode_attention", "triton")
+    real_dispatch = llama.dispatch
+
+    def fake_dispatch(op, device):
+        if op == "rope_write_decode_attention":
+            return lambda *a, **kw: calls.append(1) or fused(*a, **kw)
+        return real_dispatch(op, device)
+
+    monkeypatch.setattr(llama, "_fused_rope_attention", lambda device: True)
+    monkeypatch.setattr(llama, "dispatch", fake_dispatch)
+    got = run([5, 17, 3, 40, 22], 4)
+    assert len(calls) == 4 * 2  # 4 decode steps x 2 layers; the prefill step keeps the unfused ops
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_public_rope_write_decode_attention_checks_and_matches_the_composition():
+    from infercore.ops import rope_cos_sin_cache, rope_write_decode_attention
+
+    k_cache, v_cache, table = _paged_kv([9, 3], 2, 16, 4, torch.float32)
+    q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    pos = torch.tensor([8, 2])
+    slots = torch.tensor([int(table[0, 2]) * 4, int(table[1, 0]) * 4 + 2], dtype=torch.int32)
+    cs = rope_cos_sin_cache(rotary_dim=16, max_positions=32, base=10000.0)
+    kw = dict(seq_lens=torch.tensor([9, 3], dtype=torch.int32), block_table=table, scale=0.25)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    got = rope_write_decode_attention(q, k, v, pos, cs, k_cache, v_cache, slots, **kw)  # CPU: the reference
+    want = implementation("rope_write_decode_attention", "triton")(q, k, v, pos, cs, kc, vc, slots, **kw)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(k_cache, kc, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="k/v"):
+        rope_write_decode_attention(q, k.half(), v, pos, cs, k_cache, v_cache, slots, **kw)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        rope_write_decode_attention(q, k, v, pos, cs, k_cache, v_cache, slots[:1], **kw)
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        rope_write_decode_attention(q, k, v, pos, cs[:, :15], k_cache, v_cache, slots, **kw)
+    with pytest.raises(ValueError, match="quantized"):
+        rope_write_decode_attention(q, k, v, pos, cs, k_cache.to(torch.int8), v_cache.to(torch.int8), slots, **kw)

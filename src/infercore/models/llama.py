@@ -12,6 +12,7 @@ plain ``torch.nn.Linear`` so quantization can swap them.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 from functools import partial
@@ -19,7 +20,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..devices import dispatch
+from ..devices import dispatch, resolve
 from ..kv.spec import FullAttentionSpec
 from ..ops import (
     AttentionMetadata,
@@ -78,6 +79,16 @@ def _attention(q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_w
     return fn(
         q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens, block_table=block_table,
         scale=scale, sliding_window=sliding_window, softcap=None, max_seqlen_q=meta.max_seqlen_q, **new_kv)  # fmt: skip
+
+
+# INFERCORE_FUSED_ROPE_ATTENTION=1: decode-only steps rotate q / k and write the new K/V inside the decode
+# attention kernel (``rope_write_decode_attention``) instead of a separate RoPE / KV-write launch. Off by
+# default: tested against the references on the CPU interpreter, not yet measured on a GPU.
+FUSED_ROPE_ATTENTION = os.environ.get("INFERCORE_FUSED_ROPE_ATTENTION", "0") == "1"
+
+
+def _fused_rope_attention(device: torch.device) -> bool:
+    return FUSED_ROPE_ATTENTION and resolve("rope_write_decode_attention", device).name != "reference"
 
 
 def prefill_takes_new_kv(meta: AttentionMetadata, device: torch.device) -> bool:
@@ -153,6 +164,11 @@ class LlamaAttention(nn.Module):
             new_kv = {"k": k, "v": v}
         else:
             new_kv = {}
+            if k_scale is None and meta.decode_only and _fused_rope_attention(x.device):
+                o = dispatch("rope_write_decode_attention", x.device)(
+                    q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, seq_lens=meta.seq_lens,
+                    block_table=meta.block_table, scale=self.scale, sliding_window=self.sliding_window)  # fmt: skip
+                return self.o_proj(o.reshape(T, self.q_size))
             if k_scale is None:
                 q = dispatch("rope_and_write_kv", x.device)(q, k, v, positions, cos_sin, k_cache, v_cache,
                                                             meta.slot_mapping)  # fmt: skip

@@ -7,7 +7,13 @@ the validated arguments with the public signature; the reference is named ``"ref
 """
 
 from .activation import gelu_and_mul, silu_and_mul
-from .attention import AttentionMetadata, paged_attention, paged_attention_decode, paged_attention_prefill
+from .attention import (
+    AttentionMetadata,
+    paged_attention,
+    paged_attention_decode,
+    paged_attention_prefill,
+    rope_write_decode_attention,
+)
 from .conv1d import causal_conv1d_prefill_, causal_conv1d_update_
 from .gated_delta import chunk_gated_delta_rule_, fused_recurrent_gated_delta_rule_
 from .gated_norm import gated_rms_norm
@@ -38,6 +44,7 @@ __all__ = [
     "gelu_and_mul",
     "paged_attention",
     "paged_attention_decode",
+    "rope_write_decode_attention",
     "paged_attention_prefill",
     "rms_norm",
     "rope_and_write_kv_cache_",

@@ -233,6 +233,47 @@ def paged_attention_decode(
     )
 
 
+def rope_write_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_neox: bool = True,
+) -> torch.Tensor:
+    """Decode with the new token's RoPE and KV write folded in: ``rope_and_write_kv_cache_`` on the
+    un-rotated q ``[B, Hq, D]`` and k / v ``[B, Hk, D]`` (``positions``, ``slot_mapping`` ``[B]``), then
+    :func:`paged_attention_decode` (the other arguments as there). On CUDA one kernel does both (the
+    RoPE / KV-write launch is gone); float caches only. Returns ``[B, Hq, D]`` in ``q.dtype``."""
+    op = "rope_write_decode_attention"
+    _check_common(op, q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, softcap)
+    if is_quantized_kv(k_cache.dtype):
+        raise ValueError(f"{op}: k_cache: a quantized ({k_cache.dtype}) cache takes the unfused ops")
+    b, hk, d = q.shape[0], k_cache.shape[2], q.shape[2]
+    if tuple(k.shape) != (b, hk, d) or tuple(v.shape) != (b, hk, d) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"{op}: k/v must be [{b}, {hk}, {d}] in {q.dtype}, got {tuple(k.shape)} {k.dtype} / "
+                         f"{tuple(v.shape)} {v.dtype}")  # fmt: skip
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping), ("seq_lens", seq_lens)):
+        if t.dim() != 1 or t.shape[0] != b:
+            raise ValueError(f"{op}: {name} must be [{b}], got {tuple(t.shape)}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] % 2 or cos_sin_cache.shape[1] > d:
+        raise ValueError(f"{op}: cos_sin_cache must be [max_positions, rotary_dim] with an even rotary_dim <= "
+                         f"{d}, got {tuple(cos_sin_cache.shape)}")  # fmt: skip
+    return dispatch(op, q.device)(
+        q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, seq_lens=seq_lens,
+        block_table=block_table, scale=float(scale), sliding_window=sliding_window,
+        softcap=None if softcap is None else float(softcap), is_neox=is_neox)  # fmt: skip
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -287,5 +328,18 @@ def paged_attention(
     )
 
 
+def rope_write_decode_attention_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, seq_lens,
+                                    block_table, scale, sliding_window=None, softcap=None, is_neox=True,
+                                    num_splits=None):  # fmt: skip
+    """Reference of ``rope_write_decode_attention`` (the fused decode kernel in ``triton_decode``): the
+    ``rope_and_write_kv`` reference (rotates q / k, writes the rotated k and v into the cache), then
+    the decode-attention reference. ``num_splits`` is the kernel's knob and does not change the result."""
+    q_rot = implementation("rope_and_write_kv", "reference")(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
+                                                             slot_mapping, is_neox=is_neox)  # fmt: skip
+    return paged_attention_decode_ref(q_rot, k_cache, v_cache, seq_lens=seq_lens, block_table=block_table,
+                                      scale=scale, sliding_window=sliding_window, softcap=softcap)  # fmt: skip
+
+
 register("paged_attention_prefill", "reference", paged_attention_prefill_ref)
 register("paged_attention_decode", "reference", paged_attention_decode_ref)
+register("rope_write_decode_attention", "reference", rope_write_decode_attention_ref)

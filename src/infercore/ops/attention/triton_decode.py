@@ -134,6 +134,50 @@ def _decode_tile(q, k, v, k_sc, v_sc, nmask, m_i, l_i, acc, qk_scale, scale, sof
 
 
 @triton.jit
+def _rope_new_token(q_ptr, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, b, kvh, heads, gmask, offs_d,
+                    dmask, start, end, seq_len, stride_qb, stride_qh, stride_knb, stride_knh, stride_vnb, stride_vnh,
+                    stride_cs, ROT, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                    PAGE: tl.constexpr, IS_NEOX: tl.constexpr):
+    """FUSE_ROPE: this program's query heads rotated (``[BLOCK_G, BLOCK_D]`` in q's dtype), and the new
+    token's rotated key and value row of its KV head (``[BLOCK_D]`` in the cache dtype, rounded as the
+    unfused RoPE / KV-write kernel rounds them). The one program whose key range holds the newest
+    position writes that row into the cache slot (``slot_mapping``; -1 skips the write), for later steps."""
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    half = ROT // 2
+    rot = offs_d < ROT
+    if IS_NEOX:
+        lo_half = offs_d < half
+        partner = tl.where(lo_half, offs_d + half, offs_d - half)
+        sign = tl.where(lo_half, -1.0, 1.0)
+        ci = tl.where(lo_half, offs_d, offs_d - half)
+    else:
+        partner = offs_d ^ 1
+        sign = tl.where((offs_d % 2) == 0, -1.0, 1.0)
+        ci = offs_d // 2
+    cos = tl.load(cs_ptr + pos * stride_cs + ci, mask=rot, other=1.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + half + ci, mask=rot, other=0.0).to(tl.float32)
+    qmask = gmask[:, None] & dmask[None, :]
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    qx = tl.load(q_rows + offs_d[None, :], mask=qmask, other=0.0).to(tl.float32)
+    qp = tl.load(q_rows + partner[None, :], mask=qmask & rot[None, :], other=0.0).to(tl.float32)
+    q = tl.where(rot[None, :], qx * cos[None, :] + sign[None, :] * qp * sin[None, :], qx).to(q_ptr.dtype.element_ty)
+    k_row = kn_ptr + b.to(tl.int64) * stride_knb + kvh * stride_knh
+    kx = tl.load(k_row + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    kp = tl.load(k_row + partner, mask=dmask & rot, other=0.0).to(tl.float32)
+    k_new = tl.where(rot, kx * cos + sign * kp * sin, kx).to(kc_ptr.dtype.element_ty)
+    v_new = tl.load(vn_ptr + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=dmask,
+                    other=0.0).to(vc_ptr.dtype.element_ty)
+    if (start <= seq_len - 1) & (seq_len - 1 < end):
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        if slot >= 0:
+            page = slot // PAGE
+            off = slot % PAGE
+            tl.store(kc_ptr + page * stride_kp + off * stride_ks + kvh * stride_kh + offs_d, k_new, mask=dmask)
+            tl.store(vc_ptr + page * stride_vp + off * stride_vs + kvh * stride_vh + offs_d, v_new, mask=dmask)
+    return q, k_new, v_new
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, seq_lens_ptr, bt_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     qk_scale, scale, softcap, window, code_scale,
@@ -141,6 +185,7 @@ def _decode_kernel(
     stride_ksp, stride_kss, stride_vsp, stride_vss,
     stride_bt, stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     GROUP, num_splits,
+    kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs, ROT,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     SPLIT: tl.constexpr,  # num_splits > 1: partials to mid_o / mid_lse for the merge kernel
@@ -153,6 +198,8 @@ def _decode_kernel(
     KV_MODE: tl.constexpr,  # 0 float cache, 1 int8, 2 fp8 (native convert), 3 fp8 bytes (emulated)
     PREWAIT: tl.constexpr = False,  # with PDL: read the first tile's older rows before pdl_wait
     USE_PDL: tl.constexpr = False,
+    FUSE_ROPE: tl.constexpr = False,  # q, k_new, v_new un-rotated: RoPE + this token's KV write here
+    IS_NEOX: tl.constexpr = True,
 ):  # fmt: skip
     pdl_release(USE_PDL)
     if not PREWAIT:
@@ -186,11 +233,18 @@ def _decode_kernel(
                                         stride_kh, stride_vp, stride_vs, stride_vh, stride_ksp, stride_kss, stride_vsp,
                                         stride_vss, code_scale, q_ptr.dtype.element_ty, PAGE, KV_MODE)  # fmt: skip
         pdl_wait(USE_PDL)
-    q = tl.load(
-        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=gmask[:, None] & dmask[None, :],
-        other=0.0,
-    )
+    if FUSE_ROPE:
+        q, k_new, v_new = _rope_new_token(q_ptr, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, b, kvh,
+                                          heads, gmask, offs_d, dmask, start, end, seq_len, stride_qb, stride_qh,
+                                          stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs, ROT,
+                                          stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE,
+                                          IS_NEOX)
+    else:
+        q = tl.load(
+            q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=gmask[:, None] & dmask[None, :],
+            other=0.0,
+        )
     if KV_MODE == 0:
         q = q.to(kc_ptr.dtype.element_ty)
 
@@ -204,7 +258,10 @@ def _decode_kernel(
         if start < end:
             kpos = start + offs_n
             newest = kpos == seq_len - 1
-            if start + BLOCK_N >= seq_len:  # this tile holds the newest row: read it now
+            if FUSE_ROPE:  # the newest row is this program's own rotated k and v
+                k = tl.where(newest[:, None], k_new[None, :], k)
+                v = tl.where(newest[:, None], v_new[None, :], v)
+            elif start + BLOCK_N >= seq_len:  # this tile holds the newest row: read it now
                 kn, vn, ksn, vsn = _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_row, kpos, newest, kvh, offs_d,
                                                 dmask, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
                                                 stride_vh, stride_ksp, stride_kss, stride_vsp, stride_vss,
@@ -218,10 +275,16 @@ def _decode_kernel(
     for j0 in range(first, end, BLOCK_N):
         kpos = j0 + offs_n
         nmask = kpos < end
-        k, v, k_sc, v_sc = _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_row, kpos, nmask, kvh, offs_d, dmask,
+        lmask = nmask
+        if FUSE_ROPE:  # the newest row is not in the cache yet from this kernel's view: use k_new / v_new
+            lmask = nmask & (kpos != seq_len - 1)
+        k, v, k_sc, v_sc = _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_row, kpos, lmask, kvh, offs_d, dmask,
                                         stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ksp,
                                         stride_kss, stride_vsp, stride_vss, code_scale, q_ptr.dtype.element_ty, PAGE,
                                         KV_MODE)
+        if FUSE_ROPE:
+            k = tl.where((kpos == seq_len - 1)[:, None], k_new[None, :], k)
+            v = tl.where((kpos == seq_len - 1)[:, None], v_new[None, :], v)
         m_i, l_i, acc = _decode_tile(q, k, v, k_sc, v_sc, nmask, m_i, l_i, acc, qk_scale, scale, softcap,
                                      HAS_SOFTCAP, DOT_PRECISION, KV_MODE)
 
@@ -307,6 +370,7 @@ def paged_attention_decode(
     v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
     fp8_emulation: bool | None = None,
+    _rope: tuple | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache; see the module docstring for layouts.
 
@@ -361,6 +425,14 @@ def paged_attention_decode(
         stages -= 1
     extra = {} if interp else {"num_warps": TUNING["num_warps"], "num_stages": stages}
     use_pdl = pdl_enabled(q)
+    if _rope is None:  # unused pointers / strides
+        fuse = {}
+        kn = vn = pos = cs = slots = q
+        rope_strides = (0, 0, 0, 0, 0, 0)
+    else:
+        kn, vn, pos, cs, slots, is_neox = _rope
+        fuse = {"FUSE_ROPE": True, "IS_NEOX": bool(is_neox)}
+        rope_strides = (kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cs.stride(0), cs.shape[-1])
     _decode_kernel[(B, Hk, num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, seq_lens, block_table, out, mid_o, mid_lse,
         scale * _LOG2E.value, scale, softcap or 1.0, sliding_window or 0, code_scale,
@@ -369,10 +441,10 @@ def paged_attention_decode(
         *_scale_strides(k_scale, kv_mode), *_scale_strides(v_scale, kv_mode), block_table.stride(0),
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        group, num_splits, D,
+        group, num_splits, kn, vn, pos, cs, slots, *rope_strides, D,
         PAGE=page_size, SPLIT=num_splits > 1, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        DOT_PRECISION=precision, KV_MODE=kv_mode, PREWAIT=use_pdl and TUNING["prewait"], **extra,
+        DOT_PRECISION=precision, KV_MODE=kv_mode, PREWAIT=use_pdl and TUNING["prewait"], **fuse, **extra,
         **pdl_launch(use_pdl),
     )  # fmt: skip
     if num_splits > 1:
@@ -386,7 +458,60 @@ def paged_attention_decode(
     return out
 
 
+def rope_write_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_neox: bool = True,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """RoPE of the decode token's q / k, the write of its rotated k and its v into the paged cache,
+    and decode attention, in the decode kernel (the RoPE / KV-write launch is gone; the split merge
+    stays). The same result as ``rope_and_write_kv`` then ``paged_attention_decode``.
+
+    q ``[B, Hq, D]``, k / v ``[B, Hk, D]`` un-rotated (the new token of each sequence, at position
+    ``positions[b] = seq_lens[b] - 1``), ``slot_mapping`` ``[B]`` (-1: no cache write, e.g. padding
+    rows), the rest as :func:`paged_attention_decode`. Float caches only (int8 / FP8 caches keep the
+    unfused ops)."""
+    if k_cache.dtype in (torch.int8, torch.float8_e4m3fn, torch.uint8):
+        raise ValueError(f"k_cache: rope_write_decode_attention takes float caches, got {k_cache.dtype}")
+    B, Hq, D = q.shape
+    Hk = k_cache.shape[2]
+    if k.shape != (B, Hk, D) or v.shape != (B, Hk, D):
+        raise ValueError(f"k/v: expected [{B}, {Hk}, {D}], got {tuple(k.shape)} / {tuple(v.shape)}")
+    if positions.shape != (B,) or slot_mapping.shape != (B,):
+        raise ValueError(f"positions/slot_mapping: expected [{B}], got {tuple(positions.shape)} / "
+                         f"{tuple(slot_mapping.shape)}")
+    rot = cos_sin_cache.shape[-1]
+    if rot % 2 or rot > D:
+        raise ValueError(f"cos_sin_cache: rotary dim {rot} must be even and <= head_dim {D}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    cos_sin_cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    return paged_attention_decode(
+        q, k_cache, v_cache, seq_lens=seq_lens, block_table=block_table, scale=scale, sliding_window=sliding_window,
+        softcap=softcap, num_splits=num_splits,
+        _rope=(k, v, positions.contiguous(), cos_sin_cache, slot_mapping.contiguous(), is_neox))  # fmt: skip
+
+
 register(
     "paged_attention_decode", "triton", paged_attention_decode, priority=10,
+    available=lambda cap: cap.is_cuda and cap.triton,
+)  # fmt: skip
+register(
+    "rope_write_decode_attention", "triton", rope_write_decode_attention, priority=10,
     available=lambda cap: cap.is_cuda and cap.triton,
 )  # fmt: skip

@@ -47,6 +47,7 @@ import triton.language as tl
 
 from infercore.devices import capability, register, triton_interpreter
 from infercore.ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
+from infercore.ops.rope.triton import rope_lanes
 
 _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -143,19 +144,7 @@ def _rope_new_token(q_ptr, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc
     unfused RoPE / KV-write kernel rounds them). The one program whose key range holds the newest
     position writes that row into the cache slot (``slot_mapping``; -1 skips the write), for later steps."""
     pos = tl.load(pos_ptr + b).to(tl.int64)
-    half = ROT // 2
-    rot = offs_d < ROT
-    if IS_NEOX:
-        lo_half = offs_d < half
-        partner = tl.where(lo_half, offs_d + half, offs_d - half)
-        sign = tl.where(lo_half, -1.0, 1.0)
-        ci = tl.where(lo_half, offs_d, offs_d - half)
-    else:
-        partner = offs_d ^ 1
-        sign = tl.where((offs_d % 2) == 0, -1.0, 1.0)
-        ci = offs_d // 2
-    cos = tl.load(cs_ptr + pos * stride_cs + ci, mask=rot, other=1.0).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_cs + half + ci, mask=rot, other=0.0).to(tl.float32)
+    rot, partner, sign, cos, sin = rope_lanes(cs_ptr, pos, stride_cs, ROT, offs_d, IS_NEOX)
     qmask = gmask[:, None] & dmask[None, :]
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
     qx = tl.load(q_rows + offs_d[None, :], mask=qmask, other=0.0).to(tl.float32)

@@ -25,6 +25,27 @@ from .fused import rope_and_write_kv_cache_reference  # noqa: F401  (registers t
 
 
 @triton.jit
+def rope_lanes(cs_ptr, pos, stride_cs, ROT, offs_d, IS_NEOX: tl.constexpr):
+    """Per head-dim lane ``offs_d`` at position ``pos``: whether it rotates (``d < ROT``), its rotation
+    partner, the partner's sign, and fp32 cos / sin, so ``out = x cos + sign x[partner] sin`` (neox:
+    halves; else interleaved pairs). Shared with the decode kernel's fused RoPE."""
+    half = ROT // 2
+    rot = offs_d < ROT
+    if IS_NEOX:
+        first = offs_d < half
+        partner = tl.where(first, offs_d + half, offs_d - half)
+        sign = tl.where(first, -1.0, 1.0)
+        ci = tl.where(first, offs_d, offs_d - half)
+    else:
+        partner = offs_d ^ 1
+        sign = tl.where((offs_d % 2) == 0, -1.0, 1.0)
+        ci = offs_d // 2
+    cos = tl.load(cs_ptr + pos * stride_cs + ci, mask=rot, other=1.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + half + ci, mask=rot, other=0.0).to(tl.float32)
+    return rot, partner, sign, cos, sin
+
+
+@triton.jit
 def _rotate_heads(x_ptr, stride_h, H, D, offs_h, offs_d, partner, rot, sign, cos, sin):
     """Rotated ``[BLOCK_H, BLOCK_D]`` fp32 tile of one token's heads, plus its mask."""
     mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
@@ -55,20 +76,8 @@ def _rope_kernel(
     pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    half = ROT // 2
     offs_d = tl.arange(0, BLOCK_D)
-    rot = offs_d < ROT
-    if IS_NEOX:
-        first = offs_d < half
-        partner = tl.where(first, offs_d + half, offs_d - half)
-        sign = tl.where(first, -1.0, 1.0)
-        ci = tl.where(first, offs_d, offs_d - half)
-    else:
-        partner = offs_d ^ 1
-        sign = tl.where((offs_d % 2) == 0, -1.0, 1.0)
-        ci = offs_d // 2
-    cos = tl.load(cs_ptr + pos * stride_cs + ci, mask=rot, other=1.0).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_cs + half + ci, mask=rot, other=0.0).to(tl.float32)
+    rot, partner, sign, cos, sin = rope_lanes(cs_ptr, pos, stride_cs, ROT, offs_d, IS_NEOX)
 
     offs_hq = tl.arange(0, BLOCK_HQ)
     q, qmask = _rotate_heads(

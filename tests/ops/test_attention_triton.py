@@ -161,22 +161,15 @@ def test_rope_write_decode_attention(dtype, case, prewait, monkeypatch):
     torch.testing.assert_close(v_cache, vc_ref, atol=0, rtol=0)
 
 
-def test_rope_write_decode_attention_rejects_quantized_caches_and_bad_shapes():
+def test_rope_write_decode_attention_kernel_rejects_quantized_caches():
     from infercore.ops.attention import triton_decode as td
 
     k_cache, v_cache, table = _paged_kv([5], 2, 16, 8, torch.float32)
     q, k, v = torch.randn(1, 4, 16), torch.randn(1, 2, 16), torch.randn(1, 2, 16)
-    pos, slots = torch.tensor([4]), torch.tensor([0], dtype=torch.int32)
-    cs = torch.randn(32, 16)
     kw = dict(seq_lens=torch.tensor([5], dtype=torch.int32), block_table=table, scale=0.25)
     with pytest.raises(ValueError, match="k_cache"):
-        td.rope_write_decode_attention(q, k, v, pos, cs, k_cache.to(torch.int8), v_cache.to(torch.int8), slots, **kw)
-    with pytest.raises(ValueError, match="k/v"):
-        td.rope_write_decode_attention(q, k[:, :1], v, pos, cs, k_cache, v_cache, slots, **kw)
-    with pytest.raises(ValueError, match="positions"):
-        td.rope_write_decode_attention(q, k, v, pos.repeat(2), cs, k_cache, v_cache, slots, **kw)
-    with pytest.raises(ValueError, match="rotary dim"):
-        td.rope_write_decode_attention(q, k, v, pos, torch.randn(32, 15), k_cache, v_cache, slots, **kw)
+        td.rope_write_decode_attention(q, k, v, torch.tensor([4]), torch.randn(32, 16), k_cache.to(torch.int8),
+                                       v_cache.to(torch.int8), torch.tensor([0], dtype=torch.int32), **kw)
 
 
 def test_llama_decode_with_rope_fused_into_attention_keeps_logits(monkeypatch):
@@ -246,7 +239,13 @@ def test_public_rope_write_decode_attention_checks_and_matches_the_composition()
         rope_write_decode_attention(q, k.half(), v, pos, cs, k_cache, v_cache, slots, **kw)
     with pytest.raises(ValueError, match="slot_mapping"):
         rope_write_decode_attention(q, k, v, pos, cs, k_cache, v_cache, slots[:1], **kw)
+    with pytest.raises(ValueError, match="positions"):
+        rope_write_decode_attention(q, k, v, pos.repeat(2), cs, k_cache, v_cache, slots, **kw)
+    with pytest.raises(ValueError, match="k/v"):
+        rope_write_decode_attention(q, k[:, :1], v, pos, cs, k_cache, v_cache, slots, **kw)
     with pytest.raises(ValueError, match="cos_sin_cache"):
         rope_write_decode_attention(q, k, v, pos, cs[:, :15], k_cache, v_cache, slots, **kw)
     with pytest.raises(ValueError, match="quantized"):
         rope_write_decode_attention(q, k, v, pos, cs, k_cache.to(torch.int8), v_cache.to(torch.int8), slots, **kw)
+    with pytest.raises(TypeError, match="positions"):
+        rope_write_decode_attention(q, k, v, [8, 2], cs, k_cache, v_cache, slots, **kw)

@@ -256,6 +256,9 @@ def rope_write_decode_attention(
     RoPE / KV-write launch is gone); float caches only. Returns ``[B, Hq, D]`` in ``q.dtype``."""
     op = "rope_write_decode_attention"
     _check_common(op, q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, softcap)
+    for name, t in (("k", k), ("v", v), ("positions", positions), ("cos_sin_cache", cos_sin_cache),
+                    ("slot_mapping", slot_mapping)):
+        V.tensor(op, name, t)
     if is_quantized_kv(k_cache.dtype):
         raise ValueError(f"{op}: k_cache: a quantized ({k_cache.dtype}) cache takes the unfused ops")
     b, hk, d = q.shape[0], k_cache.shape[2], q.shape[2]

@@ -473,18 +473,9 @@ def rope_write_decode_attention(
     ``positions[b] = seq_lens[b] - 1``), ``slot_mapping`` ``[B]`` (-1: no cache write, e.g. padding
     rows), the rest as :func:`paged_attention_decode`. Float caches only (int8 / FP8 caches keep the
     unfused ops)."""
+    # Shapes are checked by the public wrapper (ops.attention); models call this with their own.
     if k_cache.dtype in (torch.int8, torch.float8_e4m3fn, torch.uint8):
         raise ValueError(f"k_cache: rope_write_decode_attention takes float caches, got {k_cache.dtype}")
-    B, Hq, D = q.shape
-    Hk = k_cache.shape[2]
-    if k.shape != (B, Hk, D) or v.shape != (B, Hk, D):
-        raise ValueError(f"k/v: expected [{B}, {Hk}, {D}], got {tuple(k.shape)} / {tuple(v.shape)}")
-    if positions.shape != (B,) or slot_mapping.shape != (B,):
-        raise ValueError(f"positions/slot_mapping: expected [{B}], got {tuple(positions.shape)} / "
-                         f"{tuple(slot_mapping.shape)}")
-    rot = cos_sin_cache.shape[-1]
-    if rot % 2 or rot > D:
-        raise ValueError(f"cos_sin_cache: rotary dim {rot} must be even and <= head_dim {D}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()

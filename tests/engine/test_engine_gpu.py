@@ -27,6 +27,22 @@ def test_cuda_graph_greedy_matches_transformers(kind):
         assert o.token_ids == hf_greedy(hf, p, 32)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_cuda_graph_greedy_with_rope_fused_into_decode_attention(kind, monkeypatch):
+    # INFERCORE_FUSED_ROPE_ATTENTION=1 path: decode-only steps (eager and in CUDA graphs) rotate and write
+    # the new K/V inside the decode kernel; greedy tokens stay those of transformers.
+    from infercore.models import llama
+
+    monkeypatch.setattr(llama, "FUSED_ROPE_ATTENTION", True)
+    hf = tiny_hf(kind)
+    eng = Engine(_ours_on_cuda(hf, torch.float32), page_size=16, num_pages=128, max_num_batched_tokens=24)
+    assert llama._fused_rope_attention(torch.device("cuda"))
+    prompts = [[(7 * i + j) % 96 for j in range(5 + 9 * i)] for i in range(5)]
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, 32)
+
+
 def test_bf16_batched_rows_agree_with_single_rows():
     hf = tiny_hf("llama", hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
     eng = Engine(_ours_on_cuda(hf, torch.bfloat16), page_size=16, num_pages=256)

@@ -34,6 +34,7 @@ def test_triton_selected_on_cuda():
         "write_kv_cache_",
         "rope_and_write_kv",
         "paged_attention_decode",
+        "rope_write_decode_attention",
         "paged_attention_prefill",
         "sample",
     ):
@@ -108,6 +109,32 @@ def test_decode_bf16(hq, hk, d, page, window, softcap, splits):
     got = implementation("paged_attention_decode", "triton")(q, kc, vc, num_splits=splits, **kw)
     assert rel(got, want) < 1e-2
     assert torch.equal(got[4], torch.zeros_like(got[4]))
+
+
+@pytest.mark.parametrize("lens", [[577], [1, 17, 4096, 0], [577, 2000, 64, 300, 129, 33]])
+@pytest.mark.parametrize("neox", [True, False])
+def test_rope_write_decode_attention_bf16(lens, neox):
+    # The decode kernel with the new token's RoPE + KV write folded in (rope_write_decode_attention)
+    # against the unfused Triton pair on a copy of the caches; batches <= 4 take the PDL read-ahead.
+    hq, hk, d, page = 32, 8, 128, 16
+    kc, vc, table = _paged(lens, hk, d, page)
+    b = len(lens)
+    q = torch.randn(b, hq, d, device=DEV, dtype=BF16)
+    k = torch.randn(b, hk, d, device=DEV, dtype=BF16)
+    v = torch.randn(b, hk, d, device=DEV, dtype=BF16)
+    pos = torch.tensor([max(n - 1, 0) for n in lens], device=DEV)
+    slots = torch.tensor([int(table[i, (n - 1) // page]) * page + (n - 1) % page if n else -1
+                          for i, n in enumerate(lens)], device=DEV, dtype=torch.int32)  # fmt: skip
+    cs = infercore.ops.rope_cos_sin_cache(rotary_dim=d, max_positions=8192, base=500000.0, device=DEV)
+    kw = dict(seq_lens=torch.tensor(lens, device=DEV, dtype=torch.int32), block_table=table, scale=d**-0.5)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q_rot = implementation("rope_and_write_kv", "triton")(q, k, v, pos, cs, kc2, vc2, slots, is_neox=neox)
+    want = implementation("paged_attention_decode", "triton")(q_rot, kc2, vc2, **kw)
+    got = implementation("rope_write_decode_attention", "triton")(q, k, v, pos, cs, kc, vc, slots, is_neox=neox,
+                                                                   **kw)  # fmt: skip
+    assert rel(got, want) < 2e-3
+    # the same rows written (k may differ in the last bf16 bit: FMA contraction can differ per kernel)
+    assert torch.equal(vc, vc2) and rel(kc, kc2) < 1e-3 and ((kc != kc2).any(-1).any(-1).sum() <= b)
 
 
 @pytest.mark.parametrize(

@@ -69,6 +69,8 @@ def main() -> None:
     args = ap.parse_args()
     drop(args.drop)
     if args.attn_min_split is not None:
+        if args.attn_min_split < 1:
+            ap.error(f"--attn-min-split must be >= 1, got {args.attn_min_split}")
         from infercore.ops.attention import triton_decode
 
         triton_decode.TUNING["min_split_tokens"] = args.attn_min_split

@@ -176,35 +176,12 @@ def test_llama_decode_with_rope_fused_into_attention_keeps_logits(monkeypatch):
     # INFERCORE_FUSED_ROPE_ATTENTION: decode-only steps of the Llama layer call the fused kernel (here
     # through the interpreter) instead of RoPE / KV write + attention; the logits stay those of the
     # unfused path, and the cache rows written by the fused steps serve the later steps.
-    from infercore.models import ModelConfig, build_model, llama
-    from infercore.ops import AttentionMetadata
+    from llama_helpers import run_tiny_llama, tiny_llama
 
-    cfg = ModelConfig.from_hf(dict(
-        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=61, hidden_size=32, intermediate_size=40,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False))  # fmt: skip
-    torch.manual_seed(0)
-    model = build_model(cfg, dtype=torch.float32, device="cpu", init="normal")
+    from infercore.models import llama
 
-    def run(prompt, extra):
-        page, table = 4, [3, 0, 5, 1, 7]
-        caches = [(torch.zeros(8, page, s.num_kv_heads, s.head_dim), torch.zeros(8, page, s.num_kv_heads, s.head_dim))
-                  for s in model.kv_specs()]  # fmt: skip
-        out, toks, start = [], list(prompt), 0
-        with torch.inference_mode():
-            for _ in range(extra + 1):
-                new, end = toks[start:], len(toks)
-                meta = AttentionMetadata.from_lists(
-                    query_lens=[len(new)], seq_lens=[end], block_tables=[table],
-                    slot_mapping=[table[p // page] * page + p % page for p in range(start, end)], device="cpu")
-                pos = torch.arange(start, end, dtype=torch.int32)
-                logits = model.compute_logits(model(torch.tensor(new, dtype=torch.int32), pos, caches, meta))
-                out.append(logits)
-                toks.append(int(logits[-1].argmax()))
-                start = end
-        return torch.cat(out)
-
-    want = run([5, 17, 3, 40, 22], 4)
+    model = tiny_llama()
+    want = run_tiny_llama(model, [5, 17, 3, 40, 22], 4)
     calls = []
     fused = implementation("rope_write_decode_attention", "triton")
     real_dispatch = llama.dispatch
@@ -216,7 +193,7 @@ def test_llama_decode_with_rope_fused_into_attention_keeps_logits(monkeypatch):
 
     monkeypatch.setattr(llama, "_fused_rope_attention", lambda device: True)
     monkeypatch.setattr(llama, "dispatch", fake_dispatch)
-    got = run([5, 17, 3, 40, 22], 4)
+    got = run_tiny_llama(model, [5, 17, 3, 40, 22], 4)
     assert len(calls) == 4 * 2  # 4 decode steps x 2 layers; the prefill step keeps the unfused ops
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
@@ -235,17 +212,22 @@ def test_public_rope_write_decode_attention_checks_and_matches_the_composition()
     want = implementation("rope_write_decode_attention", "triton")(q, k, v, pos, cs, kc, vc, slots, **kw)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(k_cache, kc, atol=2e-5, rtol=2e-5)
-    with pytest.raises(ValueError, match="k/v"):
-        rope_write_decode_attention(q, k.half(), v, pos, cs, k_cache, v_cache, slots, **kw)
-    with pytest.raises(ValueError, match="slot_mapping"):
-        rope_write_decode_attention(q, k, v, pos, cs, k_cache, v_cache, slots[:1], **kw)
-    with pytest.raises(ValueError, match="positions"):
-        rope_write_decode_attention(q, k, v, pos.repeat(2), cs, k_cache, v_cache, slots, **kw)
-    with pytest.raises(ValueError, match="k/v"):
-        rope_write_decode_attention(q, k[:, :1], v, pos, cs, k_cache, v_cache, slots, **kw)
-    with pytest.raises(ValueError, match="cos_sin_cache"):
-        rope_write_decode_attention(q, k, v, pos, cs[:, :15], k_cache, v_cache, slots, **kw)
-    with pytest.raises(ValueError, match="quantized"):
-        rope_write_decode_attention(q, k, v, pos, cs, k_cache.to(torch.int8), v_cache.to(torch.int8), slots, **kw)
-    with pytest.raises(TypeError, match="positions"):
-        rope_write_decode_attention(q, k, v, [8, 2], cs, k_cache, v_cache, slots, **kw)
+    # the argument checks of rope_and_write_kv_cache_ (check_rope_write_args), plus the decode ones
+    bad = [
+        (TypeError, "k must have the dtype of q", dict(k=k.half())),
+        (ValueError, "slot_mapping", dict(slots=slots[:1])),
+        (ValueError, "positions", dict(pos=pos.repeat(2))),
+        (ValueError, "k_cache heads", dict(k=k[:, :1], v=v[:, :1])),
+        (ValueError, "rotary_dim 15", dict(cs=cs[:, :15])),
+        (ValueError, "quantized", dict(k_cache=k_cache.to(torch.int8), v_cache=v_cache.to(torch.int8))),
+        (TypeError, "positions must be", dict(pos=[8, 2])),
+        (TypeError, "positions must have dtype", dict(pos=pos.float())),
+    ]
+    for exc, words, over in bad:
+        a = {**dict(q=q, k=k, v=v, pos=pos, cs=cs, k_cache=k_cache, v_cache=v_cache, slots=slots), **over}
+        with pytest.raises(exc, match=words):
+            rope_write_decode_attention(a["q"], a["k"], a["v"], a["pos"], a["cs"], a["k_cache"], a["v_cache"],
+                                        a["slots"], **kw)
+    with pytest.raises(ValueError, match="seq_lens has 1 entries"):
+        rope_write_decode_attention(q, k, v, pos, cs, k_cache, v_cache, slots,
+                                    **{**kw, "seq_lens": kw["seq_lens"][:1], "block_table": table[:1]})

@@ -6,6 +6,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from llama_helpers import run_tiny_llama, tiny_llama  # noqa: E402
 from torch import nn  # noqa: E402
 
 import infercore.ops.linear as L  # noqa: E402
@@ -222,53 +223,10 @@ def test_act_tuning_lookup():
 # ---------------------------------------------------------------- the model-level swap
 
 
-def _tiny_llama(hidden_act="silu", mlp_bias=False):
-    from infercore.models import ModelConfig, build_model
-
-    cfg = ModelConfig.from_hf(dict(
-        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=61, hidden_size=32,
-        intermediate_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-        hidden_act=hidden_act, mlp_bias=mlp_bias,
-    ))  # fmt: skip
-    torch.manual_seed(0)
-    model = build_model(cfg, dtype=torch.float32, device="cpu", init="normal")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.5)  # build_model zeroes them: make a mixed-up bias visible
-    return model
-
-
-def _run(model, prompt: list[int], extra: int) -> torch.Tensor:
-    """Prefill ``prompt`` (M = len rows), then decode ``extra`` greedy tokens (M = 1); returns the
-    fp32 logits of every step's rows, concatenated."""
-    from infercore.ops import AttentionMetadata
-
-    page = 4
-    caches = [(torch.zeros(8, page, s.num_kv_heads, s.head_dim), torch.zeros(8, page, s.num_kv_heads, s.head_dim))
-              for s in model.kv_specs()]  # fmt: skip
-    table = [3, 0, 5, 1, 7]
-    out, toks, start = [], list(prompt), 0
-    with torch.inference_mode():
-        for _ in range(extra + 1):
-            new = toks[start:]
-            end = len(toks)
-            meta = AttentionMetadata.from_lists(
-                query_lens=[len(new)], seq_lens=[end], block_tables=[table],
-                slot_mapping=[table[p // page] * page + p % page for p in range(start, end)], device="cpu")  # fmt: skip
-            pos = torch.arange(start, end, dtype=torch.int32)
-            logits = model.compute_logits(model(torch.tensor(new, dtype=torch.int32), pos, caches, meta))
-            out.append(logits)
-            toks.append(int(logits[-1].argmax()))
-            start = end
-    return torch.cat(out)
-
-
 @pytest.mark.parametrize("hidden_act, mlp_bias", [("silu", False), ("gelu_pytorch_tanh", True)])
 def test_use_triton_gemv_on_tiny_llama_keeps_logits(hidden_act, mlp_bias, monkeypatch):
-    model = _tiny_llama(hidden_act, mlp_bias)
-    want = _run(model, [5, 17, 3, 40, 22], 2)
+    model = tiny_llama(hidden_act, mlp_bias)
+    want = run_tiny_llama(model, [5, 17, 3, 40, 22], 2)
     params = {n: p.data_ptr() for n, p in model.named_parameters()}
     calls = []
     real = T.skinny_linear
@@ -279,17 +237,17 @@ def test_use_triton_gemv_on_tiny_llama_keeps_logits(hidden_act, mlp_bias, monkey
     assert type(mlp).__name__ == "GemvFusedLlamaMLP" and isinstance(mlp, type(model.model.layers[0].mlp))
     assert mlp.gemv_act == ("silu" if hidden_act == "silu" else "gelu_tanh")
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == params  # no copies
-    got = _run(model, [5, 17, 3, 40, 22], 2)
+    got = run_tiny_llama(model, [5, 17, 3, 40, 22], 2)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     # per forward: 2 layers x (qkv, o, fused gate_up+act, down) + lm_head, for 3 forwards
     assert calls.count(mlp.gemv_act) == 3 * 2 and calls.count(None) == 3 * (2 * 3 + 1)
     calls.clear()
-    _run(model, list(range(1, 10)), 0)  # 9 rows > max_m: every module takes its original forward
+    run_tiny_llama(model, list(range(1, 10)), 0)  # 9 rows > max_m: every module takes its original forward
     assert calls == []
 
 
 def test_use_triton_gemv_fusion_off_and_fallbacks():
-    model = _tiny_llama()
+    model = tiny_llama()
     assert use_triton_gemv_(model, max_m=4, fuse_act=False, force=True) == 9
     assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
     assert use_triton_gemv_(model, max_m=4, force=True) == 0  # already converted; adds the fusion
@@ -306,7 +264,7 @@ def test_use_triton_gemv_fusion_off_and_fallbacks():
     mlp.gate_up_proj.__class__ = OtherLinear
     torch.testing.assert_close(mlp(x), mlp.down_proj(torch.zeros(2, 40)))  # the original forward ran
     # without force nothing happens on the CPU
-    fresh = _tiny_llama()
+    fresh = tiny_llama()
     assert use_triton_gemv_(fresh) == 0 and type(fresh.model.layers[0].mlp).__name__ == "LlamaMLP"
 
 

@@ -12,6 +12,7 @@ from ...devices import dispatch, implementation, register
 from .. import _validate as V
 from ..kv_cache import dequantize_paged_kv, is_quantized_kv, scale_aware
 from ..kv_cache.quant import check_kv_scales
+from ..rope.fused import check_rope_write_args
 from .metadata import AttentionMetadata
 from .naive import paged_attention_decode_ref, paged_attention_prefill_ref
 
@@ -256,21 +257,11 @@ def rope_write_decode_attention(
     RoPE / KV-write launch is gone); float caches only. Returns ``[B, Hq, D]`` in ``q.dtype``."""
     op = "rope_write_decode_attention"
     _check_common(op, q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, softcap)
-    for name, t in (("k", k), ("v", v), ("positions", positions), ("cos_sin_cache", cos_sin_cache),
-                    ("slot_mapping", slot_mapping)):
-        V.tensor(op, name, t)
+    check_rope_write_args(op, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     if is_quantized_kv(k_cache.dtype):
         raise ValueError(f"{op}: k_cache: a quantized ({k_cache.dtype}) cache takes the unfused ops")
-    b, hk, d = q.shape[0], k_cache.shape[2], q.shape[2]
-    if tuple(k.shape) != (b, hk, d) or tuple(v.shape) != (b, hk, d) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"{op}: k/v must be [{b}, {hk}, {d}] in {q.dtype}, got {tuple(k.shape)} {k.dtype} / "
-                         f"{tuple(v.shape)} {v.dtype}")  # fmt: skip
-    for name, t in (("positions", positions), ("slot_mapping", slot_mapping), ("seq_lens", seq_lens)):
-        if t.dim() != 1 or t.shape[0] != b:
-            raise ValueError(f"{op}: {name} must be [{b}], got {tuple(t.shape)}")
-    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] % 2 or cos_sin_cache.shape[1] > d:
-        raise ValueError(f"{op}: cos_sin_cache must be [max_positions, rotary_dim] with an even rotary_dim <= "
-                         f"{d}, got {tuple(cos_sin_cache.shape)}")  # fmt: skip
+    if seq_lens.shape[0] != q.shape[0]:
+        raise ValueError(f"{op}: seq_lens has {seq_lens.shape[0]} entries but q has {q.shape[0]} sequences")
     return dispatch(op, q.device)(
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, seq_lens=seq_lens,
         block_table=block_table, scale=float(scale), sliding_window=sliding_window,
@@ -332,11 +323,10 @@ def paged_attention(
 
 
 def rope_write_decode_attention_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, seq_lens,
-                                    block_table, scale, sliding_window=None, softcap=None, is_neox=True,
-                                    num_splits=None):  # fmt: skip
+                                    block_table, scale, sliding_window=None, softcap=None, is_neox=True):  # fmt: skip
     """Reference of ``rope_write_decode_attention`` (the fused decode kernel in ``triton_decode``): the
     ``rope_and_write_kv`` reference (rotates q / k, writes the rotated k and v into the cache), then
-    the decode-attention reference. ``num_splits`` is the kernel's knob and does not change the result."""
+    the decode-attention reference."""
     q_rot = implementation("rope_and_write_kv", "reference")(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                                                              slot_mapping, is_neox=is_neox)  # fmt: skip
     return paged_attention_decode_ref(q_rot, k_cache, v_cache, seq_lens=seq_lens, block_table=block_table,

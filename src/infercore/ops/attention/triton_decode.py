@@ -47,7 +47,7 @@ import triton.language as tl
 
 from infercore.devices import capability, register, triton_interpreter
 from infercore.ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
-from infercore.ops.rope.triton import rope_lanes
+from infercore.ops.rope.triton import _last_dim_contiguous, rope_lanes
 
 _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -366,7 +366,9 @@ def paged_attention_decode(
     ``k_scale``/``v_scale`` fp32 ``[num_pages, page_size, Hk]`` are required for int8 /
     float8_e4m3fn caches. ``num_splits`` overrides the split-K factor (default: chosen from static
     shapes only); ``fp8_emulation`` forces (True) or forbids (False) the bit-trick FP8 decode
-    (default: emulate where the GPU lacks native FP8). Returns ``[B, Hq, D]`` in ``q.dtype``;
+    (default: emulate where the GPU lacks native FP8). ``_rope`` (for :func:`rope_write_decode_attention`
+    only): ``(k, v, positions, cos_sin_cache, slot_mapping, is_neox)`` of the new tokens, rotated and
+    written by the kernel itself. Returns ``[B, Hq, D]`` in ``q.dtype``;
     sequences with ``seq_lens == 0`` get zeros.
     """
     B, Hq, D = q.shape
@@ -476,11 +478,7 @@ def rope_write_decode_attention(
     # Shapes are checked by the public wrapper (ops.attention); models call this with their own.
     if k_cache.dtype in (torch.int8, torch.float8_e4m3fn, torch.uint8):
         raise ValueError(f"k_cache: rope_write_decode_attention takes float caches, got {k_cache.dtype}")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    v = v if v.stride(-1) == 1 else v.contiguous()
-    cos_sin_cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    k, v, cos_sin_cache = _last_dim_contiguous(k), _last_dim_contiguous(v), _last_dim_contiguous(cos_sin_cache)
     return paged_attention_decode(
         q, k_cache, v_cache, seq_lens=seq_lens, block_table=block_table, scale=scale, sliding_window=sliding_window,
         softcap=softcap, num_splits=num_splits,

@@ -40,30 +40,10 @@ def rope_and_write_kv_cache_reference(
     return q_rot
 
 
-def rope_and_write_kv_cache_(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    is_neox: bool = True,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Rotate q/k by RoPE and write the rotated k and v into the paged caches in place.
-
-    q ``[T, Hq, D]``, k/v ``[T, Hk, D]`` (one dtype), ``positions`` int32/int64 ``[T]``,
-    ``cos_sin_cache`` ``[max_positions, rotary_dim]`` (cos | sin halves), caches
-    ``[num_pages, page_size, Hk, D]``, ``slot_mapping`` int32 ``[T]`` (``-1`` = skip the write).
-    int8 / float8_e4m3fn caches take fp32 ``k_scale``/``v_scale`` ``[num_pages, page_size, Hk]`` and
-    are quantized on write (the rotated k is rounded to k's dtype first, as the unfused ops would).
-    Returns the rotated q ``[T, Hq, D]`` (a new tensor).
-    """
-    op = "rope_and_write_kv_cache_"
+def check_rope_write_args(op: str, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping) -> None:
+    """The argument checks of :func:`rope_and_write_kv_cache_` (layouts in its docstring), raising
+    ``TypeError`` / ``ValueError`` that name ``op`` and the argument; shared with the decode op that
+    folds the same RoPE and KV write in (``ops.attention.rope_write_decode_attention``)."""
     V.floating(op, "q", q)
     V.ndim(op, "q", q, 3, "[tokens, q_heads, head_dim]")
     V.floating(op, "k", k)
@@ -99,6 +79,33 @@ def rope_and_write_kv_cache_(
         raise ValueError(f"{op}: cos_sin_cache rotary_dim {rd} must be even and <= head_dim {D}")
     V.same_device(op, "q", q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, positions=positions,
                   slot_mapping=slot_mapping, cos_sin_cache=cos_sin_cache)  # fmt: skip
+
+
+def rope_and_write_kv_cache_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    is_neox: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rotate q/k by RoPE and write the rotated k and v into the paged caches in place.
+
+    q ``[T, Hq, D]``, k/v ``[T, Hk, D]`` (one dtype), ``positions`` int32/int64 ``[T]``,
+    ``cos_sin_cache`` ``[max_positions, rotary_dim]`` (cos | sin halves), caches
+    ``[num_pages, page_size, Hk, D]``, ``slot_mapping`` int32 ``[T]`` (``-1`` = skip the write).
+    int8 / float8_e4m3fn caches take fp32 ``k_scale``/``v_scale`` ``[num_pages, page_size, Hk]`` and
+    are quantized on write (the rotated k is rounded to k's dtype first, as the unfused ops would).
+    Returns the rotated q ``[T, Hq, D]`` (a new tensor).
+    """
+    op = "rope_and_write_kv_cache_"
+    check_rope_write_args(op, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     if check_kv_scales(op, k_cache, v_cache, k_scale, v_scale):
         fn = scale_aware("rope_and_write_kv", q.device)
         return fn(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=bool(is_neox),

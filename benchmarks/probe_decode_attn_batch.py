@@ -30,6 +30,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--ctx", type=int, default=576, help="a multiple of the page (16)")
+    ap.add_argument("--layouts", default="nhd",
+                    help="comma list of cache layouts: nhd = [pages, page, Hk, D] (the pool's), hnd = the same "
+                         "logical view over head-major storage [pages, Hk, page, D]")
+    ap.add_argument("--quick", action="store_true", help="only the default tile")
     args = ap.parse_args()
     B, L, Hq, Hk, D, page = args.batch, args.ctx, 32, 8, 128, 16
     q, kc, vc, table, seq, scale, nbytes, sdpa, ref = decode_inputs(B, L, Hq, Hk, D, page)
@@ -37,21 +41,26 @@ def main() -> None:
     bw = copy_bandwidth()
     default = dict(triton_decode.TUNING)
     rows = []
-    for (bn, nw, ns), splits in itertools.product(
-        [(64, 4, 3), (32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 8, 3), (64, 4, 4), (128, 4, 2), (128, 8, 2), (16, 4, 3)],
-        [None, 1, 2],
-    ):
+    tiles = [(64, 4, 3), (32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 8, 3), (64, 4, 4), (128, 4, 2), (128, 8, 2),
+             (16, 4, 3)]  # fmt: skip
+    if args.quick:
+        tiles = [(default["block_n"], default["num_warps"], default["num_stages"])]
+    caches = {"nhd": (kc, vc)}
+    # head-major storage, viewed in the pool's axis order: the kernel reads through the strides
+    caches["hnd"] = tuple(c.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for c in (kc, vc))
+    for layout, (bn, nw, ns), splits in itertools.product(args.layouts.split(","), tiles, [None, 1, 2]):
+        kc, vc = caches[layout]
         triton_decode.TUNING.update(block_n=bn, num_warps=nw, num_stages=ns)
-        call = lambda s=splits: fn(q, kc, vc, seq_lens=seq, block_table=table, scale=scale, num_splits=s)
+        call = lambda s=splits, k=kc, v=vc: fn(q, k, v, seq_lens=seq, block_table=table, scale=scale, num_splits=s)
         try:
             err = rel(call(), ref)
             t = bench_ms(call)
         except Exception as e:  # noqa: BLE001
-            rows.append({"block_n": bn, "num_warps": nw, "num_stages": ns, "num_splits": splits,
+            rows.append({"layout": layout, "block_n": bn, "num_warps": nw, "num_stages": ns, "num_splits": splits,
                          "error": type(e).__name__})  # fmt: skip
             continue
-        row = {"block_n": bn, "num_warps": nw, "num_stages": ns, "num_splits": splits or "auto", "ms": t,
-               "TBps": nbytes / (t * 1e-3) / 1e12, "err": err}  # fmt: skip
+        row = {"layout": layout, "block_n": bn, "num_warps": nw, "num_stages": ns, "num_splits": splits or "auto",
+               "ms": t, "TBps": nbytes / (t * 1e-3) / 1e12, "err": err}  # fmt: skip
         rows.append(row)
         print(row, flush=True)
     triton_decode.TUNING.update(default)

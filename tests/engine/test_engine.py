@@ -6,6 +6,7 @@ import torch
 from engine_helpers import hf_greedy, ours_from_hf, tiny_hf
 
 from infercore import Engine, SamplingParams
+from infercore.models import ModelConfig, build_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
@@ -153,3 +154,27 @@ def test_kv_pool_dtype_and_device_follow_model(llama_pair):
     eng = Engine(model, num_pages=8)
     k, v = eng.runner.kv_caches[0]
     assert k.dtype == torch.float32 and k.shape[1] == 16 and k.device.type == "cpu"
+
+
+def test_sampling_logits_keep_the_model_dtype_and_the_tokens():
+    from infercore.engine.runner import sampling_logits
+    from infercore.ops import SamplingTensors, sample
+
+    model = build_model(ModelConfig.from_hf(tiny_hf().config.to_dict()), dtype=torch.bfloat16, device="cpu")
+    hidden = torch.randn(5, 32, dtype=torch.bfloat16)
+    narrow = sampling_logits(model, hidden)
+    assert narrow.dtype == torch.bfloat16 and model.compute_logits(hidden).dtype == torch.float32
+    torch.testing.assert_close(narrow.float(), model.compute_logits(hidden), rtol=0, atol=0)
+
+    class Fp32Only(torch.nn.Module):  # a model without the keyword keeps being called without it
+        def compute_logits(self, h):
+            return model.compute_logits(h)
+
+    assert sampling_logits(Fp32Only(), hidden).dtype == torch.float32
+    params = SamplingTensors(
+        temperature=torch.tensor([0.0, 0.7, 1.0, 1.3, 0.9]), top_k=torch.tensor([0, 5, 0, 20, 3], dtype=torch.int32),
+        top_p=torch.tensor([1.0, 0.9, 0.8, 1.0, 1.0]), min_p=torch.tensor([0.0, 0.0, 0.05, 0.0, 0.0]),
+        repetition_penalty=torch.ones(5), seeds=torch.arange(5) + 11,
+        offsets=torch.full((5,), 3),
+    )
+    assert torch.equal(sample(narrow, params), sample(narrow.float(), params))

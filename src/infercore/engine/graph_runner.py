@@ -17,7 +17,7 @@ from ..devices import resolve
 from ..models.hybrid import HybridMetadata, LinearStateMetadata
 from ..ops import AttentionMetadata, SamplingTensors, sample
 from .request import Request
-from .runner import Gather, ModelRunner
+from .runner import Gather, ModelRunner, sampling_logits
 from .scheduler import ScheduledBatch
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -93,7 +93,7 @@ class CUDAGraphRunner:
     def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         model = self.runner.model
         meta = self._meta(b)
-        logits = model.compute_logits(model(self.input_ids[:b], self.positions[:b], self.runner.kv_caches, meta))
+        logits = sampling_logits(model, model(self.input_ids[:b], self.positions[:b], self.runner.kv_caches, meta))
         tokens = sample(logits, self._params(b), check_values=False) if self.graph_samples else None
         return logits, tokens
 

@@ -263,13 +263,15 @@ class Gemma3ForCausalLM(nn.Module):
         x, _ = fused_add_rms_norm(x, residual, norm.weight, eps=norm.eps, offset=1.0)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, H]`` -> fp32 logits ``[N, vocab]``, tanh-softcapped when configured."""
-        logits = self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, *, fp32: bool = True) -> torch.Tensor:
+        """``hidden [N, H]`` -> fp32 logits ``[N, vocab]``, tanh-softcapped when configured (then always
+        fp32); ``fp32=False`` without a softcap: the lm_head's dtype."""
+        logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
-            logits = cap * torch.tanh(logits / cap)
-        return logits
+            logits = logits.float()
+            return cap * torch.tanh(logits / cap)
+        return logits.float() if fp32 else logits
 
     def kv_specs(self) -> list[FullAttentionSpec]:
         """One spec per layer; sliding layers carry their window."""

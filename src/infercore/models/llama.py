@@ -295,9 +295,11 @@ class LlamaForCausalLM(nn.Module):
         x, _ = fused_add_rms_norm(x, residual, norm.weight, eps=norm.eps)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, H]`` -> fp32 logits ``[N, vocab_size]`` (tied to the embedding when configured)."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, *, fp32: bool = True) -> torch.Tensor:
+        """``hidden [N, H]`` -> logits ``[N, vocab_size]`` (tied to the embedding when configured): fp32,
+        or with ``fp32=False`` the lm_head's own dtype (what the sampler reads, skipping a widening copy)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if fp32 else logits
 
     def kv_specs(self) -> list[FullAttentionSpec]:
         """One KV spec per layer (the paged cache each layer expects)."""

@@ -260,8 +260,10 @@ class Mamba2ForCausalLM(nn.Module):
             res = res + block.mixer(h, state, linear_metadata(meta, i))
         return rms_norm(res.to(dtype), self.backbone.norm_f.weight, eps=self.config.norm_eps)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, *, fp32: bool = True) -> torch.Tensor:
+        """``hidden [N, H]`` -> fp32 logits ``[N, vocab]`` (``fp32=False``: the lm_head's dtype)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if fp32 else logits
 
     def kv_specs(self) -> list[LinearStateSpec]:
         dtype = self.backbone.embeddings.weight.dtype
@@ -372,8 +374,10 @@ class BambaForCausalLM(nn.Module):
         x, _ = fused_add_rms_norm(x, residual, self.model.final_layernorm.weight, eps=eps)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, *, fp32: bool = True) -> torch.Tensor:
+        """``hidden [N, H]`` -> fp32 logits ``[N, vocab]`` (``fp32=False``: the lm_head's dtype)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if fp32 else logits
 
     def kv_specs(self) -> list[FullAttentionSpec | LinearStateSpec]:
         dtype = self.model.embed_tokens.weight.dtype

@@ -311,8 +311,10 @@ class Qwen3NextForCausalLM(nn.Module):
         x, _ = fused_add_rms_norm(x, residual, norm.weight, eps=norm.eps, offset=1.0)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, *, fp32: bool = True) -> torch.Tensor:
+        """``hidden [N, H]`` -> fp32 logits ``[N, vocab]`` (``fp32=False``: the lm_head's dtype)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if fp32 else logits
 
     def kv_specs(self) -> list[FullAttentionSpec | LinearStateSpec]:
         """Per layer: a :class:`LinearStateSpec` (DeltaNet) or a :class:`FullAttentionSpec`."""

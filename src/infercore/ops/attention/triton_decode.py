@@ -261,21 +261,34 @@ def _decode_kernel(
                 v_sc = tl.where(newest, vsn, v_sc)
             m_i, l_i, acc = _decode_tile(q, k, v, k_sc, v_sc, kpos < end, m_i, l_i, acc, qk_scale, scale, softcap,
                                          HAS_SOFTCAP, DOT_PRECISION, KV_MODE)
-    for j0 in range(first, end, BLOCK_N):
+    loop_end = end
+    if FUSE_ROPE:  # the tile holding the newest row (the last of the split ending at seq_len) is peeled
+        last = start + (tl.maximum(end - 1 - start, 0) // BLOCK_N) * BLOCK_N
+        if end == seq_len:
+            loop_end = tl.maximum(last, first)
+    for j0 in range(first, loop_end, BLOCK_N):
         kpos = j0 + offs_n
         nmask = kpos < end
-        lmask = nmask
-        if FUSE_ROPE:  # the newest row is not in the cache yet from this kernel's view: use k_new / v_new
-            lmask = nmask & (kpos != seq_len - 1)
-        k, v, k_sc, v_sc = _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_row, kpos, lmask, kvh, offs_d, dmask,
+        k, v, k_sc, v_sc = _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_row, kpos, nmask, kvh, offs_d, dmask,
                                         stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ksp,
                                         stride_kss, stride_vsp, stride_vss, code_scale, q_ptr.dtype.element_ty, PAGE,
                                         KV_MODE)
-        if FUSE_ROPE:
-            k = tl.where((kpos == seq_len - 1)[:, None], k_new[None, :], k)
-            v = tl.where((kpos == seq_len - 1)[:, None], v_new[None, :], v)
         m_i, l_i, acc = _decode_tile(q, k, v, k_sc, v_sc, nmask, m_i, l_i, acc, qk_scale, scale, softcap,
                                      HAS_SOFTCAP, DOT_PRECISION, KV_MODE)
+    if FUSE_ROPE:
+        if (end == seq_len) & (end > start) & (last >= first):
+            # the newest row is not in the cache yet from this kernel's view: use k_new / v_new
+            kpos = last + offs_n
+            nmask = kpos < end
+            newest = kpos == seq_len - 1
+            k, v, k_sc, v_sc = _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_row, kpos, nmask & ~newest,
+                                            kvh, offs_d, dmask, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                                            stride_vh, stride_ksp, stride_kss, stride_vsp, stride_vss, code_scale,
+                                            q_ptr.dtype.element_ty, PAGE, KV_MODE)  # fmt: skip
+            k = tl.where(newest[:, None], k_new[None, :], k)
+            v = tl.where(newest[:, None], v_new[None, :], v)
+            m_i, l_i, acc = _decode_tile(q, k, v, k_sc, v_sc, nmask, m_i, l_i, acc, qk_scale, scale, softcap,
+                                         HAS_SOFTCAP, DOT_PRECISION, KV_MODE)
 
     # Empty ranges (padding rows with seq_len 0, or a split past the end) produce zeros / lse -inf.
     l_safe = tl.where(l_i > 0, l_i, 1.0)

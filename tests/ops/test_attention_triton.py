@@ -137,9 +137,9 @@ def test_rope_write_decode_attention(dtype, case, prewait, monkeypatch):
     from infercore.ops import rope_cos_sin_cache
     from infercore.ops.attention import triton_decode as td
 
-    if prewait:  # the interpreter has no PDL: force the read-ahead variant
-        monkeypatch.setattr(td, "pdl_enabled", lambda t: True)
-        monkeypatch.setattr(td, "pdl_launch", lambda use: {})
+    # the fused kernel reads the first tile's older rows ahead of its RoPE (with or without PDL)
+    # unless INFERCORE_DECODE_PREWAIT=0
+    monkeypatch.setitem(td.TUNING, "prewait", prewait)
     lens, hq, hk, d, rot, neox, page, window, softcap, splits = case
     k_cache, v_cache, table = _paged_kv(lens, hk, d, page, dtype)
     b = len(lens)

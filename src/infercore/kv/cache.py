@@ -13,7 +13,6 @@ Quantized KV (``kv_cache_dtype="int8"`` or ``"fp8"``): each layer's entry is a
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -167,11 +166,7 @@ def allocate_kv_caches(
     caches = []
     for hk, d, dt in shapes:
         shape = (num_pages, page_size, hk, d)
-        if os.environ.get("INFERCORE_KV_LAYOUT") == "hnd" and device.type == "cuda":  # EXPERIMENT
-            hnd = (num_pages, hk, page_size, d)
-            k, v = (torch.zeros(hnd, dtype=dt, device=device).permute(0, 2, 1, 3) for _ in range(2))
-        else:
-            k, v = torch.zeros(shape, dtype=dt, device=device), torch.zeros(shape, dtype=dt, device=device)
+        k, v = torch.zeros(shape, dtype=dt, device=device), torch.zeros(shape, dtype=dt, device=device)
         if _quantized(kv_cache_dtype):
             zs = (num_pages, page_size, hk)
             caches.append(QuantizedKVCache(k, v, torch.zeros(zs, device=device), torch.zeros(zs, device=device)))

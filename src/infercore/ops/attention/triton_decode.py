@@ -448,8 +448,8 @@ def paged_attention_decode(
         group, num_splits, kn, vn, pos, cs, slots, *rope_strides, D,
         PAGE=page_size, SPLIT=num_splits > 1, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        DOT_PRECISION=precision, KV_MODE=kv_mode, PREWAIT=use_pdl and TUNING["prewait"], **fuse, **extra,
-        **pdl_launch(use_pdl),
+        DOT_PRECISION=precision, KV_MODE=kv_mode, PREWAIT=(use_pdl or bool(fuse)) and TUNING["prewait"], **fuse,
+        **extra, **pdl_launch(use_pdl),
     )  # fmt: skip
     if num_splits > 1:
         _merge_kernel[(B, Hq)](

@@ -63,7 +63,7 @@ def check_rope_write_args(op: str, q, k, v, positions, cos_sin_cache, k_cache, v
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"{op}: v_cache ({tuple(v_cache.shape)}, {v_cache.dtype}) must match k_cache "
                          f"({tuple(k_cache.shape)}, {k_cache.dtype})")  # fmt: skip
-    if k_cache.device.type == "cpu" and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError(f"{op}: k_cache and v_cache must be contiguous")
     V.integer(op, "positions", positions)
     V.ndim(op, "positions", positions, 1, "[tokens]")

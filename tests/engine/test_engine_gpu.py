@@ -29,14 +29,15 @@ def test_cuda_graph_greedy_matches_transformers(kind):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_cuda_graph_greedy_with_rope_fused_into_decode_attention(kind, monkeypatch):
-    # INFERCORE_FUSED_ROPE_ATTENTION=1 path: decode-only steps (eager and in CUDA graphs) rotate and write
-    # the new K/V inside the decode kernel; greedy tokens stay those of transformers.
+    # INFERCORE_FUSED_ROPE_ATTENTION=1 (every decode-only step, eager and in CUDA graphs, not only the
+    # <= 4-row ones of the default) rotate and write the new K/V inside the decode kernel; greedy tokens
+    # stay those of transformers.
     from infercore.models import llama
 
-    monkeypatch.setattr(llama, "FUSED_ROPE_ATTENTION", True)
+    monkeypatch.setattr(llama, "FUSED_ROPE_ATTENTION", "1")
     hf = tiny_hf(kind)
     eng = Engine(_ours_on_cuda(hf, torch.float32), page_size=16, num_pages=128, max_num_batched_tokens=24)
-    assert llama._fused_rope_attention(torch.device("cuda"))
+    assert llama._fused_rope_attention(torch.device("cuda"), 5)
     prompts = [[(7 * i + j) % 96 for j in range(5 + 9 * i)] for i in range(5)]
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     for p, o in zip(prompts, outs):

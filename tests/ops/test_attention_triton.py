@@ -191,7 +191,7 @@ def test_llama_decode_with_rope_fused_into_attention_keeps_logits(monkeypatch):
             return lambda *a, **kw: calls.append(1) or fused(*a, **kw)
         return real_dispatch(op, device)
 
-    monkeypatch.setattr(llama, "_fused_rope_attention", lambda device: True)
+    monkeypatch.setattr(llama, "_fused_rope_attention", lambda device, rows: True)
     monkeypatch.setattr(llama, "dispatch", fake_dispatch)
     got = run_tiny_llama(model, [5, 17, 3, 40, 22], 4)
     assert len(calls) == 4 * 2  # 4 decode steps x 2 layers; the prefill step keeps the unfused ops
@@ -231,3 +231,19 @@ def test_public_rope_write_decode_attention_checks_and_matches_the_composition()
     with pytest.raises(ValueError, match="seq_lens has 1 entries"):
         rope_write_decode_attention(q, k, v, pos, cs, k_cache, v_cache, slots,
                                     **{**kw, "seq_lens": kw["seq_lens"][:1], "block_table": table[:1]})
+
+
+@pytest.mark.parametrize("setting,rows,want", [("auto", 1, True), ("auto", 4, True), ("auto", 5, False),
+                                               ("1", 256, True), ("0", 1, False)])  # fmt: skip
+def test_llama_fused_rope_attention_policy(setting, rows, want, monkeypatch):
+    # INFERCORE_FUSED_ROPE_ATTENTION: auto = decode-only steps of <= FUSED_ROPE_MAX_ROWS sequences
+    # (where the fused kernel measured faster), 1 = all, 0 = none; never without a kernel for it.
+    from types import SimpleNamespace
+
+    from infercore.models import llama
+
+    monkeypatch.setattr(llama, "FUSED_ROPE_ATTENTION", setting)
+    monkeypatch.setattr(llama, "resolve", lambda op, device: SimpleNamespace(name="triton"))
+    assert llama._fused_rope_attention(torch.device("cuda"), rows) is want
+    monkeypatch.setattr(llama, "resolve", lambda op, device: SimpleNamespace(name="reference"))
+    assert not llama._fused_rope_attention(torch.device("cpu"), rows)

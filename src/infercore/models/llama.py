@@ -32,6 +32,7 @@ from ..ops import (
 )
 from ..ops.attention import takes_new_kv
 from ..ops.kv_cache import dequantize_paged_kv, scale_aware
+from ..ops.pdl import PDL_MAX_ROWS
 from .config import ModelConfig
 from .hybrid import check_step
 
@@ -81,14 +82,23 @@ def _attention(q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_w
         scale=scale, sliding_window=sliding_window, softcap=None, max_seqlen_q=meta.max_seqlen_q, **new_kv)  # fmt: skip
 
 
-# INFERCORE_FUSED_ROPE_ATTENTION=1: decode-only steps rotate q / k and write the new K/V inside the decode
-# attention kernel (``rope_write_decode_attention``) instead of a separate RoPE / KV-write launch. Off by
-# default: tested against the references on the CPU interpreter, not yet measured on a GPU.
-FUSED_ROPE_ATTENTION = os.environ.get("INFERCORE_FUSED_ROPE_ATTENTION", "0") == "1"
+# Decode-only steps of at most FUSED_ROPE_MAX_ROWS sequences rotate q / k and write the new K/V inside the
+# decode attention kernel (``rope_write_decode_attention``) instead of a separate RoPE / KV-write launch.
+# Batch-1 step of the 8B shape (graph replay): bf16 4.092 -> 4.007 ms (results/h200/sweeps/
+# probe_fused_rope_attention.json). Not at large batches: there the fused kernel needs ~220 registers
+# against 128, half the resident programs, and the step of batch 256 took 12.54 -> 13.94 ms.
+# INFERCORE_FUSED_ROPE_ATTENTION: "auto" (default) as above, "1" every decode-only step, "0" never.
+FUSED_ROPE_ATTENTION = os.environ.get("INFERCORE_FUSED_ROPE_ATTENTION", "auto")
+if FUSED_ROPE_ATTENTION not in ("0", "1", "auto"):
+    raise ValueError(f"INFERCORE_FUSED_ROPE_ATTENTION: expected 0, 1 or auto, got {FUSED_ROPE_ATTENTION!r}")
+FUSED_ROPE_MAX_ROWS = PDL_MAX_ROWS
 
 
-def _fused_rope_attention(device: torch.device) -> bool:
-    return FUSED_ROPE_ATTENTION and resolve("rope_write_decode_attention", device).name != "reference"
+def _fused_rope_attention(device: torch.device, rows: int) -> bool:
+    """Whether a decode-only step over ``rows`` sequences takes the fused RoPE + attention kernel."""
+    if FUSED_ROPE_ATTENTION == "0" or (FUSED_ROPE_ATTENTION == "auto" and rows > FUSED_ROPE_MAX_ROWS):
+        return False
+    return resolve("rope_write_decode_attention", device).name != "reference"
 
 
 def prefill_takes_new_kv(meta: AttentionMetadata, device: torch.device) -> bool:
@@ -164,7 +174,7 @@ class LlamaAttention(nn.Module):
             new_kv = {"k": k, "v": v}
         else:
             new_kv = {}
-            if k_scale is None and meta.decode_only and _fused_rope_attention(x.device):
+            if k_scale is None and meta.decode_only and _fused_rope_attention(x.device, T):
                 o = dispatch("rope_write_decode_attention", x.device)(
                     q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, seq_lens=meta.seq_lens,
                     block_table=meta.block_table, scale=self.scale, sliding_window=self.sliding_window)  # fmt: skip

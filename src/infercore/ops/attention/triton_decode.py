@@ -77,6 +77,10 @@ TUNING = {
     "num_stages": 3,
     "target_programs_per_sm": 4,
     "min_split_tokens": 32,
+    # Register cap of the fused RoPE variant launched without PDL (larger batches, where resident programs
+    # matter): it needs ~165 registers against the plain kernel's 128 (offline sm90 compile); capped, it
+    # spills 8-32 bytes. 0: no cap.
+    "fused_maxnreg": 128,
 }
 
 
@@ -262,10 +266,24 @@ def _decode_kernel(
             m_i, l_i, acc = _decode_tile(q, k, v, k_sc, v_sc, kpos < end, m_i, l_i, acc, qk_scale, scale, softcap,
                                          HAS_SOFTCAP, DOT_PRECISION, KV_MODE)
     loop_end = end
-    if FUSE_ROPE:  # the tile holding the newest row (the last of the split ending at seq_len) is peeled
+    if FUSE_ROPE:
+        # The tile holding the newest row (the last one of the split that ends at seq_len) goes first,
+        # so that k_new / v_new are dead before the K loop (kept live through it they cost ~90 registers
+        # and half the resident programs); the order of tiles does not matter to the online softmax.
         last = start + (tl.maximum(end - 1 - start, 0) // BLOCK_N) * BLOCK_N
-        if end == seq_len:
-            loop_end = tl.maximum(last, first)
+        if (end == seq_len) & (end > start) & (last >= first):
+            loop_end = last
+            kpos = last + offs_n
+            nmask = kpos < end
+            newest = kpos == seq_len - 1  # not in the cache yet from this kernel's view: use k_new / v_new
+            k, v, k_sc, v_sc = _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_row, kpos, nmask & ~newest,
+                                            kvh, offs_d, dmask, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                                            stride_vh, stride_ksp, stride_kss, stride_vsp, stride_vss, code_scale,
+                                            q_ptr.dtype.element_ty, PAGE, KV_MODE)  # fmt: skip
+            k = tl.where(newest[:, None], k_new[None, :], k)
+            v = tl.where(newest[:, None], v_new[None, :], v)
+            m_i, l_i, acc = _decode_tile(q, k, v, k_sc, v_sc, nmask, m_i, l_i, acc, qk_scale, scale, softcap,
+                                         HAS_SOFTCAP, DOT_PRECISION, KV_MODE)
     for j0 in range(first, loop_end, BLOCK_N):
         kpos = j0 + offs_n
         nmask = kpos < end
@@ -275,20 +293,6 @@ def _decode_kernel(
                                         KV_MODE)
         m_i, l_i, acc = _decode_tile(q, k, v, k_sc, v_sc, nmask, m_i, l_i, acc, qk_scale, scale, softcap,
                                      HAS_SOFTCAP, DOT_PRECISION, KV_MODE)
-    if FUSE_ROPE:
-        if (end == seq_len) & (end > start) & (last >= first):
-            # the newest row is not in the cache yet from this kernel's view: use k_new / v_new
-            kpos = last + offs_n
-            nmask = kpos < end
-            newest = kpos == seq_len - 1
-            k, v, k_sc, v_sc = _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_row, kpos, nmask & ~newest,
-                                            kvh, offs_d, dmask, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
-                                            stride_vh, stride_ksp, stride_kss, stride_vsp, stride_vss, code_scale,
-                                            q_ptr.dtype.element_ty, PAGE, KV_MODE)  # fmt: skip
-            k = tl.where(newest[:, None], k_new[None, :], k)
-            v = tl.where(newest[:, None], v_new[None, :], v)
-            m_i, l_i, acc = _decode_tile(q, k, v, k_sc, v_sc, nmask, m_i, l_i, acc, qk_scale, scale, softcap,
-                                         HAS_SOFTCAP, DOT_PRECISION, KV_MODE)
 
     # Empty ranges (padding rows with seq_len 0, or a split past the end) produce zeros / lse -inf.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -429,6 +433,8 @@ def paged_attention_decode(
         stages -= 1
     extra = {} if interp else {"num_warps": TUNING["num_warps"], "num_stages": stages}
     use_pdl = pdl_enabled(q)
+    if _rope is not None and not interp and not use_pdl and TUNING["fused_maxnreg"]:
+        extra["maxnreg"] = TUNING["fused_maxnreg"]
     if _rope is None:  # unused pointers / strides
         fuse = {}
         kn = vn = pos = cs = slots = q

@@ -84,9 +84,10 @@ def _attention(q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_w
 
 # Decode-only steps of at most FUSED_ROPE_MAX_ROWS sequences rotate q / k and write the new K/V inside the
 # decode attention kernel (``rope_write_decode_attention``) instead of a separate RoPE / KV-write launch.
-# Batch-1 step of the 8B shape (graph replay): bf16 4.092 -> 4.007 ms (results/h200/sweeps/
-# probe_fused_rope_attention.json). Not at large batches: there the fused kernel needs ~220 registers
-# against 128, half the resident programs, and the step of batch 256 took 12.54 -> 13.94 ms.
+# Batch-1 step of the 8B shape (graph replay, off -> on): bf16 4.091 -> 4.033 ms, FP8 weight-only 2.526 ->
+# 2.477 (results/h200/sweeps/probe_fused_rope_attention.json). Not at large batches: the fused kernel needs
+# more registers (~165 against 128; capped at 128 it spills) and so keeps fewer programs resident, and the
+# batch-256 step took 12.258 -> 12.874 ms with it.
 # INFERCORE_FUSED_ROPE_ATTENTION: "auto" (default) as above, "1" every decode-only step, "0" never.
 FUSED_ROPE_ATTENTION = os.environ.get("INFERCORE_FUSED_ROPE_ATTENTION", "auto")
 if FUSED_ROPE_ATTENTION not in ("0", "1", "auto"):

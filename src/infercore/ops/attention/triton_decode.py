@@ -79,7 +79,9 @@ TUNING = {
     "min_split_tokens": 32,
     # Register cap of the fused RoPE variant launched without PDL (larger batches, where resident programs
     # matter): it needs ~165 registers against the plain kernel's 128 (offline sm90 compile); capped, it
-    # spills 8-32 bytes. 0: no cap.
+    # spills 8-32 bytes. Even so the batch-256 step measured 5% slower fused (12.258 -> 12.874 ms,
+    # results/h200/sweeps/probe_fused_rope_attention.json), which is why the Llama layer only fuses at
+    # <= 4 sequences by default. 0: no cap.
     "fused_maxnreg": 128,
 }
 

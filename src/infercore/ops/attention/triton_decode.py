@@ -191,7 +191,7 @@ def _decode_kernel(
     HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_MODE: tl.constexpr,  # 0 float cache, 1 int8, 2 fp8 (native convert), 3 fp8 bytes (emulated)
-    PREWAIT: tl.constexpr = False,  # with PDL: read the first tile's older rows before pdl_wait
+    PREWAIT: tl.constexpr = False,  # the first tile's older rows first (before pdl_wait; FUSE_ROPE: its RoPE)
     USE_PDL: tl.constexpr = False,
     FUSE_ROPE: tl.constexpr = False,  # q, k_new, v_new un-rotated: RoPE + this token's KV write here
     IS_NEOX: tl.constexpr = True,
@@ -270,7 +270,7 @@ def _decode_kernel(
     loop_end = end
     if FUSE_ROPE:
         # The tile holding the newest row (the last one of the split that ends at seq_len) goes first,
-        # so that k_new / v_new are dead before the K loop (kept live through it they cost ~90 registers
+        # so that k_new / v_new are dead before the K loop (kept live through it they cost ~60 registers
         # and half the resident programs); the order of tiles does not matter to the online softmax.
         last = start + (tl.maximum(end - 1 - start, 0) // BLOCK_N) * BLOCK_N
         if (end == seq_len) & (end > start) & (last >= first):

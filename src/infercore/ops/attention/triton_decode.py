@@ -47,7 +47,7 @@ import triton.language as tl
 
 from infercore.devices import capability, register, triton_interpreter
 from infercore.ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
-from infercore.ops.rope.triton import _last_dim_contiguous, rope_lanes
+from infercore.ops.rope.triton import _last_dim_contiguous, rope_lanes, rotate_heads
 
 _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -141,21 +141,19 @@ def _decode_tile(q, k, v, k_sc, v_sc, nmask, m_i, l_i, acc, qk_scale, scale, sof
 
 
 @triton.jit
-def _rope_new_token(q_ptr, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, b, kvh, heads, gmask, offs_d,
-                    dmask, start, end, seq_len, stride_qb, stride_qh, stride_knb, stride_knh, stride_vnb, stride_vnh,
-                    stride_cs, ROT, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                    PAGE: tl.constexpr, IS_NEOX: tl.constexpr):
+def _rope_new_token(q_ptr, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, b, kvh, GROUP, HEAD_DIM,
+                    offs_g, offs_d, dmask, start, end, seq_len, stride_qb, stride_qh, stride_knb, stride_knh,
+                    stride_vnb, stride_vnh, stride_cs, ROT, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                    stride_vh, PAGE: tl.constexpr, IS_NEOX: tl.constexpr):
     """FUSE_ROPE: this program's query heads rotated (``[BLOCK_G, BLOCK_D]`` in q's dtype), and the new
     token's rotated key and value row of its KV head (``[BLOCK_D]`` in the cache dtype, rounded as the
     unfused RoPE / KV-write kernel rounds them). The one program whose key range holds the newest
     position writes that row into the cache slot (``slot_mapping``; -1 skips the write), for later steps."""
     pos = tl.load(pos_ptr + b).to(tl.int64)
     rot, partner, sign, cos, sin = rope_lanes(cs_ptr, pos, stride_cs, ROT, offs_d, IS_NEOX)
-    qmask = gmask[:, None] & dmask[None, :]
-    q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
-    qx = tl.load(q_rows + offs_d[None, :], mask=qmask, other=0.0).to(tl.float32)
-    qp = tl.load(q_rows + partner[None, :], mask=qmask & rot[None, :], other=0.0).to(tl.float32)
-    q = tl.where(rot[None, :], qx * cos[None, :] + sign[None, :] * qp * sin[None, :], qx).to(q_ptr.dtype.element_ty)
+    q, _ = rotate_heads(q_ptr + b.to(tl.int64) * stride_qb + (kvh * GROUP) * stride_qh, stride_qh, GROUP, HEAD_DIM,
+                        offs_g, offs_d, partner, rot, sign, cos, sin)  # fmt: skip
+    q = q.to(q_ptr.dtype.element_ty)
     k_row = kn_ptr + b.to(tl.int64) * stride_knb + kvh * stride_knh
     kx = tl.load(k_row + offs_d, mask=dmask, other=0.0).to(tl.float32)
     kp = tl.load(k_row + partner, mask=dmask & rot, other=0.0).to(tl.float32)
@@ -230,8 +228,8 @@ def _decode_kernel(
         pdl_wait(USE_PDL)
     if FUSE_ROPE:
         q, k_new, v_new = _rope_new_token(q_ptr, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, b, kvh,
-                                          heads, gmask, offs_d, dmask, start, end, seq_len, stride_qb, stride_qh,
-                                          stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs, ROT,
+                                          GROUP, HEAD_DIM, offs_g, offs_d, dmask, start, end, seq_len, stride_qb,
+                                          stride_qh, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs, ROT,
                                           stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE,
                                           IS_NEOX)
     else:

@@ -46,8 +46,9 @@ def rope_lanes(cs_ptr, pos, stride_cs, ROT, offs_d, IS_NEOX: tl.constexpr):
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_h, H, D, offs_h, offs_d, partner, rot, sign, cos, sin):
-    """Rotated ``[BLOCK_H, BLOCK_D]`` fp32 tile of one token's heads, plus its mask."""
+def rotate_heads(x_ptr, stride_h, H, D, offs_h, offs_d, partner, rot, sign, cos, sin):
+    """Rotated ``[BLOCK_H, BLOCK_D]`` fp32 tile of one token's heads ``offs_h < H`` (rows ``stride_h``
+    apart from ``x_ptr``), plus its mask. Shared with the decode kernel's fused RoPE."""
     mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
     base = x_ptr + offs_h[:, None] * stride_h
     x = tl.load(base + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -80,14 +81,14 @@ def _rope_kernel(
     rot, partner, sign, cos, sin = rope_lanes(cs_ptr, pos, stride_cs, ROT, offs_d, IS_NEOX)
 
     offs_hq = tl.arange(0, BLOCK_HQ)
-    q, qmask = _rotate_heads(
+    q, qmask = rotate_heads(
         q_ptr + t * stride_qt, stride_qh, Hq, D, offs_hq, offs_d, partner, rot, sign, cos, sin
     )
     qo = qo_ptr + t * stride_qot + offs_hq[:, None] * stride_qoh + offs_d[None, :]
     tl.store(qo, q.to(qo_ptr.dtype.element_ty), mask=qmask)
 
     offs_hk = tl.arange(0, BLOCK_HK)
-    k, kmask = _rotate_heads(
+    k, kmask = rotate_heads(
         k_ptr + t * stride_kt, stride_kh, Hk, D, offs_hk, offs_d, partner, rot, sign, cos, sin
     )
     if WRITE_CACHE:

@@ -1,6 +1,7 @@
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from engine_helpers import hf_greedy, ours_from_hf, tiny_hf
@@ -178,3 +179,28 @@ def test_sampling_logits_keep_the_model_dtype_and_the_tokens():
         offsets=torch.full((5,), 3),
     )
     assert torch.equal(sample(narrow, params), sample(narrow.float(), params))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 95, 223])
+def test_sampling_parameter_rows_start_16_byte_aligned(llama_pair, n):
+    """Triton specializes pointers on 16-byte alignment: packed [k, n] parameter blocks whose rows start
+    at n * 4 or n * 8 bytes compiled the sampling kernel again for odd batches in the middle of serving."""
+    from infercore.engine.runner import sampling_tensors
+
+    _, model = llama_pair
+    eng = Engine(model, num_pages=64, max_num_seqs=256)
+    params = [SamplingParams(temperature=0.5 + i / 1000, top_p=0.9, top_k=i % 7, seed=i, max_tokens=4)
+              for i in range(n)]
+    for i, sp in enumerate(params):
+        eng.add_request([1 + i % 90, 2, 3], sp)
+    reqs = list(eng.scheduler.waiting)
+    rows = np.array([eng.runner.rows.assign(r) for r in reqs], dtype=np.int64)
+    built = [sampling_tensors(reqs, torch.device("cpu")),
+             eng.runner.row_sampling_tensors(rows, np.array([r.num_tokens for r in reqs], dtype=np.int64))]
+    for st in built:
+        fields = (st.temperature, st.top_p, st.min_p, st.repetition_penalty, st.seeds, st.offsets, st.top_k)
+        assert all(t.shape == (n,) for t in fields)
+        assert all(t.data_ptr() % 16 == 0 for t in fields), [t.data_ptr() % 16 for t in fields]
+        torch.testing.assert_close(st.temperature, torch.tensor([p.temperature for p in params]))
+        assert st.seeds.tolist() == list(range(n)) and st.top_k.tolist() == [i % 7 for i in range(n)]
+        assert st.offsets.tolist() == [0] * n

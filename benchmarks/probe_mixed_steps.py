@@ -27,6 +27,23 @@ from infercore import Engine, SamplingParams  # noqa: E402
 from infercore.models import ModelConfig, build_model  # noqa: E402
 
 COMPILED: list[dict] = []
+GC: list[dict] = []
+
+
+def log_gc() -> None:
+    """Record every collection of the cyclic GC (generation, duration) with the step it happened in."""
+    import gc
+
+    start = {}
+
+    def cb(phase, info):
+        if phase == "start":
+            start["t"] = time.perf_counter()
+        else:
+            t = time.perf_counter()
+            GC.append({"at": t, "gen": info["generation"], "ms": 1e3 * (t - start.get("t", t))})
+
+    gc.callbacks.append(cb)
 
 
 def log_compiles() -> None:
@@ -65,7 +82,7 @@ def traced_run(eng: Engine, prompts: list[list[int]], new: int, sync: bool) -> d
     sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     ids = [eng.add_request(p, sp) for p in prompts]
     steps = []
-    first = len(COMPILED)
+    first, first_gc = len(COMPILED), len(GC)
     sync_dev()
     t0 = time.perf_counter()
     done = 0
@@ -80,13 +97,22 @@ def traced_run(eng: Engine, prompts: list[list[int]], new: int, sync: bool) -> d
         rec = dict(kinds[n]) if len(kinds) > n else {"reqs": 0, "tokens": 0, "decode_rows": 0, "graph": False}
         rec["ms"] = 1e3 * (b - a)
         rec["compiled"] = [c["kernel"] for c in COMPILED[first:] if a <= c["at"] <= b]
+        rec["gc_ms"] = [round(g["ms"], 2) for g in GC[first_gc:] if a <= g["at"] <= b and g["gen"] == 2]
         steps.append(rec)
     sync_dev()
     total = time.perf_counter() - t0
     eng._launch = launch
     while eng.has_unfinished():
         eng.step()
-    return {"total_s": total, "steps": steps, "compiles": len(COMPILED) - first}
+    gcs = GC[first_gc:]
+    return {
+        "total_s": total,
+        "steps": steps,
+        "compiles": len(COMPILED) - first,
+        "gc_full": sum(1 for g in gcs if g["gen"] == 2),
+        "gc_full_ms": sum(g["ms"] for g in gcs if g["gen"] == 2),
+        "gc_all_ms": sum(g["ms"] for g in gcs),
+    }
 
 
 def summarize(run: dict) -> dict:
@@ -117,8 +143,11 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--device", default="cuda", help="cpu: a quick check of the script itself")
+    ap.add_argument("--gc-freeze", type=int, choices=(0, 1), default=None, help="EngineConfig.gc_freeze")
+    ap.add_argument("--hf", action="store_true", help="also load the transformers model, as bench_e2e does")
     args = ap.parse_args()
     log_compiles()
+    log_gc()
     dev = torch.device(args.device)
     torch.manual_seed(0)
     model = build_model(
@@ -127,6 +156,14 @@ def main() -> None:
         device=dev,
         init="normal",
     )
+    hf = None
+    if args.hf:  # bench_e2e's process also holds the transformers model: a larger heap for the GC to walk
+        import transformers
+
+        hcfg = dict(LLAMA_8B, num_hidden_layers=args.layers)
+        hcfg = transformers.LlamaConfig(**{k: v for k, v in hcfg.items() if k != "model_type"})
+        with torch.device(dev):
+            hf = transformers.LlamaForCausalLM(hcfg).to(torch.bfloat16).eval()
     B, page = args.batch, 16
     pages = B * -(-(args.prompt + args.new + page) // page) + 64
     eng = Engine(
@@ -138,6 +175,7 @@ def main() -> None:
         max_model_len=args.prompt + args.new + page,
         enable_prefix_caching=False,
         cuda_graph_max_batch=B if dev.type == "cuda" else 0,
+        gc_freeze=None if args.gc_freeze is None else bool(args.gc_freeze),
     )
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, 128000, (B, args.prompt), generator=gen).tolist()
@@ -153,7 +191,11 @@ def main() -> None:
         run = traced_run(eng, prompts, new, sync)
         run["summary"] = summarize(run)
         out["runs"][name] = run
-        print(f"{name}: {run['total_s']:.3f} s, {len(run['steps'])} steps, {run['compiles']} JIT compiles", flush=True)
+        print(
+            f"{name}: {run['total_s']:.3f} s, {len(run['steps'])} steps, {run['compiles']} JIT compiles, "
+            f"{run['gc_full']} full GC passes ({run['gc_full_ms']:.1f} ms; all passes {run['gc_all_ms']:.1f} ms)",
+            flush=True,
+        )
         for i, st in enumerate(run["steps"]):
             for k in st["compiled"]:
                 print(f"   step {i} ({st['reqs']} reqs, {st['tokens']} tokens, {st['decode_rows']} decode): {k}")
@@ -181,11 +223,15 @@ def main() -> None:
                 peers={},
                 floor=None,
                 jit_compiles=run["compiles"],
+                gc_full_passes=run["gc_full"],
+                gc_full_ms=run["gc_full_ms"],
+                gc_all_ms=run["gc_all_ms"],
                 summary=run["summary"],
                 steps=run["steps"],
                 **extra,
             )
         )
+    del hf
     write_results(args.out, "probe_mixed_steps", torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", cases)
 
 

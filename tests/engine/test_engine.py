@@ -204,3 +204,18 @@ def test_sampling_parameter_rows_start_16_byte_aligned(llama_pair, n):
         torch.testing.assert_close(st.temperature, torch.tensor([p.temperature for p in params]))
         assert st.seeds.tolist() == list(range(n)) and st.top_k.tolist() == [i % 7 for i in range(n)]
         assert st.offsets.tolist() == [0] * n
+
+
+def test_gc_freeze_follows_the_config(llama_pair):
+    import gc
+
+    _, model = llama_pair
+    gc.unfreeze()
+    try:
+        Engine(model, num_pages=16)  # CPU default: the process's collector is left alone
+        assert gc.get_freeze_count() == 0
+        eng = Engine(model, num_pages=16, gc_freeze=True)
+        assert gc.get_freeze_count() > 0
+        assert eng.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].token_ids
+    finally:
+        gc.unfreeze()

@@ -44,6 +44,33 @@ def test_cuda_graph_greedy_with_rope_fused_into_decode_attention(kind, monkeypat
         assert o.token_ids == hf_greedy(hf, p, 32)
 
 
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_mixed_steps_with_decodes_split_off_match_transformers(kind, monkeypatch):
+    # Twelve requests through a 40-token budget: many steps mix prefill chunks with >= 2 decodes, whose
+    # attention goes through the decode kernel (runner.SPLIT_DECODES_MIN lowered to 2); greedy tokens stay
+    # those of transformers.
+    from infercore.engine import runner
+    from infercore.models import llama
+
+    monkeypatch.setattr(runner, "SPLIT_DECODES_MIN", 2)
+    seen = []
+    real = llama.attend_split_decodes
+
+    def attend(o, q, k_cache, v_cache, meta, *a, **kw):
+        seen.append((meta.num_split_decodes, meta.decode_seqs is None))
+        return real(o, q, k_cache, v_cache, meta, *a, **kw)
+
+    monkeypatch.setattr(llama, "attend_split_decodes", attend)
+    hf = tiny_hf(kind)
+    eng = Engine(_ours_on_cuda(hf, torch.float32), page_size=16, num_pages=256, max_num_batched_tokens=40,
+                 cuda_graph_max_batch=4)  # fmt: skip
+    prompts = [[(3 * i + 5 * j) % 96 for j in range(4 + (11 * i) % 37)] for i in range(12)]
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, 24)
+    assert seen and max(n for n, _ in seen) >= 4
+
+
 def test_bf16_batched_rows_agree_with_single_rows():
     hf = tiny_hf("llama", hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
     eng = Engine(_ours_on_cuda(hf, torch.bfloat16), page_size=16, num_pages=256)

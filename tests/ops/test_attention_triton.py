@@ -247,3 +247,84 @@ def test_llama_fused_rope_attention_policy(setting, rows, want, monkeypatch):
     assert llama._fused_rope_attention(torch.device("cuda"), rows) is want
     monkeypatch.setattr(llama, "resolve", lambda op, device: SimpleNamespace(name="reference"))
     assert not llama._fused_rope_attention(torch.device("cpu"), rows)
+
+
+SPLIT_CASES = [
+    # q_lens, seq_lens, Hq, Hk, D, page, window
+    ([1, 1, 1, 4, 6], [9, 30, 1, 12, 6], 4, 2, 16, 8, None),  # one-query rows first: views
+    ([1, 5, 1, 1, 3, 1], [20, 5, 33, 2, 40, 7], 4, 1, 32, 8, 10),  # scattered: indexed, with a window
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_mixed_step_with_its_decodes_split_off(case):
+    # A mixed step's one-query sequences go through the decode kernel; the prefill kernel leaves their
+    # rows untouched, and the two together give the reference's result.
+    from infercore.ops import AttentionMetadata
+    from infercore.ops.attention import attend_split_decodes, split_decodes, triton_prefill
+
+    q_lens, lens, hq, hk, d, page, window = case
+    k_cache, v_cache, table = _paged_kv(lens, hk, d, page, torch.float32)
+    q = torch.randn(sum(q_lens), hq, d)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    meta = AttentionMetadata(cu_seqlens_q=cu, seq_lens=sl, block_table=table,
+                             slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int32), max_seqlen_q=max(q_lens),
+                             max_seqlen_k=max(lens), decode_only=False)  # fmt: skip
+    singles = [i for i, n in enumerate(q_lens) if n == 1]
+    assert meta.mark_split_decodes(q_lens, min_rows=len(singles) + 1) == 0 and meta.num_split_decodes == 0
+    assert meta.mark_split_decodes(q_lens, min_rows=2) == len(singles) == meta.num_split_decodes
+    prefix = singles == list(range(len(singles)))
+    assert (meta.decode_seqs is None) == prefix
+    if not prefix:
+        assert meta.decode_seqs.tolist() == singles
+        assert meta.decode_tokens.tolist() == [int(cu[i]) for i in singles]
+    kw = dict(cu_seqlens_q=cu, seq_lens=sl, block_table=table, scale=d**-0.5, sliding_window=window, softcap=None)
+    want = implementation("paged_attention_prefill", "reference")(q, k_cache, v_cache, **kw)
+
+    pre = implementation("paged_attention_prefill", "triton")
+    assert split_decodes(meta, pre) and not split_decodes(meta, implementation("paged_attention_prefill", "reference"))
+    out = torch.full_like(q, float("nan"))
+    triton_prefill._launch(q, k_cache, v_cache, out, cu, sl, table, d**-0.5, window, None, max(q_lens),
+                           {"block_m": 16, "block_n": 16, "tma": False}, skip_single=True)  # fmt: skip
+    rows = torch.tensor([int(cu[i]) for i in singles])
+    others = torch.tensor([t for t in range(sum(q_lens)) if t not in rows.tolist()])
+    assert out[rows].isnan().all() and not out[others].isnan().any()
+    torch.testing.assert_close(out[others], want[others], atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+    got = pre(q, k_cache, v_cache, skip_single_query=True, **kw)
+    attend_split_decodes(got, q, k_cache, v_cache, meta, implementation("paged_attention_decode", "triton"),
+                         scale=d**-0.5, sliding_window=window, softcap=None)  # fmt: skip
+    torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
+def test_engine_mixed_steps_with_decodes_split_off_keep_the_tokens(monkeypatch):
+    # Engine steps that mix prefill chunks with decodes, the Llama layer's attention through the Triton
+    # kernels (interpreter) with the decodes split off, give the tokens of the CPU engine.
+    from llama_helpers import tiny_llama
+
+    from infercore import Engine, SamplingParams
+    from infercore.engine import runner
+    from infercore.models import llama
+    from infercore.ops import attention
+
+    model = tiny_llama()
+    prompts = [[(7 * i + j) % 61 for j in range(3 + (5 * i) % 11)] for i in range(7)]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    cfg = dict(num_pages=64, page_size=4, max_num_batched_tokens=16, cpu_packed_linears=False)
+    want = [o.token_ids for o in Engine(model, **cfg).generate(prompts, sp)]
+
+    real_dispatch, split_steps = llama.dispatch, []
+    kernels = {op: implementation(op, "triton") for op in ("paged_attention_prefill", "paged_attention_decode")}
+    monkeypatch.setattr(llama, "dispatch", lambda op, device: kernels.get(op) or real_dispatch(op, device))
+    real_attend = attention.attend_split_decodes
+
+    def attend(o, q, k_cache, v_cache, meta, *a, **kw):
+        split_steps.append(meta.num_split_decodes)
+        return real_attend(o, q, k_cache, v_cache, meta, *a, **kw)
+
+    monkeypatch.setattr(llama, "attend_split_decodes", attend)
+    monkeypatch.setattr(runner, "SPLIT_DECODES_MIN", 2)
+    got = [o.token_ids for o in Engine(model, **cfg).generate(prompts, sp)]
+    assert got == want
+    assert split_steps and max(split_steps) >= 2  # mixed steps did split their decodes off

@@ -407,3 +407,41 @@ def test_moe_routed_in_cuda_graph():
         g.replay()
         ref = implementation("moe_experts_routed", "reference")
         assert rel(out, ref(x.float(), gate_up.float(), down.float(), w.float(), ids)) < 1e-2
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_mixed_step_decodes_split_off_bf16(scattered):
+    # Llama-8B heads: 48 decodes (contexts up to ~1.5k) and two prefill chunks, the decodes through the
+    # decode kernel and the prefill kernel skipping them, against the reference and the unsplit kernel.
+    from infercore.ops import AttentionMetadata
+    from infercore.ops.attention import attend_split_decodes, split_decodes
+
+    torch.manual_seed(0)
+    hq, hk, d, page = 32, 8, 128, 16
+    q_lens = [1] * 48 + [300, 517]
+    lens = [int(x) for x in torch.randint(20, 1500, (48,))] + [300, 900]
+    if scattered:
+        order = torch.randperm(len(q_lens)).tolist()
+        q_lens, lens = [q_lens[i] for i in order], [lens[i] for i in order]
+    per = -(-max(lens) // page)
+    num_pages = per * len(lens) + 4
+    kc = torch.randn(num_pages, page, hk, d, device=DEV, dtype=BF16)
+    vc = torch.randn(num_pages, page, hk, d, device=DEV, dtype=BF16)
+    table = torch.randperm(num_pages, device=DEV)[: per * len(lens)].view(len(lens), per).int()
+    q = torch.randn(sum(q_lens), hq, d, device=DEV, dtype=BF16)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    meta = AttentionMetadata(cu_seqlens_q=cu, seq_lens=sl, block_table=table,
+                             slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int32, device=DEV),
+                             max_seqlen_q=max(q_lens), max_seqlen_k=max(lens), decode_only=False)  # fmt: skip
+    assert meta.mark_split_decodes(q_lens, min_rows=8) == 48 and (meta.decode_seqs is not None) == scattered
+    kw = dict(cu_seqlens_q=cu, seq_lens=sl, block_table=table, scale=d**-0.5, sliding_window=None, softcap=None)
+    pre = implementation("paged_attention_prefill", "triton")
+    assert split_decodes(meta, pre)
+    whole = pre(q, kc, vc, max_seqlen_q=max(q_lens), **kw)
+    got = pre(q, kc, vc, max_seqlen_q=max(q_lens), skip_single_query=True, **kw)
+    attend_split_decodes(got, q, kc, vc, meta, implementation("paged_attention_decode", "triton"), scale=d**-0.5,
+                         sliding_window=None, softcap=None)  # fmt: skip
+    want = implementation("paged_attention_prefill", "reference")(q.float(), kc.float(), vc.float(), **kw)
+    assert rel(got, want) < 1e-2 and rel(whole, want) < 1e-2
+    assert rel(got, whole) < 1e-2

@@ -22,6 +22,7 @@ import torch
 
 from ..kv import BlockManager
 from ..ops import AttentionMetadata, SamplingTensors, sample
+from ..ops.attention import SPLIT_DECODES_MIN
 from .request import Request
 from .scheduler import ScheduledBatch
 
@@ -210,6 +211,8 @@ class ModelRunner:
             max_seqlen_k=int(x.seq_lens.max()),
             decode_only=x.max_q == 1,
         )
+        if x.max_q > 1:
+            meta.mark_split_decodes(np.diff(x.cu_seqlens), min_rows=SPLIT_DECODES_MIN)
         return self._tensor(x.input_ids, torch.long), self._tensor(x.positions, torch.long), meta, x.sample_rows
 
     @torch.inference_mode()

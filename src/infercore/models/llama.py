@@ -30,7 +30,7 @@ from ..ops import (
     rope_cos_sin_cache,
     silu_and_mul,
 )
-from ..ops.attention import takes_new_kv
+from ..ops.attention import attend_split_decodes, split_decodes, takes_new_kv
 from ..ops.kv_cache import dequantize_paged_kv, scale_aware
 from ..ops.pdl import PDL_MAX_ROWS
 from .config import ModelConfig
@@ -72,14 +72,24 @@ def _attention(q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_w
             q, k_cache, v_cache, seq_lens=meta.seq_lens, block_table=meta.block_table, scale=scale,
             sliding_window=sliding_window, softcap=None)  # fmt: skip
     block_table = meta.block_table
+    caches = k_cache, v_cache
     if k_scale is not None:
         k_cache, v_cache, block_table = dequantize_paged_kv(
             k_cache, v_cache, k_scale, v_scale, block_table=block_table, seq_lens=meta.seq_lens, dtype=q.dtype)
     fn = dispatch("paged_attention_prefill", q.device)
     new_kv = {"k": k, "v": v} if k is not None and takes_new_kv(fn) else {}
-    return fn(
+    split = split_decodes(meta, fn)
+    if split:
+        new_kv["skip_single_query"] = True
+    o = fn(
         q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens, block_table=block_table,
         scale=scale, sliding_window=sliding_window, softcap=None, max_seqlen_q=meta.max_seqlen_q, **new_kv)  # fmt: skip
+    if split:  # the one-query sequences of this mixed step, through the decode kernel (on the stored cache)
+        quant = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+        decode = (scale_aware if quant else dispatch)("paged_attention_decode", q.device)
+        attend_split_decodes(o, q, *caches, meta, decode, scale=scale, sliding_window=sliding_window, softcap=None,
+                             **quant)  # fmt: skip
+    return o
 
 
 # Decode-only steps of at most FUSED_ROPE_MAX_ROWS sequences rotate q / k and write the new K/V inside the

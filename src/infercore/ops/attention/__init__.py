@@ -16,7 +16,7 @@ from ..rope.fused import check_rope_write_args
 from .metadata import AttentionMetadata
 from .naive import paged_attention_decode_ref, paged_attention_prefill_ref
 
-__all__ = ["AttentionMetadata", "paged_attention", "paged_attention_decode", "paged_attention_prefill"]
+__all__ = ["AttentionMetadata", "paged_attention", "paged_attention_decode", "paged_attention_prefill", "split_decodes"]
 
 _I32 = (torch.int32,)
 
@@ -83,6 +83,7 @@ def paged_attention_prefill(
     v_scale: torch.Tensor | None = None,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    skip_single_query: bool = False,
 ) -> torch.Tensor:
     """Causal attention for a ragged batch of query chunks against their paged KV.
 
@@ -111,6 +112,10 @@ def paged_attention_prefill(
             reads contiguous rows instead of page gathers; with a quantized cache the new tokens attend
             unquantized). Implementations that cannot take them read the cache instead when it holds the
             same values, else the reference runs.
+        skip_single_query: the result's rows of sequences with exactly one query token may be left
+            unwritten (an implementation that takes the flag skips them; others compute them anyway),
+            for a caller that runs those through :func:`paged_attention_decode` (see
+            :func:`split_decodes`).
 
     Returns:
         ``[T, Hq, D]`` in ``q.dtype``; softmax in fp32.
@@ -134,6 +139,8 @@ def paged_attention_prefill(
         k_cache, v_cache, block_table = dequantize_paged_kv(
             k_cache, v_cache, k_scale, v_scale, block_table=block_table, seq_lens=seq_lens, dtype=q.dtype)
     new_kv = {"k": k, "v": v} if k is not None and takes_new_kv(fn) else {}
+    if skip_single_query and takes_skip_single_query(fn):
+        new_kv["skip_single_query"] = True
     return fn(
         q,
         k_cache,
@@ -172,6 +179,44 @@ def takes_new_kv(fn: Callable) -> bool:
         return "k" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
+
+
+@functools.cache
+def takes_skip_single_query(fn: Callable) -> bool:
+    """Whether a prefill implementation can leave out its one-query sequences (``skip_single_query``)."""
+    try:
+        return "skip_single_query" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# Mixed steps (prefill chunks and decodes together): from this many one-query sequences on, the engine's
+# runner asks for them to go through the decode kernel (AttentionMetadata.num_split_decodes). In the
+# prefill kernel each of them takes a whole BLOCK_M-row query tile per query head for one valid row;
+# the decode kernel packs a KV head's query heads into one program.
+SPLIT_DECODES_MIN = 8
+
+
+def split_decodes(meta: AttentionMetadata, prefill_fn: Callable) -> bool:
+    """Whether a mixed step's one-query sequences (``meta.num_split_decodes``) run through the decode
+    kernel, the prefill implementation ``prefill_fn`` leaving them out (:func:`attend_split_decodes`)."""
+    return meta.num_split_decodes > 0 and not meta.decode_only and takes_skip_single_query(prefill_fn)
+
+
+def attend_split_decodes(o: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, decode_fn: Callable, **kw) -> torch.Tensor:
+    """Fill the rows of ``o`` (``[T, Hq, D]``, written by a prefill that skipped its one-query sequences)
+    that belong to ``meta``'s split decodes with ``decode_fn(q_rows, k_cache, v_cache, seq_lens=,
+    block_table=, **kw)``. Those sequences' new K/V must be in the cache already. Returns ``o``."""
+    n = meta.num_split_decodes
+    if meta.decode_seqs is None:  # the batch's first n sequences, rows 0 .. n - 1
+        o[:n] = decode_fn(q[:n], k_cache, v_cache, seq_lens=meta.seq_lens[:n], block_table=meta.block_table[:n],
+                          **kw)  # fmt: skip
+        return o
+    rows, seqs = meta.decode_tokens, meta.decode_seqs
+    od = decode_fn(q.index_select(0, rows), k_cache, v_cache, seq_lens=meta.seq_lens.index_select(0, seqs),
+                   block_table=meta.block_table.index_select(0, seqs), **kw)  # fmt: skip
+    return o.index_copy_(0, rows, od)
 
 
 def prefill_impl(device: torch.device | str, *, new_kv: bool, cache_holds_new_kv: bool) -> Callable:
@@ -285,9 +330,10 @@ def paged_attention(
     """Paged attention driven by the step's :class:`AttentionMetadata`.
 
     ``q`` is ``[T, Hq, D]``; uses :func:`paged_attention_decode` when ``meta.decode_only`` (then
-    ``T == B``) and :func:`paged_attention_prefill` otherwise. ``k_scale``/``v_scale`` as there
-    (quantized caches); ``k``/``v`` (this step's new K/V, optional) go to prefill only. Returns
-    ``[T, Hq, D]`` in ``q.dtype``.
+    ``T == B``) and :func:`paged_attention_prefill` otherwise, with ``meta.num_split_decodes`` one-query
+    sequences of a mixed step through the decode kernel where the prefill one can leave them out.
+    ``k_scale``/``v_scale`` as there (quantized caches); ``k``/``v`` (this step's new K/V, optional) go to
+    prefill only. Returns ``[T, Hq, D]`` in ``q.dtype``.
     """
     if not isinstance(meta, AttentionMetadata):
         raise TypeError(f"paged_attention: meta must be an AttentionMetadata, got {type(meta).__name__}")
@@ -304,7 +350,8 @@ def paged_attention(
             k_scale=k_scale,
             v_scale=v_scale,
         )
-    return paged_attention_prefill(
+    split = split_decodes(meta, dispatch("paged_attention_prefill", q.device))
+    o = paged_attention_prefill(
         q,
         k_cache,
         v_cache,
@@ -319,7 +366,13 @@ def paged_attention(
         v_scale=v_scale,
         k=k,
         v=v,
+        skip_single_query=split,
     )
+    if split:
+        attend_split_decodes(o, q, k_cache, v_cache, meta, paged_attention_decode, scale=scale,
+                             sliding_window=sliding_window, softcap=softcap, k_scale=k_scale,
+                             v_scale=v_scale)  # fmt: skip
+    return o
 
 
 def rope_write_decode_attention_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, seq_lens,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -21,6 +22,11 @@ class AttentionMetadata:
         max_seqlen_q: largest query length in the batch (host int, no sync needed).
         max_seqlen_k: largest ``seq_lens`` entry (host int).
         decode_only: every sequence has exactly one query token.
+        num_split_decodes: in a mixed step (not ``decode_only``), how many sequences with one query token
+            attention runs through the decode kernel instead of the prefill kernel (0: none; see
+            :func:`~infercore.ops.attention.split_decodes`). Set by the engine's runner.
+        decode_seqs, decode_tokens: int64 ``[num_split_decodes]``, those sequences and their query rows;
+            None when they are the batch's first ``num_split_decodes`` sequences (rows ``0 .. n - 1``).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -30,10 +36,30 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     decode_only: bool
+    num_split_decodes: int = 0
+    decode_seqs: torch.Tensor | None = None
+    decode_tokens: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+    def mark_split_decodes(self, query_lens: Sequence[int], *, min_rows: int = 1) -> int:
+        """Record this mixed step's one-query sequences for the decode kernel (``num_split_decodes``,
+        ``decode_seqs``, ``decode_tokens``) when there are at least ``min_rows`` of them; ``query_lens``
+        the host copy of the query lengths. Returns the number marked (0: none, or a decode-only step)."""
+        lens = np.asarray(query_lens, dtype=np.int64)
+        single = np.flatnonzero(lens == 1)
+        n = int(single.size)
+        if self.decode_only or n < max(min_rows, 1) or n == lens.size:
+            return 0
+        self.num_split_decodes = n
+        if single[-1] != n - 1:  # not the batch's first n sequences: index them
+            dev = self.seq_lens.device
+            starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+            self.decode_seqs = torch.from_numpy(single).to(dev, non_blocking=True)
+            self.decode_tokens = torch.from_numpy(starts[single]).to(dev, non_blocking=True)
+        return n
 
     @classmethod
     def from_lists(

@@ -328,3 +328,25 @@ def test_engine_mixed_steps_with_decodes_split_off_keep_the_tokens(monkeypatch):
     got = [o.token_ids for o in Engine(model, **cfg).generate(prompts, sp)]
     assert got == want
     assert split_steps and max(split_steps) >= 2  # mixed steps did split their decodes off
+
+
+def test_paged_attention_splits_mixed_steps_where_the_prefill_kernel_can(monkeypatch):
+    # The generic op (the hybrid models' attention) with a marked mixed step: the Triton prefill kernel
+    # skips the one-query sequences, the decode kernel fills them; the reference's result either way.
+    from infercore.ops import AttentionMetadata, attention
+
+    q_lens, lens = [1, 6, 1, 1, 2, 1], [12, 6, 30, 3, 20, 9]
+    k_cache, v_cache, table = _paged_kv(lens, 2, 16, 8, torch.float32)
+    q = torch.randn(sum(q_lens), 4, 16)
+    meta = AttentionMetadata.from_lists(query_lens=q_lens, seq_lens=lens, block_tables=table.tolist(),
+                                        slot_mapping=[0] * sum(q_lens))  # fmt: skip
+    assert meta.mark_split_decodes(q_lens, min_rows=4) == 4
+    want = attention.paged_attention(q, k_cache, v_cache, meta, scale=0.25, sliding_window=7)  # CPU kernels
+    calls = []
+    kernels = {op: implementation(op, "triton") for op in ("paged_attention_prefill", "paged_attention_decode")}
+    real_dispatch, real_attend = attention.dispatch, attention.attend_split_decodes
+    monkeypatch.setattr(attention, "dispatch", lambda op, device: kernels.get(op) or real_dispatch(op, device))
+    monkeypatch.setattr(attention, "attend_split_decodes", lambda *a, **kw: calls.append(1) or real_attend(*a, **kw))
+    got = attention.paged_attention(q, k_cache, v_cache, meta, scale=0.25, sliding_window=7)
+    assert calls == [1]
+    torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])

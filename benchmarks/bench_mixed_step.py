@@ -4,9 +4,9 @@ B requests are decoding at about ``--ctx`` tokens of context when a request with
 prompt arrives; the next step carries both (B decode rows + the prompt). Measured through the Engine
 (synchronous scheduling, so each step is timed alone), alternating:
 
-* ours: the decodes' attention through the decode kernel, the prefill kernel skipping them
-  (``AttentionMetadata.num_split_decodes``; the engine does this from ``SPLIT_DECODES_MIN`` decodes on,
-  here forced below that too, to check the threshold: ``engine_default_splits`` says which rows);
+* ours: the decodes' attention through the decode kernel, the prefill kernel's grid over the other
+  sequences only (``AttentionMetadata.num_split_decodes``, ``prefill_seqs``; the engine does this from
+  ``SPLIT_DECODES_MIN`` decodes on, here forced below that too: ``engine_default_splits`` says which rows);
 * peer "decodes in the prefill kernel": the same step with the split off (every sequence through the
   prefill kernel, each decode row a whole query tile per query head);
 * peer "separate steps": the prompt alone plus a decode-only step of the B requests, i.e. what running

@@ -286,13 +286,14 @@ def test_mixed_step_with_its_decodes_split_off(case):
     assert split_decodes(meta, pre) and not split_decodes(meta, implementation("paged_attention_prefill", "reference"))
     out = torch.full_like(q, float("nan"))
     triton_prefill._launch(q, k_cache, v_cache, out, cu, sl, table, d**-0.5, window, None, max(q_lens),
-                           {"block_m": 16, "block_n": 16, "tma": False}, skip_single=True)  # fmt: skip
+                           {"block_m": 16, "block_n": 16, "tma": False}, seqs=meta.prefill_seqs)  # fmt: skip
     rows = torch.tensor([int(cu[i]) for i in singles])
     others = torch.tensor([t for t in range(sum(q_lens)) if t not in rows.tolist()])
     assert out[rows].isnan().all() and not out[others].isnan().any()
     torch.testing.assert_close(out[others], want[others], atol=TOL[torch.float32], rtol=TOL[torch.float32])
 
-    got = pre(q, k_cache, v_cache, skip_single_query=True, **kw)
+    assert meta.prefill_seqs.tolist() == [i for i, n in enumerate(q_lens) if n != 1]
+    got = pre(q, k_cache, v_cache, only_seqs=meta.prefill_seqs, **kw)
     attend_split_decodes(got, q, k_cache, v_cache, meta, implementation("paged_attention_decode", "triton"),
                          scale=d**-0.5, sliding_window=window, softcap=None)  # fmt: skip
     torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])

@@ -439,7 +439,7 @@ def test_mixed_step_decodes_split_off_bf16(scattered):
     pre = implementation("paged_attention_prefill", "triton")
     assert split_decodes(meta, pre)
     whole = pre(q, kc, vc, max_seqlen_q=max(q_lens), **kw)
-    got = pre(q, kc, vc, max_seqlen_q=max(q_lens), skip_single_query=True, **kw)
+    got = pre(q, kc, vc, max_seqlen_q=max(q_lens), only_seqs=meta.prefill_seqs, **kw)
     attend_split_decodes(got, q, kc, vc, meta, implementation("paged_attention_decode", "triton"), scale=d**-0.5,
                          sliding_window=None, softcap=None)  # fmt: skip
     want = implementation("paged_attention_prefill", "reference")(q.float(), kc.float(), vc.float(), **kw)

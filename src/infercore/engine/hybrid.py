@@ -231,8 +231,8 @@ class HybridModelRunner(ModelRunner):
                 first = m
                 m.mark_split_decodes(batch.num_new_tokens, min_rows=runner_module.SPLIT_DECODES_MIN)
             else:
-                m.num_split_decodes, m.decode_seqs, m.decode_tokens = (
-                    first.num_split_decodes, first.decode_seqs, first.decode_tokens)
+                m.num_split_decodes, m.decode_seqs, m.decode_tokens, m.prefill_seqs = (
+                    first.num_split_decodes, first.decode_seqs, first.decode_tokens, first.prefill_seqs)
         if self.linear_groups:
             has_init = self._tensor([s > 0 for s in starts], torch.bool)
             for g in self.linear_groups:

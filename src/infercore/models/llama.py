@@ -80,7 +80,7 @@ def _attention(q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_w
     new_kv = {"k": k, "v": v} if k is not None and takes_new_kv(fn) else {}
     split = split_decodes(meta, fn)
     if split:
-        new_kv["skip_single_query"] = True
+        new_kv["only_seqs"] = meta.prefill_seqs
     o = fn(
         q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens, block_table=block_table,
         scale=scale, sliding_window=sliding_window, softcap=None, max_seqlen_q=meta.max_seqlen_q, **new_kv)  # fmt: skip

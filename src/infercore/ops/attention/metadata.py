@@ -27,6 +27,8 @@ class AttentionMetadata:
             :func:`~infercore.ops.attention.split_decodes`). Set by the engine's runner.
         decode_seqs, decode_tokens: int64 ``[num_split_decodes]``, those sequences and their query rows;
             None when they are the batch's first ``num_split_decodes`` sequences (rows ``0 .. n - 1``).
+        prefill_seqs: int32 ``[B - num_split_decodes]``, the other sequences (set with them), the only
+            ones the prefill kernel then runs.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -39,6 +41,7 @@ class AttentionMetadata:
     num_split_decodes: int = 0
     decode_seqs: torch.Tensor | None = None
     decode_tokens: torch.Tensor | None = None
+    prefill_seqs: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -54,8 +57,9 @@ class AttentionMetadata:
         if self.decode_only or n < max(min_rows, 1) or n == lens.size:
             return 0
         self.num_split_decodes = n
+        dev = self.seq_lens.device
+        self.prefill_seqs = torch.from_numpy(np.flatnonzero(lens != 1).astype(np.int32)).to(dev, non_blocking=True)
         if single[-1] != n - 1:  # not the batch's first n sequences: index them
-            dev = self.seq_lens.device
             starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
             self.decode_seqs = torch.from_numpy(single).to(dev, non_blocking=True)
             self.decode_tokens = torch.from_numpy(starts[single]).to(dev, non_blocking=True)

@@ -196,16 +196,17 @@ def _prefill_kernel(
     WARP_SPEC: tl.constexpr,
     NEW_KV: tl.constexpr,
     USE_TMA: tl.constexpr,
-    SKIP_SINGLE: tl.constexpr = False,
+    SUBSET: tl.constexpr = False,
+    seqs_ptr=None,
 ):  # fmt: skip
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     h = tl.program_id(0) % NUM_HEADS
     b = tl.program_id(0) // NUM_HEADS
+    if SUBSET:  # the grid covers only these sequences (a mixed step's decodes went to the decode kernel)
+        b = tl.load(seqs_ptr + b)
     q_start = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_start
     if pid_m * BLOCK_M >= q_len:
-        return
-    if SKIP_SINGLE and q_len == 1:  # the decode kernel takes these rows (split_decodes)
         return
     seq_len = tl.load(seq_lens_ptr + b)
     ctx = seq_len - q_len  # position of the first query of this sequence
@@ -333,7 +334,7 @@ def paged_attention_prefill(
     max_seqlen_q: int | None = None,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
-    skip_single_query: bool = False,
+    only_seqs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal prefill attention over the paged cache; see the module docstring for layouts.
 
@@ -343,9 +344,9 @@ def paged_attention_prefill(
     sync, so pass it inside CUDA graphs). ``k``/``v`` ``[T, Hk, D]`` (ragged like q, last dim
     contiguous) are this step's new keys/values: when given, keys at positions ``>= seq_len - q_len``
     are read from them (contiguous rows, TMA where possible) and only the cached prefix goes through
-    the block table. ``skip_single_query``: sequences with one query are left out and their rows of the
-    result unwritten (the caller runs them through the decode kernel: ``split_decodes``). Returns
-    ``[T, Hq, D]`` in ``q.dtype``.
+    the block table. ``only_seqs`` (int32 ``[S]``): compute these sequences only (the launch grid covers
+    them alone); the other rows of the result are left unwritten (a mixed step's decodes, which the
+    caller runs through the decode kernel: ``split_decodes``). Returns ``[T, Hq, D]`` in ``q.dtype``.
     """
     T, Hq, D = q.shape
     # Any page size works (pages are looked up per key); powers of two make // and % shifts.
@@ -372,7 +373,7 @@ def paged_attention_prefill(
         tuned = TUNING_NEW_KV.get(bucket, TUNING[bucket]) if k is not None else TUNING[bucket]
         cfg = _fit_shared_memory(dict(tuned), block_d, k_cache.element_size())
     _launch(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, softcap,
-            max_seqlen_q, cfg, k=k, v=v, skip_single=skip_single_query)  # fmt: skip
+            max_seqlen_q, cfg, k=k, v=v, seqs=only_seqs)  # fmt: skip
     return out
 
 
@@ -403,7 +404,7 @@ def _launch(
     *,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
-    skip_single: bool = False,
+    seqs: torch.Tensor | None = None,
 ) -> None:
     """Launch the kernel with an explicit config: ``block_m``, ``block_n`` and optionally ``num_warps``,
     ``num_stages``, ``maxnreg`` and the variant switches of ``_VARIANT_DEFAULTS`` (the sweep and the
@@ -421,7 +422,7 @@ def _launch(
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     block_d = triton.next_power_of_2(max(D, 16))
     n_m = triton.cdiv(max_seqlen_q, block_m)
-    grid = (B * Hq, n_m)
+    grid = ((B if seqs is None else seqs.shape[0]) * Hq, n_m)
     # int32 key offsets are exact when the farthest element of each cache is (strides, not numel: a
     # cache may be a view into a larger buffer).
     span = lambda t: sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
@@ -449,7 +450,7 @@ def _launch(
         PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         DOT_PRECISION=precision, OFF64=off64, WARP_SPEC=var["warp_spec"], NEW_KV=new_kv, USE_TMA=use_tma,
-        SKIP_SINGLE=skip_single, **extra,
+        SUBSET=seqs is not None, seqs_ptr=seqs, **extra,
     )  # fmt: skip
 
 

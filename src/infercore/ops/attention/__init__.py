@@ -196,8 +196,9 @@ def takes_only_seqs(fn: Callable) -> bool:
 # a whole BLOCK_M-row query tile per query head for one valid row (the decode kernel packs a KV head's
 # query heads into one program), and the grid, ``max_seqlen_q / BLOCK_M`` tiles per sequence and head,
 # mostly programs that exit at once. 8B shape, decodes at ~1k context plus a 2048-token prompt
-# (results/h200/mixed_step.json): 4 decodes 50.5 -> 49.8 ms, 64 decodes 71.0 -> 54.4, 256 126.6 -> 71.4.
-SPLIT_DECODES_MIN = 4
+# (results/h200/mixed_step.json): 16 decodes 55.7 -> 52.2 ms, 64 decodes 73.3 -> 52.9, 256 131.5 -> 64.1;
+# 4 decodes 51.8 -> 52.1 (and 50.5 -> 49.8 in an earlier run): within the noise, hence from 8.
+SPLIT_DECODES_MIN = 8
 
 
 def split_decodes(meta: AttentionMetadata, prefill_fn: Callable) -> bool:

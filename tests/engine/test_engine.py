@@ -219,3 +219,16 @@ def test_gc_freeze_follows_the_config(llama_pair):
         assert eng.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].token_ids
     finally:
         gc.unfreeze()
+
+
+def test_chunked_prompt_longer_than_the_host_table_matches_transformers(llama_pair):
+    # A prompt's pages are all allocated at admission, but a chunk needs only some: a 200-token prompt in
+    # 16-token chunks holds 50 pages of 4 while the host block table starts 16 pages wide. (Copying every
+    # allocated page into the narrower table raised a broadcast ValueError.)
+    hf, model = llama_pair
+    eng = Engine(model, page_size=4, num_pages=256, max_num_batched_tokens=16)
+    ps = [[(3 * j + i) % 96 for j in range(200 - 37 * i)] for i in range(3)]
+    outs = eng.generate(ps, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    for p, o in zip(ps, outs):
+        assert o.token_ids == hf_greedy(hf, p, 6)
+    assert eng.block_manager.num_free_pages == 256

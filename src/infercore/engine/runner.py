@@ -93,7 +93,9 @@ class RowTable:
 
     def sync_pages(self, bm: BlockManager, reqs: list[Request], rows: np.ndarray, need: np.ndarray) -> None:
         """Make ``tables[rows[i], :need[i]]`` hold the request's pages; only rows that crossed a page
-        boundary since the last step ask the block manager (pages are only ever appended)."""
+        boundary since the last step ask the block manager (pages are only ever appended). The block
+        manager may hold more pages than this step needs (a chunked prompt's are all allocated at
+        admission): only the first ``need[i]`` are copied, the rest when a later chunk reaches them."""
         stale = np.flatnonzero(need > self.num_pages[rows])
         if stale.size == 0:
             return
@@ -102,11 +104,10 @@ class RowTable:
             cols = max(width, 2 * self.tables.shape[1])
             self.tables = np.pad(self.tables, ((0, 0), (0, cols - self.tables.shape[1])))
         for i in stale.tolist():
-            row = int(rows[i])
+            row, end = int(rows[i]), int(need[i])
             have = int(self.num_pages[row])
-            pages = bm.block_table(reqs[i].request_id)[have:]
-            self.tables[row, have : have + len(pages)] = pages
-            self.num_pages[row] = have + len(pages)
+            self.tables[row, have:end] = bm.block_table(reqs[i].request_id)[have:end]
+            self.num_pages[row] = end
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable
 
 import torch
@@ -198,7 +199,10 @@ def takes_only_seqs(fn: Callable) -> bool:
 # mostly programs that exit at once. 8B shape, decodes at ~1k context plus a 2048-token prompt
 # (results/h200/mixed_step.json): 16 decodes 55.7 -> 52.2 ms, 64 decodes 73.3 -> 52.9, 256 131.5 -> 64.1;
 # 4 decodes 51.8 -> 52.1 (and 50.5 -> 49.8 in an earlier run): within the noise, hence from 8.
-SPLIT_DECODES_MIN = 8
+# INFERCORE_SPLIT_DECODES_MIN overrides it (a huge value turns the split off).
+SPLIT_DECODES_MIN = int(os.environ.get("INFERCORE_SPLIT_DECODES_MIN", "8"))
+if SPLIT_DECODES_MIN < 1:
+    raise ValueError(f"INFERCORE_SPLIT_DECODES_MIN: expected a positive int, got {SPLIT_DECODES_MIN}")
 
 
 def split_decodes(meta: AttentionMetadata, prefill_fn: Callable) -> bool:

@@ -351,3 +351,23 @@ def test_paged_attention_splits_mixed_steps_where_the_prefill_kernel_can(monkeyp
     got = attention.paged_attention(q, k_cache, v_cache, meta, scale=0.25, sliding_window=7)
     assert calls == [1]
     torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
+def test_split_decode_arguments_are_checked():
+    from infercore.ops import AttentionMetadata, paged_attention_prefill
+
+    k_cache, v_cache, table = _paged_kv([5, 9], 2, 16, 8, torch.float32)
+    q = torch.randn(6, 4, 16)
+    kw = dict(cu_seqlens_q=torch.tensor([0, 1, 6], dtype=torch.int32), seq_lens=torch.tensor([5, 9], dtype=torch.int32),
+              block_table=table, scale=0.25)  # fmt: skip
+    with pytest.raises(TypeError, match="only_seqs"):
+        paged_attention_prefill(q, k_cache, v_cache, only_seqs=torch.tensor([1]), **kw)  # int64
+    with pytest.raises(ValueError, match="only_seqs"):
+        paged_attention_prefill(q, k_cache, v_cache, only_seqs=torch.tensor([[1]], dtype=torch.int32), **kw)
+    meta = AttentionMetadata.from_lists(query_lens=[1, 5], seq_lens=[5, 9], block_tables=table.tolist(),
+                                        slot_mapping=[0] * 6)  # fmt: skip
+    with pytest.raises(ValueError, match="query_lens"):
+        meta.mark_split_decodes([1, 5, 1])
+    # the reference ignores only_seqs (computes every row): same result as without it
+    got = paged_attention_prefill(q, k_cache, v_cache, only_seqs=torch.tensor([1], dtype=torch.int32), **kw)
+    torch.testing.assert_close(got, paged_attention_prefill(q, k_cache, v_cache, **kw))

@@ -133,6 +133,10 @@ def paged_attention_prefill(
     if max_seqlen_q is not None and (isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int)):
         raise TypeError(f"{op}: max_seqlen_q must be an int or None, got {type(max_seqlen_q).__name__}")
     V.same_device(op, "q", q, cu_seqlens_q=cu_seqlens_q)
+    if only_seqs is not None:
+        V.integer(op, "only_seqs", only_seqs, _I32)
+        V.ndim(op, "only_seqs", only_seqs, 1, "[num_selected_sequences]")
+        V.same_device(op, "q", q, only_seqs=only_seqs)
     _check_new_kv(op, q, k_cache, k, v)
     quantized = check_kv_scales(op, k_cache, v_cache, k_scale, v_scale)
     fn = prefill_impl(q.device, new_kv=k is not None, cache_holds_new_kv=not quantized and k_cache.dtype == q.dtype)

@@ -52,6 +52,9 @@ class AttentionMetadata:
         ``decode_seqs``, ``decode_tokens``) when there are at least ``min_rows`` of them; ``query_lens``
         the host copy of the query lengths. Returns the number marked (0: none, or a decode-only step)."""
         lens = np.asarray(query_lens, dtype=np.int64)
+        if lens.ndim != 1 or lens.size != self.num_seqs:
+            raise ValueError(f"AttentionMetadata.mark_split_decodes: query_lens has {lens.size} entries for "
+                             f"{self.num_seqs} sequences")
         single = np.flatnonzero(lens == 1)
         n = int(single.size)
         if self.decode_only or n < max(min_rows, 1) or n == lens.size:

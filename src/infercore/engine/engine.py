@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import itertools
 import random
@@ -67,8 +68,8 @@ class EngineConfig:
     # walk only what was made since, not the model, the caches and whatever the process had loaded.
     # Unfrozen, a full pass over the bench_e2e process stalled one batch-256 step by ~130 ms, once
     # in ~250 steps (results/h200/sweeps/probe_mixed_steps_gc.json). Process-wide: objects alive at
-    # that point are never collected as cycles afterwards (``gc.unfreeze()`` undoes it). None: on
-    # for CUDA, off elsewhere.
+    # that point are not collected as cycles until ``gc.unfreeze()`` (which an exit hook calls, so
+    # the interpreter's last collection still frees them). None: on for CUDA, off elsewhere.
     gc_freeze: bool | None = None
 
     def validate(self) -> None:
@@ -156,8 +157,7 @@ class Engine:
             )
             self.graph_runner.capture()
         if config.gc_freeze if config.gc_freeze is not None else self.device.type == "cuda":
-            gc.collect()
-            gc.freeze()
+            _freeze_gc()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         want_async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
@@ -486,6 +486,19 @@ class _Step:
         if self.event is not None:
             self.event.synchronize()
         return self.host.tolist()
+
+
+_UNFREEZE_AT_EXIT: list[bool] = []
+
+
+def _freeze_gc() -> None:
+    """``gc.freeze()`` after a collection; once per process, an exit hook unfreezes so that the
+    interpreter's last collection still sees (and frees) what was frozen."""
+    gc.collect()
+    gc.freeze()
+    if not _UNFREEZE_AT_EXIT:
+        _UNFREEZE_AT_EXIT.append(True)
+        atexit.register(gc.unfreeze)
 
 
 def _find_stop(text: str, stops: list[str], before: int) -> int | None:

@@ -217,6 +217,12 @@ def test_gc_freeze_follows_the_config(llama_pair):
         eng = Engine(model, num_pages=16, gc_freeze=True)
         assert gc.get_freeze_count() > 0
         assert eng.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].token_ids
+        # frozen, an engine is only freed by reference counting: it must hold no reference cycle
+        import weakref
+
+        ref = weakref.ref(eng)
+        del eng
+        assert ref() is None
     finally:
         gc.unfreeze()
 

@@ -66,10 +66,11 @@ class EngineConfig:
     # Once the engine is built (CUDA graphs captured), move every object then alive into the cyclic
     # collector's permanent generation (``gc.freeze()``, as vLLM's engine does): its full passes then
     # walk only what was made since, not the model, the caches and whatever the process had loaded.
-    # Unfrozen, a full pass over the bench_e2e process stalled one batch-256 step by ~130 ms, once
-    # in ~250 steps (results/h200/sweeps/probe_mixed_steps_gc.json). Process-wide: objects alive at
-    # that point are not collected as cycles until ``gc.unfreeze()`` (which an exit hook calls, so
-    # the interpreter's last collection still frees them). None: on for CUDA, off elsewhere.
+    # Unfrozen, a full pass over the bench_e2e process stalled one batch-256 step by 145-221 ms, about
+    # once in 250 steps (results/h200/sweeps/probe_mixed_steps_gc.json). Process-wide: objects alive
+    # then are not collected as cycles until ``gc.unfreeze()`` (an exit hook calls it, so the
+    # interpreter's last collection still frees them); an engine dropped later is still freed by
+    # reference counting (it holds no cycles; a test checks). None: on for CUDA, off elsewhere.
     gc_freeze: bool | None = None
 
     def validate(self) -> None:

@@ -10,6 +10,12 @@ from infercore.models import ModelConfig, build_model
 pytestmark = pytest.mark.gpu
 
 
+def _assert_greedy_like_transformers(hf, eng, prompts, n):
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, n)
+
+
 def _ours_on_cuda(hf, dtype):
     model = build_model(ModelConfig.from_hf(hf.config.to_dict()), dtype=dtype, device=torch.device("cuda"))
     model.load_weights(hf.state_dict().items())
@@ -21,10 +27,7 @@ def test_cuda_graph_greedy_matches_transformers(kind):
     hf = tiny_hf(kind)
     eng = Engine(_ours_on_cuda(hf, torch.float32), page_size=16, num_pages=128, max_num_batched_tokens=24)
     assert eng.graph_runner is not None and eng.graph_runner.graphs
-    prompts = [[(7 * i + j) % 96 for j in range(5 + 9 * i)] for i in range(5)]
-    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    for p, o in zip(prompts, outs):
-        assert o.token_ids == hf_greedy(hf, p, 32)
+    _assert_greedy_like_transformers(hf, eng, [[(7 * i + j) % 96 for j in range(5 + 9 * i)] for i in range(5)], 32)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -38,10 +41,7 @@ def test_cuda_graph_greedy_with_rope_fused_into_decode_attention(kind, monkeypat
     hf = tiny_hf(kind)
     eng = Engine(_ours_on_cuda(hf, torch.float32), page_size=16, num_pages=128, max_num_batched_tokens=24)
     assert llama._fused_rope_attention(torch.device("cuda"), 5)
-    prompts = [[(7 * i + j) % 96 for j in range(5 + 9 * i)] for i in range(5)]
-    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    for p, o in zip(prompts, outs):
-        assert o.token_ids == hf_greedy(hf, p, 32)
+    _assert_greedy_like_transformers(hf, eng, [[(7 * i + j) % 96 for j in range(5 + 9 * i)] for i in range(5)], 32)
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
@@ -57,7 +57,7 @@ def test_mixed_steps_with_decodes_split_off_match_transformers(kind, monkeypatch
     real = llama.attend_split_decodes
 
     def attend(o, q, k_cache, v_cache, meta, *a, **kw):
-        seen.append((meta.num_split_decodes, meta.decode_seqs is None))
+        seen.append(meta.num_split_decodes)
         return real(o, q, k_cache, v_cache, meta, *a, **kw)
 
     monkeypatch.setattr(llama, "attend_split_decodes", attend)
@@ -65,10 +65,8 @@ def test_mixed_steps_with_decodes_split_off_match_transformers(kind, monkeypatch
     eng = Engine(_ours_on_cuda(hf, torch.float32), page_size=16, num_pages=256, max_num_batched_tokens=40,
                  cuda_graph_max_batch=4)  # fmt: skip
     prompts = [[(3 * i + 5 * j) % 96 for j in range(4 + (11 * i) % 37)] for i in range(12)]
-    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    for p, o in zip(prompts, outs):
-        assert o.token_ids == hf_greedy(hf, p, 24)
-    assert seen and max(n for n, _ in seen) >= 4
+    _assert_greedy_like_transformers(hf, eng, prompts, 24)
+    assert seen and max(seen) >= 4
 
 
 def test_bf16_batched_rows_agree_with_single_rows():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import itertools
 import random
@@ -489,17 +490,17 @@ class _Step:
         return self.host.tolist()
 
 
-_UNFREEZE_AT_EXIT: list[bool] = []
-
-
 def _freeze_gc() -> None:
-    """``gc.freeze()`` after a collection; once per process, an exit hook unfreezes so that the
-    interpreter's last collection still sees (and frees) what was frozen."""
+    """``gc.freeze()`` after a collection, with (once per process) an exit hook that unfreezes, so
+    that the interpreter's last collection still sees (and frees) what was frozen."""
     gc.collect()
     gc.freeze()
-    if not _UNFREEZE_AT_EXIT:
-        _UNFREEZE_AT_EXIT.append(True)
-        atexit.register(gc.unfreeze)
+    _unfreeze_at_exit()
+
+
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    atexit.register(gc.unfreeze)
 
 
 def _find_stop(text: str, stops: list[str], before: int) -> int | None:

@@ -261,47 +261,39 @@ class ModelRunner:
         """Sampling parameters of RowTable ``rows``; ``num_tokens`` (prompt + generated, placeholders
         included) gives the offsets. Two host-to-device copies."""
         rt = self.rows
-        n, w = len(rows), _aligned_width(len(rows))
-        f = np.zeros((4, w), dtype=np.float32)
-        f[:, :n] = rt.fparams[rows].T
-        i = np.zeros((3, w), dtype=np.int64)
-        i[:2, :n] = rt.iparams[rows].T
-        i[2, :n] = num_tokens - rt.prompt_lens[rows]
-        f = torch.from_numpy(f).to(self.device, non_blocking=True)[:, :n]
-        i = torch.from_numpy(i).to(self.device, non_blocking=True)[:, :n]
-        return SamplingTensors(temperature=f[0], top_p=f[1], min_p=f[2], repetition_penalty=f[3],
-                               top_k=i[0].to(torch.int32), seeds=i[1], offsets=i[2])
+        i = np.empty((3, len(rows)), dtype=np.int64)
+        i[:2] = rt.iparams[rows].T
+        i[2] = num_tokens - rt.prompt_lens[rows]
+        return _sampling_tensors(rt.fparams[rows].T, i, self.device)
 
 
-def _aligned_width(n: int) -> int:
-    """Row width of the packed sampling-parameter blocks: ``n`` rounded up to 4 elements, so every row
-    starts 16-byte aligned whatever the batch. Triton specializes pointer arguments on 16-byte
-    alignment: unpadded, a batch of 95 or 223 rows (a mixed prefill/decode step) compiled the sampling
-    kernel again in the middle of serving, ~1.2 s each time on the H200 host
-    (results/h200/sweeps/probe_mixed_steps_before.json)."""
-    return -(-n // 4) * 4
+def _sampling_tensors(f: np.ndarray, i: np.ndarray, device: torch.device) -> SamplingTensors:
+    """SamplingTensors from host blocks ``f`` fp32 ``[4, n]`` (temperature, top_p, min_p,
+    repetition_penalty) and ``i`` int64 ``[3, n]`` (top_k, seed, offset), in two copies. Each block's
+    rows are padded to a multiple of 4 elements so every row starts 16-byte aligned whatever ``n``:
+    Triton specializes pointer arguments on 16-byte alignment, and unpadded a batch of 95 or 223 rows (a
+    mixed prefill/decode step) compiled the sampling kernel again in the middle of serving, ~1.2 s each
+    time on the H200 host (results/h200/sweeps/probe_mixed_steps_before.json)."""
+    n = f.shape[1]
+    w = -(-n // 4) * 4
+    blocks = []
+    for src, dtype in ((f, np.float32), (i, np.int64)):
+        b = np.zeros((src.shape[0], w), dtype=dtype)
+        b[:, :n] = src
+        blocks.append(torch.from_numpy(b).to(device, non_blocking=True)[:, :n])
+    f, i = blocks
+    return SamplingTensors(temperature=f[0], top_p=f[1], min_p=f[2], repetition_penalty=f[3],
+                           top_k=i[0].to(torch.int32), seeds=i[1], offsets=i[2])
 
 
 def sampling_tensors(reqs: list[Request], device: torch.device) -> SamplingTensors:
-    """Per-row sampling parameters, moved to ``device`` in two copies (one float, one int block)."""
+    """Per-row sampling parameters of ``reqs``, moved to ``device`` in two copies (one float, one int block)."""
     ps = [r.params for r in reqs]
-    n, w = len(reqs), _aligned_width(len(reqs))
-    f = torch.zeros((4, w), dtype=torch.float32)
-    f[:, :n] = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
-                             [p.repetition_penalty for p in ps]], dtype=torch.float32)
-    i = torch.zeros((3, w), dtype=torch.int64)
-    i[:, :n] = torch.tensor([[p.top_k for p in ps], [r.seed for r in reqs],
-                             [r.num_tokens - len(r.prompt_token_ids) for r in reqs]], dtype=torch.int64)
-    f, i = f.to(device, non_blocking=True)[:, :n], i.to(device, non_blocking=True)[:, :n]
-    return SamplingTensors(
-        temperature=f[0],
-        top_p=f[1],
-        min_p=f[2],
-        repetition_penalty=f[3],
-        top_k=i[0].to(torch.int32),
-        seeds=i[1],
-        offsets=i[2],
-    )
+    f = np.array([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
+                  [p.repetition_penalty for p in ps]], dtype=np.float32).reshape(4, len(reqs))
+    i = np.array([[p.top_k for p in ps], [r.seed for r in reqs],
+                  [r.num_tokens - len(r.prompt_token_ids) for r in reqs]], dtype=np.int64).reshape(3, len(reqs))
+    return _sampling_tensors(f, i, device)
 
 
 def _prev_tokens(reqs: list[Request], device: torch.device) -> torch.Tensor | None:

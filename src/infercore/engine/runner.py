@@ -272,7 +272,7 @@ def _sampling_tensors(f: np.ndarray, i: np.ndarray, device: torch.device) -> Sam
     repetition_penalty) and ``i`` int64 ``[3, n]`` (top_k, seed, offset), in two copies. Each block's
     rows are padded to a multiple of 4 elements so every row starts 16-byte aligned whatever ``n``:
     Triton specializes pointer arguments on 16-byte alignment, and unpadded a batch of 95 or 223 rows (a
-    mixed prefill/decode step) compiled the sampling kernel again in the middle of serving, ~1.2 s each
+    mixed prefill/decode step) compiled the sampling kernel again in the middle of serving, 0.9-1.3 s each
     time on the H200 host (results/h200/sweeps/probe_mixed_steps_before.json)."""
     n = f.shape[1]
     w = -(-n // 4) * 4

@@ -54,6 +54,22 @@ def time_graph(calls: Callable[[int], Any], n_calls: int, reps: int = 10, warmup
     return times[len(times) // 2] / n_calls
 
 
+def log_triton_compiles(sink: list[dict[str, Any]]) -> None:
+    """Append every Triton JIT compile from now on to ``sink``: ``{"at": perf_counter, "kernel": name,
+    "repr": the kernel's argument types and specializations, "key": Triton's cache key}``. A compile
+    inside a timed run is a new specialization (an integer argument that became divisible by 16, a new
+    constexpr) that the warm-up did not cover."""
+    import time
+
+    import triton
+
+    def hook(*, key, repr, **kw):
+        sink.append({"at": time.perf_counter(), "kernel": repr.split("[", 1)[0], "repr": repr, "key": str(key)})
+        return False
+
+    triton.knobs.runtime.jit_cache_hook = hook
+
+
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     """``||y - ref|| / ||ref||`` in fp32 (``ref`` fp32 or wider)."""
     return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))

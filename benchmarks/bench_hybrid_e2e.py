@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import case, copy_bandwidth, write_results  # noqa: E402
+from _common import case, copy_bandwidth, log_triton_compiles, write_results  # noqa: E402
 
 from infercore import Engine, SamplingParams  # noqa: E402
 from infercore.kv.hybrid import HybridBlockManager  # noqa: E402
@@ -141,6 +141,19 @@ def _summarize_profile(acc: dict, top: int = 25) -> dict | None:
             "top": [{"name": k, "us_per_step": v} for k, v in rows[:top]]}
 
 
+COMPILES: list[dict] = []  # Triton JIT compiles (_common.log_triton_compiles)
+
+
+def _changed_args(c: dict) -> list[str] | str:
+    """Where the compile's cache key (argument types and specializations) differs from the kernel's
+    previous compile: the differing comma-separated fields, new (old)."""
+    prev = [p for p in COMPILES if p["kernel"] == c["kernel"] and p["at"] < c["at"]]
+    if not prev:
+        return "first compile of this kernel"
+    a, b = c["key"].split(", "), prev[-1]["key"].split(", ")
+    return [f"#{i}: {x} (was {y})" for i, (x, y) in enumerate(zip(a, b)) if x != y] or [c["key"][:2000]]
+
+
 def run(model, layout: str, args, device: torch.device) -> dict:
     eng = Engine(model, page_size=args.page, kv_cache_bytes=args.kv_gib_bytes, kv_layout=layout,
                  max_num_seqs=args.max_seqs, max_num_batched_tokens=args.chunk,
@@ -156,6 +169,8 @@ def run(model, layout: str, args, device: torch.device) -> dict:
     prompts = [torch.randint(0, vocab, (args.prompt,), generator=gen).tolist() for _ in range(args.requests)]
 
     steps: list[tuple[bool, int, float]] = []  # (decode only, batch size, seconds)
+    other: list[tuple[int, float, int]] = []  # steps with prefill tokens: (tokens, seconds, Triton compiles)
+    compiled: list[dict] = []  # the compiles inside those steps
     profile: dict = {}
 
     def timed(launch):
@@ -166,6 +181,7 @@ def run(model, layout: str, args, device: torch.device) -> dict:
         def timed_launch(batch, gather):
             decode = max(batch.num_new_tokens) == 1
             first = min(PROFILE_FROM, args.new // 2)
+            n_compiled = len(COMPILES)
             prof = decode and first <= sum(d for d, _, _ in steps) < first + PROFILE_STEPS
             sync(device)
             t = time.perf_counter()
@@ -177,7 +193,11 @@ def run(model, layout: str, args, device: torch.device) -> dict:
             else:
                 out = launch(batch, gather)
             sync(device)
-            steps.append((decode, len(batch), time.perf_counter() - t))
+            dt = time.perf_counter() - t
+            steps.append((decode, len(batch), dt))
+            if not decode:
+                other.append((sum(batch.num_new_tokens), dt, len(COMPILES) - n_compiled))
+                compiled.extend(COMPILES[n_compiled:])
             return out
 
         return timed_launch
@@ -204,6 +224,13 @@ def run(model, layout: str, args, device: torch.device) -> dict:
         "steps": len(steps),
         "seconds": total,
         "decode_profile": _summarize_profile(profile),
+        # steps with prompt tokens (prefill chunks, mixed prefill + decode), run eagerly: their time and
+        # the Triton JIT compiles inside them (new specializations the warm-up did not cover)
+        "prefill_steps": {"steps": len(other), "tokens": sum(o[0] for o in other),
+                          "seconds": sum(o[1] for o in other), "compiles": sum(o[2] for o in other),
+                          "seconds_of_steps_with_compiles": sum(o[1] for o in other if o[2]),
+                          "compiled": [{"kernel": c["kernel"], "changed": _changed_args(c)} for c in compiled]},
+        "decode_seconds": dec_time,
     }
     del eng
     gc.collect()
@@ -222,6 +249,8 @@ def main() -> None:
     args = ap.parse_args()
 
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    if device.type == "cuda":
+        log_triton_compiles(COMPILES)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
 
     # Workloads: (config, prompt, new, requests, KV budget GiB, chunk). The Gemma budget holds ~15

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import case, copy_bandwidth, matmul_flops, write_results  # noqa: E402
+from _common import case, copy_bandwidth, log_triton_compiles, matmul_flops, write_results  # noqa: E402
 from bench_e2e import LLAMA_8B  # noqa: E402
 
 from infercore import Engine, SamplingParams  # noqa: E402
@@ -79,11 +79,15 @@ def main() -> None:
                  cuda_graph_max_batch=args.max_seqs)  # fmt: skip
     default_min = runner.SPLIT_DECODES_MIN
     run(eng, reqs[:64])  # warm-up: compiles the prefill / mixed-step kernels
-    times = {}
+    compiles: list[dict] = []
+    log_triton_compiles(compiles)
+    times, compiled = {}, {}
     for name, mode in (("split", default_min), ("whole", 10**9), ("split_again", default_min)):
         runner.SPLIT_DECODES_MIN = mode
+        n = len(compiles)
         times[name] = run(eng, reqs)
-        print(f"{name}: {times[name][0]:.2f} s, {times[name][1]} steps, "
+        compiled[name] = [{"kernel": c["kernel"], "key": c["key"][:3000]} for c in compiles[n:]]  # inside the run
+        print(f"{name}: {times[name][0]:.2f} s, {times[name][1]} steps, {len(compiled[name])} compiles, "
               f"{sum(outs) / times[name][0]:.0f} output tok/s", flush=True)
     runner.SPLIT_DECODES_MIN = default_min
     out_tokens, in_tokens = sum(outs), sum(lens)
@@ -99,7 +103,8 @@ def main() -> None:
         metric="output tokens per second", unit="tok/s", ours=out_tokens / best,
         peers={"decodes in the prefill kernel": out_tokens / times["whole"][0]}, floor=out_tokens / floor_s,
         total_tok_s=(out_tokens + in_tokens) / best, run_s={k: v[0] for k, v in times.items()},
-        steps={k: v[1] for k, v in times.items()}, output_tokens=out_tokens, prompt_tokens=in_tokens,
+        steps={k: v[1] for k, v in times.items()}, compiles_in_run=compiled, output_tokens=out_tokens,
+        prompt_tokens=in_tokens,
         copy_bw_TBps=bw / 1e12, matmul_TFLOPs=flops / 1e12,
     )]  # fmt: skip
     print(f"output {out_tokens / best:.0f} tok/s (total {(out_tokens + in_tokens) / best:.0f}), split off "

@@ -7,6 +7,10 @@ graph of calls that rotates over weight copies larger than the L2 (weights strea
 decode), with the weight-read floor and the tensor-core ceiling (989 TFLOP/s dense bf16) beside it.
 
     python benchmarks/probe_gemm_batch.py --out $OUT/probe_gemm_m256.json      # H200, ~30 s
+
+``--inductor`` adds a third row per shape: ``torch.compile(mode="max-autotune-no-cudagraphs")`` of the
+same ``F.linear``, whose autotuner times cuBLAS against Inductor's Triton GEMM templates (persistent
+TMA ones included) and keeps the fastest; the pick is timed the same way (a few minutes of compiles).
 """
 
 from __future__ import annotations
@@ -28,25 +32,37 @@ SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
 PEAK_TFLOPS = 989.0  # H200 dense bf16 tensor-core peak (datasheet)
 
 
+def _linear(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return F.linear(a, b)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--m", type=int, default=256)
     ap.add_argument("--layers", type=int, default=32, help="layers per step, for the per-step total")
+    ap.add_argument("--inductor", action="store_true", help="also time torch.compile max-autotune's pick")
     args = ap.parse_args()
     bw = copy_bandwidth()
     torch.manual_seed(0)
     m = args.m
     x = torch.randn(m, 14336, device="cuda", dtype=torch.bfloat16)
     cases, per_backend, first = [], {}, {}
-    for backend in ("cublas", "cublaslt"):
-        torch.backends.cuda.preferred_blas_library(backend)
+    backends = ["cublas", "cublaslt"] + (["inductor"] if args.inductor else [])
+    for backend in backends:
+        torch.backends.cuda.preferred_blas_library("cublas" if backend == "inductor" else backend)
+        linear = F.linear
+        if backend == "inductor":
+            import torch._inductor.config as icfg
+
+            icfg.triton.enable_persistent_tma_matmul = True
+            linear = torch.compile(_linear, mode="max-autotune-no-cudagraphs", dynamic=False)
         step_us = 0.0
         for name, (n, k) in SHAPES.items():
             copies = max(1, math.ceil((256 << 20) / (n * k * 2)))
             ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
             xk = x[:, :k]
-            call = lambda i, xk=xk, ws=ws, c=copies: F.linear(xk, ws[i % c])  # noqa: E731
+            call = lambda i, xk=xk, ws=ws, c=copies, f=linear: f(xk, ws[i % c])  # noqa: E731
             call(0)  # eager first: creates the BLAS handle / picks the algorithm outside the capture
             us = time_graph(call, copies * 4, reps=7, warmup=1) * 1e6
             floor_us = (n * k * 2 + m * (n + k) * 2) / bw * 1e6

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import case, write_results  # noqa: E402
+from _common import case, log_triton_compiles, write_results  # noqa: E402
 from bench_e2e import LLAMA_8B  # noqa: E402
 
 from infercore import Engine, SamplingParams  # noqa: E402
@@ -44,17 +44,6 @@ def log_gc() -> None:
             GC.append({"at": t, "gen": info["generation"], "ms": 1e3 * (t - start.get("t", t))})
 
     gc.callbacks.append(cb)
-
-
-def log_compiles() -> None:
-    """Record every Triton JIT compile (kernel and specialization) with the step it happened in."""
-    import triton
-
-    def hook(*, repr, **kw):
-        COMPILED.append({"at": time.perf_counter(), "kernel": repr[:400]})
-        return False
-
-    triton.knobs.runtime.jit_cache_hook = hook
 
 
 def sync_dev() -> None:
@@ -96,7 +85,7 @@ def traced_run(eng: Engine, prompts: list[list[int]], new: int, sync: bool) -> d
         done += sum(1 for o in outs if o.finished)
         rec = dict(kinds[n]) if len(kinds) > n else {"reqs": 0, "tokens": 0, "decode_rows": 0, "graph": False}
         rec["ms"] = 1e3 * (b - a)
-        rec["compiled"] = [c["kernel"] for c in COMPILED[first:] if a <= c["at"] <= b]
+        rec["compiled"] = [c["repr"][:400] for c in COMPILED[first:] if a <= c["at"] <= b]
         rec["gc_ms"] = [round(g["ms"], 2) for g in GC[first_gc:] if a <= g["at"] <= b and g["gen"] == 2]
         steps.append(rec)
     sync_dev()
@@ -146,7 +135,7 @@ def main() -> None:
     ap.add_argument("--gc-freeze", type=int, choices=(0, 1), default=None, help="EngineConfig.gc_freeze")
     ap.add_argument("--hf", action="store_true", help="also load the transformers model, as bench_e2e does")
     args = ap.parse_args()
-    log_compiles()
+    log_triton_compiles(COMPILED)
     log_gc()
     dev = torch.device(args.device)
     torch.manual_seed(0)

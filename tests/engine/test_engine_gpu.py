@@ -69,6 +69,41 @@ def test_mixed_steps_with_decodes_split_off_match_transformers(kind, monkeypatch
     assert seen and max(seen) >= 4
 
 
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_next"])
+def test_hybrid_mixed_steps_with_decodes_split_off_keep_the_tokens(name, monkeypatch):
+    # The hybrid models' attention (ops.paged_attention) with mixed steps' decodes through the decode
+    # kernel gives the tokens of the same engine with the split off.
+    from infercore.engine import runner
+    from infercore.models import Gemma3Config, Qwen3NextConfig
+    from infercore.ops import attention
+
+    if name == "gemma3":
+        cfg = Gemma3Config(
+            vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=6, num_heads=2, num_kv_heads=1,
+            head_dim=16, sliding_window=8, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+            max_position_embeddings=512, query_pre_attn_scalar=16.0, tie_word_embeddings=True)  # fmt: skip
+    else:
+        cfg = Qwen3NextConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=4, num_kv_heads=2,
+            head_dim=8, layer_types=["linear_attention", "full_attention"] * 2, linear_key_head_dim=8,
+            linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+            max_position_embeddings=512, partial_rotary_factor=0.5)  # fmt: skip
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype=torch.float32, device=torch.device("cuda"))
+    prompts = [[(3 * i + 5 * j) % 96 for j in range(4 + (11 * i) % 37)] for i in range(12)]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kw = dict(page_size=4, kv_cache_bytes=4_000_000, max_num_batched_tokens=40, cuda_graph_max_batch=4)
+    monkeypatch.setattr(runner, "SPLIT_DECODES_MIN", 10**9)
+    want = [o.token_ids for o in Engine(model, **kw).generate(prompts, sp)]
+    calls = []
+    real = attention.attend_split_decodes
+    monkeypatch.setattr(attention, "attend_split_decodes", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(runner, "SPLIT_DECODES_MIN", 2)
+    got = [o.token_ids for o in Engine(model, **kw).generate(prompts, sp)]
+    assert got == want and calls
+
+
 def test_bf16_batched_rows_agree_with_single_rows():
     hf = tiny_hf("llama", hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
     eng = Engine(_ours_on_cuda(hf, torch.bfloat16), page_size=16, num_pages=256)

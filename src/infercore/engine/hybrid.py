@@ -24,6 +24,7 @@ from ..kv.hybrid import HybridBlockManager, HybridKVLayout, LinearStateSpec, nor
 from ..kv.hybrid.spec import LINEAR, SlidingWindowSpec
 from ..models.hybrid import HybridMetadata, LinearStateMetadata
 from ..ops import AttentionMetadata
+from . import runner as runner_module
 from .runner import ModelRunner
 from .scheduler import ScheduledBatch
 
@@ -212,9 +213,10 @@ class HybridModelRunner(ModelRunner):
         decode_only = max_q == 1
         cu_t, lens_t = self._tensor(cu), self._tensor(seq_lens)
         per_group: dict[int, AttentionMetadata | LinearStateMetadata] = {}
+        first: AttentionMetadata | None = None
         for g in self.token_groups:
             width = max(len(t) for t in tables[g])
-            per_group[g] = AttentionMetadata(
+            m = per_group[g] = AttentionMetadata(
                 cu_seqlens_q=cu_t,
                 seq_lens=lens_t,
                 block_table=self._tensor([t + [0] * (width - len(t)) for t in tables[g]]),
@@ -223,9 +225,16 @@ class HybridModelRunner(ModelRunner):
                 max_seqlen_k=max(seq_lens),
                 decode_only=decode_only,
             )
-            # Mixed steps are not split here (ModelRunner.prepare's mark_split_decodes): measured on the
-            # Qwen3-Next e2e workload, the run with prefills fell from 5496 to 2987 tok/s with the split
-            # (results/h200/sweeps/hybrid_qwen_split_{8,1000000}.json; decode-only steps unchanged).
+            if decode_only:
+                continue
+            # A mixed step's one-query sequences go through the decode kernel, as in ModelRunner.prepare
+            # (the same rows for every group).
+            if first is None:
+                first = m
+                m.mark_split_decodes(batch.num_new_tokens, min_rows=runner_module.SPLIT_DECODES_MIN)
+            else:
+                m.num_split_decodes, m.decode_seqs, m.decode_tokens, m.prefill_seqs = (
+                    first.num_split_decodes, first.decode_seqs, first.decode_tokens, first.prefill_seqs)
         if self.linear_groups:
             has_init = self._tensor([s > 0 for s in starts], torch.bool)
             for g in self.linear_groups:

@@ -170,7 +170,11 @@ def _rope_new_token(q_ptr, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc
     return q, k_new, v_new
 
 
-@triton.jit
+# Arguments that change with the batch (the block table's width, the split count and the partials'
+# strides that follow from it) are not specialized: Triton compiles a variant per value class (== 1,
+# divisible by 16), and eager steps of new shapes -- a mixed step's decodes in a serving run -- compiled
+# those variants mid-run.
+@triton.jit(do_not_specialize=["stride_bt", "stride_lb", "stride_lh", "num_splits"])
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, seq_lens_ptr, bt_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     qk_scale, scale, softcap, window, code_scale,
@@ -315,7 +319,7 @@ def _e4m3_bytes_to_f16(c):
     return (((x & 0x80) << 8) | ((x & 0x7F) << 7)).to(tl.float16, bitcast=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lb", "stride_lh", "num_splits"])
 def _merge_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
@@ -462,7 +466,7 @@ def paged_attention_decode(
             mid_o, mid_lse, out,
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             out.stride(0), out.stride(1), D, num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            BLOCK_S=16 if num_splits <= 16 else max(64, triton.next_power_of_2(num_splits)), BLOCK_D=block_d,
             **pdl_launch(use_pdl),
         )  # fmt: skip
     return out

@@ -177,7 +177,7 @@ def _tile_new(acc, l_i, m_i, q, q_rel, q_len, r0, k_ptr, v_ptr, k_desc, v_desc, 
     return _softmax_pv(acc, l_i, m_i, s, v, qk_scale, MASKED, HAS_SOFTCAP, DOT_PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the block table width changes with the batch
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, cu_ptr, seq_lens_ptr, bt_ptr, out_ptr, kn_ptr, vn_ptr, k_desc, v_desc,
     qk_scale, scale, softcap, window,
@@ -196,14 +196,16 @@ def _prefill_kernel(
     WARP_SPEC: tl.constexpr,
     NEW_KV: tl.constexpr,
     USE_TMA: tl.constexpr,
-    SUBSET: tl.constexpr = False,
-    seqs_ptr=None,
+    seqs_ptr,
 ):  # fmt: skip
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     h = tl.program_id(0) % NUM_HEADS
     b = tl.program_id(0) // NUM_HEADS
-    if SUBSET:  # the grid covers only these sequences (a mixed step's decodes went to the decode kernel)
-        b = tl.load(seqs_ptr + b)
+    # The grid covers these sequences: all of them (0 .. B - 1), or a mixed step's others when its decodes
+    # went to the decode kernel. Always read, so both cases share one compiled variant: a separate one
+    # compiled in the first split mixed step of a run, ~1.1 s of it (results/h200/sweeps/
+    # hybrid_e2e_split_compiles.json).
+    b = tl.load(seqs_ptr + b)
     q_start = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_start
     if pid_m * BLOCK_M >= q_len:
@@ -377,6 +379,19 @@ def paged_attention_prefill(
     return out
 
 
+_ALL_SEQS: dict[torch.device, torch.Tensor] = {}
+
+
+def _all_seqs(n: int, device: torch.device) -> torch.Tensor:
+    """int32 ``0 .. n - 1`` on ``device``: a view of a cached arange (grown by doubling)."""
+    t = _ALL_SEQS.get(device)
+    if t is None or t.numel() < n:
+        t = torch.arange(max(2 * n, 256), dtype=torch.int32, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _ALL_SEQS[device] = t  # (one made during a graph capture belongs to the graph's pool)
+    return t[:n]
+
+
 def _tma_ok(t: torch.Tensor, D: int) -> bool:
     """Whether ``t [T, Hk, D]`` can be read through a 2-D TMA descriptor over ``[T, Hk * D]`` with
     ``[BLOCK_N, D]`` boxes: heads packed, head_dim a power of two, 16-byte aligned base and row stride."""
@@ -450,7 +465,7 @@ def _launch(
         PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         DOT_PRECISION=precision, OFF64=off64, WARP_SPEC=var["warp_spec"], NEW_KV=new_kv, USE_TMA=use_tma,
-        SUBSET=seqs is not None, seqs_ptr=seqs, **extra,
+        seqs_ptr=_all_seqs(B, q.device) if seqs is None else seqs, **extra,
     )  # fmt: skip
 
 

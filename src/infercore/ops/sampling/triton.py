@@ -74,10 +74,10 @@ def _argmax_scan(x_ptr, start, end, BLOCK: tl.constexpr):
     return best, best_i, low
 
 
-@triton.jit
-def _argmax_parts_kernel(x_ptr, stride_x, V, chunk, best_ptr, idx_ptr, low_ptr, PARTS: tl.constexpr,
-                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """Pass 1 over slice ``p`` (``chunk`` tokens) of row ``r``: results to ``[B, PARTS]`` buffers."""
+@triton.jit(do_not_specialize=["parts"])
+def _argmax_parts_kernel(x_ptr, stride_x, V, chunk, best_ptr, idx_ptr, low_ptr, parts, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+    """Pass 1 over slice ``p`` (``chunk`` tokens) of row ``r``: results to ``[B, parts]`` buffers."""
     pdl_release(USE_PDL)
     pdl_wait(USE_PDL)
     row = tl.program_id(0)
@@ -85,19 +85,19 @@ def _argmax_parts_kernel(x_ptr, stride_x, V, chunk, best_ptr, idx_ptr, low_ptr, 
     start = part * chunk
     best, best_i, low = _argmax_scan(x_ptr + row.to(tl.int64) * stride_x, start, tl.minimum(start + chunk, V),
                                      BLOCK)
-    o = row * PARTS + part
+    o = row * parts + part
     tl.store(best_ptr + o, best)
     tl.store(idx_ptr + o, best_i)
     tl.store(low_ptr + o, low)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["parts"])
 def _sample_kernel(
     x_ptr, stride_x, V,
     temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, out_ptr,
-    best_ptr, idx_ptr, low_ptr,
+    best_ptr, idx_ptr, low_ptr, parts,  # parts > 0: pass 1 ran in _argmax_parts_kernel over this many slices
     BLOCK: tl.constexpr,
-    PARTS: tl.constexpr = 0,  # > 0: pass 1 ran in _argmax_parts_kernel over this many slices
+    PARTS_BLOCK: tl.constexpr = 0,  # > 0: parts is; a power of two >= parts (the reduce's width)
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_release(USE_PDL)
@@ -106,14 +106,15 @@ def _sample_kernel(
     x_ptr += row.to(tl.int64) * stride_x
 
     # Pass 1: max and first-occurrence argmax of the raw (penalized) logits.
-    if PARTS > 0:
+    if PARTS_BLOCK > 0:
         # The slices in order, as the sequential scan would meet them: the first slice holding the
         # maximum gives the index (a slice's maximum is never NaN: _argmax_scan skips NaNs).
-        offs_p = tl.arange(0, PARTS)
-        pm = tl.load(best_ptr + row * PARTS + offs_p)
+        offs_p = tl.arange(0, PARTS_BLOCK)
+        pmask = offs_p < parts
+        pm = tl.load(best_ptr + row * parts + offs_p, mask=pmask, other=float("-inf"))
         best, win = tl.max(pm, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        best_i = tl.where(best > float("-inf"), tl.load(idx_ptr + row * PARTS + win), 0)
-        low = tl.min(tl.load(low_ptr + row * PARTS + offs_p), axis=0)
+        best_i = tl.where(best > float("-inf"), tl.load(idx_ptr + row * parts + win), 0)
+        low = tl.min(tl.load(low_ptr + row * parts + offs_p, mask=pmask, other=float("inf")), axis=0)
     else:
         best, best_i, low = _argmax_scan(x_ptr, 0, V, BLOCK)
     t = tl.load(temp_ptr + row)
@@ -217,16 +218,22 @@ def sample(logits: torch.Tensor, params, *, prev_tokens: torch.Tensor | None = N
         best = torch.empty((B, parts), dtype=torch.float32, device=x.device)
         idx = torch.empty((B, parts), dtype=torch.int32, device=x.device)
         low = torch.empty((B, parts), dtype=torch.float32, device=x.device)
-        _argmax_parts_kernel[(B, parts)](x, x.stride(0), V, chunk, best, idx, low, PARTS=parts, BLOCK=BLOCK,
+        _argmax_parts_kernel[(B, parts)](x, x.stride(0), V, chunk, best, idx, low, parts, BLOCK=BLOCK,
                                          **extra, **pdl)  # fmt: skip
     else:
         best = idx = low = out  # unused
+    # The slice count is a runtime argument (not specialized) and the reduce's width a constant, so
+    # batches of any size share two compiled variants. As a constexpr, each new count met in eager
+    # steps compiled both kernels again mid-run (results/h200/sweeps/hybrid_qwen_compiles.json).
     _sample_kernel[(B,)](
         x, x.stride(0), V,
         params.temperature, params.top_k, params.top_p, params.min_p, params.seeds, params.offsets, out,
-        best, idx, low, BLOCK=BLOCK, PARTS=parts, **extra, **pdl,
+        best, idx, low, parts, BLOCK=BLOCK, PARTS_BLOCK=_PARTS_MAX if parts else 0, **extra, **pdl,
     )  # fmt: skip
     return out
+
+
+_PARTS_MAX = 64
 
 
 def _parts(batch: int, vocab: int, block: int, device: torch.device) -> int:
@@ -236,7 +243,7 @@ def _parts(batch: int, vocab: int, block: int, device: torch.device) -> int:
     sms = capability(device).multiprocessors if device.type == "cuda" else 4
     if batch * 2 > sms:
         return 0
-    parts = min(triton.next_power_of_2(triton.cdiv(2 * sms, batch)), 64)
+    parts = min(triton.next_power_of_2(triton.cdiv(2 * sms, batch)), _PARTS_MAX)
     while parts > 1 and parts > triton.cdiv(vocab, block):
         parts //= 2
     return parts if parts > 1 else 0

@@ -192,12 +192,11 @@ def test_graph_runner_path_matches_eager(qwen3_next, gemma3, name, layout):
 
 
 @pytest.mark.parametrize("name,layout", [("qwen3_next", "multi"), ("gemma3", "multi"), ("gemma3", "uniform")])
-def test_mixed_steps_with_decodes_split_off_keep_the_tokens(qwen3_next, gemma3, name, layout, monkeypatch):
+def test_mixed_steps_with_decodes_split_off_keep_the_tokens(qwen3_next, gemma3, name, layout,
+                                                           split_attention_through_triton):
     """The hybrid runner marks a mixed step's one-query sequences (every attention group alike); with
     the Triton kernels (interpreter) the decode kernel takes them, the prefill kernel the rest, and the
     tokens are the CPU engine's. Sliding windows, prefix hits and preemption are in the mix."""
-    from infercore.devices import implementation
-    from infercore.engine import runner
     from infercore.ops import attention
 
     model = {"qwen3_next": qwen3_next, "gemma3": gemma3}[name]
@@ -206,17 +205,7 @@ def test_mixed_steps_with_decodes_split_off_keep_the_tokens(qwen3_next, gemma3, 
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     cfg = dict(page_size=4, kv_cache_bytes=60_000, checkpoint_interval=8, kv_layout=layout, max_num_batched_tokens=12)
     want = [o.token_ids for o in Engine(model, **cfg).generate(ps, params)]
-
-    kernels = {op: implementation(op, "triton") for op in ("paged_attention_prefill", "paged_attention_decode")}
-    real_dispatch, real_attend, split = attention.dispatch, attention.attend_split_decodes, []
-    monkeypatch.setattr(attention, "dispatch", lambda op, device: kernels.get(op) or real_dispatch(op, device))
-
-    def attend(o, q, k_cache, v_cache, meta, *a, **kw):
-        split.append(meta.num_split_decodes)
-        return real_attend(o, q, k_cache, v_cache, meta, *a, **kw)
-
-    monkeypatch.setattr(attention, "attend_split_decodes", attend)
-    monkeypatch.setattr(runner, "SPLIT_DECODES_MIN", 2)
+    split = split_attention_through_triton(attention)
     got = [o.token_ids for o in Engine(model, **cfg).generate(ps, params)]
     assert got == want
     assert split and max(split) >= 2  # mixed steps did put their decodes through the decode kernel

@@ -299,33 +299,20 @@ def test_mixed_step_with_its_decodes_split_off(case):
     torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
 
 
-def test_engine_mixed_steps_with_decodes_split_off_keep_the_tokens(monkeypatch):
+def test_engine_mixed_steps_with_decodes_split_off_keep_the_tokens(split_attention_through_triton):
     # Engine steps that mix prefill chunks with decodes, the Llama layer's attention through the Triton
     # kernels (interpreter) with the decodes split off, give the tokens of the CPU engine.
     from llama_helpers import tiny_llama
 
     from infercore import Engine, SamplingParams
-    from infercore.engine import runner
     from infercore.models import llama
-    from infercore.ops import attention
 
     model = tiny_llama()
     prompts = [[(7 * i + j) % 61 for j in range(3 + (5 * i) % 11)] for i in range(7)]
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     cfg = dict(num_pages=64, page_size=4, max_num_batched_tokens=16, cpu_packed_linears=False)
     want = [o.token_ids for o in Engine(model, **cfg).generate(prompts, sp)]
-
-    real_dispatch, split_steps = llama.dispatch, []
-    kernels = {op: implementation(op, "triton") for op in ("paged_attention_prefill", "paged_attention_decode")}
-    monkeypatch.setattr(llama, "dispatch", lambda op, device: kernels.get(op) or real_dispatch(op, device))
-    real_attend = attention.attend_split_decodes
-
-    def attend(o, q, k_cache, v_cache, meta, *a, **kw):
-        split_steps.append(meta.num_split_decodes)
-        return real_attend(o, q, k_cache, v_cache, meta, *a, **kw)
-
-    monkeypatch.setattr(llama, "attend_split_decodes", attend)
-    monkeypatch.setattr(runner, "SPLIT_DECODES_MIN", 2)
+    split_steps = split_attention_through_triton(llama)
     got = [o.token_ids for o in Engine(model, **cfg).generate(prompts, sp)]
     assert got == want
     assert split_steps and max(split_steps) >= 2  # mixed steps did split their decodes off

@@ -123,7 +123,7 @@ def bench_decode(args, dev, dt, bw, ms, log) -> list[dict]:
             saved = dict(triton_decode.TUNING)
             try:
                 if bn is not None:
-                    triton_decode.TUNING.update(block_n=bn, num_warps=nw)
+                    triton_decode.TUNING.update(block_n=bn, block_n_codes=bn, num_warps=nw)
                 t = ms(call(fmt))
                 log.append(f"  {fmt} block_n={bn} warps={nw}: {t * 1e3:.1f} us")
                 if best is None or t < best[0]:

@@ -73,6 +73,11 @@ TUNING = {
     # predecessor (the RoPE / KV-write kernel); INFERCORE_DECODE_PREWAIT=0 reads everything after.
     "prewait": os.environ.get("INFERCORE_DECODE_PREWAIT", "1") != "0",
     "block_n": 64,
+    # 1-byte caches (int8 / fp8 codes): keys per tile. Best of the H200 tile sweep for all three formats
+    # at b64 ctx4096 (results/h200/sweeps/kvquant_tenth_session.json, 128 keys / 4 warps); with it as the
+    # default they read 3568 / 3673 / 3054 calls/s (int8 / fp8 / emulated fp8; results/h200/kvquant.json),
+    # with 64 keys 2740 / 2491 / 2332 (sweeps/kvquant_after_specialization_fix.json).
+    "block_n_codes": 128,
     "num_warps": 4,
     "num_stages": 3,
     "target_programs_per_sm": 4,
@@ -404,7 +409,6 @@ def paged_attention_decode(
         return out
     group = Hq // Hk
     interp = triton_interpreter()
-    block_n = 16 if interp else TUNING["block_n"]
     if num_splits is None:
         num_splits = _pick_splits(B, Hk, block_table.shape[1] * page_size, q.device)
     block_d = max(triton.next_power_of_2(D), 16)
@@ -429,6 +433,7 @@ def paged_attention_decode(
                 code_scale = 256.0  # the fp16 bit pattern is the e4m3 value times 2**-8
     else:
         k_scale = v_scale = seq_lens  # unused pointers
+    block_n = 16 if interp else TUNING["block_n_codes" if kv_mode else "block_n"]
     dot_dtype = q.dtype if kv_mode else k_cache.dtype
     precision = "ieee" if dot_dtype == torch.float32 else "tf32"
     stages = TUNING["num_stages"]

@@ -97,7 +97,7 @@ def _sample_kernel(
     temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, out_ptr,
     best_ptr, idx_ptr, low_ptr, parts,  # parts > 0: pass 1 ran in _argmax_parts_kernel over this many slices
     BLOCK: tl.constexpr,
-    PARTS_BLOCK: tl.constexpr = 0,  # > 0: parts is; a power of two >= parts (the reduce's width)
+    PARTS_BLOCK: tl.constexpr = 0,  # 0: no first pass (parts 0); else a power of two >= parts, the reduce's width
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_release(USE_PDL)

@@ -26,6 +26,39 @@ def reference(prompt: tuple, n: int) -> list[int]:
     return _REF[key]
 
 
+def drive(eng: Engine, arrivals: list[tuple[int, str, tuple, int]], aborts: dict[str, int] | None = None,
+          max_steps: int = 3000) -> tuple[dict[str, list[int]], set[str]]:
+    """Step ``eng`` until it is idle: ``arrivals`` ``(step, request_id, prompt, max_tokens)`` are added
+    at their step (greedy, ``ignore_eos``), ``aborts`` ``{request_id: step}`` aborted then unless
+    finished. Checks every step that no request finishes twice and that running requests hold no more
+    pages than the pool has. Returns the finished requests' tokens and the aborted ids."""
+    bm, aborts = eng.block_manager, aborts or {}
+    pending = sorted(arrivals, key=lambda a: a[0])  # stable: same-step arrivals in list order
+    added: set[str] = set()
+    finished: dict[str, list[int]] = {}
+    aborted: set[str] = set()
+    step = 0
+    while pending or eng.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, n = pending.pop(0)
+            eng.add_request(list(prompt), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), request_id=rid)
+            added.add(rid)
+        for rid, at in aborts.items():
+            if at == step and rid in added and rid not in finished and rid not in aborted:
+                eng.abort(rid)
+                aborted.add(rid)
+        for out in eng.step():
+            assert out.request_id not in finished, "a request finished twice"
+            if out.finished:
+                finished[out.request_id] = out.token_ids
+        held = {p for r in eng.scheduler.running for p in bm.block_table(r.request_id)}
+        assert len(held) + bm.num_free_pages <= bm.num_pages, "pool accounting"
+        step += 1
+        assert step < max_steps, "scheduler made no progress"
+    assert set(finished) | aborted == added
+    return finished, aborted
+
+
 request = st.tuples(
     st.lists(st.integers(0, 7), min_size=1, max_size=24),  # small alphabet: prefixes repeat
     st.integers(1, 12),  # max_tokens
@@ -45,37 +78,13 @@ request = st.tuples(
 def test_every_request_finishes_no_page_leaks_outputs_unchanged(reqs, num_pages, budget, max_seqs, caching):
     eng = Engine(model(), page_size=4, num_pages=num_pages, max_num_batched_tokens=budget,
                  max_num_seqs=max_seqs, enable_prefix_caching=caching)
-    bm = eng.block_manager
-    ids: dict[str, tuple] = {}
-    finished: dict[str, list[int]] = {}
-    aborted: set[str] = set()
-    step = 0
-    pending = sorted(enumerate(reqs), key=lambda x: x[1][2])
-    while pending or eng.has_unfinished():
-        while pending and pending[0][1][2] <= step:
-            i, (prompt, n, _, _) = pending.pop(0)
-            rid = eng.add_request(list(prompt), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                                  request_id=f"r{i}")
-            ids[rid] = (tuple(prompt), n)
-        for i, (_, _, _, abort_at) in enumerate(reqs):
-            rid = f"r{i}"
-            if abort_at == step and rid in ids and rid not in finished and rid not in aborted:
-                eng.abort(rid)
-                aborted.add(rid)
-        for out in eng.step():
-            assert out.request_id not in finished, "a request finished twice"
-            if out.finished:
-                finished[out.request_id] = out.token_ids
-        # pool accounting: pages held by running requests + free pages == all pages
-        held = {p for r in eng.scheduler.running for p in bm.block_table(r.request_id)}
-        assert len(held) + bm.num_free_pages <= num_pages
-        step += 1
-        assert step < 2000, "scheduler made no progress"
-    assert set(finished) | aborted == set(ids)
-    assert bm.num_free_pages == num_pages, "pages leaked"
-    for rid, toks in finished.items():
-        prompt, n = ids[rid]
-        assert toks == reference(prompt, n), "preemption/caching/chunking changed an output"
+    arrivals = [(at, f"r{i}", tuple(prompt), n) for i, (prompt, n, at, _) in enumerate(reqs)]
+    aborts = {f"r{i}": ab for i, (_, _, _, ab) in enumerate(reqs) if ab is not None}
+    finished, _ = drive(eng, arrivals, aborts, max_steps=2000)
+    assert eng.block_manager.num_free_pages == num_pages, "pages leaked"
+    for _, rid, prompt, n in arrivals:
+        if rid in finished:
+            assert finished[rid] == reference(prompt, n), "preemption/caching/chunking changed an output"
 
 
 long_request = st.tuples(
@@ -102,22 +111,8 @@ def test_long_chunked_prompts_finish_with_unchanged_outputs(reqs, num_pages, bud
     # chunked, preempted and cache-hit; every output equals the request run alone, no page leaks.
     eng = Engine(model(), page_size=4, num_pages=num_pages, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                  enable_prefix_caching=caching, async_scheduling=async_scheduling)  # fmt: skip
-    ids, finished, step = {}, {}, 0
-    pending = sorted(enumerate(reqs), key=lambda x: x[1][3])
-    while pending or eng.has_unfinished():
-        while pending and pending[0][1][3] <= step:
-            i, (which, suffix, n, _) = pending.pop(0)
-            prompt = tuple(PREFIXES[which] + suffix)
-            rid = eng.add_request(list(prompt), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                                  request_id=f"r{i}")  # fmt: skip
-            ids[rid] = (prompt, n)
-        for out in eng.step():
-            assert out.request_id not in finished
-            if out.finished:
-                finished[out.request_id] = out.token_ids
-        step += 1
-        assert step < 3000, "scheduler made no progress"
-    assert set(finished) == set(ids)
+    arrivals = [(at, f"r{i}", tuple(PREFIXES[which] + suffix), n) for i, (which, suffix, n, at) in enumerate(reqs)]
+    finished, _ = drive(eng, arrivals)
     assert eng.block_manager.num_free_pages == num_pages, "pages leaked"
-    for rid, toks in finished.items():
-        assert toks == reference(*ids[rid]), "preemption/caching/chunking changed an output"
+    for _, rid, prompt, n in arrivals:
+        assert finished[rid] == reference(prompt, n), "preemption/caching/chunking changed an output"

@@ -54,3 +54,37 @@ def test_write_kv_cache_errors_name_the_argument():
         write_kv_cache_(k, k, strided_d, strided_d.clone().transpose(2, 3).transpose(2, 3), slots)
     with pytest.raises(TypeError, match="write_kv_cache_: k"):
         write_kv_cache_(k.int(), k, k_cache, v_cache, slots)
+
+
+def test_optional_inputs_go_only_to_implementations_that_take_them():
+    # devices.accepts decides, for every optional input the callers pass (k_scale, k / v, only_seqs,
+    # fp32): an implementation without the parameter is called without it, or replaced by the reference.
+    from infercore.devices import accepts, implementation
+    from infercore.ops.attention import takes_new_kv
+    from infercore.ops.kv_cache import scale_aware
+
+    def old_write(k, v, k_cache, v_cache, slot_mapping):  # written before quantized KV
+        raise AssertionError("must not be called with scales")
+
+    def new_write(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None):
+        pass
+
+    assert not accepts(old_write, "k_scale") and accepts(new_write, "k_scale")
+    assert not accepts(len, "k_scale")  # a builtin without a readable signature: False, no error
+    assert takes_new_kv(implementation("paged_attention_prefill", "triton"))
+    assert accepts(implementation("paged_attention_prefill", "triton"), "only_seqs")
+    assert not accepts(implementation("paged_attention_prefill", "reference"), "only_seqs")
+    import infercore.devices.registry as reg
+
+    op = "write_kv_cache_"
+    entry = reg._OPS[op]
+    saved = dict(entry.impls)
+    try:
+        reg.register(op, "legacy", old_write, priority=100, available=lambda cap: True)
+        assert scale_aware(op, "cpu") is implementation(op, "reference")
+        reg.register(op, "legacy", new_write, priority=100, available=lambda cap: True)
+        assert scale_aware(op, "cpu") is new_write
+    finally:
+        entry.impls.clear()
+        entry.impls.update(saved)
+        reg._CACHE.clear()

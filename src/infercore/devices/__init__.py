@@ -9,10 +9,11 @@ from .capability import (
     triton_available,
     triton_interpreter,
 )
-from .registry import dispatch, implementation, implementations, ops, register, report, resolve
+from .registry import accepts, dispatch, implementation, implementations, ops, register, report, resolve
 
 __all__ = [
     "DeviceCapability",
+    "accepts",
     "capability",
     "default_device",
     "dispatch",

@@ -12,6 +12,8 @@ under ``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -110,6 +112,17 @@ def dispatch(op: str, device: torch.device | str) -> Callable:
     impl = resolve(op, device)
     _OPS[op].served[device] = impl.name
     return impl.fn
+
+
+@functools.cache
+def accepts(fn: Callable, keyword: str) -> bool:
+    """Whether ``fn`` (an implementation, a model method) takes the parameter ``keyword``: how callers
+    pass optional inputs (``k_scale``, ``k``/``v``, ``only_seqs``, ``fp32``) only to implementations
+    written to take them. False when the signature cannot be read."""
+    try:
+        return keyword in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def report(device: torch.device | str | None = None) -> dict[str, dict]:

@@ -13,13 +13,12 @@ Python lists of every request.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ..devices import accepts
 from ..kv import BlockManager
 from ..ops import AttentionMetadata, SamplingTensors, sample
 from ..ops.attention import SPLIT_DECODES_MIN
@@ -27,19 +26,16 @@ from .request import Request
 from .scheduler import ScheduledBatch
 
 
-@functools.cache
-def _takes_fp32(cls: type) -> bool:
-    return "fp32" in inspect.signature(cls.compute_logits).parameters
-
-
 def sampling_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """The logits the sampler reads: the lm_head's own dtype where the model's ``compute_logits``
-    offers it (``fp32=False``). The sampler computes in fp32 either way, so the tokens are the same;
-    skipped is a widening ``[B, vocab]`` copy per step (98 us of a 13 ms batch-256 step of the 8B
-    shape, results/h200/probe_bs256.json). Models without the keyword return fp32 as before."""
-    if _takes_fp32(type(model)):
+    """``hidden [N, H]`` -> the logits ``[N, vocab]`` the sampler reads: the lm_head's own dtype where
+    the model's ``compute_logits`` offers it (``fp32=False``). The sampler computes in fp32 either way,
+    so the tokens are the same; skipped is a widening ``[B, vocab]`` copy per step (98 us of a 13 ms
+    batch-256 step of the 8B shape, results/h200/probe_bs256.json). Models without the keyword return
+    fp32 as before."""
+    if accepts(type(model).compute_logits, "fp32"):
         return model.compute_logits(hidden, fp32=False)
     return model.compute_logits(hidden)
+
 
 class RowTable:
     """Host rows of the running requests: block tables and static sampling parameters.

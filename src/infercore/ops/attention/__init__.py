@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 from collections.abc import Callable
 
 import torch
 
-from ...devices import dispatch, implementation, register
+from ...devices import accepts, dispatch, implementation, register
 from .. import _validate as V
 from ..kv_cache import dequantize_paged_kv, is_quantized_kv, scale_aware
 from ..kv_cache.quant import check_kv_scales
@@ -144,7 +142,7 @@ def paged_attention_prefill(
         k_cache, v_cache, block_table = dequantize_paged_kv(
             k_cache, v_cache, k_scale, v_scale, block_table=block_table, seq_lens=seq_lens, dtype=q.dtype)
     new_kv = {"k": k, "v": v} if k is not None and takes_new_kv(fn) else {}
-    if only_seqs is not None and takes_only_seqs(fn):
+    if only_seqs is not None and accepts(fn, "only_seqs"):
         new_kv["only_seqs"] = only_seqs
     return fn(
         q,
@@ -176,23 +174,10 @@ def _check_new_kv(op: str, q: torch.Tensor, k_cache: torch.Tensor, k: torch.Tens
         V.same_device(op, "q", q, **{name: t})
 
 
-@functools.cache
 def takes_new_kv(fn: Callable) -> bool:
     """Whether a prefill implementation accepts the new tokens' ``k`` / ``v`` ``[T, Hk, D]`` directly
     (read contiguously instead of through the block table)."""
-    try:
-        return "k" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-@functools.cache
-def takes_only_seqs(fn: Callable) -> bool:
-    """Whether a prefill implementation can compute a subset of the batch's sequences (``only_seqs``)."""
-    try:
-        return "only_seqs" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
+    return accepts(fn, "k")
 
 
 # Mixed steps (prefill chunks and decodes together): from this many one-query sequences on, the engine's
@@ -212,7 +197,7 @@ if SPLIT_DECODES_MIN < 1:
 def split_decodes(meta: AttentionMetadata, prefill_fn: Callable) -> bool:
     """Whether a mixed step's one-query sequences (``meta.num_split_decodes``) run through the decode
     kernel, the prefill implementation ``prefill_fn`` leaving them out (:func:`attend_split_decodes`)."""
-    return meta.num_split_decodes > 0 and not meta.decode_only and takes_only_seqs(prefill_fn)
+    return meta.num_split_decodes > 0 and not meta.decode_only and accepts(prefill_fn, "only_seqs")
 
 
 def attend_split_decodes(o: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

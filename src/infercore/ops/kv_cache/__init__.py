@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable
 
 import torch
 
-from ...devices import dispatch, implementation, register
+from ...devices import accepts, dispatch, implementation, register
 from .. import _validate as V
 from .naive import write_kv_cache_ref
 from .quant import check_kv_scales, dequantize_paged_kv, is_quantized_kv
@@ -74,14 +72,6 @@ def write_kv_cache_(
         dispatch(op, k.device)(k, v, k_cache, v_cache, slot_mapping)
 
 
-@functools.cache
-def _takes_scales(fn: Callable) -> bool:
-    try:
-        return "k_scale" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def scale_aware(op: str, device: torch.device | str) -> Callable:
     """The implementation of ``op`` that :func:`~infercore.devices.dispatch` picks, or the reference
     when that one takes no ``k_scale``/``v_scale`` (an implementation written before quantized KV).
@@ -91,7 +81,7 @@ def scale_aware(op: str, device: torch.device | str) -> Callable:
     rather than misreading codes.
     """
     fn = dispatch(op, device)
-    return fn if _takes_scales(fn) else implementation(op, "reference")
+    return fn if accepts(fn, "k_scale") else implementation(op, "reference")
 
 
 register("write_kv_cache_", "reference", write_kv_cache_ref)

@@ -40,6 +40,9 @@ from infercore.quant import triton_frag as TF  # noqa: E402
 # 2-4 iterations ahead ("PF", since removed: it measured 0-8% slower); its rows keep that key.
 # DEPTH: iterations whose loads are in flight ahead of the MMAs (1 or 2).
 TILES = ((4, 4, 1), (4, 4, 2), (4, 2, 2), (2, 4, 2), (8, 2, 2), (8, 1, 2))
+# The same kernel with the warps splitting N ("WN": each warp its own channel block, no cross-warp sum;
+# more split-K to keep as many warps busy): (warps, repetitions, depth), swept with --wn.
+TILES_WN = ((4, 4, 1), (4, 4, 2), (2, 4, 1), (2, 4, 2), (8, 4, 1), (4, 2, 2))
 MS = (1, 4, 16)
 
 
@@ -49,6 +52,8 @@ def main() -> None:  # noqa: C901 (one linear script)
     ap.add_argument("--shapes", default="", help="comma-separated subset of shape names (default: all)")
     ap.add_argument("--kinds", default="int4,fp8")
     ap.add_argument("--budget-s", type=float, default=400.0)
+    ap.add_argument("--wn", choices=["off", "also", "only"], default="off",
+                    help="the warps-split-N tiles (TILES_WN) too, or only them")
     args = ap.parse_args()
     t0 = time.perf_counter()
     dev = "cuda"
@@ -104,11 +109,22 @@ def main() -> None:  # noqa: C901 (one linear script)
                     rows.append({"key": key, "config": cfg, "us": us, "rel_err": err})
                     res.append((us, cfg))
 
-                for warps, reps, depth in TILES:
-                    run({"MODE": 6, "WARPS": warps, "REPS": reps, "DEPTH": depth})
-                for _, cfg in sorted(res, key=lambda r: r[0])[:2]:
-                    for split in (1, 2, 4, 8):
-                        run({**cfg, "SPLIT": split})
+                if args.wn != "only":
+                    for warps, reps, depth in TILES:
+                        run({"MODE": 6, "WARPS": warps, "REPS": reps, "DEPTH": depth})
+                if args.wn != "off":
+                    blocks = n // (64 if kind == "int4" else 32)
+                    for warps, reps, depth in TILES_WN:
+                        if blocks % warps == 0:  # SPLIT: ~12 warps (each a block x a K range) per SM
+                            run({"MODE": 6, "WN": 1, "WARPS": warps, "REPS": reps, "DEPTH": depth,
+                                 "SPLIT": max(1, 12 * 132 // blocks)})
+                tried = {json.dumps(c, sort_keys=True) for _, c in res}
+                for _, cfg in sorted(res, key=lambda r: r[0])[:3]:
+                    for split in (1, 2, 4, 8, 16, 32):
+                        c = {**cfg, "SPLIT": split}
+                        if json.dumps(c, sort_keys=True) not in tried:
+                            tried.add(json.dumps(c, sort_keys=True))
+                            run(c)
                 if not res:
                     continue
                 us, cfg = min(res, key=lambda r: r[0])
@@ -152,7 +168,7 @@ def main() -> None:  # noqa: C901 (one linear script)
             print(f"fused silu {kind} M={m}: {out}", flush=True)
     doc = write_results(args.out, "sweep_frag", torch.cuda.get_device_name(), cases)
     table = [f'    ("{kk.split(",")[0]}", {kk.split(",")[1]}, {kk.split(",")[2]}, {kk.split(",")[3]}): '
-             f'{ {c: v for c, v in b["config"].items() if c in ("WARPS", "REPS", "SPLIT", "DEPTH")} },'
+             f'{ {c: v for c, v in b["config"].items() if c in ("WARPS", "REPS", "SPLIT", "DEPTH", "WN")} },'
              for kk, b in best.items()]
     doc.update({"rows": rows, "best": best, "fused_act": fused, "table": table, "copy_bw_TBps": bw / 1e12,
                 "wall_s": time.perf_counter() - t0})

@@ -76,6 +76,77 @@ def test_mode6_fused_gated_act(kind, m, split):
     assert _rel(y, ref) < 1e-2
 
 
+@pytest.mark.parametrize("m", [1, 3, 9, 16])
+@pytest.mark.parametrize("sym,group", [(True, 128), (False, 128), (True, None)])
+@pytest.mark.parametrize("tile", [(4, 4, 1, 1), (4, 4, 3, 2), (2, 2, 8, 1), (8, 1, 2, 2), (1, 4, 5, 1)])
+def test_mode6_warps_split_n_int4(m, sym, group, tile):
+    """WN: each warp owns a channel block (no cross-warp sum), split-K through the workspace."""
+    torch.manual_seed(m)
+    n, k = 512, 1024
+    w = IntWeight.quantize(torch.randn(n, k, device=dev) * 0.05, bits=4, group_size=group, symmetric=sym)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    warps, reps, split, depth = tile
+    cfg = {"MODE": 6, "WN": 1, "WARPS": warps, "REPS": reps, "SPLIT": split, "DEPTH": depth}
+    y = TW.wq_matmul_triton(x, w, config=cfg)
+    assert y.shape == (m, n)
+    assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
+
+
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("block", [None, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split,depth", [(1, 1), (4, 2)])
+def test_mode6_warps_split_n_fp8(m, block, dtype, split, depth):
+    torch.manual_seed(m)
+    n, k = 256, 1024
+    w = FP8Weight.quantize(torch.randn(n, k, device=dev) * 0.05, block_size=block)
+    x = torch.randn(m, k, device=dev, dtype=dtype)
+    cfg = {"MODE": 6, "WN": 1, "WARPS": 4, "REPS": 4, "SPLIT": split, "DEPTH": depth}
+    y = TW.fp8_wo_matmul_triton(x, w, config=cfg)
+    assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
+
+
+@pytest.mark.parametrize("kind", ["int4", "fp8"])
+@pytest.mark.parametrize("m,split", [(1, 1), (2, 4), (16, 2)])
+def test_mode6_warps_split_n_fused_gated_act(kind, m, split):
+    torch.manual_seed(0)
+    d, k = 256, 512
+    wf = torch.randn(2 * d, k, device=dev) * 0.05
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    cfg = {"MODE": 6, "WN": 1, "WARPS": 4, "REPS": 4, "SPLIT": split}
+    if kind == "int4":
+        w = IntWeight.quantize(wf, bits=4, group_size=128)
+        y = TW.wq_matmul_triton(x, w, config=cfg, act="silu")
+    else:
+        w = FP8Weight.quantize(wf)
+        y = TW.fp8_wo_matmul_triton(x, w, config=cfg, act="silu")
+    h = (x.float() @ w.dequantize(torch.float32).T).to(torch.bfloat16).float()
+    ref = torch.nn.functional.silu(h[:, :d]) * h[:, d:]
+    assert y.shape == (m, d)
+    assert _rel(y, ref) < 1e-2
+
+
+def test_mode6_warps_split_n_graph_replay_and_bad_config():
+    n, k = 512, 512
+    w = IntWeight.quantize(torch.randn(n, k, device=dev) * 0.05, bits=4, group_size=128)
+    x = torch.randn(2, k, device=dev, dtype=torch.bfloat16)
+    cfg = {"MODE": 6, "WN": 1, "WARPS": 4, "REPS": 4, "SPLIT": 2}
+    TW.wq_matmul_triton(x, w, config=cfg)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = TW.wq_matmul_triton(x, w, config=cfg)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, TW.wq_matmul_triton(x, w, config=cfg))
+    w3 = IntWeight.quantize(torch.randn(192, k, device=dev) * 0.05, bits=4, group_size=128)  # 3 blocks of 64
+    with pytest.raises(ValueError, match="multiple of WARPS"):
+        TW.wq_matmul_triton(x, w3, config=cfg)
+    with pytest.raises(ValueError, match="REPS"):
+        TW.wq_matmul_triton(x, w, config={**cfg, "REPS": 8})
+
+
 def test_mode6_graph_replay_and_bad_config():
     n, k = 128, 512
     w = IntWeight.quantize(torch.randn(n, k, device=dev) * 0.05, bits=4, group_size=128)

@@ -48,6 +48,11 @@ Measured on the H200 (docs/quantization.md, results/h200/quant_wo_mode6.json): f
 4 / 5 for INT4 at M <= 4 on the 8B MLP and qkv shapes (dispatched by ``triton_wo.MODE6_TUNED``),
 slower for FP8, at M = 16 and on 4096x4096.
 
+``_frag_wn_kernel`` (config ``"WN": 1``) is the same computation with the warps splitting N instead of
+K: each warp owns a channel block and every chunk of its K range, so there is no cross-warp sum and
+each warp stores its own outputs or split-K partials (the split grows by the warp count instead).
+INT4 14336x4096 M=1 15.2 vs 19.1 us (results/h200/quant_wo_mode6_wn.json); dispatched where it won.
+
 The kernel is GPU-only (inline PTX; sm80+). ``emulate`` replays the fragment arithmetic in torch
 (the PTX fragment tables written out independently of the packers) so the CPU tests check the
 layouts bit for bit.
@@ -499,6 +504,237 @@ def _frag_kernel(
                 tl.atomic_xchg(cnt_ptr + pb, 0)  # ready for the next launch (graph replays too)
 
 
+@triton.jit
+def _wn_loads(wb, c0, G, warp, lane, offs_c, x8, xrow, xmask, xrow2, xmask2, s_rows, s_ptr, zero,
+              FP8: tl.constexpr, BSCALE: tl.constexpr, NB: tl.constexpr, CT: tl.constexpr, REPS: tl.constexpr,
+              LOAD_W: tl.constexpr = True, LOAD_X: tl.constexpr = True):
+    """The loads of chunks ``c0 .. c0 + REPS - 1`` (one group: REPS divides 8) of each warp's own channel
+    block (warps split N): words ``[R, CT]`` per chunk, their B fragments, and the group's scale words
+    (INT4 scale / zero point, FP8 128x128 block scales, else ``zero``). LOAD_W / LOAD_X as in
+    ``_frag_iter_loads``."""
+    grp = c0 // 8
+    q0 = c0 % 8
+    rows = (warp * (G * 8) + c0) * 32 + lane
+    w0, xa0, xb0 = _wn_load(wb, rows, 0, offs_c, x8, xrow, xmask, xrow2, xmask2, grp, q0, NB, CT, LOAD_W, LOAD_X)
+    w1, xa1, xb1 = w0, xa0, xb0
+    w2, xa2, xb2 = w0, xa0, xb0
+    w3, xa3, xb3 = w0, xa0, xb0
+    if REPS > 1:
+        w1, xa1, xb1 = _wn_load(wb, rows, 1, offs_c, x8, xrow, xmask, xrow2, xmask2, grp, q0, NB, CT, LOAD_W, LOAD_X)
+    if REPS > 2:
+        w2, xa2, xb2 = _wn_load(wb, rows, 2, offs_c, x8, xrow, xmask, xrow2, xmask2, grp, q0, NB, CT, LOAD_W, LOAD_X)
+        w3, xa3, xb3 = _wn_load(wb, rows, 3, offs_c, x8, xrow, xmask, xrow2, xmask2, grp, q0, NB, CT, LOAD_W, LOAD_X)
+    if FP8:
+        if BSCALE and LOAD_W:
+            sc = tl.load(s_ptr + s_rows + grp * CT) + zero
+        else:
+            sc = zero
+    else:
+        sz = s_ptr.to(tl.pointer_type(tl.int64)) + s_rows + grp * (8 * CT)
+        if LOAD_W:
+            sc = tl.load(sz)
+        else:
+            sc = tl.zeros(sz.shape, dtype=tl.int64)
+    return w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, sc
+
+
+@triton.jit
+def _wn_load(wb, rows, rep: tl.constexpr, offs_c, x8, xrow, xmask, xrow2, xmask2, grp, q0, NB: tl.constexpr,
+             CT: tl.constexpr, LOAD_W: tl.constexpr, LOAD_X: tl.constexpr):
+    ptrs = wb + (rows + rep * 32).to(tl.int64)[:, None] * CT + offs_c[None, :]
+    if LOAD_W:
+        w = tl.load(ptrs, eviction_policy="evict_first")
+    else:
+        w = tl.zeros(ptrs.shape, dtype=wb.dtype.element_ty)
+    if LOAD_X:
+        xa = _x_frag(x8, xrow, grp, q0 + rep, xmask)
+        xb = xa
+        if NB == 2:
+            xb = _x_frag(x8, xrow2, grp, q0 + rep, xmask2)
+    else:
+        xa = tl.zeros([rows.shape[0], 1], dtype=tl.int64)
+        xb = xa
+    return w, xa, xb
+
+
+@triton.jit
+def _wn_mma(w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, sc, a0, a1, a2, a3, a4, a5, a6, a7, zero,
+            FP8: tl.constexpr, BSCALE: tl.constexpr, NB: tl.constexpr, REPS: tl.constexpr, ASM: tl.constexpr,
+            CONS: tl.constexpr):
+    a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w0, sc, xa0, xb0, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8, BSCALE,
+                                                NB, ASM, CONS)
+    if REPS > 1:
+        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w1, sc, xa1, xb1, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8,
+                                                    BSCALE, NB, ASM, CONS)
+    if REPS > 2:
+        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w2, sc, xa2, xb2, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8,
+                                                    BSCALE, NB, ASM, CONS)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w3, sc, xa3, xb3, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8,
+                                                    BSCALE, NB, ASM, CONS)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _wn_rows(j: tl.constexpr, pbw, g, t, offs_c, CT: tl.constexpr):
+    """Batch rows ``m [R, 1]`` and channels ``n [R, CT]`` of accumulator ``j`` (``pbw [R]``: each row's
+    channel block)."""
+    m = (2 * t + (j % 2) + 8 * (j // 4))[:, None]
+    n = pbw[:, None] * (16 * CT) + 16 * offs_c[None, :] + (g + 8 * ((j % 4) // 2))[:, None]
+    return m, n
+
+
+@triton.jit
+def _wn_out(y_ptr, ws_ptr, a, j: tl.constexpr, pbw, sp, M, N, stride_ym, g, t, offs_c, scale_ptr, CT: tl.constexpr,
+            TO_WS: tl.constexpr, FP8_CHANNEL: tl.constexpr, FOLD: tl.constexpr):
+    m, n = _wn_rows(j, pbw, g, t, offs_c, CT)
+    mask = (m < M) & (n < N)
+    if TO_WS:
+        tl.store(ws_ptr + sp.to(tl.int64) * M * N + m * N + n, a, mask=mask)
+    else:
+        if FP8_CHANNEL:
+            a = a * tl.load(scale_ptr + n, mask=mask, other=0.0)
+        tl.store(y_ptr + m * stride_ym + n, (a * FOLD).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _wn_total(y_ptr, ws_ptr, j: tl.constexpr, pbw, nsplit, M, N, stride_ym, g, t, offs_c, scale_ptr, R: tl.constexpr,
+              CT: tl.constexpr, FP8_CHANNEL: tl.constexpr, FOLD: tl.constexpr, ACT: tl.constexpr):
+    """Sum the splits' partials of accumulator ``j``, scale, and store (with the gated epilogue: tiles
+    ``c < CT/2`` of a channel block hold gate rows, ``c + CT/2`` the matching up rows)."""
+    m, n = _wn_rows(j, pbw, g, t, offs_c, CT)
+    mask = (m < M) & (n < N)
+    tot = tl.zeros([R, CT], dtype=tl.float32)
+    for s in range(0, nsplit):
+        tot += tl.load(ws_ptr + s * M * N + m * N + n, mask=mask, other=0.0, cache_modifier=".cg")
+    if FP8_CHANNEL:
+        tot = tot * tl.load(scale_ptr + n, mask=mask, other=0.0)
+    tot = tot * FOLD
+    if ACT != 0:
+        ga, ua = tl.split(tl.permute(tl.reshape(tot, [R, 2, CT // 2]), (0, 2, 1)))
+        o = pbw[:, None] * (8 * CT) + 16 * tl.arange(0, CT // 2)[None, :] + (g + 8 * ((j % 4) // 2))[:, None]
+        out = _act_mul(ga, ua, y_ptr, ACT)
+        tl.store(y_ptr + m * stride_ym + o, out.to(y_ptr.dtype.element_ty), mask=(m < M) & (o < N // 2))
+    else:
+        tl.store(y_ptr + m * stride_ym + n, tot.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _frag_wn_kernel(
+    x_ptr, qw_ptr, s_ptr, ws_ptr, y_ptr, cnt_ptr,
+    M, N, G, iters_per_split, stride_xm, stride_ym,
+    FP8: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr,
+    SPLIT_K: tl.constexpr, ACT: tl.constexpr, FOLD: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr,
+    DEPTH: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREWAIT: tl.constexpr = False,
+):
+    """MODE 6 with the warps splitting N (``"WN": 1``): warp w of program (cb, sp) owns channel block
+    ``cb * WARPS + w`` (``16 CT`` channels) and takes every chunk of its K range, REPS chunks per
+    iteration, so no cross-warp sum: each warp stores its own outputs (or split-K partials). Grid
+    ``(N / (16 CT WARPS), split)``; the packing, operands and decode are ``_frag_kernel``'s."""
+    CT: tl.constexpr = 2 if FP8 else 4
+    R: tl.constexpr = 32 * WARPS
+    pdl_release(USE_PDL)
+    cb = tl.program_id(0)
+    sp = tl.program_id(1)
+    offs_r = tl.arange(0, R)
+    lane = offs_r % 32
+    g = lane // 4
+    t = lane % 4
+    warp = offs_r // 32
+    pbw = cb * WARPS + warp
+    offs_c = tl.arange(0, CT)
+    n_iters = G * 8 // REPS
+    it0 = sp * iters_per_split
+    it1 = tl.minimum(it0 + iters_per_split, n_iters)
+    if FP8:
+        wb = qw_ptr.to(tl.pointer_type(tl.int64)) + (cb * WARPS).to(tl.int64) * G * (8 * 32 * CT)
+        s_rows = (pbw * G)[:, None] * CT + offs_c[None, :]  # 128x128 block scales [N/32, G, 2] (BSCALE)
+    else:
+        wb = qw_ptr.to(tl.pointer_type(tl.int32)) + (cb * WARPS).to(tl.int64) * G * (8 * 32 * CT)
+        s_rows = (pbw * G * 8 + g)[:, None] * CT + offs_c[None, :]  # int64 scale / zero-point words
+    x8 = x_ptr.to(tl.pointer_type(tl.int64))
+    xrow = g * (stride_xm // 4) + 8 * t
+    xmask = g < M
+    xrow2 = (g + 8) * (stride_xm // 4) + 8 * t
+    xmask2 = g + 8 < M
+    a0 = tl.zeros([R, CT], dtype=tl.float32)
+    a1 = tl.zeros([R, CT], dtype=tl.float32)
+    a2 = tl.zeros([R, CT], dtype=tl.float32)
+    a3 = tl.zeros([R, CT], dtype=tl.float32)
+    a4 = tl.zeros([R, CT], dtype=tl.float32)
+    a5 = tl.zeros([R, CT], dtype=tl.float32)
+    a6 = tl.zeros([R, CT], dtype=tl.float32)
+    a7 = tl.zeros([R, CT], dtype=tl.float32)
+    zero = tl.zeros([R, CT], dtype=tl.float32)
+    if not PREWAIT:
+        pdl_wait(USE_PDL)
+    (w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, sc) = _wn_loads(
+        wb, tl.minimum(it0, n_iters - 1) * REPS, G, warp, lane, offs_c, x8, xrow, xmask, xrow2, xmask2, s_rows, s_ptr,
+        zero, FP8, BSCALE, NB, CT, REPS, True, not PREWAIT)
+    (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, nsc) = (
+        w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, sc)
+    if DEPTH == 2:
+        (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, nsc) = _wn_loads(
+            wb, tl.minimum(it0 + 1, n_iters - 1) * REPS, G, warp, lane, offs_c, x8, xrow, xmask, xrow2, xmask2,
+            s_rows, s_ptr, zero, FP8, BSCALE, NB, CT, REPS, True, not PREWAIT)
+    if PREWAIT:
+        pdl_wait(USE_PDL)
+        (t0, t1, t2, t3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, t4) = _wn_loads(
+            wb, tl.minimum(it0, n_iters - 1) * REPS, G, warp, lane, offs_c, x8, xrow, xmask, xrow2, xmask2, s_rows,
+            s_ptr, zero, FP8, BSCALE, NB, CT, REPS, False, True)
+        (na0, na1, na2, na3, nb0, nb1, nb2, nb3) = (xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3)
+        if DEPTH == 2:
+            (t0, t1, t2, t3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, t4) = _wn_loads(
+                wb, tl.minimum(it0 + 1, n_iters - 1) * REPS, G, warp, lane, offs_c, x8, xrow, xmask, xrow2, xmask2,
+                s_rows, s_ptr, zero, FP8, BSCALE, NB, CT, REPS, False, True)
+    for it in range(it0, it1):
+        (m0, m1, m2, m3, ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3, msc) = _wn_loads(
+            wb, tl.minimum(it + DEPTH, it1 - 1) * REPS, G, warp, lane, offs_c, x8, xrow, xmask, xrow2, xmask2,
+            s_rows, s_ptr, zero, FP8, BSCALE, NB, CT, REPS)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _wn_mma(w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, sc, a0, a1,
+                                                 a2, a3, a4, a5, a6, a7, zero, FP8, BSCALE, NB, REPS, ASM, CONS)
+        if DEPTH == 2:
+            w0, w1, w2, w3, xa0, xa1, xa2, xa3 = n0, n1, n2, n3, na0, na1, na2, na3
+            xb0, xb1, xb2, xb3, sc = nb0, nb1, nb2, nb3, nsc
+            n0, n1, n2, n3, na0, na1, na2, na3 = m0, m1, m2, m3, ma0, ma1, ma2, ma3
+            nb0, nb1, nb2, nb3, nsc = mb0, mb1, mb2, mb3, msc
+        else:
+            w0, w1, w2, w3, xa0, xa1, xa2, xa3 = m0, m1, m2, m3, ma0, ma1, ma2, ma3
+            xb0, xb1, xb2, xb3, sc = mb0, mb1, mb2, mb3, msc
+    FP8_CHANNEL: tl.constexpr = FP8 and not BSCALE
+    if ACT == 0 and not SPLIT_K:
+        _wn_out(y_ptr, ws_ptr, a0, 0, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
+        _wn_out(y_ptr, ws_ptr, a1, 1, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
+        _wn_out(y_ptr, ws_ptr, a2, 2, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
+        _wn_out(y_ptr, ws_ptr, a3, 3, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
+        if NB == 2:
+            _wn_out(y_ptr, ws_ptr, a4, 4, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
+            _wn_out(y_ptr, ws_ptr, a5, 5, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
+            _wn_out(y_ptr, ws_ptr, a6, 6, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
+            _wn_out(y_ptr, ws_ptr, a7, 7, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
+    else:
+        _wn_out(y_ptr, ws_ptr, a0, 0, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, True, False, 1.0)
+        _wn_out(y_ptr, ws_ptr, a1, 1, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, True, False, 1.0)
+        _wn_out(y_ptr, ws_ptr, a2, 2, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, True, False, 1.0)
+        _wn_out(y_ptr, ws_ptr, a3, 3, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, True, False, 1.0)
+        if NB == 2:
+            _wn_out(y_ptr, ws_ptr, a4, 4, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, True, False, 1.0)
+            _wn_out(y_ptr, ws_ptr, a5, 5, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, True, False, 1.0)
+            _wn_out(y_ptr, ws_ptr, a6, 6, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, True, False, 1.0)
+            _wn_out(y_ptr, ws_ptr, a7, 7, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, True, False, 1.0)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        nsplit = tl.num_programs(1)
+        if SPLIT_K:
+            done = tl.atomic_add(cnt_ptr + cb, 1, sem="acq_rel", scope="gpu")
+        else:
+            done = nsplit - 1
+        if done == nsplit - 1:
+            for j in tl.static_range(4 * NB):
+                _wn_total(y_ptr, ws_ptr, j, pbw, nsplit, M, N, stride_ym, g, t, offs_c, s_ptr, R, CT, FP8_CHANNEL,
+                          FOLD, ACT)
+            if SPLIT_K:
+                tl.atomic_xchg(cnt_ptr + cb, 0)  # ready for the next launch (graph replays too)
+
+
 # ----------------------------------------------------------------------------------------------
 # Packing (host, once per weight) and the torch emulation of the fragment arithmetic
 # ----------------------------------------------------------------------------------------------
@@ -745,7 +981,8 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
     ``kind`` "int4": ``frags`` int32 ``[N/64, K/128, 8, 32, 4]`` and ``s`` int64 ``[N/64, K/128, 8, 4]``
     from :func:`pack_int4`; "fp8": ``frags`` int64 ``[N/32, K/128, 8, 32, 2]`` from :func:`pack_fp8`, ``s``
     fp32 per-channel scales ``[N]`` (packed row order) or, with ``bscale``, :func:`pack_fp8_block_scales`;
-    ``fold`` the decode's power of two (2**120 bf16, 2**8 fp16). ``cfg``: WARPS, REPS, SPLIT, DEPTH."""
+    ``fold`` the decode's power of two (2**120 bf16, 2**8 fp16). ``cfg``: WARPS, REPS, SPLIT, DEPTH, and WN
+    (1: the warps split N, ``_frag_wn_kernel``)."""
     if kind not in ("int4", "fp8"):
         raise ValueError(f"kind: expected 'int4' or 'fp8', got {kind!r}")
     ct = 4 if kind == "int4" else 2
@@ -765,28 +1002,39 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
     m = x.shape[0]
     nb = 1 if m <= 8 else 2
     warps, reps = cfg["WARPS"], cfg["REPS"]
-    if reps not in (1, 2, 4) or warps not in (2, 4, 8) or warps * reps not in (8, 16):
-        raise ValueError(f"config: WARPS in (2, 4, 8), REPS in (1, 2, 4), WARPS * REPS 8 or 16; got {cfg}")
+    wn = bool(cfg.get("WN", 0))
     gk = frags.shape[1]
-    gpi = warps * reps // 8
-    if gk % gpi:
-        raise ValueError(f"config: {gk} groups of 128 are not a multiple of {gpi} per iteration")
-    iters = gk // gpi
+    blocks = frags.shape[0]
+    if wn:  # warps split N: each warp its own channel block, REPS chunks (of one group) per iteration
+        if reps not in (1, 2, 4) or warps not in (1, 2, 4, 8):
+            raise ValueError(f"config: with WN, WARPS in (1, 2, 4, 8) and REPS in (1, 2, 4); got {cfg}")
+        if blocks % warps:
+            raise ValueError(f"config: WN needs the {blocks} channel blocks of {16 * ct} to be a multiple of "
+                             f"WARPS ({warps})")
+        iters = gk * 8 // reps
+    else:
+        if reps not in (1, 2, 4) or warps not in (2, 4, 8) or warps * reps not in (8, 16):
+            raise ValueError(f"config: WARPS in (2, 4, 8), REPS in (1, 2, 4), WARPS * REPS 8 or 16; got {cfg}")
+        gpi = warps * reps // 8
+        if gk % gpi:
+            raise ValueError(f"config: {gk} groups of 128 are not a multiple of {gpi} per iteration")
+        iters = gk // gpi
     split = max(1, min(int(cfg.get("SPLIT", 1)), iters))
     per = triton.cdiv(iters, split)
     split = triton.cdiv(iters, per)
-    blocks = frags.shape[0]
+    grid_n = blocks // warps if wn else blocks
     asm, cons = _asm(kind, nb, x.dtype == torch.float16, bscale)
     code = ACTIVATIONS[act]
     y = torch.empty((m, n // 2 if code else n), dtype=x.dtype, device=x.device)
     via_ws = split > 1 or code != 0
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if via_ws else y
-    cnt = arrival_counters(x.device, blocks) if split > 1 else y
+    cnt = arrival_counters(x.device, grid_n) if split > 1 else y
     use_pdl = pdl_enabled(x)
     depth = int(cfg.get("DEPTH", 1))
     if depth not in (1, 2):
         raise ValueError(f"config: DEPTH (iterations loaded ahead) must be 1 or 2, got {depth}")
-    _frag_kernel[(blocks, split)](
+    kernel = _frag_wn_kernel if wn else _frag_kernel
+    kernel[(grid_n, split)](
         x, frags, s, ws, y, cnt,
         m, n, gk, per, x.stride(0), y.stride(0),
         FP8=kind == "fp8", NB=nb, BSCALE=bscale, WARPS=warps, REPS=reps, SPLIT_K=split > 1, ACT=code,

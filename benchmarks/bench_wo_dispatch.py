@@ -1,0 +1,97 @@
+"""Weight-only small-M GEMV/GEMM as the dispatcher runs them (no config): W4A16 g128 and emulated FP8 on
+the Llama-3.1-8B linear shapes, M = 1, 4, 16, against bf16 ``F.linear`` (cuBLAS) and torch tinygemm INT4
+(``_weight_int4pack_mm``), all timed the same way in one run: a CUDA graph of many calls that rotates
+over weight copies larger than the L2 (``sweep_quant_wo.py``'s timing), so the weights stream from HBM
+as in decode. Each call is first checked against ``dequantize()`` + an fp32 matmul. The floor is the
+bytes moved over the copy bandwidth measured here. Per case: which kernel the dispatcher chose
+(MODE 4 / 5 / 6, WN) and the ratio to bf16.
+
+    python benchmarks/bench_wo_dispatch.py --out $OUT/r/quant_wo_dispatch.json     # H200, ~2 min
+"""
+
+# ruff: noqa: B023  (closures are run inside the loop iteration that defines them)
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import case, rel_err, time_graph, write_results  # noqa: E402
+from sweep_quant_wo import SHAPES, WORKING_SET, copy_bandwidth, make_weights, tinygemm_calls  # noqa: E402
+
+from infercore.quant import triton_wo as TW  # noqa: E402
+
+
+def _dispatched(kind: str, x: torch.Tensor, q, n: int, k: int) -> str:
+    """The kernel the dispatcher picks for this call (a label for the JSON)."""
+    m = x.shape[0]
+    mb = triton.next_power_of_2(m)
+    tuned = next((TW.MODE6_TUNED[(kind, n, k, b)] for b in (mb, 2 * mb, 4 * mb) if (kind, n, k, b) in TW.MODE6_TUNED),
+                 None)
+    if tuned is not None:
+        return f"MODE 6 {tuned}"
+    kp = q.qweight.shape[1] * (2 if kind == "int4" else 1)
+    cfg = TW._small_cfg(kind, n, kp, m, kp, x.device, None)
+    return f"MODE {cfg['MODE']} {cfg}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    timer = lambda c, n: time_graph(c, n, reps=7, warmup=1)
+    cases = []
+    torch.manual_seed(0)
+    for sname, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda") * 0.02
+        w16 = w.to(torch.bfloat16)
+        c16 = max(1, math.ceil(WORKING_SET / (n * k * 2)))
+        w16s = [w16] + [w16.clone() for _ in range(c16 - 1)]
+        for kind in ("int4", "fp8"):
+            copies = max(1, math.ceil(WORKING_SET / (n * k // (2 if kind == "int4" else 1))))
+            q, qs, fn, qbytes = make_weights(kind, w, copies)
+            wref = q.dequantize(torch.float32)
+            for m in (1, 4, 16):
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                err = rel_err(fn(x, q), x.float() @ wref.T)
+                if not err < 1e-2:
+                    raise RuntimeError(f"{kind} {sname} M={m}: relative error {err:.3g}")
+                for qq in qs:  # eager first calls: repacks made outside the graph
+                    fn(x, qq)
+                n_calls = math.ceil(max(copies, 24) / copies) * copies
+                us = timer(lambda i: fn(x, qs[i % copies]), n_calls) * 1e6
+                peers = {"bf16 F.linear": timer(lambda i: F.linear(x, w16s[i % c16]),
+                                                math.ceil(n_calls / c16) * c16) * 1e6}
+                if kind == "int4":
+                    peers["tinygemm int4"] = timer(tinygemm_calls(n, k, copies, x), n_calls) * 1e6
+                floor_us = (qbytes + (m * k + m * n) * 2) / bw * 1e6
+                tf = lambda t: 2 * m * n * k / (t * 1e-6) / 1e12
+                label = "W4A16 g128" if kind == "int4" else "FP8 weight-only emulated"
+                kernel = _dispatched(kind, x, q, n, k)
+                cases.append(case(f"{label} {sname} M={m}", metric="effective TFLOP/s", unit="TFLOP/s", ours=tf(us),
+                                  peers={p: tf(t) for p, t in peers.items()}, floor=tf(floor_us), ours_us=us,
+                                  peers_us=peers, floor_us=floor_us, vs_bf16=peers["bf16 F.linear"] / us,
+                                  kernel=kernel, rel_err=err))
+                print(f"{kind:4s} {sname:24s} M={m:2d} {us:7.2f} us | bf16 {peers['bf16 F.linear']:7.2f}"
+                      f" tinygemm {peers.get('tinygemm int4', float('nan')):7.2f} floor {floor_us:6.2f}"
+                      f" | x bf16 {peers['bf16 F.linear'] / us:5.2f} | {kernel}", flush=True)
+    doc = write_results(args.out, "quant_wo_dispatch", torch.cuda.get_device_name(), cases)
+    doc["copy_bw_TBps"] = bw / 1e12
+    import json
+
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

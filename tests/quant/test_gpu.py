@@ -47,13 +47,31 @@ def test_wq_bf16(m, bits, group, sym):
     assert _rel(wq_matmul(x, w), R.wq_matmul_ref(x, w)) < 1e-2
 
 
-@pytest.mark.parametrize("m", [1, 16, 200])
+@pytest.mark.parametrize("m", [1, 16, 200, 300])
 @pytest.mark.parametrize("block", [None, 128])
 def test_fp8_emulated_bf16(m, block):
     torch.manual_seed(0)
     w = FP8Weight.quantize(torch.randn(1000, 1024, device=dev) * 0.02, block_size=block)
     x = torch.randn(m, 1024, device=dev, dtype=torch.bfloat16)
     assert _rel(fp8_wo_matmul(x, w), R.fp8_wo_matmul_ref(x, w)) < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["int4", "int4-sym", "int8", "fp8", "fp8-block"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_large_m_decode_bit_exact_on_gpu(kind, dtype):
+    """The large-M path's one-pass decode (``triton_dequant``) rounds like ``dequantize(dtype)``."""
+    from infercore.quant.triton_dequant import dequant_fp8_triton, dequant_int_triton
+
+    torch.manual_seed(0)
+    wf = torch.randn(1000, 1100, device=dev) * torch.logspace(-2, 1, 1100, device=dev)
+    if kind.startswith("fp8"):
+        w = FP8Weight.quantize(wf, block_size=128 if kind == "fp8-block" else None)
+        got = dequant_fp8_triton(w, dtype)
+    else:
+        w = IntWeight.quantize(wf, bits=8 if kind == "int8" else 4, group_size=None if kind == "int8" else 128,
+                               symmetric=kind != "int4")
+        got = dequant_int_triton(w, dtype)
+    assert torch.equal(got, w.dequantize(dtype))
 
 
 @pytest.mark.parametrize("mode", [1, 2, 4, 5])

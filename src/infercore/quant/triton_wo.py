@@ -32,6 +32,7 @@ import os
 import weakref
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -42,6 +43,7 @@ from . import triton_frag as TF
 from ._splitk import arrival_counters
 from .formats import FP8_BLOCK, FP8Weight, GGUFWeight, IntWeight
 from .gguf import BLOCK_BYTES
+from .triton_dequant import dequant_fp8_triton, dequant_int_triton, use_dequant
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # INFERCORE_QUANT_AUTOTUNE=0 keeps only the first GPU config of each kernel (fast test runs).
@@ -419,6 +421,8 @@ def wq_matmul_triton(
             y = _launch_small(_wq_small_kernel, x, w.qweight, (w.scales, zeros), (k, kp), n, kp, cfg,
                               BITS=w.bits, GROUP=group, HAS_ZEROS=w.zeros is not None,
                               MAGIC=_MAGIC[x.dtype][0], MAGIC_BASE=_MAGIC[x.dtype][1])
+    elif use_dequant(x, "int"):  # many rows: decode the weight once, then the library GEMM (triton_dequant)
+        y = F.linear(x, dequant_int_triton(w, x.dtype))
     else:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
@@ -1367,6 +1371,8 @@ def fp8_wo_matmul_triton(
         else:
             y = _launch_small(_fp8_small_kernel, x, w.qweight, (w.scales,), (k,), n, k, cfg,
                               SCALE_BLOCK=scale_block, DECODE=decode, FOLD=fold)
+    elif use_dequant(x, "fp8"):
+        y = F.linear(x, dequant_fp8_triton(w, x.dtype))
     else:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)

@@ -90,7 +90,7 @@ def run_variant(cfg: dict, scheme: str | None, skip: tuple, dev: torch.device, a
     rate = (args.new - 1) / max(tn - t1, 1e-9)
     steady = steady_decode(eng, torch.tensor([prompt]), args.new)
     tokens = ours(16)[0].token_ids
-    return {"rate": rate, "steady": steady, "read_bytes": rb, "first16": tokens}
+    return {"rate": rate, "steady": steady, "read_bytes": rb, "first16": tokens, "first_token_s": t1}
 
 
 def main() -> None:
@@ -135,7 +135,8 @@ def main() -> None:
         r = res[name]
         r["floor"] = bw / (r["read_bytes"] + mean_ctx * kv_per_token)
         print(f"{name:26s} decode {r['rate']:8.1f} tok/s (steady {r['steady']:8.1f}) floor {r['floor']:8.1f} "
-              f"weights read {r['read_bytes'] / 1e9:6.2f} GB", flush=True)
+              f"weights read {r['read_bytes'] / 1e9:6.2f} GB, first token {r['first_token_s'] * 1e3:6.1f} ms",
+              flush=True)
     base = res.get("bf16", {})
     cases = []
     for name, _, _ in VARIANTS:
@@ -152,7 +153,8 @@ def main() -> None:
                           metric="decode throughput", unit="tok/s", ours=r["rate"], peers=peers, floor=r["floor"],
                           steady_decode_tok_s=r["steady"], weight_bytes_read=r["read_bytes"],
                           copy_bw_TBps=bw / 1e12, speedup_vs_bf16=speedup, target_speedup=TARGET.get(name),
-                          greedy_first16_agree_with_bf16=agree))
+                          greedy_first16_agree_with_bf16=agree,
+                          first_token_ms=r["first_token_s"] * 1e3))  # the prompt's prefill + one sampled token
         if speedup is not None:
             target = f" (target {TARGET[name]}x)" if name in TARGET else " (no target: lm_head quantized too)"
             print(f"{name}: {speedup:.2f}x bf16{target}", flush=True)

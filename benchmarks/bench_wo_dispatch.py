@@ -4,7 +4,8 @@ the Llama-3.1-8B linear shapes, M = 1, 4, 16, against bf16 ``F.linear`` (cuBLAS)
 over weight copies larger than the L2 (``sweep_quant_wo.py``'s timing), so the weights stream from HBM
 as in decode. Each call is first checked against ``dequantize()`` + an fp32 matmul. The floor is the
 bytes moved over the copy bandwidth measured here. Per case: which kernel the dispatcher chose
-(MODE 4 / 5 / 6, WN) and the ratio to bf16.
+(MODE 4 / 5 / 6, WN), the ratio to bf16, and ``eager_us_per_call``: back-to-back eager calls on one weight,
+which the host's dispatch (Python and Triton's launcher) bounds at these sizes.
 
     python benchmarks/bench_wo_dispatch.py --out $OUT/r/quant_wo_dispatch.json     # H200, ~2 min
 """
@@ -16,6 +17,7 @@ import argparse
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +76,15 @@ def main() -> None:
                                                 math.ceil(n_calls / c16) * c16) * 1e6}
                 if kind == "int4":
                     peers["tinygemm int4"] = timer(tinygemm_calls(n, k, copies, x), n_calls) * 1e6
+                # eager: back-to-back calls on one weight (host-bound when the host's dispatch is the longer)
+                for _ in range(20):
+                    fn(x, q)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(300):
+                    fn(x, q)
+                torch.cuda.synchronize()
+                eager_us = (time.perf_counter() - t0) / 300 * 1e6
                 floor_us = (qbytes + (m * k + m * n) * 2) / bw * 1e6
                 tf = lambda t: 2 * m * n * k / (t * 1e-6) / 1e12
                 label = "W4A16 g128" if kind == "int4" else "FP8 weight-only emulated"
@@ -81,10 +92,10 @@ def main() -> None:
                 cases.append(case(f"{label} {sname} M={m}", metric="effective TFLOP/s", unit="TFLOP/s", ours=tf(us),
                                   peers={p: tf(t) for p, t in peers.items()}, floor=tf(floor_us), ours_us=us,
                                   peers_us=peers, floor_us=floor_us, vs_bf16=peers["bf16 F.linear"] / us,
-                                  kernel=kernel, rel_err=err))
+                                  kernel=kernel, rel_err=err, eager_us_per_call=eager_us))
                 print(f"{kind:4s} {sname:24s} M={m:2d} {us:7.2f} us | bf16 {peers['bf16 F.linear']:7.2f}"
                       f" tinygemm {peers.get('tinygemm int4', float('nan')):7.2f} floor {floor_us:6.2f}"
-                      f" | x bf16 {peers['bf16 F.linear'] / us:5.2f} | {kernel}", flush=True)
+                      f" | x bf16 {peers['bf16 F.linear'] / us:5.2f} | eager {eager_us:6.1f} | {kernel}", flush=True)
     doc = write_results(args.out, "quant_wo_dispatch", torch.cuda.get_device_name(), cases)
     doc["copy_bw_TBps"] = bw / 1e12
     import json

@@ -66,6 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..devices import capability
 from ..ops.linear.triton import ACTIVATIONS, _act_mul
 from ..ops.pdl import GEMV_PREWAIT, pdl_enabled, pdl_launch, pdl_release, pdl_wait
 from ._splitk import arrival_counters
@@ -949,7 +950,7 @@ def supported(x: torch.Tensor) -> bool:
         return False
     if x.stride(-1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8:
         return False
-    return torch.cuda.get_device_capability(x.device)[0] >= 8
+    return capability(x.device).at_least(8)  # (cached per device: this runs on every decode-sized call)
 
 
 def _asm(kind: str, nb: int, f16: bool, bscale: bool) -> tuple[str, str]:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..devices import capability
 from ..ops.activation import GATED_ACTS, gated_act_and_mul
 from ..ops.linear.triton import ACTIVATIONS, _act_mul
 from ..ops.pdl import GEMV_PREWAIT, pdl_enabled, pdl_launch, pdl_release, pdl_wait
@@ -85,7 +86,7 @@ def _m_bucket(m: int) -> int:
 
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return capability(device).multiprocessors  # cached: called on every small-M call
     return 4
 
 

@@ -61,7 +61,7 @@ def main() -> None:
                 times, errs = {}, {}
                 default = dict(TD.DEQUANT_M_MIN)
                 for label, thr in (("fused Triton GEMM", 0), ("decode + cuBLAS", 1)):
-                    TD.DEQUANT_M_MIN = {"int": thr, "fp8": thr}
+                    TD.DEQUANT_M_MIN = {"int4": thr, "fp8": thr}
                     errs[label] = rel_err(fn(x, q), ref)
                     times[label] = timer(lambda i: fn(x, qs[i % copies]), 2 * copies) * 1e6
                 TD.DEQUANT_M_MIN = default
@@ -70,7 +70,7 @@ def main() -> None:
                 if max(errs.values()) > 1e-2:
                     raise RuntimeError(f"{kind} {sname} M={m}: relative errors {errs}")
                 tf = lambda t: 2 * m * n * k / (t * 1e-6) / 1e12
-                thr = default["int" if kind == "int4" else "fp8"]
+                thr = default[kind]
                 path = "decode + cuBLAS" if 0 < thr <= m else "fused Triton GEMM"
                 label = "W4A16 g128" if kind == "int4" else "FP8 weight-only emulated"
                 cases.append(case(f"{label} {sname} M={m}", metric="effective TFLOP/s", unit="TFLOP/s",

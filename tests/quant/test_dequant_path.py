@@ -47,17 +47,19 @@ def test_matmuls_take_the_decode_path_from_the_threshold(monkeypatch):
     for name in ("dequant_int_triton", "dequant_fp8_triton"):
         real = getattr(triton_wo, name)
         monkeypatch.setattr(triton_wo, name, lambda w, dt, real=real, name=name: calls.append(name) or real(w, dt))
-    monkeypatch.setattr(triton_dequant, "DEQUANT_M_MIN", {"int": 24, "fp8": 24})
-    x = torch.randn(24, 96, dtype=torch.float16)
-    assert triton_dequant.use_dequant(x, "int") and not triton_dequant.use_dequant(x[:23], "fp8")
-    assert not triton_dequant.use_dequant(x.float(), "int")  # fp32 activations keep the fused kernels
+    rows = triton_wo.WORDS_M_MAX + 8  # past the small-M kernels
+    monkeypatch.setattr(triton_dequant, "DEQUANT_M_MIN", {"int4": rows, "fp8": rows})
+    x = torch.randn(rows, 96, dtype=torch.float16)
+    assert triton_dequant.use_dequant(x, "int4") and not triton_dequant.use_dequant(x[:-1], "fp8")
+    assert not triton_dequant.use_dequant(x.float(), "int4")  # fp32 activations keep the fused kernels
+    assert not triton_dequant.use_dequant(x, "int8")  # INT8 weights keep the tiled GEMM
     y = triton_wo.wq_matmul_triton(x, w4, bias)
     assert _rel(y, R.wq_matmul_ref(x.float(), w4) + bias) < 2e-3
     y = triton_wo.fp8_wo_matmul_triton(x, f8, act="silu")
     h = x.float() @ f8.dequantize().T
-    assert y.shape == (24, 32) and _rel(y, torch.nn.functional.silu(h[:, :32]) * h[:, 32:]) < 5e-3
+    assert y.shape == (rows, 32) and _rel(y, torch.nn.functional.silu(h[:, :32]) * h[:, 32:]) < 5e-3
     assert calls == ["dequant_int_triton", "dequant_fp8_triton"]
-    monkeypatch.setattr(triton_dequant, "DEQUANT_M_MIN", {"int": 0, "fp8": 0})  # 0: off
-    assert not triton_dequant.use_dequant(x, "int")
+    monkeypatch.setattr(triton_dequant, "DEQUANT_M_MIN", {"int4": 0, "fp8": 0})  # 0: off
+    assert not triton_dequant.use_dequant(x, "int4")
     triton_wo.wq_matmul_triton(x, w4)
     assert calls == ["dequant_int_triton", "dequant_fp8_triton"]

@@ -38,7 +38,7 @@ def test_fp8_decode_bit_exact_on_gpu():
     assert torch.equal(got[ok].view(torch.int32), ref[ok].view(torch.int32))
 
 
-@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("m", [1, 7, 40, 64, 300])
 @pytest.mark.parametrize("bits,group,sym", [(4, 128, False), (4, 128, True), (8, None, True)])
 def test_wq_bf16(m, bits, group, sym):
     torch.manual_seed(0)
@@ -47,7 +47,7 @@ def test_wq_bf16(m, bits, group, sym):
     assert _rel(wq_matmul(x, w), R.wq_matmul_ref(x, w)) < 1e-2
 
 
-@pytest.mark.parametrize("m", [1, 16, 200, 300])
+@pytest.mark.parametrize("m", [1, 16, 40, 64, 200, 300])
 @pytest.mark.parametrize("block", [None, 128])
 def test_fp8_emulated_bf16(m, block):
     torch.manual_seed(0)

@@ -50,6 +50,25 @@ def test_wq_small_fp16_rows_up_to_16(mode):
     assert y.dtype == torch.float16 and _err(y, R.wq_matmul_ref(x, w, bias)) < 2e-3
 
 
+@pytest.mark.parametrize("m", [17, 40, 64, 65])
+def test_rows_up_to_words_max_take_the_small_path(m, monkeypatch):
+    """16-bit activations with INT4 / FP8 weights stay on the small-M kernels up to WORDS_M_MAX rows
+    (MODE 5 on the GPU, its interpreter stand-in here), then move to the tiled GEMM."""
+    torch.manual_seed(m)
+    w4 = IntWeight.quantize(torch.randn(48, 256), bits=4, group_size=64)
+    f8 = FP8Weight.quantize(torch.randn(48, 256))
+    x = torch.randn(m, 256).half()
+    calls = []
+    real = triton_wo._small_plan
+    monkeypatch.setattr(triton_wo, "_small_plan", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    assert _err(triton_wo.wq_matmul_triton(x, w4), R.wq_matmul_ref(x, w4)) < 2e-3
+    assert _err(triton_wo.fp8_wo_matmul_triton(x, f8), x.float() @ f8.dequantize().T) < 2e-3
+    assert calls == (["int4", "fp8"] if m <= triton_wo.WORDS_M_MAX else [])
+    w8 = IntWeight.quantize(torch.randn(48, 256), bits=8, group_size=64)  # INT8: no MODE 5, so the GEMM
+    assert _err(triton_wo.wq_matmul_triton(x, w8), R.wq_matmul_ref(x, w8)) < 2e-3
+    assert len(calls) == (2 if m <= triton_wo.WORDS_M_MAX else 0)
+
+
 def test_wq_small_default_config_picks_split():
     w = IntWeight.quantize(torch.randn(32, 1024), bits=4, group_size=64)
     cfg = triton_wo._small_cfg("int4", 32, 1024, 1, 64, torch.device("cpu"), None)

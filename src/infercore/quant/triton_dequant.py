@@ -13,7 +13,7 @@ in x's dtype per call (235 MB for the 8B gate_up), from the caching allocator.
 The decode is the formats' own ``dequantize()`` arithmetic in fp32 and rounds once to the output
 dtype, so it equals ``w.dequantize(dtype)`` bit for bit (INT: ``(q - z) * s``; FP8: the e4m3 value by
 the integer decode, times its channel or 128x128 block scale). ``DEQUANT_M_MIN`` rows and up take
-this path (128 INT, 192 FP8, measured; ``INFERCORE_WO_DEQUANT_M`` sets both, 0 turns it off).
+this path (96 INT4, 192 FP8, measured; INT8 never; ``INFERCORE_WO_DEQUANT_M`` sets both, 0 turns it off).
 """
 
 from __future__ import annotations
@@ -29,16 +29,18 @@ from .formats import FP8Weight, IntWeight
 _ENV = os.environ.get("INFERCORE_WO_DEQUANT_M")
 if _ENV is not None and not _ENV.isdigit():
     raise ValueError(f"INFERCORE_WO_DEQUANT_M: expected a non-negative integer, got {_ENV!r}")
-# From this many rows (16-bit activations) the weight-only matmuls decode the weight and call cuBLAS:
-# the smallest M from which that won on every 8B MLP shape on the H200 (results/h200/quant_wo_large_m.json).
-# INFERCORE_WO_DEQUANT_M sets both (0: never).
-DEQUANT_M_MIN: dict[str, int] = {"int": 128, "fp8": 192} if _ENV is None else {"int": int(_ENV), "fp8": int(_ENV)}
+# From this many rows (16-bit activations) the weight-only matmuls decode the weight and call cuBLAS: INT4
+# from 96 (it beat the tiled GEMM on every shape measured there, results/h200/quant_wo_mid_m.json; below 65
+# rows the small-M kernel serves INT4), FP8 from 192 (the smallest M from which it won on every 8B MLP shape,
+# quant_wo_large_m.json). INT8 weights keep the tiled GEMM (not measured). INFERCORE_WO_DEQUANT_M sets both
+# (0: never).
+DEQUANT_M_MIN: dict[str, int] = {"int4": 96, "fp8": 192} if _ENV is None else {"int4": int(_ENV), "fp8": int(_ENV)}
 
 
 def use_dequant(x: torch.Tensor, kind: str) -> bool:
-    """Whether a weight-only matmul over ``x [M, K]`` with ``kind`` ("int" / "fp8") weights takes the
-    decode + library GEMM path."""
-    return 0 < DEQUANT_M_MIN[kind] <= x.shape[0] and x.dtype in (torch.bfloat16, torch.float16)
+    """Whether a weight-only matmul over ``x [M, K]`` with ``kind`` ("int4" / "int8" / "fp8") weights takes
+    the decode + library GEMM path."""
+    return 0 < DEQUANT_M_MIN.get(kind, 0) <= x.shape[0] and x.dtype in (torch.bfloat16, torch.float16)
 
 
 @triton.jit

@@ -70,6 +70,10 @@ def _interp_cfg() -> triton.Config:
 
 # Up to this many rows the small-M (decode) kernels run; above, the tiled GEMMs.
 SMALL_M_MAX = 16
+# ... and up to this many the tensor-core words kernel (MODE 5) still runs where it can (INT4 / FP8 weights,
+# 16-bit activations): its time barely grows with the rows, while the tiled GEMM took 2-3x bf16's time
+# at 32-64 rows (results/h200/quant_wo_mid_m.json).
+WORDS_M_MAX = 64
 # Up to this many rows MODE 4 (the CUDA-core GEMV over int32 words) can run.
 GEMV_M_MAX = 4
 
@@ -382,8 +386,8 @@ def wq_matmul_triton(
     """``x [M, K]`` (fp16/bf16/fp32) times INT4/INT8 ``w`` (logical ``[N, K]``) -> ``[M, N]`` in
     ``x.dtype``.
 
-    ``bias``: optional ``[N]``. ``config`` (M <= ``SMALL_M_MAX`` only; benchmarks/sweeps): the
-    small-M launch parameters ``{"MODE", "BLOCK_N", "BLOCK_K", "SPLIT", "num_warps", "num_stages"}``
+    ``bias``: optional ``[N]``. ``config`` (the small-M path only, see ``_small_rows``; benchmarks/sweeps):
+    the small-M launch parameters ``{"MODE", "BLOCK_N", "BLOCK_K", "SPLIT", "num_warps", "num_stages"}``
     (see ``_small_cfg``) instead of the tuned table / heuristic.
     ``act`` (``"silu"``, ``"gelu_tanh"``, ``"gelu"``): ``w`` is a merged ``[gate; up]`` weight and the
     result is ``act(gate) * up`` ``[M, N // 2]``, in MODE 4's epilogue when that path runs (no bias),
@@ -403,7 +407,7 @@ def wq_matmul_triton(
     if y is not None:
         if fused is not None:
             return y
-    elif m <= SMALL_M_MAX:
+    elif _small_rows(f"int{w.bits}", x, w.qweight, group):
         ilv = min(group, ILV_CODES)
         cfg, words = _small_plan(f"int{w.bits}", x, w.qweight, n, kp, group, config,
                                  lambda: interleave_words(_pad_codes(w.codes(), ilv), w.bits, ilv))
@@ -422,7 +426,7 @@ def wq_matmul_triton(
             y = _launch_small(_wq_small_kernel, x, w.qweight, (w.scales, zeros), (k, kp), n, kp, cfg,
                               BITS=w.bits, GROUP=group, HAS_ZEROS=w.zeros is not None,
                               MAGIC=_MAGIC[x.dtype][0], MAGIC_BASE=_MAGIC[x.dtype][1])
-    elif use_dequant(x, "int"):  # many rows: decode the weight once, then the library GEMM (triton_dequant)
+    elif use_dequant(x, f"int{w.bits}"):  # many rows: decode the weight once, then cuBLAS (triton_dequant)
         y = F.linear(x, dequant_int_triton(w, x.dtype))
     else:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -636,6 +640,12 @@ def _small_plan(kind: str, x: torch.Tensor, qweight: torch.Tensor, n: int, kdim:
         ok = _mode5_ok(kind, x, qweight, min(_MODE5_DEFAULT["BLOCK_K"], kmax))
         cfg = _small_cfg(kind, n, kdim, m, kmax, x.device, dict(_MODE5_DEFAULT if ok else _MODE2_DEFAULT))
     return cfg, words
+
+
+def _small_rows(kind: str, x: torch.Tensor, qweight: torch.Tensor, kmax: int) -> bool:
+    """Whether the small-M kernels take ``x``: up to SMALL_M_MAX rows, or WORDS_M_MAX where MODE 5 runs."""
+    m = x.shape[0]
+    return m <= SMALL_M_MAX or (m <= WORDS_M_MAX and _mode5_ok(kind, x, qweight, min(_MODE5_DEFAULT["BLOCK_K"], kmax)))
 
 
 def _mode5_ok(kind: str, x: torch.Tensor, qweight: torch.Tensor, block_k: int) -> bool:
@@ -1356,7 +1366,7 @@ def fp8_wo_matmul_triton(
     if y is not None:
         if fused is not None:
             return y
-    elif m <= SMALL_M_MAX:
+    elif _small_rows("fp8", x, w.qweight, scale_block or max(triton.next_power_of_2(k), 64)):
         kmax = scale_block or max(triton.next_power_of_2(k), 64)
         cfg, words = _small_plan("fp8", x, w.qweight, n, k, kmax, config,
                                  lambda: interleave_words(_pad_codes(w.qweight, ILV_CODES), 8, ILV_CODES))

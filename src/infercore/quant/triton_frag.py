@@ -356,6 +356,81 @@ def _frag_act_store(y_ptr, tot, j: tl.constexpr, pb, M, N, stride_ym, g, t, CT: 
 
 
 @triton.jit
+def _k_loads(WN: tl.constexpr, wp, it, pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2, xmask2, sz_rows,
+             s_ptr, zero, FP8: tl.constexpr, BSCALE: tl.constexpr, NB: tl.constexpr, R: tl.constexpr,
+             CT: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr, GPI: tl.constexpr, LOAD_W: tl.constexpr,
+             LOAD_X: tl.constexpr):
+    """Iteration ``it``'s loads in either kernel's layout; the WN layout's one scale word stands for both."""
+    if WN:
+        (w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, sc) = _wn_loads(
+            wp, it * REPS, G, warp, lane, offs_c, x8, xrow, xmask, xrow2, xmask2, sz_rows, s_ptr, zero, FP8, BSCALE,
+            NB, CT, REPS, LOAD_W, LOAD_X)
+        return w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, sc, sc
+    else:
+        return _frag_iter_loads(wp, it, pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows, s_ptr,
+                                zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, LOAD_W, LOAD_X)
+
+
+@triton.jit
+def _k_loop(WN: tl.constexpr, wp, pb, G, it0, it1, n_iters, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2, xmask2,
+            sz_rows, s_ptr, zero, FP8: tl.constexpr, BSCALE: tl.constexpr, NB: tl.constexpr, R: tl.constexpr,
+            CT: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr, GPI: tl.constexpr, ASM: tl.constexpr,
+            CONS: tl.constexpr, DEPTH: tl.constexpr, USE_PDL: tl.constexpr, PREWAIT: tl.constexpr):
+    """Both kernels' K loop over iterations ``[it0, it1)``: the accumulators ``a0 .. a7`` (``[R, CT]``)."""
+    a0 = tl.zeros([R, CT], dtype=tl.float32)
+    a1 = tl.zeros([R, CT], dtype=tl.float32)
+    a2 = tl.zeros([R, CT], dtype=tl.float32)
+    a3 = tl.zeros([R, CT], dtype=tl.float32)
+    a4 = tl.zeros([R, CT], dtype=tl.float32)
+    a5 = tl.zeros([R, CT], dtype=tl.float32)
+    a6 = tl.zeros([R, CT], dtype=tl.float32)
+    a7 = tl.zeros([R, CT], dtype=tl.float32)
+    # Software pipeline by hand: the loads of iterations it + 1 .. it + DEPTH are issued before iteration
+    # it's MMAs (loop-carried registers), so each warp keeps DEPTH iterations in flight while it decodes.
+    # (Staging them through shared memory with tl.range(num_stages) measured slower: see the module doc.)
+    # PREWAIT (with PDL): the first DEPTH iterations' weights and scales are loaded before the wait (no
+    # kernel of the step writes them), their activations after it.
+    if not PREWAIT:
+        pdl_wait(USE_PDL)
+    (w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1) = _k_loads(
+        WN, wp, tl.minimum(it0, n_iters - 1), pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2, xmask2,
+        sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, True, not PREWAIT)
+    # the set after it (DEPTH 2); with DEPTH 1 a copy of the first, never read
+    (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = (
+        w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1)
+    if DEPTH == 2:
+        (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = _k_loads(
+            WN, wp, tl.minimum(it0 + 1, n_iters - 1), pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2,
+            xmask2, sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, True, not PREWAIT)
+    if PREWAIT:
+        pdl_wait(USE_PDL)
+        (t0, t1, t2, t3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, t4, t5) = _k_loads(
+            WN, wp, tl.minimum(it0, n_iters - 1), pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2, xmask2,
+            sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, False, True)
+        (na0, na1, na2, na3, nb0, nb1, nb2, nb3) = (xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3)
+        if DEPTH == 2:
+            (t0, t1, t2, t3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, t4, t5) = _k_loads(
+                WN, wp, tl.minimum(it0 + 1, n_iters - 1), pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2,
+                xmask2, sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, False, True)
+    for it in range(it0, it1):
+        (m0, m1, m2, m3, ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3, ms0, ms1) = _k_loads(
+            WN, wp, tl.minimum(it + DEPTH, it1 - 1), pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2,
+            xmask2, sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, True, True)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_iter_mma(
+            w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1, a0, a1, a2, a3, a4, a5, a6, a7, zero,
+            FP8, BSCALE, NB, WARPS, REPS, ASM, CONS)
+        if DEPTH == 2:  # rotate: the next set becomes current, the one just issued becomes next
+            w0, w1, w2, w3, xa0, xa1, xa2, xa3 = n0, n1, n2, n3, na0, na1, na2, na3
+            xb0, xb1, xb2, xb3, s0, s1 = nb0, nb1, nb2, nb3, ns0, ns1
+            n0, n1, n2, n3, na0, na1, na2, na3 = m0, m1, m2, m3, ma0, ma1, ma2, ma3
+            nb0, nb1, nb2, nb3, ns0, ns1 = mb0, mb1, mb2, mb3, ms0, ms1
+        else:
+            w0, w1, w2, w3, xa0, xa1, xa2, xa3 = m0, m1, m2, m3, ma0, ma1, ma2, ma3
+            xb0, xb1, xb2, xb3, s0, s1 = mb0, mb1, mb2, mb3, ms0, ms1
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
 def _frag_kernel(
     x_ptr, qw_ptr, s_ptr, ws_ptr, y_ptr, cnt_ptr,
     M, N, G, iters_per_split, stride_xm, stride_ym,
@@ -395,57 +470,10 @@ def _frag_kernel(
     xrow2 = (g + 8) * (stride_xm // 4) + 8 * t
     xmask2 = g + 8 < M
     sz_rows = (pb * G * 8 + g)[:, None] * CT + offs_c[None, :]  # int64 units of the scale / zero-point words
-    a0 = tl.zeros([R, CT], dtype=tl.float32)
-    a1 = tl.zeros([R, CT], dtype=tl.float32)
-    a2 = tl.zeros([R, CT], dtype=tl.float32)
-    a3 = tl.zeros([R, CT], dtype=tl.float32)
-    a4 = tl.zeros([R, CT], dtype=tl.float32)
-    a5 = tl.zeros([R, CT], dtype=tl.float32)
-    a6 = tl.zeros([R, CT], dtype=tl.float32)
-    a7 = tl.zeros([R, CT], dtype=tl.float32)
     zero = tl.zeros([R, CT], dtype=tl.float32)
-    # Software pipeline by hand: the loads of iterations it + 1 .. it + DEPTH are issued before iteration
-    # it's MMAs (loop-carried registers), so each warp keeps DEPTH iterations in flight while it decodes.
-    # (Staging them through shared memory with tl.range(num_stages) measured slower: see the module doc.)
-    # PREWAIT (with PDL): the first DEPTH iterations' weights and scales are loaded before the wait (no
-    # kernel of the step writes them), their activations after it.
-    if not PREWAIT:
-        pdl_wait(USE_PDL)
-    (w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1) = _frag_iter_loads(
-        wp, tl.minimum(it0, n_iters - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows, s_ptr,
-        zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, True, not PREWAIT)
-    # the set after it (DEPTH 2); with DEPTH 1 a copy of the first, never read
-    (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = (
-        w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1)
-    if DEPTH == 2:
-        (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = _frag_iter_loads(
-            wp, tl.minimum(it0 + 1, n_iters - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2,
-            sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, True, not PREWAIT)
-    if PREWAIT:
-        pdl_wait(USE_PDL)
-        (t0, t1, t2, t3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, t4, t5) = _frag_iter_loads(
-            wp, tl.minimum(it0, n_iters - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2, sz_rows,
-            s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, False, True)
-        (na0, na1, na2, na3, nb0, nb1, nb2, nb3) = (xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3)
-        if DEPTH == 2:
-            (t0, t1, t2, t3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, t4, t5) = _frag_iter_loads(
-                wp, tl.minimum(it0 + 1, n_iters - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2,
-                sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, False, True)
-    for it in range(it0, it1):
-        (m0, m1, m2, m3, ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3, ms0, ms1) = _frag_iter_loads(
-            wp, tl.minimum(it + DEPTH, it1 - 1), pb, G, offs_r, offs_c, warp, x8, xrow, xmask, xrow2, xmask2,
-            sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_iter_mma(
-            w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1, a0, a1, a2, a3, a4, a5, a6, a7, zero,
-            FP8, BSCALE, NB, WARPS, REPS, ASM, CONS)
-        if DEPTH == 2:  # rotate: the next set becomes current, the one just issued becomes next
-            w0, w1, w2, w3, xa0, xa1, xa2, xa3 = n0, n1, n2, n3, na0, na1, na2, na3
-            xb0, xb1, xb2, xb3, s0, s1 = nb0, nb1, nb2, nb3, ns0, ns1
-            n0, n1, n2, n3, na0, na1, na2, na3 = m0, m1, m2, m3, ma0, ma1, ma2, ma3
-            nb0, nb1, nb2, nb3, ns0, ns1 = mb0, mb1, mb2, mb3, ms0, ms1
-        else:
-            w0, w1, w2, w3, xa0, xa1, xa2, xa3 = m0, m1, m2, m3, ma0, ma1, ma2, ma3
-            xb0, xb1, xb2, xb3, s0, s1 = mb0, mb1, mb2, mb3, ms0, ms1
+    a0, a1, a2, a3, a4, a5, a6, a7 = _k_loop(
+        False, wp, pb, G, it0, it1, n_iters, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2, xmask2, sz_rows,
+        s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, ASM, CONS, DEPTH, USE_PDL, PREWAIT)
     r0 = _lane_sum(a0, WARPS, CT)
     r1 = _lane_sum(a1, WARPS, CT)
     r2 = _lane_sum(a2, WARPS, CT)
@@ -559,23 +587,6 @@ def _wn_load(wb, rows, rep: tl.constexpr, offs_c, x8, xrow, xmask, xrow2, xmask2
 
 
 @triton.jit
-def _wn_mma(w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, sc, a0, a1, a2, a3, a4, a5, a6, a7, zero,
-            FP8: tl.constexpr, BSCALE: tl.constexpr, NB: tl.constexpr, REPS: tl.constexpr, ASM: tl.constexpr,
-            CONS: tl.constexpr):
-    a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w0, sc, xa0, xb0, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8, BSCALE,
-                                                NB, ASM, CONS)
-    if REPS > 1:
-        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w1, sc, xa1, xb1, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8,
-                                                    BSCALE, NB, ASM, CONS)
-    if REPS > 2:
-        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w2, sc, xa2, xb2, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8,
-                                                    BSCALE, NB, ASM, CONS)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w3, sc, xa3, xb3, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8,
-                                                    BSCALE, NB, ASM, CONS)
-    return a0, a1, a2, a3, a4, a5, a6, a7
-
-
-@triton.jit
 def _wn_rows(j: tl.constexpr, pbw, g, t, offs_c, CT: tl.constexpr):
     """Batch rows ``m [R, 1]`` and channels ``n [R, CT]`` of accumulator ``j`` (``pbw [R]``: each row's
     channel block)."""
@@ -657,50 +668,10 @@ def _frag_wn_kernel(
     xmask = g < M
     xrow2 = (g + 8) * (stride_xm // 4) + 8 * t
     xmask2 = g + 8 < M
-    a0 = tl.zeros([R, CT], dtype=tl.float32)
-    a1 = tl.zeros([R, CT], dtype=tl.float32)
-    a2 = tl.zeros([R, CT], dtype=tl.float32)
-    a3 = tl.zeros([R, CT], dtype=tl.float32)
-    a4 = tl.zeros([R, CT], dtype=tl.float32)
-    a5 = tl.zeros([R, CT], dtype=tl.float32)
-    a6 = tl.zeros([R, CT], dtype=tl.float32)
-    a7 = tl.zeros([R, CT], dtype=tl.float32)
     zero = tl.zeros([R, CT], dtype=tl.float32)
-    if not PREWAIT:
-        pdl_wait(USE_PDL)
-    (w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, sc) = _wn_loads(
-        wb, tl.minimum(it0, n_iters - 1) * REPS, G, warp, lane, offs_c, x8, xrow, xmask, xrow2, xmask2, s_rows, s_ptr,
-        zero, FP8, BSCALE, NB, CT, REPS, True, not PREWAIT)
-    (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, nsc) = (
-        w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, sc)
-    if DEPTH == 2:
-        (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, nsc) = _wn_loads(
-            wb, tl.minimum(it0 + 1, n_iters - 1) * REPS, G, warp, lane, offs_c, x8, xrow, xmask, xrow2, xmask2,
-            s_rows, s_ptr, zero, FP8, BSCALE, NB, CT, REPS, True, not PREWAIT)
-    if PREWAIT:
-        pdl_wait(USE_PDL)
-        (t0, t1, t2, t3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, t4) = _wn_loads(
-            wb, tl.minimum(it0, n_iters - 1) * REPS, G, warp, lane, offs_c, x8, xrow, xmask, xrow2, xmask2, s_rows,
-            s_ptr, zero, FP8, BSCALE, NB, CT, REPS, False, True)
-        (na0, na1, na2, na3, nb0, nb1, nb2, nb3) = (xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3)
-        if DEPTH == 2:
-            (t0, t1, t2, t3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, t4) = _wn_loads(
-                wb, tl.minimum(it0 + 1, n_iters - 1) * REPS, G, warp, lane, offs_c, x8, xrow, xmask, xrow2, xmask2,
-                s_rows, s_ptr, zero, FP8, BSCALE, NB, CT, REPS, False, True)
-    for it in range(it0, it1):
-        (m0, m1, m2, m3, ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3, msc) = _wn_loads(
-            wb, tl.minimum(it + DEPTH, it1 - 1) * REPS, G, warp, lane, offs_c, x8, xrow, xmask, xrow2, xmask2,
-            s_rows, s_ptr, zero, FP8, BSCALE, NB, CT, REPS)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _wn_mma(w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, sc, a0, a1,
-                                                 a2, a3, a4, a5, a6, a7, zero, FP8, BSCALE, NB, REPS, ASM, CONS)
-        if DEPTH == 2:
-            w0, w1, w2, w3, xa0, xa1, xa2, xa3 = n0, n1, n2, n3, na0, na1, na2, na3
-            xb0, xb1, xb2, xb3, sc = nb0, nb1, nb2, nb3, nsc
-            n0, n1, n2, n3, na0, na1, na2, na3 = m0, m1, m2, m3, ma0, ma1, ma2, ma3
-            nb0, nb1, nb2, nb3, nsc = mb0, mb1, mb2, mb3, msc
-        else:
-            w0, w1, w2, w3, xa0, xa1, xa2, xa3 = m0, m1, m2, m3, ma0, ma1, ma2, ma3
-            xb0, xb1, xb2, xb3, sc = mb0, mb1, mb2, mb3, msc
+    a0, a1, a2, a3, a4, a5, a6, a7 = _k_loop(
+        True, wb, cb, G, it0, it1, n_iters, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2, xmask2, s_rows,
+        s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, 1, ASM, CONS, DEPTH, USE_PDL, PREWAIT)
     FP8_CHANNEL: tl.constexpr = FP8 and not BSCALE
     if ACT == 0 and not SPLIT_K:
         _wn_out(y_ptr, ws_ptr, a0, 0, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)

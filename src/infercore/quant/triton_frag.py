@@ -356,6 +356,19 @@ def _frag_act_store(y_ptr, tot, j: tl.constexpr, pb, M, N, stride_ym, g, t, CT: 
 
 
 @triton.jit
+def _split_k_last(cnt_ptr, tile, SPLIT_K: tl.constexpr):
+    """Once this program's partials are written: whether it is the last of ``tile``'s split-K programs to
+    arrive (the one that sums them; it resets the counter after), and the split count."""
+    tl.debug_barrier()  # every thread's partial is written before the release below
+    nsplit = tl.num_programs(1)
+    if SPLIT_K:
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    else:
+        done = nsplit - 1
+    return done == nsplit - 1, nsplit
+
+
+@triton.jit
 def _k_loads(WN: tl.constexpr, wp, it, pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2, xmask2, sz_rows,
              s_ptr, zero, FP8: tl.constexpr, BSCALE: tl.constexpr, NB: tl.constexpr, R: tl.constexpr,
              CT: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr, GPI: tl.constexpr, LOAD_W: tl.constexpr,
@@ -515,13 +528,8 @@ def _frag_kernel(
             _frag_out(y_ptr, ws_ptr, r5, 5, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, True, False, 1.0)
             _frag_out(y_ptr, ws_ptr, r6, 6, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, True, False, 1.0)
             _frag_out(y_ptr, ws_ptr, r7, 7, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, True, False, 1.0)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        nsplit = tl.num_programs(1)
-        if SPLIT_K:
-            done = tl.atomic_add(cnt_ptr + pb, 1, sem="acq_rel", scope="gpu")
-        else:
-            done = nsplit - 1
-        if done == nsplit - 1:
+        last, nsplit = _split_k_last(cnt_ptr, pb, SPLIT_K)
+        if last:
             for j in tl.static_range(4 * NB):
                 tot, m, n, mask = _frag_total(ws_ptr, j, pb, nsplit, M, N, g32, t32, offs_c, s_ptr, CT, FP8_CHANNEL,
                                               FOLD)
@@ -693,13 +701,8 @@ def _frag_wn_kernel(
             _wn_out(y_ptr, ws_ptr, a5, 5, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, True, False, 1.0)
             _wn_out(y_ptr, ws_ptr, a6, 6, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, True, False, 1.0)
             _wn_out(y_ptr, ws_ptr, a7, 7, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, True, False, 1.0)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        nsplit = tl.num_programs(1)
-        if SPLIT_K:
-            done = tl.atomic_add(cnt_ptr + cb, 1, sem="acq_rel", scope="gpu")
-        else:
-            done = nsplit - 1
-        if done == nsplit - 1:
+        last, nsplit = _split_k_last(cnt_ptr, cb, SPLIT_K)
+        if last:
             for j in tl.static_range(4 * NB):
                 _wn_total(y_ptr, ws_ptr, j, pbw, nsplit, M, N, stride_ym, g, t, offs_c, s_ptr, R, CT, FP8_CHANNEL,
                           FOLD, ACT)

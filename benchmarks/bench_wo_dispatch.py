@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import case, rel_err, time_graph, write_results  # noqa: E402
-from sweep_quant_wo import SHAPES, WORKING_SET, copy_bandwidth, make_weights, tinygemm_calls  # noqa: E402
+from sweep_quant_wo import SHAPES, bf16_copies, copy_bandwidth, quant_copies, tinygemm_calls  # noqa: E402
 
 from infercore.quant import triton_wo as TW  # noqa: E402
 
@@ -56,12 +56,11 @@ def main() -> None:
     torch.manual_seed(0)
     for sname, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda") * 0.02
-        w16 = w.to(torch.bfloat16)
-        c16 = max(1, math.ceil(WORKING_SET / (n * k * 2)))
-        w16s = [w16] + [w16.clone() for _ in range(c16 - 1)]
+        w16s = bf16_copies(w, 1)
+        c16 = len(w16s)
         for kind in ("int4", "fp8"):
-            copies = max(1, math.ceil(WORKING_SET / (n * k // (2 if kind == "int4" else 1))))
-            q, qs, fn, qbytes = make_weights(kind, w, copies)
+            q, qs, fn, qbytes = quant_copies(kind, w, 1)
+            copies = len(qs)
             wref = q.dequantize(torch.float32)
             for m in (1, 4, 16):
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)

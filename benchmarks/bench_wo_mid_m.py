@@ -14,7 +14,6 @@ the L2 (``sweep_quant_wo.py``'s timing), each checked against ``dequantize()`` +
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
@@ -25,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import case, rel_err, time_graph, write_results  # noqa: E402
-from sweep_quant_wo import SHAPES, WORKING_SET, make_weights  # noqa: E402
+from sweep_quant_wo import SHAPES, bf16_copies, quant_copies  # noqa: E402
 
 from infercore.quant import triton_dequant as TD  # noqa: E402
 from infercore.quant import triton_wo as TW  # noqa: E402
@@ -50,12 +49,11 @@ def main() -> None:
     torch.manual_seed(0)
     for sname, (n, k) in shapes.items():
         w = torch.randn(n, k, device="cuda") * 0.02
-        w16 = w.to(torch.bfloat16)
-        c16 = max(2, math.ceil(WORKING_SET / (n * k * 2)))
-        w16s = [w16] + [w16.clone() for _ in range(c16 - 1)]
+        w16s = bf16_copies(w, 2)
+        c16 = len(w16s)
         for kind in ("int4", "fp8"):
-            copies = max(2, math.ceil(WORKING_SET / (n * k // (2 if kind == "int4" else 1))))
-            q, qs, fn, _ = make_weights(kind, w, copies)
+            q, qs, fn, _ = quant_copies(kind, w, 2)
+            copies = len(qs)
             wref = q.dequantize(torch.float32)
             for m in MS:
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)

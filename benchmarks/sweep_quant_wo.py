@@ -124,6 +124,20 @@ def make_weights(kind: str, w: torch.Tensor, copies: int):
     return q, qs, fn, nbytes
 
 
+def bf16_copies(w: torch.Tensor, at_least: int = 1) -> list[torch.Tensor]:
+    """``w`` in bf16 and enough clones (> WORKING_SET bytes in all) that calls cycling through them read the
+    weights from HBM, not the L2."""
+    w16 = w.to(torch.bfloat16)
+    n = max(at_least, math.ceil(WORKING_SET / (w16.numel() * 2)))
+    return [w16] + [w16.clone() for _ in range(n - 1)]
+
+
+def quant_copies(kind: str, w: torch.Tensor, at_least: int = 1):
+    """``make_weights(kind, w, copies)`` with enough copies (> WORKING_SET bytes of codes) for the same."""
+    n, k = w.shape
+    return make_weights(kind, w, max(at_least, math.ceil(WORKING_SET / (n * k // (2 if kind == "int4" else 1)))))
+
+
 def tinygemm_calls(n: int, k: int, copies: int, xs: torch.Tensor):
     """tinygemm INT4 g128 (timing only: random codes and scales), one packed weight per copy."""
     wps, szs = [], []

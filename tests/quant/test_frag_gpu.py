@@ -37,12 +37,14 @@ def test_mode6_int4(m, sym, group, tile):
 @pytest.mark.parametrize("block", [None, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("split,depth", [(1, 1), (4, 2)])
-def test_mode6_fp8(m, block, dtype, split, depth):
+@pytest.mark.parametrize("wn", [0, 1])  # the warps split K / N
+def test_mode6_fp8(m, block, dtype, split, depth, wn):
     torch.manual_seed(m)
     n, k = 256, 1024
     w = FP8Weight.quantize(torch.randn(n, k, device=dev) * 0.05, block_size=block)
     x = torch.randn(m, k, device=dev, dtype=dtype)
-    y = TW.fp8_wo_matmul_triton(x, w, config={"MODE": 6, "WARPS": 4, "REPS": 4, "SPLIT": split, "DEPTH": depth})
+    cfg = {"MODE": 6, "WN": wn, "WARPS": 4, "REPS": 4, "SPLIT": split, "DEPTH": depth}
+    y = TW.fp8_wo_matmul_triton(x, w, config=cfg)
     ref = x.float() @ w.dequantize(torch.float32).T
     assert _rel(y, ref) < 8e-3
 
@@ -58,12 +60,13 @@ def test_mode6_int4_fp16(m):
 
 @pytest.mark.parametrize("kind", ["int4", "fp8"])
 @pytest.mark.parametrize("m,split", [(1, 1), (2, 4), (16, 2)])
-def test_mode6_fused_gated_act(kind, m, split):
+@pytest.mark.parametrize("wn", [0, 1])
+def test_mode6_fused_gated_act(kind, m, split, wn):
     torch.manual_seed(0)
     d, k = 128, 512
     wf = torch.randn(2 * d, k, device=dev) * 0.05
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    cfg = {"MODE": 6, "WARPS": 4, "REPS": 2, "SPLIT": split, "DEPTH": 2 if m > 1 else 1}
+    cfg = {"MODE": 6, "WN": wn, "WARPS": 4, "REPS": 2, "SPLIT": split, "DEPTH": 2 if m > 1 else 1}
     if kind == "int4":
         w = IntWeight.quantize(wf, bits=4, group_size=128)
         y = TW.wq_matmul_triton(x, w, config=cfg, act="silu")
@@ -92,66 +95,12 @@ def test_mode6_warps_split_n_int4(m, sym, group, tile):
     assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
 
 
-@pytest.mark.parametrize("m", [1, 16])
-@pytest.mark.parametrize("block", [None, 128])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("split,depth", [(1, 1), (4, 2)])
-def test_mode6_warps_split_n_fp8(m, block, dtype, split, depth):
-    torch.manual_seed(m)
-    n, k = 256, 1024
-    w = FP8Weight.quantize(torch.randn(n, k, device=dev) * 0.05, block_size=block)
-    x = torch.randn(m, k, device=dev, dtype=dtype)
-    cfg = {"MODE": 6, "WN": 1, "WARPS": 4, "REPS": 4, "SPLIT": split, "DEPTH": depth}
-    y = TW.fp8_wo_matmul_triton(x, w, config=cfg)
-    assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
-
-
-@pytest.mark.parametrize("kind", ["int4", "fp8"])
-@pytest.mark.parametrize("m,split", [(1, 1), (2, 4), (16, 2)])
-def test_mode6_warps_split_n_fused_gated_act(kind, m, split):
-    torch.manual_seed(0)
-    d, k = 256, 512
-    wf = torch.randn(2 * d, k, device=dev) * 0.05
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    cfg = {"MODE": 6, "WN": 1, "WARPS": 4, "REPS": 4, "SPLIT": split}
-    if kind == "int4":
-        w = IntWeight.quantize(wf, bits=4, group_size=128)
-        y = TW.wq_matmul_triton(x, w, config=cfg, act="silu")
-    else:
-        w = FP8Weight.quantize(wf)
-        y = TW.fp8_wo_matmul_triton(x, w, config=cfg, act="silu")
-    h = (x.float() @ w.dequantize(torch.float32).T).to(torch.bfloat16).float()
-    ref = torch.nn.functional.silu(h[:, :d]) * h[:, d:]
-    assert y.shape == (m, d)
-    assert _rel(y, ref) < 1e-2
-
-
-def test_mode6_warps_split_n_graph_replay_and_bad_config():
-    n, k = 512, 512
+@pytest.mark.parametrize("wn", [0, 1])
+def test_mode6_graph_replay_and_bad_config(wn):
+    n, k = 256, 512
     w = IntWeight.quantize(torch.randn(n, k, device=dev) * 0.05, bits=4, group_size=128)
     x = torch.randn(2, k, device=dev, dtype=torch.bfloat16)
-    cfg = {"MODE": 6, "WN": 1, "WARPS": 4, "REPS": 4, "SPLIT": 2}
-    TW.wq_matmul_triton(x, w, config=cfg)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = TW.wq_matmul_triton(x, w, config=cfg)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, TW.wq_matmul_triton(x, w, config=cfg))
-    w3 = IntWeight.quantize(torch.randn(192, k, device=dev) * 0.05, bits=4, group_size=128)  # 3 blocks of 64
-    with pytest.raises(ValueError, match="multiple of WARPS"):
-        TW.wq_matmul_triton(x, w3, config=cfg)
-    with pytest.raises(ValueError, match="REPS"):
-        TW.wq_matmul_triton(x, w, config={**cfg, "REPS": 8})
-
-
-def test_mode6_graph_replay_and_bad_config():
-    n, k = 128, 512
-    w = IntWeight.quantize(torch.randn(n, k, device=dev) * 0.05, bits=4, group_size=128)
-    x = torch.randn(2, k, device=dev, dtype=torch.bfloat16)
-    cfg = {"MODE": 6, "WARPS": 4, "REPS": 2, "SPLIT": 2}
+    cfg = {"MODE": 6, "WN": wn, "WARPS": 4, "REPS": 2, "SPLIT": 2}
     y0 = TW.wq_matmul_triton(x, w, config=cfg)  # eager first call makes the repack
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -163,9 +112,15 @@ def test_mode6_graph_replay_and_bad_config():
         assert torch.equal(y, TW.wq_matmul_triton(x, w, config=cfg))
     assert y0.shape == y.shape
     with pytest.raises(ValueError, match="WARPS"):
-        TW.wq_matmul_triton(x, w, config={"MODE": 6, "WARPS": 3, "REPS": 2})
+        TW.wq_matmul_triton(x, w, config={**cfg, "WARPS": 3})
     with pytest.raises(ValueError, match="DEPTH"):
-        TW.wq_matmul_triton(x, w, config={"MODE": 6, "WARPS": 4, "REPS": 2, "DEPTH": 3})
+        TW.wq_matmul_triton(x, w, config={**cfg, "DEPTH": 3})
+    if wn:  # each warp owns a channel block: the blocks must split evenly among the warps
+        w3 = IntWeight.quantize(torch.randn(192, k, device=dev) * 0.05, bits=4, group_size=128)  # 3 blocks of 64
+        with pytest.raises(ValueError, match="multiple of WARPS"):
+            TW.wq_matmul_triton(x, w3, config=cfg)
+        with pytest.raises(ValueError, match="REPS"):
+            TW.wq_matmul_triton(x, w, config={**cfg, "REPS": 8})
     w_odd = IntWeight.quantize(torch.randn(96, k, device=dev), bits=4, group_size=128)
     assert not int4_ok(x, w_odd, None)
     with pytest.raises(ValueError, match="MODE 6"):

@@ -44,6 +44,14 @@ def use_dequant(x: torch.Tensor, kind: str) -> bool:
 
 
 @triton.jit
+def _fp8_e4m3_bits_to_f32(b):
+    """uint8 e4m3 -> fp32 equal to the e4m3 value times 2**-120 (two shifts, no FP8 instruction)."""
+    x = b.to(tl.int32)
+    bits = ((x & 0x80) << 24) | ((x & 0x7F) << 20)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _dequant_int_kernel(
     qw_ptr, s_ptr, z_ptr, y_ptr, N, K, stride_qn, stride_sn, stride_yn,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, ONE_GROUP: tl.constexpr,
@@ -93,9 +101,8 @@ def _dequant_fp8_kernel(
     n_mask = offs_n < N
     mask = n_mask[:, None] & (offs_k[None, :] < K)
     rows = offs_n.to(tl.int64)[:, None]
-    b = tl.load(qw_ptr + rows * stride_qn + offs_k[None, :], mask=mask, other=0).to(tl.int32)
-    # the e4m3 bits under fp32's exponent: the value times 2**-120, then times 2**120 (both exact)
-    v = (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True) * 1.329227995784916e36
+    b = tl.load(qw_ptr + rows * stride_qn + offs_k[None, :], mask=mask, other=0)
+    v = _fp8_e4m3_bits_to_f32(b) * 1.329227995784916e36  # times 2**120: the e4m3 value (exact)
     if SCALE_BLOCK == 0:
         s = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
     else:
@@ -105,14 +112,18 @@ def _dequant_fp8_kernel(
 
 
 def dequant_int_triton(w: IntWeight, dtype: torch.dtype) -> torch.Tensor:
-    """``w.dequantize(dtype)`` (``[N, in_features]``) in one pass (any group size)."""
+    """``w.dequantize(dtype)``: INT4 / INT8 codes (any group size) -> ``[N, in_features]`` in ``dtype``
+    (fp32 / fp16 / bf16), on ``w``'s device, in one pass."""
     n, k = w.shape
     y = torch.empty((n, k), dtype=dtype, device=w.qweight.device)
     zeros = w.zeros if w.zeros is not None else w.scales
     g = w.group_size
-    # Tiles of 128 codes, or of one group when groups are smaller powers of two: one scale per row and tile.
-    block_k = 128 if w.scales.shape[1] == 1 or g % 128 == 0 else (g if g >= 16 and g & (g - 1) == 0 else 128)
-    one_group = w.scales.shape[1] == 1 or g % block_k == 0
+    per_row = w.scales.shape[1] == 1
+    # Tiles of 128 codes, or of one group when groups are smaller powers of two, so that a row's scale and
+    # zero point load once per tile (else, odd group sizes, per code).
+    small_pow2 = 16 <= g < 128 and g & (g - 1) == 0
+    block_k = g if small_pow2 and not per_row else 128
+    one_group = per_row or g % block_k == 0
     grid = (triton.cdiv(n, 32), triton.cdiv(k, block_k))
     _dequant_int_kernel[grid](
         w.qweight, w.scales, zeros, y, n, k, w.qweight.stride(0), w.scales.stride(0), y.stride(0),
@@ -122,7 +133,8 @@ def dequant_int_triton(w: IntWeight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def dequant_fp8_triton(w: FP8Weight, dtype: torch.dtype) -> torch.Tensor:
-    """``w.dequantize(dtype)`` in one pass (integer e4m3 decode: no FP8 instruction, sm80 too)."""
+    """``w.dequantize(dtype)``: e4m3 bytes ``[N, K]`` with channel or 128x128 block scales -> ``[N, K]`` in
+    ``dtype`` (fp32 / fp16 / bf16), in one pass (integer e4m3 decode: no FP8 instruction, sm80 too)."""
     n, k = w.shape
     y = torch.empty((n, k), dtype=dtype, device=w.qweight.device)
     block = 0 if w.block_size is None else w.block_size

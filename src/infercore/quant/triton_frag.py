@@ -48,7 +48,7 @@ Measured on the H200 (docs/quantization.md, results/h200/quant_wo_mode6.json): f
 4 / 5 for INT4 at M <= 4 on the 8B MLP and qkv shapes (dispatched by ``triton_wo.MODE6_TUNED``),
 slower for FP8, at M = 16 and on 4096x4096.
 
-``_frag_wn_kernel`` (config ``"WN": 1``) is the same computation with the warps splitting N instead of
+``_frag_kernel`` with ``WN`` (config ``"WN": 1``) is the same computation with the warps splitting N instead of
 K: each warp owns a channel block and every chunk of its K range, so there is no cross-warp sum and
 each warp stores its own outputs or split-K partials (the split grows by the warp count instead).
 INT4 14336x4096 M=1 15.2 vs 19.1 us (results/h200/quant_wo_mode6_wn.json); dispatched where it won.
@@ -314,14 +314,22 @@ def _lane_sum(a, WARPS: tl.constexpr, CT: tl.constexpr):
 
 
 @triton.jit
-def _frag_out(y_ptr, ws_ptr, a, j: tl.constexpr, pb, sp, M, N, stride_ym, g, t, offs_c, scale_ptr,
-              CT: tl.constexpr, SPLIT_K: tl.constexpr, FP8_CHANNEL: tl.constexpr, FOLD: tl.constexpr):
-    """Store accumulator ``j`` (``[32, CT]``: rows ``2t + j % 2 (+ 8 for j >= 4)``, channels
-    ``16 c + g (+ 8 for j % 4 >= 2)`` of the block) to the split's workspace or to ``y``."""
+def _out_rows(j: tl.constexpr, blk, g, t, offs_c, CT: tl.constexpr):
+    """Batch rows ``m [P, 1]`` and output channels ``n [P, CT]`` of accumulator ``j`` (``[P, CT]``): rows
+    ``2t + j % 2 (+ 8 for j >= 4)``, channels ``16 c + g (+ 8 for j % 4 >= 2)`` of each row's channel
+    block ``blk [P]`` (``16 CT`` channels)."""
     m = (2 * t + (j % 2) + 8 * (j // 4))[:, None]
-    n = pb * (16 * CT) + 16 * offs_c[None, :] + (g + 8 * ((j % 4) // 2))[:, None]
+    n = blk[:, None] * (16 * CT) + 16 * offs_c[None, :] + (g + 8 * ((j % 4) // 2))[:, None]
+    return m, n
+
+
+@triton.jit
+def _acc_out(y_ptr, ws_ptr, a, j: tl.constexpr, blk, sp, M, N, stride_ym, g, t, offs_c, scale_ptr, CT: tl.constexpr,
+             TO_WS: tl.constexpr, FP8_CHANNEL: tl.constexpr, FOLD: tl.constexpr):
+    """Store accumulator ``j`` to split ``sp``'s workspace (fp32 ``[split, M, N]``) or, scaled, to ``y``."""
+    m, n = _out_rows(j, blk, g, t, offs_c, CT)
     mask = (m < M) & (n < N)
-    if SPLIT_K:
+    if TO_WS:
         tl.store(ws_ptr + sp.to(tl.int64) * M * N + m * N + n, a, mask=mask)
     else:
         if FP8_CHANNEL:
@@ -330,29 +338,41 @@ def _frag_out(y_ptr, ws_ptr, a, j: tl.constexpr, pb, sp, M, N, stride_ym, g, t, 
 
 
 @triton.jit
-def _frag_total(ws_ptr, j: tl.constexpr, pb, nsplit, M, N, g, t, offs_c, scale_ptr, CT: tl.constexpr,
-                FP8_CHANNEL: tl.constexpr, FOLD: tl.constexpr):
-    """Sum of the splits' partials of accumulator ``j`` (the last program of the block), scaled."""
-    m = (2 * t + (j % 2) + 8 * (j // 4))[:, None]
-    n = pb * (16 * CT) + 16 * offs_c[None, :] + (g + 8 * ((j % 4) // 2))[:, None]
+def _accs_out(y_ptr, ws_ptr, a0, a1, a2, a3, a4, a5, a6, a7, blk, sp, M, N, stride_ym, g, t, offs_c, scale_ptr,
+              CT: tl.constexpr, NB: tl.constexpr, TO_WS: tl.constexpr, FP8_CHANNEL: tl.constexpr, FOLD: tl.constexpr):
+    """``_acc_out`` of every accumulator in use (``a4 .. a7``: the second B fragment, NB == 2)."""
+    _acc_out(y_ptr, ws_ptr, a0, 0, blk, sp, M, N, stride_ym, g, t, offs_c, scale_ptr, CT, TO_WS, FP8_CHANNEL, FOLD)
+    _acc_out(y_ptr, ws_ptr, a1, 1, blk, sp, M, N, stride_ym, g, t, offs_c, scale_ptr, CT, TO_WS, FP8_CHANNEL, FOLD)
+    _acc_out(y_ptr, ws_ptr, a2, 2, blk, sp, M, N, stride_ym, g, t, offs_c, scale_ptr, CT, TO_WS, FP8_CHANNEL, FOLD)
+    _acc_out(y_ptr, ws_ptr, a3, 3, blk, sp, M, N, stride_ym, g, t, offs_c, scale_ptr, CT, TO_WS, FP8_CHANNEL, FOLD)
+    if NB == 2:
+        _acc_out(y_ptr, ws_ptr, a4, 4, blk, sp, M, N, stride_ym, g, t, offs_c, scale_ptr, CT, TO_WS, FP8_CHANNEL, FOLD)
+        _acc_out(y_ptr, ws_ptr, a5, 5, blk, sp, M, N, stride_ym, g, t, offs_c, scale_ptr, CT, TO_WS, FP8_CHANNEL, FOLD)
+        _acc_out(y_ptr, ws_ptr, a6, 6, blk, sp, M, N, stride_ym, g, t, offs_c, scale_ptr, CT, TO_WS, FP8_CHANNEL, FOLD)
+        _acc_out(y_ptr, ws_ptr, a7, 7, blk, sp, M, N, stride_ym, g, t, offs_c, scale_ptr, CT, TO_WS, FP8_CHANNEL, FOLD)
+
+
+@triton.jit
+def _acc_total(y_ptr, ws_ptr, j: tl.constexpr, blk, nsplit, M, N, stride_ym, g, t, offs_c, scale_ptr, P: tl.constexpr,
+               CT: tl.constexpr, FP8_CHANNEL: tl.constexpr, FOLD: tl.constexpr, ACT: tl.constexpr):
+    """Sum the splits' partials of accumulator ``j``, scale, and store (with the gated epilogue: tiles
+    ``c < CT/2`` of a channel block hold gate rows, ``c + CT/2`` the matching up rows, ``_act_rows``, so
+    output channel ``8 CT blk + 16 c + row`` is ``act(gate) * up``)."""
+    m, n = _out_rows(j, blk, g, t, offs_c, CT)
     mask = (m < M) & (n < N)
-    tot = tl.zeros([32, CT], dtype=tl.float32)
+    tot = tl.zeros([P, CT], dtype=tl.float32)
     for s in range(0, nsplit):
         tot += tl.load(ws_ptr + s * M * N + m * N + n, mask=mask, other=0.0, cache_modifier=".cg")
     if FP8_CHANNEL:
         tot = tot * tl.load(scale_ptr + n, mask=mask, other=0.0)
-    return tot * FOLD, m, n, mask
-
-
-@triton.jit
-def _frag_act_store(y_ptr, tot, j: tl.constexpr, pb, M, N, stride_ym, g, t, CT: tl.constexpr, ACT: tl.constexpr):
-    """Gated epilogue of accumulator ``j``: tiles ``c < CT/2`` hold gate rows, ``c + CT/2`` the matching
-    up rows (``_act_rows``), so output channel ``8 CT pb + 16 c + row`` is ``act(gate) * up``."""
-    ga, ua = tl.split(tl.permute(tl.reshape(tot, [32, 2, CT // 2]), (0, 2, 1)))
-    m = (2 * t + (j % 2) + 8 * (j // 4))[:, None]
-    o = pb * (8 * CT) + 16 * tl.arange(0, CT // 2)[None, :] + (g + 8 * ((j % 4) // 2))[:, None]
-    out = _act_mul(ga, ua, y_ptr, ACT)
-    tl.store(y_ptr + m * stride_ym + o, out.to(y_ptr.dtype.element_ty), mask=(m < M) & (o < N // 2))
+    tot = tot * FOLD
+    if ACT != 0:
+        ga, ua = tl.split(tl.permute(tl.reshape(tot, [P, 2, CT // 2]), (0, 2, 1)))
+        o = blk[:, None] * (8 * CT) + 16 * tl.arange(0, CT // 2)[None, :] + (g + 8 * ((j % 4) // 2))[:, None]
+        out = _act_mul(ga, ua, y_ptr, ACT)
+        tl.store(y_ptr + m * stride_ym + o, out.to(y_ptr.dtype.element_ty), mask=(m < M) & (o < N // 2))
+    else:
+        tl.store(y_ptr + m * stride_ym + n, tot.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -366,6 +386,27 @@ def _split_k_last(cnt_ptr, tile, SPLIT_K: tl.constexpr):
     else:
         done = nsplit - 1
     return done == nsplit - 1, nsplit
+
+
+@triton.jit
+def _epilogue(y_ptr, ws_ptr, cnt_ptr, a0, a1, a2, a3, a4, a5, a6, a7, tile, blk, sp, M, N, stride_ym, g, t, offs_c,
+              scale_ptr, P: tl.constexpr, CT: tl.constexpr, NB: tl.constexpr, SPLIT_K: tl.constexpr, ACT: tl.constexpr,
+              FP8_CHANNEL: tl.constexpr, FOLD: tl.constexpr):
+    """The accumulators ``[P, CT]`` (rows ``g``, ``t``, channel blocks ``blk``) to ``y``: straight, or (split-K,
+    or the gated activation) through the workspace, the tile's last program adding them up."""
+    if ACT == 0 and not SPLIT_K:
+        _accs_out(y_ptr, ws_ptr, a0, a1, a2, a3, a4, a5, a6, a7, blk, sp, M, N, stride_ym, g, t, offs_c, scale_ptr,
+                  CT, NB, False, FP8_CHANNEL, FOLD)
+    else:
+        _accs_out(y_ptr, ws_ptr, a0, a1, a2, a3, a4, a5, a6, a7, blk, sp, M, N, stride_ym, g, t, offs_c, scale_ptr,
+                  CT, NB, True, False, 1.0)
+        last, nsplit = _split_k_last(cnt_ptr, tile, SPLIT_K)
+        if last:
+            for j in tl.static_range(4 * NB):
+                _acc_total(y_ptr, ws_ptr, j, blk, nsplit, M, N, stride_ym, g, t, offs_c, scale_ptr, P, CT,
+                           FP8_CHANNEL, FOLD, ACT)
+            if SPLIT_K:
+                tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (graph replays too)
 
 
 @triton.jit
@@ -449,14 +490,18 @@ def _frag_kernel(
     M, N, G, iters_per_split, stride_xm, stride_ym,
     FP8: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr,
     SPLIT_K: tl.constexpr, ACT: tl.constexpr, FOLD: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr,
-    DEPTH: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREWAIT: tl.constexpr = False,
+    DEPTH: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREWAIT: tl.constexpr = False, WN: tl.constexpr = False,
 ):
     """MODE 6. Grid ``(N / (16 CT), split)``. ``qw``: fragment words (int32 INT4 / int64 FP8) of
     ``pack_int4`` / ``pack_fp8``; INT4: ``s`` int64 ``[N / 64, G, 8, 4]`` (scale / zero-point words of
     channels g, g + 8); FP8: ``s`` fp32 per-channel scales ``[N]`` (permuted like the rows) or, with BSCALE, the
     128x128 block scale of each channel tile and group ``[N / 32, G, 2]`` (``pack_fp8_block_scales``).
     ``G`` groups of 128 K; one iteration covers ``WARPS * REPS / 8`` groups (the warps and repetitions
-    take consecutive chunks).
+    take consecutive chunks), and the warps' partial sums are added at the end.
+
+    ``WN`` (the warps split N): grid ``(N / (16 CT WARPS), split)``; warp w of program (pb, sp) owns channel
+    block ``pb * WARPS + w`` and takes every chunk of its K range, REPS chunks of one group per iteration,
+    so there is no cross-warp sum: each warp stores its own outputs or split-K partials.
     """
     CT: tl.constexpr = 2 if FP8 else 4
     R: tl.constexpr = 32 * WARPS
@@ -470,75 +515,53 @@ def _frag_kernel(
     t = lane % 4
     warp = offs_r // 32
     offs_c = tl.arange(0, CT)
-    n_iters = G // GPI
+    if WN:
+        blk = pb * WARPS + warp  # each row's channel block
+        n_iters = G * 8 // REPS
+        first = pb * WARPS
+    else:
+        n_iters = G // GPI
+        first = pb
     it0 = sp * iters_per_split
     it1 = tl.minimum(it0 + iters_per_split, n_iters)
     if FP8:
-        wp = qw_ptr.to(tl.pointer_type(tl.int64)) + pb.to(tl.int64) * G * (8 * 32 * CT)
+        wp = qw_ptr.to(tl.pointer_type(tl.int64)) + first.to(tl.int64) * G * (8 * 32 * CT)
     else:
-        wp = qw_ptr.to(tl.pointer_type(tl.int32)) + pb.to(tl.int64) * G * (8 * 32 * CT)
+        wp = qw_ptr.to(tl.pointer_type(tl.int32)) + first.to(tl.int64) * G * (8 * 32 * CT)
     x8 = x_ptr.to(tl.pointer_type(tl.int64))
     xrow = g * (stride_xm // 4) + 8 * t  # int64 units: x[g, 32 t]
     xmask = g < M
     xrow2 = (g + 8) * (stride_xm // 4) + 8 * t
     xmask2 = g + 8 < M
-    sz_rows = (pb * G * 8 + g)[:, None] * CT + offs_c[None, :]  # int64 units of the scale / zero-point words
+    if WN and FP8:
+        sz_rows = (blk * G)[:, None] * CT + offs_c[None, :]  # 128x128 block scales [N/32, G, 2] (BSCALE)
+    elif WN:
+        sz_rows = (blk * G * 8 + g)[:, None] * CT + offs_c[None, :]  # int64 scale / zero-point words
+    else:
+        sz_rows = (pb * G * 8 + g)[:, None] * CT + offs_c[None, :]  # int64 units of the scale / zero-point words
     zero = tl.zeros([R, CT], dtype=tl.float32)
     a0, a1, a2, a3, a4, a5, a6, a7 = _k_loop(
-        False, wp, pb, G, it0, it1, n_iters, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2, xmask2, sz_rows,
+        WN, wp, pb, G, it0, it1, n_iters, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2, xmask2, sz_rows,
         s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, ASM, CONS, DEPTH, USE_PDL, PREWAIT)
-    r0 = _lane_sum(a0, WARPS, CT)
-    r1 = _lane_sum(a1, WARPS, CT)
-    r2 = _lane_sum(a2, WARPS, CT)
-    r3 = _lane_sum(a3, WARPS, CT)
-    g32 = tl.arange(0, 32) // 4
-    t32 = tl.arange(0, 32) % 4
     FP8_CHANNEL: tl.constexpr = FP8 and not BSCALE
-    if ACT == 0 and not SPLIT_K:
-        _frag_out(y_ptr, ws_ptr, r0, 0, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
-        _frag_out(y_ptr, ws_ptr, r1, 1, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
-        _frag_out(y_ptr, ws_ptr, r2, 2, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
-        _frag_out(y_ptr, ws_ptr, r3, 3, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
-        if NB == 2:
-            r4 = _lane_sum(a4, WARPS, CT)
-            r5 = _lane_sum(a5, WARPS, CT)
-            r6 = _lane_sum(a6, WARPS, CT)
-            r7 = _lane_sum(a7, WARPS, CT)
-            _frag_out(y_ptr, ws_ptr, r4, 4, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, False,
-                      FP8_CHANNEL, FOLD)
-            _frag_out(y_ptr, ws_ptr, r5, 5, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, False,
-                      FP8_CHANNEL, FOLD)
-            _frag_out(y_ptr, ws_ptr, r6, 6, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, False,
-                      FP8_CHANNEL, FOLD)
-            _frag_out(y_ptr, ws_ptr, r7, 7, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, False,
-                      FP8_CHANNEL, FOLD)
+    if WN:
+        _epilogue(y_ptr, ws_ptr, cnt_ptr, a0, a1, a2, a3, a4, a5, a6, a7, pb, blk, sp, M, N, stride_ym, g, t, offs_c,
+                  s_ptr, R, CT, NB, SPLIT_K, ACT, FP8_CHANNEL, FOLD)
     else:
-        # Every partial goes through the workspace (split or not), then the block's last program
-        # (the only one without split-K) adds them up and applies scales / the activation.
-        _frag_out(y_ptr, ws_ptr, r0, 0, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, True, False, 1.0)
-        _frag_out(y_ptr, ws_ptr, r1, 1, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, True, False, 1.0)
-        _frag_out(y_ptr, ws_ptr, r2, 2, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, True, False, 1.0)
-        _frag_out(y_ptr, ws_ptr, r3, 3, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, True, False, 1.0)
+        # The warps took different chunks (K) of the same channels: their partial sums add up first.
+        r0 = _lane_sum(a0, WARPS, CT)
+        r1 = _lane_sum(a1, WARPS, CT)
+        r2 = _lane_sum(a2, WARPS, CT)
+        r3 = _lane_sum(a3, WARPS, CT)
+        r4, r5, r6, r7 = r0, r1, r2, r3  # (unused with one B fragment)
         if NB == 2:
             r4 = _lane_sum(a4, WARPS, CT)
             r5 = _lane_sum(a5, WARPS, CT)
             r6 = _lane_sum(a6, WARPS, CT)
             r7 = _lane_sum(a7, WARPS, CT)
-            _frag_out(y_ptr, ws_ptr, r4, 4, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, True, False, 1.0)
-            _frag_out(y_ptr, ws_ptr, r5, 5, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, True, False, 1.0)
-            _frag_out(y_ptr, ws_ptr, r6, 6, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, True, False, 1.0)
-            _frag_out(y_ptr, ws_ptr, r7, 7, pb, sp, M, N, stride_ym, g32, t32, offs_c, s_ptr, CT, True, False, 1.0)
-        last, nsplit = _split_k_last(cnt_ptr, pb, SPLIT_K)
-        if last:
-            for j in tl.static_range(4 * NB):
-                tot, m, n, mask = _frag_total(ws_ptr, j, pb, nsplit, M, N, g32, t32, offs_c, s_ptr, CT, FP8_CHANNEL,
-                                              FOLD)
-                if ACT != 0:
-                    _frag_act_store(y_ptr, tot, j, pb, M, N, stride_ym, g32, t32, CT, ACT)
-                else:
-                    tl.store(y_ptr + m * stride_ym + n, tot.to(y_ptr.dtype.element_ty), mask=mask)
-            if SPLIT_K:
-                tl.atomic_xchg(cnt_ptr + pb, 0)  # ready for the next launch (graph replays too)
+        l32 = tl.arange(0, 32)
+        _epilogue(y_ptr, ws_ptr, cnt_ptr, r0, r1, r2, r3, r4, r5, r6, r7, pb, pb + l32 * 0, sp, M, N, stride_ym,
+                  l32 // 4, l32 % 4, offs_c, s_ptr, 32, CT, NB, SPLIT_K, ACT, FP8_CHANNEL, FOLD)
 
 
 @triton.jit
@@ -592,122 +615,6 @@ def _wn_load(wb, rows, rep: tl.constexpr, offs_c, x8, xrow, xmask, xrow2, xmask2
         xa = tl.zeros([rows.shape[0], 1], dtype=tl.int64)
         xb = xa
     return w, xa, xb
-
-
-@triton.jit
-def _wn_rows(j: tl.constexpr, pbw, g, t, offs_c, CT: tl.constexpr):
-    """Batch rows ``m [R, 1]`` and channels ``n [R, CT]`` of accumulator ``j`` (``pbw [R]``: each row's
-    channel block)."""
-    m = (2 * t + (j % 2) + 8 * (j // 4))[:, None]
-    n = pbw[:, None] * (16 * CT) + 16 * offs_c[None, :] + (g + 8 * ((j % 4) // 2))[:, None]
-    return m, n
-
-
-@triton.jit
-def _wn_out(y_ptr, ws_ptr, a, j: tl.constexpr, pbw, sp, M, N, stride_ym, g, t, offs_c, scale_ptr, CT: tl.constexpr,
-            TO_WS: tl.constexpr, FP8_CHANNEL: tl.constexpr, FOLD: tl.constexpr):
-    m, n = _wn_rows(j, pbw, g, t, offs_c, CT)
-    mask = (m < M) & (n < N)
-    if TO_WS:
-        tl.store(ws_ptr + sp.to(tl.int64) * M * N + m * N + n, a, mask=mask)
-    else:
-        if FP8_CHANNEL:
-            a = a * tl.load(scale_ptr + n, mask=mask, other=0.0)
-        tl.store(y_ptr + m * stride_ym + n, (a * FOLD).to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _wn_total(y_ptr, ws_ptr, j: tl.constexpr, pbw, nsplit, M, N, stride_ym, g, t, offs_c, scale_ptr, R: tl.constexpr,
-              CT: tl.constexpr, FP8_CHANNEL: tl.constexpr, FOLD: tl.constexpr, ACT: tl.constexpr):
-    """Sum the splits' partials of accumulator ``j``, scale, and store (with the gated epilogue: tiles
-    ``c < CT/2`` of a channel block hold gate rows, ``c + CT/2`` the matching up rows)."""
-    m, n = _wn_rows(j, pbw, g, t, offs_c, CT)
-    mask = (m < M) & (n < N)
-    tot = tl.zeros([R, CT], dtype=tl.float32)
-    for s in range(0, nsplit):
-        tot += tl.load(ws_ptr + s * M * N + m * N + n, mask=mask, other=0.0, cache_modifier=".cg")
-    if FP8_CHANNEL:
-        tot = tot * tl.load(scale_ptr + n, mask=mask, other=0.0)
-    tot = tot * FOLD
-    if ACT != 0:
-        ga, ua = tl.split(tl.permute(tl.reshape(tot, [R, 2, CT // 2]), (0, 2, 1)))
-        o = pbw[:, None] * (8 * CT) + 16 * tl.arange(0, CT // 2)[None, :] + (g + 8 * ((j % 4) // 2))[:, None]
-        out = _act_mul(ga, ua, y_ptr, ACT)
-        tl.store(y_ptr + m * stride_ym + o, out.to(y_ptr.dtype.element_ty), mask=(m < M) & (o < N // 2))
-    else:
-        tl.store(y_ptr + m * stride_ym + n, tot.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _frag_wn_kernel(
-    x_ptr, qw_ptr, s_ptr, ws_ptr, y_ptr, cnt_ptr,
-    M, N, G, iters_per_split, stride_xm, stride_ym,
-    FP8: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr,
-    SPLIT_K: tl.constexpr, ACT: tl.constexpr, FOLD: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr,
-    DEPTH: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREWAIT: tl.constexpr = False,
-):
-    """MODE 6 with the warps splitting N (``"WN": 1``): warp w of program (cb, sp) owns channel block
-    ``cb * WARPS + w`` (``16 CT`` channels) and takes every chunk of its K range, REPS chunks per
-    iteration, so no cross-warp sum: each warp stores its own outputs (or split-K partials). Grid
-    ``(N / (16 CT WARPS), split)``; the packing, operands and decode are ``_frag_kernel``'s."""
-    CT: tl.constexpr = 2 if FP8 else 4
-    R: tl.constexpr = 32 * WARPS
-    pdl_release(USE_PDL)
-    cb = tl.program_id(0)
-    sp = tl.program_id(1)
-    offs_r = tl.arange(0, R)
-    lane = offs_r % 32
-    g = lane // 4
-    t = lane % 4
-    warp = offs_r // 32
-    pbw = cb * WARPS + warp
-    offs_c = tl.arange(0, CT)
-    n_iters = G * 8 // REPS
-    it0 = sp * iters_per_split
-    it1 = tl.minimum(it0 + iters_per_split, n_iters)
-    if FP8:
-        wb = qw_ptr.to(tl.pointer_type(tl.int64)) + (cb * WARPS).to(tl.int64) * G * (8 * 32 * CT)
-        s_rows = (pbw * G)[:, None] * CT + offs_c[None, :]  # 128x128 block scales [N/32, G, 2] (BSCALE)
-    else:
-        wb = qw_ptr.to(tl.pointer_type(tl.int32)) + (cb * WARPS).to(tl.int64) * G * (8 * 32 * CT)
-        s_rows = (pbw * G * 8 + g)[:, None] * CT + offs_c[None, :]  # int64 scale / zero-point words
-    x8 = x_ptr.to(tl.pointer_type(tl.int64))
-    xrow = g * (stride_xm // 4) + 8 * t
-    xmask = g < M
-    xrow2 = (g + 8) * (stride_xm // 4) + 8 * t
-    xmask2 = g + 8 < M
-    zero = tl.zeros([R, CT], dtype=tl.float32)
-    a0, a1, a2, a3, a4, a5, a6, a7 = _k_loop(
-        True, wb, cb, G, it0, it1, n_iters, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2, xmask2, s_rows,
-        s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, 1, ASM, CONS, DEPTH, USE_PDL, PREWAIT)
-    FP8_CHANNEL: tl.constexpr = FP8 and not BSCALE
-    if ACT == 0 and not SPLIT_K:
-        _wn_out(y_ptr, ws_ptr, a0, 0, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
-        _wn_out(y_ptr, ws_ptr, a1, 1, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
-        _wn_out(y_ptr, ws_ptr, a2, 2, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
-        _wn_out(y_ptr, ws_ptr, a3, 3, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
-        if NB == 2:
-            _wn_out(y_ptr, ws_ptr, a4, 4, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
-            _wn_out(y_ptr, ws_ptr, a5, 5, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
-            _wn_out(y_ptr, ws_ptr, a6, 6, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
-            _wn_out(y_ptr, ws_ptr, a7, 7, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, False, FP8_CHANNEL, FOLD)
-    else:
-        _wn_out(y_ptr, ws_ptr, a0, 0, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, True, False, 1.0)
-        _wn_out(y_ptr, ws_ptr, a1, 1, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, True, False, 1.0)
-        _wn_out(y_ptr, ws_ptr, a2, 2, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, True, False, 1.0)
-        _wn_out(y_ptr, ws_ptr, a3, 3, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, True, False, 1.0)
-        if NB == 2:
-            _wn_out(y_ptr, ws_ptr, a4, 4, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, True, False, 1.0)
-            _wn_out(y_ptr, ws_ptr, a5, 5, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, True, False, 1.0)
-            _wn_out(y_ptr, ws_ptr, a6, 6, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, True, False, 1.0)
-            _wn_out(y_ptr, ws_ptr, a7, 7, pbw, sp, M, N, stride_ym, g, t, offs_c, s_ptr, CT, True, False, 1.0)
-        last, nsplit = _split_k_last(cnt_ptr, cb, SPLIT_K)
-        if last:
-            for j in tl.static_range(4 * NB):
-                _wn_total(y_ptr, ws_ptr, j, pbw, nsplit, M, N, stride_ym, g, t, offs_c, s_ptr, R, CT, FP8_CHANNEL,
-                          FOLD, ACT)
-            if SPLIT_K:
-                tl.atomic_xchg(cnt_ptr + cb, 0)  # ready for the next launch (graph replays too)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -957,7 +864,7 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
     from :func:`pack_int4`; "fp8": ``frags`` int64 ``[N/32, K/128, 8, 32, 2]`` from :func:`pack_fp8`, ``s``
     fp32 per-channel scales ``[N]`` (packed row order) or, with ``bscale``, :func:`pack_fp8_block_scales`;
     ``fold`` the decode's power of two (2**120 bf16, 2**8 fp16). ``cfg``: WARPS, REPS, SPLIT, DEPTH, and WN
-    (1: the warps split N, ``_frag_wn_kernel``)."""
+    (1: the warps split N, ``_frag_kernel``'s ``WN``)."""
     if kind not in ("int4", "fp8"):
         raise ValueError(f"kind: expected 'int4' or 'fp8', got {kind!r}")
     ct = 4 if kind == "int4" else 2
@@ -1008,13 +915,12 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
     depth = int(cfg.get("DEPTH", 1))
     if depth not in (1, 2):
         raise ValueError(f"config: DEPTH (iterations loaded ahead) must be 1 or 2, got {depth}")
-    kernel = _frag_wn_kernel if wn else _frag_kernel
-    kernel[(grid_n, split)](
+    _frag_kernel[(grid_n, split)](
         x, frags, s, ws, y, cnt,
         m, n, gk, per, x.stride(0), y.stride(0),
         FP8=kind == "fp8", NB=nb, BSCALE=bscale, WARPS=warps, REPS=reps, SPLIT_K=split > 1, ACT=code,
-        FOLD=fold, ASM=asm, CONS=cons, DEPTH=depth, PREWAIT=use_pdl and GEMV_PREWAIT > 0, num_warps=warps, num_stages=1,
-        **pdl_launch(use_pdl),
+        FOLD=fold, ASM=asm, CONS=cons, DEPTH=depth, PREWAIT=use_pdl and GEMV_PREWAIT > 0, WN=wn, num_warps=warps,
+        num_stages=1, **pdl_launch(use_pdl),
     )
     return y
 

@@ -44,7 +44,7 @@ from . import triton_frag as TF
 from ._splitk import arrival_counters
 from .formats import FP8_BLOCK, FP8Weight, GGUFWeight, IntWeight
 from .gguf import BLOCK_BYTES
-from .triton_dequant import dequant_fp8_triton, dequant_int_triton, use_dequant
+from .triton_dequant import _fp8_e4m3_bits_to_f32, dequant_fp8_triton, dequant_int_triton, use_dequant
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # INFERCORE_QUANT_AUTOTUNE=0 keeps only the first GPU config of each kernel (fast test runs).
@@ -496,7 +496,7 @@ SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
 # the table above (``python benchmarks/sweep_frag.py``: results/h200/quant_wo_mode6.json and
 # sweeps/sweep_frag_depth.json): INT4 at M <= 4 on the MLP and qkv shapes (gate_up 28672x4096 M=1: 28.1 vs
 # 34.9 us; fused with SiLU 29.0 vs 35.7 us). It lost on o_proj, at M = 16 and for FP8, which keep MODEs 4 / 5.
-# "WN": the warps split N (``triton_frag._frag_wn_kernel``), where ``sweep_frag.py --wn`` measured it faster
+# "WN": the warps split N (``triton_frag._frag_kernel``'s WN), where ``sweep_frag.py --wn`` measured it faster
 # (sweeps/sweep_frag_wn_int4.json): 14336x4096 M=1 15.2 vs 19.1 us, M=4 18.0 vs 20.3; 4096x14336 M=1 17.2 vs
 # 18.3. The merged gate_up (28672x4096) takes the 14336x4096 tile with half the split (the same warps).
 MODE6_TUNED: dict[tuple[str, int, int, int], dict] = {
@@ -1219,14 +1219,6 @@ def _words_ok(x: torch.Tensor, qweight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _fp8_e4m3_bits_to_f32(b):
-    """uint8 e4m3 -> fp32 equal to the e4m3 value times 2**-120 (two shifts, no FP8 instruction)."""
-    x = b.to(tl.int32)
-    bits = ((x & 0x80) << 24) | ((x & 0x7F) << 20)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _fp8_decode_kernel(q_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -1362,12 +1354,12 @@ def fp8_wo_matmul_triton(
     decode, fold = {torch.float32: (0, 2.0**120), torch.bfloat16: (1, 2.0**120),
                     torch.float16: (2, 2.0**8)}[x.dtype]
     fused = act if bias is None else None
+    kmax = scale_block or max(triton.next_power_of_2(k), 64)  # the small-M tiles' largest K step
     y = _run_mode6("fp8", x, w, n, k, config, fused, TF.fp8_ok, TF.fp8_matmul)
     if y is not None:
         if fused is not None:
             return y
-    elif _small_rows("fp8", x, w.qweight, scale_block or max(triton.next_power_of_2(k), 64)):
-        kmax = scale_block or max(triton.next_power_of_2(k), 64)
+    elif _small_rows("fp8", x, w.qweight, kmax):
         cfg, words = _small_plan("fp8", x, w.qweight, n, k, kmax, config,
                                  lambda: interleave_words(_pad_codes(w.qweight, ILV_CODES), 8, ILV_CODES))
         if words is not None and cfg["MODE"] == 4:

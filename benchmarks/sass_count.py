@@ -9,6 +9,7 @@ here may differ from the GPU machine's).
     python benchmarks/sass_count.py --kind int4 --block-n 4 --block-k 4096 --warps 4 --stages 1
     python benchmarks/sass_count.py --mode 5              # MODE 5, the default 128 x 128 tile (M <= 16)
     python benchmarks/sass_count.py --mode 6 --warps 4 --reps 4 --depth 1   # MODE 6 (triton_frag), M <= 8
+    python benchmarks/sass_count.py --mode 6 --kind int4 --wn --depth 2 --nb 2   # warps split N, M 9-16
 """
 
 from __future__ import annotations
@@ -68,13 +69,14 @@ def compile_words(kind: str, block_n: int, block_k: int, warps: int, stages: int
     return _compile(TW._words_small_kernel, ptr, _sizes("k_per_split"), ce, warps, stages)
 
 
-def compile_frag(kind: str, warps: int, reps: int, depth: int):
-    """MODE 6 (``triton_frag._frag_kernel``) for bf16 activations, M <= 8 (one B fragment), split-K on."""
-    asm, cons = TF._asm(kind, 1, False, False)
+def compile_frag(kind: str, warps: int, reps: int, depth: int, wn: bool = False, nb: int = 1):
+    """MODE 6 (``triton_frag._frag_kernel``) for bf16 activations, ``nb`` B fragments (M <= 8 or 16),
+    split-K on; ``wn``: the warps split N."""
+    asm, cons = TF._asm(kind, nb, False, False, reps if wn and kind == "int4" and reps > 1 else 1)
     ptr = {"x_ptr": "*bf16", "qw_ptr": "*i32" if kind == "int4" else "*i64",
            "s_ptr": "*i64" if kind == "int4" else "*fp32", "ws_ptr": "*fp32", "y_ptr": "*bf16", "cnt_ptr": "*i32"}
-    ce = dict(FP8=kind == "fp8", NB=1, BSCALE=False, WARPS=warps, REPS=reps, SPLIT_K=True, ACT=0, FOLD=1.0, ASM=asm,
-              CONS=cons, DEPTH=depth, USE_PDL=False, PREWAIT=False, WN=False)
+    ce = dict(FP8=kind == "fp8", NB=nb, BSCALE=False, WARPS=warps, REPS=reps, SPLIT_K=True, ACT=0, FOLD=1.0, ASM=asm,
+              CONS=cons, DEPTH=depth, USE_PDL=False, PREWAIT=False, WN=wn)
     sizes = ("M", "N", "G", "iters_per_split", "stride_xm", "stride_ym")
     return _compile(TF._frag_kernel, ptr, sizes, ce, warps, 1)
 
@@ -103,12 +105,14 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=None)
     ap.add_argument("--reps", type=int, default=4, help="MODE 6: repetitions per iteration")
     ap.add_argument("--depth", type=int, default=1, help="MODE 6: iterations of loads in flight")
+    ap.add_argument("--wn", action="store_true", help="MODE 6: the warps split N")
+    ap.add_argument("--nb", type=int, choices=[1, 2], default=1, help="MODE 6: B fragments (2: M 9-16)")
     args = ap.parse_args()
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     for kind in [args.kind] if args.kind else ["int4", "fp8"]:
         cpw = 8 if kind == "int4" else 4
         if args.mode == 6:
-            c = compile_frag(kind, args.warps, args.reps, args.depth)
+            c = compile_frag(kind, args.warps, args.reps, args.depth, args.wn, args.nb)
             # per thread and iteration: REPS 16-byte loads, 32 INT4 or 16 FP8 codes each
             block_n, block_k, stages = args.warps * 32, args.reps * (32 if kind == "int4" else 16), 1
         elif args.mode == 5:
@@ -128,7 +132,7 @@ def main() -> None:
         codes_per_thread = block_n * block_k / (args.warps * 32)
         n = sum(ops.values())
         regs = re.search(r"REG:(\d+)", usage)
-        label = (f"reps={args.reps} depth={args.depth}" if args.mode == 6
+        label = (f"reps={args.reps} depth={args.depth} wn={int(args.wn)} nb={args.nb}" if args.mode == 6
                  else f"BLOCK_N={block_n} BLOCK_K={block_k} stages={stages}")
         print(f"MODE {args.mode} {kind} {label} warps={args.warps}: {regs.group(1) if regs else '?'} registers, "
               f"{n} instructions per iteration, {n / codes_per_thread:.2f} per code; top: {ops.most_common(8)}")

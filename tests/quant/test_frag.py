@@ -69,9 +69,11 @@ def test_layout_errors_name_the_shape():
 def test_ptx_variants_name_every_operand():
     for nb in (1, 2):
         for f16 in (False, True):
-            asm, cons = TF.int4_asm(nb, f16)
-            n_ops = len(cons.split(","))
-            assert f"${n_ops - 1}" in asm and f"${n_ops}" not in asm
+            for words in (1, 2, 4):
+                asm, cons = TF.int4_asm(nb, f16, words)
+                n_ops = len(cons.split(","))
+                assert f"${n_ops - 1}" in asm and f"${n_ops}" not in asm
+                assert asm.count("mma.sync") == words * nb and asm.count("fma.rn.f32") == 4 * nb
             for bs in (False, True):
                 asm, cons = TF.fp8_asm(nb, f16, bs)
                 n_ops = len(cons.split(","))

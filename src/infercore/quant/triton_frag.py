@@ -21,13 +21,13 @@ Layout (``pack_int4`` / ``pack_fp8``; ``C`` channel tiles of 16 output channels 
   consecutive values ``x[g, 128 grp + 32 t : + 32]``, so its B fragment is one 8-byte load.
 
 Decode (two codes per instruction, exact): INT4 ``((w >> 4j) & 0x000F000F) | MAGIC`` is
-``B + q`` (B = 128 in bf16, 1024 in fp16) in both halves; a second MMA with the constant fragment
-``-(B + z)`` subtracts the zero point inside the fp32 accumulation, and the group scale (fp32,
-carrying z in its 4 low mantissa bits: one 8-byte word per lane for channels g and g + 8) is
-applied per chunk by 4 FMAs. FP8 e4m3: the byte's sign to bit 15 and its other 7 bits under the
-16-bit float's exponent LSB (the value times 2**-120 in bf16, 2**-8 in fp16, folded into the scale),
-accumulated straight into the MMA's C; per-channel scales apply once at the end, 128x128 block
-scales per chunk. No FP8 instruction is used, so the FP8 path runs on sm80 too.
+``B + q`` (B = 128 in bf16, 1024 in fp16) in both halves; a packed 16-bit FMA with ``-(B + z)``
+leaves ``q - z`` exactly, and the group scale (fp32, carrying z in its 4 low mantissa bits: one
+8-byte word per lane for channels g and g + 8) is applied per chunk by 4 FMAs. FP8 e4m3: the
+byte's sign to bit 15 and its other 7 bits under the 16-bit float's exponent LSB (the value times
+2**-120 in bf16, 2**-8 in fp16, folded into the scale), accumulated straight into the MMA's C;
+per-channel scales apply once at the end, 128x128 block scales per chunk. No FP8 instruction is
+used, so the FP8 path runs on sm80 too.
 
 The K loop keeps ``DEPTH`` (1 or 2) iterations of loads in flight in loop-carried registers (ptxas
 sinks a one-ahead prefetch to the end of the loop body, hence DEPTH 2). With PDL the weights and scales
@@ -88,48 +88,56 @@ def _ops(first: int, n: int) -> list[str]:
     return [f"${i}" for i in range(first, first + n)]
 
 
-def int4_asm(nb: int, f16: bool) -> tuple[str, str]:
-    """INT4 step for one word: operands ``acc'[4 nb] <- (w, sz, x[nb], acc[4 nb], zero)``.
+def int4_asm(nb: int, f16: bool, words: int = 1) -> tuple[str, str]:
+    """INT4 step for ``words`` words of one group (the same scales): operands
+    ``acc'[4 nb] <- (w[words], sz, x[words * nb], acc[4 nb], zero)``.
 
-    ``w`` b32 word; ``sz`` b64: the fp32 scales of channels g (low half) and g + 8 (high half), each
+    ``w`` b32 words; ``sz`` b64: the fp32 scales of channels g (low half) and g + 8 (high half), each
     carrying its zero point in the 4 low mantissa bits (a relative change below 2**-19); ``x`` b64 per
-    B fragment (rows g, g + 8 of x); ``zero`` an fp32 0. The zero points become the constant A
-    fragment ``-(B + z)`` (two instructions per channel) of a second MMA into the same accumulator."""
+    word and B fragment (word-major; rows g, g + 8 of x); ``zero`` an fp32 0. The zero point is
+    subtracted from the decoded pairs in 16-bit float, exactly: ``fma(B + q, 1, -(B + z)) = q - z``
+    (|q - z| <= 15), one packed instruction per register, so each B fragment takes one MMA. (It used
+    to be a second MMA with the constant A fragment ``-(B + z)``: twice the tensor-core work.) The
+    words' MMAs chain in one fp32 accumulator, so the group scale costs 4 FMAs per B fragment per
+    call, not per word."""
     ty = "f16" if f16 else "bf16"
     magic = "0x64006400" if f16 else "0x43004300"
     neg = "0xE400E400" if f16 else "0xC300C300"  # -(B + z): B's pattern with the sign set, z below
+    one = "0x3C003C00" if f16 else "0x3F803F80"
     n_out = 4 * nb
-    w, sz = f"${n_out}", f"${n_out + 1}"
-    xs = _ops(n_out + 2, nb)
-    acc = _ops(n_out + 2 + nb, n_out)
-    zero = f"${n_out + 2 + nb + n_out}"
+    ws = _ops(n_out, words)
+    sz = f"${n_out + words}"
+    xs = _ops(n_out + words + 1, words * nb)
+    acc = _ops(n_out + words + 1 + words * nb, n_out)
+    zero = f"${n_out + words + 1 + words * nb + n_out}"
     lines = [
         "{",
-        ".reg .b32 a0, a1, a2, a3, t, z0, z1, s0, s1, b0, b1, b2, b3;",
+        ".reg .b32 a0, a1, a2, a3, t, z0, z1, s0, s1, b0, b1, one;",
         ".reg .f32 d0, d1, d2, d3, d4, d5, d6, d7, f0, f1;",
         f"mov.b64 {{s0, s1}}, {sz};",
         "mov.b32 f0, s0;",
         "mov.b32 f1, s1;",
+        f"mov.b32 one, {one};",
         "prmt.b32 t, s0, 0, 0x4040;",
         f"lop3.b32 z0, t, 0x000F000F, {neg}, 0xEA;",
         "prmt.b32 t, s1, 0, 0x4040;",
         f"lop3.b32 z1, t, 0x000F000F, {neg}, 0xEA;",
-        f"lop3.b32 a0, {w}, 0x000F000F, {magic}, 0xEA;",
     ]
-    for j in (1, 2, 3):
-        lines += [f"shr.u32 t, {w}, {4 * j};", f"lop3.b32 a{j}, t, 0x000F000F, {magic}, 0xEA;"]
-    for i in range(nb):
-        d = ", ".join(f"d{4 * i + r}" for r in range(4))
-        lines += [
-            f"mov.b64 {{b{2 * i}, b{2 * i + 1}}}, {xs[i]};",
-            _mma(ty, d, "z0, z1, z0, z1", f"b{2 * i}, b{2 * i + 1}", f"{zero}, {zero}, {zero}, {zero}"),
-            _mma(ty, d, "a0, a1, a2, a3", f"b{2 * i}, b{2 * i + 1}", d),
-        ]
-        for r in range(4):  # rows g (c0, c1) use the scale of channel g, rows g + 8 (c2, c3) g + 8's
-            o = 4 * i + r
-            lines.append(f"fma.rn.f32 ${o}, d{o}, f{r // 2}, {acc[o]};")
+    for r, w in enumerate(ws):
+        for j in range(4):  # a0, a2: channel g (zero point z0); a1, a3: channel g + 8 (z1)
+            src = w if j == 0 else "t"
+            if j:
+                lines.append(f"shr.u32 t, {w}, {4 * j};")
+            lines += [f"lop3.b32 a{j}, {src}, 0x000F000F, {magic}, 0xEA;",
+                      f"fma.rn.{ty}x2 a{j}, a{j}, one, z{j % 2};"]
+        for i in range(nb):
+            d = ", ".join(f"d{4 * i + k}" for k in range(4))
+            c = f"{zero}, {zero}, {zero}, {zero}" if r == 0 else d
+            lines += [f"mov.b64 {{b0, b1}}, {xs[r * nb + i]};", _mma(ty, d, "a0, a1, a2, a3", "b0, b1", c)]
+    for o in range(n_out):  # rows g (c0, c1) use the scale of channel g, rows g + 8 (c2, c3) g + 8's
+        lines.append(f"fma.rn.f32 ${o}, d{o}, f{(o % 4) // 2}, {acc[o]};")
     lines.append("}")
-    cons = ",".join(["=f"] * n_out + ["r", "l"] + ["l"] * nb + ["f"] * n_out + ["f"])
+    cons = ",".join(["=f"] * n_out + ["r"] * words + ["l"] + ["l"] * (words * nb) + ["f"] * n_out + ["f"])
     return "\n".join(lines), cons
 
 
@@ -259,8 +267,13 @@ def _frag_load(base, rep: tl.constexpr, offs_r, offs_c, warp, it, x8, xrow, xmas
 @triton.jit
 def _frag_iter_mma(w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1, a0, a1, a2, a3, a4, a5, a6, a7, zero,
                    FP8: tl.constexpr, BSCALE: tl.constexpr, NB: tl.constexpr, WARPS: tl.constexpr,
-                   REPS: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr):
-    """The MMAs of one iteration's repetitions (repetition r is in group ``r * WARPS // 8`` of it)."""
+                   REPS: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr, CHAIN: tl.constexpr = False):
+    """The MMAs of one iteration's repetitions (repetition r is in group ``r * WARPS // 8`` of it).
+    ``CHAIN`` (INT4, warps splitting N: every repetition in one group): one asm call for all of them
+    (``int4_asm(words=REPS)``), whose MMAs chain before the group scale is applied once."""
+    if CHAIN:
+        return _chain_step(w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, a0, a1, a2, a3, a4, a5, a6, a7,
+                           zero, NB, REPS, ASM, CONS)
     a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w0, s0, xa0, xb0, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8, BSCALE,
                                                 NB, ASM, CONS)
     if REPS > 1:
@@ -271,6 +284,30 @@ def _frag_iter_mma(w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s
                                                     BSCALE, NB, ASM, CONS)
         a0, a1, a2, a3, a4, a5, a6, a7 = _frag_step(w3, s1, xa3, xb3, a0, a1, a2, a3, a4, a5, a6, a7, zero, FP8,
                                                     BSCALE, NB, ASM, CONS)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _chain_step(w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s, a0, a1, a2, a3, a4, a5, a6, a7, zero,
+                NB: tl.constexpr, REPS: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr):
+    """INT4 repetitions of one group through one ``int4_asm(nb, f16, REPS)`` call (REPS 2 or 4)."""
+    if NB == 1:
+        if REPS == 2:
+            a0, a1, a2, a3 = tl.inline_asm_elementwise(ASM, CONS, [w0, w1, s, xa0, xa1, a0, a1, a2, a3, zero],
+                                                       dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        else:
+            a0, a1, a2, a3 = tl.inline_asm_elementwise(
+                ASM, CONS, [w0, w1, w2, w3, s, xa0, xa1, xa2, xa3, a0, a1, a2, a3, zero], dtype=(tl.float32,) * 4,
+                is_pure=True, pack=1)
+    else:
+        if REPS == 2:
+            a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
+                ASM, CONS, [w0, w1, s, xa0, xb0, xa1, xb1, a0, a1, a2, a3, a4, a5, a6, a7, zero],
+                dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        else:
+            a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
+                ASM, CONS, [w0, w1, w2, w3, s, xa0, xb0, xa1, xb1, xa2, xb2, xa3, xb3, a0, a1, a2, a3, a4, a5, a6, a7,
+                            zero], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
@@ -472,7 +509,7 @@ def _k_loop(WN: tl.constexpr, wp, pb, G, it0, it1, n_iters, offs_r, offs_c, warp
             xmask2, sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, True, True)
         a0, a1, a2, a3, a4, a5, a6, a7 = _frag_iter_mma(
             w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1, a0, a1, a2, a3, a4, a5, a6, a7, zero,
-            FP8, BSCALE, NB, WARPS, REPS, ASM, CONS)
+            FP8, BSCALE, NB, WARPS, REPS, ASM, CONS, WN and not FP8 and REPS > 1)
         if DEPTH == 2:  # rotate: the next set becomes current, the one just issued becomes next
             w0, w1, w2, w3, xa0, xa1, xa2, xa3 = n0, n1, n2, n3, na0, na1, na2, na3
             xb0, xb1, xb2, xb3, s0, s1 = nb0, nb1, nb2, nb3, ns0, ns1
@@ -744,7 +781,7 @@ def emulate(x: torch.Tensor, frags: torch.Tensor, kind: str, n: int, s=None, fp8
                             scale[g], scale[g + 8] = _f32(lo), _f32(hi)
                             zv = tuple(_h16((0xE400 if f16 else 0xC300) | (h & 0xF), f16) for h in (lo, hi))
                         for e, (r, col) in enumerate(_a_frag(g, t)):
-                            # INT4: (B + q) in the first MMA, -(B + z) in the second (same accumulator)
+                            # INT4: (B + q) + -(B + z), the packed FMA before the MMA (exact)
                             a[r, col] = vals[e] + (zv[r // 8] if kind == "int4" else 0.0)
                     d = (a * scale[:, None]) @ b  # [16 channels, 16 rows of x]
                     if block_scales is not None:
@@ -834,10 +871,11 @@ def supported(x: torch.Tensor) -> bool:
     return capability(x.device).at_least(8)  # (cached per device: this runs on every decode-sized call)
 
 
-def _asm(kind: str, nb: int, f16: bool, bscale: bool) -> tuple[str, str]:
-    key = (kind, nb, f16, bscale)
+def _asm(kind: str, nb: int, f16: bool, bscale: bool, words: int = 1) -> tuple[str, str]:
+    """The kernel's inline PTX; ``words``: INT4 words per call (the WN layout's REPS, one group)."""
+    key = (kind, nb, f16, bscale, words)
     if key not in _ASM:
-        _ASM[key] = int4_asm(nb, f16) if kind == "int4" else fp8_asm(nb, f16, bscale)
+        _ASM[key] = int4_asm(nb, f16, words) if kind == "int4" else fp8_asm(nb, f16, bscale)
     return _ASM[key]
 
 
@@ -905,7 +943,8 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
     per = triton.cdiv(iters, split)
     split = triton.cdiv(iters, per)
     grid_n = blocks // warps if wn else blocks
-    asm, cons = _asm(kind, nb, x.dtype == torch.float16, bscale)
+    chain = reps if wn and kind == "int4" and reps > 1 else 1  # ``_frag_iter_mma``'s CHAIN
+    asm, cons = _asm(kind, nb, x.dtype == torch.float16, bscale, chain)
     code = ACTIVATIONS[act]
     y = torch.empty((m, n // 2 if code else n), dtype=x.dtype, device=x.device)
     via_ws = split > 1 or code != 0

@@ -493,20 +493,21 @@ SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
 
 
 # MODE 6 (``triton_frag``: weights stored as MMA fragments) where the H200 sweep measured it faster than
-# the table above (``python benchmarks/sweep_frag.py``: results/h200/quant_wo_mode6.json and
-# sweeps/sweep_frag_depth.json): INT4 at M <= 4 on the MLP and qkv shapes (gate_up 28672x4096 M=1: 28.1 vs
-# 34.9 us; fused with SiLU 29.0 vs 35.7 us). It lost on o_proj, at M = 16 and for FP8, which keep MODEs 4 / 5.
-# "WN": the warps split N (``triton_frag._frag_kernel``'s WN), where ``sweep_frag.py --wn`` measured it faster
-# (sweeps/sweep_frag_wn_int4.json): 14336x4096 M=1 15.2 vs 19.1 us, M=4 18.0 vs 20.3; 4096x14336 M=1 17.2 vs
-# 18.3. The merged gate_up (28672x4096) takes the 14336x4096 tile with half the split (the same warps).
+# the table above (``python benchmarks/sweep_frag.py --kinds int4 --wn also``; the tiles below are from
+# results/h200/quant_wo_mode6_one_mma.json, the kernel with one MMA per word and, with WN, the MMAs of a
+# group chained before its scale): INT4 at M <= 4 on the MLP and qkv shapes, and the merged gate_up at
+# M <= 16 (34.2 vs 38.4 us for MODE 5 at M=16). It loses on o_proj, at M = 16 elsewhere and for FP8,
+# which keep MODEs 4 / 5. "WN": the warps split N (``triton_frag._frag_kernel``'s WN).
+# 14336x4096: M=1 14.1 us (bf16 32.7, tinygemm 18.0), M=4 17.3; 28672x4096 M=1 23.1, M=4 25.8;
+# 4096x14336 M=1 16.0, M=4 20.3; 6144x4096 M=1 9.8, M=4 11.7.
 MODE6_TUNED: dict[tuple[str, int, int, int], dict] = {
     ("int4", 14336, 4096, 1): {'WN': 1, 'WARPS': 4, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
-    ("int4", 14336, 4096, 4): {'WN': 1, 'WARPS': 8, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 1},
-    ("int4", 28672, 4096, 1): {'WN': 1, 'WARPS': 4, 'REPS': 4, 'SPLIT': 4, 'DEPTH': 2},
-    ("int4", 28672, 4096, 4): {'WN': 1, 'WARPS': 8, 'REPS': 4, 'SPLIT': 4, 'DEPTH': 1},
+    ("int4", 14336, 4096, 4): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 7, 'DEPTH': 2},
+    ("int4", 28672, 4096, 1): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 4, 'DEPTH': 2},
+    ("int4", 28672, 4096, 4): {'WARPS': 4, 'REPS': 4, 'SPLIT': 1, 'DEPTH': 1},
+    ("int4", 28672, 4096, 16): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 4, 'DEPTH': 1},
     ("int4", 4096, 14336, 1): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 32, 'DEPTH': 2},
-    ("int4", 4096, 14336, 4): {'WARPS': 4, 'REPS': 4, 'SPLIT': 8},
-    # two iterations of loads in flight (sweeps/sweep_frag_depth.json): qkv 10.9 / 12.4 us vs MODE 4 11.3 / 13.8
+    ("int4", 4096, 14336, 4): {'WARPS': 2, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
     ("int4", 6144, 4096, 1): {'WARPS': 2, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
     ("int4", 6144, 4096, 4): {'WARPS': 2, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
 }

@@ -38,7 +38,8 @@ def _compile(fn, ptr: dict, sizes: tuple[str, ...], ce: dict, warps: int, stages
     """``fn`` for sm90 with these pointer types, i32 sizes and constexprs; as a real launch specializes
     them, pointers and sizes are divisible by 16."""
     ints = {n: "i32" for n in sizes}
-    sig = {**ptr, **ints, **{k: "constexpr" for k in ce}}
+    types = {**ptr, **ints, **{k: "constexpr" for k in ce}}
+    sig = {n: types[n] for n in fn.arg_names}  # in the kernel's argument order
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*ptr, *ints)}
     src = ASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs)
@@ -75,8 +76,8 @@ def compile_frag(kind: str, warps: int, reps: int, depth: int, wn: bool = False,
     asm, cons = TF._asm(kind, nb, False, False, reps if wn and kind == "int4" and reps > 1 else 1)
     ptr = {"x_ptr": "*bf16", "qw_ptr": "*i32" if kind == "int4" else "*i64",
            "s_ptr": "*i64" if kind == "int4" else "*fp32", "ws_ptr": "*fp32", "y_ptr": "*bf16", "cnt_ptr": "*i32"}
-    ce = dict(FP8=kind == "fp8", NB=nb, BSCALE=False, WARPS=warps, REPS=reps, SPLIT_K=True, ACT=0, FOLD=1.0, ASM=asm,
-              CONS=cons, DEPTH=depth, USE_PDL=False, PREWAIT=False, WN=wn)
+    ce = dict(wdesc=None, FP8=kind == "fp8", NB=nb, BSCALE=False, WARPS=warps, REPS=reps, SPLIT_K=True, ACT=0,
+              FOLD=1.0, ASM=asm, CONS=cons, DEPTH=depth, USE_PDL=False, PREWAIT=False, WN=wn, TMA=0)
     sizes = ("M", "N", "G", "iters_per_split", "stride_xm", "stride_ym")
     return _compile(TF._frag_kernel, ptr, sizes, ce, warps, 1)
 

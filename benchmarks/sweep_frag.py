@@ -43,9 +43,6 @@ TILES = ((4, 4, 1), (4, 4, 2), (4, 2, 2), (2, 4, 2), (8, 2, 2), (8, 1, 2))
 # The same kernel with the warps splitting N ("WN": each warp its own channel block, no cross-warp sum;
 # more split-K to keep as many warps busy): (warps, repetitions, depth), swept with --wn.
 TILES_WN = ((4, 4, 1), (4, 4, 2), (2, 4, 1), (2, 4, 2), (8, 4, 1), (4, 2, 2))
-# The WN kernel with its weight words brought in by the tensor-memory accelerator ("TMA": iterations in
-# flight in shared memory, Triton's pipeliner): (warps, repetitions, stages), swept with --tma.
-TILES_TMA = ((4, 4, 3), (4, 4, 4), (4, 4, 6), (2, 4, 4), (4, 2, 6), (8, 4, 3))
 MS = (1, 4, 16)
 
 
@@ -57,8 +54,6 @@ def main() -> None:  # noqa: C901 (one linear script)
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--wn", choices=["off", "also", "only"], default="off",
                     help="the warps-split-N tiles (TILES_WN) too, or only them")
-    ap.add_argument("--tma", choices=["off", "also", "only"], default="off",
-                    help="the TMA-fed WN tiles (TILES_TMA) too, or only them")
     args = ap.parse_args()
     t0 = time.perf_counter()
     dev = "cuda"
@@ -114,16 +109,10 @@ def main() -> None:  # noqa: C901 (one linear script)
                     rows.append({"key": key, "config": cfg, "us": us, "rel_err": err})
                     res.append((us, cfg))
 
-                if args.tma != "off":
-                    blocks = n // (64 if kind == "int4" else 32)
-                    for warps, reps, stages in TILES_TMA:
-                        if blocks % warps == 0:
-                            run({"MODE": 6, "WN": 1, "WARPS": warps, "REPS": reps, "TMA": stages,
-                                 "SPLIT": max(1, 12 * 132 // blocks)})
-                if args.wn != "only" and args.tma != "only":
+                if args.wn != "only":
                     for warps, reps, depth in TILES:
                         run({"MODE": 6, "WARPS": warps, "REPS": reps, "DEPTH": depth})
-                if args.wn != "off" and args.tma != "only":
+                if args.wn != "off":
                     blocks = n // (64 if kind == "int4" else 32)
                     for warps, reps, depth in TILES_WN:
                         if blocks % warps == 0:  # SPLIT: ~12 warps (each a block x a K range) per SM

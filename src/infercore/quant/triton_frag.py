@@ -522,63 +522,12 @@ def _k_loop(WN: tl.constexpr, wp, pb, G, it0, it1, n_iters, offs_r, offs_c, warp
 
 
 @triton.jit
-def _tma_loop(wdesc, wp, pb, G, it0, it1, offs_c, warp, lane, x8, xrow, xmask, xrow2, xmask2, s_rows, s_ptr, zero,
-              FP8: tl.constexpr, BSCALE: tl.constexpr, NB: tl.constexpr, R: tl.constexpr, CT: tl.constexpr,
-              WARPS: tl.constexpr, REPS: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr, STAGES: tl.constexpr,
-              USE_PDL: tl.constexpr):
-    """The WN K loop with the weight words brought in by the tensor-memory accelerator: ``wdesc`` views the
-    words re-ordered ``[program, chunk, warp, lane, tile]`` as ``[rows, CT]`` with ``[R, CT]`` blocks, so one
-    block is one repetition's words of all the program's warps; Triton's pipeliner keeps ``STAGES``
-    iterations of them in flight in shared memory (``tl.range(num_stages=...)``), not in registers. The
-    activations and scales are plain loads."""
-    a0 = tl.zeros([R, CT], dtype=tl.float32)
-    a1 = tl.zeros([R, CT], dtype=tl.float32)
-    a2 = tl.zeros([R, CT], dtype=tl.float32)
-    a3 = tl.zeros([R, CT], dtype=tl.float32)
-    a4 = tl.zeros([R, CT], dtype=tl.float32)
-    a5 = tl.zeros([R, CT], dtype=tl.float32)
-    a6 = tl.zeros([R, CT], dtype=tl.float32)
-    a7 = tl.zeros([R, CT], dtype=tl.float32)
-    pdl_wait(USE_PDL)
-    for it in tl.range(it0, it1, num_stages=STAGES):
-        c0 = it * REPS
-        grp = c0 // 8
-        q0 = c0 % 8
-        row = (pb * (G * 8) + c0) * R
-        w0 = wdesc.load([row, 0])
-        t0, xa0, xb0 = _wn_load(wp, lane, 0, offs_c, x8, xrow, xmask, xrow2, xmask2, grp, q0, NB, CT, False, True)
-        w1, xa1, xb1 = w0, xa0, xb0
-        w2, xa2, xb2 = w0, xa0, xb0
-        w3, xa3, xb3 = w0, xa0, xb0
-        if REPS > 1:
-            w1 = wdesc.load([row + R, 0])
-            t1, xa1, xb1 = _wn_load(wp, lane, 1, offs_c, x8, xrow, xmask, xrow2, xmask2, grp, q0, NB, CT, False, True)
-        if REPS > 2:
-            w2 = wdesc.load([row + 2 * R, 0])
-            w3 = wdesc.load([row + 3 * R, 0])
-            t2, xa2, xb2 = _wn_load(wp, lane, 2, offs_c, x8, xrow, xmask, xrow2, xmask2, grp, q0, NB, CT, False, True)
-            t3, xa3, xb3 = _wn_load(wp, lane, 3, offs_c, x8, xrow, xmask, xrow2, xmask2, grp, q0, NB, CT, False, True)
-        if FP8:
-            if BSCALE:
-                sc = tl.load(s_ptr + s_rows + grp * CT) + zero
-            else:
-                sc = zero
-        else:
-            sc = tl.load(s_ptr.to(tl.pointer_type(tl.int64)) + s_rows + grp * (8 * CT))
-        a0, a1, a2, a3, a4, a5, a6, a7 = _frag_iter_mma(
-            w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, sc, sc, a0, a1, a2, a3, a4, a5, a6, a7, zero,
-            FP8, BSCALE, NB, WARPS, REPS, ASM, CONS, not FP8 and REPS > 1)
-    return a0, a1, a2, a3, a4, a5, a6, a7
-
-
-@triton.jit
 def _frag_kernel(
-    x_ptr, qw_ptr, s_ptr, ws_ptr, y_ptr, cnt_ptr, wdesc,
+    x_ptr, qw_ptr, s_ptr, ws_ptr, y_ptr, cnt_ptr,
     M, N, G, iters_per_split, stride_xm, stride_ym,
     FP8: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr,
     SPLIT_K: tl.constexpr, ACT: tl.constexpr, FOLD: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr,
     DEPTH: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREWAIT: tl.constexpr = False, WN: tl.constexpr = False,
-    TMA: tl.constexpr = 0,
 ):
     """MODE 6. Grid ``(N / (16 CT), split)``. ``qw``: fragment words (int32 INT4 / int64 FP8) of
     ``pack_int4`` / ``pack_fp8``; INT4: ``s`` int64 ``[N / 64, G, 8, 4]`` (scale / zero-point words of
@@ -628,14 +577,9 @@ def _frag_kernel(
     else:
         sz_rows = (pb * G * 8 + g)[:, None] * CT + offs_c[None, :]  # int64 units of the scale / zero-point words
     zero = tl.zeros([R, CT], dtype=tl.float32)
-    if TMA > 0:  # (WN only) the words through the tensor-memory accelerator, TMA iterations in flight
-        a0, a1, a2, a3, a4, a5, a6, a7 = _tma_loop(
-            wdesc, wp, pb, G, it0, it1, offs_c, warp, lane, x8, xrow, xmask, xrow2, xmask2, sz_rows, s_ptr, zero,
-            FP8, BSCALE, NB, R, CT, WARPS, REPS, ASM, CONS, TMA, USE_PDL)
-    else:
-        a0, a1, a2, a3, a4, a5, a6, a7 = _k_loop(
-            WN, wp, pb, G, it0, it1, n_iters, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2, xmask2, sz_rows,
-            s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, ASM, CONS, DEPTH, USE_PDL, PREWAIT)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _k_loop(
+        WN, wp, pb, G, it0, it1, n_iters, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2, xmask2, sz_rows,
+        s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, ASM, CONS, DEPTH, USE_PDL, PREWAIT)
     FP8_CHANNEL: tl.constexpr = FP8 and not BSCALE
     if WN:
         _epilogue(y_ptr, ws_ptr, cnt_ptr, a0, a1, a2, a3, a4, a5, a6, a7, pb, blk, sp, M, N, stride_ym, g, t, offs_c,
@@ -1010,36 +954,14 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
     depth = int(cfg.get("DEPTH", 1))
     if depth not in (1, 2):
         raise ValueError(f"config: DEPTH (iterations loaded ahead) must be 1 or 2, got {depth}")
-    tma, wdesc = int(cfg.get("TMA", 0)), None
-    if tma:
-        if not wn or tma < 2:
-            raise ValueError(f"config: TMA (iterations in flight, >= 2) needs WN; got {cfg}")
-        wdesc = _tma_desc(frags, warps)
-        if wdesc is None:  # first call inside a CUDA-graph capture: the register-fed loop
-            tma = 0
     _frag_kernel[(grid_n, split)](
-        x, frags, s, ws, y, cnt, wdesc,
+        x, frags, s, ws, y, cnt,
         m, n, gk, per, x.stride(0), y.stride(0),
         FP8=kind == "fp8", NB=nb, BSCALE=bscale, WARPS=warps, REPS=reps, SPLIT_K=split > 1, ACT=code,
-        FOLD=fold, ASM=asm, CONS=cons, DEPTH=depth, PREWAIT=use_pdl and GEMV_PREWAIT > 0, WN=wn, TMA=tma,
-        num_warps=warps, num_stages=1, **pdl_launch(use_pdl),
+        FOLD=fold, ASM=asm, CONS=cons, DEPTH=depth, PREWAIT=use_pdl and GEMV_PREWAIT > 0, WN=wn, num_warps=warps,
+        num_stages=1, **pdl_launch(use_pdl),
     )
     return y
-
-
-def _tma_desc(frags: torch.Tensor, warps: int):
-    """The tensor descriptor of ``frags`` re-ordered for ``_tma_loop`` (``[program, chunk, warp, lane,
-    tile]`` as ``[rows, CT]``, blocks of ``[32 warps, CT]``), made once per fragment tensor and warp count;
-    None inside a CUDA-graph capture before that."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    def make():
-        blocks, gk, _, _, ct = frags.shape
-        words = frags.view(blocks // warps, warps, gk * 8, 32, ct).transpose(1, 2).contiguous().view(-1, ct)
-        return words, TensorDescriptor(words, list(words.shape), [ct, 1], [32 * warps, ct])
-
-    p = packed(frags, ("tma", warps), make)
-    return None if p is None else p[1]
 
 
 def int4_ok(x: torch.Tensor, w, act: str | None) -> bool:

@@ -77,7 +77,7 @@ def compile_frag(kind: str, warps: int, reps: int, depth: int, wn: bool = False,
     ptr = {"x_ptr": "*bf16", "qw_ptr": "*i32" if kind == "int4" else "*i64",
            "s_ptr": "*i64" if kind == "int4" else "*fp32", "ws_ptr": "*fp32", "y_ptr": "*bf16", "cnt_ptr": "*i32"}
     ce = dict(FP8=kind == "fp8", NB=nb, BSCALE=False, WARPS=warps, REPS=reps, SPLIT_K=True, ACT=0,
-              FOLD=1.0, ASM=asm, CONS=cons, DEPTH=depth, USE_PDL=False, PREWAIT=False, WN=wn, L2PF=False)
+              FOLD=1.0, ASM=asm, CONS=cons, DEPTH=depth, USE_PDL=False, PREWAIT=False, WN=wn)
     sizes = ("M", "N", "G", "iters_per_split", "stride_xm", "stride_ym")
     return _compile(TF._frag_kernel, ptr, sizes, ce, warps, 1)
 

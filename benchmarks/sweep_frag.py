@@ -54,8 +54,6 @@ def main() -> None:  # noqa: C901 (one linear script)
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--wn", choices=["off", "also", "only"], default="off",
                     help="the warps-split-N tiles (TILES_WN) too, or only them")
-    ap.add_argument("--l2pf", action="store_true",
-                    help="with --wn: each WN tile also with its warps' weight ranges bulk-prefetched into L2")
     args = ap.parse_args()
     t0 = time.perf_counter()
     dev = "cuda"
@@ -118,9 +116,8 @@ def main() -> None:  # noqa: C901 (one linear script)
                     blocks = n // (64 if kind == "int4" else 32)
                     for warps, reps, depth in TILES_WN:
                         if blocks % warps == 0:  # SPLIT: ~12 warps (each a block x a K range) per SM
-                            for pf in (0, 1) if args.l2pf else (0,):
-                                run({"MODE": 6, "WN": 1, "WARPS": warps, "REPS": reps, "DEPTH": depth,
-                                     "SPLIT": max(1, 12 * 132 // blocks), **({"L2PF": 1} if pf else {})})
+                            run({"MODE": 6, "WN": 1, "WARPS": warps, "REPS": reps, "DEPTH": depth,
+                                 "SPLIT": max(1, 12 * 132 // blocks)})
                 tried = {json.dumps(c, sort_keys=True) for _, c in res}
                 for _, cfg in sorted(res, key=lambda r: r[0])[:3]:
                     for split in (1, 2, 4, 8, 16, 32):

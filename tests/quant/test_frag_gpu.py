@@ -95,29 +95,6 @@ def test_mode6_warps_split_n_int4(m, sym, group, tile):
     assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
 
 
-@pytest.mark.parametrize("kind", ["int4", "fp8"])
-@pytest.mark.parametrize("m,split", [(1, 1), (4, 3), (16, 2)])
-def test_mode6_l2_prefetch_changes_nothing(kind, m, split):
-    """L2PF (the warps' weight ranges bulk-prefetched into L2) is a hint: the same bits, split or not."""
-    torch.manual_seed(m)
-    n, k = 512, 2048
-    wf = torch.randn(n, k, device=dev) * 0.05
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    cfg = {"MODE": 6, "WN": 1, "WARPS": 2, "REPS": 4, "SPLIT": split, "DEPTH": 2}
-    if kind == "int4":
-        w = IntWeight.quantize(wf, bits=4, group_size=128)
-        run = lambda c: TW.wq_matmul_triton(x, w, config=c)  # noqa: E731
-        ref = x.float() @ w.dequantize(torch.float32).T
-    else:
-        w = FP8Weight.quantize(wf)
-        run = lambda c: TW.fp8_wo_matmul_triton(x, w, config=c)  # noqa: E731
-        ref = x.float() @ w.dequantize(torch.float32).T
-    y = run({**cfg, "L2PF": 1})
-    assert torch.equal(y, run(cfg)) and _rel(y, ref) < 8e-3
-    with pytest.raises(ValueError, match="L2PF"):
-        run({**cfg, "WN": 0, "L2PF": 1})
-
-
 @pytest.mark.parametrize("wn", [0, 1])
 def test_mode6_graph_replay_and_bad_config(wn):
     n, k = 256, 512

@@ -463,31 +463,11 @@ def _k_loads(WN: tl.constexpr, wp, it, pb, G, offs_r, offs_c, warp, lane, x8, xr
 
 
 @triton.jit
-def _l2_prefetch_range(wp, warp, lane, G, it0, it1, REPS: tl.constexpr, CT: tl.constexpr,
-                       ELEM_BYTES: tl.constexpr):
-    """(WN, sm90) Ask L2 for every weight word of each warp's K range ``[it0, it1)`` at once: lane 0 of
-    each warp issues one ``cp.async.bulk.prefetch`` of its contiguous range (no registers, no waiting),
-    so the memory system streams the whole call's weights like a plain copy while the register-fed K
-    loop, whose loads then mostly hit L2, catches up."""
-    per_it: tl.constexpr = REPS * 32 * CT  # words per warp and iteration
-    addr = (wp + warp.to(tl.int64) * G * (8 * 32 * CT) + it0 * per_it).to(tl.pointer_type(tl.int8))
-    lead = (lane == 0).to(tl.int32)
-    nbytes = lead * 0 + (it1 - it0) * (per_it * ELEM_BYTES)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
-        "=r,l,r,r", [addr, lead, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _k_loop(WN: tl.constexpr, wp, pb, G, it0, it1, n_iters, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2, xmask2,
             sz_rows, s_ptr, zero, FP8: tl.constexpr, BSCALE: tl.constexpr, NB: tl.constexpr, R: tl.constexpr,
             CT: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr, GPI: tl.constexpr, ASM: tl.constexpr,
-            CONS: tl.constexpr, DEPTH: tl.constexpr, USE_PDL: tl.constexpr, PREWAIT: tl.constexpr,
-            L2PF: tl.constexpr = False):
-    """Both kernels' K loop over iterations ``[it0, it1)``: the accumulators ``a0 .. a7`` (``[R, CT]``).
-    ``L2PF`` (WN): the warps' whole weight ranges are bulk-prefetched into L2 first."""
-    if L2PF:  # before the PDL wait: no kernel of the step writes the weights
-        _l2_prefetch_range(wp, warp, lane, G, it0, it1, REPS, CT, 8 if FP8 else 4)
+            CONS: tl.constexpr, DEPTH: tl.constexpr, USE_PDL: tl.constexpr, PREWAIT: tl.constexpr):
+    """Both kernels' K loop over iterations ``[it0, it1)``: the accumulators ``a0 .. a7`` (``[R, CT]``)."""
     a0 = tl.zeros([R, CT], dtype=tl.float32)
     a1 = tl.zeros([R, CT], dtype=tl.float32)
     a2 = tl.zeros([R, CT], dtype=tl.float32)
@@ -548,7 +528,6 @@ def _frag_kernel(
     FP8: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr,
     SPLIT_K: tl.constexpr, ACT: tl.constexpr, FOLD: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr,
     DEPTH: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREWAIT: tl.constexpr = False, WN: tl.constexpr = False,
-    L2PF: tl.constexpr = False,
 ):
     """MODE 6. Grid ``(N / (16 CT), split)``. ``qw``: fragment words (int32 INT4 / int64 FP8) of
     ``pack_int4`` / ``pack_fp8``; INT4: ``s`` int64 ``[N / 64, G, 8, 4]`` (scale / zero-point words of
@@ -600,7 +579,7 @@ def _frag_kernel(
     zero = tl.zeros([R, CT], dtype=tl.float32)
     a0, a1, a2, a3, a4, a5, a6, a7 = _k_loop(
         WN, wp, pb, G, it0, it1, n_iters, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2, xmask2, sz_rows,
-        s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, ASM, CONS, DEPTH, USE_PDL, PREWAIT, L2PF)
+        s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, ASM, CONS, DEPTH, USE_PDL, PREWAIT)
     FP8_CHANNEL: tl.constexpr = FP8 and not BSCALE
     if WN:
         _epilogue(y_ptr, ws_ptr, cnt_ptr, a0, a1, a2, a3, a4, a5, a6, a7, pb, blk, sp, M, N, stride_ym, g, t, offs_c,
@@ -975,16 +954,12 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
     depth = int(cfg.get("DEPTH", 1))
     if depth not in (1, 2):
         raise ValueError(f"config: DEPTH (iterations loaded ahead) must be 1 or 2, got {depth}")
-    l2pf = bool(cfg.get("L2PF", 0))
-    if l2pf and not wn:
-        raise ValueError(f"config: L2PF (the warps' weight ranges prefetched into L2) needs WN; got {cfg}")
-    l2pf = l2pf and capability(x.device).at_least(9)  # cp.async.bulk is sm90+; a hint, so dropped below
     _frag_kernel[(grid_n, split)](
         x, frags, s, ws, y, cnt,
         m, n, gk, per, x.stride(0), y.stride(0),
         FP8=kind == "fp8", NB=nb, BSCALE=bscale, WARPS=warps, REPS=reps, SPLIT_K=split > 1, ACT=code,
-        FOLD=fold, ASM=asm, CONS=cons, DEPTH=depth, PREWAIT=use_pdl and GEMV_PREWAIT > 0, WN=wn, L2PF=l2pf,
-        num_warps=warps, num_stages=1, **pdl_launch(use_pdl),
+        FOLD=fold, ASM=asm, CONS=cons, DEPTH=depth, PREWAIT=use_pdl and GEMV_PREWAIT > 0, WN=wn, num_warps=warps,
+        num_stages=1, **pdl_launch(use_pdl),
     )
     return y
 

@@ -44,14 +44,16 @@ launch). ``ACT`` fuses the gated activation of a merged ``[gate; up]`` weight: t
 puts gate rows in the first half of each program's channel tiles and the matching up rows in the
 second, so both halves of an output meet in one thread.
 
-Measured on the H200 (docs/quantization.md, results/h200/quant_wo_mode6.json): faster than MODEs
-4 / 5 for INT4 at M <= 4 on the 8B MLP and qkv shapes (dispatched by ``triton_wo.MODE6_TUNED``),
-slower for FP8, at M = 16 and on 4096x4096.
+Measured on the H200 (docs/quantization.md, results/h200/quant_wo_mode6_one_mma.json): faster than
+MODEs 4 / 5 for INT4 at M <= 4 on the 8B MLP and qkv shapes and on the merged gate_up up to M = 16
+(dispatched by ``triton_wo.MODE6_TUNED``), slower for FP8, at M = 16 elsewhere and on 4096x4096.
 
 ``_frag_kernel`` with ``WN`` (config ``"WN": 1``) is the same computation with the warps splitting N instead of
 K: each warp owns a channel block and every chunk of its K range, so there is no cross-warp sum and
-each warp stores its own outputs or split-K partials (the split grows by the warp count instead).
-INT4 14336x4096 M=1 15.2 vs 19.1 us (results/h200/quant_wo_mode6_wn.json); dispatched where it won.
+each warp stores its own outputs or split-K partials (the split grows by the warp count instead);
+an iteration's REPS words then share one group, so one ``int4_asm(words=REPS)`` call chains their
+MMAs. INT4 14336x4096 M=1 14.0 us (15.2 with two MMAs per word, 19.1 with the warps splitting K;
+results/h200/quant_wo_dispatch.json); dispatched where it won.
 
 The kernel is GPU-only (inline PTX; sm80+). ``emulate`` replays the fragment arithmetic in torch
 (the PTX fragment tables written out independently of the packers) so the CPU tests check the

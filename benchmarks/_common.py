@@ -54,6 +54,21 @@ def time_graph(calls: Callable[[int], Any], n_calls: int, reps: int = 10, warmup
     return times[len(times) // 2] / n_calls
 
 
+def eager_us(call: Callable[[], Any], n: int = 300, warmup: int = 20) -> float:
+    """Microseconds per ``call()`` run back to back without a CUDA graph (after ``warmup`` calls): for
+    small kernels this is the host's dispatch and launch time, not the GPU's."""
+    import time
+
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def log_triton_compiles(sink: list[dict[str, Any]]) -> None:
     """Append every Triton JIT compile from now on to ``sink``: ``{"at": perf_counter, "kernel": name,
     "repr": the kernel's argument types and specializations, "key": Triton's cache key}``. A compile

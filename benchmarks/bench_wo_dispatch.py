@@ -17,7 +17,6 @@ import argparse
 import math
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +25,8 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import case, rel_err, time_graph, write_results  # noqa: E402
-from sweep_quant_wo import SHAPES, bf16_copies, copy_bandwidth, quant_copies, tinygemm_calls  # noqa: E402
+from _common import case, eager_us, rel_err, time_graph, write_results  # noqa: E402
+from sweep_quant_wo import SHAPES, copy_bandwidth, tinygemm_calls, weight_cases  # noqa: E402
 
 from infercore.quant import triton_wo as TW  # noqa: E402
 
@@ -50,51 +49,35 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     timer = lambda c, n: time_graph(c, n, reps=7, warmup=1)
     cases = []
-    torch.manual_seed(0)
-    for sname, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda") * 0.02
-        w16s = bf16_copies(w, 1)
-        c16 = len(w16s)
-        for kind in ("int4", "fp8"):
-            q, qs, fn, qbytes = quant_copies(kind, w, 1)
-            copies = len(qs)
-            wref = q.dequantize(torch.float32)
-            for m in (1, 4, 16):
-                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-                err = rel_err(fn(x, q), x.float() @ wref.T)
-                if not err < 1e-2:
-                    raise RuntimeError(f"{kind} {sname} M={m}: relative error {err:.3g}")
-                for qq in qs:  # eager first calls: repacks made outside the graph
-                    fn(x, qq)
-                n_calls = math.ceil(max(copies, 24) / copies) * copies
-                us = timer(lambda i: fn(x, qs[i % copies]), n_calls) * 1e6
-                peers = {"bf16 F.linear": timer(lambda i: F.linear(x, w16s[i % c16]),
-                                                math.ceil(n_calls / c16) * c16) * 1e6}
-                if kind == "int4":
-                    peers["tinygemm int4"] = timer(tinygemm_calls(n, k, copies, x), n_calls) * 1e6
-                # eager: back-to-back calls on one weight (host-bound when the host's dispatch is the longer)
-                for _ in range(20):
-                    fn(x, q)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(300):
-                    fn(x, q)
-                torch.cuda.synchronize()
-                eager_us = (time.perf_counter() - t0) / 300 * 1e6
-                floor_us = (qbytes + (m * k + m * n) * 2) / bw * 1e6
-                tf = lambda t: 2 * m * n * k / (t * 1e-6) / 1e12
-                label = "W4A16 g128" if kind == "int4" else "FP8 weight-only emulated"
-                kernel = _dispatched(kind, x, q, n, k)
-                cases.append(case(f"{label} {sname} M={m}", metric="effective TFLOP/s", unit="TFLOP/s", ours=tf(us),
-                                  peers={p: tf(t) for p, t in peers.items()}, floor=tf(floor_us), ours_us=us,
-                                  peers_us=peers, floor_us=floor_us, vs_bf16=peers["bf16 F.linear"] / us,
-                                  kernel=kernel, rel_err=err, eager_us_per_call=eager_us))
-                print(f"{kind:4s} {sname:24s} M={m:2d} {us:7.2f} us | bf16 {peers['bf16 F.linear']:7.2f}"
-                      f" tinygemm {peers.get('tinygemm int4', float('nan')):7.2f} floor {floor_us:6.2f}"
-                      f" | x bf16 {peers['bf16 F.linear'] / us:5.2f} | eager {eager_us:6.1f} | {kernel}", flush=True)
+    for wc in weight_cases(SHAPES, (1, 4, 16)):
+        sname, n, k, kind, m, x, fn, q, qs = wc.sname, wc.n, wc.k, wc.kind, wc.m, wc.x, wc.fn, wc.q, wc.qs
+        copies, c16 = len(qs), len(wc.w16s)
+        err = rel_err(fn(x, q), wc.ref)
+        if not err < 1e-2:
+            raise RuntimeError(f"{kind} {sname} M={m}: relative error {err:.3g}")
+        for qq in qs:  # eager first calls: repacks made outside the graph
+            fn(x, qq)
+        n_calls = math.ceil(max(copies, 24) / copies) * copies
+        us = timer(lambda i: fn(x, qs[i % copies]), n_calls) * 1e6
+        peers = {"bf16 F.linear": timer(lambda i: F.linear(x, wc.w16s[i % c16]),
+                                        math.ceil(n_calls / c16) * c16) * 1e6}
+        if kind == "int4":
+            peers["tinygemm int4"] = timer(tinygemm_calls(n, k, copies, x), n_calls) * 1e6
+        # eager: back-to-back calls on one weight (host-bound when the host's dispatch is the longer)
+        eager = eager_us(lambda: fn(x, q))
+        floor_us = (wc.qbytes + (m * k + m * n) * 2) / bw * 1e6
+        tf = lambda t: 2 * m * n * k / (t * 1e-6) / 1e12
+        label = "W4A16 g128" if kind == "int4" else "FP8 weight-only emulated"
+        kernel = _dispatched(kind, x, q, n, k)
+        cases.append(case(f"{label} {sname} M={m}", metric="effective TFLOP/s", unit="TFLOP/s", ours=tf(us),
+                          peers={p: tf(t) for p, t in peers.items()}, floor=tf(floor_us), ours_us=us,
+                          peers_us=peers, floor_us=floor_us, vs_bf16=peers["bf16 F.linear"] / us,
+                          kernel=kernel, rel_err=err, eager_us_per_call=eager))
+        print(f"{kind:4s} {sname:24s} M={m:2d} {us:7.2f} us | bf16 {peers['bf16 F.linear']:7.2f}"
+              f" tinygemm {peers.get('tinygemm int4', float('nan')):7.2f} floor {floor_us:6.2f}"
+              f" | x bf16 {peers['bf16 F.linear'] / us:5.2f} | eager {eager:6.1f} | {kernel}", flush=True)
     doc = write_results(args.out, "quant_wo_dispatch", torch.cuda.get_device_name(), cases)
     doc["copy_bw_TBps"] = bw / 1e12
     import json

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import case, rel_err, time_graph, write_results  # noqa: E402
-from sweep_quant_wo import bf16_copies, quant_copies  # noqa: E402
+from sweep_quant_wo import weight_cases  # noqa: E402
 
 from infercore.quant import triton_dequant as TD  # noqa: E402
 
@@ -43,41 +43,32 @@ def main() -> None:
     shapes = {k: v for k, v in SHAPES.items() if not args.shapes or any(s in k for s in args.shapes.split(","))}
     timer = lambda c, n: time_graph(c, n, reps=5, warmup=1)
     cases, wins = [], {}
-    torch.manual_seed(0)
-    for sname, (n, k) in shapes.items():
-        w = torch.randn(n, k, device="cuda") * 0.02
-        w16s = bf16_copies(w, 2)
-        c16 = len(w16s)
-        for kind in ("int4", "fp8"):
-            q, qs, fn, qbytes = quant_copies(kind, w, 2)
-            copies = len(qs)
-            wref = q.dequantize(torch.float32)
-            dec = TD.dequant_int_triton if kind == "int4" else TD.dequant_fp8_triton
-            for m in MS:
-                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-                ref = x.float() @ wref.T
-                times, errs = {}, {}
-                default = dict(TD.DEQUANT_M_MIN)
-                for label, thr in (("fused Triton GEMM", 0), ("decode + cuBLAS", 1)):
-                    TD.DEQUANT_M_MIN = {"int4": thr, "fp8": thr}
-                    errs[label] = rel_err(fn(x, q), ref)
-                    times[label] = timer(lambda i: fn(x, qs[i % copies]), 2 * copies) * 1e6
-                TD.DEQUANT_M_MIN = default
-                times["decode alone"] = timer(lambda i: dec(qs[i % copies], torch.bfloat16), 2 * copies) * 1e6
-                times["bf16 F.linear"] = timer(lambda i: F.linear(x, w16s[i % c16]), 2 * c16) * 1e6
-                if max(errs.values()) > 1e-2:
-                    raise RuntimeError(f"{kind} {sname} M={m}: relative errors {errs}")
-                tf = lambda t: 2 * m * n * k / (t * 1e-6) / 1e12
-                thr = default[kind]
-                path = "decode + cuBLAS" if 0 < thr <= m else "fused Triton GEMM"
-                label = "W4A16 g128" if kind == "int4" else "FP8 weight-only emulated"
-                cases.append(case(f"{label} {sname} M={m}", metric="effective TFLOP/s", unit="TFLOP/s",
-                                  ours=tf(times[path]), peers={"bf16 F.linear": tf(times["bf16 F.linear"])}, floor=None,
-                                  dispatched=path, times_us=times, rel_err=errs))
-                wins.setdefault((kind, m), []).append(times["decode + cuBLAS"] < times["fused Triton GEMM"])
-                print(f"{kind:4s} {sname:24s} M={m:5d} fused {times['fused Triton GEMM']:8.1f} us | decode+cuBLAS "
-                      f"{times['decode + cuBLAS']:8.1f} (decode {times['decode alone']:6.1f}) | bf16 "
-                      f"{times['bf16 F.linear']:8.1f}", flush=True)
+    for wc in weight_cases(shapes, MS, at_least=2):
+        sname, n, k, kind, m, x, fn, q, qs = wc.sname, wc.n, wc.k, wc.kind, wc.m, wc.x, wc.fn, wc.q, wc.qs
+        copies, c16 = len(qs), len(wc.w16s)
+        dec = TD.dequant_int_triton if kind == "int4" else TD.dequant_fp8_triton
+        times, errs = {}, {}
+        default = dict(TD.DEQUANT_M_MIN)
+        for label, thr in (("fused Triton GEMM", 0), ("decode + cuBLAS", 1)):
+            TD.DEQUANT_M_MIN = {"int4": thr, "fp8": thr}
+            errs[label] = rel_err(fn(x, q), wc.ref)
+            times[label] = timer(lambda i: fn(x, qs[i % copies]), 2 * copies) * 1e6
+        TD.DEQUANT_M_MIN = default
+        times["decode alone"] = timer(lambda i: dec(qs[i % copies], torch.bfloat16), 2 * copies) * 1e6
+        times["bf16 F.linear"] = timer(lambda i: F.linear(x, wc.w16s[i % c16]), 2 * c16) * 1e6
+        if max(errs.values()) > 1e-2:
+            raise RuntimeError(f"{kind} {sname} M={m}: relative errors {errs}")
+        tf = lambda t: 2 * m * n * k / (t * 1e-6) / 1e12
+        thr = default[kind]
+        path = "decode + cuBLAS" if 0 < thr <= m else "fused Triton GEMM"
+        label = "W4A16 g128" if kind == "int4" else "FP8 weight-only emulated"
+        cases.append(case(f"{label} {sname} M={m}", metric="effective TFLOP/s", unit="TFLOP/s",
+                          ours=tf(times[path]), peers={"bf16 F.linear": tf(times["bf16 F.linear"])}, floor=None,
+                          dispatched=path, times_us=times, rel_err=errs))
+        wins.setdefault((kind, m), []).append(times["decode + cuBLAS"] < times["fused Triton GEMM"])
+        print(f"{kind:4s} {sname:24s} M={m:5d} fused {times['fused Triton GEMM']:8.1f} us | decode+cuBLAS "
+              f"{times['decode + cuBLAS']:8.1f} (decode {times['decode alone']:6.1f}) | bf16 "
+              f"{times['bf16 F.linear']:8.1f}", flush=True)
     crossover = {kind: next((m for m in MS if all(all(wins[(kind, mm)]) for mm in MS if mm >= m)), None)
                  for kind in ("int4", "fp8")}
     print("crossover (decode path wins from here on every shape):", crossover, flush=True)

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import case, rel_err, time_graph, write_results  # noqa: E402
-from sweep_quant_wo import SHAPES, bf16_copies, quant_copies  # noqa: E402
+from sweep_quant_wo import SHAPES, weight_cases  # noqa: E402
 
 from infercore.quant import triton_dequant as TD  # noqa: E402
 from infercore.quant import triton_wo as TW  # noqa: E402
@@ -46,40 +46,31 @@ def main() -> None:
     timer = lambda c, n: time_graph(c, n, reps=5, warmup=1)
     words0, deq0 = TW.WORDS_M_MAX, dict(TD.DEQUANT_M_MIN)
     cases = []
-    torch.manual_seed(0)
-    for sname, (n, k) in shapes.items():
-        w = torch.randn(n, k, device="cuda") * 0.02
-        w16s = bf16_copies(w, 2)
-        c16 = len(w16s)
-        for kind in ("int4", "fp8"):
-            q, qs, fn, _ = quant_copies(kind, w, 2)
-            copies = len(qs)
-            wref = q.dequantize(torch.float32)
-            for m in MS:
-                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-                ref = x.float() @ wref.T
-                times, errs = {}, {}
-                for label, (words, deq) in PATHS.items():
-                    TW.WORDS_M_MAX, TD.DEQUANT_M_MIN = words, {"int4": deq, "fp8": deq}
-                    errs[label] = rel_err(fn(x, q), ref)
-                    times[label] = timer(lambda i: fn(x, qs[i % copies]), 2 * copies) * 1e6
-                TW.WORDS_M_MAX, TD.DEQUANT_M_MIN = words0, dict(deq0)
-                times["bf16 F.linear"] = timer(lambda i: F.linear(x, w16s[i % c16]), 2 * c16) * 1e6
-                if max(errs.values()) > 1e-2:
-                    raise RuntimeError(f"{kind} {sname} M={m}: relative errors {errs}")
-                if m <= words0:
-                    path = "MODE 5 words kernel"
-                elif 0 < deq0[kind] <= m:
-                    path = "decode + cuBLAS"
-                else:
-                    path = "fused Triton GEMM"
-                tf = lambda t: 2 * m * n * k / (t * 1e-6) / 1e12
-                label = "W4A16 g128" if kind == "int4" else "FP8 weight-only emulated"
-                cases.append(case(f"{label} {sname} M={m}", metric="effective TFLOP/s", unit="TFLOP/s",
-                                  ours=tf(times[path]), peers={"bf16 F.linear": tf(times["bf16 F.linear"])},
-                                  floor=None, dispatched=path, times_us=times, rel_err=errs))
-                print(f"{kind:4s} {sname:24s} M={m:4d} " + " | ".join(f"{p} {t:7.1f}" for p, t in times.items())
-                      + f" | dispatched: {path}", flush=True)
+    for wc in weight_cases(shapes, MS, at_least=2):
+        sname, n, k, kind, m, x, fn, q, qs = wc.sname, wc.n, wc.k, wc.kind, wc.m, wc.x, wc.fn, wc.q, wc.qs
+        copies, c16 = len(qs), len(wc.w16s)
+        times, errs = {}, {}
+        for label, (words, deq) in PATHS.items():
+            TW.WORDS_M_MAX, TD.DEQUANT_M_MIN = words, {"int4": deq, "fp8": deq}
+            errs[label] = rel_err(fn(x, q), wc.ref)
+            times[label] = timer(lambda i: fn(x, qs[i % copies]), 2 * copies) * 1e6
+        TW.WORDS_M_MAX, TD.DEQUANT_M_MIN = words0, dict(deq0)
+        times["bf16 F.linear"] = timer(lambda i: F.linear(x, wc.w16s[i % c16]), 2 * c16) * 1e6
+        if max(errs.values()) > 1e-2:
+            raise RuntimeError(f"{kind} {sname} M={m}: relative errors {errs}")
+        if m <= words0:
+            path = "MODE 5 words kernel"
+        elif 0 < deq0[kind] <= m:
+            path = "decode + cuBLAS"
+        else:
+            path = "fused Triton GEMM"
+        tf = lambda t: 2 * m * n * k / (t * 1e-6) / 1e12
+        label = "W4A16 g128" if kind == "int4" else "FP8 weight-only emulated"
+        cases.append(case(f"{label} {sname} M={m}", metric="effective TFLOP/s", unit="TFLOP/s",
+                          ours=tf(times[path]), peers={"bf16 F.linear": tf(times["bf16 F.linear"])},
+                          floor=None, dispatched=path, times_us=times, rel_err=errs))
+        print(f"{kind:4s} {sname:24s} M={m:4d} " + " | ".join(f"{p} {t:7.1f}" for p, t in times.items())
+              + f" | dispatched: {path}", flush=True)
     write_results(args.out, "quant_wo_mid_m", torch.cuda.get_device_name(), cases)
 
 

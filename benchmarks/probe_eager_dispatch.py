@@ -5,6 +5,7 @@ the GPU, bounds them). Prints only; the log of a run is committed beside the res
     python benchmarks/probe_eager_dispatch.py > $OUT/r/probe_eager_dispatch.log      # H200, ~20 s
 """
 
+# ruff: noqa: B023  (closures are run inside the loop iteration that defines them)
 from __future__ import annotations
 
 import cProfile
@@ -12,13 +13,13 @@ import io
 import os
 import pstats
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
+from _common import eager_us  # noqa: E402
 from sweep_quant_wo import make_weights  # noqa: E402
 
 
@@ -30,14 +31,7 @@ def main() -> None:
         q, _, fn, _ = make_weights(kind, w, 1)
         for m in (1, 16, 128):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            for _ in range(20):
-                fn(x, q)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(500):
-                fn(x, q)
-            torch.cuda.synchronize()
-            print(f"{kind} M={m}: {(time.perf_counter() - t) / 500 * 1e6:.1f} us per eager call (host-bound loop)",
+            print(f"{kind} M={m}: {eager_us(lambda: fn(x, q), n=500):.1f} us per eager call (host-bound loop)",
                   flush=True)
             if m in (1, 16):
                 pr = cProfile.Profile()

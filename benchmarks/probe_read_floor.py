@@ -56,7 +56,6 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     n_sms = torch.cuda.get_device_properties(0).multi_processor_count
     y = torch.zeros(1 << 16, device="cuda")
     cases = []

@@ -61,7 +61,6 @@ def main() -> None:  # noqa: C901 (one linear script)
     if args.shapes:
         shapes = {k: v for k, v in shapes.items() if any(s in k for s in args.shapes.split(","))}
     bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     timer = lambda c, n: time_graph(c, n, reps=7, warmup=1)
     rows, cases, best = [], [], {}
     torch.manual_seed(0)

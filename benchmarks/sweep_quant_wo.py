@@ -104,7 +104,9 @@ def copy_bandwidth() -> float:
     a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
     b = torch.empty_like(a)
     t_ms = do_bench(lambda: b.copy_(a), warmup=10, rep=50, return_mode="median")
-    return 2 * a.numel() / (t_ms * 1e-3)
+    bw = 2 * a.numel() / (t_ms * 1e-3)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    return bw
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -138,6 +140,26 @@ def quant_copies(kind: str, w: torch.Tensor, at_least: int = 1):
     return make_weights(kind, w, max(at_least, math.ceil(WORKING_SET / (n * k // (2 if kind == "int4" else 1)))))
 
 
+def weight_cases(shapes: dict, ms, at_least: int = 1, kinds=("int4", "fp8")):
+    """The loop the weight-only benchmarks share (seeded once, 0): for each shape ``(n, k)``, kind and row
+    count ``m``, a namespace with ``sname, n, k, kind, m``; ``w16s`` (bf16 copies) and ``qs`` (quantized
+    copies, ``q = qs[0]``) from ``bf16_copies`` / ``quant_copies``; ``fn`` the dispatcher entry, ``qbytes``,
+    ``x [m, k]`` bf16 activations and ``ref = x @ dequantize().T`` in fp32."""
+    import types
+
+    torch.manual_seed(0)
+    for sname, (n, k) in shapes.items():
+        w = torch.randn(n, k, device="cuda") * 0.02
+        w16s = bf16_copies(w, at_least)
+        for kind in kinds:
+            q, qs, fn, qbytes = quant_copies(kind, w, at_least)
+            wref = q.dequantize(torch.float32)
+            for m in ms:
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                yield types.SimpleNamespace(sname=sname, n=n, k=k, kind=kind, m=m, w16s=w16s, q=q, qs=qs, fn=fn,
+                                            qbytes=qbytes, x=x, ref=x.float() @ wref.T)
+
+
 def tinygemm_calls(n: int, k: int, copies: int, xs: torch.Tensor):
     """tinygemm INT4 g128 (timing only: random codes and scales), one packed weight per copy."""
     wps, szs = [], []
@@ -163,8 +185,11 @@ def main() -> None:  # noqa: C901 (one linear script)
     if args.shapes:
         shapes = {k: v for k, v in shapes.items() if any(s in k for s in args.shapes.split(","))}
     ms = {"int4": (1, 3, 8), "fp8": (1, 3)} if smoke else MS
-    bw = 3.0e12 if smoke else copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    if smoke:
+        bw = 3.0e12
+        print(f"copy bandwidth {bw / 1e12:.2f} TB/s (assumed: smoke run)", flush=True)
+    else:
+        bw = copy_bandwidth()  # (printed)
     timer = (lambda c, n: time_eager(c, n)) if smoke else (lambda c, n: time_graph(c, n, reps=7, warmup=1))
     rows, cases, best = [], [], {}
     torch.manual_seed(0)

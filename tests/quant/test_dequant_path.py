@@ -63,3 +63,11 @@ def test_matmuls_take_the_decode_path_from_the_threshold(monkeypatch):
     assert not triton_dequant.use_dequant(x, "int4")
     triton_wo.wq_matmul_triton(x, w4)
     assert calls == ["dequant_int_triton", "dequant_fp8_triton"]
+
+
+def test_decode_rejects_a_non_float_dtype():
+    w = IntWeight.quantize(torch.randn(32, 128), bits=4, group_size=128)
+    with pytest.raises(TypeError, match="dequant_int_triton: dtype"):
+        triton_dequant.dequant_int_triton(w, torch.int8)
+    with pytest.raises(TypeError, match="dequant_fp8_triton: dtype"):
+        triton_dequant.dequant_fp8_triton(FP8Weight.quantize(torch.randn(32, 128)), torch.float64)

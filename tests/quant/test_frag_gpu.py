@@ -22,15 +22,20 @@ def _rel(y, r):
 @pytest.mark.parametrize("sym,group", [(True, 128), (False, 128), (False, 256), (True, None)])
 @pytest.mark.parametrize("tile", [(4, 2, 1, 1), (4, 4, 2, 1), (8, 1, 4, 2), (8, 2, 1, 2), (2, 4, 3, 2)])
 def test_mode6_int4(m, sym, group, tile):
-    torch.manual_seed(m)
-    n, k = 192, 1024
-    w = IntWeight.quantize(torch.randn(n, k, device=dev) * 0.05, bits=4, group_size=group, symmetric=sym)
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     warps, reps, split, depth = tile
-    y = TW.wq_matmul_triton(x, w, config={"MODE": 6, "WARPS": warps, "REPS": reps, "SPLIT": split, "DEPTH": depth})
-    ref = x.float() @ w.dequantize(torch.float32).T
+    cfg = {"MODE": 6, "WARPS": warps, "REPS": reps, "SPLIT": split, "DEPTH": depth}
+    assert _int4_rel_err(m, 192, sym, group, cfg) < 8e-3
+
+
+def _int4_rel_err(m: int, n: int, sym: bool, group, cfg: dict) -> float:
+    """MODE 6 with ``cfg`` on a random INT4 ``[n, 1024]`` weight and ``m`` bf16 rows: its relative error
+    against dequantize() + an fp32 matmul (the output's dtype and shape checked on the way)."""
+    torch.manual_seed(m)
+    w = IntWeight.quantize(torch.randn(n, 1024, device=dev) * 0.05, bits=4, group_size=group, symmetric=sym)
+    x = torch.randn(m, 1024, device=dev, dtype=torch.bfloat16)
+    y = TW.wq_matmul_triton(x, w, config=cfg)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-    assert _rel(y, ref) < 8e-3
+    return _rel(y, x.float() @ w.dequantize(torch.float32).T)
 
 
 @pytest.mark.parametrize("m", [1, 5, 16])
@@ -84,15 +89,9 @@ def test_mode6_fused_gated_act(kind, m, split, wn):
 @pytest.mark.parametrize("tile", [(4, 4, 1, 1), (4, 4, 3, 2), (2, 2, 8, 1), (8, 1, 2, 2), (1, 4, 5, 1)])
 def test_mode6_warps_split_n_int4(m, sym, group, tile):
     """WN: each warp owns a channel block (no cross-warp sum), split-K through the workspace."""
-    torch.manual_seed(m)
-    n, k = 512, 1024
-    w = IntWeight.quantize(torch.randn(n, k, device=dev) * 0.05, bits=4, group_size=group, symmetric=sym)
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     warps, reps, split, depth = tile
     cfg = {"MODE": 6, "WN": 1, "WARPS": warps, "REPS": reps, "SPLIT": split, "DEPTH": depth}
-    y = TW.wq_matmul_triton(x, w, config=cfg)
-    assert y.shape == (m, n)
-    assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
+    assert _int4_rel_err(m, 512, sym, group, cfg) < 8e-3
 
 
 @pytest.mark.parametrize("wn", [0, 1])

@@ -111,9 +111,18 @@ def _dequant_fp8_kernel(
     tl.store(y_ptr + rows * stride_yn + offs_k[None, :], (v * s).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_dtype(fn: str, dtype) -> None:
+    if dtype not in _FLOATS:
+        raise TypeError(f"{fn}: dtype must be torch.float32, float16 or bfloat16, got {dtype}")
+
+
 def dequant_int_triton(w: IntWeight, dtype: torch.dtype) -> torch.Tensor:
     """``w.dequantize(dtype)``: INT4 / INT8 codes (any group size) -> ``[N, in_features]`` in ``dtype``
-    (fp32 / fp16 / bf16), on ``w``'s device, in one pass."""
+    (fp32 / fp16 / bf16; another dtype raises ``TypeError``), on ``w``'s device, in one pass."""
+    _check_dtype("dequant_int_triton", dtype)
     n, k = w.shape
     y = torch.empty((n, k), dtype=dtype, device=w.qweight.device)
     zeros = w.zeros if w.zeros is not None else w.scales
@@ -134,7 +143,9 @@ def dequant_int_triton(w: IntWeight, dtype: torch.dtype) -> torch.Tensor:
 
 def dequant_fp8_triton(w: FP8Weight, dtype: torch.dtype) -> torch.Tensor:
     """``w.dequantize(dtype)``: e4m3 bytes ``[N, K]`` with channel or 128x128 block scales -> ``[N, K]`` in
-    ``dtype`` (fp32 / fp16 / bf16), in one pass (integer e4m3 decode: no FP8 instruction, sm80 too)."""
+    ``dtype`` (fp32 / fp16 / bf16; another dtype raises ``TypeError``), in one pass (integer e4m3 decode:
+    no FP8 instruction, sm80 too)."""
+    _check_dtype("dequant_fp8_triton", dtype)
     n, k = w.shape
     y = torch.empty((n, k), dtype=dtype, device=w.qweight.device)
     block = 0 if w.block_size is None else w.block_size

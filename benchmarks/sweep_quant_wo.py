@@ -79,7 +79,57 @@ CONFIGS_M4 = {"int4": [_c4(4, 2048, 4, 2), *_W5["int4"]], "fp8": [_c4(4, 1024, 4
 SMOKE_CONFIGS = [_c4(8, 256, 4, 2), _c(2, 16, 64, 4), _c5(16, 64, 4, 1)]
 
 
-def configs_for(kind: str, m: int, smoke: bool) -> list[dict]:
+def wide_mode5(kind: str) -> list[dict]:
+    """A wider MODE 5 grid (``--grid wide``): narrow and wide channel tiles, long K steps (FP8 per-channel
+    scales allow any; INT4 steps stay inside a 128-code group), 4 or 8 warps, 1-4 stages. Tiles over
+    32 KB of codes per 4 warps are left out (registers)."""
+    bks = (256, 512, 1024) if kind == "fp8" else (64, 128)
+    out = []
+    for bn in (16, 32, 64, 128, 256):
+        for bk in bks:
+            for warps in (4, 8):
+                if bn * bk // (1 if kind == "fp8" else 2) > 8192 * warps:
+                    continue
+                out += [_c5(bn, bk, warps, st) for st in (1, 2, 3, 4)]
+    return out
+
+
+# ``--grid tiled``: MODE 5 tiles, each on the stored rows and on its tiled words (``triton_wo.words_tiled``).
+_TILED_BASE = {"fp8": [(64, 256, 4, 3), (128, 256, 4, 3), (64, 256, 4, 2), (64, 512, 4, 3), (128, 512, 8, 3),
+                       (256, 256, 8, 3), (64, 1024, 8, 1)],
+               "int4": [(128, 128, 4, 3), (64, 128, 4, 3), (256, 128, 8, 3), (128, 128, 8, 3), (128, 128, 4, 1)]}
+
+
+def tiled_mode5(kind: str) -> list[dict]:
+    return [{**_c5(*t), "TILED": tiled} for t in _TILED_BASE[kind] for tiled in (False, True)]
+
+
+# ``--grid pdl``: MODE 5 tiles with PDL forced on up to 16 rows (``PDL``) and 0-2 weight tiles loaded before
+# the wait (``PREWAIT``), on the stored rows and tiled; and one-warp-per-16-channels tiles (a warp's dot
+# operand is never replicated across warps).
+_PDL_BASE = {"fp8": [(64, 256, 4, 3), (128, 256, 4, 3), (64, 512, 4, 3)],
+             "int4": [(128, 128, 4, 3), (64, 128, 4, 3), (256, 128, 8, 3)]}
+
+
+def pdl_mode5(kind: str) -> list[dict]:
+    out = []
+    for t in _PDL_BASE[kind]:
+        for tiled in (False, True):
+            out.append({**_c5(*t), "TILED": tiled})
+            out += [{**_c5(*t), "TILED": tiled, "PDL": True, "PREWAIT": pw} for pw in (0, 1, 2)]
+    for bn in (16, 32):
+        for bk in ((256, 512, 1024) if kind == "fp8" else (128,)):
+            out += [{**_c5(bn, bk, bn // 16, st), "PDL": True, "PREWAIT": 2} for st in (2, 3)]
+    return out
+
+
+def configs_for(kind: str, m: int, smoke: bool, grid: str = "default") -> list[dict]:
+    if grid == "pdl" and not smoke:
+        return pdl_mode5(kind)
+    if grid == "wide" and not smoke:
+        return wide_mode5(kind)
+    if grid == "tiled" and not smoke:
+        return tiled_mode5(kind)
     if smoke:
         return SMOKE_CONFIGS if m <= 4 else SMOKE_CONFIGS[1:]
     if m == 1:
@@ -176,6 +226,11 @@ def main() -> None:  # noqa: C901 (one linear script)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter (checks the script)")
     ap.add_argument("--budget-s", type=float, default=220.0, help="stop starting new configs after this")
     ap.add_argument("--shapes", default="", help="comma-separated subset of shape names (default: all)")
+    ap.add_argument("--kinds", default="int4,fp8", help="comma-separated subset of int4, fp8")
+    ap.add_argument("--ms", default="", help="comma-separated row counts (default: 1, 4, 16)")
+    ap.add_argument("--grid", choices=("default", "wide", "tiled", "pdl"), default="default",
+                    help="candidate tiles: the tight default grid, or wide_mode5's, tiled_mode5's or pdl_mode5's "
+                         "MODE 5 grid")
     args = ap.parse_args()
     t_start = time.perf_counter()
     smoke = args.smoke
@@ -185,6 +240,8 @@ def main() -> None:  # noqa: C901 (one linear script)
     if args.shapes:
         shapes = {k: v for k, v in shapes.items() if any(s in k for s in args.shapes.split(","))}
     ms = {"int4": (1, 3, 8), "fp8": (1, 3)} if smoke else MS
+    if args.ms:
+        ms = {kind: tuple(int(v) for v in args.ms.split(",")) for kind in ms}
     if smoke:
         bw = 3.0e12
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s (assumed: smoke run)", flush=True)
@@ -202,7 +259,7 @@ def main() -> None:  # noqa: C901 (one linear script)
         w16 = w.to(act)
         copies_bf16 = 1 if smoke else max(1, math.ceil(WORKING_SET / (n * k * 2)))
         w16s = [w16] + [w16.clone() for _ in range(copies_bf16 - 1)]
-        for kind in ("int4", "fp8"):
+        for kind in args.kinds.split(","):
             wb = n * k // 2 if kind == "int4" else n * k
             copies = 1 if smoke else max(1, math.ceil(WORKING_SET / wb))
             q, qs, fn, qbytes = make_weights(kind, w, copies)
@@ -251,7 +308,7 @@ def main() -> None:  # noqa: C901 (one linear script)
                     return us
 
                 default_us = run_cfg(None, "default")
-                for cfg in configs_for(kind, m, smoke):
+                for cfg in configs_for(kind, m, smoke, args.grid):
                     if over_budget():
                         print("  budget reached: skipping remaining configs", flush=True)
                         break

@@ -94,42 +94,9 @@ def wide_mode5(kind: str) -> list[dict]:
     return out
 
 
-# ``--grid tiled``: MODE 5 tiles, each on the stored rows and on its tiled words (``triton_wo.words_tiled``).
-_TILED_BASE = {"fp8": [(64, 256, 4, 3), (128, 256, 4, 3), (64, 256, 4, 2), (64, 512, 4, 3), (128, 512, 8, 3),
-                       (256, 256, 8, 3), (64, 1024, 8, 1)],
-               "int4": [(128, 128, 4, 3), (64, 128, 4, 3), (256, 128, 8, 3), (128, 128, 8, 3), (128, 128, 4, 1)]}
-
-
-def tiled_mode5(kind: str) -> list[dict]:
-    return [{**_c5(*t), "TILED": tiled} for t in _TILED_BASE[kind] for tiled in (False, True)]
-
-
-# ``--grid pdl``: MODE 5 tiles with PDL forced on up to 16 rows (``PDL``) and 0-2 weight tiles loaded before
-# the wait (``PREWAIT``), on the stored rows and tiled; and one-warp-per-16-channels tiles (a warp's dot
-# operand is never replicated across warps).
-_PDL_BASE = {"fp8": [(64, 256, 4, 3), (128, 256, 4, 3), (64, 512, 4, 3)],
-             "int4": [(128, 128, 4, 3), (64, 128, 4, 3), (256, 128, 8, 3)]}
-
-
-def pdl_mode5(kind: str) -> list[dict]:
-    out = []
-    for t in _PDL_BASE[kind]:
-        for tiled in (False, True):
-            out.append({**_c5(*t), "TILED": tiled})
-            out += [{**_c5(*t), "TILED": tiled, "PDL": True, "PREWAIT": pw} for pw in (0, 1, 2)]
-    for bn in (16, 32):
-        for bk in ((256, 512, 1024) if kind == "fp8" else (128,)):
-            out += [{**_c5(bn, bk, bn // 16, st), "PDL": True, "PREWAIT": 2} for st in (2, 3)]
-    return out
-
-
 def configs_for(kind: str, m: int, smoke: bool, grid: str = "default") -> list[dict]:
-    if grid == "pdl" and not smoke:
-        return pdl_mode5(kind)
     if grid == "wide" and not smoke:
         return wide_mode5(kind)
-    if grid == "tiled" and not smoke:
-        return tiled_mode5(kind)
     if smoke:
         return SMOKE_CONFIGS if m <= 4 else SMOKE_CONFIGS[1:]
     if m == 1:
@@ -228,9 +195,8 @@ def main() -> None:  # noqa: C901 (one linear script)
     ap.add_argument("--shapes", default="", help="comma-separated subset of shape names (default: all)")
     ap.add_argument("--kinds", default="int4,fp8", help="comma-separated subset of int4, fp8")
     ap.add_argument("--ms", default="", help="comma-separated row counts (default: 1, 4, 16)")
-    ap.add_argument("--grid", choices=("default", "wide", "tiled", "pdl"), default="default",
-                    help="candidate tiles: the tight default grid, or wide_mode5's, tiled_mode5's or pdl_mode5's "
-                         "MODE 5 grid")
+    ap.add_argument("--grid", choices=("default", "wide"), default="default",
+                    help="candidate tiles: the tight default grid, or wide_mode5's MODE 5 grid")
     args = ap.parse_args()
     t_start = time.perf_counter()
     smoke = args.smoke

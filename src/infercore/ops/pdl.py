@@ -63,12 +63,12 @@ if _PREWAIT_ENV not in ("0", "1", "2"):
 GEMV_PREWAIT = int(_PREWAIT_ENV)
 
 
-def pdl_enabled(t: torch.Tensor, max_rows: int | None = None) -> bool:
-    """Whether a kernel over ``t`` launches with PDL: CUDA sm90+, at most ``max_rows`` (default
-    :data:`PDL_MAX_ROWS`) rows (``t.shape[0]``), not the interpreter, not disabled by ``INFERCORE_PDL=0``."""
+def pdl_enabled(t: torch.Tensor) -> bool:
+    """Whether a kernel over ``t`` launches with PDL: CUDA sm90+, at most :data:`PDL_MAX_ROWS` rows
+    (``t.shape[0]``), not the interpreter, not disabled by ``INFERCORE_PDL=0``."""
     if not t.is_cuda or triton_interpreter() or os.environ.get("INFERCORE_PDL", "1") == "0":
         return False
-    if t.dim() == 0 or t.shape[0] > (PDL_MAX_ROWS if max_rows is None else max_rows):
+    if t.dim() == 0 or t.shape[0] > PDL_MAX_ROWS:
         return False
     return _device_ok(t.device.index if t.device.index is not None else torch.cuda.current_device())
 

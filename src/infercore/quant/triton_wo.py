@@ -419,8 +419,7 @@ def wq_matmul_triton(
             if fused is not None:
                 return y
         elif cfg["MODE"] == 5:
-            y = _launch_words(x, w.qweight, w.scales, zeros, n, kp, cfg, _tiles_for(w.qweight, cfg, 8), FP8=False,
-                              GROUP=group,
+            y = _launch_words(x, w.qweight, w.scales, zeros, n, kp, cfg, FP8=False, GROUP=group,
                               HAS_ZEROS=w.zeros is not None, SCALE_BLOCK=0, MAGIC=_MAGIC[x.dtype][0],
                               MAGIC_BASE=_MAGIC[x.dtype][1], FOLD=1.0)
         else:
@@ -979,7 +978,7 @@ def _gemv_split(n_tiles: int, kw: int, bkw: int, device: torch.device, split: in
 # Codes per interleave block of the MODE 4 layout (a group smaller than this is its own block).
 ILV_CODES = 128
 # id(qweight) -> (weak reference to qweight, its MODE 4 words); entries leave with their qweight.
-_ILV_CACHE: dict[int | tuple, tuple[weakref.ref, torch.Tensor]] = {}
+_ILV_CACHE: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 
 
 def interleave_words(codes: torch.Tensor, bits: int, ilv_codes: int) -> torch.Tensor:
@@ -1006,11 +1005,11 @@ def interleave_words(codes: torch.Tensor, bits: int, ilv_codes: int) -> torch.Te
 REPACK = os.environ.get("INFERCORE_WO_REPACK", "1") != "0"
 
 
-def _ilv_cached(qweight: torch.Tensor, make, tag: tuple = ()) -> torch.Tensor | None:
+def _ilv_cached(qweight: torch.Tensor, make) -> torch.Tensor | None:
     """The MODE 4 words of ``qweight`` (made once, kept while ``qweight`` lives); None when repacking is
     off (:data:`REPACK`) and none exist, or while a CUDA graph is being captured and they were not made
-    yet (the capture must not allocate them). ``tag`` names another repacked layout (MODE 5's tiles)."""
-    key = (id(qweight), *tag) if tag else id(qweight)
+    yet (the capture must not allocate them)."""
+    key = id(qweight)
     hit = _ILV_CACHE.get(key)
     if hit is not None and hit[0]() is qweight:
         return hit[1]
@@ -1020,17 +1019,6 @@ def _ilv_cached(qweight: torch.Tensor, make, tag: tuple = ()) -> torch.Tensor | 
     _ILV_CACHE[key] = (weakref.ref(qweight), words)
     weakref.finalize(qweight, _ILV_CACHE.pop, key, None)
     return words
-
-
-def _tiles_for(qweight: torch.Tensor, cfg: dict, cpw: int) -> torch.Tensor | None:
-    """MODE 5's tiled words (``words_tiled``) when ``cfg`` asks for them (``"TILED": True``), else None."""
-    if not cfg.get("TILED"):
-        return None
-    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    tiles = _ilv_cached(qweight, lambda: words_tiled(qweight, bn, bk, cpw), ("tiled", bn, bk))
-    if tiles is None:
-        raise ValueError("config: MODE 5's tiled words are made on the first eager call (repacking on)")
-    return tiles
 
 
 def _pad_codes(codes: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -1132,32 +1120,6 @@ def _x_pairs(a, NP: tl.constexpr, BLOCK_M: tl.constexpr, BKW: tl.constexpr):
 
 
 @triton.jit
-def _words_step(w, a, acc, k0, offs_n, n_mask, s_ptr, z_ptr, stride_sn, FP8: tl.constexpr, GROUP: tl.constexpr,
-                HAS_ZEROS: tl.constexpr, SCALE_BLOCK: tl.constexpr, MAGIC: tl.constexpr, MAGIC_BASE: tl.constexpr,
-                MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr):
-    """One K step of MODE 5: words ``w [BLOCK_N, BLOCK_K / CPW]`` against activations ``a [BLOCK_M, BLOCK_K]``
-    from code ``k0``, added to ``acc`` (scaled per group for INT4, per block for block-scaled FP8)."""
-    CPW: tl.constexpr = 4 if FP8 else 8
-    NP: tl.constexpr = CPW // 2
-    xs = _x_pairs(a, NP, BLOCK_M, BLOCK_K // CPW)
-    part = _tile_dot(xs[0], _unpair(_pair_bits(w, 0, FP8, a.dtype == tl.float16, MAGIC), a), MODE, DOT_PRECISION)
-    for j in tl.static_range(1, NP):
-        part = _tile_dot_acc(xs[j], _unpair(_pair_bits(w, j, FP8, a.dtype == tl.float16, MAGIC), a), part, MODE,
-                             DOT_PRECISION)
-    if FP8:
-        if SCALE_BLOCK != 0:
-            sb = tl.load(s_ptr + (offs_n // SCALE_BLOCK) * stride_sn + k0 // SCALE_BLOCK, mask=n_mask, other=0.0)
-            part = part * _chan(sb, MODE)
-        acc += part
-    else:
-        s, z = _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, stride_sn, k0 // GROUP, HAS_ZEROS, 4, BLOCK_N)
-        asum = tl.sum(a.to(tl.float32), axis=1)
-        acc += (part - _chan(z + MAGIC_BASE, MODE) * _row(asum, MODE)) * _chan(s, MODE)
-    return acc
-
-
-@triton.jit
 def _words_small_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, ws_ptr, y_ptr, cnt_ptr,
     M, N, K, KW, k_per_split,
@@ -1167,7 +1129,6 @@ def _words_small_kernel(
     MAGIC: tl.constexpr, MAGIC_BASE: tl.constexpr, FOLD: tl.constexpr,
     MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
-    TILED: tl.constexpr = False, PREWAIT: tl.constexpr = 0,
 ):
     """MODE 5 small-M weight-only (INT4 group-wise or emulated FP8) on tensor cores. Grid
     ``(cdiv(N, BLOCK_N), SPLIT)`` as in ``_wq_small_kernel``, but split-K partials are summed inside
@@ -1179,56 +1140,42 @@ def _words_small_kernel(
     sweeps/sweep_quant_wo_mode5_one_dot.json: the permutation is not
     free in registers)."""
     CPW: tl.constexpr = 4 if FP8 else 8
+    NP: tl.constexpr = CPW // 2
     BKW: tl.constexpr = BLOCK_K // CPW
     pdl_release(USE_PDL)
     offs_n, n_mask, offs_m, m_mask, rows_w, rows_x, acc = _small_setup(M, N, stride_xm, stride_qn, MODE,
                                                                        BLOCK_M, BLOCK_N)
+    pdl_wait(USE_PDL)  # before x: the previous kernel writes it
     wp = qw_ptr.to(tl.pointer_type(tl.int32))
     pid_k = tl.program_id(1)
     kw_start = pid_k * (k_per_split // CPW)
     kw_end = tl.minimum(kw_start + k_per_split // CPW, KW)
-    if TILED:  # words as [N / BLOCK_N, KW / BKW, BLOCK_N, BKW] (``words_tiled``): each step's tile is contiguous
-        w_base = wp + tl.program_id(0).to(tl.int64) * (BLOCK_N * KW)
-        w_offs = tl.arange(0, BLOCK_N)[:, None] * BKW + tl.arange(0, BKW)[None, :]
-        W_STEP: tl.constexpr = BLOCK_N  # words from one step's tile to the next, per word of K
-    else:
-        w_base = wp + rows_w
-        w_offs = tl.arange(0, BKW)[None, :]
-        W_STEP: tl.constexpr = 1
-    # PREWAIT (with PDL, whole tiles only): the first 1 or 2 weight tiles stream in while the previous kernel
-    # finishes, and are consumed ahead of the loop. A second tile past the split's end is read at its last
-    # tile instead and not consumed.
-    kb0 = kw_start
-    if PREWAIT >= 1:
-        w_first = tl.load(w_base + kw_start * W_STEP + w_offs)
-    if PREWAIT >= 2:
-        w_second = tl.load(w_base + tl.minimum(kw_start + BKW, kw_end - BKW) * W_STEP + w_offs)
-    pdl_wait(USE_PDL)  # before x: the previous kernel writes it
-    if PREWAIT >= 1:
-        a = tl.load(x_ptr + rows_x + (kb0 * CPW + tl.arange(0, BLOCK_K))[None, :], mask=m_mask[:, None], other=0.0)
-        acc = _words_step(w_first, a, acc, kb0 * CPW, offs_n, n_mask, s_ptr, z_ptr, stride_sn, FP8, GROUP, HAS_ZEROS,
-                          SCALE_BLOCK, MAGIC, MAGIC_BASE, MODE, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-        kb0 += BKW
-    if PREWAIT >= 2:
-        if kb0 < kw_end:
-            a = tl.load(x_ptr + rows_x + (kb0 * CPW + tl.arange(0, BLOCK_K))[None, :], mask=m_mask[:, None],
-                        other=0.0)
-            acc = _words_step(w_second, a, acc, kb0 * CPW, offs_n, n_mask, s_ptr, z_ptr, stride_sn, FP8, GROUP,
-                              HAS_ZEROS, SCALE_BLOCK, MAGIC, MAGIC_BASE, MODE, DOT_PRECISION, BLOCK_M, BLOCK_N,
-                              BLOCK_K)
-        kb0 += BKW
-    for kw0 in range(kb0, kw_end, BKW):
+    for kw0 in range(kw_start, kw_end, BKW):
         k0 = kw0 * CPW
-        if EVEN:  # (TILED implies EVEN)
-            w = tl.load(w_base + kw0 * W_STEP + w_offs, eviction_policy="evict_first")
+        offs_w = kw0 + tl.arange(0, BKW)
+        if EVEN:
+            w = tl.load(wp + rows_w + offs_w[None, :], eviction_policy="evict_first")
             a = tl.load(x_ptr + rows_x + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=m_mask[:, None], other=0.0)
         else:
-            offs_w = kw0 + tl.arange(0, BKW)
             w = tl.load(wp + rows_w + offs_w[None, :], mask=n_mask[:, None] & (offs_w[None, :] < KW), other=0,
                         eviction_policy="evict_first")
             a = _x_tile(x_ptr, rows_x, m_mask, k0, K, BLOCK_K)
-        acc = _words_step(w, a, acc, k0, offs_n, n_mask, s_ptr, z_ptr, stride_sn, FP8, GROUP, HAS_ZEROS, SCALE_BLOCK,
-                          MAGIC, MAGIC_BASE, MODE, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        xs = _x_pairs(a, NP, BLOCK_M, BKW)
+        part = _tile_dot(xs[0], _unpair(_pair_bits(w, 0, FP8, a.dtype == tl.float16, MAGIC), a), MODE,
+                         DOT_PRECISION)
+        for j in tl.static_range(1, NP):
+            part = _tile_dot_acc(xs[j], _unpair(_pair_bits(w, j, FP8, a.dtype == tl.float16, MAGIC), a), part,
+                                 MODE, DOT_PRECISION)
+        if FP8:
+            if SCALE_BLOCK != 0:
+                sb = tl.load(s_ptr + (offs_n // SCALE_BLOCK) * stride_sn + k0 // SCALE_BLOCK, mask=n_mask,
+                             other=0.0)
+                part = part * _chan(sb, MODE)
+            acc += part
+        else:
+            s, z = _group_scale_zero(s_ptr, z_ptr, offs_n, n_mask, stride_sn, k0 // GROUP, HAS_ZEROS, 4, BLOCK_N)
+            asum = tl.sum(a.to(tl.float32), axis=1)
+            acc += (part - _chan(z + MAGIC_BASE, MODE) * _row(asum, MODE)) * _chan(s, MODE)
     if FP8:
         if SCALE_BLOCK == 0:
             acc = acc * _chan(tl.load(s_ptr + offs_n, mask=n_mask, other=0.0), MODE)
@@ -1238,22 +1185,10 @@ def _words_small_kernel(
     _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K)
 
 
-def words_tiled(qweight: torch.Tensor, block_n: int, block_k: int, cpw: int) -> torch.Tensor:
-    """Stored codes ``[N, K / (cpw / 4)]`` bytes (``cpw`` codes per int32 word) -> int32 words in MODE 5's
-    tiled layout ``[N / block_n, KW / BKW, block_n, BKW]`` (``BKW = block_k / cpw``), flattened: every
-    ``[block_n, block_k]`` step of a program is one contiguous block."""
-    words = qweight.contiguous().view(torch.int32)
-    n, kw = words.shape
-    bkw = block_k // cpw
-    if n % block_n or kw % bkw:
-        raise ValueError(f"qweight: {n}x{kw} words do not split into {block_n}x{bkw} tiles")
-    return words.reshape(n // block_n, block_n, kw // bkw, bkw).transpose(1, 2).contiguous().reshape(-1)
-
-
 def _launch_words(x: torch.Tensor, qweight: torch.Tensor, s: torch.Tensor, z: torch.Tensor, n: int, kdim: int,
-                  cfg: dict, tiled: torch.Tensor | None = None, **meta) -> torch.Tensor:
+                  cfg: dict, **meta) -> torch.Tensor:
     """Run MODE 5 over ``kdim`` stored codes per row (``x`` has ``meta K`` columns): one launch,
-    split-K finished in the kernel. ``tiled``: the same words in ``words_tiled``'s layout for this tile."""
+    split-K finished in the kernel."""
     m, k = x.shape
     cpw = 4 if meta["FP8"] else 8
     bk = cfg["BLOCK_K"]
@@ -1264,17 +1199,11 @@ def _launch_words(x: torch.Tensor, qweight: torch.Tensor, s: torch.Tensor, z: to
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = arrival_counters(x.device, tiles) if split > 1 else y
     even = n % cfg["BLOCK_N"] == 0 and k == kdim and kdim % kps == 0 and kps % bk == 0
-    use_pdl = pdl_enabled(x, SMALL_M_MAX if cfg.get("PDL") else None)
-    # (a config's PREWAIT peels its tiles with or without PDL: the tests run it on the interpreter)
-    prewait = (cfg["PREWAIT"] if "PREWAIT" in cfg else GEMV_PREWAIT if use_pdl else 0) if even else 0
-    if tiled is not None and not even:
-        raise ValueError("tiled: the tiled layout needs whole tiles (N, K and K per split multiples of the tile)")
     _words_small_kernel[(tiles, split)](
-        x, qweight if tiled is None else tiled, s, z, ws, y, cnt, m, n, k, kdim // cpw, kps, x.stride(0),
-        qweight.stride(0) // 4, s.stride(0), y.stride(0), MODE=2, DOT_PRECISION=_dot_precision(x.dtype), EVEN=even,
-        SPLIT_K=split > 1, TILED=tiled is not None, PREWAIT=prewait,
+        x, qweight, s, z, ws, y, cnt, m, n, k, kdim // cpw, kps, x.stride(0), qweight.stride(0) // 4, s.stride(0),
+        y.stride(0), MODE=2, DOT_PRECISION=_dot_precision(x.dtype), EVEN=even, SPLIT_K=split > 1,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, num_warps=cfg["num_warps"],
-        num_stages=cfg.get("num_stages", 1), **meta, **pdl_launch(use_pdl),
+        num_stages=cfg.get("num_stages", 1), **meta, **pdl_launch(pdl_enabled(x)),
     )
     return y
 
@@ -1441,8 +1370,7 @@ def fp8_wo_matmul_triton(
             if fused is not None:
                 return y
         elif cfg["MODE"] == 5:
-            y = _launch_words(x, w.qweight, w.scales, w.scales, n, k, cfg, _tiles_for(w.qweight, cfg, 4), FP8=True,
-                              GROUP=1, HAS_ZEROS=False,
+            y = _launch_words(x, w.qweight, w.scales, w.scales, n, k, cfg, FP8=True, GROUP=1, HAS_ZEROS=False,
                               SCALE_BLOCK=scale_block, MAGIC=0, MAGIC_BASE=0.0, FOLD=fold)
         else:
             y = _launch_small(_fp8_small_kernel, x, w.qweight, (w.scales,), (k,), n, k, cfg,

@@ -46,8 +46,8 @@ def _compile(fn, ptr: dict, sizes: tuple[str, ...], ce: dict, warps: int, stages
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
-def compile_gemv4(kind: str, block_n: int, block_kw: int, warps: int, stages: int):
-    """MODE 4 (``_gemv4_kernel``) for one bf16 row, whole tiles, no split-K."""
+def compile_gemv4(kind: str, block_n: int, block_kw: int, warps: int, stages: int, packed: bool = False):
+    """MODE 4 (``_gemv4_kernel``) for one bf16 row, whole tiles, no split-K; ``packed``: INT4's fp16 word dot."""
     ptr = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16" if kind == "int4" else "*fp32", "z_ptr": "*bf16",
            "ws_ptr": "*fp32", "y_ptr": "*bf16", "cnt_ptr": "*i32"}
     if kind == "int4":
@@ -55,7 +55,7 @@ def compile_gemv4(kind: str, block_n: int, block_kw: int, warps: int, stages: in
     else:
         ce = dict(FP8=True, BITS=8, ILV=32, SCALE_WORDS=32, SCALE_ROWS=0, HAS_ZEROS=False)
     ce.update(SPLIT_K=False, EVEN=True, XMASK=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_KW=block_kw, ACT=0,
-              PREWAIT=0, USE_PDL=False)  # fmt: skip
+              PREWAIT=0, USE_PDL=False, PACKED=packed)  # fmt: skip
     return _compile(TW._gemv4_kernel, ptr, _sizes("kw_per_split"), ce, warps, stages)
 
 
@@ -108,6 +108,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=1, help="MODE 6: iterations of loads in flight")
     ap.add_argument("--wn", action="store_true", help="MODE 6: the warps split N")
     ap.add_argument("--nb", type=int, choices=[1, 2], default=1, help="MODE 6: B fragments (2: M 9-16)")
+    ap.add_argument("--packed", action="store_true", help="MODE 4 INT4: the packed fp16 dot")
     args = ap.parse_args()
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     for kind in [args.kind] if args.kind else ["int4", "fp8"]:
@@ -123,7 +124,7 @@ def main() -> None:
             block_n = args.block_n or 4
             block_k = args.block_k or (4096 if kind == "int4" else 2048)
             stages = args.stages or (1 if kind == "int4" else 2)
-            c = compile_gemv4(kind, block_n, block_k // cpw, args.warps, stages)
+            c = compile_gemv4(kind, block_n, block_k // cpw, args.warps, stages, args.packed and kind == "int4")
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(c.asm["cubin"])
             f.flush()

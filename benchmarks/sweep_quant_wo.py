@@ -94,9 +94,20 @@ def wide_mode5(kind: str) -> list[dict]:
     return out
 
 
+# ``--grid packed``: MODE 4 INT4 tiles with the fp32 path and the packed fp16 dot (``triton_wo.PACKED_INT4``).
+_PACKED_BASE = [(4, 2048, 2, 2), (4, 2048, 2, 1), (4, 4096, 4, 1), (4, 4096, 4, 2), (8, 2048, 2, 2), (8, 4096, 4, 1),
+                (2, 4096, 4, 1), (16, 2048, 2, 2), (4, 1024, 1, 2)]  # BLOCK_K >= 1024 x warps (see PACKED)
+
+
+def packed_mode4(kind: str) -> list[dict]:
+    return [{**_c4(*t), "PACKED": p} for t in _PACKED_BASE for p in (False, True)] if kind == "int4" else []
+
+
 def configs_for(kind: str, m: int, smoke: bool, grid: str = "default") -> list[dict]:
     if grid == "wide" and not smoke:
         return wide_mode5(kind)
+    if grid == "packed" and not smoke:
+        return packed_mode4(kind)
     if smoke:
         return SMOKE_CONFIGS if m <= 4 else SMOKE_CONFIGS[1:]
     if m == 1:
@@ -195,8 +206,8 @@ def main() -> None:  # noqa: C901 (one linear script)
     ap.add_argument("--shapes", default="", help="comma-separated subset of shape names (default: all)")
     ap.add_argument("--kinds", default="int4,fp8", help="comma-separated subset of int4, fp8")
     ap.add_argument("--ms", default="", help="comma-separated row counts (default: 1, 4, 16)")
-    ap.add_argument("--grid", choices=("default", "wide"), default="default",
-                    help="candidate tiles: the tight default grid, or wide_mode5's MODE 5 grid")
+    ap.add_argument("--grid", choices=("default", "wide", "packed"), default="default",
+                    help="candidate tiles: the tight default grid, wide_mode5's MODE 5 grid or packed_mode4's")
     args = ap.parse_args()
     t_start = time.perf_counter()
     smoke = args.smoke

@@ -231,3 +231,35 @@ def test_quantized_gated_mlp_fused_act_on_gpu(scheme, m):
     use_triton_gemv_(mlp)
     assert type(mlp).__name__.startswith("GemvFused")
     assert _rel(mlp(x), want) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_gemv4_packed_int4(dtype, symmetric):
+    """MODE 4's packed fp16 INT4 dot (M = 1) against the reference and the fp32 path: whole and ragged K,
+    split-K, the fused SiLU epilogue, activations from 1e-4 to 1e5 (fp16 ones to 1e4; the per-4-word
+    power-of-two scale keeps them in fp16's range) and one row mixing 1e-3 and 1e4 -- within 3e-3 of
+    the reference, as the fp32 path."""
+    from infercore.quant import triton_wo
+
+    torch.manual_seed(2)
+    for n, k, split in ((1024, 4096, 1), (777, 2176, 1), (1024, 4096, 4)):
+        w = IntWeight.quantize(torch.randn(n, k, device=dev) * 0.02, bits=4, group_size=128, symmetric=symmetric)
+        mixed = torch.where(torch.rand(k, device=dev) < 0.01, 1e4, 1e-3)  # a few outliers among small values
+        for scale in (1.0, 1e-4, 1e5 if dtype == torch.bfloat16 else 1e4, mixed):  # (fp16 outputs stay finite)
+            x = (torch.randn(1, k, device=dev) * scale).to(dtype)
+            ref = R.wq_matmul_ref(x, w).float()
+            # (PACKED runs where BLOCK_K >= 1024 x num_warps)
+            for bn, bk, warps, stages in ((4, 2048, 2, 2), (8, 4096, 4, 1), (4, 1024, 1, 2)):
+                cfg = {"MODE": 4, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": warps,
+                       "num_stages": stages}
+                fp32 = triton_wo.wq_matmul_triton(x, w, config={**cfg, "PACKED": False})
+                got = triton_wo.wq_matmul_triton(x, w, config={**cfg, "PACKED": True})
+                assert torch.isfinite(got).all(), (n, k, scale)
+                assert _rel(fp32, ref) < 3e-3 and _rel(got, ref) < 3e-3, (n, k, split, _rel(got, ref))
+    w = IntWeight.quantize(torch.randn(2 * 1024, 4096, device=dev), bits=4, group_size=128, symmetric=symmetric)
+    x = torch.randn(1, 4096, device=dev, dtype=dtype)
+    cfg = {"MODE": 4, "BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT": 1, "num_warps": 2, "num_stages": 2}
+    got = triton_wo.wq_matmul_triton(x, w, config={**cfg, "PACKED": True}, act="silu")
+    ref = triton_wo.wq_matmul_triton(x, w, config={**cfg, "PACKED": False}, act="silu")
+    assert got.shape == (1, 1024) and _rel(got, ref) < 3e-3

@@ -465,13 +465,13 @@ SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
     ("fp8", 14336, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 0},
     ("fp8", 14336, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
     ("fp8", 14336, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
-    ("int4", 6144, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 4096, 'num_warps': 4, 'num_stages': 1, 'SPLIT': 0},
+    ("int4", 6144, 4096, 1): {'MODE': 4, 'BLOCK_N': 8, 'BLOCK_K': 2048, 'num_warps': 2, 'num_stages': 2, 'SPLIT': 0},
     ("int4", 6144, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
     ("int4", 6144, 4096, 16): {'MODE': 5, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
     ("fp8", 6144, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 0},
     ("fp8", 6144, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
     ("fp8", 6144, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("int4", 4096, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 4096, 'num_warps': 4, 'num_stages': 1, 'SPLIT': 1},
+    ("int4", 4096, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 2, 'num_stages': 1, 'SPLIT': 1},
     ("int4", 4096, 4096, 4): {'MODE': 5, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
     ("int4", 4096, 4096, 16): {'MODE': 5, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
     ("fp8", 4096, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 0},
@@ -483,7 +483,7 @@ SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
     ("fp8", 28672, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 1024, 'num_warps': 2, 'num_stages': 2, 'SPLIT': 0},
     ("fp8", 28672, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 1},
     ("fp8", 28672, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 1},
-    ("int4", 4096, 14336, 1): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 16},
+    ("int4", 4096, 14336, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 2, 'num_stages': 1, 'SPLIT': 1},
     ("int4", 4096, 14336, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 16},
     ("int4", 4096, 14336, 16): {'MODE': 5, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
     ("fp8", 4096, 14336, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 0},
@@ -500,15 +500,15 @@ SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
 # which keep MODEs 4 / 5. "WN": the warps split N (``triton_frag._frag_kernel``'s WN).
 # 14336x4096: M=1 14.1 us (bf16 32.7, tinygemm 18.0), M=4 17.3; 28672x4096 M=1 23.1, M=4 25.8;
 # 4096x14336 M=1 16.0, M=4 20.3; 6144x4096 M=1 9.8, M=4 11.7.
-MODE6_TUNED: dict[tuple[str, int, int, int], dict] = {
+MODE6_TUNED: dict[tuple[str, int, int, int], dict | None] = {
     ("int4", 14336, 4096, 1): {'WN': 1, 'WARPS': 4, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
     ("int4", 14336, 4096, 4): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 7, 'DEPTH': 2},
     ("int4", 28672, 4096, 1): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 4, 'DEPTH': 2},
     ("int4", 28672, 4096, 4): {'WARPS': 4, 'REPS': 4, 'SPLIT': 1, 'DEPTH': 1},
     ("int4", 28672, 4096, 16): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 4, 'DEPTH': 1},
-    ("int4", 4096, 14336, 1): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 32, 'DEPTH': 2},
+    ("int4", 4096, 14336, 1): None,  # MODE 4 PACKED: 14.8 vs 16.4 us (sweeps/sweep_mode4_packed.json)
     ("int4", 4096, 14336, 4): {'WARPS': 2, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
-    ("int4", 6144, 4096, 1): {'WARPS': 2, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
+    ("int4", 6144, 4096, 1): None,  # MODE 4 PACKED: 7.2 vs 9.8 us
     ("int4", 6144, 4096, 4): {'WARPS': 2, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
 }
 
@@ -529,7 +529,7 @@ def _mode6_cfg(kind: str, x: torch.Tensor, n: int, k: int, override: dict | None
         return None
     mb = triton.next_power_of_2(m)
     tuned = next((MODE6_TUNED[(kind, n, k, b)] for b in (mb, 2 * mb, 4 * mb) if (kind, n, k, b) in MODE6_TUNED),
-                 None)
+                 None)  # (an entry None: not MODE 6 for this bucket, and no borrowing from a larger one)
     if tuned is None or not runnable():
         return None
     return {**TF.default_config(kind, n, k, m, _num_sms(x.device)), **tuned}
@@ -825,13 +825,95 @@ def _word_load(ptrs, kw, kw_end, EVEN: tl.constexpr, EVICT: tl.constexpr):
     return v
 
 
+# PACKED MODE 4 (INT4, M = 1): 4 words' codes in packed fp16 pairs -- one shift and one LOP3 per pair put
+# q under the exponent of 64 (64 + q / 16 exactly), one packed subtract of 64 + z gives (q - z) / 16
+# exactly, and packed FMAs with x (fp16, scaled by a power of two per 4 words, ``_int4_dot4``) sum the
+# words in fp16, 16 products per lane; the lanes add in fp32.
+def _int4_dot_asm(words: int) -> str:
+    lines = ["{", ".reg .b32 t, v, a;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi;"]
+    first = True
+    for i in range(words):
+        w = f"${1 + i}"
+        for j in range(4):
+            x = f"${1 + words + 4 * i + j}"
+            if j == 0:
+                lines.append(f"lop3.b32 v, {w}, 0x000F000F, 0x54005400, 0xEA;")
+            else:
+                lines += [f"shr.u32 t, {w}, {4 * j};", "lop3.b32 v, t, 0x000F000F, 0x54005400, 0xEA;"]
+            lines.append(f"sub.rn.f16x2 v, v, ${1 + 5 * words};")
+            lines.append(f"mul.rn.f16x2 a, v, {x};" if first else f"fma.rn.f16x2 a, v, {x}, a;")
+            first = False
+    lines += ["mov.b32 {lo, hi}, a;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", "add.f32 $0, flo, fhi;", "}"]
+    return "\n".join(lines)
+
+
+_INT4_DOT4 = tl.constexpr(_int4_dot_asm(4))
+
+
+@triton.jit
+def _split4(t):
+    """``t [R, C]`` -> 4 tensors ``[R, C / 4]``: elements ``4 i + p`` for ``p < 4`` (a thread's own words)."""
+    e, o = tl.split(tl.reshape(t, [t.shape[0], t.shape[1] // 4, 2, 2]))
+    a, c = tl.split(e)
+    b, d = tl.split(o)
+    return a, b, c, d
+
+
+@triton.jit
+def _absmax4(x):
+    a, b, c, d = _split4(x)
+    return tl.maximum(tl.maximum(tl.abs(a), tl.abs(b)), tl.maximum(tl.abs(c), tl.abs(d)))
+
+
+@triton.jit
+def _pairs4(lo, hi, sc):
+    """fp16x2 pairs ``(lo * sc, hi * sc)`` of each of the 4 word columns (``_split4``) of ``lo``, ``hi``."""
+    l0, l1, l2, l3 = _split4(lo)
+    h0, h1, h2, h3 = _split4(hi)
+    return _f16x2(l0 * sc, h0 * sc), _f16x2(l1 * sc, h1 * sc), _f16x2(l2 * sc, h2 * sc), _f16x2(l3 * sc, h3 * sc)
+
+
+@triton.jit
+def _int4_dot4(w, xa, xb, xc, xd, xe, xf, xg, xh, s, mz):
+    """``sum_k (q - z) / 16 * x * s`` (fp32) over each 4 consecutive words of ``w [R, C]`` (int32 of 8 INT4 codes,
+    nibble ``j`` at bits ``4 j``; the words of one group) -> ``[R, C / 4]``. ``xa .. xh [1, C]`` the fp32
+    activations of codes 0..7 of each word, ``s [R, C / 4]`` the group scales, ``mz [R, C / 4]`` the
+    fp16x2 pair of ``64 + z / 16``.
+
+    A power of two per 4 words (a thread's own, so its max stays in registers) brings their largest
+    |x| into [2**10, 2**11): fp16 then holds every x of the step to 2**-24 of that max, and the 16
+    products per lane stay below 2**15 (``2**(137 - e)`` for the max's biased exponent ``e >= 11``)."""
+    mx = tl.maximum(tl.maximum(tl.maximum(_absmax4(xa), _absmax4(xb)), tl.maximum(_absmax4(xc), _absmax4(xd))),
+                    tl.maximum(tl.maximum(_absmax4(xe), _absmax4(xf)), tl.maximum(_absmax4(xg), _absmax4(xh))))
+    e = tl.maximum((mx.to(tl.int32, bitcast=True) >> 23) & 0xFF, 11)
+    sc = ((264 - e) << 23).to(tl.float32, bitcast=True)
+    inv = ((e - 10) << 23).to(tl.float32, bitcast=True)
+    a0, a1, a2, a3 = _pairs4(xa, xe, sc)  # pair 0 (codes 0, 4) of words 0..3
+    b0, b1, b2, b3 = _pairs4(xb, xf, sc)
+    c0, c1, c2, c3 = _pairs4(xc, xg, sc)
+    d0, d1, d2, d3 = _pairs4(xd, xh, sc)
+    w0, w1, w2, w3 = _split4(w)
+    p = tl.inline_asm_elementwise(_INT4_DOT4, "=f" + ",r" * 21,
+                                  [w0, w1, w2, w3, a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3, mz],
+                                  dtype=tl.float32, is_pure=True, pack=1)
+    return p * (s * inv)
+
+
+@triton.jit
+def _f16x2(lo, hi):
+    """fp32 ``lo``, ``hi`` as one fp16x2 register (int32; ``lo`` in the low half)."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32, is_pure=True,
+                                     pack=1)
+
+
 @triton.jit
 def _gemv4_tile(w, kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K, M, stride_xm, FP8: tl.constexpr,
                 BITS: tl.constexpr, ILV: tl.constexpr, SCALE_WORDS: tl.constexpr, SCALE_ROWS: tl.constexpr,
                 HAS_ZEROS: tl.constexpr, EVEN: tl.constexpr, XMASK: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, PACKED: tl.constexpr = False):
     """One K tile of MODE 4: the loaded words ``w [BLOCK_N, BLOCK_KW]`` at word positions ``kw``, decoded
-    and multiplied into the per-thread accumulators ``a_r`` (see ``_gemv4_kernel``)."""
+    and multiplied into the per-thread accumulators ``a_r`` (see ``_gemv4_kernel``). PACKED (INT4, one row):
+    ``_int4_dot4`` in packed fp16 instead of one fp32 FMA per code."""
     CPW: tl.constexpr = 32 // BITS
     FIELD: tl.constexpr = ((1 << BITS) - 1) << (23 - BITS)  # the top BITS mantissa bits
     k = ((kw // ILV) * (ILV * CPW) + kw % ILV)[None, :]  # K position of each word's code 0
@@ -852,6 +934,20 @@ def _gemv4_tile(w, kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K, M, stri
             a0, a1, a2, a3 = _gemv_add(a0, a1, a2, a3, p0, p1, p2, p3, s, BLOCK_M, True)
         else:
             a0, a1, a2, a3 = _gemv_add(a0, a1, a2, a3, p0, p1, p2, p3, 1.0, BLOCK_M, False)
+    elif PACKED:
+        # a thread's 4 consecutive words share one group (SCALE_WORDS % 4 == 0): one scale per 4 words
+        kwp = tl.max(tl.reshape(kw, [BLOCK_KW // 4, 4]), axis=1)
+        g = (kwp // SCALE_WORDS)[None, :]
+        s = _word_load(s_rows + g, kwp, kw_end, EVEN, False).to(tl.float32)
+        if HAS_ZEROS:  # 64 + z / 16 in both halves (integer zero points 0..15)
+            zi = _word_load(z_rows + g, kwp, kw_end, EVEN, False).to(tl.int32)
+            mz = 0x54005400 | zi | (zi << 16)
+        else:
+            mz = tl.full([BLOCK_N, BLOCK_KW // 4], 0x54085408, tl.int32)
+        a0 += _int4_dot4(w, _gemv4_x(x_ptr, 0, k, K, XMASK), _gemv4_x(x_ptr, 0, k + ILV, K, XMASK),
+                         _gemv4_x(x_ptr, 0, k + ILV * 2, K, XMASK), _gemv4_x(x_ptr, 0, k + ILV * 3, K, XMASK),
+                         _gemv4_x(x_ptr, 0, k + ILV * 4, K, XMASK), _gemv4_x(x_ptr, 0, k + ILV * 5, K, XMASK),
+                         _gemv4_x(x_ptr, 0, k + ILV * 6, K, XMASK), _gemv4_x(x_ptr, 0, k + ILV * 7, K, XMASK), s, mz)
     else:
         w = w.to(tl.uint32, bitcast=True)
         hi = w >> 16
@@ -883,7 +979,7 @@ def _gemv4_kernel(
     FP8: tl.constexpr, BITS: tl.constexpr, ILV: tl.constexpr, SCALE_WORDS: tl.constexpr,
     SCALE_ROWS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
     XMASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-    ACT: tl.constexpr = 0, PREWAIT: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
+    ACT: tl.constexpr = 0, PREWAIT: tl.constexpr = 0, USE_PDL: tl.constexpr = False, PACKED: tl.constexpr = False,
 ):
     """MODE 4 GEMV, ``M <= 4``: ``qw`` int32 words ``[N, KW]`` in the interleaved layout of
     ``_ilv_words`` (word ``i`` of each block of ``ILV`` words holds codes ``i + ILV * j`` at bits
@@ -930,24 +1026,25 @@ def _gemv4_kernel(
     else:
         s_rows = s_ptr + rows.to(tl.int64)[:, None] * stride_sn
     z_rows = z_ptr + rows.to(tl.int64)[:, None] * stride_sn
-    a0, a1, a2, a3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
+    a0, a1, a2, a3 = _gemv_zeros(BLOCK_N, BLOCK_KW // 4 if PACKED else BLOCK_KW)  # PACKED: one per 4 words
     kb0 = kw_start
     if PREWAIT >= 1:  # the tiles loaded before the wait are consumed here; the loop takes the rest
         a0, a1, a2, a3 = _gemv4_tile(w_first, kw_start + offs_kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K, M,
                                      stride_xm, FP8, BITS, ILV, SCALE_WORDS, SCALE_ROWS, HAS_ZEROS, EVEN, XMASK,
-                                     BLOCK_M, BLOCK_N, BLOCK_KW)
+                                     BLOCK_M, BLOCK_N, BLOCK_KW, PACKED)
         kb0 = kw_start + BLOCK_KW
     if PREWAIT >= 2:
         if kb0 < kw_end:
             a0, a1, a2, a3 = _gemv4_tile(w_second, kb0 + offs_kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K,
                                          M, stride_xm, FP8, BITS, ILV, SCALE_WORDS, SCALE_ROWS, HAS_ZEROS, EVEN,
-                                         XMASK, BLOCK_M, BLOCK_N, BLOCK_KW)
+                                         XMASK, BLOCK_M, BLOCK_N, BLOCK_KW, PACKED)
         kb0 = kb0 + BLOCK_KW
     for kb in tl.range(kb0, kw_end, BLOCK_KW):
         kw = kb + offs_kw
         w = _word_load(w_rows + kw[None, :], kw, kw_end, EVEN, True)
         a0, a1, a2, a3 = _gemv4_tile(w, kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K, M, stride_xm, FP8, BITS,
-                                     ILV, SCALE_WORDS, SCALE_ROWS, HAS_ZEROS, EVEN, XMASK, BLOCK_M, BLOCK_N, BLOCK_KW)
+                                     ILV, SCALE_WORDS, SCALE_ROWS, HAS_ZEROS, EVEN, XMASK, BLOCK_M, BLOCK_N, BLOCK_KW,
+                                     PACKED)
     acc, offs_m, m_mask = _gemv_rows(a0, a1, a2, a3, M, BLOCK_M, BLOCK_N)
     if FP8:
         if SCALE_ROWS == 0:
@@ -1026,6 +1123,16 @@ def _pad_codes(codes: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.nn.functional.pad(codes, (0, pad)) if pad else codes
 
 
+# MODE 4's packed fp16 INT4 dot (``_int4_dot4``) where it can run: one row of 16-bit activations, CUDA, not
+# the interpreter (inline PTX). ``INFERCORE_WO_PACKED=0`` keeps the fp32 path; a config's "PACKED" overrides.
+PACKED_INT4 = os.environ.get("INFERCORE_WO_PACKED", "1") != "0"
+
+
+def _packed_ok(x: torch.Tensor, meta: dict) -> bool:
+    return (not meta["FP8"] and meta["BITS"] == 4 and meta["SCALE_WORDS"] % 4 == 0 and x.shape[0] == 1
+            and x.is_cuda and not _INTERPRET and x.dtype in (torch.bfloat16, torch.float16))
+
+
 def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: torch.Tensor, z: torch.Tensor,
                   stride_sn: int, act: str | None = None, **meta) -> torch.Tensor:
     """Run the MODE 4 GEMV; ``cfg["BLOCK_K"]`` counts codes per tile. With ``act`` the gated
@@ -1048,10 +1155,12 @@ def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: to
     cnt = arrival_counters(x.device, tiles) if split > 1 else y
     even = kw % per == 0 and per % bkw == 0
     use_pdl = pdl_enabled(x)
+    # (PACKED's per-thread step needs 4 consecutive words per thread and row: BLOCK_KW >= 128 x warps)
+    packed = bool(cfg.get("PACKED", PACKED_INT4)) and _packed_ok(x, meta) and bkw >= 128 * cfg["num_warps"]
     _gemv4_kernel[(tiles, split)](
         x, words, s, z, ws, y, cnt, m, n, k, kw, per, x.stride(0), words.stride(0), stride_sn, y.stride(0),
         SPLIT_K=split > 1, EVEN=even, XMASK=(not even) or kw * cpw > k, BLOCK_M=triton.next_power_of_2(m),
-        BLOCK_N=bn, BLOCK_KW=bkw, ACT=ACTIVATIONS[act], PREWAIT=GEMV_PREWAIT if use_pdl else 0,
+        BLOCK_N=bn, BLOCK_KW=bkw, ACT=ACTIVATIONS[act], PREWAIT=GEMV_PREWAIT if use_pdl else 0, PACKED=packed,
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1), **meta, **pdl_launch(use_pdl),
     )
     return y

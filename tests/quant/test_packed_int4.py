@@ -78,8 +78,8 @@ def packed_dot(q: np.ndarray, x: np.ndarray, z: int) -> float:
     inv = float(np.array((e - 10) << 23, dtype=np.int32).view(np.float32))
     xs = x.astype(np.float32) * np.float32(sc)
     pairs = [_bits16(xs[i, j]) | (_bits16(xs[i, j + 4]) << 16) for i in range(4) for j in range(4)]
-    mz = 0x54005400 | z | (z << 16)
-    return run_ptx(triton_wo._int4_dot_asm(4), words + pairs + [mz]) * inv * 16
+    mz = [0x54005400 | (z * 65537), 0x44004400 | (z * 65537 << 4)]
+    return run_ptx(triton_wo._int4_dot_asm(4), words + pairs + mz) * inv * 16
 
 
 @pytest.mark.parametrize("kind", ["normal", "tiny", "huge", "mixed", "zeros"])

@@ -825,24 +825,26 @@ def _word_load(ptrs, kw, kw_end, EVEN: tl.constexpr, EVICT: tl.constexpr):
     return v
 
 
-# PACKED MODE 4 (INT4, M = 1): 4 words' codes in packed fp16 pairs -- one shift and one LOP3 per pair put
-# q under the exponent of 64 (64 + q / 16 exactly), one packed subtract of 64 + z gives (q - z) / 16
-# exactly, and packed FMAs with x (fp16, scaled by a power of two per 4 words, ``_int4_dot4``) sum the
-# words in fp16, 16 products per lane; the lanes add in fp32.
+# PACKED MODE 4 (INT4, M = 1): 4 words' codes in packed fp16 pairs -- one LOP3 per pair puts q under the
+# exponent of 64 or of 4 (64 + q / 16, 4 + q / 16: exact; one shift per word), one packed subtract of the
+# same with z gives (q - z) / 16 exactly, and packed FMAs with x (fp16, scaled by a power of two per 4
+# words, ``_int4_dot4``) sum the words in fp16, 16 products per lane; the lanes add in fp32.
 def _int4_dot_asm(words: int) -> str:
+    """The packed dot's PTX over ``words`` words: operands ``$1..`` the words, then 4 fp16x2 activation
+    pairs per word, then the zero pairs for nibbles at bits 0-3 (``64 + z / 16``) and 4-7 (``4 + z / 16``)
+    of each half; ``$0`` the fp32 sum. A nibble at bits 4-7 needs no shift: under the exponent of 4 its
+    place value is already 1/16."""
+    mz0, mz1 = f"${1 + 5 * words}", f"${2 + 5 * words}"
     lines = ["{", ".reg .b32 t, v, a;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi;"]
-    first = True
     for i in range(words):
         w = f"${1 + i}"
+        lines.append(f"shr.u32 t, {w}, 8;")
         for j in range(4):
+            src, (mask, magic, mz) = (w if j < 2 else "t"), (("0x000F000F", "0x54005400", mz0) if j % 2 == 0
+                                                            else ("0x00F000F0", "0x44004400", mz1))
             x = f"${1 + words + 4 * i + j}"
-            if j == 0:
-                lines.append(f"lop3.b32 v, {w}, 0x000F000F, 0x54005400, 0xEA;")
-            else:
-                lines += [f"shr.u32 t, {w}, {4 * j};", "lop3.b32 v, t, 0x000F000F, 0x54005400, 0xEA;"]
-            lines.append(f"sub.rn.f16x2 v, v, ${1 + 5 * words};")
-            lines.append(f"mul.rn.f16x2 a, v, {x};" if first else f"fma.rn.f16x2 a, v, {x}, a;")
-            first = False
+            lines += [f"lop3.b32 v, {src}, {mask}, {magic}, 0xEA;", f"sub.rn.f16x2 v, v, {mz};",
+                      f"mul.rn.f16x2 a, v, {x};" if i == j == 0 else f"fma.rn.f16x2 a, v, {x}, a;"]
     lines += ["mov.b32 {lo, hi}, a;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", "add.f32 $0, flo, fhi;", "}"]
     return "\n".join(lines)
 
@@ -874,11 +876,11 @@ def _pairs4(lo, hi, sc):
 
 
 @triton.jit
-def _int4_dot4(w, xa, xb, xc, xd, xe, xf, xg, xh, s, mz):
+def _int4_dot4(w, xa, xb, xc, xd, xe, xf, xg, xh, s, mz, mz1):
     """``sum_k (q - z) / 16 * x * s`` (fp32) over each 4 consecutive words of ``w [R, C]`` (int32 of 8 INT4 codes,
     nibble ``j`` at bits ``4 j``; the words of one group) -> ``[R, C / 4]``. ``xa .. xh [1, C]`` the fp32
-    activations of codes 0..7 of each word, ``s [R, C / 4]`` the group scales, ``mz [R, C / 4]`` the
-    fp16x2 pair of ``64 + z / 16``.
+    activations of codes 0..7 of each word, ``s [R, C / 4]`` the group scales, ``mz`` / ``mz1 [R, C / 4]``
+    the fp16x2 pairs of ``64 + z / 16`` / ``4 + z / 16``.
 
     A power of two per 4 words (a thread's own, so its max stays in registers) brings their largest
     |x| into [2**10, 2**11): fp16 then holds every x of the step to 2**-24 of that max, and the 16
@@ -893,9 +895,9 @@ def _int4_dot4(w, xa, xb, xc, xd, xe, xf, xg, xh, s, mz):
     c0, c1, c2, c3 = _pairs4(xc, xg, sc)
     d0, d1, d2, d3 = _pairs4(xd, xh, sc)
     w0, w1, w2, w3 = _split4(w)
-    p = tl.inline_asm_elementwise(_INT4_DOT4, "=f" + ",r" * 21,
-                                  [w0, w1, w2, w3, a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3, mz],
-                                  dtype=tl.float32, is_pure=True, pack=1)
+    p = tl.inline_asm_elementwise(_INT4_DOT4, "=f" + ",r" * 22,
+                                  [w0, w1, w2, w3, a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3, mz,
+                                   mz1], dtype=tl.float32, is_pure=True, pack=1)
     return p * (s * inv)
 
 
@@ -939,15 +941,18 @@ def _gemv4_tile(w, kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K, M, stri
         kwp = tl.max(tl.reshape(kw, [BLOCK_KW // 4, 4]), axis=1)
         g = (kwp // SCALE_WORDS)[None, :]
         s = _word_load(s_rows + g, kwp, kw_end, EVEN, False).to(tl.float32)
-        if HAS_ZEROS:  # 64 + z / 16 in both halves (integer zero points 0..15)
-            zi = _word_load(z_rows + g, kwp, kw_end, EVEN, False).to(tl.int32)
-            mz = 0x54005400 | zi | (zi << 16)
+        if HAS_ZEROS:  # 64 + z / 16 and 4 + z / 16 in both halves (integer zero points 0..15)
+            zi = _word_load(z_rows + g, kwp, kw_end, EVEN, False).to(tl.int32) * 65537
+            mz = 0x54005400 | zi
+            mz1 = 0x44004400 | (zi << 4)
         else:
             mz = tl.full([BLOCK_N, BLOCK_KW // 4], 0x54085408, tl.int32)
+            mz1 = tl.full([BLOCK_N, BLOCK_KW // 4], 0x44804480, tl.int32)
         a0 += _int4_dot4(w, _gemv4_x(x_ptr, 0, k, K, XMASK), _gemv4_x(x_ptr, 0, k + ILV, K, XMASK),
                          _gemv4_x(x_ptr, 0, k + ILV * 2, K, XMASK), _gemv4_x(x_ptr, 0, k + ILV * 3, K, XMASK),
                          _gemv4_x(x_ptr, 0, k + ILV * 4, K, XMASK), _gemv4_x(x_ptr, 0, k + ILV * 5, K, XMASK),
-                         _gemv4_x(x_ptr, 0, k + ILV * 6, K, XMASK), _gemv4_x(x_ptr, 0, k + ILV * 7, K, XMASK), s, mz)
+                         _gemv4_x(x_ptr, 0, k + ILV * 6, K, XMASK), _gemv4_x(x_ptr, 0, k + ILV * 7, K, XMASK), s, mz,
+                         mz1)
     else:
         w = w.to(tl.uint32, bitcast=True)
         hi = w >> 16

@@ -497,7 +497,8 @@ SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
 # results/h200/quant_wo_mode6_one_mma.json, the kernel with one MMA per word and, with WN, the MMAs of a
 # group chained before its scale): INT4 at M <= 4 on the MLP and qkv shapes, and the merged gate_up at
 # M <= 16 (34.2 vs 38.4 us for MODE 5 at M=16). It loses on o_proj, at M = 16 elsewhere and for FP8,
-# which keep MODEs 4 / 5. "WN": the warps split N (``triton_frag._frag_kernel``'s WN).
+# which keep MODEs 4 / 5. "WN": the warps split N (``triton_frag._frag_kernel``'s WN). A None entry: MODE 4's
+# packed INT4 dot wins at that M (fourteenth session, results/h200/sweeps/sweep_mode4_packed.json).
 # 14336x4096: M=1 14.1 us (bf16 32.7, tinygemm 18.0), M=4 17.3; 28672x4096 M=1 23.1, M=4 25.8;
 # 4096x14336 M=1 16.0, M=4 20.3; 6144x4096 M=1 9.8, M=4 11.7.
 MODE6_TUNED: dict[tuple[str, int, int, int], dict | None] = {
@@ -506,9 +507,9 @@ MODE6_TUNED: dict[tuple[str, int, int, int], dict | None] = {
     ("int4", 28672, 4096, 1): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 4, 'DEPTH': 2},
     ("int4", 28672, 4096, 4): {'WARPS': 4, 'REPS': 4, 'SPLIT': 1, 'DEPTH': 1},
     ("int4", 28672, 4096, 16): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 4, 'DEPTH': 1},
-    ("int4", 4096, 14336, 1): None,  # MODE 4 PACKED: 14.8 vs 16.4 us (sweeps/sweep_mode4_packed.json)
+    ("int4", 4096, 14336, 1): None,  # MODE 4 PACKED: 14.4 vs 16.4 us
     ("int4", 4096, 14336, 4): {'WARPS': 2, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
-    ("int4", 6144, 4096, 1): None,  # MODE 4 PACKED: 7.2 vs 9.8 us
+    ("int4", 6144, 4096, 1): None,  # MODE 4 PACKED: 7.3 vs 9.8 us
     ("int4", 6144, 4096, 4): {'WARPS': 2, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
 }
 

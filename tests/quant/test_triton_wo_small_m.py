@@ -346,3 +346,16 @@ def test_gemv4_first_tiles_read_before_the_pdl_wait(kind, tiles, monkeypatch):
         assert _err(y, ref) < 1e-5, (split, bk, _err(y, ref))
     y = fn(x, w, config={**_gemv(1), "BLOCK_N": 4}, act="silu")
     assert _err(y, _act_ref(ref, "silu")) < 1e-5
+
+
+def test_tuned_tables_keep_one_repacked_copy(monkeypatch):
+    """Over M = 1..16 the dispatch tables make at most one repacked copy of a weight (MODE 4's words or
+    MODE 6's fragments), and the check sees a table that would make two."""
+    from infercore.quant import triton_wo
+
+    shapes = {(kind, n, k) for (kind, n, k, _) in (*triton_wo.SMALL_M_TUNED, *triton_wo.MODE6_TUNED)}
+    assert shapes
+    for kind, n, k in shapes:
+        assert len(triton_wo.repacked_layouts(kind, n, k)) <= 1, (kind, n, k)
+    monkeypatch.setitem(triton_wo.MODE6_TUNED, ("int4", 6144, 4096, 4), {"WARPS": 2, "REPS": 4, "SPLIT": 8})
+    assert triton_wo.repacked_layouts("int4", 6144, 4096) == {"mode4", "mode6"}

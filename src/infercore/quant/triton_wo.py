@@ -499,8 +499,8 @@ SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
 # M <= 16 (34.2 vs 38.4 us for MODE 5 at M=16). It loses on o_proj, at M = 16 elsewhere and for FP8,
 # which keep MODEs 4 / 5. "WN": the warps split N (``triton_frag._frag_kernel``'s WN). A None entry: MODE 4's
 # packed INT4 dot wins at that M (fourteenth session, results/h200/sweeps/sweep_mode4_packed.json).
-# 14336x4096: M=1 14.1 us (bf16 32.7, tinygemm 18.0), M=4 17.3; 28672x4096 M=1 23.1, M=4 25.8;
-# 4096x14336 M=1 16.0, M=4 20.3; 6144x4096 M=1 9.8, M=4 11.7.
+# 14336x4096: M=1 14.1 us (bf16 32.7, tinygemm 18.0), M=4 17.3; 28672x4096 M=1 23.1, M=4 25.8
+# (4096x14336 M=1 16.0, M=4 20.3 and 6144x4096 M=1 9.8, M=4 11.7 before the None entries below).
 MODE6_TUNED: dict[tuple[str, int, int, int], dict | None] = {
     ("int4", 14336, 4096, 1): {'WN': 1, 'WARPS': 4, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
     ("int4", 14336, 4096, 4): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 7, 'DEPTH': 2},
@@ -508,10 +508,29 @@ MODE6_TUNED: dict[tuple[str, int, int, int], dict | None] = {
     ("int4", 28672, 4096, 4): {'WARPS': 4, 'REPS': 4, 'SPLIT': 1, 'DEPTH': 1},
     ("int4", 28672, 4096, 16): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 4, 'DEPTH': 1},
     ("int4", 4096, 14336, 1): None,  # MODE 4 PACKED: 14.4 vs 16.4 us
-    ("int4", 4096, 14336, 4): {'WARPS': 2, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
+    # (M 2-4 there: MODE 5 on the stored words, 21.9 / 13.8 us against MODE 6's 20.3 / 11.7, so that a weight
+    # keeps one repacked copy: results/h200/quant_wo_small_m.json, quant_wo_mode6_one_mma.json)
+    ("int4", 4096, 14336, 4): None,
     ("int4", 6144, 4096, 1): None,  # MODE 4 PACKED: 7.3 vs 9.8 us
-    ("int4", 6144, 4096, 4): {'WARPS': 2, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
+    ("int4", 6144, 4096, 4): None,
 }
+
+
+def repacked_layouts(kind: str, n: int, k: int) -> set[str]:
+    """The repacked copies the tuned tables make for a ``[n, k]`` weight over M = 1..SMALL_M_MAX on a GPU:
+    "mode4" (``interleave_words``) and / or "mode6" (``triton_frag``'s fragments). The tables keep it to
+    one per weight (each costs 0.5 B/param INT4, 1 B/param FP8; tests/quant/test_triton_wo_small_m.py)."""
+    out = set()
+    for m in range(1, SMALL_M_MAX + 1):
+        mb = triton.next_power_of_2(m)
+        key = next(((kind, n, k, b) for b in (mb, 2 * mb, 4 * mb) if (kind, n, k, b) in MODE6_TUNED), None)
+        if key is not None and MODE6_TUNED[key] is not None:
+            out.add("mode6")
+        elif m <= GEMV_M_MAX:
+            b = next((b for b in (mb, 2 * mb, 4 * mb, 8 * mb, 16 * mb) if (kind, n, k, b) in SMALL_M_TUNED), None)
+            if (SMALL_M_TUNED[(kind, n, k, b)]["MODE"] if b is not None else 4 if m == 1 else 5) == 4:
+                out.add("mode4")
+    return out
 
 
 def _mode6_cfg(kind: str, x: torch.Tensor, n: int, k: int, override: dict | None, runnable) -> dict | None:

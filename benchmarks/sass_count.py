@@ -110,6 +110,8 @@ def main() -> None:
     ap.add_argument("--nb", type=int, choices=[1, 2], default=1, help="MODE 6: B fragments (2: M 9-16)")
     ap.add_argument("--packed", action="store_true", help="MODE 4 INT4: the packed fp16 dot")
     args = ap.parse_args()
+    if args.packed and (args.mode != 4 or args.kind != "int4"):
+        ap.error("--packed: MODE 4 INT4 only (--mode 4 --kind int4)")
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     for kind in [args.kind] if args.kind else ["int4", "fp8"]:
         cpw = 8 if kind == "int4" else 4
@@ -124,7 +126,7 @@ def main() -> None:
             block_n = args.block_n or 4
             block_k = args.block_k or (4096 if kind == "int4" else 2048)
             stages = args.stages or (1 if kind == "int4" else 2)
-            c = compile_gemv4(kind, block_n, block_k // cpw, args.warps, stages, args.packed and kind == "int4")
+            c = compile_gemv4(kind, block_n, block_k // cpw, args.warps, stages, args.packed)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(c.asm["cubin"])
             f.flush()

@@ -209,6 +209,8 @@ def main() -> None:  # noqa: C901 (one linear script)
     ap.add_argument("--grid", choices=("default", "wide", "packed"), default="default",
                     help="candidate tiles: the tight default grid, wide_mode5's MODE 5 grid or packed_mode4's")
     args = ap.parse_args()
+    if not set(args.kinds.split(",")) <= {"int4", "fp8"}:
+        ap.error(f"--kinds: a comma-separated subset of int4, fp8, got {args.kinds!r}")
     t_start = time.perf_counter()
     smoke = args.smoke
     dev = "cpu" if smoke else "cuda"

@@ -357,5 +357,10 @@ def test_tuned_tables_keep_one_repacked_copy(monkeypatch):
     assert shapes
     for kind, n, k in shapes:
         assert len(triton_wo.repacked_layouts(kind, n, k)) <= 1, (kind, n, k)
+    # the lookup both tables share: an unswept bucket borrows the next larger one; None entries are found
+    assert triton_wo._tuned(triton_wo.SMALL_M_TUNED, "int4", 14336, 4096, 2, 4) == (
+        True, triton_wo.SMALL_M_TUNED[("int4", 14336, 4096, 4)])
+    assert triton_wo._tuned(triton_wo.MODE6_TUNED, "int4", 6144, 4096, 1, 2) == (True, None)
+    assert triton_wo._tuned(triton_wo.MODE6_TUNED, "int4", 4096, 4096, 1, 2) == (False, None)
     monkeypatch.setitem(triton_wo.MODE6_TUNED, ("int4", 6144, 4096, 4), {"WARPS": 2, "REPS": 4, "SPLIT": 8})
     assert triton_wo.repacked_layouts("int4", 6144, 4096) == {"mode4", "mode6"}

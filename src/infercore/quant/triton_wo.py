@@ -516,19 +516,27 @@ MODE6_TUNED: dict[tuple[str, int, int, int], dict | None] = {
 }
 
 
+def _tuned(table: dict, kind: str, n: int, k: int, m: int, borrow: int) -> tuple[bool, dict | None]:
+    """``table``'s entry for this shape and M bucket: the first of the bucket and ``borrow`` larger ones
+    present (an unswept bucket borrows the next larger one's tile). ``(found, entry)``; an entry may be
+    None (MODE6_TUNED: not MODE 6 there)."""
+    mb = triton.next_power_of_2(m)
+    key = next(((kind, n, k, mb << i) for i in range(borrow + 1) if (kind, n, k, mb << i) in table), None)
+    return (False, None) if key is None else (True, table[key])
+
+
 def repacked_layouts(kind: str, n: int, k: int) -> set[str]:
-    """The repacked copies the tuned tables make for a ``[n, k]`` weight over M = 1..SMALL_M_MAX on a GPU:
-    "mode4" (``interleave_words``) and / or "mode6" (``triton_frag``'s fragments). The tables keep it to
-    one per weight (each costs 0.5 B/param INT4, 1 B/param FP8; tests/quant/test_triton_wo_small_m.py)."""
+    """The repacked copies the tuned tables make for a ``[n, k]`` weight (``kind`` "int4" / "fp8") over
+    M = 1..SMALL_M_MAX on a GPU: "mode4" (``interleave_words``) and / or "mode6" (``triton_frag``'s
+    fragments). The tables keep it to one per weight (each costs 0.5 B/param INT4, 1 B/param FP8;
+    tests/quant/test_triton_wo_small_m.py)."""
     out = set()
     for m in range(1, SMALL_M_MAX + 1):
-        mb = triton.next_power_of_2(m)
-        key = next(((kind, n, k, b) for b in (mb, 2 * mb, 4 * mb) if (kind, n, k, b) in MODE6_TUNED), None)
-        if key is not None and MODE6_TUNED[key] is not None:
+        if _tuned(MODE6_TUNED, kind, n, k, m, 2)[1] is not None:
             out.add("mode6")
         elif m <= GEMV_M_MAX:
-            b = next((b for b in (mb, 2 * mb, 4 * mb, 8 * mb, 16 * mb) if (kind, n, k, b) in SMALL_M_TUNED), None)
-            if (SMALL_M_TUNED[(kind, n, k, b)]["MODE"] if b is not None else 4 if m == 1 else 5) == 4:
+            found, cfg = _tuned(SMALL_M_TUNED, kind, n, k, m, 4)
+            if (cfg["MODE"] if found else 4 if m == 1 else 5) == 4:  # (as _small_cfg without a table entry)
                 out.add("mode4")
     return out
 
@@ -547,9 +555,7 @@ def _mode6_cfg(kind: str, x: torch.Tensor, n: int, k: int, override: dict | None
         return {**TF.default_config(kind, n, k, m, _num_sms(x.device)), **override}
     if m > SMALL_M_MAX or _INTERPRET or not x.is_cuda or not REPACK:  # MODE 6 repacks like MODE 4
         return None
-    mb = triton.next_power_of_2(m)
-    tuned = next((MODE6_TUNED[(kind, n, k, b)] for b in (mb, 2 * mb, 4 * mb) if (kind, n, k, b) in MODE6_TUNED),
-                 None)  # (an entry None: not MODE 6 for this bucket, and no borrowing from a larger one)
+    tuned = _tuned(MODE6_TUNED, kind, n, k, m, 2)[1]  # (an entry None: not MODE 6 for this bucket)
     if tuned is None or not runnable():
         return None
     return {**TF.default_config(kind, n, k, m, _num_sms(x.device)), **tuned}
@@ -586,10 +592,8 @@ def _small_cfg(kind: str, n: int, kp: int, m: int, kmax: int, device: torch.devi
     elif _INTERPRET:
         cfg = {"MODE": 4 if m <= GEMV_M_MAX else 2, "BLOCK_N": 8, "BLOCK_K": 64, "SPLIT": 0,
                "num_warps": 4, "num_stages": 1}
-    elif any((kind, n, kp, b) in SMALL_M_TUNED for b in (mb, 2 * mb, 4 * mb, 8 * mb, 16 * mb)):
-        # A bucket not swept borrows the next larger one (the same tile serves fewer rows).
-        b = next(b for b in (mb, 2 * mb, 4 * mb, 8 * mb, 16 * mb) if (kind, n, kp, b) in SMALL_M_TUNED)
-        cfg = dict(SMALL_M_TUNED[(kind, n, kp, b)])
+    elif _tuned(SMALL_M_TUNED, kind, n, kp, m, 4)[0]:  # (an unswept bucket borrows a larger one's tile)
+        cfg = dict(_tuned(SMALL_M_TUNED, kind, n, kp, m, 4)[1])
         if cfg["MODE"] == 4 and m > GEMV_M_MAX:
             cfg = dict(_MODE5_DEFAULT)
     elif m == 1:

@@ -1,5 +1,5 @@
 """Weight-only small-M GEMV/GEMM as the dispatcher runs them (no config): W4A16 g128 and emulated FP8 on
-the Llama-3.1-8B linear shapes, M = 1, 4, 16, against bf16 ``F.linear`` (cuBLAS) and torch tinygemm INT4
+the Llama-3.1-8B linear shapes, M = 1, 2, 4, 16 (``--ms``), against bf16 ``F.linear`` (cuBLAS) and torch tinygemm INT4
 (``_weight_int4pack_mm``), all timed the same way in one run: a CUDA graph of many calls that rotates
 over weight copies larger than the L2 (``sweep_quant_wo.py``'s timing), so the weights stream from HBM
 as in decode. Each call is first checked against ``dequantize()`` + an fp32 matmul. The floor is the
@@ -47,11 +47,13 @@ def _dispatched(kind: str, x: torch.Tensor, q, n: int, k: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--ms", default="1,2,4,16", help="comma-separated row counts")
     args = ap.parse_args()
+    ms = tuple(int(v) for v in args.ms.split(","))
     bw = copy_bandwidth()
     timer = lambda c, n: time_graph(c, n, reps=7, warmup=1)
     cases = []
-    for wc in weight_cases(SHAPES, (1, 4, 16)):
+    for wc in weight_cases(SHAPES, ms):
         sname, n, k, kind, m, x, fn, q, qs = wc.sname, wc.n, wc.k, wc.kind, wc.m, wc.x, wc.fn, wc.q, wc.qs
         copies, c16 = len(qs), len(wc.w16s)
         err = rel_err(fn(x, q), wc.ref)

@@ -46,15 +46,15 @@ def _compile(fn, ptr: dict, sizes: tuple[str, ...], ce: dict, warps: int, stages
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
-def compile_gemv4(kind: str, block_n: int, block_kw: int, warps: int, stages: int, packed: bool = False):
-    """MODE 4 (``_gemv4_kernel``) for one bf16 row, whole tiles, no split-K; ``packed``: INT4's fp16 word dot."""
+def compile_gemv4(kind: str, block_n: int, block_kw: int, warps: int, stages: int, packed: bool = False, m: int = 1):
+    """MODE 4 (``_gemv4_kernel``) for ``m`` bf16 rows, whole tiles, no split-K; ``packed``: the fp16 word dot."""
     ptr = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16" if kind == "int4" else "*fp32", "z_ptr": "*bf16",
            "ws_ptr": "*fp32", "y_ptr": "*bf16", "cnt_ptr": "*i32"}
     if kind == "int4":
         ce = dict(FP8=False, BITS=4, ILV=16, SCALE_WORDS=16, SCALE_ROWS=0, HAS_ZEROS=False)
     else:
         ce = dict(FP8=True, BITS=8, ILV=32, SCALE_WORDS=32, SCALE_ROWS=0, HAS_ZEROS=False)
-    ce.update(SPLIT_K=False, EVEN=True, XMASK=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_KW=block_kw, ACT=0,
+    ce.update(SPLIT_K=False, EVEN=True, XMASK=False, BLOCK_M=m, BLOCK_N=block_n, BLOCK_KW=block_kw, ACT=0,
               PREWAIT=0, USE_PDL=False, PACKED=packed)  # fmt: skip
     return _compile(TW._gemv4_kernel, ptr, _sizes("kw_per_split"), ce, warps, stages)
 
@@ -108,10 +108,11 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=1, help="MODE 6: iterations of loads in flight")
     ap.add_argument("--wn", action="store_true", help="MODE 6: the warps split N")
     ap.add_argument("--nb", type=int, choices=[1, 2], default=1, help="MODE 6: B fragments (2: M 9-16)")
-    ap.add_argument("--packed", action="store_true", help="MODE 4 INT4: the packed fp16 dot")
+    ap.add_argument("--packed", action="store_true", help="MODE 4: the packed fp16 dot")
+    ap.add_argument("--m", type=int, choices=[1, 2, 4], default=1, help="MODE 4: rows (BLOCK_M)")
     args = ap.parse_args()
-    if args.packed and (args.mode != 4 or args.kind != "int4"):
-        ap.error("--packed: MODE 4 INT4 only (--mode 4 --kind int4)")
+    if (args.packed or args.m > 1) and args.mode != 4:
+        ap.error("--packed / --m: MODE 4 only (--mode 4)")
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     for kind in [args.kind] if args.kind else ["int4", "fp8"]:
         cpw = 8 if kind == "int4" else 4
@@ -126,7 +127,7 @@ def main() -> None:
             block_n = args.block_n or 4
             block_k = args.block_k or (4096 if kind == "int4" else 2048)
             stages = args.stages or (1 if kind == "int4" else 2)
-            c = compile_gemv4(kind, block_n, block_k // cpw, args.warps, stages, args.packed)
+            c = compile_gemv4(kind, block_n, block_k // cpw, args.warps, stages, args.packed, args.m)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(c.asm["cubin"])
             f.flush()
@@ -137,7 +138,7 @@ def main() -> None:
         n = sum(ops.values())
         regs = re.search(r"REG:(\d+)", usage)
         label = (f"reps={args.reps} depth={args.depth} wn={int(args.wn)} nb={args.nb}" if args.mode == 6
-                 else f"BLOCK_N={block_n} BLOCK_K={block_k} stages={stages}")
+                 else f"BLOCK_N={block_n} BLOCK_K={block_k} stages={stages} M={args.m} packed={int(args.packed)}")
         print(f"MODE {args.mode} {kind} {label} warps={args.warps}: {regs.group(1) if regs else '?'} registers, "
               f"{n} instructions per iteration, {n / codes_per_thread:.2f} per code; top: {ops.most_common(8)}")
 

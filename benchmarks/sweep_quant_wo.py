@@ -94,20 +94,25 @@ def wide_mode5(kind: str) -> list[dict]:
     return out
 
 
-# ``--grid packed``: MODE 4 INT4 tiles with the fp32 path and the packed fp16 dot (``triton_wo.PACKED_INT4``).
+# ``--grid packed``: MODE 4 tiles with the packed fp16 dot (``triton_wo.PACKED_DOT``; at one INT4 row with the
+# fp32 path too). The per-thread step needs BLOCK_K >= 1024 (INT4) / 512 (FP8) codes x warps.
 _PACKED_BASE = [(4, 2048, 2, 2), (4, 2048, 2, 1), (4, 4096, 4, 1), (4, 4096, 4, 2), (8, 2048, 2, 2), (8, 4096, 4, 1),
-                (2, 4096, 4, 1), (16, 2048, 2, 2), (4, 1024, 1, 2)]  # BLOCK_K >= 1024 x warps (see PACKED)
+                (2, 4096, 4, 1), (16, 2048, 2, 2), (4, 1024, 1, 2)]
+_PACKED_ROWS = {"int4": [(4, 2048, 2, 2), (8, 2048, 2, 2), (4, 1024, 1, 2), (2, 2048, 2, 2)],
+                "fp8": [(4, 2048, 4, 2), (8, 2048, 4, 2), (4, 1024, 2, 2), (8, 1024, 2, 2)]}
 
 
-def packed_mode4(kind: str) -> list[dict]:
-    return [{**_c4(*t), "PACKED": p} for t in _PACKED_BASE for p in (False, True)] if kind == "int4" else []
+def packed_mode4(kind: str, m: int = 1) -> list[dict]:
+    if kind == "int4" and m == 1:
+        return [{**_c4(*t), "PACKED": p} for t in _PACKED_BASE for p in (False, True)]
+    return [{**_c4(*t), "PACKED": True} for t in _PACKED_ROWS[kind]]
 
 
 def configs_for(kind: str, m: int, smoke: bool, grid: str = "default") -> list[dict]:
     if grid == "wide" and not smoke:
         return wide_mode5(kind)
     if grid == "packed" and not smoke:
-        return packed_mode4(kind)
+        return packed_mode4(kind, m)
     if smoke:
         return SMOKE_CONFIGS if m <= 4 else SMOKE_CONFIGS[1:]
     if m == 1:

@@ -233,21 +233,31 @@ def test_quantized_gated_mlp_fused_act_on_gpu(scheme, m):
     assert _rel(mlp(x), want) < 1e-2
 
 
+def _activations(m, k, dtype):
+    """Rows from 1e-4 to 1e5 (fp16 to 1e4), and one mixing 1e-3 with a few 1e4 outliers; with several rows,
+    each row down to 1e-2 of that."""
+    mixed = torch.where(torch.rand(k, device=dev) < 0.01, 1e4, 1e-3)
+    for scale in (1.0, 1e-4, 1e5 if dtype == torch.bfloat16 else 1e4, mixed):  # (fp16 outputs stay finite)
+        x = torch.randn(m, k, device=dev) * scale
+        if m > 1:  # rows of different magnitudes: each row has its own power-of-two scale
+            x = x * torch.logspace(-2, 0, m, device=dev)[:, None]
+        yield x.to(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_gemv4_packed_int4(dtype, symmetric):
-    """MODE 4's packed fp16 INT4 dot (M = 1) against the reference and the fp32 path: whole and ragged K,
-    split-K, the fused SiLU epilogue, activations from 1e-4 to 1e5 (fp16 ones to 1e4; the per-4-word
-    power-of-two scale keeps them in fp16's range) and one row mixing 1e-3 and 1e4 -- within 3e-3 of
-    the reference, as the fp32 path."""
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gemv4_packed_int4(dtype, symmetric, m):
+    """MODE 4's packed fp16 INT4 dot against the reference and the fp32 path, 1-4 rows: whole and ragged K,
+    split-K, the fused SiLU epilogue (within 4e-3 of the exact gated product, as the fp32 path), activations
+    from 1e-4 to 1e5 (fp16 ones to 1e4; the per-4-word power-of-two scale keeps them in fp16's range) and one
+    row mixing 1e-3 and 1e4 -- within 3e-3 of the reference, as the fp32 path."""
     from infercore.quant import triton_wo
 
     torch.manual_seed(2)
     for n, k, split in ((1024, 4096, 1), (777, 2176, 1), (1024, 4096, 4)):
         w = IntWeight.quantize(torch.randn(n, k, device=dev) * 0.02, bits=4, group_size=128, symmetric=symmetric)
-        mixed = torch.where(torch.rand(k, device=dev) < 0.01, 1e4, 1e-3)  # a few outliers among small values
-        for scale in (1.0, 1e-4, 1e5 if dtype == torch.bfloat16 else 1e4, mixed):  # (fp16 outputs stay finite)
-            x = (torch.randn(1, k, device=dev) * scale).to(dtype)
+        for x in _activations(m, k, dtype):
             ref = R.wq_matmul_ref(x, w).float()
             # (PACKED runs where BLOCK_K >= 1024 x num_warps)
             for bn, bk, warps, stages in ((4, 2048, 2, 2), (8, 4096, 4, 1), (4, 1024, 1, 2)):
@@ -255,11 +265,48 @@ def test_gemv4_packed_int4(dtype, symmetric):
                        "num_stages": stages}
                 fp32 = triton_wo.wq_matmul_triton(x, w, config={**cfg, "PACKED": False})
                 got = triton_wo.wq_matmul_triton(x, w, config={**cfg, "PACKED": True})
-                assert torch.isfinite(got).all(), (n, k, scale)
+                assert torch.isfinite(got).all(), (n, k, x.abs().max())
                 assert _rel(fp32, ref) < 3e-3 and _rel(got, ref) < 3e-3, (n, k, split, _rel(got, ref))
     w = IntWeight.quantize(torch.randn(2 * 1024, 4096, device=dev), bits=4, group_size=128, symmetric=symmetric)
-    x = torch.randn(1, 4096, device=dev, dtype=dtype)
+    x = torch.randn(m, 4096, device=dev, dtype=dtype)
+    y = R.wq_matmul_ref(x, w).float()
+    ref = torch.nn.functional.silu(y[:, :1024]) * y[:, 1024:]
     cfg = {"MODE": 4, "BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT": 1, "num_warps": 2, "num_stages": 2}
-    got = triton_wo.wq_matmul_triton(x, w, config={**cfg, "PACKED": True}, act="silu")
-    ref = triton_wo.wq_matmul_triton(x, w, config={**cfg, "PACKED": False}, act="silu")
-    assert got.shape == (1, 1024) and _rel(got, ref) < 3e-3
+    for packed in (True, False):
+        got = triton_wo.wq_matmul_triton(x, w, config={**cfg, "PACKED": packed}, act="silu")
+        assert got.shape == (m, 1024) and _rel(got, ref) < 4e-3, (packed, _rel(got, ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block", [None, 128])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gemv4_packed_fp8(dtype, block, m):
+    """MODE 4's packed fp16 FP8 dot (e4m3 decoded exactly to fp16 times 2**-8) against the reference and the fp32
+    path, 1-4 rows, per-channel and 128x128 block scales, whole and ragged K, split-K, the fused SiLU epilogue,
+    the activations of ``_activations``; codes at both ends of e4m3's range (subnormals, +-448)."""
+    from infercore.quant import triton_wo
+
+    torch.manual_seed(3)
+    for n, k, split in ((1024, 4096, 1), (777, 2176, 1), (1024, 4096, 4)):
+        w = FP8Weight.quantize(torch.randn(n, k, device=dev) * 0.02, block_size=block)
+        q = w.qweight.view(torch.uint8)
+        q[:, :256] = torch.arange(256, device=dev, dtype=torch.int32).to(torch.uint8)  # every code, NaN aside
+        q[q == 0x7F] = 0x7E
+        q[q == 0xFF] = 0xFE
+        for x in _activations(m, k, dtype):
+            ref = R.fp8_wo_matmul_ref(x, w).float()
+            for bn, bk, warps, stages in ((4, 2048, 4, 2), (8, 2048, 4, 2), (4, 1024, 2, 2)):
+                cfg = {"MODE": 4, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": warps,
+                       "num_stages": stages}
+                fp32 = triton_wo.fp8_wo_matmul_triton(x, w, config={**cfg, "PACKED": False})
+                got = triton_wo.fp8_wo_matmul_triton(x, w, config={**cfg, "PACKED": True})
+                assert torch.isfinite(got).all(), (n, k, x.abs().max())
+                assert _rel(fp32, ref) < 3e-3 and _rel(got, ref) < 3e-3, (n, k, split, bn, _rel(got, ref))
+    w = FP8Weight.quantize(torch.randn(2 * 1024, 4096, device=dev), block_size=block)
+    x = torch.randn(m, 4096, device=dev, dtype=dtype)
+    y = R.fp8_wo_matmul_ref(x, w).float()
+    ref = torch.nn.functional.silu(y[:, :1024]) * y[:, 1024:]
+    cfg = {"MODE": 4, "BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT": 1, "num_warps": 4, "num_stages": 2}
+    for packed in (True, False):
+        got = triton_wo.fp8_wo_matmul_triton(x, w, config={**cfg, "PACKED": packed}, act="silu")
+        assert got.shape == (m, 1024) and _rel(got, ref) < 4e-3, (packed, _rel(got, ref))

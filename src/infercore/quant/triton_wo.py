@@ -455,38 +455,53 @@ def _apply_act(y: torch.Tensor, act: str | None) -> torch.Tensor:
 _MODE5_DEFAULT = {"MODE": 5, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT": 0, "num_warps": 4, "num_stages": 3}
 _MODE2_DEFAULT = {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 0, "num_warps": 4, "num_stages": 3}
 
+def _packed4(bn: int, bk: int, warps: int, stages: int, split: int) -> dict:
+    """A MODE 4 table entry with the packed fp16 dot (``_int4_packed`` / ``_fp8_packed``)."""
+    return {"MODE": 4, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "SPLIT": split,
+            "PACKED": True}
+
+
 # Small-M launch table: (kind, N, K, M bucket) -> config, from benchmarks/sweep_quant_wo.py on an
 # H200 (its "table" output). Missing entries use the heuristic in ``_small_cfg``.
 SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
-    # benchmarks/sweep_quant_wo.py on the H200: results/h200/quant_wo_small_m.json
+    # benchmarks/sweep_quant_wo.py on the H200: results/h200/quant_wo_small_m.json; the MODE 4 "PACKED" entries
+    # (FP8 at M = 1, 2; INT4 at M = 2 and o_proj's M = 4) from its --grid packed runs,
+    # results/h200/sweeps/sweep_packed_fp8.json and sweep_packed_rows_int4.json (fifteenth session)
     ("int4", 14336, 4096, 1): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
     ("int4", 14336, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
     ("int4", 14336, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("fp8", 14336, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 0},
+    ("fp8", 14336, 4096, 1): _packed4(8, 2048, 4, 2, 1),
+    ("fp8", 14336, 4096, 2): _packed4(8, 2048, 4, 2, 1),
     ("fp8", 14336, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
     ("fp8", 14336, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
     ("int4", 6144, 4096, 1): {'MODE': 4, 'BLOCK_N': 8, 'BLOCK_K': 2048, 'num_warps': 2, 'num_stages': 2, 'SPLIT': 0},
+    ("int4", 6144, 4096, 2): _packed4(4, 1024, 1, 2, 1),
     ("int4", 6144, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
     ("int4", 6144, 4096, 16): {'MODE': 5, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("fp8", 6144, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 0},
+    ("fp8", 6144, 4096, 1): _packed4(8, 2048, 4, 2, 1),
+    ("fp8", 6144, 4096, 2): _packed4(8, 2048, 4, 2, 0),
     ("fp8", 6144, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
     ("fp8", 6144, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
     ("int4", 4096, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 2, 'num_stages': 1, 'SPLIT': 1},
-    ("int4", 4096, 4096, 4): {'MODE': 5, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
+    ("int4", 4096, 4096, 2): _packed4(8, 2048, 2, 2, 0),
+    ("int4", 4096, 4096, 4): _packed4(8, 2048, 2, 2, 0),
     ("int4", 4096, 4096, 16): {'MODE': 5, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
-    ("fp8", 4096, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 0},
+    ("fp8", 4096, 4096, 1): _packed4(8, 2048, 4, 2, 1),
+    ("fp8", 4096, 4096, 2): _packed4(8, 2048, 4, 2, 1),
     ("fp8", 4096, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
     ("fp8", 4096, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
     ("int4", 28672, 4096, 1): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
     ("int4", 28672, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
     ("int4", 28672, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
-    ("fp8", 28672, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 1024, 'num_warps': 2, 'num_stages': 2, 'SPLIT': 0},
+    ("fp8", 28672, 4096, 1): _packed4(8, 2048, 4, 2, 0),
     ("fp8", 28672, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 1},
     ("fp8", 28672, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 1},
     ("int4", 4096, 14336, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 2, 'num_stages': 1, 'SPLIT': 1},
+    ("int4", 4096, 14336, 2): _packed4(8, 2048, 2, 2, 0),
     ("int4", 4096, 14336, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 16},
     ("int4", 4096, 14336, 16): {'MODE': 5, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
-    ("fp8", 4096, 14336, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 4, 'num_stages': 2, 'SPLIT': 0},
+    ("fp8", 4096, 14336, 1): _packed4(4, 2048, 4, 2, 0),
+    ("fp8", 4096, 14336, 2): _packed4(8, 2048, 4, 2, 0),
     ("fp8", 4096, 14336, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
     ("fp8", 4096, 14336, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
 }
@@ -849,31 +864,62 @@ def _word_load(ptrs, kw, kw_end, EVEN: tl.constexpr, EVICT: tl.constexpr):
     return v
 
 
-# PACKED MODE 4 (INT4, M = 1): 4 words' codes in packed fp16 pairs -- one LOP3 per pair puts q under the
-# exponent of 64 or of 4 (64 + q / 16, 4 + q / 16: exact; one shift per word), one packed subtract of the
-# same with z gives (q - z) / 16 exactly, and packed FMAs with x (fp16, scaled by a power of two per 4
-# words, ``_int4_dot4``) sum the words in fp16, 16 products per lane; the lanes add in fp32.
-def _int4_dot_asm(words: int) -> str:
-    """The packed dot's PTX over ``words`` words: operands ``$1..`` the words, then 4 fp16x2 activation
-    pairs per word, then the zero pairs for nibbles at bits 0-3 (``64 + z / 16``) and 4-7 (``4 + z / 16``)
-    of each half; ``$0`` the fp32 sum. A nibble at bits 4-7 needs no shift: under the exponent of 4 its
-    place value is already 1/16."""
-    mz0, mz1 = f"${1 + 5 * words}", f"${2 + 5 * words}"
-    lines = ["{", ".reg .b32 t, v, a;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi;"]
+# PACKED MODE 4 (INT4 and FP8, M <= 4): a thread's 4 consecutive words decoded into packed fp16 pairs and
+# multiplied with packed FMAs into one fp16x2 sum per row, 16 (INT4) / 8 (FP8) products per lane; the lanes add
+# in fp32. The activations are fp16 pairs scaled by a power of two per 4 words and row (``_x_pow2``).
+#   INT4: one LOP3 per pair puts q under the exponent of 64 or of 4 (64 + q / 16, 4 + q / 16: exact; one shift
+#         per word), one packed subtract of the same with z gives (q - z) / 16 exactly.
+#   FP8 : the e4m3 byte's sign to bit 15 of a half, its other 7 bits to bits 7-13: the value times 2**-8, exact
+#         (bytes 1 and 3 sit at the halves' tops already; bytes 0 and 2 are shifted there).
+# One asm block decodes a word once for all rows.
+def _packed_asm(fp8: bool, words: int, rows: int) -> str:
+    """The packed dot's PTX over ``words`` words and ``rows`` rows. Operands: ``$0 .. $(rows - 1)`` the fp32
+    sums, then the words, then each row's fp16x2 activation pairs, word by word (INT4: pairs ``j = 0..3`` of
+    codes ``j``, ``j + 4``; FP8: bytes 1 and 3, then bytes 0 and 2), then for INT4 the zero pairs of nibbles
+    at bits 0-3 (``64 + z / 16``) and 4-7 (``4 + z / 16``) of each half. A nibble at bits 4-7 needs no shift:
+    under the exponent of 4 its place value is already 1/16."""
+    per = 2 if fp8 else 4
+    w0, x0 = rows, rows + words
+    mz0, mz1 = f"${x0 + rows * words * per}", f"${x0 + rows * words * per + 1}"
+    acc = ["a"] if rows == 1 else [f"a{r}" for r in range(rows)]
+    lines = ["{", f".reg .b32 t, v, {', '.join(acc)}{', s' if fp8 else ''};", ".reg .b16 lo, hi;",
+             ".reg .f32 flo, fhi;"]
     for i in range(words):
-        w = f"${1 + i}"
-        lines.append(f"shr.u32 t, {w}, 8;")
-        for j in range(4):
-            src, (mask, magic, mz) = (w if j < 2 else "t"), (("0x000F000F", "0x54005400", mz0) if j % 2 == 0
-                                                            else ("0x00F000F0", "0x44004400", mz1))
-            x = f"${1 + words + 4 * i + j}"
-            lines += [f"lop3.b32 v, {src}, {mask}, {magic}, 0xEA;", f"sub.rn.f16x2 v, v, {mz};",
-                      f"mul.rn.f16x2 a, v, {x};" if i == j == 0 else f"fma.rn.f16x2 a, v, {x}, a;"]
-    lines += ["mov.b32 {lo, hi}, a;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", "add.f32 $0, flo, fhi;", "}"]
+        w = f"${w0 + i}"
+        if fp8:
+            steps = [[f"shr.u32 t, {w}, 1;", f"and.b32 s, {w}, 0x80008000;"],
+                     [f"shl.b32 t, {w}, 7;", f"shl.b32 s, {w}, 8;", "and.b32 s, s, 0x80008000;"]]
+            steps = [pre + ["lop3.b32 v, t, 0x3F803F80, s, 0xEA;"] for pre in steps]
+        else:
+            steps = []
+            for j in range(4):
+                src, (mask, magic, mz) = (w if j < 2 else "t"), (("0x000F000F", "0x54005400", mz0) if j % 2 == 0
+                                                                else ("0x00F000F0", "0x44004400", mz1))
+                steps.append([f"lop3.b32 v, {src}, {mask}, {magic}, 0xEA;", f"sub.rn.f16x2 v, v, {mz};"])
+            lines.append(f"shr.u32 t, {w}, 8;")
+        for j, step in enumerate(steps):
+            lines += step
+            for r, a in enumerate(acc):
+                x = f"${x0 + (r * words + i) * per + j}"
+                lines.append(f"mul.rn.f16x2 {a}, v, {x};" if i == j == 0 else f"fma.rn.f16x2 {a}, v, {x}, {a};")
+    for r, a in enumerate(acc):
+        lines += [f"mov.b32 {{lo, hi}}, {a};", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;",
+                  f"add.f32 ${r}, flo, fhi;"]
+    lines.append("}")
     return "\n".join(lines)
 
 
-_INT4_DOT4 = tl.constexpr(_int4_dot_asm(4))
+def _int4_dot_asm(words: int) -> str:
+    """One row of INT4 (``_packed_asm``)."""
+    return _packed_asm(False, words, 1)
+
+
+_PK_I4_1 = tl.constexpr(_packed_asm(False, 4, 1))
+_PK_I4_2 = tl.constexpr(_packed_asm(False, 4, 2))
+_PK_I4_4 = tl.constexpr(_packed_asm(False, 4, 4))
+_PK_F8_1 = tl.constexpr(_packed_asm(True, 4, 1))
+_PK_F8_2 = tl.constexpr(_packed_asm(True, 4, 2))
+_PK_F8_4 = tl.constexpr(_packed_asm(True, 4, 4))
 
 
 @triton.jit
@@ -900,29 +946,110 @@ def _pairs4(lo, hi, sc):
 
 
 @triton.jit
-def _int4_dot4(w, xa, xb, xc, xd, xe, xf, xg, xh, s, mz, mz1):
-    """``sum_k (q - z) / 16 * x * s`` (fp32) over each 4 consecutive words of ``w [R, C]`` (int32 of 8 INT4 codes,
-    nibble ``j`` at bits ``4 j``; the words of one group) -> ``[R, C / 4]``. ``xa .. xh [1, C]`` the fp32
-    activations of codes 0..7 of each word, ``s [R, C / 4]`` the group scales, ``mz`` / ``mz1 [R, C / 4]``
-    the fp16x2 pairs of ``64 + z / 16`` / ``4 + z / 16``.
-
-    A power of two per 4 words (a thread's own, so its max stays in registers) brings their largest
-    |x| into [2**10, 2**11): fp16 then holds every x of the step to 2**-24 of that max, and the 16
-    products per lane stay below 2**15 (``2**(137 - e)`` for the max's biased exponent ``e >= 11``)."""
-    mx = tl.maximum(tl.maximum(tl.maximum(_absmax4(xa), _absmax4(xb)), tl.maximum(_absmax4(xc), _absmax4(xd))),
-                    tl.maximum(tl.maximum(_absmax4(xe), _absmax4(xf)), tl.maximum(_absmax4(xg), _absmax4(xh))))
+def _x_pow2(mx):
+    """For the largest |x| ``mx`` of a 4-word step: the power of two bringing it into [2**10, 2**11) and its
+    inverse (``2**(137 - e)`` for the biased exponent ``e >= 11``). fp16 then holds every x of the step to
+    2**-24 of that max, and the products per lane stay below 2**15 (INT4: 16 of |q - z| / 16 < 1; FP8: 8 of
+    |e4m3| * 2**-8 <= 1.75)."""
     e = tl.maximum((mx.to(tl.int32, bitcast=True) >> 23) & 0xFF, 11)
-    sc = ((264 - e) << 23).to(tl.float32, bitcast=True)
-    inv = ((e - 10) << 23).to(tl.float32, bitcast=True)
+    return ((264 - e) << 23).to(tl.float32, bitcast=True), ((e - 10) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int4_row(x_ptr, row, k, K, ILV: tl.constexpr, XMASK: tl.constexpr):
+    """A row's activations for INT4's packed step: 16 fp16x2 pairs (word-major) and the inverse scale."""
+    xa = _gemv4_x(x_ptr, row, k, K, XMASK)
+    xb = _gemv4_x(x_ptr, row, k + ILV, K, XMASK)
+    xc = _gemv4_x(x_ptr, row, k + ILV * 2, K, XMASK)
+    xd = _gemv4_x(x_ptr, row, k + ILV * 3, K, XMASK)
+    xe = _gemv4_x(x_ptr, row, k + ILV * 4, K, XMASK)
+    xf = _gemv4_x(x_ptr, row, k + ILV * 5, K, XMASK)
+    xg = _gemv4_x(x_ptr, row, k + ILV * 6, K, XMASK)
+    xh = _gemv4_x(x_ptr, row, k + ILV * 7, K, XMASK)
+    sc, inv = _x_pow2(tl.maximum(tl.maximum(tl.maximum(_absmax4(xa), _absmax4(xb)),
+                                            tl.maximum(_absmax4(xc), _absmax4(xd))),
+                                 tl.maximum(tl.maximum(_absmax4(xe), _absmax4(xf)),
+                                            tl.maximum(_absmax4(xg), _absmax4(xh)))))
     a0, a1, a2, a3 = _pairs4(xa, xe, sc)  # pair 0 (codes 0, 4) of words 0..3
     b0, b1, b2, b3 = _pairs4(xb, xf, sc)
     c0, c1, c2, c3 = _pairs4(xc, xg, sc)
     d0, d1, d2, d3 = _pairs4(xd, xh, sc)
+    return a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3, inv
+
+
+@triton.jit
+def _fp8_row(x_ptr, row, k, K, ILV: tl.constexpr, XMASK: tl.constexpr):
+    """A row's activations for FP8's packed step: 8 fp16x2 pairs (word-major: bytes 1 and 3, then 0 and 2)
+    and the inverse scale."""
+    x0 = _gemv4_x(x_ptr, row, k, K, XMASK)
+    x1 = _gemv4_x(x_ptr, row, k + ILV, K, XMASK)
+    x2 = _gemv4_x(x_ptr, row, k + ILV * 2, K, XMASK)
+    x3 = _gemv4_x(x_ptr, row, k + ILV * 3, K, XMASK)
+    sc, inv = _x_pow2(tl.maximum(tl.maximum(_absmax4(x0), _absmax4(x1)), tl.maximum(_absmax4(x2), _absmax4(x3))))
+    b0, b1, b2, b3 = _pairs4(x1, x3, sc)
+    a0, a1, a2, a3 = _pairs4(x0, x2, sc)
+    return b0, a0, b1, a1, b2, a2, b3, a3, inv
+
+
+@triton.jit
+def _int4_packed(w, x_ptr, k, K, M, stride_xm, s, mz, mz1, a0, a1, a2, a3, ILV: tl.constexpr, XMASK: tl.constexpr,
+                 BLOCK_M: tl.constexpr):
+    """``a_r += sum_k (q - z) / 16 * x[r, k] * s`` over each 4 consecutive words of ``w [R, C]`` (int32 of 8 INT4
+    codes, nibble ``j`` at bits ``4 j``; the words of one group), rows ``r < BLOCK_M`` (rows past M re-read row
+    M - 1); ``s [R, C / 4]`` the group scales, ``mz`` / ``mz1`` the fp16x2 pairs of ``64 + z / 16`` /
+    ``4 + z / 16``."""
     w0, w1, w2, w3 = _split4(w)
-    p = tl.inline_asm_elementwise(_INT4_DOT4, "=f" + ",r" * 22,
-                                  [w0, w1, w2, w3, a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3, mz,
-                                   mz1], dtype=tl.float32, is_pure=True, pack=1)
-    return p * (s * inv)
+    p = _int4_row(x_ptr, 0, k, K, ILV, XMASK)
+    if BLOCK_M == 1:
+        r0 = tl.inline_asm_elementwise(_PK_I4_1, "=f" + ",r" * 22, (w0, w1, w2, w3) + p[:16] + (mz, mz1),
+                                       dtype=tl.float32, is_pure=True, pack=1)
+        a0 += r0 * (s * p[16])
+    else:
+        q = _int4_row(x_ptr, tl.minimum(1, M - 1) * stride_xm, k, K, ILV, XMASK)
+        if BLOCK_M == 2:
+            r0, r1 = tl.inline_asm_elementwise(_PK_I4_2, "=f,=f" + ",r" * 38,
+                                               (w0, w1, w2, w3) + p[:16] + q[:16] + (mz, mz1),
+                                               dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+        else:
+            u = _int4_row(x_ptr, tl.minimum(2, M - 1) * stride_xm, k, K, ILV, XMASK)
+            v = _int4_row(x_ptr, tl.minimum(3, M - 1) * stride_xm, k, K, ILV, XMASK)
+            r0, r1, r2, r3 = tl.inline_asm_elementwise(
+                _PK_I4_4, "=f,=f,=f,=f" + ",r" * 70, (w0, w1, w2, w3) + p[:16] + q[:16] + u[:16] + v[:16] + (mz, mz1),
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+            a2 += r2 * (s * u[16])
+            a3 += r3 * (s * v[16])
+        a0 += r0 * (s * p[16])
+        a1 += r1 * (s * q[16])
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _fp8_packed(w, x_ptr, k, K, M, stride_xm, s, a0, a1, a2, a3, ILV: tl.constexpr, XMASK: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """``a_r += sum_k e4m3 * 2**-8 * x[r, k] * s`` over each 4 consecutive words of ``w [R, C]`` (int32 of 4
+    e4m3 bytes), rows ``r < BLOCK_M`` (rows past M re-read row M - 1); ``s`` the block scales or 1."""
+    w0, w1, w2, w3 = _split4(w)
+    p = _fp8_row(x_ptr, 0, k, K, ILV, XMASK)
+    if BLOCK_M == 1:
+        r0 = tl.inline_asm_elementwise(_PK_F8_1, "=f" + ",r" * 12, (w0, w1, w2, w3) + p[:8], dtype=tl.float32,
+                                       is_pure=True, pack=1)
+        a0 += r0 * (s * p[8])
+    else:
+        q = _fp8_row(x_ptr, tl.minimum(1, M - 1) * stride_xm, k, K, ILV, XMASK)
+        if BLOCK_M == 2:
+            r0, r1 = tl.inline_asm_elementwise(_PK_F8_2, "=f,=f" + ",r" * 20, (w0, w1, w2, w3) + p[:8] + q[:8],
+                                               dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+        else:
+            u = _fp8_row(x_ptr, tl.minimum(2, M - 1) * stride_xm, k, K, ILV, XMASK)
+            v = _fp8_row(x_ptr, tl.minimum(3, M - 1) * stride_xm, k, K, ILV, XMASK)
+            r0, r1, r2, r3 = tl.inline_asm_elementwise(
+                _PK_F8_4, "=f,=f,=f,=f" + ",r" * 36, (w0, w1, w2, w3) + p[:8] + q[:8] + u[:8] + v[:8],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+            a2 += r2 * (s * u[8])
+            a3 += r3 * (s * v[8])
+        a0 += r0 * (s * p[8])
+        a1 += r1 * (s * q[8])
+    return a0, a1, a2, a3
 
 
 @triton.jit
@@ -938,14 +1065,34 @@ def _gemv4_tile(w, kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K, M, stri
                 HAS_ZEROS: tl.constexpr, EVEN: tl.constexpr, XMASK: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, PACKED: tl.constexpr = False):
     """One K tile of MODE 4: the loaded words ``w [BLOCK_N, BLOCK_KW]`` at word positions ``kw``, decoded
-    and multiplied into the per-thread accumulators ``a_r`` (see ``_gemv4_kernel``). PACKED (INT4, one row):
-    ``_int4_dot4`` in packed fp16 instead of one fp32 FMA per code."""
+    and multiplied into the per-thread accumulators ``a_r`` (see ``_gemv4_kernel``). PACKED: ``_int4_packed`` /
+    ``_fp8_packed`` in packed fp16 instead of one fp32 FMA per code and row."""
     CPW: tl.constexpr = 32 // BITS
     FIELD: tl.constexpr = ((1 << BITS) - 1) << (23 - BITS)  # the top BITS mantissa bits
     k = ((kw // ILV) * (ILV * CPW) + kw % ILV)[None, :]  # K position of each word's code 0
     p0, p1, p2, p3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
     x0, x1, x2, x3 = _gemv_zeros(1, BLOCK_KW)
-    if FP8:
+    if PACKED:  # a thread's 4 consecutive words share one scale group (SCALE_WORDS % 4 == 0)
+        kwp = tl.max(tl.reshape(kw, [BLOCK_KW // 4, 4]), axis=1)
+        g = (kwp // SCALE_WORDS)[None, :]
+        if FP8:
+            if SCALE_ROWS != 0:
+                s = _word_load(s_rows + g, kwp, kw_end, EVEN, False).to(tl.float32)
+            else:  # per-channel scales, after the K loop
+                s = tl.full([1, BLOCK_KW // 4], 1.0, tl.float32)
+            a0, a1, a2, a3 = _fp8_packed(w, x_ptr, k, K, M, stride_xm, s, a0, a1, a2, a3, ILV, XMASK, BLOCK_M)
+        else:
+            s = _word_load(s_rows + g, kwp, kw_end, EVEN, False).to(tl.float32)
+            if HAS_ZEROS:  # 64 + z / 16 and 4 + z / 16 in both halves (integer zero points 0..15)
+                zi = _word_load(z_rows + g, kwp, kw_end, EVEN, False).to(tl.int32) * 65537
+                mz = 0x54005400 | zi
+                mz1 = 0x44004400 | (zi << 4)
+            else:
+                mz = tl.full([BLOCK_N, BLOCK_KW // 4], 0x54085408, tl.int32)
+                mz1 = tl.full([BLOCK_N, BLOCK_KW // 4], 0x44804480, tl.int32)
+            a0, a1, a2, a3 = _int4_packed(w, x_ptr, k, K, M, stride_xm, s, mz, mz1, a0, a1, a2, a3, ILV, XMASK,
+                                          BLOCK_M)
+    elif FP8:
         for j in tl.static_range(4):
             # byte j to the top, arithmetic shift by 4, mask: the fp32 pattern of e4m3 * 2**-120
             if j < 3:
@@ -960,23 +1107,6 @@ def _gemv4_tile(w, kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K, M, stri
             a0, a1, a2, a3 = _gemv_add(a0, a1, a2, a3, p0, p1, p2, p3, s, BLOCK_M, True)
         else:
             a0, a1, a2, a3 = _gemv_add(a0, a1, a2, a3, p0, p1, p2, p3, 1.0, BLOCK_M, False)
-    elif PACKED:
-        # a thread's 4 consecutive words share one group (SCALE_WORDS % 4 == 0): one scale per 4 words
-        kwp = tl.max(tl.reshape(kw, [BLOCK_KW // 4, 4]), axis=1)
-        g = (kwp // SCALE_WORDS)[None, :]
-        s = _word_load(s_rows + g, kwp, kw_end, EVEN, False).to(tl.float32)
-        if HAS_ZEROS:  # 64 + z / 16 and 4 + z / 16 in both halves (integer zero points 0..15)
-            zi = _word_load(z_rows + g, kwp, kw_end, EVEN, False).to(tl.int32) * 65537
-            mz = 0x54005400 | zi
-            mz1 = 0x44004400 | (zi << 4)
-        else:
-            mz = tl.full([BLOCK_N, BLOCK_KW // 4], 0x54085408, tl.int32)
-            mz1 = tl.full([BLOCK_N, BLOCK_KW // 4], 0x44804480, tl.int32)
-        a0 += _int4_dot4(w, _gemv4_x(x_ptr, 0, k, K, XMASK), _gemv4_x(x_ptr, 0, k + ILV, K, XMASK),
-                         _gemv4_x(x_ptr, 0, k + ILV * 2, K, XMASK), _gemv4_x(x_ptr, 0, k + ILV * 3, K, XMASK),
-                         _gemv4_x(x_ptr, 0, k + ILV * 4, K, XMASK), _gemv4_x(x_ptr, 0, k + ILV * 5, K, XMASK),
-                         _gemv4_x(x_ptr, 0, k + ILV * 6, K, XMASK), _gemv4_x(x_ptr, 0, k + ILV * 7, K, XMASK), s, mz,
-                         mz1)
     else:
         w = w.to(tl.uint32, bitcast=True)
         hi = w >> 16
@@ -1078,7 +1208,10 @@ def _gemv4_kernel(
     if FP8:
         if SCALE_ROWS == 0:
             acc = acc * tl.load(s_ptr + rows)[None, :]
-        acc = acc * 1.329227995784916e36  # 2**120, exact
+        if PACKED:
+            acc = acc * 256.0  # the fp16 decode is e4m3 * 2**-8
+        else:
+            acc = acc * 1.329227995784916e36  # 2**120, exact
     else:
         acc = acc * (1 << BITS)
     if ACT != 0:
@@ -1152,13 +1285,16 @@ def _pad_codes(codes: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.nn.functional.pad(codes, (0, pad)) if pad else codes
 
 
-# MODE 4's packed fp16 INT4 dot (``_int4_dot4``) where it can run: one row of 16-bit activations, CUDA, not
-# the interpreter (inline PTX). ``INFERCORE_WO_PACKED=0`` keeps the fp32 path; a config's "PACKED" overrides.
-PACKED_INT4 = os.environ.get("INFERCORE_WO_PACKED", "1") != "0"
+# MODE 4's packed fp16 dot (``_int4_packed`` / ``_fp8_packed``) where it can run: 16-bit activations, CUDA,
+# not the interpreter (inline PTX), scale groups of whole 4-word steps. By default where the H200 measured it
+# faster (PACKED_DEFAULT: kind, BLOCK_M); a config's "PACKED" overrides; ``INFERCORE_WO_PACKED=0`` turns the
+# default off.
+PACKED_DOT = os.environ.get("INFERCORE_WO_PACKED", "1") != "0"
+PACKED_DEFAULT = {("int4", 1), ("int4", 2), ("fp8", 1), ("fp8", 2)}
 
 
 def _packed_ok(x: torch.Tensor, meta: dict) -> bool:
-    return (not meta["FP8"] and meta["BITS"] == 4 and meta["SCALE_WORDS"] % 4 == 0 and x.shape[0] == 1
+    return ((meta["FP8"] or meta["BITS"] == 4) and meta["SCALE_WORDS"] % 4 == 0 and x.shape[0] <= GEMV_M_MAX
             and x.is_cuda and not _INTERPRET and x.dtype in (torch.bfloat16, torch.float16))
 
 
@@ -1185,10 +1321,12 @@ def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: to
     even = kw % per == 0 and per % bkw == 0
     use_pdl = pdl_enabled(x)
     # (PACKED's per-thread step needs 4 consecutive words per thread and row: BLOCK_KW >= 128 x warps)
-    packed = bool(cfg.get("PACKED", PACKED_INT4)) and _packed_ok(x, meta) and bkw >= 128 * cfg["num_warps"]
+    block_m = triton.next_power_of_2(m)
+    default = PACKED_DOT and ("fp8" if meta["FP8"] else "int4", block_m) in PACKED_DEFAULT
+    packed = bool(cfg.get("PACKED", default)) and _packed_ok(x, meta) and bkw >= 128 * cfg["num_warps"]
     _gemv4_kernel[(tiles, split)](
         x, words, s, z, ws, y, cnt, m, n, k, kw, per, x.stride(0), words.stride(0), stride_sn, y.stride(0),
-        SPLIT_K=split > 1, EVEN=even, XMASK=(not even) or kw * cpw > k, BLOCK_M=triton.next_power_of_2(m),
+        SPLIT_K=split > 1, EVEN=even, XMASK=(not even) or kw * cpw > k, BLOCK_M=block_m,
         BLOCK_N=bn, BLOCK_KW=bkw, ACT=ACTIVATIONS[act], PREWAIT=GEMV_PREWAIT if use_pdl else 0, PACKED=packed,
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1), **meta, **pdl_launch(use_pdl),
     )

@@ -909,11 +909,6 @@ def _packed_asm(fp8: bool, words: int, rows: int) -> str:
     return "\n".join(lines)
 
 
-def _int4_dot_asm(words: int) -> str:
-    """One row of INT4 (``_packed_asm``)."""
-    return _packed_asm(False, words, 1)
-
-
 _PK_I4_1 = tl.constexpr(_packed_asm(False, 4, 1))
 _PK_I4_2 = tl.constexpr(_packed_asm(False, 4, 2))
 _PK_I4_4 = tl.constexpr(_packed_asm(False, 4, 4))

@@ -108,22 +108,11 @@ def packed_mode4(kind: str, m: int = 1) -> list[dict]:
     return [{**_c4(*t), "PACKED": True} for t in _PACKED_ROWS[kind]]
 
 
-# ``--grid subn``: INT4's packed dot with the magic-number decode (PACKED 1) and with subnormal codes (PACKED 2).
-_SUBN_TILES = {1: [(4, 1024, 1, 2), (4, 2048, 2, 1), (4, 2048, 2, 2), (8, 2048, 2, 2)],
-               2: [(4, 1024, 1, 2), (8, 2048, 2, 2)]}
-
-
-def subn_mode4(kind: str, m: int) -> list[dict]:
-    return [{**_c4(*t), "PACKED": p} for t in _SUBN_TILES[min(m, 2)] for p in (1, 2)] if kind == "int4" else []
-
-
 def configs_for(kind: str, m: int, smoke: bool, grid: str = "default") -> list[dict]:
     if grid == "wide" and not smoke:
         return wide_mode5(kind)
     if grid == "packed" and not smoke:
         return packed_mode4(kind, m)
-    if grid == "subn" and not smoke:
-        return subn_mode4(kind, m)
     if smoke:
         return SMOKE_CONFIGS if m <= 4 else SMOKE_CONFIGS[1:]
     if m == 1:
@@ -222,8 +211,8 @@ def main() -> None:  # noqa: C901 (one linear script)
     ap.add_argument("--shapes", default="", help="comma-separated subset of shape names (default: all)")
     ap.add_argument("--kinds", default="int4,fp8", help="comma-separated subset of int4, fp8")
     ap.add_argument("--ms", default="", help="comma-separated row counts (default: 1, 4, 16)")
-    ap.add_argument("--grid", choices=("default", "wide", "packed", "subn"), default="default",
-                    help="candidate tiles: the tight default grid or wide_mode5's, packed_mode4's, subn_mode4's")
+    ap.add_argument("--grid", choices=("default", "wide", "packed"), default="default",
+                    help="candidate tiles: the tight default grid, wide_mode5's MODE 5 grid or packed_mode4's")
     args = ap.parse_args()
     if not set(args.kinds.split(",")) <= {"int4", "fp8"}:
         ap.error(f"--kinds: a comma-separated subset of int4, fp8, got {args.kinds!r}")

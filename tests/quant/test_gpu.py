@@ -248,8 +248,7 @@ def _activations(m, k, dtype):
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_gemv4_packed_int4(dtype, symmetric, m):
-    """MODE 4's packed fp16 INT4 dot (magic-number and subnormal codes) against the reference and the fp32 path,
-    1-4 rows: whole and ragged K,
+    """MODE 4's packed fp16 INT4 dot against the reference and the fp32 path, 1-4 rows: whole and ragged K,
     split-K, the fused SiLU epilogue (within 4e-3 of the exact gated product, as the fp32 path), activations
     from 1e-4 to 1e5 (fp16 ones to 1e4; the per-4-word power-of-two scale keeps them in fp16's range) and one
     row mixing 1e-3 and 1e4 -- within 3e-3 of the reference, as the fp32 path."""
@@ -265,17 +264,15 @@ def test_gemv4_packed_int4(dtype, symmetric, m):
                 cfg = {"MODE": 4, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": warps,
                        "num_stages": stages}
                 fp32 = triton_wo.wq_matmul_triton(x, w, config={**cfg, "PACKED": False})
-                assert _rel(fp32, ref) < 3e-3
-                for packed in (1, 2):  # magic-number codes, subnormal codes
-                    got = triton_wo.wq_matmul_triton(x, w, config={**cfg, "PACKED": packed})
-                    assert torch.isfinite(got).all(), (n, k, packed, x.abs().max())
-                    assert _rel(got, ref) < 3e-3, (n, k, split, packed, _rel(got, ref))
+                got = triton_wo.wq_matmul_triton(x, w, config={**cfg, "PACKED": True})
+                assert torch.isfinite(got).all(), (n, k, x.abs().max())
+                assert _rel(fp32, ref) < 3e-3 and _rel(got, ref) < 3e-3, (n, k, split, _rel(got, ref))
     w = IntWeight.quantize(torch.randn(2 * 1024, 4096, device=dev), bits=4, group_size=128, symmetric=symmetric)
     x = torch.randn(m, 4096, device=dev, dtype=dtype)
     y = R.wq_matmul_ref(x, w).float()
     ref = torch.nn.functional.silu(y[:, :1024]) * y[:, 1024:]
     cfg = {"MODE": 4, "BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT": 1, "num_warps": 2, "num_stages": 2}
-    for packed in (0, 1, 2):
+    for packed in (True, False):
         got = triton_wo.wq_matmul_triton(x, w, config={**cfg, "PACKED": packed}, act="silu")
         assert got.shape == (m, 1024) and _rel(got, ref) < 4e-3, (packed, _rel(got, ref))
 

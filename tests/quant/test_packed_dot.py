@@ -97,27 +97,6 @@ def packed_dot(q: np.ndarray, x: np.ndarray, z: int) -> list[float]:
     return [g * inv * 16 for g, inv in zip(got, invs)]
 
 
-def packed_dot_subn(q: np.ndarray, x: np.ndarray, z: int) -> list[float]:
-    """The INT4 step with the codes as fp16 subnormals (``_int4_subn``): ``sum q x`` from the asm, the zero point
-    off in float64 as ``z * sum(x)``, scaled as the kernel scales (largest |x| into [2**14, 2**15), the pairs of
-    nibbles at bits 4-7 by a further 1/16)."""
-    words = [sum(int(q[i, j]) << (4 * j) for j in range(8)) for i in range(4)]
-    pairs, scales = [], []
-    for xr in x:
-        mx = np.float32(np.abs(xr).max())
-        e = min(max((int(np.array(mx, dtype=np.float32).view(np.int32)) >> 23) & 0xFF, 14), 248)
-        sc = float(np.array((268 - e) << 23, dtype=np.int32).view(np.float32))
-        xs = xr.astype(np.float32) * np.float32(sc)
-        xs1 = xr.astype(np.float32) * np.float32(sc / 16)
-        for i in range(4):
-            for j in range(4):
-                src = xs if j % 2 == 0 else xs1
-                pairs.append(_bits16(src[i, j]) | (_bits16(src[i, j + 4]) << 16))
-        scales.append(2.0**24 / sc)
-    got = run_ptx(triton_wo._packed_asm(False, 4, len(x), True), words + pairs, len(x))
-    return [g * f - z * float(xr.astype(np.float64).sum()) for g, f, xr in zip(got, scales, x)]
-
-
 def packed_dot_fp8(b: np.ndarray, x: np.ndarray) -> list[float]:
     """The kernel's FP8 step: ``b [4, 4]`` e4m3 bytes (word i, byte j), ``x [R, 4, 4]``; ``sum e4m3 * x`` per row."""
     words = [sum(int(b[i, j]) << (8 * j) for j in range(4)) for i in range(4)]
@@ -153,11 +132,6 @@ def test_packed_dot_matches_exact(kind, rows):
         z = int(rng.integers(0, 16))
         x = _acts(rng, kind, (rows, 4, 8)) * np.logspace(-3, 3, rows)[:, None, None].astype(np.float32)
         got = packed_dot(q, x, z)
-        subn = packed_dot_subn(q, x, z)
-        for r in range(rows):
-            exact = float(((q - z) * x[r].astype(np.float64)).sum())
-            scale = float((q * np.abs(x[r].astype(np.float64))).sum()) + 15 * float(np.abs(x[r]).sum())
-            assert np.isfinite(subn[r]) and abs(subn[r] - exact) <= 2e-3 * scale + 1e-30, (kind, trial, r, subn, exact)
         for r in range(rows):
             exact = float(((q - z) * x[r].astype(np.float64)).sum())
             scale = float((np.abs(q - z) * np.abs(x[r].astype(np.float64))).sum())

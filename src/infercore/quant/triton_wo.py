@@ -455,11 +455,10 @@ def _apply_act(y: torch.Tensor, act: str | None) -> torch.Tensor:
 _MODE5_DEFAULT = {"MODE": 5, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT": 0, "num_warps": 4, "num_stages": 3}
 _MODE2_DEFAULT = {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 0, "num_warps": 4, "num_stages": 3}
 
-def _packed4(bn: int, bk: int, warps: int, stages: int, split: int, packed: int = 1) -> dict:
-    """A MODE 4 table entry with the packed fp16 dot (``_int4_packed`` / ``_fp8_packed``; ``packed`` 2: INT4's
-    subnormal codes, ``_int4_subn``)."""
+def _packed4(bn: int, bk: int, warps: int, stages: int, split: int) -> dict:
+    """A MODE 4 table entry with the packed fp16 dot (``_int4_packed`` / ``_fp8_packed``)."""
     return {"MODE": 4, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "SPLIT": split,
-            "PACKED": packed}
+            "PACKED": True}
 
 
 # Small-M launch table: (kind, N, K, M bucket) -> config, from benchmarks/sweep_quant_wo.py on an
@@ -468,15 +467,15 @@ SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
     # benchmarks/sweep_quant_wo.py on the H200: results/h200/quant_wo_small_m.json; the MODE 4 "PACKED" entries
     # (FP8 at M = 1, 2; INT4 at M = 2 and o_proj's M = 4) from its --grid packed runs,
     # results/h200/sweeps/sweep_packed_fp8.json and sweep_packed_rows_int4.json (fifteenth session)
-    ("int4", 14336, 4096, 1): _packed4(4, 1024, 1, 2, 1, 2),
+    ("int4", 14336, 4096, 1): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
     ("int4", 14336, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
     ("int4", 14336, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
     ("fp8", 14336, 4096, 1): _packed4(8, 2048, 4, 2, 1),
     ("fp8", 14336, 4096, 2): _packed4(8, 2048, 4, 2, 1),
     ("fp8", 14336, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
     ("fp8", 14336, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
-    ("int4", 6144, 4096, 1): _packed4(8, 2048, 2, 2, 0, 2),
-    ("int4", 6144, 4096, 2): _packed4(4, 1024, 1, 2, 1, 2),
+    ("int4", 6144, 4096, 1): {'MODE': 4, 'BLOCK_N': 8, 'BLOCK_K': 2048, 'num_warps': 2, 'num_stages': 2, 'SPLIT': 0},
+    ("int4", 6144, 4096, 2): _packed4(4, 1024, 1, 2, 1),
     ("int4", 6144, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
     ("int4", 6144, 4096, 16): {'MODE': 5, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
     ("fp8", 6144, 4096, 1): _packed4(8, 2048, 4, 2, 1),
@@ -484,21 +483,21 @@ SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
     ("fp8", 6144, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
     ("fp8", 6144, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
     ("int4", 4096, 4096, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 2, 'num_stages': 1, 'SPLIT': 1},
-    ("int4", 4096, 4096, 2): _packed4(8, 2048, 2, 2, 1, 2),
+    ("int4", 4096, 4096, 2): _packed4(8, 2048, 2, 2, 0),
     ("int4", 4096, 4096, 4): _packed4(8, 2048, 2, 2, 0),
     ("int4", 4096, 4096, 16): {'MODE': 5, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
     ("fp8", 4096, 4096, 1): _packed4(8, 2048, 4, 2, 1),
     ("fp8", 4096, 4096, 2): _packed4(8, 2048, 4, 2, 1),
     ("fp8", 4096, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
     ("fp8", 4096, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
-    ("int4", 28672, 4096, 1): _packed4(4, 1024, 1, 2, 1, 2),
+    ("int4", 28672, 4096, 1): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
     ("int4", 28672, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 4},
     ("int4", 28672, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 2},
     ("fp8", 28672, 4096, 1): _packed4(8, 2048, 4, 2, 0),
     ("fp8", 28672, 4096, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 1},
     ("fp8", 28672, 4096, 16): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 1},
     ("int4", 4096, 14336, 1): {'MODE': 4, 'BLOCK_N': 4, 'BLOCK_K': 2048, 'num_warps': 2, 'num_stages': 1, 'SPLIT': 1},
-    ("int4", 4096, 14336, 2): _packed4(8, 2048, 2, 2, 1, 2),
+    ("int4", 4096, 14336, 2): _packed4(8, 2048, 2, 2, 0),
     ("int4", 4096, 14336, 4): {'MODE': 5, 'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 16},
     ("int4", 4096, 14336, 16): {'MODE': 5, 'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3, 'SPLIT': 8},
     ("fp8", 4096, 14336, 1): _packed4(4, 2048, 4, 2, 0),
@@ -518,9 +517,9 @@ SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
 # 14336x4096: M=1 14.1 us (bf16 32.7, tinygemm 18.0), M=4 17.3; 28672x4096 M=1 23.1, M=4 25.8
 # (4096x14336 M=1 16.0, M=4 20.3 and 6144x4096 M=1 9.8, M=4 11.7 before the None entries below).
 MODE6_TUNED: dict[tuple[str, int, int, int], dict | None] = {
-    ("int4", 14336, 4096, 1): None,
+    ("int4", 14336, 4096, 1): {'WN': 1, 'WARPS': 4, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
     ("int4", 14336, 4096, 4): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 7, 'DEPTH': 2},
-    ("int4", 28672, 4096, 1): None,
+    ("int4", 28672, 4096, 1): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 4, 'DEPTH': 2},
     ("int4", 28672, 4096, 4): {'WARPS': 4, 'REPS': 4, 'SPLIT': 1, 'DEPTH': 1},
     ("int4", 28672, 4096, 16): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 4, 'DEPTH': 1},
     ("int4", 4096, 14336, 1): None,  # MODE 4 PACKED: 14.4 vs 16.4 us
@@ -873,7 +872,7 @@ def _word_load(ptrs, kw, kw_end, EVEN: tl.constexpr, EVICT: tl.constexpr):
 #   FP8 : the e4m3 byte's sign to bit 15 of a half, its other 7 bits to bits 7-13: the value times 2**-8, exact
 #         (bytes 1 and 3 sit at the halves' tops already; bytes 0 and 2 are shifted there).
 # One asm block decodes a word once for all rows.
-def _packed_asm(fp8: bool, words: int, rows: int, subn: bool = False) -> str:
+def _packed_asm(fp8: bool, words: int, rows: int) -> str:
     """The packed dot's PTX over ``words`` words and ``rows`` rows. Operands: ``$0 .. $(rows - 1)`` the fp32
     sums, then the words, then each row's fp16x2 activation pairs, word by word (INT4: pairs ``j = 0..3`` of
     codes ``j``, ``j + 4``; FP8: bytes 1 and 3, then bytes 0 and 2), then for INT4 the zero pairs of nibbles
@@ -881,7 +880,6 @@ def _packed_asm(fp8: bool, words: int, rows: int, subn: bool = False) -> str:
     under the exponent of 4 its place value is already 1/16."""
     per = 2 if fp8 else 4
     w0, x0 = rows, rows + words
-    subn = subn and not fp8
     mz0, mz1 = f"${x0 + rows * words * per}", f"${x0 + rows * words * per + 1}"
     acc = ["a"] if rows == 1 else [f"a{r}" for r in range(rows)]
     lines = ["{", f".reg .b32 t, v, {', '.join(acc)}{', s' if fp8 else ''};", ".reg .b16 lo, hi;",
@@ -897,10 +895,7 @@ def _packed_asm(fp8: bool, words: int, rows: int, subn: bool = False) -> str:
             for j in range(4):
                 src, (mask, magic, mz) = (w if j < 2 else "t"), (("0x000F000F", "0x54005400", mz0) if j % 2 == 0
                                                                 else ("0x00F000F0", "0x44004400", mz1))
-                if subn:  # the bare nibble: the fp16 subnormal q * 2**-24 (bits 0-3) or q * 2**-20 (bits 4-7)
-                    steps.append([f"and.b32 v, {src}, {mask};"])
-                else:
-                    steps.append([f"lop3.b32 v, {src}, {mask}, {magic}, 0xEA;", f"sub.rn.f16x2 v, v, {mz};"])
+                steps.append([f"lop3.b32 v, {src}, {mask}, {magic}, 0xEA;", f"sub.rn.f16x2 v, v, {mz};"])
             lines.append(f"shr.u32 t, {w}, 8;")
         for j, step in enumerate(steps):
             lines += step
@@ -917,9 +912,6 @@ def _packed_asm(fp8: bool, words: int, rows: int, subn: bool = False) -> str:
 _PK_I4_1 = tl.constexpr(_packed_asm(False, 4, 1))
 _PK_I4_2 = tl.constexpr(_packed_asm(False, 4, 2))
 _PK_I4_4 = tl.constexpr(_packed_asm(False, 4, 4))
-_PK_S4_1 = tl.constexpr(_packed_asm(False, 4, 1, True))
-_PK_S4_2 = tl.constexpr(_packed_asm(False, 4, 2, True))
-_PK_S4_4 = tl.constexpr(_packed_asm(False, 4, 4, True))
 _PK_F8_1 = tl.constexpr(_packed_asm(True, 4, 1))
 _PK_F8_2 = tl.constexpr(_packed_asm(True, 4, 2))
 _PK_F8_4 = tl.constexpr(_packed_asm(True, 4, 4))
@@ -1027,68 +1019,6 @@ def _int4_packed(w, x_ptr, k, K, M, stride_xm, s, mz, mz1, a0, a1, a2, a3, ILV: 
 
 
 @triton.jit
-def _int4_row_subn(x_ptr, row, k, K, ILV: tl.constexpr, XMASK: tl.constexpr):
-    """A row's activations for the subnormal INT4 step: 16 fp16x2 pairs (word-major; pairs of nibbles at bits
-    4-7 scaled by a further 1/16), ``2**20 / scale`` and the fp32 sum of the step's activations."""
-    xa = _gemv4_x(x_ptr, row, k, K, XMASK)
-    xb = _gemv4_x(x_ptr, row, k + ILV, K, XMASK)
-    xc = _gemv4_x(x_ptr, row, k + ILV * 2, K, XMASK)
-    xd = _gemv4_x(x_ptr, row, k + ILV * 3, K, XMASK)
-    xe = _gemv4_x(x_ptr, row, k + ILV * 4, K, XMASK)
-    xf = _gemv4_x(x_ptr, row, k + ILV * 5, K, XMASK)
-    xg = _gemv4_x(x_ptr, row, k + ILV * 6, K, XMASK)
-    xh = _gemv4_x(x_ptr, row, k + ILV * 7, K, XMASK)
-    mx = tl.maximum(tl.maximum(tl.maximum(_absmax4(xa), _absmax4(xb)), tl.maximum(_absmax4(xc), _absmax4(xd))),
-                    tl.maximum(tl.maximum(_absmax4(xe), _absmax4(xf)), tl.maximum(_absmax4(xg), _absmax4(xh))))
-    # the largest |x| into [2**14, 2**15): products q * 2**-24 * x stay below 2**-5, 16 per lane below 2**-1
-    e = tl.minimum(tl.maximum((mx.to(tl.int32, bitcast=True) >> 23) & 0xFF, 14), 248)
-    sc = ((268 - e) << 23).to(tl.float32, bitcast=True)
-    sc1 = ((264 - e) << 23).to(tl.float32, bitcast=True)  # sc / 16: the nibbles at bits 4-7 read 16 q
-    inv = ((e + 6) << 23).to(tl.float32, bitcast=True)  # 2**24 / sc / 16 (the kernel's epilogue multiplies by 16)
-    sx = _sum4(xa) + _sum4(xb) + _sum4(xc) + _sum4(xd) + _sum4(xe) + _sum4(xf) + _sum4(xg) + _sum4(xh)
-    a0, a1, a2, a3 = _pairs4(xa, xe, sc)  # pair 0 (codes 0, 4) of words 0..3
-    b0, b1, b2, b3 = _pairs4(xb, xf, sc1)
-    c0, c1, c2, c3 = _pairs4(xc, xg, sc)
-    d0, d1, d2, d3 = _pairs4(xd, xh, sc1)
-    return a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3, inv, sx
-
-
-@triton.jit
-def _sum4(x):
-    a, b, c, d = _split4(x)
-    return (a + b) + (c + d)
-
-
-@triton.jit
-def _int4_subn(w, x_ptr, k, K, M, stride_xm, s, z16, a0, a1, a2, a3, ILV: tl.constexpr, XMASK: tl.constexpr,
-               BLOCK_M: tl.constexpr):
-    """As ``_int4_packed``, with the codes as fp16 subnormals (one AND per pair, no subtract): the step sums
-    ``q x`` and the zero point comes off in fp32 as ``z / 16 * sum(x)`` (``z16``; the sum shared by the
-    channels)."""
-    w0, w1, w2, w3 = _split4(w)
-    p = _int4_row_subn(x_ptr, 0, k, K, ILV, XMASK)
-    if BLOCK_M == 1:
-        r0 = tl.inline_asm_elementwise(_PK_S4_1, "=f" + ",r" * 20, (w0, w1, w2, w3) + p[:16], dtype=tl.float32,
-                                       is_pure=True, pack=1)
-    else:
-        q = _int4_row_subn(x_ptr, tl.minimum(1, M - 1) * stride_xm, k, K, ILV, XMASK)
-        if BLOCK_M == 2:
-            r0, r1 = tl.inline_asm_elementwise(_PK_S4_2, "=f,=f" + ",r" * 36, (w0, w1, w2, w3) + p[:16] + q[:16],
-                                               dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-        else:
-            u = _int4_row_subn(x_ptr, tl.minimum(2, M - 1) * stride_xm, k, K, ILV, XMASK)
-            v = _int4_row_subn(x_ptr, tl.minimum(3, M - 1) * stride_xm, k, K, ILV, XMASK)
-            r0, r1, r2, r3 = tl.inline_asm_elementwise(
-                _PK_S4_4, "=f,=f,=f,=f" + ",r" * 68, (w0, w1, w2, w3) + p[:16] + q[:16] + u[:16] + v[:16],
-                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-            a2 += s * (r2 * u[16] - z16 * u[17])
-            a3 += s * (r3 * v[16] - z16 * v[17])
-        a1 += s * (r1 * q[16] - z16 * q[17])
-    a0 += s * (r0 * p[16] - z16 * p[17])
-    return a0, a1, a2, a3
-
-
-@triton.jit
 def _fp8_packed(w, x_ptr, k, K, M, stride_xm, s, a0, a1, a2, a3, ILV: tl.constexpr, XMASK: tl.constexpr,
                 BLOCK_M: tl.constexpr):
     """``a_r += sum_k e4m3 * 2**-8 * x[r, k] * s`` over each 4 consecutive words of ``w [R, C]`` (int32 of 4
@@ -1148,13 +1078,6 @@ def _gemv4_tile(w, kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K, M, stri
             a0, a1, a2, a3 = _fp8_packed(w, x_ptr, k, K, M, stride_xm, s, a0, a1, a2, a3, ILV, XMASK, BLOCK_M)
         else:
             s = _word_load(s_rows + g, kwp, kw_end, EVEN, False).to(tl.float32)
-        if not FP8 and PACKED == 2:
-            if HAS_ZEROS:
-                z16 = _word_load(z_rows + g, kwp, kw_end, EVEN, False).to(tl.float32) * 0.0625
-            else:
-                z16 = 0.5
-            a0, a1, a2, a3 = _int4_subn(w, x_ptr, k, K, M, stride_xm, s, z16, a0, a1, a2, a3, ILV, XMASK, BLOCK_M)
-        elif not FP8:
             if HAS_ZEROS:  # 64 + z / 16 and 4 + z / 16 in both halves (integer zero points 0..15)
                 zi = _word_load(z_rows + g, kwp, kw_end, EVEN, False).to(tl.int32) * 65537
                 mz = 0x54005400 | zi
@@ -1395,8 +1318,7 @@ def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: to
     # (PACKED's per-thread step needs 4 consecutive words per thread and row: BLOCK_KW >= 128 x warps)
     block_m = triton.next_power_of_2(m)
     default = PACKED_DOT and ("fp8" if meta["FP8"] else "int4", block_m) in PACKED_DEFAULT
-    packed = int(cfg.get("PACKED", default)) if _packed_ok(x, meta) and bkw >= 128 * cfg["num_warps"] else 0
-    packed = min(packed, 1) if meta["FP8"] else packed  # (2: INT4's subnormal codes)
+    packed = bool(cfg.get("PACKED", default)) and _packed_ok(x, meta) and bkw >= 128 * cfg["num_warps"]
     _gemv4_kernel[(tiles, split)](
         x, words, s, z, ws, y, cnt, m, n, k, kw, per, x.stride(0), words.stride(0), stride_sn, y.stride(0),
         SPLIT_K=split > 1, EVEN=even, XMASK=(not even) or kw * cpw > k, BLOCK_M=block_m,

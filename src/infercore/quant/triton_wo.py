@@ -456,7 +456,7 @@ _MODE5_DEFAULT = {"MODE": 5, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT": 0, "num_wa
 _MODE2_DEFAULT = {"MODE": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 0, "num_warps": 4, "num_stages": 3}
 
 def _packed4(bn: int, bk: int, warps: int, stages: int, split: int) -> dict:
-    """A MODE 4 table entry with the packed fp16 dot (``_int4_packed`` / ``_fp8_packed``)."""
+    """A MODE 4 table entry with the packed fp16 dot (``_packed_rows``)."""
     return {"MODE": 4, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "SPLIT": split,
             "PACKED": True}
 
@@ -864,6 +864,33 @@ def _word_load(ptrs, kw, kw_end, EVEN: tl.constexpr, EVICT: tl.constexpr):
     return v
 
 
+_LD16_MASKED = tl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b16 $0, 0; @p ld.global.nc.b16 $0, [$1]; }")
+_LD32_MASKED = tl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.b32 $0, [$1]; }")
+
+
+@triton.jit
+def _group_load(ptrs, kw0, kw_end, EVEN: tl.constexpr):
+    """Per-step values ``[BLOCK_N, BLOCK_KW / 4]`` (16- or 32-bit) at ``ptrs``, the step's first word at ``kw0``;
+    unless EVEN, steps at or past ``kw_end`` read 0. Loaded by inline PTX so the values keep the asm operands'
+    layout: a ``tl.load`` there is re-laid out for coalescing and converted back through shared memory, two CTA
+    barriers per loaded tensor in the K loop."""
+    addr = ptrs.to(tl.int64, bitcast=True)
+    ok = (kw0 < kw_end).to(tl.int32)
+    if ptrs.dtype.element_ty.primitive_bitwidth == 16:
+        if EVEN:
+            v = tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [addr], dtype=tl.int16, is_pure=True,
+                                          pack=1)
+        else:
+            v = tl.inline_asm_elementwise(_LD16_MASKED, "=h,l,r", [addr, ok], dtype=tl.int16, is_pure=True, pack=1)
+    else:
+        if EVEN:
+            v = tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [addr], dtype=tl.int32, is_pure=True,
+                                          pack=1)
+        else:
+            v = tl.inline_asm_elementwise(_LD32_MASKED, "=r,l,r", [addr, ok], dtype=tl.int32, is_pure=True, pack=1)
+    return v.to(ptrs.dtype.element_ty, bitcast=True)
+
+
 # PACKED MODE 4 (INT4 and FP8, M <= 4): a thread's 4 consecutive words decoded into packed fp16 pairs and
 # multiplied with packed FMAs into one fp16x2 sum per row, 16 (INT4) / 8 (FP8) products per lane; the lanes add
 # in fp32. The activations are fp16 pairs scaled by a power of two per 4 words and row (``_x_pow2``).
@@ -915,6 +942,15 @@ _PK_I4_4 = tl.constexpr(_packed_asm(False, 4, 4))
 _PK_F8_1 = tl.constexpr(_packed_asm(True, 4, 1))
 _PK_F8_2 = tl.constexpr(_packed_asm(True, 4, 2))
 _PK_F8_4 = tl.constexpr(_packed_asm(True, 4, 4))
+
+
+def _packed_cons(fp8: bool, rows: int) -> str:
+    """The asm's constraints: the fp32 sums, then 4 words, the pairs (16 / 8 a row), INT4's zero pairs."""
+    return ",".join(["=f"] * rows + ["r"] * (4 + rows * (8 if fp8 else 16) + (0 if fp8 else 2)))
+
+
+_PKC_I4_1, _PKC_I4_2, _PKC_I4_4 = (tl.constexpr(_packed_cons(False, r)) for r in (1, 2, 4))
+_PKC_F8_1, _PKC_F8_2, _PKC_F8_4 = (tl.constexpr(_packed_cons(True, r)) for r in (1, 2, 4))
 
 
 @triton.jit
@@ -987,63 +1023,49 @@ def _fp8_row(x_ptr, row, k, K, ILV: tl.constexpr, XMASK: tl.constexpr):
 
 
 @triton.jit
-def _int4_packed(w, x_ptr, k, K, M, stride_xm, s, mz, mz1, a0, a1, a2, a3, ILV: tl.constexpr, XMASK: tl.constexpr,
-                 BLOCK_M: tl.constexpr):
-    """``a_r += sum_k (q - z) / 16 * x[r, k] * s`` over each 4 consecutive words of ``w [R, C]`` (int32 of 8 INT4
-    codes, nibble ``j`` at bits ``4 j``; the words of one group), rows ``r < BLOCK_M`` (rows past M re-read row
-    M - 1); ``s [R, C / 4]`` the group scales, ``mz`` / ``mz1`` the fp16x2 pairs of ``64 + z / 16`` /
-    ``4 + z / 16``."""
-    w0, w1, w2, w3 = _split4(w)
-    p = _int4_row(x_ptr, 0, k, K, ILV, XMASK)
-    if BLOCK_M == 1:
-        r0 = tl.inline_asm_elementwise(_PK_I4_1, "=f" + ",r" * 22, (w0, w1, w2, w3) + p[:16] + (mz, mz1),
-                                       dtype=tl.float32, is_pure=True, pack=1)
-        a0 += r0 * (s * p[16])
+def _row_pairs(x_ptr, row, k, K, FP8: tl.constexpr, ILV: tl.constexpr, XMASK: tl.constexpr):
+    if FP8:
+        p = _fp8_row(x_ptr, row, k, K, ILV, XMASK)
     else:
-        q = _int4_row(x_ptr, tl.minimum(1, M - 1) * stride_xm, k, K, ILV, XMASK)
-        if BLOCK_M == 2:
-            r0, r1 = tl.inline_asm_elementwise(_PK_I4_2, "=f,=f" + ",r" * 38,
-                                               (w0, w1, w2, w3) + p[:16] + q[:16] + (mz, mz1),
-                                               dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-        else:
-            u = _int4_row(x_ptr, tl.minimum(2, M - 1) * stride_xm, k, K, ILV, XMASK)
-            v = _int4_row(x_ptr, tl.minimum(3, M - 1) * stride_xm, k, K, ILV, XMASK)
-            r0, r1, r2, r3 = tl.inline_asm_elementwise(
-                _PK_I4_4, "=f,=f,=f,=f" + ",r" * 70, (w0, w1, w2, w3) + p[:16] + q[:16] + u[:16] + v[:16] + (mz, mz1),
-                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-            a2 += r2 * (s * u[16])
-            a3 += r3 * (s * v[16])
-        a0 += r0 * (s * p[16])
-        a1 += r1 * (s * q[16])
-    return a0, a1, a2, a3
+        p = _int4_row(x_ptr, row, k, K, ILV, XMASK)
+    return p
 
 
 @triton.jit
-def _fp8_packed(w, x_ptr, k, K, M, stride_xm, s, a0, a1, a2, a3, ILV: tl.constexpr, XMASK: tl.constexpr,
-                BLOCK_M: tl.constexpr):
-    """``a_r += sum_k e4m3 * 2**-8 * x[r, k] * s`` over each 4 consecutive words of ``w [R, C]`` (int32 of 4
-    e4m3 bytes), rows ``r < BLOCK_M`` (rows past M re-read row M - 1); ``s`` the block scales or 1."""
-    w0, w1, w2, w3 = _split4(w)
-    p = _fp8_row(x_ptr, 0, k, K, ILV, XMASK)
+def _packed_rows(w, x_ptr, k, K, M, stride_xm, s, mz, mz1, a0, a1, a2, a3, FP8: tl.constexpr, ILV: tl.constexpr,
+                 XMASK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``a_r += s * sum_k c_k x[r, k]`` over each 4 consecutive words of ``w [R, C]`` for rows ``r < BLOCK_M``
+    (rows past M re-read row M - 1), in one ``_packed_asm`` block per step: INT4 (``c = (q - z) / 16``; int32
+    words of 8 codes, nibble ``j`` at bits ``4 j``, one group; ``mz`` / ``mz1 [R, C / 4]`` the fp16x2 pairs of
+    ``64 + z / 16`` / ``4 + z / 16``) or FP8 (``c = e4m3 * 2**-8``; words of 4 bytes; ``mz``, ``mz1`` unused).
+    ``s [R, C / 4]`` the group / block scales (FP8 per-channel: 1)."""
+    NP: tl.constexpr = 8 if FP8 else 16  # fp16x2 activation pairs per row and step
+    p = _row_pairs(x_ptr, 0, k, K, FP8, ILV, XMASK)
+    ops = _split4(w) + p[:NP]
+    if BLOCK_M > 1:
+        q = _row_pairs(x_ptr, tl.minimum(1, M - 1) * stride_xm, k, K, FP8, ILV, XMASK)
+        ops = ops + q[:NP]
+    if BLOCK_M > 2:
+        u = _row_pairs(x_ptr, tl.minimum(2, M - 1) * stride_xm, k, K, FP8, ILV, XMASK)
+        v = _row_pairs(x_ptr, tl.minimum(3, M - 1) * stride_xm, k, K, FP8, ILV, XMASK)
+        ops = ops + u[:NP] + v[:NP]
+    if not FP8:
+        ops = ops + (mz, mz1)
     if BLOCK_M == 1:
-        r0 = tl.inline_asm_elementwise(_PK_F8_1, "=f" + ",r" * 12, (w0, w1, w2, w3) + p[:8], dtype=tl.float32,
-                                       is_pure=True, pack=1)
-        a0 += r0 * (s * p[8])
+        r0 = tl.inline_asm_elementwise(_PK_F8_1 if FP8 else _PK_I4_1, _PKC_F8_1 if FP8 else _PKC_I4_1, ops,
+                                       dtype=tl.float32, is_pure=True, pack=1)
+    elif BLOCK_M == 2:
+        r0, r1 = tl.inline_asm_elementwise(_PK_F8_2 if FP8 else _PK_I4_2, _PKC_F8_2 if FP8 else _PKC_I4_2, ops,
+                                           dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+        a1 += r1 * (s * q[NP])
     else:
-        q = _fp8_row(x_ptr, tl.minimum(1, M - 1) * stride_xm, k, K, ILV, XMASK)
-        if BLOCK_M == 2:
-            r0, r1 = tl.inline_asm_elementwise(_PK_F8_2, "=f,=f" + ",r" * 20, (w0, w1, w2, w3) + p[:8] + q[:8],
-                                               dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-        else:
-            u = _fp8_row(x_ptr, tl.minimum(2, M - 1) * stride_xm, k, K, ILV, XMASK)
-            v = _fp8_row(x_ptr, tl.minimum(3, M - 1) * stride_xm, k, K, ILV, XMASK)
-            r0, r1, r2, r3 = tl.inline_asm_elementwise(
-                _PK_F8_4, "=f,=f,=f,=f" + ",r" * 36, (w0, w1, w2, w3) + p[:8] + q[:8] + u[:8] + v[:8],
-                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-            a2 += r2 * (s * u[8])
-            a3 += r3 * (s * v[8])
-        a0 += r0 * (s * p[8])
-        a1 += r1 * (s * q[8])
+        r0, r1, r2, r3 = tl.inline_asm_elementwise(_PK_F8_4 if FP8 else _PK_I4_4, _PKC_F8_4 if FP8 else _PKC_I4_4, ops,
+                                                   dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+                                                   is_pure=True, pack=1)
+        a1 += r1 * (s * q[NP])
+        a2 += r2 * (s * u[NP])
+        a3 += r3 * (s * v[NP])
+    a0 += r0 * (s * p[NP])
     return a0, a1, a2, a3
 
 
@@ -1060,33 +1082,37 @@ def _gemv4_tile(w, kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K, M, stri
                 HAS_ZEROS: tl.constexpr, EVEN: tl.constexpr, XMASK: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, PACKED: tl.constexpr = False):
     """One K tile of MODE 4: the loaded words ``w [BLOCK_N, BLOCK_KW]`` at word positions ``kw``, decoded
-    and multiplied into the per-thread accumulators ``a_r`` (see ``_gemv4_kernel``). PACKED: ``_int4_packed`` /
-    ``_fp8_packed`` in packed fp16 instead of one fp32 FMA per code and row."""
+    and multiplied into the per-thread accumulators ``a_r`` (see ``_gemv4_kernel``). PACKED: ``_packed_rows`` in
+    packed fp16 instead of one fp32 FMA per code and row."""
     CPW: tl.constexpr = 32 // BITS
     FIELD: tl.constexpr = ((1 << BITS) - 1) << (23 - BITS)  # the top BITS mantissa bits
     k = ((kw // ILV) * (ILV * CPW) + kw % ILV)[None, :]  # K position of each word's code 0
     p0, p1, p2, p3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
     x0, x1, x2, x3 = _gemv_zeros(1, BLOCK_KW)
     if PACKED:  # a thread's 4 consecutive words share one scale group (SCALE_WORDS % 4 == 0)
-        kwp = tl.max(tl.reshape(kw, [BLOCK_KW // 4, 4]), axis=1)
-        g = (kwp // SCALE_WORDS)[None, :]
+        # each step's first word position, split from the tile as the words are (``_split4``), so the scale and
+        # zero-point loads land in the asm operands' layout (a reduction over the 4 words instead put a
+        # shared-memory layout conversion with two CTA barriers per loaded tensor into the K loop)
+        kw0, kw1, kw2, kw3 = _split4(kw[None, :] + tl.zeros([BLOCK_N, BLOCK_KW], tl.int32))
+        g = kw0 // SCALE_WORDS
         if FP8:
             if SCALE_ROWS != 0:
-                s = _word_load(s_rows + g, kwp, kw_end, EVEN, False).to(tl.float32)
+                s = _group_load(s_rows + g, kw0, kw_end, EVEN).to(tl.float32)
             else:  # per-channel scales, after the K loop
                 s = tl.full([1, BLOCK_KW // 4], 1.0, tl.float32)
-            a0, a1, a2, a3 = _fp8_packed(w, x_ptr, k, K, M, stride_xm, s, a0, a1, a2, a3, ILV, XMASK, BLOCK_M)
+            a0, a1, a2, a3 = _packed_rows(w, x_ptr, k, K, M, stride_xm, s, 0, 0, a0, a1, a2, a3, True, ILV, XMASK,
+                                          BLOCK_M)
         else:
-            s = _word_load(s_rows + g, kwp, kw_end, EVEN, False).to(tl.float32)
+            s = _group_load(s_rows + g, kw0, kw_end, EVEN).to(tl.float32)
             if HAS_ZEROS:  # 64 + z / 16 and 4 + z / 16 in both halves (integer zero points 0..15)
-                zi = _word_load(z_rows + g, kwp, kw_end, EVEN, False).to(tl.int32) * 65537
+                zi = _group_load(z_rows + g, kw0, kw_end, EVEN).to(tl.int32) * 65537
                 mz = 0x54005400 | zi
                 mz1 = 0x44004400 | (zi << 4)
             else:
                 mz = tl.full([BLOCK_N, BLOCK_KW // 4], 0x54085408, tl.int32)
                 mz1 = tl.full([BLOCK_N, BLOCK_KW // 4], 0x44804480, tl.int32)
-            a0, a1, a2, a3 = _int4_packed(w, x_ptr, k, K, M, stride_xm, s, mz, mz1, a0, a1, a2, a3, ILV, XMASK,
-                                          BLOCK_M)
+            a0, a1, a2, a3 = _packed_rows(w, x_ptr, k, K, M, stride_xm, s, mz, mz1, a0, a1, a2, a3, False, ILV,
+                                          XMASK, BLOCK_M)
     elif FP8:
         for j in tl.static_range(4):
             # byte j to the top, arithmetic shift by 4, mask: the fp32 pattern of e4m3 * 2**-120
@@ -1280,7 +1306,7 @@ def _pad_codes(codes: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.nn.functional.pad(codes, (0, pad)) if pad else codes
 
 
-# MODE 4's packed fp16 dot (``_int4_packed`` / ``_fp8_packed``) where it can run: 16-bit activations, CUDA,
+# MODE 4's packed fp16 dot (``_packed_rows``) where it can run: 16-bit activations, CUDA,
 # not the interpreter (inline PTX), scale groups of whole 4-word steps. By default where the H200 measured it
 # faster (PACKED_DEFAULT: kind, BLOCK_M); a config's "PACKED" overrides; ``INFERCORE_WO_PACKED=0`` turns the
 # default off.

@@ -101,7 +101,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--tuned", default="", help="a sweep_quant_wo.py JSON: use its best small-M configs")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the script)")
+    ap.add_argument("--variants", default="", help="comma-separated subset of the variant names (bf16 always runs)")
     args = ap.parse_args()
+    variants = VARIANTS
+    if args.variants:
+        names = {v.strip() for v in args.variants.split(",")} | {"bf16"}
+        unknown = names - {v[0] for v in VARIANTS}
+        if unknown:
+            ap.error(f"--variants: unknown {sorted(unknown)}; choose from {[v[0] for v in VARIANTS]}")
+        variants = tuple(v for v in VARIANTS if v[0] in names)
     if args.smoke:
         # bench_e2e's timers synchronize CUDA; there is nothing to synchronize on the CPU.
         torch.cuda.synchronize = lambda *a, **k: None
@@ -120,7 +128,7 @@ def main() -> None:
     prompt = torch.randint(0, cfg["vocab_size"] - 1, (args.prompt,), generator=torch.Generator().manual_seed(1))
     prompt = prompt.tolist()
     res = {}
-    for name, scheme, skip in VARIANTS:
+    for name, scheme, skip in variants:
         try:
             res[name] = run_variant(cfg, scheme, skip, dev, args, prompt)
             gc.collect()  # the previous model and its Engine (KV pool, graphs) go before the next
@@ -139,7 +147,7 @@ def main() -> None:
               flush=True)
     base = res.get("bf16", {})
     cases = []
-    for name, _, _ in VARIANTS:
+    for name, _, _ in variants:
         r = res[name]
         if "error" in r:
             cases.append({"case": f"llama3.1-8b-shape decode bs1 {name}", "error": r["error"]})

@@ -864,31 +864,40 @@ def _word_load(ptrs, kw, kw_end, EVEN: tl.constexpr, EVICT: tl.constexpr):
     return v
 
 
+_LD8_MASKED = tl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b16 $0, 0; @p ld.global.nc.u8 $0, [$1]; }")
 _LD16_MASKED = tl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b16 $0, 0; @p ld.global.nc.b16 $0, [$1]; }")
 _LD32_MASKED = tl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.b32 $0, [$1]; }")
 
 
 @triton.jit
 def _group_load(ptrs, kw0, kw_end, EVEN: tl.constexpr):
-    """Per-step values ``[BLOCK_N, BLOCK_KW / 4]`` (16- or 32-bit) at ``ptrs``, the step's first word at ``kw0``;
-    unless EVEN, steps at or past ``kw_end`` read 0. Loaded by inline PTX so the values keep the asm operands'
-    layout: a ``tl.load`` there is re-laid out for coalescing and converted back through shared memory, two CTA
-    barriers per loaded tensor in the K loop."""
+    """Per-step values ``[BLOCK_N, BLOCK_KW / 4]`` (32- or 16-bit; 8-bit ones zero-extended to int16) at ``ptrs``,
+    the step's first word at ``kw0``; unless EVEN, steps at or past ``kw_end`` read 0. Loaded by inline PTX so the
+    values keep the asm operands' layout: a ``tl.load`` there is re-laid out for coalescing and converted back
+    through shared memory, two CTA barriers per loaded tensor in the K loop."""
     addr = ptrs.to(tl.int64, bitcast=True)
     ok = (kw0 < kw_end).to(tl.int32)
-    if ptrs.dtype.element_ty.primitive_bitwidth == 16:
+    if ptrs.dtype.element_ty.primitive_bitwidth == 8:  # (uint8 zero points)
+        if EVEN:
+            v = tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=h,l", [addr], dtype=tl.int16, is_pure=True,
+                                          pack=1)
+        else:
+            v = tl.inline_asm_elementwise(_LD8_MASKED, "=h,l,r", [addr, ok], dtype=tl.int16, is_pure=True, pack=1)
+    elif ptrs.dtype.element_ty.primitive_bitwidth == 16:
         if EVEN:
             v = tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [addr], dtype=tl.int16, is_pure=True,
                                           pack=1)
         else:
             v = tl.inline_asm_elementwise(_LD16_MASKED, "=h,l,r", [addr, ok], dtype=tl.int16, is_pure=True, pack=1)
+        v = v.to(ptrs.dtype.element_ty, bitcast=True)
     else:
         if EVEN:
             v = tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [addr], dtype=tl.int32, is_pure=True,
                                           pack=1)
         else:
             v = tl.inline_asm_elementwise(_LD32_MASKED, "=r,l,r", [addr, ok], dtype=tl.int32, is_pure=True, pack=1)
-    return v.to(ptrs.dtype.element_ty, bitcast=True)
+        v = v.to(ptrs.dtype.element_ty, bitcast=True)
+    return v
 
 
 # PACKED MODE 4 (INT4 and FP8, M <= 4): a thread's 4 consecutive words decoded into packed fp16 pairs and

@@ -864,42 +864,6 @@ def _word_load(ptrs, kw, kw_end, EVEN: tl.constexpr, EVICT: tl.constexpr):
     return v
 
 
-_LD8_MASKED = tl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b16 $0, 0; @p ld.global.nc.u8 $0, [$1]; }")
-_LD16_MASKED = tl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b16 $0, 0; @p ld.global.nc.b16 $0, [$1]; }")
-_LD32_MASKED = tl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.b32 $0, [$1]; }")
-
-
-@triton.jit
-def _group_load(ptrs, kw0, kw_end, EVEN: tl.constexpr):
-    """Per-step values ``[BLOCK_N, BLOCK_KW / 4]`` (32- or 16-bit; 8-bit ones zero-extended to int16) at ``ptrs``,
-    the step's first word at ``kw0``; unless EVEN, steps at or past ``kw_end`` read 0. Loaded by inline PTX so the
-    values keep the asm operands' layout: a ``tl.load`` there is re-laid out for coalescing and converted back
-    through shared memory, two CTA barriers per loaded tensor in the K loop."""
-    addr = ptrs.to(tl.int64, bitcast=True)
-    ok = (kw0 < kw_end).to(tl.int32)
-    if ptrs.dtype.element_ty.primitive_bitwidth == 8:  # (uint8 zero points)
-        if EVEN:
-            v = tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=h,l", [addr], dtype=tl.int16, is_pure=True,
-                                          pack=1)
-        else:
-            v = tl.inline_asm_elementwise(_LD8_MASKED, "=h,l,r", [addr, ok], dtype=tl.int16, is_pure=True, pack=1)
-    elif ptrs.dtype.element_ty.primitive_bitwidth == 16:
-        if EVEN:
-            v = tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [addr], dtype=tl.int16, is_pure=True,
-                                          pack=1)
-        else:
-            v = tl.inline_asm_elementwise(_LD16_MASKED, "=h,l,r", [addr, ok], dtype=tl.int16, is_pure=True, pack=1)
-        v = v.to(ptrs.dtype.element_ty, bitcast=True)
-    else:
-        if EVEN:
-            v = tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [addr], dtype=tl.int32, is_pure=True,
-                                          pack=1)
-        else:
-            v = tl.inline_asm_elementwise(_LD32_MASKED, "=r,l,r", [addr, ok], dtype=tl.int32, is_pure=True, pack=1)
-        v = v.to(ptrs.dtype.element_ty, bitcast=True)
-    return v
-
-
 # PACKED MODE 4 (INT4 and FP8, M <= 4): a thread's 4 consecutive words decoded into packed fp16 pairs and
 # multiplied with packed FMAs into one fp16x2 sum per row, 16 (INT4) / 8 (FP8) products per lane; the lanes add
 # in fp32. The activations are fp16 pairs scaled by a power of two per 4 words and row (``_x_pow2``).
@@ -1049,8 +1013,9 @@ def _packed_rows(w, x_ptr, k, K, M, stride_xm, s, mz, mz1, a0, a1, a2, a3, FP8: 
     ``64 + z / 16`` / ``4 + z / 16``) or FP8 (``c = e4m3 * 2**-8``; words of 4 bytes; ``mz``, ``mz1`` unused).
     ``s [R, C / 4]`` the group / block scales (FP8 per-channel: 1)."""
     NP: tl.constexpr = 8 if FP8 else 16  # fp16x2 activation pairs per row and step
+    ws = _split4(w)
     p = _row_pairs(x_ptr, 0, k, K, FP8, ILV, XMASK)
-    ops = _split4(w) + p[:NP]
+    ops = ws + p[:NP]
     if BLOCK_M > 1:
         q = _row_pairs(x_ptr, tl.minimum(1, M - 1) * stride_xm, k, K, FP8, ILV, XMASK)
         ops = ops + q[:NP]
@@ -1099,22 +1064,19 @@ def _gemv4_tile(w, kw, kw_end, x_ptr, s_rows, z_rows, a0, a1, a2, a3, K, M, stri
     p0, p1, p2, p3 = _gemv_zeros(BLOCK_N, BLOCK_KW)
     x0, x1, x2, x3 = _gemv_zeros(1, BLOCK_KW)
     if PACKED:  # a thread's 4 consecutive words share one scale group (SCALE_WORDS % 4 == 0)
-        # each step's first word position, split from the tile as the words are (``_split4``), so the scale and
-        # zero-point loads land in the asm operands' layout (a reduction over the 4 words instead put a
-        # shared-memory layout conversion with two CTA barriers per loaded tensor into the K loop)
-        kw0, kw1, kw2, kw3 = _split4(kw[None, :] + tl.zeros([BLOCK_N, BLOCK_KW], tl.int32))
-        g = kw0 // SCALE_WORDS
+        kwp = tl.max(tl.reshape(kw, [BLOCK_KW // 4, 4]), axis=1)
+        g = (kwp // SCALE_WORDS)[None, :]
         if FP8:
             if SCALE_ROWS != 0:
-                s = _group_load(s_rows + g, kw0, kw_end, EVEN).to(tl.float32)
+                s = _word_load(s_rows + g, kwp, kw_end, EVEN, False).to(tl.float32)
             else:  # per-channel scales, after the K loop
                 s = tl.full([1, BLOCK_KW // 4], 1.0, tl.float32)
             a0, a1, a2, a3 = _packed_rows(w, x_ptr, k, K, M, stride_xm, s, 0, 0, a0, a1, a2, a3, True, ILV, XMASK,
                                           BLOCK_M)
         else:
-            s = _group_load(s_rows + g, kw0, kw_end, EVEN).to(tl.float32)
+            s = _word_load(s_rows + g, kwp, kw_end, EVEN, False).to(tl.float32)
             if HAS_ZEROS:  # 64 + z / 16 and 4 + z / 16 in both halves (integer zero points 0..15)
-                zi = _group_load(z_rows + g, kw0, kw_end, EVEN).to(tl.int32) * 65537
+                zi = _word_load(z_rows + g, kwp, kw_end, EVEN, False).to(tl.int32) * 65537
                 mz = 0x54005400 | zi
                 mz1 = 0x44004400 | (zi << 4)
             else:

@@ -173,3 +173,25 @@ def test_packed_fp8_dot_matches_exact(kind, rows):
             exact = float((vals * x[r].astype(np.float64)).sum())
             scale = float((np.abs(vals) * np.abs(x[r].astype(np.float64))).sum())
             assert np.isfinite(got[r]) and abs(got[r] - exact) <= 2e-3 * scale + 1e-30, (kind, trial, r, got, exact)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_packed_asm_operands_match_constraints(fp8, rows):
+    """The kernel passes ``_packed_cons``' operands to ``_packed_asm``'s text: every ``$i`` it names is one of
+    them, and it names each (outputs, words, every row's pairs, INT4's two zero pairs)."""
+    asm, cons = triton_wo._packed_asm(fp8, 4, rows), triton_wo._packed_cons(fp8, rows).split(",")
+    used = {int(i) for i in re.findall(r"\$(\d+)", asm)}
+    assert used == set(range(len(cons))), (sorted(set(range(len(cons))) - used), max(used), len(cons))
+    assert cons[:rows] == ["=f"] * rows and set(cons[rows:]) == {"r"}
+
+
+def test_tuned_packed_entries_are_runnable():
+    """Every tuned entry that asks for the packed dot is a MODE 4 tile it can run in: at most 4 rows, and a
+    thread's 4-word step inside its tile (``BLOCK_K`` codes >= 1024 (INT4) / 512 (FP8) x warps)."""
+    entries = [(key, cfg) for key, cfg in triton_wo.SMALL_M_TUNED.items() if cfg.get("PACKED")]
+    assert entries  # (FP8 at M = 1 / 2 and INT4 at M = 2 are tuned packed)
+    for (kind, n, k, m), cfg in entries:
+        assert cfg["MODE"] == 4 and m <= triton_wo.GEMV_M_MAX, (kind, n, k, m)
+        cpw = 8 if kind == "int4" else 4
+        assert cfg["BLOCK_K"] // cpw >= 128 * cfg["num_warps"], (kind, n, k, m, cfg)

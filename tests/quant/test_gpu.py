@@ -244,37 +244,47 @@ def _activations(m, k, dtype):
         yield x.to(dtype)
 
 
+def _check_packed(matmul, ref_fn, make_w, m, dtype, tiles, silu_warps):
+    """MODE 4 with the packed dot (``"PACKED": True``) and the fp32 path (False) against ``ref_fn`` (the
+    reference matmul): whole and ragged K, split-K, every tile of ``tiles`` (BLOCK_N, BLOCK_K, warps, stages),
+    the activations of ``_activations`` -- within 3e-3; then the fused SiLU epilogue of a merged [gate; up]
+    weight against the exact gated product, within 4e-3. ``make_w(n, k, scale)`` quantizes a random weight."""
+    for n, k, split in ((1024, 4096, 1), (777, 2176, 1), (1024, 4096, 4)):
+        w = make_w(n, k, 0.02)
+        for x in _activations(m, k, dtype):
+            ref = ref_fn(x, w).float()
+            for bn, bk, warps, stages in tiles:
+                cfg = {"MODE": 4, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": warps,
+                       "num_stages": stages}
+                fp32 = matmul(x, w, config={**cfg, "PACKED": False})
+                got = matmul(x, w, config={**cfg, "PACKED": True})
+                assert torch.isfinite(got).all(), (n, k, bn, x.abs().max())
+                assert _rel(fp32, ref) < 3e-3 and _rel(got, ref) < 3e-3, (n, k, split, bn, _rel(got, ref))
+    w = make_w(2 * 1024, 4096, 1.0)
+    x = torch.randn(m, 4096, device=dev, dtype=dtype)
+    y = ref_fn(x, w).float()
+    ref = torch.nn.functional.silu(y[:, :1024]) * y[:, 1024:]
+    cfg = {"MODE": 4, "BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT": 1, "num_warps": silu_warps, "num_stages": 2}
+    for packed in (True, False):
+        got = matmul(x, w, config={**cfg, "PACKED": packed}, act="silu")
+        assert got.shape == (m, 1024) and _rel(got, ref) < 4e-3, (packed, _rel(got, ref))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_gemv4_packed_int4(dtype, symmetric, m):
-    """MODE 4's packed fp16 INT4 dot against the reference and the fp32 path, 1-4 rows: whole and ragged K,
-    split-K, the fused SiLU epilogue (within 4e-3 of the exact gated product, as the fp32 path), activations
-    from 1e-4 to 1e5 (fp16 ones to 1e4; the per-4-word power-of-two scale keeps them in fp16's range) and one
-    row mixing 1e-3 and 1e4 -- within 3e-3 of the reference, as the fp32 path."""
+    """MODE 4's packed fp16 INT4 dot against the reference and the fp32 path, 1-4 rows, symmetric and
+    asymmetric g128 (``_check_packed``; the step runs where BLOCK_K >= 1024 x num_warps)."""
     from infercore.quant import triton_wo
 
     torch.manual_seed(2)
-    for n, k, split in ((1024, 4096, 1), (777, 2176, 1), (1024, 4096, 4)):
-        w = IntWeight.quantize(torch.randn(n, k, device=dev) * 0.02, bits=4, group_size=128, symmetric=symmetric)
-        for x in _activations(m, k, dtype):
-            ref = R.wq_matmul_ref(x, w).float()
-            # (PACKED runs where BLOCK_K >= 1024 x num_warps)
-            for bn, bk, warps, stages in ((4, 2048, 2, 2), (8, 4096, 4, 1), (4, 1024, 1, 2)):
-                cfg = {"MODE": 4, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": warps,
-                       "num_stages": stages}
-                fp32 = triton_wo.wq_matmul_triton(x, w, config={**cfg, "PACKED": False})
-                got = triton_wo.wq_matmul_triton(x, w, config={**cfg, "PACKED": True})
-                assert torch.isfinite(got).all(), (n, k, x.abs().max())
-                assert _rel(fp32, ref) < 3e-3 and _rel(got, ref) < 3e-3, (n, k, split, _rel(got, ref))
-    w = IntWeight.quantize(torch.randn(2 * 1024, 4096, device=dev), bits=4, group_size=128, symmetric=symmetric)
-    x = torch.randn(m, 4096, device=dev, dtype=dtype)
-    y = R.wq_matmul_ref(x, w).float()
-    ref = torch.nn.functional.silu(y[:, :1024]) * y[:, 1024:]
-    cfg = {"MODE": 4, "BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT": 1, "num_warps": 2, "num_stages": 2}
-    for packed in (True, False):
-        got = triton_wo.wq_matmul_triton(x, w, config={**cfg, "PACKED": packed}, act="silu")
-        assert got.shape == (m, 1024) and _rel(got, ref) < 4e-3, (packed, _rel(got, ref))
+
+    def make_w(n, k, scale):
+        return IntWeight.quantize(torch.randn(n, k, device=dev) * scale, bits=4, group_size=128, symmetric=symmetric)
+
+    _check_packed(triton_wo.wq_matmul_triton, R.wq_matmul_ref, make_w, m, dtype,
+                  ((4, 2048, 2, 2), (8, 4096, 4, 1), (4, 1024, 1, 2)), 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -282,31 +292,21 @@ def test_gemv4_packed_int4(dtype, symmetric, m):
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_gemv4_packed_fp8(dtype, block, m):
     """MODE 4's packed fp16 FP8 dot (e4m3 decoded exactly to fp16 times 2**-8) against the reference and the fp32
-    path, 1-4 rows, per-channel and 128x128 block scales, whole and ragged K, split-K, the fused SiLU epilogue,
-    the activations of ``_activations``; codes at both ends of e4m3's range (subnormals, +-448)."""
+    path, 1-4 rows, per-channel and 128x128 block scales (``_check_packed``), with codes at both ends of e4m3's
+    range in the product checks (every code but NaN in the first 256 columns: subnormals, +-448)."""
     from infercore.quant import triton_wo
 
     torch.manual_seed(3)
-    for n, k, split in ((1024, 4096, 1), (777, 2176, 1), (1024, 4096, 4)):
-        w = FP8Weight.quantize(torch.randn(n, k, device=dev) * 0.02, block_size=block)
-        q = w.qweight.view(torch.uint8)
-        q[:, :256] = torch.arange(256, device=dev, dtype=torch.int32).to(torch.uint8)  # every code, NaN aside
-        q[q == 0x7F] = 0x7E
-        q[q == 0xFF] = 0xFE
-        for x in _activations(m, k, dtype):
-            ref = R.fp8_wo_matmul_ref(x, w).float()
-            for bn, bk, warps, stages in ((4, 2048, 4, 2), (8, 2048, 4, 2), (4, 1024, 2, 2)):
-                cfg = {"MODE": 4, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": warps,
-                       "num_stages": stages}
-                fp32 = triton_wo.fp8_wo_matmul_triton(x, w, config={**cfg, "PACKED": False})
-                got = triton_wo.fp8_wo_matmul_triton(x, w, config={**cfg, "PACKED": True})
-                assert torch.isfinite(got).all(), (n, k, x.abs().max())
-                assert _rel(fp32, ref) < 3e-3 and _rel(got, ref) < 3e-3, (n, k, split, bn, _rel(got, ref))
-    w = FP8Weight.quantize(torch.randn(2 * 1024, 4096, device=dev), block_size=block)
-    x = torch.randn(m, 4096, device=dev, dtype=dtype)
-    y = R.fp8_wo_matmul_ref(x, w).float()
-    ref = torch.nn.functional.silu(y[:, :1024]) * y[:, 1024:]
-    cfg = {"MODE": 4, "BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT": 1, "num_warps": 4, "num_stages": 2}
-    for packed in (True, False):
-        got = triton_wo.fp8_wo_matmul_triton(x, w, config={**cfg, "PACKED": packed}, act="silu")
-        assert got.shape == (m, 1024) and _rel(got, ref) < 4e-3, (packed, _rel(got, ref))
+
+    def make_w(n, k, scale):
+        w = FP8Weight.quantize(torch.randn(n, k, device=dev) * scale, block_size=block)
+        if scale != 1.0:  # (the gated-epilogue weight keeps its quantized codes)
+            q = w.qweight.view(torch.uint8)
+            q[:, :256] = torch.arange(256, device=dev, dtype=torch.int32).to(torch.uint8)
+            q[q == 0x7F] = 0x7E
+            q[q == 0xFF] = 0xFE
+        return w
+
+    _check_packed(triton_wo.fp8_wo_matmul_triton, R.fp8_wo_matmul_ref, make_w, m, dtype,
+                  ((4, 2048, 4, 2), (8, 2048, 4, 2), (4, 1024, 2, 2)), 4)
+

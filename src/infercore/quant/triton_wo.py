@@ -523,8 +523,9 @@ MODE6_TUNED: dict[tuple[str, int, int, int], dict | None] = {
     ("int4", 28672, 4096, 4): {'WARPS': 4, 'REPS': 4, 'SPLIT': 1, 'DEPTH': 1},
     ("int4", 28672, 4096, 16): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 4, 'DEPTH': 1},
     ("int4", 4096, 14336, 1): None,  # MODE 4 PACKED: 14.4 vs 16.4 us
-    # (M 2-4 there: MODE 5 on the stored words, 21.9 / 13.8 us against MODE 6's 20.3 / 11.7, so that a weight
-    # keeps one repacked copy: results/h200/quant_wo_small_m.json, quant_wo_mode6_one_mma.json)
+    # (M 2 there: MODE 4's packed dot at 2 rows, 19.0 / 9.4 us; M 3-4: MODE 5 on the stored words, 21.9 / 13.8 us
+    # against MODE 6's 20.3 / 11.7, so that a weight keeps one repacked copy: results/h200/quant_wo_dispatch.json,
+    # quant_wo_small_m.json, quant_wo_mode6_one_mma.json)
     ("int4", 4096, 14336, 4): None,
     ("int4", 6144, 4096, 1): None,  # MODE 4 PACKED: 7.3 vs 9.8 us
     ("int4", 6144, 4096, 4): None,
@@ -872,13 +873,16 @@ def _word_load(ptrs, kw, kw_end, EVEN: tl.constexpr, EVICT: tl.constexpr):
 #   FP8 : the e4m3 byte's sign to bit 15 of a half, its other 7 bits to bits 7-13: the value times 2**-8, exact
 #         (bytes 1 and 3 sit at the halves' tops already; bytes 0 and 2 are shifted there).
 # One asm block decodes a word once for all rows.
-def _packed_asm(fp8: bool, words: int, rows: int) -> str:
-    """The packed dot's PTX over ``words`` words and ``rows`` rows. Operands: ``$0 .. $(rows - 1)`` the fp32
-    sums, then the words, then each row's fp16x2 activation pairs, word by word (INT4: pairs ``j = 0..3`` of
+_PK_WORDS = 4  # words per packed step: a thread's own, of one scale group
+
+
+def _packed_asm(fp8: bool, rows: int) -> str:
+    """The packed dot's PTX over a step's ``_PK_WORDS`` words and ``rows`` rows. Operands: ``$0 .. $(rows - 1)``
+    the fp32 sums, then the words, then each row's fp16x2 activation pairs, word by word (INT4: pairs ``j = 0..3`` of
     codes ``j``, ``j + 4``; FP8: bytes 1 and 3, then bytes 0 and 2), then for INT4 the zero pairs of nibbles
     at bits 0-3 (``64 + z / 16``) and 4-7 (``4 + z / 16``) of each half. A nibble at bits 4-7 needs no shift:
     under the exponent of 4 its place value is already 1/16."""
-    per = 2 if fp8 else 4
+    per, words = (2 if fp8 else 4), _PK_WORDS
     w0, x0 = rows, rows + words
     mz0, mz1 = f"${x0 + rows * words * per}", f"${x0 + rows * words * per + 1}"
     acc = ["a"] if rows == 1 else [f"a{r}" for r in range(rows)]
@@ -909,17 +913,17 @@ def _packed_asm(fp8: bool, words: int, rows: int) -> str:
     return "\n".join(lines)
 
 
-_PK_I4_1 = tl.constexpr(_packed_asm(False, 4, 1))
-_PK_I4_2 = tl.constexpr(_packed_asm(False, 4, 2))
-_PK_I4_4 = tl.constexpr(_packed_asm(False, 4, 4))
-_PK_F8_1 = tl.constexpr(_packed_asm(True, 4, 1))
-_PK_F8_2 = tl.constexpr(_packed_asm(True, 4, 2))
-_PK_F8_4 = tl.constexpr(_packed_asm(True, 4, 4))
+_PK_I4_1 = tl.constexpr(_packed_asm(False, 1))
+_PK_I4_2 = tl.constexpr(_packed_asm(False, 2))
+_PK_I4_4 = tl.constexpr(_packed_asm(False, 4))
+_PK_F8_1 = tl.constexpr(_packed_asm(True, 1))
+_PK_F8_2 = tl.constexpr(_packed_asm(True, 2))
+_PK_F8_4 = tl.constexpr(_packed_asm(True, 4))
 
 
 def _packed_cons(fp8: bool, rows: int) -> str:
-    """The asm's constraints: the fp32 sums, then 4 words, the pairs (16 / 8 a row), INT4's zero pairs."""
-    return ",".join(["=f"] * rows + ["r"] * (4 + rows * (8 if fp8 else 16) + (0 if fp8 else 2)))
+    """The asm's constraints: the fp32 sums, then the words, the pairs (16 / 8 a row), INT4's zero pairs."""
+    return ",".join(["=f"] * rows + ["r"] * (_PK_WORDS * (1 + rows * (2 if fp8 else 4)) + (0 if fp8 else 2)))
 
 
 _PKC_I4_1, _PKC_I4_2, _PKC_I4_4 = (tl.constexpr(_packed_cons(False, r)) for r in (1, 2, 4))
@@ -997,6 +1001,7 @@ def _fp8_row(x_ptr, row, k, K, ILV: tl.constexpr, XMASK: tl.constexpr):
 
 @triton.jit
 def _row_pairs(x_ptr, row, k, K, FP8: tl.constexpr, ILV: tl.constexpr, XMASK: tl.constexpr):
+    """``_fp8_row`` or ``_int4_row``: the row's fp16x2 pairs, then the inverse scale."""
     if FP8:
         p = _fp8_row(x_ptr, row, k, K, ILV, XMASK)
     else:

@@ -20,7 +20,8 @@ def _rel(y, r):
 
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
 @pytest.mark.parametrize("sym,group", [(True, 128), (False, 128), (False, 256), (True, None)])
-@pytest.mark.parametrize("tile", [(4, 2, 1, 1), (4, 4, 2, 1), (8, 1, 4, 2), (8, 2, 1, 2), (2, 4, 3, 2)])
+@pytest.mark.parametrize("tile", [(4, 2, 1, 1), (4, 4, 2, 1), (8, 1, 4, 2), (8, 2, 1, 2), (2, 4, 3, 2), (4, 4, 1, 3),
+                                  (2, 4, 2, 3)])
 def test_mode6_int4(m, sym, group, tile):
     warps, reps, split, depth = tile
     cfg = {"MODE": 6, "WARPS": warps, "REPS": reps, "SPLIT": split, "DEPTH": depth}
@@ -41,7 +42,7 @@ def _int4_rel_err(m: int, n: int, sym: bool, group, cfg: dict) -> float:
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("block", [None, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("split,depth", [(1, 1), (4, 2)])
+@pytest.mark.parametrize("split,depth", [(1, 1), (4, 2), (3, 3)])
 @pytest.mark.parametrize("wn", [0, 1])  # the warps split K / N
 def test_mode6_fp8(m, block, dtype, split, depth, wn):
     torch.manual_seed(m)
@@ -71,7 +72,9 @@ def test_mode6_fused_gated_act(kind, m, split, wn):
     d, k = 128, 512
     wf = torch.randn(2 * d, k, device=dev) * 0.05
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    cfg = {"MODE": 6, "WN": wn, "WARPS": 4, "REPS": 2, "SPLIT": split, "DEPTH": 2 if m > 1 else 1}
+    cfg = {"MODE": 6, "WN": wn, "WARPS": 4, "REPS": 2, "SPLIT": split, "DEPTH": {1: 3, 2: 2, 16: 1}[m]}
+    if m == 1:
+        cfg["MAXNREG"] = 128  # as the tuned entry of the merged gate_up at M=1
     if kind == "int4":
         w = IntWeight.quantize(wf, bits=4, group_size=128)
         y = TW.wq_matmul_triton(x, w, config=cfg, act="silu")
@@ -86,11 +89,14 @@ def test_mode6_fused_gated_act(kind, m, split, wn):
 
 @pytest.mark.parametrize("m", [1, 3, 9, 16])
 @pytest.mark.parametrize("sym,group", [(True, 128), (False, 128), (True, None)])
-@pytest.mark.parametrize("tile", [(4, 4, 1, 1), (4, 4, 3, 2), (2, 2, 8, 1), (8, 1, 2, 2), (1, 4, 5, 1)])
+@pytest.mark.parametrize("tile", [(4, 4, 1, 1), (4, 4, 3, 2), (2, 2, 8, 1), (8, 1, 2, 2), (1, 4, 5, 1), (4, 4, 3, 3),
+                                  (2, 2, 8, 3), (8, 4, 1, 3)])
 def test_mode6_warps_split_n_int4(m, sym, group, tile):
     """WN: each warp owns a channel block (no cross-warp sum), split-K through the workspace."""
     warps, reps, split, depth = tile
     cfg = {"MODE": 6, "WN": 1, "WARPS": warps, "REPS": reps, "SPLIT": split, "DEPTH": depth}
+    if depth == 3 and warps == 4:  # as the tuned M=1 entries: ptxas spills past the cap
+        cfg["MAXNREG"] = 128
     assert _int4_rel_err(m, 512, sym, group, cfg) < 8e-3
 
 
@@ -113,7 +119,9 @@ def test_mode6_graph_replay_and_bad_config(wn):
     with pytest.raises(ValueError, match="WARPS"):
         TW.wq_matmul_triton(x, w, config={**cfg, "WARPS": 3})
     with pytest.raises(ValueError, match="DEPTH"):
-        TW.wq_matmul_triton(x, w, config={**cfg, "DEPTH": 3})
+        TW.wq_matmul_triton(x, w, config={**cfg, "DEPTH": 4})
+    with pytest.raises(ValueError, match="MAXNREG"):
+        TW.wq_matmul_triton(x, w, config={**cfg, "MAXNREG": 8})
     if wn:  # each warp owns a channel block: the blocks must split evenly among the warps
         w3 = IntWeight.quantize(torch.randn(192, k, device=dev) * 0.05, bits=4, group_size=128)  # 3 blocks of 64
         with pytest.raises(ValueError, match="multiple of WARPS"):

@@ -491,7 +491,7 @@ def _k_loop(WN: tl.constexpr, wp, pb, G, it0, it1, n_iters, offs_r, offs_c, warp
     # the set after it (DEPTH 2); with DEPTH 1 a copy of the first, never read
     (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = (
         w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1)
-    if DEPTH == 2:
+    if DEPTH >= 2:
         (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = _k_loads(
             WN, wp, tl.minimum(it0 + 1, n_iters - 1), pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2,
             xmask2, sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, True, not PREWAIT)
@@ -501,10 +501,36 @@ def _k_loop(WN: tl.constexpr, wp, pb, G, it0, it1, n_iters, offs_r, offs_c, warp
             WN, wp, tl.minimum(it0, n_iters - 1), pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2, xmask2,
             sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, False, True)
         (na0, na1, na2, na3, nb0, nb1, nb2, nb3) = (xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3)
-        if DEPTH == 2:
+        if DEPTH >= 2:
             (t0, t1, t2, t3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, t4, t5) = _k_loads(
                 WN, wp, tl.minimum(it0 + 1, n_iters - 1), pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2,
                 xmask2, sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, False, True)
+    if DEPTH == 3:
+        # DEPTH 2's pipeline unrolled three ways: set C is loaded before A's MMAs, A's registers take
+        # iteration it + 3 once A is consumed, B's it + 4: two iterations stay in flight and nothing is
+        # copied back at the loop's end (the two-set rotation below costs ~64 register moves per iteration).
+        for it in range(it0, it1, 3):
+            (c0, c1, c2, c3, ca0, ca1, ca2, ca3, cb0, cb1, cb2, cb3, cs0, cs1) = _k_loads(
+                WN, wp, tl.minimum(it + 2, it1 - 1), pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2,
+                xmask2, sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, True, True)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_iter_mma(
+                w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1, a0, a1, a2, a3, a4, a5, a6, a7,
+                zero, FP8, BSCALE, NB, WARPS, REPS, ASM, CONS, WN and not FP8 and REPS > 1)
+            (w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1) = _k_loads(
+                WN, wp, tl.minimum(it + 3, it1 - 1), pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2,
+                xmask2, sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, True, True)
+            if it + 1 < it1:
+                a0, a1, a2, a3, a4, a5, a6, a7 = _frag_iter_mma(
+                    n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1, a0, a1, a2, a3, a4, a5, a6,
+                    a7, zero, FP8, BSCALE, NB, WARPS, REPS, ASM, CONS, WN and not FP8 and REPS > 1)
+            (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = _k_loads(
+                WN, wp, tl.minimum(it + 4, it1 - 1), pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2,
+                xmask2, sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, True, True)
+            if it + 2 < it1:
+                a0, a1, a2, a3, a4, a5, a6, a7 = _frag_iter_mma(
+                    c0, c1, c2, c3, ca0, ca1, ca2, ca3, cb0, cb1, cb2, cb3, cs0, cs1, a0, a1, a2, a3, a4, a5, a6,
+                    a7, zero, FP8, BSCALE, NB, WARPS, REPS, ASM, CONS, WN and not FP8 and REPS > 1)
+        return a0, a1, a2, a3, a4, a5, a6, a7
     for it in range(it0, it1):
         (m0, m1, m2, m3, ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3, ms0, ms1) = _k_loads(
             WN, wp, tl.minimum(it + DEPTH, it1 - 1), pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2,
@@ -903,8 +929,9 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
     ``kind`` "int4": ``frags`` int32 ``[N/64, K/128, 8, 32, 4]`` and ``s`` int64 ``[N/64, K/128, 8, 4]``
     from :func:`pack_int4`; "fp8": ``frags`` int64 ``[N/32, K/128, 8, 32, 2]`` from :func:`pack_fp8`, ``s``
     fp32 per-channel scales ``[N]`` (packed row order) or, with ``bscale``, :func:`pack_fp8_block_scales`;
-    ``fold`` the decode's power of two (2**120 bf16, 2**8 fp16). ``cfg``: WARPS, REPS, SPLIT, DEPTH, and WN
-    (1: the warps split N, ``_frag_kernel``'s ``WN``)."""
+    ``fold`` the decode's power of two (2**120 bf16, 2**8 fp16). ``cfg``: WARPS, REPS, SPLIT, DEPTH, WN
+    (1: the warps split N, ``_frag_kernel``'s ``WN``) and optionally MAXNREG (a register cap per thread
+    for ptxas, which spills past it)."""
     if kind not in ("int4", "fp8"):
         raise ValueError(f"kind: expected 'int4' or 'fp8', got {kind!r}")
     ct = 4 if kind == "int4" else 2
@@ -954,14 +981,18 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
     cnt = arrival_counters(x.device, grid_n) if split > 1 else y
     use_pdl = pdl_enabled(x)
     depth = int(cfg.get("DEPTH", 1))
-    if depth not in (1, 2):
-        raise ValueError(f"config: DEPTH (iterations loaded ahead) must be 1 or 2, got {depth}")
+    if depth not in (1, 2, 3):
+        raise ValueError(f"config: DEPTH (1 or 2 iterations loaded ahead; 3: 2 without register rotation) must be "
+                         f"1, 2 or 3, got {depth}")
+    maxnreg = cfg.get("MAXNREG") or 0
+    if not isinstance(maxnreg, int) or not (maxnreg == 0 or 32 <= maxnreg <= 255):
+        raise ValueError(f"config: MAXNREG (registers per thread) must be an int in [32, 255], got {maxnreg!r}")
     _frag_kernel[(grid_n, split)](
         x, frags, s, ws, y, cnt,
         m, n, gk, per, x.stride(0), y.stride(0),
         FP8=kind == "fp8", NB=nb, BSCALE=bscale, WARPS=warps, REPS=reps, SPLIT_K=split > 1, ACT=code,
         FOLD=fold, ASM=asm, CONS=cons, DEPTH=depth, PREWAIT=use_pdl and GEMV_PREWAIT > 0, WN=wn, num_warps=warps,
-        num_stages=1, **pdl_launch(use_pdl),
+        num_stages=1, **pdl_launch(use_pdl), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return y
 

@@ -517,9 +517,13 @@ SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
 # 14336x4096: M=1 14.1 us (bf16 32.7, tinygemm 18.0), M=4 17.3; 28672x4096 M=1 23.1, M=4 25.8
 # (4096x14336 M=1 16.0, M=4 20.3 and 6144x4096 M=1 9.8, M=4 11.7 before the None entries below).
 MODE6_TUNED: dict[tuple[str, int, int, int], dict | None] = {
-    ("int4", 14336, 4096, 1): {'WN': 1, 'WARPS': 4, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
-    ("int4", 14336, 4096, 4): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 7, 'DEPTH': 2},
-    ("int4", 28672, 4096, 1): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 4, 'DEPTH': 2},
+    # M=1 on the MLP shapes (sixteenth session, results/h200/sweeps/probe_frag_depth.json, alternating rounds):
+    # DEPTH 3 (no register rotation) under a 128-register cap, 13.70 vs 13.99 us and 21.89 vs 23.14 us for
+    # the DEPTH 2 tiles before; M=4 on 14336x4096 eight warps, 16.85 vs 17.26 us.
+    ("int4", 14336, 4096, 1): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 3, 'MAXNREG': 128},
+    ("int4", 14336, 4096, 2): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 7, 'DEPTH': 2},  # (M=2: the M=4 tile before)
+    ("int4", 14336, 4096, 4): {'WN': 1, 'WARPS': 8, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
+    ("int4", 28672, 4096, 1): {'WN': 1, 'WARPS': 4, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 3, 'MAXNREG': 128},
     ("int4", 28672, 4096, 4): {'WARPS': 4, 'REPS': 4, 'SPLIT': 1, 'DEPTH': 1},
     ("int4", 28672, 4096, 16): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 4, 'DEPTH': 1},
     ("int4", 4096, 14336, 1): None,  # MODE 4 PACKED: 14.4 vs 16.4 us

@@ -1,0 +1,124 @@
+"""MODE 6's K loop with the two-set register rotation (DEPTH 2) against the same pipeline unrolled three
+ways without it (DEPTH 3), optionally under a register cap (MAXNREG), at the tuned tiles and around them.
+
+For each (kind, shape, M): the dispatcher's call (no config), the shipping MODE 6 entry where there is one,
+and variants of it; every variant first checked against ``dequantize()`` + an fp32 matmul, then all timed
+in alternating rounds (one CUDA graph per config over weight copies that exceed the L2, as
+``sweep_quant_wo.py``), the median of the rounds reported. bf16 ``F.linear`` in the same rounds.
+
+    python benchmarks/probe_frag_depth.py --out $OUT/r/probe_frag_depth.json     # H200, ~4 min
+"""
+
+# ruff: noqa: B023  (closures are run inside the loop iteration that defines them)
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import rel_err, time_graph, write_results  # noqa: E402
+from sweep_quant_wo import WORKING_SET, make_weights  # noqa: E402
+
+SHAPES = {"gate_up/2": (14336, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096),
+          "o_proj": (4096, 4096)}
+
+
+def _wn(warps, reps, split, depth, maxnreg=0):
+    c = {"MODE": 6, "WN": 1, "WARPS": warps, "REPS": reps, "SPLIT": split, "DEPTH": depth}
+    if maxnreg:
+        c["MAXNREG"] = maxnreg
+    return c
+
+
+def variants(kind: str, shape: str, m: int) -> list[dict]:
+    """The tuned entry's neighbourhood: DEPTH 2 (as shipped, where MODE 6 ships) vs 3, splits, warps."""
+    out = []
+    for warps in (2, 4, 8):
+        for split in (4, 8, 16) if shape != "down" else (8, 16, 32):
+            out.append(_wn(warps, 4, split, 2))
+            out.append(_wn(warps, 4, split, 3))
+    if kind == "int4":
+        out += [_wn(4, 4, 8, 3, 128), _wn(2, 4, 8, 3, 128), _wn(2, 4, 4, 3, 128)]
+    return out
+
+
+def main() -> None:  # noqa: C901 (one linear script)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cases", default="int4:gate_up/2:1,int4:gate_up/2:4,int4:gate_up:1,int4:down:1,int4:qkv:1,"
+                                        "fp8:gate_up/2:4,fp8:gate_up/2:16,fp8:gate_up/2:2")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=400.0)
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    cases, rows = [], []
+    for spec in args.cases.split(","):
+        if time.perf_counter() - t0 > args.budget_s:
+            print("budget reached", flush=True)
+            break
+        kind, shape, m = spec.split(":")
+        m = int(m)
+        n, k = SHAPES[shape]
+        w = torch.randn(n, k, device="cuda") * 0.02
+        wb = n * k // 2 if kind == "int4" else n * k
+        copies = max(1, math.ceil(WORKING_SET / wb))
+        q, qs, fn, qbytes = make_weights(kind, w, copies)
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        ref = x.float() @ q.dequantize(torch.float32).T
+        w16 = w.to(torch.bfloat16)
+        c16 = max(1, math.ceil(WORKING_SET / (n * k * 2)))
+        w16s = [w16] + [w16.clone() for _ in range(c16 - 1)]
+        n_calls = math.ceil(max(copies, 24) / copies) * copies
+        timed = {"bf16 F.linear": (lambda i: F.linear(x, w16s[i % c16]), math.ceil(n_calls / c16) * c16),
+                 "dispatcher": (lambda i: fn(x, qs[i % copies]), n_calls)}
+        for qq in qs:
+            fn(x, qq)
+        for cfg in variants(kind, shape, m):
+            label = json.dumps(cfg, sort_keys=True)
+            try:
+                err = rel_err(fn(x, q, config=cfg), ref)
+                if not err < 1e-2:
+                    raise RuntimeError(f"rel err {err:.3g}")
+                for qq in qs:
+                    fn(x, qq, config=cfg)
+            except Exception as e:  # noqa: BLE001
+                rows.append({"case": spec, "config": cfg, "error": repr(e)[:300]})
+                print(f"  {spec} {cfg}: FAILED {repr(e)[:200]}", flush=True)
+                continue
+            timed[label] = (lambda i, c=cfg: fn(x, qs[i % copies], config=c), n_calls)
+        times = {lab: [] for lab in timed}
+        for _ in range(args.rounds):
+            for lab, (call, nc) in timed.items():
+                times[lab].append(time_graph(call, nc, reps=5, warmup=1) * 1e6)
+        med = {lab: statistics.median(v) for lab, v in times.items()}
+        for lab, us in sorted(med.items(), key=lambda kv: kv[1]):
+            rows.append({"case": spec, "config": lab, "us": us, "rounds_us": times[lab]})
+        d2 = {lab: us for lab, us in med.items() if '"DEPTH": 2' in lab}
+        d3 = {lab: us for lab, us in med.items() if '"DEPTH": 3' in lab}
+        best2 = min(d2.items(), key=lambda kv: kv[1]) if d2 else (None, float("nan"))
+        best3 = min(d3.items(), key=lambda kv: kv[1]) if d3 else (None, float("nan"))
+        summary = {"case": spec, "dispatcher_us": med["dispatcher"], "bf16_us": med["bf16 F.linear"],
+                   "best_depth2": {"config": best2[0], "us": best2[1]},
+                   "best_depth3": {"config": best3[0], "us": best3[1]}}
+        cases.append(summary)
+        print(f"{spec}: dispatcher {med['dispatcher']:.2f} bf16 {med['bf16 F.linear']:.2f} | best D2 {best2[1]:.2f} "
+              f"{best2[0]} | best D3 {best3[1]:.2f} {best3[0]}", flush=True)
+        doc = write_results(args.out, "probe_frag_depth", torch.cuda.get_device_name(), [])
+        doc.update({"summary": cases, "rows": rows, "wall_s": time.perf_counter() - t0})
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

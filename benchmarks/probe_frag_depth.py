@@ -33,21 +33,34 @@ SHAPES = {"gate_up/2": (14336, 4096), "gate_up": (28672, 4096), "down": (4096, 1
           "o_proj": (4096, 4096)}
 
 
-def _wn(warps, reps, split, depth, maxnreg=0):
-    c = {"MODE": 6, "WN": 1, "WARPS": warps, "REPS": reps, "SPLIT": split, "DEPTH": depth}
+def _wn(warps, reps, split, depth, maxnreg=0, wn=1):
+    c = {"MODE": 6, "WARPS": warps, "REPS": reps, "SPLIT": split, "DEPTH": depth}
+    if wn:
+        c["WN"] = 1
     if maxnreg:
         c["MAXNREG"] = maxnreg
     return c
 
 
-def variants(kind: str, shape: str, m: int) -> list[dict]:
-    """The tuned entry's neighbourhood: DEPTH 2 (as shipped, where MODE 6 ships) vs 3, splits, warps."""
+def variants(kind: str, shape: str, m: int, caps: bool) -> list[dict]:
+    """The tuned entry's neighbourhood: DEPTH 2 (as shipped, where MODE 6 ships) vs 3 (and, with ``caps``,
+    3 under a register cap: 128 with one B fragment, 168 with two), over warps and splits."""
     out = []
+    splits = (4, 8, 16) if m == 1 else (1, 2, 4, 8)
+    if shape == "down":
+        splits = tuple(2 * s for s in splits)
+    cap = 128 if m <= 8 else 168
     for warps in (2, 4, 8):
-        for split in (4, 8, 16) if shape != "down" else (8, 16, 32):
+        for split in splits:
             out.append(_wn(warps, 4, split, 2))
             out.append(_wn(warps, 4, split, 3))
-    if kind == "int4":
+            if caps:
+                out.append(_wn(warps, 4, split, 3, cap))
+    if m > 1:  # the warps splitting K (the merged gate_up's M = 2..4 entry)
+        for depth in (1, 2, 3):
+            for split in (1, 2):
+                out.append(_wn(4, 4, split, depth, wn=0))
+    elif kind == "int4" and not caps:
         out += [_wn(4, 4, 8, 3, 128), _wn(2, 4, 8, 3, 128), _wn(2, 4, 4, 3, 128)]
     return out
 
@@ -58,6 +71,7 @@ def main() -> None:  # noqa: C901 (one linear script)
     ap.add_argument("--cases", default="int4:gate_up/2:1,int4:gate_up/2:4,int4:gate_up:1,int4:down:1,int4:qkv:1,"
                                         "fp8:gate_up/2:4,fp8:gate_up/2:16,fp8:gate_up/2:2")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--caps", action="store_true", help="every DEPTH 3 tile also under a register cap")
     ap.add_argument("--budget-s", type=float, default=400.0)
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -84,7 +98,7 @@ def main() -> None:  # noqa: C901 (one linear script)
                  "dispatcher": (lambda i: fn(x, qs[i % copies]), n_calls)}
         for qq in qs:
             fn(x, qq)
-        for cfg in variants(kind, shape, m):
+        for cfg in variants(kind, shape, m, args.caps):
             label = json.dumps(cfg, sort_keys=True)
             try:
                 err = rel_err(fn(x, q, config=cfg), ref)

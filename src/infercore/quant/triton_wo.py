@@ -519,9 +519,10 @@ SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {
 MODE6_TUNED: dict[tuple[str, int, int, int], dict | None] = {
     # M=1 on the MLP shapes (sixteenth session, results/h200/sweeps/probe_frag_depth.json, alternating rounds):
     # DEPTH 3 (no register rotation) under a 128-register cap, 13.70 vs 13.99 us and 21.89 vs 23.14 us for
-    # the DEPTH 2 tiles before; M=4 on 14336x4096 eight warps, 16.85 vs 17.26 us.
+    # the DEPTH 2 tiles before; M=4 on 14336x4096 eight warps, 16.85 vs 17.26 us; M=2 there the warps splitting
+    # K at DEPTH 3 (sweeps/probe_frag_depth_caps.json).
     ("int4", 14336, 4096, 1): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 3, 'MAXNREG': 128},
-    ("int4", 14336, 4096, 2): {'WN': 1, 'WARPS': 2, 'REPS': 4, 'SPLIT': 7, 'DEPTH': 2},  # (M=2: the M=4 tile before)
+    ("int4", 14336, 4096, 2): {'WARPS': 4, 'REPS': 4, 'SPLIT': 1, 'DEPTH': 3},  # 15.59 vs 16.85 us (_caps.json)
     ("int4", 14336, 4096, 4): {'WN': 1, 'WARPS': 8, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 2},
     ("int4", 28672, 4096, 1): {'WN': 1, 'WARPS': 4, 'REPS': 4, 'SPLIT': 8, 'DEPTH': 3, 'MAXNREG': 128},
     ("int4", 28672, 4096, 4): {'WARPS': 4, 'REPS': 4, 'SPLIT': 1, 'DEPTH': 1},

@@ -920,6 +920,20 @@ def default_config(kind: str, n: int, k: int, m: int, num_sms: int) -> dict:
     return {"MODE": 6, "WARPS": warps, "REPS": reps, "SPLIT": split}
 
 
+def m1_config(n: int, k: int, num_sms: int) -> dict:
+    """INT4 at M=1 for shapes the sweep did not tune (``triton_wo.MODE6_MIN_N``): the tuned M=1 entries'
+    kernel (the warps splitting N, DEPTH 3 under a 128-register cap), split-K doubling until ~12 warps per
+    multiprocessor while each split keeps >= 8 iterations (14336x4096 -> 8, the lm_head's 128256 rows -> 1:
+    the splits the H200 probes measured fastest there, sweeps/probe_frag_depth.json, probe_lm_head.json)."""
+    blocks = n // 64
+    warps = 4 if blocks % 4 == 0 else 2 if blocks % 2 == 0 else 1
+    iters = k // KSTEP * 8 // 4
+    split = 1
+    while blocks * split < 12 * num_sms and iters // (2 * split) >= 8:
+        split *= 2
+    return {"MODE": 6, "WN": 1, "WARPS": warps, "REPS": 4, "SPLIT": split, "DEPTH": 3, "MAXNREG": 128}
+
+
 def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *, s: torch.Tensor,
            bscale: bool = False, fold: float = 1.0,
            act: str | None = None) -> torch.Tensor:

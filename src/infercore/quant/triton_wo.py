@@ -546,6 +546,22 @@ def _tuned(table: dict, kind: str, n: int, k: int, m: int, borrow: int) -> tuple
     return (False, None) if key is None else (True, table[key])
 
 
+# Untuned INT4 shapes run MODE 6 at M=1 from this many channels (``TF.m1_config``: the warps splitting N,
+# DEPTH 3 under a 128-register cap). On the H200 it beat MODE 4 on 14336 and 28672 channels (MODE6_TUNED)
+# and on the 128256-row lm_head, 73.9 vs 107.2 us for MODE 4's best tile (sweeps/probe_lm_head.json); MODE 4
+# won at 4096 and 6144.
+MODE6_MIN_N = 8192
+
+
+def _mode6_entry(kind: str, n: int, k: int, m: int, num_sms: int) -> dict | None:
+    """MODE 6's launch entry for this shape and M (``MODE6_TUNED``, else ``TF.m1_config`` for INT4 at M=1
+    from ``MODE6_MIN_N`` channels), or None where MODE 6 does not run by default."""
+    found, entry = _tuned(MODE6_TUNED, kind, n, k, m, 2)
+    if not found and kind == "int4" and m == 1 and n >= MODE6_MIN_N:
+        return TF.m1_config(n, k, num_sms)
+    return entry
+
+
 def repacked_layouts(kind: str, n: int, k: int) -> set[str]:
     """The repacked copies the tuned tables make for a ``[n, k]`` weight (``kind`` "int4" / "fp8") over
     M = 1..SMALL_M_MAX on a GPU: "mode4" (``interleave_words``) and / or "mode6" (``triton_frag``'s
@@ -553,7 +569,7 @@ def repacked_layouts(kind: str, n: int, k: int) -> set[str]:
     tests/quant/test_triton_wo_small_m.py)."""
     out = set()
     for m in range(1, SMALL_M_MAX + 1):
-        if _tuned(MODE6_TUNED, kind, n, k, m, 2)[1] is not None:
+        if _mode6_entry(kind, n, k, m, 132) is not None:
             out.add("mode6")
         elif m <= GEMV_M_MAX:
             found, cfg = _tuned(SMALL_M_TUNED, kind, n, k, m, 4)
@@ -576,7 +592,7 @@ def _mode6_cfg(kind: str, x: torch.Tensor, n: int, k: int, override: dict | None
         return {**TF.default_config(kind, n, k, m, _num_sms(x.device)), **override}
     if m > SMALL_M_MAX or _INTERPRET or not x.is_cuda or not REPACK:  # MODE 6 repacks like MODE 4
         return None
-    tuned = _tuned(MODE6_TUNED, kind, n, k, m, 2)[1]  # (an entry None: not MODE 6 for this bucket)
+    tuned = _mode6_entry(kind, n, k, m, _num_sms(x.device))  # (None: not MODE 6 for this shape and bucket)
     if tuned is None or not runnable():
         return None
     return {**TF.default_config(kind, n, k, m, _num_sms(x.device)), **tuned}
@@ -620,7 +636,12 @@ def _small_cfg(kind: str, n: int, kp: int, m: int, kmax: int, device: torch.devi
     elif m == 1:
         # The tile the H200 sweep picked on most Llama-8B shapes (results/h200/quant_wo_small_m.json):
         # 4 channels x 2048 codes per step, 2-stage pipelined K loop; at M = 2..4 the swapped dot won.
+        # INT4 takes 8 channels on 2 warps, the packed dot's tile (qkv's entry): with 4 warps a 2048-code
+        # step is too short for the packed dot, and the fp32 path it falls back to read the 128256-row
+        # lm_head in 286 us against 107 (sweeps/probe_lm_head.json).
         cfg = {"MODE": 4, "BLOCK_N": 4, "BLOCK_K": 2048, "SPLIT": 0, "num_warps": 4, "num_stages": 2}
+        if kind == "int4":
+            cfg.update(BLOCK_N=8, num_warps=2)
     else:  # the tile the H200 sweep picked for M = 2..16 on most shapes (MODE 2 where MODE 5 cannot run)
         cfg = dict(_MODE5_DEFAULT)
     if cfg["MODE"] != 4:  # MODE 4 tiles span groups (per-word scales)

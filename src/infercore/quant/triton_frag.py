@@ -30,7 +30,10 @@ per-channel scales apply once at the end, 128x128 block scales per chunk. No FP8
 used, so the FP8 path runs on sm80 too.
 
 The K loop keeps ``DEPTH`` (1 or 2) iterations of loads in flight in loop-carried registers (ptxas
-sinks a one-ahead prefetch to the end of the loop body, hence DEPTH 2). With PDL the weights and scales
+sinks a one-ahead prefetch to the end of the loop body, hence DEPTH 2); DEPTH 3 is DEPTH 2 unrolled three
+ways, without the register moves that rotate the two sets at the loop's end (-16% instructions, +36
+registers: it wins under a ``MAXNREG`` 128 cap on the INT4 MLP shapes at M=1, 2-5%,
+results/h200/sweeps/probe_frag_depth.json). With PDL the weights and scales
 of those first DEPTH iterations are loaded before waiting for the previous kernel (``PREWAIT``; the
 activations after it): W4A16 batch-1 step 2.758 -> 2.722 ms
 (results/h200/sweeps/probe_bs1_mode6_prewait.json). Triton stages loads that feed

@@ -30,7 +30,10 @@ from _common import rel_err, time_graph, write_results  # noqa: E402
 from sweep_quant_wo import WORKING_SET, make_weights  # noqa: E402
 
 SHAPES = {"gate_up/2": (14336, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096),
-          "o_proj": (4096, 4096), "lm_head": (128256, 4096)}
+          "o_proj": (4096, 4096), "lm_head": (128256, 4096), "70b_o_proj": (8192, 8192), "70b_qkv": (10240, 8192),
+          "wide_k": (8192, 4096)}
+# shapes outside the tuned tables: MODE 4's packed tiles next to MODE 6 (the dispatcher's default from 8192 channels)
+UNTUNED = ("lm_head", "70b_o_proj", "70b_qkv", "wide_k")
 
 
 def _wn(warps, reps, split, depth, maxnreg=0, wn=1):
@@ -56,9 +59,9 @@ def variants(kind: str, shape: str, m: int, caps: bool) -> list[dict]:
             out.append(_wn(warps, 4, split, 3))
             if caps:
                 out.append(_wn(warps, 4, split, 3, cap))
-    if shape == "lm_head":  # a vocabulary-sized N: MODE 4's packed tiles and MODE 6 with fewer splits too
-        out = [_wn(w, 4, sp, d, 128 if d == 3 and kind == "int4" else 0) for w in (2, 4) for sp in (1, 2, 4)
-               for d in (2, 3)]
+    if shape in UNTUNED:  # MODE 4's packed tiles and MODE 6 at DEPTH 2 / 3 with few splits too
+        out = [_wn(w, 4, sp, d, 128 if d == 3 and kind == "int4" else 0) for w in (2, 4)
+               for sp in ((1, 2, 4) if shape == "lm_head" else (4, 8, 16)) for d in (2, 3)]
         out += [{"MODE": 4, "BLOCK_N": bn, "BLOCK_K": 2048, "num_warps": w, "num_stages": 2, "SPLIT": sp,
                  "PACKED": True} for bn in (4, 8) for w in (2, 4) for sp in (0, 1)]
         return out

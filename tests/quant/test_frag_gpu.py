@@ -134,19 +134,19 @@ def test_mode6_graph_replay_and_bad_config(wn):
         TW.wq_matmul_triton(x, w_odd, config=cfg)
 
 
-@pytest.mark.parametrize("n,mode6", [(8192, True), (4096, False)])
-def test_untuned_int4_m1_default(monkeypatch, n, mode6):
-    """A shape outside the tuned tables at M=1: from MODE6_MIN_N channels the call without a config runs
-    MODE 6 (``m1_config``), below it MODE 4's packed tile; both against dequantize() + fp32 matmul, eager
-    and inside a CUDA graph (its repack made by the eager call)."""
+@pytest.mark.parametrize("n,k,mode6", [(8192, 6144, True), (4096, 1024, False), (8192, 1024, False)])
+def test_untuned_int4_m1_default(monkeypatch, n, k, mode6):
+    """A shape outside the tuned tables at M=1: from MODE6_MIN_N channels and MODE6_MIN_BYTES of codes the
+    call without a config runs MODE 6 (``m1_config``), below either MODE 4's packed tile; both against
+    dequantize() + fp32 matmul, eager and inside a CUDA graph (its repack made by the eager call)."""
     from infercore.quant import triton_frag as TF
 
     seen = []
     real = TF.launch
     monkeypatch.setattr(TF, "launch", lambda *a, **kw: seen.append(a[4]) or real(*a, **kw))
     torch.manual_seed(0)
-    w = IntWeight.quantize(torch.randn(n, 1024, device=dev) * 0.05, bits=4, group_size=128)
-    x = torch.randn(1, 1024, device=dev, dtype=torch.bfloat16)
+    w = IntWeight.quantize(torch.randn(n, k, device=dev) * 0.05, bits=4, group_size=128)
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
     ref = x.float() @ w.dequantize(torch.float32).T
     y = TW.wq_matmul_triton(x, w)
     assert _rel(y, ref) < 8e-3

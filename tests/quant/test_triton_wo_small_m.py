@@ -367,18 +367,21 @@ def test_tuned_tables_keep_one_repacked_copy(monkeypatch):
 
 
 def test_untuned_int4_m1_default_tiles(monkeypatch):
-    """Shapes outside the tables: INT4 at M=1 takes MODE 6 from MODE6_MIN_N channels (split-K filling
-    ~12 warps per SM, >= 8 iterations per split; one repacked copy over M = 1..16) and MODE 4's packed
-    2-warp tile below; FP8 keeps MODE 4."""
+    """Shapes outside the tables: INT4 at M=1 takes MODE 6 from MODE6_MIN_N channels and MODE6_MIN_BYTES
+    of codes (split-K filling ~12 warps per SM, >= 8 iterations per split; one repacked copy over
+    M = 1..16) and MODE 4's packed 2-warp tile below; FP8 keeps MODE 4."""
     from infercore.quant import triton_frag, triton_wo
 
     lm_head = triton_wo._mode6_entry("int4", 128256, 4096, 1, 132)
     assert lm_head == {"MODE": 6, "WN": 1, "WARPS": 4, "REPS": 4, "SPLIT": 1, "DEPTH": 3, "MAXNREG": 128}
     assert triton_frag.m1_config(14336, 4096, 132)["SPLIT"] == 8  # the tuned entry's split
     assert triton_frag.m1_config(8192, 1024, 132)["SPLIT"] == 2  # 16 iterations: 8 per split
+    assert triton_frag.m1_config(8192, 8192, 132)["SPLIT"] == 16  # the split measured fastest there
     assert triton_frag.m1_config(151936, 4096, 132)["WARPS"] == 2  # 2374 blocks of 64: WN needs WARPS | blocks
     assert triton_wo._mode6_entry("int4", 128256, 4096, 2, 132) is None  # M > 1: MODE 5 on the stored words
     assert triton_wo._mode6_entry("int4", 4096, 8192, 1, 132) is None  # below MODE6_MIN_N
+    assert triton_wo._mode6_entry("int4", 8192, 4096, 1, 132) is None  # below MODE6_MIN_BYTES (16 MiB of codes)
+    assert triton_wo._mode6_entry("int4", 8192, 8192, 1, 132)["SPLIT"] == 16
     assert triton_wo._mode6_entry("fp8", 128256, 4096, 1, 132) is None
     assert triton_wo.repacked_layouts("int4", 128256, 4096) == {"mode6"}
     assert triton_wo.repacked_layouts("int4", 4096, 8192) == {"mode4"}

@@ -546,18 +546,21 @@ def _tuned(table: dict, kind: str, n: int, k: int, m: int, borrow: int) -> tuple
     return (False, None) if key is None else (True, table[key])
 
 
-# Untuned INT4 shapes run MODE 6 at M=1 from this many channels (``TF.m1_config``: the warps splitting N,
-# DEPTH 3 under a 128-register cap). On the H200 it beat MODE 4 on 14336 and 28672 channels (MODE6_TUNED)
-# and on the 128256-row lm_head, 73.9 vs 107.2 us for MODE 4's best tile (sweeps/probe_lm_head.json); MODE 4
-# won at 4096 and 6144.
+# Untuned INT4 shapes run MODE 6 at M=1 from this many channels and bytes of codes (``TF.m1_config``: the
+# warps splitting N, DEPTH 3 under a 128-register cap). On the H200 it beat MODE 4 on 14336x4096 and
+# 28672x4096 (MODE6_TUNED), on the 128256-row lm_head (73.9 vs 107.2 us for MODE 4's best tile,
+# sweeps/probe_lm_head.json), 8192x8192 (14.8 vs 16.7) and 10240x8192 (18.4 vs 20.7); MODE 4 won on 4096
+# or 6144 channels and on 8192x4096 (9.8 vs 11.3 us; sweeps/probe_untuned_int4.json).
 MODE6_MIN_N = 8192
+MODE6_MIN_BYTES = 24 << 20
 
 
 def _mode6_entry(kind: str, n: int, k: int, m: int, num_sms: int) -> dict | None:
     """MODE 6's launch entry for this shape and M (``MODE6_TUNED``, else ``TF.m1_config`` for INT4 at M=1
-    from ``MODE6_MIN_N`` channels), or None where MODE 6 does not run by default."""
+    from ``MODE6_MIN_N`` channels and ``MODE6_MIN_BYTES`` of codes), or None where MODE 6 does not run by
+    default."""
     found, entry = _tuned(MODE6_TUNED, kind, n, k, m, 2)
-    if not found and kind == "int4" and m == 1 and n >= MODE6_MIN_N:
+    if not found and kind == "int4" and m == 1 and n >= MODE6_MIN_N and n * k // 2 >= MODE6_MIN_BYTES:
         return TF.m1_config(n, k, num_sms)
     return entry
 

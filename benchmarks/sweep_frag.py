@@ -38,8 +38,8 @@ from infercore.quant import triton_frag as TF  # noqa: E402
 
 # (warps, repetitions per iteration). The run behind quant_wo_mode6.json also tried an L2 bulk prefetch
 # 2-4 iterations ahead ("PF", since removed: it measured 0-8% slower); its rows keep that key.
-# DEPTH: iterations whose loads are in flight ahead of the MMAs (1 or 2; 3 is 2 unrolled three ways, without
-# the loop-end register rotation).
+# DEPTH: iterations whose loads are in flight ahead of the MMAs (1 or 2; DEPTH 3, the same two unrolled without
+# register rotation, is measured by probe_frag_depth.py).
 TILES = ((4, 4, 1), (4, 4, 2), (4, 2, 2), (2, 4, 2), (8, 2, 2), (8, 1, 2))
 # The same kernel with the warps splitting N ("WN": each warp its own channel block, no cross-warp sum;
 # more split-K to keep as many warps busy): (warps, repetitions, depth), swept with --wn.
@@ -55,18 +55,7 @@ def main() -> None:  # noqa: C901 (one linear script)
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--wn", choices=["off", "also", "only"], default="off",
                     help="the warps-split-N tiles (TILES_WN) too, or only them")
-    ap.add_argument("--ms", default="1,4,16", help="batch rows to sweep")
-    ap.add_argument("--depths", default="", help="comma-separated DEPTH values replacing each tile's own")
-    ap.add_argument("--tiles-wn", default="", help="WN tiles as warps,reps;warps,reps (default: TILES_WN)")
     args = ap.parse_args()
-    ms = tuple(int(v) for v in args.ms.split(","))
-    tiles, tiles_wn = TILES, TILES_WN
-    if args.tiles_wn:
-        tiles_wn = tuple((int(a), int(b), 2) for a, b in (t.split(",") for t in args.tiles_wn.split(";")))
-    if args.depths:
-        depths = [int(d) for d in args.depths.split(",")]
-        tiles = tuple(dict.fromkeys((w, r, d) for w, r, _ in tiles for d in depths))
-        tiles_wn = tuple(dict.fromkeys((w, r, d) for w, r, _ in tiles_wn for d in depths))
     t0 = time.perf_counter()
     dev = "cuda"
     shapes = SHAPES
@@ -86,7 +75,7 @@ def main() -> None:  # noqa: C901 (one linear script)
             copies = max(1, math.ceil(WORKING_SET / wb))
             q, qs, fn, qbytes = make_weights(kind, w, copies)
             wref = q.dequantize(torch.float32)
-            for m in ms:
+            for m in MS:
                 if time.perf_counter() - t0 > args.budget_s:
                     print("budget reached", flush=True)
                     break
@@ -121,11 +110,11 @@ def main() -> None:  # noqa: C901 (one linear script)
                     res.append((us, cfg))
 
                 if args.wn != "only":
-                    for warps, reps, depth in tiles:
+                    for warps, reps, depth in TILES:
                         run({"MODE": 6, "WARPS": warps, "REPS": reps, "DEPTH": depth})
                 if args.wn != "off":
                     blocks = n // (64 if kind == "int4" else 32)
-                    for warps, reps, depth in tiles_wn:
+                    for warps, reps, depth in TILES_WN:
                         if blocks % warps == 0:  # SPLIT: ~12 warps (each a block x a K range) per SM
                             run({"MODE": 6, "WN": 1, "WARPS": warps, "REPS": reps, "DEPTH": depth,
                                  "SPLIT": max(1, 12 * 132 // blocks)})

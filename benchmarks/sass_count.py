@@ -10,6 +10,7 @@ here may differ from the GPU machine's).
     python benchmarks/sass_count.py --mode 5              # MODE 5, the default 128 x 128 tile (M <= 16)
     python benchmarks/sass_count.py --mode 6 --warps 4 --reps 4 --depth 1   # MODE 6 (triton_frag), M <= 8
     python benchmarks/sass_count.py --mode 6 --kind int4 --wn --depth 2 --nb 2   # warps split N, M 9-16
+    python benchmarks/sass_count.py --mode 6 --kind int4 --wn --depth 3 --maxnreg 128   # the tuned M=1 entries
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _sizes(split: str) -> tuple[str, ...]:
     return ("M", "N", "K", "KW", split, "stride_xm", "stride_qn", "stride_sn", "stride_ym")
 
 
-def _compile(fn, ptr: dict, sizes: tuple[str, ...], ce: dict, warps: int, stages: int):
+def _compile(fn, ptr: dict, sizes: tuple[str, ...], ce: dict, warps: int, stages: int, maxnreg: int = 0):
     """``fn`` for sm90 with these pointer types, i32 sizes and constexprs; as a real launch specializes
     them, pointers and sizes are divisible by 16."""
     ints = {n: "i32" for n in sizes}
@@ -43,7 +44,8 @@ def _compile(fn, ptr: dict, sizes: tuple[str, ...], ce: dict, warps: int, stages
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*ptr, *ints)}
     src = ASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def compile_gemv4(kind: str, block_n: int, block_kw: int, warps: int, stages: int, packed: bool = False, m: int = 1):
@@ -70,7 +72,7 @@ def compile_words(kind: str, block_n: int, block_k: int, warps: int, stages: int
     return _compile(TW._words_small_kernel, ptr, _sizes("k_per_split"), ce, warps, stages)
 
 
-def compile_frag(kind: str, warps: int, reps: int, depth: int, wn: bool = False, nb: int = 1):
+def compile_frag(kind: str, warps: int, reps: int, depth: int, wn: bool = False, nb: int = 1, maxnreg: int = 0):
     """MODE 6 (``triton_frag._frag_kernel``) for bf16 activations, ``nb`` B fragments (M <= 8 or 16),
     split-K on; ``wn``: the warps split N."""
     asm, cons = TF._asm(kind, nb, False, False, reps if wn and kind == "int4" and reps > 1 else 1)
@@ -79,7 +81,7 @@ def compile_frag(kind: str, warps: int, reps: int, depth: int, wn: bool = False,
     ce = dict(FP8=kind == "fp8", NB=nb, BSCALE=False, WARPS=warps, REPS=reps, SPLIT_K=True, ACT=0,
               FOLD=1.0, ASM=asm, CONS=cons, DEPTH=depth, USE_PDL=False, PREWAIT=False, WN=wn)
     sizes = ("M", "N", "G", "iters_per_split", "stride_xm", "stride_ym")
-    return _compile(TF._frag_kernel, ptr, sizes, ce, warps, 1)
+    return _compile(TF._frag_kernel, ptr, sizes, ce, warps, 1, maxnreg)
 
 
 def largest_loop(sass: str) -> collections.Counter:
@@ -105,7 +107,8 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=None)
     ap.add_argument("--reps", type=int, default=4, help="MODE 6: repetitions per iteration")
-    ap.add_argument("--depth", type=int, default=1, help="MODE 6: iterations of loads in flight")
+    ap.add_argument("--depth", type=int, default=1, help="MODE 6: DEPTH (1, 2; 3 = 2 without register rotation)")
+    ap.add_argument("--maxnreg", type=int, default=0, help="MODE 6: ptxas register cap (MAXNREG; 0 = none)")
     ap.add_argument("--wn", action="store_true", help="MODE 6: the warps split N")
     ap.add_argument("--nb", type=int, choices=[1, 2], default=1, help="MODE 6: B fragments (2: M 9-16)")
     ap.add_argument("--packed", action="store_true", help="MODE 4: the packed fp16 dot")
@@ -117,7 +120,7 @@ def main() -> None:
     for kind in [args.kind] if args.kind else ["int4", "fp8"]:
         cpw = 8 if kind == "int4" else 4
         if args.mode == 6:
-            c = compile_frag(kind, args.warps, args.reps, args.depth, args.wn, args.nb)
+            c = compile_frag(kind, args.warps, args.reps, args.depth, args.wn, args.nb, args.maxnreg)
             # per thread and iteration: REPS 16-byte loads, 32 INT4 or 16 FP8 codes each
             block_n, block_k, stages = args.warps * 32, args.reps * (32 if kind == "int4" else 16), 1
         elif args.mode == 5:
@@ -135,12 +138,15 @@ def main() -> None:
             usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
         ops = largest_loop(sass)
         codes_per_thread = block_n * block_k / (args.warps * 32)
-        n = sum(ops.values())
+        unroll = 3 if args.mode == 6 and args.depth == 3 else 1  # DEPTH 3's loop body holds three iterations
+        n = sum(ops.values()) / unroll
         regs = re.search(r"REG:(\d+)", usage)
-        label = (f"reps={args.reps} depth={args.depth} wn={int(args.wn)} nb={args.nb}" if args.mode == 6
+        label = (f"reps={args.reps} depth={args.depth} wn={int(args.wn)} nb={args.nb} maxnreg={args.maxnreg}"
+                 if args.mode == 6
                  else f"BLOCK_N={block_n} BLOCK_K={block_k} stages={stages} M={args.m} packed={int(args.packed)}")
         print(f"MODE {args.mode} {kind} {label} warps={args.warps}: {regs.group(1) if regs else '?'} registers, "
-              f"{n} instructions per iteration, {n / codes_per_thread:.2f} per code; top: {ops.most_common(8)}")
+              f"{n:.0f} instructions per iteration, {n / codes_per_thread:.2f} per code; top (whole loop): "
+              f"{ops.most_common(8)}")
 
 
 if __name__ == "__main__":

@@ -924,10 +924,11 @@ def default_config(kind: str, n: int, k: int, m: int, num_sms: int) -> dict:
 
 
 def m1_config(n: int, k: int, num_sms: int) -> dict:
-    """INT4 at M=1 for shapes the sweep did not tune (``triton_wo.MODE6_MIN_N``): the tuned M=1 entries'
-    kernel (the warps splitting N, DEPTH 3 under a 128-register cap), split-K doubling until ~12 warps per
-    multiprocessor while each split keeps >= 8 iterations (14336x4096 -> 8, the lm_head's 128256 rows -> 1:
-    the splits the H200 probes measured fastest there, sweeps/probe_frag_depth.json, probe_lm_head.json)."""
+    """INT4 at M=1 for shapes the sweep did not tune (from ``triton_wo.MODE6_MIN_N`` channels and
+    ``MODE6_MIN_BYTES`` of codes): the tuned M=1 entries' kernel (the warps splitting N, DEPTH 3 under a
+    128-register cap), split-K doubling until ~12 warps per multiprocessor while each split keeps >= 8
+    iterations (14336x4096 -> 8, the lm_head's 128256 rows -> 1, 8192x8192 -> 16: the splits the H200
+    probes measured fastest there, sweeps/probe_frag_depth.json, probe_lm_head.json, probe_untuned_int4.json)."""
     blocks = n // 64
     warps = 4 if blocks % 4 == 0 else 2 if blocks % 2 == 0 else 1
     iters = k // KSTEP * 8 // 4

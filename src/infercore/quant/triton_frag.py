@@ -468,6 +468,16 @@ def _k_loads(WN: tl.constexpr, wp, it, pb, G, offs_r, offs_c, warp, lane, x8, xr
 
 
 @triton.jit
+def _set_mma(st, acc, zero, FP8: tl.constexpr, BSCALE: tl.constexpr, NB: tl.constexpr, WARPS: tl.constexpr,
+             REPS: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr, CHAIN: tl.constexpr):
+    """``_frag_iter_mma`` of one iteration's load set ``st`` (the 14 values ``_k_loads`` returns) into the
+    accumulators ``acc`` (a0 .. a7), as tuples."""
+    return _frag_iter_mma(st[0], st[1], st[2], st[3], st[4], st[5], st[6], st[7], st[8], st[9], st[10], st[11],
+                          st[12], st[13], acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7], zero, FP8,
+                          BSCALE, NB, WARPS, REPS, ASM, CONS, CHAIN)
+
+
+@triton.jit
 def _k_loop(WN: tl.constexpr, wp, pb, G, it0, it1, n_iters, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2, xmask2,
             sz_rows, s_ptr, zero, FP8: tl.constexpr, BSCALE: tl.constexpr, NB: tl.constexpr, R: tl.constexpr,
             CT: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr, GPI: tl.constexpr, ASM: tl.constexpr,
@@ -512,28 +522,22 @@ def _k_loop(WN: tl.constexpr, wp, pb, G, it0, it1, n_iters, offs_r, offs_c, warp
         # DEPTH 2's pipeline unrolled three ways: set C is loaded before A's MMAs, A's registers take
         # iteration it + 3 once A is consumed, B's it + 4: two iterations stay in flight and nothing is
         # copied back at the loop's end (the two-set rotation below costs ~64 register moves per iteration).
+        sa = (w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1)
+        sb = (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1)
+        acc = (a0, a1, a2, a3, a4, a5, a6, a7)
         for it in range(it0, it1, 3):
-            (c0, c1, c2, c3, ca0, ca1, ca2, ca3, cb0, cb1, cb2, cb3, cs0, cs1) = _k_loads(
-                WN, wp, tl.minimum(it + 2, it1 - 1), pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2,
-                xmask2, sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, True, True)
-            a0, a1, a2, a3, a4, a5, a6, a7 = _frag_iter_mma(
-                w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1, a0, a1, a2, a3, a4, a5, a6, a7,
-                zero, FP8, BSCALE, NB, WARPS, REPS, ASM, CONS, WN and not FP8 and REPS > 1)
-            (w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, s0, s1) = _k_loads(
-                WN, wp, tl.minimum(it + 3, it1 - 1), pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2,
-                xmask2, sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, True, True)
+            sc = _k_loads(WN, wp, tl.minimum(it + 2, it1 - 1), pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask,
+                          xrow2, xmask2, sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, True, True)
+            acc = _set_mma(sa, acc, zero, FP8, BSCALE, NB, WARPS, REPS, ASM, CONS, WN and not FP8 and REPS > 1)
+            sa = _k_loads(WN, wp, tl.minimum(it + 3, it1 - 1), pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask,
+                          xrow2, xmask2, sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, True, True)
             if it + 1 < it1:
-                a0, a1, a2, a3, a4, a5, a6, a7 = _frag_iter_mma(
-                    n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1, a0, a1, a2, a3, a4, a5, a6,
-                    a7, zero, FP8, BSCALE, NB, WARPS, REPS, ASM, CONS, WN and not FP8 and REPS > 1)
-            (n0, n1, n2, n3, na0, na1, na2, na3, nb0, nb1, nb2, nb3, ns0, ns1) = _k_loads(
-                WN, wp, tl.minimum(it + 4, it1 - 1), pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2,
-                xmask2, sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, True, True)
+                acc = _set_mma(sb, acc, zero, FP8, BSCALE, NB, WARPS, REPS, ASM, CONS, WN and not FP8 and REPS > 1)
+            sb = _k_loads(WN, wp, tl.minimum(it + 4, it1 - 1), pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask,
+                          xrow2, xmask2, sz_rows, s_ptr, zero, FP8, BSCALE, NB, R, CT, WARPS, REPS, GPI, True, True)
             if it + 2 < it1:
-                a0, a1, a2, a3, a4, a5, a6, a7 = _frag_iter_mma(
-                    c0, c1, c2, c3, ca0, ca1, ca2, ca3, cb0, cb1, cb2, cb3, cs0, cs1, a0, a1, a2, a3, a4, a5, a6,
-                    a7, zero, FP8, BSCALE, NB, WARPS, REPS, ASM, CONS, WN and not FP8 and REPS > 1)
-        return a0, a1, a2, a3, a4, a5, a6, a7
+                acc = _set_mma(sc, acc, zero, FP8, BSCALE, NB, WARPS, REPS, ASM, CONS, WN and not FP8 and REPS > 1)
+        return acc
     for it in range(it0, it1):
         (m0, m1, m2, m3, ma0, ma1, ma2, ma3, mb0, mb1, mb2, mb3, ms0, ms1) = _k_loads(
             WN, wp, tl.minimum(it + DEPTH, it1 - 1), pb, G, offs_r, offs_c, warp, lane, x8, xrow, xmask, xrow2,

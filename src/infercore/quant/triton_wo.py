@@ -572,7 +572,7 @@ def repacked_layouts(kind: str, n: int, k: int) -> set[str]:
     tests/quant/test_triton_wo_small_m.py)."""
     out = set()
     for m in range(1, SMALL_M_MAX + 1):
-        if _mode6_entry(kind, n, k, m, 132) is not None:
+        if _mode6_entry(kind, n, k, m, 132) is not None:  # (the SM count sets only the split, not whether)
             out.add("mode6")
         elif m <= GEMV_M_MAX:
             found, cfg = _tuned(SMALL_M_TUNED, kind, n, k, m, 4)

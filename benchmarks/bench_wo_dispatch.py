@@ -20,7 +20,6 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -34,11 +33,9 @@ from infercore.quant import triton_wo as TW  # noqa: E402
 def _dispatched(kind: str, x: torch.Tensor, q, n: int, k: int) -> str:
     """The kernel the dispatcher picks for this call (a label for the JSON)."""
     m = x.shape[0]
-    mb = triton.next_power_of_2(m)
-    tuned = next((TW.MODE6_TUNED[(kind, n, k, b)] for b in (mb, 2 * mb, 4 * mb) if (kind, n, k, b) in TW.MODE6_TUNED),
-                 None)
+    tuned = TW._mode6_entry(kind, n, k, m, TW._num_sms(x.device), TW._mode7_ok(kind, x))
     if tuned is not None:
-        return f"MODE 6 {tuned}"
+        return f"MODE {tuned.get('MODE', 6)} {tuned}"
     kp = q.qweight.shape[1] * (2 if kind == "int4" else 1)
     cfg = TW._small_cfg(kind, n, kp, m, kp, x.device, None)
     return f"MODE {cfg['MODE']} {cfg}"

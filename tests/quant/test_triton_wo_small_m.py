@@ -390,3 +390,29 @@ def test_untuned_int4_m1_default_tiles(monkeypatch):
     assert (cfg["MODE"], cfg["BLOCK_N"], cfg["num_warps"]) == (4, 8, 2)
     cfg = triton_wo._small_cfg("fp8", 4096, 8192, 1, 128, torch.device("cpu"), None)
     assert (cfg["MODE"], cfg["BLOCK_N"], cfg["num_warps"]) == (4, 4, 4)
+
+
+def test_mode7_entries_and_config_checks():
+    """MODE 7 (TMA-fed fragments) takes its table's entries only where it can run (sm90+ with Gluon), on the
+    words MODE 6 repacks (still one copy per weight); elsewhere MODE 6's entries stand. Its configs are
+    validated before any launch."""
+    from infercore.quant import gluon_frag, triton_wo
+
+    for key, entry in triton_wo.MODE7_TUNED.items():
+        kind, n, k, m = key
+        assert entry["MODE"] == 7 and kind == "int4"
+        assert triton_wo._mode6_entry(kind, n, k, m, 132, True) == entry
+        fallback = triton_wo._mode6_entry(kind, n, k, m, 132, False)
+        assert fallback is None or fallback.get("MODE", 6) == 6
+        assert triton_wo.repacked_layouts(kind, n, k) == {"mode6"}
+    assert triton_wo._mode6_entry("int4", 14336, 4096, 16, 132, True) is None  # M=16: MODE 5
+    assert triton_wo._mode6_entry("int4", 14336, 4096, 3, 132, True)["MODE"] == 7  # bucket 4
+    assert triton_wo._mode6_entry("fp8", 14336, 4096, 1, 132, True) is None  # INT4 only
+    assert gluon_frag.check_config({"W": 2, "STAGES": 3, "SPLIT": 4}) == (2, 3, 4)
+    assert gluon_frag.check_config({}) == (1, 2, 1)
+    for key, bad in (("W", 3), ("STAGES", 0), ("STAGES", 9), ("STAGES", 2.0), ("SPLIT", 0)):
+        with pytest.raises(ValueError, match=key):
+            gluon_frag.check_config({key: bad})
+    words = torch.zeros(2, 4, 8, 32, 4, dtype=torch.int32)
+    d = gluon_frag.descriptor(words)
+    assert list(d.shape) == [2 * 4 * 8, 128] and list(d.block_shape) == [8, 128]

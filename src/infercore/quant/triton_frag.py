@@ -1039,16 +1039,38 @@ def fp8_ok(x: torch.Tensor, w, act: str | None) -> bool:
             and (act is None or (n // 2) % 16 == 0) and supported(x))
 
 
+def gluon_available() -> bool:
+    """Whether this Triton has Gluon's Hopper TMA API (MODE 7, ``gluon_frag``)."""
+    global _GLUON
+    if _GLUON is None:
+        try:
+            from . import gluon_frag  # noqa: F401
+
+            _GLUON = True
+        except ImportError:
+            _GLUON = False
+    return _GLUON
+
+
+_GLUON: bool | None = None
+
+
 def int4_matmul(x: torch.Tensor, w, cfg: dict, act: str | None = None) -> torch.Tensor | None:
     """``x [M, K]`` (bf16/fp16) times INT4 ``w`` (logical ``[N, K]``; :func:`int4_ok` holds) through
-    MODE 6 -> ``[M, N]`` in ``x.dtype`` (``[M, N/2]`` = ``act(gate) * up`` with ``act``), or None when
-    the repack cannot be made now (first call inside a CUDA-graph capture)."""
+    MODE 6 (or MODE 7, ``gluon_frag``, when ``cfg["MODE"]`` is 7: the same words streamed by TMA) -> ``[M, N]``
+    in ``x.dtype`` (``[M, N/2]`` = ``act(gate) * up`` with ``act``), or None when the repack cannot be made
+    now (first call inside a CUDA-graph capture)."""
     group = w.group_size if w.scales.shape[1] != 1 else w.padded_in_features
     key = ("int4", act is not None)
     p = packed(w.qweight, key, lambda: pack_int4(w.codes(), w.scales, w.zeros, group, act is not None))
     if p is None:
         return None
     words, sz = p
+    if cfg.get("MODE") == 7:
+        from . import gluon_frag
+
+        desc = packed(w.qweight, ("int4-tma", act is not None), lambda: gluon_frag.descriptor(words))
+        return gluon_frag.launch(x, words, sz, w.shape[0], cfg, desc, act=act)
     return launch(x, "int4", words, w.shape[0], cfg, s=sz, act=act)
 
 

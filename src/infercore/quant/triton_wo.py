@@ -555,14 +555,39 @@ MODE6_MIN_N = 8192
 MODE6_MIN_BYTES = 24 << 20
 
 
-def _mode6_entry(kind: str, n: int, k: int, m: int, num_sms: int) -> dict | None:
-    """MODE 6's launch entry for this shape and M (``MODE6_TUNED``, else ``TF.m1_config`` for INT4 at M=1
-    from ``MODE6_MIN_N`` channels and ``MODE6_MIN_BYTES`` of codes), or None where MODE 6 does not run by
-    default."""
+# MODE 7 (``gluon_frag``: MODE 6's fragments streamed by TMA, one warp per 64-channel block; sm90+) where the
+# H200 probe measured it faster than the MODE 6 entry above (seventeenth session,
+# results/h200/sweeps/probe_tma_frag_w.json, alternating rounds): 14336x4096 M=1 13.09 vs 13.73 us, M=2 14.31
+# vs 15.62, M=4 15.23 vs 16.93; the merged gate_up with SiLU M=1 20.15 vs 22.11, M=4 22.16 vs 32.76. It lost
+# on down, qkv, o_proj and the lm_head (fewer channel blocks: a warp's groups run one after another) and tied
+# at M=16. Same repacked words as MODE 6, so a weight still keeps one copy; on GPUs before sm90 the MODE 6
+# entries run.
+MODE7_TUNED: dict[tuple[str, int, int, int], dict] = {
+    ("int4", 14336, 4096, 1): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},
+    ("int4", 14336, 4096, 2): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},
+    ("int4", 14336, 4096, 4): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},
+    ("int4", 28672, 4096, 1): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 4},
+    ("int4", 28672, 4096, 4): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 4},
+}
+
+
+def _mode6_entry(kind: str, n: int, k: int, m: int, num_sms: int, mode7: bool = False) -> dict | None:
+    """The fragment kernels' launch entry for this shape and M: ``MODE7_TUNED`` when ``mode7`` (MODE 7 can run
+    here), else ``MODE6_TUNED``, else ``TF.m1_config`` for INT4 at M=1 from ``MODE6_MIN_N`` channels and
+    ``MODE6_MIN_BYTES`` of codes; None where neither runs by default."""
+    if mode7:
+        found, entry = _tuned(MODE7_TUNED, kind, n, k, m, 2)
+        if found:
+            return entry
     found, entry = _tuned(MODE6_TUNED, kind, n, k, m, 2)
     if not found and kind == "int4" and m == 1 and n >= MODE6_MIN_N and n * k // 2 >= MODE6_MIN_BYTES:
         return TF.m1_config(n, k, num_sms)
     return entry
+
+
+def _mode7_ok(kind: str, x: torch.Tensor) -> bool:
+    """Whether MODE 7 can run for ``x``: INT4, CUDA sm90+ (TMA), and a Triton with Gluon."""
+    return kind == "int4" and capability(x.device).at_least(9) and TF.gluon_available()
 
 
 def repacked_layouts(kind: str, n: int, k: int) -> set[str]:
@@ -572,7 +597,8 @@ def repacked_layouts(kind: str, n: int, k: int) -> set[str]:
     tests/quant/test_triton_wo_small_m.py)."""
     out = set()
     for m in range(1, SMALL_M_MAX + 1):
-        if _mode6_entry(kind, n, k, m, 132) is not None:  # (the SM count sets only the split, not whether)
+        # (the SM count sets only the split, not whether; MODE 7 runs on MODE 6's words)
+        if _mode6_entry(kind, n, k, m, 132) is not None or _tuned(MODE7_TUNED, kind, n, k, m, 2)[0]:
             out.add("mode6")
         elif m <= GEMV_M_MAX:
             found, cfg = _tuned(SMALL_M_TUNED, kind, n, k, m, 4)
@@ -582,22 +608,29 @@ def repacked_layouts(kind: str, n: int, k: int) -> set[str]:
 
 
 def _mode6_cfg(kind: str, x: torch.Tensor, n: int, k: int, override: dict | None, runnable) -> dict | None:
-    """The MODE 6 launch config when MODE 6 runs this call (``override`` MODE 6, or a ``MODE6_TUNED``
-    entry for this shape and M bucket when ``runnable()``), else None. An override asking for MODE 6
-    where it cannot run raises."""
+    """The fragment kernels' launch config when one runs this call (``override`` MODE 6 or 7, or a
+    ``MODE7_TUNED`` / ``MODE6_TUNED`` entry for this shape and M bucket when ``runnable()``), else None. An
+    override asking for MODE 6 / 7 where it cannot run raises."""
     m = x.shape[0]
     if override is not None:
-        if override.get("MODE") != 6:
+        if override.get("MODE") not in (6, 7):
             return None
         if not runnable():
-            raise ValueError("config: MODE 6 cannot run here (CUDA sm80+, 16-bit activations, M <= 16, "
-                             "and the weight shape / group the fragment layout needs)")
+            raise ValueError(f"config: MODE {override['MODE']} cannot run here (CUDA sm80+, 16-bit activations, "
+                             "M <= 16, and the weight shape / group the fragment layout needs)")
+        if override["MODE"] == 7:
+            if not _mode7_ok(kind, x):
+                raise ValueError("config: MODE 7 runs INT4 weights on CUDA sm90+ with a Triton that has Gluon")
+            return dict(override)
         return {**TF.default_config(kind, n, k, m, _num_sms(x.device)), **override}
     if m > SMALL_M_MAX or _INTERPRET or not x.is_cuda or not REPACK:  # MODE 6 repacks like MODE 4
         return None
-    tuned = _mode6_entry(kind, n, k, m, _num_sms(x.device))  # (None: not MODE 6 for this shape and bucket)
+    # (None: neither for this shape and bucket)
+    tuned = _mode6_entry(kind, n, k, m, _num_sms(x.device), _mode7_ok(kind, x))
     if tuned is None or not runnable():
         return None
+    if tuned.get("MODE") == 7:
+        return dict(tuned)
     return {**TF.default_config(kind, n, k, m, _num_sms(x.device)), **tuned}
 
 
@@ -626,8 +659,8 @@ def _small_cfg(kind: str, n: int, kp: int, m: int, kmax: int, device: torch.devi
     """
     mb = triton.next_power_of_2(m)
     if override is not None:
-        if override.get("MODE") not in (1, 2, 4, 5):  # MODE 6 is taken before (``_run_mode6``)
-            raise ValueError(f"config: MODE must be 1, 2, 4, 5 or 6, got {override.get('MODE')!r}")
+        if override.get("MODE") not in (1, 2, 4, 5):  # MODE 6 / 7 are taken before (``_run_mode6``)
+            raise ValueError(f"config: MODE must be 1, 2, 4, 5, 6 or 7, got {override.get('MODE')!r}")
         cfg = dict(override)
     elif _INTERPRET:
         cfg = {"MODE": 4 if m <= GEMV_M_MAX else 2, "BLOCK_N": 8, "BLOCK_K": 64, "SPLIT": 0,

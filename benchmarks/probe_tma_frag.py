@@ -1,0 +1,133 @@
+"""MODE 7 (``gluon_frag``: MODE 6's INT4 fragments streamed by TMA into a shared-memory ring, one warp per
+64-channel block) against the dispatcher's choice (MODE 6 / 5 / 4) and bf16 ``F.linear``, over its STAGES and
+SPLIT. Every config is first checked against ``dequantize()`` + an fp32 matmul, then all are timed in
+alternating rounds (one CUDA graph per config over weight copies that exceed the L2, as ``sweep_quant_wo.py``),
+the median of the rounds reported.
+
+    python benchmarks/probe_tma_frag.py --out $OUT/r/probe_tma_frag.json     # H200, ~3 min
+"""
+
+# ruff: noqa: B023  (closures are run inside the loop iteration that defines them)
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import rel_err, time_graph, write_results  # noqa: E402
+from sweep_quant_wo import WORKING_SET, make_weights  # noqa: E402
+
+from infercore.quant import gluon_frag as GF  # noqa: E402
+from infercore.quant import triton_frag as TF  # noqa: E402
+
+SHAPES = {"gate_up/2": (14336, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096),
+          "o_proj": (4096, 4096), "lm_head": (128256, 4096)}
+
+
+GRID = [(1, 2, 4), (1, 2, 8), (2, 2, 2), (2, 2, 4), (2, 2, 8), (2, 3, 4), (2, 3, 8), (4, 2, 1), (4, 2, 2), (4, 2, 4),
+        (4, 2, 8), (4, 3, 2), (4, 3, 4), (4, 4, 2), (4, 4, 4), (8, 2, 1), (8, 2, 2), (8, 2, 4), (8, 4, 1), (8, 4, 2)]
+
+
+def frags(q, act: bool):
+    group = q.group_size if q.scales.shape[1] != 1 else q.padded_in_features
+    return TF.packed(q.qweight, ("int4", act), lambda: TF.pack_int4(q.codes(), q.scales, q.zeros, group, act))
+
+
+def main() -> None:  # noqa: C901 (one linear script)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cases", default="gate_up/2:1,gate_up/2:4,gate_up/2:16,gate_up:1,down:1,qkv:1")
+    ap.add_argument("--grid", default="", help="W:STAGES:SPLIT,... (default GRID)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=400.0)
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    cases, rows = [], []
+    for spec in args.cases.split(","):
+        if time.perf_counter() - t0 > args.budget_s:
+            print("budget reached", flush=True)
+            break
+        shape, m, *rest = spec.split(":")
+        m = int(m)
+        act = rest[0] if rest else None
+        n, k = SHAPES[shape]
+        w = torch.randn(n, k, device="cuda") * 0.02
+        copies = max(1, math.ceil(WORKING_SET / (n * k // 2)))
+        q, qs, fn, _ = make_weights("int4", w, copies)
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        ref = x.float() @ q.dequantize(torch.float32).T
+        if act:
+            ref = F.silu(ref[:, : n // 2].to(torch.bfloat16).float()) * ref[:, n // 2:].to(torch.bfloat16).float()
+        w16 = w.to(torch.bfloat16)
+        c16 = max(1, math.ceil(WORKING_SET / (n * k * 2)))
+        w16s = [w16] + [w16.clone() for _ in range(c16 - 1)]
+        n_calls = math.ceil(max(copies, 24) / copies) * copies
+        timed = {"bf16 F.linear": (lambda i: F.linear(x, w16s[i % c16]), math.ceil(n_calls / c16) * c16),
+                 "dispatcher": (lambda i: fn(x, qs[i % copies], act=act), n_calls)}
+        for qq in qs:
+            fn(x, qq, act=act)
+        err = rel_err(fn(x, q, act=act), ref)
+        print(f"{spec}: dispatcher rel err {err:.3g}", flush=True)
+        packs = [frags(qq, act is not None) for qq in qs]
+        descs = [GF.descriptor(p[0]) for p in packs]
+        gk = k // 128
+        grid = [tuple(int(v) for v in e.split(":")) for e in args.grid.split(",")] if args.grid else GRID
+        for wq, stages, split in grid:
+            if split > gk:
+                continue
+            if True:
+                cfg = {"W": wq, "STAGES": stages, "SPLIT": split}
+                label = json.dumps(cfg, sort_keys=True)
+                try:
+                    words, sz = packs[0]
+                    err = rel_err(GF.launch(x, words, sz, n, cfg, descs[0], act=act), ref)
+                    if not err < 1e-2:
+                        raise RuntimeError(f"rel err {err:.3g}")
+                    err2 = rel_err(GF.launch(x, words, sz, n, cfg, descs[0], act=act), ref)  # counters reset
+                    if not err2 < 1e-2:
+                        raise RuntimeError(f"second call rel err {err2:.3g}")
+                except Exception as e:  # noqa: BLE001
+                    rows.append({"case": spec, "config": cfg, "error": repr(e)[:400]})
+                    print(f"  {spec} {cfg}: FAILED {repr(e)[:300]}", flush=True)
+                    continue
+                timed[label] = (lambda i, c=cfg: GF.launch(x, packs[i % copies][0], packs[i % copies][1], n, c,
+                                                           descs[i % copies], act=act), n_calls)
+        times = {lab: [] for lab in timed}
+        for _ in range(args.rounds):
+            for lab, (call, nc) in timed.items():
+                try:
+                    times[lab].append(time_graph(call, nc, reps=5, warmup=1) * 1e6)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {spec} {lab}: timing FAILED {repr(e)[:300]}", flush=True)
+                    times[lab].append(float("nan"))
+        med = {lab: statistics.median(v) for lab, v in times.items()}
+        for lab, us in sorted(med.items(), key=lambda kv: kv[1]):
+            rows.append({"case": spec, "config": lab, "us": us, "rounds_us": times[lab]})
+        mode7 = {lab: us for lab, us in med.items() if lab.startswith("{")}
+        best = min(mode7.items(), key=lambda kv: kv[1]) if mode7 else (None, float("nan"))
+        summary = {"case": spec, "dispatcher_us": med["dispatcher"], "bf16_us": med["bf16 F.linear"],
+                   "best_mode7": {"config": best[0], "us": best[1]}}
+        cases.append(summary)
+        print(f"{spec}: dispatcher {med['dispatcher']:.2f} bf16 {med['bf16 F.linear']:.2f} | best MODE 7 "
+              f"{best[1]:.2f} {best[0]}", flush=True)
+        for lab, us in sorted(mode7.items(), key=lambda kv: kv[1])[:8]:
+            print(f"    {us:7.2f} {lab}", flush=True)
+        doc = write_results(args.out, "probe_tma_frag", torch.cuda.get_device_name(), [])
+        doc.update({"summary": cases, "rows": rows, "wall_s": time.perf_counter() - t0})
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,377 @@
+"""MODE 7: MODE 6's INT4 fragment layout (``triton_frag.pack_int4``) streamed by TMA (Hopper, Gluon).
+
+Why: MODE 6 keeps its loads in flight in registers (two iterations ahead), so each warp has ~4 KB
+outstanding and the kernel is bound by load latency: ~0.95 us per iteration per warp and a ~6 us
+fixed cost at 14336x4096, M=1 (docs/quantization.md). Here one warp per program owns a 64-channel
+block and a range of K groups; the tensor-memory accelerator copies each group's 4 KB of fragment
+words into a ring of ``STAGES`` shared-memory buffers (one instruction per group, no registers held
+while in flight), so a program has ``STAGES`` groups outstanding from its first instruction (before
+the PDL wait: weights only). The warp reads a group back with one 16-byte shared load per chunk
+(each lane its own fragment words, the layout MODE 6 loads from global memory), decodes and
+multiplies them with MODE 6's inline PTX (``triton_frag.int4_asm``), and the split-K partials finish
+as in MODE 6 (the last program of a channel block sums them).
+
+The scale / zero-point words and the activations' B fragments are loaded into registers one group
+ahead (they are 1/16 of the bytes and mostly L2 hits). GPU-only (sm90+: TMA, mbarriers, Gluon).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from . import triton_frag as TF
+from ._splitk import arrival_counters
+
+KSTEP = TF.KSTEP
+CHUNK_WORDS = gl.constexpr(32 * 4)  # int32 words of one chunk (32 lanes x 4 channel tiles)
+GROUP_BYTES = gl.constexpr(8 * 32 * 4 * 4)  # one group of one 64-channel block
+
+
+@gluon.jit
+def _pdl_release(USE_PDL: gl.constexpr):
+    if USE_PDL:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _pdl_wait(USE_PDL: gl.constexpr):
+    if USE_PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+
+@gluon.jit
+def _x_frag(x8, xrow, xmask, grp, q):
+    """B fragments (one int64 per lane) of chunk ``q [W, 1, 1]`` of group ``grp``: ``[W, 32, 1]``."""
+    return gl.load(x8 + (xrow + grp * 32 + q), mask=xmask, other=0)
+
+
+@gluon.jit
+def _group_x(x8, xrow, xmask, grp, wq, W: gl.constexpr):
+    """The B fragments of a group's chunks ``r W + w`` for each warp ``w`` (``wq``), r < 8 / W."""
+    x0 = _x_frag(x8, xrow, xmask, grp, wq)
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    x4 = x0
+    x5 = x0
+    x6 = x0
+    x7 = x0
+    if W <= 4:
+        x1 = _x_frag(x8, xrow, xmask, grp, wq + W)
+    if W <= 2:
+        x2 = _x_frag(x8, xrow, xmask, grp, wq + 2 * W)
+        x3 = _x_frag(x8, xrow, xmask, grp, wq + 3 * W)
+    if W == 1:
+        x4 = _x_frag(x8, xrow, xmask, grp, wq + 4)
+        x5 = _x_frag(x8, xrow, xmask, grp, wq + 5)
+        x6 = _x_frag(x8, xrow, xmask, grp, wq + 6)
+        x7 = _x_frag(x8, xrow, xmask, grp, wq + 7)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@gluon.jit
+def _group_loads(x8, xrow, xmask, xrow2, xmask2, szp, grp, wq, NB: gl.constexpr, W: gl.constexpr):
+    """Group ``grp``'s register operands: its scale / zero-point words ``[W, 32, 4]`` and B fragments."""
+    sz = gl.load(szp + grp * 32)
+    xa = _group_x(x8, xrow, xmask, grp, wq, W)
+    if NB == 2:
+        xb = _group_x(x8, xrow2, xmask2, grp, wq, W)
+    else:
+        xb = xa
+    return sz, xa, xb
+
+
+@gluon.jit
+def _chain(w0, w1, w2, w3, sz, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, acc, zero, NB: gl.constexpr,
+           NW: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr):
+    """``NW`` (1, 2 or 4) chunks of one group through ``int4_asm(NB, words=NW)``: MMAs chained, one scale."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = acc
+    if NB == 1:
+        if NW == 4:
+            a0, a1, a2, a3 = gl.inline_asm_elementwise(
+                ASM, CONS, [w0, w1, w2, w3, sz, xa0, xa1, xa2, xa3, a0, a1, a2, a3, zero], dtype=(gl.float32,) * 4,
+                is_pure=True, pack=1)
+        elif NW == 2:
+            a0, a1, a2, a3 = gl.inline_asm_elementwise(
+                ASM, CONS, [w0, w1, sz, xa0, xa1, a0, a1, a2, a3, zero], dtype=(gl.float32,) * 4, is_pure=True,
+                pack=1)
+        else:
+            a0, a1, a2, a3 = gl.inline_asm_elementwise(
+                ASM, CONS, [w0, sz, xa0, a0, a1, a2, a3, zero], dtype=(gl.float32,) * 4, is_pure=True, pack=1)
+    else:
+        if NW == 4:
+            a0, a1, a2, a3, a4, a5, a6, a7 = gl.inline_asm_elementwise(
+                ASM, CONS, [w0, w1, w2, w3, sz, xa0, xb0, xa1, xb1, xa2, xb2, xa3, xb3, a0, a1, a2, a3, a4, a5, a6,
+                            a7, zero], dtype=(gl.float32,) * 8, is_pure=True, pack=1)
+        elif NW == 2:
+            a0, a1, a2, a3, a4, a5, a6, a7 = gl.inline_asm_elementwise(
+                ASM, CONS, [w0, w1, sz, xa0, xb0, xa1, xb1, a0, a1, a2, a3, a4, a5, a6, a7, zero],
+                dtype=(gl.float32,) * 8, is_pure=True, pack=1)
+        else:
+            a0, a1, a2, a3, a4, a5, a6, a7 = gl.inline_asm_elementwise(
+                ASM, CONS, [w0, sz, xa0, xb0, a0, a1, a2, a3, a4, a5, a6, a7, zero], dtype=(gl.float32,) * 8,
+                is_pure=True, pack=1)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@gluon.jit
+def _rows(j: gl.constexpr, pb, g, t, c):
+    """Batch rows and output channels of accumulator ``j`` (rows ``2t + j % 2 (+ 8 for j >= 4)``, channels
+    ``16 c + g (+ 8 for j % 4 >= 2)`` of channel block ``pb``)."""
+    m = 2 * t + (j % 2) + 8 * (j // 4)
+    n = pb * 64 + 16 * c + g + 8 * ((j % 4) // 2)
+    return m, n
+
+
+@gluon.jit
+def _store_part(ws_ptr, y_ptr, a, j: gl.constexpr, pb, sp, M, N, stride_ym, g, t, c, TO_WS: gl.constexpr):
+    m, n = _rows(j, pb, g, t, c)
+    mask = (m < M) & (n < N)
+    if TO_WS:
+        gl.store(ws_ptr + sp.to(gl.int64) * M * N + m * N + n, a, mask=mask)
+    else:
+        gl.store(y_ptr + m * stride_ym + n, a.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _act_mul(gv, uv, y_ptr, ACT: gl.constexpr):
+    """``act(gate) * up`` in fp32, gate and up rounded to the output dtype first (as the unfused path)."""
+    gv = gv.to(y_ptr.dtype.element_ty).to(gl.float32)
+    uv = uv.to(y_ptr.dtype.element_ty).to(gl.float32)
+    if ACT == 1:
+        a = gv / (1.0 + gl.exp(-gv))
+    elif ACT == 2:
+        z = 0.7978845608028654 * (gv + 0.044715 * gv * gv * gv)
+        a = gv / (1.0 + gl.exp(-2.0 * z))
+    else:
+        a = 0.5 * gv * (1.0 + gl.erf(gv * 0.7071067811865476))
+    return a * uv
+
+
+@gluon.jit
+def _sum_part(ws_ptr, y_ptr, j: gl.constexpr, pb, nsplit, M, N, stride_ym, g, t, c, zero, ACT: gl.constexpr):
+    """The splits' partials of accumulator ``j`` summed and stored; with ACT (rows packed by
+    ``pack_int4(act=True)``: tiles 0, 1 of a block hold gate rows, 2, 3 the matching up rows) the gated
+    activation's output channel ``32 pb + 16 c + row``."""
+    m, n = _rows(j, pb, g, t, c)
+    mask = (m < M) & (n < N)
+    tot = zero
+    for s in range(0, nsplit):
+        tot += gl.load(ws_ptr + s * M * N + m * N + n, mask=mask, other=0.0, cache_modifier=".cg")
+    if ACT != 0:
+        ga, ua = gl.split(gl.permute(gl.reshape(tot, [32, 2, 2]), (0, 2, 1)))
+        mm, _ = gl.split(gl.permute(gl.reshape(m + 0 * n, [32, 2, 2]), (0, 2, 1)))
+        o, _ = gl.split(gl.permute(gl.reshape(pb * 32 + 16 * c + g + 8 * ((j % 4) // 2) + 0 * m, [32, 2, 2]),
+                                   (0, 2, 1)))
+        out = _act_mul(ga, ua, y_ptr, ACT)
+        gl.store(y_ptr + mm * stride_ym + o, out.to(y_ptr.dtype.element_ty), mask=(mm < M) & (o < N // 2))
+    else:
+        gl.store(y_ptr + m * stride_ym + n, tot.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _tma_frag_kernel(
+    w_desc, x_ptr, s_ptr, ws_ptr, y_ptr, cnt_ptr,
+    M, N, G, groups_per_split, stride_xm, stride_ym,
+    NB: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr,
+    ASM: gl.constexpr, CONS: gl.constexpr, USE_PDL: gl.constexpr = False,
+):
+    """Grid ``(N / 64, split)``, ``W`` warps (1, 2, 4 or 8) per program: warp w takes chunks ``r W + w`` of
+    each group, and their sums are added at the end. ``w_desc``: TMA descriptor of the fragment words
+    viewed as ``[N/64 * G * 8, 128]`` int32 (block ``[8, 128]``: one group of one channel block); ``s``:
+    the int64 scale / zero-point words ``[N/64, G, 8, 4]``; ``ws``: fp32 partials ``[split, M, N]`` (split-K
+    or ACT)."""
+    RPW: gl.constexpr = 8 // W  # chunks per warp per group
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [W, 1, 1], [2, 1, 0])  # [warp, lane, tile]
+    LWL: gl.constexpr = gl.SliceLayout(2, L3)  # [warp, lane]
+    L2: gl.constexpr = gl.SliceLayout(0, L3)  # [lane, tile] after the warps' sum
+    FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    _pdl_release(USE_PDL)
+    pb = gl.program_id(0)
+    sp = gl.program_id(1)
+    g0 = sp * groups_per_split
+    n_grp = gl.minimum(groups_per_split, G - g0)
+    row0 = (pb * G + g0) * 8
+
+    wbuf = gl.allocate_shared_memory(gl.int32, [STAGES, 8, 128], w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    for s in gl.static_range(STAGES):  # the weights of the first STAGES groups, before the PDL wait
+        mbarrier.expect(bars.index(s), GROUP_BYTES, pred=s < n_grp)
+        tma.async_copy_global_to_shared(w_desc, [row0 + s * 8, 0], bars.index(s), wbuf.index(s), pred=s < n_grp)
+    view = wbuf._reinterpret(gl.int32, [STAGES * RPW, W, 32, 4], FLAT)
+
+    # [W, 32, 1] lane / warp indices, [1, 1, 4] tiles
+    lane = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, LWL)), 0), 2)
+    wq = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, LWL)), 1), 2)
+    c3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, L2)), 0), 0)
+    g = lane // 4
+    t = lane % 4
+    x8 = x_ptr.to(gl.pointer_type(gl.int64))
+    xrow = g * (stride_xm // 4) + 8 * t + 0 * wq
+    xmask = (g < M) & (wq >= 0)
+    xrow2 = (g + 8) * (stride_xm // 4) + 8 * t + 0 * wq
+    xmask2 = (g + 8 < M) & (wq >= 0)
+    szp = s_ptr.to(gl.pointer_type(gl.int64)) + (pb * G * 32 + g * 4 + c3 + 0 * wq)
+    zero = gl.zeros([W, 32, 4], gl.float32, L3)
+    acc = (zero, zero, zero, zero, zero, zero, zero, zero)
+    _pdl_wait(USE_PDL)
+    nxt = _group_loads(x8, xrow, xmask, xrow2, xmask2, szp, g0, wq, NB, W)
+    for i in range(n_grp):
+        cur = nxt
+        nxt = _group_loads(x8, xrow, xmask, xrow2, xmask2, szp, g0 + gl.minimum(i + 1, n_grp - 1), wq, NB, W)
+        st = i % STAGES
+        mbarrier.wait(bars.index(st), (i // STAGES) & 1)
+        w0 = view.index(st * RPW).load(L3)
+        w1 = w0
+        w2 = w0
+        w3 = w0
+        w4 = w0
+        w5 = w0
+        w6 = w0
+        w7 = w0
+        if W <= 4:
+            w1 = view.index(st * RPW + 1).load(L3)
+        if W <= 2:
+            w2 = view.index(st * RPW + 2).load(L3)
+            w3 = view.index(st * RPW + 3).load(L3)
+        if W == 1:
+            w4 = view.index(st * RPW + 4).load(L3)
+            w5 = view.index(st * RPW + 5).load(L3)
+            w6 = view.index(st * RPW + 6).load(L3)
+            w7 = view.index(st * RPW + 7).load(L3)
+        fence_async_shared()  # the generic-proxy reads above before the TMA below rewrites the buffer
+        refill = i + STAGES < n_grp
+        mbarrier.expect(bars.index(st), GROUP_BYTES, pred=refill)
+        tma.async_copy_global_to_shared(w_desc, [row0 + (i + STAGES) * 8, 0], bars.index(st), wbuf.index(st),
+                                        pred=refill)
+        sz, xa, xb = cur
+        if W == 1:
+            acc = _chain(w0, w1, w2, w3, sz, xa[0], xa[1], xa[2], xa[3], xb[0], xb[1], xb[2], xb[3], acc, zero, NB,
+                         4, ASM, CONS)
+            acc = _chain(w4, w5, w6, w7, sz, xa[4], xa[5], xa[6], xa[7], xb[4], xb[5], xb[6], xb[7], acc, zero, NB,
+                         4, ASM, CONS)
+        else:
+            acc = _chain(w0, w1, w2, w3, sz, xa[0], xa[1], xa[2], xa[3], xb[0], xb[1], xb[2], xb[3], acc, zero, NB,
+                         RPW, ASM, CONS)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))
+
+    r2 = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, L2)), 1)
+    c2 = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, L2)), 0)
+    g2 = r2 // 4
+    t2 = r2 % 4
+    zero2 = gl.zeros([32, 4], gl.float32, L2)
+    a0, a1, a2, a3, a4, a5, a6, a7 = acc
+    a0 = gl.sum(a0, axis=0)
+    a1 = gl.sum(a1, axis=0)
+    a2 = gl.sum(a2, axis=0)
+    a3 = gl.sum(a3, axis=0)
+    if NB == 2:
+        a4 = gl.sum(a4, axis=0)
+        a5 = gl.sum(a5, axis=0)
+        a6 = gl.sum(a6, axis=0)
+        a7 = gl.sum(a7, axis=0)
+    VIA_WS: gl.constexpr = SPLIT_K or ACT != 0
+    _store_part(ws_ptr, y_ptr, a0, 0, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS)
+    _store_part(ws_ptr, y_ptr, a1, 1, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS)
+    _store_part(ws_ptr, y_ptr, a2, 2, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS)
+    _store_part(ws_ptr, y_ptr, a3, 3, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS)
+    if NB == 2:
+        _store_part(ws_ptr, y_ptr, a4, 4, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS)
+        _store_part(ws_ptr, y_ptr, a5, 5, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS)
+        _store_part(ws_ptr, y_ptr, a6, 6, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS)
+        _store_part(ws_ptr, y_ptr, a7, 7, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS)
+    if VIA_WS:
+        gl.thread_barrier()  # every thread's partial is written before the release below
+        nsplit = gl.num_programs(1)
+        if SPLIT_K:
+            done = gl.atomic_add(cnt_ptr + pb, 1, sem="acq_rel", scope="gpu")
+        else:
+            done = nsplit - 1
+        if done == nsplit - 1:
+            _sum_part(ws_ptr, y_ptr, 0, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT)
+            _sum_part(ws_ptr, y_ptr, 1, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT)
+            _sum_part(ws_ptr, y_ptr, 2, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT)
+            _sum_part(ws_ptr, y_ptr, 3, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT)
+            if NB == 2:
+                _sum_part(ws_ptr, y_ptr, 4, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT)
+                _sum_part(ws_ptr, y_ptr, 5, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT)
+                _sum_part(ws_ptr, y_ptr, 6, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT)
+                _sum_part(ws_ptr, y_ptr, 7, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT)
+            if SPLIT_K:
+                gl.atomic_xchg(cnt_ptr + pb, 0)  # ready for the next launch (graph replays too)
+
+
+_LAYOUT = None
+
+
+def descriptor(words: torch.Tensor) -> TensorDescriptor:
+    """The TMA descriptor of ``pack_int4``'s words ``[N/64, G, 8, 32, 4]`` viewed as ``[N/64 * G * 8, 128]``
+    int32, one group of one channel block (``[8, 128]``, 4 KB) per copy."""
+    global _LAYOUT
+    if _LAYOUT is None:
+        _LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    flat = words.view(-1, 128)
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [8, 128], _LAYOUT)
+
+
+def check_config(cfg: dict) -> tuple[int, int, int]:
+    """``(W, STAGES, SPLIT)`` of a MODE 7 config, validated (``ValueError`` naming the key)."""
+    w, stages, split = cfg.get("W", 1), cfg.get("STAGES", 2), cfg.get("SPLIT", 1)
+    if w not in (1, 2, 4, 8):
+        raise ValueError(f"config: MODE 7's W (warps per program) must be 1, 2, 4 or 8, got {w!r}")
+    if not isinstance(stages, int) or not 1 <= stages <= 8:
+        raise ValueError(f"config: MODE 7's STAGES (groups in flight per program) must be an int in [1, 8], "
+                         f"got {stages!r}")
+    if not isinstance(split, int) or split < 1:
+        raise ValueError(f"config: MODE 7's SPLIT (K splits) must be an int >= 1, got {split!r}")
+    return w, stages, split
+
+
+def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: dict, desc=None,
+           act: str | None = None) -> torch.Tensor:
+    """``x [M, K]`` (bf16/fp16, M <= 16, CUDA sm90+) times INT4 fragments (``words``, ``sz`` from
+    ``triton_frag.pack_int4``) -> ``[M, N]`` in ``x.dtype`` (``[M, N/2]`` = ``act(gate) * up`` with ``act``: a
+    merged ``[gate; up]`` weight packed with ``act=True``). ``cfg``: W (warps per program, splitting each
+    group's chunks), STAGES (groups in flight per program), SPLIT (K splits); ``desc``: :func:`descriptor`
+    of ``words`` (made here when None)."""
+    w, stages, split = check_config(cfg)
+    if words.dtype != torch.int32 or words.dim() != 5 or tuple(words.shape[2:]) != (8, 32, 4):
+        raise ValueError(f"words: expected int32 [N/64, K/128, 8, 32, 4], got {words.dtype} {tuple(words.shape)}")
+    blocks, gk = words.shape[0], words.shape[1]
+    if n != blocks * 64:
+        raise ValueError(f"n: {n} does not match words, which hold {blocks * 64} channels")
+    if x.dim() != 2 or x.shape[1] != gk * KSTEP:
+        raise ValueError(f"x: expected [M, {gk * KSTEP}], got {tuple(x.shape)}")
+    if not TF.supported(x) or not TF.capability(x.device).at_least(9):
+        raise ValueError("x: MODE 7 needs a CUDA (sm90+) bf16/fp16 tensor with M <= 16, unit column stride and "
+                         f"8-byte aligned rows; got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if act not in TF.ACTIVATIONS:
+        raise ValueError(f"act: expected one of {sorted(a for a in TF.ACTIVATIONS if a)} or None, got {act!r}")
+    m = x.shape[0]
+    nb = 1 if m <= 8 else 2
+    split = min(split, gk)
+    per = triton.cdiv(gk, split)
+    split = triton.cdiv(gk, per)
+    asm, cons = TF._asm("int4", nb, x.dtype == torch.float16, False, 8 // w if w > 1 else 4)
+    code = TF.ACTIVATIONS[act]
+    y = torch.empty((m, n // 2 if code else n), dtype=x.dtype, device=x.device)
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 or code else y
+    cnt = arrival_counters(x.device, blocks) if split > 1 else y
+    use_pdl = TF.pdl_enabled(x)
+    _tma_frag_kernel[(blocks, split)](
+        desc if desc is not None else descriptor(words), x, sz, ws, y, cnt,
+        m, n, gk, per, x.stride(0), y.stride(0),
+        NB=nb, W=w, STAGES=stages, SPLIT_K=split > 1, ACT=code, ASM=asm, CONS=cons, num_warps=w,
+        **TF.pdl_launch(use_pdl),
+    )
+    return y

@@ -1,0 +1,114 @@
+"""MODE 7 (``quant.gluon_frag``: MODE 6's INT4 fragments streamed by TMA; sm90+) on a CUDA GPU against
+dequantize() + fp32 matmul: symmetric / zero points, g128 / g256 / per channel, bf16 and fp16 activations,
+M = 1..16 (one and two B fragments), warps per program, stages, split-K (even and uneven), the fused gated
+epilogue, CUDA-graph replays, bad configs, and the dispatcher's MODE 7 entries. Run with ``pytest -m gpu``."""
+
+import pytest
+import torch
+
+from infercore.quant import FP8Weight, IntWeight
+from infercore.quant import triton_frag as TF
+from infercore.quant import triton_wo as TW
+
+pytestmark = pytest.mark.gpu
+dev = "cuda"
+
+
+def _rel(y, r):
+    return ((y.float() - r.float()).norm() / r.float().norm()).item()
+
+
+def _need_sm90():
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.fail("MODE 7 needs sm90+: run these tests on a Hopper GPU")
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("sym,group", [(True, 128), (False, 128), (False, 256), (True, None)])
+@pytest.mark.parametrize("tile", [(1, 2, 1), (1, 2, 3), (2, 3, 2), (4, 1, 4), (8, 2, 1), (1, 4, 5)])
+def test_mode7_int4(m, sym, group, tile):
+    _need_sm90()
+    w_, stages, split = tile
+    torch.manual_seed(m)
+    w = IntWeight.quantize(torch.randn(192, 1024, device=dev) * 0.05, bits=4, group_size=group, symmetric=sym)
+    x = torch.randn(m, 1024, device=dev, dtype=torch.bfloat16)
+    y = TW.wq_matmul_triton(x, w, config={"MODE": 7, "W": w_, "STAGES": stages, "SPLIT": split})
+    assert y.dtype == torch.bfloat16 and y.shape == (m, 192)
+    assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
+
+
+@pytest.mark.parametrize("m", [1, 12])
+def test_mode7_int4_fp16(m):
+    _need_sm90()
+    w = IntWeight.quantize(torch.randn(128, 512, device=dev) * 0.05, bits=4, group_size=128)
+    x = torch.randn(m, 512, device=dev, dtype=torch.float16)
+    y = TW.wq_matmul_triton(x, w, config={"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 2})
+    assert y.dtype == torch.float16
+    assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "gelu"])
+@pytest.mark.parametrize("m,split,w_", [(1, 1, 1), (1, 3, 1), (4, 2, 2), (16, 1, 4)])
+def test_mode7_fused_gated_act(act, m, split, w_):
+    _need_sm90()
+    torch.manual_seed(0)
+    d, k = 128, 512
+    w = IntWeight.quantize(torch.randn(2 * d, k, device=dev) * 0.05, bits=4, group_size=128)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    y = TW.wq_matmul_triton(x, w, config={"MODE": 7, "W": w_, "STAGES": 2, "SPLIT": split}, act=act)
+    h = (x.float() @ w.dequantize(torch.float32).T).to(torch.bfloat16).float()
+    fn = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+          "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh")}[act]
+    assert y.shape == (m, d)
+    assert _rel(y, fn(h[:, :d]) * h[:, d:]) < 1e-2
+
+
+def test_mode7_graph_replay_and_bad_config():
+    _need_sm90()
+    n, k = 256, 512
+    w = IntWeight.quantize(torch.randn(n, k, device=dev) * 0.05, bits=4, group_size=128)
+    x = torch.randn(2, k, device=dev, dtype=torch.bfloat16)
+    cfg = {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 2}
+    TW.wq_matmul_triton(x, w, config=cfg)  # eager first call makes the repack
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = TW.wq_matmul_triton(x, w, config=cfg)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, TW.wq_matmul_triton(x, w, config=cfg))
+        assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
+    for key, bad in (("W", 3), ("STAGES", 0), ("STAGES", 9), ("SPLIT", 0)):
+        with pytest.raises(ValueError, match=key):
+            TW.wq_matmul_triton(x, w, config={**cfg, key: bad})
+    wf = FP8Weight.quantize(torch.randn(n, k, device=dev) * 0.05)
+    with pytest.raises(ValueError, match="MODE 7"):
+        TW.fp8_wo_matmul_triton(x, wf, config=cfg)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 16])
+def test_mode7_dispatch(monkeypatch, m):
+    """The call without a config on 14336x4096 takes MODE7_TUNED's entry at M <= 4 (MODE 6's at M=16), eagerly
+    and inside a CUDA graph, and matches dequantize() + fp32 matmul."""
+    _need_sm90()
+    from infercore.quant import gluon_frag as GF
+
+    seen = []
+    real = GF.launch
+    monkeypatch.setattr(GF, "launch", lambda *a, **kw: seen.append(a[4]) or real(*a, **kw))
+    torch.manual_seed(0)
+    w = IntWeight.quantize(torch.randn(14336, 4096, device=dev) * 0.02, bits=4, group_size=128)
+    x = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
+    y = TW.wq_matmul_triton(x, w)
+    assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
+    assert bool(seen) == (m <= 4)
+    if seen:
+        assert seen[0] == TW.MODE7_TUNED[("int4", 14336, 4096, m)]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg = TW.wq_matmul_triton(x, w)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg, y)
+    assert TF.gluon_available()

@@ -25,41 +25,37 @@ def _need_sm90():
 
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
 @pytest.mark.parametrize("sym,group", [(True, 128), (False, 128), (False, 256), (True, None)])
-@pytest.mark.parametrize("tile", [(1, 2, 1, 0), (1, 2, 3, 0), (2, 3, 2, 0), (4, 1, 4, 0), (8, 2, 1, 0), (1, 4, 5, 0),
-                                  (1, 2, 1, 1), (1, 2, 3, 1), (2, 3, 2, 1), (2, 1, 5, 1)])
+@pytest.mark.parametrize("tile", [(1, 2, 1), (1, 2, 3), (2, 3, 2), (4, 1, 4), (8, 2, 1), (1, 4, 5)])
 def test_mode7_int4(m, sym, group, tile):
-    """ZF 1 (last field): the zero point folded out of the decode."""
     _need_sm90()
-    w_, stages, split, zf = tile
+    w_, stages, split = tile
     torch.manual_seed(m)
     w = IntWeight.quantize(torch.randn(192, 1024, device=dev) * 0.05, bits=4, group_size=group, symmetric=sym)
     x = torch.randn(m, 1024, device=dev, dtype=torch.bfloat16)
-    y = TW.wq_matmul_triton(x, w, config={"MODE": 7, "W": w_, "STAGES": stages, "SPLIT": split, "ZF": zf})
+    y = TW.wq_matmul_triton(x, w, config={"MODE": 7, "W": w_, "STAGES": stages, "SPLIT": split})
     assert y.dtype == torch.bfloat16 and y.shape == (m, 192)
     assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
 
 
 @pytest.mark.parametrize("m", [1, 12])
-@pytest.mark.parametrize("zf", [0, 1])
-def test_mode7_int4_fp16(m, zf):
+def test_mode7_int4_fp16(m):
     _need_sm90()
-    w = IntWeight.quantize(torch.randn(128, 512, device=dev) * 0.05, bits=4, group_size=128, symmetric=False)
+    w = IntWeight.quantize(torch.randn(128, 512, device=dev) * 0.05, bits=4, group_size=128)
     x = torch.randn(m, 512, device=dev, dtype=torch.float16)
-    y = TW.wq_matmul_triton(x, w, config={"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 2, "ZF": zf})
+    y = TW.wq_matmul_triton(x, w, config={"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 2})
     assert y.dtype == torch.float16
     assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh", "gelu"])
-@pytest.mark.parametrize("m,split,w_,zf", [(1, 1, 1, 0), (1, 3, 1, 0), (4, 2, 2, 0), (16, 1, 4, 0), (1, 4, 1, 1),
-                                           (4, 2, 1, 1), (16, 2, 2, 1)])
-def test_mode7_fused_gated_act(act, m, split, w_, zf):
+@pytest.mark.parametrize("m,split,w_", [(1, 1, 1), (1, 3, 1), (4, 2, 2), (16, 1, 4)])
+def test_mode7_fused_gated_act(act, m, split, w_):
     _need_sm90()
     torch.manual_seed(0)
     d, k = 128, 512
     w = IntWeight.quantize(torch.randn(2 * d, k, device=dev) * 0.05, bits=4, group_size=128)
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    y = TW.wq_matmul_triton(x, w, config={"MODE": 7, "W": w_, "STAGES": 2, "SPLIT": split, "ZF": zf}, act=act)
+    y = TW.wq_matmul_triton(x, w, config={"MODE": 7, "W": w_, "STAGES": 2, "SPLIT": split}, act=act)
     h = (x.float() @ w.dequantize(torch.float32).T).to(torch.bfloat16).float()
     fn = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
           "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh")}[act]
@@ -83,7 +79,7 @@ def test_mode7_graph_replay_and_bad_config():
         torch.cuda.synchronize()
         assert torch.equal(y, TW.wq_matmul_triton(x, w, config=cfg))
         assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
-    for key, bad in (("W", 3), ("STAGES", 0), ("STAGES", 9), ("SPLIT", 0), ("ZF", 2)):
+    for key, bad in (("W", 3), ("STAGES", 0), ("STAGES", 9), ("SPLIT", 0)):
         with pytest.raises(ValueError, match=key):
             TW.wq_matmul_triton(x, w, config={**cfg, key: bad})
     wf = FP8Weight.quantize(torch.randn(n, k, device=dev) * 0.05)

@@ -408,9 +408,9 @@ def test_mode7_entries_and_config_checks():
     assert triton_wo._mode6_entry("int4", 14336, 4096, 16, 132, True) is None  # M=16: MODE 5
     assert triton_wo._mode6_entry("int4", 14336, 4096, 3, 132, True)["MODE"] == 7  # bucket 4
     assert triton_wo._mode6_entry("fp8", 14336, 4096, 1, 132, True) is None  # INT4 only
-    assert gluon_frag.check_config({"W": 2, "STAGES": 3, "SPLIT": 4, "ZF": 1}) == (2, 3, 4, True)
-    assert gluon_frag.check_config({}) == (1, 2, 1, False)
-    for key, bad in (("W", 3), ("STAGES", 0), ("STAGES", 9), ("STAGES", 2.0), ("SPLIT", 0), ("ZF", 2)):
+    assert gluon_frag.check_config({"W": 2, "STAGES": 3, "SPLIT": 4}) == (2, 3, 4)
+    assert gluon_frag.check_config({}) == (1, 2, 1)
+    for key, bad in (("W", 3), ("STAGES", 0), ("STAGES", 9), ("STAGES", 2.0), ("SPLIT", 0)):
         with pytest.raises(ValueError, match=key):
             gluon_frag.check_config({key: bad})
     words = torch.zeros(2, 4, 8, 32, 4, dtype=torch.int32)

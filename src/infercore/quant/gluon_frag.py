@@ -32,71 +32,6 @@ CHUNK_WORDS = gl.constexpr(32 * 4)  # int32 words of one chunk (32 lanes x 4 cha
 GROUP_BYTES = gl.constexpr(8 * 32 * 4 * 4)  # one group of one 64-channel block
 
 
-def xsum_asm(nb: int, f16: bool, words: int = 4) -> tuple[str, str]:
-    """Per lane, the sums of the activations over ``words`` chunks (16 K each), for the tokens of its MMA
-    C fragment: ``X[2 nb] <- (x[words * nb], zero)``, by MMAs with an all-ones A fragment (exact products,
-    fp32 sums of the bf16 / fp16 values the weight MMAs read). Outputs per B fragment i: tokens
-    ``2t + 8i``, ``2t + 1 + 8i``."""
-    ty = "f16" if f16 else "bf16"
-    one = "0x3C003C00" if f16 else "0x3F803F80"
-    xs = TF._ops(2 * nb, words * nb)
-    zero = f"${2 * nb + words * nb}"
-    lines = ["{", ".reg .b32 one, b0, b1;", ".reg .f32 d0, d1, d2, d3;", f"mov.b32 one, {one};"]
-    for i in range(nb):
-        for r in range(words):
-            c = f"{zero}, {zero}, {zero}, {zero}" if r == 0 else "d0, d1, d2, d3"
-            lines += [f"mov.b64 {{b0, b1}}, {xs[r * nb + i]};",
-                      TF._mma(ty, "d0, d1, d2, d3", "one, one, one, one", "b0, b1", c)]
-        lines += [f"mov.b32 ${2 * i}, d0;", f"mov.b32 ${2 * i + 1}, d1;"]
-    lines.append("}")
-    return "\n".join(lines), ",".join(["=f"] * (2 * nb) + ["l"] * (words * nb) + ["f"])
-
-
-def int4_fold_asm(nb: int, f16: bool, words: int = 4) -> tuple[str, str]:
-    """``int4_asm`` with the zero point folded out of the decode: each register is ``B + q`` straight from
-    one LOP3 (``B`` = 128 bf16 / 1024 fp16, exact), the MMAs sum ``(B + q) x``, and ``(B + z) X`` (``X``
-    from :func:`xsum_asm` over the same chunks) is taken off once per output before the group scale:
-    ``acc' = acc + s (d - (B + z) X)``. Operands ``acc'[4 nb] <- (w[words], sz, nz[2], x[words * nb],
-    X[2 nb], acc[4 nb], zero, magic)``: ``nz`` the fp32 ``-(B + z)`` of channels g and g + 8, ``magic``
-    B's bit pattern in both halves (a register, so the LOP3 keeps its one immediate)."""
-    ty = "f16" if f16 else "bf16"
-    n_out = 4 * nb
-    ws = TF._ops(n_out, words)
-    sz = f"${n_out + words}"
-    nz = TF._ops(n_out + words + 1, 2)
-    xs = TF._ops(n_out + words + 3, words * nb)
-    xsum = TF._ops(n_out + words + 3 + words * nb, 2 * nb)
-    acc = TF._ops(n_out + words + 3 + words * nb + 2 * nb, n_out)
-    zero = f"${n_out + words + 3 + words * nb + 2 * nb + n_out}"
-    magic = f"${n_out + words + 4 + words * nb + 2 * nb + n_out}"
-    lines = [
-        "{",
-        ".reg .b32 a0, a1, a2, a3, t, s0, s1, b0, b1;",
-        ".reg .f32 d0, d1, d2, d3, d4, d5, d6, d7, e, f0, f1;",
-        f"mov.b64 {{s0, s1}}, {sz};",
-        "mov.b32 f0, s0;",
-        "mov.b32 f1, s1;",
-    ]
-    for r, w in enumerate(ws):
-        for j in range(4):
-            src = w if j == 0 else "t"
-            if j:
-                lines.append(f"shr.u32 t, {w}, {4 * j};")
-            lines.append(f"lop3.b32 a{j}, {src}, 0x000F000F, {magic}, 0xEA;")
-        for i in range(nb):
-            d = ", ".join(f"d{4 * i + k}" for k in range(4))
-            c = f"{zero}, {zero}, {zero}, {zero}" if r == 0 else d
-            lines += [f"mov.b64 {{b0, b1}}, {xs[r * nb + i]};", TF._mma(ty, d, "a0, a1, a2, a3", "b0, b1", c)]
-    for o in range(n_out):  # o: B fragment o // 4, channel g (o % 4 < 2) or g + 8, token 2t + o % 2
-        ch = (o % 4) // 2
-        lines += [f"fma.rn.f32 e, {nz[ch]}, {xsum[2 * (o // 4) + o % 2]}, d{o};",
-                  f"fma.rn.f32 ${o}, e, f{ch}, {acc[o]};"]
-    lines.append("}")
-    cons = (["=f"] * n_out + ["r"] * words + ["l", "f", "f"] + ["l"] * (words * nb) + ["f"] * (2 * nb + n_out)
-            + ["f", "r"])
-    return "\n".join(lines), ",".join(cons)
-
-
 @gluon.jit
 def _pdl_release(USE_PDL: gl.constexpr):
     if USE_PDL:
@@ -187,28 +122,6 @@ def _chain(w0, w1, w2, w3, sz, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, acc, zero
 
 
 @gluon.jit
-def _chain_zf(w0, w1, w2, w3, sz, nz0, nz1, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, acc, zero, zx, magic,
-              NB: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr, XASM: gl.constexpr, XCONS: gl.constexpr):
-    """Four chunks of one group through ``int4_fold_asm(NB)``: their activation sums first (``xsum_asm``, once
-    per lane, not per channel tile), then the MMAs of ``B + q`` and the zero-point correction."""
-    a0, a1, a2, a3, a4, a5, a6, a7 = acc
-    if NB == 1:
-        s0, s1 = gl.inline_asm_elementwise(XASM, XCONS, [xa0, xa1, xa2, xa3, zx], dtype=(gl.float32,) * 2,
-                                           is_pure=True, pack=1)
-        a0, a1, a2, a3 = gl.inline_asm_elementwise(
-            ASM, CONS, [w0, w1, w2, w3, sz, nz0, nz1, xa0, xa1, xa2, xa3, s0, s1, a0, a1, a2, a3, zero, magic],
-            dtype=(gl.float32,) * 4, is_pure=True, pack=1)
-    else:
-        s0, s1, s2, s3 = gl.inline_asm_elementwise(
-            XASM, XCONS, [xa0, xb0, xa1, xb1, xa2, xb2, xa3, xb3, zx], dtype=(gl.float32,) * 4, is_pure=True,
-            pack=1)
-        a0, a1, a2, a3, a4, a5, a6, a7 = gl.inline_asm_elementwise(
-            ASM, CONS, [w0, w1, w2, w3, sz, nz0, nz1, xa0, xb0, xa1, xb1, xa2, xb2, xa3, xb3, s0, s1, s2, s3, a0, a1,
-                        a2, a3, a4, a5, a6, a7, zero, magic], dtype=(gl.float32,) * 8, is_pure=True, pack=1)
-    return a0, a1, a2, a3, a4, a5, a6, a7
-
-
-@gluon.jit
 def _rows(j: gl.constexpr, pb, g, t, c):
     """Batch rows and output channels of accumulator ``j`` (rows ``2t + j % 2 (+ 8 for j >= 4)``, channels
     ``16 c + g (+ 8 for j % 4 >= 2)`` of channel block ``pb``)."""
@@ -268,8 +181,7 @@ def _tma_frag_kernel(
     w_desc, x_ptr, s_ptr, ws_ptr, y_ptr, cnt_ptr,
     M, N, G, groups_per_split, stride_xm, stride_ym,
     NB: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr,
-    ASM: gl.constexpr, CONS: gl.constexpr, ZF: gl.constexpr = False, XASM: gl.constexpr = "",
-    XCONS: gl.constexpr = "", F16: gl.constexpr = False, USE_PDL: gl.constexpr = False,
+    ASM: gl.constexpr, CONS: gl.constexpr, USE_PDL: gl.constexpr = False,
 ):
     """Grid ``(N / 64, split)``, ``W`` warps (1, 2, 4 or 8) per program: warp w takes chunks ``r W + w`` of
     each group, and their sums are added at the end. ``w_desc``: TMA descriptor of the fragment words
@@ -310,9 +222,6 @@ def _tma_frag_kernel(
     xmask2 = (g + 8 < M) & (wq >= 0)
     szp = s_ptr.to(gl.pointer_type(gl.int64)) + (pb * G * 32 + g * 4 + c3 + 0 * wq)
     zero = gl.zeros([W, 32, 4], gl.float32, L3)
-    zx = gl.zeros([W, 32, 1], gl.float32, L3)
-    magic = gl.full([W, 32, 4], 0x64006400 if F16 else 0x43004300, gl.int32, L3)
-    BASE: gl.constexpr = 1024.0 if F16 else 128.0
     acc = (zero, zero, zero, zero, zero, zero, zero, zero)
     _pdl_wait(USE_PDL)
     nxt = _group_loads(x8, xrow, xmask, xrow2, xmask2, szp, g0, wq, NB, W)
@@ -345,15 +254,7 @@ def _tma_frag_kernel(
         tma.async_copy_global_to_shared(w_desc, [row0 + (i + STAGES) * 8, 0], bars.index(st), wbuf.index(st),
                                         pred=refill)
         sz, xa, xb = cur
-        if ZF:  # (W 1 or 2: four chunks per call)
-            nz0 = -(BASE + (sz & 15).to(gl.float32))
-            nz1 = -(BASE + ((sz >> 32) & 15).to(gl.float32))
-            acc = _chain_zf(w0, w1, w2, w3, sz, nz0, nz1, xa[0], xa[1], xa[2], xa[3], xb[0], xb[1], xb[2], xb[3], acc,
-                            zero, zx, magic, NB, ASM, CONS, XASM, XCONS)
-            if W == 1:
-                acc = _chain_zf(w4, w5, w6, w7, sz, nz0, nz1, xa[4], xa[5], xa[6], xa[7], xb[4], xb[5], xb[6], xb[7],
-                                acc, zero, zx, magic, NB, ASM, CONS, XASM, XCONS)
-        elif W == 1:
+        if W == 1:
             acc = _chain(w0, w1, w2, w3, sz, xa[0], xa[1], xa[2], xa[3], xb[0], xb[1], xb[2], xb[3], acc, zero, NB,
                          4, ASM, CONS)
             acc = _chain(w4, w5, w6, w7, sz, xa[4], xa[5], xa[6], xa[7], xb[4], xb[5], xb[6], xb[7], acc, zero, NB,
@@ -411,7 +312,6 @@ def _tma_frag_kernel(
 
 
 _LAYOUT = None
-_ASM: dict[tuple, tuple] = {}
 
 
 def descriptor(words: torch.Tensor) -> TensorDescriptor:
@@ -424,10 +324,9 @@ def descriptor(words: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [8, 128], _LAYOUT)
 
 
-def check_config(cfg: dict) -> tuple[int, int, int, bool]:
-    """``(W, STAGES, SPLIT, ZF)`` of a MODE 7 config, validated (``ValueError`` naming the key). ``ZF`` 1: the
-    zero point folded out of the decode (:func:`int4_fold_asm`; W 1 or 2)."""
-    w, stages, split, zf = cfg.get("W", 1), cfg.get("STAGES", 2), cfg.get("SPLIT", 1), cfg.get("ZF", 0)
+def check_config(cfg: dict) -> tuple[int, int, int]:
+    """``(W, STAGES, SPLIT)`` of a MODE 7 config, validated (``ValueError`` naming the key)."""
+    w, stages, split = cfg.get("W", 1), cfg.get("STAGES", 2), cfg.get("SPLIT", 1)
     if w not in (1, 2, 4, 8):
         raise ValueError(f"config: MODE 7's W (warps per program) must be 1, 2, 4 or 8, got {w!r}")
     if not isinstance(stages, int) or not 1 <= stages <= 8:
@@ -435,10 +334,7 @@ def check_config(cfg: dict) -> tuple[int, int, int, bool]:
                          f"got {stages!r}")
     if not isinstance(split, int) or split < 1:
         raise ValueError(f"config: MODE 7's SPLIT (K splits) must be an int >= 1, got {split!r}")
-    if zf not in (0, 1) or (zf and w > 2):
-        raise ValueError(f"config: MODE 7's ZF (zero point folded out of the decode) must be 0 or 1, and 1 only "
-                         f"with W 1 or 2; got ZF {zf!r}, W {w}")
-    return w, stages, split, bool(zf)
+    return w, stages, split
 
 
 def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: dict, desc=None,
@@ -448,7 +344,7 @@ def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: 
     merged ``[gate; up]`` weight packed with ``act=True``). ``cfg``: W (warps per program, splitting each
     group's chunks), STAGES (groups in flight per program), SPLIT (K splits); ``desc``: :func:`descriptor`
     of ``words`` (made here when None)."""
-    w, stages, split, zf = check_config(cfg)
+    w, stages, split = check_config(cfg)
     if words.dtype != torch.int32 or words.dim() != 5 or tuple(words.shape[2:]) != (8, 32, 4):
         raise ValueError(f"words: expected int32 [N/64, K/128, 8, 32, 4], got {words.dtype} {tuple(words.shape)}")
     blocks, gk = words.shape[0], words.shape[1]
@@ -466,15 +362,7 @@ def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: 
     split = min(split, gk)
     per = triton.cdiv(gk, split)
     split = triton.cdiv(gk, per)
-    f16 = x.dtype == torch.float16
-    if zf:
-        key = ("int4-fold", nb, f16)
-        if key not in _ASM:
-            _ASM[key] = int4_fold_asm(nb, f16), xsum_asm(nb, f16)
-        (asm, cons), (xasm, xcons) = _ASM[key]
-    else:
-        asm, cons = TF._asm("int4", nb, f16, False, 8 // w if w > 1 else 4)
-        xasm, xcons = "", ""
+    asm, cons = TF._asm("int4", nb, x.dtype == torch.float16, False, 8 // w if w > 1 else 4)
     code = TF.ACTIVATIONS[act]
     y = torch.empty((m, n // 2 if code else n), dtype=x.dtype, device=x.device)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 or code else y
@@ -483,8 +371,7 @@ def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: 
     _tma_frag_kernel[(blocks, split)](
         desc if desc is not None else descriptor(words), x, sz, ws, y, cnt,
         m, n, gk, per, x.stride(0), y.stride(0),
-        NB=nb, W=w, STAGES=stages, SPLIT_K=split > 1, ACT=code, ASM=asm, CONS=cons, ZF=zf, XASM=xasm, XCONS=xcons,
-        F16=f16, num_warps=w,
+        NB=nb, W=w, STAGES=stages, SPLIT_K=split > 1, ACT=code, ASM=asm, CONS=cons, num_warps=w,
         **TF.pdl_launch(use_pdl),
     )
     return y

@@ -563,11 +563,11 @@ MODE6_MIN_BYTES = 24 << 20
 # at M=16. Same repacked words as MODE 6, so a weight still keeps one copy; on GPUs before sm90 the MODE 6
 # entries run.
 MODE7_TUNED: dict[tuple[str, int, int, int], dict] = {
-    ("int4", 14336, 4096, 1): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8, "ZF": 1},
-    ("int4", 14336, 4096, 2): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8, "ZF": 1},
-    ("int4", 14336, 4096, 4): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8, "ZF": 1},
-    ("int4", 28672, 4096, 1): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 4, "ZF": 1},
-    ("int4", 28672, 4096, 4): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 4, "ZF": 1},
+    ("int4", 14336, 4096, 1): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},
+    ("int4", 14336, 4096, 2): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},
+    ("int4", 14336, 4096, 4): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},
+    ("int4", 28672, 4096, 1): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 4},
+    ("int4", 28672, 4096, 4): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 4},
 }
 
 

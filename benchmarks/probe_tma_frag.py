@@ -1,10 +1,11 @@
-"""MODE 7 (``gluon_frag``: MODE 6's INT4 fragments streamed by TMA into a shared-memory ring, one warp per
+"""MODE 7 (``gluon_frag``: MODE 6's INT4 / FP8 fragments streamed by TMA into a shared-memory ring, one warp per
 64-channel block) against the dispatcher's choice (MODE 6 / 5 / 4) and bf16 ``F.linear``, over its STAGES and
 SPLIT. Every config is first checked against ``dequantize()`` + an fp32 matmul, then all are timed in
 alternating rounds (one CUDA graph per config over weight copies that exceed the L2, as ``sweep_quant_wo.py``),
 the median of the rounds reported.
 
     python benchmarks/probe_tma_frag.py --out $OUT/r/probe_tma_frag.json     # H200, ~3 min
+    python benchmarks/probe_tma_frag.py --cases fp8:gate_up/2:4,fp8:gate_up:1:silu --out ...   # FP8 (per-channel)
 """
 
 # ruff: noqa: B023  (closures are run inside the loop iteration that defines them)
@@ -38,7 +39,12 @@ GRID = [(1, 2, 4), (1, 2, 8), (2, 2, 2), (2, 2, 4), (2, 2, 8), (2, 3, 4), (2, 3,
         (4, 2, 8), (4, 3, 2), (4, 3, 4), (4, 4, 2), (4, 4, 4), (8, 2, 1), (8, 2, 2), (8, 2, 4), (8, 4, 1), (8, 4, 2)]
 
 
-def frags(q, act: bool):
+def frags(q, act: bool, kind: str = "int4"):
+    """The fragment words and scales the dispatcher's MODE 6 / 7 use for ``q`` (made once, cached)."""
+    if kind == "fp8":
+        n = q.shape[0]
+        s = q.scales.float()[TF._act_rows(n, 32, q.scales.device)] if act else q.scales.float().contiguous()
+        return TF.packed(q.qweight, ("fp8", act), lambda: (TF.pack_fp8(q.qweight, act), s))
     group = q.group_size if q.scales.shape[1] != 1 else q.padded_in_features
     return TF.packed(q.qweight, ("int4", act), lambda: TF.pack_int4(q.codes(), q.scales, q.zeros, group, act))
 
@@ -58,13 +64,18 @@ def main() -> None:  # noqa: C901 (one linear script)
         if time.perf_counter() - t0 > args.budget_s:
             print("budget reached", flush=True)
             break
-        shape, m, *rest = spec.split(":")
+        kind = "int4"
+        if spec.startswith("fp8:"):
+            kind, spec_ = "fp8", spec[4:]
+        else:
+            spec_ = spec
+        shape, m, *rest = spec_.split(":")
         m = int(m)
         act = rest[0] if rest else None
         n, k = SHAPES[shape]
         w = torch.randn(n, k, device="cuda") * 0.02
-        copies = max(1, math.ceil(WORKING_SET / (n * k // 2)))
-        q, qs, fn, _ = make_weights("int4", w, copies)
+        copies = max(1, math.ceil(WORKING_SET / (n * k // (2 if kind == "int4" else 1))))
+        q, qs, fn, _ = make_weights(kind, w, copies)
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         ref = x.float() @ q.dequantize(torch.float32).T
         if act:
@@ -79,7 +90,8 @@ def main() -> None:  # noqa: C901 (one linear script)
             fn(x, qq, act=act)
         err = rel_err(fn(x, q, act=act), ref)
         print(f"{spec}: dispatcher rel err {err:.3g}", flush=True)
-        packs = [frags(qq, act is not None) for qq in qs]
+        packs = [frags(qq, act is not None, kind) for qq in qs]
+        extra = {"kind": kind, "fold": 2.0**120} if kind == "fp8" else {}
         descs = [GF.descriptor(p[0]) for p in packs]
         gk = k // 128
         grid = [tuple(int(v) for v in e.split(":")) for e in args.grid.split(",")] if args.grid else GRID
@@ -91,10 +103,10 @@ def main() -> None:  # noqa: C901 (one linear script)
                 label = json.dumps(cfg, sort_keys=True)
                 try:
                     words, sz = packs[0]
-                    err = rel_err(GF.launch(x, words, sz, n, cfg, descs[0], act=act), ref)
+                    err = rel_err(GF.launch(x, words, sz, n, cfg, descs[0], act=act, **extra), ref)
                     if not err < 1e-2:
                         raise RuntimeError(f"rel err {err:.3g}")
-                    err2 = rel_err(GF.launch(x, words, sz, n, cfg, descs[0], act=act), ref)  # counters reset
+                    err2 = rel_err(GF.launch(x, words, sz, n, cfg, descs[0], act=act, **extra), ref)  # counters reset
                     if not err2 < 1e-2:
                         raise RuntimeError(f"second call rel err {err2:.3g}")
                 except Exception as e:  # noqa: BLE001
@@ -102,7 +114,7 @@ def main() -> None:  # noqa: C901 (one linear script)
                     print(f"  {spec} {cfg}: FAILED {repr(e)[:300]}", flush=True)
                     continue
                 timed[label] = (lambda i, c=cfg: GF.launch(x, packs[i % copies][0], packs[i % copies][1], n, c,
-                                                           descs[i % copies], act=act), n_calls)
+                                                           descs[i % copies], act=act, **extra), n_calls)
         times = {lab: [] for lab in timed}
         for _ in range(args.rounds):
             for lab, (call, nc) in timed.items():

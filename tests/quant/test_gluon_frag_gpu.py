@@ -1,7 +1,8 @@
-"""MODE 7 (``quant.gluon_frag``: MODE 6's INT4 fragments streamed by TMA; sm90+) on a CUDA GPU against
-dequantize() + fp32 matmul: symmetric / zero points, g128 / g256 / per channel, bf16 and fp16 activations,
-M = 1..16 (one and two B fragments), warps per program, stages, split-K (even and uneven), the fused gated
-epilogue, CUDA-graph replays, bad configs, and the dispatcher's MODE 7 entries. Run with ``pytest -m gpu``."""
+"""MODE 7 (``quant.gluon_frag``: MODE 6's INT4 / FP8 fragments streamed by TMA; sm90+) on a CUDA GPU
+against dequantize() + fp32 matmul: FP8 with per-channel scales, INT4 symmetric / zero points, g128 / g256 /
+per channel, bf16 and fp16 activations, M = 1..16 (one and two B fragments), warps per program, stages,
+split-K (even and uneven), the fused gated epilogue, CUDA-graph replays, bad configs, and the dispatcher's
+MODE 7 entries. Run with ``pytest -m gpu``."""
 
 import pytest
 import torch
@@ -82,9 +83,37 @@ def test_mode7_graph_replay_and_bad_config():
     for key, bad in (("W", 3), ("STAGES", 0), ("STAGES", 9), ("SPLIT", 0)):
         with pytest.raises(ValueError, match=key):
             TW.wq_matmul_triton(x, w, config={**cfg, key: bad})
-    wf = FP8Weight.quantize(torch.randn(n, k, device=dev) * 0.05)
-    with pytest.raises(ValueError, match="MODE 7"):
+    wf = FP8Weight.quantize(torch.randn(n, k, device=dev) * 0.05, block_size=128)
+    with pytest.raises(ValueError, match="MODE 7"):  # 128x128 block scales: per-channel only
         TW.fp8_wo_matmul_triton(x, wf, config=cfg)
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tile", [(1, 2, 1), (1, 2, 3), (2, 3, 2), (4, 1, 4), (8, 2, 1)])
+def test_mode7_fp8(m, dtype, tile):
+    """FP8 (per-channel scales, the emulated decode) through MODE 7."""
+    _need_sm90()
+    w_, stages, split = tile
+    torch.manual_seed(m)
+    w = FP8Weight.quantize(torch.randn(96, 1024, device=dev) * 0.05)
+    x = torch.randn(m, 1024, device=dev, dtype=dtype)
+    y = TW.fp8_wo_matmul_triton(x, w, config={"MODE": 7, "W": w_, "STAGES": stages, "SPLIT": split})
+    assert y.dtype == dtype and y.shape == (m, 96)
+    assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
+
+
+@pytest.mark.parametrize("m,split", [(1, 1), (4, 3), (16, 2)])
+def test_mode7_fp8_fused_gated_act(m, split):
+    _need_sm90()
+    torch.manual_seed(0)
+    d, k = 64, 512
+    w = FP8Weight.quantize(torch.randn(2 * d, k, device=dev) * 0.05)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    y = TW.fp8_wo_matmul_triton(x, w, config={"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": split}, act="silu")
+    h = (x.float() @ w.dequantize(torch.float32).T).to(torch.bfloat16).float()
+    assert y.shape == (m, d)
+    assert _rel(y, torch.nn.functional.silu(h[:, :d]) * h[:, d:]) < 1e-2
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 16])

@@ -407,7 +407,7 @@ def test_mode7_entries_and_config_checks():
         assert triton_wo.repacked_layouts(kind, n, k) == {"mode6"}
     assert triton_wo._mode6_entry("int4", 14336, 4096, 16, 132, True) is None  # M=16: MODE 5
     assert triton_wo._mode6_entry("int4", 14336, 4096, 3, 132, True)["MODE"] == 7  # bucket 4
-    assert triton_wo._mode6_entry("fp8", 14336, 4096, 1, 132, True) is None  # INT4 only
+    assert triton_wo._mode6_entry("fp8", 14336, 4096, 1, 132, True) is None  # (FP8: MODE 4 there)
     assert gluon_frag.check_config({"W": 2, "STAGES": 3, "SPLIT": 4}) == (2, 3, 4)
     assert gluon_frag.check_config({}) == (1, 2, 1)
     for key, bad in (("W", 3), ("STAGES", 0), ("STAGES", 9), ("STAGES", 2.0), ("SPLIT", 0)):

@@ -77,9 +77,14 @@ def _group_x(x8, xrow, xmask, grp, wq, W: gl.constexpr):
 
 
 @gluon.jit
-def _group_loads(x8, xrow, xmask, xrow2, xmask2, szp, grp, wq, NB: gl.constexpr, W: gl.constexpr):
-    """Group ``grp``'s register operands: its scale / zero-point words ``[W, 32, 4]`` and B fragments."""
-    sz = gl.load(szp + grp * 32)
+def _group_loads(x8, xrow, xmask, xrow2, xmask2, szp, grp, wq, NB: gl.constexpr, W: gl.constexpr,
+                 FP8: gl.constexpr):
+    """Group ``grp``'s register operands: its INT4 scale / zero-point words ``[W, 32, 4]`` (FP8: ``szp``, zeros)
+    and B fragments."""
+    if FP8:
+        sz = szp
+    else:
+        sz = gl.load(szp + grp * 32)
     xa = _group_x(x8, xrow, xmask, grp, wq, W)
     if NB == 2:
         xb = _group_x(x8, xrow2, xmask2, grp, wq, W)
@@ -122,21 +127,55 @@ def _chain(w0, w1, w2, w3, sz, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, acc, zero
 
 
 @gluon.jit
-def _rows(j: gl.constexpr, pb, g, t, c):
+def _fp8_step(w, xa, xb, acc, NB: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr):
+    """One FP8 chunk (one int64 word per tile) through ``fp8_asm(NB)``, straight into the accumulators."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = acc
+    if NB == 1:
+        a0, a1, a2, a3 = gl.inline_asm_elementwise(ASM, CONS, [w, xa, a0, a1, a2, a3], dtype=(gl.float32,) * 4,
+                                                   is_pure=True, pack=1)
+    else:
+        a0, a1, a2, a3, a4, a5, a6, a7 = gl.inline_asm_elementwise(
+            ASM, CONS, [w, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7], dtype=(gl.float32,) * 8, is_pure=True, pack=1)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@gluon.jit
+def _fp8_group(w0, w1, w2, w3, w4, w5, w6, w7, xa, xb, acc, NB: gl.constexpr, RPW: gl.constexpr, ASM: gl.constexpr,
+               CONS: gl.constexpr):
+    """A warp's ``RPW`` chunks of one FP8 group."""
+    acc = _fp8_step(w0, xa[0], xb[0], acc, NB, ASM, CONS)
+    if RPW >= 2:
+        acc = _fp8_step(w1, xa[1], xb[1], acc, NB, ASM, CONS)
+    if RPW >= 4:
+        acc = _fp8_step(w2, xa[2], xb[2], acc, NB, ASM, CONS)
+        acc = _fp8_step(w3, xa[3], xb[3], acc, NB, ASM, CONS)
+    if RPW == 8:
+        acc = _fp8_step(w4, xa[4], xb[4], acc, NB, ASM, CONS)
+        acc = _fp8_step(w5, xa[5], xb[5], acc, NB, ASM, CONS)
+        acc = _fp8_step(w6, xa[6], xb[6], acc, NB, ASM, CONS)
+        acc = _fp8_step(w7, xa[7], xb[7], acc, NB, ASM, CONS)
+    return acc
+
+
+@gluon.jit
+def _rows(j: gl.constexpr, pb, g, t, c, CT: gl.constexpr):
     """Batch rows and output channels of accumulator ``j`` (rows ``2t + j % 2 (+ 8 for j >= 4)``, channels
-    ``16 c + g (+ 8 for j % 4 >= 2)`` of channel block ``pb``)."""
+    ``16 c + g (+ 8 for j % 4 >= 2)`` of channel block ``pb``, ``16 CT`` channels)."""
     m = 2 * t + (j % 2) + 8 * (j // 4)
-    n = pb * 64 + 16 * c + g + 8 * ((j % 4) // 2)
+    n = pb * (16 * CT) + 16 * c + g + 8 * ((j % 4) // 2)
     return m, n
 
 
 @gluon.jit
-def _store_part(ws_ptr, y_ptr, a, j: gl.constexpr, pb, sp, M, N, stride_ym, g, t, c, TO_WS: gl.constexpr):
-    m, n = _rows(j, pb, g, t, c)
+def _store_part(ws_ptr, y_ptr, a, j: gl.constexpr, pb, sp, M, N, stride_ym, g, t, c, TO_WS: gl.constexpr, s_ptr,
+                CT: gl.constexpr, FP8: gl.constexpr, FOLD: gl.constexpr):
+    m, n = _rows(j, pb, g, t, c, CT)
     mask = (m < M) & (n < N)
     if TO_WS:
         gl.store(ws_ptr + sp.to(gl.int64) * M * N + m * N + n, a, mask=mask)
     else:
+        if FP8:  # per-channel scales (packed row order) and the decode's power of two
+            a = a * gl.load(s_ptr + n, mask=mask, other=0.0) * FOLD
         gl.store(y_ptr + m * stride_ym + n, a.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -156,19 +195,23 @@ def _act_mul(gv, uv, y_ptr, ACT: gl.constexpr):
 
 
 @gluon.jit
-def _sum_part(ws_ptr, y_ptr, j: gl.constexpr, pb, nsplit, M, N, stride_ym, g, t, c, zero, ACT: gl.constexpr):
-    """The splits' partials of accumulator ``j`` summed and stored; with ACT (rows packed by
-    ``pack_int4(act=True)``: tiles 0, 1 of a block hold gate rows, 2, 3 the matching up rows) the gated
-    activation's output channel ``32 pb + 16 c + row``."""
-    m, n = _rows(j, pb, g, t, c)
+def _sum_part(ws_ptr, y_ptr, j: gl.constexpr, pb, nsplit, M, N, stride_ym, g, t, c, zero, ACT: gl.constexpr, s_ptr,
+              CT: gl.constexpr, FP8: gl.constexpr, FOLD: gl.constexpr):
+    """The splits' partials of accumulator ``j`` summed, scaled (FP8) and stored; with ACT (rows packed with
+    ``act=True``: tiles ``c < CT / 2`` of a block hold gate rows, ``c + CT / 2`` the matching up rows) the
+    gated activation's output channel ``8 CT pb + 16 c + row``."""
+    m, n = _rows(j, pb, g, t, c, CT)
     mask = (m < M) & (n < N)
     tot = zero
     for s in range(0, nsplit):
         tot += gl.load(ws_ptr + s * M * N + m * N + n, mask=mask, other=0.0, cache_modifier=".cg")
+    if FP8:
+        tot = tot * gl.load(s_ptr + n, mask=mask, other=0.0) * FOLD
     if ACT != 0:
-        ga, ua = gl.split(gl.permute(gl.reshape(tot, [32, 2, 2]), (0, 2, 1)))
-        mm, _ = gl.split(gl.permute(gl.reshape(m + 0 * n, [32, 2, 2]), (0, 2, 1)))
-        o, _ = gl.split(gl.permute(gl.reshape(pb * 32 + 16 * c + g + 8 * ((j % 4) // 2) + 0 * m, [32, 2, 2]),
+        H: gl.constexpr = CT // 2
+        ga, ua = gl.split(gl.permute(gl.reshape(tot, [32, 2, H]), (0, 2, 1)))
+        mm, _ = gl.split(gl.permute(gl.reshape(m + 0 * n, [32, 2, H]), (0, 2, 1)))
+        o, _ = gl.split(gl.permute(gl.reshape(pb * (8 * CT) + 16 * c + g + 8 * ((j % 4) // 2) + 0 * m, [32, 2, H]),
                                    (0, 2, 1)))
         out = _act_mul(ga, ua, y_ptr, ACT)
         gl.store(y_ptr + mm * stride_ym + o, out.to(y_ptr.dtype.element_ty), mask=(mm < M) & (o < N // 2))
@@ -181,15 +224,18 @@ def _tma_frag_kernel(
     w_desc, x_ptr, s_ptr, ws_ptr, y_ptr, cnt_ptr,
     M, N, G, groups_per_split, stride_xm, stride_ym,
     NB: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr,
-    ASM: gl.constexpr, CONS: gl.constexpr, USE_PDL: gl.constexpr = False,
+    ASM: gl.constexpr, CONS: gl.constexpr, FP8: gl.constexpr = False, FOLD: gl.constexpr = 1.0,
+    USE_PDL: gl.constexpr = False,
 ):
     """Grid ``(N / 64, split)``, ``W`` warps (1, 2, 4 or 8) per program: warp w takes chunks ``r W + w`` of
     each group, and their sums are added at the end. ``w_desc``: TMA descriptor of the fragment words
     viewed as ``[N/64 * G * 8, 128]`` int32 (block ``[8, 128]``: one group of one channel block); ``s``:
     the int64 scale / zero-point words ``[N/64, G, 8, 4]``; ``ws``: fp32 partials ``[split, M, N]`` (split-K
-    or ACT)."""
+    or ACT). FP8 (``pack_fp8``'s int64 words ``[N/32, G, 8, 32, 2]``, the same 4 KB per group of a 32-channel
+    block): ``s`` the fp32 per-channel scales (packed row order), applied with ``FOLD`` at the end."""
     RPW: gl.constexpr = 8 // W  # chunks per warp per group
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [W, 1, 1], [2, 1, 0])  # [warp, lane, tile]
+    CT: gl.constexpr = 2 if FP8 else 4  # 16-channel tiles per block (a lane's 16 bytes per chunk)
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, CT], [1, 32, 1], [W, 1, 1], [2, 1, 0])  # [warp, lane, tile]
     LWL: gl.constexpr = gl.SliceLayout(2, L3)  # [warp, lane]
     L2: gl.constexpr = gl.SliceLayout(0, L3)  # [lane, tile] after the warps' sum
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
@@ -207,12 +253,12 @@ def _tma_frag_kernel(
     for s in gl.static_range(STAGES):  # the weights of the first STAGES groups, before the PDL wait
         mbarrier.expect(bars.index(s), GROUP_BYTES, pred=s < n_grp)
         tma.async_copy_global_to_shared(w_desc, [row0 + s * 8, 0], bars.index(s), wbuf.index(s), pred=s < n_grp)
-    view = wbuf._reinterpret(gl.int32, [STAGES * RPW, W, 32, 4], FLAT)
+    view = wbuf._reinterpret(gl.int64 if FP8 else gl.int32, [STAGES * RPW, W, 32, CT], FLAT)
 
     # [W, 32, 1] lane / warp indices, [1, 1, 4] tiles
     lane = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, LWL)), 0), 2)
     wq = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, LWL)), 1), 2)
-    c3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, L2)), 0), 0)
+    c3 = gl.expand_dims(gl.expand_dims(gl.arange(0, CT, layout=gl.SliceLayout(0, L2)), 0), 0)
     g = lane // 4
     t = lane % 4
     x8 = x_ptr.to(gl.pointer_type(gl.int64))
@@ -220,14 +266,17 @@ def _tma_frag_kernel(
     xmask = (g < M) & (wq >= 0)
     xrow2 = (g + 8) * (stride_xm // 4) + 8 * t + 0 * wq
     xmask2 = (g + 8 < M) & (wq >= 0)
-    szp = s_ptr.to(gl.pointer_type(gl.int64)) + (pb * G * 32 + g * 4 + c3 + 0 * wq)
-    zero = gl.zeros([W, 32, 4], gl.float32, L3)
+    if FP8:
+        szp = gl.zeros([W, 32, CT], gl.int64, L3)  # (no scale words: per-channel scales at the end)
+    else:
+        szp = s_ptr.to(gl.pointer_type(gl.int64)) + (pb * G * 32 + g * 4 + c3 + 0 * wq)
+    zero = gl.zeros([W, 32, CT], gl.float32, L3)
     acc = (zero, zero, zero, zero, zero, zero, zero, zero)
     _pdl_wait(USE_PDL)
-    nxt = _group_loads(x8, xrow, xmask, xrow2, xmask2, szp, g0, wq, NB, W)
+    nxt = _group_loads(x8, xrow, xmask, xrow2, xmask2, szp, g0, wq, NB, W, FP8)
     for i in range(n_grp):
         cur = nxt
-        nxt = _group_loads(x8, xrow, xmask, xrow2, xmask2, szp, g0 + gl.minimum(i + 1, n_grp - 1), wq, NB, W)
+        nxt = _group_loads(x8, xrow, xmask, xrow2, xmask2, szp, g0 + gl.minimum(i + 1, n_grp - 1), wq, NB, W, FP8)
         st = i % STAGES
         mbarrier.wait(bars.index(st), (i // STAGES) & 1)
         w0 = view.index(st * RPW).load(L3)
@@ -254,7 +303,9 @@ def _tma_frag_kernel(
         tma.async_copy_global_to_shared(w_desc, [row0 + (i + STAGES) * 8, 0], bars.index(st), wbuf.index(st),
                                         pred=refill)
         sz, xa, xb = cur
-        if W == 1:
+        if FP8:
+            acc = _fp8_group(w0, w1, w2, w3, w4, w5, w6, w7, xa, xb, acc, NB, RPW, ASM, CONS)
+        elif W == 1:
             acc = _chain(w0, w1, w2, w3, sz, xa[0], xa[1], xa[2], xa[3], xb[0], xb[1], xb[2], xb[3], acc, zero, NB,
                          4, ASM, CONS)
             acc = _chain(w4, w5, w6, w7, sz, xa[4], xa[5], xa[6], xa[7], xb[4], xb[5], xb[6], xb[7], acc, zero, NB,
@@ -266,10 +317,10 @@ def _tma_frag_kernel(
         mbarrier.invalidate(bars.index(s))
 
     r2 = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, L2)), 1)
-    c2 = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, L2)), 0)
+    c2 = gl.expand_dims(gl.arange(0, CT, layout=gl.SliceLayout(0, L2)), 0)
     g2 = r2 // 4
     t2 = r2 % 4
-    zero2 = gl.zeros([32, 4], gl.float32, L2)
+    zero2 = gl.zeros([32, CT], gl.float32, L2)
     a0, a1, a2, a3, a4, a5, a6, a7 = acc
     a0 = gl.sum(a0, axis=0)
     a1 = gl.sum(a1, axis=0)
@@ -281,15 +332,15 @@ def _tma_frag_kernel(
         a6 = gl.sum(a6, axis=0)
         a7 = gl.sum(a7, axis=0)
     VIA_WS: gl.constexpr = SPLIT_K or ACT != 0
-    _store_part(ws_ptr, y_ptr, a0, 0, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS)
-    _store_part(ws_ptr, y_ptr, a1, 1, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS)
-    _store_part(ws_ptr, y_ptr, a2, 2, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS)
-    _store_part(ws_ptr, y_ptr, a3, 3, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS)
+    _store_part(ws_ptr, y_ptr, a0, 0, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
+    _store_part(ws_ptr, y_ptr, a1, 1, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
+    _store_part(ws_ptr, y_ptr, a2, 2, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
+    _store_part(ws_ptr, y_ptr, a3, 3, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
     if NB == 2:
-        _store_part(ws_ptr, y_ptr, a4, 4, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS)
-        _store_part(ws_ptr, y_ptr, a5, 5, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS)
-        _store_part(ws_ptr, y_ptr, a6, 6, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS)
-        _store_part(ws_ptr, y_ptr, a7, 7, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS)
+        _store_part(ws_ptr, y_ptr, a4, 4, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
+        _store_part(ws_ptr, y_ptr, a5, 5, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
+        _store_part(ws_ptr, y_ptr, a6, 6, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
+        _store_part(ws_ptr, y_ptr, a7, 7, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
     if VIA_WS:
         gl.thread_barrier()  # every thread's partial is written before the release below
         nsplit = gl.num_programs(1)
@@ -298,15 +349,15 @@ def _tma_frag_kernel(
         else:
             done = nsplit - 1
         if done == nsplit - 1:
-            _sum_part(ws_ptr, y_ptr, 0, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT)
-            _sum_part(ws_ptr, y_ptr, 1, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT)
-            _sum_part(ws_ptr, y_ptr, 2, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT)
-            _sum_part(ws_ptr, y_ptr, 3, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT)
+            _sum_part(ws_ptr, y_ptr, 0, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
+            _sum_part(ws_ptr, y_ptr, 1, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
+            _sum_part(ws_ptr, y_ptr, 2, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
+            _sum_part(ws_ptr, y_ptr, 3, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
             if NB == 2:
-                _sum_part(ws_ptr, y_ptr, 4, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT)
-                _sum_part(ws_ptr, y_ptr, 5, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT)
-                _sum_part(ws_ptr, y_ptr, 6, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT)
-                _sum_part(ws_ptr, y_ptr, 7, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT)
+                _sum_part(ws_ptr, y_ptr, 4, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
+                _sum_part(ws_ptr, y_ptr, 5, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
+                _sum_part(ws_ptr, y_ptr, 6, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
+                _sum_part(ws_ptr, y_ptr, 7, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
             if SPLIT_K:
                 gl.atomic_xchg(cnt_ptr + pb, 0)  # ready for the next launch (graph replays too)
 
@@ -315,12 +366,13 @@ _LAYOUT = None
 
 
 def descriptor(words: torch.Tensor) -> TensorDescriptor:
-    """The TMA descriptor of ``pack_int4``'s words ``[N/64, G, 8, 32, 4]`` viewed as ``[N/64 * G * 8, 128]``
-    int32, one group of one channel block (``[8, 128]``, 4 KB) per copy."""
+    """The TMA descriptor of ``pack_int4``'s words ``[N/64, G, 8, 32, 4]`` (or ``pack_fp8``'s int64
+    ``[N/32, G, 8, 32, 2]``) viewed as ``[blocks * G * 8, 128]`` int32, one group of one channel block
+    (``[8, 128]``, 4 KB) per copy."""
     global _LAYOUT
     if _LAYOUT is None:
         _LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    flat = words.view(-1, 128)
+    flat = words.view(torch.int32).view(-1, 128)
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [8, 128], _LAYOUT)
 
 
@@ -338,18 +390,28 @@ def check_config(cfg: dict) -> tuple[int, int, int]:
 
 
 def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: dict, desc=None,
-           act: str | None = None) -> torch.Tensor:
-    """``x [M, K]`` (bf16/fp16, M <= 16, CUDA sm90+) times INT4 fragments (``words``, ``sz`` from
-    ``triton_frag.pack_int4``) -> ``[M, N]`` in ``x.dtype`` (``[M, N/2]`` = ``act(gate) * up`` with ``act``: a
-    merged ``[gate; up]`` weight packed with ``act=True``). ``cfg``: W (warps per program, splitting each
-    group's chunks), STAGES (groups in flight per program), SPLIT (K splits); ``desc``: :func:`descriptor`
-    of ``words`` (made here when None)."""
+           act: str | None = None, kind: str = "int4", fold: float = 1.0) -> torch.Tensor:
+    """``x [M, K]`` (bf16/fp16, M <= 16, CUDA sm90+) times fragment-packed weights -> ``[M, N]`` in ``x.dtype``
+    (``[M, N/2]`` = ``act(gate) * up`` with ``act``: a merged ``[gate; up]`` weight packed with ``act=True``).
+    ``kind`` "int4": ``words``, ``sz`` from ``triton_frag.pack_int4``; "fp8": ``words`` from
+    ``triton_frag.pack_fp8``, ``sz`` the fp32 per-channel scales ``[N]`` in packed row order, ``fold`` the
+    decode's power of two (2**120 bf16, 2**8 fp16). ``cfg``: W (warps per program, splitting each group's
+    chunks), STAGES (groups in flight per program), SPLIT (K splits); ``desc``: :func:`descriptor` of
+    ``words`` (made here when None)."""
     w, stages, split = check_config(cfg)
-    if words.dtype != torch.int32 or words.dim() != 5 or tuple(words.shape[2:]) != (8, 32, 4):
-        raise ValueError(f"words: expected int32 [N/64, K/128, 8, 32, 4], got {words.dtype} {tuple(words.shape)}")
+    if kind not in ("int4", "fp8"):
+        raise ValueError(f"kind: expected 'int4' or 'fp8', got {kind!r}")
+    fp8 = kind == "fp8"
+    ct = 2 if fp8 else 4
+    want = torch.int64 if fp8 else torch.int32
+    if words.dtype != want or words.dim() != 5 or tuple(words.shape[2:]) != (8, 32, ct):
+        raise ValueError(f"words: expected {want} [N/{16 * ct}, K/128, 8, 32, {ct}], got {words.dtype} "
+                         f"{tuple(words.shape)}")
     blocks, gk = words.shape[0], words.shape[1]
-    if n != blocks * 64:
-        raise ValueError(f"n: {n} does not match words, which hold {blocks * 64} channels")
+    if n != blocks * 16 * ct:
+        raise ValueError(f"n: {n} does not match words, which hold {blocks * 16 * ct} channels")
+    if fp8 and (sz.dtype != torch.float32 or sz.numel() != n):
+        raise ValueError(f"sz: expected the fp32 per-channel scales [{n}], got {sz.dtype} {tuple(sz.shape)}")
     if x.dim() != 2 or x.shape[1] != gk * KSTEP:
         raise ValueError(f"x: expected [M, {gk * KSTEP}], got {tuple(x.shape)}")
     if not TF.supported(x) or not TF.capability(x.device).at_least(9):
@@ -362,7 +424,8 @@ def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: 
     split = min(split, gk)
     per = triton.cdiv(gk, split)
     split = triton.cdiv(gk, per)
-    asm, cons = TF._asm("int4", nb, x.dtype == torch.float16, False, 8 // w if w > 1 else 4)
+    f16 = x.dtype == torch.float16
+    asm, cons = TF._asm("fp8", nb, f16, False) if fp8 else TF._asm("int4", nb, f16, False, 8 // w if w > 1 else 4)
     code = TF.ACTIVATIONS[act]
     y = torch.empty((m, n // 2 if code else n), dtype=x.dtype, device=x.device)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 or code else y
@@ -371,7 +434,7 @@ def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: 
     _tma_frag_kernel[(blocks, split)](
         desc if desc is not None else descriptor(words), x, sz, ws, y, cnt,
         m, n, gk, per, x.stride(0), y.stride(0),
-        NB=nb, W=w, STAGES=stages, SPLIT_K=split > 1, ACT=code, ASM=asm, CONS=cons, num_warps=w,
-        **TF.pdl_launch(use_pdl),
+        NB=nb, W=w, STAGES=stages, SPLIT_K=split > 1, ACT=code, ASM=asm, CONS=cons, FP8=fp8, FOLD=float(fold),
+        num_warps=w, **TF.pdl_launch(use_pdl),
     )
     return y

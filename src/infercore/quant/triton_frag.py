@@ -1076,7 +1076,7 @@ def int4_matmul(x: torch.Tensor, w, cfg: dict, act: str | None = None) -> torch.
 
 def fp8_matmul(x: torch.Tensor, w, cfg: dict, act: str | None = None) -> torch.Tensor | None:
     """``x [M, K]`` (bf16/fp16) times emulated-FP8 ``w`` (e4m3 ``[N, K]``; :func:`fp8_ok` holds) through
-    MODE 6, shapes and None as in :func:`int4_matmul`."""
+    MODE 6 (or MODE 7 with per-channel scales, ``cfg["MODE"]`` 7), shapes and None as in :func:`int4_matmul`."""
     n, k = w.shape
     fused = act is not None
     bscale = w.block_size is not None
@@ -1094,4 +1094,11 @@ def fp8_matmul(x: torch.Tensor, w, cfg: dict, act: str | None = None) -> torch.T
         return None
     frags, s = p
     fold = 2.0**8 if x.dtype == torch.float16 else 2.0**120
+    if cfg.get("MODE") == 7:
+        if bscale:
+            raise ValueError("config: MODE 7 runs FP8 weights with per-channel scales only (not 128x128 blocks)")
+        from . import gluon_frag
+
+        desc = packed(w.qweight, ("fp8-tma", fused), lambda: gluon_frag.descriptor(frags))
+        return gluon_frag.launch(x, frags, s, n, cfg, desc, act=act, kind="fp8", fold=fold)
     return launch(x, "fp8", frags, n, cfg, s=s, bscale=bscale, fold=fold, act=act)

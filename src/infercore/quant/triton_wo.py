@@ -585,9 +585,11 @@ def _mode6_entry(kind: str, n: int, k: int, m: int, num_sms: int, mode7: bool = 
     return entry
 
 
-def _mode7_ok(kind: str, x: torch.Tensor) -> bool:
-    """Whether MODE 7 can run for ``x``: INT4, CUDA sm90+ (TMA), and a Triton with Gluon."""
-    return kind == "int4" and capability(x.device).at_least(9) and TF.gluon_available()
+def _mode7_ok(kind: str, x: torch.Tensor, w=None) -> bool:
+    """Whether MODE 7 can run for ``x``: CUDA sm90+ (TMA), a Triton with Gluon, and INT4 or per-channel FP8
+    ``w`` (None: not checked)."""
+    per_channel = w is None or kind != "fp8" or w.block_size is None
+    return per_channel and capability(x.device).at_least(9) and TF.gluon_available()
 
 
 def repacked_layouts(kind: str, n: int, k: int) -> set[str]:
@@ -607,7 +609,7 @@ def repacked_layouts(kind: str, n: int, k: int) -> set[str]:
     return out
 
 
-def _mode6_cfg(kind: str, x: torch.Tensor, n: int, k: int, override: dict | None, runnable) -> dict | None:
+def _mode6_cfg(kind: str, x: torch.Tensor, n: int, k: int, override: dict | None, runnable, w=None) -> dict | None:
     """The fragment kernels' launch config when one runs this call (``override`` MODE 6 or 7, or a
     ``MODE7_TUNED`` / ``MODE6_TUNED`` entry for this shape and M bucket when ``runnable()``), else None. An
     override asking for MODE 6 / 7 where it cannot run raises."""
@@ -619,14 +621,15 @@ def _mode6_cfg(kind: str, x: torch.Tensor, n: int, k: int, override: dict | None
             raise ValueError(f"config: MODE {override['MODE']} cannot run here (CUDA sm80+, 16-bit activations, "
                              "M <= 16, and the weight shape / group the fragment layout needs)")
         if override["MODE"] == 7:
-            if not _mode7_ok(kind, x):
-                raise ValueError("config: MODE 7 runs INT4 weights on CUDA sm90+ with a Triton that has Gluon")
+            if not _mode7_ok(kind, x, w):
+                raise ValueError("config: MODE 7 runs INT4 and per-channel FP8 weights on CUDA sm90+ with a Triton "
+                                 "that has Gluon")
             return dict(override)
         return {**TF.default_config(kind, n, k, m, _num_sms(x.device)), **override}
     if m > SMALL_M_MAX or _INTERPRET or not x.is_cuda or not REPACK:  # MODE 6 repacks like MODE 4
         return None
     # (None: neither for this shape and bucket)
-    tuned = _mode6_entry(kind, n, k, m, _num_sms(x.device), _mode7_ok(kind, x))
+    tuned = _mode6_entry(kind, n, k, m, _num_sms(x.device), _mode7_ok(kind, x, w))
     if tuned is None or not runnable():
         return None
     if tuned.get("MODE") == 7:
@@ -638,7 +641,7 @@ def _run_mode6(kind: str, x: torch.Tensor, w, n: int, k: int, config: dict | Non
     """MODE 6's result when it runs this call (see ``_mode6_cfg``), else None (the caller's other
     kernels run). Its repack is made on a first eager call: a call captured into a CUDA graph before
     one falls back, unless MODE 6 was asked for by ``config``, which then raises."""
-    cfg = _mode6_cfg(kind, x, n, k, config, lambda: ok(x, w, act))
+    cfg = _mode6_cfg(kind, x, n, k, config, lambda: ok(x, w, act), w)
     if cfg is None:
         return None
     y = run(x, w, cfg, act)

@@ -1,18 +1,21 @@
-"""MODE 7: MODE 6's INT4 fragment layout (``triton_frag.pack_int4``) streamed by TMA (Hopper, Gluon).
+"""MODE 7: MODE 6's fragment layouts (``triton_frag.pack_int4`` / ``pack_fp8``) streamed by TMA (Hopper, Gluon).
 
 Why: MODE 6 keeps its loads in flight in registers (two iterations ahead), so each warp has ~4 KB
 outstanding and the kernel is bound by load latency: ~0.95 us per iteration per warp and a ~6 us
-fixed cost at 14336x4096, M=1 (docs/quantization.md). Here one warp per program owns a 64-channel
-block and a range of K groups; the tensor-memory accelerator copies each group's 4 KB of fragment
-words into a ring of ``STAGES`` shared-memory buffers (one instruction per group, no registers held
-while in flight), so a program has ``STAGES`` groups outstanding from its first instruction (before
-the PDL wait: weights only). The warp reads a group back with one 16-byte shared load per chunk
-(each lane its own fragment words, the layout MODE 6 loads from global memory), decodes and
-multiplies them with MODE 6's inline PTX (``triton_frag.int4_asm``), and the split-K partials finish
-as in MODE 6 (the last program of a channel block sums them).
+fixed cost at 14336x4096, M=1 (docs/quantization.md). Here each program's warps share a channel block
+(64 channels INT4, 32 FP8) and a range of K groups; the tensor-memory accelerator copies each group's
+4 KB of fragment words into a ring of ``STAGES`` shared-memory buffers (one instruction per group, no
+registers held while in flight), so a program has ``STAGES`` groups outstanding from its first
+instruction (before the PDL wait: weights only). A warp reads its chunks back with one 16-byte shared
+load each (each lane its own fragment words, the layout MODE 6 loads from global memory), decodes and
+multiplies them with MODE 6's inline PTX (``triton_frag.int4_asm`` / ``fp8_asm``), and the split-K
+partials finish as in MODE 6 (the last program of a channel block sums them).
 
-The scale / zero-point words and the activations' B fragments are loaded into registers one group
-ahead (they are 1/16 of the bytes and mostly L2 hits). GPU-only (sm90+: TMA, mbarriers, Gluon).
+The INT4 scale / zero-point words and the activations' B fragments are loaded into registers one group
+ahead (1/16 of the bytes, mostly L2 hits). Measured on the H200 (docs/quantization.md): INT4 with one warp
+per program beats MODE 6 on 14336x4096 and the merged gate_up at M <= 4 (``triton_wo.MODE7_TUNED``, e.g.
+13.09 vs 13.73 us at M=1) and loses on smaller shapes; FP8 loses to MODEs 4 / 5 everywhere (config-only).
+GPU-only (sm90+: TMA, mbarriers, Gluon).
 """
 
 from __future__ import annotations
@@ -28,8 +31,7 @@ from . import triton_frag as TF
 from ._splitk import arrival_counters
 
 KSTEP = TF.KSTEP
-CHUNK_WORDS = gl.constexpr(32 * 4)  # int32 words of one chunk (32 lanes x 4 channel tiles)
-GROUP_BYTES = gl.constexpr(8 * 32 * 4 * 4)  # one group of one 64-channel block
+GROUP_BYTES = gl.constexpr(8 * 32 * 4 * 4)  # one group of one channel block (8 chunks)
 
 
 @gluon.jit

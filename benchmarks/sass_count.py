@@ -11,6 +11,7 @@ here may differ from the GPU machine's).
     python benchmarks/sass_count.py --mode 6 --warps 4 --reps 4 --depth 1   # MODE 6 (triton_frag), M <= 8
     python benchmarks/sass_count.py --mode 6 --kind int4 --wn --depth 2 --nb 2   # warps split N, M 9-16
     python benchmarks/sass_count.py --mode 6 --kind int4 --wn --depth 3 --maxnreg 128   # the tuned M=1 entries
+    python benchmarks/sass_count.py --mode 7 --kind int4 --warps 1 --stages 2    # MODE 7 (gluon_frag, Gluon)
 """
 
 from __future__ import annotations
@@ -84,6 +85,31 @@ def compile_frag(kind: str, warps: int, reps: int, depth: int, wn: bool = False,
     return _compile(TF._frag_kernel, ptr, sizes, ce, warps, 1, maxnreg)
 
 
+def compile_tma(kind: str, warps: int, stages: int, nb: int = 1):
+    """MODE 7 (``gluon_frag._tma_frag_kernel``, Gluon) for bf16 activations, ``nb`` B fragments, split-K on,
+    PDL on (its prewait TMA copies)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from infercore.quant import gluon_frag as GF
+
+    fn = GF._tma_frag_kernel
+    lay = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    asm, cons = TF._asm("fp8", nb, False, False) if kind == "fp8" else TF._asm("int4", nb, False, False,
+                                                                                 8 // warps if warps > 1 else 4)
+    ptr = {"x_ptr": "*bf16", "s_ptr": "*fp32" if kind == "fp8" else "*i64", "ws_ptr": "*fp32", "y_ptr": "*bf16",
+           "cnt_ptr": "*i32"}
+    sizes = ("M", "N", "G", "groups_per_split", "stride_xm", "stride_ym")
+    ce = dict(NB=nb, W=warps, STAGES=stages, SPLIT_K=True, ACT=0, ASM=asm, CONS=cons, FP8=kind == "fp8",
+              FOLD=2.0**120 if kind == "fp8" else 1.0, USE_PDL=True)
+    types = {"w_desc": f"tensordesc<i32[8, 128],{lay!r}>", **ptr, **{n: "i32" for n in sizes}}
+    sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*ptr, *sizes) if n != "M"}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
 def largest_loop(sass: str) -> collections.Counter:
     rows = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]+)\*/\s+([^;]*);", sass)]
     best = collections.Counter()
@@ -93,6 +119,8 @@ def largest_loop(sass: str) -> collections.Counter:
             lo = int(t.group(1), 16)
             ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0]
                                       for a, i in rows if lo <= a <= addr)  # fmt: skip
+            if ops["EXIT"]:  # a retry stub past the kernel's exit jumping back into its loop (mbarrier waits)
+                continue
             if sum(ops.values()) > sum(best.values()):
                 best = ops
     return best
@@ -100,7 +128,7 @@ def largest_loop(sass: str) -> collections.Counter:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", type=int, choices=[4, 5, 6], default=4)
+    ap.add_argument("--mode", type=int, choices=[4, 5, 6, 7], default=4)
     ap.add_argument("--kind", choices=["int4", "fp8"], default=None)
     ap.add_argument("--block-n", type=int, default=None)
     ap.add_argument("--block-k", type=int, default=None, help="codes per tile")
@@ -119,7 +147,11 @@ def main() -> None:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     for kind in [args.kind] if args.kind else ["int4", "fp8"]:
         cpw = 8 if kind == "int4" else 4
-        if args.mode == 6:
+        if args.mode == 7:
+            c = compile_tma(kind, args.warps, args.stages or 2, args.nb)
+            # per thread and iteration (one group): 8 / W 16-byte chunks, 32 INT4 or 16 FP8 codes each
+            block_n, block_k, stages = args.warps * 32, 8 // args.warps * (32 if kind == "int4" else 16), 1
+        elif args.mode == 6:
             c = compile_frag(kind, args.warps, args.reps, args.depth, args.wn, args.nb, args.maxnreg)
             # per thread and iteration: REPS 16-byte loads, 32 INT4 or 16 FP8 codes each
             block_n, block_k, stages = args.warps * 32, args.reps * (32 if kind == "int4" else 16), 1
@@ -141,7 +173,8 @@ def main() -> None:
         unroll = 3 if args.mode == 6 and args.depth == 3 else 1  # DEPTH 3's loop body holds three iterations
         n = sum(ops.values()) / unroll
         regs = re.search(r"REG:(\d+)", usage)
-        label = (f"reps={args.reps} depth={args.depth} wn={int(args.wn)} nb={args.nb} maxnreg={args.maxnreg}"
+        label = (f"stages={args.stages or 2} nb={args.nb}" if args.mode == 7
+                 else f"reps={args.reps} depth={args.depth} wn={int(args.wn)} nb={args.nb} maxnreg={args.maxnreg}"
                  if args.mode == 6
                  else f"BLOCK_N={block_n} BLOCK_K={block_k} stages={stages} M={args.m} packed={int(args.packed)}")
         print(f"MODE {args.mode} {kind} {label} warps={args.warps}: {regs.group(1) if regs else '?'} registers, "

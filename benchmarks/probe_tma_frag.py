@@ -98,23 +98,22 @@ def main() -> None:  # noqa: C901 (one linear script)
         for wq, stages, split in grid:
             if split > gk:
                 continue
-            if True:
-                cfg = {"W": wq, "STAGES": stages, "SPLIT": split}
-                label = json.dumps(cfg, sort_keys=True)
-                try:
-                    words, sz = packs[0]
-                    err = rel_err(GF.launch(x, words, sz, n, cfg, descs[0], act=act, **extra), ref)
-                    if not err < 1e-2:
-                        raise RuntimeError(f"rel err {err:.3g}")
-                    err2 = rel_err(GF.launch(x, words, sz, n, cfg, descs[0], act=act, **extra), ref)  # counters reset
-                    if not err2 < 1e-2:
-                        raise RuntimeError(f"second call rel err {err2:.3g}")
-                except Exception as e:  # noqa: BLE001
-                    rows.append({"case": spec, "config": cfg, "error": repr(e)[:400]})
-                    print(f"  {spec} {cfg}: FAILED {repr(e)[:300]}", flush=True)
-                    continue
-                timed[label] = (lambda i, c=cfg: GF.launch(x, packs[i % copies][0], packs[i % copies][1], n, c,
-                                                           descs[i % copies], act=act, **extra), n_calls)
+            cfg = {"W": wq, "STAGES": stages, "SPLIT": split}
+            label = json.dumps(cfg, sort_keys=True)
+            try:
+                words, sz = packs[0]
+                err = rel_err(GF.launch(x, words, sz, n, cfg, descs[0], act=act, **extra), ref)
+                if not err < 1e-2:
+                    raise RuntimeError(f"rel err {err:.3g}")
+                err2 = rel_err(GF.launch(x, words, sz, n, cfg, descs[0], act=act, **extra), ref)  # counters reset
+                if not err2 < 1e-2:
+                    raise RuntimeError(f"second call rel err {err2:.3g}")
+            except Exception as e:  # noqa: BLE001
+                rows.append({"case": spec, "config": cfg, "error": repr(e)[:400]})
+                print(f"  {spec} {cfg}: FAILED {repr(e)[:300]}", flush=True)
+                continue
+            timed[label] = (lambda i, c=cfg: GF.launch(x, packs[i % copies][0], packs[i % copies][1], n, c,
+                                                       descs[i % copies], act=act, **extra), n_calls)
         times = {lab: [] for lab in timed}
         for _ in range(args.rounds):
             for lab, (call, nc) in timed.items():

@@ -113,3 +113,7 @@ def test_launch_checks_its_inputs_naming_the_argument():
         TF.launch(torch.randn(2, 128, dtype=torch.bfloat16), "int4", words, 128, cfg, s=sz)
     with pytest.raises(ValueError, match="kind"):
         TF.launch(x, "int8", words, 128, cfg, s=sz)
+    with pytest.raises(ValueError, match="s: expected torch.int64"):  # INT4 scale / zero-point words
+        TF.launch(x, "int4", words, 128, cfg, s=sz[:, :1])
+    with pytest.raises(ValueError, match="s: expected torch.float32"):  # FP8 per-channel scales [N]
+        TF.launch(x, "fp8", TF.pack_fp8(fw.qweight), 64, cfg, s=fw.scales[:32], fold=2.0**120)

@@ -413,6 +413,19 @@ def test_mode7_entries_and_config_checks():
     for key, bad in (("W", 3), ("STAGES", 0), ("STAGES", 9), ("STAGES", 2.0), ("SPLIT", 0)):
         with pytest.raises(ValueError, match=key):
             gluon_frag.check_config({key: bad})
+    with pytest.raises(ValueError, match="W"):
+        gluon_frag.check_config({"W": True})
     words = torch.zeros(2, 4, 8, 32, 4, dtype=torch.int32)
     d = gluon_frag.descriptor(words)
     assert list(d.shape) == [2 * 4 * 8, 128] and list(d.block_shape) == [8, 128]
+    # launch checks its operands as MODE 6 does (the shared triton_frag.check_operands), naming the argument
+    sz = torch.zeros(2, 4, 8, 4, dtype=torch.int64)
+    x = torch.randn(1, 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="x: MODE 7 needs a CUDA \\(sm90\\+\\)"):  # well formed: stops at the device
+        gluon_frag.launch(x, words, sz, 128, {})
+    with pytest.raises(ValueError, match="n:"):
+        gluon_frag.launch(x, words, sz, 96, {})
+    with pytest.raises(ValueError, match="s: expected"):
+        gluon_frag.launch(x, words, sz.float(), 128, {})
+    with pytest.raises(ValueError, match="frags"):
+        gluon_frag.launch(x, words, sz, 128, {}, kind="fp8")

@@ -27,25 +27,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..ops.pdl import pdl_release, pdl_wait
 from . import triton_frag as TF
 from ._splitk import arrival_counters
 
-KSTEP = TF.KSTEP
 GROUP_BYTES = gl.constexpr(8 * 32 * 4 * 4)  # one group of one channel block (8 chunks)
-
-
-@gluon.jit
-def _pdl_release(USE_PDL: gl.constexpr):
-    if USE_PDL:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-
-@gluon.jit
-def _pdl_wait(USE_PDL: gl.constexpr):
-    if USE_PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
 
 
 @gluon.jit
@@ -241,7 +227,7 @@ def _tma_frag_kernel(
     LWL: gl.constexpr = gl.SliceLayout(2, L3)  # [warp, lane]
     L2: gl.constexpr = gl.SliceLayout(0, L3)  # [lane, tile] after the warps' sum
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-    _pdl_release(USE_PDL)
+    pdl_release(USE_PDL)
     pb = gl.program_id(0)
     sp = gl.program_id(1)
     g0 = sp * groups_per_split
@@ -274,7 +260,7 @@ def _tma_frag_kernel(
         szp = s_ptr.to(gl.pointer_type(gl.int64)) + (pb * G * 32 + g * 4 + c3 + 0 * wq)
     zero = gl.zeros([W, 32, CT], gl.float32, L3)
     acc = (zero, zero, zero, zero, zero, zero, zero, zero)
-    _pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     nxt = _group_loads(x8, xrow, xmask, xrow2, xmask2, szp, g0, wq, NB, W, FP8)
     for i in range(n_grp):
         cur = nxt
@@ -381,7 +367,7 @@ def descriptor(words: torch.Tensor) -> TensorDescriptor:
 def check_config(cfg: dict) -> tuple[int, int, int]:
     """``(W, STAGES, SPLIT)`` of a MODE 7 config, validated (``ValueError`` naming the key)."""
     w, stages, split = cfg.get("W", 1), cfg.get("STAGES", 2), cfg.get("SPLIT", 1)
-    if w not in (1, 2, 4, 8):
+    if not isinstance(w, int) or isinstance(w, bool) or w not in (1, 2, 4, 8):
         raise ValueError(f"config: MODE 7's W (warps per program) must be 1, 2, 4 or 8, got {w!r}")
     if not isinstance(stages, int) or not 1 <= stages <= 8:
         raise ValueError(f"config: MODE 7's STAGES (groups in flight per program) must be an int in [1, 8], "
@@ -401,26 +387,9 @@ def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: 
     chunks), STAGES (groups in flight per program), SPLIT (K splits); ``desc``: :func:`descriptor` of
     ``words`` (made here when None)."""
     w, stages, split = check_config(cfg)
-    if kind not in ("int4", "fp8"):
-        raise ValueError(f"kind: expected 'int4' or 'fp8', got {kind!r}")
+    TF.check_operands(x, kind, words, n, sz, act, min_arch=9, mode=7)
     fp8 = kind == "fp8"
-    ct = 2 if fp8 else 4
-    want = torch.int64 if fp8 else torch.int32
-    if words.dtype != want or words.dim() != 5 or tuple(words.shape[2:]) != (8, 32, ct):
-        raise ValueError(f"words: expected {want} [N/{16 * ct}, K/128, 8, 32, {ct}], got {words.dtype} "
-                         f"{tuple(words.shape)}")
     blocks, gk = words.shape[0], words.shape[1]
-    if n != blocks * 16 * ct:
-        raise ValueError(f"n: {n} does not match words, which hold {blocks * 16 * ct} channels")
-    if fp8 and (sz.dtype != torch.float32 or sz.numel() != n):
-        raise ValueError(f"sz: expected the fp32 per-channel scales [{n}], got {sz.dtype} {tuple(sz.shape)}")
-    if x.dim() != 2 or x.shape[1] != gk * KSTEP:
-        raise ValueError(f"x: expected [M, {gk * KSTEP}], got {tuple(x.shape)}")
-    if not TF.supported(x) or not TF.capability(x.device).at_least(9):
-        raise ValueError("x: MODE 7 needs a CUDA (sm90+) bf16/fp16 tensor with M <= 16, unit column stride and "
-                         f"8-byte aligned rows; got {x.dtype} {tuple(x.shape)} on {x.device}")
-    if act not in TF.ACTIVATIONS:
-        raise ValueError(f"act: expected one of {sorted(a for a in TF.ACTIVATIONS if a)} or None, got {act!r}")
     m = x.shape[0]
     nb = 1 if m <= 8 else 2
     split = min(split, gk)

@@ -942,6 +942,39 @@ def m1_config(n: int, k: int, num_sms: int) -> dict:
     return {"MODE": 6, "WN": 1, "WARPS": warps, "REPS": 4, "SPLIT": split, "DEPTH": 3, "MAXNREG": 128}
 
 
+def check_operands(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, s: torch.Tensor, act: str | None,
+                   bscale: bool = False, min_arch: int = 8, mode: int = 6) -> None:
+    """``ValueError`` naming the argument unless the fragment kernels (MODE ``mode``) can take these operands:
+    ``kind`` "int4" / "fp8"; ``frags`` from :func:`pack_int4` (int32 ``[N/64, K/128, 8, 32, 4]``) or
+    :func:`pack_fp8` (int64 ``[N/32, K/128, 8, 32, 2]``) holding ``n`` channels; ``s`` int64 ``[N/64, K/128, 8,
+    4]`` (INT4), fp32 ``[N]`` (FP8 per channel) or :func:`pack_fp8_block_scales` (``bscale``); ``x [M, K]``
+    :func:`supported` on CUDA sm``min_arch``0+; ``act`` a gated activation or None."""
+    if kind not in ("int4", "fp8"):
+        raise ValueError(f"kind: expected 'int4' or 'fp8', got {kind!r}")
+    ct = 4 if kind == "int4" else 2
+    want = torch.int32 if kind == "int4" else torch.int64
+    if frags.dtype != want or frags.dim() != 5 or tuple(frags.shape[2:]) != (8, 32, ct):
+        raise ValueError(f"frags: expected {want} [N/{16 * ct}, K/128, 8, 32, {ct}], got {frags.dtype} "
+                         f"{tuple(frags.shape)}")
+    if n != frags.shape[0] * 16 * ct:
+        raise ValueError(f"n: {n} does not match frags, which hold {frags.shape[0] * 16 * ct} channels")
+    if kind == "int4":
+        want_s = (torch.int64, (frags.shape[0], frags.shape[1], 8, 4))
+    elif bscale:
+        want_s = (torch.float32, (frags.shape[0], frags.shape[1], 2))
+    else:
+        want_s = (torch.float32, (n,))
+    if s.dtype != want_s[0] or tuple(s.shape) != want_s[1]:
+        raise ValueError(f"s: expected {want_s[0]} {list(want_s[1])}, got {s.dtype} {tuple(s.shape)}")
+    if x.dim() != 2 or x.shape[1] != frags.shape[1] * KSTEP:
+        raise ValueError(f"x: expected [M, {frags.shape[1] * KSTEP}], got {tuple(x.shape)}")
+    if not supported(x) or not capability(x.device).at_least(min_arch):
+        raise ValueError(f"x: MODE {mode} needs a CUDA (sm{min_arch}0+) bf16/fp16 tensor with M <= 16, unit column "
+                         f"stride and 8-byte aligned rows; got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"act: expected one of {sorted(a for a in ACTIVATIONS if a)} or None, got {act!r}")
+
+
 def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *, s: torch.Tensor,
            bscale: bool = False, fold: float = 1.0,
            act: str | None = None) -> torch.Tensor:
@@ -954,22 +987,8 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
     ``fold`` the decode's power of two (2**120 bf16, 2**8 fp16). ``cfg``: WARPS, REPS, SPLIT, DEPTH, WN
     (1: the warps split N, ``_frag_kernel``'s ``WN``) and optionally MAXNREG (a register cap per thread
     for ptxas, which spills past it)."""
-    if kind not in ("int4", "fp8"):
-        raise ValueError(f"kind: expected 'int4' or 'fp8', got {kind!r}")
+    check_operands(x, kind, frags, n, s, act, bscale)
     ct = 4 if kind == "int4" else 2
-    want = torch.int32 if kind == "int4" else torch.int64
-    if frags.dtype != want or frags.dim() != 5 or tuple(frags.shape[2:]) != (8, 32, ct):
-        raise ValueError(f"frags: expected {want} [N/{16 * ct}, K/128, 8, 32, {ct}], got {frags.dtype} "
-                         f"{tuple(frags.shape)}")
-    if n != frags.shape[0] * 16 * ct:
-        raise ValueError(f"n: {n} does not match frags, which hold {frags.shape[0] * 16 * ct} channels")
-    if x.dim() != 2 or x.shape[1] != frags.shape[1] * KSTEP:
-        raise ValueError(f"x: expected [M, {frags.shape[1] * KSTEP}], got {tuple(x.shape)}")
-    if not supported(x):
-        raise ValueError("x: MODE 6 needs a CUDA (sm80+) bf16/fp16 tensor with M <= 16, unit column stride and "
-                         f"8-byte aligned rows; got {x.dtype} {tuple(x.shape)} on {x.device}")
-    if act not in ACTIVATIONS:
-        raise ValueError(f"act: expected one of {sorted(a for a in ACTIVATIONS if a)} or None, got {act!r}")
     m = x.shape[0]
     nb = 1 if m <= 8 else 2
     warps, reps = cfg["WARPS"], cfg["REPS"]

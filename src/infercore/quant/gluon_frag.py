@@ -84,64 +84,38 @@ def _group_loads(x8, xrow, xmask, xrow2, xmask2, szp, grp, wq, NB: gl.constexpr,
 @gluon.jit
 def _chain(w0, w1, w2, w3, sz, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, acc, zero, NB: gl.constexpr,
            NW: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr):
-    """``NW`` (1, 2 or 4) chunks of one group through ``int4_asm(NB, words=NW)``: MMAs chained, one scale."""
+    """``NW`` (1, 2 or 4) INT4 chunks of one group: MODE 6's ``_chain_step`` (``int4_asm(NB, words=NW)``: MMAs
+    chained, one scale), or its ``_frag_step`` for one chunk."""
     a0, a1, a2, a3, a4, a5, a6, a7 = acc
-    if NB == 1:
-        if NW == 4:
-            a0, a1, a2, a3 = gl.inline_asm_elementwise(
-                ASM, CONS, [w0, w1, w2, w3, sz, xa0, xa1, xa2, xa3, a0, a1, a2, a3, zero], dtype=(gl.float32,) * 4,
-                is_pure=True, pack=1)
-        elif NW == 2:
-            a0, a1, a2, a3 = gl.inline_asm_elementwise(
-                ASM, CONS, [w0, w1, sz, xa0, xa1, a0, a1, a2, a3, zero], dtype=(gl.float32,) * 4, is_pure=True,
-                pack=1)
-        else:
-            a0, a1, a2, a3 = gl.inline_asm_elementwise(
-                ASM, CONS, [w0, sz, xa0, a0, a1, a2, a3, zero], dtype=(gl.float32,) * 4, is_pure=True, pack=1)
-    else:
-        if NW == 4:
-            a0, a1, a2, a3, a4, a5, a6, a7 = gl.inline_asm_elementwise(
-                ASM, CONS, [w0, w1, w2, w3, sz, xa0, xb0, xa1, xb1, xa2, xb2, xa3, xb3, a0, a1, a2, a3, a4, a5, a6,
-                            a7, zero], dtype=(gl.float32,) * 8, is_pure=True, pack=1)
-        elif NW == 2:
-            a0, a1, a2, a3, a4, a5, a6, a7 = gl.inline_asm_elementwise(
-                ASM, CONS, [w0, w1, sz, xa0, xb0, xa1, xb1, a0, a1, a2, a3, a4, a5, a6, a7, zero],
-                dtype=(gl.float32,) * 8, is_pure=True, pack=1)
-        else:
-            a0, a1, a2, a3, a4, a5, a6, a7 = gl.inline_asm_elementwise(
-                ASM, CONS, [w0, sz, xa0, xb0, a0, a1, a2, a3, a4, a5, a6, a7, zero], dtype=(gl.float32,) * 8,
-                is_pure=True, pack=1)
-    return a0, a1, a2, a3, a4, a5, a6, a7
+    if NW == 1:
+        return TF._frag_step(w0, sz, xa0, xb0, a0, a1, a2, a3, a4, a5, a6, a7, zero, False, False, NB, ASM, CONS)
+    return TF._chain_step(w0, w1, w2, w3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, sz, a0, a1, a2, a3, a4, a5, a6, a7,
+                          zero, NB, NW, ASM, CONS)
 
 
 @gluon.jit
-def _fp8_step(w, xa, xb, acc, NB: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr):
-    """One FP8 chunk (one int64 word per tile) through ``fp8_asm(NB)``, straight into the accumulators."""
+def _fp8_step(w, xa, xb, acc, zero, NB: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr):
+    """One FP8 chunk (one int64 word per tile) through MODE 6's ``_frag_step`` (``fp8_asm(NB)``), straight into
+    the accumulators."""
     a0, a1, a2, a3, a4, a5, a6, a7 = acc
-    if NB == 1:
-        a0, a1, a2, a3 = gl.inline_asm_elementwise(ASM, CONS, [w, xa, a0, a1, a2, a3], dtype=(gl.float32,) * 4,
-                                                   is_pure=True, pack=1)
-    else:
-        a0, a1, a2, a3, a4, a5, a6, a7 = gl.inline_asm_elementwise(
-            ASM, CONS, [w, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7], dtype=(gl.float32,) * 8, is_pure=True, pack=1)
-    return a0, a1, a2, a3, a4, a5, a6, a7
+    return TF._frag_step(w, zero, xa, xb, a0, a1, a2, a3, a4, a5, a6, a7, zero, True, False, NB, ASM, CONS)
 
 
 @gluon.jit
-def _fp8_group(w0, w1, w2, w3, w4, w5, w6, w7, xa, xb, acc, NB: gl.constexpr, RPW: gl.constexpr, ASM: gl.constexpr,
-               CONS: gl.constexpr):
+def _fp8_group(w0, w1, w2, w3, w4, w5, w6, w7, xa, xb, acc, zero, NB: gl.constexpr, RPW: gl.constexpr,
+               ASM: gl.constexpr, CONS: gl.constexpr):
     """A warp's ``RPW`` chunks of one FP8 group."""
-    acc = _fp8_step(w0, xa[0], xb[0], acc, NB, ASM, CONS)
+    acc = _fp8_step(w0, xa[0], xb[0], acc, zero, NB, ASM, CONS)
     if RPW >= 2:
-        acc = _fp8_step(w1, xa[1], xb[1], acc, NB, ASM, CONS)
+        acc = _fp8_step(w1, xa[1], xb[1], acc, zero, NB, ASM, CONS)
     if RPW >= 4:
-        acc = _fp8_step(w2, xa[2], xb[2], acc, NB, ASM, CONS)
-        acc = _fp8_step(w3, xa[3], xb[3], acc, NB, ASM, CONS)
+        acc = _fp8_step(w2, xa[2], xb[2], acc, zero, NB, ASM, CONS)
+        acc = _fp8_step(w3, xa[3], xb[3], acc, zero, NB, ASM, CONS)
     if RPW == 8:
-        acc = _fp8_step(w4, xa[4], xb[4], acc, NB, ASM, CONS)
-        acc = _fp8_step(w5, xa[5], xb[5], acc, NB, ASM, CONS)
-        acc = _fp8_step(w6, xa[6], xb[6], acc, NB, ASM, CONS)
-        acc = _fp8_step(w7, xa[7], xb[7], acc, NB, ASM, CONS)
+        acc = _fp8_step(w4, xa[4], xb[4], acc, zero, NB, ASM, CONS)
+        acc = _fp8_step(w5, xa[5], xb[5], acc, zero, NB, ASM, CONS)
+        acc = _fp8_step(w6, xa[6], xb[6], acc, zero, NB, ASM, CONS)
+        acc = _fp8_step(w7, xa[7], xb[7], acc, zero, NB, ASM, CONS)
     return acc
 
 
@@ -292,7 +266,7 @@ def _tma_frag_kernel(
                                         pred=refill)
         sz, xa, xb = cur
         if FP8:
-            acc = _fp8_group(w0, w1, w2, w3, w4, w5, w6, w7, xa, xb, acc, NB, RPW, ASM, CONS)
+            acc = _fp8_group(w0, w1, w2, w3, w4, w5, w6, w7, xa, xb, acc, zero, NB, RPW, ASM, CONS)
         elif W == 1:
             acc = _chain(w0, w1, w2, w3, sz, xa[0], xa[1], xa[2], xa[3], xb[0], xb[1], xb[2], xb[3], acc, zero, NB,
                          4, ASM, CONS)

@@ -58,7 +58,7 @@ def compile_gemv4(kind: str, block_n: int, block_kw: int, warps: int, stages: in
     else:
         ce = dict(FP8=True, BITS=8, ILV=32, SCALE_WORDS=32, SCALE_ROWS=0, HAS_ZEROS=False)
     ce.update(SPLIT_K=False, EVEN=True, XMASK=False, BLOCK_M=m, BLOCK_N=block_n, BLOCK_KW=block_kw, ACT=0,
-              PREWAIT=0, USE_PDL=False, PACKED=packed)  # fmt: skip
+              PREWAIT=0, USE_PDL=False, PACKED=packed, NSPLIT=1)  # fmt: skip
     return _compile(TW._gemv4_kernel, ptr, _sizes("kw_per_split"), ce, warps, stages)
 
 
@@ -69,7 +69,7 @@ def compile_words(kind: str, block_n: int, block_k: int, warps: int, stages: int
     fp8 = kind == "fp8"
     ce = dict(FP8=fp8, GROUP=1 if fp8 else 128, HAS_ZEROS=False, SCALE_BLOCK=0, MAGIC=0 if fp8 else 0x4300,
               MAGIC_BASE=0.0 if fp8 else 128.0, FOLD=2.0**120 if fp8 else 1.0, MODE=2, DOT_PRECISION="ieee",
-              EVEN=True, SPLIT_K=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=False)
+              EVEN=True, SPLIT_K=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=False, NSPLIT=4)
     return _compile(TW._words_small_kernel, ptr, _sizes("k_per_split"), ce, warps, stages)
 
 
@@ -80,12 +80,12 @@ def compile_frag(kind: str, warps: int, reps: int, depth: int, wn: bool = False,
     ptr = {"x_ptr": "*bf16", "qw_ptr": "*i32" if kind == "int4" else "*i64",
            "s_ptr": "*i64" if kind == "int4" else "*fp32", "ws_ptr": "*fp32", "y_ptr": "*bf16", "cnt_ptr": "*i32"}
     ce = dict(FP8=kind == "fp8", NB=nb, BSCALE=False, WARPS=warps, REPS=reps, SPLIT_K=True, ACT=0,
-              FOLD=1.0, ASM=asm, CONS=cons, DEPTH=depth, USE_PDL=False, PREWAIT=False, WN=wn)
+              FOLD=1.0, ASM=asm, CONS=cons, DEPTH=depth, USE_PDL=False, PREWAIT=False, WN=wn, NSPLIT=8)
     sizes = ("M", "N", "G", "iters_per_split", "stride_xm", "stride_ym")
     return _compile(TF._frag_kernel, ptr, sizes, ce, warps, 1, maxnreg)
 
 
-def compile_tma(kind: str, warps: int, stages: int, nb: int = 1):
+def compile_tma(kind: str, warps: int, stages: int, nb: int = 1, maxnreg: int = 0):
     """MODE 7 (``gluon_frag._tma_frag_kernel``, Gluon) for bf16 activations, ``nb`` B fragments, split-K on,
     PDL on (its prewait TMA copies)."""
     from triton.experimental.gluon import language as gl
@@ -101,13 +101,14 @@ def compile_tma(kind: str, warps: int, stages: int, nb: int = 1):
            "cnt_ptr": "*i32"}
     sizes = ("M", "N", "G", "groups_per_split", "stride_xm", "stride_ym")
     ce = dict(NB=nb, W=warps, STAGES=stages, SPLIT_K=True, ACT=0, ASM=asm, CONS=cons, FP8=kind == "fp8",
-              FOLD=2.0**120 if kind == "fp8" else 1.0, USE_PDL=True)
+              FOLD=2.0**120 if kind == "fp8" else 1.0, USE_PDL=True, NSPLIT=8)
     types = {"w_desc": f"tensordesc<i32[8, 128],{lay!r}>", **ptr, **{n: "i32" for n in sizes}}
     sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*ptr, *sizes) if n != "M"}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
 def largest_loop(sass: str) -> collections.Counter:
@@ -148,7 +149,7 @@ def main() -> None:
     for kind in [args.kind] if args.kind else ["int4", "fp8"]:
         cpw = 8 if kind == "int4" else 4
         if args.mode == 7:
-            c = compile_tma(kind, args.warps, args.stages or 2, args.nb)
+            c = compile_tma(kind, args.warps, args.stages or 2, args.nb, args.maxnreg)
             # per thread and iteration (one group): 8 / W 16-byte chunks, 32 INT4 or 16 FP8 codes each
             block_n, block_k, stages = args.warps * 32, 8 // args.warps * (32 if kind == "int4" else 16), 1
         elif args.mode == 6:

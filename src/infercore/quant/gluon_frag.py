@@ -157,16 +157,25 @@ def _act_mul(gv, uv, y_ptr, ACT: gl.constexpr):
 
 
 @gluon.jit
-def _sum_part(ws_ptr, y_ptr, j: gl.constexpr, pb, nsplit, M, N, stride_ym, g, t, c, zero, ACT: gl.constexpr, s_ptr,
-              CT: gl.constexpr, FP8: gl.constexpr, FOLD: gl.constexpr):
-    """The splits' partials of accumulator ``j`` summed, scaled (FP8) and stored; with ACT (rows packed with
-    ``act=True``: tiles ``c < CT / 2`` of a block hold gate rows, ``c + CT / 2`` the matching up rows) the
-    gated activation's output channel ``8 CT pb + 16 c + row``."""
+def _sum_load(ws_ptr, j: gl.constexpr, pb, NSPLIT: gl.constexpr, M, N, g, t, c, zero, CT: gl.constexpr):
+    """The ``NSPLIT`` splits' partials of accumulator ``j`` summed. The loop is unrolled so that every load is in
+    flight at once (a loop over a run-time count waits for each before the next: one L2 round trip per split)."""
     m, n = _rows(j, pb, g, t, c, CT)
     mask = (m < M) & (n < N)
     tot = zero
-    for s in range(0, nsplit):
+    for s in gl.static_range(NSPLIT):
         tot += gl.load(ws_ptr + s * M * N + m * N + n, mask=mask, other=0.0, cache_modifier=".cg")
+    return tot
+
+
+@gluon.jit
+def _sum_store(tot, y_ptr, j: gl.constexpr, pb, M, N, stride_ym, g, t, c, ACT: gl.constexpr, s_ptr,
+               CT: gl.constexpr, FP8: gl.constexpr, FOLD: gl.constexpr):
+    """Accumulator ``j``'s total, scaled (FP8) and stored; with ACT (rows packed with ``act=True``: tiles
+    ``c < CT / 2`` of a block hold gate rows, ``c + CT / 2`` the matching up rows) the gated activation's output
+    channel ``8 CT pb + 16 c + row``."""
+    m, n = _rows(j, pb, g, t, c, CT)
+    mask = (m < M) & (n < N)
     if FP8:
         tot = tot * gl.load(s_ptr + n, mask=mask, other=0.0) * FOLD
     if ACT != 0:
@@ -182,12 +191,26 @@ def _sum_part(ws_ptr, y_ptr, j: gl.constexpr, pb, nsplit, M, N, stride_ym, g, t,
 
 
 @gluon.jit
+def _sum_four(ws_ptr, y_ptr, j0: gl.constexpr, pb, NSPLIT: gl.constexpr, M, N, stride_ym, g, t, c, zero,
+              ACT: gl.constexpr, s_ptr, CT: gl.constexpr, FP8: gl.constexpr, FOLD: gl.constexpr):
+    """Accumulators ``j0 .. j0 + 3`` finished: all their partials loaded first, then stored."""
+    t0 = _sum_load(ws_ptr, j0, pb, NSPLIT, M, N, g, t, c, zero, CT)
+    t1 = _sum_load(ws_ptr, j0 + 1, pb, NSPLIT, M, N, g, t, c, zero, CT)
+    t2 = _sum_load(ws_ptr, j0 + 2, pb, NSPLIT, M, N, g, t, c, zero, CT)
+    t3 = _sum_load(ws_ptr, j0 + 3, pb, NSPLIT, M, N, g, t, c, zero, CT)
+    _sum_store(t0, y_ptr, j0, pb, M, N, stride_ym, g, t, c, ACT, s_ptr, CT, FP8, FOLD)
+    _sum_store(t1, y_ptr, j0 + 1, pb, M, N, stride_ym, g, t, c, ACT, s_ptr, CT, FP8, FOLD)
+    _sum_store(t2, y_ptr, j0 + 2, pb, M, N, stride_ym, g, t, c, ACT, s_ptr, CT, FP8, FOLD)
+    _sum_store(t3, y_ptr, j0 + 3, pb, M, N, stride_ym, g, t, c, ACT, s_ptr, CT, FP8, FOLD)
+
+
+@gluon.jit
 def _tma_frag_kernel(
     w_desc, x_ptr, s_ptr, ws_ptr, y_ptr, cnt_ptr,
     M, N, G, groups_per_split, stride_xm, stride_ym,
     NB: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr,
     ASM: gl.constexpr, CONS: gl.constexpr, FP8: gl.constexpr = False, FOLD: gl.constexpr = 1.0,
-    USE_PDL: gl.constexpr = False,
+    USE_PDL: gl.constexpr = False, NSPLIT: gl.constexpr = 1,
 ):
     """Grid ``(N / 64, split)``, ``W`` warps (1, 2, 4 or 8) per program: warp w takes chunks ``r W + w`` of
     each group, and their sums are added at the end. ``w_desc``: TMA descriptor of the fragment words
@@ -305,23 +328,16 @@ def _tma_frag_kernel(
         _store_part(ws_ptr, y_ptr, a7, 7, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
     if VIA_WS:
         gl.thread_barrier()  # every thread's partial is written before the release below
-        nsplit = gl.num_programs(1)
         if SPLIT_K:
             done = gl.atomic_add(cnt_ptr + pb, 1, sem="acq_rel", scope="gpu")
         else:
-            done = nsplit - 1
-        if done == nsplit - 1:
-            _sum_part(ws_ptr, y_ptr, 0, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
-            _sum_part(ws_ptr, y_ptr, 1, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
-            _sum_part(ws_ptr, y_ptr, 2, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
-            _sum_part(ws_ptr, y_ptr, 3, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
+            done = NSPLIT - 1
+        if done == NSPLIT - 1:
+            _sum_four(ws_ptr, y_ptr, 0, pb, NSPLIT, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
             if NB == 2:
-                _sum_part(ws_ptr, y_ptr, 4, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
-                _sum_part(ws_ptr, y_ptr, 5, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
-                _sum_part(ws_ptr, y_ptr, 6, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
-                _sum_part(ws_ptr, y_ptr, 7, pb, nsplit, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
-            if SPLIT_K:
-                gl.atomic_xchg(cnt_ptr + pb, 0)  # ready for the next launch (graph replays too)
+                _sum_four(ws_ptr, y_ptr, 4, pb, NSPLIT, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
+            if SPLIT_K:  # ready for the next launch (graph replays too); the launch's end publishes it
+                gl.atomic_xchg(cnt_ptr + pb, 0, sem="relaxed", scope="gpu")
 
 
 _LAYOUT = None
@@ -358,9 +374,11 @@ def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: 
     ``kind`` "int4": ``words``, ``sz`` from ``triton_frag.pack_int4``; "fp8": ``words`` from
     ``triton_frag.pack_fp8``, ``sz`` the fp32 per-channel scales ``[N]`` in packed row order, ``fold`` the
     decode's power of two (2**120 bf16, 2**8 fp16). ``cfg``: W (warps per program, splitting each group's
-    chunks), STAGES (groups in flight per program), SPLIT (K splits); ``desc``: :func:`descriptor` of
+    chunks), STAGES (groups in flight per program), SPLIT (K splits), optionally MAXNREG (a register cap per
+    thread: more one-warp programs fit an SM); ``desc``: :func:`descriptor` of
     ``words`` (made here when None)."""
     w, stages, split = check_config(cfg)
+    regs = TF.maxnreg_option(cfg)
     TF.check_operands(x, kind, words, n, sz, act, min_arch=9, mode=7)
     fp8 = kind == "fp8"
     blocks, gk = words.shape[0], words.shape[1]
@@ -380,6 +398,7 @@ def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: 
         desc if desc is not None else descriptor(words), x, sz, ws, y, cnt,
         m, n, gk, per, x.stride(0), y.stride(0),
         NB=nb, W=w, STAGES=stages, SPLIT_K=split > 1, ACT=code, ASM=asm, CONS=cons, FP8=fp8, FOLD=float(fold),
-        num_warps=w, **TF.pdl_launch(use_pdl),
+        NSPLIT=split,
+        num_warps=w, **TF.pdl_launch(use_pdl), **regs,
     )
     return y

@@ -395,16 +395,26 @@ def _accs_out(y_ptr, ws_ptr, a0, a1, a2, a3, a4, a5, a6, a7, blk, sp, M, N, stri
 
 
 @triton.jit
-def _acc_total(y_ptr, ws_ptr, j: tl.constexpr, blk, nsplit, M, N, stride_ym, g, t, offs_c, scale_ptr, P: tl.constexpr,
-               CT: tl.constexpr, FP8_CHANNEL: tl.constexpr, FOLD: tl.constexpr, ACT: tl.constexpr):
-    """Sum the splits' partials of accumulator ``j``, scale, and store (with the gated epilogue: tiles
-    ``c < CT/2`` of a channel block hold gate rows, ``c + CT/2`` the matching up rows, ``_act_rows``, so
-    output channel ``8 CT blk + 16 c + row`` is ``act(gate) * up``)."""
+def _acc_load(ws_ptr, j: tl.constexpr, blk, NSPLIT: tl.constexpr, M, N, g, t, offs_c, P: tl.constexpr,
+              CT: tl.constexpr):
+    """The ``NSPLIT`` splits' partials of accumulator ``j`` summed; the loop is unrolled so that every load is in
+    flight at once (a loop over a run-time count waits for each before the next: one L2 round trip per split)."""
     m, n = _out_rows(j, blk, g, t, offs_c, CT)
     mask = (m < M) & (n < N)
     tot = tl.zeros([P, CT], dtype=tl.float32)
-    for s in range(0, nsplit):
+    for s in tl.static_range(NSPLIT):
         tot += tl.load(ws_ptr + s * M * N + m * N + n, mask=mask, other=0.0, cache_modifier=".cg")
+    return tot
+
+
+@triton.jit
+def _acc_total(tot, y_ptr, j: tl.constexpr, blk, M, N, stride_ym, g, t, offs_c, scale_ptr, P: tl.constexpr,
+               CT: tl.constexpr, FP8_CHANNEL: tl.constexpr, FOLD: tl.constexpr, ACT: tl.constexpr):
+    """Accumulator ``j``'s total (``_acc_load``) scaled and stored (with the gated epilogue: tiles ``c < CT/2``
+    of a channel block hold gate rows, ``c + CT/2`` the matching up rows, ``_act_rows``, so output channel
+    ``8 CT blk + 16 c + row`` is ``act(gate) * up``)."""
+    m, n = _out_rows(j, blk, g, t, offs_c, CT)
+    mask = (m < M) & (n < N)
     if FP8_CHANNEL:
         tot = tot * tl.load(scale_ptr + n, mask=mask, other=0.0)
     tot = tot * FOLD
@@ -418,22 +428,35 @@ def _acc_total(y_ptr, ws_ptr, j: tl.constexpr, blk, nsplit, M, N, stride_ym, g, 
 
 
 @triton.jit
-def _split_k_last(cnt_ptr, tile, SPLIT_K: tl.constexpr):
-    """Once this program's partials are written: whether it is the last of ``tile``'s split-K programs to
-    arrive (the one that sums them; it resets the counter after), and the split count."""
+def _acc_four(y_ptr, ws_ptr, j0: tl.constexpr, blk, NSPLIT: tl.constexpr, M, N, stride_ym, g, t, offs_c, scale_ptr,
+              P: tl.constexpr, CT: tl.constexpr, FP8_CHANNEL: tl.constexpr, FOLD: tl.constexpr, ACT: tl.constexpr):
+    """Accumulators ``j0 .. j0 + 3`` finished: all their partials loaded first, then stored."""
+    t0 = _acc_load(ws_ptr, j0, blk, NSPLIT, M, N, g, t, offs_c, P, CT)
+    t1 = _acc_load(ws_ptr, j0 + 1, blk, NSPLIT, M, N, g, t, offs_c, P, CT)
+    t2 = _acc_load(ws_ptr, j0 + 2, blk, NSPLIT, M, N, g, t, offs_c, P, CT)
+    t3 = _acc_load(ws_ptr, j0 + 3, blk, NSPLIT, M, N, g, t, offs_c, P, CT)
+    _acc_total(t0, y_ptr, j0, blk, M, N, stride_ym, g, t, offs_c, scale_ptr, P, CT, FP8_CHANNEL, FOLD, ACT)
+    _acc_total(t1, y_ptr, j0 + 1, blk, M, N, stride_ym, g, t, offs_c, scale_ptr, P, CT, FP8_CHANNEL, FOLD, ACT)
+    _acc_total(t2, y_ptr, j0 + 2, blk, M, N, stride_ym, g, t, offs_c, scale_ptr, P, CT, FP8_CHANNEL, FOLD, ACT)
+    _acc_total(t3, y_ptr, j0 + 3, blk, M, N, stride_ym, g, t, offs_c, scale_ptr, P, CT, FP8_CHANNEL, FOLD, ACT)
+
+
+@triton.jit
+def _split_k_last(cnt_ptr, tile, SPLIT_K: tl.constexpr, NSPLIT: tl.constexpr):
+    """Once this program's partials are written: whether it is the last of ``tile``'s ``NSPLIT`` split-K
+    programs to arrive (the one that sums them; it resets the counter after)."""
     tl.debug_barrier()  # every thread's partial is written before the release below
-    nsplit = tl.num_programs(1)
     if SPLIT_K:
         done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
     else:
-        done = nsplit - 1
-    return done == nsplit - 1, nsplit
+        done = NSPLIT - 1
+    return done == NSPLIT - 1
 
 
 @triton.jit
 def _epilogue(y_ptr, ws_ptr, cnt_ptr, a0, a1, a2, a3, a4, a5, a6, a7, tile, blk, sp, M, N, stride_ym, g, t, offs_c,
               scale_ptr, P: tl.constexpr, CT: tl.constexpr, NB: tl.constexpr, SPLIT_K: tl.constexpr, ACT: tl.constexpr,
-              FP8_CHANNEL: tl.constexpr, FOLD: tl.constexpr):
+              FP8_CHANNEL: tl.constexpr, FOLD: tl.constexpr, NSPLIT: tl.constexpr):
     """The accumulators ``[P, CT]`` (rows ``g``, ``t``, channel blocks ``blk``) to ``y``: straight, or (split-K,
     or the gated activation) through the workspace, the tile's last program adding them up."""
     if ACT == 0 and not SPLIT_K:
@@ -442,13 +465,14 @@ def _epilogue(y_ptr, ws_ptr, cnt_ptr, a0, a1, a2, a3, a4, a5, a6, a7, tile, blk,
     else:
         _accs_out(y_ptr, ws_ptr, a0, a1, a2, a3, a4, a5, a6, a7, blk, sp, M, N, stride_ym, g, t, offs_c, scale_ptr,
                   CT, NB, True, False, 1.0)
-        last, nsplit = _split_k_last(cnt_ptr, tile, SPLIT_K)
-        if last:
-            for j in tl.static_range(4 * NB):
-                _acc_total(y_ptr, ws_ptr, j, blk, nsplit, M, N, stride_ym, g, t, offs_c, scale_ptr, P, CT,
-                           FP8_CHANNEL, FOLD, ACT)
-            if SPLIT_K:
-                tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (graph replays too)
+        if _split_k_last(cnt_ptr, tile, SPLIT_K, NSPLIT):
+            _acc_four(y_ptr, ws_ptr, 0, blk, NSPLIT, M, N, stride_ym, g, t, offs_c, scale_ptr, P, CT, FP8_CHANNEL,
+                      FOLD, ACT)
+            if NB == 2:
+                _acc_four(y_ptr, ws_ptr, 4, blk, NSPLIT, M, N, stride_ym, g, t, offs_c, scale_ptr, P, CT, FP8_CHANNEL,
+                          FOLD, ACT)
+            if SPLIT_K:  # ready for the next launch (graph replays too); the launch's end publishes it
+                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -563,6 +587,7 @@ def _frag_kernel(
     FP8: tl.constexpr, NB: tl.constexpr, BSCALE: tl.constexpr, WARPS: tl.constexpr, REPS: tl.constexpr,
     SPLIT_K: tl.constexpr, ACT: tl.constexpr, FOLD: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr,
     DEPTH: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREWAIT: tl.constexpr = False, WN: tl.constexpr = False,
+    NSPLIT: tl.constexpr = 1,
 ):
     """MODE 6. Grid ``(N / (16 CT), split)``. ``qw``: fragment words (int32 INT4 / int64 FP8) of
     ``pack_int4`` / ``pack_fp8``; INT4: ``s`` int64 ``[N / 64, G, 8, 4]`` (scale / zero-point words of
@@ -618,7 +643,7 @@ def _frag_kernel(
     FP8_CHANNEL: tl.constexpr = FP8 and not BSCALE
     if WN:
         _epilogue(y_ptr, ws_ptr, cnt_ptr, a0, a1, a2, a3, a4, a5, a6, a7, pb, blk, sp, M, N, stride_ym, g, t, offs_c,
-                  s_ptr, R, CT, NB, SPLIT_K, ACT, FP8_CHANNEL, FOLD)
+                  s_ptr, R, CT, NB, SPLIT_K, ACT, FP8_CHANNEL, FOLD, NSPLIT)
     else:
         # The warps took different chunks (K) of the same channels: their partial sums add up first.
         r0 = _lane_sum(a0, WARPS, CT)
@@ -633,7 +658,7 @@ def _frag_kernel(
             r7 = _lane_sum(a7, WARPS, CT)
         l32 = tl.arange(0, 32)
         _epilogue(y_ptr, ws_ptr, cnt_ptr, r0, r1, r2, r3, r4, r5, r6, r7, pb, pb + l32 * 0, sp, M, N, stride_ym,
-                  l32 // 4, l32 % 4, offs_c, s_ptr, 32, CT, NB, SPLIT_K, ACT, FP8_CHANNEL, FOLD)
+                  l32 // 4, l32 % 4, offs_c, s_ptr, 32, CT, NB, SPLIT_K, ACT, FP8_CHANNEL, FOLD, NSPLIT)
 
 
 @triton.jit
@@ -942,6 +967,15 @@ def m1_config(n: int, k: int, num_sms: int) -> dict:
     return {"MODE": 6, "WN": 1, "WARPS": warps, "REPS": 4, "SPLIT": split, "DEPTH": 3, "MAXNREG": 128}
 
 
+def maxnreg_option(cfg: dict) -> dict:
+    """The launch option of a config's optional MAXNREG (a ptxas register cap per thread; 0 / absent:
+    none), validated (``ValueError`` naming the key)."""
+    maxnreg = cfg.get("MAXNREG") or 0
+    if not isinstance(maxnreg, int) or isinstance(maxnreg, bool) or not (maxnreg == 0 or 32 <= maxnreg <= 255):
+        raise ValueError(f"config: MAXNREG (registers per thread) must be an int in [32, 255], got {maxnreg!r}")
+    return {"maxnreg": maxnreg} if maxnreg else {}
+
+
 def check_operands(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, s: torch.Tensor, act: str | None,
                    bscale: bool = False, min_arch: int = 8, mode: int = 6) -> None:
     """``ValueError`` naming the argument unless the fragment kernels (MODE ``mode``) can take these operands:
@@ -1025,15 +1059,12 @@ def launch(x: torch.Tensor, kind: str, frags: torch.Tensor, n: int, cfg: dict, *
     if depth not in (1, 2, 3):
         raise ValueError(f"config: DEPTH (1 or 2 iterations loaded ahead; 3: 2 without register rotation) must be "
                          f"1, 2 or 3, got {depth}")
-    maxnreg = cfg.get("MAXNREG") or 0
-    if not isinstance(maxnreg, int) or not (maxnreg == 0 or 32 <= maxnreg <= 255):
-        raise ValueError(f"config: MAXNREG (registers per thread) must be an int in [32, 255], got {maxnreg!r}")
     _frag_kernel[(grid_n, split)](
         x, frags, s, ws, y, cnt,
         m, n, gk, per, x.stride(0), y.stride(0),
-        FP8=kind == "fp8", NB=nb, BSCALE=bscale, WARPS=warps, REPS=reps, SPLIT_K=split > 1, ACT=code,
+        FP8=kind == "fp8", NB=nb, BSCALE=bscale, WARPS=warps, REPS=reps, SPLIT_K=split > 1, NSPLIT=split, ACT=code,
         FOLD=fold, ASM=asm, CONS=cons, DEPTH=depth, PREWAIT=use_pdl and GEMV_PREWAIT > 0, WN=wn, num_warps=warps,
-        num_stages=1, **pdl_launch(use_pdl), **({"maxnreg": maxnreg} if maxnreg else {}),
+        num_stages=1, **pdl_launch(use_pdl), **maxnreg_option(cfg),
     )
     return y
 

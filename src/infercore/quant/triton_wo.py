@@ -781,7 +781,7 @@ def _launch_small(kernel, x: torch.Tensor, qweight: torch.Tensor, tensors: tuple
 
 @triton.jit
 def _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N,
-                 SPLIT_K: tl.constexpr):
+                 SPLIT_K: tl.constexpr, NSPLIT: tl.constexpr):
     """Store ``acc [BLOCK_M, BLOCK_N]``; with split-K the last program of a column tile to arrive
     sums the fp32 partials (no second launch: at decode a launch costs as much as the GEMV)."""
     pid_n = tl.program_id(0)
@@ -789,17 +789,17 @@ def _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, st
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K:
         pid_k = tl.program_id(1)
-        nsplit = tl.num_programs(1)
         mn = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
         tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + mn, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the release below
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if done == nsplit - 1:
+        if done == NSPLIT - 1:
             tot = tl.zeros_like(acc)
-            for s in range(0, nsplit):
+            for s in tl.static_range(NSPLIT):  # unrolled: every split's load in flight at once
                 tot += tl.load(ws_ptr + s * M * N + mn, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch (graph replays too)
+            # ready for the next launch (graph replays too); the launch's end publishes it
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -1201,6 +1201,7 @@ def _gemv4_kernel(
     SCALE_ROWS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
     XMASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
     ACT: tl.constexpr = 0, PREWAIT: tl.constexpr = 0, USE_PDL: tl.constexpr = False, PACKED: tl.constexpr = False,
+    NSPLIT: tl.constexpr = 1,
 ):
     """MODE 4 GEMV, ``M <= 4``: ``qw`` int32 words ``[N, KW]`` in the interleaved layout of
     ``_ilv_words`` (word ``i`` of each block of ``ILV`` words holds codes ``i + ILV * j`` at bits
@@ -1283,7 +1284,7 @@ def _gemv4_kernel(
         tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :], out.to(y_ptr.dtype.element_ty),
                  mask=m_mask[:, None] & (cols < N // 2)[None, :])
     else:
-        _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K)
+        _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K, NSPLIT)
 
 
 def _gemv_split(n_tiles: int, kw: int, bkw: int, device: torch.device, split: int) -> tuple[int, int]:
@@ -1388,7 +1389,7 @@ def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: to
     packed = bool(cfg.get("PACKED", default)) and _packed_ok(x, meta) and bkw >= 128 * cfg["num_warps"]
     _gemv4_kernel[(tiles, split)](
         x, words, s, z, ws, y, cnt, m, n, k, kw, per, x.stride(0), words.stride(0), stride_sn, y.stride(0),
-        SPLIT_K=split > 1, EVEN=even, XMASK=(not even) or kw * cpw > k, BLOCK_M=block_m,
+        SPLIT_K=split > 1, NSPLIT=split, EVEN=even, XMASK=(not even) or kw * cpw > k, BLOCK_M=block_m,
         BLOCK_N=bn, BLOCK_KW=bkw, ACT=ACTIVATIONS[act], PREWAIT=GEMV_PREWAIT if use_pdl else 0, PACKED=packed,
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1), **meta, **pdl_launch(use_pdl),
     )
@@ -1467,6 +1468,7 @@ def _words_small_kernel(
     MAGIC: tl.constexpr, MAGIC_BASE: tl.constexpr, FOLD: tl.constexpr,
     MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+    NSPLIT: tl.constexpr = 1,
 ):
     """MODE 5 small-M weight-only (INT4 group-wise or emulated FP8) on tensor cores. Grid
     ``(cdiv(N, BLOCK_N), SPLIT)`` as in ``_wq_small_kernel``, but split-K partials are summed inside
@@ -1520,7 +1522,7 @@ def _words_small_kernel(
         acc = acc * FOLD
     if MODE == 2:
         acc = tl.trans(acc)
-    _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K)
+    _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K, NSPLIT)
 
 
 def _launch_words(x: torch.Tensor, qweight: torch.Tensor, s: torch.Tensor, z: torch.Tensor, n: int, kdim: int,
@@ -1539,7 +1541,7 @@ def _launch_words(x: torch.Tensor, qweight: torch.Tensor, s: torch.Tensor, z: to
     even = n % cfg["BLOCK_N"] == 0 and k == kdim and kdim % kps == 0 and kps % bk == 0
     _words_small_kernel[(tiles, split)](
         x, qweight, s, z, ws, y, cnt, m, n, k, kdim // cpw, kps, x.stride(0), qweight.stride(0) // 4, s.stride(0),
-        y.stride(0), MODE=2, DOT_PRECISION=_dot_precision(x.dtype), EVEN=even, SPLIT_K=split > 1,
+        y.stride(0), MODE=2, DOT_PRECISION=_dot_precision(x.dtype), EVEN=even, SPLIT_K=split > 1, NSPLIT=split,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 1), **meta, **pdl_launch(pdl_enabled(x)),
     )

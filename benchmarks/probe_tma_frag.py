@@ -53,7 +53,7 @@ def main() -> None:  # noqa: C901 (one linear script)
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", default="gate_up/2:1,gate_up/2:4,gate_up/2:16,gate_up:1,down:1,qkv:1")
-    ap.add_argument("--grid", default="", help="W:STAGES:SPLIT[:MAXNREG],... (default GRID)")
+    ap.add_argument("--grid", default="", help="W:STAGES:SPLIT[:MAXNREG[:TAGGED]],... (default GRID)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=400.0)
     args = ap.parse_args()
@@ -95,10 +95,11 @@ def main() -> None:  # noqa: C901 (one linear script)
         descs = [GF.descriptor(p[0]) for p in packs]
         gk = k // 128
         grid = [tuple(int(v) for v in e.split(":")) for e in args.grid.split(",")] if args.grid else GRID
-        for wq, stages, split, *regs in grid:
+        for wq, stages, split, *opt in grid:
             if split > gk:
                 continue
-            cfg = {"W": wq, "STAGES": stages, "SPLIT": split, **({"MAXNREG": regs[0]} if regs and regs[0] else {})}
+            cfg = {"W": wq, "STAGES": stages, "SPLIT": split, **({"MAXNREG": opt[0]} if opt and opt[0] else {}),
+                   **({"TAGGED": bool(opt[1])} if len(opt) > 1 else {})}
             label = json.dumps(cfg, sort_keys=True)
             try:
                 words, sz = packs[0]

@@ -88,6 +88,57 @@ def test_mode7_graph_replay_and_bad_config():
         TW.fp8_wo_matmul_triton(x, wf, config=cfg)
 
 
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_mode7_tagged_finish(act):
+    """The tagged split-K finish (INT4, one warp, M <= 2) against the counter finish (TAGGED False) and the
+    reference, over alternating weights, row counts and splits (each launch's epoch one past the last), and
+    in CUDA-graph replays."""
+    from infercore.quant._splitk import tagged_buffers
+
+    _need_sm90()
+    torch.manual_seed(1)
+    n, k = 256, 1024
+    ws = [IntWeight.quantize(torch.randn(n, k, device=dev) * 0.05, bits=4, group_size=128) for _ in range(2)]
+    d = n // 2 if act else n
+
+    def ref(x, w):
+        h = x.float() @ w.dequantize(torch.float32).T
+        if act is None:
+            return h
+        h = h.to(torch.bfloat16).float()
+        return torch.nn.functional.silu(h[:, :d]) * h[:, d:]
+
+    calls = {}
+    for rep in range(3):
+        for i, w in enumerate(ws):
+            for m in (1, 2):
+                for split in (2, 4, 8):
+                    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                    cfg = {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": split}
+                    y = TW.wq_matmul_triton(x, w, config=cfg, act=act)
+                    y0 = TW.wq_matmul_triton(x, w, config={**cfg, "TAGGED": False}, act=act)
+                    assert y.shape == (m, d)
+                    assert _rel(y, ref(x, w)) < 1e-2, (rep, i, m, split)
+                    assert _rel(y, y0) < 1e-3, (rep, i, m, split)
+                    calls[(split, m)] = calls.get((split, m), 0) + 1
+    for (split, m), count in calls.items():  # every launch advanced each block's epoch once
+        ep, _ = tagged_buffers(torch.device(dev, torch.cuda.current_device()), n // 64, split, m)
+        assert int(ep[0]) == int(ep[n // 64 - 1]) and int(ep[0]) >= count
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    cfg = {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8}
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = TW.wq_matmul_triton(x, ws[0], config=cfg, act=act)
+        y2 = TW.wq_matmul_triton(x, ws[1], config=cfg, act=act)
+    for _ in range(4):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert _rel(y, ref(x, ws[0])) < 1e-2 and _rel(y2, ref(x, ws[1])) < 1e-2
+    with pytest.raises(ValueError, match="TAGGED"):
+        TW.wq_matmul_triton(x, ws[0], config={**cfg, "TAGGED": 1})
+
+
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tile", [(1, 2, 1), (1, 2, 3), (2, 3, 2), (4, 1, 4), (8, 2, 1)])

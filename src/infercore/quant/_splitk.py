@@ -20,3 +20,25 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
         c = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
         _COUNTERS[device] = c
     return c
+
+
+_TAGGED: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def tagged_buffers(device: torch.device, blocks: int, split: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(epochs, partials)`` for the tagged split-K finish (``gluon_frag``'s ``_tag_finish``): int32 epochs, one
+    per channel block, and int64 tagged partials ``[blocks, split, rows, 64]``, kept for the process.
+
+    One pair per (device, split, rows): every launch that reads a slot rewrites it first with its own epoch, so a
+    stale slot holds an older epoch. A block's epoch only grows (the launch's last program publishes it), and
+    launches on one stream are ordered, so they may share the pair. Allocate before CUDA-graph capture (the
+    first decode call does) so the graph does not own it; a larger ``blocks`` starts a new, zeroed pair.
+    """
+    key = (device, split, rows)
+    buf = _TAGGED.get(key)
+    if buf is None or buf[0].numel() < blocks:
+        cap = max(blocks, 512)
+        buf = (torch.zeros(cap, dtype=torch.int32, device=device),
+               torch.zeros(cap * split * rows * 64, dtype=torch.int64, device=device))
+        _TAGGED[key] = buf
+    return buf

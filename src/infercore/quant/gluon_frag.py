@@ -29,7 +29,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..ops.pdl import pdl_release, pdl_wait
 from . import triton_frag as TF
-from ._splitk import arrival_counters
+from ._splitk import arrival_counters, tagged_buffers
 
 GROUP_BYTES = gl.constexpr(8 * 32 * 4 * 4)  # one group of one channel block (8 chunks)
 
@@ -205,12 +205,73 @@ def _sum_four(ws_ptr, y_ptr, j0: gl.constexpr, pb, NSPLIT: gl.constexpr, M, N, s
 
 
 @gluon.jit
+def _tag_store(w64, a, j: gl.constexpr, pb, sp, g, t, c, ep, M, NSPLIT: gl.constexpr, MB: gl.constexpr):
+    """Accumulator ``j``'s rows ``< M`` as tagged partials: one 64-bit relaxed store per value, the fp32 bits
+    low and this launch's epoch ``ep`` high, at ``[pb, sp, m, local channel]`` of ``[blocks, NSPLIT, MB, 64]``."""
+    m, n = _rows(j, pb, g, t, c, 4)
+    ptr = w64 + (((pb * NSPLIT + sp) * MB + m) * 64 + (n - pb * 64))
+    word = (a.to(gl.int32, bitcast=True).to(gl.int64) & 0xFFFFFFFF) | (ep.to(gl.int64) << 32)
+    gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.relaxed.gpu.global.b64 [$1], $2; }\n"
+                              "mov.u32 $0, 0;", "=r,l,l,r", [ptr, word, (m < M).to(gl.int32)], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _tag_finish(w64, y_ptr, ep_ptr, a0, a1, a2, a3, pb, sp, ep, M, stride_ym, g, t, c, ACT: gl.constexpr,
+                NSPLIT: gl.constexpr, MB: gl.constexpr):
+    """The tagged split-K finish (INT4, M <= MB <= 2): no fence and no counter. Every program stores its partials
+    tagged with the launch's epoch; the last split's program (the last to be dispatched) then reads all of its
+    block's partials, again until every tag is this epoch (a stale tag: a store still on its way; it waits
+    ~0.1 us between reads), sums them, writes ``y`` (or ``act(gate) * up``: local channels 32 + l are the up
+    rows of gate rows l) and publishes the epoch for the next launch (which reads it after its PDL wait)."""
+    _tag_store(w64, a0, 0, pb, sp, g, t, c, ep, M, NSPLIT, MB)
+    _tag_store(w64, a1, 1, pb, sp, g, t, c, ep, M, NSPLIT, MB)
+    _tag_store(w64, a2, 2, pb, sp, g, t, c, ep, M, NSPLIT, MB)
+    _tag_store(w64, a3, 3, pb, sp, g, t, c, ep, M, NSPLIT, MB)
+    if sp == NSPLIT - 1:
+        gl.thread_barrier()  # this program's own partials, stored by other lanes, are visible below
+        LF: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 32, 1], [1, 1, 1], [2, 1, 0])  # [row, l, half]
+        fm = gl.expand_dims(gl.expand_dims(gl.arange(0, MB, layout=gl.SliceLayout(1, gl.SliceLayout(2, LF))), 1), 2)
+        fl = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LF))), 0), 2)
+        fh = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, LF))), 0), 1)
+        local = fh * 32 + fl
+        base = w64 + ((pb * NSPLIT * MB + fm) * 64 + local)
+        fmask = (fm < M) & (local >= 0)
+        fresh = ep.to(gl.int64) << 32
+        tot = gl.zeros([MB, 32, 2], gl.float32, LF)
+        nbad = 1
+        while nbad > 0:
+            tot = gl.zeros([MB, 32, 2], gl.float32, LF)
+            bad = gl.zeros([MB, 32, 2], gl.int32, LF)
+            for s in gl.static_range(NSPLIT):
+                w = gl.load(base + s * (MB * 64), mask=fmask, other=fresh, volatile=True)
+                tot += (w & 0xFFFFFFFF).to(gl.int32).to(gl.float32, bitcast=True)
+                bad += ((w >> 32).to(gl.int32) != ep).to(gl.int32)
+            nbad = gl.sum(gl.sum(gl.sum(bad, axis=2), axis=1), axis=0)
+            if nbad > 0:
+                gl.inline_asm_elementwise("nanosleep.u32 100;\nmov.u32 $0, 0;", "=r,r", [nbad], dtype=gl.int32,
+                                          is_pure=False, pack=1)
+        lo, hi = gl.split(tot)  # local channels l and 32 + l
+        rows = gl.max(gl.max(fm, axis=2), axis=1)  # [MB]
+        row2 = gl.expand_dims(rows, 1)
+        l2 = gl.expand_dims(gl.max(gl.max(fl, axis=2), axis=0), 0)  # [1, 32]
+        omask = (row2 < M) & (l2 >= 0)
+        if ACT != 0:
+            out = _act_mul(lo, hi, y_ptr, ACT)
+            gl.store(y_ptr + row2 * stride_ym + pb * 32 + l2, out.to(y_ptr.dtype.element_ty), mask=omask)
+        else:
+            gl.store(y_ptr + row2 * stride_ym + pb * 64 + l2, lo.to(y_ptr.dtype.element_ty), mask=omask)
+            gl.store(y_ptr + row2 * stride_ym + pb * 64 + 32 + l2, hi.to(y_ptr.dtype.element_ty), mask=omask)
+        gl.store(ep_ptr + pb, ep)
+
+
+@gluon.jit
 def _tma_frag_kernel(
-    w_desc, x_ptr, s_ptr, ws_ptr, y_ptr, cnt_ptr,
+    w_desc, x_ptr, s_ptr, ws_ptr, y_ptr, cnt_ptr, ep_ptr,
     M, N, G, groups_per_split, stride_xm, stride_ym,
     NB: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr,
     ASM: gl.constexpr, CONS: gl.constexpr, FP8: gl.constexpr = False, FOLD: gl.constexpr = 1.0,
-    USE_PDL: gl.constexpr = False, NSPLIT: gl.constexpr = 1,
+    USE_PDL: gl.constexpr = False, NSPLIT: gl.constexpr = 1, TAG_MB: gl.constexpr = 0,
 ):
     """Grid ``(N / 64, split)``, ``W`` warps (1, 2, 4 or 8) per program: warp w takes chunks ``r W + w`` of
     each group, and their sums are added at the end. ``w_desc``: TMA descriptor of the fragment words
@@ -258,6 +319,10 @@ def _tma_frag_kernel(
     zero = gl.zeros([W, 32, CT], gl.float32, L3)
     acc = (zero, zero, zero, zero, zero, zero, zero, zero)
     pdl_wait(USE_PDL)
+    if TAG_MB > 0:  # this launch's epoch of block pb (the previous launch's, published at its end, + 1)
+        ep = gl.load(ep_ptr + pb, volatile=True) + 1
+    else:
+        ep = 0
     nxt = _group_loads(x8, xrow, xmask, xrow2, xmask2, szp, g0, wq, NB, W, FP8)
     for i in range(n_grp):
         cur = nxt
@@ -316,28 +381,33 @@ def _tma_frag_kernel(
         a5 = gl.sum(a5, axis=0)
         a6 = gl.sum(a6, axis=0)
         a7 = gl.sum(a7, axis=0)
-    VIA_WS: gl.constexpr = SPLIT_K or ACT != 0
-    _store_part(ws_ptr, y_ptr, a0, 0, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
-    _store_part(ws_ptr, y_ptr, a1, 1, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
-    _store_part(ws_ptr, y_ptr, a2, 2, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
-    _store_part(ws_ptr, y_ptr, a3, 3, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
-    if NB == 2:
-        _store_part(ws_ptr, y_ptr, a4, 4, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
-        _store_part(ws_ptr, y_ptr, a5, 5, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
-        _store_part(ws_ptr, y_ptr, a6, 6, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
-        _store_part(ws_ptr, y_ptr, a7, 7, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
-    if VIA_WS:
-        gl.thread_barrier()  # every thread's partial is written before the release below
-        if SPLIT_K:
-            done = gl.atomic_add(cnt_ptr + pb, 1, sem="acq_rel", scope="gpu")
-        else:
-            done = NSPLIT - 1
-        if done == NSPLIT - 1:
-            _sum_four(ws_ptr, y_ptr, 0, pb, NSPLIT, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
-            if NB == 2:
-                _sum_four(ws_ptr, y_ptr, 4, pb, NSPLIT, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
-            if SPLIT_K:  # ready for the next launch (graph replays too); the launch's end publishes it
-                gl.atomic_xchg(cnt_ptr + pb, 0, sem="relaxed", scope="gpu")
+    if TAG_MB > 0:
+        _tag_finish(ws_ptr.to(gl.pointer_type(gl.int64)), y_ptr, ep_ptr, a0, a1, a2, a3, pb, sp, ep, M, stride_ym,
+                    g2, t2, c2, ACT, NSPLIT, TAG_MB)
+    else:
+        VIA_WS: gl.constexpr = SPLIT_K or ACT != 0
+        _store_part(ws_ptr, y_ptr, a0, 0, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
+        _store_part(ws_ptr, y_ptr, a1, 1, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
+        _store_part(ws_ptr, y_ptr, a2, 2, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
+        _store_part(ws_ptr, y_ptr, a3, 3, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
+        if NB == 2:
+            _store_part(ws_ptr, y_ptr, a4, 4, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
+            _store_part(ws_ptr, y_ptr, a5, 5, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
+            _store_part(ws_ptr, y_ptr, a6, 6, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
+            _store_part(ws_ptr, y_ptr, a7, 7, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
+        if VIA_WS:
+            gl.thread_barrier()  # every thread's partial is written before the release below
+            if SPLIT_K:
+                done = gl.atomic_add(cnt_ptr + pb, 1, sem="acq_rel", scope="gpu")
+            else:
+                done = NSPLIT - 1
+            if done == NSPLIT - 1:
+                _sum_four(ws_ptr, y_ptr, 0, pb, NSPLIT, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
+                if NB == 2:
+                    _sum_four(ws_ptr, y_ptr, 4, pb, NSPLIT, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8,
+                              FOLD)
+                if SPLIT_K:  # ready for the next launch (graph replays too); the launch's end publishes it
+                    gl.atomic_xchg(cnt_ptr + pb, 0, sem="relaxed", scope="gpu")
 
 
 _LAYOUT = None
@@ -364,6 +434,9 @@ def check_config(cfg: dict) -> tuple[int, int, int]:
                          f"got {stages!r}")
     if not isinstance(split, int) or split < 1:
         raise ValueError(f"config: MODE 7's SPLIT (K splits) must be an int >= 1, got {split!r}")
+    if not isinstance(cfg.get("TAGGED", True), bool):
+        raise ValueError(f"config: MODE 7's TAGGED (the tagged split-K finish at M <= 2) must be a bool, "
+                         f"got {cfg['TAGGED']!r}")
     return w, stages, split
 
 
@@ -391,14 +464,21 @@ def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: 
     asm, cons = TF._asm("fp8", nb, f16, False) if fp8 else TF._asm("int4", nb, f16, False, 8 // w if w > 1 else 4)
     code = TF.ACTIVATIONS[act]
     y = torch.empty((m, n // 2 if code else n), dtype=x.dtype, device=x.device)
-    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 or code else y
-    cnt = arrival_counters(x.device, blocks) if split > 1 else y
+    tag_mb = 0
+    if not fp8 and w == 1 and split > 1 and m <= 2 and cfg.get("TAGGED", True):  # the tagged finish
+        tag_mb = m
+        ep, ws = tagged_buffers(x.device, blocks, split, m)
+        cnt = y
+    else:
+        ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 or code else y
+        cnt = arrival_counters(x.device, blocks) if split > 1 else y
+        ep = cnt
     use_pdl = TF.pdl_enabled(x)
     _tma_frag_kernel[(blocks, split)](
-        desc if desc is not None else descriptor(words), x, sz, ws, y, cnt,
+        desc if desc is not None else descriptor(words), x, sz, ws, y, cnt, ep,
         m, n, gk, per, x.stride(0), y.stride(0),
         NB=nb, W=w, STAGES=stages, SPLIT_K=split > 1, ACT=code, ASM=asm, CONS=cons, FP8=fp8, FOLD=float(fold),
-        NSPLIT=split,
+        NSPLIT=split, TAG_MB=tag_mb,
         num_warps=w, **TF.pdl_launch(use_pdl), **regs,
     )
     return y

@@ -121,9 +121,9 @@ def test_mode7_tagged_finish(act):
                     assert _rel(y, ref(x, w)) < 1e-2, (rep, i, m, split)
                     assert _rel(y, y0) < 1e-3, (rep, i, m, split)
                     calls[(split, m)] = calls.get((split, m), 0) + 1
-    for (split, m), count in calls.items():  # every launch advanced each block's epoch once
+    for (split, m), count in calls.items():  # every launch advanced each block's epoch (shared with other shapes)
         ep, _ = tagged_buffers(torch.device(dev, torch.cuda.current_device()), n // 64, split, m)
-        assert int(ep[0]) == int(ep[n // 64 - 1]) and int(ep[0]) >= count
+        assert all(int(e) >= count for e in ep[: n // 64])
     x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
     cfg = {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8}
     g = torch.cuda.CUDAGraph()

@@ -8,13 +8,15 @@ fixed cost at 14336x4096, M=1 (docs/quantization.md). Here each program's warps 
 registers held while in flight), so a program has ``STAGES`` groups outstanding from its first
 instruction (before the PDL wait: weights only). A warp reads its chunks back with one 16-byte shared
 load each (each lane its own fragment words, the layout MODE 6 loads from global memory), decodes and
-multiplies them with MODE 6's inline PTX (``triton_frag.int4_asm`` / ``fp8_asm``), and the split-K
-partials finish as in MODE 6 (the last program of a channel block sums them).
+multiplies them with MODE 6's inline PTX (``triton_frag.int4_asm`` / ``fp8_asm``). Split-K partials finish as
+in MODE 6 (the last program of a channel block to arrive at its counter sums them, all loads in flight at
+once) or, for INT4 at M <= 2 with one warp per program, by the tagged finish (``_tag_finish``): no fence and
+no counter, each partial carries the launch's epoch and the last split's program reads them until current.
 
 The INT4 scale / zero-point words and the activations' B fragments are loaded into registers one group
 ahead (1/16 of the bytes, mostly L2 hits). Measured on the H200 (docs/quantization.md): INT4 with one warp
-per program beats MODE 6 on 14336x4096 and the merged gate_up at M <= 4 (``triton_wo.MODE7_TUNED``, e.g.
-13.09 vs 13.73 us at M=1) and loses on smaller shapes; FP8 loses to MODEs 4 / 5 everywhere (config-only).
+per program beats MODE 6 on 14336x4096 and the merged gate_up at M <= 4 (``triton_wo.MODE7_TUNED``; 11.00 us
+at M=1 with the tagged finish) and loses on smaller shapes; FP8 loses to MODEs 4 / 5 everywhere (config-only).
 GPU-only (sm90+: TMA, mbarriers, Gluon).
 """
 
@@ -448,7 +450,7 @@ def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: 
     ``triton_frag.pack_fp8``, ``sz`` the fp32 per-channel scales ``[N]`` in packed row order, ``fold`` the
     decode's power of two (2**120 bf16, 2**8 fp16). ``cfg``: W (warps per program, splitting each group's
     chunks), STAGES (groups in flight per program), SPLIT (K splits), optionally MAXNREG (a register cap per
-    thread: more one-warp programs fit an SM); ``desc``: :func:`descriptor` of
+    thread) and TAGGED (default True: the tagged split-K finish where it applies); ``desc``: :func:`descriptor` of
     ``words`` (made here when None)."""
     w, stages, split = check_config(cfg)
     regs = TF.maxnreg_option(cfg)

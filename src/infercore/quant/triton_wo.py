@@ -561,7 +561,9 @@ MODE6_MIN_BYTES = 24 << 20
 # vs 15.62, M=4 15.23 vs 16.93; the merged gate_up with SiLU M=1 20.15 vs 22.11, M=4 22.16 vs 32.76. It lost
 # on down, qkv, o_proj and the lm_head (fewer channel blocks: a warp's groups run one after another) and tied
 # at M=16. Same repacked words as MODE 6, so a weight still keeps one copy; on GPUs before sm90 the MODE 6
-# entries run.
+# entries run. With the eighteenth session's split-K finishes (unrolled; tagged at M <= 2) the dispatcher reads
+# 11.00 / 11.89 / 14.59 us at M = 1 / 2 / 4 on 14336x4096 and 19.64 / 20.58 on the merged gate_up at M = 1 / 4
+# (results/h200/quant_wo_dispatch.json).
 MODE7_TUNED: dict[tuple[str, int, int, int], dict] = {
     ("int4", 14336, 4096, 1): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},
     ("int4", 14336, 4096, 2): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},

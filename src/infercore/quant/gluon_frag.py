@@ -279,8 +279,11 @@ def _tma_frag_kernel(
     each group, and their sums are added at the end. ``w_desc``: TMA descriptor of the fragment words
     viewed as ``[N/64 * G * 8, 128]`` int32 (block ``[8, 128]``: one group of one channel block); ``s``:
     the int64 scale / zero-point words ``[N/64, G, 8, 4]``; ``ws``: fp32 partials ``[split, M, N]`` (split-K
-    or ACT). FP8 (``pack_fp8``'s int64 words ``[N/32, G, 8, 32, 2]``, the same 4 KB per group of a 32-channel
-    block): ``s`` the fp32 per-channel scales (packed row order), applied with ``FOLD`` at the end."""
+    or ACT) summed by the last program to arrive at ``cnt``, or with ``TAG_MB`` (1 or 2 rows, INT4, W = 1) the
+    tagged int64 partials ``[N/64, split, TAG_MB, 64]`` and ``ep`` the blocks' epochs (``_tag_finish``).
+    ``NSPLIT``: the split count. FP8 (``pack_fp8``'s int64 words ``[N/32, G, 8, 32, 2]``, the same 4 KB per group
+    of a 32-channel block): ``s`` the fp32 per-channel scales (packed row order), applied with ``FOLD`` at the
+    end."""
     RPW: gl.constexpr = 8 // W  # chunks per warp per group
     CT: gl.constexpr = 2 if FP8 else 4  # 16-channel tiles per block (a lane's 16 bytes per chunk)
     L3: gl.constexpr = gl.BlockedLayout([1, 1, CT], [1, 32, 1], [W, 1, 1], [2, 1, 0])  # [warp, lane, tile]

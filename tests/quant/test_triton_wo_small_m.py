@@ -405,7 +405,9 @@ def test_mode7_entries_and_config_checks():
         fallback = triton_wo._mode6_entry(kind, n, k, m, 132, False)
         assert fallback is None or fallback.get("MODE", 6) == 6
         assert triton_wo.repacked_layouts(kind, n, k) == {"mode6"}
-    assert triton_wo._mode6_entry("int4", 14336, 4096, 16, 132, True) is None  # M=16: MODE 5
+    assert triton_wo._mode6_entry("int4", 14336, 4096, 16, 132, True)["SPLIT"] == 4  # M 9-16: MODE 7
+    assert triton_wo._mode6_entry("int4", 14336, 4096, 8, 132, True) is None  # M 5-8: MODE 5
+    assert triton_wo._mode6_entry("int4", 14336, 4096, 16, 132, False) is None  # no TMA: MODE 5
     assert triton_wo._mode6_entry("int4", 14336, 4096, 3, 132, True)["MODE"] == 7  # bucket 4
     assert triton_wo._mode6_entry("fp8", 14336, 4096, 1, 132, True) is None  # (FP8: MODE 4 there)
     assert gluon_frag.check_config({"W": 2, "STAGES": 3, "SPLIT": 4}) == (2, 3, 4)

@@ -564,10 +564,14 @@ MODE6_MIN_BYTES = 24 << 20
 # entries run. With the eighteenth session's split-K finishes (unrolled; tagged at M <= 2) the dispatcher reads
 # 11.00 / 11.89 / 14.59 us at M = 1 / 2 / 4 on 14336x4096 and 19.64 / 20.58 on the merged gate_up at M = 1 / 4
 # (results/h200/quant_wo_dispatch.json).
-MODE7_TUNED: dict[tuple[str, int, int, int], dict] = {
+MODE7_TUNED: dict[tuple[str, int, int, int], dict | None] = {
     ("int4", 14336, 4096, 1): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},
     ("int4", 14336, 4096, 2): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},
     ("int4", 14336, 4096, 4): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},
+    ("int4", 14336, 4096, 8): None,  # (M 5-8 not measured with MODE 7: MODE 5 as before)
+    # M 9-16 (two B fragments) after the unrolled finish, eighteenth session: 20.19 vs 22.03 us for MODE 5
+    # (results/h200/sweeps/probe_tma_frag_after_finish.json, alternating rounds)
+    ("int4", 14336, 4096, 16): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 4},
     ("int4", 28672, 4096, 1): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 4},
     ("int4", 28672, 4096, 4): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 4},
 }
@@ -602,7 +606,7 @@ def repacked_layouts(kind: str, n: int, k: int) -> set[str]:
     out = set()
     for m in range(1, SMALL_M_MAX + 1):
         # (the SM count sets only the split, not whether; MODE 7 runs on MODE 6's words)
-        if _mode6_entry(kind, n, k, m, 132) is not None or _tuned(MODE7_TUNED, kind, n, k, m, 2)[0]:
+        if _mode6_entry(kind, n, k, m, 132) is not None or _tuned(MODE7_TUNED, kind, n, k, m, 2)[1] is not None:
             out.add("mode6")
         elif m <= GEMV_M_MAX:
             found, cfg = _tuned(SMALL_M_TUNED, kind, n, k, m, 4)

@@ -562,8 +562,8 @@ MODE6_MIN_BYTES = 24 << 20
 # on down, qkv, o_proj and the lm_head (fewer channel blocks: a warp's groups run one after another) and tied
 # at M=16. Same repacked words as MODE 6, so a weight still keeps one copy; on GPUs before sm90 the MODE 6
 # entries run. With the eighteenth session's split-K finishes (unrolled; tagged at M <= 2) the dispatcher reads
-# 11.00 / 11.89 / 14.59 us at M = 1 / 2 / 4 on 14336x4096 and 19.64 / 20.58 on the merged gate_up at M = 1 / 4
-# (results/h200/quant_wo_dispatch.json).
+# 11.05 / 11.88 / 14.65 / 20.32 us at M = 1 / 2 / 4 / 16 on 14336x4096 and 18.89 / 20.64 on the merged gate_up
+# at M = 1 / 4 (results/h200/quant_wo_dispatch.json).
 MODE7_TUNED: dict[tuple[str, int, int, int], dict | None] = {
     ("int4", 14336, 4096, 1): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},
     ("int4", 14336, 4096, 2): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},

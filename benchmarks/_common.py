@@ -54,6 +54,27 @@ def time_graph(calls: Callable[[int], Any], n_calls: int, reps: int = 10, warmup
     return times[len(times) // 2] / n_calls
 
 
+def alternating_rounds(timed: dict[str, tuple[Callable[[int], Any], int]], rounds: int,
+                       rows: list[dict[str, Any]], case_name: str) -> dict[str, float]:
+    """Microseconds per call of each ``timed`` entry (``label: (calls, n_calls)``, see :func:`time_graph`), the
+    median of ``rounds`` rounds that each time every entry once (so drift hits all alike); an entry whose timing
+    fails reads nan. Appends one row per entry, fastest first, ``{case, config, us, rounds_us}`` to ``rows``."""
+    import statistics
+
+    times: dict[str, list[float]] = {lab: [] for lab in timed}
+    for _ in range(rounds):
+        for lab, (call, nc) in timed.items():
+            try:
+                times[lab].append(time_graph(call, nc, reps=5, warmup=1) * 1e6)
+            except Exception as e:  # noqa: BLE001
+                print(f"  {case_name} {lab}: timing FAILED {repr(e)[:300]}", flush=True)
+                times[lab].append(float("nan"))
+    med = {lab: statistics.median(v) for lab, v in times.items()}
+    for lab, us in sorted(med.items(), key=lambda kv: kv[1]):
+        rows.append({"case": case_name, "config": lab, "us": us, "rounds_us": times[lab]})
+    return med
+
+
 def eager_us(call: Callable[[], Any], n: int = 300, warmup: int = 20) -> float:
     """Microseconds per ``call()`` run back to back without a CUDA graph (after ``warmup`` calls): for
     small kernels this is the host's dispatch and launch time, not the GPU's."""

@@ -16,7 +16,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -26,8 +25,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import rel_err, time_graph, write_results  # noqa: E402
-from sweep_quant_wo import WORKING_SET, make_weights  # noqa: E402
+from _common import alternating_rounds, rel_err, write_results  # noqa: E402
+from sweep_quant_wo import bf16_copies, quant_copies  # noqa: E402
 
 SHAPES = {"gate_up/2": (14336, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096),
           "o_proj": (4096, 4096), "lm_head": (128256, 4096), "70b_o_proj": (8192, 8192), "70b_qkv": (10240, 8192),
@@ -94,14 +93,12 @@ def main() -> None:  # noqa: C901 (one linear script)
         m = int(m)
         n, k = SHAPES[shape]
         w = torch.randn(n, k, device="cuda") * 0.02
-        wb = n * k // 2 if kind == "int4" else n * k
-        copies = max(1, math.ceil(WORKING_SET / wb))
-        q, qs, fn, qbytes = make_weights(kind, w, copies)
+        q, qs, fn, _ = quant_copies(kind, w)
+        copies = len(qs)
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         ref = x.float() @ q.dequantize(torch.float32).T
-        w16 = w.to(torch.bfloat16)
-        c16 = max(1, math.ceil(WORKING_SET / (n * k * 2)))
-        w16s = [w16] + [w16.clone() for _ in range(c16 - 1)]
+        w16s = bf16_copies(w)
+        c16 = len(w16s)
         n_calls = math.ceil(max(copies, 24) / copies) * copies
         timed = {"bf16 F.linear": (lambda i: F.linear(x, w16s[i % c16]), math.ceil(n_calls / c16) * c16),
                  "dispatcher": (lambda i: fn(x, qs[i % copies]), n_calls)}
@@ -120,13 +117,7 @@ def main() -> None:  # noqa: C901 (one linear script)
                 print(f"  {spec} {cfg}: FAILED {repr(e)[:200]}", flush=True)
                 continue
             timed[label] = (lambda i, c=cfg: fn(x, qs[i % copies], config=c), n_calls)
-        times = {lab: [] for lab in timed}
-        for _ in range(args.rounds):
-            for lab, (call, nc) in timed.items():
-                times[lab].append(time_graph(call, nc, reps=5, warmup=1) * 1e6)
-        med = {lab: statistics.median(v) for lab, v in times.items()}
-        for lab, us in sorted(med.items(), key=lambda kv: kv[1]):
-            rows.append({"case": spec, "config": lab, "us": us, "rounds_us": times[lab]})
+        med = alternating_rounds(timed, args.rounds, rows, spec)
         d2 = {lab: us for lab, us in med.items() if '"DEPTH": 2' in lab}
         d3 = {lab: us for lab, us in med.items() if '"DEPTH": 3' in lab}
         best2 = min(d2.items(), key=lambda kv: kv[1]) if d2 else (None, float("nan"))

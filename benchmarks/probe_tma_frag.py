@@ -15,7 +15,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -25,8 +24,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import rel_err, time_graph, write_results  # noqa: E402
-from sweep_quant_wo import WORKING_SET, make_weights  # noqa: E402
+from _common import alternating_rounds, rel_err, write_results  # noqa: E402
+from sweep_quant_wo import bf16_copies, quant_copies  # noqa: E402
 
 from infercore.quant import gluon_frag as GF  # noqa: E402
 from infercore.quant import triton_frag as TF  # noqa: E402
@@ -74,15 +73,14 @@ def main() -> None:  # noqa: C901 (one linear script)
         act = rest[0] if rest else None
         n, k = SHAPES[shape]
         w = torch.randn(n, k, device="cuda") * 0.02
-        copies = max(1, math.ceil(WORKING_SET / (n * k // (2 if kind == "int4" else 1))))
-        q, qs, fn, _ = make_weights(kind, w, copies)
+        q, qs, fn, _ = quant_copies(kind, w)
+        copies = len(qs)
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         ref = x.float() @ q.dequantize(torch.float32).T
         if act:
             ref = F.silu(ref[:, : n // 2].to(torch.bfloat16).float()) * ref[:, n // 2:].to(torch.bfloat16).float()
-        w16 = w.to(torch.bfloat16)
-        c16 = max(1, math.ceil(WORKING_SET / (n * k * 2)))
-        w16s = [w16] + [w16.clone() for _ in range(c16 - 1)]
+        w16s = bf16_copies(w)
+        c16 = len(w16s)
         n_calls = math.ceil(max(copies, 24) / copies) * copies
         timed = {"bf16 F.linear": (lambda i: F.linear(x, w16s[i % c16]), math.ceil(n_calls / c16) * c16),
                  "dispatcher": (lambda i: fn(x, qs[i % copies], act=act), n_calls)}
@@ -115,17 +113,7 @@ def main() -> None:  # noqa: C901 (one linear script)
                 continue
             timed[label] = (lambda i, c=cfg: GF.launch(x, packs[i % copies][0], packs[i % copies][1], n, c,
                                                        descs[i % copies], act=act, **extra), n_calls)
-        times = {lab: [] for lab in timed}
-        for _ in range(args.rounds):
-            for lab, (call, nc) in timed.items():
-                try:
-                    times[lab].append(time_graph(call, nc, reps=5, warmup=1) * 1e6)
-                except Exception as e:  # noqa: BLE001
-                    print(f"  {spec} {lab}: timing FAILED {repr(e)[:300]}", flush=True)
-                    times[lab].append(float("nan"))
-        med = {lab: statistics.median(v) for lab, v in times.items()}
-        for lab, us in sorted(med.items(), key=lambda kv: kv[1]):
-            rows.append({"case": spec, "config": lab, "us": us, "rounds_us": times[lab]})
+        med = alternating_rounds(timed, args.rounds, rows, spec)
         mode7 = {lab: us for lab, us in med.items() if lab.startswith("{")}
         best = min(mode7.items(), key=lambda kv: kv[1]) if mode7 else (None, float("nan"))
         summary = {"case": spec, "dispatcher_us": med["dispatcher"], "bf16_us": med["bf16 F.linear"],

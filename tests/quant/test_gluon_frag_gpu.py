@@ -64,22 +64,18 @@ def test_mode7_fused_gated_act(act, m, split, w_):
     assert _rel(y, fn(h[:, :d]) * h[:, d:]) < 1e-2
 
 
-def test_mode7_graph_replay_and_bad_config():
+def test_mode7_graph_replay_and_bad_config(graph_matches_eager):
     _need_sm90()
     n, k = 256, 512
     w = IntWeight.quantize(torch.randn(n, k, device=dev) * 0.05, bits=4, group_size=128)
     x = torch.randn(2, k, device=dev, dtype=torch.bfloat16)
     cfg = {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 2}
     TW.wq_matmul_triton(x, w, config=cfg)  # eager first call makes the repack
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = TW.wq_matmul_triton(x, w, config=cfg)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, TW.wq_matmul_triton(x, w, config=cfg))
+
+    def close(y):
         assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
+
+    graph_matches_eager(lambda: TW.wq_matmul_triton(x, w, config=cfg), x, rounds=3, each=close)
     for key, bad in (("W", 3), ("STAGES", 0), ("STAGES", 9), ("SPLIT", 0)):
         with pytest.raises(ValueError, match=key):
             TW.wq_matmul_triton(x, w, config={**cfg, key: bad})
@@ -168,7 +164,7 @@ def test_mode7_fp8_fused_gated_act(m, split):
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
-def test_mode7_dispatch(monkeypatch, m):
+def test_mode7_dispatch(monkeypatch, m, graph_matches_eager):
     """The call without a config on 14336x4096 takes MODE7_TUNED's entry at M <= 4 and M=16 (MODE 5 at M=8),
     eagerly and inside a CUDA graph, and matches dequantize() + fp32 matmul."""
     _need_sm90()
@@ -185,10 +181,5 @@ def test_mode7_dispatch(monkeypatch, m):
     assert bool(seen) == (m != 8)
     if seen:
         assert seen[0] == TW.MODE7_TUNED[("int4", 14336, 4096, m)]
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        yg = TW.wq_matmul_triton(x, w)
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(yg, y)
+    assert torch.equal(graph_matches_eager(lambda: TW.wq_matmul_triton(x, w)), y)
     assert TF.gluon_available()

@@ -1,6 +1,7 @@
 """Kernel-level profile of Engine decode steps (torch.profiler), for finding where a step's time goes.
 
     python benchmarks/profile_decode.py --batches 1,256 [--layers 32]
+    python benchmarks/profile_decode.py --batches 1 --scheme w4a16-g128 --rows 30   # a quantized model
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from bench_e2e import LLAMA_8B  # noqa: E402
 
 from infercore import Engine, SamplingParams  # noqa: E402
 from infercore.models import ModelConfig, build_model  # noqa: E402
+from infercore.quant import quantize  # noqa: E402
 
 
 def main() -> None:
@@ -27,9 +29,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--graphs", type=int, default=1)
+    ap.add_argument("--scheme", default="", help="quantize(model, scheme) first (lm_head stays bf16)")
+    ap.add_argument("--rows", type=int, default=18, help="kernels listed per batch")
     args = ap.parse_args()
     cfg = dict(LLAMA_8B, num_hidden_layers=args.layers)
     model = build_model(ModelConfig.from_hf(cfg), dtype=torch.bfloat16, device="cuda", init="normal")
+    if args.scheme:
+        quantize(model, args.scheme)
     batches = [int(b) for b in args.batches.split(",")]
     B = max(batches)
     eng = Engine(model, num_pages=B * 50 + 64, page_size=16, max_num_seqs=B, max_num_batched_tokens=16384,
@@ -54,7 +60,7 @@ def main() -> None:
                 eng.step()
             torch.cuda.synchronize()
         print(f"=== batch {b}: {step_ms:.2f} ms/step wall")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60))
         for rid in list(eng.requests):
             eng.abort(rid)
 

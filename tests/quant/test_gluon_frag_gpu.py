@@ -163,10 +163,12 @@ def test_mode7_fp8_fused_gated_act(m, split):
     assert _rel(y, torch.nn.functional.silu(h[:, :d]) * h[:, d:]) < 1e-2
 
 
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
-def test_mode7_dispatch(monkeypatch, m, graph_matches_eager):
-    """The call without a config on 14336x4096 takes MODE7_TUNED's entry at M <= 4 and M=16 (MODE 5 at M=8),
-    eagerly and inside a CUDA graph, and matches dequantize() + fp32 matmul."""
+@pytest.mark.parametrize("n, k", [(14336, 4096), (4096, 14336), (6144, 4096)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 8, 16])
+def test_mode7_dispatch(monkeypatch, n, k, m, graph_matches_eager):
+    """The call without a config takes MODE7_TUNED's entry where it has one (14336x4096 at every M <= 16;
+    down at every M; qkv at M <= 4, MODE 5 above), eagerly and inside a CUDA graph, and matches dequantize()
+    + fp32 matmul."""
     _need_sm90()
     from infercore.quant import gluon_frag as GF
 
@@ -174,12 +176,13 @@ def test_mode7_dispatch(monkeypatch, m, graph_matches_eager):
     real = GF.launch
     monkeypatch.setattr(GF, "launch", lambda *a, **kw: seen.append(a[4]) or real(*a, **kw))
     torch.manual_seed(0)
-    w = IntWeight.quantize(torch.randn(14336, 4096, device=dev) * 0.02, bits=4, group_size=128)
-    x = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
+    w = IntWeight.quantize(torch.randn(n, k, device=dev) * 0.02, bits=4, group_size=128)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     y = TW.wq_matmul_triton(x, w)
     assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
-    assert bool(seen) == (m != 8)
+    entry = TW._mode6_entry("int4", n, k, m, 132, True)
+    assert bool(seen) == (entry is not None) == (n != 6144 or m <= 4)
     if seen:
-        assert seen[0] == TW.MODE7_TUNED[("int4", 14336, 4096, m)]
+        assert seen[0] == entry
     assert torch.equal(graph_matches_eager(lambda: TW.wq_matmul_triton(x, w)), y)
     assert TF.gluon_available()

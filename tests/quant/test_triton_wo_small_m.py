@@ -353,7 +353,8 @@ def test_tuned_tables_keep_one_repacked_copy(monkeypatch):
     MODE 6's fragments), and the check sees a table that would make two."""
     from infercore.quant import triton_wo
 
-    shapes = {(kind, n, k) for (kind, n, k, _) in (*triton_wo.SMALL_M_TUNED, *triton_wo.MODE6_TUNED)}
+    shapes = {(kind, n, k) for (kind, n, k, _) in (*triton_wo.SMALL_M_TUNED, *triton_wo.MODE6_TUNED,
+                                                    *triton_wo.MODE7_TUNED)}
     assert shapes
     for kind, n, k in shapes:
         assert len(triton_wo.repacked_layouts(kind, n, k)) <= 1, (kind, n, k)
@@ -362,8 +363,9 @@ def test_tuned_tables_keep_one_repacked_copy(monkeypatch):
         True, triton_wo.SMALL_M_TUNED[("int4", 14336, 4096, 4)])
     assert triton_wo._tuned(triton_wo.MODE6_TUNED, "int4", 6144, 4096, 1, 2) == (True, None)
     assert triton_wo._tuned(triton_wo.MODE6_TUNED, "int4", 4096, 4096, 1, 2) == (False, None)
-    monkeypatch.setitem(triton_wo.MODE6_TUNED, ("int4", 6144, 4096, 4), {"WARPS": 2, "REPS": 4, "SPLIT": 8})
-    assert triton_wo.repacked_layouts("int4", 6144, 4096) == {"mode4", "mode6"}
+    assert triton_wo.repacked_layouts("int4", 4096, 4096) == {"mode4"}
+    monkeypatch.setitem(triton_wo.MODE6_TUNED, ("int4", 4096, 4096, 16), {"WARPS": 2, "REPS": 4, "SPLIT": 8})
+    assert triton_wo.repacked_layouts("int4", 4096, 4096) == {"mode4", "mode6"}
 
 
 def test_untuned_int4_m1_default_tiles(monkeypatch):
@@ -406,7 +408,9 @@ def test_mode7_entries_and_config_checks():
         assert fallback is None or fallback.get("MODE", 6) == 6
         assert triton_wo.repacked_layouts(kind, n, k) == {"mode6"}
     assert triton_wo._mode6_entry("int4", 14336, 4096, 16, 132, True)["SPLIT"] == 4  # M 9-16: MODE 7
-    assert triton_wo._mode6_entry("int4", 14336, 4096, 8, 132, True) is None  # M 5-8: MODE 5
+    assert triton_wo._mode6_entry("int4", 14336, 4096, 6, 132, True)["SPLIT"] == 4  # M 5-8: MODE 7
+    assert triton_wo._mode6_entry("int4", 6144, 4096, 16, 132, True) is None  # qkv M 9-16: MODE 5
+    assert triton_wo._mode6_entry("int4", 4096, 14336, 1, 132, True)["SPLIT"] == 28  # down: ~4 groups a warp
     assert triton_wo._mode6_entry("int4", 14336, 4096, 16, 132, False) is None  # no TMA: MODE 5
     assert triton_wo._mode6_entry("int4", 14336, 4096, 3, 132, True)["MODE"] == 7  # bucket 4
     assert triton_wo._mode6_entry("fp8", 14336, 4096, 1, 132, True) is None  # (FP8: MODE 4 there)
@@ -419,6 +423,8 @@ def test_mode7_entries_and_config_checks():
         gluon_frag.check_config({"W": True})
     with pytest.raises(ValueError, match="TAGGED"):
         gluon_frag.check_config({"TAGGED": "yes"})
+    with pytest.raises(ValueError, match="KMAJOR"):
+        gluon_frag.check_config({"KMAJOR": 1})
     words = torch.zeros(2, 4, 8, 32, 4, dtype=torch.int32)
     d = gluon_frag.descriptor(words)
     assert list(d.shape) == [2 * 4 * 8, 128] and list(d.block_shape) == [8, 128]

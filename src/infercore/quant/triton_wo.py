@@ -563,17 +563,33 @@ MODE6_MIN_BYTES = 24 << 20
 # at M=16. Same repacked words as MODE 6, so a weight still keeps one copy; on GPUs before sm90 the MODE 6
 # entries run. With the eighteenth session's split-K finishes (unrolled; tagged at M <= 2) the dispatcher reads
 # 11.05 / 11.88 / 14.65 / 20.32 us at M = 1 / 2 / 4 / 16 on 14336x4096 and 18.89 / 20.64 on the merged gate_up
-# at M = 1 / 4 (results/h200/quant_wo_dispatch.json).
+# at M = 1 / 4 (results/h200/quant_wo_dispatch.json). Nineteenth session: with more splits (4 groups or fewer
+# per warp, so ~1800 one-warp programs keep the loads in flight) MODE 7 also wins on down and qkv, and at M 5-8
+# on 14336x4096 (results/h200/sweeps/probe_mode7_small_shapes.json, probe_mode7_down_m.json,
+# probe_mode7_kmajor.json; alternating rounds against the dispatcher's MODE 4 / 5): down M = 1 / 2 / 4 / 8 / 16
+# 12.41 / 13.44 / 15.38 / 16.01 / 20.47 us vs 14.35 / 18.99 / 23.97 / 22.54 / 22.50; qkv M = 1 / 2 / 4 7.18 /
+# 8.16 / 8.81 vs 7.31 / 9.51 / 10.50 (M=16: 13.40 vs MODE 5's 12.51); 14336x4096 M=8 14.38 vs 21.35. o_proj
+# stays on MODE 4 (M=1 6.42 vs 5.29).
 MODE7_TUNED: dict[tuple[str, int, int, int], dict | None] = {
     ("int4", 14336, 4096, 1): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},
     ("int4", 14336, 4096, 2): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},
     ("int4", 14336, 4096, 4): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},
-    ("int4", 14336, 4096, 8): None,  # (M 5-8 not measured with MODE 7: MODE 5 as before)
+    ("int4", 14336, 4096, 8): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 4},
     # M 9-16 (two B fragments) after the unrolled finish, eighteenth session: 20.19 vs 22.03 us for MODE 5
     # (results/h200/sweeps/probe_tma_frag_after_finish.json, alternating rounds)
     ("int4", 14336, 4096, 16): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 4},
     ("int4", 28672, 4096, 1): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 4},
     ("int4", 28672, 4096, 4): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 4},
+    ("int4", 4096, 14336, 1): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 28},
+    ("int4", 4096, 14336, 2): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 16},
+    ("int4", 4096, 14336, 4): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 16},
+    ("int4", 4096, 14336, 8): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},
+    ("int4", 4096, 14336, 16): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},
+    ("int4", 6144, 4096, 1): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 32},
+    ("int4", 6144, 4096, 2): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 16},
+    ("int4", 6144, 4096, 4): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},
+    ("int4", 6144, 4096, 8): None,  # (M 5-8 not measured with MODE 7; M=16 lost: MODE 5 there)
+    ("int4", 6144, 4096, 16): None,
 }
 
 

@@ -410,6 +410,7 @@ def test_mode7_entries_and_config_checks():
     assert triton_wo._mode6_entry("int4", 14336, 4096, 16, 132, True)["SPLIT"] == 4  # M 9-16: MODE 7
     assert triton_wo._mode6_entry("int4", 14336, 4096, 6, 132, True)["SPLIT"] == 4  # M 5-8: MODE 7
     assert triton_wo._mode6_entry("int4", 6144, 4096, 16, 132, True) is None  # qkv M 9-16: MODE 5
+    assert triton_wo._mode6_entry("int4", 6144, 4096, 8, 132, True)["SPLIT"] == 4
     assert triton_wo._mode6_entry("int4", 4096, 14336, 1, 132, True)["SPLIT"] == 28  # down: ~4 groups a warp
     assert triton_wo._mode6_entry("int4", 14336, 4096, 16, 132, False) is None  # no TMA: MODE 5
     assert triton_wo._mode6_entry("int4", 14336, 4096, 3, 132, True)["MODE"] == 7  # bucket 4
@@ -423,8 +424,6 @@ def test_mode7_entries_and_config_checks():
         gluon_frag.check_config({"W": True})
     with pytest.raises(ValueError, match="TAGGED"):
         gluon_frag.check_config({"TAGGED": "yes"})
-    with pytest.raises(ValueError, match="KMAJOR"):
-        gluon_frag.check_config({"KMAJOR": 1})
     words = torch.zeros(2, 4, 8, 32, 4, dtype=torch.int32)
     d = gluon_frag.descriptor(words)
     assert list(d.shape) == [2 * 4 * 8, 128] and list(d.block_shape) == [8, 128]

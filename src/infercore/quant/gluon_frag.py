@@ -274,7 +274,7 @@ def _tma_frag_kernel(
     M, N, G, groups_per_split, stride_xm, stride_ym,
     NB: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr,
     ASM: gl.constexpr, CONS: gl.constexpr, FP8: gl.constexpr = False, FOLD: gl.constexpr = 1.0,
-    USE_PDL: gl.constexpr = False, NSPLIT: gl.constexpr = 1, TAG_MB: gl.constexpr = 0, KMAJOR: gl.constexpr = False,
+    USE_PDL: gl.constexpr = False, NSPLIT: gl.constexpr = 1, TAG_MB: gl.constexpr = 0,
 ):
     """Grid ``(N / 64, split)``, ``W`` warps (1, 2, 4 or 8) per program: warp w takes chunks ``r W + w`` of
     each group, and their sums are added at the end. ``w_desc``: TMA descriptor of the fragment words
@@ -292,12 +292,8 @@ def _tma_frag_kernel(
     L2: gl.constexpr = gl.SliceLayout(0, L3)  # [lane, tile] after the warps' sum
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
     pdl_release(USE_PDL)
-    if KMAJOR:  # grid (split, N / 64): a block's splits are dispatched together
-        sp = gl.program_id(0)
-        pb = gl.program_id(1)
-    else:
-        pb = gl.program_id(0)
-        sp = gl.program_id(1)
+    pb = gl.program_id(0)
+    sp = gl.program_id(1)
     g0 = sp * groups_per_split
     n_grp = gl.minimum(groups_per_split, G - g0)
     row0 = (pb * G + g0) * 8
@@ -444,8 +440,6 @@ def check_config(cfg: dict) -> tuple[int, int, int]:
                          f"got {stages!r}")
     if not isinstance(split, int) or split < 1:
         raise ValueError(f"config: MODE 7's SPLIT (K splits) must be an int >= 1, got {split!r}")
-    if not isinstance(cfg.get("KMAJOR", False), bool):
-        raise ValueError(f"config: MODE 7's KMAJOR (the grid's split axis first) must be a bool, got {cfg['KMAJOR']!r}")
     if not isinstance(cfg.get("TAGGED", True), bool):
         raise ValueError(f"config: MODE 7's TAGGED (the tagged split-K finish at M <= 2) must be a bool, "
                          f"got {cfg['TAGGED']!r}")
@@ -486,12 +480,11 @@ def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: 
         cnt = arrival_counters(x.device, blocks) if split > 1 else y
         ep = cnt
     use_pdl = TF.pdl_enabled(x)
-    kmajor = cfg.get("KMAJOR", False)
-    _tma_frag_kernel[(split, blocks) if kmajor else (blocks, split)](
+    _tma_frag_kernel[(blocks, split)](
         desc if desc is not None else descriptor(words), x, sz, ws, y, cnt, ep,
         m, n, gk, per, x.stride(0), y.stride(0),
         NB=nb, W=w, STAGES=stages, SPLIT_K=split > 1, ACT=code, ASM=asm, CONS=cons, FP8=fp8, FOLD=float(fold),
-        NSPLIT=split, TAG_MB=tag_mb, KMAJOR=kmajor,
+        NSPLIT=split, TAG_MB=tag_mb,
         num_warps=w, **TF.pdl_launch(use_pdl), **regs,
     )
     return y

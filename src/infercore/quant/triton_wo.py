@@ -568,8 +568,9 @@ MODE6_MIN_BYTES = 24 << 20
 # on 14336x4096 (results/h200/sweeps/probe_mode7_small_shapes.json, probe_mode7_down_m.json,
 # probe_mode7_kmajor.json; alternating rounds against the dispatcher's MODE 4 / 5): down M = 1 / 2 / 4 / 8 / 16
 # 12.41 / 13.44 / 15.38 / 16.01 / 20.47 us vs 14.35 / 18.99 / 23.97 / 22.54 / 22.50; qkv M = 1 / 2 / 4 7.18 /
-# 8.16 / 8.81 vs 7.31 / 9.51 / 10.50 (M=16: 13.40 vs MODE 5's 12.51); 14336x4096 M=8 14.38 vs 21.35. o_proj
-# stays on MODE 4 (M=1 6.42 vs 5.29).
+# 8.16 / 8.81 vs 7.31 / 9.51 / 10.50, M=8 9.94 vs 12.25 (probe_mode7_more.json; M=16: 13.40 vs MODE 5's 12.51);
+# 14336x4096 M=8 14.38 vs 21.35. o_proj stays on MODE 4: MODE 7 wins at M = 2 / 4 (6.87 / 8.84 vs 7.13 / 10.12)
+# but loses at M=1 (6.42 vs 5.29), and a weight keeps one repacked copy.
 MODE7_TUNED: dict[tuple[str, int, int, int], dict | None] = {
     ("int4", 14336, 4096, 1): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},
     ("int4", 14336, 4096, 2): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},
@@ -588,8 +589,8 @@ MODE7_TUNED: dict[tuple[str, int, int, int], dict | None] = {
     ("int4", 6144, 4096, 1): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 32},
     ("int4", 6144, 4096, 2): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 16},
     ("int4", 6144, 4096, 4): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 8},
-    ("int4", 6144, 4096, 8): None,  # (M 5-8 not measured with MODE 7; M=16 lost: MODE 5 there)
-    ("int4", 6144, 4096, 16): None,
+    ("int4", 6144, 4096, 8): {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 4},
+    ("int4", 6144, 4096, 16): None,  # MODE 5
 }
 
 

@@ -274,7 +274,7 @@ def _tma_frag_kernel(
     M, N, G, groups_per_split, stride_xm, stride_ym,
     NB: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr,
     ASM: gl.constexpr, CONS: gl.constexpr, FP8: gl.constexpr = False, FOLD: gl.constexpr = 1.0,
-    USE_PDL: gl.constexpr = False, NSPLIT: gl.constexpr = 1, TAG_MB: gl.constexpr = 0, XAHEAD: gl.constexpr = True,
+    USE_PDL: gl.constexpr = False, NSPLIT: gl.constexpr = 1, TAG_MB: gl.constexpr = 0,
 ):
     """Grid ``(N / 64, split)``, ``W`` warps (1, 2, 4 or 8) per program: warp w takes chunks ``r W + w`` of
     each group, and their sums are added at the end. ``w_desc``: TMA descriptor of the fragment words
@@ -331,12 +331,8 @@ def _tma_frag_kernel(
         ep = 0
     nxt = _group_loads(x8, xrow, xmask, xrow2, xmask2, szp, g0, wq, NB, W, FP8)
     for i in range(n_grp):
-        if XAHEAD:
-            cur = nxt
-            nxt = _group_loads(x8, xrow, xmask, xrow2, xmask2, szp, g0 + gl.minimum(i + 1, n_grp - 1), wq, NB, W,
-                               FP8)
-        else:
-            cur = _group_loads(x8, xrow, xmask, xrow2, xmask2, szp, g0 + i, wq, NB, W, FP8)
+        cur = nxt
+        nxt = _group_loads(x8, xrow, xmask, xrow2, xmask2, szp, g0 + gl.minimum(i + 1, n_grp - 1), wq, NB, W, FP8)
         st = i % STAGES
         mbarrier.wait(bars.index(st), (i // STAGES) & 1)
         w0 = view.index(st * RPW).load(L3)
@@ -488,7 +484,7 @@ def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: 
         desc if desc is not None else descriptor(words), x, sz, ws, y, cnt, ep,
         m, n, gk, per, x.stride(0), y.stride(0),
         NB=nb, W=w, STAGES=stages, SPLIT_K=split > 1, ACT=code, ASM=asm, CONS=cons, FP8=fp8, FOLD=float(fold),
-        NSPLIT=split, TAG_MB=tag_mb, XAHEAD=cfg.get("XAHEAD", True),
+        NSPLIT=split, TAG_MB=tag_mb,
         num_warps=w, **TF.pdl_launch(use_pdl), **regs,
     )
     return y

@@ -274,7 +274,7 @@ def _tma_frag_kernel(
     M, N, G, groups_per_split, stride_xm, stride_ym,
     NB: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr,
     ASM: gl.constexpr, CONS: gl.constexpr, FP8: gl.constexpr = False, FOLD: gl.constexpr = 1.0,
-    USE_PDL: gl.constexpr = False, NSPLIT: gl.constexpr = 1, TAG_MB: gl.constexpr = 0, HALVES: gl.constexpr = False,
+    USE_PDL: gl.constexpr = False, NSPLIT: gl.constexpr = 1, TAG_MB: gl.constexpr = 0,
 ):
     """Grid ``(N / 64, split)``, ``W`` warps (1, 2, 4 or 8) per program: warp w takes chunks ``r W + w`` of
     each group, and their sums are added at the end. ``w_desc``: TMA descriptor of the fragment words
@@ -292,18 +292,8 @@ def _tma_frag_kernel(
     L2: gl.constexpr = gl.SliceLayout(0, L3)  # [lane, tile] after the warps' sum
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
     pdl_release(USE_PDL)
-    if HALVES:  # grid (2, N / 64, split): rows 8 h .. 8 h + 7 with one B fragment; ws / counters per half
-        h = gl.program_id(0)
-        pb = gl.program_id(1)
-        sp = gl.program_id(2)
-        x_ptr += h * 8 * stride_xm
-        y_ptr += h * 8 * stride_ym
-        ws_ptr += h * (NSPLIT * 8) * N
-        cnt_ptr += h * gl.num_programs(1)
-        M = gl.minimum(M - 8 * h, 8)
-    else:
-        pb = gl.program_id(0)
-        sp = gl.program_id(1)
+    pb = gl.program_id(0)
+    sp = gl.program_id(1)
     g0 = sp * groups_per_split
     n_grp = gl.minimum(groups_per_split, G - g0)
     row0 = (pb * G + g0) * 8
@@ -472,8 +462,7 @@ def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: 
     fp8 = kind == "fp8"
     blocks, gk = words.shape[0], words.shape[1]
     m = x.shape[0]
-    halves = m > 8 and cfg.get("HALVES", False)
-    nb = 1 if m <= 8 or halves else 2
+    nb = 1 if m <= 8 else 2
     split = min(split, gk)
     per = triton.cdiv(gk, split)
     split = triton.cdiv(gk, per)
@@ -487,16 +476,15 @@ def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: 
         ep, ws = tagged_buffers(x.device, blocks, split, m)
         cnt = y
     else:
-        ws = torch.empty((2 if halves else 1, split, 8 if halves else m, n), dtype=torch.float32,
-                         device=x.device) if split > 1 or code else y
-        cnt = arrival_counters(x.device, 2 * blocks) if split > 1 else y
+        ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 or code else y
+        cnt = arrival_counters(x.device, blocks) if split > 1 else y
         ep = cnt
     use_pdl = TF.pdl_enabled(x)
-    _tma_frag_kernel[(2, blocks, split) if halves else (blocks, split)](
+    _tma_frag_kernel[(blocks, split)](
         desc if desc is not None else descriptor(words), x, sz, ws, y, cnt, ep,
         m, n, gk, per, x.stride(0), y.stride(0),
         NB=nb, W=w, STAGES=stages, SPLIT_K=split > 1, ACT=code, ASM=asm, CONS=cons, FP8=fp8, FOLD=float(fold),
-        NSPLIT=split, TAG_MB=tag_mb, HALVES=halves,
+        NSPLIT=split, TAG_MB=tag_mb,
         num_warps=w, **TF.pdl_launch(use_pdl), **regs,
     )
     return y

@@ -7,6 +7,9 @@ from __future__ import annotations
 import torch
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+# Buffers replaced by larger ones stay allocated: a CUDA graph captured before the replacement still reads and
+# writes them on replay, so their memory must not return to the allocator.
+_RETIRED: list[torch.Tensor] = []
 
 
 def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -17,6 +20,8 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     """
     c = _COUNTERS.get(device)
     if c is None or c.numel() < n:
+        if c is not None:
+            _RETIRED.append(c)
         c = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
         _COUNTERS[device] = c
     return c
@@ -32,11 +37,14 @@ def tagged_buffers(device: torch.device, blocks: int, split: int, rows: int) -> 
     One pair per (device, split, rows): every launch that reads a slot rewrites it first with its own epoch, so a
     stale slot holds an older epoch. A block's epoch only grows (the launch's last program publishes it), and
     launches on one stream are ordered, so they may share the pair. Allocate before CUDA-graph capture (the
-    first decode call does) so the graph does not own it; a larger ``blocks`` starts a new, zeroed pair.
+    first decode call does) so the graph does not own it; a larger ``blocks`` starts a new, zeroed pair (the old one
+    stays allocated for graphs captured with it).
     """
     key = (device, split, rows)
     buf = _TAGGED.get(key)
     if buf is None or buf[0].numel() < blocks:
+        if buf is not None:
+            _RETIRED.extend(buf)
         cap = max(blocks, 512)
         buf = (torch.zeros(cap, dtype=torch.int32, device=device),
                torch.zeros(cap * split * rows * 64, dtype=torch.int64, device=device))

@@ -15,9 +15,9 @@ no counter, each partial carries the launch's epoch and the last split's program
 
 The INT4 scale / zero-point words and the activations' B fragments are loaded into registers one group
 ahead (1/16 of the bytes, mostly L2 hits). Measured on the H200 (docs/quantization.md): INT4 with one warp
-per program beats MODE 6 on 14336x4096 and the merged gate_up at M <= 4, and MODE 5 on 14336x4096 at M 9-16
-(``triton_wo.MODE7_TUNED``; 11.05 us at M=1 with the tagged finish); it loses on smaller shapes; FP8 loses to
-MODEs 4 / 5 everywhere (config-only).
+per program beats MODE 6 on 14336x4096 and the merged gate_up at M <= 4, MODEs 4 / 5 on 14336x4096 at M 5-16,
+on down at M 1-16 and on qkv at M 1-8 when each program has 4 groups or fewer (``triton_wo.MODE7_TUNED``; 11.05 us
+at M=1 with the tagged finish); it loses on o_proj at M=1; FP8 loses to MODEs 4 / 5 everywhere (config-only).
 GPU-only (sm90+: TMA, mbarriers, Gluon).
 """
 

@@ -15,7 +15,7 @@ import datetime
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -73,6 +73,18 @@ def alternating_rounds(timed: dict[str, tuple[Callable[[int], Any], int]], round
     for lab, us in sorted(med.items(), key=lambda kv: kv[1]):
         rows.append({"case": case_name, "config": lab, "us": us, "rounds_us": times[lab]})
     return med
+
+
+def within_budget(items: Iterable[Any], budget_s: float, start: float) -> Iterator[Any]:
+    """``items`` one by one until ``budget_s`` seconds have passed since ``start`` (a ``time.perf_counter()``
+    reading); then prints "budget reached" and stops, so a device call ends with what it measured."""
+    import time
+
+    for item in items:
+        if time.perf_counter() - start > budget_s:
+            print("budget reached", flush=True)
+            return
+        yield item
 
 
 def eager_us(call: Callable[[], Any], n: int = 300, warmup: int = 20) -> float:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import alternating_rounds, rel_err, write_results  # noqa: E402
+from _common import alternating_rounds, rel_err, within_budget, write_results  # noqa: E402
 from sweep_quant_wo import bf16_copies, quant_copies  # noqa: E402
 
 from infercore.quant import gluon_frag as GF  # noqa: E402
@@ -59,10 +59,7 @@ def main() -> None:  # noqa: C901 (one linear script)
     t0 = time.perf_counter()
     torch.manual_seed(0)
     cases, rows = [], []
-    for spec in args.cases.split(","):
-        if time.perf_counter() - t0 > args.budget_s:
-            print("budget reached", flush=True)
-            break
+    for spec in within_budget(args.cases.split(","), args.budget_s, t0):
         kind = "int4"
         if spec.startswith("fp8:"):
             kind, spec_ = "fp8", spec[4:]

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import case, rel_err, time_graph, write_results  # noqa: E402
+from _common import case, rel_err, time_graph, within_budget, write_results  # noqa: E402
 from sweep_quant_wo import SHAPES, WORKING_SET, copy_bandwidth, make_weights, tinygemm_calls  # noqa: E402
 
 from infercore.quant import triton_frag as TF  # noqa: E402
@@ -75,10 +75,7 @@ def main() -> None:  # noqa: C901 (one linear script)
             copies = max(1, math.ceil(WORKING_SET / wb))
             q, qs, fn, qbytes = make_weights(kind, w, copies)
             wref = q.dequantize(torch.float32)
-            for m in MS:
-                if time.perf_counter() - t0 > args.budget_s:
-                    print("budget reached", flush=True)
-                    break
+            for m in within_budget(MS, args.budget_s, t0):
                 x = torch.randn(m, k, device=dev).to(torch.bfloat16)
                 ref = x.float() @ wref.T
                 n_calls = math.ceil(max(copies, 24) / copies) * copies

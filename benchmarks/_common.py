@@ -178,8 +178,10 @@ def env_info() -> dict[str, str]:
     return {"torch": torch.__version__, "triton": triton_version, "gpu": gpu, **switches}
 
 
-def write_results(path: str, name: str, device: str, cases: list[dict[str, Any]]) -> dict[str, Any]:
-    """Write the results JSON to ``path`` (directories created) and return it."""
+def write_results(path: str, name: str, device: str, cases: list[dict[str, Any]],
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write the results JSON to ``path`` (directories created) and return it; ``extra``: further top-level keys
+    (a script's raw rows, best configs, measured ceilings)."""
     doc = {
         "name": name,
         "device": device,
@@ -187,6 +189,7 @@ def write_results(path: str, name: str, device: str, cases: list[dict[str, Any]]
         "command": "python " + " ".join(sys.argv),
         "env": env_info(),
         "cases": cases,
+        **(extra or {}),
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

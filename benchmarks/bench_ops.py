@@ -369,14 +369,9 @@ def main() -> None:
     device = "h200" if "H200" in torch.cuda.get_device_name() else torch.cuda.get_device_name().replace(" ", "_")
 
     def flush():
-        doc = write_results(args.out, "ops", device, cases)
-        doc["ceilings"] = {"copy_TBps": bw / 1e12, "bf16_matmul_TFLOPs": peak / 1e12}
-        if log:
-            doc["sweep"] = log
-        import json
-
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_results(args.out, "ops", device, cases,
+                      {"ceilings": {"copy_TBps": bw / 1e12, "bf16_matmul_TFLOPs": peak / 1e12},
+                       **({"sweep": log} if log else {})})
 
     for name, run in [
         ("decode", lambda: [bench_decode(bw, "decode" in args.sweep, log)]),

@@ -77,12 +77,7 @@ def main() -> None:
         print(f"{kind:4s} {sname:24s} M={m:2d} {us:7.2f} us | bf16 {peers['bf16 F.linear']:7.2f}"
               f" tinygemm {peers.get('tinygemm int4', float('nan')):7.2f} floor {floor_us:6.2f}"
               f" | x bf16 {peers['bf16 F.linear'] / us:5.2f} | eager {eager:6.1f} | {kernel}", flush=True)
-    doc = write_results(args.out, "quant_wo_dispatch", torch.cuda.get_device_name(), cases)
-    doc["copy_bw_TBps"] = bw / 1e12
-    import json
-
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_results(args.out, "quant_wo_dispatch", torch.cuda.get_device_name(), cases, {"copy_bw_TBps": bw / 1e12})
 
 
 if __name__ == "__main__":

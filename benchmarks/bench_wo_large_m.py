@@ -15,7 +15,6 @@ larger than the L2 (``sweep_quant_wo.py``'s timing). Each path is first checked 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -72,10 +71,7 @@ def main() -> None:
     crossover = {kind: next((m for m in MS if all(all(wins[(kind, mm)]) for mm in MS if mm >= m)), None)
                  for kind in ("int4", "fp8")}
     print("crossover (decode path wins from here on every shape):", crossover, flush=True)
-    doc = write_results(args.out, "quant_wo_large_m", torch.cuda.get_device_name(), cases)
-    doc["crossover"] = crossover
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_results(args.out, "quant_wo_large_m", torch.cuda.get_device_name(), cases, {"crossover": crossover})
 
 
 if __name__ == "__main__":

@@ -125,10 +125,8 @@ def main() -> None:  # noqa: C901 (one linear script)
         cases.append(summary)
         print(f"{spec}: dispatcher {med['dispatcher']:.2f} bf16 {med['bf16 F.linear']:.2f} | best D2 {best2[1]:.2f} "
               f"{best2[0]} | best D3 {best3[1]:.2f} {best3[0]}", flush=True)
-        doc = write_results(args.out, "probe_frag_depth", torch.cuda.get_device_name(), [])
-        doc.update({"summary": cases, "rows": rows, "wall_s": time.perf_counter() - t0})
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_results(args.out, "probe_frag_depth", torch.cuda.get_device_name(), [],
+                      {"summary": cases, "rows": rows, "wall_s": time.perf_counter() - t0})
 
 
 if __name__ == "__main__":

@@ -78,13 +78,8 @@ def main() -> None:
         per_backend[backend] = step_us
         print(f"{backend}: linears per step ({args.layers} layers + lm_head) {step_us / 1e3:.3f} ms", flush=True)
     torch.backends.cuda.preferred_blas_library("cublas")
-    doc = write_results(args.out, "probe_gemm_batch", torch.cuda.get_device_name(), cases)
-    doc["step_linears_ms"] = {b: v / 1e3 for b, v in per_backend.items()}
-    doc["copy_bw_TBps"] = bw / 1e12
-    import json
-
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_results(args.out, "probe_gemm_batch", torch.cuda.get_device_name(), cases,
+                  {"step_linears_ms": {b: v / 1e3 for b, v in per_backend.items()}, "copy_bw_TBps": bw / 1e12})
 
 
 if __name__ == "__main__":

@@ -120,10 +120,8 @@ def main() -> None:  # noqa: C901 (one linear script)
               f"{best[1]:.2f} {best[0]}", flush=True)
         for lab, us in sorted(mode7.items(), key=lambda kv: kv[1])[:8]:
             print(f"    {us:7.2f} {lab}", flush=True)
-        doc = write_results(args.out, "probe_tma_frag", torch.cuda.get_device_name(), [])
-        doc.update({"summary": cases, "rows": rows, "wall_s": time.perf_counter() - t0})
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_results(args.out, "probe_tma_frag", torch.cuda.get_device_name(), [],
+                      {"summary": cases, "rows": rows, "wall_s": time.perf_counter() - t0})
 
 
 if __name__ == "__main__":

@@ -163,14 +163,12 @@ def main() -> None:  # noqa: C901 (one linear script)
                               "rel_err": rel_err(y, ref)}
             fused[f"{kind},{n},{k},{m}"] = out
             print(f"fused silu {kind} M={m}: {out}", flush=True)
-    doc = write_results(args.out, "sweep_frag", torch.cuda.get_device_name(), cases)
     table = [f'    ("{kk.split(",")[0]}", {kk.split(",")[1]}, {kk.split(",")[2]}, {kk.split(",")[3]}): '
              f'{ {c: v for c, v in b["config"].items() if c in ("WARPS", "REPS", "SPLIT", "DEPTH", "WN")} },'
              for kk, b in best.items()]
-    doc.update({"rows": rows, "best": best, "fused_act": fused, "table": table, "copy_bw_TBps": bw / 1e12,
-                "wall_s": time.perf_counter() - t0})
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_results(args.out, "sweep_frag", torch.cuda.get_device_name(), cases,
+                  {"rows": rows, "best": best, "fused_act": fused, "table": table, "copy_bw_TBps": bw / 1e12,
+                   "wall_s": time.perf_counter() - t0})
     print("\n".join(table))
     print(f"wall {time.perf_counter() - t0:.0f} s")
 

@@ -224,13 +224,9 @@ def main() -> None:
         cases.append(case("decode-step linears 8B M=1", metric="bandwidth", unit="TB/s",
                           ours=step["mixed"]["GBps"] / 1e3, peers={"cublas": step["cublas"]["GBps"] / 1e3},
                           floor=bw / 1e12))  # fmt: skip
-    doc = write_results(args.out, "sweep_gemv", "h200" if not args.dry_run else "cpu-dry-run", cases)
-    doc.update({"copy_bandwidth": bw, "rows": rows, "best": best_json, "decode_step": step,
-                "seconds": time.time() - t0})  # fmt: skip
-    import json
-
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_results(args.out, "sweep_gemv", "h200" if not args.dry_run else "cpu-dry-run", cases,
+                  {"copy_bandwidth": bw, "rows": rows, "best": best_json, "decode_step": step,
+                   "seconds": time.time() - t0})  # fmt: skip
     print(f"\ntotal {time.time() - t0:.1f} s -> {args.out}")
 
 

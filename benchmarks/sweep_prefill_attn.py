@@ -26,7 +26,6 @@ for each path: ``best_new_kv`` -> ``triton_prefill.TUNING_NEW_KV[128]``, ``best_
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -289,11 +288,9 @@ def main() -> None:
             peers={"torch_sdpa_contiguous": h2h["sdpa_tflops"]}, floor=None, config=h2h["config"],
             rounds=args.rounds, ours_ms=h2h["ours_ms"], sdpa_ms=h2h["sdpa_ms"], new_kv_contiguous=True,
         ))  # fmt: skip
-    doc = write_results(args.out, "sweep_prefill_attn", device, out_cases)
-    doc.update(checks=log, rows=rows, best=best_new_kv, best_new_kv=best_new_kv, best_paged=best_paged,
-               wall_s=round(time.time() - t_start, 1))  # fmt: skip
-    with open(args.out, "w") as fh:
-        json.dump(doc, fh, indent=1)
+    write_results(args.out, "sweep_prefill_attn", device, out_cases,
+                  dict(checks=log, rows=rows, best=best_new_kv, best_new_kv=best_new_kv, best_paged=best_paged,
+                       wall_s=round(time.time() - t_start, 1)))  # fmt: skip
     print(f"wrote {args.out} in {time.time() - t_start:.0f} s")
 
 

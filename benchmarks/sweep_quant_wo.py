@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -321,16 +320,14 @@ def main() -> None:  # noqa: C901 (one linear script)
                       f" | x bf16 {(bf or float('nan')) / us:5.2f} | {cfg}", flush=True)
                 write_results(args.out, "sweep_quant_wo", "cpu" if smoke else torch.cuda.get_device_name(),
                               cases)
-    doc = write_results(args.out, "sweep_quant_wo", "cpu" if smoke else torch.cuda.get_device_name(), cases)
     table = []
     for key, b in best.items():
         kind, n, k, m = key.split(",")
         c = {kk: v for kk, v in b["config"].items() if kk != "BLOCK_M"}
         table.append(f'    ("{kind}", {n}, {k}, {m}): {c},')
-    doc.update({"rows": rows, "best": best, "table": table, "copy_bw_TBps": bw / 1e12,
-                "wall_s": time.perf_counter() - t_start})
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_results(args.out, "sweep_quant_wo", "cpu" if smoke else torch.cuda.get_device_name(), cases,
+                  {"rows": rows, "best": best, "table": table, "copy_bw_TBps": bw / 1e12,
+                   "wall_s": time.perf_counter() - t_start})
     if not table:
         print("\nno config passed: SMALL_M_TUNED left as it is (see the FAILED lines)")
     else:

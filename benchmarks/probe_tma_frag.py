@@ -52,8 +52,7 @@ def main() -> None:  # noqa: C901 (one linear script)
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", default="gate_up/2:1,gate_up/2:4,gate_up/2:16,gate_up:1,down:1,qkv:1")
-    ap.add_argument("--grid", default="", help="W:STAGES:SPLIT[:MAXNREG[:TAGGED]],... (default GRID); W written "
-                    "xW (e.g. x4:3:8): the shared-activation variant (XS) with W blocks per program")
+    ap.add_argument("--grid", default="", help="W:STAGES:SPLIT[:MAXNREG[:TAGGED]],... (default GRID)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=400.0)
     args = ap.parse_args()
@@ -90,14 +89,11 @@ def main() -> None:  # noqa: C901 (one linear script)
         extra = {"kind": kind, "fold": 2.0**120} if kind == "fp8" else {}
         descs = [GF.descriptor(p[0]) for p in packs]
         gk = k // 128
-        grid = [tuple(int(v.lstrip("x")) if i else v for i, v in enumerate(e.split(":")))
-                for e in args.grid.split(",")] if args.grid else [(str(e[0]), *e[1:]) for e in GRID]
+        grid = [tuple(int(v) for v in e.split(":")) for e in args.grid.split(",")] if args.grid else GRID
         for wq, stages, split, *opt in grid:
             if split > gk:
                 continue
-            cfg = {"W": int(wq.lstrip("x")), "STAGES": stages, "SPLIT": split,
-                   **({"XS": True} if wq.startswith("x") else {}),
-                   **({"MAXNREG": opt[0]} if opt and opt[0] else {}),
+            cfg = {"W": wq, "STAGES": stages, "SPLIT": split, **({"MAXNREG": opt[0]} if opt and opt[0] else {}),
                    **({"TAGGED": bool(opt[1])} if len(opt) > 1 else {})}
             label = json.dumps(cfg, sort_keys=True)
             try:

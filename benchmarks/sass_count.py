@@ -85,32 +85,28 @@ def compile_frag(kind: str, warps: int, reps: int, depth: int, wn: bool = False,
     return _compile(TF._frag_kernel, ptr, sizes, ce, warps, 1, maxnreg)
 
 
-def compile_tma(kind: str, warps: int, stages: int, nb: int = 1, maxnreg: int = 0, xs: bool = False):
+def compile_tma(kind: str, warps: int, stages: int, nb: int = 1, maxnreg: int = 0):
     """MODE 7 (``gluon_frag._tma_frag_kernel``, Gluon) for bf16 activations, ``nb`` B fragments, split-K on,
-    PDL on (its prewait TMA copies); ``xs``: the shared-activation variant (``_tma_frag_xs_kernel``, 8 groups per
-    split)."""
+    PDL on (its prewait TMA copies)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from infercore.quant import gluon_frag as GF
 
-    fn = GF._tma_frag_xs_kernel if xs else GF._tma_frag_kernel
+    fn = GF._tma_frag_kernel
     lay = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    asm, cons = TF._asm("fp8", nb, False, False) if kind == "fp8" else TF._asm(
-        "int4", nb, False, False, 8 // warps if warps > 1 and not xs else 4)
+    asm, cons = TF._asm("fp8", nb, False, False) if kind == "fp8" else TF._asm("int4", nb, False, False,
+                                                                                 8 // warps if warps > 1 else 4)
     ptr = {"x_ptr": "*bf16", "s_ptr": "*fp32" if kind == "fp8" else "*i64", "ws_ptr": "*fp32", "y_ptr": "*bf16",
            "cnt_ptr": "*i32", "ep_ptr": "*i32"}
     sizes = ("M", "N", "G", "groups_per_split", "stride_xm", "stride_ym")
     ce = dict(NB=nb, W=warps, STAGES=stages, SPLIT_K=True, ACT=0, ASM=asm, CONS=cons, FP8=kind == "fp8",
               FOLD=2.0**120 if kind == "fp8" else 1.0, USE_PDL=True, NSPLIT=8,
               TAG_MB=1 if nb == 1 and kind == "int4" else 0)  # the tagged finish where M = 1 runs it
-    if xs:
-        ce = {k: v for k, v in ce.items() if k not in ("ACT", "TAG_MB")}
-        ce.update(GPS=8, NSPLIT=4)
     types = {"w_desc": f"tensordesc<i32[8, 128],{lay!r}>", **ptr, **{n: "i32" for n in sizes}}
     sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
     names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*ptr, *sizes) if n != "M" and n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*ptr, *sizes) if n != "M"}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})})
@@ -144,7 +140,6 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=1, help="MODE 6: DEPTH (1, 2; 3 = 2 without register rotation)")
     ap.add_argument("--maxnreg", type=int, default=0, help="MODE 6: ptxas register cap (MAXNREG; 0 = none)")
     ap.add_argument("--wn", action="store_true", help="MODE 6: the warps split N")
-    ap.add_argument("--xs", action="store_true", help="MODE 7: the shared-activation variant (XS)")
     ap.add_argument("--nb", type=int, choices=[1, 2], default=1, help="MODE 6: B fragments (2: M 9-16)")
     ap.add_argument("--packed", action="store_true", help="MODE 4: the packed fp16 dot")
     ap.add_argument("--m", type=int, choices=[1, 2, 4], default=1, help="MODE 4: rows (BLOCK_M)")
@@ -155,10 +150,9 @@ def main() -> None:
     for kind in [args.kind] if args.kind else ["int4", "fp8"]:
         cpw = 8 if kind == "int4" else 4
         if args.mode == 7:
-            c = compile_tma(kind, args.warps, args.stages or 2, args.nb, args.maxnreg, args.xs)
-            # per thread and iteration (one group): 8 / W 16-byte chunks (XS: 8), 32 INT4 or 16 FP8 codes each
-            block_n = args.warps * 32
-            block_k, stages = (8 if args.xs else 8 // args.warps) * (32 if kind == "int4" else 16), 1
+            c = compile_tma(kind, args.warps, args.stages or 2, args.nb, args.maxnreg)
+            # per thread and iteration (one group): 8 / W 16-byte chunks, 32 INT4 or 16 FP8 codes each
+            block_n, block_k, stages = args.warps * 32, 8 // args.warps * (32 if kind == "int4" else 16), 1
         elif args.mode == 6:
             c = compile_frag(kind, args.warps, args.reps, args.depth, args.wn, args.nb, args.maxnreg)
             # per thread and iteration: REPS 16-byte loads, 32 INT4 or 16 FP8 codes each
@@ -181,7 +175,7 @@ def main() -> None:
         unroll = 3 if args.mode == 6 and args.depth == 3 else 1  # DEPTH 3's loop body holds three iterations
         n = sum(ops.values()) / unroll
         regs = re.search(r"REG:(\d+)", usage)
-        label = (f"stages={args.stages or 2} nb={args.nb} xs={int(args.xs)}" if args.mode == 7
+        label = (f"stages={args.stages or 2} nb={args.nb}" if args.mode == 7
                  else f"reps={args.reps} depth={args.depth} wn={int(args.wn)} nb={args.nb} maxnreg={args.maxnreg}"
                  if args.mode == 6
                  else f"BLOCK_N={block_n} BLOCK_K={block_k} stages={stages} M={args.m} packed={int(args.packed)}")

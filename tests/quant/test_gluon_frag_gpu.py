@@ -135,57 +135,6 @@ def test_mode7_tagged_finish(act):
         TW.wq_matmul_triton(x, ws[0], config={**cfg, "TAGGED": 1})
 
 
-@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16])
-@pytest.mark.parametrize("kind", ["int4", "int4-zp", "fp8"])
-@pytest.mark.parametrize("tile", [(2, 2, 1), (4, 4, 2), (4, 1, 3), (8, 3, 8), (1, 2, 5)])
-def test_mode7_xs(m, kind, tile):
-    """MODE 7 with the activations shared (XS): W channel blocks per program, even and uneven splits (K = 1280:
-    10 groups), a split larger than the groups, one- and two-fragment row counts, bf16 / fp16."""
-    _need_sm90()
-    w_, stages, split = tile
-    torch.manual_seed(m * 7 + split)
-    n, k = (32 * 8 if kind == "fp8" else 64 * 8), 1280
-    wt = torch.randn(n, k, device=dev) * 0.05
-    if kind == "fp8":
-        w = FP8Weight.quantize(wt)
-        fn = TW.fp8_wo_matmul_triton
-    else:
-        w = IntWeight.quantize(wt, bits=4, group_size=128, symmetric=kind == "int4")
-        fn = TW.wq_matmul_triton
-    dtype = torch.float16 if m == 9 else torch.bfloat16
-    x = torch.randn(m, k, device=dev, dtype=dtype)
-    cfg = {"MODE": 7, "XS": True, "W": w_, "STAGES": stages, "SPLIT": split}
-    ref = x.float() @ w.dequantize(torch.float32).T
-    for _ in range(2):  # the second call finds the split-K counters reset
-        y = fn(x, w, config=cfg)
-        assert y.dtype == dtype and y.shape == (m, n)
-        assert _rel(y, ref) < 8e-3
-
-
-def test_mode7_xs_graph_and_bad_configs(graph_matches_eager):
-    _need_sm90()
-    torch.manual_seed(3)
-    n, k = 768, 4096
-    w = IntWeight.quantize(torch.randn(n, k, device=dev) * 0.05, bits=4, group_size=128)
-    x = torch.randn(16, k, device=dev, dtype=torch.bfloat16)
-    cfg = {"MODE": 7, "XS": True, "W": 4, "STAGES": 3, "SPLIT": 4}
-    TW.wq_matmul_triton(x, w, config=cfg)
-
-    def close(y):
-        assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
-
-    graph_matches_eager(lambda: TW.wq_matmul_triton(x, w, config=cfg), x, rounds=3, each=close)
-    with pytest.raises(ValueError, match="XS"):
-        TW.wq_matmul_triton(x, w, config={**cfg, "XS": 1})
-    with pytest.raises(ValueError, match="divide"):  # 12 channel blocks, 8 per program
-        TW.wq_matmul_triton(x, w, config={**cfg, "W": 8})
-    with pytest.raises(ValueError, match="shared memory"):  # 32 groups of two fragments in one program
-        TW.wq_matmul_triton(x, w, config={**cfg, "W": 4, "STAGES": 8, "SPLIT": 1})
-    wg = IntWeight.quantize(torch.randn(2 * n, k, device=dev) * 0.05, bits=4, group_size=128)
-    with pytest.raises(ValueError, match="act"):
-        TW.wq_matmul_triton(x, wg, config=cfg, act="silu")
-
-
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tile", [(1, 2, 1), (1, 2, 3), (2, 3, 2), (4, 1, 4), (8, 2, 1)])

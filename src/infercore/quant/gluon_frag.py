@@ -416,157 +416,6 @@ def _tma_frag_kernel(
                     gl.atomic_xchg(cnt_ptr + pb, 0, sem="relaxed", scope="gpu")
 
 
-@gluon.jit
-def _xs_chunk(xs, i, nb: gl.constexpr, r: gl.constexpr, NB: gl.constexpr, LX: gl.constexpr):
-    """B fragments ``[1, 32, 1]`` (one int64 per lane, the same for every warp) of chunk ``r`` of the program's
-    ``i``-th group, B block ``nb``, from the shared activation tile."""
-    v = xs.index((i * NB + nb) * 8 + r).load(LX)
-    return gl.expand_dims(gl.expand_dims(v, 0), 2)
-
-
-@gluon.jit
-def _xs_words(v, r: gl.constexpr, W: gl.constexpr, CT: gl.constexpr, L3: gl.constexpr, L4: gl.constexpr):
-    """Chunk ``r`` of every warp's block ``[W, 32, CT]`` from one stage ``v [W, 8, 32, CT]`` of the weight ring."""
-    return gl.convert_layout(gl.reshape(v.slice(r, 1, dim=1).load(L4), [W, 32, CT]), L3)
-
-
-@gluon.jit
-def _xs_group(xs, i, nb: gl.constexpr, NB: gl.constexpr, LX: gl.constexpr):
-    return (_xs_chunk(xs, i, nb, 0, NB, LX), _xs_chunk(xs, i, nb, 1, NB, LX), _xs_chunk(xs, i, nb, 2, NB, LX),
-            _xs_chunk(xs, i, nb, 3, NB, LX), _xs_chunk(xs, i, nb, 4, NB, LX), _xs_chunk(xs, i, nb, 5, NB, LX),
-            _xs_chunk(xs, i, nb, 6, NB, LX), _xs_chunk(xs, i, nb, 7, NB, LX))
-
-
-@gluon.jit
-def _tma_frag_xs_kernel(
-    w_desc, x_ptr, s_ptr, ws_ptr, y_ptr, cnt_ptr,
-    M, N, G, groups_per_split, stride_xm, stride_ym,
-    NB: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr, GPS: gl.constexpr, SPLIT_K: gl.constexpr,
-    ASM: gl.constexpr, CONS: gl.constexpr, FP8: gl.constexpr = False, FOLD: gl.constexpr = 1.0,
-    USE_PDL: gl.constexpr = False, NSPLIT: gl.constexpr = 1,
-):
-    """MODE 7 with the activations shared (config ``XS``): grid ``(N / 64 / W, split)``, ``W`` warps per program,
-    warp ``w`` owning channel block ``W pid + w`` over the program's K range of ``<= GPS`` groups. The program
-    first stages that range's B fragments, in fragment order (one int64 per lane per chunk, ``NB`` blocks of 8
-    rows), in shared memory: one global read of the activations per program instead of one per warp, and no
-    activation registers held a group ahead. Each group's ``W`` weight copies (4 KB each) land on one barrier of
-    the ``STAGES``-deep ring, refilled after a program-wide barrier (every warp has read the stage). Split-K
-    partials are summed by the last program of the ``W`` blocks to arrive at ``cnt``. Other arguments as
-    :func:`_tma_frag_kernel` (no gated activation, no tagged finish)."""
-    CT: gl.constexpr = 2 if FP8 else 4
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, CT], [1, 32, 1], [W, 1, 1], [2, 1, 0])  # [warp, lane, tile]
-    LWL: gl.constexpr = gl.SliceLayout(2, L3)
-    LX: gl.constexpr = gl.SliceLayout(0, LWL)  # [lane], replicated over the warps
-    FLAT2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    FLAT4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-    L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, CT], [1, 1, 32, 1], [W, 1, 1, 1], [3, 2, 1, 0])
-    XR: gl.constexpr = GPS * NB * 8  # rows of the staged tile: (group, B block, chunk)
-    pdl_release(USE_PDL)
-    cb = gl.program_id(0)
-    sp = gl.program_id(1)
-    g0 = sp * groups_per_split
-    n_grp = gl.minimum(groups_per_split, G - g0)
-
-    wbuf = gl.allocate_shared_memory(gl.int32, [STAGES * W, 8, 128], w_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
-    for s in gl.static_range(STAGES):  # the weights of the first STAGES groups, before the PDL wait
-        mbarrier.expect(bars.index(s), W * GROUP_BYTES, pred=s < n_grp)
-        for w in gl.static_range(W):
-            tma.async_copy_global_to_shared(w_desc, [((cb * W + w) * G + g0 + s) * 8, 0], bars.index(s),
-                                            wbuf.index(s * W + w), pred=s < n_grp)
-    # [stage, warp, chunk, lane, tile]: chunk r of every warp's block is one [W, 1, 32, CT] load of a subslice
-    view = wbuf._reinterpret(gl.int64 if FP8 else gl.int32, [STAGES, W, 8, 32, CT], FLAT4)
-
-    lane = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, LWL)), 0), 2)
-    wq = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, LWL)), 1), 2)
-    c3 = gl.expand_dims(gl.expand_dims(gl.arange(0, CT, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3))), 0), 0)
-    g = lane // 4
-    t = lane % 4
-    pbw = cb * W + wq  # [W, 1, 1]: each warp's channel block
-    if FP8:
-        szp = gl.zeros([W, 32, CT], gl.int64, L3)
-    else:
-        szp = s_ptr.to(gl.pointer_type(gl.int64)) + (pbw * G * 32 + g * 4 + c3)
-    zero = gl.zeros([W, 32, CT], gl.float32, L3)
-    acc = (zero, zero, zero, zero, zero, zero, zero, zero)
-
-    # the program's activations in fragment order: row (i NB + nb) 8 + q holds lane (g, t)'s int64 of chunk q
-    LS: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [W, 1], [1, 0])
-    xr = gl.expand_dims(gl.arange(0, XR, layout=gl.SliceLayout(1, LS)), 1)
-    xl = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, LS)), 0)
-    xi = xr // (NB * 8)
-    xrow = xl // 4 + 8 * ((xr // 8) % NB)
-    x8 = x_ptr.to(gl.pointer_type(gl.int64))
-    xs = gl.allocate_shared_memory(gl.int64, [XR, 32], FLAT2)
-    pdl_wait(USE_PDL)
-    xs.store(gl.load(x8 + (xrow * (stride_xm // 4) + (g0 + xi) * 32 + xr % 8 + 8 * (xl % 4)),
-                     mask=(xrow < M) & (xi < n_grp), other=0))
-    gl.thread_barrier()
-    xs = xs._reinterpret(gl.int64, [XR, 32], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # rows indexed below
-
-    if FP8:
-        nsz = szp
-    else:
-        nsz = gl.load(szp + g0 * 32)
-    for i in range(n_grp):
-        sz = nsz
-        if not FP8:
-            nsz = gl.load(szp + (g0 + gl.minimum(i + 1, n_grp - 1)) * 32)
-        st = i % STAGES
-        mbarrier.wait(bars.index(st), (i // STAGES) & 1)
-        v = view.index(st)
-        w0 = _xs_words(v, 0, W, CT, L3, L4)
-        w1 = _xs_words(v, 1, W, CT, L3, L4)
-        w2 = _xs_words(v, 2, W, CT, L3, L4)
-        w3 = _xs_words(v, 3, W, CT, L3, L4)
-        w4 = _xs_words(v, 4, W, CT, L3, L4)
-        w5 = _xs_words(v, 5, W, CT, L3, L4)
-        w6 = _xs_words(v, 6, W, CT, L3, L4)
-        w7 = _xs_words(v, 7, W, CT, L3, L4)
-        xa = _xs_group(xs, i, 0, NB, LX)
-        if NB == 2:
-            xb = _xs_group(xs, i, 1, NB, LX)
-        else:
-            xb = xa
-        gl.thread_barrier()  # every warp has read stage st
-        fence_async_shared()  # (generic-proxy reads before the TMA below rewrites the buffers)
-        refill = i + STAGES < n_grp
-        mbarrier.expect(bars.index(st), W * GROUP_BYTES, pred=refill)
-        for w in gl.static_range(W):
-            tma.async_copy_global_to_shared(w_desc, [((cb * W + w) * G + g0 + i + STAGES) * 8, 0], bars.index(st),
-                                            wbuf.index(st * W + w), pred=refill)
-        if FP8:
-            acc = _fp8_group(w0, w1, w2, w3, w4, w5, w6, w7, xa, xb, acc, zero, NB, 8, ASM, CONS)
-        else:
-            acc = _chain(w0, w1, w2, w3, sz, xa[0], xa[1], xa[2], xa[3], xb[0], xb[1], xb[2], xb[3], acc, zero, NB,
-                         4, ASM, CONS)
-            acc = _chain(w4, w5, w6, w7, sz, xa[4], xa[5], xa[6], xa[7], xb[4], xb[5], xb[6], xb[7], acc, zero, NB,
-                         4, ASM, CONS)
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(s))
-
-    a0, a1, a2, a3, a4, a5, a6, a7 = acc
-    _store_part(ws_ptr, y_ptr, a0, 0, pbw, sp, M, N, stride_ym, g, t, c3, SPLIT_K, s_ptr, CT, FP8, FOLD)
-    _store_part(ws_ptr, y_ptr, a1, 1, pbw, sp, M, N, stride_ym, g, t, c3, SPLIT_K, s_ptr, CT, FP8, FOLD)
-    _store_part(ws_ptr, y_ptr, a2, 2, pbw, sp, M, N, stride_ym, g, t, c3, SPLIT_K, s_ptr, CT, FP8, FOLD)
-    _store_part(ws_ptr, y_ptr, a3, 3, pbw, sp, M, N, stride_ym, g, t, c3, SPLIT_K, s_ptr, CT, FP8, FOLD)
-    if NB == 2:
-        _store_part(ws_ptr, y_ptr, a4, 4, pbw, sp, M, N, stride_ym, g, t, c3, SPLIT_K, s_ptr, CT, FP8, FOLD)
-        _store_part(ws_ptr, y_ptr, a5, 5, pbw, sp, M, N, stride_ym, g, t, c3, SPLIT_K, s_ptr, CT, FP8, FOLD)
-        _store_part(ws_ptr, y_ptr, a6, 6, pbw, sp, M, N, stride_ym, g, t, c3, SPLIT_K, s_ptr, CT, FP8, FOLD)
-        _store_part(ws_ptr, y_ptr, a7, 7, pbw, sp, M, N, stride_ym, g, t, c3, SPLIT_K, s_ptr, CT, FP8, FOLD)
-    if SPLIT_K:
-        gl.thread_barrier()  # every thread's partial is written before the release below
-        done = gl.atomic_add(cnt_ptr + cb, 1, sem="acq_rel", scope="gpu")
-        if done == NSPLIT - 1:
-            _sum_four(ws_ptr, y_ptr, 0, pbw, NSPLIT, M, N, stride_ym, g, t, c3, zero, 0, s_ptr, CT, FP8, FOLD)
-            if NB == 2:
-                _sum_four(ws_ptr, y_ptr, 4, pbw, NSPLIT, M, N, stride_ym, g, t, c3, zero, 0, s_ptr, CT, FP8, FOLD)
-            gl.atomic_xchg(cnt_ptr + cb, 0, sem="relaxed", scope="gpu")
-
-
 _LAYOUT = None
 
 
@@ -594,40 +443,7 @@ def check_config(cfg: dict) -> tuple[int, int, int]:
     if not isinstance(cfg.get("TAGGED", True), bool):
         raise ValueError(f"config: MODE 7's TAGGED (the tagged split-K finish at M <= 2) must be a bool, "
                          f"got {cfg['TAGGED']!r}")
-    if not isinstance(cfg.get("XS", False), bool):
-        raise ValueError(f"config: MODE 7's XS (activations shared by a program's W channel blocks) must be a bool, "
-                         f"got {cfg['XS']!r}")
     return w, stages, split
-
-
-XS_SMEM_MAX = 200 * 1024  # shared memory one XS program may take (the H100 / H200 allow 227 KB)
-
-
-def _launch_xs(x, words, sz, n, y, w, stages, split, per, desc, fp8, fold, regs):
-    """The ``XS`` variant of :func:`launch` (validated there)."""
-    blocks, gk = words.shape[0], words.shape[1]
-    m = x.shape[0]
-    nb = 1 if m <= 8 else 2
-    if rest := blocks % w:
-        raise ValueError(f"config: MODE 7 with XS needs W ({w}) to divide the weight's {blocks} channel blocks "
-                         f"({rest} left over)")
-    gps = triton.next_power_of_2(per)
-    smem = stages * w * 4096 + gps * nb * 2048
-    if smem > XS_SMEM_MAX:
-        raise ValueError(f"config: MODE 7 with XS at W={w}, STAGES={stages} and {per} groups per split needs {smem} "
-                         f"bytes of shared memory (> {XS_SMEM_MAX}); raise SPLIT or lower STAGES / W")
-    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    cnt = arrival_counters(x.device, blocks) if split > 1 else y
-    f16 = x.dtype == torch.float16
-    asm, cons = TF._asm("fp8", nb, f16, False) if fp8 else TF._asm("int4", nb, f16, False, 4)
-    use_pdl = TF.pdl_enabled(x)
-    _tma_frag_xs_kernel[(blocks // w, split)](
-        desc if desc is not None else descriptor(words), x, sz, ws, y, cnt,
-        m, n, gk, per, x.stride(0), y.stride(0),
-        NB=nb, W=w, STAGES=stages, GPS=gps, SPLIT_K=split > 1, ASM=asm, CONS=cons, FP8=fp8, FOLD=float(fold),
-        NSPLIT=split, num_warps=w, **TF.pdl_launch(use_pdl), **regs,
-    )
-    return y
 
 
 def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: dict, desc=None,
@@ -654,10 +470,6 @@ def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: 
     asm, cons = TF._asm("fp8", nb, f16, False) if fp8 else TF._asm("int4", nb, f16, False, 8 // w if w > 1 else 4)
     code = TF.ACTIVATIONS[act]
     y = torch.empty((m, n // 2 if code else n), dtype=x.dtype, device=x.device)
-    if cfg.get("XS", False):
-        if code:
-            raise ValueError(f"act: MODE 7 with XS has no gated-activation epilogue, got act={act!r}")
-        return _launch_xs(x, words, sz, n, y, w, stages, split, per, desc, fp8, fold, regs)
     tag_mb = 0
     if not fp8 and w == 1 and split > 1 and m <= 2 and cfg.get("TAGGED", True):  # the tagged finish
         tag_mb = m

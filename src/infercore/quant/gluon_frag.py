@@ -274,7 +274,7 @@ def _tma_frag_kernel(
     M, N, G, groups_per_split, stride_xm, stride_ym,
     NB: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr,
     ASM: gl.constexpr, CONS: gl.constexpr, FP8: gl.constexpr = False, FOLD: gl.constexpr = 1.0,
-    USE_PDL: gl.constexpr = False, NSPLIT: gl.constexpr = 1, TAG_MB: gl.constexpr = 0, FINISH: gl.constexpr = 1,
+    USE_PDL: gl.constexpr = False, NSPLIT: gl.constexpr = 1, TAG_MB: gl.constexpr = 0,
 ):
     """Grid ``(N / 64, split)``, ``W`` warps (1, 2, 4 or 8) per program: warp w takes chunks ``r W + w`` of
     each group, and their sums are added at the end. ``w_desc``: TMA descriptor of the fragment words
@@ -401,7 +401,7 @@ def _tma_frag_kernel(
             _store_part(ws_ptr, y_ptr, a5, 5, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
             _store_part(ws_ptr, y_ptr, a6, 6, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
             _store_part(ws_ptr, y_ptr, a7, 7, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
-        if VIA_WS and FINISH == 1:
+        if VIA_WS:
             gl.thread_barrier()  # every thread's partial is written before the release below
             if SPLIT_K:
                 done = gl.atomic_add(cnt_ptr + pb, 1, sem="acq_rel", scope="gpu")
@@ -484,7 +484,7 @@ def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: 
         desc if desc is not None else descriptor(words), x, sz, ws, y, cnt, ep,
         m, n, gk, per, x.stride(0), y.stride(0),
         NB=nb, W=w, STAGES=stages, SPLIT_K=split > 1, ACT=code, ASM=asm, CONS=cons, FP8=fp8, FOLD=float(fold),
-        NSPLIT=split, TAG_MB=tag_mb, FINISH=cfg.get("FINISH", 1),
+        NSPLIT=split, TAG_MB=tag_mb,
         num_warps=w, **TF.pdl_launch(use_pdl), **regs,
     )
     return y

@@ -161,7 +161,7 @@ def _wgmma_frag_kernel(
     w_desc, x_ptr, s_ptr, ws_ptr, y_ptr, cnt_ptr,
     M, N, G, groups_per_split, stride_xm, stride_ym,
     STAGES: gl.constexpr, GPS: gl.constexpr, SPLIT_K: gl.constexpr, NSPLIT: gl.constexpr, ASM: gl.constexpr,
-    BASE: gl.constexpr, DEPTH: gl.constexpr = 1, USE_PDL: gl.constexpr = False, FINISH: gl.constexpr = 1,
+    BASE: gl.constexpr, DEPTH: gl.constexpr = 1, USE_PDL: gl.constexpr = False,
 ):
     """Grid ``(N / 256, split)``, one warpgroup per program: channel blocks ``4 pid0 .. 4 pid0 + 3`` over the
     ``<= GPS`` groups of K split ``pid1``. ``w_desc``: :func:`gluon_frag.descriptor` of the words; ``s``: the
@@ -253,21 +253,11 @@ def _wgmma_frag_kernel(
         _store_tile(ws_ptr, a1, 1, cb, sp, M, N, 0, True)
         _store_tile(ws_ptr, a2, 2, cb, sp, M, N, 0, True)
         _store_tile(ws_ptr, a3, 3, cb, sp, M, N, 0, True)
-        if FINISH == 1:
-          gl.thread_barrier()  # every thread's partial is written before the release below
-          done = gl.atomic_add(cnt_ptr + cb, 1, sem="acq_rel", scope="gpu")
-          if done == NSPLIT - 1:
+        gl.thread_barrier()  # every thread's partial is written before the release below
+        done = gl.atomic_add(cnt_ptr + cb, 1, sem="acq_rel", scope="gpu")
+        if done == NSPLIT - 1:
             for c in range(4):  # (a loop at run time: one tile's partials in registers at a time)
                 _sum_tile(ws_ptr, y_ptr, c, cb, M, N, stride_ym, NSPLIT)
-            gl.atomic_xchg(cnt_ptr + cb, 0, sem="relaxed", scope="gpu")
-        if FINISH == 2:
-          gl.thread_barrier()
-          done = gl.atomic_add(cnt_ptr + cb, 1, sem="acq_rel", scope="gpu")
-          if done == NSPLIT - 1:
-            _sum_tile(ws_ptr, y_ptr, 0, cb, M, N, stride_ym, NSPLIT)
-            _sum_tile(ws_ptr, y_ptr, 1, cb, M, N, stride_ym, NSPLIT)
-            _sum_tile(ws_ptr, y_ptr, 2, cb, M, N, stride_ym, NSPLIT)
-            _sum_tile(ws_ptr, y_ptr, 3, cb, M, N, stride_ym, NSPLIT)
             gl.atomic_xchg(cnt_ptr + cb, 0, sem="relaxed", scope="gpu")
     else:
         _store_tile(y_ptr, a0, 0, cb, sp, M, N, stride_ym, False)
@@ -322,6 +312,6 @@ def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: 
         desc if desc is not None else descriptor(words), x, sz, ws, y, cnt,
         m, n, gk, per, x.stride(0), y.stride(0),
         STAGES=stages, GPS=gps, SPLIT_K=split > 1, NSPLIT=split, ASM=_ASM[f16], BASE=1024.0 if f16 else 128.0,
-        DEPTH=depth, FINISH=cfg.get("FINISH", 1), num_warps=4, **TF.pdl_launch(use_pdl),
+        DEPTH=depth, num_warps=4, **TF.pdl_launch(use_pdl),
     )
     return y

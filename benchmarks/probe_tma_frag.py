@@ -28,7 +28,6 @@ from _common import alternating_rounds, rel_err, within_budget, write_results  #
 from sweep_quant_wo import bf16_copies, quant_copies  # noqa: E402
 
 from infercore.quant import gluon_frag as GF  # noqa: E402
-from infercore.quant import gluon_wgmma as GW  # noqa: E402
 from infercore.quant import triton_frag as TF  # noqa: E402
 
 SHAPES = {"gate_up/2": (14336, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096),
@@ -53,8 +52,7 @@ def main() -> None:  # noqa: C901 (one linear script)
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", default="gate_up/2:1,gate_up/2:4,gate_up/2:16,gate_up:1,down:1,qkv:1")
-    ap.add_argument("--grid", default="", help="W:STAGES:SPLIT[:MAXNREG[:TAGGED]],... (default GRID); "
-                    "gDEPTH:STAGES:SPLIT runs MODE 8 (gluon_wgmma, INT4)")
+    ap.add_argument("--grid", default="", help="W:STAGES:SPLIT[:MAXNREG[:TAGGED]],... (default GRID)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=400.0)
     args = ap.parse_args()
@@ -90,35 +88,28 @@ def main() -> None:  # noqa: C901 (one linear script)
         packs = [frags(qq, act is not None, kind) for qq in qs]
         extra = {"kind": kind, "fold": 2.0**120} if kind == "fp8" else {}
         descs = [GF.descriptor(p[0]) for p in packs]
-
-        def call(c, k):
-            if c.get("MODE") == 8:
-                return GW.launch(x, packs[k][0], packs[k][1], n, c, descs[k])
-            return GF.launch(x, packs[k][0], packs[k][1], n, c, descs[k], act=act, **extra)
-
         gk = k // 128
-        grid = [tuple(int(v.lstrip("g")) for v in e.split(":")) + (e.startswith("g"),) for e in args.grid.split(",")]
-        for wq, stages, split, *opt, mode8 in grid if args.grid else [(*e, False) for e in GRID]:
+        grid = [tuple(int(v) for v in e.split(":")) for e in args.grid.split(",")] if args.grid else GRID
+        for wq, stages, split, *opt in grid:
             if split > gk:
                 continue
-            if mode8:  # MODE 8 (gluon_wgmma): "gDEPTH:STAGES:SPLIT"
-                cfg = {"MODE": 8, "STAGES": stages, "SPLIT": split, "DEPTH": wq}
-            else:
-                cfg = {"W": wq, "STAGES": stages, "SPLIT": split, **({"MAXNREG": opt[0]} if opt and opt[0] else {}),
-                       **({"TAGGED": bool(opt[1])} if len(opt) > 1 else {})}
+            cfg = {"W": wq, "STAGES": stages, "SPLIT": split, **({"MAXNREG": opt[0]} if opt and opt[0] else {}),
+                   **({"TAGGED": bool(opt[1])} if len(opt) > 1 else {})}
             label = json.dumps(cfg, sort_keys=True)
             try:
-                err = rel_err(call(cfg, 0), ref)
+                words, sz = packs[0]
+                err = rel_err(GF.launch(x, words, sz, n, cfg, descs[0], act=act, **extra), ref)
                 if not err < 1e-2:
                     raise RuntimeError(f"rel err {err:.3g}")
-                err2 = rel_err(call(cfg, 0), ref)  # counters reset
+                err2 = rel_err(GF.launch(x, words, sz, n, cfg, descs[0], act=act, **extra), ref)  # counters reset
                 if not err2 < 1e-2:
                     raise RuntimeError(f"second call rel err {err2:.3g}")
             except Exception as e:  # noqa: BLE001
                 rows.append({"case": spec, "config": cfg, "error": repr(e)[:400]})
                 print(f"  {spec} {cfg}: FAILED {repr(e)[:300]}", flush=True)
                 continue
-            timed[label] = (lambda i, c=cfg: call(c, i % copies), n_calls)
+            timed[label] = (lambda i, c=cfg: GF.launch(x, packs[i % copies][0], packs[i % copies][1], n, c,
+                                                       descs[i % copies], act=act, **extra), n_calls)
         med = alternating_rounds(timed, args.rounds, rows, spec)
         mode7 = {lab: us for lab, us in med.items() if lab.startswith("{")}
         best = min(mode7.items(), key=lambda kv: kv[1]) if mode7 else (None, float("nan"))

@@ -112,29 +112,6 @@ def compile_tma(kind: str, warps: int, stages: int, nb: int = 1, maxnreg: int = 
                           options={"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
-def compile_wgmma(stages: int, gps: int = 4, dt: str = "bf16"):
-    """MODE 8 (``gluon_wgmma._wgmma_frag_kernel``, Gluon) for bf16 activations, split-K on, ``gps`` groups per
-    split."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from infercore.quant import gluon_wgmma as GW
-
-    fn = GW._wgmma_frag_kernel
-    lay = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    ptr = {"x_ptr": f"*{dt}", "s_ptr": "*i64", "ws_ptr": "*fp32", "y_ptr": f"*{dt}", "cnt_ptr": "*i32"}
-    sizes = ("M", "N", "G", "groups_per_split", "stride_xm", "stride_ym")
-    f16 = dt == "fp16"
-    ce = dict(STAGES=stages, GPS=gps, SPLIT_K=True, NSPLIT=8, ASM=GW.decode_asm(f16), BASE=1024.0 if f16 else 128.0,
-              USE_PDL=True, DEPTH=3)
-    types = {"w_desc": f"tensordesc<i32[8, 128],{lay!r}>", **ptr, **{n: "i32" for n in sizes}}
-    sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*ptr, *sizes) if n != "M"}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-
-
 def largest_loop(sass: str) -> collections.Counter:
     rows = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]+)\*/\s+([^;]*);", sass)]
     best = collections.Counter()
@@ -153,7 +130,7 @@ def largest_loop(sass: str) -> collections.Counter:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", type=int, choices=[4, 5, 6, 7, 8], default=4)
+    ap.add_argument("--mode", type=int, choices=[4, 5, 6, 7], default=4)
     ap.add_argument("--kind", choices=["int4", "fp8"], default=None)
     ap.add_argument("--block-n", type=int, default=None)
     ap.add_argument("--block-k", type=int, default=None, help="codes per tile")
@@ -172,13 +149,7 @@ def main() -> None:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     for kind in [args.kind] if args.kind else ["int4", "fp8"]:
         cpw = 8 if kind == "int4" else 4
-        if args.mode == 8:
-            if kind != "int4":
-                continue
-            c = compile_wgmma(args.stages or 2)
-            # per thread and iteration (one group): 8 chunks of 4 words of the warp's block, 32 INT4 codes each
-            block_n, block_k, stages = args.warps * 32, 8 * 32, 1
-        elif args.mode == 7:
+        if args.mode == 7:
             c = compile_tma(kind, args.warps, args.stages or 2, args.nb, args.maxnreg)
             # per thread and iteration (one group): 8 / W 16-byte chunks, 32 INT4 or 16 FP8 codes each
             block_n, block_k, stages = args.warps * 32, 8 // args.warps * (32 if kind == "int4" else 16), 1

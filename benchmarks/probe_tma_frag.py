@@ -52,7 +52,7 @@ def main() -> None:  # noqa: C901 (one linear script)
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", default="gate_up/2:1,gate_up/2:4,gate_up/2:16,gate_up:1,down:1,qkv:1")
-    ap.add_argument("--grid", default="", help="W:STAGES:SPLIT[:MAXNREG[:TAGGED]],... (default GRID)")
+    ap.add_argument("--grid", default="", help="W:STAGES:SPLIT[:MAXNREG[:TAGGED[:FLAGS]]],... (default GRID)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=400.0)
     args = ap.parse_args()
@@ -94,7 +94,8 @@ def main() -> None:  # noqa: C901 (one linear script)
             if split > gk:
                 continue
             cfg = {"W": wq, "STAGES": stages, "SPLIT": split, **({"MAXNREG": opt[0]} if opt and opt[0] else {}),
-                   **({"TAGGED": bool(opt[1])} if len(opt) > 1 else {})}
+                   **({"TAGGED": bool(opt[1])} if len(opt) > 1 else {}),
+                   **({"FLAGS": bool(opt[2])} if len(opt) > 2 else {})}
             label = json.dumps(cfg, sort_keys=True)
             try:
                 words, sz = packs[0]

@@ -85,9 +85,9 @@ def compile_frag(kind: str, warps: int, reps: int, depth: int, wn: bool = False,
     return _compile(TF._frag_kernel, ptr, sizes, ce, warps, 1, maxnreg)
 
 
-def compile_tma(kind: str, warps: int, stages: int, nb: int = 1, maxnreg: int = 0):
+def compile_tma(kind: str, warps: int, stages: int, nb: int = 1, maxnreg: int = 0, sent: bool = False):
     """MODE 7 (``gluon_frag._tma_frag_kernel``, Gluon) for bf16 activations, ``nb`` B fragments, split-K on,
-    PDL on (its prewait TMA copies)."""
+    PDL on (its prewait TMA copies); ``sent``: the ready-flag finish (else the tagged one for INT4 at one fragment)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -102,7 +102,8 @@ def compile_tma(kind: str, warps: int, stages: int, nb: int = 1, maxnreg: int = 
     sizes = ("M", "N", "G", "groups_per_split", "stride_xm", "stride_ym")
     ce = dict(NB=nb, W=warps, STAGES=stages, SPLIT_K=True, ACT=0, ASM=asm, CONS=cons, FP8=kind == "fp8",
               FOLD=2.0**120 if kind == "fp8" else 1.0, USE_PDL=True, NSPLIT=8,
-              TAG_MB=1 if nb == 1 and kind == "int4" else 0)  # the tagged finish where M = 1 runs it
+              TAG_MB=1 if nb == 1 and kind == "int4" and not sent else 0,
+              FLAGS=sent)  # the finish that M = 1 (tagged) or M > 2 (ready flags) runs
     types = {"w_desc": f"tensordesc<i32[8, 128],{lay!r}>", **ptr, **{n: "i32" for n in sizes}}
     sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
     names = list(sig)
@@ -140,6 +141,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=1, help="MODE 6: DEPTH (1, 2; 3 = 2 without register rotation)")
     ap.add_argument("--maxnreg", type=int, default=0, help="MODE 6: ptxas register cap (MAXNREG; 0 = none)")
     ap.add_argument("--wn", action="store_true", help="MODE 6: the warps split N")
+    ap.add_argument("--sent", action="store_true", help="MODE 7: the ready-flag split-K finish (M > 2)")
     ap.add_argument("--nb", type=int, choices=[1, 2], default=1, help="MODE 6: B fragments (2: M 9-16)")
     ap.add_argument("--packed", action="store_true", help="MODE 4: the packed fp16 dot")
     ap.add_argument("--m", type=int, choices=[1, 2, 4], default=1, help="MODE 4: rows (BLOCK_M)")
@@ -150,7 +152,7 @@ def main() -> None:
     for kind in [args.kind] if args.kind else ["int4", "fp8"]:
         cpw = 8 if kind == "int4" else 4
         if args.mode == 7:
-            c = compile_tma(kind, args.warps, args.stages or 2, args.nb, args.maxnreg)
+            c = compile_tma(kind, args.warps, args.stages or 2, args.nb, args.maxnreg, args.sent)
             # per thread and iteration (one group): 8 / W 16-byte chunks, 32 INT4 or 16 FP8 codes each
             block_n, block_k, stages = args.warps * 32, 8 // args.warps * (32 if kind == "int4" else 16), 1
         elif args.mode == 6:

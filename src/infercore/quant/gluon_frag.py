@@ -10,8 +10,12 @@ instruction (before the PDL wait: weights only). A warp reads its chunks back wi
 load each (each lane its own fragment words, the layout MODE 6 loads from global memory), decodes and
 multiplies them with MODE 6's inline PTX (``triton_frag.int4_asm`` / ``fp8_asm``). Split-K partials finish as
 in MODE 6 (the last program of a channel block to arrive at its counter sums them, all loads in flight at
-once) or, for INT4 at M <= 2 with one warp per program, by the tagged finish (``_tag_finish``): no fence and
-no counter, each partial carries the launch's epoch and the last split's program reads them until current.
+once); for INT4 at M <= 2 with one warp per program by the tagged finish (``_tag_finish``): no fence and
+no counter, each partial carries the launch's epoch and the last split's program reads them until current; and
+otherwise at 8 splits or fewer by the ready-flag finish: each split but the last stores its partials and sets its
+flag (a release), the last split's program keeps its own partials in registers, waits for the flags (``_wait_ready``)
+and sums (0.1-2.6 us faster than the counter at 3-16 rows, the counter's fence and arrival round trip off the last
+program's path).
 
 The INT4 scale / zero-point words and the activations' B fragments are loaded into registers one group
 ahead (1/16 of the bytes, mostly L2 hits). Measured on the H200 (docs/quantization.md): INT4 with one warp
@@ -161,8 +165,9 @@ def _act_mul(gv, uv, y_ptr, ACT: gl.constexpr):
 
 @gluon.jit
 def _sum_load(ws_ptr, j: gl.constexpr, pb, NSPLIT: gl.constexpr, M, N, g, t, c, zero, CT: gl.constexpr):
-    """The ``NSPLIT`` splits' partials of accumulator ``j`` summed. The loop is unrolled so that every load is in
-    flight at once (a loop over a run-time count waits for each before the next: one L2 round trip per split)."""
+    """``zero`` plus the first ``NSPLIT`` splits' partials of accumulator ``j``. The loop is unrolled so that every
+    load is in flight at once (a loop over a run-time count waits for each before the next: one L2 round trip per
+    split)."""
     m, n = _rows(j, pb, g, t, c, CT)
     mask = (m < M) & (n < N)
     tot = zero
@@ -194,17 +199,34 @@ def _sum_store(tot, y_ptr, j: gl.constexpr, pb, M, N, stride_ym, g, t, c, ACT: g
 
 
 @gluon.jit
-def _sum_four(ws_ptr, y_ptr, j0: gl.constexpr, pb, NSPLIT: gl.constexpr, M, N, stride_ym, g, t, c, zero,
+def _sum_four(ws_ptr, y_ptr, j0: gl.constexpr, pb, NSPLIT: gl.constexpr, M, N, stride_ym, g, t, c, o0, o1, o2, o3,
               ACT: gl.constexpr, s_ptr, CT: gl.constexpr, FP8: gl.constexpr, FOLD: gl.constexpr):
-    """Accumulators ``j0 .. j0 + 3`` finished: all their partials loaded first, then stored."""
-    t0 = _sum_load(ws_ptr, j0, pb, NSPLIT, M, N, g, t, c, zero, CT)
-    t1 = _sum_load(ws_ptr, j0 + 1, pb, NSPLIT, M, N, g, t, c, zero, CT)
-    t2 = _sum_load(ws_ptr, j0 + 2, pb, NSPLIT, M, N, g, t, c, zero, CT)
-    t3 = _sum_load(ws_ptr, j0 + 3, pb, NSPLIT, M, N, g, t, c, zero, CT)
+    """Accumulators ``j0 .. j0 + 3`` finished: ``o0 .. o3`` plus the partials of the first ``NSPLIT`` splits, all
+    loaded first, then stored."""
+    t0 = _sum_load(ws_ptr, j0, pb, NSPLIT, M, N, g, t, c, o0, CT)
+    t1 = _sum_load(ws_ptr, j0 + 1, pb, NSPLIT, M, N, g, t, c, o1, CT)
+    t2 = _sum_load(ws_ptr, j0 + 2, pb, NSPLIT, M, N, g, t, c, o2, CT)
+    t3 = _sum_load(ws_ptr, j0 + 3, pb, NSPLIT, M, N, g, t, c, o3, CT)
     _sum_store(t0, y_ptr, j0, pb, M, N, stride_ym, g, t, c, ACT, s_ptr, CT, FP8, FOLD)
     _sum_store(t1, y_ptr, j0 + 1, pb, M, N, stride_ym, g, t, c, ACT, s_ptr, CT, FP8, FOLD)
     _sum_store(t2, y_ptr, j0 + 2, pb, M, N, stride_ym, g, t, c, ACT, s_ptr, CT, FP8, FOLD)
     _sum_store(t3, y_ptr, j0 + 3, pb, M, N, stride_ym, g, t, c, ACT, s_ptr, CT, FP8, FOLD)
+
+
+@gluon.jit
+def _wait_ready(f_ptr, NREADY: gl.constexpr, W: gl.constexpr):
+    """Until the ``NREADY`` (<= 32) flags at ``f_ptr`` are all set (~0.1 us between reads), then an acquire fence:
+    the flagging programs' partials are visible to the loads after it."""
+    LF: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+    lane = gl.arange(0, 32, layout=LF)
+    ready = gl.min(gl.load(f_ptr + lane, mask=lane < NREADY, other=1, volatile=True), axis=0)
+    while ready == 0:
+        gl.inline_asm_elementwise("nanosleep.u32 100;\nmov.u32 $0, 0;", "=r,r", [ready], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+        ready = gl.min(gl.load(f_ptr + lane, mask=lane < NREADY, other=1, volatile=True), axis=0)
+    gl.inline_asm_elementwise("fence.acq_rel.gpu;\nmov.u32 $0, 0;", "=r,r", [ready], dtype=gl.int32, is_pure=False,
+                              pack=1)
+    return lane
 
 
 @gluon.jit
@@ -274,7 +296,7 @@ def _tma_frag_kernel(
     M, N, G, groups_per_split, stride_xm, stride_ym,
     NB: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, ACT: gl.constexpr,
     ASM: gl.constexpr, CONS: gl.constexpr, FP8: gl.constexpr = False, FOLD: gl.constexpr = 1.0,
-    USE_PDL: gl.constexpr = False, NSPLIT: gl.constexpr = 1, TAG_MB: gl.constexpr = 0,
+    USE_PDL: gl.constexpr = False, NSPLIT: gl.constexpr = 1, TAG_MB: gl.constexpr = 0, FLAGS: gl.constexpr = False,
 ):
     """Grid ``(N / 64, split)``, ``W`` warps (1, 2, 4 or 8) per program: warp w takes chunks ``r W + w`` of
     each group, and their sums are added at the end. ``w_desc``: TMA descriptor of the fragment words
@@ -282,9 +304,9 @@ def _tma_frag_kernel(
     the int64 scale / zero-point words ``[N/64, G, 8, 4]``; ``ws``: fp32 partials ``[split, M, N]`` (split-K
     or ACT) summed by the last program to arrive at ``cnt``, or with ``TAG_MB`` (1 or 2 rows, INT4, W = 1) the
     tagged int64 partials ``[N/64, split, TAG_MB, 64]`` and ``ep`` the blocks' epochs (``_tag_finish``).
-    ``NSPLIT``: the split count. FP8 (``pack_fp8``'s int64 words ``[N/32, G, 8, 32, 2]``, the same 4 KB per group
-    of a 32-channel block): ``s`` the fp32 per-channel scales (packed row order), applied with ``FOLD`` at the
-    end."""
+    ``NSPLIT``: the split count; ``FLAGS``: the ready-flag finish (``cnt`` then holds a flag per block and split).
+    FP8 (``pack_fp8``'s int64 words ``[N/32, G, 8, 32, 2]``, the same 4 KB per group of a 32-channel block): ``s``
+    the fp32 per-channel scales (packed row order), applied with ``FOLD`` at the end."""
     RPW: gl.constexpr = 8 // W  # chunks per warp per group
     CT: gl.constexpr = 2 if FP8 else 4  # 16-channel tiles per block (a lane's 16 bytes per chunk)
     L3: gl.constexpr = gl.BlockedLayout([1, 1, CT], [1, 32, 1], [W, 1, 1], [2, 1, 0])  # [warp, lane, tile]
@@ -390,6 +412,28 @@ def _tma_frag_kernel(
     if TAG_MB > 0:
         _tag_finish(ws_ptr.to(gl.pointer_type(gl.int64)), y_ptr, ep_ptr, a0, a1, a2, a3, pb, sp, ep, M, stride_ym,
                     g2, t2, c2, ACT, NSPLIT, TAG_MB)
+    elif FLAGS:  # the ready-flag finish (split-K): the last split's program sums, keeping its own partials
+        if sp < NSPLIT - 1:
+            _store_part(ws_ptr, y_ptr, a0, 0, pb, sp, M, N, stride_ym, g2, t2, c2, True, s_ptr, CT, FP8, FOLD)
+            _store_part(ws_ptr, y_ptr, a1, 1, pb, sp, M, N, stride_ym, g2, t2, c2, True, s_ptr, CT, FP8, FOLD)
+            _store_part(ws_ptr, y_ptr, a2, 2, pb, sp, M, N, stride_ym, g2, t2, c2, True, s_ptr, CT, FP8, FOLD)
+            _store_part(ws_ptr, y_ptr, a3, 3, pb, sp, M, N, stride_ym, g2, t2, c2, True, s_ptr, CT, FP8, FOLD)
+            if NB == 2:
+                _store_part(ws_ptr, y_ptr, a4, 4, pb, sp, M, N, stride_ym, g2, t2, c2, True, s_ptr, CT, FP8, FOLD)
+                _store_part(ws_ptr, y_ptr, a5, 5, pb, sp, M, N, stride_ym, g2, t2, c2, True, s_ptr, CT, FP8, FOLD)
+                _store_part(ws_ptr, y_ptr, a6, 6, pb, sp, M, N, stride_ym, g2, t2, c2, True, s_ptr, CT, FP8, FOLD)
+                _store_part(ws_ptr, y_ptr, a7, 7, pb, sp, M, N, stride_ym, g2, t2, c2, True, s_ptr, CT, FP8, FOLD)
+            gl.thread_barrier()  # every thread's partial is written before the release below
+            gl.atomic_xchg(cnt_ptr + pb * NSPLIT + sp, 1, sem="release", scope="gpu")
+        else:
+            fl = _wait_ready(cnt_ptr + pb * NSPLIT, NSPLIT - 1, W)
+            _sum_four(ws_ptr, y_ptr, 0, pb, NSPLIT - 1, M, N, stride_ym, g2, t2, c2, a0, a1, a2, a3, ACT, s_ptr, CT,
+                      FP8, FOLD)
+            if NB == 2:
+                _sum_four(ws_ptr, y_ptr, 4, pb, NSPLIT - 1, M, N, stride_ym, g2, t2, c2, a4, a5, a6, a7, ACT, s_ptr,
+                          CT, FP8, FOLD)
+            gl.thread_barrier()  # (W > 1: every warp has seen the flags before they are cleared)
+            gl.store(cnt_ptr + pb * NSPLIT + fl, fl * 0, mask=fl < NSPLIT - 1)
     else:
         VIA_WS: gl.constexpr = SPLIT_K or ACT != 0
         _store_part(ws_ptr, y_ptr, a0, 0, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
@@ -408,10 +452,11 @@ def _tma_frag_kernel(
             else:
                 done = NSPLIT - 1
             if done == NSPLIT - 1:
-                _sum_four(ws_ptr, y_ptr, 0, pb, NSPLIT, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8, FOLD)
+                _sum_four(ws_ptr, y_ptr, 0, pb, NSPLIT, M, N, stride_ym, g2, t2, c2, zero2, zero2, zero2, zero2, ACT,
+                          s_ptr, CT, FP8, FOLD)
                 if NB == 2:
-                    _sum_four(ws_ptr, y_ptr, 4, pb, NSPLIT, M, N, stride_ym, g2, t2, c2, zero2, ACT, s_ptr, CT, FP8,
-                              FOLD)
+                    _sum_four(ws_ptr, y_ptr, 4, pb, NSPLIT, M, N, stride_ym, g2, t2, c2, zero2, zero2, zero2, zero2,
+                              ACT, s_ptr, CT, FP8, FOLD)
                 if SPLIT_K:  # ready for the next launch (graph replays too); the launch's end publishes it
                     gl.atomic_xchg(cnt_ptr + pb, 0, sem="relaxed", scope="gpu")
 
@@ -443,6 +488,8 @@ def check_config(cfg: dict) -> tuple[int, int, int]:
     if not isinstance(cfg.get("TAGGED", True), bool):
         raise ValueError(f"config: MODE 7's TAGGED (the tagged split-K finish at M <= 2) must be a bool, "
                          f"got {cfg['TAGGED']!r}")
+    if not isinstance(cfg.get("FLAGS", True), bool):
+        raise ValueError(f"config: MODE 7's FLAGS (the ready-flag split-K finish) must be a bool, got {cfg['FLAGS']!r}")
     return w, stages, split
 
 
@@ -454,8 +501,9 @@ def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: 
     ``triton_frag.pack_fp8``, ``sz`` the fp32 per-channel scales ``[N]`` in packed row order, ``fold`` the
     decode's power of two (2**120 bf16, 2**8 fp16). ``cfg``: W (warps per program, splitting each group's
     chunks), STAGES (groups in flight per program), SPLIT (K splits), optionally MAXNREG (a register cap per
-    thread) and TAGGED (default True: the tagged split-K finish where it applies); ``desc``: :func:`descriptor` of
-    ``words`` (made here when None)."""
+    thread), TAGGED (default True: the tagged split-K finish where it applies) and FLAGS (default True: the
+    ready-flag finish for the other split-K calls of <= 8 splits; False: the arrival counter); ``desc``:
+    :func:`descriptor` of ``words`` (made here when None)."""
     w, stages, split = check_config(cfg)
     regs = TF.maxnreg_option(cfg)
     TF.check_operands(x, kind, words, n, sz, act, min_arch=9, mode=7)
@@ -477,14 +525,16 @@ def launch(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, n: int, cfg: 
         cnt = y
     else:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 or code else y
-        cnt = arrival_counters(x.device, blocks) if split > 1 else y
+        cnt = arrival_counters(x.device, blocks * split) if split > 1 else y
         ep = cnt
+    # (at 16 splits and up the ready flags lost at 1-8 rows: results/h200/sweeps/probe_ready_flags.json)
+    flags = tag_mb == 0 and 1 < split <= 8 and cfg.get("FLAGS", True)
     use_pdl = TF.pdl_enabled(x)
     _tma_frag_kernel[(blocks, split)](
         desc if desc is not None else descriptor(words), x, sz, ws, y, cnt, ep,
         m, n, gk, per, x.stride(0), y.stride(0),
         NB=nb, W=w, STAGES=stages, SPLIT_K=split > 1, ACT=code, ASM=asm, CONS=cons, FP8=fp8, FOLD=float(fold),
-        NSPLIT=split, TAG_MB=tag_mb,
+        NSPLIT=split, TAG_MB=tag_mb, FLAGS=flags,
         num_warps=w, **TF.pdl_launch(use_pdl), **regs,
     )
     return y

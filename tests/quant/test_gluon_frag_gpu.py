@@ -1,8 +1,8 @@
 """MODE 7 (``quant.gluon_frag``: MODE 6's INT4 / FP8 fragments streamed by TMA; sm90+) on a CUDA GPU
 against dequantize() + fp32 matmul: FP8 with per-channel scales, INT4 symmetric / zero points, g128 / g256 /
 per channel, bf16 and fp16 activations, M = 1..16 (one and two B fragments), warps per program, stages,
-split-K (even and uneven), the fused gated epilogue, CUDA-graph replays, bad configs, and the dispatcher's
-MODE 7 entries. Run with ``pytest -m gpu``."""
+split-K (even and uneven; the tagged, ready-flag and counter finishes), the fused gated epilogue, CUDA-graph
+replays, bad configs, and the dispatcher's MODE 7 entries. Run with ``pytest -m gpu``."""
 
 import pytest
 import torch
@@ -76,7 +76,7 @@ def test_mode7_graph_replay_and_bad_config(graph_matches_eager):
         assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
 
     graph_matches_eager(lambda: TW.wq_matmul_triton(x, w, config=cfg), x, rounds=3, each=close)
-    for key, bad in (("W", 3), ("STAGES", 0), ("STAGES", 9), ("SPLIT", 0)):
+    for key, bad in (("W", 3), ("STAGES", 0), ("STAGES", 9), ("SPLIT", 0), ("FLAGS", 1)):
         with pytest.raises(ValueError, match=key):
             TW.wq_matmul_triton(x, w, config={**cfg, key: bad})
     wf = FP8Weight.quantize(torch.randn(n, k, device=dev) * 0.05, block_size=128)
@@ -133,6 +133,46 @@ def test_mode7_tagged_finish(act):
         assert _rel(y, ref(x, ws[0])) < 1e-2 and _rel(y2, ref(x, ws[1])) < 1e-2
     with pytest.raises(ValueError, match="TAGGED"):
         TW.wq_matmul_triton(x, ws[0], config={**cfg, "TAGGED": 1})
+
+
+@pytest.mark.parametrize("kind", ["int4", "fp8"])
+def test_mode7_ready_flags(kind):
+    """The ready-flag split-K finish (3-16 rows, FP8, several warps; <= 8 splits) against the counter finish (FLAGS
+    False) and the reference, over alternating weights, row counts, warps and splits (the flags cleared for the next
+    launch), and in CUDA-graph replays."""
+    _need_sm90()
+    torch.manual_seed(4)
+    n, k = 256, 1024
+    if kind == "fp8":
+        ws = [FP8Weight.quantize(torch.randn(n, k, device=dev) * 0.05) for _ in range(2)]
+        fn = TW.fp8_wo_matmul_triton
+    else:
+        ws = [IntWeight.quantize(torch.randn(n, k, device=dev) * 0.05, bits=4, group_size=128) for _ in range(2)]
+        fn = TW.wq_matmul_triton
+    for rep in range(2):
+        for i, w in enumerate(ws):
+            for m, w_ in ((3, 1), (8, 1), (16, 1), (2, 2), (12, 4)):
+                for split in (2, 3, 8):
+                    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                    cfg = {"MODE": 7, "W": w_, "STAGES": 2, "SPLIT": split}
+                    y = fn(x, w, config=cfg)
+                    y0 = fn(x, w, config={**cfg, "FLAGS": False})
+                    assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3, (rep, i, m, split)
+                    assert _rel(y, y0) < 1e-3, (rep, i, m, split)
+    x = torch.randn(16, k, device=dev, dtype=torch.bfloat16)
+    cfg = {"MODE": 7, "W": 1, "STAGES": 2, "SPLIT": 4}
+    fn(x, ws[0], config=cfg)
+    fn(x, ws[1], config=cfg)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = fn(x, ws[0], config=cfg)
+        y2 = fn(x, ws[1], config=cfg)
+    for _ in range(4):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert _rel(y, x.float() @ ws[0].dequantize(torch.float32).T) < 8e-3
+        assert _rel(y2, x.float() @ ws[1].dequantize(torch.float32).T) < 8e-3
 
 
 @pytest.mark.parametrize("m", [1, 5, 16])

@@ -149,6 +149,22 @@ def _store_part(ws_ptr, y_ptr, a, j: gl.constexpr, pb, sp, M, N, stride_ym, g, t
 
 
 @gluon.jit
+def _store_parts(ws_ptr, y_ptr, acc, pb, sp, M, N, stride_ym, g, t, c, TO_WS: gl.constexpr, s_ptr, CT: gl.constexpr,
+                 FP8: gl.constexpr, FOLD: gl.constexpr, NB: gl.constexpr):
+    """:func:`_store_part` of the four (``NB`` 1) or eight accumulators."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = acc
+    _store_part(ws_ptr, y_ptr, a0, 0, pb, sp, M, N, stride_ym, g, t, c, TO_WS, s_ptr, CT, FP8, FOLD)
+    _store_part(ws_ptr, y_ptr, a1, 1, pb, sp, M, N, stride_ym, g, t, c, TO_WS, s_ptr, CT, FP8, FOLD)
+    _store_part(ws_ptr, y_ptr, a2, 2, pb, sp, M, N, stride_ym, g, t, c, TO_WS, s_ptr, CT, FP8, FOLD)
+    _store_part(ws_ptr, y_ptr, a3, 3, pb, sp, M, N, stride_ym, g, t, c, TO_WS, s_ptr, CT, FP8, FOLD)
+    if NB == 2:
+        _store_part(ws_ptr, y_ptr, a4, 4, pb, sp, M, N, stride_ym, g, t, c, TO_WS, s_ptr, CT, FP8, FOLD)
+        _store_part(ws_ptr, y_ptr, a5, 5, pb, sp, M, N, stride_ym, g, t, c, TO_WS, s_ptr, CT, FP8, FOLD)
+        _store_part(ws_ptr, y_ptr, a6, 6, pb, sp, M, N, stride_ym, g, t, c, TO_WS, s_ptr, CT, FP8, FOLD)
+        _store_part(ws_ptr, y_ptr, a7, 7, pb, sp, M, N, stride_ym, g, t, c, TO_WS, s_ptr, CT, FP8, FOLD)
+
+
+@gluon.jit
 def _act_mul(gv, uv, y_ptr, ACT: gl.constexpr):
     """``act(gate) * up`` in fp32, gate and up rounded to the output dtype first (as the unfused path)."""
     gv = gv.to(y_ptr.dtype.element_ty).to(gl.float32)
@@ -409,20 +425,13 @@ def _tma_frag_kernel(
         a5 = gl.sum(a5, axis=0)
         a6 = gl.sum(a6, axis=0)
         a7 = gl.sum(a7, axis=0)
+    acc = (a0, a1, a2, a3, a4, a5, a6, a7)
     if TAG_MB > 0:
         _tag_finish(ws_ptr.to(gl.pointer_type(gl.int64)), y_ptr, ep_ptr, a0, a1, a2, a3, pb, sp, ep, M, stride_ym,
                     g2, t2, c2, ACT, NSPLIT, TAG_MB)
     elif FLAGS:  # the ready-flag finish (split-K): the last split's program sums, keeping its own partials
         if sp < NSPLIT - 1:
-            _store_part(ws_ptr, y_ptr, a0, 0, pb, sp, M, N, stride_ym, g2, t2, c2, True, s_ptr, CT, FP8, FOLD)
-            _store_part(ws_ptr, y_ptr, a1, 1, pb, sp, M, N, stride_ym, g2, t2, c2, True, s_ptr, CT, FP8, FOLD)
-            _store_part(ws_ptr, y_ptr, a2, 2, pb, sp, M, N, stride_ym, g2, t2, c2, True, s_ptr, CT, FP8, FOLD)
-            _store_part(ws_ptr, y_ptr, a3, 3, pb, sp, M, N, stride_ym, g2, t2, c2, True, s_ptr, CT, FP8, FOLD)
-            if NB == 2:
-                _store_part(ws_ptr, y_ptr, a4, 4, pb, sp, M, N, stride_ym, g2, t2, c2, True, s_ptr, CT, FP8, FOLD)
-                _store_part(ws_ptr, y_ptr, a5, 5, pb, sp, M, N, stride_ym, g2, t2, c2, True, s_ptr, CT, FP8, FOLD)
-                _store_part(ws_ptr, y_ptr, a6, 6, pb, sp, M, N, stride_ym, g2, t2, c2, True, s_ptr, CT, FP8, FOLD)
-                _store_part(ws_ptr, y_ptr, a7, 7, pb, sp, M, N, stride_ym, g2, t2, c2, True, s_ptr, CT, FP8, FOLD)
+            _store_parts(ws_ptr, y_ptr, acc, pb, sp, M, N, stride_ym, g2, t2, c2, True, s_ptr, CT, FP8, FOLD, NB)
             gl.thread_barrier()  # every thread's partial is written before the release below
             gl.atomic_xchg(cnt_ptr + pb * NSPLIT + sp, 1, sem="release", scope="gpu")
         else:
@@ -436,15 +445,7 @@ def _tma_frag_kernel(
             gl.store(cnt_ptr + pb * NSPLIT + fl, fl * 0, mask=fl < NSPLIT - 1)
     else:
         VIA_WS: gl.constexpr = SPLIT_K or ACT != 0
-        _store_part(ws_ptr, y_ptr, a0, 0, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
-        _store_part(ws_ptr, y_ptr, a1, 1, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
-        _store_part(ws_ptr, y_ptr, a2, 2, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
-        _store_part(ws_ptr, y_ptr, a3, 3, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
-        if NB == 2:
-            _store_part(ws_ptr, y_ptr, a4, 4, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
-            _store_part(ws_ptr, y_ptr, a5, 5, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
-            _store_part(ws_ptr, y_ptr, a6, 6, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
-            _store_part(ws_ptr, y_ptr, a7, 7, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD)
+        _store_parts(ws_ptr, y_ptr, acc, pb, sp, M, N, stride_ym, g2, t2, c2, VIA_WS, s_ptr, CT, FP8, FOLD, NB)
         if VIA_WS:
             gl.thread_barrier()  # every thread's partial is written before the release below
             if SPLIT_K:

@@ -424,6 +424,8 @@ def test_mode7_entries_and_config_checks():
         gluon_frag.check_config({"W": True})
     with pytest.raises(ValueError, match="TAGGED"):
         gluon_frag.check_config({"TAGGED": "yes"})
+    with pytest.raises(ValueError, match="FLAGS"):
+        gluon_frag.check_config({"FLAGS": 1})
     words = torch.zeros(2, 4, 8, 32, 4, dtype=torch.int32)
     d = gluon_frag.descriptor(words)
     assert list(d.shape) == [2 * 4 * 8, 128] and list(d.block_shape) == [8, 128]

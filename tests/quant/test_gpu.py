@@ -115,43 +115,6 @@ def test_mode5_word_decode(dtype, n, bn, warps):
                 assert y.dtype == dtype and _rel(y, ref(x, q)) < 1e-2, (type(q).__name__, split)
 
 
-@pytest.mark.parametrize("mode", [4, 5])
-def test_gemv_ready_flags(mode, graph_matches_eager):
-    """The ready-flag split-K finish of MODE 4 / 5 (``_gemv_finish`` with ``FLAGS``, 2-8 splits) against the
-    arrival counter (``"FLAGS": False``) and the reference, INT4 and FP8, over alternating weights, row counts and
-    splits (the flags cleared for the next launch), then under CUDA-graph replay; a bad FLAGS value is named."""
-    from infercore.quant import triton_wo
-
-    torch.manual_seed(5)
-    wts = [torch.randn(1000, 2048, device=dev) for _ in range(2)]
-    int4 = [IntWeight.quantize(w, bits=4, group_size=128) for w in wts]
-    pairs = [(triton_wo.wq_matmul_triton, R.wq_matmul_ref, int4),
-             (triton_wo.fp8_wo_matmul_triton, R.fp8_wo_matmul_ref, [FP8Weight.quantize(w) for w in wts])]
-    base = ({"MODE": 4, "BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 2} if mode == 4 else
-            {"MODE": 5, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3})
-    for fn, ref, ws in pairs:
-        for rep in range(2):
-            for w in ws:
-                for m in ((1, 3) if mode == 4 else (2, 9, 16)):
-                    x = torch.randn(m, 2048, device=dev, dtype=torch.bfloat16)
-                    for split in (2, 3, 8):
-                        cfg = {**base, "SPLIT": split}
-                        y = fn(x, w, config=cfg)
-                        y0 = fn(x, w, config={**cfg, "FLAGS": False})
-                        assert _rel(y, ref(x, w)) < 1e-2, (rep, m, split)
-                        assert _rel(y, y0) < 1e-3, (rep, m, split)
-        x = torch.randn(3 if mode == 4 else 16, 2048, device=dev, dtype=torch.bfloat16)
-        cfg = {**base, "SPLIT": 4}
-        fn(x, ws[0], config=cfg)
-
-        def close(y, fn=fn, ref=ref, w=ws[0], x=x):
-            assert _rel(y, ref(x, w)) < 1e-2
-
-        graph_matches_eager(lambda fn=fn, w=ws[0], x=x, cfg=cfg: fn(x, w, config=cfg), x, rounds=3, each=close)
-        with pytest.raises(ValueError, match="FLAGS"):
-            fn(x, ws[0], config={**cfg, "FLAGS": 1})
-
-
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
 def test_gguf_bf16(qtype):
     torch.manual_seed(0)

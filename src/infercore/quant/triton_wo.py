@@ -804,37 +804,13 @@ def _launch_small(kernel, x: torch.Tensor, qweight: torch.Tensor, tensors: tuple
 
 @triton.jit
 def _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N,
-                 SPLIT_K: tl.constexpr, NSPLIT: tl.constexpr, FLAGS: tl.constexpr = False):
+                 SPLIT_K: tl.constexpr, NSPLIT: tl.constexpr):
     """Store ``acc [BLOCK_M, BLOCK_N]``; with split-K the last program of a column tile to arrive
-    sums the fp32 partials (no second launch: at decode a launch costs as much as the GEMV), or with
-    ``FLAGS`` (CUDA, <= 8 splits) the last split's program, keeping its own partials: each other split stores its
-    partials and sets a flag per (tile, split) with a release exchange, and the last polls the flags (acquire), sums
-    and clears them (``gluon_frag``'s ready-flag finish: no fence or arrival round trip on the last program's path)."""
+    sums the fp32 partials (no second launch: at decode a launch costs as much as the GEMV)."""
     pid_n = tl.program_id(0)
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K and FLAGS:
-        pid_k = tl.program_id(1)
-        mn = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        f_ptr = cnt_ptr + pid_n * NSPLIT
-        if pid_k < NSPLIT - 1:
-            tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + mn, acc, mask=mask)
-            tl.debug_barrier()  # every thread's partial is written before the release below
-            tl.atomic_xchg(f_ptr + pid_k, 1, sem="release", scope="gpu")
-        else:
-            lane = tl.arange(0, 8)
-            ready = tl.min(tl.load(f_ptr + lane, mask=lane < NSPLIT - 1, other=1, volatile=True), axis=0)
-            while ready == 0:
-                ready = tl.min(tl.load(f_ptr + lane, mask=lane < NSPLIT - 1, other=1, volatile=True), axis=0)
-            tl.inline_asm_elementwise("fence.acq_rel.gpu;\nmov.u32 $0, 0;", "=r,r", [ready], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-            tot = acc
-            for s in tl.static_range(NSPLIT - 1):  # unrolled: every split's load in flight at once
-                tot += tl.load(ws_ptr + s * M * N + mn, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=mask)
-            tl.debug_barrier()  # every thread has seen the flags before they are cleared
-            tl.store(f_ptr + lane, lane * 0, mask=lane < NSPLIT - 1)
-    elif SPLIT_K:
+    if SPLIT_K:
         pid_k = tl.program_id(1)
         mn = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
         tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + mn, acc, mask=mask)
@@ -1248,7 +1224,7 @@ def _gemv4_kernel(
     SCALE_ROWS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
     XMASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
     ACT: tl.constexpr = 0, PREWAIT: tl.constexpr = 0, USE_PDL: tl.constexpr = False, PACKED: tl.constexpr = False,
-    NSPLIT: tl.constexpr = 1, FLAGS: tl.constexpr = False,
+    NSPLIT: tl.constexpr = 1,
 ):
     """MODE 4 GEMV, ``M <= 4``: ``qw`` int32 words ``[N, KW]`` in the interleaved layout of
     ``_ilv_words`` (word ``i`` of each block of ``ILV`` words holds codes ``i + ILV * j`` at bits
@@ -1331,17 +1307,7 @@ def _gemv4_kernel(
         tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :], out.to(y_ptr.dtype.element_ty),
                  mask=m_mask[:, None] & (cols < N // 2)[None, :])
     else:
-        _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K, NSPLIT,
-                     FLAGS)
-
-
-def _flags(x: torch.Tensor, split: int, cfg: dict) -> bool:
-    """Whether a MODE 4 / 5 launch finishes split-K by ready flags (``_gemv_finish``): 2-8 splits on CUDA (the
-    interpreter runs the arrival counter) unless the config says ``"FLAGS": False``."""
-    flags = cfg.get("FLAGS", True)
-    if not isinstance(flags, bool):
-        raise ValueError(f"config: FLAGS (the ready-flag split-K finish) must be a bool, got {flags!r}")
-    return flags and 1 < split <= 8 and x.is_cuda and not _INTERPRET
+        _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K, NSPLIT)
 
 
 def _gemv_split(n_tiles: int, kw: int, bkw: int, device: torch.device, split: int) -> tuple[int, int]:
@@ -1437,8 +1403,7 @@ def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: to
         cfg["SPLIT"] = split
     y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    flags = _flags(x, split, cfg)
-    cnt = arrival_counters(x.device, tiles * split) if split > 1 else y
+    cnt = arrival_counters(x.device, tiles) if split > 1 else y
     even = kw % per == 0 and per % bkw == 0
     use_pdl = pdl_enabled(x)
     # (PACKED's per-thread step needs 4 consecutive words per thread and row: BLOCK_KW >= 128 x warps)
@@ -1447,7 +1412,7 @@ def _launch_gemv4(x: torch.Tensor, words: torch.Tensor, n: int, cfg: dict, s: to
     packed = bool(cfg.get("PACKED", default)) and _packed_ok(x, meta) and bkw >= 128 * cfg["num_warps"]
     _gemv4_kernel[(tiles, split)](
         x, words, s, z, ws, y, cnt, m, n, k, kw, per, x.stride(0), words.stride(0), stride_sn, y.stride(0),
-        SPLIT_K=split > 1, NSPLIT=split, FLAGS=flags, EVEN=even, XMASK=(not even) or kw * cpw > k, BLOCK_M=block_m,
+        SPLIT_K=split > 1, NSPLIT=split, EVEN=even, XMASK=(not even) or kw * cpw > k, BLOCK_M=block_m,
         BLOCK_N=bn, BLOCK_KW=bkw, ACT=ACTIVATIONS[act], PREWAIT=GEMV_PREWAIT if use_pdl else 0, PACKED=packed,
         num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 1), **meta, **pdl_launch(use_pdl),
     )
@@ -1526,7 +1491,7 @@ def _words_small_kernel(
     MAGIC: tl.constexpr, MAGIC_BASE: tl.constexpr, FOLD: tl.constexpr,
     MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
-    NSPLIT: tl.constexpr = 1, FLAGS: tl.constexpr = False,
+    NSPLIT: tl.constexpr = 1,
 ):
     """MODE 5 small-M weight-only (INT4 group-wise or emulated FP8) on tensor cores. Grid
     ``(cdiv(N, BLOCK_N), SPLIT)`` as in ``_wq_small_kernel``, but split-K partials are summed inside
@@ -1580,8 +1545,7 @@ def _words_small_kernel(
         acc = acc * FOLD
     if MODE == 2:
         acc = tl.trans(acc)
-    _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K, NSPLIT,
-                     FLAGS)
+    _gemv_finish(acc, ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K, NSPLIT)
 
 
 def _launch_words(x: torch.Tensor, qweight: torch.Tensor, s: torch.Tensor, z: torch.Tensor, n: int, kdim: int,
@@ -1596,13 +1560,11 @@ def _launch_words(x: torch.Tensor, qweight: torch.Tensor, s: torch.Tensor, z: to
     tiles = triton.cdiv(n, cfg["BLOCK_N"])
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    flags = _flags(x, split, cfg)
-    cnt = arrival_counters(x.device, tiles * split) if split > 1 else y
+    cnt = arrival_counters(x.device, tiles) if split > 1 else y
     even = n % cfg["BLOCK_N"] == 0 and k == kdim and kdim % kps == 0 and kps % bk == 0
     _words_small_kernel[(tiles, split)](
         x, qweight, s, z, ws, y, cnt, m, n, k, kdim // cpw, kps, x.stride(0), qweight.stride(0) // 4, s.stride(0),
         y.stride(0), MODE=2, DOT_PRECISION=_dot_precision(x.dtype), EVEN=even, SPLIT_K=split > 1, NSPLIT=split,
-        FLAGS=flags,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 1), **meta, **pdl_launch(pdl_enabled(x)),
     )

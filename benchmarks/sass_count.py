@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from infercore.quant import triton_frag as TF
-from infercore.quant import triton_wo as TW
+from infercore.quant import wo_gemv, wo_words
 
 
 def _sizes(split: str) -> tuple[str, ...]:
@@ -59,7 +59,7 @@ def compile_gemv4(kind: str, block_n: int, block_kw: int, warps: int, stages: in
         ce = dict(FP8=True, BITS=8, ILV=32, SCALE_WORDS=32, SCALE_ROWS=0, HAS_ZEROS=False)
     ce.update(SPLIT_K=False, EVEN=True, XMASK=False, BLOCK_M=m, BLOCK_N=block_n, BLOCK_KW=block_kw, ACT=0,
               PREWAIT=0, USE_PDL=False, PACKED=packed, NSPLIT=1)  # fmt: skip
-    return _compile(TW._gemv4_kernel, ptr, _sizes("kw_per_split"), ce, warps, stages)
+    return _compile(wo_gemv._gemv4_kernel, ptr, _sizes("kw_per_split"), ce, warps, stages)
 
 
 def compile_words(kind: str, block_n: int, block_k: int, warps: int, stages: int):
@@ -70,7 +70,7 @@ def compile_words(kind: str, block_n: int, block_k: int, warps: int, stages: int
     ce = dict(FP8=fp8, GROUP=1 if fp8 else 128, HAS_ZEROS=False, SCALE_BLOCK=0, MAGIC=0 if fp8 else 0x4300,
               MAGIC_BASE=0.0 if fp8 else 128.0, FOLD=2.0**120 if fp8 else 1.0, MODE=2, DOT_PRECISION="ieee",
               EVEN=True, SPLIT_K=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=False, NSPLIT=4)
-    return _compile(TW._words_small_kernel, ptr, _sizes("k_per_split"), ce, warps, stages)
+    return _compile(wo_words._words_small_kernel, ptr, _sizes("k_per_split"), ce, warps, stages)
 
 
 def compile_frag(kind: str, warps: int, reps: int, depth: int, wn: bool = False, nb: int = 1, maxnreg: int = 0):

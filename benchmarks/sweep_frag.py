@@ -12,7 +12,7 @@ without MODE 6.
 
     python benchmarks/sweep_frag.py --out $OUT/r/sweep_frag.json      # H200, ~3 min
 
-``table`` in the JSON is Python literal lines for ``MODE6_TUNED`` in ``quant/triton_wo.py``.
+``table`` in the JSON is Python literal lines for ``MODE6_TUNED`` in ``quant/wo_tables.py``.
 """
 
 # ruff: noqa: B023  (closures are run inside the loop iteration that defines them)

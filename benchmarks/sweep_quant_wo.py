@@ -13,7 +13,7 @@ A second stage re-times each best config with every split-K factor (no recompile
 
 The JSON holds every row, CONVENTIONS cases (best config per kernel/shape/M, effective TFLOP/s)
 and ``best``: ``"kind,N,K,M": {config, us, ...}``; ``table`` is the same as Python literal lines
-to paste into ``SMALL_M_TUNED`` in ``src/infercore/quant/triton_wo.py``.
+to paste into ``SMALL_M_TUNED`` in ``src/infercore/quant/wo_tables.py``.
 """
 
 # ruff: noqa: B023  (closures are run inside the loop iteration that defines them)
@@ -331,7 +331,7 @@ def main() -> None:  # noqa: C901 (one linear script)
     if not table:
         print("\nno config passed: SMALL_M_TUNED left as it is (see the FAILED lines)")
     else:
-        print("\n# paste into src/infercore/quant/triton_wo.py\n"
+        print("\n# paste into src/infercore/quant/wo_tables.py\n"
               "SMALL_M_TUNED: dict[tuple[str, int, int, int], dict] = {\n" + "\n".join(table) + "\n}")
     print(f"wall {time.perf_counter() - t_start:.0f} s")
 

@@ -12,12 +12,25 @@ os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is decorated
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from infercore.quant import FP8Weight, GGUFWeight, Int8Weight, IntWeight, triton_w8a8, triton_wo  # noqa: E402  # noqa: E402
+from infercore.quant import (  # noqa: E402
+    FP8Weight,
+    GGUFWeight,
+    Int8Weight,
+    IntWeight,
+    triton_w8a8,
+    triton_wo,
+    wo_gemv,
+    wo_packed,
+    wo_tables,
+    wo_tiles,
+    wo_words,
+)
 from infercore.quant import naive as R  # noqa: E402
 
-# Another test module may have imported the kernels before the flag was set: re-decorate them.
-for _mod in (triton_wo, triton_w8a8):
-    if not _mod._INTERPRET:
+# Another test module may have imported the kernels before the flag was set: re-decorate them, the
+# modules that others import from first.
+if not (triton_wo._INTERPRET and triton_w8a8._INTERPRET):
+    for _mod in (wo_tiles, wo_packed, wo_gemv, wo_words, wo_tables, triton_wo, triton_w8a8):
         importlib.reload(_mod)
 
 

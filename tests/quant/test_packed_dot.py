@@ -1,4 +1,4 @@
-"""MODE 4's packed fp16 dot (``triton_wo._packed_asm``: INT4 and FP8, 1-4 rows) on the CPU: its inline PTX run
+"""MODE 4's packed fp16 dot (``wo_packed._packed_asm``: INT4 and FP8, 1-4 rows) on the CPU: its inline PTX run
 by a small interpreter of the instructions it uses (fp16 pairs rounded as the hardware rounds them), fed the
 activations scaled as the kernel scales them, against the exact sum. The GPU tests run the kernel."""
 
@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from infercore.quant import triton_wo
+from infercore.quant import triton_wo, wo_packed
 
 
 def _f16(bits: int) -> float:
@@ -93,7 +93,7 @@ def packed_dot(q: np.ndarray, x: np.ndarray, z: int) -> list[float]:
         pairs += [_bits16(xs[i, j]) | (_bits16(xs[i, j + 4]) << 16) for i in range(4) for j in range(4)]
         invs.append(inv)
     mz = [0x54005400 | (z * 65537), 0x44004400 | (z * 65537 << 4)]
-    got = run_ptx(triton_wo._packed_asm(False, len(x)), words + pairs + mz, len(x))
+    got = run_ptx(wo_packed._packed_asm(False, len(x)), words + pairs + mz, len(x))
     return [g * inv * 16 for g, inv in zip(got, invs)]
 
 
@@ -106,7 +106,7 @@ def packed_dot_fp8(b: np.ndarray, x: np.ndarray) -> list[float]:
         for i in range(4):  # bytes 1 and 3, then 0 and 2
             pairs += [_bits16(xs[i, 1]) | (_bits16(xs[i, 3]) << 16), _bits16(xs[i, 0]) | (_bits16(xs[i, 2]) << 16)]
         invs.append(inv)
-    got = run_ptx(triton_wo._packed_asm(True, len(x)), words + pairs, len(x))
+    got = run_ptx(wo_packed._packed_asm(True, len(x)), words + pairs, len(x))
     return [g * inv * 256 for g, inv in zip(got, invs)]
 
 
@@ -180,7 +180,7 @@ def test_packed_fp8_dot_matches_exact(kind, rows):
 def test_packed_asm_operands_match_constraints(fp8, rows):
     """The kernel passes ``_packed_cons``' operands to ``_packed_asm``'s text: every ``$i`` it names is one of
     them, and it names each (outputs, words, every row's pairs, INT4's two zero pairs)."""
-    asm, cons = triton_wo._packed_asm(fp8, rows), triton_wo._packed_cons(fp8, rows).split(",")
+    asm, cons = wo_packed._packed_asm(fp8, rows), wo_packed._packed_cons(fp8, rows).split(",")
     used = {int(i) for i in re.findall(r"\$(\d+)", asm)}
     assert used == set(range(len(cons))), (sorted(set(range(len(cons))) - used), max(used), len(cons))
     assert cons[:rows] == ["=f"] * rows and set(cons[rows:]) == {"r"}

@@ -12,11 +12,23 @@ os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is decorated
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from infercore.quant import FP8Weight, IntWeight, triton_wo  # noqa: E402
+from infercore.quant import (  # noqa: E402
+    FP8Weight,
+    IntWeight,
+    triton_wo,
+    wo_gemv,
+    wo_packed,
+    wo_tables,
+    wo_tiles,
+    wo_words,
+)
 from infercore.quant import naive as R  # noqa: E402
 
+# Another test module may have imported the kernels before the flag was set: re-decorate them, the
+# modules that others import from first.
 if not triton_wo._INTERPRET:
-    importlib.reload(triton_wo)
+    for _mod in (wo_tiles, wo_packed, wo_gemv, wo_words, wo_tables, triton_wo):
+        importlib.reload(_mod)
 
 
 def _err(y, r):
@@ -74,7 +86,7 @@ def test_wq_small_default_config_picks_split():
     cfg = triton_wo._small_cfg("int4", 32, 1024, 1, 64, torch.device("cpu"), None)
     assert cfg["MODE"] == 4 and cfg["BLOCK_M"] == 1
     tiles = 32 // cfg["BLOCK_N"]
-    split, _ = triton_wo._gemv_split(tiles, 1024 // 8, cfg["BLOCK_K"] // 8, torch.device("cpu"), 0)
+    split, _ = wo_gemv._gemv_split(tiles, 1024 // 8, cfg["BLOCK_K"] // 8, torch.device("cpu"), 0)
     assert split > 1
     x = torch.randn(1, 1024)
     assert _err(triton_wo.wq_matmul_triton(x, w), R.wq_matmul_ref(x, w)) < 1e-5
@@ -205,9 +217,9 @@ def test_gemv4_words_cached_per_weight():
     w = IntWeight.quantize(torch.randn(16, 256), bits=4, group_size=64)
     x = torch.randn(1, 256)
     y1 = triton_wo.wq_matmul_triton(x, w, config=_gemv(1))
-    words = triton_wo._ILV_CACHE[id(w.qweight)][1]
+    words = wo_gemv._ILV_CACHE[id(w.qweight)][1]
     y2 = triton_wo.wq_matmul_triton(x, w, config=_gemv(2))
-    assert triton_wo._ILV_CACHE[id(w.qweight)][1] is words
+    assert wo_gemv._ILV_CACHE[id(w.qweight)][1] is words
     assert _err(y1, y2) < 1e-6 and _err(y1, R.wq_matmul_ref(x, w)) < 1e-5
 
 
@@ -276,12 +288,12 @@ def test_fused_act_rejects_bad_act():
 
 def test_gemv4_repack_off_takes_the_dot(monkeypatch):
     """With the repack switched off no second copy is made and the result is the same."""
-    monkeypatch.setattr(triton_wo, "REPACK", False)
+    monkeypatch.setattr(wo_gemv, "REPACK", False)
     torch.manual_seed(6)
     w = IntWeight.quantize(torch.randn(16, 256), bits=4, group_size=64)
     x = torch.randn(1, 256)
     y = triton_wo.wq_matmul_triton(x, w, config=_gemv(1))
-    assert id(w.qweight) not in triton_wo._ILV_CACHE
+    assert id(w.qweight) not in wo_gemv._ILV_CACHE
     assert _err(y, R.wq_matmul_ref(x, w)) < 1e-5
 
 
@@ -328,9 +340,9 @@ def test_gemv4_first_tiles_read_before_the_pdl_wait(kind, tiles, monkeypatch):
     """With PDL, MODE 4 loads its first 1 or 2 weight tiles before waiting for the previous kernel
     (PREWAIT) and consumes them ahead of the K loop; the interpreter has no PDL, so force the variant:
     same results, split or not (one to three tiles per split), ragged last tile, fused activation."""
-    monkeypatch.setattr(triton_wo, "pdl_enabled", lambda t: True)
-    monkeypatch.setattr(triton_wo, "pdl_launch", lambda use: {})
-    monkeypatch.setattr(triton_wo, "GEMV_PREWAIT", tiles)
+    monkeypatch.setattr(wo_gemv, "pdl_enabled", lambda t: True)
+    monkeypatch.setattr(wo_gemv, "pdl_launch", lambda use: {})
+    monkeypatch.setattr(wo_gemv, "GEMV_PREWAIT", tiles)
     torch.manual_seed(11)
     k = 384
     x = torch.randn(3, k)

@@ -1,6 +1,6 @@
 """Large-M weight-only matmuls: decode the whole weight to x's dtype in one Triton pass, then cuBLAS.
 
-Why: the fused weight-only GEMM (``triton_wo._wq_gemm_kernel`` / ``_fp8_wo_kernel``) decodes every
+Why: the fused weight-only GEMM (``wo_tiles._wq_gemm_kernel`` / ``_fp8_wo_kernel``) decodes every
 weight tile once per M tile, in the K loop of a ``tl.dot`` kernel that reaches ~140 (INT4) / ~290
 (FP8) TFLOP/s at M = 2048 on the H200 (results/h200/quant.json), 3-6x bf16 cuBLAS's time. Past a
 hundred or two rows the weight bytes no longer bound the product, so decoding once (``N x K`` values:

@@ -33,7 +33,7 @@ Design:
   scale into ``p`` before the PV dot. int8 codes are exact in bf16/fp16. FP8 uses Triton's e4m3
   conversion where the GPU has it (sm89+); elsewhere the byte is reinterpreted as an fp16 bit
   pattern, ``(x & 0x80) << 8 | (x & 0x7F) << 7`` = value * 2**-8 (exact, subnormals included; the
-  same trick as ``quant/triton_wo.py``), with the 2**8 folded into the scales.
+  same trick as ``quant/wo_tiles.py``'s ``_fp8_as_operand``), with the 2**8 folded into the scales.
 """
 
 from __future__ import annotations

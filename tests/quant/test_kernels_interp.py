@@ -4,34 +4,18 @@ FP8 *conversions* are not checked here (the interpreter's fp32 -> fp8 cast is un
 emulated FP8 decode uses integer ops and a bitcast only, which the interpreter runs exactly.
 """
 
-import importlib
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is decorated
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from quant_interp import reload_for_interpreter  # noqa: E402
 
-from infercore.quant import (  # noqa: E402
-    FP8Weight,
-    GGUFWeight,
-    Int8Weight,
-    IntWeight,
-    triton_w8a8,
-    triton_wo,
-    wo_gemv,
-    wo_packed,
-    wo_tables,
-    wo_tiles,
-    wo_words,
-)
+from infercore.quant import FP8Weight, GGUFWeight, Int8Weight, IntWeight, triton_w8a8, triton_wo  # noqa: E402
 from infercore.quant import naive as R  # noqa: E402
 
-# Another test module may have imported the kernels before the flag was set: re-decorate them, the
-# modules that others import from first.
-if not (triton_wo._INTERPRET and triton_w8a8._INTERPRET):
-    for _mod in (wo_tiles, wo_packed, wo_gemv, wo_words, wo_tables, triton_wo, triton_w8a8):
-        importlib.reload(_mod)
+reload_for_interpreter()
 
 
 def _close(y, r, tol):

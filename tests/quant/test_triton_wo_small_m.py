@@ -4,31 +4,18 @@ Tiny fp32/fp16 shapes: the interpreter's bf16 dot/arithmetic is unreliable, and 
 checked through the integer decode only (bit-exact elsewhere).
 """
 
-import importlib
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is decorated
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from quant_interp import reload_for_interpreter  # noqa: E402
 
-from infercore.quant import (  # noqa: E402
-    FP8Weight,
-    IntWeight,
-    triton_wo,
-    wo_gemv,
-    wo_packed,
-    wo_tables,
-    wo_tiles,
-    wo_words,
-)
+from infercore.quant import FP8Weight, IntWeight, triton_wo, wo_gemv  # noqa: E402
 from infercore.quant import naive as R  # noqa: E402
 
-# Another test module may have imported the kernels before the flag was set: re-decorate them, the
-# modules that others import from first.
-if not triton_wo._INTERPRET:
-    for _mod in (wo_tiles, wo_packed, wo_gemv, wo_words, wo_tables, triton_wo):
-        importlib.reload(_mod)
+reload_for_interpreter()
 
 
 def _err(y, r):

@@ -10,12 +10,9 @@ os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is decorated
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from quant_interp import reload_for_interpreter  # noqa: E402
 
 from infercore.quant import FP8Weight, IntWeight, triton_wo, wo_gemv  # noqa: E402
 from infercore.quant import naive as R  # noqa: E402
-
-reload_for_interpreter()
 
 
 def _err(y, r):

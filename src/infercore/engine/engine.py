@@ -9,7 +9,7 @@ import itertools
 import random
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -74,20 +74,40 @@ class EngineConfig:
     # reference counting (it holds no cycles; a test checks). None: on for CUDA, off elsewhere.
     gc_freeze: bool | None = None
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
         resolve_kv_cache_dtype(self.kv_cache_dtype)
         if self.kv_cache_dtype != "auto" and self.kv_layout not in (None, "dense"):
             raise ValueError("EngineConfig.kv_cache_dtype: quantized KV needs kv_layout='dense' (or None)")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)  # True is no page size
+
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
+            if not is_int(v) or v <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {v!r}")
         for name in ("num_pages", "kv_cache_bytes", "max_model_len", "checkpoint_interval"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v <= 0):
+            if v is not None and (not is_int(v) or v <= 0):
                 raise ValueError(f"EngineConfig.{name} must be a positive int or None, got {v!r}")
-        if not 0.0 < self.gpu_memory_fraction <= 1.0:
-            raise ValueError(f"EngineConfig.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if not is_int(self.cuda_graph_max_batch) or self.cuda_graph_max_batch < 0:
+            raise ValueError(
+                f"EngineConfig.cuda_graph_max_batch must be an int >= 0 (0 = eager), got {self.cuda_graph_max_batch!r}")
+        f = self.gpu_memory_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)):
+            raise TypeError(f"EngineConfig.gpu_memory_fraction must be a number, got {type(f).__name__}")
+        if not 0.0 < f <= 1.0:
+            raise ValueError(f"EngineConfig.gpu_memory_fraction must be in (0, 1], got {f}")
+        # A string such as "false" would read as on.
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "cpu_packed_linears", "gpu_gemv_linears"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"EngineConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        for name in ("async_scheduling", "gc_freeze"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise TypeError(f"EngineConfig.{name} must be a bool or None, got {type(getattr(self, name)).__name__}")
 
 
 class Engine:
@@ -98,12 +118,22 @@ class Engine:
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None, **kwargs):
-        config = config or EngineConfig(**kwargs)
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if config is None:
+            config = EngineConfig(**kwargs)
+        elif not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        elif kwargs:
+            # they would be silently ignored
+            raise TypeError(f"pass either config or EngineConfig options, not both (got {sorted(kwargs)})")
         config.validate()
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
-        param = next(model.parameters())
+        param = next(model.parameters(), None)
+        if param is None:
+            raise ValueError("model has no parameters (the engine takes its device and dtype from them)")
         self.device, self.dtype = param.device, param.dtype
         mcfg = getattr(model, "config", None)
         model_max = getattr(mcfg, "max_position_embeddings", None)
@@ -227,16 +257,27 @@ class Engine:
         chat: bool = False,
     ) -> str:
         """Queue a request; ``prompt`` is text (needs a tokenizer) or a list of token ids.
-        With ``chat=True`` the text is wrapped in the tokenizer's chat template as a user turn."""
+        With ``chat=True`` the text is wrapped in the tokenizer's chat template as a user turn.
+        A request that cannot run raises here (ValueError/TypeError) and nothing is queued."""
+        req = self._new_request(prompt, params, request_id=request_id, chat=chat)
+        self._queue(req)
+        return req.request_id
+
+    def _new_request(self, prompt, params, *, request_id, chat: bool) -> Request:
+        """Check one submission and build its request, queueing nothing."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        params.validate()
+        params.validate()  # the caller may have changed its fields since construction
+        # and a change after submission must not reach the queued request: it runs on a copy
+        params = replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
         ids = self._encode(prompt, chat)
         if not ids:
             raise ValueError("prompt is empty")
-        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"prompt has token ids outside [0, {self.vocab_size})")
+        # Without a vocabulary size, still keep ids in the int64 inputs and off PLACEHOLDER (-1).
+        vocab = self.vocab_size if self.vocab_size is not None else 2**63
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt has token ids outside [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
@@ -257,14 +298,22 @@ class Engine:
             )
         if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
             raise ValueError("prompt is longer than max_num_batched_tokens and chunked prefill is off")
-        rid = str(next(self._ids)) if request_id is None else str(request_id)
-        if rid in self.requests:
-            raise ValueError(f"request_id {rid!r} is already in use")
+        if request_id is None:
+            # Automatic ids skip those a caller chose; they only grow, so ids built for one
+            # generate batch but not queued yet never collide with each other.
+            rid = str(next(self._ids))
+            while rid in self.requests:
+                rid = str(next(self._ids))
+        else:
+            rid = str(request_id)
+            if rid in self.requests:
+                raise ValueError(f"request_id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        req = Request(rid, ids, params, eos_token_ids=self._eos, seed=seed)
-        self.requests[rid] = req
+        return Request(rid, ids, params, eos_token_ids=self._eos, seed=seed)
+
+    def _queue(self, req: Request) -> None:
+        self.requests[req.request_id] = req
         self.scheduler.add(req)
-        return rid
 
     def _encode(self, prompt, chat: bool) -> list[int]:
         if isinstance(prompt, str):
@@ -276,9 +325,10 @@ class Engine:
                 )
                 return self.tokenizer.encode(prompt, add_special_tokens=False)
             return self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        # bool is an int subclass, but True is no token id
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
-        if isinstance(prompt, torch.Tensor) and prompt.ndim == 1 and not prompt.is_floating_point():
+        if isinstance(prompt, torch.Tensor) and prompt.ndim == 1 and _integral(prompt.dtype):
             return prompt.tolist()
         raise TypeError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
 
@@ -443,17 +493,25 @@ class Engine:
         chat: bool = False,
     ) -> list[RequestOutput]:
         """Run a batch of prompts to completion; outputs come back in the prompts' order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if _one_prompt(prompts):
             prompts = [prompts]
-        prompts = list(prompts)
+        elif isinstance(prompts, Iterable):
+            prompts = list(prompts)
+        else:
+            raise TypeError(f"prompts must be a prompt or an iterable of prompts, got {type(prompts).__name__}")
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params has {len(plist)} entries for {len(prompts)} prompts")
-        ids = [self.add_request(p, sp, chat=chat) for p, sp in zip(prompts, plist)]
+        # Check every prompt before queueing any: a bad one must not leave the others queued.
+        reqs = [self._new_request(p, sp, request_id=None, chat=chat) for p, sp in zip(prompts, plist)]
+        for req in reqs:
+            self._queue(req)
+        ids = [req.request_id for req in reqs]
         final: dict[str, RequestOutput] = {}
+        wanted = set(ids)  # requests queued earlier by add_request may finish in these steps too
         while len(final) < len(ids) and self.has_unfinished():
             for out in self.step():
-                if out.finished:
+                if out.finished and out.request_id in wanted:
                     final[out.request_id] = out
         return [final[i] for i in ids]
 
@@ -509,6 +567,19 @@ def _find_stop(text: str, stops: list[str], before: int) -> int | None:
     back tail (the longest stop string less one character) keeps a match out of streamed text."""
     hits = [i for i in (text.find(s, max(0, before - len(s) + 1)) for s in stops) if i >= 0]
     return min(hits) if hits else None
+
+
+def _integral(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _one_prompt(prompts) -> bool:
+    """Whether ``generate``'s ``prompts`` is a single prompt (text or token ids), not a batch."""
+    if isinstance(prompts, str):
+        return True
+    if isinstance(prompts, torch.Tensor):
+        return prompts.ndim == 1
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], int)
 
 
 def _config_eos(cfg) -> set[int]:

@@ -27,13 +27,14 @@ from .prefix_cache import ROOT_HASH, PrefixCacheStats, hash_page
 class _Request:
     """Per-request state: its pages, and the chain keys of its leading full computed pages."""
 
-    __slots__ = ("block_table", "hashes")
+    __slots__ = ("block_table", "hashes", "num_computed")
 
-    def __init__(self, block_table: list[int], hashes: list[bytes]) -> None:
+    def __init__(self, block_table: list[int], hashes: list[bytes], num_computed: int) -> None:
         self.block_table = block_table
         # hashes[i] is the chain key of page i; len(hashes) full pages have been hashed so far,
         # so mark_computed only hashes pages it has not seen.
         self.hashes = hashes
+        self.num_computed = num_computed  # the cache hit at admission, then the last mark_computed
 
 
 def _check_count(name: str, value: object, *, minimum: int) -> int:
@@ -103,6 +104,7 @@ class BlockManager:
 
     def num_pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold ``num_tokens`` tokens."""
+        _check_count("num_tokens", num_tokens, minimum=0)
         return -(-num_tokens // self.page_size)
 
     def can_allocate(self, num_tokens: int) -> bool:
@@ -195,9 +197,8 @@ class BlockManager:
         table = hit_pages
         for _ in range(num_new):
             table.append(self._take_page())
-        self._requests[req_id] = _Request(table, hit_hashes)
-
         cached = num_hit * self.page_size
+        self._requests[req_id] = _Request(table, hit_hashes, cached)
         if self.enable_prefix_caching:
             self.stats.requests += 1
             self.stats.query_tokens += len(token_ids)
@@ -237,6 +238,12 @@ class BlockManager:
                 f"num_computed={num_computed} exceeds the {len(req.block_table) * self.page_size} "
                 f"token slots allocated to request {req_id!r}"
             )
+        # Computed KV is never un-computed (HybridBlockManager refuses this too).
+        if num_computed < req.num_computed:
+            raise ValueError(
+                f"num_computed={num_computed} is below the {req.num_computed} already computed for request {req_id!r}"
+            )
+        req.num_computed = num_computed
         if not self.enable_prefix_caching:
             return
         ps, hashes, table = self.page_size, req.hashes, req.block_table

@@ -34,7 +34,13 @@ def root_hash(extra_key: bytes | None = None) -> bytes:
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
-    buf = array("q", tokens)
+    try:
+        buf = array("q", tokens)
+    # Managers hash a page before they book it, so these leave their state consistent.
+    except OverflowError as e:
+        raise ValueError(f"token_ids must be ints in [-2**63, 2**63) ({e})") from None
+    except TypeError as e:
+        raise TypeError(f"token_ids must be ints ({e})") from None
     if sys.byteorder != "little":  # keep keys identical across hosts (e.g. for a shared CPU tier)
         buf.byteswap()
     return buf.tobytes()

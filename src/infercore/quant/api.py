@@ -17,7 +17,18 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from .formats import FP8_BLOCK, FP8Weight, GGUFWeight, Int8Weight, IntWeight, QuantizedWeight
+from .formats import (
+    FP8_BLOCK,
+    FP8Weight,
+    GGUFWeight,
+    Int8Weight,
+    IntWeight,
+    QuantizedWeight,
+    _check_int,
+    _check_real,
+    _check_vector,
+    _check_weight,
+)
 from .gptq import gptq_quantize
 from .linear import QuantLinear
 
@@ -41,6 +52,53 @@ class QuantScheme:
     act_order: bool = False  # GPTQ: columns in decreasing diag(H) order
     damp: float = 0.01  # GPTQ: fraction of mean diag(H) added to the diagonal
     scale_search: bool = False  # fp8 per-channel: least activation-weighted MSE scale
+
+    def __post_init__(self) -> None:
+        # Every field is checked here rather than where it is used: otherwise a bad field surfaces
+        # as an error about another one (an unknown weight type falls through to W8A8 and blames
+        # act) or is silently ignored (a group size on an fp8 scheme).
+        for f in ("name", "description"):
+            if not isinstance(getattr(self, f), str):
+                raise TypeError(f"{f}: expected a str, got {type(getattr(self, f)).__name__}")
+        if self.weight not in _WEIGHTS:
+            raise ValueError(f"weight: expected one of {_WEIGHTS}, got {self.weight!r}")
+        for f in ("symmetric", "act_order", "scale_search"):
+            if not isinstance(getattr(self, f), bool):
+                raise TypeError(f"{f}: expected a bool, got {getattr(self, f)!r}")
+        int_weight = self.weight in ("int4", "int8")
+        if self.group_size is not None:
+            _check_int("group_size", self.group_size, "a positive even int or None", lambda g: g > 0 and g % 2 == 0)
+            if not int_weight:
+                raise ValueError(f"group_size: only int4/int8 weights are grouped, not {self.weight!r}")
+        if self.fp8_block is not None:
+            _check_int("fp8_block", self.fp8_block, "a positive int or None", lambda b: b > 0)
+            if self.weight != "fp8":
+                raise ValueError(f"fp8_block: applies to fp8 weights only, not {self.weight!r}")
+        if self.scale_search and (self.weight != "fp8" or self.fp8_block is not None):
+            raise ValueError("scale_search: applies to per-channel fp8 weights only (weight 'fp8', fp8_block None)")
+        if self.weight == "w8a8":
+            if self.act not in ("int8", "fp8"):
+                raise ValueError(f"act: expected 'int8' or 'fp8' for w8a8 weights, got {self.act!r}")
+        elif self.act is not None:
+            raise ValueError(f"act: only w8a8 schemes quantize activations; expected None for {self.weight!r}, "
+                             f"got {self.act!r}")
+        if self.smooth_alpha is not None:
+            _check_real("smooth_alpha", self.smooth_alpha, "a number in [0, 1] or None", lambda a: 0 <= a <= 1)
+            if self.weight != "w8a8":
+                raise ValueError(f"smooth_alpha: SmoothQuant applies to w8a8 weights only, not {self.weight!r}")
+        if self.outlier_threshold is not None:
+            _check_real("outlier_threshold", self.outlier_threshold, "a positive number or None", lambda t: t > 0)
+            if self.act != "int8":
+                raise ValueError("outlier_threshold: only INT8 W8A8 weights carry an outlier set")
+        _check_int("max_outliers", self.max_outliers, "a non-negative int", lambda m: m >= 0)
+        if self.method not in ("rtn", "gptq"):
+            raise ValueError(f"method: expected 'rtn' or 'gptq', got {self.method!r}")
+        if self.method == "gptq" and not int_weight:
+            raise ValueError(f"method: GPTQ applies to int4/int8 weight-only schemes, not {self.name!r}")
+        _check_real("damp", self.damp, "a fraction in [0, 1)", lambda d: 0 <= d < 1)
+
+
+_WEIGHTS = ("int4", "int8", "fp8", "w8a8", "q4_0", "q4_1", "q8_0")
 
 
 SCHEMES: dict[str, QuantScheme] = {
@@ -147,6 +205,8 @@ def collect_calibration(
 def _resolve(scheme: str | QuantScheme) -> QuantScheme:
     if isinstance(scheme, QuantScheme):
         return scheme
+    if not isinstance(scheme, str):
+        raise TypeError(f"scheme: expected a scheme name or a QuantScheme, got {type(scheme).__name__}")
     if scheme not in SCHEMES:
         raise ValueError(f"scheme: unknown {scheme!r}; known: {sorted(SCHEMES)}")
     return SCHEMES[scheme]
@@ -161,11 +221,9 @@ def quantize_weight(
     ``act_absmax`` ``[K]`` feeds SmoothQuant/MixQ; ``act_mean_sq`` ``[K]`` weights the FP8 scale
     search; ``hessian`` ``[K, K]`` (mean ``x^T x``) is required by GPTQ schemes.
     """
-    s = _resolve(scheme)
-    if s.method not in ("rtn", "gptq"):
-        raise ValueError(f"method: expected 'rtn' or 'gptq', got {s.method!r}")
-    if s.method == "gptq" and s.weight not in ("int4", "int8"):
-        raise ValueError(f"method: GPTQ applies to int4/int8 weight-only schemes, not {s.name!r}")
+    s = _resolve(scheme)  # a QuantScheme is validated on construction
+    _check_weight(w)
+    k = w.shape[1]
     if s.weight in ("int4", "int8"):
         bits = 4 if s.weight == "int4" else 8
         if s.method == "gptq":
@@ -176,12 +234,17 @@ def quantize_weight(
                                  act_order=s.act_order, damp=s.damp)
         return IntWeight.quantize(w, bits=bits, group_size=s.group_size, symmetric=s.symmetric)
     if s.weight == "fp8":
+        if s.scale_search and act_mean_sq is not None:
+            _check_vector("act_mean_sq", act_mean_sq, k)
         return FP8Weight.quantize(w, block_size=s.fp8_block, scale_search=s.scale_search,
                                   importance=act_mean_sq if s.scale_search else None)
     if s.weight in ("q4_0", "q4_1", "q8_0"):
         return GGUFWeight.quantize(w, qtype=s.weight)
     smooth = outliers = None
     if act_absmax is not None:
+        _check_vector("act_absmax", act_absmax, k)
+        if not bool((torch.isfinite(act_absmax) & (act_absmax >= 0)).all()):
+            raise ValueError("act_absmax: expected finite non-negative per-channel max |x|")
         a = act_absmax.float().to(w.device)
         if s.smooth_alpha is not None:
             # SmoothQuant: s_j = max|x_j|^a / max|W_j|^(1-a), moving range from x to W.
@@ -227,20 +290,30 @@ def quantize(
     Returns:
         ``model`` (modified in place).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     s = _resolve(scheme)
     if method is not None:
-        if method not in ("rtn", "gptq"):
-            raise ValueError(f"method: expected 'rtn' or 'gptq', got {method!r}")
-        s = dataclasses.replace(s, method=method)
-    if s.method == "gptq" and s.weight not in ("int4", "int8"):
-        raise ValueError(f"method: GPTQ applies to int4/int8 weight-only schemes, not {s.name!r}")
+        s = dataclasses.replace(s, method=method)  # QuantScheme validates the override
+    # A bare str would be split into one-letter names.
+    if isinstance(skip, str) or not isinstance(skip, Iterable):
+        raise TypeError(f"skip: expected an iterable of module names, got {skip!r}")
     skip = tuple(skip)
+    if not all(isinstance(p, str) for p in skip):
+        raise TypeError(f"skip: expected module names (str), got {skip!r}")
     targets = [(n, m) for n, m in model.named_modules() if _eligible(n, m, s, skip)]
-    if callable(calibration) and not isinstance(calibration, CalibrationStats):
+    if calibration is not None and not isinstance(calibration, CalibrationStats):
+        if not callable(calibration):
+            raise TypeError("calibration: expected CalibrationStats (see collect_calibration) or a callable "
+                            f"run(model), got {type(calibration).__name__}")
         calibration = collect_calibration(model, calibration, hessian=s.method == "gptq",
                                           names=[n for n, _ in targets])
     if s.method == "gptq" and (calibration is None or not calibration.hessians):
         raise ValueError(f"calibration: scheme {s.name!r} with GPTQ needs calibration Hessians")
+    if calibration is not None:
+        # Before any layer is replaced, so bad statistics leave the model as it was.
+        for name, mod in targets:
+            _check_stats(calibration, name, mod.in_features)
     for name, mod in targets:
         stats = calibration if calibration is not None else CalibrationStats()
         with torch.no_grad():
@@ -249,6 +322,21 @@ def quantize(
         new = QuantLinear(qw, mod.bias, outlier_threshold=s.outlier_threshold, max_outliers=s.max_outliers)
         _set_submodule(model, name, new)
     return model
+
+
+def _check_stats(stats: CalibrationStats, name: str, k: int) -> None:
+    for label, table, shape in (("calibration", stats, (k,)), ("calibration.mean_sq", stats.mean_sq, (k,)),
+                                ("calibration.hessians", stats.hessians, (k, k))):
+        t = table.get(name)
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{label}[{name!r}]: expected a tensor of shape {shape}, got {type(t).__name__}")
+        if t.shape != shape:
+            raise ValueError(f"{label}[{name!r}]: expected shape {shape} (the layer's in_features {k}), "
+                             f"got {tuple(t.shape)}")
+        if shape == (k,) and not bool((torch.isfinite(t) & (t >= 0)).all()):
+            raise ValueError(f"{label}[{name!r}]: expected finite non-negative values")
 
 
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -92,6 +93,30 @@ def _check_weight(w: torch.Tensor) -> None:
         raise TypeError(f"w: expected a floating-point [N, K] tensor, got {getattr(w, 'shape', w)}")
 
 
+def _check_int(name: str, value: object, allowed: str, ok: Callable[[int], bool]) -> None:
+    """A plain ``int`` for which ``ok`` holds. bool, float and str are refused, not coerced: ``int(2.5)``
+    would quietly quantize with another group size than the one asked for."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected {allowed}, got {value!r}")
+    if not ok(value):
+        raise ValueError(f"{name}: expected {allowed}, got {value}")
+
+
+def _check_real(name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> None:
+    """A finite int or float (not bool) for which ``ok`` holds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected {allowed}, got {value!r}")
+    if not (math.isfinite(value) and ok(value)):
+        raise ValueError(f"{name}: expected {allowed}, got {value}")
+
+
+def _check_vector(name: str, t: object, k: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor of shape ({k},), got {type(t).__name__}")
+    if t.shape != (k,):
+        raise ValueError(f"{name}: expected shape ({k},), got {tuple(t.shape)}")
+
+
 # ----------------------------------------------------------------------------------------------
 # INT4 / INT8 weight-only
 # ----------------------------------------------------------------------------------------------
@@ -151,12 +176,12 @@ class IntWeight(QuantizedWeight):
         clipping search of AWQ/llama.cpp), which matters at 4 bits.
         """
         _check_weight(w)
-        if bits not in (4, 8):
-            raise ValueError(f"bits: expected 4 or 8, got {bits}")
+        _check_int("bits", bits, "4 or 8", lambda b: b in (4, 8))
         n, k = w.shape
-        g = k if group_size is None else int(group_size)
-        if g <= 0 or g % 2:
-            raise ValueError(f"group_size: expected a positive even number or None, got {group_size}")
+        if group_size is not None:
+            # Even: two 4-bit codes share a byte, so a group must not split one.
+            _check_int("group_size", group_size, "a positive even int or None", lambda g: g > 0 and g % 2 == 0)
+        g = k if group_size is None else group_size
         kp = math.ceil(k / g) * g
         wf = torch.zeros(n, kp, dtype=torch.float32, device=w.device)
         wf[:, :k] = w.float()
@@ -241,17 +266,21 @@ class FP8Weight(QuantizedWeight):
         """
         _check_weight(w)
         n, k = w.shape
+        if block_size is not None:
+            _check_int("block_size", block_size, "a positive int or None", lambda b: b > 0)
+            if scale_search:
+                raise ValueError("scale_search: applies to per-channel scales only (block_size=None)")
+        if importance is not None:
+            _check_vector("importance", importance, k)
+            if not bool((torch.isfinite(importance) & (importance >= 0)).all()):
+                raise ValueError("importance: expected finite non-negative per-channel weights")
         wf = w.float()
         if block_size is None:
             amax = wf.abs().amax(1)
             s = (amax / E4M3_MAX).clamp_min(1e-12)
             q = fp8_e4m3_encode(wf / s[:, None])
             if scale_search:
-                imp = None
-                if importance is not None:
-                    if importance.shape != (k,):
-                        raise ValueError(f"importance: expected shape ({k},), got {tuple(importance.shape)}")
-                    imp = importance.float().to(w.device)[None, :]
+                imp = None if importance is None else importance.float().to(w.device)[None, :]
 
                 def err_of(qb: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
                     d2 = (qb.view(torch.float8_e4m3fn).float() * sc[:, None] - wf) ** 2
@@ -267,14 +296,14 @@ class FP8Weight(QuantizedWeight):
                     q = torch.where(better[:, None], q_r, q)
                     best_err = torch.minimum(e, best_err)
         else:
-            b = int(block_size)
+            b = block_size
             nb, kb = math.ceil(n / b), math.ceil(k / b)
             pad = torch.zeros(nb * b, kb * b, device=w.device)
             pad[:n, :k] = wf
             s = (pad.view(nb, b, kb, b).abs().amax((1, 3)) / E4M3_MAX).clamp_min(1e-12)
             per = s.repeat_interleave(b, 0).repeat_interleave(b, 1)[:n, :k]
             q = fp8_e4m3_encode(wf / per)
-        return cls(q.contiguous(), s.contiguous(), None if block_size is None else int(block_size))
+        return cls(q.contiguous(), s.contiguous(), block_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,6 +356,24 @@ class Int8Weight(QuantizedWeight):
         if act not in ("int8", "fp8"):
             raise ValueError(f"act: expected 'int8' or 'fp8', got {act!r}")
         n, k = w.shape
+        if smooth is not None:
+            _check_vector("smooth", smooth, k)
+            # Activations are divided by smooth: a zero, negative or non-finite factor is no scale.
+            if not bool((torch.isfinite(smooth) & (smooth > 0)).all()):
+                raise ValueError("smooth: expected finite positive factors")
+        if outlier_idx is not None:
+            if not isinstance(outlier_idx, torch.Tensor) or outlier_idx.dtype not in (torch.int32, torch.int64):
+                got = getattr(outlier_idx, "dtype", type(outlier_idx).__name__)
+                raise TypeError(f"outlier_idx: expected an int32/int64 tensor, got {got}")
+            if outlier_idx.dim() != 1:
+                raise ValueError(f"outlier_idx: expected shape (n_out,), got {tuple(outlier_idx.shape)}")
+            # A repeated channel would be added twice by the high-precision path.
+            if outlier_idx.numel() and (int(outlier_idx.min()) < 0 or int(outlier_idx.max()) >= k
+                                        or outlier_idx.unique().numel() != outlier_idx.numel()):
+                raise ValueError(f"outlier_idx: expected distinct input channels in [0, {k}), got "
+                                 f"{outlier_idx.numel()} in [{int(outlier_idx.min())}, {int(outlier_idx.max())}]")
+        if outlier_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"outlier_dtype: expected torch.float32, float16 or bfloat16, got {outlier_dtype!r}")
         wf = w.float().clone()
         w_out = None
         if outlier_idx is not None:
@@ -334,8 +381,6 @@ class Int8Weight(QuantizedWeight):
             w_out = wf[:, outlier_idx.long()].to(outlier_dtype).contiguous()
             wf[:, outlier_idx.long()] = 0.0
         if smooth is not None:
-            if smooth.shape != (k,):
-                raise ValueError(f"smooth: expected shape ({k},), got {tuple(smooth.shape)}")
             smooth = smooth.float().to(w.device)
             wf = wf * smooth[None, :]
         if act == "int8":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .formats import FP8Weight, GGUFWeight, Int8Weight, IntWeight, QuantizedWeight
+from .formats import FP8Weight, GGUFWeight, Int8Weight, IntWeight, QuantizedWeight, _check_int, _check_real
 from .ops import fp8_wo_matmul, gguf_matmul, per_token_quant, w8a8_matmul, wq_matmul
 
 
@@ -34,13 +34,22 @@ class QuantLinear(nn.Module):
         super().__init__()
         if not isinstance(weight, QuantizedWeight):
             raise TypeError(f"weight: expected a QuantizedWeight, got {type(weight).__name__}")
-        if outlier_threshold is not None and not (isinstance(weight, Int8Weight) and weight.act == "int8"):
-            raise ValueError("outlier_threshold: only INT8 W8A8 weights carry an outlier set")
+        n, k = weight.shape
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+                raise TypeError(f"bias: expected a floating-point [{n}] tensor or None, got {type(bias).__name__}")
+            if bias.shape != (n,):
+                raise ValueError(f"bias: expected shape ({n},), got {tuple(bias.shape)}")
+        if outlier_threshold is not None:
+            if not (isinstance(weight, Int8Weight) and weight.act == "int8"):
+                raise ValueError("outlier_threshold: only INT8 W8A8 weights carry an outlier set")
+            _check_real("outlier_threshold", outlier_threshold, "a positive number or None", lambda t: t > 0)
+        _check_int("max_outliers", max_outliers, "a non-negative int", lambda m: m >= 0)
         self._meta = weight.meta()
         self._names: list[str] = []
         self._set_weight(weight)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = n, k
         self.outlier_threshold = outlier_threshold
         self.max_outliers = max_outliers
         # Online outlier prediction statistics: tokens seen, tokens fully covered by the
@@ -77,8 +86,13 @@ class QuantLinear(nn.Module):
             return fp8_wo_matmul(x, w, bias=self.bias)
         if isinstance(w, GGUFWeight):
             return gguf_matmul(x, w, bias=self.bias)
+        # The weight-only ops above check x themselves; the W8A8 path starts with a reshape. Metadata only.
+        if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"QuantLinear: x must be a fp32/fp16/bf16 tensor, got {getattr(x, 'dtype', type(x))}")
         if x.dim() < 1 or x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear: x must be [..., {self.in_features}], got {tuple(x.shape)}")
+        if x.device != w.qweight.device:
+            raise ValueError(f"QuantLinear: x is on {x.device} but the weight is on {w.qweight.device}")
         x2 = x.reshape(-1, self.in_features)
         if self.outlier_threshold is not None:
             y = self._mixed(x2, w)
@@ -97,7 +111,9 @@ class QuantLinear(nn.Module):
         if act not in GATED_ACTS:
             raise ValueError(f"act: expected one of {GATED_ACTS}, got {act!r}")
         w = self.qweight_format
-        if x.is_cuda and isinstance(w, (IntWeight, FP8Weight)) and x.dim() >= 1 and x.shape[-1] == self.in_features:
+        # A non-tensor x falls through to forward, which names what it expected.
+        if (isinstance(x, torch.Tensor) and x.is_cuda and isinstance(w, (IntWeight, FP8Weight)) and x.dim() >= 1
+                and x.shape[-1] == self.in_features):
             from . import triton_wo
 
             x2 = x.reshape(-1, self.in_features)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..block_manager import _check_count
 from .spec import (
     FULL,
     LINEAR,
@@ -147,6 +148,12 @@ class HybridKVLayout:
             isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0
         ):
             raise ValueError(f"budget_bytes must be a positive int or None, got {budget_bytes!r}")
+        if max_large_page_bytes is not None and (
+            isinstance(max_large_page_bytes, bool)
+            or not isinstance(max_large_page_bytes, int)
+            or max_large_page_bytes <= 0
+        ):
+            raise ValueError(f"max_large_page_bytes must be a positive int or None, got {max_large_page_bytes!r}")
 
         # Group identical specs (resolved dtype included), ordered by first layer.
         keyed: dict[object, list[int]] = {}
@@ -230,10 +237,11 @@ class HybridKVLayout:
     # ------------------------------------------------------------------ derived sizes
 
     def smalls_per_large(self, group: int) -> int:
-        return self.large_bytes // self.groups[group].small_bytes
+        return self.large_bytes // self._group(group).small_bytes
 
     def num_large_pages(self, budget_bytes: int) -> int:
         """Large pages that fit in ``budget_bytes``."""
+        _check_count("budget_bytes", budget_bytes, minimum=0)
         return budget_bytes // self.large_bytes
 
     def group_of_layer(self, layer: int) -> LayerGroup:
@@ -252,12 +260,13 @@ class HybridKVLayout:
 
     def effective_kind(self, group: int) -> str:
         """The policy a group is managed with: uniform mode keeps sliding layers' full history."""
-        kind = self.groups[group].kind
+        kind = self._group(group).kind
         return FULL if (kind == SLIDING and self.mode == "uniform") else kind
 
     def needed_bytes(self, num_tokens: int) -> int:
         """The least memory a request of ``num_tokens`` tokens needs: every token of full layers,
         the last ``window`` tokens of sliding layers, one state per linear layer (no padding)."""
+        _check_count("num_tokens", num_tokens, minimum=0)
         total = 0
         for g in self.groups:
             spec = g.spec
@@ -267,6 +276,12 @@ class HybridKVLayout:
                 n = num_tokens if g.kind == FULL else min(num_tokens, g.window)
                 total += n * bytes_per_token(spec, default_dtype=g.dtype) * g.num_layers
         return total
+
+    def _group(self, group: int) -> LayerGroup:
+        # A negative index would silently pick a group from the end.
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(self.groups):
+            raise ValueError(f"group must be in [0, {len(self.groups)}), got {group!r}")
+        return self.groups[group]
 
 
 def _lcm(sizes: Sequence[int]) -> int:

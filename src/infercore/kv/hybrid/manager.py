@@ -143,6 +143,7 @@ class HybridBlockManager:
         ``i`` holds positions ``[i * page_tokens, (i + 1) * page_tokens)``; released pages read
         ``PAD_PAGE``. Pages are only ever appended while the request holds them."""
         self._check_group(group, token=True)
+        _count("start", start)  # a negative start would slice from the end
         return self._get(req_id).tables[group][start:]
 
     def state_slot(self, req_id: Hashable, group: int) -> int:
@@ -169,6 +170,8 @@ class HybridBlockManager:
     ) -> torch.Tensor:
         """int32 ``[len(req_ids), max_pages]`` block table of ``group``; released and padding
         entries are 0 (a valid page id that the window mask never reads)."""
+        if max_pages is not None:
+            _count("max_pages", max_pages)
         tables = [self.block_table(r, group) for r in req_ids]
         width = max_pages if max_pages is not None else max((len(t) for t in tables), default=0)
         out = torch.zeros((len(tables), width), dtype=torch.int32)

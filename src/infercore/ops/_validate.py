@@ -8,6 +8,8 @@ stay legal inside CUDA-graph capture.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -57,13 +59,27 @@ def same_device(op: str, ref_name: str, ref: torch.Tensor, **others: torch.Tenso
             raise ValueError(f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}")
 
 
+def dim_at_least_one(op: str, name: str, t: torch.Tensor, dim: int, what: str) -> None:
+    """``t.shape[dim] >= 1``: a zero-sized pool, page, head or vocab axis would divide by zero or index nothing."""
+    if t.shape[dim] < 1:
+        raise ValueError(f"{op}: {name} must have {what} >= 1, got shape {tuple(t.shape)}")
+
+
 def number(op: str, name: str, x: object, *, positive: bool = False, nonneg: bool = False) -> float:
+    """A finite Python int / float (NaN and +-inf rejected), optionally ``> 0`` or ``>= 0``; returns it as float."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise TypeError(f"{op}: {name} must be a number, got {type(x).__name__}")
     x = float(x)
-    if x != x or (positive and not x > 0) or (nonneg and not x >= 0):
-        need = "> 0" if positive else ">= 0" if nonneg else "a finite number"
+    if not math.isfinite(x) or (positive and not x > 0) or (nonneg and not x >= 0):
+        need = "a finite number" + (" > 0" if positive else " >= 0" if nonneg else "")
         raise ValueError(f"{op}: {name} must be {need}, got {x}")
+    return x
+
+
+def flag(op: str, name: str, x: object) -> bool:
+    # A string such as "no" would be truthy, so only a real bool is taken.
+    if not isinstance(x, bool):
+        raise TypeError(f"{op}: {name} must be a bool, got {type(x).__name__}")
     return x
 
 

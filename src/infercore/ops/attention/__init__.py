@@ -33,11 +33,12 @@ def _check_common(
 ) -> None:
     V.floating(op, "q", q)
     V.ndim(op, "q", q, 3, "[tokens, q_heads, head_dim]")
+    V.tensor(op, "k_cache", k_cache)
     if not is_quantized_kv(k_cache.dtype):
         V.floating(op, "k_cache", k_cache)
-    else:
-        V.tensor(op, "k_cache", k_cache)
     V.ndim(op, "k_cache", k_cache, 4, "[num_pages, page_size, kv_heads, head_dim]")
+    V.dim_at_least_one(op, "k_cache", k_cache, 0, "num_pages")
+    V.dim_at_least_one(op, "k_cache", k_cache, 1, "page_size")
     V.tensor(op, "v_cache", v_cache)
     V.same_dtype(op, "v_cache", v_cache, "k_cache", k_cache)
     if v_cache.shape != k_cache.shape:
@@ -307,7 +308,7 @@ def rope_write_decode_attention(
     return dispatch(op, q.device)(
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, seq_lens=seq_lens,
         block_table=block_table, scale=float(scale), sliding_window=sliding_window,
-        softcap=None if softcap is None else float(softcap), is_neox=is_neox)  # fmt: skip
+        softcap=None if softcap is None else float(softcap), is_neox=V.flag(op, "is_neox", is_neox))  # fmt: skip
 
 
 def paged_attention(

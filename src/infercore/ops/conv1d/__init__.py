@@ -16,9 +16,12 @@ __all__ = ["causal_conv1d_prefill_", "causal_conv1d_update_"]
 ACTIVATIONS = (None, "silu")
 
 
-def _check(op, x, weight, conv_state, bias, activation, state_slots, batch):
+def _check(op, x, weight, conv_state, bias, activation, state_slots, batch=None):
+    """``batch``: the number of sequences (ragged prefill), or None for one per row of x (decode)."""
     V.floating(op, "x", x)
     V.ndim(op, "x", x, 2, "[tokens, channels]")
+    if batch is None:
+        batch = x.shape[0]
     V.floating(op, "weight", weight)
     V.ndim(op, "weight", weight, 2, "[channels, width]")
     C, W = weight.shape
@@ -29,6 +32,7 @@ def _check(op, x, weight, conv_state, bias, activation, state_slots, batch):
     V.floating(op, "conv_state", conv_state)
     if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != (C, W - 1):
         raise ValueError(f"{op}: conv_state must be [num_slots, {C}, {W - 1}], got {tuple(conv_state.shape)}")
+    V.dim_at_least_one(op, "conv_state", conv_state, 0, "num_slots")
     if bias is not None:
         V.floating(op, "bias", bias)
         if bias.shape != (C,):
@@ -57,9 +61,11 @@ def causal_conv1d_prefill_(
     Args:
         x: ``[T, C]`` fp32/fp16/bf16, sequences back to back (``cu_seqlens`` int32 ``[B + 1]``).
         weight: ``[C, W]`` depthwise filters; bias: ``[C]`` or None.
-        conv_state: ``[num_slots, C, W - 1]``; slot ``state_slots[b]`` (int32 ``[B]``, distinct)
-            supplies the ``W - 1`` inputs before the sequence when ``has_initial_state[b]`` (bool
-            ``[B]``; zeros otherwise) and receives the sequence's last ``W - 1`` inputs.
+        conv_state: ``[num_slots, C, W - 1]``, ``num_slots >= 1``; slot ``state_slots[b]`` (int32
+            ``[B]``, distinct) supplies the ``W - 1`` inputs before the sequence when
+            ``has_initial_state[b]`` (bool ``[B]``; zeros otherwise) and receives the sequence's last
+            ``W - 1`` inputs. A negative slot marks a padding sequence, as in decode: zero history
+            (``has_initial_state`` ignored), outputs still computed, no state write.
         activation: ``"silu"`` or None.
 
     Returns:
@@ -89,7 +95,7 @@ def causal_conv1d_update_(
     slot marks a padding row (CUDA-graph batch buckets): zero history, no state write.
     Returns ``[B, C]`` in ``x.dtype``."""
     op = "causal_conv1d_update_"
-    _check(op, x, weight, conv_state, bias, activation, state_slots, x.shape[0] if x.dim() == 2 else -1)
+    _check(op, x, weight, conv_state, bias, activation, state_slots)
     return dispatch(op, x.device)(
         x, weight, conv_state, state_slots=state_slots, bias=bias, activation=activation
     )

@@ -33,12 +33,16 @@ def causal_conv1d_prefill_ref(
     bounds, slots, init = cu_seqlens.tolist(), state_slots.tolist(), has_initial_state.tolist()
     for b, slot in enumerate(slots):
         s, e = bounds[b], bounds[b + 1]
-        prev = (
-            conv_state[slot].float().t() if init[b] else x.new_zeros(W - 1, x.shape[1], dtype=torch.float32)
-        )
+        # A negative slot is a padding sequence (as in decode): zero history, no state write. Python's
+        # negative indexing would otherwise read and overwrite the pool's last slot.
+        if init[b] and slot >= 0:
+            prev = conv_state[slot].float().t()
+        else:
+            prev = x.new_zeros(W - 1, x.shape[1], dtype=torch.float32)
         xx = torch.cat([prev, x[s:e].float()])
         out[s:e] = _conv(xx, weight, bias, activation).to(x.dtype)
-        conv_state[slot] = xx[xx.shape[0] - (W - 1) :].t().to(conv_state.dtype)
+        if slot >= 0:
+            conv_state[slot] = xx[xx.shape[0] - (W - 1) :].t().to(conv_state.dtype)
     return out
 
 

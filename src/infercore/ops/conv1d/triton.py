@@ -44,7 +44,8 @@ def _conv_prefill_kernel(
         in_seq = (pos >= 0) & tmask
         xv = tl.load(x_ptr + (start + pos)[:, None].to(tl.int64) * C + c[None, :],
                      mask=in_seq[:, None] & cmask[None, :], other=0.0).to(tl.float32)  # fmt: skip
-        in_state = (pos < 0) & tmask
+        # A negative slot is a padding sequence: zero history, its state is not read.
+        in_state = (pos < 0) & tmask & (pos * 0 + slot >= 0)
         sidx = tl.where(pos < 0, pos + (W - 1), 0)
         sv = tl.load(state_ptr + slot * s_slot + c[None, :] * s_c + sidx[:, None] * s_w,
                      mask=in_state[:, None] & cmask[None, :], other=0.0).to(tl.float32)  # fmt: skip
@@ -66,6 +67,8 @@ def _conv_state_kernel(
     start = tl.load(cu_ptr + b)
     L = tl.load(cu_ptr + b + 1) - start
     slot = tl.load(slot_ptr + b).to(tl.int64)
+    if slot < 0:  # a padding sequence writes no state
+        return
     init = tl.load(init_ptr + b) != 0
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < C

@@ -27,6 +27,7 @@ def _check(op, q, k, v, g, beta, state_pool, scale):
     V.same_dtype(op, "v", v, "q", q)
     if k.shape != q.shape:
         raise ValueError(f"{op}: k has shape {tuple(k.shape)} but q has {tuple(q.shape)}")
+    V.dim_at_least_one(op, "q", q, 1, "heads")
     T, hk, dk = q.shape
     if v.shape[0] != T:
         raise ValueError(f"{op}: v has {v.shape[0]} tokens but q has {T}")
@@ -43,6 +44,7 @@ def _check(op, q, k, v, g, beta, state_pool, scale):
             f"{op}: state_pool must be [num_slots, v_heads, k_dim, v_dim] = [*, {hv}, {dk}, {dv}], "
             f"got {tuple(state_pool.shape)}"
         )
+    V.dim_at_least_one(op, "state_pool", state_pool, 0, "num_slots")
     V.same_device(op, "q", q, k=k, v=v, g=g, beta=beta, state_pool=state_pool)
     return dk**-0.5 if scale is None else V.number(op, "scale", scale, positive=True)
 
@@ -80,7 +82,9 @@ def chunk_gated_delta_rule_(
         state_pool: ``[num_slots, Hv, K, V]`` (fp32 recommended); slot ``state_slots[b]`` holds
             sequence ``b``'s state on entry (if ``has_initial_state[b]``) and its final state on exit.
         cu_seqlens: int32 ``[B + 1]``, sequence ``b`` is tokens ``[cu[b], cu[b+1])``.
-        state_slots: int32 ``[B]``, distinct slots.
+        state_slots: int32 ``[B]``, distinct slots; a negative slot marks a padding sequence, as in
+            decode: it starts from a zero state (``has_initial_state`` ignored), its outputs are still
+            computed, and it writes no state.
         has_initial_state: bool ``[B]``; False starts from zeros (the slot's content is ignored).
         scale: query scale, default ``K ** -0.5``.
         use_qk_l2norm: L2-normalize q and k per head first (Qwen3-Next does).
@@ -93,9 +97,10 @@ def chunk_gated_delta_rule_(
     B = V.ragged_batch(op, cu_seqlens, has_initial_state)
     _slots(op, state_slots, B, q.device)
     V.same_device(op, "q", q, cu_seqlens=cu_seqlens)
+    use_qk_l2norm = V.flag(op, "use_qk_l2norm", use_qk_l2norm)
     return dispatch(op, q.device)(
         q, k, v, g, beta, state_pool, cu_seqlens=cu_seqlens, state_slots=state_slots,
-        has_initial_state=has_initial_state, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
+        has_initial_state=has_initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
     )  # fmt: skip
 
 
@@ -126,8 +131,9 @@ def fused_recurrent_gated_delta_rule_(
     op = "fused_recurrent_gated_delta_rule_"
     scale = _check(op, q, k, v, g, beta, state_pool, scale)
     _slots(op, state_slots, q.shape[0], q.device)
+    use_qk_l2norm = V.flag(op, "use_qk_l2norm", use_qk_l2norm)
     return dispatch(op, q.device)(
-        q, k, v, g, beta, state_pool, state_slots=state_slots, scale=scale, use_qk_l2norm=bool(use_qk_l2norm)
+        q, k, v, g, beta, state_pool, state_slots=state_slots, scale=scale, use_qk_l2norm=use_qk_l2norm
     )
 
 

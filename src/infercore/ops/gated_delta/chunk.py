@@ -270,7 +270,10 @@ def _state_kernel(
     kmask = ks < K
     vmask = vs < V
     smask = kmask[:, None] & vmask[None, :]
-    h = tl.load(state_ptr + slot * ss_slot + hv * ss_h + ks[:, None] * ss_k + vs[None, :], mask=smask, other=0.0)
+    # A negative slot marks a padding sequence: zero initial state, the pool is not read.
+    # (The slot test is broadcast to a vector: the interpreter rejects a scalar & block mask.)
+    in_pool = smask & (vs * 0 + slot >= 0)[None, :]
+    h = tl.load(state_ptr + slot * ss_slot + hv * ss_h + ks[:, None] * ss_k + vs[None, :], mask=in_pool, other=0.0)
     h = tl.where(init, h.to(tl.float32), 0.0)  # a fresh sequence ignores whatever its slot held
     nc = tl.cdiv(end - start, C)
     for c in range(0, nc):
@@ -333,6 +336,42 @@ def _output_kernel(
     o += tl.dot(s.to(vn.dtype), vn, input_precision=PREC)
     tl.store(o_ptr + t0 * so_t + hv * so_h + rs[:, None] * so_t + vs[None, :], (o * scale).to(o_ptr.dtype.element_ty),
              mask=rmask[:, None] & vmask[None, :])  # fmt: skip
+
+
+@triton.jit
+def _scatter_final_kernel(
+    final_ptr, pool_ptr, slot_ptr, K, V, sf_b, sf_h, sf_k, ss_slot, ss_h, ss_k, ss_v,
+    BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """Per (sequence, value head, block of key rows): ``pool[slot] = final[b]``; a negative slot
+    (a padding sequence) writes nothing."""
+    b = tl.program_id(0)
+    hv = tl.program_id(1)
+    kb = tl.program_id(2)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    if slot < 0:
+        return
+    ks = kb * BK + tl.arange(0, BK)
+    vs = tl.arange(0, BV)
+    m = (ks < K)[:, None] & (vs < V)[None, :]
+    x = tl.load(final_ptr + b.to(tl.int64) * sf_b + hv * sf_h + ks[:, None] * sf_k + vs[None, :], mask=m)
+    tl.store(pool_ptr + slot * ss_slot + hv * ss_h + ks[:, None] * ss_k + vs[None, :] * ss_v,
+             x.to(pool_ptr.dtype.element_ty), mask=m)  # fmt: skip
+
+
+def scatter_final_states(final: torch.Tensor, state_pool: torch.Tensor, state_slots: torch.Tensor) -> None:
+    """``state_pool[state_slots[b]] = final[b]`` (``final`` contiguous fp32 ``[B, HV, K, V]``) except
+    for negative (padding) slots, on the device: ``index_copy_`` faults on a negative index, and
+    dropping those rows first would read the slots on the host (a sync)."""
+    B, HV, K, V = final.shape
+    if B == 0:
+        return
+    BV = triton.next_power_of_2(V)
+    BK = min(triton.next_power_of_2(K), max(1, 4096 // BV))  # about 4k elements a program
+    _scatter_final_kernel[(B, HV, triton.cdiv(K, BK))](
+        final, state_pool, state_slots, K, V, final.stride(0), final.stride(1), final.stride(2),
+        *state_pool.stride(), BK=BK, BV=BV,
+    )  # fmt: skip
 
 
 def chunk_layout(cu_seqlens: torch.Tensor, num_tokens: int, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,7 +441,7 @@ def prefill_stages(
     ``config`` overrides :data:`DEFAULT_PREFILL_CONFIG` per kernel (``{"wu": {"BK": 128}, ...}``).
 
     Returns ``(stages [(name, launch)], o [T, HV, V] in v.dtype, final [B, HV, K, V] fp32)``; the
-    caller scatters ``final`` into the pool.
+    caller scatters ``final`` into the pool (:func:`scatter_final_states`: padding rows write none).
     """
     # q..has_initial_state are validated by the public wrapper; only this module's own knobs here.
     if chunk_size not in (16, 32, 64):
@@ -510,5 +549,5 @@ def chunk_gated_delta_rule_(
         launch()
     # The final state goes to a separate buffer (scattered into the pool here) so no kernel has a
     # side effect on its inputs and any stage may be rerun.
-    state_pool.index_copy_(0, state_slots.long(), final.to(state_pool.dtype))
+    scatter_final_states(final, state_pool, state_slots)
     return o

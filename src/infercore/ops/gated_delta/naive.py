@@ -122,19 +122,22 @@ def chunk_gated_delta_rule_ref(
 ) -> torch.Tensor:  # fmt: skip
     """Ragged batch (layouts of the module docstring; arguments validated by the public wrapper):
     each sequence runs :func:`chunk_gated_delta_rule` from its slot's state (or zeros) and writes
-    its final state back into the slot. Returns ``[T, Hv, V]`` in ``v.dtype``."""
+    its final state back into the slot. A negative slot is a padding sequence (as in decode): zero
+    initial state, no state write. Returns ``[T, Hv, V]`` in ``v.dtype``."""
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     bounds = cu_seqlens.tolist()
     slots = state_slots.tolist()
     init = has_initial_state.tolist()
-    for b in range(len(slots)):
+    for b, slot in enumerate(slots):
         s, e = bounds[b], bounds[b + 1]
-        state = state_pool[slots[b]] if init[b] else None
+        # Tested before indexing: Python's negative indexing would use the pool's last slot.
+        state = state_pool[slot] if init[b] and slot >= 0 else None
         o, final = chunk_gated_delta_rule(
             q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state, scale=scale, use_qk_l2norm=use_qk_l2norm
         )
         out[s:e] = o.to(v.dtype)
-        state_pool[slots[b]] = final.to(state_pool.dtype)
+        if slot >= 0:
+            state_pool[slot] = final.to(state_pool.dtype)
     return out
 
 

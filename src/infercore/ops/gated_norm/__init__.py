@@ -53,8 +53,9 @@ def gated_rms_norm(
             or H % group_size
         ):
             raise ValueError(f"{op}: group_size must be a positive divisor of {H}, got {group_size!r}")
+    norm_before_gate = V.flag(op, "norm_before_gate", norm_before_gate)
     return dispatch(op, x.device)(
-        x, gate, weight, eps=float(eps), group_size=group_size, norm_before_gate=bool(norm_before_gate)
+        x, gate, weight, eps=float(eps), group_size=group_size, norm_before_gate=norm_before_gate
     )
 
 

@@ -48,6 +48,8 @@ def write_kv_cache_(
     if not (k_cache.is_floating_point() or is_quantized_kv(k_cache.dtype)):
         raise TypeError(f"{op}: k_cache must be a floating, int8 or float8_e4m3fn tensor, got {k_cache.dtype}")
     V.ndim(op, "k_cache", k_cache, 4, "[num_pages, page_size, kv_heads, head_dim]")
+    V.dim_at_least_one(op, "k_cache", k_cache, 0, "num_pages")
+    V.dim_at_least_one(op, "k_cache", k_cache, 1, "page_size")
     if k_cache.shape[2:] != k.shape[1:]:
         raise ValueError(
             f"{op}: k_cache heads/head_dim {tuple(k_cache.shape[2:])} != k's {tuple(k.shape[1:])}"

@@ -16,10 +16,13 @@ from .naive import mamba_chunk_scan_ref, selective_state_update_ref
 __all__ = ["mamba_chunk_scan_", "selective_state_update_"]
 
 
-def _check(op, x, dt, A, B, C, state_pool, D, z, dt_bias, dt_limit, state_slots, batch):
+def _check(op, x, dt, A, B, C, state_pool, D, z, dt_bias, dt_limit, state_slots, batch=None):
+    """``batch``: the number of sequences (ragged prefill), or None for one per token of x (decode)."""
     V.floating(op, "x", x)
     V.ndim(op, "x", x, 3, "[tokens, heads, head_dim]")
     T, H, P = x.shape
+    if batch is None:
+        batch = T
     V.floating(op, "dt", dt)
     if dt.shape != (T, H):
         raise ValueError(f"{op}: dt must be [{T}, {H}], got {tuple(dt.shape)}")
@@ -29,6 +32,7 @@ def _check(op, x, dt, A, B, C, state_pool, D, z, dt_bias, dt_limit, state_slots,
     for name, t in (("B", B), ("C", C)):
         V.floating(op, name, t)
         V.ndim(op, name, t, 3, "[tokens, groups, state_dim]")
+        V.dim_at_least_one(op, name, t, 1, "groups")
     if B.shape != C.shape or B.shape[0] != T or H % B.shape[1]:
         raise ValueError(
             f"{op}: B and C must be [{T}, G, N] with H={H} a multiple of G, "
@@ -40,6 +44,7 @@ def _check(op, x, dt, A, B, C, state_pool, D, z, dt_bias, dt_limit, state_slots,
         raise ValueError(
             f"{op}: state_pool must be [num_slots, {H}, {P}, {N}], got {tuple(state_pool.shape)}"
         )
+    V.dim_at_least_one(op, "state_pool", state_pool, 0, "num_slots")
     for name, t, shape in (("D", D, (H,)), ("dt_bias", dt_bias, (H,)), ("z", z, (T, H, P))):
         if t is not None:
             V.floating(op, name, t)
@@ -77,8 +82,9 @@ def mamba_chunk_scan_(
         x: ``[T, H, P]``; dt: ``[T, H]`` (raw, before ``dt_bias`` / softplus); A: ``[H]`` (negative).
         B, C: ``[T, G, N]``, ``H % G == 0``.
         state_pool: ``[num_slots, H, P, N]`` (fp32 recommended).
-        cu_seqlens: int32 ``[B + 1]``; state_slots: int32 ``[B]`` distinct; has_initial_state:
-            bool ``[B]`` (False starts from zeros).
+        cu_seqlens: int32 ``[B + 1]``; state_slots: int32 ``[B]`` distinct, a negative slot marks a
+            padding sequence as in decode (zero state in, ``has_initial_state`` ignored, outputs still
+            computed, no state write); has_initial_state: bool ``[B]`` (False starts from zeros).
         D: ``[H]`` skip connection; z: ``[T, H, P]`` gate (``y *= silu(z)``); dt_bias: ``[H]``;
         dt_softplus: apply softplus to ``dt + dt_bias``; dt_limit: clamp of the step.
 
@@ -89,9 +95,10 @@ def mamba_chunk_scan_(
     nb = V.ragged_batch(op, cu_seqlens, has_initial_state)
     _check(op, x, dt, A, B, C, state_pool, D, z, dt_bias, dt_limit, state_slots, nb)
     V.same_device(op, "x", x, cu_seqlens=cu_seqlens)
+    dt_softplus = V.flag(op, "dt_softplus", dt_softplus)
     return dispatch(op, x.device)(
         x, dt, A, B, C, state_pool, cu_seqlens=cu_seqlens, state_slots=state_slots,
-        has_initial_state=has_initial_state, D=D, z=z, dt_bias=dt_bias, dt_softplus=bool(dt_softplus),
+        has_initial_state=has_initial_state, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
         dt_limit=(float(dt_limit[0]), float(dt_limit[1])),
     )  # fmt: skip
 
@@ -115,12 +122,11 @@ def selective_state_update_(
     Arguments as in :func:`mamba_chunk_scan_` with ``T = B``; a negative slot marks a padding row
     (CUDA-graph batch buckets): zero state in, no state write. Returns ``[B, H, P]`` in ``x.dtype``."""
     op = "selective_state_update_"
-    _check(
-        op, x, dt, A, B, C, state_pool, D, z, dt_bias, dt_limit, state_slots, x.shape[0] if x.dim() else -1
-    )
+    _check(op, x, dt, A, B, C, state_pool, D, z, dt_bias, dt_limit, state_slots)
+    dt_softplus = V.flag(op, "dt_softplus", dt_softplus)
     return dispatch(op, x.device)(
         x, dt, A, B, C, state_pool, state_slots=state_slots, D=D, z=z, dt_bias=dt_bias,
-        dt_softplus=bool(dt_softplus), dt_limit=(float(dt_limit[0]), float(dt_limit[1])),
+        dt_softplus=dt_softplus, dt_limit=(float(dt_limit[0]), float(dt_limit[1])),
     )  # fmt: skip
 
 

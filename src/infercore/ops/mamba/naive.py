@@ -106,12 +106,15 @@ def mamba_chunk_scan_ref(
     bounds, slots, init = cu_seqlens.tolist(), state_slots.tolist(), has_initial_state.tolist()
     for b, slot in enumerate(slots):
         s, e = bounds[b], bounds[b + 1]
+        # A negative slot is a padding sequence (as in decode): zero state in, no state write. Python's
+        # negative indexing would otherwise read and overwrite the pool's last slot.
         y, S = ssd_chunked(
-            x[s:e], dt[s:e], A, B[s:e], C[s:e], state_pool[slot] if init[b] else None,
+            x[s:e], dt[s:e], A, B[s:e], C[s:e], state_pool[slot] if init[b] and slot >= 0 else None,
             D=D, z=None if z is None else z[s:e], dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
         )  # fmt: skip
         out[s:e] = y.to(x.dtype)
-        state_pool[slot] = S.to(state_pool.dtype)
+        if slot >= 0:
+            state_pool[slot] = S.to(state_pool.dtype)
     return out
 
 

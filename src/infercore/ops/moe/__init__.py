@@ -34,6 +34,7 @@ def moe_experts_routed(
     """
     op = "moe_experts_routed"
     check_moe_args(op, x, gate_up, down, weights, ids)
+    V.dim_at_least_one(op, "gate_up", gate_up, 0, "num_experts (E)")  # down has the same E
     V.floating(op, "x", x)
     V.same_device(op, "x", x, gate_up=gate_up, down=down, weights=weights, ids=ids)
     if gate_up.dtype != x.dtype or down.dtype != x.dtype:

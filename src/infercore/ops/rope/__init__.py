@@ -9,9 +9,55 @@ import torch
 
 from ...devices import dispatch, register
 from .. import _validate as V
-from .naive import apply_rope_ref, rope_cos_sin_cache_ref, rope_inv_freq
+from .naive import _SUPPORTED, apply_rope_ref, rope_cos_sin_cache_ref
+from .naive import rope_inv_freq as rope_inv_freq_ref
 
 __all__ = ["apply_rope", "rope_cos_sin_cache", "rope_inv_freq"]
+
+# The scaling keys each rope_type reads (optional ones have defaults). All are divisors or logarithm
+# arguments, so a value <= 0 gives NaN / inf tables or a math domain error instead of a clear error.
+_REQUIRED_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+assert set(_REQUIRED_KEYS) == set(_SUPPORTED)
+
+
+def _positive_int(op: str, name: str, x: object) -> None:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{op}: {name} must be an int, got {type(x).__name__}")
+    if x <= 0:
+        raise ValueError(f"{op}: {name} must be a positive int, got {x}")
+
+
+def _check_rope_args(op: str, rotary_dim: object, base: object, scaling: object) -> None:
+    _positive_int(op, "rotary_dim", rotary_dim)
+    if rotary_dim % 2:
+        raise ValueError(f"{op}: rotary_dim must be a positive even int, got {rotary_dim}")
+    V.number(op, "base", base, positive=True)
+    if scaling is None:
+        return
+    if not isinstance(scaling, Mapping):
+        raise TypeError(f"{op}: scaling must be a dict or None, got {type(scaling).__name__}")
+    # Old HF configs spell the key "type"; "rope_type" wins when both are present (as in .naive).
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in _REQUIRED_KEYS:
+        raise ValueError(f"{op}: scaling rope_type {rope_type!r} is not supported; use one of {_SUPPORTED}")
+    for key in _REQUIRED_KEYS[rope_type]:
+        if key not in scaling:
+            raise ValueError(f"{op}: scaling is missing key {key!r} needed by rope_type {rope_type!r}")
+        V.number(op, f"scaling[{key!r}]", scaling[key], positive=True)
+
+
+def rope_inv_freq(
+    *, rotary_dim: int, base: float, scaling: Mapping[str, Any] | None = None
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[rotary_dim // 2]`` fp32 and the attention factor that scales cos/sin
+    (arguments as in :func:`rope_cos_sin_cache`). Mirrors HF ``ROPE_INIT_FUNCTIONS`` bit for bit."""
+    _check_rope_args("rope_inv_freq", rotary_dim, base, scaling)
+    return rope_inv_freq_ref(rotary_dim=rotary_dim, base=float(base), scaling=scaling)
 
 
 def rope_cos_sin_cache(
@@ -40,22 +86,14 @@ def rope_cos_sin_cache(
         both already multiplied by YaRN's attention factor.
     """
     op = "rope_cos_sin_cache"
-    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2:
-        raise ValueError(f"{op}: rotary_dim must be a positive even int, got {rotary_dim!r}")
-    if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions <= 0:
-        raise ValueError(f"{op}: max_positions must be a positive int, got {max_positions!r}")
-    V.number(op, "base", base, positive=True)
-    if scaling is not None and not isinstance(scaling, Mapping):
-        raise TypeError(f"{op}: scaling must be a dict or None, got {type(scaling).__name__}")
+    _check_rope_args(op, rotary_dim, base, scaling)
+    _positive_int(op, "max_positions", max_positions)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"{op}: dtype must be a floating torch.dtype, got {dtype!r}")
-    try:
-        return rope_cos_sin_cache_ref(
-            rotary_dim=rotary_dim, max_positions=max_positions, base=float(base), scaling=scaling,
-            dtype=dtype, device=device,
-        )
-    except KeyError as e:
-        raise ValueError(f"{op}: scaling is missing key {e.args[0]!r} needed by its rope_type") from None
+    return rope_cos_sin_cache_ref(
+        rotary_dim=rotary_dim, max_positions=max_positions, base=float(base), scaling=scaling,
+        dtype=dtype, device=device,
+    )
 
 
 def apply_rope(
@@ -98,7 +136,7 @@ def apply_rope(
     if rd % 2 or rd > q.shape[-1] or rd == 0:
         raise ValueError(f"{op}: cos_sin_cache rotary_dim {rd} must be even and <= head_dim {q.shape[-1]}")
     V.same_device(op, "q", q, k=k, positions=positions, cos_sin_cache=cos_sin_cache)
-    return dispatch(op, q.device)(q, k, positions, cos_sin_cache, is_neox=bool(is_neox))
+    return dispatch(op, q.device)(q, k, positions, cos_sin_cache, is_neox=V.flag(op, "is_neox", is_neox))
 
 
 register("apply_rope", "reference", apply_rope_ref)

@@ -50,14 +50,19 @@ def check_rope_write_args(op: str, q, k, v, positions, cos_sin_cache, k_cache, v
     V.ndim(op, "k", k, 3, "[tokens, kv_heads, head_dim]")
     V.same_dtype(op, "k", k, "q", q)
     V.floating(op, "v", v)
+    V.same_dtype(op, "v", v, "k", k)
     if v.shape != k.shape:
         raise ValueError(f"{op}: v has shape {tuple(v.shape)} but k has {tuple(k.shape)}")
     T, _, D = q.shape
     if k.shape[0] != T or k.shape[2] != D:
         raise ValueError(f"{op}: k has shape {tuple(k.shape)}, incompatible with q {tuple(q.shape)}")
+    V.tensor(op, "k_cache", k_cache)
+    V.tensor(op, "v_cache", v_cache)
     if not (k_cache.is_floating_point() or is_quantized_kv(k_cache.dtype)):
         raise TypeError(f"{op}: k_cache must be a floating, int8 or float8_e4m3fn tensor, got {k_cache.dtype}")
     V.ndim(op, "k_cache", k_cache, 4, "[num_pages, page_size, kv_heads, head_dim]")
+    V.dim_at_least_one(op, "k_cache", k_cache, 0, "num_pages")
+    V.dim_at_least_one(op, "k_cache", k_cache, 1, "page_size")
     if k_cache.shape[2:] != k.shape[1:]:
         raise ValueError(f"{op}: k_cache heads/head_dim {tuple(k_cache.shape[2:])} != k {tuple(k.shape[1:])}")
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
@@ -106,12 +111,13 @@ def rope_and_write_kv_cache_(
     """
     op = "rope_and_write_kv_cache_"
     check_rope_write_args(op, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    is_neox = V.flag(op, "is_neox", is_neox)
     if check_kv_scales(op, k_cache, v_cache, k_scale, v_scale):
         fn = scale_aware("rope_and_write_kv", q.device)
-        return fn(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=bool(is_neox),
+        return fn(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=is_neox,
                   k_scale=k_scale, v_scale=v_scale)  # fmt: skip
     fn = dispatch("rope_and_write_kv", q.device)
-    return fn(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=bool(is_neox))
+    return fn(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=is_neox)
 
 
 register("rope_and_write_kv", "reference", rope_and_write_kv_cache_reference)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import numbers
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
 
 from ...devices import dispatch, register
 from .. import _validate as V
-from .naive import apply_repetition_penalty, apply_top_k_top_p_min_p, row_seed, sample_ref
+from . import naive
+from .naive import row_seed, sample_ref
 
 __all__ = ["SamplingTensors", "apply_repetition_penalty", "apply_top_k_top_p_min_p", "row_seed", "sample"]
 
@@ -69,16 +72,16 @@ class SamplingTensors:
         device: torch.device | str | None = None,
     ) -> SamplingTensors:
         """Build from per-row Python values; an omitted field means "off" (seed/offset 0) for all rows.
-        Values are validated (see :meth:`check_values`)."""
-        given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                     repetition_penalty=repetition_penalty, seeds=seeds, offsets=offsets)
-        b = len(temperature)
-        cols = {}
+        Each entry must be a finite number, an int for top_k / seeds / offsets within its dtype's range;
+        the ranges of the parameters are then validated (see :meth:`check_values`)."""
+        given = dict(top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seeds=seeds,
+                     offsets=offsets)  # fmt: skip
+        cols = {"temperature": _column("temperature", temperature, device)}
+        b = cols["temperature"].shape[0]
         for name, values in given.items():
-            values = [_DEFAULTS[name]] * b if values is None else list(values)
-            if len(values) != b:
-                raise ValueError(f"SamplingTensors: {name} has {len(values)} entries but temperature has {b}")
-            cols[name] = torch.tensor(values, dtype=_DTYPES[name], device=device)
+            cols[name] = _column(name, [_DEFAULTS[name]] * b if values is None else values, device)
+            if cols[name].shape[0] != b:
+                raise ValueError(f"SamplingTensors: {name} has {cols[name].shape[0]} entries but temperature has {b}")
         out = cls(**cols)
         out.check_values()
         return out
@@ -117,6 +120,101 @@ class SamplingTensors:
                 raise ValueError(f"sample: {name} {need}, got {t.tolist()}")
 
 
+def _column(name: str, values: object, device: torch.device | str | None) -> torch.Tensor:
+    """One field of :meth:`SamplingTensors.from_lists` as a ``[B]`` tensor. The Python entries are
+    checked first: ``torch.tensor`` would truncate 1.5 to an int, overflow on 2**40 and keep inf."""
+    op = "SamplingTensors"
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{op}: {name} must be a sequence of numbers (one per row), got {type(values).__name__}")
+    values = list(values)
+    dtype = _DTYPES[name]
+    for i, x in enumerate(values):
+        if dtype.is_floating_point:
+            if isinstance(x, bool) or not isinstance(x, numbers.Real):
+                raise TypeError(f"{op}: {name}[{i}] must be a number, got {type(x).__name__}")
+            if not math.isfinite(x):
+                raise ValueError(f"{op}: {name}[{i}] must be a finite number, got {x}")
+        else:
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+                raise TypeError(f"{op}: {name}[{i}] must be an int, got {type(x).__name__}")
+            info = torch.iinfo(dtype)
+            if not info.min <= x <= info.max:
+                raise ValueError(f"{op}: {name}[{i}] must fit in {dtype}, got {x}")
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _logits(op: str, logits: object) -> torch.Tensor:
+    V.tensor(op, "logits", logits)
+    if not logits.is_floating_point():
+        raise TypeError(f"{op}: logits must be a floating tensor, got {logits.dtype}")
+    V.ndim(op, "logits", logits, 2, "[batch, vocab]")
+    return logits
+
+
+def _per_row(op: str, name: str, x: object, logits: torch.Tensor, dtype: torch.dtype, ok: Callable[[float], bool],
+             need: str) -> torch.Tensor:  # fmt: skip
+    """``x`` as a ``[B]`` tensor for the ``B`` rows of ``logits``. A tensor's dtype kind, shape and
+    device are checked, never its values (that would sync); a Python number must pass ``ok`` (else
+    ValueError "``name`` ``need``") and is broadcast to every row in ``dtype``."""
+    b = logits.shape[0]
+    if isinstance(x, torch.Tensor):
+        if dtype.is_floating_point:
+            V.floating(op, name, x)
+        else:
+            V.integer(op, name, x)
+        if x.shape != (b,):
+            raise ValueError(f"{op}: {name} must be [{b}] (one value per row of logits), got shape {tuple(x.shape)}")
+        V.same_device(op, "logits", logits, **{name: x})
+        return x
+    if dtype.is_floating_point:
+        x = V.number(op, name, x)
+    elif isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{op}: {name} must be an int or an integer tensor, got {type(x).__name__}")
+    if not ok(x):
+        raise ValueError(f"{op}: {name} {need}, got {x}")
+    if not dtype.is_floating_point:
+        x = min(x, torch.iinfo(dtype).max)  # only top_k takes ints, and any k >= vocab means "off"
+    return torch.full((b,), x, dtype=dtype, device=logits.device)
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, prev_tokens: torch.Tensor, penalty: torch.Tensor | float
+) -> torch.Tensor:
+    """HF repetition penalty over the ids in ``prev_tokens`` (semantics: :func:`.naive.apply_repetition_penalty`).
+
+    ``logits`` float ``[B, V]``; ``prev_tokens`` int32/int64 ``[B, L]`` padded with ``-1``; ``penalty``
+    float ``[B]`` or one Python number > 0 for every row. Returns a new ``[B, V]`` in ``logits.dtype``.
+    """
+    op = "apply_repetition_penalty"
+    _logits(op, logits)
+    V.integer(op, "prev_tokens", prev_tokens)
+    V.ndim(op, "prev_tokens", prev_tokens, 2, "[batch, max_len]")
+    if prev_tokens.shape[0] != logits.shape[0]:
+        raise ValueError(f"{op}: prev_tokens has {prev_tokens.shape[0]} rows but logits has {logits.shape[0]}")
+    V.same_device(op, "logits", logits, prev_tokens=prev_tokens)
+    penalty = _per_row(op, "penalty", penalty, logits, torch.float32, lambda p: p > 0, "must be > 0 (1 = off)")
+    return naive.apply_repetition_penalty(logits, prev_tokens, penalty)
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: torch.Tensor | int, top_p: torch.Tensor | float, min_p: torch.Tensor | float
+) -> torch.Tensor:
+    """Mask (``-inf``) the tokens removed by top-k, then top-p, then min-p (semantics:
+    :func:`.naive.apply_top_k_top_p_min_p`).
+
+    ``logits`` float ``[B, V]`` with ``V >= 1``; each parameter is a ``[B]`` tensor (top_k int32/int64,
+    top_p / min_p float; values not checked) or one Python number for every row: ``top_k >= 0``
+    (0 = off), ``top_p`` in (0, 1], ``min_p`` in [0, 1]. Returns a new ``[B, V]`` in ``logits.dtype``.
+    """
+    op = "apply_top_k_top_p_min_p"
+    _logits(op, logits)
+    V.dim_at_least_one(op, "logits", logits, 1, "vocab")
+    top_k = _per_row(op, "top_k", top_k, logits, torch.int32, lambda k: k >= 0, "must be >= 0 (0 = off)")
+    top_p = _per_row(op, "top_p", top_p, logits, torch.float32, lambda p: 0 < p <= 1, "must be in (0, 1]")
+    min_p = _per_row(op, "min_p", min_p, logits, torch.float32, lambda p: 0 <= p <= 1, "must be in [0, 1]")
+    return naive.apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+
+
 def sample(
     logits: torch.Tensor,
     params: SamplingTensors,
@@ -142,10 +240,8 @@ def sample(
         int64 ``[B]`` token ids.
     """
     op = "sample"
-    V.tensor(op, "logits", logits)
-    if not logits.is_floating_point():
-        raise TypeError(f"{op}: logits must be a floating tensor, got {logits.dtype}")
-    V.ndim(op, "logits", logits, 2, "[batch, vocab]")
+    _logits(op, logits)
+    V.dim_at_least_one(op, "logits", logits, 1, "vocab")
     if not isinstance(params, SamplingTensors):
         raise TypeError(f"{op}: params must be a SamplingTensors, got {type(params).__name__}")
     params.check_layout()

@@ -77,6 +77,8 @@ def test_token_ids_must_be_int64(tokens, exc):
         (lambda lay: lay.num_large_pages(1.5), TypeError, "budget_bytes"),
         (lambda lay: lay.needed_bytes(-4), ValueError, "num_tokens"),
         (lambda lay: lay.needed_bytes(None), TypeError, "num_tokens"),
+        (lambda lay: lay.group_of_layer(1.0), TypeError, "layer"),
+        (lambda lay: lay.group_of_layer(True), TypeError, "layer"),
     ],
 )
 def test_layout_bad_queries(call, exc, match):

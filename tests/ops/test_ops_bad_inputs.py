@@ -6,6 +6,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import dataclasses  # noqa: E402
 import math  # noqa: E402
 
 import pytest  # noqa: E402
@@ -276,3 +277,12 @@ def test_filters_take_python_scalars_for_every_row():
     prev = torch.tensor([[1, -1], [2, 3], [-1, -1]])
     torch.testing.assert_close(ops.apply_repetition_penalty(logits, prev, 1.3),
                                ops.apply_repetition_penalty(logits, prev, torch.full((3,), 1.3)))  # fmt: skip
+
+
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty"])
+def test_check_values_refuses_inf_in_tensors_built_directly(field):
+    """``from_lists`` refuses inf in its Python lists; tensors put in a SamplingTensors directly are only
+    checked by ``check_values`` (it reads them back: one sync), which must refuse inf too."""
+    params = dataclasses.replace(_sample_params(), **{field: torch.tensor([1.0, inf])})
+    with pytest.raises(ValueError, match=f"sample: {field}"):
+        params.check_values()

@@ -6,6 +6,7 @@ from torch import nn
 
 from infercore.quant.api import CalibrationStats, QuantScheme, quantize, quantize_weight
 from infercore.quant.formats import FP8Weight, Int8Weight, IntWeight
+from infercore.quant.gptq import gptq_quantize
 from infercore.quant.linear import QuantLinear
 
 W = torch.randn(8, 64)
@@ -167,3 +168,10 @@ def test_quant_linear_bad_input(weight):
         lin(torch.ones(2, 64, dtype=torch.int64))
     with pytest.raises(TypeError, match="x must be"):
         lin.forward_act("x", "silu")
+
+
+@pytest.mark.parametrize(("kw", "exc"), [({"group_size": 2.5}, TypeError), ({"group_size": 31}, ValueError),
+                                         ({"bits": 4.0}, TypeError)])
+def test_gptq_refuses_instead_of_coercing(kw, exc):
+    with pytest.raises(exc, match=next(iter(kw))):
+        gptq_quantize(W, torch.eye(64), **kw)

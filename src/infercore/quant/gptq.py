@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .formats import IntWeight
+from .formats import IntWeight, _check_int
 
 _CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
@@ -86,11 +86,10 @@ def gptq_quantize(
     n, k = w.shape
     if not isinstance(hessian, torch.Tensor) or hessian.shape != (k, k):
         raise ValueError(f"hessian: expected [{k}, {k}], got {tuple(getattr(hessian, 'shape', ()))}")
-    if bits not in (4, 8):
-        raise ValueError(f"bits: expected 4 or 8, got {bits}")
-    g = k if group_size is None else int(group_size)
-    if g <= 0 or g % 2:
-        raise ValueError(f"group_size: expected a positive even number or None, got {group_size}")
+    _check_int("bits", bits, "4 or 8", lambda b: b in (4, 8))
+    if group_size is not None:  # refused, not coerced, as in IntWeight.quantize
+        _check_int("group_size", group_size, "a positive even int or None", lambda g: g > 0 and g % 2 == 0)
+    g = k if group_size is None else group_size
     if not 0.0 <= damp < 1.0:
         raise ValueError(f"damp: expected a fraction in [0, 1), got {damp}")
     if block_size <= 0:

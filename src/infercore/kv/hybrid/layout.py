@@ -245,6 +245,8 @@ class HybridKVLayout:
         return budget_bytes // self.large_bytes
 
     def group_of_layer(self, layer: int) -> LayerGroup:
+        if isinstance(layer, bool) or not isinstance(layer, int):  # 1.0 in a tuple of ints would match layer 1
+            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
         for g in self.groups:
             if layer in g.layers:
                 return g

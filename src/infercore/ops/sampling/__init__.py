@@ -102,18 +102,18 @@ class SamplingTensors:
     def check_values(self) -> None:
         """Raise ValueError naming the first field with an out-of-range value (one device sync)."""
         bad = torch.stack([
-            (self.temperature.isnan() | (self.temperature < 0)).any(),
+            (~self.temperature.isfinite() | (self.temperature < 0)).any(),
             (self.top_k < 0).any(),
             (self.top_p.isnan() | (self.top_p <= 0) | (self.top_p > 1)).any(),
             (self.min_p.isnan() | (self.min_p < 0) | (self.min_p > 1)).any(),
-            (self.repetition_penalty.isnan() | (self.repetition_penalty <= 0)).any(),
+            (~self.repetition_penalty.isfinite() | (self.repetition_penalty <= 0)).any(),
         ]).tolist()
         rules = [
-            ("temperature", "must be >= 0 and not NaN (0 = greedy)", self.temperature),
+            ("temperature", "must be finite and >= 0 (0 = greedy)", self.temperature),
             ("top_k", "must be >= 0 (0 = off)", self.top_k),
             ("top_p", "must be in (0, 1]", self.top_p),
             ("min_p", "must be in [0, 1]", self.min_p),
-            ("repetition_penalty", "must be > 0 (1 = off)", self.repetition_penalty),
+            ("repetition_penalty", "must be finite and > 0 (1 = off)", self.repetition_penalty),
         ]
         for is_bad, (name, need, t) in zip(bad, rules):
             if is_bad:

@@ -8,21 +8,40 @@ import sys
 import time
 
 
+def _device(text: str):
+    """argparse type for --device: a torch device that exists on this machine."""
+    import torch
+
+    try:
+        device = torch.device(text)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:  # torch's answers for a bad name / a missing backend
+        raise argparse.ArgumentTypeError(f"{text!r} is not a usable device ({e})") from None
+    return str(device)
+
+
+def _model_path(text: str) -> str:
+    if not text:  # an unset shell variable; the default model would otherwise load silently
+        raise argparse.ArgumentTypeError("expected a checkpoint directory or .gguf file, got an empty string")
+    return text
+
+
 def _generate(args: argparse.Namespace) -> int:
     from .engine import Engine, SamplingParams
 
+    # Sampling flags are checked before the (slow) model load.
     try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
-    except (FileNotFoundError, ValueError, ImportError) as e:
+    except (OSError, ValueError, TypeError, ImportError) as e:  # OSError: unreadable files too
         print(f"infercore: {e}", file=sys.stderr)
         return 2
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-    )
     start = time.perf_counter()
     first = None
     out = None
@@ -32,8 +51,10 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.write(out.new_text)
         sys.stdout.flush()
     end = time.perf_counter()
-    n = len(out.token_ids) if out else 0
-    decode_s = end - first if first else 0.0
+    if out is None or first is None:  # nothing streamed: no timing to report
+        return 0
+    n = len(out.token_ids)
+    decode_s = end - first
     rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0
     print(
         f"\n[{n} tokens, prefill {len(out.prompt_token_ids)} tokens in {(first - start) * 1e3:.0f} ms, "
@@ -70,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="stream a chat answer from a model")
     g.add_argument("prompt")
-    g.add_argument("--model", default=None, help="HF safetensors dir or .gguf file (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    g.add_argument("--model", default=None, type=_model_path,
+                   help="HF safetensors dir or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--device", default=None, type=_device, help="cpu, cuda, cuda:1 (default: cuda if available)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -81,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, without the chat template")
     g.set_defaults(fn=_generate)
     i = sub.add_parser("info", help="devices and which backend serves each op")
-    i.add_argument("--device", default=None)
+    i.add_argument("--device", default=None, type=_device)
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=_info)
     args = p.parse_args(argv)

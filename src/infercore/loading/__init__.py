@@ -110,6 +110,9 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path: expected a str or os.PathLike, got {type(path).__name__}")
+    if not os.fspath(path):
+        # Path("") is the current directory: an unset variable must not load whatever lies there.
+        raise ValueError("path: expected a checkpoint directory or .gguf file, got an empty string")
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(

@@ -15,6 +15,7 @@ The file is memory-mapped; nothing is unpickled, and tensor bytes are read only 
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from collections.abc import Iterator
@@ -30,6 +31,9 @@ from .gguf_quants import BLOCK_LAYOUT, DEQUANTIZABLE, PLAIN_TYPES, GGMLType, deq
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 _MAX_DIMS = 4  # GGML_MAX_DIMS
+# Arrays of arrays nest by recursion; real files nest at most once, so a deeper file is corrupt (and
+# would otherwise end in a RecursionError).
+_MAX_ARRAY_NESTING = 8
 
 # Metadata value types (gguf_type in gguf.h): id -> struct format of a scalar.
 _SCALAR_FORMATS = {
@@ -73,7 +77,7 @@ class GGUFTensorInfo:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
 
 class _Cursor:
@@ -106,13 +110,15 @@ class _Cursor:
         except UnicodeDecodeError as e:
             raise ValueError(f"corrupt GGUF file {self.path}: invalid utf-8 string ({e})") from None
 
-    def value(self, value_type: int) -> Any:
+    def value(self, value_type: int, depth: int = 0) -> Any:
         if value_type in _SCALAR_FORMATS:
             return self.scalar(_SCALAR_FORMATS[value_type])
         if value_type == _STRING:
             return self.string()
         if value_type == _ARRAY:
             elem_type, count = self.scalar("<I"), self.scalar("<Q")
+            if depth >= _MAX_ARRAY_NESTING:
+                raise ValueError(f"corrupt GGUF file {self.path}: arrays nested over {_MAX_ARRAY_NESTING} deep")
             if elem_type in _SCALAR_DTYPES:
                 # Numeric arrays (token types, scores) can hold 100k+ entries: read them in one go.
                 dtype = np.dtype(_SCALAR_DTYPES[elem_type]).newbyteorder("<")
@@ -120,7 +126,7 @@ class _Cursor:
                 arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
                 self.pos += count * dtype.itemsize
                 return arr.tolist()
-            return [self.value(elem_type) for _ in range(count)]
+            return [self.value(elem_type, depth + 1) for _ in range(count)]
         raise ValueError(f"corrupt GGUF file {self.path}: unknown metadata value type {value_type}")
 
 
@@ -140,6 +146,8 @@ class GGUFFile:
     """
 
     def __init__(self, path: str | os.PathLike):
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path: expected a str or os.PathLike, got {type(path).__name__}")
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
@@ -164,9 +172,14 @@ class GGUFFile:
             key = cur.string()
             self.metadata[key] = cur.value(cur.scalar("<I"))
 
-        self.alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        if self.alignment <= 0 or self.alignment & (self.alignment - 1):
-            raise ValueError(f"general.alignment must be a power of two, got {self.alignment}: {self.path}")
+        self.alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if (
+            not isinstance(self.alignment, int)
+            or isinstance(self.alignment, bool)
+            or self.alignment <= 0
+            or self.alignment & (self.alignment - 1)
+        ):
+            raise ValueError(f"general.alignment must be a power of two, got {self.alignment!r}: {self.path}")
 
         table = []
         for _ in range(n_tensors):
@@ -201,7 +214,8 @@ class GGUFFile:
             )
         if offset % self.alignment:
             raise ValueError(f"tensor {name!r}: offset {offset} is not {self.alignment}-aligned: {self.path}")
-        numel = int(np.prod(dims, dtype=np.int64))
+        # Python ints: garbage dims must not wrap around in int64 and slip past the size check.
+        numel = math.prod(dims)
         nbytes = numel // block_elems * block_bytes
         start = self.data_start + offset
         if start + nbytes > size:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .gguf_quants import DEQUANTIZABLE, GGMLType
+
 if TYPE_CHECKING:
     from .gguf import GGUFFile
 
@@ -47,6 +49,8 @@ _LAYER_NAMES = {
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+# Tensor types that hold float weights: those with a dequantizer (floats included) and F64.
+WEIGHT_TYPES = DEQUANTIZABLE | {GGMLType.F64}
 # Tensors llama.cpp adds that have no HF weight: RoPE frequency factors (folded into the config).
 _NON_WEIGHTS = {"rope_freqs.weight"}
 
@@ -67,6 +71,21 @@ def _scalar(gf: GGUFFile, key: str, default: Any = None, *, required: bool = Fal
     if isinstance(value, list):
         raise ValueError(f"GGUF metadata {key!r} is per-layer ({value[:4]}...), not supported: {gf.path}")
     return value
+
+
+def _int(gf: GGUFFile, key: str, default: Any = None, *, required: bool = False, minimum: int = 1) -> Any:
+    """An integer metadata value (None when absent and not required); int() would truncate a float."""
+    value = _scalar(gf, key, default, required=required)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
+        raise ValueError(f"GGUF metadata {key!r} must be an integer >= {minimum}, got {value!r}: {gf.path}")
+    return value
+
+
+def _float(gf: GGUFFile, key: str, default: float) -> float:
+    value = _scalar(gf, key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"GGUF metadata {key!r} must be a positive number, got {value!r}: {gf.path}")
+    return float(value)
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -123,11 +142,21 @@ def gguf_to_hf_config(gf: GGUFFile) -> dict[str, Any]:
     """
     arch, spec = _arch(gf)
     k = lambda name: f"{arch}.{name}"
-    hidden = int(_scalar(gf, k("embedding_length"), required=True))
-    n_heads = int(_scalar(gf, k("attention.head_count"), required=True))
-    n_kv = int(_scalar(gf, k("attention.head_count_kv"), n_heads))
-    head_dim = int(_scalar(gf, k("attention.key_length"), hidden // n_heads))
-    theta = float(_scalar(gf, k("rope.freq_base"), 10000.0))
+    hidden = _int(gf, k("embedding_length"), required=True)
+    n_heads = _int(gf, k("attention.head_count"), required=True)
+    n_kv = _int(gf, k("attention.head_count_kv"), n_heads)
+    head_dim = _int(gf, k("attention.key_length"), hidden // n_heads)
+    theta = _float(gf, k("rope.freq_base"), 10000.0)
+    # The dense models here have one head size for q/k/v and rotate all of it; a file that differs
+    # (partial RoPE, MLA-style value heads, experts) would load into a silently wrong model.
+    for key, expected in (("attention.value_length", head_dim), ("rope.dimension_count", head_dim)):
+        value = _int(gf, k(key), expected)
+        if value != expected:
+            raise ValueError(
+                f"GGUF metadata {k(key)!r}={value} differs from the head size {head_dim}, not supported: {gf.path}"
+            )
+    if _int(gf, k("expert_count"), 0, minimum=0):
+        raise ValueError(f"GGUF mixture-of-experts models ({k('expert_count')!r}) are not supported: {gf.path}")
     if "token_embd.weight" not in gf.tensors:
         raise ValueError(f"GGUF file has no token_embd.weight: {gf.path}")
     vocab = gf.tensors["token_embd.weight"].shape[0]
@@ -136,14 +165,14 @@ def gguf_to_hf_config(gf: GGUFFile) -> dict[str, Any]:
         "architectures": [spec["hf_class"]],
         "model_type": spec["model_type"],
         "hidden_size": hidden,
-        "intermediate_size": int(_scalar(gf, k("feed_forward_length"), required=True)),
-        "num_hidden_layers": int(_scalar(gf, k("block_count"), required=True)),
+        "intermediate_size": _int(gf, k("feed_forward_length"), required=True),
+        "num_hidden_layers": _int(gf, k("block_count"), required=True),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
-        "rms_norm_eps": float(_scalar(gf, k("attention.layer_norm_rms_epsilon"), 1e-5)),
+        "rms_norm_eps": _float(gf, k("attention.layer_norm_rms_epsilon"), 1e-5),
         "rope_theta": theta,
-        "max_position_embeddings": int(_scalar(gf, k("context_length"), 2048)),
+        "max_position_embeddings": _int(gf, k("context_length"), 2048),
         "vocab_size": vocab,
         "hidden_act": "silu",
         "attention_bias": "blk.0.attn_q.bias" in gf.tensors,
@@ -155,22 +184,24 @@ def gguf_to_hf_config(gf: GGUFFile) -> dict[str, Any]:
         ("eos_token_id", "eos_token_id"),
         ("pad_token_id", "padding_token_id"),
     ):
-        value = gf.get(f"tokenizer.ggml.{gguf_key}")
+        value = _int(gf, f"tokenizer.ggml.{gguf_key}", minimum=0)
         if value is not None:
-            config[hf_key] = int(value)
-    window = _scalar(gf, k("attention.sliding_window"))
+            config[hf_key] = value
+    window = _int(gf, k("attention.sliding_window"), minimum=0)
     if window:
-        config["sliding_window"] = int(window)
+        config["sliding_window"] = window
 
     scaling_type = _scalar(gf, k("rope.scaling.type"))
+    if scaling_type is not None and not isinstance(scaling_type, str):
+        raise ValueError(f"GGUF metadata {k('rope.scaling.type')!r} must be a string, got {scaling_type!r}: {gf.path}")
     if scaling_type and scaling_type != "none":
         scaling: dict[str, Any] = {
             "rope_type": scaling_type,
-            "factor": float(_scalar(gf, k("rope.scaling.factor"), 1.0)),
+            "factor": _float(gf, k("rope.scaling.factor"), 1.0),
         }
-        orig = _scalar(gf, k("rope.scaling.original_context_length"))
+        orig = _int(gf, k("rope.scaling.original_context_length"), minimum=0)
         if orig:
-            scaling["original_max_position_embeddings"] = int(orig)
+            scaling["original_max_position_embeddings"] = orig
         config["rope_scaling"] = scaling
     elif "rope_freqs.weight" in gf.tensors:
         factors = gf.tensor("rope_freqs.weight", dtype=torch.float32)
@@ -199,19 +230,25 @@ def gguf_hf_weights(
     it). The q/k rows of Llama-family files are un-permuted (``unpermute_qk``).
     """
     arch, spec = _arch(gf)
-    heads = {
-        "self_attn.q_proj": int(_scalar(gf, f"{arch}.attention.head_count", required=True)),
-    }
-    heads["self_attn.k_proj"] = int(_scalar(gf, f"{arch}.attention.head_count_kv", heads["self_attn.q_proj"]))
-    # Map every name before yielding anything, so an unsupported file fails before any loading.
+    heads = {"self_attn.q_proj": _int(gf, f"{arch}.attention.head_count", required=True)}
+    heads["self_attn.k_proj"] = _int(gf, f"{arch}.attention.head_count_kv", heads["self_attn.q_proj"])
+    # Map and type-check every tensor before yielding anything, so an unsupported file fails before
+    # any loading.
     targets: list[tuple[str, str]] = []
-    for name in gf.tensors:
+    for name, info in gf.tensors.items():
         try:
             target = hf_name(name)
         except ValueError as e:
             raise ValueError(f"{e} (architecture {arch!r}): {gf.path}") from None
-        if target is not None:
-            targets.append((name, target))
+        if target is None:
+            continue
+        # Integer tensors would be cast to float without complaint: a weight is never stored so.
+        if info.ggml_type not in WEIGHT_TYPES:
+            raise ValueError(
+                f"GGUF tensor {name!r} has type {info.ggml_type.name}, which cannot be loaded as a weight "
+                f"(supported: {sorted(t.name for t in WEIGHT_TYPES)}): {gf.path}"
+            )
+        targets.append((name, target))
     return _hf_weights(gf, targets, heads if spec["permute_qk"] else {}, dtype)
 
 

@@ -24,6 +24,8 @@ def _corrupt(path: Path, detail: Any) -> ValueError:
 
 
 def _check_dir(path: str | os.PathLike) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path: expected a str or os.PathLike, got {type(path).__name__}")
     root = Path(path)
     if not root.exists():
         raise FileNotFoundError(f"checkpoint directory not found: {root}")
@@ -38,14 +40,18 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     config_file = root / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in checkpoint directory {root}")
+    return _read_json_object(config_file)
+
+
+def _read_json_object(file: Path) -> dict[str, Any]:
     try:
-        with open(config_file, encoding="utf-8") as f:
-            config = json.load(f, object_hook=_decode_special_floats)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"invalid JSON in {config_file}: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{config_file} must hold a JSON object, got {type(config).__name__}")
-    return config
+        with open(file, encoding="utf-8") as f:
+            obj = json.load(f, object_hook=_decode_special_floats)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"invalid JSON in {file}: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 def safetensors_files(path: str | os.PathLike) -> list[Path]:
@@ -53,11 +59,13 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
     root = _check_dir(path)
     index = root / INDEX_FILE
     if index.is_file():
-        try:
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"invalid safetensors index {index}: {e!r}") from None
+        weight_map = _read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"invalid safetensors index {index}: expected a 'weight_map' of tensor name -> shard file")
+        # Shards are plain file names next to the index; anything else would read outside the checkpoint.
+        odd = [name for name in weight_map.values() if Path(name).name != name or name in ("", ".", "..")]
+        if odd:
+            raise ValueError(f"invalid safetensors index {index}: shard names must be file names, got {odd[:4]}")
         files = [root / name for name in dict.fromkeys(weight_map.values())]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -100,6 +108,11 @@ def iter_safetensors(
                     tensor = f.get_tensor(name)
                 except SafetensorError as e:
                     raise _corrupt(file, f"tensor {name!r}: {e}") from None
+                # Casting integer/bool data to a float dtype "works" and gives a silently wrong model.
+                if dtype is not None and not tensor.is_floating_point():
+                    raise ValueError(
+                        f"tensor {name!r} in {file} has dtype {tensor.dtype}, expected a floating-point weight"
+                    )
                 yield name, tensor if dtype is None else tensor.to(dtype)
 
 

@@ -115,9 +115,27 @@ def _token_content(value: Any) -> str | None:
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
+            obj = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"invalid JSON in {path}: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _token_ids(value: Any, where: str) -> list[int]:
+    """An eos/bos id field: an int, a list of ints, or null."""
+    ids = [] if value is None else [value] if isinstance(value, int) else value
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{where}: expected a token id or a list of token ids, got {value!r}")
+    return ids
+
+
+def _string_list(gf: GGUFFile, key: str) -> list[str]:
+    value = gf.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"GGUF metadata {key!r} must be an array of strings: {gf.path}")
+    return value
 
 
 class Tokenizer:
@@ -178,14 +196,18 @@ class Tokenizer:
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)
         if (root / "chat_template.jinja").is_file():
-            template = (root / "chat_template.jinja").read_text(encoding="utf-8")
+            try:
+                template = (root / "chat_template.jinja").read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{root / 'chat_template.jinja'} is not UTF-8 text: {e}") from None
+        if template is not None and not isinstance(template, str):
+            raise ValueError(f"chat_template in {root / 'tokenizer_config.json'}: expected a string, got {template!r}")
 
         # Stop ids the model config and the generation config add (int or list in either).
         extra: list[int] = []
         for name in ("config.json", "generation_config.json"):
             if (root / name).is_file():
-                eos = _read_json(root / name).get("eos_token_id")
-                extra += [eos] if isinstance(eos, int) else list(eos or [])
+                extra += _token_ids(_read_json(root / name).get("eos_token_id"), f"eos_token_id in {root / name}")
         return cls(
             backend,
             bos_token=_token_content(cfg.get("bos_token")) or _token_content(special.get("bos_token")),
@@ -209,18 +231,29 @@ class Tokenizer:
                 f"GGUF tokenizer model {model!r} is not supported (supported: 'gpt2' byte-level BPE): "
                 f"{gf.path}"
             )
-        tokens: list[str] = gf.get("tokenizer.ggml.tokens") or []
+        tokens = _string_list(gf, "tokenizer.ggml.tokens")
+        if not tokens:
+            # An empty vocabulary would "work" and turn every text into no tokens at all.
+            raise ValueError(f"GGUF metadata 'tokenizer.ggml.tokens' is missing or empty: {gf.path}")
         types: list[int] = gf.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges: list[str] = gf.get("tokenizer.ggml.merges") or []
+        merges = _string_list(gf, "tokenizer.ggml.merges")
         pre = gf.get("tokenizer.ggml.pre", "default")
-        if len(types) != len(tokens):
+        if not isinstance(types, list) or len(types) != len(tokens) or not all(isinstance(t, int) for t in types):
             raise ValueError(
-                f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens: {gf.path}"
+                f"tokenizer.ggml.token_type must be {len(tokens)} integers (one per token), got "
+                f"{len(types) if isinstance(types, list) else types!r}: {gf.path}"
             )
-        backend = _byte_level_bpe(tokens, types, merges, pre=pre)
+        try:
+            backend = _byte_level_bpe(tokens, types, merges, pre=pre)
+        except MissingTextDependencies:
+            raise
+        except Exception as e:  # the Rust side raises a bare Exception (e.g. a merge of unknown tokens)
+            raise ValueError(f"cannot build the tokenizer of {gf.path}: {e}") from None
 
         def token(key: str) -> str | None:
             idx = gf.get(f"tokenizer.ggml.{key}")
+            if idx is not None and (not isinstance(idx, int) or isinstance(idx, bool)):
+                raise ValueError(f"GGUF metadata 'tokenizer.ggml.{key}' must be a token id, got {idx!r}: {gf.path}")
             return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
 
         bos, eos = token("bos_token_id"), token("eos_token_id")

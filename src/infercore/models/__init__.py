@@ -8,6 +8,7 @@ file through :mod:`infercore.loading` and returns ``(model, tokenizer_or_None, c
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -71,6 +72,8 @@ register_model("bamba", BambaForCausalLM, architectures=("BambaForCausalLM",), c
 
 def config_from_hf(hf: dict) -> Any:
     """The family config for an HF ``config.json`` dict, chosen by its ``model_type``."""
+    if not isinstance(hf, Mapping):
+        raise TypeError(f"config: expected an HF config.json dict, got {type(hf).__name__}")
     mt = hf.get("model_type")
     if mt not in _CONFIGS:
         raise ValueError(f"config: model_type {mt!r} is not supported; supported: {sorted(_CONFIGS)}")
@@ -97,6 +100,22 @@ def _check_dtype(dtype: Any) -> torch.dtype:
     return dtype
 
 
+def _check_device(device: Any) -> torch.device:
+    """``device`` as a torch.device that can hold tensors here (a ValueError now, not a torch
+    RuntimeError/AssertionError from deep inside the first allocation)."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device: expected a str or torch.device, got {type(device).__name__}")
+    try:
+        device = torch.device(device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise ValueError(f"device {str(device)!r} cannot be used: {e}") from None
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        # torch.empty(0) allocates nothing, so a missing ordinal would only fail at the first real copy.
+        raise ValueError(f"device {str(device)!r} cannot be used: only {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
 def build_model(
     config: ModelConfig,
     *,
@@ -117,7 +136,7 @@ def build_model(
     dtype = _check_dtype(dtype)
     if init not in ("normal", "empty"):
         raise ValueError(f"init must be 'normal' or 'empty', got {init!r}")
-    device = torch.device(device)
+    device = _check_device(device)
     cls = model_class(config)
     # Build on the meta device so no memory is touched twice and no default init runs, then
     # materialise on the target device.
@@ -154,6 +173,9 @@ def load_model(
     from ..loading import load_checkpoint
 
     dtype = _check_dtype(dtype)
+    # Checked before reading anything; a meta model would drop every weight it is given.
+    if _check_device(device).type == "meta":
+        raise ValueError("device: 'meta' holds no data, so loaded weights would be lost; use cpu or cuda")
     ckpt = load_checkpoint(path)
     config = config_from_hf(ckpt.config)
     model = build_model(config, dtype=dtype, device=device, init="empty")

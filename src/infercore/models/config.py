@@ -175,11 +175,46 @@ class ModelConfig:
                 raise ValueError(f"HF config for model_type={model_type!r} is missing {key!r}")
             return value
 
-        hidden = require("hidden_size")
-        num_heads = require("num_attention_heads")
-        num_layers = require("num_hidden_layers")
-        num_kv_heads = get("num_key_value_heads", num_heads)
-        head_dim = get("head_dim")
+        # Type-check raw values before any arithmetic on them, so the error names the config key
+        # (not a ZeroDivisionError or a str % int) and nothing is silently coerced.
+        def check(key: str, value: Any, kind: type | tuple[type, ...], what: str, ok=lambda v: True) -> Any:
+            if value is not None and (not isinstance(value, kind) or isinstance(value, bool) or not ok(value)):
+                raise ValueError(f"HF config key {key!r} must be {what}, got {value!r}")
+            return value
+
+        def positive_int(key: str, value: Any) -> Any:
+            return check(key, value, int, "a positive int", lambda v: v > 0)
+
+        def number(key: str) -> float:
+            value = get(key)
+            return float(check(key, value, (int, float), "a positive number", lambda v: v > 0))
+
+        def flag(key: str, default: bool = False) -> bool:
+            value = get(key, default)
+            if not isinstance(value, bool):
+                raise ValueError(f"HF config key {key!r} must be true or false, got {value!r}")
+            return value
+
+        archs = hf.get("architectures") or [_ARCHITECTURES[model_type]]
+        if not isinstance(archs, list) or not archs or archs[0] not in _ARCHITECTURES.values():
+            # Another head (sequence classification, a bare LlamaModel, a VLM) has other weights
+            # and outputs: refuse it here rather than build a causal LM from it.
+            raise ValueError(
+                f"HF config architectures={archs!r} is not supported for model_type={model_type!r}; "
+                f"expected one of {sorted(_ARCHITECTURES.values())}"
+            )
+
+        hidden = positive_int("hidden_size", require("hidden_size"))
+        num_heads = positive_int("num_attention_heads", require("num_attention_heads"))
+        num_layers = positive_int("num_hidden_layers", require("num_hidden_layers"))
+        num_kv_heads = positive_int("num_key_value_heads", get("num_key_value_heads", num_heads))
+        head_dim = positive_int("head_dim", get("head_dim"))
+        for key in ("vocab_size", "intermediate_size", "max_position_embeddings"):
+            positive_int(key, get(key))
+        for key in ("rope_parameters", "rope_scaling"):
+            check(key, hf.get(key), dict, "an object (or null)")
+        check("max_window_layers", hf.get("max_window_layers"), int, "an int >= 0", lambda v: v >= 0)
+        check("bos_token_id", get("bos_token_id"), int, "a token id", lambda v: v >= 0)
         if head_dim is None:
             # Only a derived head_dim needs hidden % heads == 0 (Qwen3 sets head_dim * heads != hidden).
             if hidden % num_heads != 0:
@@ -197,10 +232,9 @@ class ModelConfig:
         sliding_window, layer_types = _parse_sliding(hf, model_type, num_layers, get)
 
         eos = get("eos_token_id")
-        eos_ids = (
-            () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list | tuple) else [eos]))
-        )
-        archs = hf.get("architectures") or [_ARCHITECTURES[model_type]]
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (eos,)
+        for e in eos_ids:
+            check("eos_token_id", e, int, "a token id or a list of token ids", lambda v: v >= 0)
 
         return cls(
             vocab_size=require("vocab_size"),
@@ -210,16 +244,16 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(get("rms_norm_eps")),
+            rms_norm_eps=number("rms_norm_eps"),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             partial_rotary_factor=partial,
             max_position_embeddings=get("max_position_embeddings"),
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            tie_word_embeddings=flag("tie_word_embeddings"),
             # Qwen2 hard-codes q/k/v bias (and no o_proj bias) in its modeling code.
-            attention_bias=True if model_type == "qwen2" else bool(get("attention_bias", False)),
-            o_bias=False if model_type in ("qwen2", "mistral") else bool(get("attention_bias", False)),
-            mlp_bias=bool(get("mlp_bias", False)) if model_type == "llama" else False,
+            attention_bias=True if model_type == "qwen2" else flag("attention_bias"),
+            o_bias=False if model_type in ("qwen2", "mistral") else flag("attention_bias"),
+            mlp_bias=flag("mlp_bias") if model_type == "llama" else False,
             qk_norm=model_type == "qwen3",
             sliding_window=sliding_window,
             layer_types=layer_types,
@@ -244,6 +278,9 @@ def _parse_rope(hf: Mapping[str, Any], max_positions: int) -> tuple[float, dict[
     partial = params.pop("partial_rotary_factor", None)
     if partial is None:
         partial = hf.get("partial_rotary_factor", 1.0)
+    for key, value in (("rope_theta", theta), ("partial_rotary_factor", partial)):
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ValueError(f"HF config key {key!r} must be a number, got {value!r}")
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if rope_type == "default":

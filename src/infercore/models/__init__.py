@@ -100,9 +100,10 @@ def _check_dtype(dtype: Any) -> torch.dtype:
     return dtype
 
 
-def _check_device(device: Any) -> torch.device:
-    """``device`` as a torch.device that can hold tensors here (a ValueError now, not a torch
-    RuntimeError/AssertionError from deep inside the first allocation)."""
+def check_device(device: Any) -> torch.device:
+    """``device`` (str or torch.device) as a torch.device that can hold tensors here; a bad one raises
+    ValueError / TypeError naming it now, not a torch RuntimeError / AssertionError from deep inside the
+    first allocation."""
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device: expected a str or torch.device, got {type(device).__name__}")
     try:
@@ -136,7 +137,7 @@ def build_model(
     dtype = _check_dtype(dtype)
     if init not in ("normal", "empty"):
         raise ValueError(f"init must be 'normal' or 'empty', got {init!r}")
-    device = _check_device(device)
+    device = check_device(device)
     cls = model_class(config)
     # Build on the meta device so no memory is touched twice and no default init runs, then
     # materialise on the target device.
@@ -174,7 +175,7 @@ def load_model(
 
     dtype = _check_dtype(dtype)
     # Checked before reading anything; a meta model would drop every weight it is given.
-    if _check_device(device).type == "meta":
+    if check_device(device).type == "meta":
         raise ValueError("device: 'meta' holds no data, so loaded weights would be lost; use cpu or cuda")
     ckpt = load_checkpoint(path)
     config = config_from_hf(ckpt.config)

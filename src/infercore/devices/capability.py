@@ -93,6 +93,10 @@ _EXTRA_PROBES: dict = {}
 
 def register_probe(device_type: str, probe) -> None:
     """Let a plug-in backend describe a new device type: ``probe(index) -> DeviceCapability``."""
+    if not isinstance(device_type, str) or not device_type:
+        raise TypeError(f"device_type must be a non-empty str, got {device_type!r}")
+    if not callable(probe):
+        raise TypeError(f"probe must be callable (index -> DeviceCapability), got {type(probe).__name__}")
     _EXTRA_PROBES[device_type] = probe
     _probe.cache_clear()
 
@@ -104,11 +108,34 @@ def _host_memory() -> int:
         return 0
 
 
+def _as_device(device: object) -> torch.device:
+    """``device`` as a ``torch.device``; ``TypeError``/``ValueError`` naming the argument otherwise.
+
+    ``torch.device`` itself takes an int as a CUDA index and raises RuntimeError for a bad name;
+    neither says which argument was wrong.
+    """
+    if isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a torch.device or str (e.g. 'cpu', 'cuda:0'), got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device={device!r} is not a device name (e.g. 'cpu', 'cuda:0'): {e}") from None
+
+
 def capability(device: torch.device | str | None = None) -> DeviceCapability:
     """Capabilities of ``device`` (default: CUDA if available, else CPU)."""
     if device is None:
         device = default_device()
-    device = torch.device(device)
+    device = _as_device(device)
+    if device.type == "cuda":
+        # Probing a missing GPU would raise an AssertionError / RuntimeError from deep in torch.cuda.
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device={str(device)!r}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device={str(device)!r}: index out of range, this machine has {count} CUDA device(s)")
     return _probe(device.type, device.index)
 
 

@@ -82,6 +82,21 @@ def _check_dtype(name: str, dtype: object) -> torch.dtype:
     return dtype
 
 
+def _check_device(device: object) -> torch.device:
+    # torch.device(3) silently means "cuda:3", and torch's own errors for a bad name or a missing
+    # CUDA build do not say which argument was wrong.
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError as e:
+            raise ValueError(f"device={device!r} is not a device name (e.g. 'cpu', 'cuda:0'): {e}") from None
+    if not isinstance(device, torch.device):
+        raise TypeError(f"device must be a torch.device or str, got {type(device).__name__}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}: CUDA is not available on this machine")
+    return device
+
+
 def _layer_shapes(
     specs: Sequence[KVSpec], dtype: torch.dtype, kv_cache_dtype: str | torch.dtype | None = None
 ) -> list[tuple[int, int, torch.dtype]]:
@@ -162,7 +177,7 @@ def allocate_kv_caches(
     _check_positive("num_pages", num_pages)
     _check_positive("page_size", page_size)
     shapes = _layer_shapes(specs, dtype, kv_cache_dtype)
-    device = torch.device(device)
+    device = _check_device(device)
     caches = []
     for hk, d, dt in shapes:
         shape = (num_pages, page_size, hk, d)

@@ -33,7 +33,7 @@ from ..ops import (
     write_kv_cache_,
 )
 from .config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from .hybrid import HybridMetadata, check_step, layer_metadata, load_hf_weights
+from .hybrid import HFConfigReader, HybridMetadata, check_step, layer_metadata, load_hf_weights
 from .llama import RMSNorm, tie_and_rope_table
 
 __all__ = ["Gemma3Config", "Gemma3ForCausalLM"]
@@ -75,57 +75,72 @@ class Gemma3Config(ModelConfig):
         if not isinstance(hf, Mapping):
             raise TypeError(f"hf config must be a mapping, got {type(hf).__name__}")
         if hf.get("model_type") == "gemma3" and "text_config" in hf:
+            if not isinstance(hf["text_config"], Mapping):
+                raise ValueError(f"HF gemma3 config key 'text_config' must be an object, got {hf['text_config']!r}")
             hf = {**hf["text_config"], "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
         if hf.get("model_type") != "gemma3_text":
             raise ValueError(f"model_type must be 'gemma3_text' or 'gemma3', got {hf.get('model_type')!r}")
+        r = HFConfigReader(hf, "gemma3")
 
-        def require(key: str) -> Any:
-            if hf.get(key) is None:
-                raise ValueError(f"HF gemma3 config is missing {key!r}")
-            return hf[key]
-
-        num_layers = require("num_hidden_layers")
-        num_heads = require("num_attention_heads")
-        layer_types = hf.get("layer_types")
+        num_layers = r.positive_int("num_hidden_layers")
+        num_heads = r.positive_int("num_attention_heads")
+        layer_types = r.str_list("layer_types")
         if layer_types is None:
-            pattern = hf.get("sliding_window_pattern", 6)
+            pattern = r.positive_int("sliding_window_pattern", 6)
             layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
-        rope = hf.get("rope_parameters") or {}
+        rope = r.mapping("rope_parameters")
+        for kind in (FULL_ATTENTION, SLIDING_ATTENTION):
+            r.check(f"rope_parameters.{kind}", rope.get(kind), Mapping, "an object (or null)")
         glob = dict(rope.get(FULL_ATTENTION) or {})
         local = dict(rope.get(SLIDING_ATTENTION) or {})
-        glob_theta = glob.pop("rope_theta", hf.get("rope_theta", 1_000_000.0))
-        local_theta = local.pop("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
-        if not glob and hf.get("rope_scaling"):
-            glob = dict(hf["rope_scaling"])
+        # Per-type rope_theta (transformers 5) wins over the 4.x top-level keys.
+        glob_theta, local_theta = glob.pop("rope_theta", None), local.pop("rope_theta", None)
+        if glob_theta is None:
+            glob_theta = r.number("rope_theta", 1_000_000.0)
+        if local_theta is None:
+            local_theta = r.number("rope_local_base_freq", 10_000.0)
+        for kind, theta in ((FULL_ATTENTION, glob_theta), (SLIDING_ATTENTION, local_theta)):
+            r.check(f"rope_parameters.{kind}.rope_theta", theta, (int, float), "a positive number", lambda v: v > 0)
+        if not glob:
+            glob = r.mapping("rope_scaling")
 
         def scaling(d: dict[str, Any]) -> dict[str, Any] | None:
             return None if d.get("rope_type", d.get("type", "default")) == "default" else d
 
-        eos = hf.get("eos_token_id")
+        eos_ids, bos = r.token_ids()
+        # Gemma 3 has no q/k/v/o bias variant in HF other than this one flag.
+        bias = r.flag("attention_bias", False)
         return cls(
-            vocab_size=require("vocab_size"),
-            hidden_size=require("hidden_size"),
-            intermediate_size=require("intermediate_size"),
+            vocab_size=r.positive_int("vocab_size"),
+            hidden_size=r.positive_int("hidden_size"),
+            intermediate_size=r.positive_int("intermediate_size"),
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or 256,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=r.positive_int("num_key_value_heads", num_heads),
+            head_dim=r.positive_int("head_dim", 256),
+            rms_norm_eps=r.number("rms_norm_eps", 1e-6),
             rope_theta=float(glob_theta),
             rope_scaling=scaling(glob),
-            max_position_embeddings=hf.get("max_position_embeddings", 131072),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            o_bias=bool(hf.get("attention_bias", False)),
+            max_position_embeddings=r.positive_int("max_position_embeddings", 131072),
+            tie_word_embeddings=r.flag("tie_word_embeddings", True),
+            attention_bias=bias,
+            o_bias=bias,
             qk_norm=True,
-            sliding_window=hf.get("sliding_window"),
-            layer_types=list(layer_types),
-            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=() if eos is None else tuple(eos if isinstance(eos, list | tuple) else [eos]),
-            query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
-            final_logit_softcapping=hf.get("final_logit_softcapping"),
-            attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+            sliding_window=r.check(
+                "sliding_window", hf.get("sliding_window"), int, "a positive int or null", lambda v: v > 0
+            ),  # fmt: skip
+            layer_types=layer_types,
+            hidden_act=r.check(
+                "hidden_activation",
+                hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+                str,
+                "an activation name",
+            ),  # fmt: skip
+            bos_token_id=bos,
+            eos_token_ids=eos_ids,
+            query_pre_attn_scalar=r.number("query_pre_attn_scalar", 256),
+            final_logit_softcapping=r.number("final_logit_softcapping", optional=True),
+            attn_logit_softcapping=r.number("attn_logit_softcapping", optional=True),
             rope_local_theta=float(local_theta),
             rope_local_scaling=scaling(local),
         )

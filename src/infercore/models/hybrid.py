@@ -13,7 +13,7 @@ pool), ``(conv_state, recurrent_state)`` pools ``[num_slots, ...]`` for recurren
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ import torch
 from ..ops import AttentionMetadata
 
 __all__ = [
+    "HFConfigReader",
     "HybridMetadata",
     "LinearStateMetadata",
     "layer_metadata",
@@ -138,3 +139,74 @@ def load_hf_weights(
     if missing:
         listed = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ValueError(f"load_weights: {len(missing)} parameters not (fully) in the checkpoint: {listed}")
+
+
+_REQUIRED = object()
+
+
+class HFConfigReader:
+    """Typed reads of one HF ``config.json`` dict for the hybrid families' ``from_hf``.
+
+    Same rules as :meth:`infercore.models.ModelConfig.from_hf`: a missing key (absent or null) is
+    either required or takes the HF default; a present value is type-checked before any arithmetic,
+    so errors are ``ValueError`` naming the key and what was expected -- not a KeyError, a
+    ZeroDivisionError, a float count truncated or a string ``"false"`` read as True.
+    """
+
+    def __init__(self, hf: Mapping[str, Any], family: str) -> None:
+        self.hf, self.family = hf, family
+
+    def get(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self.hf.get(key)
+        if value is None:
+            if default is _REQUIRED:
+                raise ValueError(f"HF {self.family} config is missing {key!r}")
+            return default
+        return value
+
+    def check(self, key: str, value: Any, kind: type | tuple[type, ...], what: str, ok=lambda v: True) -> Any:
+        """``value`` (None passes) if it is a ``kind`` (never a bool unless ``kind`` is bool) with ``ok``."""
+        is_bool = isinstance(value, bool) and kind is not bool
+        if value is not None and (not isinstance(value, kind) or is_bool or not ok(value)):
+            raise ValueError(f"HF {self.family} config key {key!r} must be {what}, got {value!r}")
+        return value
+
+    def positive_int(self, key: str, default: Any = _REQUIRED) -> int:
+        return self.check(key, self.get(key, default), int, "a positive int", lambda v: v > 0)
+
+    def number(self, key: str, default: Any = _REQUIRED, *, optional: bool = False) -> float | None:
+        """A positive number as float; ``optional`` allows null / absent (-> None)."""
+        value = self.get(key, None if optional and default is _REQUIRED else default)
+        value = self.check(key, value, (int, float), "a positive number" + (" or null" if optional else ""),
+                           lambda v: v > 0)  # fmt: skip
+        return None if value is None else float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        return self.check(key, self.get(key, default), bool, "true or false")
+
+    def mapping(self, key: str) -> dict[str, Any]:
+        """An object-valued key (e.g. ``rope_parameters``) as a fresh dict; absent / null -> {}."""
+        return dict(self.check(key, self.hf.get(key), Mapping, "an object (or null)") or {})
+
+    def int_list(self, key: str, bound: int) -> list[int]:
+        """A list of layer indices in ``[0, bound)``; absent / null -> []."""
+        value = self.check(key, self.hf.get(key), list | tuple, f"a list of layer indices in [0, {bound})")
+        for v in value or ():
+            self.check(key, v, int, f"a list of layer indices in [0, {bound})", lambda i: 0 <= i < bound)
+        return list(value or ())
+
+    def str_list(self, key: str) -> list[str] | None:
+        """A list of strings (e.g. ``layer_types``); absent / null -> None (entries are checked later)."""
+        value = self.check(key, self.hf.get(key), list | tuple, "a list of layer type names")
+        for v in value or ():
+            self.check(key, v, str, "a list of layer type names")
+        return None if value is None else list(value)
+
+    def token_ids(self) -> tuple[tuple[int, ...], int | None]:
+        """``(eos_token_ids, bos_token_id)``."""
+        eos = self.hf.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (eos,)
+        for e in eos_ids:
+            self.check("eos_token_id", e, int, "a token id or a list of token ids", lambda v: v >= 0)
+        bos = self.check("bos_token_id", self.hf.get("bos_token_id"), int, "a token id", lambda v: v >= 0)
+        return eos_ids, bos

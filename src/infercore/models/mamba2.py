@@ -30,7 +30,7 @@ from ..ops import apply_rope, fused_add_rms_norm, paged_attention, rms_norm, sil
 from ..ops.conv1d import causal_conv1d_prefill_, causal_conv1d_update_
 from ..ops.gated_norm import gated_rms_norm
 from ..ops.mamba import mamba_chunk_scan_, selective_state_update_
-from .hybrid import HybridMetadata, check_step, layer_metadata, linear_metadata, load_hf_weights
+from .hybrid import HFConfigReader, HybridMetadata, check_step, layer_metadata, linear_metadata, load_hf_weights
 from .llama import tie_and_rope_table
 
 __all__ = ["BambaForCausalLM", "Mamba2Config", "Mamba2ForCausalLM"]
@@ -80,7 +80,7 @@ class Mamba2Config:
         if not self.layer_types:
             self.layer_types = [MAMBA] * self.num_layers
         for name in ("vocab_size", "hidden_size", "num_layers", "mamba_heads", "mamba_head_dim", "state_size",
-                     "n_groups", "conv_kernel", "num_heads", "num_kv_heads", "head_dim"):  # fmt: skip
+                     "n_groups", "expand", "conv_kernel", "num_heads", "num_kv_heads", "head_dim"):  # fmt: skip
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"Mamba2Config.{name} must be a positive int, got {v!r}")
@@ -92,7 +92,15 @@ class Mamba2Config:
         if len(self.layer_types) != self.num_layers or set(self.layer_types) - {MAMBA, ATTENTION}:
             raise ValueError(f"Mamba2Config.layer_types must be {self.num_layers} of {MAMBA!r}/{ATTENTION!r}")
         if ATTENTION in self.layer_types and (self.num_heads % self.num_kv_heads or self.intermediate_size <= 0):
-            raise ValueError("Mamba2Config: hybrid configs need num_kv_heads | num_heads and an intermediate_size")
+            raise ValueError(
+                f"Mamba2Config: hybrid configs need num_kv_heads={self.num_kv_heads} to divide "
+                f"num_heads={self.num_heads} and intermediate_size > 0, got {self.intermediate_size}"
+            )
+        if ATTENTION in self.layer_types and (self.rotary_dim <= 0 or self.rotary_dim % 2):
+            raise ValueError(f"Mamba2Config.partial_rotary_factor={self.partial_rotary_factor} gives rotary_dim "
+                             f"{self.rotary_dim} for head_dim={self.head_dim}, expected even and > 0")  # fmt: skip
+        if not self.norm_eps > 0:
+            raise ValueError(f"Mamba2Config.norm_eps must be > 0, got {self.norm_eps!r}")
 
     @property
     def intermediate_mamba(self) -> int:
@@ -108,42 +116,54 @@ class Mamba2Config:
         if not isinstance(hf, Mapping):
             raise TypeError(f"hf config must be a mapping, got {type(hf).__name__}")
         mt = hf.get("model_type")
-        eos = hf.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos if isinstance(eos, list | tuple) else [eos])
-        limit = tuple(float(v) for v in hf.get("time_step_limit", (0.0, math.inf)))
+        if mt not in ("mamba2", "bamba"):
+            raise ValueError(f"model_type must be 'mamba2' or 'bamba', got {mt!r}")
+        r = HFConfigReader(hf, mt)
+        eos_ids, _ = r.token_ids()
+        limit = r.get("time_step_limit", (0.0, math.inf))
+        r.check("time_step_limit", limit, list | tuple, "a [min, max] pair of numbers with 0 <= min <= max",
+                lambda v: len(v) == 2 and all(isinstance(x, int | float) and not isinstance(x, bool) for x in v)
+                and 0 <= v[0] <= v[1])  # fmt: skip
+        limit = (float(limit[0]), float(limit[1]))
         if mt == "mamba2":
             return cls(
-                vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-                mamba_heads=hf["num_heads"], mamba_head_dim=hf["head_dim"], state_size=hf["state_size"],
-                n_groups=hf.get("n_groups", 1), expand=hf.get("expand", 2), conv_kernel=hf.get("conv_kernel", 4),
-                use_bias=bool(hf.get("use_bias", False)), use_conv_bias=bool(hf.get("use_conv_bias", True)),
-                time_step_limit=limit, norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-                residual_in_fp32=bool(hf.get("residual_in_fp32", True)),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), eos_token_ids=eos_ids,
+                vocab_size=r.positive_int("vocab_size"), hidden_size=r.positive_int("hidden_size"),
+                num_layers=r.positive_int("num_hidden_layers"), mamba_heads=r.positive_int("num_heads"),
+                mamba_head_dim=r.positive_int("head_dim"), state_size=r.positive_int("state_size"),
+                n_groups=r.positive_int("n_groups", 1), expand=r.positive_int("expand", 2),
+                conv_kernel=r.positive_int("conv_kernel", 4), use_bias=r.flag("use_bias", False),
+                use_conv_bias=r.flag("use_conv_bias", True), time_step_limit=limit,
+                norm_eps=r.number("layer_norm_epsilon", 1e-5), residual_in_fp32=r.flag("residual_in_fp32", True),
+                tie_word_embeddings=r.flag("tie_word_embeddings", False), eos_token_ids=eos_ids,
             )  # fmt: skip
-        if mt == "bamba":
-            n = hf["num_hidden_layers"]
-            attn = set(hf.get("attn_layer_indices") or ())
-            rope = dict(hf.get("rope_parameters") or {})
-            heads = hf["num_attention_heads"]
-            return cls(
-                vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=n,
-                mamba_heads=hf["mamba_n_heads"], mamba_head_dim=hf["mamba_d_head"], state_size=hf["mamba_d_state"],
-                n_groups=hf.get("mamba_n_groups", 1), expand=hf.get("mamba_expand", 2),
-                conv_kernel=hf.get("mamba_d_conv", 4), use_bias=bool(hf.get("mamba_proj_bias", False)),
-                use_conv_bias=bool(hf.get("mamba_conv_bias", True)), time_step_limit=limit,
-                norm_eps=float(hf.get("rms_norm_eps", 1e-5)), residual_in_fp32=False,
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                layer_types=[ATTENTION if i in attn else MAMBA for i in range(n)],
-                intermediate_size=hf["intermediate_size"], num_heads=heads,
-                num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf["hidden_size"] // heads,
-                rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                partial_rotary_factor=float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))),
-                max_position_embeddings=hf.get("max_position_embeddings", 4096),
-                attention_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)),
-                eos_token_ids=eos_ids, model_type="bamba", architecture="BambaForCausalLM",
-            )  # fmt: skip
-        raise ValueError(f"model_type must be 'mamba2' or 'bamba', got {mt!r}")
+        n = r.positive_int("num_hidden_layers")
+        attn = set(r.int_list("attn_layer_indices", n))
+        rope = r.mapping("rope_parameters")
+        theta, partial = rope.get("rope_theta"), rope.get("partial_rotary_factor")
+        theta = r.number("rope_theta", 10000.0) if theta is None else theta
+        partial = r.number("partial_rotary_factor", 0.5) if partial is None else partial
+        r.check("rope_theta", theta, (int, float), "a positive number", lambda v: v > 0)
+        r.check("partial_rotary_factor", partial, (int, float), "a number in (0, 1]", lambda v: 0 < v <= 1)
+        hidden, heads = r.positive_int("hidden_size"), r.positive_int("num_attention_heads")
+        if hidden % heads:
+            # HF Bamba derives head_dim = hidden_size // num_attention_heads: a remainder is a broken config.
+            raise ValueError(f"HF bamba config: hidden_size={hidden} is not divisible by num_attention_heads={heads}")
+        return cls(
+            vocab_size=r.positive_int("vocab_size"), hidden_size=hidden, num_layers=n,
+            mamba_heads=r.positive_int("mamba_n_heads"), mamba_head_dim=r.positive_int("mamba_d_head"),
+            state_size=r.positive_int("mamba_d_state"), n_groups=r.positive_int("mamba_n_groups", 1),
+            expand=r.positive_int("mamba_expand", 2), conv_kernel=r.positive_int("mamba_d_conv", 4),
+            use_bias=r.flag("mamba_proj_bias", False), use_conv_bias=r.flag("mamba_conv_bias", True),
+            time_step_limit=limit, norm_eps=r.number("rms_norm_eps", 1e-5), residual_in_fp32=False,
+            tie_word_embeddings=r.flag("tie_word_embeddings", False),
+            layer_types=[ATTENTION if i in attn else MAMBA for i in range(n)],
+            intermediate_size=r.positive_int("intermediate_size"), num_heads=heads,
+            num_kv_heads=r.positive_int("num_key_value_heads", heads), head_dim=hidden // heads,
+            rope_theta=float(theta), partial_rotary_factor=float(partial),
+            max_position_embeddings=r.positive_int("max_position_embeddings", 4096),
+            attention_bias=r.flag("attention_bias", False), mlp_bias=r.flag("mlp_bias", False),
+            eos_token_ids=eos_ids, model_type="bamba", architecture="BambaForCausalLM",
+        )  # fmt: skip
 
 
 class _Weight(nn.Module):

@@ -31,7 +31,7 @@ from ..ops import apply_rope, fused_add_rms_norm, paged_attention, write_kv_cach
 from ..ops.conv1d import causal_conv1d_prefill_, causal_conv1d_update_
 from ..ops.gated_delta import chunk_gated_delta_rule_, fused_recurrent_gated_delta_rule_
 from ..ops.gated_norm import gated_rms_norm
-from .hybrid import HybridMetadata, check_step, layer_metadata, linear_metadata, load_hf_weights
+from .hybrid import HFConfigReader, HybridMetadata, check_step, layer_metadata, linear_metadata, load_hf_weights
 from .llama import RMSNorm, tie_and_rope_table
 from .moe import GatedMLP, SparseMoeBlock
 
@@ -83,12 +83,29 @@ class Qwen3NextConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"Qwen3NextConfig.{name} must be a positive int, got {v!r}")
-        if self.num_heads % self.num_kv_heads or self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError("Qwen3NextConfig: num_kv_heads must divide num_heads and linear key heads value heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"Qwen3NextConfig.num_kv_heads={self.num_kv_heads} must divide "
+                             f"num_heads={self.num_heads}")  # fmt: skip
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"Qwen3NextConfig.linear_num_key_heads={self.linear_num_key_heads} must divide "
+                             f"linear_num_value_heads={self.linear_num_value_heads}")  # fmt: skip
         if len(self.layer_types) != self.num_layers or set(self.layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION}:
-            raise ValueError(f"Qwen3NextConfig.layer_types must be {self.num_layers} of linear/full_attention")
+            raise ValueError(f"Qwen3NextConfig.layer_types must be {self.num_layers} of linear/full_attention, "
+                             f"got {self.layer_types!r}")  # fmt: skip
+        if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ValueError(f"Qwen3NextConfig.num_experts must be an int >= 0, got {self.num_experts!r}")
+        # decoder_sparse_step is a modulus in is_moe_layer; the MoE sizes only matter with experts.
+        moe = ("num_experts_per_tok", "moe_intermediate_size") if self.num_experts else ()
+        for name in ("decoder_sparse_step", *moe):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"Qwen3NextConfig.{name} must be a positive int, got {v!r}")
+        shared = self.shared_expert_intermediate_size
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ValueError(f"Qwen3NextConfig.shared_expert_intermediate_size must be an int >= 0, got {shared!r}")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"Qwen3NextConfig.num_experts_per_tok must be in [1, {self.num_experts}]")
+            raise ValueError(f"Qwen3NextConfig.num_experts_per_tok={self.num_experts_per_tok} must be in "
+                             f"[1, num_experts={self.num_experts}]")  # fmt: skip
         if self.rotary_dim % 2 or self.rotary_dim <= 0:
             raise ValueError(f"Qwen3NextConfig.partial_rotary_factor gives rotary_dim {self.rotary_dim}")
 
@@ -110,35 +127,58 @@ class Qwen3NextConfig:
             raise TypeError(f"hf config must be a mapping, got {type(hf).__name__}")
         if hf.get("model_type") != "qwen3_next":
             raise ValueError(f"model_type must be 'qwen3_next', got {hf.get('model_type')!r}")
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-        partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+        r = HFConfigReader(hf, "qwen3_next")
+        rope = r.mapping("rope_parameters") or r.mapping("rope_scaling")
+        theta = rope.pop("rope_theta", None)
+        partial = rope.pop("partial_rotary_factor", None)
+        theta = r.number("rope_theta", 10000.0) if theta is None else theta
+        partial = r.number("partial_rotary_factor", 0.25) if partial is None else partial
+        r.check("rope_theta", theta, (int, float), "a positive number", lambda v: v > 0)
+        r.check("partial_rotary_factor", partial, (int, float), "a number in (0, 1]", lambda v: 0 < v <= 1)
         scaling = None if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
-        n = hf["num_hidden_layers"]
-        layer_types = hf.get("layer_types") or [
-            FULL_ATTENTION if (i + 1) % hf.get("full_attention_interval", 4) == 0 else LINEAR_ATTENTION
-            for i in range(n)
-        ]
-        eos = hf.get("eos_token_id")
-        keys = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-                "linear_num_value_heads", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
-                "max_position_embeddings", "tie_word_embeddings", "attention_bias", "bos_token_id")  # fmt: skip
+        n = r.positive_int("num_hidden_layers")
+        hidden, heads = r.positive_int("hidden_size"), r.positive_int("num_attention_heads")
+        head_dim = r.positive_int("head_dim", None)
+        if head_dim is None:
+            if hidden % heads:
+                raise ValueError(f"HF qwen3_next config: hidden_size={hidden} is not divisible by "
+                                 f"num_attention_heads={heads} (and head_dim is not given)")  # fmt: skip
+            head_dim = hidden // heads
+        layer_types = r.str_list("layer_types")
+        if layer_types is None:
+            interval = r.positive_int("full_attention_interval", 4)
+            layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(n)]
+        eos_ids, bos = r.token_ids()
+        # Keys with a dataclass default: only present ones are passed, each type-checked first.
+        sizes = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                 "linear_num_value_heads", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+                 "max_position_embeddings")  # fmt: skip
+        extra: dict[str, Any] = {k: r.positive_int(k) for k in sizes if hf.get(k) is not None}
+        # num_experts 0 = dense MLPs everywhere; shared_expert_intermediate_size 0 = no shared expert.
+        for k in ("num_experts", "shared_expert_intermediate_size"):
+            if hf.get(k) is not None:
+                extra[k] = r.check(k, hf[k], int, "an int >= 0", lambda v: v >= 0)
+        for k in ("norm_topk_prob", "tie_word_embeddings", "attention_bias"):
+            if hf.get(k) is not None:
+                extra[k] = r.flag(k, False)
+        if hf.get("mlp_only_layers") is not None:
+            extra["mlp_only_layers"] = r.int_list("mlp_only_layers", n)
         return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
+            vocab_size=r.positive_int("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=r.positive_int("intermediate_size"),
             num_layers=n,
-            num_heads=hf["num_attention_heads"],
-            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-            layer_types=list(layer_types),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            num_heads=heads,
+            num_kv_heads=r.positive_int("num_key_value_heads", heads),
+            head_dim=head_dim,
+            layer_types=layer_types,
+            rms_norm_eps=r.number("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
             partial_rotary_factor=float(partial),
-            eos_token_ids=() if eos is None else tuple(eos if isinstance(eos, list | tuple) else [eos]),
-            **{k: hf[k] for k in keys if hf.get(k) is not None},
+            bos_token_id=bos,
+            eos_token_ids=eos_ids,
+            **extra,
         )
 
 

@@ -10,14 +10,12 @@ import time
 
 def _device(text: str):
     """argparse type for --device: a torch device that exists on this machine."""
-    import torch
+    from .devices import check_device
 
     try:
-        device = torch.device(text)
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as e:  # torch's answers for a bad name / a missing backend
+        return str(check_device(text))
+    except ValueError as e:
         raise argparse.ArgumentTypeError(f"{text!r} is not a usable device ({e})") from None
-    return str(device)
 
 
 def _model_path(text: str) -> str:

@@ -3,6 +3,7 @@
 from .capability import (
     DeviceCapability,
     capability,
+    check_device,
     default_device,
     list_devices,
     register_probe,
@@ -15,6 +16,7 @@ __all__ = [
     "DeviceCapability",
     "accepts",
     "capability",
+    "check_device",
     "default_device",
     "dispatch",
     "implementation",

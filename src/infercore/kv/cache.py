@@ -18,6 +18,8 @@ from typing import Protocol
 
 import torch
 
+from ..devices import check_device
+
 KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 _SCALE_BYTES = 4  # one fp32 scale per (token, KV head)
 
@@ -80,21 +82,6 @@ def _check_dtype(name: str, dtype: object) -> torch.dtype:
     if dtype.is_complex or dtype == torch.bool:
         raise ValueError(f"{name} must be a real floating or integer dtype, got {dtype}")
     return dtype
-
-
-def _check_device(device: object) -> torch.device:
-    # torch.device(3) silently means "cuda:3", and torch's own errors for a bad name or a missing
-    # CUDA build do not say which argument was wrong.
-    if isinstance(device, str):
-        try:
-            device = torch.device(device)
-        except RuntimeError as e:
-            raise ValueError(f"device={device!r} is not a device name (e.g. 'cpu', 'cuda:0'): {e}") from None
-    if not isinstance(device, torch.device):
-        raise TypeError(f"device must be a torch.device or str, got {type(device).__name__}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={str(device)!r}: CUDA is not available on this machine")
-    return device
 
 
 def _layer_shapes(
@@ -177,7 +164,7 @@ def allocate_kv_caches(
     _check_positive("num_pages", num_pages)
     _check_positive("page_size", page_size)
     shapes = _layer_shapes(specs, dtype, kv_cache_dtype)
-    device = _check_device(device)
+    device = check_device(device)
     caches = []
     for hk, d, dt in shapes:
         shape = (num_pages, page_size, hk, d)

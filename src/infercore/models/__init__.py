@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..devices import check_device
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig
 from .gemma3 import Gemma3Config, Gemma3ForCausalLM
 from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, RMSNorm
@@ -98,23 +99,6 @@ def _check_dtype(dtype: Any) -> torch.dtype:
     if not isinstance(dtype, torch.dtype) or dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"dtype must be one of torch.float32/float16/bfloat16, got {dtype!r}")
     return dtype
-
-
-def check_device(device: Any) -> torch.device:
-    """``device`` (str or torch.device) as a torch.device that can hold tensors here; a bad one raises
-    ValueError / TypeError naming it now, not a torch RuntimeError / AssertionError from deep inside the
-    first allocation."""
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device: expected a str or torch.device, got {type(device).__name__}")
-    try:
-        device = torch.device(device)
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as e:
-        raise ValueError(f"device {str(device)!r} cannot be used: {e}") from None
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        # torch.empty(0) allocates nothing, so a missing ordinal would only fail at the first real copy.
-        raise ValueError(f"device {str(device)!r} cannot be used: only {torch.cuda.device_count()} CUDA devices")
-    return device
 
 
 def build_model(

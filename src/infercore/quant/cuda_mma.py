@@ -1,0 +1,243 @@
+"""MODE 9: weight-only matmuls for 1-16 activation rows in CUDA C++ (``wo_mma.cu``, compiled at first use by
+NVRTC through torch), INT4 (group-wise scale + zero point) and emulated FP8 (per-channel or 128x128 block scales).
+
+Why a CUDA kernel beside the Triton ones: at 9-16 rows the Triton / Gluon fragment kernels (MODE 6 / 7) hold each
+warp's decode chain, B fragments and split-K bookkeeping in ~190 registers, ~10 warps per SM, and stall on load
+latency (docs/quantization.md). Here eight warps of a CTA share one activation tile per K step (ldmatrix from a
+swizzled shared-memory stage), the weights stream through a cp.async ring of 16 KB units, and the grid is one
+stream-K wave: every CTA streams the same number of units, and only the CTAs that share a channel block exchange
+fp32 partials (written over a sentinel pattern and polled: no flag, fence or atomic).
+
+Layouts (all made once per weight by :func:`repack_int4` / :func:`repack_fp8`, kept while the weight lives):
+
+* unit ``u = nb * KT + kt``: channels ``[nb BN, (nb + 1) BN)`` x K ``[kt 128, (kt + 1) 128)``, 16 KB of words in
+  the order ``[warp 8][j 4][lane 32][4 words]`` (BN = 256 for INT4, 128 for FP8). :func:`unpack_int4` /
+  :func:`unpack_fp8` invert it (the CPU tests check the round trip and the nibble / byte map the kernel decodes);
+* per unit ``BN`` 32-bit scale words ``[warp][tile][8 channels]``: INT4 the fp32 scale with its low 4 mantissa
+  bits replaced by the zero point (relative error <= 2^-19), FP8 the fp32 scale.
+
+The kernel needs K % 128 == 0, INT4 groups that are multiples of 128 (or per channel), FP8 block scales of 128 (or
+per channel), bf16 / fp16 activations with 16-byte aligned rows. ``available()`` is False without CUDA sm80+ or
+NVRTC (``torch.cuda._compile_kernel``); callers then keep the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from .formats import FP8Weight, IntWeight
+
+BK = 128
+THREADS = 256
+UNIT_BYTES = 16384
+MAX_M = 16
+MAX_CTAS_PER_SM = 4
+_SRC = Path(__file__).with_name("wo_mma.cu")
+
+# Launch shape, measured on the H200 (benchmarks/probe_mma_wo.py): cp.async ring depth and CTAs per SM.
+STAGES = {"int4": 4, "fp8": 4}
+CTAS_PER_SM = {"int4": 1, "fp8": 1}
+
+ENABLED = os.environ.get("INFERCORE_WO_CUDA", "1") != "0"
+
+# Extra ``-D`` switches for every compile (benchmarks' timing probes, e.g. ``("PROBE=1",)``).
+DEFINES: tuple = ()
+
+
+def block_n(kind: str) -> int:
+    """Channels per unit: 8 warps x 4 n8 tiles (INT4) or x 2 (FP8)."""
+    return 256 if kind == "int4" else 128
+
+
+def _scale_words(kind: str) -> int:
+    return block_n(kind)
+
+
+# ------------------------------------------------------------------------------------------------
+# Repacks (plain torch: run on the weight's device, tested on the CPU)
+# ------------------------------------------------------------------------------------------------
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0])) if rows > t.shape[0] else t
+
+
+def _unit_groups(w: IntWeight, kt: int) -> torch.Tensor:
+    """The quantization group of each unit's K range: ``int64 [KT]``."""
+    if w.scales.shape[1] == 1:
+        return torch.zeros(kt, dtype=torch.int64, device=w.scales.device)
+    return torch.arange(kt, device=w.scales.device) * BK // w.group_size
+
+
+def int4_ok(w: IntWeight) -> bool:
+    """Whether :func:`repack_int4` can take ``w``: 4-bit codes, K padded to a multiple of 128, groups that are
+    multiples of 128 (or one per channel), integer zero points below 16."""
+    if not isinstance(w, IntWeight) or w.bits != 4 or w.padded_in_features % BK:
+        return False
+    return w.scales.shape[1] == 1 or w.group_size % BK == 0
+
+
+def repack_int4(w: IntWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(words int32 [U * 4096], scale_words int32 [U * 256])`` for ``wo_mma.cu`` (``U = ceil(N/256) * Kp/128``)."""
+    if not int4_ok(w):
+        raise ValueError("w: MODE 9 needs INT4 codes with K % 128 == 0 and groups of a multiple of 128")
+    n, kp = w.qweight.shape[0], w.padded_in_features
+    bn = block_n("int4")
+    nb, kt = math.ceil(n / bn), kp // BK
+    codes = _pad_rows(w.codes().to(torch.uint8), nb * bn)
+    # n = nb*256 + warp*32 + p*16 + t*8 + nl;  k = kt*128 + j*32 + slo*16 + khi*8 + c*2 + klo
+    c = codes.view(nb, 8, 2, 2, 8, kt, 4, 2, 2, 4, 2)
+    # -> [nb, kt, warp, j, nl, c, slo, p | klo, t, khi]: word (s = 2j + slo, p) of lane 4 nl + c, nibble klo*4+t*2+khi
+    c = c.permute(0, 5, 1, 6, 4, 9, 7, 2, 10, 3, 8).reshape(-1, 8).to(torch.int32)
+    shifts = torch.arange(0, 32, 4, device=c.device, dtype=torch.int32)
+    words = (c << shifts).sum(-1, dtype=torch.int32)  # int32 sums wrap: the nibbles never overlap
+    groups = _unit_groups(w, kt)
+    s = w.scales.float()[:, groups]  # [N, KT]
+    z = w.zero_points()[:, groups]
+    if not bool(((z == z.round()) & (z >= 0) & (z < 16)).all()):
+        raise ValueError("w: MODE 9 needs integer zero points in [0, 15]")
+    sw = (s.contiguous().view(torch.int32) & ~15) | z.to(torch.int32)
+    sw = _pad_rows(sw, nb * bn).view(nb, 8, 4, 8, kt).permute(0, 4, 1, 2, 3)  # [nb, kt, warp, t, 8]
+    return words.contiguous(), sw.reshape(-1).contiguous()
+
+
+def unpack_int4(words: torch.Tensor, scale_words: torch.Tensor, n: int, kp: int):
+    """Inverse of :func:`repack_int4`: ``(codes int32 [N, Kp], scales fp32 [N, KT], zeros int32 [N, KT])`` (per
+    unit), read the way the kernel reads them."""
+    bn = block_n("int4")
+    nb, kt = math.ceil(n / bn), kp // BK
+    shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
+    nib = (words.view(-1, 1) >> shifts) & 15
+    c = nib.view(nb, kt, 8, 4, 8, 4, 2, 2, 2, 2, 2).permute(0, 2, 7, 9, 4, 1, 3, 6, 10, 5, 8)
+    codes = c.reshape(nb * bn, kp)[:n]
+    sw = scale_words.view(nb, kt, 8, 4, 8).permute(0, 2, 3, 4, 1).reshape(nb * bn, kt)[:n]
+    return codes, (sw & ~15).view(torch.float32), sw & 15
+
+
+def fp8_ok(w: FP8Weight) -> bool:
+    """Whether :func:`repack_fp8` can take ``w``: K % 128 == 0, per-channel or 128x128 block scales."""
+    return isinstance(w, FP8Weight) and w.shape[1] % BK == 0 and w.block_size in (None, 128)
+
+
+def repack_fp8(w: FP8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(words int32 [U * 4096], scales fp32 [U * 128])`` for ``wo_mma.cu`` (``U = ceil(N/128) * K/128``)."""
+    if not fp8_ok(w):
+        raise ValueError("w: MODE 9 needs FP8 weights with K % 128 == 0 and per-channel or 128x128 block scales")
+    n, k = w.shape
+    bn = block_n("fp8")
+    nb, kt = math.ceil(n / bn), k // BK
+    q = _pad_rows(w.qweight.view(torch.uint8), nb * bn)
+    # n = nb*128 + warp*16 + p*8 + nl;  k = kt*128 + j*32 + slo*16 + khi*8 + c*2 + klo; byte khi*2 + klo
+    b = q.view(nb, 8, 2, 8, kt, 4, 2, 2, 4, 2).permute(0, 4, 1, 5, 3, 8, 6, 2, 7, 9)
+    words = b.reshape(-1, 4).contiguous().view(torch.int32).reshape(-1)
+    if w.block_size is None:
+        s = w.scales.float()[:, None].expand(n, kt)
+    else:
+        s = w.scales.float()[torch.arange(n, device=q.device) // 128][:, :kt]
+    s = _pad_rows(s.contiguous(), nb * bn).view(nb, 8, 2, 8, kt).permute(0, 4, 1, 2, 3)
+    return words.contiguous(), s.reshape(-1).contiguous()
+
+
+def unpack_fp8(words: torch.Tensor, scales: torch.Tensor, n: int, k: int):
+    """Inverse of :func:`repack_fp8`: ``(bytes uint8 [N, K], scales fp32 [N, KT])``."""
+    bn = block_n("fp8")
+    nb, kt = math.ceil(n / bn), k // BK
+    b = words.contiguous().view(torch.uint8).view(nb, kt, 8, 4, 8, 4, 2, 2, 2, 2)
+    q = b.permute(0, 2, 7, 4, 1, 3, 6, 8, 5, 9).reshape(nb * bn, k)[:n]
+    s = scales.view(nb, kt, 8, 2, 8).permute(0, 2, 3, 4, 1).reshape(nb * bn, kt)[:n]
+    return q, s
+
+
+# ------------------------------------------------------------------------------------------------
+# Compile and launch
+# ------------------------------------------------------------------------------------------------
+
+_KERNELS: dict = {}
+_BUFFERS: dict = {}
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether MODE 9 can run activations ``x [M, K]``: enabled (``INFERCORE_WO_CUDA``), CUDA sm80+ with NVRTC,
+    bf16 / fp16, ``1 <= M <= 16``, unit column stride, 16-byte aligned rows."""
+    if not (ENABLED and x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if not 1 <= x.shape[0] <= MAX_M or x.stride(1) != 1 or (x.stride(0) % 8 and x.shape[0] > 1):
+        return False
+    if x.data_ptr() % 16 or torch.cuda.get_device_capability(x.device)[0] < 8 or torch.version.hip:
+        return False
+    return hasattr(torch.cuda, "_compile_kernel")
+
+
+def stage_bytes(kind: str) -> int:
+    return UNIT_BYTES + 4 * _scale_words(kind) + 16 * BK * 2
+
+
+def _occupancy(func, smem: int) -> int:
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    n = ctypes.c_int(0)
+    err = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), func, THREADS, ctypes.c_size_t(smem))
+    if err != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed ({err})")
+    return n.value
+
+
+def _kernel(kind: str, dtype: torch.dtype, device: torch.device, rows16: bool, stages: int, ctas: int):
+    """The compiled kernel and how many CTAs of it fit on one SM (cached per variant and device)."""
+    key = (kind, dtype, device.index, rows16, stages, ctas, DEFINES)
+    hit = _KERNELS.get(key)
+    if hit is None:
+        opts = [f"-DFP8={int(kind == 'fp8')}", f"-DACT_BF16={int(dtype == torch.bfloat16)}", f"-DSTAGES={stages}",
+                f"-DROWS16={int(rows16)}",
+                f"-DMIN_BLOCKS={ctas}", "-std=c++17", *(f"-D{d}" for d in DEFINES)]
+        with torch.cuda.device(device):
+            k = torch.cuda._compile_kernel(_SRC.read_text(), "wo_mma", nvcc_options=opts)
+            smem = stages * stage_bytes(kind)
+            k.set_shared_memory_config(smem)
+            hit = (k, smem, _occupancy(k.func, smem))
+        _KERNELS[key] = hit
+    return hit
+
+
+def _partials(device: torch.device, ctas: int) -> torch.Tensor:
+    """Per-device split partials (16 KB a CTA), all 0xFFFFFFFF (the kernel's "not written" sentinel) between
+    launches: each launch's finishers write it back after reading."""
+    hit = _BUFFERS.get(device.index)
+    if hit is None or hit.numel() < ctas * UNIT_BYTES // 4:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("MODE 9: its partial-sum buffer is made on an eager call, before graph capture")
+        hit = torch.full((ctas * UNIT_BYTES // 4,), -1, dtype=torch.int32, device=device).view(torch.float32)
+        _BUFFERS[device.index] = hit
+    return hit
+
+
+def grid_size(units: int, sms: int, per_sm: int, occupancy: int) -> int:
+    """One wave: at most ``occupancy`` CTAs per SM (all resident, so a finisher polling for partials cannot
+    deadlock), never more CTAs than units."""
+    return max(1, min(units, sms * min(per_sm, occupancy, MAX_CTAS_PER_SM)))
+
+
+def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor, n: int, kp: int, *,
+           stages: int | None = None, ctas: int | None = None) -> torch.Tensor:
+    """``x [M, K]`` (bf16/fp16, :func:`available`) times a repacked weight (``kind`` ``"int4"`` / ``"fp8"``,
+    logical ``[n, kp]``) -> ``[M, n]`` in ``x.dtype``. ``stages`` / ``ctas`` override the launch table."""
+    m = x.shape[0]
+    if x.shape[1] != kp:
+        raise ValueError(f"x: expected {kp} columns, got {x.shape[1]}")
+    st = STAGES[kind] if stages is None else stages
+    per_sm = CTAS_PER_SM[kind] if ctas is None else ctas
+    k, smem, occ = _kernel(kind, x.dtype, x.device, m > 8, st, per_sm)
+    bn = block_n(kind)
+    nb, kt = math.ceil(n / bn), kp // BK
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    g = grid_size(nb * kt, sms, per_sm, occ)
+    ws = _partials(x.device, sms * MAX_CTAS_PER_SM)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    ldx = x.stride(0) if m > 1 else kp
+    k(grid=(g, 1, 1), block=(THREADS, 1, 1), args=[words, scales, x, y, ws, m, n, kt, nb, ldx],
+      shared_mem=smem)
+    return y

@@ -1,0 +1,391 @@
+// MODE 9: weight-only GEMM for 1-16 activation rows on tensor cores, one stream-K wave (CUDA C++, NVRTC).
+//
+// y[M, N] = x[M, K] @ W^T with W stored as INT4 codes (group-wise scale and zero point) or FP8 e4m3 bytes
+// (per-channel or 128x128 block scales), decoded in registers straight into mma.m16n8k16 A fragments: the
+// weights are the 16-row operand (16 channels per MMA) and the activation rows the 8-column one, so M <= 8 takes
+// one MMA per 16 channels x 16 K and M <= 16 (ROWS16) two.
+//
+// Work unit: BN channels x BK = 128 K of the weight, 16 KB stored contiguously by ``cuda_mma.repack_*`` in the
+// order the warps read it: [warp][j 0..3][lane][16 bytes]. Unit u = nb * KT + kt. The grid is one wave of CTAs;
+// CTA c streams units [c U / G, (c + 1) U / G) through a STAGES-deep cp.async ring (weights, per-channel scale
+// words and the activations' 16 x 128 tile, swizzled for ldmatrix). A channel block covered by several CTAs is
+// finished by the CTA holding its first unit, which reaches that unit last in its range; the others store fp32
+// partials over a sentinel pattern (0xFFFFFFFF, a NaN no fp32 arithmetic produces) and the finisher polls until
+// none is left, adds them, writes the sentinel back for the next launch (or graph replay) and stores y. No flag,
+// fence or atomic on the way.
+//
+// INT4 word (lane l, g = l / 4, c = l % 4; m16 tile p of the warp): nibble i holds channel g + 8 ((i >> 1) & 1),
+// k = 2c + (i >> 2) + 8 (i & 1); lop3 with a magic exponent gives two 16-bit floats (magic + q) per nibble pair,
+// exact. Per unit (one quantization group: group % 128 == 0) the fp32 tile result t becomes
+// s (t - (magic + z) sum_k x) with sum_k x from one more MMA against ones.
+// FP8 words (channel g, then g + 8): byte b holds k = 2c + (b & 1) + 8 (b >> 1); sign | exponent-mantissa shifted
+// into a bf16 (fp16) is the value times 2^-120 (2^-8), exact; the fold is multiplied back with the scale.
+//
+// Compile-time switches (-D): FP8 (0/1), ACT_BF16 (1: bf16 activations, 0: fp16), ROWS16 (0: M <= 8, 1: M <= 16),
+// STAGES, MIN_BLOCKS, PROBE (timing probes only: 1 no decode / MMA, 2 no weight loads; results wrong).
+
+#ifndef FP8
+#define FP8 0
+#endif
+#ifndef ACT_BF16
+#define ACT_BF16 1
+#endif
+#ifndef ROWS16
+#define ROWS16 1
+#endif
+#ifndef STAGES
+#define STAGES 4
+#endif
+#ifndef PROBE
+#define PROBE 0
+#endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1
+#endif
+#ifndef ZFOLD  // INT4 zero points: 1 through sum(x) (one more MMA per K step), 0 subtracted in the decode (4 HFMA2)
+#define ZFOLD 0
+#endif
+
+#define THREADS 256
+#define NWARPS 8
+#define BK 128
+#if FP8
+#define MT 1  // m16 tiles per warp (two words each per K step)
+#define WN 16
+#else
+#define MT 2  // m16 tiles per warp (one word each per K step)
+#define WN 32
+#endif
+#define NTN (ROWS16 ? 2 : 1)  // n8 tiles of activation rows
+#define BN (NWARPS * WN)
+#define W_BYTES 16384
+#define SZ_BYTES (BN * 4)
+#define X_BYTES 4096
+#define STAGE_BYTES (W_BYTES + SZ_BYTES + X_BYTES)
+#define SENTINEL 0xFFFFFFFFu
+
+typedef unsigned int u32;
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void cp16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2)); }
+
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32* a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(addr));
+}
+
+// d += A (16 x 16, four registers) B (16 x 8, two registers), fp32 accumulators.
+__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if ACT_BF16
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// (a & b) | c
+__device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
+  u32 d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// a * 1 + c on 16-bit float pairs (exact here: magic + q minus magic + z)
+__device__ __forceinline__ u32 add2(u32 a, u32 c) {
+  u32 d;
+#if ACT_BF16
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(0x3F803F80u), "r"(c));
+#else
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(0x3C003C00u), "r"(c));
+#endif
+  return d;
+}
+
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  u32 d;
+#if ACT_BF16
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+#endif
+  return d;
+}
+
+#if ACT_BF16
+#define MAGIC2 0x43004300u    // 128.0 in bf16, twice: magic + q is exact for q < 128
+#define MAGIC_F32 0x43000000u  // 128.0f; + (z << 16) is 128 + z
+#define MAGIC_SHIFT 16
+#define ONES2 0x3F803F80u
+#define NEG_MAGIC 0xC300u
+#define FP8_FOLD 1.329227995784916e36f  // 2^120
+#else
+#define MAGIC2 0x64006400u    // 1024.0 in fp16
+#define MAGIC_F32 0x44800000u  // 1024.0f; + (z << 13) is 1024 + z
+#define MAGIC_SHIFT 13
+#define ONES2 0x3C003C00u
+#define NEG_MAGIC 0xE400u
+#define FP8_FOLD 256.0f
+#endif
+
+// e4m3 bytes 0, 1 (sel 0x1404) or 2, 3 (0x3424) of w -> two 16-bit floats (value x 2^-120 in bf16, 2^-8 in fp16)
+__device__ __forceinline__ u32 fp8x2(u32 w, u32 sel) {
+  const u32 t = __byte_perm(w, 0, sel);
+#if ACT_BF16
+  return and_or(t, 0x80008000u, (t >> 4) & 0x07F007F0u);
+#else
+  return and_or(t, 0x80008000u, (t >> 1) & 0x3F803F80u);
+#endif
+}
+
+// The partial exchange uses relaxed (morally strong) accesses: with weak ld / st, ptxas may assume no other thread
+// writes the slot, fold the polling loop into one load and move the sentinel store ahead of it (seen in SASS).
+__device__ __forceinline__ void st_cg4(float* p, float a, float b, float c, float d) {
+  asm volatile("st.relaxed.gpu.global.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
+}
+__device__ __forceinline__ void ld_cg4(const float* p, float* v) {
+  asm volatile("ld.relaxed.gpu.global.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+               : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
+               : "l"(p)
+               : "memory");
+}
+__device__ __forceinline__ bool pending(const float* v) {
+  return __float_as_uint(v[0]) == SENTINEL || __float_as_uint(v[1]) == SENTINEL ||
+         __float_as_uint(v[2]) == SENTINEL || __float_as_uint(v[3]) == SENTINEL;
+}
+
+__device__ __forceinline__ int unit_start(int c, int U, int G) { return (int)(((long long)c * U) / G); }
+
+// Partial-sum slot of CTA c, accumulator tile q, thread tid (float4 granules, coalesced across threads).
+__device__ __forceinline__ float* slot(float* ws, int c, int q, int tid) {
+  return ws + (((size_t)c * (MT * NTN) + q) * THREADS + tid) * 4;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+    wo_mma(const uint4* __restrict__ wpk, const uint4* __restrict__ szk, const unsigned short* __restrict__ x,
+           unsigned short* __restrict__ y, float* __restrict__ ws, int M, int N, int KT, int NB, int ldx) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int G = gridDim.x, U = NB * KT, cta = blockIdx.x;
+  const int u0 = unit_start(cta, U, G), n_units = unit_start(cta + 1, U, G) - u0;
+  const int g = lane >> 2, c4 = lane & 3;
+  const u32 smem0 = smem_u32(smem);
+
+  // ---- loads: unit u into stage st (kt = its K tile) ----
+  const int xr = tid >> 4, xch = tid & 15;  // activation row and 16-byte chunk this thread copies
+  const bool x_loader = xr < (ROWS16 ? 16 : 8);
+  const unsigned short* xsrc = x + (size_t)(xr < M ? xr : M - 1) * ldx + xch * 8;
+  const u32 xdst = W_BYTES + SZ_BYTES + xr * 256 + ((xch ^ (xr & 7)) << 4);
+  auto load_unit = [&](int st, int u, int kt) {
+    const u32 base = smem0 + st * STAGE_BYTES;
+    const uint4* wsrc = wpk + (size_t)u * (W_BYTES / 16) + tid;
+#pragma unroll
+    for (int i = 0; i < W_BYTES / 16 / THREADS; i++)
+      if (PROBE != 2) cp16(base + (tid + i * THREADS) * 16, wsrc + i * THREADS);
+    if (tid < SZ_BYTES / 16) cp16(base + W_BYTES + tid * 16, szk + (size_t)u * (SZ_BYTES / 16) + tid);
+    if (x_loader) cp16(base + xdst, xsrc + kt * BK);
+  };
+
+  int ld_u = u0, ld_kt = u0 % KT;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; s++) {
+    if (s < n_units) {
+      load_unit(s, ld_u, ld_kt);
+      ld_u++;
+      if (++ld_kt == KT) ld_kt = 0;
+    }
+    cp_commit();
+  }
+
+  float acc[MT][NTN][4];
+  int nb = u0 / KT, kt = u0 - nb * KT, kt0 = kt;
+  // ldmatrix row / chunk of this lane: ROWS16 one K step (rows 0-15) per x4, else two K steps of rows 0-7
+  const int lrow = ROWS16 ? (lane & 7) + ((lane >> 4) << 3) : (lane & 7);
+  const int lchunk = ROWS16 ? ((lane >> 3) & 1) : (lane >> 3);
+  const u32 xbase = W_BYTES + SZ_BYTES + lrow * 256;
+
+  for (int i = 0; i < n_units; i++) {
+    cp_wait();
+    __syncthreads();
+    {
+      const int nxt = i + STAGES - 1;
+      if (nxt < n_units) {
+        load_unit(nxt % STAGES, ld_u, ld_kt);
+        ld_u++;
+        if (++ld_kt == KT) ld_kt = 0;
+      }
+      cp_commit();
+    }
+    if (i == 0 || kt == 0) {
+      kt0 = kt;
+#pragma unroll
+      for (int a = 0; a < MT; a++)
+#pragma unroll
+        for (int b = 0; b < NTN; b++) acc[a][b][0] = acc[a][b][1] = acc[a][b][2] = acc[a][b][3] = 0.f;
+    }
+
+    // ---- one unit: this warp's MT m16 tiles x 128 K ----
+    const unsigned char* st = smem + (i % STAGES) * STAGE_BYTES;
+    const u32 stu = smem0 + (i % STAGES) * STAGE_BYTES;
+    const uint4* wp = reinterpret_cast<const uint4*>(st) + warp * 128 + lane;
+    uint4 wv[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) wv[j] = wp[j * 32];
+    float tmp[MT][NTN][4];
+#pragma unroll
+    for (int a = 0; a < MT; a++)
+#pragma unroll
+      for (int b = 0; b < NTN; b++) tmp[a][b][0] = tmp[a][b][1] = tmp[a][b][2] = tmp[a][b][3] = 0.f;
+#if !FP8 && !ZFOLD
+    u32 negz[4];  // -(magic + z) twice, channels g / g + 8 of m16 tiles 0 / 1 (tiles 0-3 of the scale words)
+    {
+      const u32* szw = reinterpret_cast<const u32*>(st + W_BYTES) + warp * (WN / 8) * 8 + g;
+#pragma unroll
+      for (int t = 0; t < 4; t++) {
+        const u32 z = NEG_MAGIC + (szw[t * 8] & 15u);
+        negz[t] = z | (z << 16);
+      }
+    }
+#endif
+#if !FP8 && ZFOLD
+    float xs[NTN][4];
+#pragma unroll
+    for (int b = 0; b < NTN; b++) xs[b][0] = xs[b][1] = xs[b][2] = xs[b][3] = 0.f;
+#endif
+#if !ROWS16
+    u32 xr4[4];
+#endif
+#pragma unroll
+    for (int s = 0; s < 8; s++) {
+      if (PROBE == 1) break;
+      u32 xb[NTN][2];
+#if ROWS16
+      {
+        u32 r[4];
+        ldsm_x4(stu + xbase + (((2 * s + lchunk) ^ (lrow & 7)) << 4), r);
+        xb[0][0] = r[0], xb[0][1] = r[1], xb[1][0] = r[2], xb[1][1] = r[3];
+      }
+#else
+      if ((s & 1) == 0) ldsm_x4(stu + xbase + (((2 * s + lchunk) ^ (lrow & 7)) << 4), xr4);  // two K steps
+      xb[0][0] = xr4[(s & 1) * 2], xb[0][1] = xr4[(s & 1) * 2 + 1];
+#endif
+      const uint4 q = wv[s >> 1];
+      const u32 w0 = (s & 1) ? q.z : q.x;
+      const u32 w1 = (s & 1) ? q.w : q.y;
+#if FP8
+      const u32 a0 = fp8x2(w0, 0x1404), a2 = fp8x2(w0, 0x3424);
+      const u32 a1 = fp8x2(w1, 0x1404), a3 = fp8x2(w1, 0x3424);
+#pragma unroll
+      for (int b = 0; b < NTN; b++) mma(tmp[0][b], a0, a1, a2, a3, xb[b][0], xb[b][1]);
+#else
+#pragma unroll
+      for (int p = 0; p < 2; p++) {
+        const u32 w = p ? w1 : w0;
+        u32 v0 = and_or(w, 0x000F000Fu, MAGIC2), v1 = and_or(w >> 4, 0x000F000Fu, MAGIC2);
+        u32 v2 = and_or(w >> 8, 0x000F000Fu, MAGIC2), v3 = and_or(w >> 12, 0x000F000Fu, MAGIC2);
+#if !ZFOLD
+        v0 = add2(v0, negz[2 * p]), v1 = add2(v1, negz[2 * p]);
+        v2 = add2(v2, negz[2 * p + 1]), v3 = add2(v3, negz[2 * p + 1]);
+#endif
+#pragma unroll
+        for (int b = 0; b < NTN; b++) mma(tmp[p][b], v0, v2, v1, v3, xb[b][0], xb[b][1]);
+      }
+#if ZFOLD
+#pragma unroll
+      for (int b = 0; b < NTN; b++) mma(xs[b], ONES2, ONES2, ONES2, ONES2, xb[b][0], xb[b][1]);
+#endif
+#endif
+    }
+    {
+      const u32* szw = reinterpret_cast<const u32*>(st + W_BYTES) + warp * (WN / 8) * 8 + g;
+#pragma unroll
+      for (int a = 0; a < MT; a++) {
+        const u32 wA = szw[(2 * a) * 8], wB = szw[(2 * a + 1) * 8];  // channels g, g + 8 of m16 tile a
+#if FP8
+        const float sA = __uint_as_float(wA) * FP8_FOLD, sB = __uint_as_float(wB) * FP8_FOLD;
+#pragma unroll
+        for (int b = 0; b < NTN; b++) {
+          acc[a][b][0] = fmaf(tmp[a][b][0], sA, acc[a][b][0]);
+          acc[a][b][1] = fmaf(tmp[a][b][1], sA, acc[a][b][1]);
+          acc[a][b][2] = fmaf(tmp[a][b][2], sB, acc[a][b][2]);
+          acc[a][b][3] = fmaf(tmp[a][b][3], sB, acc[a][b][3]);
+        }
+#else
+        const float sA = __uint_as_float(wA & ~15u), sB = __uint_as_float(wB & ~15u);
+#if ZFOLD
+        const float zA = __uint_as_float(MAGIC_F32 + ((wA & 15u) << MAGIC_SHIFT));
+        const float zB = __uint_as_float(MAGIC_F32 + ((wB & 15u) << MAGIC_SHIFT));
+#pragma unroll
+        for (int b = 0; b < NTN; b++) {
+          acc[a][b][0] = fmaf(fmaf(-zA, xs[b][0], tmp[a][b][0]), sA, acc[a][b][0]);
+          acc[a][b][1] = fmaf(fmaf(-zA, xs[b][1], tmp[a][b][1]), sA, acc[a][b][1]);
+          acc[a][b][2] = fmaf(fmaf(-zB, xs[b][0], tmp[a][b][2]), sB, acc[a][b][2]);
+          acc[a][b][3] = fmaf(fmaf(-zB, xs[b][1], tmp[a][b][3]), sB, acc[a][b][3]);
+        }
+#else
+#pragma unroll
+        for (int b = 0; b < NTN; b++) {
+          acc[a][b][0] = fmaf(tmp[a][b][0], sA, acc[a][b][0]);
+          acc[a][b][1] = fmaf(tmp[a][b][1], sA, acc[a][b][1]);
+          acc[a][b][2] = fmaf(tmp[a][b][2], sB, acc[a][b][2]);
+          acc[a][b][3] = fmaf(tmp[a][b][3], sB, acc[a][b][3]);
+        }
+#endif
+#endif
+      }
+    }
+
+    // ---- end of a channel block's segment ----
+    const int this_nb = nb, this_kt = kt;
+    if (++kt == KT) kt = 0, nb++;
+    if (this_kt == KT - 1 || i == n_units - 1) {
+      if (kt0 != 0) {  // a later part of the block: leave the partial sums to the CTA holding its first unit
+#pragma unroll
+        for (int a = 0; a < MT; a++)
+#pragma unroll
+          for (int b = 0; b < NTN; b++)
+            st_cg4(slot(ws, cta, a * NTN + b, tid), acc[a][b][0], acc[a][b][1], acc[a][b][2], acc[a][b][3]);
+        continue;
+      }
+      if (this_kt != KT - 1) {  // this CTA holds the block's first unit: add the other CTAs' partials
+        const int last = (this_nb + 1) * KT;
+        for (int c2 = cta + 1; c2 < G && unit_start(c2, U, G) < last; c2++) {
+          float v[MT * NTN][4];
+#pragma unroll
+          for (int q = 0; q < MT * NTN; q++) ld_cg4(slot(ws, c2, q, tid), v[q]);
+#pragma unroll
+          for (int q = 0; q < MT * NTN; q++) {
+            while (pending(v[q])) ld_cg4(slot(ws, c2, q, tid), v[q]);
+            float* d = acc[q / NTN][q % NTN];
+            d[0] += v[q][0], d[1] += v[q][1], d[2] += v[q][2], d[3] += v[q][3];
+            const float sent = __uint_as_float(SENTINEL);
+            st_cg4(slot(ws, c2, q, tid), sent, sent, sent, sent);
+          }
+        }
+      }
+      // acc[a][b][e]: channel a * 16 + g + 8 (e >> 1), activation row b * 8 + 2 c + (e & 1)
+      const int nbase = this_nb * BN + warp * WN + g;
+#pragma unroll
+      for (int a = 0; a < MT; a++)
+#pragma unroll
+        for (int b = 0; b < NTN; b++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) {
+            const int n = nbase + a * 16 + 8 * (e >> 1), r = b * 8 + 2 * c4 + (e & 1);
+            if (n < N && r < M) y[(size_t)r * N + n] = (unsigned short)(pack2(acc[a][b][e], 0.f) & 0xFFFFu);
+          }
+    }
+  }
+}

@@ -1,0 +1,145 @@
+"""MODE 9 (``quant.cuda_mma``, the CUDA stream-K weight-only kernel) on the CPU: the repacks round-trip, and a torch
+emulation of what the kernel computes from the packed layout (its nibble / byte map, A fragments, the magic-number
+decode with the zero point folded through sum(x), the FP8 bit shift with its 2^-120 fold, the per-unit scale)
+matches dequantize() + matmul. The kernel itself runs in test_cuda_mma_gpu.py."""
+
+import math
+
+import pytest
+import torch
+
+from infercore.quant import FP8Weight, IntWeight
+from infercore.quant import cuda_mma as CM
+
+
+def _int4(n, k, group=128, sym=False, seed=0):
+    torch.manual_seed(seed)
+    return IntWeight.quantize(torch.randn(n, k), bits=4, group_size=group, symmetric=sym, clip_search=False)
+
+
+@pytest.mark.parametrize("n,k,group,sym", [(300, 256, 128, False), (512, 384, None, True), (256, 512, 256, False),
+                                           (264, 128, 128, True)])
+def test_int4_repack_round_trip(n, k, group, sym):
+    q = _int4(n, k, group, sym)
+    words, sw = CM.repack_int4(q)
+    kt = q.padded_in_features // 128
+    assert words.dtype == torch.int32 and words.numel() == math.ceil(n / 256) * kt * 4096
+    assert sw.numel() == math.ceil(n / 256) * kt * 256
+    codes, s, z = CM.unpack_int4(words, sw, n, q.padded_in_features)
+    assert torch.equal(codes, q.codes())
+    groups = CM._unit_groups(q, kt)
+    assert torch.equal(z, q.zero_points()[:, groups].int())
+    torch.testing.assert_close(s, q.scales[:, groups], rtol=2.0**-18, atol=0)
+
+
+def _emulate_int4(x: torch.Tensor, words, sw, n, kp):
+    """What wo_mma.cu computes for INT4: per unit and warp, A fragments from the words (nibble i of lane
+    (g, c) = channel g + 8 ((i >> 1) & 1), k = 2c + (i >> 2) + 8 (i & 1)), 128 + q MMAs, the zero point through
+    sum(x), the scale per unit."""
+    m = x.shape[0]
+    nbk, kt = math.ceil(n / 256), kp // 128
+    w = words.view(nbk, kt, 8, 4, 32, 4)  # [nb, kt, warp, j, lane, e]; word (s = 2j + e // 2, p = e % 2)
+    sww = sw.view(nbk, kt, 8, 4, 8)  # [nb, kt, warp, tile, channel]
+    y = torch.zeros(m, nbk * 256, dtype=torch.float64)
+    for nb in range(nbk):
+        for t in range(kt):
+            xt = x[:, t * 128:(t + 1) * 128].double()
+            xsum = xt.sum(1)
+            for warp in range(8):
+                wq = torch.zeros(32, 128, dtype=torch.float64)  # channels of the warp x K, 128 + q
+                for lane in range(32):
+                    g, c = lane // 4, lane % 4
+                    for j in range(4):
+                        for e in range(4):
+                            s, p = 2 * j + e // 2, e % 2
+                            word = int(w[nb, t, warp, j, lane, e]) & 0xFFFFFFFF
+                            for i in range(8):
+                                ch = p * 16 + g + 8 * ((i >> 1) & 1)
+                                kk = s * 16 + 2 * c + (i >> 2) + 8 * (i & 1)
+                                wq[ch, kk] = 128 + ((word >> (4 * i)) & 15)
+                tmp = xt @ wq.T  # [m, 32]
+                words_sz = sww[nb, t, warp].reshape(32)  # tile t, channel: = channel t * 8 + c of the warp
+                scale = (words_sz & ~15).view(torch.float32).double()
+                mz = 128 + (words_sz & 15).double()
+                y[:, nb * 256 + warp * 32:nb * 256 + warp * 32 + 32] += (tmp - mz * xsum[:, None]) * scale
+    return y[:, :n]
+
+
+@pytest.mark.parametrize("group,sym", [(128, False), (None, True)])
+def test_int4_kernel_math_emulated(group, sym):
+    n, k = 264, 256
+    q = _int4(n, k, group, sym, seed=3)
+    words, sw = CM.repack_int4(q)
+    x = torch.randn(3, k)
+    ref = x.double() @ q.dequantize(torch.float64).T
+    torch.testing.assert_close(_emulate_int4(x, words, sw, n, k), ref, rtol=1e-4, atol=1e-4)  # scale words: 2^-19
+
+
+def _fp8_to_bf16_bits(b: int) -> int:
+    """The kernel's decode of one e4m3 byte: sign | (exponent, mantissa) << 4 as bf16 bits (value x 2^-120)."""
+    return ((b & 0x80) << 8) | ((b & 0x7F) << 4)
+
+
+def test_fp8_bit_shift_decode_is_exact():
+    b = torch.arange(256, dtype=torch.int32)
+    finite = (b & 0x7F) != 0x7F  # e4m3 has no infinity; 0x7F / 0xFF are NaN
+    bits = torch.tensor([_fp8_to_bf16_bits(int(v)) for v in b], dtype=torch.int32).to(torch.int16)
+    decoded = bits.view(torch.bfloat16).float() * 2.0**120
+    want = b.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    assert torch.equal(decoded[finite], want[finite])
+
+
+@pytest.mark.parametrize("n,k,block", [(200, 256, None), (256, 384, 128), (130, 128, 128)])
+def test_fp8_repack_round_trip(n, k, block):
+    torch.manual_seed(1)
+    q = FP8Weight.quantize(torch.randn(n, k), **({"block_size": block} if block else {}))
+    words, s = CM.repack_fp8(q)
+    b, ss = CM.unpack_fp8(words, s, n, k)
+    assert torch.equal(b, q.qweight.view(torch.uint8))
+    per_unit = q.scale_per_element()[:, ::128]
+    assert torch.equal(ss, per_unit.float())
+
+
+def test_fp8_kernel_math_emulated():
+    n, k = 136, 256
+    torch.manual_seed(2)
+    q = FP8Weight.quantize(torch.randn(n, k), block_size=128)
+    words, s = CM.repack_fp8(q)
+    nbk, kt = math.ceil(n / 128), k // 128
+    w = words.view(nbk, kt, 8, 4, 32, 4)
+    sc = s.view(nbk, kt, 8, 2, 8)
+    x = torch.randn(2, k).double()
+    y = torch.zeros(2, nbk * 128, dtype=torch.float64)
+    for nb in range(nbk):
+        for t in range(kt):
+            for warp in range(8):
+                wv = torch.zeros(16, 128, dtype=torch.float64)
+                for lane in range(32):
+                    g, c = lane // 4, lane % 4
+                    for j in range(4):
+                        for e in range(4):
+                            st, p = 2 * j + e // 2, e % 2  # word p: channel g + 8 p
+                            word = int(w[nb, t, warp, j, lane, e]) & 0xFFFFFFFF
+                            for bb in range(4):
+                                bits = _fp8_to_bf16_bits((word >> (8 * bb)) & 255)
+                                v = torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+                                wv[g + 8 * p, st * 16 + 2 * c + (bb & 1) + 8 * (bb >> 1)] = v.double().item()
+                scale = sc[nb, t, warp].reshape(16).double() * 2.0**120
+                y[:, nb * 128 + warp * 16:nb * 128 + warp * 16 + 16] += (x[:, t * 128:(t + 1) * 128] @ wv.T) * scale
+    ref = x @ q.dequantize(torch.float64).T
+    torch.testing.assert_close(y[:, :n], ref, rtol=1e-6, atol=1e-6)
+
+
+def test_repack_refuses_unsupported_weights():
+    with pytest.raises(ValueError, match="w:"):
+        CM.repack_int4(IntWeight.quantize(torch.randn(64, 192), bits=4, group_size=64))
+    with pytest.raises(ValueError, match="w:"):
+        CM.repack_int4(IntWeight.quantize(torch.randn(64, 256), bits=8, group_size=128))
+    with pytest.raises(ValueError, match="w:"):
+        CM.repack_fp8(FP8Weight.quantize(torch.randn(64, 200)))
+    assert not CM.int4_ok(IntWeight.quantize(torch.randn(64, 256), bits=4, group_size=64))
+    assert CM.fp8_ok(FP8Weight.quantize(torch.randn(64, 256), block_size=128))
+
+
+def test_unavailable_on_cpu():
+    assert not CM.available(torch.randn(2, 256, dtype=torch.bfloat16))

@@ -33,6 +33,8 @@ from infercore.quant import triton_wo as TW  # noqa: E402
 def _dispatched(kind: str, x: torch.Tensor, q, n: int, k: int) -> str:
     """The kernel the dispatcher picks for this call (a label for the JSON)."""
     m = x.shape[0]
+    if kind == "int4" and TW.mode9_default(x, q):
+        return f"MODE 9 (cuda_mma, stages {TW.CM.STAGES['int4']}, CTAs/SM {TW.CM.CTAS_PER_SM['int4']})"
     tuned = TW._mode6_entry(kind, n, k, m, TW._num_sms(x.device), TW._mode7_ok(kind, x))
     if tuned is not None:
         return f"MODE {tuned.get('MODE', 6)} {tuned}"

@@ -40,8 +40,8 @@ MAX_CTAS_PER_SM = 4
 _SRC = Path(__file__).with_name("wo_mma.cu")
 
 # Launch shape, measured on the H200 (benchmarks/probe_mma_wo.py): cp.async ring depth and CTAs per SM.
-STAGES = {"int4": 4, "fp8": 4}
-CTAS_PER_SM = {"int4": 1, "fp8": 1}
+STAGES = {"int4": 6, "fp8": 4}
+CTAS_PER_SM = {"int4": 1, "fp8": 2}
 
 ENABLED = os.environ.get("INFERCORE_WO_CUDA", "1") != "0"
 

@@ -3,6 +3,8 @@
 
 Which kernel runs a call, by rows M (tables in ``wo_tables``, measured on the H200):
 
+* 9-16 rows, INT4, on weights of >= ``MODE9_MIN_BYTES`` of codes (sm90+): MODE 9, the CUDA stream-K kernel
+  (``cuda_mma``, NVRTC-compiled);
 * M <= 16 (decode): the fragment kernels where tuned (MODE 6 ``triton_frag``, MODE 7 ``gluon_frag`` on
   sm90+), else MODE 4, the CUDA-core word GEMV at M <= ``GEMV_M_MAX`` (``wo_gemv``, packed fp16 dot in
   ``wo_packed``), else MODE 5, tensor cores over the stored words (``wo_words``), else the MODE 1/2 dot
@@ -20,6 +22,7 @@ import triton
 
 from ..devices import capability
 from ..ops.activation import GATED_ACTS, gated_act_and_mul
+from . import cuda_mma as CM
 from . import triton_frag as TF
 from . import wo_gemv as G
 from .formats import FP8_BLOCK, FP8Weight, IntWeight
@@ -93,6 +96,9 @@ def wq_matmul_triton(
     x = _check_x("wq_matmul_triton", x, k)
     m = x.shape[0]
     kp = w.padded_in_features
+    y = _run_mode9(x, w, config)
+    if y is not None:
+        return _apply_act(y if bias is None else y + bias.to(y.dtype), act)
     group = _kernel_group(w)
     zeros = w.zeros if w.zeros is not None else w.scales
     fused = act if bias is None else None
@@ -136,6 +142,42 @@ def wq_matmul_triton(
 def _check_act(act: str | None, n: int) -> None:
     if act is not None and (act not in GATED_ACTS or n % 2):
         raise ValueError(f"act: expected one of {GATED_ACTS} with an even N, got {act!r} with N = {n}")
+
+
+# MODE 9 (``cuda_mma``) by default: INT4 at 9-16 rows on sm90+ (where it was measured, H200:
+# results/h200/quant_mode9.json) for weights of at least this many bytes of codes (qkv 6144x4096 and larger; it lost on
+# o_proj 4096x4096). Its repack is one more copy of the codes, made on the first such call.
+MODE9_M_MIN = 9
+MODE9_MIN_BYTES = 12 << 20
+
+
+def _mode9_ok(x: torch.Tensor, w: IntWeight) -> bool:
+    """Whether MODE 9 can run this call at all."""
+    return (isinstance(w, IntWeight) and CM.available(x) and CM.int4_ok(w) and x.shape[1] == w.padded_in_features
+            and G.REPACK)
+
+
+def mode9_default(x: torch.Tensor, w: IntWeight) -> bool:
+    """Whether the dispatcher sends this INT4 call to MODE 9 when no config is given."""
+    return (_mode9_ok(x, w) and x.shape[0] >= MODE9_M_MIN and w.qweight.numel() >= MODE9_MIN_BYTES
+            and capability(x.device).at_least(9))
+
+
+def _run_mode9(x: torch.Tensor, w: IntWeight, config: dict | None) -> torch.Tensor | None:
+    """MODE 9's ``[M, N]`` product when it takes this call (by default, or ``config={"MODE": 9}``), else None."""
+    forced = config is not None and config.get("MODE") == 9
+    if not (mode9_default(x, w) if config is None else forced):
+        return None
+    if not _mode9_ok(x, w):
+        raise ValueError("config: MODE 9 needs CUDA sm80+ with NVRTC, bf16/fp16 activations of 1-16 rows, INT4 "
+                         "weights with K % 128 == 0 (unpadded) and groups of a multiple of 128, and repacking on")
+    p = TF.packed(w.qweight, ("mode9",), lambda: CM.repack_int4(w))
+    if p is None:
+        if forced:
+            raise ValueError("config: MODE 9's weight repack is made on the first eager call; run one before "
+                             "capturing a CUDA graph")
+        return None
+    return CM.matmul(x, "int4", p[0], p[1], w.shape[0], x.shape[1])
 
 
 def _apply_act(y: torch.Tensor, act: str | None) -> torch.Tensor:

@@ -1,0 +1,118 @@
+"""MODE 9 (``quant.cuda_mma``, the CUDA stream-K weight-only kernel; sm80+) on a CUDA GPU against dequantize() +
+fp32 matmul: INT4 (zero points / symmetric, g128 / g256 / per channel) and FP8 (per-channel / 128 blocks), bf16 and
+fp16 activations, 1-16 rows, padded channels, ring depths and CTAs per SM, repeated launches (the partial-sum
+sentinels must be back after each), CUDA-graph replay, and the dispatcher's choice. Run with ``pytest -m gpu``."""
+
+import pytest
+import torch
+
+from infercore.quant import FP8Weight, IntWeight
+from infercore.quant import cuda_mma as CM
+from infercore.quant import triton_wo as TW
+
+pytestmark = pytest.mark.gpu
+dev = "cuda"
+
+
+def _rel(y, r):
+    return ((y.float() - r.float()).norm() / r.float().norm()).item()
+
+
+def _sentinels_back():
+    ws = CM._BUFFERS[torch.cuda.current_device()].view(torch.int32)
+    assert bool((ws == -1).all()), "partial-sum slots left written"
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 13, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,group,sym", [(600, 384, 128, False), (512, 640, None, True), (4096, 1024, 256, False),
+                                           (14336, 4096, 128, False)])
+@pytest.mark.parametrize("launch", [(4, 1), (6, 1), (3, 2)])
+def test_mode9_int4(m, dtype, n, k, group, sym, launch):
+    torch.manual_seed(m + n)
+    q = IntWeight.quantize(torch.randn(n, k, device=dev) * 0.02, bits=4, group_size=group, symmetric=sym,
+                           clip_search=False)
+    words, sw = CM.repack_int4(q)
+    x = torch.randn(m, k, device=dev).to(dtype)
+    ref = x.float() @ q.dequantize(torch.float32).T
+    y = CM.matmul(x, "int4", words, sw, n, k, stages=launch[0], ctas=launch[1])
+    assert y.dtype == dtype and y.shape == (m, n)
+    assert _rel(y, ref) < 5e-3
+    assert torch.equal(CM.matmul(x, "int4", words, sw, n, k, stages=launch[0], ctas=launch[1]), y)
+    torch.cuda.synchronize()
+    _sentinels_back()
+
+
+@pytest.mark.parametrize("m", [1, 4, 9, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,block", [(328, 256, None), (640, 512, 128), (4096, 14336, None)])
+def test_mode9_fp8(m, dtype, n, k, block):
+    torch.manual_seed(m + n)
+    q = FP8Weight.quantize(torch.randn(n, k, device=dev) * 0.02, **({"block_size": block} if block else {}))
+    words, s = CM.repack_fp8(q)
+    x = torch.randn(m, k, device=dev).to(dtype)
+    ref = x.float() @ q.dequantize(torch.float32).T
+    y = CM.matmul(x, "fp8", words, s, n, k)
+    assert _rel(y, ref) < 5e-3
+    torch.cuda.synchronize()
+    _sentinels_back()
+
+
+def test_mode9_graph_replay():
+    n, k = 6144, 4096
+    qs = [IntWeight.quantize(torch.randn(n, k, device=dev) * 0.02, bits=4, group_size=128, clip_search=False)
+          for _ in range(2)]
+    packs = [CM.repack_int4(q) for q in qs]
+    x = torch.randn(12, k, device=dev, dtype=torch.bfloat16)
+    refs = [x.float() @ q.dequantize(torch.float32).T for q in qs]
+    CM.matmul(x, "int4", *packs[0], n, k)
+    ys = []
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(6):
+            ys.append(CM.matmul(x, "int4", *packs[i % 2], n, k))
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    for i, y in enumerate(ys):
+        assert _rel(y, refs[i % 2]) < 5e-3
+    _sentinels_back()
+
+
+def test_dispatcher_takes_mode9_for_large_int4_at_9_to_16_rows():
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.fail("MODE 9's default dispatch is for sm90+: run on a Hopper GPU")
+    n, k = 14336, 4096
+    q = IntWeight.quantize(torch.randn(n, k, device=dev) * 0.02, bits=4, group_size=128)
+    ref_w = q.dequantize(torch.float32)
+    for m in (9, 16):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        y = TW.wq_matmul_triton(x, q)
+        assert _rel(y, x.float() @ ref_w.T) < 5e-3
+        assert ("mode9",) in TW.TF._PACKS[id(q.qweight)][1]
+    # fused gate (the merged gate_up) and bias go through the unfused epilogue
+    x = torch.randn(16, k, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    y = TW.wq_matmul_triton(x, q, b, act="silu")
+    full = x.float() @ ref_w.T + b.float()
+    want = torch.nn.functional.silu(full[:, : n // 2]) * full[:, n // 2:]
+    assert _rel(y, want) < 1e-2
+    # small weights and 1-8 rows keep the Triton kernels: no MODE 9 repack
+    q2 = IntWeight.quantize(torch.randn(4096, 4096, device=dev) * 0.02, bits=4, group_size=128)
+    TW.wq_matmul_triton(torch.randn(16, 4096, device=dev, dtype=torch.bfloat16), q2)
+    TW.wq_matmul_triton(torch.randn(4, k, device=dev, dtype=torch.bfloat16), q)
+    assert ("mode9",) not in TW.TF._PACKS.get(id(q2.qweight), (None, {}))[1]
+
+
+def test_mode9_forced_config_and_errors():
+    q = IntWeight.quantize(torch.randn(512, 256, device=dev) * 0.02, bits=4, group_size=128)
+    x = torch.randn(3, 256, device=dev, dtype=torch.float16)
+    y = TW.wq_matmul_triton(x, q, config={"MODE": 9})
+    assert _rel(y, x.float() @ q.dequantize(torch.float32).T) < 5e-3
+    with pytest.raises(ValueError, match="config: MODE 9"):
+        TW.wq_matmul_triton(x.float(), q, config={"MODE": 9})
+    q64 = IntWeight.quantize(torch.randn(512, 256, device=dev) * 0.02, bits=4, group_size=64)
+    with pytest.raises(ValueError, match="config: MODE 9"):
+        TW.wq_matmul_triton(x, q64, config={"MODE": 9})
+    with pytest.raises(ValueError, match="x:"):
+        CM.matmul(torch.randn(2, 128, device=dev, dtype=torch.bfloat16), "int4", *CM.repack_int4(q), 512, 256)

@@ -207,8 +207,8 @@ def test_mode7_fp8_fused_gated_act(m, split):
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 8, 16])
 def test_mode7_dispatch(monkeypatch, n, k, m, graph_matches_eager):
     """The call without a config takes MODE7_TUNED's entry where it has one (14336x4096 and down at every
-    M <= 16; qkv at M <= 8, MODE 5 above), eagerly and inside a CUDA graph, and matches dequantize()
-    + fp32 matmul."""
+    M <= 8; qkv at M <= 8; from 9 rows these weights go to MODE 9, ``cuda_mma``), eagerly and inside a CUDA graph,
+    and matches dequantize() + fp32 matmul."""
     _need_sm90()
     from infercore.quant import gluon_frag as GF
 
@@ -221,7 +221,9 @@ def test_mode7_dispatch(monkeypatch, n, k, m, graph_matches_eager):
     y = TW.wq_matmul_triton(x, w)
     assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
     entry = TW._mode6_entry("int4", n, k, m, 132, True)
-    assert bool(seen) == (entry is not None) == (n != 6144 or m <= 8)
+    mode9 = m >= TW.MODE9_M_MIN
+    assert mode9 == TW.mode9_default(x, w)
+    assert bool(seen) == (entry is not None and not mode9) == ((n != 6144 or m <= 8) and not mode9)
     if seen:
         assert seen[0] == entry
     assert torch.equal(graph_matches_eager(lambda: TW.wq_matmul_triton(x, w)), y)

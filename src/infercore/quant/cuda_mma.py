@@ -239,5 +239,5 @@ def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ldx = x.stride(0) if m > 1 else kp
     k(grid=(g, 1, 1), block=(THREADS, 1, 1), args=[words, scales, x, y, ws, m, n, kt, nb, ldx],
-      shared_mem=smem)
+      shared_mem=smem, stream=torch.cuda.current_stream(x.device))
     return y

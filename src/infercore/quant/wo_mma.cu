@@ -315,16 +315,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
         const u32 wA = szw[(2 * a) * 8], wB = szw[(2 * a + 1) * 8];  // channels g, g + 8 of m16 tile a
 #if FP8
         const float sA = __uint_as_float(wA) * FP8_FOLD, sB = __uint_as_float(wB) * FP8_FOLD;
-#pragma unroll
-        for (int b = 0; b < NTN; b++) {
-          acc[a][b][0] = fmaf(tmp[a][b][0], sA, acc[a][b][0]);
-          acc[a][b][1] = fmaf(tmp[a][b][1], sA, acc[a][b][1]);
-          acc[a][b][2] = fmaf(tmp[a][b][2], sB, acc[a][b][2]);
-          acc[a][b][3] = fmaf(tmp[a][b][3], sB, acc[a][b][3]);
-        }
 #else
         const float sA = __uint_as_float(wA & ~15u), sB = __uint_as_float(wB & ~15u);
-#if ZFOLD
+#endif
+#if !FP8 && ZFOLD
         const float zA = __uint_as_float(MAGIC_F32 + ((wA & 15u) << MAGIC_SHIFT));
         const float zB = __uint_as_float(MAGIC_F32 + ((wB & 15u) << MAGIC_SHIFT));
 #pragma unroll
@@ -342,7 +336,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
           acc[a][b][2] = fmaf(tmp[a][b][2], sB, acc[a][b][2]);
           acc[a][b][3] = fmaf(tmp[a][b][3], sB, acc[a][b][3]);
         }
-#endif
 #endif
       }
     }

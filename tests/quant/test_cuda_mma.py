@@ -143,3 +143,16 @@ def test_repack_refuses_unsupported_weights():
 
 def test_unavailable_on_cpu():
     assert not CM.available(torch.randn(2, 256, dtype=torch.bfloat16))
+
+
+def test_a_variant_that_cannot_build_is_reported_once_and_remembered(monkeypatch):
+    monkeypatch.setattr(CM, "_FAILED", {})
+    dev = torch.device("cuda", 0)  # no CUDA here: the build fails for real
+    with pytest.warns(RuntimeWarning, match="MODE 9"):
+        assert not CM.compiles("int4", torch.bfloat16, dev, True)
+    assert len(CM._FAILED) == 1
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not CM.compiles("int4", torch.bfloat16, dev, True)  # remembered: no second try, no second warning

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -159,6 +160,7 @@ def unpack_fp8(words: torch.Tensor, scales: torch.Tensor, n: int, k: int):
 
 _KERNELS: dict = {}
 _BUFFERS: dict = {}
+_FAILED: dict = {}  # variant key -> the compile / load error, so a failing variant is tried once
 
 
 def available(x: torch.Tensor) -> bool:
@@ -201,6 +203,23 @@ def _kernel(kind: str, dtype: torch.dtype, device: torch.device, rows16: bool, s
             hit = (k, smem, _occupancy(k.func, smem))
         _KERNELS[key] = hit
     return hit
+
+
+def compiles(kind: str, dtype: torch.dtype, device: torch.device, rows16: bool) -> bool:
+    """Whether the kernel variant for ``kind`` / ``dtype`` / ``rows16`` (9-16 rows) compiles and loads on ``device``
+    with the launch table's shape. A failure (no NVRTC library, a driver that rejects the PTX, no CUDA) is warned
+    about once and remembered, so callers can fall back to the Triton kernels without an error."""
+    key = (kind, dtype, device, rows16, STAGES[kind], CTAS_PER_SM[kind], DEFINES)
+    if key in _FAILED:
+        return False
+    try:
+        _kernel(kind, dtype, device, rows16, STAGES[kind], CTAS_PER_SM[kind])
+    except Exception as e:  # noqa: BLE001 (any failure to build means: use the other kernels)
+        _FAILED[key] = e
+        warnings.warn(f"MODE 9 ({kind}, {dtype}) cannot run on {device}: {e}; the Triton kernels take its calls",
+                      RuntimeWarning, stacklevel=2)
+        return False
+    return True
 
 
 def _partials(device: torch.device, ctas: int) -> torch.Tensor:

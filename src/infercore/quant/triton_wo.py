@@ -158,9 +158,9 @@ def _mode9_ok(x: torch.Tensor, w: IntWeight) -> bool:
 
 
 def mode9_default(x: torch.Tensor, w: IntWeight) -> bool:
-    """Whether the dispatcher sends this INT4 call to MODE 9 when no config is given."""
+    """Whether the dispatcher sends this INT4 call to MODE 9 when no config is given (the kernel compiles here)."""
     return (_mode9_ok(x, w) and x.shape[0] >= MODE9_M_MIN and w.qweight.numel() >= MODE9_MIN_BYTES
-            and capability(x.device).at_least(9))
+            and capability(x.device).at_least(9) and CM.compiles("int4", x.dtype, x.device, x.shape[0] > 8))
 
 
 def _run_mode9(x: torch.Tensor, w: IntWeight, config: dict | None) -> torch.Tensor | None:

@@ -72,6 +72,9 @@ def check(log: list) -> None:
         raise SystemExit(1)
 
 
+best_launch: dict = {}  # (kind, m) -> (stages, ctas): the sweep on the first shape, reused on the others
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -140,8 +143,6 @@ def main() -> None:
     write_results(args.out, "probe_mma_wo", "h200", cases,
                   extra={"rows": rows, "checks": checks, "copy_bandwidth_Bps": bw})
 
-
-best_launch: dict = {}
 
 if __name__ == "__main__":
     main()

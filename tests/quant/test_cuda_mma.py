@@ -156,3 +156,29 @@ def test_a_variant_that_cannot_build_is_reported_once_and_remembered(monkeypatch
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not CM.compiles("int4", torch.bfloat16, dev, True)  # remembered: no second try, no second warning
+
+
+def test_matmul_names_bad_arguments_before_launching():
+    q = _int4(300, 256)
+    words, sw = CM.repack_int4(q)
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="kind:"):
+        CM.matmul(x, "int8", words, sw, 300, 256)
+    with pytest.raises(ValueError, match="n, kp:"):
+        CM.matmul(x, "int4", words, sw, 300, 200)
+    with pytest.raises(ValueError, match="stages:"):
+        CM.matmul(x, "int4", words, sw, 300, 256, stages=1)
+    with pytest.raises(ValueError, match="ctas:"):
+        CM.matmul(x, "int4", words, sw, 300, 256, ctas=9)
+    with pytest.raises(ValueError, match="words:"):
+        CM.matmul(x, "int4", words[:-4], sw, 300, 256)
+    with pytest.raises(ValueError, match="scales:"):
+        CM.matmul(x, "int4", words, sw.float(), 300, 256)
+    with pytest.raises(ValueError, match="words:"):
+        CM.matmul(x, "fp8", words, sw, 300, 256)  # an INT4 repack handed in as FP8
+    with pytest.raises(ValueError, match="x:"):  # real repacks pass the checks; a CPU tensor cannot run
+        CM.matmul(x, "int4", words, sw, 300, 256)
+    torch.manual_seed(0)
+    fw, fs = CM.repack_fp8(FP8Weight.quantize(torch.randn(200, 256)))
+    with pytest.raises(ValueError, match="x:"):
+        CM.matmul(x, "fp8", fw, fs, 200, 256)

@@ -55,10 +55,6 @@ def block_n(kind: str) -> int:
     return 256 if kind == "int4" else 128
 
 
-def _scale_words(kind: str) -> int:
-    return block_n(kind)
-
-
 # ------------------------------------------------------------------------------------------------
 # Repacks (plain torch: run on the weight's device, tested on the CPU)
 # ------------------------------------------------------------------------------------------------
@@ -176,7 +172,7 @@ def available(x: torch.Tensor) -> bool:
 
 
 def stage_bytes(kind: str) -> int:
-    return UNIT_BYTES + 4 * _scale_words(kind) + 16 * BK * 2
+    return UNIT_BYTES + 4 * block_n(kind) + 16 * BK * 2
 
 
 def _occupancy(func, smem: int) -> int:
@@ -243,10 +239,33 @@ def grid_size(units: int, sms: int, per_sm: int, occupancy: int) -> int:
 def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor, n: int, kp: int, *,
            stages: int | None = None, ctas: int | None = None) -> torch.Tensor:
     """``x [M, K]`` (bf16/fp16, :func:`available`) times a repacked weight (``kind`` ``"int4"`` / ``"fp8"``,
-    logical ``[n, kp]``) -> ``[M, n]`` in ``x.dtype``. ``stages`` / ``ctas`` override the launch table."""
-    m = x.shape[0]
+    logical ``[n, kp]``: ``words`` / ``scales`` from :func:`repack_int4` / :func:`repack_fp8`) -> ``[M, n]`` in
+    ``x.dtype``. ``stages`` / ``ctas`` override the launch table. Bad arguments raise ``ValueError`` naming them
+    before anything is launched."""
+    if kind not in STAGES:
+        raise ValueError(f"kind: expected 'int4' or 'fp8', got {kind!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or not isinstance(kp, int) or n <= 0 or kp <= 0 or kp % BK:
+        raise ValueError(f"n, kp: expected n > 0 and kp a positive multiple of {BK}, got {n!r}, {kp!r}")
+    for name, v, hi in (("stages", stages, 8), ("ctas", ctas, MAX_CTAS_PER_SM)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not (2 if name == "stages" else 1)
+                              <= v <= hi):
+            raise ValueError(f"{name}: expected an int in [{2 if name == 'stages' else 1}, {hi}] or None, got {v!r}")
+    units = math.ceil(n / block_n(kind)) * (kp // BK)
+    for name, t, dtype, numel in (("words", words, torch.int32, units * UNIT_BYTES // 4),
+                                  ("scales", scales, torch.int32 if kind == "int4" else torch.float32,
+                                   units * block_n(kind))):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.numel() != numel or not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous {dtype} tensor of {numel} elements (the {kind} repack "
+                             f"of an [{n}, {kp}] weight), got {getattr(t, 'dtype', type(t))} "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    if not isinstance(x, torch.Tensor) or not available(x):
+        raise ValueError("x: MODE 9 needs a CUDA (sm80+, NVRTC) bf16/fp16 tensor [M <= 16, K] with unit column "
+                         "stride and 16-byte aligned rows")
     if x.shape[1] != kp:
         raise ValueError(f"x: expected {kp} columns, got {x.shape[1]}")
+    if words.device != x.device or scales.device != x.device:
+        raise ValueError(f"words, scales: expected them on x's device {x.device}, got {words.device}, {scales.device}")
+    m = x.shape[0]
     st = STAGES[kind] if stages is None else stages
     per_sm = CTAS_PER_SM[kind] if ctas is None else ctas
     k, smem, occ = _kernel(kind, x.dtype, x.device, m > 8, st, per_sm)

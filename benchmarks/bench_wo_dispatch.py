@@ -33,8 +33,9 @@ from infercore.quant import triton_wo as TW  # noqa: E402
 def _dispatched(kind: str, x: torch.Tensor, q, n: int, k: int) -> str:
     """The kernel the dispatcher picks for this call (a label for the JSON)."""
     m = x.shape[0]
-    if kind == "int4" and TW.mode9_default(x, q):
-        return f"MODE 9 (cuda_mma, stages {TW.CM.STAGES['int4']}, CTAs/SM {TW.CM.CTAS_PER_SM['int4']})"
+    if kind in ("int4", "fp8") and TW.mode9_default(x, q):
+        return (f"MODE 9 (cuda_mma, stages {TW.CM.STAGES[kind]}, CTAs/SM {TW.CM.CTAS_PER_SM[kind]}, "
+                f"K parts {TW.CM.KSPLIT[kind]})")
     tuned = TW._mode6_entry(kind, n, k, m, TW._num_sms(x.device), TW._mode7_ok(kind, x))
     if tuned is not None:
         return f"MODE {tuned.get('MODE', 6)} {tuned}"
@@ -47,12 +48,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--ms", default="1,2,4,16", help="comma-separated row counts")
+    ap.add_argument("--kinds", default="int4,fp8")
+    ap.add_argument("--shapes", default="", help="comma-separated shape-name prefixes (default: all)")
     args = ap.parse_args()
+    pick = args.shapes.split(",") if args.shapes else [""]
+    shapes = {s: v for s, v in SHAPES.items() if any(s.startswith(p) for p in pick)}
     ms = tuple(int(v) for v in args.ms.split(","))
     bw = copy_bandwidth()
     timer = lambda c, n: time_graph(c, n, reps=7, warmup=1)
     cases = []
-    for wc in weight_cases(SHAPES, ms):
+    for wc in weight_cases(shapes, ms, kinds=tuple(args.kinds.split(","))):
         sname, n, k, kind, m, x, fn, q, qs = wc.sname, wc.n, wc.k, wc.kind, wc.m, wc.x, wc.fn, wc.q, wc.qs
         copies, c16 = len(qs), len(wc.w16s)
         err = rel_err(fn(x, q), wc.ref)

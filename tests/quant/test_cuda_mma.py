@@ -1,6 +1,6 @@
 """MODE 9 (``quant.cuda_mma``, the CUDA stream-K weight-only kernel) on the CPU: the repacks round-trip, and a torch
 emulation of what the kernel computes from the packed layout (its nibble / byte map, A fragments, the magic-number
-decode with the zero point folded through sum(x), the FP8 bit shift with its 2^-120 fold, the per-unit scale)
+decode and its zero point, the FP8 byte-permute decode with its 2^-120 fold, the per-unit scale words)
 matches dequantize() + matmul. The kernel itself runs in test_cuda_mma_gpu.py."""
 
 import math
@@ -39,7 +39,7 @@ def _emulate_int4(x: torch.Tensor, words, sw, n, kp):
     m = x.shape[0]
     nbk, kt = math.ceil(n / 256), kp // 128
     w = words.view(nbk, kt, 8, 4, 32, 4)  # [nb, kt, warp, j, lane, e]; word (s = 2j + e // 2, p = e % 2)
-    sww = sw.view(nbk, kt, 8, 4, 8)  # [nb, kt, warp, tile, channel]
+    sww = sw.view(nbk, kt, 8, 8, 4)  # [nb, kt, warp, channel g, tile]
     y = torch.zeros(m, nbk * 256, dtype=torch.float64)
     for nb in range(nbk):
         for t in range(kt):
@@ -58,7 +58,7 @@ def _emulate_int4(x: torch.Tensor, words, sw, n, kp):
                                 kk = s * 16 + 2 * c + (i >> 2) + 8 * (i & 1)
                                 wq[ch, kk] = 128 + ((word >> (4 * i)) & 15)
                 tmp = xt @ wq.T  # [m, 32]
-                words_sz = sww[nb, t, warp].reshape(32)  # tile t, channel: = channel t * 8 + c of the warp
+                words_sz = sww[nb, t, warp].T.reshape(32)  # tile t, channel g: channel t * 8 + g of the warp
                 scale = (words_sz & ~15).view(torch.float32).double()
                 mz = 128 + (words_sz & 15).double()
                 y[:, nb * 256 + warp * 32:nb * 256 + warp * 32 + 32] += (tmp - mz * xsum[:, None]) * scale
@@ -75,18 +75,40 @@ def test_int4_kernel_math_emulated(group, sym):
     torch.testing.assert_close(_emulate_int4(x, words, sw, n, k), ref, rtol=1e-4, atol=1e-4)  # scale words: 2^-19
 
 
-def _fp8_to_bf16_bits(b: int) -> int:
-    """The kernel's decode of one e4m3 byte: sign | (exponent, mantissa) << 4 as bf16 bits (value x 2^-120)."""
-    return ((b & 0x80) << 8) | ((b & 0x7F) << 4)
+def _prmt(w: int, sel: int) -> int:
+    """PTX ``prmt.b32 d, w, 0, sel`` (default mode): result byte i is byte ``sel_i & 7`` of (0, w), replaced by
+    its sign bit replicated when ``sel_i & 8``."""
+    src = [(w >> (8 * i)) & 255 for i in range(4)] + [0] * 4
+    out = 0
+    for i in range(4):
+        s = (sel >> (4 * i)) & 15
+        b = src[s & 7]
+        out |= ((255 if b & 0x80 else 0) if s & 8 else b) << (8 * i)
+    return out
 
 
-def test_fp8_bit_shift_decode_is_exact():
-    b = torch.arange(256, dtype=torch.int32)
-    finite = (b & 0x7F) != 0x7F  # e4m3 has no infinity; 0x7F / 0xFF are NaN
-    bits = torch.tensor([_fp8_to_bf16_bits(int(v)) for v in b], dtype=torch.int32).to(torch.int16)
-    decoded = bits.view(torch.bfloat16).float() * 2.0**120
-    want = b.to(torch.uint8).view(torch.float8_e4m3fn).float()
-    assert torch.equal(decoded[finite], want[finite])
+def _fp8x2(w: int, sel: int, bf16: bool = True) -> int:
+    """The kernel's fp8x2(): two e4m3 bytes of ``w`` (0, 1 for sel 0x9180; 2, 3 for 0xB3A2) -> two 16-bit floats,
+    the value times 2^-120 (bf16) or 2^-8 (fp16)."""
+    p = _prmt(w, sel)
+    return ((p << 4) & 0x87F087F0) if bf16 else ((p << 7) & 0xBF80BF80)
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_fp8_decode_is_exact(bf16):
+    torch.manual_seed(0)
+    want = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = ~want.isnan()  # e4m3 has no infinity; 0x7F / 0xFF are NaN
+    dt, fold = (torch.bfloat16, 2.0**120) if bf16 else (torch.float16, 2.0**8)
+    for other in torch.randint(0, 256, (4,)).tolist():  # the neighbouring bytes must not leak in
+        for pos in range(4):
+            got = torch.empty(256)
+            for b in range(256):
+                w = (other * 0x01010101) & ~(255 << (8 * pos)) | (b << (8 * pos))
+                d = _fp8x2(w, 0x9180 if pos < 2 else 0xB3A2, bf16)
+                half = (d >> (16 * (pos & 1))) & 0xFFFF
+                got[b] = torch.tensor([half], dtype=torch.int32).to(torch.int16).view(dt).float() * fold
+            assert torch.equal(got[finite], want[finite])
 
 
 @pytest.mark.parametrize("n,k,block", [(200, 256, None), (256, 384, 128), (130, 128, 128)])
@@ -107,7 +129,7 @@ def test_fp8_kernel_math_emulated():
     words, s = CM.repack_fp8(q)
     nbk, kt = math.ceil(n / 128), k // 128
     w = words.view(nbk, kt, 8, 4, 32, 4)
-    sc = s.view(nbk, kt, 8, 2, 8)
+    sc = s.view(nbk, kt, 8, 8, 2)  # [nb, kt, warp, g, p]
     x = torch.randn(2, k).double()
     y = torch.zeros(2, nbk * 128, dtype=torch.float64)
     for nb in range(nbk):
@@ -121,10 +143,10 @@ def test_fp8_kernel_math_emulated():
                             st, p = 2 * j + e // 2, e % 2  # word p: channel g + 8 p
                             word = int(w[nb, t, warp, j, lane, e]) & 0xFFFFFFFF
                             for bb in range(4):
-                                bits = _fp8_to_bf16_bits((word >> (8 * bb)) & 255)
+                                bits = (_fp8x2(word, 0x9180 if bb < 2 else 0xB3A2) >> (16 * (bb & 1))) & 0xFFFF
                                 v = torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
                                 wv[g + 8 * p, st * 16 + 2 * c + (bb & 1) + 8 * (bb >> 1)] = v.double().item()
-                scale = sc[nb, t, warp].reshape(16).double() * 2.0**120
+                scale = sc[nb, t, warp].T.reshape(16).double() * 2.0**120
                 y[:, nb * 128 + warp * 16:nb * 128 + warp * 16 + 16] += (x[:, t * 128:(t + 1) * 128] @ wv.T) * scale
     ref = x @ q.dequantize(torch.float64).T
     torch.testing.assert_close(y[:, :n], ref, rtol=1e-6, atol=1e-6)
@@ -170,6 +192,8 @@ def test_matmul_names_bad_arguments_before_launching():
         CM.matmul(x, "int4", words, sw, 300, 256, stages=1)
     with pytest.raises(ValueError, match="ctas:"):
         CM.matmul(x, "int4", words, sw, 300, 256, ctas=9)
+    with pytest.raises(ValueError, match="ksplit:"):
+        CM.matmul(x, "int4", words, sw, 300, 256, ksplit=4)
     with pytest.raises(ValueError, match="words:"):
         CM.matmul(x, "int4", words[:-4], sw, 300, 256)
     with pytest.raises(ValueError, match="scales:"):

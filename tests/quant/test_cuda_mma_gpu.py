@@ -1,7 +1,8 @@
 """MODE 9 (``quant.cuda_mma``, the CUDA stream-K weight-only kernel; sm80+) on a CUDA GPU against dequantize() +
 fp32 matmul: INT4 (zero points / symmetric, g128 / g256 / per channel) and FP8 (per-channel / 128 blocks), bf16 and
-fp16 activations, 1-16 rows, padded channels, ring depths and CTAs per SM, repeated launches (the partial-sum
-sentinels must be back after each), CUDA-graph replay, and the dispatcher's choice. Run with ``pytest -m gpu``."""
+fp16 activations, 1-16 rows, padded channels, ring depths, CTAs per SM and K parts per unit, repeated launches (the
+partial-sum sentinels must be back after each), CUDA-graph replay, and the dispatcher's choice. Run with
+``pytest -m gpu``."""
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ def _sentinels_back():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k,group,sym", [(600, 384, 128, False), (512, 640, None, True), (4096, 1024, 256, False),
                                            (14336, 4096, 128, False)])
-@pytest.mark.parametrize("launch", [(4, 1), (6, 1), (3, 2)])
+@pytest.mark.parametrize("launch", [(4, 1, 1), (6, 1, 1), (3, 2, 1), (6, 1, 2), (4, 2, 2)])
 def test_mode9_int4(m, dtype, n, k, group, sym, launch):
     torch.manual_seed(m + n)
     q = IntWeight.quantize(torch.randn(n, k, device=dev) * 0.02, bits=4, group_size=group, symmetric=sym,
@@ -35,10 +36,10 @@ def test_mode9_int4(m, dtype, n, k, group, sym, launch):
     words, sw = CM.repack_int4(q)
     x = torch.randn(m, k, device=dev).to(dtype)
     ref = x.float() @ q.dequantize(torch.float32).T
-    y = CM.matmul(x, "int4", words, sw, n, k, stages=launch[0], ctas=launch[1])
+    y = CM.matmul(x, "int4", words, sw, n, k, stages=launch[0], ctas=launch[1], ksplit=launch[2])
     assert y.dtype == dtype and y.shape == (m, n)
     assert _rel(y, ref) < 5e-3
-    assert torch.equal(CM.matmul(x, "int4", words, sw, n, k, stages=launch[0], ctas=launch[1]), y)
+    assert torch.equal(CM.matmul(x, "int4", words, sw, n, k, stages=launch[0], ctas=launch[1], ksplit=launch[2]), y)
     torch.cuda.synchronize()
     _sentinels_back()
 
@@ -46,13 +47,14 @@ def test_mode9_int4(m, dtype, n, k, group, sym, launch):
 @pytest.mark.parametrize("m", [1, 4, 9, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k,block", [(328, 256, None), (640, 512, 128), (4096, 14336, None)])
-def test_mode9_fp8(m, dtype, n, k, block):
+@pytest.mark.parametrize("ksplit", [1, 2])
+def test_mode9_fp8(m, dtype, n, k, block, ksplit):
     torch.manual_seed(m + n)
     q = FP8Weight.quantize(torch.randn(n, k, device=dev) * 0.02, **({"block_size": block} if block else {}))
     words, s = CM.repack_fp8(q)
     x = torch.randn(m, k, device=dev).to(dtype)
     ref = x.float() @ q.dequantize(torch.float32).T
-    y = CM.matmul(x, "fp8", words, s, n, k)
+    y = CM.matmul(x, "fp8", words, s, n, k, ksplit=ksplit)
     assert _rel(y, ref) < 5e-3
     torch.cuda.synchronize()
     _sentinels_back()
@@ -102,6 +104,27 @@ def test_dispatcher_takes_mode9_for_large_int4_at_9_to_16_rows():
     TW.wq_matmul_triton(torch.randn(16, 4096, device=dev, dtype=torch.bfloat16), q2)
     TW.wq_matmul_triton(torch.randn(4, k, device=dev, dtype=torch.bfloat16), q)
     assert ("mode9",) not in TW.TF._PACKS.get(id(q2.qweight), (None, {}))[1]
+
+
+def test_dispatcher_takes_mode9_for_large_fp8_from_its_row_threshold():
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.fail("MODE 9's default dispatch is for sm90+: run on a Hopper GPU")
+    n, k = 14336, 4096
+    q = FP8Weight.quantize(torch.randn(n, k, device=dev) * 0.02)
+    ref_w = q.dequantize(torch.float32)
+    lo = TW.MODE9_M_MIN["fp8"]
+    for m in sorted({1, lo - 1, lo, 16} - {0}):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        y = TW.fp8_wo_matmul_triton(x, q)
+        assert _rel(y, x.float() @ ref_w.T) < 5e-3
+        assert TW.mode9_default(x, q) == (m >= lo)
+    assert ("mode9",) in TW.TF._PACKS[id(q.qweight)][1]
+    x = torch.randn(lo, k, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    y = TW.fp8_wo_matmul_triton(x, q, b, act="silu")
+    full = x.float() @ ref_w.T + b.float()
+    want = torch.nn.functional.silu(full[:, : n // 2]) * full[:, n // 2:]
+    assert _rel(y, want) < 1e-2
 
 
 def test_mode9_forced_config_and_errors():

@@ -221,7 +221,7 @@ def test_mode7_dispatch(monkeypatch, n, k, m, graph_matches_eager):
     y = TW.wq_matmul_triton(x, w)
     assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
     entry = TW._mode6_entry("int4", n, k, m, 132, True)
-    mode9 = m >= TW.MODE9_M_MIN
+    mode9 = m >= TW.MODE9_M_MIN["int4"]
     assert mode9 == TW.mode9_default(x, w)
     assert bool(seen) == (entry is not None and not mode9) == ((n != 6144 or m <= 8) and not mode9)
     if seen:

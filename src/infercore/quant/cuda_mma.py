@@ -13,8 +13,9 @@ Layouts (all made once per weight by :func:`repack_int4` / :func:`repack_fp8`, k
 * unit ``u = nb * KT + kt``: channels ``[nb BN, (nb + 1) BN)`` x K ``[kt 128, (kt + 1) 128)``, 16 KB of words in
   the order ``[warp 8][j 4][lane 32][4 words]`` (BN = 256 for INT4, 128 for FP8). :func:`unpack_int4` /
   :func:`unpack_fp8` invert it (the CPU tests check the round trip and the nibble / byte map the kernel decodes);
-* per unit ``BN`` 32-bit scale words ``[warp][tile][8 channels]``: INT4 the fp32 scale with its low 4 mantissa
-  bits replaced by the zero point (relative error <= 2^-19), FP8 the fp32 scale.
+* per unit ``BN`` 32-bit scale words ``[warp][8 channels g][tile]`` (one vector load per lane): INT4 the fp32
+  scale with its low 4 mantissa bits replaced by the zero point (relative error <= 2^-19), FP8 the fp32 scale.
+  Tile ``t`` of a warp holds channels ``t * 8 + g``.
 
 The kernel needs K % 128 == 0, INT4 groups that are multiples of 128 (or per channel), FP8 block scales of 128 (or
 per channel), bf16 / fp16 activations with 16-byte aligned rows. ``available()`` is False without CUDA sm80+ or
@@ -40,9 +41,11 @@ MAX_M = 16
 MAX_CTAS_PER_SM = 4
 _SRC = Path(__file__).with_name("wo_mma.cu")
 
-# Launch shape, measured on the H200 (benchmarks/probe_mma_wo.py): cp.async ring depth and CTAs per SM.
-STAGES = {"int4": 6, "fp8": 4}
-CTAS_PER_SM = {"int4": 1, "fp8": 2}
+# Launch shape, measured on the H200 (benchmarks/probe_mma_wo.py, probe_mma_variants.py): cp.async ring depth, CTAs
+# per SM and K parts per unit (KSPLIT: 2 = 16 warps, each pair splitting a unit's K).
+STAGES = {"int4": 6, "fp8": 6}
+CTAS_PER_SM = {"int4": 1, "fp8": 1}
+KSPLIT = {"int4": 1, "fp8": 1}
 
 ENABLED = os.environ.get("INFERCORE_WO_CUDA", "1") != "0"
 
@@ -99,7 +102,7 @@ def repack_int4(w: IntWeight) -> tuple[torch.Tensor, torch.Tensor]:
     if not bool(((z == z.round()) & (z >= 0) & (z < 16)).all()):
         raise ValueError("w: MODE 9 needs integer zero points in [0, 15]")
     sw = (s.contiguous().view(torch.int32) & ~15) | z.to(torch.int32)
-    sw = _pad_rows(sw, nb * bn).view(nb, 8, 4, 8, kt).permute(0, 4, 1, 2, 3)  # [nb, kt, warp, t, 8]
+    sw = _pad_rows(sw, nb * bn).view(nb, 8, 4, 8, kt).permute(0, 4, 1, 3, 2)  # [nb, kt, warp, g, t]
     return words.contiguous(), sw.reshape(-1).contiguous()
 
 
@@ -112,7 +115,7 @@ def unpack_int4(words: torch.Tensor, scale_words: torch.Tensor, n: int, kp: int)
     nib = (words.view(-1, 1) >> shifts) & 15
     c = nib.view(nb, kt, 8, 4, 8, 4, 2, 2, 2, 2, 2).permute(0, 2, 7, 9, 4, 1, 3, 6, 10, 5, 8)
     codes = c.reshape(nb * bn, kp)[:n]
-    sw = scale_words.view(nb, kt, 8, 4, 8).permute(0, 2, 3, 4, 1).reshape(nb * bn, kt)[:n]
+    sw = scale_words.view(nb, kt, 8, 8, 4).permute(0, 2, 4, 3, 1).reshape(nb * bn, kt)[:n]
     return codes, (sw & ~15).view(torch.float32), sw & 15
 
 
@@ -136,7 +139,7 @@ def repack_fp8(w: FP8Weight) -> tuple[torch.Tensor, torch.Tensor]:
         s = w.scales.float()[:, None].expand(n, kt)
     else:
         s = w.scales.float()[torch.arange(n, device=q.device) // 128][:, :kt]
-    s = _pad_rows(s.contiguous(), nb * bn).view(nb, 8, 2, 8, kt).permute(0, 4, 1, 2, 3)
+    s = _pad_rows(s.contiguous(), nb * bn).view(nb, 8, 2, 8, kt).permute(0, 4, 1, 3, 2)  # [nb, kt, warp, g, p]
     return words.contiguous(), s.reshape(-1).contiguous()
 
 
@@ -146,7 +149,7 @@ def unpack_fp8(words: torch.Tensor, scales: torch.Tensor, n: int, k: int):
     nb, kt = math.ceil(n / bn), k // BK
     b = words.contiguous().view(torch.uint8).view(nb, kt, 8, 4, 8, 4, 2, 2, 2, 2)
     q = b.permute(0, 2, 7, 4, 1, 3, 6, 8, 5, 9).reshape(nb * bn, k)[:n]
-    s = scales.view(nb, kt, 8, 2, 8).permute(0, 2, 3, 4, 1).reshape(nb * bn, kt)[:n]
+    s = scales.view(nb, kt, 8, 8, 2).permute(0, 2, 4, 3, 1).reshape(nb * bn, kt)[:n]
     return q, s
 
 
@@ -175,28 +178,36 @@ def stage_bytes(kind: str) -> int:
     return UNIT_BYTES + 4 * block_n(kind) + 16 * BK * 2
 
 
-def _occupancy(func, smem: int) -> int:
+def reduce_bytes(kind: str, rows16: bool, ksplit: int) -> int:
+    """Shared memory where K part 1 hands its sums to part 0 (KSPLIT 2): one float4 per accumulator tile and
+    thread."""
+    return 0 if ksplit == 1 else (1 if kind == "fp8" else 2) * (2 if rows16 else 1) * 16 * THREADS
+
+
+def _occupancy(func, threads: int, smem: int) -> int:
     lib = torch.cuda._utils._get_gpu_runtime_library()
     n = ctypes.c_int(0)
-    err = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), func, THREADS, ctypes.c_size_t(smem))
+    err = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), func, threads, ctypes.c_size_t(smem))
     if err != 0:
         raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed ({err})")
     return n.value
 
 
-def _kernel(kind: str, dtype: torch.dtype, device: torch.device, rows16: bool, stages: int, ctas: int):
-    """The compiled kernel and how many CTAs of it fit on one SM (cached per variant and device)."""
-    key = (kind, dtype, device.index, rows16, stages, ctas, DEFINES)
+def _kernel(kind: str, dtype: torch.dtype, device: torch.device, rows16: bool, stages: int, ctas: int,
+            ksplit: int = 1):
+    """The compiled kernel, its shared memory and how many CTAs of it fit on one SM (cached per variant and
+    device)."""
+    key = (kind, dtype, device.index, rows16, stages, ctas, ksplit, DEFINES)
     hit = _KERNELS.get(key)
     if hit is None:
         opts = [f"-DFP8={int(kind == 'fp8')}", f"-DACT_BF16={int(dtype == torch.bfloat16)}", f"-DSTAGES={stages}",
-                f"-DROWS16={int(rows16)}",
+                f"-DROWS16={int(rows16)}", f"-DKSPLIT={ksplit}",
                 f"-DMIN_BLOCKS={ctas}", "-std=c++17", *(f"-D{d}" for d in DEFINES)]
         with torch.cuda.device(device):
             k = torch.cuda._compile_kernel(_SRC.read_text(), "wo_mma", nvcc_options=opts)
-            smem = stages * stage_bytes(kind)
+            smem = stages * stage_bytes(kind) + reduce_bytes(kind, rows16, ksplit)
             k.set_shared_memory_config(smem)
-            hit = (k, smem, _occupancy(k.func, smem))
+            hit = (k, smem, _occupancy(k.func, THREADS * ksplit, smem))
         _KERNELS[key] = hit
     return hit
 
@@ -205,11 +216,11 @@ def compiles(kind: str, dtype: torch.dtype, device: torch.device, rows16: bool) 
     """Whether the kernel variant for ``kind`` / ``dtype`` / ``rows16`` (9-16 rows) compiles and loads on ``device``
     with the launch table's shape. A failure (no NVRTC library, a driver that rejects the PTX, no CUDA) is warned
     about once and remembered, so callers can fall back to the Triton kernels without an error."""
-    key = (kind, dtype, device, rows16, STAGES[kind], CTAS_PER_SM[kind], DEFINES)
+    key = (kind, dtype, device, rows16, STAGES[kind], CTAS_PER_SM[kind], KSPLIT[kind], DEFINES)
     if key in _FAILED:
         return False
     try:
-        _kernel(kind, dtype, device, rows16, STAGES[kind], CTAS_PER_SM[kind])
+        _kernel(kind, dtype, device, rows16, STAGES[kind], CTAS_PER_SM[kind], KSPLIT[kind])
     except Exception as e:  # noqa: BLE001 (any failure to build means: use the other kernels)
         _FAILED[key] = e
         warnings.warn(f"MODE 9 ({kind}, {dtype}) cannot run on {device}: {e}; the Triton kernels take its calls",
@@ -237,19 +248,18 @@ def grid_size(units: int, sms: int, per_sm: int, occupancy: int) -> int:
 
 
 def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor, n: int, kp: int, *,
-           stages: int | None = None, ctas: int | None = None) -> torch.Tensor:
+           stages: int | None = None, ctas: int | None = None, ksplit: int | None = None) -> torch.Tensor:
     """``x [M, K]`` (bf16/fp16, :func:`available`) times a repacked weight (``kind`` ``"int4"`` / ``"fp8"``,
     logical ``[n, kp]``: ``words`` / ``scales`` from :func:`repack_int4` / :func:`repack_fp8`) -> ``[M, n]`` in
-    ``x.dtype``. ``stages`` / ``ctas`` override the launch table. Bad arguments raise ``ValueError`` naming them
-    before anything is launched."""
+    ``x.dtype``. ``stages`` / ``ctas`` / ``ksplit`` override the launch table. Bad arguments raise ``ValueError``
+    naming them before anything is launched."""
     if kind not in STAGES:
         raise ValueError(f"kind: expected 'int4' or 'fp8', got {kind!r}")
     if isinstance(n, bool) or not isinstance(n, int) or not isinstance(kp, int) or n <= 0 or kp <= 0 or kp % BK:
         raise ValueError(f"n, kp: expected n > 0 and kp a positive multiple of {BK}, got {n!r}, {kp!r}")
-    for name, v, hi in (("stages", stages, 8), ("ctas", ctas, MAX_CTAS_PER_SM)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not (2 if name == "stages" else 1)
-                              <= v <= hi):
-            raise ValueError(f"{name}: expected an int in [{2 if name == 'stages' else 1}, {hi}] or None, got {v!r}")
+    for name, v, lo, hi in (("stages", stages, 2, 8), ("ctas", ctas, 1, MAX_CTAS_PER_SM), ("ksplit", ksplit, 1, 2)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+            raise ValueError(f"{name}: expected an int in [{lo}, {hi}] or None, got {v!r}")
     units = math.ceil(n / block_n(kind)) * (kp // BK)
     for name, t, dtype, numel in (("words", words, torch.int32, units * UNIT_BYTES // 4),
                                   ("scales", scales, torch.int32 if kind == "int4" else torch.float32,
@@ -268,7 +278,8 @@ def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor
     m = x.shape[0]
     st = STAGES[kind] if stages is None else stages
     per_sm = CTAS_PER_SM[kind] if ctas is None else ctas
-    k, smem, occ = _kernel(kind, x.dtype, x.device, m > 8, st, per_sm)
+    ks = KSPLIT[kind] if ksplit is None else ksplit
+    k, smem, occ = _kernel(kind, x.dtype, x.device, m > 8, st, per_sm, ks)
     bn = block_n(kind)
     nb, kt = math.ceil(n / bn), kp // BK
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
@@ -276,6 +287,6 @@ def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor
     ws = _partials(x.device, sms * MAX_CTAS_PER_SM)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ldx = x.stride(0) if m > 1 else kp
-    k(grid=(g, 1, 1), block=(THREADS, 1, 1), args=[words, scales, x, y, ws, m, n, kt, nb, ldx],
+    k(grid=(g, 1, 1), block=(THREADS * ks, 1, 1), args=[words, scales, x, y, ws, m, n, kt, nb, ldx],
       shared_mem=smem, stream=torch.cuda.current_stream(x.device))
     return y

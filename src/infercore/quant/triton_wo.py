@@ -3,8 +3,8 @@
 
 Which kernel runs a call, by rows M (tables in ``wo_tables``, measured on the H200):
 
-* 9-16 rows, INT4, on weights of >= ``MODE9_MIN_BYTES`` of codes (sm90+): MODE 9, the CUDA stream-K kernel
-  (``cuda_mma``, NVRTC-compiled);
+* INT4 at 9-16 rows and FP8 at 4-16 rows, on weights within ``MODE9_BYTES`` of codes (sm90+): MODE 9, the CUDA
+  stream-K kernel (``cuda_mma``, NVRTC-compiled);
 * M <= 16 (decode): the fragment kernels where tuned (MODE 6 ``triton_frag``, MODE 7 ``gluon_frag`` on
   sm90+), else MODE 4, the CUDA-core word GEMV at M <= ``GEMV_M_MAX`` (``wo_gemv``, packed fp16 dot in
   ``wo_packed``), else MODE 5, tensor cores over the stored words (``wo_words``), else the MODE 1/2 dot
@@ -144,40 +144,49 @@ def _check_act(act: str | None, n: int) -> None:
         raise ValueError(f"act: expected one of {GATED_ACTS} with an even N, got {act!r} with N = {n}")
 
 
-# MODE 9 (``cuda_mma``) by default: INT4 at 9-16 rows on sm90+ (where it was measured, H200:
-# results/h200/quant_mode9.json) for weights of at least this many bytes of codes (qkv 6144x4096 and larger; it lost on
-# o_proj 4096x4096). Its repack is one more copy of the codes, made on the first such call.
-MODE9_M_MIN = 9
-MODE9_MIN_BYTES = 12 << 20
+# MODE 9 (``cuda_mma``) by default on sm90+ (where it was measured, H200: results/h200/quant_wo_dispatch.json against
+# sweeps/quant_wo_dispatch_triton_fp8.json): per kind, the fewest rows and the bytes of codes it takes. INT4 from 9
+# rows on qkv 6144x4096 and larger (it lost at 1-8 rows and on o_proj 4096x4096). FP8 from 4 rows on 24-64 MB of
+# codes: it lost at 1-2 rows, on o_proj and on the merged gate_up 28672x4096 (117 MB), where MODE 5 streams faster.
+# Its repack is one more copy of the codes, made on the first such call.
+MODE9_M_MIN = {"int4": 9, "fp8": 4}
+MODE9_BYTES = {"int4": (12 << 20, 1 << 62), "fp8": (24 << 20, 64 << 20)}
 
 
-def _mode9_ok(x: torch.Tensor, w: IntWeight) -> bool:
+def _mode9_ok(kind: str, x: torch.Tensor, w) -> bool:
     """Whether MODE 9 can run this call at all."""
-    return (isinstance(w, IntWeight) and CM.available(x) and CM.int4_ok(w) and x.shape[1] == w.padded_in_features
-            and G.REPACK)
+    ok = CM.int4_ok(w) and x.shape[1] == w.padded_in_features if kind == "int4" else CM.fp8_ok(w)
+    return ok and CM.available(x) and G.REPACK
 
 
-def mode9_default(x: torch.Tensor, w: IntWeight) -> bool:
-    """Whether the dispatcher sends this INT4 call to MODE 9 when no config is given (the kernel compiles here)."""
-    return (_mode9_ok(x, w) and x.shape[0] >= MODE9_M_MIN and w.qweight.numel() >= MODE9_MIN_BYTES
-            and capability(x.device).at_least(9) and CM.compiles("int4", x.dtype, x.device, x.shape[0] > 8))
+def mode9_default(x: torch.Tensor, w) -> bool:
+    """Whether the dispatcher sends this INT4 / FP8 call to MODE 9 when no config is given (the kernel compiles
+    here)."""
+    kind = "fp8" if isinstance(w, FP8Weight) else "int4"
+    if kind == "int4" and not isinstance(w, IntWeight):
+        return False
+    lo, hi = MODE9_BYTES[kind]
+    return (_mode9_ok(kind, x, w) and x.shape[0] >= MODE9_M_MIN[kind] and lo <= w.qweight.numel() <= hi
+            and capability(x.device).at_least(9) and CM.compiles(kind, x.dtype, x.device, x.shape[0] > 8))
 
 
-def _run_mode9(x: torch.Tensor, w: IntWeight, config: dict | None) -> torch.Tensor | None:
+def _run_mode9(x: torch.Tensor, w, config: dict | None) -> torch.Tensor | None:
     """MODE 9's ``[M, N]`` product when it takes this call (by default, or ``config={"MODE": 9}``), else None."""
+    kind = "fp8" if isinstance(w, FP8Weight) else "int4"
     forced = config is not None and config.get("MODE") == 9
     if not (mode9_default(x, w) if config is None else forced):
         return None
-    if not _mode9_ok(x, w):
-        raise ValueError("config: MODE 9 needs CUDA sm80+ with NVRTC, bf16/fp16 activations of 1-16 rows, INT4 "
-                         "weights with K % 128 == 0 (unpadded) and groups of a multiple of 128, and repacking on")
-    p = TF.packed(w.qweight, ("mode9",), lambda: CM.repack_int4(w))
+    if not _mode9_ok(kind, x, w):
+        raise ValueError("config: MODE 9 needs CUDA sm80+ with NVRTC, bf16/fp16 activations of 1-16 rows, and INT4 "
+                         "weights with K % 128 == 0 (unpadded) and groups of a multiple of 128 or FP8 weights with "
+                         "K % 128 == 0 and per-channel or 128x128 block scales, and repacking on")
+    p = TF.packed(w.qweight, ("mode9",), lambda: CM.repack_int4(w) if kind == "int4" else CM.repack_fp8(w))
     if p is None:
         if forced:
             raise ValueError("config: MODE 9's weight repack is made on the first eager call; run one before "
                              "capturing a CUDA graph")
         return None
-    return CM.matmul(x, "int4", p[0], p[1], w.shape[0], x.shape[1])
+    return CM.matmul(x, kind, p[0], p[1], w.shape[0], x.shape[1])
 
 
 def _apply_act(y: torch.Tensor, act: str | None) -> torch.Tensor:
@@ -393,6 +402,9 @@ def fp8_wo_matmul_triton(
                     torch.float16: (2, 2.0**8)}[x.dtype]
     fused = act if bias is None else None
     kmax = scale_block or max(triton.next_power_of_2(k), 64)  # the small-M tiles' largest K step
+    y = _run_mode9(x, w, config)
+    if y is not None:
+        return _apply_act(y if bias is None else y + bias.to(y.dtype), act)
     y = _run_mode6("fp8", x, w, n, k, config, fused, TF.fp8_ok, TF.fp8_matmul)
     if y is not None:
         if fused is not None:

@@ -6,7 +6,10 @@
 // one MMA per 16 channels x 16 K and M <= 16 (ROWS16) two.
 //
 // Work unit: BN channels x BK = 128 K of the weight, 16 KB stored contiguously by ``cuda_mma.repack_*`` in the
-// order the warps read it: [warp][j 0..3][lane][16 bytes]. Unit u = nb * KT + kt. The grid is one wave of CTAs;
+// order the warps read it: [warp][j 0..3][lane][16 bytes], then the unit's scale words [warp][g][tile] (one
+// 16-byte (INT4) / 8-byte (FP8) load per lane). Unit u = nb * KT + kt. With KSPLIT = 2 a CTA has 16 warps: warps
+// w and w + 8 take the same channels and the two halves of each unit's K, and add their sums in shared memory at
+// the end of each channel block's segment (twice the warps per scheduler to hide the decode chains' latency). The grid is one wave of CTAs;
 // CTA c streams units [c U / G, (c + 1) U / G) through a STAGES-deep cp.async ring (weights, per-channel scale
 // words and the activations' 16 x 128 tile, swizzled for ldmatrix). A channel block covered by several CTAs is
 // finished by the CTA holding its first unit, which reaches that unit last in its range; the others store fp32
@@ -16,13 +19,14 @@
 //
 // INT4 word (lane l, g = l / 4, c = l % 4; m16 tile p of the warp): nibble i holds channel g + 8 ((i >> 1) & 1),
 // k = 2c + (i >> 2) + 8 (i & 1); lop3 with a magic exponent gives two 16-bit floats (magic + q) per nibble pair,
-// exact. Per unit (one quantization group: group % 128 == 0) the fp32 tile result t becomes
-// s (t - (magic + z) sum_k x) with sum_k x from one more MMA against ones.
-// FP8 words (channel g, then g + 8): byte b holds k = 2c + (b & 1) + 8 (b >> 1); sign | exponent-mantissa shifted
+// exact; one HFMA2 (HADD2) per register subtracts magic + z, exact too (the result is q - z). Per unit (one
+// quantization group: group % 128 == 0) the fp32 tile result is multiplied by the scale and added up.
+// FP8 words (channel g, then g + 8): byte b holds k = 2c + (b & 1) + 8 (b >> 1); sign | exponent-mantissa moved
 // into a bf16 (fp16) is the value times 2^-120 (2^-8), exact; the fold is multiplied back with the scale.
 //
 // Compile-time switches (-D): FP8 (0/1), ACT_BF16 (1: bf16 activations, 0: fp16), ROWS16 (0: M <= 8, 1: M <= 16),
-// STAGES, MIN_BLOCKS, PROBE (timing probes only: 1 no decode / MMA, 2 no weight loads; results wrong).
+// STAGES, MIN_BLOCKS, KSPLIT (1 / 2), PROBE (timing probes only: 1 no decode / MMA, 2 no weight loads; results
+// wrong), TIMING (1: thread 0 of each CTA writes clock64 / globaltimer stamps after the partial-sum slots).
 
 #ifndef FP8
 #define FP8 0
@@ -39,15 +43,20 @@
 #ifndef PROBE
 #define PROBE 0
 #endif
+#ifndef TIMING
+#define TIMING 0
+#endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1
 #endif
-#ifndef ZFOLD  // INT4 zero points: 1 through sum(x) (one more MMA per K step), 0 subtracted in the decode (4 HFMA2)
-#define ZFOLD 0
+#ifndef KSPLIT  // warps per channel slice, each taking 128 / KSPLIT of every unit's K
+#define KSPLIT 1
 #endif
 
-#define THREADS 256
-#define NWARPS 8
+#define NWARPS_N 8
+#define CT 256  // threads of one K part: partial-sum slots and outputs are indexed by them
+#define THREADS (CT * KSPLIT)
+#define SPW (8 / KSPLIT)  // K steps of 16 per warp per unit
 #define BK 128
 #if FP8
 #define MT 1  // m16 tiles per warp (two words each per K step)
@@ -57,7 +66,7 @@
 #define WN 32
 #endif
 #define NTN (ROWS16 ? 2 : 1)  // n8 tiles of activation rows
-#define BN (NWARPS * WN)
+#define BN (NWARPS_N * WN)
 #define W_BYTES 16384
 #define SZ_BYTES (BN * 4)
 #define X_BYTES 4096
@@ -78,6 +87,12 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32* a) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
                : "r"(addr));
+}
+
+__device__ __forceinline__ long long gtimer() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
 }
 
 // d += A (16 x 16, four registers) B (16 x 8, two registers), fp32 accumulators.
@@ -139,13 +154,28 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 #define FP8_FOLD 256.0f
 #endif
 
-// e4m3 bytes 0, 1 (sel 0x1404) or 2, 3 (0x3424) of w -> two 16-bit floats (value x 2^-120 in bf16, 2^-8 in fp16)
+// e4m3 bytes 0, 1 (sel 0x9180) or 2, 3 (0xB3A2) of w -> two 16-bit floats (value x 2^-120 in bf16, 2^-8 in fp16).
+// prmt puts each byte in the low half of a 16-bit lane and its sign, replicated (selector bit 3), in the high
+// half; one shift then lands the sign on bit 15 and exponent-mantissa on the 16-bit float's low exponent bits, and
+// one mask clears the rest: exact, two ALU operations and a shift the compiler may give the FMA pipe (IMAD.SHL).
+#ifndef FP8DEC  // 0: the older decode (byte_perm, shift, two masks), kept for timing probes
+#define FP8DEC 1
+#endif
 __device__ __forceinline__ u32 fp8x2(u32 w, u32 sel) {
-  const u32 t = __byte_perm(w, 0, sel);
+#if !FP8DEC
+  const u32 t = __byte_perm(w, 0, sel == 0x9180u ? 0x1404 : 0x3424);
 #if ACT_BF16
   return and_or(t, 0x80008000u, (t >> 4) & 0x07F007F0u);
 #else
   return and_or(t, 0x80008000u, (t >> 1) & 0x3F803F80u);
+#endif
+#endif
+  u32 p;
+  asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(p) : "r"(w), "r"(sel));
+#if ACT_BF16
+  return (p << 4) & 0x87F087F0u;
+#else
+  return (p << 7) & 0xBF80BF80u;
 #endif
 }
 
@@ -168,9 +198,9 @@ __device__ __forceinline__ bool pending(const float* v) {
 
 __device__ __forceinline__ int unit_start(int c, int U, int G) { return (int)(((long long)c * U) / G); }
 
-// Partial-sum slot of CTA c, accumulator tile q, thread tid (float4 granules, coalesced across threads).
-__device__ __forceinline__ float* slot(float* ws, int c, int q, int tid) {
-  return ws + (((size_t)c * (MT * NTN) + q) * THREADS + tid) * 4;
+// Partial-sum slot of CTA c, accumulator tile q, thread ct of K part 0 (float4 granules, coalesced).
+__device__ __forceinline__ float* slot(float* ws, int c, int q, int ct) {
+  return ws + (((size_t)c * (MT * NTN) + q) * CT + ct) * 4;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
@@ -178,115 +208,115 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
            unsigned short* __restrict__ y, float* __restrict__ ws, int M, int N, int KT, int NB, int ldx) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wn = warp % NWARPS_N, kh = warp / NWARPS_N, ct = tid % CT;  // channel slice, K part
   const int G = gridDim.x, U = NB * KT, cta = blockIdx.x;
   const int u0 = unit_start(cta, U, G), n_units = unit_start(cta + 1, U, G) - u0;
   const int g = lane >> 2, c4 = lane & 3;
   const u32 smem0 = smem_u32(smem);
+#if TIMING
+  long long stamp[6] = {clock64(), gtimer(), 0, 0, 0, 0};
+#endif
 
-  // ---- loads: unit u into stage st (kt = its K tile) ----
-  const int xr = tid >> 4, xch = tid & 15;  // activation row and 16-byte chunk this thread copies
-  const bool x_loader = xr < (ROWS16 ? 16 : 8);
+  // ---- loads: the next unit into the stage at byte offset wr; the sources advance one unit per load ----
+  const int xr = (tid >> 4) & 15, xch = tid & 15;  // activation row and 16-byte chunk this thread copies
+  const bool x_loader = (tid >> 4) < (ROWS16 ? 16 : 8), s_loader = tid < SZ_BYTES / 16;
   const unsigned short* xsrc = x + (size_t)(xr < M ? xr : M - 1) * ldx + xch * 8;
   const u32 xdst = W_BYTES + SZ_BYTES + xr * 256 + ((xch ^ (xr & 7)) << 4);
-  auto load_unit = [&](int st, int u, int kt) {
-    const u32 base = smem0 + st * STAGE_BYTES;
-    const uint4* wsrc = wpk + (size_t)u * (W_BYTES / 16) + tid;
+  const uint4* wsrc = wpk + (size_t)u0 * (W_BYTES / 16) + tid;
+  const uint4* ssrc = szk + (size_t)u0 * (SZ_BYTES / 16) + (s_loader ? tid : 0);
+  const int kw = KT * BK;
+  int xk = (u0 % KT) * BK;
+  u32 wr = 0;
+  auto load_next = [&]() {
+    const u32 base = smem0 + wr;
 #pragma unroll
     for (int i = 0; i < W_BYTES / 16 / THREADS; i++)
       if (PROBE != 2) cp16(base + (tid + i * THREADS) * 16, wsrc + i * THREADS);
-    if (tid < SZ_BYTES / 16) cp16(base + W_BYTES + tid * 16, szk + (size_t)u * (SZ_BYTES / 16) + tid);
-    if (x_loader) cp16(base + xdst, xsrc + kt * BK);
+    if (s_loader) cp16(base + W_BYTES + tid * 16, ssrc);
+    if (x_loader) cp16(base + xdst, xsrc + xk);
+    wsrc += W_BYTES / 16, ssrc += SZ_BYTES / 16;
+    xk += BK;
+    if (xk == kw) xk = 0;
+    wr += STAGE_BYTES;
+    if (wr == STAGES * STAGE_BYTES) wr = 0;
   };
-
-  int ld_u = u0, ld_kt = u0 % KT;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; s++) {
-    if (s < n_units) {
-      load_unit(s, ld_u, ld_kt);
-      ld_u++;
-      if (++ld_kt == KT) ld_kt = 0;
-    }
+    if (s < n_units) load_next();
     cp_commit();
   }
 
   float acc[MT][NTN][4];
-  int nb = u0 / KT, kt = u0 - nb * KT, kt0 = kt;
-  // ldmatrix row / chunk of this lane: ROWS16 one K step (rows 0-15) per x4, else two K steps of rows 0-7
+#pragma unroll
+  for (int a = 0; a < MT; a++)
+#pragma unroll
+    for (int b = 0; b < NTN; b++) acc[a][b][0] = acc[a][b][1] = acc[a][b][2] = acc[a][b][3] = 0.f;
+  int nb = u0 / KT, kt = u0 - nb * KT;
+  bool head = kt != 0;  // the first segment continues a block that another CTA finishes
+  // ldmatrix row / chunk of this lane: ROWS16 one K step (rows 0-15) per x4, else two K steps of rows 0-7. The
+  // chunk of K step s is ((first + 2 s) ^ (row & 7)) = (first ^ (row & 7)) ^ 2 s: first < 2 (< 4) has no bit of 2 s.
   const int lrow = ROWS16 ? (lane & 7) + ((lane >> 4) << 3) : (lane & 7);
   const int lchunk = ROWS16 ? ((lane >> 3) & 1) : (lane >> 3);
-  const u32 xbase = W_BYTES + SZ_BYTES + lrow * 256;
+  const u32 xoff = W_BYTES + SZ_BYTES + lrow * 256 + kh * SPW * 32 + ((lchunk ^ (lrow & 7)) << 4);
+  const u32 woff = (wn * 128 + kh * (SPW / 2) * 32 + lane) * 16;
+#if FP8
+  const u32 soff = W_BYTES + (wn * 16 + g * 2) * 4;
+#else
+  const u32 soff = W_BYTES + (wn * 32 + g * 4) * 4;
+#endif
+  u32 rd = 0;
 
   for (int i = 0; i < n_units; i++) {
     cp_wait();
     __syncthreads();
-    {
-      const int nxt = i + STAGES - 1;
-      if (nxt < n_units) {
-        load_unit(nxt % STAGES, ld_u, ld_kt);
-        ld_u++;
-        if (++ld_kt == KT) ld_kt = 0;
-      }
-      cp_commit();
-    }
-    if (i == 0 || kt == 0) {
-      kt0 = kt;
-#pragma unroll
-      for (int a = 0; a < MT; a++)
-#pragma unroll
-        for (int b = 0; b < NTN; b++) acc[a][b][0] = acc[a][b][1] = acc[a][b][2] = acc[a][b][3] = 0.f;
-    }
+#if TIMING
+    if (i == 0) stamp[2] = clock64();
+#endif
+    if (i + STAGES - 1 < n_units) load_next();
+    cp_commit();
 
-    // ---- one unit: this warp's MT m16 tiles x 128 K ----
-    const unsigned char* st = smem + (i % STAGES) * STAGE_BYTES;
-    const u32 stu = smem0 + (i % STAGES) * STAGE_BYTES;
-    const uint4* wp = reinterpret_cast<const uint4*>(st) + warp * 128 + lane;
-    uint4 wv[4];
+    // ---- one unit: this warp's MT m16 tiles x its 128 / KSPLIT of K ----
+    const unsigned char* st = smem + rd;
+    const u32 stu = smem0 + rd;
+    uint4 wv[SPW / 2];
 #pragma unroll
-    for (int j = 0; j < 4; j++) wv[j] = wp[j * 32];
+    for (int j = 0; j < SPW / 2; j++) wv[j] = *reinterpret_cast<const uint4*>(st + woff + j * 512);
+#if FP8
+    const uint2 sv = *reinterpret_cast<const uint2*>(st + soff);
+#else
+    const uint4 sv = *reinterpret_cast<const uint4*>(st + soff);
+    // -(magic + z) twice per register, z < 16 in the scale words' low bits (no carry), tiles 0-3
+    const u32 negz[4] = {(sv.x & 15u) * 0x10001u + NEG_MAGIC * 0x10001u, (sv.y & 15u) * 0x10001u + NEG_MAGIC * 0x10001u,
+                         (sv.z & 15u) * 0x10001u + NEG_MAGIC * 0x10001u, (sv.w & 15u) * 0x10001u + NEG_MAGIC * 0x10001u};
+#endif
     float tmp[MT][NTN][4];
 #pragma unroll
     for (int a = 0; a < MT; a++)
 #pragma unroll
       for (int b = 0; b < NTN; b++) tmp[a][b][0] = tmp[a][b][1] = tmp[a][b][2] = tmp[a][b][3] = 0.f;
-#if !FP8 && !ZFOLD
-    u32 negz[4];  // -(magic + z) twice, channels g / g + 8 of m16 tiles 0 / 1 (tiles 0-3 of the scale words)
-    {
-      const u32* szw = reinterpret_cast<const u32*>(st + W_BYTES) + warp * (WN / 8) * 8 + g;
-#pragma unroll
-      for (int t = 0; t < 4; t++) {
-        const u32 z = NEG_MAGIC + (szw[t * 8] & 15u);
-        negz[t] = z | (z << 16);
-      }
-    }
-#endif
-#if !FP8 && ZFOLD
-    float xs[NTN][4];
-#pragma unroll
-    for (int b = 0; b < NTN; b++) xs[b][0] = xs[b][1] = xs[b][2] = xs[b][3] = 0.f;
-#endif
 #if !ROWS16
     u32 xr4[4];
 #endif
 #pragma unroll
-    for (int s = 0; s < 8; s++) {
+    for (int s = 0; s < SPW; s++) {
       if (PROBE == 1) break;
       u32 xb[NTN][2];
 #if ROWS16
       {
         u32 r[4];
-        ldsm_x4(stu + xbase + (((2 * s + lchunk) ^ (lrow & 7)) << 4), r);
+        ldsm_x4(stu + (xoff ^ (s << 5)), r);
         xb[0][0] = r[0], xb[0][1] = r[1], xb[1][0] = r[2], xb[1][1] = r[3];
       }
 #else
-      if ((s & 1) == 0) ldsm_x4(stu + xbase + (((2 * s + lchunk) ^ (lrow & 7)) << 4), xr4);  // two K steps
+      if ((s & 1) == 0) ldsm_x4(stu + (xoff ^ (s << 5)), xr4);  // two K steps
       xb[0][0] = xr4[(s & 1) * 2], xb[0][1] = xr4[(s & 1) * 2 + 1];
 #endif
       const uint4 q = wv[s >> 1];
       const u32 w0 = (s & 1) ? q.z : q.x;
       const u32 w1 = (s & 1) ? q.w : q.y;
 #if FP8
-      const u32 a0 = fp8x2(w0, 0x1404), a2 = fp8x2(w0, 0x3424);
-      const u32 a1 = fp8x2(w1, 0x1404), a3 = fp8x2(w1, 0x3424);
+      const u32 a0 = fp8x2(w0, 0x9180u), a2 = fp8x2(w0, 0xB3A2u);
+      const u32 a1 = fp8x2(w1, 0x9180u), a3 = fp8x2(w1, 0xB3A2u);
 #pragma unroll
       for (int b = 0; b < NTN; b++) mma(tmp[0][b], a0, a1, a2, a3, xb[b][0], xb[b][1]);
 #else
@@ -295,90 +325,110 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
         const u32 w = p ? w1 : w0;
         u32 v0 = and_or(w, 0x000F000Fu, MAGIC2), v1 = and_or(w >> 4, 0x000F000Fu, MAGIC2);
         u32 v2 = and_or(w >> 8, 0x000F000Fu, MAGIC2), v3 = and_or(w >> 12, 0x000F000Fu, MAGIC2);
-#if !ZFOLD
         v0 = add2(v0, negz[2 * p]), v1 = add2(v1, negz[2 * p]);
         v2 = add2(v2, negz[2 * p + 1]), v3 = add2(v3, negz[2 * p + 1]);
-#endif
 #pragma unroll
         for (int b = 0; b < NTN; b++) mma(tmp[p][b], v0, v2, v1, v3, xb[b][0], xb[b][1]);
       }
-#if ZFOLD
-#pragma unroll
-      for (int b = 0; b < NTN; b++) mma(xs[b], ONES2, ONES2, ONES2, ONES2, xb[b][0], xb[b][1]);
-#endif
 #endif
     }
-    {
-      const u32* szw = reinterpret_cast<const u32*>(st + W_BYTES) + warp * (WN / 8) * 8 + g;
 #pragma unroll
-      for (int a = 0; a < MT; a++) {
-        const u32 wA = szw[(2 * a) * 8], wB = szw[(2 * a + 1) * 8];  // channels g, g + 8 of m16 tile a
+    for (int a = 0; a < MT; a++) {
 #if FP8
-        const float sA = __uint_as_float(wA) * FP8_FOLD, sB = __uint_as_float(wB) * FP8_FOLD;
+      const float sA = __uint_as_float(sv.x) * FP8_FOLD, sB = __uint_as_float(sv.y) * FP8_FOLD;
 #else
-        const float sA = __uint_as_float(wA & ~15u), sB = __uint_as_float(wB & ~15u);
+      const float sA = __uint_as_float((a ? sv.z : sv.x) & ~15u), sB = __uint_as_float((a ? sv.w : sv.y) & ~15u);
 #endif
-#if !FP8 && ZFOLD
-        const float zA = __uint_as_float(MAGIC_F32 + ((wA & 15u) << MAGIC_SHIFT));
-        const float zB = __uint_as_float(MAGIC_F32 + ((wB & 15u) << MAGIC_SHIFT));
 #pragma unroll
-        for (int b = 0; b < NTN; b++) {
-          acc[a][b][0] = fmaf(fmaf(-zA, xs[b][0], tmp[a][b][0]), sA, acc[a][b][0]);
-          acc[a][b][1] = fmaf(fmaf(-zA, xs[b][1], tmp[a][b][1]), sA, acc[a][b][1]);
-          acc[a][b][2] = fmaf(fmaf(-zB, xs[b][0], tmp[a][b][2]), sB, acc[a][b][2]);
-          acc[a][b][3] = fmaf(fmaf(-zB, xs[b][1], tmp[a][b][3]), sB, acc[a][b][3]);
-        }
-#else
-#pragma unroll
-        for (int b = 0; b < NTN; b++) {
-          acc[a][b][0] = fmaf(tmp[a][b][0], sA, acc[a][b][0]);
-          acc[a][b][1] = fmaf(tmp[a][b][1], sA, acc[a][b][1]);
-          acc[a][b][2] = fmaf(tmp[a][b][2], sB, acc[a][b][2]);
-          acc[a][b][3] = fmaf(tmp[a][b][3], sB, acc[a][b][3]);
-        }
-#endif
+      for (int b = 0; b < NTN; b++) {
+        acc[a][b][0] = fmaf(tmp[a][b][0], sA, acc[a][b][0]);
+        acc[a][b][1] = fmaf(tmp[a][b][1], sA, acc[a][b][1]);
+        acc[a][b][2] = fmaf(tmp[a][b][2], sB, acc[a][b][2]);
+        acc[a][b][3] = fmaf(tmp[a][b][3], sB, acc[a][b][3]);
       }
     }
+    rd += STAGE_BYTES;
+    if (rd == STAGES * STAGE_BYTES) rd = 0;
 
     // ---- end of a channel block's segment ----
     const int this_nb = nb, this_kt = kt;
     if (++kt == KT) kt = 0, nb++;
-    if (this_kt == KT - 1 || i == n_units - 1) {
-      if (kt0 != 0) {  // a later part of the block: leave the partial sums to the CTA holding its first unit
+    if (this_kt != KT - 1 && i != n_units - 1) continue;
+#if KSPLIT > 1
+    {  // K part 1 hands its sums to part 0 (the area is read before the next segment's writes: a barrier between)
+      float4* red = reinterpret_cast<float4*>(smem + STAGES * STAGE_BYTES) + ct;
+      if (kh) {
 #pragma unroll
-        for (int a = 0; a < MT; a++)
-#pragma unroll
-          for (int b = 0; b < NTN; b++)
-            st_cg4(slot(ws, cta, a * NTN + b, tid), acc[a][b][0], acc[a][b][1], acc[a][b][2], acc[a][b][3]);
-        continue;
-      }
-      if (this_kt != KT - 1) {  // this CTA holds the block's first unit: add the other CTAs' partials
-        const int last = (this_nb + 1) * KT;
-        for (int c2 = cta + 1; c2 < G && unit_start(c2, U, G) < last; c2++) {
-          float v[MT * NTN][4];
-#pragma unroll
-          for (int q = 0; q < MT * NTN; q++) ld_cg4(slot(ws, c2, q, tid), v[q]);
-#pragma unroll
-          for (int q = 0; q < MT * NTN; q++) {
-            while (pending(v[q])) ld_cg4(slot(ws, c2, q, tid), v[q]);
-            float* d = acc[q / NTN][q % NTN];
-            d[0] += v[q][0], d[1] += v[q][1], d[2] += v[q][2], d[3] += v[q][3];
-            const float sent = __uint_as_float(SENTINEL);
-            st_cg4(slot(ws, c2, q, tid), sent, sent, sent, sent);
-          }
+        for (int q = 0; q < MT * NTN; q++) {
+          float* d = acc[q / NTN][q % NTN];
+          red[q * CT] = make_float4(d[0], d[1], d[2], d[3]);
+          d[0] = d[1] = d[2] = d[3] = 0.f;
         }
       }
-      // acc[a][b][e]: channel a * 16 + g + 8 (e >> 1), activation row b * 8 + 2 c + (e & 1)
-      const int nbase = this_nb * BN + warp * WN + g;
+      __syncthreads();
+      if (kh) {
+        head = false;
+        continue;
+      }
 #pragma unroll
-      for (int a = 0; a < MT; a++)
-#pragma unroll
-        for (int b = 0; b < NTN; b++)
-#pragma unroll
-          for (int e = 0; e < 4; e++) {
-            const int n = nbase + a * 16 + 8 * (e >> 1), r = b * 8 + 2 * c4 + (e & 1);
-            if (n < N && r < M) y[(size_t)r * N + n] = (unsigned short)(pack2(acc[a][b][e], 0.f) & 0xFFFFu);
-          }
+      for (int q = 0; q < MT * NTN; q++) {
+        const float4 v = red[q * CT];
+        float* d = acc[q / NTN][q % NTN];
+        d[0] += v.x, d[1] += v.y, d[2] += v.z, d[3] += v.w;
+      }
     }
+#endif
+#if TIMING
+    if (i == n_units - 1) stamp[3] = clock64();
+#endif
+    if (head) {  // a later part of the block: leave the partial sums to the CTA holding its first unit
+      head = false;
+#pragma unroll
+      for (int q = 0; q < MT * NTN; q++) {
+        float* d = acc[q / NTN][q % NTN];
+        st_cg4(slot(ws, cta, q, ct), d[0], d[1], d[2], d[3]);
+        d[0] = d[1] = d[2] = d[3] = 0.f;
+      }
+      continue;
+    }
+    if (this_kt != KT - 1) {  // this CTA holds the block's first unit: add the other CTAs' partials
+      const int last = (this_nb + 1) * KT;
+      for (int c2 = cta + 1; c2 < G && unit_start(c2, U, G) < last; c2++) {
+        float v[MT * NTN][4];
+#pragma unroll
+        for (int q = 0; q < MT * NTN; q++) ld_cg4(slot(ws, c2, q, ct), v[q]);
+#pragma unroll
+        for (int q = 0; q < MT * NTN; q++) {
+          while (pending(v[q])) ld_cg4(slot(ws, c2, q, ct), v[q]);
+          float* d = acc[q / NTN][q % NTN];
+          d[0] += v[q][0], d[1] += v[q][1], d[2] += v[q][2], d[3] += v[q][3];
+          const float sent = __uint_as_float(SENTINEL);
+          st_cg4(slot(ws, c2, q, ct), sent, sent, sent, sent);
+        }
+      }
+    }
+#if TIMING
+    if (i == n_units - 1) stamp[4] = clock64();
+#endif
+    // acc[a][b][e]: channel a * 16 + g + 8 (e >> 1), activation row b * 8 + 2 c + (e & 1)
+    const int nbase = this_nb * BN + wn * WN + g;
+#pragma unroll
+    for (int a = 0; a < MT; a++)
+#pragma unroll
+      for (int b = 0; b < NTN; b++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int n = nbase + a * 16 + 8 * (e >> 1), r = b * 8 + 2 * c4 + (e & 1);
+          if (n < N && r < M) y[(size_t)r * N + n] = (unsigned short)(pack2(acc[a][b][e], 0.f) & 0xFFFFu);
+          acc[a][b][e] = 0.f;
+        }
   }
+#if TIMING
+  if (tid == 0) {
+    stamp[5] = gtimer();
+    long long* out = reinterpret_cast<long long*>(ws + (size_t)G * (MT * NTN) * CT * 4) + (size_t)cta * 8;
+    out[0] = stamp[1], out[1] = stamp[2] - stamp[0], out[2] = stamp[3] - stamp[0], out[3] = stamp[4] - stamp[0];
+    out[4] = stamp[5], out[5] = clock64() - stamp[0], out[6] = n_units, out[7] = u0;
+  }
+#endif
 }

@@ -30,6 +30,7 @@ from probe_mma_wo import quantize, repack  # noqa: E402
 from sweep_quant_wo import WORKING_SET  # noqa: E402
 
 from infercore.quant import cuda_mma as CM  # noqa: E402
+from infercore.quant import triton_wo as TW  # noqa: E402
 
 
 def stamps(x, kind, pack, n, k, st, ct, ks) -> dict:
@@ -65,6 +66,8 @@ def main() -> None:
     ap.add_argument("--launches", default="6:1,5:2")
     ap.add_argument("--variants", default="", help="';'-separated sets of ','-separated -D switches")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--triton", action="store_true", help="also time the dispatcher with MODE 9 off (its Triton "
+                    "kernels) in the same run")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     rows = []
@@ -82,12 +85,22 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda").to(dtype)
             ref = x.float() @ ref_w.T
             bf16 = time_graph(lambda i: F.linear(x, wb[i % len(wb)]), len(wb) * 8, reps=7) * 1e6
+            triton_us = None
+            if args.triton:
+                fn = TW.wq_matmul_triton if kind == "int4" else TW.fp8_wo_matmul_triton
+                qs = [q] + [quantize(kind, w) for _ in range(copies - 1)]
+                CM.ENABLED = False
+                for qq in qs:
+                    fn(x, qq)
+                triton_us = time_graph(lambda i: fn(x, qs[i % len(qs)]), len(qs) * 8, reps=7) * 1e6
+                CM.ENABLED = True
+                del qs
             for var in args.variants.split(";"):
                 CM.DEFINES = tuple(d for d in var.split(",") if d)
                 for la in args.launches.split(","):
                     st, ct, ks = ([int(v) for v in la.split(":")] + [1])[:3]
                     row = {"case": cs, "m": m, "defines": var, "stages": st, "ctas": ct, "ksplit": ks,
-                           "bf16_us": bf16}
+                           "bf16_us": bf16, "triton_us": triton_us}
                     try:
                         y = CM.matmul(x, kind, *packs[0], n, k, stages=st, ctas=ct, ksplit=ks)
                         row["rel_err"] = rel_err(y.float(), ref)

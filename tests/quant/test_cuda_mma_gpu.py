@@ -81,13 +81,14 @@ def test_mode9_graph_replay():
     _sentinels_back()
 
 
-def test_dispatcher_takes_mode9_for_large_int4_at_9_to_16_rows():
+def test_dispatcher_takes_mode9_for_int4_by_its_rules():
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.fail("MODE 9's default dispatch is for sm90+: run on a Hopper GPU")
     n, k = 14336, 4096
     q = IntWeight.quantize(torch.randn(n, k, device=dev) * 0.02, bits=4, group_size=128)
     ref_w = q.dequantize(torch.float32)
-    for m in (9, 16):
+    assert TW.mode9_rows("int4", n * k // 2) == (4, 16)
+    for m in (4, 9, 16):
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         y = TW.wq_matmul_triton(x, q)
         assert _rel(y, x.float() @ ref_w.T) < 5e-3
@@ -99,10 +100,11 @@ def test_dispatcher_takes_mode9_for_large_int4_at_9_to_16_rows():
     full = x.float() @ ref_w.T + b.float()
     want = torch.nn.functional.silu(full[:, : n // 2]) * full[:, n // 2:]
     assert _rel(y, want) < 1e-2
-    # small weights and 1-8 rows keep the Triton kernels: no MODE 9 repack
+    # outside the rules (o_proj 4096x4096 at 16 rows, 1-3 rows) the Triton kernels keep the call: no MODE 9 repack
     q2 = IntWeight.quantize(torch.randn(4096, 4096, device=dev) * 0.02, bits=4, group_size=128)
-    TW.wq_matmul_triton(torch.randn(16, 4096, device=dev, dtype=torch.bfloat16), q2)
-    TW.wq_matmul_triton(torch.randn(4, k, device=dev, dtype=torch.bfloat16), q)
+    assert TW.mode9_rows("int4", 4096 * 2048) == (4, 8)
+    for m in (1, 3, 16):
+        TW.wq_matmul_triton(torch.randn(m, 4096, device=dev, dtype=torch.bfloat16), q2)
     assert ("mode9",) not in TW.TF._PACKS.get(id(q2.qweight), (None, {}))[1]
 
 
@@ -112,12 +114,13 @@ def test_dispatcher_takes_mode9_for_large_fp8_from_its_row_threshold():
     n, k = 14336, 4096
     q = FP8Weight.quantize(torch.randn(n, k, device=dev) * 0.02)
     ref_w = q.dequantize(torch.float32)
-    lo = TW.MODE9_M_MIN["fp8"]
+    lo, hi = TW.mode9_rows("fp8", n * k)
+    assert 1 < lo <= hi == 16
     for m in sorted({1, lo - 1, lo, 16} - {0}):
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         y = TW.fp8_wo_matmul_triton(x, q)
         assert _rel(y, x.float() @ ref_w.T) < 5e-3
-        assert TW.mode9_default(x, q) == (m >= lo)
+        assert TW.mode9_default(x, q) == (lo <= m <= hi)
     assert ("mode9",) in TW.TF._PACKS[id(q.qweight)][1]
     x = torch.randn(lo, k, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, device=dev, dtype=torch.bfloat16)
@@ -139,3 +142,34 @@ def test_mode9_forced_config_and_errors():
         TW.wq_matmul_triton(x, q64, config={"MODE": 9})
     with pytest.raises(ValueError, match="x:"):
         CM.matmul(torch.randn(2, 128, device=dev, dtype=torch.bfloat16), "int4", *CM.repack_int4(q), 512, 256)
+
+
+@pytest.mark.parametrize("kind", ["int4", "fp8"])
+def test_mode9_programmatic_launch_chain(kind):
+    """Each call reads the previous call's output: with programmatic dependent launch the next kernel starts
+    early and must still wait for it (eager and in a CUDA graph), and leave every partial-sum slot clean."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.fail("programmatic dependent launch needs sm90+: run on a Hopper GPU")
+    torch.manual_seed(5)
+    k = 4096
+    w = torch.randn(k, k, device=dev) * 0.02
+    q = (IntWeight.quantize(w, bits=4, group_size=128, clip_search=False) if kind == "int4"
+         else FP8Weight.quantize(w))
+    pack = CM.repack_int4(q) if kind == "int4" else CM.repack_fp8(q)
+    x0 = torch.randn(16, k, device=dev).to(torch.bfloat16)
+    for m in (4, 16):
+        def chain(pdl, x=x0[:m]):
+            for _ in range(12):
+                x = CM.matmul(x, kind, *pack, k, k, pdl=pdl)
+            return x
+        want = chain(False)
+        assert torch.equal(chain(True), want)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = chain(True)
+        for _ in range(3):
+            out.zero_()
+            g.replay()
+            assert torch.equal(out, want)
+    torch.cuda.synchronize()
+    _sentinels_back()

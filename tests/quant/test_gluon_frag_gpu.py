@@ -207,7 +207,8 @@ def test_mode7_fp8_fused_gated_act(m, split):
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 8, 16])
 def test_mode7_dispatch(monkeypatch, n, k, m, graph_matches_eager):
     """The call without a config takes MODE7_TUNED's entry where it has one (14336x4096 and down at every
-    M <= 8; qkv at M <= 8; from 9 rows these weights go to MODE 9, ``cuda_mma``), eagerly and inside a CUDA graph,
+    M <= 8; qkv at M <= 8) where MODE 9 (``cuda_mma``, ``TW.mode9_rows``) does not take it, eagerly and inside a
+    CUDA graph,
     and matches dequantize() + fp32 matmul."""
     _need_sm90()
     from infercore.quant import gluon_frag as GF
@@ -221,7 +222,8 @@ def test_mode7_dispatch(monkeypatch, n, k, m, graph_matches_eager):
     y = TW.wq_matmul_triton(x, w)
     assert _rel(y, x.float() @ w.dequantize(torch.float32).T) < 8e-3
     entry = TW._mode6_entry("int4", n, k, m, 132, True)
-    mode9 = m >= TW.MODE9_M_MIN["int4"]
+    lo, hi = TW.mode9_rows("int4", n * k // 2)
+    mode9 = lo <= m <= hi
     assert mode9 == TW.mode9_default(x, w)
     assert bool(seen) == (entry is not None and not mode9) == ((n != 6144 or m <= 8) and not mode9)
     if seen:

@@ -43,11 +43,17 @@ _SRC = Path(__file__).with_name("wo_mma.cu")
 
 # Launch shape, measured on the H200 (benchmarks/probe_mma_wo.py, probe_mma_variants.py): cp.async ring depth, CTAs
 # per SM and K parts per unit (KSPLIT: 2 = 16 warps, each pair splitting a unit's K).
-STAGES = {"int4": 6, "fp8": 6}
+STAGES = {"int4": 4, "fp8": 4}
 CTAS_PER_SM = {"int4": 1, "fp8": 1}
 KSPLIT = {"int4": 1, "fp8": 1}
 
 ENABLED = os.environ.get("INFERCORE_WO_CUDA", "1") != "0"
+
+# Programmatic dependent launch on sm90+ (``cuLaunchKernelEx``): the kernel may start while the previous kernel in
+# the stream finishes, streaming its first weight units before ``griddepcontrol.wait``; everything the previous
+# kernel may write (activations, outputs, the partial-sum slots) is touched only after the wait.
+# INFERCORE_WO_PDL=0 turns it off.
+PDL = os.environ.get("INFERCORE_WO_PDL", "1") != "0"
 
 # Extra ``-D`` switches for every compile (benchmarks' timing probes, e.g. ``("PROBE=1",)``).
 DEFINES: tuple = ()
@@ -241,6 +247,32 @@ def _partials(device: torch.device, ctas: int) -> torch.Tensor:
     return hit
 
 
+class _LaunchAttr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+
+
+def _launch_pdl(func, grid: int, block: int, smem: int, stream: torch.cuda.Stream, args: list) -> None:
+    """``cuLaunchKernelEx`` with programmatic stream serialization allowed (tensors -> pointers, ints -> int)."""
+    keep = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a) for a in args]
+    params = (ctypes.c_void_p * len(keep))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in keep])
+    attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    ctypes.memmove(ctypes.addressof(attr) + _LaunchAttr.value.offset, (ctypes.c_int * 1)(1), 4)
+    cfg = _LaunchConfig((ctypes.c_uint * 3)(grid, 1, 1), (ctypes.c_uint * 3)(block, 1, 1), smem,
+                        ctypes.c_void_p(stream.cuda_stream), ctypes.pointer(attr), 1)
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    err = lib.cuLaunchKernelEx(ctypes.byref(cfg), func, params, None)
+    if err != 0:
+        raise RuntimeError(f"MODE 9: cuLaunchKernelEx failed ({err})")
+
+
 def grid_size(units: int, sms: int, per_sm: int, occupancy: int) -> int:
     """One wave: at most ``occupancy`` CTAs per SM (all resident, so a finisher polling for partials cannot
     deadlock), never more CTAs than units."""
@@ -248,11 +280,14 @@ def grid_size(units: int, sms: int, per_sm: int, occupancy: int) -> int:
 
 
 def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor, n: int, kp: int, *,
-           stages: int | None = None, ctas: int | None = None, ksplit: int | None = None) -> torch.Tensor:
+           stages: int | None = None, ctas: int | None = None, ksplit: int | None = None,
+           pdl: bool | None = None) -> torch.Tensor:
     """``x [M, K]`` (bf16/fp16, :func:`available`) times a repacked weight (``kind`` ``"int4"`` / ``"fp8"``,
     logical ``[n, kp]``: ``words`` / ``scales`` from :func:`repack_int4` / :func:`repack_fp8`) -> ``[M, n]`` in
-    ``x.dtype``. ``stages`` / ``ctas`` / ``ksplit`` override the launch table. Bad arguments raise ``ValueError``
-    naming them before anything is launched."""
+    ``x.dtype``. ``stages`` / ``ctas`` / ``ksplit`` override the launch table; ``pdl`` the programmatic dependent
+    launch (default: :data:`PDL` on sm90+). The weight must not be written by the kernel just before this call
+    in the stream (it is read before the launch's wait). Bad arguments raise ``ValueError`` naming them before
+    anything is launched."""
     if kind not in STAGES:
         raise ValueError(f"kind: expected 'int4' or 'fp8', got {kind!r}")
     if isinstance(n, bool) or not isinstance(n, int) or not isinstance(kp, int) or n <= 0 or kp <= 0 or kp % BK:
@@ -287,6 +322,10 @@ def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor
     ws = _partials(x.device, sms * MAX_CTAS_PER_SM)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ldx = x.stride(0) if m > 1 else kp
-    k(grid=(g, 1, 1), block=(THREADS * ks, 1, 1), args=[words, scales, x, y, ws, m, n, kt, nb, ldx],
-      shared_mem=smem, stream=torch.cuda.current_stream(x.device))
+    args = [words, scales, x, y, ws, m, n, kt, nb, ldx]
+    stream = torch.cuda.current_stream(x.device)
+    if (PDL if pdl is None else pdl) and torch.cuda.get_device_capability(x.device)[0] >= 9:
+        _launch_pdl(k.func, g, THREADS * ks, smem, stream, args)
+    else:
+        k(grid=(g, 1, 1), block=(THREADS * ks, 1, 1), args=args, shared_mem=smem, stream=stream)
     return y

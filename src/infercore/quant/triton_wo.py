@@ -3,8 +3,8 @@
 
 Which kernel runs a call, by rows M (tables in ``wo_tables``, measured on the H200):
 
-* INT4 at 9-16 rows and FP8 at 4-16 rows, on weights within ``MODE9_BYTES`` of codes (sm90+): MODE 9, the CUDA
-  stream-K kernel (``cuda_mma``, NVRTC-compiled);
+* 2-16 rows (``MODE9_RULES``: by kind and bytes of codes; INT4 from 4 rows) on sm90+: MODE 9, the CUDA stream-K
+  kernel (``cuda_mma``, NVRTC-compiled, programmatic dependent launch);
 * M <= 16 (decode): the fragment kernels where tuned (MODE 6 ``triton_frag``, MODE 7 ``gluon_frag`` on
   sm90+), else MODE 4, the CUDA-core word GEMV at M <= ``GEMV_M_MAX`` (``wo_gemv``, packed fp16 dot in
   ``wo_packed``), else MODE 5, tensor cores over the stored words (``wo_words``), else the MODE 1/2 dot
@@ -144,13 +144,23 @@ def _check_act(act: str | None, n: int) -> None:
         raise ValueError(f"act: expected one of {GATED_ACTS} with an even N, got {act!r} with N = {n}")
 
 
-# MODE 9 (``cuda_mma``) by default on sm90+ (where it was measured, H200: results/h200/quant_wo_dispatch.json against
-# sweeps/quant_wo_dispatch_triton_fp8.json): per kind, the fewest rows and the bytes of codes it takes. INT4 from 9
-# rows on qkv 6144x4096 and larger (it lost at 1-8 rows and on o_proj 4096x4096). FP8 from 4 rows on 24-64 MB of
-# codes: it lost at 1-2 rows, on o_proj and on the merged gate_up 28672x4096 (117 MB), where MODE 5 streams faster.
-# Its repack is one more copy of the codes, made on the first such call.
-MODE9_M_MIN = {"int4": 9, "fp8": 4}
-MODE9_BYTES = {"int4": (12 << 20, 1 << 62), "fp8": (24 << 20, 64 << 20)}
+# MODE 9 (``cuda_mma``) by default on sm90+, with its programmatic dependent launch (measured on the H200 against
+# the Triton kernels in the same run, results/h200/sweeps/probe_mma_variants_dispatch.json): per kind, the row range
+# it takes by bytes of codes, ``(bytes_lo, bytes_hi, m_lo, m_hi)`` with bytes_lo <= bytes < bytes_hi. The Triton
+# kernels stay faster at 1 row (both kinds), at 2-3 INT4 rows, on o_proj 4096x4096 INT4 at 16 rows and on the
+# merged gate_up 28672x4096 INT4 below 8 rows. Its repack is one more copy of the codes, made on the first call.
+MODE9_RULES = {
+    "int4": ((0, 12 << 20, 4, 8), (12 << 20, 48 << 20, 4, 16), (48 << 20, 1 << 62, 8, 16)),
+    "fp8": ((0, 1 << 62, 2, 16),),
+}
+
+
+def mode9_rows(kind: str, nbytes: int) -> tuple[int, int]:
+    """The rows ``(m_lo, m_hi)`` MODE 9 takes by default for a weight of ``nbytes`` bytes of codes."""
+    for lo, hi, m_lo, m_hi in MODE9_RULES[kind]:
+        if lo <= nbytes < hi:
+            return m_lo, m_hi
+    return 0, -1
 
 
 def _mode9_ok(kind: str, x: torch.Tensor, w) -> bool:
@@ -165,9 +175,9 @@ def mode9_default(x: torch.Tensor, w) -> bool:
     kind = "fp8" if isinstance(w, FP8Weight) else "int4"
     if kind == "int4" and not isinstance(w, IntWeight):
         return False
-    lo, hi = MODE9_BYTES[kind]
-    return (_mode9_ok(kind, x, w) and x.shape[0] >= MODE9_M_MIN[kind] and lo <= w.qweight.numel() <= hi
-            and capability(x.device).at_least(9) and CM.compiles(kind, x.dtype, x.device, x.shape[0] > 8))
+    m_lo, m_hi = mode9_rows(kind, w.qweight.numel() * w.qweight.element_size())
+    return (_mode9_ok(kind, x, w) and m_lo <= x.shape[0] <= m_hi and capability(x.device).at_least(9)
+            and CM.compiles(kind, x.dtype, x.device, x.shape[0] > 8))
 
 
 def _run_mode9(x: torch.Tensor, w, config: dict | None) -> torch.Tensor | None:
@@ -180,13 +190,15 @@ def _run_mode9(x: torch.Tensor, w, config: dict | None) -> torch.Tensor | None:
         raise ValueError("config: MODE 9 needs CUDA sm80+ with NVRTC, bf16/fp16 activations of 1-16 rows, and INT4 "
                          "weights with K % 128 == 0 (unpadded) and groups of a multiple of 128 or FP8 weights with "
                          "K % 128 == 0 and per-channel or 128x128 block scales, and repacking on")
-    p = TF.packed(w.qweight, ("mode9",), lambda: CM.repack_int4(w) if kind == "int4" else CM.repack_fp8(w))
+    fresh = []  # made by this call: the repack's last kernel is the one just before, so no early launch
+    p = TF.packed(w.qweight, ("mode9",),
+                  lambda: fresh.append(1) or (CM.repack_int4(w) if kind == "int4" else CM.repack_fp8(w)))
     if p is None:
         if forced:
             raise ValueError("config: MODE 9's weight repack is made on the first eager call; run one before "
                              "capturing a CUDA graph")
         return None
-    return CM.matmul(x, kind, p[0], p[1], w.shape[0], x.shape[1])
+    return CM.matmul(x, kind, p[0], p[1], w.shape[0], x.shape[1], pdl=False if fresh else None)
 
 
 def _apply_act(y: torch.Tensor, act: str | None) -> torch.Tensor:

@@ -82,6 +82,20 @@ __device__ __forceinline__ void cp16(u32 dst, const void* src) {
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2)); }
+__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+// Programmatic dependent launch (sm90+; no-ops without it or when launched without the attribute): let the next
+// kernel in the stream launch now, and wait here until the previous one has finished and its writes are visible.
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
 
 __device__ __forceinline__ void ldsm_x4(u32 addr, u32* a) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -217,6 +231,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
   long long stamp[6] = {clock64(), gtimer(), 0, 0, 0, 0};
 #endif
 
+  pdl_trigger();
+
   // ---- loads: the next unit into the stage at byte offset wr; the sources advance one unit per load ----
   const int xr = (tid >> 4) & 15, xch = tid & 15;  // activation row and 16-byte chunk this thread copies
   const bool x_loader = (tid >> 4) < (ROWS16 ? 16 : 8), s_loader = tid < SZ_BYTES / 16;
@@ -227,24 +243,34 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
   const int kw = KT * BK;
   int xk = (u0 % KT) * BK;
   u32 wr = 0;
-  auto load_next = [&]() {
+  auto load_weights = [&]() {  // the unit's weight words and scale words (constant: safe before pdl_wait)
     const u32 base = smem0 + wr;
 #pragma unroll
     for (int i = 0; i < W_BYTES / 16 / THREADS; i++)
       if (PROBE != 2) cp16(base + (tid + i * THREADS) * 16, wsrc + i * THREADS);
     if (s_loader) cp16(base + W_BYTES + tid * 16, ssrc);
-    if (x_loader) cp16(base + xdst, xsrc + xk);
     wsrc += W_BYTES / 16, ssrc += SZ_BYTES / 16;
+  };
+  auto load_x = [&]() {  // the unit's activation tile (written by the previous kernel: after pdl_wait)
+    if (x_loader) cp16(smem0 + wr + xdst, xsrc + xk);
     xk += BK;
     if (xk == kw) xk = 0;
     wr += STAGE_BYTES;
     if (wr == STAGES * STAGE_BYTES) wr = 0;
   };
+  // The ring's first STAGES - 1 units: weights first (one group each), then, once the previous kernel is done,
+  // their activation tiles (one more group); the first iteration waits for all of them.
 #pragma unroll
   for (int s = 0; s < STAGES - 1; s++) {
-    if (s < n_units) load_next();
+    if (s < n_units) load_weights(), wr += STAGE_BYTES;
     cp_commit();
   }
+  pdl_wait();
+  wr = 0;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; s++)
+    if (s < n_units) load_x();
+  cp_commit();
 
   float acc[MT][NTN][4];
 #pragma unroll
@@ -267,12 +293,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
   u32 rd = 0;
 
   for (int i = 0; i < n_units; i++) {
-    cp_wait();
+    if (i == 0)
+      cp_wait_all();
+    else
+      cp_wait();
     __syncthreads();
 #if TIMING
     if (i == 0) stamp[2] = clock64();
 #endif
-    if (i + STAGES - 1 < n_units) load_next();
+    if (i + STAGES - 1 < n_units) load_weights(), load_x();
     cp_commit();
 
     // ---- one unit: this warp's MT m16 tiles x its 128 / KSPLIT of K ----

@@ -189,3 +189,29 @@ def test_hybrid_cuda_graph_decode_matches_eager(name, layout):
     assert [o.token_ids for o in eng.generate(prompts, sp)] == want
     assert replays
     assert eng.block_manager.memory()["used"] == 0
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-g128", "fp8-wo"])
+def test_quantized_cuda_graph_decode_matches_eager_through_mode9(scheme, monkeypatch):
+    """Six requests decode together: the quantized linears (K a multiple of 128) take MODE 9 (``cuda_mma``) at 6 rows
+    eagerly and at the 8-row bucket in the captured graphs (programmatic dependent launch); the greedy tokens equal
+    the eager engine's."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.fail("MODE 9's default dispatch is for sm90+: run on a Hopper GPU")
+    from infercore.quant import cuda_mma as CM
+    from infercore.quant import quantize
+
+    calls = []
+    real = CM.matmul
+    monkeypatch.setattr(CM, "matmul", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    hf = tiny_hf("llama", hidden_size=256, intermediate_size=512)
+    prompts = [[(5 * i + 3 * j + 1) % 96 for j in range(8)] for i in range(6)]  # one prefill, then 6 rows a step
+    outs = []
+    for graphs in (256, 0):
+        model = quantize(_ours_on_cuda(hf, torch.bfloat16), scheme)
+        eng = Engine(model, page_size=16, num_pages=128, max_num_batched_tokens=64, cuda_graph_max_batch=graphs)
+        assert (eng.graph_runner is not None) == (graphs > 0)
+        outs.append([o.token_ids for o in eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
+                                                                                ignore_eos=True))])
+    assert 6 in calls
+    assert outs[0] == outs[1]

@@ -9,9 +9,12 @@
 // order the warps read it: [warp][j 0..3][lane][16 bytes], then the unit's scale words [warp][g][tile] (one
 // 16-byte (INT4) / 8-byte (FP8) load per lane). Unit u = nb * KT + kt. With KSPLIT = 2 a CTA has 16 warps: warps
 // w and w + 8 take the same channels and the two halves of each unit's K, and add their sums in shared memory at
-// the end of each channel block's segment (twice the warps per scheduler to hide the decode chains' latency). The grid is one wave of CTAs;
-// CTA c streams units [c U / G, (c + 1) U / G) through a STAGES-deep cp.async ring (weights, per-channel scale
-// words and the activations' 16 x 128 tile, swizzled for ldmatrix). A channel block covered by several CTAs is
+// the end of each channel block's segment (measured slower than KSPLIT = 1 on the H200; not dispatched).
+// The grid is one wave of CTAs; CTA c streams units [c U / G, (c + 1) U / G) through a STAGES-deep cp.async ring
+// (weights, per-channel scale words and the activations' 16 x 128 tile, swizzled for ldmatrix). Launched with
+// programmatic dependent launch (sm90+), a CTA fetches the weights of its first STAGES - 1 units before
+// griddepcontrol.wait and everything the previous kernel may write (activations, partial slots, y) after it.
+// A channel block covered by several CTAs is
 // finished by the CTA holding its first unit, which reaches that unit last in its range; the others store fp32
 // partials over a sentinel pattern (0xFFFFFFFF, a NaN no fp32 arithmetic produces) and the finisher polls until
 // none is left, adds them, writes the sentinel back for the next launch (or graph replay) and stores y. No flag,

@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--ms", default="1,16")
     ap.add_argument("--launches", default="4:1,4:2")
     ap.add_argument("--probes", default="0,1,2")
-    ap.add_argument("--defines", default="", help="extra -D switches for every compile, e.g. ZFOLD=1")
+    ap.add_argument("--defines", default="", help="extra -D switches for every compile, e.g. TIMING=1")
     args = ap.parse_args()
     rows = []
     for cs in args.cases.split(","):

@@ -206,3 +206,15 @@ def test_matmul_names_bad_arguments_before_launching():
     fw, fs = CM.repack_fp8(FP8Weight.quantize(torch.randn(200, 256)))
     with pytest.raises(ValueError, match="x:"):
         CM.matmul(x, "fp8", fw, fs, 200, 256)
+
+
+def test_a_repack_is_first_launched_without_the_early_launch():
+    # The first launch of a words tensor may directly follow the kernels that wrote it: no programmatic early
+    # launch then (it reads the weight before its wait); later launches of the same tensor may.
+    a, b = torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    assert not CM._launched_before(a)
+    assert CM._launched_before(a) and CM._launched_before(a)
+    assert not CM._launched_before(b)
+    key = id(a)
+    del a
+    assert key not in CM._LAUNCHED  # forgotten with the tensor: a new one at the same address starts over

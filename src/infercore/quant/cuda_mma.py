@@ -28,6 +28,7 @@ import ctypes
 import math
 import os
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -165,6 +166,7 @@ def unpack_fp8(words: torch.Tensor, scales: torch.Tensor, n: int, k: int):
 
 _KERNELS: dict = {}
 _BUFFERS: dict = {}
+_LAUNCHED: dict = {}  # id(words) -> weakref: repacks launched before (their writes are long done)
 _FAILED: dict = {}  # variant key -> the compile / load error, so a failing variant is tried once
 
 
@@ -181,6 +183,7 @@ def available(x: torch.Tensor) -> bool:
 
 
 def stage_bytes(kind: str) -> int:
+    """Shared memory of one ring stage: the unit's weight words, scale words and 16 x 128 activation tile."""
     return UNIT_BYTES + 4 * block_n(kind) + 16 * BK * 2
 
 
@@ -273,6 +276,17 @@ def _launch_pdl(func, grid: int, block: int, smem: int, stream: torch.cuda.Strea
         raise RuntimeError(f"MODE 9: cuLaunchKernelEx failed ({err})")
 
 
+def _launched_before(words: torch.Tensor) -> bool:
+    """Whether ``words`` went through a launch already (and remember it). A repack's first launch may directly
+    follow the kernels that wrote it, which an early (programmatic) launch would read before they finish."""
+    ent = _LAUNCHED.get(id(words))
+    if ent is not None and ent() is words:
+        return True
+    key = id(words)
+    _LAUNCHED[key] = weakref.ref(words, lambda _: _LAUNCHED.pop(key, None))
+    return False
+
+
 def grid_size(units: int, sms: int, per_sm: int, occupancy: int) -> int:
     """One wave: at most ``occupancy`` CTAs per SM (all resident, so a finisher polling for partials cannot
     deadlock), never more CTAs than units."""
@@ -285,9 +299,9 @@ def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor
     """``x [M, K]`` (bf16/fp16, :func:`available`) times a repacked weight (``kind`` ``"int4"`` / ``"fp8"``,
     logical ``[n, kp]``: ``words`` / ``scales`` from :func:`repack_int4` / :func:`repack_fp8`) -> ``[M, n]`` in
     ``x.dtype``. ``stages`` / ``ctas`` / ``ksplit`` override the launch table; ``pdl`` the programmatic dependent
-    launch (default: :data:`PDL` on sm90+). The weight must not be written by the kernel just before this call
-    in the stream (it is read before the launch's wait). Bad arguments raise ``ValueError`` naming them before
-    anything is launched."""
+    launch (default: :data:`PDL` on sm90+; never on the first launch of a given ``words`` tensor, which may follow
+    the kernels that wrote it: the weight is read before the launch's wait). Bad arguments raise ``ValueError``
+    naming them before anything is launched."""
     if kind not in STAGES:
         raise ValueError(f"kind: expected 'int4' or 'fp8', got {kind!r}")
     if isinstance(n, bool) or not isinstance(n, int) or not isinstance(kp, int) or n <= 0 or kp <= 0 or kp % BK:
@@ -324,7 +338,8 @@ def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor
     ldx = x.stride(0) if m > 1 else kp
     args = [words, scales, x, y, ws, m, n, kt, nb, ldx]
     stream = torch.cuda.current_stream(x.device)
-    if (PDL if pdl is None else pdl) and torch.cuda.get_device_capability(x.device)[0] >= 9:
+    early = (PDL if pdl is None else pdl) and torch.cuda.get_device_capability(x.device)[0] >= 9
+    if _launched_before(words) and early:
         _launch_pdl(k.func, g, THREADS * ks, smem, stream, args)
     else:
         k(grid=(g, 1, 1), block=(THREADS * ks, 1, 1), args=args, shared_mem=smem, stream=stream)

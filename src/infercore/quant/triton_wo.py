@@ -163,18 +163,22 @@ def mode9_rows(kind: str, nbytes: int) -> tuple[int, int]:
     return 0, -1
 
 
+def _mode9_kind(w) -> str:
+    return "fp8" if isinstance(w, FP8Weight) else "int4"
+
+
 def _mode9_ok(kind: str, x: torch.Tensor, w) -> bool:
     """Whether MODE 9 can run this call at all."""
     ok = CM.int4_ok(w) and x.shape[1] == w.padded_in_features if kind == "int4" else CM.fp8_ok(w)
     return ok and CM.available(x) and G.REPACK
 
 
-def mode9_default(x: torch.Tensor, w) -> bool:
-    """Whether the dispatcher sends this INT4 / FP8 call to MODE 9 when no config is given (the kernel compiles
-    here)."""
-    kind = "fp8" if isinstance(w, FP8Weight) else "int4"
-    if kind == "int4" and not isinstance(w, IntWeight):
+def mode9_default(x: torch.Tensor, w: IntWeight | FP8Weight) -> bool:
+    """Whether the dispatcher sends this call (``x [M, K]``, an INT4 / FP8 weight) to MODE 9 when no config is
+    given (the kernel compiles here)."""
+    if not isinstance(w, (IntWeight, FP8Weight)):
         return False
+    kind = _mode9_kind(w)
     m_lo, m_hi = mode9_rows(kind, w.qweight.numel() * w.qweight.element_size())
     return (_mode9_ok(kind, x, w) and m_lo <= x.shape[0] <= m_hi and capability(x.device).at_least(9)
             and CM.compiles(kind, x.dtype, x.device, x.shape[0] > 8))
@@ -182,7 +186,7 @@ def mode9_default(x: torch.Tensor, w) -> bool:
 
 def _run_mode9(x: torch.Tensor, w, config: dict | None) -> torch.Tensor | None:
     """MODE 9's ``[M, N]`` product when it takes this call (by default, or ``config={"MODE": 9}``), else None."""
-    kind = "fp8" if isinstance(w, FP8Weight) else "int4"
+    kind = _mode9_kind(w)
     forced = config is not None and config.get("MODE") == 9
     if not (mode9_default(x, w) if config is None else forced):
         return None
@@ -190,15 +194,13 @@ def _run_mode9(x: torch.Tensor, w, config: dict | None) -> torch.Tensor | None:
         raise ValueError("config: MODE 9 needs CUDA sm80+ with NVRTC, bf16/fp16 activations of 1-16 rows, and INT4 "
                          "weights with K % 128 == 0 (unpadded) and groups of a multiple of 128 or FP8 weights with "
                          "K % 128 == 0 and per-channel or 128x128 block scales, and repacking on")
-    fresh = []  # made by this call: the repack's last kernel is the one just before, so no early launch
-    p = TF.packed(w.qweight, ("mode9",),
-                  lambda: fresh.append(1) or (CM.repack_int4(w) if kind == "int4" else CM.repack_fp8(w)))
+    p = TF.packed(w.qweight, ("mode9",), lambda: CM.repack_int4(w) if kind == "int4" else CM.repack_fp8(w))
     if p is None:
         if forced:
             raise ValueError("config: MODE 9's weight repack is made on the first eager call; run one before "
                              "capturing a CUDA graph")
         return None
-    return CM.matmul(x, kind, p[0], p[1], w.shape[0], x.shape[1], pdl=False if fresh else None)
+    return CM.matmul(x, kind, p[0], p[1], w.shape[0], x.shape[1])
 
 
 def _apply_act(y: torch.Tensor, act: str | None) -> torch.Tensor:

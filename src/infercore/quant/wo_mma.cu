@@ -52,6 +52,9 @@
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1
 #endif
+#ifndef POLL  // 1: the finisher reads every contributor's partials at once (0: one slot after another)
+#define POLL 1
+#endif
 #ifndef KSPLIT  // warps per channel slice, each taking 128 / KSPLIT of every unit's K
 #define KSPLIT 1
 #endif
@@ -69,6 +72,7 @@
 #define WN 32
 #endif
 #define NTN (ROWS16 ? 2 : 1)  // n8 tiles of activation rows
+#define PB (MT * NTN >= 4 ? 1 : 4 / (MT * NTN))  // contributors whose partials are polled at once (16 registers)
 #define BN (NWARPS_N * WN)
 #define W_BYTES 16384
 #define SZ_BYTES (BN * 4)
@@ -425,6 +429,40 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
     }
     if (this_kt != KT - 1) {  // this CTA holds the block's first unit: add the other CTAs' partials
       const int last = (this_nb + 1) * KT;
+#if POLL
+      // All contributors' slots are read at once, PB CTAs a batch, and only the pending ones again: one L2 round
+      // trip after the last partial lands instead of one per slot and contributor.
+      int c_end = cta + 1;
+      while (c_end < G && unit_start(c_end, U, G) < last) c_end++;
+      for (int cb = cta + 1; cb < c_end; cb += PB) {
+        float v[PB][MT * NTN][4];
+#pragma unroll
+        for (int p = 0; p < PB; p++)
+          if (cb + p < c_end)
+#pragma unroll
+            for (int q = 0; q < MT * NTN; q++) ld_cg4(slot(ws, cb + p, q, ct), v[p][q]);
+        bool wait;
+        do {
+          wait = false;
+#pragma unroll
+          for (int p = 0; p < PB; p++)
+            if (cb + p < c_end)
+#pragma unroll
+              for (int q = 0; q < MT * NTN; q++)
+                if (pending(v[p][q])) ld_cg4(slot(ws, cb + p, q, ct), v[p][q]), wait = true;
+        } while (wait);
+        const float sent = __uint_as_float(SENTINEL);
+#pragma unroll
+        for (int p = 0; p < PB; p++)
+          if (cb + p < c_end)
+#pragma unroll
+            for (int q = 0; q < MT * NTN; q++) {
+              float* d = acc[q / NTN][q % NTN];
+              d[0] += v[p][q][0], d[1] += v[p][q][1], d[2] += v[p][q][2], d[3] += v[p][q][3];
+              st_cg4(slot(ws, cb + p, q, ct), sent, sent, sent, sent);
+            }
+      }
+#else
       for (int c2 = cta + 1; c2 < G && unit_start(c2, U, G) < last; c2++) {
         float v[MT * NTN][4];
 #pragma unroll
@@ -438,6 +476,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
           st_cg4(slot(ws, c2, q, ct), sent, sent, sent, sent);
         }
       }
+#endif
     }
 #if TIMING
     if (i == n_units - 1) stamp[4] = clock64();

@@ -35,7 +35,7 @@ def _dispatched(kind: str, x: torch.Tensor, q, n: int, k: int) -> str:
     m = x.shape[0]
     if kind in ("int4", "fp8") and TW.mode9_default(x, q):
         return (f"MODE 9 (cuda_mma, stages {TW.CM.STAGES[kind]}, CTAs/SM {TW.CM.CTAS_PER_SM[kind]}, "
-                f"K parts {TW.CM.KSPLIT[kind]})")
+                f"K parts {TW.CM.KSPLIT[kind]}{', -D ' + ' '.join(TW.CM.DEFINES) if TW.CM.DEFINES else ''})")
     tuned = TW._mode6_entry(kind, n, k, m, TW._num_sms(x.device), TW._mode7_ok(kind, x))
     if tuned is not None:
         return f"MODE {tuned.get('MODE', 6)} {tuned}"

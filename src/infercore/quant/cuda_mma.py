@@ -56,8 +56,9 @@ ENABLED = os.environ.get("INFERCORE_WO_CUDA", "1") != "0"
 # INFERCORE_WO_PDL=0 turns it off.
 PDL = os.environ.get("INFERCORE_WO_PDL", "1") != "0"
 
-# Extra ``-D`` switches for every compile (benchmarks' timing probes, e.g. ``("PROBE=1",)``).
-DEFINES: tuple = ()
+# Extra ``-D`` switches for every compile (benchmarks' timing probes, e.g. ``("PROBE=1",)``); also read from
+# INFERCORE_WO_DEFINES (comma-separated), so a whole run (tests, benchmarks) can try a switch.
+DEFINES: tuple = tuple(d for d in os.environ.get("INFERCORE_WO_DEFINES", "").split(",") if d)
 
 
 def block_n(kind: str) -> int:

@@ -3,7 +3,7 @@
 
 Which kernel runs a call, by rows M (tables in ``wo_tables``, measured on the H200):
 
-* 2-16 rows (``MODE9_RULES``: by kind and bytes of codes; INT4 from 4 rows) on sm90+: MODE 9, the CUDA stream-K
+* 2-16 rows (``MODE9_RULES``: by kind and bytes of codes; INT4 from 3 rows) on sm90+: MODE 9, the CUDA stream-K
   kernel (``cuda_mma``, NVRTC-compiled, programmatic dependent launch);
 * M <= 16 (decode): the fragment kernels where tuned (MODE 6 ``triton_frag``, MODE 7 ``gluon_frag`` on
   sm90+), else MODE 4, the CUDA-core word GEMV at M <= ``GEMV_M_MAX`` (``wo_gemv``, packed fp16 dot in
@@ -145,12 +145,13 @@ def _check_act(act: str | None, n: int) -> None:
 
 
 # MODE 9 (``cuda_mma``) by default on sm90+, with its programmatic dependent launch (measured on the H200 against
-# the Triton kernels in the same run, results/h200/sweeps/probe_mma_variants_dispatch.json): per kind, the row range
-# it takes by bytes of codes, ``(bytes_lo, bytes_hi, m_lo, m_hi)`` with bytes_lo <= bytes < bytes_hi. The Triton
-# kernels stay faster at 1 row (both kinds), at 2-3 INT4 rows, on o_proj 4096x4096 INT4 at 16 rows and on the
-# merged gate_up 28672x4096 INT4 below 8 rows. Its repack is one more copy of the codes, made on the first call.
+# the Triton kernels in the same run, results/h200/sweeps/probe_mma_dispatch_poll.json, twenty-fifth session): per
+# kind, the row range it takes by bytes of codes, ``(bytes_lo, bytes_hi, m_lo, m_hi)`` with bytes_lo <= bytes <
+# bytes_hi. The Triton kernels stay faster at 1 row (both kinds), at 2 INT4 rows on 14336x4096 and 4096x4096 (MODE 9
+# wins there on 6144x4096 and 4096x14336: left to Triton, the margins are small) and on the merged gate_up
+# 28672x4096 INT4 below 8 rows. Its repack is one more copy of the codes, made on the first call.
 MODE9_RULES = {
-    "int4": ((0, 12 << 20, 4, 8), (12 << 20, 48 << 20, 4, 16), (48 << 20, 1 << 62, 8, 16)),
+    "int4": ((0, 48 << 20, 3, 16), (48 << 20, 1 << 62, 8, 16)),
     "fp8": ((0, 1 << 62, 2, 16),),
 }
 

@@ -16,8 +16,8 @@
 // griddepcontrol.wait and everything the previous kernel may write (activations, partial slots, y) after it.
 // A channel block covered by several CTAs is
 // finished by the CTA holding its first unit, which reaches that unit last in its range; the others store fp32
-// partials over a sentinel pattern (0xFFFFFFFF, a NaN no fp32 arithmetic produces) and the finisher polls until
-// none is left, adds them, writes the sentinel back for the next launch (or graph replay) and stores y. No flag,
+// partials over a sentinel pattern (0xFFFFFFFF, a NaN no fp32 arithmetic produces) and the finisher reads all its
+// contributors' slots at once, re-reads the pending ones until none is left, adds them, writes the sentinel back for the next launch (or graph replay) and stores y. No flag,
 // fence or atomic on the way.
 //
 // INT4 word (lane l, g = l / 4, c = l % 4; m16 tile p of the warp): nibble i holds channel g + 8 ((i >> 1) & 1),
@@ -51,9 +51,6 @@
 #endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1
-#endif
-#ifndef POLL  // 1: the finisher reads every contributor's partials at once (0: one slot after another)
-#define POLL 1
 #endif
 #ifndef KSPLIT  // warps per channel slice, each taking 128 / KSPLIT of every unit's K
 #define KSPLIT 1
@@ -429,7 +426,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
     }
     if (this_kt != KT - 1) {  // this CTA holds the block's first unit: add the other CTAs' partials
       const int last = (this_nb + 1) * KT;
-#if POLL
       // All contributors' slots are read at once, PB CTAs a batch, and only the pending ones again: one L2 round
       // trip after the last partial lands instead of one per slot and contributor.
       int c_end = cta + 1;
@@ -462,21 +458,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
               st_cg4(slot(ws, cb + p, q, ct), sent, sent, sent, sent);
             }
       }
-#else
-      for (int c2 = cta + 1; c2 < G && unit_start(c2, U, G) < last; c2++) {
-        float v[MT * NTN][4];
-#pragma unroll
-        for (int q = 0; q < MT * NTN; q++) ld_cg4(slot(ws, c2, q, ct), v[q]);
-#pragma unroll
-        for (int q = 0; q < MT * NTN; q++) {
-          while (pending(v[q])) ld_cg4(slot(ws, c2, q, ct), v[q]);
-          float* d = acc[q / NTN][q % NTN];
-          d[0] += v[q][0], d[1] += v[q][1], d[2] += v[q][2], d[3] += v[q][3];
-          const float sent = __uint_as_float(SENTINEL);
-          st_cg4(slot(ws, c2, q, ct), sent, sent, sent, sent);
-        }
-      }
-#endif
     }
 #if TIMING
     if (i == n_units - 1) stamp[4] = clock64();

@@ -17,8 +17,8 @@
 // A channel block covered by several CTAs is
 // finished by the CTA holding its first unit, which reaches that unit last in its range; the others store fp32
 // partials over a sentinel pattern (0xFFFFFFFF, a NaN no fp32 arithmetic produces) and the finisher reads all its
-// contributors' slots at once, re-reads the pending ones until none is left, adds them, writes the sentinel back for the next launch (or graph replay) and stores y. No flag,
-// fence or atomic on the way.
+// contributors' slots at once, re-reads the pending ones until none is left, adds them, writes the sentinel back
+// for the next launch (or graph replay) and stores y. No flag, fence or atomic on the way.
 //
 // INT4 word (lane l, g = l / 4, c = l % 4; m16 tile p of the warp): nibble i holds channel g + 8 ((i >> 1) & 1),
 // k = 2c + (i >> 2) + 8 (i & 1); lop3 with a magic exponent gives two 16-bit floats (magic + q) per nibble pair,

@@ -16,9 +16,10 @@
 // griddepcontrol.wait and everything the previous kernel may write (activations, partial slots, y) after it.
 // A channel block covered by several CTAs is
 // finished by the CTA holding its first unit, which reaches that unit last in its range; the others store fp32
-// partials over a sentinel pattern (0xFFFFFFFF, a NaN no fp32 arithmetic produces) and the finisher reads all its
-// contributors' slots at once, re-reads the pending ones until none is left, adds them, writes the sentinel back
-// for the next launch (or graph replay) and stores y. No flag, fence or atomic on the way.
+// partials over a sentinel pattern (0xFFFFFFFF, a NaN no fp32 arithmetic produces) and the finisher copies all its
+// contributors' slots at once into the ring's free stages (cp.async), re-copies the pending ones until none is
+// left, adds them in a fixed order, writes the sentinel back for the next launch (or graph replay) and stores y. No
+// flag, fence or atomic on the way.
 //
 // INT4 word (lane l, g = l / 4, c = l % 4; m16 tile p of the warp): nibble i holds channel g + 8 ((i >> 1) & 1),
 // k = 2c + (i >> 2) + 8 (i & 1); lop3 with a magic exponent gives two 16-bit floats (magic + q) per nibble pair,
@@ -54,6 +55,14 @@
 #endif
 #ifndef KSPLIT  // warps per channel slice, each taking 128 / KSPLIT of every unit's K
 #define KSPLIT 1
+#endif
+#ifndef LAND  // 1: the finisher lands its contributors' slots in the ring's free stages by cp.async (no registers;
+              // measured faster than the register batches, which K-split launches keep)
+#define LAND 1
+#endif
+#if KSPLIT != 1
+#undef LAND
+#define LAND 0
 #endif
 
 #define NWARPS_N 8
@@ -430,6 +439,57 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
       // trip after the last partial lands instead of one per slot and contributor.
       int c_end = cta + 1;
       while (c_end < G && unit_start(c_end, U, G) < last) c_end++;
+#if LAND
+      // This is the CTA's last unit: every warp is past the stages of the units before it, so the STAGES - 1 stages
+      // from rd on are free. Contributor p of a batch lands in one of them (16 KB at most); each thread copies and
+      // reads only its own granules, re-copying the pending ones until none is left.
+      for (int cb = cta + 1; cb < c_end; cb += STAGES - 1) {
+        const int np = c_end - cb < STAGES - 1 ? c_end - cb : STAGES - 1;
+        unsigned pend = 0;
+        for (int p = 0; p < np; p++) {
+          u32 stg = rd + p * STAGE_BYTES;
+          if (stg >= STAGES * STAGE_BYTES) stg -= STAGES * STAGE_BYTES;
+#pragma unroll
+          for (int q = 0; q < MT * NTN; q++) {
+            cp16(smem0 + stg + (q * CT + ct) * 16, slot(ws, cb + p, q, ct));
+            pend |= 1u << (p * MT * NTN + q);
+          }
+        }
+        while (pend) {
+          cp_commit();
+          cp_wait_all();
+          for (int p = 0; p < np; p++) {
+            u32 stg = rd + p * STAGE_BYTES;
+            if (stg >= STAGES * STAGE_BYTES) stg -= STAGES * STAGE_BYTES;
+#pragma unroll
+            for (int q = 0; q < MT * NTN; q++) {
+              const unsigned bit = 1u << (p * MT * NTN + q);
+              if (!(pend & bit)) continue;
+              const float4 v = *reinterpret_cast<const float4*>(smem + stg + (q * CT + ct) * 16);
+              const float vv[4] = {v.x, v.y, v.z, v.w};
+              if (pending(vv))
+                cp16(smem0 + stg + (q * CT + ct) * 16, slot(ws, cb + p, q, ct));
+              else
+                pend &= ~bit;
+            }
+          }
+        }
+        // all landed: add them in a fixed order (the same as the register batches), so repeated calls agree bit
+        // for bit
+        const float sent = __uint_as_float(SENTINEL);
+        for (int p = 0; p < np; p++) {
+          u32 stg = rd + p * STAGE_BYTES;
+          if (stg >= STAGES * STAGE_BYTES) stg -= STAGES * STAGE_BYTES;
+#pragma unroll
+          for (int q = 0; q < MT * NTN; q++) {
+            const float4 v = *reinterpret_cast<const float4*>(smem + stg + (q * CT + ct) * 16);
+            float* d = acc[q / NTN][q % NTN];
+            d[0] += v.x, d[1] += v.y, d[2] += v.z, d[3] += v.w;
+            st_cg4(slot(ws, cb + p, q, ct), sent, sent, sent, sent);
+          }
+        }
+      }
+#else
       for (int cb = cta + 1; cb < c_end; cb += PB) {
         float v[PB][MT * NTN][4];
 #pragma unroll
@@ -458,6 +518,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
               st_cg4(slot(ws, cb + p, q, ct), sent, sent, sent, sent);
             }
       }
+#endif
     }
 #if TIMING
     if (i == n_units - 1) stamp[4] = clock64();

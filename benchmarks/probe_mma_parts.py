@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -19,8 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import time_graph, write_results  # noqa: E402
-from probe_mma_wo import quantize, repack  # noqa: E402
-from sweep_quant_wo import WORKING_SET  # noqa: E402
+from probe_mma_wo import quantize, repack, weight_copies  # noqa: E402
 
 from infercore.quant import cuda_mma as CM  # noqa: E402
 
@@ -40,7 +38,7 @@ def main() -> None:
         n, k = int(n), int(k)
         torch.manual_seed(0)
         w = torch.randn(n, k, device="cuda") * 0.02
-        copies = max(2, math.ceil(WORKING_SET / (n * k // (2 if kind == "int4" else 1))))
+        copies = weight_copies(kind, n, k)
         packs = [repack(kind, quantize(kind, w)) for _ in range(copies)]
         for m in (int(v) for v in args.ms.split(",")):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)

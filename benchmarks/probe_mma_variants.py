@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import rel_err, time_graph, write_results  # noqa: E402
-from probe_mma_wo import quantize, repack  # noqa: E402
+from probe_mma_wo import quantize, repack, weight_copies  # noqa: E402
 from sweep_quant_wo import WORKING_SET  # noqa: E402
 
 from infercore.quant import cuda_mma as CM  # noqa: E402
@@ -78,7 +78,7 @@ def main() -> None:
         w = torch.randn(n, k, device="cuda") * 0.02
         q = quantize(kind, w)
         ref_w = q.dequantize(torch.float32)
-        copies = max(2, math.ceil(WORKING_SET / (n * k // (2 if kind == "int4" else 1))))
+        copies = weight_copies(kind, n, k)
         packs = [repack(kind, q)] + [repack(kind, quantize(kind, w)) for _ in range(copies - 1)]
         wb = [w.to(dtype) for _ in range(max(2, math.ceil(WORKING_SET / (n * k * 2))))]
         for m in (int(v) for v in args.ms.split(",")):

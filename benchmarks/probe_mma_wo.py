@@ -45,6 +45,12 @@ def repack(kind: str, q):
     return CM.repack_int4(q) if kind == "int4" else CM.repack_fp8(q)
 
 
+def weight_copies(kind: str, n: int, k: int) -> int:
+    """How many quantized copies of an ``[n, k]`` weight exceed WORKING_SET bytes of codes (at least 2), so calls
+    cycling through them read the codes from HBM, not the L2."""
+    return max(2, math.ceil(WORKING_SET / (n * k // (2 if kind == "int4" else 1))))
+
+
 def check(log: list) -> None:
     torch.manual_seed(1)
     cases = [("int4", 600, 384, {"group": 128}), ("int4", 512, 640, {"group": None, "sym": True}),
@@ -98,7 +104,7 @@ def main() -> None:
         w16s = [w16] + [w16.clone() for _ in range(math.ceil(WORKING_SET / (w16.numel() * 2)) - 1)]
         for kind in ("int4", "fp8"):
             q = quantize(kind, w)
-            copies = max(2, math.ceil(WORKING_SET / (n * k // (2 if kind == "int4" else 1))))
+            copies = weight_copies(kind, n, k)
             qs = [q] + [dataclasses.replace(q, **{a: b.clone() for a, b in q.tensors().items()})
                         for _ in range(copies - 1)]
             packs = [repack(kind, qq) for qq in qs]

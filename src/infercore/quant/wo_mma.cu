@@ -56,14 +56,6 @@
 #ifndef KSPLIT  // warps per channel slice, each taking 128 / KSPLIT of every unit's K
 #define KSPLIT 1
 #endif
-#ifndef LAND  // 1: the finisher lands its contributors' slots in the ring's free stages by cp.async (no registers;
-              // measured faster than the register batches, which K-split launches keep)
-#define LAND 1
-#endif
-#if KSPLIT != 1
-#undef LAND
-#define LAND 0
-#endif
 
 #define NWARPS_N 8
 #define CT 256  // threads of one K part: partial-sum slots and outputs are indexed by them
@@ -78,7 +70,7 @@
 #define WN 32
 #endif
 #define NTN (ROWS16 ? 2 : 1)  // n8 tiles of activation rows
-#define PB (MT * NTN >= 4 ? 1 : 4 / (MT * NTN))  // contributors whose partials are polled at once (16 registers)
+#define PB (MT * NTN >= 4 ? 1 : 4 / (MT * NTN))  // K-split finish: contributors polled at once (16 registers)
 #define BN (NWARPS_N * WN)
 #define W_BYTES 16384
 #define SZ_BYTES (BN * 4)
@@ -435,11 +427,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
     }
     if (this_kt != KT - 1) {  // this CTA holds the block's first unit: add the other CTAs' partials
       const int last = (this_nb + 1) * KT;
-      // All contributors' slots are read at once, PB CTAs a batch, and only the pending ones again: one L2 round
-      // trip after the last partial lands instead of one per slot and contributor.
+      // All contributors' slots are read at once (batches of STAGES - 1 CTAs into shared memory; of PB into
+      // registers with K parts), and only the pending ones again: one L2 round trip after the last partial lands
+      // instead of one per slot and contributor.
       int c_end = cta + 1;
       while (c_end < G && unit_start(c_end, U, G) < last) c_end++;
-#if LAND
+#if KSPLIT == 1  // landed in shared memory (no registers; measured faster than the register batches)
       // This is the CTA's last unit: every warp is past the stages of the units before it, so the STAGES - 1 stages
       // from rd on are free. Contributor p of a batch lands in one of them (16 KB at most); each thread copies and
       // reads only its own granules, re-copying the pending ones until none is left.

@@ -62,6 +62,9 @@
 #ifndef WG_INFLIGHT  // K steps' wgmma groups in flight (each holds its A registers until it completes)
 #define WG_INFLIGHT 2
 #endif
+#ifndef WG_SPLIT  // 1: even and odd K steps accumulate in two register sets (two wgmma chains per tile), summed per unit
+#define WG_SPLIT 0
+#endif
 #ifndef WG_LBO  // wgmma B descriptor: bytes between the tile's 8 x 16-byte core matrices along K / along the rows
 #define WG_LBO 256
 #endif
@@ -365,10 +368,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
   u32 rd = 0;
 #if WG
   float tmp[MT][NTN][4];  // the wgmma accumulators (each unit's first K step overwrites them)
+  float tmp2[MT][NTN][4];  // WG_SPLIT: the odd K steps'
 #pragma unroll
   for (int a = 0; a < MT; a++)
 #pragma unroll
-    for (int b = 0; b < NTN; b++) tmp[a][b][0] = tmp[a][b][1] = tmp[a][b][2] = tmp[a][b][3] = 0.f;
+    for (int b = 0; b < NTN; b++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) tmp[a][b][e] = tmp2[a][b][e] = 0.f;
 #endif
 
   for (int i = 0; i < n_units; i++) {
@@ -414,7 +420,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
         const u32 a0 = fp8x2(w0, 0x9180u), a2 = fp8x2(w0, 0xB3A2u);
         const u32 a1 = fp8x2(w1, 0x9180u), a3 = fp8x2(w1, 0xB3A2u);
         wg_fence();
-        wg_mma(tmp[0], a0, a1, a2, a3, ds, s);
+        wg_mma(WG_SPLIT && (s & 1) ? tmp2[0] : tmp[0], a0, a1, a2, a3, ds, WG_SPLIT ? s >> 1 : s);
 #else
         u32 v[2][4];
 #pragma unroll
@@ -427,14 +433,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
         }
         wg_fence();
 #pragma unroll
-        for (int p = 0; p < 2; p++) wg_mma(tmp[p], v[p][0], v[p][2], v[p][1], v[p][3], ds, s);
+        for (int p = 0; p < 2; p++)
+          wg_mma(WG_SPLIT && (s & 1) ? tmp2[p] : tmp[p], v[p][0], v[p][2], v[p][1], v[p][3], ds, WG_SPLIT ? s >> 1 : s);
 #endif
         wg_commit();
         if (s >= WG_INFLIGHT - 1 && s < SPW - 1) wg_wait<WG_INFLIGHT - 1>();
       }
       wg_wait<0>();
 #pragma unroll
-      for (int a = 0; a < MT; a++) wg_keep(&tmp[a][0][0], NTN * 4);
+      for (int a = 0; a < MT; a++) {
+        wg_keep(&tmp[a][0][0], NTN * 4);
+#if WG_SPLIT
+        wg_keep(&tmp2[a][0][0], NTN * 4);
+#pragma unroll
+        for (int b = 0; b < NTN; b++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) tmp[a][b][e] += tmp2[a][b][e];
+#endif
+      }
     }
 #else
     float tmp[MT][NTN][4];

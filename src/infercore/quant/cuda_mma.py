@@ -56,10 +56,6 @@ ENABLED = os.environ.get("INFERCORE_WO_CUDA", "1") != "0"
 # INFERCORE_WO_PDL=0 turns it off.
 PDL = os.environ.get("INFERCORE_WO_PDL", "1") != "0"
 
-# The MMAs on wgmma (sm90a: A from the decoded registers, the activation tile as the shared-memory B operand) on
-# sm90 devices; mma.sync elsewhere. INFERCORE_WO_WGMMA=0 keeps mma.sync there too.
-WGMMA = os.environ.get("INFERCORE_WO_WGMMA", "0") != "0"
-
 # Extra ``-D`` switches for every compile (benchmarks' timing probes, e.g. ``("PROBE=1",)``); also read from
 # INFERCORE_WO_DEFINES (comma-separated), so a whole run (tests, benchmarks) can try a switch.
 DEFINES: tuple = tuple(d for d in os.environ.get("INFERCORE_WO_DEFINES", "").split(",") if d)
@@ -207,30 +203,18 @@ def _occupancy(func, threads: int, smem: int) -> int:
     return n.value
 
 
-def uses_wgmma(device: torch.device) -> bool:
-    """Whether MODE 9 runs its MMAs on wgmma on ``device``: sm90 only (wgmma is an sm90a instruction), when
-    :data:`WGMMA` is on; a ``WG=0`` / ``WG=1`` in :data:`DEFINES` overrides it (timing probes)."""
-    if any(d.startswith("WG=") for d in DEFINES):
-        return "WG=1" in DEFINES and torch.cuda.get_device_capability(device) == (9, 0)
-    return WGMMA and torch.cuda.get_device_capability(device) == (9, 0)
-
-
 def _kernel(kind: str, dtype: torch.dtype, device: torch.device, rows16: bool, stages: int, ctas: int,
             ksplit: int = 1):
     """The compiled kernel, its shared memory and how many CTAs of it fit on one SM (cached per variant and
     device)."""
-    wg = uses_wgmma(device)
-    key = (kind, dtype, device.index, rows16, stages, ctas, ksplit, DEFINES, wg)
+    key = (kind, dtype, device.index, rows16, stages, ctas, ksplit, DEFINES)
     hit = _KERNELS.get(key)
     if hit is None:
         opts = [f"-DFP8={int(kind == 'fp8')}", f"-DACT_BF16={int(dtype == torch.bfloat16)}", f"-DSTAGES={stages}",
-                f"-DROWS16={int(rows16)}", f"-DKSPLIT={ksplit}", f"-DMIN_BLOCKS={ctas}", "-std=c++17",
-                *(f"-D{d}" for d in DEFINES if not d.startswith("WG="))]
-        if wg:
-            opts.append("-DWG=1")
+                f"-DROWS16={int(rows16)}", f"-DKSPLIT={ksplit}",
+                f"-DMIN_BLOCKS={ctas}", "-std=c++17", *(f"-D{d}" for d in DEFINES)]
         with torch.cuda.device(device):
-            k = torch.cuda._compile_kernel(_SRC.read_text(), "wo_mma", nvcc_options=opts,
-                                           **({"compute_capability": "90a"} if wg else {}))
+            k = torch.cuda._compile_kernel(_SRC.read_text(), "wo_mma", nvcc_options=opts)
             smem = stages * stage_bytes(kind) + reduce_bytes(kind, rows16, ksplit)
             k.set_shared_memory_config(smem)
             hit = (k, smem, _occupancy(k.func, THREADS * ksplit, smem))

@@ -56,21 +56,6 @@
 #ifndef KSPLIT  // warps per channel slice, each taking 128 / KSPLIT of every unit's K
 #define KSPLIT 1
 #endif
-#ifndef WG  // 1: the MMAs on wgmma (sm90a): A from the decoded registers, the activation tile as the shared B operand
-#define WG 0
-#endif
-#ifndef WG_INFLIGHT  // K steps' wgmma groups in flight (each holds its A registers until it completes)
-#define WG_INFLIGHT 2
-#endif
-#ifndef WG_SPLIT  // 1: even and odd K steps accumulate in two register sets (two wgmma chains per tile), summed per unit
-#define WG_SPLIT 0
-#endif
-#ifndef WG_LBO  // wgmma B descriptor: bytes between the tile's 8 x 16-byte core matrices along K / along the rows
-#define WG_LBO 256
-#endif
-#ifndef WG_SBO
-#define WG_SBO 128
-#endif
 
 #define NWARPS_N 8
 #define CT 256  // threads of one K part: partial-sum slots and outputs are indexed by them
@@ -122,55 +107,6 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32* a) {
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
                : "r"(addr));
 }
-
-#if WG
-// wgmma with A (16 channels per warp, the four warps' tiles making its 64 rows) from registers in the mma.m16n8k16
-// A fragment layout and B = the activation rows' 16 x 16 (or 8 x 16) K step in shared memory, core matrices of
-// 8 rows x 16 bytes (no swizzle). D per warp: the two (one) m16n8 accumulator tiles of mma.m16n8k16, in order.
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wg_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void wg_keep(float* d, int n) {  // keeps reads of d after the wait that precedes it
-  for (int i = 0; i < n; i++) asm volatile("" : "+f"(d[i])::"memory");
-}
-__device__ __forceinline__ unsigned long long wg_desc(u32 addr) {
-  return (unsigned long long)((addr >> 4) & 0x3FFF) | ((unsigned long long)(WG_LBO >> 4) << 16) |
-         ((unsigned long long)(WG_SBO >> 4) << 32);
-}
-#if ACT_BF16
-#define WG_TYPE "bf16"
-#else
-#define WG_TYPE "f16"
-#endif
-// d (8 floats: rows 0-15 of B) or d (4 floats: rows 0-7) = A B + (acc ? d : 0)
-__device__ __forceinline__ void wgmma16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc, int acc) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n16k16.f32." WG_TYPE "." WG_TYPE
-               " {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));
-}
-__device__ __forceinline__ void wgmma8(float* d, u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc, int acc) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n8k16.f32." WG_TYPE "." WG_TYPE
-               " {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));
-}
-__device__ __forceinline__ void wg_mma(float (*d)[4], u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long desc,
-                                       int acc) {
-#if ROWS16
-  wgmma16(&d[0][0], a0, a1, a2, a3, desc, acc);
-#else
-  wgmma8(&d[0][0], a0, a1, a2, a3, desc, acc);
-#endif
-}
-// cp.async writes (generic proxy) before wgmma reads of the same shared memory (async proxy)
-__device__ __forceinline__ void fence_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-#endif
 
 __device__ __forceinline__ long long gtimer() {
   long long t;
@@ -306,11 +242,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
   const int xr = (tid >> 4) & 15, xch = tid & 15;  // activation row and 16-byte chunk this thread copies
   const bool x_loader = (tid >> 4) < (ROWS16 ? 16 : 8), s_loader = tid < SZ_BYTES / 16;
   const unsigned short* xsrc = x + (size_t)(xr < M ? xr : M - 1) * ldx + xch * 8;
-#if WG  // core matrix (chunk, row group) at (2 chunk + row group) x 128 bytes: LBO 256 along K, SBO 128 along rows
-  const u32 xdst = W_BYTES + SZ_BYTES + (xch * 2 + (xr >> 3)) * 128 + (xr & 7) * 16;
-#else
   const u32 xdst = W_BYTES + SZ_BYTES + xr * 256 + ((xch ^ (xr & 7)) << 4);
-#endif
   const uint4* wsrc = wpk + (size_t)u0 * (W_BYTES / 16) + tid;
   const uint4* ssrc = szk + (size_t)u0 * (SZ_BYTES / 16) + (s_loader ? tid : 0);
   const int kw = KT * BK;
@@ -354,11 +286,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
   bool head = kt != 0;  // the first segment continues a block that another CTA finishes
   // ldmatrix row / chunk of this lane: ROWS16 one K step (rows 0-15) per x4, else two K steps of rows 0-7. The
   // chunk of K step s is ((first + 2 s) ^ (row & 7)) = (first ^ (row & 7)) ^ 2 s: first < 2 (< 4) has no bit of 2 s.
-#if !WG
   const int lrow = ROWS16 ? (lane & 7) + ((lane >> 4) << 3) : (lane & 7);
   const int lchunk = ROWS16 ? ((lane >> 3) & 1) : (lane >> 3);
   const u32 xoff = W_BYTES + SZ_BYTES + lrow * 256 + kh * SPW * 32 + ((lchunk ^ (lrow & 7)) << 4);
-#endif
   const u32 woff = (wn * 128 + kh * (SPW / 2) * 32 + lane) * 16;
 #if FP8
   const u32 soff = W_BYTES + (wn * 16 + g * 2) * 4;
@@ -366,25 +296,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
   const u32 soff = W_BYTES + (wn * 32 + g * 4) * 4;
 #endif
   u32 rd = 0;
-#if WG
-  float tmp[MT][NTN][4];  // the wgmma accumulators (each unit's first K step overwrites them)
-  float tmp2[MT][NTN][4];  // WG_SPLIT: the odd K steps'
-#pragma unroll
-  for (int a = 0; a < MT; a++)
-#pragma unroll
-    for (int b = 0; b < NTN; b++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) tmp[a][b][e] = tmp2[a][b][e] = 0.f;
-#endif
 
   for (int i = 0; i < n_units; i++) {
     if (i == 0)
       cp_wait_all();
     else
       cp_wait();
-#if WG
-    fence_proxy();
-#endif
     __syncthreads();
 #if TIMING
     if (i == 0) stamp[2] = clock64();
@@ -406,53 +323,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
     const u32 negz[4] = {(sv.x & 15u) * 0x10001u + NEG_MAGIC * 0x10001u, (sv.y & 15u) * 0x10001u + NEG_MAGIC * 0x10001u,
                          (sv.z & 15u) * 0x10001u + NEG_MAGIC * 0x10001u, (sv.w & 15u) * 0x10001u + NEG_MAGIC * 0x10001u};
 #endif
-#if WG
-    {  // K step s: wgmma on this stage's activation core matrices 2 s, 2 s + 1 (512 bytes a step); each step's A
-       // registers are free again once the next step's group is issued and the one before has completed
-      const unsigned long long d0 = wg_desc(stu + W_BYTES + SZ_BYTES + kh * SPW * 512);
-#pragma unroll
-      for (int s = 0; s < SPW; s++) {
-        const uint4 q = wv[s >> 1];
-        const u32 w0 = (s & 1) ? q.z : q.x;
-        const u32 w1 = (s & 1) ? q.w : q.y;
-        const unsigned long long ds = d0 + (unsigned long long)(s * 32);
-#if FP8
-        const u32 a0 = fp8x2(w0, 0x9180u), a2 = fp8x2(w0, 0xB3A2u);
-        const u32 a1 = fp8x2(w1, 0x9180u), a3 = fp8x2(w1, 0xB3A2u);
-        wg_fence();
-        wg_mma(WG_SPLIT && (s & 1) ? tmp2[0] : tmp[0], a0, a1, a2, a3, ds, WG_SPLIT ? s >> 1 : s);
-#else
-        u32 v[2][4];
-#pragma unroll
-        for (int p = 0; p < 2; p++) {
-          const u32 w = p ? w1 : w0;
-          v[p][0] = add2(and_or(w, 0x000F000Fu, MAGIC2), negz[2 * p]);
-          v[p][1] = add2(and_or(w >> 4, 0x000F000Fu, MAGIC2), negz[2 * p]);
-          v[p][2] = add2(and_or(w >> 8, 0x000F000Fu, MAGIC2), negz[2 * p + 1]);
-          v[p][3] = add2(and_or(w >> 12, 0x000F000Fu, MAGIC2), negz[2 * p + 1]);
-        }
-        wg_fence();
-#pragma unroll
-        for (int p = 0; p < 2; p++)
-          wg_mma(WG_SPLIT && (s & 1) ? tmp2[p] : tmp[p], v[p][0], v[p][2], v[p][1], v[p][3], ds, WG_SPLIT ? s >> 1 : s);
-#endif
-        wg_commit();
-        if (s >= WG_INFLIGHT - 1 && s < SPW - 1) wg_wait<WG_INFLIGHT - 1>();
-      }
-      wg_wait<0>();
-#pragma unroll
-      for (int a = 0; a < MT; a++) {
-        wg_keep(&tmp[a][0][0], NTN * 4);
-#if WG_SPLIT
-        wg_keep(&tmp2[a][0][0], NTN * 4);
-#pragma unroll
-        for (int b = 0; b < NTN; b++)
-#pragma unroll
-          for (int e = 0; e < 4; e++) tmp[a][b][e] += tmp2[a][b][e];
-#endif
-      }
-    }
-#else
     float tmp[MT][NTN][4];
 #pragma unroll
     for (int a = 0; a < MT; a++)
@@ -496,7 +366,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
       }
 #endif
     }
-#endif  // WG
 #pragma unroll
     for (int a = 0; a < MT; a++) {
 #if FP8

@@ -57,6 +57,10 @@
 #define KSPLIT 1
 #endif
 
+#ifndef SPLITACC  // 1: odd K steps accumulate in a second register set (two HMMA chains per tile), added per unit
+#define SPLITACC 0
+#endif
+
 #define NWARPS_N 8
 #define CT 256  // threads of one K part: partial-sum slots and outputs are indexed by them
 #define THREADS (CT * KSPLIT)
@@ -323,11 +327,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
     const u32 negz[4] = {(sv.x & 15u) * 0x10001u + NEG_MAGIC * 0x10001u, (sv.y & 15u) * 0x10001u + NEG_MAGIC * 0x10001u,
                          (sv.z & 15u) * 0x10001u + NEG_MAGIC * 0x10001u, (sv.w & 15u) * 0x10001u + NEG_MAGIC * 0x10001u};
 #endif
-    float tmp[MT][NTN][4];
+    float tmp[MT][NTN][4], tmp2[MT][NTN][4];
 #pragma unroll
     for (int a = 0; a < MT; a++)
 #pragma unroll
-      for (int b = 0; b < NTN; b++) tmp[a][b][0] = tmp[a][b][1] = tmp[a][b][2] = tmp[a][b][3] = 0.f;
+      for (int b = 0; b < NTN; b++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) tmp[a][b][e] = tmp2[a][b][e] = 0.f;
 #if !ROWS16
     u32 xr4[4];
 #endif
@@ -352,7 +358,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
       const u32 a0 = fp8x2(w0, 0x9180u), a2 = fp8x2(w0, 0xB3A2u);
       const u32 a1 = fp8x2(w1, 0x9180u), a3 = fp8x2(w1, 0xB3A2u);
 #pragma unroll
-      for (int b = 0; b < NTN; b++) mma(tmp[0][b], a0, a1, a2, a3, xb[b][0], xb[b][1]);
+      for (int b = 0; b < NTN; b++) mma(SPLITACC && (s & 1) ? tmp2[0][b] : tmp[0][b], a0, a1, a2, a3, xb[b][0], xb[b][1]);
 #else
 #pragma unroll
       for (int p = 0; p < 2; p++) {
@@ -362,10 +368,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
         v0 = add2(v0, negz[2 * p]), v1 = add2(v1, negz[2 * p]);
         v2 = add2(v2, negz[2 * p + 1]), v3 = add2(v3, negz[2 * p + 1]);
 #pragma unroll
-        for (int b = 0; b < NTN; b++) mma(tmp[p][b], v0, v2, v1, v3, xb[b][0], xb[b][1]);
+        for (int b = 0; b < NTN; b++)
+          mma(SPLITACC && (s & 1) ? tmp2[p][b] : tmp[p][b], v0, v2, v1, v3, xb[b][0], xb[b][1]);
       }
 #endif
     }
+#if SPLITACC
+#pragma unroll
+    for (int a = 0; a < MT; a++)
+#pragma unroll
+      for (int b = 0; b < NTN; b++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) tmp[a][b][e] += tmp2[a][b][e];
+#endif
 #pragma unroll
     for (int a = 0; a < MT; a++) {
 #if FP8

@@ -32,6 +32,8 @@ from sweep_quant_wo import WORKING_SET  # noqa: E402
 from infercore.quant import cuda_mma as CM  # noqa: E402
 from infercore.quant import triton_wo as TW  # noqa: E402
 
+RAW = False  # --raw-stamps: every CTA's [entry_ns, first, last_seg, polled, exit_ns, exit, poll rounds, first round]
+
 
 def stamps(x, kind, pack, n, k, st, ct, ks) -> dict:
     """One launch's per-CTA stamps (wo_mma.cu, TIMING): cycles from entry to the first stage, the last segment's
@@ -53,9 +55,10 @@ def stamps(x, kind, pack, n, k, st, ct, ks) -> dict:
 
     def pct(v):
         return [round(float(a), 1) for a in torch.quantile(v.double(), q)]
-    return {"first_stage_cyc": pct(t[:, 1]), "last_seg_cyc": pct(t[:, 2]), "polled_cyc": pct(t[:, 3]),
+    raw = {"raw": t.tolist()} if RAW else {}
+    return {**raw, "first_stage_cyc": pct(t[:, 1]), "last_seg_cyc": pct(t[:, 2]), "polled_cyc": pct(t[:, 3]),
             "exit_cyc": pct(t[:, 5]), "entry_ns": pct(t[:, 0] - t[:, 0].min()), "exit_ns": pct(t[:, 4] - t[:, 0].min()),
-            "units": pct(t[:, 6])}
+            "poll_rounds": pct(t[:, 6])}
 
 
 def main() -> None:
@@ -68,7 +71,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--triton", action="store_true", help="also time the dispatcher with MODE 9 off (its Triton "
                     "kernels) in the same run")
+    ap.add_argument("--raw-stamps", action="store_true", help="keep every CTA's TIMING stamps in the rows")
     args = ap.parse_args()
+    global RAW
+    RAW = args.raw_stamps
     dtype = getattr(torch, args.dtype)
     rows = []
     for cs in args.cases.split(","):

@@ -239,48 +239,16 @@ def compiles(kind: str, dtype: torch.dtype, device: torch.device, rows16: bool) 
     return True
 
 
-SLOT0 = 4096  # int32 words before the partial slots: one parity word per CTA (``TAG``)
-
-
-def tagged() -> bool:
-    """Whether the kernels of this process's :data:`DEFINES` tag their partials with a parity bit (``TAG=1``)
-    instead of writing over a sentinel pattern that the finisher restores."""
-    return "TAG=1" in DEFINES
-
-
-def _partials(device: torch.device, ctas: int, tiles: int, tag: bool) -> torch.Tensor:
-    """Split partials (16 KB a CTA after :data:`SLOT0` parity words). Sentinel mode: one buffer per device, every
-    slot word 0xFFFFFFFF between launches (each launch's finishers write it back). ``TAG``: one buffer per device and
-    accumulator ``tiles`` per thread (the slot layout), every slot word's lowest bit unequal to its CTA's parity word
-    between launches (the finishers flip the parity words instead)."""
-    key = (device.index, tiles if tag else 0, tag)
-    hit = _BUFFERS.get(key)
-    if hit is None or hit.numel() < SLOT0 + ctas * UNIT_BYTES // 4:
+def _partials(device: torch.device, ctas: int) -> torch.Tensor:
+    """Per-device split partials (16 KB a CTA), all 0xFFFFFFFF (the kernel's "not written" sentinel) between
+    launches: each launch's finishers write it back after reading."""
+    hit = _BUFFERS.get(device.index)
+    if hit is None or hit.numel() < ctas * UNIT_BYTES // 4:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("MODE 9: its partial-sum buffer is made on an eager call, before graph capture")
-        hit = torch.full((SLOT0 + ctas * UNIT_BYTES // 4,), -1, dtype=torch.int32, device=device)
-        hit[:SLOT0] = 0
-        hit = hit.view(torch.float32)
-        _BUFFERS[key] = hit
+        hit = torch.full((ctas * UNIT_BYTES // 4,), -1, dtype=torch.int32, device=device).view(torch.float32)
+        _BUFFERS[device.index] = hit
     return hit
-
-
-def slots_clean(device: torch.device) -> bool:
-    """Whether every partial-slot buffer on ``device`` is back in its between-launch state (tests)."""
-    for (index, tiles, tag), buf in _BUFFERS.items():
-        if index != device.index:
-            continue
-        words = buf.view(torch.int32)
-        if not tag:
-            if not bool((words[SLOT0:] == -1).all()):
-                return False
-            continue
-        per = tiles * THREADS * 4
-        n = (words.numel() - SLOT0) // per
-        slots = words[SLOT0:SLOT0 + n * per].view(n, per) & 1
-        if bool((slots == (words[:n] & 1)[:, None]).any()):
-            return False
-    return True
 
 
 class _LaunchAttr(ctypes.Structure):
@@ -366,7 +334,7 @@ def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor
     nb, kt = math.ceil(n / bn), kp // BK
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     g = grid_size(nb * kt, sms, per_sm, occ)
-    ws = _partials(x.device, sms * MAX_CTAS_PER_SM, (1 if kind == "fp8" else 2) * (2 if m > 8 else 1), tagged())
+    ws = _partials(x.device, sms * MAX_CTAS_PER_SM)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ldx = x.stride(0) if m > 1 else kp
     args = [words, scales, x, y, ws, m, n, kt, nb, ldx]

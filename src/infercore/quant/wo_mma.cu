@@ -57,9 +57,6 @@
 #define KSPLIT 1
 #endif
 
-#ifndef TAG  // 1: partials carry their CTA's parity in each float's lowest bit instead of replacing a sentinel pattern
-#define TAG 0
-#endif
 #ifndef SPLITACC  // 1: odd K steps accumulate in a second register set (two HMMA chains per tile), added per unit;
                   // measured 1-3% faster except INT4 at 9-16 rows (120 registers there, no gain)
 #define SPLITACC (FP8 || !ROWS16)
@@ -85,7 +82,6 @@
 #define X_BYTES 4096
 #define STAGE_BYTES (W_BYTES + SZ_BYTES + X_BYTES)
 #define SENTINEL 0xFFFFFFFFu
-#define SLOT0 4096  // words of ws before the partial slots: one parity word per CTA (TAG)
 
 typedef unsigned int u32;
 
@@ -219,38 +215,16 @@ __device__ __forceinline__ void ld_cg4(const float* p, float* v) {
                : "l"(p)
                : "memory");
 }
-// TAG: a partial is current when every float's lowest bit is its CTA's parity word (flipped by the finisher once
-// read, so the last launch's values read as stale); the bit is cleared before adding, so the sum does not depend on
-// the parity. Otherwise: a granule is pending while any float still holds the sentinel.
-__device__ __forceinline__ bool pending(const float* v, u32 par) {
-#if TAG
-  return ((__float_as_uint(v[0]) ^ par) | (__float_as_uint(v[1]) ^ par) | (__float_as_uint(v[2]) ^ par) |
-          (__float_as_uint(v[3]) ^ par)) & 1u;
-#else
+__device__ __forceinline__ bool pending(const float* v) {
   return __float_as_uint(v[0]) == SENTINEL || __float_as_uint(v[1]) == SENTINEL ||
          __float_as_uint(v[2]) == SENTINEL || __float_as_uint(v[3]) == SENTINEL;
-#endif
 }
-__device__ __forceinline__ float tagged(float v, u32 par) {
-  return TAG ? __uint_as_float((__float_as_uint(v) & ~1u) | par) : v;
-}
-__device__ __forceinline__ float untag(float v) { return TAG ? __uint_as_float(__float_as_uint(v) & ~1u) : v; }
-__device__ __forceinline__ u32 ld_par(const float* ws, int c) {
-  u32 v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(reinterpret_cast<const u32*>(ws) + c) : "memory");
-  return v & 1u;
-}
-__device__ __forceinline__ void st_par(float* ws, int c, u32 v) {
-  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;\n" ::"l"(reinterpret_cast<u32*>(ws) + c), "r"(v) : "memory");
-}
-// the finisher's threads of K part 0 (all of a one-part CTA)
-__device__ __forceinline__ void part0_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CT) : "memory"); }
 
 __device__ __forceinline__ int unit_start(int c, int U, int G) { return (int)(((long long)c * U) / G); }
 
 // Partial-sum slot of CTA c, accumulator tile q, thread ct of K part 0 (float4 granules, coalesced).
 __device__ __forceinline__ float* slot(float* ws, int c, int q, int ct) {
-  return ws + SLOT0 + (((size_t)c * (MT * NTN) + q) * CT + ct) * 4;
+  return ws + (((size_t)c * (MT * NTN) + q) * CT + ct) * 4;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
@@ -303,7 +277,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
     cp_commit();
   }
   pdl_wait();
-  const u32 my_par = TAG ? ld_par(ws, cta) : 0u;  // the parity this CTA's partials carry (TAG)
   wr = 0;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; s++)
@@ -464,8 +437,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 #pragma unroll
       for (int q = 0; q < MT * NTN; q++) {
         float* d = acc[q / NTN][q % NTN];
-        st_cg4(slot(ws, cta, q, ct), tagged(d[0], my_par), tagged(d[1], my_par), tagged(d[2], my_par),
-               tagged(d[3], my_par));
+        st_cg4(slot(ws, cta, q, ct), d[0], d[1], d[2], d[3]);
         d[0] = d[1] = d[2] = d[3] = 0.f;
       }
       continue;
@@ -484,9 +456,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
       for (int cb = cta + 1; cb < c_end; cb += STAGES - 1) {
         const int np = c_end - cb < STAGES - 1 ? c_end - cb : STAGES - 1;
         unsigned pend = 0;
-        u32 par[STAGES - 1];
-#pragma unroll
-        for (int p = 0; p < STAGES - 1; p++) par[p] = TAG && p < np ? ld_par(ws, cb + p) : 0u;
         for (int p = 0; p < np; p++) {
           u32 stg = rd + p * STAGE_BYTES;
           if (stg >= STAGES * STAGE_BYTES) stg -= STAGES * STAGE_BYTES;
@@ -511,7 +480,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
               if (!(pend & bit)) continue;
               const float4 v = *reinterpret_cast<const float4*>(smem + stg + (q * CT + ct) * 16);
               const float vv[4] = {v.x, v.y, v.z, v.w};
-              if (pending(vv, par[p]))
+              if (pending(vv))
                 cp16(smem0 + stg + (q * CT + ct) * 16, slot(ws, cb + p, q, ct));
               else
                 pend &= ~bit;
@@ -528,21 +497,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
           for (int q = 0; q < MT * NTN; q++) {
             const float4 v = *reinterpret_cast<const float4*>(smem + stg + (q * CT + ct) * 16);
             float* d = acc[q / NTN][q % NTN];
-            d[0] += untag(v.x), d[1] += untag(v.y), d[2] += untag(v.z), d[3] += untag(v.w);
-            if (!TAG) st_cg4(slot(ws, cb + p, q, ct), sent, sent, sent, sent);
+            d[0] += v.x, d[1] += v.y, d[2] += v.z, d[3] += v.w;
+            st_cg4(slot(ws, cb + p, q, ct), sent, sent, sent, sent);
           }
         }
-#if TAG  // every thread has its contributors' values: flip their parity words for the next launch
-        part0_sync();
-        if (tid < np) st_par(ws, cb + tid, ld_par(ws, cb + tid) ^ 1u);
-#endif
       }
 #else
       for (int cb = cta + 1; cb < c_end; cb += PB) {
         float v[PB][MT * NTN][4];
-        u32 par[PB];
-#pragma unroll
-        for (int p = 0; p < PB; p++) par[p] = TAG && cb + p < c_end ? ld_par(ws, cb + p) : 0u;
 #pragma unroll
         for (int p = 0; p < PB; p++)
           if (cb + p < c_end)
@@ -556,7 +518,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
             if (cb + p < c_end)
 #pragma unroll
               for (int q = 0; q < MT * NTN; q++)
-                if (pending(v[p][q], par[p])) ld_cg4(slot(ws, cb + p, q, ct), v[p][q]), wait = true;
+                if (pending(v[p][q])) ld_cg4(slot(ws, cb + p, q, ct), v[p][q]), wait = true;
         } while (wait);
         const float sent = __uint_as_float(SENTINEL);
 #pragma unroll
@@ -565,14 +527,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 #pragma unroll
             for (int q = 0; q < MT * NTN; q++) {
               float* d = acc[q / NTN][q % NTN];
-              d[0] += untag(v[p][q][0]), d[1] += untag(v[p][q][1]), d[2] += untag(v[p][q][2]),
-                  d[3] += untag(v[p][q][3]);
-              if (!TAG) st_cg4(slot(ws, cb + p, q, ct), sent, sent, sent, sent);
+              d[0] += v[p][q][0], d[1] += v[p][q][1], d[2] += v[p][q][2], d[3] += v[p][q][3];
+              st_cg4(slot(ws, cb + p, q, ct), sent, sent, sent, sent);
             }
-#if TAG
-        part0_sync();
-        if (tid < PB && cb + tid < c_end) st_par(ws, cb + tid, ld_par(ws, cb + tid) ^ 1u);
-#endif
       }
 #endif
     }
@@ -595,7 +552,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 #if TIMING
   if (tid == 0) {
     stamp[5] = gtimer();
-    long long* out = reinterpret_cast<long long*>(ws + SLOT0 + (size_t)G * (MT * NTN) * CT * 4) + (size_t)cta * 8;
+    long long* out = reinterpret_cast<long long*>(ws + (size_t)G * (MT * NTN) * CT * 4) + (size_t)cta * 8;
     out[0] = stamp[1], out[1] = stamp[2] - stamp[0], out[2] = stamp[3] - stamp[0], out[3] = stamp[4] - stamp[0];
     out[4] = stamp[5], out[5] = clock64() - stamp[0], out[6] = poll_rounds, out[7] = first_round;
   }

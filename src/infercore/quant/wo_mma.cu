@@ -57,9 +57,6 @@
 #define KSPLIT 1
 #endif
 
-#ifndef READY_PROBE  // 1: the landed finish polls one granule per contributor in registers before the bulk copy
-#define READY_PROBE 0
-#endif
 #ifndef SPLITACC  // 1: odd K steps accumulate in a second register set (two HMMA chains per tile), added per unit;
                   // measured 1-3% faster except INT4 at 9-16 rows (120 registers there, no gain)
 #define SPLITACC (FP8 || !ROWS16)
@@ -458,22 +455,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
       // reads only its own granules, re-copying the pending ones until none is left.
       for (int cb = cta + 1; cb < c_end; cb += STAGES - 1) {
         const int np = c_end - cb < STAGES - 1 ? c_end - cb : STAGES - 1;
-#if READY_PROBE  // wait until each contributor's first granule of this thread is written (16 B a contributor, all at
-                 // once) before copying everything, so the bulk copy is not spent on slots still pending
-        {
-          float v[STAGES - 1][4];
-#pragma unroll
-          for (int p = 0; p < STAGES - 1; p++)
-            if (p < np) ld_cg4(slot(ws, cb + p, 0, ct), v[p]);
-          bool wait;
-          do {
-            wait = false;
-#pragma unroll
-            for (int p = 0; p < STAGES - 1; p++)
-              if (p < np && pending(v[p])) ld_cg4(slot(ws, cb + p, 0, ct), v[p]), wait = true;
-          } while (wait);
-        }
-#endif
         unsigned pend = 0;
         for (int p = 0; p < np; p++) {
           u32 stg = rd + p * STAGE_BYTES;

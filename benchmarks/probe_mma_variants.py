@@ -32,12 +32,11 @@ from sweep_quant_wo import WORKING_SET  # noqa: E402
 from infercore.quant import cuda_mma as CM  # noqa: E402
 from infercore.quant import triton_wo as TW  # noqa: E402
 
-RAW = False  # --raw-stamps: every CTA's [entry_ns, first, last_seg, polled, exit_ns, exit, poll rounds, first round]
 
-
-def stamps(x, kind, pack, n, k, st, ct, ks) -> dict:
+def stamps(x, kind, pack, n, k, st, ct, ks, raw: bool = False) -> dict:
     """One launch's per-CTA stamps (wo_mma.cu, TIMING): cycles from entry to the first stage, the last segment's
-    end, the end of polling and exit; the spread of entry and exit times (ns)."""
+    end, the end of polling and exit, polling rounds; the spread of entry and exit times (ns). ``raw`` keeps every
+    CTA's row."""
     torch.cuda.synchronize()
     CM.matmul(x, kind, *pack, n, k, stages=st, ctas=ct, ksplit=ks)
     torch.cuda.synchronize()
@@ -55,8 +54,9 @@ def stamps(x, kind, pack, n, k, st, ct, ks) -> dict:
 
     def pct(v):
         return [round(float(a), 1) for a in torch.quantile(v.double(), q)]
-    raw = {"raw": t.tolist()} if RAW else {}
-    return {**raw, "first_stage_cyc": pct(t[:, 1]), "last_seg_cyc": pct(t[:, 2]), "polled_cyc": pct(t[:, 3]),
+    # raw: every CTA's [entry_ns, first, last_seg, polled, exit_ns, exit, poll rounds, first round]
+    out = {"raw": t.tolist()} if raw else {}
+    return {**out, "first_stage_cyc": pct(t[:, 1]), "last_seg_cyc": pct(t[:, 2]), "polled_cyc": pct(t[:, 3]),
             "exit_cyc": pct(t[:, 5]), "entry_ns": pct(t[:, 0] - t[:, 0].min()), "exit_ns": pct(t[:, 4] - t[:, 0].min()),
             "poll_rounds": pct(t[:, 6])}
 
@@ -73,8 +73,6 @@ def main() -> None:
                     "kernels) in the same run")
     ap.add_argument("--raw-stamps", action="store_true", help="keep every CTA's TIMING stamps in the rows")
     args = ap.parse_args()
-    global RAW
-    RAW = args.raw_stamps
     dtype = getattr(torch, args.dtype)
     rows = []
     for cs in args.cases.split(","):
@@ -120,7 +118,7 @@ def main() -> None:
                               for _ in range(3)]
                         row["rel_err_pdl"] = max(rel_err(v.float(), ref) for v in ys)
                         if "TIMING=1" in var:
-                            row["stamps"] = stamps(x, kind, packs[0], n, k, st, ct, ks)
+                            row["stamps"] = stamps(x, kind, packs[0], n, k, st, ct, ks, args.raw_stamps)
                     except Exception as e:  # noqa: BLE001
                         row["error"] = repr(e)[:300]
                     rows.append(row)

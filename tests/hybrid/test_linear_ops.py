@@ -8,7 +8,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated  # noqa: E402
+from transformers.models.mamba2 import modeling_mamba2 as hf_m2  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qn  # noqa: E402
 
 from infercore.devices import implementation  # noqa: E402
@@ -18,6 +18,9 @@ from infercore.ops.gated_delta import chunk_gated_delta_rule_, fused_recurrent_g
 from infercore.ops.gated_delta import triton as gdr_triton  # noqa: E402
 from infercore.ops.gated_delta.naive import chunk_gated_delta_rule, recurrent_gated_delta_rule  # noqa: E402
 from infercore.ops.gated_norm import gated_rms_norm  # noqa: E402
+
+# transformers 5.25 renamed MambaRMSNormGated to Mamba2RMSNormGated (same module, same forward)
+MambaRMSNormGated = getattr(hf_m2, "Mamba2RMSNormGated", None) or hf_m2.MambaRMSNormGated
 from infercore.ops.gated_norm import triton as norm_triton  # noqa: E402
 from infercore.ops.mamba import mamba_chunk_scan_, selective_state_update_  # noqa: E402
 from infercore.ops.mamba import triton as mamba_triton  # noqa: E402

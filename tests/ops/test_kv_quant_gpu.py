@@ -73,6 +73,29 @@ def test_decode_quantized_bf16(kv, b, ctx, hq, hk, d, page, window):
     assert rel(got, base) < 2e-2
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8", "fp8-emulated"])
+@pytest.mark.parametrize("tuning", [
+    {"kv_v16": False, "fp8_f16": False},  # codes staged as they are, q's dtype
+    {"kv_v16": True, "fp8_f16": False},
+    {"kv_v16": False, "fp8_f16": True},
+    {"block_n_codes": 128, "num_warps_codes": 4, "block_n_fp8": 128, "num_warps_fp8": 4},
+])  # fmt: skip
+def test_decode_quantized_operand_paths(kv, tuning, monkeypatch):
+    """Both ways of feeding 1-byte codes to the dots (``TUNING``'s defaults take one per format) agree with the
+    reference; queries far outside bf16's usual range are not clipped by the fp16 operands (|q| < 65504)."""
+    from infercore.ops.attention import triton_decode
+
+    for key, val in tuning.items():
+        monkeypatch.setitem(triton_decode.TUNING, key, val)
+    fmt = kv.split("-")[0]
+    (kc, vc, ks, vs), table, lens = _cache(6, 1500, 4, 128, 16, fmt)
+    q = torch.randn(6, 16, 128, device=DEV, dtype=BF16) * 300  # peaked softmax, large fp16 products
+    kw = dict(seq_lens=lens, block_table=table, scale=128**-0.5, k_scale=ks, v_scale=vs)
+    got = implementation("paged_attention_decode", "triton")(q, kc, vc, fp8_emulation=kv == "fp8-emulated", **kw)
+    want = implementation("paged_attention_decode", "reference")(q, kc, vc, **kw)
+    assert rel(got, want) < 1e-2
+
+
 def test_fp8_emulation_matches_native():
     (kc, vc, ks, vs), table, lens = _cache(16, 2048, 8, 128, 16, "fp8")
     q = torch.randn(16, 32, 128, device=DEV, dtype=BF16)

@@ -73,11 +73,15 @@ TUNING = {
     # predecessor (the RoPE / KV-write kernel); INFERCORE_DECODE_PREWAIT=0 reads everything after.
     "prewait": os.environ.get("INFERCORE_DECODE_PREWAIT", "1") != "0",
     "block_n": 64,
-    # 1-byte caches (int8 / fp8 codes): keys per tile. Best of the H200 tile sweep for all three formats
-    # at b64 ctx4096 (results/h200/sweeps/kvquant_tenth_session.json, 128 keys / 4 warps); with it as the
-    # default they read 3568 / 3673 / 3054 calls/s (int8 / fp8 / emulated fp8; results/h200/kvquant.json),
-    # with 64 keys 2740 / 2491 / 2332 (sweeps/kvquant_after_specialization_fix.json).
-    "block_n_codes": 128,
+    # 1-byte caches: keys per tile and warps per program, int8 (``_codes``) and FP8 (``_fp8``). With the operand
+    # paths below (kv_v16, fp8_f16) 32 keys per warp measured best at b64 ctx4096, and fewer warps per program
+    # (more programs per SM) better: int8 64 keys / 2 warps 225 us (128 / 4: 248; 32 / 1: 230), FP8 32 / 1 202 us
+    # (64 / 2: 217; 128 / 4: 245), emulated FP8 32 / 1 217 us (64 / 2: 237; 128 / 4: 253); 64 keys on one warp
+    # or 32 on two read 295-340 us (results/h200/sweeps/kvquant_grid4.json, kvquant_grid5.json).
+    "block_n_codes": 64,
+    "num_warps_codes": 2,
+    "block_n_fp8": 32,
+    "num_warps_fp8": 1,
     "num_warps": 4,
     "num_stages": 3,
     "target_programs_per_sm": 4,
@@ -88,6 +92,17 @@ TUNING = {
     # results/h200/sweeps/probe_fused_rope_attention.json), which is why the Llama layer only fuses at
     # <= 4 sequences by default. 0: no cap.
     "fused_maxnreg": 128,
+    # 1-byte caches on a GPU. Two alternating rounds at b64 ctx4096 (32/8 heads, d128, page 16, then with 128-key
+    # tiles on 4 warps; results/h200/sweeps/kvquant_grid3.json, old -> new, bf16 cache 270 us):
+    # - kv_v16: V converted to 16 bits in registers before its shared-memory staging (``_opaque16``). Triton
+    #   otherwise stages the 1-byte codes and reads V (the PV dot's B operand, keys along K) back one byte per
+    #   shared load, 128 loads a thread per 128-key tile. int8 280 -> 248 us.
+    # - fp8_f16: fp16 dot operands for FP8 caches (bf16 q saturated to +-65504; e4m3 codes are exact in fp16):
+    #   no fp16 -> bf16 step per element, and the emulated decode in four PTX instructions per four bytes
+    #   (``_e4m3_bytes_to_f16_asm``). With kv_v16, native FP8 272 -> 245 us, emulated 327 -> 252 us.
+    #   int8 stays on bf16 operands: Triton converts int8 to fp16 with I2F (268 us, sweeps/kvquant_grid.json).
+    "kv_v16": True,
+    "fp8_f16": True,
 }
 
 
@@ -95,9 +110,10 @@ TUNING = {
 def _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_row, kpos, nmask, kvh, offs_d, dmask,
                  stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ksp, stride_kss,
                  stride_vsp, stride_vss, code_scale, q_dtype: tl.constexpr, PAGE: tl.constexpr,
-                 KV_MODE: tl.constexpr):
+                 KV_MODE: tl.constexpr, V16: tl.constexpr = False, F16: tl.constexpr = False):
     """K, V of keys ``kpos`` where ``nmask`` (masked keys: 0): the float cache's dtype, or quantized
-    codes converted to ``q_dtype`` with their per-key scales (masked: 0)."""
+    codes converted to ``q_dtype`` (fp16 with ``F16``) with their per-key scales (masked: 0). ``V16``: V is
+    converted before its shared-memory staging (see ``_opaque16``)."""
     page = tl.load(bt_row + kpos // PAGE, mask=nmask, other=0).to(tl.int64)
     row = kpos % PAGE
     kvmask = nmask[:, None] & dmask[None, :]
@@ -110,10 +126,20 @@ def _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_row, kpos, nmask, kvh, off
         v_sc = k_sc
     else:
         if KV_MODE == 3:
-            k = _e4m3_bytes_to_f16(k)
-            v = _e4m3_bytes_to_f16(v)
-        k = k.to(q_dtype)
-        v = v.to(q_dtype)
+            if F16:  # four bytes -> four fp16 in four ALU operations
+                k = _e4m3_bytes_to_f16_asm(k)
+                v = _e4m3_bytes_to_f16_asm(v)
+            else:
+                k = _e4m3_bytes_to_f16(k)
+                v = _e4m3_bytes_to_f16(v)
+        if F16:
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
+        else:
+            k = k.to(q_dtype)
+            v = v.to(q_dtype)
+        if V16:
+            v = _opaque16(v)
         # Masked keys get scale 0: their scores are replaced by -inf below, their p by 0.
         k_sc = tl.load(ksc_ptr + page * stride_ksp + row * stride_kss + kvh, mask=nmask, other=0.0) * code_scale
         v_sc = tl.load(vsc_ptr + page * stride_vsp + row * stride_vss + kvh, mask=nmask, other=0.0) * code_scale
@@ -202,6 +228,8 @@ def _decode_kernel(
     USE_PDL: tl.constexpr = False,
     FUSE_ROPE: tl.constexpr = False,  # q, k_new, v_new un-rotated: RoPE + this token's KV write here
     IS_NEOX: tl.constexpr = True,
+    V16: tl.constexpr = False,  # 1-byte caches: V converted to 16 bits before its shared-memory staging
+    F16: tl.constexpr = False,  # 1-byte caches: fp16 dot operands (q saturated to the fp16 range)
 ):  # fmt: skip
     pdl_release(USE_PDL)
     if not PREWAIT:
@@ -233,7 +261,8 @@ def _decode_kernel(
         k, v, k_sc, v_sc = _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_ptr + b.to(tl.int64) * stride_bt, kpos,
                                         (kpos < end) & (kpos < seq_len - 1), kvh, offs_d, dmask, stride_kp, stride_ks,
                                         stride_kh, stride_vp, stride_vs, stride_vh, stride_ksp, stride_kss, stride_vsp,
-                                        stride_vss, code_scale, q_ptr.dtype.element_ty, PAGE, KV_MODE)  # fmt: skip
+                                        stride_vss, code_scale, q_ptr.dtype.element_ty, PAGE, KV_MODE, V16,
+                                        F16)  # fmt: skip
         pdl_wait(USE_PDL)
     if FUSE_ROPE:
         q, k_new, v_new = _rope_new_token(q_ptr, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr, b, kvh,
@@ -249,6 +278,8 @@ def _decode_kernel(
         )
     if KV_MODE == 0:
         q = q.to(kc_ptr.dtype.element_ty)
+    elif F16:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -267,7 +298,8 @@ def _decode_kernel(
                 kn, vn, ksn, vsn = _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_row, kpos, newest, kvh, offs_d,
                                                 dmask, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
                                                 stride_vh, stride_ksp, stride_kss, stride_vsp, stride_vss,
-                                                code_scale, q_ptr.dtype.element_ty, PAGE, KV_MODE)  # fmt: skip
+                                                code_scale, q_ptr.dtype.element_ty, PAGE, KV_MODE, V16,
+                                                F16)  # fmt: skip
                 k = tl.where(newest[:, None], kn, k)
                 v = tl.where(newest[:, None], vn, v)
                 k_sc = tl.where(newest, ksn, k_sc)
@@ -288,7 +320,7 @@ def _decode_kernel(
             k, v, k_sc, v_sc = _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_row, kpos, nmask & ~newest,
                                             kvh, offs_d, dmask, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
                                             stride_vh, stride_ksp, stride_kss, stride_vsp, stride_vss, code_scale,
-                                            q_ptr.dtype.element_ty, PAGE, KV_MODE)  # fmt: skip
+                                            q_ptr.dtype.element_ty, PAGE, KV_MODE, V16, F16)  # fmt: skip
             k = tl.where(newest[:, None], k_new[None, :], k)
             v = tl.where(newest[:, None], v_new[None, :], v)
             m_i, l_i, acc = _decode_tile(q, k, v, k_sc, v_sc, nmask, m_i, l_i, acc, qk_scale, scale, softcap,
@@ -299,7 +331,7 @@ def _decode_kernel(
         k, v, k_sc, v_sc = _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_row, kpos, nmask, kvh, offs_d, dmask,
                                         stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ksp,
                                         stride_kss, stride_vsp, stride_vss, code_scale, q_ptr.dtype.element_ty, PAGE,
-                                        KV_MODE)
+                                        KV_MODE, V16, F16)
         m_i, l_i, acc = _decode_tile(q, k, v, k_sc, v_sc, nmask, m_i, l_i, acc, qk_scale, scale, softcap,
                                      HAS_SOFTCAP, DOT_PRECISION, KV_MODE)
 
@@ -315,6 +347,40 @@ def _decode_kernel(
         tl.store(mid_o_ptr + base + heads[:, None] * stride_mh + offs_d[None, :], o, mask=omask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(mid_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=gmask)
+
+
+@triton.jit
+def _opaque16(x):
+    """``x`` (a 16-bit tensor) unchanged, through an opaque move. Placed after the 1-byte -> 16-bit conversion of V,
+    it keeps Triton from moving the conversion behind the shared-memory staging of the dot operand: staged as 1-byte
+    codes, V (the PV dot's B operand, keys along K) is read back with one narrow shared load per byte (128 a thread
+    per 128-key tile); staged as 16 bits it is read with ``ldmatrix.trans`` (16 a thread)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
+
+
+@triton.jit
+def _e4m3_bytes_to_f16_asm(c):
+    """:func:`_e4m3_bytes_to_f16` in PTX (GPU only): per four bytes two ``prmt`` place each byte in the high byte of a
+    16-bit lane, then shift / mask / or build ``sign << 15 | (c & 0x7F) << 7``. Triton's own code for the int16 form
+    measured ~6 instructions per byte (mostly PRMT / IMAD), this ~1."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t0, t1, u0, u1;\n"
+        "prmt.b32 t0, $2, 0, 0x1404;\n"  # bytes [0, c0, 0, c1]
+        "prmt.b32 t1, $2, 0, 0x3424;\n"  # bytes [0, c2, 0, c3]
+        "shr.b32 u0, t0, 1;\n"
+        "shr.b32 u1, t1, 1;\n"
+        "and.b32 u0, u0, 0x3F803F80;\n"  # (c & 0x7F) << 7
+        "and.b32 u1, u1, 0x3F803F80;\n"
+        "and.b32 t0, t0, 0x80008000;\n"  # sign << 15
+        "and.b32 t1, t1, 0x80008000;\n"
+        "or.b32 $0, u0, t0;\n"
+        "or.b32 $1, u1, t1; }",
+        "=r,=r,r",
+        [c],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -433,14 +499,16 @@ def paged_attention_decode(
                 code_scale = 256.0  # the fp16 bit pattern is the e4m3 value times 2**-8
     else:
         k_scale = v_scale = seq_lens  # unused pointers
-    block_n = 16 if interp else TUNING["block_n_codes" if kv_mode else "block_n"]
+    tile_key, warps_key = (("block_n", "num_warps"), ("block_n_codes", "num_warps_codes"))[kv_mode] if kv_mode < 2 \
+        else ("block_n_fp8", "num_warps_fp8")
+    block_n = 16 if interp else TUNING[tile_key]
     dot_dtype = q.dtype if kv_mode else k_cache.dtype
     precision = "ieee" if dot_dtype == torch.float32 else "tf32"
     stages = TUNING["num_stages"]
     # Keep the pipelined K/V tiles within shared memory for wide heads or fp32 caches.
     while stages > 1 and 2 * stages * block_n * block_d * k_cache.element_size() > 160 * 1024:
         stages -= 1
-    extra = {} if interp else {"num_warps": TUNING["num_warps"], "num_stages": stages}
+    extra = {} if interp else {"num_warps": TUNING[warps_key], "num_stages": stages}
     use_pdl = pdl_enabled(q)
     if _rope is not None and not interp and not use_pdl and TUNING["fused_maxnreg"]:
         extra["maxnreg"] = TUNING["fused_maxnreg"]
@@ -464,6 +532,8 @@ def paged_attention_decode(
         PAGE=page_size, SPLIT=num_splits > 1, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         DOT_PRECISION=precision, KV_MODE=kv_mode, PREWAIT=(use_pdl or bool(fuse)) and TUNING["prewait"], **fuse,
+        V16=bool(kv_mode and not interp and TUNING["kv_v16"]),
+        F16=bool(kv_mode in (2, 3) and not interp and TUNING["fp8_f16"] and q.dtype == torch.bfloat16),
         **extra, **pdl_launch(use_pdl),
     )  # fmt: skip
     if num_splits > 1:

@@ -17,62 +17,73 @@ def _int4(n, k, group=128, sym=False, seed=0):
     return IntWeight.quantize(torch.randn(n, k), bits=4, group_size=group, symmetric=sym, clip_search=False)
 
 
+LAYOUTS_INT4 = [(8, 2), (7, 1), (4, 2)]  # (warps, mt): the default, the 112-channel unit, a 128-channel one
+
+
+@pytest.mark.parametrize("layout", LAYOUTS_INT4)
 @pytest.mark.parametrize("n,k,group,sym", [(300, 256, 128, False), (512, 384, None, True), (256, 512, 256, False),
                                            (264, 128, 128, True)])
-def test_int4_repack_round_trip(n, k, group, sym):
+def test_int4_repack_round_trip(n, k, group, sym, layout):
     q = _int4(n, k, group, sym)
-    words, sw = CM.repack_int4(q)
+    words, sw = CM.repack_int4(q, *layout)
     kt = q.padded_in_features // 128
-    assert words.dtype == torch.int32 and words.numel() == math.ceil(n / 256) * kt * 4096
-    assert sw.numel() == math.ceil(n / 256) * kt * 256
-    codes, s, z = CM.unpack_int4(words, sw, n, q.padded_in_features)
+    bn = 16 * layout[0] * layout[1]
+    assert CM.block_n("int4", *layout) == bn and CM.unit_bytes("int4", *layout) == bn * 64
+    assert words.dtype == torch.int32 and words.numel() == math.ceil(n / bn) * kt * bn * 16
+    assert sw.numel() == math.ceil(n / bn) * kt * bn
+    codes, s, z = CM.unpack_int4(words, sw, n, q.padded_in_features, *layout)
     assert torch.equal(codes, q.codes())
     groups = CM._unit_groups(q, kt)
     assert torch.equal(z, q.zero_points()[:, groups].int())
     torch.testing.assert_close(s, q.scales[:, groups], rtol=2.0**-18, atol=0)
 
 
-def _emulate_int4(x: torch.Tensor, words, sw, n, kp):
-    """What wo_mma.cu computes for INT4: per unit and warp, A fragments from the words (nibble i of lane
-    (g, c) = channel g + 8 ((i >> 1) & 1), k = 2c + (i >> 2) + 8 (i & 1)), 128 + q MMAs, the zero point through
-    sum(x), the scale per unit."""
+def _emulate_int4(x: torch.Tensor, words, sw, n, kp, nw=8, mt=2):
+    """What wo_mma.cu computes for INT4: per unit and warp, A fragments from the words (word i = s mt + p of a
+    lane is component i % 4 of its uint4 i / 4: K step s, m16 tile p; nibble i of lane (g, c) = channel
+    g + 8 ((i >> 1) & 1), k = 2c + (i >> 2) + 8 (i & 1)), 128 + q MMAs, the zero point through sum(x), the scale per
+    unit."""
     m = x.shape[0]
-    nbk, kt = math.ceil(n / 256), kp // 128
-    w = words.view(nbk, kt, 8, 4, 32, 4)  # [nb, kt, warp, j, lane, e]; word (s = 2j + e // 2, p = e % 2)
-    sww = sw.view(nbk, kt, 8, 8, 4)  # [nb, kt, warp, channel g, tile]
-    y = torch.zeros(m, nbk * 256, dtype=torch.float64)
+    wn = 16 * mt
+    bn = nw * wn
+    nbk, kt = math.ceil(n / bn), kp // 128
+    w = words.view(nbk, kt, nw, 2 * mt, 32, 4)  # [nb, kt, warp, j, lane, e]
+    sww = sw.view(nbk, kt, nw, 8, 2 * mt)  # [nb, kt, warp, channel g, tile]
+    y = torch.zeros(m, nbk * bn, dtype=torch.float64)
     for nb in range(nbk):
         for t in range(kt):
             xt = x[:, t * 128:(t + 1) * 128].double()
             xsum = xt.sum(1)
-            for warp in range(8):
-                wq = torch.zeros(32, 128, dtype=torch.float64)  # channels of the warp x K, 128 + q
+            for warp in range(nw):
+                wq = torch.zeros(wn, 128, dtype=torch.float64)  # channels of the warp x K, 128 + q
                 for lane in range(32):
                     g, c = lane // 4, lane % 4
-                    for j in range(4):
+                    for j in range(2 * mt):
                         for e in range(4):
-                            s, p = 2 * j + e // 2, e % 2
+                            s, p = (4 * j + e) // mt, (4 * j + e) % mt
                             word = int(w[nb, t, warp, j, lane, e]) & 0xFFFFFFFF
                             for i in range(8):
                                 ch = p * 16 + g + 8 * ((i >> 1) & 1)
                                 kk = s * 16 + 2 * c + (i >> 2) + 8 * (i & 1)
                                 wq[ch, kk] = 128 + ((word >> (4 * i)) & 15)
-                tmp = xt @ wq.T  # [m, 32]
-                words_sz = sww[nb, t, warp].T.reshape(32)  # tile t, channel g: channel t * 8 + g of the warp
+                tmp = xt @ wq.T  # [m, wn]
+                words_sz = sww[nb, t, warp].T.reshape(wn)  # tile t, channel g: channel t * 8 + g of the warp
                 scale = (words_sz & ~15).view(torch.float32).double()
                 mz = 128 + (words_sz & 15).double()
-                y[:, nb * 256 + warp * 32:nb * 256 + warp * 32 + 32] += (tmp - mz * xsum[:, None]) * scale
+                y[:, nb * bn + warp * wn:nb * bn + warp * wn + wn] += (tmp - mz * xsum[:, None]) * scale
     return y[:, :n]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS_INT4)
 @pytest.mark.parametrize("group,sym", [(128, False), (None, True)])
-def test_int4_kernel_math_emulated(group, sym):
+def test_int4_kernel_math_emulated(group, sym, layout):
     n, k = 264, 256
     q = _int4(n, k, group, sym, seed=3)
-    words, sw = CM.repack_int4(q)
+    words, sw = CM.repack_int4(q, *layout)
     x = torch.randn(3, k)
     ref = x.double() @ q.dequantize(torch.float64).T
-    torch.testing.assert_close(_emulate_int4(x, words, sw, n, k), ref, rtol=1e-4, atol=1e-4)  # scale words: 2^-19
+    got = _emulate_int4(x, words, sw, n, k, *layout)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)  # scale words: 2^-19
 
 
 def _prmt(w: int, sel: int) -> int:
@@ -111,30 +122,34 @@ def test_fp8_decode_is_exact(bf16):
             assert torch.equal(got[finite], want[finite])
 
 
+@pytest.mark.parametrize("warps", [8, 7])
 @pytest.mark.parametrize("n,k,block", [(200, 256, None), (256, 384, 128), (130, 128, 128)])
-def test_fp8_repack_round_trip(n, k, block):
+def test_fp8_repack_round_trip(n, k, block, warps):
     torch.manual_seed(1)
     q = FP8Weight.quantize(torch.randn(n, k), **({"block_size": block} if block else {}))
-    words, s = CM.repack_fp8(q)
-    b, ss = CM.unpack_fp8(words, s, n, k)
+    words, s = CM.repack_fp8(q, warps)
+    assert words.numel() == math.ceil(n / (16 * warps)) * (k // 128) * warps * 512
+    b, ss = CM.unpack_fp8(words, s, n, k, warps)
     assert torch.equal(b, q.qweight.view(torch.uint8))
     per_unit = q.scale_per_element()[:, ::128]
     assert torch.equal(ss, per_unit.float())
 
 
-def test_fp8_kernel_math_emulated():
+@pytest.mark.parametrize("nw", [8, 7])
+def test_fp8_kernel_math_emulated(nw):
     n, k = 136, 256
     torch.manual_seed(2)
     q = FP8Weight.quantize(torch.randn(n, k), block_size=128)
-    words, s = CM.repack_fp8(q)
-    nbk, kt = math.ceil(n / 128), k // 128
-    w = words.view(nbk, kt, 8, 4, 32, 4)
-    sc = s.view(nbk, kt, 8, 8, 2)  # [nb, kt, warp, g, p]
+    words, s = CM.repack_fp8(q, nw)
+    bn = 16 * nw
+    nbk, kt = math.ceil(n / bn), k // 128
+    w = words.view(nbk, kt, nw, 4, 32, 4)
+    sc = s.view(nbk, kt, nw, 8, 2)  # [nb, kt, warp, g, p]
     x = torch.randn(2, k).double()
-    y = torch.zeros(2, nbk * 128, dtype=torch.float64)
+    y = torch.zeros(2, nbk * bn, dtype=torch.float64)
     for nb in range(nbk):
         for t in range(kt):
-            for warp in range(8):
+            for warp in range(nw):
                 wv = torch.zeros(16, 128, dtype=torch.float64)
                 for lane in range(32):
                     g, c = lane // 4, lane % 4
@@ -147,7 +162,7 @@ def test_fp8_kernel_math_emulated():
                                 v = torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
                                 wv[g + 8 * p, st * 16 + 2 * c + (bb & 1) + 8 * (bb >> 1)] = v.double().item()
                 scale = sc[nb, t, warp].T.reshape(16).double() * 2.0**120
-                y[:, nb * 128 + warp * 16:nb * 128 + warp * 16 + 16] += (x[:, t * 128:(t + 1) * 128] @ wv.T) * scale
+                y[:, nb * bn + warp * 16:nb * bn + warp * 16 + 16] += (x[:, t * 128:(t + 1) * 128] @ wv.T) * scale
     ref = x @ q.dequantize(torch.float64).T
     torch.testing.assert_close(y[:, :n], ref, rtol=1e-6, atol=1e-6)
 
@@ -200,6 +215,12 @@ def test_matmul_names_bad_arguments_before_launching():
         CM.matmul(x, "int4", words, sw.float(), 300, 256)
     with pytest.raises(ValueError, match="words:"):
         CM.matmul(x, "fp8", words, sw, 300, 256)  # an INT4 repack handed in as FP8
+    with pytest.raises(ValueError, match="warps:"):
+        CM.matmul(x, "int4", words, sw, 300, 256, warps=9)
+    with pytest.raises(ValueError, match="mt:"):
+        CM.matmul(x, "int4", words, sw, 300, 256, mt=3)
+    with pytest.raises(ValueError, match="words:"):  # a (7, 1) layout pads 300 channels to 336, not 512
+        CM.matmul(x, "int4", words, sw, 300, 256, warps=7, mt=1)
     with pytest.raises(ValueError, match="x:"):  # real repacks pass the checks; a CPU tensor cannot run
         CM.matmul(x, "int4", words, sw, 300, 256)
     torch.manual_seed(0)

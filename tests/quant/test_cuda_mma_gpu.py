@@ -60,6 +60,43 @@ def test_mode9_fp8(m, dtype, n, k, block, ksplit):
     _sentinels_back()
 
 
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("kind,warps,mt", [("int4", 7, 1), ("int4", 4, 2), ("int4", 8, 1), ("fp8", 7, 1)])
+@pytest.mark.parametrize("n,k", [(600, 384), (14336, 4096)])
+@pytest.mark.parametrize("whole_blocks", [False, True])
+@pytest.mark.parametrize("ksplit", [1, 2])
+def test_mode9_layouts(m, kind, warps, mt, n, k, whole_blocks, ksplit):
+    """Other unit layouts (warps x m16 tiles per warp), streamed by the default one-wave grid or with one CTA per
+    channel block (``grid`` = blocks: no partial exchange at all)."""
+    torch.manual_seed(m + n + warps)
+    w = torch.randn(n, k, device=dev) * 0.02
+    if kind == "int4":
+        q = IntWeight.quantize(w, bits=4, group_size=128, clip_search=False)
+        words, sc = CM.repack_int4(q, warps, mt)
+    else:
+        q = FP8Weight.quantize(w, block_size=128)
+        words, sc = CM.repack_fp8(q, warps)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    ref = x.float() @ q.dequantize(torch.float32).T
+    nb = -(-n // CM.block_n(kind, warps, mt))
+    grid = min(nb, torch.cuda.get_device_properties(0).multi_processor_count) if whole_blocks else None
+    kw = {"warps": warps, "mt": mt, "grid": grid, "ksplit": ksplit}
+    y = CM.matmul(x, kind, words, sc, n, k, **kw)
+    assert _rel(y, ref) < 5e-3
+    assert torch.equal(CM.matmul(x, kind, words, sc, n, k, **kw), y)
+    torch.cuda.synchronize()
+    _sentinels_back()
+
+
+def test_mode9_grid_argument():
+    q = IntWeight.quantize(torch.randn(512, 256, device=dev), bits=4, group_size=128, clip_search=False)
+    x = torch.randn(2, 256, device=dev, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="grid:"):
+        CM.matmul(x, "int4", *CM.repack_int4(q), 512, 256, grid=5)  # 2 blocks x 2 units: at most 4 CTAs
+    with pytest.raises(ValueError, match="grid:"):
+        CM.matmul(x, "int4", *CM.repack_int4(q), 512, 256, grid=0)
+
+
 def test_mode9_graph_replay():
     n, k = 6144, 4096
     qs = [IntWeight.quantize(torch.randn(n, k, device=dev) * 0.02, bits=4, group_size=128, clip_search=False)

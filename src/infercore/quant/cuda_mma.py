@@ -61,9 +61,30 @@ PDL = os.environ.get("INFERCORE_WO_PDL", "1") != "0"
 DEFINES: tuple = tuple(d for d in os.environ.get("INFERCORE_WO_DEFINES", "").split(",") if d)
 
 
-def block_n(kind: str) -> int:
-    """Channels per unit: 8 warps x 4 n8 tiles (INT4) or x 2 (FP8)."""
-    return 256 if kind == "int4" else 128
+# Unit layout per kind: ``(warps, mt)``, warps per K part and m16 channel tiles per warp (INT4; FP8 takes one).
+LAYOUT = {"int4": (8, 2), "fp8": (8, 1)}
+
+
+def _layout(kind: str, warps: int | None, mt: int | None) -> tuple[int, int]:
+    dw, dm = LAYOUT[kind]
+    w = dw if warps is None else warps
+    m = 1 if kind == "fp8" else (dm if mt is None else mt)
+    if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 8:
+        raise ValueError(f"warps: expected an int in [1, 8] or None, got {warps!r}")
+    if isinstance(m, bool) or m not in (1, 2):
+        raise ValueError(f"mt: expected 1 or 2 or None, got {mt!r}")
+    return w, m
+
+
+def block_n(kind: str, warps: int | None = None, mt: int | None = None) -> int:
+    """Channels per unit: ``warps`` x ``mt`` m16 tiles (INT4) or ``warps`` x 1 (FP8); 256 / 128 by default."""
+    w, m = _layout(kind, warps, mt)
+    return 16 * w * m
+
+
+def unit_bytes(kind: str, warps: int | None = None, mt: int | None = None) -> int:
+    """Bytes of weight codes in one unit (``block_n`` channels x 128 K)."""
+    return block_n(kind, warps, mt) * BK // (2 if kind == "int4" else 1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -90,16 +111,19 @@ def int4_ok(w: IntWeight) -> bool:
     return w.scales.shape[1] == 1 or w.group_size % BK == 0
 
 
-def repack_int4(w: IntWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(words int32 [U * 4096], scale_words int32 [U * 256])`` for ``wo_mma.cu`` (``U = ceil(N/256) * Kp/128``)."""
+def repack_int4(w: IntWeight, warps: int | None = None, mt: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(words int32 [U * BN * 16], scale_words int32 [U * BN])`` for ``wo_mma.cu`` (``BN = block_n("int4", warps,
+    mt)``, ``U = ceil(N / BN) * Kp/128``)."""
     if not int4_ok(w):
         raise ValueError("w: MODE 9 needs INT4 codes with K % 128 == 0 and groups of a multiple of 128")
+    nw, mt = _layout("int4", warps, mt)
     n, kp = w.qweight.shape[0], w.padded_in_features
-    bn = block_n("int4")
+    bn = block_n("int4", nw, mt)
     nb, kt = math.ceil(n / bn), kp // BK
     codes = _pad_rows(w.codes().to(torch.uint8), nb * bn)
-    # n = nb*256 + warp*32 + p*16 + t*8 + nl;  k = kt*128 + j*32 + slo*16 + khi*8 + c*2 + klo
-    c = codes.view(nb, 8, 2, 2, 8, kt, 4, 2, 2, 4, 2)
+    # n = nb*BN + warp*16 mt + p*16 + t*8 + nl;  k = kt*128 + j*(64 / mt) + slo*16 + khi*8 + c*2 + klo (word s mt + p
+    # of the lane, s = j 4 / mt + slo, is component s mt + p % 4 of its uint4 j)
+    c = codes.view(nb, nw, mt, 2, 8, kt, 2 * mt, 4 // mt, 2, 4, 2)
     # -> [nb, kt, warp, j, nl, c, slo, p | klo, t, khi]: word (s = 2j + slo, p) of lane 4 nl + c, nibble klo*4+t*2+khi
     c = c.permute(0, 5, 1, 6, 4, 9, 7, 2, 10, 3, 8).reshape(-1, 8).to(torch.int32)
     shifts = torch.arange(0, 32, 4, device=c.device, dtype=torch.int32)
@@ -110,20 +134,22 @@ def repack_int4(w: IntWeight) -> tuple[torch.Tensor, torch.Tensor]:
     if not bool(((z == z.round()) & (z >= 0) & (z < 16)).all()):
         raise ValueError("w: MODE 9 needs integer zero points in [0, 15]")
     sw = (s.contiguous().view(torch.int32) & ~15) | z.to(torch.int32)
-    sw = _pad_rows(sw, nb * bn).view(nb, 8, 4, 8, kt).permute(0, 4, 1, 3, 2)  # [nb, kt, warp, g, t]
+    sw = _pad_rows(sw, nb * bn).view(nb, nw, 2 * mt, 8, kt).permute(0, 4, 1, 3, 2)  # [nb, kt, warp, g, t]
     return words.contiguous(), sw.reshape(-1).contiguous()
 
 
-def unpack_int4(words: torch.Tensor, scale_words: torch.Tensor, n: int, kp: int):
+def unpack_int4(words: torch.Tensor, scale_words: torch.Tensor, n: int, kp: int, warps: int | None = None,
+                mt: int | None = None):
     """Inverse of :func:`repack_int4`: ``(codes int32 [N, Kp], scales fp32 [N, KT], zeros int32 [N, KT])`` (per
     unit), read the way the kernel reads them."""
-    bn = block_n("int4")
+    nw, mt = _layout("int4", warps, mt)
+    bn = block_n("int4", nw, mt)
     nb, kt = math.ceil(n / bn), kp // BK
     shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
     nib = (words.view(-1, 1) >> shifts) & 15
-    c = nib.view(nb, kt, 8, 4, 8, 4, 2, 2, 2, 2, 2).permute(0, 2, 7, 9, 4, 1, 3, 6, 10, 5, 8)
+    c = nib.view(nb, kt, nw, 2 * mt, 8, 4, 4 // mt, mt, 2, 2, 2).permute(0, 2, 7, 9, 4, 1, 3, 6, 10, 5, 8)
     codes = c.reshape(nb * bn, kp)[:n]
-    sw = scale_words.view(nb, kt, 8, 8, 4).permute(0, 2, 4, 3, 1).reshape(nb * bn, kt)[:n]
+    sw = scale_words.view(nb, kt, nw, 8, 2 * mt).permute(0, 2, 4, 3, 1).reshape(nb * bn, kt)[:n]
     return codes, (sw & ~15).view(torch.float32), sw & 15
 
 
@@ -132,32 +158,35 @@ def fp8_ok(w: FP8Weight) -> bool:
     return isinstance(w, FP8Weight) and w.shape[1] % BK == 0 and w.block_size in (None, 128)
 
 
-def repack_fp8(w: FP8Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(words int32 [U * 4096], scales fp32 [U * 128])`` for ``wo_mma.cu`` (``U = ceil(N/128) * K/128``)."""
+def repack_fp8(w: FP8Weight, warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(words int32 [U * BN * 32], scales fp32 [U * BN])`` for ``wo_mma.cu`` (``BN = block_n("fp8", warps)``,
+    ``U = ceil(N / BN) * K/128``)."""
     if not fp8_ok(w):
         raise ValueError("w: MODE 9 needs FP8 weights with K % 128 == 0 and per-channel or 128x128 block scales")
+    nw, _ = _layout("fp8", warps, None)
     n, k = w.shape
-    bn = block_n("fp8")
+    bn = block_n("fp8", nw)
     nb, kt = math.ceil(n / bn), k // BK
     q = _pad_rows(w.qweight.view(torch.uint8), nb * bn)
-    # n = nb*128 + warp*16 + p*8 + nl;  k = kt*128 + j*32 + slo*16 + khi*8 + c*2 + klo; byte khi*2 + klo
-    b = q.view(nb, 8, 2, 8, kt, 4, 2, 2, 4, 2).permute(0, 4, 1, 5, 3, 8, 6, 2, 7, 9)
+    # n = nb*BN + warp*16 + p*8 + nl;  k = kt*128 + j*32 + slo*16 + khi*8 + c*2 + klo; byte khi*2 + klo
+    b = q.view(nb, nw, 2, 8, kt, 4, 2, 2, 4, 2).permute(0, 4, 1, 5, 3, 8, 6, 2, 7, 9)
     words = b.reshape(-1, 4).contiguous().view(torch.int32).reshape(-1)
     if w.block_size is None:
         s = w.scales.float()[:, None].expand(n, kt)
     else:
         s = w.scales.float()[torch.arange(n, device=q.device) // 128][:, :kt]
-    s = _pad_rows(s.contiguous(), nb * bn).view(nb, 8, 2, 8, kt).permute(0, 4, 1, 3, 2)  # [nb, kt, warp, g, p]
+    s = _pad_rows(s.contiguous(), nb * bn).view(nb, nw, 2, 8, kt).permute(0, 4, 1, 3, 2)  # [nb, kt, warp, g, p]
     return words.contiguous(), s.reshape(-1).contiguous()
 
 
-def unpack_fp8(words: torch.Tensor, scales: torch.Tensor, n: int, k: int):
+def unpack_fp8(words: torch.Tensor, scales: torch.Tensor, n: int, k: int, warps: int | None = None):
     """Inverse of :func:`repack_fp8`: ``(bytes uint8 [N, K], scales fp32 [N, KT])``."""
-    bn = block_n("fp8")
+    nw, _ = _layout("fp8", warps, None)
+    bn = block_n("fp8", nw)
     nb, kt = math.ceil(n / bn), k // BK
-    b = words.contiguous().view(torch.uint8).view(nb, kt, 8, 4, 8, 4, 2, 2, 2, 2)
+    b = words.contiguous().view(torch.uint8).view(nb, kt, nw, 4, 8, 4, 2, 2, 2, 2)
     q = b.permute(0, 2, 7, 4, 1, 3, 6, 8, 5, 9).reshape(nb * bn, k)[:n]
-    s = scales.view(nb, kt, 8, 8, 2).permute(0, 2, 4, 3, 1).reshape(nb * bn, kt)[:n]
+    s = scales.view(nb, kt, nw, 8, 2).permute(0, 2, 4, 3, 1).reshape(nb * bn, kt)[:n]
     return q, s
 
 
@@ -183,15 +212,16 @@ def available(x: torch.Tensor) -> bool:
     return hasattr(torch.cuda, "_compile_kernel")
 
 
-def stage_bytes(kind: str) -> int:
+def stage_bytes(kind: str, warps: int | None = None, mt: int | None = None) -> int:
     """Shared memory of one ring stage: the unit's weight words, scale words and 16 x 128 activation tile."""
-    return UNIT_BYTES + 4 * block_n(kind) + 16 * BK * 2
+    return unit_bytes(kind, warps, mt) + 4 * block_n(kind, warps, mt) + 16 * BK * 2
 
 
-def reduce_bytes(kind: str, rows16: bool, ksplit: int) -> int:
+def reduce_bytes(kind: str, rows16: bool, ksplit: int, warps: int | None = None, mt: int | None = None) -> int:
     """Shared memory where K part 1 hands its sums to part 0 (KSPLIT 2): one float4 per accumulator tile and
     thread."""
-    return 0 if ksplit == 1 else (1 if kind == "fp8" else 2) * (2 if rows16 else 1) * 16 * THREADS
+    nw, m = _layout(kind, warps, mt)
+    return 0 if ksplit == 1 else m * (2 if rows16 else 1) * 16 * 32 * nw
 
 
 def _occupancy(func, threads: int, smem: int) -> int:
@@ -204,20 +234,21 @@ def _occupancy(func, threads: int, smem: int) -> int:
 
 
 def _kernel(kind: str, dtype: torch.dtype, device: torch.device, rows16: bool, stages: int, ctas: int,
-            ksplit: int = 1):
+            ksplit: int = 1, warps: int | None = None, mt: int | None = None):
     """The compiled kernel, its shared memory and how many CTAs of it fit on one SM (cached per variant and
     device)."""
-    key = (kind, dtype, device.index, rows16, stages, ctas, ksplit, DEFINES)
+    nw, m = _layout(kind, warps, mt)
+    key = (kind, dtype, device.index, rows16, stages, ctas, ksplit, nw, m, DEFINES)
     hit = _KERNELS.get(key)
     if hit is None:
         opts = [f"-DFP8={int(kind == 'fp8')}", f"-DACT_BF16={int(dtype == torch.bfloat16)}", f"-DSTAGES={stages}",
-                f"-DROWS16={int(rows16)}", f"-DKSPLIT={ksplit}",
+                f"-DROWS16={int(rows16)}", f"-DKSPLIT={ksplit}", f"-DNWARPS_N={nw}", f"-DMT4={m}",
                 f"-DMIN_BLOCKS={ctas}", "-std=c++17", *(f"-D{d}" for d in DEFINES)]
         with torch.cuda.device(device):
             k = torch.cuda._compile_kernel(_SRC.read_text(), "wo_mma", nvcc_options=opts)
-            smem = stages * stage_bytes(kind) + reduce_bytes(kind, rows16, ksplit)
+            smem = stages * stage_bytes(kind, nw, m) + reduce_bytes(kind, rows16, ksplit, nw, m)
             k.set_shared_memory_config(smem)
-            hit = (k, smem, _occupancy(k.func, THREADS * ksplit, smem))
+            hit = (k, smem, _occupancy(k.func, 32 * nw * ksplit, smem))
         _KERNELS[key] = hit
     return hit
 
@@ -296,10 +327,13 @@ def grid_size(units: int, sms: int, per_sm: int, occupancy: int) -> int:
 
 def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor, n: int, kp: int, *,
            stages: int | None = None, ctas: int | None = None, ksplit: int | None = None,
-           pdl: bool | None = None) -> torch.Tensor:
+           pdl: bool | None = None, warps: int | None = None, mt: int | None = None,
+           grid: int | None = None) -> torch.Tensor:
     """``x [M, K]`` (bf16/fp16, :func:`available`) times a repacked weight (``kind`` ``"int4"`` / ``"fp8"``,
     logical ``[n, kp]``: ``words`` / ``scales`` from :func:`repack_int4` / :func:`repack_fp8`) -> ``[M, n]`` in
-    ``x.dtype``. ``stages`` / ``ctas`` / ``ksplit`` override the launch table; ``pdl`` the programmatic dependent
+    ``x.dtype``. ``warps`` / ``mt`` name the repack's unit layout (:data:`LAYOUT` by default; they must be the ones
+    the repack was made with). ``stages`` / ``ctas`` / ``ksplit`` / ``grid`` (CTAs, at most one wave) override the
+    launch table; ``pdl`` the programmatic dependent
     launch (default: :data:`PDL` on sm90+; never on the first launch of a given ``words`` tensor, which may follow
     the kernels that wrote it: the weight is read before the launch's wait). Bad arguments raise ``ValueError``
     naming them before anything is launched."""
@@ -310,10 +344,12 @@ def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor
     for name, v, lo, hi in (("stages", stages, 2, 8), ("ctas", ctas, 1, MAX_CTAS_PER_SM), ("ksplit", ksplit, 1, 2)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
             raise ValueError(f"{name}: expected an int in [{lo}, {hi}] or None, got {v!r}")
-    units = math.ceil(n / block_n(kind)) * (kp // BK)
-    for name, t, dtype, numel in (("words", words, torch.int32, units * UNIT_BYTES // 4),
+    nw, mt = _layout(kind, warps, mt)
+    bn = block_n(kind, nw, mt)
+    units = math.ceil(n / bn) * (kp // BK)
+    for name, t, dtype, numel in (("words", words, torch.int32, units * unit_bytes(kind, nw, mt) // 4),
                                   ("scales", scales, torch.int32 if kind == "int4" else torch.float32,
-                                   units * block_n(kind))):
+                                   units * bn)):
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.numel() != numel or not t.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous {dtype} tensor of {numel} elements (the {kind} repack "
                              f"of an [{n}, {kp}] weight), got {getattr(t, 'dtype', type(t))} "
@@ -329,11 +365,15 @@ def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor
     st = STAGES[kind] if stages is None else stages
     per_sm = CTAS_PER_SM[kind] if ctas is None else ctas
     ks = KSPLIT[kind] if ksplit is None else ksplit
-    k, smem, occ = _kernel(kind, x.dtype, x.device, m > 8, st, per_sm, ks)
-    bn = block_n(kind)
+    k, smem, occ = _kernel(kind, x.dtype, x.device, m > 8, st, per_sm, ks, nw, mt)
     nb, kt = math.ceil(n / bn), kp // BK
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     g = grid_size(nb * kt, sms, per_sm, occ)
+    if grid is not None:
+        if isinstance(grid, bool) or not isinstance(grid, int) or not 1 <= grid <= g:
+            raise ValueError(f"grid: expected an int in [1, {g}] (one wave, at most one CTA per unit) or None, "
+                             f"got {grid!r}")
+        g = grid
     ws = _partials(x.device, sms * MAX_CTAS_PER_SM)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ldx = x.stride(0) if m > 1 else kp
@@ -341,7 +381,7 @@ def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor
     stream = torch.cuda.current_stream(x.device)
     early = (PDL if pdl is None else pdl) and torch.cuda.get_device_capability(x.device)[0] >= 9
     if _launched_before(words) and early:
-        _launch_pdl(k.func, g, THREADS * ks, smem, stream, args)
+        _launch_pdl(k.func, g, 32 * nw * ks, smem, stream, args)
     else:
-        k(grid=(g, 1, 1), block=(THREADS * ks, 1, 1), args=args, shared_mem=smem, stream=stream)
+        k(grid=(g, 1, 1), block=(32 * nw * ks, 1, 1), args=args, shared_mem=smem, stream=stream)
     return y

@@ -62,24 +62,33 @@
 #define SPLITACC (FP8 || !ROWS16)
 #endif
 
+#ifndef NWARPS_N  // warps per K part, each taking its own MT m16 tiles of channels (cuda_mma's layout "warps")
 #define NWARPS_N 8
-#define CT 256  // threads of one K part: partial-sum slots and outputs are indexed by them
+#endif
+#ifndef MT4  // INT4: m16 tiles per warp (cuda_mma's layout "mt"; FP8 always takes one)
+#define MT4 2
+#endif
+#define CT (NWARPS_N * 32)  // threads of one K part: partial-sum slots and outputs are indexed by them
 #define THREADS (CT * KSPLIT)
 #define SPW (8 / KSPLIT)  // K steps of 16 per warp per unit
 #define BK 128
 #if FP8
-#define MT 1  // m16 tiles per warp (two words each per K step)
-#define WN 16
+#define MT 1   // m16 tiles per warp (two words each per K step)
+#define WPS 2  // words per lane per K step
 #else
-#define MT 2  // m16 tiles per warp (one word each per K step)
-#define WN 32
+#define MT MT4  // m16 tiles per warp (one word each per K step)
+#define WPS MT4
 #endif
+#define WN (16 * MT)
+#define SPG (2 * MT)  // scale words per lane group g: two channels (g, g + 8) per m16 tile
 #define NTN (ROWS16 ? 2 : 1)  // n8 tiles of activation rows
 #define PB (MT * NTN >= 4 ? 1 : 4 / (MT * NTN))  // K-split finish: contributors polled at once (16 registers)
 #define BN (NWARPS_N * WN)
-#define W_BYTES 16384
+#define W_BYTES (BN * BK / (FP8 ? 1 : 2))
 #define SZ_BYTES (BN * 4)
 #define X_BYTES 4096
+#define X_CHUNKS ((ROWS16 ? 16 : 8) * 16)  // 16-byte chunks of one unit's activation tile
+#define X_PER_THREAD ((X_CHUNKS + THREADS - 1) / THREADS)
 #define STAGE_BYTES (W_BYTES + SZ_BYTES + X_BYTES)
 #define SENTINEL 0xFFFFFFFFu
 
@@ -220,6 +229,13 @@ __device__ __forceinline__ bool pending(const float* v) {
          __float_as_uint(v[2]) == SENTINEL || __float_as_uint(v[3]) == SENTINEL;
 }
 
+// Word i of a lane's unit (uint4 i / 4, component i % 4; i is a compile-time constant after unrolling).
+template <int NQ>
+__device__ __forceinline__ u32 word(const uint4 (&wv)[NQ], int i) {
+  const uint4& q = wv[i >> 2];
+  return (i & 3) == 0 ? q.x : (i & 3) == 1 ? q.y : (i & 3) == 2 ? q.z : q.w;
+}
+
 __device__ __forceinline__ int unit_start(int c, int U, int G) { return (int)(((long long)c * U) / G); }
 
 // Partial-sum slot of CTA c, accumulator tile q, thread ct of K part 0 (float4 granules, coalesced).
@@ -245,10 +261,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
   pdl_trigger();
 
   // ---- loads: the next unit into the stage at byte offset wr; the sources advance one unit per load ----
-  const int xr = (tid >> 4) & 15, xch = tid & 15;  // activation row and 16-byte chunk this thread copies
-  const bool x_loader = (tid >> 4) < (ROWS16 ? 16 : 8), s_loader = tid < SZ_BYTES / 16;
-  const unsigned short* xsrc = x + (size_t)(xr < M ? xr : M - 1) * ldx + xch * 8;
-  const u32 xdst = W_BYTES + SZ_BYTES + xr * 256 + ((xch ^ (xr & 7)) << 4);
+  // activation chunks this thread copies: chunk tid + i THREADS is row >> 4, 16-byte column & 15
+  const bool s_loader = tid < SZ_BYTES / 16;
+  const unsigned short* xsrc[X_PER_THREAD];
+  u32 xdst[X_PER_THREAD];
+#pragma unroll
+  for (int i = 0; i < X_PER_THREAD; i++) {
+    const int ch = tid + i * THREADS, xr = (ch >> 4) & 15, xch = ch & 15;
+    xsrc[i] = x + (size_t)(xr < M ? xr : M - 1) * ldx + xch * 8;
+    xdst[i] = W_BYTES + SZ_BYTES + xr * 256 + ((xch ^ (xr & 7)) << 4);
+  }
   const uint4* wsrc = wpk + (size_t)u0 * (W_BYTES / 16) + tid;
   const uint4* ssrc = szk + (size_t)u0 * (SZ_BYTES / 16) + (s_loader ? tid : 0);
   const int kw = KT * BK;
@@ -263,7 +285,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
     wsrc += W_BYTES / 16, ssrc += SZ_BYTES / 16;
   };
   auto load_x = [&]() {  // the unit's activation tile (written by the previous kernel: after pdl_wait)
-    if (x_loader) cp16(smem0 + wr + xdst, xsrc + xk);
+#pragma unroll
+    for (int i = 0; i < X_PER_THREAD; i++)
+      if (tid + i * THREADS < X_CHUNKS) cp16(smem0 + wr + xdst[i], xsrc[i] + xk);
     xk += BK;
     if (xk == kw) xk = 0;
     wr += STAGE_BYTES;
@@ -295,12 +319,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
   const int lrow = ROWS16 ? (lane & 7) + ((lane >> 4) << 3) : (lane & 7);
   const int lchunk = ROWS16 ? ((lane >> 3) & 1) : (lane >> 3);
   const u32 xoff = W_BYTES + SZ_BYTES + lrow * 256 + kh * SPW * 32 + ((lchunk ^ (lrow & 7)) << 4);
-  const u32 woff = (wn * 128 + kh * (SPW / 2) * 32 + lane) * 16;
-#if FP8
-  const u32 soff = W_BYTES + (wn * 16 + g * 2) * 4;
-#else
-  const u32 soff = W_BYTES + (wn * 32 + g * 4) * 4;
-#endif
+  const u32 woff = (wn * 64 * WPS + kh * (SPW * WPS / 4) * 32 + lane) * 16;
+  const u32 soff = W_BYTES + (wn * 8 + g) * SPG * 4;
   u32 rd = 0;
 
   for (int i = 0; i < n_units; i++) {
@@ -318,16 +338,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
     // ---- one unit: this warp's MT m16 tiles x its 128 / KSPLIT of K ----
     const unsigned char* st = smem + rd;
     const u32 stu = smem0 + rd;
-    uint4 wv[SPW / 2];
+    uint4 wv[SPW * WPS / 4];
 #pragma unroll
-    for (int j = 0; j < SPW / 2; j++) wv[j] = *reinterpret_cast<const uint4*>(st + woff + j * 512);
-#if FP8
-    const uint2 sv = *reinterpret_cast<const uint2*>(st + soff);
+    for (int j = 0; j < SPW * WPS / 4; j++) wv[j] = *reinterpret_cast<const uint4*>(st + woff + j * 512);
+    u32 sv[SPG];  // scale words: channel g, then g + 8, of each m16 tile
+    {
+#if SPG == 4
+      const uint4 v = *reinterpret_cast<const uint4*>(st + soff);
+      sv[0] = v.x, sv[1] = v.y, sv[2] = v.z, sv[3] = v.w;
 #else
-    const uint4 sv = *reinterpret_cast<const uint4*>(st + soff);
-    // -(magic + z) twice per register, z < 16 in the scale words' low bits (no carry), tiles 0-3
-    const u32 negz[4] = {(sv.x & 15u) * 0x10001u + NEG_MAGIC * 0x10001u, (sv.y & 15u) * 0x10001u + NEG_MAGIC * 0x10001u,
-                         (sv.z & 15u) * 0x10001u + NEG_MAGIC * 0x10001u, (sv.w & 15u) * 0x10001u + NEG_MAGIC * 0x10001u};
+      const uint2 v = *reinterpret_cast<const uint2*>(st + soff);
+      sv[0] = v.x, sv[1] = v.y;
+#endif
+    }
+#if !FP8
+    // -(magic + z) twice per register, z < 16 in the scale words' low bits (no carry)
+    u32 negz[SPG];
+#pragma unroll
+    for (int e = 0; e < SPG; e++) negz[e] = (sv[e] & 15u) * 0x10001u + NEG_MAGIC * 0x10001u;
 #endif
     float tmp[1 + SPLITACC][MT][NTN][4];  // [K step parity (SPLITACC)][m16 tile][n8 tile][register]
 #pragma unroll
@@ -353,18 +381,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
       if ((s & 1) == 0) ldsm_x4(stu + (xoff ^ (s << 5)), xr4);  // two K steps
       xb[0][0] = xr4[(s & 1) * 2], xb[0][1] = xr4[(s & 1) * 2 + 1];
 #endif
-      const uint4 q = wv[s >> 1];
-      const u32 w0 = (s & 1) ? q.z : q.x;
-      const u32 w1 = (s & 1) ? q.w : q.y;
 #if FP8
+      const u32 w0 = word(wv, s * WPS), w1 = word(wv, s * WPS + 1);
       const u32 a0 = fp8x2(w0, 0x9180u), a2 = fp8x2(w0, 0xB3A2u);
       const u32 a1 = fp8x2(w1, 0x9180u), a3 = fp8x2(w1, 0xB3A2u);
 #pragma unroll
       for (int b = 0; b < NTN; b++) mma(tmp[SPLITACC & s][0][b], a0, a1, a2, a3, xb[b][0], xb[b][1]);
 #else
 #pragma unroll
-      for (int p = 0; p < 2; p++) {
-        const u32 w = p ? w1 : w0;
+      for (int p = 0; p < MT; p++) {
+        const u32 w = word(wv, s * WPS + p);
         u32 v0 = and_or(w, 0x000F000Fu, MAGIC2), v1 = and_or(w >> 4, 0x000F000Fu, MAGIC2);
         u32 v2 = and_or(w >> 8, 0x000F000Fu, MAGIC2), v3 = and_or(w >> 12, 0x000F000Fu, MAGIC2);
         v0 = add2(v0, negz[2 * p]), v1 = add2(v1, negz[2 * p]);
@@ -386,9 +412,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 #pragma unroll
     for (int a = 0; a < MT; a++) {
 #if FP8
-      const float sA = __uint_as_float(sv.x) * FP8_FOLD, sB = __uint_as_float(sv.y) * FP8_FOLD;
+      const float sA = __uint_as_float(sv[0]) * FP8_FOLD, sB = __uint_as_float(sv[1]) * FP8_FOLD;
 #else
-      const float sA = __uint_as_float((a ? sv.z : sv.x) & ~15u), sB = __uint_as_float((a ? sv.w : sv.y) & ~15u);
+      const float sA = __uint_as_float(sv[2 * a] & ~15u), sB = __uint_as_float(sv[2 * a + 1] & ~15u);
 #endif
 #pragma unroll
       for (int b = 0; b < NTN; b++) {

@@ -10,8 +10,10 @@ fp32 partials (written over a sentinel pattern and polled: no flag, fence or ato
 
 Layouts (all made once per weight by :func:`repack_int4` / :func:`repack_fp8`, kept while the weight lives):
 
-* unit ``u = nb * KT + kt``: channels ``[nb BN, (nb + 1) BN)`` x K ``[kt 128, (kt + 1) 128)``, 16 KB of words in
-  the order ``[warp 8][j 4][lane 32][4 words]`` (BN = 256 for INT4, 128 for FP8). :func:`unpack_int4` /
+* unit ``u = nb * KT + kt``: channels ``[nb BN, (nb + 1) BN)`` x K ``[kt 128, (kt + 1) 128)``, words in the order
+  ``[warp][j][lane 32][4 words]``. ``BN`` = warps x m16 tiles per warp x 16 (:data:`LAYOUT`, by default 8 x 2 x 16 =
+  256 for INT4 and 8 x 1 x 16 = 128 for FP8: 16 KB units; the ``warps`` / ``mt`` arguments pick another, e.g. 7 x 1
+  for 112-channel units, which the dispatcher does not use yet). :func:`unpack_int4` /
   :func:`unpack_fp8` invert it (the CPU tests check the round trip and the nibble / byte map the kernel decodes);
 * per unit ``BN`` 32-bit scale words ``[warp][8 channels g][tile]`` (one vector load per lane): INT4 the fp32
   scale with its low 4 mantissa bits replaced by the zero point (relative error <= 2^-19), FP8 the fp32 scale.
@@ -36,8 +38,7 @@ import torch
 from .formats import FP8Weight, IntWeight
 
 BK = 128
-THREADS = 256
-UNIT_BYTES = 16384
+UNIT_BYTES = 16384  # the largest unit (8 warps x 2 m16 tiles INT4, 8 x 1 FP8): a CTA's partial-sum slots fit in it
 MAX_M = 16
 MAX_CTAS_PER_SM = 4
 _SRC = Path(__file__).with_name("wo_mma.cu")

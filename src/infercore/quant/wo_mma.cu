@@ -5,9 +5,10 @@
 // weights are the 16-row operand (16 channels per MMA) and the activation rows the 8-column one, so M <= 8 takes
 // one MMA per 16 channels x 16 K and M <= 16 (ROWS16) two.
 //
-// Work unit: BN channels x BK = 128 K of the weight, 16 KB stored contiguously by ``cuda_mma.repack_*`` in the
-// order the warps read it: [warp][j 0..3][lane][16 bytes], then the unit's scale words [warp][g][tile] (one
-// 16-byte (INT4) / 8-byte (FP8) load per lane). Unit u = nb * KT + kt. With KSPLIT = 2 a CTA has 16 warps: warps
+// Work unit: BN channels x BK = 128 K of the weight (BN = NWARPS_N warps x MT m16 tiles; 16 KB by default) stored
+// contiguously by ``cuda_mma.repack_*`` in the order the warps read it: [warp][j][lane][16 bytes] (word s WPS + p of a
+// lane is component % 4 of its uint4 j = (s WPS + p) / 4: K step s, word p), then the unit's scale words
+// [warp][g][tile] (one 16-byte (INT4, MT 2) / 8-byte (FP8, INT4 MT 1) load per lane). Unit u = nb * KT + kt. With KSPLIT = 2 a CTA has 16 warps: warps
 // w and w + 8 take the same channels and the two halves of each unit's K, and add their sums in shared memory at
 // the end of each channel block's segment (measured slower than KSPLIT = 1 on the H200; not dispatched).
 // The grid is one wave of CTAs; CTA c streams units [c U / G, (c + 1) U / G) through a STAGES-deep cp.async ring
@@ -320,7 +321,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
   const int lchunk = ROWS16 ? ((lane >> 3) & 1) : (lane >> 3);
   const u32 xoff = W_BYTES + SZ_BYTES + lrow * 256 + kh * SPW * 32 + ((lchunk ^ (lrow & 7)) << 4);
   const u32 woff = (wn * 64 * WPS + kh * (SPW * WPS / 4) * 32 + lane) * 16;
-  const u32 soff = W_BYTES + (wn * 8 + g) * SPG * 4;
+  const u32 soff = W_BYTES + (wn * 8 * SPG + g * SPG) * 4;
   u32 rd = 0;
 
   for (int i = 0; i < n_units; i++) {

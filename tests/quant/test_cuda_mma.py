@@ -178,6 +178,17 @@ def test_repack_refuses_unsupported_weights():
     assert CM.fp8_ok(FP8Weight.quantize(torch.randn(64, 256), block_size=128))
 
 
+def test_mode9_layout_table(monkeypatch):
+    from infercore.quant import triton_wo as TW
+
+    assert TW.mode9_layout("int4", 14336, 4096) == (None, None, False)  # the default layout, stream-K grid
+    monkeypatch.setitem(TW.MODE9_LAYOUTS, "int4", ((14336, 4096, 7, 1, True), (4096, 4096, 4, 2, False)))
+    assert TW.mode9_layout("int4", 14336, 4096) == (7, 1, True)
+    assert TW.mode9_layout("int4", 4096, 4096) == (4, 2, False)
+    assert TW.mode9_layout("int4", 4096, 14336) == (None, None, False)
+    assert TW.mode9_layout("fp8", 14336, 4096) == (None, None, False)
+
+
 def test_unavailable_on_cpu():
     assert not CM.available(torch.randn(2, 256, dtype=torch.bfloat16))
 

@@ -19,6 +19,11 @@ def _rel(y, r):
     return ((y.float() - r.float()).norm() / r.float().norm()).item()
 
 
+def _has_mode9_pack(q) -> bool:
+    """Whether the dispatcher made a MODE 9 repack of ``q`` (cache keys ``("mode9", warps, mt)``)."""
+    return any(key[0] == "mode9" for key in TW.TF._PACKS.get(id(q.qweight), (None, {}))[1])
+
+
 def _sentinels_back():
     ws = CM._BUFFERS[torch.cuda.current_device()].view(torch.int32)
     assert bool((ws == -1).all()), "partial-sum slots left written"
@@ -88,6 +93,25 @@ def test_mode9_layouts(m, kind, warps, mt, n, k, whole_blocks, ksplit):
     _sentinels_back()
 
 
+def test_dispatcher_runs_a_mode9_layout_from_its_table(monkeypatch):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.fail("MODE 9's default dispatch is for sm90+: run on a Hopper GPU")
+    n, k = 14336, 4096
+    monkeypatch.setitem(TW.MODE9_LAYOUTS, "int4", ((n, k, 7, 1, True),))
+    monkeypatch.setitem(TW.MODE9_LAYOUTS, "fp8", ((n, k, 7, 1, True),))
+    for q in (IntWeight.quantize(torch.randn(n, k, device=dev) * 0.02, bits=4, group_size=128),
+              FP8Weight.quantize(torch.randn(n, k, device=dev) * 0.02)):
+        ref_w = q.dequantize(torch.float32)
+        fn = TW.wq_matmul_triton if isinstance(q, IntWeight) else TW.fp8_wo_matmul_triton
+        for m in (4, 16):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            assert _rel(fn(x, q), x.float() @ ref_w.T) < 5e-3
+        assert set(TW.TF._PACKS[id(q.qweight)][1]) >= {("mode9", 7, 1)}
+        assert ("mode9", None, None) not in TW.TF._PACKS[id(q.qweight)][1]
+    torch.cuda.synchronize()
+    _sentinels_back()
+
+
 def test_mode9_grid_argument():
     q = IntWeight.quantize(torch.randn(512, 256, device=dev), bits=4, group_size=128, clip_search=False)
     x = torch.randn(2, 256, device=dev, dtype=torch.bfloat16)
@@ -129,7 +153,7 @@ def test_dispatcher_takes_mode9_for_int4_by_its_rules():
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         y = TW.wq_matmul_triton(x, q)
         assert _rel(y, x.float() @ ref_w.T) < 5e-3
-        assert ("mode9",) in TW.TF._PACKS[id(q.qweight)][1]
+        assert _has_mode9_pack(q)
     # fused gate (the merged gate_up) and bias go through the unfused epilogue
     x = torch.randn(16, k, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, device=dev, dtype=torch.bfloat16)
@@ -144,7 +168,7 @@ def test_dispatcher_takes_mode9_for_int4_by_its_rules():
     assert TW.mode9_rows("int4", 28672 * 2048) == (8, 16)
     for m in (1, 2):
         TW.wq_matmul_triton(torch.randn(m, 4096, device=dev, dtype=torch.bfloat16), q2)
-    assert ("mode9",) not in TW.TF._PACKS.get(id(q2.qweight), (None, {}))[1]
+    assert not _has_mode9_pack(q2)
 
 
 def test_dispatcher_takes_mode9_for_large_fp8_from_its_row_threshold():
@@ -160,7 +184,7 @@ def test_dispatcher_takes_mode9_for_large_fp8_from_its_row_threshold():
         y = TW.fp8_wo_matmul_triton(x, q)
         assert _rel(y, x.float() @ ref_w.T) < 5e-3
         assert TW.mode9_default(x, q) == (lo <= m <= hi)
-    assert ("mode9",) in TW.TF._PACKS[id(q.qweight)][1]
+    assert _has_mode9_pack(q)
     x = torch.randn(lo, k, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, device=dev, dtype=torch.bfloat16)
     y = TW.fp8_wo_matmul_triton(x, q, b, act="silu")

@@ -156,6 +156,22 @@ MODE9_RULES = {
 }
 
 
+# MODE 9 unit layouts other than ``cuda_mma.LAYOUT`` per weight shape: ``(n, k, warps, mt, whole_blocks)``. With
+# ``whole_blocks`` each CTA takes whole channel blocks over the whole K (one per CTA where they fit in one wave: no
+# partial exchange). Empty: the 112-channel layouts (docs/quantization.md, "MODE 9, twenty-eighth session") are not
+# measured yet. One layout per shape, so a weight keeps one MODE 9 repack whatever the row count.
+MODE9_LAYOUTS: dict[str, tuple] = {"int4": (), "fp8": ()}
+
+
+def mode9_layout(kind: str, n: int, k: int) -> tuple[int | None, int | None, bool]:
+    """``(warps, mt, whole_blocks)`` of MODE 9 for an ``[n, k]`` weight of ``kind``: a ``MODE9_LAYOUTS`` entry, else
+    the default layout under the stream-K grid."""
+    for nn, kk, warps, mt, whole in MODE9_LAYOUTS[kind]:
+        if (nn, kk) == (n, k):
+            return warps, mt, whole
+    return None, None, False
+
+
 def mode9_rows(kind: str, nbytes: int) -> tuple[int, int]:
     """The rows ``(m_lo, m_hi)`` MODE 9 takes by default for a weight of ``nbytes`` bytes of codes."""
     for lo, hi, m_lo, m_hi in MODE9_RULES[kind]:
@@ -195,13 +211,20 @@ def _run_mode9(x: torch.Tensor, w, config: dict | None) -> torch.Tensor | None:
         raise ValueError("config: MODE 9 needs CUDA sm80+ with NVRTC, bf16/fp16 activations of 1-16 rows, and INT4 "
                          "weights with K % 128 == 0 (unpadded) and groups of a multiple of 128 or FP8 weights with "
                          "K % 128 == 0 and per-channel or 128x128 block scales, and repacking on")
-    p = TF.packed(w.qweight, ("mode9",), lambda: CM.repack_int4(w) if kind == "int4" else CM.repack_fp8(w))
+    n, k = w.shape[0], x.shape[1]
+    warps, mt, whole = mode9_layout(kind, n, k)
+    p = TF.packed(w.qweight, ("mode9", warps, mt),
+                  lambda: CM.repack_int4(w, warps, mt) if kind == "int4" else CM.repack_fp8(w, warps))
     if p is None:
         if forced:
             raise ValueError("config: MODE 9's weight repack is made on the first eager call; run one before "
                              "capturing a CUDA graph")
         return None
-    return CM.matmul(x, kind, p[0], p[1], w.shape[0], x.shape[1])
+    grid = None
+    if whole:
+        blocks = -(-n // CM.block_n(kind, warps, mt))
+        grid = blocks if blocks <= torch.cuda.get_device_properties(x.device).multi_processor_count else None
+    return CM.matmul(x, kind, p[0], p[1], n, k, warps=warps, mt=mt, grid=grid)
 
 
 def _apply_act(y: torch.Tensor, act: str | None) -> torch.Tensor:

@@ -154,6 +154,8 @@ register("quant.w8a8_matmul", "reference", naive.w8a8_matmul_ref)
 register("quant.fp8_w8a8_matmul", "reference", naive.w8a8_matmul_ref)
 register("quant.fp8_decode", "reference", naive.fp8_decode_ref)
 
+from . import cpu as _cpu  # noqa: E402, F401  (registers the CPU fast path of quant.wq_matmul)
+
 if triton_available():
     from . import triton_w8a8, triton_wo
 

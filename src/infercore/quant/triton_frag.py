@@ -65,8 +65,6 @@ layouts bit for bit.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import triton
 import triton.language as tl
@@ -75,6 +73,7 @@ from ..devices import capability
 from ..ops.linear.triton import ACTIVATIONS, _act_mul
 from ..ops.pdl import GEMV_PREWAIT, pdl_enabled, pdl_launch, pdl_release, pdl_wait
 from ._splitk import arrival_counters
+from .repacks import _PACKS, packed  # noqa: F401 (the repack cache, shared with the CPU path)
 
 KSTEP = 128  # K per group step: 8 chunks of 16
 MAX_M = 16
@@ -898,27 +897,7 @@ def _decode_lane(word: int, kind: str, f16: bool) -> list[float]:
 # Launch
 # ----------------------------------------------------------------------------------------------
 
-# id(qweight) -> (weak ref, {(kind, dtype, act): packed tensors}); entries leave with their qweight.
-_PACKS: dict[int, tuple[weakref.ref, dict]] = {}
 _ASM: dict[tuple, tuple[str, str]] = {}
-
-
-def packed(qweight: torch.Tensor, key: tuple, make):
-    """``make()``'s repack of ``qweight`` for ``key`` (made once, kept while ``qweight`` lives), or None
-    during CUDA-graph capture when it does not exist yet (the first eager call makes it)."""
-    ent = _PACKS.get(id(qweight))
-    if ent is None or ent[0]() is not qweight:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        key_id = id(qweight)
-        ent = (weakref.ref(qweight, lambda _: _PACKS.pop(key_id, None)), {})
-        _PACKS[key_id] = ent
-    cache = ent[1]
-    if key not in cache:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        cache[key] = make()
-    return cache[key]
 
 
 def supported(x: torch.Tensor) -> bool:

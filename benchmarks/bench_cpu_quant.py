@@ -1,0 +1,131 @@
+# ruff: noqa: B023  (closures are run inside the loop iteration that defines them)
+"""Weight-only INT4 / INT8 on the CPU: the fast path (``quant/cpu.py``, ATen's packed kernels for bf16 activations)
+against the reference it replaced (dequantize, then matmul) and the dense bf16 weight, same threads, same process.
+
+1. One linear (``quant.wq_matmul``) at 1-64 rows: a 4096 x 4096 weight (the 8B shape's o_proj) and SmolLM2's merged
+   gate_up (3072 x 576); INT4 g128 with zero points and INT8 per channel. Peers: the reference, and ``F.linear`` on
+   the dense bf16 weight. Floor (1 row): bytes of codes and scales / the measured read bandwidth.
+2. Greedy decode of SmolLM2-135M-Instruct in bf16, batch 1 (decode rate as ``bench_cpu_decode.py``: prefill
+   excluded): each scheme through the fast path and through the reference (``INFERCORE_BACKEND``), next to the
+   unquantized model.
+
+    python benchmarks/bench_cpu_quant.py [--tokens 48] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import case, write_results  # noqa: E402
+from bench_cpu_decode import PROMPT, decode_rates, read_bandwidth  # noqa: E402
+
+from infercore import Engine, SamplingParams  # noqa: E402
+from infercore.quant import IntWeight, quantize, wq_matmul  # noqa: E402
+from infercore.quant import cpu as QC  # noqa: E402
+
+REFERENCE = "quant.wq_matmul:reference"
+SHAPES = {"4096x4096": (4096, 4096), "smollm2 gate_up 3072x576": (3072, 576)}
+FORMATS = {"int4 g128": {"bits": 4, "group_size": 128}, "int8 per channel": {"bits": 8, "group_size": None,
+                                                                              "symmetric": True}}
+
+
+def calls_per_s(fn, budget_s: float = 1.0, max_calls: int = 200) -> float:
+    """Calls per second of ``fn``: one warm-up call, then as many as fit ``budget_s`` (at least 3), best of 3 runs."""
+    fn()
+    t = time.perf_counter()
+    fn()
+    once = time.perf_counter() - t
+    n = max(3, min(max_calls, int(budget_s / 3 / max(once, 1e-6))))
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t) / n)
+    return 1.0 / best
+
+
+def linear_cases(ms: list[int], bw: float) -> list[dict]:
+    cases = []
+    for sname, (n, k) in SHAPES.items():
+        torch.manual_seed(0)
+        dense = torch.randn(n, k) * 0.02
+        for fname, kw in FORMATS.items():
+            w = IntWeight.quantize(dense, clip_search=False, **kw)
+            wb = w.dequantize(torch.bfloat16)
+            nbytes = w.qweight.numel() * w.qweight.element_size() + w.scales.numel() * w.scales.element_size()
+            if w.zeros is not None:
+                nbytes += w.zeros.numel() * w.zeros.element_size()
+            for m in ms:
+                x = torch.randn(m, k).to(torch.bfloat16)
+                ours = calls_per_s(lambda: wq_matmul(x, w))
+                os.environ["INFERCORE_BACKEND"] = REFERENCE
+                ref = calls_per_s(lambda: wq_matmul(x, w), budget_s=0.5, max_calls=20)
+                del os.environ["INFERCORE_BACKEND"]
+                bf16 = calls_per_s(lambda: F.linear(x, wb))
+                row = case(f"{fname} {sname} M={m} bf16 activations", metric="linear calls", unit="calls/s",
+                           ours=ours, peers={"reference (dequantize + matmul)": ref, "bf16 F.linear, dense": bf16},
+                           floor=bw / nbytes if m == 1 else None, kernel=QC.cpu_kind(w), weight_bytes=nbytes,
+                           ours_us=1e6 / ours, reference_us=1e6 / ref, bf16_us=1e6 / bf16)
+                print(f"{row['case']}: {1e6 / ours:.0f} us (reference {1e6 / ref:.0f}, bf16 dense {1e6 / bf16:.0f})",
+                      flush=True)
+                cases.append(row)
+    return cases
+
+
+def e2e_cases(schemes: list[str], tokens: int, repeats: int) -> list[dict]:
+    base = Engine.from_pretrained(device="cpu", dtype=torch.bfloat16, enable_prefix_caching=False)
+    ids = base.tokenizer.encode(
+        base.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True),
+        add_special_tokens=False)
+
+    def runner(eng, backend=None):
+        def run(n: int) -> list[int]:
+            if backend:
+                os.environ["INFERCORE_BACKEND"] = backend
+            try:
+                return eng.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].token_ids
+            finally:
+                os.environ.pop("INFERCORE_BACKEND", None)
+        return run
+
+    cases = []
+    dense_run = runner(base)
+    for scheme in schemes:
+        eng = Engine.from_pretrained(device="cpu", dtype=torch.bfloat16, enable_prefix_caching=False)
+        quantize(eng.model, scheme)  # in place: the engine's runner holds the same modules
+        fast, ref = runner(eng), runner(eng, REFERENCE)
+        same = fast(tokens) == ref(tokens)
+        r_fast, r_ref, r_dense = decode_rates([fast, ref, dense_run], tokens, repeats)
+        print(f"{scheme}: fast path {r_fast:.1f} tok/s, reference {r_ref:.1f}, unquantized bf16 {r_dense:.1f}; "
+              f"same tokens as the reference: {same}", flush=True)
+        cases.append(case(f"smollm2-135m decode bs1 bf16 {scheme} {tokens} tokens", metric="decode throughput",
+                          unit="tok/s", ours=r_fast, peers={"reference (dequantize + matmul)": r_ref,
+                                                            "unquantized bf16": r_dense},
+                          floor=None, greedy_tokens_identical_to_reference=same, threads=torch.get_num_threads()))
+    return cases
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ms", default="1,4,16,64")
+    ap.add_argument("--schemes", default="w4a16-g128,w8a16")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results/cpu/cpu_quant.json")
+    args = ap.parse_args()
+    bw = read_bandwidth()
+    cases = linear_cases([int(v) for v in args.ms.split(",")], bw)
+    cases += e2e_cases(args.schemes.split(","), args.tokens, args.repeats)
+    write_results(args.out, "cpu_quant", "cpu", cases, extra={"read_bandwidth_GBps": bw / 1e9})
+
+
+if __name__ == "__main__":
+    main()

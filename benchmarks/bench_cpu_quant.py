@@ -6,8 +6,8 @@ against the reference it replaced (dequantize, then matmul) and the dense bf16 w
    gate_up (3072 x 576); INT4 g128 with zero points and INT8 per channel. Peers: the reference, and ``F.linear`` on
    the dense bf16 weight. Floor (1 row): bytes of codes and scales / the measured read bandwidth.
 2. Greedy decode of SmolLM2-135M-Instruct in bf16, batch 1 (decode rate as ``bench_cpu_decode.py``: prefill
-   excluded): each scheme through the fast path and through the reference (``INFERCORE_BACKEND``), next to the
-   unquantized model.
+   excluded): each scheme, and the checkpoint's own Q4_1 blocks run as stored (``gguf-native-q4_1``), through the
+   fast path and through the reference (``INFERCORE_BACKEND``), next to the unquantized model.
 
     python benchmarks/bench_cpu_quant.py [--tokens 48] [--repeats 3]
 """
@@ -27,10 +27,13 @@ from _common import case, write_results  # noqa: E402
 from bench_cpu_decode import PROMPT, decode_rates, read_bandwidth  # noqa: E402
 
 from infercore import Engine, SamplingParams  # noqa: E402
+from infercore.loading import default_model_path  # noqa: E402
 from infercore.quant import IntWeight, quantize, wq_matmul  # noqa: E402
 from infercore.quant import cpu as QC  # noqa: E402
+from infercore.quant.gguf_native import use_gguf_blocks  # noqa: E402
 
 REFERENCE = "quant.wq_matmul:reference"
+NATIVE_Q4_1 = "gguf-native-q4_1"  # the checkpoint's own Q4_1 blocks (quant.gguf_native), not a requantization
 SHAPES = {"4096x4096": (4096, 4096), "smollm2 gate_up 3072x576": (3072, 576)}
 FORMATS = {"int4 g128": {"bits": 4, "group_size": 128}, "int8 per channel": {"bits": 8, "group_size": None,
                                                                               "symmetric": True}}
@@ -100,8 +103,13 @@ def e2e_cases(schemes: list[str], tokens: int, repeats: int) -> list[dict]:
     dense_run = runner(base)
     for scheme in schemes:
         eng = Engine.from_pretrained(device="cpu", dtype=torch.bfloat16, enable_prefix_caching=False)
-        quantize(eng.model, scheme)  # in place: the engine's runner holds the same modules
-        fast, ref = runner(eng), runner(eng, REFERENCE)
+        # in place: the engine's runner holds the same modules
+        if scheme == NATIVE_Q4_1:
+            use_gguf_blocks(eng.model, default_model_path())
+        else:
+            quantize(eng.model, scheme)
+        op = "quant.gguf_matmul" if scheme == NATIVE_Q4_1 else "quant.wq_matmul"
+        fast, ref = runner(eng), runner(eng, f"{op}:reference")
         same = fast(tokens) == ref(tokens)
         r_fast, r_ref, r_dense = decode_rates([fast, ref, dense_run], tokens, repeats)
         print(f"{scheme}: fast path {r_fast:.1f} tok/s, reference {r_ref:.1f}, unquantized bf16 {r_dense:.1f}; "
@@ -116,7 +124,7 @@ def e2e_cases(schemes: list[str], tokens: int, repeats: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,4,16,64")
-    ap.add_argument("--schemes", default="w4a16-g128,w8a16")
+    ap.add_argument("--schemes", default=f"w4a16-g128,w8a16,{NATIVE_Q4_1}")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/cpu/cpu_quant.json")

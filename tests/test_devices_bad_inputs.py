@@ -1,6 +1,8 @@
 """Bad INFERCORE_BACKEND overrides and device arguments: a ValueError / TypeError naming the variable
 or argument, never a silently ignored typo or an error from deep inside torch."""
 
+import re
+
 import pytest
 import torch
 
@@ -100,8 +102,10 @@ def test_register_probe_bad_arguments():
 
 def test_info_works_and_reports_bad_override(monkeypatch, capsys):
     monkeypatch.delenv("INFERCORE_BACKEND", raising=False)
-    assert cli.main(["info"]) == 0
-    assert "rms_norm" in capsys.readouterr().out
+    assert cli.main(["info", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "rms_norm" in out
+    assert re.search(r"quant\.wq_matmul\s+-> cpu ", out)  # the quantized matmuls are listed with their CPU path
     monkeypatch.setenv("INFERCORE_BACKEND", "rms_norm:nope")
     assert cli.main(["info"]) == 2
     assert "INFERCORE_BACKEND" in capsys.readouterr().err

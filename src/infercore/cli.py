@@ -67,6 +67,7 @@ def _info(args: argparse.Namespace) -> int:
 
     from . import devices
     from . import ops as _ops  # noqa: F401  (registers the implementations)
+    from . import quant as _quant  # noqa: F401  (and the quantized matmuls')
 
     print(f"torch {torch.__version__}")
     for cap in devices.list_devices():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from infercore.devices import resolve
-from infercore.quant import IntWeight, naive, quantize, repacks, wq_matmul
+from infercore.quant import GGUFWeight, IntWeight, gguf_matmul, naive, quantize, repacks, wq_matmul
 from infercore.quant import cpu as QC
 
 
@@ -22,8 +22,9 @@ def _w(n, k, bits=4, group=128, sym=False, seed=0):
                               clip_search=False)
 
 
-def test_the_cpu_implementation_serves_cpu_calls():
+def test_the_cpu_implementations_serve_cpu_calls():
     assert resolve("quant.wq_matmul", "cpu").name == "cpu"
+    assert resolve("quant.gguf_matmul", "cpu").name == "cpu"
 
 
 @pytest.mark.parametrize("m", [1, 3, 17, 64])
@@ -66,6 +67,30 @@ def test_what_the_kernels_cannot_take_runs_the_reference(case):
         assert QC.cpu_kind(w) is None
     x = torch.randn(3, 256 if case != "int4 group 512" else 1024).to(dtype)
     assert torch.equal(wq_matmul(x, w), naive.wq_matmul_ref(x, w))
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("m", [1, 6, 40])
+def test_gguf_q4_blocks_match_the_reference(qtype, m):
+    torch.manual_seed(m)
+    w = GGUFWeight.quantize(torch.randn(48, 320) * 0.05, qtype=qtype)
+    assert QC.cpu_kind(w) == "gguf4"
+    x = torch.randn(m, 320).to(torch.bfloat16)
+    b = torch.randn(48).to(torch.bfloat16)
+    for bias in (None, b):
+        assert _rel(gguf_matmul(x, w, bias=bias), naive.gguf_matmul_ref(x, w, bias)) < 1e-2
+
+
+@pytest.mark.parametrize("case", ["q8_0", "q4_1 N % 16", "q4_1 fp32 x"])
+def test_gguf_blocks_the_kernel_cannot_take_run_the_reference(case):
+    torch.manual_seed(0)
+    w = GGUFWeight.quantize(torch.randn(40 if "N %" in case else 64, 256), qtype=case.split()[0])
+    x = torch.randn(3, 256).to(torch.float32 if "fp32" in case else torch.bfloat16)
+    assert (QC.cpu_kind(w) is None) == (case != "q4_1 fp32 x")
+    assert torch.equal(gguf_matmul(x, w), naive.gguf_matmul_ref(x, w))
+    if case == "q8_0":
+        with pytest.raises(ValueError, match="w:"):
+            QC.pack_gguf4(w)
 
 
 def test_the_repack_is_made_once_and_leaves_with_the_weight():

@@ -1,9 +1,12 @@
-"""CPU fast path of the INT4 / INT8 weight-only matmul (``quant.wq_matmul``): ATen's packed CPU kernels for bf16
-activations, the weight repacked once and kept beside it while it lives.
+"""CPU fast path of the INT4 / INT8 weight-only matmul (``quant.wq_matmul``) and of GGUF Q4_0 / Q4_1 blocks
+(``quant.gguf_matmul``): ATen's packed CPU kernels for bf16 activations, the weight repacked once and kept beside it
+while it lives.
 
 * INT4, group-wise (groups of 32-256, or per channel where K is a multiple of 32), any zero points, ``N % 16 == 0``:
   ``torch.ops.aten._weight_int4pack_mm_for_cpu``. Its weight is ``(q - 8) * scale + zero`` per group, so ours,
   ``(q - z) * s``, is ``scale = s`` and ``zero = (8 - z) * s``, both rounded to bf16 as the kernel takes them.
+* GGUF Q4_0 / Q4_1 (``N % 16 == 0``): the same kernel in groups of 32, ``scale = d`` and ``zero = 0`` (Q4_0) or
+  ``m + 8 d`` (Q4_1).
 * INT8, symmetric per output channel (the ``w8a16`` scheme): ``torch.ops.aten._weight_int8pack_mm`` over the
   signed codes ``q - 128`` (K padded with zeros to a multiple of 16: the kernel returns wrong sums for other K) and
   the bf16 scales.
@@ -22,7 +25,8 @@ import torch.nn.functional as F
 
 from ..devices import register
 from . import naive
-from .formats import IntWeight
+from .formats import GGUFWeight, IntWeight
+from .gguf import BLOCK_BYTES, QK
 from .repacks import packed
 
 INT4_GROUPS = (256, 128, 64, 32)  # group sizes the INT4 kernel takes (per-channel scales are repeated over one)
@@ -43,8 +47,12 @@ def int4_group(w: IntWeight) -> int | None:
     return next((g for g in INT4_GROUPS if kp % g == 0), None)
 
 
-def cpu_kind(w: IntWeight) -> str | None:
-    """``"int4"`` / ``"int8"`` when a packed CPU kernel can take ``w`` (this torch has it), else None."""
+def cpu_kind(w: IntWeight | GGUFWeight) -> str | None:
+    """``"int4"`` / ``"int8"`` / ``"gguf4"`` when a packed CPU kernel can take ``w`` (this torch has it), else
+    None."""
+    if isinstance(w, GGUFWeight):
+        ok = w.qtype in ("q4_0", "q4_1") and w.raw.shape[0] % 16 == 0
+        return "gguf4" if ok and _has("_weight_int4pack_mm_for_cpu") else None
     if not isinstance(w, IntWeight):
         return None
     if int4_group(w) is not None and _has("_weight_int4pack_mm_for_cpu"):
@@ -54,19 +62,38 @@ def cpu_kind(w: IntWeight) -> str | None:
     return None
 
 
+def _pack4(codes: torch.Tensor, g: int, scale: torch.Tensor, zero: torch.Tensor):
+    """The INT4 kernel's operands for ``w = (codes - 8) * scale + zero`` per group of ``g``: ``(packed codes, g,
+    scales_and_zeros bf16 [K / g, N, 2])`` from codes ``[N, K]`` in [0, 16) and fp32 ``scale`` / ``zero``
+    ``[N, K / g]``."""
+    sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1), g, sz
+
+
 def pack_int4(w: IntWeight) -> tuple[torch.Tensor, int, torch.Tensor]:
     """``(packed codes, group size, scales_and_zeros bf16 [Kp / group, N, 2])`` for the INT4 kernel."""
     g = int4_group(w)
     if g is None:
         raise ValueError("w: the CPU INT4 kernel needs 4-bit codes, N % 16 == 0 and groups of 32-256 (or per-channel "
                          "scales with K a multiple of 32)")
-    kp = w.padded_in_features
-    reps = kp // g // w.scales.shape[1]  # > 1 only for per-channel scales
+    reps = w.padded_in_features // g // w.scales.shape[1]  # > 1 only for per-channel scales
     s = w.scales.float().repeat_interleave(reps, 1)  # [N, Kp / g]
     z = w.zero_points().repeat_interleave(reps, 1)
-    sz = torch.stack([s, (8.0 - z) * s], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.codes().contiguous(), 1)
-    return codes, g, sz
+    return _pack4(w.codes(), g, s, (8.0 - z) * s)
+
+
+def pack_gguf4(w: GGUFWeight) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """The INT4 kernel's operands for GGUF Q4_0 / Q4_1 blocks (groups of 32): ``scale = d``, ``zero = 0`` (Q4_0,
+    ``(nib - 8) d``) or ``m + 8 d`` (Q4_1, ``nib d + m``)."""
+    if w.qtype not in ("q4_0", "q4_1") or w.raw.shape[0] % 16:
+        raise ValueError("w: the CPU INT4 kernel takes Q4_0 / Q4_1 blocks with N % 16 == 0")
+    n = w.raw.shape[0]
+    blocks = w.raw.reshape(n, -1, BLOCK_BYTES[w.qtype])
+    qs = blocks[..., 4:] if w.qtype == "q4_1" else blocks[..., 2:]
+    codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, -1)  # block i's 32 values, in order
+    d = blocks[..., :2].contiguous().view(torch.float16)[..., 0].float()
+    m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].float() if w.qtype == "q4_1" else -8.0 * d
+    return _pack4(codes, QK, d, m + 8.0 * d)
 
 
 def _int8_k(w: IntWeight) -> int:
@@ -84,21 +111,40 @@ def pack_int8(w: IntWeight) -> tuple[torch.Tensor, torch.Tensor]:
     return q, w.scales[:, 0].to(torch.bfloat16).contiguous()
 
 
-def wq_matmul_cpu(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _matmul(x: torch.Tensor, w, bias: torch.Tensor | None, reference):
     """``x [M, K] @ dequant(w).T (+ bias [N]) -> [M, N]``: the packed kernels for bf16 ``x`` where
-    :func:`cpu_kind` allows (the bias added in fp32 to their bf16 product), else the reference."""
+    :func:`cpu_kind` allows (the bias added in fp32 to their bf16 product), else ``reference``."""
     kind = cpu_kind(w) if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
     if kind is None:
-        return naive.wq_matmul_ref(x, w, bias)
-    kp = w.padded_in_features if kind == "int4" else _int8_k(w)
-    xp = F.pad(x, (0, kp - x.shape[1])) if kp > x.shape[1] else x.contiguous()
-    if kind == "int4":
-        codes, g, sz = packed(w.qweight, ("cpu", "int4"), lambda: pack_int4(w))
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xp, codes, g, sz)
-    else:
+        return reference(x, w, bias)
+    if kind == "int8":
+        kp = _int8_k(w)
         q, s = packed(w.qweight, ("cpu", "int8"), lambda: pack_int8(w))
+    else:
+        store, make = (w.raw, pack_gguf4) if kind == "gguf4" else (w.qweight, pack_int4)
+        codes, g, sz = packed(store, ("cpu", kind), lambda: make(w))
+        kp = sz.shape[0] * g
+    xp = F.pad(x, (0, kp - x.shape[1])) if kp > x.shape[1] else x.contiguous()
+    if kind == "int8":
         y = torch.ops.aten._weight_int8pack_mm(xp, q, s)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xp, codes, g, sz)
     return y if bias is None else (y.float() + bias.float()).to(x.dtype)
 
 
-register("quant.wq_matmul", "cpu", wq_matmul_cpu, priority=5, available=lambda cap: cap.device_type == "cpu")
+def wq_matmul_cpu(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``quant.wq_matmul`` on the CPU: the INT4 / INT8 kernels, else the reference."""
+    return _matmul(x, w, bias, naive.wq_matmul_ref)
+
+
+def gguf_matmul_cpu(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``quant.gguf_matmul`` on the CPU: Q4_0 / Q4_1 blocks through the INT4 kernel, else the reference."""
+    return _matmul(x, w, bias, naive.gguf_matmul_ref)
+
+
+def _on_cpu(cap) -> bool:
+    return cap.device_type == "cpu"
+
+
+register("quant.wq_matmul", "cpu", wq_matmul_cpu, priority=5, available=_on_cpu)
+register("quant.gguf_matmul", "cpu", gguf_matmul_cpu, priority=5, available=_on_cpu)

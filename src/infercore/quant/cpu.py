@@ -13,9 +13,9 @@ while it lives.
 
 Other formats, fp32 / fp16 activations (ATen's kernels are vectorized for bf16 only: 20-30x slower in fp32 on the
 2-core AVX-512 CI machine) and a torch without these ops take the reference (dequantize, then matmul). On that
-machine the packed kernels beat the reference at every row count measured (1-256: a 4096 x 4096 INT4 g128 weight,
-1 row 0.46 ms vs 116 ms, 256 rows 52 ms vs 154 ms) and the bf16 ``F.linear`` of the dense weight at decode sizes
-(1 row 0.46 vs 2.1 ms); ``benchmarks/bench_cpu_quant.py`` measures them.
+machine the packed kernels beat the reference at every row count measured (a 4096 x 4096 INT4 g128 weight: 1 row
+0.48 vs 122 ms, 64 rows 14 vs 154 ms) and the bf16 ``F.linear`` of the dense weight at decode sizes (1 row 0.48 vs
+1.9 ms); ``benchmarks/bench_cpu_quant.py``, ``benchmarks/results/cpu/cpu_quant.json``.
 """
 
 from __future__ import annotations

@@ -254,15 +254,17 @@ def _kernel(kind: str, dtype: torch.dtype, device: torch.device, rows16: bool, s
     return hit
 
 
-def compiles(kind: str, dtype: torch.dtype, device: torch.device, rows16: bool) -> bool:
-    """Whether the kernel variant for ``kind`` / ``dtype`` / ``rows16`` (9-16 rows) compiles and loads on ``device``
-    with the launch table's shape. A failure (no NVRTC library, a driver that rejects the PTX, no CUDA) is warned
-    about once and remembered, so callers can fall back to the Triton kernels without an error."""
-    key = (kind, dtype, device, rows16, STAGES[kind], CTAS_PER_SM[kind], KSPLIT[kind], DEFINES)
+def compiles(kind: str, dtype: torch.dtype, device: torch.device, rows16: bool, warps: int | None = None,
+             mt: int | None = None) -> bool:
+    """Whether the kernel variant for ``kind`` / ``dtype`` / ``rows16`` (9-16 rows) / unit layout compiles and
+    loads on ``device`` with the launch table's shape. A failure (no NVRTC library, a driver that rejects the PTX, no
+    CUDA) is warned about once and remembered, so callers can fall back to the Triton kernels without an error."""
+    nw, m = _layout(kind, warps, mt)
+    key = (kind, dtype, device, rows16, STAGES[kind], CTAS_PER_SM[kind], KSPLIT[kind], nw, m, DEFINES)
     if key in _FAILED:
         return False
     try:
-        _kernel(kind, dtype, device, rows16, STAGES[kind], CTAS_PER_SM[kind], KSPLIT[kind])
+        _kernel(kind, dtype, device, rows16, STAGES[kind], CTAS_PER_SM[kind], KSPLIT[kind], nw, m)
     except Exception as e:  # noqa: BLE001 (any failure to build means: use the other kernels)
         _FAILED[key] = e
         warnings.warn(f"MODE 9 ({kind}, {dtype}) cannot run on {device}: {e}; the Triton kernels take its calls",

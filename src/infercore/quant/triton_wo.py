@@ -197,8 +197,10 @@ def mode9_default(x: torch.Tensor, w: IntWeight | FP8Weight) -> bool:
         return False
     kind = _mode9_kind(w)
     m_lo, m_hi = mode9_rows(kind, w.qweight.numel() * w.qweight.element_size())
-    return (_mode9_ok(kind, x, w) and m_lo <= x.shape[0] <= m_hi and capability(x.device).at_least(9)
-            and CM.compiles(kind, x.dtype, x.device, x.shape[0] > 8))
+    if not (_mode9_ok(kind, x, w) and m_lo <= x.shape[0] <= m_hi and capability(x.device).at_least(9)):
+        return False
+    warps, mt, _ = mode9_layout(kind, w.shape[0], x.shape[1])
+    return CM.compiles(kind, x.dtype, x.device, x.shape[0] > 8, warps, mt)
 
 
 def _run_mode9(x: torch.Tensor, w, config: dict | None) -> torch.Tensor | None:

@@ -11,11 +11,11 @@ while it lives.
   signed codes ``q - 128`` (K padded with zeros to a multiple of 16: the kernel returns wrong sums for other K) and
   the bf16 scales.
 
-Other formats, fp32 / fp16 activations (ATen's kernels are vectorized for bf16 only: 20-30x slower in fp32 on the
-2-core AVX-512 CI machine) and a torch without these ops take the reference (dequantize, then matmul). On that
-machine the packed kernels beat the reference at every row count measured (a 4096 x 4096 INT4 g128 weight: 1 row
-0.48 vs 122 ms, 64 rows 14 vs 154 ms) and the bf16 ``F.linear`` of the dense weight at decode sizes (1 row 0.48 vs
-1.9 ms); ``benchmarks/bench_cpu_quant.py``, ``benchmarks/results/cpu/cpu_quant.json``.
+Other formats, fp32 / fp16 activations (ATen vectorizes these kernels for bf16 activations only) and a torch
+without these ops take the reference (dequantize, then matmul). On a 2-core AVX-512 machine the packed kernels beat
+the reference at every row count measured (a 4096 x 4096 INT4 g128 weight: 1 row 0.48 vs 122 ms, 64 rows 14 vs
+154 ms) and the bf16 ``F.linear`` of the dense weight at decode sizes (1 row 0.48 vs 1.9 ms);
+``benchmarks/bench_cpu_quant.py``, ``benchmarks/results/cpu/cpu_quant.json``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..devices import register
 from . import naive
 from .formats import GGUFWeight, IntWeight
-from .gguf import BLOCK_BYTES, QK
+from .gguf import BLOCK_BYTES, QK, q4_parts
 from .repacks import packed
 
 INT4_GROUPS = (256, 128, 64, 32)  # group sizes the INT4 kernel takes (per-channel scales are repeated over one)
@@ -47,19 +47,22 @@ def int4_group(w: IntWeight) -> int | None:
     return next((g for g in INT4_GROUPS if kp % g == 0), None)
 
 
-def cpu_kind(w: IntWeight | GGUFWeight) -> str | None:
-    """``"int4"`` / ``"int8"`` / ``"gguf4"`` when a packed CPU kernel can take ``w`` (this torch has it), else
-    None."""
+def _format(w) -> str | None:
+    """``"int4"`` / ``"int8"`` / ``"gguf4"``: the packed kernel whose format ``w`` fits, else None."""
     if isinstance(w, GGUFWeight):
-        ok = w.qtype in ("q4_0", "q4_1") and w.raw.shape[0] % 16 == 0
-        return "gguf4" if ok and _has("_weight_int4pack_mm_for_cpu") else None
+        return "gguf4" if w.qtype in ("q4_0", "q4_1") and w.raw.shape[0] % 16 == 0 else None
     if not isinstance(w, IntWeight):
         return None
-    if int4_group(w) is not None and _has("_weight_int4pack_mm_for_cpu"):
+    if int4_group(w) is not None:
         return "int4"
-    if w.bits == 8 and w.symmetric and w.scales.shape[1] == 1 and _has("_weight_int8pack_mm"):
-        return "int8"
-    return None
+    return "int8" if w.bits == 8 and w.symmetric and w.scales.shape[1] == 1 else None
+
+
+def cpu_kind(w: IntWeight | GGUFWeight) -> str | None:
+    """``"int4"`` / ``"int8"`` / ``"gguf4"`` when a packed CPU kernel can take ``w`` and this torch has it, else
+    None."""
+    kind = _format(w)
+    return kind if kind and _has("_weight_int8pack_mm" if kind == "int8" else "_weight_int4pack_mm_for_cpu") else None
 
 
 def _pack4(codes: torch.Tensor, g: int, scale: torch.Tensor, zero: torch.Tensor):
@@ -72,7 +75,7 @@ def _pack4(codes: torch.Tensor, g: int, scale: torch.Tensor, zero: torch.Tensor)
 
 def pack_int4(w: IntWeight) -> tuple[torch.Tensor, int, torch.Tensor]:
     """``(packed codes, group size, scales_and_zeros bf16 [Kp / group, N, 2])`` for the INT4 kernel."""
-    g = int4_group(w)
+    g = int4_group(w) if isinstance(w, IntWeight) else None
     if g is None:
         raise ValueError("w: the CPU INT4 kernel needs 4-bit codes, N % 16 == 0 and groups of 32-256 (or per-channel "
                          "scales with K a multiple of 32)")
@@ -83,17 +86,13 @@ def pack_int4(w: IntWeight) -> tuple[torch.Tensor, int, torch.Tensor]:
 
 
 def pack_gguf4(w: GGUFWeight) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """The INT4 kernel's operands for GGUF Q4_0 / Q4_1 blocks (groups of 32): ``scale = d``, ``zero = 0`` (Q4_0,
-    ``(nib - 8) d``) or ``m + 8 d`` (Q4_1, ``nib d + m``)."""
-    if w.qtype not in ("q4_0", "q4_1") or w.raw.shape[0] % 16:
+    """``(packed codes, 32, scales_and_zeros bf16 [K / 32, N, 2])`` for GGUF Q4_0 / Q4_1 blocks (``w = nib d + m``,
+    :func:`gguf.q4_parts`): ``scale = d``, ``zero = m + 8 d``."""
+    if _format(w) != "gguf4":
         raise ValueError("w: the CPU INT4 kernel takes Q4_0 / Q4_1 blocks with N % 16 == 0")
     n = w.raw.shape[0]
-    blocks = w.raw.reshape(n, -1, BLOCK_BYTES[w.qtype])
-    qs = blocks[..., 4:] if w.qtype == "q4_1" else blocks[..., 2:]
-    codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, -1)  # block i's 32 values, in order
-    d = blocks[..., :2].contiguous().view(torch.float16)[..., 0].float()
-    m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].float() if w.qtype == "q4_1" else -8.0 * d
-    return _pack4(codes, QK, d, m + 8.0 * d)
+    nib, d, m = q4_parts(w.raw.reshape(n, -1, BLOCK_BYTES[w.qtype]), w.qtype)
+    return _pack4(nib.reshape(n, -1), QK, d, m + 8.0 * d)
 
 
 def _int8_k(w: IntWeight) -> int:
@@ -104,7 +103,7 @@ def _int8_k(w: IntWeight) -> int:
 def pack_int8(w: IntWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """``(signed codes int8 [N, K16], scales bf16 [N])`` for the INT8 kernel (K16: Kp rounded up to 16, the
     columns past Kp zero)."""
-    if not (w.bits == 8 and w.symmetric and w.scales.shape[1] == 1):
+    if _format(w) != "int8":
         raise ValueError("w: the CPU INT8 kernel needs symmetric per-channel 8-bit weights")
     q = (w.codes() - 128).to(torch.int8)
     q = F.pad(q, (0, _int8_k(w) - q.shape[1])).contiguous()
@@ -133,12 +132,16 @@ def _matmul(x: torch.Tensor, w, bias: torch.Tensor | None, reference):
 
 
 def wq_matmul_cpu(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``quant.wq_matmul`` on the CPU: the INT4 / INT8 kernels, else the reference."""
+    """``quant.wq_matmul`` on the CPU: ``x [M, K]`` (fp32 / fp16 / bf16) times an INT4 / INT8 ``w`` of logical
+    shape ``[N, K]`` (+ ``bias [N]``) -> ``[M, N]`` in ``x.dtype``; the packed kernels for bf16 ``x`` and the formats
+    :func:`cpu_kind` names, else the reference. Arguments are checked by the op (``quant.wq_matmul``)."""
     return _matmul(x, w, bias, naive.wq_matmul_ref)
 
 
 def gguf_matmul_cpu(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``quant.gguf_matmul`` on the CPU: Q4_0 / Q4_1 blocks through the INT4 kernel, else the reference."""
+    """``quant.gguf_matmul`` on the CPU: ``x [M, K]`` times GGUF blocks of logical shape ``[N, K]`` (+ ``bias [N]``)
+    -> ``[M, N]`` in ``x.dtype``; Q4_0 / Q4_1 with bf16 ``x`` through the INT4 kernel, else the reference. Arguments
+    are checked by the op (``quant.gguf_matmul``)."""
     return _matmul(x, w, bias, naive.gguf_matmul_ref)
 
 

@@ -29,6 +29,15 @@ def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[..., start : start + 2].contiguous().view(torch.float16)[..., 0].float()
 
 
+def q4_parts(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 / Q4_1 blocks ``uint8 [N, nb, block_bytes]`` -> ``(nib uint8 [N, nb, 32], d fp32 [N, nb], m fp32
+    [N, nb])`` with ``w = nib * d + m`` (Q4_0: ``m = -8 d``)."""
+    qs = blocks[..., 4:] if qtype == "q4_1" else blocks[..., 2:]
+    nib = torch.cat([qs & 15, qs >> 4], dim=-1)
+    d = _f16(blocks, 0)
+    return nib, d, _f16(blocks, 2) if qtype == "q4_1" else -8.0 * d
+
+
 def gguf_dequantize(raw: torch.Tensor, qtype: str, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Raw blocks ``uint8 [N, nb * block_bytes]`` -> weight ``[N, nb * 32]`` in ``dtype`` (math in fp32)."""
     _check_qtype(qtype)
@@ -39,13 +48,11 @@ def gguf_dequantize(raw: torch.Tensor, qtype: str, *, dtype: torch.dtype = torch
     if row_bytes % bb:
         raise ValueError(f"raw: row of {row_bytes} bytes is not a whole number of {qtype} blocks")
     blocks = raw.reshape(n, row_bytes // bb, bb)
-    d = _f16(blocks, 0)[..., None]
     if qtype == "q8_0":
-        w = blocks[..., 2:].contiguous().view(torch.int8).float() * d
+        w = blocks[..., 2:].contiguous().view(torch.int8).float() * _f16(blocks, 0)[..., None]
     else:
-        qs = blocks[..., 4:] if qtype == "q4_1" else blocks[..., 2:]
-        nib = torch.cat([qs & 15, qs >> 4], dim=-1).float()
-        w = nib * d + _f16(blocks, 2)[..., None] if qtype == "q4_1" else (nib - 8.0) * d
+        nib, d, m = q4_parts(blocks, qtype)
+        w = nib.float() * d[..., None] + m[..., None]
     return w.reshape(n, -1).to(dtype)
 
 

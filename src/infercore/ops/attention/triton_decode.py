@@ -349,6 +349,11 @@ def _decode_kernel(
         tl.store(mid_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=gmask)
 
 
+# TUNING keys of the tile and warps per KV mode: 0 a 16-bit cache, 1 int8, 2 / 3 FP8 (native / emulated).
+_TILE_KEYS = {0: ("block_n", "num_warps"), 1: ("block_n_codes", "num_warps_codes"),
+              2: ("block_n_fp8", "num_warps_fp8"), 3: ("block_n_fp8", "num_warps_fp8")}
+
+
 @triton.jit
 def _opaque16(x):
     """``x`` (a 16-bit tensor) unchanged, through an opaque move. Placed after the 1-byte -> 16-bit conversion of V,
@@ -499,8 +504,7 @@ def paged_attention_decode(
                 code_scale = 256.0  # the fp16 bit pattern is the e4m3 value times 2**-8
     else:
         k_scale = v_scale = seq_lens  # unused pointers
-    tile_key, warps_key = (("block_n", "num_warps"), ("block_n_codes", "num_warps_codes"))[kv_mode] if kv_mode < 2 \
-        else ("block_n_fp8", "num_warps_fp8")
+    tile_key, warps_key = _TILE_KEYS[kv_mode]
     block_n = 16 if interp else TUNING[tile_key]
     dot_dtype = q.dtype if kv_mode else k_cache.dtype
     precision = "ieee" if dot_dtype == torch.float32 else "tf32"

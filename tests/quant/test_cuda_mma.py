@@ -167,6 +167,16 @@ def test_fp8_kernel_math_emulated(nw):
     torch.testing.assert_close(y[:, :n], ref, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind,warps,mt", [("int4", w, m) for w, m in LAYOUTS_INT4] + [("fp8", 8, None),
+                                                                                     ("fp8", 7, None)])
+def test_stage_puts_the_activation_tile_256_byte_aligned(kind, warps, mt):
+    # wo_mma.cu XORs the K step into bits 5-7 of the tile's offset (its swizzle): the tile must start on 256 bytes
+    # after the unit's weight and scale words (a 112-channel unit's end at 7616 bytes once made it read past them)
+    x_off = CM.stage_bytes(kind, warps, mt) - 16 * CM.BK * 2
+    assert x_off % 256 == 0
+    assert 0 <= x_off - (CM.unit_bytes(kind, warps, mt) + 4 * CM.block_n(kind, warps, mt)) < 256
+
+
 def test_repack_refuses_unsupported_weights():
     with pytest.raises(ValueError, match="w:"):
         CM.repack_int4(IntWeight.quantize(torch.randn(64, 192), bits=4, group_size=64))

@@ -214,8 +214,9 @@ def available(x: torch.Tensor) -> bool:
 
 
 def stage_bytes(kind: str, warps: int | None = None, mt: int | None = None) -> int:
-    """Shared memory of one ring stage: the unit's weight words, scale words and 16 x 128 activation tile."""
-    return unit_bytes(kind, warps, mt) + 4 * block_n(kind, warps, mt) + 16 * BK * 2
+    """Shared memory of one ring stage: the unit's weight words, scale words and 16 x 128 activation tile (at a
+    256-byte aligned offset: the kernel's swizzle XORs the K step into the offset's bits 5-7)."""
+    return -(-(unit_bytes(kind, warps, mt) + 4 * block_n(kind, warps, mt)) // 256) * 256 + 16 * BK * 2
 
 
 def reduce_bytes(kind: str, rows16: bool, ksplit: int, warps: int | None = None, mt: int | None = None) -> int:

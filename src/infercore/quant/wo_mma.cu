@@ -90,7 +90,10 @@
 #define X_BYTES 4096
 #define X_CHUNKS ((ROWS16 ? 16 : 8) * 16)  // 16-byte chunks of one unit's activation tile
 #define X_PER_THREAD ((X_CHUNKS + THREADS - 1) / THREADS)
-#define STAGE_BYTES (W_BYTES + SZ_BYTES + X_BYTES)
+// The activation tile starts 256-byte aligned in its stage: the ldmatrix addresses XOR the K step into bits 5-7 of
+// the offset (the swizzle), which must be the tile's own bits (a 112-channel unit's weights and scales end at 7616).
+#define X_OFF ((W_BYTES + SZ_BYTES + 255) / 256 * 256)
+#define STAGE_BYTES (X_OFF + X_BYTES)
 #define SENTINEL 0xFFFFFFFFu
 
 typedef unsigned int u32;
@@ -270,7 +273,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
   for (int i = 0; i < X_PER_THREAD; i++) {
     const int ch = tid + i * THREADS, xr = (ch >> 4) & 15, xch = ch & 15;
     xsrc[i] = x + (size_t)(xr < M ? xr : M - 1) * ldx + xch * 8;
-    xdst[i] = W_BYTES + SZ_BYTES + xr * 256 + ((xch ^ (xr & 7)) << 4);
+    xdst[i] = X_OFF + xr * 256 + ((xch ^ (xr & 7)) << 4);
   }
   const uint4* wsrc = wpk + (size_t)u0 * (W_BYTES / 16) + tid;
   const uint4* ssrc = szk + (size_t)u0 * (SZ_BYTES / 16) + (s_loader ? tid : 0);
@@ -319,7 +322,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
   // chunk of K step s is ((first + 2 s) ^ (row & 7)) = (first ^ (row & 7)) ^ 2 s: first < 2 (< 4) has no bit of 2 s.
   const int lrow = ROWS16 ? (lane & 7) + ((lane >> 4) << 3) : (lane & 7);
   const int lchunk = ROWS16 ? ((lane >> 3) & 1) : (lane >> 3);
-  const u32 xoff = W_BYTES + SZ_BYTES + lrow * 256 + kh * SPW * 32 + ((lchunk ^ (lrow & 7)) << 4);
+  const u32 xoff = X_OFF + lrow * 256 + kh * SPW * 32 + ((lchunk ^ (lrow & 7)) << 4);
   const u32 woff = (wn * 64 * WPS + kh * (SPW * WPS / 4) * 32 + lane) * 16;
   const u32 soff = W_BYTES + (wn * 8 * SPG + g * SPG) * 4;
   u32 rd = 0;

@@ -3,10 +3,21 @@ import os
 import pytest
 import torch
 
-# Triton kernels are tested on the CPU through the interpreter; it must be chosen before triton is
-# first imported (by any test module). On a CUDA machine the compiled kernels run instead.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Triton kernels are tested on the CPU through the interpreter; it must be chosen before the kernels' modules are
+# first imported (by any test module), and it holds for the whole process. So the run's marker selection picks it:
+# `-m gpu` on a CUDA machine compiles the kernels; any other run (the CPU tests, also on a CUDA machine) interprets.
+# Test modules that also say `os.environ.setdefault("TRITON_INTERPRET", "1")` then change nothing;
+# without this, collecting one of them in a `-m gpu` run put every GPU test of that worker on the interpreter.
+
+
+def _selects_gpu_tests(markexpr: str) -> bool:
+    return "gpu" in markexpr and "not gpu" not in markexpr
+
+
+def pytest_configure(config):
+    gpu = torch.cuda.is_available() and _selects_gpu_tests(config.getoption("markexpr") or "")
+    os.environ.setdefault("TRITON_INTERPRET", "0" if gpu else "1")
+
 
 # GPU tests carry the `gpu` marker and are deselected by default (pyproject addopts);
 # run them on a CUDA machine with `pytest -m gpu`.

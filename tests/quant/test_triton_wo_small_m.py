@@ -6,7 +6,7 @@ checked through the integer decode only (bit-exact elsewhere).
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is decorated
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is decorated; tests/conftest.py decides first
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -36,7 +36,8 @@ def _generate(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             seed=args.seed,
         )
-        engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+        engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
+                                        quantization=args.quantization)
     except (OSError, ValueError, TypeError, ImportError) as e:  # OSError: unreadable files too
         print(f"infercore: {e}", file=sys.stderr)
         return 2
@@ -94,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="HF safetensors dir or .gguf file (default: SmolLM2-135M-Instruct)")
     g.add_argument("--device", default=None, type=_device, help="cpu, cuda, cuda:1 (default: cuda if available)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", default=None, metavar="Q",
+                   help="'gguf': run a GGUF file's Q4_0 / Q4_1 / Q8_0 linears as stored; or a weight scheme of "
+                        "infercore.quant.SCHEMES (e.g. w4a16-g128, w8a16, fp8-wo). On the CPU the packed kernels "
+                        "take --dtype bfloat16 (default: dense weights)")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)

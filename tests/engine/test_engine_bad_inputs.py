@@ -162,3 +162,16 @@ def test_generate_names_bad_prompts_and_takes_any_single_prompt(eng):
 def test_from_pretrained_names_a_bad_device_before_loading(device, err):
     with pytest.raises(err, match="device"):
         Engine.from_pretrained("/nonexistent/checkpoint", device=device)
+
+
+@pytest.mark.parametrize(("path", "quantization", "err", "match"), [
+    ("/nonexistent/checkpoint", "gguf", ValueError, "not a GGUF file"),
+    ("/nonexistent/model.gguf", "w4a16-g9", ValueError, "w4a16-g9"),
+    ("/nonexistent/model.gguf", "w8a8-smooth", ValueError, "needs calibration"),
+    ("/nonexistent/model.gguf", "w4a16-g128-gptq", ValueError, "needs calibration"),
+    ("/nonexistent/model.gguf", 4, TypeError, "quantization"),
+])
+def test_from_pretrained_names_a_bad_quantization_before_loading(path, quantization, err, match):
+    with pytest.raises(err, match=match) as e:
+        Engine.from_pretrained(path, device="cpu", quantization=quantization)
+    assert "quantization" in str(e.value)

@@ -48,3 +48,26 @@ def test_bad_request_leaves_others_running(engine):
     while engine.has_unfinished():
         done += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in done] == [ok] and done[0].token_ids
+
+
+def test_from_pretrained_runs_the_gguf_blocks_as_stored():
+    # quantization="gguf": the checkpoint's Q4_1 / Q8_0 linears stay block-quantized (bf16 activations take the
+    # packed CPU kernel); lm_head / the tied embedding stays dense.
+    from infercore.quant import GGUFWeight, QuantLinear
+
+    eng = Engine.from_pretrained(device="cpu", dtype="bfloat16", quantization="gguf", max_num_batched_tokens=64)
+    q = [m for m in eng.model.modules() if isinstance(m, QuantLinear)]
+    # qkv, o, gate_up and down of each of the 30 layers
+    assert len(q) == 30 * 4 and all(isinstance(m.qweight_format, GGUFWeight) for m in q)
+    out = eng.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert "Paris" in out.text
+
+
+def test_from_pretrained_quantizes_with_a_scheme():
+    from infercore.quant import IntWeight, QuantLinear
+
+    eng = Engine.from_pretrained(device="cpu", dtype="bfloat16", quantization="w8a16", max_num_batched_tokens=64)
+    q = [m for m in eng.model.modules() if isinstance(m, QuantLinear)]
+    assert len(q) == 30 * 4 and all(isinstance(m.qweight_format, IntWeight) and m.qweight_format.bits == 8 for m in q)
+    out = eng.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert "Paris" in out.text

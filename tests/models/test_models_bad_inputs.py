@@ -90,6 +90,7 @@ def test_unavailable_cuda_is_a_value_error():
         (["generate", "hi", "--device", "bogus"], "argument --device: 'bogus' is not a usable device"),
         (["info", "--device", "bogus"], "argument --device: 'bogus' is not a usable device"),
         (["generate", "hi", "--model", ""], "argument --model: .*empty string"),
+        (["generate", "hi", "--kv-cache-dtype", "bf16"], "argument --kv-cache-dtype: invalid choice: 'bf16'"),
     ],
 )
 def test_cli_rejects_bad_flags(capsys, argv, match):
@@ -103,3 +104,26 @@ def test_cli_checks_sampling_flags_before_loading(capsys):
     # A missing model would be reported too; the bad flag must be reported first (no load needed).
     assert cli.main(["generate", "hi", "--max-tokens", "-1", "--model", "/nonexistent"]) == 2
     assert "max_tokens must be >= 1, got -1" in capsys.readouterr().err
+
+
+
+def test_cli_checks_quantization_before_loading(capsys, tmp_path):
+    assert cli.main(["generate", "hi", "--quantization", "w4a16-g9", "--model", str(tmp_path)]) == 2
+    assert "quantization: expected None, 'gguf' or a scheme" in capsys.readouterr().err
+    assert cli.main(["generate", "hi", "--quantization", "gguf", "--model", str(tmp_path)]) == 2
+    assert "is not a GGUF file" in capsys.readouterr().err
+
+
+def test_cli_passes_quantization_and_kv_cache_dtype_to_the_loader(capsys, monkeypatch):
+    from infercore.engine import Engine
+
+    seen = {}
+
+    def load(path, **kw):
+        seen.update(kw)
+        raise ValueError("not loading here")
+
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(load))
+    assert cli.main(["generate", "hi", "--quantization", "w8a16", "--kv-cache-dtype", "int8"]) == 2
+    assert seen["quantization"] == "w8a16" and seen["kv_cache_dtype"] == "int8"
+    assert "not loading here" in capsys.readouterr().err

@@ -106,3 +106,15 @@ def test_fp8_scale_search_never_worse_than_absmax():
     assert bool((e_search <= e_plain).all()) and e_search.sum() < 0.97 * e_plain.sum()
     with pytest.raises(ValueError, match="importance"):
         FP8Weight.quantize(w, scale_search=True, importance=torch.ones(3))
+
+
+def test_schemes_that_need_calibration_refuse_to_run_without_it():
+    from infercore.quant import SCHEMES
+
+    need = {n for n, s in SCHEMES.items() if s.needs_calibration}
+    assert need == {"w4a16-g128-gptq", "w8a8-smooth", "w8a8-mixed-smooth"}
+    for name in need:
+        layer = _layer()
+        with pytest.raises(ValueError, match=f"calibration: scheme '{name}' needs calibration"):
+            quantize(layer, name)
+        assert type(layer[0]) is torch.nn.Linear  # refused before any layer was replaced

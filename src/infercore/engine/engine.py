@@ -42,7 +42,7 @@ def _check_quantization(quantization, path) -> None:
     if scheme is None:
         raise ValueError(f"quantization: expected None, 'gguf' or a scheme of infercore.quant.SCHEMES "
                          f"({', '.join(sorted(SCHEMES))}), got {quantization!r}")
-    if scheme.method == "gptq" or scheme.smooth_alpha is not None:
+    if scheme.needs_calibration:
         raise ValueError(f"quantization: scheme {quantization!r} needs calibration; quantize the model with "
                          "infercore.quant.quantize(model, scheme, calibration=...) and pass it to Engine(...)")
 

@@ -97,6 +97,12 @@ class QuantScheme:
             raise ValueError(f"method: GPTQ applies to int4/int8 weight-only schemes, not {self.name!r}")
         _check_real("damp", self.damp, "a fraction in [0, 1)", lambda d: 0 <= d < 1)
 
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether :func:`quantize` needs ``calibration`` for this scheme: GPTQ (Hessians) and SmoothQuant
+        (per-channel activation maxima)."""
+        return self.method == "gptq" or self.smooth_alpha is not None
+
 
 _WEIGHTS = ("int4", "int8", "fp8", "w8a8", "q4_0", "q4_1", "q8_0")
 
@@ -308,7 +314,10 @@ def quantize(
                             f"run(model), got {type(calibration).__name__}")
         calibration = collect_calibration(model, calibration, hessian=s.method == "gptq",
                                           names=[n for n, _ in targets])
-    if s.method == "gptq" and (calibration is None or not calibration.hessians):
+    if s.needs_calibration and calibration is None:
+        raise ValueError(f"calibration: scheme {s.name!r} needs calibration (CalibrationStats or a callable "
+                         "run(model))")
+    if s.method == "gptq" and not calibration.hessians:
         raise ValueError(f"calibration: scheme {s.name!r} with GPTQ needs calibration Hessians")
     if calibration is not None:
         # Before any layer is replaced, so bad statistics leave the model as it was.

@@ -4,6 +4,7 @@ A side stream, forked inside the captured decode step, asks L2 for weights that 
 next, while the main stream runs latency-bound kernels (attention, the split merge, norms):
 
 * ``o``: the o_proj weights, forked after the qkv GEMV (they load during RoPE + attention + merge);
+* ``of=F``: only a share F of the o_proj weights (a tiny F measures the side branch's own cost);
 * ``gu=F``: a share F of the merged gate_up weights, spread evenly, forked after qkv too (behind ``o``);
 * ``qkv``: the next layer's qkv weights, forked after the gate_up GEMV (they load during down);
 * ``bulk``: ``cp.async.bulk.prefetch.L2`` chunks instead of per-line ``prefetch.global.L2``;
@@ -93,8 +94,8 @@ def install(model) -> None:
         def qkv_fwd(x, _orig=attn.qkv_proj.forward, _o=attn.o_proj, _gu=mlp.gate_up_proj):
             y = _orig(x)
             v = STATE["v"]
-            if x.shape[0] <= 4 and x.is_cuda and ("o" in v or "gu" in v):
-                todo = [(t, 1.0) for t in read_set(_o)] if "o" in v else []
+            if x.shape[0] <= 4 and x.is_cuda and ("o" in v or "of" in v or "gu" in v):
+                todo = [(t, v.get("of", 1.0)) for t in read_set(_o)] if ("o" in v or "of" in v) else []
                 if "gu" in v:
                     todo += [(t, v["gu"]) for t in read_set(_gu)]
                 fork(todo)

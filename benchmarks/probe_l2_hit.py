@@ -3,7 +3,8 @@
 One CUDA graph per variant: write a 256 MB buffer (evicts L2) -> prefetch the GEMV's weight tensors ->
 spin ~20 us (``torch.cuda._sleep``, the stand-in for attention) -> the GEMV. The GEMV's own time is the
 graph's time minus the same graph without it. Prefetch variants: none, per-line ``prefetch.global.L2``
-(evict_last / normal), ``cp.async.bulk.prefetch.L2``, and ``touch`` (a real read of the words: a sum).
+(evict_last / normal), ``cp.async.bulk.prefetch.L2`` (16 KB or 1 MB per program), and ``touch`` (a real
+read of the words: a sum).
 
     python benchmarks/probe_l2_hit.py --out $OUT/r/probe_l2_hit.json
 """
@@ -27,7 +28,7 @@ from probe_l2_prefetch import read_set  # noqa: E402
 from infercore.ops.l2_prefetch import l2_prefetch  # noqa: E402
 from infercore.quant import QuantLinear, quantize_weight  # noqa: E402
 
-VARIANTS = ("none", "line", "normal", "bulk", "touch")
+VARIANTS = ("none", "line", "normal", "bulk", "bulk1m", "touch")
 
 
 def graph_ms(fn, reps: int = 30) -> float:
@@ -86,7 +87,8 @@ def main() -> None:
                             if v == "touch":
                                 t.view(torch.uint8).sum(dtype=torch.int32)
                             elif v != "none":
-                                l2_prefetch(t, bulk=v == "bulk", evict_last=v == "line")
+                                l2_prefetch(t, bulk=v.startswith("bulk"), evict_last=v == "line",
+                                            chunk=1 << 20 if v == "bulk1m" else 16384)
                         torch.cuda._sleep(args.spin)
 
                     full = graph_ms(lambda pre=pre, lin=lin, xi=xi: (pre(), lin(xi)))

@@ -3,12 +3,14 @@
 A side stream, forked inside the captured decode step, asks L2 for weights that the main stream reads
 next, while the main stream runs latency-bound kernels (attention, the split merge, norms):
 
-* ``o``: the o_proj weights, forked after the qkv GEMV (they load during RoPE + attention + merge);
-* ``of=F``: only a share F of the o_proj weights (a tiny F measures the side branch's own cost);
-* ``gu=F``: a share F of the merged gate_up weights, spread evenly, forked after qkv too (behind ``o``);
-* ``qkv``: the next layer's qkv weights, forked after the gate_up GEMV (they load during down);
+* ``TENSOR@HOOK=F``: a share F (default 1) of a linear's weights, spread evenly, asked for at HOOK.
+  TENSOR: ``o`` (o_proj), ``gu`` (the merged gate_up), ``dn`` (down), ``nq`` (the next layer's qkv).
+  HOOK: ``a`` (forked after the qkv GEMV: loads during RoPE + attention + merge), ``a2`` (after o_proj),
+  ``b`` (after the gate_up GEMV: loads during down). Older names: ``o`` = ``o@a``, ``gu=F`` = ``gu@a=F``,
+  ``qkv`` = ``nq@b``; a tiny F (``of=0.001``) measures the side branch's own cost;
 * ``bulk``: ``cp.async.bulk.prefetch.L2`` chunks instead of per-line ``prefetch.global.L2``;
-* ``normal``: per-line prefetches without the ``evict_last`` priority.
+* ``normal``: per-line prefetches without the ``evict_last`` priority;
+* ``chunk=N``: bytes per prefetch program (bulk: one prefetch of N bytes per one-warp program).
 
 Each variant gets its own Engine (one CUDA graph for batch 1, captured with the variant set); the
 variants' steady decode rates are then timed in alternating rounds, and their greedy tokens compared.
@@ -42,13 +44,29 @@ from infercore.quant import quantize  # noqa: E402
 STATE: dict = {"v": {}, "side": None}
 
 
+HOOKS = ("a", "a2", "b")  # after the qkv GEMV, after o_proj, after the gate_up GEMV (forward order)
+TENSORS = ("o", "gu", "dn", "nq")  # o_proj, gate_up, down, the next layer's qkv
+
+
 def parse(v: str) -> dict:
-    out = {}
+    """``"gu@a=0.5,dn@a2,bulk,chunk=1048576"`` -> {"plan": {hook: [(tensor, fraction)]}, "bulk": True, ...}.
+    The legacy keys ``o`` / ``of=F`` / ``gu=F`` mean hook a and ``qkv`` means ``nq@b``."""
+    out: dict = {"plan": {h: [] for h in HOOKS}}
     for part in filter(None, (p.strip() for p in v.split(","))):
         if part == "none":
             continue
         k, _, val = part.partition("=")
-        out[k] = float(val) if val else True
+        if k in ("bulk", "normal"):
+            out[k] = True
+        elif k == "chunk":
+            out[k] = int(val)
+        else:
+            legacy = {"o": "o@a", "of": "o@a", "gu": "gu@a", "qkv": "nq@b"}
+            name, _, hook = legacy.get(k, k).partition("@")
+            if name not in TENSORS or hook not in HOOKS:
+                raise ValueError(f"variant part {part!r}: expected TENSOR@HOOK[=F] with TENSOR in {TENSORS}, "
+                                 f"HOOK in {HOOKS}")
+            out["plan"][hook].append((name, float(val) if val else 1.0))
     return out
 
 
@@ -74,43 +92,47 @@ def read_set(lin: torch.nn.Module) -> list[torch.Tensor]:
     return out or [q]
 
 
-def fork(tensors_and_fractions) -> None:
+def fork(hook: str, mods: dict, x: torch.Tensor) -> None:
     v = STATE["v"]
+    items = v["plan"][hook] if v else []
+    if not items or x.shape[0] > 4 or not x.is_cuda:
+        return
     main = torch.cuda.current_stream()
     side = STATE["side"]
     side.wait_stream(main)
     STATE["forked"] = True
+    kw = {"bulk": bool(v.get("bulk")), "evict_last": not v.get("normal")}
+    if "chunk" in v:
+        kw["chunk"] = v["chunk"]
     with torch.cuda.stream(side):
-        for t, f in tensors_and_fractions:
-            l2_prefetch(t, fraction=f, bulk=bool(v.get("bulk")), evict_last=not v.get("normal"))
+        for name, f in items:
+            if mods.get(name) is None:
+                continue
+            for t in read_set(mods[name]):
+                l2_prefetch(t, fraction=f, **kw)
 
 
 def install(model) -> None:
     layers = model.model.layers
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
-        nxt = layers[i + 1].self_attn.qkv_proj if i + 1 < len(layers) else None
+        mods = {"o": attn.o_proj, "gu": mlp.gate_up_proj, "dn": mlp.down_proj,
+                "nq": layers[i + 1].self_attn.qkv_proj if i + 1 < len(layers) else None}
 
-        def qkv_fwd(x, _orig=attn.qkv_proj.forward, _o=attn.o_proj, _gu=mlp.gate_up_proj):
-            y = _orig(x)
-            v = STATE["v"]
-            if x.shape[0] <= 4 and x.is_cuda and ("o" in v or "of" in v or "gu" in v):
-                todo = [(t, v.get("of", 1.0)) for t in read_set(_o)] if ("o" in v or "of" in v) else []
-                if "gu" in v:
-                    todo += [(t, v["gu"]) for t in read_set(_gu)]
-                fork(todo)
-            return y
+        def wrap(mod, hook, attr="forward", _mods=mods):
+            orig = getattr(mod, attr)
 
-        attn.qkv_proj.forward = qkv_fwd
-        gu = mlp.gate_up_proj
-        if hasattr(gu, "forward_act"):
-            def act_fwd(x, act, _orig=gu.forward_act, _n=nxt):
-                y = _orig(x, act)
-                if x.shape[0] <= 4 and x.is_cuda and "qkv" in STATE["v"] and _n is not None:
-                    fork([(t, 1.0) for t in read_set(_n)])
+            def f(x, *a, _orig=orig, _hook=hook):
+                y = _orig(x, *a)
+                fork(_hook, _mods, x)
                 return y
 
-            gu.forward_act = act_fwd
+            setattr(mod, attr, f)
+
+        wrap(attn.qkv_proj, "a")
+        wrap(attn.o_proj, "a2")
+        if hasattr(mlp.gate_up_proj, "forward_act"):
+            wrap(mlp.gate_up_proj, "b", "forward_act")
     orig = model.forward
 
     def fwd(*a, **k):

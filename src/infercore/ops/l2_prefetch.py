@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..devices import triton_interpreter
 
-# Bytes per program: 128 lines of 128 bytes (one line per thread of 4 warps).
+# Bytes per program by default: 128 lines of 128 bytes (one line per thread of 4 warps).
 CHUNK = 16384
 
 
@@ -54,7 +54,8 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def l2_prefetch(t: torch.Tensor, *, fraction: float = 1.0, bulk: bool = False, evict_last: bool = True) -> None:
+def l2_prefetch(t: torch.Tensor, *, fraction: float = 1.0, bulk: bool = False, evict_last: bool = True,
+                chunk: int = CHUNK) -> None:
     """Issue L2 prefetches for ``t``'s storage on the current stream (a hint; no result changes).
 
     Args:
@@ -63,6 +64,7 @@ def l2_prefetch(t: torch.Tensor, *, fraction: float = 1.0, bulk: bool = False, e
             ``round(1 / fraction)``-th chunk of :data:`CHUNK` bytes), so each reader of a slice gets its share.
         bulk: one ``cp.async.bulk.prefetch.L2`` per chunk (sm90+) instead of one ``prefetch.global.L2`` per line.
         evict_last: per-line prefetches carry the ``evict_last`` L2 priority.
+        chunk: bytes per program (a power of two >= 4096; bulk: one-warp programs, one prefetch each).
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"t: expected a tensor, got {type(t).__name__}")
@@ -70,6 +72,8 @@ def l2_prefetch(t: torch.Tensor, *, fraction: float = 1.0, bulk: bool = False, e
         raise ValueError("t: expected a contiguous tensor")
     if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 < fraction <= 1:
         raise ValueError(f"fraction: expected a number in (0, 1], got {fraction!r}")
+    if not isinstance(chunk, int) or chunk < 4096 or chunk & (chunk - 1):
+        raise ValueError(f"chunk: expected a power of two >= 4096, got {chunk!r}")
     if not t.is_cuda or triton_interpreter() or t.numel() == 0:
         return
     cap = _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
@@ -77,6 +81,6 @@ def l2_prefetch(t: torch.Tensor, *, fraction: float = 1.0, bulk: bool = False, e
         return
     nbytes = t.numel() * t.element_size()
     every = max(1, round(1 / fraction))
-    chunks = triton.cdiv(nbytes, CHUNK * every)
-    _l2_prefetch_kernel[(chunks,)](t.reshape(-1).view(torch.uint8), nbytes,
-                                   CHUNK * every, CHUNK=CHUNK, BULK=bulk, LAST=evict_last, num_warps=4)
+    chunks = triton.cdiv(nbytes, chunk * every)
+    _l2_prefetch_kernel[(chunks,)](t.reshape(-1).view(torch.uint8), nbytes, chunk * every, CHUNK=chunk, BULK=bulk,
+                                   LAST=evict_last, num_warps=1 if bulk else max(1, min(8, chunk // 4096)))

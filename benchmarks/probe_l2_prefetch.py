@@ -9,7 +9,8 @@ next, while the main stream runs latency-bound kernels (attention, the split mer
   ``b`` (after the gate_up GEMV: loads during down). Older names: ``o`` = ``o@a``, ``gu=F`` = ``gu@a=F``,
   ``qkv`` = ``nq@b``; a tiny F (``of=0.001``) measures the side branch's own cost;
 * ``bulk``: ``cp.async.bulk.prefetch.L2`` chunks instead of per-line ``prefetch.global.L2``;
-* ``normal``: per-line prefetches without the ``evict_last`` priority;
+* ``normal``: prefetches without the ``evict_last`` priority;
+* ``prio``: the side stream has the high stream priority;
 * ``chunk=N``: bytes per prefetch program (bulk: one prefetch of N bytes per one-warp program).
 
 Each variant gets its own Engine (one CUDA graph for batch 1, captured with the variant set); the
@@ -56,7 +57,7 @@ def parse(v: str) -> dict:
         if part == "none":
             continue
         k, _, val = part.partition("=")
-        if k in ("bulk", "normal"):
+        if k in ("bulk", "normal", "prio"):
             out[k] = True
         elif k == "chunk":
             out[k] = int(val)
@@ -98,8 +99,9 @@ def fork(hook: str, mods: dict, x: torch.Tensor) -> None:
     if not items or x.shape[0] > 4 or not x.is_cuda:
         return
     main = torch.cuda.current_stream()
-    side = STATE["side"]
+    side = STATE["side_hi" if v.get("prio") else "side"]
     side.wait_stream(main)
+    STATE["joined_to"] = side
     STATE["forked"] = True
     kw = {"bulk": bool(v.get("bulk")), "evict_last": not v.get("normal")}
     if "chunk" in v:
@@ -138,7 +140,7 @@ def install(model) -> None:
     def fwd(*a, **k):
         out = orig(*a, **k)
         if STATE.pop("forked", False):  # join the side stream (a captured graph must end on its origin stream)
-            torch.cuda.current_stream().wait_stream(STATE["side"])
+            torch.cuda.current_stream().wait_stream(STATE.pop("joined_to"))
         return out
 
     model.forward = fwd
@@ -179,6 +181,7 @@ def main() -> None:
     if args.scheme != "bf16":
         quantize(model, args.scheme, skip=() if args.lm_head else ("lm_head",))
     STATE["side"] = torch.cuda.Stream()
+    STATE["side_hi"] = torch.cuda.Stream(priority=-1)
     install(model)
     prompt = torch.randint(0, 128000, (512,), generator=torch.Generator().manual_seed(1)).tolist()
     names = [v.strip() for v in args.variants.split(";")]

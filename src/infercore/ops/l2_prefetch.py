@@ -32,9 +32,16 @@ def _l2_prefetch_kernel(p, nbytes, STRIDE, CHUNK: tl.constexpr, BULK: tl.constex
         lane = tl.arange(0, 32)
         size = (tl.minimum(nbytes - start, CHUNK) // 16 * 16).to(tl.int32)
         lead = ((lane == 0) & (size > 0)).to(tl.int32)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred q; setp.ne.b32 q, $2, 0; @q cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
-            "=r,l,r,r", [p + start + lane * 0, lead, size + lane * 0], dtype=tl.int32, is_pure=False, pack=1)
+        if LAST:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred q; .reg .b64 pol; setp.ne.b32 q, $2, 0; "
+                "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+                "@q cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $3, pol; mov.u32 $0, 0; }",
+                "=r,l,r,r", [p + start + lane * 0, lead, size + lane * 0], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred q; setp.ne.b32 q, $2, 0; @q cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
+                "=r,l,r,r", [p + start + lane * 0, lead, size + lane * 0], dtype=tl.int32, is_pure=False, pack=1)
     elif LAST:
         offs = start + tl.arange(0, CHUNK // 128) * 128
         ok = (offs < nbytes).to(tl.int32)
@@ -63,7 +70,7 @@ def l2_prefetch(t: torch.Tensor, *, fraction: float = 1.0, bulk: bool = False, e
         fraction: share of the bytes to ask for, in ``(0, 1]``, spread evenly over the tensor (every
             ``round(1 / fraction)``-th chunk of :data:`CHUNK` bytes), so each reader of a slice gets its share.
         bulk: one ``cp.async.bulk.prefetch.L2`` per chunk (sm90+) instead of one ``prefetch.global.L2`` per line.
-        evict_last: per-line prefetches carry the ``evict_last`` L2 priority.
+        evict_last: the prefetched lines carry the ``evict_last`` L2 priority.
         chunk: bytes per program (a power of two >= 4096; bulk: one-warp programs, one prefetch each).
     """
     if not isinstance(t, torch.Tensor):

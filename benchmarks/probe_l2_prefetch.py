@@ -173,6 +173,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--lm-head", action="store_true", help="quantize lm_head too")
+    ap.add_argument("--trace", default="", help="write a chrome trace of 2 steps per variant into this folder")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     cfg = dict(LLAMA_8B, num_hidden_layers=args.layers)
@@ -201,6 +202,22 @@ def main() -> None:
             times[name].append(ms)
             tokens.setdefault(name, tok)
             print(f"round {r} {name:24s} {ms:.4f} ms/step", flush=True)
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+        for i, name in enumerate(names):
+            STATE["v"] = parse(name)
+            eng = engines[name]
+            eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+            for _ in range(6):
+                eng.step()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(2):
+                    eng.step()
+                torch.cuda.synchronize()
+            prof.export_chrome_trace(os.path.join(args.trace, f"trace_{i}.json"))
+            while eng.has_unfinished():
+                eng.step()
     base = sorted(times[names[0]])[len(times[names[0]]) // 2]
     cases = []
     for name in names:

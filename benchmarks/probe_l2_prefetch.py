@@ -11,6 +11,7 @@ next, while the main stream runs latency-bound kernels (attention, the split mer
 * ``bulk``: ``cp.async.bulk.prefetch.L2`` chunks instead of per-line ``prefetch.global.L2``;
 * ``normal``: prefetches without the ``evict_last`` priority;
 * ``prio``: the side stream has the high stream priority;
+* ``chain``: no side stream: the prefetch is a PDL kernel on the main stream, right after the hook's kernel;
 * ``chunk=N``: bytes per prefetch program (bulk: one prefetch of N bytes per one-warp program).
 
 Each variant gets its own Engine (one CUDA graph for batch 1, captured with the variant set); the
@@ -57,7 +58,7 @@ def parse(v: str) -> dict:
         if part == "none":
             continue
         k, _, val = part.partition("=")
-        if k in ("bulk", "normal", "prio"):
+        if k in ("bulk", "normal", "prio", "chain"):
             out[k] = True
         elif k == "chunk":
             out[k] = int(val)
@@ -98,14 +99,20 @@ def fork(hook: str, mods: dict, x: torch.Tensor) -> None:
     items = v["plan"][hook] if v else []
     if not items or x.shape[0] > 4 or not x.is_cuda:
         return
+    kw = {"bulk": bool(v.get("bulk")), "evict_last": not v.get("normal"), "pdl": bool(v.get("chain"))}
+    if "chunk" in v:
+        kw["chunk"] = v["chunk"]
+    if v.get("chain"):  # on the main stream, a PDL kernel between the hook's kernel and the next
+        for name, f in items:
+            if mods.get(name) is not None:  # one kernel per linear: its largest tensor
+                t = max(read_set(mods[name]), key=lambda t: t.numel() * t.element_size())
+                l2_prefetch(t, fraction=f, **kw)
+        return
     main = torch.cuda.current_stream()
     side = STATE["side_hi" if v.get("prio") else "side"]
     side.wait_stream(main)
     STATE["joined_to"] = side
     STATE["forked"] = True
-    kw = {"bulk": bool(v.get("bulk")), "evict_last": not v.get("normal")}
-    if "chunk" in v:
-        kw["chunk"] = v["chunk"]
     with torch.cuda.stream(side):
         for name, f in items:
             if mods.get(name) is None:

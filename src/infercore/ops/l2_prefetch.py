@@ -19,14 +19,19 @@ import triton
 import triton.language as tl
 
 from ..devices import triton_interpreter
+from .pdl import pdl_launch, pdl_release, pdl_wait
 
 # Bytes per program by default: 128 lines of 128 bytes (one line per thread of 4 warps).
 CHUNK = 16384
 
 
 @triton.jit
-def _l2_prefetch_kernel(p, nbytes, STRIDE, CHUNK: tl.constexpr, BULK: tl.constexpr, LAST: tl.constexpr):
-    """Program i asks L2 for bytes ``[i * STRIDE, i * STRIDE + CHUNK)`` of ``p`` (clipped to ``nbytes``)."""
+def _l2_prefetch_kernel(p, nbytes, STRIDE, CHUNK: tl.constexpr, BULK: tl.constexpr, LAST: tl.constexpr,
+                        USE_PDL: tl.constexpr = False):
+    """Program i asks L2 for bytes ``[i * STRIDE, i * STRIDE + CHUNK)`` of ``p`` (clipped to ``nbytes``).
+    With PDL it lets the next kernel start at once, asks before waiting for the previous kernel (nothing in a
+    step writes weights), and waits before it exits (completion stays transitive down the chain)."""
+    pdl_release(USE_PDL)
     start = tl.program_id(0).to(tl.int64) * STRIDE
     if BULK:
         lane = tl.arange(0, 32)
@@ -55,6 +60,7 @@ def _l2_prefetch_kernel(p, nbytes, STRIDE, CHUNK: tl.constexpr, BULK: tl.constex
             "{ .reg .pred q; setp.ne.b32 q, $2, 0; @q prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
             "=r,l,r", [p + offs, ok], dtype=tl.int32, is_pure=False, pack=1)
 
+    pdl_wait(USE_PDL)
 
 @functools.cache
 def _capability(index: int) -> tuple[int, int]:
@@ -62,7 +68,7 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def l2_prefetch(t: torch.Tensor, *, fraction: float = 1.0, bulk: bool = False, evict_last: bool = True,
-                chunk: int = CHUNK) -> None:
+                chunk: int = CHUNK, pdl: bool = False) -> None:
     """Issue L2 prefetches for ``t``'s storage on the current stream (a hint; no result changes).
 
     Args:
@@ -72,6 +78,7 @@ def l2_prefetch(t: torch.Tensor, *, fraction: float = 1.0, bulk: bool = False, e
         bulk: one ``cp.async.bulk.prefetch.L2`` per chunk (sm90+) instead of one ``prefetch.global.L2`` per line.
         evict_last: the prefetched lines carry the ``evict_last`` L2 priority.
         chunk: bytes per program (a power of two >= 4096; bulk: one-warp programs, one prefetch each).
+        pdl: launch with programmatic dependent launch (sm90+), for a prefetch inside a chain of PDL kernels.
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"t: expected a tensor, got {type(t).__name__}")
@@ -90,4 +97,5 @@ def l2_prefetch(t: torch.Tensor, *, fraction: float = 1.0, bulk: bool = False, e
     every = max(1, round(1 / fraction))
     chunks = triton.cdiv(nbytes, chunk * every)
     _l2_prefetch_kernel[(chunks,)](t.reshape(-1).view(torch.uint8), nbytes, chunk * every, CHUNK=chunk, BULK=bulk,
-                                   LAST=evict_last, num_warps=1 if bulk else max(1, min(8, chunk // 4096)))
+                                   LAST=evict_last, num_warps=1 if bulk else max(1, min(8, chunk // 4096)),
+                                   **pdl_launch(pdl and cap >= (9, 0)))

@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import case, write_results  # noqa: E402
+from _l2_prefetch import l2_prefetch  # noqa: E402
 from probe_l2_prefetch import read_set  # noqa: E402
 
-from infercore.ops.l2_prefetch import l2_prefetch  # noqa: E402
 from infercore.quant import QuantLinear, quantize_weight  # noqa: E402
 
 VARIANTS = ("none", "line", "normal", "bulk", "bulk1m", "touch")

@@ -36,11 +36,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import case, write_results  # noqa: E402
+from _l2_prefetch import l2_prefetch  # noqa: E402
 from bench_e2e import LLAMA_8B  # noqa: E402
 
 from infercore import Engine, SamplingParams  # noqa: E402
 from infercore.models import ModelConfig, build_model  # noqa: E402
-from infercore.ops.l2_prefetch import l2_prefetch  # noqa: E402
 from infercore.quant import quantize  # noqa: E402
 
 STATE: dict = {"v": {}, "side": None}

@@ -1,4 +1,6 @@
-"""Ask the GPU's L2 cache for a tensor's bytes ahead of the kernel that reads them.
+"""Ask the GPU's L2 cache for a tensor's bytes ahead of the kernel that reads them (the probes'
+helper; measured in ``probe_l2_hit.py`` and ``probe_l2_prefetch.py``, not used by the engine: it did not
+make the decode step faster, see docs/quantization.md, "Cross-kernel L2 prefetch").
 
 At decode batch 1 every linear layer is a weight stream, and none of the weights depends on the step's
 data. Between the weight streams run short latency-bound kernels (norms, attention, the split merge) that
@@ -18,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..devices import triton_interpreter
-from .pdl import pdl_launch, pdl_release, pdl_wait
+from infercore.devices import triton_interpreter
+from infercore.ops.pdl import pdl_launch, pdl_release, pdl_wait
 
 # Bytes per program by default: 128 lines of 128 bytes (one line per thread of 4 warps).
 CHUNK = 16384

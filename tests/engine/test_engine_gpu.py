@@ -233,3 +233,37 @@ def test_from_pretrained_quantized_on_cuda(quantization, tmp_path):
     assert sum(isinstance(m, QuantLinear) for m in eng.model.modules()) == 2 * 4  # qkv, o, gate_up, down
     want = Engine(quantize(_ours_on_cuda(hf, torch.bfloat16), quantization), **kw).generate(prompts, sp)
     assert [o.token_ids for o in eng.generate(prompts, sp)] == [o.token_ids for o in want]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_logprobs_from_cuda_graph_steps_match_transformers(async_scheduling):
+    """SamplingParams.logprobs on CUDA: the decode steps replay captured graphs (the values are read from the
+    graph's logits buffer before the next replay overwrites it, also under async scheduling), and they equal
+    transformers' log_softmax at every generated position."""
+    hf = tiny_hf("llama")
+    eng = Engine(_ours_on_cuda(hf, torch.float32), page_size=16, num_pages=128, max_num_batched_tokens=24,
+                 async_scheduling=async_scheduling)
+    assert eng.graph_runner is not None and eng.graph_runner.graphs
+    replays = []
+    orig = eng.graph_runner.launch
+    eng.graph_runner.launch = lambda batch, gather=None: (replays.append(len(batch)), orig(batch, gather))[1]
+    prompts = [[(5 * i + j) % 96 for j in range(4 + 7 * i)] for i in range(4)]
+    params = [SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=20, ignore_eos=True,
+                             logprobs=None if i == 3 else 2 * i) for i in range(4)]
+    outs = eng.generate(prompts, params)
+    assert replays
+    for p, o, sp in zip(prompts, outs, params):
+        if sp.logprobs is None:
+            assert o.logprobs is None
+            continue
+        ids = torch.tensor([p + o.token_ids])
+        with torch.inference_mode():
+            want = hf(ids).logits[0, len(p) - 1 : -1].float().log_softmax(-1)
+        assert len(o.logprobs) == len(o.token_ids) == 20
+        for pos, (tok, d) in enumerate(zip(o.token_ids, o.logprobs)):
+            assert d[tok] == pytest.approx(want[pos, tok].item(), abs=1e-3)
+            top_v, top_i = want[pos].topk(sp.logprobs)
+            assert set(d) == set(top_i.tolist()) | {tok}
+            for t, v in zip(top_i.tolist(), top_v.tolist()):
+                assert d[t] == pytest.approx(v, abs=1e-3)
+        assert o.cumulative_logprob == pytest.approx(sum(d[t] for t, d in zip(o.token_ids, o.logprobs)), abs=1e-4)

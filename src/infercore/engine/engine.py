@@ -17,6 +17,7 @@ import torch
 from ..kv import BlockManager, allocate_kv_caches, bytes_per_page, resolve_kv_cache_dtype
 from ..models.gpu_layout import use_triton_gemv_
 from ..models.layout import pack_linears_for_cpu_
+from ..ops import token_logprobs
 from .graph_runner import CUDAGraphRunner, HybridCUDAGraphRunner
 from .hybrid import HybridModelRunner, build_hybrid_kv, choose_kv_layout, fits
 from .params import SamplingParams
@@ -435,9 +436,10 @@ class Engine:
             if dst:
                 gather = Gather(np.asarray(dst, dtype=np.int64), np.asarray(src, dtype=np.int64), prev.tokens)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            reqs, tokens = self.graph_runner.launch(batch, gather)
+            ran = self.graph_runner
         else:
-            reqs, tokens = self.runner.launch(batch, gather)
+            ran = self.runner
+        reqs, tokens = ran.launch(batch, gather)
         computed = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
@@ -445,6 +447,7 @@ class Engine:
         step = _Step(batch, computed, reqs, tokens)
         if tokens is None:
             return step
+        step.logprobs = _launch_logprobs(reqs, ran.last_logits, tokens)
         if self.async_scheduling:
             step.penalized = any(r.params.repetition_penalty != 1.0 for r in reqs)
             limit = self.max_model_len
@@ -455,8 +458,9 @@ class Engine:
                     req.add_placeholder()
                     step.rows[req] = i
             if tokens.is_cuda:
-                step.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-                step.host.copy_(tokens, non_blocking=True)
+                step.host = _to_pinned(tokens)
+                if step.logprobs is not None:  # read with the tokens, under the same event
+                    step.logprobs = (step.logprobs[0], *map(_to_pinned, step.logprobs[1:]))
                 step.event = torch.cuda.Event()
                 step.event.record()
         return step
@@ -473,9 +477,15 @@ class Engine:
         if step.tokens is None:
             return []
         outputs = []
-        for req, token in zip(step.reqs, step.read()):
+        tokens = step.read()
+        lps = step.read_logprobs()
+        for i, (req, token) in enumerate(zip(step.reqs, tokens)):
             if req.is_finished:  # aborted, or ended at the previous step: a speculative token
                 continue
+            if i in lps:
+                picked, top = lps[i]
+                req.logprobs.append({token: picked, **{t: v for t, v in top[: req.params.logprobs] if t != token}})
+                req.cumulative_logprob += picked
             self._append(req, token)
             outputs.append(self._output(req))
         return outputs
@@ -522,8 +532,10 @@ class Engine:
         req._reported_text = len(text)
         if finished:
             self.requests.pop(req.request_id, None)
+        lp = req.params.logprobs is not None
         return RequestOutput(req.request_id, req.prompt_token_ids, list(out), text, new_ids, new_text, finished,
-                             req.finish_reason, req.metrics)
+                             req.finish_reason, req.metrics, logprobs=list(req.logprobs) if lp else None,
+                             cumulative_logprob=req.cumulative_logprob if lp else None)
 
     # ------------------------------------------------------------------ conveniences
 
@@ -574,7 +586,7 @@ class _Step:
     that sample and their tokens on the device (with a pending host copy under async scheduling);
     ``rows`` maps each request that got a placeholder to its row of ``tokens``."""
 
-    __slots__ = ("batch", "computed", "reqs", "tokens", "host", "event", "rows", "penalized")
+    __slots__ = ("batch", "computed", "reqs", "tokens", "host", "event", "rows", "penalized", "logprobs")
 
     def __init__(self, batch: ScheduledBatch, computed: list[int], reqs: list[Request],
                  tokens: torch.Tensor | None) -> None:
@@ -583,11 +595,42 @@ class _Step:
         self.event = None
         self.rows: dict[Request, int] = {}
         self.penalized = False
+        # (rows of ``reqs`` that asked for log-probabilities, their tokens' log-probabilities [n],
+        # the top ones [n, k] and their ids [n, k]); None when no request asked
+        self.logprobs: tuple | None = None
 
     def read(self) -> list[int]:
         if self.event is not None:
             self.event.synchronize()
         return self.host.tolist()
+
+    def read_logprobs(self) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+        """Row of ``reqs`` -> (its token's log-probability, [(id, log-probability)] of the top ones); call
+        after :meth:`read`."""
+        if self.logprobs is None:
+            return {}
+        rows, picked, top, ids = self.logprobs
+        return {r: (p, list(zip(i, t))) for r, p, t, i in zip(rows, picked.tolist(), top.tolist(), ids.tolist())}
+
+
+def _launch_logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor) -> tuple | None:
+    """Enqueue the log-probabilities of the requests that asked for them (``SamplingParams.logprobs``):
+    their rows, then :func:`~infercore.ops.token_logprobs` over their logits rows (device tensors)."""
+    rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    if not rows:
+        return None
+    k = min(max(reqs[i].params.logprobs for i in rows), logits.shape[1])
+    if len(rows) < len(reqs):
+        idx = torch.tensor(rows, device=logits.device)
+        logits, tokens = logits[idx], tokens[idx]
+    return (rows, *token_logprobs(logits, tokens, k))
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of device tensor ``t``, enqueued without waiting."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def _freeze_gc() -> None:

@@ -67,6 +67,7 @@ class CUDAGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.tokens: dict[int, torch.Tensor] = {}
+        self.last_logits: torch.Tensor | None = None  # the last replay's logits rows (a view of its buffer)
 
     def _table_ints(self, B: int, P: int) -> int:
         """Staging ints after the per-row block: the slots and block table (a ``[B, P]`` region)."""
@@ -196,6 +197,7 @@ class CUDAGraphRunner:
             self.input_ids[self._row(self.ints, _GDST, g)] = gather.prev[src]
         self.graphs[b].replay()
         reqs = batch.requests
+        self.last_logits = self.logits[b][:n]
         if self.graph_samples and not self._penalized:
             return reqs, self.tokens[b][:n]
         return reqs, self.runner.sample_tokens(reqs, self.logits[b][:n])

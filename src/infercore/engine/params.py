@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 _FLOAT32_MAX = 3.4028234663852886e38
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# Most alternatives a request may ask log-probabilities for (each costs a top-k over the vocabulary).
+MAX_LOGPROBS = 20
 
 
 def _show(v) -> str:
@@ -25,6 +27,11 @@ class SamplingParams:
     ``temperature=0`` is greedy. ``top_k=0``, ``top_p=1``, ``min_p=0`` and
     ``repetition_penalty=1`` switch those filters off. A fixed ``seed`` makes the request's
     tokens a function of its own logits alone, whatever else shares the batch.
+
+    ``logprobs`` (None = off, or 0 to :data:`MAX_LOGPROBS`): report, for every generated token, its
+    log-probability and those of the ``logprobs`` most likely tokens (``RequestOutput.logprobs``). They are
+    the model's own distribution: ``log_softmax`` of the fp32 logits, before the repetition penalty,
+    temperature and the top-k / top-p / min-p filters (vLLM's ``raw_logprobs``).
     """
 
     max_tokens: int = 256
@@ -38,6 +45,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +90,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.seed is not None and not _INT64_MIN <= integer("seed", self.seed) <= _INT64_MAX:
             raise ValueError(f"SamplingParams.seed must fit in int64, got {_show(self.seed)}")
+        if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= MAX_LOGPROBS:
+            raise ValueError(
+                f"SamplingParams.logprobs must be None or in [0, {MAX_LOGPROBS}], got {_show(self.logprobs)}")
         sequence("stop", self.stop)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("SamplingParams.stop must be a list of non-empty strings")

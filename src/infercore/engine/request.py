@@ -38,7 +38,10 @@ class RequestOutput:
     """What the engine reports for a request after a step (or at the end of ``generate``).
 
     ``new_token_ids``/``new_text`` hold what this step added (for streaming); ``token_ids``/``text``
-    everything generated so far.
+    everything generated so far. With ``SamplingParams.logprobs`` set, ``logprobs[i]`` maps token ids to
+    log-probabilities at generated position ``i`` (the sampled token and the ``logprobs`` most likely ones;
+    the last ``len(new_token_ids)`` entries are this step's) and ``cumulative_logprob`` sums the sampled
+    tokens'; both are None otherwise.
     """
 
     request_id: str
@@ -50,6 +53,8 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     metrics: RequestMetrics
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass(eq=False)
@@ -74,6 +79,9 @@ class Request:
     _row: int = -1
     _reported_tokens: int = 0
     _reported_text: int = 0
+    # SamplingParams.logprobs: one {token id: log-probability} per output token, and the sampled ones' sum
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
 
     def __post_init__(self) -> None:
         self._all = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -151,6 +151,8 @@ class ModelRunner:
         self.bm = block_manager
         self.device = device
         self.rows = RowTable()
+        # the logits [len(reqs), vocab] of the last launch's sampling requests (the engine's log-probabilities)
+        self.last_logits: torch.Tensor | None = None
 
     def _tensor(self, data, dtype=torch.int32) -> torch.Tensor:
         if isinstance(data, np.ndarray):
@@ -230,6 +232,7 @@ class ModelRunner:
         last = meta.cu_seqlens_q[1:][torch.from_numpy(rows).to(self.device)] - 1
         logits = sampling_logits(self.model, hidden[last.long()])
         reqs = [batch.requests[i] for i in rows.tolist()]
+        self.last_logits = logits
         return reqs, self.sample_tokens(reqs, logits)
 
     def execute(self, batch: ScheduledBatch) -> dict[Request, int]:

@@ -24,7 +24,7 @@ from .moe import moe_experts_routed
 from .norm import fused_add_rms_norm, rms_norm
 from .rope import apply_rope, rope_cos_sin_cache, rope_inv_freq
 from .rope.fused import rope_and_write_kv_cache_
-from .sampling import SamplingTensors, apply_repetition_penalty, apply_top_k_top_p_min_p, sample
+from .sampling import SamplingTensors, apply_repetition_penalty, apply_top_k_top_p_min_p, sample, token_logprobs
 
 __all__ = [
     "causal_conv1d_prefill_",
@@ -51,6 +51,7 @@ __all__ = [
     "rope_cos_sin_cache",
     "rope_inv_freq",
     "sample",
+    "token_logprobs",
     "silu_and_mul",
     "skinny_linear",
     "write_kv_cache_",

@@ -14,7 +14,8 @@ from .. import _validate as V
 from . import naive
 from .naive import row_seed, sample_ref
 
-__all__ = ["SamplingTensors", "apply_repetition_penalty", "apply_top_k_top_p_min_p", "row_seed", "sample"]
+__all__ = ["SamplingTensors", "apply_repetition_penalty", "apply_top_k_top_p_min_p", "row_seed", "sample",
+           "token_logprobs"]
 
 _DTYPES = {
     "temperature": torch.float32,
@@ -259,6 +260,35 @@ def sample(
     if check_values:
         params.check_values()
     return dispatch(op, logits.device)(logits, params, prev_tokens=prev_tokens)
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, num_top: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities of ``tokens`` under ``logits`` and the ``num_top`` most likely tokens per row.
+
+    ``logits`` float ``[B, V]`` (math in fp32: ``log_softmax`` of the logits as given, so pass them before
+    any temperature or filter for the model's own distribution); ``tokens`` int32/int64 ``[B]`` ids in
+    ``[0, V)`` (not checked: that would sync); ``num_top`` int in ``[0, V]``.
+
+    Returns ``(token_logprob fp32 [B], top_logprobs fp32 [B, num_top], top_ids int64 [B, num_top])``, the top
+    ones in descending order (ties in the order ``torch.topk`` gives).
+    """
+    op = "token_logprobs"
+    _logits(op, logits)
+    V.dim_at_least_one(op, "logits", logits, 1, "vocab")
+    V.integer(op, "tokens", tokens)
+    if tokens.shape != (logits.shape[0],):
+        raise ValueError(f"{op}: tokens must be [{logits.shape[0]}] (one per row of logits), got {tuple(tokens.shape)}")
+    V.same_device(op, "logits", logits, tokens=tokens)
+    if isinstance(num_top, bool) or not isinstance(num_top, int):
+        raise TypeError(f"{op}: num_top must be an int, got {type(num_top).__name__}")
+    if not 0 <= num_top <= logits.shape[1]:
+        raise ValueError(f"{op}: num_top must be in [0, {logits.shape[1]}] (the vocabulary), got {num_top}")
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    picked = lp.gather(1, tokens.long()[:, None])[:, 0]
+    top, ids = lp.topk(num_top, dim=-1) if num_top else (lp[:, :0], tokens.long()[:, None][:, :0])
+    return picked, top, ids
 
 
 register("sample", "reference", sample_ref)

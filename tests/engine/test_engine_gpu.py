@@ -267,3 +267,23 @@ def test_logprobs_from_cuda_graph_steps_match_transformers(async_scheduling):
             for t, v in zip(top_i.tolist(), top_v.tolist()):
                 assert d[t] == pytest.approx(v, abs=1e-3)
         assert o.cumulative_logprob == pytest.approx(sum(d[t] for t, d in zip(o.token_ids, o.logprobs)), abs=1e-4)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_presence_frequency_penalties_on_cuda_match_the_cpu_engine(async_scheduling):
+    """Penalized requests sample outside the captured graph from the host's tokens (async steps settle first);
+    their greedy tokens equal the CPU engine's, next to unpenalized requests that sample inside the graph."""
+    from engine_helpers import ours_from_hf
+
+    hf = tiny_hf("llama")
+    prompts = [[(3 * i + 5 * j) % 96 for j in range(6 + 5 * i)] for i in range(4)]
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, frequency_penalty=1.5),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, presence_penalty=-1.0,
+                             repetition_penalty=1.5),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, presence_penalty=1.0)]
+    want = [o.token_ids for o in Engine(ours_from_hf(hf), page_size=16, num_pages=64).generate(prompts, params)]
+    eng = Engine(_ours_on_cuda(hf, torch.float32), page_size=16, num_pages=128, max_num_batched_tokens=24,
+                 async_scheduling=async_scheduling)
+    assert eng.graph_runner is not None and eng.graph_runner.graphs
+    assert [o.token_ids for o in eng.generate(prompts, params)] == want

@@ -408,7 +408,7 @@ class Engine:
         outputs: list[RequestOutput] = []
         prev = self._inflight
         if prev is not None and prev.penalized:
-            # Repetition penalties read every token on the host: settle step n first.
+            # Repetition / presence / frequency penalties read every token on the host: settle step n first.
             outputs = self._process(prev)
             prev = self._inflight = None
         self._inflight = self._launch(self.scheduler.schedule(), prev)
@@ -449,7 +449,7 @@ class Engine:
             return step
         step.logprobs = _launch_logprobs(reqs, ran.last_logits, tokens)
         if self.async_scheduling:
-            step.penalized = any(r.params.repetition_penalty != 1.0 for r in reqs)
+            step.penalized = any(r.params.reads_history for r in reqs)
             limit = self.max_model_len
             for i, req in enumerate(reqs):
                 prompt = len(req.prompt_token_ids)

@@ -28,6 +28,10 @@ class SamplingParams:
     ``repetition_penalty=1`` switch those filters off. A fixed ``seed`` makes the request's
     tokens a function of its own logits alone, whatever else shares the batch.
 
+    ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, in [-2, 2], 0 = off) subtract ``presence`` from the
+    logit of every token already generated and ``frequency`` times its count, after the repetition penalty
+    (which also counts the prompt) and before temperature, as vLLM does.
+
     ``logprobs`` (None = off, or 0 to :data:`MAX_LOGPROBS`): report, for every generated token, its
     log-probability and those of the ``logprobs`` most likely tokens (``RequestOutput.logprobs``). They are
     the model's own distribution: ``log_softmax`` of the fp32 logits, before the repetition penalty,
@@ -40,6 +44,8 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -88,6 +94,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
         if real("repetition_penalty", self.repetition_penalty) <= 0:
             raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= real(name, getattr(self, name)) <= 2.0:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
         if self.seed is not None and not _INT64_MIN <= integer("seed", self.seed) <= _INT64_MAX:
             raise ValueError(f"SamplingParams.seed must fit in int64, got {_show(self.seed)}")
         if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= MAX_LOGPROBS:
@@ -104,3 +113,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling reads the request's earlier tokens (a repetition, presence or frequency penalty):
+        such steps sample outside the captured graph, from tokens the host has read back."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -13,14 +13,14 @@ Python lists of every request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from ..devices import accepts
 from ..kv import BlockManager
-from ..ops import AttentionMetadata, SamplingTensors, sample
+from ..ops import AttentionMetadata, SamplingTensors, apply_presence_frequency_penalty, apply_repetition_penalty, sample
 from ..ops.attention import SPLIT_DECODES_MIN
 from .request import Request
 from .scheduler import ScheduledBatch
@@ -41,7 +41,8 @@ class RowTable:
     """Host rows of the running requests: block tables and static sampling parameters.
 
     ``tables`` int32 ``[R, P]`` (page ids, valid up to ``num_pages[row]``), ``fparams`` fp32 ``[R, 4]``
-    (temperature, top_p, min_p, repetition_penalty), ``iparams`` int64 ``[R, 2]`` (top_k, seed),
+    (temperature, top_p, min_p, repetition_penalty), ``pf`` fp32 ``[R, 2]`` (presence and frequency
+    penalties), ``iparams`` int64 ``[R, 2]`` (top_k, seed),
     ``prompt_lens`` int64 ``[R]``, ``serial`` int64 ``[R]`` (a number no other assignment of the row
     had: lets a cache keyed by row tell a new request, or the same one re-admitted, from the last).
     Rows and columns grow on demand.
@@ -51,6 +52,7 @@ class RowTable:
         self.tables = np.zeros((rows, pages), dtype=np.int32)
         self.num_pages = np.zeros(rows, dtype=np.int64)
         self.fparams = np.zeros((rows, 4), dtype=np.float32)
+        self.pf = np.zeros((rows, 2), dtype=np.float32)
         self.iparams = np.zeros((rows, 2), dtype=np.int64)
         self.prompt_lens = np.zeros(rows, dtype=np.int64)
         self.serial = np.zeros(rows, dtype=np.int64)
@@ -63,6 +65,7 @@ class RowTable:
         self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
         self.num_pages = np.concatenate([self.num_pages, np.zeros_like(self.num_pages)])
         self.fparams = np.concatenate([self.fparams, np.zeros_like(self.fparams)])
+        self.pf = np.concatenate([self.pf, np.zeros_like(self.pf)])
         self.iparams = np.concatenate([self.iparams, np.zeros_like(self.iparams)])
         self.prompt_lens = np.concatenate([self.prompt_lens, np.zeros_like(self.prompt_lens)])
         self.serial = np.concatenate([self.serial, np.zeros_like(self.serial)])
@@ -75,6 +78,7 @@ class RowTable:
         p = req.params
         self.num_pages[row] = 0
         self.fparams[row] = (p.temperature, p.top_p, p.min_p, p.repetition_penalty)
+        self.pf[row] = (p.presence_penalty, p.frequency_penalty)
         self.iparams[row] = (p.top_k, req.seed)
         self.prompt_lens[row] = len(req.prompt_token_ids)
         self._assigned += 1
@@ -246,11 +250,23 @@ class ModelRunner:
         the device, not synced."""
         rows = [r._row for r in reqs]
         if min(rows) >= 0:
-            params = self.row_sampling_tensors(np.asarray(rows, dtype=np.int64),
-                                               np.array([r.num_tokens for r in reqs], dtype=np.int64))
+            rows = np.asarray(rows, dtype=np.int64)
+            params = self.row_sampling_tensors(rows, np.array([r.num_tokens for r in reqs], dtype=np.int64))
+            pf = self.rows.pf[rows]
         else:
             params = sampling_tensors(reqs, self.device)
-        return sample(logits, params, prev_tokens=_prev_tokens(reqs, self.device), check_values=False)
+            pf = np.array([(r.params.presence_penalty, r.params.frequency_penalty) for r in reqs],
+                          dtype=np.float32).reshape(len(reqs), 2)
+        prev = _prev_tokens(reqs, self.device)
+        if pf.any():
+            # vLLM's order: the repetition penalty (prompt and output), then presence / frequency (output).
+            if prev is not None:
+                logits = apply_repetition_penalty(logits, prev, params.repetition_penalty)
+                params = replace(params, repetition_penalty=torch.ones_like(params.repetition_penalty))
+                prev = None
+            pf_t = torch.from_numpy(np.ascontiguousarray(pf.T)).to(self.device, non_blocking=True)
+            logits = apply_presence_frequency_penalty(logits, _output_tokens(reqs, self.device), pf_t[0], pf_t[1])
+        return sample(logits, params, prev_tokens=prev, check_values=False)
 
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> dict[Request, int]:
         """Sample one token per request from ``logits`` ``[len(reqs), V]`` (syncs)."""
@@ -293,6 +309,13 @@ def sampling_tensors(reqs: list[Request], device: torch.device) -> SamplingTenso
     i = np.array([[p.top_k for p in ps], [r.seed for r in reqs],
                   [r.num_tokens - len(r.prompt_token_ids) for r in reqs]], dtype=np.int64).reshape(3, len(reqs))
     return _sampling_tensors(f, i, device)
+
+
+def _output_tokens(reqs: list[Request], device: torch.device) -> torch.Tensor:
+    """Each request's generated tokens known on the host, int32 ``[len(reqs), max]`` padded with -1."""
+    seqs = [r.output_token_ids for r in reqs]
+    width = max(1, max(len(s) for s in seqs))
+    return torch.tensor([s + [-1] * (width - len(s)) for s in seqs], dtype=torch.int32, device=device)
 
 
 def _prev_tokens(reqs: list[Request], device: torch.device) -> torch.Tensor | None:

@@ -24,7 +24,14 @@ from .moe import moe_experts_routed
 from .norm import fused_add_rms_norm, rms_norm
 from .rope import apply_rope, rope_cos_sin_cache, rope_inv_freq
 from .rope.fused import rope_and_write_kv_cache_
-from .sampling import SamplingTensors, apply_repetition_penalty, apply_top_k_top_p_min_p, sample, token_logprobs
+from .sampling import (
+    SamplingTensors,
+    apply_presence_frequency_penalty,
+    apply_repetition_penalty,
+    apply_top_k_top_p_min_p,
+    sample,
+    token_logprobs,
+)
 
 __all__ = [
     "causal_conv1d_prefill_",
@@ -37,6 +44,7 @@ __all__ = [
     "selective_state_update_",
     "AttentionMetadata",
     "SamplingTensors",
+    "apply_presence_frequency_penalty",
     "apply_repetition_penalty",
     "apply_rope",
     "apply_top_k_top_p_min_p",

@@ -14,8 +14,8 @@ from .. import _validate as V
 from . import naive
 from .naive import row_seed, sample_ref
 
-__all__ = ["SamplingTensors", "apply_repetition_penalty", "apply_top_k_top_p_min_p", "row_seed", "sample",
-           "token_logprobs"]
+__all__ = ["SamplingTensors", "apply_presence_frequency_penalty", "apply_repetition_penalty",
+           "apply_top_k_top_p_min_p", "row_seed", "sample", "token_logprobs"]
 
 _DTYPES = {
     "temperature": torch.float32,
@@ -195,6 +195,28 @@ def apply_repetition_penalty(
     V.same_device(op, "logits", logits, prev_tokens=prev_tokens)
     penalty = _per_row(op, "penalty", penalty, logits, torch.float32, lambda p: p > 0, "must be > 0 (1 = off)")
     return naive.apply_repetition_penalty(logits, prev_tokens, penalty)
+
+
+def apply_presence_frequency_penalty(
+    logits: torch.Tensor, output_tokens: torch.Tensor, presence: torch.Tensor | float, frequency: torch.Tensor | float
+) -> torch.Tensor:
+    """OpenAI presence / frequency penalties over each row's generated tokens (semantics:
+    :func:`.naive.apply_presence_frequency_penalty`).
+
+    ``logits`` float ``[B, V]``; ``output_tokens`` int32/int64 ``[B, L]`` padded with ``-1``; ``presence`` and
+    ``frequency`` float ``[B]`` or one finite Python number for every row (0 = off; OpenAI allows [-2, 2]).
+    Returns a new fp32 ``[B, V]``.
+    """
+    op = "apply_presence_frequency_penalty"
+    _logits(op, logits)
+    V.integer(op, "output_tokens", output_tokens)
+    V.ndim(op, "output_tokens", output_tokens, 2, "[batch, max_len]")
+    if output_tokens.shape[0] != logits.shape[0]:
+        raise ValueError(f"{op}: output_tokens has {output_tokens.shape[0]} rows but logits has {logits.shape[0]}")
+    V.same_device(op, "logits", logits, output_tokens=output_tokens)
+    presence = _per_row(op, "presence", presence, logits, torch.float32, math.isfinite, "must be finite")
+    frequency = _per_row(op, "frequency", frequency, logits, torch.float32, math.isfinite, "must be finite")
+    return naive.apply_presence_frequency_penalty(logits, output_tokens, presence, frequency)
 
 
 def apply_top_k_top_p_min_p(

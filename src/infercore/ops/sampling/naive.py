@@ -47,6 +47,25 @@ def apply_repetition_penalty(
     return torch.where(seen, penalized, logits)
 
 
+def apply_presence_frequency_penalty(
+    logits: torch.Tensor, output_tokens: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor
+) -> torch.Tensor:
+    """OpenAI presence / frequency penalties: ``logits - frequency * count - presence * (count > 0)``, where
+    ``count`` is how often each id occurs in the row of ``output_tokens``.
+
+    Args:
+        logits: ``[B, V]`` float; the result is fp32 (a new tensor).
+        output_tokens: ``[B, L]`` int32/int64 generated token ids, ``-1`` = padding (ignored).
+        presence, frequency: fp32 ``[B]``, 0.0 = off.
+    """
+    b, v = logits.shape
+    idx = torch.where(output_tokens >= 0, output_tokens.long(), v)
+    count = torch.zeros(b, v + 1, dtype=torch.float32, device=logits.device)
+    count.scatter_add_(1, idx, torch.ones(idx.shape, dtype=torch.float32, device=logits.device))
+    count = count[:, :v]
+    return logits.float() - frequency.float().unsqueeze(1) * count - presence.float().unsqueeze(1) * (count > 0)
+
+
 def apply_top_k_top_p_min_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:

@@ -104,6 +104,28 @@ def test_cli_checks_sampling_flags_before_loading(capsys):
     # A missing model would be reported too; the bad flag must be reported first (no load needed).
     assert cli.main(["generate", "hi", "--max-tokens", "-1", "--model", "/nonexistent"]) == 2
     assert "max_tokens must be >= 1, got -1" in capsys.readouterr().err
+    assert cli.main(["generate", "hi", "--presence-penalty", "3", "--model", "/nonexistent"]) == 2
+    assert "presence_penalty must be in [-2, 2]" in capsys.readouterr().err
+
+
+def test_cli_passes_the_sampling_flags(capsys, monkeypatch):
+    from infercore.engine import Engine
+
+    seen = {}
+
+    def stream(self, prompt, params, chat=True):
+        seen["params"] = params
+        return iter(())
+
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(lambda path, **kw: Engine.__new__(Engine)))
+    monkeypatch.setattr(Engine, "stream", stream)
+    argv = ["generate", "hi", "--temperature", "0.5", "--top-p", "0.9", "--top-k", "7", "--min-p", "0.05",
+            "--repetition-penalty", "1.1", "--presence-penalty", "0.5", "--frequency-penalty", "-0.25",
+            "--seed", "3", "--max-tokens", "9"]
+    assert cli.main(argv) == 0
+    p = seen["params"]
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.presence_penalty,
+            p.frequency_penalty, p.seed, p.max_tokens) == (0.5, 0.9, 7, 0.05, 1.1, 0.5, -0.25, 3, 9)
 
 
 

@@ -1,3 +1,5 @@
+import json
+
 import torch
 
 from infercore.models import ModelConfig, build_model
@@ -74,3 +76,81 @@ def with_fake_graphs(eng, cls, *, max_batch, buckets):
         gr.graphs[b] = EagerGraph(gr, b)
     eng.graph_runner = gr
     return gr
+
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _rtn(w: torch.Tensor, bits: int, group: int):
+    """Asymmetric round-to-nearest per group along K: codes int64 [N, K], scales [N, K/g], zeros int64 [N, K/g]."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    qmax = 2**bits - 1
+    scale = ((hi - lo) / qmax).clamp(min=1e-8)
+    zero = torch.round(-lo / scale).clamp(1, qmax)  # >= 1: a v1 checkpoint cannot store a zero of 0
+    q = torch.clamp(torch.round(g / scale[..., None]) + zero[..., None], 0, qmax)
+    scale16 = scale.half()
+    deq = ((q - zero[..., None]) * scale16.float()[..., None]).reshape(n, k)
+    return q.reshape(n, k).long(), scale16, zero.long(), deq
+
+
+def _words(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack int64 codes [..., W * 32/bits] along the last dim, code j of a word at bits*j, into int32."""
+    pack = 32 // bits
+    c = codes.reshape(*codes.shape[:-1], -1, pack)
+    acc = torch.zeros(c.shape[:-1], dtype=torch.int64)
+    for j in range(pack):
+        acc |= c[..., j] << (bits * j)
+    return (acc - (acc >= 2**31).long() * 2**32).to(torch.int32)
+
+
+def _gptq(q, scale, zero, bits, group, v2):
+    n, k = q.shape
+    return {"qweight": _words(q.t().contiguous().reshape(k // (32 // bits), 32 // bits, n).transpose(1, 2), bits)
+            .reshape(k // (32 // bits), n),
+            "qzeros": _words((zero if v2 else zero - 1).t().contiguous(), bits),
+            "scales": scale.t().contiguous(),
+            "g_idx": torch.arange(k, dtype=torch.int32) // group}
+
+
+def _awq(q, scale, zero):
+    def pack(c):  # [R, N] -> [R, N/8]: nibble j of word c holds column 8c + AWQ_ORDER[j]
+        r, n = c.shape
+        return _words(c.reshape(r, n // 8, 8)[..., list(AWQ_ORDER)].reshape(r, n), 4)
+
+    return {"qweight": pack(q.t().contiguous()), "qzeros": pack(zero.t().contiguous()),
+            "scales": scale.t().contiguous()}
+
+
+def write_prequantized(tmp_path, method, bits=4, group=16, v2=False, skip=(), extra_cfg=None, group_cfg=None,
+                       **hf_overrides):
+    """A tiny Llama GPTQ / AWQ checkpoint directory with its decoder linears quantized (``skip``: left dense),
+    packed by this file's own code from the formats' descriptions (AutoGPTQ's ``pack``: codes along K, zeros
+    stored minus one in v1; AutoAWQ's GEMM packing: along N in the order 0 2 4 6 1 3 5 7), not by
+    ``infercore.quant.packing``. Returns the dir and the transformers model holding the dequantized weights
+    ``(q - z) * s``."""
+    from safetensors.torch import save_file
+
+    hf = tiny_hf("llama", **hf_overrides)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    for name in list(state):
+        base, _, leaf = name.rpartition(".")
+        if leaf != "weight" or base.rpartition(".")[2] not in LINEARS or base.rpartition(".")[2] in skip:
+            continue
+        w = state.pop(name)
+        g = w.shape[1] if group == -1 else group
+        q, scale, zero, deq = _rtn(w, bits, g)
+        parts = _awq(q, scale, zero) if method == "awq" else _gptq(q, scale, zero, bits, g, v2)
+        state.update({f"{base}.{k}": v for k, v in parts.items()})
+        hf.get_submodule(base).weight.data.copy_(deq)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    cfg = hf.config.to_dict()
+    qc = {"quant_method": method, "bits": bits, "group_size": group if group_cfg is None else group_cfg}
+    qc.update({"desc_act": False, "sym": False, "checkpoint_format": "gptq_v2" if v2 else "gptq"} if method == "gptq"
+              else {"zero_point": True, "version": "gemm"})
+    qc.update(extra_cfg or {})
+    cfg["quantization_config"] = qc
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path, hf

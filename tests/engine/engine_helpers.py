@@ -1,4 +1,5 @@
 import json
+import random
 
 import torch
 
@@ -31,6 +32,11 @@ def tiny_hf(kind: str = "llama", **overrides):
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)
     return model
+
+
+def random_prompts(n: int, seed: int, lo: int = 3, hi: int = 30, vocab: int = 96) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 def ours_from_hf(hf_model):

@@ -1,27 +1,14 @@
 """``SamplingParams.logprobs``: per-token log-probabilities of the model's own distribution, checked against
 transformers (teacher-forced over the tokens the engine generated), and ``ops.token_logprobs``."""
 
-import random
-
 import pytest
 import torch
-from engine_helpers import ours_from_hf, tiny_hf, with_fake_graphs
+from engine_helpers import random_prompts, with_fake_graphs
 
 from infercore import Engine, SamplingParams
 from infercore.engine.graph_runner import CUDAGraphRunner
 from infercore.engine.params import MAX_LOGPROBS
 from infercore.ops import token_logprobs
-
-
-@pytest.fixture(scope="module")
-def pair():
-    hf = tiny_hf("llama")
-    return hf, ours_from_hf(hf)
-
-
-def _prompts(n, seed):
-    rng = random.Random(seed)
-    return [[rng.randrange(96) for _ in range(rng.randint(3, 30))] for _ in range(n)]
 
 
 @torch.inference_mode()
@@ -52,9 +39,9 @@ def _check(out, want, k):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_greedy_logprobs_match_transformers(pair, async_scheduling):
-    hf, model = pair
-    ps = _prompts(5, seed=3)
+def test_greedy_logprobs_match_transformers(llama_pair, async_scheduling):
+    hf, model = llama_pair
+    ps = random_prompts(5, seed=3)
     ks = [0, 3, None, MAX_LOGPROBS, 1]
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=k) for k in ks]
     # page 4 and a 13-token budget: prompts are chunked and mixed with decodes
@@ -69,10 +56,10 @@ def test_greedy_logprobs_match_transformers(pair, async_scheduling):
         _check(o, want, k)
 
 
-def test_sampled_logprobs_are_the_raw_distribution(pair):
+def test_sampled_logprobs_are_the_raw_distribution(llama_pair):
     """With temperature and filters the reported values are still log_softmax of the raw logits."""
-    hf, model = pair
-    p = _prompts(1, seed=4)[0]
+    hf, model = llama_pair
+    p = random_prompts(1, seed=4)[0]
     sp = SamplingParams(temperature=1.7, top_k=20, top_p=0.9, repetition_penalty=1.3, seed=5, max_tokens=10,
                         ignore_eos=True, logprobs=2)  # fmt: skip
     out = Engine(model, page_size=4, num_pages=64).generate([p], sp)[0]
@@ -80,9 +67,9 @@ def test_sampled_logprobs_are_the_raw_distribution(pair):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_graph_runner_path_reports_the_same_logprobs(pair, async_scheduling):
-    _, model = pair
-    ps = _prompts(4, seed=6)
+def test_graph_runner_path_reports_the_same_logprobs(llama_pair, async_scheduling):
+    _, model = llama_pair
+    ps = random_prompts(4, seed=6)
     params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=4),
               SamplingParams(temperature=0.8, seed=1, max_tokens=8, ignore_eos=True, logprobs=0),
               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
@@ -105,11 +92,11 @@ def test_graph_runner_path_reports_the_same_logprobs(pair, async_scheduling):
             assert list(dg.values()) == pytest.approx(list(dw.values()), abs=1e-5)
 
 
-def test_streamed_outputs_carry_this_steps_logprobs(pair):
-    _, model = pair
+def test_streamed_outputs_carry_this_steps_logprobs(llama_pair):
+    _, model = llama_pair
     eng = Engine(model, page_size=4, num_pages=64)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
-    rid = eng.add_request(_prompts(1, seed=7)[0], sp)
+    rid = eng.add_request(random_prompts(1, seed=7)[0], sp)
     seen = []
     while eng.has_unfinished():
         for o in eng.step():

@@ -1,26 +1,13 @@
 """Presence / frequency penalties (OpenAI's): the engine's greedy tokens against a loop over transformers'
 logits that applies them by hand, in vLLM's order after the repetition penalty; and the tensor-level op."""
 
-import random
-
 import pytest
 import torch
-from engine_helpers import ours_from_hf, tiny_hf, with_fake_graphs
+from engine_helpers import random_prompts, with_fake_graphs
 
 from infercore import Engine, SamplingParams
 from infercore.engine.graph_runner import CUDAGraphRunner
 from infercore.ops import apply_presence_frequency_penalty
-
-
-@pytest.fixture(scope="module")
-def pair():
-    hf = tiny_hf("llama")
-    return hf, ours_from_hf(hf)
-
-
-def _prompts(n, seed):
-    rng = random.Random(seed)
-    return [[rng.randrange(96) for _ in range(rng.randint(3, 30))] for _ in range(n)]
 
 
 @torch.inference_mode()
@@ -48,9 +35,9 @@ CASES = [dict(frequency_penalty=2.0),
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_penalized_greedy_matches_a_loop_over_transformers(pair, async_scheduling):
-    hf, model = pair
-    ps = _prompts(len(CASES), seed=8)
+def test_penalized_greedy_matches_a_loop_over_transformers(llama_pair, async_scheduling):
+    hf, model = llama_pair
+    ps = random_prompts(len(CASES), seed=8)
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **c) for c in CASES]
     eng = Engine(model, page_size=4, num_pages=256, max_num_batched_tokens=13, async_scheduling=async_scheduling)
     outs = eng.generate(ps, params)
@@ -64,9 +51,9 @@ def test_penalized_greedy_matches_a_loop_over_transformers(pair, async_schedulin
     assert outs[0].token_ids != plain.token_ids
 
 
-def test_graph_runner_path_applies_the_penalties(pair):
-    _, model = pair
-    ps = _prompts(4, seed=9)
+def test_graph_runner_path_applies_the_penalties(llama_pair):
+    _, model = llama_pair
+    ps = random_prompts(4, seed=9)
     params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, frequency_penalty=1.5),
               SamplingParams(temperature=0.7, seed=3, max_tokens=10, ignore_eos=True, presence_penalty=1.0),
               SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),

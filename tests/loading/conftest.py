@@ -10,16 +10,21 @@ import numpy as np
 import pytest
 import torch
 
-from infercore.loading import GGUFFile, default_model_path
+# infercore is imported inside the fixtures: a directory's conftest is loaded before tests/conftest.py's
+# pytest_configure picks TRITON_INTERPRET when the directory is named on the command line (`pytest tests/loading`).
 
 
 @pytest.fixture(scope="session")
 def smollm_path() -> Path:
+    from infercore.loading import default_model_path
+
     return default_model_path()
 
 
 @pytest.fixture(scope="session")
-def smollm(smollm_path: Path) -> GGUFFile:
+def smollm(smollm_path: Path):
+    from infercore.loading import GGUFFile
+
     return GGUFFile(smollm_path)
 
 

@@ -152,6 +152,16 @@ def _logits(op: str, logits: object) -> torch.Tensor:
     return logits
 
 
+def _token_rows(op: str, name: str, tokens: object, logits: torch.Tensor) -> None:
+    """``tokens`` must be an int32/int64 ``[B, L]`` (``-1``-padded token ids) for the ``B`` rows of ``logits``,
+    on its device."""
+    V.integer(op, name, tokens)
+    V.ndim(op, name, tokens, 2, "[batch, max_len]")
+    if tokens.shape[0] != logits.shape[0]:
+        raise ValueError(f"{op}: {name} has {tokens.shape[0]} rows but logits has {logits.shape[0]}")
+    V.same_device(op, "logits", logits, **{name: tokens})
+
+
 def _per_row(op: str, name: str, x: object, logits: torch.Tensor, dtype: torch.dtype, ok: Callable[[float], bool],
              need: str) -> torch.Tensor:  # fmt: skip
     """``x`` as a ``[B]`` tensor for the ``B`` rows of ``logits``. A tensor's dtype kind, shape and
@@ -188,11 +198,7 @@ def apply_repetition_penalty(
     """
     op = "apply_repetition_penalty"
     _logits(op, logits)
-    V.integer(op, "prev_tokens", prev_tokens)
-    V.ndim(op, "prev_tokens", prev_tokens, 2, "[batch, max_len]")
-    if prev_tokens.shape[0] != logits.shape[0]:
-        raise ValueError(f"{op}: prev_tokens has {prev_tokens.shape[0]} rows but logits has {logits.shape[0]}")
-    V.same_device(op, "logits", logits, prev_tokens=prev_tokens)
+    _token_rows(op, "prev_tokens", prev_tokens, logits)
     penalty = _per_row(op, "penalty", penalty, logits, torch.float32, lambda p: p > 0, "must be > 0 (1 = off)")
     return naive.apply_repetition_penalty(logits, prev_tokens, penalty)
 
@@ -209,11 +215,7 @@ def apply_presence_frequency_penalty(
     """
     op = "apply_presence_frequency_penalty"
     _logits(op, logits)
-    V.integer(op, "output_tokens", output_tokens)
-    V.ndim(op, "output_tokens", output_tokens, 2, "[batch, max_len]")
-    if output_tokens.shape[0] != logits.shape[0]:
-        raise ValueError(f"{op}: output_tokens has {output_tokens.shape[0]} rows but logits has {logits.shape[0]}")
-    V.same_device(op, "logits", logits, output_tokens=output_tokens)
+    _token_rows(op, "output_tokens", output_tokens, logits)
     presence = _per_row(op, "presence", presence, logits, torch.float32, math.isfinite, "must be finite")
     frequency = _per_row(op, "frequency", frequency, logits, torch.float32, math.isfinite, "must be finite")
     return naive.apply_presence_frequency_penalty(logits, output_tokens, presence, frequency)
@@ -272,13 +274,7 @@ def sample(
         raise ValueError(f"{op}: params has {params.batch_size} rows but logits has {logits.shape[0]}")
     V.same_device(op, "logits", logits, params=params.temperature)
     if prev_tokens is not None:
-        V.integer(op, "prev_tokens", prev_tokens)
-        V.ndim(op, "prev_tokens", prev_tokens, 2, "[batch, max_len]")
-        if prev_tokens.shape[0] != logits.shape[0]:
-            raise ValueError(
-                f"{op}: prev_tokens has {prev_tokens.shape[0]} rows but logits has {logits.shape[0]}"
-            )
-        V.same_device(op, "logits", logits, prev_tokens=prev_tokens)
+        _token_rows(op, "prev_tokens", prev_tokens, logits)
     if check_values:
         params.check_values()
     return dispatch(op, logits.device)(logits, params, prev_tokens=prev_tokens)

@@ -1,5 +1,6 @@
 import json
 import random
+import zlib
 
 import torch
 
@@ -112,13 +113,13 @@ def _words(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return (acc - (acc >= 2**31).long() * 2**32).to(torch.int32)
 
 
-def _gptq(q, scale, zero, bits, group, v2):
+def _gptq(q, scale, zero, bits, group, v2, g_idx=None):
     n, k = q.shape
     return {"qweight": _words(q.t().contiguous().reshape(k // (32 // bits), 32 // bits, n).transpose(1, 2), bits)
             .reshape(k // (32 // bits), n),
             "qzeros": _words((zero if v2 else zero - 1).t().contiguous(), bits),
             "scales": scale.t().contiguous(),
-            "g_idx": torch.arange(k, dtype=torch.int32) // group}
+            "g_idx": torch.arange(k, dtype=torch.int32) // group if g_idx is None else g_idx}
 
 
 def _awq(q, scale, zero):
@@ -131,12 +132,16 @@ def _awq(q, scale, zero):
 
 
 def write_prequantized(tmp_path, method, bits=4, group=16, v2=False, skip=(), extra_cfg=None, group_cfg=None,
-                       **hf_overrides):
+                       act_order=False, **hf_overrides):
     """A tiny Llama GPTQ / AWQ checkpoint directory with its decoder linears quantized (``skip``: left dense),
     packed by this file's own code from the formats' descriptions (AutoGPTQ's ``pack``: codes along K, zeros
     stored minus one in v1; AutoAWQ's GEMM packing: along N in the order 0 2 4 6 1 3 5 7), not by
     ``infercore.quant.packing``. Returns the dir and the transformers model holding the dequantized weights
-    ``(q - z) * s``."""
+    ``(q - z) * s``.
+
+    ``act_order`` (GPTQ): each layer input gets a random channel order (shared by the projections that read the
+    same input, as GPTQ's Hessian order is), the groups are consecutive channels in that order, and ``g_idx``
+    gives each original channel's group. ``act_order="split"`` gives k_proj an order of its own."""
     from safetensors.torch import save_file
 
     hf = tiny_hf("llama", **hf_overrides)
@@ -147,15 +152,27 @@ def write_prequantized(tmp_path, method, bits=4, group=16, v2=False, skip=(), ex
             continue
         w = state.pop(name)
         g = w.shape[1] if group == -1 else group
-        q, scale, zero, deq = _rtn(w, bits, g)
-        parts = _awq(q, scale, zero) if method == "awq" else _gptq(q, scale, zero, bits, g, v2)
+        proj = base.rpartition(".")[2]
+        g_idx = None
+        if act_order:
+            shared = {"k_proj": "q_proj" if act_order != "split" else "k_proj", "v_proj": "q_proj",
+                      "up_proj": "gate_proj"}
+            key = base.rpartition(".")[0] + "." + shared.get(proj, proj)
+            order = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(zlib.crc32(key.encode())))
+            q, scale, zero, deq = _rtn(w[:, order], bits, g)  # groups: consecutive channels of the order
+            back = torch.argsort(order)
+            q, deq = q[:, back], deq[:, back]
+            g_idx = (torch.argsort(order) // g).to(torch.int32)  # original channel k is at position back[k]
+        else:
+            q, scale, zero, deq = _rtn(w, bits, g)
+        parts = _awq(q, scale, zero) if method == "awq" else _gptq(q, scale, zero, bits, g, v2, g_idx)
         state.update({f"{base}.{k}": v for k, v in parts.items()})
         hf.get_submodule(base).weight.data.copy_(deq)
     save_file(state, str(tmp_path / "model.safetensors"))
     cfg = hf.config.to_dict()
     qc = {"quant_method": method, "bits": bits, "group_size": group if group_cfg is None else group_cfg}
-    qc.update({"desc_act": False, "sym": False, "checkpoint_format": "gptq_v2" if v2 else "gptq"} if method == "gptq"
-              else {"zero_point": True, "version": "gemm"})
+    gptq = {"desc_act": bool(act_order), "sym": False, "checkpoint_format": "gptq_v2" if v2 else "gptq"}
+    qc.update(gptq if method == "gptq" else {"zero_point": True, "version": "gemm"})
     qc.update(extra_cfg or {})
     cfg["quantization_config"] = qc
     (tmp_path / "config.json").write_text(json.dumps(cfg))

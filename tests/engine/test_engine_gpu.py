@@ -289,7 +289,7 @@ def test_presence_frequency_penalties_on_cuda_match_the_cpu_engine(async_schedul
     assert [o.token_ids for o in eng.generate(prompts, params)] == want
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "gptq-act-order"])
 def test_prequantized_checkpoint_on_cuda(method, tmp_path):
     """A GPTQ / AWQ directory on CUDA (bf16, the INT4 kernels, CUDA graphs): the log-probabilities of each
     prompt's first generated token equal transformers' over the dequantized weights (fp32, CPU) within bf16
@@ -298,7 +298,9 @@ def test_prequantized_checkpoint_on_cuda(method, tmp_path):
 
     from infercore.quant import QuantLinear
 
-    path, ref = write_prequantized(tmp_path, method, 4, 128, hidden_size=256, intermediate_size=512)
+    act_order = method == "gptq-act-order"
+    path, ref = write_prequantized(tmp_path, method.split("-")[0], 4, 128, act_order=act_order, hidden_size=256,
+                                   intermediate_size=512)
     eng = Engine.from_pretrained(str(path), device="cuda", page_size=16, num_pages=64, max_num_batched_tokens=64)
     assert eng.dtype == torch.bfloat16 and eng.graph_runner is not None and eng.graph_runner.graphs
     assert sum(isinstance(m, QuantLinear) for m in eng.model.modules()) == 2 * 4

@@ -16,11 +16,12 @@ PROMPTS = [[(7 * i + 3 * j + 1) % 96 for j in range(5 + 4 * i)] for i in range(3
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-@pytest.mark.parametrize("method, bits, group, v2", [("gptq", 4, 16, False), ("gptq", 8, 32, False),
-                                                     ("gptq", 4, 16, True), ("gptq", 4, -1, False),
-                                                     ("awq", 4, 16, False)])
-def test_prequantized_checkpoint_matches_the_dequantized_reference(tmp_path, method, bits, group, v2):
-    path, ref = write_prequantized(tmp_path, method, bits, group, v2)
+@pytest.mark.parametrize("method, bits, group, v2, act_order", [
+    ("gptq", 4, 16, False, False), ("gptq", 8, 32, False, False), ("gptq", 4, 16, True, False),
+    ("gptq", 4, -1, False, False), ("awq", 4, 16, False, False), ("gptq", 4, 16, False, True),
+    ("gptq", 8, 16, True, True)])
+def test_prequantized_checkpoint_matches_the_dequantized_reference(tmp_path, method, bits, group, v2, act_order):
+    path, ref = write_prequantized(tmp_path, method, bits, group, v2, act_order=act_order)
     eng = Engine.from_pretrained(str(path), device="cpu", dtype=torch.float32, page_size=4, num_pages=128)
     quant = [m for m in eng.model.modules() if isinstance(m, QuantLinear)]
     assert len(quant) == 2 * 4  # qkv, o, gate_up, down per layer: q/k/v and gate/up merged
@@ -28,9 +29,14 @@ def test_prequantized_checkpoint_matches_the_dequantized_reference(tmp_path, met
     for p, o in zip(PROMPTS, outs):
         assert o.token_ids == hf_greedy(ref, p, 16)
     # the merged weights equal the reference's dequantized ones
-    qkv = eng.model.model.layers[0].self_attn.qkv_proj.qweight_format.dequantize()
+    qkv_proj = eng.model.model.layers[0].self_attn.qkv_proj
+    qkv = qkv_proj.qweight_format.dequantize()
     attn = ref.model.layers[0].self_attn
     want = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    assert (qkv_proj.in_perm is not None) == act_order
+    if act_order:  # stored in group order: column j is the layer's input channel in_perm[j]
+        assert not torch.equal(qkv_proj.in_perm, torch.arange(want.shape[1]))
+        want = want[:, qkv_proj.in_perm]
     torch.testing.assert_close(qkv, want, rtol=0, atol=1e-6)
 
 
@@ -53,7 +59,7 @@ def test_partly_dense_projection_and_dense_lm_head(tmp_path):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(extra_cfg={"desc_act": True}), "desc_act"),
+    (dict(act_order="split"), "different act-order channel orders"),
     (dict(extra_cfg={"quant_method": "bitsandbytes"}), "quant_method 'bitsandbytes'"),
     (dict(extra_cfg={"checkpoint_format": "marlin"}), "checkpoint_format 'marlin'"),
     (dict(method="awq", extra_cfg={"version": "gemv"}), "AWQ version 'gemv'"),

@@ -12,6 +12,7 @@ from infercore.quant import (
     fp8_e4m3_decode_emulated,
     from_awq,
     from_gptq,
+    from_gptq_act_order,
     to_awq,
     to_gptq,
 )
@@ -98,6 +99,46 @@ def test_gptq_import_export(bits):
     with pytest.raises(ValueError, match="g_idx"):
         from_gptq(qweight, qzeros, torch.from_numpy(s.T.copy()), bits=bits, group_size=g,
                   g_idx=torch.randperm(k) // g)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_act_order_import(bits, tmp_path):
+    """An act-order layer: channel k in group g_idx[k]. The IntWeight holds the columns sorted by group and
+    QuantLinear(in_perm=perm) computes x @ W^T of the original layer; saved and loaded with the model."""
+    from torch import nn
+
+    from infercore.quant import QuantLinear, load_quantized, save_quantized
+
+    rng = np.random.default_rng(2)
+    n, k, g = 16, 128, 32
+    g_idx = torch.from_numpy(rng.permutation(k) // g).to(torch.int32)
+    q = rng.integers(0, 2**bits, size=(n, k))
+    z = rng.integers(1, 2**bits, size=(n, k // g))
+    s = rng.random((n, k // g)).astype(np.float16) + 0.1
+    qweight, qzeros = _gptq_pack_loops(q, z, bits)
+    expect = torch.from_numpy((q - z[:, g_idx.numpy()]) * s.astype(np.float32)[:, g_idx.numpy()]).float()
+    w, perm = from_gptq_act_order(qweight, qzeros, torch.from_numpy(s.T.copy()), g_idx, bits=bits, group_size=g)
+    assert torch.equal(g_idx[perm].long(), torch.arange(k) // g)  # sorted by group
+    torch.testing.assert_close(w.dequantize(), expect[:, perm], rtol=0, atol=0)
+    lin = QuantLinear(w, in_perm=perm)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
+    y = x @ expect.t()  # magnitudes up to ~1e3 at 8 bits: compare relative to the largest
+    assert float((lin(x) - y).abs().max()) <= 1e-5 * float(y.abs().max())
+    model = nn.Sequential(nn.Linear(k, n, bias=False))
+    model[0] = lin
+    save_quantized(model, tmp_path / "m.safetensors")
+    back = load_quantized(nn.Sequential(nn.Linear(k, n, bias=False)), tmp_path / "m.safetensors")
+    assert torch.equal(back[0].in_perm, perm)
+    torch.testing.assert_close(back[0](x), lin(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="groups must hold"):
+        from_gptq_act_order(qweight, qzeros, torch.from_numpy(s.T.copy()), torch.zeros(k, dtype=torch.int32),
+                            bits=bits, group_size=g)
+    with pytest.raises(ValueError, match="permutation"):
+        QuantLinear(w, in_perm=torch.zeros(k, dtype=torch.long))
+    with pytest.raises(TypeError, match="in_perm"):
+        QuantLinear(w, in_perm=perm.float())
+    with pytest.raises(ValueError, match="in_perm"):
+        QuantLinear(Int8Weight.quantize(torch.randn(n, k)), in_perm=perm)
 
 
 def test_awq_import_export():

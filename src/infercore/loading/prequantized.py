@@ -9,7 +9,9 @@ and gate / up merged as the dense loader merges them), so no dense copy of a qua
 and loads every other tensor through the model's own ``load_weights``.
 
 Supported: GPTQ 4 / 8 bits, symmetric or not, ``checkpoint_format`` ``gptq`` (zeros stored minus one) or
-``gptq_v2``, group sizes dividing K or -1 (one group per output channel), without act-order (``desc_act``);
+``gptq_v2``, group sizes dividing K or -1 (one group per output channel), with or without act-order
+(``desc_act``: the input channels are sorted by group once at load and the activations gathered in that order,
+``QuantLinear.in_perm``);
 AWQ 4 bits, ``GEMM`` packing, with zero points. Llama-family models (Llama, Mistral, Qwen2, Qwen3).
 """
 
@@ -44,8 +46,6 @@ def prequantized_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
     if method == "gptq":
         if bits not in (4, 8):
             raise ValueError(f"config.json: GPTQ bits must be 4 or 8, got {bits!r}")
-        if q.get("desc_act"):
-            raise ValueError("config.json: GPTQ with act-order (desc_act) is not supported")
         fmt = str(q.get("checkpoint_format", "gptq")).lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"config.json: GPTQ checkpoint_format {fmt!r} is not supported ('gptq' or 'gptq_v2')")
@@ -64,7 +64,8 @@ def prequantized_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _int_weight(name: str, parts: dict[str, torch.Tensor], q: dict[str, Any]):
-    from ..quant.packing import from_awq, from_gptq
+    """``(IntWeight, input permutation or None)`` of one quantized linear's tensors."""
+    from ..quant.packing import from_awq, from_gptq, from_gptq_act_order
 
     need = ("qweight", "qzeros", "scales")
     missing = [p for p in need if p not in parts]
@@ -78,11 +79,15 @@ def _int_weight(name: str, parts: dict[str, torch.Tensor], q: dict[str, Any]):
     try:
         if q["method"] == "gptq":
             k = qweight.shape[0] * (32 // q["bits"])
-            return from_gptq(qweight, qzeros, scales, bits=q["bits"], group_size=q["group_size"] or k,
-                             g_idx=parts.get("g_idx"), zero_offset=q["zero_offset"])
+            g = q["group_size"] or k
+            g_idx = parts.get("g_idx")
+            kw = dict(bits=q["bits"], group_size=g, zero_offset=q["zero_offset"])
+            if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k, device=g_idx.device) // g):
+                return from_gptq_act_order(qweight, qzeros, scales, g_idx, **kw)
+            return from_gptq(qweight, qzeros, scales, **kw), None
         if "g_idx" in parts:
             raise ValueError("AWQ tensors carry no g_idx")
-        return from_awq(qweight, qzeros, scales, group_size=q["group_size"])
+        return from_awq(qweight, qzeros, scales, group_size=q["group_size"]), None
     except (ValueError, TypeError, RuntimeError) as e:
         raise ValueError(f"checkpoint: {name}: {e}") from None
 
@@ -129,7 +134,7 @@ def load_prequantized(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, de
     biasless: set[str] = set()  # quantized linears without a bias in the model
     converted = 0
     for base, p in parts.items():
-        w = _int_weight(base, p, q)
+        w, perm = _int_weight(base, p, q)
         prefix, _, proj = base.rpartition(".")
         target, shard = (f"{prefix}.{stacked[proj][0]}", stacked[proj][1]) if proj in stacked else (base, None)
         lin = modules.get(target)
@@ -148,13 +153,18 @@ def load_prequantized(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, de
             raise ValueError(f"checkpoint: {base} holds a [{w.shape[0]}, {w.shape[1]}] weight, expected "
                              f"[{rows}, {lin.in_features}]")
         if shard is not None:
-            merged.setdefault(target, {})[shard] = w
+            merged.setdefault(target, {})[shard] = (w, perm)
             n_shards = sum(1 for m, _ in stacked.values() if m == stacked[proj][0])
             if len(merged[target]) < n_shards:
                 continue
             shards = merged.pop(target)
-            w = _concat([shards[i] for i in range(n_shards)])
-        new = QuantLinear(w).to(device)
+            perms = [shards[i][1] for i in range(n_shards)]
+            if any((a is None) != (perms[0] is None) or (a is not None and not torch.equal(a, perms[0]))
+                   for a in perms):
+                raise ValueError(f"checkpoint: the shards of {target} have different act-order channel orders "
+                                 "(g_idx); a merged projection needs one")
+            w, perm = _concat([shards[i][0] for i in range(n_shards)]), perms[0]
+        new = QuantLinear(w, in_perm=perm).to(device)
         if lin.bias is not None:  # filled by load_weights below, like a dense bias
             new.bias = nn.Parameter(torch.empty(lin.out_features, dtype=dtype, device=device), requires_grad=False)
         _set_submodule(model, target, new)

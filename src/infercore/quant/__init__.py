@@ -19,7 +19,7 @@ from .gptq import gptq_quantize
 from .kv import dequantize_kv, quantize_kv, write_quantized_kv_cache_
 from .linear import QuantLinear
 from .ops import fp8_decode, fp8_wo_matmul, gguf_matmul, per_token_quant, w8a8_matmul, wq_matmul
-from .packing import from_awq, from_gptq, to_awq, to_gptq
+from .packing import from_awq, from_gptq, from_gptq_act_order, to_awq, to_gptq
 
 __all__ = [
     "SCHEMES",
@@ -39,6 +39,7 @@ __all__ = [
     "fp8_wo_matmul",
     "from_awq",
     "from_gptq",
+    "from_gptq_act_order",
     "gguf_matmul",
     "gptq_quantize",
     "load_quantized",

@@ -380,7 +380,8 @@ def save_quantized(model: nn.Module, path: str | os.PathLike) -> None:
     for name, m in model.named_modules():
         if isinstance(m, QuantLinear):
             layers[name] = {"format": m._meta, "outlier_threshold": m.outlier_threshold,
-                            "max_outliers": m.max_outliers, "bias": m.bias is not None}
+                            "max_outliers": m.max_outliers, "bias": m.bias is not None,
+                            "in_perm": m.in_perm is not None}
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     # Tied weights (e.g. lm_head = embed_tokens) are one tensor; safetensors refuses shared storage.
     seen: dict[int, str] = {}
@@ -412,9 +413,10 @@ def load_quantized(model: nn.Module, path: str | os.PathLike) -> nn.Module:
         tensors = {k[len(prefix):]: v.to(device) for k, v in state.items()
                    if k.startswith(prefix) and "." not in k[len(prefix):]}
         bias = tensors.pop("bias", None)
+        in_perm = tensors.pop("in_perm", None)
         qw = QuantizedWeight.from_parts(fmt_meta, tensors)
         new = QuantLinear(qw, bias, outlier_threshold=info["outlier_threshold"],
-                          max_outliers=info["max_outliers"])
+                          max_outliers=info["max_outliers"], in_perm=in_perm)
         _set_submodule(model, name, new)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or missing:

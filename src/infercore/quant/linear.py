@@ -25,11 +25,14 @@ class QuantLinear(nn.Module):
             whose ``|x|`` exceeds this joins the high-precision outlier set (default 6.0 in the
             ``w8a8-mixed`` scheme). ``None`` disables online growth.
         max_outliers: cap on the outlier set (growth stops there; later misses are only counted).
+        in_perm: optional int ``[K]`` permutation of the input channels (an :class:`IntWeight` only): the layer
+            computes ``x[..., in_perm] @ W^T`` with ``W`` stored in that order (act-order GPTQ checkpoints,
+            :func:`~infercore.quant.packing.from_gptq_act_order`). A buffer, so it is saved with the model.
     """
 
     def __init__(
         self, weight: QuantizedWeight, bias: torch.Tensor | None = None, *,
-        outlier_threshold: float | None = None, max_outliers: int = 256,
+        outlier_threshold: float | None = None, max_outliers: int = 256, in_perm: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(weight, QuantizedWeight):
@@ -45,6 +48,15 @@ class QuantLinear(nn.Module):
                 raise ValueError("outlier_threshold: only INT8 W8A8 weights carry an outlier set")
             _check_real("outlier_threshold", outlier_threshold, "a positive number or None", lambda t: t > 0)
         _check_int("max_outliers", max_outliers, "a non-negative int", lambda m: m >= 0)
+        if in_perm is not None:
+            if not isinstance(weight, IntWeight):
+                raise ValueError("in_perm: only INT weight-only layers take an input permutation")
+            if not isinstance(in_perm, torch.Tensor) or in_perm.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"in_perm: expected an int32 / int64 [{k}] tensor, got {type(in_perm).__name__}")
+            if in_perm.shape != (k,) or not torch.equal(torch.sort(in_perm.cpu().long()).values, torch.arange(k)):
+                raise ValueError(f"in_perm: expected a permutation of range({k})")
+            in_perm = in_perm.to(device=weight.qweight.device, dtype=torch.long)
+        self.register_buffer("in_perm", in_perm)
         self._meta = weight.meta()
         self._names: list[str] = []
         self._set_weight(weight)
@@ -74,11 +86,13 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         meta = {k: v for k, v in self._meta.items() if k != "kind"}
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} {meta}"
+        perm = ", in_perm" if self.in_perm is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} {meta}{perm}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in_features]`` (fp32/fp16/bf16) -> ``[..., out_features]`` in ``x.dtype``, through the
         format's op (weight-only, GGUF, or W8A8 with per-token activation quantization)."""
+        x = self._permute(x)
         w = self.qweight_format
         if isinstance(w, IntWeight):
             return wq_matmul(x, w, bias=self.bias)
@@ -110,6 +124,7 @@ class QuantLinear(nn.Module):
 
         if act not in GATED_ACTS:
             raise ValueError(f"act: expected one of {GATED_ACTS}, got {act!r}")
+        x = self._permute(x)
         w = self.qweight_format
         # A non-tensor x falls through to forward, which names what it expected.
         if (isinstance(x, torch.Tensor) and x.is_cuda and isinstance(w, (IntWeight, FP8Weight)) and x.dim() >= 1
@@ -122,6 +137,14 @@ class QuantLinear(nn.Module):
                 y = fn(x2, w, self.bias, act=act)
                 return y.reshape(*x.shape[:-1], y.shape[-1])
         return gated_act_and_mul(self.forward(x), act)
+
+    def _permute(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[..., in_perm]`` when the layer has an input permutation and x fits it (else x: the op names what
+        is wrong)."""
+        p = self.in_perm
+        if p is None or not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != p.shape[0]:
+            return x
+        return x.index_select(-1, p if p.device == x.device else p.to(x.device))
 
     def _mixed(self, x2: torch.Tensor, w: Int8Weight) -> torch.Tensor:
         """MixQ: per-token INT8 over ordinary channels + high-precision outlier channels.

@@ -209,3 +209,21 @@ def test_mixed_steps_with_decodes_split_off_keep_the_tokens(qwen3_next, gemma3, 
     got = [o.token_ids for o in Engine(model, **cfg).generate(ps, params)]
     assert got == want
     assert split and max(split) >= 2  # mixed steps did put their decodes through the decode kernel
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "gemma3"])
+def test_hybrid_logprobs_equal_a_fresh_prefill(qwen3_next, gemma3, name):
+    """SamplingParams.logprobs on the hybrid runner (decodes through the graph runner's staging): the values
+    at each generated position equal those of a fresh engine that prefills the prompt plus the tokens so far."""
+    model = {"qwen3_next": qwen3_next, "gemma3": gemma3}[name]
+    cfg = dict(page_size=4, kv_cache_bytes=200_000, checkpoint_interval=8, kv_layout="multi", max_num_batched_tokens=16)
+    prompt = _prompts(1, seed=12, lo=11, hi=11)[0]
+    eng = Engine(model, **cfg)
+    with_fake_graphs(eng, HybridCUDAGraphRunner, max_batch=2, buckets=(1,))
+    out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3))[0]
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=3)
+    for i, d in enumerate(out.logprobs):
+        fresh = Engine(model, **cfg).generate([prompt + out.token_ids[:i]], one)[0]
+        assert fresh.token_ids[0] == out.token_ids[i]
+        assert list(fresh.logprobs[0]) == list(d)
+        assert list(fresh.logprobs[0].values()) == pytest.approx(list(d.values()), abs=1e-4)

@@ -67,6 +67,36 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .engine import Engine
+    from .loading import default_model_path
+    from .serve import make_server
+
+    if not 0 <= args.port <= 65535:  # before the (slow) load
+        print(f"infercore: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
+        return 2
+    try:
+        engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
+                                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+        name = args.served_model_name or Path(args.model or default_model_path()).name
+        server = make_server(engine, host=args.host, port=args.port, model_name=name, verbose=args.verbose)
+    except (OSError, ValueError, TypeError, ImportError) as e:
+        print(f"infercore: {e}", file=sys.stderr)
+        return 2
+    host, port = server.server_address[:2]
+    print(f"infercore: serving {name} on http://{host}:{port}/v1 ({engine.device}, {engine.dtype})", file=sys.stderr)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        server.loop.close()
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     import torch
 
@@ -95,18 +125,21 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="infercore", description="LLM inference building blocks")
     sub = p.add_subparsers(dest="cmd", required=True)
+    def model_args(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--model", default=None, type=_model_path,
+                       help="HF safetensors dir (GPTQ / AWQ ones too) or .gguf file (default: SmolLM2-135M-Instruct)")
+        q.add_argument("--device", default=None, type=_device, help="cpu, cuda, cuda:1 (default: cuda if available)")
+        q.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+        q.add_argument("--quantization", default=None, metavar="Q",
+                       help="'gguf': run a GGUF file's Q4_0 / Q4_1 / Q8_0 linears as stored; or a weight scheme of "
+                            "infercore.quant.SCHEMES (e.g. w4a16-g128, w8a16, fp8-wo); the dtype then defaults to "
+                            "bfloat16, which the packed CPU kernels take (default: dense weights)")
+        q.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
+                       help="KV cache storage: auto (the model's dtype), int8 or fp8 with per-token scales")
+
     g = sub.add_parser("generate", help="stream a chat answer from a model")
     g.add_argument("prompt")
-    g.add_argument("--model", default=None, type=_model_path,
-                   help="HF safetensors dir or .gguf file (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--device", default=None, type=_device, help="cpu, cuda, cuda:1 (default: cuda if available)")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--quantization", default=None, metavar="Q",
-                   help="'gguf': run a GGUF file's Q4_0 / Q4_1 / Q8_0 linears as stored; or a weight scheme of "
-                        "infercore.quant.SCHEMES (e.g. w4a16-g128, w8a16, fp8-wo); the dtype then defaults to "
-                        "bfloat16, which the packed CPU kernels take (default: dense weights)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
-                   help="KV cache storage: auto (the model's dtype), int8 or fp8 with per-token scales")
+    model_args(g)
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -118,6 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, without the chat template")
     g.set_defaults(fn=_generate)
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    model_args(v)
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--served-model-name", default=None, help="the model id the API reports (default: the file name)")
+    v.add_argument("--verbose", action="store_true", help="log every HTTP request")
+    v.set_defaults(fn=_serve)
     i = sub.add_parser("info", help="devices and which backend serves each op")
     i.add_argument("--device", default=None, type=_device)
     i.add_argument("--json", action="store_true")

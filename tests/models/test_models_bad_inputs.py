@@ -108,6 +108,45 @@ def test_cli_checks_sampling_flags_before_loading(capsys):
     assert "presence_penalty must be in [-2, 2]" in capsys.readouterr().err
 
 
+def test_cli_serve_checks_the_port_before_loading(capsys):
+    assert cli.main(["serve", "--port", "70000", "--model", "/nonexistent"]) == 2
+    assert "--port must be in [0, 65535]" in capsys.readouterr().err
+
+
+def test_cli_serve_starts_the_server_on_the_loaded_engine(capsys, monkeypatch):
+    from infercore import serve
+    from infercore.engine import Engine
+
+    seen = {}
+
+    class FakeServer:
+        server_address = ("127.0.0.1", 1234)
+
+        def serve_forever(self):
+            seen["served"] = True
+
+        def server_close(self):
+            seen["closed"] = True
+
+        class loop:  # noqa: N801
+            @staticmethod
+            def close():
+                seen["loop closed"] = True
+
+    def fake_make_server(engine, **kw):
+        seen.update(kw)
+        return FakeServer()
+
+    fake = Engine.__new__(Engine)
+    fake.device, fake.dtype = "cpu", "float32"
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(lambda path, **kw: fake))
+    monkeypatch.setattr(serve, "make_server", fake_make_server)
+    assert cli.main(["serve", "--port", "0", "--served-model-name", "m", "--host", "0.0.0.0"]) == 0
+    assert seen == {"host": "0.0.0.0", "port": 0, "model_name": "m", "verbose": False, "served": True,
+                    "closed": True, "loop closed": True}
+    assert "serving m on http://127.0.0.1:1234/v1" in capsys.readouterr().err
+
+
 def test_cli_passes_the_sampling_flags(capsys, monkeypatch):
     from infercore.engine import Engine
 

@@ -1,0 +1,147 @@
+"""``infercore serve``: the OpenAI-compatible HTTP server, on the real SmolLM2-135M-Instruct weights (CPU)."""
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from infercore import Engine, SamplingParams
+from infercore.serve import make_server
+
+
+@pytest.fixture(scope="module")
+def served():
+    engine = Engine.from_pretrained(device="cpu", dtype=torch.float32, max_num_batched_tokens=256,
+                                    enable_prefix_caching=False, async_scheduling=False)
+    # answers computed directly, before the server owns the engine
+    want = {
+        "chat": engine.generate(["What is the capital of France?"], SamplingParams(temperature=0, max_tokens=12),
+                                chat=True)[0],
+        "text": engine.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[0],
+    }
+    server = make_server(engine, port=0, model_name="smollm2")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server, want
+    server.shutdown()
+    server.server_close()
+    server.loop.close()
+
+
+def _post(server, path, body, *, raw=False):
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=120)
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, (data if raw else json.loads(data))
+
+
+def _events(data: bytes) -> list:
+    chunks = [c[len(b"data: "):] for c in data.split(b"\n\n") if c.startswith(b"data: ")]
+    assert chunks[-1] == b"[DONE]"
+    return [json.loads(c) for c in chunks[:-1]]
+
+
+def test_models(served):
+    server, _ = served
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=30)
+    conn.request("GET", "/v1/models")
+    body = json.loads(conn.getresponse().read())
+    assert [m["id"] for m in body["data"]] == ["smollm2"]
+
+
+def test_completion_equals_the_engine(served):
+    server, want = served
+    status, body = _post(server, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 8,
+                                                     "temperature": 0})
+    assert status == 200 and body["object"] == "text_completion"
+    choice = body["choices"][0]
+    assert choice["text"] == want["text"].text and choice["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(want["text"].prompt_token_ids), "completion_tokens": 8,
+                             "total_tokens": len(want["text"].prompt_token_ids) + 8}
+
+
+def test_chat_completion_and_its_stream(served):
+    server, want = served
+    req = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_completion_tokens": 12,
+           "temperature": 0}
+    status, body = _post(server, "/v1/chat/completions", req)
+    assert status == 200
+    msg = body["choices"][0]["message"]
+    assert msg == {"role": "assistant", "content": want["chat"].text} and "Paris" in msg["content"]
+    status, data = _post(server, "/v1/chat/completions", {**req, "stream": True}, raw=True)
+    events = _events(data)
+    assert status == 200 and events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == want["chat"].text
+    assert events[-1]["choices"][0]["finish_reason"] == want["chat"].finish_reason
+
+
+def test_logprobs(served):
+    server, _ = served
+    status, body = _post(server, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 5,
+                                                     "temperature": 0, "logprobs": 2})
+    lp = body["choices"][0]["logprobs"]
+    assert status == 200 and len(lp["token_logprobs"]) == len(lp["tokens"]) == len(lp["top_logprobs"]) == 5
+    for v, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
+        assert v <= 0 and len(top) <= 2 and v >= max(top.values())  # greedy: the sampled token is the top one
+    status, body = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                          "max_tokens": 3, "logprobs": True, "top_logprobs": 1})
+    content = body["choices"][0]["logprobs"]["content"]
+    assert status == 200 and len(content) == body["usage"]["completion_tokens"]
+
+
+def test_concurrent_requests_batch_and_all_finish(served):
+    server, _ = served
+    results = [None] * 4
+
+    def ask(i):
+        results[i] = _post(server, "/v1/completions", {"prompt": f"Count to {i + 3}:", "max_tokens": 6,
+                                                       "temperature": 0.5, "seed": i})
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert all(r is not None and r[0] == 200 and r[1]["usage"]["completion_tokens"] == 6 for r in results)
+
+
+@pytest.mark.parametrize("path, body, param, text", [
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature", "temperature must be a float"),
+    ("/v1/completions", {"prompt": "x", "top_p": 2.0}, None, "top_p"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt", "prompt"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, "n", "n must be 1"),
+    ("/v1/completions", {"prompt": "x", "stop": 3}, "stop", "stop"),
+    ("/v1/completions", {"prompt": [1, 2, 10**9]}, None, "token ids outside"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages", "messages"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 5.0}, None, "presence_penalty"),
+])
+def test_bad_requests_get_400_naming_the_field(served, path, body, param, text):
+    server, _ = served
+    status, reply = _post(server, path, body)
+    assert status == 400
+    assert text in reply["error"]["message"] and reply["error"]["param"] == param
+    status, _ = _post(server, "/v1/nothing", {})
+    assert status == 404
+
+
+def test_disconnected_stream_is_aborted(served):
+    server, _ = served
+    body = json.dumps({"prompt": "Tell me a long story.", "max_tokens": 2000, "stream": True, "ignore_eos": True})
+    sock = socket.create_connection(server.server_address[:2], timeout=60)
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    head = b""
+    while b"data: " not in head:  # the stream has started
+        head += sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 200")
+    sock.close()  # the client goes away mid-stream
+    deadline = time.time() + 10  # far less than the 2000 tokens would take
+    while server.loop.engine.has_unfinished() and time.time() < deadline:
+        time.sleep(0.2)
+    assert not server.loop.engine.has_unfinished()

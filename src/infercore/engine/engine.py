@@ -6,6 +6,7 @@ import atexit
 import functools
 import gc
 import itertools
+import os
 import random
 import time
 from collections.abc import Iterable, Iterator
@@ -50,8 +51,6 @@ def _check_quantization(quantization, path) -> None:
 
 def _prequantized_method(path) -> str | None:
     """``"gptq"`` / ``"awq"`` for a pre-quantized HF directory at ``path``, else None (checked before loading)."""
-    import os
-
     from ..loading.prequantized import prequantized_config
     from ..loading.safetensors_dir import read_config
 

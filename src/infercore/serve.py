@@ -5,6 +5,8 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/comp
 ``max_tokens`` (``max_completion_tokens`` in chat), ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
 ``stop`` (a string or a list), ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, and ``logprobs`` (completions: an int; chat: ``true`` with ``top_logprobs``).
+A completion's ``prompt`` is a string, a list of token ids, or a list of either: each prompt is one choice
+(``index``), all of them batched together; streamed chunks carry their choice's index.
 
 One thread owns the engine and runs its loop (:class:`EngineLoop`); the HTTP handler threads only submit
 requests and read their outputs from a queue, so any number of clients batch together in the engine's
@@ -49,9 +51,13 @@ class EngineLoop:
         self.thread = threading.Thread(target=self._run, name="infercore-engine", daemon=True)
         self.thread.start()
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> tuple[str, queue.Queue]:
+    def submit(self, prompt: list[int], params: SamplingParams, out: queue.Queue | None = None
+               ) -> tuple[str, queue.Queue]:
+        """Queue a request; its outputs arrive on ``out`` (a new queue unless given, so several requests can
+        share one) as ``(request id, item)``: a :class:`RequestOutput` after each step that advanced it, the
+        exception that refused or failed it, or None once it is aborted."""
         rid = f"req-{next(self._ids)}"
-        out: queue.Queue = queue.Queue()
+        out = queue.Queue() if out is None else out
         self._inbox.put(("add", rid, prompt, params, out))
         return rid, out
 
@@ -69,12 +75,12 @@ class EngineLoop:
             try:
                 self.engine.add_request(prompt, params, request_id=rid)
             except (ValueError, TypeError) as e:
-                out.put(e)
+                out.put((rid, e))
                 return
             self._queues[rid] = out
         elif kind == "abort" and rid in self._queues:
             self.engine.abort(rid)
-            self._queues.pop(rid).put(None)
+            self._queues.pop(rid).put((rid, None))
 
     def _run(self) -> None:
         eng = self.engine
@@ -93,13 +99,13 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001  (every waiting client hears of it; the loop goes on)
                 for rid, q in list(self._queues.items()):
                     eng.abort(rid)
-                    q.put(RuntimeError(f"engine step failed: {e}"))
+                    q.put((rid, RuntimeError(f"engine step failed: {e}")))
                 self._queues.clear()
                 continue
             for out in outputs:
                 q = self._queues.get(out.request_id)
                 if q is not None:
-                    q.put(out)
+                    q.put((out.request_id, out))
                     if out.finished:
                         del self._queues[out.request_id]
 
@@ -152,7 +158,9 @@ def sampling_params(body: dict, *, chat: bool) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-def _prompt_ids(engine: Engine, body: dict, *, chat: bool) -> list[int]:
+def _prompt_ids(engine: Engine, body: dict, *, chat: bool) -> list[list[int]]:
+    """The request's prompts as token ids: one chat conversation, or the completion prompt(s) (a string, a list
+    of token ids, or a list of either)."""
     tok = engine.tokenizer
     if chat:
         messages = body.get("messages")
@@ -162,17 +170,21 @@ def _prompt_ids(engine: Engine, body: dict, *, chat: bool) -> list[int]:
             raise BadRequest("messages must be a non-empty list of {'role': str, 'content': str}", "messages")
         if tok is None:
             raise BadRequest("the model has no tokenizer for chat messages", "messages")
-        return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+        return [tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)]
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # OpenAI's batch form with one prompt
-    if isinstance(prompt, str):
-        if tok is None:
-            raise BadRequest("the model has no tokenizer; send token ids", "prompt")
-        return tok.encode(prompt)
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    raise BadRequest("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+
+    def ids(p) -> list[int]:
+        if isinstance(p, str):
+            if tok is None:
+                raise BadRequest("the model has no tokenizer; send token ids", "prompt")
+            return tok.encode(p)
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return p
+        raise BadRequest("prompt must be a string, a list of token ids, or a non-empty list of either", "prompt")
+
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return [ids(p) for p in prompt]  # OpenAI's batch form
+    return [ids(prompt)]
 
 
 def _logprobs(engine: Engine, out: RequestOutput, start: int, *, chat: bool) -> dict | None:
@@ -241,43 +253,70 @@ class _Handler(BaseHTTPRequestHandler):
         except (ValueError, TypeError) as e:  # the JSON itself, or SamplingParams' checks (they name the field)
             self._error(400, str(e))
             return
-        rid, q = self.server.loop.submit(ids, params)
-        first = q.get()
-        if isinstance(first, Exception):
-            self._error(400 if isinstance(first, (ValueError, TypeError)) else 500, str(first))
+        loop = self.server.loop
+        q: queue.Queue = queue.Queue()
+        index = {loop.submit(p, params, q)[0]: i for i, p in enumerate(ids)}
+        first = self._first_outputs(q, index)
+        if first is None:
             return
         if stream:
-            self._stream(rid, q, first, chat)
+            self._stream(index, q, first, chat)
         else:
-            self._whole(rid, q, first, chat)
+            self._whole(index, q, first, chat)
 
-    def _collect(self, q: queue.Queue, first) -> RequestOutput | Exception | None:
-        out = first
-        while out is not None and not isinstance(out, Exception) and not out.finished:
-            out = q.get()
-        return out
+    def _first_outputs(self, q: queue.Queue, index: dict[str, int]) -> list | None:
+        """Each request's first output, in arrival order; on a refused one, the others are aborted and the
+        error is answered (None)."""
+        first, seen = [], set()
+        while len(seen) < len(index):
+            rid, item = q.get()
+            if isinstance(item, RequestOutput):
+                seen.add(rid)
+                first.append((rid, item))
+                continue
+            for other in index:
+                if other != rid:
+                    self.server.loop.abort(other)
+            if item is None or isinstance(item, (ValueError, TypeError)):
+                prefix = f"prompt {index[rid]}: " if len(index) > 1 else ""
+                self._error(400, prefix + (str(item) if item is not None else "request aborted"))
+            else:
+                self._error(500, str(item))
+            return None
+        return first
 
-    def _whole(self, rid: str, q: queue.Queue, first, chat: bool) -> None:
-        out = self._collect(q, first)
-        if not isinstance(out, RequestOutput):
-            self._error(500, str(out) if out is not None else "request aborted")
-            return
+    def _whole(self, index: dict[str, int], q: queue.Queue, first: list, chat: bool) -> None:
+        final: dict[str, RequestOutput] = {}
+        pending = list(first)
+        while len(final) < len(index):
+            rid, out = pending.pop(0) if pending else q.get()
+            if not isinstance(out, RequestOutput):
+                for other in index:
+                    if other not in final:
+                        self.server.loop.abort(other)
+                self._error(500, str(out) if out is not None else "request aborted")
+                return
+            if out.finished:
+                final[rid] = out
         eng = self.server.loop.engine
-        reason = _FINISH.get(out.finish_reason or "", out.finish_reason)
-        usage = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
-                 "total_tokens": len(out.prompt_token_ids) + len(out.token_ids)}
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                      "logprobs": _logprobs(eng, out, 0, chat=True), "finish_reason": reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": out.text, "logprobs": _logprobs(eng, out, 0, chat=False),
-                      "finish_reason": reason}
-            obj = "text_completion"
-        self._json(200, {"id": rid, "object": obj, "created": int(time.time()), "model": self.server.model_name,
-                         "choices": [choice], "usage": usage})
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for rid, i in sorted(index.items(), key=lambda kv: kv[1]):
+            out = final[rid]
+            reason = _FINISH.get(out.finish_reason or "", out.finish_reason)
+            prompt_tokens += len(out.prompt_token_ids)
+            completion_tokens += len(out.token_ids)
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
+                                "logprobs": _logprobs(eng, out, 0, chat=True), "finish_reason": reason})
+            else:
+                choices.append({"index": i, "text": out.text, "logprobs": _logprobs(eng, out, 0, chat=False),
+                                "finish_reason": reason})
+        self._json(200, {"id": next(iter(index)), "object": "chat.completion" if chat else "text_completion",
+                         "created": int(time.time()), "model": self.server.model_name, "choices": choices,
+                         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                   "total_tokens": prompt_tokens + completion_tokens}})
 
-    def _stream(self, rid: str, q: queue.Queue, first, chat: bool) -> None:
+    def _stream(self, index: dict[str, int], q: queue.Queue, first: list, chat: bool) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -286,35 +325,39 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         eng = self.server.loop.engine
         obj = "chat.completion.chunk" if chat else "text_completion"
-        created = int(time.time())
-        out = first
+        created, sid = int(time.time()), next(iter(index))
+        head = {"id": sid, "object": obj, "created": created, "model": self.server.model_name}
+        pending, done = list(first), set()
         try:
             if chat:
-                self._event({"id": rid, "object": obj, "created": created, "model": self.server.model_name,
-                             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                          "finish_reason": None}]})
-            while True:
-                if isinstance(out, Exception) or out is None:
-                    self._event({"error": {"message": str(out) if out else "request aborted",
+                self._event({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                  "finish_reason": None}]})
+            while len(done) < len(index):
+                rid, out = pending.pop(0) if pending else q.get()
+                if not isinstance(out, RequestOutput):
+                    self._event({"error": {"message": str(out) if out is not None else "request aborted",
                                            "type": "server_error"}})
+                    for other in index:
+                        if other not in done and other != rid:
+                            self.server.loop.abort(other)
                     break
                 start = len(out.token_ids) - len(out.new_token_ids)
                 reason = _FINISH.get(out.finish_reason or "", out.finish_reason) if out.finished else None
                 lp = _logprobs(eng, out, start, chat=chat)
                 if chat:
-                    choice = {"index": 0, "delta": {"content": out.new_text} if out.new_text else {},
+                    choice = {"index": index[rid], "delta": {"content": out.new_text} if out.new_text else {},
                               "logprobs": lp, "finish_reason": reason}
                 else:
-                    choice = {"index": 0, "text": out.new_text, "logprobs": lp, "finish_reason": reason}
-                self._event({"id": rid, "object": obj, "created": created, "model": self.server.model_name,
-                             "choices": [choice]})
+                    choice = {"index": index[rid], "text": out.new_text, "logprobs": lp, "finish_reason": reason}
+                self._event({**head, "choices": [choice]})
                 if out.finished:
-                    break
-                out = q.get()
+                    done.add(rid)
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
-            self.server.loop.abort(rid)
+            for rid in index:
+                if rid not in done:
+                    self.server.loop.abort(rid)
 
     def _event(self, obj: dict) -> None:
         self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")

@@ -81,6 +81,29 @@ def test_chat_completion_and_its_stream(served):
     assert events[-1]["choices"][0]["finish_reason"] == want["chat"].finish_reason
 
 
+def test_several_prompts_in_one_request(served):
+    server, want = served
+    prompts = ["The capital of France is", "Count to 3:", "The capital of France is"]
+    status, body = _post(server, "/v1/completions", {"prompt": prompts, "max_tokens": 8, "temperature": 0})
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["choices"][0]["text"] == body["choices"][2]["text"] == want["text"].text
+    assert body["usage"]["completion_tokens"] == 24
+    status, data = _post(server, "/v1/completions", {"prompt": prompts, "max_tokens": 8, "temperature": 0,
+                                                     "stream": True}, raw=True)
+    texts = ["", "", ""]
+    for e in _events(data):
+        c = e["choices"][0]
+        texts[c["index"]] += c["text"]
+    assert status == 200 and texts == [c["text"] for c in body["choices"]]
+    # one refused prompt fails the request and leaves nothing running
+    status, reply = _post(server, "/v1/completions", {"prompt": ["Hi", [1, 10**9]], "max_tokens": 50})
+    assert status == 400 and reply["error"]["message"].startswith("prompt 1: ")
+    deadline = time.time() + 10
+    while server.loop.engine.has_unfinished() and time.time() < deadline:
+        time.sleep(0.1)
+    assert not server.loop.engine.has_unfinished()
+
+
 def test_logprobs(served):
     server, _ = served
     status, body = _post(server, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 5,
@@ -115,6 +138,7 @@ def test_concurrent_requests_batch_and_all_finish(served):
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature", "temperature must be a float"),
     ("/v1/completions", {"prompt": "x", "top_p": 2.0}, None, "top_p"),
     ("/v1/completions", {"max_tokens": 3}, "prompt", "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt", "prompt"),
     ("/v1/completions", {"prompt": "x", "n": 2}, "n", "n must be 1"),
     ("/v1/completions", {"prompt": "x", "stop": 3}, "stop", "stop"),
     ("/v1/completions", {"prompt": [1, 2, 10**9]}, None, "token ids outside"),

@@ -5,8 +5,9 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/comp
 ``max_tokens`` (``max_completion_tokens`` in chat), ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
 ``stop`` (a string or a list), ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, and ``logprobs`` (completions: an int; chat: ``true`` with ``top_logprobs``).
-A completion's ``prompt`` is a string, a list of token ids, or a list of either: each prompt is one choice
-(``index``), all of them batched together; streamed chunks carry their choice's index.
+A completion's ``prompt`` is a string, a list of token ids, or a list of either, and ``n`` (up to
+:data:`MAX_N`) asks for several samples of each: choice ``i * n + j`` is prompt ``i``'s sample ``j``, all of them
+batched together (with a ``seed``, sample ``j`` uses ``seed + j``); streamed chunks carry their choice's index.
 
 One thread owns the engine and runs its loop (:class:`EngineLoop`); the HTTP handler threads only submit
 requests and read their outputs from a queue, so any number of clients batch together in the engine's
@@ -22,6 +23,7 @@ import json
 import queue
 import threading
 import time
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -153,9 +155,17 @@ def sampling_params(body: dict, *, chat: bool) -> SamplingParams:
             kw["logprobs"] = _number(body, "top_logprobs", int) or 0
     elif body.get("logprobs") is not None:
         kw["logprobs"] = _number(body, "logprobs", int)
-    if body.get("n", 1) != 1:
-        raise BadRequest("n must be 1", "n")
     return SamplingParams(**kw)
+
+
+MAX_N = 16
+
+
+def _n(body: dict) -> int:
+    n = _number(body, "n", int)
+    if n is not None and not 1 <= n <= MAX_N:
+        raise BadRequest(f"n must be in [1, {MAX_N}], got {n}", "n")
+    return n or 1
 
 
 def _prompt_ids(engine: Engine, body: dict, *, chat: bool) -> list[list[int]]:
@@ -245,6 +255,7 @@ class _Handler(BaseHTTPRequestHandler):
             if not isinstance(body, dict):
                 raise BadRequest("the body must be a JSON object")
             params = sampling_params(body, chat=chat)
+            n = _n(body)
             ids = _prompt_ids(self.server.loop.engine, body, chat=chat)
             stream = bool(body.get("stream", False))
         except BadRequest as e:
@@ -255,7 +266,12 @@ class _Handler(BaseHTTPRequestHandler):
             return
         loop = self.server.loop
         q: queue.Queue = queue.Queue()
-        index = {loop.submit(p, params, q)[0]: i for i, p in enumerate(ids)}
+        # n samples per prompt are n requests; with a seed, sample j draws from seed + j (else each draws its own)
+        index = {}
+        for i, p in enumerate(ids):
+            for j in range(n):
+                sp = params if params.seed is None or j == 0 else replace(params, seed=params.seed + j)
+                index[loop.submit(p, sp, q)[0]] = i * n + j
         first = self._first_outputs(q, index)
         if first is None:
             return
@@ -330,8 +346,9 @@ class _Handler(BaseHTTPRequestHandler):
         pending, done = list(first), set()
         try:
             if chat:
-                self._event({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                  "finish_reason": None}]})
+                for i in sorted(index.values()):
+                    self._event({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                      "finish_reason": None}]})
             while len(done) < len(index):
                 rid, out = pending.pop(0) if pending else q.get()
                 if not isinstance(out, RequestOutput):

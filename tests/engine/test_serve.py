@@ -104,6 +104,25 @@ def test_several_prompts_in_one_request(served):
     assert not server.loop.engine.has_unfinished()
 
 
+def test_n_samples_per_prompt(served):
+    server, want = served
+    status, body = _post(server, "/v1/completions", {"prompt": ["The capital of France is", "Count to 3:"], "n": 3,
+                                                     "max_tokens": 8, "temperature": 1.0, "seed": 5})
+    assert status == 200 and [c["index"] for c in body["choices"]] == list(range(6))
+    texts = [c["text"] for c in body["choices"]]
+    assert len(set(texts[:3])) > 1  # seeds 5, 6, 7 draw different samples
+    again = _post(server, "/v1/completions", {"prompt": "Count to 3:", "n": 3, "max_tokens": 8, "temperature": 1.0,
+                                              "seed": 5})[1]
+    assert [c["text"] for c in again["choices"]] == texts[3:]  # each sample is a function of its seed
+    status, body = _post(server, "/v1/completions", {"prompt": "The capital of France is", "n": 2, "max_tokens": 8,
+                                                     "temperature": 0})
+    assert [c["text"] for c in body["choices"]] == [want["text"].text] * 2
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "max_tokens": 4, "stream": True}
+    status, data = _post(server, "/v1/chat/completions", chat, raw=True)
+    roles = [e["choices"][0]["index"] for e in _events(data) if e["choices"][0]["delta"].get("role")]
+    assert status == 200 and roles == [0, 1]
+
+
 def test_logprobs(served):
     server, _ = served
     status, body = _post(server, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 5,
@@ -139,7 +158,7 @@ def test_concurrent_requests_batch_and_all_finish(served):
     ("/v1/completions", {"prompt": "x", "top_p": 2.0}, None, "top_p"),
     ("/v1/completions", {"max_tokens": 3}, "prompt", "prompt"),
     ("/v1/completions", {"prompt": []}, "prompt", "prompt"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, "n", "n must be 1"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n", "n must be in [1, 16]"),
     ("/v1/completions", {"prompt": "x", "stop": 3}, "stop", "stop"),
     ("/v1/completions", {"prompt": [1, 2, 10**9]}, None, "token ids outside"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages", "messages"),

@@ -31,7 +31,6 @@ from .engine import Engine, RequestOutput, SamplingParams
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "ignore_eos", "min_tokens")
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 class BadRequest(ValueError):
@@ -318,7 +317,7 @@ class _Handler(BaseHTTPRequestHandler):
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for rid, i in sorted(index.items(), key=lambda kv: kv[1]):
             out = final[rid]
-            reason = _FINISH.get(out.finish_reason or "", out.finish_reason)
+            reason = out.finish_reason  # "stop" / "length", as OpenAI names them
             prompt_tokens += len(out.prompt_token_ids)
             completion_tokens += len(out.token_ids)
             if chat:
@@ -359,7 +358,7 @@ class _Handler(BaseHTTPRequestHandler):
                             self.server.loop.abort(other)
                     break
                 start = len(out.token_ids) - len(out.new_token_ids)
-                reason = _FINISH.get(out.finish_reason or "", out.finish_reason) if out.finished else None
+                reason = out.finish_reason if out.finished else None
                 lp = _logprobs(eng, out, start, chat=chat)
                 if chat:
                     choice = {"index": index[rid], "delta": {"content": out.new_text} if out.new_text else {},

@@ -5,10 +5,9 @@ device-side gather of the previous step's tokens, speculative steps discarded wh
 out finished, frozen requests that end by length, preemption while a token is pending, aborts.
 """
 
-import random
 
 import pytest
-from engine_helpers import ours_from_hf, tiny_hf, with_fake_graphs
+from engine_helpers import ours_from_hf, random_prompts, tiny_hf, with_fake_graphs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -138,18 +137,13 @@ def test_async_outputs_equal_sync(reqs, num_pages, budget, max_seqs, caching, gr
                 assert toks == want.token_ids[: len(toks)]
 
 
-def _prompts(n, seed, lo=3, hi=30):
-    rng = random.Random(seed)
-    return [[rng.randrange(96) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
 def _final(streams):
     return {rid: (s[-1].token_ids, s[-1].finish_reason) for rid, s in streams.items()}
 
 
 @pytest.mark.parametrize("caching", [False, True])
 def test_async_matches_sync_with_preemption(caching):
-    ps = _prompts(8, seed=3, lo=10, hi=20)
+    ps = random_prompts(8, seed=3, lo=10, hi=20)
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     reqs = [(p, sp, 0, None) for p in ps]
     sync, _ = run(reqs, async_scheduling=False, num_pages=24, enable_prefix_caching=caching)
@@ -159,7 +153,7 @@ def test_async_matches_sync_with_preemption(caching):
 
 
 def test_async_prefix_cache_hits_and_same_outputs():
-    shared = _prompts(1, seed=2, lo=30, hi=30)[0]
+    shared = random_prompts(1, seed=2, lo=30, hi=30)[0]
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     reqs = [(shared + [i], sp, 3 * i, None) for i in range(4)]
     sync, _ = run(reqs, async_scheduling=False, num_pages=128)
@@ -181,7 +175,7 @@ def test_length_stop_costs_no_extra_step():
         return orig(batch, gather)
 
     eng.runner.launch = launch
-    p = _prompts(1, seed=9)[0]
+    p = random_prompts(1, seed=9)[0]
     out = eng.generate([p], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
     assert len(calls) == 5  # one prefill + four decodes, as in the synchronous engine
@@ -199,7 +193,7 @@ def test_length_stop_costs_no_extra_step():
 def test_outputs_lag_one_call_and_stream_in_order():
     eng = Engine(model(), page_size=4, num_pages=64, async_scheduling=True)
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    rid = eng.add_request(_prompts(1, seed=4)[0], sp)
+    rid = eng.add_request(random_prompts(1, seed=4)[0], sp)
     assert eng.step() == []  # the prefill is launched, its token not read yet
     seen = []
     while eng.has_unfinished():
@@ -207,12 +201,12 @@ def test_outputs_lag_one_call_and_stream_in_order():
             seen.append(o)
     assert [len(o.token_ids) for o in seen] == [1, 2, 3, 4] and seen[-1].finished
     sync = Engine(model(), page_size=4, num_pages=64, async_scheduling=False)
-    assert sync.generate([eng_prompt := _prompts(1, seed=4)[0]], sp)[0].token_ids == seen[-1].token_ids
+    assert sync.generate([eng_prompt := random_prompts(1, seed=4)[0]], sp)[0].token_ids == seen[-1].token_ids
     assert rid == seen[-1].request_id and eng_prompt
 
 
 def test_async_repetition_penalty_and_seeded_sampling_match_sync():
-    ps = _prompts(4, seed=8)
+    ps = random_prompts(4, seed=8)
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=3.0),
               SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.7, top_k=10, seed=6, max_tokens=9, ignore_eos=True),
@@ -234,7 +228,7 @@ def _with_fake_graphs(eng, max_batch):
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_graph_runner_path_matches_eager(async_scheduling):
-    ps = _prompts(7, seed=11)
+    ps = random_prompts(7, seed=11)
     params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
               SamplingParams(temperature=0.8, top_p=0.8, seed=1, max_tokens=11, ignore_eos=True),
               SamplingParams(temperature=0.5, min_p=0.1, top_k=7, seed=2, max_tokens=6, ignore_eos=True)] * 3

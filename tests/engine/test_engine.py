@@ -1,10 +1,9 @@
 import math
-import random
 
 import numpy as np
 import pytest
 import torch
-from engine_helpers import hf_greedy, ours_from_hf, tiny_hf
+from engine_helpers import hf_greedy, ours_from_hf, random_prompts, tiny_hf
 
 from infercore import Engine, SamplingParams
 from infercore.models import ModelConfig, build_model
@@ -12,15 +11,10 @@ from infercore.models import ModelConfig, build_model
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
-def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40, vocab: int = 96) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
 def test_batched_chunked_greedy_matches_transformers(kind):
     hf = tiny_hf(kind)
-    ps = prompts(4, seed=1)
+    ps = random_prompts(4, seed=1, hi=40)
     # page 4 and an 11-token budget: prompts are chunked across steps and mixed with decodes.
     eng = Engine(ours_from_hf(hf), page_size=4, num_pages=256, max_num_batched_tokens=11)
     outs = eng.generate(ps, GREEDY)
@@ -32,7 +26,7 @@ def test_batched_chunked_greedy_matches_transformers(kind):
 
 def test_prefix_cache_hit_gives_same_tokens(llama_pair):
     hf, model = llama_pair
-    shared = prompts(1, seed=2, lo=30, hi=30)[0]
+    shared = random_prompts(1, seed=2, lo=30, hi=30)[0]
     a, b = shared + [5, 6, 7], shared + [8, 9]
     eng = Engine(model, page_size=4, num_pages=128)
     first = eng.generate([a], GREEDY)[0]
@@ -48,7 +42,7 @@ def test_prefix_cache_hit_gives_same_tokens(llama_pair):
 
 def test_preemption_keeps_outputs(llama_pair):
     _, model = llama_pair
-    ps = prompts(6, seed=3, lo=10, hi=20)
+    ps = random_prompts(6, seed=3, lo=10, hi=20)
     ref = Engine(model, page_size=4, num_pages=512).generate(ps, GREEDY)
     eng = Engine(model, page_size=4, num_pages=24, enable_prefix_caching=False)
     outs = eng.generate(ps, GREEDY)
@@ -59,7 +53,7 @@ def test_preemption_keeps_outputs(llama_pair):
 
 def test_seeded_sampling_is_independent_of_batch(llama_pair):
     _, model = llama_pair
-    ps = prompts(4, seed=4)
+    ps = random_prompts(4, seed=4, hi=40)
     sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=123, max_tokens=16, ignore_eos=True)
     alone = Engine(model, num_pages=64).generate([ps[0]], sp)[0].token_ids
     others = [SamplingParams(temperature=0.8, seed=i, max_tokens=10) for i in range(3)]
@@ -73,7 +67,7 @@ def test_seeded_sampling_is_independent_of_batch(llama_pair):
 
 def test_stop_token_ids_and_max_tokens(llama_pair):
     hf, model = llama_pair
-    p = prompts(1, seed=5)[0]
+    p = random_prompts(1, seed=5, hi=40)[0]
     ref = hf_greedy(hf, p, 32)
     stop = ref[5]
     first = ref.index(stop)
@@ -87,8 +81,8 @@ def test_stop_token_ids_and_max_tokens(llama_pair):
 def test_abort_frees_pages(llama_pair):
     _, model = llama_pair
     eng = Engine(model, page_size=4, num_pages=64)
-    a = eng.add_request(prompts(1, seed=6)[0], GREEDY)
-    b = eng.add_request(prompts(1, seed=7)[0], GREEDY)
+    a = eng.add_request(random_prompts(1, seed=6, hi=40)[0], GREEDY)
+    b = eng.add_request(random_prompts(1, seed=7, hi=40)[0], GREEDY)
     eng.step()
     eng.step()
     eng.abort(a)
@@ -141,7 +135,7 @@ def test_request_too_big_for_pool(llama_pair):
 
 def test_repetition_penalty_changes_greedy_output(llama_pair):
     _, model = llama_pair
-    p = prompts(1, seed=8)[0]
+    p = random_prompts(1, seed=8, hi=40)[0]
     eng = Engine(model, num_pages=64)
     plain = eng.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].token_ids
     pen = eng.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,

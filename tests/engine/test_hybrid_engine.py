@@ -1,11 +1,10 @@
 """The engine over the hybrid KV manager: layout choice, checkpoint-aligned chunking, state copies,
 preemption, prefix hits equal to misses, and multi-granularity capacity against uniform."""
 
-import random
 
 import pytest
 import torch
-from engine_helpers import ours_from_hf, tiny_hf, with_fake_graphs
+from engine_helpers import ours_from_hf, random_prompts, tiny_hf, with_fake_graphs
 
 from infercore import Engine, SamplingParams
 from infercore.engine.graph_runner import HybridCUDAGraphRunner
@@ -13,11 +12,6 @@ from infercore.engine.scheduler import Scheduler
 from infercore.models import Gemma3Config, Mamba2Config, Qwen3NextConfig, build_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-def _prompts(n, seed, lo, hi, vocab=96):
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +69,7 @@ def test_scheduler_cuts_prefill_at_checkpoint_boundaries():
 
 def test_chunks_end_on_checkpoints_and_copies_run(qwen3_next):
     eng = Engine(qwen3_next, page_size=4, kv_cache_bytes=1 << 20, checkpoint_interval=8)
-    prompt = _prompts(1, seed=1, lo=21, hi=21)[0]
+    prompt = random_prompts(1, seed=1, lo=21, hi=21)[0]
     eng.add_request(prompt, GREEDY)
     ends = []
     while eng.has_unfinished():
@@ -105,8 +99,8 @@ def test_chunks_end_on_checkpoints_and_copies_run(qwen3_next):
 
 @pytest.mark.parametrize("layout", ["multi", "uniform"])
 def test_preemption_and_prefix_hits_keep_outputs(qwen3_next, layout):
-    shared = _prompts(1, seed=2, lo=17, hi=17)[0]
-    ps = [shared + p for p in _prompts(5, seed=3, lo=1, hi=9)] + _prompts(2, seed=4, lo=5, hi=20)
+    shared = random_prompts(1, seed=2, lo=17, hi=17)[0]
+    ps = [shared + p for p in random_prompts(5, seed=3, lo=1, hi=9)] + random_prompts(2, seed=4, lo=5, hi=20)
     ref = Engine(qwen3_next, page_size=4, kv_cache_bytes=4 << 20, enable_prefix_caching=False)
     want = [o.token_ids for o in ref.generate(ps, GREEDY)]
     eng = Engine(qwen3_next, page_size=4, kv_cache_bytes=60_000, checkpoint_interval=8, kv_layout=layout,
@@ -131,7 +125,7 @@ def _peak_running(eng, prompts, params):
 
 
 def test_multi_granularity_holds_more_requests_than_uniform(gemma3):
-    ps = _prompts(10, seed=5, lo=60, hi=60)
+    ps = random_prompts(10, seed=5, lo=60, hi=60)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     budget = dict(page_size=4, num_pages=48, max_num_batched_tokens=64, enable_prefix_caching=False)
     peak = {kv: _peak_running(Engine(gemma3, kv_layout=kv, **budget), ps, params)
@@ -148,7 +142,7 @@ def test_mamba2_pure_runs_with_prefix_cache():
     torch.manual_seed(0)
     model = build_model(cfg, dtype=torch.float32, device="cpu")
     eng = Engine(model, page_size=4, kv_cache_bytes=1 << 18, checkpoint_interval=4)
-    p = _prompts(1, seed=6, lo=14, hi=14)[0]
+    p = random_prompts(1, seed=6, lo=14, hi=14)[0]
     a = eng.generate([p], GREEDY)[0]
     b = eng.generate([p], GREEDY)[0]
     assert b.metrics.num_cached_tokens == 12 and a.token_ids == b.token_ids
@@ -170,8 +164,8 @@ def test_graph_runner_path_matches_eager(qwen3_next, gemma3, name, layout):
     padding rows, bigger batches eager) gives the eager engine's tokens, with prefix hits,
     checkpoint copies and preemption in the mix; nothing leaks."""
     model = {"qwen3_next": qwen3_next, "gemma3": gemma3}.get(name) or _mamba2_hybrid()
-    shared = _prompts(1, seed=7, lo=17, hi=17)[0]
-    ps = [shared + p for p in _prompts(4, seed=8, lo=1, hi=9)] + _prompts(3, seed=9, lo=5, hi=20)
+    shared = random_prompts(1, seed=7, lo=17, hi=17)[0]
+    ps = [shared + p for p in random_prompts(4, seed=8, lo=1, hi=9)] + random_prompts(3, seed=9, lo=5, hi=20)
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     cfg = dict(page_size=4, kv_cache_bytes=60_000, checkpoint_interval=8, kv_layout=layout, max_num_batched_tokens=16)
     want = [o.token_ids for o in Engine(model, **cfg).generate(ps, params)]
@@ -200,8 +194,8 @@ def test_mixed_steps_with_decodes_split_off_keep_the_tokens(qwen3_next, gemma3, 
     from infercore.ops import attention
 
     model = {"qwen3_next": qwen3_next, "gemma3": gemma3}[name]
-    shared = _prompts(1, seed=3, lo=13, hi=13)[0]
-    ps = [shared + p for p in _prompts(3, seed=4, lo=1, hi=7)] + _prompts(4, seed=5, lo=3, hi=19)
+    shared = random_prompts(1, seed=3, lo=13, hi=13)[0]
+    ps = [shared + p for p in random_prompts(3, seed=4, lo=1, hi=7)] + random_prompts(4, seed=5, lo=3, hi=19)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     cfg = dict(page_size=4, kv_cache_bytes=60_000, checkpoint_interval=8, kv_layout=layout, max_num_batched_tokens=12)
     want = [o.token_ids for o in Engine(model, **cfg).generate(ps, params)]
@@ -217,7 +211,7 @@ def test_hybrid_logprobs_equal_a_fresh_prefill(qwen3_next, gemma3, name):
     at each generated position equal those of a fresh engine that prefills the prompt plus the tokens so far."""
     model = {"qwen3_next": qwen3_next, "gemma3": gemma3}[name]
     cfg = dict(page_size=4, kv_cache_bytes=200_000, checkpoint_interval=8, kv_layout="multi", max_num_batched_tokens=16)
-    prompt = _prompts(1, seed=12, lo=11, hi=11)[0]
+    prompt = random_prompts(1, seed=12, lo=11, hi=11)[0]
     eng = Engine(model, **cfg)
     with_fake_graphs(eng, HybridCUDAGraphRunner, max_batch=2, buckets=(1,))
     out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3))[0]

@@ -180,7 +180,7 @@ class CUDAGraphRunner:
         fh[_TEMP * B : _TEMP * B + n] = fp[:, 0]
         fh[_TOPP * B : _TOPP * B + n] = fp[:, 1]
         fh[_MINP * B : _MINP * B + n] = fp[:, 2]
-        self._penalized = bool((fp[:, 3] != 1.0).any() or rt.pf[rows].any())
+        self._penalized = bool(rt.history[rows].any())
         return g
 
     @torch.inference_mode()

@@ -42,7 +42,8 @@ class RowTable:
 
     ``tables`` int32 ``[R, P]`` (page ids, valid up to ``num_pages[row]``), ``fparams`` fp32 ``[R, 4]``
     (temperature, top_p, min_p, repetition_penalty), ``pf`` fp32 ``[R, 2]`` (presence and frequency
-    penalties), ``iparams`` int64 ``[R, 2]`` (top_k, seed),
+    penalties), ``history`` bool ``[R]`` (``SamplingParams.reads_history``: sampling reads earlier tokens),
+    ``iparams`` int64 ``[R, 2]`` (top_k, seed),
     ``prompt_lens`` int64 ``[R]``, ``serial`` int64 ``[R]`` (a number no other assignment of the row
     had: lets a cache keyed by row tell a new request, or the same one re-admitted, from the last).
     Rows and columns grow on demand.
@@ -53,6 +54,7 @@ class RowTable:
         self.num_pages = np.zeros(rows, dtype=np.int64)
         self.fparams = np.zeros((rows, 4), dtype=np.float32)
         self.pf = np.zeros((rows, 2), dtype=np.float32)
+        self.history = np.zeros(rows, dtype=bool)
         self.iparams = np.zeros((rows, 2), dtype=np.int64)
         self.prompt_lens = np.zeros(rows, dtype=np.int64)
         self.serial = np.zeros(rows, dtype=np.int64)
@@ -66,6 +68,7 @@ class RowTable:
         self.num_pages = np.concatenate([self.num_pages, np.zeros_like(self.num_pages)])
         self.fparams = np.concatenate([self.fparams, np.zeros_like(self.fparams)])
         self.pf = np.concatenate([self.pf, np.zeros_like(self.pf)])
+        self.history = np.concatenate([self.history, np.zeros_like(self.history)])
         self.iparams = np.concatenate([self.iparams, np.zeros_like(self.iparams)])
         self.prompt_lens = np.concatenate([self.prompt_lens, np.zeros_like(self.prompt_lens)])
         self.serial = np.concatenate([self.serial, np.zeros_like(self.serial)])
@@ -79,6 +82,7 @@ class RowTable:
         self.num_pages[row] = 0
         self.fparams[row] = (p.temperature, p.top_p, p.min_p, p.repetition_penalty)
         self.pf[row] = (p.presence_penalty, p.frequency_penalty)
+        self.history[row] = p.reads_history
         self.iparams[row] = (p.top_k, req.seed)
         self.prompt_lens[row] = len(req.prompt_token_ids)
         self._assigned += 1

@@ -93,6 +93,8 @@ def _int_weight(name: str, parts: dict[str, torch.Tensor], q: dict[str, Any]):
 
 
 def _concat(ws: list) -> Any:
+    """One :class:`IntWeight` ``[sum N_i, K]`` from the shards ``ws`` (``[N_i, K]`` each, alike in bits, group size,
+    K and zero points), stacked along N in order, as the dense loader stacks q / k / v and gate / up."""
     from ..quant.formats import IntWeight
 
     first = ws[0]

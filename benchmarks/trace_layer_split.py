@@ -15,6 +15,7 @@ import gzip
 import json
 import os
 import statistics
+import sys
 
 LAYER = ("rms_in", "qkv", "attn", "merge", "o_proj", "rms_post", "gate_up", "down")
 
@@ -51,7 +52,8 @@ def main() -> None:
             rows[name] = split(path)
             print(name, rows[name])
     with open(args.out, "w") as f:
-        json.dump({"source": args.dir, "unit": "us, median over 30 layers of 2 steps", "rows": rows}, f, indent=1)
+        json.dump({"command": "python " + " ".join(sys.argv), "source": args.dir,
+                   "unit": "us, median over 30 layers of 2 steps", "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

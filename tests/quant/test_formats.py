@@ -124,6 +124,10 @@ def test_gptq_act_order_import(bits, tmp_path):
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
     y = x @ expect.t()  # magnitudes up to ~1e3 at 8 bits: compare relative to the largest
     assert float((lin(x) - y).abs().max()) <= 1e-5 * float(y.abs().max())
+    # The gated form permutes once too (it used to permute, then call forward, which permuted again).
+    gu = lin(x)
+    want_act = torch.nn.functional.silu(gu[:, : n // 2]) * gu[:, n // 2:]
+    torch.testing.assert_close(lin.forward_act(x, "silu"), want_act, rtol=0, atol=0)
     model = nn.Sequential(nn.Linear(k, n, bias=False))
     model[0] = lin
     save_quantized(model, tmp_path / "m.safetensors")

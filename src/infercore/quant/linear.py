@@ -124,15 +124,15 @@ class QuantLinear(nn.Module):
 
         if act not in GATED_ACTS:
             raise ValueError(f"act: expected one of {GATED_ACTS}, got {act!r}")
-        x = self._permute(x)
         w = self.qweight_format
-        # A non-tensor x falls through to forward, which names what it expected.
+        # A non-tensor x falls through to forward, which names what it expected (and permutes x itself).
         if (isinstance(x, torch.Tensor) and x.is_cuda and isinstance(w, (IntWeight, FP8Weight)) and x.dim() >= 1
                 and x.shape[-1] == self.in_features):
             from . import triton_wo
 
             x2 = x.reshape(-1, self.in_features)
             if 0 < x2.shape[0] <= triton_wo.GEMV_M_MAX:
+                x2 = self._permute(x2)
                 fn = triton_wo.wq_matmul_triton if isinstance(w, IntWeight) else triton_wo.fp8_wo_matmul_triton
                 y = fn(x2, w, self.bias, act=act)
                 return y.reshape(*x.shape[:-1], y.shape[-1])

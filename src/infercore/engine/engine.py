@@ -25,6 +25,7 @@ from .params import SamplingParams
 from .request import Request, RequestOutput, Status
 from .runner import Gather, ModelRunner
 from .scheduler import ScheduledBatch, Scheduler
+from .speculative import propose_ngram
 
 
 def _check_quantization(quantization, path) -> None:
@@ -112,6 +113,14 @@ class EngineConfig:
     # interpreter's last collection still frees them); an engine dropped later is still freed by
     # reference counting (it holds no cycles; a test checks). None: on for CUDA, off elsewhere.
     gc_freeze: bool | None = None
+    # Speculative decoding by prompt lookup (n-gram drafts, as vLLM's "ngram" method): each decoding
+    # request whose last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens occurred earlier in its
+    # prompt or output proposes the up to ``num_speculative_tokens`` tokens that followed there, and one
+    # forward verifies them all (see ``engine/speculative.py``). 0 = off. Dense KV layout and
+    # synchronous scheduling only; requests with penalties or ``logprobs`` decode one token a step.
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
 
     def __post_init__(self) -> None:
         self.validate()
@@ -132,6 +141,16 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not is_int(v) or v <= 0):
                 raise ValueError(f"EngineConfig.{name} must be a positive int or None, got {v!r}")
+        if not is_int(self.num_speculative_tokens) or not 0 <= self.num_speculative_tokens <= 32:
+            raise ValueError("EngineConfig.num_speculative_tokens must be an int in [0, 32] (0 = off), got "
+                             f"{self.num_speculative_tokens!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (is_int(lo) and is_int(hi) and 1 <= lo <= hi):
+            raise ValueError(f"EngineConfig.prompt_lookup_min / prompt_lookup_max must be ints with 1 <= min <= max, "
+                             f"got {lo!r} / {hi!r}")
+        if self.num_speculative_tokens and self.async_scheduling:
+            raise ValueError("EngineConfig.num_speculative_tokens: speculative decoding runs synchronous steps; "
+                             "leave async_scheduling None or False")
         if not is_int(self.cuda_graph_max_batch) or self.cuda_graph_max_batch < 0:
             raise ValueError(
                 f"EngineConfig.cuda_graph_max_batch must be an int >= 0 (0 = eager), got {self.cuda_graph_max_batch!r}")
@@ -185,6 +204,10 @@ class Engine:
             use_triton_gemv_(model, max_m=min(16, config.max_num_seqs))
         specs = model.kv_specs()
         self.kv_layout = choose_kv_layout(model, specs, config.kv_layout)
+        if config.num_speculative_tokens and self.kv_layout != "dense":
+            # a recurrent state cannot take back the rejected draft tokens
+            raise ValueError(f"EngineConfig.num_speculative_tokens: speculative decoding needs the dense KV layout; "
+                             f"this model uses {self.kv_layout!r}")
         if config.kv_cache_dtype != "auto" and self.kv_layout != "dense":
             raise ValueError(
                 f"EngineConfig.kv_cache_dtype={config.kv_cache_dtype!r} needs the dense KV layout; this model "
@@ -231,7 +254,8 @@ class Engine:
             _freeze_gc()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        want_async = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        want_async = config.async_scheduling if config.async_scheduling is not None else (
+            self.device.type == "cuda" and not config.num_speculative_tokens)
         self.async_scheduling = bool(want_async) and self.kv_layout == "dense"
         # mark_computed is a no-op for the dense manager without prefix caching: skip its per-request call
         self._publishes_pages = self.kv_layout != "dense" or config.enable_prefix_caching
@@ -405,6 +429,7 @@ class Engine:
             req.status = Status.FINISHED
             req.finish_reason = "abort"
             req.drop_placeholders()
+            req.spec_token_ids.clear()
             self.runner.release(req)
             self.requests.pop(req.request_id, None)
 
@@ -427,6 +452,8 @@ class Engine:
         come back one call later.
         """
         if not self.async_scheduling:
+            if self.config.num_speculative_tokens:
+                self._propose_drafts()
             launched = self._launch(self.scheduler.schedule(), None)
             return [] if launched is None else self._process(launched)
         outputs: list[RequestOutput] = []
@@ -439,6 +466,21 @@ class Engine:
         if prev is not None:
             outputs += self._process(prev)
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Give each decoding request that may speculate its n-gram draft for this step (see
+        ``engine/speculative.py``): never more tokens than it may still generate, less one, or than its
+        context has positions left. Penalties and log-probabilities read every step's tokens on the host:
+        those requests decode one token a step."""
+        cfg = self.config
+        for req in self.scheduler.running:
+            p = req.params
+            if req.num_tokens - req.num_computed_tokens != 1 or p.reads_history or p.logprobs is not None:
+                continue
+            k = min(cfg.num_speculative_tokens, p.max_tokens - len(req.output_token_ids) - 1,
+                    self.max_model_len - req.num_tokens)
+            req.spec_token_ids[:] = propose_ngram(req.all_token_ids, k, min_n=cfg.prompt_lookup_min,
+                                                  max_n=cfg.prompt_lookup_max)
 
     def _launch(self, batch: ScheduledBatch, prev: _Step | None) -> _Step | None:
         """Enqueue ``batch`` on the device; ``prev`` (async) is the step whose tokens are still there."""
@@ -492,27 +534,62 @@ class Engine:
     def _process(self, step: _Step) -> list[RequestOutput]:
         """Read ``step``'s tokens (waits for the device) and postprocess them."""
         bm = self.block_manager
+        running = Status.RUNNING
         if self._publishes_pages:
-            running = Status.RUNNING
             for req, computed in zip(step.batch.requests, step.computed):
-                # Preempted (back in the queue) or finished since: its pages are gone.
-                if req.status is running:
+                # Preempted (back in the queue) or finished since: its pages are gone. A draft's
+                # request is published below, once its kept tokens are known.
+                if req.status is running and not req.spec_token_ids:
                     bm.mark_computed(req.request_id, req.all_token_ids, computed)
         if step.tokens is None:
             return []
         outputs = []
         tokens = step.read()
         lps = step.read_logprobs()
-        for i, (req, token) in enumerate(zip(step.reqs, tokens)):
+        i, reqs = 0, step.reqs
+        while i < len(reqs):
+            req, token = reqs[i], tokens[i]
+            draft = req.spec_token_ids
+            if draft:
+                if not req.is_finished:
+                    self._verify(req, tokens[i : i + len(draft) + 1])
+                    outputs.append(self._output(req))
+                i += len(draft) + 1
+                draft.clear()
+                continue
+            i += 1
             if req.is_finished:  # aborted, or ended at the previous step: a speculative token
                 continue
-            if i in lps:
-                picked, top = lps[i]
+            if i - 1 in lps:
+                picked, top = lps[i - 1]
                 req.logprobs.append({token: picked, **{t: v for t, v in top[: req.params.logprobs] if t != token}})
                 req.cumulative_logprob += picked
             self._append(req, token)
             outputs.append(self._output(req))
         return outputs
+
+    def _verify(self, req: Request, sampled: list[int]) -> None:
+        """Keep the draft's leading tokens that equal the tokens sampled at their positions, then the first
+        sampled token that differs (or the one after the whole draft); stop early where a token ends the
+        request. ``sampled[j]``: the token sampled after feeding the draft's first ``j`` tokens."""
+        draft = req.spec_token_ids
+        kept = 0
+        while kept < len(draft) and sampled[kept] == draft[kept]:
+            kept += 1
+        # The step fed the last token and the draft; the K/V of the last token and the kept draft tokens is
+        # valid whatever ends the request below (the rejected tokens' rows are overwritten later).
+        req.num_computed_tokens += kept + 1 - len(sampled)
+        req.metrics.num_draft_tokens += len(draft)
+        req.metrics.num_accepted_tokens += kept
+        if self._publishes_pages:  # before the appends, which may end the request and free its pages
+            all_ids = req.all_token_ids
+            all_ids += draft[:kept]
+            self.block_manager.mark_computed(req.request_id, all_ids, req.num_computed_tokens)
+            del all_ids[len(all_ids) - kept :]
+        for token in sampled[: kept + 1]:
+            self._append(req, token)
+            if req.is_finished:
+                break
 
     def _append(self, req: Request, token: int) -> None:
         if req.metrics.first_token_time is None:

@@ -27,6 +27,9 @@ class RequestMetrics:
     finish_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # speculative decoding: draft tokens fed for verification, and how many of them were kept
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -82,6 +85,8 @@ class Request:
     # SamplingParams.logprobs: one {token id: log-probability} per output token, and the sampled ones' sum
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # speculative decoding: this step's draft, fed after all_token_ids (the scheduler may shorten it)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._all = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -198,13 +198,15 @@ class ModelRunner:
             ids: list[int] = []
             for r, s, e in zip(reqs, starts.tolist(), ends.tolist()):
                 ids += r._all[s:e]
+                if e > len(r._all):  # speculative decoding: the draft follows the last token
+                    ids += r.spec_token_ids[: e - len(r._all)]
             input_ids = np.array(ids, dtype=np.int64)
             tok_rows = np.repeat(rows, n)
         slots = rt.tables[tok_rows, positions // ps].astype(np.int64) * ps + positions % ps
         width = int(need.max())
         return StepInputs(
             input_ids=input_ids, positions=positions, slots=slots, cu_seqlens=cu, seq_lens=ends, rows=rows,
-            table=rt.tables[rows, :width], sample_rows=np.flatnonzero(ends == totals), max_q=max_q,
+            table=rt.tables[rows, :width], sample_rows=np.flatnonzero(ends >= totals), max_q=max_q,
         )  # fmt: skip
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
@@ -237,11 +239,23 @@ class ModelRunner:
         rows = np.asarray(rows, dtype=np.int64)
         if not rows.size:
             return [], None
-        last = meta.cu_seqlens_q[1:][torch.from_numpy(rows).to(self.device)] - 1
-        logits = sampling_logits(self.model, hidden[last.long()])
         reqs = [batch.requests[i] for i in rows.tolist()]
+        counts = np.array([len(r.spec_token_ids) + 1 for r in reqs], dtype=np.int64)
+        if counts.max() == 1:
+            last = meta.cu_seqlens_q[1:][torch.from_numpy(rows).to(self.device)] - 1
+            logits = sampling_logits(self.model, hidden[last.long()])
+            self.last_logits = logits
+            return reqs, self.sample_tokens(reqs, logits)
+        # Speculative decoding: a request with a draft of k tokens samples at each of its k + 1 positions
+        # (rows in order, the request repeated), position j one step further in its sampling stream.
+        ends = np.cumsum(np.asarray(batch.num_new_tokens, dtype=np.int64))[rows]
+        firsts = np.cumsum(counts) - counts
+        ahead = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(firsts, counts)
+        idx = np.repeat(ends - counts, counts) + ahead
+        logits = sampling_logits(self.model, hidden[torch.from_numpy(idx).to(self.device)])
+        reqs = [r for r, c in zip(reqs, counts.tolist()) for _ in range(c)]
         self.last_logits = logits
-        return reqs, self.sample_tokens(reqs, logits)
+        return reqs, self.sample_tokens(reqs, logits, ahead=ahead)
 
     def execute(self, batch: ScheduledBatch) -> dict[Request, int]:
         """Run one forward over ``batch`` and wait; returns the token sampled for each request that
@@ -249,13 +263,17 @@ class ModelRunner:
         reqs, tokens = self.launch(batch)
         return {} if tokens is None else dict(zip(reqs, tokens.tolist()))
 
-    def sample_tokens(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
-        """Sample one token per request from ``logits`` ``[len(reqs), V]``; int64 ``[len(reqs)]`` on
-        the device, not synced."""
+    def sample_tokens(self, reqs: list[Request], logits: torch.Tensor, ahead: np.ndarray | None = None
+                      ) -> torch.Tensor:
+        """Sample one token per row from ``logits`` ``[len(reqs), V]`` (``reqs[i]``: the request of row i);
+        int64 ``[len(reqs)]`` on the device, not synced. ``ahead`` int64 ``[len(reqs)]`` (speculative
+        decoding): row i samples ``ahead[i]`` tokens past its request's next one (its offset in the
+        request's sampling stream; requests with ``ahead`` > 0 read no history)."""
         rows = [r._row for r in reqs]
         if min(rows) >= 0:
             rows = np.asarray(rows, dtype=np.int64)
-            params = self.row_sampling_tensors(rows, np.array([r.num_tokens for r in reqs], dtype=np.int64))
+            num_tokens = np.array([r.num_tokens for r in reqs], dtype=np.int64)
+            params = self.row_sampling_tensors(rows, num_tokens if ahead is None else num_tokens + ahead)
             pf = self.rows.pf[rows]
         else:
             params = sampling_tensors(reqs, self.device)

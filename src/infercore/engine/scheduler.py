@@ -90,6 +90,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.bm.free(req.request_id)
+        req.spec_token_ids.clear()
         req.status = Status.WAITING
         req.num_computed_tokens = 0
         req.metrics.num_preemptions += 1
@@ -105,6 +106,12 @@ class Scheduler:
         while pending:
             req = pending.popleft()
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            draft = req.spec_token_ids
+            if draft:  # speculative decoding: the draft rides along where budget and pages allow, else it goes
+                del draft[max(budget - n, 0):]
+                if draft and not self.bm.grow(req.request_id, req.num_computed_tokens + n + len(draft)):
+                    draft.clear()
+                n += len(draft)
             if n == 0:
                 # No budget left, or (async scheduling) every known token is computed and the request
                 # only awaits the read-back of its last sampled token, which ends it by length.

@@ -1,0 +1,198 @@
+"""Speculative decoding by prompt lookup: n-gram drafts verified in one forward.
+
+The reference is the same engine without speculation (itself tested against transformers), and transformers'
+greedy decoding directly: drafts must change how many forwards run, never which tokens come out."""
+
+import pytest
+import torch
+from engine_helpers import hf_greedy, ours_from_hf, random_prompts, tiny_hf, with_fake_graphs
+
+from infercore import Engine, SamplingParams
+from infercore.engine import EngineConfig
+from infercore.engine.graph_runner import CUDAGraphRunner
+from infercore.engine.speculative import propose_ngram
+
+# prompts that repeat themselves (drafts from the first step), and random ones (drafts only once the tiny
+# model falls into a loop, which random tiny models do)
+LOOPY = [[5, 6, 7, 8, 9] * 3, [1, 2, 3, 4] * 2 + [1, 2], [40, 41, 40, 41, 40, 42, 40, 41]]
+
+
+def _prompts(n_random: int = 3, seed: int = 4) -> list[list[int]]:
+    return LOOPY + random_prompts(n_random, seed=seed)
+
+
+def _drafted(outs) -> tuple[int, int]:
+    return (sum(o.metrics.num_draft_tokens for o in outs), sum(o.metrics.num_accepted_tokens for o in outs))
+
+
+def test_propose_ngram():
+    assert propose_ngram([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]  # longest recurring suffix, what followed it
+    assert propose_ngram([1, 2, 3, 9, 4, 2, 3, 8, 1, 2, 3], 2, max_n=2) == [8, 1]  # the most recent occurrence
+    assert propose_ngram([1, 2, 3, 9, 4, 2, 3, 8, 1, 2, 3], 2) == [9, 4]  # a longer match wins
+    assert propose_ngram([7, 1, 2, 8, 1, 2], 2, min_n=2) == [8, 1]
+    assert propose_ngram([5, 5, 5, 5], 4) == [5, 5, 5, 5]  # a loop runs on past the end of the sequence
+    assert propose_ngram([1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
+    assert propose_ngram([1, 2, 3, 4], 3) == []  # nothing recurs
+    assert propose_ngram([3, 1, 2, 4, 2], 3, min_n=1) == [4, 2, 4]  # a 1-gram only when min_n allows it
+    assert propose_ngram([3, 1, 2, 4, 2], 3) == []
+    assert propose_ngram([1, 2, 1, 2], 0) == [] and propose_ngram([1], 3) == []
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_tokens_equal_transformers_and_the_plain_engine(llama_pair, k):
+    hf, model = llama_pair
+    ps = _prompts()
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = Engine(model, page_size=4, num_pages=256).generate(ps, sp)
+    outs = Engine(model, page_size=4, num_pages=256, num_speculative_tokens=k).generate(ps, sp)
+    for p, a, b in zip(ps, plain, outs):
+        assert b.token_ids == a.token_ids == hf_greedy(hf, p, 40)
+        assert b.finish_reason == "length"
+    drafted, kept = _drafted(outs)
+    assert 0 < kept < drafted  # drafts were kept and rejected, so both paths of the verification ran
+    assert _drafted(plain) == (0, 0)
+
+
+def test_seeded_sampling_draws_the_same_tokens(llama_pair):
+    """Position t of a request samples from the stream (seed, t) whatever the step, and sample-then-compare
+    keeps a draft token exactly when that sample equals it: a speculative run draws the plain run's tokens."""
+    _, model = llama_pair
+    ps = _prompts(4, seed=5)
+    # low temperatures, where the tiny model loops and drafts get kept, and higher ones
+    params = [SamplingParams(temperature=t, top_p=0.95, top_k=k, seed=11 + i, max_tokens=32, ignore_eos=True)
+              for i, (t, k) in enumerate([(0.05, 0), (0.1, 0), (0.08, 20), (1.0, 0), (0.05, 8), (0.6, 0), (0.1, 0)])]
+    plain = Engine(model, page_size=4, num_pages=256).generate(ps, params)
+    outs = Engine(model, page_size=4, num_pages=256, num_speculative_tokens=3).generate(ps, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    drafted, kept = _drafted(outs)
+    assert 0 < kept < drafted
+
+
+def test_stops_inside_a_draft(llama_pair):
+    """max_tokens, a stop token and EOS that fall inside a kept draft end the request there, as without drafts."""
+    _, model = llama_pair
+    ps = _prompts()
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = Engine(model, page_size=4, num_pages=256).generate(ps, sp)
+    cases = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (1, 2, 7, 13)]
+    # stop on a token each reference output produces late (inside a run of kept drafts, in the loops)
+    cases += [SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[o.token_ids[20]]) for o in ref[:3]]
+    cases += [SamplingParams(temperature=0, max_tokens=40, min_tokens=12, stop_token_ids=[o.token_ids[5]])
+              for o in ref[:2]]
+    plain, spec = Engine(model, page_size=4, num_pages=256), Engine(model, page_size=4, num_pages=256,
+                                                                   num_speculative_tokens=5)
+    for sp in cases:
+        a, b = plain.generate(ps, sp), spec.generate(ps, sp)
+        assert [(o.token_ids, o.finish_reason) for o in b] == [(o.token_ids, o.finish_reason) for o in a], sp
+    assert not spec.has_unfinished() and spec.block_manager.num_free_pages == spec.block_manager.num_pages
+
+
+def test_tight_budget_and_pool_shorten_drafts_instead_of_preempting(llama_pair):
+    """A token budget of 3 leaves room for part of a draft; a pool that fits the requests without drafts
+    drops them (the request decodes one token) instead of preempting another request."""
+    hf, model = llama_pair
+    ps = _prompts()
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = [hf_greedy(hf, p, 30) for p in ps]
+    small = Engine(model, page_size=4, num_pages=256, max_num_batched_tokens=3, num_speculative_tokens=4)
+    assert [o.token_ids for o in small.generate(ps, sp)] == want
+    tight = Engine(model, page_size=4, num_pages=72, num_speculative_tokens=4)
+    outs = tight.generate(ps, sp)
+    assert [o.token_ids for o in outs] == want
+    assert _drafted(outs)[1] > 0
+    assert tight.block_manager.num_free_pages == 72
+
+
+def test_prefix_cache_after_speculative_steps(llama_pair):
+    """Pages are published only with kept tokens: a later prompt that extends a finished one (prompt +
+    output) hits the cache and continues as a fresh engine without a cache does."""
+    _, model = llama_pair
+    ps = LOOPY
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    eng = Engine(model, page_size=4, num_pages=256, num_speculative_tokens=4)
+    first = eng.generate(ps, sp)
+    longer = [p + o.token_ids for p, o in zip(ps, first)]
+    outs = eng.generate(longer, sp)
+    fresh = Engine(model, page_size=4, num_pages=256, enable_prefix_caching=False).generate(longer, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in fresh]
+    # every full page of the first run's computed tokens (all but its last token) is served from the cache
+    assert [o.metrics.num_cached_tokens for o in outs] == [(len(p) - 1) // 4 * 4 for p in longer]
+
+
+def test_mixed_batch_with_penalties_logprobs_and_streams(llama_pair):
+    """Requests that may not speculate (penalties, logprobs) decode one token a step in the same batches;
+    a stream's deltas carry several tokens after a kept draft and add up to the output."""
+    _, model = llama_pair
+    ps = _prompts()
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 2
+    plain = Engine(model, page_size=4, num_pages=256).generate(ps, params)
+    eng = Engine(model, page_size=4, num_pages=256, num_speculative_tokens=4)
+    outs = eng.generate(ps, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    for a, b in zip(outs[1].logprobs, plain[1].logprobs):
+        assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()), abs=1e-5)
+    assert outs[0].metrics.num_draft_tokens == outs[1].metrics.num_draft_tokens == 0
+    assert _drafted(outs)[1] > 0
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    deltas = [o.new_token_ids for o in eng.stream(LOOPY[0], greedy)]
+    assert sum(deltas, []) == Engine(model, page_size=4, num_pages=256).generate(LOOPY[:1], greedy)[0].token_ids
+    assert max(len(d) for d in deltas) > 1  # a kept draft streams several tokens at once
+
+
+def test_sliding_window_model(llama_pair):
+    """Mistral's sliding window over the dense layout: the verification's queries see the same keys."""
+    hf = tiny_hf("mistral")
+    model = ours_from_hf(hf)
+    ps = _prompts()
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    outs = Engine(model, page_size=4, num_pages=256, num_speculative_tokens=4).generate(ps, sp)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 30) for p in ps]
+
+
+def test_graph_runner_takes_the_steps_without_drafts(llama_pair):
+    """With a CUDA-graph runner (CPU stand-in graphs), steps whose requests have no draft replay graphs
+    and steps with a draft run eagerly; the tokens equal the plain engine's."""
+    _, model = llama_pair
+    ps = random_prompts(4, seed=6) + LOOPY[:1]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = Engine(model, page_size=4, num_pages=256).generate(ps, sp)
+    eng = Engine(model, page_size=4, num_pages=256, num_speculative_tokens=3)
+    gr = with_fake_graphs(eng, CUDAGraphRunner, max_batch=8, buckets=[1, 2, 4, 8])
+    replays = []
+    launch = gr.launch
+    gr.launch = lambda *a, **k: replays.append(1) or launch(*a, **k)
+    outs = eng.generate(ps, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert replays and _drafted(outs)[1] > 0
+
+
+def test_config_errors(llama_pair):
+    _, model = llama_pair
+    for bad in (-1, 33, 1.5, True):
+        with pytest.raises(ValueError, match="num_speculative_tokens"):
+            EngineConfig(num_speculative_tokens=bad)
+    for lo, hi in ((0, 4), (3, 2), (1, None)):
+        with pytest.raises(ValueError, match="prompt_lookup"):
+            EngineConfig(num_speculative_tokens=2, prompt_lookup_min=lo, prompt_lookup_max=hi)
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(num_speculative_tokens=2, async_scheduling=True)
+    assert not Engine(model, page_size=4, num_pages=64, num_speculative_tokens=2).async_scheduling
+
+
+def test_hybrid_layout_is_refused():
+    from infercore.models import Gemma3Config, build_model
+
+    cfg = Gemma3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=6, num_heads=2, num_kv_heads=1,
+                       head_dim=16, sliding_window=8, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                       max_position_embeddings=512, query_pre_attn_scalar=16.0)
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="dense KV layout"):
+        Engine(model, page_size=4, num_pages=64, num_speculative_tokens=2)
+    # over the dense layout the model speculates, and keeps its tokens
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = Engine(model, page_size=4, num_pages=64, kv_layout="dense").generate(LOOPY, sp)
+    spec = Engine(model, page_size=4, num_pages=64, kv_layout="dense", num_speculative_tokens=3).generate(LOOPY, sp)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]

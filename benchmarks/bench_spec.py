@@ -85,17 +85,20 @@ def main() -> None:
         sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
         x = torch.tensor([ids], device=args.device)
 
-        def ours(eng):
+        def ours(eng, ids=ids, sp=sp):
             return lambda: eng.generate([ids], sp)[0]
 
-        @torch.inference_mode()
-        def theirs(lookup: int | None):
-            def run():
-                kw = {} if lookup is None else {"prompt_lookup_num_tokens": lookup}
+        n_prompt = len(ids)
+
+        def theirs(lookup: int | None, x=x, n_prompt=n_prompt):
+            kw = {} if lookup is None else {"prompt_lookup_num_tokens": lookup}
+
+            @torch.inference_mode()
+            def call():
                 out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_tokens,
                                   do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **kw)
-                return out[0, len(ids):].tolist()
-            return run
+                return out[0, n_prompt:].tolist()
+            return call
 
         runs = {"infercore": ours(plain), **{f"infercore k={k}": ours(e) for k, e in specs.items()},
                 "transformers": theirs(None), **{f"transformers prompt lookup k={k}": theirs(k) for k in ks}}

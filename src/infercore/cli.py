@@ -41,7 +41,8 @@ def _generate(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
-                                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                                        num_speculative_tokens=args.num_speculative_tokens)
     except (OSError, ValueError, TypeError, ImportError) as e:  # OSError: unreadable files too
         print(f"infercore: {e}", file=sys.stderr)
         return 2
@@ -79,7 +80,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
-                                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                                        num_speculative_tokens=args.num_speculative_tokens)
         name = args.served_model_name or Path(args.model or default_model_path()).name
         server = make_server(engine, host=args.host, port=args.port, model_name=name, verbose=args.verbose)
     except (OSError, ValueError, TypeError, ImportError) as e:
@@ -136,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                             "bfloat16, which the packed CPU kernels take (default: dense weights)")
         q.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
                        help="KV cache storage: auto (the model's dtype), int8 or fp8 with per-token scales")
+        q.add_argument("--num-speculative-tokens", default=0, type=int, metavar="K",
+                       help="speculative decoding by prompt lookup: draft up to K tokens from n-grams of the "
+                            "request's own text, verified in one forward (default 0: off)")
 
     g = sub.add_parser("generate", help="stream a chat answer from a model")
     g.add_argument("prompt")

@@ -188,3 +188,20 @@ def test_cli_passes_quantization_and_kv_cache_dtype_to_the_loader(capsys, monkey
     assert cli.main(["generate", "hi", "--quantization", "w8a16", "--kv-cache-dtype", "int8"]) == 2
     assert seen["quantization"] == "w8a16" and seen["kv_cache_dtype"] == "int8"
     assert "not loading here" in capsys.readouterr().err
+
+
+def test_cli_passes_the_speculative_flag(capsys, monkeypatch):
+    from infercore.engine import Engine
+
+    seen = {}
+
+    def from_pretrained(path, **kw):
+        seen.update(kw)
+        return Engine.__new__(Engine)
+
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(from_pretrained))
+    monkeypatch.setattr(Engine, "stream", lambda self, prompt, params, chat=True: iter(()))
+    assert cli.main(["generate", "hi", "--num-speculative-tokens", "4"]) == 0
+    assert seen["num_speculative_tokens"] == 4
+    assert cli.main(["generate", "hi"]) == 0
+    assert seen["num_speculative_tokens"] == 0

@@ -49,16 +49,23 @@ PROMPTS = {
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help="in fp32 every runner generates the same tokens, so the rates compare like for like")
     ap.add_argument("--k", default="3,5", help="draft lengths (num_speculative_tokens) to run")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    cases = []
+    for dtype_name in args.dtypes.split(","):
+        cases += run_dtype(args, dtype_name)
+    write_results(args.out, "spec_decode", args.device, cases)
 
+
+def run_dtype(args, dtype_name: str) -> list:
     import transformers
 
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, dtype_name)
     path = default_model_path()
     ks = [int(k) for k in args.k.split(",")]
     common = dict(device=args.device, dtype=dtype, enable_prefix_caching=False, max_num_seqs=8)
@@ -113,19 +120,21 @@ def main() -> None:
                 best[label] = min(best[label], time.perf_counter() - t)
         base = results["infercore"].token_ids
         n_hf = len(results["transformers"])
-        rates = {label: (len(base) if label.startswith("infercore") else n_hf) / best[label] for label in runs}
+        toks = {label: out if isinstance(out, list) else out.token_ids for label, out in results.items()}
+        rates = {label: len(toks[label]) / best[label] for label in runs}  # each run's own tokens
         for k in ks:
             out = results[f"infercore k={k}"]
             m = out.metrics
             forwards = len(out.token_ids) - m.num_accepted_tokens  # the prefill's and each later step's
             row = case(
-                f"smollm2-135m {name} greedy {args.dtype} k={k}", metric="generation throughput", unit="tok/s",
+                f"smollm2-135m {name} greedy {dtype_name} k={k}", metric="generation throughput", unit="tok/s",
                 ours=rates[f"infercore k={k}"],
                 peers={"infercore without drafts": rates["infercore"], "transformers generate": rates["transformers"],
                        f"transformers prompt lookup k={k}": rates[f"transformers prompt lookup k={k}"]},
                 floor=None, speedup_over_no_drafts=rates[f"infercore k={k}"] / rates["infercore"],
                 tokens_identical_to_no_drafts=out.token_ids == base, generated_tokens=len(base),
                 transformers_tokens=n_hf, transformers_tokens_identical=results["transformers"] == base,
+                transformers_lookup_tokens_identical=toks[f"transformers prompt lookup k={k}"] == base,
                 draft_tokens=m.num_draft_tokens, accepted_tokens=m.num_accepted_tokens,
                 acceptance_rate=m.num_accepted_tokens / max(m.num_draft_tokens, 1),
                 tokens_per_forward=len(out.token_ids) / forwards, best_seconds=best, threads=torch.get_num_threads())
@@ -135,7 +144,7 @@ def main() -> None:
                   f"{rates[f'transformers prompt lookup k={k}']:.1f}; accepted {m.num_accepted_tokens}/"
                   f"{m.num_draft_tokens}, {row['tokens_per_forward']:.2f} tokens/forward, "
                   f"identical: {row['tokens_identical_to_no_drafts']}", flush=True)
-    write_results(args.out, "spec_decode", args.device, cases)
+    return cases
 
 
 if __name__ == "__main__":

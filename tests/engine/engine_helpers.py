@@ -69,12 +69,12 @@ class EagerGraph:
             self.gr.tokens[self.b].copy_(tokens)
 
 
-def with_fake_graphs(eng, cls, *, max_batch, buckets):
+def with_fake_graphs(eng, cls, *, max_batch, buckets, **kw):
     """Give ``eng`` a graph runner of class ``cls`` whose graphs are :class:`EagerGraph` stand-ins."""
     from infercore.engine.graph_runner import _TOPP
 
     gr = cls(eng.runner, max_batch=max_batch, max_model_len=eng.max_model_len, page_size=eng.config.page_size,
-             buckets=buckets)  # fmt: skip
+             buckets=buckets, **kw)  # fmt: skip
     gr._row(gr.floats, _TOPP, gr.B).fill_(1.0)  # top_p of padded rows, as capture() does
     vocab = eng.runner.model.config.vocab_size
     for b in gr.buckets:

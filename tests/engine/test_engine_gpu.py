@@ -327,9 +327,16 @@ def test_speculative_decoding_on_cuda(kind):
     loopy = [[5, 6, 7, 8, 9] * 3, [1, 2, 3, 4] * 2 + [1, 2], [40, 41, 40, 41, 40, 42, 40, 41]]
     prompts = loopy + [[(7 * i + 3 * j) % 96 for j in range(5 + 4 * i)] for i in range(3)]
     eng = Engine(model, page_size=16, num_pages=128, max_num_batched_tokens=64, num_speculative_tokens=4)
-    assert eng.graph_runner is not None and eng.graph_runner.graphs and not eng.async_scheduling
+    gr = eng.graph_runner
+    assert gr is not None and gr.graphs and gr.draft_rows and not eng.async_scheduling
+    drafted_rows = []
+    stage = gr.stage
+    gr.stage = lambda batch, gather=None: drafted_rows.append(batch.num_tokens - len(batch)) or stage(batch, gather)
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 40) for p in prompts]
+    # one request of 4 rows (PDL on: the decode kernel must not read the cache before the step's KV write)
+    one = eng.generate(loopy[:1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    assert one.token_ids == outs[0].token_ids and max(drafted_rows) > 0  # verifications replayed graphs
     kept = sum(o.metrics.num_accepted_tokens for o in outs)
     assert 0 < kept < sum(o.metrics.num_draft_tokens for o in outs)
     params = [SamplingParams(temperature=t, seed=5 + i, max_tokens=32, ignore_eos=True)

@@ -151,21 +151,33 @@ def test_sliding_window_model(llama_pair):
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 30) for p in ps]
 
 
-def test_graph_runner_takes_the_steps_without_drafts(llama_pair):
-    """With a CUDA-graph runner (CPU stand-in graphs), steps whose requests have no draft replay graphs
-    and steps with a draft run eagerly; the tokens equal the plain engine's."""
+@pytest.mark.parametrize("draft_rows", [True, False])
+def test_graph_runner_verifies_drafts_as_decode_rows(llama_pair, draft_rows):
+    """With a CUDA-graph runner (CPU stand-in graphs): with ``draft_rows`` a step with drafts replays a decode
+    graph with a row per position (``shared_seqs`` metadata); without, it runs eagerly. The tokens equal the
+    plain engine's either way, greedy and seeded."""
     _, model = llama_pair
-    ps = random_prompts(4, seed=6) + LOOPY[:1]
-    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    plain = Engine(model, page_size=4, num_pages=256).generate(ps, sp)
+    ps = random_prompts(3, seed=6) + LOOPY
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 4 + [
+        SamplingParams(temperature=0.05, seed=3, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.1, seed=4, max_tokens=20, ignore_eos=True, frequency_penalty=0.2)]
+    plain = Engine(model, page_size=4, num_pages=256).generate(ps, params)
     eng = Engine(model, page_size=4, num_pages=256, num_speculative_tokens=3)
-    gr = with_fake_graphs(eng, CUDAGraphRunner, max_batch=8, buckets=[1, 2, 4, 8])
-    replays = []
-    launch = gr.launch
-    gr.launch = lambda *a, **k: replays.append(1) or launch(*a, **k)
-    outs = eng.generate(ps, sp)
+    gr = with_fake_graphs(eng, CUDAGraphRunner, max_batch=32, buckets=[1, 2, 4, 8, 16, 32], draft_rows=draft_rows)
+    assert gr._meta(4).shared_seqs is draft_rows
+    staged = []
+    stage = gr.stage
+    gr.stage = lambda batch, gather=None: staged.append(batch.num_tokens - len(batch)) or stage(batch, gather)
+    eager = []
+    launch = eng.runner.launch
+    eng.runner.launch = lambda batch, gather=None: eager.append(batch.num_tokens) or launch(batch, gather)
+    outs = eng.generate(ps, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    assert replays and _drafted(outs)[1] > 0
+    assert _drafted(outs)[1] > 0
+    assert (max(staged) > 0) is draft_rows  # graph steps with draft rows
+    assert staged.count(0) > 0  # and without
+    # eager steps: the first (every prompt's prefill), and the verifications when the graphs may not take them
+    assert (len(eager) == 1) is draft_rows
 
 
 def test_config_errors(llama_pair):

@@ -6,6 +6,11 @@ read and write nothing. The graph covers the forward, the logits and, when a gra
 serves ``sample`` on this device, the sampling too; then a step is two host-to-device copies of a
 pinned staging buffer, one replay and one read of the sampled tokens, the step's only sync.
 Prefill, mixed steps and larger batches run eagerly through :class:`ModelRunner`.
+
+With ``draft_rows`` (speculative decoding), a step whose requests each feed their last token and a draft
+of ``k`` tokens replays the graphs too: each of a request's ``k + 1`` positions becomes a decode row of its
+own (its position, ``seq_len = position + 1``, the request's block table), so the verification costs one
+decode step of ``sum(k + 1)`` rows. Its graphs are captured with :attr:`AttentionMetadata.shared_seqs`.
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ class CUDAGraphRunner:
     """
 
     def __init__(self, runner: ModelRunner, *, max_batch: int, max_model_len: int, page_size: int,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, draft_rows: bool = False) -> None:
         self.runner = runner
+        self.draft_rows = draft_rows
+        self._ahead: np.ndarray | None = None  # the staged step's offsets past each request's next token
         self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
         dev = runner.device
         B = self.B = self.buckets[-1]
@@ -89,6 +96,7 @@ class CUDAGraphRunner:
         return AttentionMetadata(
             cu_seqlens_q=self.cu_seqlens[: b + 1], seq_lens=self.seq_lens[:b], block_table=self.block_table[:b],
             slot_mapping=self.slot_mapping[:b], max_seqlen_q=1, max_seqlen_k=self.max_seqlen_k, decode_only=True,
+            shared_seqs=self.draft_rows,
         )
 
     def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -118,25 +126,33 @@ class CUDAGraphRunner:
         torch.cuda.synchronize()
 
     def can_run(self, batch: ScheduledBatch) -> bool:
-        return (
-            bool(self.graphs)
-            and len(batch) <= self.B
-            and batch.num_tokens == len(batch)
-            and all(r.num_computed_tokens + 1 == r.num_tokens for r in batch.requests)
-        )
+        if not self.graphs or batch.num_tokens > self.B:
+            return False
+        reqs = batch.requests
+        if batch.num_tokens == len(batch):
+            return all(r.num_computed_tokens + 1 == r.num_tokens for r in reqs)
+        # speculative verification: each request feeds its last token and its draft
+        return self.draft_rows and all(r.num_computed_tokens + 1 == r.num_tokens and n == 1 + len(r.spec_token_ids)
+                                       for r, n in zip(reqs, batch.num_new_tokens))
 
     def stage(self, batch: ScheduledBatch, gather: Gather | None = None) -> tuple[int, int, int, int, int]:
-        """The host half of a step: write ``batch`` (a decode batch every request of which samples)
-        into the next staging buffer. Returns ``(buffer, n, bucket, width, num_gathered)``."""
+        """The host half of a step: write ``batch`` (a decode batch every request of which samples, each
+        request one row, or with drafts ``1 + len(draft)`` rows) into the next staging buffer. Returns
+        ``(buffer, rows, bucket, width, num_gathered)``."""
         x = self.runner.host_inputs(batch)
-        n, B, P = len(batch), self.B, self.max_pages
+        n, B, P = len(x.input_ids), self.B, self.max_pages
+        rows, seq_lens, table, self._ahead = x.rows, x.seq_lens, x.table, None
+        if n > len(batch):  # drafts: a decode row per position, seeing the keys up to its own
+            counts = np.diff(x.cu_seqlens)
+            rows, seq_lens, table = np.repeat(rows, counts), x.positions + 1, np.repeat(table, counts, axis=0)
+            self._ahead = np.arange(n, dtype=np.int64) - np.repeat(x.cu_seqlens[:-1], counts)
         k, b = self._next_buffer(n)
         ih = self._ints_np[k]
-        g = self._stage_rows(k, n, b, x.input_ids, x.positions, x.seq_lens, x.rows, gather)
+        g = self._stage_rows(k, n, b, x.input_ids, x.positions, seq_lens, rows, gather)
         ih[_SLOT * B : _SLOT * B + b] = -1
         ih[_SLOT * B : _SLOT * B + n] = x.slots
-        width = x.table.shape[1]
-        ih[_NI * B : _NI * B + n * P].reshape(n, P)[:, :width] = x.table
+        width = table.shape[1]
+        ih[_NI * B : _NI * B + n * P].reshape(n, P)[:, :width] = table
         return k, n, b, width, g
 
     def _next_buffer(self, n: int) -> tuple[int, int]:
@@ -197,10 +213,12 @@ class CUDAGraphRunner:
             self.input_ids[self._row(self.ints, _GDST, g)] = gather.prev[src]
         self.graphs[b].replay()
         reqs = batch.requests
+        if self._ahead is not None:  # a request's rows in order, as ModelRunner.launch returns them
+            reqs = [r for r in reqs for _ in range(1 + len(r.spec_token_ids))]
         self.last_logits = self.logits[b][:n]
         if self.graph_samples and not self._penalized:
             return reqs, self.tokens[b][:n]
-        return reqs, self.runner.sample_tokens(reqs, self.logits[b][:n])
+        return reqs, self.runner.sample_tokens(reqs, self.logits[b][:n], ahead=self._ahead)
 
     def _used(self, n: int, width: int) -> int:
         """How much of the int staging buffer a step of ``n`` rows fills."""

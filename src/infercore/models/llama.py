@@ -20,7 +20,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..devices import dispatch, resolve
+from ..devices import accepts, dispatch, resolve
 from ..kv.spec import FullAttentionSpec
 from ..ops import (
     AttentionMetadata,
@@ -64,13 +64,12 @@ def _attention(q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_w
     :func:`prefill_takes_new_kv`) so it reads the new tokens contiguously instead of through the pages.
     """
     if meta.decode_only:
-        if k_scale is not None:
-            return scale_aware("paged_attention_decode", q.device)(
-                q, k_cache, v_cache, seq_lens=meta.seq_lens, block_table=meta.block_table, scale=scale,
-                sliding_window=sliding_window, softcap=None, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
-        return dispatch("paged_attention_decode", q.device)(
-            q, k_cache, v_cache, seq_lens=meta.seq_lens, block_table=meta.block_table, scale=scale,
-            sliding_window=sliding_window, softcap=None)  # fmt: skip
+        quant = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+        fn = (scale_aware if quant else dispatch)("paged_attention_decode", q.device)
+        if meta.shared_seqs and accepts(fn, "shared_seqs"):
+            quant["shared_seqs"] = True
+        return fn(q, k_cache, v_cache, seq_lens=meta.seq_lens, block_table=meta.block_table, scale=scale,
+                  sliding_window=sliding_window, softcap=None, **quant)  # fmt: skip
     block_table = meta.block_table
     caches = k_cache, v_cache
     if k_scale is not None:
@@ -185,7 +184,7 @@ class LlamaAttention(nn.Module):
             new_kv = {"k": k, "v": v}
         else:
             new_kv = {}
-            if k_scale is None and meta.decode_only and _fused_rope_attention(x.device, T):
+            if k_scale is None and meta.decode_only and not meta.shared_seqs and _fused_rope_attention(x.device, T):
                 o = dispatch("rope_write_decode_attention", x.device)(
                     q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, seq_lens=meta.seq_lens,
                     block_table=meta.block_table, scale=self.scale, sliding_window=self.sliding_window)  # fmt: skip

@@ -29,6 +29,11 @@ class AttentionMetadata:
             None when they are the batch's first ``num_split_decodes`` sequences (rows ``0 .. n - 1``).
         prefill_seqs: int32 ``[B - num_split_decodes]``, the other sequences (set with them), the only
             ones the prefill kernel then runs.
+        shared_seqs: a decode-only step whose rows may be consecutive positions of one sequence (each with
+            its own ``seq_lens`` entry and the sequence's block table: speculative verification run as
+            decode rows). A row then reads keys this step writes for its other rows, so the model writes
+            the step's K/V before attention reads any (no fused RoPE + write + attention, no reads ahead of
+            the KV write).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -42,6 +47,7 @@ class AttentionMetadata:
     decode_seqs: torch.Tensor | None = None
     decode_tokens: torch.Tensor | None = None
     prefill_seqs: torch.Tensor | None = None
+    shared_seqs: bool = False
 
     @property
     def num_seqs(self) -> int:

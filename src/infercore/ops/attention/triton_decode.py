@@ -456,9 +456,14 @@ def paged_attention_decode(
     v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
     fp8_emulation: bool | None = None,
+    shared_seqs: bool = False,
     _rope: tuple | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache; see the module docstring for layouts.
+
+    ``shared_seqs``: rows may be positions of one sequence (speculative verification run as decode rows,
+    :attr:`AttentionMetadata.shared_seqs`), so a row reads keys this step wrote for other rows, not only its
+    own newest one: the kernel then reads no cache row before its PDL wait.
 
     ``k_scale``/``v_scale`` fp32 ``[num_pages, page_size, Hk]`` are required for int8 /
     float8_e4m3fn caches. ``num_splits`` overrides the split-K factor (default: chosen from static
@@ -535,7 +540,8 @@ def paged_attention_decode(
         group, num_splits, kn, vn, pos, cs, slots, *rope_strides, D,
         PAGE=page_size, SPLIT=num_splits > 1, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        DOT_PRECISION=precision, KV_MODE=kv_mode, PREWAIT=(use_pdl or bool(fuse)) and TUNING["prewait"], **fuse,
+        DOT_PRECISION=precision, KV_MODE=kv_mode,
+        PREWAIT=(use_pdl or bool(fuse)) and TUNING["prewait"] and not shared_seqs, **fuse,
         V16=bool(kv_mode and not interp and TUNING["kv_v16"]),
         F16=bool(kv_mode in (2, 3) and not interp and TUNING["fp8_f16"] and q.dtype == torch.bfloat16),
         **extra, **pdl_launch(use_pdl),

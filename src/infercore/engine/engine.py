@@ -88,7 +88,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     kv_layout: str | None = None
     checkpoint_interval: int | None = None
-    # CUDA only: capture decode steps of up to this many requests in CUDA graphs (0 = eager)
+    # CUDA only: capture decode steps of up to this many rows in CUDA graphs (0 = eager); a row is a
+    # request, or with speculative decoding one of a request's 1 + k verified positions
     cuda_graph_max_batch: int = 256
     # CPU: run linears on oneDNN-packed weights (see models.layout.CPUPackedLinear)
     cpu_packed_linears: bool = True
@@ -201,7 +202,7 @@ class Engine:
         if config.cpu_packed_linears and self.device.type == "cpu":
             pack_linears_for_cpu_(model)
         elif config.gpu_gemv_linears and self.device.type == "cuda":
-            use_triton_gemv_(model, max_m=min(16, config.max_num_seqs))
+            use_triton_gemv_(model, max_m=min(16, config.max_num_seqs * (1 + config.num_speculative_tokens)))
         specs = model.kv_specs()
         self.kv_layout = choose_kv_layout(model, specs, config.kv_layout)
         if config.num_speculative_tokens and self.kv_layout != "dense":
@@ -243,9 +244,11 @@ class Engine:
         self.graph_runner = None
         if self.device.type == "cuda" and config.cuda_graph_max_batch > 0:
             graph_cls = CUDAGraphRunner if self.kv_layout == "dense" else HybridCUDAGraphRunner
+            # with drafts a request takes 1 + k decode rows of a verification step
+            rows = config.max_num_seqs * (1 + config.num_speculative_tokens)
             self.graph_runner = graph_cls(
                 self.runner,
-                max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
+                max_batch=min(config.cuda_graph_max_batch, rows),
                 max_model_len=self.max_model_len,
                 page_size=config.page_size,
                 **({"draft_rows": True} if config.num_speculative_tokens else {}),

@@ -151,7 +151,8 @@ def main() -> None:
         del engines, model
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    write_results(args.out, "spec_step", args.device, cases)
+    label = torch.cuda.get_device_name() if dev.type == "cuda" else args.device
+    write_results(args.out, "spec_step", label, cases)
 
 
 if __name__ == "__main__":

@@ -118,7 +118,7 @@ class EngineConfig:
     # request whose last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens occurred earlier in its
     # prompt or output proposes the up to ``num_speculative_tokens`` tokens that followed there, and one
     # forward verifies them all (see ``engine/speculative.py``). 0 = off. Dense KV layout and
-    # synchronous scheduling only; requests with penalties or ``logprobs`` decode one token a step.
+    # synchronous scheduling only; requests with penalties decode one token a step.
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -474,12 +474,12 @@ class Engine:
     def _propose_drafts(self) -> None:
         """Give each decoding request that may speculate its n-gram draft for this step (see
         ``engine/speculative.py``): never more tokens than it may still generate, less one, or than its
-        context has positions left. Penalties and log-probabilities read every step's tokens on the host:
-        those requests decode one token a step."""
+        context has positions left. Penalties read the tokens before each position on the host: those
+        requests decode one token a step."""
         cfg = self.config
         for req in self.scheduler.running:
             p = req.params
-            if req.num_tokens - req.num_computed_tokens != 1 or p.reads_history or p.logprobs is not None:
+            if req.num_tokens - req.num_computed_tokens != 1 or p.reads_history:
                 continue
             k = min(cfg.num_speculative_tokens, p.max_tokens - len(req.output_token_ids) - 1,
                     self.max_model_len - req.num_tokens)
@@ -555,27 +555,34 @@ class Engine:
             req, token = reqs[i], tokens[i]
             draft = req.spec_token_ids
             if draft:
+                end = i + len(draft) + 1
                 if not req.is_finished:
-                    self._verify(req, tokens[i : i + len(draft) + 1])
+                    self._verify(req, tokens[i:end], [lps.get(j) for j in range(i, end)])
                     outputs.append(self._output(req))
-                i += len(draft) + 1
+                i = end
                 draft.clear()
                 continue
             i += 1
             if req.is_finished:  # aborted, or ended at the previous step: a speculative token
                 continue
-            if i - 1 in lps:
-                picked, top = lps[i - 1]
-                req.logprobs.append({token: picked, **{t: v for t, v in top[: req.params.logprobs] if t != token}})
-                req.cumulative_logprob += picked
+            self._add_logprobs(req, token, lps.get(i - 1))
             self._append(req, token)
             outputs.append(self._output(req))
         return outputs
 
-    def _verify(self, req: Request, sampled: list[int]) -> None:
+    @staticmethod
+    def _add_logprobs(req: Request, token: int, lp: tuple | None) -> None:
+        """Record ``token``'s log-probabilities (``lp``: from :meth:`_Step.read_logprobs`; None: not asked for)."""
+        if lp is not None:
+            picked, top = lp
+            req.logprobs.append({token: picked, **{t: v for t, v in top[: req.params.logprobs] if t != token}})
+            req.cumulative_logprob += picked
+
+    def _verify(self, req: Request, sampled: list[int], lps: list[tuple | None]) -> None:
         """Keep the draft's leading tokens that equal the tokens sampled at their positions, then the first
         sampled token that differs (or the one after the whole draft); stop early where a token ends the
-        request. ``sampled[j]``: the token sampled after feeding the draft's first ``j`` tokens."""
+        request. ``sampled[j]``: the token sampled after feeding the draft's first ``j`` tokens; ``lps[j]``
+        its log-probabilities where the request asked for them."""
         draft = req.spec_token_ids
         kept = 0
         while kept < len(draft) and sampled[kept] == draft[kept]:
@@ -590,7 +597,8 @@ class Engine:
             all_ids += draft[:kept]
             self.block_manager.mark_computed(req.request_id, all_ids, req.num_computed_tokens)
             del all_ids[len(all_ids) - kept :]
-        for token in sampled[: kept + 1]:
+        for token, lp in zip(sampled[: kept + 1], lps):
+            self._add_logprobs(req, token, lp)
             self._append(req, token)
             if req.is_finished:
                 break

@@ -22,7 +22,7 @@ from ..devices import resolve
 from ..models.hybrid import HybridMetadata, LinearStateMetadata
 from ..ops import AttentionMetadata, SamplingTensors, sample
 from .request import Request
-from .runner import Gather, ModelRunner, sampling_logits
+from .runner import Gather, ModelRunner, positions_within, sampling_logits
 from .scheduler import ScheduledBatch
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -145,7 +145,7 @@ class CUDAGraphRunner:
         if n > len(batch):  # drafts: a decode row per position, seeing the keys up to its own
             counts = np.diff(x.cu_seqlens)
             rows, seq_lens, table = np.repeat(rows, counts), x.positions + 1, np.repeat(table, counts, axis=0)
-            self._ahead = np.arange(n, dtype=np.int64) - np.repeat(x.cu_seqlens[:-1], counts)
+            self._ahead = positions_within(counts)
         k, b = self._next_buffer(n)
         ih = self._ints_np[k]
         g = self._stage_rows(k, n, b, x.input_ids, x.positions, seq_lens, rows, gather)

@@ -37,6 +37,13 @@ def sampling_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return model.compute_logits(hidden)
 
 
+def positions_within(counts: np.ndarray) -> np.ndarray:
+    """``[0, 1, .., counts[0] - 1, 0, 1, ..]``: each row's place in its request's run of ``counts`` rows (int64).
+    With speculative decoding a request samples at its ``1 + len(draft)`` positions; row ``j`` of the run
+    samples ``j`` tokens past the request's next one."""
+    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 class RowTable:
     """Host rows of the running requests: block tables and static sampling parameters.
 
@@ -249,8 +256,7 @@ class ModelRunner:
         # Speculative decoding: a request with a draft of k tokens samples at each of its k + 1 positions
         # (rows in order, the request repeated), position j one step further in its sampling stream.
         ends = np.cumsum(np.asarray(batch.num_new_tokens, dtype=np.int64))[rows]
-        firsts = np.cumsum(counts) - counts
-        ahead = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(firsts, counts)
+        ahead = positions_within(counts)
         idx = np.repeat(ends - counts, counts) + ahead
         logits = sampling_logits(self.model, hidden[torch.from_numpy(idx).to(self.device)])
         reqs = [r for r, c in zip(reqs, counts.tolist()) for _ in range(c)]

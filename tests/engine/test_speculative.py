@@ -3,6 +3,7 @@
 The reference is the same engine without speculation (itself tested against transformers), and transformers'
 greedy decoding directly: drafts must change how many forwards run, never which tokens come out."""
 
+import numpy as np
 import pytest
 import torch
 from engine_helpers import hf_greedy, ours_from_hf, random_prompts, tiny_hf, with_fake_graphs
@@ -120,7 +121,7 @@ def test_prefix_cache_after_speculative_steps(llama_pair):
 
 
 def test_mixed_batch_with_penalties_logprobs_and_streams(llama_pair):
-    """Requests with penalties decode one token a step in the same batches; those with logprobs speculate;
+    """Requests with penalties and with logprobs speculate next to plain ones;
     a stream's deltas carry several tokens after a kept draft and add up to the output."""
     _, model = llama_pair
     ps = _prompts()
@@ -138,11 +139,29 @@ def test_mixed_batch_with_penalties_logprobs_and_streams(llama_pair):
             assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()), abs=1e-5)
         assert o.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-4)
     assert outs[4].metrics.num_accepted_tokens > 0  # a loopy prompt's logprobs request kept drafts
-    assert outs[0].metrics.num_draft_tokens == outs[3].metrics.num_draft_tokens == 0  # penalties: none
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     deltas = [o.new_token_ids for o in eng.stream(LOOPY[0], greedy)]
     assert sum(deltas, []) == Engine(model, page_size=4, num_pages=256).generate(LOOPY[:1], greedy)[0].token_ids
     assert max(len(d) for d in deltas) > 1  # a kept draft streams several tokens at once
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_penalties_see_the_draft_tokens_before_each_position(llama_pair, graphs):
+    """A penalized row at draft position j counts the draft's first j tokens as generated: greedy tokens under
+    repetition / presence / frequency penalties equal the plain engine's, with drafts kept (eager steps, and
+    graph steps, whose penalized rows sample outside the graph)."""
+    _, model = llama_pair
+    ps = LOOPY + random_prompts(3, seed=12)
+    cases = [dict(repetition_penalty=1.1), dict(presence_penalty=0.3), dict(frequency_penalty=0.2),
+             dict(frequency_penalty=0.15, repetition_penalty=1.05), dict(presence_penalty=-0.5), dict()]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, **c) for c in cases]
+    plain = Engine(model, page_size=4, num_pages=256).generate(ps, params)
+    eng = Engine(model, page_size=4, num_pages=256, num_speculative_tokens=4)
+    if graphs:
+        with_fake_graphs(eng, CUDAGraphRunner, max_batch=32, buckets=[1, 2, 4, 8, 16, 32], draft_rows=True)
+    outs = eng.generate(ps, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert sum(o.metrics.num_accepted_tokens for o in outs[:5]) > 0
 
 
 def test_sliding_window_model(llama_pair):
@@ -212,3 +231,21 @@ def test_hybrid_layout_is_refused():
     plain = Engine(model, page_size=4, num_pages=64, kv_layout="dense").generate(LOOPY, sp)
     spec = Engine(model, page_size=4, num_pages=64, kv_layout="dense", num_speculative_tokens=3).generate(LOOPY, sp)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+@pytest.mark.parametrize("penalty", [dict(frequency_penalty=0.5), dict(presence_penalty=0.5),
+                                     dict(repetition_penalty=2.0)])
+def test_sample_tokens_penalizes_the_draft_before_each_row(penalty):
+    """Row j of a drafted request counts the draft's first j tokens as generated: here they flip its greedy
+    choice from token 1 to token 2, while row 0 (nothing drafted before it) keeps token 1."""
+    from infercore.engine.request import Request
+    from infercore.engine.runner import ModelRunner
+    from infercore.kv import BlockManager
+
+    runner = ModelRunner(torch.nn.Linear(1, 1), [], BlockManager(4, 4), device=torch.device("cpu"))
+    req = Request("r", [3, 4], SamplingParams(temperature=0, **penalty), seed=1)
+    req.spec_token_ids = [1, 5]
+    logits = torch.tensor([[0.0, 1.0, 0.9, 0, 0, 0, 0, 0]]).repeat(3, 1)
+    tokens = runner.sample_tokens([req] * 3, logits, ahead=np.arange(3))
+    assert tokens.tolist() == [1, 2, 2]
+    assert runner.sample_tokens([req], logits[:1]).tolist() == [1]

@@ -118,7 +118,7 @@ class EngineConfig:
     # request whose last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens occurred earlier in its
     # prompt or output proposes the up to ``num_speculative_tokens`` tokens that followed there, and one
     # forward verifies them all (see ``engine/speculative.py``). 0 = off. Dense KV layout and
-    # synchronous scheduling only; requests with penalties decode one token a step.
+    # synchronous scheduling only.
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -474,12 +474,11 @@ class Engine:
     def _propose_drafts(self) -> None:
         """Give each decoding request that may speculate its n-gram draft for this step (see
         ``engine/speculative.py``): never more tokens than it may still generate, less one, or than its
-        context has positions left. Penalties read the tokens before each position on the host: those
-        requests decode one token a step."""
+        context has positions left."""
         cfg = self.config
         for req in self.scheduler.running:
             p = req.params
-            if req.num_tokens - req.num_computed_tokens != 1 or p.reads_history:
+            if req.num_tokens - req.num_computed_tokens != 1:
                 continue
             k = min(cfg.num_speculative_tokens, p.max_tokens - len(req.output_token_ids) - 1,
                     self.max_model_len - req.num_tokens)

@@ -274,7 +274,7 @@ class ModelRunner:
         """Sample one token per row from ``logits`` ``[len(reqs), V]`` (``reqs[i]``: the request of row i);
         int64 ``[len(reqs)]`` on the device, not synced. ``ahead`` int64 ``[len(reqs)]`` (speculative
         decoding): row i samples ``ahead[i]`` tokens past its request's next one (its offset in the
-        request's sampling stream; requests with ``ahead`` > 0 read no history)."""
+        request's sampling stream; penalties see the request's tokens and its draft's first ``ahead[i]``)."""
         rows = [r._row for r in reqs]
         if min(rows) >= 0:
             rows = np.asarray(rows, dtype=np.int64)
@@ -285,7 +285,8 @@ class ModelRunner:
             params = sampling_tensors(reqs, self.device)
             pf = np.array([(r.params.presence_penalty, r.params.frequency_penalty) for r in reqs],
                           dtype=np.float32).reshape(len(reqs), 2)
-        prev = _prev_tokens(reqs, self.device)
+        drafted = None if ahead is None else [r.spec_token_ids[:j] for r, j in zip(reqs, ahead.tolist())]
+        prev = _prev_tokens(reqs, self.device, drafted)
         if pf.any():
             # vLLM's order: the repetition penalty (prompt and output), then presence / frequency (output).
             if prev is not None:
@@ -293,7 +294,8 @@ class ModelRunner:
                 params = replace(params, repetition_penalty=torch.ones_like(params.repetition_penalty))
                 prev = None
             pf_t = torch.from_numpy(np.ascontiguousarray(pf.T)).to(self.device, non_blocking=True)
-            logits = apply_presence_frequency_penalty(logits, _output_tokens(reqs, self.device), pf_t[0], pf_t[1])
+            logits = apply_presence_frequency_penalty(logits, _output_tokens(reqs, self.device, drafted), pf_t[0],
+                                                      pf_t[1])  # fmt: skip
         return sample(logits, params, prev_tokens=prev, check_values=False)
 
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> dict[Request, int]:
@@ -339,16 +341,24 @@ def sampling_tensors(reqs: list[Request], device: torch.device) -> SamplingTenso
     return _sampling_tensors(f, i, device)
 
 
-def _output_tokens(reqs: list[Request], device: torch.device) -> torch.Tensor:
-    """Each request's generated tokens known on the host, int32 ``[len(reqs), max]`` padded with -1."""
-    seqs = [r.output_token_ids for r in reqs]
+def _padded(seqs: list[list[int]], device: torch.device) -> torch.Tensor:
     width = max(1, max(len(s) for s in seqs))
     return torch.tensor([s + [-1] * (width - len(s)) for s in seqs], dtype=torch.int32, device=device)
 
 
-def _prev_tokens(reqs: list[Request], device: torch.device) -> torch.Tensor | None:
+def _output_tokens(reqs: list[Request], device: torch.device, drafted: list[list[int]] | None = None) -> torch.Tensor:
+    """Each row's generated tokens known on the host (``drafted[i]``: draft tokens before row i's position),
+    int32 ``[len(reqs), max]`` padded with -1."""
+    if drafted is None:
+        return _padded([r.output_token_ids for r in reqs], device)
+    return _padded([r.output_token_ids + d for r, d in zip(reqs, drafted)], device)
+
+
+def _prev_tokens(reqs: list[Request], device: torch.device, drafted: list[list[int]] | None = None
+                 ) -> torch.Tensor | None:
+    """Each row's prompt and output tokens (and ``drafted[i]``) for the repetition penalty; None without one."""
     if all(r.params.repetition_penalty == 1.0 for r in reqs):
         return None
-    seqs = [r.all_token_ids if r.params.repetition_penalty != 1.0 else [] for r in reqs]
-    width = max(1, max(len(s) for s in seqs))
-    return torch.tensor([s + [-1] * (width - len(s)) for s in seqs], dtype=torch.int32, device=device)
+    drafted = drafted or [[]] * len(reqs)
+    return _padded([r.all_token_ids + d if r.params.repetition_penalty != 1.0 else [] for r, d in zip(reqs, drafted)],
+                   device)

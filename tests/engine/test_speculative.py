@@ -249,3 +249,47 @@ def test_sample_tokens_penalizes_the_draft_before_each_row(penalty):
     tokens = runner.sample_tokens([req] * 3, logits, ahead=np.arange(3))
     assert tokens.tolist() == [1, 2, 2]
     assert runner.sample_tokens([req], logits[:1]).tolist() == [1]
+
+
+def test_shared_seqs_reaches_the_decode_implementation(monkeypatch):
+    """``AttentionMetadata.shared_seqs`` goes to a decode implementation that takes it (the Triton kernel then
+    reads nothing ahead of its PDL wait), through the public op too (the models that call it: Gemma-3)."""
+    import infercore.ops.attention as attn
+    from infercore.ops import AttentionMetadata
+
+    seen = []
+
+    def fake(q, k_cache, v_cache, *, seq_lens, block_table, scale, sliding_window=None, softcap=None,
+             shared_seqs=False):
+        seen.append(shared_seqs)
+        return q
+
+    monkeypatch.setattr(attn, "dispatch", lambda op, device: fake)
+    q, kc = torch.zeros(2, 2, 8), torch.zeros(4, 4, 1, 8)
+    for shared in (False, True):
+        meta = AttentionMetadata(cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
+                                 seq_lens=torch.tensor([3, 4], dtype=torch.int32),
+                                 block_table=torch.zeros(2, 1, dtype=torch.int32),
+                                 slot_mapping=torch.tensor([2, 3], dtype=torch.int32), max_seqlen_q=1,
+                                 max_seqlen_k=4, decode_only=True, shared_seqs=shared)
+        attn.paged_attention(q, kc, kc, meta, scale=1.0)
+    assert seen == [False, True]
+    fn, extra = attn.decode_impl("cpu", quantized=False, shared_seqs=True)
+    assert fn is fake and extra == {"shared_seqs": True}
+
+
+def test_gemma3_dense_graph_rows():
+    """Gemma-3 (sliding and global layers, softcap-free) over the dense layout, drafts verified as graph rows."""
+    from infercore.models import Gemma3Config, build_model
+
+    cfg = Gemma3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=6, num_heads=2, num_kv_heads=1,
+                       head_dim=16, sliding_window=8, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                       max_position_embeddings=512, query_pre_attn_scalar=16.0)
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype=torch.float32, device="cpu")
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = Engine(model, page_size=4, num_pages=128, kv_layout="dense").generate(LOOPY, sp)
+    eng = Engine(model, page_size=4, num_pages=128, kv_layout="dense", num_speculative_tokens=3)
+    with_fake_graphs(eng, CUDAGraphRunner, max_batch=16, buckets=[1, 2, 4, 8, 16], draft_rows=True)
+    outs = eng.generate(LOOPY, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain] and _drafted(outs)[1] > 0

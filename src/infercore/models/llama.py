@@ -20,7 +20,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..devices import accepts, dispatch, resolve
+from ..devices import dispatch, resolve
 from ..kv.spec import FullAttentionSpec
 from ..ops import (
     AttentionMetadata,
@@ -30,7 +30,7 @@ from ..ops import (
     rope_cos_sin_cache,
     silu_and_mul,
 )
-from ..ops.attention import attend_split_decodes, split_decodes, takes_new_kv
+from ..ops.attention import attend_split_decodes, decode_impl, split_decodes, takes_new_kv
 from ..ops.kv_cache import dequantize_paged_kv, scale_aware
 from ..ops.pdl import PDL_MAX_ROWS
 from .config import ModelConfig
@@ -64,12 +64,11 @@ def _attention(q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_w
     :func:`prefill_takes_new_kv`) so it reads the new tokens contiguously instead of through the pages.
     """
     if meta.decode_only:
-        quant = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
-        fn = (scale_aware if quant else dispatch)("paged_attention_decode", q.device)
-        if meta.shared_seqs and accepts(fn, "shared_seqs"):
-            quant["shared_seqs"] = True
+        fn, extra = decode_impl(q.device, quantized=k_scale is not None, shared_seqs=meta.shared_seqs)
+        if k_scale is not None:
+            extra.update(k_scale=k_scale, v_scale=v_scale)
         return fn(q, k_cache, v_cache, seq_lens=meta.seq_lens, block_table=meta.block_table, scale=scale,
-                  sliding_window=sliding_window, softcap=None, **quant)  # fmt: skip
+                  sliding_window=sliding_window, softcap=None, **extra)  # fmt: skip
     block_table = meta.block_table
     caches = k_cache, v_cache
     if k_scale is not None:

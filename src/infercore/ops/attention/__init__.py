@@ -242,6 +242,7 @@ def paged_attention_decode(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    shared_seqs: bool = False,
 ) -> torch.Tensor:
     """One query per sequence (at position ``seq_lens[b] - 1``) against its paged KV.
 
@@ -252,6 +253,9 @@ def paged_attention_decode(
             kernels read the 1-byte codes and dequantize in registers (no temporary cache).
         seq_lens: int32 ``[B]`` KV lengths including the current token; a sequence with length 0
             (batch padding) yields zeros.
+        shared_seqs: rows may be consecutive positions of one sequence (their keys all written before
+            this call; :attr:`AttentionMetadata.shared_seqs`): passed to implementations that read part of
+            the cache ahead of the previous kernel's end (the Triton kernel under PDL), which then do not.
 
     Returns:
         ``[B, Hq, D]`` in ``q.dtype``; softmax in fp32.
@@ -260,21 +264,20 @@ def paged_attention_decode(
     _check_common(op, q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, softcap)
     if seq_lens.shape[0] != q.shape[0]:
         raise ValueError(f"{op}: seq_lens has {seq_lens.shape[0]} entries but q has {q.shape[0]} sequences")
-    if check_kv_scales(op, k_cache, v_cache, k_scale, v_scale):
-        return scale_aware(op, q.device)(
-            q, k_cache, v_cache, seq_lens=seq_lens, block_table=block_table, scale=float(scale),
-            sliding_window=sliding_window, softcap=None if softcap is None else float(softcap),
-            k_scale=k_scale, v_scale=v_scale)  # fmt: skip
-    return dispatch(op, q.device)(
-        q,
-        k_cache,
-        v_cache,
-        seq_lens=seq_lens,
-        block_table=block_table,
-        scale=float(scale),
-        sliding_window=sliding_window,
-        softcap=None if softcap is None else float(softcap),
-    )
+    quantized = check_kv_scales(op, k_cache, v_cache, k_scale, v_scale)
+    fn, extra = decode_impl(q.device, quantized=quantized, shared_seqs=shared_seqs)
+    if quantized:
+        extra.update(k_scale=k_scale, v_scale=v_scale)
+    return fn(q, k_cache, v_cache, seq_lens=seq_lens, block_table=block_table, scale=float(scale),
+              sliding_window=sliding_window, softcap=None if softcap is None else float(softcap), **extra)
+
+
+def decode_impl(device: torch.device | str, *, quantized: bool, shared_seqs: bool) -> tuple[Callable, dict]:
+    """The ``paged_attention_decode`` implementation for ``device`` (one that reads 1-byte caches' scales when
+    ``quantized``) and the optional keywords to pass it: ``shared_seqs=True`` where asked and accepted."""
+    op = "paged_attention_decode"
+    fn = scale_aware(op, device) if quantized else dispatch(op, device)
+    return fn, ({"shared_seqs": True} if shared_seqs and accepts(fn, "shared_seqs") else {})
 
 
 def rope_write_decode_attention(
@@ -347,6 +350,7 @@ def paged_attention(
             softcap=softcap,
             k_scale=k_scale,
             v_scale=v_scale,
+            shared_seqs=meta.shared_seqs,
         )
     split = split_decodes(meta, dispatch("paged_attention_prefill", q.device))
     o = paged_attention_prefill(

@@ -216,6 +216,10 @@ class Engine:
         chunk_boundary = None
         if self.kv_layout == "dense":
             num_pages = config.num_pages or self._pages_for_memory(specs)
+            if getattr(model, "tp_size", 1) > 1:  # the ranks schedule alike only with the same pool
+                from ..parallel import group_min
+
+                num_pages = group_min(num_pages, model.tp_group)
             self.block_manager = BlockManager(
                 num_pages, config.page_size, enable_prefix_caching=config.enable_prefix_caching
             )
@@ -258,6 +262,13 @@ class Engine:
             _freeze_gc()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        # Seeds of unseeded requests. A tensor-parallel model's ranks run the same loop and must sample alike:
+        # rank 0 seeds one stream for all of them (parallel.shared_seed).
+        self._seeds = random.Random(None)
+        if getattr(model, "tp_size", 1) > 1:
+            from ..parallel import shared_seed
+
+            self._seeds = random.Random(shared_seed(model.tp_group))
         want_async = config.async_scheduling if config.async_scheduling is not None else (
             self.device.type == "cuda" and not config.num_speculative_tokens)
         self.async_scheduling = bool(want_async) and self.kv_layout == "dense"
@@ -403,7 +414,7 @@ class Engine:
             rid = str(request_id)
             if rid in self.requests:
                 raise ValueError(f"request_id {rid!r} is already in use")
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         return Request(rid, ids, params, eos_token_ids=self._eos, seed=seed)
 
     def _queue(self, req: Request) -> None:

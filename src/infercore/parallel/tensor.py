@@ -1,0 +1,139 @@
+"""Tensor parallelism (Megatron layout) for the dense Llama family over ``torch.distributed``.
+
+Each rank of a process group keeps a slice of every layer and the same replicated rest:
+
+- ``qkv_proj`` (column-parallel): the rank's query heads, then its KV heads (``num_heads / tp`` and
+  ``num_kv_heads / tp``), so attention and the paged KV cache of each rank hold only its heads;
+- ``o_proj`` and ``down_proj`` (row-parallel): the matching input columns; their outputs are summed over the
+  group (``all_reduce``, a forward hook, so it survives the device layouts' class swaps); a bias is added by
+  rank 0 only;
+- ``gate_up_proj`` (column-parallel): the rank's slice of the gate rows and the same slice of the up rows;
+- ``lm_head`` (vocabulary-parallel): a slice of the vocabulary; the logits are gathered over the group
+  (``all_gather``), so every rank samples from the whole distribution;
+- embeddings and norms: replicated.
+
+Every rank then runs the same :class:`~infercore.Engine` loop on the same requests (SPMD): the scheduler is
+deterministic, the collectives give every rank the same activations, and the engine draws the seeds of unseeded
+requests from a stream that rank 0 seeds (:func:`shared_seed`), so the ranks sample the same tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def _group_size_rank(group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("tensor_parallel_: torch.distributed is not initialized (call init_process_group first)")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _slice_rows(w: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
+    """Rows ``[a, b)`` of ``w`` for each ``(a, b)`` of ``parts``, concatenated (a new contiguous tensor)."""
+    return torch.cat([w[a:b] for a, b in parts]).contiguous()
+
+
+def _set(mod: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    mod.weight = nn.Parameter(weight, requires_grad=False)
+    mod.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
+    mod.out_features, mod.in_features = weight.shape
+
+
+def _all_reduce_hook(group):
+    def hook(mod, args, out):
+        dist.all_reduce(out, group=group)
+        return out
+    return hook
+
+
+def _all_gather_hook(group, world: int):
+    def hook(mod, args, out):
+        parts = [torch.empty_like(out) for _ in range(world)]
+        dist.all_gather(parts, out.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+    return hook
+
+
+@torch.no_grad()
+def tensor_parallel_(model: nn.Module, group=None) -> nn.Module:
+    """Shard a loaded Llama-family model (:class:`~infercore.models.llama.LlamaForCausalLM`: Llama, Mistral,
+    Qwen2 / Qwen3, SmolLM2) in place over ``group`` (default: the world), as this rank's slice; see the module
+    docstring for the layout. Call it on every rank with the same weights, before building the Engine.
+
+    Returns the model, with ``model.tp_group`` (``group``), ``tp_size`` and ``tp_rank`` set.
+
+    Raises:
+        TypeError: ``model`` is not a dense Llama-family model, or is quantized.
+        ValueError: ``torch.distributed`` is not initialized, or the group size does not divide the number of
+            query heads, KV heads, the MLP width or the vocabulary (each named).
+    """
+    from ..models.llama import LlamaForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM):
+        raise TypeError(f"tensor_parallel_: model must be a dense Llama-family model, got {type(model).__name__}")
+    if hasattr(model, "tp_size"):
+        raise ValueError("tensor_parallel_: model is already sharded")
+    tp, rank = _group_size_rank(group)
+    cfg = model.config
+    for name, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
+                    ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
+        if n % tp:
+            raise ValueError(f"tensor_parallel_: the group size {tp} does not divide {name}={n}")
+    for mod in model.modules():
+        if isinstance(mod, nn.Linear) and type(mod) is not nn.Linear:
+            raise TypeError(f"tensor_parallel_: shard the model before any layout or quantization swap "
+                            f"(found {type(mod).__name__})")
+        if not isinstance(mod, nn.Linear) and hasattr(mod, "qweight_format"):
+            raise TypeError("tensor_parallel_: quantized linears are not sharded; shard the dense model first")
+    d = cfg.head_dim
+    hq, hk, inter = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.intermediate_size // tp
+    q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = [(rank * hq * d, (rank + 1) * hq * d),
+               (q_rows + rank * hk * d, q_rows + (rank + 1) * hk * d),
+               (q_rows + kv_rows + rank * hk * d, q_rows + kv_rows + (rank + 1) * hk * d)]
+        p = attn.qkv_proj
+        _set(p, _slice_rows(p.weight, qkv), None if p.bias is None else _slice_rows(p.bias, qkv))
+        attn.num_heads, attn.num_kv_heads = hq, hk
+        attn.q_size, attn.kv_size = hq * d, hk * d
+        p = attn.o_proj
+        _set(p, p.weight[:, rank * hq * d : (rank + 1) * hq * d].contiguous(), p.bias if rank == 0 else None)
+        p.register_forward_hook(_all_reduce_hook(group))
+        gu = [(rank * inter, (rank + 1) * inter), (cfg.intermediate_size + rank * inter,
+                                                   cfg.intermediate_size + (rank + 1) * inter)]
+        p = mlp.gate_up_proj
+        _set(p, _slice_rows(p.weight, gu), None if p.bias is None else _slice_rows(p.bias, gu))
+        p = mlp.down_proj
+        _set(p, p.weight[:, rank * inter : (rank + 1) * inter].contiguous(), p.bias if rank == 0 else None)
+        p.register_forward_hook(_all_reduce_hook(group))
+    v = cfg.vocab_size // tp
+    head = model.lm_head  # tied to the embedding or not, the slice is a new tensor: the embedding stays whole
+    _set(head, head.weight[rank * v : (rank + 1) * v].clone(), None)
+    head.register_forward_hook(_all_gather_hook(group, tp))
+    model.tp_group = group
+    model.tp_size, model.tp_rank = tp, rank
+    return model
+
+
+def _int_tensor(value: int, group) -> torch.Tensor:
+    t = torch.tensor([value], dtype=torch.int64)
+    return t.cuda() if dist.get_backend(group) == "nccl" else t  # NCCL: on this rank's current CUDA device
+
+
+def shared_seed(group=None) -> int:
+    """A random 63-bit seed drawn on rank 0 of ``group`` and broadcast, the same on every rank."""
+    import random
+
+    t = _int_tensor(random.getrandbits(63), group)
+    dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return int(t.item())
+
+
+def group_min(value: int, group=None) -> int:
+    """The smallest of every rank's ``value`` (the KV pool's page count, so that every rank schedules alike)."""
+    t = _int_tensor(value, group)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())

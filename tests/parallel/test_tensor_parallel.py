@@ -1,0 +1,94 @@
+"""Tensor parallelism over torch.distributed (gloo, two CPU processes): the sharded model's logits and the
+Engine's tokens on every rank against transformers and the unsharded engine."""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engine"))
+
+WORLD = 2
+
+
+def _worker(rank: int, init: str, kind: str) -> None:
+    from engine_helpers import hf_greedy, ours_from_hf, random_prompts, tiny_hf
+
+    from infercore import Engine, SamplingParams
+    from infercore.parallel import tensor_parallel_
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    try:
+        hf = tiny_hf(kind, attention_bias=kind == "llama", num_key_value_heads=2)  # biases: sharded / rank 0's
+        ref = ours_from_hf(hf)
+        model = tensor_parallel_(ours_from_hf(hf))
+        assert model.model.layers[0].self_attn.num_kv_heads == 1 and model.lm_head.weight.shape[0] == 48
+        with pytest.raises(ValueError, match="already sharded"):
+            tensor_parallel_(model)
+        prompts = random_prompts(4, seed=3) + [[5, 6, 7, 8, 9] * 3]
+        greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+        unseeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+        # pools sized from memory budgets that differ by rank: every rank gets the smallest
+        budget = Engine(model, page_size=4, kv_cache_bytes=(1 << 20) * (1 + rank))
+        assert budget.block_manager.num_pages == (1 << 20) // (2 * 4 * 1 * 8 * 4 * 2)
+        eng = Engine(model, page_size=4, num_pages=128, max_num_batched_tokens=24)
+        assert eng.runner.kv_caches[0][0].shape[2] == 1  # this rank's KV head only
+        outs = {name: [o.token_ids for o in eng.generate(prompts, sp)]
+                for name, sp in (("greedy", greedy), ("seeded", seeded), ("unseeded", unseeded))}
+        spec = Engine(model, page_size=4, num_pages=128, num_speculative_tokens=3)
+        outs["spec"] = [o.token_ids for o in spec.generate(prompts, greedy)]
+        # every rank sampled the same tokens, unseeded requests included
+        everyone = [None] * WORLD
+        dist.all_gather_object(everyone, outs)
+        assert all(o == outs for o in everyone)
+        # every rank runs every step: the collectives are in the forward
+        got = eng.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
+        if rank == 0:
+            assert outs["greedy"] == [hf_greedy(hf, p, 16) for p in prompts] == outs["spec"]
+            plain = Engine(ref, page_size=4, num_pages=128)
+            assert outs["seeded"] == [o.token_ids for o in plain.generate(prompts, seeded)]
+            # the log-probabilities of the first token (the gathered vocabulary slices) equal transformers'
+            with torch.inference_mode():
+                want = hf(torch.tensor(prompts[0])[None]).logits[0, -1]
+            top = want.float().log_softmax(-1).topk(5)
+            for t, v in zip(top.indices.tolist(), top.values.tolist()):
+                assert got.logprobs[0][t] == pytest.approx(v, abs=1e-4)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_two_ranks_match_one(kind, tmp_path):
+    mp.spawn(_worker, args=(f"file://{tmp_path}/rdzv", kind), nprocs=WORLD, join=True)
+
+
+def _errors_worker(rank: int, init: str) -> None:
+    from engine_helpers import ours_from_hf, tiny_hf
+
+    from infercore.parallel import tensor_parallel_
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    try:
+        with pytest.raises(ValueError, match="num_kv_heads=1"):
+            tensor_parallel_(ours_from_hf(tiny_hf("llama", num_key_value_heads=1)))
+        with pytest.raises(ValueError, match="vocab_size=95"):
+            tensor_parallel_(ours_from_hf(tiny_hf("llama", vocab_size=95)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_errors(tmp_path):
+    from engine_helpers import ours_from_hf, tiny_hf
+
+    from infercore.parallel import tensor_parallel_
+
+    with pytest.raises(ValueError, match="not initialized"):
+        tensor_parallel_(ours_from_hf(tiny_hf("llama")))
+    with pytest.raises(TypeError, match="Llama-family"):
+        tensor_parallel_(torch.nn.Linear(2, 2))
+    mp.spawn(_errors_worker, args=(f"file://{tmp_path}/rdzv",), nprocs=WORLD, join=True)

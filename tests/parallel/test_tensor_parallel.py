@@ -92,3 +92,33 @@ def test_errors(tmp_path):
     with pytest.raises(TypeError, match="Llama-family"):
         tensor_parallel_(torch.nn.Linear(2, 2))
     mp.spawn(_errors_worker, args=(f"file://{tmp_path}/rdzv",), nprocs=WORLD, join=True)
+
+
+def _smollm2_worker(rank: int, init: str, world: int, prompt: str, want: list[int]) -> None:
+    from infercore import Engine, SamplingParams
+    from infercore.loading import default_model_path
+    from infercore.models import load_model
+    from infercore.parallel import tensor_parallel_
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        model, tok, _ = load_model(default_model_path(), dtype=torch.float32, device="cpu")
+        tensor_parallel_(model)  # 9 query heads, 3 KV heads: 3 and 1 a rank
+        eng = Engine(model, tok, page_size=16, num_pages=64)
+        out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=len(want), ignore_eos=True),
+                           chat=True)[0]
+        assert out.token_ids == want, (rank, out.text)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_real_smollm2_over_three_ranks(tmp_path):
+    """The real SmolLM2-135M-Instruct weights (GGUF) sharded three ways answer as the unsharded engine does."""
+    from infercore import Engine, SamplingParams
+
+    prompt = "What is the capital of France?"
+    want = Engine.from_pretrained(device="cpu", dtype=torch.float32, page_size=16, num_pages=64).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), chat=True)[0]
+    assert "Paris" in want.text
+    mp.spawn(_smollm2_worker, args=(f"file://{tmp_path}/rdzv", 3, prompt, want.token_ids), nprocs=3, join=True)

@@ -40,12 +40,20 @@ def _generate(args: argparse.Namespace) -> int:
             frequency_penalty=args.frequency_penalty,
             seed=args.seed,
         )
+        if args.tensor_parallel != 1:
+            return _generate_tp(args, params)
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                         num_speculative_tokens=args.num_speculative_tokens)
     except (OSError, ValueError, TypeError, ImportError) as e:  # OSError: unreadable files too
         print(f"infercore: {e}", file=sys.stderr)
         return 2
+    _print_stream(engine, args, params)
+    return 0
+
+
+def _print_stream(engine, args: argparse.Namespace, params) -> None:
+    """Stream the answer to stdout and a timing line to stderr."""
     start = time.perf_counter()
     first = None
     out = None
@@ -56,7 +64,7 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     end = time.perf_counter()
     if out is None or first is None:  # nothing streamed: no timing to report
-        return 0
+        return
     n = len(out.token_ids)
     decode_s = end - first
     rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0
@@ -65,7 +73,64 @@ def _generate(args: argparse.Namespace) -> int:
         f"decode {rate:.1f} tokens/s, finish: {out.finish_reason}; {engine.device}, {engine.dtype}]",
         file=sys.stderr,
     )
+
+
+def _generate_tp(args: argparse.Namespace, params) -> int:
+    """``generate --tensor-parallel N``: N processes (gloo on the CPU, NCCL on GPUs 0..N-1), each loading the
+    model and keeping its shard; every rank runs the same engine calls and rank 0 prints."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    n = args.tensor_parallel
+    if n < 1:
+        raise ValueError(f"--tensor-parallel must be >= 1, got {n}")
+    if args.quantization is not None:
+        raise ValueError("--tensor-parallel: quantized models are not sharded; drop --quantization")
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            mp.spawn(_tp_rank, args=(args, params, f"file://{os.path.join(d, 'rdzv')}"), nprocs=n, join=True)
+        except mp.ProcessRaisedException as e:
+            last = [line for line in str(e).strip().splitlines() if line.strip()][-1]
+            raise ValueError(f"a tensor-parallel rank failed: {last}") from None
     return 0
+
+
+def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from .devices import default_device
+    from .engine import Engine
+    from .engine.engine import _parse_dtype
+    from .loading import default_model_path
+    from .models import load_model
+    from .parallel import tensor_parallel_
+
+    n = args.tensor_parallel
+    device = torch.device(args.device) if args.device else default_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init, rank=rank, world_size=n)
+    try:
+        dtype = _parse_dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        model, tok, _ = load_model(args.model or default_model_path(), dtype=dtype, device=device)
+        tensor_parallel_(model)
+        engine = Engine(model, tok, kv_cache_dtype=args.kv_cache_dtype,
+                        num_speculative_tokens=args.num_speculative_tokens)
+        if rank == 0:
+            _print_stream(engine, args, params)
+        else:
+            for _ in engine.stream(args.prompt, params, chat=not args.no_chat):
+                pass
+    finally:
+        dist.destroy_process_group()
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -155,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, without the chat template")
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="shard the model over N processes (gloo on the CPU, NCCL on GPUs 0..N-1); N must divide "
+                        "the heads, KV heads, MLP width and vocabulary (default 1)")
     g.set_defaults(fn=_generate)
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     model_args(v)

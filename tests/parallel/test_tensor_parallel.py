@@ -29,6 +29,10 @@ def _worker(rank: int, init: str, kind: str) -> None:
         assert model.model.layers[0].self_attn.num_kv_heads == 1 and model.lm_head.weight.shape[0] == 48
         with pytest.raises(ValueError, match="already sharded"):
             tensor_parallel_(model)
+        from infercore.quant import quantize
+
+        with pytest.raises(ValueError, match="tensor-parallel"):
+            quantize(model, "w8a16")
         prompts = random_prompts(4, seed=3) + [[5, 6, 7, 8, 9] * 3]
         greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
@@ -122,3 +126,18 @@ def test_real_smollm2_over_three_ranks(tmp_path):
         [prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), chat=True)[0]
     assert "Paris" in want.text
     mp.spawn(_smollm2_worker, args=(f"file://{tmp_path}/rdzv", 3, prompt, want.token_ids), nprocs=3, join=True)
+
+
+def test_cli_generate_over_three_ranks(capfd):
+    """``infercore generate --tensor-parallel 3`` on the real SmolLM2 weights: rank 0 prints the answer; a group
+    size that does not divide the heads fails with the rank's message and exit code 2."""
+    from infercore import cli
+
+    argv = ["generate", "What is the capital of France?", "--device", "cpu", "--max-tokens", "12"]
+    assert cli.main(argv + ["--tensor-parallel", "3"]) == 0
+    out, err = capfd.readouterr()
+    assert "Paris" in out and "tokens/s" in err
+    assert cli.main(argv + ["--tensor-parallel", "2"]) == 2
+    assert "num_heads=9" in capfd.readouterr().err
+    assert cli.main(argv + ["--tensor-parallel", "2", "--quantization", "w8a16"]) == 2
+    assert "--quantization" in capfd.readouterr().err

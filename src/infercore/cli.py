@@ -76,8 +76,9 @@ def _print_stream(engine, args: argparse.Namespace, params) -> None:
 
 
 def _generate_tp(args: argparse.Namespace, params) -> int:
-    """``generate --tensor-parallel N``: N processes (gloo on the CPU, NCCL on GPUs 0..N-1), each loading the
-    model and keeping its shard; every rank runs the same engine calls and rank 0 prints."""
+    """``--tensor-parallel N``: N processes (gloo on the CPU, NCCL on GPUs 0..N-1), each loading the model and
+    keeping its shard. ``generate``: every rank runs the same engine calls and rank 0 prints. ``serve``: rank 0
+    serves through a :class:`~infercore.parallel.MirroredEngine`; the other ranks replay its calls."""
     import os
     import tempfile
 
@@ -98,6 +99,7 @@ def _generate_tp(args: argparse.Namespace, params) -> int:
 
 
 def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
+    import datetime
     import os
 
     import torch
@@ -108,7 +110,7 @@ def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
     from .engine.engine import _parse_dtype
     from .loading import default_model_path
     from .models import load_model
-    from .parallel import tensor_parallel_
+    from .parallel import MirroredEngine, follow, tensor_parallel_
 
     n = args.tensor_parallel
     device = torch.device(args.device) if args.device else default_device()
@@ -117,14 +119,25 @@ def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
         device = torch.device("cuda", rank)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init, rank=rank, world_size=n)
+    # a server's followers wait in a broadcast for as long as it is idle
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init, rank=rank, world_size=n,
+                            timeout=datetime.timedelta(days=365))
     try:
         dtype = _parse_dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
         model, tok, _ = load_model(args.model or default_model_path(), dtype=dtype, device=device)
         tensor_parallel_(model)
         engine = Engine(model, tok, kv_cache_dtype=args.kv_cache_dtype,
                         num_speculative_tokens=args.num_speculative_tokens)
-        if rank == 0:
+        if args.cmd == "serve":
+            if rank:
+                follow(engine)
+            else:
+                mirrored = MirroredEngine(engine)
+                try:
+                    _run_server(mirrored, args)
+                finally:
+                    mirrored.close()
+        elif rank == 0:
             _print_stream(engine, args, params)
         else:
             for _ in engine.stream(args.prompt, params, chat=not args.no_chat):
@@ -134,24 +147,33 @@ def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from .engine import Engine
-    from .loading import default_model_path
-    from .serve import make_server
 
     if not 0 <= args.port <= 65535:  # before the (slow) load
         print(f"infercore: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2
     try:
+        if args.tensor_parallel != 1:
+            return _generate_tp(args, None)
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                         num_speculative_tokens=args.num_speculative_tokens)
-        name = args.served_model_name or Path(args.model or default_model_path()).name
-        server = make_server(engine, host=args.host, port=args.port, model_name=name, verbose=args.verbose)
+        _run_server(engine, args)
     except (OSError, ValueError, TypeError, ImportError) as e:
         print(f"infercore: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _run_server(engine, args: argparse.Namespace) -> None:
+    """Serve ``engine`` (an Engine or rank 0's MirroredEngine) until interrupted."""
+    from pathlib import Path
+
+    from .loading import default_model_path
+    from .serve import make_server
+
+    name = args.served_model_name or Path(args.model or default_model_path()).name
+    server = make_server(engine, host=args.host, port=args.port, model_name=name, verbose=args.verbose)
     host, port = server.server_address[:2]
     print(f"infercore: serving {name} on http://{host}:{port}/v1 ({engine.device}, {engine.dtype})", file=sys.stderr)
     try:
@@ -161,7 +183,6 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         server.server_close()
         server.loop.close()
-    return 0
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -203,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
                             "bfloat16, which the packed CPU kernels take (default: dense weights)")
         q.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
                        help="KV cache storage: auto (the model's dtype), int8 or fp8 with per-token scales")
+        q.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                       help="shard the model over N processes (gloo on the CPU, NCCL on GPUs 0..N-1); N must "
+                            "divide the heads, KV heads, MLP width and vocabulary (default 1)")
         q.add_argument("--num-speculative-tokens", default=0, type=int, metavar="K",
                        help="speculative decoding by prompt lookup: draft up to K tokens from n-grams of the "
                             "request's own text, verified in one forward (default 0: off)")
@@ -220,9 +244,6 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, without the chat template")
-    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                   help="shard the model over N processes (gloo on the CPU, NCCL on GPUs 0..N-1); N must divide "
-                        "the heads, KV heads, MLP width and vocabulary (default 1)")
     g.set_defaults(fn=_generate)
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     model_args(v)

@@ -141,3 +141,102 @@ def test_cli_generate_over_three_ranks(capfd):
     assert "num_heads=9" in capfd.readouterr().err
     assert cli.main(argv + ["--tensor-parallel", "2", "--quantization", "w8a16"]) == 2
     assert "--quantization" in capfd.readouterr().err
+
+
+def _serve_worker(rank: int, init: str, world: int, want: str) -> None:
+    import http.client
+    import json
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from infercore import Engine
+    from infercore.loading import default_model_path
+    from infercore.models import load_model
+    from infercore.parallel import MirroredEngine, follow, tensor_parallel_
+    from infercore.serve import make_server
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        model, tok, _ = load_model(default_model_path(), dtype=torch.float32, device="cpu")
+        engine = Engine(tensor_parallel_(model), tok, page_size=16, num_pages=128, enable_prefix_caching=False)
+        if rank:
+            with pytest.raises(ValueError, match="follows"):
+                MirroredEngine(engine)
+            assert follow(engine) > 0
+            return
+        server = make_server(MirroredEngine(engine), port=0)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+
+        def ask(text):
+            conn = http.client.HTTPConnection(*server.server_address[:2], timeout=300)
+            body = {"messages": [{"role": "user", "content": text}], "max_tokens": 12, "temperature": 0}
+            conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                         headers={"Content-Type": "application/json"})
+            reply = json.loads(conn.getresponse().read())
+            conn.close()
+            return reply["choices"][0]["message"]["content"]
+
+        try:
+            with ThreadPoolExecutor(3) as pool:  # concurrent clients: their requests batch in mirrored steps
+                answers = list(pool.map(ask, ["What is the capital of France?"] * 3))
+            assert answers == [want] * 3
+        finally:
+            server.shutdown()
+            server.server_close()
+            server.loop.close()
+            server.loop.engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_serve_over_three_ranks(tmp_path):
+    """``make_server`` over rank 0's MirroredEngine of a three-way sharded SmolLM2: the other ranks replay its calls
+    (``follow``) and concurrent chat requests get the unsharded engine's answer."""
+    from infercore import Engine, SamplingParams
+    from infercore.parallel import MirroredEngine
+
+    plain = Engine.from_pretrained(device="cpu", dtype=torch.float32, page_size=16, num_pages=64)
+    want = plain.generate(["What is the capital of France?"], SamplingParams(temperature=0, max_tokens=12),
+                          chat=True)[0].text
+    with pytest.raises(ValueError, match="not sharded"):
+        MirroredEngine(plain)
+    mp.spawn(_serve_worker, args=(f"file://{tmp_path}/rdzv", 3, want), nprocs=3, join=True)
+
+
+def _cli_serve_worker(rank: int, init: str) -> None:
+    import argparse
+    import types
+
+    import infercore.serve as serve
+    from infercore import SamplingParams, cli
+
+    class FakeServer:  # drives rank 0's engine as the HTTP handlers would, then stops like a ^C
+        server_address = ("127.0.0.1", 0)
+
+        def __init__(self, engine):
+            self.engine, self.loop = engine, types.SimpleNamespace(close=lambda: None)
+
+        def serve_forever(self):
+            self.engine.add_request("What is the capital of France?", SamplingParams(temperature=0, max_tokens=8),
+                                    chat=True)
+            text = ""
+            while self.engine.has_unfinished():
+                text = next((o.text for o in self.engine.step()), text)
+            assert "Paris" in text, text
+            raise KeyboardInterrupt
+
+        def server_close(self):
+            pass
+
+    serve.make_server = lambda engine, **kw: FakeServer(engine)
+    args = argparse.Namespace(cmd="serve", tensor_parallel=3, device="cpu", dtype=None, model=None,
+                              kv_cache_dtype="auto", num_speculative_tokens=0, served_model_name="m", host="127.0.0.1",
+                              port=0, verbose=False)
+    cli._tp_rank(rank, args, None, init)  # the followers return once rank 0 stops serving
+
+
+def test_cli_serve_ranks(tmp_path):
+    """``infercore serve --tensor-parallel 3``'s ranks: rank 0 serves through a MirroredEngine, the others follow
+    it and exit when it stops."""
+    mp.spawn(_cli_serve_worker, args=(f"file://{tmp_path}/rdzv",), nprocs=3, join=True)

@@ -18,6 +18,18 @@ from infercore.engine.speculative import propose_ngram
 LOOPY = [[5, 6, 7, 8, 9] * 3, [1, 2, 3, 4] * 2 + [1, 2], [40, 41, 40, 41, 40, 42, 40, 41]]
 
 
+@pytest.fixture(scope="module")
+def gemma3():
+    """A tiny Gemma-3 (5 sliding : 1 global layers): the hybrid layout by default, the dense one on request."""
+    from infercore.models import Gemma3Config, build_model
+
+    cfg = Gemma3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=6, num_heads=2, num_kv_heads=1,
+                       head_dim=16, sliding_window=8, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                       max_position_embeddings=512, query_pre_attn_scalar=16.0)
+    torch.manual_seed(0)
+    return build_model(cfg, dtype=torch.float32, device="cpu")
+
+
 def _prompts(n_random: int = 3, seed: int = 4) -> list[list[int]]:
     return LOOPY + random_prompts(n_random, seed=seed)
 
@@ -216,14 +228,8 @@ def test_config_errors(llama_pair):
     assert not Engine(model, page_size=4, num_pages=64, num_speculative_tokens=2).async_scheduling
 
 
-def test_hybrid_layout_is_refused():
-    from infercore.models import Gemma3Config, build_model
-
-    cfg = Gemma3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=6, num_heads=2, num_kv_heads=1,
-                       head_dim=16, sliding_window=8, layer_types=["sliding_attention"] * 5 + ["full_attention"],
-                       max_position_embeddings=512, query_pre_attn_scalar=16.0)
-    torch.manual_seed(0)
-    model = build_model(cfg, dtype=torch.float32, device="cpu")
+def test_hybrid_layout_is_refused(gemma3):
+    model = gemma3
     with pytest.raises(ValueError, match="dense KV layout"):
         Engine(model, page_size=4, num_pages=64, num_speculative_tokens=2)
     # over the dense layout the model speculates, and keeps its tokens
@@ -278,15 +284,9 @@ def test_shared_seqs_reaches_the_decode_implementation(monkeypatch):
     assert fn is fake and extra == {"shared_seqs": True}
 
 
-def test_gemma3_dense_graph_rows():
+def test_gemma3_dense_graph_rows(gemma3):
     """Gemma-3 (sliding and global layers, softcap-free) over the dense layout, drafts verified as graph rows."""
-    from infercore.models import Gemma3Config, build_model
-
-    cfg = Gemma3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=6, num_heads=2, num_kv_heads=1,
-                       head_dim=16, sliding_window=8, layer_types=["sliding_attention"] * 5 + ["full_attention"],
-                       max_position_embeddings=512, query_pre_attn_scalar=16.0)
-    torch.manual_seed(0)
-    model = build_model(cfg, dtype=torch.float32, device="cpu")
+    model = gemma3
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = Engine(model, page_size=4, num_pages=128, kv_layout="dense").generate(LOOPY, sp)
     eng = Engine(model, page_size=4, num_pages=128, kv_layout="dense", num_speculative_tokens=3)

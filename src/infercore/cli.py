@@ -41,7 +41,7 @@ def _generate(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         if args.tensor_parallel != 1:
-            return _generate_tp(args, params)
+            return _spawn_tp(args, params)
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                         num_speculative_tokens=args.num_speculative_tokens)
@@ -75,7 +75,7 @@ def _print_stream(engine, args: argparse.Namespace, params) -> None:
     )
 
 
-def _generate_tp(args: argparse.Namespace, params) -> int:
+def _spawn_tp(args: argparse.Namespace, params) -> int:
     """``--tensor-parallel N``: N processes (gloo on the CPU, NCCL on GPUs 0..N-1), each loading the model and
     keeping its shard. ``generate``: every rank runs the same engine calls and rank 0 prints. ``serve``: rank 0
     serves through a :class:`~infercore.parallel.MirroredEngine`; the other ranks replay its calls."""
@@ -87,8 +87,13 @@ def _generate_tp(args: argparse.Namespace, params) -> int:
     n = args.tensor_parallel
     if n < 1:
         raise ValueError(f"--tensor-parallel must be >= 1, got {n}")
-    if args.quantization is not None:
-        raise ValueError("--tensor-parallel: quantized models are not sharded; drop --quantization")
+    if args.quantization == "gguf":
+        raise ValueError("--tensor-parallel: a GGUF file's blocks run as stored are not sharded; use a scheme of "
+                         "infercore.quant.SCHEMES, or no --quantization")
+    if args.quantization is not None:  # refuse a bad scheme before the ranks load anything
+        from .engine.engine import _check_quantization
+
+        _check_quantization(args.quantization, args.model or "")
     with tempfile.TemporaryDirectory() as d:
         try:
             mp.spawn(_tp_rank, args=(args, params, f"file://{os.path.join(d, 'rdzv')}"), nprocs=n, join=True)
@@ -107,7 +112,7 @@ def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
 
     from .devices import default_device
     from .engine import Engine
-    from .engine.engine import _parse_dtype
+    from .engine.engine import _parse_dtype, default_dtype
     from .loading import default_model_path
     from .models import load_model
     from .parallel import MirroredEngine, follow, tensor_parallel_
@@ -123,9 +128,14 @@ def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init, rank=rank, world_size=n,
                             timeout=datetime.timedelta(days=365))
     try:
-        dtype = _parse_dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        quantized = args.quantization is not None
+        dtype = _parse_dtype(args.dtype) if args.dtype else default_dtype(device, quantized=quantized)
         model, tok, _ = load_model(args.model or default_model_path(), dtype=dtype, device=device)
         tensor_parallel_(model)
+        if quantized:  # each rank quantizes its shards
+            from .quant import quantize
+
+            quantize(model, args.quantization)
         engine = Engine(model, tok, kv_cache_dtype=args.kv_cache_dtype,
                         num_speculative_tokens=args.num_speculative_tokens)
         if args.cmd == "serve":
@@ -154,7 +164,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.tensor_parallel != 1:
-            return _generate_tp(args, None)
+            return _spawn_tp(args, None)
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                         num_speculative_tokens=args.num_speculative_tokens)

@@ -26,13 +26,9 @@ def _worker(rank: int, init: str, kind: str) -> None:
         hf = tiny_hf(kind, attention_bias=kind == "llama", num_key_value_heads=2)  # biases: sharded / rank 0's
         ref = ours_from_hf(hf)
         model = tensor_parallel_(ours_from_hf(hf))
-        assert model.model.layers[0].self_attn.num_kv_heads == 1 and model.lm_head.weight.shape[0] == 48
+        assert model.model.layers[0].self_attn.num_kv_heads == 1 and model.lm_head.linear.weight.shape[0] == 48
         with pytest.raises(ValueError, match="already sharded"):
             tensor_parallel_(model)
-        from infercore.quant import quantize
-
-        with pytest.raises(ValueError, match="tensor-parallel"):
-            quantize(model, "w8a16")
         prompts = random_prompts(4, seed=3) + [[5, 6, 7, 8, 9] * 3]
         greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
@@ -52,8 +48,19 @@ def _worker(rank: int, init: str, kind: str) -> None:
         assert all(o == outs for o in everyone)
         # every rank runs every step: the collectives are in the forward
         got = eng.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
+        # quantized after sharding: each rank quantizes its shards, the wrappers keep their collectives
+        from infercore.quant import quantize
+
+        qmodel = tensor_parallel_(ours_from_hf(hf))
+        quantize(qmodel, "w8a16")
+        assert type(qmodel.model.layers[0].self_attn.o_proj.linear).__name__ == "QuantLinear"
+        qgot = Engine(qmodel, page_size=4, num_pages=64).generate(
+            [prompts[0]], SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0]
         if rank == 0:
             assert outs["greedy"] == [hf_greedy(hf, p, 16) for p in prompts] == outs["spec"]
+            for t, v in got.logprobs[0].items():  # INT8 weights: within 0.05 of the dense log-probabilities
+                assert qgot.logprobs[0].get(t, v) == pytest.approx(v, abs=0.05)
+            assert qgot.token_ids == got.token_ids
             plain = Engine(ref, page_size=4, num_pages=128)
             assert outs["seeded"] == [o.token_ids for o in plain.generate(prompts, seeded)]
             # the log-probabilities of the first token (the gathered vocabulary slices) equal transformers'
@@ -129,8 +136,9 @@ def test_real_smollm2_over_three_ranks(tmp_path):
 
 
 def test_cli_generate_over_three_ranks(capfd):
-    """``infercore generate --tensor-parallel 3`` on the real SmolLM2 weights: rank 0 prints the answer; a group
-    size that does not divide the heads fails with the rank's message and exit code 2."""
+    """``infercore generate --tensor-parallel 3`` on the real SmolLM2 weights, dense and quantized (W8A16): rank 0
+    prints the answer; a group size that does not divide the heads fails with the rank's message and exit code 2,
+    and a GGUF file's blocks are not sharded."""
     from infercore import cli
 
     argv = ["generate", "What is the capital of France?", "--device", "cpu", "--max-tokens", "12"]
@@ -139,8 +147,10 @@ def test_cli_generate_over_three_ranks(capfd):
     assert "Paris" in out and "tokens/s" in err
     assert cli.main(argv + ["--tensor-parallel", "2"]) == 2
     assert "num_heads=9" in capfd.readouterr().err
-    assert cli.main(argv + ["--tensor-parallel", "2", "--quantization", "w8a16"]) == 2
-    assert "--quantization" in capfd.readouterr().err
+    assert cli.main(argv + ["--tensor-parallel", "3", "--quantization", "gguf"]) == 2
+    assert "GGUF" in capfd.readouterr().err
+    assert cli.main(argv + ["--tensor-parallel", "3", "--quantization", "w8a16"]) == 0  # each rank its shards
+    assert "Paris" in capfd.readouterr().out
 
 
 def _serve_worker(rank: int, init: str, world: int, want: str) -> None:
@@ -230,7 +240,7 @@ def _cli_serve_worker(rank: int, init: str) -> None:
             pass
 
     serve.make_server = lambda engine, **kw: FakeServer(engine)
-    args = argparse.Namespace(cmd="serve", tensor_parallel=3, device="cpu", dtype=None, model=None,
+    args = argparse.Namespace(cmd="serve", tensor_parallel=3, device="cpu", dtype=None, model=None, quantization=None,
                               kv_cache_dtype="auto", num_speculative_tokens=0, served_model_name="m", host="127.0.0.1",
                               port=0, verbose=False)
     cli._tp_rank(rank, args, None, init)  # the followers return once rank 0 stops serving

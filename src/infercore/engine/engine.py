@@ -314,9 +314,8 @@ class Engine:
         if prequantized is not None and quantization is not None:
             raise ValueError(f"quantization: {str(path)!r} is a {prequantized.upper()} checkpoint, loaded as "
                              f"quantized; pass quantization=None")
-        if dtype is None:  # quantized linears run packed kernels on bf16 activations, also on the CPU
-            quantized = quantization is not None or prequantized is not None
-            dtype = torch.bfloat16 if device.type == "cuda" or quantized else torch.float32
+        if dtype is None:
+            dtype = default_dtype(device, quantized=quantization is not None or prequantized is not None)
         model, tokenizer, _ = load_model(path, dtype=dtype, device=device)
         if quantization == "gguf":
             from ..quant.gguf_native import use_gguf_blocks
@@ -795,6 +794,12 @@ def _config_eos(cfg) -> set[int]:
     if eos is None:
         return set()
     return set(eos) if isinstance(eos, (list, tuple, set)) else {int(eos)}
+
+
+def default_dtype(device: torch.device, *, quantized: bool) -> torch.dtype:
+    """The model dtype ``Engine.from_pretrained`` picks: bf16 on CUDA, and on the CPU for quantized linears
+    (their packed kernels run on bf16 activations); fp32 otherwise."""
+    return torch.bfloat16 if device.type == "cuda" or quantized else torch.float32
 
 
 def _parse_dtype(name: str) -> torch.dtype:

@@ -3,6 +3,6 @@
 :func:`follow`)."""
 
 from .spmd import MirroredEngine, follow
-from .tensor import group_min, shared_seed, tensor_parallel_
+from .tensor import RowParallel, VocabParallel, group_min, shared_seed, tensor_parallel_
 
-__all__ = ["MirroredEngine", "follow", "group_min", "shared_seed", "tensor_parallel_"]
+__all__ = ["MirroredEngine", "RowParallel", "VocabParallel", "follow", "group_min", "shared_seed", "tensor_parallel_"]

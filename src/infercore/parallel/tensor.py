@@ -4,13 +4,15 @@ Each rank of a process group keeps a slice of every layer and the same replicate
 
 - ``qkv_proj`` (column-parallel): the rank's query heads, then its KV heads (``num_heads / tp`` and
   ``num_kv_heads / tp``), so attention and the paged KV cache of each rank hold only its heads;
-- ``o_proj`` and ``down_proj`` (row-parallel): the matching input columns; their outputs are summed over the
-  group (``all_reduce``, a forward hook, so it survives the device layouts' class swaps); a bias is added by
-  rank 0 only;
+- ``o_proj`` and ``down_proj`` (row-parallel): the matching input columns, wrapped in :class:`RowParallel`,
+  which sums the outputs over the group (``all_reduce``); a bias is added by rank 0 only;
 - ``gate_up_proj`` (column-parallel): the rank's slice of the gate rows and the same slice of the up rows;
-- ``lm_head`` (vocabulary-parallel): a slice of the vocabulary; the logits are gathered over the group
-  (``all_gather``), so every rank samples from the whole distribution;
+- ``lm_head`` (vocabulary-parallel): a slice of the vocabulary, wrapped in :class:`VocabParallel`, which gathers
+  the logits over the group (``all_gather``), so every rank samples from the whole distribution;
 - embeddings and norms: replicated.
+
+The shards stay ``nn.Linear`` modules inside the wrappers, so the device layouts' class swaps and
+:func:`~infercore.quant.quantize` (per shard) apply to them as to an unsharded model.
 
 Every rank then runs the same :class:`~infercore.Engine` loop on the same requests (SPMD): the scheduler is
 deterministic, the collectives give every rank the same activations, and the engine draws the seeds of unseeded
@@ -41,19 +43,34 @@ def _set(mod: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> Non
     mod.out_features, mod.in_features = weight.shape
 
 
-def _all_reduce_hook(group):
-    def hook(mod, args, out):
-        dist.all_reduce(out, group=group)
-        return out
-    return hook
+class RowParallel(nn.Module):
+    """This rank's input columns of a row-parallel projection. ``linear`` maps ``[..., K / tp]`` to ``[..., N]``
+    (an ``nn.Linear`` or what a layout or quantization made of it); the output ``[..., N]`` is summed over
+    ``group`` in place."""
+
+    def __init__(self, linear: nn.Module, group) -> None:
+        super().__init__()
+        self.linear, self.group = linear, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        dist.all_reduce(y, group=self.group)
+        return y
 
 
-def _all_gather_hook(group, world: int):
-    def hook(mod, args, out):
-        parts = [torch.empty_like(out) for _ in range(world)]
-        dist.all_gather(parts, out.contiguous(), group=group)
+class VocabParallel(nn.Module):
+    """This rank's slice of the vocabulary: ``linear`` maps ``[..., H]`` to ``[..., V / tp]``; the logits
+    ``[..., V]`` are the group's slices gathered in rank order."""
+
+    def __init__(self, linear: nn.Module, group, world: int) -> None:
+        super().__init__()
+        self.linear, self.group, self.world = linear, group, world
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x).contiguous()
+        parts = [torch.empty_like(y) for _ in range(self.world)]
+        dist.all_gather(parts, y, group=self.group)
         return torch.cat(parts, dim=-1)
-    return hook
 
 
 @torch.no_grad()
@@ -65,7 +82,7 @@ def tensor_parallel_(model: nn.Module, group=None) -> nn.Module:
     Returns the model, with ``model.tp_group`` (``group``), ``tp_size`` and ``tp_rank`` set.
 
     Raises:
-        TypeError: ``model`` is not a dense Llama-family model, or is quantized.
+        TypeError: ``model`` is not a dense Llama-family model, or is quantized (quantize after sharding).
         ValueError: ``torch.distributed`` is not initialized, or the group size does not divide the number of
             query heads, KV heads, the MLP width or the vocabulary (each named).
     """
@@ -86,7 +103,8 @@ def tensor_parallel_(model: nn.Module, group=None) -> nn.Module:
             raise TypeError(f"tensor_parallel_: shard the model before any layout or quantization swap "
                             f"(found {type(mod).__name__})")
         if not isinstance(mod, nn.Linear) and hasattr(mod, "qweight_format"):
-            raise TypeError("tensor_parallel_: quantized linears are not sharded; shard the dense model first")
+            raise TypeError("tensor_parallel_: quantized linears are not sharded; shard the dense model, then "
+                            "quantize it")
     d = cfg.head_dim
     hq, hk, inter = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.intermediate_size // tp
     q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -101,18 +119,18 @@ def tensor_parallel_(model: nn.Module, group=None) -> nn.Module:
         attn.q_size, attn.kv_size = hq * d, hk * d
         p = attn.o_proj
         _set(p, p.weight[:, rank * hq * d : (rank + 1) * hq * d].contiguous(), p.bias if rank == 0 else None)
-        p.register_forward_hook(_all_reduce_hook(group))
+        attn.o_proj = RowParallel(p, group)
         gu = [(rank * inter, (rank + 1) * inter), (cfg.intermediate_size + rank * inter,
                                                    cfg.intermediate_size + (rank + 1) * inter)]
         p = mlp.gate_up_proj
         _set(p, _slice_rows(p.weight, gu), None if p.bias is None else _slice_rows(p.bias, gu))
         p = mlp.down_proj
         _set(p, p.weight[:, rank * inter : (rank + 1) * inter].contiguous(), p.bias if rank == 0 else None)
-        p.register_forward_hook(_all_reduce_hook(group))
+        mlp.down_proj = RowParallel(p, group)
     v = cfg.vocab_size // tp
     head = model.lm_head  # tied to the embedding or not, the slice is a new tensor: the embedding stays whole
     _set(head, head.weight[rank * v : (rank + 1) * v].clone(), None)
-    head.register_forward_hook(_all_gather_hook(group, tp))
+    model.lm_head = VocabParallel(head, group, tp)
     model.tp_group = group
     model.tp_size, model.tp_rank = tp, rank
     return model

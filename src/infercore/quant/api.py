@@ -298,9 +298,6 @@ def quantize(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-    if getattr(model, "tp_size", 1) > 1:  # the swapped linears would drop the shards' all-reduce hooks
-        raise ValueError("model: a tensor-parallel model (parallel.tensor_parallel_) is not quantized; "
-                         "quantization of sharded models is not supported")
     s = _resolve(scheme)
     if method is not None:
         s = dataclasses.replace(s, method=method)  # QuantScheme validates the override

@@ -255,7 +255,7 @@ class Engine:
                 max_batch=min(config.cuda_graph_max_batch, rows),
                 max_model_len=self.max_model_len,
                 page_size=config.page_size,
-                **({"draft_rows": True} if config.num_speculative_tokens else {}),
+                draft_rows=bool(config.num_speculative_tokens),
             )
             self.graph_runner.capture()
         if config.gc_freeze if config.gc_freeze is not None else self.device.type == "cuda":

@@ -22,7 +22,7 @@ from ..devices import resolve
 from ..models.hybrid import HybridMetadata, LinearStateMetadata
 from ..ops import AttentionMetadata, SamplingTensors, sample
 from .request import Request
-from .runner import Gather, ModelRunner, positions_within, sampling_logits
+from .runner import Gather, ModelRunner, expand_drafts, positions_within, sampling_logits
 from .scheduler import ScheduledBatch
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -214,7 +214,7 @@ class CUDAGraphRunner:
         self.graphs[b].replay()
         reqs = batch.requests
         if self._ahead is not None:  # a request's rows in order, as ModelRunner.launch returns them
-            reqs = [r for r in reqs for _ in range(1 + len(r.spec_token_ids))]
+            reqs = expand_drafts(reqs)[0]
         self.last_logits = self.logits[b][:n]
         if self.graph_samples and not self._penalized:
             return reqs, self.tokens[b][:n]
@@ -259,7 +259,9 @@ class HybridCUDAGraphRunner(CUDAGraphRunner):
     """
 
     def __init__(self, runner, *, max_batch: int, max_model_len: int, page_size: int,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, draft_rows: bool = False) -> None:
+        if draft_rows:  # the Engine refuses speculative decoding on hybrid layouts first
+            raise ValueError("draft_rows: recurrent states cannot take back rejected draft tokens")
         self.token_groups = list(runner.token_groups)
         self.linear_groups = list(runner.linear_groups)
         # the layout's token page (uniform mode sizes it to a recurrent state: not the config's page)

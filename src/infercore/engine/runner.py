@@ -37,6 +37,13 @@ def sampling_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return model.compute_logits(hidden)
 
 
+def expand_drafts(reqs: list[Request]) -> tuple[list[Request], np.ndarray]:
+    """Each request once per position it samples at (``1 + len(spec_token_ids)``, in order), and those counts
+    (int64 ``[len(reqs)]``)."""
+    counts = np.array([1 + len(r.spec_token_ids) for r in reqs], dtype=np.int64)
+    return [r for r, c in zip(reqs, counts.tolist()) for _ in range(c)], counts
+
+
 def positions_within(counts: np.ndarray) -> np.ndarray:
     """``[0, 1, .., counts[0] - 1, 0, 1, ..]``: each row's place in its request's run of ``counts`` rows (int64).
     With speculative decoding a request samples at its ``1 + len(draft)`` positions; row ``j`` of the run
@@ -246,8 +253,7 @@ class ModelRunner:
         rows = np.asarray(rows, dtype=np.int64)
         if not rows.size:
             return [], None
-        reqs = [batch.requests[i] for i in rows.tolist()]
-        counts = np.array([len(r.spec_token_ids) + 1 for r in reqs], dtype=np.int64)
+        reqs, counts = expand_drafts([batch.requests[i] for i in rows.tolist()])
         if counts.max() == 1:
             last = meta.cu_seqlens_q[1:][torch.from_numpy(rows).to(self.device)] - 1
             logits = sampling_logits(self.model, hidden[last.long()])
@@ -259,7 +265,6 @@ class ModelRunner:
         ahead = positions_within(counts)
         idx = np.repeat(ends - counts, counts) + ahead
         logits = sampling_logits(self.model, hidden[torch.from_numpy(idx).to(self.device)])
-        reqs = [r for r, c in zip(reqs, counts.tolist()) for _ in range(c)]
         self.last_logits = logits
         return reqs, self.sample_tokens(reqs, logits, ahead=ahead)
 

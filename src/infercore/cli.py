@@ -152,6 +152,7 @@ def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
         else:
             for _ in engine.stream(args.prompt, params, chat=not args.no_chat):
                 pass
+        dist.barrier()  # leave together: no rank exits while another still works
     finally:
         dist.destroy_process_group()
 

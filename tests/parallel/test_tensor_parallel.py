@@ -14,6 +14,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engine"))
 WORLD = 2
 
 
+def _leave() -> None:
+    """Leave the group together: a rank that exits while another still works has aborted (SIGABRT, in a loaded
+    CI run). On an error the ranks are not waited for (they may never arrive)."""
+    if sys.exc_info()[0] is None:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def _worker(rank: int, init: str, kind: str) -> None:
     from engine_helpers import hf_greedy, ours_from_hf, random_prompts, tiny_hf
 
@@ -70,7 +78,7 @@ def _worker(rank: int, init: str, kind: str) -> None:
             for t, v in zip(top.indices.tolist(), top.values.tolist()):
                 assert got.logprobs[0][t] == pytest.approx(v, abs=1e-4)
     finally:
-        dist.destroy_process_group()
+        _leave()
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -90,7 +98,7 @@ def _errors_worker(rank: int, init: str) -> None:
         with pytest.raises(ValueError, match="vocab_size=95"):
             tensor_parallel_(ours_from_hf(tiny_hf("llama", vocab_size=95)))
     finally:
-        dist.destroy_process_group()
+        _leave()
 
 
 def test_errors(tmp_path):
@@ -121,7 +129,7 @@ def _smollm2_worker(rank: int, init: str, world: int, prompt: str, want: list[in
                            chat=True)[0]
         assert out.token_ids == want, (rank, out.text)
     finally:
-        dist.destroy_process_group()
+        _leave()
 
 
 def test_real_smollm2_over_three_ranks(tmp_path):
@@ -197,7 +205,7 @@ def _serve_worker(rank: int, init: str, world: int, want: str) -> None:
             server.loop.close()
             server.loop.engine.close()
     finally:
-        dist.destroy_process_group()
+        _leave()
 
 
 def test_serve_over_three_ranks(tmp_path):

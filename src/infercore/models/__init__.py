@@ -19,6 +19,7 @@ from .config import SUPPORTED_MODEL_TYPES, ModelConfig
 from .gemma3 import Gemma3Config, Gemma3ForCausalLM
 from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, RMSNorm
 from .mamba2 import BambaForCausalLM, Mamba2Config, Mamba2ForCausalLM
+from .moe_llama import MOE_FAMILIES, MoeLlamaForCausalLM, MoeModelConfig
 from .qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 
 __all__ = [
@@ -34,6 +35,8 @@ __all__ = [
     "Mamba2ForCausalLM",
     "MistralForCausalLM",
     "ModelConfig",
+    "MoeLlamaForCausalLM",
+    "MoeModelConfig",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "build_model",
@@ -67,6 +70,8 @@ register_model("gemma3_text", Gemma3ForCausalLM, architectures=("Gemma3ForCausal
                hf_model_types=("gemma3",))
 register_model("qwen3_next", Qwen3NextForCausalLM, architectures=("Qwen3NextForCausalLM",),
                config_class=Qwen3NextConfig)
+for _mt, (_, _arch) in MOE_FAMILIES.items():
+    register_model(_mt, MoeLlamaForCausalLM, architectures=(_arch,), config_class=MoeModelConfig)
 register_model("mamba2", Mamba2ForCausalLM, architectures=("Mamba2ForCausalLM",), config_class=Mamba2Config)
 register_model("bamba", BambaForCausalLM, architectures=("BambaForCausalLM",), config_class=Mamba2Config)
 

@@ -128,7 +128,11 @@ def load_hf_weights(
             raise ValueError(f"load_weights: tensor {hf_name!r} given twice")
         seen.add(hf_name)
         name, index = r
-        target = params[name].data if index is None else params[name].data[index]
+        try:
+            target = params[name].data if index is None else params[name].data[index]
+        except IndexError:  # e.g. an expert id past the model's expert count
+            raise ValueError(f"load_weights: unexpected tensor {hf_name!r} for {arch} (index {index} out of range "
+                             f"for {name} {tuple(params[name].shape)})") from None
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(
                 f"load_weights: tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"

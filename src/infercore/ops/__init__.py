@@ -14,6 +14,7 @@ from .attention import (
     paged_attention_prefill,
     rope_write_decode_attention,
 )
+from .attention.scores import attention_with_key_scores, select_kv_tokens
 from .conv1d import causal_conv1d_prefill_, causal_conv1d_update_
 from .gated_delta import chunk_gated_delta_rule_, fused_recurrent_gated_delta_rule_
 from .gated_norm import gated_rms_norm
@@ -48,6 +49,7 @@ __all__ = [
     "apply_repetition_penalty",
     "apply_rope",
     "apply_top_k_top_p_min_p",
+    "attention_with_key_scores",
     "fused_add_rms_norm",
     "gelu_and_mul",
     "paged_attention",
@@ -59,6 +61,7 @@ __all__ = [
     "rope_cos_sin_cache",
     "rope_inv_freq",
     "sample",
+    "select_kv_tokens",
     "token_logprobs",
     "silu_and_mul",
     "skinny_linear",

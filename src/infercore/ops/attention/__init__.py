@@ -14,8 +14,10 @@ from ..kv_cache.quant import check_kv_scales
 from ..rope.fused import check_rope_write_args
 from .metadata import AttentionMetadata
 from .naive import paged_attention_decode_ref, paged_attention_prefill_ref
+from .scores import attention_with_key_scores, select_kv_tokens
 
-__all__ = ["AttentionMetadata", "paged_attention", "paged_attention_decode", "paged_attention_prefill", "split_decodes"]
+__all__ = ["AttentionMetadata", "attention_with_key_scores", "paged_attention", "paged_attention_decode",
+           "paged_attention_prefill", "select_kv_tokens", "split_decodes"]
 
 _I32 = (torch.int32,)
 

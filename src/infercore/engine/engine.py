@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..kv import BlockManager, allocate_kv_caches, bytes_per_page, resolve_kv_cache_dtype
+from ..kv import BlockManager, CPUKVTier, allocate_kv_caches, bytes_per_page, resolve_kv_cache_dtype
 from ..models.gpu_layout import use_triton_gemv_
 from ..models.layout import pack_linears_for_cpu_
 from ..ops import token_logprobs
@@ -122,6 +122,11 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    # Host memory (bytes) for a CPU tier under the prefix cache (0 = off; see kv/cpu_tier.py): a cached
+    # page about to be reused is first copied to host memory (pinned on CUDA), and prefix matching goes
+    # on into it, so a returning session's history is copied back instead of recomputed. Needs prefix
+    # caching and the dense KV layout; with tensor parallelism each rank keeps its own shard's pages.
+    cpu_kv_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -152,6 +157,15 @@ class EngineConfig:
         if self.num_speculative_tokens and self.async_scheduling:
             raise ValueError("EngineConfig.num_speculative_tokens: speculative decoding runs synchronous steps; "
                              "leave async_scheduling None or False")
+        if not is_int(self.cpu_kv_cache_bytes) or self.cpu_kv_cache_bytes < 0:
+            raise ValueError(f"EngineConfig.cpu_kv_cache_bytes must be an int >= 0 (0 = off), got "
+                             f"{self.cpu_kv_cache_bytes!r}")
+        if self.cpu_kv_cache_bytes and self.enable_prefix_caching is False:
+            raise ValueError("EngineConfig.cpu_kv_cache_bytes: the CPU tier keeps prefix-cache pages (found by "
+                             "content); it needs enable_prefix_caching=True")
+        if self.cpu_kv_cache_bytes and self.kv_layout not in (None, "dense"):
+            raise ValueError(f"EngineConfig.cpu_kv_cache_bytes: the CPU tier needs kv_layout='dense' (or None), "
+                             f"got kv_layout={self.kv_layout!r}")
         if not is_int(self.cuda_graph_max_batch) or self.cuda_graph_max_batch < 0:
             raise ValueError(
                 f"EngineConfig.cuda_graph_max_batch must be an int >= 0 (0 = eager), got {self.cuda_graph_max_batch!r}")
@@ -213,18 +227,27 @@ class Engine:
             raise ValueError(
                 f"EngineConfig.kv_cache_dtype={config.kv_cache_dtype!r} needs the dense KV layout; this model "
                 f"uses {self.kv_layout!r}")
+        if config.cpu_kv_cache_bytes and self.kv_layout != "dense":
+            raise ValueError(f"EngineConfig.cpu_kv_cache_bytes: the CPU tier needs the dense KV layout; this model "
+                             f"uses {self.kv_layout!r}")
+        self.cpu_tier: CPUKVTier | None = None
         chunk_boundary = None
         if self.kv_layout == "dense":
             num_pages = config.num_pages or self._pages_for_memory(specs)
-            if getattr(model, "tp_size", 1) > 1:  # the ranks schedule alike only with the same pool
+            tier_pages = self._cpu_tier_pages(specs)
+            if getattr(model, "tp_size", 1) > 1:  # the ranks schedule alike only with the same pool (and tier)
                 from ..parallel import group_min
 
                 num_pages = group_min(num_pages, model.tp_group)
-            self.block_manager = BlockManager(
-                num_pages, config.page_size, enable_prefix_caching=config.enable_prefix_caching
-            )
+                tier_pages = group_min(tier_pages, model.tp_group)
             kv = allocate_kv_caches(specs, num_pages, config.page_size, dtype=self.dtype, device=self.device,
                                     kv_cache_dtype=config.kv_cache_dtype)
+            if tier_pages:
+                self.cpu_tier = CPUKVTier(kv, tier_pages)
+            self.block_manager = BlockManager(
+                num_pages, config.page_size, enable_prefix_caching=config.enable_prefix_caching,
+                cpu_tier=self.cpu_tier,
+            )
             self.runner = ModelRunner(model, kv, self.block_manager, device=self.device)
         else:
             self.block_manager, kv, rows = build_hybrid_kv(
@@ -350,6 +373,16 @@ class Engine:
         if pages < 1:
             raise ValueError(f"KV cache budget of {budget} bytes holds no page of {per_page} bytes")
         return int(pages)
+
+    def _cpu_tier_pages(self, specs) -> int:
+        """Pages ``cpu_kv_cache_bytes`` holds (0 when off); a budget short of one page is an error."""
+        budget = self.config.cpu_kv_cache_bytes
+        if not budget:
+            return 0
+        per_page = bytes_per_page(specs, self.config.page_size, self.dtype, kv_cache_dtype=self.config.kv_cache_dtype)
+        if budget < per_page:
+            raise ValueError(f"EngineConfig.cpu_kv_cache_bytes={budget} holds no KV page of {per_page} bytes")
+        return budget // per_page
 
     # ------------------------------------------------------------------ requests
 
@@ -518,7 +551,12 @@ class Engine:
             ran = self.graph_runner
         else:
             ran = self.runner
+        tier = self.cpu_tier
+        if tier is not None:  # the forward waits (on the device) for the tier's copies of its pages
+            tier.before_forward()
         reqs, tokens = ran.launch(batch, gather)
+        if tier is not None:
+            tier.record_launch()
         computed = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n

@@ -25,7 +25,11 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # prompt tokens not computed at the first admission, because their KV was cached: on the device
+    # (num_gpu_cached_tokens) or loaded from the CPU tier (num_cpu_cached_tokens); the sum is num_cached_tokens
     num_cached_tokens: int = 0
+    num_gpu_cached_tokens: int = 0
+    num_cpu_cached_tokens: int = 0
     num_preemptions: int = 0
     # speculative decoding: draft tokens fed for verification, and how many of them were kept
     num_draft_tokens: int = 0

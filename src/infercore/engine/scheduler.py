@@ -1,4 +1,6 @@
-"""Continuous batching with chunked prefill, prefix-cache reuse and preemption by recompute.
+"""Continuous batching with chunked prefill, prefix-cache reuse and preemption by recompute (or, with a
+CPU tier under the prefix cache, by swap: the preempted request's full pages are copied out when reused
+and copied back when it is readmitted).
 
 Each step the scheduler hands out a token budget: running requests first (one token per decode,
 or the next chunk of an unfinished prefill), in arrival order; then waiting requests, whose
@@ -155,6 +157,10 @@ class Scheduler:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.perf_counter()
                 req.metrics.num_cached_tokens = cached
+                cpu_hit = getattr(self.bm, "cpu_hit_tokens", None)  # the dense manager's CPU tier
+                cpu = cpu_hit(req.request_id) if cpu_hit is not None else 0
+                req.metrics.num_cpu_cached_tokens = cpu
+                req.metrics.num_gpu_cached_tokens = cached - cpu
             self.running.append(req)
             batch.requests.append(req)
             batch.num_new_tokens.append(n)

@@ -14,22 +14,34 @@ never writes into a page someone else reads.
 
 All bookkeeping is plain Python (lists, dicts, deques); every call costs O(pages touched), not
 O(pool), because it runs on the host in every engine step.
+
+With a :class:`~infercore.kv.cpu_tier.CPUKVTier` attached (``cpu_tier``), an evictable cached page that is
+about to be reused is first copied to the tier under its chain key (*demotion*), and a prefix match
+continues past the pages cached on the device into the tier: each matched tier page gets a fresh device
+page, queued for a copy back, and is published in the device cache at once (the forward that reads it
+waits for the copy, see :meth:`CPUKVTier.before_forward`). Decisions depend only on this manager's state,
+so tensor-parallel ranks with the same calls make the same ones.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
 
 from .prefix_cache import ROOT_HASH, PrefixCacheStats, hash_page
+
+if TYPE_CHECKING:
+    from .cpu_tier import CPUKVTier
 
 
 class _Request:
     """Per-request state: its pages, and the chain keys of its leading full computed pages."""
 
-    __slots__ = ("block_table", "hashes", "num_computed")
+    __slots__ = ("block_table", "hashes", "num_computed", "cpu_hit")
 
-    def __init__(self, block_table: list[int], hashes: list[bytes], num_computed: int) -> None:
+    def __init__(self, block_table: list[int], hashes: list[bytes], num_computed: int, cpu_hit: int = 0) -> None:
+        self.cpu_hit = cpu_hit  # tokens of the admission's cache hit that came from the CPU tier
         self.block_table = block_table
         # hashes[i] is the chain key of page i; len(hashes) full pages have been hashed so far,
         # so mark_computed only hashes pages it has not seen.
@@ -54,16 +66,25 @@ class BlockManager:
         page_size: tokens per page. Token position ``p`` of a request lives in slot
             ``block_table[p // page_size] * page_size + p % page_size``.
         enable_prefix_caching: share computed full pages between requests with equal prefixes.
+        cpu_tier: a :class:`~infercore.kv.cpu_tier.CPUKVTier` over this pool's caches, or None; needs
+            prefix caching (its pages are found by chain key).
 
     Request ids are any hashable values. Running out of pages is not an error: ``allocate``
     returns None and ``grow`` returns False, without changing anything, so the scheduler can
     queue or preempt.
     """
 
-    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True,
+                 cpu_tier: CPUKVTier | None = None) -> None:
         self.num_pages = _check_count("num_pages", num_pages, minimum=1)
         self.page_size = _check_count("page_size", page_size, minimum=1)
         self.enable_prefix_caching = bool(enable_prefix_caching)
+        if cpu_tier is not None and not self.enable_prefix_caching:
+            raise ValueError("cpu_tier: the CPU tier keeps prefix-cache pages; it needs enable_prefix_caching=True")
+        self.cpu_tier = cpu_tier
+        # The tier's launch number when each page last lost its last reference (-1: never used): copies
+        # out of / into the page wait for that launch (see CPUKVTier).
+        self._stamp: list[int] = [-1] * num_pages
 
         self._ref: list[int] = [0] * num_pages
         self._free: deque[int] = deque(range(num_pages))
@@ -156,6 +177,11 @@ class BlockManager:
         _check_count("max_cached_tokens", max_cached_tokens, minimum=0)
         return len(self._lookup(token_ids, max_cached_tokens)[0]) * self.page_size
 
+    def cpu_hit_tokens(self, req_id: Hashable) -> int:
+        """Tokens of ``req_id``'s admission cache hit that were loaded from the CPU tier (a multiple of
+        ``page_size``; included in what :meth:`allocate` returned)."""
+        return self._get(req_id).cpu_hit
+
     # ------------------------------------------------------------------ mutations
 
     def allocate(
@@ -181,28 +207,48 @@ class BlockManager:
         _check_count("num_tokens", num_tokens, minimum=0)
         _check_count("max_cached_tokens", max_cached_tokens, minimum=0)
 
-        hit_pages, hit_hashes = self._lookup(token_ids, max_cached_tokens)
-        num_hit = len(hit_pages)
-        num_new = max(0, self.num_pages_for(num_tokens) - num_hit)
+        hits, hit_hashes = self._lookup(token_ids, max_cached_tokens)
+        num_hit = len(hits)
+        # Tier hits (negative entries: -1 - slot) need fresh device pages like uncached tokens do.
+        num_device = sum(1 for p in hits if p >= 0)
+        num_new = max(self.num_pages_for(num_tokens), num_hit) - num_device
         # Hit pages sitting in the evictable set are claimed by this request, so they must not be
         # counted as room for its new pages too.
-        hit_evictable = sum(1 for p in hit_pages if self._ref[p] == 0)
+        hit_evictable = sum(1 for p in hits if p >= 0 and self._ref[p] == 0)
         if num_new > self.num_free_pages - hit_evictable:
             return None
 
-        for p in hit_pages:
-            if self._ref[p] == 0:
-                del self._evictable[p]
-            self._ref[p] += 1
-        table = hit_pages
-        for _ in range(num_new):
+        for p in hits:
+            if p >= 0:
+                if self._ref[p] == 0:
+                    del self._evictable[p]
+                self._ref[p] += 1
+        tier = self.cpu_tier
+        slots = [-1 - p for p in hits if p < 0]
+        if slots:
+            tier.pin(slots)  # the demotions that taking pages causes must not reuse them
+        table: list[int] = []
+        for i, p in enumerate(hits):
+            if p < 0:
+                page = self._take_page()
+                tier.load(-1 - p, page, self._stamp[page])
+                self._publish(page, hit_hashes[i], tuple(token_ids[i * self.page_size : (i + 1) * self.page_size]))
+                p = page
+            table.append(p)
+        for _ in range(num_new - len(slots)):
             table.append(self._take_page())
+        if slots:
+            tier.unpin(slots)
+        if tier is not None:
+            tier.flush()
         cached = num_hit * self.page_size
-        self._requests[req_id] = _Request(table, hit_hashes, cached)
+        cpu_hit = len(slots) * self.page_size
+        self._requests[req_id] = _Request(table, hit_hashes, cached, cpu_hit)
         if self.enable_prefix_caching:
             self.stats.requests += 1
             self.stats.query_tokens += len(token_ids)
             self.stats.hit_tokens += cached
+            self.stats.cpu_hit_tokens += cpu_hit
         return cached
 
     def grow(self, req_id: Hashable, num_tokens: int) -> bool:
@@ -217,6 +263,8 @@ class BlockManager:
         table = req.block_table
         for _ in range(need):
             table.append(self._take_page())
+        if self.cpu_tier is not None:
+            self.cpu_tier.flush()
         return True
 
     def mark_computed(self, req_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
@@ -254,9 +302,7 @@ class BlockManager:
             hashes.append(parent)
             page = table[i]
             if parent not in self._cache and self._page_hash[page] is None:
-                self._cache[parent] = page
-                self._page_hash[page] = parent
-                self._page_tokens[page] = tokens
+                self._publish(page, parent, tokens)
 
     def free(self, req_id: Hashable) -> None:
         """Release ``req_id``'s pages: cached ones become evictable, the rest free."""
@@ -264,19 +310,23 @@ class BlockManager:
         if req is None:
             raise ValueError(f"request {req_id!r} is not allocated (unknown or already freed)")
         ref, evictable, free = self._ref, self._evictable, self._free
+        stamp = -1 if self.cpu_tier is None else self.cpu_tier.launch_seq
         # Tail first: the tail of a sequence is the least likely to be shared, so it should be
         # the first evicted (it is inserted earliest into the LRU order).
         for p in reversed(req.block_table):
             ref[p] -= 1
             if ref[p] == 0:
+                self._stamp[p] = stamp
                 if self._page_hash[p] is not None:
                     evictable[p] = None
                 else:
                     free.append(p)
 
     def reset_prefix_cache(self) -> None:
-        """Forget all cached content. Evictable pages become free; pages in use stay with their
-        requests but are no longer shareable. Statistics are reset too."""
+        """Forget all cached content (the CPU tier's too). Evictable pages become free; pages in use
+        stay with their requests but are no longer shareable. Statistics are reset too."""
+        if self.cpu_tier is not None:
+            self.cpu_tier.reset()
         for p in self._cache.values():
             self._page_hash[p] = None
             self._page_tokens[p] = None
@@ -298,13 +348,14 @@ class BlockManager:
         return req
 
     def _lookup(self, token_ids: Sequence[int], max_cached_tokens: int) -> tuple[list[int], list[bytes]]:
-        """Pages (and chain keys) of the longest cached full-page prefix, at most
-        ``max_cached_tokens`` tokens. No side effects."""
-        if not self.enable_prefix_caching or not self._cache:
+        """Hits (and chain keys) of the longest cached full-page prefix, at most ``max_cached_tokens``
+        tokens: a device page id, or ``-1 - slot`` for a page found in the CPU tier. No side effects."""
+        tier = self.cpu_tier
+        if not self.enable_prefix_caching or not (self._cache or (tier is not None and len(tier))):
             return [], []
         ps = self.page_size
         limit = min(max_cached_tokens, len(token_ids)) // ps
-        pages: list[int] = []
+        hits: list[int] = []
         hashes: list[bytes] = []
         parent = ROOT_HASH
         for i in range(limit):
@@ -313,10 +364,18 @@ class BlockManager:
             page = self._cache.get(parent)
             # The stored token ids guard against a chain collision handing out foreign KV.
             if page is None or self._page_tokens[page] != tokens:
-                break
-            pages.append(page)
+                slot = None if tier is None else tier.lookup(parent, tokens)
+                if slot is None:
+                    break
+                page = -1 - slot
+            hits.append(page)
             hashes.append(parent)
-        return pages, hashes
+        return hits, hashes
+
+    def _publish(self, page: int, key: bytes, tokens: tuple[int, ...]) -> None:
+        self._cache[key] = page
+        self._page_hash[page] = key
+        self._page_tokens[page] = tokens
 
     def _take_page(self) -> int:
         """Pop a free page, evicting the least recently used cached page if none is free.
@@ -326,6 +385,8 @@ class BlockManager:
         else:
             p, _ = self._evictable.popitem(last=False)
             key = self._page_hash[p]
+            if self.cpu_tier is not None:  # copied out before anything overwrites it
+                self.cpu_tier.demote(p, key, self._page_tokens[p], self._stamp[p])
             del self._cache[key]
             self._page_hash[p] = None
             self._page_tokens[p] = None

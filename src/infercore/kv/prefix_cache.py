@@ -73,16 +73,18 @@ class PrefixCacheStats:
     """Prefix-cache counters, in tokens, over successful admissions.
 
     ``query_tokens`` counts the prompt tokens that were looked up, ``hit_tokens`` those served
-    from cached pages. Failed admissions (pool short) are not counted: they are retried.
+    from cached pages, ``cpu_hit_tokens`` the part of ``hit_tokens`` loaded from a CPU tier. Failed
+    admissions (pool short) are not counted: they are retried.
     """
 
     requests: int = 0
     query_tokens: int = 0
     hit_tokens: int = 0
+    cpu_hit_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
     def reset(self) -> None:
-        self.requests = self.query_tokens = self.hit_tokens = 0
+        self.requests = self.query_tokens = self.hit_tokens = self.cpu_hit_tokens = 0

@@ -1,4 +1,4 @@
-"""Tensor parallelism (Megatron layout) for the dense Llama family over ``torch.distributed``.
+"""Tensor parallelism (Megatron layout) for the Llama family over ``torch.distributed``.
 
 Each rank of a process group keeps a slice of every layer and the same replicated rest:
 
@@ -9,7 +9,10 @@ Each rank of a process group keeps a slice of every layer and the same replicate
 - ``gate_up_proj`` (column-parallel): the rank's slice of the gate rows and the same slice of the up rows;
 - ``lm_head`` (vocabulary-parallel): a slice of the vocabulary, wrapped in :class:`VocabParallel`, which gathers
   the logits over the group (``all_gather``), so every rank samples from the whole distribution;
-- embeddings and norms: replicated.
+- embeddings and norms: replicated;
+- routed experts (Mixtral / Qwen-MoE): every expert keeps the rank's slice of its intermediate width, the shared
+  expert too; the router is replicated, so every rank routes every token alike, and the whole block's output is
+  summed over the group (one ``all_reduce`` per block, :class:`RowParallel` around the block).
 
 The shards stay ``nn.Linear`` modules inside the wrappers, so the device layouts' class swaps and
 :func:`~infercore.quant.quantize` (per shard) apply to them as to an unsharded model.
@@ -24,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ..models.moe import SparseMoeBlock
 
 
 def _group_size_rank(group) -> tuple[int, int]:
@@ -46,7 +51,7 @@ def _set(mod: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> Non
 class RowParallel(nn.Module):
     """This rank's input columns of a row-parallel projection. ``linear`` maps ``[..., K / tp]`` to ``[..., N]``
     (an ``nn.Linear`` or what a layout or quantization made of it); the output ``[..., N]`` is summed over
-    ``group`` in place."""
+    ``group`` in place. Also wraps a whole routed-expert block, whose output is this rank's partial sum."""
 
     def __init__(self, linear: nn.Module, group) -> None:
         super().__init__()
@@ -76,26 +81,34 @@ class VocabParallel(nn.Module):
 @torch.no_grad()
 def tensor_parallel_(model: nn.Module, group=None) -> nn.Module:
     """Shard a loaded Llama-family model (:class:`~infercore.models.llama.LlamaForCausalLM`: Llama, Mistral,
-    Qwen2 / Qwen3, SmolLM2) in place over ``group`` (default: the world), as this rank's slice; see the module
-    docstring for the layout. Call it on every rank with the same weights, before building the Engine.
+    Qwen2 / Qwen3, SmolLM2, and the routed-expert Mixtral / Qwen2-MoE / Qwen3-MoE) in place over ``group``
+    (default: the world), as this rank's slice; see the module docstring for the layout. Call it on every rank with
+    the same weights, before building the Engine.
 
     Returns the model, with ``model.tp_group`` (``group``), ``tp_size`` and ``tp_rank`` set.
 
     Raises:
-        TypeError: ``model`` is not a dense Llama-family model, or is quantized (quantize after sharding).
+        TypeError: ``model`` is not a Llama-family model, or is quantized (quantize after sharding).
         ValueError: ``torch.distributed`` is not initialized, or the group size does not divide the number of
-            query heads, KV heads, the MLP width or the vocabulary (each named).
+            query heads, KV heads, an MLP or expert width or the vocabulary (each named).
     """
     from ..models.llama import LlamaForCausalLM
 
     if not isinstance(model, LlamaForCausalLM):
-        raise TypeError(f"tensor_parallel_: model must be a dense Llama-family model, got {type(model).__name__}")
+        raise TypeError(f"tensor_parallel_: model must be a Llama-family model, got {type(model).__name__}")
     if hasattr(model, "tp_size"):
         raise ValueError("tensor_parallel_: model is already sharded")
     tp, rank = _group_size_rank(group)
     cfg = model.config
-    for name, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
-                    ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
+    widths = [("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads), ("vocab_size", cfg.vocab_size)]
+    sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers]
+    if not all(sparse):
+        widths.append(("intermediate_size", cfg.intermediate_size))
+    if any(sparse):
+        widths.append(("moe_intermediate_size", cfg.moe_intermediate_size))
+        if cfg.shared_expert_intermediate_size:
+            widths.append(("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size))
+    for name, n in widths:
         if n % tp:
             raise ValueError(f"tensor_parallel_: the group size {tp} does not divide {name}={n}")
     for mod in model.modules():
@@ -106,10 +119,10 @@ def tensor_parallel_(model: nn.Module, group=None) -> nn.Module:
             raise TypeError("tensor_parallel_: quantized linears are not sharded; shard the dense model, then "
                             "quantize it")
     d = cfg.head_dim
-    hq, hk, inter = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.intermediate_size // tp
+    hq, hk = cfg.num_heads // tp, cfg.num_kv_heads // tp
     q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         qkv = [(rank * hq * d, (rank + 1) * hq * d),
                (q_rows + rank * hk * d, q_rows + (rank + 1) * hk * d),
                (q_rows + kv_rows + rank * hk * d, q_rows + kv_rows + (rank + 1) * hk * d)]
@@ -120,13 +133,11 @@ def tensor_parallel_(model: nn.Module, group=None) -> nn.Module:
         p = attn.o_proj
         _set(p, p.weight[:, rank * hq * d : (rank + 1) * hq * d].contiguous(), p.bias if rank == 0 else None)
         attn.o_proj = RowParallel(p, group)
-        gu = [(rank * inter, (rank + 1) * inter), (cfg.intermediate_size + rank * inter,
-                                                   cfg.intermediate_size + (rank + 1) * inter)]
-        p = mlp.gate_up_proj
-        _set(p, _slice_rows(p.weight, gu), None if p.bias is None else _slice_rows(p.bias, gu))
-        p = mlp.down_proj
-        _set(p, p.weight[:, rank * inter : (rank + 1) * inter].contiguous(), p.bias if rank == 0 else None)
-        mlp.down_proj = RowParallel(p, group)
+        if isinstance(layer.mlp, SparseMoeBlock):
+            _shard_moe_(layer.mlp, tp, rank)
+            layer.mlp = RowParallel(layer.mlp, group)  # experts and shared expert: partial sums, one all_reduce
+        else:
+            _shard_gated_mlp_(layer.mlp, tp, rank, group, reduce=True)
     v = cfg.vocab_size // tp
     head = model.lm_head  # tied to the embedding or not, the slice is a new tensor: the embedding stays whole
     _set(head, head.weight[rank * v : (rank + 1) * v].clone(), None)
@@ -134,6 +145,39 @@ def tensor_parallel_(model: nn.Module, group=None) -> nn.Module:
     model.tp_group = group
     model.tp_size, model.tp_rank = tp, rank
     return model
+
+
+def _gate_up_rows(width: int, tp: int, rank: int) -> list[tuple[int, int]]:
+    """This rank's rows of a merged ``[gate; up]`` projection of ``width`` rows each."""
+    part = width // tp
+    return [(rank * part, (rank + 1) * part), (width + rank * part, width + (rank + 1) * part)]
+
+
+def _shard_gated_mlp_(mlp: nn.Module, tp: int, rank: int, group, *, reduce: bool) -> None:
+    """``gate_up_proj`` column-parallel; ``down_proj`` row-parallel, wrapped in :class:`RowParallel` with
+    ``reduce`` (else its partial sum is left to its block's sum)."""
+    p = mlp.gate_up_proj
+    rows = _gate_up_rows(p.out_features // 2, tp, rank)
+    _set(p, _slice_rows(p.weight, rows), None if p.bias is None else _slice_rows(p.bias, rows))
+    p = mlp.down_proj
+    part = p.in_features // tp
+    _set(p, p.weight[:, rank * part : (rank + 1) * part].contiguous(), p.bias if rank == 0 else None)
+    if reduce:
+        mlp.down_proj = RowParallel(p, group)
+
+
+def _shard_moe_(block: SparseMoeBlock, tp: int, rank: int) -> None:
+    """Every expert keeps its slice of the intermediate width (``[E, 2I/tp, H]`` / ``[E, H, I/tp]``), as the
+    shared expert does; the router and the shared expert's gate stay whole. The block's output is then this
+    rank's partial sum (the sigmoid gate scales each rank's part alike)."""
+    ex = block.experts
+    rows = _gate_up_rows(ex.gate_up_proj.shape[1] // 2, tp, rank)
+    ex.gate_up_proj = nn.Parameter(torch.cat([ex.gate_up_proj[:, a:b] for a, b in rows], 1).contiguous(),
+                                   requires_grad=False)
+    part = ex.down_proj.shape[2] // tp
+    ex.down_proj = nn.Parameter(ex.down_proj[:, :, rank * part : (rank + 1) * part].contiguous(), requires_grad=False)
+    if block.shared_expert is not None:
+        _shard_gated_mlp_(block.shared_expert, tp, rank, None, reduce=False)
 
 
 def _int_tensor(value: int, group) -> torch.Tensor:

@@ -1,0 +1,53 @@
+"""Tensor parallelism of the routed-expert families (gloo, two CPU processes): each rank keeps every expert's slice
+of the intermediate width; the tokens equal transformers' greedy ones on every rank."""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, os.path.join(HERE, "..", "models"))
+sys.path.insert(0, HERE)
+
+WORLD = 2
+
+
+def _worker(rank: int, init: str, path: str) -> None:
+    from paged_harness import hf_greedy, ours_from_hf
+    from test_moe_llama import PROMPTS, tiny_moe
+    from test_tensor_parallel import _leave
+
+    from infercore import Engine, SamplingParams
+    from infercore.parallel import RowParallel, tensor_parallel_
+
+    torch.set_num_threads(1)
+    # loaded before the group exists: transformers' save_pretrained writes on the main process only
+    hfs = {kind: tiny_moe(kind) for kind in ("mixtral", "qwen2_moe")}  # qwen2_moe: a shared expert, a dense layer
+    models = {kind: ours_from_hf(hf, os.path.join(path, f"{kind}-{rank}"))[0] for kind, hf in hfs.items()}
+    odd = ours_from_hf(tiny_moe("qwen3_moe", moe_intermediate_size=25), os.path.join(path, f"odd-{rank}"))[0]
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        for kind, hf in hfs.items():
+            model = tensor_parallel_(models[kind])
+            mlp = model.model.layers[0].mlp
+            assert isinstance(mlp, RowParallel) and mlp.linear.experts.down_proj.shape[2] == (
+                hf.config.intermediate_size if kind == "mixtral" else hf.config.moe_intermediate_size) // WORLD
+            outs = [o.token_ids for o in Engine(model, page_size=4, num_pages=64).generate(PROMPTS, greedy)]
+            everyone = [None] * WORLD
+            dist.all_gather_object(everyone, outs)
+            assert everyone[0] == everyone[1]
+            if rank == 0:
+                assert outs == [hf_greedy(hf, p, 10) for p in PROMPTS], kind
+        with pytest.raises(ValueError, match="moe_intermediate_size=25"):
+            tensor_parallel_(odd)
+    finally:
+        _leave()
+
+
+def test_routed_experts_over_two_ranks(tmp_path):
+    mp.spawn(_worker, args=(f"file://{tmp_path}/rdzv", str(tmp_path)), nprocs=WORLD, join=True)

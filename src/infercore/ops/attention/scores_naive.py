@@ -84,8 +84,8 @@ def select_kv_tokens_ref(key_scores: torch.Tensor, cu_seqlens: torch.Tensor, bud
 
     Each sequence's candidates (its tokens before the last ``window``) are laid out in one padded
     ``[B, Hk, C]`` row per head with -inf past the sequence's own candidates, so the max-pool never
-    reads a neighbour sequence (its -inf padding loses every max) and top-k never picks padding
-    (every sequence has at least ``budget - window`` candidates).
+    reads a neighbour sequence (its -inf padding loses every max); the padding is masked again after
+    the pool, so top-k never picks it (every sequence has at least ``budget - window`` candidates).
     """
     T, hk = key_scores.shape
     dev = key_scores.device
@@ -102,6 +102,7 @@ def select_kv_tokens_ref(key_scores: torch.Tensor, cu_seqlens: torch.Tensor, bud
     cand = cand.masked_fill(~valid[..., None], float("-inf")).permute(0, 2, 1)  # [B, Hk, C]
     if pool_kernel > 1 and C > 0:
         cand = torch.nn.functional.max_pool1d(cand, pool_kernel, stride=1, padding=pool_kernel // 2)
+        cand = cand.masked_fill(~valid[:, None, :], float("-inf"))  # the pool spread into the padding too
     top = cand.topk(keep, dim=-1).indices if keep > 0 else cand.new_empty(B, hk, 0, dtype=torch.long)
     last = n_cand[:, None, None] + torch.arange(window, device=dev)  # the observation window, always kept
     picked = torch.cat([top, last.expand(B, hk, window)], dim=-1)

@@ -310,6 +310,66 @@ def default_config(q: torch.Tensor, k: torch.Tensor, B: int, max_seqlen: int, sc
     return {"fwd": fwd, "scores": sc}
 
 
+def _launch_opts(cfg: dict) -> dict:
+    return {k_: cfg[k_] for k_ in ("num_warps", "num_stages") if k_ in cfg}
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # (tf32 only matters for fp32 inputs, which get ieee)
+
+
+def forward_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *, scale: float,
+                     softcap: float | None, max_seqlen: int, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """K1 alone: ``(out [T, Hq, D] in q.dtype, lse [Hq, T] fp32)``, ``lse`` base 2 in units of the scaled
+    score (see the module docstring). Inputs as in :func:`attention_with_key_scores` (head_dim contiguous,
+    ``max_seqlen >= 1``); ``cfg``: ``{"block_m", "block_n", ["num_warps", "num_stages"]}``."""
+    T, Hq, D = q.shape
+    out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((Hq, T), dtype=torch.float32, device=q.device)
+    grid = (cu_seqlens.shape[0] - 1) * Hq, triton.cdiv(max_seqlen, cfg["block_m"])
+    _fwd_kernel[grid](
+        q, k, v, cu_seqlens, out, lse,
+        scale * _LOG2E.value, scale, 1.0 if softcap is None else softcap,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        lse.stride(0), Hq, Hq // k.shape[1],
+        HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_D=max(triton.next_power_of_2(D), 16),
+        HAS_SOFTCAP=softcap is not None, DOT_PRECISION=_precision(q.dtype), **_launch_opts(cfg),
+    )  # fmt: skip
+    return out, lse
+
+
+def scores_from_lse(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, lse: torch.Tensor, *, scale: float,
+                    softcap: float | None, score_window: int | None, max_seqlen: int, cfg: dict,
+                    head_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """K2 alone: ``(key_scores [T, Hk] fp32, head_scores [T, Hq] fp32 or None)`` from K1's ``lse``.
+    ``cfg``: ``{"block_m", "block_n", "split", ["num_warps", "num_stages"]}``; ``split`` must divide
+    ``Hq / Hk`` (ValueError)."""
+    T, Hq, D = q.shape
+    Hk = k.shape[1]
+    group = Hq // Hk
+    split = cfg.get("split", 1)
+    if isinstance(split, bool) or not isinstance(split, int) or split < 1 or group % split:
+        raise ValueError(f"attention_with_key_scores: config split {split!r} must divide the group size {group}")
+    key_scores = torch.empty((T, Hk), dtype=torch.float32, device=q.device)
+    heads = torch.empty((T, Hq), dtype=torch.float32, device=q.device) if head_scores else None
+    # Partial sums per (KV head, share of its query heads); with split 1 they are the key scores.
+    part = key_scores if split == 1 else torch.empty((T, Hk * split), dtype=torch.float32, device=q.device)
+    hs = heads if heads is not None else part  # a placeholder when per-head scores are not stored
+    grid = (cu_seqlens.shape[0] - 1) * Hk * split, triton.cdiv(max_seqlen, cfg["block_n"])
+    _key_scores_kernel[grid](
+        q, k, cu_seqlens, lse, part, hs,
+        scale * _LOG2E.value, scale, 1.0 if softcap is None else softcap, score_window or 0,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), part.stride(0), hs.stride(0),
+        Hk, group, split,
+        HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_D=max(triton.next_power_of_2(D), 16),
+        HAS_WINDOW=score_window is not None and score_window < max_seqlen, HAS_SOFTCAP=softcap is not None,
+        STORE_HEADS=heads is not None, DOT_PRECISION=_precision(q.dtype), **_launch_opts(cfg),
+    )  # fmt: skip
+    if split > 1:
+        torch.sum(part.view(T, Hk, split), dim=-1, out=key_scores)
+    return key_scores, heads
+
+
 def attention_with_key_scores(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -324,61 +384,27 @@ def attention_with_key_scores(
     config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Triton implementation of :func:`~infercore.ops.attention.scores.attention_with_key_scores` (arguments
-    checked there; see the module docstring for the kernels). Returns ``(out [T, Hq, D] in q.dtype,
-    key_scores [T, Hk] fp32, head_scores [T, Hq] fp32 or None)``. ``max_seqlen``: when None, read from
-    ``cu_seqlens`` (one sync). ``config``: explicit launch configs, ``{"fwd": {"block_m", "block_n",
-    ["num_warps", "num_stages"]}, "scores": {"block_m", "block_n", "split", [...]}}`` (tests, the
-    benchmark's sweep); ``split`` must divide ``Hq / Hk``."""
+    checked there; see the module docstring for the kernels): :func:`forward_with_lse`, then
+    :func:`scores_from_lse`. Returns ``(out [T, Hq, D] in q.dtype, key_scores [T, Hk] fp32, head_scores
+    [T, Hq] fp32 or None)``. ``max_seqlen``: when None, read from ``cu_seqlens`` (one sync). ``config``:
+    explicit launch configs ``{"fwd": {...}, "scores": {...}}`` as those functions take them (tests, the
+    benchmark's sweep); None = :func:`default_config`."""
     T, Hq, D = q.shape
     Hk = k.shape[1]
-    group = Hq // Hk
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
-    key_scores = torch.zeros((T, Hk), dtype=torch.float32, device=q.device)
-    heads = torch.zeros((T, Hq), dtype=torch.float32, device=q.device) if head_scores else None
     B = cu_seqlens.shape[0] - 1
-    if T == 0 or B == 0:
-        return out, key_scores, heads
-    if max_seqlen is None:
+    if max_seqlen is None and T > 0 and B > 0:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    if max_seqlen <= 0:
-        return out, key_scores, heads
+    if T == 0 or B == 0 or max_seqlen <= 0:
+        out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+        heads = torch.zeros((T, Hq), dtype=torch.float32, device=q.device) if head_scores else None
+        return out, torch.zeros((T, Hk), dtype=torch.float32, device=q.device), heads
     cfg = config if config is not None else default_config(q, k, B, max_seqlen, score_window)
-    fwd, sc = cfg["fwd"], cfg["scores"]
-    split = sc.get("split", 1)
-    if group % split:
-        raise ValueError(f"attention_with_key_scores: config split {split} must divide the group size {group}")
-    block_d = max(triton.next_power_of_2(D), 16)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    launch = lambda c: {k_: c[k_] for k_ in ("num_warps", "num_stages") if k_ in c}  # noqa: E731
-    softcap_arg = 1.0 if softcap is None else softcap
-
-    lse = torch.empty((Hq, T), dtype=torch.float32, device=q.device)
-    grid = (B * Hq, triton.cdiv(max_seqlen, fwd["block_m"]))
-    _fwd_kernel[grid](
-        q, k, v, cu_seqlens, out, lse,
-        scale * _LOG2E.value, scale, softcap_arg,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        lse.stride(0), Hq, group,
-        HEAD_DIM=D, BLOCK_M=fwd["block_m"], BLOCK_N=fwd["block_n"], BLOCK_D=block_d,
-        HAS_SOFTCAP=softcap is not None, DOT_PRECISION=precision, **launch(fwd),
-    )  # fmt: skip
-
-    # Partial sums per (KV head, share of its query heads); with split 1 they are the key scores.
-    part = key_scores if split == 1 else torch.empty((T, Hk * split), dtype=torch.float32, device=q.device)
-    hs = heads if heads is not None else part  # placeholder when per-head scores are not stored
-    grid = (B * Hk * split, triton.cdiv(max_seqlen, sc["block_n"]))
-    _key_scores_kernel[grid](
-        q, k, cu_seqlens, lse, part, hs,
-        scale * _LOG2E.value, scale, softcap_arg, score_window or 0,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), part.stride(0), hs.stride(0),
-        Hk, group, split,
-        HEAD_DIM=D, BLOCK_M=sc["block_m"], BLOCK_N=sc["block_n"], BLOCK_D=block_d,
-        HAS_WINDOW=score_window is not None and score_window < max_seqlen, HAS_SOFTCAP=softcap is not None,
-        STORE_HEADS=heads is not None, DOT_PRECISION=precision, **launch(sc),
-    )  # fmt: skip
-    if split > 1:
-        torch.sum(part.view(T, Hk, split), dim=-1, out=key_scores)
+    out, lse = forward_with_lse(q, k, v, cu_seqlens, scale=scale, softcap=softcap, max_seqlen=max_seqlen,
+                                cfg=cfg["fwd"])  # fmt: skip
+    key_scores, heads = scores_from_lse(q, k, cu_seqlens, lse, scale=scale, softcap=softcap,
+                                        score_window=score_window, max_seqlen=max_seqlen, cfg=cfg["scores"],
+                                        head_scores=head_scores)  # fmt: skip
     return out, key_scores, heads
 
 

@@ -1,0 +1,8 @@
+"""Offload under a GPU memory budget: decoder layers' weights streamed from host memory
+(:func:`offload_weights_`), and the plan / cost model that says what that costs (:func:`plan_offload`)."""
+
+from .plan import OffloadCost, OffloadPlan, plan_offload, simulate_step
+from .streaming import OffloadedLayer, WeightStreamer, offload_weights_
+
+__all__ = ["OffloadCost", "OffloadPlan", "OffloadedLayer", "WeightStreamer", "offload_weights_", "plan_offload",
+           "simulate_step"]

@@ -24,6 +24,14 @@ def _model_path(text: str) -> str:
     return text
 
 
+def _cpu_kv_bytes(args: argparse.Namespace) -> int:
+    """``--cpu-kv-cache-gb`` in bytes (per tensor-parallel rank: each keeps its shard's pages)."""
+    gb = args.cpu_kv_cache_gb
+    if not gb >= 0:  # NaN too
+        raise ValueError(f"--cpu-kv-cache-gb must be >= 0, got {gb}")
+    return int(gb * (1 << 30))
+
+
 def _generate(args: argparse.Namespace) -> int:
     from .engine import Engine, SamplingParams
 
@@ -40,11 +48,13 @@ def _generate(args: argparse.Namespace) -> int:
             frequency_penalty=args.frequency_penalty,
             seed=args.seed,
         )
+        _cpu_kv_bytes(args)  # checked before the ranks start
         if args.tensor_parallel != 1:
             return _spawn_tp(args, params)
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                                        num_speculative_tokens=args.num_speculative_tokens)
+                                        num_speculative_tokens=args.num_speculative_tokens,
+                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args))
     except (OSError, ValueError, TypeError, ImportError) as e:  # OSError: unreadable files too
         print(f"infercore: {e}", file=sys.stderr)
         return 2
@@ -137,7 +147,7 @@ def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
 
             quantize(model, args.quantization)
         engine = Engine(model, tok, kv_cache_dtype=args.kv_cache_dtype,
-                        num_speculative_tokens=args.num_speculative_tokens)
+                        num_speculative_tokens=args.num_speculative_tokens, cpu_kv_cache_bytes=_cpu_kv_bytes(args))
         if args.cmd == "serve":
             if rank:
                 follow(engine)
@@ -164,11 +174,13 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"infercore: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2
     try:
+        _cpu_kv_bytes(args)
         if args.tensor_parallel != 1:
             return _spawn_tp(args, None)
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                                        num_speculative_tokens=args.num_speculative_tokens)
+                                        num_speculative_tokens=args.num_speculative_tokens,
+                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args))
         _run_server(engine, args)
     except (OSError, ValueError, TypeError, ImportError) as e:
         print(f"infercore: {e}", file=sys.stderr)
@@ -241,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--num-speculative-tokens", default=0, type=int, metavar="K",
                        help="speculative decoding by prompt lookup: draft up to K tokens from n-grams of the "
                             "request's own text, verified in one forward (default 0: off)")
+        q.add_argument("--cpu-kv-cache-gb", default=0.0, type=float, metavar="GB",
+                       help="host memory for a CPU tier under the prefix cache: cached KV pages the GPU pool "
+                            "reuses are copied there and copied back when a prompt continues them (default 0: "
+                            "off)")
 
     g = sub.add_parser("generate", help="stream a chat answer from a model")
     g.add_argument("prompt")

@@ -253,3 +253,46 @@ def test_same_tokens_under_different_prefixes_are_different_pages():
         table = bm.block_table(rid)
         assert same(snapshot(kv, table[1]), contents[tuple(tokens)])
         bm.free(rid)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
+def test_cuda_round_trip_through_the_side_stream(kv_cache_dtype):
+    """On CUDA: pinned host slots, copies on the tier's stream fenced by launch events. 'Compute' writes
+    happen on the compute stream after a long kernel (so a copy that did not wait would read stale
+    bytes); every loaded page must hold what was written."""
+    specs = [FullAttentionSpec(num_kv_heads=2, head_dim=64)] * 3
+    kv = allocate_kv_caches(specs, 16, PS, dtype=torch.bfloat16, device="cuda", kv_cache_dtype=kv_cache_dtype)
+    tier = CPUKVTier(kv, 64, staging_pages=4)
+    assert tier.host.is_pinned() and tier.stream is not None
+    bm = BlockManager(16, PS, cpu_tier=tier)
+    busy = torch.randn(2048, 2048, device="cuda")
+    expected = {}
+    sessions = [[s * 100 + i for i in range(4 * PS * (1 + s % 3) + 1)] for s in range(12)]
+    for rnd in range(3):
+        for s, tokens in enumerate(sessions):
+            rid = (rnd, s)
+            cached = bm.allocate(rid, tokens, len(tokens), max_cached_tokens=len(tokens) - 1)
+            assert cached is not None
+            table = bm.block_table(rid)
+            tier.before_forward()
+            for _ in range(3):  # keep the compute stream busy past the copies' issue
+                busy = busy @ busy / 2048
+            for i in range(cached // PS):  # what the 'forward' reads must be what was computed
+                got = [t[table[i]].clone() for t in tensors(kv)]
+                want = expected[tuple(tokens[: (i + 1) * PS])]
+                for g, w in zip(got, want):
+                    assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), (rnd, s, i)
+            for i in range(cached // PS, -(-len(tokens) // PS)):
+                g = torch.Generator(device="cuda").manual_seed(hash(tuple(tokens[: (i + 1) * PS])) % 2**31)
+                for t in tensors(kv):
+                    vals = torch.randn(t[table[i]].shape, generator=g, device="cuda") * 4
+                    t[table[i]] = vals.to(t.dtype)
+                if (i + 1) * PS <= len(tokens):
+                    expected[tuple(tokens[: (i + 1) * PS])] = [t[table[i]].clone() for t in tensors(kv)]
+            tier.record_launch()
+            bm.mark_computed(rid, tokens, len(tokens))
+            bm.free(rid)
+    torch.cuda.synchronize()
+    assert tier.stats.loaded > 20 and tier.stats.demoted > 20
+    assert bm.stats.cpu_hit_tokens > 0

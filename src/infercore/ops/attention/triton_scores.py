@@ -117,6 +117,7 @@ def _fwd_kernel(
     BLOCK_D: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     h = tl.program_id(0) % NUM_HEADS
@@ -146,7 +147,7 @@ def _fwd_kernel(
     # up to the block's last query (or the sequence end) is masked.
     c_mid = (m0 + 1) // BLOCK_N * BLOCK_N
     c_hi = tl.minimum(m0 + BLOCK_M, L)
-    for j0 in range(0, c_mid, BLOCK_N):
+    for j0 in tl.range(0, c_mid, BLOCK_N, warp_specialize=WARP_SPEC):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, offs_m, j0, L, k_base, v_base, stride_kt, stride_vt, offs_n,
                                   offs_d, dmask, qk_scale, scale, softcap, False, HAS_SOFTCAP, EVEN_D,
                                   DOT_PRECISION)  # fmt: skip
@@ -311,7 +312,7 @@ def default_config(q: torch.Tensor, k: torch.Tensor, B: int, max_seqlen: int, sc
 
 
 def _launch_opts(cfg: dict) -> dict:
-    return {k_: cfg[k_] for k_ in ("num_warps", "num_stages") if k_ in cfg}
+    return {k_: cfg[k_] for k_ in ("num_warps", "num_stages", "maxnreg") if k_ in cfg}
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -322,7 +323,9 @@ def forward_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      softcap: float | None, max_seqlen: int, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """K1 alone: ``(out [T, Hq, D] in q.dtype, lse [Hq, T] fp32)``, ``lse`` base 2 in units of the scaled
     score (see the module docstring). Inputs as in :func:`attention_with_key_scores` (head_dim contiguous,
-    ``max_seqlen >= 1``); ``cfg``: ``{"block_m", "block_n", ["num_warps", "num_stages"]}``."""
+    ``max_seqlen >= 1``); ``cfg``: ``{"block_m", "block_n", ["num_warps", "num_stages", "maxnreg",
+    "warp_spec"]}``, ``warp_spec`` = Triton's warp specialization of the unmasked key loop (opt-in: not every
+    Triton build takes it with pointer loads)."""
     T, Hq, D = q.shape
     out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((Hq, T), dtype=torch.float32, device=q.device)
@@ -333,7 +336,8 @@ def forward_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         lse.stride(0), Hq, Hq // k.shape[1],
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_D=max(triton.next_power_of_2(D), 16),
-        HAS_SOFTCAP=softcap is not None, DOT_PRECISION=_precision(q.dtype), **_launch_opts(cfg),
+        HAS_SOFTCAP=softcap is not None, DOT_PRECISION=_precision(q.dtype), WARP_SPEC=cfg.get("warp_spec", False),
+        **_launch_opts(cfg),
     )  # fmt: skip
     return out, lse
 

@@ -231,7 +231,8 @@ def test_tier_is_the_same_size_whatever_the_device_pool(pair):
     _, model = pair
     eng = engine(model, tier=TIER)
     assert eng.cpu_tier.num_pages == TIER // eng.cpu_tier.page_bytes
-    assert eng.cpu_tier.host.dtype == torch.uint8 and not eng.cpu_tier.host.is_pinned()
+    host = eng.cpu_tier.host_chunks
+    assert len(host) == 1 and host[0].dtype == torch.uint8 and not host[0].is_pinned()
 
 
 def test_cli_passes_the_cpu_tier_size(capsys, monkeypatch):
@@ -274,7 +275,7 @@ def test_cuda_sessions_with_graphs_match_transformers(pair, async_scheduling):
     model = _on_cuda(hf, torch.float32)
     first = random_prompts(10, 13, 20, 60)
     eng = engine(model, num_pages=40, max_num_seqs=6, max_num_batched_tokens=48, async_scheduling=async_scheduling)
-    assert eng.graph_runner is not None and eng.graph_runner.graphs and eng.cpu_tier.host.is_pinned()
+    assert eng.graph_runner is not None and eng.graph_runner.graphs and eng.cpu_tier.host_chunks[0].is_pinned()
     tiered = sessions(eng, first, turns=3)
     assert sum(o.metrics.num_cpu_cached_tokens for t in tiered[1:] for o in t) > 0
     for t in tiered:

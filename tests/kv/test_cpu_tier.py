@@ -204,9 +204,12 @@ def test_refused_without_prefix_caching_and_bad_arguments():
         CPUKVTier(strided, 2)
 
 
-def test_small_staging_batches_copy_the_same_bytes():
+def test_small_staging_batches_and_host_chunks_copy_the_same_bytes(monkeypatch):
     kv = caches(8)
     tier = CPUKVTier(kv, 16, staging_pages=2)  # 5 pages per direction go in 3 batches
+    # slots in chunks of 3 (1 GiB on a real model): runs of consecutive slots are cut at chunk ends
+    tier._per_chunk = 3
+    tier.host_chunks = [torch.empty((min(3, 16 - a), tier.page_bytes), dtype=torch.uint8) for a in range(0, 16, 3)]
     bm = BlockManager(8, PS, cpu_tier=tier)
     contents = {}
     a = list(range(100, 121))
@@ -264,7 +267,7 @@ def test_cuda_round_trip_through_the_side_stream(kv_cache_dtype):
     specs = [FullAttentionSpec(num_kv_heads=2, head_dim=64)] * 3
     kv = allocate_kv_caches(specs, 16, PS, dtype=torch.bfloat16, device="cuda", kv_cache_dtype=kv_cache_dtype)
     tier = CPUKVTier(kv, 64, staging_pages=4)
-    assert tier.host.is_pinned() and tier.stream is not None
+    assert all(c.is_pinned() for c in tier.host_chunks) and tier.stream is not None
     bm = BlockManager(16, PS, cpu_tier=tier)
     busy = torch.randn(2048, 2048, device="cuda")
     expected = {}

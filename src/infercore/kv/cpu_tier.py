@@ -1,7 +1,8 @@
 """A host-memory tier under the prefix cache: evicted pages are copied out, matched ones copied back.
 
 :class:`CPUKVTier` holds ``num_pages`` slots in host memory (pinned when the caches are on CUDA), each
-the bytes of one page id across every layer, in the device caches' own formats: for every layer, the
+the bytes of one page id across every layer (in chunks of at most 1 GiB, ``host_chunks``), in the device
+caches' own formats: for every layer, the
 K then V page (``[page_size, Hk, D]``) and, for quantized caches (:class:`~infercore.kv.QuantizedKVCache`),
 the fp32 ``k_scale`` / ``v_scale`` rows of the page (``[page_size, Hk]``). A slot is one contiguous byte
 row, so moving a page is one host<->device copy whatever the number of layers; the device side gathers
@@ -97,7 +98,13 @@ class CPUKVTier:
         self.page_bytes = sum(widths)
         self.num_pages = num_pages
         cuda = self.device.type == "cuda"
-        self.host = torch.empty((num_pages, self.page_bytes), dtype=torch.uint8, pin_memory=cuda)
+        # Host slots in chunks of at most 1 GiB: torch's pinned allocator rounds each allocation up to a
+        # power of two, which would nearly double a large tier in one piece.
+        self._per_chunk = max(1, (1 << 30) // self.page_bytes)
+        self.host_chunks = [
+            torch.empty((min(self._per_chunk, num_pages - a), self.page_bytes), dtype=torch.uint8, pin_memory=cuda)
+            for a in range(0, num_pages, self._per_chunk)
+        ]
         self._staging_pages = min(staging_pages, num_pages)
         self._staging = torch.empty((self._staging_pages, self.page_bytes), dtype=torch.uint8, device=self.device)
         self.stream = torch.cuda.Stream(self.device) if cuda else None
@@ -226,15 +233,20 @@ class CPUKVTier:
             idx = self._index_tensor(pages)
             for rows, off, w in zip(self._rows, self._offsets, self._widths):
                 staging[:, off : off + w] = rows.index_select(0, idx)
-            for a, b, s in _runs(slots):
-                self.host[s : s + b - a].copy_(staging[a:b], non_blocking=True)
+            for a, b, s in _runs(slots, self._per_chunk):
+                self._host_rows(s, b - a).copy_(staging[a:b], non_blocking=True)
         else:
             slots, pages = [op[1] for op in ops], [op[2] for op in ops]
-            for a, b, s in _runs(slots):
-                staging[a:b].copy_(self.host[s : s + b - a], non_blocking=True)
+            for a, b, s in _runs(slots, self._per_chunk):
+                staging[a:b].copy_(self._host_rows(s, b - a), non_blocking=True)
             idx = self._index_tensor(pages)
             for rows, off, w in zip(self._rows, self._offsets, self._widths):
                 rows.index_copy_(0, idx, staging[:, off : off + w])
+
+    def _host_rows(self, slot: int, n: int) -> torch.Tensor:
+        """Slots ``slot .. slot + n - 1`` (one chunk) as a ``[n, page_bytes]`` view."""
+        c, r = divmod(slot, self._per_chunk)
+        return self.host_chunks[c][r : r + n]
 
     def _index_tensor(self, pages: list[int]) -> torch.Tensor:
         t = torch.tensor(pages, dtype=torch.long)
@@ -269,12 +281,13 @@ class CPUKVTier:
             self._unfenced = False
 
 
-def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
-    """Maximal runs of consecutive slots: ``(start, end, first slot)`` over positions of ``slots``."""
+def _runs(slots: list[int], chunk: int) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive slots within one chunk of ``chunk`` slots: ``(start, end, first slot)``
+    over positions of ``slots``."""
     out = []
     a = 0
     for i in range(1, len(slots) + 1):
-        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+        if i == len(slots) or slots[i] != slots[i - 1] + 1 or slots[i] % chunk == 0:
             out.append((a, i, slots[a]))
             a = i
     return out

@@ -255,20 +255,23 @@ class OffloadCost:
 
 
 def _read_bytes_and_flops(model: nn.Module) -> tuple[int, float]:
-    """Bytes of weights a step reads (an embedding table only where a linear shares it: its lookups read a few
-    rows) and ~2 FLOPs per element of them per token."""
-    other: dict[int, torch.Tensor] = {}
+    """Bytes of weights a decode step reads -- every parameter and persistent buffer except an embedding table that
+    only the lookup reads (a few rows; a tied ``lm_head`` reads it whole) -- and 2 FLOPs per weight of every linear
+    (``in_features x out_features``) per token."""
+    read: dict[int, torch.Tensor] = {}
+    flops = 0.0
     for m in model.modules():
         if isinstance(m, nn.Embedding):
             continue
-        for t in list(m._parameters.values()) + list(m._buffers.values()):
+        if isinstance(getattr(m, "in_features", None), int) and isinstance(getattr(m, "out_features", None), int):
+            flops += 2.0 * m.in_features * m.out_features
+        for t in m._parameters.values():
             if t is not None:
-                other[id(t)] = t
-    # a tensor held only by an embedding never reaches `other`; a tied lm_head's does
-    read = list(other.values())
-    nbytes = sum(_nbytes(t) for t in read if t.dim() >= 1)
-    flops = 2.0 * sum(t.numel() for t in read if t.dim() == 2)
-    return nbytes, flops
+                read[id(t)] = t
+        for name, t in m._buffers.items():
+            if t is not None and name not in m._non_persistent_buffers_set:
+                read[id(t)] = t
+    return sum(_nbytes(t) for t in read.values()), flops
 
 
 def simulate_step(plan: OffloadPlan, compute_s: float, h2d_bytes_per_s: float) -> float:

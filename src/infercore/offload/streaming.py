@@ -231,32 +231,31 @@ def _unregister(ptr: int) -> None:
 def _check_streamable(model: nn.Module, layers: nn.ModuleList, plan: OffloadPlan) -> None:
     if any(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers())):
         raise ValueError("model: has tensors on the meta device (materialise and load it first)")
-    streamed = {id(t) for i in plan.streamed_layers for t, _ in layer_tensors(layers[i])}
-    others: set[int] = set()
-    for i, layer in enumerate(layers):
-        if i in plan.streamed_layers:
-            for m in layer.modules():
-                if getattr(m, "outlier_threshold", None) is not None:
-                    raise ValueError(f"model: decoder layer {i} would stream but holds a MixQ QuantLinear that grows "
-                                     "its outlier set at run time (replacing its buffers); quantize without "
-                                     "online outliers, or give a budget that keeps it resident")
-    for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) not in streamed:
-            others.add(t.untyped_storage().data_ptr())
+    for i in plan.streamed_layers:
+        for m in layers[i].modules():
+            if getattr(m, "outlier_threshold", None) is not None:
+                raise ValueError(f"model: decoder layer {i} would stream but holds a MixQ QuantLinear that grows "
+                                 "its outlier set at run time (replacing its buffers); quantize without "
+                                 "online outliers, or give a budget that keeps it resident")
+    streamed_modules = {id(m) for i in plan.streamed_layers for m in layers[i].modules()}
+    outside_ids, outside_mem = set(), set()
+    for m in model.modules():
+        if id(m) not in streamed_modules:
+            for t in list(m._parameters.values()) + list(m._buffers.values()):
+                if t is not None:
+                    outside_ids.add(id(t))
+                    outside_mem.add(t.untyped_storage().data_ptr())
+    owner: dict[int, int] = {}
     for i in plan.streamed_layers:
         for t, refs in layer_tensors(layers[i]):
-            if t.numel() and t.untyped_storage().data_ptr() in others:
-                mod, name, _ = refs[0]
+            mod, name, _ = refs[0]
+            if id(t) in outside_ids or (t.numel() and t.untyped_storage().data_ptr() in outside_mem):
                 raise ValueError(f"model: {type(mod).__name__}.{name} of decoder layer {i} shares memory with a "
-                                 "tensor outside the layer; a streamed layer's tensors must be its own")
-    seen: dict[int, int] = {}
-    for i in plan.streamed_layers:
-        for t, _ in layer_tensors(layers[i]):
-            if t.numel():
-                p = t.untyped_storage().data_ptr()
-                if seen.setdefault(p, i) != i:
-                    raise ValueError(f"model: decoder layers {seen[p]} and {i} share a tensor's memory; a streamed "
-                                     "layer's tensors must be its own")
+                                 "tensor outside the streamed layers; a streamed layer's tensors must be its own")
+            p = t.untyped_storage().data_ptr() if t.numel() else -id(t)
+            if owner.setdefault(p, i) != i:
+                raise ValueError(f"model: decoder layers {owner[p]} and {i} share a tensor's memory; a streamed "
+                                 "layer's tensors must be its own")
 
 
 def _set(refs, tensor: torch.Tensor) -> None:

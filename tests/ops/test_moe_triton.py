@@ -30,7 +30,12 @@ def _case(T, E, H, I, k, dtype, seed=0, skew=False):
     (40, 4, 32, 16, 2, True),  # 40 tokens on experts 0/1: several BLOCK_M chunks per expert
     (1, 8, 16, 16, 3, False),  # one decode token
 ])  # fmt: skip
-def test_routed_matches_reference(dtype, tol, T, E, H, I, k, skew):
+@pytest.mark.parametrize("path", ["grouped", "gemv"])
+def test_routed_matches_reference(dtype, tol, T, E, H, I, k, skew, path, monkeypatch):
+    """Both paths of the Triton op: the grouped kernels over the sorted pairs, and the decode-size GEMVs."""
+    from infercore.ops.moe import triton as moe_triton
+
+    monkeypatch.setattr(moe_triton, "GEMV_MAX_PAIRS", 0 if path == "grouped" else 10**6)
     x, gate_up, down, w, ids = _case(T, E, H, I, k, dtype, skew=skew)
     want = implementation("moe_experts_routed", "reference")(x.float(), gate_up.float(), down.float(), w, ids)
     got = implementation("moe_experts_routed", "triton")(x, gate_up, down, w.to(dtype), ids)

@@ -15,6 +15,20 @@ at once:
 The ``k`` rows of a token are then summed (``view(T, k, H).sum(1)``). Each routed expert's weights
 are read once per call (per chunk of ``BLOCK_M`` of its tokens, the rest from L2); only routed
 products are computed, against every expert on every token in the dense form.
+
+Decode sizes (at most ``GEMV_MAX_PAIRS`` pairs) take a sort-free GEMV path instead: the sort, the
+scatter-add, the prefix sum and the final sum are five small launches per layer, and the grouped
+grid leaves most programs idle (one per expert and tile, ``k`` experts routed). Two kernels:
+
+* ``_moe_gemv_gate_up_kernel``, a program per (pair, ``BLOCK_N`` intermediate columns): the pair's
+  expert is ``ids[pair]``, its token ``pair // k``; it reduces the token's row against the gate and
+  up rows of those columns (fp32 FMA, no tensor cores: one row) and stores ``silu(gate) * up``;
+* ``_moe_gemv_down_kernel``, a program per (token, ``BLOCK_N`` output columns): the ``k`` pairs of
+  the token in slot order, each pair's down rows times its intermediate row, scaled by the routing
+  weight and summed in fp32 in registers, stored once in ``x.dtype``: no ``[T * k, H]`` partials.
+
+A token routed twice to one expert reads that expert twice (from L2 the second time); beyond a few
+tokens per step the grouped path reads each expert once and wins.
 """
 
 from __future__ import annotations
@@ -110,11 +124,111 @@ def _moe_down_kernel(
             tl.store(dst, acc * rw[:, None], mask=r_mask[:, None] & n_mask[None, :])
 
 
+# Pairs (tokens x top_k) up to which the GEMV path runs; its (BLOCK_N, BLOCK_K, warps) per kernel.
+GEMV_MAX_PAIRS = int(os.environ.get("INFERCORE_MOE_GEMV_MAX_PAIRS", "32"))
+_GEMV_CFG = {"gate_up": (4, 512, 4), "down": (4, 512, 4)}
+_GEMV_INTERP_CFG = {"gate_up": (4, 16, 1), "down": (4, 16, 1)}
+
+
+@triton.jit
+def _moe_gemv_gate_up_kernel(
+    x_ptr, w_ptr, ids_ptr, inter_ptr,
+    H, I, TOPK,
+    stride_xm, stride_we, stride_wn, stride_im,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_xm
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    w_e = w_ptr + e * stride_we
+    g_rows = w_e + offs_n.to(tl.int64)[:, None] * stride_wn
+    u_rows = w_e + (I + offs_n).to(tl.int64)[:, None] * stride_wn
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < H
+        a = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        wm = n_mask[:, None] & k_mask[None, :]
+        acc_g += tl.load(g_rows + offs_k[None, :], mask=wm, other=0.0, eviction_policy="evict_first").to(tl.float32) * a
+        acc_u += tl.load(u_rows + offs_k[None, :], mask=wm, other=0.0, eviction_policy="evict_first").to(tl.float32) * a
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    y = g * tl.sigmoid(g) * u
+    tl.store(inter_ptr + pair.to(tl.int64) * stride_im + offs_n, y.to(inter_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _moe_gemv_down_kernel(
+    inter_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr,
+    H, I,
+    stride_im, stride_we, stride_wn, stride_om,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    tok = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(TOPK):  # the token's pairs in slot order: a fixed summation order
+        pair = tok * TOPK + j
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        w_rows = w_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+        a_row = inter_ptr + pair.to(tl.int64) * stride_im
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < I
+            a = tl.load(a_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            acc += w.to(tl.float32) * a
+        out += tl.sum(acc, axis=1) * tl.load(rw_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + tok.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def moe_experts_gemv(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """The decode-size path (see the module docstring): no sort, two launches. Same arguments and result as
+    :func:`moe_experts_triton`."""
+    T, topk = ids.shape
+    E, two_i, H = gate_up.shape
+    inter_dim = two_i // 2
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    down = down if down.stride(-1) == 1 else down.contiguous()
+    flat = ids.reshape(-1).contiguous()
+    rw = weights.reshape(-1).contiguous()
+    inter = torch.empty((T * topk, inter_dim), dtype=x.dtype, device=x.device)
+    cfgs = _GEMV_INTERP_CFG if _INTERPRET else _GEMV_CFG
+    bn, bk, warps = cfgs["gate_up"]
+    extra = {} if _INTERPRET else {"num_warps": warps}
+    _moe_gemv_gate_up_kernel[(T * topk, triton.cdiv(inter_dim, bn))](
+        x, gate_up, flat, inter, H, inter_dim, topk, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        inter.stride(0), BLOCK_N=bn, BLOCK_K=bk, **extra,
+    )  # fmt: skip
+    bn, bk, warps = cfgs["down"]
+    extra = {} if _INTERPRET else {"num_warps": warps}
+    _moe_gemv_down_kernel[(T, triton.cdiv(H, bn))](
+        inter, down, flat, rw, out, H, inter_dim, inter.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        TOPK=topk, BLOCK_N=bn, BLOCK_K=bk, **extra,
+    )  # fmt: skip
+    return out
+
+
 def moe_experts_triton(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
-    """See :func:`infercore.ops.moe.moe_experts_routed` (arguments checked there)."""
+    """See :func:`infercore.ops.moe.moe_experts_routed` (arguments checked there). Up to ``GEMV_MAX_PAIRS``
+    (token, expert) pairs run :func:`moe_experts_gemv`; more, the grouped kernels below."""
     T, topk = ids.shape
+    if 0 < T * topk <= GEMV_MAX_PAIRS:
+        return moe_experts_gemv(x, gate_up, down, weights, ids)
     E, two_i, H = gate_up.shape
     inter_dim = two_i // 2
     P = T * topk

@@ -80,8 +80,11 @@ def main() -> None:
         page = 16
         common = dict(page_size=page, num_pages=max_b * -(-(args.prompt + args.new + page) // page) + 64,
                       max_num_seqs=max_b, max_num_batched_tokens=8192, max_model_len=args.prompt + args.new + page,
-                      enable_prefix_caching=False, cuda_graph_max_batch=max_b)
-        engines = {0: Engine(model, **common), **{k: Engine(model, num_speculative_tokens=k, **common) for k in ks}}
+                      enable_prefix_caching=False)
+        # cuda_graph_max_batch counts rows: a verification step has B x (1 + k) of them
+        engines = {0: Engine(model, cuda_graph_max_batch=max_b, **common),
+                   **{k: Engine(model, num_speculative_tokens=k, cuda_graph_max_batch=max_b * (1 + k), **common)
+                      for k in ks}}
         gen = torch.Generator().manual_seed(1)
         for B in batches:
             prompts = [p.tolist() for p in torch.randint(0, cfg.vocab_size, (B, args.prompt), generator=gen)]

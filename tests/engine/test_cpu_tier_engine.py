@@ -255,6 +255,45 @@ def test_cli_passes_the_cpu_tier_size(capsys, monkeypatch):
     assert not seen and "--cpu-kv-cache-gb must be >= 0" in capsys.readouterr().err
 
 
+def _tp_worker(rank: int, init: str) -> None:
+    import torch.distributed as dist
+
+    from infercore.parallel import tensor_parallel_
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    ok = False
+    try:
+        hf = tiny_hf("llama", max_position_embeddings=512)
+        model = tensor_parallel_(ours_from_hf(hf))
+        # tiers sized from budgets that differ by rank: every rank gets the smallest, as with the pool
+        eng = engine(model, tier=(40 + 10 * rank) * 2 * 2 * 4 * 1 * 8 * 4, num_pages=24)
+        assert eng.cpu_tier.num_pages == 40 and eng.runner.kv_caches[0][0].shape[2] == 1
+        first = random_prompts(6, 3, 20, 40)
+        out = sessions(eng, first, turns=3)
+        mine = ([[o.token_ids for o in t] for t in out], [[o.metrics.num_cpu_cached_tokens for o in t] for t in out],
+                eng.cpu_tier.stats)
+        everyone = [None, None]
+        dist.all_gather_object(everyone, mine)
+        assert everyone[0] == everyone[1]  # the same tokens, tier hits and copies on both ranks
+        assert sum(sum(t) for t in mine[1]) > 0 and mine[2].evicted > 0, mine[1:]
+        if rank == 0:
+            for t in out:
+                for o in t:
+                    assert o.token_ids == hf_greedy(hf, o.prompt_token_ids, N)
+        ok = True
+    finally:
+        if ok:
+            dist.barrier()  # leave together
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_ranks_keep_their_tiers_in_lockstep(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_tp_worker, args=(f"file://{tmp_path}/rdzv",), nprocs=2, join=True)
+
+
 # ---------------------------------------------------------------------------------------------- CUDA
 
 

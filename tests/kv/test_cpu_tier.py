@@ -269,7 +269,7 @@ def test_cuda_round_trip_through_the_side_stream(kv_cache_dtype):
     tier = CPUKVTier(kv, 64, staging_pages=4)
     assert all(c.is_pinned() for c in tier.host_chunks) and tier.stream is not None
     bm = BlockManager(16, PS, cpu_tier=tier)
-    busy = torch.randn(2048, 2048, device="cuda")
+    busy = torch.randn(4096, 4096, device="cuda")
     expected = {}
     sessions = [[s * 100 + i for i in range(4 * PS * (1 + s % 3) + 1)] for s in range(12)]
     for rnd in range(3):
@@ -279,13 +279,15 @@ def test_cuda_round_trip_through_the_side_stream(kv_cache_dtype):
             assert cached is not None
             table = bm.block_table(rid)
             tier.before_forward()
-            for _ in range(3):  # keep the compute stream busy past the copies' issue
-                busy = busy @ busy / 2048
+            for _ in range(3):  # the loads' copies are issued; the compute stream is still busy
+                busy = busy @ busy / 4096
             for i in range(cached // PS):  # what the 'forward' reads must be what was computed
                 got = [t[table[i]].clone() for t in tensors(kv)]
                 want = expected[tuple(tokens[: (i + 1) * PS])]
                 for g, w in zip(got, want):
                     assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), (rnd, s, i)
+            for _ in range(3):  # the writes below queue behind this: a copy out that did not wait reads stale bytes
+                busy = busy @ busy / 4096
             for i in range(cached // PS, -(-len(tokens) // PS)):
                 g = torch.Generator(device="cuda").manual_seed(hash(tuple(tokens[: (i + 1) * PS])) % 2**31)
                 for t in tensors(kv):

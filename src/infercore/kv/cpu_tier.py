@@ -30,6 +30,11 @@ Ordering on CUDA (no host synchronization anywhere):
 With async scheduling step n+1's admissions (and their loads) are issued while step n runs; their
 copies wait only for the launches that touched their pages, so they overlap step n unless a page was
 released after step n's launch. On the CPU every copy completes when it is issued.
+
+Loads start at admission (``BlockManager.allocate``, called by the scheduler), not when a request is
+added: a load needs device pages, and pages held by queued requests would be taken from the running
+ones (more preemptions) in an order the scheduler does not control; admission is also the point where
+every tensor-parallel rank makes the same decision.
 """
 
 from __future__ import annotations
@@ -108,6 +113,9 @@ class CPUKVTier:
         self._staging_pages = min(staging_pages, num_pages)
         self._staging = torch.empty((self._staging_pages, self.page_bytes), dtype=torch.uint8, device=self.device)
         self.stream = torch.cuda.Stream(self.device) if cuda else None
+        if cuda:  # freed with the engine: the allocator then waits for this stream's queued copies
+            for t in (self._staging, *tensors):
+                t.record_stream(self.stream)
 
         # Chain key -> slot, least recently used first; each slot's key and token ids.
         self._index: OrderedDict[bytes, int] = OrderedDict()

@@ -51,7 +51,7 @@ def main() -> None:
                 sets.append((x, w.to(torch.bfloat16), ids))
             distinct = sum(len(torch.unique(s[2])) for s in sets) / len(sets)
             floor_us = distinct * expert_bytes / bw * 1e6
-            moe_triton.GEMV_MAX_PAIRS = 0
+            moe_triton.GEMV_MAX_PAIRS = 0  # the grouped path
             want = [moe_triton.moe_experts_triton(x, gate_up, down, w, ids) for x, w, ids in sets]
             def call(fn, sets=sets, gate_up=gate_up, down=down):
                 return lambda i: fn(sets[i][0], gate_up, down, sets[i][1], sets[i][2])
@@ -61,7 +61,7 @@ def main() -> None:
             for gu, dn in itertools.product(CONFIGS, CONFIGS):
                 if gu != dn and (gu not in CONFIGS[:4] or dn not in CONFIGS[:4]):
                     continue  # the full cross product only among the first four
-                moe_triton._GEMV_CFG = {"gate_up": gu, "down": dn}
+                moe_triton._GEMV_CFG = {n: {"gate_up": gu, "down": dn} for n in (1, 2)}
                 got = moe_triton.moe_experts_gemv(*sets[0][:1], gate_up, down, *sets[0][1:])
                 err = (got.float() - want[0].float()).abs().max().item()
                 scale = want[0].float().abs().max().item()

@@ -30,19 +30,30 @@ def _case(T, E, H, I, k, dtype, seed=0, skew=False):
     (40, 4, 32, 16, 2, True),  # 40 tokens on experts 0/1: several BLOCK_M chunks per expert
     (1, 8, 16, 16, 3, False),  # one decode token
 ])  # fmt: skip
-@pytest.mark.parametrize("path", ["grouped", "gemv"])
+@pytest.mark.parametrize("path", ["dispatch", "grouped", "gemv"])
 def test_routed_matches_reference(dtype, tol, T, E, H, I, k, skew, path, monkeypatch):
-    """Both paths of the Triton op: the grouped kernels over the sorted pairs, and the decode-size GEMVs."""
+    """The op as dispatched, and each path of it: the grouped kernels over the sorted pairs, the decode-size GEMVs."""
     from infercore.ops.moe import triton as moe_triton
 
-    monkeypatch.setattr(moe_triton, "GEMV_MAX_PAIRS", 0 if path == "grouped" else 10**6)
     x, gate_up, down, w, ids = _case(T, E, H, I, k, dtype, skew=skew)
     want = implementation("moe_experts_routed", "reference")(x.float(), gate_up.float(), down.float(), w, ids)
-    got = implementation("moe_experts_routed", "triton")(x, gate_up, down, w.to(dtype), ids)
+    if path == "grouped":
+        monkeypatch.setattr(moe_triton, "GEMV_MAX_PAIRS", 0)
+    fn = moe_triton.moe_experts_gemv if path == "gemv" else implementation("moe_experts_routed", "triton")
+    got = fn(x, gate_up, down, w.to(dtype), ids)
     assert got.dtype == dtype and got.shape == (T, H)
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
-    got32 = implementation("moe_experts_routed", "triton")(x, gate_up, down, w, ids.to(torch.int32))
+    got32 = fn(x, gate_up, down, w, ids.to(torch.int32))
     torch.testing.assert_close(got32.float(), want, atol=tol, rtol=tol)
+
+
+def test_gemv_path_rule():
+    """Few pairs against many experts take the GEMV path; as many pairs as half the experts, or more than
+    GEMV_MAX_PAIRS, the grouped one."""
+    from infercore.ops.moe.triton import GEMV_MAX_PAIRS, use_gemv
+
+    assert use_gemv(1, 8, 128) and use_gemv(8, 8, 128) and use_gemv(1, 2, 8) and use_gemv(2, 2, 8)
+    assert not use_gemv(4, 2, 8) and not use_gemv(0, 8, 128) and not use_gemv(GEMV_MAX_PAIRS + 1, 1, 10**6)
 
 
 def test_routed_no_tokens():

@@ -16,7 +16,7 @@ The ``k`` rows of a token are then summed (``view(T, k, H).sum(1)``). Each route
 are read once per call (per chunk of ``BLOCK_M`` of its tokens, the rest from L2); only routed
 products are computed, against every expert on every token in the dense form.
 
-Decode sizes (at most ``GEMV_MAX_PAIRS`` pairs) take a sort-free GEMV path instead: the sort, the
+Decode sizes (:func:`use_gemv`: few pairs, against many experts) take a sort-free GEMV path instead: the sort, the
 scatter-add, the prefix sum and the final sum are five small launches per layer, and the grouped
 grid leaves most programs idle (one per expert and tile, ``k`` experts routed). Two kernels:
 
@@ -124,10 +124,22 @@ def _moe_down_kernel(
             tl.store(dst, acc * rw[:, None], mask=r_mask[:, None] & n_mask[None, :])
 
 
-# Pairs (tokens x top_k) up to which the GEMV path runs; its (BLOCK_N, BLOCK_K, warps) per kernel.
-GEMV_MAX_PAIRS = int(os.environ.get("INFERCORE_MOE_GEMV_MAX_PAIRS", "32"))
-_GEMV_CFG = {"gate_up": (4, 512, 4), "down": (4, 512, 4)}
-_GEMV_INTERP_CFG = {"gate_up": (4, 16, 1), "down": (4, 16, 1)}
+# The GEMV path serves at most GEMV_MAX_PAIRS (token, expert) pairs, and at most half as many as there are experts
+# (with few experts a step's tokens share them, and the grouped path reads each once). H200 tile sweep
+# (results/h200/sweeps/sweep_moe_gemv.json, bf16, cold experts), GEMV vs grouped: Qwen3-30B-A3B experts 33 vs 51 us
+# at 1 token, 137 vs 151 at 8 (64 pairs); Qwen3-Next 27 vs 64 at 1, 126 vs 148 at 8; Mixtral 186 vs 220 at 1, even at
+# 2, 552 vs 437 at 4 (8 pairs for 8 experts: the grouped path's side of the rule).
+GEMV_MAX_PAIRS = int(os.environ.get("INFERCORE_MOE_GEMV_MAX_PAIRS", "64"))
+# (BLOCK_N, BLOCK_K, warps) of each kernel, by tokens (1, or 2 and more): narrow column blocks for one token (more
+# programs over the k experts' rows), 16 columns from two tokens on (best or within 3% of it at every shape swept).
+_GEMV_CFG = {1: {"gate_up": (2, 512, 4), "down": (2, 512, 4)}, 2: {"gate_up": (16, 256, 8), "down": (16, 256, 8)}}
+_GEMV_INTERP_CFG = {n: {"gate_up": (4, 16, 1), "down": (4, 16, 1)} for n in (1, 2)}
+
+
+def use_gemv(tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether :func:`moe_experts_triton` takes the GEMV path for this routing size."""
+    pairs = tokens * top_k
+    return 0 < pairs <= GEMV_MAX_PAIRS and 2 * pairs <= num_experts
 
 
 @triton.jit
@@ -205,7 +217,7 @@ def moe_experts_gemv(
     flat = ids.reshape(-1).contiguous()
     rw = weights.reshape(-1).contiguous()
     inter = torch.empty((T * topk, inter_dim), dtype=x.dtype, device=x.device)
-    cfgs = _GEMV_INTERP_CFG if _INTERPRET else _GEMV_CFG
+    cfgs = (_GEMV_INTERP_CFG if _INTERPRET else _GEMV_CFG)[min(T, 2)]
     bn, bk, warps = cfgs["gate_up"]
     extra = {} if _INTERPRET else {"num_warps": warps}
     _moe_gemv_gate_up_kernel[(T * topk, triton.cdiv(inter_dim, bn))](
@@ -224,10 +236,10 @@ def moe_experts_gemv(
 def moe_experts_triton(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
-    """See :func:`infercore.ops.moe.moe_experts_routed` (arguments checked there). Up to ``GEMV_MAX_PAIRS``
-    (token, expert) pairs run :func:`moe_experts_gemv`; more, the grouped kernels below."""
+    """See :func:`infercore.ops.moe.moe_experts_routed` (arguments checked there). Decode sizes (:func:`use_gemv`)
+    run :func:`moe_experts_gemv`; the rest the grouped kernels below."""
     T, topk = ids.shape
-    if 0 < T * topk <= GEMV_MAX_PAIRS:
+    if use_gemv(T, topk, gate_up.shape[0]):
         return moe_experts_gemv(x, gate_up, down, weights, ids)
     E, two_i, H = gate_up.shape
     inter_dim = two_i // 2

@@ -39,8 +39,13 @@ _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 TUNING = {
     64: {"fwd": {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
          "scores": {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3}},
-    128: {"fwd": {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
-          "scores": {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 3}},
+    # head_dim 128: the best of the H200 sweep at 4k and 8k tokens (results/h200/attn_scores.json, "sweep"): K1
+    # warp-specialized 128 x 128 tiles (0.30-0.32 ms at 4k against 0.34 for 128 x 64 plain); K2 64 x 128 (all
+    # queries) or, with a SnapKV window, 32 x 128 with 4 warps and 4 stages (0.02-0.05 ms).
+    128: {"fwd": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "warp_spec": True,
+                  "maxnreg": 232},
+          "scores": {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 3},
+          "scores_window": {"block_m": 32, "block_n": 128, "num_warps": 4, "num_stages": 4}},
     256: {"fwd": {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2},
           "scores": {"block_m": 32, "block_n": 64, "num_warps": 4, "num_stages": 2}},
 }  # fmt: skip
@@ -295,8 +300,11 @@ def default_config(q: torch.Tensor, k: torch.Tensor, B: int, max_seqlen: int, sc
         return {"fwd": dict(_INTERPRETER_CONFIG["fwd"]), "scores": dict(_INTERPRETER_CONFIG["scores"])}
     tuned = TUNING[min(max(block_d, 64), 256)]
     elem = q.element_size()
-    fwd = _fit_shared_memory(dict(tuned["fwd"]), "block_m", "block_n", block_d, elem)
-    sc = _fit_shared_memory(dict(tuned["scores"]), "block_n", "block_m", block_d, elem)
+    fwd, sc = dict(tuned["fwd"]), dict(tuned.get("scores_window" if score_window is not None else "scores",
+                                                   tuned["scores"]))
+    if elem > 2 or block_d not in (64, 128):  # the tuned 16-bit tiles run as measured; shrink the others to fit
+        fwd = _fit_shared_memory(fwd, "block_m", "block_n", block_d, elem)
+        sc = _fit_shared_memory(sc, "block_n", "block_m", block_d, elem)
     # GQA at a short context has few key tiles per KV head: spread the group's query heads over more
     # programs until the grid fills the GPU a few times over (the causal work per key tile is uneven, so
     # more, shorter programs balance better). Windowed scores are cheap and even: one wave is enough.

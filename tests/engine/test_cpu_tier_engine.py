@@ -7,6 +7,11 @@ cached pages, loads of matched ones, LRU, metrics, preemption, async scheduling,
 import pytest
 import torch
 from engine_helpers import hf_greedy, ours_from_hf, random_prompts, tiny_hf, with_fake_graphs
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_async import LetterTokenizer, check_stream
+from test_async import request as async_request
+from test_async import run as async_run
 
 from infercore import Engine, EngineConfig, SamplingParams
 from infercore.engine.graph_runner import CUDAGraphRunner
@@ -233,6 +238,46 @@ def test_tier_is_the_same_size_whatever_the_device_pool(pair):
     assert eng.cpu_tier.num_pages == TIER // eng.cpu_tier.page_bytes
     host = eng.cpu_tier.host_chunks
     assert len(host) == 1 and host[0].dtype == torch.uint8 and not host[0].is_pinned()
+
+
+# prompts that continue one of three 13-token prefixes (sessions returning), or the async tests' short ones
+_PREFIXES = [[(5 * i + j) % 8 for j in range(13)] for i in range(3)]
+# (arriving up to 40 steps late, after others pushed their prefix out of a small pool)
+tier_request = st.one_of(async_request, st.builds(
+    lambda k, suffix, arrival, rest: (_PREFIXES[k] + suffix, rest[1], arrival, rest[3]),
+    st.integers(0, 2), st.lists(st.integers(0, 7), max_size=10), st.integers(0, 40), async_request))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    reqs=st.lists(tier_request, min_size=1, max_size=8),
+    num_pages=st.integers(9, 24),
+    tier_pages=st.integers(1, 40),
+    budget=st.integers(4, 48),
+    max_seqs=st.integers(1, 5),
+    graphs=st.sampled_from([0, 3]),
+)
+def test_random_traffic_with_the_tier_equals_a_roomy_pool(reqs, num_pages, tier_pages, budget, max_seqs, graphs):
+    """Arrivals, aborts, stop strings, seeded sampling and preemption in a small pool over a tier of 1-40 pages,
+    synchronous and async, with and without (stand-in) decode graphs: every finished request's output equals a
+    roomy synchronous engine's; an aborted one streamed a prefix of it; no page or row leaks (``run`` checks)."""
+    page_bytes = 2 * 2 * 4 * 8 * 4  # one layer of the async tests' model: (k, v) * page * (Hk=2 * D=8) * fp32
+    cfg = dict(num_pages=num_pages, max_num_batched_tokens=budget, max_num_seqs=max_seqs, graphs=graphs,
+               tokenizer=LetterTokenizer(), cpu_kv_cache_bytes=tier_pages * page_bytes)
+    ref, _ = async_run(reqs, async_scheduling=False, aborts=False, tokenizer=LetterTokenizer(), num_pages=512)
+    for a in (False, True):
+        streams, eng = async_run(reqs, async_scheduling=a, **cfg)
+        assert eng.cpu_tier.num_pages == tier_pages
+        for rid, outs in streams.items():
+            check_stream(outs)
+            want = ref[rid][-1]
+            if outs and outs[-1].finished:
+                got = outs[-1]
+                assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+            else:
+                assert reqs[int(rid[1:])][3] is not None
+                toks = outs[-1].token_ids if outs else []
+                assert toks == want.token_ids[: len(toks)]
 
 
 def test_cli_passes_the_cpu_tier_size(capsys, monkeypatch):

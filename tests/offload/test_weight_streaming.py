@@ -328,3 +328,24 @@ def test_layers_out_of_order_are_refused(hf):
     layers[0], layers[1] = layers[1], layers[0]
     with pytest.raises(RuntimeError, match="decoder layer 1 ran, expected layer 0"):
         _logits(model, PROMPTS, steps=0)
+
+
+def test_swaps_after_offloading_are_refused(hf):
+    # The wrapper sees the layer's modules: a quantize() after offloading would build its QuantLinears from whatever
+    # the slot held and keep them off the stream; the next forward refuses instead of computing with them.
+    from infercore.offload import offload_weights_
+    from infercore.quant import quantize
+
+    model = _ours(hf)
+    offload_weights_(model, gpu_budget_bytes=_budgets(model, 2)["some"])
+    _logits(model, PROMPTS, steps=0)
+    quantize(model, "w8a16")
+    with pytest.raises(RuntimeError, match="decoder layer 3 streams, but its modules or tensors changed"):
+        _logits(model, PROMPTS, steps=0)
+    # a device layout's class swap keeps the tensors: still streams (the CPU engine's packed linears, above)
+    from infercore.models.layout import pack_linears_for_cpu_
+
+    model = _ours(hf)
+    offload_weights_(model, gpu_budget_bytes=_budgets(model, 2)["some"])
+    assert pack_linears_for_cpu_(model) > 0
+    _logits(model, PROMPTS, steps=0)

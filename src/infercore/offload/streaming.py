@@ -166,6 +166,12 @@ class WeightStreamer:
         self.copier = _CudaCopier(device, self.n) if device.type == "cuda" else _HostCopier()
         self._next = 0
         self.forwards = 0
+        self._bound: dict[int, tuple] = {}  # streamed layer index -> its tensors as bound to the slot
+
+    def bind(self, layers: nn.ModuleList) -> None:
+        """Remember which tensors each streamed layer holds now (its slot views), to notice a later swap."""
+        self._layers = list(layers)
+        self._bound = {i: _holdings(layers[i]) for i in self.order}
 
     def slot_of(self, layer: int) -> int | None:
         k = self.order.get(layer)
@@ -185,6 +191,11 @@ class WeightStreamer:
         self._next = i + 1
         k = self.order.get(i)
         if k is not None:
+            if _holdings(self._layers[i]) != self._bound[i]:
+                raise RuntimeError(
+                    f"offload: decoder layer {i} streams, but its modules or tensors changed after offload_weights_ "
+                    "(quantize, tensor_parallel_, load_weights or .to() after offloading?); their new tensors are not "
+                    "streamed. Offload last, on a model that is otherwise ready")
             self.copier.wait(k)
 
     def exit(self, i: int) -> None:
@@ -194,6 +205,13 @@ class WeightStreamer:
             self.copier.copy(j, self.dst[j], self.hosts[j], k)
         if i == self.num_layers - 1 and self.n:
             self.copier.finish()
+
+
+def _holdings(layer: nn.Module) -> tuple:
+    """``(module, name, tensor)`` identities of every parameter / buffer under ``layer``: a module swapped in
+    (quantization) or a tensor replaced after offloading changes it. A class swap (device layouts) does not."""
+    return tuple((id(m), name, id(t)) for m in layer.modules()
+                 for name, t in (*m._parameters.items(), *m._buffers.items()) if t is not None)
 
 
 def _strides(t: torch.Tensor) -> tuple[int, ...]:
@@ -366,6 +384,7 @@ def offload_weights_(model: nn.Module, *, gpu_budget_bytes: int, prefetch: int =
             else:
                 _set(refs, torch.empty(t.shape, dtype=t.dtype, device=dev))
     streamer = WeightStreamer(plan, hosts, slots, dev)
+    streamer.bind(layers)
     if registered:
         weakref.finalize(streamer, _unregister, host_all.data_ptr())
     streamer.host = host_all

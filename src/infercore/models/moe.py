@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..devices import dispatch
 from ..ops import moe_experts_routed, silu_and_mul
 from ..ops.moe.naive import check_moe_args, moe_experts_ref
 
@@ -196,9 +197,11 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype) if shared_intermediate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_topk(self.gate(x), top_k=self.top_k, renormalize=self.renormalize)
-        # HF casts the routing weights to the activation dtype before the experts scale by them.
-        out = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights.to(x.dtype), ids)
+        # One fused launch on CUDA (ops.moe_route_topk); HF casts the routing weights to the activation dtype
+        # before the experts scale by them.
+        weights, ids = dispatch("moe_route_topk", x.device)(self.gate(x), top_k=self.top_k,
+                                                            renormalize=self.renormalize, out_dtype=x.dtype)
+        out = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

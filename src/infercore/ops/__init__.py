@@ -22,6 +22,7 @@ from .kv_cache import write_kv_cache_
 from .linear import skinny_linear
 from .mamba import mamba_chunk_scan_, selective_state_update_
 from .moe import moe_experts_routed
+from .moe.routing import moe_route_topk
 from .norm import fused_add_rms_norm, rms_norm
 from .rope import apply_rope, rope_cos_sin_cache, rope_inv_freq
 from .rope.fused import rope_and_write_kv_cache_
@@ -42,6 +43,7 @@ __all__ = [
     "gated_rms_norm",
     "mamba_chunk_scan_",
     "moe_experts_routed",
+    "moe_route_topk",
     "selective_state_update_",
     "AttentionMetadata",
     "SamplingTensors",

@@ -19,12 +19,14 @@ if triton_available():
     from .activation import triton as _activation_triton  # noqa: F401
     from .attention import triton_decode as _attention_decode_triton  # noqa: F401
     from .attention import triton_prefill as _attention_prefill_triton  # noqa: F401
+    from .attention import triton_scores as _attention_scores_triton  # noqa: F401
     from .conv1d import triton as _conv1d_triton  # noqa: F401
     from .gated_delta import triton as _gated_delta_triton  # noqa: F401
     from .gated_norm import triton as _gated_norm_triton  # noqa: F401
     from .kv_cache import triton as _kv_cache_triton  # noqa: F401
     from .linear import triton as _linear_triton  # noqa: F401
     from .mamba import triton as _mamba_triton  # noqa: F401
+    from .moe import routing_triton as _moe_routing_triton  # noqa: F401
     from .moe import triton as _moe_triton  # noqa: F401
     from .norm import triton as _norm_triton  # noqa: F401
     from .rope import triton as _rope_triton  # noqa: F401

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ...devices import dispatch, register, triton_available
+from ...devices import dispatch, register
 from .. import _validate as V
 from .scores_naive import attention_with_key_scores_ref, select_kv_tokens_ref
 
@@ -173,8 +173,3 @@ def select_kv_tokens(
 
 
 register(_OP, "reference", attention_with_key_scores_ref)
-
-if triton_available():
-    # Registers the "triton" implementation (CUDA; the interpreter when forced). Lives here rather than in
-    # ops/_fast.py so this op's files stay self-contained.
-    from . import triton_scores as _triton_scores  # noqa: F401,E402

@@ -49,3 +49,14 @@ def test_ties_take_the_lower_id_and_bad_inputs_are_named():
         moe_route_topk(logits, top_k=2, renormalize=1)
     with pytest.raises(TypeError, match="out_dtype"):
         moe_route_topk(logits, top_k=2, renormalize=True, out_dtype=torch.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E,k", [(128, 8), (512, 10), (8, 2)])
+def test_on_cuda_at_real_sizes(E, k):
+    torch.manual_seed(E)
+    logits = torch.randn(64, E, device="cuda") * 2
+    w_ref, i_ref = implementation("moe_route_topk", "reference")(logits, top_k=k, renormalize=True)
+    w, i = moe_route_topk(logits, top_k=k, renormalize=True)  # dispatched: the Triton kernel
+    assert i.dtype == torch.int32 and torch.equal(i.long(), i_ref)
+    torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)

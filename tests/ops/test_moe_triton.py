@@ -77,3 +77,27 @@ def test_routed_bad_arguments_name_them():
         moe_experts_routed(x.int(), gate_up.int(), down.int(), w, ids)
     with pytest.raises(TypeError, match="weights"):
         moe_experts_routed(x, gate_up, down, w.int(), ids)
+
+
+@pytest.mark.parametrize("path", ["grouped", "gemv"])
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+def test_expert_offset_skips_the_experts_held_elsewhere(path, ids_dtype, monkeypatch):
+    """Expert parallelism: two holders of half the experts each (global ids, expert_offset) sum to the whole
+    result, in both Triton paths and the reference; the reference refuses an id out of range without an offset."""
+    from infercore.ops.moe import triton as moe_triton
+
+    monkeypatch.setattr(moe_triton, "GEMV_MAX_PAIRS", 0 if path == "grouped" else 10**6)
+    x, gate_up, down, w, ids = _case(6, 8, 40, 24, 3, torch.float32)
+    ids = ids.to(ids_dtype)
+    ref = implementation("moe_experts_routed", "reference")
+    want = ref(x, gate_up, down, w, ids)
+    fn = moe_triton.moe_experts_gemv if path == "gemv" else implementation("moe_experts_routed", "triton")
+    halves = [fn(x, gate_up[lo:lo + 4], down[lo:lo + 4], w, ids, lo) for lo in (0, 4)]
+    torch.testing.assert_close(halves[0] + halves[1], want, atol=2e-5, rtol=2e-5)
+    assert (halves[0] - want).abs().max() > 1e-2  # each half alone is only a share
+    refs = [ref(x, gate_up[lo:lo + 4], down[lo:lo + 4], w, ids, lo) for lo in (0, 4)]
+    torch.testing.assert_close(refs[0] + refs[1], want, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="outside"):
+        ref(x, gate_up[:4], down[:4], w, ids)
+    with pytest.raises(ValueError, match="expert_offset"):
+        moe_experts_routed(x, gate_up, down, w, ids, expert_offset=-1)

@@ -1,5 +1,6 @@
-"""Tensor parallelism of the routed-expert families (gloo, two CPU processes): each rank keeps every expert's slice
-of the intermediate width; the tokens equal transformers' greedy ones on every rank."""
+"""Tensor and expert parallelism of the routed-expert families (gloo, two CPU processes): each rank keeps every
+expert's slice of the intermediate width, or half of the experts whole; the tokens equal transformers' greedy ones on
+every rank."""
 
 import os
 import sys
@@ -27,24 +28,34 @@ def _worker(rank: int, init: str, path: str) -> None:
     torch.set_num_threads(1)
     # loaded before the group exists: transformers' save_pretrained writes on the main process only
     hfs = {kind: tiny_moe(kind) for kind in ("mixtral", "qwen2_moe")}  # qwen2_moe: a shared expert, a dense layer
-    models = {kind: ours_from_hf(hf, os.path.join(path, f"{kind}-{rank}"))[0] for kind, hf in hfs.items()}
+    layouts = [(kind, experts) for kind in hfs for experts in ("tp", "ep")]
+    models = {lay: ours_from_hf(hfs[lay[0]], os.path.join(path, f"{lay[0]}-{lay[1]}-{rank}"))[0] for lay in layouts}
     odd = ours_from_hf(tiny_moe("qwen3_moe", moe_intermediate_size=25), os.path.join(path, f"odd-{rank}"))[0]
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
         greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-        for kind, hf in hfs.items():
-            model = tensor_parallel_(models[kind])
+        for kind, experts in layouts:
+            hf = hfs[kind]
+            model = tensor_parallel_(models[kind, experts], experts=experts)
             mlp = model.model.layers[0].mlp
-            assert isinstance(mlp, RowParallel) and mlp.linear.experts.down_proj.shape[2] == (
-                hf.config.intermediate_size if kind == "mixtral" else hf.config.moe_intermediate_size) // WORLD
+            width = hf.config.intermediate_size if kind == "mixtral" else hf.config.moe_intermediate_size
+            num = hf.config.num_local_experts if kind == "mixtral" else hf.config.num_experts
+            assert isinstance(mlp, RowParallel)
+            if experts == "tp":
+                assert mlp.linear.experts.down_proj.shape[::2] == (num, width // WORLD)
+            else:  # whole experts, half of them
+                assert mlp.linear.experts.down_proj.shape[::2] == (num // WORLD, width)
+                assert mlp.linear.expert_offset == rank * num // WORLD
             outs = [o.token_ids for o in Engine(model, page_size=4, num_pages=64).generate(PROMPTS, greedy)]
             everyone = [None] * WORLD
             dist.all_gather_object(everyone, outs)
             assert everyone[0] == everyone[1]
             if rank == 0:
-                assert outs == [hf_greedy(hf, p, 10) for p in PROMPTS], kind
+                assert outs == [hf_greedy(hf, p, 10) for p in PROMPTS], (kind, experts)
         with pytest.raises(ValueError, match="moe_intermediate_size=25"):
             tensor_parallel_(odd)
+        with pytest.raises(ValueError, match="experts must be"):
+            tensor_parallel_(odd, experts="dp")
     finally:
         _leave()
 

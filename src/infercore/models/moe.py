@@ -129,25 +129,30 @@ def moe_experts_dense(
 
 
 def moe_experts(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    expert_offset: int | None = None,
 ) -> torch.Tensor:
     """Dispatch. CPU: the reference loop (it costs less than either batched form there).
     Accelerators: the routed op (``ops.moe_experts_routed``: on CUDA a Triton grouped GEMM over the
     pairs sorted by expert on the device -- only routed experts read and computed, no host sync),
-    ``ROUTED_MAX_TOKENS`` tokens at a time."""
+    ``ROUTED_MAX_TOKENS`` tokens at a time. ``expert_offset``: the tensors hold experts
+    ``[expert_offset, expert_offset + E)`` of a larger set (expert parallelism); pairs routed elsewhere are skipped."""
     if x.device.type == "cpu":
-        return moe_experts_reference(x, gate_up, down, weights, ids)
-    return _routed_in_chunks(x, gate_up, down, weights, ids)
+        _check(x, gate_up, down, weights, ids)
+        return moe_experts_ref(x, gate_up, down, weights, ids, expert_offset)
+    return _routed_in_chunks(x, gate_up, down, weights, ids, expert_offset)
 
 
 def _routed_in_chunks(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    expert_offset: int | None = None,
 ) -> torch.Tensor:
     T, R = x.shape[0], ROUTED_MAX_TOKENS
     if T <= R:
-        return moe_experts_routed(x, gate_up, down, weights, ids)
+        return moe_experts_routed(x, gate_up, down, weights, ids, expert_offset=expert_offset)
     _check(x, gate_up, down, weights, ids)
-    return torch.cat([moe_experts_routed(x[s : s + R], gate_up, down, weights[s : s + R], ids[s : s + R])
+    return torch.cat([moe_experts_routed(x[s : s + R], gate_up, down, weights[s : s + R], ids[s : s + R],
+                                         expert_offset=expert_offset)
                       for s in range(0, T, R)])  # fmt: skip
 
 
@@ -191,6 +196,9 @@ class SparseMoeBlock(nn.Module):
     ) -> None:
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
+        # Expert parallelism (parallel.tensor_parallel_(experts="ep")): this block holds the experts
+        # [expert_offset, expert_offset + its count) and skips the pairs routed to the others.
+        self.expert_offset: int | None = None
         self.gate = nn.Linear(hidden, num_experts, bias=False, dtype=dtype)
         self.experts = StackedExperts(num_experts, hidden, intermediate, dtype=dtype)
         self.shared_expert = GatedMLP(hidden, shared_intermediate, dtype=dtype) if shared_intermediate else None
@@ -201,7 +209,7 @@ class SparseMoeBlock(nn.Module):
         # before the experts scale by them.
         weights, ids = dispatch("moe_route_topk", x.device)(self.gate(x), top_k=self.top_k,
                                                             renormalize=self.renormalize, out_dtype=x.dtype)
-        out = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        out = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.expert_offset)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

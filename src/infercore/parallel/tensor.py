@@ -10,9 +10,10 @@ Each rank of a process group keeps a slice of every layer and the same replicate
 - ``lm_head`` (vocabulary-parallel): a slice of the vocabulary, wrapped in :class:`VocabParallel`, which gathers
   the logits over the group (``all_gather``), so every rank samples from the whole distribution;
 - embeddings and norms: replicated;
-- routed experts (Mixtral / Qwen-MoE): every expert keeps the rank's slice of its intermediate width, the shared
-  expert too; the router is replicated, so every rank routes every token alike, and the whole block's output is
-  summed over the group (one ``all_reduce`` per block, :class:`RowParallel` around the block).
+- routed experts (Mixtral / Qwen-MoE): every expert keeps the rank's slice of its intermediate width, or (expert
+  parallelism, ``experts="ep"``) each rank keeps whole experts and skips the pairs routed to the others; the shared
+  expert is split by width; the router is replicated, so every rank routes every token alike, and the whole block's
+  output is summed over the group (one ``all_reduce`` per block, :class:`RowParallel` around the block).
 
 The shards stay ``nn.Linear`` modules inside the wrappers, so the device layouts' class swaps and
 :func:`~infercore.quant.quantize` (per shard) apply to them as to an unsharded model.
@@ -79,11 +80,15 @@ class VocabParallel(nn.Module):
 
 
 @torch.no_grad()
-def tensor_parallel_(model: nn.Module, group=None) -> nn.Module:
+def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn.Module:
     """Shard a loaded Llama-family model (:class:`~infercore.models.llama.LlamaForCausalLM`: Llama, Mistral,
     Qwen2 / Qwen3, SmolLM2, and the routed-expert Mixtral / Qwen2-MoE / Qwen3-MoE) in place over ``group``
     (default: the world), as this rank's slice; see the module docstring for the layout. Call it on every rank with
     the same weights, before building the Engine.
+
+    ``experts`` (routed-expert models): ``"tp"`` gives every rank a slice of every expert's width; ``"ep"`` (expert
+    parallelism) gives each rank whole experts, ``num_experts / tp`` of them, and the rank skips the (token, expert)
+    pairs routed to the others. Either way the shared expert is split by width and the block's output summed.
 
     Returns the model, with ``model.tp_group`` (``group``), ``tp_size`` and ``tp_rank`` set.
 
@@ -100,12 +105,15 @@ def tensor_parallel_(model: nn.Module, group=None) -> nn.Module:
         raise ValueError("tensor_parallel_: model is already sharded")
     tp, rank = _group_size_rank(group)
     cfg = model.config
+    if experts not in ("tp", "ep"):
+        raise ValueError(f"tensor_parallel_: experts must be 'tp' or 'ep', got {experts!r}")
     widths = [("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads), ("vocab_size", cfg.vocab_size)]
     sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers]
     if not all(sparse):
         widths.append(("intermediate_size", cfg.intermediate_size))
     if any(sparse):
-        widths.append(("moe_intermediate_size", cfg.moe_intermediate_size))
+        widths.append(("moe_intermediate_size", cfg.moe_intermediate_size) if experts == "tp"
+                      else ("num_experts", cfg.num_experts))
         if cfg.shared_expert_intermediate_size:
             widths.append(("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size))
     for name, n in widths:
@@ -134,7 +142,7 @@ def tensor_parallel_(model: nn.Module, group=None) -> nn.Module:
         _set(p, p.weight[:, rank * hq * d : (rank + 1) * hq * d].contiguous(), p.bias if rank == 0 else None)
         attn.o_proj = RowParallel(p, group)
         if isinstance(layer.mlp, SparseMoeBlock):
-            _shard_moe_(layer.mlp, tp, rank)
+            _shard_moe_(layer.mlp, tp, rank, by_expert=experts == "ep")
             layer.mlp = RowParallel(layer.mlp, group)  # experts and shared expert: partial sums, one all_reduce
         else:
             _shard_gated_mlp_(layer.mlp, tp, rank, group, reduce=True)
@@ -166,16 +174,24 @@ def _shard_gated_mlp_(mlp: nn.Module, tp: int, rank: int, group, *, reduce: bool
         mlp.down_proj = RowParallel(p, group)
 
 
-def _shard_moe_(block: SparseMoeBlock, tp: int, rank: int) -> None:
-    """Every expert keeps its slice of the intermediate width (``[E, 2I/tp, H]`` / ``[E, H, I/tp]``), as the
-    shared expert does; the router and the shared expert's gate stay whole. The block's output is then this
-    rank's partial sum (the sigmoid gate scales each rank's part alike)."""
+def _shard_moe_(block: SparseMoeBlock, tp: int, rank: int, *, by_expert: bool) -> None:
+    """Every expert keeps its slice of the intermediate width (``[E, 2I/tp, H]`` / ``[E, H, I/tp]``), or with
+    ``by_expert`` the rank keeps whole experts ``[rank E/tp, (rank + 1) E/tp)`` (``block.expert_offset``); the
+    shared expert is split by width, the router and the shared expert's gate stay whole. The block's output is then
+    this rank's partial sum (the sigmoid gate scales each rank's part alike)."""
     ex = block.experts
-    rows = _gate_up_rows(ex.gate_up_proj.shape[1] // 2, tp, rank)
-    ex.gate_up_proj = nn.Parameter(torch.cat([ex.gate_up_proj[:, a:b] for a, b in rows], 1).contiguous(),
-                                   requires_grad=False)
-    part = ex.down_proj.shape[2] // tp
-    ex.down_proj = nn.Parameter(ex.down_proj[:, :, rank * part : (rank + 1) * part].contiguous(), requires_grad=False)
+    if by_expert:
+        n = ex.gate_up_proj.shape[0] // tp
+        ex.gate_up_proj = nn.Parameter(ex.gate_up_proj[rank * n : (rank + 1) * n].contiguous(), requires_grad=False)
+        ex.down_proj = nn.Parameter(ex.down_proj[rank * n : (rank + 1) * n].contiguous(), requires_grad=False)
+        block.expert_offset = rank * n
+    else:
+        rows = _gate_up_rows(ex.gate_up_proj.shape[1] // 2, tp, rank)
+        ex.gate_up_proj = nn.Parameter(torch.cat([ex.gate_up_proj[:, a:b] for a, b in rows], 1).contiguous(),
+                                       requires_grad=False)
+        part = ex.down_proj.shape[2] // tp
+        ex.down_proj = nn.Parameter(ex.down_proj[:, :, rank * part : (rank + 1) * part].contiguous(),
+                                    requires_grad=False)
     if block.shared_expert is not None:
         _shard_gated_mlp_(block.shared_expert, tp, rank, None, reduce=False)
 

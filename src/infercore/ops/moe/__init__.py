@@ -18,7 +18,8 @@ __all__ = ["moe_experts_routed"]
 
 
 def moe_experts_routed(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    *, expert_offset: int | None = None,
 ) -> torch.Tensor:
     """Top-k routed SiLU-gated experts.
 
@@ -28,6 +29,9 @@ def moe_experts_routed(
         weights: ``[T, k]`` routing weights (any float dtype); ids: ``[T, k]`` int32/int64 expert ids
             in ``[0, E)``. All on one device. The id values are not checked (that would read them
             on the host, a sync a CUDA graph cannot hold); an id outside ``[0, E)`` is undefined.
+        expert_offset: expert parallelism: ``gate_up`` / ``down`` hold the experts
+            ``[expert_offset, expert_offset + E)`` of a larger set, ``ids`` are global, and pairs routed to an
+            expert outside that range are skipped (the result is this holder's share of the sum).
 
     Returns:
         ``[T, H]`` in ``x.dtype``.
@@ -41,7 +45,11 @@ def moe_experts_routed(
         raise TypeError(f"{op}: gate_up / down must have x's dtype {x.dtype}, got {gate_up.dtype} / {down.dtype}")
     if not weights.is_floating_point():
         raise TypeError(f"{op}: weights must be a floating tensor, got {weights.dtype}")
-    return dispatch(op, x.device)(x, gate_up, down, weights, ids)
+    if expert_offset is None:
+        return dispatch(op, x.device)(x, gate_up, down, weights, ids)
+    if isinstance(expert_offset, bool) or not isinstance(expert_offset, int) or expert_offset < 0:
+        raise ValueError(f"{op}: expert_offset must be an int >= 0 or None, got {expert_offset!r}")
+    return dispatch(op, x.device)(x, gate_up, down, weights, ids, expert_offset)
 
 
 register("moe_experts_routed", "reference", moe_experts_ref)

@@ -29,15 +29,23 @@ def check_moe_args(op: str, x, gate_up, down, weights, ids) -> None:
 
 
 def moe_experts_ref(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    expert_offset: int | None = None,
 ) -> torch.Tensor:
     """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``, expert by expert (the HF loop).
 
     ``expert_e(v) = silu_and_mul(v @ gate_up[e]^T) @ down[e]^T``; each expert's output is scaled in
-    fp32 and summed in ``x.dtype``. Returns ``[T, H]`` in ``x.dtype``.
+    fp32 and summed in ``x.dtype``. Returns ``[T, H]`` in ``x.dtype``. With ``expert_offset`` the tensors hold
+    experts ``[expert_offset, expert_offset + E)`` and pairs routed elsewhere are skipped.
     """
     out = torch.zeros_like(x)
+    if expert_offset is not None:
+        ids = ids - expert_offset
     for e in torch.unique(ids).tolist():
+        if not 0 <= e < gate_up.shape[0]:
+            if expert_offset is not None:
+                continue
+            raise ValueError(f"moe_experts: expert id {e} is outside [0, {gate_up.shape[0]})")
         tok, slot = torch.where(ids == e)
         y = silu_and_mul(x[tok] @ gate_up[e].t()) @ down[e].t()
         out.index_add_(0, tok, (y.float() * weights[tok, slot, None].float()).to(x.dtype))

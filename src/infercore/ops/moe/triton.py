@@ -145,12 +145,14 @@ def use_gemv(tokens: int, top_k: int, num_experts: int) -> bool:
 @triton.jit
 def _moe_gemv_gate_up_kernel(
     x_ptr, w_ptr, ids_ptr, inter_ptr,
-    H, I, TOPK,
+    H, I, TOPK, E, OFFSET,
     stride_xm, stride_we, stride_wn, stride_im,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
-    e = tl.load(ids_ptr + pair).to(tl.int64)
+    e = tl.load(ids_ptr + pair).to(tl.int64) - OFFSET
+    if (e < 0) | (e >= E):  # an expert held elsewhere (expert parallelism): the down kernel skips the pair
+        return
     x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_xm
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
@@ -175,7 +177,7 @@ def _moe_gemv_gate_up_kernel(
 @triton.jit
 def _moe_gemv_down_kernel(
     inter_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr,
-    H, I,
+    H, I, E, OFFSET,
     stride_im, stride_we, stride_wn, stride_om,
     TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -185,23 +187,25 @@ def _moe_gemv_down_kernel(
     out = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j in range(TOPK):  # the token's pairs in slot order: a fixed summation order
         pair = tok * TOPK + j
-        e = tl.load(ids_ptr + pair).to(tl.int64)
-        w_rows = w_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-        a_row = inter_ptr + pair.to(tl.int64) * stride_im
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < I
-            a = tl.load(a_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                        eviction_policy="evict_first")
-            acc += w.to(tl.float32) * a
-        out += tl.sum(acc, axis=1) * tl.load(rw_ptr + pair).to(tl.float32)
+        e = tl.load(ids_ptr + pair).to(tl.int64) - OFFSET
+        if (e >= 0) & (e < E):
+            w_rows = w_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+            a_row = inter_ptr + pair.to(tl.int64) * stride_im
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = offs_k < I
+                a = tl.load(a_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+                w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                            eviction_policy="evict_first")
+                acc += w.to(tl.float32) * a
+            out += tl.sum(acc, axis=1) * tl.load(rw_ptr + pair).to(tl.float32)
     tl.store(out_ptr + tok.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 def moe_experts_gemv(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    expert_offset: int | None = None,
 ) -> torch.Tensor:
     """The decode-size path (see the module docstring): no sort, two launches. Same arguments and result as
     :func:`moe_experts_triton`."""
@@ -220,27 +224,30 @@ def moe_experts_gemv(
     cfgs = (_GEMV_INTERP_CFG if _INTERPRET else _GEMV_CFG)[min(T, 2)]
     bn, bk, warps = cfgs["gate_up"]
     extra = {} if _INTERPRET else {"num_warps": warps}
+    offset = expert_offset or 0
     _moe_gemv_gate_up_kernel[(T * topk, triton.cdiv(inter_dim, bn))](
-        x, gate_up, flat, inter, H, inter_dim, topk, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        x, gate_up, flat, inter, H, inter_dim, topk, E, offset, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         inter.stride(0), BLOCK_N=bn, BLOCK_K=bk, **extra,
     )  # fmt: skip
     bn, bk, warps = cfgs["down"]
     extra = {} if _INTERPRET else {"num_warps": warps}
     _moe_gemv_down_kernel[(T, triton.cdiv(H, bn))](
-        inter, down, flat, rw, out, H, inter_dim, inter.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        inter, down, flat, rw, out, H, inter_dim, E, offset, inter.stride(0), down.stride(0), down.stride(1),
+        out.stride(0),
         TOPK=topk, BLOCK_N=bn, BLOCK_K=bk, **extra,
     )  # fmt: skip
     return out
 
 
 def moe_experts_triton(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    expert_offset: int | None = None,
 ) -> torch.Tensor:
     """See :func:`infercore.ops.moe.moe_experts_routed` (arguments checked there). Decode sizes (:func:`use_gemv`)
     run :func:`moe_experts_gemv`; the rest the grouped kernels below."""
     T, topk = ids.shape
-    if use_gemv(T, topk, gate_up.shape[0]):
-        return moe_experts_gemv(x, gate_up, down, weights, ids)
+    if use_gemv(T, topk, gate_up.shape[0] if expert_offset is None else 10**9):
+        return moe_experts_gemv(x, gate_up, down, weights, ids, expert_offset)
     E, two_i, H = gate_up.shape
     inter_dim = two_i // 2
     P = T * topk
@@ -251,13 +258,17 @@ def moe_experts_triton(
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     down = down if down.stride(-1) == 1 else down.contiguous()
     flat = ids.reshape(-1)
+    if expert_offset is not None:  # pairs of experts held elsewhere sort last, into a bin no program reads
+        flat = flat - expert_offset
+        flat = torch.where((flat >= 0) & (flat < E), flat, E)
     order = torch.argsort(flat, stable=True).to(torch.int32)  # sorted position -> pair index
-    counts = torch.zeros(E, dtype=torch.int32, device=x.device)
+    counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat.long(), torch.ones(P, dtype=torch.int32, device=x.device))
     offsets = torch.cumsum(counts, 0, dtype=torch.int32) - counts
     rw = weights.reshape(-1).contiguous()
     inter = torch.empty((P, inter_dim), dtype=x.dtype, device=x.device)
-    out_pairs = torch.empty((P, H), dtype=torch.float32, device=x.device)
+    # skipped pairs' rows are never written: zeros then, so the final sum adds nothing for them
+    out_pairs = (torch.empty if expert_offset is None else torch.zeros)((P, H), dtype=torch.float32, device=x.device)
     cfgs = _INTERP_CFG if _INTERPRET else _GPU_CFG
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     bm, bn, bk, warps, stages = cfgs["gate_up"]

@@ -362,12 +362,14 @@ class BlockManager:
             tokens = tuple(token_ids[i * ps : (i + 1) * ps])
             parent = hash_page(parent, tokens)
             page = self._cache.get(parent)
-            # The stored token ids guard against a chain collision handing out foreign KV.
-            if page is None or self._page_tokens[page] != tokens:
+            if page is None:
                 slot = None if tier is None else tier.lookup(parent, tokens)
                 if slot is None:
                     break
                 page = -1 - slot
+            # The stored token ids guard against a chain collision handing out foreign KV.
+            elif self._page_tokens[page] != tokens:
+                break
             hits.append(page)
             hashes.append(parent)
         return hits, hashes

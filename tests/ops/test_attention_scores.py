@@ -144,6 +144,7 @@ def test_default_config_for_the_h200(monkeypatch):
         return ts.default_config(q, k, B, T, window)
 
     assert cfg(4096, 32, 8, 128)["scores"]["split"] == 4  # 256 key-tile programs -> 1024
+    assert cfg(4096, 32, 8, 128)["scores"]["num_warps"] == 4 and cfg(4096, 32, 32, 128)["scores"]["num_warps"] == 8
     assert cfg(8192, 32, 8, 128)["scores"]["split"] == 2
     assert cfg(4096, 32, 8, 128, window=64)["scores"]["split"] == 1
     assert cfg(4096, 32, 8, 128, window=64)["scores"]["block_m"] == ts.TUNING[128]["scores_window"]["block_m"]

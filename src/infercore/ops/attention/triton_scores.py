@@ -316,6 +316,10 @@ def default_config(q: torch.Tensor, k: torch.Tensor, B: int, max_seqlen: int, sc
     while split < group and base * split < target:
         split = next(s for s in range(split + 1, group + 1) if group % s == 0)
     sc["split"] = split
+    if split > 1 and block_d == 128 and elem == 2 and score_window is None:
+        # a GQA group spread over programs: 4 warps each (H200 sweep, Llama-3-8B shape: K2 0.217 vs 0.278 ms at 4k
+        # tokens, 0.757 vs 1.011 at 8k, results/h200/sweeps/attn_scores_*_defaults.json)
+        sc["num_warps"] = 4
     return {"fwd": fwd, "scores": sc}
 
 

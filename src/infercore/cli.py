@@ -26,7 +26,7 @@ def _model_path(text: str) -> str:
 
 def _cpu_kv_bytes(args: argparse.Namespace) -> int:
     """``--cpu-kv-cache-gb`` in bytes (per tensor-parallel rank: each keeps its shard's pages)."""
-    gb = args.cpu_kv_cache_gb
+    gb = getattr(args, "cpu_kv_cache_gb", 0.0)  # a Namespace built by hand (tests, callers) may lack it
     if not gb >= 0:  # NaN too
         raise ValueError(f"--cpu-kv-cache-gb must be >= 0, got {gb}")
     return int(gb * (1 << 30))

@@ -96,11 +96,17 @@ class CPUKVTier:
         if any(t.shape[0] != device_pages for t in tensors):
             raise ValueError("kv_caches: every cache tensor must have the same number of pages (dim 0)")
         self.device = tensors[0].device
-        self._rows = [_byte_rows(t) for t in tensors]
-        widths = [r.shape[1] for r in self._rows]
-        self._offsets = [sum(widths[:i]) for i in range(len(widths))]
-        self._widths = widths
+        rows = [_byte_rows(t) for t in tensors]
+        widths = [r.shape[1] for r in rows]
         self.page_bytes = sum(widths)
+        # The page gathers/scatters (index_select / index_copy_) move the widest element dividing every
+        # tensor's page bytes: one byte per element would cost the copy kernels most of their bandwidth.
+        elem = next(e for e in (8, 4, 2, 1) if all(w % e == 0 for w in widths))
+        wide = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[elem]
+        self._rows = [r.view(wide) for r in rows]
+        self._widths = [w // elem for w in widths]
+        self._offsets = [sum(self._widths[:i]) for i in range(len(widths))]
+        self._wide = wide
         self.num_pages = num_pages
         cuda = self.device.type == "cuda"
         # Host slots in chunks of at most 1 GiB: torch's pinned allocator rounds each allocation up to a
@@ -236,11 +242,12 @@ class CPUKVTier:
         if fence is not None:
             self.stream.wait_event(fence)
         staging = self._staging[:n]
+        wide = staging.view(self._wide)
         if kind == "out":
             pages, slots = [op[1] for op in ops], [op[2] for op in ops]
             idx = self._index_tensor(pages)
             for rows, off, w in zip(self._rows, self._offsets, self._widths):
-                staging[:, off : off + w] = rows.index_select(0, idx)
+                wide[:, off : off + w] = rows.index_select(0, idx)
             for a, b, s in _runs(slots, self._per_chunk):
                 self._host_rows(s, b - a).copy_(staging[a:b], non_blocking=True)
         else:
@@ -249,7 +256,7 @@ class CPUKVTier:
                 staging[a:b].copy_(self._host_rows(s, b - a), non_blocking=True)
             idx = self._index_tensor(pages)
             for rows, off, w in zip(self._rows, self._offsets, self._widths):
-                rows.index_copy_(0, idx, staging[:, off : off + w])
+                rows.index_copy_(0, idx, wide[:, off : off + w])
 
     def _host_rows(self, slot: int, n: int) -> torch.Tensor:
         """Slots ``slot .. slot + n - 1`` (one chunk) as a ``[n, page_bytes]`` view."""

@@ -240,6 +240,35 @@ def test_random_sessions_always_read_back_their_own_bytes(ops, tier_pages):
     assert len(tier) <= tier_pages and bm.stats.cpu_hit_tokens <= bm.stats.hit_tokens
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["out", "in"]), st.integers(0, 5), st.integers(0, 5)), max_size=30))
+def test_flush_regrouping_keeps_the_order_of_copies_that_share_a_page_or_slot(raw):
+    """Copies out move ahead of loads only where no page or slot orders them; runs alternate direction."""
+    from infercore.kv.cpu_tier import _grouped
+
+    # ("out", page, slot, stamp) / ("in", slot, page, stamp), tagged by position through the stamp
+    q = [(k, a, b, i) if k == "out" else (k, b, a, i) for i, (k, a, b) in enumerate(raw)]
+    groups = _grouped(q)
+    order = [op for _, ops in groups for op in ops]
+    assert sorted(order, key=lambda op: op[3]) == q
+    assert all(all(op[0] == k for op in ops) and ops for k, ops in groups)
+    assert all(a[0] != b[0] for a, b in zip(groups, groups[1:]))
+
+    def page_slot(op):
+        return (op[1], op[2]) if op[0] == "out" else (op[2], op[1])
+
+    pos = {op[3]: i for i, op in enumerate(order)}
+    for i, a in enumerate(q):
+        for b in q[i + 1 :]:
+            pa, sa = page_slot(a)
+            pb, sb = page_slot(b)
+            if pa == pb or sa == sb:
+                assert pos[a[3]] < pos[b[3]], (a, b)
+    # the pattern a pool-full admission queues (out p -> s, in s' -> p, ...) goes in two runs
+    alt = [op for p in range(8) for op in (("out", p, 10 + p, 0), ("in", 20 + p, p, 0))]
+    assert [k for k, _ in _grouped(alt)] == ["out", "in"]
+
+
 def test_same_tokens_under_different_prefixes_are_different_pages():
     # Page 1 of a and b holds the same token ids after different first pages: its KV differs, so the tier
     # must key it by the whole chain, not by its own tokens.

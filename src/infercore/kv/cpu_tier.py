@@ -12,7 +12,8 @@ The :class:`~infercore.kv.BlockManager` owns the decisions (plain Python, determ
 ranks make the same ones): it calls :meth:`CPUKVTier.demote` when it is about to reuse an evictable
 cached page (the tier keeps it under its chain key, evicting its own least recently used slot when
 full) and :meth:`CPUKVTier.load` when a prefix match continues into the tier (the slot's bytes go to a
-fresh device page). Both only queue; :meth:`CPUKVTier.flush` issues the queued copies in order.
+fresh device page). Both only queue; :meth:`CPUKVTier.flush` issues the queued copies (copies out moved
+ahead of loads they do not depend on, so each direction goes in large batches).
 
 Ordering on CUDA (no host synchronization anywhere):
 
@@ -216,23 +217,24 @@ class CPUKVTier:
     # ------------------------------------------------------------------ copies
 
     def flush(self) -> None:
-        """Issue the queued copies, in order (batched by direction, ``staging_pages`` at a time)."""
+        """Issue the queued copies (batched by direction, ``staging_pages`` at a time).
+
+        Taking a page queues its copy out and then the load into it, so the queue alternates; issued in
+        that order every batch would move one page. Copies out are therefore moved ahead of earlier loads
+        where nothing orders them (the load neither writes the page the copy out reads nor reads the slot
+        it writes): the issue order stays a valid order for every pair that touches the same page or slot.
+        """
         q = self._queue
         if not q:
             return
         self._queue = []
-        i = 0
-        while i < len(q):
-            kind = q[i][0]
-            j = i
-            while j < len(q) and q[j][0] == kind and j - i < self._staging_pages:
-                j += 1
-            if self.stream is None:
-                self._copy(kind, q[i:j])
-            else:
-                with torch.cuda.stream(self.stream):
-                    self._copy(kind, q[i:j])
-            i = j
+        for kind, ops in _grouped(q):
+            for i in range(0, len(ops), self._staging_pages):
+                if self.stream is None:
+                    self._copy(kind, ops[i : i + self._staging_pages])
+                else:
+                    with torch.cuda.stream(self.stream):
+                        self._copy(kind, ops[i : i + self._staging_pages])
         self._unfenced = self.stream is not None
 
     @torch.inference_mode()
@@ -294,6 +296,28 @@ class CPUKVTier:
         if self._unfenced:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
             self._unfenced = False
+
+
+def _grouped(q: list[tuple[str, int, int, int]]) -> list[tuple[str, list[tuple[str, int, int, int]]]]:
+    """``q`` as runs of one direction (see :meth:`CPUKVTier.flush`): a copy out joins the current outs,
+    ahead of the loads queued since, unless one of those loads writes its page or reads its slot; then
+    the current outs and loads are closed (in that order) and it starts the next group."""
+    out: list[tuple[str, list]] = []
+    outs: list = []
+    ins: list = []
+    in_pages: set[int] = set()
+    in_slots: set[int] = set()
+    for op in q:
+        if op[0] == "in":
+            ins.append(op)
+            in_slots.add(op[1])
+            in_pages.add(op[2])
+        elif op[1] in in_pages or op[2] in in_slots:
+            out += [(k, g) for k, g in (("out", outs), ("in", ins)) if g]
+            outs, ins, in_pages, in_slots = [op], [], set(), set()
+        else:
+            outs.append(op)
+    return out + [(k, g) for k, g in (("out", outs), ("in", ins)) if g]
 
 
 def _runs(slots: list[int], chunk: int) -> list[tuple[int, int, int]]:

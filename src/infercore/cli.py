@@ -49,7 +49,7 @@ def _generate(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         _cpu_kv_bytes(args)  # checked before the ranks start
-        if args.tensor_parallel != 1:
+        if args.tensor_parallel != 1 or getattr(args, "expert_parallel", False):
             return _spawn_tp(args, params)
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
@@ -97,6 +97,8 @@ def _spawn_tp(args: argparse.Namespace, params) -> int:
     n = args.tensor_parallel
     if n < 1:
         raise ValueError(f"--tensor-parallel must be >= 1, got {n}")
+    if getattr(args, "expert_parallel", False) and n == 1:
+        raise ValueError("--expert-parallel needs --tensor-parallel N > 1 (it places whole experts on the N ranks)")
     if args.quantization == "gguf":
         raise ValueError("--tensor-parallel: a GGUF file's blocks run as stored are not sharded; use a scheme of "
                          "infercore.quant.SCHEMES, or no --quantization")
@@ -141,7 +143,7 @@ def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
         quantized = args.quantization is not None
         dtype = _parse_dtype(args.dtype) if args.dtype else default_dtype(device, quantized=quantized)
         model, tok, _ = load_model(args.model or default_model_path(), dtype=dtype, device=device)
-        tensor_parallel_(model)
+        tensor_parallel_(model, experts="ep" if getattr(args, "expert_parallel", False) else "tp")
         if quantized:  # each rank quantizes its shards
             from .quant import quantize
 
@@ -175,7 +177,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         _cpu_kv_bytes(args)
-        if args.tensor_parallel != 1:
+        if args.tensor_parallel != 1 or getattr(args, "expert_parallel", False):
             return _spawn_tp(args, None)
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
@@ -250,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                        help="shard the model over N processes (gloo on the CPU, NCCL on GPUs 0..N-1); N must "
                             "divide the heads, KV heads, MLP width and vocabulary (default 1)")
+        q.add_argument("--expert-parallel", action="store_true",
+                       help="with --tensor-parallel N on a routed-expert model (Mixtral, Qwen2/3-MoE): each rank "
+                            "keeps whole experts (N must divide their number) instead of a slice of every expert")
         q.add_argument("--num-speculative-tokens", default=0, type=int, metavar="K",
                        help="speculative decoding by prompt lookup: draft up to K tokens from n-grams of the "
                             "request's own text, verified in one forward (default 0: off)")

@@ -62,3 +62,27 @@ def _worker(rank: int, init: str, path: str) -> None:
 
 def test_routed_experts_over_two_ranks(tmp_path):
     mp.spawn(_worker, args=(f"file://{tmp_path}/rdzv", str(tmp_path)), nprocs=WORLD, join=True)
+
+
+def test_cli_generate_with_expert_parallelism(tmp_path, capfd):
+    """``infercore generate --tensor-parallel 2 --expert-parallel`` on a Qwen3-MoE checkpoint directory (tiny
+    random weights, SmolLM2's tokenizer): rank 0 prints the same greedy answer as one process; without
+    ``--tensor-parallel`` the flag is refused with exit code 2."""
+    from test_moe_llama import tiny_moe
+
+    from infercore import cli
+    from infercore.loading import GGUFFile, Tokenizer, default_model_path
+
+    tok = Tokenizer.from_gguf(GGUFFile(default_model_path()))
+    hf = tiny_moe("qwen3_moe", vocab_size=49152, decoder_sparse_step=1)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    tok.backend.save(str(tmp_path / "tokenizer.json"))
+    argv = ["generate", "Name three colours.", "--device", "cpu", "--model", str(tmp_path), "--max-tokens", "8",
+            "--temperature", "0", "--no-chat"]  # fmt: skip
+    assert cli.main(argv) == 0
+    want = capfd.readouterr().out
+    assert cli.main(argv + ["--tensor-parallel", "2", "--expert-parallel"]) == 0
+    got = capfd.readouterr().out
+    assert got == want and want.strip()
+    assert cli.main(argv + ["--expert-parallel"]) == 2
+    assert "--tensor-parallel" in capfd.readouterr().err

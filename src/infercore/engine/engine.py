@@ -269,7 +269,9 @@ class Engine:
             lazy_prefill_alloc=self.kv_layout != "dense",
         )
         self.graph_runner = None
-        if self.device.type == "cuda" and config.cuda_graph_max_batch > 0:
+        # A model that waits on the host inside its forward (offload.offload_experts_) is not capturable.
+        if self.device.type == "cuda" and config.cuda_graph_max_batch > 0 and not getattr(model, "host_synchronizing",
+                                                                                          False):
             graph_cls = CUDAGraphRunner if self.kv_layout == "dense" else HybridCUDAGraphRunner
             # with drafts a request takes 1 + k decode rows of a verification step
             rows = config.max_num_seqs * (1 + config.num_speculative_tokens)

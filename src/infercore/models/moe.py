@@ -199,6 +199,8 @@ class SparseMoeBlock(nn.Module):
         # Expert parallelism (parallel.tensor_parallel_(experts="ep")): this block holds the experts
         # [expert_offset, expert_offset + its count) and skips the pairs routed to the others.
         self.expert_offset: int | None = None
+        # offload.offload_experts_: the routed experts live in host memory and run there (offload/host_experts.py)
+        self.host_experts = None
         self.gate = nn.Linear(hidden, num_experts, bias=False, dtype=dtype)
         self.experts = StackedExperts(num_experts, hidden, intermediate, dtype=dtype)
         self.shared_expert = GatedMLP(hidden, shared_intermediate, dtype=dtype) if shared_intermediate else None
@@ -209,7 +211,17 @@ class SparseMoeBlock(nn.Module):
         # before the experts scale by them.
         weights, ids = dispatch("moe_route_topk", x.device)(self.gate(x), top_k=self.top_k,
                                                             renormalize=self.renormalize, out_dtype=x.dtype)
+        if self.host_experts is not None:
+            return self._forward_host(x, weights, ids)
         out = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.expert_offset)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+    def _forward_host(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        # The shared expert is enqueued on the device first and runs while the host computes the routed ones.
+        shared = None
+        if self.shared_expert is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        out = self.host_experts(x, weights, ids, self.expert_offset)
+        return out if shared is None else out + shared

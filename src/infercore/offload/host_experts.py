@@ -1,0 +1,227 @@
+"""Routed experts computed on the host: MoE models whose experts do not fit the GPU.
+
+A routed-expert model (Mixtral, Qwen2/3-MoE, Qwen3-Next) keeps nearly all of its weights in the experts, and a
+decode step reads only the few each token is routed to. :func:`offload_experts_` moves the routed experts of
+the chosen layers to host memory and runs them where they are (the design of Fiddler and KTransformers): per MoE
+layer the router runs on the device, the hidden states and routing (``T x (H + 2k)`` values) cross to the host,
+the host computes the routed experts with every core, and their sum crosses back. The shared expert (Qwen2-MoE,
+Qwen3-Next) stays on the device and runs while the host computes.
+
+At decode the host reads ``k`` experts per token (a Qwen3-30B-A3B-shaped layer: 8 x 9.4 MB), far less than
+copying the layer's experts over PCIe (128 x 9.4 MB); a long prefill routes to nearly every expert and computes
+far more per weight, where the host is slow and the copy is cheap per token. So a forward of at least
+``device_min_tokens`` tokens copies the layer's experts into one device staging buffer (page-locked host
+memory, one copy) and runs them there; shorter ones run on the host.
+
+The host path synchronizes the host with the device once per offloaded layer, so a model with host experts is
+not CUDA-graph capturable: the :class:`~infercore.Engine` runs its decode eagerly (``model.host_synchronizing``).
+On the CPU "host" and "device" are one and the same; the path is the same bookkeeping.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from ..ops.moe.naive import moe_experts_ref
+from .streaming import _pinned_host, _unregister
+
+# Decode batches route to a few experts each (the host reads only those); from about this many tokens a layer's
+# experts are mostly all routed and the host's compute, not its memory, is the limit (a Qwen3-30B-A3B-shaped
+# layer: 1.2 GB of experts, ~22 ms over 55 GB/s PCIe, vs ~0.08 ms of host compute per token at 1 TFLOP/s).
+AUTO_DEVICE_MIN_TOKENS = 256
+
+
+class HostExperts:
+    """The routed experts of one :class:`~infercore.models.moe.SparseMoeBlock`, kept in host memory.
+
+    ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` are the block's own parameters (now host tensors, page-locked
+    when the model runs on CUDA); ``staging`` is the shared device buffer a long forward copies them into."""
+
+    def __init__(self, block: nn.Module, device: torch.device, staging: _Staging | None, device_min_tokens: int,
+                 host: torch.Tensor | None = None) -> None:
+        self.device = device
+        self.staging = staging
+        self.device_min_tokens = device_min_tokens
+        off = 0
+        for name in ("gate_up_proj", "down_proj"):
+            p = getattr(block.experts, name).detach()
+            if host is not None:  # a view of the (page-locked) host region, one copy straight into it
+                n = p.numel() * p.element_size()
+                view = host[off : off + n].view(p.dtype).view(p.shape)
+                view.copy_(p)
+                p, off = view, off + _align(n)
+            setattr(block.experts, name, nn.Parameter(p, requires_grad=False))
+        self.gate_up = block.experts.gate_up_proj
+        self.down = block.experts.down_proj
+        self.calls_host = 0
+        self.calls_device = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert_offset: int | None):
+        """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` as ``[T, H]`` on ``x``'s device."""
+        if x.shape[0] >= self.device_min_tokens and self.staging is not None:
+            self.calls_device += 1
+            from ..models.moe import moe_experts
+
+            gate_up, down = self.staging.load(self.gate_up, self.down)
+            return moe_experts(x, gate_up, down, weights, ids, expert_offset)
+        self.calls_host += 1
+        if x.device.type == "cpu":  # the whole model is on the host
+            return moe_experts_ref(x, self.gate_up, self.down, weights, ids, expert_offset)
+        # Blocking copies: the host reads them next. The results go back as one copy the device stream orders.
+        xh, wh, ih = x.to("cpu"), weights.to("cpu"), ids.to("cpu")
+        return moe_experts_ref(xh, self.gate_up, self.down, wh, ih, expert_offset).to(x.device, non_blocking=True)
+
+
+def _align(n: int) -> int:
+    return -(-n // 256) * 256
+
+
+def _expert_bytes(block: nn.Module) -> int:
+    return sum(_align(p.numel() * p.element_size()) for p in (block.experts.gate_up_proj, block.experts.down_proj))
+
+
+class _Staging:
+    """One device buffer that holds the largest offloaded layer's experts; a layer's experts are copied into it
+    on the current stream, so the kernels that read them (enqueued after) and the next layer's copy (enqueued
+    after those) are ordered by the stream."""
+
+    def __init__(self, device: torch.device, nbytes: int) -> None:
+        self.device = device
+        self.nbytes = nbytes
+        self.buffer: torch.Tensor | None = None  # allocated at the first long forward
+
+    def load(self, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.buffer is None:
+            self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        out = []
+        off = 0
+        for t in (gate_up, down):
+            n = t.numel() * t.element_size()
+            view = self.buffer[off : off + n].view(t.dtype).view(t.shape)
+            view.copy_(t, non_blocking=True)
+            out.append(view)
+            off += _align(n)
+        return out[0], out[1]
+
+
+def offload_experts_(
+    model: nn.Module,
+    *,
+    layers: list[int] | None = None,
+    device_min_tokens: int | None | str = "auto",
+    num_threads: int | None = None,
+    device: torch.device | str | None = None,
+) -> dict:
+    """Keep the routed experts of a loaded MoE model's layers in host memory and compute them there, in place.
+    Call it after loading (and sharding), before building the :class:`~infercore.Engine`: the KV pool is sized
+    from the device memory left.
+
+    Args:
+        layers: decoder layer indices whose routed experts go to the host (default: every MoE layer).
+        device_min_tokens: a forward of at least this many tokens copies the layer's experts to a device staging
+            buffer (one layer's experts in size) and runs them there; ``None``: always on the host; ``"auto"``
+            (default): 256 on CUDA, ``None`` on the CPU (where host and device are one memory).
+        num_threads: host threads for the expert GEMMs (``torch.set_num_threads``; default: torch's).
+        device: where the rest of the model runs (default: where its parameters are). A CPU model given
+            ``device="cuda"`` has everything but the offloaded experts moved there.
+
+    Returns a summary: ``{"layers": [...], "host_bytes": ..., "staging_bytes": ...}`` (also
+    ``model.host_experts``: layer index -> :class:`HostExperts`).
+
+    Raises:
+        TypeError: the model has no decoder layers, or ``layers`` / ``device_min_tokens`` / ``num_threads``
+            are not ints.
+        ValueError: no MoE layer to offload, a layer index out of range or not an MoE layer, the model is already
+            offloaded, or ``device_min_tokens`` / ``num_threads`` < 1.
+    """
+    from ..devices import check_device
+    from ..models.moe import SparseMoeBlock
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    decoder = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(decoder, nn.ModuleList) or len(decoder) == 0:
+        raise TypeError(f"model: no decoder layers (model.model.layers) in {type(model).__name__}")
+    if getattr(model, "host_experts", None):
+        raise ValueError("model: its experts are already offloaded")
+    if getattr(model, "offload_plan", None) is not None:
+        raise ValueError("model: weight streaming (offload_weights_) is on; offload the experts instead, or first")
+    def moe_block(layer):  # a tensor-parallel layer's MLP is wrapped (parallel.RowParallel(linear=block))
+        mlp = getattr(layer, "mlp", None)
+        mlp = getattr(mlp, "linear", mlp)
+        return mlp if isinstance(mlp, SparseMoeBlock) else None
+
+    moe = [i for i, layer in enumerate(decoder) if moe_block(layer) is not None]
+    if layers is None:
+        layers = moe
+    else:
+        if not isinstance(layers, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
+            raise TypeError(f"layers must be a list of ints, got {layers!r}")
+        for i in layers:
+            if not 0 <= i < len(decoder):
+                raise ValueError(f"layers: {i} is outside [0, {len(decoder)})")
+            if i not in moe:
+                raise ValueError(f"layers: layer {i} has no routed experts (MoE layers: {moe})")
+        layers = sorted(set(layers))
+    if not layers:
+        raise ValueError("model: has no routed-expert (MoE) layer to offload")
+    first = next(model.parameters())
+    dev = check_device(device) if device is not None else first.device
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if isinstance(device_min_tokens, str) and device_min_tokens == "auto":
+        device_min_tokens = AUTO_DEVICE_MIN_TOKENS if dev.type == "cuda" else None
+    bad_min = isinstance(device_min_tokens, bool) or not isinstance(device_min_tokens, int)
+    if device_min_tokens is not None and bad_min:
+        raise TypeError(f"device_min_tokens must be an int or None, got {device_min_tokens!r}")
+    if device_min_tokens is not None and device_min_tokens < 1:
+        raise ValueError(f"device_min_tokens must be >= 1, got {device_min_tokens}")
+    if num_threads is not None:
+        if isinstance(num_threads, bool) or not isinstance(num_threads, int):
+            raise TypeError(f"num_threads must be an int, got {num_threads!r}")
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+    blocks = [moe_block(decoder[i]) for i in layers]
+    sizes = [_expert_bytes(b) for b in blocks]
+    staging = _Staging(dev, max(sizes)) if device_min_tokens is not None else None
+    # One host region for all of them: page-locked with cudaHostRegister when the model runs on CUDA (pin_memory=True
+    # would round each tensor up to a power of two); a CPU model's experts stay where they are.
+    host_all, registered = None, False
+    if dev.type == "cuda":
+        host_all, registered = _pinned_host(sum(sizes))
+    elif any(p.device.type != "cpu" for b in blocks for p in b.experts.parameters()):
+        host_all = torch.empty(sum(sizes), dtype=torch.uint8)
+    offloaded = {}
+    base = 0
+    for i, block, size in zip(layers, blocks, sizes):
+        region = host_all[base : base + size] if host_all is not None else None
+        offloaded[i] = HostExperts(block, dev, staging, device_min_tokens or 0, region)
+        block.host_experts = offloaded[i]
+        base += size
+    if registered:
+        weakref.finalize(offloaded[layers[0]], _unregister, host_all.data_ptr())
+    # Everything else goes to (or stays on) the device; tied parameters stay tied (set in place, as .to() does).
+    host_ids = {id(h.gate_up) for h in offloaded.values()} | {id(h.down) for h in offloaded.values()}
+    model._apply(lambda t: t if id(t) in host_ids else t.to(dev))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    model.host_experts = offloaded
+    model.host_synchronizing = dev.type == "cuda"
+    return {
+        "layers": list(layers),
+        "host_bytes": sum(h.nbytes for h in offloaded.values()),
+        "staging_bytes": staging.nbytes if staging is not None else 0,
+    }
+
+
+__all__ = ["HostExperts", "offload_experts_"]

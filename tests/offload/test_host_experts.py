@@ -1,0 +1,112 @@
+"""Routed experts kept and computed on the host (infercore.offload.offload_experts_): tiny Mixtral / Qwen2-MoE /
+Qwen3-MoE models from transformers. On the CPU the Engine's greedy tokens equal transformers' with the experts on
+the host, through the host path and through the staging path (a forward of at least ``device_min_tokens``
+tokens); the refusals. On CUDA (``gpu``): the device model with host experts against transformers, eager decode
+(no graphs), both paths taken."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, os.path.join(HERE, "..", "models"))
+
+PROMPTS = [[5, 17, 42, 99, 3, 8], [250, 11, 4, 60, 60, 7, 19, 2, 33, 71, 12], [1, 2, 3]]
+
+
+def _models(kind, tmp_path, **overrides):
+    from paged_harness import ours_from_hf
+    from test_moe_llama import tiny_moe
+
+    hf = tiny_moe(kind, **overrides)
+    return hf, ours_from_hf(hf, str(tmp_path / kind))[0]
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_host_experts_give_transformers_tokens(kind, tmp_path):
+    from paged_harness import hf_greedy
+
+    from infercore import Engine, SamplingParams
+    from infercore.offload import HostExperts, offload_experts_
+
+    hf, model = _models(kind, tmp_path)
+    want = [hf_greedy(hf, p, 10) for p in PROMPTS]
+    moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "host_experts")]
+    # a long prompt takes the staging path (device_min_tokens=8), decode steps (3 tokens) the host path
+    info = offload_experts_(model, device_min_tokens=8)
+    assert info["layers"] == moe_layers and info["host_bytes"] > 0 and info["staging_bytes"] > 0
+    assert sorted(model.host_experts) == moe_layers
+    assert all(isinstance(h, HostExperts) for h in model.host_experts.values())
+    assert model.host_synchronizing is False  # nothing to wait for on the CPU
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    got = [o.token_ids for o in Engine(model, page_size=4, num_pages=64).generate(PROMPTS, greedy)]
+    assert got == want
+    h = next(iter(model.host_experts.values()))
+    assert h.calls_host > 0 and h.calls_device > 0
+
+
+def test_some_layers_and_a_tensor_parallel_like_wrapper(tmp_path):
+    """``layers`` picks MoE layers; the others keep their experts where they were. Qwen2-MoE's dense layer (1)
+    is refused by name."""
+    from infercore.offload import offload_experts_
+
+    _, model = _models("qwen2_moe", tmp_path)
+    with pytest.raises(ValueError, match="layer 1 has no routed experts"):
+        offload_experts_(model, layers=[1])
+    with pytest.raises(ValueError, match="outside"):
+        offload_experts_(model, layers=[7])
+    offload_experts_(model, layers=[2])
+    assert model.model.layers[2].mlp.host_experts is not None and model.model.layers[0].mlp.host_experts is None
+    with pytest.raises(ValueError, match="already offloaded"):
+        offload_experts_(model)
+
+
+def test_refusals(tmp_path):
+    from infercore.models import ModelConfig, build_model
+    from infercore.offload import offload_experts_
+
+    _, model = _models("qwen3_moe", tmp_path)
+    for kwargs, err, match in [
+        (dict(layers=[True]), TypeError, "layers"),
+        (dict(layers=3), TypeError, "layers"),
+        (dict(device_min_tokens=0), ValueError, "device_min_tokens"),
+        (dict(device_min_tokens="many"), TypeError, "device_min_tokens"),
+        (dict(num_threads=0), ValueError, "num_threads"),
+        (dict(num_threads=1.5), TypeError, "num_threads"),
+    ]:
+        with pytest.raises(err, match=match):
+            offload_experts_(model, **kwargs)
+    assert not getattr(model, "host_experts", None)  # a refused call changed nothing
+    dense = build_model(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                                    num_kv_heads=2, head_dim=8), dtype=torch.float32, device="cpu")  # fmt: skip
+    with pytest.raises(ValueError, match="no routed-expert"):
+        offload_experts_(dense)
+    with pytest.raises(TypeError, match="model"):
+        offload_experts_(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe"])
+def test_cuda_host_experts_match_transformers(kind, tmp_path):
+    """The model on the GPU with its experts in pinned host memory: greedy tokens equal transformers' (fp32), the
+    Engine decodes eagerly, short forwards run on the host and a long prompt through the device staging."""
+    from paged_harness import hf_greedy
+
+    from infercore import Engine, SamplingParams
+    from infercore.offload import offload_experts_
+
+    hf, model = _models(kind, tmp_path)
+    long_prompt = [(7 * i) % 300 for i in range(40)]
+    prompts = PROMPTS + [long_prompt]
+    want = [hf_greedy(hf, p, 10) for p in prompts]
+    offload_experts_(model, device="cuda", device_min_tokens=32)
+    h = next(iter(model.host_experts.values()))
+    assert h.gate_up.device.type == "cpu" and h.gate_up.is_pinned()
+    assert model.model.embed_tokens.weight.device.type == "cuda" and model.host_synchronizing
+    eng = Engine(model, page_size=4, num_pages=128)
+    assert eng.graph_runner is None
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    assert [o.token_ids for o in eng.generate(prompts, greedy)] == want
+    assert h.calls_host > 0 and h.calls_device > 0

@@ -2,7 +2,8 @@
 
 Qwen3-30B-A3B shape (48 layers, 128 experts of 3 x 2048 x 768, top-8), random bf16 weights, one GPU. The routed
 experts (57 GB) go to page-locked host memory (``infercore.offload.offload_experts_``); attention, routers and
-the rest (4 GB) stay on the GPU. Decode tokens/s at ``--batches`` after a ``--prompt``-token prefill, steady state
+the rest (4 GB) stay on the GPU. Without ``--device-min-tokens`` the host keeps only the oneDNN-packed copies and
+prefills run there too. Decode tokens/s at ``--batches`` after a ``--prompt``-token prefill, steady state
 (every request decoding):
 
 * ours: the Engine over the model with host experts (eager decode: the host path waits once per layer);
@@ -157,7 +158,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/h200/host_experts.json")
     ap.add_argument("--batches", default="1,16")
-    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--device-min-tokens", type=int, default=0,
+                    help="offload_experts_'s staging threshold; 0 (default): none, the packed copies only (one host "
+                         "copy of the experts: the 128 GiB host holds no second one)")
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--peer-steps", type=int, default=3)
@@ -208,11 +212,28 @@ def main() -> None:
     del eng
     free(dev)
 
-    info = offload_experts_(model, device=dev, num_threads=args.threads)
+    # The peer first, over plain host copies of the experts (ours then packs from them, one copy at a time: the
+    # host never holds two copies of every expert).
+    with torch.no_grad():
+        for layer in model.model.layers:
+            ex = layer.mlp.experts
+            for name in ("gate_up_proj", "down_proj"):
+                setattr(ex, name, torch.nn.Parameter(getattr(ex, name).detach().to("cpu"), requires_grad=False))
+    free(dev)
+    peer = {}
+    if not args.no_peer:
+        try:
+            peer = hf_peer(model, cfg, batches, args.peer_steps, dev)
+        except Exception as e:  # noqa: BLE001 - report the peer's failure, keep our figures
+            print(f"peer failed: {type(e).__name__}: {e}", flush=True)
+        free(dev)
+
+    dmt = None if args.device_min_tokens <= 0 else args.device_min_tokens
+    info = offload_experts_(model, device=dev, num_threads=args.threads, device_min_tokens=dmt)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    gpu_bytes = weight_bytes - info["host_bytes"] + info["staging_bytes"] + buffers
-    print(f"host experts: {info['host_bytes'] / 1e9:.1f} GB on the host, staging {info['staging_bytes'] / 1e9:.2f} GB; "
-          f"GPU weights + staging {gpu_bytes / 1e9:.1f} GB", flush=True)
+    gpu_bytes = weight_bytes - experts_total + info["staging_bytes"] + buffers
+    print(f"host experts: {info['host_bytes'] / 1e9:.1f} GB on the host (packed: {info['packed']}), staging "
+          f"{info['staging_bytes'] / 1e9:.2f} GB; GPU weights + staging {gpu_bytes / 1e9:.1f} GB", flush=True)
     eng = engine(model, args, max_b, dev)
     ours = run_engine(eng, batches, args, dev, "host experts")
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -225,12 +246,6 @@ def main() -> None:
     print(f"host experts: {args.prompt}-token prefill {ttft_ms:.1f} ms", flush=True)
     del eng
     free(dev)
-    peer = {}
-    if not args.no_peer:
-        try:
-            peer = hf_peer(model, cfg, batches, args.peer_steps, dev)
-        except Exception as e:  # noqa: BLE001 - report the peer's failure, keep our figures
-            print(f"peer failed: {type(e).__name__}: {e}", flush=True)
     del model
     free(dev)
 
@@ -263,7 +278,8 @@ def main() -> None:
             metric="decode throughput", unit="tok/s", ours=ours[B], peers=peers, floor=floor,
             resident_all_on_gpu_tok_s=resident[B], weight_streaming_tok_s=streamed.get(B),
             weight_streaming_budget_bytes=stream_budget if streamed else None,
-            gpu_weight_bytes=gpu_bytes, host_expert_bytes=info["host_bytes"], expected_distinct_experts=distinct,
+            gpu_weight_bytes=gpu_bytes, host_expert_bytes=info["host_bytes"], host_packed=info["packed"],
+            device_min_tokens=dmt, expected_distinct_experts=distinct,
             host_bytes_per_step=host_bytes, host_read_GBps=host_bw / 1e9, device_copy_TBps=dev_bw / 1e12,
             host_threads=torch.get_num_threads(), prefill_ms_host_experts=ttft_ms if B == batches_n[0] else None,
             layers=L,

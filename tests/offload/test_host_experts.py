@@ -25,18 +25,22 @@ def _models(kind, tmp_path, **overrides):
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
-def test_host_experts_give_transformers_tokens(kind, tmp_path):
+@pytest.mark.parametrize("pack", [False, True])
+def test_host_experts_give_transformers_tokens(kind, pack, tmp_path):
     from paged_harness import hf_greedy
 
     from infercore import Engine, SamplingParams
+    from infercore.models.layout import cpu_packing_supported
     from infercore.offload import HostExperts, offload_experts_
 
+    assert cpu_packing_supported(torch.float32)  # x86 builds of torch: oneDNN packs fp32
     hf, model = _models(kind, tmp_path)
     want = [hf_greedy(hf, p, 10) for p in PROMPTS]
     moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "host_experts")]
     # a long prompt takes the staging path (device_min_tokens=8), decode steps (3 tokens) the host path
-    info = offload_experts_(model, device_min_tokens=8)
+    info = offload_experts_(model, device_min_tokens=8, pack=pack)
     assert info["layers"] == moe_layers and info["host_bytes"] > 0 and info["staging_bytes"] > 0
+    assert info["packed"] is pack and all((h.packed is not None) is pack for h in model.host_experts.values())
     assert sorted(model.host_experts) == moe_layers
     assert all(isinstance(h, HostExperts) for h in model.host_experts.values())
     assert model.host_synchronizing is False  # nothing to wait for on the CPU
@@ -45,6 +49,28 @@ def test_host_experts_give_transformers_tokens(kind, tmp_path):
     assert got == want
     h = next(iter(model.host_experts.values()))
     assert h.calls_host > 0 and h.calls_device > 0
+
+
+def test_packed_only_host_experts(tmp_path):
+    """Without the staging path the packed copies are the only ones: the expert parameters are empty, and the
+    tokens are still transformers'."""
+    from paged_harness import hf_greedy
+
+    from infercore import Engine, SamplingParams
+    from infercore.models.layout import cpu_packing_supported
+    from infercore.offload import offload_experts_
+
+    assert cpu_packing_supported(torch.float32)
+    hf, model = _models("qwen3_moe", tmp_path)
+    want = [hf_greedy(hf, p, 10) for p in PROMPTS]
+    info = offload_experts_(model, device_min_tokens=None, pack=True)
+    assert info["staging_bytes"] == 0 and info["host_bytes"] == 8 * 3 * 64 * 24 * 4
+    h = next(iter(model.host_experts.values()))
+    assert h.gate_up.numel() == 0 and h.down.numel() == 0
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    assert [o.token_ids for o in Engine(model, page_size=4, num_pages=64).generate(PROMPTS, greedy)] == want
+    with pytest.raises(TypeError, match="packed for torch.float32"):
+        h(torch.zeros(2, 64, dtype=torch.bfloat16), torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.long), None)
 
 
 def test_some_layers_and_a_tensor_parallel_like_wrapper(tmp_path):
@@ -75,6 +101,7 @@ def test_refusals(tmp_path):
         (dict(device_min_tokens="many"), TypeError, "device_min_tokens"),
         (dict(num_threads=0), ValueError, "num_threads"),
         (dict(num_threads=1.5), TypeError, "num_threads"),
+        (dict(pack="yes"), TypeError, "pack"),
     ]:
         with pytest.raises(err, match=match):
             offload_experts_(model, **kwargs)

@@ -201,6 +201,8 @@ class SparseMoeBlock(nn.Module):
         self.expert_offset: int | None = None
         # offload.offload_experts_: the routed experts live in host memory and run there (offload/host_experts.py)
         self.host_experts = None
+        # models.layout.pack_linears_for_cpu_: oneDNN-packed copies of the experts for the CPU forward
+        self.cpu_packed_experts = None
         self.gate = nn.Linear(hidden, num_experts, bias=False, dtype=dtype)
         self.experts = StackedExperts(num_experts, hidden, intermediate, dtype=dtype)
         self.shared_expert = GatedMLP(hidden, shared_intermediate, dtype=dtype) if shared_intermediate else None
@@ -213,7 +215,15 @@ class SparseMoeBlock(nn.Module):
                                                             renormalize=self.renormalize, out_dtype=x.dtype)
         if self.host_experts is not None:
             return self._forward_host(x, weights, ids)
-        out = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.expert_offset)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        packed = self.cpu_packed_experts
+        if packed is not None and x.device.type == "cpu" and x.dtype == packed.dtype:
+            if not packed.current(gate_up, down):  # the weights were written since packing
+                packed = self.cpu_packed_experts = type(packed)(gate_up, down)
+            _check(x, gate_up, down, weights, ids)
+            out = packed(x, weights, ids, self.expert_offset)
+        else:
+            out = moe_experts(x, gate_up, down, weights, ids, self.expert_offset)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

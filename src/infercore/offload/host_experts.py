@@ -20,12 +20,13 @@ On the CPU "host" and "device" are one and the same; the path is the same bookke
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
 from torch import nn
 
-from ..ops.moe.naive import moe_experts_ref
+from ..ops.moe.naive import check_moe_args, moe_experts_ref
 from .streaming import _pinned_host, _unregister
 
 # Decode batches route to a few experts each (the host reads only those); from about this many tokens a layer's
@@ -37,18 +38,31 @@ AUTO_DEVICE_MIN_TOKENS = 256
 class HostExperts:
     """The routed experts of one :class:`~infercore.models.moe.SparseMoeBlock`, kept in host memory.
 
-    ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` are the block's own parameters (now host tensors, page-locked
-    when the model runs on CUDA); ``staging`` is the shared device buffer a long forward copies them into."""
+    Plain copies ``gate_up [E, 2I, H]`` / ``down [E, H, I]`` (the block's own parameters, now host tensors in the
+    page-locked region when the model runs on CUDA) feed the device staging copy; ``packed`` (a
+    :class:`~infercore.models.layout.CPUPackedExperts`, where oneDNN packs the dtype) feeds the host GEMVs. Without
+    staging only the packed copies are kept (the block's expert parameters become empty)."""
 
     def __init__(self, block: nn.Module, device: torch.device, staging: _Staging | None, device_min_tokens: int,
-                 host: torch.Tensor | None = None) -> None:
+                 host: torch.Tensor | None = None, pack: bool = False) -> None:
+        from ..models.layout import CPUPackedExperts
+
         self.device = device
         self.staging = staging
         self.device_min_tokens = device_min_tokens
+        gu, dn = block.experts.gate_up_proj.detach(), block.experts.down_proj.detach()
+        self.shapes = (tuple(gu.shape), tuple(dn.shape))
+        self.dtype = gu.dtype
+        self._meta = tuple(torch.empty(shape, dtype=gu.dtype, device="meta") for shape in self.shapes)
+        self.packed = None
+        if pack:  # from a host copy of one block at a time: the packed copies are all that stay
+            self.packed = CPUPackedExperts(gu.to("cpu"), dn.to("cpu"))
+        keep_plain = staging is not None or not pack
         off = 0
-        for name in ("gate_up_proj", "down_proj"):
-            p = getattr(block.experts, name).detach()
-            if host is not None:  # a view of the (page-locked) host region, one copy straight into it
+        for name, p in (("gate_up_proj", gu), ("down_proj", dn)):
+            if not keep_plain:
+                p = torch.empty(0, dtype=p.dtype)
+            elif host is not None:  # a view of the (page-locked) host region, one copy straight into it
                 n = p.numel() * p.element_size()
                 view = host[off : off + n].view(p.dtype).view(p.shape)
                 view.copy_(p)
@@ -61,7 +75,16 @@ class HostExperts:
 
     @property
     def nbytes(self) -> int:
-        return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
+        """Bytes of one copy of the experts."""
+        return sum(math.prod(s) for s in self.shapes) * self.dtype.itemsize
+
+    def _host(self, x, weights, ids, expert_offset):
+        check_moe_args("moe_experts", x, *self._meta, weights, ids)
+        if self.packed is not None and x.dtype == self.dtype:
+            return self.packed(x, weights, ids, expert_offset)
+        if not self.gate_up.numel():
+            raise TypeError(f"moe_experts: x is {x.dtype}; the host experts are packed for {self.dtype} only")
+        return moe_experts_ref(x, self.gate_up, self.down, weights, ids, expert_offset)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert_offset: int | None):
         """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` as ``[T, H]`` on ``x``'s device."""
@@ -73,10 +96,10 @@ class HostExperts:
             return moe_experts(x, gate_up, down, weights, ids, expert_offset)
         self.calls_host += 1
         if x.device.type == "cpu":  # the whole model is on the host
-            return moe_experts_ref(x, self.gate_up, self.down, weights, ids, expert_offset)
+            return self._host(x, weights, ids, expert_offset)
         # Blocking copies: the host reads them next. The results go back as one copy the device stream orders.
         xh, wh, ih = x.to("cpu"), weights.to("cpu"), ids.to("cpu")
-        return moe_experts_ref(xh, self.gate_up, self.down, wh, ih, expert_offset).to(x.device, non_blocking=True)
+        return self._host(xh, wh, ih, expert_offset).to(x.device, non_blocking=True)
 
 
 def _align(n: int) -> int:
@@ -117,6 +140,7 @@ def offload_experts_(
     layers: list[int] | None = None,
     device_min_tokens: int | None | str = "auto",
     num_threads: int | None = None,
+    pack: bool | None = None,
     device: torch.device | str | None = None,
 ) -> dict:
     """Keep the routed experts of a loaded MoE model's layers in host memory and compute them there, in place.
@@ -129,10 +153,14 @@ def offload_experts_(
             buffer (one layer's experts in size) and runs them there; ``None``: always on the host; ``"auto"``
             (default): 256 on CUDA, ``None`` on the CPU (where host and device are one memory).
         num_threads: host threads for the expert GEMMs (``torch.set_num_threads``; default: torch's).
+        pack: keep the experts pre-packed for oneDNN too (the host GEMVs then read near the memory bandwidth; a
+            plain bf16 ``matmul`` reads several times slower on x86). Default: where oneDNN packs the dtype. With
+            the staging path on the plain copies stay as well (two host copies); with ``device_min_tokens=None``
+            only the packed ones (the block's expert parameters become empty, and ``state_dict`` lacks them).
         device: where the rest of the model runs (default: where its parameters are). A CPU model given
             ``device="cuda"`` has everything but the offloaded experts moved there.
 
-    Returns a summary: ``{"layers": [...], "host_bytes": ..., "staging_bytes": ...}`` (also
+    Returns a summary: ``{"layers": [...], "host_bytes": ..., "staging_bytes": ..., "packed": ...}`` (also
     ``model.host_experts``: layer index -> :class:`HostExperts`).
 
     Raises:
@@ -142,6 +170,7 @@ def offload_experts_(
             offloaded, or ``device_min_tokens`` / ``num_threads`` < 1.
     """
     from ..devices import check_device
+    from ..models.layout import cpu_packing_supported
     from ..models.moe import SparseMoeBlock
 
     if not isinstance(model, nn.Module):
@@ -183,6 +212,8 @@ def offload_experts_(
         raise TypeError(f"device_min_tokens must be an int or None, got {device_min_tokens!r}")
     if device_min_tokens is not None and device_min_tokens < 1:
         raise ValueError(f"device_min_tokens must be >= 1, got {device_min_tokens}")
+    if pack is not None and not isinstance(pack, bool):
+        raise TypeError(f"pack must be a bool or None, got {pack!r}")
     if num_threads is not None:
         if isinstance(num_threads, bool) or not isinstance(num_threads, int):
             raise TypeError(f"num_threads must be an int, got {num_threads!r}")
@@ -191,10 +222,17 @@ def offload_experts_(
     blocks = [moe_block(decoder[i]) for i in layers]
     sizes = [_expert_bytes(b) for b in blocks]
     staging = _Staging(dev, max(sizes)) if device_min_tokens is not None else None
+    dtype = blocks[0].experts.gate_up_proj.dtype
+    if pack is None:
+        pack = cpu_packing_supported(dtype)
+    elif pack and not cpu_packing_supported(dtype):
+        raise ValueError(f"pack: oneDNN on this host cannot pack {dtype} weights")
     # One host region for all of them: page-locked with cudaHostRegister when the model runs on CUDA (pin_memory=True
     # would round each tensor up to a power of two); a CPU model's experts stay where they are.
     host_all, registered = None, False
-    if dev.type == "cuda":
+    if pack and staging is None:
+        pass  # the packed copies are the only host copies
+    elif dev.type == "cuda":
         host_all, registered = _pinned_host(sum(sizes))
     elif any(p.device.type != "cpu" for b in blocks for p in b.experts.parameters()):
         host_all = torch.empty(sum(sizes), dtype=torch.uint8)
@@ -202,7 +240,7 @@ def offload_experts_(
     base = 0
     for i, block, size in zip(layers, blocks, sizes):
         region = host_all[base : base + size] if host_all is not None else None
-        offloaded[i] = HostExperts(block, dev, staging, device_min_tokens or 0, region)
+        offloaded[i] = HostExperts(block, dev, staging, device_min_tokens or 0, region, pack=pack)
         block.host_experts = offloaded[i]
         base += size
     if registered:
@@ -221,6 +259,7 @@ def offload_experts_(
         "layers": list(layers),
         "host_bytes": sum(h.nbytes for h in offloaded.values()),
         "staging_bytes": staging.nbytes if staging is not None else 0,
+        "packed": pack,
     }
 
 

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import case, write_results  # noqa: E402
 
 from infercore.models.layout import CPUPackedExperts, cpu_packing_supported  # noqa: E402
+from infercore.offload.host_experts import _quant_experts, _QuantLinear  # noqa: E402
 from infercore.ops.moe.naive import moe_experts_ref  # noqa: E402
 
 
@@ -62,6 +63,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=768)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--schemes", default="w4a16-g128,w8a16", help="quantized host experts also timed ('' : none)")
     args = ap.parse_args()
     import transformers
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
@@ -83,6 +85,12 @@ def main() -> None:
         hf = Qwen3MoeExperts(hcfg)
     hf.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
     hf.down_proj = torch.nn.Parameter(down, requires_grad=False)
+    quant = {}
+    for scheme in args.schemes.split(",") if args.schemes else []:
+        t = time.perf_counter()
+        quant[scheme] = ([_QuantLinear(gate_up[e], scheme, dtype) for e in range(E)],
+                         [_QuantLinear(down[e], scheme, dtype) for e in range(E)])
+        print(f"{scheme}: quantized and packed in {time.perf_counter() - t:.0f} s", flush=True)
     expert_bytes = 3 * H * I * 2
     g = torch.Generator().manual_seed(1)
     cases = []
@@ -101,16 +109,30 @@ def main() -> None:
         floor_s = distinct * expert_bytes / bw
         print(f"T={T} ({distinct} experts): packed {t_ours * 1e3:.2f} ms, reference {t_ref * 1e3:.2f} ms, "
               f"transformers {t_hf * 1e3:.2f} ms, floor {floor_s * 1e3:.2f} ms; max rel diff {err:.2e}", flush=True)
+        peers = {"transformers Qwen3MoeExperts": 1 / t_hf, "reference loop (plain matmul)": 1 / t_ref}
         cases.append(case(
             f"qwen3-30b-a3b-shape experts (128 x 2048/768, top-8), T={T}, bf16, host CPU",
-            metric="expert-layer calls", unit="calls/s", ours=1 / t_ours,
-            peers={"transformers Qwen3MoeExperts": 1 / t_hf, "reference loop (plain matmul)": 1 / t_ref},
-            floor=1 / floor_s, ms_ours=t_ours * 1e3, ms_transformers=t_hf * 1e3, ms_reference=t_ref * 1e3,
-            distinct_experts=distinct,
+            metric="expert-layer calls", unit="calls/s", ours=1 / t_ours, peers=peers, floor=1 / floor_s,
+            ms_ours=t_ours * 1e3, ms_transformers=t_hf * 1e3, ms_reference=t_ref * 1e3, distinct_experts=distinct,
             bytes_read=distinct * expert_bytes, achieved_GBps=distinct * expert_bytes / t_ours / 1e9,
             host_read_GBps=bw / 1e9, threads=torch.get_num_threads(), max_rel_diff_vs_reference=err,
             pack_seconds=pack_s,
         ))  # fmt: skip
+        for scheme, (qg, qd) in quant.items():
+            with torch.inference_mode():
+                qerr = (_quant_experts(x, qg, qd, w, ids, None).float() - want.float()).abs().max().item()
+                t_q = best_of(lambda x=x, w=w, ids=ids, qg=qg, qd=qd: _quant_experts(x, qg, qd, w, ids, None),
+                              args.reps)
+            qbytes = sum(q.nbytes for e in torch.unique(ids).tolist() for q in (qg[e], qd[e]))
+            print(f"  {scheme}: {t_q * 1e3:.2f} ms ({qbytes / t_q / 1e9:.1f} GB/s of its bytes, floor "
+                  f"{qbytes / bw * 1e3:.2f} ms)", flush=True)
+            cases.append(case(
+                f"qwen3-30b-a3b-shape experts (128 x 2048/768, top-8), T={T}, {scheme} host experts, host CPU",
+                metric="expert-layer calls", unit="calls/s", ours=1 / t_q, peers=peers, floor=bw / qbytes,
+                ms_ours=t_q * 1e3, bf16_packed_ms=t_ours * 1e3, distinct_experts=distinct, bytes_read=qbytes,
+                achieved_GBps=qbytes / t_q / 1e9, host_read_GBps=bw / 1e9, threads=torch.get_num_threads(),
+                max_rel_diff_vs_bf16=qerr / want.float().abs().max().item(),
+            ))  # fmt: skip
     write_results(args.out, "cpu_moe", "cpu", cases)
     print(f"wrote {args.out}", flush=True)
 

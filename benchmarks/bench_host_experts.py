@@ -167,6 +167,8 @@ def main() -> None:
     ap.add_argument("--peer-steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="host threads (default: torch's)")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--quantization", default="w4a16-g128",
+                    help="also run host experts quantized by this scheme ('' : skip)")
     ap.add_argument("--no-streaming", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="check the script on the CPU: a narrow model")
     args = ap.parse_args()
@@ -177,6 +179,7 @@ def main() -> None:
         cfg.update(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, vocab_size=512)
         args.prompt, args.new, args.peer_steps = 32, 6, 2
+        cfg.update(moe_intermediate_size=128)  # INT4 g128 groups along K = I
     else:
         dev = torch.device("cuda")
     if args.threads:
@@ -266,6 +269,18 @@ def main() -> None:
         del eng, model
         free(dev)
 
+    quantized, qinfo = {}, None
+    if args.quantization:
+        model = build()
+        t = time.perf_counter()
+        qinfo = offload_experts_(model, device=dev, num_threads=args.threads, quantization=args.quantization)
+        print(f"{args.quantization} host experts: {qinfo['host_bytes'] / 1e9:.1f} GB on the host "
+              f"({time.perf_counter() - t:.0f} s to quantize and pack)", flush=True)
+        eng = engine(model, args, max_b, dev)
+        quantized = run_engine(eng, batches, args, dev, f"{args.quantization} host experts")
+        del eng, model
+        free(dev)
+
     cases = []
     for B in batches_n:
         distinct = E * (1 - (1 - k / E) ** B)
@@ -279,7 +294,9 @@ def main() -> None:
             resident_all_on_gpu_tok_s=resident[B], weight_streaming_tok_s=streamed.get(B),
             weight_streaming_budget_bytes=stream_budget if streamed else None,
             gpu_weight_bytes=gpu_bytes, host_expert_bytes=info["host_bytes"], host_packed=info["packed"],
-            device_min_tokens=dmt, expected_distinct_experts=distinct,
+            device_min_tokens=dmt, quantized_host_experts_tok_s=quantized.get(B),
+            quantized_scheme=args.quantization or None, quantized_host_bytes=qinfo["host_bytes"] if qinfo else None,
+            expected_distinct_experts=distinct,
             host_bytes_per_step=host_bytes, host_read_GBps=host_bw / 1e9, device_copy_TBps=dev_bw / 1e12,
             host_threads=torch.get_num_threads(), prefill_ms_host_experts=ttft_ms if B == batches_n[0] else None,
             layers=L,

@@ -35,6 +35,58 @@ from .streaming import _pinned_host, _unregister
 AUTO_DEVICE_MIN_TOKENS = 256
 
 
+class _QuantLinear:
+    """One expert weight quantized for the host: the packed CPU kernel's operands only (its codes repacked once,
+    the :class:`~infercore.quant.formats.IntWeight` dropped) where the kernel takes the format and the model is
+    bf16, else the ``IntWeight`` through ``quant.wq_matmul`` (the reference for other dtypes)."""
+
+    def __init__(self, w: torch.Tensor, scheme: str, dtype: torch.dtype) -> None:
+        from ..quant import cpu as qcpu
+        from ..quant.api import quantize_weight
+
+        q = quantize_weight(w, scheme).to("cpu")  # on w's device (fast on a GPU), then to the host
+        self.kind = qcpu.cpu_kind(q) if dtype == torch.bfloat16 else None
+        self.n = q.shape[0]
+        if self.kind == "int4":
+            self.ops, self.k = qcpu.pack_int4(q), None
+            self.k = self.ops[2].shape[0] * self.ops[1]
+            self.nbytes = sum(t.numel() * t.element_size() for t in (self.ops[0], self.ops[2]))
+        elif self.kind == "int8":
+            self.ops, self.k = qcpu.pack_int8(q), qcpu._int8_k(q)
+            self.nbytes = sum(t.numel() * t.element_size() for t in self.ops)
+        else:
+            self.w = q
+            self.nbytes = sum(t.numel() * t.element_size() for t in q.tensors().values())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind is None:
+            from ..quant.ops import wq_matmul
+
+            return wq_matmul(x, self.w)
+        xp = torch.nn.functional.pad(x, (0, self.k - x.shape[1])) if self.k > x.shape[1] else x.contiguous()
+        if self.kind == "int8":
+            return torch.ops.aten._weight_int8pack_mm(xp, *self.ops)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(xp, self.ops[0], self.ops[1], self.ops[2])
+
+
+def _quant_experts(x, gate_up: list, down: list, weights, ids, expert_offset):
+    """``moe_experts_ref`` over per-expert quantized weights (:class:`_QuantLinear`)."""
+    from ..ops import silu_and_mul
+
+    out = torch.zeros_like(x)
+    if expert_offset is not None:
+        ids = ids - expert_offset
+    for e in torch.unique(ids).tolist():
+        if not 0 <= e < len(gate_up):
+            if expert_offset is not None:
+                continue
+            raise ValueError(f"moe_experts: expert id {e} is outside [0, {len(gate_up)})")
+        tok, slot = torch.where(ids == e)
+        y = down[e](silu_and_mul(gate_up[e](x[tok])))
+        out.index_add_(0, tok, (y.float() * weights[tok, slot, None].float()).to(x.dtype))
+    return out
+
+
 class HostExperts:
     """The routed experts of one :class:`~infercore.models.moe.SparseMoeBlock`, kept in host memory.
 
@@ -44,7 +96,7 @@ class HostExperts:
     staging only the packed copies are kept (the block's expert parameters become empty)."""
 
     def __init__(self, block: nn.Module, device: torch.device, staging: _Staging | None, device_min_tokens: int,
-                 host: torch.Tensor | None = None, pack: bool = False) -> None:
+                 host: torch.Tensor | None = None, pack: bool = False, quantization: str | None = None) -> None:
         from ..models.layout import CPUPackedExperts
 
         self.device = device
@@ -55,9 +107,15 @@ class HostExperts:
         self.dtype = gu.dtype
         self._meta = tuple(torch.empty(shape, dtype=gu.dtype, device="meta") for shape in self.shapes)
         self.packed = None
-        if pack:  # from a host copy of one block at a time: the packed copies are all that stay
+        self.quantized = None
+        self.quant_bytes = 0
+        if quantization is not None:  # per expert, where the weights are; the host keeps the kernel operands
+            self.quantized = ([_QuantLinear(gu[e], quantization, gu.dtype) for e in range(gu.shape[0])],
+                              [_QuantLinear(dn[e], quantization, gu.dtype) for e in range(dn.shape[0])])
+            self.quant_bytes = sum(q.nbytes for qs in self.quantized for q in qs)
+        elif pack:  # from a host copy of one block at a time: the packed copies are all that stay
             self.packed = CPUPackedExperts(gu.to("cpu"), dn.to("cpu"))
-        keep_plain = staging is not None or not pack
+        keep_plain = staging is not None or not (pack or quantization is not None)
         off = 0
         for name, p in (("gate_up_proj", gu), ("down_proj", dn)):
             if not keep_plain:
@@ -75,11 +133,13 @@ class HostExperts:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of one copy of the experts."""
-        return sum(math.prod(s) for s in self.shapes) * self.dtype.itemsize
+        """Host bytes of the experts' copy the host computes with (quantized: codes and scales)."""
+        return self.quant_bytes or sum(math.prod(s) for s in self.shapes) * self.dtype.itemsize
 
     def _host(self, x, weights, ids, expert_offset):
         check_moe_args("moe_experts", x, *self._meta, weights, ids)
+        if self.quantized is not None:
+            return _quant_experts(x, *self.quantized, weights, ids, expert_offset)
         if self.packed is not None and x.dtype == self.dtype:
             return self.packed(x, weights, ids, expert_offset)
         if not self.gate_up.numel():
@@ -141,6 +201,7 @@ def offload_experts_(
     device_min_tokens: int | None | str = "auto",
     num_threads: int | None = None,
     pack: bool | None = None,
+    quantization: str | None = None,
     device: torch.device | str | None = None,
 ) -> dict:
     """Keep the routed experts of a loaded MoE model's layers in host memory and compute them there, in place.
@@ -151,12 +212,18 @@ def offload_experts_(
         layers: decoder layer indices whose routed experts go to the host (default: every MoE layer).
         device_min_tokens: a forward of at least this many tokens copies the layer's experts to a device staging
             buffer (one layer's experts in size) and runs them there; ``None``: always on the host; ``"auto"``
-            (default): 256 on CUDA, ``None`` on the CPU (where host and device are one memory).
+            (default): 256 on CUDA, ``None`` on the CPU (where host and device are one memory) and with
+            ``quantization``.
         num_threads: host threads for the expert GEMMs (``torch.set_num_threads``; default: torch's).
         pack: keep the experts pre-packed for oneDNN too (the host GEMVs then read near the memory bandwidth; a
             plain bf16 ``matmul`` reads several times slower on x86). Default: where oneDNN packs the dtype. With
             the staging path on the plain copies stay as well (two host copies); with ``device_min_tokens=None``
             only the packed ones (the block's expert parameters become empty, and ``state_dict`` lacks them).
+        quantization: a weight-only INT scheme of ``infercore.quant.SCHEMES`` (``"w4a16-g128"``, ``"w8a16"``, ...):
+            each expert is quantized (round to nearest, where its weights are: fast on a GPU) and the host keeps
+            only the packed CPU kernel's operands (INT4 g128: ~0.27 bytes per weight). bf16 models run the
+            packed INT4 / INT8 kernels; other dtypes dequantize per call (the reference). Needs
+            ``device_min_tokens=None`` (long forwards run on the host too) and excludes ``pack``.
         device: where the rest of the model runs (default: where its parameters are). A CPU model given
             ``device="cuda"`` has everything but the offloaded experts moved there.
 
@@ -206,7 +273,7 @@ def offload_experts_(
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     if isinstance(device_min_tokens, str) and device_min_tokens == "auto":
-        device_min_tokens = AUTO_DEVICE_MIN_TOKENS if dev.type == "cuda" else None
+        device_min_tokens = AUTO_DEVICE_MIN_TOKENS if dev.type == "cuda" and quantization is None else None
     bad_min = isinstance(device_min_tokens, bool) or not isinstance(device_min_tokens, int)
     if device_min_tokens is not None and bad_min:
         raise TypeError(f"device_min_tokens must be an int or None, got {device_min_tokens!r}")
@@ -214,6 +281,19 @@ def offload_experts_(
         raise ValueError(f"device_min_tokens must be >= 1, got {device_min_tokens}")
     if pack is not None and not isinstance(pack, bool):
         raise TypeError(f"pack must be a bool or None, got {pack!r}")
+    if quantization is not None:
+        from ..quant.api import _resolve
+
+        scheme = _resolve(quantization)  # TypeError / ValueError naming an unknown one
+        if scheme.weight not in ("int4", "int8") or scheme.method != "rtn":
+            raise ValueError(f"quantization: host experts take a weight-only INT scheme quantized by rounding "
+                             f"(e.g. w4a16-g128, w8a16), got {scheme.name!r}")
+        if device_min_tokens is not None:
+            raise ValueError("quantization: quantized host experts have no device copy to stage; pass "
+                             "device_min_tokens=None")
+        if pack:
+            raise ValueError("quantization: quantized host experts run the INT kernels; pack does not apply")
+        pack = False
     if num_threads is not None:
         if isinstance(num_threads, bool) or not isinstance(num_threads, int):
             raise TypeError(f"num_threads must be an int, got {num_threads!r}")
@@ -230,8 +310,8 @@ def offload_experts_(
     # One host region for all of them: page-locked with cudaHostRegister when the model runs on CUDA (pin_memory=True
     # would round each tensor up to a power of two); a CPU model's experts stay where they are.
     host_all, registered = None, False
-    if pack and staging is None:
-        pass  # the packed copies are the only host copies
+    if (pack or quantization is not None) and staging is None:
+        pass  # the packed / quantized copies are the only host copies
     elif dev.type == "cuda":
         host_all, registered = _pinned_host(sum(sizes))
     elif any(p.device.type != "cpu" for b in blocks for p in b.experts.parameters()):
@@ -240,7 +320,8 @@ def offload_experts_(
     base = 0
     for i, block, size in zip(layers, blocks, sizes):
         region = host_all[base : base + size] if host_all is not None else None
-        offloaded[i] = HostExperts(block, dev, staging, device_min_tokens or 0, region, pack=pack)
+        offloaded[i] = HostExperts(block, dev, staging, device_min_tokens or 0, region, pack=pack,
+                                   quantization=quantization)
         block.host_experts = offloaded[i]
         base += size
     if registered:
@@ -260,6 +341,7 @@ def offload_experts_(
         "host_bytes": sum(h.nbytes for h in offloaded.values()),
         "staging_bytes": staging.nbytes if staging is not None else 0,
         "packed": pack,
+        "quantization": quantization,
     }
 
 

@@ -229,9 +229,10 @@ class SparseMoeBlock(nn.Module):
         return out
 
     def _forward_host(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        # The shared expert is enqueued on the device first and runs while the host computes the routed ones.
-        shared = None
-        if self.shared_expert is not None:
-            shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        out = self.host_experts(x, weights, ids, self.expert_offset)
-        return out if shared is None else out + shared
+        # The shared expert is enqueued on the device after the inputs' copies to the host, so it runs while the
+        # host computes the routed experts.
+        if self.shared_expert is None:
+            return self.host_experts(x, weights, ids, self.expert_offset)
+        out, shared = self.host_experts(x, weights, ids, self.expert_offset, overlap=lambda: torch.sigmoid(
+            self.shared_expert_gate(x)) * self.shared_expert(x))
+        return out + shared

@@ -146,20 +146,34 @@ class HostExperts:
             raise TypeError(f"moe_experts: x is {x.dtype}; the host experts are packed for {self.dtype} only")
         return moe_experts_ref(x, self.gate_up, self.down, weights, ids, expert_offset)
 
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert_offset: int | None):
-        """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` as ``[T, H]`` on ``x``'s device."""
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert_offset: int | None,
+                 overlap=None) -> torch.Tensor:
+        """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` as ``[T, H]`` on ``x``'s device. ``overlap``: a
+        callable enqueuing device work (the shared expert) to run while the host computes; its result is
+        returned second when given."""
         if x.shape[0] >= self.device_min_tokens and self.staging is not None:
             self.calls_device += 1
             from ..models.moe import moe_experts
 
             gate_up, down = self.staging.load(self.gate_up, self.down)
-            return moe_experts(x, gate_up, down, weights, ids, expert_offset)
+            out = moe_experts(x, gate_up, down, weights, ids, expert_offset)
+            return out if overlap is None else (out, overlap())
         self.calls_host += 1
         if x.device.type == "cpu":  # the whole model is on the host
-            return self._host(x, weights, ids, expert_offset)
-        # Blocking copies: the host reads them next. The results go back as one copy the device stream orders.
-        xh, wh, ih = x.to("cpu"), weights.to("cpu"), ids.to("cpu")
-        return self._host(xh, wh, ih, expert_offset).to(x.device, non_blocking=True)
+            out = self._host(x, weights, ids, expert_offset)
+            return out if overlap is None else (out, overlap())
+        # The inputs go to page-locked buffers by copies enqueued first, then the overlapping device work; the host
+        # waits only for the copies (their event), computes, and its result goes back as a copy the stream orders
+        # after everything enqueued so far.
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (x, weights, ids)]
+        for h, t in zip(host, (x, weights, ids)):
+            h.copy_(t, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        side = overlap() if overlap is not None else None
+        ready.synchronize()
+        out = self._host(*host, expert_offset).to(x.device, non_blocking=True)
+        return out if overlap is None else (out, side)
 
 
 def _align(n: int) -> int:

@@ -15,6 +15,7 @@ import datetime
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -130,6 +131,18 @@ def copy_bandwidth(device: str = "cuda", nbytes: int = 1 << 30) -> float:
     b = torch.empty_like(a)
     t = bench_ms(lambda: b.copy_(a))
     return 2 * nbytes / (t * 1e-3)
+
+
+def host_read_bandwidth(nbytes: int = 1 << 31) -> float:
+    """Bytes/s of a summing read over a host buffer with every thread (what host GEMVs are bound by); best of 5."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
 
 
 def matmul_flops(device: str = "cuda", n: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:

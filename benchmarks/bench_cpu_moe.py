@@ -26,22 +26,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import case, write_results  # noqa: E402
+from _common import case, host_read_bandwidth, write_results  # noqa: E402
 
 from infercore.models.layout import CPUPackedExperts, cpu_packing_supported  # noqa: E402
 from infercore.offload.host_experts import _quant_experts, _QuantLinear  # noqa: E402
 from infercore.ops.moe.naive import moe_experts_ref  # noqa: E402
-
-
-def host_read_bandwidth(nbytes: int = 1 << 31) -> float:
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
-    x.sum()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
 
 
 def best_of(fn, reps: int) -> float:

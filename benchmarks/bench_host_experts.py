@@ -35,51 +35,15 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import case, copy_bandwidth, write_results  # noqa: E402
+from _common import case, copy_bandwidth, host_read_bandwidth, write_results  # noqa: E402
 from bench_moe_e2e import QWEN3_30B_A3B, hf_sharing  # noqa: E402
+from bench_weight_offload import steady_decode, sync  # noqa: E402
 
 from infercore import Engine, SamplingParams  # noqa: E402
 from infercore.models import build_model, config_from_hf  # noqa: E402
 from infercore.offload import offload_experts_, offload_weights_  # noqa: E402
 
 PEER = "transformers + accelerate (experts on cpu)"
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def host_read_bandwidth(nbytes: int = 1 << 31) -> float:
-    """Bytes/s of a summing read over a host buffer with every thread (the host GEMVs' own limit)."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
-    x.sum()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
-
-
-def steady(eng: Engine, prompts: list[list[int]], new: int, dev: torch.device) -> float:
-    """Decode tokens/s once every request is past its prefill."""
-    sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    for p in prompts:
-        eng.add_request(p, sp)
-    reqs = list(eng.requests.values())
-    while any(not r.output_token_ids for r in reqs):
-        eng.step()
-    steps = max(1, min(new - 1 - len(r.output_token_ids) for r in reqs) - 1)
-    sync(dev)
-    t = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    sync(dev)
-    rate = len(reqs) * steps / (time.perf_counter() - t)
-    while eng.has_unfinished():
-        eng.step()
-    return rate
 
 
 def engine(model, args, max_b: int, dev: torch.device) -> Engine:
@@ -95,7 +59,7 @@ def run_engine(eng: Engine, batches: dict[int, list[list[int]]], args, dev: torc
     for B, prompts in batches.items():
         sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
         eng.generate(prompts, sp)  # warm-up: compile and settle
-        out[B] = steady(eng, prompts, args.new, dev)
+        out[B] = steady_decode(eng, prompts, args.new, dev)[0]
         print(f"{label} B={B}: {out[B]:.2f} tok/s", flush=True)
     return out
 

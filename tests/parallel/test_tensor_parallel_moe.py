@@ -52,6 +52,13 @@ def _worker(rank: int, init: str, path: str) -> None:
             assert everyone[0] == everyone[1]
             if rank == 0:
                 assert outs == [hf_greedy(hf, p, 10) for p in PROMPTS], (kind, experts)
+            if kind == "qwen2_moe":  # each rank's share of the experts on its host: the same tokens
+                from infercore.offload import offload_experts_
+
+                info = offload_experts_(model, pack=experts == "ep")
+                assert info["layers"] and all(model.model.layers[i].mlp.linear.host_experts for i in info["layers"])
+                again = [o.token_ids for o in Engine(model, page_size=4, num_pages=64).generate(PROMPTS, greedy)]
+                assert again == outs, (kind, experts)
         with pytest.raises(ValueError, match="moe_intermediate_size=25"):
             tensor_parallel_(odd)
         with pytest.raises(ValueError, match="experts must be"):

@@ -155,9 +155,14 @@ class CPUKVTier:
         return slot
 
     def pin(self, slots: Sequence[int]) -> None:
-        """Keep ``slots`` from being reused by :meth:`demote` until :meth:`unpin`."""
+        """Keep ``slots`` from being reused by :meth:`demote` until :meth:`unpin`. They also become the most
+        recently used (they are pinned to be loaded, which makes them so): the demotions' search for the least
+        recently used unpinned slot then does not walk past them."""
         for s in slots:
             self._pinned[s] = self._pinned.get(s, 0) + 1
+            key = self._slot_key[s]
+            if key is not None:
+                self._index.move_to_end(key)
 
     def unpin(self, slots: Sequence[int]) -> None:
         for s in slots:

@@ -44,7 +44,7 @@ class CPUPackedExperts:
     """Stacked routed experts (``gate_up [E, 2I, H]``, ``down [E, H, I]``) with each expert's two weights pre-packed
     for oneDNN, as :class:`CPUPackedLinear` packs a dense weight: a decode token's expert GEMVs then read near the
     memory bandwidth instead of the several times slower plain bf16 ``matmul``. ``__call__`` computes what
-    ``ops.moe.naive.moe_experts_ref`` does (expert by expert, outputs scaled in fp32 and summed in ``x.dtype``).
+    ``ops.moe.naive.moe_experts_ref`` does, through ``ops.moe.naive.moe_experts_loop``.
     ``current(gate_up, down)`` says whether the packed copies still match the weights (same storage and version)."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
@@ -65,23 +65,15 @@ class CPUPackedExperts:
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  expert_offset: int | None = None) -> torch.Tensor:  # fmt: skip
         from ..ops import silu_and_mul
+        from ..ops.moe.naive import moe_experts_loop
 
         linear = torch.ops.mkldnn._linear_pointwise
-        x = x.contiguous()
-        out = torch.zeros_like(x)
-        if expert_offset is not None:
-            ids = ids - expert_offset
-        E = len(self.gate_up)
-        for e in torch.unique(ids).tolist():
-            if not 0 <= e < E:
-                if expert_offset is not None:
-                    continue
-                raise ValueError(f"moe_experts: expert id {e} is outside [0, {E})")
-            tok, slot = torch.where(ids == e)
-            h = silu_and_mul(linear(x[tok], self.gate_up[e], None, "none", [], ""))
-            y = linear(h.contiguous(), self.down[e], None, "none", [], "")
-            out.index_add_(0, tok, (y.float() * weights[tok, slot, None].float()).to(x.dtype))
-        return out
+
+        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+            h = silu_and_mul(linear(rows, self.gate_up[e], None, "none", [], ""))
+            return linear(h, self.down[e], None, "none", [], "")
+
+        return moe_experts_loop(x.contiguous(), weights, ids, expert_offset, len(self.gate_up), expert)
 
 
 @torch.no_grad()

@@ -26,7 +26,7 @@ import weakref
 import torch
 from torch import nn
 
-from ..ops.moe.naive import check_moe_args, moe_experts_ref
+from ..ops.moe.naive import check_moe_args, moe_experts_loop, moe_experts_ref
 from .streaming import _pinned_host, _unregister
 
 # Decode batches route to a few experts each (the host reads only those); from about this many tokens a layer's
@@ -73,18 +73,8 @@ def _quant_experts(x, gate_up: list, down: list, weights, ids, expert_offset):
     """``moe_experts_ref`` over per-expert quantized weights (:class:`_QuantLinear`)."""
     from ..ops import silu_and_mul
 
-    out = torch.zeros_like(x)
-    if expert_offset is not None:
-        ids = ids - expert_offset
-    for e in torch.unique(ids).tolist():
-        if not 0 <= e < len(gate_up):
-            if expert_offset is not None:
-                continue
-            raise ValueError(f"moe_experts: expert id {e} is outside [0, {len(gate_up)})")
-        tok, slot = torch.where(ids == e)
-        y = down[e](silu_and_mul(gate_up[e](x[tok])))
-        out.index_add_(0, tok, (y.float() * weights[tok, slot, None].float()).to(x.dtype))
-    return out
+    return moe_experts_loop(x, weights, ids, expert_offset, len(gate_up),
+                            lambda e, rows: down[e](silu_and_mul(gate_up[e](rows))))
 
 
 class HostExperts:

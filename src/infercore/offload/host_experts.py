@@ -215,14 +215,14 @@ def offload_experts_(
     Args:
         layers: decoder layer indices whose routed experts go to the host (default: every MoE layer).
         device_min_tokens: a forward of at least this many tokens copies the layer's experts to a device staging
-            buffer (one layer's experts in size) and runs them there; ``None``: always on the host; ``"auto"``
-            (default): 256 on CUDA, ``None`` on the CPU (where host and device are one memory) and with
-            ``quantization``.
+            buffer (one layer's experts in size) and runs them there (from plain host copies); ``None``: always
+            on the host; ``"auto"`` (default): ``None`` where the host copies are packed or quantized (one host
+            copy), on the CPU, else 256 on CUDA.
         num_threads: host threads for the expert GEMMs (``torch.set_num_threads``; default: torch's).
-        pack: keep the experts pre-packed for oneDNN too (the host GEMVs then read near the memory bandwidth; a
-            plain bf16 ``matmul`` reads several times slower on x86). Default: where oneDNN packs the dtype. With
-            the staging path on the plain copies stay as well (two host copies); with ``device_min_tokens=None``
-            only the packed ones (the block's expert parameters become empty, and ``state_dict`` lacks them).
+        pack: keep the experts pre-packed for oneDNN (a decode GEMV through them reads about 2x faster than a plain
+            bf16 ``matmul`` on x86). Default: where oneDNN packs the dtype and no staging threshold was given. With
+            a staging threshold and ``pack=True`` the plain copies stay as well (two host copies); otherwise only
+            the packed ones (the block's expert parameters become empty, and ``state_dict`` lacks them).
         quantization: a weight-only INT scheme of ``infercore.quant.SCHEMES`` (``"w4a16-g128"``, ``"w8a16"``, ...):
             each expert is quantized (round to nearest, where its weights are: fast on a GPU) and the host keeps
             only the packed CPU kernel's operands (INT4 g128: ~0.27 bytes per weight). bf16 models run the
@@ -276,15 +276,24 @@ def offload_experts_(
     dev = check_device(device) if device is not None else first.device
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    if isinstance(device_min_tokens, str) and device_min_tokens == "auto":
-        device_min_tokens = AUTO_DEVICE_MIN_TOKENS if dev.type == "cuda" and quantization is None else None
+    if pack is not None and not isinstance(pack, bool):
+        raise TypeError(f"pack must be a bool or None, got {pack!r}")
+    if pack and quantization is not None:
+        raise ValueError("quantization: quantized host experts run the INT kernels; pack does not apply")
+    probe = next((moe_block(decoder[i]) for i in layers), None)
+    dtype = probe.experts.gate_up_proj.dtype
+    auto = isinstance(device_min_tokens, str) and device_min_tokens == "auto"
+    if pack is None:  # packed where oneDNN can, unless that would make a second host copy the caller did not ask for
+        pack = quantization is None and cpu_packing_supported(dtype) and (auto or device_min_tokens is None)
+    elif pack and not cpu_packing_supported(dtype):
+        raise ValueError(f"pack: oneDNN on this host cannot pack {dtype} weights")
+    if auto:  # one host copy: packed or quantized ones serve every forward; plain ones stage long forwards
+        device_min_tokens = AUTO_DEVICE_MIN_TOKENS if dev.type == "cuda" and not pack and quantization is None else None
     bad_min = isinstance(device_min_tokens, bool) or not isinstance(device_min_tokens, int)
     if device_min_tokens is not None and bad_min:
         raise TypeError(f"device_min_tokens must be an int or None, got {device_min_tokens!r}")
     if device_min_tokens is not None and device_min_tokens < 1:
         raise ValueError(f"device_min_tokens must be >= 1, got {device_min_tokens}")
-    if pack is not None and not isinstance(pack, bool):
-        raise TypeError(f"pack must be a bool or None, got {pack!r}")
     if quantization is not None:
         from ..quant.api import _resolve
 
@@ -295,9 +304,6 @@ def offload_experts_(
         if device_min_tokens is not None:
             raise ValueError("quantization: quantized host experts have no device copy to stage; pass "
                              "device_min_tokens=None")
-        if pack:
-            raise ValueError("quantization: quantized host experts run the INT kernels; pack does not apply")
-        pack = False
     if num_threads is not None:
         if isinstance(num_threads, bool) or not isinstance(num_threads, int):
             raise TypeError(f"num_threads must be an int, got {num_threads!r}")
@@ -306,11 +312,6 @@ def offload_experts_(
     blocks = [moe_block(decoder[i]) for i in layers]
     sizes = [_expert_bytes(b) for b in blocks]
     staging = _Staging(dev, max(sizes)) if device_min_tokens is not None else None
-    dtype = blocks[0].experts.gate_up_proj.dtype
-    if pack is None:
-        pack = cpu_packing_supported(dtype)
-    elif pack and not cpu_packing_supported(dtype):
-        raise ValueError(f"pack: oneDNN on this host cannot pack {dtype} weights")
     # One host region for all of them: page-locked with cudaHostRegister when the model runs on CUDA (pin_memory=True
     # would round each tensor up to a power of two); a CPU model's experts stay where they are.
     host_all, registered = None, False

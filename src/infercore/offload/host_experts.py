@@ -9,9 +9,10 @@ Qwen3-Next) stays on the device and runs while the host computes.
 
 At decode the host reads ``k`` experts per token (a Qwen3-30B-A3B-shaped layer: 8 x 9.4 MB), far less than
 copying the layer's experts over PCIe (128 x 9.4 MB); a long prefill routes to nearly every expert and computes
-far more per weight, where the host is slow and the copy is cheap per token. So a forward of at least
-``device_min_tokens`` tokens copies the layer's experts into one device staging buffer (page-locked host
-memory, one copy) and runs them there; shorter ones run on the host.
+far more per weight, where the host is slow and the copy is cheap per token. With ``device_min_tokens`` set, a
+forward of at least that many tokens copies the layer's experts from plain page-locked host copies into one device
+staging buffer and runs them there; by default the host keeps one copy, oneDNN-packed (or quantized), and runs
+every forward's experts itself.
 
 The host path synchronizes the host with the device once per offloaded layer, so a model with host experts is
 not CUDA-graph capturable: the :class:`~infercore.Engine` runs its decode eagerly (``model.host_synchronizing``).

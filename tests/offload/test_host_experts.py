@@ -116,9 +116,11 @@ def test_refusals(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe"])
-def test_cuda_host_experts_match_transformers(kind, tmp_path):
-    """The model on the GPU with its experts in pinned host memory: greedy tokens equal transformers' (fp32), the
-    Engine decodes eagerly, short forwards run on the host and a long prompt through the device staging."""
+@pytest.mark.parametrize("mode", ["staging", "packed", "int4"])
+def test_cuda_host_experts_match_transformers(kind, mode, tmp_path):
+    """The model on the GPU with its experts in host memory: plain page-locked copies with a staging threshold
+    (short forwards on the host, the long prompt through the device staging), the default oneDNN-packed copies,
+    or INT4 ones. Greedy tokens equal transformers' (fp32) for the first two; the Engine decodes eagerly."""
     from paged_harness import hf_greedy
 
     from infercore import Engine, SamplingParams
@@ -128,15 +130,22 @@ def test_cuda_host_experts_match_transformers(kind, tmp_path):
     long_prompt = [(7 * i) % 300 for i in range(40)]
     prompts = PROMPTS + [long_prompt]
     want = [hf_greedy(hf, p, 10) for p in prompts]
-    offload_experts_(model, device="cuda", device_min_tokens=32)
+    kwargs = {"staging": dict(device_min_tokens=32), "packed": {}, "int4": dict(quantization="w4a16-g128")}[mode]
+    info = offload_experts_(model, device="cuda", **kwargs)
     h = next(iter(model.host_experts.values()))
-    assert h.gate_up.device.type == "cpu" and h.gate_up.is_pinned()
+    assert info["packed"] is (mode == "packed") and (info["staging_bytes"] > 0) is (mode == "staging")
+    if mode == "staging":
+        assert h.gate_up.device.type == "cpu" and h.gate_up.is_pinned()
     assert model.model.embed_tokens.weight.device.type == "cuda" and model.host_synchronizing
     eng = Engine(model, page_size=4, num_pages=128)
     assert eng.graph_runner is None
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    assert [o.token_ids for o in eng.generate(prompts, greedy)] == want
-    assert h.calls_host > 0 and h.calls_device > 0
+    got = [o.token_ids for o in eng.generate(prompts, greedy)]
+    if mode == "int4":
+        assert all(len(t) == 10 for t in got)
+    else:
+        assert got == want
+    assert h.calls_host > 0 and (h.calls_device > 0) is (mode == "staging")
 
 
 @pytest.mark.parametrize("scheme", ["w4a16-g128", "w8a16"])

@@ -220,6 +220,8 @@ def main() -> None:
             loaded_GB=tr["loaded_bytes"] / 1e9, demoted_GB=tr["demoted_bytes"] / 1e9,
             h2d_GBps=h2d / 1e9, d2h_GBps=d2h / 1e9, greedy_tokens_agree=sum(agree) / max(1, len(agree)),
             preemptions_tier=tr.get("preemptions"), preemptions_recompute=rc.get("preemptions"),
+            ttfts_ms_tier=[round(x * 1e3, 2) for x in tr["ttfts"]],
+            ttfts_ms_recompute=[round(x * 1e3, 2) for x in rc["ttfts"]],
         ))  # fmt: skip
         print(f"{label}: tier {ours:.0f} tok/s vs recompute {peer:.0f} tok/s ({ours / peer:.2f}x); floor "
               f"{floor or float('nan'):.0f} tok/s; TTFT median {extra['ttft_ms_tier_median']:.1f} ms vs "

@@ -48,8 +48,8 @@ class _QuantLinear:
         q = quantize_weight(w, scheme).to("cpu")  # on w's device (fast on a GPU), then to the host
         self.kind = qcpu.cpu_kind(q) if dtype == torch.bfloat16 else None
         self.n = q.shape[0]
-        if self.kind == "int4":
-            self.ops, self.k = qcpu.pack_int4(q), None
+        if self.kind == "int4":  # (codes, group size, scales-and-zeros [K / group, N, 2])
+            self.ops = qcpu.pack_int4(q)
             self.k = self.ops[2].shape[0] * self.ops[1]
             self.nbytes = sum(t.numel() * t.element_size() for t in (self.ops[0], self.ops[2]))
         elif self.kind == "int8":

@@ -54,7 +54,8 @@ def _generate(args: argparse.Namespace) -> int:
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                         num_speculative_tokens=args.num_speculative_tokens,
-                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args), host_experts=_host_experts(args))
+                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args), host_experts=_host_experts(args),
+                                        host_expert_layers=getattr(args, "host_expert_layers", None))
     except (OSError, ValueError, TypeError, ImportError) as e:  # OSError: unreadable files too
         print(f"infercore: {e}", file=sys.stderr)
         return 2
@@ -87,7 +88,10 @@ def _print_stream(engine, args: argparse.Namespace, params) -> None:
 
 def _host_experts(args: argparse.Namespace) -> bool | str:
     """``--host-experts [SCHEME]`` as ``Engine.from_pretrained(host_experts=...)`` takes it."""
-    return getattr(args, "host_experts", False)
+    host = getattr(args, "host_experts", False)
+    if getattr(args, "host_expert_layers", None) is not None and not host:
+        raise ValueError("--host-expert-layers needs --host-experts")
+    return host
 
 
 def _spawn_tp(args: argparse.Namespace, params) -> int:
@@ -153,7 +157,8 @@ def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
         if host_experts:  # each rank's share of the experts on the host
             from .offload import offload_experts_
 
-            offload_experts_(model, device=device, quantization=None if host_experts is True else host_experts)
+            offload_experts_(model, device=device, quantization=None if host_experts is True else host_experts,
+                             layers=getattr(args, "host_expert_layers", None))
         if quantized:  # each rank quantizes its shards
             from .quant import quantize
 
@@ -192,7 +197,8 @@ def _serve(args: argparse.Namespace) -> int:
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                         num_speculative_tokens=args.num_speculative_tokens,
-                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args), host_experts=_host_experts(args))
+                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args), host_experts=_host_experts(args),
+                                        host_expert_layers=getattr(args, "host_expert_layers", None))
         _run_server(engine, args)
     except (OSError, ValueError, TypeError, ImportError) as e:
         print(f"infercore: {e}", file=sys.stderr)
@@ -268,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--host-experts", nargs="?", const=True, default=False, metavar="SCHEME",
                        help="a routed-expert model's experts stay in host memory and run there (the rest on "
                             "--device); with SCHEME (e.g. w4a16-g128) quantized to it")
+        q.add_argument("--host-expert-layers", type=int, default=None, metavar="N",
+                       help="with --host-experts: only the first N MoE layers' experts on the host, the rest on "
+                            "--device (default: all)")
         q.add_argument("--num-speculative-tokens", default=0, type=int, metavar="K",
                        help="speculative decoding by prompt lookup: draft up to K tokens from n-grams of the "
                             "request's own text, verified in one forward (default 0: off)")

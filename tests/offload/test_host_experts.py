@@ -74,8 +74,8 @@ def test_packed_only_host_experts(tmp_path):
 
 
 def test_some_layers_and_a_tensor_parallel_like_wrapper(tmp_path):
-    """``layers`` picks MoE layers; the others keep their experts where they were. Qwen2-MoE's dense layer (1)
-    is refused by name."""
+    """``layers`` picks MoE layers (indices, or the first N); the others keep their experts where they were.
+    Qwen2-MoE's dense layer (1) is refused by name."""
     from infercore.offload import offload_experts_
 
     _, model = _models("qwen2_moe", tmp_path)
@@ -83,10 +83,22 @@ def test_some_layers_and_a_tensor_parallel_like_wrapper(tmp_path):
         offload_experts_(model, layers=[1])
     with pytest.raises(ValueError, match="outside"):
         offload_experts_(model, layers=[7])
+    with pytest.raises(ValueError, match="the model has 2"):
+        offload_experts_(model, layers=3)
+    with pytest.raises(ValueError, match="MoE layers asked for"):
+        offload_experts_(model, layers=0)
     offload_experts_(model, layers=[2])
     assert model.model.layers[2].mlp.host_experts is not None and model.model.layers[0].mlp.host_experts is None
     with pytest.raises(ValueError, match="already offloaded"):
         offload_experts_(model)
+
+
+def test_first_n_moe_layers(tmp_path):
+    from infercore.offload import offload_experts_
+
+    _, model = _models("qwen2_moe", tmp_path)  # MoE layers 0 and 2
+    assert offload_experts_(model, layers=1)["layers"] == [0]
+    assert model.model.layers[2].mlp.host_experts is None
 
 
 def test_refusals(tmp_path):
@@ -96,7 +108,7 @@ def test_refusals(tmp_path):
     _, model = _models("qwen3_moe", tmp_path)
     for kwargs, err, match in [
         (dict(layers=[True]), TypeError, "layers"),
-        (dict(layers=3), TypeError, "layers"),
+        (dict(layers="3"), TypeError, "layers"),
         (dict(device_min_tokens=0), ValueError, "device_min_tokens"),
         (dict(device_min_tokens="many"), TypeError, "device_min_tokens"),
         (dict(num_threads=0), ValueError, "num_threads"),

@@ -96,6 +96,10 @@ def test_cli_generate_with_expert_parallelism(tmp_path, capfd):
     # the experts on the host: in the model's dtype (the same answer), and INT4 (an answer)
     assert cli.main(argv + ["--host-experts"]) == 0
     assert capfd.readouterr().out == want
+    assert cli.main(argv + ["--host-experts", "--host-expert-layers", "1"]) == 0  # llama.cpp's --n-cpu-moe
+    assert capfd.readouterr().out == want
+    assert cli.main(argv + ["--host-expert-layers", "1"]) == 2
+    assert "--host-experts" in capfd.readouterr().err
     assert cli.main(argv + ["--host-experts", "w4a16-g128", "--tensor-parallel", "2", "--expert-parallel"]) == 0
     assert capfd.readouterr().out.strip()
     assert cli.main(argv + ["--host-experts", "fp8-wo"]) == 2

@@ -312,6 +312,7 @@ class Engine:
         dtype: torch.dtype | str | None = None,
         quantization: str | None = None,
         host_experts: bool | str = False,
+        host_expert_layers: int | None = None,
         **kwargs,
     ) -> Engine:
         """Load a checkpoint (HF safetensors directory or GGUF file; default: the SmolLM2-135M-Instruct
@@ -320,7 +321,7 @@ class Engine:
         ``host_experts``: a routed-expert model's experts stay in host memory and run there
         (:func:`infercore.offload.offload_experts_`): ``True`` in the model's dtype (oneDNN-packed), or a weight-only
         INT scheme (``"w4a16-g128"``) to quantize them to; the checkpoint is loaded on the host and everything else
-        moves to ``device``.
+        moves to ``device``. ``host_expert_layers``: only the first that many MoE layers' experts (default: all).
 
         A GPTQ / AWQ directory (``quantization_config`` in its ``config.json``) loads quantized as it is
         (:mod:`infercore.loading.prequantized`; ``quantization`` must then be None).
@@ -343,6 +344,8 @@ class Engine:
         _check_quantization(quantization, path)
         if not isinstance(host_experts, (bool, str)):
             raise TypeError(f"host_experts must be a bool or a scheme name, got {host_experts!r}")
+        if host_expert_layers is not None and not host_experts:
+            raise ValueError("host_expert_layers: set host_experts too")
         if isinstance(host_experts, str):  # checked before the (slow) load
             from ..quant.api import _resolve
 
@@ -357,7 +360,8 @@ class Engine:
         if host_experts:
             from ..offload import offload_experts_
 
-            offload_experts_(model, device=device, quantization=None if host_experts is True else host_experts)
+            offload_experts_(model, device=device, quantization=None if host_experts is True else host_experts,
+                             layers=host_expert_layers)
         if quantization == "gguf":
             from ..quant.gguf_native import use_gguf_blocks
 

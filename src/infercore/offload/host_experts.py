@@ -202,7 +202,7 @@ class _Staging:
 def offload_experts_(
     model: nn.Module,
     *,
-    layers: list[int] | None = None,
+    layers: list[int] | int | None = None,
     device_min_tokens: int | None | str = "auto",
     num_threads: int | None = None,
     pack: bool | None = None,
@@ -214,7 +214,9 @@ def offload_experts_(
     from the device memory left.
 
     Args:
-        layers: decoder layer indices whose routed experts go to the host (default: every MoE layer).
+        layers: decoder layer indices whose routed experts go to the host, or an int ``N``: the first ``N`` MoE
+            layers (llama.cpp's ``--n-cpu-moe``: the other layers' experts stay on the device, using its spare
+            memory). Default: every MoE layer.
         device_min_tokens: a forward of at least this many tokens copies the layer's experts to a device staging
             buffer (one layer's experts in size) and runs them there (from plain host copies); ``None``: always
             on the host; ``"auto"`` (default): ``None`` where the host copies are packed or quantized (one host
@@ -262,9 +264,13 @@ def offload_experts_(
     moe = [i for i, layer in enumerate(decoder) if moe_block(layer) is not None]
     if layers is None:
         layers = moe
+    elif isinstance(layers, int) and not isinstance(layers, bool):
+        if not 1 <= layers <= len(moe):
+            raise ValueError(f"layers: {layers} MoE layers asked for, the model has {len(moe)} (1..{len(moe)})")
+        layers = moe[:layers]
     else:
         if not isinstance(layers, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
-            raise TypeError(f"layers must be a list of ints, got {layers!r}")
+            raise TypeError(f"layers must be a list of ints or an int, got {layers!r}")
         for i in layers:
             if not 0 <= i < len(decoder):
                 raise ValueError(f"layers: {i} is outside [0, {len(decoder)})")

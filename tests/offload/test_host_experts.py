@@ -91,6 +91,10 @@ def test_some_layers_and_a_tensor_parallel_like_wrapper(tmp_path):
     assert model.model.layers[2].mlp.host_experts is not None and model.model.layers[0].mlp.host_experts is None
     with pytest.raises(ValueError, match="already offloaded"):
         offload_experts_(model)
+    from infercore.offload import offload_weights_
+
+    with pytest.raises(ValueError, match="experts are on the host"):
+        offload_weights_(model, gpu_budget_bytes=1 << 20)
 
 
 def test_first_n_moe_layers(tmp_path):

@@ -166,6 +166,9 @@ def make_plan(model: nn.Module, gpu_budget_bytes: int, *, prefetch: int, device:
     layers = decoder_layers(model)
     if getattr(model, "offload_plan", None) is not None:
         raise ValueError("model: is already offloaded (model.offload_plan is set)")
+    if getattr(model, "host_experts", None):
+        raise ValueError("model: its experts are on the host (offload_experts_); weight streaming would copy them "
+                         "back to the device")
     _check_int("gpu_budget_bytes", gpu_budget_bytes, 1)
     _check_int("prefetch", prefetch, 1)
     in_layers: set[int] = set()

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import case, copy_bandwidth, host_read_bandwidth, write_results  # noqa: E402
 from bench_moe_e2e import QWEN3_30B_A3B, hf_sharing  # noqa: E402
-from bench_weight_offload import steady_decode, sync  # noqa: E402
+from bench_weight_offload import hf_decode_rate, steady_decode, sync  # noqa: E402
 
 from infercore import Engine, SamplingParams  # noqa: E402
 from infercore.models import build_model, config_from_hf  # noqa: E402
@@ -90,22 +90,9 @@ def hf_peer(model, cfg: dict, batches: dict[int, list[list[int]]], steps: int, d
         dm = device_map(hf)
         hf = dispatch_model(hf, device_map=dm, main_device=0)
     rates = {}
-    with torch.inference_mode():
-        for B, prompts in batches.items():
-            x = torch.tensor(prompts, device=dev)
-            out = hf(input_ids=x, use_cache=True, logits_to_keep=1)
-            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            out = hf(input_ids=nxt, past_key_values=past, use_cache=True)  # one untimed decode step
-            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            sync(dev)
-            t = time.perf_counter()
-            for _ in range(steps):
-                out = hf(input_ids=nxt, past_key_values=past, use_cache=True)
-                past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            sync(dev)
-            rates[B] = B * steps / (time.perf_counter() - t)
-            print(f"peer B={B}: {rates[B]:.3f} tok/s", flush=True)
-            del out, past
+    for B, prompts in batches.items():
+        rates[B] = hf_decode_rate(hf, prompts, steps, dev)
+        print(f"peer B={B}: {rates[B]:.3f} tok/s", flush=True)
     if dev.type == "cuda":
         remove_hook_from_submodules(hf)
     del hf

@@ -126,6 +126,24 @@ def steady_decode(eng: Engine, prompts: list[list[int]], new: int, dev: torch.de
     return rate, [list(r.output_token_ids) for r in reqs]
 
 
+@torch.inference_mode()
+def hf_decode_rate(hf, batch: list[list[int]], steps: int, dev: torch.device) -> float:
+    """A transformers model's greedy decode tokens/s over ``steps`` steps after the prefill of ``batch`` (equal-length
+    prompts) and one untimed step, its KV cache grown in place."""
+    x = torch.tensor(batch, device=dev)
+    out = hf(input_ids=x, use_cache=True, logits_to_keep=1)
+    past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    out = hf(input_ids=nxt, past_key_values=past, use_cache=True)  # one untimed decode step
+    past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    sync(dev)
+    t = time.perf_counter()
+    for _ in range(steps):
+        out = hf(input_ids=nxt, past_key_values=past, use_cache=True)
+        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    sync(dev)
+    return len(batch) * steps / (time.perf_counter() - t)
+
+
 def hf_peer(cfg: dict, weights: dict, budget: int, dev: torch.device, prompts: list[list[int]], steps: int):
     """transformers + accelerate at ``budget`` GPU bytes: decode tokens/s per batch of ``prompts`` (a list of
     prompt lists), and how many modules accelerate left on the CPU."""
@@ -150,22 +168,7 @@ def hf_peer(cfg: dict, weights: dict, budget: int, dev: torch.device, prompts: l
     on_cpu = sum(1 for v in dm.values() if v == "cpu") if dev.type == "cuda" else 0
     if dev.type == "cuda":
         hf = dispatch_model(hf, device_map=dm)
-    rates = []
-    with torch.inference_mode():
-        for batch in prompts:
-            x = torch.tensor(batch, device=dev)
-            out = hf(input_ids=x, use_cache=True, logits_to_keep=1)
-            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            out = hf(input_ids=nxt, past_key_values=past, use_cache=True)  # one untimed decode step
-            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            sync(dev)
-            t = time.perf_counter()
-            for _ in range(steps):
-                out = hf(input_ids=nxt, past_key_values=past, use_cache=True)
-                past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            sync(dev)
-            rates.append(len(batch) * steps / (time.perf_counter() - t))
-            del out, past
+    rates = [hf_decode_rate(hf, batch, steps, dev) for batch in prompts]
     remove_hook_from_submodules(hf)
     del hf
     gc.collect()

@@ -54,8 +54,7 @@ def _generate(args: argparse.Namespace) -> int:
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                         num_speculative_tokens=args.num_speculative_tokens,
-                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args), host_experts=_host_experts(args),
-                                        host_expert_layers=getattr(args, "host_expert_layers", None))
+                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args), **_host_experts(args))
     except (OSError, ValueError, TypeError, ImportError) as e:  # OSError: unreadable files too
         print(f"infercore: {e}", file=sys.stderr)
         return 2
@@ -86,12 +85,12 @@ def _print_stream(engine, args: argparse.Namespace, params) -> None:
     )
 
 
-def _host_experts(args: argparse.Namespace) -> bool | str:
-    """``--host-experts [SCHEME]`` as ``Engine.from_pretrained(host_experts=...)`` takes it."""
-    host = getattr(args, "host_experts", False)
-    if getattr(args, "host_expert_layers", None) is not None and not host:
+def _host_experts(args: argparse.Namespace) -> dict:
+    """``--host-experts [SCHEME]`` / ``--host-expert-layers N`` as ``Engine.from_pretrained`` takes them."""
+    host, layers = getattr(args, "host_experts", False), getattr(args, "host_expert_layers", None)
+    if layers is not None and not host:
         raise ValueError("--host-expert-layers needs --host-experts")
-    return host
+    return {"host_experts": host, "host_expert_layers": layers}
 
 
 def _spawn_tp(args: argparse.Namespace, params) -> int:
@@ -153,12 +152,13 @@ def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
         dtype = _parse_dtype(args.dtype) if args.dtype else default_dtype(device, quantized=quantized)
         model, tok, _ = load_model(args.model or default_model_path(), dtype=dtype, device=device)
         tensor_parallel_(model, experts="ep" if getattr(args, "expert_parallel", False) else "tp")
-        host_experts = _host_experts(args)
-        if host_experts:  # each rank's share of the experts on the host
+        host = _host_experts(args)
+        if host["host_experts"]:  # each rank's share of the experts on the host
             from .offload import offload_experts_
 
-            offload_experts_(model, device=device, quantization=None if host_experts is True else host_experts,
-                             layers=getattr(args, "host_expert_layers", None))
+            scheme = host["host_experts"]
+            offload_experts_(model, device=device, quantization=None if scheme is True else scheme,
+                             layers=host["host_expert_layers"])
         if quantized:  # each rank quantizes its shards
             from .quant import quantize
 
@@ -197,8 +197,7 @@ def _serve(args: argparse.Namespace) -> int:
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                         num_speculative_tokens=args.num_speculative_tokens,
-                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args), host_experts=_host_experts(args),
-                                        host_expert_layers=getattr(args, "host_expert_layers", None))
+                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args), **_host_experts(args))
         _run_server(engine, args)
     except (OSError, ValueError, TypeError, ImportError) as e:
         print(f"infercore: {e}", file=sys.stderr)

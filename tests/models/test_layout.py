@@ -65,3 +65,8 @@ def test_packed_experts_match_the_reference_and_follow_weight_writes(dtype):
     assert torch.count_nonzero(skipped) == 0
     with pytest.raises(ValueError, match="expert id 9"):
         block.cpu_packed_experts(x, w, ids + 9)
+    with pytest.raises(ValueError, match="do not match"):
+        block.cpu_packed_experts(x[:, :16], w, ids)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(TypeError, match="packed for"):
+        block.cpu_packed_experts(x.to(other), w, ids)

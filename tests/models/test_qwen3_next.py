@@ -25,8 +25,8 @@ def _prompts(n, seed, lo=5, hi=30, vocab=96):
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def pair():
+def _tiny_pair(seed: int):
+    """A tiny random transformers Qwen3-Next and ours with its weights."""
     import transformers
 
     cfg = transformers.Qwen3NextConfig(
@@ -39,7 +39,7 @@ def pair():
         layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
     )  # fmt: skip
     cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     hf = transformers.Qwen3NextForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -49,6 +49,11 @@ def pair():
     ours = build_model(Qwen3NextConfig.from_hf(cfg.to_dict()), dtype=torch.float32, device="cpu", init="empty")
     ours.load_weights(hf.state_dict().items())
     return hf, ours
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return _tiny_pair(0)
 
 
 def test_moe_implementations_agree():
@@ -144,29 +149,9 @@ def test_prefix_hit_restores_checkpointed_state(pair):
 def test_host_experts_in_the_hybrid_model():
     """Qwen3-Next with its routed experts on the host (offload.offload_experts_, oneDNN-packed): the greedy tokens
     are transformers' (the shared expert runs beside them), through the multi-granularity KV layout."""
-    import transformers
-
     from infercore.offload import offload_experts_
 
-    cfg = transformers.Qwen3NextConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
-        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-        linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-        shared_expert_intermediate_size=24, decoder_sparse_step=1, mlp_only_layers=[1],
-        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-    )  # fmt: skip
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(3)
-    hf = transformers.Qwen3NextForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name or "dt_bias" in name:
-                p.normal_(0.0, 0.3)
-        hf.lm_head.weight.mul_(4.0)
-    ours = build_model(Qwen3NextConfig.from_hf(cfg.to_dict()), dtype=torch.float32, device="cpu", init="empty")
-    ours.load_weights(hf.state_dict().items())
+    hf, ours = _tiny_pair(3)
     info = offload_experts_(ours, pack=True)
     assert info["layers"] == [0, 2, 3]  # layer 1 is a dense MLP
     ps = _prompts(3, seed=4)

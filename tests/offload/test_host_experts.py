@@ -97,6 +97,25 @@ def test_some_layers_and_a_tensor_parallel_like_wrapper(tmp_path):
         offload_weights_(model, gpu_budget_bytes=1 << 20)
 
 
+def test_host_region_views_hold_the_experts():
+    """The plain host copies are views into a shared region (a slice of it per block, at its own offset)."""
+    from infercore.models.moe import SparseMoeBlock
+    from infercore.offload.host_experts import HostExperts
+
+    torch.manual_seed(0)
+    block = SparseMoeBlock(16, num_experts=3, top_k=2, intermediate=8)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p))
+    gu, dn = block.experts.gate_up_proj.detach().clone(), block.experts.down_proj.detach().clone()
+    region = torch.zeros(8192, dtype=torch.uint8)
+    h = HostExperts(block, torch.device("cpu"), None, 0, region[1024:])
+    assert torch.equal(h.gate_up, gu) and torch.equal(h.down, dn)
+    base = region.data_ptr() + 1024
+    assert h.gate_up.data_ptr() == base and h.down.data_ptr() == base + gu.numel() * 4  # 3072 bytes: aligned
+    assert torch.count_nonzero(region[:1024]) == 0
+
+
 def test_first_n_moe_layers(tmp_path):
     from infercore.offload import offload_experts_
 

@@ -54,6 +54,8 @@ class CPUPackedExperts:
             self.down = [reorder(down[e].detach().contiguous(), 1) for e in range(down.shape[0])]
         self.key = self._key(gate_up, down)
         self.dtype = gate_up.dtype
+        self._meta = (torch.empty(gate_up.shape, dtype=gate_up.dtype, device="meta"),
+                      torch.empty(down.shape, dtype=down.dtype, device="meta"))
 
     @staticmethod
     def _key(gate_up: torch.Tensor, down: torch.Tensor) -> tuple:
@@ -64,8 +66,13 @@ class CPUPackedExperts:
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  expert_offset: int | None = None) -> torch.Tensor:  # fmt: skip
+        """``x [T, H]`` (the packed dtype), ``weights / ids [T, k]`` -> ``[T, H]`` in ``x.dtype``."""
         from ..ops import silu_and_mul
-        from ..ops.moe.naive import moe_experts_loop
+        from ..ops.moe.naive import check_moe_args, moe_experts_loop
+
+        check_moe_args("moe_experts", x, *self._meta, weights, ids)
+        if x.dtype != self.dtype:
+            raise TypeError(f"moe_experts: x is {x.dtype}; the experts are packed for {self.dtype}")
 
         linear = torch.ops.mkldnn._linear_pointwise
 

@@ -220,7 +220,6 @@ class SparseMoeBlock(nn.Module):
         if packed is not None and x.device.type == "cpu" and x.dtype == packed.dtype:
             if not packed.current(gate_up, down):  # the weights were written since packing
                 packed = self.cpu_packed_experts = type(packed)(gate_up, down)
-            _check(x, gate_up, down, weights, ids)
             out = packed(x, weights, ids, self.expert_offset)
         else:
             out = moe_experts(x, gate_up, down, weights, ids, self.expert_offset)

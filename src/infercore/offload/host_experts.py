@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from ..ops.moe.naive import check_moe_args, moe_experts_loop, moe_experts_ref
-from .streaming import _pinned_host, _unregister
+from .plan import _align
+from .streaming import _pinned_host, _unregister, _view
 
 # Decode batches route to a few experts each (the host reads only those); from about this many tokens a layer's
 # experts are mostly all routed and the host's compute, not its memory, is the limit (a Qwen3-30B-A3B-shaped
@@ -112,10 +113,9 @@ class HostExperts:
             if not keep_plain:
                 p = torch.empty(0, dtype=p.dtype)
             elif host is not None:  # a view of the (page-locked) host region, one copy straight into it
-                n = p.numel() * p.element_size()
-                view = host[off : off + n].view(p.dtype).view(p.shape)
+                view = _view(host, host.storage_offset() + off, p, _contiguous(p))  # _view: storage offsets
                 view.copy_(p)
-                p, off = view, off + _align(n)
+                p, off = view, off + _align(p.numel() * p.element_size())
             setattr(block.experts, name, nn.Parameter(p, requires_grad=False))
         self.gate_up = block.experts.gate_up_proj
         self.down = block.experts.down_proj
@@ -139,7 +139,8 @@ class HostExperts:
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert_offset: int | None,
                  overlap=None) -> torch.Tensor:
-        """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` as ``[T, H]`` on ``x``'s device. ``overlap``: a
+        """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` for ``x [T, H]``, ``weights / ids [T, k]``, as
+        ``[T, H]`` in ``x.dtype`` on ``x``'s device (``ValueError`` / ``TypeError`` naming a bad one). ``overlap``: a
         callable enqueuing device work (the shared expert) to run while the host computes; its result is
         returned second when given."""
         if x.shape[0] >= self.device_min_tokens and self.staging is not None:
@@ -167,8 +168,8 @@ class HostExperts:
         return out if overlap is None else (out, side)
 
 
-def _align(n: int) -> int:
-    return -(-n // 256) * 256
+def _contiguous(t: torch.Tensor) -> tuple[int, ...]:
+    return torch.empty(t.shape, device="meta").stride()
 
 
 def _expert_bytes(block: nn.Module) -> int:
@@ -191,11 +192,10 @@ class _Staging:
         out = []
         off = 0
         for t in (gate_up, down):
-            n = t.numel() * t.element_size()
-            view = self.buffer[off : off + n].view(t.dtype).view(t.shape)
+            view = _view(self.buffer, off, t, _contiguous(t))
             view.copy_(t, non_blocking=True)
             out.append(view)
-            off += _align(n)
+            off += _align(t.numel() * t.element_size())
         return out[0], out[1]
 
 
@@ -256,6 +256,7 @@ def offload_experts_(
         raise ValueError("model: its experts are already offloaded")
     if getattr(model, "offload_plan", None) is not None:
         raise ValueError("model: weight streaming (offload_weights_) is on; offload the experts instead, or first")
+
     def moe_block(layer):  # a tensor-parallel layer's MLP is wrapped (parallel.RowParallel(linear=block))
         mlp = getattr(layer, "mlp", None)
         mlp = getattr(mlp, "linear", mlp)
@@ -287,8 +288,8 @@ def offload_experts_(
         raise TypeError(f"pack must be a bool or None, got {pack!r}")
     if pack and quantization is not None:
         raise ValueError("quantization: quantized host experts run the INT kernels; pack does not apply")
-    probe = next((moe_block(decoder[i]) for i in layers), None)
-    dtype = probe.experts.gate_up_proj.dtype
+    blocks = [moe_block(decoder[i]) for i in layers]
+    dtype = blocks[0].experts.gate_up_proj.dtype
     auto = isinstance(device_min_tokens, str) and device_min_tokens == "auto"
     if pack is None:  # packed where oneDNN can, unless that would make a second host copy the caller did not ask for
         pack = quantization is None and cpu_packing_supported(dtype) and (auto or device_min_tokens is None)
@@ -316,17 +317,15 @@ def offload_experts_(
             raise TypeError(f"num_threads must be an int, got {num_threads!r}")
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-    blocks = [moe_block(decoder[i]) for i in layers]
     sizes = [_expert_bytes(b) for b in blocks]
     staging = _Staging(dev, max(sizes)) if device_min_tokens is not None else None
     # One host region for all of them: page-locked with cudaHostRegister when the model runs on CUDA (pin_memory=True
     # would round each tensor up to a power of two); a CPU model's experts stay where they are.
     host_all, registered = None, False
-    if (pack or quantization is not None) and staging is None:
-        pass  # the packed / quantized copies are the only host copies
-    elif dev.type == "cuda":
+    keep_plain = staging is not None or not (pack or quantization is not None)  # else packed / quantized only
+    if keep_plain and dev.type == "cuda":
         host_all, registered = _pinned_host(sum(sizes))
-    elif any(p.device.type != "cpu" for b in blocks for p in b.experts.parameters()):
+    elif keep_plain and any(p.device.type != "cpu" for b in blocks for p in b.experts.parameters()):
         host_all = torch.empty(sum(sizes), dtype=torch.uint8)
     offloaded = {}
     base = 0

@@ -54,11 +54,12 @@ def moe_experts_ref(
 
 def moe_experts_loop(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert_offset: int | None,
                      num_experts: int, expert) -> torch.Tensor:  # fmt: skip
-    """:func:`moe_experts_ref`'s loop with the expert computation ``expert(e, x_rows) -> rows`` supplied (packed or
-    quantized host kernels), in fewer host ops: the pairs sorted by expert once, every pair's rows scaled in fp32 and
-    added by one ``index_add_`` in the reference's order (expert, then token, then slot). In fp32 the sums are the
-    reference's bit for bit; in bf16 / fp16 ``index_add_`` accumulates a token's pairs in fp32 and rounds once
-    (the reference rounds after every pair)."""
+    """:func:`moe_experts_ref`'s loop with the expert computation supplied (packed or quantized host kernels):
+    ``expert(e, rows [n, H]) -> [n, H]``, for ``x [T, H]`` and ``weights / ids [T, k]`` (checked by the caller);
+    returns ``[T, H]`` in ``x.dtype``. Fewer host ops than the reference: the pairs sorted by expert once, every
+    pair's rows scaled in fp32 and added by one ``index_add_`` in the reference's order (expert, then token, then
+    slot). In fp32 the sums are the reference's bit for bit; in bf16 / fp16 ``index_add_`` accumulates a token's
+    pairs in fp32 and rounds once (the reference rounds after every pair)."""
     k = ids.shape[1]
     flat = ids.reshape(-1)
     if expert_offset is not None:

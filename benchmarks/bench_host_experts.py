@@ -203,7 +203,35 @@ def main() -> None:
     del model
     free(dev)
 
-    streamed, stream_budget = {}, None
+    streamed, stream_budget, quantized, qinfo = {}, None, {}, None
+
+    def emit() -> None:
+        """Write what has been measured so far (a later phase may run past the device's limit)."""
+        cases = []
+        for B in (b for b in batches_n if b in ours):
+            distinct = E * (1 - (1 - k / E) ** B)
+            host_bytes = L * distinct * one_expert
+            dev_bytes = resident_read + B * (args.prompt + args.new / 2) * kv_per_token
+            floor = B / (host_bytes / host_bw + dev_bytes / dev_bw)
+            peers = {PEER: peer[B]} if B in peer else {}
+            cases.append(case(
+                f"qwen3-30b-a3b-shape decode bs{B}, routed experts in host memory, prompt {args.prompt}, bf16",
+                metric="decode throughput", unit="tok/s", ours=ours[B], peers=peers, floor=floor,
+                resident_all_on_gpu_tok_s=resident[B], weight_streaming_tok_s=streamed.get(B),
+                weight_streaming_budget_bytes=stream_budget if streamed else None,
+                gpu_weight_bytes=gpu_bytes, host_expert_bytes=info["host_bytes"], host_packed=info["packed"],
+                device_min_tokens=dmt, quantized_host_experts_tok_s=quantized.get(B),
+                quantized_scheme=args.quantization or None, quantized_host_bytes=qinfo["host_bytes"] if qinfo else None,
+                expected_distinct_experts=distinct,
+                host_bytes_per_step=host_bytes, host_read_GBps=host_bw / 1e9, device_copy_TBps=dev_bw / 1e12,
+                host_threads=torch.get_num_threads(), prefill_ms_host_experts=ttft_ms if B == batches_n[0] else None,
+                layers=L,
+            ))  # fmt: skip
+        device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke)"
+        write_results(args.out, "host_experts", device, cases)
+
+    emit()
+
     if not args.no_streaming:
         model = build()
         stream_budget = int(gpu_bytes)
@@ -219,8 +247,8 @@ def main() -> None:
         streamed = run_engine(eng, batches, args, dev, "weight streaming")
         del eng, model
         free(dev)
+        emit()
 
-    quantized, qinfo = {}, None
     if args.quantization:
         model = build()
         t = time.perf_counter()
@@ -231,29 +259,8 @@ def main() -> None:
         quantized = run_engine(eng, batches, args, dev, f"{args.quantization} host experts")
         del eng, model
         free(dev)
+        emit()
 
-    cases = []
-    for B in batches_n:
-        distinct = E * (1 - (1 - k / E) ** B)
-        host_bytes = L * distinct * one_expert
-        dev_bytes = resident_read + B * (args.prompt + args.new / 2) * kv_per_token
-        floor = B / (host_bytes / host_bw + dev_bytes / dev_bw)
-        peers = {PEER: peer[B]} if B in peer else {}
-        cases.append(case(
-            f"qwen3-30b-a3b-shape decode bs{B}, routed experts in host memory, prompt {args.prompt}, bf16",
-            metric="decode throughput", unit="tok/s", ours=ours[B], peers=peers, floor=floor,
-            resident_all_on_gpu_tok_s=resident[B], weight_streaming_tok_s=streamed.get(B),
-            weight_streaming_budget_bytes=stream_budget if streamed else None,
-            gpu_weight_bytes=gpu_bytes, host_expert_bytes=info["host_bytes"], host_packed=info["packed"],
-            device_min_tokens=dmt, quantized_host_experts_tok_s=quantized.get(B),
-            quantized_scheme=args.quantization or None, quantized_host_bytes=qinfo["host_bytes"] if qinfo else None,
-            expected_distinct_experts=distinct,
-            host_bytes_per_step=host_bytes, host_read_GBps=host_bw / 1e9, device_copy_TBps=dev_bw / 1e12,
-            host_threads=torch.get_num_threads(), prefill_ms_host_experts=ttft_ms if B == batches_n[0] else None,
-            layers=L,
-        ))  # fmt: skip
-    device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke)"
-    write_results(args.out, "host_experts", device, cases)
     print(f"wrote {args.out} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
 

@@ -6,7 +6,7 @@ the rest (4 GB) stay on the GPU. Without ``--device-min-tokens`` the host keeps 
 prefills run there too. Decode tokens/s at ``--batches`` after a ``--prompt``-token prefill, steady state
 (every request decoding):
 
-* ours: the Engine over the model with host experts (eager decode: the host path waits once per layer);
+* ours: the Engine over the model with host experts (decode graphs captured in segments: one host break per layer);
 * peer: transformers ``generate``-style decode (sdpa) with accelerate's placement of the same modules (each
   layer's ``mlp.experts`` on "cpu": accelerate copies them to the GPU at every forward), same weights;
 * extra keys: the same Engine with every weight resident (the GPU-rich bound), and the layers streamed over PCIe

@@ -151,11 +151,12 @@ def test_refusals(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe"])
-@pytest.mark.parametrize("mode", ["staging", "packed", "int4"])
-def test_cuda_host_experts_match_transformers(kind, mode, tmp_path):
+@pytest.mark.parametrize("mode,graphs", [("staging", True), ("packed", True), ("packed", False), ("int4", True)])
+def test_cuda_host_experts_match_transformers(kind, mode, graphs, tmp_path):
     """The model on the GPU with its experts in host memory: plain page-locked copies with a staging threshold
-    (short forwards on the host, the long prompt through the device staging), the default oneDNN-packed copies,
-    or INT4 ones. Greedy tokens equal transformers' (fp32) for the first two; the Engine decodes eagerly."""
+    (short forwards on the host, the long prompt and decode graphs of 32+ rows through the device staging), the
+    default oneDNN-packed copies, or INT4 ones. Greedy tokens equal transformers' (fp32) for the first two. The
+    Engine decodes through CUDA graphs captured in segments (one host break per MoE layer), or eagerly."""
     from paged_harness import hf_greedy
 
     from infercore import Engine, SamplingParams
@@ -172,15 +173,22 @@ def test_cuda_host_experts_match_transformers(kind, mode, tmp_path):
     if mode == "staging":
         assert h.gate_up.device.type == "cpu" and h.gate_up.is_pinned()
     assert model.model.embed_tokens.weight.device.type == "cuda" and model.host_synchronizing
-    eng = Engine(model, page_size=4, num_pages=128)
-    assert eng.graph_runner is None
+    eng = Engine(model, page_size=4, num_pages=128, max_num_seqs=64, cuda_graph_max_batch=64 if graphs else 0)
+    if graphs:
+        breaks = {b: g.num_host_breaks for b, g in eng.graph_runner.graphs.items()}
+        # graphs of fewer rows than the staging threshold stop for the host at every MoE layer; the others stage
+        n = len(model.host_experts)
+        assert breaks == {b: 0 if mode == "staging" and b >= 32 else n for b in breaks}, breaks
+    else:
+        assert eng.graph_runner is None
+    calls = h.calls_host
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     got = [o.token_ids for o in eng.generate(prompts, greedy)]
     if mode == "int4":
         assert all(len(t) == 10 for t in got)
     else:
         assert got == want
-    assert h.calls_host > 0 and (h.calls_device > 0) is (mode == "staging")
+    assert h.calls_host - calls >= 9 and (h.calls_device > 0) is (mode == "staging")  # each decode step at least
 
 
 @pytest.mark.parametrize("scheme", ["w4a16-g128", "w8a16"])

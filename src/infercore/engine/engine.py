@@ -269,9 +269,8 @@ class Engine:
             lazy_prefill_alloc=self.kv_layout != "dense",
         )
         self.graph_runner = None
-        # A model that waits on the host inside its forward (offload.offload_experts_) is not capturable.
-        if self.device.type == "cuda" and config.cuda_graph_max_batch > 0 and not getattr(model, "host_synchronizing",
-                                                                                          False):
+        # A model that waits on the host inside its forward (offload.offload_experts_) is captured in segments.
+        if self.device.type == "cuda" and config.cuda_graph_max_batch > 0:
             graph_cls = CUDAGraphRunner if self.kv_layout == "dense" else HybridCUDAGraphRunner
             # with drafts a request takes 1 + k decode rows of a verification step
             rows = config.max_num_seqs * (1 + config.num_speculative_tokens)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..devices import resolve
+from ..devices.graphs import SegmentedGraph, capture_segmented
 from ..models.hybrid import HybridMetadata, LinearStateMetadata
 from ..ops import AttentionMetadata, SamplingTensors, sample
 from .request import Request
@@ -71,7 +72,7 @@ class CUDAGraphRunner:
         self.block_table = torch.zeros(B, P, dtype=torch.int32, device=dev)
         self.cu_seqlens = torch.arange(B + 1, dtype=torch.int32, device=dev)
         self.graph_samples = resolve("sample", dev).name != "reference"  # the reference syncs
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph | SegmentedGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.tokens: dict[int, torch.Tensor] = {}
         self.last_logits: torch.Tensor | None = None  # the last replay's logits rows (a view of its buffer)
@@ -108,7 +109,14 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first so the smaller graphs reuse its memory pool."""
+        """Capture every bucket, largest first so the smaller graphs reuse its memory pool. A model that waits for
+        the host inside its forward (``model.host_synchronizing``: host experts) is captured as a chain of graphs
+        split where it does (``devices.graphs.capture_segmented``)."""
+        model = self.runner.model
+        segmented = bool(getattr(model, "host_synchronizing", False))
+        if segmented:
+            for h in getattr(model, "host_experts", {}).values():
+                h.reserve(self.B)
         self._row(self.floats, _TOPP, self.B).fill_(1.0)
         pool = None
         stream = torch.cuda.Stream(self.runner.device)
@@ -117,8 +125,13 @@ class CUDAGraphRunner:
             for b in reversed(self.buckets):
                 for _ in range(2):  # compile the Triton kernels, settle the allocator
                     self._forward(b)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                if segmented:
+                    graph = SegmentedGraph()
+                    capture = capture_segmented(graph, pool=pool, stream=stream)
+                else:
+                    graph = torch.cuda.CUDAGraph()
+                    capture = torch.cuda.graph(graph, pool=pool, stream=stream)
+                with capture:
                     self.logits[b], self.tokens[b] = self._forward(b)
                 pool = graph.pool()
                 self.graphs[b] = graph

@@ -14,8 +14,10 @@ forward of at least that many tokens copies the layer's experts from plain page-
 staging buffer and runs them there; by default the host keeps one copy, oneDNN-packed (or quantized), and runs
 every forward's experts itself.
 
-The host path synchronizes the host with the device once per offloaded layer, so a model with host experts is
-not CUDA-graph capturable: the :class:`~infercore.Engine` runs its decode eagerly (``model.host_synchronizing``).
+The host path synchronizes the host with the device once per offloaded layer, so a model with host experts is not
+one CUDA graph (``model.host_synchronizing``). The :class:`~infercore.Engine` captures its decode as a chain of
+graphs instead (``devices.graphs.capture_segmented``): each layer's host experts end one graph and start the next,
+the inputs and result crossing through page-locked buffers fixed at capture (:meth:`HostExperts.reserve`).
 On the CPU "host" and "device" are one and the same; the path is the same bookkeeping.
 """
 
@@ -119,8 +121,10 @@ class HostExperts:
             setattr(block.experts, name, nn.Parameter(p, requires_grad=False))
         self.gate_up = block.experts.gate_up_proj
         self.down = block.experts.down_proj
+        self.top_k = block.top_k
         self.calls_host = 0
         self.calls_device = 0
+        self._pinned: torch.Tensor | None = None  # page-locked exchange buffers of captured graphs (reserve)
 
     @property
     def nbytes(self) -> int:
@@ -150,6 +154,11 @@ class HostExperts:
             gate_up, down = self.staging.load(self.gate_up, self.down)
             out = moe_experts(x, gate_up, down, weights, ids, expert_offset)
             return out if overlap is None else (out, overlap())
+        if x.device.type == "cuda":
+            from ..devices.graphs import segmented_capture_active
+
+            if segmented_capture_active():
+                return self._captured(x, weights, ids, expert_offset, overlap)
         self.calls_host += 1
         if x.device.type == "cpu":  # the whole model is on the host
             out = self._host(x, weights, ids, expert_offset)
@@ -165,6 +174,55 @@ class HostExperts:
         side = overlap() if overlap is not None else None
         ready.synchronize()
         out = self._host(*host, expert_offset).to(x.device, non_blocking=True)
+        return out if overlap is None else (out, side)
+
+    def reserve(self, tokens: int) -> None:
+        """Allocate what a captured forward of up to ``tokens`` tokens uses (page-locked exchange buffers, the
+        device staging buffer where such a forward stages): allocations are not capturable."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int):
+            raise TypeError(f"tokens must be an int, got {tokens!r}")
+        if tokens < 1:
+            raise ValueError(f"tokens must be >= 1, got {tokens}")
+        if self.staging is not None and tokens >= self.device_min_tokens and self.staging.buffer is None:
+            self.staging.buffer = torch.empty(self.staging.nbytes, dtype=torch.uint8, device=self.device)
+        hidden = self.shapes[0][2]
+        nbytes = sum(_align(tokens * n * 8) for n in (hidden, self.top_k, self.top_k, hidden))  # any dtype <= 8 B
+        if self._pinned is None or self._pinned.numel() < nbytes:
+            self._pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def _exchange(self, *specs: tuple[tuple[int, ...], torch.dtype]) -> list[torch.Tensor]:
+        views, off = [], 0
+        for shape, dtype in specs:
+            n = math.prod(shape) * dtype.itemsize
+            if self._pinned is None or off + n > self._pinned.numel():
+                raise RuntimeError(f"HostExperts: a graph of {shape[0]} tokens is being captured; reserve(tokens) "
+                                   "first (page-locked allocation is not capturable)")
+            views.append(self._pinned[off : off + n].view(dtype).view(shape))
+            off += _align(n)
+        return views
+
+    def _captured(self, x, weights, ids, expert_offset, overlap):
+        """The host path inside a segmented CUDA-graph capture: the inputs' copies to fixed page-locked buffers and
+        an event after them end this graph; at each replay the host waits for that event (not for the overlapping
+        device work captured after it), computes into a fixed page-locked buffer, and the next graph starts by
+        copying it back."""
+        from ..devices.graphs import capture_event, host_break
+
+        xh, wh, ih, oh = self._exchange((tuple(x.shape), x.dtype), (tuple(weights.shape), weights.dtype),
+                                        (tuple(ids.shape), ids.dtype), (tuple(x.shape), x.dtype))
+        for h, t in zip((xh, wh, ih), (x, weights, ids)):
+            h.copy_(t, non_blocking=True)
+        ready = capture_event()
+        side = overlap() if overlap is not None else None
+
+        def host() -> None:
+            ready.synchronize()
+            self.calls_host += 1
+            oh.copy_(self._host(xh, wh, ih, expert_offset))
+
+        host_break(host)
+        out = torch.empty_like(x)
+        out.copy_(oh, non_blocking=True)
         return out if overlap is None else (out, side)
 
 

@@ -6,6 +6,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Rows up to which a bf16 CPUPackedLinear runs the native GEMV (ops.moe.cpu_native: plain weight rows streamed by
+# every core, ~1.3-2x oneDNN's packed GEMV at one row on a 2-core EPYC); more rows take oneDNN's packed GEMM.
+NATIVE_MAX_ROWS = 4
+
+
+def _native() -> bool:
+    from ..ops.moe import cpu_native
+
+    return cpu_native.available()
+
+
+def _native_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    from ..ops.moe.cpu_native import linear_bf16
+
+    return linear_bf16(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+
 
 class CPUPackedLinear(nn.Linear):
     """``nn.Linear`` whose CPU forward runs oneDNN on a weight pre-packed in oneDNN's blocked layout.
@@ -25,6 +41,9 @@ class CPUPackedLinear(nn.Linear):
         w = self.weight
         if x.device.type != "cpu" or x.dtype != w.dtype:
             return F.linear(x, w, self.bias)
+        if (x.dtype == torch.bfloat16 and self.bias is None and x.numel() <= NATIVE_MAX_ROWS * w.shape[1]
+                and w.is_contiguous() and _native()):  # decode rows: the native GEMV over the plain weight
+            return _native_linear(x, w)
         if getattr(self, "_packed_key", None) != (w.data_ptr(), w._version):
             self._pack()
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
@@ -41,17 +60,37 @@ def cpu_packing_supported(dtype: torch.dtype) -> bool:
 
 
 class CPUPackedExperts:
-    """Stacked routed experts (``gate_up [E, 2I, H]``, ``down [E, H, I]``) with each expert's two weights pre-packed
-    for oneDNN, as :class:`CPUPackedLinear` packs a dense weight: a decode token's expert GEMVs then read near the
-    memory bandwidth instead of the several times slower plain bf16 ``matmul``. ``__call__`` computes what
-    ``ops.moe.naive.moe_experts_ref`` does, through ``ops.moe.naive.moe_experts_loop``.
-    ``current(gate_up, down)`` says whether the packed copies still match the weights (same storage and version)."""
+    """Stacked routed experts (``gate_up [E, 2I, H]``, ``down [E, H, I]``) prepared for host GEMVs. bf16 experts,
+    where the native host kernels build (``ops.moe.cpu_native``), stay in their plain layout (no second copy) and
+    a layer's routed experts run in one native call (~2x oneDNN's packed GEMVs on a 2-core EPYC, near the host's
+    read bandwidth). Otherwise each expert's two weights are pre-packed for oneDNN, as :class:`CPUPackedLinear`
+    packs a dense weight, and the experts run through ``ops.moe.naive.moe_experts_loop``; either reads several
+    times faster than the plain bf16 ``matmul``. ``__call__`` computes what ``ops.moe.naive.moe_experts_ref``
+    does. ``current(gate_up, down)`` says whether the prepared copies still match the weights (same storage and
+    version)."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        reorder = torch.ops.mkldnn._reorder_linear_weight
+        from ..ops.moe.naive import check_moe_args
+
+        for name, t in (("gate_up", gate_up), ("down", down)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"CPUPackedExperts: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if gate_up.ndim != 3 or down.ndim != 3:
+            raise ValueError(f"CPUPackedExperts: gate_up {tuple(gate_up.shape)} / down {tuple(down.shape)} must be "
+                             "[E, 2I, H] / [E, H, I]")
+        E, _, H = gate_up.shape
+        check_moe_args("CPUPackedExperts", torch.empty(0, H, device="meta"), gate_up, down,
+                       torch.empty(0, 1, device="meta"), torch.empty(0, 1, dtype=torch.long, device="meta"))
+        if gate_up.dtype != down.dtype:
+            raise TypeError(f"CPUPackedExperts: gate_up is {gate_up.dtype} and down {down.dtype}; one dtype")
+        self.native = gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu" and _native()
         with torch.no_grad():
-            self.gate_up = [reorder(gate_up[e].detach().contiguous(), 1) for e in range(gate_up.shape[0])]
-            self.down = [reorder(down[e].detach().contiguous(), 1) for e in range(down.shape[0])]
+            if self.native:  # the plain weights themselves (a copy only where they are not contiguous)
+                self.gate_up, self.down = gate_up.detach().contiguous(), down.detach().contiguous()
+            else:
+                reorder = torch.ops.mkldnn._reorder_linear_weight
+                self.gate_up = [reorder(gate_up[e].detach().contiguous(), 1) for e in range(gate_up.shape[0])]
+                self.down = [reorder(down[e].detach().contiguous(), 1) for e in range(down.shape[0])]
         self.key = self._key(gate_up, down)
         self.dtype = gate_up.dtype
         self._meta = (torch.empty(gate_up.shape, dtype=gate_up.dtype, device="meta"),
@@ -73,6 +112,10 @@ class CPUPackedExperts:
         check_moe_args("moe_experts", x, *self._meta, weights, ids)
         if x.dtype != self.dtype:
             raise TypeError(f"moe_experts: x is {x.dtype}; the experts are packed for {self.dtype}")
+        if self.native:
+            from ..ops.moe.cpu_native import moe_experts_bf16
+
+            return moe_experts_bf16(x, self.gate_up, self.down, weights, ids, expert_offset)
 
         linear = torch.ops.mkldnn._linear_pointwise
 

@@ -1,0 +1,162 @@
+"""Host CPU kernels in C (``cpu_experts.c``), built at first use with the system C compiler and called through
+ctypes: the routed experts of a MoE layer in one call over their plain bf16 weights.
+
+Built with ``-O3 -march=native -fopenmp`` into a cache directory (``$INFERCORE_CACHE``, else
+``~/.cache/infercore``), keyed by the source, the compiler and the host's CPU flags; the build takes about a
+second. The OpenMP runtime is torch's own (``libgomp.so.1``, already loaded), so the kernels share torch's
+threads. :func:`available` is False where no compiler, no OpenMP or ``INFERCORE_NATIVE_CPU=0``; callers then
+keep their ATen / oneDNN paths. :func:`status` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+_SRC = Path(__file__).with_name("cpu_experts.c")
+_lib = None
+_error: str | None = None
+_tried = False
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> ctypes.CDLL:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc / cc) on PATH")
+    src = _SRC.read_bytes()
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(src + " ".join(flags).encode() + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("INFERCORE_CACHE") or Path.home() / ".cache" / "infercore")
+    lib = cache / f"cpu_experts_{key}.so"
+    if not lib.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        try:
+            r = subprocess.run([cc, *flags, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True, check=False)
+            if r.returncode:
+                raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
+            os.replace(tmp, lib)  # atomic: concurrent builders agree
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    dll = ctypes.CDLL(str(lib))
+    dll.infercore_moe_experts_bf16.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P,
+                                               _P, _INT]
+    dll.infercore_moe_experts_bf16.restype = None
+    dll.infercore_linear_bf16.argtypes = [_P, _I64, _I64, _P, _I64, _P, _INT]
+    dll.infercore_linear_bf16.restype = None
+    dll.infercore_native_isa.restype = _INT
+    return dll
+
+
+def _load():
+    global _lib, _error, _tried
+    if not _tried:
+        _tried = True
+        if os.environ.get("INFERCORE_NATIVE_CPU", "1") == "0":
+            _error = "disabled by INFERCORE_NATIVE_CPU=0"
+        else:
+            try:
+                _lib = _build()
+            except Exception as e:  # noqa: BLE001 - any build / load failure leaves the ATen paths in place
+                _error = f"{type(e).__name__}: {e}"
+    return _lib
+
+
+def available() -> bool:
+    """Whether the native host kernels built and loaded here."""
+    return _load() is not None
+
+
+def status() -> str:
+    """``"avx512-bf16"`` / ``"avx512"`` / ``"scalar"`` (the instructions the build uses), or why it is off."""
+    lib = _load()
+    if lib is None:
+        return f"unavailable: {_error}"
+    return {2: "avx512-bf16", 1: "avx512", 0: "scalar"}[lib.infercore_native_isa()]
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def moe_experts_bf16(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                     ids: torch.Tensor, expert_offset: int | None = None) -> torch.Tensor:  # fmt: skip
+    """``ops.moe.naive.moe_experts_ref`` for bf16 host tensors through the native kernel: ``x [T, H]``,
+    ``gate_up [E, 2I, H]`` / ``down [E, H, I]`` contiguous, ``weights / ids [T, k]`` (checked by the caller) ->
+    ``[T, H]`` bf16. Pairs are taken expert by expert, then token, then slot (the reference's order); pairs
+    routed outside ``[0, E)`` are skipped with ``expert_offset`` and refused (``ValueError``) without."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"native host kernels: {_error}")
+    E, I2, H = gate_up.shape
+    T, k = ids.shape
+    flat = ids.reshape(-1).tolist()
+    off = 0 if expert_offset is None else expert_offset
+    groups: dict[int, list[int]] = {}
+    for p, e in enumerate(flat):
+        groups.setdefault(e - off, []).append(p)
+    bad = [e for e in groups if not 0 <= e < E]
+    if bad and expert_offset is None:  # the smallest, as the reference (sorted ids) names it
+        raise ValueError(f"moe_experts: expert id {min(bad)} is outside [0, {E})")
+    for e in bad:
+        del groups[e]
+    experts = sorted(groups)
+    pairs = [p for e in experts for p in groups[e]]
+    counts = [0]
+    for e in experts:
+        counts.append(counts[-1] + len(groups[e]))
+    P = len(pairs)
+    out = torch.empty_like(x)
+    if P == 0:
+        return out.zero_()
+    x = x.contiguous()
+    meta = torch.tensor([*experts, *counts, *[p // k for p in pairs]], dtype=torch.int64)
+    G = len(experts)
+    pw = weights.reshape(-1).float()[torch.tensor(pairs)].contiguous()
+    ws = torch.empty(P * (I2 + I2 // 2 + H), dtype=torch.bfloat16)
+    acc = torch.empty(T * H, dtype=torch.float32)
+    base = _ptr(meta)
+    h = ws[: P * I2]
+    act = ws[P * I2 : P * (I2 + I2 // 2)]
+    y = ws[P * (I2 + I2 // 2) :]
+    lib.infercore_moe_experts_bf16(
+        _ptr(x), T, H, I2 // 2, _ptr(gate_up), _ptr(down), G, base, base + 8 * G, base + 8 * (2 * G + 1), _ptr(pw),
+        _ptr(h), _ptr(act), _ptr(y), _ptr(acc), _ptr(out), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ w [N, K]^T`` for bf16 host tensors (``w`` contiguous) -> ``[M, N]`` bf16, fp32 sums."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"native host kernels: {_error}")
+    M, K = x.shape
+    N = w.shape[0]
+    x = x.contiguous()
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    lib.infercore_linear_bf16(_ptr(x), M, K, _ptr(w), N, _ptr(y), torch.get_num_threads())
+    return y

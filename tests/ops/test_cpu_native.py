@@ -1,0 +1,107 @@
+"""ops.moe.cpu_native: the C host kernels (built here with the system compiler) against the references: the routed
+experts against ``moe_experts_ref`` (bf16: one rounding per token instead of one per pair, other fp32 summation
+order), in several shapes (K not a multiple of the vector width, repeated experts, tokens with no pair under
+expert parallelism, more tokens per expert than one pass takes), the dense GEMV against fp32 ``F.linear``; the
+out-of-range id named; the layout classes on top of them; and the switch that turns them off."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infercore.ops.moe import cpu_native
+from infercore.ops.moe.naive import moe_experts_ref
+
+
+def test_the_kernels_build_here():
+    assert cpu_native.available(), cpu_native.status()
+    assert cpu_native.status() in ("avx512-bf16", "avx512", "scalar")
+
+
+def _case(T, k, E, H, I, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * H**-0.5).bfloat16()
+    down = (torch.randn(E, H, I, generator=g) * I**-0.5).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, k, generator=g), -1).bfloat16()
+    return x, gate_up, down, w, ids
+
+
+@pytest.mark.parametrize("T,k,E,H,I", [(1, 2, 5, 64, 32), (3, 4, 8, 100, 40), (17, 2, 3, 48, 24), (40, 8, 16, 256, 96)])
+def test_moe_experts_match_the_reference(T, k, E, H, I):
+    x, gate_up, down, w, ids = _case(T, k, E, H, I, T * 100 + k)
+    want = moe_experts_ref(x.float(), gate_up.float(), down.float(), w.float(), ids)
+    got = cpu_native.moe_experts_bf16(x, gate_up, down, w, ids)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+    ref16 = moe_experts_ref(x, gate_up, down, w, ids)  # the bf16 reference rounds at the same points
+    assert (got.float() - ref16.float()).abs().max() <= (ref16.float() - want).abs().max() * 2 + 2e-2
+
+
+def test_expert_parallel_offsets_and_unrouted_tokens():
+    x, gate_up, down, w, ids = _case(6, 2, 8, 64, 32, 7)
+    ids[2] = torch.tensor([0, 1])  # token 2 routes to no expert of this rank
+    part = cpu_native.moe_experts_bf16(x, gate_up[4:7], down[4:7], w, ids, expert_offset=4)
+    want = moe_experts_ref(x.float(), gate_up[4:7].float(), down[4:7].float(), w.float(), ids, 4)
+    torch.testing.assert_close(part.float(), want, atol=3e-2, rtol=3e-2)
+    assert torch.equal(part[2], torch.zeros_like(part[2]))
+    none = cpu_native.moe_experts_bf16(x, gate_up[4:5], down[4:5], w, torch.zeros_like(ids), expert_offset=4)
+    assert torch.equal(none, torch.zeros_like(x))
+    bad = ids.clone()
+    bad[0, 0] = 8
+    with pytest.raises(ValueError, match="expert id 8"):
+        cpu_native.moe_experts_bf16(x, gate_up, down, w, bad)
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 576, 1536), (3, 100, 70), (4, 33, 17), (9, 64, 48)])
+def test_linear_matches_fp32(M, K, N):
+    g = torch.Generator().manual_seed(M * K)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    wt = torch.randn(N, K, generator=g).bfloat16()
+    got = cpu_native.linear_bf16(x, wt)
+    want = F.linear(x.float(), wt.float())
+    # one bf16 rounding of an fp32 sum: within half an ulp of bf16 plus the summation-order difference
+    assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-3 * K**0.5).all()
+
+
+def test_layout_classes_run_the_native_kernels(monkeypatch):
+    from infercore.models.layout import CPUPackedExperts, CPUPackedLinear
+
+    x, gate_up, down, w, ids = _case(2, 4, 8, 64, 32, 3)
+    packed = CPUPackedExperts(gate_up, down)
+    assert packed.native and packed.gate_up.data_ptr() == gate_up.data_ptr()  # no second copy
+    calls = []
+    real = cpu_native.moe_experts_bf16
+    monkeypatch.setattr(cpu_native, "moe_experts_bf16", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    out = packed(x, w, ids)
+    assert calls and torch.equal(out, real(x, gate_up, down, w, ids))
+    lin = torch.nn.Linear(64, 48, bias=False, dtype=torch.bfloat16)
+    lin.__class__ = CPUPackedLinear
+    lin._pack()
+    seen = []
+    real_lin = cpu_native.linear_bf16
+    monkeypatch.setattr(cpu_native, "linear_bf16", lambda *a: seen.append(a[0].shape[0]) or real_lin(*a))
+    for rows in (1, 4, 5):
+        xr = torch.randn(rows, 64).bfloat16()
+        y = lin(xr)
+        assert y.shape == (rows, 48)
+        torch.testing.assert_close(y.float(), F.linear(xr.float(), lin.weight.float()), atol=5e-2, rtol=2e-2)
+    assert seen == [1, 4]  # more rows than NATIVE_MAX_ROWS take oneDNN's packed GEMM
+    y3 = lin(torch.ones(2, 3, 64).bfloat16())  # leading dims kept
+    assert y3.shape == (2, 3, 48)
+
+
+def test_turned_off(monkeypatch):
+    monkeypatch.setattr(cpu_native, "_tried", True)
+    monkeypatch.setattr(cpu_native, "_lib", None)
+    monkeypatch.setattr(cpu_native, "_error", "disabled by INFERCORE_NATIVE_CPU=0")
+    assert not cpu_native.available() and cpu_native.status().startswith("unavailable: disabled")
+    with pytest.raises(RuntimeError, match="native host kernels"):
+        cpu_native.linear_bf16(torch.ones(1, 8).bfloat16(), torch.ones(4, 8).bfloat16())
+    from infercore.models.layout import CPUPackedExperts
+
+    x, gate_up, down, w, ids = _case(2, 2, 4, 64, 32, 5)
+    packed = CPUPackedExperts(gate_up, down)  # the oneDNN-packed copies instead
+    assert not packed.native and isinstance(packed.gate_up, list)
+    torch.testing.assert_close(packed(x, w, ids).float(), moe_experts_ref(x, gate_up, down, w, ids).float(),
+                               atol=3e-2, rtol=3e-2)

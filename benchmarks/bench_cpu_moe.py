@@ -2,7 +2,8 @@
 bf16, 1.2 GB) at decode sizes -- the work of ``offload.offload_experts_``'s host path and of a CPU-resident MoE
 model.
 
-* ours: ``models.layout.CPUPackedExperts`` (each expert's weights pre-packed for oneDNN);
+* ours: ``models.layout.CPUPackedExperts`` (bf16: the native host kernel, ``ops.moe.cpu_native``, one call per
+  layer over the plain weights; key ``ms_onednn_packed``: the same class on each expert's oneDNN-packed weights);
 * peers: transformers' ``Qwen3MoeExperts`` (its default per-expert loop, plain ``F.linear``), and our reference
   loop (``ops.moe.naive.moe_experts_ref``: plain ``matmul``), on the same tensors;
 * floor: the distinct routed experts' bytes / host read bandwidth measured in the same run (a summing read of a
@@ -30,6 +31,7 @@ from _common import case, host_read_bandwidth, write_results  # noqa: E402
 
 from infercore.models.layout import CPUPackedExperts, cpu_packing_supported  # noqa: E402
 from infercore.offload.host_experts import _quant_experts, _QuantLinear  # noqa: E402
+from infercore.ops.moe import cpu_native  # noqa: E402
 from infercore.ops.moe.naive import moe_experts_ref  # noqa: E402
 
 
@@ -69,6 +71,9 @@ def main() -> None:
     t = time.perf_counter()
     packed = CPUPackedExperts(gate_up, down)
     pack_s = time.perf_counter() - t
+    onednn = CPUPackedExperts(gate_up, down, native=False) if packed.native else None
+    print(f"experts: {'native kernels (' + cpu_native.status() + ')' if packed.native else 'oneDNN-packed'}",
+          flush=True)
     hcfg = transformers.Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k)
     with torch.device("meta"):
         hf = Qwen3MoeExperts(hcfg)
@@ -95,8 +100,11 @@ def main() -> None:
             t_ours = best_of(lambda x=x, w=w, ids=ids: packed(x, w, ids), args.reps)
             t_ref = best_of(lambda x=x, w=w, ids=ids: moe_experts_ref(x, gate_up, down, w, ids), args.reps)
             t_hf = best_of(lambda x=x, w=w, ids=ids: hf(x, ids, w.to(dtype)), args.reps)
+            t_dnn = best_of(lambda x=x, w=w, ids=ids: onednn(x, w, ids), args.reps) if onednn else None
         floor_s = distinct * expert_bytes / bw
-        print(f"T={T} ({distinct} experts): packed {t_ours * 1e3:.2f} ms, reference {t_ref * 1e3:.2f} ms, "
+        if t_dnn:
+            print(f"T={T}: oneDNN-packed {t_dnn * 1e3:.2f} ms", flush=True)
+        print(f"T={T} ({distinct} experts): ours {t_ours * 1e3:.2f} ms, reference {t_ref * 1e3:.2f} ms, "
               f"transformers {t_hf * 1e3:.2f} ms, floor {floor_s * 1e3:.2f} ms; max rel diff {err:.2e}", flush=True)
         peers = {"transformers Qwen3MoeExperts": 1 / t_hf, "reference loop (plain matmul)": 1 / t_ref}
         cases.append(case(
@@ -105,7 +113,8 @@ def main() -> None:
             ms_ours=t_ours * 1e3, ms_transformers=t_hf * 1e3, ms_reference=t_ref * 1e3, distinct_experts=distinct,
             bytes_read=distinct * expert_bytes, achieved_GBps=distinct * expert_bytes / t_ours / 1e9,
             host_read_GBps=bw / 1e9, threads=torch.get_num_threads(), max_rel_diff_vs_reference=err,
-            pack_seconds=pack_s,
+            pack_seconds=pack_s, native=packed.native, native_isa=cpu_native.status() if packed.native else None,
+            ms_onednn_packed=t_dnn * 1e3 if t_dnn else None,
         ))  # fmt: skip
         for scheme, (qg, qd) in quant.items():
             with torch.inference_mode():

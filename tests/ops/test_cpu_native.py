@@ -89,6 +89,13 @@ def test_layout_classes_run_the_native_kernels(monkeypatch):
     assert seen == [1, 4]  # more rows than NATIVE_MAX_ROWS take oneDNN's packed GEMM
     y3 = lin(torch.ones(2, 3, 64).bfloat16())  # leading dims kept
     assert y3.shape == (2, 3, 48)
+    onednn = CPUPackedExperts(gate_up, down, native=False)
+    assert not onednn.native and isinstance(onednn.gate_up, list)
+    torch.testing.assert_close(onednn(x, w, ids).float(), out.float(), atol=3e-2, rtol=3e-2)
+    with pytest.raises(ValueError, match="native host kernels take bf16"):
+        CPUPackedExperts(gate_up.float(), down.float(), native=True)
+    with pytest.raises(TypeError, match="native must be a bool"):
+        CPUPackedExperts(gate_up, down, native="yes")
 
 
 def test_turned_off(monkeypatch):

@@ -17,6 +17,12 @@ def _native() -> bool:
     return cpu_native.available()
 
 
+def _native_status() -> str:
+    from ..ops.moe import cpu_native
+
+    return cpu_native.status()
+
+
 def _native_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     from ..ops.moe.cpu_native import linear_bf16
 
@@ -69,7 +75,9 @@ class CPUPackedExperts:
     does. ``current(gate_up, down)`` says whether the prepared copies still match the weights (same storage and
     version)."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, native: bool | None = None) -> None:
+        """``native``: None picks the native kernels where they apply; False keeps oneDNN's packed copies;
+        True requires the native kernels (``ValueError`` where they do not apply)."""
         from ..ops.moe.naive import check_moe_args
 
         for name, t in (("gate_up", gate_up), ("down", down)):
@@ -83,7 +91,13 @@ class CPUPackedExperts:
                        torch.empty(0, 1, device="meta"), torch.empty(0, 1, dtype=torch.long, device="meta"))
         if gate_up.dtype != down.dtype:
             raise TypeError(f"CPUPackedExperts: gate_up is {gate_up.dtype} and down {down.dtype}; one dtype")
-        self.native = gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu" and _native()
+        if native is not None and not isinstance(native, bool):
+            raise TypeError(f"native must be a bool or None, got {native!r}")
+        can = gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu" and _native()
+        if native and not can:
+            raise ValueError(f"native: the native host kernels take bf16 CPU experts where they build (here: "
+                             f"{gate_up.dtype} on {gate_up.device.type}; build {_native_status()})")
+        self.native = can if native is None else native
         with torch.no_grad():
             if self.native:  # the plain weights themselves (a copy only where they are not contiguous)
                 self.gate_up, self.down = gate_up.detach().contiguous(), down.detach().contiguous()

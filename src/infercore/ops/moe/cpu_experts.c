@@ -180,6 +180,29 @@ void infercore_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
     }
 }
 
+/* A read-only pass over n bytes (n a multiple of 64) by every thread: what the host's weight reads can reach */
+uint64_t infercore_read_pass(const uint8_t *p, int64_t n, int nthreads) {
+    uint64_t total = 0;
+#pragma omp parallel for num_threads(nthreads) reduction(+ : total) schedule(static)
+    for (int64_t i = 0; i < n / 4096; i++) {
+#if defined(__AVX512F__)
+        const __m512i *q = (const __m512i *)(p + i * 4096);
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+        for (int j = 0; j < 64; j += 4) {
+            a0 = _mm512_add_epi64(a0, _mm512_loadu_si512(q + j));
+            a1 = _mm512_add_epi64(a1, _mm512_loadu_si512(q + j + 1));
+            a2 = _mm512_add_epi64(a2, _mm512_loadu_si512(q + j + 2));
+            a3 = _mm512_add_epi64(a3, _mm512_loadu_si512(q + j + 3));
+        }
+        total += (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3)));
+#else
+        const uint64_t *q = (const uint64_t *)(p + i * 4096);
+        for (int j = 0; j < 512; j++) total += q[j];
+#endif
+    }
+    return total;
+}
+
 int infercore_native_isa(void) { /* 2: AVX512-BF16, 1: AVX512F, 0: scalar */
 #if defined(__AVX512BF16__)
     return 2;

@@ -17,6 +17,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -68,6 +69,8 @@ def _build() -> ctypes.CDLL:
     dll.infercore_linear_bf16.argtypes = [_P, _I64, _I64, _P, _I64, _P, _INT]
     dll.infercore_linear_bf16.restype = None
     dll.infercore_native_isa.restype = _INT
+    dll.infercore_read_pass.argtypes = [_P, _I64, _INT]
+    dll.infercore_read_pass.restype = ctypes.c_uint64
     return dll
 
 
@@ -160,3 +163,20 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = torch.empty(M, N, dtype=torch.bfloat16)
     lib.infercore_linear_bf16(_ptr(x), M, K, _ptr(w), N, _ptr(y), torch.get_num_threads())
     return y
+
+
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s of the native read-only pass over an ``nbytes`` host buffer with torch's thread count, best of
+    ``repeats`` (a floor for host GEMVs that the native kernels can approach)."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"native host kernels: {_error}")
+    n = nbytes // 4096 * 4096
+    buf = torch.ones(n, dtype=torch.uint8)
+    lib.infercore_read_pass(_ptr(buf), n, torch.get_num_threads())
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        lib.infercore_read_pass(_ptr(buf), n, torch.get_num_threads())
+        best = min(best, time.perf_counter() - t)
+    return n / best

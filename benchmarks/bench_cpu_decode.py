@@ -22,19 +22,22 @@ from _common import case, write_results  # noqa: E402
 
 from infercore import Engine, SamplingParams  # noqa: E402
 from infercore.loading import default_model_path, load_checkpoint  # noqa: E402
+from infercore.ops.moe import cpu_native  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper."
 
 
 def read_bandwidth() -> float:
-    """Bytes/s of a read-only pass (``sum``) over 512 MiB, best of 7: what a weight-bound GEMV needs."""
+    """Bytes/s of a read-only pass over 512 MiB, best of 7 (the faster of torch's ``sum`` and the native read
+    pass): what a weight-bound GEMV needs."""
     x = torch.randn(128 << 20)
     best = float("inf")
     for _ in range(7):
         t = time.perf_counter()
         x.sum()
         best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best
+    bw = x.numel() * 4 / best
+    return max(bw, cpu_native.read_bandwidth(512 << 20, repeats=7)) if cpu_native.available() else bw
 
 
 def decode_rates(runs: list, n: int, repeats: int) -> list[float]:
@@ -98,10 +101,20 @@ def main() -> None:
                               do_sample=False, pad_token_id=2)
             return out[0, len(ids):].tolist()
 
+        def ours_onednn(n: int) -> list[int]:  # the same engine with the native GEMVs off (oneDNN's packed ones)
+            with cpu_native.disabled():
+                return ours(n)
+
         same = ours(args.tokens) == theirs(args.tokens)
-        r_ours, r_hf = decode_rates([ours, theirs], args.tokens, args.repeats)
+        native = dtype == torch.bfloat16 and cpu_native.available()
+        runs = [ours, theirs, ours_onednn] if native else [ours, theirs]
+        rates = decode_rates(runs, args.tokens, args.repeats)
+        r_ours, r_hf = rates[:2]
+        r_dnn = rates[2] if native else None
         weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
         floor = bw / weight_bytes
+        if r_dnn:
+            print(f"{name}: infercore with oneDNN's GEMVs instead of the native ones {r_dnn:.1f} tok/s")
         print(f"{name}: infercore {r_ours:.1f} tok/s, transformers {r_hf:.1f} tok/s "
               f"({r_ours / r_hf:.2f}x), floor {floor:.1f} tok/s, same tokens: {same}")
         cases.append(case(
@@ -109,6 +122,7 @@ def main() -> None:
             metric="decode throughput", unit="tok/s", ours=r_ours, peers={"transformers generate": r_hf},
             floor=floor, greedy_tokens_identical=same, weight_bytes=weight_bytes,
             read_bandwidth_GBps=bw / 1e9, threads=torch.get_num_threads(),
+            native_gemv=native, ours_onednn_gemv_tok_s=r_dnn,
         ))
     write_results(args.out, "cpu_decode", "cpu", cases)
 

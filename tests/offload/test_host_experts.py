@@ -220,28 +220,36 @@ def test_quantized_host_experts(scheme, tmp_path):
     want = [o.token_ids for o in Engine(twin, page_size=4, num_pages=64).generate(PROMPTS, greedy)]
     assert [o.token_ids for o in Engine(model, page_size=4, num_pages=64).generate(PROMPTS, greedy)] == want
 
-    torch.manual_seed(0)
-    block = SparseMoeBlock(64, num_experts=6, top_k=2, intermediate=48, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.copy_(torch.randn_like(p) * 0.1)
-    gu = torch.stack([quantize_weight(w, scheme).dequantize(torch.bfloat16) for w in block.experts.gate_up_proj])
-    dn = torch.stack([quantize_weight(w, scheme).dequantize(torch.bfloat16) for w in block.experts.down_proj])
+    from infercore.ops.moe import cpu_native
 
     class Wrapper(torch.nn.Module):
-        def __init__(self):
+        def __init__(self, block):
             super().__init__()
             self.model = torch.nn.Module()
             self.model.layers = torch.nn.ModuleList([torch.nn.Module()])
             self.model.layers[0].mlp = block
 
-    offload_experts_(Wrapper(), quantization=scheme)
-    assert block.host_experts.quantized[0][0].kind == ("int4" if scheme == "w4a16-g128" else "int8")
-    x = torch.randn(5, 64, dtype=torch.bfloat16)
-    w = torch.softmax(torch.randn(5, 2), -1)
-    ids = torch.randint(0, 6, (5, 2))
-    got = block.host_experts(x, w, ids, None)
-    torch.testing.assert_close(got, moe_experts_ref(x, gu, dn, w, ids), atol=2e-2, rtol=2e-2)
+    int4 = "native4" if cpu_native.q4_supported() else "int4"  # the native kernel where it builds, else ATen's
+    # hidden 64 / intermediate 48 pad K to a group: per-expert calls; 128 / 128: one native call per layer
+    for hidden, inter in ((64, 48), (128, 128)):
+        torch.manual_seed(0)
+        block = SparseMoeBlock(hidden, num_experts=6, top_k=2, intermediate=inter, dtype=torch.bfloat16)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.copy_(torch.randn_like(p) * 0.1)
+        gu = torch.stack([quantize_weight(w, scheme).dequantize(torch.bfloat16) for w in block.experts.gate_up_proj])
+        dn = torch.stack([quantize_weight(w, scheme).dequantize(torch.bfloat16) for w in block.experts.down_proj])
+        offload_experts_(Wrapper(block), quantization=scheme)
+        h = block.host_experts
+        stacked = h.native_q4 is not None
+        assert stacked is (scheme == "w4a16-g128" and int4 == "native4" and hidden == 128)
+        if not stacked:
+            assert h.quantized[0][0].kind == (int4 if scheme == "w4a16-g128" else "int8")
+        x = torch.randn(5, hidden, dtype=torch.bfloat16)
+        w = torch.softmax(torch.randn(5, 2), -1)
+        ids = torch.randint(0, 6, (5, 2))
+        got = h(x, w, ids, None)
+        torch.testing.assert_close(got, moe_experts_ref(x, gu, dn, w, ids), atol=2e-2, rtol=2e-2)
 
 
 def test_quantized_host_experts_refusals(tmp_path):

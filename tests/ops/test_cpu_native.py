@@ -112,3 +112,64 @@ def test_turned_off(monkeypatch):
     assert not packed.native and isinstance(packed.gate_up, list)
     torch.testing.assert_close(packed(x, w, ids).float(), moe_experts_ref(x, gate_up, down, w, ids).float(),
                                atol=3e-2, rtol=3e-2)
+
+
+def _q4(shape, seed):
+    from infercore.quant.api import quantize_weight
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(*shape, generator=g) * shape[-1] ** -0.5
+    return quantize_weight(w, "w4a16-g128")
+
+
+@pytest.mark.parametrize("N,K,M", [(64, 256, 1), (48, 384, 3), (16, 128, 6), (32, 200, 2)])
+def test_q4_linear_matches_the_dequantized_weight(N, K, M):
+    assert cpu_native.q4_supported(), cpu_native.status()
+    q = _q4((N, K), N + K)
+    codes, sz = cpu_native.pack_q4(q)
+    kp = q.padded_in_features
+    assert codes.shape == (N, kp // 2) and codes.dtype == torch.uint8 and sz.shape == (N, kp // 128, 2)
+    x = torch.randn(M, K).bfloat16()
+    want = F.linear(x.float(), q.dequantize().float()[:, :K])
+    got = cpu_native.linear_q4(x, codes, sz)
+    assert got.shape == (M, N) and got.dtype == torch.bfloat16
+    assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-3 * K**0.5).all()
+
+
+def test_pack_q4_takes_only_int4_groups_of_128():
+    from infercore.quant.api import quantize_weight
+    from infercore.quant.formats import IntWeight
+
+    assert cpu_native.pack_q4(quantize_weight(torch.randn(16, 256), "w8a16")) is None
+    assert cpu_native.pack_q4(IntWeight.quantize(torch.randn(16, 256), bits=4, group_size=64)) is None
+    assert cpu_native.pack_q4(IntWeight.quantize(torch.randn(16, 256), bits=4, group_size=128)) is not None
+    assert cpu_native.pack_q4(torch.randn(16, 256)) is None
+
+
+@pytest.mark.parametrize("T,k,E", [(1, 2, 6), (5, 3, 8), (12, 2, 4)])
+def test_q4_experts_match_the_reference_and_host_experts_use_them(T, k, E):
+    from infercore.offload.host_experts import NativeQ4Experts, _QuantLinear
+
+    H, I = 256, 128
+    g = torch.Generator().manual_seed(T)
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * H**-0.5).bfloat16()
+    down = (torch.randn(E, H, I, generator=g) * I**-0.5).bfloat16()
+    qg = [_QuantLinear(gate_up[e], "w4a16-g128", torch.bfloat16) for e in range(E)]
+    qd = [_QuantLinear(down[e], "w4a16-g128", torch.bfloat16) for e in range(E)]
+    assert all(q.kind == "native4" for q in qg + qd)
+    experts = NativeQ4Experts.build(qg, qd)
+    assert experts is not None and experts.gate_up[0].shape == (E, 2 * I, H // 2)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, k, generator=g), -1).bfloat16()
+    from infercore.quant.api import quantize_weight
+
+    deq_gu = torch.stack([quantize_weight(gate_up[e], "w4a16-g128").dequantize() for e in range(E)])
+    deq_dn = torch.stack([quantize_weight(down[e], "w4a16-g128").dequantize() for e in range(E)])
+    want = moe_experts_ref(x.float(), deq_gu.float(), deq_dn.float(), w.float(), ids)
+    got = experts(x, w, ids, None)
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+    part = experts(x, w, ids + 2, 2)  # expert parallelism: ids shifted by the offset
+    torch.testing.assert_close(part.float(), got.float())
+    with cpu_native.disabled():  # ATen's INT4 kernel instead: the same block output within rounding
+        assert _QuantLinear(gate_up[0], "w4a16-g128", torch.bfloat16).kind == "int4"

@@ -82,14 +82,88 @@ static void dot_rows(const uint16_t *w, const uint16_t *const *x, int M, int64_t
 #endif
 }
 
-/* One unit: rows [r0, r1) of the weight w [N, K] against the n rows of xs (pointers), out rows of stride ldo */
-static void unit_gemv(const uint16_t *w, int64_t K, int64_t r0, int64_t r1, const uint16_t *const *xs, int n,
-                      uint16_t *out, int64_t ldo) {
+/* INT4 rows (groups of Q4G along K): codes of one row as K / 2 bytes, group j's 64 bytes holding element b of
+ * the group in the low nibble of byte b and element b + 64 in the high one; sz [K / Q4G][2] fp32 (scale, zero)
+ * with w = (q - 8) * scale + zero. y[m] = sum_j scale_j * sum_i (q_i - 8) x_mi + zero_j * sum_i x_mi. */
+#define Q4G 128
+static void dot_rows_q4(const uint8_t *codes, const float *sz, const uint16_t *const *x, int M, int64_t K,
+                        float *y) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    /* bf16 of (q - 8) for q in [0, 16), in the low 16 of 32 16-bit lanes */
+    const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                           0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
+                                           (short)0xbf80, (short)0xc000, (short)0xc040, (short)0xc080,
+                                           (short)0xc0a0, (short)0xc0c0, (short)0xc0e0, (short)0xc100);
+    const __m512i lo4 = _mm512_set1_epi16(0x0f);
+    const __m512i ones = _mm512_set1_epi16(0x3f80); /* bf16 1.0: sum(x) by the same dot instruction */
+    __m512 tot[MB], zs[MB];
+    for (int m = 0; m < M; m++) tot[m] = zs[m] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < K / Q4G; j++) {
+        const uint8_t *c = codes + j * (Q4G / 2);
+        __m512i w[4];
+        for (int h = 0; h < 2; h++) {
+            __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(c + 32 * h)));
+            w[2 * h] = _mm512_permutexvar_epi16(_mm512_and_si512(v, lo4), table);                 /* 32h.. */
+            w[2 * h + 1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);              /* 64+32h.. */
+        }
+        const __m512 sc = _mm512_set1_ps(sz[2 * j]), zr = _mm512_set1_ps(sz[2 * j + 1]);
+        for (int m = 0; m < M; m++) {
+            const uint16_t *xg = x[m] + j * Q4G;
+            __m512 a = _mm512_setzero_ps(), s = _mm512_setzero_ps();
+            for (int h = 0; h < 2; h++) {
+                __m512i xa = _mm512_loadu_si512((const void *)(xg + 32 * h));
+                __m512i xb = _mm512_loadu_si512((const void *)(xg + 64 + 32 * h));
+                a = _mm512_dpbf16_ps(a, (__m512bh)xa, (__m512bh)w[2 * h]);
+                a = _mm512_dpbf16_ps(a, (__m512bh)xb, (__m512bh)w[2 * h + 1]);
+                s = _mm512_dpbf16_ps(s, (__m512bh)xa, (__m512bh)ones);
+                s = _mm512_dpbf16_ps(s, (__m512bh)xb, (__m512bh)ones);
+            }
+            tot[m] = _mm512_fmadd_ps(a, sc, tot[m]);
+            zs[m] = _mm512_fmadd_ps(s, zr, zs[m]);
+        }
+    }
+    for (int m = 0; m < M; m++) y[m] = _mm512_reduce_add_ps(_mm512_add_ps(tot[m], zs[m]));
+#else
+    for (int m = 0; m < M; m++) {
+        float t = 0.f;
+        for (int64_t j = 0; j < K / Q4G; j++) {
+            const uint8_t *c = codes + j * (Q4G / 2);
+            float a = 0.f, s = 0.f;
+            for (int b = 0; b < Q4G; b++) {
+                int q = b < 64 ? (c[b] & 15) : (c[b - 64] >> 4);
+                float xv = bf16_to_f32(x[m][j * Q4G + b]);
+                a += (float)(q - 8) * xv;
+                s += xv;
+            }
+            t += a * sz[2 * j] + s * sz[2 * j + 1];
+        }
+        y[m] = t;
+    }
+#endif
+}
+
+/* A weight of one of the two kinds: bf16 rows [.., N, K], or INT4 codes [.., N, K / 2] with sz [.., N, K / Q4G, 2] */
+typedef struct {
+    const uint16_t *bf16;
+    const uint8_t *q4;
+    const float *sz;
+} wdesc;
+
+static void row_dot(const wdesc *w, int64_t row, int64_t K, const uint16_t *const *xs, int M, float *y) {
+    if (w->bf16)
+        dot_rows(w->bf16 + row * K, xs, M, K, y);
+    else
+        dot_rows_q4(w->q4 + row * (K / 2), w->sz + row * (K / Q4G) * 2, xs, M, K, y);
+}
+
+/* One unit: rows base + [r0, r1) of w (rows of K) against the n rows of xs (pointers), out rows of stride ldo */
+static void unit_gemv(const wdesc *w, int64_t base, int64_t K, int64_t r0, int64_t r1, const uint16_t *const *xs,
+                      int n, uint16_t *out, int64_t ldo) {
     float y[MB];
     for (int c = 0; c < n; c += MB) {
         int M = n - c < MB ? n - c : MB;
         for (int64_t r = r0; r < r1; r++) {
-            dot_rows(w + r * K, xs + c, M, K, y);
+            row_dot(w, base + r, K, xs + c, M, y);
             for (int m = 0; m < M; m++) out[(int64_t)(c + m) * ldo + r] = f32_to_bf16(y[m]);
         }
     }
@@ -101,10 +175,9 @@ static void unit_gemv(const uint16_t *w, int64_t K, int64_t r0, int64_t r1, cons
  * ptok[p] with weight pw[p] (fp32). Workspaces: h [P, 2I], act [P, I], y [P, H] (bf16), acc [T, H] (fp32).
  * out [T, H] bf16 (every row written; tokens with no pair get zeros).
  */
-void infercore_moe_experts_bf16(const uint16_t *x, int64_t T, int64_t H, int64_t I, const uint16_t *gate_up,
-                                const uint16_t *down, int64_t G, const int64_t *gexp, const int64_t *goff,
-                                const int64_t *ptok, const float *pw, uint16_t *h, uint16_t *act, uint16_t *y,
-                                float *acc, uint16_t *out, int nthreads) {
+static void moe_experts(const uint16_t *x, int64_t T, int64_t H, int64_t I, const wdesc *gate_up, const wdesc *down,
+                        int64_t G, const int64_t *gexp, const int64_t *goff, const int64_t *ptok, const float *pw,
+                        uint16_t *h, uint16_t *act, uint16_t *y, float *acc, uint16_t *out, int nthreads) {
     const int64_t P = goff[G];
     const int64_t I2 = 2 * I;
     const int64_t nb1 = (I2 + RB - 1) / RB, nb2 = (H + RB - 1) / RB;
@@ -115,12 +188,12 @@ void infercore_moe_experts_bf16(const uint16_t *x, int64_t T, int64_t H, int64_t
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < G * nb1; u++) {
             int64_t g = u / nb1, b = u % nb1;
-            const uint16_t *w = gate_up + gexp[g] * I2 * H;
             int64_t p0 = goff[g], n = goff[g + 1] - p0;
             for (int64_t c = 0; c < n; c += MB) {
                 int M = n - c < MB ? (int)(n - c) : MB;
                 for (int m = 0; m < M; m++) xs[m] = x + ptok[p0 + c + m] * H;
-                unit_gemv(w, H, b * RB, (b + 1) * RB < I2 ? (b + 1) * RB : I2, xs, M, h + (p0 + c) * I2, I2);
+                unit_gemv(gate_up, gexp[g] * I2, H, b * RB, (b + 1) * RB < I2 ? (b + 1) * RB : I2, xs, M,
+                          h + (p0 + c) * I2, I2);
             }
         }
         /* SiLU-and-mul, fp32 from the rounded gate_up outputs */
@@ -137,12 +210,12 @@ void infercore_moe_experts_bf16(const uint16_t *x, int64_t T, int64_t H, int64_t
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < G * nb2; u++) {
             int64_t g = u / nb2, b = u % nb2;
-            const uint16_t *w = down + gexp[g] * H * I;
             int64_t p0 = goff[g], n = goff[g + 1] - p0;
             for (int64_t c = 0; c < n; c += MB) {
                 int M = n - c < MB ? (int)(n - c) : MB;
                 for (int m = 0; m < M; m++) xs[m] = act + (p0 + c + m) * I;
-                unit_gemv(w, I, b * RB, (b + 1) * RB < H ? (b + 1) * RB : H, xs, M, y + (p0 + c) * H, H);
+                unit_gemv(down, gexp[g] * H, I, b * RB, (b + 1) * RB < H ? (b + 1) * RB : H, xs, M, y + (p0 + c) * H,
+                          H);
             }
         }
         /* the weighted sum, pairs in their given order, by column blocks */
@@ -162,9 +235,25 @@ void infercore_moe_experts_bf16(const uint16_t *x, int64_t T, int64_t H, int64_t
     }
 }
 
-/* y [M, N] = x [M, K] @ w[N, K]^T, bf16, rows of w in blocks of RB across the threads (a dense decode GEMV) */
-void infercore_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, uint16_t *y,
-                           int nthreads) {
+void infercore_moe_experts_bf16(const uint16_t *x, int64_t T, int64_t H, int64_t I, const uint16_t *gate_up,
+                                const uint16_t *down, int64_t G, const int64_t *gexp, const int64_t *goff,
+                                const int64_t *ptok, const float *pw, uint16_t *h, uint16_t *act, uint16_t *y,
+                                float *acc, uint16_t *out, int nthreads) {
+    wdesc gu = {gate_up, 0, 0}, dn = {down, 0, 0};
+    moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, nthreads);
+}
+
+/* The same over INT4 experts: codes gate_up [E, 2I, H / 2], down [E, H, I / 2] (uint8), sz [E, 2I, H / Q4G, 2] and
+ * [E, H, I / Q4G, 2] (fp32); H and I multiples of Q4G */
+void infercore_moe_experts_q4(const uint16_t *x, int64_t T, int64_t H, int64_t I, const uint8_t *gate_up,
+                              const float *gate_up_sz, const uint8_t *down, const float *down_sz, int64_t G,
+                              const int64_t *gexp, const int64_t *goff, const int64_t *ptok, const float *pw,
+                              uint16_t *h, uint16_t *act, uint16_t *y, float *acc, uint16_t *out, int nthreads) {
+    wdesc gu = {0, gate_up, gate_up_sz}, dn = {0, down, down_sz};
+    moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, nthreads);
+}
+
+static void linear(const uint16_t *x, int64_t M, int64_t K, const wdesc *w, int64_t N, uint16_t *y, int nthreads) {
     const int64_t nb = (N + RB - 1) / RB;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -174,10 +263,24 @@ void infercore_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
             for (int64_t c = 0; c < M; c += MB) {
                 int m = M - c < MB ? (int)(M - c) : MB;
                 for (int j = 0; j < m; j++) xs[j] = x + (c + j) * K;
-                unit_gemv(w, K, b * RB, (b + 1) * RB < N ? (b + 1) * RB : N, xs, m, y + c * N, N);
+                unit_gemv(w, 0, K, b * RB, (b + 1) * RB < N ? (b + 1) * RB : N, xs, m, y + c * N, N);
             }
         }
     }
+}
+
+/* y [M, N] = x [M, K] @ w[N, K]^T, bf16, rows of w in blocks of RB across the threads (a dense decode GEMV) */
+void infercore_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, uint16_t *y,
+                           int nthreads) {
+    wdesc d = {w, 0, 0};
+    linear(x, M, K, &d, N, y, nthreads);
+}
+
+/* The same over an INT4 weight: codes [N, K / 2], sz [N, K / Q4G, 2]; K a multiple of Q4G */
+void infercore_linear_q4(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t N,
+                         uint16_t *y, int nthreads) {
+    wdesc d = {0, w, sz};
+    linear(x, M, K, &d, N, y, nthreads);
 }
 
 /* A read-only pass over n bytes (n a multiple of 64) by every thread: what the host's weight reads can reach */

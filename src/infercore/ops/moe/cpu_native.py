@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -68,6 +69,11 @@ def _build() -> ctypes.CDLL:
     dll.infercore_moe_experts_bf16.restype = None
     dll.infercore_linear_bf16.argtypes = [_P, _I64, _I64, _P, _I64, _P, _INT]
     dll.infercore_linear_bf16.restype = None
+    dll.infercore_moe_experts_q4.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P,
+                                             _P, _P, _INT]
+    dll.infercore_moe_experts_q4.restype = None
+    dll.infercore_linear_q4.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _INT]
+    dll.infercore_linear_q4.restype = None
     dll.infercore_native_isa.restype = _INT
     dll.infercore_read_pass.argtypes = [_P, _I64, _INT]
     dll.infercore_read_pass.restype = ctypes.c_uint64
@@ -88,6 +94,20 @@ def _load():
     return _lib
 
 
+@contextmanager
+def disabled():
+    """Within this block the native kernels report unavailable, so the callers that check :func:`available`
+    per call (``models.layout.CPUPackedLinear``) take their ATen / oneDNN paths: for A/B timing."""
+    global _lib, _error, _tried
+    _load()
+    saved = _lib, _error, _tried
+    _lib, _error, _tried = None, "disabled within cpu_native.disabled()", True
+    try:
+        yield
+    finally:
+        _lib, _error, _tried = saved
+
+
 def available() -> bool:
     """Whether the native host kernels built and loaded here."""
     return _load() is not None
@@ -105,21 +125,21 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-def moe_experts_bf16(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                     ids: torch.Tensor, expert_offset: int | None = None) -> torch.Tensor:  # fmt: skip
-    """``ops.moe.naive.moe_experts_ref`` for bf16 host tensors through the native kernel: ``x [T, H]``,
-    ``gate_up [E, 2I, H]`` / ``down [E, H, I]`` contiguous, ``weights / ids [T, k]`` (checked by the caller) ->
-    ``[T, H]`` bf16. Pairs are taken expert by expert, then token, then slot (the reference's order); pairs
-    routed outside ``[0, E)`` are skipped with ``expert_offset`` and refused (``ValueError``) without."""
+def _need():
     lib = _load()
     if lib is None:
         raise RuntimeError(f"native host kernels: {_error}")
-    E, I2, H = gate_up.shape
-    T, k = ids.shape
-    flat = ids.reshape(-1).tolist()
+    return lib
+
+
+def _pairs(ids: torch.Tensor, E: int, expert_offset: int | None):
+    """The routed (expert, token) pairs in the reference's order (expert, then token, then slot), as the kernels
+    take them: ``(G, meta int64 [experts G, offsets G + 1, tokens P], pair indices)``; pairs outside
+    ``[0, E)`` skipped with ``expert_offset``, refused without (``ValueError`` naming the smallest)."""
+    k = ids.shape[1]
     off = 0 if expert_offset is None else expert_offset
     groups: dict[int, list[int]] = {}
-    for p, e in enumerate(flat):
+    for p, e in enumerate(ids.reshape(-1).tolist()):
         groups.setdefault(e - off, []).append(p)
     bad = [e for e in groups if not 0 <= e < E]
     if bad and expert_offset is None:  # the smallest, as the reference (sorted ids) names it
@@ -131,32 +151,94 @@ def moe_experts_bf16(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     counts = [0]
     for e in experts:
         counts.append(counts[-1] + len(groups[e]))
+    meta = torch.tensor([*experts, *counts, *[p // k for p in pairs]], dtype=torch.int64)
+    return len(experts), meta, pairs
+
+
+def _moe(fn, x, H, I, weight_args, weights, ids, E, expert_offset) -> torch.Tensor:
+    T = x.shape[0]
+    G, meta, pairs = _pairs(ids, E, expert_offset)
     P = len(pairs)
-    out = torch.empty_like(x)
+    out = torch.empty(T, H, dtype=torch.bfloat16)
     if P == 0:
         return out.zero_()
     x = x.contiguous()
-    meta = torch.tensor([*experts, *counts, *[p // k for p in pairs]], dtype=torch.int64)
-    G = len(experts)
     pw = weights.reshape(-1).float()[torch.tensor(pairs)].contiguous()
-    ws = torch.empty(P * (I2 + I2 // 2 + H), dtype=torch.bfloat16)
+    ws = torch.empty(P * (3 * I + H), dtype=torch.bfloat16)  # gate_up outputs, SiLU-and-mul, down outputs
     acc = torch.empty(T * H, dtype=torch.float32)
     base = _ptr(meta)
-    h = ws[: P * I2]
-    act = ws[P * I2 : P * (I2 + I2 // 2)]
-    y = ws[P * (I2 + I2 // 2) :]
-    lib.infercore_moe_experts_bf16(
-        _ptr(x), T, H, I2 // 2, _ptr(gate_up), _ptr(down), G, base, base + 8 * G, base + 8 * (2 * G + 1), _ptr(pw),
-        _ptr(h), _ptr(act), _ptr(y), _ptr(acc), _ptr(out), torch.get_num_threads(),
-    )  # fmt: skip
+    fn(_ptr(x), T, H, I, *weight_args, G, base, base + 8 * G, base + 8 * (2 * G + 1), _ptr(pw), _ptr(ws),
+       _ptr(ws) + 2 * P * 2 * I, _ptr(ws) + 2 * P * 3 * I, _ptr(acc), _ptr(out), torch.get_num_threads())
     return out
+
+
+def moe_experts_bf16(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                     ids: torch.Tensor, expert_offset: int | None = None) -> torch.Tensor:  # fmt: skip
+    """``ops.moe.naive.moe_experts_ref`` for bf16 host tensors through the native kernel: ``x [T, H]``,
+    ``gate_up [E, 2I, H]`` / ``down [E, H, I]`` contiguous, ``weights / ids [T, k]`` (checked by the caller) ->
+    ``[T, H]`` bf16. Pairs are taken expert by expert, then token, then slot (the reference's order); pairs
+    routed outside ``[0, E)`` are skipped with ``expert_offset`` and refused (``ValueError``) without."""
+    lib = _need()
+    E, I2, H = gate_up.shape
+    return _moe(lib.infercore_moe_experts_bf16, x, H, I2 // 2, (_ptr(gate_up), _ptr(down)), weights, ids, E,
+                expert_offset)
+
+
+Q4_GROUP = 128
+
+
+def q4_supported() -> bool:
+    """Whether the native INT4 kernels run vectorized here (AVX512-BF16; elsewhere the callers keep ATen's)."""
+    return available() and status() == "avx512-bf16"
+
+
+def pack_q4(w) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The native INT4 operands of a 4-bit :class:`~infercore.quant.formats.IntWeight` with groups of 128 along K:
+    ``(codes uint8 [N, Kp / 2], sz fp32 [N, Kp / 128, 2])``, group ``j``'s 64 bytes holding element ``b`` in the
+    low nibble of byte ``b`` and element ``b + 64`` in the high one, and ``w = (q - 8) * scale + zero``; None for
+    other formats."""
+    from ...quant.formats import IntWeight
+
+    if not isinstance(w, IntWeight) or w.bits != 4 or w.group_size != Q4_GROUP:
+        return None
+    kp = w.padded_in_features
+    if kp % Q4_GROUP or w.scales.shape[1] != kp // Q4_GROUP:
+        return None
+    n = w.shape[0]
+    q = w.codes().to(torch.uint8).view(n, kp // Q4_GROUP, 2, Q4_GROUP // 2)
+    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, kp // 2).contiguous()
+    s = w.scales.float()
+    sz = torch.stack([s, (8.0 - w.zero_points()) * s], -1).contiguous()
+    return codes.cpu(), sz.cpu()
+
+
+def moe_experts_q4(x: torch.Tensor, gate_up: tuple[torch.Tensor, torch.Tensor],
+                   down: tuple[torch.Tensor, torch.Tensor], weights: torch.Tensor, ids: torch.Tensor,
+                   expert_offset: int | None = None) -> torch.Tensor:  # fmt: skip
+    """:func:`moe_experts_bf16` over INT4 experts: ``gate_up = (codes [E, 2I, H / 2], sz [E, 2I, H / 128, 2])``,
+    ``down = (codes [E, H, I / 2], sz [E, H, I / 128, 2])`` (:func:`pack_q4` per expert, stacked; H and I
+    multiples of 128)."""
+    lib = _need()
+    E, I2, H = gate_up[0].shape[0], gate_up[0].shape[1], gate_up[0].shape[2] * 2
+    args = (_ptr(gate_up[0]), _ptr(gate_up[1]), _ptr(down[0]), _ptr(down[1]))
+    return _moe(lib.infercore_moe_experts_q4, x, H, I2 // 2, args, weights, ids, E, expert_offset)
+
+
+def linear_q4(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ dequant(w)^T`` for bf16 ``x`` and :func:`pack_q4`'s operands ``[N, Kp / 2]`` / ``[N, Kp / 128,
+    2]`` (``x`` zero-padded to Kp) -> ``[M, N]`` bf16."""
+    lib = _need()
+    M, K = x.shape
+    N, kp = codes.shape[0], codes.shape[1] * 2
+    x = torch.nn.functional.pad(x, (0, kp - K)) if kp > K else x.contiguous()
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    lib.infercore_linear_q4(_ptr(x), M, kp, _ptr(codes), _ptr(sz), N, _ptr(y), torch.get_num_threads())
+    return y
 
 
 def linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ w [N, K]^T`` for bf16 host tensors (``w`` contiguous) -> ``[M, N]`` bf16, fp32 sums."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"native host kernels: {_error}")
+    lib = _need()
     M, K = x.shape
     N = w.shape[0]
     x = x.contiguous()
@@ -168,9 +250,7 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes/s of the native read-only pass over an ``nbytes`` host buffer with torch's thread count, best of
     ``repeats`` (a floor for host GEMVs that the native kernels can approach)."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"native host kernels: {_error}")
+    lib = _need()
     n = nbytes // 4096 * 4096
     buf = torch.ones(n, dtype=torch.uint8)
     lib.infercore_read_pass(_ptr(buf), n, torch.get_num_threads())

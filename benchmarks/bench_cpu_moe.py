@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import case, host_read_bandwidth, write_results  # noqa: E402
 
 from infercore.models.layout import CPUPackedExperts, cpu_packing_supported  # noqa: E402
-from infercore.offload.host_experts import _quant_experts, _QuantLinear  # noqa: E402
+from infercore.offload.host_experts import NativeQ4Experts, _quant_experts, _QuantLinear  # noqa: E402
 from infercore.ops.moe import cpu_native  # noqa: E402
 from infercore.ops.moe.naive import moe_experts_ref  # noqa: E402
 
@@ -79,12 +79,22 @@ def main() -> None:
         hf = Qwen3MoeExperts(hcfg)
     hf.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
     hf.down_proj = torch.nn.Parameter(down, requires_grad=False)
-    quant = {}
+    quant, aten, expert_bytes_q = {}, {}, {}
     for scheme in args.schemes.split(",") if args.schemes else []:
         t = time.perf_counter()
-        quant[scheme] = ([_QuantLinear(gate_up[e], scheme, dtype) for e in range(E)],
-                         [_QuantLinear(down[e], scheme, dtype) for e in range(E)])
-        print(f"{scheme}: quantized and packed in {time.perf_counter() - t:.0f} s", flush=True)
+        lists = ([_QuantLinear(gate_up[e], scheme, dtype) for e in range(E)],
+                 [_QuantLinear(down[e], scheme, dtype) for e in range(E)])
+        stacked = NativeQ4Experts.build(*lists)
+        expert_bytes_q[scheme] = sum(q.nbytes for qs in lists for q in qs) / E
+        quant[scheme] = (lambda x, w, ids, s=stacked: s(x, w, ids, None)) if stacked else (
+            lambda x, w, ids, qs=lists: _quant_experts(x, *qs, w, ids, None))
+        if stacked:  # ATen's INT4 kernel, per expert, for comparison
+            with cpu_native.disabled():
+                qs = ([_QuantLinear(gate_up[e], scheme, dtype) for e in range(E)],
+                      [_QuantLinear(down[e], scheme, dtype) for e in range(E)])
+            aten[scheme] = lambda x, w, ids, qs=qs: _quant_experts(x, *qs, w, ids, None)
+        print(f"{scheme}: quantized and packed in {time.perf_counter() - t:.0f} s (native: {bool(stacked)})",
+              flush=True)
     expert_bytes = 3 * H * I * 2
     g = torch.Generator().manual_seed(1)
     cases = []
@@ -116,20 +126,23 @@ def main() -> None:
             pack_seconds=pack_s, native=packed.native, native_isa=cpu_native.status() if packed.native else None,
             ms_onednn_packed=t_dnn * 1e3 if t_dnn else None,
         ))  # fmt: skip
-        for scheme, (qg, qd) in quant.items():
+        for scheme, run in quant.items():
             with torch.inference_mode():
-                qerr = (_quant_experts(x, qg, qd, w, ids, None).float() - want.float()).abs().max().item()
-                t_q = best_of(lambda x=x, w=w, ids=ids, qg=qg, qd=qd: _quant_experts(x, qg, qd, w, ids, None),
-                              args.reps)
-            qbytes = sum(q.nbytes for e in torch.unique(ids).tolist() for q in (qg[e], qd[e]))
+                qerr = (run(x, w, ids).float() - want.float()).abs().max().item()
+                t_q = best_of(lambda x=x, w=w, ids=ids, run=run: run(x, w, ids), args.reps)
+                t_a = best_of(lambda x=x, w=w, ids=ids, r=aten[scheme]: r(x, w, ids), args.reps) if scheme in aten \
+                    else None
+            qbytes = int(torch.unique(ids).numel()) * expert_bytes_q[scheme]
             print(f"  {scheme}: {t_q * 1e3:.2f} ms ({qbytes / t_q / 1e9:.1f} GB/s of its bytes, floor "
-                  f"{qbytes / bw * 1e3:.2f} ms)", flush=True)
+                  f"{qbytes / bw * 1e3:.2f} ms)" + (f"; ATen's INT4 kernel {t_a * 1e3:.2f} ms" if t_a else ""),
+                  flush=True)
             cases.append(case(
                 f"qwen3-30b-a3b-shape experts (128 x 2048/768, top-8), T={T}, {scheme} host experts, host CPU",
                 metric="expert-layer calls", unit="calls/s", ours=1 / t_q, peers=peers, floor=bw / qbytes,
                 ms_ours=t_q * 1e3, bf16_packed_ms=t_ours * 1e3, distinct_experts=distinct, bytes_read=qbytes,
                 achieved_GBps=qbytes / t_q / 1e9, host_read_GBps=bw / 1e9, threads=torch.get_num_threads(),
-                max_rel_diff_vs_bf16=qerr / want.float().abs().max().item(),
+                max_rel_diff_vs_bf16=qerr / want.float().abs().max().item(), native=scheme in aten,
+                ms_aten_int4=t_a * 1e3 if t_a else None,
             ))  # fmt: skip
     write_results(args.out, "cpu_moe", "cpu", cases)
     print(f"wrote {args.out}", flush=True)

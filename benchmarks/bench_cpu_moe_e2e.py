@@ -1,5 +1,6 @@
-"""CPU greedy decode of a routed-expert model: the Engine (dense linears and experts oneDNN-packed; or the
-experts quantized to INT4 g128 on the host) vs transformers ``generate`` on the same weights.
+"""CPU greedy decode of a routed-expert model: the Engine (dense linears and experts packed: the native host
+kernels, keys ``onednn_packed_tok_s`` / ``aten_int4_tok_s`` with them off; or the experts quantized to INT4 g128 on
+the host) vs transformers ``generate`` on the same weights, timed interleaved with each packed phase.
 
 A Qwen3-MoE-shaped model narrowed to fit a small host: ``--layers`` layers of hidden 1024, 64 experts of width 512
 (top-8), 16/4 heads, vocab 32000, random bf16 weights; one prompt of ``--prompt`` tokens. Decode rate =
@@ -13,6 +14,7 @@ read bandwidth.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -27,6 +29,7 @@ from bench_cpu_decode import decode_rates  # noqa: E402
 from infercore import Engine, SamplingParams  # noqa: E402
 from infercore.models import build_model, config_from_hf  # noqa: E402
 from infercore.offload import offload_experts_  # noqa: E402
+from infercore.ops.moe import cpu_native  # noqa: E402
 
 
 def main() -> None:
@@ -82,33 +85,58 @@ def main() -> None:
     same_plain = run_plain(args.tokens) == theirs(args.tokens)
     r_plain, r_hf = decode_rates([run_plain, theirs], args.tokens, args.repeats)
     del plain
-    packed = Engine(model, **common)  # packs the dense linears and the experts (models.layout)
-    run_packed = engine_run(packed)
-    toks_packed = run_packed(args.tokens)
-    (r_packed,) = decode_rates([run_packed], args.tokens, args.repeats)
-    del packed
+
+    def packed_rate(native: bool):
+        """The Engine with packed linears and experts (models.layout), native kernels on or off, timed interleaved
+        with transformers (the host's speed drifts between phases)."""
+        for m in model.modules():  # repack for this phase
+            if getattr(m, "cpu_packed_experts", None) is not None:
+                m.cpu_packed_experts = None
+        ctx = contextlib.nullcontext() if native else cpu_native.disabled()
+        with ctx:
+            eng = Engine(model, **common)
+            run = engine_run(eng)
+            toks = run(args.tokens)
+            rate, hf_rate = decode_rates([run, theirs], args.tokens, args.repeats)
+        return rate, hf_rate, toks
+
+    r_dnn, r_hf_dnn, _ = packed_rate(False)
+    r_packed, r_hf_packed, toks_packed = packed_rate(True) if cpu_native.available() else (r_dnn, r_hf_dnn, None)
     hf = None  # free the peer (its tensors are ours)
-    info = offload_experts_(model, quantization="w4a16-g128")
-    quant = Engine(model, **common)
-    run_quant = engine_run(quant)
-    toks_quant = run_quant(args.tokens)
-    (r_quant,) = decode_rates([run_quant], args.tokens, args.repeats)
+
+    def quant_rate(native: bool):
+        torch.manual_seed(0)
+        m = build_model(config, dtype=dtype, device="cpu", init="normal")  # the same weights again
+        ctx = contextlib.nullcontext() if native else cpu_native.disabled()
+        with ctx:
+            info = offload_experts_(m, quantization="w4a16-g128")
+            eng = Engine(m, **common)
+            run = engine_run(eng)
+            toks = run(args.tokens)
+            (rate,) = decode_rates([run], args.tokens, args.repeats)
+        return rate, info, toks
+
+    r_quant_aten, _, _ = quant_rate(False)
+    r_quant, info, toks_quant = quant_rate(True) if cpu_native.available() else (r_quant_aten, None, None)
     q_read = read_per_token - L * k * one_expert + L * k * (info["host_bytes"] / (L * E))
     agree = sum(int(a == b) for a, b in zip(toks_quant, toks_packed))
-    print(f"plain {r_plain:.2f} tok/s (same tokens as transformers: {same_plain}), packed {r_packed:.2f}, INT4 host "
-          f"experts {r_quant:.2f}; transformers {r_hf:.2f}; floors {bw / read_per_token:.1f} (bf16) / "
-          f"{bw / q_read:.1f} (INT4 experts) tok/s", flush=True)
+    print(f"plain {r_plain:.2f} tok/s (same tokens as transformers: {same_plain}; transformers {r_hf:.2f}); "
+          f"packed, oneDNN {r_dnn:.2f} (transformers {r_hf_dnn:.2f}); packed, native {r_packed:.2f} (transformers "
+          f"{r_hf_packed:.2f}); INT4 host experts ATen {r_quant_aten:.2f}, native {r_quant:.2f}; floors "
+          f"{bw / read_per_token:.1f} (bf16) / {bw / q_read:.1f} (INT4 experts) tok/s", flush=True)
     name = f"qwen3-moe-shape {L} layers (hidden 1024, 64 experts x 512, top-8) decode bs1, prompt {args.prompt}"
-    peers = {"transformers generate (sdpa)": r_hf, "Engine, plain linears and experts": r_plain}
+    peers = {"transformers generate (sdpa)": r_hf_packed, "Engine, plain linears and experts": r_plain}
     cases = [
-        case(f"{name}, bf16, oneDNN-packed linears and experts", metric="decode throughput", unit="tok/s",
-             ours=r_packed, peers=peers, floor=bw / read_per_token, weight_bytes=weight_bytes,
+        case(f"{name}, bf16, packed linears and experts (native host kernels)", metric="decode throughput",
+             unit="tok/s", ours=r_packed, peers=peers, floor=bw / read_per_token, weight_bytes=weight_bytes,
              bytes_per_token=read_per_token, host_read_GBps=bw / 1e9, threads=torch.get_num_threads(),
-             plain_engine_same_tokens_as_transformers=same_plain),
+             plain_engine_same_tokens_as_transformers=same_plain, native=cpu_native.status(),
+             onednn_packed_tok_s=r_dnn, transformers_tok_s_in_onednn_phase=r_hf_dnn,
+             transformers_tok_s_in_plain_phase=r_hf),
         case(f"{name}, bf16, experts INT4 g128 on the host (offload_experts_)", metric="decode throughput",
              unit="tok/s", ours=r_quant, peers=peers, floor=bw / q_read, bytes_per_token=q_read,
              host_expert_bytes=info["host_bytes"], host_read_GBps=bw / 1e9, threads=torch.get_num_threads(),
-             greedy_tokens_agree_with_bf16=agree / max(1, len(toks_packed))),
+             greedy_tokens_agree_with_bf16=agree / max(1, len(toks_packed)), aten_int4_tok_s=r_quant_aten),
     ]  # fmt: skip
     write_results(args.out, "cpu_moe_e2e", "cpu", cases)
     print(f"wrote {args.out}", flush=True)

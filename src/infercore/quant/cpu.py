@@ -110,12 +110,28 @@ def pack_int8(w: IntWeight) -> tuple[torch.Tensor, torch.Tensor]:
     return q, w.scales[:, 0].to(torch.bfloat16).contiguous()
 
 
+# Rows up to which INT4 g128 weights run the native kernel (ops.moe.cpu_native.linear_q4); more rows take ATen's
+# INT4 GEMM (its operands are a second packed copy of the weight, made at the first such call).
+NATIVE_Q4_MAX_ROWS = 4
+
+
+def _native_q4(w) -> bool:
+    from ..ops.moe import cpu_native
+
+    return isinstance(w, IntWeight) and w.group_size == cpu_native.Q4_GROUP and cpu_native.q4_supported()
+
+
 def _matmul(x: torch.Tensor, w, bias: torch.Tensor | None, reference):
     """``x [M, K] @ dequant(w).T (+ bias [N]) -> [M, N]``: the packed kernels for bf16 ``x`` where
     :func:`cpu_kind` allows (the bias added in fp32 to their bf16 product), else ``reference``."""
     kind = cpu_kind(w) if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
     if kind is None:
         return reference(x, w, bias)
+    if kind == "int4" and x.shape[0] <= NATIVE_Q4_MAX_ROWS and _native_q4(w):  # decode rows: the native kernel
+        from ..ops.moe import cpu_native
+
+        y = cpu_native.linear_q4(x, *packed(w.qweight, ("cpu", "native4"), lambda: cpu_native.pack_q4(w)))
+        return y if bias is None else (y.float() + bias.float()).to(x.dtype)
     if kind == "int8":
         kp = _int8_k(w)
         q, s = packed(w.qweight, ("cpu", "int8"), lambda: pack_int8(w))

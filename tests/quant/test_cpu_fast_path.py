@@ -94,13 +94,18 @@ def test_gguf_blocks_the_kernel_cannot_take_run_the_reference(case):
 
 
 def test_the_repack_is_made_once_and_leaves_with_the_weight():
+    from infercore.ops.moe import cpu_native
+
     w = _w(64, 256)
-    x = torch.randn(2, 256).to(torch.bfloat16)
-    wq_matmul(x, w)
-    entry = repacks._PACKS[id(w.qweight)][1]
-    first = entry[("cpu", "int4")]
-    wq_matmul(x, w)
-    assert entry[("cpu", "int4")] is first
+    # up to NATIVE_Q4_MAX_ROWS rows the native INT4 kernel's operands (where it builds), more rows ATen's
+    for rows, kind in ((2, "native4" if cpu_native.q4_supported() else "int4"), (8, "int4")):
+        x = torch.randn(rows, 256).to(torch.bfloat16)
+        wq_matmul(x, w)
+        entry = repacks._PACKS[id(w.qweight)][1]
+        first = entry[("cpu", kind)]
+        wq_matmul(x, w)
+        assert entry[("cpu", kind)] is first
+    assert QC.NATIVE_Q4_MAX_ROWS == 4
     key = id(w.qweight)
     del w, entry, first
     assert key not in repacks._PACKS

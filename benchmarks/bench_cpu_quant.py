@@ -15,6 +15,7 @@ against the reference it replaced (dequantize, then matmul) and the dense bf16 w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -28,6 +29,7 @@ from bench_cpu_decode import PROMPT, decode_rates, read_bandwidth  # noqa: E402
 
 from infercore import Engine, SamplingParams  # noqa: E402
 from infercore.loading import default_model_path  # noqa: E402
+from infercore.ops.moe import cpu_native  # noqa: E402
 from infercore.quant import IntWeight, quantize, wq_matmul  # noqa: E402
 from infercore.quant import cpu as QC  # noqa: E402
 from infercore.quant.gguf_native import use_gguf_blocks  # noqa: E402
@@ -73,12 +75,15 @@ def linear_cases(ms: list[int], bw: float) -> list[dict]:
                 ref = calls_per_s(lambda: wq_matmul(x, w), budget_s=0.5, max_calls=20)
                 del os.environ["INFERCORE_BACKEND"]
                 bf16 = calls_per_s(lambda: F.linear(x, wb))
+                with cpu_native.disabled():  # ATen's packed kernels alone (no native INT4 rows)
+                    aten = calls_per_s(lambda: wq_matmul(x, w))
                 row = case(f"{fname} {sname} M={m} bf16 activations", metric="linear calls", unit="calls/s",
                            ours=ours, peers={"reference (dequantize + matmul)": ref, "bf16 F.linear, dense": bf16},
                            floor=bw / nbytes if m == 1 else None, kernel=QC.cpu_kind(w), weight_bytes=nbytes,
-                           ours_us=1e6 / ours, reference_us=1e6 / ref, bf16_us=1e6 / bf16)
-                print(f"{row['case']}: {1e6 / ours:.0f} us (reference {1e6 / ref:.0f}, bf16 dense {1e6 / bf16:.0f})",
-                      flush=True)
+                           ours_us=1e6 / ours, reference_us=1e6 / ref, bf16_us=1e6 / bf16, aten_us=1e6 / aten,
+                           native=QC.cpu_kind(w) == "int4" and m <= QC.NATIVE_Q4_MAX_ROWS and QC._native_q4(w))
+                print(f"{row['case']}: {1e6 / ours:.0f} us (reference {1e6 / ref:.0f}, bf16 dense {1e6 / bf16:.0f}, "
+                      f"ATen alone {1e6 / aten:.0f})", flush=True)
                 cases.append(row)
     return cases
 
@@ -89,12 +94,14 @@ def e2e_cases(schemes: list[str], tokens: int, repeats: int) -> list[dict]:
         base.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True),
         add_special_tokens=False)
 
-    def runner(eng, backend=None):
+    def runner(eng, backend=None, native=True):
         def run(n: int) -> list[int]:
             if backend:
                 os.environ["INFERCORE_BACKEND"] = backend
             try:
-                return eng.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].token_ids
+                with contextlib.nullcontext() if native else cpu_native.disabled():
+                    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                    return eng.generate([ids], sp)[0].token_ids
             finally:
                 os.environ.pop("INFERCORE_BACKEND", None)
         return run
@@ -109,15 +116,16 @@ def e2e_cases(schemes: list[str], tokens: int, repeats: int) -> list[dict]:
         else:
             quantize(eng.model, scheme)
         op = "quant.gguf_matmul" if scheme == NATIVE_Q4_1 else "quant.wq_matmul"
-        fast, ref = runner(eng), runner(eng, f"{op}:reference")
+        fast, ref, aten = runner(eng), runner(eng, f"{op}:reference"), runner(eng, native=False)
         same = fast(tokens) == ref(tokens)
-        r_fast, r_ref, r_dense = decode_rates([fast, ref, dense_run], tokens, repeats)
-        print(f"{scheme}: fast path {r_fast:.1f} tok/s, reference {r_ref:.1f}, unquantized bf16 {r_dense:.1f}; "
-              f"same tokens as the reference: {same}", flush=True)
+        r_fast, r_ref, r_dense, r_aten = decode_rates([fast, ref, dense_run, aten], tokens, repeats)
+        print(f"{scheme}: fast path {r_fast:.1f} tok/s (native host kernels off: {r_aten:.1f}), reference "
+              f"{r_ref:.1f}, unquantized bf16 {r_dense:.1f}; same tokens as the reference: {same}", flush=True)
         cases.append(case(f"smollm2-135m decode bs1 bf16 {scheme} {tokens} tokens", metric="decode throughput",
                           unit="tok/s", ours=r_fast, peers={"reference (dequantize + matmul)": r_ref,
                                                             "unquantized bf16": r_dense},
-                          floor=None, greedy_tokens_identical_to_reference=same, threads=torch.get_num_threads()))
+                          floor=None, greedy_tokens_identical_to_reference=same, threads=torch.get_num_threads(),
+                          native_kernels_off_tok_s=r_aten, native=cpu_native.status()))
     return cases
 
 

@@ -86,8 +86,8 @@ static void dot_rows(const uint16_t *w, const uint16_t *const *x, int M, int64_t
  * the group in the low nibble of byte b and element b + 64 in the high one; sz [K / Q4G][2] fp32 (scale, zero)
  * with w = (q - 8) * scale + zero. y[m] = sum_j scale_j * sum_i (q_i - 8) x_mi + zero_j * sum_i x_mi. */
 #define Q4G 128
-static void dot_rows_q4(const uint8_t *codes, const float *sz, const uint16_t *const *x, int M, int64_t K,
-                        float *y) {
+static void dot_rows_q4(const uint8_t *codes, const float *sz, const uint16_t *const *x, const float *const *xsum,
+                        int M, int64_t K, float *y) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     /* bf16 of (q - 8) for q in [0, 16), in the low 16 of 32 16-bit lanes */
     const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
@@ -95,9 +95,12 @@ static void dot_rows_q4(const uint8_t *codes, const float *sz, const uint16_t *c
                                            (short)0xbf80, (short)0xc000, (short)0xc040, (short)0xc080,
                                            (short)0xc0a0, (short)0xc0c0, (short)0xc0e0, (short)0xc100);
     const __m512i lo4 = _mm512_set1_epi16(0x0f);
-    const __m512i ones = _mm512_set1_epi16(0x3f80); /* bf16 1.0: sum(x) by the same dot instruction */
-    __m512 tot[MB], zs[MB];
-    for (int m = 0; m < M; m++) tot[m] = zs[m] = _mm512_setzero_ps();
+    __m512 tot[MB];
+    float zs[MB];
+    for (int m = 0; m < M; m++) {
+        tot[m] = _mm512_setzero_ps();
+        zs[m] = 0.f;
+    }
     for (int64_t j = 0; j < K / Q4G; j++) {
         const uint8_t *c = codes + j * (Q4G / 2);
         __m512i w[4];
@@ -106,36 +109,31 @@ static void dot_rows_q4(const uint8_t *codes, const float *sz, const uint16_t *c
             w[2 * h] = _mm512_permutexvar_epi16(_mm512_and_si512(v, lo4), table);                 /* 32h.. */
             w[2 * h + 1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);              /* 64+32h.. */
         }
-        const __m512 sc = _mm512_set1_ps(sz[2 * j]), zr = _mm512_set1_ps(sz[2 * j + 1]);
+        const __m512 sc = _mm512_set1_ps(sz[2 * j]);
         for (int m = 0; m < M; m++) {
             const uint16_t *xg = x[m] + j * Q4G;
-            __m512 a = _mm512_setzero_ps(), s = _mm512_setzero_ps();
+            __m512 a = _mm512_setzero_ps();
             for (int h = 0; h < 2; h++) {
-                __m512i xa = _mm512_loadu_si512((const void *)(xg + 32 * h));
-                __m512i xb = _mm512_loadu_si512((const void *)(xg + 64 + 32 * h));
-                a = _mm512_dpbf16_ps(a, (__m512bh)xa, (__m512bh)w[2 * h]);
-                a = _mm512_dpbf16_ps(a, (__m512bh)xb, (__m512bh)w[2 * h + 1]);
-                s = _mm512_dpbf16_ps(s, (__m512bh)xa, (__m512bh)ones);
-                s = _mm512_dpbf16_ps(s, (__m512bh)xb, (__m512bh)ones);
+                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const void *)(xg + 32 * h)), (__m512bh)w[2 * h]);
+                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const void *)(xg + 64 + 32 * h)),
+                                     (__m512bh)w[2 * h + 1]);
             }
             tot[m] = _mm512_fmadd_ps(a, sc, tot[m]);
-            zs[m] = _mm512_fmadd_ps(s, zr, zs[m]);
+            zs[m] += sz[2 * j + 1] * xsum[m][j];
         }
     }
-    for (int m = 0; m < M; m++) y[m] = _mm512_reduce_add_ps(_mm512_add_ps(tot[m], zs[m]));
+    for (int m = 0; m < M; m++) y[m] = _mm512_reduce_add_ps(tot[m]) + zs[m];
 #else
     for (int m = 0; m < M; m++) {
         float t = 0.f;
         for (int64_t j = 0; j < K / Q4G; j++) {
             const uint8_t *c = codes + j * (Q4G / 2);
-            float a = 0.f, s = 0.f;
+            float a = 0.f;
             for (int b = 0; b < Q4G; b++) {
                 int q = b < 64 ? (c[b] & 15) : (c[b - 64] >> 4);
-                float xv = bf16_to_f32(x[m][j * Q4G + b]);
-                a += (float)(q - 8) * xv;
-                s += xv;
+                a += (float)(q - 8) * bf16_to_f32(x[m][j * Q4G + b]);
             }
-            t += a * sz[2 * j] + s * sz[2 * j + 1];
+            t += a * sz[2 * j] + xsum[m][j] * sz[2 * j + 1];
         }
         y[m] = t;
     }
@@ -149,21 +147,31 @@ typedef struct {
     const float *sz;
 } wdesc;
 
-static void row_dot(const wdesc *w, int64_t row, int64_t K, const uint16_t *const *xs, int M, float *y) {
+static void row_dot(const wdesc *w, int64_t row, int64_t K, const uint16_t *const *xs, const float *const *ss, int M,
+                    float *y) {
     if (w->bf16)
         dot_rows(w->bf16 + row * K, xs, M, K, y);
     else
-        dot_rows_q4(w->q4 + row * (K / 2), w->sz + row * (K / Q4G) * 2, xs, M, K, y);
+        dot_rows_q4(w->q4 + row * (K / 2), w->sz + row * (K / Q4G) * 2, xs, ss, M, K, y);
+}
+
+/* sums[r][j] = sum of x row r over group j of Q4G (the zero term of INT4 rows), rows of K */
+static void group_sums(const uint16_t *x, int64_t K, float *sums) {
+    for (int64_t j = 0; j < K / Q4G; j++) {
+        float s = 0.f;
+        for (int64_t i = 0; i < Q4G; i++) s += bf16_to_f32(x[j * Q4G + i]);
+        sums[j] = s;
+    }
 }
 
 /* One unit: rows base + [r0, r1) of w (rows of K) against the n rows of xs (pointers), out rows of stride ldo */
 static void unit_gemv(const wdesc *w, int64_t base, int64_t K, int64_t r0, int64_t r1, const uint16_t *const *xs,
-                      int n, uint16_t *out, int64_t ldo) {
+                      const float *const *ss, int n, uint16_t *out, int64_t ldo) {
     float y[MB];
     for (int c = 0; c < n; c += MB) {
         int M = n - c < MB ? n - c : MB;
         for (int64_t r = r0; r < r1; r++) {
-            row_dot(w, base + r, K, xs + c, M, y);
+            row_dot(w, base + r, K, xs + c, ss + c, M, y);
             for (int m = 0; m < M; m++) out[(int64_t)(c + m) * ldo + r] = f32_to_bf16(y[m]);
         }
     }
@@ -177,13 +185,21 @@ static void unit_gemv(const wdesc *w, int64_t base, int64_t K, int64_t r0, int64
  */
 static void moe_experts(const uint16_t *x, int64_t T, int64_t H, int64_t I, const wdesc *gate_up, const wdesc *down,
                         int64_t G, const int64_t *gexp, const int64_t *goff, const int64_t *ptok, const float *pw,
-                        uint16_t *h, uint16_t *act, uint16_t *y, float *acc, uint16_t *out, int nthreads) {
+                        uint16_t *h, uint16_t *act, uint16_t *y, float *acc, uint16_t *out, float *sums,
+                        int nthreads) {
     const int64_t P = goff[G];
     const int64_t I2 = 2 * I;
     const int64_t nb1 = (I2 + RB - 1) / RB, nb2 = (H + RB - 1) / RB;
+    const int q4 = gate_up->q4 != 0; /* sums: [T, H / Q4G] then [P, I / Q4G] (INT4 only) */
+    float *xsum = sums, *asum = q4 ? sums + T * (H / Q4G) : 0;
 #pragma omp parallel num_threads(nthreads)
     {
         const uint16_t *xs[MB];
+        const float *ss[MB] = {0, 0, 0, 0};
+        if (q4) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) group_sums(x + t * H, H, xsum + t * (H / Q4G));
+        }
         /* gate_up: units (group, row block) */
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < G * nb1; u++) {
@@ -191,8 +207,11 @@ static void moe_experts(const uint16_t *x, int64_t T, int64_t H, int64_t I, cons
             int64_t p0 = goff[g], n = goff[g + 1] - p0;
             for (int64_t c = 0; c < n; c += MB) {
                 int M = n - c < MB ? (int)(n - c) : MB;
-                for (int m = 0; m < M; m++) xs[m] = x + ptok[p0 + c + m] * H;
-                unit_gemv(gate_up, gexp[g] * I2, H, b * RB, (b + 1) * RB < I2 ? (b + 1) * RB : I2, xs, M,
+                for (int m = 0; m < M; m++) {
+                    xs[m] = x + ptok[p0 + c + m] * H;
+                    if (q4) ss[m] = xsum + ptok[p0 + c + m] * (H / Q4G);
+                }
+                unit_gemv(gate_up, gexp[g] * I2, H, b * RB, (b + 1) * RB < I2 ? (b + 1) * RB : I2, xs, ss, M,
                           h + (p0 + c) * I2, I2);
             }
         }
@@ -205,6 +224,7 @@ static void moe_experts(const uint16_t *x, int64_t T, int64_t H, int64_t I, cons
                 float gt = bf16_to_f32(hp[i]), up = bf16_to_f32(hp[I + i]);
                 ap[i] = f32_to_bf16(gt / (1.f + expf(-gt)) * up);
             }
+            if (q4) group_sums(ap, I, asum + p * (I / Q4G));
         }
         /* down: units (group, row block) */
 #pragma omp for schedule(static)
@@ -213,9 +233,12 @@ static void moe_experts(const uint16_t *x, int64_t T, int64_t H, int64_t I, cons
             int64_t p0 = goff[g], n = goff[g + 1] - p0;
             for (int64_t c = 0; c < n; c += MB) {
                 int M = n - c < MB ? (int)(n - c) : MB;
-                for (int m = 0; m < M; m++) xs[m] = act + (p0 + c + m) * I;
-                unit_gemv(down, gexp[g] * H, I, b * RB, (b + 1) * RB < H ? (b + 1) * RB : H, xs, M, y + (p0 + c) * H,
-                          H);
+                for (int m = 0; m < M; m++) {
+                    xs[m] = act + (p0 + c + m) * I;
+                    if (q4) ss[m] = asum + (p0 + c + m) * (I / Q4G);
+                }
+                unit_gemv(down, gexp[g] * H, I, b * RB, (b + 1) * RB < H ? (b + 1) * RB : H, xs, ss, M,
+                          y + (p0 + c) * H, H);
             }
         }
         /* the weighted sum, pairs in their given order, by column blocks */
@@ -240,30 +263,41 @@ void infercore_moe_experts_bf16(const uint16_t *x, int64_t T, int64_t H, int64_t
                                 const int64_t *ptok, const float *pw, uint16_t *h, uint16_t *act, uint16_t *y,
                                 float *acc, uint16_t *out, int nthreads) {
     wdesc gu = {gate_up, 0, 0}, dn = {down, 0, 0};
-    moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, nthreads);
+    moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, 0, nthreads);
 }
 
 /* The same over INT4 experts: codes gate_up [E, 2I, H / 2], down [E, H, I / 2] (uint8), sz [E, 2I, H / Q4G, 2] and
- * [E, H, I / Q4G, 2] (fp32); H and I multiples of Q4G */
+ * [E, H, I / Q4G, 2] (fp32); H and I multiples of Q4G; sums: workspace of T * H / Q4G + P * I / Q4G floats */
 void infercore_moe_experts_q4(const uint16_t *x, int64_t T, int64_t H, int64_t I, const uint8_t *gate_up,
                               const float *gate_up_sz, const uint8_t *down, const float *down_sz, int64_t G,
                               const int64_t *gexp, const int64_t *goff, const int64_t *ptok, const float *pw,
-                              uint16_t *h, uint16_t *act, uint16_t *y, float *acc, uint16_t *out, int nthreads) {
+                              uint16_t *h, uint16_t *act, uint16_t *y, float *acc, uint16_t *out, float *sums,
+                              int nthreads) {
     wdesc gu = {0, gate_up, gate_up_sz}, dn = {0, down, down_sz};
-    moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, nthreads);
+    moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, sums, nthreads);
 }
 
-static void linear(const uint16_t *x, int64_t M, int64_t K, const wdesc *w, int64_t N, uint16_t *y, int nthreads) {
+static void linear(const uint16_t *x, int64_t M, int64_t K, const wdesc *w, int64_t N, uint16_t *y, float *sums,
+                   int nthreads) {
     const int64_t nb = (N + RB - 1) / RB;
+    const int q4 = w->q4 != 0; /* sums: [M, K / Q4G] (INT4 only) */
 #pragma omp parallel num_threads(nthreads)
     {
         const uint16_t *xs[MB];
+        const float *ss[MB] = {0, 0, 0, 0};
+        if (q4) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < M; r++) group_sums(x + r * K, K, sums + r * (K / Q4G));
+        }
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nb; b++) {
             for (int64_t c = 0; c < M; c += MB) {
                 int m = M - c < MB ? (int)(M - c) : MB;
-                for (int j = 0; j < m; j++) xs[j] = x + (c + j) * K;
-                unit_gemv(w, 0, K, b * RB, (b + 1) * RB < N ? (b + 1) * RB : N, xs, m, y + c * N, N);
+                for (int j = 0; j < m; j++) {
+                    xs[j] = x + (c + j) * K;
+                    if (q4) ss[j] = sums + (c + j) * (K / Q4G);
+                }
+                unit_gemv(w, 0, K, b * RB, (b + 1) * RB < N ? (b + 1) * RB : N, xs, ss, m, y + c * N, N);
             }
         }
     }
@@ -273,14 +307,14 @@ static void linear(const uint16_t *x, int64_t M, int64_t K, const wdesc *w, int6
 void infercore_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, uint16_t *y,
                            int nthreads) {
     wdesc d = {w, 0, 0};
-    linear(x, M, K, &d, N, y, nthreads);
+    linear(x, M, K, &d, N, y, 0, nthreads);
 }
 
-/* The same over an INT4 weight: codes [N, K / 2], sz [N, K / Q4G, 2]; K a multiple of Q4G */
+/* The same over an INT4 weight: codes [N, K / 2], sz [N, K / Q4G, 2]; K a multiple of Q4G; sums: M * K / Q4G floats */
 void infercore_linear_q4(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t N,
-                         uint16_t *y, int nthreads) {
+                         uint16_t *y, float *sums, int nthreads) {
     wdesc d = {0, w, sz};
-    linear(x, M, K, &d, N, y, nthreads);
+    linear(x, M, K, &d, N, y, sums, nthreads);
 }
 
 /* A read-only pass over n bytes (n a multiple of 64) by every thread: what the host's weight reads can reach */

@@ -17,6 +17,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +28,7 @@ _SRC = Path(__file__).with_name("cpu_experts.c")
 _lib = None
 _error: str | None = None
 _tried = False
+_lock = threading.Lock()
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
@@ -50,9 +52,15 @@ def _build() -> ctypes.CDLL:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(src + " ".join(flags).encode() + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("INFERCORE_CACHE") or Path.home() / ".cache" / "infercore")
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        if not os.access(cache, os.W_OK):
+            raise OSError(f"{cache} is not writable")
+    except OSError:  # a read-only home: a private temporary directory
+        cache = Path(tempfile.gettempdir()) / f"infercore-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+        cache.mkdir(parents=True, exist_ok=True)
     lib = cache / f"cpu_experts_{key}.so"
     if not lib.exists():
-        cache.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
         try:
@@ -70,9 +78,9 @@ def _build() -> ctypes.CDLL:
     dll.infercore_linear_bf16.argtypes = [_P, _I64, _I64, _P, _I64, _P, _INT]
     dll.infercore_linear_bf16.restype = None
     dll.infercore_moe_experts_q4.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P,
-                                             _P, _P, _INT]
+                                             _P, _P, _P, _INT]
     dll.infercore_moe_experts_q4.restype = None
-    dll.infercore_linear_q4.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _INT]
+    dll.infercore_linear_q4.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _P, _INT]
     dll.infercore_linear_q4.restype = None
     dll.infercore_native_isa.restype = _INT
     dll.infercore_read_pass.argtypes = [_P, _I64, _INT]
@@ -81,6 +89,13 @@ def _build() -> ctypes.CDLL:
 
 
 def _load():
+    if _tried:
+        return _lib
+    with _lock:
+        return _load_locked()
+
+
+def _load_locked():
     global _lib, _error, _tried
     if not _tried:
         _tried = True
@@ -155,7 +170,7 @@ def _pairs(ids: torch.Tensor, E: int, expert_offset: int | None):
     return len(experts), meta, pairs
 
 
-def _moe(fn, x, H, I, weight_args, weights, ids, E, expert_offset) -> torch.Tensor:
+def _moe(fn, x, H, I, weight_args, weights, ids, E, expert_offset, q4: bool = False) -> torch.Tensor:
     T = x.shape[0]
     G, meta, pairs = _pairs(ids, E, expert_offset)
     P = len(pairs)
@@ -167,8 +182,10 @@ def _moe(fn, x, H, I, weight_args, weights, ids, E, expert_offset) -> torch.Tens
     ws = torch.empty(P * (3 * I + H), dtype=torch.bfloat16)  # gate_up outputs, SiLU-and-mul, down outputs
     acc = torch.empty(T * H, dtype=torch.float32)
     base = _ptr(meta)
+    sums = torch.empty(T * H // Q4_GROUP + P * I // Q4_GROUP if q4 else 0, dtype=torch.float32)  # kept alive here
     fn(_ptr(x), T, H, I, *weight_args, G, base, base + 8 * G, base + 8 * (2 * G + 1), _ptr(pw), _ptr(ws),
-       _ptr(ws) + 2 * P * 2 * I, _ptr(ws) + 2 * P * 3 * I, _ptr(acc), _ptr(out), torch.get_num_threads())
+       _ptr(ws) + 2 * P * 2 * I, _ptr(ws) + 2 * P * 3 * I, _ptr(acc), _ptr(out), *((_ptr(sums),) if q4 else ()),
+       torch.get_num_threads())
     return out
 
 
@@ -221,7 +238,7 @@ def moe_experts_q4(x: torch.Tensor, gate_up: tuple[torch.Tensor, torch.Tensor],
     lib = _need()
     E, I2, H = gate_up[0].shape[0], gate_up[0].shape[1], gate_up[0].shape[2] * 2
     args = (_ptr(gate_up[0]), _ptr(gate_up[1]), _ptr(down[0]), _ptr(down[1]))
-    return _moe(lib.infercore_moe_experts_q4, x, H, I2 // 2, args, weights, ids, E, expert_offset)
+    return _moe(lib.infercore_moe_experts_q4, x, H, I2 // 2, args, weights, ids, E, expert_offset, q4=True)
 
 
 def linear_q4(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
@@ -232,7 +249,8 @@ def linear_q4(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.T
     N, kp = codes.shape[0], codes.shape[1] * 2
     x = torch.nn.functional.pad(x, (0, kp - K)) if kp > K else x.contiguous()
     y = torch.empty(M, N, dtype=torch.bfloat16)
-    lib.infercore_linear_q4(_ptr(x), M, kp, _ptr(codes), _ptr(sz), N, _ptr(y), torch.get_num_threads())
+    sums = torch.empty(M * kp // Q4_GROUP, dtype=torch.float32)
+    lib.infercore_linear_q4(_ptr(x), M, kp, _ptr(codes), _ptr(sz), N, _ptr(y), _ptr(sums), torch.get_num_threads())
     return y
 
 

@@ -89,6 +89,13 @@ def test_layout_classes_run_the_native_kernels(monkeypatch):
     assert seen == [1, 4]  # more rows than NATIVE_MAX_ROWS take oneDNN's packed GEMM
     y3 = lin(torch.ones(2, 3, 64).bfloat16())  # leading dims kept
     assert y3.shape == (2, 3, 48)
+    from infercore.models import layout
+
+    calls.clear()  # a long prefill (32+ pairs per expert on average) takes oneDNN's GEMMs on the plain weights
+    xl, _, _, wl, idsl = _case(8 * layout.NATIVE_MAX_PAIRS_PER_EXPERT // 4, 4, 8, 64, 32, 4)
+    torch.testing.assert_close(packed(xl, wl, idsl).float(), moe_experts_ref(xl, gate_up, down, wl, idsl).float(),
+                               atol=3e-2, rtol=3e-2)
+    assert not calls
     onednn = CPUPackedExperts(gate_up, down, native=False)
     assert not onednn.native and isinstance(onednn.gate_up, list)
     torch.testing.assert_close(onednn(x, w, ids).float(), out.float(), atol=3e-2, rtol=3e-2)

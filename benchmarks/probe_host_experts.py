@@ -1,7 +1,8 @@
 """Where a host-experts decode step goes: the host GEMV kernels' read rate by thread count, one layer's host call,
 and the device side's eager cost per layer.
 
-Part A (host only): Qwen3-30B-A3B experts (128 x [1536 x 2048, 2048 x 768], bf16). Every timed call picks other
+Part A (host only): Qwen3-30B-A3B experts (128 x [1536 x 2048, 2048 x 768], bf16); the native host kernels
+(``ops.moe.cpu_native``) beside oneDNN's and ATen's where they build. Every timed call picks other
 experts than the previous ones (cycling through all 128 x ``--layers`` layers, ~1.2 GB each) so no weight is in
 the last-level cache. Per kernel (oneDNN-packed ``_linear_pointwise``, plain ``F.linear``, the INT4 / INT8 packed
 kernels) and thread count: GB/s of weight read at one row, and the whole-layer host call at T tokens.
@@ -30,7 +31,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import host_read_bandwidth  # noqa: E402
 
 from infercore.models.layout import CPUPackedExperts  # noqa: E402
-from infercore.offload.host_experts import _quant_experts, _QuantLinear  # noqa: E402
+from infercore.offload.host_experts import NativeQ4Experts, _quant_experts, _QuantLinear  # noqa: E402
+from infercore.ops.moe import cpu_native  # noqa: E402
 
 
 def timed(fns, reps: int) -> float:
@@ -53,12 +55,18 @@ def part_a(args, out: dict) -> None:
     for _ in range(args.layers):
         gu = torch.randn(E, 2 * I, H, dtype=dt) * 0.02
         dn = torch.randn(E, H, I, dtype=dt) * 0.02
-        layers.append((gu, dn, CPUPackedExperts(gu, dn)))
+        native = CPUPackedExperts(gu, dn) if cpu_native.available() else None  # the plain weights themselves
+        layers.append((gu, dn, CPUPackedExperts(gu, dn, native=False), native))
     quant = {}
-    for scheme in ("w4a16-g128", "w8a16"):
-        gu, dn, _ = layers[0]
-        quant[scheme] = ([_QuantLinear(gu[e], scheme, dt) for e in range(E)],
-                         [_QuantLinear(dn[e], scheme, dt) for e in range(E)])
+    with cpu_native.disabled():  # ATen's kernels per expert
+        for scheme in ("w4a16-g128", "w8a16"):
+            gu, dn = layers[0][:2]
+            quant[scheme] = ([_QuantLinear(gu[e], scheme, dt) for e in range(E)],
+                             [_QuantLinear(dn[e], scheme, dt) for e in range(E)])
+    gu, dn = layers[0][:2]
+    native_q4 = NativeQ4Experts.build([_QuantLinear(gu[e], "w4a16-g128", dt) for e in range(E)],
+                                      [_QuantLinear(dn[e], "w4a16-g128", dt) for e in range(E)])
+    out["native"] = cpu_native.status()
     x1 = torch.randn(1, H, dtype=dt)
     xi = torch.randn(1, I, dtype=dt)
     linear = torch.ops.mkldnn._linear_pointwise
@@ -70,6 +78,9 @@ def part_a(args, out: dict) -> None:
         bw = host_read_bandwidth(1 << 30)
         r = {"threads": threads, "host_read_GBps": bw / 1e9}
         all_w = [(lay[2].gate_up[e], lay[2].down[e], lay[0][e], lay[1][e]) for lay in layers for e in range(E)]
+        if cpu_native.available():
+            r["native_gate_up_GBps"] = gu_bytes / timed([lambda w=w: cpu_native.linear_bf16(x1, w[2]) for w in all_w],
+                                                        args.reps) / 1e9
         r["packed_gate_up_GBps"] = gu_bytes / timed([lambda w=w: linear(x1, w[0], None, "none", [], "")
                                                       for w in all_w], args.reps) / 1e9
         r["packed_down_GBps"] = dn_bytes / timed([lambda w=w: linear(xi, w[1], None, "none", [], "")
@@ -89,11 +100,18 @@ def part_a(args, out: dict) -> None:
                     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
                     w = torch.softmax(torch.randn(T, k, generator=g), -1)
                     x = torch.randn(T, H, dtype=dt, generator=g)
-                    calls.append((lay[2], x, w, ids))
+                    calls.append((lay[2], x, w, ids, lay[3]))
             t = timed([lambda c=c: c[0](c[1], c[2], c[3]) for c in calls], args.reps)
             distinct = sum(int(torch.unique(c[3]).numel()) for c in calls) / len(calls)
-            r[f"layer_T{T}_ms"] = t * 1e3
+            r[f"layer_T{T}_ms"] = t * 1e3  # oneDNN-packed
             r[f"layer_T{T}_GBps"] = distinct * (gu_bytes + dn_bytes) / t / 1e9
+            if calls[0][4] is not None:
+                tn = timed([lambda c=c: c[4](c[1], c[2], c[3]) for c in calls], args.reps)
+                r[f"layer_T{T}_native_ms"] = tn * 1e3
+                r[f"layer_T{T}_native_GBps"] = distinct * (gu_bytes + dn_bytes) / tn / 1e9
+            if native_q4 is not None:
+                tq = timed([lambda c=c: native_q4(c[1], c[2], c[3], None) for c in calls[:4]], args.reps)
+                r[f"layer_T{T}_w4a16-g128_native_ms"] = tq * 1e3
             qcalls = [(c[1], c[2], c[3]) for c in calls]
             for scheme, (qg, qd) in quant.items():
                 tq = timed([lambda c=c, qg=qg, qd=qd: _quant_experts(c[0], qg, qd, c[1], c[2], None)

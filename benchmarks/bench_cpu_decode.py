@@ -101,20 +101,28 @@ def main() -> None:
                               do_sample=False, pad_token_id=2)
             return out[0, len(ids):].tolist()
 
-        def ours_onednn(n: int) -> list[int]:  # the same engine with the native GEMVs off (oneDNN's packed ones)
+        def ours_onednn(n: int) -> list[int]:  # every native kernel off (oneDNN's packed GEMVs, ATen's ops)
             with cpu_native.disabled():
                 return ours(n)
 
+        def ours_aten_ops(n: int) -> list[int]:  # native GEMVs, ATen's norm / RoPE / attention / activation
+            with cpu_native.layer_ops_disabled():
+                return ours(n)
+
         same = ours(args.tokens) == theirs(args.tokens)
-        native = dtype == torch.bfloat16 and cpu_native.available()
-        runs = [ours, theirs, ours_onednn] if native else [ours, theirs]
+        native = cpu_native.available()
+        native_gemv = dtype == torch.bfloat16 and native
+        runs = [ours, theirs] + ([ours_aten_ops] if native else []) + ([ours_onednn] if native_gemv else [])
         rates = decode_rates(runs, args.tokens, args.repeats)
         r_ours, r_hf = rates[:2]
-        r_dnn = rates[2] if native else None
+        r_aten_ops = rates[2] if native else None
+        r_dnn = rates[3] if native_gemv else None
         weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
         floor = bw / weight_bytes
+        if r_aten_ops:
+            print(f"{name}: infercore with ATen's layer ops instead of the native ones {r_aten_ops:.1f} tok/s")
         if r_dnn:
-            print(f"{name}: infercore with oneDNN's GEMVs instead of the native ones {r_dnn:.1f} tok/s")
+            print(f"{name}: infercore with every native kernel off {r_dnn:.1f} tok/s")
         print(f"{name}: infercore {r_ours:.1f} tok/s, transformers {r_hf:.1f} tok/s "
               f"({r_ours / r_hf:.2f}x), floor {floor:.1f} tok/s, same tokens: {same}")
         cases.append(case(
@@ -122,7 +130,8 @@ def main() -> None:
             metric="decode throughput", unit="tok/s", ours=r_ours, peers={"transformers generate": r_hf},
             floor=floor, greedy_tokens_identical=same, weight_bytes=weight_bytes,
             read_bandwidth_GBps=bw / 1e9, threads=torch.get_num_threads(),
-            native_gemv=native, ours_onednn_gemv_tok_s=r_dnn,
+            native_gemv=native_gemv, native_layer_ops=native, ours_aten_layer_ops_tok_s=r_aten_ops,
+            ours_all_native_off_tok_s=r_dnn,
         ))
     write_results(args.out, "cpu_decode", "cpu", cases)
 

@@ -88,6 +88,30 @@ def linear_cases(ms: list[int], bw: float) -> list[dict]:
     return cases
 
 
+def llama_cpp_runner(ids: list[int]):
+    """``(run, version)``: greedy decode of the default GGUF file through llama-cpp-python (an optional peer; None
+    where it is not installed), with torch's thread count and prompt ``ids``. Like our runs (``ignore_eos``), it
+    goes on past an end-of-sequence token. llama.cpp keeps the prompt's KV between calls; the decode rate's
+    two-length difference removes the prefill either way."""
+    try:
+        import llama_cpp
+    except ImportError:
+        print("llama-cpp-python not installed: no llama.cpp peer", flush=True)
+        return None
+    llm = llama_cpp.Llama(model_path=str(default_model_path()), n_threads=torch.get_num_threads(), n_ctx=1024,
+                          verbose=False, seed=0)
+
+    def run(n: int) -> list[int]:
+        toks = []
+        for t in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            toks.append(t)
+            if len(toks) == n:
+                break
+        return toks
+
+    return run, llama_cpp.__version__
+
+
 def e2e_cases(schemes: list[str], tokens: int, repeats: int) -> list[dict]:
     base = Engine.from_pretrained(device="cpu", dtype=torch.bfloat16, enable_prefix_caching=False)
     ids = base.tokenizer.encode(
@@ -121,11 +145,20 @@ def e2e_cases(schemes: list[str], tokens: int, repeats: int) -> list[dict]:
         r_fast, r_ref, r_dense, r_aten = decode_rates([fast, ref, dense_run, aten], tokens, repeats)
         print(f"{scheme}: fast path {r_fast:.1f} tok/s (native host kernels off: {r_aten:.1f}), reference "
               f"{r_ref:.1f}, unquantized bf16 {r_dense:.1f}; same tokens as the reference: {same}", flush=True)
+        peers = {"reference (dequantize + matmul)": r_ref, "unquantized bf16": r_dense}
+        extra = {}
+        if scheme == NATIVE_Q4_1 and (lcpp := llama_cpp_runner(ids)) is not None:
+            # the same file's blocks through llama.cpp, timed interleaved with ours
+            r_fast2, r_lcpp = decode_rates([fast, lcpp[0]], tokens, repeats)
+            agree = sum(a == b for a, b in zip(fast(tokens), lcpp[0](tokens)))
+            print(f"{scheme}: llama.cpp {lcpp[1]} on the same GGUF {r_lcpp:.1f} tok/s, ours {r_fast2:.1f} in the "
+                  f"same rounds; {agree}/{tokens} greedy tokens agree", flush=True)
+            peers[f"llama.cpp {lcpp[1]} (llama-cpp-python, same GGUF file)"] = r_lcpp
+            extra = dict(ours_in_llama_cpp_rounds_tok_s=r_fast2, greedy_tokens_agreeing_with_llama_cpp=agree)
         cases.append(case(f"smollm2-135m decode bs1 bf16 {scheme} {tokens} tokens", metric="decode throughput",
-                          unit="tok/s", ours=r_fast, peers={"reference (dequantize + matmul)": r_ref,
-                                                            "unquantized bf16": r_dense},
+                          unit="tok/s", ours=r_fast, peers=peers,
                           floor=None, greedy_tokens_identical_to_reference=same, threads=torch.get_num_threads(),
-                          native_kernels_off_tok_s=r_aten, native=cpu_native.status()))
+                          native_kernels_off_tok_s=r_aten, native=cpu_native.status(), **extra))
     return cases
 
 

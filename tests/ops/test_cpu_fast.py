@@ -4,8 +4,19 @@ import pytest
 import torch
 
 from infercore.devices import implementation
+from infercore.ops.moe import cpu_native
 
 torch.manual_seed(0)
+
+
+@pytest.fixture(params=["native", "aten"], autouse=True)
+def kernels(request):
+    """Every case with the native layer kernels (where they build) and with them off (the ATen paths)."""
+    if request.param == "native":
+        yield request.param
+    else:
+        with cpu_native.disabled():
+            yield request.param
 
 
 def both(op):

@@ -1,5 +1,6 @@
-"""CPU fast path of the gated activations: slices instead of chunk + copies; fp32 math for
-half-precision inputs, one rounding at the end (as the reference)."""
+"""CPU fast path of the gated activations: SiLU-and-mul through the native kernel (``ops.moe.cpu_native``) where it
+builds; otherwise slices instead of chunk + copies. fp32 math for half-precision inputs, one rounding at the end
+(as the reference)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from ...devices import register
+from ..moe import cpu_native
 
 
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    if x.numel() > 0 and cpu_native.layer_ops_apply(x):
+        return cpu_native.silu_and_mul(x)
     d = x.shape[-1] // 2
     xf = x if x.dtype == torch.float32 else x.float()
     out = F.silu(xf[..., :d]).mul_(xf[..., d:])

@@ -3,7 +3,8 @@ touches and run ATen's fused CPU attention (``scaled_dot_product_attention`` wit
 
 The reference materializes scores for the whole padded batch; on the CPU the engine mostly runs
 one or a few sequences, where a per-sequence loop over a fused kernel is the cheap shape. Softcap
-is not expressible in SDPA, so softcapped layers take the reference.
+is not expressible in SDPA, so softcapped layers take the reference. Decode over fp32 / bf16 caches of q's dtype
+goes through the native kernel (``ops.moe.cpu_native``: fp32 scores, softmax and sum per KV head) where it builds.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ...devices import implementation, register
+from ..moe import cpu_native
 
 
 def _context(k_cache, v_cache, pages_row, start: int, end: int):
@@ -32,6 +34,9 @@ def paged_attention_decode_cpu(q, k_cache, v_cache, *, seq_lens, block_table, sc
         return implementation("paged_attention_decode", "reference")(
             q, k_cache, v_cache, seq_lens=seq_lens, block_table=block_table, scale=scale,
             sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
+    if (k_scale is None and q.shape[0] and cpu_native.layer_ops_apply(q, k_cache, v_cache)
+            and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return cpu_native.decode_attention(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window)
     # One query row: ATen's fp32 CPU attention is ~2x faster than its bf16 path at these sizes,
     # and the upcasts are tiny.
     qf = q.float().unsqueeze(2)  # [B, Hq, 1, D]

@@ -37,9 +37,35 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stay
     return (uint16_t)(u >> 16);
 }
 
+#if defined(__AVX512BF16__)
+static inline __m512 dp_at(__m512 acc, const uint16_t *x, const uint16_t *w, int64_t k) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const void *)(x + k)),
+                            (__m512bh)_mm512_loadu_si512((const void *)(w + k)));
+}
+#endif
+
 /* y[m] = sum_k x[m][k] * w[k] for m < M (M <= MB), x rows of stride ldx, all bf16, sums in fp32 */
 static void dot_rows(const uint16_t *w, const uint16_t *const *x, int M, int64_t K, float *y) {
 #if defined(__AVX512BF16__)
+    if (M == 1) { /* one token: four independent accumulator chains over K, so the loads are not waiting on adds */
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const uint16_t *x0 = x[0];
+        int64_t k = 0;
+        for (; k + 128 <= K; k += 128) {
+            a0 = dp_at(a0, x0, w, k);
+            a1 = dp_at(a1, x0, w, k + 32);
+            a2 = dp_at(a2, x0, w, k + 64);
+            a3 = dp_at(a3, x0, w, k + 96);
+        }
+        for (; k + 32 <= K; k += 32) a0 = dp_at(a0, x0, w, k);
+        if (k < K) {
+            __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_maskz_loadu_epi16(mask, x0 + k),
+                                  (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k));
+        }
+        y[0] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+        return;
+    }
     __m512 acc[MB];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     int64_t k = 0;

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 _SRC = Path(__file__).with_name("cpu_experts.c")
+_SRCS = (_SRC, Path(__file__).parent.parent / "cpu_kernels.c")  # one library: the MoE / GEMV kernels, the layer ops
 _lib = None
 _error: str | None = None
 _tried = False
@@ -47,7 +48,8 @@ def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc / cc) on PATH")
-    src = _SRC.read_bytes()
+    srcs = (_SRC, *_SRCS[1:])
+    src = b"".join(p.read_bytes() for p in srcs)
     flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(src + " ".join(flags).encode() + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
@@ -64,7 +66,8 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
         try:
-            r = subprocess.run([cc, *flags, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True, check=False)
+            cmd = [cc, *flags, *map(str, srcs), "-o", tmp, "-lm"]
+            r = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if r.returncode:
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
             os.replace(tmp, lib)  # atomic: concurrent builders agree
@@ -85,6 +88,14 @@ def _build() -> ctypes.CDLL:
     dll.infercore_native_isa.restype = _INT
     dll.infercore_read_pass.argtypes = [_P, _I64, _INT]
     dll.infercore_read_pass.restype = ctypes.c_uint64
+    _F = ctypes.c_float
+    dll.infercore_rms_norm.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _F, _F, _INT, _INT, _INT]
+    dll.infercore_silu_and_mul.argtypes = [_P, _P, _I64, _I64, _INT, _INT]
+    dll.infercore_rope_write_kv.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT]
+    dll.infercore_decode_attention.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _I64,
+                                               _P, _INT, _INT]
+    for f in ("rms_norm", "silu_and_mul", "rope_write_kv", "decode_attention"):
+        getattr(dll, f"infercore_{f}").restype = None
     return dll
 
 
@@ -278,3 +289,100 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
         lib.infercore_read_pass(_ptr(buf), n, torch.get_num_threads())
         best = min(best, time.perf_counter() - t)
     return n / best
+
+
+# The per-token ops of a decoder layer (cpu_kernels.c), for fp32 / bf16 host tensors. Callers (ops/*/cpu.py) check
+# the layouts these take and keep their ATen paths otherwise; each wrapper's result equals its reference's up to
+# the order of fp32 sums.
+
+_DT = {torch.float32: 0, torch.bfloat16: 1}
+_layer_ops_on = True
+
+
+@contextmanager
+def layer_ops_disabled():
+    """Within this block the layer ops keep their ATen paths while the native GEMVs / experts stay on: for A/B
+    timing of the layer ops alone."""
+    global _layer_ops_on
+    saved, _layer_ops_on = _layer_ops_on, False
+    try:
+        yield
+    finally:
+        _layer_ops_on = saved
+
+
+def layer_ops_apply(*tensors: torch.Tensor) -> bool:
+    """Whether the native layer ops take these tensors: built here, fp32 or bf16, all of one dtype, on the CPU."""
+    if not (_layer_ops_on and available()):
+        return False
+    dt = tensors[0].dtype
+    return dt in _DT and all(t.dtype == dt and t.device.type == "cpu" for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """``ops.norm.naive.rms_norm_ref`` (with ``residual``: ``fused_add_rms_norm_ref``) over the last dim of
+    contiguous ``x`` (and ``residual``) -> ``(out, x + residual or None)``; ``weight`` fp32 or bf16 ``[D]``."""
+    lib = _need()
+    D = x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    res_out = None
+    if residual is not None:
+        residual = residual.contiguous()
+        res_out = torch.empty_like(x)
+    w = weight.contiguous()
+    lib.infercore_rms_norm(_ptr(x), _ptr(residual) if residual is not None else None,
+                           _ptr(res_out) if res_out is not None else None, _ptr(w), _ptr(out), x.numel() // D, D,
+                           eps, offset, _DT[x.dtype], _DT[w.dtype], torch.get_num_threads())
+    return out, res_out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``ops.activation.naive`` SiLU-and-mul of contiguous ``x [..., 2d]`` -> ``[..., d]``, fp32 math."""
+    lib = _need()
+    x = x.contiguous()
+    d = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
+    lib.infercore_silu_and_mul(_ptr(x), _ptr(out), x.numel() // (2 * d), d, _DT[x.dtype], torch.get_num_threads())
+    return out
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Neox RoPE over the full head dim of ``q [T, Hq, D]`` and ``k [T, Hk, D]`` (fp32 ``cos_sin_cache [*, D]``),
+    rotated k and v written to contiguous caches ``[pages, page_size, Hk, D]`` of q's dtype at ``slot_mapping``
+    (every slot >= 0) -> rotated q."""
+    lib = _need()
+    T, Hq, D = q.shape
+    Hk = k.shape[1]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    pos = positions if positions.dtype == torch.int64 else positions.long()
+    slots = slot_mapping if slot_mapping.dtype == torch.int32 else slot_mapping.int()
+    pos, slots, cs = pos.contiguous(), slots.contiguous(), cos_sin_cache.contiguous()
+    out = torch.empty_like(q)
+    lib.infercore_rope_write_kv(_ptr(q), _ptr(k), _ptr(v), _ptr(pos), _ptr(cs), _ptr(k_cache), _ptr(v_cache),
+                                _ptr(slots), _ptr(out), T, Hq, Hk, D, _DT[q.dtype], torch.get_num_threads())
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                     block_table: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """Paged decode attention of ``q [B, Hq, D]`` over contiguous caches ``[pages, page_size, Hk, D]`` of its dtype
+    (``seq_lens [B]``, ``block_table [B, P]``; the last ``sliding_window`` keys where given) -> ``[B, Hq, D]``:
+    fp32 scores, softmax and sum, the output rounded once; sequences of length <= 0 give zeros."""
+    lib = _need()
+    B, Hq, D = q.shape
+    _, ps, Hk, _ = k_cache.shape
+    q = q.contiguous()
+    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.int()
+    bt = block_table if block_table.dtype == torch.int32 else block_table.int()
+    lens = lens.contiguous()
+    if bt.stride(-1) != 1:
+        bt = bt.contiguous()
+    out = torch.empty_like(q)
+    lib.infercore_decode_attention(_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(lens), _ptr(bt), bt.stride(0), B, Hq,
+                                   Hk, D, ps, scale, sliding_window or 0, _ptr(out), _DT[q.dtype],
+                                   torch.get_num_threads())
+    return out

@@ -1,12 +1,14 @@
 """CPU fast path of RoPE fused with the KV-cache write (neox style, full rotary): q and k rotate
 together in one pass of elementwise ops, and the write is one ``index_copy_`` per cache. Other
-variants (interleaved, partial rotary, skipped slots) take the reference."""
+variants (interleaved, partial rotary, skipped slots) take the reference. fp32 / bf16 tensors with caches of
+their dtype go through the native kernel (``ops.moe.cpu_native``) where it builds."""
 
 from __future__ import annotations
 
 import torch
 
 from ...devices import implementation, register
+from ..moe import cpu_native
 
 
 def rope_and_write_kv_cpu(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, is_neox=True):
@@ -15,6 +17,9 @@ def rope_and_write_kv_cpu(q, k, v, positions, cos_sin_cache, k_cache, v_cache, s
     if not is_neox or rd != d or int(slot_mapping.min()) < 0:
         ref = implementation("rope_and_write_kv", "reference")
         return ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=is_neox)
+    if (T and cpu_native.layer_ops_apply(q, k, v, k_cache, v_cache) and cos_sin_cache.dtype == torch.float32
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == k.shape[1:]):
+        return cpu_native.rope_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     half = d // 2
     cs = cos_sin_cache[positions.long()].float()  # [T, rd] = [cos | sin]
     cos, sin = cs[:, None, :half], cs[:, None, half:]

@@ -1,0 +1,122 @@
+"""The native layer kernels (ops/cpu_kernels.c through ops.moe.cpu_native) against the references, at the shapes
+their code paths branch on: head dims off the 16-lane width, GQA groups, threaded rows and keys, windows."""
+
+import pytest
+import torch
+
+from infercore.devices import implementation
+from infercore.ops import rope_cos_sin_cache
+from infercore.ops.moe import cpu_native
+
+torch.manual_seed(0)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def tol(dtype):
+    return dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=2e-5, rtol=2e-5)
+
+
+def test_the_kernels_build_here():
+    # The test machines have gcc with OpenMP: the native paths must be what the other tests exercise.
+    assert cpu_native.available(), cpu_native.status()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("wdtype", DTYPES)
+@pytest.mark.parametrize("T,D", [(1, 576), (3, 37), (40, 64)])
+def test_rms_norm(dtype, wdtype, T, D):
+    x, r = torch.randn(T, D, dtype=dtype) * 3, torch.randn(T, D, dtype=dtype)
+    w = torch.randn(D, dtype=wdtype)
+    ref = implementation("rms_norm", "reference")
+    for offset in (0.0, 1.0):
+        y, none = cpu_native.rms_norm(x, w, 1e-6, offset)
+        assert none is None
+        torch.testing.assert_close(y, ref(x, w, eps=1e-6, offset=offset), **tol(dtype))
+        y, res = cpu_native.rms_norm(x, w, 1e-6, offset, residual=r)
+        assert torch.equal(res, x + r)  # the residual sum rounds exactly as torch's add
+        torch.testing.assert_close(y, ref(x + r, w, eps=1e-6, offset=offset), **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_in_place_residual(dtype):
+    # callers may hand the residual back as the output buffer's source; aliasing x must still give x + r
+    x, r, w = torch.randn(4, 48, dtype=dtype), torch.randn(4, 48, dtype=dtype), torch.randn(48, dtype=dtype)
+    want = x + r
+    _, res = cpu_native.rms_norm(x, w, 1e-5, 0.0, residual=r)
+    assert torch.equal(res, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,d", [(1, 1536), (5, 40), (64, 1024)])
+def test_silu_and_mul(dtype, T, d):
+    x = torch.randn(T, 2 * d, dtype=dtype) * 4
+    torch.testing.assert_close(cpu_native.silu_and_mul(x), implementation("silu_and_mul", "reference")(x),
+                               **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,hq,hk,d", [(1, 9, 3, 64), (7, 4, 4, 24), (33, 8, 2, 128)])
+def test_rope_write_kv_is_exact(dtype, T, hq, hk, d):
+    pages, ps = 40, 4
+    cache = rope_cos_sin_cache(rotary_dim=d, max_positions=256, base=10000.0)
+    q, k, v = (torch.randn(T, h, d, dtype=dtype) for h in (hq, hk, hk))
+    pos = torch.randint(0, 256, (T,))
+    slots = torch.randperm(pages * ps)[:T].to(torch.int32)
+    ref = implementation("rope_and_write_kv", "reference")
+    got, want = [], []
+    for fn, out in ((None, got), (ref, want)):
+        kc, vc = torch.zeros(pages, ps, hk, d, dtype=dtype), torch.zeros(pages, ps, hk, d, dtype=dtype)
+        if fn is None:
+            qr = cpu_native.rope_write_kv(q, k, v, pos, cache, kc, vc, slots)
+        else:
+            qr = fn(q, k, v, pos, cache, kc, vc, slots, is_neox=True)
+        out += [qr, kc, vc]
+    for a, b in zip(got, want):  # the same fp32 products and sums, one rounding: bit for bit
+        assert torch.equal(a, b)
+
+
+def _paged(lens, hk, d, ps, dtype, spare=3):
+    need = sum(-(-n // ps) for n in lens) + spare
+    kc, vc = torch.randn(need, ps, hk, d, dtype=dtype), torch.randn(need, ps, hk, d, dtype=dtype)
+    perm = torch.randperm(need)
+    width = max(1, max(-(-n // ps) for n in lens)) + 2
+    table, i = torch.zeros(len(lens), width, dtype=torch.int32), 0
+    for b, n in enumerate(lens):
+        m = -(-n // ps)
+        table[b, :m] = perm[i : i + m]
+        i += m
+    return kc, vc, table
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens,hq,hk,d,ps", [
+    ([1], 9, 3, 64, 16),             # SmolLM2's heads, one key
+    ([700], 9, 3, 64, 16),           # long enough for the threaded path
+    ([5, 0, 300, 17], 8, 2, 40, 4),  # an empty sequence; a head dim off the lane width
+    ([129, 64], 4, 4, 128, 8),       # no GQA
+])
+@pytest.mark.parametrize("window", [None, 50])
+def test_decode_attention(dtype, lens, hq, hk, d, ps, window):
+    kc, vc, table = _paged(lens, hk, d, ps, dtype)
+    q = torch.randn(len(lens), hq, d, dtype=dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    got = cpu_native.decode_attention(q, kc, vc, seq_lens, table[:, :-1], 0.2, window)  # a strided table view
+    want = implementation("paged_attention_decode", "reference")(
+        q, kc, vc, seq_lens=seq_lens, block_table=table, scale=0.2, sliding_window=window)
+    torch.testing.assert_close(got, want, **tol(dtype))
+    assert not got[torch.tensor(lens) == 0].any()
+
+
+def test_ops_take_the_native_path_only_where_it_applies():
+    # fp16 (no native kernel): the ATen paths, same results as the reference
+    x, w = torch.randn(3, 32, dtype=torch.float16), torch.randn(32, dtype=torch.float16)
+    fast = implementation("rms_norm", "cpu")
+    torch.testing.assert_close(fast(x, w, eps=1e-6), implementation("rms_norm", "reference")(x, w, eps=1e-6),
+                               atol=2e-3, rtol=2e-3)
+    assert not cpu_native.layer_ops_apply(x)
+    assert not cpu_native.layer_ops_apply(torch.randn(2), torch.randn(2, dtype=torch.bfloat16))
+    with cpu_native.disabled():
+        assert not cpu_native.layer_ops_apply(torch.randn(2))
+    with cpu_native.layer_ops_disabled():
+        assert not cpu_native.layer_ops_apply(torch.randn(2)) and cpu_native.available()
+    assert cpu_native.layer_ops_apply(torch.randn(2))

@@ -9,9 +9,9 @@ from torch import nn
 # Rows up to which a bf16 CPUPackedLinear runs the native GEMV (ops.moe.cpu_native: plain weight rows streamed by
 # every core, ~1.3-2x oneDNN's packed GEMV at one row on a 2-core EPYC); more rows take oneDNN's packed GEMM.
 NATIVE_MAX_ROWS = 4
-# Routed (token, expert) pairs per expert, on average, below which bf16 CPUPackedExperts run the native kernel: it
-# reads each expert's weights once per 4 tokens from cache and beats oneDNN's per-expert GEMMs up to ~16 tokens per
-# expert (a Qwen3-30B-A3B layer: 133 vs 234 ms at 256 tokens), not at 64 (389 vs 335 ms at 1024 tokens).
+# Routed (token, expert) pairs per expert, on average, below which bf16 CPUPackedExperts run the native kernel
+# rather than oneDNN's GEMMs on the plain weights (packed per call): a Qwen3-30B-A3B layer crosses over between 512
+# and 1024 tokens, 32 and 64 pairs per expert (benchmarks/results/cpu/sweeps/cpu_moe_prefill.json's note).
 NATIVE_MAX_PAIRS_PER_EXPERT = 32
 
 
@@ -30,6 +30,8 @@ def _native_status() -> str:
 def _native_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     from ..ops.moe.cpu_native import linear_bf16
 
+    if x.dim() == 2:
+        return linear_bf16(x, w)
     return linear_bf16(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
 
 
@@ -48,7 +50,7 @@ class CPUPackedLinear(nn.Linear):
         self._packed_key = (self.weight.data_ptr(), self.weight._version)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
+        w = self._parameters["weight"]  # (not through nn.Module.__getattr__: this runs ~100 times a CPU token)
         if x.device.type != "cpu" or x.dtype != w.dtype:
             return F.linear(x, w, self.bias)
         if (x.dtype == torch.bfloat16 and self.bias is None and x.numel() <= NATIVE_MAX_ROWS * w.shape[1]

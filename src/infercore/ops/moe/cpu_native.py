@@ -267,12 +267,12 @@ def linear_q4(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.T
 
 def linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ w [N, K]^T`` for bf16 host tensors (``w`` contiguous) -> ``[M, N]`` bf16, fp32 sums."""
-    lib = _need()
+    lib = _lib if _tried and _lib is not None else _need()
     M, K = x.shape
     N = w.shape[0]
     x = x.contiguous()
     y = torch.empty(M, N, dtype=torch.bfloat16)
-    lib.infercore_linear_bf16(_ptr(x), M, K, _ptr(w), N, _ptr(y), torch.get_num_threads())
+    lib.infercore_linear_bf16(x.data_ptr(), M, K, w.data_ptr(), N, y.data_ptr(), torch.get_num_threads())
     return y
 
 
@@ -316,7 +316,12 @@ def layer_ops_apply(*tensors: torch.Tensor) -> bool:
     if not (_layer_ops_on and available()):
         return False
     dt = tensors[0].dtype
-    return dt in _DT and all(t.dtype == dt and t.device.type == "cpu" for t in tensors)
+    if dt not in _DT:
+        return False
+    for t in tensors:
+        if t.dtype != dt or t.device.type != "cpu":
+            return False
+    return True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,

@@ -120,3 +120,32 @@ def test_ops_take_the_native_path_only_where_it_applies():
     with cpu_native.layer_ops_disabled():
         assert not cpu_native.layer_ops_apply(torch.randn(2)) and cpu_native.available()
     assert cpu_native.layer_ops_apply(torch.randn(2))
+
+
+def test_out_of_range_indices_raise_before_touching_memory():
+    # An index the caches cannot hold is an IndexError naming it, as ATen's index_copy_ / index_select raise, not a
+    # write or read past the buffers; nothing is written first.
+    T, hq, hk, d = 3, 4, 2, 16
+    cache = rope_cos_sin_cache(rotary_dim=d, max_positions=8, base=10000.0)
+    q, k, v = (torch.randn(T, h, d) for h in (hq, hk, hk))
+    kc, vc = torch.zeros(2, 4, hk, d), torch.zeros(2, 4, hk, d)
+    with pytest.raises(IndexError, match=r"slot_mapping\[2\] = 8 is outside the cache's 8 slots"):
+        cpu_native.rope_write_kv(q, k, v, torch.tensor([0, 1, 2]), cache, kc, vc, torch.tensor([0, 1, 8]).int())
+    with pytest.raises(IndexError, match=r"positions\[1\] = 8 is outside the rotary table's 8 positions"):
+        cpu_native.rope_write_kv(q, k, v, torch.tensor([0, 8, 2]), cache, kc, vc, torch.tensor([0, 1, 2]).int())
+    assert not kc.any() and not vc.any()
+    fast = implementation("rope_and_write_kv", "cpu")  # through the op's CPU path too
+    with pytest.raises(IndexError, match="slot_mapping"):
+        fast(q, k, v, torch.tensor([0, 1, 2]), cache, kc, vc, torch.tensor([0, 1, 9]).int(), is_neox=True)
+
+    qd = torch.randn(2, hq, d)
+    table = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)
+    with pytest.raises(IndexError, match=r"seq_lens\[1\] = 9 needs more than the 2 pages of block_table row 1"):
+        cpu_native.decode_attention(qd, kc, vc, torch.tensor([3, 9]).int(), table, 0.25, None)
+    with pytest.raises(IndexError, match="block_table row 0 names a page outside the cache's 2 pages"):
+        cpu_native.decode_attention(qd, kc, vc, torch.tensor([6, 2]).int(), torch.tensor([[0, 2], [1, 0]]).int(),
+                                    0.25, None)
+    # a window that skips the bad page reads only valid ones
+    out = cpu_native.decode_attention(qd, kc, vc, torch.tensor([6, 2]).int(), torch.tensor([[-1, 0], [1, 0]]).int(),
+                                      0.25, 2)
+    assert torch.isfinite(out).all()

@@ -164,11 +164,17 @@ static inline __attribute__((always_inline)) void rope_rows(const void *q, const
     }
 }
 
-/* q [T, Hq, D], k / v [T, Hk, D] (contiguous); pos int64 [T]; cs fp32 [max_pos, D] = [cos | sin]; caches
- * [pages * page_size, Hk, D] of the same dtype; slots int32 [T], each >= 0. q_out [T, Hq, D] gets rotated q. */
-void infercore_rope_write_kv(const void *q, const void *k, const void *v, const int64_t *pos, const float *cs,
-                             void *kc, void *vc, const int32_t *slots, void *q_out, int64_t T, int64_t Hq,
-                             int64_t Hk, int64_t D, int dt, int nthreads) {
+/* q [T, Hq, D], k / v [T, Hk, D] (contiguous); pos int64 [T] in [0, max_pos); cs fp32 [max_pos, D] = [cos | sin];
+ * caches [num_slots = pages * page_size, Hk, D] of the same dtype; slots int32 [T] in [0, num_slots). q_out
+ * [T, Hq, D] gets rotated q. Returns 0, or (before writing anything) -1 - t for a slot out of range at row t,
+ * -1 - T - t for a position out of range. */
+int infercore_rope_write_kv(const void *q, const void *k, const void *v, const int64_t *pos, const float *cs,
+                            void *kc, void *vc, const int32_t *slots, void *q_out, int64_t T, int64_t Hq,
+                            int64_t Hk, int64_t D, int64_t num_slots, int64_t max_pos, int dt, int nthreads) {
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0 || slots[t] >= num_slots) return (int)(-1 - t);
+        if (pos[t] < 0 || pos[t] >= max_pos) return (int)(-1 - T - t);
+    }
     const int par = T >= 16 && nthreads > 1;
 #pragma omp parallel num_threads(par ? nthreads : 1)
     {
@@ -179,6 +185,7 @@ void infercore_rope_write_kv(const void *q, const void *k, const void *v, const 
         else
             rope_rows(q, k, v, pos, cs, kc, vc, slots, q_out, t0, t1, Hq, Hk, D, 0);
     }
+    return 0;
 }
 
 /* ---- paged decode attention ------------------------------------------------------------------------------- */
@@ -223,14 +230,27 @@ static inline __attribute__((always_inline)) void attend(const void *q, const vo
         for (int64_t i = 0; i < D; i++) st(out, (b * Hq + hk * G + g) * D + i, acc[g * D + i], bf);
 }
 
-/* q [B, Hq, D]; caches [pages, ps, Hk, D]; seq_lens int32 [B]; block_table int32 [B, bt_stride]; window 0 =
- * none; out [B, Hq, D]. Sequences of length <= 0 get zeros. */
-void infercore_decode_attention(const void *q, const void *kc, const void *vc, const int32_t *seq_lens,
-                                const int32_t *block_table, int64_t bt_stride, int64_t B, int64_t Hq, int64_t Hk,
-                                int64_t D, int64_t ps, float scale, int64_t window, void *out, int dt, int nthreads) {
+/* q [B, Hq, D]; caches [num_pages, ps, Hk, D]; seq_lens int32 [B]; block_table int32 [B, bt_stride] with
+ * bt_cols columns in use; window 0 = none; out [B, Hq, D]. Sequences of length <= 0 get zeros. Returns 0, or
+ * (before reading any key) -1 - b for sequence b longer than its table row, -1 - B - b for a page id of b's context
+ * outside [0, num_pages). */
+int infercore_decode_attention(const void *q, const void *kc, const void *vc, const int32_t *seq_lens,
+                               const int32_t *block_table, int64_t bt_stride, int64_t bt_cols, int64_t num_pages,
+                               int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t ps, float scale, int64_t window,
+                               void *out, int dt, int nthreads) {
     const int64_t G = Hq / Hk;
     int64_t work = 0;
-    for (int64_t b = 0; b < B; b++) work += seq_lens[b] > 0 ? seq_lens[b] : 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = seq_lens[b];
+        if (n <= 0) continue;
+        if (n > bt_cols * ps) return (int)(-1 - b);
+        const int64_t start = window > 0 && n > window ? n - window : 0;
+        for (int64_t p = start / ps; p < (n + ps - 1) / ps; p++) {
+            const int32_t page = block_table[b * bt_stride + p];
+            if (page < 0 || page >= num_pages) return (int)(-1 - B - b);
+        }
+        work += n;
+    }
     const int par = work * Hk >= 256 && nthreads > 1 && B * Hk > 1;
 #pragma omp parallel num_threads(par ? nthreads : 1)
     {
@@ -261,4 +281,5 @@ void infercore_decode_attention(const void *q, const void *kc, const void *vc, c
         free(s);
         free(qf);
     }
+    return 0;
 }

@@ -12,7 +12,7 @@ from ..moe import cpu_native
 
 
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
-    if x.numel() > 0 and cpu_native.layer_ops_apply(x):
+    if x.numel() > 0 and x.shape[-1] % 2 == 0 and cpu_native.layer_ops_apply(x):
         return cpu_native.silu_and_mul(x)
     d = x.shape[-1] // 2
     xf = x if x.dtype == torch.float32 else x.float()

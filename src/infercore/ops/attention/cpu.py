@@ -34,8 +34,10 @@ def paged_attention_decode_cpu(q, k_cache, v_cache, *, seq_lens, block_table, sc
         return implementation("paged_attention_decode", "reference")(
             q, k_cache, v_cache, seq_lens=seq_lens, block_table=block_table, scale=scale,
             sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
-    if (k_scale is None and q.shape[0] and cpu_native.layer_ops_apply(q, k_cache, v_cache)
-            and k_cache.is_contiguous() and v_cache.is_contiguous()):
+    if (k_scale is None and q.shape[0] and cpu_native.layer_ops_apply(q, k_cache, v_cache) and q.dim() == 3
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+            and k_cache.shape[-1] == q.shape[-1] and q.shape[1] % k_cache.shape[2] == 0
+            and seq_lens.shape == (q.shape[0],) and block_table.dim() == 2 and block_table.shape[0] == q.shape[0]):
         return cpu_native.decode_attention(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window)
     # One query row: ATen's fp32 CPU attention is ~2x faster than its bf16 path at these sizes,
     # and the upcasts are tiny.

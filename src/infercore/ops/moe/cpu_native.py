@@ -91,11 +91,14 @@ def _build() -> ctypes.CDLL:
     _F = ctypes.c_float
     dll.infercore_rms_norm.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _F, _F, _INT, _INT, _INT]
     dll.infercore_silu_and_mul.argtypes = [_P, _P, _I64, _I64, _INT, _INT]
-    dll.infercore_rope_write_kv.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _INT, _INT]
-    dll.infercore_decode_attention.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _I64,
-                                               _P, _INT, _INT]
-    for f in ("rms_norm", "silu_and_mul", "rope_write_kv", "decode_attention"):
+    dll.infercore_rope_write_kv.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
+                                            _INT, _INT]
+    dll.infercore_decode_attention.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
+                                               _F, _I64, _P, _INT, _INT]
+    for f in ("rms_norm", "silu_and_mul"):
         getattr(dll, f"infercore_{f}").restype = None
+    dll.infercore_rope_write_kv.restype = _INT
+    dll.infercore_decode_attention.restype = _INT
     return dll
 
 
@@ -367,8 +370,17 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     slots = slot_mapping if slot_mapping.dtype == torch.int32 else slot_mapping.int()
     pos, slots, cs = pos.contiguous(), slots.contiguous(), cos_sin_cache.contiguous()
     out = torch.empty_like(q)
-    lib.infercore_rope_write_kv(_ptr(q), _ptr(k), _ptr(v), _ptr(pos), _ptr(cs), _ptr(k_cache), _ptr(v_cache),
-                                _ptr(slots), _ptr(out), T, Hq, Hk, D, _DT[q.dtype], torch.get_num_threads())
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    rc = lib.infercore_rope_write_kv(_ptr(q), _ptr(k), _ptr(v), _ptr(pos), _ptr(cs), _ptr(k_cache), _ptr(v_cache),
+                                     _ptr(slots), _ptr(out), T, Hq, Hk, D, num_slots, cs.shape[0], _DT[q.dtype],
+                                     torch.get_num_threads())
+    if rc < 0:  # nothing was written
+        t = -1 - rc
+        if t < T:
+            raise IndexError(f"rope_and_write_kv: slot_mapping[{t}] = {int(slots[t])} is outside the cache's "
+                             f"{num_slots} slots")
+        raise IndexError(f"rope_and_write_kv: positions[{t - T}] = {int(pos[t - T])} is outside the rotary table's "
+                         f"{cs.shape[0]} positions")
     return out
 
 
@@ -387,7 +399,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if bt.stride(-1) != 1:
         bt = bt.contiguous()
     out = torch.empty_like(q)
-    lib.infercore_decode_attention(_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(lens), _ptr(bt), bt.stride(0), B, Hq,
-                                   Hk, D, ps, scale, sliding_window or 0, _ptr(out), _DT[q.dtype],
-                                   torch.get_num_threads())
+    num_pages = k_cache.shape[0]
+    rc = lib.infercore_decode_attention(_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(lens), _ptr(bt), bt.stride(0),
+                                        bt.shape[1], num_pages, B, Hq, Hk, D, ps, scale, sliding_window or 0,
+                                        _ptr(out), _DT[q.dtype], torch.get_num_threads())
+    if rc < 0:  # nothing was read
+        b = -1 - rc
+        if b < B:
+            raise IndexError(f"paged_attention_decode: seq_lens[{b}] = {int(lens[b])} needs more than the "
+                             f"{bt.shape[1]} pages of block_table row {b} (page size {ps})")
+        raise IndexError(f"paged_attention_decode: block_table row {b - B} names a page outside the cache's "
+                         f"{num_pages} pages")
     return out

@@ -14,7 +14,8 @@ from ..moe import cpu_native
 
 
 def _native(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.numel() > 0 and cpu_native.layer_ops_apply(x) and cpu_native.layer_ops_apply(weight)
+    return (x.numel() > 0 and weight.numel() == x.shape[-1] and cpu_native.layer_ops_apply(x)
+            and cpu_native.layer_ops_apply(weight))
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, *, eps: float, offset: float = 0.0) -> torch.Tensor:

@@ -18,7 +18,9 @@ def rope_and_write_kv_cpu(q, k, v, positions, cos_sin_cache, k_cache, v_cache, s
         ref = implementation("rope_and_write_kv", "reference")
         return ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=is_neox)
     if (T and cpu_native.layer_ops_apply(q, k, v, k_cache, v_cache) and cos_sin_cache.dtype == torch.float32
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == k.shape[1:]):
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == k.shape[1:]
+            and v.shape == k.shape and v_cache.shape == k_cache.shape
+            and positions.shape[0] == T == slot_mapping.shape[0]):
         return cpu_native.rope_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     half = d // 2
     cs = cos_sin_cache[positions.long()].float()  # [T, rd] = [cos | sin]

@@ -64,6 +64,37 @@ def test_linear_matches_fp32(M, K, N):
     assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-3 * K**0.5).all()
 
 
+@pytest.mark.parametrize("M,K,N", [(1, 576, 1536), (1, 1000, 33), (3, 100, 70), (4, 15, 17), (9, 64, 48)])
+def test_fp32_linear_matches_fp64(M, K, N):
+    g = torch.Generator().manual_seed(M * K + 1)
+    x, wt = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    got = cpu_native.linear_bf16(x, wt)  # fp32 operands: the fp32 kernel
+    assert got.dtype == torch.float32 and got.shape == (M, N)
+    want = F.linear(x.double(), wt.double())
+    assert ((got.double() - want).abs() <= 1e-6 * K**0.5 * (x.abs().max() * wt.abs().max()).item()).all()
+
+
+def test_fp32_packed_linear_takes_the_native_gemv_for_decode_rows(monkeypatch):
+    from infercore.models.layout import CPUPackedLinear
+
+    lin = torch.nn.Linear(64, 48, bias=False)
+    lin.__class__ = CPUPackedLinear
+    lin._pack()
+    seen = []
+    real = cpu_native.linear_bf16
+    monkeypatch.setattr(cpu_native, "linear_bf16", lambda *a: seen.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 4, 5):
+        xr = torch.randn(rows, 64)
+        torch.testing.assert_close(lin(xr), F.linear(xr, lin.weight), atol=1e-5, rtol=1e-5)
+    assert seen == [1, 4]
+    biased = torch.nn.Linear(64, 48)  # a bias keeps oneDNN's packed path
+    biased.__class__ = CPUPackedLinear
+    biased._pack()
+    xr = torch.randn(1, 64)
+    torch.testing.assert_close(biased(xr), F.linear(xr, biased.weight, biased.bias), atol=1e-5, rtol=1e-5)
+    assert seen == [1, 4]
+
+
 def test_layout_classes_run_the_native_kernels(monkeypatch):
     from infercore.models.layout import CPUPackedExperts, CPUPackedLinear
 

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Rows up to which a bf16 CPUPackedLinear runs the native GEMV (ops.moe.cpu_native: plain weight rows streamed by
-# every core, ~1.3-2x oneDNN's packed GEMV at one row on a 2-core EPYC); more rows take oneDNN's packed GEMM.
+# Rows up to which a bf16 / fp32 CPUPackedLinear without bias runs the native GEMV (ops.moe.cpu_native: plain weight
+# rows streamed by every core; bf16 ~1.3-2x oneDNN's packed GEMV at one row on a 2-core EPYC, fp32 ~1.25x); more
+# rows take oneDNN's packed GEMM.
 NATIVE_MAX_ROWS = 4
 # Routed (token, expert) pairs per expert, on average, below which bf16 CPUPackedExperts run the native kernel
 # rather than oneDNN's GEMMs on the plain weights (packed per call): a Qwen3-30B-A3B layer crosses over between 512
@@ -53,8 +54,8 @@ class CPUPackedLinear(nn.Linear):
         w = self._parameters["weight"]  # (not through nn.Module.__getattr__: this runs ~100 times a CPU token)
         if x.device.type != "cpu" or x.dtype != w.dtype:
             return F.linear(x, w, self.bias)
-        if (x.dtype == torch.bfloat16 and self.bias is None and x.numel() <= NATIVE_MAX_ROWS * w.shape[1]
-                and w.is_contiguous() and _native()):  # decode rows: the native GEMV over the plain weight
+        if (self.bias is None and x.numel() <= NATIVE_MAX_ROWS * w.shape[1] and w.is_contiguous() and _native()
+                and x.dtype in (torch.bfloat16, torch.float32)):  # decode rows: the native GEMV, plain weight
             return _native_linear(x, w)
         if getattr(self, "_packed_key", None) != (w.data_ptr(), w._version):
             self._pack()

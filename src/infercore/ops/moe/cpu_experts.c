@@ -375,3 +375,67 @@ int infercore_native_isa(void) { /* 2: AVX512-BF16, 1: AVX512F, 0: scalar */
     return 0;
 #endif
 }
+
+/* ---- fp32 GEMV ------------------------------------------------------------------------------------------------ */
+
+/* y[m] = sum_k x[m][k] * w[k] for m < M (<= MB), fp32; one row: four accumulator chains */
+static void dot_rows_f32(const float *w, const float *const *x, int M, int64_t K, float *y) {
+#if defined(__AVX512F__)
+    if (M == 1) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const float *x0 = x[0];
+        int64_t k = 0;
+        for (; k + 64 <= K; k += 64) {
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x0 + k), _mm512_loadu_ps(w + k), a0);
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x0 + k + 16), _mm512_loadu_ps(w + k + 16), a1);
+            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x0 + k + 32), _mm512_loadu_ps(w + k + 32), a2);
+            a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x0 + k + 48), _mm512_loadu_ps(w + k + 48), a3);
+        }
+        for (; k + 16 <= K; k += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x0 + k), _mm512_loadu_ps(w + k), a0);
+        if (k < K) {
+            const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);
+            a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x0 + k), _mm512_maskz_loadu_ps(mask, w + k), a1);
+        }
+        y[0] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+        return;
+    }
+    __m512 acc[MB];
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        const __m512 wv = _mm512_loadu_ps(w + k);
+        for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x[m] + k), wv, acc[m]);
+    }
+    if (k < K) {
+        const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);
+        const __m512 wv = _mm512_maskz_loadu_ps(mask, w + k);
+        for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x[m] + k), wv, acc[m]);
+    }
+    for (int m = 0; m < M; m++) y[m] = _mm512_reduce_add_ps(acc[m]);
+#else
+    for (int m = 0; m < M; m++) {
+        float s = 0.f;
+        for (int64_t j = 0; j < K; j++) s += x[m][j] * w[j];
+        y[m] = s;
+    }
+#endif
+}
+
+/* y [M, N] = x [M, K] @ w [N, K]^T, fp32, rows of w in blocks of RB across the threads */
+void infercore_linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y, int nthreads) {
+    const int64_t nb = (N + RB - 1) / RB;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xs[MB];
+        float yt[MB];
+        const int64_t r1 = (b + 1) * RB < N ? (b + 1) * RB : N;
+        for (int64_t c = 0; c < M; c += MB) {
+            const int m = M - c < MB ? (int)(M - c) : MB;
+            for (int j = 0; j < m; j++) xs[j] = x + (c + j) * K;
+            for (int64_t r = b * RB; r < r1; r++) {
+                dot_rows_f32(w + r * K, xs, m, K, yt);
+                for (int j = 0; j < m; j++) y[(c + j) * N + r] = yt[j];
+            }
+        }
+    }
+}

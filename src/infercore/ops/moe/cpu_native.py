@@ -85,6 +85,8 @@ def _build() -> ctypes.CDLL:
     dll.infercore_moe_experts_q4.restype = None
     dll.infercore_linear_q4.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _P, _INT]
     dll.infercore_linear_q4.restype = None
+    dll.infercore_linear_f32.argtypes = [_P, _I64, _I64, _P, _I64, _P, _INT]
+    dll.infercore_linear_f32.restype = None
     dll.infercore_native_isa.restype = _INT
     dll.infercore_read_pass.argtypes = [_P, _I64, _INT]
     dll.infercore_read_pass.restype = ctypes.c_uint64
@@ -269,13 +271,15 @@ def linear_q4(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.T
 
 
 def linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ w [N, K]^T`` for bf16 host tensors (``w`` contiguous) -> ``[M, N]`` bf16, fp32 sums."""
+    """``x [M, K] @ w [N, K]^T`` for bf16 (or, with ``w`` fp32, fp32) host tensors (``w`` contiguous) -> ``[M, N]``
+    in their dtype, fp32 sums."""
     lib = _lib if _tried and _lib is not None else _need()
     M, K = x.shape
     N = w.shape[0]
     x = x.contiguous()
-    y = torch.empty(M, N, dtype=torch.bfloat16)
-    lib.infercore_linear_bf16(x.data_ptr(), M, K, w.data_ptr(), N, y.data_ptr(), torch.get_num_threads())
+    y = torch.empty(M, N, dtype=x.dtype)
+    fn = lib.infercore_linear_f32 if x.dtype == torch.float32 else lib.infercore_linear_bf16
+    fn(x.data_ptr(), M, K, w.data_ptr(), N, y.data_ptr(), torch.get_num_threads())
     return y
 
 

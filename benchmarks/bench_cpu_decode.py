@@ -111,7 +111,7 @@ def main() -> None:
 
         same = ours(args.tokens) == theirs(args.tokens)
         native = cpu_native.available()
-        native_gemv = dtype == torch.bfloat16 and native
+        native_gemv = native  # bf16 and fp32 decode GEMVs both run native kernels
         runs = [ours, theirs] + ([ours_aten_ops] if native else []) + ([ours_onednn] if native_gemv else [])
         rates = decode_rates(runs, args.tokens, args.repeats)
         r_ours, r_hf = rates[:2]

@@ -32,9 +32,11 @@ from ..ops import (
 )
 from ..ops.attention import attend_split_decodes, decode_impl, split_decodes, takes_new_kv
 from ..ops.kv_cache import dequantize_paged_kv, scale_aware
+from ..ops.moe import cpu_native
 from ..ops.pdl import PDL_MAX_ROWS
 from .config import ModelConfig
 from .hybrid import check_step
+from .layout import NATIVE_MAX_ROWS, CPUPackedLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -236,6 +238,9 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._native_decode(x, residual, cos_sin, kv_cache, meta):  # CPU decode: the whole layer in one call
+            return cpu_native.llama_decode_layer(x, residual, self, positions, cos_sin, kv_cache[0], kv_cache[1],
+                                                 meta)  # fmt: skip
         # The residual stream is carried separately so each norm fuses the preceding residual add.
         norm = self.input_layernorm
         if residual is None:
@@ -246,6 +251,39 @@ class LlamaDecoderLayer(nn.Module):
         norm = self.post_attention_layernorm
         x, residual = dispatch("fused_add_rms_norm", x.device)(x, residual, norm.weight, eps=norm.eps)
         return self.mlp(x), residual
+
+
+    def _native_decode(self, x, residual, cos_sin, kv_cache, meta) -> bool:
+        """Whether this step runs through ``cpu_native.llama_decode_layer``: decode rows on the CPU (up to
+        ``NATIVE_MAX_ROWS``, where the linears take the native GEMVs anyway), the layer exactly this class's
+        (native-GEMV linears without bias, plain norms, SiLU MLP, no q/k norm), a plain cache of x's dtype, full
+        neox RoPE, no backend override (``INFERCORE_BACKEND``): what the op-by-op path would run, in one call."""
+        if not (x.device.type == "cpu" and meta.decode_only and x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS
+                and not meta.shared_seqs and cpu_native.layer_ops_apply(x)):  # fmt: skip
+            return False
+        attn, mlp = self.self_attn, self.mlp
+        if (type(self) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP
+                or mlp.act is not silu_and_mul or attn.q_norm is not None or os.environ.get("INFERCORE_BACKEND")):
+            return False
+        dt = x.dtype
+        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if type(lin) is not CPUPackedLinear or lin.bias is not None:
+                return False
+            w = lin._parameters["weight"]
+            if w.dtype != dt or not w.is_contiguous():
+                return False
+        for norm in (self.input_layernorm, self.post_attention_layernorm):
+            if norm.offset != 0.0 or norm.weight.dtype != dt or norm.weight.shape != (x.shape[1],):
+                return False
+        if residual is not None and (residual.shape != x.shape or residual.dtype != dt):
+            return False
+        if len(kv_cache) != 2 or hasattr(kv_cache, "k_scale"):
+            return False
+        k_cache, v_cache = kv_cache
+        return (k_cache.dtype == dt and v_cache.dtype == dt and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and k_cache.shape == v_cache.shape and k_cache.shape[2:] == (attn.num_kv_heads, attn.head_dim)
+                and cos_sin.dtype == torch.float32 and cos_sin.shape[-1] == attn.head_dim and cos_sin.is_contiguous()
+                and meta.seq_lens.shape == (x.shape[0],) and meta.block_table.shape[0] == x.shape[0])
 
 
 class LlamaModel(nn.Module):

@@ -283,3 +283,126 @@ int infercore_decode_attention(const void *q, const void *kc, const void *vc, co
     }
     return 0;
 }
+
+/* ---- a Llama decoder layer at decode, in one call ----------------------------------------------------------- */
+
+void infercore_gemv_range(const void *x, int64_t M, int64_t K, const void *w, int64_t r0, int64_t r1, void *y,
+                          int64_t ldy, int dt);
+
+#define GEMV_RB 16 /* weight rows per work unit, as the standalone GEMVs */
+
+static inline void gemv_par(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int dt) {
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < (N + GEMV_RB - 1) / GEMV_RB; b++)
+        infercore_gemv_range(x, M, K, w, b * GEMV_RB, (b + 1) * GEMV_RB < N ? (b + 1) * GEMV_RB : N, y, N, dt);
+}
+
+/*
+ * What models/llama.py's LlamaDecoderLayer computes for T decode rows (one per sequence), each step rounded to the
+ * dtype where the op-by-op path rounds, with the same kernels: so the same values bit for bit, in one OpenMP
+ * region instead of ~12 Python-level calls.
+ *   x [T, H]; res [T, H] or NULL (first layer: the residual is x); res_out [T, H]: the residual after both adds;
+ *   out [T, H]: the MLP's output. Weights (dt, contiguous): n1 / n2 [H], qkv [(Hq + 2 Hk) D, H], o [H, Hq D],
+ *   gu [2 I, H], down [H, I]. pos int64 [T]; cs fp32 [max_pos, D]; caches [num_pages, ps, Hk, D]; slots /
+ *   seq_lens int32 [T]; block_table int32 [T, bt_stride] with bt_cols columns in use.
+ * Returns 0, or before writing anything: -1 - t (slot t out of range), -1 - T - t (position t), -1 - 2T - t
+ * (sequence t longer than its table row), -1 - 3T - t (a page id of sequence t out of range).
+ */
+int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, void *out, int64_t T, int64_t H,
+                                 const void *n1, float eps1, const void *qkv_w, int64_t Hq, int64_t Hk, int64_t D,
+                                 const int64_t *pos, const float *cs, int64_t max_pos, void *kc, void *vc,
+                                 int64_t num_pages, int64_t ps, const int32_t *slots, const int32_t *seq_lens,
+                                 const int32_t *block_table, int64_t bt_stride, int64_t bt_cols, float scale,
+                                 int64_t window, const void *o_w, const void *n2, float eps2, const void *gu_w,
+                                 int64_t I, const void *down_w, int dt, int nthreads) {
+    const int64_t num_slots = num_pages * ps, NQ = Hq * D, NKV = Hk * D, NQKV = NQ + 2 * NKV, G = Hq / Hk;
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0 || slots[t] >= num_slots) return (int)(-1 - t);
+        if (pos[t] < 0 || pos[t] >= max_pos) return (int)(-1 - T - t);
+        const int64_t n = seq_lens[t];
+        if (n <= 0) continue;
+        if (n > bt_cols * ps) return (int)(-1 - 2 * T - t);
+        const int64_t start = window > 0 && n > window ? n - window : 0;
+        for (int64_t p = start / ps; p < (n + ps - 1) / ps; p++) {
+            const int32_t page = block_table[t * bt_stride + p];
+            if (page < 0 || page >= num_pages) return (int)(-1 - 3 * T - t);
+        }
+    }
+    const size_t es = dt ? 2 : 4;
+    int64_t maxn = 1;
+    for (int64_t t = 0; t < T; t++) maxn = seq_lens[t] > maxn ? seq_lens[t] : maxn;
+    /* activations: xn [T, H], qkv [T, NQKV], q / k / v split [T, NQKV], q_rot [T, NQ], attn [T, NQ], o [T, H],
+     * h [T, 2I], act [T, I] */
+    char *ws = (char *)malloc(es * (size_t)T * (size_t)(2 * H + 2 * NQKV + 2 * NQ + H + 3 * I));
+    char *xn = ws, *qkv = xn + es * T * H, *qs = qkv + es * T * NQKV, *ks = qs + es * T * NQ, *vs = ks + es * T * NKV;
+    char *qr = vs + es * T * NKV, *attn = qr + es * T * NQ, *o = attn + es * T * NQ, *h = o + es * T * H;
+    char *act = h + es * T * 2 * I;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *buf = (float *)malloc((size_t)(H > 3 * G * D + D ? H : 3 * G * D + D) * sizeof(float));
+        float *sc = (float *)malloc((size_t)(G * maxn) * sizeof(float));
+#pragma omp single
+        {
+            if (res == 0) memcpy(res_out, x, es * T * H);
+            if (dt)
+                rms_rows(x, res, res_out, n1, xn, 0, T, H, eps1, 0.f, 1, 1, buf);
+            else
+                rms_rows(x, res, res_out, n1, xn, 0, T, H, eps1, 0.f, 0, 0, buf);
+        }
+        gemv_par(xn, T, H, qkv_w, NQKV, qkv, dt);
+#pragma omp single
+        {
+            for (int64_t t = 0; t < T; t++) {
+                memcpy(qs + es * t * NQ, qkv + es * t * NQKV, es * NQ);
+                memcpy(ks + es * t * NKV, qkv + es * (t * NQKV + NQ), es * NKV);
+                memcpy(vs + es * t * NKV, qkv + es * (t * NQKV + NQ + NKV), es * NKV);
+            }
+            if (dt)
+                rope_rows(qs, ks, vs, pos, cs, kc, vc, slots, qr, 0, T, Hq, Hk, D, 1);
+            else
+                rope_rows(qs, ks, vs, pos, cs, kc, vc, slots, qr, 0, T, Hq, Hk, D, 0);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < T * Hk; u++) {
+            const int64_t b = u / Hk, hk = u % Hk, n = seq_lens[b];
+            if (n <= 0) {
+                for (int64_t i = 0; i < G * D; i++) {
+                    if (dt)
+                        ((uint16_t *)attn)[(b * Hq + hk * G) * D + i] = 0;
+                    else
+                        ((float *)attn)[(b * Hq + hk * G) * D + i] = 0.f;
+                }
+                continue;
+            }
+            const int64_t start = window > 0 && n > window ? n - window : 0;
+            float *qf = buf, *acc = qf + G * D, *kf = acc + G * D;
+            if (dt)
+                attend(qr, kc, vc, block_table + b * bt_stride, ps, Hk, D, G, b, hk, start, n, scale, attn, sc, qf, kf,
+                       acc, 1);
+            else
+                attend(qr, kc, vc, block_table + b * bt_stride, ps, Hk, D, G, b, hk, start, n, scale, attn, sc, qf, kf,
+                       acc, 0);
+        }
+        gemv_par(attn, T, NQ, o_w, H, o, dt);
+#pragma omp single
+        {
+            if (dt)
+                rms_rows(o, res_out, res_out, n2, xn, 0, T, H, eps2, 0.f, 1, 1, buf);
+            else
+                rms_rows(o, res_out, res_out, n2, xn, 0, T, H, eps2, 0.f, 0, 0, buf);
+        }
+        gemv_par(xn, T, H, gu_w, 2 * I, h, dt);
+#pragma omp single
+        {
+            if (dt)
+                silu_rows(h, act, 0, T, I, 1);
+            else
+                silu_rows(h, act, 0, T, I, 0);
+        }
+        gemv_par(act, T, I, down_w, H, out, dt);
+        free(sc);
+        free(buf);
+    }
+    free(ws);
+    return 0;
+}

@@ -439,3 +439,29 @@ void infercore_linear_f32(const float *x, int64_t M, int64_t K, const float *w, 
         }
     }
 }
+
+/* Rows [r0, r1) of y [M, N] (row stride ldy) = x [M, K] @ w [N, K]^T, bf16 (dt 1) or fp32 (dt 0), with the token
+ * grouping and sums of infercore_linear_bf16 / _f32 (the same values bit for bit). Opens no OpenMP region: for
+ * callers splitting rows inside their own (ops/cpu_kernels.c's fused decoder layer). */
+void infercore_gemv_range(const void *x, int64_t M, int64_t K, const void *w, int64_t r0, int64_t r1, void *y,
+                          int64_t ldy, int dt) {
+    float yt[MB];
+    for (int64_t c = 0; c < M; c += MB) {
+        const int m = M - c < MB ? (int)(M - c) : MB;
+        if (dt) {
+            const uint16_t *xs[MB];
+            for (int j = 0; j < m; j++) xs[j] = (const uint16_t *)x + (c + j) * K;
+            for (int64_t r = r0; r < r1; r++) {
+                dot_rows((const uint16_t *)w + r * K, xs, m, K, yt);
+                for (int j = 0; j < m; j++) ((uint16_t *)y)[(c + j) * ldy + r] = f32_to_bf16(yt[j]);
+            }
+        } else {
+            const float *xs[MB];
+            for (int j = 0; j < m; j++) xs[j] = (const float *)x + (c + j) * K;
+            for (int64_t r = r0; r < r1; r++) {
+                dot_rows_f32((const float *)w + r * K, xs, m, K, yt);
+                for (int j = 0; j < m; j++) ((float *)y)[(c + j) * ldy + r] = yt[j];
+            }
+        }
+    }
+}

@@ -97,6 +97,10 @@ def _build() -> ctypes.CDLL:
                                             _INT, _INT]
     dll.infercore_decode_attention.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
                                                _F, _I64, _P, _INT, _INT]
+    dll.infercore_llama_decode_layer.argtypes = [_P, _P, _P, _P, _I64, _I64, _P, _F, _P, _I64, _I64, _I64, _P, _P,
+                                                 _I64, _P, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _F, _I64, _P, _P,
+                                                 _F, _P, _I64, _P, _INT, _INT]
+    dll.infercore_llama_decode_layer.restype = _INT
     for f in ("rms_norm", "silu_and_mul"):
         getattr(dll, f"infercore_{f}").restype = None
     dll.infercore_rope_write_kv.restype = _INT
@@ -415,3 +419,41 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise IndexError(f"paged_attention_decode: block_table row {b - B} names a page outside the cache's "
                          f"{num_pages} pages")
     return out
+
+
+def llama_decode_layer(x: torch.Tensor, residual: torch.Tensor | None, layer, positions: torch.Tensor,
+                       cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``models.llama.LlamaDecoderLayer.forward`` for ``T`` decode rows in one native call (the caller checks that
+    the layer and step fit: see ``LlamaDecoderLayer._native_decode``) -> ``(mlp output, new residual)``, the same
+    values as the op-by-op path. Out-of-range slots, positions, page ids or sequence lengths raise ``IndexError``
+    before anything is written."""
+    lib = _need()
+    attn, mlp = layer.self_attn, layer.mlp
+    T, H = x.shape
+    x = x.contiguous()
+    out, res_out = torch.empty_like(x), torch.empty_like(x)
+    res = residual.contiguous() if residual is not None else None
+    pos = (positions if positions.dtype == torch.int64 else positions.long()).contiguous()
+    slots = (meta.slot_mapping if meta.slot_mapping.dtype == torch.int32 else meta.slot_mapping.int()).contiguous()
+    lens = (meta.seq_lens if meta.seq_lens.dtype == torch.int32 else meta.seq_lens.int()).contiguous()
+    bt = meta.block_table if meta.block_table.dtype == torch.int32 else meta.block_table.int()
+    if bt.stride(-1) != 1:
+        bt = bt.contiguous()
+    num_pages, ps = k_cache.shape[0], k_cache.shape[1]
+    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+    rc = lib.infercore_llama_decode_layer(
+        _ptr(x), _ptr(res) if res is not None else None, _ptr(res_out), _ptr(out), T, H,
+        _ptr(n1.weight), n1.eps, _ptr(attn.qkv_proj.weight), attn.num_heads, attn.num_kv_heads, attn.head_dim,
+        _ptr(pos), _ptr(cos_sin_cache), cos_sin_cache.shape[0], _ptr(k_cache), _ptr(v_cache), num_pages, ps,
+        _ptr(slots), _ptr(lens), _ptr(bt), bt.stride(0), bt.shape[1], attn.scale, attn.sliding_window or 0,
+        _ptr(attn.o_proj.weight), _ptr(n2.weight), n2.eps, _ptr(mlp.gate_up_proj.weight),
+        mlp.down_proj.weight.shape[1], _ptr(mlp.down_proj.weight), _DT[x.dtype], torch.get_num_threads())
+    if rc < 0:  # nothing was written
+        i, kind = (-1 - rc) % T, (-1 - rc) // T
+        what = [f"slot_mapping[{i}] = {int(slots[i])} is outside the cache's {num_pages * ps} slots",
+                f"positions[{i}] = {int(pos[i])} is outside the rotary table's {cos_sin_cache.shape[0]} positions",
+                f"seq_lens[{i}] = {int(lens[i])} needs more than the {bt.shape[1]} pages of block_table row {i}",
+                f"block_table row {i} names a page outside the cache's {num_pages} pages"][kind]
+        raise IndexError(f"decoder layer: {what}")
+    return out, res_out

@@ -1,0 +1,106 @@
+"""A Llama decoder layer's CPU decode step in one native call (``cpu_native.llama_decode_layer``) against the
+op-by-op path it replaces: the same logits and KV caches bit for bit, over paged caches with shuffled pages,
+ragged batches, GQA and a sliding window; and which layers / steps take it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_harness import PagedRunner, ours_from_hf, tiny_hf_model
+
+import infercore.models.llama as L
+from infercore.models.layout import pack_linears_for_cpu_
+from infercore.ops import AttentionMetadata
+from infercore.ops.moe import cpu_native
+
+PROMPTS = [[1, 17, 42, 99, 5, 230, 7, 64, 12, 150, 33], [1, 250, 4, 4, 19], [1, 88, 120, 7, 56, 290, 14, 3, 77, 101,
+                                                                             9, 66, 240, 31, 2, 180, 55, 123]]
+
+
+def _models(kind: str, dtype: torch.dtype, tmp_path, **cfg):
+    """Two copies of our model from one tiny HF model, their linears prepared for the CPU as the Engine does."""
+    hf = tiny_hf_model(kind, **cfg)
+    models = [ours_from_hf(hf, tmp_path / str(i), dtype=dtype)[0] for i in range(2)]
+    for m in models:
+        assert pack_linears_for_cpu_(m) > 0
+    return models
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,cfg", [("llama", {}), ("mistral", {"sliding_window": 8})])
+def test_fused_decode_equals_the_op_by_op_path(kind, cfg, dtype, tmp_path, monkeypatch):
+    fused_model, ops_model = _models(kind, dtype, tmp_path, **cfg)
+    fused, ops = PagedRunner(fused_model, seed=3), PagedRunner(ops_model, seed=3)
+    taken = []
+    real = L.LlamaDecoderLayer._native_decode
+
+    def spy(layer, *a):
+        use = real(layer, *a) if layer in fused_model.modules() else False
+        taken.append(use)
+        return use
+
+    monkeypatch.setattr(L.LlamaDecoderLayer, "_native_decode", spy)
+    prefill = list(enumerate(PROMPTS))
+    assert torch.equal(fused.step(prefill), ops.step(prefill))
+    assert not any(taken)  # prefill rows keep the op-by-op path
+    steps = [[(0, [5]), (1, [9]), (2, [11])], [(1, [30])], [(2, [7]), (0, [60])], [(0, [2]), (1, [3]), (2, [4])]]
+    for _ in range(3):  # past page boundaries (page size 4) and the window (8)
+        for batch in steps:
+            a, b = fused.step(batch), ops.step(batch)
+            assert torch.equal(a, b)
+    assert sum(taken) == len(fused_model.model.layers) * len(steps) * 3  # every decode step of every layer
+    for (ka, va), (kb, vb) in zip(fused.kv_caches, ops.kv_caches):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_which_layers_and_steps_take_it(tmp_path, monkeypatch):
+    model, _ = _models("llama", torch.bfloat16, tmp_path)
+    runner = PagedRunner(model, seed=1)
+    runner.step([(0, [1, 2, 3])])
+    calls = []
+    real = cpu_native.llama_decode_layer
+    monkeypatch.setattr(cpu_native, "llama_decode_layer", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    runner.step([(0, [4])])
+    assert len(calls) == 2  # both layers
+    with cpu_native.layer_ops_disabled():  # the A/B switch turns it off with the other layer ops
+        runner.step([(0, [5])])
+    monkeypatch.setenv("INFERCORE_BACKEND", "paged_attention_decode:reference")  # a backend override is honoured
+    runner.step([(0, [6])])
+    monkeypatch.delenv("INFERCORE_BACKEND")
+    assert len(calls) == 2
+    runner.step([(0, [7]), (1, [1, 2])])  # a mixed step (a prefill row) is not decode
+    assert len(calls) == 2
+    batch = [(i + 10, [1, 2]) for i in range(5)]
+    runner.step(batch)
+    runner.step([(i + 10, [3]) for i in range(5)])  # more rows than the native GEMVs take
+    assert len(calls) == 2
+    runner.step([(0, [8])])
+    assert len(calls) == 4
+
+
+def test_out_of_range_indices_raise_before_writing(tmp_path):
+    model, _ = _models("llama", torch.float32, tmp_path)
+    runner = PagedRunner(model, num_pages=8, seed=2)
+    runner.step([(0, [1, 2, 3])])
+    layer = model.model.layers[0]
+    k_cache, v_cache = runner.kv_caches[0]
+    before = k_cache.clone(), v_cache.clone()
+    x = torch.randn(1, 64)
+    pos = torch.tensor([3])
+    cos_sin = model.cos_sin_cache
+
+    def meta(slot, seq_len, table):
+        return AttentionMetadata.from_lists(query_lens=[1], seq_lens=[seq_len], block_tables=[table],
+                                            slot_mapping=[slot])  # fmt: skip
+
+    page = runner.seqs[0].pages[0]
+    with pytest.raises(IndexError, match=r"slot_mapping\[0\] = 32 is outside the cache's 32 slots"):
+        cpu_native.llama_decode_layer(x, None, layer, pos, cos_sin, k_cache, v_cache, meta(32, 4, [page]))
+    with pytest.raises(IndexError, match="needs more than the 1 pages of block_table row 0"):
+        cpu_native.llama_decode_layer(x, None, layer, pos, cos_sin, k_cache, v_cache, meta(page * 4 + 3, 5, [page]))
+    with pytest.raises(IndexError, match="names a page outside the cache's 8 pages"):
+        cpu_native.llama_decode_layer(x, None, layer, pos, cos_sin, k_cache, v_cache, meta(page * 4 + 3, 4, [9]))
+    with pytest.raises(IndexError, match="outside the rotary table"):
+        cpu_native.llama_decode_layer(x, None, layer, torch.tensor([10**6]), cos_sin, k_cache, v_cache,
+                                      meta(page * 4 + 3, 4, [page]))  # fmt: skip
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])

@@ -104,3 +104,8 @@ def test_out_of_range_indices_raise_before_writing(tmp_path):
         cpu_native.llama_decode_layer(x, None, layer, torch.tensor([10**6]), cos_sin, k_cache, v_cache,
                                       meta(page * 4 + 3, 4, [page]))  # fmt: skip
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    # slot -1 (a row whose K/V are not stored) is what the op-by-op path accepts too: nothing is written
+    out, res = cpu_native.llama_decode_layer(x, None, layer, pos, cos_sin, k_cache, v_cache, meta(-1, 4, [page]))
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1]) and torch.isfinite(out).all()
+    with pytest.raises(IndexError, match=r"slot_mapping\[0\] = -2"):
+        cpu_native.llama_decode_layer(x, None, layer, pos, cos_sin, k_cache, v_cache, meta(-2, 4, [page]))

@@ -148,7 +148,8 @@ static inline __attribute__((always_inline)) void rope_rows(const void *q, const
     const int64_t half = D / 2;
     for (int64_t t = t0; t < t1; t++) {
         const float *cos = cs + pos[t] * D, *sin = cos + half;
-        for (int64_t h = 0; h < Hq + Hk; h++) {
+        const int store = slots[t] >= 0; /* slot -1: the row's K/V are not stored */
+        for (int64_t h = 0; h < (store ? Hq + Hk : Hq); h++) {
             const void *src = h < Hq ? q : k;
             const int64_t si = h < Hq ? (t * Hq + h) * D : (t * Hk + h - Hq) * D;
             void *dst = h < Hq ? q_out : kc;
@@ -160,7 +161,7 @@ static inline __attribute__((always_inline)) void rope_rows(const void *q, const
             }
         }
         const size_t vb = (size_t)(Hk * D) * (bf ? 2 : 4);
-        memcpy((char *)vc + (size_t)slots[t] * vb, (const char *)v + (size_t)t * vb, vb);
+        if (store) memcpy((char *)vc + (size_t)slots[t] * vb, (const char *)v + (size_t)t * vb, vb);
     }
 }
 
@@ -317,7 +318,7 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
                                  int64_t I, const void *down_w, int dt, int nthreads) {
     const int64_t num_slots = num_pages * ps, NQ = Hq * D, NKV = Hk * D, NQKV = NQ + 2 * NKV, G = Hq / Hk;
     for (int64_t t = 0; t < T; t++) {
-        if (slots[t] < 0 || slots[t] >= num_slots) return (int)(-1 - t);
+        if (slots[t] < -1 || slots[t] >= num_slots) return (int)(-1 - t); /* -1: not stored, as the op-by-op path */
         if (pos[t] < 0 || pos[t] >= max_pos) return (int)(-1 - T - t);
         const int64_t n = seq_lens[t];
         if (n <= 0) continue;

@@ -109,16 +109,21 @@ def main() -> None:
             with cpu_native.layer_ops_disabled():
                 return ours(n)
 
+        def ours_op_by_op(n: int) -> list[int]:  # every op native, but one call per op, not per decoder layer
+            with cpu_native.fused_layers_disabled():
+                return ours(n)
+
         same = ours(args.tokens) == theirs(args.tokens)
         native = cpu_native.available()
         native_gemv = native  # bf16 and fp32 decode GEMVs both run native kernels
-        runs = [ours, theirs] + ([ours_aten_ops] if native else []) + ([ours_onednn] if native_gemv else [])
+        runs = [ours, theirs] + ([ours_op_by_op, ours_aten_ops, ours_onednn] if native else [])
         rates = decode_rates(runs, args.tokens, args.repeats)
         r_ours, r_hf = rates[:2]
-        r_aten_ops = rates[2] if native else None
-        r_dnn = rates[3] if native_gemv else None
+        r_op_by_op, r_aten_ops, r_dnn = rates[2:] if native else (None, None, None)
         weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
         floor = bw / weight_bytes
+        if r_op_by_op:
+            print(f"{name}: infercore op by op (native ops, no fused decoder layer) {r_op_by_op:.1f} tok/s")
         if r_aten_ops:
             print(f"{name}: infercore with ATen's layer ops instead of the native ones {r_aten_ops:.1f} tok/s")
         if r_dnn:
@@ -130,7 +135,8 @@ def main() -> None:
             metric="decode throughput", unit="tok/s", ours=r_ours, peers={"transformers generate": r_hf},
             floor=floor, greedy_tokens_identical=same, weight_bytes=weight_bytes,
             read_bandwidth_GBps=bw / 1e9, threads=torch.get_num_threads(),
-            native_gemv=native_gemv, native_layer_ops=native, ours_aten_layer_ops_tok_s=r_aten_ops,
+            native_gemv=native_gemv, native_layer_ops=native, ours_op_by_op_tok_s=r_op_by_op,
+            ours_aten_layer_ops_tok_s=r_aten_ops,
             ours_all_native_off_tok_s=r_dnn,
         ))
     write_results(args.out, "cpu_decode", "cpu", cases)

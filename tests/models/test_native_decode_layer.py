@@ -64,6 +64,8 @@ def test_which_layers_and_steps_take_it(tmp_path, monkeypatch):
     assert len(calls) == 2  # both layers
     with cpu_native.layer_ops_disabled():  # the A/B switch turns it off with the other layer ops
         runner.step([(0, [5])])
+    with cpu_native.fused_layers_disabled():  # and its own switch alone
+        runner.step([(0, [5])])
     monkeypatch.setenv("INFERCORE_BACKEND", "paged_attention_decode:reference")  # a backend override is honoured
     runner.step([(0, [6])])
     monkeypatch.delenv("INFERCORE_BACKEND")

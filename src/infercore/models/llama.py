@@ -259,7 +259,7 @@ class LlamaDecoderLayer(nn.Module):
         (native-GEMV linears without bias, plain norms, SiLU MLP, no q/k norm), a plain cache of x's dtype, full
         neox RoPE, no backend override (``INFERCORE_BACKEND``): what the op-by-op path would run, in one call."""
         if not (x.device.type == "cpu" and meta.decode_only and x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS
-                and not meta.shared_seqs and cpu_native.layer_ops_apply(x)):  # fmt: skip
+                and not meta.shared_seqs and cpu_native.fused_layers_on() and cpu_native.layer_ops_apply(x)):
             return False
         attn, mlp = self.self_attn, self.mlp
         if (type(self) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP

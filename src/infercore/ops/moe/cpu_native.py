@@ -322,6 +322,25 @@ def layer_ops_disabled():
         _layer_ops_on = saved
 
 
+_fused_layers_on = True
+
+
+@contextmanager
+def fused_layers_disabled():
+    """Within this block decoder layers run op by op (each op still native) instead of one
+    :func:`llama_decode_layer` call: for A/B timing of the fusion alone."""
+    global _fused_layers_on
+    saved, _fused_layers_on = _fused_layers_on, False
+    try:
+        yield
+    finally:
+        _fused_layers_on = saved
+
+
+def fused_layers_on() -> bool:
+    return _fused_layers_on
+
+
 def layer_ops_apply(*tensors: torch.Tensor) -> bool:
     """Whether the native layer ops take these tensors: built here, fp32 or bf16, all of one dtype, on the CPU."""
     if not (_layer_ops_on and available()):

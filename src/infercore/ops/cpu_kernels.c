@@ -13,35 +13,23 @@
 #include <string.h>
 #include <omp.h>
 
+#include "cpu_bf16.h"
+
 #define LANES 16 /* independent partial sums, in lanes the compiler vectorizes */
 
-static inline float k_bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t k_f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 static inline __attribute__((always_inline)) float ld(const void *p, int64_t i, const int bf) {
-    return bf ? k_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return bf ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* the value rounded to the tensor's dtype and read back (what torch's .to(dtype) keeps) */
 static inline __attribute__((always_inline)) float rnd(float v, const int bf) {
-    return bf ? k_bf16_to_f32(k_f32_to_bf16(v)) : v;
+    return bf ? bf16_to_f32(f32_to_bf16(v)) : v;
 }
 
 static inline __attribute__((always_inline)) void st(void *p, int64_t i, float v, const int bf) {
     if (bf)
-        ((uint16_t *)p)[i] = k_f32_to_bf16(v);
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
     else
         ((float *)p)[i] = v;
 }

@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
+#include "../cpu_bf16.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -22,20 +23,6 @@
 #define MB 4    /* token rows per pass over a unit's weights */
 #define HC 256  /* output columns per unit of the final sum */
 
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 #if defined(__AVX512BF16__)
 static inline __m512 dp_at(__m512 acc, const uint16_t *x, const uint16_t *w, int64_t k) {

@@ -26,6 +26,7 @@ import torch
 
 _SRC = Path(__file__).with_name("cpu_experts.c")
 _SRCS = (_SRC, Path(__file__).parent.parent / "cpu_kernels.c")  # one library: the MoE / GEMV kernels, the layer ops
+_HEADER = Path(__file__).parent.parent / "cpu_bf16.h"  # included by both
 _lib = None
 _error: str | None = None
 _tried = False
@@ -49,7 +50,7 @@ def _build() -> ctypes.CDLL:
     if cc is None:
         raise RuntimeError("no C compiler (gcc / cc) on PATH")
     srcs = (_SRC, *_SRCS[1:])
-    src = b"".join(p.read_bytes() for p in srcs)
+    src = b"".join(p.read_bytes() for p in (*srcs, _HEADER))
     flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(src + " ".join(flags).encode() + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
@@ -393,9 +394,8 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     T, Hq, D = q.shape
     Hk = k.shape[1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    pos = positions if positions.dtype == torch.int64 else positions.long()
-    slots = slot_mapping if slot_mapping.dtype == torch.int32 else slot_mapping.int()
-    pos, slots, cs = pos.contiguous(), slots.contiguous(), cos_sin_cache.contiguous()
+    pos, slots = _int_rows(positions, slot_mapping)
+    cs = cos_sin_cache.contiguous()
     out = torch.empty_like(q)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     rc = lib.infercore_rope_write_kv(_ptr(q), _ptr(k), _ptr(v), _ptr(pos), _ptr(cs), _ptr(k_cache), _ptr(v_cache),
@@ -411,6 +411,21 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     return out
 
 
+def _tables(seq_lens: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``seq_lens`` as contiguous int32 and ``block_table`` as int32 with unit column stride (rows may be strided),
+    as the native kernels read them."""
+    lens = (seq_lens if seq_lens.dtype == torch.int32 else seq_lens.int()).contiguous()
+    bt = block_table if block_table.dtype == torch.int32 else block_table.int()
+    return lens, bt if bt.stride(-1) == 1 else bt.contiguous()
+
+
+def _int_rows(positions: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``positions`` as contiguous int64 and ``slot_mapping`` as contiguous int32."""
+    pos = positions if positions.dtype == torch.int64 else positions.long()
+    slots = slot_mapping if slot_mapping.dtype == torch.int32 else slot_mapping.int()
+    return pos.contiguous(), slots.contiguous()
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                      block_table: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
     """Paged decode attention of ``q [B, Hq, D]`` over contiguous caches ``[pages, page_size, Hk, D]`` of its dtype
@@ -420,11 +435,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     B, Hq, D = q.shape
     _, ps, Hk, _ = k_cache.shape
     q = q.contiguous()
-    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.int()
-    bt = block_table if block_table.dtype == torch.int32 else block_table.int()
-    lens = lens.contiguous()
-    if bt.stride(-1) != 1:
-        bt = bt.contiguous()
+    lens, bt = _tables(seq_lens, block_table)
     out = torch.empty_like(q)
     num_pages = k_cache.shape[0]
     rc = lib.infercore_decode_attention(_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(lens), _ptr(bt), bt.stride(0),
@@ -453,12 +464,8 @@ def llama_decode_layer(x: torch.Tensor, residual: torch.Tensor | None, layer, po
     x = x.contiguous()
     out, res_out = torch.empty_like(x), torch.empty_like(x)
     res = residual.contiguous() if residual is not None else None
-    pos = (positions if positions.dtype == torch.int64 else positions.long()).contiguous()
-    slots = (meta.slot_mapping if meta.slot_mapping.dtype == torch.int32 else meta.slot_mapping.int()).contiguous()
-    lens = (meta.seq_lens if meta.seq_lens.dtype == torch.int32 else meta.seq_lens.int()).contiguous()
-    bt = meta.block_table if meta.block_table.dtype == torch.int32 else meta.block_table.int()
-    if bt.stride(-1) != 1:
-        bt = bt.contiguous()
+    pos, slots = _int_rows(positions, meta.slot_mapping)
+    lens, bt = _tables(meta.seq_lens, meta.block_table)
     num_pages, ps = k_cache.shape[0], k_cache.shape[1]
     n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
     rc = lib.infercore_llama_decode_layer(

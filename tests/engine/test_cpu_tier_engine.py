@@ -331,6 +331,13 @@ def _tp_worker(rank: int, init: str) -> None:
         if ok:
             dist.barrier()  # leave together
         dist.destroy_process_group()
+        if ok:  # skip the teardown, where a rank aborted now and then after passing (see test_tensor_parallel._leave)
+            import os
+            import sys
+
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
 
 def test_tensor_parallel_ranks_keep_their_tiers_in_lockstep(tmp_path):

@@ -3,6 +3,7 @@ their code paths branch on: head dims off the 16-lane width, GQA groups, threade
 
 import pytest
 import torch
+from test_attention_ref import build_paged
 
 from infercore.devices import implementation
 from infercore.ops import rope_cos_sin_cache
@@ -62,6 +63,8 @@ def test_rope_write_kv_is_exact(dtype, T, hq, hk, d):
     q, k, v = (torch.randn(T, h, d, dtype=dtype) for h in (hq, hk, hk))
     pos = torch.randint(0, 256, (T,))
     slots = torch.randperm(pages * ps)[:T].to(torch.int32)
+    if T > 1:
+        slots[T // 2] = -1  # a row whose K/V are not stored
     ref = implementation("rope_and_write_kv", "reference")
     got, want = [], []
     for fn, out in ((None, got), (ref, want)):
@@ -75,19 +78,6 @@ def test_rope_write_kv_is_exact(dtype, T, hq, hk, d):
         assert torch.equal(a, b)
 
 
-def _paged(lens, hk, d, ps, dtype, spare=3):
-    need = sum(-(-n // ps) for n in lens) + spare
-    kc, vc = torch.randn(need, ps, hk, d, dtype=dtype), torch.randn(need, ps, hk, d, dtype=dtype)
-    perm = torch.randperm(need)
-    width = max(1, max(-(-n // ps) for n in lens)) + 2
-    table, i = torch.zeros(len(lens), width, dtype=torch.int32), 0
-    for b, n in enumerate(lens):
-        m = -(-n // ps)
-        table[b, :m] = perm[i : i + m]
-        i += m
-    return kc, vc, table
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lens,hq,hk,d,ps", [
     ([1], 9, 3, 64, 16),             # SmolLM2's heads, one key
@@ -97,7 +87,7 @@ def _paged(lens, hk, d, ps, dtype, spare=3):
 ])
 @pytest.mark.parametrize("window", [None, 50])
 def test_decode_attention(dtype, lens, hq, hk, d, ps, window):
-    kc, vc, table = _paged(lens, hk, d, ps, dtype)
+    kc, vc, table, _, _ = build_paged(lens, hk, d, ps, dtype=dtype)  # NaN outside the sequences' keys
     q = torch.randn(len(lens), hq, d, dtype=dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     got = cpu_native.decode_attention(q, kc, vc, seq_lens, table[:, :-1], 0.2, window)  # a strided table view

@@ -58,7 +58,7 @@ def test_linear_matches_fp32(M, K, N):
     g = torch.Generator().manual_seed(M * K)
     x = torch.randn(M, K, generator=g).bfloat16()
     wt = torch.randn(N, K, generator=g).bfloat16()
-    got = cpu_native.linear_bf16(x, wt)
+    got = cpu_native.linear_dense(x, wt)
     want = F.linear(x.float(), wt.float())
     # one bf16 rounding of an fp32 sum: within half an ulp of bf16 plus the summation-order difference
     assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-3 * K**0.5).all()
@@ -68,35 +68,52 @@ def test_linear_matches_fp32(M, K, N):
 def test_fp32_linear_matches_fp64(M, K, N):
     g = torch.Generator().manual_seed(M * K + 1)
     x, wt = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
-    got = cpu_native.linear_bf16(x, wt)  # fp32 operands: the fp32 kernel
+    got = cpu_native.linear_dense(x, wt)  # fp32 operands: the fp32 kernel
     assert got.dtype == torch.float32 and got.shape == (M, N)
     want = F.linear(x.double(), wt.double())
     assert ((got.double() - want).abs() <= 1e-6 * K**0.5 * (x.abs().max() * wt.abs().max()).item()).all()
 
 
-def test_fp32_packed_linear_takes_the_native_gemv_for_decode_rows(monkeypatch):
+def test_linear_dense_refuses_what_it_cannot_take():
+    with pytest.raises(TypeError, match="must both be bf16 or both fp32"):
+        cpu_native.linear_dense(torch.ones(1, 8).half(), torch.ones(4, 8).half())
+    with pytest.raises(TypeError, match="must both be bf16 or both fp32"):
+        cpu_native.linear_dense(torch.ones(1, 8), torch.ones(4, 8).bfloat16())
+    with pytest.raises(ValueError, match="x has K = 8"):
+        cpu_native.linear_dense(torch.ones(1, 8), torch.ones(4, 9))
+
+
+def _packed_linear(k: int, n: int, *, bias: bool = False, dtype=torch.float32):
     from infercore.models.layout import CPUPackedLinear
 
-    lin = torch.nn.Linear(64, 48, bias=False)
+    lin = torch.nn.Linear(k, n, bias=bias, dtype=dtype)
     lin.__class__ = CPUPackedLinear
     lin._pack()
-    seen = []
-    real = cpu_native.linear_bf16
-    monkeypatch.setattr(cpu_native, "linear_bf16", lambda *a: seen.append(a[0].shape[0]) or real(*a))
+    return lin
+
+
+def _native_rows(monkeypatch) -> list[int]:
+    """The row counts of the native dense GEMV's calls from here on."""
+    seen, real = [], cpu_native.linear_dense
+    monkeypatch.setattr(cpu_native, "linear_dense", lambda *a: seen.append(a[0].shape[0]) or real(*a))
+    return seen
+
+
+def test_fp32_packed_linear_takes_the_native_gemv_for_decode_rows(monkeypatch):
+    lin = _packed_linear(64, 48)
+    seen = _native_rows(monkeypatch)
     for rows in (1, 4, 5):
         xr = torch.randn(rows, 64)
         torch.testing.assert_close(lin(xr), F.linear(xr, lin.weight), atol=1e-5, rtol=1e-5)
     assert seen == [1, 4]
-    biased = torch.nn.Linear(64, 48)  # a bias keeps oneDNN's packed path
-    biased.__class__ = CPUPackedLinear
-    biased._pack()
+    biased = _packed_linear(64, 48, bias=True)  # a bias keeps oneDNN's packed path
     xr = torch.randn(1, 64)
     torch.testing.assert_close(biased(xr), F.linear(xr, biased.weight, biased.bias), atol=1e-5, rtol=1e-5)
     assert seen == [1, 4]
 
 
 def test_layout_classes_run_the_native_kernels(monkeypatch):
-    from infercore.models.layout import CPUPackedExperts, CPUPackedLinear
+    from infercore.models.layout import CPUPackedExperts
 
     x, gate_up, down, w, ids = _case(2, 4, 8, 64, 32, 3)
     packed = CPUPackedExperts(gate_up, down)
@@ -106,12 +123,8 @@ def test_layout_classes_run_the_native_kernels(monkeypatch):
     monkeypatch.setattr(cpu_native, "moe_experts_bf16", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     out = packed(x, w, ids)
     assert calls and torch.equal(out, real(x, gate_up, down, w, ids))
-    lin = torch.nn.Linear(64, 48, bias=False, dtype=torch.bfloat16)
-    lin.__class__ = CPUPackedLinear
-    lin._pack()
-    seen = []
-    real_lin = cpu_native.linear_bf16
-    monkeypatch.setattr(cpu_native, "linear_bf16", lambda *a: seen.append(a[0].shape[0]) or real_lin(*a))
+    lin = _packed_linear(64, 48, dtype=torch.bfloat16)
+    seen = _native_rows(monkeypatch)
     for rows in (1, 4, 5):
         xr = torch.randn(rows, 64).bfloat16()
         y = lin(xr)
@@ -142,7 +155,7 @@ def test_turned_off(monkeypatch):
     monkeypatch.setattr(cpu_native, "_error", "disabled by INFERCORE_NATIVE_CPU=0")
     assert not cpu_native.available() and cpu_native.status().startswith("unavailable: disabled")
     with pytest.raises(RuntimeError, match="native host kernels"):
-        cpu_native.linear_bf16(torch.ones(1, 8).bfloat16(), torch.ones(4, 8).bfloat16())
+        cpu_native.linear_dense(torch.ones(1, 8).bfloat16(), torch.ones(4, 8).bfloat16())
     from infercore.models.layout import CPUPackedExperts
 
     x, gate_up, down, w, ids = _case(2, 2, 4, 64, 32, 5)

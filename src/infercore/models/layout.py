@@ -29,11 +29,11 @@ def _native_status() -> str:
 
 
 def _native_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    from ..ops.moe.cpu_native import linear_bf16
+    from ..ops.moe.cpu_native import linear_dense
 
     if x.dim() == 2:
-        return linear_bf16(x, w)
-    return linear_bf16(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+        return linear_dense(x, w)
+    return linear_dense(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
 
 
 class CPUPackedLinear(nn.Linear):

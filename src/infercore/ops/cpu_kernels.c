@@ -79,6 +79,19 @@ static inline __attribute__((always_inline)) void rms_rows(const void *x, const 
     }
 }
 
+/* rms_rows with its dtypes as run-time flags: one specialized copy per combination */
+static void rms_any(const void *x, const void *res, void *res_out, const void *w, void *out, int64_t r0, int64_t r1,
+                    int64_t D, float eps, float offset, int bf, int wbf, float *buf) {
+    if (bf && wbf)
+        rms_rows(x, res, res_out, w, out, r0, r1, D, eps, offset, 1, 1, buf);
+    else if (bf)
+        rms_rows(x, res, res_out, w, out, r0, r1, D, eps, offset, 1, 0, buf);
+    else if (wbf)
+        rms_rows(x, res, res_out, w, out, r0, r1, D, eps, offset, 0, 1, buf);
+    else
+        rms_rows(x, res, res_out, w, out, r0, r1, D, eps, offset, 0, 0, buf);
+}
+
 /* out [T, D] = rmsnorm(x (+ res)) * (w + offset); with res, res_out [T, D] = x + res rounded (may alias x / res).
  * dt / wdt: dtypes of x (res, out) and of w. */
 void infercore_rms_norm(const void *x, const void *res, void *res_out, const void *w, void *out, int64_t T,
@@ -89,14 +102,7 @@ void infercore_rms_norm(const void *x, const void *res, void *res_out, const voi
         float *buf = (float *)malloc((size_t)D * sizeof(float));
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t r0 = T * id / nt, r1 = T * (id + 1) / nt;
-        if (dt && wdt)
-            rms_rows(x, res, res_out, w, out, r0, r1, D, eps, offset, 1, 1, buf);
-        else if (dt)
-            rms_rows(x, res, res_out, w, out, r0, r1, D, eps, offset, 1, 0, buf);
-        else if (wdt)
-            rms_rows(x, res, res_out, w, out, r0, r1, D, eps, offset, 0, 1, buf);
-        else
-            rms_rows(x, res, res_out, w, out, r0, r1, D, eps, offset, 0, 0, buf);
+        rms_any(x, res, res_out, w, out, r0, r1, D, eps, offset, dt, wdt, buf);
         free(buf);
     }
 }
@@ -112,6 +118,13 @@ static inline __attribute__((always_inline)) void silu_rows(const void *x, void 
         }
 }
 
+static void silu_any(const void *x, void *out, int64_t r0, int64_t r1, int64_t d, int bf) {
+    if (bf)
+        silu_rows(x, out, r0, r1, d, 1);
+    else
+        silu_rows(x, out, r0, r1, d, 0);
+}
+
 /* out [T, d] = silu(x[:, :d]) * x[:, d:] in fp32, rounded once */
 void infercore_silu_and_mul(const void *x, void *out, int64_t T, int64_t d, int dt, int nthreads) {
     const int par = T * d >= 65536 && nthreads > 1;
@@ -119,10 +132,7 @@ void infercore_silu_and_mul(const void *x, void *out, int64_t T, int64_t d, int 
     {
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t r0 = T * id / nt, r1 = T * (id + 1) / nt;
-        if (dt)
-            silu_rows(x, out, r0, r1, d, 1);
-        else
-            silu_rows(x, out, r0, r1, d, 0);
+        silu_any(x, out, r0, r1, d, dt);
     }
 }
 
@@ -153,40 +163,77 @@ static inline __attribute__((always_inline)) void rope_rows(const void *q, const
     }
 }
 
+static void rope_any(const void *q, const void *k, const void *v, const int64_t *pos, const float *cs, void *kc,
+                     void *vc, const int32_t *slots, void *q_out, int64_t t0, int64_t t1, int64_t Hq, int64_t Hk,
+                     int64_t D, int bf) {
+    if (bf)
+        rope_rows(q, k, v, pos, cs, kc, vc, slots, q_out, t0, t1, Hq, Hk, D, 1);
+    else
+        rope_rows(q, k, v, pos, cs, kc, vc, slots, q_out, t0, t1, Hq, Hk, D, 0);
+}
+
+/* The rows' slots (-1: not stored) and positions checked before anything is written: 0, -1 - t for a slot out of
+ * range at row t, -1 - T - t for a position out of range. */
+static int check_rows(const int32_t *slots, const int64_t *pos, int64_t T, int64_t num_slots, int64_t max_pos) {
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < -1 || slots[t] >= num_slots) return (int)(-1 - t);
+        if (pos[t] < 0 || pos[t] >= max_pos) return (int)(-1 - T - t);
+    }
+    return 0;
+}
+
 /* q [T, Hq, D], k / v [T, Hk, D] (contiguous); pos int64 [T] in [0, max_pos); cs fp32 [max_pos, D] = [cos | sin];
- * caches [num_slots = pages * page_size, Hk, D] of the same dtype; slots int32 [T] in [0, num_slots). q_out
- * [T, Hq, D] gets rotated q. Returns 0, or (before writing anything) -1 - t for a slot out of range at row t,
- * -1 - T - t for a position out of range. */
+ * caches [num_slots = pages * page_size, Hk, D] of the same dtype; slots int32 [T] in [-1, num_slots) (-1: the
+ * row's K/V are not stored). q_out [T, Hq, D] gets rotated q. Returns check_rows' code (nothing written if < 0). */
 int infercore_rope_write_kv(const void *q, const void *k, const void *v, const int64_t *pos, const float *cs,
                             void *kc, void *vc, const int32_t *slots, void *q_out, int64_t T, int64_t Hq,
                             int64_t Hk, int64_t D, int64_t num_slots, int64_t max_pos, int dt, int nthreads) {
-    for (int64_t t = 0; t < T; t++) {
-        if (slots[t] < 0 || slots[t] >= num_slots) return (int)(-1 - t);
-        if (pos[t] < 0 || pos[t] >= max_pos) return (int)(-1 - T - t);
-    }
+    const int rc = check_rows(slots, pos, T, num_slots, max_pos);
+    if (rc) return rc;
     const int par = T >= 16 && nthreads > 1;
 #pragma omp parallel num_threads(par ? nthreads : 1)
     {
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t t0 = T * id / nt, t1 = T * (id + 1) / nt;
-        if (dt)
-            rope_rows(q, k, v, pos, cs, kc, vc, slots, q_out, t0, t1, Hq, Hk, D, 1);
-        else
-            rope_rows(q, k, v, pos, cs, kc, vc, slots, q_out, t0, t1, Hq, Hk, D, 0);
+        rope_any(q, k, v, pos, cs, kc, vc, slots, q_out, t0, t1, Hq, Hk, D, dt);
     }
     return 0;
 }
 
 /* ---- paged decode attention ------------------------------------------------------------------------------- */
 
-/* One (sequence, KV head): the G query heads of the group over keys [start, n), two passes (scores, then the
- * softmax-weighted sum of V). s: scratch of G * (n - start) floats; qf / kf: G * D and D floats. */
+static inline int64_t window_start(int64_t n, int64_t window) { return window > 0 && n > window ? n - window : 0; }
+
+/* The sequences' lengths and the page ids of their (windowed) contexts checked before any key is read: 0, -1 - b
+ * for sequence b longer than its table row, -1 - B - b for a page id of b's context outside [0, num_pages). */
+static int check_tables(const int32_t *seq_lens, const int32_t *block_table, int64_t B, int64_t bt_stride,
+                        int64_t bt_cols, int64_t num_pages, int64_t ps, int64_t window) {
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = seq_lens[b];
+        if (n <= 0) continue;
+        if (n > bt_cols * ps) return (int)(-1 - b);
+        for (int64_t p = window_start(n, window) / ps; p < (n + ps - 1) / ps; p++) {
+            const int32_t page = block_table[b * bt_stride + p];
+            if (page < 0 || page >= num_pages) return (int)(-1 - B - b);
+        }
+    }
+    return 0;
+}
+
+/* One (sequence b of length n, KV head): the G query heads of the group over its last `window` keys (all: 0), two
+ * passes (scores, then the softmax-weighted sum of V); zeros where n <= 0. s: scratch of G * n floats; qf / kf /
+ * acc: G * D, D and G * D floats. */
 static inline __attribute__((always_inline)) void attend(const void *q, const void *kc, const void *vc,
                                                          const int32_t *pages, int64_t ps, int64_t Hk, int64_t D,
-                                                         int64_t G, int64_t b, int64_t hk, int64_t start,
+                                                         int64_t G, int64_t b, int64_t hk, int64_t window,
                                                          int64_t n, float scale, void *out, float *s, float *qf,
                                                          float *kf, float *acc, const int bf) {
-    const int64_t L = n - start, Hq = Hk * G;
+    const int64_t Hq = Hk * G;
+    if (n <= 0) {
+        for (int64_t i = 0; i < G * D; i++) st(out, (b * Hq + hk * G) * D + i, 0.f, bf);
+        return;
+    }
+    const int64_t start = window_start(n, window), L = n - start;
     for (int64_t g = 0; g < G; g++) ld_row(q, (b * Hq + hk * G + g) * D, D, qf + g * D, bf);
     for (int64_t j = 0; j < L; j++) {
         const int64_t key = start + j;
@@ -219,56 +266,50 @@ static inline __attribute__((always_inline)) void attend(const void *q, const vo
         for (int64_t i = 0; i < D; i++) st(out, (b * Hq + hk * G + g) * D + i, acc[g * D + i], bf);
 }
 
+/* The longest of the B sequence lengths (at least 1): the scores' scratch of attend is G times that. */
+static int64_t max_len(const int32_t *seq_lens, int64_t B) {
+    int64_t m = 1;
+    for (int64_t b = 0; b < B; b++) m = seq_lens[b] > m ? seq_lens[b] : m;
+    return m;
+}
+
+/* The (sequence, KV head) units of a decode step over this thread's share; buf: 3 G D + D floats, sc: G max_len. */
+static inline void attend_units(const void *q, const void *kc, const void *vc, const int32_t *seq_lens,
+                                const int32_t *block_table, int64_t bt_stride, int64_t B, int64_t Hk, int64_t D,
+                                int64_t G, int64_t ps, float scale, int64_t window, void *out, float *buf, float *sc,
+                                int dt) {
+    float *qf = buf, *acc = qf + G * D, *kf = acc + G * D;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < B * Hk; u++) {
+        const int64_t b = u / Hk, hk = u % Hk;
+        const int32_t *pages = block_table + b * bt_stride;
+        if (dt)
+            attend(q, kc, vc, pages, ps, Hk, D, G, b, hk, window, seq_lens[b], scale, out, sc, qf, kf, acc, 1);
+        else
+            attend(q, kc, vc, pages, ps, Hk, D, G, b, hk, window, seq_lens[b], scale, out, sc, qf, kf, acc, 0);
+    }
+}
+
 /* q [B, Hq, D]; caches [num_pages, ps, Hk, D]; seq_lens int32 [B]; block_table int32 [B, bt_stride] with
- * bt_cols columns in use; window 0 = none; out [B, Hq, D]. Sequences of length <= 0 get zeros. Returns 0, or
- * (before reading any key) -1 - b for sequence b longer than its table row, -1 - B - b for a page id of b's context
- * outside [0, num_pages). */
+ * bt_cols columns in use; window 0 = none; out [B, Hq, D]. Sequences of length <= 0 get zeros. Returns
+ * check_tables' code (nothing read if < 0). */
 int infercore_decode_attention(const void *q, const void *kc, const void *vc, const int32_t *seq_lens,
                                const int32_t *block_table, int64_t bt_stride, int64_t bt_cols, int64_t num_pages,
                                int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t ps, float scale, int64_t window,
                                void *out, int dt, int nthreads) {
-    const int64_t G = Hq / Hk;
+    const int rc = check_tables(seq_lens, block_table, B, bt_stride, bt_cols, num_pages, ps, window);
+    if (rc) return rc;
+    const int64_t G = Hq / Hk, maxn = max_len(seq_lens, B);
     int64_t work = 0;
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t n = seq_lens[b];
-        if (n <= 0) continue;
-        if (n > bt_cols * ps) return (int)(-1 - b);
-        const int64_t start = window > 0 && n > window ? n - window : 0;
-        for (int64_t p = start / ps; p < (n + ps - 1) / ps; p++) {
-            const int32_t page = block_table[b * bt_stride + p];
-            if (page < 0 || page >= num_pages) return (int)(-1 - B - b);
-        }
-        work += n;
-    }
+    for (int64_t b = 0; b < B; b++) work += seq_lens[b] > 0 ? seq_lens[b] : 0;
     const int par = work * Hk >= 256 && nthreads > 1 && B * Hk > 1;
 #pragma omp parallel num_threads(par ? nthreads : 1)
     {
-        float *qf = (float *)malloc((size_t)(3 * G * D + D) * sizeof(float));
-        float *acc = qf + G * D, *kf = acc + G * D;
-        float *s = 0;
-        int64_t cap = 0;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < B * Hk; u++) {
-            const int64_t b = u / Hk, hk = u % Hk, n = seq_lens[b];
-            if (n <= 0) {
-                for (int64_t g = 0; g < G; g++)
-                    for (int64_t i = 0; i < D; i++) st(out, (b * Hq + hk * G + g) * D + i, 0.f, dt);
-                continue;
-            }
-            const int64_t start = window > 0 && n > window ? n - window : 0;
-            if (G * (n - start) > cap) {
-                free(s);
-                cap = G * (n - start);
-                s = (float *)malloc((size_t)cap * sizeof(float));
-            }
-            const int32_t *pages = block_table + b * bt_stride;
-            if (dt)
-                attend(q, kc, vc, pages, ps, Hk, D, G, b, hk, start, n, scale, out, s, qf, kf, acc, 1);
-            else
-                attend(q, kc, vc, pages, ps, Hk, D, G, b, hk, start, n, scale, out, s, qf, kf, acc, 0);
-        }
-        free(s);
-        free(qf);
+        float *buf = (float *)malloc((size_t)(3 * G * D + D) * sizeof(float));
+        float *sc = (float *)malloc((size_t)(G * maxn) * sizeof(float));
+        attend_units(q, kc, vc, seq_lens, block_table, bt_stride, B, Hk, D, G, ps, scale, window, out, buf, sc, dt);
+        free(sc);
+        free(buf);
     }
     return 0;
 }
@@ -305,21 +346,12 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
                                  int64_t window, const void *o_w, const void *n2, float eps2, const void *gu_w,
                                  int64_t I, const void *down_w, int dt, int nthreads) {
     const int64_t num_slots = num_pages * ps, NQ = Hq * D, NKV = Hk * D, NQKV = NQ + 2 * NKV, G = Hq / Hk;
-    for (int64_t t = 0; t < T; t++) {
-        if (slots[t] < -1 || slots[t] >= num_slots) return (int)(-1 - t); /* -1: not stored, as the op-by-op path */
-        if (pos[t] < 0 || pos[t] >= max_pos) return (int)(-1 - T - t);
-        const int64_t n = seq_lens[t];
-        if (n <= 0) continue;
-        if (n > bt_cols * ps) return (int)(-1 - 2 * T - t);
-        const int64_t start = window > 0 && n > window ? n - window : 0;
-        for (int64_t p = start / ps; p < (n + ps - 1) / ps; p++) {
-            const int32_t page = block_table[t * bt_stride + p];
-            if (page < 0 || page >= num_pages) return (int)(-1 - 3 * T - t);
-        }
-    }
+    int rc = check_rows(slots, pos, T, num_slots, max_pos);
+    if (rc) return rc;
+    rc = check_tables(seq_lens, block_table, T, bt_stride, bt_cols, num_pages, ps, window);
+    if (rc) return (int)(rc - 2 * T); /* -1 - 2T - t / -1 - 3T - t */
     const size_t es = dt ? 2 : 4;
-    int64_t maxn = 1;
-    for (int64_t t = 0; t < T; t++) maxn = seq_lens[t] > maxn ? seq_lens[t] : maxn;
+    const int64_t maxn = max_len(seq_lens, T);
     /* activations: xn [T, H], qkv [T, NQKV], q / k / v split [T, NQKV], q_rot [T, NQ], attn [T, NQ], o [T, H],
      * h [T, 2I], act [T, I] */
     char *ws = (char *)malloc(es * (size_t)T * (size_t)(2 * H + 2 * NQKV + 2 * NQ + H + 3 * I));
@@ -333,10 +365,7 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
 #pragma omp single
         {
             if (res == 0) memcpy(res_out, x, es * T * H);
-            if (dt)
-                rms_rows(x, res, res_out, n1, xn, 0, T, H, eps1, 0.f, 1, 1, buf);
-            else
-                rms_rows(x, res, res_out, n1, xn, 0, T, H, eps1, 0.f, 0, 0, buf);
+            rms_any(x, res, res_out, n1, xn, 0, T, H, eps1, 0.f, dt, dt, buf);
         }
         gemv_par(xn, T, H, qkv_w, NQKV, qkv, dt);
 #pragma omp single
@@ -346,48 +375,16 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
                 memcpy(ks + es * t * NKV, qkv + es * (t * NQKV + NQ), es * NKV);
                 memcpy(vs + es * t * NKV, qkv + es * (t * NQKV + NQ + NKV), es * NKV);
             }
-            if (dt)
-                rope_rows(qs, ks, vs, pos, cs, kc, vc, slots, qr, 0, T, Hq, Hk, D, 1);
-            else
-                rope_rows(qs, ks, vs, pos, cs, kc, vc, slots, qr, 0, T, Hq, Hk, D, 0);
+            rope_any(qs, ks, vs, pos, cs, kc, vc, slots, qr, 0, T, Hq, Hk, D, dt);
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < T * Hk; u++) {
-            const int64_t b = u / Hk, hk = u % Hk, n = seq_lens[b];
-            if (n <= 0) {
-                for (int64_t i = 0; i < G * D; i++) {
-                    if (dt)
-                        ((uint16_t *)attn)[(b * Hq + hk * G) * D + i] = 0;
-                    else
-                        ((float *)attn)[(b * Hq + hk * G) * D + i] = 0.f;
-                }
-                continue;
-            }
-            const int64_t start = window > 0 && n > window ? n - window : 0;
-            float *qf = buf, *acc = qf + G * D, *kf = acc + G * D;
-            if (dt)
-                attend(qr, kc, vc, block_table + b * bt_stride, ps, Hk, D, G, b, hk, start, n, scale, attn, sc, qf, kf,
-                       acc, 1);
-            else
-                attend(qr, kc, vc, block_table + b * bt_stride, ps, Hk, D, G, b, hk, start, n, scale, attn, sc, qf, kf,
-                       acc, 0);
-        }
+        attend_units(qr, kc, vc, seq_lens, block_table, bt_stride, T, Hk, D, G, ps, scale, window, attn, buf, sc,
+                     dt);
         gemv_par(attn, T, NQ, o_w, H, o, dt);
 #pragma omp single
-        {
-            if (dt)
-                rms_rows(o, res_out, res_out, n2, xn, 0, T, H, eps2, 0.f, 1, 1, buf);
-            else
-                rms_rows(o, res_out, res_out, n2, xn, 0, T, H, eps2, 0.f, 0, 0, buf);
-        }
+        rms_any(o, res_out, res_out, n2, xn, 0, T, H, eps2, 0.f, dt, dt, buf);
         gemv_par(xn, T, H, gu_w, 2 * I, h, dt);
 #pragma omp single
-        {
-            if (dt)
-                silu_rows(h, act, 0, T, I, 1);
-            else
-                silu_rows(h, act, 0, T, I, 0);
-        }
+        silu_any(h, act, 0, T, I, dt);
         gemv_par(act, T, I, down_w, H, out, dt);
         free(sc);
         free(buf);

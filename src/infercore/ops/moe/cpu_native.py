@@ -32,6 +32,7 @@ _error: str | None = None
 _tried = False
 _lock = threading.Lock()
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_DT = {torch.float32: 0, torch.bfloat16: 1}  # the dtype codes the kernels take
 
 
 def _cpu_flags() -> str:
@@ -275,12 +276,16 @@ def linear_q4(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.T
     return y
 
 
-def linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ w [N, K]^T`` for bf16 (or, with ``w`` fp32, fp32) host tensors (``w`` contiguous) -> ``[M, N]``
-    in their dtype, fp32 sums."""
+def linear_dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ w [N, K]^T`` for host tensors both bf16 or both fp32 (``w`` contiguous) -> ``[M, N]`` in their
+    dtype, fp32 sums. Other dtypes: ``TypeError``; mismatched K: ``ValueError``."""
     lib = _lib if _tried and _lib is not None else _need()
+    if x.dtype != w.dtype or x.dtype not in _DT or not w.is_contiguous():
+        raise TypeError(f"linear_dense: x {x.dtype} and a contiguous w {w.dtype} must both be bf16 or both fp32")
     M, K = x.shape
     N = w.shape[0]
+    if w.shape[1] != K:
+        raise ValueError(f"linear_dense: x has K = {K}, w is {tuple(w.shape)}")
     x = x.contiguous()
     y = torch.empty(M, N, dtype=x.dtype)
     fn = lib.infercore_linear_f32 if x.dtype == torch.float32 else lib.infercore_linear_bf16
@@ -307,7 +312,6 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 # the layouts these take and keep their ATen paths otherwise; each wrapper's result equals its reference's up to
 # the order of fp32 sums.
 
-_DT = {torch.float32: 0, torch.bfloat16: 1}
 _layer_ops_on = True
 
 
@@ -402,13 +406,27 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
                                      _ptr(slots), _ptr(out), T, Hq, Hk, D, num_slots, cs.shape[0], _DT[q.dtype],
                                      torch.get_num_threads())
     if rc < 0:  # nothing was written
-        t = -1 - rc
-        if t < T:
-            raise IndexError(f"rope_and_write_kv: slot_mapping[{t}] = {int(slots[t])} is outside the cache's "
-                             f"{num_slots} slots")
-        raise IndexError(f"rope_and_write_kv: positions[{t - T}] = {int(pos[t - T])} is outside the rotary table's "
-                         f"{cs.shape[0]} positions")
+        raise _rows_error("rope_and_write_kv", rc, slots, pos, num_slots, cs.shape[0])
     return out
+
+
+def _rows_error(op: str, rc: int, slots: torch.Tensor, pos: torch.Tensor, num_slots: int, max_pos: int) -> IndexError:
+    """The error of check_rows' code ``rc`` (``-1 - t``: slot of row t; ``-1 - T - t``: position of row t)."""
+    T, i = slots.shape[0], -1 - rc
+    if i < T:
+        return IndexError(f"{op}: slot_mapping[{i}] = {int(slots[i])} is outside the cache's {num_slots} slots "
+                          "(-1: not stored)")
+    i -= T
+    return IndexError(f"{op}: positions[{i}] = {int(pos[i])} is outside the rotary table's {max_pos} positions")
+
+
+def _tables_error(op: str, rc: int, lens: torch.Tensor, bt: torch.Tensor, num_pages: int, ps: int) -> IndexError:
+    """The error of check_tables' code ``rc`` (``-1 - b``: length of sequence b; ``-1 - B - b``: a page id of b)."""
+    B, b = lens.shape[0], -1 - rc
+    if b < B:
+        return IndexError(f"{op}: seq_lens[{b}] = {int(lens[b])} needs more than the {bt.shape[1]} pages of "
+                          f"block_table row {b} (page size {ps})")
+    return IndexError(f"{op}: block_table row {b - B} names a page outside the cache's {num_pages} pages")
 
 
 def _tables(seq_lens: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -442,22 +460,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                         bt.shape[1], num_pages, B, Hq, Hk, D, ps, scale, sliding_window or 0,
                                         _ptr(out), _DT[q.dtype], torch.get_num_threads())
     if rc < 0:  # nothing was read
-        b = -1 - rc
-        if b < B:
-            raise IndexError(f"paged_attention_decode: seq_lens[{b}] = {int(lens[b])} needs more than the "
-                             f"{bt.shape[1]} pages of block_table row {b} (page size {ps})")
-        raise IndexError(f"paged_attention_decode: block_table row {b - B} names a page outside the cache's "
-                         f"{num_pages} pages")
+        raise _tables_error("paged_attention_decode", rc, lens, bt, num_pages, ps)
     return out
 
 
 def llama_decode_layer(x: torch.Tensor, residual: torch.Tensor | None, layer, positions: torch.Tensor,
                        cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
                        ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``models.llama.LlamaDecoderLayer.forward`` for ``T`` decode rows in one native call (the caller checks that
-    the layer and step fit: see ``LlamaDecoderLayer._native_decode``) -> ``(mlp output, new residual)``, the same
-    values as the op-by-op path. Out-of-range slots, positions, page ids or sequence lengths raise ``IndexError``
-    before anything is written."""
+    """``models.llama.LlamaDecoderLayer.forward`` for ``T`` decode rows in one native call -> ``(mlp output [T, H],
+    new residual [T, H])``, the same values as the op-by-op path. ``x`` / ``residual`` (or None in the first
+    layer): ``[T, H]`` fp32 / bf16 like the layer's weights; ``positions [T]``; ``cos_sin_cache`` fp32 ``[max_pos,
+    head_dim]``; caches ``[pages, page_size, Hk, head_dim]`` of x's dtype; ``meta`` a decode-only
+    ``AttentionMetadata`` of ``T`` sequences. The caller checks that the layer and step fit
+    (``LlamaDecoderLayer._native_decode``). Out-of-range slots, positions, page ids or sequence lengths raise
+    ``IndexError`` before anything is written."""
     lib = _need()
     attn, mlp = layer.self_attn, layer.mlp
     T, H = x.shape
@@ -476,10 +492,7 @@ def llama_decode_layer(x: torch.Tensor, residual: torch.Tensor | None, layer, po
         _ptr(attn.o_proj.weight), _ptr(n2.weight), n2.eps, _ptr(mlp.gate_up_proj.weight),
         mlp.down_proj.weight.shape[1], _ptr(mlp.down_proj.weight), _DT[x.dtype], torch.get_num_threads())
     if rc < 0:  # nothing was written
-        i, kind = (-1 - rc) % T, (-1 - rc) // T
-        what = [f"slot_mapping[{i}] = {int(slots[i])} is outside the cache's {num_pages * ps} slots",
-                f"positions[{i}] = {int(pos[i])} is outside the rotary table's {cos_sin_cache.shape[0]} positions",
-                f"seq_lens[{i}] = {int(lens[i])} needs more than the {bt.shape[1]} pages of block_table row {i}",
-                f"block_table row {i} names a page outside the cache's {num_pages} pages"][kind]
-        raise IndexError(f"decoder layer: {what}")
+        if rc >= -2 * T:
+            raise _rows_error("decoder layer", rc, slots, pos, num_pages * ps, cos_sin_cache.shape[0])
+        raise _tables_error("decoder layer", rc + 2 * T, lens, bt, num_pages, ps)
     return out, res_out

@@ -1,7 +1,7 @@
 """CPU fast path of RoPE fused with the KV-cache write (neox style, full rotary): q and k rotate
-together in one pass of elementwise ops, and the write is one ``index_copy_`` per cache. Other
-variants (interleaved, partial rotary, skipped slots) take the reference. fp32 / bf16 tensors with caches of
-their dtype go through the native kernel (``ops.moe.cpu_native``) where it builds."""
+together in one pass of elementwise ops, and the write is one ``index_copy_`` per cache. fp32 / bf16 tensors with
+caches of their dtype go through the native kernel (``ops.moe.cpu_native``) where it builds, skipped slots (-1)
+included. Other variants (interleaved, partial rotary; skipped slots off the native path) take the reference."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from ..moe import cpu_native
 def rope_and_write_kv_cpu(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, is_neox=True):
     T, hq, d = q.shape
     rd = cos_sin_cache.shape[-1]
+    if (is_neox and rd == d and T and cpu_native.layer_ops_apply(q, k, v, k_cache, v_cache)
+            and cos_sin_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.shape[2:] == k.shape[1:] and v.shape == k.shape and v_cache.shape == k_cache.shape
+            and positions.shape[0] == T == slot_mapping.shape[0]):  # slot -1 (not stored) included
+        return cpu_native.rope_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     if not is_neox or rd != d or int(slot_mapping.min()) < 0:
         ref = implementation("rope_and_write_kv", "reference")
         return ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=is_neox)
-    if (T and cpu_native.layer_ops_apply(q, k, v, k_cache, v_cache) and cos_sin_cache.dtype == torch.float32
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == k.shape[1:]
-            and v.shape == k.shape and v_cache.shape == k_cache.shape
-            and positions.shape[0] == T == slot_mapping.shape[0]):
-        return cpu_native.rope_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     half = d // 2
     cs = cos_sin_cache[positions.long()].float()  # [T, rd] = [cos | sin]
     cos, sin = cs[:, None, :half], cs[:, None, half:]

@@ -13,9 +13,8 @@ while it lives.
 
 Other formats, fp32 / fp16 activations (ATen vectorizes these kernels for bf16 activations only) and a torch
 without these ops take the reference (dequantize, then matmul). On a 2-core AVX-512 machine the packed kernels beat
-the reference at every row count measured (a 4096 x 4096 INT4 g128 weight: 1 row 0.48 vs 122 ms, 64 rows 14 vs
-154 ms) and the bf16 ``F.linear`` of the dense weight at decode sizes (1 row 0.48 vs 1.9 ms);
-``benchmarks/bench_cpu_quant.py``, ``benchmarks/results/cpu/cpu_quant.json``.
+the reference at every row count measured and the bf16 ``F.linear`` of the dense weight at decode sizes;
+``benchmarks/bench_cpu_quant.py``, ``benchmarks/results/cpu/cpu_quant.json`` (figures in ``docs/quantization.md``).
 """
 
 from __future__ import annotations

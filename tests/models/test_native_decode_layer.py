@@ -12,31 +12,46 @@ import infercore.models.llama as L
 from infercore.models.layout import pack_linears_for_cpu_
 from infercore.ops import AttentionMetadata
 from infercore.ops.moe import cpu_native
+from infercore.quant import QuantScheme, quantize
 
 PROMPTS = [[1, 17, 42, 99, 5, 230, 7, 64, 12, 150, 33], [1, 250, 4, 4, 19], [1, 88, 120, 7, 56, 290, 14, 3, 77, 101,
                                                                              9, 66, 240, 31, 2, 180, 55, 123]]
 
 
-def _models(kind: str, dtype: torch.dtype, tmp_path, **cfg):
-    """Two copies of our model from one tiny HF model, their linears prepared for the CPU as the Engine does."""
+def _models(kind: str, dtype: torch.dtype, tmp_path, scheme=None, **cfg):
+    """Two copies of our model from one tiny HF model, their linears prepared for the CPU as the Engine does
+    (packed, or quantized by ``scheme``)."""
     hf = tiny_hf_model(kind, **cfg)
     models = [ours_from_hf(hf, tmp_path / str(i), dtype=dtype)[0] for i in range(2)]
     for m in models:
-        assert pack_linears_for_cpu_(m) > 0
+        if scheme is None:
+            assert pack_linears_for_cpu_(m) > 0
+        else:
+            quantize(m, scheme)
     return models
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind,cfg", [("llama", {}), ("mistral", {"sliding_window": 8})])
-def test_fused_decode_equals_the_op_by_op_path(kind, cfg, dtype, tmp_path, monkeypatch):
-    fused_model, ops_model = _models(kind, dtype, tmp_path, **cfg)
+# INT4 schemes the fused layer takes: K = 64 padded to 128 for groups of 128; GGUF blocks of 32 over K = 96 and
+# 160, whose last 32 elements are a tail of 16 code bytes in the kernel's layout
+_G32 = QuantScheme("test-w4a16-g32", "int4", "INT4, groups of 32", group_size=32)
+_QUANT = [("w4a16-g128", {}), (_G32, {"hidden_size": 96, "intermediate_size": 160}),
+          ("gguf-q4_1", {"hidden_size": 96, "intermediate_size": 160}), ("gguf-q4_0", {})]
+
+
+@pytest.mark.parametrize("dtype,scheme,cfg", [(torch.float32, None, {}), (torch.bfloat16, None, {})]
+                         + [(torch.bfloat16, s, c) for s, c in _QUANT])
+@pytest.mark.parametrize("kind,kcfg", [("llama", {}), ("mistral", {"sliding_window": 8})])
+def test_fused_decode_equals_the_op_by_op_path(kind, kcfg, dtype, scheme, cfg, tmp_path, monkeypatch):
+    if scheme is not None:
+        assert cpu_native.q4_supported(), cpu_native.status()  # the CI machine has AVX512-BF16
+    fused_model, ops_model = _models(kind, dtype, tmp_path, scheme, **kcfg, **cfg)
     fused, ops = PagedRunner(fused_model, seed=3), PagedRunner(ops_model, seed=3)
     taken = []
     real = L.LlamaDecoderLayer._native_decode
 
     def spy(layer, *a):
-        use = real(layer, *a) if layer in fused_model.modules() else False
-        taken.append(use)
+        use = real(layer, *a) if layer in fused_model.modules() else None
+        taken.append(use is not None)
         return use
 
     monkeypatch.setattr(L.LlamaDecoderLayer, "_native_decode", spy)
@@ -96,18 +111,24 @@ def test_out_of_range_indices_raise_before_writing(tmp_path):
                                             slot_mapping=[slot])  # fmt: skip
 
     page = runner.seqs[0].pages[0]
+    lin = [cpu_native.layer_linear(m, torch.float32) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
+    def run(slot, seq_len, table, p=pos):
+        return cpu_native.llama_decode_layer(x, None, layer, p, cos_sin, k_cache, v_cache, meta(slot, seq_len, table),
+                                             lin)  # fmt: skip
+
     with pytest.raises(IndexError, match=r"slot_mapping\[0\] = 32 is outside the cache's 32 slots"):
-        cpu_native.llama_decode_layer(x, None, layer, pos, cos_sin, k_cache, v_cache, meta(32, 4, [page]))
+        run(32, 4, [page])
     with pytest.raises(IndexError, match="needs more than the 1 pages of block_table row 0"):
-        cpu_native.llama_decode_layer(x, None, layer, pos, cos_sin, k_cache, v_cache, meta(page * 4 + 3, 5, [page]))
+        run(page * 4 + 3, 5, [page])
     with pytest.raises(IndexError, match="names a page outside the cache's 8 pages"):
-        cpu_native.llama_decode_layer(x, None, layer, pos, cos_sin, k_cache, v_cache, meta(page * 4 + 3, 4, [9]))
+        run(page * 4 + 3, 4, [9])
     with pytest.raises(IndexError, match="outside the rotary table"):
-        cpu_native.llama_decode_layer(x, None, layer, torch.tensor([10**6]), cos_sin, k_cache, v_cache,
-                                      meta(page * 4 + 3, 4, [page]))  # fmt: skip
+        run(page * 4 + 3, 4, [page], torch.tensor([10**6]))
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
     # slot -1 (a row whose K/V are not stored) is what the op-by-op path accepts too: nothing is written
-    out, res = cpu_native.llama_decode_layer(x, None, layer, pos, cos_sin, k_cache, v_cache, meta(-1, 4, [page]))
+    out, res = run(-1, 4, [page])
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1]) and torch.isfinite(out).all()
     with pytest.raises(IndexError, match=r"slot_mapping\[0\] = -2"):
-        cpu_native.llama_decode_layer(x, None, layer, pos, cos_sin, k_cache, v_cache, meta(-2, 4, [page]))
+        run(-2, 4, [page])

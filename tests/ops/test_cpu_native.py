@@ -165,35 +165,58 @@ def test_turned_off(monkeypatch):
                                atol=3e-2, rtol=3e-2)
 
 
-def _q4(shape, seed):
-    from infercore.quant.api import quantize_weight
+def _q4(shape, seed, group=128):
+    from infercore.quant.formats import IntWeight
 
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(*shape, generator=g) * shape[-1] ** -0.5
-    return quantize_weight(w, "w4a16-g128")
+    return IntWeight.quantize(w, bits=4, group_size=group)
 
 
-@pytest.mark.parametrize("N,K,M", [(64, 256, 1), (48, 384, 3), (16, 128, 6), (32, 200, 2)])
-def test_q4_linear_matches_the_dequantized_weight(N, K, M):
+def _close(got, want, K):
+    return ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-3 * K**0.5).all()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+@pytest.mark.parametrize("N,K,M", [(64, 256, 1), (48, 384, 3), (16, 128, 6), (32, 200, 2), (16, 96, 4)])
+def test_q4_linear_matches_the_dequantized_weight(N, K, M, group):
     assert cpu_native.q4_supported(), cpu_native.status()
-    q = _q4((N, K), N + K)
+    q = _q4((N, K), N + K, group)
     codes, sz = cpu_native.pack_q4(q)
-    kp = q.padded_in_features
-    assert codes.shape == (N, kp // 2) and codes.dtype == torch.uint8 and sz.shape == (N, kp // 128, 2)
+    kp = q.padded_in_features  # K padded to the group (K % 64 = 32 with groups of 32: the 16-byte tail)
+    assert codes.shape == (N, kp // 2) and codes.dtype == torch.uint8 and sz.shape == (N, 2, kp // group)
     x = torch.randn(M, K).bfloat16()
     want = F.linear(x.float(), q.dequantize().float()[:, :K])
     got = cpu_native.linear_q4(x, codes, sz)
     assert got.shape == (M, N) and got.dtype == torch.bfloat16
-    assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-3 * K**0.5).all()
+    assert _close(got, want, K)
 
 
-def test_pack_q4_takes_only_int4_groups_of_128():
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("K", [32, 96, 576])
+def test_q4_linear_runs_gguf_blocks(qtype, K):
+    from infercore.quant.formats import GGUFWeight
+
+    assert cpu_native.q4_supported(), cpu_native.status()
+    g = torch.Generator().manual_seed(K)
+    w = GGUFWeight.quantize(torch.randn(48, K, generator=g), qtype=qtype)
+    codes, sz = cpu_native.pack_gguf_q4(w)
+    assert codes.shape == (48, K // 2) and sz.shape == (48, 2, K // 32)
+    for M in (1, 2, 4):
+        x = torch.randn(M, K, generator=g).bfloat16()
+        want = F.linear(x.float(), w.dequantize())
+        assert _close(cpu_native.linear_q4(x, codes, sz), want, K)
+    assert cpu_native.pack_gguf_q4(GGUFWeight.quantize(torch.randn(16, 64), qtype="q8_0")) is None
+
+
+def test_pack_q4_takes_int4_groups_of_32_to_256():
     from infercore.quant.api import quantize_weight
     from infercore.quant.formats import IntWeight
 
     assert cpu_native.pack_q4(quantize_weight(torch.randn(16, 256), "w8a16")) is None
-    assert cpu_native.pack_q4(IntWeight.quantize(torch.randn(16, 256), bits=4, group_size=64)) is None
-    assert cpu_native.pack_q4(IntWeight.quantize(torch.randn(16, 256), bits=4, group_size=128)) is not None
+    for group in (32, 64, 128, 256):
+        assert cpu_native.pack_q4(IntWeight.quantize(torch.randn(16, 256), bits=4, group_size=group)) is not None
+    assert cpu_native.pack_q4(IntWeight.quantize(torch.randn(16, 256), bits=4, group_size=16)) is None
     assert cpu_native.pack_q4(torch.randn(16, 256)) is None
 
 

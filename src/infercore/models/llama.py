@@ -36,7 +36,7 @@ from ..ops.moe import cpu_native
 from ..ops.pdl import PDL_MAX_ROWS
 from .config import ModelConfig
 from .hybrid import check_step
-from .layout import NATIVE_MAX_ROWS, CPUPackedLinear
+from .layout import NATIVE_MAX_ROWS
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -238,9 +238,10 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._native_decode(x, residual, cos_sin, kv_cache, meta):  # CPU decode: the whole layer in one call
+        linears = self._native_decode(x, residual, cos_sin, kv_cache, meta)
+        if linears is not None:  # CPU decode: the whole layer in one call
             return cpu_native.llama_decode_layer(x, residual, self, positions, cos_sin, kv_cache[0], kv_cache[1],
-                                                 meta)  # fmt: skip
+                                                 meta, linears)  # fmt: skip
         # The residual stream is carried separately so each norm fuses the preceding residual add.
         norm = self.input_layernorm
         if residual is None:
@@ -253,37 +254,41 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-    def _native_decode(self, x, residual, cos_sin, kv_cache, meta) -> bool:
-        """Whether this step runs through ``cpu_native.llama_decode_layer``: decode rows on the CPU (up to
-        ``NATIVE_MAX_ROWS``, where the linears take the native GEMVs anyway), the layer exactly this class's
-        (native-GEMV linears without bias, plain norms, SiLU MLP, no q/k norm), a plain cache of x's dtype, full
-        neox RoPE, no backend override (``INFERCORE_BACKEND``): what the op-by-op path would run, in one call."""
+    def _native_decode(self, x, residual, cos_sin, kv_cache, meta) -> list | None:
+        """The linears as ``cpu_native.llama_decode_layer`` takes them where this step runs through it, else None:
+        decode rows on the CPU (up to ``NATIVE_MAX_ROWS``, where the linears take the native GEMVs anyway), the
+        layer exactly this class's (plain norms, SiLU MLP, no q/k norm; linears without bias that the native
+        GEMVs take, ``cpu_native.layer_linear``: dense of x's dtype, or INT4 / GGUF Q4 blocks with bf16 x), a
+        plain cache of x's dtype, full neox RoPE, no backend override (``INFERCORE_BACKEND``): what the op-by-op
+        path would run, in one call."""
         if not (x.device.type == "cpu" and meta.decode_only and x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS
                 and not meta.shared_seqs and cpu_native.fused_layers_on() and cpu_native.layer_ops_apply(x)):
-            return False
+            return None
         attn, mlp = self.self_attn, self.mlp
         if (type(self) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP
                 or mlp.act is not silu_and_mul or attn.q_norm is not None or os.environ.get("INFERCORE_BACKEND")):
-            return False
+            return None
         dt = x.dtype
-        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if type(lin) is not CPUPackedLinear or lin.bias is not None:
-                return False
-            w = lin._parameters["weight"]
-            if w.dtype != dt or not w.is_contiguous():
-                return False
         for norm in (self.input_layernorm, self.post_attention_layernorm):
             if norm.offset != 0.0 or norm.weight.dtype != dt or norm.weight.shape != (x.shape[1],):
-                return False
+                return None
         if residual is not None and (residual.shape != x.shape or residual.dtype != dt):
-            return False
+            return None
         if len(kv_cache) != 2 or hasattr(kv_cache, "k_scale"):
-            return False
+            return None
         k_cache, v_cache = kv_cache
-        return (k_cache.dtype == dt and v_cache.dtype == dt and k_cache.is_contiguous() and v_cache.is_contiguous()
+        if not (k_cache.dtype == dt and v_cache.dtype == dt and k_cache.is_contiguous() and v_cache.is_contiguous()
                 and k_cache.shape == v_cache.shape and k_cache.shape[2:] == (attn.num_kv_heads, attn.head_dim)
                 and cos_sin.dtype == torch.float32 and cos_sin.shape[-1] == attn.head_dim and cos_sin.is_contiguous()
-                and meta.seq_lens.shape == (x.shape[0],) and meta.block_table.shape[0] == x.shape[0])
+                and meta.seq_lens.shape == (x.shape[0],) and meta.block_table.shape[0] == x.shape[0]):
+            return None
+        linears = []
+        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            desc = cpu_native.layer_linear(lin, dt)
+            if desc is None:
+                return None
+            linears.append(desc)
+        return linears
 
 
 class LlamaModel(nn.Module):

@@ -53,7 +53,7 @@ class _QuantLinear:
         self.kind = qcpu.cpu_kind(q) if dtype == torch.bfloat16 else None
         self.n = q.shape[0]
         native = cpu_native.pack_q4(q) if self.kind == "int4" and cpu_native.q4_supported() else None
-        if native is not None:  # (codes uint8 [N, Kp / 2], scale-and-zero fp32 [N, Kp / 128, 2])
+        if native is not None:  # (codes uint8 [N, Kp / 2], scales-and-zeros fp32 [N, 2, Kp / g])
             self.kind, self.ops, self.k = "native4", native, native[0].shape[1] * 2
             self.nbytes = sum(t.numel() * t.element_size() for t in native)
         elif self.kind == "int4":  # (codes, group size, scales-and-zeros [K / group, N, 2])
@@ -91,9 +91,10 @@ class NativeQ4Experts:
 
     @classmethod
     def build(cls, gate_up: list, down: list) -> NativeQ4Experts | None:
-        """The stacked experts, or None where any weight is not native INT4 or a padded K would need padded rows
-        (H and I must be multiples of 128)."""
-        if not all(q.kind == "native4" for q in (*gate_up, *down)):
+        """The stacked experts, or None where any weight is not native INT4 in groups of 128 or a padded K would
+        need padded rows (H and I must be multiples of 128)."""
+        qs = (*gate_up, *down)
+        if not all(q.kind == "native4" and q.ops[1].shape[2] * cpu_native.Q4_GROUP == q.k for q in qs):
             return None
         hidden, inter = gate_up[0].k, down[0].k
         if down[0].n != hidden or gate_up[0].n != 2 * inter:  # padded K: the rows would not line up

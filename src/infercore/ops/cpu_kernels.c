@@ -327,24 +327,54 @@ static inline void gemv_par(const void *x, int64_t M, int64_t K, const void *w, 
         infercore_gemv_range(x, M, K, w, b * GEMV_RB, (b + 1) * GEMV_RB < N ? (b + 1) * GEMV_RB : N, y, N, dt);
 }
 
+void infercore_q4_sums(const uint16_t *x, int64_t M, int64_t K, int64_t g, float *sums);
+void infercore_q4_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
+                        const float *sums, int64_t r0, int64_t r1, uint16_t *y, int64_t ldy);
+
+/* y [M, N] = x [M, K] @ w^T for one linear of the fused layer, L = {weight, sz, g, Kp}: dense rows [N, K] of the
+ * layer's dtype (g = 0), or INT4 codes [N, Kp / 2] in groups of g with sz fp32 [N, Kp / g, 2] (bf16 only; rows
+ * zero-padded from K to Kp in xp [M, Kp], their group sums in sums [M, Kp / g]): infercore_linear_q4's values */
+static void lin_par(const void *x, int64_t M, int64_t K, const int64_t *L, int64_t N, void *y, int dt, uint16_t *xp,
+                    float *sums) {
+    if (L[2] == 0) {
+        gemv_par(x, M, K, (const void *)L[0], N, y, dt);
+        return;
+    }
+    const int64_t g = L[2], kp = L[3];
+    const uint16_t *xs = kp == K ? (const uint16_t *)x : xp;
+#pragma omp single
+    {
+        if (kp != K)
+            for (int64_t t = 0; t < M; t++) {
+                memcpy(xp + t * kp, (const uint16_t *)x + t * K, 2 * (size_t)K);
+                memset(xp + t * kp + K, 0, 2 * (size_t)(kp - K));
+            }
+        infercore_q4_sums(xs, M, kp, g, sums);
+    }
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < (N + GEMV_RB - 1) / GEMV_RB; b++)
+        infercore_q4_range(xs, M, kp, (const uint8_t *)L[0], (const float *)L[1], g, sums, b * GEMV_RB,
+                           (b + 1) * GEMV_RB < N ? (b + 1) * GEMV_RB : N, (uint16_t *)y, N);
+}
+
 /*
  * What models/llama.py's LlamaDecoderLayer computes for T decode rows (one per sequence), each step rounded to the
  * dtype where the op-by-op path rounds, with the same kernels: so the same values bit for bit, in one OpenMP
  * region instead of ~12 Python-level calls.
  *   x [T, H]; res [T, H] or NULL (first layer: the residual is x); res_out [T, H]: the residual after both adds;
- *   out [T, H]: the MLP's output. Weights (dt, contiguous): n1 / n2 [H], qkv [(Hq + 2 Hk) D, H], o [H, Hq D],
- *   gu [2 I, H], down [H, I]. pos int64 [T]; cs fp32 [max_pos, D]; caches [num_pages, ps, Hk, D]; slots /
- *   seq_lens int32 [T]; block_table int32 [T, bt_stride] with bt_cols columns in use.
+ *   out [T, H]: the MLP's output. Norm weights (dt) n1 / n2 [H]; the linears lin [4][4], each {weight, sz, g,
+ *   Kp} as lin_par takes it: qkv [(Hq + 2 Hk) D, H], o [H, Hq D], gu [2 I, H], down [H, I]. pos int64 [T];
+ *   cs fp32 [max_pos, D]; caches [num_pages, ps, Hk, D]; slots / seq_lens int32 [T]; block_table int32
+ *   [T, bt_stride] with bt_cols columns in use.
  * Returns 0, or before writing anything: -1 - t (slot t out of range), -1 - T - t (position t), -1 - 2T - t
  * (sequence t longer than its table row), -1 - 3T - t (a page id of sequence t out of range).
  */
 int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, void *out, int64_t T, int64_t H,
-                                 const void *n1, float eps1, const void *qkv_w, int64_t Hq, int64_t Hk, int64_t D,
+                                 const void *n1, float eps1, const int64_t *lin, int64_t Hq, int64_t Hk, int64_t D,
                                  const int64_t *pos, const float *cs, int64_t max_pos, void *kc, void *vc,
                                  int64_t num_pages, int64_t ps, const int32_t *slots, const int32_t *seq_lens,
                                  const int32_t *block_table, int64_t bt_stride, int64_t bt_cols, float scale,
-                                 int64_t window, const void *o_w, const void *n2, float eps2, const void *gu_w,
-                                 int64_t I, const void *down_w, int dt, int nthreads) {
+                                 int64_t window, const void *n2, float eps2, int64_t I, int dt, int nthreads) {
     const int64_t num_slots = num_pages * ps, NQ = Hq * D, NKV = Hk * D, NQKV = NQ + 2 * NKV, G = Hq / Hk;
     int rc = check_rows(slots, pos, T, num_slots, max_pos);
     if (rc) return rc;
@@ -358,6 +388,14 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
     char *xn = ws, *qkv = xn + es * T * H, *qs = qkv + es * T * NQKV, *ks = qs + es * T * NQ, *vs = ks + es * T * NKV;
     char *qr = vs + es * T * NKV, *attn = qr + es * T * NQ, *o = attn + es * T * NQ, *h = o + es * T * H;
     char *act = h + es * T * 2 * I;
+    int64_t kpmax = 0, gsums = 0; /* INT4 linears: padded rows and group sums */
+    for (int l = 0; l < 4; l++)
+        if (lin[4 * l + 2]) {
+            kpmax = lin[4 * l + 3] > kpmax ? lin[4 * l + 3] : kpmax;
+            gsums = lin[4 * l + 3] / lin[4 * l + 2] > gsums ? lin[4 * l + 3] / lin[4 * l + 2] : gsums;
+        }
+    uint16_t *xp = (uint16_t *)malloc(2 * (size_t)(T * kpmax) + 2);
+    float *sums = (float *)malloc(4 * (size_t)(T * gsums) + 4);
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = (float *)malloc((size_t)(H > 3 * G * D + D ? H : 3 * G * D + D) * sizeof(float));
@@ -367,7 +405,7 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
             if (res == 0) memcpy(res_out, x, es * T * H);
             rms_any(x, res, res_out, n1, xn, 0, T, H, eps1, 0.f, dt, dt, buf);
         }
-        gemv_par(xn, T, H, qkv_w, NQKV, qkv, dt);
+        lin_par(xn, T, H, lin, NQKV, qkv, dt, xp, sums);
 #pragma omp single
         {
             for (int64_t t = 0; t < T; t++) {
@@ -379,16 +417,18 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
         }
         attend_units(qr, kc, vc, seq_lens, block_table, bt_stride, T, Hk, D, G, ps, scale, window, attn, buf, sc,
                      dt);
-        gemv_par(attn, T, NQ, o_w, H, o, dt);
+        lin_par(attn, T, NQ, lin + 4, H, o, dt, xp, sums);
 #pragma omp single
         rms_any(o, res_out, res_out, n2, xn, 0, T, H, eps2, 0.f, dt, dt, buf);
-        gemv_par(xn, T, H, gu_w, 2 * I, h, dt);
+        lin_par(xn, T, H, lin + 8, 2 * I, h, dt, xp, sums);
 #pragma omp single
         silu_any(h, act, 0, T, I, dt);
-        gemv_par(act, T, I, down_w, H, out, dt);
+        lin_par(act, T, I, lin + 12, H, out, dt, xp, sums);
         free(sc);
         free(buf);
     }
+    free(sums);
+    free(xp);
     free(ws);
     return 0;
 }

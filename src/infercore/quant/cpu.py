@@ -109,15 +109,29 @@ def pack_int8(w: IntWeight) -> tuple[torch.Tensor, torch.Tensor]:
     return q, w.scales[:, 0].to(torch.bfloat16).contiguous()
 
 
-# Rows up to which INT4 g128 weights run the native kernel (ops.moe.cpu_native.linear_q4); more rows take ATen's
-# INT4 GEMM (its operands are a second packed copy of the weight, made at the first such call).
+# Rows up to which INT4 weights in groups of 32-256 and GGUF Q4_0 / Q4_1 blocks run the native kernel
+# (ops.moe.cpu_native.linear_q4); more rows take ATen's INT4 GEMM (its operands are a second packed copy of the
+# weight, made at the first such call).
 NATIVE_Q4_MAX_ROWS = 4
 
 
-def _native_q4(w) -> bool:
+def native_q4(w) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The native INT4 kernels' operands for ``w`` (``cpu_native.pack_q4`` / ``pack_gguf_q4``: codes uint8
+    ``[N, Kp / 2]``, scales-and-zeros fp32 ``[N, 2, Kp / g]``), made once and kept beside the weight; None where
+    those kernels cannot take ``w`` or do not run vectorized here."""
     from ..ops.moe import cpu_native
 
-    return isinstance(w, IntWeight) and w.group_size == cpu_native.Q4_GROUP and cpu_native.q4_supported()
+    if isinstance(w, IntWeight):
+        if w.bits != 4 or w.group_size not in cpu_native.Q4_GROUPS or w.padded_in_features % w.group_size:
+            return None
+        store, make = w.qweight, cpu_native.pack_q4
+    elif isinstance(w, GGUFWeight) and w.qtype in ("q4_0", "q4_1"):
+        store, make = w.raw, cpu_native.pack_gguf_q4
+    else:
+        return None
+    if store.device.type != "cpu" or not cpu_native.q4_supported():
+        return None
+    return packed(store, ("cpu", "native4"), lambda: make(w))
 
 
 def _matmul(x: torch.Tensor, w, bias: torch.Tensor | None, reference):
@@ -126,10 +140,11 @@ def _matmul(x: torch.Tensor, w, bias: torch.Tensor | None, reference):
     kind = cpu_kind(w) if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
     if kind is None:
         return reference(x, w, bias)
-    if kind == "int4" and x.shape[0] <= NATIVE_Q4_MAX_ROWS and _native_q4(w):  # decode rows: the native kernel
+    ops = native_q4(w) if kind in ("int4", "gguf4") and x.shape[0] <= NATIVE_Q4_MAX_ROWS else None
+    if ops is not None:  # decode rows: the native kernel
         from ..ops.moe import cpu_native
 
-        y = cpu_native.linear_q4(x, *packed(w.qweight, ("cpu", "native4"), lambda: cpu_native.pack_q4(w)))
+        y = cpu_native.linear_q4(x, *ops)
         return y if bias is None else (y.float() + bias.float()).to(x.dtype)
     if kind == "int8":
         kp = _int8_k(w)

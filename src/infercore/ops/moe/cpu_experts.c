@@ -95,69 +95,98 @@ static void dot_rows(const uint16_t *w, const uint16_t *const *x, int M, int64_t
 #endif
 }
 
-/* INT4 rows (groups of Q4G along K): codes of one row as K / 2 bytes, group j's 64 bytes holding element b of
- * the group in the low nibble of byte b and element b + 64 in the high one; sz [K / Q4G][2] fp32 (scale, zero)
- * with w = (q - 8) * scale + zero. y[m] = sum_j scale_j * sum_i (q_i - 8) x_mi + zero_j * sum_i x_mi. */
-#define Q4G 128
-static void dot_rows_q4(const uint8_t *codes, const float *sz, const uint16_t *const *x, const float *const *xsum,
-                        int M, int64_t K, float *y) {
+/* INT4 rows in groups of g along K (g in 32, 64, 128, 256). Codes of one row: K / 2 bytes, each span of 64 elements
+ * in 32 bytes, byte b holding element b of the span in its low nibble and element 32 + b in its high one; where
+ * g = 32 and K % 64 = 32, the last 32 elements in 16 bytes, byte b holding elements b and 16 + b (GGUF's block
+ * layout). sz: scales [K / g] then zeros [K / g] (fp32) with w = (128 + q) * scale + zero: each code is read as
+ * the bf16 of 128 + q (0x4300 | q, exact), so group j adds scale_j * sum_i (128 + q_i) x_i + zero_j * xsum_j
+ * (xsum: the row's group sums, group_sums). ops/moe/cpu_native.py's _q4_operands packs both. */
+#define Q4G 128 /* the MoE experts' group */
+static inline int q4_code(const uint8_t *c, int64_t K, int64_t e) {
+    const int64_t k64 = K / 64 * 64;
+    if (e >= k64) { /* the 32-element tail */
+        const int64_t i = e - k64;
+        return i < 16 ? c[k64 / 2 + i] & 15 : c[k64 / 2 + i - 16] >> 4;
+    }
+    const int64_t i = e % 64;
+    return i < 32 ? c[e / 64 * 32 + i] & 15 : c[e / 64 * 32 + i - 32] >> 4;
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    /* bf16 of (q - 8) for q in [0, 16), in the low 16 of 32 16-bit lanes */
-    const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                           0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
-                                           (short)0xbf80, (short)0xc000, (short)0xc040, (short)0xc080,
-                                           (short)0xc0a0, (short)0xc0c0, (short)0xc0e0, (short)0xc100);
-    const __m512i lo4 = _mm512_set1_epi16(0x0f);
-    __m512 tot[MB];
-    float zs[MB];
-    for (int m = 0; m < M; m++) {
-        tot[m] = _mm512_setzero_ps();
-        zs[m] = 0.f;
-    }
-    for (int64_t j = 0; j < K / Q4G; j++) {
-        const uint8_t *c = codes + j * (Q4G / 2);
-        __m512i w[4];
-        for (int h = 0; h < 2; h++) {
-            __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(c + 32 * h)));
-            w[2 * h] = _mm512_permutexvar_epi16(_mm512_and_si512(v, lo4), table);                 /* 32h.. */
-            w[2 * h + 1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);              /* 64+32h.. */
-        }
-        const __m512 sc = _mm512_set1_ps(sz[2 * j]);
+static inline __attribute__((always_inline)) __m512 dp0(const uint16_t *x, __m512i w) {
+    return _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512((const void *)x), (__m512bh)w);
+}
+
+static inline __attribute__((always_inline)) void dot_q4_g(const uint8_t *codes, const float *sz,
+                                                           const uint16_t *const *x, const float *const *xsum, int M,
+                                                           int64_t K, const int64_t g, float *y) {
+    const int64_t nG = K / g, k64 = K / 64 * 64;
+    const float *scale = sz, *zero = sz + nG;
+    const __m512i lo4 = _mm512_set1_epi16(0x0f), bias = _mm512_set1_epi16(0x4300);
+    /* two chains a row: the low halves of the spans in t0, the high ones in t1 */
+    __m512 t0[MB], t1[MB];
+    for (int m = 0; m < M; m++) t0[m] = t1[m] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < k64 / 64; s++) {
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(codes + 32 * s)));
+        const __m512i wl = _mm512_or_si512(_mm512_and_si512(v, lo4), bias);
+        const __m512i wh = _mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
+        /* g = 32: the halves are groups 2s and 2s + 1; else both in group 64 s / g */
+        const __m512 s0 = _mm512_set1_ps(scale[g == 32 ? 2 * s : 64 * s / g]);
+        const __m512 s1 = g == 32 ? _mm512_set1_ps(scale[2 * s + 1]) : s0;
         for (int m = 0; m < M; m++) {
-            const uint16_t *xg = x[m] + j * Q4G;
-            __m512 a = _mm512_setzero_ps();
-            for (int h = 0; h < 2; h++) {
-                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const void *)(xg + 32 * h)), (__m512bh)w[2 * h]);
-                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const void *)(xg + 64 + 32 * h)),
-                                     (__m512bh)w[2 * h + 1]);
-            }
-            tot[m] = _mm512_fmadd_ps(a, sc, tot[m]);
-            zs[m] += sz[2 * j + 1] * xsum[m][j];
+            const uint16_t *xs = x[m] + 64 * s;
+            t0[m] = _mm512_fmadd_ps(dp0(xs, wl), s0, t0[m]);
+            t1[m] = _mm512_fmadd_ps(dp0(xs + 32, wh), s1, t1[m]);
         }
     }
-    for (int m = 0; m < M; m++) y[m] = _mm512_reduce_add_ps(tot[m]) + zs[m];
+    if (k64 < K) { /* g = 32: the last group in 16 bytes */
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + k64 / 2)));
+        const __m256i l4 = _mm256_set1_epi16(0x0f);
+        const __m512i w = _mm512_or_si512(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, l4)),
+                                                             _mm256_srli_epi16(v, 4), 1), bias);
+        const __m512 sl = _mm512_set1_ps(scale[nG - 1]);
+        for (int m = 0; m < M; m++) t0[m] = _mm512_fmadd_ps(dp0(x[m] + k64, w), sl, t0[m]);
+    }
+    for (int m = 0; m < M; m++) {
+        __m512 z = _mm512_add_ps(t0[m], t1[m]);
+        for (int64_t j = 0; j < nG; j += 16) {
+            const __mmask16 k = nG - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nG - j)) - 1);
+            z = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, zero + j), _mm512_maskz_loadu_ps(k, xsum[m] + j), z);
+        }
+        y[m] = _mm512_reduce_add_ps(z);
+    }
+}
+#endif
+
+static void dot_rows_q4(const uint8_t *codes, const float *sz, const uint16_t *const *x, const float *const *xsum,
+                        int M, int64_t K, int64_t g, float *y) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    switch (g) { /* the group a constant in each copy */
+    case 32: dot_q4_g(codes, sz, x, xsum, M, K, 32, y); return;
+    case 64: dot_q4_g(codes, sz, x, xsum, M, K, 64, y); return;
+    case 128: dot_q4_g(codes, sz, x, xsum, M, K, 128, y); return;
+    default: dot_q4_g(codes, sz, x, xsum, M, K, 256, y); return;
+    }
 #else
+    const int64_t nG = K / g;
     for (int m = 0; m < M; m++) {
         float t = 0.f;
-        for (int64_t j = 0; j < K / Q4G; j++) {
-            const uint8_t *c = codes + j * (Q4G / 2);
+        for (int64_t j = 0; j < nG; j++) {
             float a = 0.f;
-            for (int b = 0; b < Q4G; b++) {
-                int q = b < 64 ? (c[b] & 15) : (c[b - 64] >> 4);
-                a += (float)(q - 8) * bf16_to_f32(x[m][j * Q4G + b]);
-            }
-            t += a * sz[2 * j] + xsum[m][j] * sz[2 * j + 1];
+            for (int64_t b = 0; b < g; b++) a += (float)(128 + q4_code(codes, K, j * g + b)) * bf16_to_f32(x[m][j * g + b]);
+            t += a * sz[j] + xsum[m][j] * sz[nG + j];
         }
         y[m] = t;
     }
 #endif
 }
 
-/* A weight of one of the two kinds: bf16 rows [.., N, K], or INT4 codes [.., N, K / 2] with sz [.., N, K / Q4G, 2] */
+/* A weight of one of the two kinds: bf16 rows [.., N, K], or INT4 codes [.., N, K / 2] with sz [.., N, 2, K / g] */
 typedef struct {
     const uint16_t *bf16;
     const uint8_t *q4;
     const float *sz;
+    int64_t g;
 } wdesc;
 
 static void row_dot(const wdesc *w, int64_t row, int64_t K, const uint16_t *const *xs, const float *const *ss, int M,
@@ -165,14 +194,14 @@ static void row_dot(const wdesc *w, int64_t row, int64_t K, const uint16_t *cons
     if (w->bf16)
         dot_rows(w->bf16 + row * K, xs, M, K, y);
     else
-        dot_rows_q4(w->q4 + row * (K / 2), w->sz + row * (K / Q4G) * 2, xs, ss, M, K, y);
+        dot_rows_q4(w->q4 + row * (K / 2), w->sz + row * (K / w->g) * 2, xs, ss, M, K, w->g, y);
 }
 
-/* sums[r][j] = sum of x row r over group j of Q4G (the zero term of INT4 rows), rows of K */
-static void group_sums(const uint16_t *x, int64_t K, float *sums) {
-    for (int64_t j = 0; j < K / Q4G; j++) {
+/* sums[j] = sum of x over group j of g (the zero term of INT4 rows), a row of K */
+static void group_sums(const uint16_t *x, int64_t K, int64_t g, float *sums) {
+    for (int64_t j = 0; j < K / g; j++) {
         float s = 0.f;
-        for (int64_t i = 0; i < Q4G; i++) s += bf16_to_f32(x[j * Q4G + i]);
+        for (int64_t i = 0; i < g; i++) s += bf16_to_f32(x[j * g + i]);
         sums[j] = s;
     }
 }
@@ -211,7 +240,7 @@ static void moe_experts(const uint16_t *x, int64_t T, int64_t H, int64_t I, cons
         const float *ss[MB] = {0, 0, 0, 0};
         if (q4) {
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++) group_sums(x + t * H, H, xsum + t * (H / Q4G));
+            for (int64_t t = 0; t < T; t++) group_sums(x + t * H, H, Q4G, xsum + t * (H / Q4G));
         }
         /* gate_up: units (group, row block) */
 #pragma omp for schedule(static)
@@ -237,7 +266,7 @@ static void moe_experts(const uint16_t *x, int64_t T, int64_t H, int64_t I, cons
                 float gt = bf16_to_f32(hp[i]), up = bf16_to_f32(hp[I + i]);
                 ap[i] = f32_to_bf16(gt / (1.f + expf(-gt)) * up);
             }
-            if (q4) group_sums(ap, I, asum + p * (I / Q4G));
+            if (q4) group_sums(ap, I, Q4G, asum + p * (I / Q4G));
         }
         /* down: units (group, row block) */
 #pragma omp for schedule(static)
@@ -275,59 +304,77 @@ void infercore_moe_experts_bf16(const uint16_t *x, int64_t T, int64_t H, int64_t
                                 const uint16_t *down, int64_t G, const int64_t *gexp, const int64_t *goff,
                                 const int64_t *ptok, const float *pw, uint16_t *h, uint16_t *act, uint16_t *y,
                                 float *acc, uint16_t *out, int nthreads) {
-    wdesc gu = {gate_up, 0, 0}, dn = {down, 0, 0};
+    wdesc gu = {gate_up, 0, 0, 0}, dn = {down, 0, 0, 0};
     moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, 0, nthreads);
 }
 
-/* The same over INT4 experts: codes gate_up [E, 2I, H / 2], down [E, H, I / 2] (uint8), sz [E, 2I, H / Q4G, 2] and
- * [E, H, I / Q4G, 2] (fp32); H and I multiples of Q4G; sums: workspace of T * H / Q4G + P * I / Q4G floats */
+/* The same over INT4 experts: codes gate_up [E, 2I, H / 2], down [E, H, I / 2] (uint8), sz [E, 2I, 2, H / Q4G] and
+ * [E, H, 2, I / Q4G] (fp32); H and I multiples of Q4G; sums: workspace of T * H / Q4G + P * I / Q4G floats */
 void infercore_moe_experts_q4(const uint16_t *x, int64_t T, int64_t H, int64_t I, const uint8_t *gate_up,
                               const float *gate_up_sz, const uint8_t *down, const float *down_sz, int64_t G,
                               const int64_t *gexp, const int64_t *goff, const int64_t *ptok, const float *pw,
                               uint16_t *h, uint16_t *act, uint16_t *y, float *acc, uint16_t *out, float *sums,
                               int nthreads) {
-    wdesc gu = {0, gate_up, gate_up_sz}, dn = {0, down, down_sz};
+    wdesc gu = {0, gate_up, gate_up_sz, Q4G}, dn = {0, down, down_sz, Q4G};
     moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, sums, nthreads);
+}
+
+/* Rows [r0, r1) of y [M, N] (row stride ldy) = x [M, K] @ w^T, bf16 x / y, in the token grouping of the GEMVs below
+ * (so the same values bit for bit); ss: M rows of group sums for INT4 weights (group_sums), else unused. Opens no
+ * OpenMP region. */
+static void rows_range(const wdesc *w, const uint16_t *x, int64_t M, int64_t K, const float *ss, int64_t r0, int64_t r1,
+                       uint16_t *y, int64_t ldy) {
+    const uint16_t *xs[MB];
+    const float *sp[MB] = {0, 0, 0, 0};
+    for (int64_t c = 0; c < M; c += MB) {
+        int m = M - c < MB ? (int)(M - c) : MB;
+        for (int j = 0; j < m; j++) {
+            xs[j] = x + (c + j) * K;
+            if (w->q4) sp[j] = ss + (c + j) * (K / w->g);
+        }
+        unit_gemv(w, 0, K, r0, r1, xs, sp, m, y + c * ldy, ldy);
+    }
 }
 
 static void linear(const uint16_t *x, int64_t M, int64_t K, const wdesc *w, int64_t N, uint16_t *y, float *sums,
                    int nthreads) {
     const int64_t nb = (N + RB - 1) / RB;
-    const int q4 = w->q4 != 0; /* sums: [M, K / Q4G] (INT4 only) */
 #pragma omp parallel num_threads(nthreads)
     {
-        const uint16_t *xs[MB];
-        const float *ss[MB] = {0, 0, 0, 0};
-        if (q4) {
+        if (w->q4) { /* sums: [M, K / g] */
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < M; r++) group_sums(x + r * K, K, sums + r * (K / Q4G));
+            for (int64_t r = 0; r < M; r++) group_sums(x + r * K, K, w->g, sums + r * (K / w->g));
         }
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < nb; b++) {
-            for (int64_t c = 0; c < M; c += MB) {
-                int m = M - c < MB ? (int)(M - c) : MB;
-                for (int j = 0; j < m; j++) {
-                    xs[j] = x + (c + j) * K;
-                    if (q4) ss[j] = sums + (c + j) * (K / Q4G);
-                }
-                unit_gemv(w, 0, K, b * RB, (b + 1) * RB < N ? (b + 1) * RB : N, xs, ss, m, y + c * N, N);
-            }
-        }
+        for (int64_t b = 0; b < nb; b++) rows_range(w, x, M, K, sums, b * RB, (b + 1) * RB < N ? (b + 1) * RB : N, y, N);
     }
 }
 
 /* y [M, N] = x [M, K] @ w[N, K]^T, bf16, rows of w in blocks of RB across the threads (a dense decode GEMV) */
 void infercore_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, uint16_t *y,
                            int nthreads) {
-    wdesc d = {w, 0, 0};
+    wdesc d = {w, 0, 0, 0};
     linear(x, M, K, &d, N, y, 0, nthreads);
 }
 
-/* The same over an INT4 weight: codes [N, K / 2], sz [N, K / Q4G, 2]; K a multiple of Q4G; sums: M * K / Q4G floats */
-void infercore_linear_q4(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t N,
-                         uint16_t *y, float *sums, int nthreads) {
-    wdesc d = {0, w, sz};
+/* The same over an INT4 weight in groups of g (32, 64, 128, 256): codes [N, K / 2], sz [N, 2, K / g]; K a
+ * multiple of g; sums: M * K / g floats */
+void infercore_linear_q4(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
+                         int64_t N, uint16_t *y, float *sums, int nthreads) {
+    wdesc d = {0, w, sz, g};
     linear(x, M, K, &d, N, y, sums, nthreads);
+}
+
+/* For the fused decoder layer (ops/cpu_kernels.c), inside its OpenMP region: the group sums of M rows of K, and
+ * rows [r0, r1) of an INT4 linear as infercore_linear_q4 computes them */
+void infercore_q4_sums(const uint16_t *x, int64_t M, int64_t K, int64_t g, float *sums) {
+    for (int64_t r = 0; r < M; r++) group_sums(x + r * K, K, g, sums + r * (K / g));
+}
+
+void infercore_q4_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
+                        const float *sums, int64_t r0, int64_t r1, uint16_t *y, int64_t ldy) {
+    wdesc d = {0, w, sz, g};
+    rows_range(&d, x, M, K, sums, r0, r1, y, ldy);
 }
 
 /* A read-only pass over n bytes (n a multiple of 64) by every thread: what the host's weight reads can reach */

@@ -85,7 +85,7 @@ def _build() -> ctypes.CDLL:
     dll.infercore_moe_experts_q4.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P,
                                              _P, _P, _P, _INT]
     dll.infercore_moe_experts_q4.restype = None
-    dll.infercore_linear_q4.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _P, _INT]
+    dll.infercore_linear_q4.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _INT]
     dll.infercore_linear_q4.restype = None
     dll.infercore_linear_f32.argtypes = [_P, _I64, _I64, _P, _I64, _P, _INT]
     dll.infercore_linear_f32.restype = None
@@ -100,8 +100,8 @@ def _build() -> ctypes.CDLL:
     dll.infercore_decode_attention.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
                                                _F, _I64, _P, _INT, _INT]
     dll.infercore_llama_decode_layer.argtypes = [_P, _P, _P, _P, _I64, _I64, _P, _F, _P, _I64, _I64, _I64, _P, _P,
-                                                 _I64, _P, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _F, _I64, _P, _P,
-                                                 _F, _P, _I64, _P, _INT, _INT]
+                                                 _I64, _P, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _F, _I64, _P, _F,
+                                                 _I64, _INT, _INT]
     dll.infercore_llama_decode_layer.restype = _INT
     for f in ("rms_norm", "silu_and_mul"):
         getattr(dll, f"infercore_{f}").restype = None
@@ -223,7 +223,8 @@ def moe_experts_bf16(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 expert_offset)
 
 
-Q4_GROUP = 128
+Q4_GROUP = 128  # the MoE experts kernel's group (moe_experts_q4)
+Q4_GROUPS = (32, 64, 128, 256)  # the groups the INT4 GEMVs take (linear_q4, the fused decoder layer)
 
 
 def q4_supported() -> bool:
@@ -231,31 +232,58 @@ def q4_supported() -> bool:
     return available() and status() == "avx512-bf16"
 
 
+def _q4_operands(nib: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g: int):
+    """``(codes uint8 [N, K / 2], sz fp32 [N, 2, K / g])`` from codes ``nib [N, K]`` in [0, 16) and fp32 ``scale`` /
+    ``zero`` ``[N, K / g]`` with ``w = (nib - 8) * scale + zero``, in the kernels' layout (``cpu_experts.c``): each
+    span of 64 elements in 32 bytes, byte ``b`` holding element ``b`` in its low nibble and ``32 + b`` in its high
+    one (a 32-element tail: ``b`` and ``16 + b``); ``sz`` the scales, then the zeros of ``w = (128 + nib) * scale
+    + zero'`` (``zero' = zero - 136 scale``), as the kernels read each code as the bf16 of ``128 + nib``."""
+    n, k = nib.shape
+    q = nib.to(torch.uint8)
+    k64 = k // 64 * 64
+    spans = q[:, :k64].reshape(n, k64 // 64, 2, 32)
+    tail = q[:, k64:].reshape(n, -1, 2, 16)
+    codes = torch.cat([(spans[:, :, 0] | (spans[:, :, 1] << 4)).reshape(n, -1),
+                       (tail[:, :, 0] | (tail[:, :, 1] << 4)).reshape(n, -1)], 1).contiguous()
+    scale = scale.float()
+    return codes.cpu(), torch.stack([scale, zero.float() - 136.0 * scale], 1).contiguous().cpu()
+
+
 def pack_q4(w) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The native INT4 operands of a 4-bit :class:`~infercore.quant.formats.IntWeight` with groups of 128 along K:
-    ``(codes uint8 [N, Kp / 2], sz fp32 [N, Kp / 128, 2])``, group ``j``'s 64 bytes holding element ``b`` in the
-    low nibble of byte ``b`` and element ``b + 64`` in the high one, and ``w = (q - 8) * scale + zero``; None for
-    other formats."""
+    """The native INT4 operands of a 4-bit :class:`~infercore.quant.formats.IntWeight` with groups of
+    :data:`Q4_GROUPS` along K: ``(codes uint8 [N, Kp / 2], sz fp32 [N, 2, Kp / g])`` (:func:`_q4_operands` of
+    ``scale = s`` and ``zero = (8 - z) * s``); None for other formats."""
     from ...quant.formats import IntWeight
 
-    if not isinstance(w, IntWeight) or w.bits != 4 or w.group_size != Q4_GROUP:
+    if not isinstance(w, IntWeight) or w.bits != 4 or w.group_size not in Q4_GROUPS:
         return None
-    kp = w.padded_in_features
-    if kp % Q4_GROUP or w.scales.shape[1] != kp // Q4_GROUP:
+    kp, g = w.padded_in_features, w.group_size
+    if kp % g or w.scales.shape[1] != kp // g:
         return None
-    n = w.shape[0]
-    q = w.codes().to(torch.uint8).view(n, kp // Q4_GROUP, 2, Q4_GROUP // 2)
-    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, kp // 2).contiguous()
     s = w.scales.float()
-    sz = torch.stack([s, (8.0 - w.zero_points()) * s], -1).contiguous()
-    return codes.cpu(), sz.cpu()
+    return _q4_operands(w.codes(), s, (8.0 - w.zero_points()) * s, g)
+
+
+def pack_gguf_q4(w) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The native INT4 operands (groups of 32) of GGUF Q4_0 / Q4_1 blocks (a
+    :class:`~infercore.quant.formats.GGUFWeight`): the blocks' own nibble layout, ``scale = d`` and ``zero = m + 8 d``
+    (0 for Q4_0) in fp32; None for other formats."""
+    from ...quant.formats import GGUFWeight
+    from ...quant.gguf import BLOCK_BYTES, q4_parts
+
+    if not isinstance(w, GGUFWeight) or w.qtype not in ("q4_0", "q4_1"):
+        return None
+    n = w.raw.shape[0]
+    nib, d, m = q4_parts(w.raw.reshape(n, -1, BLOCK_BYTES[w.qtype]), w.qtype)
+    zero = torch.zeros_like(d) if w.qtype == "q4_0" else m + 8.0 * d
+    return _q4_operands(nib.reshape(n, -1), d, zero, 32)
 
 
 def moe_experts_q4(x: torch.Tensor, gate_up: tuple[torch.Tensor, torch.Tensor],
                    down: tuple[torch.Tensor, torch.Tensor], weights: torch.Tensor, ids: torch.Tensor,
                    expert_offset: int | None = None) -> torch.Tensor:  # fmt: skip
-    """:func:`moe_experts_bf16` over INT4 experts: ``gate_up = (codes [E, 2I, H / 2], sz [E, 2I, H / 128, 2])``,
-    ``down = (codes [E, H, I / 2], sz [E, H, I / 128, 2])`` (:func:`pack_q4` per expert, stacked; H and I
+    """:func:`moe_experts_bf16` over INT4 experts: ``gate_up = (codes [E, 2I, H / 2], sz [E, 2I, 2, H / 128])``,
+    ``down = (codes [E, H, I / 2], sz [E, H, 2, I / 128])`` (:func:`pack_q4` per expert, stacked; H and I
     multiples of 128)."""
     lib = _need()
     E, I2, H = gate_up[0].shape[0], gate_up[0].shape[1], gate_up[0].shape[2] * 2
@@ -264,15 +292,17 @@ def moe_experts_q4(x: torch.Tensor, gate_up: tuple[torch.Tensor, torch.Tensor],
 
 
 def linear_q4(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ dequant(w)^T`` for bf16 ``x`` and :func:`pack_q4`'s operands ``[N, Kp / 2]`` / ``[N, Kp / 128,
-    2]`` (``x`` zero-padded to Kp) -> ``[M, N]`` bf16."""
+    """``x [M, K] @ dequant(w)^T`` for bf16 ``x`` and :func:`pack_q4` / :func:`pack_gguf_q4`'s operands
+    ``[N, Kp / 2]`` / ``[N, 2, Kp / g]`` (``x`` zero-padded to Kp) -> ``[M, N]`` bf16."""
     lib = _need()
     M, K = x.shape
     N, kp = codes.shape[0], codes.shape[1] * 2
+    g = kp // sz.shape[2]
     x = torch.nn.functional.pad(x, (0, kp - K)) if kp > K else x.contiguous()
     y = torch.empty(M, N, dtype=torch.bfloat16)
-    sums = torch.empty(M * kp // Q4_GROUP, dtype=torch.float32)
-    lib.infercore_linear_q4(_ptr(x), M, kp, _ptr(codes), _ptr(sz), N, _ptr(y), _ptr(sums), torch.get_num_threads())
+    sums = torch.empty(M * kp // g, dtype=torch.float32)
+    lib.infercore_linear_q4(_ptr(x), M, kp, _ptr(codes), _ptr(sz), g, N, _ptr(y), _ptr(sums),
+                            torch.get_num_threads())
     return y
 
 
@@ -464,16 +494,39 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+def layer_linear(lin, dtype: torch.dtype) -> tuple[int, int, int, int] | None:
+    """How :func:`llama_decode_layer` takes the linear module ``lin`` for activations of ``dtype``: ``(weight
+    pointer, scales-and-zeros pointer, group, Kp)``, for a ``models.layout.CPUPackedLinear`` without bias whose
+    contiguous weight has ``dtype`` (group 0), or a ``quant.QuantLinear`` without bias or input permutation over
+    INT4 groups / GGUF Q4_0 / Q4_1 blocks that the native INT4 GEMV takes (``quant.cpu.native_q4``), with bf16
+    activations; None for anything else."""
+    from ...models.layout import CPUPackedLinear
+    from ...quant.cpu import native_q4
+    from ...quant.linear import QuantLinear
+
+    if type(lin) is CPUPackedLinear:
+        w = lin._parameters["weight"]
+        ok = lin.bias is None and w.dtype == dtype and w.is_contiguous()
+        return (w.data_ptr(), 0, 0, w.shape[1]) if ok else None
+    if type(lin) is QuantLinear and dtype == torch.bfloat16 and lin.bias is None and lin.in_perm is None:
+        ops = native_q4(lin.qweight_format)
+        if ops is not None:
+            codes, sz = ops
+            kp = codes.shape[1] * 2
+            return codes.data_ptr(), sz.data_ptr(), kp // sz.shape[2], kp
+    return None
+
+
 def llama_decode_layer(x: torch.Tensor, residual: torch.Tensor | None, layer, positions: torch.Tensor,
                        cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                       linears: list[tuple[int, int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """``models.llama.LlamaDecoderLayer.forward`` for ``T`` decode rows in one native call -> ``(mlp output [T, H],
     new residual [T, H])``, the same values as the op-by-op path. ``x`` / ``residual`` (or None in the first
     layer): ``[T, H]`` fp32 / bf16 like the layer's weights; ``positions [T]``; ``cos_sin_cache`` fp32 ``[max_pos,
     head_dim]``; caches ``[pages, page_size, Hk, head_dim]`` of x's dtype; ``meta`` a decode-only
-    ``AttentionMetadata`` of ``T`` sequences. The caller checks that the layer and step fit
-    (``LlamaDecoderLayer._native_decode``). Out-of-range slots, positions, page ids or sequence lengths raise
-    ``IndexError`` before anything is written."""
+    ``AttentionMetadata`` of ``T`` sequences; ``linears``: :func:`layer_linear` of qkv, o, gate_up and down. The
+    caller checks that the layer and step fit (``LlamaDecoderLayer._native_decode``). Out-of-range slots,
+    positions, page ids or sequence lengths raise ``IndexError`` before anything is written."""
     lib = _need()
     attn, mlp = layer.self_attn, layer.mlp
     T, H = x.shape
@@ -484,13 +537,13 @@ def llama_decode_layer(x: torch.Tensor, residual: torch.Tensor | None, layer, po
     lens, bt = _tables(meta.seq_lens, meta.block_table)
     num_pages, ps = k_cache.shape[0], k_cache.shape[1]
     n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+    lin = (ctypes.c_int64 * 16)(*(v for t in linears for v in t))
     rc = lib.infercore_llama_decode_layer(
         _ptr(x), _ptr(res) if res is not None else None, _ptr(res_out), _ptr(out), T, H,
-        _ptr(n1.weight), n1.eps, _ptr(attn.qkv_proj.weight), attn.num_heads, attn.num_kv_heads, attn.head_dim,
+        _ptr(n1.weight), n1.eps, lin, attn.num_heads, attn.num_kv_heads, attn.head_dim,
         _ptr(pos), _ptr(cos_sin_cache), cos_sin_cache.shape[0], _ptr(k_cache), _ptr(v_cache), num_pages, ps,
         _ptr(slots), _ptr(lens), _ptr(bt), bt.stride(0), bt.shape[1], attn.scale, attn.sliding_window or 0,
-        _ptr(attn.o_proj.weight), _ptr(n2.weight), n2.eps, _ptr(mlp.gate_up_proj.weight),
-        mlp.down_proj.weight.shape[1], _ptr(mlp.down_proj.weight), _DT[x.dtype], torch.get_num_threads())
+        _ptr(n2.weight), n2.eps, mlp.down_proj.in_features, _DT[x.dtype], torch.get_num_threads())
     if rc < 0:  # nothing was written
         if rc >= -2 * T:
             raise _rows_error("decoder layer", rc, slots, pos, num_pages * ps, cos_sin_cache.shape[0])

@@ -81,7 +81,7 @@ def linear_cases(ms: list[int], bw: float) -> list[dict]:
                            ours=ours, peers={"reference (dequantize + matmul)": ref, "bf16 F.linear, dense": bf16},
                            floor=bw / nbytes if m == 1 else None, kernel=QC.cpu_kind(w), weight_bytes=nbytes,
                            ours_us=1e6 / ours, reference_us=1e6 / ref, bf16_us=1e6 / bf16, aten_us=1e6 / aten,
-                           native=QC.cpu_kind(w) == "int4" and m <= QC.NATIVE_Q4_MAX_ROWS and QC._native_q4(w))
+                           native=m <= QC.NATIVE_Q4_MAX_ROWS and QC.native_q4(w) is not None)
                 print(f"{row['case']}: {1e6 / ours:.0f} us (reference {1e6 / ref:.0f}, bf16 dense {1e6 / bf16:.0f}, "
                       f"ATen alone {1e6 / aten:.0f})", flush=True)
                 cases.append(row)

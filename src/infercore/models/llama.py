@@ -282,12 +282,14 @@ class LlamaDecoderLayer(nn.Module):
                 and cos_sin.dtype == torch.float32 and cos_sin.shape[-1] == attn.head_dim and cos_sin.is_contiguous()
                 and meta.seq_lens.shape == (x.shape[0],) and meta.block_table.shape[0] == x.shape[0]):
             return None
-        linears = []
-        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            desc = cpu_native.layer_linear(lin, dt)
-            if desc is None:
-                return None
-            linears.append(desc)
+        lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        key = (dt, *lins, *(cpu_native.layer_linear_store(lin) for lin in lins))
+        cached = self.__dict__.get("_native_linears")  # (key, descriptors): they are looked up once per weight set
+        if cached is not None and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key)):
+            return cached[1]
+        linears = [cpu_native.layer_linear(lin, dt) for lin in lins]
+        linears = None if None in linears else linears
+        self.__dict__["_native_linears"] = (key, linears)
         return linears
 
 

@@ -494,6 +494,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+def layer_linear_store(lin):
+    """The tensor whose identity :func:`layer_linear`'s answer for ``lin`` rests on (a dense weight, or a quantized
+    layer's first buffer: its packed operands are kept beside it), so a caller may keep that answer while it is
+    the same object; None for other modules."""
+    params, buffers = lin.__dict__.get("_parameters", {}), lin.__dict__.get("_buffers", {})
+    names = lin.__dict__.get("_names")
+    return params.get("weight") if names is None else buffers.get(names[0]) if names else None
+
+
 def layer_linear(lin, dtype: torch.dtype) -> tuple[int, int, int, int] | None:
     """How :func:`llama_decode_layer` takes the linear module ``lin`` for activations of ``dtype``: ``(weight
     pointer, scales-and-zeros pointer, group, Kp)``, for a ``models.layout.CPUPackedLinear`` without bias whose

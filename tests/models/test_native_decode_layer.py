@@ -41,10 +41,14 @@ _QUANT = [("w4a16-g128", {}), (_G32, {"hidden_size": 96, "intermediate_size": 16
 @pytest.mark.parametrize("dtype,scheme,cfg", [(torch.float32, None, {}), (torch.bfloat16, None, {})]
                          + [(torch.bfloat16, s, c) for s, c in _QUANT])
 @pytest.mark.parametrize("kind,kcfg", [("llama", {}), ("mistral", {"sliding_window": 8})])
-def test_fused_decode_equals_the_op_by_op_path(kind, kcfg, dtype, scheme, cfg, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stack", [True, False])
+def test_fused_decode_equals_the_op_by_op_path(kind, kcfg, dtype, scheme, cfg, stack, tmp_path, monkeypatch):
+    """Fused: all layers in one call (``llama_decode_layers``), or (stack=False) one call per layer."""
     if scheme is not None:
         assert cpu_native.q4_supported(), cpu_native.status()  # the CI machine has AVX512-BF16
     fused_model, ops_model = _models(kind, dtype, tmp_path, scheme, **kcfg, **cfg)
+    if not stack:
+        monkeypatch.setattr(L.LlamaForCausalLM, "_native_stack", lambda *a: None)
     fused, ops = PagedRunner(fused_model, seed=3), PagedRunner(ops_model, seed=3)
     taken = []
     real = L.LlamaDecoderLayer._native_decode
@@ -73,10 +77,11 @@ def test_which_layers_and_steps_take_it(tmp_path, monkeypatch):
     runner = PagedRunner(model, seed=1)
     runner.step([(0, [1, 2, 3])])
     calls = []
-    real = cpu_native.llama_decode_layer
-    monkeypatch.setattr(cpu_native, "llama_decode_layer", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for name in ("llama_decode_layer", "llama_decode_layers"):
+        real = getattr(cpu_native, name)
+        monkeypatch.setattr(cpu_native, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
     runner.step([(0, [4])])
-    assert len(calls) == 2  # both layers
+    assert calls == ["llama_decode_layers"]  # both layers in one call
     with cpu_native.layer_ops_disabled():  # the A/B switch turns it off with the other layer ops
         runner.step([(0, [5])])
     with cpu_native.fused_layers_disabled():  # and its own switch alone
@@ -84,15 +89,20 @@ def test_which_layers_and_steps_take_it(tmp_path, monkeypatch):
     monkeypatch.setenv("INFERCORE_BACKEND", "paged_attention_decode:reference")  # a backend override is honoured
     runner.step([(0, [6])])
     monkeypatch.delenv("INFERCORE_BACKEND")
-    assert len(calls) == 2
+    assert len(calls) == 1
     runner.step([(0, [7]), (1, [1, 2])])  # a mixed step (a prefill row) is not decode
-    assert len(calls) == 2
+    assert len(calls) == 1
     batch = [(i + 10, [1, 2]) for i in range(5)]
     runner.step(batch)
     runner.step([(i + 10, [3]) for i in range(5)])  # more rows than the native GEMVs take
-    assert len(calls) == 2
+    assert len(calls) == 1
     runner.step([(0, [8])])
-    assert len(calls) == 4
+    assert calls == ["llama_decode_layers"] * 2
+    # a layer the fused step cannot take (a linear with a bias) leaves the stack: the other one runs fused alone
+    down = model.model.layers[1].mlp.down_proj
+    down.bias = torch.nn.Parameter(torch.zeros(down.out_features, dtype=torch.bfloat16), requires_grad=False)
+    runner.step([(0, [9])])
+    assert calls[2:] == ["llama_decode_layer"]
 
 
 def test_out_of_range_indices_raise_before_writing(tmp_path):
@@ -102,6 +112,7 @@ def test_out_of_range_indices_raise_before_writing(tmp_path):
     layer = model.model.layers[0]
     k_cache, v_cache = runner.kv_caches[0]
     before = k_cache.clone(), v_cache.clone()
+    caches0 = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     x = torch.randn(1, 64)
     pos = torch.tensor([3])
     cos_sin = model.cos_sin_cache
@@ -132,3 +143,10 @@ def test_out_of_range_indices_raise_before_writing(tmp_path):
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1]) and torch.isfinite(out).all()
     with pytest.raises(IndexError, match=r"slot_mapping\[0\] = -2"):
         run(-2, 4, [page])
+    # the whole stack checks every layer's indices before the first one runs
+    stack = model._native_stack(x, cos_sin, runner.kv_caches, meta(page * 4 + 3, 4, [page]))
+    assert stack is not None
+    for bad, match in ((meta(32, 4, [page]), "slot_mapping"), (meta(page * 4 + 3, 4, [9]), "names a page outside")):
+        with pytest.raises(IndexError, match=match):
+            cpu_native.llama_decode_layers(x, model.model.layers, pos, cos_sin, runner.kv_caches, bad, stack)
+    assert all(torch.equal(a, b) for kv, kv0 in zip(runner.kv_caches, caches0) for a, b in zip(kv, kv0))

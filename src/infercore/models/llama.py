@@ -264,32 +264,40 @@ class LlamaDecoderLayer(nn.Module):
         if not (x.device.type == "cpu" and meta.decode_only and x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS
                 and not meta.shared_seqs and cpu_native.fused_layers_on() and cpu_native.layer_ops_apply(x)):
             return None
+        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+            return None
+        if (len(kv_cache) != 2 or hasattr(kv_cache, "k_scale") or meta.seq_lens.shape != (x.shape[0],)
+                or meta.block_table.shape[0] != x.shape[0] or os.environ.get("INFERCORE_BACKEND")):
+            return None
+        return self._native_linears(x.dtype, x.shape[1], kv_cache[0], kv_cache[1], cos_sin)
+
+    def _native_linears(self, dt, hidden: int, k_cache, v_cache, cos_sin) -> list | None:
+        """:meth:`_native_decode`'s checks of what stays fixed from step to step (the layer's modules and weights,
+        the caches, the RoPE table), and the linears' descriptors: looked up once per such set (kept on the layer,
+        keyed by those objects' identity and the tensors' data pointers)."""
         attn, mlp = self.self_attn, self.mlp
-        if (type(self) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP
-                or mlp.act is not silu_and_mul or attn.q_norm is not None or os.environ.get("INFERCORE_BACKEND")):
-            return None
-        dt = x.dtype
-        for norm in (self.input_layernorm, self.post_attention_layernorm):
-            if norm.offset != 0.0 or norm.weight.dtype != dt or norm.weight.shape != (x.shape[1],):
-                return None
-        if residual is not None and (residual.shape != x.shape or residual.dtype != dt):
-            return None
-        if len(kv_cache) != 2 or hasattr(kv_cache, "k_scale"):
-            return None
-        k_cache, v_cache = kv_cache
-        if not (k_cache.dtype == dt and v_cache.dtype == dt and k_cache.is_contiguous() and v_cache.is_contiguous()
-                and k_cache.shape == v_cache.shape and k_cache.shape[2:] == (attn.num_kv_heads, attn.head_dim)
-                and cos_sin.dtype == torch.float32 and cos_sin.shape[-1] == attn.head_dim and cos_sin.is_contiguous()
-                and meta.seq_lens.shape == (x.shape[0],) and meta.block_table.shape[0] == x.shape[0]):
-            return None
         lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        key = (dt, *lins, *(cpu_native.layer_linear_store(lin) for lin in lins))
-        cached = self.__dict__.get("_native_linears")  # (key, descriptors): they are looked up once per weight set
-        if cached is not None and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key)):
-            return cached[1]
-        linears = [cpu_native.layer_linear(lin, dt) for lin in lins]
-        linears = None if None in linears else linears
-        self.__dict__["_native_linears"] = (key, linears)
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        stores = [cpu_native.layer_linear_store(lin) for lin in lins]
+        key = (dt, k_cache, v_cache, cos_sin, attn, mlp, n1, n2, mlp.act, *lins, *stores, *(lin.bias for lin in lins),
+               n1.weight, n2.weight)
+        ptrs = (hidden, *(t.data_ptr() if t is not None else 0 for t in (k_cache, v_cache, *stores, n1.weight,
+                                                                          n2.weight)))  # fmt: skip
+        cached = self.__dict__.get("_native_linears_cache")
+        if (cached is not None and cached[1] == ptrs and len(cached[0]) == len(key)
+                and all(a is b for a, b in zip(cached[0], key))):
+            return cached[2]
+        linears = None
+        if (type(self) is LlamaDecoderLayer and type(attn) is LlamaAttention and type(mlp) is LlamaMLP
+                and mlp.act is silu_and_mul and attn.q_norm is None
+                and all(n.offset == 0.0 and n.weight.dtype == dt and n.weight.shape == (hidden,) for n in (n1, n2))
+                and k_cache.dtype == dt and v_cache.dtype == dt and k_cache.is_contiguous()
+                and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+                and k_cache.shape[2:] == (attn.num_kv_heads, attn.head_dim) and cos_sin.dtype == torch.float32
+                and cos_sin.shape[-1] == attn.head_dim and cos_sin.is_contiguous()):
+            linears = [cpu_native.layer_linear(lin, dt) for lin in lins]
+            linears = None if None in linears else linears
+        self.__dict__["_native_linears_cache"] = (key, ptrs, linears)
         return linears
 
 
@@ -353,11 +361,42 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         residual = None
         cos_sin = self.cos_sin_cache
-        for layer, kv_cache in zip(layers, kv_caches):
-            x, residual = layer(x, residual, positions, cos_sin, kv_cache, meta)
+        table = self._native_stack(x, cos_sin, kv_caches, meta)
+        if table is not None:  # CPU decode: every layer in one native call
+            x, residual = cpu_native.llama_decode_layers(x, layers, positions, cos_sin, kv_caches, meta, table)
+        else:
+            for layer, kv_cache in zip(layers, kv_caches):
+                x, residual = layer(x, residual, positions, cos_sin, kv_cache, meta)
         norm = self.model.norm
         x, _ = fused_add_rms_norm(x, residual, norm.weight, eps=norm.eps)
         return x
+
+    def _native_stack(self, x, cos_sin, kv_caches, meta):
+        """``cpu_native.llama_decode_layers``' table where every layer takes its fused decode step
+        (``LlamaDecoderLayer._native_decode``) and all are alike (heads, head_dim, intermediate size, cache shape),
+        else None. The table is kept while the layers' descriptors stay the same (their weights and caches)."""
+        layers = self.model.layers
+        if not (x.device.type == "cpu" and meta.decode_only and len(layers)):
+            return None
+        linears = []
+        for layer, kv_cache in zip(layers, kv_caches):
+            lin = layer._native_decode(x, None, cos_sin, kv_cache, meta) if isinstance(layer, LlamaDecoderLayer) \
+                else None
+            if lin is None:
+                return None
+            linears.append(lin)
+        key = tuple(linears)  # each layer's list is the same object while its weights and caches are
+        cached = self.__dict__.get("_native_stack_cache")
+        if cached is not None and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key)):
+            return cached[1]
+        a0, m0, k0 = layers[0].self_attn, layers[0].mlp, kv_caches[0][0]
+        alike = all((l.self_attn.num_heads, l.self_attn.num_kv_heads, l.self_attn.head_dim, l.self_attn.scale,
+                     l.mlp.down_proj.in_features, kv[0].shape) == (a0.num_heads, a0.num_kv_heads, a0.head_dim,
+                                                                    a0.scale, m0.down_proj.in_features, k0.shape)
+                    for l, kv in zip(layers, kv_caches))  # fmt: skip
+        table = cpu_native.decode_layers_table(layers, kv_caches, linears) if alike else None
+        self.__dict__["_native_stack_cache"] = (key, table)
+        return table
 
     def compute_logits(self, hidden: torch.Tensor, *, fp32: bool = True) -> torch.Tensor:
         """``hidden [N, H]`` -> logits ``[N, vocab_size]`` (tied to the embedding when configured): fp32,

@@ -432,3 +432,40 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
     free(ws);
     return 0;
 }
+
+/*
+ * L such decoder layers in a row (the whole stack of a decode step), the output and residual of each the next
+ * one's input, through two buffers in turn; the last layer writes out / res_out. Per layer l, tab[LAYER_TAB * l ..]:
+ * {n1, n2, k cache, v cache, window, lin[16]} (pointers as int64; lin as infercore_llama_decode_layer takes it),
+ * eps[2 l], eps[2 l + 1] the two norms' epsilons. The caches all [num_pages, ps, Hk, D]. Every layer's indices are
+ * checked before the first one runs, so an error (the return codes of infercore_llama_decode_layer) writes nothing.
+ */
+#define LAYER_TAB 21
+int infercore_llama_decode_layers(int64_t L, const int64_t *tab, const float *eps, const void *x, const void *res,
+                                  void *res_out, void *out, int64_t T, int64_t H, int64_t Hq, int64_t Hk, int64_t D,
+                                  const int64_t *pos, const float *cs, int64_t max_pos, int64_t num_pages, int64_t ps,
+                                  const int32_t *slots, const int32_t *seq_lens, const int32_t *block_table,
+                                  int64_t bt_stride, int64_t bt_cols, float scale, int64_t I, int dt, int nthreads) {
+    int rc = check_rows(slots, pos, T, num_pages * ps, max_pos);
+    if (rc) return rc;
+    for (int64_t l = 0; l < L; l++) { /* the windows may differ from layer to layer */
+        rc = check_tables(seq_lens, block_table, T, bt_stride, bt_cols, num_pages, ps, tab[LAYER_TAB * l + 4]);
+        if (rc) return (int)(rc - 2 * T);
+    }
+    const size_t es = dt ? 2 : 4, n = es * (size_t)(T * H);
+    char *buf = (char *)malloc(4 * n);
+    const void *xi = x, *ri = res;
+    for (int64_t l = 0; l < L && rc == 0; l++) {
+        const int64_t *t = tab + LAYER_TAB * l;
+        const int last = l == L - 1;
+        void *xo = last ? out : buf + (l % 2) * 2 * n, *ro = last ? res_out : buf + (l % 2) * 2 * n + n;
+        rc = infercore_llama_decode_layer(xi, ri, ro, xo, T, H, (const void *)t[0], eps[2 * l], t + 5, Hq, Hk, D, pos,
+                                          cs, max_pos, (void *)t[2], (void *)t[3], num_pages, ps, slots, seq_lens,
+                                          block_table, bt_stride, bt_cols, scale, t[4], (const void *)t[1],
+                                          eps[2 * l + 1], I, dt, nthreads);
+        xi = xo;
+        ri = ro;
+    }
+    free(buf);
+    return rc;
+}

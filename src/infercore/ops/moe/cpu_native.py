@@ -103,6 +103,9 @@ def _build() -> ctypes.CDLL:
                                                  _I64, _P, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _F, _I64, _P, _F,
                                                  _I64, _INT, _INT]
     dll.infercore_llama_decode_layer.restype = _INT
+    dll.infercore_llama_decode_layers.argtypes = [_I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P,
+                                                  _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _F, _I64, _INT, _INT]
+    dll.infercore_llama_decode_layers.restype = _INT
     for f in ("rms_norm", "silu_and_mul"):
         getattr(dll, f"infercore_{f}").restype = None
     dll.infercore_rope_write_kv.restype = _INT
@@ -557,4 +560,48 @@ def llama_decode_layer(x: torch.Tensor, residual: torch.Tensor | None, layer, po
         if rc >= -2 * T:
             raise _rows_error("decoder layer", rc, slots, pos, num_pages * ps, cos_sin_cache.shape[0])
         raise _tables_error("decoder layer", rc + 2 * T, lens, bt, num_pages, ps)
+    return out, res_out
+
+
+LAYER_TAB = 21  # int64 entries per layer of llama_decode_layers' table (ops/cpu_kernels.c)
+
+
+def decode_layers_table(layers, kv_caches, linears: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`llama_decode_layers`' per-layer operands: ``(table int64 [L, LAYER_TAB], eps fp32 [L, 2])`` from the
+    layers, their ``(k_cache, v_cache)`` and :func:`layer_linear` descriptors (pointers: valid while those tensors
+    live)."""
+    tab, eps = [], []
+    for layer, (k, v), lin in zip(layers, kv_caches, linears):
+        n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+        tab.append([n1.weight.data_ptr(), n2.weight.data_ptr(), k.data_ptr(), v.data_ptr(),
+                    layer.self_attn.sliding_window or 0, *(v for t in lin for v in t)])
+        eps.append([n1.eps, n2.eps])
+    return torch.tensor(tab, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32)
+
+
+def llama_decode_layers(x: torch.Tensor, layers, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                        kv_caches, meta, table: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stack of :func:`llama_decode_layer` calls in one native call (the first layer's residual is ``x``):
+    ``(last layer's MLP output [T, H], its residual [T, H])``, the same values. ``layers`` alike in shapes
+    (heads, head_dim, intermediate size), their caches all of one shape; ``table``: :func:`decode_layers_table`.
+    Out-of-range indices raise ``IndexError`` before any layer runs."""
+    lib = _need()
+    attn, mlp = layers[0].self_attn, layers[0].mlp
+    T, H = x.shape
+    x = x.contiguous()
+    out, res_out = torch.empty_like(x), torch.empty_like(x)
+    pos, slots = _int_rows(positions, meta.slot_mapping)
+    lens, bt = _tables(meta.seq_lens, meta.block_table)
+    k_cache = kv_caches[0][0]
+    num_pages, ps = k_cache.shape[0], k_cache.shape[1]
+    tab, eps = table
+    rc = lib.infercore_llama_decode_layers(
+        len(layers), _ptr(tab), _ptr(eps), _ptr(x), None, _ptr(res_out), _ptr(out), T, H, attn.num_heads,
+        attn.num_kv_heads, attn.head_dim, _ptr(pos), _ptr(cos_sin_cache), cos_sin_cache.shape[0], num_pages, ps,
+        _ptr(slots), _ptr(lens), _ptr(bt), bt.stride(0), bt.shape[1], attn.scale, mlp.down_proj.in_features,
+        _DT[x.dtype], torch.get_num_threads())
+    if rc < 0:  # nothing was written
+        if rc >= -2 * T:
+            raise _rows_error("decoder layers", rc, slots, pos, num_pages * ps, cos_sin_cache.shape[0])
+        raise _tables_error("decoder layers", rc + 2 * T, lens, bt, num_pages, ps)
     return out, res_out

@@ -50,24 +50,31 @@ def test_fused_decode_equals_the_op_by_op_path(kind, kcfg, dtype, scheme, cfg, s
     if not stack:
         monkeypatch.setattr(L.LlamaForCausalLM, "_native_stack", lambda *a: None)
     fused, ops = PagedRunner(fused_model, seed=3), PagedRunner(ops_model, seed=3)
-    taken = []
-    real = L.LlamaDecoderLayer._native_decode
+    taken = []  # layers run fused, per native call
+    for name in ("llama_decode_layer", "llama_decode_layers"):
+        real = getattr(cpu_native, name)
 
-    def spy(layer, *a):
-        use = real(layer, *a) if layer in fused_model.modules() else None
-        taken.append(use is not None)
-        return use
+        def spy(*a, _r=real, _n=name):
+            taken.append(len(a[1]) if _n == "llama_decode_layers" else 1)
+            return _r(*a)
 
-    monkeypatch.setattr(L.LlamaDecoderLayer, "_native_decode", spy)
+        monkeypatch.setattr(cpu_native, name, spy)
+
+    def op_by_op(batch):
+        with cpu_native.fused_layers_disabled():
+            return ops.step(batch)
+
     prefill = list(enumerate(PROMPTS))
-    assert torch.equal(fused.step(prefill), ops.step(prefill))
-    assert not any(taken)  # prefill rows keep the op-by-op path
+    assert torch.equal(fused.step(prefill), op_by_op(prefill))
+    assert not taken  # prefill rows keep the op-by-op path
     steps = [[(0, [5]), (1, [9]), (2, [11])], [(1, [30])], [(2, [7]), (0, [60])], [(0, [2]), (1, [3]), (2, [4])]]
     for _ in range(3):  # past page boundaries (page size 4) and the window (8)
         for batch in steps:
-            a, b = fused.step(batch), ops.step(batch)
+            a, b = fused.step(batch), op_by_op(batch)
             assert torch.equal(a, b)
-    assert sum(taken) == len(fused_model.model.layers) * len(steps) * 3  # every decode step of every layer
+    n_layers = len(fused_model.model.layers)
+    assert sum(taken) == n_layers * len(steps) * 3  # every decode step of every layer
+    assert set(taken) == ({n_layers} if stack else {1})  # in one call a step, or one a layer
     for (ka, va), (kb, vb) in zip(fused.kv_caches, ops.kv_caches):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 

@@ -261,13 +261,10 @@ class LlamaDecoderLayer(nn.Module):
         GEMVs take, ``cpu_native.layer_linear``: dense of x's dtype, or INT4 / GGUF Q4 blocks with bf16 x), a
         plain cache of x's dtype, full neox RoPE, no backend override (``INFERCORE_BACKEND``): what the op-by-op
         path would run, in one call."""
-        if not (x.device.type == "cpu" and meta.decode_only and x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS
-                and not meta.shared_seqs and cpu_native.fused_layers_on() and cpu_native.layer_ops_apply(x)):
+        if not _native_step(x, meta) or (residual is not None and (residual.shape != x.shape
+                                                                   or residual.dtype != x.dtype)):
             return None
-        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-            return None
-        if (len(kv_cache) != 2 or hasattr(kv_cache, "k_scale") or meta.seq_lens.shape != (x.shape[0],)
-                or meta.block_table.shape[0] != x.shape[0] or os.environ.get("INFERCORE_BACKEND")):
+        if len(kv_cache) != 2 or hasattr(kv_cache, "k_scale"):
             return None
         return self._native_linears(x.dtype, x.shape[1], kv_cache[0], kv_cache[1], cos_sin)
 
@@ -275,14 +272,16 @@ class LlamaDecoderLayer(nn.Module):
         """:meth:`_native_decode`'s checks of what stays fixed from step to step (the layer's modules and weights,
         the caches, the RoPE table), and the linears' descriptors: looked up once per such set (kept on the layer,
         keyed by those objects' identity and the tensors' data pointers)."""
-        attn, mlp = self.self_attn, self.mlp
-        lins = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        mods = self._modules
+        attn, mlp, n1, n2 = mods["self_attn"], mods["mlp"], mods["input_layernorm"], mods["post_attention_layernorm"]
+        am, mm = attn._modules, mlp._modules
+        lins = (am["qkv_proj"], am["o_proj"], mm["gate_up_proj"], mm["down_proj"])
+        w1, w2 = n1._parameters["weight"], n2._parameters["weight"]
         stores = [cpu_native.layer_linear_store(lin) for lin in lins]
-        key = (dt, k_cache, v_cache, cos_sin, attn, mlp, n1, n2, mlp.act, *lins, *stores, *(lin.bias for lin in lins),
-               n1.weight, n2.weight)
-        ptrs = (hidden, *(t.data_ptr() if t is not None else 0 for t in (k_cache, v_cache, *stores, n1.weight,
-                                                                          n2.weight)))  # fmt: skip
+        key = (dt, k_cache, v_cache, cos_sin, attn, mlp, n1, n2, mlp.__dict__.get("act"), *lins, *stores,
+               *(lin._parameters.get("bias") for lin in lins), w1, w2)
+        ptrs = (hidden, k_cache.data_ptr(), v_cache.data_ptr(), w1.data_ptr(), w2.data_ptr(),
+                *(t.data_ptr() if t is not None else 0 for t in stores))
         cached = self.__dict__.get("_native_linears_cache")
         if (cached is not None and cached[1] == ptrs and len(cached[0]) == len(key)
                 and all(a is b for a, b in zip(cached[0], key))):
@@ -299,6 +298,15 @@ class LlamaDecoderLayer(nn.Module):
             linears = None if None in linears else linears
         self.__dict__["_native_linears_cache"] = (key, ptrs, linears)
         return linears
+
+
+def _native_step(x: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """The per-step half of ``LlamaDecoderLayer._native_decode``: decode rows on the CPU, up to ``NATIVE_MAX_ROWS``
+    of them, one per sequence, the native layer ops and fused layers on, no backend override."""
+    return (x.device.type == "cpu" and meta.decode_only and x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS
+            and not meta.shared_seqs and cpu_native.fused_layers_on() and cpu_native.layer_ops_apply(x)
+            and meta.seq_lens.shape == (x.shape[0],) and meta.block_table.shape[0] == x.shape[0]
+            and not os.environ.get("INFERCORE_BACKEND"))
 
 
 class LlamaModel(nn.Module):
@@ -376,12 +384,13 @@ class LlamaForCausalLM(nn.Module):
         (``LlamaDecoderLayer._native_decode``) and all are alike (heads, head_dim, intermediate size, cache shape),
         else None. The table is kept while the layers' descriptors stay the same (their weights and caches)."""
         layers = self.model.layers
-        if not (x.device.type == "cpu" and meta.decode_only and len(layers)):
+        if not (len(layers) and _native_step(x, meta)):
             return None
         linears = []
+        dt, hidden = x.dtype, x.shape[1]
         for layer, kv_cache in zip(layers, kv_caches):
-            lin = layer._native_decode(x, None, cos_sin, kv_cache, meta) if isinstance(layer, LlamaDecoderLayer) \
-                else None
+            ok = isinstance(layer, LlamaDecoderLayer) and len(kv_cache) == 2 and not hasattr(kv_cache, "k_scale")
+            lin = layer._native_linears(dt, hidden, kv_cache[0], kv_cache[1], cos_sin) if ok else None
             if lin is None:
                 return None
             linears.append(lin)

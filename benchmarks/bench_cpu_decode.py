@@ -113,14 +113,20 @@ def main() -> None:
             with cpu_native.fused_layers_disabled():
                 return ours(n)
 
+        def ours_per_layer(n: int) -> list[int]:  # one native call per decoder layer, not one for the stack
+            with cpu_native.layer_stack_disabled():
+                return ours(n)
+
         same = ours(args.tokens) == theirs(args.tokens)
         native = cpu_native.available()
-        runs = [ours, theirs] + ([ours_op_by_op, ours_aten_ops, ours_onednn] if native else [])
+        runs = [ours, theirs] + ([ours_per_layer, ours_op_by_op, ours_aten_ops, ours_onednn] if native else [])
         rates = decode_rates(runs, args.tokens, args.repeats)
         r_ours, r_hf = rates[:2]
-        r_op_by_op, r_aten_ops, r_dnn = rates[2:] if native else (None, None, None)
+        r_layer, r_op_by_op, r_aten_ops, r_dnn = rates[2:] if native else (None, None, None, None)
         weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
         floor = bw / weight_bytes
+        if r_layer:
+            print(f"{name}: infercore with one native call per decoder layer {r_layer:.1f} tok/s")
         if r_op_by_op:
             print(f"{name}: infercore op by op (native ops, no fused decoder layer) {r_op_by_op:.1f} tok/s")
         if r_aten_ops:
@@ -134,7 +140,8 @@ def main() -> None:
             metric="decode throughput", unit="tok/s", ours=r_ours, peers={"transformers generate": r_hf},
             floor=floor, greedy_tokens_identical=same, weight_bytes=weight_bytes,
             read_bandwidth_GBps=bw / 1e9, threads=torch.get_num_threads(),
-            native_gemv=native, native_layer_ops=native, ours_op_by_op_tok_s=r_op_by_op,
+            native_gemv=native, native_layer_ops=native, ours_per_layer_calls_tok_s=r_layer,
+            ours_op_by_op_tok_s=r_op_by_op,
             ours_aten_layer_ops_tok_s=r_aten_ops,
             ours_all_native_off_tok_s=r_dnn,
         ))

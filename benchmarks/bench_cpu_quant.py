@@ -30,15 +30,18 @@ from bench_cpu_decode import PROMPT, decode_rates, read_bandwidth  # noqa: E402
 from infercore import Engine, SamplingParams  # noqa: E402
 from infercore.loading import default_model_path  # noqa: E402
 from infercore.ops.moe import cpu_native  # noqa: E402
-from infercore.quant import IntWeight, quantize, wq_matmul  # noqa: E402
+from infercore.quant import GGUFWeight, IntWeight, gguf_matmul, quantize, wq_matmul  # noqa: E402
 from infercore.quant import cpu as QC  # noqa: E402
 from infercore.quant.gguf_native import use_gguf_blocks  # noqa: E402
 
 REFERENCE = "quant.wq_matmul:reference"
 NATIVE_Q4_1 = "gguf-native-q4_1"  # the checkpoint's own Q4_1 blocks (quant.gguf_native), not a requantization
 SHAPES = {"4096x4096": (4096, 4096), "smollm2 gate_up 3072x576": (3072, 576)}
-FORMATS = {"int4 g128": {"bits": 4, "group_size": 128}, "int8 per channel": {"bits": 8, "group_size": None,
-                                                                              "symmetric": True}}
+FORMATS = {  # name: the quantizer of a dense [N, K] weight
+    "int4 g128": lambda d: IntWeight.quantize(d, clip_search=False, bits=4, group_size=128),
+    "int8 per channel": lambda d: IntWeight.quantize(d, clip_search=False, bits=8, group_size=None, symmetric=True),
+    "gguf q4_1": lambda d: GGUFWeight.quantize(d, qtype="q4_1"),
+}
 
 
 def calls_per_s(fn, budget_s: float = 1.0, max_calls: int = 200) -> float:
@@ -62,21 +65,21 @@ def linear_cases(ms: list[int], bw: float) -> list[dict]:
     for sname, (n, k) in SHAPES.items():
         torch.manual_seed(0)
         dense = torch.randn(n, k) * 0.02
-        for fname, kw in FORMATS.items():
-            w = IntWeight.quantize(dense, clip_search=False, **kw)
+        for fname, make in FORMATS.items():
+            w = make(dense)
             wb = w.dequantize(torch.bfloat16)
-            nbytes = w.qweight.numel() * w.qweight.element_size() + w.scales.numel() * w.scales.element_size()
-            if w.zeros is not None:
-                nbytes += w.zeros.numel() * w.zeros.element_size()
+            nbytes = sum(t.numel() * t.element_size() for t in w.tensors().values())  # as stored
+            gguf = isinstance(w, GGUFWeight)
+            mm = gguf_matmul if gguf else wq_matmul
             for m in ms:
                 x = torch.randn(m, k).to(torch.bfloat16)
-                ours = calls_per_s(lambda: wq_matmul(x, w))
-                os.environ["INFERCORE_BACKEND"] = REFERENCE
-                ref = calls_per_s(lambda: wq_matmul(x, w), budget_s=0.5, max_calls=20)
+                ours = calls_per_s(lambda: mm(x, w))
+                os.environ["INFERCORE_BACKEND"] = "quant.gguf_matmul:reference" if gguf else REFERENCE
+                ref = calls_per_s(lambda: mm(x, w), budget_s=0.5, max_calls=20)
                 del os.environ["INFERCORE_BACKEND"]
                 bf16 = calls_per_s(lambda: F.linear(x, wb))
                 with cpu_native.disabled():  # ATen's packed kernels alone (no native INT4 rows)
-                    aten = calls_per_s(lambda: wq_matmul(x, w))
+                    aten = calls_per_s(lambda: mm(x, w))
                 row = case(f"{fname} {sname} M={m} bf16 activations", metric="linear calls", unit="calls/s",
                            ours=ours, peers={"reference (dequantize + matmul)": ref, "bf16 F.linear, dense": bf16},
                            floor=bw / nbytes if m == 1 else None, kernel=QC.cpu_kind(w), weight_bytes=nbytes,
@@ -118,12 +121,12 @@ def e2e_cases(schemes: list[str], tokens: int, repeats: int) -> list[dict]:
         base.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True),
         add_special_tokens=False)
 
-    def runner(eng, backend=None, native=True):
+    def runner(eng, backend=None, ctx=contextlib.nullcontext):
         def run(n: int) -> list[int]:
             if backend:
                 os.environ["INFERCORE_BACKEND"] = backend
             try:
-                with contextlib.nullcontext() if native else cpu_native.disabled():
+                with ctx():
                     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
                     return eng.generate([ids], sp)[0].token_ids
             finally:
@@ -140,11 +143,15 @@ def e2e_cases(schemes: list[str], tokens: int, repeats: int) -> list[dict]:
         else:
             quantize(eng.model, scheme)
         op = "quant.gguf_matmul" if scheme == NATIVE_Q4_1 else "quant.wq_matmul"
-        fast, ref, aten = runner(eng), runner(eng, f"{op}:reference"), runner(eng, native=False)
+        fast, ref, aten = runner(eng), runner(eng, f"{op}:reference"), runner(eng, ctx=cpu_native.disabled)
+        per_layer, op_by_op = runner(eng, ctx=cpu_native.layer_stack_disabled), runner(
+            eng, ctx=cpu_native.fused_layers_disabled)
         same = fast(tokens) == ref(tokens)
-        r_fast, r_ref, r_dense, r_aten = decode_rates([fast, ref, dense_run, aten], tokens, repeats)
-        print(f"{scheme}: fast path {r_fast:.1f} tok/s (native host kernels off: {r_aten:.1f}), reference "
-              f"{r_ref:.1f}, unquantized bf16 {r_dense:.1f}; same tokens as the reference: {same}", flush=True)
+        r_fast, r_ref, r_dense, r_aten, r_layer, r_ops = decode_rates([fast, ref, dense_run, aten, per_layer, op_by_op],
+                                                                      tokens, repeats)  # fmt: skip
+        print(f"{scheme}: fast path {r_fast:.1f} tok/s (one native call per layer {r_layer:.1f}, op by op {r_ops:.1f}, "
+              f"native host kernels off: {r_aten:.1f}), reference {r_ref:.1f}, unquantized bf16 {r_dense:.1f}; same "
+              f"tokens as the reference: {same}", flush=True)
         peers = {"reference (dequantize + matmul)": r_ref, "unquantized bf16": r_dense}
         extra = {}
         if scheme == NATIVE_Q4_1 and (lcpp := llama_cpp_runner(ids)) is not None:
@@ -158,7 +165,8 @@ def e2e_cases(schemes: list[str], tokens: int, repeats: int) -> list[dict]:
         cases.append(case(f"smollm2-135m decode bs1 bf16 {scheme} {tokens} tokens", metric="decode throughput",
                           unit="tok/s", ours=r_fast, peers=peers,
                           floor=None, greedy_tokens_identical_to_reference=same, threads=torch.get_num_threads(),
-                          native_kernels_off_tok_s=r_aten, native=cpu_native.status(), **extra))
+                          native_kernels_off_tok_s=r_aten, per_layer_calls_tok_s=r_layer, op_by_op_tok_s=r_ops,
+                          native=cpu_native.status(), **extra))
     return cases
 
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 from paged_harness import PagedRunner, ours_from_hf, tiny_hf_model
 
-import infercore.models.llama as L
 from infercore.models.layout import pack_linears_for_cpu_
 from infercore.ops import AttentionMetadata
 from infercore.ops.moe import cpu_native
@@ -48,7 +47,7 @@ def test_fused_decode_equals_the_op_by_op_path(kind, kcfg, dtype, scheme, cfg, s
         assert cpu_native.q4_supported(), cpu_native.status()  # the CI machine has AVX512-BF16
     fused_model, ops_model = _models(kind, dtype, tmp_path, scheme, **kcfg, **cfg)
     if not stack:
-        monkeypatch.setattr(L.LlamaForCausalLM, "_native_stack", lambda *a: None)
+        monkeypatch.setattr(cpu_native, "_layer_stack_on", False)  # as within cpu_native.layer_stack_disabled()
     fused, ops = PagedRunner(fused_model, seed=3), PagedRunner(ops_model, seed=3)
     taken = []  # layers run fused, per native call
     for name in ("llama_decode_layer", "llama_decode_layers"):
@@ -93,6 +92,10 @@ def test_which_layers_and_steps_take_it(tmp_path, monkeypatch):
         runner.step([(0, [5])])
     with cpu_native.fused_layers_disabled():  # and its own switch alone
         runner.step([(0, [5])])
+    with cpu_native.layer_stack_disabled():  # one call per layer
+        runner.step([(0, [5])])
+    assert calls == ["llama_decode_layers", "llama_decode_layer", "llama_decode_layer"]
+    del calls[1:]
     monkeypatch.setenv("INFERCORE_BACKEND", "paged_attention_decode:reference")  # a backend override is honoured
     runner.step([(0, [6])])
     monkeypatch.delenv("INFERCORE_BACKEND")

@@ -274,6 +274,8 @@ class LlamaDecoderLayer(nn.Module):
         keyed by those objects' identity and the tensors' data pointers)."""
         mods = self._modules
         attn, mlp, n1, n2 = mods["self_attn"], mods["mlp"], mods["input_layernorm"], mods["post_attention_layernorm"]
+        if type(self) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
+            return None
         am, mm = attn._modules, mlp._modules
         lins = (am["qkv_proj"], am["o_proj"], mm["gate_up_proj"], mm["down_proj"])
         w1, w2 = n1._parameters["weight"], n2._parameters["weight"]
@@ -287,8 +289,7 @@ class LlamaDecoderLayer(nn.Module):
                 and all(a is b for a, b in zip(cached[0], key))):
             return cached[2]
         linears = None
-        if (type(self) is LlamaDecoderLayer and type(attn) is LlamaAttention and type(mlp) is LlamaMLP
-                and mlp.act is silu_and_mul and attn.q_norm is None
+        if (mlp.act is silu_and_mul and attn.q_norm is None
                 and all(n.offset == 0.0 and n.weight.dtype == dt and n.weight.shape == (hidden,) for n in (n1, n2))
                 and k_cache.dtype == dt and v_cache.dtype == dt and k_cache.is_contiguous()
                 and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
@@ -384,7 +385,7 @@ class LlamaForCausalLM(nn.Module):
         (``LlamaDecoderLayer._native_decode``) and all are alike (heads, head_dim, intermediate size, cache shape),
         else None. The table is kept while the layers' descriptors stay the same (their weights and caches)."""
         layers = self.model.layers
-        if not (len(layers) and _native_step(x, meta)):
+        if not (len(layers) and cpu_native.layer_stack_on() and _native_step(x, meta)):
             return None
         linears = []
         dt, hidden = x.dtype, x.shape[1]

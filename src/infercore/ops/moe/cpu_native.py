@@ -379,6 +379,25 @@ def fused_layers_on() -> bool:
     return _fused_layers_on
 
 
+_layer_stack_on = True
+
+
+@contextmanager
+def layer_stack_disabled():
+    """Within this block a decode step calls :func:`llama_decode_layer` once per layer instead of
+    :func:`llama_decode_layers` once for the whole stack: for A/B timing of the stacking alone."""
+    global _layer_stack_on
+    saved, _layer_stack_on = _layer_stack_on, False
+    try:
+        yield
+    finally:
+        _layer_stack_on = saved
+
+
+def layer_stack_on() -> bool:
+    return _layer_stack_on
+
+
 def layer_ops_apply(*tensors: torch.Tensor) -> bool:
     """Whether the native layer ops take these tensors: built here, fp32 or bf16, all of one dtype, on the CPU."""
     if not (_layer_ops_on and available()):

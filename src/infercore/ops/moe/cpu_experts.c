@@ -31,46 +31,6 @@ static inline __m512 dp_at(__m512 acc, const uint16_t *x, const uint16_t *w, int
 }
 #endif
 
-#if defined(__AVX512BF16__)
-/* One token x against R rows of w (row stride ldw), bf16, R a constant once inlined: each row's arithmetic exactly
- * dot_rows' for M = 1 (four accumulator chains over K), the token's loads shared by the rows */
-static inline __attribute__((always_inline)) void dot_bf16_rows(const uint16_t *w, int64_t ldw, const int R,
-                                                                const uint16_t *x, int64_t K, float *y) {
-    __m512 a0[4], a1[4], a2[4], a3[4];
-    for (int r = 0; r < R; r++) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 128 <= K; k += 128) {
-        const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(x + k));
-        const __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(x + k + 32));
-        const __m512bh x2 = (__m512bh)_mm512_loadu_si512((const void *)(x + k + 64));
-        const __m512bh x3 = (__m512bh)_mm512_loadu_si512((const void *)(x + k + 96));
-        for (int r = 0; r < R; r++) {
-            const uint16_t *wr = w + r * ldw + k;
-            a0[r] = _mm512_dpbf16_ps(a0[r], x0, (__m512bh)_mm512_loadu_si512((const void *)wr));
-            a1[r] = _mm512_dpbf16_ps(a1[r], x1, (__m512bh)_mm512_loadu_si512((const void *)(wr + 32)));
-            a2[r] = _mm512_dpbf16_ps(a2[r], x2, (__m512bh)_mm512_loadu_si512((const void *)(wr + 64)));
-            a3[r] = _mm512_dpbf16_ps(a3[r], x3, (__m512bh)_mm512_loadu_si512((const void *)(wr + 96)));
-        }
-    }
-    for (; k + 32 <= K; k += 32) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + k));
-        for (int r = 0; r < R; r++)
-            a0[r] = _mm512_dpbf16_ps(a0[r], xv, (__m512bh)_mm512_loadu_si512((const void *)(w + r * ldw + k)));
-    }
-    if (k < K) {
-        const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
-        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k);
-        for (int r = 0; r < R; r++)
-            a1[r] = _mm512_dpbf16_ps(a1[r], xv, (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * ldw + k));
-    }
-    for (int r = 0; r < R; r++)
-        y[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_add_ps(a2[r], a3[r])));
-}
-#endif
-
-/* One token x [K] against rows [r0, r1) of w [N, K] (bf16), four rows a pass: out[r] (bf16) = dot_rows' value */
-static void bf16_token_rows(const uint16_t *w, const uint16_t *x, int64_t K, int64_t r0, int64_t r1, uint16_t *out);
-
 /* y[m] = sum_k x[m][k] * w[k] for m < M (M <= MB), x rows of stride ldx, all bf16, sums in fp32 */
 static void dot_rows(const uint16_t *w, const uint16_t *const *x, int M, int64_t K, float *y) {
 #if defined(__AVX512BF16__)
@@ -131,27 +91,6 @@ static void dot_rows(const uint16_t *w, const uint16_t *const *x, int M, int64_t
         float s = 0.f;
         for (int64_t j = 0; j < K; j++) s += bf16_to_f32(x[m][j]) * bf16_to_f32(w[j]);
         y[m] = s;
-    }
-#endif
-}
-
-static void bf16_token_rows(const uint16_t *w, const uint16_t *x, int64_t K, int64_t r0, int64_t r1, uint16_t *out) {
-    float y[4];
-    int64_t r = r0;
-#if defined(__AVX512BF16__)
-    for (; r + 4 <= r1; r += 4) {
-        dot_bf16_rows(w + r * K, K, 4, x, K, y);
-        for (int i = 0; i < 4; i++) out[r + i] = f32_to_bf16(y[i]);
-    }
-    for (; r < r1; r++) {
-        dot_bf16_rows(w + r * K, K, 1, x, K, y);
-        out[r] = f32_to_bf16(y[0]);
-    }
-#else
-    const uint16_t *xs[1] = {x};
-    for (; r < r1; r++) {
-        dot_rows(w + r * K, xs, 1, K, y);
-        out[r] = f32_to_bf16(y[0]);
     }
 #endif
 }
@@ -348,10 +287,6 @@ static void unit_gemv(const wdesc *w, int64_t base, int64_t K, int64_t r0, int64
         return;
     }
 #endif
-    if (n == 1 && w->bf16) {
-        bf16_token_rows(w->bf16 + base * K, xs[0], K, r0, r1, out);
-        return;
-    }
     for (int c = 0; c < n; c += MB) {
         int M = n - c < MB ? n - c : MB;
         for (int64_t r = r0; r < r1; r++) {
@@ -597,51 +532,6 @@ static void dot_rows_f32(const float *w, const float *const *x, int M, int64_t K
 #endif
 }
 
-#if defined(__AVX512F__)
-/* One token x against R rows of w (fp32), R a constant once inlined: each row's arithmetic exactly dot_rows_f32's
- * for M = 1, the token's loads shared by the rows */
-static inline __attribute__((always_inline)) void dot_f32_rows(const float *w, int64_t ldw, const int R,
-                                                               const float *x, int64_t K, float *y) {
-    __m512 a0[4], a1[4], a2[4], a3[4];
-    for (int r = 0; r < R; r++) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {
-        const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
-        const __m512 x2 = _mm512_loadu_ps(x + k + 32), x3 = _mm512_loadu_ps(x + k + 48);
-        for (int r = 0; r < R; r++) {
-            const float *wr = w + r * ldw + k;
-            a0[r] = _mm512_fmadd_ps(x0, _mm512_loadu_ps(wr), a0[r]);
-            a1[r] = _mm512_fmadd_ps(x1, _mm512_loadu_ps(wr + 16), a1[r]);
-            a2[r] = _mm512_fmadd_ps(x2, _mm512_loadu_ps(wr + 32), a2[r]);
-            a3[r] = _mm512_fmadd_ps(x3, _mm512_loadu_ps(wr + 48), a3[r]);
-        }
-    }
-    for (; k + 16 <= K; k += 16) {
-        const __m512 xv = _mm512_loadu_ps(x + k);
-        for (int r = 0; r < R; r++) a0[r] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w + r * ldw + k), a0[r]);
-    }
-    if (k < K) {
-        const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);
-        const __m512 xv = _mm512_maskz_loadu_ps(mask, x + k);
-        for (int r = 0; r < R; r++) a1[r] = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(mask, w + r * ldw + k), a1[r]);
-    }
-    for (int r = 0; r < R; r++)
-        y[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_add_ps(a2[r], a3[r])));
-}
-#endif
-
-/* One token x [K] against rows [r0, r1) of w [N, K] (fp32), four rows a pass: out[r] = dot_rows_f32's value */
-static void f32_token_rows(const float *w, const float *x, int64_t K, int64_t r0, int64_t r1, float *out) {
-    int64_t r = r0;
-#if defined(__AVX512F__)
-    for (; r + 4 <= r1; r += 4) dot_f32_rows(w + r * K, K, 4, x, K, out + r);
-    for (; r < r1; r++) dot_f32_rows(w + r * K, K, 1, x, K, out + r);
-#else
-    const float *xs[1] = {x};
-    for (; r < r1; r++) dot_rows_f32(w + r * K, xs, 1, K, out + r);
-#endif
-}
-
 /* y [M, N] = x [M, K] @ w [N, K]^T, fp32, rows of w in blocks of RB across the threads */
 void infercore_linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y, int nthreads) {
     const int64_t nb = (N + RB - 1) / RB;
@@ -650,10 +540,6 @@ void infercore_linear_f32(const float *x, int64_t M, int64_t K, const float *w, 
         const float *xs[MB];
         float yt[MB];
         const int64_t r1 = (b + 1) * RB < N ? (b + 1) * RB : N;
-        if (M == 1) {
-            f32_token_rows(w, x, K, b * RB, r1, y);
-            continue;
-        }
         for (int64_t c = 0; c < M; c += MB) {
             const int m = M - c < MB ? (int)(M - c) : MB;
             for (int j = 0; j < m; j++) xs[j] = x + (c + j) * K;
@@ -671,13 +557,6 @@ void infercore_linear_f32(const float *x, int64_t M, int64_t K, const float *w, 
 void infercore_gemv_range(const void *x, int64_t M, int64_t K, const void *w, int64_t r0, int64_t r1, void *y,
                           int64_t ldy, int dt) {
     float yt[MB];
-    if (M == 1) { /* one token: four rows a pass */
-        if (dt)
-            bf16_token_rows((const uint16_t *)w, (const uint16_t *)x, K, r0, r1, (uint16_t *)y);
-        else
-            f32_token_rows((const float *)w, (const float *)x, K, r0, r1, (float *)y);
-        return;
-    }
     for (int64_t c = 0; c < M; c += MB) {
         const int m = M - c < MB ? (int)(M - c) : MB;
         if (dt) {

@@ -118,7 +118,8 @@ static inline __attribute__((always_inline)) __m512 dp0(const uint16_t *x, __m51
 }
 
 static inline __attribute__((always_inline)) void dot_q4_g(const uint8_t *codes, const float *sz,
-                                                           const uint16_t *const *x, const float *const *xsum, int M,
+                                                           const uint16_t *const *x, const float *const *xsum,
+                                                           const int M,
                                                            int64_t K, const int64_t g, float *y) {
     const int64_t nG = K / g, k64 = K / 64 * 64;
     const float *scale = sz, *zero = sz + nG;
@@ -232,12 +233,20 @@ static void q4_token_rows(const uint8_t *codes, const float *sz, int64_t g, cons
 static void dot_rows_q4(const uint8_t *codes, const float *sz, const uint16_t *const *x, const float *const *xsum,
                         int M, int64_t K, int64_t g, float *y) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    switch (g) { /* the group a constant in each copy */
-    case 32: dot_q4_g(codes, sz, x, xsum, M, K, 32, y); return;
-    case 64: dot_q4_g(codes, sz, x, xsum, M, K, 64, y); return;
-    case 128: dot_q4_g(codes, sz, x, xsum, M, K, 128, y); return;
-    default: dot_q4_g(codes, sz, x, xsum, M, K, 256, y); return;
+#define Q4_M(G)                                                                                                      \
+    switch (M) { /* the token count a constant too: the accumulators stay in registers */                           \
+    case 1: dot_q4_g(codes, sz, x, xsum, 1, K, G, y); return;                                                        \
+    case 2: dot_q4_g(codes, sz, x, xsum, 2, K, G, y); return;                                                        \
+    case 3: dot_q4_g(codes, sz, x, xsum, 3, K, G, y); return;                                                        \
+    default: dot_q4_g(codes, sz, x, xsum, 4, K, G, y); return;                                                       \
     }
+    switch (g) { /* the group a constant in each copy */
+    case 32: Q4_M(32)
+    case 64: Q4_M(64)
+    case 128: Q4_M(128)
+    default: Q4_M(256)
+    }
+#undef Q4_M
 #else
     const int64_t nG = K / g;
     for (int m = 0; m < M; m++) {

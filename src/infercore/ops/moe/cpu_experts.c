@@ -160,72 +160,53 @@ static inline __attribute__((always_inline)) void dot_q4_g(const uint8_t *codes,
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-/* One token against R consecutive INT4 rows (R, g constants once inlined): each row's arithmetic exactly
- * dot_q4_g's for M = 1, its accumulators in registers and the token's loads shared by the rows */
-static inline __attribute__((always_inline)) void dot_q4_rows(const uint8_t *codes, const float *sz, const int R,
+/* One token against one INT4 row (g a constant once inlined): dot_q4_g's arithmetic for M = 1, through one pointer
+ * per operand and with the accumulators in registers */
+static inline __attribute__((always_inline)) float dot_q4_row(const uint8_t *codes, const float *sz,
                                                               const uint16_t *x, const float *xsum, int64_t K,
-                                                              const int64_t g, float *y) {
+                                                              const int64_t g) {
     const int64_t nG = K / g, k64 = K / 64 * 64;
+    const float *scale = sz, *zero = sz + nG;
     const __m512i lo4 = _mm512_set1_epi16(0x0f), bias = _mm512_set1_epi16(0x4300);
-    __m512 t0[4], t1[4];
-    for (int r = 0; r < R; r++) t0[r] = t1[r] = _mm512_setzero_ps();
+    __m512 t0 = _mm512_setzero_ps(), t1 = t0;
     for (int64_t s = 0; s < k64 / 64; s++) {
-        const __m512i xa = _mm512_loadu_si512((const void *)(x + 64 * s));
-        const __m512i xb = _mm512_loadu_si512((const void *)(x + 64 * s + 32));
-        for (int r = 0; r < R; r++) {
-            const float *scale = sz + r * 2 * nG;
-            const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(codes + r * (K / 2) + 32 * s)));
-            const __m512i wl = _mm512_or_si512(_mm512_and_si512(v, lo4), bias);
-            const __m512i wh = _mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
-            const __m512 s0 = _mm512_set1_ps(scale[g == 32 ? 2 * s : 64 * s / g]);
-            const __m512 s1 = g == 32 ? _mm512_set1_ps(scale[2 * s + 1]) : s0;
-            t0[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)xa, (__m512bh)wl), s0, t0[r]);
-            t1[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)xb, (__m512bh)wh), s1, t1[r]);
-        }
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(codes + 32 * s)));
+        const __m512i wl = _mm512_or_si512(_mm512_and_si512(v, lo4), bias);
+        const __m512i wh = _mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
+        const __m512 s0 = _mm512_set1_ps(scale[g == 32 ? 2 * s : 64 * s / g]);
+        const __m512 s1 = g == 32 ? _mm512_set1_ps(scale[2 * s + 1]) : s0;
+        t0 = _mm512_fmadd_ps(dp0(x + 64 * s, wl), s0, t0);
+        t1 = _mm512_fmadd_ps(dp0(x + 64 * s + 32, wh), s1, t1);
     }
     if (k64 < K) {
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + k64 / 2)));
         const __m256i l4 = _mm256_set1_epi16(0x0f);
-        for (int r = 0; r < R; r++) {
-            const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + r * (K / 2) + k64 / 2)));
-            const __m512i w = _mm512_or_si512(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, l4)),
-                                                                 _mm256_srli_epi16(v, 4), 1), bias);
-            t0[r] = _mm512_fmadd_ps(dp0(x + k64, w), _mm512_set1_ps(sz[r * 2 * nG + nG - 1]), t0[r]);
-        }
+        const __m512i w = _mm512_or_si512(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, l4)),
+                                                             _mm256_srli_epi16(v, 4), 1), bias);
+        t0 = _mm512_fmadd_ps(dp0(x + k64, w), _mm512_set1_ps(scale[nG - 1]), t0);
     }
-    for (int r = 0; r < R; r++) {
-        const float *zero = sz + r * 2 * nG + nG;
-        __m512 z = _mm512_add_ps(t0[r], t1[r]);
-        for (int64_t j = 0; j < nG; j += 16) {
-            const __mmask16 k = nG - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nG - j)) - 1);
-            z = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, zero + j), _mm512_maskz_loadu_ps(k, xsum + j), z);
-        }
-        y[r] = _mm512_reduce_add_ps(z);
+    __m512 z = _mm512_add_ps(t0, t1);
+    for (int64_t j = 0; j < nG; j += 16) {
+        const __mmask16 k = nG - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nG - j)) - 1);
+        z = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, zero + j), _mm512_maskz_loadu_ps(k, xsum + j), z);
     }
+    return _mm512_reduce_add_ps(z);
 }
 
-/* One token against rows [r0, r1) of an INT4 weight (rows of K), 4 rows a pass, the results rounded to bf16 */
+/* One token against rows [r0, r1) of an INT4 weight (rows of K), the results rounded to bf16. One row a pass: four
+ * a pass (the token's loads shared) read weights larger than the cache at half the rate. */
 static void q4_token_rows(const uint8_t *codes, const float *sz, int64_t g, const uint16_t *x, const float *xsum,
                           int64_t K, int64_t r0, int64_t r1, uint16_t *out) {
-    float y[4];
     const int64_t cs = K / 2, ss = 2 * (K / g);
-#define Q4_ROWS(R, G) dot_q4_rows(codes + r * cs, sz + r * ss, R, x, xsum, K, G, y)
-#define Q4_GROUPED(R)                                                                                                \
-    switch (g) {                                                                                                     \
-    case 32: Q4_ROWS(R, 32); break;                                                                                  \
-    case 64: Q4_ROWS(R, 64); break;                                                                                  \
-    case 128: Q4_ROWS(R, 128); break;                                                                                \
-    default: Q4_ROWS(R, 256); break;                                                                                 \
+#define Q4_ROWS(G)                                                                                                   \
+    for (int64_t r = r0; r < r1; r++) out[r] = f32_to_bf16(dot_q4_row(codes + r * cs, sz + r * ss, x, xsum, K, G)); \
+    break;
+    switch (g) {
+    case 32: Q4_ROWS(32)
+    case 64: Q4_ROWS(64)
+    case 128: Q4_ROWS(128)
+    default: Q4_ROWS(256)
     }
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) {
-        Q4_GROUPED(4)
-        for (int i = 0; i < 4; i++) out[r + i] = f32_to_bf16(y[i]);
-    }
-    for (; r < r1; r++) {
-        Q4_GROUPED(1)
-        out[r] = f32_to_bf16(y[0]);
-    }
-#undef Q4_GROUPED
 #undef Q4_ROWS
 }
 #endif
@@ -291,7 +272,7 @@ static void unit_gemv(const wdesc *w, int64_t base, int64_t K, int64_t r0, int64
                       const float *const *ss, int n, uint16_t *out, int64_t ldo) {
     float y[MB];
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    if (n == 1 && w->q4) { /* one token: rows four at a time */
+    if (n == 1 && w->q4) { /* one token: its own copy, accumulators in registers */
         q4_token_rows(w->q4 + base * (K / 2), w->sz + base * 2 * (K / w->g), w->g, xs[0], ss[0], K, r0, r1, out);
         return;
     }

@@ -62,6 +62,25 @@ def test_from_pretrained_runs_the_gguf_blocks_as_stored():
     assert len(q) == 30 * 4 and all(isinstance(m.qweight_format, GGUFWeight) for m in q)
     out = eng.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=3))[0]
     assert "Paris" in out.text
+    # decode steps run every layer in one native call where the host kernels build (the Q4_1 blocks through the
+    # native INT4 GEMV): the same tokens as one call per layer and as op by op, which run the same kernels
+    from infercore.ops.moe import cpu_native
+
+    assert cpu_native.q4_supported(), cpu_native.status()  # the CI machine has AVX512-BF16
+    calls = []
+    real = cpu_native.llama_decode_layers
+    cpu_native.llama_decode_layers = lambda *a: calls.append(1) or real(*a)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        prompt = ["Write a haiku about the sea."]
+        stacked = eng.generate(prompt, sp)[0].token_ids
+    finally:
+        cpu_native.llama_decode_layers = real
+    assert len(calls) == 11  # every decode step
+    with cpu_native.layer_stack_disabled():
+        assert eng.generate(prompt, sp)[0].token_ids == stacked
+    with cpu_native.fused_layers_disabled():
+        assert eng.generate(prompt, sp)[0].token_ids == stacked
 
 
 def test_from_pretrained_quantizes_with_a_scheme():

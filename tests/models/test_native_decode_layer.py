@@ -30,11 +30,12 @@ def _models(kind: str, dtype: torch.dtype, tmp_path, scheme=None, **cfg):
     return models
 
 
-# INT4 schemes the fused layer takes: K = 64 padded to 128 for groups of 128; GGUF blocks of 32 over K = 96 and
-# 160, whose last 32 elements are a tail of 16 code bytes in the kernel's layout
+# Quantized schemes the fused layer takes: INT4 with K = 64 padded to 128 for groups of 128; GGUF blocks of 32 over
+# K = 96 and 160, whose last 32 elements are a tail of 16 code bytes in the kernel's layout; INT8 per channel
 _G32 = QuantScheme("test-w4a16-g32", "int4", "INT4, groups of 32", group_size=32)
 _QUANT = [("w4a16-g128", {}), (_G32, {"hidden_size": 96, "intermediate_size": 160}),
-          ("gguf-q4_1", {"hidden_size": 96, "intermediate_size": 160}), ("gguf-q4_0", {})]
+          ("gguf-q4_1", {"hidden_size": 96, "intermediate_size": 160}), ("gguf-q4_0", {}),
+          ("w8a16", {"hidden_size": 80, "intermediate_size": 136})]  # INT8: K % 32 != 0, the masked tail
 
 
 @pytest.mark.parametrize("dtype,scheme,cfg", [(torch.float32, None, {}), (torch.bfloat16, None, {})]

@@ -209,6 +209,25 @@ def test_q4_linear_runs_gguf_blocks(qtype, K):
     assert cpu_native.pack_gguf_q4(GGUFWeight.quantize(torch.randn(16, 64), qtype="q8_0")) is None
 
 
+@pytest.mark.parametrize("N,K", [(64, 256), (48, 100), (16, 576), (32, 8)])
+def test_q8_linear_matches_the_dequantized_weight(N, K):
+    from infercore.quant.api import quantize_weight
+
+    assert cpu_native.q4_supported(), cpu_native.status()
+    g = torch.Generator().manual_seed(N + K)
+    q = quantize_weight(torch.randn(N, K, generator=g) * K**-0.5, "w8a16")
+    codes, scales = cpu_native.pack_q8(q)
+    assert codes.shape == (N, q.padded_in_features) and codes.dtype == torch.uint8 and scales.shape == (N,)
+    for M in (1, 2, 3, 4):  # K % 32 != 0: the masked tail
+        x = torch.randn(M, K, generator=g).bfloat16()
+        want = F.linear(x.float(), q.dequantize().float()[:, :K])
+        got = cpu_native.linear_q8(x, codes, scales)
+        assert got.shape == (M, N) and got.dtype == torch.bfloat16
+        assert _close(got, want, K)
+    assert cpu_native.pack_q8(quantize_weight(torch.randn(16, 256), "w4a16-g128")) is None
+    assert cpu_native.pack_q8(torch.randn(16, 256)) is None
+
+
 def test_pack_q4_takes_int4_groups_of_32_to_256():
     from infercore.quant.api import quantize_weight
     from infercore.quant.formats import IntWeight

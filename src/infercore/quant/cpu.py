@@ -11,6 +11,11 @@ while it lives.
   signed codes ``q - 128`` (K padded with zeros to a multiple of 16: the kernel returns wrong sums for other K) and
   the bf16 scales.
 
+Decode rows (up to :data:`NATIVE_Q4_MAX_ROWS`) of INT4 weights in groups of 32-256, GGUF Q4_0 / Q4_1 blocks and
+symmetric per-channel INT8 weights take the native kernels of ``ops.moe.cpu_native`` instead where they run
+vectorized (AVX512-BF16): :func:`native_q4` / :func:`native_q8`, operands made once beside the weight; the fused CPU
+decoder layer reads the same operands.
+
 Other formats, fp32 / fp16 activations (ATen vectorizes these kernels for bf16 activations only) and a torch
 without these ops take the reference (dequantize, then matmul). On a 2-core AVX-512 machine the packed kernels beat
 the reference at every row count measured and the bf16 ``F.linear`` of the dense weight at decode sizes;
@@ -109,9 +114,9 @@ def pack_int8(w: IntWeight) -> tuple[torch.Tensor, torch.Tensor]:
     return q, w.scales[:, 0].to(torch.bfloat16).contiguous()
 
 
-# Rows up to which INT4 weights in groups of 32-256 and GGUF Q4_0 / Q4_1 blocks run the native kernel
-# (ops.moe.cpu_native.linear_q4); more rows take ATen's INT4 GEMM (its operands are a second packed copy of the
-# weight, made at the first such call).
+# Rows up to which INT4 weights in groups of 32-256, GGUF Q4_0 / Q4_1 blocks and symmetric per-channel INT8 weights
+# run the native kernels (ops.moe.cpu_native.linear_q4 / linear_q8); more rows take ATen's INT4 / INT8 GEMMs (their
+# operands are packed copies of the weight, made at the first such call).
 NATIVE_Q4_MAX_ROWS = 4
 
 
@@ -134,17 +139,29 @@ def native_q4(w) -> tuple[torch.Tensor, torch.Tensor] | None:
     return packed(store, ("cpu", "native4"), lambda: make(w))
 
 
+def native_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The native INT8 kernels' operands for a symmetric per-channel 8-bit ``w`` (``cpu_native.pack_q8``: its codes
+    ``[N, Kp]``, scales fp32 ``[N]``), made once and kept beside the weight; None where those kernels cannot take
+    ``w`` or do not run vectorized here."""
+    from ..ops.moe import cpu_native
+
+    if _format(w) != "int8" or w.qweight.device.type != "cpu" or not cpu_native.q4_supported():
+        return None
+    return packed(w.qweight, ("cpu", "native8"), lambda: cpu_native.pack_q8(w))
+
+
 def _matmul(x: torch.Tensor, w, bias: torch.Tensor | None, reference):
     """``x [M, K] @ dequant(w).T (+ bias [N]) -> [M, N]``: the packed kernels for bf16 ``x`` where
     :func:`cpu_kind` allows (the bias added in fp32 to their bf16 product), else ``reference``."""
     kind = cpu_kind(w) if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
     if kind is None:
         return reference(x, w, bias)
-    ops = native_q4(w) if kind in ("int4", "gguf4") and x.shape[0] <= NATIVE_Q4_MAX_ROWS else None
+    decode = x.shape[0] <= NATIVE_Q4_MAX_ROWS
+    ops = (native_q4(w) if kind in ("int4", "gguf4") else native_q8(w)) if decode else None
     if ops is not None:  # decode rows: the native kernel
         from ..ops.moe import cpu_native
 
-        y = cpu_native.linear_q4(x, *ops)
+        y = (cpu_native.linear_q8 if kind == "int8" else cpu_native.linear_q4)(x, *ops)
         return y if bias is None else (y.float() + bias.float()).to(x.dtype)
     if kind == "int8":
         kp = _int8_k(w)

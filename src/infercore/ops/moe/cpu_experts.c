@@ -242,18 +242,83 @@ static void dot_rows_q4(const uint8_t *codes, const float *sz, const uint16_t *c
 #endif
 }
 
-/* A weight of one of the two kinds: bf16 rows [.., N, K], or INT4 codes [.., N, K / 2] with sz [.., N, 2, K / g] */
+/* INT8 rows, symmetric per row: codes q in [0, 256) ([K] bytes a row), w = (q - 128) * scale. Each code is split
+ * into its nibbles, q = 16 hi + lo, each read as the bf16 of 128 + nibble (0x4300 | nibble, exact), so with
+ * D_lo = sum_i (128 + lo_i) x_i and D_hi likewise, sum_i w_i x_i = scale * (D_lo + 16 D_hi - 2304 sum_i x_i);
+ * xsum: the row's total (group_sums over one group of K). */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+static inline __attribute__((always_inline)) void dot_q8_m(const uint8_t *codes, const float *scale,
+                                                           const uint16_t *const *x, const float *const *xsum,
+                                                           const int M, int64_t K, float *y) {
+    const __m512i lo4 = _mm512_set1_epi16(0x0f), bias = _mm512_set1_epi16(0x4300);
+    __m512 lo[MB], hi[MB];
+    for (int m = 0; m < M; m++) lo[m] = hi[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(codes + k)));
+        const __m512i wl = _mm512_ternarylogic_epi32(v, lo4, bias, 0xEA); /* (v & lo4) | bias */
+        const __m512i wh = _mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
+        for (int m = 0; m < M; m++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x[m] + k));
+            lo[m] = _mm512_dpbf16_ps(lo[m], xv, (__m512bh)wl);
+            hi[m] = _mm512_dpbf16_ps(hi[m], xv, (__m512bh)wh);
+        }
+    }
+    if (k < K) { /* the tail: codes and x masked to zero */
+        const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask, codes + k));
+        const __m512i wl = _mm512_ternarylogic_epi32(v, lo4, bias, 0xEA);
+        const __m512i wh = _mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
+        for (int m = 0; m < M; m++) {
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x[m] + k);
+            lo[m] = _mm512_dpbf16_ps(lo[m], xv, (__m512bh)wl);
+            hi[m] = _mm512_dpbf16_ps(hi[m], xv, (__m512bh)wh);
+        }
+    }
+    for (int m = 0; m < M; m++)
+        y[m] = scale[0] * (_mm512_reduce_add_ps(_mm512_fmadd_ps(hi[m], _mm512_set1_ps(16.f), lo[m])) -
+                           2304.f * xsum[m][0]);
+}
+#endif
+
+static void dot_rows_q8(const uint8_t *codes, const float *scale, const uint16_t *const *x, const float *const *xsum,
+                        int M, int64_t K, float *y) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    switch (M) { /* the token count a constant in each copy: the accumulators stay in registers */
+    case 1: dot_q8_m(codes, scale, x, xsum, 1, K, y); return;
+    case 2: dot_q8_m(codes, scale, x, xsum, 2, K, y); return;
+    case 3: dot_q8_m(codes, scale, x, xsum, 3, K, y); return;
+    default: dot_q8_m(codes, scale, x, xsum, 4, K, y); return;
+    }
+#else
+    for (int m = 0; m < M; m++) {
+        float t = 0.f;
+        for (int64_t k = 0; k < K; k++) t += (float)((int)codes[k] - 128) * bf16_to_f32(x[m][k]);
+        y[m] = scale[0] * t;
+        (void)xsum;
+    }
+#endif
+}
+
+/* A weight of one of three kinds: bf16 rows [.., N, K]; INT4 codes [.., N, K / 2] with sz [.., N, 2, K / g]; or INT8
+ * codes [.., N, K] with sz the per-row scales [.., N] (q8). */
 typedef struct {
     const uint16_t *bf16;
     const uint8_t *q4;
     const float *sz;
     int64_t g;
+    const uint8_t *q8;
 } wdesc;
+
+/* group sums a token row of K needs for w: K / g (INT4), 1 (INT8), 0 (bf16) */
+static inline int64_t sum_groups(const wdesc *w, int64_t K) { return w->q4 ? K / w->g : w->q8 ? 1 : 0; }
 
 static void row_dot(const wdesc *w, int64_t row, int64_t K, const uint16_t *const *xs, const float *const *ss, int M,
                     float *y) {
     if (w->bf16)
         dot_rows(w->bf16 + row * K, xs, M, K, y);
+    else if (w->q8)
+        dot_rows_q8(w->q8 + row * K, w->sz + row, xs, ss, M, K, y);
     else
         dot_rows_q4(w->q4 + row * (K / 2), w->sz + row * (K / w->g) * 2, xs, ss, M, K, w->g, y);
 }
@@ -371,7 +436,7 @@ void infercore_moe_experts_bf16(const uint16_t *x, int64_t T, int64_t H, int64_t
                                 const uint16_t *down, int64_t G, const int64_t *gexp, const int64_t *goff,
                                 const int64_t *ptok, const float *pw, uint16_t *h, uint16_t *act, uint16_t *y,
                                 float *acc, uint16_t *out, int nthreads) {
-    wdesc gu = {gate_up, 0, 0, 0}, dn = {down, 0, 0, 0};
+    wdesc gu = {gate_up, 0, 0, 0, 0}, dn = {down, 0, 0, 0, 0};
     moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, 0, nthreads);
 }
 
@@ -382,7 +447,7 @@ void infercore_moe_experts_q4(const uint16_t *x, int64_t T, int64_t H, int64_t I
                               const int64_t *gexp, const int64_t *goff, const int64_t *ptok, const float *pw,
                               uint16_t *h, uint16_t *act, uint16_t *y, float *acc, uint16_t *out, float *sums,
                               int nthreads) {
-    wdesc gu = {0, gate_up, gate_up_sz, Q4G}, dn = {0, down, down_sz, Q4G};
+    wdesc gu = {0, gate_up, gate_up_sz, Q4G, 0}, dn = {0, down, down_sz, Q4G, 0};
     moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, sums, nthreads);
 }
 
@@ -397,7 +462,7 @@ static void rows_range(const wdesc *w, const uint16_t *x, int64_t M, int64_t K, 
         int m = M - c < MB ? (int)(M - c) : MB;
         for (int j = 0; j < m; j++) {
             xs[j] = x + (c + j) * K;
-            if (w->q4) sp[j] = ss + (c + j) * (K / w->g);
+            if (w->q4 || w->q8) sp[j] = ss + (c + j) * sum_groups(w, K);
         }
         unit_gemv(w, 0, K, r0, r1, xs, sp, m, y + c * ldy, ldy);
     }
@@ -408,9 +473,10 @@ static void linear(const uint16_t *x, int64_t M, int64_t K, const wdesc *w, int6
     const int64_t nb = (N + RB - 1) / RB;
 #pragma omp parallel num_threads(nthreads)
     {
-        if (w->q4) { /* sums: [M, K / g] */
+        if (w->q4 || w->q8) { /* sums: [M, K / g] (INT4) or [M] (INT8) */
+            const int64_t ng = sum_groups(w, K);
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < M; r++) group_sums(x + r * K, K, w->g, sums + r * (K / w->g));
+            for (int64_t r = 0; r < M; r++) group_sums(x + r * K, K, K / ng, sums + r * ng);
         }
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nb; b++) rows_range(w, x, M, K, sums, b * RB, (b + 1) * RB < N ? (b + 1) * RB : N, y, N);
@@ -420,7 +486,7 @@ static void linear(const uint16_t *x, int64_t M, int64_t K, const wdesc *w, int6
 /* y [M, N] = x [M, K] @ w[N, K]^T, bf16, rows of w in blocks of RB across the threads (a dense decode GEMV) */
 void infercore_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, uint16_t *y,
                            int nthreads) {
-    wdesc d = {w, 0, 0, 0};
+    wdesc d = {w, 0, 0, 0, 0};
     linear(x, M, K, &d, N, y, 0, nthreads);
 }
 
@@ -428,8 +494,22 @@ void infercore_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
  * multiple of g; sums: M * K / g floats */
 void infercore_linear_q4(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                          int64_t N, uint16_t *y, float *sums, int nthreads) {
-    wdesc d = {0, w, sz, g};
+    wdesc d = {0, w, sz, g, 0};
     linear(x, M, K, &d, N, y, sums, nthreads);
+}
+
+/* The same over an INT8 weight symmetric per row: codes [N, K] (w = (q - 128) * scale), scales fp32 [N]; sums: M
+ * floats */
+void infercore_linear_q8(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *scales, int64_t N,
+                         uint16_t *y, float *sums, int nthreads) {
+    wdesc d = {0, 0, scales, 0, w};
+    linear(x, M, K, &d, N, y, sums, nthreads);
+}
+
+void infercore_q8_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *scales,
+                        const float *sums, int64_t r0, int64_t r1, uint16_t *y, int64_t ldy) {
+    wdesc d = {0, 0, scales, 0, w};
+    rows_range(&d, x, M, K, sums, r0, r1, y, ldy);
 }
 
 /* For the fused decoder layer (ops/cpu_kernels.c), inside its OpenMP region: the group sums of M rows of K, and
@@ -440,7 +520,7 @@ void infercore_q4_sums(const uint16_t *x, int64_t M, int64_t K, int64_t g, float
 
 void infercore_q4_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                         const float *sums, int64_t r0, int64_t r1, uint16_t *y, int64_t ldy) {
-    wdesc d = {0, w, sz, g};
+    wdesc d = {0, w, sz, g, 0};
     rows_range(&d, x, M, K, sums, r0, r1, y, ldy);
 }
 

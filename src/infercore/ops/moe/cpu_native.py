@@ -87,6 +87,8 @@ def _build() -> ctypes.CDLL:
     dll.infercore_moe_experts_q4.restype = None
     dll.infercore_linear_q4.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _INT]
     dll.infercore_linear_q4.restype = None
+    dll.infercore_linear_q8.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _P, _INT]
+    dll.infercore_linear_q8.restype = None
     dll.infercore_linear_f32.argtypes = [_P, _I64, _I64, _P, _I64, _P, _INT]
     dll.infercore_linear_f32.restype = None
     dll.infercore_native_isa.restype = _INT
@@ -305,6 +307,31 @@ def linear_q4(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.T
     y = torch.empty(M, N, dtype=torch.bfloat16)
     sums = torch.empty(M * kp // g, dtype=torch.float32)
     lib.infercore_linear_q4(_ptr(x), M, kp, _ptr(codes), _ptr(sz), g, N, _ptr(y), _ptr(sums),
+                            torch.get_num_threads())
+    return y
+
+
+def pack_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The native INT8 operands of an 8-bit symmetric per-channel :class:`~infercore.quant.formats.IntWeight` (the
+    ``w8a16`` scheme): ``(codes uint8 [N, Kp], scales fp32 [N])`` with ``w = (q - 128) * scale`` (the codes are the
+    weight's own bytes, not a copy); None for other formats."""
+    from ...quant.formats import IntWeight
+
+    if not isinstance(w, IntWeight) or w.bits != 8 or not w.symmetric or w.scales.shape[1] != 1:
+        return None
+    return w.qweight.contiguous().cpu(), w.scales[:, 0].float().contiguous().cpu()
+
+
+def linear_q8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ dequant(w)^T`` for bf16 ``x`` and :func:`pack_q8`'s operands ``[N, Kp]`` / ``[N]`` (``x``
+    zero-padded to Kp) -> ``[M, N]`` bf16."""
+    lib = _need()
+    M, K = x.shape
+    N, kp = codes.shape
+    x = torch.nn.functional.pad(x, (0, kp - K)) if kp > K else x.contiguous()
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    sums = torch.empty(M, dtype=torch.float32)
+    lib.infercore_linear_q8(_ptr(x), M, kp, _ptr(codes), _ptr(scales), N, _ptr(y), _ptr(sums),
                             torch.get_num_threads())
     return y
 
@@ -529,10 +556,10 @@ def layer_linear(lin, dtype: torch.dtype) -> tuple[int, int, int, int] | None:
     """How :func:`llama_decode_layer` takes the linear module ``lin`` for activations of ``dtype``: ``(weight
     pointer, scales-and-zeros pointer, group, Kp)``, for a ``models.layout.CPUPackedLinear`` without bias whose
     contiguous weight has ``dtype`` (group 0), or a ``quant.QuantLinear`` without bias or input permutation over
-    INT4 groups / GGUF Q4_0 / Q4_1 blocks that the native INT4 GEMV takes (``quant.cpu.native_q4``), with bf16
-    activations; None for anything else."""
+    INT4 groups / GGUF Q4_0 / Q4_1 blocks that the native INT4 GEMV takes (``quant.cpu.native_q4``) or symmetric
+    per-channel INT8 (``native_q8``, group -1), with bf16 activations; None for anything else."""
     from ...models.layout import CPUPackedLinear
-    from ...quant.cpu import native_q4
+    from ...quant.cpu import native_q4, native_q8
     from ...quant.linear import QuantLinear
 
     if type(lin) is CPUPackedLinear:
@@ -540,11 +567,16 @@ def layer_linear(lin, dtype: torch.dtype) -> tuple[int, int, int, int] | None:
         ok = lin.bias is None and w.dtype == dtype and w.is_contiguous()
         return (w.data_ptr(), 0, 0, w.shape[1]) if ok else None
     if type(lin) is QuantLinear and dtype == torch.bfloat16 and lin.bias is None and lin.in_perm is None:
-        ops = native_q4(lin.qweight_format)
+        w = lin.qweight_format
+        ops = native_q4(w)
         if ops is not None:
             codes, sz = ops
             kp = codes.shape[1] * 2
             return codes.data_ptr(), sz.data_ptr(), kp // sz.shape[2], kp
+        ops = native_q8(w)
+        if ops is not None:  # group -1: INT8, per-row scales
+            codes, scales = ops
+            return codes.data_ptr(), scales.data_ptr(), -1, codes.shape[1]
     return None
 
 

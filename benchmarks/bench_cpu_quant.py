@@ -1,13 +1,16 @@
 # ruff: noqa: B023  (closures are run inside the loop iteration that defines them)
-"""Weight-only INT4 / INT8 on the CPU: the fast path (``quant/cpu.py``, ATen's packed kernels for bf16 activations)
-against the reference it replaced (dequantize, then matmul) and the dense bf16 weight, same threads, same process.
+"""Weight-only INT4 / INT8 on the CPU: the fast path (``quant/cpu.py``: the native kernels for decode rows, ATen's
+packed kernels past them, bf16 activations) against the reference it replaced (dequantize, then matmul), ATen's
+kernels alone and the dense bf16 weight, same threads, same process.
 
 1. One linear (``quant.wq_matmul``) at 1-64 rows: a 4096 x 4096 weight (the 8B shape's o_proj) and SmolLM2's merged
-   gate_up (3072 x 576); INT4 g128 with zero points and INT8 per channel. Peers: the reference, and ``F.linear`` on
-   the dense bf16 weight. Floor (1 row): bytes of codes and scales / the measured read bandwidth.
+   gate_up (3072 x 576); INT4 g128 with zero points, INT8 per channel and GGUF Q4_1 blocks. Peers: the reference,
+   ATen's packed kernel alone (native kernels off) and ``F.linear`` on the dense bf16 weight. Floor (1 row): bytes of codes and scales / the measured read bandwidth.
 2. Greedy decode of SmolLM2-135M-Instruct in bf16, batch 1 (decode rate as ``bench_cpu_decode.py``: prefill
    excluded): each scheme, and the checkpoint's own Q4_1 blocks run as stored (``gguf-native-q4_1``), through the
-   fast path and through the reference (``INFERCORE_BACKEND``), next to the unquantized model.
+   fast path (the whole decoder stack in one native call), one call per layer, op by op, with every native kernel
+   off and through the reference (``INFERCORE_BACKEND``), next to the unquantized model; llama.cpp on the same GGUF
+   file where llama-cpp-python is installed.
 
     python benchmarks/bench_cpu_quant.py [--tokens 48] [--repeats 3]
 """
@@ -84,7 +87,7 @@ def linear_cases(ms: list[int], bw: float) -> list[dict]:
                            ours=ours, peers={"reference (dequantize + matmul)": ref, "bf16 F.linear, dense": bf16},
                            floor=bw / nbytes if m == 1 else None, kernel=QC.cpu_kind(w), weight_bytes=nbytes,
                            ours_us=1e6 / ours, reference_us=1e6 / ref, bf16_us=1e6 / bf16, aten_us=1e6 / aten,
-                           native=m <= QC.NATIVE_Q4_MAX_ROWS and QC.native_q4(w) is not None)
+                           native=m <= QC.NATIVE_Q4_MAX_ROWS and (QC.native_q4(w) or QC.native_q8(w)) is not None)
                 print(f"{row['case']}: {1e6 / ours:.0f} us (reference {1e6 / ref:.0f}, bf16 dense {1e6 / bf16:.0f}, "
                       f"ATen alone {1e6 / aten:.0f})", flush=True)
                 cases.append(row)

@@ -109,6 +109,17 @@ def test_the_repack_is_made_once_and_leaves_with_the_weight():
     key = id(w.qweight)
     del w, entry, first
     assert key not in repacks._PACKS
+    # INT8: the native operands are the weight's own bytes, through another tensor (held by the cache, the weight's
+    # own tensor would never leave)
+    w8 = IntWeight.quantize(torch.randn(64, 256), bits=8, group_size=None, symmetric=True)
+    wq_matmul(torch.randn(2, 256).to(torch.bfloat16), w8)
+    if cpu_native.q4_supported():
+        codes = repacks._PACKS[id(w8.qweight)][1][("cpu", "native8")][0]
+        assert codes is not w8.qweight and codes.data_ptr() == w8.qweight.data_ptr()
+        del codes
+    key = id(w8.qweight)
+    del w8
+    assert key not in repacks._PACKS
 
 
 def test_pack_functions_name_what_they_cannot_take():

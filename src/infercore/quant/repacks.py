@@ -23,7 +23,8 @@ def packed(qweight: torch.Tensor, key: tuple, make):
         if _capturing():
             return None
         key_id = id(qweight)
-        ent = (weakref.ref(qweight, lambda _: _PACKS.pop(key_id, None)), {})
+        # (the dict bound now: at interpreter exit the module's globals may be gone before the callback runs)
+        ent = (weakref.ref(qweight, lambda _, packs=_PACKS: packs.pop(key_id, None)), {})
         _PACKS[key_id] = ent
     cache = ent[1]
     if key not in cache:

@@ -314,12 +314,14 @@ def linear_q4(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.T
 def pack_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The native INT8 operands of an 8-bit symmetric per-channel :class:`~infercore.quant.formats.IntWeight` (the
     ``w8a16`` scheme): ``(codes uint8 [N, Kp], scales fp32 [N])`` with ``w = (q - 128) * scale`` (the codes are the
-    weight's own bytes, not a copy); None for other formats."""
+    weight's own bytes, not a copy, on the CPU); None for other formats."""
     from ...quant.formats import IntWeight
 
     if not isinstance(w, IntWeight) or w.bits != 8 or not w.symmetric or w.scales.shape[1] != 1:
         return None
-    return w.qweight.contiguous().cpu(), w.scales[:, 0].float().contiguous().cpu()
+    # a new tensor over the same bytes: the repack cache (quant.repacks) must not hold the weight's own tensor
+    codes = w.qweight.cpu().contiguous().detach()
+    return codes, w.scales[:, 0].float().contiguous().cpu()
 
 
 def linear_q8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

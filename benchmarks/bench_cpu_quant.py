@@ -5,7 +5,8 @@ kernels alone and the dense bf16 weight, same threads, same process.
 
 1. One linear (``quant.wq_matmul``) at 1-64 rows: a 4096 x 4096 weight (the 8B shape's o_proj) and SmolLM2's merged
    gate_up (3072 x 576); INT4 g128 with zero points, INT8 per channel and GGUF Q4_1 blocks. Peers: the reference,
-   ATen's packed kernel alone (native kernels off) and ``F.linear`` on the dense bf16 weight. Floor (1 row): bytes of codes and scales / the measured read bandwidth.
+   ATen's packed kernel alone (native kernels off) and ``F.linear`` on the dense bf16 weight. Floor (1 row): bytes
+   of the weight as stored / the measured read bandwidth.
 2. Greedy decode of SmolLM2-135M-Instruct in bf16, batch 1 (decode rate as ``bench_cpu_decode.py``: prefill
    excluded): each scheme, and the checkpoint's own Q4_1 blocks run as stored (``gguf-native-q4_1``), through the
    fast path (the whole decoder stack in one native call), one call per layer, op by op, with every native kernel

@@ -160,37 +160,14 @@ static inline __attribute__((always_inline)) void dot_q4_g(const uint8_t *codes,
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-/* One token against one INT4 row (g a constant once inlined): dot_q4_g's arithmetic for M = 1, through one pointer
- * per operand and with the accumulators in registers */
+/* One token against one INT4 row (g a constant once inlined): dot_q4_g for M = 1, inlined into the caller's row loop
+ * (its own copy, the accumulators in registers) */
 static inline __attribute__((always_inline)) float dot_q4_row(const uint8_t *codes, const float *sz,
                                                               const uint16_t *x, const float *xsum, int64_t K,
                                                               const int64_t g) {
-    const int64_t nG = K / g, k64 = K / 64 * 64;
-    const float *scale = sz, *zero = sz + nG;
-    const __m512i lo4 = _mm512_set1_epi16(0x0f), bias = _mm512_set1_epi16(0x4300);
-    __m512 t0 = _mm512_setzero_ps(), t1 = t0;
-    for (int64_t s = 0; s < k64 / 64; s++) {
-        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(codes + 32 * s)));
-        const __m512i wl = _mm512_or_si512(_mm512_and_si512(v, lo4), bias);
-        const __m512i wh = _mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
-        const __m512 s0 = _mm512_set1_ps(scale[g == 32 ? 2 * s : 64 * s / g]);
-        const __m512 s1 = g == 32 ? _mm512_set1_ps(scale[2 * s + 1]) : s0;
-        t0 = _mm512_fmadd_ps(dp0(x + 64 * s, wl), s0, t0);
-        t1 = _mm512_fmadd_ps(dp0(x + 64 * s + 32, wh), s1, t1);
-    }
-    if (k64 < K) {
-        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + k64 / 2)));
-        const __m256i l4 = _mm256_set1_epi16(0x0f);
-        const __m512i w = _mm512_or_si512(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, l4)),
-                                                             _mm256_srli_epi16(v, 4), 1), bias);
-        t0 = _mm512_fmadd_ps(dp0(x + k64, w), _mm512_set1_ps(scale[nG - 1]), t0);
-    }
-    __m512 z = _mm512_add_ps(t0, t1);
-    for (int64_t j = 0; j < nG; j += 16) {
-        const __mmask16 k = nG - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nG - j)) - 1);
-        z = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, zero + j), _mm512_maskz_loadu_ps(k, xsum + j), z);
-    }
-    return _mm512_reduce_add_ps(z);
+    float y;
+    dot_q4_g(codes, sz, &x, &xsum, 1, K, g, &y);
+    return y;
 }
 
 /* One token against rows [r0, r1) of an INT4 weight (rows of K), the results rounded to bf16. One row a pass: four

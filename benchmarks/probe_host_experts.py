@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import host_read_bandwidth  # noqa: E402
 
 from infercore.models.layout import CPUPackedExperts  # noqa: E402
-from infercore.offload.host_experts import NativeQ4Experts, _quant_experts, _QuantLinear  # noqa: E402
+from infercore.offload.host_experts import NativeQuantExperts, _quant_experts, _QuantLinear  # noqa: E402
 from infercore.ops.moe import cpu_native  # noqa: E402
 
 
@@ -64,7 +64,7 @@ def part_a(args, out: dict) -> None:
             quant[scheme] = ([_QuantLinear(gu[e], scheme, dt) for e in range(E)],
                              [_QuantLinear(dn[e], scheme, dt) for e in range(E)])
     gu, dn = layers[0][:2]
-    native_q4 = NativeQ4Experts.build([_QuantLinear(gu[e], "w4a16-g128", dt) for e in range(E)],
+    native_q4 = NativeQuantExperts.build([_QuantLinear(gu[e], "w4a16-g128", dt) for e in range(E)],
                                       [_QuantLinear(dn[e], "w4a16-g128", dt) for e in range(E)])
     out["native"] = cpu_native.status()
     x1 = torch.randn(1, H, dtype=dt)

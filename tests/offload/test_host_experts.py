@@ -229,8 +229,10 @@ def test_quantized_host_experts(scheme, tmp_path):
             self.model.layers = torch.nn.ModuleList([torch.nn.Module()])
             self.model.layers[0].mlp = block
 
-    int4 = "native4" if cpu_native.q4_supported() else "int4"  # the native kernel where it builds, else ATen's
-    # hidden 64 / intermediate 48 pad K to a group: per-expert calls; 128 / 128: one native call per layer
+    native = cpu_native.q4_supported()  # the native kernels where they build, else ATen's
+    kind = ("native4" if native else "int4") if scheme == "w4a16-g128" else ("native8" if native else "int8")
+    # INT4: hidden 64 / intermediate 48 pad K to a group: per-expert calls; 128 / 128: one native call per layer.
+    # INT8 (no padding): one native call per layer at both.
     for hidden, inter in ((64, 48), (128, 128)):
         torch.manual_seed(0)
         block = SparseMoeBlock(hidden, num_experts=6, top_k=2, intermediate=inter, dtype=torch.bfloat16)
@@ -241,10 +243,12 @@ def test_quantized_host_experts(scheme, tmp_path):
         dn = torch.stack([quantize_weight(w, scheme).dequantize(torch.bfloat16) for w in block.experts.down_proj])
         offload_experts_(Wrapper(block), quantization=scheme)
         h = block.host_experts
-        stacked = h.native_q4 is not None
-        assert stacked is (scheme == "w4a16-g128" and int4 == "native4" and hidden == 128)
-        if not stacked:
-            assert h.quantized[0][0].kind == (int4 if scheme == "w4a16-g128" else "int8")
+        stacked = h.native is not None
+        assert stacked is (native and (scheme == "w8a16" or hidden == 128))
+        if stacked:
+            assert h.native.kind == kind
+        else:
+            assert h.quantized[0][0].kind == kind
         x = torch.randn(5, hidden, dtype=torch.bfloat16)
         w = torch.softmax(torch.randn(5, 2), -1)
         ids = torch.randint(0, 6, (5, 2))

@@ -239,30 +239,33 @@ def test_pack_q4_takes_int4_groups_of_32_to_256():
     assert cpu_native.pack_q4(torch.randn(16, 256)) is None
 
 
+@pytest.mark.parametrize("scheme", ["w4a16-g128", "w8a16"])
 @pytest.mark.parametrize("T,k,E", [(1, 2, 6), (5, 3, 8), (12, 2, 4)])
-def test_q4_experts_match_the_reference_and_host_experts_use_them(T, k, E):
-    from infercore.offload.host_experts import NativeQ4Experts, _QuantLinear
+def test_quantized_experts_match_the_reference_and_host_experts_use_them(T, k, E, scheme):
+    from infercore.offload.host_experts import NativeQuantExperts, _QuantLinear
 
     H, I = 256, 128
     g = torch.Generator().manual_seed(T)
     gate_up = (torch.randn(E, 2 * I, H, generator=g) * H**-0.5).bfloat16()
     down = (torch.randn(E, H, I, generator=g) * I**-0.5).bfloat16()
-    qg = [_QuantLinear(gate_up[e], "w4a16-g128", torch.bfloat16) for e in range(E)]
-    qd = [_QuantLinear(down[e], "w4a16-g128", torch.bfloat16) for e in range(E)]
-    assert all(q.kind == "native4" for q in qg + qd)
-    experts = NativeQ4Experts.build(qg, qd)
-    assert experts is not None and experts.gate_up[0].shape == (E, 2 * I, H // 2)
+    qg = [_QuantLinear(gate_up[e], scheme, torch.bfloat16) for e in range(E)]
+    qd = [_QuantLinear(down[e], scheme, torch.bfloat16) for e in range(E)]
+    kind = "native4" if scheme == "w4a16-g128" else "native8"
+    assert all(q.kind == kind for q in qg + qd)
+    experts = NativeQuantExperts.build(qg, qd)
+    assert experts is not None and experts.kind == kind
+    assert experts.gate_up[0].shape == (E, 2 * I, H // 2 if kind == "native4" else H)
     x = torch.randn(T, H, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     w = torch.softmax(torch.randn(T, k, generator=g), -1).bfloat16()
     from infercore.quant.api import quantize_weight
 
-    deq_gu = torch.stack([quantize_weight(gate_up[e], "w4a16-g128").dequantize() for e in range(E)])
-    deq_dn = torch.stack([quantize_weight(down[e], "w4a16-g128").dequantize() for e in range(E)])
+    deq_gu = torch.stack([quantize_weight(gate_up[e], scheme).dequantize() for e in range(E)])
+    deq_dn = torch.stack([quantize_weight(down[e], scheme).dequantize() for e in range(E)])
     want = moe_experts_ref(x.float(), deq_gu.float(), deq_dn.float(), w.float(), ids)
     got = experts(x, w, ids, None)
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
     part = experts(x, w, ids + 2, 2)  # expert parallelism: ids shifted by the offset
     torch.testing.assert_close(part.float(), got.float())
-    with cpu_native.disabled():  # ATen's INT4 kernel instead: the same block output within rounding
-        assert _QuantLinear(gate_up[0], "w4a16-g128", torch.bfloat16).kind == "int4"
+    with cpu_native.disabled():  # ATen's kernels instead where the native ones are off
+        assert _QuantLinear(gate_up[0], scheme, torch.bfloat16).kind == ("int4" if kind == "native4" else "int8")

@@ -53,9 +53,13 @@ class _QuantLinear:
         self.kind = qcpu.cpu_kind(q) if dtype == torch.bfloat16 else None
         self.n = q.shape[0]
         native = cpu_native.pack_q4(q) if self.kind == "int4" and cpu_native.q4_supported() else None
+        native8 = cpu_native.pack_q8(q) if self.kind == "int8" and cpu_native.q4_supported() else None
         if native is not None:  # (codes uint8 [N, Kp / 2], scales-and-zeros fp32 [N, 2, Kp / g])
             self.kind, self.ops, self.k = "native4", native, native[0].shape[1] * 2
             self.nbytes = sum(t.numel() * t.element_size() for t in native)
+        elif native8 is not None:  # (codes uint8 [N, Kp], scales fp32 [N])
+            self.kind, self.ops, self.k = "native8", native8, native8[0].shape[1]
+            self.nbytes = sum(t.numel() * t.element_size() for t in native8)
         elif self.kind == "int4":  # (codes, group size, scales-and-zeros [K / group, N, 2])
             self.ops = qcpu.pack_int4(q)
             self.k = self.ops[2].shape[0] * self.ops[1]
@@ -74,27 +78,36 @@ class _QuantLinear:
             return wq_matmul(x, self.w)
         if self.kind == "native4":
             return cpu_native.linear_q4(x, *self.ops)
+        if self.kind == "native8":
+            return cpu_native.linear_q8(x, *self.ops)
         xp = torch.nn.functional.pad(x, (0, self.k - x.shape[1])) if self.k > x.shape[1] else x.contiguous()
         if self.kind == "int8":
             return torch.ops.aten._weight_int8pack_mm(xp, *self.ops)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(xp, self.ops[0], self.ops[1], self.ops[2])
 
 
-class NativeQ4Experts:
-    """A layer's INT4 experts (:class:`_QuantLinear` of kind ``"native4"``) stacked for the native kernel that runs
-    all of a forward's routed experts in one call (``ops.moe.cpu_native.moe_experts_q4``)."""
+class NativeQuantExperts:
+    """A layer's quantized experts (:class:`_QuantLinear` of kind ``"native4"``, INT4 in groups of 128, or
+    ``"native8"``, INT8 per channel) stacked for the native kernel that runs all of a forward's routed experts in one
+    call (``ops.moe.cpu_native.moe_experts_q4`` / ``moe_experts_q8``)."""
 
     def __init__(self, gate_up: list, down: list) -> None:
+        self.kind = gate_up[0].kind
         self.gate_up = tuple(torch.stack([q.ops[i] for q in gate_up]) for i in range(2))
         self.down = tuple(torch.stack([q.ops[i] for q in down]) for i in range(2))
         self.nbytes = sum(t.numel() * t.element_size() for t in (*self.gate_up, *self.down))
 
     @classmethod
-    def build(cls, gate_up: list, down: list) -> NativeQ4Experts | None:
-        """The stacked experts, or None where any weight is not native INT4 in groups of 128 or a padded K would
-        need padded rows (H and I must be multiples of 128)."""
+    def build(cls, gate_up: list, down: list) -> NativeQuantExperts | None:
+        """The stacked experts, or None where the weights are not all native INT4 in groups of 128 or all native
+        INT8, or a padded K would need padded rows (INT4: H and I multiples of 128)."""
         qs = (*gate_up, *down)
-        if not all(q.kind == "native4" and q.ops[1].shape[2] * cpu_native.Q4_GROUP == q.k for q in qs):
+        kind = qs[0].kind
+        if kind == "native4":
+            ok = all(q.kind == kind and q.ops[1].shape[2] * cpu_native.Q4_GROUP == q.k for q in qs)
+        else:
+            ok = kind == "native8" and all(q.kind == kind for q in qs)
+        if not ok:
             return None
         hidden, inter = gate_up[0].k, down[0].k
         if down[0].n != hidden or gate_up[0].n != 2 * inter:  # padded K: the rows would not line up
@@ -102,7 +115,8 @@ class NativeQ4Experts:
         return cls(gate_up, down)
 
     def __call__(self, x, weights, ids, expert_offset):
-        return cpu_native.moe_experts_q4(x, self.gate_up, self.down, weights, ids, expert_offset)
+        fn = cpu_native.moe_experts_q4 if self.kind == "native4" else cpu_native.moe_experts_q8
+        return fn(x, self.gate_up, self.down, weights, ids, expert_offset)
 
 
 def _quant_experts(x, gate_up: list, down: list, weights, ids, expert_offset):
@@ -135,13 +149,13 @@ class HostExperts:
         self.packed = None
         self.quantized = None
         self.quant_bytes = 0
-        self.native_q4 = None
+        self.native = None
         if quantization is not None:  # per expert, where the weights are; the host keeps the kernel operands
             self.quantized = ([_QuantLinear(gu[e], quantization, gu.dtype) for e in range(gu.shape[0])],
                               [_QuantLinear(dn[e], quantization, gu.dtype) for e in range(dn.shape[0])])
             self.quant_bytes = sum(q.nbytes for qs in self.quantized for q in qs)
-            self.native_q4 = NativeQ4Experts.build(*self.quantized)
-            if self.native_q4 is not None:  # the stacked copies are all that stay
+            self.native = NativeQuantExperts.build(*self.quantized)
+            if self.native is not None:  # the stacked copies are all that stay
                 self.quantized = None
         elif pack:  # from a host copy of one block at a time: the packed copies are all that stay
             self.packed = CPUPackedExperts(gu.to("cpu"), dn.to("cpu"))
@@ -169,8 +183,8 @@ class HostExperts:
 
     def _host(self, x, weights, ids, expert_offset):
         check_moe_args("moe_experts", x, *self._meta, weights, ids)
-        if self.native_q4 is not None and x.dtype == torch.bfloat16:
-            return self.native_q4(x, weights, ids, expert_offset)
+        if self.native is not None and x.dtype == torch.bfloat16:
+            return self.native(x, weights, ids, expert_offset)
         if self.quantized is not None:
             return _quant_experts(x, *self.quantized, weights, ids, expert_offset)
         if self.packed is not None and x.dtype == self.dtype:

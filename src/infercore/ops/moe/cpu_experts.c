@@ -341,15 +341,17 @@ static void moe_experts(const uint16_t *x, int64_t T, int64_t H, int64_t I, cons
     const int64_t P = goff[G];
     const int64_t I2 = 2 * I;
     const int64_t nb1 = (I2 + RB - 1) / RB, nb2 = (H + RB - 1) / RB;
-    const int q4 = gate_up->q4 != 0; /* sums: [T, H / Q4G] then [P, I / Q4G] (INT4 only) */
-    float *xsum = sums, *asum = q4 ? sums + T * (H / Q4G) : 0;
+    /* sums (quantized weights): [T, H / g] then [P, I / g] group sums (INT4), or [T] then [P] row sums (INT8) */
+    const int64_t ngH = sum_groups(gate_up, H), ngI = sum_groups(down, I);
+    const int q4 = ngH != 0;
+    float *xsum = sums, *asum = q4 ? sums + T * ngH : 0;
 #pragma omp parallel num_threads(nthreads)
     {
         const uint16_t *xs[MB];
         const float *ss[MB] = {0, 0, 0, 0};
         if (q4) {
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++) group_sums(x + t * H, H, Q4G, xsum + t * (H / Q4G));
+            for (int64_t t = 0; t < T; t++) group_sums(x + t * H, H, H / ngH, xsum + t * ngH);
         }
         /* gate_up: units (group, row block) */
 #pragma omp for schedule(static)
@@ -360,7 +362,7 @@ static void moe_experts(const uint16_t *x, int64_t T, int64_t H, int64_t I, cons
                 int M = n - c < MB ? (int)(n - c) : MB;
                 for (int m = 0; m < M; m++) {
                     xs[m] = x + ptok[p0 + c + m] * H;
-                    if (q4) ss[m] = xsum + ptok[p0 + c + m] * (H / Q4G);
+                    if (q4) ss[m] = xsum + ptok[p0 + c + m] * ngH;
                 }
                 unit_gemv(gate_up, gexp[g] * I2, H, b * RB, (b + 1) * RB < I2 ? (b + 1) * RB : I2, xs, ss, M,
                           h + (p0 + c) * I2, I2);
@@ -375,7 +377,7 @@ static void moe_experts(const uint16_t *x, int64_t T, int64_t H, int64_t I, cons
                 float gt = bf16_to_f32(hp[i]), up = bf16_to_f32(hp[I + i]);
                 ap[i] = f32_to_bf16(gt / (1.f + expf(-gt)) * up);
             }
-            if (q4) group_sums(ap, I, Q4G, asum + p * (I / Q4G));
+            if (q4) group_sums(ap, I, I / ngI, asum + p * ngI);
         }
         /* down: units (group, row block) */
 #pragma omp for schedule(static)
@@ -386,7 +388,7 @@ static void moe_experts(const uint16_t *x, int64_t T, int64_t H, int64_t I, cons
                 int M = n - c < MB ? (int)(n - c) : MB;
                 for (int m = 0; m < M; m++) {
                     xs[m] = act + (p0 + c + m) * I;
-                    if (q4) ss[m] = asum + (p0 + c + m) * (I / Q4G);
+                    if (q4) ss[m] = asum + (p0 + c + m) * ngI;
                 }
                 unit_gemv(down, gexp[g] * H, I, b * RB, (b + 1) * RB < H ? (b + 1) * RB : H, xs, ss, M,
                           y + (p0 + c) * H, H);
@@ -443,6 +445,17 @@ static void rows_range(const wdesc *w, const uint16_t *x, int64_t M, int64_t K, 
         }
         unit_gemv(w, 0, K, r0, r1, xs, sp, m, y + c * ldy, ldy);
     }
+}
+
+/* The same over INT8 experts symmetric per row: codes gate_up [E, 2I, H], down [E, H, I] (uint8, w = (q - 128) *
+ * scale), scales [E, 2I] and [E, H] (fp32); sums: workspace of T + P floats */
+void infercore_moe_experts_q8(const uint16_t *x, int64_t T, int64_t H, int64_t I, const uint8_t *gate_up,
+                              const float *gate_up_s, const uint8_t *down, const float *down_s, int64_t G,
+                              const int64_t *gexp, const int64_t *goff, const int64_t *ptok, const float *pw,
+                              uint16_t *h, uint16_t *act, uint16_t *y, float *acc, uint16_t *out, float *sums,
+                              int nthreads) {
+    wdesc gu = {0, 0, gate_up_s, 0, gate_up}, dn = {0, 0, down_s, 0, down};
+    moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, sums, nthreads);
 }
 
 static void linear(const uint16_t *x, int64_t M, int64_t K, const wdesc *w, int64_t N, uint16_t *y, float *sums,

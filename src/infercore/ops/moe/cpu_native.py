@@ -85,6 +85,8 @@ def _build() -> ctypes.CDLL:
     dll.infercore_moe_experts_q4.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P,
                                              _P, _P, _P, _INT]
     dll.infercore_moe_experts_q4.restype = None
+    dll.infercore_moe_experts_q8.argtypes = dll.infercore_moe_experts_q4.argtypes
+    dll.infercore_moe_experts_q8.restype = None
     dll.infercore_linear_q4.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _INT]
     dll.infercore_linear_q4.restype = None
     dll.infercore_linear_q8.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _P, _INT]
@@ -197,7 +199,9 @@ def _pairs(ids: torch.Tensor, E: int, expert_offset: int | None):
     return len(experts), meta, pairs
 
 
-def _moe(fn, x, H, I, weight_args, weights, ids, E, expert_offset, q4: bool = False) -> torch.Tensor:
+def _moe(fn, x, H, I, weight_args, weights, ids, E, expert_offset, groups: tuple[int, int] | None = None,
+         ) -> torch.Tensor:  # fmt: skip
+    """One native MoE call; ``groups``: quantized experts' sums per token row of H and per pair row of I."""
     T = x.shape[0]
     G, meta, pairs = _pairs(ids, E, expert_offset)
     P = len(pairs)
@@ -209,9 +213,9 @@ def _moe(fn, x, H, I, weight_args, weights, ids, E, expert_offset, q4: bool = Fa
     ws = torch.empty(P * (3 * I + H), dtype=torch.bfloat16)  # gate_up outputs, SiLU-and-mul, down outputs
     acc = torch.empty(T * H, dtype=torch.float32)
     base = _ptr(meta)
-    sums = torch.empty(T * H // Q4_GROUP + P * I // Q4_GROUP if q4 else 0, dtype=torch.float32)  # kept alive here
+    sums = torch.empty(T * groups[0] + P * groups[1] if groups else 0, dtype=torch.float32)  # kept alive here
     fn(_ptr(x), T, H, I, *weight_args, G, base, base + 8 * G, base + 8 * (2 * G + 1), _ptr(pw), _ptr(ws),
-       _ptr(ws) + 2 * P * 2 * I, _ptr(ws) + 2 * P * 3 * I, _ptr(acc), _ptr(out), *((_ptr(sums),) if q4 else ()),
+       _ptr(ws) + 2 * P * 2 * I, _ptr(ws) + 2 * P * 3 * I, _ptr(acc), _ptr(out), *((_ptr(sums),) if groups else ()),
        torch.get_num_threads())
     return out
 
@@ -293,7 +297,19 @@ def moe_experts_q4(x: torch.Tensor, gate_up: tuple[torch.Tensor, torch.Tensor],
     lib = _need()
     E, I2, H = gate_up[0].shape[0], gate_up[0].shape[1], gate_up[0].shape[2] * 2
     args = (_ptr(gate_up[0]), _ptr(gate_up[1]), _ptr(down[0]), _ptr(down[1]))
-    return _moe(lib.infercore_moe_experts_q4, x, H, I2 // 2, args, weights, ids, E, expert_offset, q4=True)
+    return _moe(lib.infercore_moe_experts_q4, x, H, I2 // 2, args, weights, ids, E, expert_offset,
+                groups=(H // Q4_GROUP, I2 // 2 // Q4_GROUP))
+
+
+def moe_experts_q8(x: torch.Tensor, gate_up: tuple[torch.Tensor, torch.Tensor],
+                   down: tuple[torch.Tensor, torch.Tensor], weights: torch.Tensor, ids: torch.Tensor,
+                   expert_offset: int | None = None) -> torch.Tensor:  # fmt: skip
+    """:func:`moe_experts_bf16` over INT8 experts symmetric per channel: ``gate_up = (codes [E, 2I, H], scales
+    [E, 2I])``, ``down = (codes [E, H, I], scales [E, H])`` (:func:`pack_q8` per expert, stacked)."""
+    lib = _need()
+    E, I2, H = gate_up[0].shape
+    args = (_ptr(gate_up[0]), _ptr(gate_up[1]), _ptr(down[0]), _ptr(down[1]))
+    return _moe(lib.infercore_moe_experts_q8, x, H, I2 // 2, args, weights, ids, E, expert_offset, groups=(1, 1))
 
 
 def linear_q4(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:

@@ -161,3 +161,17 @@ def test_out_of_range_indices_raise_before_writing(tmp_path):
         with pytest.raises(IndexError, match=match):
             cpu_native.llama_decode_layers(x, model.model.layers, pos, cos_sin, runner.kv_caches, bad, stack)
     assert all(torch.equal(a, b) for kv, kv0 in zip(runner.kv_caches, caches0) for a, b in zip(kv, kv0))
+
+
+def test_the_cached_checks_keep_no_kv_cache_alive(tmp_path):
+    import gc
+    import weakref
+
+    model, _ = _models("llama", torch.bfloat16, tmp_path)
+    runner = PagedRunner(model, seed=1)
+    runner.step([(0, [1, 2, 3])])
+    runner.step([(0, [4])])  # the fused stack: its checks are cached on the layers and the model
+    refs = [weakref.ref(t) for kv in runner.kv_caches for t in kv]
+    del runner
+    gc.collect()
+    assert all(r() is None for r in refs)  # a dropped engine's KV pool is freed

@@ -271,7 +271,7 @@ class LlamaDecoderLayer(nn.Module):
     def _native_linears(self, dt, hidden: int, k_cache, v_cache, cos_sin) -> list | None:
         """:meth:`_native_decode`'s checks of what stays fixed from step to step (the layer's modules and weights,
         the caches, the RoPE table), and the linears' descriptors: looked up once per such set (kept on the layer,
-        keyed by those objects' identity and the tensors' data pointers)."""
+        keyed by the modules' and weights' identity, the tensors' data pointers and the caches' layouts)."""
         mods = self._modules
         attn, mlp, n1, n2 = mods["self_attn"], mods["mlp"], mods["input_layernorm"], mods["post_attention_layernorm"]
         if type(self) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
@@ -280,10 +280,11 @@ class LlamaDecoderLayer(nn.Module):
         lins = (am["qkv_proj"], am["o_proj"], mm["gate_up_proj"], mm["down_proj"])
         w1, w2 = n1._parameters["weight"], n2._parameters["weight"]
         stores = [cpu_native.layer_linear_store(lin) for lin in lins]
-        key = (dt, k_cache, v_cache, cos_sin, attn, mlp, n1, n2, mlp.__dict__.get("act"), *lins, *stores,
+        key = (dt, attn, mlp, n1, n2, mlp.__dict__.get("act"), *lins, *stores,
                *(lin._parameters.get("bias") for lin in lins), w1, w2)
-        ptrs = (hidden, k_cache.data_ptr(), v_cache.data_ptr(), w1.data_ptr(), w2.data_ptr(),
-                *(t.data_ptr() if t is not None else 0 for t in stores))
+        # the caches and the RoPE table by address and layout only: the cache must not keep a freed KV pool alive
+        ptrs = (hidden, *(v for t in (k_cache, v_cache, cos_sin) for v in (t.data_ptr(), t.dtype, t.shape, t.stride())),
+                w1.data_ptr(), w2.data_ptr(), *(t.data_ptr() if t is not None else 0 for t in stores))
         cached = self.__dict__.get("_native_linears_cache")
         if (cached is not None and cached[1] == ptrs and len(cached[0]) == len(key)
                 and all(a is b for a, b in zip(cached[0], key))):

@@ -258,7 +258,7 @@ class LlamaDecoderLayer(nn.Module):
         """The linears as ``cpu_native.llama_decode_layer`` takes them where this step runs through it, else None:
         decode rows on the CPU (up to ``NATIVE_MAX_ROWS``, where the linears take the native GEMVs anyway), the
         layer exactly this class's (plain norms, SiLU MLP, no q/k norm; linears without bias that the native
-        GEMVs take, ``cpu_native.layer_linear``: dense of x's dtype, or INT4 / GGUF Q4 blocks with bf16 x), a
+        GEMVs take, ``cpu_native.layer_linear``: dense of x's dtype, or INT4 / GGUF Q4 / INT8 with bf16 x), a
         plain cache of x's dtype, full neox RoPE, no backend override (``INFERCORE_BACKEND``): what the op-by-op
         path would run, in one call."""
         if not _native_step(x, meta) or (residual is not None and (residual.shape != x.shape

@@ -275,8 +275,8 @@ def pack_q4(w) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def pack_gguf_q4(w) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The native INT4 operands (groups of 32) of GGUF Q4_0 / Q4_1 blocks (a
-    :class:`~infercore.quant.formats.GGUFWeight`): the blocks' own nibble layout, ``scale = d`` and ``zero = m + 8 d``
-    (0 for Q4_0) in fp32; None for other formats."""
+    :class:`~infercore.quant.formats.GGUFWeight`): :func:`_q4_operands` of the blocks' nibbles, ``scale = d`` and
+    ``zero = m + 8 d`` (0 for Q4_0) in fp32; None for other formats."""
     from ...quant.formats import GGUFWeight
     from ...quant.gguf import BLOCK_BYTES, q4_parts
 
@@ -643,7 +643,7 @@ def decode_layers_table(layers, kv_caches, linears: list) -> tuple[torch.Tensor,
     for layer, (k, v), lin in zip(layers, kv_caches, linears):
         n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
         tab.append([n1.weight.data_ptr(), n2.weight.data_ptr(), k.data_ptr(), v.data_ptr(),
-                    layer.self_attn.sliding_window or 0, *(v for t in lin for v in t)])
+                    layer.self_attn.sliding_window or 0, *(e for t in lin for e in t)])
         eps.append([n1.eps, n2.eps])
     return torch.tensor(tab, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32)
 

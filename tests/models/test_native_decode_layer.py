@@ -35,7 +35,8 @@ def _models(kind: str, dtype: torch.dtype, tmp_path, scheme=None, **cfg):
 _G32 = QuantScheme("test-w4a16-g32", "int4", "INT4, groups of 32", group_size=32)
 _QUANT = [("w4a16-g128", {}), (_G32, {"hidden_size": 96, "intermediate_size": 160}),
           ("gguf-q4_1", {"hidden_size": 96, "intermediate_size": 160}), ("gguf-q4_0", {}),
-          ("w8a16", {"hidden_size": 80, "intermediate_size": 136})]  # INT8: K % 32 != 0, the masked tail
+          ("w8a16", {"hidden_size": 80, "intermediate_size": 136}),  # INT8: K % 32 != 0, the masked tail
+          ("gguf-q8_0", {})]
 
 
 @pytest.mark.parametrize("dtype,scheme,cfg", [(torch.float32, None, {}), (torch.bfloat16, None, {})]

@@ -216,16 +216,31 @@ def test_q8_linear_matches_the_dequantized_weight(N, K):
     assert cpu_native.q4_supported(), cpu_native.status()
     g = torch.Generator().manual_seed(N + K)
     q = quantize_weight(torch.randn(N, K, generator=g) * K**-0.5, "w8a16")
-    codes, scales = cpu_native.pack_q8(q)
-    assert codes.shape == (N, q.padded_in_features) and codes.dtype == torch.uint8 and scales.shape == (N,)
+    codes, sz = cpu_native.pack_q8(q)
+    assert codes.shape == (N, q.padded_in_features) and codes.dtype == torch.uint8 and sz.shape == (N, 2, 1)
     for M in (1, 2, 3, 4):  # K % 32 != 0: the masked tail
         x = torch.randn(M, K, generator=g).bfloat16()
         want = F.linear(x.float(), q.dequantize().float()[:, :K])
-        got = cpu_native.linear_q8(x, codes, scales)
+        got = cpu_native.linear_q8(x, codes, sz)
         assert got.shape == (M, N) and got.dtype == torch.bfloat16
         assert _close(got, want, K)
     assert cpu_native.pack_q8(quantize_weight(torch.randn(16, 256), "w4a16-g128")) is None
     assert cpu_native.pack_q8(torch.randn(16, 256)) is None
+
+
+@pytest.mark.parametrize("K", [32, 96, 576])
+def test_q8_linear_runs_gguf_q8_0_blocks(K):
+    from infercore.quant.formats import GGUFWeight
+
+    assert cpu_native.q4_supported(), cpu_native.status()
+    g = torch.Generator().manual_seed(K)
+    w = GGUFWeight.quantize(torch.randn(48, K, generator=g), qtype="q8_0")
+    codes, sz = cpu_native.pack_gguf_q8(w)
+    assert codes.shape == (48, K) and sz.shape == (48, 2, K // 32)
+    for M in (1, 3, 7):  # any row count (GGUF Q8_0 has no ATen kernel)
+        x = torch.randn(M, K, generator=g).bfloat16()
+        assert _close(cpu_native.linear_q8(x, codes, sz), F.linear(x.float(), w.dequantize()), K)
+    assert cpu_native.pack_gguf_q8(GGUFWeight.quantize(torch.randn(16, 64), qtype="q4_1")) is None
 
 
 def test_pack_q4_takes_int4_groups_of_32_to_256():

@@ -69,26 +69,27 @@ def test_what_the_kernels_cannot_take_runs_the_reference(case):
     assert torch.equal(wq_matmul(x, w), naive.wq_matmul_ref(x, w))
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
 @pytest.mark.parametrize("m", [1, 6, 40])
 def test_gguf_q4_blocks_match_the_reference(qtype, m):
+    # Q8_0: no ATen kernel (cpu_kind None); the native INT8 kernel at every row count where it runs
     torch.manual_seed(m)
     w = GGUFWeight.quantize(torch.randn(48, 320) * 0.05, qtype=qtype)
-    assert QC.cpu_kind(w) == "gguf4"
+    assert QC.cpu_kind(w) == ("gguf4" if qtype != "q8_0" else None)
     x = torch.randn(m, 320).to(torch.bfloat16)
     b = torch.randn(48).to(torch.bfloat16)
     for bias in (None, b):
         assert _rel(gguf_matmul(x, w, bias=bias), naive.gguf_matmul_ref(x, w, bias)) < 1e-2
 
 
-@pytest.mark.parametrize("case", ["q8_0", "q4_1 N % 16", "q4_1 fp32 x"])
+@pytest.mark.parametrize("case", ["q8_0 fp32 x", "q4_1 N % 16", "q4_1 fp32 x"])
 def test_gguf_blocks_the_kernel_cannot_take_run_the_reference(case):
     torch.manual_seed(0)
     w = GGUFWeight.quantize(torch.randn(40 if "N %" in case else 64, 256), qtype=case.split()[0])
     x = torch.randn(3, 256).to(torch.float32 if "fp32" in case else torch.bfloat16)
     assert (QC.cpu_kind(w) is None) == (case != "q4_1 fp32 x")
     assert torch.equal(gguf_matmul(x, w), naive.gguf_matmul_ref(x, w))
-    if case == "q8_0":
+    if case.startswith("q8_0"):
         with pytest.raises(ValueError, match="w:"):
             QC.pack_gguf4(w)
 

@@ -330,13 +330,13 @@ static inline void gemv_par(const void *x, int64_t M, int64_t K, const void *w, 
 void infercore_q4_sums(const uint16_t *x, int64_t M, int64_t K, int64_t g, float *sums);
 void infercore_q4_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                         const float *sums, int64_t r0, int64_t r1, uint16_t *y, int64_t ldy);
-void infercore_q8_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *scales,
+void infercore_q8_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                         const float *sums, int64_t r0, int64_t r1, uint16_t *y, int64_t ldy);
 
 /* y [M, N] = x [M, K] @ w^T for one linear of the fused layer, L = {weight, sz, g, Kp}: dense rows [N, K] of the
  * layer's dtype (g = 0); INT4 codes [N, Kp / 2] in groups of g with sz fp32 [N, 2, Kp / g] (bf16 only); or INT8
- * codes [N, Kp] with per-row scales fp32 [N] (g = -1, bf16 only). Quantized: rows zero-padded from K to Kp in
- * xp [M, Kp], their group sums in sums [M, Kp / g] (INT8: [M]); infercore_linear_q4 / _q8's values. */
+ * codes [N, Kp] in groups of -g with sz fp32 [N, 2, Kp / -g] (g < 0, bf16 only). Quantized: rows zero-padded from K
+ * to Kp in xp [M, Kp], their group sums in sums [M, Kp / |g|]; infercore_linear_q4 / _q8's values. */
 static void lin_par(const void *x, int64_t M, int64_t K, const int64_t *L, int64_t N, void *y, int dt, uint16_t *xp,
                     float *sums) {
     if (L[2] == 0) {
@@ -352,7 +352,7 @@ static void lin_par(const void *x, int64_t M, int64_t K, const int64_t *L, int64
                 memcpy(xp + t * kp, (const uint16_t *)x + t * K, 2 * (size_t)K);
                 memset(xp + t * kp + K, 0, 2 * (size_t)(kp - K));
             }
-        infercore_q4_sums(xs, M, kp, g > 0 ? g : kp, sums);
+        infercore_q4_sums(xs, M, kp, g > 0 ? g : -g, sums);
     }
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < (N + GEMV_RB - 1) / GEMV_RB; b++) {
@@ -361,7 +361,7 @@ static void lin_par(const void *x, int64_t M, int64_t K, const int64_t *L, int64
             infercore_q4_range(xs, M, kp, (const uint8_t *)L[0], (const float *)L[1], g, sums, b * GEMV_RB, r1,
                                (uint16_t *)y, N);
         else
-            infercore_q8_range(xs, M, kp, (const uint8_t *)L[0], (const float *)L[1], sums, b * GEMV_RB, r1,
+            infercore_q8_range(xs, M, kp, (const uint8_t *)L[0], (const float *)L[1], -g, sums, b * GEMV_RB, r1,
                                (uint16_t *)y, N);
     }
 }
@@ -401,7 +401,7 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
     for (int l = 0; l < 4; l++)
         if (lin[4 * l + 2]) {
             kpmax = lin[4 * l + 3] > kpmax ? lin[4 * l + 3] : kpmax;
-            const int64_t ng = lin[4 * l + 2] > 0 ? lin[4 * l + 3] / lin[4 * l + 2] : 1;
+            const int64_t ng = lin[4 * l + 3] / (lin[4 * l + 2] > 0 ? lin[4 * l + 2] : -lin[4 * l + 2]);
             gsums = ng > gsums ? ng : gsums;
         }
     uint16_t *xp = (uint16_t *)malloc(2 * (size_t)(T * kpmax) + 2);

@@ -140,22 +140,36 @@ def native_q4(w) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def native_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The native INT8 kernels' operands for a symmetric per-channel 8-bit ``w`` (``cpu_native.pack_q8``: its codes
-    ``[N, Kp]``, scales fp32 ``[N]``), made once and kept beside the weight; None where those kernels cannot take
-    ``w`` or do not run vectorized here."""
+    """The native INT8 kernels' operands for a symmetric per-channel 8-bit ``w`` or GGUF Q8_0 blocks
+    (``cpu_native.pack_q8`` / ``pack_gguf_q8``: codes uint8 ``[N, Kp]``, scales-and-zeros fp32 ``[N, 2, Kp / g]``),
+    made once and kept beside the weight; None where those kernels cannot take ``w`` or do not run vectorized here."""
     from ..ops.moe import cpu_native
 
-    if _format(w) != "int8" or w.qweight.device.type != "cpu" or not cpu_native.q4_supported():
+    if isinstance(w, GGUFWeight) and w.qtype == "q8_0":
+        store, make = w.raw, cpu_native.pack_gguf_q8
+    elif _format(w) == "int8":
+        store, make = w.qweight, cpu_native.pack_q8
+    else:
         return None
-    return packed(w.qweight, ("cpu", "native8"), lambda: cpu_native.pack_q8(w))
+    if store.device.type != "cpu" or not cpu_native.q4_supported():
+        return None
+    return packed(store, ("cpu", "native8"), lambda: make(w))
 
 
 def _matmul(x: torch.Tensor, w, bias: torch.Tensor | None, reference):
     """``x [M, K] @ dequant(w).T (+ bias [N]) -> [M, N]``: the packed kernels for bf16 ``x`` where
     :func:`cpu_kind` allows (the bias added in fp32 to their bf16 product), else ``reference``."""
-    kind = cpu_kind(w) if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
+    bf16_cpu = x.dtype == torch.bfloat16 and x.device.type == "cpu"
+    kind = cpu_kind(w) if bf16_cpu else None
     if kind is None:
-        return reference(x, w, bias)
+        # GGUF Q8_0 blocks have no ATen kernel: the native one at every row count where it runs
+        ops = native_q8(w) if bf16_cpu and isinstance(w, GGUFWeight) else None
+        if ops is None:
+            return reference(x, w, bias)
+        from ..ops.moe import cpu_native
+
+        y = cpu_native.linear_q8(x, *ops)
+        return y if bias is None else (y.float() + bias.float()).to(x.dtype)
     decode = x.shape[0] <= NATIVE_Q4_MAX_ROWS
     ops = (native_q4(w) if kind in ("int4", "gguf4") else native_q8(w)) if decode else None
     if ops is not None:  # decode rows: the native kernel

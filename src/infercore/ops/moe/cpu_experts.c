@@ -219,66 +219,79 @@ static void dot_rows_q4(const uint8_t *codes, const float *sz, const uint16_t *c
 #endif
 }
 
-/* INT8 rows, symmetric per row: codes q in [0, 256) ([K] bytes a row), w = (q - 128) * scale. Each code is split
- * into its nibbles, q = 16 hi + lo, each read as the bf16 of 128 + nibble (0x4300 | nibble, exact), so with
- * D_lo = sum_i (128 + lo_i) x_i and D_hi likewise, sum_i w_i x_i = scale * (D_lo + 16 D_hi - 2304 sum_i x_i);
- * xsum: the row's total (group_sums over one group of K). */
+/* INT8 rows in groups of g along K (g = K: one scale a row, the w8a16 scheme; g = 32: GGUF Q8_0 blocks): codes
+ * u in [0, 256) ([K] bytes a row; a signed code q is stored as u = q + 128), sz: scales [K / g] then zeros [K / g]
+ * (fp32) with w = u * scale + zero. Each code is split into its nibbles, u = 16 hi + lo, each read as the bf16 of
+ * 128 + nibble (0x4300 | nibble, exact), so with D_lo = sum_i (128 + lo_i) x_i and D_hi likewise, group j adds
+ * scale_j * (D_lo + 16 D_hi) + zero'_j * xsum_j, zero' = zero - 2176 scale (folded in when packing; xsum: the row's
+ * group sums, group_sums). */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-static inline __attribute__((always_inline)) void dot_q8_m(const uint8_t *codes, const float *scale,
-                                                           const uint16_t *const *x, const float *const *xsum,
-                                                           const int M, int64_t K, float *y) {
+static inline __attribute__((always_inline)) void q8_chunk(const uint8_t *codes, const uint16_t *const *x, int64_t k,
+                                                           __mmask32 mask, const int M, __m512 *lo, __m512 *hi) {
     const __m512i lo4 = _mm512_set1_epi16(0x0f), bias = _mm512_set1_epi16(0x4300);
-    __m512 lo[MB], hi[MB];
-    for (int m = 0; m < M; m++) lo[m] = hi[m] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(codes + k)));
-        const __m512i wl = _mm512_ternarylogic_epi32(v, lo4, bias, 0xEA); /* (v & lo4) | bias */
-        const __m512i wh = _mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
-        for (int m = 0; m < M; m++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x[m] + k));
-            lo[m] = _mm512_dpbf16_ps(lo[m], xv, (__m512bh)wl);
-            hi[m] = _mm512_dpbf16_ps(hi[m], xv, (__m512bh)wh);
-        }
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask, codes + k));
+    const __m512i wl = _mm512_ternarylogic_epi32(v, lo4, bias, 0xEA); /* (v & lo4) | bias */
+    const __m512i wh = _mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
+    for (int m = 0; m < M; m++) {
+        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x[m] + k);
+        lo[m] = _mm512_dpbf16_ps(lo[m], xv, (__m512bh)wl);
+        hi[m] = _mm512_dpbf16_ps(hi[m], xv, (__m512bh)wh);
     }
-    if (k < K) { /* the tail: codes and x masked to zero */
-        const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
-        const __m512i v = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask, codes + k));
-        const __m512i wl = _mm512_ternarylogic_epi32(v, lo4, bias, 0xEA);
-        const __m512i wh = _mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
-        for (int m = 0; m < M; m++) {
-            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x[m] + k);
-            lo[m] = _mm512_dpbf16_ps(lo[m], xv, (__m512bh)wl);
-            hi[m] = _mm512_dpbf16_ps(hi[m], xv, (__m512bh)wh);
-        }
+}
+
+static inline __attribute__((always_inline)) void dot_q8_m(const uint8_t *codes, const float *sz,
+                                                           const uint16_t *const *x, const float *const *xsum,
+                                                           const int M, int64_t K, int64_t g, float *y) {
+    const int64_t nG = K / g;
+    const float *scale = sz, *zero = sz + nG;
+    const __m512 sixteen = _mm512_set1_ps(16.f);
+    __m512 t[MB], lo[MB], hi[MB];
+    for (int m = 0; m < M; m++) t[m] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nG; j++) {
+        for (int m = 0; m < M; m++) lo[m] = hi[m] = _mm512_setzero_ps();
+        const int64_t k1 = (j + 1) * g;
+        int64_t k = j * g;
+        for (; k + 32 <= k1; k += 32) q8_chunk(codes, x, k, (__mmask32)0xffffffffu, M, lo, hi);
+        if (k < k1) q8_chunk(codes, x, k, (__mmask32)((1ull << (k1 - k)) - 1), M, lo, hi); /* the tail: zeros */
+        const __m512 sc = _mm512_set1_ps(scale[j]);
+        for (int m = 0; m < M; m++) t[m] = _mm512_fmadd_ps(_mm512_fmadd_ps(hi[m], sixteen, lo[m]), sc, t[m]);
     }
-    for (int m = 0; m < M; m++)
-        y[m] = scale[0] * (_mm512_reduce_add_ps(_mm512_fmadd_ps(hi[m], _mm512_set1_ps(16.f), lo[m])) -
-                           2304.f * xsum[m][0]);
+    for (int m = 0; m < M; m++) {
+        __m512 z = t[m];
+        for (int64_t j = 0; j < nG; j += 16) {
+            const __mmask16 k = nG - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nG - j)) - 1);
+            z = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, zero + j), _mm512_maskz_loadu_ps(k, xsum[m] + j), z);
+        }
+        y[m] = _mm512_reduce_add_ps(z);
+    }
 }
 #endif
 
-static void dot_rows_q8(const uint8_t *codes, const float *scale, const uint16_t *const *x, const float *const *xsum,
-                        int M, int64_t K, float *y) {
+static void dot_rows_q8(const uint8_t *codes, const float *sz, const uint16_t *const *x, const float *const *xsum,
+                        int M, int64_t K, int64_t g, float *y) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     switch (M) { /* the token count a constant in each copy: the accumulators stay in registers */
-    case 1: dot_q8_m(codes, scale, x, xsum, 1, K, y); return;
-    case 2: dot_q8_m(codes, scale, x, xsum, 2, K, y); return;
-    case 3: dot_q8_m(codes, scale, x, xsum, 3, K, y); return;
-    default: dot_q8_m(codes, scale, x, xsum, 4, K, y); return;
+    case 1: dot_q8_m(codes, sz, x, xsum, 1, K, g, y); return;
+    case 2: dot_q8_m(codes, sz, x, xsum, 2, K, g, y); return;
+    case 3: dot_q8_m(codes, sz, x, xsum, 3, K, g, y); return;
+    default: dot_q8_m(codes, sz, x, xsum, 4, K, g, y); return;
     }
 #else
+    const int64_t nG = K / g;
     for (int m = 0; m < M; m++) {
         float t = 0.f;
-        for (int64_t k = 0; k < K; k++) t += (float)((int)codes[k] - 128) * bf16_to_f32(x[m][k]);
-        y[m] = scale[0] * t;
-        (void)xsum;
+        for (int64_t j = 0; j < nG; j++) {
+            float a = 0.f;
+            for (int64_t i = j * g; i < (j + 1) * g; i++) a += (float)(codes[i] + 2176) * bf16_to_f32(x[m][i]);
+            t += a * sz[j] + xsum[m][j] * sz[nG + j];
+        }
+        y[m] = t;
     }
 #endif
 }
 
 /* A weight of one of three kinds: bf16 rows [.., N, K]; INT4 codes [.., N, K / 2] with sz [.., N, 2, K / g]; or INT8
- * codes [.., N, K] with sz the per-row scales [.., N] (q8). */
+ * codes [.., N, K] with sz [.., N, 2, K / g] (q8). */
 typedef struct {
     const uint16_t *bf16;
     const uint8_t *q4;
@@ -287,15 +300,15 @@ typedef struct {
     const uint8_t *q8;
 } wdesc;
 
-/* group sums a token row of K needs for w: K / g (INT4), 1 (INT8), 0 (bf16) */
-static inline int64_t sum_groups(const wdesc *w, int64_t K) { return w->q4 ? K / w->g : w->q8 ? 1 : 0; }
+/* group sums a token row of K needs for w: K / g (quantized), 0 (bf16) */
+static inline int64_t sum_groups(const wdesc *w, int64_t K) { return w->q4 || w->q8 ? K / w->g : 0; }
 
 static void row_dot(const wdesc *w, int64_t row, int64_t K, const uint16_t *const *xs, const float *const *ss, int M,
                     float *y) {
     if (w->bf16)
         dot_rows(w->bf16 + row * K, xs, M, K, y);
     else if (w->q8)
-        dot_rows_q8(w->q8 + row * K, w->sz + row, xs, ss, M, K, y);
+        dot_rows_q8(w->q8 + row * K, w->sz + row * (K / w->g) * 2, xs, ss, M, K, w->g, y);
     else
         dot_rows_q4(w->q4 + row * (K / 2), w->sz + row * (K / w->g) * 2, xs, ss, M, K, w->g, y);
 }
@@ -447,14 +460,14 @@ static void rows_range(const wdesc *w, const uint16_t *x, int64_t M, int64_t K, 
     }
 }
 
-/* The same over INT8 experts symmetric per row: codes gate_up [E, 2I, H], down [E, H, I] (uint8, w = (q - 128) *
- * scale), scales [E, 2I] and [E, H] (fp32); sums: workspace of T + P floats */
+/* The same over INT8 experts with one scale a row: codes gate_up [E, 2I, H], down [E, H, I] (uint8), sz [E, 2I, 2, 1]
+ * and [E, H, 2, 1] (fp32, dot_rows_q8's layout); sums: workspace of T + P floats */
 void infercore_moe_experts_q8(const uint16_t *x, int64_t T, int64_t H, int64_t I, const uint8_t *gate_up,
-                              const float *gate_up_s, const uint8_t *down, const float *down_s, int64_t G,
+                              const float *gate_up_sz, const uint8_t *down, const float *down_sz, int64_t G,
                               const int64_t *gexp, const int64_t *goff, const int64_t *ptok, const float *pw,
                               uint16_t *h, uint16_t *act, uint16_t *y, float *acc, uint16_t *out, float *sums,
                               int nthreads) {
-    wdesc gu = {0, 0, gate_up_s, 0, gate_up}, dn = {0, 0, down_s, 0, down};
+    wdesc gu = {0, 0, gate_up_sz, H, gate_up}, dn = {0, 0, down_sz, I, down};
     moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, sums, nthreads);
 }
 
@@ -463,7 +476,7 @@ static void linear(const uint16_t *x, int64_t M, int64_t K, const wdesc *w, int6
     const int64_t nb = (N + RB - 1) / RB;
 #pragma omp parallel num_threads(nthreads)
     {
-        if (w->q4 || w->q8) { /* sums: [M, K / g] (INT4) or [M] (INT8) */
+        if (w->q4 || w->q8) { /* sums: [M, K / g] */
             const int64_t ng = sum_groups(w, K);
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < M; r++) group_sums(x + r * K, K, K / ng, sums + r * ng);
@@ -488,17 +501,16 @@ void infercore_linear_q4(const uint16_t *x, int64_t M, int64_t K, const uint8_t 
     linear(x, M, K, &d, N, y, sums, nthreads);
 }
 
-/* The same over an INT8 weight symmetric per row: codes [N, K] (w = (q - 128) * scale), scales fp32 [N]; sums: M
- * floats */
-void infercore_linear_q8(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *scales, int64_t N,
-                         uint16_t *y, float *sums, int nthreads) {
-    wdesc d = {0, 0, scales, 0, w};
+/* The same over an INT8 weight in groups of g (dot_rows_q8): codes [N, K], sz [N, 2, K / g]; sums: M * K / g floats */
+void infercore_linear_q8(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
+                         int64_t N, uint16_t *y, float *sums, int nthreads) {
+    wdesc d = {0, 0, sz, g, w};
     linear(x, M, K, &d, N, y, sums, nthreads);
 }
 
-void infercore_q8_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *scales,
+void infercore_q8_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                         const float *sums, int64_t r0, int64_t r1, uint16_t *y, int64_t ldy) {
-    wdesc d = {0, 0, scales, 0, w};
+    wdesc d = {0, 0, sz, g, w};
     rows_range(&d, x, M, K, sums, r0, r1, y, ldy);
 }
 

@@ -89,7 +89,7 @@ def _build() -> ctypes.CDLL:
     dll.infercore_moe_experts_q8.restype = None
     dll.infercore_linear_q4.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _INT]
     dll.infercore_linear_q4.restype = None
-    dll.infercore_linear_q8.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _P, _INT]
+    dll.infercore_linear_q8.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _INT]
     dll.infercore_linear_q8.restype = None
     dll.infercore_linear_f32.argtypes = [_P, _I64, _I64, _P, _I64, _P, _INT]
     dll.infercore_linear_f32.restype = None
@@ -304,8 +304,8 @@ def moe_experts_q4(x: torch.Tensor, gate_up: tuple[torch.Tensor, torch.Tensor],
 def moe_experts_q8(x: torch.Tensor, gate_up: tuple[torch.Tensor, torch.Tensor],
                    down: tuple[torch.Tensor, torch.Tensor], weights: torch.Tensor, ids: torch.Tensor,
                    expert_offset: int | None = None) -> torch.Tensor:  # fmt: skip
-    """:func:`moe_experts_bf16` over INT8 experts symmetric per channel: ``gate_up = (codes [E, 2I, H], scales
-    [E, 2I])``, ``down = (codes [E, H, I], scales [E, H])`` (:func:`pack_q8` per expert, stacked)."""
+    """:func:`moe_experts_bf16` over INT8 experts symmetric per channel: ``gate_up = (codes [E, 2I, H], sz
+    [E, 2I, 2, 1])``, ``down = (codes [E, H, I], sz [E, H, 2, 1])`` (:func:`pack_q8` per expert, stacked)."""
     lib = _need()
     E, I2, H = gate_up[0].shape
     args = (_ptr(gate_up[0]), _ptr(gate_up[1]), _ptr(down[0]), _ptr(down[1]))
@@ -329,27 +329,45 @@ def linear_q4(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.T
 
 def pack_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The native INT8 operands of an 8-bit symmetric per-channel :class:`~infercore.quant.formats.IntWeight` (the
-    ``w8a16`` scheme): ``(codes uint8 [N, Kp], scales fp32 [N])`` with ``w = (q - 128) * scale`` (the codes are the
-    weight's own bytes, not a copy, on the CPU); None for other formats."""
+    ``w8a16`` scheme): ``(codes uint8 [N, Kp], sz fp32 [N, 2, 1])``, one group a row (the codes are the weight's
+    own bytes, ``w = (q - 128) * s``; sz: ``s`` and ``-2304 s``, see ``cpu_experts.c``); None for other formats."""
     from ...quant.formats import IntWeight
 
     if not isinstance(w, IntWeight) or w.bits != 8 or not w.symmetric or w.scales.shape[1] != 1:
         return None
     # a new tensor over the same bytes: the repack cache (quant.repacks) must not hold the weight's own tensor
     codes = w.qweight.cpu().contiguous().detach()
-    return codes, w.scales[:, 0].float().contiguous().cpu()
+    s = w.scales[:, :1].float().cpu()
+    return codes, torch.stack([s, -2304.0 * s], 1).contiguous()
 
 
-def linear_q8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ dequant(w)^T`` for bf16 ``x`` and :func:`pack_q8`'s operands ``[N, Kp]`` / ``[N]`` (``x``
-    zero-padded to Kp) -> ``[M, N]`` bf16."""
+def pack_gguf_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The native INT8 operands (groups of 32) of GGUF Q8_0 blocks (a :class:`~infercore.quant.formats.GGUFWeight`):
+    ``(codes uint8 [N, K], sz fp32 [N, 2, K / 32])``, each signed code q stored as ``q + 128``, sz: ``d`` and
+    ``-2304 d``; None for other formats."""
+    from ...quant.formats import GGUFWeight
+    from ...quant.gguf import BLOCK_BYTES, _f16
+
+    if not isinstance(w, GGUFWeight) or w.qtype != "q8_0":
+        return None
+    n = w.raw.shape[0]
+    blocks = w.raw.cpu().reshape(n, -1, BLOCK_BYTES["q8_0"])
+    codes = (blocks[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8).reshape(n, -1)
+    d = _f16(blocks, 0).float()
+    return codes.contiguous(), torch.stack([d, -2304.0 * d], 1).contiguous()
+
+
+def linear_q8(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ dequant(w)^T`` for bf16 ``x`` and :func:`pack_q8` / :func:`pack_gguf_q8`'s operands ``[N, Kp]`` /
+    ``[N, 2, Kp / g]`` (``x`` zero-padded to Kp) -> ``[M, N]`` bf16."""
     lib = _need()
     M, K = x.shape
     N, kp = codes.shape
+    g = kp // sz.shape[2]
     x = torch.nn.functional.pad(x, (0, kp - K)) if kp > K else x.contiguous()
     y = torch.empty(M, N, dtype=torch.bfloat16)
-    sums = torch.empty(M, dtype=torch.float32)
-    lib.infercore_linear_q8(_ptr(x), M, kp, _ptr(codes), _ptr(scales), N, _ptr(y), _ptr(sums),
+    sums = torch.empty(M * kp // g, dtype=torch.float32)
+    lib.infercore_linear_q8(_ptr(x), M, kp, _ptr(codes), _ptr(sz), g, N, _ptr(y), _ptr(sums),
                             torch.get_num_threads())
     return y
 
@@ -575,7 +593,8 @@ def layer_linear(lin, dtype: torch.dtype) -> tuple[int, int, int, int] | None:
     pointer, scales-and-zeros pointer, group, Kp)``, for a ``models.layout.CPUPackedLinear`` without bias whose
     contiguous weight has ``dtype`` (group 0), or a ``quant.QuantLinear`` without bias or input permutation over
     INT4 groups / GGUF Q4_0 / Q4_1 blocks that the native INT4 GEMV takes (``quant.cpu.native_q4``) or symmetric
-    per-channel INT8 (``native_q8``, group -1), with bf16 activations; None for anything else."""
+    per-channel INT8 / GGUF Q8_0 blocks (``native_q8``, the group negated), with bf16 activations; None for anything
+    else."""
     from ...models.layout import CPUPackedLinear
     from ...quant.cpu import native_q4, native_q8
     from ...quant.linear import QuantLinear
@@ -592,9 +611,10 @@ def layer_linear(lin, dtype: torch.dtype) -> tuple[int, int, int, int] | None:
             kp = codes.shape[1] * 2
             return codes.data_ptr(), sz.data_ptr(), kp // sz.shape[2], kp
         ops = native_q8(w)
-        if ops is not None:  # group -1: INT8, per-row scales
-            codes, scales = ops
-            return codes.data_ptr(), scales.data_ptr(), -1, codes.shape[1]
+        if ops is not None:  # a negative group: INT8
+            codes, sz = ops
+            kp = codes.shape[1]
+            return codes.data_ptr(), sz.data_ptr(), -(kp // sz.shape[2]), kp
     return None
 
 

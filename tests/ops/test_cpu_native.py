@@ -243,6 +243,20 @@ def test_q8_linear_runs_gguf_q8_0_blocks(K):
     assert cpu_native.pack_gguf_q8(GGUFWeight.quantize(torch.randn(16, 64), qtype="q4_1")) is None
 
 
+def test_quantized_gemvs_name_bad_inputs():
+    from infercore.quant.api import quantize_weight
+
+    q4 = cpu_native.pack_q4(quantize_weight(torch.randn(16, 256), "w4a16-g128"))
+    q8 = cpu_native.pack_q8(quantize_weight(torch.randn(16, 256), "w8a16"))
+    for fn, ops in ((cpu_native.linear_q4, q4), (cpu_native.linear_q8, q8)):
+        with pytest.raises(TypeError, match="x must be a bf16 CPU tensor"):
+            fn(torch.randn(2, 256), *ops)  # fp32 would be read as bf16
+        with pytest.raises(ValueError, match=r"K <= 256"):
+            fn(torch.randn(2, 300).bfloat16(), *ops)
+        with pytest.raises(ValueError, match=r"\[M, K\]"):
+            fn(torch.randn(256).bfloat16(), *ops)
+
+
 def test_pack_q4_takes_int4_groups_of_32_to_256():
     from infercore.quant.api import quantize_weight
     from infercore.quant.formats import IntWeight

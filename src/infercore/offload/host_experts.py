@@ -52,14 +52,12 @@ class _QuantLinear:
         q = quantize_weight(w, scheme).to("cpu")  # on w's device (fast on a GPU), then to the host
         self.kind = qcpu.cpu_kind(q) if dtype == torch.bfloat16 else None
         self.n = q.shape[0]
-        native = cpu_native.pack_q4(q) if self.kind == "int4" and cpu_native.q4_supported() else None
-        native8 = cpu_native.pack_q8(q) if self.kind == "int8" and cpu_native.q4_supported() else None
-        if native is not None:  # (codes uint8 [N, Kp / 2], scales-and-zeros fp32 [N, 2, Kp / g])
-            self.kind, self.ops, self.k = "native4", native, native[0].shape[1] * 2
+        pack = {"int4": cpu_native.pack_q4, "int8": cpu_native.pack_q8}.get(self.kind)
+        native = pack(q) if pack is not None and cpu_native.q4_supported() else None
+        if native is not None:  # (codes uint8 [N, Kp / 2] (INT4) or [N, Kp] (INT8), scales-and-zeros [N, 2, Kp / g])
+            self.kind, self.ops = "native4" if self.kind == "int4" else "native8", native
+            self.k = native[0].shape[1] * (2 if self.kind == "native4" else 1)
             self.nbytes = sum(t.numel() * t.element_size() for t in native)
-        elif native8 is not None:  # (codes uint8 [N, Kp], scales fp32 [N])
-            self.kind, self.ops, self.k = "native8", native8, native8[0].shape[1]
-            self.nbytes = sum(t.numel() * t.element_size() for t in native8)
         elif self.kind == "int4":  # (codes, group size, scales-and-zeros [K / group, N, 2])
             self.ops = qcpu.pack_int4(q)
             self.k = self.ops[2].shape[0] * self.ops[1]
@@ -76,10 +74,8 @@ class _QuantLinear:
             from ..quant.ops import wq_matmul
 
             return wq_matmul(x, self.w)
-        if self.kind == "native4":
-            return cpu_native.linear_q4(x, *self.ops)
-        if self.kind == "native8":
-            return cpu_native.linear_q8(x, *self.ops)
+        if self.kind in ("native4", "native8"):
+            return (cpu_native.linear_q4 if self.kind == "native4" else cpu_native.linear_q8)(x, *self.ops)
         xp = torch.nn.functional.pad(x, (0, self.k - x.shape[1])) if self.k > x.shape[1] else x.contiguous()
         if self.kind == "int8":
             return torch.ops.aten._weight_int8pack_mm(xp, *self.ops)

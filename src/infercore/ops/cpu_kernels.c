@@ -327,7 +327,7 @@ static inline void gemv_par(const void *x, int64_t M, int64_t K, const void *w, 
         infercore_gemv_range(x, M, K, w, b * GEMV_RB, (b + 1) * GEMV_RB < N ? (b + 1) * GEMV_RB : N, y, N, dt);
 }
 
-void infercore_q4_sums(const uint16_t *x, int64_t M, int64_t K, int64_t g, float *sums);
+void infercore_group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t g, float *sums);
 void infercore_q4_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                         const float *sums, int64_t r0, int64_t r1, uint16_t *y, int64_t ldy);
 void infercore_q8_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
@@ -352,7 +352,7 @@ static void lin_par(const void *x, int64_t M, int64_t K, const int64_t *L, int64
                 memcpy(xp + t * kp, (const uint16_t *)x + t * K, 2 * (size_t)K);
                 memset(xp + t * kp + K, 0, 2 * (size_t)(kp - K));
             }
-        infercore_q4_sums(xs, M, kp, g > 0 ? g : -g, sums);
+        infercore_group_sums(xs, M, kp, g > 0 ? g : -g, sums);
     }
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < (N + GEMV_RB - 1) / GEMV_RB; b++) {

@@ -121,6 +121,16 @@ def pack_int8(w: IntWeight) -> tuple[torch.Tensor, torch.Tensor]:
 NATIVE_Q4_MAX_ROWS = 4
 
 
+def _native_packed(store: torch.Tensor, key: str, make, w):
+    """``make(w)``'s operands, made once and kept beside ``store`` (the weight's tensor), where the native kernels run
+    vectorized and ``store`` is on the CPU; else None."""
+    from ..ops.moe import cpu_native
+
+    if store.device.type != "cpu" or not cpu_native.q4_supported():
+        return None
+    return packed(store, ("cpu", key), lambda: make(w))
+
+
 def native_q4(w) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The native INT4 kernels' operands for ``w`` (``cpu_native.pack_q4`` / ``pack_gguf_q4``: codes uint8
     ``[N, Kp / 2]``, scales-and-zeros fp32 ``[N, 2, Kp / g]``), made once and kept beside the weight; None where
@@ -130,14 +140,10 @@ def native_q4(w) -> tuple[torch.Tensor, torch.Tensor] | None:
     if isinstance(w, IntWeight):
         if w.bits != 4 or w.group_size not in cpu_native.Q4_GROUPS or w.padded_in_features % w.group_size:
             return None
-        store, make = w.qweight, cpu_native.pack_q4
-    elif isinstance(w, GGUFWeight) and w.qtype in ("q4_0", "q4_1"):
-        store, make = w.raw, cpu_native.pack_gguf_q4
-    else:
-        return None
-    if store.device.type != "cpu" or not cpu_native.q4_supported():
-        return None
-    return packed(store, ("cpu", "native4"), lambda: make(w))
+        return _native_packed(w.qweight, "native4", cpu_native.pack_q4, w)
+    if isinstance(w, GGUFWeight) and w.qtype in ("q4_0", "q4_1"):
+        return _native_packed(w.raw, "native4", cpu_native.pack_gguf_q4, w)
+    return None
 
 
 def native_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -147,37 +153,43 @@ def native_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
     from ..ops.moe import cpu_native
 
     if isinstance(w, GGUFWeight) and w.qtype == "q8_0":
-        store, make = w.raw, cpu_native.pack_gguf_q8
-    elif _format(w) == "int8":
-        store, make = w.qweight, cpu_native.pack_q8
-    else:
-        return None
-    if store.device.type != "cpu" or not cpu_native.q4_supported():
-        return None
-    return packed(store, ("cpu", "native8"), lambda: make(w))
+        return _native_packed(w.raw, "native8", cpu_native.pack_gguf_q8, w)
+    if _format(w) == "int8":
+        return _native_packed(w.qweight, "native8", cpu_native.pack_q8, w)
+    return None
+
+
+def _native_kernel(w, kind: str | None, rows: int):
+    """``(native GEMV, its operands)`` for ``rows`` bf16 rows against ``w`` of packed-kernel ``kind``
+    (:func:`cpu_kind`), or None: decode rows of INT4 / GGUF Q4 / INT8 weights, and GGUF Q8_0 blocks (no ATen kernel
+    takes them) at every row count."""
+    from ..ops.moe import cpu_native
+
+    if kind in ("int4", "gguf4") and rows <= NATIVE_Q4_MAX_ROWS:
+        ops = native_q4(w)
+        return None if ops is None else (cpu_native.linear_q4, ops)
+    if (kind == "int8" and rows <= NATIVE_Q4_MAX_ROWS) or (kind is None and isinstance(w, GGUFWeight)):
+        ops = native_q8(w)
+        return None if ops is None else (cpu_native.linear_q8, ops)
+    return None
+
+
+def _with_bias(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``y (+ bias)`` in ``dtype``: the bias added in fp32 to the kernels' bf16 product."""
+    return y if bias is None else (y.float() + bias.float()).to(dtype)
 
 
 def _matmul(x: torch.Tensor, w, bias: torch.Tensor | None, reference):
-    """``x [M, K] @ dequant(w).T (+ bias [N]) -> [M, N]``: the packed kernels for bf16 ``x`` where
-    :func:`cpu_kind` allows (the bias added in fp32 to their bf16 product), else ``reference``."""
+    """``x [M, K] @ dequant(w).T (+ bias [N]) -> [M, N]``: for bf16 ``x`` the native kernels where
+    :func:`_native_kernel` names one, else the packed kernels where :func:`cpu_kind` allows, else ``reference``."""
     bf16_cpu = x.dtype == torch.bfloat16 and x.device.type == "cpu"
     kind = cpu_kind(w) if bf16_cpu else None
+    native = _native_kernel(w, kind, x.shape[0]) if bf16_cpu else None
+    if native is not None:
+        fn, ops = native
+        return _with_bias(fn(x, *ops), bias, x.dtype)
     if kind is None:
-        # GGUF Q8_0 blocks have no ATen kernel: the native one at every row count where it runs
-        ops = native_q8(w) if bf16_cpu and isinstance(w, GGUFWeight) else None
-        if ops is None:
-            return reference(x, w, bias)
-        from ..ops.moe import cpu_native
-
-        y = cpu_native.linear_q8(x, *ops)
-        return y if bias is None else (y.float() + bias.float()).to(x.dtype)
-    decode = x.shape[0] <= NATIVE_Q4_MAX_ROWS
-    ops = (native_q4(w) if kind in ("int4", "gguf4") else native_q8(w)) if decode else None
-    if ops is not None:  # decode rows: the native kernel
-        from ..ops.moe import cpu_native
-
-        y = (cpu_native.linear_q8 if kind == "int8" else cpu_native.linear_q4)(x, *ops)
-        return y if bias is None else (y.float() + bias.float()).to(x.dtype)
+        return reference(x, w, bias)
     if kind == "int8":
         kp = _int8_k(w)
         q, s = packed(w.qweight, ("cpu", "int8"), lambda: pack_int8(w))
@@ -190,7 +202,7 @@ def _matmul(x: torch.Tensor, w, bias: torch.Tensor | None, reference):
         y = torch.ops.aten._weight_int8pack_mm(xp, q, s)
     else:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xp, codes, g, sz)
-    return y if bias is None else (y.float() + bias.float()).to(x.dtype)
+    return _with_bias(y, bias, x.dtype)
 
 
 def wq_matmul_cpu(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -514,9 +514,10 @@ void infercore_q8_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *
     rows_range(&d, x, M, K, sums, r0, r1, y, ldy);
 }
 
-/* For the fused decoder layer (ops/cpu_kernels.c), inside its OpenMP region: the group sums of M rows of K, and
- * rows [r0, r1) of an INT4 linear as infercore_linear_q4 computes them */
-void infercore_q4_sums(const uint16_t *x, int64_t M, int64_t K, int64_t g, float *sums) {
+/* For the fused decoder layer (ops/cpu_kernels.c), inside its OpenMP region: the group sums of M rows of K (INT4
+ * and INT8 weights), and rows [r0, r1) of an INT4 linear as infercore_linear_q4 computes them (infercore_q8_range
+ * above: INT8) */
+void infercore_group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t g, float *sums) {
     for (int64_t r = 0; r < M; r++) group_sums(x + r * K, K, g, sums + r * (K / g));
 }
 

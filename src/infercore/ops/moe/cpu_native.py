@@ -237,7 +237,8 @@ Q4_GROUPS = (32, 64, 128, 256)  # the groups the INT4 GEMVs take (linear_q4, the
 
 
 def q4_supported() -> bool:
-    """Whether the native INT4 kernels run vectorized here (AVX512-BF16; elsewhere the callers keep ATen's)."""
+    """Whether the native INT4 and INT8 kernels run vectorized here (AVX512-BF16; elsewhere the callers keep ATen's
+    kernels or the reference)."""
     return available() and status() == "avx512-bf16"
 
 
@@ -312,19 +313,27 @@ def moe_experts_q8(x: torch.Tensor, gate_up: tuple[torch.Tensor, torch.Tensor],
     return _moe(lib.infercore_moe_experts_q8, x, H, I2 // 2, args, weights, ids, E, expert_offset, groups=(1, 1))
 
 
-def linear_q4(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ dequant(w)^T`` for bf16 ``x`` and :func:`pack_q4` / :func:`pack_gguf_q4`'s operands
-    ``[N, Kp / 2]`` / ``[N, 2, Kp / g]`` (``x`` zero-padded to Kp) -> ``[M, N]`` bf16."""
-    lib = _need()
+def _linear_quant(fn, name: str, x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, kp: int) -> torch.Tensor:
+    """One native INT4 / INT8 GEMV call ``fn`` over operands with ``kp`` (padded) input features: ``x [M, K]`` bf16
+    on the CPU, ``K <= kp`` (zero-padded to kp here) -> ``[M, N]`` bf16. Bad ``x``: ``TypeError`` / ``ValueError``."""
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise TypeError(f"{name}: x must be a bf16 CPU tensor, got {getattr(x, 'dtype', type(x))}")
+    if x.dim() != 2 or x.shape[1] > kp:
+        raise ValueError(f"{name}: x must be [M, K] with K <= {kp} (the weight's input features), got "
+                         f"{tuple(x.shape)}")
     M, K = x.shape
-    N, kp = codes.shape[0], codes.shape[1] * 2
-    g = kp // sz.shape[2]
+    N, g = codes.shape[0], kp // sz.shape[2]
     x = torch.nn.functional.pad(x, (0, kp - K)) if kp > K else x.contiguous()
     y = torch.empty(M, N, dtype=torch.bfloat16)
     sums = torch.empty(M * kp // g, dtype=torch.float32)
-    lib.infercore_linear_q4(_ptr(x), M, kp, _ptr(codes), _ptr(sz), g, N, _ptr(y), _ptr(sums),
-                            torch.get_num_threads())
+    fn(_ptr(x), M, kp, _ptr(codes), _ptr(sz), g, N, _ptr(y), _ptr(sums), torch.get_num_threads())
     return y
+
+
+def linear_q4(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ dequant(w)^T`` for bf16 ``x`` and :func:`pack_q4` / :func:`pack_gguf_q4`'s operands
+    ``[N, Kp / 2]`` / ``[N, 2, Kp / g]`` (``x`` zero-padded to Kp) -> ``[M, N]`` bf16."""
+    return _linear_quant(_need().infercore_linear_q4, "linear_q4", x, codes, sz, codes.shape[1] * 2)
 
 
 def pack_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -360,16 +369,7 @@ def pack_gguf_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
 def linear_q8(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ dequant(w)^T`` for bf16 ``x`` and :func:`pack_q8` / :func:`pack_gguf_q8`'s operands ``[N, Kp]`` /
     ``[N, 2, Kp / g]`` (``x`` zero-padded to Kp) -> ``[M, N]`` bf16."""
-    lib = _need()
-    M, K = x.shape
-    N, kp = codes.shape
-    g = kp // sz.shape[2]
-    x = torch.nn.functional.pad(x, (0, kp - K)) if kp > K else x.contiguous()
-    y = torch.empty(M, N, dtype=torch.bfloat16)
-    sums = torch.empty(M * kp // g, dtype=torch.float32)
-    lib.infercore_linear_q8(_ptr(x), M, kp, _ptr(codes), _ptr(sz), g, N, _ptr(y), _ptr(sums),
-                            torch.get_num_threads())
-    return y
+    return _linear_quant(_need().infercore_linear_q8, "linear_q8", x, codes, sz, codes.shape[1])
 
 
 def linear_dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

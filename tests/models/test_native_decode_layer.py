@@ -80,6 +80,46 @@ def test_fused_decode_equals_the_op_by_op_path(kind, kcfg, dtype, scheme, cfg, s
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
+def test_the_stack_table_is_kept_until_the_model_changes(tmp_path, monkeypatch):
+    """Steps after the first skip the layers' checks while nothing changed; a weight's storage swapped through
+    ``.data`` (which registers nothing) or a module assigned anywhere makes the next step check again, and the fused
+    stack runs the new weights: the same output as the op-by-op path of a model changed alike."""
+    from infercore.models.llama import LlamaDecoderLayer
+
+    fused_model, ops_model = _models("llama", torch.bfloat16, tmp_path)
+    fused, ops = PagedRunner(fused_model, seed=1), PagedRunner(ops_model, seed=1)
+
+    def both(batch):
+        with cpu_native.fused_layers_disabled():
+            b = ops.step(batch)
+        a = fused.step(batch)
+        assert torch.equal(a, b)
+
+    both([(0, [1, 2, 3])])
+    both([(0, [4])])
+    checks = []
+    real = LlamaDecoderLayer._native_linears
+    monkeypatch.setattr(LlamaDecoderLayer, "_native_linears", lambda self, *a: checks.append(1) or real(self, *a))
+    both([(0, [5])])
+    assert not checks
+    for m in (fused_model, ops_model):
+        norm = m.model.layers[0].post_attention_layernorm
+        norm.weight.data = norm.weight.data * 2  # new storage, no registration
+    both([(0, [6])])
+    assert len(checks) == len(fused_model.model.layers)
+    both([(0, [7])])
+    assert len(checks) == len(fused_model.model.layers)  # kept again
+    for m in (fused_model, ops_model):
+        mlp = m.model.layers[1].mlp
+        old = mlp.down_proj
+        down = type(old)(old.in_features, old.out_features, bias=False, dtype=old.weight.dtype)
+        with torch.no_grad():
+            down.weight.copy_(old.weight * -0.5)
+        mlp.down_proj = down
+    both([(0, [8])])
+    assert len(checks) >= 2 * len(fused_model.model.layers)
+
+
 def test_which_layers_and_steps_take_it(tmp_path, monkeypatch):
     model, _ = _models("llama", torch.bfloat16, tmp_path)
     runner = PagedRunner(model, seed=1)

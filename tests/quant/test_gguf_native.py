@@ -5,6 +5,7 @@ import torch
 from infercore.loading import default_model_path
 from infercore.models import load_model
 from infercore.ops import AttentionMetadata
+from infercore.ops.moe import cpu_native
 from infercore.quant import QuantLinear
 from infercore.quant.gguf_native import use_gguf_blocks
 
@@ -24,13 +25,29 @@ def test_native_q4_1_blocks_match_dequantized_model():
     model, tok, _ = load_model(path, dtype=torch.float32, device="cpu")
     ids = tok.encode("The capital of France is")
     dense = _logits(model, ids)
-    swapped = use_gguf_blocks(model, path)
-    assert len(swapped) == 4 * 30  # qkv, o, gate_up, down: every Q4_1 projection of 30 layers
+    swapped = use_gguf_blocks(model, path, tied_lm_head=True)  # (the default only for bf16 on the CPU)
+    # qkv, o, gate_up, down: every Q4_1 projection of 30 layers; the tied lm_head from the embedding's Q8_0 blocks
+    assert len(swapped) == 4 * 30 + 1 and swapped[-1] == "lm_head"
     layer = model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and layer.self_attn.qkv_proj.kind == "gguf"
+    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.qweight_format.qtype == "q8_0"
+    assert isinstance(model.model.embed_tokens.weight, torch.Tensor)  # the lookup keeps the dense table
+    model.finish_init()  # re-tying leaves the quantized head alone
+    assert isinstance(model.lm_head, QuantLinear)
     native = _logits(model, ids)
     assert torch.allclose(native, dense, atol=1e-4, rtol=1e-4)
     assert torch.equal(native[-1].argmax(), dense[-1].argmax())
+
+
+def test_tied_lm_head_by_default_where_a_kernel_reads_the_blocks():
+    path = default_model_path()
+    model, _, _ = load_model(path, dtype=torch.bfloat16, device="cpu")
+    assert cpu_native.q4_supported(), cpu_native.status()  # the CI machine has AVX512-BF16
+    assert use_gguf_blocks(model, path)[-1] == "lm_head"  # bf16 on this CPU: the native INT8 kernel
+    for dtype, tied in ((torch.bfloat16, False), (torch.float32, None)):  # fp32 would dequantize at every call
+        model, _, _ = load_model(path, dtype=dtype, device="cpu")
+        swapped = use_gguf_blocks(model, path, tied_lm_head=tied)
+        assert "lm_head" not in swapped and model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def test_native_q4_1_blocks_in_bf16_take_the_packed_cpu_kernel(monkeypatch):

@@ -40,13 +40,32 @@ from .layout import NATIVE_MAX_ROWS
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
+# Module, parameter and buffer registrations anywhere in the process (torch's global registration hooks: an
+# assignment of a module / parameter / buffer attribute, register_buffer): LlamaForCausalLM._native_stack keeps its
+# table while the count stands instead of re-reading every layer's modules each decode step.
+_registrations = [0]
+
+
+def _count_registration(*_args) -> None:
+    _registrations[0] += 1
+
+
+for _register in (nn.modules.module.register_module_module_registration_hook,
+                  nn.modules.module.register_module_parameter_registration_hook,
+                  nn.modules.module.register_module_buffer_registration_hook):
+    _register(_count_registration)
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.dtype, t.shape, t.stride()
+
 
 def tie_and_rope_table(model: nn.Module, *, base: float, scaling: dict | None) -> torch.Tensor:
     """Re-tie ``lm_head`` to the embedding when the config says so, and build the fp32 RoPE table
     ``[max_position_embeddings, rotary_dim]`` on the model's device (an uninitialised placeholder on
     ``meta``). Shared by every family's ``finish_init``."""
     cfg = model.config
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):  # not once run from quantized blocks
         model.lm_head.weight = model.model.embed_tokens.weight
     device = model.model.embed_tokens.weight.device
     if device.type == "meta":
@@ -279,16 +298,17 @@ class LlamaDecoderLayer(nn.Module):
         am, mm = attn._modules, mlp._modules
         lins = (am["qkv_proj"], am["o_proj"], mm["gate_up_proj"], mm["down_proj"])
         w1, w2 = n1._parameters["weight"], n2._parameters["weight"]
-        stores = [cpu_native.layer_linear_store(lin) for lin in lins]
-        key = (dt, attn, mlp, n1, n2, mlp.__dict__.get("act"), *lins, *stores,
-               *(lin._parameters.get("bias") for lin in lins), w1, w2)
+        stores = tuple(map(cpu_native.layer_linear_store, lins))
+        objs = (dt, attn, mlp, n1, n2, mlp.__dict__.get("act"), *lins, *stores,
+                *[lin._parameters.get("bias") for lin in lins], w1, w2)
+        ids = tuple(map(id, objs))  # compared as ints; the entry holds objs, so none of these ids is reused meanwhile
         # the caches and the RoPE table by address and layout only: the cache must not keep a freed KV pool alive
-        ptrs = (hidden, *(v for t in (k_cache, v_cache, cos_sin) for v in (t.data_ptr(), t.dtype, t.shape, t.stride())),
-                w1.data_ptr(), w2.data_ptr(), *(t.data_ptr() if t is not None else 0 for t in stores))
+        ptrs = (hidden, k_cache.data_ptr(), k_cache.dtype, k_cache.shape, k_cache.stride(), v_cache.data_ptr(),
+                v_cache.dtype, v_cache.shape, v_cache.stride(), cos_sin.data_ptr(), cos_sin.dtype, cos_sin.shape,
+                cos_sin.stride(), w1.data_ptr(), w2.data_ptr(), *[0 if t is None else t.data_ptr() for t in stores])
         cached = self.__dict__.get("_native_linears_cache")
-        if (cached is not None and cached[1] == ptrs and len(cached[0]) == len(key)
-                and all(a is b for a, b in zip(cached[0], key))):
-            return cached[2]
+        if cached is not None and cached[1] == ids and cached[2] == ptrs:
+            return cached[3]
         linears = None
         if (mlp.act is silu_and_mul and attn.q_norm is None
                 and all(n.offset == 0.0 and n.weight.dtype == dt and n.weight.shape == (hidden,) for n in (n1, n2))
@@ -298,8 +318,14 @@ class LlamaDecoderLayer(nn.Module):
                 and cos_sin.shape[-1] == attn.head_dim and cos_sin.is_contiguous()):
             linears = [cpu_native.layer_linear(lin, dt) for lin in lins]
             linears = None if None in linears else linears
-        self.__dict__["_native_linears_cache"] = (key, ptrs, linears)
+        self.__dict__["_native_linears_cache"] = (objs, ids, ptrs, linears)
         return linears
+
+    def _native_weights(self) -> list[torch.Tensor]:
+        """The tensors whose data pointers :meth:`_native_linears`' cached answer rests on (norm weights, each
+        linear's weight or first buffer)."""
+        objs = self.__dict__["_native_linears_cache"][0]
+        return [t for t in objs[6 + 4:6 + 8] if t is not None] + list(objs[-2:])
 
 
 def _native_step(x: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -388,8 +414,18 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         if not (len(layers) and cpu_native.layer_stack_on() and _native_step(x, meta)):
             return None
-        linears = []
         dt, hidden = x.dtype, x.shape[1]
+        # Checked each step: no module / parameter / buffer was assigned anywhere since the table was built, the same
+        # layers, caches (by address and layout: a freed KV pool is not kept alive) and RoPE table, and the weights'
+        # data pointers (a ``.data`` swap registers nothing). Else every layer's checks run again.
+        fast = self.__dict__.get("_native_stack_fast")
+        if fast is not None:
+            step = (_registrations[0], dt, hidden, layers, len(layers), _layout(cos_sin), tuple(map(type, kv_caches)),
+                    [_layout(t) for kv in kv_caches for t in kv])
+            if step == fast[0] and list(map(torch.Tensor.data_ptr, fast[1])) == fast[2]:
+                return fast[3]
+        version = _registrations[0]
+        linears = []
         for layer, kv_cache in zip(layers, kv_caches):
             ok = isinstance(layer, LlamaDecoderLayer) and len(kv_cache) == 2 and not hasattr(kv_cache, "k_scale")
             lin = layer._native_linears(dt, hidden, kv_cache[0], kv_cache[1], cos_sin) if ok else None
@@ -407,6 +443,10 @@ class LlamaForCausalLM(nn.Module):
                     for l, kv in zip(layers, kv_caches))  # fmt: skip
         table = cpu_native.decode_layers_table(layers, kv_caches, linears) if alike else None
         self.__dict__["_native_stack_cache"] = (key, table)
+        weights = [t for layer in layers for t in layer._native_weights()]
+        step = (version, dt, hidden, layers, len(layers), _layout(cos_sin), tuple(map(type, kv_caches)),
+                [_layout(t) for kv in kv_caches for t in kv])
+        self.__dict__["_native_stack_fast"] = (step, weights, list(map(torch.Tensor.data_ptr, weights)), table)
         return table
 
     def compute_logits(self, hidden: torch.Tensor, *, fp32: bool = True) -> torch.Tensor:

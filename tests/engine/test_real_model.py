@@ -52,16 +52,14 @@ def test_bad_request_leaves_others_running(engine):
 
 def test_from_pretrained_runs_the_gguf_blocks_as_stored():
     # quantization="gguf": the checkpoint's Q4_1 / Q8_0 linears stay block-quantized (bf16 activations take the
-    # packed CPU kernel); the tied lm_head runs the embedding's Q8_0 blocks (the native INT8 GEMV), the embedding
-    # lookup keeps its dense table.
+    # packed CPU kernel); lm_head / the tied embedding stays dense.
     from infercore.quant import GGUFWeight, QuantLinear
 
     eng = Engine.from_pretrained(device="cpu", quantization="gguf", max_num_batched_tokens=64)
     assert eng.dtype == torch.bfloat16  # the default once quantized: the packed CPU kernels take bf16
     q = [m for m in eng.model.modules() if isinstance(m, QuantLinear)]
-    # qkv, o, gate_up and down of each of the 30 layers, and lm_head
-    assert len(q) == 30 * 4 + 1 and all(isinstance(m.qweight_format, GGUFWeight) for m in q)
-    assert eng.model.lm_head.qweight_format.qtype == "q8_0"
+    # qkv, o, gate_up and down of each of the 30 layers
+    assert len(q) == 30 * 4 and all(isinstance(m.qweight_format, GGUFWeight) for m in q)
     out = eng.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=3))[0]
     assert "Paris" in out.text
     # decode steps run every layer in one native call where the host kernels build (the Q4_1 blocks through the

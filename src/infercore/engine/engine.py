@@ -326,8 +326,8 @@ class Engine:
         (:mod:`infercore.loading.prequantized`; ``quantization`` must then be None).
 
         ``quantization``: None keeps the checkpoint's weights dense (GGUF blocks dequantized at load);
-        ``"gguf"`` runs a GGUF checkpoint's Q4_0 / Q4_1 / Q8_0 linears as stored, a tied lm_head from the
-        embedding's blocks (:func:`infercore.quant.gguf_native.use_gguf_blocks`); any other value is a scheme of
+        ``"gguf"`` runs a GGUF checkpoint's Q4_0 / Q4_1 / Q8_0 linears as stored
+        (:func:`infercore.quant.gguf_native.use_gguf_blocks`); any other value is a scheme of
         :data:`infercore.quant.SCHEMES` that needs no calibration, applied to the loaded weights
         (:func:`infercore.quant.quantize`, ``lm_head`` kept). Checked before the (slow) load. ``dtype``
         defaults to bf16 on CUDA, and on the CPU when ``quantization`` is set (the packed INT4 / INT8 CPU

@@ -6,10 +6,13 @@ are block-quantized for a :class:`QuantLinear` over the raw blocks. Rows are ind
 these formats (blocks run along K), so llama.cpp's q/k row permutation is undone on the block
 rows and merged projections are plain row concatenations of the blocks.
 
-With tied embeddings (no ``output.weight`` in the file) the logits are computed from the
-embedding's own blocks, as llama.cpp does: ``lm_head`` becomes a :class:`QuantLinear` over
-``token_embd.weight`` (SmolLM2's Q8_0: 30 MB a token instead of 57 MB of dense bf16), and the
-embedding lookup keeps the dense table.
+With tied embeddings (no ``output.weight`` in the file) and ``tied_lm_head=True``, the logits are
+computed from the embedding's own blocks, as llama.cpp does: ``lm_head`` becomes a
+:class:`QuantLinear` over ``token_embd.weight`` and the embedding lookup keeps the dense table.
+Off by default: SmolLM2's Q8_0 head reads 30 MB a token instead of 57 MB of dense bf16, but on the
+2-core CPU the native INT8 GEMV is bound by its instructions there, not the bytes: the head alone
+took 1224 vs 729 us and decode ran at 158.2 vs 163.2 tok/s with it
+(``benchmarks/results/cpu/sweeps/cpu_gguf_tied_head.json``, ``benchmarks/probe_gguf_tied_head.py``).
 """
 
 from __future__ import annotations
@@ -26,13 +29,12 @@ from .linear import QuantLinear
 _TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
 
 
-def use_gguf_blocks(model: nn.Module, path: str | os.PathLike, *, tied_lm_head: bool | None = None) -> list[str]:
+def use_gguf_blocks(model: nn.Module, path: str | os.PathLike, *, tied_lm_head: bool = False) -> list[str]:
     """Swap block-quantized linears of ``model`` for native GGUF :class:`QuantLinear` s, in place.
 
-    Returns the names of the swapped modules. ``tied_lm_head``: a tied ``lm_head`` runs the embedding's blocks when
-    they are Q4_0 / Q4_1 / Q8_0 (``"lm_head"`` in the list); ``False`` keeps it dense; None (default) as ``True``
-    where a kernel takes the blocks as stored (CUDA; bf16 on a CPU with the native AVX512-BF16 kernels), else dense
-    (elsewhere the blocks would be dequantized at every call).
+    Returns the names of the swapped modules. ``tied_lm_head=True``: a tied ``lm_head`` runs the embedding's blocks
+    when they are Q4_0 / Q4_1 / Q8_0 (``"lm_head"`` in the list; on the CPU the native kernels take them for bf16
+    activations, other dtypes dequantize them at every call); ``False`` (default) keeps it dense.
     """
     from ..loading.gguf import GGUFFile
     from ..loading.gguf_hf import _ARCHS, hf_name, unpermute_qk
@@ -76,8 +78,6 @@ def use_gguf_blocks(model: nn.Module, path: str | os.PathLike, *, tied_lm_head: 
         parent, _, child = mod_name.rpartition(".")
         setattr(model.get_submodule(parent), child, QuantLinear(w, old.bias))
         swapped.append(mod_name)
-    if tied_lm_head is None:
-        tied_lm_head = _blocks_run_fast(getattr(model, "lm_head", None))
     if tied_lm_head and _tied_head(model, gf):
         blocks, ggml_type, _ = gf.raw("token_embd.weight")
         qtype = _TYPES.get(ggml_type.name)
@@ -90,18 +90,6 @@ def use_gguf_blocks(model: nn.Module, path: str | os.PathLike, *, tied_lm_head: 
             model.lm_head = QuantLinear(w, None)
             swapped.append("lm_head")
     return swapped
-
-
-def _blocks_run_fast(head) -> bool:
-    """Whether GGUF blocks on ``head``'s device and dtype take a kernel that reads them as stored."""
-    if not isinstance(head, nn.Linear):
-        return False
-    w = head.weight
-    if w.device.type == "cuda":
-        return True
-    from ..ops.moe import cpu_native
-
-    return w.device.type == "cpu" and w.dtype == torch.bfloat16 and cpu_native.q4_supported()
 
 
 def _tied_head(model: nn.Module, gf) -> bool:

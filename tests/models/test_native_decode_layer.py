@@ -108,7 +108,12 @@ def test_the_stack_table_is_kept_until_the_model_changes(tmp_path, monkeypatch):
     both([(0, [6])])
     assert len(checks) == len(fused_model.model.layers)
     both([(0, [7])])
-    assert len(checks) == len(fused_model.model.layers)  # kept again
+    n_layers = len(fused_model.model.layers)
+    assert len(checks) == n_layers  # kept again
+    torch.nn.Linear(2, 2)  # a registration anywhere in the process: the layers are checked once more, then kept
+    both([(0, [8])])
+    both([(0, [9])])
+    assert len(checks) == 2 * n_layers
     for m in (fused_model, ops_model):
         mlp = m.model.layers[1].mlp
         old = mlp.down_proj
@@ -116,8 +121,8 @@ def test_the_stack_table_is_kept_until_the_model_changes(tmp_path, monkeypatch):
         with torch.no_grad():
             down.weight.copy_(old.weight * -0.5)
         mlp.down_proj = down
-    both([(0, [8])])
-    assert len(checks) >= 2 * len(fused_model.model.layers)
+    both([(0, [10])])
+    assert len(checks) >= 3 * n_layers
 
 
 def test_which_layers_and_steps_take_it(tmp_path, monkeypatch):

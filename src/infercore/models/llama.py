@@ -435,14 +435,15 @@ class LlamaForCausalLM(nn.Module):
         key = tuple(linears)  # each layer's list is the same object while its weights and caches are
         cached = self.__dict__.get("_native_stack_cache")
         if cached is not None and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key)):
-            return cached[1]
-        a0, m0, k0 = layers[0].self_attn, layers[0].mlp, kv_caches[0][0]
-        alike = all((l.self_attn.num_heads, l.self_attn.num_kv_heads, l.self_attn.head_dim, l.self_attn.scale,
-                     l.mlp.down_proj.in_features, kv[0].shape) == (a0.num_heads, a0.num_kv_heads, a0.head_dim,
-                                                                    a0.scale, m0.down_proj.in_features, k0.shape)
-                    for l, kv in zip(layers, kv_caches))  # fmt: skip
-        table = cpu_native.decode_layers_table(layers, kv_caches, linears) if alike else None
-        self.__dict__["_native_stack_cache"] = (key, table)
+            table = cached[1]
+        else:
+            a0, m0, k0 = layers[0].self_attn, layers[0].mlp, kv_caches[0][0]
+            alike = all((l.self_attn.num_heads, l.self_attn.num_kv_heads, l.self_attn.head_dim, l.self_attn.scale,
+                         l.mlp.down_proj.in_features, kv[0].shape) == (a0.num_heads, a0.num_kv_heads, a0.head_dim,
+                                                                        a0.scale, m0.down_proj.in_features, k0.shape)
+                        for l, kv in zip(layers, kv_caches))  # fmt: skip
+            table = cpu_native.decode_layers_table(layers, kv_caches, linears) if alike else None
+            self.__dict__["_native_stack_cache"] = (key, table)
         weights = [t for layer in layers for t in layer._native_weights()]
         step = (version, dt, hidden, layers, len(layers), _layout(cos_sin), tuple(map(type, kv_caches)),
                 [_layout(t) for kv in kv_caches for t in kv])

@@ -336,7 +336,8 @@ void infercore_q8_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *
 /* y [M, N] = x [M, K] @ w^T for one linear of the fused layer, L = {weight, sz, g, Kp}: dense rows [N, K] of the
  * layer's dtype (g = 0); INT4 codes [N, Kp / 2] in groups of g with sz fp32 [N, 2, Kp / g] (bf16 only); or INT8
  * codes [N, Kp] in groups of -g with sz fp32 [N, 2, Kp / -g] (g < 0, bf16 only). Quantized: rows zero-padded from K
- * to Kp in xp [M, Kp], their group sums in sums [M, Kp / |g|]; infercore_linear_q4 / _q8's values. */
+ * to Kp in xp [M, Kp], their group sums in sums [M, Kp / |g|], both the calling thread's own (each thread prepares
+ * them itself: no barrier before the rows); infercore_linear_q4 / _q8's values. Ends with the omp for's barrier. */
 static void lin_par(const void *x, int64_t M, int64_t K, const int64_t *L, int64_t N, void *y, int dt, uint16_t *xp,
                     float *sums) {
     if (L[2] == 0) {
@@ -345,15 +346,12 @@ static void lin_par(const void *x, int64_t M, int64_t K, const int64_t *L, int64
     }
     const int64_t g = L[2], kp = L[3];
     const uint16_t *xs = kp == K ? (const uint16_t *)x : xp;
-#pragma omp single
-    {
-        if (kp != K)
-            for (int64_t t = 0; t < M; t++) {
-                memcpy(xp + t * kp, (const uint16_t *)x + t * K, 2 * (size_t)K);
-                memset(xp + t * kp + K, 0, 2 * (size_t)(kp - K));
-            }
-        infercore_group_sums(xs, M, kp, g > 0 ? g : -g, sums);
-    }
+    if (kp != K)
+        for (int64_t t = 0; t < M; t++) {
+            memcpy(xp + t * kp, (const uint16_t *)x + t * K, 2 * (size_t)K);
+            memset(xp + t * kp + K, 0, 2 * (size_t)(kp - K));
+        }
+    infercore_group_sums(xs, M, kp, g > 0 ? g : -g, sums);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < (N + GEMV_RB - 1) / GEMV_RB; b++) {
         const int64_t r1 = (b + 1) * GEMV_RB < N ? (b + 1) * GEMV_RB : N;
@@ -366,15 +364,115 @@ static void lin_par(const void *x, int64_t M, int64_t K, const int64_t *L, int64
     }
 }
 
+/* The shapes of a decode step through decoder layers, and the buffers the threads share (the linears' outputs,
+ * q / k / v, attention) */
+typedef struct {
+    int64_t T, H, Hq, Hk, D, I, max_pos, num_pages, ps, bt_stride;
+    const int64_t *pos;
+    const float *cs;
+    const int32_t *slots, *seq_lens, *block_table;
+    float scale;
+    int dt;
+    char *qkv, *qs, *ks, *vs, *qr, *attn, *o, *h;
+} step_t;
+
+/* What each thread keeps for itself: the normed rows xn [T, H], a residual rs [T, H], the activation act [T, I],
+ * padded rows xp and group sums of the quantized linears, attention scratch (buf, sc) */
+typedef struct {
+    char *xn, *rs, *act;
+    uint16_t *xp;
+    float *sums, *buf, *sc;
+} own_t;
+
+static void step_alloc(step_t *s) {
+    const size_t es = s->dt ? 2 : 4;
+    const int64_t T = s->T, NQ = s->Hq * s->D, NKV = s->Hk * s->D, NQKV = NQ + 2 * NKV;
+    s->qkv = (char *)malloc(es * (size_t)T * (size_t)(2 * NQKV + 2 * NQ + s->H + 2 * s->I));
+    s->qs = s->qkv + es * T * NQKV;
+    s->ks = s->qs + es * T * NQ;
+    s->vs = s->ks + es * T * NKV;
+    s->qr = s->vs + es * T * NKV;
+    s->attn = s->qr + es * T * NQ;
+    s->o = s->attn + es * T * NQ;
+    s->h = s->o + es * T * s->H;
+}
+
+/* kpmax / gsums: the largest padded K and group count over the layers' quantized linears */
+static void own_alloc(own_t *w, const step_t *s, int64_t kpmax, int64_t gsums) {
+    const size_t es = s->dt ? 2 : 4;
+    const int64_t G = s->Hq / s->Hk, maxn = max_len(s->seq_lens, s->T), H = s->H;
+    w->xn = (char *)malloc(es * (size_t)(s->T * (2 * H + s->I)));
+    w->rs = w->xn + es * s->T * H;
+    w->act = w->rs + es * s->T * H;
+    w->xp = (uint16_t *)malloc(2 * (size_t)(s->T * kpmax) + 2);
+    w->sums = (float *)malloc(4 * (size_t)(s->T * gsums) + 4);
+    w->buf = (float *)malloc((size_t)(H > 3 * G * s->D + s->D ? H : 3 * G * s->D + s->D) * sizeof(float));
+    w->sc = (float *)malloc((size_t)(G * maxn) * sizeof(float));
+}
+
+static void own_free(own_t *w) {
+    free(w->sc);
+    free(w->buf);
+    free(w->sums);
+    free(w->xp);
+    free(w->xn);
+}
+
+static void quant_sizes(const int64_t *lin, int64_t *kpmax, int64_t *gsums) {
+    for (int l = 0; l < 4; l++)
+        if (lin[4 * l + 2]) {
+            *kpmax = lin[4 * l + 3] > *kpmax ? lin[4 * l + 3] : *kpmax;
+            const int64_t ng = lin[4 * l + 3] / (lin[4 * l + 2] > 0 ? lin[4 * l + 2] : -lin[4 * l + 2]);
+            *gsums = ng > *gsums ? ng : *gsums;
+        }
+}
+
+/* One decoder layer, run by every thread of the enclosing parallel region (see infercore_llama_decode_layer). The
+ * norms, SiLU and the quantized linears' group sums are small: each thread computes them itself, the same values,
+ * so only the linears, RoPE with the KV write and attention need barriers (six a layer). Thread 0 writes the
+ * shared residual; it writes the second one after the gate_up rows, whose barrier follows every thread's read of
+ * the first. */
+static void layer_body(const step_t *s, own_t *w, const void *x, const void *res, void *res_out, void *out,
+                       const void *n1, float eps1, const int64_t *lin, void *kc, void *vc, int64_t window,
+                       const void *n2, float eps2) {
+    const int id = omp_get_thread_num(), dt = s->dt;
+    const int64_t T = s->T, H = s->H, D = s->D, NQ = s->Hq * D, NKV = s->Hk * D, NQKV = NQ + 2 * NKV;
+    const size_t es = dt ? 2 : 4;
+    if (res == 0) {
+        if (id == 0) memcpy(res_out, x, es * T * H);
+        rms_any(x, 0, 0, n1, w->xn, 0, T, H, eps1, 0.f, dt, dt, w->buf);
+    } else {
+        rms_any(x, res, id == 0 ? res_out : w->rs, n1, w->xn, 0, T, H, eps1, 0.f, dt, dt, w->buf);
+    }
+    lin_par(w->xn, T, H, lin, NQKV, s->qkv, dt, w->xp, w->sums);
+#pragma omp single
+    {
+        for (int64_t t = 0; t < T; t++) {
+            memcpy(s->qs + es * t * NQ, s->qkv + es * t * NQKV, es * NQ);
+            memcpy(s->ks + es * t * NKV, s->qkv + es * (t * NQKV + NQ), es * NKV);
+            memcpy(s->vs + es * t * NKV, s->qkv + es * (t * NQKV + NQ + NKV), es * NKV);
+        }
+        rope_any(s->qs, s->ks, s->vs, s->pos, s->cs, kc, vc, s->slots, s->qr, 0, T, s->Hq, s->Hk, D, dt);
+    }
+    attend_units(s->qr, kc, vc, s->seq_lens, s->block_table, s->bt_stride, T, s->Hk, D, s->Hq / s->Hk, s->ps,
+                 s->scale, window, s->attn, w->buf, w->sc, dt);
+    lin_par(s->attn, T, NQ, lin + 4, H, s->o, dt, w->xp, w->sums);
+    rms_any(s->o, res_out, w->rs, n2, w->xn, 0, T, H, eps2, 0.f, dt, dt, w->buf);
+    lin_par(w->xn, T, H, lin + 8, 2 * s->I, s->h, dt, w->xp, w->sums);
+    if (id == 0) memcpy(res_out, w->rs, es * T * H);
+    silu_any(s->h, w->act, 0, T, s->I, dt);
+    lin_par(w->act, T, s->I, lin + 12, H, out, dt, w->xp, w->sums);
+}
+
 /*
  * What models/llama.py's LlamaDecoderLayer computes for T decode rows (one per sequence), each step rounded to the
  * dtype where the op-by-op path rounds, with the same kernels: so the same values bit for bit, in one OpenMP
  * region instead of ~12 Python-level calls.
- *   x [T, H]; res [T, H] or NULL (first layer: the residual is x); res_out [T, H]: the residual after both adds;
- *   out [T, H]: the MLP's output. Norm weights (dt) n1 / n2 [H]; the linears lin [4][4], each {weight, sz, g,
- *   Kp} as lin_par takes it: qkv [(Hq + 2 Hk) D, H], o [H, Hq D], gu [2 I, H], down [H, I]. pos int64 [T];
- *   cs fp32 [max_pos, D]; caches [num_pages, ps, Hk, D]; slots / seq_lens int32 [T]; block_table int32
- *   [T, bt_stride] with bt_cols columns in use.
+ *   x [T, H]; res [T, H] or NULL (first layer: the residual is x); res_out [T, H]: the residual after both adds
+ *   (not aliasing x / res); out [T, H]: the MLP's output. Norm weights (dt) n1 / n2 [H]; the linears lin [4][4],
+ *   each {weight, sz, g, Kp} as lin_par takes it: qkv [(Hq + 2 Hk) D, H], o [H, Hq D], gu [2 I, H], down [H, I].
+ *   pos int64 [T]; cs fp32 [max_pos, D]; caches [num_pages, ps, Hk, D]; slots / seq_lens int32 [T]; block_table
+ *   int32 [T, bt_stride] with bt_cols columns in use.
  * Returns 0, or before writing anything: -1 - t (slot t out of range), -1 - T - t (position t), -1 - 2T - t
  * (sequence t longer than its table row), -1 - 3T - t (a page id of sequence t out of range).
  */
@@ -384,62 +482,23 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
                                  int64_t num_pages, int64_t ps, const int32_t *slots, const int32_t *seq_lens,
                                  const int32_t *block_table, int64_t bt_stride, int64_t bt_cols, float scale,
                                  int64_t window, const void *n2, float eps2, int64_t I, int dt, int nthreads) {
-    const int64_t num_slots = num_pages * ps, NQ = Hq * D, NKV = Hk * D, NQKV = NQ + 2 * NKV, G = Hq / Hk;
-    int rc = check_rows(slots, pos, T, num_slots, max_pos);
+    int rc = check_rows(slots, pos, T, num_pages * ps, max_pos);
     if (rc) return rc;
     rc = check_tables(seq_lens, block_table, T, bt_stride, bt_cols, num_pages, ps, window);
     if (rc) return (int)(rc - 2 * T); /* -1 - 2T - t / -1 - 3T - t */
-    const size_t es = dt ? 2 : 4;
-    const int64_t maxn = max_len(seq_lens, T);
-    /* activations: xn [T, H], qkv [T, NQKV], q / k / v split [T, NQKV], q_rot [T, NQ], attn [T, NQ], o [T, H],
-     * h [T, 2I], act [T, I] */
-    char *ws = (char *)malloc(es * (size_t)T * (size_t)(2 * H + 2 * NQKV + 2 * NQ + H + 3 * I));
-    char *xn = ws, *qkv = xn + es * T * H, *qs = qkv + es * T * NQKV, *ks = qs + es * T * NQ, *vs = ks + es * T * NKV;
-    char *qr = vs + es * T * NKV, *attn = qr + es * T * NQ, *o = attn + es * T * NQ, *h = o + es * T * H;
-    char *act = h + es * T * 2 * I;
-    int64_t kpmax = 0, gsums = 0; /* quantized linears: padded rows and group sums */
-    for (int l = 0; l < 4; l++)
-        if (lin[4 * l + 2]) {
-            kpmax = lin[4 * l + 3] > kpmax ? lin[4 * l + 3] : kpmax;
-            const int64_t ng = lin[4 * l + 3] / (lin[4 * l + 2] > 0 ? lin[4 * l + 2] : -lin[4 * l + 2]);
-            gsums = ng > gsums ? ng : gsums;
-        }
-    uint16_t *xp = (uint16_t *)malloc(2 * (size_t)(T * kpmax) + 2);
-    float *sums = (float *)malloc(4 * (size_t)(T * gsums) + 4);
+    step_t s = {T, H, Hq, Hk, D, I, max_pos, num_pages, ps, bt_stride, pos, cs, slots, seq_lens, block_table, scale,
+                dt, 0, 0, 0, 0, 0, 0, 0, 0};
+    step_alloc(&s);
+    int64_t kpmax = 0, gsums = 0;
+    quant_sizes(lin, &kpmax, &gsums);
 #pragma omp parallel num_threads(nthreads)
     {
-        float *buf = (float *)malloc((size_t)(H > 3 * G * D + D ? H : 3 * G * D + D) * sizeof(float));
-        float *sc = (float *)malloc((size_t)(G * maxn) * sizeof(float));
-#pragma omp single
-        {
-            if (res == 0) memcpy(res_out, x, es * T * H);
-            rms_any(x, res, res_out, n1, xn, 0, T, H, eps1, 0.f, dt, dt, buf);
-        }
-        lin_par(xn, T, H, lin, NQKV, qkv, dt, xp, sums);
-#pragma omp single
-        {
-            for (int64_t t = 0; t < T; t++) {
-                memcpy(qs + es * t * NQ, qkv + es * t * NQKV, es * NQ);
-                memcpy(ks + es * t * NKV, qkv + es * (t * NQKV + NQ), es * NKV);
-                memcpy(vs + es * t * NKV, qkv + es * (t * NQKV + NQ + NKV), es * NKV);
-            }
-            rope_any(qs, ks, vs, pos, cs, kc, vc, slots, qr, 0, T, Hq, Hk, D, dt);
-        }
-        attend_units(qr, kc, vc, seq_lens, block_table, bt_stride, T, Hk, D, G, ps, scale, window, attn, buf, sc,
-                     dt);
-        lin_par(attn, T, NQ, lin + 4, H, o, dt, xp, sums);
-#pragma omp single
-        rms_any(o, res_out, res_out, n2, xn, 0, T, H, eps2, 0.f, dt, dt, buf);
-        lin_par(xn, T, H, lin + 8, 2 * I, h, dt, xp, sums);
-#pragma omp single
-        silu_any(h, act, 0, T, I, dt);
-        lin_par(act, T, I, lin + 12, H, out, dt, xp, sums);
-        free(sc);
-        free(buf);
+        own_t w;
+        own_alloc(&w, &s, kpmax, gsums);
+        layer_body(&s, &w, x, res, res_out, out, n1, eps1, lin, kc, vc, window, n2, eps2);
+        own_free(&w);
     }
-    free(sums);
-    free(xp);
-    free(ws);
+    free(s.qkv);
     return 0;
 }
 
@@ -449,6 +508,7 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
  * {n1, n2, k cache, v cache, window, lin[16]} (pointers as int64; lin as infercore_llama_decode_layer takes it),
  * eps[2 l], eps[2 l + 1] the two norms' epsilons. The caches all [num_pages, ps, Hk, D]. Every layer's indices are
  * checked before the first one runs, so an error (the return codes of infercore_llama_decode_layer) writes nothing.
+ * One parallel region for the whole stack.
  */
 #define LAYER_TAB 21
 int infercore_llama_decode_layers(int64_t L, const int64_t *tab, const float *eps, const void *x, const void *res,
@@ -458,24 +518,34 @@ int infercore_llama_decode_layers(int64_t L, const int64_t *tab, const float *ep
                                   int64_t bt_stride, int64_t bt_cols, float scale, int64_t I, int dt, int nthreads) {
     int rc = check_rows(slots, pos, T, num_pages * ps, max_pos);
     if (rc) return rc;
+    int64_t kpmax = 0, gsums = 0;
     for (int64_t l = 0; l < L; l++) { /* the windows may differ from layer to layer */
         rc = check_tables(seq_lens, block_table, T, bt_stride, bt_cols, num_pages, ps, tab[LAYER_TAB * l + 4]);
         if (rc) return (int)(rc - 2 * T);
+        quant_sizes(tab + LAYER_TAB * l + 5, &kpmax, &gsums);
     }
+    step_t s = {T, H, Hq, Hk, D, I, max_pos, num_pages, ps, bt_stride, pos, cs, slots, seq_lens, block_table, scale,
+                dt, 0, 0, 0, 0, 0, 0, 0, 0};
+    step_alloc(&s);
     const size_t es = dt ? 2 : 4, n = es * (size_t)(T * H);
     char *buf = (char *)malloc(4 * n);
-    const void *xi = x, *ri = res;
-    for (int64_t l = 0; l < L && rc == 0; l++) {
-        const int64_t *t = tab + LAYER_TAB * l;
-        const int last = l == L - 1;
-        void *xo = last ? out : buf + (l % 2) * 2 * n, *ro = last ? res_out : buf + (l % 2) * 2 * n + n;
-        rc = infercore_llama_decode_layer(xi, ri, ro, xo, T, H, (const void *)t[0], eps[2 * l], t + 5, Hq, Hk, D, pos,
-                                          cs, max_pos, (void *)t[2], (void *)t[3], num_pages, ps, slots, seq_lens,
-                                          block_table, bt_stride, bt_cols, scale, t[4], (const void *)t[1],
-                                          eps[2 * l + 1], I, dt, nthreads);
-        xi = xo;
-        ri = ro;
+#pragma omp parallel num_threads(nthreads)
+    {
+        own_t w;
+        own_alloc(&w, &s, kpmax, gsums);
+        const void *xi = x, *ri = res;
+        for (int64_t l = 0; l < L; l++) {
+            const int64_t *t = tab + LAYER_TAB * l;
+            const int last = l == L - 1;
+            void *xo = last ? out : buf + (l % 2) * 2 * n, *ro = last ? res_out : buf + (l % 2) * 2 * n + n;
+            layer_body(&s, &w, xi, ri, ro, xo, (const void *)t[0], eps[2 * l], t + 5, (void *)t[2], (void *)t[3],
+                       t[4], (const void *)t[1], eps[2 * l + 1]);
+            xi = xo;
+            ri = ro;
+        }
+        own_free(&w);
     }
     free(buf);
-    return rc;
+    free(s.qkv);
+    return 0;
 }

@@ -142,3 +142,90 @@ def test_a_quantized_model_runs_through_the_fast_path_as_through_the_reference(m
         ref = q(x)
         monkeypatch.delenv("INFERCORE_BACKEND")
         assert _rel(fast, ref) < 2e-2
+
+
+def _decodable(case):
+    """A weight the native kernels take, its operands and their bits (``quant.cpu.native_q4`` / ``native_q8``)."""
+    torch.manual_seed(len(case))
+    fmt, k = case
+    if fmt.startswith("gguf"):
+        w = GGUFWeight.quantize(torch.randn(80, k) * 0.05, qtype=fmt[5:])
+    elif fmt == "w8a16":
+        w = _w(80, k, 8, None, True)
+    else:
+        w = _w(80, k, 4, int(fmt[5:]))
+    ops = QC.native_q4(w)
+    return (w, ops, 4) if ops is not None else (w, QC.native_q8(w), 8)
+
+
+_DECODABLE = [("int4g32", 320), ("int4g64", 256), ("int4g128", 384), ("int4g256", 512), ("gguf-q4_0", 96),
+              ("gguf-q4_1", 160), ("w8a16", 200), ("gguf-q8_0", 96)]
+
+
+@pytest.mark.parametrize("case", _DECODABLE)
+def test_dequant_rows_gives_the_weight_rounded_to_bf16(case):
+    from infercore.ops.moe import cpu_native
+
+    assert cpu_native.q4_supported(), cpu_native.status()  # the CI machine has AVX512-BF16
+    w, (codes, sz), bits = _decodable(case)
+    n, k = w.shape
+    kp = codes.shape[1] * (2 if bits == 4 else 1)
+    exact = w.dequantize(torch.float32)
+    out = torch.full((n, kp), float("nan"), dtype=torch.bfloat16)
+    got = cpu_native.dequant_rows(codes, sz, bits, 0, n, out)[:, :k]
+    if isinstance(w, GGUFWeight):  # the blocks' fp16 scales: the same fp32 values, so the same bf16 roundings
+        assert torch.equal(got, exact.to(torch.bfloat16))
+    else:  # the kernels' offset form of scale and zero rounds in fp32 apart: at most a bf16 rounding step away
+        assert ((got.float() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-6).all()
+    part = torch.zeros(7, kp, dtype=torch.bfloat16)  # a range of rows into a buffer's first rows
+    assert torch.equal(cpu_native.dequant_rows(codes, sz, bits, 30, 37, part)[:, :k], got[30:37])
+
+
+def test_dequant_rows_names_bad_arguments():
+    from infercore.ops.moe import cpu_native
+
+    _, (codes, sz), bits = _decodable(("int4g128", 384))
+    out = torch.empty(80, 384, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="codes must be"):
+        cpu_native.dequant_rows(codes.float(), sz, bits, 0, 80, out)
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        cpu_native.dequant_rows(codes, sz, 2, 0, 80, out)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_native.dequant_rows(codes, sz[:40].contiguous(), bits, 0, 80, out)
+    with pytest.raises(ValueError, match="outside the weight's 80"):
+        cpu_native.dequant_rows(codes, sz, bits, 70, 81, out)
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_native.dequant_rows(codes, sz, bits, 0, 80, out[:40])
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_native.dequant_rows(codes, sz, bits, 0, 80, out.float())
+
+
+@pytest.mark.parametrize("case", _DECODABLE)
+def test_prefill_rows_multiply_the_decoded_weight(case, monkeypatch):
+    """From DECODE_MIN_ROWS rows (16 for GGUF Q8_0) the weight is decoded to bf16 slice by slice (here slices of 16
+    rows, the last one partial) into a dense GEMM: the reference's values (the weight rounded to bf16, a bf16
+    matmul)."""
+    from infercore.ops.moe import cpu_native
+
+    w, _, _ = _decodable(case)
+    n, k = w.shape
+    kp = -(-k // 64) * 64
+    monkeypatch.setattr(QC, "DECODE_SLICE_BYTES", 16 * 2 * kp)
+    calls = []
+    real = cpu_native.dequant_rows
+    monkeypatch.setattr(cpu_native, "dequant_rows", lambda *a: calls.append(a[3:5]) or real(*a))
+    op = gguf_matmul if isinstance(w, GGUFWeight) else wq_matmul
+    ref_op = naive.gguf_matmul_ref if isinstance(w, GGUFWeight) else naive.wq_matmul_ref
+    rows = QC.DECODE_MIN_ROWS_Q8_0 if case[0] == "gguf-q8_0" else QC.DECODE_MIN_ROWS
+    for m in (rows - 1, rows, 70):
+        calls.clear()
+        x = torch.randn(m, k).to(torch.bfloat16)
+        b = torch.randn(n).to(torch.bfloat16)
+        y = op(x, w, bias=b)
+        if m < rows:
+            assert not calls
+            continue
+        assert calls == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 80)]
+        dense = (x.float() @ w.dequantize(torch.float32).float().T + b.float()).to(torch.bfloat16)
+        assert _rel(y, dense) < 4e-3  # bf16 products summed in another order, the output rounded
+        assert _rel(y, ref_op(x, w, b)) < 1e-2

@@ -25,6 +25,8 @@ the reference at every row count measured and the bf16 ``F.linear`` of the dense
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -179,11 +181,55 @@ def _with_bias(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -
     return y if bias is None else (y.float() + bias.float()).to(dtype)
 
 
+# From this many rows (prefill chunks), a weight the native kernels take is decoded to bf16 a slice at a time and
+# multiplied by the dense GEMM (oneDNN), instead of the packed kernels: DECODE_MIN_ROWS (GGUF Q8_0 blocks, which
+# ATen has no kernel for, from DECODE_MIN_ROWS_Q8_0), slices of about DECODE_SLICE_BYTES (kept in the cache between
+# the decode and the GEMM; one scratch buffer per thread, reused). 2-core EPYC (benchmarks/probe_cpu_prefill_quant.py,
+# results/cpu/sweeps/cpu_quant_decoded_prefill.json): at 32 rows 4096 x 4096 INT4 takes 5.6 vs 7.0 ms (GGUF Q8_0 at
+# 16 rows 5.7 vs 7.0), at 256 rows 2.1x (INT4) to 4.4x (Q8_0) the packed kernels, within 15% of the dense bf16 GEMM;
+# on SmolLM2's 3072 x 576 about even at 32 rows (0.67-0.81 vs 0.70-0.82 ms); its 512-token prefill 657 vs 903 ms.
+# Below these rows the packed kernels were as fast or faster in ad-hoc timings (16 rows INT4: 3.3 vs 5.3 ms).
+DECODE_MIN_ROWS = 32
+DECODE_MIN_ROWS_Q8_0 = 16
+DECODE_SLICE_BYTES = 4 << 20
+_scratch = threading.local()
+
+
+def _decoded_matmul(x: torch.Tensor, ops: tuple[torch.Tensor, torch.Tensor], bits: int) -> torch.Tensor:
+    """``x [M, K] @ W^T`` -> ``[M, N]`` bf16 with ``W`` the bf16-rounded weight behind native operands ``ops``
+    (``cpu_native.dequant_rows``), decoded one slice of rows at a time into a reused buffer, each slice through
+    ``torch.mm``: the dequantizing reference's values (the weight rounded to bf16, then a bf16 GEMM)."""
+    from ..ops.moe import cpu_native
+
+    codes, sz = ops
+    n, kp = codes.shape[0], codes.shape[1] * (2 if bits == 4 else 1)
+    xp = F.pad(x, (0, kp - x.shape[1])) if kp > x.shape[1] else x.contiguous()
+    rows = min(n, max(16, DECODE_SLICE_BYTES // (2 * kp) // 16 * 16))
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < rows * kp:
+        buf = _scratch.buf = torch.empty(rows * kp, dtype=torch.bfloat16)
+    slab = buf[: rows * kp].view(rows, kp)
+    yt = torch.empty(n, x.shape[0], dtype=torch.bfloat16)  # W x^T, row slices written in place
+    xt = xp.t()
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        torch.mm(cpu_native.dequant_rows(codes, sz, bits, r0, r1, slab), xt, out=yt[r0:r1])
+    return yt.t().contiguous()
+
+
 def _matmul(x: torch.Tensor, w, bias: torch.Tensor | None, reference):
     """``x [M, K] @ dequant(w).T (+ bias [N]) -> [M, N]``: for bf16 ``x`` the native kernels where
-    :func:`_native_kernel` names one, else the packed kernels where :func:`cpu_kind` allows, else ``reference``."""
+    :func:`_native_kernel` names one, from :data:`DECODE_MIN_ROWS` rows the weight decoded slice by slice into a
+    dense GEMM (:func:`_decoded_matmul`), else the packed kernels where :func:`cpu_kind` allows, else
+    ``reference``."""
     bf16_cpu = x.dtype == torch.bfloat16 and x.device.type == "cpu"
     kind = cpu_kind(w) if bf16_cpu else None
+    if bf16_cpu and x.shape[0] >= (DECODE_MIN_ROWS_Q8_0 if kind is None else DECODE_MIN_ROWS):
+        ops, bits = native_q4(w), 4
+        if ops is None:
+            ops, bits = native_q8(w), 8
+        if ops is not None:
+            return _with_bias(_decoded_matmul(x, ops, bits), bias, x.dtype)
     native = _native_kernel(w, kind, x.shape[0]) if bf16_cpu else None
     if native is not None:
         fn, ops = native

@@ -527,6 +527,42 @@ void infercore_q4_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *
     rows_range(&d, x, M, K, sums, r0, r1, y, ldy);
 }
 
+/* Rows [r0, r1) of an INT4 weight (q8 = 0: codes [N, Kp / 2] in the kernels' layout) or an INT8 one (q8 = 1:
+ * codes [N, Kp]) in groups of g, sz [N, 2, Kp / g], decoded to bf16 rows out [r1 - r0, Kp] (round to nearest even):
+ * w = (128 + q) scale + zero' (INT4) or u scale + zero' + 2176 scale (INT8), the values the GEMVs multiply by. For
+ * prefill-sized row counts: a slice decoded here, then a dense GEMM (quant/cpu.py). */
+void infercore_dequant_rows(const uint8_t *codes, const float *sz, int64_t Kp, int64_t g, int q8, int64_t r0,
+                            int64_t r1, uint16_t *out, int nthreads) {
+    const int64_t nG = Kp / g, k64 = Kp / 64 * 64;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = r0; r < r1; r++) {
+        const float *sc = sz + r * 2 * nG, *ze = sc + nG;
+        uint16_t *o = out + (r - r0) * Kp;
+        if (q8) {
+            const uint8_t *c = codes + r * Kp;
+            for (int64_t j = 0; j < nG; j++) {
+                const float s = sc[j], z = ze[j] + 2176.f * s;
+                for (int64_t i = j * g; i < (j + 1) * g; i++) o[i] = f32_to_bf16((float)c[i] * s + z);
+            }
+            continue;
+        }
+        const uint8_t *c = codes + r * (Kp / 2);
+        for (int64_t sp = 0; sp < k64 / 64; sp++) { /* a span of 64 in 32 bytes: byte b holds b and 32 + b */
+            const int64_t e0 = 64 * sp;
+            const float s0 = sc[e0 / g], z0 = ze[e0 / g], s1 = sc[(e0 + 32) / g], z1 = ze[(e0 + 32) / g];
+            const uint8_t *v = c + 32 * sp;
+            for (int b = 0; b < 32; b++) o[e0 + b] = f32_to_bf16((float)(128 + (v[b] & 15)) * s0 + z0);
+            for (int b = 0; b < 32; b++) o[e0 + 32 + b] = f32_to_bf16((float)(128 + (v[b] >> 4)) * s1 + z1);
+        }
+        if (k64 < Kp) { /* g = 32: the last group in 16 bytes, byte b holding b and 16 + b */
+            const float s = sc[nG - 1], z = ze[nG - 1];
+            const uint8_t *v = c + k64 / 2;
+            for (int b = 0; b < 16; b++) o[k64 + b] = f32_to_bf16((float)(128 + (v[b] & 15)) * s + z);
+            for (int b = 0; b < 16; b++) o[k64 + 16 + b] = f32_to_bf16((float)(128 + (v[b] >> 4)) * s + z);
+        }
+    }
+}
+
 /* A read-only pass over n bytes (n a multiple of 64) by every thread: what the host's weight reads can reach */
 uint64_t infercore_read_pass(const uint8_t *p, int64_t n, int nthreads) {
     uint64_t total = 0;

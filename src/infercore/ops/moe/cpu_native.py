@@ -91,6 +91,8 @@ def _build() -> ctypes.CDLL:
     dll.infercore_linear_q4.restype = None
     dll.infercore_linear_q8.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _INT]
     dll.infercore_linear_q8.restype = None
+    dll.infercore_dequant_rows.argtypes = [_P, _P, _I64, _I64, _INT, _I64, _I64, _P, _INT]
+    dll.infercore_dequant_rows.restype = None
     dll.infercore_linear_f32.argtypes = [_P, _I64, _I64, _P, _I64, _P, _INT]
     dll.infercore_linear_f32.restype = None
     dll.infercore_native_isa.restype = _INT
@@ -370,6 +372,34 @@ def linear_q8(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.T
     """``x [M, K] @ dequant(w)^T`` for bf16 ``x`` and :func:`pack_q8` / :func:`pack_gguf_q8`'s operands ``[N, Kp]`` /
     ``[N, 2, Kp / g]`` (``x`` zero-padded to Kp) -> ``[M, N]`` bf16."""
     return _linear_quant(_need().infercore_linear_q8, "linear_q8", x, codes, sz, codes.shape[1])
+
+
+def dequant_rows(codes: torch.Tensor, sz: torch.Tensor, bits: int, r0: int, r1: int,
+                 out: torch.Tensor) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of the weight behind the native INT4 (``bits=4``; :func:`pack_q4` / :func:`pack_gguf_q4`:
+    codes uint8 ``[N, Kp / 2]``) or INT8 (``bits=8``; :func:`pack_q8` / :func:`pack_gguf_q8`: ``[N, Kp]``) operands
+    (sz fp32 ``[N, 2, Kp / g]``), decoded into the first ``r1 - r0`` rows of ``out`` (bf16, contiguous
+    ``[>= r1 - r0, Kp]``): the values the native GEMVs multiply by, rounded to bf16. Returns that slice. Bad
+    arguments: ``TypeError`` / ``ValueError``."""
+    lib = _need()
+    if codes.dtype != torch.uint8 or codes.dim() != 2 or not codes.is_contiguous() or sz.dtype != torch.float32 \
+            or sz.dim() != 3 or not sz.is_contiguous():
+        raise TypeError("dequant_rows: codes must be contiguous uint8 [N, Kp / 2 or Kp], sz contiguous fp32 "
+                        "[N, 2, groups]")
+    if bits not in (4, 8):
+        raise ValueError(f"dequant_rows: bits must be 4 or 8, got {bits!r}")
+    n, ng = codes.shape[0], sz.shape[2]
+    kp = codes.shape[1] * (2 if bits == 4 else 1)
+    if sz.shape[:2] != (n, 2) or ng < 1 or kp % ng:
+        raise ValueError(f"dequant_rows: sz {tuple(sz.shape)} does not fit codes {tuple(codes.shape)}")
+    if not 0 <= r0 <= r1 <= n:
+        raise ValueError(f"dequant_rows: rows [{r0}, {r1}) outside the weight's {n}")
+    if out.dtype != torch.bfloat16 or not out.is_contiguous() or out.dim() != 2 or out.shape[0] < r1 - r0 \
+            or out.shape[1] != kp:
+        raise ValueError(f"dequant_rows: out must be a contiguous bf16 [>= {r1 - r0}, {kp}] tensor")
+    lib.infercore_dequant_rows(_ptr(codes), _ptr(sz), kp, kp // ng, int(bits == 8), r0, r1, _ptr(out),
+                               torch.get_num_threads())
+    return out[: r1 - r0]
 
 
 def linear_dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

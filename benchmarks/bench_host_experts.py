@@ -42,6 +42,7 @@ from bench_weight_offload import hf_decode_rate, steady_decode, sync  # noqa: E4
 from infercore import Engine, SamplingParams  # noqa: E402
 from infercore.models import build_model, config_from_hf  # noqa: E402
 from infercore.offload import offload_experts_, offload_weights_  # noqa: E402
+from infercore.ops.moe import cpu_native  # noqa: E402
 
 PEER = "transformers + accelerate (experts on cpu)"
 
@@ -224,7 +225,8 @@ def main() -> None:
                 quantized_scheme=args.quantization or None, quantized_host_bytes=qinfo["host_bytes"] if qinfo else None,
                 expected_distinct_experts=distinct,
                 host_bytes_per_step=host_bytes, host_read_GBps=host_bw / 1e9, device_copy_TBps=dev_bw / 1e12,
-                host_threads=torch.get_num_threads(), prefill_ms_host_experts=ttft_ms if B == batches_n[0] else None,
+                host_threads=torch.get_num_threads(), native=cpu_native.status(),
+                prefill_ms_host_experts=ttft_ms if B == batches_n[0] else None,
                 layers=L,
             ))  # fmt: skip
         device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke)"

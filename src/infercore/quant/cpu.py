@@ -14,8 +14,9 @@ while it lives.
 Decode rows (up to :data:`NATIVE_Q4_MAX_ROWS`) of INT4 weights in groups of 32-256, GGUF Q4_0 / Q4_1 blocks and
 symmetric per-channel INT8 weights take the native kernels of ``ops.moe.cpu_native`` instead where they run
 vectorized (AVX512-BF16): :func:`native_q4` / :func:`native_q8`, operands made once beside the weight; the fused CPU
-decoder layer reads the same operands. GGUF Q8_0 blocks, which no ATen kernel takes, run the native INT8 kernel at
-every row count.
+decoder layer reads the same operands. GGUF Q8_0 blocks, which no ATen kernel takes, run the native INT8 kernel up
+to :data:`DECODE_MIN_ROWS_Q8_0` rows. From :data:`DECODE_MIN_ROWS` rows (prefill chunks) those same operands are
+decoded to bf16 a cache-sized slice at a time into the dense GEMM instead (:func:`_decoded_matmul`).
 
 Other formats, fp32 / fp16 activations (ATen vectorizes these kernels for bf16 activations only) and a torch
 without these ops take the reference (dequantize, then matmul). On a 2-core AVX-512 machine the packed kernels beat

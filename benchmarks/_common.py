@@ -88,6 +88,17 @@ def within_budget(items: Iterable[Any], budget_s: float, start: float) -> Iterat
         yield item
 
 
+def best_of(fn: Callable[[], Any], reps: int) -> float:
+    """Seconds of the fastest of ``reps`` calls of ``fn`` after one warm-up call (host-side wall clock)."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def eager_us(call: Callable[[], Any], n: int = 300, warmup: int = 20) -> float:
     """Microseconds per ``call()`` run back to back without a CUDA graph (after ``warmup`` calls): for
     small kernels this is the host's dispatch and launch time, not the GPU's."""

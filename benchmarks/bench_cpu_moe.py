@@ -27,22 +27,12 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import case, host_read_bandwidth, write_results  # noqa: E402
+from _common import best_of, case, host_read_bandwidth, write_results  # noqa: E402
 
 from infercore.models.layout import CPUPackedExperts, cpu_packing_supported  # noqa: E402
 from infercore.offload.host_experts import NativeQuantExperts, _quant_experts, _QuantLinear  # noqa: E402
 from infercore.ops.moe import cpu_native  # noqa: E402
 from infercore.ops.moe.naive import moe_experts_ref  # noqa: E402
-
-
-def best_of(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main() -> None:

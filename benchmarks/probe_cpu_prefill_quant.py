@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import case, write_results  # noqa: E402
+from _common import best_of, case, write_results  # noqa: E402
 
 from infercore import Engine, SamplingParams  # noqa: E402
 from infercore.loading import default_model_path  # noqa: E402
@@ -28,13 +27,7 @@ NEVER = 1 << 30
 
 
 def best_ms(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
+    return best_of(fn, repeats) * 1e3
 
 
 def both(fn, repeats: int) -> tuple[float, float]:

@@ -157,9 +157,9 @@ def pack_linears_for_cpu_(model: nn.Module) -> int:
     """Turn every CPU ``nn.Linear`` of ``model`` into a :class:`CPUPackedLinear`, and pack the routed experts of
     every CPU MoE block (:class:`CPUPackedExperts`, ``block.cpu_packed_experts``), in place, after the weights are
     loaded; returns how many linears and expert blocks were converted (0 where oneDNN cannot pack the dtype). In a
-    bf16 model, the native INT4 / INT8 operands of quantized linears (``quant.cpu.native_q4`` / ``native_q8``) are
-    made here too."""
-    from ..quant.cpu import native_q4, native_q8
+    bf16 model, the native INT4 / INT8 operands of quantized linears (``quant.cpu.native_operands``) are made here
+    too."""
+    from ..quant.cpu import native_operands
     from ..quant.linear import QuantLinear
     from .moe import SparseMoeBlock
 
@@ -168,8 +168,7 @@ def pack_linears_for_cpu_(model: nn.Module) -> int:
     bf16 = first is not None and first.dtype == torch.bfloat16
     for m in model.modules():
         if type(m) is QuantLinear and bf16:  # the native INT4 / INT8 operands now, not in the first decode step
-            w = m.qweight_format
-            native_q4(w) or native_q8(w)
+            native_operands(m.qweight_format)
             continue
         if type(m) is nn.Linear and m.weight.device.type == "cpu" and cpu_packing_supported(m.weight.dtype):
             m.__class__ = CPUPackedLinear

@@ -60,6 +60,14 @@ def _layout(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.dtype, t.shape, t.stride()
 
 
+def _stack_step_key(version: int, x: torch.Tensor, layers, cos_sin: torch.Tensor, kv_caches) -> tuple:
+    """What LlamaForCausalLM._native_stack's kept table rests on besides the weights' pointers: the registration
+    count, x's dtype and width, the layers, the RoPE table's and every cache's address and layout (not the tensors
+    themselves: a freed KV pool must not be kept alive)."""
+    return (version, x.dtype, x.shape[1], layers, len(layers), _layout(cos_sin), tuple(map(type, kv_caches)),
+            [_layout(t) for kv in kv_caches for t in kv])
+
+
 def tie_and_rope_table(model: nn.Module, *, base: float, scaling: dict | None) -> torch.Tensor:
     """Re-tie ``lm_head`` to the embedding when the config says so, and build the fp32 RoPE table
     ``[max_position_embeddings, rotary_dim]`` on the model's device (an uninitialised placeholder on
@@ -318,14 +326,10 @@ class LlamaDecoderLayer(nn.Module):
                 and cos_sin.shape[-1] == attn.head_dim and cos_sin.is_contiguous()):
             linears = [cpu_native.layer_linear(lin, dt) for lin in lins]
             linears = None if None in linears else linears
-        self.__dict__["_native_linears_cache"] = (objs, ids, ptrs, linears)
+        # last: the tensors whose data pointers the answer rests on, for LlamaForCausalLM._native_stack
+        weights = [w1, w2, *(t for t in stores if t is not None)]
+        self.__dict__["_native_linears_cache"] = (objs, ids, ptrs, linears, weights)
         return linears
-
-    def _native_weights(self) -> list[torch.Tensor]:
-        """The tensors whose data pointers :meth:`_native_linears`' cached answer rests on (norm weights, each
-        linear's weight or first buffer)."""
-        objs = self.__dict__["_native_linears_cache"][0]
-        return [t for t in objs[6 + 4:6 + 8] if t is not None] + list(objs[-2:])
 
 
 def _native_step(x: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -419,11 +423,9 @@ class LlamaForCausalLM(nn.Module):
         # layers, caches (by address and layout: a freed KV pool is not kept alive) and RoPE table, and the weights'
         # data pointers (a ``.data`` swap registers nothing). Else every layer's checks run again.
         fast = self.__dict__.get("_native_stack_fast")
-        if fast is not None:
-            step = (_registrations[0], dt, hidden, layers, len(layers), _layout(cos_sin), tuple(map(type, kv_caches)),
-                    [_layout(t) for kv in kv_caches for t in kv])
-            if step == fast[0] and list(map(torch.Tensor.data_ptr, fast[1])) == fast[2]:
-                return fast[3]
+        if fast is not None and _stack_step_key(_registrations[0], x, layers, cos_sin, kv_caches) == fast[0] \
+                and list(map(torch.Tensor.data_ptr, fast[1])) == fast[2]:
+            return fast[3]
         version = _registrations[0]
         linears = []
         for layer, kv_cache in zip(layers, kv_caches):
@@ -444,10 +446,9 @@ class LlamaForCausalLM(nn.Module):
                         for l, kv in zip(layers, kv_caches))  # fmt: skip
             table = cpu_native.decode_layers_table(layers, kv_caches, linears) if alike else None
             self.__dict__["_native_stack_cache"] = (key, table)
-        weights = [t for layer in layers for t in layer._native_weights()]
-        step = (version, dt, hidden, layers, len(layers), _layout(cos_sin), tuple(map(type, kv_caches)),
-                [_layout(t) for kv in kv_caches for t in kv])
-        self.__dict__["_native_stack_fast"] = (step, weights, list(map(torch.Tensor.data_ptr, weights)), table)
+        weights = [t for layer in layers for t in layer.__dict__["_native_linears_cache"][4]]
+        self.__dict__["_native_stack_fast"] = (_stack_step_key(version, x, layers, cos_sin, kv_caches), weights,
+                                               list(map(torch.Tensor.data_ptr, weights)), table)
         return table
 
     def compute_logits(self, hidden: torch.Tensor, *, fp32: bool = True) -> torch.Tensor:

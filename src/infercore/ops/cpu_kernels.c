@@ -367,7 +367,7 @@ static void lin_par(const void *x, int64_t M, int64_t K, const int64_t *L, int64
 /* The shapes of a decode step through decoder layers, and the buffers the threads share (the linears' outputs,
  * q / k / v, attention) */
 typedef struct {
-    int64_t T, H, Hq, Hk, D, I, max_pos, num_pages, ps, bt_stride;
+    int64_t T, H, Hq, Hk, D, I, ps, bt_stride;
     const int64_t *pos;
     const float *cs;
     const int32_t *slots, *seq_lens, *block_table;
@@ -486,7 +486,7 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
     if (rc) return rc;
     rc = check_tables(seq_lens, block_table, T, bt_stride, bt_cols, num_pages, ps, window);
     if (rc) return (int)(rc - 2 * T); /* -1 - 2T - t / -1 - 3T - t */
-    step_t s = {T, H, Hq, Hk, D, I, max_pos, num_pages, ps, bt_stride, pos, cs, slots, seq_lens, block_table, scale,
+    step_t s = {T, H, Hq, Hk, D, I, ps, bt_stride, pos, cs, slots, seq_lens, block_table, scale,
                 dt, 0, 0, 0, 0, 0, 0, 0, 0};
     step_alloc(&s);
     int64_t kpmax = 0, gsums = 0;
@@ -524,7 +524,7 @@ int infercore_llama_decode_layers(int64_t L, const int64_t *tab, const float *ep
         if (rc) return (int)(rc - 2 * T);
         quant_sizes(tab + LAYER_TAB * l + 5, &kpmax, &gsums);
     }
-    step_t s = {T, H, Hq, Hk, D, I, max_pos, num_pages, ps, bt_stride, pos, cs, slots, seq_lens, block_table, scale,
+    step_t s = {T, H, Hq, Hk, D, I, ps, bt_stride, pos, cs, slots, seq_lens, block_table, scale,
                 dt, 0, 0, 0, 0, 0, 0, 0, 0};
     step_alloc(&s);
     const size_t es = dt ? 2 : 4, n = es * (size_t)(T * H);

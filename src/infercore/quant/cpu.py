@@ -162,6 +162,16 @@ def native_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
     return None
 
 
+def native_operands(w) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """``(codes, sz, bits)``: :func:`native_q4`'s operands (``bits=4``), else :func:`native_q8`'s (``bits=8``), else
+    None (no native kernel takes ``w`` here)."""
+    for fn, bits in ((native_q4, 4), (native_q8, 8)):
+        ops = fn(w)
+        if ops is not None:
+            return (*ops, bits)
+    return None
+
+
 def _native_kernel(w, kind: str | None, rows: int):
     """``(native GEMV, its operands)`` for ``rows`` bf16 rows against ``w`` of packed-kernel ``kind``
     (:func:`cpu_kind`), or None: decode rows of INT4 / GGUF Q4 / INT8 weights, and GGUF Q8_0 blocks (no ATen kernel
@@ -196,13 +206,12 @@ DECODE_SLICE_BYTES = 4 << 20
 _scratch = threading.local()
 
 
-def _decoded_matmul(x: torch.Tensor, ops: tuple[torch.Tensor, torch.Tensor], bits: int) -> torch.Tensor:
-    """``x [M, K] @ W^T`` -> ``[M, N]`` bf16 with ``W`` the bf16-rounded weight behind native operands ``ops``
-    (``cpu_native.dequant_rows``), decoded one slice of rows at a time into a reused buffer, each slice through
-    ``torch.mm``: the dequantizing reference's values (the weight rounded to bf16, then a bf16 GEMM)."""
+def _decoded_matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x [M, K]`` bf16 ``@ W^T`` -> ``[M, N]`` bf16 with ``W`` the bf16-rounded weight behind native operands
+    (:func:`native_operands`; ``cpu_native.dequant_rows``), decoded one slice of rows at a time into a reused buffer,
+    each slice through ``torch.mm``: the dequantizing reference's values (the weight rounded to bf16, a bf16 GEMM)."""
     from ..ops.moe import cpu_native
 
-    codes, sz = ops
     n, kp = codes.shape[0], codes.shape[1] * (2 if bits == 4 else 1)
     xp = F.pad(x, (0, kp - x.shape[1])) if kp > x.shape[1] else x.contiguous()
     rows = min(n, max(16, DECODE_SLICE_BYTES // (2 * kp) // 16 * 16))
@@ -226,11 +235,9 @@ def _matmul(x: torch.Tensor, w, bias: torch.Tensor | None, reference):
     bf16_cpu = x.dtype == torch.bfloat16 and x.device.type == "cpu"
     kind = cpu_kind(w) if bf16_cpu else None
     if bf16_cpu and x.shape[0] >= (DECODE_MIN_ROWS_Q8_0 if kind is None else DECODE_MIN_ROWS):
-        ops, bits = native_q4(w), 4
-        if ops is None:
-            ops, bits = native_q8(w), 8
+        ops = native_operands(w)
         if ops is not None:
-            return _with_bias(_decoded_matmul(x, ops, bits), bias, x.dtype)
+            return _with_bias(_decoded_matmul(x, *ops), bias, x.dtype)
     native = _native_kernel(w, kind, x.shape[0]) if bf16_cpu else None
     if native is not None:
         fn, ops = native

@@ -112,6 +112,25 @@ static inline int q4_code(const uint8_t *c, int64_t K, int64_t e) {
     return i < 32 ? c[e / 64 * 32 + i] & 15 : c[e / 64 * 32 + i - 32] >> 4;
 }
 
+#if !(defined(__AVX512BF16__) && defined(__AVX512BW__))
+/* The quantized rows without AVX512-BF16: group j of row m adds scale_j * sum_i c_i x_i + zero'_j * xsum_j, c_i the
+ * value the vector kernels read for code i: 128 + q (INT4, q8 = 0) or u + 2176 (INT8, q8 = 1, see dot_q8_m) */
+static void dot_rows_scalar(const uint8_t *codes, const float *sz, const uint16_t *const *x, const float *const *xsum,
+                            int M, int64_t K, int64_t g, int q8, float *y) {
+    const int64_t nG = K / g;
+    for (int m = 0; m < M; m++) {
+        float t = 0.f;
+        for (int64_t j = 0; j < nG; j++) {
+            float a = 0.f;
+            for (int64_t i = j * g; i < (j + 1) * g; i++)
+                a += (float)(q8 ? codes[i] + 2176 : 128 + q4_code(codes, K, i)) * bf16_to_f32(x[m][i]);
+            t += a * sz[j] + xsum[m][j] * sz[nG + j];
+        }
+        y[m] = t;
+    }
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 static inline __attribute__((always_inline)) __m512 dp0(const uint16_t *x, __m512i w) {
     return _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512((const void *)x), (__m512bh)w);
@@ -206,16 +225,7 @@ static void dot_rows_q4(const uint8_t *codes, const float *sz, const uint16_t *c
     }
 #undef Q4_M
 #else
-    const int64_t nG = K / g;
-    for (int m = 0; m < M; m++) {
-        float t = 0.f;
-        for (int64_t j = 0; j < nG; j++) {
-            float a = 0.f;
-            for (int64_t b = 0; b < g; b++) a += (float)(128 + q4_code(codes, K, j * g + b)) * bf16_to_f32(x[m][j * g + b]);
-            t += a * sz[j] + xsum[m][j] * sz[nG + j];
-        }
-        y[m] = t;
-    }
+    dot_rows_scalar(codes, sz, x, xsum, M, K, g, 0, y);
 #endif
 }
 
@@ -277,16 +287,7 @@ static void dot_rows_q8(const uint8_t *codes, const float *sz, const uint16_t *c
     default: dot_q8_m(codes, sz, x, xsum, 4, K, g, y); return;
     }
 #else
-    const int64_t nG = K / g;
-    for (int m = 0; m < M; m++) {
-        float t = 0.f;
-        for (int64_t j = 0; j < nG; j++) {
-            float a = 0.f;
-            for (int64_t i = j * g; i < (j + 1) * g; i++) a += (float)(codes[i] + 2176) * bf16_to_f32(x[m][i]);
-            t += a * sz[j] + xsum[m][j] * sz[nG + j];
-        }
-        y[m] = t;
-    }
+    dot_rows_scalar(codes, sz, x, xsum, M, K, g, 1, y);
 #endif
 }
 

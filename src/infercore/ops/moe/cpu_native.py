@@ -626,7 +626,7 @@ def layer_linear(lin, dtype: torch.dtype) -> tuple[int, int, int, int] | None:
     per-channel INT8 / GGUF Q8_0 blocks (``native_q8``, the group negated), with bf16 activations; None for anything
     else."""
     from ...models.layout import CPUPackedLinear
-    from ...quant.cpu import native_q4, native_q8
+    from ...quant.cpu import native_operands
     from ...quant.linear import QuantLinear
 
     if type(lin) is CPUPackedLinear:
@@ -634,17 +634,12 @@ def layer_linear(lin, dtype: torch.dtype) -> tuple[int, int, int, int] | None:
         ok = lin.bias is None and w.dtype == dtype and w.is_contiguous()
         return (w.data_ptr(), 0, 0, w.shape[1]) if ok else None
     if type(lin) is QuantLinear and dtype == torch.bfloat16 and lin.bias is None and lin.in_perm is None:
-        w = lin.qweight_format
-        ops = native_q4(w)
+        ops = native_operands(lin.qweight_format)
         if ops is not None:
-            codes, sz = ops
-            kp = codes.shape[1] * 2
-            return codes.data_ptr(), sz.data_ptr(), kp // sz.shape[2], kp
-        ops = native_q8(w)
-        if ops is not None:  # a negative group: INT8
-            codes, sz = ops
-            kp = codes.shape[1]
-            return codes.data_ptr(), sz.data_ptr(), -(kp // sz.shape[2]), kp
+            codes, sz, bits = ops
+            kp = codes.shape[1] * (2 if bits == 4 else 1)
+            g = kp // sz.shape[2]
+            return codes.data_ptr(), sz.data_ptr(), g if bits == 4 else -g, kp  # a negative group: INT8
     return None
 
 

@@ -1,5 +1,9 @@
 import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,3 +51,35 @@ def split_attention_through_triton(monkeypatch):
         return split
 
     return route
+
+
+def _write_gguf(
+    path: Path,
+    *,
+    arch: str = "llama",
+    tensors: dict[str, tuple[np.ndarray, Any]] | None = None,
+    kv: Callable[[Any], Any] | None = None,
+    alignment: int | None = None,
+) -> Path:
+    """Write a GGUF with the reference `gguf` package. `tensors` maps name -> (array, raw_dtype):
+    raw_dtype None stores a float array as-is (F32/F16); otherwise the array holds that type's
+    blocks as uint8 in gguf's byte shape. `kv(writer)` adds metadata."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
+    if kv is not None:
+        kv(w)
+    for name, (arr, raw_dtype) in (tensors or {}).items():
+        w.add_tensor(name, arr, raw_dtype=raw_dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture
+def write_gguf() -> Callable[..., Path]:
+    return _write_gguf

@@ -326,8 +326,9 @@ class Engine:
         (:mod:`infercore.loading.prequantized`; ``quantization`` must then be None).
 
         ``quantization``: None keeps the checkpoint's weights dense (GGUF blocks dequantized at load);
-        ``"gguf"`` runs a GGUF checkpoint's Q4_0 / Q4_1 / Q8_0 linears as stored
-        (:func:`infercore.quant.gguf_native.use_gguf_blocks`); any other value is a scheme of
+        ``"gguf"`` runs a GGUF checkpoint's block-quantized linears as stored
+        (:func:`infercore.quant.gguf_native.use_gguf_blocks`: Q4_0 / Q4_1 / Q8_0 anywhere, Q5_0 / Q5_1 / Q4_K / Q5_K /
+        Q6_K on the CPU); any other value is a scheme of
         :data:`infercore.quant.SCHEMES` that needs no calibration, applied to the loaded weights
         (:func:`infercore.quant.quantize`, ``lm_head`` kept). Checked before the (slow) load. ``dtype``
         defaults to bf16 on CUDA, and on the CPU when ``quantization`` is set (the packed INT4 / INT8 CPU
@@ -365,7 +366,8 @@ class Engine:
             from ..quant.gguf_native import use_gguf_blocks
 
             if not use_gguf_blocks(model, path):
-                raise ValueError(f"quantization: 'gguf', but {str(path)!r} has no Q4_0 / Q4_1 / Q8_0 linears")
+                raise ValueError(f"quantization: 'gguf', but {str(path)!r} has no block-quantized linears that run on "
+                                 f"{device} (Q4_0 / Q4_1 / Q8_0; on the CPU also Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K)")
         elif quantization is not None:
             from ..quant import quantize
 

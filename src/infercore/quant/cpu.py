@@ -1,4 +1,4 @@
-"""CPU fast path of the INT4 / INT8 weight-only matmul (``quant.wq_matmul``) and of GGUF Q4_0 / Q4_1 blocks
+"""CPU fast path of the INT4 / INT8 weight-only matmul (``quant.wq_matmul``) and of GGUF blocks
 (``quant.gguf_matmul``): ATen's packed CPU kernels for bf16 activations, the weight repacked once and kept beside it
 while it lives.
 
@@ -14,8 +14,10 @@ while it lives.
 Decode rows (up to :data:`NATIVE_Q4_MAX_ROWS`) of INT4 weights in groups of 32-256, GGUF Q4_0 / Q4_1 blocks and
 symmetric per-channel INT8 weights take the native kernels of ``ops.moe.cpu_native`` instead where they run
 vectorized (AVX512-BF16): :func:`native_q4` / :func:`native_q8`, operands made once beside the weight; the fused CPU
-decoder layer reads the same operands. GGUF Q8_0 blocks, which no ATen kernel takes, run the native INT8 kernel up
-to :data:`DECODE_MIN_ROWS_Q8_0` rows. From :data:`DECODE_MIN_ROWS` rows (prefill chunks) those same operands are
+decoder layer reads the same operands. The GGUF formats no ATen kernel takes run the native kernels up to
+:data:`DECODE_MIN_ROWS_Q8_0` rows: Q8_0, Q5_0, Q5_1, Q5_K and Q6_K the INT8 one (their codes as bytes, Q6_K in groups
+of 16), Q4_K the INT4 one (its sub-blocks as groups of 32), with their exact fp32 scales and zeros
+(``quant.gguf.affine_parts``). From :data:`DECODE_MIN_ROWS` rows (prefill chunks) those same operands are
 decoded to bf16 a cache-sized slice at a time into the dense GEMM instead (:func:`_decoded_matmul`).
 
 Other formats, fp32 / fp16 activations (ATen vectorizes these kernels for bf16 activations only) and a torch
@@ -144,18 +146,19 @@ def native_q4(w) -> tuple[torch.Tensor, torch.Tensor] | None:
         if w.bits != 4 or w.group_size not in cpu_native.Q4_GROUPS or w.padded_in_features % w.group_size:
             return None
         return _native_packed(w.qweight, "native4", cpu_native.pack_q4, w)
-    if isinstance(w, GGUFWeight) and w.qtype in ("q4_0", "q4_1"):
+    if isinstance(w, GGUFWeight) and w.qtype in ("q4_0", "q4_1", "q4_k"):
         return _native_packed(w.raw, "native4", cpu_native.pack_gguf_q4, w)
     return None
 
 
 def native_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The native INT8 kernels' operands for a symmetric per-channel 8-bit ``w`` or GGUF Q8_0 blocks
-    (``cpu_native.pack_q8`` / ``pack_gguf_q8``: codes uint8 ``[N, Kp]``, scales-and-zeros fp32 ``[N, 2, Kp / g]``),
-    made once and kept beside the weight; None where those kernels cannot take ``w`` or do not run vectorized here."""
+    """The native INT8 kernels' operands for a symmetric per-channel 8-bit ``w`` or GGUF Q8_0 / Q5_0 / Q5_1 / Q5_K /
+    Q6_K blocks (``cpu_native.pack_q8`` / ``pack_gguf_q8``: codes uint8 ``[N, Kp]``, scales-and-zeros fp32
+    ``[N, 2, Kp / g]``), made once and kept beside the weight; None where those kernels cannot take ``w`` or do not
+    run vectorized here."""
     from ..ops.moe import cpu_native
 
-    if isinstance(w, GGUFWeight) and w.qtype == "q8_0":
+    if isinstance(w, GGUFWeight) and w.qtype in cpu_native.GGUF_Q8_TYPES:
         return _native_packed(w.raw, "native8", cpu_native.pack_gguf_q8, w)
     if _format(w) == "int8":
         return _native_packed(w.qweight, "native8", cpu_native.pack_q8, w)
@@ -174,16 +177,19 @@ def native_operands(w) -> tuple[torch.Tensor, torch.Tensor, int] | None:
 
 def _native_kernel(w, kind: str | None, rows: int):
     """``(native GEMV, its operands)`` for ``rows`` bf16 rows against ``w`` of packed-kernel ``kind``
-    (:func:`cpu_kind`), or None: decode rows of INT4 / GGUF Q4 / INT8 weights, and GGUF Q8_0 blocks (no ATen kernel
-    takes them) at every row count."""
+    (:func:`cpu_kind`), or None: decode rows of INT4 / GGUF Q4_0 / Q4_1 / INT8 weights, and the GGUF formats no ATen
+    kernel takes (Q8_0, Q5_*, K-quants) at every row count."""
     from ..ops.moe import cpu_native
 
     if kind in ("int4", "gguf4") and rows <= NATIVE_Q4_MAX_ROWS:
         ops = native_q4(w)
         return None if ops is None else (cpu_native.linear_q4, ops)
-    if (kind == "int8" and rows <= NATIVE_Q4_MAX_ROWS) or (kind is None and isinstance(w, GGUFWeight)):
+    if kind == "int8" and rows <= NATIVE_Q4_MAX_ROWS:
         ops = native_q8(w)
         return None if ops is None else (cpu_native.linear_q8, ops)
+    if kind is None and isinstance(w, GGUFWeight):
+        ops = native_operands(w)
+        return None if ops is None else (cpu_native.linear_q4 if ops[2] == 4 else cpu_native.linear_q8, ops[:2])
     return None
 
 
@@ -193,7 +199,7 @@ def _with_bias(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -
 
 
 # From this many rows (prefill chunks), a weight the native kernels take is decoded to bf16 a slice at a time and
-# multiplied by the dense GEMM (oneDNN), instead of the packed kernels: DECODE_MIN_ROWS (GGUF Q8_0 blocks, which
+# multiplied by the dense GEMM (oneDNN), instead of the packed kernels: DECODE_MIN_ROWS (the GGUF formats
 # ATen has no kernel for, from DECODE_MIN_ROWS_Q8_0), slices of about DECODE_SLICE_BYTES (kept in the cache between
 # the decode and the GEMM; one scratch buffer per thread, reused). 2-core EPYC (benchmarks/probe_cpu_prefill_quant.py,
 # results/cpu/sweeps/cpu_quant_decoded_prefill.json): at 32 rows 4096 x 4096 INT4 takes 5.6 vs 7.0 ms (GGUF Q8_0 at
@@ -268,8 +274,8 @@ def wq_matmul_cpu(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None = Non
 
 def gguf_matmul_cpu(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``quant.gguf_matmul`` on the CPU: ``x [M, K]`` times GGUF blocks of logical shape ``[N, K]`` (+ ``bias [N]``)
-    -> ``[M, N]`` in ``x.dtype``; Q4_0 / Q4_1 with bf16 ``x`` through the INT4 kernel, else the reference. Arguments
-    are checked by the op (``quant.gguf_matmul``)."""
+    -> ``[M, N]`` in ``x.dtype``; with bf16 ``x`` the native or packed kernels (module docstring), else the reference.
+    Arguments are checked by the op (``quant.gguf_matmul``)."""
     return _matmul(x, w, bias, naive.gguf_matmul_ref)
 
 

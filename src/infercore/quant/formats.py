@@ -34,7 +34,7 @@ from typing import ClassVar
 import torch
 
 from .fp8 import E4M3_MAX, fp8_e4m3_decode_emulated, fp8_e4m3_encode
-from .gguf import BLOCK_BYTES, QK, gguf_dequantize, gguf_quantize
+from .gguf import BLOCK_BYTES, BLOCK_ELEMS, gguf_dequantize, gguf_quantize
 
 FP8_BLOCK = 128
 # Per-channel FP8 scale search: fractions of absmax / 448 tried (see FP8Weight.quantize).
@@ -421,13 +421,17 @@ class Int8Weight(QuantizedWeight):
 
 @dataclass
 class GGUFWeight(QuantizedWeight):
-    raw: torch.Tensor  # uint8 [N, K / 32 * block_bytes]
-    qtype: str  # "q4_0" | "q4_1" | "q8_0"
+    """GGUF blocks as stored: ``qtype`` one of ``quant.gguf.BLOCK_BYTES`` ("q4_0" | "q4_1" | "q8_0", which
+    :meth:`quantize` also writes and the GPU kernels read; "q5_0" | "q5_1" | "q4_k" | "q5_k" | "q6_k", loaded from
+    files and read by the CPU kernels, elsewhere dequantized at each call)."""
+
+    raw: torch.Tensor  # uint8 [N, K / block_elems * block_bytes]
+    qtype: str
     kind: ClassVar[str] = "gguf"
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.raw.shape[0], self.raw.shape[1] // BLOCK_BYTES[self.qtype] * QK)
+        return (self.raw.shape[0], self.raw.shape[1] // BLOCK_BYTES[self.qtype] * BLOCK_ELEMS[self.qtype])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return gguf_dequantize(self.raw, self.qtype, dtype=dtype)
@@ -439,9 +443,11 @@ class GGUFWeight(QuantizedWeight):
 
     @classmethod
     def from_blocks(cls, blocks, qtype: str) -> GGUFWeight:
-        """From a GGUF reader's raw view ``[N, K / 32, block_bytes]`` (numpy or torch)."""
+        """From a GGUF reader's raw view ``[N, K / block_elems, block_bytes]`` (numpy or torch)."""
+        if qtype not in BLOCK_BYTES:
+            raise ValueError(f"qtype: expected one of {sorted(BLOCK_BYTES)}, got {qtype!r}")
         t = torch.as_tensor(blocks)
-        if t.dtype != torch.uint8 or t.dim() != 3 or t.shape[-1] != BLOCK_BYTES.get(qtype):
+        if t.dtype != torch.uint8 or t.dim() != 3 or t.shape[-1] != BLOCK_BYTES[qtype]:
             raise ValueError(f"blocks: expected uint8 [N, nb, {BLOCK_BYTES.get(qtype)}] for {qtype!r}")
         return cls(t.reshape(t.shape[0], -1).clone(), qtype)
 

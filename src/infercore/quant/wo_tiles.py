@@ -556,7 +556,12 @@ def _gguf_kernel(
 
 def gguf_matmul_triton(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K]`` (fp16/bf16/fp32) times GGUF raw blocks ``w`` (logical ``[N, K]``; ``raw`` uint8
-    ``[N, K / 32 * block bytes]``) -> ``[M, N]`` in ``x.dtype``; ``bias``: optional ``[N]``."""
+    ``[N, K / 32 * block bytes]``) -> ``[M, N]`` in ``x.dtype``; ``bias``: optional ``[N]``. Q4_0 / Q4_1 / Q8_0 only:
+    the formats loaded from files alone (Q5_*, K-quants) take the reference (the weight dequantized at each call)."""
+    if w.qtype not in _GGUF_QTYPE:
+        from .naive import gguf_matmul_ref
+
+        return gguf_matmul_ref(x, w, bias)
     n, k = w.shape
     x = _check_x("gguf_matmul_triton", x, k)
     m = x.shape[0]

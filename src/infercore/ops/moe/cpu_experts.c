@@ -257,7 +257,16 @@ static inline __attribute__((always_inline)) void dot_q8_m(const uint8_t *codes,
     const __m512 sixteen = _mm512_set1_ps(16.f);
     __m512 t[MB], lo[MB], hi[MB];
     for (int m = 0; m < M; m++) t[m] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < nG; j++) {
+    int64_t j = 0;
+    if (g == 16) /* two groups a 32-element chunk: lanes 0-7 sum group j's pairs, lanes 8-15 group j + 1's */
+        for (; j + 2 <= nG; j += 2) {
+            for (int m = 0; m < M; m++) lo[m] = hi[m] = _mm512_setzero_ps();
+            q8_chunk(codes, x, j * 16, (__mmask32)0xffffffffu, M, lo, hi);
+            const __m512 sc = _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(scale[j]),
+                                                   _mm512_set1_ps(scale[j + 1]));
+            for (int m = 0; m < M; m++) t[m] = _mm512_fmadd_ps(_mm512_fmadd_ps(hi[m], sixteen, lo[m]), sc, t[m]);
+        }
+    for (; j < nG; j++) {
         for (int m = 0; m < M; m++) lo[m] = hi[m] = _mm512_setzero_ps();
         const int64_t k1 = (j + 1) * g;
         int64_t k = j * g;

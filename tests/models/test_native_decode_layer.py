@@ -18,41 +18,53 @@ PROMPTS = [[1, 17, 42, 99, 5, 230, 7, 64, 12, 150, 33], [1, 250, 4, 4, 19], [1, 
 
 
 # GGUF formats only loaded from files (no quantizer): random blocks per linear, each decoder layer's qkv / o /
-# gate_up / down in these; the INT4 GEMV in groups of 32 (Q4_K) and the INT8 one in groups of 32 and 16 (Q6_K)
-_KQUANTS = {"qkv_proj": ("q4_k", 2e-3), "o_proj": ("q5_k", 1e-3), "gate_up_proj": ("q6_k", 3e-4),
-            "down_proj": ("q5_0", 4e-3)}
+# gate_up / down in these; the INT4 GEMV in groups of 32 (Q4_K) and the INT8 one in groups of 32 and 16 (Q6_K).
+# "gguf-mixed": merged projections whose parts are in several formats (one "mixed" weight each)
+_KQUANTS = {"qkv_proj": ("q4_k",), "o_proj": ("q5_k",), "gate_up_proj": ("q6_k",), "down_proj": ("q5_0",)}
+_MIXED = {"qkv_proj": ("q4_k", "q4_k", "q6_k"), "o_proj": ("q4_k",), "gate_up_proj": ("q4_k", "q5_1"),
+          "down_proj": ("q4_k",)}
+_MAG = {"q4_k": 2e-3, "q5_k": 1e-3, "q6_k": 3e-4, "q5_0": 4e-3, "q5_1": 4e-3}
 
 
-def _gguf_blocks_(model, seed: int = 0) -> None:
+def _gguf_blocks_(model, formats: dict, seed: int = 0) -> None:
     from infercore.quant import GGUFWeight, QuantLinear
     from infercore.quant.gguf import BLOCK_BYTES, BLOCK_ELEMS
 
     g = torch.Generator().manual_seed(seed)
     for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
-            for name, (qtype, mag) in _KQUANTS.items():
+            for name, qtypes in formats.items():
                 old = getattr(parent, name, None)
                 if old is None:
                     continue
                 n, k = old.weight.shape
-                raw = torch.randint(0, 256, (n, k // BLOCK_ELEMS[qtype], BLOCK_BYTES[qtype]), generator=g,
-                                    dtype=torch.uint8)
-                for off in (208,) if qtype == "q6_k" else (0, 2):  # finite fp16 d (and dmin / m)
-                    f = ((torch.rand(n, raw.shape[1], 1, generator=g) * 2 - 1) * mag).half()
-                    raw[..., off : off + 2] = f.view(torch.uint8)
-                setattr(parent, name, QuantLinear(GGUFWeight.from_blocks(raw, qtype), old.bias))
+                if name == "qkv_proj" and len(qtypes) == 3:
+                    hd, nq, nkv = parent.head_dim, parent.num_heads, parent.num_kv_heads
+                    rows = [nq * hd, nkv * hd, nkv * hd]
+                else:
+                    rows = [n // len(qtypes)] * len(qtypes)
+                parts = []
+                for qtype, r in zip(qtypes, rows):
+                    raw = torch.randint(0, 256, (r, k // BLOCK_ELEMS[qtype], BLOCK_BYTES[qtype]), generator=g,
+                                        dtype=torch.uint8)
+                    for off in (208,) if qtype == "q6_k" else (0, 2):  # finite fp16 d (and dmin / m)
+                        f = ((torch.rand(r, raw.shape[1], 1, generator=g) * 2 - 1) * _MAG[qtype]).half()
+                        raw[..., off : off + 2] = f.view(torch.uint8)
+                    parts.append(GGUFWeight.from_blocks(raw, qtype))
+                setattr(parent, name, QuantLinear(GGUFWeight.concat(parts), old.bias))
 
 
 def _models(kind: str, dtype: torch.dtype, tmp_path, scheme=None, **cfg):
     """Two copies of our model from one tiny HF model, their linears prepared for the CPU as the Engine does
-    (packed, or quantized by ``scheme``; "gguf-kquants": random GGUF blocks of :data:`_KQUANTS`, the same in both)."""
+    (packed, or quantized by ``scheme``; "gguf-kquants" / "gguf-mixed": random GGUF blocks of :data:`_KQUANTS` /
+    :data:`_MIXED`, the same in both)."""
     hf = tiny_hf_model(kind, **cfg)
     models = [ours_from_hf(hf, tmp_path / str(i), dtype=dtype)[0] for i in range(2)]
     for m in models:
         if scheme is None:
             assert pack_linears_for_cpu_(m) > 0
-        elif scheme == "gguf-kquants":
-            _gguf_blocks_(m)
+        elif scheme in ("gguf-kquants", "gguf-mixed"):
+            _gguf_blocks_(m, _KQUANTS if scheme == "gguf-kquants" else _MIXED)
         else:
             quantize(m, scheme)
     return models
@@ -64,7 +76,8 @@ _G32 = QuantScheme("test-w4a16-g32", "int4", "INT4, groups of 32", group_size=32
 _QUANT = [("w4a16-g128", {}), (_G32, {"hidden_size": 96, "intermediate_size": 160}),
           ("gguf-q4_1", {"hidden_size": 96, "intermediate_size": 160}), ("gguf-q4_0", {}),
           ("w8a16", {"hidden_size": 80, "intermediate_size": 136}),  # INT8: K % 32 != 0, the masked tail
-          ("gguf-q8_0", {}), ("gguf-kquants", {"hidden_size": 256, "intermediate_size": 512})]
+          ("gguf-q8_0", {}), ("gguf-kquants", {"hidden_size": 256, "intermediate_size": 512}),
+          ("gguf-mixed", {"hidden_size": 256, "intermediate_size": 512})]
 
 
 @pytest.mark.parametrize("dtype,scheme,cfg", [(torch.float32, None, {}), (torch.bfloat16, None, {})]

@@ -64,6 +64,30 @@ def test_cpu_kernels_match_the_dequantized_weight(qtype, rows):
     assert (err <= want.abs() * 2**-7 + 2e-3 * want.abs().max()).all(), err.max()
 
 
+@pytest.mark.parametrize("parts,bits", [(("q4_k", "q6_k", "q8_0"), 8), (("q4_k", "q4_0"), 4), (("q5_1", "q4_1"), 8)])
+def test_rows_of_several_formats_make_one_weight(parts, bits):
+    from infercore.quant.formats import QuantizedWeight
+
+    ws = [GGUFWeight.from_blocks(blocks(q, 16 * (i + 1), 512, seed=i, scale=0.01), q) if q in AFFINE
+          else GGUFWeight.quantize(torch.randn(16 * (i + 1), 512), qtype=q) for i, q in enumerate(parts)]
+    m = GGUFWeight.concat(ws)
+    assert m.qtype == "mixed" and m.shape == (sum(w.shape[0] for w in ws), 512)
+    assert torch.equal(m.dequantize(), torch.cat([w.dequantize() for w in ws]))
+    back = QuantizedWeight.from_parts(m.meta(), m.tensors())  # how QuantLinear keeps it, and saved checkpoints
+    assert back.parts == m.parts and torch.equal(back.dequantize(), m.dequantize())
+    codes, sz, got_bits = native_operands(m)
+    assert got_bits == bits and sz.shape[2] == 512 // min(sub_block(q) for q in parts)
+    x = torch.randn(3, 512).bfloat16()
+    want = F.linear(x.float(), m.dequantize())
+    with torch.inference_mode():
+        got = QuantLinear(m, None)(x).float()
+    assert ((got - want).norm() / want.norm()).item() < 4e-3
+    with pytest.raises(ValueError, match="K differs"):
+        GGUFWeight.concat([ws[0], GGUFWeight.quantize(torch.randn(4, 256), qtype="q8_0")])
+    with pytest.raises(TypeError, match="weights"):
+        GGUFWeight.concat([])
+
+
 def test_load_only_formats_are_refused_where_they_cannot_be_made():
     with pytest.raises(ValueError, match="qtype"):
         GGUFWeight.quantize(torch.randn(4, 256), qtype="q4_k")
@@ -127,14 +151,13 @@ def test_a_gguf_file_of_k_quants_runs_its_blocks_on_the_cpu(tmp_path, write_gguf
     exact, _, _ = load_model(path, dtype=torch.float32, device="cpu")  # dequantized at load
     model, _, _ = load_model(path, dtype=torch.bfloat16, device="cpu")
     swapped = use_gguf_blocks(model, path)
-    assert sorted(swapped) == sorted(["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
-                                      "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj",
-                                      "model.layers.1.self_attn.o_proj", "model.layers.1.mlp.gate_up_proj",
-                                      "model.layers.1.mlp.down_proj", "lm_head"])
-    assert not isinstance(model.model.layers[1].self_attn.qkv_proj, QuantLinear)  # Q4_K beside Q6_K: dense
+    assert sorted(swapped) == sorted([f"model.layers.{i}.{m}" for i in range(2) for m in (
+        "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")] + ["lm_head"])
+    qkv = model.model.layers[1].self_attn.qkv_proj.qweight_format  # Q4_K q / k beside a Q6_K v: one weight
+    assert qkv.qtype == "mixed" and qkv.parts == [["q4_k", 256], ["q4_k", 128], ["q6_k", 128]]
     assert model.lm_head.qweight_format.qtype == "q6_k"
     qtypes = {m.qweight_format.qtype for m in model.modules() if isinstance(m, QuantLinear)}
-    assert qtypes == {"q4_k", "q5_k", "q6_k", "q5_0", "q5_1"}
+    assert qtypes == {"q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "mixed"}
     ids = [3, 17, 42, 5, 60, 11, 2, 33, 8]
     want = _logits(exact, ids)
     got = _logits(model, ids).float()

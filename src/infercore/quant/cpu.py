@@ -146,19 +146,19 @@ def native_q4(w) -> tuple[torch.Tensor, torch.Tensor] | None:
         if w.bits != 4 or w.group_size not in cpu_native.Q4_GROUPS or w.padded_in_features % w.group_size:
             return None
         return _native_packed(w.qweight, "native4", cpu_native.pack_q4, w)
-    if isinstance(w, GGUFWeight) and w.qtype in ("q4_0", "q4_1", "q4_k"):
+    if cpu_native.gguf_bits(w) == 4:
         return _native_packed(w.raw, "native4", cpu_native.pack_gguf_q4, w)
     return None
 
 
 def native_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The native INT8 kernels' operands for a symmetric per-channel 8-bit ``w`` or GGUF Q8_0 / Q5_0 / Q5_1 / Q5_K /
-    Q6_K blocks (``cpu_native.pack_q8`` / ``pack_gguf_q8``: codes uint8 ``[N, Kp]``, scales-and-zeros fp32
+    Q6_K / "mixed" blocks (``cpu_native.pack_q8`` / ``pack_gguf_q8``: codes uint8 ``[N, Kp]``, scales-and-zeros fp32
     ``[N, 2, Kp / g]``), made once and kept beside the weight; None where those kernels cannot take ``w`` or do not
     run vectorized here."""
     from ..ops.moe import cpu_native
 
-    if isinstance(w, GGUFWeight) and w.qtype in cpu_native.GGUF_Q8_TYPES:
+    if cpu_native.gguf_bits(w) == 8:
         return _native_packed(w.raw, "native8", cpu_native.pack_gguf_q8, w)
     if _format(w) == "int8":
         return _native_packed(w.qweight, "native8", cpu_native.pack_q8, w)

@@ -34,7 +34,7 @@ from typing import ClassVar
 import torch
 
 from .fp8 import E4M3_MAX, fp8_e4m3_decode_emulated, fp8_e4m3_encode
-from .gguf import BLOCK_BYTES, BLOCK_ELEMS, gguf_dequantize, gguf_quantize
+from .gguf import BLOCK_BYTES, BLOCK_ELEMS, affine_parts, gguf_dequantize, gguf_quantize, sub_block
 
 FP8_BLOCK = 128
 # Per-channel FP8 scale search: fractions of absmax / 448 tried (see FP8Weight.quantize).
@@ -423,18 +423,51 @@ class Int8Weight(QuantizedWeight):
 class GGUFWeight(QuantizedWeight):
     """GGUF blocks as stored: ``qtype`` one of ``quant.gguf.BLOCK_BYTES`` ("q4_0" | "q4_1" | "q8_0", which
     :meth:`quantize` also writes and the GPU kernels read; "q5_0" | "q5_1" | "q4_k" | "q5_k" | "q6_k", loaded from
-    files and read by the CPU kernels, elsewhere dequantized at each call)."""
+    files and read by the CPU kernels, elsewhere dequantized at each call), or "mixed": row blocks of several formats
+    (a merged projection whose parts a file stores differently; :meth:`concat`), ``parts`` listing ``[qtype, rows]``
+    in row order and ``raw`` holding their bytes one after another."""
 
-    raw: torch.Tensor  # uint8 [N, K / block_elems * block_bytes]
+    raw: torch.Tensor  # uint8 [N, K / block_elems * block_bytes]; "mixed": uint8 [bytes of every part]
     qtype: str
+    parts: list | None = None  # "mixed": [[qtype, rows], ...]
     kind: ClassVar[str] = "gguf"
+
+    def segments(self) -> list[tuple[str, torch.Tensor]]:
+        """``[(qtype, raw [rows, row_bytes])]``: one per part of a "mixed" weight, else the weight itself."""
+        if self.qtype != "mixed":
+            return [(self.qtype, self.raw)]
+        out, start = [], 0
+        k = self._mixed_k()
+        for qtype, rows in self.parts:
+            row_bytes = k // BLOCK_ELEMS[qtype] * BLOCK_BYTES[qtype]
+            out.append((qtype, self.raw[start : start + rows * row_bytes].view(rows, row_bytes)))
+            start += rows * row_bytes
+        return out
+
+    def _mixed_k(self) -> int:
+        """K of a "mixed" weight: the one its bytes and parts agree on."""
+        per_k = sum(rows * BLOCK_BYTES[q] / BLOCK_ELEMS[q] for q, rows in self.parts)
+        return round(self.raw.numel() / per_k)
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.qtype == "mixed":
+            return (sum(rows for _, rows in self.parts), self._mixed_k())
         return (self.raw.shape[0], self.raw.shape[1] // BLOCK_BYTES[self.qtype] * BLOCK_ELEMS[self.qtype])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return gguf_dequantize(self.raw, self.qtype, dtype=dtype)
+        return torch.cat([gguf_dequantize(raw, q, dtype=dtype) for q, raw in self.segments()], 0)
+
+    def affine(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(codes uint8 [N, K], scale fp32 [N, K / sb], zero fp32 [N, K / sb])``, ``w = codes * scale + zero`` per
+        sub-block of ``sb`` (``quant.gguf.affine_parts`` per part; a "mixed" weight's sub-blocks are its parts'
+        smallest, the others' scales and zeros repeated), on the CPU."""
+        parts = [(affine_parts(raw.cpu(), q), sub_block(q)) for q, raw in self.segments()]
+        sb = min(b for _, b in parts)
+        codes = torch.cat([c for (c, _, _), _ in parts], 0)
+        scale = torch.cat([s.repeat_interleave(b // sb, 1) for (_, s, _), b in parts], 0)
+        zero = torch.cat([z.repeat_interleave(b // sb, 1) for (_, _, z), b in parts], 0)
+        return codes, scale, zero
 
     @classmethod
     def quantize(cls, w: torch.Tensor, *, qtype: str = "q4_1") -> GGUFWeight:
@@ -450,6 +483,17 @@ class GGUFWeight(QuantizedWeight):
         if t.dtype != torch.uint8 or t.dim() != 3 or t.shape[-1] != BLOCK_BYTES[qtype]:
             raise ValueError(f"blocks: expected uint8 [N, nb, {BLOCK_BYTES.get(qtype)}] for {qtype!r}")
         return cls(t.reshape(t.shape[0], -1).clone(), qtype)
+
+    @classmethod
+    def concat(cls, weights: list[GGUFWeight]) -> GGUFWeight:
+        """The rows of ``weights`` (same K) one after another: one format's blocks, or a "mixed" weight."""
+        if not weights or any(not isinstance(w, GGUFWeight) or w.qtype == "mixed" for w in weights):
+            raise TypeError("weights: expected a non-empty list of single-format GGUFWeights")
+        if len({w.shape[1] for w in weights}) != 1:
+            raise ValueError(f"weights: K differs, {[w.shape for w in weights]}")
+        if len({w.qtype for w in weights}) == 1:
+            return cls(torch.cat([w.raw for w in weights], 0), weights[0].qtype)
+        return cls(torch.cat([w.raw.reshape(-1) for w in weights]), "mixed", [[w.qtype, w.shape[0]] for w in weights])
 
 
 _KINDS: dict[str, type[QuantizedWeight]] = {

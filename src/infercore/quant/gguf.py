@@ -28,7 +28,7 @@ QK_K = 256  # elements of a K-quant super-block
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "q5_0": 22, "q5_1": 24, "q4_k": 144, "q5_k": 176, "q6_k": 210}
 BLOCK_ELEMS = {q: QK_K if q.endswith("_k") else QK for q in BLOCK_BYTES}
 QUANTIZABLE = ("q4_0", "q4_1", "q8_0")  # the formats gguf_quantize writes (and the GPU kernels read)
-AFFINE = ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k")  # the formats affine_parts reads
+AFFINE = ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k")  # the formats only loaded from files (dequantized via affine_parts)
 
 
 def _check_qtype(qtype: str, allowed=BLOCK_BYTES) -> str:
@@ -88,10 +88,18 @@ def _k_scale_min(sc12: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def affine_parts(raw: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Blocks of one of :data:`AFFINE` -> ``(codes uint8 [N, K], scale fp32 [N, K / sb], zero fp32 [N, K / sb])``
-    with ``w = codes * scale + zero`` per sub-block of ``sb = sub_block(qtype)`` elements (module docstring)."""
-    blocks = _blocks(raw, _check_qtype(qtype, AFFINE))
+    """Blocks of any format here -> ``(codes uint8 [N, K], scale fp32 [N, K / sb], zero fp32 [N, K / sb])`` with
+    ``w = codes * scale + zero`` per sub-block of ``sb = sub_block(qtype)`` elements (module docstring; Q4_0
+    ``zero = -8 d``, Q8_0 ``codes = q + 128``, ``zero = -128 d``)."""
+    blocks = _blocks(raw, qtype)
     n, nb, _ = blocks.shape
+    if qtype in ("q4_0", "q4_1"):
+        nib, d, m = q4_parts(blocks, qtype)
+        return nib.reshape(n, -1), d, m
+    if qtype == "q8_0":
+        codes = (blocks[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        d = _f16(blocks, 0)
+        return codes.reshape(n, -1), d, -128.0 * d
     if qtype in ("q5_0", "q5_1"):
         h = 2 if qtype == "q5_0" else 4  # the fifth bits: one little-endian uint32 after the header
         qh = (_bits(blocks[..., h : h + 4], range(8)) & 1).reshape(n, nb, 32)

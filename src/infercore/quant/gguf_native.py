@@ -10,7 +10,9 @@ Q4_0, Q4_1 and Q8_0 are swapped on any device (the GPU has kernels for them). Q5
 Q5_K and Q6_K (the bulk of the common ``Q4_K_M`` / ``Q5_K_M`` / ``Q6_K`` files) are swapped where the model is on the
 CPU, whose native kernels run them (``quant.cpu``); on other devices those linears stay dense (the GPU would
 dequantize them at every call). A merged projection whose parts are stored in different formats (a ``Q4_K_M`` file's
-``attn_v`` in Q6_K beside Q4_K ``attn_q`` / ``attn_k`` in some layers) stays dense too.
+``attn_v`` in Q6_K beside Q4_K ``attn_q`` / ``attn_k`` in some layers) becomes one "mixed" ``GGUFWeight`` on the CPU
+(its rows in the native INT8 GEMV's layout, each part's values exact; ``GGUFWeight.concat``) and stays dense
+elsewhere.
 
 With tied embeddings (no ``output.weight`` in the file) and ``tied_lm_head=True``, the logits are
 computed from the embedding's own blocks, as llama.cpp does: ``lm_head`` becomes a
@@ -86,10 +88,10 @@ def use_gguf_blocks(model: nn.Module, path: str | os.PathLike, *, tied_lm_head: 
         except AttributeError:
             continue
         qtypes = {q for _, q in shards.values()}
-        if not isinstance(old, nn.Linear) or len(qtypes) != 1 or not _runs_here(next(iter(qtypes)), old.weight.device):
-            continue
-        raw = torch.cat([shards[i][0] for i in sorted(shards)], 0)
-        w = GGUFWeight.from_blocks(raw, qtypes.pop()).to(old.weight.device)
+        dev = old.weight.device if isinstance(old, nn.Linear) else None
+        if dev is None or not all(_runs_here(q, dev) for q in qtypes) or (len(qtypes) > 1 and dev.type != "cpu"):
+            continue  # the parts of a merged projection in several formats: one "mixed" weight, on the CPU
+        w = GGUFWeight.concat([GGUFWeight.from_blocks(*shards[i]) for i in sorted(shards)]).to(dev)
         if w.shape != tuple(old.weight.shape):
             raise ValueError(f"path: {mod_name} has shape {w.shape} in the GGUF file, model has "
                              f"{tuple(old.weight.shape)}")

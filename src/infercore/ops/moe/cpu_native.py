@@ -276,20 +276,34 @@ def pack_q4(w) -> tuple[torch.Tensor, torch.Tensor] | None:
     return _q4_operands(w.codes(), s, (8.0 - w.zero_points()) * s, g)
 
 
-def pack_gguf_q4(w) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The native INT4 operands (groups of 32) of GGUF Q4_0 / Q4_1 / Q4_K blocks (a
-    :class:`~infercore.quant.formats.GGUFWeight`): :func:`_q4_operands` of the blocks' 4-bit codes with, in fp32,
-    ``scale = d`` and ``zero = m + 8 d`` (0 for Q4_0), or for Q4_K each sub-block's ``scale`` and ``zero + 8 scale``
-    (``quant.gguf.affine_parts``); None for other formats."""
+def gguf_bits(w) -> int | None:
+    """Which native GEMV runs a :class:`~infercore.quant.formats.GGUFWeight`: 4 (the INT4 one, groups of 32: Q4_0 /
+    Q4_1 / Q4_K, or a "mixed" weight of those alone), 8 (the INT8 one: Q8_0 / Q5_* / Q6_K, or a "mixed" weight
+    with any of them, its 4-bit parts' codes then read as bytes), None for anything else."""
     from ...quant.formats import GGUFWeight
-    from ...quant.gguf import BLOCK_BYTES, affine_parts, q4_parts
+    from ...quant.gguf import BLOCK_BYTES
 
-    if not isinstance(w, GGUFWeight) or w.qtype not in ("q4_0", "q4_1", "q4_k"):
+    if not isinstance(w, GGUFWeight):
         return None
-    n = w.raw.shape[0]
-    if w.qtype == "q4_k":
-        codes, scale, zero = affine_parts(w.raw.cpu(), "q4_k")
+    qtypes = [q for q, _ in w.parts] if w.qtype == "mixed" else [w.qtype]
+    if any(q not in BLOCK_BYTES for q in qtypes):
+        return None
+    return 4 if all(q in ("q4_0", "q4_1", "q4_k") for q in qtypes) else 8
+
+
+def pack_gguf_q4(w) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The native INT4 operands (groups of 32) of GGUF blocks :func:`gguf_bits` gives 4 (a
+    :class:`~infercore.quant.formats.GGUFWeight`): :func:`_q4_operands` of the blocks' 4-bit codes with, in fp32,
+    ``scale = d`` and ``zero = m + 8 d`` (0 for Q4_0), or each sub-block's ``scale`` and ``zero + 8 scale``
+    (``GGUFWeight.affine``: Q4_K, "mixed"); None for other formats."""
+    from ...quant.gguf import BLOCK_BYTES, q4_parts
+
+    if gguf_bits(w) != 4:
+        return None
+    if w.qtype not in ("q4_0", "q4_1"):
+        codes, scale, zero = w.affine()
         return _q4_operands(codes, scale, zero + 8.0 * scale, 32)
+    n = w.raw.shape[0]
     nib, d, m = q4_parts(w.raw.reshape(n, -1, BLOCK_BYTES[w.qtype]), w.qtype)
     zero = torch.zeros_like(d) if w.qtype == "q4_0" else m + 8.0 * d
     return _q4_operands(nib.reshape(n, -1), d, zero, 32)
@@ -356,24 +370,21 @@ def pack_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
     return codes, torch.stack([s, -2304.0 * s], 1).contiguous()
 
 
-GGUF_Q8_TYPES = ("q8_0", "q5_0", "q5_1", "q5_k", "q6_k")  # GGUF formats the native INT8 kernels run
-
-
 def pack_gguf_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The native INT8 operands of GGUF Q8_0, Q5_0, Q5_1, Q5_K (groups of 32) or Q6_K (groups of 16) blocks (a
-    :class:`~infercore.quant.formats.GGUFWeight`): ``(codes uint8 [N, K], sz fp32 [N, 2, K / g])``; Q8_0's signed
-    codes q stored as ``q + 128`` with sz ``d`` and ``-2304 d``, the others' unsigned codes u as they are
-    (``quant.gguf.affine_parts``: ``w = u scale + zero``) with sz ``scale`` and ``zero - 2176 scale`` (see
+    """The native INT8 operands of GGUF blocks :func:`gguf_bits` gives 8 (a
+    :class:`~infercore.quant.formats.GGUFWeight`: Q8_0, Q5_0, Q5_1, Q5_K in groups of 32, Q6_K in groups of 16, or
+    "mixed" in its smallest sub-block): ``(codes uint8 [N, K], sz fp32 [N, 2, K / g])``; Q8_0's signed codes q
+    stored as ``q + 128`` with sz ``d`` and ``-2304 d``, the others' unsigned codes u as they are
+    (``GGUFWeight.affine``: ``w = u scale + zero``) with sz ``scale`` and ``zero - 2176 scale`` (see
     ``cpu_experts.c``); None for other formats."""
-    from ...quant.formats import GGUFWeight
-    from ...quant.gguf import BLOCK_BYTES, _f16, affine_parts
+    from ...quant.gguf import BLOCK_BYTES, _f16
 
-    if not isinstance(w, GGUFWeight) or w.qtype not in GGUF_Q8_TYPES:
+    if gguf_bits(w) != 8:
         return None
-    n = w.raw.shape[0]
     if w.qtype != "q8_0":
-        codes, scale, zero = affine_parts(w.raw.cpu(), w.qtype)
+        codes, scale, zero = w.affine()
         return codes.contiguous(), torch.stack([scale, zero - 2176.0 * scale], 1).contiguous()
+    n = w.raw.shape[0]
     blocks = w.raw.cpu().reshape(n, -1, BLOCK_BYTES["q8_0"])
     codes = (blocks[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8).reshape(n, -1)
     d = _f16(blocks, 0).float()

@@ -188,7 +188,7 @@ def test_dequant_rows_names_bad_arguments():
     out = torch.empty(80, 384, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="codes must be"):
         cpu_native.dequant_rows(codes.float(), sz, bits, 0, 80, out)
-    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+    with pytest.raises(ValueError, match="bits must be 4, 5 or 8"):
         cpu_native.dequant_rows(codes, sz, 2, 0, 80, out)
     with pytest.raises(ValueError, match="does not fit"):
         cpu_native.dequant_rows(codes, sz[:40].contiguous(), bits, 0, 80, out)

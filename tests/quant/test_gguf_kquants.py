@@ -52,8 +52,9 @@ def test_cpu_kernels_match_the_dequantized_weight(qtype, rows):
     assert cpu_native.q4_supported(), cpu_native.status()  # the CI machine has AVX512-BF16
     w = GGUFWeight.from_blocks(blocks(qtype, 48, 512, seed=rows, scale=0.01), qtype)
     codes, sz, bits = native_operands(w)
-    assert bits == (4 if qtype == "q4_k" else 8)  # Q4_K: the INT4 GEMV; the rest: their codes as bytes
-    assert sz.shape == (48, 2, 512 // sub_block(qtype))  # Q6_K: groups of 16
+    # Q4_K: the INT4 GEMV; Q5_*: the INT4 one with a plane of fifth bits; Q6_K: its codes as bytes, groups of 16
+    assert bits == {"q4_k": 4, "q6_k": 8}.get(qtype, 5)
+    assert sz.shape == (48, 3 if bits == 5 else 2, 512 // sub_block(qtype))
     lin = QuantLinear(w, None)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
     want = F.linear(x.float(), w.dequantize())
@@ -64,7 +65,8 @@ def test_cpu_kernels_match_the_dequantized_weight(qtype, rows):
     assert (err <= want.abs() * 2**-7 + 2e-3 * want.abs().max()).all(), err.max()
 
 
-@pytest.mark.parametrize("parts,bits", [(("q4_k", "q6_k", "q8_0"), 8), (("q4_k", "q4_0"), 4), (("q5_1", "q4_1"), 8)])
+@pytest.mark.parametrize("parts,bits", [(("q4_k", "q6_k", "q8_0"), 8), (("q4_k", "q4_0"), 4), (("q5_1", "q4_1"), 8),
+                                        (("q5_0", "q5_k"), 8)])
 def test_rows_of_several_formats_make_one_weight(parts, bits):
     from infercore.quant.formats import QuantizedWeight
 

@@ -332,10 +332,17 @@ void infercore_q4_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *
                         const float *sums, int64_t r0, int64_t r1, uint16_t *y, int64_t ldy);
 void infercore_q8_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                         const float *sums, int64_t r0, int64_t r1, uint16_t *y, int64_t ldy);
+void infercore_q5_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, const float *sums,
+                        int64_t r0, int64_t r1, uint16_t *y, int64_t ldy);
+
+#define Q5F 65536 /* a linear's g = Q5F + 32: 5-bit codes in groups of 32 (infercore_q5_range) */
+
+static inline int64_t group_of(int64_t g) { return g > Q5F ? g - Q5F : g > 0 ? g : -g; }
 
 /* y [M, N] = x [M, K] @ w^T for one linear of the fused layer, L = {weight, sz, g, Kp}: dense rows [N, K] of the
- * layer's dtype (g = 0); INT4 codes [N, Kp / 2] in groups of g with sz fp32 [N, 2, Kp / g] (bf16 only); or INT8
- * codes [N, Kp] in groups of -g with sz fp32 [N, 2, Kp / -g] (g < 0, bf16 only). Quantized: rows zero-padded from K
+ * layer's dtype (g = 0); INT4 codes [N, Kp / 2] in groups of g with sz fp32 [N, 2, Kp / g] (bf16 only); 5-bit codes
+ * (g = Q5F + 32: the INT4 layout, sz [N, 3, Kp / 32]); or INT8 codes [N, Kp] in groups of -g with sz fp32
+ * [N, 2, Kp / -g] (g < 0, bf16 only). Quantized: rows zero-padded from K
  * to Kp in xp [M, Kp], their group sums in sums [M, Kp / |g|], both the calling thread's own (each thread prepares
  * them itself: no barrier before the rows); infercore_linear_q4 / _q8's values. Ends with the omp for's barrier. */
 static void lin_par(const void *x, int64_t M, int64_t K, const int64_t *L, int64_t N, void *y, int dt, uint16_t *xp,
@@ -351,11 +358,14 @@ static void lin_par(const void *x, int64_t M, int64_t K, const int64_t *L, int64
             memcpy(xp + t * kp, (const uint16_t *)x + t * K, 2 * (size_t)K);
             memset(xp + t * kp + K, 0, 2 * (size_t)(kp - K));
         }
-    infercore_group_sums(xs, M, kp, g > 0 ? g : -g, sums);
+    infercore_group_sums(xs, M, kp, group_of(g), sums);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < (N + GEMV_RB - 1) / GEMV_RB; b++) {
         const int64_t r1 = (b + 1) * GEMV_RB < N ? (b + 1) * GEMV_RB : N;
-        if (g > 0)
+        if (g > Q5F)
+            infercore_q5_range(xs, M, kp, (const uint8_t *)L[0], (const float *)L[1], sums, b * GEMV_RB, r1,
+                               (uint16_t *)y, N);
+        else if (g > 0)
             infercore_q4_range(xs, M, kp, (const uint8_t *)L[0], (const float *)L[1], g, sums, b * GEMV_RB, r1,
                                (uint16_t *)y, N);
         else
@@ -422,7 +432,7 @@ static void quant_sizes(const int64_t *lin, int64_t *kpmax, int64_t *gsums) {
     for (int l = 0; l < 4; l++)
         if (lin[4 * l + 2]) {
             *kpmax = lin[4 * l + 3] > *kpmax ? lin[4 * l + 3] : *kpmax;
-            const int64_t ng = lin[4 * l + 3] / (lin[4 * l + 2] > 0 ? lin[4 * l + 2] : -lin[4 * l + 2]);
+            const int64_t ng = lin[4 * l + 3] / group_of(lin[4 * l + 2]);
             *gsums = ng > *gsums ? ng : *gsums;
         }
 }

@@ -15,10 +15,11 @@ Decode rows (up to :data:`NATIVE_Q4_MAX_ROWS`) of INT4 weights in groups of 32-2
 symmetric per-channel INT8 weights take the native kernels of ``ops.moe.cpu_native`` instead where they run
 vectorized (AVX512-BF16): :func:`native_q4` / :func:`native_q8`, operands made once beside the weight; the fused CPU
 decoder layer reads the same operands. The GGUF formats no ATen kernel takes run the native kernels up to
-:data:`DECODE_MIN_ROWS_Q8_0` rows: Q8_0, Q5_0, Q5_1, Q5_K and Q6_K the INT8 one (their codes as bytes, Q6_K in groups
-of 16), Q4_K the INT4 one (its sub-blocks as groups of 32), with their exact fp32 scales and zeros
-(``quant.gguf.affine_parts``). From :data:`DECODE_MIN_ROWS` rows (prefill chunks) those same operands are
-decoded to bf16 a cache-sized slice at a time into the dense GEMM instead (:func:`_decoded_matmul`).
+:data:`DECODE_MIN_ROWS_Q8_0` rows: Q8_0 and Q6_K the INT8 one (their codes as bytes, Q6_K in groups of 16), Q4_K
+the INT4 one (its sub-blocks as groups of 32), Q5_0, Q5_1 and Q5_K the INT4 one with a plane of fifth bits, with
+their exact fp32 scales and zeros (``quant.gguf.affine_parts``). From :data:`DECODE_MIN_ROWS` rows (prefill chunks)
+those same operands are decoded to bf16 a cache-sized slice at a time into the dense GEMM instead
+(:func:`_decoded_matmul`).
 
 Other formats, fp32 / fp16 activations (ATen vectorizes these kernels for bf16 activations only) and a torch
 without these ops take the reference (dequantize, then matmul). On a 2-core AVX-512 machine the packed kernels beat
@@ -165,10 +166,21 @@ def native_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
     return None
 
 
+def native_q5(w) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The native 5-bit kernels' operands for GGUF Q5_0 / Q5_1 / Q5_K blocks (``cpu_native.pack_gguf_q5``: codes
+    uint8 ``[N, K / 2]``, scales, zeros and fifth bits fp32 ``[N, 3, K / 32]``), made once and kept beside the weight;
+    None where those kernels cannot take ``w`` or do not run vectorized here."""
+    from ..ops.moe import cpu_native
+
+    if cpu_native.gguf_bits(w) == 5:
+        return _native_packed(w.raw, "native5", cpu_native.pack_gguf_q5, w)
+    return None
+
+
 def native_operands(w) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """``(codes, sz, bits)``: :func:`native_q4`'s operands (``bits=4``), else :func:`native_q8`'s (``bits=8``), else
-    None (no native kernel takes ``w`` here)."""
-    for fn, bits in ((native_q4, 4), (native_q8, 8)):
+    """``(codes, sz, bits)``: :func:`native_q4`'s operands (``bits=4``), else :func:`native_q5`'s (``bits=5``), else
+    :func:`native_q8`'s (``bits=8``), else None (no native kernel takes ``w`` here)."""
+    for fn, bits in ((native_q4, 4), (native_q5, 5), (native_q8, 8)):
         ops = fn(w)
         if ops is not None:
             return (*ops, bits)
@@ -189,7 +201,8 @@ def _native_kernel(w, kind: str | None, rows: int):
         return None if ops is None else (cpu_native.linear_q8, ops)
     if kind is None and isinstance(w, GGUFWeight):
         ops = native_operands(w)
-        return None if ops is None else (cpu_native.linear_q4 if ops[2] == 4 else cpu_native.linear_q8, ops[:2])
+        fn = {4: cpu_native.linear_q4, 5: cpu_native.linear_q5, 8: cpu_native.linear_q8}
+        return None if ops is None else (fn[ops[2]], ops[:2])
     return None
 
 
@@ -218,7 +231,7 @@ def _decoded_matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, bits
     each slice through ``torch.mm``: the dequantizing reference's values (the weight rounded to bf16, a bf16 GEMM)."""
     from ..ops.moe import cpu_native
 
-    n, kp = codes.shape[0], codes.shape[1] * (2 if bits == 4 else 1)
+    n, kp = codes.shape[0], codes.shape[1] * (1 if bits == 8 else 2)
     xp = F.pad(x, (0, kp - x.shape[1])) if kp > x.shape[1] else x.contiguous()
     rows = min(n, max(16, DECODE_SLICE_BYTES // (2 * kp) // 16 * 16))
     buf = getattr(_scratch, "buf", None)

@@ -114,16 +114,20 @@ static inline int q4_code(const uint8_t *c, int64_t K, int64_t e) {
 
 #if !(defined(__AVX512BF16__) && defined(__AVX512BW__))
 /* The quantized rows without AVX512-BF16: group j of row m adds scale_j * sum_i c_i x_i + zero'_j * xsum_j, c_i the
- * value the vector kernels read for code i: 128 + q (INT4, q8 = 0) or u + 2176 (INT8, q8 = 1, see dot_q8_m) */
+ * value the vector kernels read for code i: 128 + q (INT4, q8 = 0; Q5, q5 = 1: q with its fifth bit) or u + 2176
+ * (INT8, q8 = 1, see dot_q8_m) */
 static void dot_rows_scalar(const uint8_t *codes, const float *sz, const uint16_t *const *x, const float *const *xsum,
-                            int M, int64_t K, int64_t g, int q8, float *y) {
+                            int M, int64_t K, int64_t g, int q8, int q5, float *y) {
     const int64_t nG = K / g;
+    const uint32_t *hb = (const uint32_t *)(sz + 2 * nG);
     for (int m = 0; m < M; m++) {
         float t = 0.f;
         for (int64_t j = 0; j < nG; j++) {
             float a = 0.f;
             for (int64_t i = j * g; i < (j + 1) * g; i++)
-                a += (float)(q8 ? codes[i] + 2176 : 128 + q4_code(codes, K, i)) * bf16_to_f32(x[m][i]);
+                a += (float)(q8 ? codes[i] + 2176
+                                : 128 + q4_code(codes, K, i) + (q5 ? 16 * (int)((hb[i / 32] >> (i % 32)) & 1) : 0)) *
+                     bf16_to_f32(x[m][i]);
             t += a * sz[j] + xsum[m][j] * sz[nG + j];
         }
         y[m] = t;
@@ -138,18 +142,25 @@ static inline __attribute__((always_inline)) __m512 dp0(const uint16_t *x, __m51
 
 static inline __attribute__((always_inline)) void dot_q4_g(const uint8_t *codes, const float *sz,
                                                            const uint16_t *const *x, const float *const *xsum,
-                                                           const int M,
-                                                           int64_t K, const int64_t g, float *y) {
+                                                           const int M, int64_t K, const int64_t g, const int q5,
+                                                           float *y) {
     const int64_t nG = K / g, k64 = K / 64 * 64;
     const float *scale = sz, *zero = sz + nG;
-    const __m512i lo4 = _mm512_set1_epi16(0x0f), bias = _mm512_set1_epi16(0x4300);
+    /* q5 (g = 32): a third plane of sz holds each group's fifth bits, bit i of word j that of element 32 j + i; the
+     * bf16 of 128 + q takes it as bit 4 of the mantissa (0x4300 | q, q < 32: exact) */
+    const uint32_t *hb = (const uint32_t *)(sz + 2 * nG);
+    const __m512i lo4 = _mm512_set1_epi16(0x0f), bias = _mm512_set1_epi16(0x4300), b4 = _mm512_set1_epi16(0x10);
     /* two chains a row: the low halves of the spans in t0, the high ones in t1 */
     __m512 t0[MB], t1[MB];
     for (int m = 0; m < M; m++) t0[m] = t1[m] = _mm512_setzero_ps();
     for (int64_t s = 0; s < k64 / 64; s++) {
         const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(codes + 32 * s)));
-        const __m512i wl = _mm512_or_si512(_mm512_and_si512(v, lo4), bias);
-        const __m512i wh = _mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
+        __m512i wl = _mm512_or_si512(_mm512_and_si512(v, lo4), bias);
+        __m512i wh = _mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
+        if (q5) {
+            wl = _mm512_or_si512(wl, _mm512_maskz_mov_epi16((__mmask32)hb[2 * s], b4));
+            wh = _mm512_or_si512(wh, _mm512_maskz_mov_epi16((__mmask32)hb[2 * s + 1], b4));
+        }
         /* g = 32: the halves are groups 2s and 2s + 1; else both in group 64 s / g */
         const __m512 s0 = _mm512_set1_ps(scale[g == 32 ? 2 * s : 64 * s / g]);
         const __m512 s1 = g == 32 ? _mm512_set1_ps(scale[2 * s + 1]) : s0;
@@ -162,8 +173,9 @@ static inline __attribute__((always_inline)) void dot_q4_g(const uint8_t *codes,
     if (k64 < K) { /* g = 32: the last group in 16 bytes */
         const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + k64 / 2)));
         const __m256i l4 = _mm256_set1_epi16(0x0f);
-        const __m512i w = _mm512_or_si512(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, l4)),
-                                                             _mm256_srli_epi16(v, 4), 1), bias);
+        __m512i w = _mm512_or_si512(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, l4)),
+                                                       _mm256_srli_epi16(v, 4), 1), bias);
+        if (q5) w = _mm512_or_si512(w, _mm512_maskz_mov_epi16((__mmask32)hb[nG - 1], b4));
         const __m512 sl = _mm512_set1_ps(scale[nG - 1]);
         for (int m = 0; m < M; m++) t0[m] = _mm512_fmadd_ps(dp0(x[m] + k64, w), sl, t0[m]);
     }
@@ -183,19 +195,25 @@ static inline __attribute__((always_inline)) void dot_q4_g(const uint8_t *codes,
  * (its own copy, the accumulators in registers) */
 static inline __attribute__((always_inline)) float dot_q4_row(const uint8_t *codes, const float *sz,
                                                               const uint16_t *x, const float *xsum, int64_t K,
-                                                              const int64_t g) {
+                                                              const int64_t g, const int q5) {
     float y;
-    dot_q4_g(codes, sz, &x, &xsum, 1, K, g, &y);
+    dot_q4_g(codes, sz, &x, &xsum, 1, K, g, q5, &y);
     return y;
 }
 
 /* One token against rows [r0, r1) of an INT4 weight (rows of K), the results rounded to bf16. One row a pass: four
  * a pass (the token's loads shared) read weights larger than the cache at half the rate. */
-static void q4_token_rows(const uint8_t *codes, const float *sz, int64_t g, const uint16_t *x, const float *xsum,
-                          int64_t K, int64_t r0, int64_t r1, uint16_t *out) {
-    const int64_t cs = K / 2, ss = 2 * (K / g);
+static void q4_token_rows(const uint8_t *codes, const float *sz, int64_t g, int q5, const uint16_t *x,
+                          const float *xsum, int64_t K, int64_t r0, int64_t r1, uint16_t *out) {
+    const int64_t cs = K / 2, ss = (q5 ? 3 : 2) * (K / g);
+    if (q5) { /* groups of 32 */
+        for (int64_t r = r0; r < r1; r++)
+            out[r] = f32_to_bf16(dot_q4_row(codes + r * cs, sz + r * ss, x, xsum, K, 32, 1));
+        return;
+    }
 #define Q4_ROWS(G)                                                                                                   \
-    for (int64_t r = r0; r < r1; r++) out[r] = f32_to_bf16(dot_q4_row(codes + r * cs, sz + r * ss, x, xsum, K, G)); \
+    for (int64_t r = r0; r < r1; r++)                                                                                \
+        out[r] = f32_to_bf16(dot_q4_row(codes + r * cs, sz + r * ss, x, xsum, K, G, 0));                            \
     break;
     switch (g) {
     case 32: Q4_ROWS(32)
@@ -208,24 +226,25 @@ static void q4_token_rows(const uint8_t *codes, const float *sz, int64_t g, cons
 #endif
 
 static void dot_rows_q4(const uint8_t *codes, const float *sz, const uint16_t *const *x, const float *const *xsum,
-                        int M, int64_t K, int64_t g, float *y) {
+                        int M, int64_t K, int64_t g, int q5, float *y) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define Q4_M(G)                                                                                                      \
+#define Q4_M(G, Q5)                                                                                                  \
     switch (M) { /* the token count a constant too: the accumulators stay in registers */                           \
-    case 1: dot_q4_g(codes, sz, x, xsum, 1, K, G, y); return;                                                        \
-    case 2: dot_q4_g(codes, sz, x, xsum, 2, K, G, y); return;                                                        \
-    case 3: dot_q4_g(codes, sz, x, xsum, 3, K, G, y); return;                                                        \
-    default: dot_q4_g(codes, sz, x, xsum, 4, K, G, y); return;                                                       \
+    case 1: dot_q4_g(codes, sz, x, xsum, 1, K, G, Q5, y); return;                                                    \
+    case 2: dot_q4_g(codes, sz, x, xsum, 2, K, G, Q5, y); return;                                                    \
+    case 3: dot_q4_g(codes, sz, x, xsum, 3, K, G, Q5, y); return;                                                    \
+    default: dot_q4_g(codes, sz, x, xsum, 4, K, G, Q5, y); return;                                                   \
     }
+    if (q5) Q4_M(32, 1) /* groups of 32 */
     switch (g) { /* the group a constant in each copy */
-    case 32: Q4_M(32)
-    case 64: Q4_M(64)
-    case 128: Q4_M(128)
-    default: Q4_M(256)
+    case 32: Q4_M(32, 0)
+    case 64: Q4_M(64, 0)
+    case 128: Q4_M(128, 0)
+    default: Q4_M(256, 0)
     }
 #undef Q4_M
 #else
-    dot_rows_scalar(codes, sz, x, xsum, M, K, g, 0, y);
+    dot_rows_scalar(codes, sz, x, xsum, M, K, g, 0, q5, y);
 #endif
 }
 
@@ -296,7 +315,7 @@ static void dot_rows_q8(const uint8_t *codes, const float *sz, const uint16_t *c
     default: dot_q8_m(codes, sz, x, xsum, 4, K, g, y); return;
     }
 #else
-    dot_rows_scalar(codes, sz, x, xsum, M, K, g, 1, y);
+    dot_rows_scalar(codes, sz, x, xsum, M, K, g, 1, 0, y);
 #endif
 }
 
@@ -308,6 +327,7 @@ typedef struct {
     const float *sz;
     int64_t g;
     const uint8_t *q8;
+    int q5; /* INT4 codes with a plane of fifth bits after the scales and zeros (q4 set, g = 32) */
 } wdesc;
 
 /* group sums a token row of K needs for w: K / g (quantized), 0 (bf16) */
@@ -320,7 +340,7 @@ static void row_dot(const wdesc *w, int64_t row, int64_t K, const uint16_t *cons
     else if (w->q8)
         dot_rows_q8(w->q8 + row * K, w->sz + row * (K / w->g) * 2, xs, ss, M, K, w->g, y);
     else
-        dot_rows_q4(w->q4 + row * (K / 2), w->sz + row * (K / w->g) * 2, xs, ss, M, K, w->g, y);
+        dot_rows_q4(w->q4 + row * (K / 2), w->sz + row * (K / w->g) * (w->q5 ? 3 : 2), xs, ss, M, K, w->g, w->q5, y);
 }
 
 /* sums[j] = sum of x over group j of g (the zero term of INT4 rows), a row of K */
@@ -338,7 +358,8 @@ static void unit_gemv(const wdesc *w, int64_t base, int64_t K, int64_t r0, int64
     float y[MB];
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if (n == 1 && w->q4) { /* one token: its own copy, accumulators in registers */
-        q4_token_rows(w->q4 + base * (K / 2), w->sz + base * 2 * (K / w->g), w->g, xs[0], ss[0], K, r0, r1, out);
+        q4_token_rows(w->q4 + base * (K / 2), w->sz + base * (w->q5 ? 3 : 2) * (K / w->g), w->g, w->q5, xs[0], ss[0],
+                      K, r0, r1, out);
         return;
     }
 #endif
@@ -438,7 +459,7 @@ void infercore_moe_experts_bf16(const uint16_t *x, int64_t T, int64_t H, int64_t
                                 const uint16_t *down, int64_t G, const int64_t *gexp, const int64_t *goff,
                                 const int64_t *ptok, const float *pw, uint16_t *h, uint16_t *act, uint16_t *y,
                                 float *acc, uint16_t *out, int nthreads) {
-    wdesc gu = {gate_up, 0, 0, 0, 0}, dn = {down, 0, 0, 0, 0};
+    wdesc gu = {gate_up, 0, 0, 0, 0, 0}, dn = {down, 0, 0, 0, 0, 0};
     moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, 0, nthreads);
 }
 
@@ -449,7 +470,7 @@ void infercore_moe_experts_q4(const uint16_t *x, int64_t T, int64_t H, int64_t I
                               const int64_t *gexp, const int64_t *goff, const int64_t *ptok, const float *pw,
                               uint16_t *h, uint16_t *act, uint16_t *y, float *acc, uint16_t *out, float *sums,
                               int nthreads) {
-    wdesc gu = {0, gate_up, gate_up_sz, Q4G, 0}, dn = {0, down, down_sz, Q4G, 0};
+    wdesc gu = {0, gate_up, gate_up_sz, Q4G, 0, 0}, dn = {0, down, down_sz, Q4G, 0, 0};
     moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, sums, nthreads);
 }
 
@@ -477,7 +498,7 @@ void infercore_moe_experts_q8(const uint16_t *x, int64_t T, int64_t H, int64_t I
                               const int64_t *gexp, const int64_t *goff, const int64_t *ptok, const float *pw,
                               uint16_t *h, uint16_t *act, uint16_t *y, float *acc, uint16_t *out, float *sums,
                               int nthreads) {
-    wdesc gu = {0, 0, gate_up_sz, H, gate_up}, dn = {0, 0, down_sz, I, down};
+    wdesc gu = {0, 0, gate_up_sz, H, gate_up, 0}, dn = {0, 0, down_sz, I, down, 0};
     moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, sums, nthreads);
 }
 
@@ -499,7 +520,7 @@ static void linear(const uint16_t *x, int64_t M, int64_t K, const wdesc *w, int6
 /* y [M, N] = x [M, K] @ w[N, K]^T, bf16, rows of w in blocks of RB across the threads (a dense decode GEMV) */
 void infercore_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, uint16_t *y,
                            int nthreads) {
-    wdesc d = {w, 0, 0, 0, 0};
+    wdesc d = {w, 0, 0, 0, 0, 0};
     linear(x, M, K, &d, N, y, 0, nthreads);
 }
 
@@ -507,20 +528,20 @@ void infercore_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
  * multiple of g; sums: M * K / g floats */
 void infercore_linear_q4(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                          int64_t N, uint16_t *y, float *sums, int nthreads) {
-    wdesc d = {0, w, sz, g, 0};
+    wdesc d = {0, w, sz, g, 0, 0};
     linear(x, M, K, &d, N, y, sums, nthreads);
 }
 
 /* The same over an INT8 weight in groups of g (dot_rows_q8): codes [N, K], sz [N, 2, K / g]; sums: M * K / g floats */
 void infercore_linear_q8(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                          int64_t N, uint16_t *y, float *sums, int nthreads) {
-    wdesc d = {0, 0, sz, g, w};
+    wdesc d = {0, 0, sz, g, w, 0};
     linear(x, M, K, &d, N, y, sums, nthreads);
 }
 
 void infercore_q8_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                         const float *sums, int64_t r0, int64_t r1, uint16_t *y, int64_t ldy) {
-    wdesc d = {0, 0, sz, g, w};
+    wdesc d = {0, 0, sz, g, w, 0};
     rows_range(&d, x, M, K, sums, r0, r1, y, ldy);
 }
 
@@ -533,20 +554,38 @@ void infercore_group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t g, fl
 
 void infercore_q4_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                         const float *sums, int64_t r0, int64_t r1, uint16_t *y, int64_t ldy) {
-    wdesc d = {0, w, sz, g, 0};
+    wdesc d = {0, w, sz, g, 0, 0};
     rows_range(&d, x, M, K, sums, r0, r1, y, ldy);
 }
 
-/* Rows [r0, r1) of an INT4 weight (q8 = 0: codes [N, Kp / 2] in the kernels' layout) or an INT8 one (q8 = 1:
- * codes [N, Kp]) in groups of g, sz [N, 2, Kp / g], decoded to bf16 rows out [r1 - r0, Kp] (round to nearest even):
- * w = (128 + q) scale + zero' (INT4) or u scale + zero' + 2176 scale (INT8), the values the GEMVs multiply by. For
- * prefill-sized row counts: a slice decoded here, then a dense GEMM (quant/cpu.py). */
-void infercore_dequant_rows(const uint8_t *codes, const float *sz, int64_t Kp, int64_t g, int q8, int64_t r0,
+/* The same over 5-bit codes in groups of 32 (GGUF Q5_0 / Q5_1 / Q5_K): the INT4 layout for the low four bits, and sz
+ * [N, 3, K / 32], its third plane each group's fifth bits as a 32-bit word (dot_q4_g) */
+void infercore_linear_q5(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
+                         int64_t N, uint16_t *y, float *sums, int nthreads) {
+    (void)g; /* 32: the argument list of infercore_linear_q4 */
+    wdesc d = {0, w, sz, 32, 0, 1};
+    linear(x, M, K, &d, N, y, sums, nthreads);
+}
+
+void infercore_q5_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, const float *sums,
+                        int64_t r0, int64_t r1, uint16_t *y, int64_t ldy) {
+    wdesc d = {0, w, sz, 32, 0, 1};
+    rows_range(&d, x, M, K, sums, r0, r1, y, ldy);
+}
+
+/* Rows [r0, r1) of an INT4 weight (kind 0: codes [N, Kp / 2] in the kernels' layout), an INT8 one (kind 1: codes
+ * [N, Kp]) or a 5-bit one (kind 2: the INT4 codes, sz's third plane the fifth bits, g = 32) in groups of g, sz
+ * [N, 2 (3), Kp / g], decoded to bf16 rows out [r1 - r0, Kp] (round to nearest even): w = (128 + q) scale + zero'
+ * (INT4, 5-bit) or u scale + zero' + 2176 scale (INT8), the values the GEMVs multiply by. For prefill-sized row
+ * counts: a slice decoded here, then a dense GEMM (quant/cpu.py). */
+void infercore_dequant_rows(const uint8_t *codes, const float *sz, int64_t Kp, int64_t g, int kind, int64_t r0,
                             int64_t r1, uint16_t *out, int nthreads) {
     const int64_t nG = Kp / g, k64 = Kp / 64 * 64;
+    const int q8 = kind == 1, q5 = kind == 2;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t r = r0; r < r1; r++) {
-        const float *sc = sz + r * 2 * nG, *ze = sc + nG;
+        const float *sc = sz + r * (q5 ? 3 : 2) * nG, *ze = sc + nG;
+        const uint32_t *hb = (const uint32_t *)(ze + nG);
         uint16_t *o = out + (r - r0) * Kp;
         if (q8) {
             const uint8_t *c = codes + r * Kp;
@@ -561,14 +600,20 @@ void infercore_dequant_rows(const uint8_t *codes, const float *sz, int64_t Kp, i
             const int64_t e0 = 64 * sp;
             const float s0 = sc[e0 / g], z0 = ze[e0 / g], s1 = sc[(e0 + 32) / g], z1 = ze[(e0 + 32) / g];
             const uint8_t *v = c + 32 * sp;
-            for (int b = 0; b < 32; b++) o[e0 + b] = f32_to_bf16((float)(128 + (v[b] & 15)) * s0 + z0);
-            for (int b = 0; b < 32; b++) o[e0 + 32 + b] = f32_to_bf16((float)(128 + (v[b] >> 4)) * s1 + z1);
+            const uint32_t h0 = q5 ? hb[e0 / 32] : 0, h1 = q5 ? hb[e0 / 32 + 1] : 0;
+            for (int b = 0; b < 32; b++)
+                o[e0 + b] = f32_to_bf16((float)(128 + (v[b] & 15) + 16 * (int)((h0 >> b) & 1)) * s0 + z0);
+            for (int b = 0; b < 32; b++)
+                o[e0 + 32 + b] = f32_to_bf16((float)(128 + (v[b] >> 4) + 16 * (int)((h1 >> b) & 1)) * s1 + z1);
         }
         if (k64 < Kp) { /* g = 32: the last group in 16 bytes, byte b holding b and 16 + b */
             const float s = sc[nG - 1], z = ze[nG - 1];
             const uint8_t *v = c + k64 / 2;
-            for (int b = 0; b < 16; b++) o[k64 + b] = f32_to_bf16((float)(128 + (v[b] & 15)) * s + z);
-            for (int b = 0; b < 16; b++) o[k64 + 16 + b] = f32_to_bf16((float)(128 + (v[b] >> 4)) * s + z);
+            const uint32_t h = q5 ? hb[nG - 1] : 0;
+            for (int b = 0; b < 16; b++)
+                o[k64 + b] = f32_to_bf16((float)(128 + (v[b] & 15) + 16 * (int)((h >> b) & 1)) * s + z);
+            for (int b = 0; b < 16; b++)
+                o[k64 + 16 + b] = f32_to_bf16((float)(128 + (v[b] >> 4) + 16 * (int)((h >> (16 + b)) & 1)) * s + z);
         }
     }
 }

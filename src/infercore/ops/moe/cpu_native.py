@@ -91,6 +91,8 @@ def _build() -> ctypes.CDLL:
     dll.infercore_linear_q4.restype = None
     dll.infercore_linear_q8.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _INT]
     dll.infercore_linear_q8.restype = None
+    dll.infercore_linear_q5.argtypes = dll.infercore_linear_q4.argtypes
+    dll.infercore_linear_q5.restype = None
     dll.infercore_dequant_rows.argtypes = [_P, _P, _I64, _I64, _INT, _I64, _I64, _P, _INT]
     dll.infercore_dequant_rows.restype = None
     dll.infercore_linear_f32.argtypes = [_P, _I64, _I64, _P, _I64, _P, _INT]
@@ -236,6 +238,7 @@ def moe_experts_bf16(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 
 Q4_GROUP = 128  # the MoE experts kernel's group (moe_experts_q4)
 Q4_GROUPS = (32, 64, 128, 256)  # the groups the INT4 GEMVs take (linear_q4, the fused decoder layer)
+Q5F = 65536  # the fused layer's group value of a 5-bit linear is Q5F + 32 (cpu_kernels.c)
 
 
 def q4_supported() -> bool:
@@ -278,8 +281,9 @@ def pack_q4(w) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def gguf_bits(w) -> int | None:
     """Which native GEMV runs a :class:`~infercore.quant.formats.GGUFWeight`: 4 (the INT4 one, groups of 32: Q4_0 /
-    Q4_1 / Q4_K, or a "mixed" weight of those alone), 8 (the INT8 one: Q8_0 / Q5_* / Q6_K, or a "mixed" weight
-    with any of them, its 4-bit parts' codes then read as bytes), None for anything else."""
+    Q4_1 / Q4_K, or a "mixed" weight of those alone), 5 (the INT4 one with a plane of fifth bits: Q5_0 / Q5_1 / Q5_K),
+    8 (the INT8 one: Q8_0 / Q6_K, or a "mixed" weight with any part not 4-bit, its parts' codes then read as bytes),
+    None for anything else."""
     from ...quant.formats import GGUFWeight
     from ...quant.gguf import BLOCK_BYTES
 
@@ -288,7 +292,9 @@ def gguf_bits(w) -> int | None:
     qtypes = [q for q, _ in w.parts] if w.qtype == "mixed" else [w.qtype]
     if any(q not in BLOCK_BYTES for q in qtypes):
         return None
-    return 4 if all(q in ("q4_0", "q4_1", "q4_k") for q in qtypes) else 8
+    if all(q in ("q4_0", "q4_1", "q4_k") for q in qtypes):
+        return 4
+    return 5 if w.qtype in ("q5_0", "q5_1", "q5_k") else 8
 
 
 def pack_gguf_q4(w) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -370,10 +376,33 @@ def pack_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
     return codes, torch.stack([s, -2304.0 * s], 1).contiguous()
 
 
+def pack_gguf_q5(w) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The native 5-bit operands (groups of 32) of GGUF Q5_0 / Q5_1 / Q5_K blocks (a
+    :class:`~infercore.quant.formats.GGUFWeight`): :func:`_q4_operands` of the codes' low four bits with each
+    sub-block's ``scale`` and ``zero + 8 scale`` (``GGUFWeight.affine``: ``w = u scale + zero``), and a third plane
+    of ``sz`` (``[N, 3, K / 32]``) holding each group's fifth bits as one 32-bit word, bit i for element i (the
+    bytes of an int32 kept as fp32); None for other formats."""
+    if gguf_bits(w) != 5:
+        return None
+    codes, scale, zero = w.affine()
+    q4, sz = _q4_operands(codes & 15, scale, zero + 8.0 * scale, 32)
+    n, k = codes.shape
+    bits = ((codes >> 4) & 1).reshape(n, k // 32, 32).to(torch.int64) << torch.arange(32)
+    words = bits.sum(-1)
+    words = (words - (words >= 2**31).long() * 2**32).to(torch.int32).view(torch.float32)
+    return q4, torch.cat([sz, words[:, None]], 1).contiguous()
+
+
+def linear_q5(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ dequant(w)^T`` for bf16 ``x`` and :func:`pack_gguf_q5`'s operands ``[N, K / 2]`` /
+    ``[N, 3, K / 32]`` -> ``[M, N]`` bf16."""
+    return _linear_quant(_need().infercore_linear_q5, "linear_q5", x, codes, sz, codes.shape[1] * 2)
+
+
 def pack_gguf_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The native INT8 operands of GGUF blocks :func:`gguf_bits` gives 8 (a
-    :class:`~infercore.quant.formats.GGUFWeight`: Q8_0, Q5_0, Q5_1, Q5_K in groups of 32, Q6_K in groups of 16, or
-    "mixed" in its smallest sub-block): ``(codes uint8 [N, K], sz fp32 [N, 2, K / g])``; Q8_0's signed codes q
+    :class:`~infercore.quant.formats.GGUFWeight`: Q8_0 in groups of 32, Q6_K in groups of 16, or "mixed" in its
+    smallest sub-block): ``(codes uint8 [N, K], sz fp32 [N, 2, K / g])``; Q8_0's signed codes q
     stored as ``q + 128`` with sz ``d`` and ``-2304 d``, the others' unsigned codes u as they are
     (``GGUFWeight.affine``: ``w = u scale + zero``) with sz ``scale`` and ``zero - 2176 scale`` (see
     ``cpu_experts.c``); None for other formats."""
@@ -400,8 +429,9 @@ def linear_q8(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.T
 def dequant_rows(codes: torch.Tensor, sz: torch.Tensor, bits: int, r0: int, r1: int,
                  out: torch.Tensor) -> torch.Tensor:
     """Rows ``[r0, r1)`` of the weight behind the native INT4 (``bits=4``; :func:`pack_q4` / :func:`pack_gguf_q4`:
-    codes uint8 ``[N, Kp / 2]``) or INT8 (``bits=8``; :func:`pack_q8` / :func:`pack_gguf_q8`: ``[N, Kp]``) operands
-    (sz fp32 ``[N, 2, Kp / g]``), decoded into the first ``r1 - r0`` rows of ``out`` (bf16, contiguous
+    codes uint8 ``[N, Kp / 2]``), 5-bit (``bits=5``; :func:`pack_gguf_q5`: the same codes, sz ``[N, 3, Kp / 32]``) or
+    INT8 (``bits=8``; :func:`pack_q8` / :func:`pack_gguf_q8`: ``[N, Kp]``) operands (sz fp32 ``[N, 2, Kp / g]``),
+    decoded into the first ``r1 - r0`` rows of ``out`` (bf16, contiguous
     ``[>= r1 - r0, Kp]``): the values the native GEMVs multiply by, rounded to bf16. Returns that slice. Bad
     arguments: ``TypeError`` / ``ValueError``."""
     lib = _need()
@@ -409,18 +439,18 @@ def dequant_rows(codes: torch.Tensor, sz: torch.Tensor, bits: int, r0: int, r1: 
             or sz.dim() != 3 or not sz.is_contiguous():
         raise TypeError("dequant_rows: codes must be contiguous uint8 [N, Kp / 2 or Kp], sz contiguous fp32 "
                         "[N, 2, groups]")
-    if bits not in (4, 8):
-        raise ValueError(f"dequant_rows: bits must be 4 or 8, got {bits!r}")
+    if bits not in (4, 5, 8):
+        raise ValueError(f"dequant_rows: bits must be 4, 5 or 8, got {bits!r}")
     n, ng = codes.shape[0], sz.shape[2]
-    kp = codes.shape[1] * (2 if bits == 4 else 1)
-    if sz.shape[:2] != (n, 2) or ng < 1 or kp % ng:
+    kp = codes.shape[1] * (1 if bits == 8 else 2)
+    if sz.shape[:2] != (n, 3 if bits == 5 else 2) or ng < 1 or kp % ng or (bits == 5 and kp != 32 * ng):
         raise ValueError(f"dequant_rows: sz {tuple(sz.shape)} does not fit codes {tuple(codes.shape)}")
     if not 0 <= r0 <= r1 <= n:
         raise ValueError(f"dequant_rows: rows [{r0}, {r1}) outside the weight's {n}")
     if out.dtype != torch.bfloat16 or not out.is_contiguous() or out.dim() != 2 or out.shape[0] < r1 - r0 \
             or out.shape[1] != kp:
         raise ValueError(f"dequant_rows: out must be a contiguous bf16 [>= {r1 - r0}, {kp}] tensor")
-    lib.infercore_dequant_rows(_ptr(codes), _ptr(sz), kp, kp // ng, int(bits == 8), r0, r1, _ptr(out),
+    lib.infercore_dequant_rows(_ptr(codes), _ptr(sz), kp, kp // ng, {4: 0, 8: 1, 5: 2}[bits], r0, r1, _ptr(out),
                                torch.get_num_threads())
     return out[: r1 - r0]
 
@@ -660,9 +690,10 @@ def layer_linear(lin, dtype: torch.dtype) -> tuple[int, int, int, int] | None:
         ops = native_operands(lin.qweight_format)
         if ops is not None:
             codes, sz, bits = ops
-            kp = codes.shape[1] * (2 if bits == 4 else 1)
+            kp = codes.shape[1] * (1 if bits == 8 else 2)
             g = kp // sz.shape[2]
-            return codes.data_ptr(), sz.data_ptr(), g if bits == 4 else -g, kp  # a negative group: INT8
+            # a negative group: INT8; Q5F + 32: 5-bit codes (cpu_kernels.c)
+            return codes.data_ptr(), sz.data_ptr(), {4: g, 5: Q5F + 32, 8: -g}[bits], kp
     return None
 
 

@@ -2,9 +2,13 @@
 (``llama_model_quantize``, from the package's Q4_1 file: its 576-wide rows fall back to Q5_0 / Q8_0 as llama.cpp
 decides, ffn_down takes Q4_K / Q6_K), run with its blocks as stored (``quantization="gguf"``) against the same file
 dequantized at load (bf16), the dequantizing reference, and llama.cpp on the same file, in interleaved rounds.
-Needs llama-cpp-python.
+``--synthetic H,I,L,HEADS,KV`` instead writes a Llama of those widths with random F16 weights (N(0, 0.02); SmolLM2's
+tokenizer) and has llama.cpp quantize it to Q4_K_M: with widths that are multiples of 256, its tensors are the
+Q4_K / Q6_K mix of a common Q4_K_M file. Needs llama-cpp-python.
 
     python benchmarks/probe_gguf_kquants.py --out benchmarks/results/cpu/sweeps/cpu_gguf_kquants.json
+    python benchmarks/probe_gguf_kquants.py --synthetic 1024,2816,16,16,4 \
+        --out benchmarks/results/cpu/sweeps/cpu_gguf_kquants_synthetic.json
 """
 
 from __future__ import annotations
@@ -28,8 +32,57 @@ from infercore.loading import default_model_path  # noqa: E402
 from infercore.quant import QuantLinear  # noqa: E402
 
 
-def requantize(dst: str, ftype_name: str = "LLAMA_FTYPE_MOSTLY_Q4_K_M") -> None:
-    """The package's SmolLM2 GGUF re-quantized by llama.cpp to ``ftype_name`` at ``dst`` (its log silenced)."""
+def synthetic_f16(path: str, hidden: int, inter: int, layers: int, heads: int, kv_heads: int) -> str:
+    """A Llama GGUF at ``path`` with random F16 weights (N(0, 0.02), norms 1, an untied output) and the tokenizer of
+    the package's SmolLM2 file."""
+    import gguf
+    import numpy as np
+
+    src = gguf.GGUFReader(str(default_model_path()))
+    vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(path, "llama")
+    for key, v in (("context_length", 4096), ("embedding_length", hidden), ("feed_forward_length", inter),
+                   ("block_count", layers), ("attention.head_count", heads), ("attention.head_count_kv", kv_heads),
+                   ("rope.dimension_count", hidden // heads), ("vocab_size", vocab)):
+        w.add_uint32(f"llama.{key}", v)
+    w.add_float32("llama.rope.freq_base", 10000.0)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    for key, field in src.fields.items():
+        if key.startswith("tokenizer."):
+            v = field.contents()
+            vt = field.types[0]
+            if vt == gguf.GGUFValueType.ARRAY:
+                w.add_array(key, v)
+            else:
+                w.add_key_value(key, v, vt)
+
+    def mat(n, k):
+        return (rng.standard_normal((n, k), dtype=np.float32) * 0.02).astype(np.float16)
+
+    hd = hidden // heads
+    w.add_tensor("token_embd.weight", mat(vocab, hidden))
+    w.add_tensor("output.weight", mat(vocab, hidden))
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i in range(layers):
+        for name, (n, k) in {"attn_q": (hidden, hidden), "attn_k": (kv_heads * hd, hidden),
+                             "attn_v": (kv_heads * hd, hidden), "attn_output": (hidden, hidden),
+                             "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden),
+                             "ffn_down": (hidden, inter)}.items():
+            w.add_tensor(f"blk.{i}.{name}.weight", mat(n, k))
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def requantize(dst: str, ftype_name: str = "LLAMA_FTYPE_MOSTLY_Q4_K_M", src: str | None = None) -> None:
+    """``src`` (default: the package's SmolLM2 GGUF) quantized by llama.cpp to ``ftype_name`` at ``dst`` (its log
+    silenced)."""
     import llama_cpp
 
     p = llama_cpp.llama_model_quantize_default_params()
@@ -38,7 +91,7 @@ def requantize(dst: str, ftype_name: str = "LLAMA_FTYPE_MOSTLY_Q4_K_M") -> None:
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 2)
     try:
-        rc = llama_cpp.llama_model_quantize(str(default_model_path()).encode(), dst.encode(), ctypes.byref(p))
+        rc = llama_cpp.llama_model_quantize(str(src or default_model_path()).encode(), dst.encode(), ctypes.byref(p))
     finally:
         os.dup2(saved, 2)
         os.close(null)
@@ -51,11 +104,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--synthetic", default="", help="H,I,L,HEADS,KV: a random-weight Llama of these widths")
     ap.add_argument("--out", default="benchmarks/results/cpu/sweeps/cpu_gguf_kquants.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "smollm2-135m-q4_k_m.gguf")
-        requantize(path)
+        path = os.path.join(tmp, "model-q4_k_m.gguf")
+        if args.synthetic:
+            dims = [int(v) for v in args.synthetic.split(",")]
+            requantize(path, src=synthetic_f16(os.path.join(tmp, "f16.gguf"), *dims))
+            name = "random-weight llama H{} I{} L{} heads {}/{}".format(*dims)
+        else:
+            requantize(path)
+            name = "smollm2-135m"
         from infercore.loading import GGUFFile
 
         file_types = dict(collections.Counter(GGUFFile(path).raw(n)[1].name for n in GGUFFile(path).tensors))
@@ -91,8 +151,8 @@ def main() -> None:
               f"{lcpp[1]} {r_lcpp:.1f}; greedy tokens: reference {'same' if same_ref else 'differ'}, "
               f"{agree_dense}/{args.tokens} as the dense bf16 model, {agree_lcpp}/{args.tokens} as llama.cpp",
               flush=True)
-        cases = [case(f"smollm2-135m Q4_K_M (llama.cpp requantized) decode bs1 bf16 {args.tokens} tokens, blocks as "
-                      "stored", metric="decode throughput", unit="tok/s", ours=r_fast,
+        cases = [case(f"{name} Q4_K_M (llama.cpp quantizer) decode bs1 bf16 {args.tokens} tokens, blocks as stored",
+                      metric="decode throughput", unit="tok/s", ours=r_fast,
                       peers={"same file dequantized at load (bf16)": r_dense,
                              "reference (dequantize + matmul)": r_ref,
                              f"llama.cpp {lcpp[1]} (llama-cpp-python, same GGUF file)": r_lcpp},

@@ -335,9 +335,12 @@ void infercore_q8_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *
 void infercore_q5_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, const float *sums,
                         int64_t r0, int64_t r1, uint16_t *y, int64_t ldy);
 
-#define Q5F 65536 /* a linear's g = Q5F + 32: 5-bit codes in groups of 32 (infercore_q5_range) */
+/* Flags in a quantized linear's g: Q5F | 32, 5-bit codes in groups of 32 (infercore_q5_range); KF, sz in the
+ * two-level form of the GGUF K-quants (passed on with g: the ranges take it) */
+#define Q5F ((int64_t)1 << 16)
+#define KF ((int64_t)1 << 20)
 
-static inline int64_t group_of(int64_t g) { return g > Q5F ? g - Q5F : g > 0 ? g : -g; }
+static inline int64_t group_of(int64_t g) { return (g > 0 ? g : -g) & (Q5F - 1); }
 
 /* y [M, N] = x [M, K] @ w^T for one linear of the fused layer, L = {weight, sz, g, Kp}: dense rows [N, K] of the
  * layer's dtype (g = 0); INT4 codes [N, Kp / 2] in groups of g with sz fp32 [N, 2, Kp / g] (bf16 only); 5-bit codes
@@ -362,7 +365,7 @@ static void lin_par(const void *x, int64_t M, int64_t K, const int64_t *L, int64
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < (N + GEMV_RB - 1) / GEMV_RB; b++) {
         const int64_t r1 = (b + 1) * GEMV_RB < N ? (b + 1) * GEMV_RB : N;
-        if (g > Q5F)
+        if (g > 0 && (g & Q5F))
             infercore_q5_range(xs, M, kp, (const uint8_t *)L[0], (const float *)L[1], sums, b * GEMV_RB, r1,
                                (uint16_t *)y, N);
         else if (g > 0)

@@ -190,6 +190,38 @@ static inline __attribute__((always_inline)) void dot_q4_g(const uint8_t *codes,
 }
 #endif
 
+#define KF ((int64_t)1 << 20) /* an entry point's g | KF: sz in the two-level form (expand_kform) */
+
+/* A row's sz in the two-level form of the GGUF K-quants, [D nS][Z nS] fp32 then [sc nG][m nG] int8 (nS = K / 256
+ * super-blocks of S = 256 / g groups; K a multiple of 256), as the plain form [scale nG][zero' nG]: scale_j = D_b
+ * sc_j, zero' = Z_b m_j - bias scale_j (b = j / S; bias 128 for the INT4 kernels, 2176 for the INT8 ones). The
+ * products are exact in fp32 and the difference rounds once, so the values equal the plain form made from the same
+ * scales and zeros in one step. */
+static void expand_kform(const float *kz, int64_t K, int64_t g, float bias, float *out) {
+    const int64_t nG = K / g, nS = K / 256, S = 256 / g;
+    const float *D = kz, *Z = kz + nS;
+    const int8_t *sc = (const int8_t *)(kz + 2 * nS), *m = sc + nG;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m512 bv = _mm512_set1_ps(bias);
+    for (int64_t j = 0; j < nG; j += 16) {
+        const __mmask16 k = nG - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nG - j)) - 1);
+        const int64_t b = j / S, b2 = (j + 8) / S < nS ? (j + 8) / S : b; /* S = 8: lanes 8-15 in the next block */
+        const __m512 d = _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(D[b]), _mm512_set1_ps(D[b2]));
+        const __m512 z = _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(Z[b]), _mm512_set1_ps(Z[b2]));
+        const __m512 sv = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, sc + j))));
+        const __m512 mv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, m + j)));
+        _mm512_mask_storeu_ps(out + j, k, sv);
+        _mm512_mask_storeu_ps(out + nG + j, k, _mm512_sub_ps(_mm512_mul_ps(z, mv), _mm512_mul_ps(bv, sv)));
+    }
+#else
+    for (int64_t j = 0; j < nG; j++) {
+        const float sj = D[j / S] * (float)sc[j];
+        out[j] = sj;
+        out[nG + j] = Z[j / S] * (float)m[j] - bias * sj;
+    }
+#endif
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /* One token against one INT4 row (g a constant once inlined): dot_q4_g for M = 1, inlined into the caller's row loop
  * (its own copy, the accumulators in registers) */
@@ -203,9 +235,17 @@ static inline __attribute__((always_inline)) float dot_q4_row(const uint8_t *cod
 
 /* One token against rows [r0, r1) of an INT4 weight (rows of K), the results rounded to bf16. One row a pass: four
  * a pass (the token's loads shared) read weights larger than the cache at half the rate. */
-static void q4_token_rows(const uint8_t *codes, const float *sz, int64_t g, int q5, const uint16_t *x,
+static void q4_token_rows(const uint8_t *codes, const float *sz, int64_t g, int q5, int kf, const uint16_t *x,
                           const float *xsum, int64_t K, int64_t r0, int64_t r1, uint16_t *out) {
-    const int64_t cs = K / 2, ss = (q5 ? 3 : 2) * (K / g);
+    const int64_t cs = K / 2, ss = kf ? 2 * (K / 256) + K / 64 : (q5 ? 3 : 2) * (K / g);
+    if (kf) { /* the two-level form (groups of 32): each row's plain scales and zeros first */
+        float plain[2 * (K / 32)];
+        for (int64_t r = r0; r < r1; r++) {
+            expand_kform(sz + r * ss, K, 32, 128.f, plain);
+            out[r] = f32_to_bf16(dot_q4_row(codes + r * cs, plain, x, xsum, K, 32, 0));
+        }
+        return;
+    }
     if (q5) { /* groups of 32 */
         for (int64_t r = r0; r < r1; r++)
             out[r] = f32_to_bf16(dot_q4_row(codes + r * cs, sz + r * ss, x, xsum, K, 32, 1));
@@ -328,19 +368,34 @@ typedef struct {
     int64_t g;
     const uint8_t *q8;
     int q5; /* INT4 codes with a plane of fifth bits after the scales and zeros (q4 set, g = 32) */
+    int kf; /* sz in the two-level form of expand_kform (g = 32 INT4, g = 16 INT8) */
 } wdesc;
+
+/* sz floats a row of K takes: the plain form's 2 (3 with fifth bits) planes of K / g, or the two-level form's */
+static inline int64_t sz_stride(const wdesc *w, int64_t K) {
+    return w->kf ? 2 * (K / 256) + K / w->g / 2 : (w->q5 ? 3 : 2) * (K / w->g);
+}
+
 
 /* group sums a token row of K needs for w: K / g (quantized), 0 (bf16) */
 static inline int64_t sum_groups(const wdesc *w, int64_t K) { return w->q4 || w->q8 ? K / w->g : 0; }
 
 static void row_dot(const wdesc *w, int64_t row, int64_t K, const uint16_t *const *xs, const float *const *ss, int M,
                     float *y) {
-    if (w->bf16)
+    if (w->bf16) {
         dot_rows(w->bf16 + row * K, xs, M, K, y);
-    else if (w->q8)
-        dot_rows_q8(w->q8 + row * K, w->sz + row * (K / w->g) * 2, xs, ss, M, K, w->g, y);
+        return;
+    }
+    const float *sz = w->sz + row * sz_stride(w, K);
+    float plain[w->kf ? 2 * (K / w->g) : 1];
+    if (w->kf) {
+        expand_kform(sz, K, w->g, w->q8 ? 2176.f : 128.f, plain);
+        sz = plain;
+    }
+    if (w->q8)
+        dot_rows_q8(w->q8 + row * K, sz, xs, ss, M, K, w->g, y);
     else
-        dot_rows_q4(w->q4 + row * (K / 2), w->sz + row * (K / w->g) * (w->q5 ? 3 : 2), xs, ss, M, K, w->g, w->q5, y);
+        dot_rows_q4(w->q4 + row * (K / 2), sz, xs, ss, M, K, w->g, w->q5, y);
 }
 
 /* sums[j] = sum of x over group j of g (the zero term of INT4 rows), a row of K */
@@ -358,8 +413,8 @@ static void unit_gemv(const wdesc *w, int64_t base, int64_t K, int64_t r0, int64
     float y[MB];
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if (n == 1 && w->q4) { /* one token: its own copy, accumulators in registers */
-        q4_token_rows(w->q4 + base * (K / 2), w->sz + base * (w->q5 ? 3 : 2) * (K / w->g), w->g, w->q5, xs[0], ss[0],
-                      K, r0, r1, out);
+        q4_token_rows(w->q4 + base * (K / 2), w->sz + base * sz_stride(w, K), w->g, w->q5, w->kf, xs[0], ss[0], K,
+                      r0, r1, out);
         return;
     }
 #endif
@@ -459,7 +514,7 @@ void infercore_moe_experts_bf16(const uint16_t *x, int64_t T, int64_t H, int64_t
                                 const uint16_t *down, int64_t G, const int64_t *gexp, const int64_t *goff,
                                 const int64_t *ptok, const float *pw, uint16_t *h, uint16_t *act, uint16_t *y,
                                 float *acc, uint16_t *out, int nthreads) {
-    wdesc gu = {gate_up, 0, 0, 0, 0, 0}, dn = {down, 0, 0, 0, 0, 0};
+    wdesc gu = {gate_up, 0, 0, 0, 0, 0, 0}, dn = {down, 0, 0, 0, 0, 0, 0};
     moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, 0, nthreads);
 }
 
@@ -470,7 +525,7 @@ void infercore_moe_experts_q4(const uint16_t *x, int64_t T, int64_t H, int64_t I
                               const int64_t *gexp, const int64_t *goff, const int64_t *ptok, const float *pw,
                               uint16_t *h, uint16_t *act, uint16_t *y, float *acc, uint16_t *out, float *sums,
                               int nthreads) {
-    wdesc gu = {0, gate_up, gate_up_sz, Q4G, 0, 0}, dn = {0, down, down_sz, Q4G, 0, 0};
+    wdesc gu = {0, gate_up, gate_up_sz, Q4G, 0, 0, 0}, dn = {0, down, down_sz, Q4G, 0, 0, 0};
     moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, sums, nthreads);
 }
 
@@ -498,7 +553,7 @@ void infercore_moe_experts_q8(const uint16_t *x, int64_t T, int64_t H, int64_t I
                               const int64_t *gexp, const int64_t *goff, const int64_t *ptok, const float *pw,
                               uint16_t *h, uint16_t *act, uint16_t *y, float *acc, uint16_t *out, float *sums,
                               int nthreads) {
-    wdesc gu = {0, 0, gate_up_sz, H, gate_up, 0}, dn = {0, 0, down_sz, I, down, 0};
+    wdesc gu = {0, 0, gate_up_sz, H, gate_up, 0, 0}, dn = {0, 0, down_sz, I, down, 0, 0};
     moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, sums, nthreads);
 }
 
@@ -520,7 +575,7 @@ static void linear(const uint16_t *x, int64_t M, int64_t K, const wdesc *w, int6
 /* y [M, N] = x [M, K] @ w[N, K]^T, bf16, rows of w in blocks of RB across the threads (a dense decode GEMV) */
 void infercore_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, uint16_t *y,
                            int nthreads) {
-    wdesc d = {w, 0, 0, 0, 0, 0};
+    wdesc d = {w, 0, 0, 0, 0, 0, 0};
     linear(x, M, K, &d, N, y, 0, nthreads);
 }
 
@@ -528,20 +583,20 @@ void infercore_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
  * multiple of g; sums: M * K / g floats */
 void infercore_linear_q4(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                          int64_t N, uint16_t *y, float *sums, int nthreads) {
-    wdesc d = {0, w, sz, g, 0, 0};
+    wdesc d = {0, w, sz, g & ~KF, 0, 0, (g & KF) != 0};
     linear(x, M, K, &d, N, y, sums, nthreads);
 }
 
 /* The same over an INT8 weight in groups of g (dot_rows_q8): codes [N, K], sz [N, 2, K / g]; sums: M * K / g floats */
 void infercore_linear_q8(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                          int64_t N, uint16_t *y, float *sums, int nthreads) {
-    wdesc d = {0, 0, sz, g, w, 0};
+    wdesc d = {0, 0, sz, g & ~KF, w, 0, (g & KF) != 0};
     linear(x, M, K, &d, N, y, sums, nthreads);
 }
 
 void infercore_q8_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                         const float *sums, int64_t r0, int64_t r1, uint16_t *y, int64_t ldy) {
-    wdesc d = {0, 0, sz, g, w, 0};
+    wdesc d = {0, 0, sz, g & ~KF, w, 0, (g & KF) != 0};
     rows_range(&d, x, M, K, sums, r0, r1, y, ldy);
 }
 
@@ -554,7 +609,7 @@ void infercore_group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t g, fl
 
 void infercore_q4_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                         const float *sums, int64_t r0, int64_t r1, uint16_t *y, int64_t ldy) {
-    wdesc d = {0, w, sz, g, 0, 0};
+    wdesc d = {0, w, sz, g & ~KF, 0, 0, (g & KF) != 0};
     rows_range(&d, x, M, K, sums, r0, r1, y, ldy);
 }
 
@@ -563,28 +618,38 @@ void infercore_q4_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *
 void infercore_linear_q5(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                          int64_t N, uint16_t *y, float *sums, int nthreads) {
     (void)g; /* 32: the argument list of infercore_linear_q4 */
-    wdesc d = {0, w, sz, 32, 0, 1};
+    wdesc d = {0, w, sz, 32, 0, 1, 0};
     linear(x, M, K, &d, N, y, sums, nthreads);
 }
 
 void infercore_q5_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, const float *sums,
                         int64_t r0, int64_t r1, uint16_t *y, int64_t ldy) {
-    wdesc d = {0, w, sz, 32, 0, 1};
+    wdesc d = {0, w, sz, 32, 0, 1, 0};
     rows_range(&d, x, M, K, sums, r0, r1, y, ldy);
 }
 
 /* Rows [r0, r1) of an INT4 weight (kind 0: codes [N, Kp / 2] in the kernels' layout), an INT8 one (kind 1: codes
- * [N, Kp]) or a 5-bit one (kind 2: the INT4 codes, sz's third plane the fifth bits, g = 32) in groups of g, sz
+ * [N, Kp]) or a 5-bit one (kind 2: the INT4 codes, sz's third plane the fifth bits, g = 32) in groups of g (g | KF:
+ * sz in the two-level form, expand_kform), sz
  * [N, 2 (3), Kp / g], decoded to bf16 rows out [r1 - r0, Kp] (round to nearest even): w = (128 + q) scale + zero'
  * (INT4, 5-bit) or u scale + zero' + 2176 scale (INT8), the values the GEMVs multiply by. For prefill-sized row
  * counts: a slice decoded here, then a dense GEMM (quant/cpu.py). */
 void infercore_dequant_rows(const uint8_t *codes, const float *sz, int64_t Kp, int64_t g, int kind, int64_t r0,
                             int64_t r1, uint16_t *out, int nthreads) {
+    const int kf = (g & KF) != 0;
+    g &= ~KF;
     const int64_t nG = Kp / g, k64 = Kp / 64 * 64;
     const int q8 = kind == 1, q5 = kind == 2;
+    const int64_t stride = kf ? 2 * (Kp / 256) + nG / 2 : (q5 ? 3 : 2) * nG;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t r = r0; r < r1; r++) {
-        const float *sc = sz + r * (q5 ? 3 : 2) * nG, *ze = sc + nG;
+        float plain[kf ? 2 * nG : 1];
+        const float *sc = sz + r * stride;
+        if (kf) {
+            expand_kform(sc, Kp, g, q8 ? 2176.f : 128.f, plain);
+            sc = plain;
+        }
+        const float *ze = sc + nG;
         const uint32_t *hb = (const uint32_t *)(ze + nG);
         uint16_t *o = out + (r - r0) * Kp;
         if (q8) {

@@ -238,7 +238,28 @@ def moe_experts_bf16(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 
 Q4_GROUP = 128  # the MoE experts kernel's group (moe_experts_q4)
 Q4_GROUPS = (32, 64, 128, 256)  # the groups the INT4 GEMVs take (linear_q4, the fused decoder layer)
-Q5F = 65536  # the fused layer's group value of a 5-bit linear is Q5F + 32 (cpu_kernels.c)
+Q5F = 1 << 16  # the fused layer's group value of a 5-bit linear is Q5F | 32 (cpu_kernels.c)
+KF = 1 << 20  # a group value | KF: sz in the two-level form of the GGUF K-quants (cpu_experts.c, expand_kform)
+
+
+def operand_group(kp: int, sz: torch.Tensor) -> tuple[int, bool]:
+    """``(g, two_level)`` of native operands with ``kp`` input features: ``sz [N, 2 or 3, Kp / g]`` (plain), or
+    ``[N, 1, 2 Kp / 256 + Kp / g / 2]`` (the two-level form, :func:`_kform`: g 32 or 16)."""
+    if sz.shape[1] != 1:
+        return kp // sz.shape[2], False
+    g = {3 * kp: 32, 5 * kp: 16}.get(sz.shape[2] * 128)
+    if g is None or kp % 256:
+        raise ValueError(f"sz {tuple(sz.shape)}: not the two-level form of {kp} input features")
+    return g, True
+
+
+def _kform(d: torch.Tensor, z: torch.Tensor, sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The two-level form of a GGUF K-quant's scales and zeros, ``[N, 1, 2 nS + nG / 2]`` fp32: per row ``D``,
+    ``Z`` (fp32 ``[N, nS]``, per super-block of 256) then ``sc`` and ``m`` (int8 ``[N, nG]``, per group, their bytes
+    kept in the fp32 tensor), ``scale_j = D_b sc_j`` and ``zero_j = Z_b m_j``."""
+    n = d.shape[0]
+    return torch.cat([d.float(), z.float(), sc.to(torch.int8).reshape(n, -1).contiguous().view(torch.float32),
+                      m.to(torch.int8).reshape(n, -1).contiguous().view(torch.float32)], 1)[:, None].contiguous()
 
 
 def q4_supported() -> bool:
@@ -297,6 +318,20 @@ def gguf_bits(w) -> int | None:
     return 5 if w.qtype in ("q5_0", "q5_1", "q5_k") else 8
 
 
+def _k_levels(w) -> tuple[torch.Tensor, ...]:
+    """``(D, Z, sc, m)`` of :func:`_kform` for GGUF Q4_K (``d``, ``-dmin``, 6-bit scales and mins) or Q6_K blocks
+    (``d``, ``-32 d``, the int8 scales twice)."""
+    from ...quant.gguf import BLOCK_BYTES, _f16, _k_scale_min
+
+    n = w.raw.shape[0]
+    blocks = w.raw.cpu().reshape(n, -1, BLOCK_BYTES[w.qtype])
+    if w.qtype == "q4_k":
+        sc, mn = _k_scale_min(blocks[..., 4:16])
+        return _f16(blocks, 0), -_f16(blocks, 2), sc, mn
+    d, sc = _f16(blocks, 208), blocks[..., 192:208].contiguous().view(torch.int8)
+    return d, -32.0 * d, sc, sc
+
+
 def pack_gguf_q4(w) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The native INT4 operands (groups of 32) of GGUF blocks :func:`gguf_bits` gives 4 (a
     :class:`~infercore.quant.formats.GGUFWeight`): :func:`_q4_operands` of the blocks' 4-bit codes with, in fp32,
@@ -308,7 +343,10 @@ def pack_gguf_q4(w) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
     if w.qtype not in ("q4_0", "q4_1"):
         codes, scale, zero = w.affine()
-        return _q4_operands(codes, scale, zero + 8.0 * scale, 32)
+        q4, sz = _q4_operands(codes, scale, zero + 8.0 * scale, 32)
+        if w.qtype == "q4_k":  # the blocks' own 6-bit scales and mins under fp32 d and -dmin: 0.09 bytes a weight
+            return q4, _kform(*_k_levels(w))
+        return q4, sz
     n = w.raw.shape[0]
     nib, d, m = q4_parts(w.raw.reshape(n, -1, BLOCK_BYTES[w.qtype]), w.qtype)
     zero = torch.zeros_like(d) if w.qtype == "q4_0" else m + 8.0 * d
@@ -348,11 +386,12 @@ def _linear_quant(fn, name: str, x: torch.Tensor, codes: torch.Tensor, sz: torch
         raise ValueError(f"{name}: x must be [M, K] with K <= {kp} (the weight's input features), got "
                          f"{tuple(x.shape)}")
     M, K = x.shape
-    N, g = codes.shape[0], kp // sz.shape[2]
+    N, (g, two_level) = codes.shape[0], operand_group(kp, sz)
     x = torch.nn.functional.pad(x, (0, kp - K)) if kp > K else x.contiguous()
     y = torch.empty(M, N, dtype=torch.bfloat16)
     sums = torch.empty(M * kp // g, dtype=torch.float32)
-    fn(_ptr(x), M, kp, _ptr(codes), _ptr(sz), g, N, _ptr(y), _ptr(sums), torch.get_num_threads())
+    fn(_ptr(x), M, kp, _ptr(codes), _ptr(sz), g | (KF if two_level else 0), N, _ptr(y), _ptr(sums),
+       torch.get_num_threads())
     return y
 
 
@@ -412,6 +451,8 @@ def pack_gguf_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
     if w.qtype != "q8_0":
         codes, scale, zero = w.affine()
+        if w.qtype == "q6_k":  # its int8 scales under fp32 d (zero: -32 d sc): 0.08 bytes a weight
+            return codes.contiguous(), _kform(*_k_levels(w))
         return codes.contiguous(), torch.stack([scale, zero - 2176.0 * scale], 1).contiguous()
     n = w.raw.shape[0]
     blocks = w.raw.cpu().reshape(n, -1, BLOCK_BYTES["q8_0"])
@@ -441,17 +482,24 @@ def dequant_rows(codes: torch.Tensor, sz: torch.Tensor, bits: int, r0: int, r1: 
                         "[N, 2, groups]")
     if bits not in (4, 5, 8):
         raise ValueError(f"dequant_rows: bits must be 4, 5 or 8, got {bits!r}")
-    n, ng = codes.shape[0], sz.shape[2]
+    n = codes.shape[0]
     kp = codes.shape[1] * (1 if bits == 8 else 2)
-    if sz.shape[:2] != (n, 3 if bits == 5 else 2) or ng < 1 or kp % ng or (bits == 5 and kp != 32 * ng):
+    g, two_level = operand_group(kp, sz)
+    ng = kp // g if two_level else sz.shape[2]
+    if two_level:
+        ok = sz.shape[:2] == (n, 1) and kp % 256 == 0 and sz.shape[2] == 2 * kp // 256 + ng // 2 and bits != 5 \
+            and g == (32 if bits == 4 else 16)
+    else:
+        ok = sz.shape[:2] == (n, 3 if bits == 5 else 2) and ng >= 1 and kp % ng == 0 and (bits != 5 or kp == 32 * ng)
+    if not ok:
         raise ValueError(f"dequant_rows: sz {tuple(sz.shape)} does not fit codes {tuple(codes.shape)}")
     if not 0 <= r0 <= r1 <= n:
         raise ValueError(f"dequant_rows: rows [{r0}, {r1}) outside the weight's {n}")
     if out.dtype != torch.bfloat16 or not out.is_contiguous() or out.dim() != 2 or out.shape[0] < r1 - r0 \
             or out.shape[1] != kp:
         raise ValueError(f"dequant_rows: out must be a contiguous bf16 [>= {r1 - r0}, {kp}] tensor")
-    lib.infercore_dequant_rows(_ptr(codes), _ptr(sz), kp, kp // ng, {4: 0, 8: 1, 5: 2}[bits], r0, r1, _ptr(out),
-                               torch.get_num_threads())
+    lib.infercore_dequant_rows(_ptr(codes), _ptr(sz), kp, (kp // ng) | (KF if two_level else 0),
+                               {4: 0, 8: 1, 5: 2}[bits], r0, r1, _ptr(out), torch.get_num_threads())
     return out[: r1 - r0]
 
 
@@ -691,9 +739,10 @@ def layer_linear(lin, dtype: torch.dtype) -> tuple[int, int, int, int] | None:
         if ops is not None:
             codes, sz, bits = ops
             kp = codes.shape[1] * (1 if bits == 8 else 2)
-            g = kp // sz.shape[2]
-            # a negative group: INT8; Q5F + 32: 5-bit codes (cpu_kernels.c)
-            return codes.data_ptr(), sz.data_ptr(), {4: g, 5: Q5F + 32, 8: -g}[bits], kp
+            g, two_level = operand_group(kp, sz)
+            g |= KF if two_level else 0
+            # a negative group: INT8; Q5F | 32: 5-bit codes; | KF: two-level scales (cpu_kernels.c)
+            return codes.data_ptr(), sz.data_ptr(), {4: g, 5: Q5F | 32, 8: -g}[bits], kp
     return None
 
 

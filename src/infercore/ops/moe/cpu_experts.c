@@ -115,7 +115,7 @@ static inline int q4_code(const uint8_t *c, int64_t K, int64_t e) {
 #if !(defined(__AVX512BF16__) && defined(__AVX512BW__))
 /* The quantized rows without AVX512-BF16: group j of row m adds scale_j * sum_i c_i x_i + zero'_j * xsum_j, c_i the
  * value the vector kernels read for code i: 128 + q (INT4, q8 = 0; Q5, q5 = 1: q with its fifth bit) or u + 2176
- * (INT8, q8 = 1, see dot_q8_m) */
+ * (INT8, q8 = 1, see dot_q8_m; codes below 128, q8 = 2: u + 128) */
 static void dot_rows_scalar(const uint8_t *codes, const float *sz, const uint16_t *const *x, const float *const *xsum,
                             int M, int64_t K, int64_t g, int q8, int q5, float *y) {
     const int64_t nG = K / g;
@@ -125,7 +125,7 @@ static void dot_rows_scalar(const uint8_t *codes, const float *sz, const uint16_
         for (int64_t j = 0; j < nG; j++) {
             float a = 0.f;
             for (int64_t i = j * g; i < (j + 1) * g; i++)
-                a += (float)(q8 ? codes[i] + 2176
+                a += (float)(q8 ? codes[i] + (q8 == 2 ? 128 : 2176)
                                 : 128 + q4_code(codes, K, i) + (q5 ? 16 * (int)((hb[i / 32] >> (i % 32)) & 1) : 0)) *
                      bf16_to_f32(x[m][i]);
             t += a * sz[j] + xsum[m][j] * sz[nG + j];
@@ -310,14 +310,15 @@ static inline __attribute__((always_inline)) void q8_chunk(const uint8_t *codes,
 
 static inline __attribute__((always_inline)) void dot_q8_m(const uint8_t *codes, const float *sz,
                                                            const uint16_t *const *x, const float *const *xsum,
-                                                           const int M, int64_t K, int64_t g, float *y) {
+                                                           const int M, int64_t K, int64_t g, const int c7,
+                                                           float *y) {
     const int64_t nG = K / g;
     const float *scale = sz, *zero = sz + nG;
     const __m512 sixteen = _mm512_set1_ps(16.f);
     __m512 t[MB], lo[MB], hi[MB];
     for (int m = 0; m < M; m++) t[m] = _mm512_setzero_ps();
     int64_t j = 0;
-    if (g == 16) /* two groups a 32-element chunk: lanes 0-7 sum group j's pairs, lanes 8-15 group j + 1's */
+    if (g == 16 && !c7) /* two groups a 32-element chunk: lanes 0-7 sum group j's pairs, lanes 8-15 group j + 1's */
         for (; j + 2 <= nG; j += 2) {
             for (int m = 0; m < M; m++) lo[m] = hi[m] = _mm512_setzero_ps();
             q8_chunk(codes, x, j * 16, (__mmask32)0xffffffffu, M, lo, hi);
@@ -325,6 +326,25 @@ static inline __attribute__((always_inline)) void dot_q8_m(const uint8_t *codes,
                                                    _mm512_set1_ps(scale[j + 1]));
             for (int m = 0; m < M; m++) t[m] = _mm512_fmadd_ps(_mm512_fmadd_ps(hi[m], sixteen, lo[m]), sc, t[m]);
         }
+    if (c7) /* codes below 128 (GGUF Q6_K, groups of 16): each read as the bf16 of 128 + u, one product a weight */
+        for (; j + 2 <= nG; j += 2) {
+            const __m512i w7 = _mm512_or_si512(
+                _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(codes + j * 16))), _mm512_set1_epi16(0x4300));
+            const __m512 sc = _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(scale[j]),
+                                                   _mm512_set1_ps(scale[j + 1]));
+            for (int m = 0; m < M; m++)
+                t[m] = _mm512_fmadd_ps(dp0(x[m] + j * 16, w7), sc, t[m]);
+        }
+    if (c7 && j < nG) { /* an odd last group (no GGUF row has one: K is a multiple of 256) */
+        const __m512i w7 = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(0xffff, codes + j * 16)),
+                                           _mm512_set1_epi16(0x4300));
+        for (int m = 0; m < M; m++)
+            t[m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(),
+                                                    (__m512bh)_mm512_maskz_loadu_epi16(0xffff, x[m] + j * 16),
+                                                    (__m512bh)w7),
+                                   _mm512_set1_ps(scale[j]), t[m]);
+        j = nG;
+    }
     for (; j < nG; j++) {
         for (int m = 0; m < M; m++) lo[m] = hi[m] = _mm512_setzero_ps();
         const int64_t k1 = (j + 1) * g;
@@ -345,17 +365,22 @@ static inline __attribute__((always_inline)) void dot_q8_m(const uint8_t *codes,
 }
 #endif
 
+/* c7: codes below 128 in groups of 16 (the two-level form's INT8 rows, GGUF Q6_K), zero' = zero - 128 scale */
 static void dot_rows_q8(const uint8_t *codes, const float *sz, const uint16_t *const *x, const float *const *xsum,
-                        int M, int64_t K, int64_t g, float *y) {
+                        int M, int64_t K, int64_t g, int c7, float *y) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    switch (M) { /* the token count a constant in each copy: the accumulators stay in registers */
-    case 1: dot_q8_m(codes, sz, x, xsum, 1, K, g, y); return;
-    case 2: dot_q8_m(codes, sz, x, xsum, 2, K, g, y); return;
-    case 3: dot_q8_m(codes, sz, x, xsum, 3, K, g, y); return;
-    default: dot_q8_m(codes, sz, x, xsum, 4, K, g, y); return;
+#define Q8_M(C7)                                                                                                     \
+    switch (M) { /* the token count a constant in each copy: the accumulators stay in registers */                  \
+    case 1: dot_q8_m(codes, sz, x, xsum, 1, K, g, C7, y); return;                                                    \
+    case 2: dot_q8_m(codes, sz, x, xsum, 2, K, g, C7, y); return;                                                    \
+    case 3: dot_q8_m(codes, sz, x, xsum, 3, K, g, C7, y); return;                                                    \
+    default: dot_q8_m(codes, sz, x, xsum, 4, K, g, C7, y); return;                                                   \
     }
+    if (c7) Q8_M(1)
+    Q8_M(0)
+#undef Q8_M
 #else
-    dot_rows_scalar(codes, sz, x, xsum, M, K, g, 1, 0, y);
+    dot_rows_scalar(codes, sz, x, xsum, M, K, g, c7 ? 2 : 1, 0, y);
 #endif
 }
 
@@ -389,11 +414,11 @@ static void row_dot(const wdesc *w, int64_t row, int64_t K, const uint16_t *cons
     const float *sz = w->sz + row * sz_stride(w, K);
     float plain[w->kf ? 2 * (K / w->g) : 1];
     if (w->kf) {
-        expand_kform(sz, K, w->g, w->q8 ? 2176.f : 128.f, plain);
+        expand_kform(sz, K, w->g, 128.f, plain); /* INT8 rows of this form: codes below 128 (dot_rows_q8's c7) */
         sz = plain;
     }
     if (w->q8)
-        dot_rows_q8(w->q8 + row * K, sz, xs, ss, M, K, w->g, y);
+        dot_rows_q8(w->q8 + row * K, sz, xs, ss, M, K, w->g, w->kf, y);
     else
         dot_rows_q4(w->q4 + row * (K / 2), sz, xs, ss, M, K, w->g, w->q5, y);
 }
@@ -646,7 +671,7 @@ void infercore_dequant_rows(const uint8_t *codes, const float *sz, int64_t Kp, i
         float plain[kf ? 2 * nG : 1];
         const float *sc = sz + r * stride;
         if (kf) {
-            expand_kform(sc, Kp, g, q8 ? 2176.f : 128.f, plain);
+            expand_kform(sc, Kp, g, 128.f, plain);
             sc = plain;
         }
         const float *ze = sc + nG;
@@ -655,7 +680,7 @@ void infercore_dequant_rows(const uint8_t *codes, const float *sz, int64_t Kp, i
         if (q8) {
             const uint8_t *c = codes + r * Kp;
             for (int64_t j = 0; j < nG; j++) {
-                const float s = sc[j], z = ze[j] + 2176.f * s;
+                const float s = sc[j], z = ze[j] + (kf ? 128.f : 2176.f) * s;
                 for (int64_t i = j * g; i < (j + 1) * g; i++) o[i] = f32_to_bf16((float)c[i] * s + z);
             }
             continue;

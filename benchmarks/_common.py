@@ -11,6 +11,7 @@ Every metric is higher-is-better (TB/s, TFLOP/s, tok/s), so every ratio reads th
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -205,9 +206,15 @@ def env_info() -> dict[str, str]:
     except ImportError:
         triton_version = "none"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    # The host CPU: the machines lent for CPU runs differ (a 2-core AMD EPYC until 2026-12-05, then an Intel Xeon)
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     # Switches that change what runs (INFERCORE_PDL, INFERCORE_DECODE_FUSED_MERGE, ...) are part of the result.
     switches = {k: v for k, v in sorted(os.environ.items()) if k.startswith("INFERCORE_")}
-    return {"torch": torch.__version__, "triton": triton_version, "gpu": gpu, **switches}
+    return {"torch": torch.__version__, "triton": triton_version, "gpu": gpu, "cpu": f"{cpu} x{os.cpu_count()}",
+            **switches}
 
 
 def write_results(path: str, name: str, device: str, cases: list[dict[str, Any]],

@@ -7,11 +7,12 @@ kernels alone and the dense bf16 weight, same threads, same process.
    gate_up (3072 x 576); INT4 g128 with zero points, INT8 per channel and GGUF Q4_1 blocks. Peers: the reference,
    ATen's packed kernel alone (native kernels off) and ``F.linear`` on the dense bf16 weight. Floor (1 row): bytes
    of the weight as stored / the measured read bandwidth.
+   Where the native INT4 GEMV runs, also with 8-bit activations (``cpu_native.set_int8_activations``).
 2. Greedy decode of SmolLM2-135M-Instruct in bf16, batch 1 (decode rate as ``bench_cpu_decode.py``: prefill
    excluded): each scheme, and the checkpoint's own Q4_1 blocks run as stored (``gguf-native-q4_1``), through the
    fast path (the whole decoder stack in one native call), one call per layer, op by op, with every native kernel
    off and through the reference (``INFERCORE_BACKEND``), next to the unquantized model; llama.cpp on the same GGUF
-   file where llama-cpp-python is installed.
+   file where llama-cpp-python is installed. A scheme suffixed "+a8" runs its INT4 GEMVs on 8-bit activations.
 
     python benchmarks/bench_cpu_quant.py [--tokens 48] [--repeats 3]
 """
@@ -39,6 +40,7 @@ from infercore.quant import cpu as QC  # noqa: E402
 from infercore.quant.gguf_native import use_gguf_blocks  # noqa: E402
 
 REFERENCE = "quant.wq_matmul:reference"
+A8 = "+a8"  # a scheme's suffix: its INT4 GEMVs on 8-bit activations (cpu_native.set_int8_activations)
 NATIVE_Q4_1 = "gguf-native-q4_1"  # the checkpoint's own Q4_1 blocks (quant.gguf_native), not a requantization
 SHAPES = {"4096x4096": (4096, 4096), "smollm2 gate_up 3072x576": (3072, 576)}
 FORMATS = {  # name: the quantizer of a dense [N, K] weight
@@ -84,13 +86,20 @@ def linear_cases(ms: list[int], bw: float) -> list[dict]:
                 bf16 = calls_per_s(lambda: F.linear(x, wb))
                 with cpu_native.disabled():  # ATen's packed kernels alone (no native INT4 rows)
                     aten = calls_per_s(lambda: mm(x, w))
+                a8 = {}
+                if m <= QC.NATIVE_Q4_MAX_ROWS and QC.native_q4(w) is not None:  # the INT4 GEMV on 8-bit activations
+                    with cpu_native.int8_activations() as on:
+                        if on:
+                            a8 = dict(int8_activations_us=1e6 / calls_per_s(lambda: mm(x, w)))
                 row = case(f"{fname} {sname} M={m} bf16 activations", metric="linear calls", unit="calls/s",
                            ours=ours, peers={"reference (dequantize + matmul)": ref, "bf16 F.linear, dense": bf16},
                            floor=bw / nbytes if m == 1 else None, kernel=QC.cpu_kind(w), weight_bytes=nbytes,
                            ours_us=1e6 / ours, reference_us=1e6 / ref, bf16_us=1e6 / bf16, aten_us=1e6 / aten,
-                           native=m <= QC.NATIVE_Q4_MAX_ROWS and (QC.native_q4(w) or QC.native_q8(w)) is not None)
+                           native=m <= QC.NATIVE_Q4_MAX_ROWS and (QC.native_q4(w) or QC.native_q8(w)) is not None,
+                           **a8)
                 print(f"{row['case']}: {1e6 / ours:.0f} us (reference {1e6 / ref:.0f}, bf16 dense {1e6 / bf16:.0f}, "
-                      f"ATen alone {1e6 / aten:.0f})", flush=True)
+                      f"ATen alone {1e6 / aten:.0f}" + (f", 8-bit activations {a8['int8_activations_us']:.0f}" if a8
+                                                        else "") + ")", flush=True)
                 cases.append(row)
     return cases
 
@@ -141,6 +150,8 @@ def e2e_cases(schemes: list[str], tokens: int, repeats: int) -> list[dict]:
     cases = []
     dense_run = runner(base)
     for scheme in schemes:
+        # "+a8": the INT4 GEMVs on 8-bit activations (cpu_native.set_int8_activations) in the fast path's runs
+        scheme, a8 = (scheme[: -len(A8)], True) if scheme.endswith(A8) else (scheme, False)
         eng = Engine.from_pretrained(device="cpu", dtype=torch.bfloat16, enable_prefix_caching=False)
         # in place: the engine's runner holds the same modules
         if scheme == NATIVE_Q4_1:
@@ -148,18 +159,30 @@ def e2e_cases(schemes: list[str], tokens: int, repeats: int) -> list[dict]:
         else:
             quantize(eng.model, scheme)
         op = "quant.gguf_matmul" if scheme == NATIVE_Q4_1 else "quant.wq_matmul"
-        fast, ref, aten = runner(eng), runner(eng, f"{op}:reference"), runner(eng, ctx=cpu_native.disabled)
-        per_layer, op_by_op = runner(eng, ctx=cpu_native.layer_stack_disabled), runner(
-            eng, ctx=cpu_native.fused_layers_disabled)
+        def with_a8(ctx):  # the native paths of a "+a8" scheme on 8-bit activations
+            if not a8:
+                return ctx
+
+            @contextlib.contextmanager
+            def both():
+                with cpu_native.int8_activations(), ctx():
+                    yield
+            return both
+
+        fast = runner(eng, ctx=with_a8(contextlib.nullcontext))
+        ref, aten = runner(eng, f"{op}:reference"), runner(eng, ctx=cpu_native.disabled)
+        per_layer, op_by_op = runner(eng, ctx=with_a8(cpu_native.layer_stack_disabled)), runner(
+            eng, ctx=with_a8(cpu_native.fused_layers_disabled))
         same = fast(tokens) == ref(tokens)
         r_fast, r_ref, r_dense, r_aten, r_layer, r_ops = decode_rates([fast, ref, dense_run, aten, per_layer, op_by_op],
                                                                       tokens, repeats)  # fmt: skip
+        scheme += A8 if a8 else ""
         print(f"{scheme}: fast path {r_fast:.1f} tok/s (one native call per layer {r_layer:.1f}, op by op {r_ops:.1f}, "
               f"native host kernels off: {r_aten:.1f}), reference {r_ref:.1f}, unquantized bf16 {r_dense:.1f}; same "
               f"tokens as the reference: {same}", flush=True)
         peers = {"reference (dequantize + matmul)": r_ref, "unquantized bf16": r_dense}
         extra = {}
-        if scheme == NATIVE_Q4_1 and (lcpp := llama_cpp_runner(ids)) is not None:
+        if scheme.startswith(NATIVE_Q4_1) and (lcpp := llama_cpp_runner(ids)) is not None:
             # the same file's blocks through llama.cpp, timed interleaved with ours
             r_fast2, r_lcpp = decode_rates([fast, lcpp[0]], tokens, repeats)
             agree = sum(a == b for a, b in zip(fast(tokens), lcpp[0](tokens)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -32,6 +33,19 @@ def _cpu_kv_bytes(args: argparse.Namespace) -> int:
     return int(gb * (1 << 30))
 
 
+def _int8_activations(args: argparse.Namespace) -> None:
+    """``--int8-activations``: the native CPU INT4 GEMVs on 8-bit activations (``cpu_native.set_int8_activations``),
+    in this process and in tensor-parallel ranks (through the environment). ``ValueError`` where the host cannot."""
+    if not getattr(args, "int8_activations", False):
+        return
+    from .ops.moe import cpu_native
+
+    if not cpu_native.set_int8_activations(True):
+        raise ValueError("--int8-activations needs the native CPU kernels with AVX512-VNNI (native kernels: "
+                         f"{cpu_native.status()})")
+    os.environ["INFERCORE_CPU_INT8_ACTIVATIONS"] = "1"
+
+
 def _generate(args: argparse.Namespace) -> int:
     from .engine import Engine, SamplingParams
 
@@ -49,6 +63,7 @@ def _generate(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         _cpu_kv_bytes(args)  # checked before the ranks start
+        _int8_activations(args)
         if args.tensor_parallel != 1 or getattr(args, "expert_parallel", False):
             return _spawn_tp(args, params)
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
@@ -192,6 +207,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         _cpu_kv_bytes(args)
+        _int8_activations(args)
         if args.tensor_parallel != 1 or getattr(args, "expert_parallel", False):
             return _spawn_tp(args, None)
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
@@ -262,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="'gguf': run a GGUF file's Q4_0 / Q4_1 / Q8_0 linears as stored; or a weight scheme of "
                             "infercore.quant.SCHEMES (e.g. w4a16-g128, w8a16, fp8-wo); the dtype then defaults to "
                             "bfloat16, which the packed CPU kernels take (default: dense weights)")
+        q.add_argument("--int8-activations", action="store_true",
+                       help="on the CPU, the INT4 / GGUF Q4 linears' decode rows take activations rounded to 8 bits "
+                            "in blocks of 32 (llama.cpp's design; AVX512-VNNI): faster where bf16 dot products are "
+                            "slow, not the bf16 activations' values (default: off)")
         q.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
                        help="KV cache storage: auto (the model's dtype), int8 or fp8 with per-token scales")
         q.add_argument("--tensor-parallel", type=int, default=1, metavar="N",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -166,6 +167,32 @@ def test_cli_passes_the_sampling_flags(capsys, monkeypatch):
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.presence_penalty,
             p.frequency_penalty, p.seed, p.max_tokens) == (0.5, 0.9, 7, 0.05, 1.1, 0.5, -0.25, 3, 9)
 
+
+
+def test_cli_int8_activations_flag(capsys, monkeypatch):
+    """--int8-activations switches the native CPU INT4 GEMVs to 8-bit activations before the load (and for the
+    ranks through the environment); where the host cannot, it says so and loads nothing."""
+    from infercore.engine import Engine
+    from infercore.ops.moe import cpu_native
+
+    seen = {}
+
+    def load(path, **kw):
+        seen["on"] = cpu_native.int8_activations_on()
+        return Engine.__new__(Engine)
+
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(load))
+    monkeypatch.setattr(Engine, "stream", lambda self, prompt, params, chat=True: iter(()))
+    monkeypatch.setenv("INFERCORE_CPU_INT8_ACTIVATIONS", "0")  # restored (unset) after the test
+    try:
+        assert cli.main(["generate", "hi", "--int8-activations"]) == 0
+        assert seen["on"] and os.environ["INFERCORE_CPU_INT8_ACTIVATIONS"] == "1"
+    finally:
+        cpu_native.set_int8_activations(False)
+    monkeypatch.setattr(cpu_native, "set_int8_activations", lambda on: False)  # a host without AVX512-VNNI
+    seen.clear()
+    assert cli.main(["generate", "hi", "--int8-activations"]) == 2
+    assert "--int8-activations needs" in capsys.readouterr().err and not seen
 
 
 def test_cli_checks_quantization_before_loading(capsys, tmp_path):

@@ -77,17 +77,24 @@ _QUANT = [("w4a16-g128", {}), (_G32, {"hidden_size": 96, "intermediate_size": 16
           ("gguf-q4_1", {"hidden_size": 96, "intermediate_size": 160}), ("gguf-q4_0", {}),
           ("w8a16", {"hidden_size": 80, "intermediate_size": 136}),  # INT8: K % 32 != 0, the masked tail
           ("gguf-q8_0", {}), ("gguf-kquants", {"hidden_size": 256, "intermediate_size": 512}),
-          ("gguf-mixed", {"hidden_size": 256, "intermediate_size": 512})]
+          ("gguf-mixed", {"hidden_size": 256, "intermediate_size": 512}),
+          # "+a8": the INT4 GEMVs on 8-bit activations (cpu_native.set_int8_activations), fused and op by op alike
+          ("w4a16-g128+a8", {}), ("gguf-q4_1+a8", {"hidden_size": 96, "intermediate_size": 160}),
+          ("gguf-mixed+a8", {"hidden_size": 256, "intermediate_size": 512})]
 
 
 @pytest.mark.parametrize("dtype,scheme,cfg", [(torch.float32, None, {}), (torch.bfloat16, None, {})]
                          + [(torch.bfloat16, s, c) for s, c in _QUANT])
 @pytest.mark.parametrize("kind,kcfg", [("llama", {}), ("mistral", {"sliding_window": 8})])
 @pytest.mark.parametrize("stack", [True, False])
-def test_fused_decode_equals_the_op_by_op_path(kind, kcfg, dtype, scheme, cfg, stack, tmp_path, monkeypatch):
+def test_fused_decode_equals_the_op_by_op_path(kind, kcfg, dtype, scheme, cfg, stack, tmp_path, monkeypatch, request):
     """Fused: all layers in one call (``llama_decode_layers``), or (stack=False) one call per layer."""
     if scheme is not None:
         assert cpu_native.q4_supported(), cpu_native.status()  # the CI machine has AVX512-BF16
+    if isinstance(scheme, str) and scheme.endswith("+a8"):
+        scheme = scheme[: -len("+a8")]
+        request.addfinalizer(lambda: cpu_native.set_int8_activations(False))
+        assert cpu_native.set_int8_activations(True)  # AVX512-VNNI, as AVX512-BF16 above
     fused_model, ops_model = _models(kind, dtype, tmp_path, scheme, **kcfg, **cfg)
     if not stack:
         monkeypatch.setattr(cpu_native, "_layer_stack_on", False)  # as within cpu_native.layer_stack_disabled()

@@ -209,6 +209,68 @@ def test_q4_linear_runs_gguf_blocks(qtype, K):
     assert cpu_native.pack_gguf_q4(GGUFWeight.quantize(torch.randn(16, 64), qtype="q8_0")) is None
 
 
+def _a8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """What the INT4 GEMV computes with 8-bit activations, in fp32: x rounded to int8 in blocks of 32 (scale
+    max |x| / 127, nearest even) against ``codes * scale``, plus the exact bf16 x against the zeros (``w = codes *
+    scale + zero``, scale / zero ``[N, K / g]``)."""
+    M, K = x.shape
+    N, g = codes.shape[0], K // scale.shape[1]
+    xb = x.float().reshape(M, K // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    xq = (torch.round(xb * inv) * (amax / 127)).reshape(M, K)
+    ws = (codes.float().reshape(N, K // g, g) * scale[..., None]).reshape(N, K)
+    wz = zero[..., None].expand(N, K // g, g).reshape(N, K)
+    return xq @ ws.T + x.float() @ wz.T
+
+
+@pytest.mark.parametrize("fmt", ["int4 g32", "int4 g64", "int4 g128", "int4 g256", "q4_0", "q4_1", "q4_k"])
+@pytest.mark.parametrize("K", [96, 512])
+def test_int4_gemv_with_8bit_activations(fmt, K):
+    """``set_int8_activations``: the INT4 GEMV over int8 activations (vpdpbusd) gives the int8 reference's values
+    (bf16 output rounding apart), differs from the bf16-activation path, and is off again outside the block."""
+    from infercore.quant.formats import GGUFWeight, IntWeight
+
+    assert cpu_native.q4_supported(), cpu_native.status()
+    if fmt == "q4_k" and K % 256 or fmt == "int4 g256" and K == 96:
+        K = 512
+    g = torch.Generator().manual_seed(K + len(fmt))
+    dense = torch.randn(40, K, generator=g) * K**-0.5
+    if fmt.startswith("int4"):
+        w = IntWeight.quantize(dense, bits=4, group_size=int(fmt[6:]))
+        if w.padded_in_features != K:
+            K = w.padded_in_features
+            w = IntWeight.quantize(torch.randn(40, K, generator=g) * K**-0.5, bits=4, group_size=int(fmt[6:]))
+        codes, sz = cpu_native.pack_q4(w)
+        s = w.scales.float()
+        u, scale, zero = w.codes(), s, -w.zero_points() * s  # w = (u - z) s
+    else:
+        w = GGUFWeight.quantize(dense, qtype=fmt) if fmt != "q4_k" else _q4k_blocks(40, K, g)
+        codes, sz = cpu_native.pack_gguf_q4(w)
+        u, scale, zero = w.affine()
+    for M in (1, 2, 3, 4):
+        x = torch.randn(M, K, generator=g).bfloat16()
+        plain = cpu_native.linear_q4(x, codes, sz)
+        with cpu_native.int8_activations() as on:
+            assert on
+            got = cpu_native.linear_q4(x, codes, sz)
+        assert not cpu_native.int8_activations_on()
+        want = _a8_reference(x, u, scale, zero)
+        err = (got.float() - want).abs().max() / want.abs().max()
+        assert err < 2**-7, (M, float(err))
+        assert not torch.equal(got, plain)  # the 8-bit path ran
+        assert torch.equal(cpu_native.linear_q4(x, codes, sz), plain)
+
+
+def _q4k_blocks(n: int, k: int, g: torch.Generator):
+    from infercore.quant.formats import GGUFWeight
+
+    raw = torch.randint(0, 256, (n, k // 256, 144), generator=g, dtype=torch.uint8)
+    for off in (0, 2):  # finite fp16 d and dmin
+        raw[..., off : off + 2] = ((torch.rand(n, k // 256, 1, generator=g) * 2 - 1) * 1e-3).half().view(torch.uint8)
+    return GGUFWeight.from_blocks(raw, "q4_k")
+
+
 @pytest.mark.parametrize("N,K", [(64, 256), (48, 100), (16, 576), (32, 8)])
 def test_q8_linear_matches_the_dequantized_weight(N, K):
     from infercore.quant.api import quantize_weight

@@ -328,6 +328,8 @@ static inline void gemv_par(const void *x, int64_t M, int64_t K, const void *w, 
 }
 
 void infercore_group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t g, float *sums);
+void infercore_act_prep(const uint16_t *x, int64_t M, int64_t K, int64_t g, int a8, float *out);
+int infercore_a8_active(void);
 void infercore_q4_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                         const float *sums, int64_t r0, int64_t r1, uint16_t *y, int64_t ldy);
 void infercore_q8_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
@@ -339,6 +341,7 @@ void infercore_q5_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *
  * two-level form of the GGUF K-quants (passed on with g: the ranges take it) */
 #define Q5F ((int64_t)1 << 16)
 #define KF ((int64_t)1 << 20)
+#define A8F ((int64_t)1 << 21) /* INT4 rows against 8-bit activations (infercore_set_a8) */
 
 static inline int64_t group_of(int64_t g) { return (g > 0 ? g : -g) & (Q5F - 1); }
 
@@ -361,7 +364,10 @@ static void lin_par(const void *x, int64_t M, int64_t K, const int64_t *L, int64
             memcpy(xp + t * kp, (const uint16_t *)x + t * K, 2 * (size_t)K);
             memset(xp + t * kp + K, 0, 2 * (size_t)(kp - K));
         }
-    infercore_group_sums(xs, M, kp, group_of(g), sums);
+    /* INT4 linears take 8-bit activations where they are switched on (read once a linear): their rows' group sums
+     * then followed by the 8-bit rows (infercore_act_prep) */
+    const int a8 = g > 0 && !(g & Q5F) && infercore_a8_active();
+    infercore_act_prep(xs, M, kp, group_of(g), a8, sums);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < (N + GEMV_RB - 1) / GEMV_RB; b++) {
         const int64_t r1 = (b + 1) * GEMV_RB < N ? (b + 1) * GEMV_RB : N;
@@ -369,7 +375,8 @@ static void lin_par(const void *x, int64_t M, int64_t K, const int64_t *L, int64
             infercore_q5_range(xs, M, kp, (const uint8_t *)L[0], (const float *)L[1], sums, b * GEMV_RB, r1,
                                (uint16_t *)y, N);
         else if (g > 0)
-            infercore_q4_range(xs, M, kp, (const uint8_t *)L[0], (const float *)L[1], g, sums, b * GEMV_RB, r1,
+            infercore_q4_range(xs, M, kp, (const uint8_t *)L[0], (const float *)L[1], a8 ? g | A8F : g, sums,
+                               b * GEMV_RB, r1,
                                (uint16_t *)y, N);
         else
             infercore_q8_range(xs, M, kp, (const uint8_t *)L[0], (const float *)L[1], -g, sums, b * GEMV_RB, r1,
@@ -435,7 +442,8 @@ static void quant_sizes(const int64_t *lin, int64_t *kpmax, int64_t *gsums) {
     for (int l = 0; l < 4; l++)
         if (lin[4 * l + 2]) {
             *kpmax = lin[4 * l + 3] > *kpmax ? lin[4 * l + 3] : *kpmax;
-            const int64_t ng = lin[4 * l + 3] / group_of(lin[4 * l + 2]);
+            /* the group sums, and room for 8-bit activations (infercore_act_prep: Kp / 2 floats more) */
+            const int64_t ng = lin[4 * l + 3] / group_of(lin[4 * l + 2]) + lin[4 * l + 3] / 2;
             *gsums = ng > *gsums ? ng : *gsums;
         }
 }

@@ -191,6 +191,106 @@ static inline __attribute__((always_inline)) void dot_q4_g(const uint8_t *codes,
 #endif
 
 #define KF ((int64_t)1 << 20) /* an entry point's g | KF: sz in the two-level form (expand_kform) */
+#define A8F ((int64_t)1 << 21) /* an INT4 entry point's g | A8F: 8-bit activations (infercore_act_prep) */
+
+/* 8-bit activations (opt-in, infercore_set_a8): a token row of K in blocks of 32, x_i ~ dx_b * xq_i with dx_b =
+ * max |x| / 127 over the block and xq_i = round(x_i / dx_b) (nearest even; 0 where the block is all zeros). A row's
+ * activation data (infercore_act_prep), act_floats(K, g, 1) floats: the exact group sums [K / g] (bf16 x, for the
+ * zeros), then dxv [K / 4]: per span of 64 the 16 lanes' dx (lanes 0-7 the span's first block, 8-15 its second; a
+ * 32-element tail's 8 lanes its one block), then xq [K] (int8). INT4 rows then take, per span, one u8 x s8 dot
+ * product instruction (vpdpbusd) over the codes q in [0, 16) for 64 weights: sum_i w_i x_i ~ sum_j scale_j
+ * sum_b dx_b sum_i q_i xq_i + (zero'_j + 128 scale_j) xsum_j, exact integer products, fp32 sums. */
+static inline int64_t act_floats(int64_t K, int64_t g, int a8) { return K / g + (a8 ? K / 2 : 0); }
+
+static void act_prep_row(const uint16_t *x, int64_t K, int64_t g, int a8, float *out) {
+    for (int64_t j = 0; j < K / g; j++) {
+        float s = 0.f;
+        for (int64_t i = 0; i < g; i++) s += bf16_to_f32(x[j * g + i]);
+        out[j] = s;
+    }
+    if (!a8) return;
+    float *dxv = out + K / g;
+    int8_t *xq = (int8_t *)(dxv + K / 4);
+    for (int64_t b = 0; b < K / 32; b++) {
+        float amax = 0.f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(bf16_to_f32(x[32 * b + i])));
+        const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        for (int i = 0; i < 32; i++) {
+            const float q = nearbyintf(bf16_to_f32(x[32 * b + i]) * inv);
+            xq[32 * b + i] = (int8_t)(q > 127.f ? 127.f : q < -127.f ? -127.f : q);
+        }
+        /* block b: lanes 8 (b % 2) .. + 7 of span b / 2; a tail block (K % 64 = 32) fills its span's lanes 0-7 */
+        for (int l = 0; l < 8; l++) dxv[16 * (b / 2) + 8 * (b % 2) + l] = dx;
+    }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define HAVE_A8 1
+static inline __attribute__((always_inline)) void dot_q4a8_g(const uint8_t *codes, const float *sz,
+                                                             const float *const *act, const int M, int64_t K,
+                                                             const int64_t g, float *y) {
+    const int64_t nG = K / g, k64 = K / 64 * 64;
+    const float *scale = sz, *zero = sz + nG;
+    const __m512i lo4 = _mm512_set1_epi8(0x0f);
+    __m512 t[MB];
+    const float *dxv[MB];
+    const int8_t *xq[MB];
+    for (int m = 0; m < M; m++) {
+        t[m] = _mm512_setzero_ps();
+        dxv[m] = act[m] + nG;
+        xq[m] = (const int8_t *)(dxv[m] + K / 4);
+    }
+    for (int64_t s = 0; s < k64 / 64; s++) {
+        /* bytes 0-31: the span's elements 0-31 (low nibbles), 32-63: elements 32-63 (high nibbles) */
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(codes + 32 * s)));
+        const __m512i q = _mm512_and_si512(_mm512_mask_srli_epi16(v, (__mmask32)0xffff0000u, v, 4), lo4);
+        const __m512 sc = g == 32 ? _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(scale[2 * s]),
+                                                         _mm512_set1_ps(scale[2 * s + 1]))
+                                  : _mm512_set1_ps(scale[64 * s / g]);
+        for (int m = 0; m < M; m++) {
+            const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(xq[m] + 64 * s));
+            const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(d), _mm512_loadu_ps(dxv[m] + 16 * s));
+            t[m] = _mm512_fmadd_ps(f, sc, t[m]);
+        }
+    }
+    if (k64 < K) { /* g = 32: the last group in 16 bytes, byte b holding elements b and 16 + b */
+        const __m128i v = _mm_loadu_si128((const __m128i *)(codes + k64 / 2)), l4 = _mm_set1_epi8(0x0f);
+        const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, l4)),
+                                                  _mm_and_si128(_mm_srli_epi16(v, 4), l4), 1);
+        for (int m = 0; m < M; m++) {
+            const __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q,
+                                                  _mm256_loadu_si256((const __m256i *)(xq[m] + k64)));
+            const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_loadu_ps(dxv[m] + 16 * (k64 / 64)));
+            t[m] = _mm512_add_ps(t[m], _mm512_castps256_ps512(_mm256_mul_ps(f, _mm256_set1_ps(scale[nG - 1]))));
+        }
+    }
+    const __m512 b128 = _mm512_set1_ps(128.f);
+    for (int m = 0; m < M; m++) {
+        __m512 z = t[m];
+        for (int64_t j = 0; j < nG; j += 16) {
+            const __mmask16 k = nG - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nG - j)) - 1);
+            const __m512 zj = _mm512_fmadd_ps(b128, _mm512_maskz_loadu_ps(k, scale + j), _mm512_maskz_loadu_ps(k, zero + j));
+            z = _mm512_fmadd_ps(zj, _mm512_maskz_loadu_ps(k, act[m] + j), z);
+        }
+        y[m] = _mm512_reduce_add_ps(z);
+    }
+}
+#else
+#define HAVE_A8 0
+#endif
+
+/* 8-bit activations for the INT4 GEMVs: 0 off (the default), 1 on where the host has AVX512-VNNI */
+static int a8_on = 0;
+int infercore_set_a8(int on) {
+    a8_on = on && HAVE_A8;
+    return a8_on;
+}
+int infercore_a8_active(void) { return a8_on; }
+
+/* The rows of M tokens' activation data (act_prep_row), each act_floats(K, g, a8) floats */
+void infercore_act_prep(const uint16_t *x, int64_t M, int64_t K, int64_t g, int a8, float *out) {
+    for (int64_t r = 0; r < M; r++) act_prep_row(x + r * K, K, g, a8, out + r * act_floats(K, g, a8));
+}
 
 /* A row's sz in the two-level form of the GGUF K-quants, [D nS][Z nS] fp32 then [sc nG][m nG] int8 (nS = K / 256
  * super-blocks of S = 256 / g groups; K a multiple of 256), as the plain form [scale nG][zero' nG]: scale_j = D_b
@@ -235,9 +335,29 @@ static inline __attribute__((always_inline)) float dot_q4_row(const uint8_t *cod
 
 /* One token against rows [r0, r1) of an INT4 weight (rows of K), the results rounded to bf16. One row a pass: four
  * a pass (the token's loads shared) read weights larger than the cache at half the rate. */
-static void q4_token_rows(const uint8_t *codes, const float *sz, int64_t g, int q5, int kf, const uint16_t *x,
-                          const float *xsum, int64_t K, int64_t r0, int64_t r1, uint16_t *out) {
+static void q4_token_rows(const uint8_t *codes, const float *sz, int64_t g, int q5, int kf, int a8,
+                          const uint16_t *x, const float *xsum, int64_t K, int64_t r0, int64_t r1, uint16_t *out) {
     const int64_t cs = K / 2, ss = kf ? 2 * (K / 256) + K / 64 : (q5 ? 3 : 2) * (K / g);
+#if HAVE_A8
+    if (a8) { /* 8-bit activations (xsum: the row's activation data) */
+        float plain[kf ? 2 * (K / 32) : 1], y;
+        for (int64_t r = r0; r < r1; r++) {
+            const float *rs = sz + r * ss;
+            if (kf) {
+                expand_kform(rs, K, 32, 128.f, plain);
+                rs = plain;
+            }
+            if (g == 32 || kf) dot_q4a8_g(codes + r * cs, rs, &xsum, 1, K, 32, &y);
+            else if (g == 64) dot_q4a8_g(codes + r * cs, rs, &xsum, 1, K, 64, &y);
+            else if (g == 128) dot_q4a8_g(codes + r * cs, rs, &xsum, 1, K, 128, &y);
+            else dot_q4a8_g(codes + r * cs, rs, &xsum, 1, K, 256, &y);
+            out[r] = f32_to_bf16(y);
+        }
+        return;
+    }
+#else
+    (void)a8;
+#endif
     if (kf) { /* the two-level form (groups of 32): each row's plain scales and zeros first */
         float plain[2 * (K / 32)];
         for (int64_t r = r0; r < r1; r++) {
@@ -266,7 +386,25 @@ static void q4_token_rows(const uint8_t *codes, const float *sz, int64_t g, int 
 #endif
 
 static void dot_rows_q4(const uint8_t *codes, const float *sz, const uint16_t *const *x, const float *const *xsum,
-                        int M, int64_t K, int64_t g, int q5, float *y) {
+                        int M, int64_t K, int64_t g, int q5, int a8, float *y) {
+#if HAVE_A8
+#define A8_M(G)                                                                                                      \
+    switch (M) {                                                                                                     \
+    case 1: dot_q4a8_g(codes, sz, xsum, 1, K, G, y); return;                                                         \
+    case 2: dot_q4a8_g(codes, sz, xsum, 2, K, G, y); return;                                                         \
+    case 3: dot_q4a8_g(codes, sz, xsum, 3, K, G, y); return;                                                         \
+    default: dot_q4a8_g(codes, sz, xsum, 4, K, G, y); return;                                                        \
+    }
+    if (a8) switch (g) {
+        case 32: A8_M(32)
+        case 64: A8_M(64)
+        case 128: A8_M(128)
+        default: A8_M(256)
+        }
+#undef A8_M
+#else
+    (void)a8;
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define Q4_M(G, Q5)                                                                                                  \
     switch (M) { /* the token count a constant too: the accumulators stay in registers */                           \
@@ -394,6 +532,7 @@ typedef struct {
     const uint8_t *q8;
     int q5; /* INT4 codes with a plane of fifth bits after the scales and zeros (q4 set, g = 32) */
     int kf; /* sz in the two-level form of expand_kform (g = 32 INT4, g = 16 INT8) */
+    int a8; /* INT4 rows against 8-bit activations (dot_q4a8_g; q5 = 0) */
 } wdesc;
 
 /* sz floats a row of K takes: the plain form's 2 (3 with fifth bits) planes of K / g, or the two-level form's */
@@ -403,7 +542,7 @@ static inline int64_t sz_stride(const wdesc *w, int64_t K) {
 
 
 /* group sums a token row of K needs for w: K / g (quantized), 0 (bf16) */
-static inline int64_t sum_groups(const wdesc *w, int64_t K) { return w->q4 || w->q8 ? K / w->g : 0; }
+static inline int64_t sum_groups(const wdesc *w, int64_t K) { return w->q4 || w->q8 ? act_floats(K, w->g, w->a8) : 0; }
 
 static void row_dot(const wdesc *w, int64_t row, int64_t K, const uint16_t *const *xs, const float *const *ss, int M,
                     float *y) {
@@ -420,7 +559,7 @@ static void row_dot(const wdesc *w, int64_t row, int64_t K, const uint16_t *cons
     if (w->q8)
         dot_rows_q8(w->q8 + row * K, sz, xs, ss, M, K, w->g, w->kf, y);
     else
-        dot_rows_q4(w->q4 + row * (K / 2), sz, xs, ss, M, K, w->g, w->q5, y);
+        dot_rows_q4(w->q4 + row * (K / 2), sz, xs, ss, M, K, w->g, w->q5, w->a8, y);
 }
 
 /* sums[j] = sum of x over group j of g (the zero term of INT4 rows), a row of K */
@@ -438,7 +577,7 @@ static void unit_gemv(const wdesc *w, int64_t base, int64_t K, int64_t r0, int64
     float y[MB];
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if (n == 1 && w->q4) { /* one token: its own copy, accumulators in registers */
-        q4_token_rows(w->q4 + base * (K / 2), w->sz + base * sz_stride(w, K), w->g, w->q5, w->kf, xs[0], ss[0], K,
+        q4_token_rows(w->q4 + base * (K / 2), w->sz + base * sz_stride(w, K), w->g, w->q5, w->kf, w->a8, xs[0], ss[0], K,
                       r0, r1, out);
         return;
     }
@@ -539,7 +678,7 @@ void infercore_moe_experts_bf16(const uint16_t *x, int64_t T, int64_t H, int64_t
                                 const uint16_t *down, int64_t G, const int64_t *gexp, const int64_t *goff,
                                 const int64_t *ptok, const float *pw, uint16_t *h, uint16_t *act, uint16_t *y,
                                 float *acc, uint16_t *out, int nthreads) {
-    wdesc gu = {gate_up, 0, 0, 0, 0, 0, 0}, dn = {down, 0, 0, 0, 0, 0, 0};
+    wdesc gu = {gate_up, 0, 0, 0, 0, 0, 0, 0}, dn = {down, 0, 0, 0, 0, 0, 0, 0};
     moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, 0, nthreads);
 }
 
@@ -550,7 +689,7 @@ void infercore_moe_experts_q4(const uint16_t *x, int64_t T, int64_t H, int64_t I
                               const int64_t *gexp, const int64_t *goff, const int64_t *ptok, const float *pw,
                               uint16_t *h, uint16_t *act, uint16_t *y, float *acc, uint16_t *out, float *sums,
                               int nthreads) {
-    wdesc gu = {0, gate_up, gate_up_sz, Q4G, 0, 0, 0}, dn = {0, down, down_sz, Q4G, 0, 0, 0};
+    wdesc gu = {0, gate_up, gate_up_sz, Q4G, 0, 0, 0, 0}, dn = {0, down, down_sz, Q4G, 0, 0, 0, 0};
     moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, sums, nthreads);
 }
 
@@ -578,7 +717,7 @@ void infercore_moe_experts_q8(const uint16_t *x, int64_t T, int64_t H, int64_t I
                               const int64_t *gexp, const int64_t *goff, const int64_t *ptok, const float *pw,
                               uint16_t *h, uint16_t *act, uint16_t *y, float *acc, uint16_t *out, float *sums,
                               int nthreads) {
-    wdesc gu = {0, 0, gate_up_sz, H, gate_up, 0, 0}, dn = {0, 0, down_sz, I, down, 0, 0};
+    wdesc gu = {0, 0, gate_up_sz, H, gate_up, 0, 0, 0}, dn = {0, 0, down_sz, I, down, 0, 0, 0};
     moe_experts(x, T, H, I, &gu, &dn, G, gexp, goff, ptok, pw, h, act, y, acc, out, sums, nthreads);
 }
 
@@ -587,10 +726,10 @@ static void linear(const uint16_t *x, int64_t M, int64_t K, const wdesc *w, int6
     const int64_t nb = (N + RB - 1) / RB;
 #pragma omp parallel num_threads(nthreads)
     {
-        if (w->q4 || w->q8) { /* sums: [M, K / g] */
+        if (w->q4 || w->q8) { /* sums: [M, act_floats(K, g, a8)] */
             const int64_t ng = sum_groups(w, K);
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < M; r++) group_sums(x + r * K, K, K / ng, sums + r * ng);
+            for (int64_t r = 0; r < M; r++) act_prep_row(x + r * K, K, w->g, w->a8, sums + r * ng);
         }
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nb; b++) rows_range(w, x, M, K, sums, b * RB, (b + 1) * RB < N ? (b + 1) * RB : N, y, N);
@@ -600,7 +739,7 @@ static void linear(const uint16_t *x, int64_t M, int64_t K, const wdesc *w, int6
 /* y [M, N] = x [M, K] @ w[N, K]^T, bf16, rows of w in blocks of RB across the threads (a dense decode GEMV) */
 void infercore_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, uint16_t *y,
                            int nthreads) {
-    wdesc d = {w, 0, 0, 0, 0, 0, 0};
+    wdesc d = {w, 0, 0, 0, 0, 0, 0, 0};
     linear(x, M, K, &d, N, y, 0, nthreads);
 }
 
@@ -608,20 +747,20 @@ void infercore_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
  * multiple of g; sums: M * K / g floats */
 void infercore_linear_q4(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                          int64_t N, uint16_t *y, float *sums, int nthreads) {
-    wdesc d = {0, w, sz, g & ~KF, 0, 0, (g & KF) != 0};
+    wdesc d = {0, w, sz, g & ~(KF | A8F), 0, 0, (g & KF) != 0, (g & A8F) != 0 && HAVE_A8};
     linear(x, M, K, &d, N, y, sums, nthreads);
 }
 
 /* The same over an INT8 weight in groups of g (dot_rows_q8): codes [N, K], sz [N, 2, K / g]; sums: M * K / g floats */
 void infercore_linear_q8(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                          int64_t N, uint16_t *y, float *sums, int nthreads) {
-    wdesc d = {0, 0, sz, g & ~KF, w, 0, (g & KF) != 0};
+    wdesc d = {0, 0, sz, g & ~KF, w, 0, (g & KF) != 0, 0};
     linear(x, M, K, &d, N, y, sums, nthreads);
 }
 
 void infercore_q8_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                         const float *sums, int64_t r0, int64_t r1, uint16_t *y, int64_t ldy) {
-    wdesc d = {0, 0, sz, g & ~KF, w, 0, (g & KF) != 0};
+    wdesc d = {0, 0, sz, g & ~KF, w, 0, (g & KF) != 0, 0};
     rows_range(&d, x, M, K, sums, r0, r1, y, ldy);
 }
 
@@ -634,7 +773,7 @@ void infercore_group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t g, fl
 
 void infercore_q4_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                         const float *sums, int64_t r0, int64_t r1, uint16_t *y, int64_t ldy) {
-    wdesc d = {0, w, sz, g & ~KF, 0, 0, (g & KF) != 0};
+    wdesc d = {0, w, sz, g & ~(KF | A8F), 0, 0, (g & KF) != 0, (g & A8F) != 0 && HAVE_A8};
     rows_range(&d, x, M, K, sums, r0, r1, y, ldy);
 }
 
@@ -643,13 +782,13 @@ void infercore_q4_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *
 void infercore_linear_q5(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                          int64_t N, uint16_t *y, float *sums, int nthreads) {
     (void)g; /* 32: the argument list of infercore_linear_q4 */
-    wdesc d = {0, w, sz, 32, 0, 1, 0};
+    wdesc d = {0, w, sz, 32, 0, 1, 0, 0};
     linear(x, M, K, &d, N, y, sums, nthreads);
 }
 
 void infercore_q5_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, const float *sums,
                         int64_t r0, int64_t r1, uint16_t *y, int64_t ldy) {
-    wdesc d = {0, w, sz, 32, 0, 1, 0};
+    wdesc d = {0, w, sz, 32, 0, 1, 0, 0};
     rows_range(&d, x, M, K, sums, r0, r1, y, ldy);
 }
 

@@ -98,6 +98,9 @@ def _build() -> ctypes.CDLL:
     dll.infercore_linear_f32.argtypes = [_P, _I64, _I64, _P, _I64, _P, _INT]
     dll.infercore_linear_f32.restype = None
     dll.infercore_native_isa.restype = _INT
+    dll.infercore_set_a8.argtypes = [_INT]
+    dll.infercore_set_a8.restype = _INT
+    dll.infercore_a8_active.restype = _INT
     dll.infercore_read_pass.argtypes = [_P, _I64, _INT]
     dll.infercore_read_pass.restype = ctypes.c_uint64
     _F = ctypes.c_float
@@ -139,7 +142,37 @@ def _load_locked():
                 _lib = _build()
             except Exception as e:  # noqa: BLE001 - any build / load failure leaves the ATen paths in place
                 _error = f"{type(e).__name__}: {e}"
+            if _lib is not None and os.environ.get("INFERCORE_CPU_INT8_ACTIVATIONS", "0") == "1":
+                _lib.infercore_set_a8(1)
     return _lib
+
+
+def set_int8_activations(on: bool) -> bool:
+    """Switch the native INT4 GEMVs (INT4 groups, GGUF Q4_0 / Q4_1 / Q4_K; standalone and in the fused decoder
+    layers) to 8-bit activations, llama.cpp's design: each token row rounded to int8 in blocks of 32 with an fp32
+    scale per block (``max |x| / 127``), the products taken by AVX512-VNNI's ``vpdpbusd`` (64 u8 x s8 products an
+    instruction) instead of bf16 dot products (32). Off by default: the activations' rounding changes the results
+    (the zeros' term keeps the exact bf16 sums). Also on at load with ``INFERCORE_CPU_INT8_ACTIVATIONS=1``. Returns
+    whether it is on: False where the host has no AVX512-VNNI or the native kernels are unavailable."""
+    lib = _load()
+    return bool(lib.infercore_set_a8(int(bool(on)))) if lib is not None else False
+
+
+def int8_activations_on() -> bool:
+    """Whether the native INT4 GEMVs take 8-bit activations now (:func:`set_int8_activations`)."""
+    lib = _load()
+    return lib is not None and bool(lib.infercore_a8_active())
+
+
+@contextmanager
+def int8_activations(on: bool = True):
+    """:func:`set_int8_activations` within a block, the previous setting restored after it."""
+    before = int8_activations_on()
+    set_int8_activations(on)
+    try:
+        yield int8_activations_on()
+    finally:
+        set_int8_activations(before)
 
 
 @contextmanager
@@ -240,6 +273,7 @@ Q4_GROUP = 128  # the MoE experts kernel's group (moe_experts_q4)
 Q4_GROUPS = (32, 64, 128, 256)  # the groups the INT4 GEMVs take (linear_q4, the fused decoder layer)
 Q5F = 1 << 16  # the fused layer's group value of a 5-bit linear is Q5F | 32 (cpu_kernels.c)
 KF = 1 << 20  # a group value | KF: sz in the two-level form of the GGUF K-quants (cpu_experts.c, expand_kform)
+A8F = 1 << 21  # an INT4 GEMV's group value | A8F: 8-bit activations (set_int8_activations)
 
 
 def operand_group(kp: int, sz: torch.Tensor) -> tuple[int, bool]:
@@ -377,9 +411,11 @@ def moe_experts_q8(x: torch.Tensor, gate_up: tuple[torch.Tensor, torch.Tensor],
     return _moe(lib.infercore_moe_experts_q8, x, H, I2 // 2, args, weights, ids, E, expert_offset, groups=(1, 1))
 
 
-def _linear_quant(fn, name: str, x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, kp: int) -> torch.Tensor:
+def _linear_quant(fn, name: str, x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, kp: int,
+                  int4: bool = False) -> torch.Tensor:
     """One native INT4 / INT8 GEMV call ``fn`` over operands with ``kp`` (padded) input features: ``x [M, K]`` bf16
-    on the CPU, ``K <= kp`` (zero-padded to kp here) -> ``[M, N]`` bf16. Bad ``x``: ``TypeError`` / ``ValueError``."""
+    on the CPU, ``K <= kp`` (zero-padded to kp here) -> ``[M, N]`` bf16 (``int4``: ``fn`` the INT4 GEMV, which takes
+    8-bit activations where they are on). Bad ``x``: ``TypeError`` / ``ValueError``."""
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.device.type != "cpu":
         raise TypeError(f"{name}: x must be a bf16 CPU tensor, got {getattr(x, 'dtype', type(x))}")
     if x.dim() != 2 or x.shape[1] > kp:
@@ -389,8 +425,10 @@ def _linear_quant(fn, name: str, x: torch.Tensor, codes: torch.Tensor, sz: torch
     N, (g, two_level) = codes.shape[0], operand_group(kp, sz)
     x = torch.nn.functional.pad(x, (0, kp - K)) if kp > K else x.contiguous()
     y = torch.empty(M, N, dtype=torch.bfloat16)
-    sums = torch.empty(M * kp // g, dtype=torch.float32)
-    fn(_ptr(x), M, kp, _ptr(codes), _ptr(sz), g | (KF if two_level else 0), N, _ptr(y), _ptr(sums),
+    # the rows' group sums, and for 8-bit activations their int8 rows and block scales (cpu_experts.c, act_floats)
+    a8 = A8F if int4 and _need().infercore_a8_active() else 0
+    sums = torch.empty(M * (kp // g + (kp // 2 if a8 else 0)), dtype=torch.float32)
+    fn(_ptr(x), M, kp, _ptr(codes), _ptr(sz), g | (KF if two_level else 0) | a8, N, _ptr(y), _ptr(sums),
        torch.get_num_threads())
     return y
 
@@ -398,7 +436,7 @@ def _linear_quant(fn, name: str, x: torch.Tensor, codes: torch.Tensor, sz: torch
 def linear_q4(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ dequant(w)^T`` for bf16 ``x`` and :func:`pack_q4` / :func:`pack_gguf_q4`'s operands
     ``[N, Kp / 2]`` / ``[N, 2, Kp / g]`` (``x`` zero-padded to Kp) -> ``[M, N]`` bf16."""
-    return _linear_quant(_need().infercore_linear_q4, "linear_q4", x, codes, sz, codes.shape[1] * 2)
+    return _linear_quant(_need().infercore_linear_q4, "linear_q4", x, codes, sz, codes.shape[1] * 2, int4=True)
 
 
 def pack_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -78,9 +78,11 @@ _QUANT = [("w4a16-g128", {}), (_G32, {"hidden_size": 96, "intermediate_size": 16
           ("w8a16", {"hidden_size": 80, "intermediate_size": 136}),  # INT8: K % 32 != 0, the masked tail
           ("gguf-q8_0", {}), ("gguf-kquants", {"hidden_size": 256, "intermediate_size": 512}),
           ("gguf-mixed", {"hidden_size": 256, "intermediate_size": 512}),
-          # "+a8": the INT4 GEMVs on 8-bit activations (cpu_native.set_int8_activations), fused and op by op alike
+          # "+a8": the INT4 / INT8 GEMVs on 8-bit activations (cpu_native.set_int8_activations), fused and op by op
+          # alike
           ("w4a16-g128+a8", {}), ("gguf-q4_1+a8", {"hidden_size": 96, "intermediate_size": 160}),
-          ("gguf-mixed+a8", {"hidden_size": 256, "intermediate_size": 512})]
+          ("gguf-mixed+a8", {"hidden_size": 256, "intermediate_size": 512}), ("gguf-q8_0+a8", {}),
+          ("w8a16+a8", {"hidden_size": 80, "intermediate_size": 136})]  # K % 64 != 0: INT8 keeps bf16 there
 
 
 @pytest.mark.parametrize("dtype,scheme,cfg", [(torch.float32, None, {}), (torch.bfloat16, None, {})]

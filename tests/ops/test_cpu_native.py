@@ -262,6 +262,48 @@ def test_int4_gemv_with_8bit_activations(fmt, K):
         assert torch.equal(cpu_native.linear_q4(x, codes, sz), plain)
 
 
+@pytest.mark.parametrize("fmt", ["w8a16", "q8_0", "q6_k"])
+@pytest.mark.parametrize("K", [96, 512])
+def test_int8_gemv_with_8bit_activations(fmt, K):
+    """The INT8 GEMV on 8-bit activations where K is a multiple of 64 (per-channel w8a16, GGUF Q8_0 blocks, Q6_K in
+    the two-level form), the int8 reference's values; with other K it keeps bf16 activations."""
+    from infercore.quant.formats import GGUFWeight, IntWeight
+
+    assert cpu_native.q4_supported(), cpu_native.status()
+    K = 512 if fmt == "q6_k" else K  # whole super-blocks of 256
+    g = torch.Generator().manual_seed(K + len(fmt))
+    dense = torch.randn(40, K, generator=g) * K**-0.5
+    if fmt == "w8a16":
+        w = IntWeight.quantize(dense, bits=8, group_size=None, symmetric=True, clip_search=False)
+        codes, sz = cpu_native.pack_q8(w)
+        s = w.scales.float()
+        u, scale, zero = w.codes(), s, -w.zero_points() * s
+    else:
+        w = GGUFWeight.quantize(dense, qtype="q8_0") if fmt == "q8_0" else _q6k_blocks(40, K, g)
+        codes, sz = cpu_native.pack_gguf_q8(w)
+        u, scale, zero = w.affine()
+    for M in (1, 2, 4):
+        x = torch.randn(M, K, generator=g).bfloat16()
+        plain = cpu_native.linear_q8(x, codes, sz)
+        with cpu_native.int8_activations():
+            got = cpu_native.linear_q8(x, codes, sz)
+        if K % 64:
+            assert torch.equal(got, plain)
+            continue
+        want = _a8_reference(x, u, scale, zero)
+        err = (got.float() - want).abs().max() / want.abs().max()
+        assert err < 2**-7, (M, float(err))
+        assert not torch.equal(got, plain)
+
+
+def _q6k_blocks(n: int, k: int, g: torch.Generator):
+    from infercore.quant.formats import GGUFWeight
+
+    raw = torch.randint(0, 256, (n, k // 256, 210), generator=g, dtype=torch.uint8)
+    raw[..., 208:210] = ((torch.rand(n, k // 256, 1, generator=g) * 2 - 1) * 1e-3).half().view(torch.uint8)
+    return GGUFWeight.from_blocks(raw, "q6_k")
+
+
 def _q4k_blocks(n: int, k: int, g: torch.Generator):
     from infercore.quant.formats import GGUFWeight
 

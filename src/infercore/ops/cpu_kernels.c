@@ -364,9 +364,9 @@ static void lin_par(const void *x, int64_t M, int64_t K, const int64_t *L, int64
             memcpy(xp + t * kp, (const uint16_t *)x + t * K, 2 * (size_t)K);
             memset(xp + t * kp + K, 0, 2 * (size_t)(kp - K));
         }
-    /* INT4 linears take 8-bit activations where they are switched on (read once a linear): their rows' group sums
-     * then followed by the 8-bit rows (infercore_act_prep) */
-    const int a8 = g > 0 && !(g & Q5F) && infercore_a8_active();
+    /* INT4 and INT8 linears (INT8: Kp a multiple of 64) take 8-bit activations where they are switched on (read
+     * once a linear): their rows' group sums then followed by the 8-bit rows (infercore_act_prep) */
+    const int a8 = (g > 0 ? !(g & Q5F) : kp % 64 == 0) && infercore_a8_active();
     infercore_act_prep(xs, M, kp, group_of(g), a8, sums);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < (N + GEMV_RB - 1) / GEMV_RB; b++) {
@@ -379,7 +379,8 @@ static void lin_par(const void *x, int64_t M, int64_t K, const int64_t *L, int64
                                b * GEMV_RB, r1,
                                (uint16_t *)y, N);
         else
-            infercore_q8_range(xs, M, kp, (const uint8_t *)L[0], (const float *)L[1], -g, sums, b * GEMV_RB, r1,
+            infercore_q8_range(xs, M, kp, (const uint8_t *)L[0], (const float *)L[1], a8 ? -g | A8F : -g, sums,
+                               b * GEMV_RB, r1,
                                (uint16_t *)y, N);
     }
 }

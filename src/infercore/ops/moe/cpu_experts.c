@@ -503,9 +503,72 @@ static inline __attribute__((always_inline)) void dot_q8_m(const uint8_t *codes,
 }
 #endif
 
-/* c7: codes below 128 in groups of 16 (the two-level form's INT8 rows, GGUF Q6_K), zero' = zero - 128 scale */
+#if HAVE_A8
+/* INT8 rows (groups g of 16, 32 or a multiple of 64; K a multiple of 64) against 8-bit activations (act: the rows'
+ * act_prep_row data): per span of 64 one vpdpbusd of the u8 codes with the int8 rows, lane l summing elements
+ * 4l..4l+3 (lanes 0-7 the span's first block of 32, 8-15 its second, as dxv), scaled by the block's dx and the lane's
+ * group scale; the zeros' term zero'_j + bias scale_j (bias 2176, or 128 for the two-level form: c7) against the
+ * exact sums. */
+static inline __attribute__((always_inline)) void dot_q8a8_g(const uint8_t *codes, const float *sz,
+                                                             const float *const *act, const int M, int64_t K,
+                                                             const int64_t g, const int c7, float *y) {
+    const int64_t nG = K / g;
+    const float *scale = sz, *zero = sz + nG;
+    const __m512i quads = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                  halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 t[MB];
+    const float *dxv[MB];
+    const int8_t *xq[MB];
+    for (int m = 0; m < M; m++) {
+        t[m] = _mm512_setzero_ps();
+        dxv[m] = act[m] + nG;
+        xq[m] = (const int8_t *)(dxv[m] + K / 4);
+    }
+    for (int64_t s = 0; s < K / 64; s++) {
+        const __m512i q = _mm512_loadu_si512((const void *)(codes + 64 * s));
+        const __m512 sc = g == 16   ? _mm512_permutexvar_ps(quads, _mm512_castps128_ps512(_mm_loadu_ps(scale + 4 * s)))
+                          : g == 32 ? _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(
+                                                                        _mm_load_sd((const double *)(scale + 2 * s)))))
+                                    : _mm512_set1_ps(scale[64 * s / g]);
+        for (int m = 0; m < M; m++) {
+            const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(xq[m] + 64 * s));
+            t[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), _mm512_loadu_ps(dxv[m] + 16 * s)), sc, t[m]);
+        }
+    }
+    const __m512 bias = _mm512_set1_ps(c7 ? 128.f : 2176.f);
+    for (int m = 0; m < M; m++) {
+        __m512 z = t[m];
+        for (int64_t j = 0; j < nG; j += 16) {
+            const __mmask16 k = nG - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nG - j)) - 1);
+            const __m512 zj = _mm512_fmadd_ps(bias, _mm512_maskz_loadu_ps(k, scale + j), _mm512_maskz_loadu_ps(k, zero + j));
+            z = _mm512_fmadd_ps(zj, _mm512_maskz_loadu_ps(k, act[m] + j), z);
+        }
+        y[m] = _mm512_reduce_add_ps(z);
+    }
+}
+#endif
+
+/* c7: codes below 128 in groups of 16 (the two-level form's INT8 rows, GGUF Q6_K), zero' = zero - 128 scale; a8:
+ * against 8-bit activations (dot_q8a8_g; K a multiple of 64, g 16, 32 or a multiple of 64) */
 static void dot_rows_q8(const uint8_t *codes, const float *sz, const uint16_t *const *x, const float *const *xsum,
-                        int M, int64_t K, int64_t g, int c7, float *y) {
+                        int M, int64_t K, int64_t g, int c7, int a8, float *y) {
+#if HAVE_A8
+#define A8_M(G)                                                                                                      \
+    switch (M) {                                                                                                     \
+    case 1: dot_q8a8_g(codes, sz, xsum, 1, K, G, c7, y); return;                                                     \
+    case 2: dot_q8a8_g(codes, sz, xsum, 2, K, G, c7, y); return;                                                     \
+    case 3: dot_q8a8_g(codes, sz, xsum, 3, K, G, c7, y); return;                                                     \
+    default: dot_q8a8_g(codes, sz, xsum, 4, K, G, c7, y); return;                                                    \
+    }
+    if (a8) {
+        if (g == 16) A8_M(16)
+        if (g == 32) A8_M(32)
+        A8_M(g) /* a multiple of 64 */
+    }
+#undef A8_M
+#else
+    (void)a8;
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define Q8_M(C7)                                                                                                     \
     switch (M) { /* the token count a constant in each copy: the accumulators stay in registers */                  \
@@ -532,7 +595,7 @@ typedef struct {
     const uint8_t *q8;
     int q5; /* INT4 codes with a plane of fifth bits after the scales and zeros (q4 set, g = 32) */
     int kf; /* sz in the two-level form of expand_kform (g = 32 INT4, g = 16 INT8) */
-    int a8; /* INT4 rows against 8-bit activations (dot_q4a8_g; q5 = 0) */
+    int a8; /* INT4 / INT8 rows against 8-bit activations (dot_q4a8_g, dot_q8a8_g; q5 = 0, INT8: K % 64 = 0) */
 } wdesc;
 
 /* sz floats a row of K takes: the plain form's 2 (3 with fifth bits) planes of K / g, or the two-level form's */
@@ -557,7 +620,7 @@ static void row_dot(const wdesc *w, int64_t row, int64_t K, const uint16_t *cons
         sz = plain;
     }
     if (w->q8)
-        dot_rows_q8(w->q8 + row * K, sz, xs, ss, M, K, w->g, w->kf, y);
+        dot_rows_q8(w->q8 + row * K, sz, xs, ss, M, K, w->g, w->kf, w->a8, y);
     else
         dot_rows_q4(w->q4 + row * (K / 2), sz, xs, ss, M, K, w->g, w->q5, w->a8, y);
 }
@@ -754,13 +817,13 @@ void infercore_linear_q4(const uint16_t *x, int64_t M, int64_t K, const uint8_t 
 /* The same over an INT8 weight in groups of g (dot_rows_q8): codes [N, K], sz [N, 2, K / g]; sums: M * K / g floats */
 void infercore_linear_q8(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                          int64_t N, uint16_t *y, float *sums, int nthreads) {
-    wdesc d = {0, 0, sz, g & ~KF, w, 0, (g & KF) != 0, 0};
+    wdesc d = {0, 0, sz, g & ~(KF | A8F), w, 0, (g & KF) != 0, (g & A8F) != 0 && HAVE_A8 && K % 64 == 0};
     linear(x, M, K, &d, N, y, sums, nthreads);
 }
 
 void infercore_q8_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                         const float *sums, int64_t r0, int64_t r1, uint16_t *y, int64_t ldy) {
-    wdesc d = {0, 0, sz, g & ~KF, w, 0, (g & KF) != 0, 0};
+    wdesc d = {0, 0, sz, g & ~(KF | A8F), w, 0, (g & KF) != 0, (g & A8F) != 0 && HAVE_A8 && K % 64 == 0};
     rows_range(&d, x, M, K, sums, r0, r1, y, ldy);
 }
 

@@ -148,18 +148,19 @@ def _load_locked():
 
 
 def set_int8_activations(on: bool) -> bool:
-    """Switch the native INT4 GEMVs (INT4 groups, GGUF Q4_0 / Q4_1 / Q4_K; standalone and in the fused decoder
-    layers) to 8-bit activations, llama.cpp's design: each token row rounded to int8 in blocks of 32 with an fp32
-    scale per block (``max |x| / 127``), the products taken by AVX512-VNNI's ``vpdpbusd`` (64 u8 x s8 products an
-    instruction) instead of bf16 dot products (32). Off by default: the activations' rounding changes the results
-    (the zeros' term keeps the exact bf16 sums). Also on at load with ``INFERCORE_CPU_INT8_ACTIVATIONS=1``. Returns
-    whether it is on: False where the host has no AVX512-VNNI or the native kernels are unavailable."""
+    """Switch the native INT4 GEMVs (INT4 groups, GGUF Q4_0 / Q4_1 / Q4_K) and INT8 ones over rows of a multiple of
+    64 (w8a16, GGUF Q8_0 / Q6_K / "mixed"), standalone and in the fused decoder layers, to 8-bit activations,
+    llama.cpp's design: each token row rounded to int8 in blocks of 32 with an fp32 scale per block (``max |x| /
+    127``), the products taken by AVX512-VNNI's ``vpdpbusd`` (64 u8 x s8 products an instruction, exact in int32)
+    instead of bf16 dot products (32). Off by default: the activations' rounding changes the results (the zeros'
+    term keeps the exact bf16 sums). Also on at load with ``INFERCORE_CPU_INT8_ACTIVATIONS=1``. Returns whether it is
+    on: False where the host has no AVX512-VNNI or the native kernels are unavailable."""
     lib = _load()
     return bool(lib.infercore_set_a8(int(bool(on)))) if lib is not None else False
 
 
 def int8_activations_on() -> bool:
-    """Whether the native INT4 GEMVs take 8-bit activations now (:func:`set_int8_activations`)."""
+    """Whether the native INT4 / INT8 GEMVs take 8-bit activations now (:func:`set_int8_activations`)."""
     lib = _load()
     return lib is not None and bool(lib.infercore_a8_active())
 
@@ -412,10 +413,10 @@ def moe_experts_q8(x: torch.Tensor, gate_up: tuple[torch.Tensor, torch.Tensor],
 
 
 def _linear_quant(fn, name: str, x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, kp: int,
-                  int4: bool = False) -> torch.Tensor:
+                  a8_ok: bool = False) -> torch.Tensor:
     """One native INT4 / INT8 GEMV call ``fn`` over operands with ``kp`` (padded) input features: ``x [M, K]`` bf16
-    on the CPU, ``K <= kp`` (zero-padded to kp here) -> ``[M, N]`` bf16 (``int4``: ``fn`` the INT4 GEMV, which takes
-    8-bit activations where they are on). Bad ``x``: ``TypeError`` / ``ValueError``."""
+    on the CPU, ``K <= kp`` (zero-padded to kp here) -> ``[M, N]`` bf16 (``a8_ok``: ``fn`` takes 8-bit activations
+    here where they are on). Bad ``x``: ``TypeError`` / ``ValueError``."""
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.device.type != "cpu":
         raise TypeError(f"{name}: x must be a bf16 CPU tensor, got {getattr(x, 'dtype', type(x))}")
     if x.dim() != 2 or x.shape[1] > kp:
@@ -426,7 +427,7 @@ def _linear_quant(fn, name: str, x: torch.Tensor, codes: torch.Tensor, sz: torch
     x = torch.nn.functional.pad(x, (0, kp - K)) if kp > K else x.contiguous()
     y = torch.empty(M, N, dtype=torch.bfloat16)
     # the rows' group sums, and for 8-bit activations their int8 rows and block scales (cpu_experts.c, act_floats)
-    a8 = A8F if int4 and _need().infercore_a8_active() else 0
+    a8 = A8F if a8_ok and _need().infercore_a8_active() else 0
     sums = torch.empty(M * (kp // g + (kp // 2 if a8 else 0)), dtype=torch.float32)
     fn(_ptr(x), M, kp, _ptr(codes), _ptr(sz), g | (KF if two_level else 0) | a8, N, _ptr(y), _ptr(sums),
        torch.get_num_threads())
@@ -436,7 +437,7 @@ def _linear_quant(fn, name: str, x: torch.Tensor, codes: torch.Tensor, sz: torch
 def linear_q4(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ dequant(w)^T`` for bf16 ``x`` and :func:`pack_q4` / :func:`pack_gguf_q4`'s operands
     ``[N, Kp / 2]`` / ``[N, 2, Kp / g]`` (``x`` zero-padded to Kp) -> ``[M, N]`` bf16."""
-    return _linear_quant(_need().infercore_linear_q4, "linear_q4", x, codes, sz, codes.shape[1] * 2, int4=True)
+    return _linear_quant(_need().infercore_linear_q4, "linear_q4", x, codes, sz, codes.shape[1] * 2, a8_ok=True)
 
 
 def pack_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -502,7 +503,8 @@ def pack_gguf_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
 def linear_q8(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ dequant(w)^T`` for bf16 ``x`` and :func:`pack_q8` / :func:`pack_gguf_q8`'s operands ``[N, Kp]`` /
     ``[N, 2, Kp / g]`` (``x`` zero-padded to Kp) -> ``[M, N]`` bf16."""
-    return _linear_quant(_need().infercore_linear_q8, "linear_q8", x, codes, sz, codes.shape[1])
+    kp = codes.shape[1]  # 8-bit activations where Kp is a multiple of 64
+    return _linear_quant(_need().infercore_linear_q8, "linear_q8", x, codes, sz, kp, a8_ok=kp % 64 == 0)
 
 
 def dequant_rows(codes: torch.Tensor, sz: torch.Tensor, bits: int, r0: int, r1: int,

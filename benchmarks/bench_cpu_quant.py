@@ -7,7 +7,7 @@ kernels alone and the dense bf16 weight, same threads, same process.
    gate_up (3072 x 576); INT4 g128 with zero points, INT8 per channel and GGUF Q4_1 blocks. Peers: the reference,
    ATen's packed kernel alone (native kernels off) and ``F.linear`` on the dense bf16 weight. Floor (1 row): bytes
    of the weight as stored / the measured read bandwidth.
-   Where the native INT4 GEMV runs, also with 8-bit activations (``cpu_native.set_int8_activations``).
+   Where the native INT4 / INT8 GEMVs run, also with 8-bit activations (``cpu_native.set_int8_activations``).
 2. Greedy decode of SmolLM2-135M-Instruct in bf16, batch 1 (decode rate as ``bench_cpu_decode.py``: prefill
    excluded): each scheme, and the checkpoint's own Q4_1 blocks run as stored (``gguf-native-q4_1``), through the
    fast path (the whole decoder stack in one native call), one call per layer, op by op, with every native kernel
@@ -47,6 +47,7 @@ FORMATS = {  # name: the quantizer of a dense [N, K] weight
     "int4 g128": lambda d: IntWeight.quantize(d, clip_search=False, bits=4, group_size=128),
     "int8 per channel": lambda d: IntWeight.quantize(d, clip_search=False, bits=8, group_size=None, symmetric=True),
     "gguf q4_1": lambda d: GGUFWeight.quantize(d, qtype="q4_1"),
+    "gguf q8_0": lambda d: GGUFWeight.quantize(d, qtype="q8_0"),
 }
 
 
@@ -87,7 +88,7 @@ def linear_cases(ms: list[int], bw: float) -> list[dict]:
                 with cpu_native.disabled():  # ATen's packed kernels alone (no native INT4 rows)
                     aten = calls_per_s(lambda: mm(x, w))
                 a8 = {}
-                if m <= QC.NATIVE_Q4_MAX_ROWS and QC.native_q4(w) is not None:  # the INT4 GEMV on 8-bit activations
+                if m <= QC.NATIVE_Q4_MAX_ROWS and (QC.native_q4(w) or QC.native_q8(w)) is not None:  # 8-bit acts
                     with cpu_native.int8_activations() as on:
                         if on:
                             a8 = dict(int8_activations_us=1e6 / calls_per_s(lambda: mm(x, w)))
@@ -208,7 +209,7 @@ def main() -> None:
     args = ap.parse_args()
     bw = read_bandwidth()
     cases = linear_cases([int(v) for v in args.ms.split(",")], bw)
-    cases += e2e_cases(args.schemes.split(","), args.tokens, args.repeats)
+    cases += e2e_cases([s for s in args.schemes.split(",") if s], args.tokens, args.repeats)
     write_results(args.out, "cpu_quant", "cpu", cases, extra={"read_bandwidth_GBps": bw / 1e9})
 
 

@@ -226,6 +226,22 @@ static void act_prep_row(const uint16_t *x, int64_t K, int64_t g, int a8, float 
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define HAVE_A8 1
+/* y[m] = the lanes of t[m] plus the zeros' term: sum_j (zero'_j + bias scale_j) xsum_j (xsum: act[m], exact) */
+static inline __attribute__((always_inline)) void a8_finish(const __m512 *t, const float *const *act,
+                                                            const float *scale, const float *zero, int64_t nG,
+                                                            float bias, const int M, float *y) {
+    const __m512 b = _mm512_set1_ps(bias);
+    for (int m = 0; m < M; m++) {
+        __m512 z = t[m];
+        for (int64_t j = 0; j < nG; j += 16) {
+            const __mmask16 k = nG - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nG - j)) - 1);
+            const __m512 zj = _mm512_fmadd_ps(b, _mm512_maskz_loadu_ps(k, scale + j), _mm512_maskz_loadu_ps(k, zero + j));
+            z = _mm512_fmadd_ps(zj, _mm512_maskz_loadu_ps(k, act[m] + j), z);
+        }
+        y[m] = _mm512_reduce_add_ps(z);
+    }
+}
+
 static inline __attribute__((always_inline)) void dot_q4a8_g(const uint8_t *codes, const float *sz,
                                                              const float *const *act, const int M, int64_t K,
                                                              const int64_t g, float *y) {
@@ -264,22 +280,13 @@ static inline __attribute__((always_inline)) void dot_q4a8_g(const uint8_t *code
             t[m] = _mm512_add_ps(t[m], _mm512_castps256_ps512(_mm256_mul_ps(f, _mm256_set1_ps(scale[nG - 1]))));
         }
     }
-    const __m512 b128 = _mm512_set1_ps(128.f);
-    for (int m = 0; m < M; m++) {
-        __m512 z = t[m];
-        for (int64_t j = 0; j < nG; j += 16) {
-            const __mmask16 k = nG - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nG - j)) - 1);
-            const __m512 zj = _mm512_fmadd_ps(b128, _mm512_maskz_loadu_ps(k, scale + j), _mm512_maskz_loadu_ps(k, zero + j));
-            z = _mm512_fmadd_ps(zj, _mm512_maskz_loadu_ps(k, act[m] + j), z);
-        }
-        y[m] = _mm512_reduce_add_ps(z);
-    }
+    a8_finish(t, act, scale, zero, nG, 128.f, M, y);
 }
 #else
 #define HAVE_A8 0
 #endif
 
-/* 8-bit activations for the INT4 GEMVs: 0 off (the default), 1 on where the host has AVX512-VNNI */
+/* 8-bit activations for the INT4 / INT8 GEMVs: 0 off (the default), 1 on where the host has AVX512-VNNI */
 static int a8_on = 0;
 int infercore_set_a8(int on) {
     a8_on = on && HAVE_A8;
@@ -535,16 +542,7 @@ static inline __attribute__((always_inline)) void dot_q8a8_g(const uint8_t *code
             t[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), _mm512_loadu_ps(dxv[m] + 16 * s)), sc, t[m]);
         }
     }
-    const __m512 bias = _mm512_set1_ps(c7 ? 128.f : 2176.f);
-    for (int m = 0; m < M; m++) {
-        __m512 z = t[m];
-        for (int64_t j = 0; j < nG; j += 16) {
-            const __mmask16 k = nG - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nG - j)) - 1);
-            const __m512 zj = _mm512_fmadd_ps(bias, _mm512_maskz_loadu_ps(k, scale + j), _mm512_maskz_loadu_ps(k, zero + j));
-            z = _mm512_fmadd_ps(zj, _mm512_maskz_loadu_ps(k, act[m] + j), z);
-        }
-        y[m] = _mm512_reduce_add_ps(z);
-    }
+    a8_finish(t, act, scale, zero, nG, c7 ? 128.f : 2176.f, M, y);
 }
 #endif
 

@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--synthetic", default="", help="H,I,L,HEADS,KV: a random-weight Llama of these widths, Q4_K_M")
     ap.add_argument("--out", default="benchmarks/results/cpu/sweeps/cpu_int8_activations.json")
     args = ap.parse_args()
-    if not cpu_native.set_int8_activations(False) and not cpu_native.q4_supported():
+    if not cpu_native.q4_supported():
         raise SystemExit(f"the native INT4 kernels do not run here: {cpu_native.status()}")
     with tempfile.TemporaryDirectory() as tmp:
         if args.synthetic:

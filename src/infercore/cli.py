@@ -34,8 +34,9 @@ def _cpu_kv_bytes(args: argparse.Namespace) -> int:
 
 
 def _int8_activations(args: argparse.Namespace) -> None:
-    """``--int8-activations``: the native CPU INT4 GEMVs on 8-bit activations (``cpu_native.set_int8_activations``),
-    in this process and in tensor-parallel ranks (through the environment). ``ValueError`` where the host cannot."""
+    """``--int8-activations``: the native CPU INT4 / INT8 GEMVs on 8-bit activations
+    (``cpu_native.set_int8_activations``), in this process and in tensor-parallel ranks (through the environment).
+    ``ValueError`` where the host cannot."""
     if not getattr(args, "int8_activations", False):
         return
     from .ops.moe import cpu_native
@@ -279,9 +280,9 @@ def main(argv: list[str] | None = None) -> int:
                             "infercore.quant.SCHEMES (e.g. w4a16-g128, w8a16, fp8-wo); the dtype then defaults to "
                             "bfloat16, which the packed CPU kernels take (default: dense weights)")
         q.add_argument("--int8-activations", action="store_true",
-                       help="on the CPU, the INT4 / GGUF Q4 linears' decode rows take activations rounded to 8 bits "
-                            "in blocks of 32 (llama.cpp's design; AVX512-VNNI): faster where bf16 dot products are "
-                            "slow, not the bf16 activations' values (default: off)")
+                       help="on the CPU, the quantized linears' decode rows (INT4, INT8, GGUF Q4 / Q8_0 / Q6_K) take "
+                            "activations rounded to 8 bits in blocks of 32 (llama.cpp's design; AVX512-VNNI): faster "
+                            "where bf16 dot products are slow, not the bf16 activations' values (default: off)")
         q.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
                        help="KV cache storage: auto (the model's dtype), int8 or fp8 with per-token scales")
         q.add_argument("--tensor-parallel", type=int, default=1, metavar="N",

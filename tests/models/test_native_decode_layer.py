@@ -93,7 +93,8 @@ def test_fused_decode_equals_the_op_by_op_path(kind, kcfg, dtype, scheme, cfg, s
     """Fused: all layers in one call (``llama_decode_layers``), or (stack=False) one call per layer."""
     if scheme is not None:
         assert cpu_native.q4_supported(), cpu_native.status()  # the CI machine has AVX512-BF16
-    if isinstance(scheme, str) and scheme.endswith("+a8"):
+    a8 = isinstance(scheme, str) and scheme.endswith("+a8")
+    if a8:
         scheme = scheme[: -len("+a8")]
         request.addfinalizer(lambda: cpu_native.set_int8_activations(False))
         assert cpu_native.set_int8_activations(True)  # AVX512-VNNI, as AVX512-BF16 above
@@ -128,6 +129,10 @@ def test_fused_decode_equals_the_op_by_op_path(kind, kcfg, dtype, scheme, cfg, s
     assert set(taken) == ({n_layers} if stack else {1})  # in one call a step, or one a layer
     for (ka, va), (kb, vb) in zip(fused.kv_caches, ops.kv_caches):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
+    if a8:  # the 8-bit path ran: the next step without it differs (w8a16 here: rows of 80 / 136, bf16 kept)
+        with_a8 = fused.step(steps[0])
+        cpu_native.set_int8_activations(False)
+        assert torch.equal(with_a8, op_by_op(steps[0])) == (scheme == "w8a16")
 
 
 def test_the_stack_table_is_kept_until_the_model_changes(tmp_path, monkeypatch):

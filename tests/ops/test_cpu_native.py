@@ -224,26 +224,27 @@ def _a8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zer
     return xq @ ws.T + x.float() @ wz.T
 
 
-@pytest.mark.parametrize("fmt", ["int4 g32", "int4 g64", "int4 g128", "int4 g256", "q4_0", "q4_1", "q4_k"])
-@pytest.mark.parametrize("K", [96, 512])
+# (format, K): K = 96 ends in a 32-element tail (groups of 32) or pads to the group; Q4_K / Q6_K take whole
+# super-blocks of 256
+_A8_INT4 = [(f, k) for f in ("int4 g32", "int4 g64", "int4 g128", "int4 g256", "q4_0", "q4_1") for k in (96, 512)] \
+    + [("q4_k", 512)]
+_A8_INT8 = [("w8a16", 96), ("w8a16", 512), ("q8_0", 96), ("q8_0", 512), ("q6_k", 512)]
+
+
+@pytest.mark.parametrize("fmt,K", _A8_INT4)
 def test_int4_gemv_with_8bit_activations(fmt, K):
     """``set_int8_activations``: the INT4 GEMV over int8 activations (vpdpbusd) gives the int8 reference's values
     (bf16 output rounding apart), differs from the bf16-activation path, and is off again outside the block."""
     from infercore.quant.formats import GGUFWeight, IntWeight
 
     assert cpu_native.q4_supported(), cpu_native.status()
-    if fmt == "q4_k" and K % 256 or fmt == "int4 g256" and K == 96:
-        K = 512
     g = torch.Generator().manual_seed(K + len(fmt))
     dense = torch.randn(40, K, generator=g) * K**-0.5
     if fmt.startswith("int4"):
         w = IntWeight.quantize(dense, bits=4, group_size=int(fmt[6:]))
-        if w.padded_in_features != K:
-            K = w.padded_in_features
-            w = IntWeight.quantize(torch.randn(40, K, generator=g) * K**-0.5, bits=4, group_size=int(fmt[6:]))
         codes, sz = cpu_native.pack_q4(w)
         s = w.scales.float()
-        u, scale, zero = w.codes(), s, -w.zero_points() * s  # w = (u - z) s
+        u, scale, zero = w.codes(), s, -w.zero_points() * s  # w = (u - z) s over the padded K
     else:
         w = GGUFWeight.quantize(dense, qtype=fmt) if fmt != "q4_k" else _q4k_blocks(40, K, g)
         codes, sz = cpu_native.pack_gguf_q4(w)
@@ -255,22 +256,20 @@ def test_int4_gemv_with_8bit_activations(fmt, K):
             assert on
             got = cpu_native.linear_q4(x, codes, sz)
         assert not cpu_native.int8_activations_on()
-        want = _a8_reference(x, u, scale, zero)
+        want = _a8_reference(F.pad(x, (0, u.shape[1] - K)), u, scale, zero)  # x zero-padded as the GEMV pads it
         err = (got.float() - want).abs().max() / want.abs().max()
         assert err < 2**-7, (M, float(err))
         assert not torch.equal(got, plain)  # the 8-bit path ran
         assert torch.equal(cpu_native.linear_q4(x, codes, sz), plain)
 
 
-@pytest.mark.parametrize("fmt", ["w8a16", "q8_0", "q6_k"])
-@pytest.mark.parametrize("K", [96, 512])
+@pytest.mark.parametrize("fmt,K", _A8_INT8)
 def test_int8_gemv_with_8bit_activations(fmt, K):
     """The INT8 GEMV on 8-bit activations where K is a multiple of 64 (per-channel w8a16, GGUF Q8_0 blocks, Q6_K in
     the two-level form), the int8 reference's values; with other K it keeps bf16 activations."""
     from infercore.quant.formats import GGUFWeight, IntWeight
 
     assert cpu_native.q4_supported(), cpu_native.status()
-    K = 512 if fmt == "q6_k" else K  # whole super-blocks of 256
     g = torch.Generator().manual_seed(K + len(fmt))
     dense = torch.randn(40, K, generator=g) * K**-0.5
     if fmt == "w8a16":

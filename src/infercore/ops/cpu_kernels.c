@@ -327,7 +327,6 @@ static inline void gemv_par(const void *x, int64_t M, int64_t K, const void *w, 
         infercore_gemv_range(x, M, K, w, b * GEMV_RB, (b + 1) * GEMV_RB < N ? (b + 1) * GEMV_RB : N, y, N, dt);
 }
 
-void infercore_group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t g, float *sums);
 void infercore_act_prep(const uint16_t *x, int64_t M, int64_t K, int64_t g, int a8, float *out);
 int infercore_a8_active(void);
 void infercore_q4_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
@@ -341,7 +340,7 @@ void infercore_q5_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *
  * two-level form of the GGUF K-quants (passed on with g: the ranges take it) */
 #define Q5F ((int64_t)1 << 16)
 #define KF ((int64_t)1 << 20)
-#define A8F ((int64_t)1 << 21) /* INT4 rows against 8-bit activations (infercore_set_a8) */
+#define A8F ((int64_t)1 << 21) /* INT4 / INT8 rows against 8-bit activations (infercore_set_a8) */
 
 static inline int64_t group_of(int64_t g) { return (g > 0 ? g : -g) & (Q5F - 1); }
 

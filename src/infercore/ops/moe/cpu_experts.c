@@ -191,7 +191,7 @@ static inline __attribute__((always_inline)) void dot_q4_g(const uint8_t *codes,
 #endif
 
 #define KF ((int64_t)1 << 20) /* an entry point's g | KF: sz in the two-level form (expand_kform) */
-#define A8F ((int64_t)1 << 21) /* an INT4 entry point's g | A8F: 8-bit activations (infercore_act_prep) */
+#define A8F ((int64_t)1 << 21) /* an INT4 / INT8 entry point's g | A8F: 8-bit activations (infercore_act_prep) */
 
 /* 8-bit activations (opt-in, infercore_set_a8): a token row of K in blocks of 32, x_i ~ dx_b * xq_i with dx_b =
  * max |x| / 127 over the block and xq_i = round(x_i / dx_b) (nearest even; 0 where the block is all zeros). A row's
@@ -202,12 +202,17 @@ static inline __attribute__((always_inline)) void dot_q4_g(const uint8_t *codes,
  * sum_b dx_b sum_i q_i xq_i + (zero'_j + 128 scale_j) xsum_j, exact integer products, fp32 sums. */
 static inline int64_t act_floats(int64_t K, int64_t g, int a8) { return K / g + (a8 ? K / 2 : 0); }
 
-static void act_prep_row(const uint16_t *x, int64_t K, int64_t g, int a8, float *out) {
+/* sums[j] = sum of x over group j of g (the zero term of INT4 rows), a row of K */
+static void group_sums(const uint16_t *x, int64_t K, int64_t g, float *sums) {
     for (int64_t j = 0; j < K / g; j++) {
         float s = 0.f;
         for (int64_t i = 0; i < g; i++) s += bf16_to_f32(x[j * g + i]);
-        out[j] = s;
+        sums[j] = s;
     }
+}
+
+static void act_prep_row(const uint16_t *x, int64_t K, int64_t g, int a8, float *out) {
+    group_sums(x, K, g, out);
     if (!a8) return;
     float *dxv = out + K / g;
     int8_t *xq = (int8_t *)(dxv + K / 4);
@@ -226,6 +231,17 @@ static void act_prep_row(const uint16_t *x, int64_t K, int64_t g, int a8, float 
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define HAVE_A8 1
+/* Zeroed accumulators t and each token row's dx lanes and int8 row (act_prep_row's layout after nG group sums) */
+static inline __attribute__((always_inline)) void a8_start(const float *const *act, const int M, int64_t K,
+                                                           int64_t nG, __m512 *t, const float **dxv,
+                                                           const int8_t **xq) {
+    for (int m = 0; m < M; m++) {
+        t[m] = _mm512_setzero_ps();
+        dxv[m] = act[m] + nG;
+        xq[m] = (const int8_t *)(dxv[m] + K / 4);
+    }
+}
+
 /* y[m] = the lanes of t[m] plus the zeros' term: sum_j (zero'_j + bias scale_j) xsum_j (xsum: act[m], exact) */
 static inline __attribute__((always_inline)) void a8_finish(const __m512 *t, const float *const *act,
                                                             const float *scale, const float *zero, int64_t nG,
@@ -251,11 +267,7 @@ static inline __attribute__((always_inline)) void dot_q4a8_g(const uint8_t *code
     __m512 t[MB];
     const float *dxv[MB];
     const int8_t *xq[MB];
-    for (int m = 0; m < M; m++) {
-        t[m] = _mm512_setzero_ps();
-        dxv[m] = act[m] + nG;
-        xq[m] = (const int8_t *)(dxv[m] + K / 4);
-    }
+    a8_start(act, M, K, nG, t, dxv, xq);
     for (int64_t s = 0; s < k64 / 64; s++) {
         /* bytes 0-31: the span's elements 0-31 (low nibbles), 32-63: elements 32-63 (high nibbles) */
         const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(codes + 32 * s)));
@@ -340,6 +352,9 @@ static inline __attribute__((always_inline)) float dot_q4_row(const uint8_t *cod
     return y;
 }
 
+static void dot_rows_q4(const uint8_t *codes, const float *sz, const uint16_t *const *x, const float *const *xsum,
+                        int M, int64_t K, int64_t g, int q5, int a8, float *y);
+
 /* One token against rows [r0, r1) of an INT4 weight (rows of K), the results rounded to bf16. One row a pass: four
  * a pass (the token's loads shared) read weights larger than the cache at half the rate. */
 static void q4_token_rows(const uint8_t *codes, const float *sz, int64_t g, int q5, int kf, int a8,
@@ -354,10 +369,7 @@ static void q4_token_rows(const uint8_t *codes, const float *sz, int64_t g, int 
                 expand_kform(rs, K, 32, 128.f, plain);
                 rs = plain;
             }
-            if (g == 32 || kf) dot_q4a8_g(codes + r * cs, rs, &xsum, 1, K, 32, &y);
-            else if (g == 64) dot_q4a8_g(codes + r * cs, rs, &xsum, 1, K, 64, &y);
-            else if (g == 128) dot_q4a8_g(codes + r * cs, rs, &xsum, 1, K, 128, &y);
-            else dot_q4a8_g(codes + r * cs, rs, &xsum, 1, K, 256, &y);
+            dot_rows_q4(codes + r * cs, rs, &x, &xsum, 1, K, g, 0, 1, &y);
             out[r] = f32_to_bf16(y);
         }
         return;
@@ -526,11 +538,7 @@ static inline __attribute__((always_inline)) void dot_q8a8_g(const uint8_t *code
     __m512 t[MB];
     const float *dxv[MB];
     const int8_t *xq[MB];
-    for (int m = 0; m < M; m++) {
-        t[m] = _mm512_setzero_ps();
-        dxv[m] = act[m] + nG;
-        xq[m] = (const int8_t *)(dxv[m] + K / 4);
-    }
+    a8_start(act, M, K, nG, t, dxv, xq);
     for (int64_t s = 0; s < K / 64; s++) {
         const __m512i q = _mm512_loadu_si512((const void *)(codes + 64 * s));
         const __m512 sc = g == 16   ? _mm512_permutexvar_ps(quads, _mm512_castps128_ps512(_mm_loadu_ps(scale + 4 * s)))
@@ -621,15 +629,6 @@ static void row_dot(const wdesc *w, int64_t row, int64_t K, const uint16_t *cons
         dot_rows_q8(w->q8 + row * K, sz, xs, ss, M, K, w->g, w->kf, w->a8, y);
     else
         dot_rows_q4(w->q4 + row * (K / 2), sz, xs, ss, M, K, w->g, w->q5, w->a8, y);
-}
-
-/* sums[j] = sum of x over group j of g (the zero term of INT4 rows), a row of K */
-static void group_sums(const uint16_t *x, int64_t K, int64_t g, float *sums) {
-    for (int64_t j = 0; j < K / g; j++) {
-        float s = 0.f;
-        for (int64_t i = 0; i < g; i++) s += bf16_to_f32(x[j * g + i]);
-        sums[j] = s;
-    }
 }
 
 /* One unit: rows base + [r0, r1) of w (rows of K) against the n rows of xs (pointers), out rows of stride ldo */
@@ -825,12 +824,8 @@ void infercore_q8_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *
     rows_range(&d, x, M, K, sums, r0, r1, y, ldy);
 }
 
-/* For the fused decoder layer (ops/cpu_kernels.c), inside its OpenMP region: the group sums of M rows of K (INT4
- * and INT8 weights), and rows [r0, r1) of an INT4 linear as infercore_linear_q4 computes them (infercore_q8_range
- * above: INT8) */
-void infercore_group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t g, float *sums) {
-    for (int64_t r = 0; r < M; r++) group_sums(x + r * K, K, g, sums + r * (K / g));
-}
+/* For the fused decoder layer (ops/cpu_kernels.c), inside its OpenMP region: rows [r0, r1) of an INT4 linear as
+ * infercore_linear_q4 computes them (infercore_q8_range above: INT8), the rows' data from infercore_act_prep */
 
 void infercore_q4_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *sz, int64_t g,
                         const float *sums, int64_t r0, int64_t r1, uint16_t *y, int64_t ldy) {

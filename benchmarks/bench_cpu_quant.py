@@ -105,10 +105,11 @@ def linear_cases(ms: list[int], bw: float) -> list[dict]:
     return cases
 
 
-def llama_cpp_runner(ids: list[int], path=None):
+def llama_cpp_runner(ids: list[int], path=None, n_ctx: int = 1024, **kwargs):
     """``(run, version)``: greedy decode of GGUF file ``path`` (default: the package's SmolLM2 Q4_1) through
     llama-cpp-python (an optional peer; None where it is not installed), with torch's thread count and prompt
-    ``ids``. Like our runs (``ignore_eos``), it
+    ``ids`` (``n_ctx``: its context size; ``kwargs``: further ``llama_cpp.Llama`` options). Like our runs
+    (``ignore_eos``), it
     goes on past an end-of-sequence token. llama.cpp keeps the prompt's KV between calls; the decode rate's
     two-length difference removes the prefill either way."""
     try:
@@ -116,8 +117,8 @@ def llama_cpp_runner(ids: list[int], path=None):
     except ImportError:
         print("llama-cpp-python not installed: no llama.cpp peer", flush=True)
         return None
-    llm = llama_cpp.Llama(model_path=str(path or default_model_path()), n_threads=torch.get_num_threads(), n_ctx=1024,
-                          verbose=False, seed=0)
+    llm = llama_cpp.Llama(model_path=str(path or default_model_path()), n_threads=torch.get_num_threads(), n_ctx=n_ctx,
+                          verbose=False, seed=0, **kwargs)
 
     def run(n: int) -> list[int]:
         toks = []

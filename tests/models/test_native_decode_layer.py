@@ -276,3 +276,22 @@ def test_the_cached_checks_keep_no_kv_cache_alive(tmp_path):
     del runner
     gc.collect()
     assert all(r() is None for r in refs)  # a dropped engine's KV pool is freed
+
+
+@pytest.mark.parametrize("kind,kcfg", [("llama", {}), ("mistral", {"sliding_window": 300})])
+def test_fused_decode_with_key_splits_equals_the_op_by_op_path(kind, kcfg, tmp_path, monkeypatch):
+    """One long sequence on few KV heads: decode attention cuts its keys into parts (``cpu_native.attention_splits``),
+    in the fused layers as in the standalone op, so the two paths still agree bit for bit."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert cpu_native.attention_splits(1, 2, 16, 2, 700) > 1  # the tiny model: 2 KV heads of 16, groups of 2
+    fused_model, ops_model = _models(kind, torch.bfloat16, tmp_path, max_position_embeddings=1024, **kcfg)
+    fused, ops = PagedRunner(fused_model, num_pages=200, seed=5), PagedRunner(ops_model, num_pages=200, seed=5)
+    prompt = torch.randint(2, 300, (700,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def op_by_op(batch):
+        with cpu_native.fused_layers_disabled():
+            return ops.step(batch)
+
+    assert torch.equal(fused.step([(0, prompt)]), op_by_op([(0, prompt)]))
+    for tok in (5, 9, 11):
+        assert torch.equal(fused.step([(0, [tok])]), op_by_op([(0, [tok])]))

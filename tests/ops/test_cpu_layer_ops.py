@@ -1,6 +1,8 @@
 """The native layer kernels (ops/cpu_kernels.c through ops.moe.cpu_native) against the references, at the shapes
 their code paths branch on: head dims off the 16-lane width, GQA groups, threaded rows and keys, windows."""
 
+import contextlib
+
 import pytest
 import torch
 from test_attention_ref import build_paged
@@ -84,17 +86,43 @@ def test_rope_write_kv_is_exact(dtype, T, hq, hk, d):
     ([700], 9, 3, 64, 16),           # long enough for the threaded path
     ([5, 0, 300, 17], 8, 2, 40, 4),  # an empty sequence; a head dim off the lane width
     ([129, 64], 4, 4, 128, 8),       # no GQA
+    ([33, 250], 24, 2, 32, 16),      # a group of 12 (the vector path's generic group loop)
+    ([90], 12, 2, 48, 16),           # bf16 head dims of 16 lanes but not 32 (fp32 products, no vdpbf16ps)
+    ([70], 32, 1, 16, 8),            # a group of 32: the scalar loops
 ])
 @pytest.mark.parametrize("window", [None, 50])
-def test_decode_attention(dtype, lens, hq, hk, d, ps, window):
+@pytest.mark.parametrize("vector", [True, False])
+def test_decode_attention(dtype, lens, hq, hk, d, ps, window, vector):
+    # vector: the AVX-512 tiles where the host has them (head dims of a multiple of 16), else the scalar loops
     kc, vc, table, _, _ = build_paged(lens, hk, d, ps, dtype=dtype)  # NaN outside the sequences' keys
     q = torch.randn(len(lens), hq, d, dtype=dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    got = cpu_native.decode_attention(q, kc, vc, seq_lens, table[:, :-1], 0.2, window)  # a strided table view
+    with contextlib.nullcontext() if vector else cpu_native.scalar_attention():
+        got = cpu_native.decode_attention(q, kc, vc, seq_lens, table[:, :-1], 0.2, window)  # a strided table view
     want = implementation("paged_attention_decode", "reference")(
         q, kc, vc, seq_lens=seq_lens, block_table=table, scale=0.2, sliding_window=window)
     torch.testing.assert_close(got, want, **tol(dtype))
     assert not got[torch.tensor(lens) == 0].any()
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("window", [None, 300])
+def test_decode_attention_key_splits(threads, window, monkeypatch):
+    # Few KV heads for the threads: each (sequence, KV head)'s keys in parts, merged after; a part may be empty (the
+    # window), and a sequence of length 0 in the batch still gets zeros
+    lens, hq, hk, d = [1000, 0], 6, 1, 64
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert cpu_native.attention_splits(len(lens), hk, d, hq // hk, max(lens)) > 1
+    assert cpu_native.attention_splits(len(lens), hk, d, hq // hk, 300) == 1  # parts of >= 256 keys
+    assert cpu_native.attention_splits(len(lens), 2 * threads, d, hq // hk, max(lens)) == 1  # enough units
+    kc, vc, table, _, _ = build_paged(lens, hk, d, 16, dtype=torch.bfloat16)
+    q = torch.randn(len(lens), hq, d, dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    got = cpu_native.decode_attention(q, kc, vc, seq_lens, table, 0.2, window)
+    want = implementation("paged_attention_decode", "reference")(
+        q, kc, vc, seq_lens=seq_lens, block_table=table, scale=0.2, sliding_window=window)
+    torch.testing.assert_close(got, want, **tol(torch.bfloat16))
+    assert not got[1].any()
 
 
 def test_ops_take_the_native_path_only_where_it_applies():

@@ -220,6 +220,184 @@ static int check_tables(const int32_t *seq_lens, const int32_t *block_table, int
     return 0;
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define ATT_SIMD 1
+
+/* 2^x per lane (x <= 0 here; below -150: 0): x = n + f, |f| <= 1/2, 2^f by its degree-7 Taylor polynomial
+ * (relative error ~1e-8 over that range), times 2^n by vscalefps */
+static inline __m512 exp2_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5252733e-5f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530e-4f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Lane t of the result: the sum of v[t]'s 16 lanes (a transposing tree of 46 shuffles and adds for the 16) */
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 s8[8], s4[4];
+    for (int i = 0; i < 8; i++) /* 256-bit halves: lanes 0-7 v[2i]'s 8 partial sums, 8-15 v[2i + 1]'s */
+        s8[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* 128-bit lane k: v[4i + k]'s 4 partial sums */
+        s4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s8[2 * i], s8[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(s8[2 * i], s8[2 * i + 1], 0xDD));
+    const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(s4[0], s4[1]), _mm512_unpackhi_ps(s4[0], s4[1]));
+    const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(s4[2], s4[3]), _mm512_unpackhi_ps(s4[2], s4[3]));
+    const __m512 r = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))));
+    /* lane 4k + m of r holds v[4m + k] */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+/* 16 fp32 values from 16 bf16 (bf) or fp32 ones */
+static inline __m512 ld16(const void *p, int64_t i, const int bf) {
+    return bf ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16))
+              : _mm512_loadu_ps((const float *)p + i);
+}
+
+/* acc[g D + d] += sum_t P[16 g + t] V_t[d] over the tile's nt keys (rows: their offsets), 16 dims at a time */
+static inline __attribute__((always_inline)) void pv_tile(float *acc, const float *P, const void *vc,
+                                                          const int64_t *rows, int nt, int64_t D, const int64_t G,
+                                                          const int bf) {
+    for (int64_t c = 0; c < D; c += 16) {
+        __m512 a[16];
+        for (int64_t g = 0; g < G; g++) a[g] = _mm512_loadu_ps(acc + g * D + c);
+        for (int t = 0; t < nt; t++) {
+            const __m512 v = ld16(vc, rows[t] + c, bf);
+            for (int64_t g = 0; g < G; g++) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(P[16 * g + t]), v, a[g]);
+        }
+        for (int64_t g = 0; g < G; g++) _mm512_storeu_ps(acc + g * D + c, a[g]);
+    }
+}
+
+/* attend() in 512-bit lanes for head dims of a multiple of 16 up to 256 and groups of up to 16 query heads, over
+ * the keys [j0, j1) of the window's L = n - start (start: its first key): keys in tiles of 16, each tile's scores
+ * one vector (bf16 pairs' dot products by vdpbf16ps where the host has it, else fp32 FMAs), an online softmax in
+ * base 2 (running max m and sum l per query head, the sums rescaled when the max grows), V rows accumulated in fp32
+ * into acc [G, D]. m / l / acc carry over from call to call (start: -inf / 0 / 0). */
+static void attend_part(const void *q, const void *kc, const void *vc, const int32_t *pages, int64_t ps, int64_t Hk,
+                        int64_t D, int64_t G, int64_t b, int64_t hk, int64_t start, int64_t j0, int64_t j1,
+                        float scale, float *m, float *l, float *acc, const int bf) {
+    const int64_t q0 = (b * Hk * G + hk * G) * D;
+    const __m512 sl2 = _mm512_set1_ps(scale * 1.4426950408889634f);
+    float P[16 * 16];
+    int64_t rows[16];
+    __m512 sv[16];
+#if defined(__AVX512BF16__)
+    const int dp = bf && D % 32 == 0;
+#else
+    const int dp = 0;
+#endif
+    for (int64_t jt = j0; jt < j1; jt += 16) {
+        const int nt = j1 - jt < 16 ? (int)(j1 - jt) : 16;
+        const __mmask16 valid = (__mmask16)((1u << nt) - 1);
+        for (int64_t t = 0, key = start + jt, pg = key / ps, off = key % ps; t < nt; t++) {
+            rows[t] = (((int64_t)pages[pg] * ps + off) * Hk + hk) * D;
+            if (++off == ps) off = 0, pg++;
+        }
+        for (int64_t g = 0; g < G; g++) {
+            for (int t = 0; t < 16; t++) {
+                __m512 a = _mm512_setzero_ps();
+                if (t < nt) {
+#if defined(__AVX512BF16__)
+                    if (dp) {
+                        const uint16_t *qg = (const uint16_t *)q + q0 + g * D, *kr = (const uint16_t *)kc + rows[t];
+                        for (int64_t c = 0; c < D; c += 32)
+                            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const void *)(qg + c)),
+                                                 (__m512bh)_mm512_loadu_si512((const void *)(kr + c)));
+                    } else
+#endif
+                        for (int64_t c = 0; c < D; c += 16)
+                            a = _mm512_fmadd_ps(ld16(q, q0 + g * D + c, bf), ld16(kc, rows[t] + c, bf), a);
+                }
+                sv[t] = a;
+            }
+            const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, _mm512_mul_ps(hsum16(sv), sl2));
+            const float mt = _mm512_reduce_max_ps(s), mn = mt > m[g] ? mt : m[g];
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(mn))));
+            if (mn > m[g]) {
+                const float corr = exp2f(m[g] - mn);
+                l[g] *= corr;
+                const __m512 cv = _mm512_set1_ps(corr);
+                for (int64_t c = 0; c < D; c += 16)
+                    _mm512_storeu_ps(acc + g * D + c, _mm512_mul_ps(cv, _mm512_loadu_ps(acc + g * D + c)));
+                m[g] = mn;
+            }
+            l[g] += _mm512_reduce_add_ps(p);
+            _mm512_storeu_ps(P + 16 * g, p);
+        }
+        switch (G) { /* the group's accumulators of 16 dims in registers across the tile */
+        case 1: pv_tile(acc, P, vc, rows, nt, D, 1, bf); break;
+        case 2: pv_tile(acc, P, vc, rows, nt, D, 2, bf); break;
+        case 3: pv_tile(acc, P, vc, rows, nt, D, 3, bf); break;
+        case 4: pv_tile(acc, P, vc, rows, nt, D, 4, bf); break;
+        case 5: pv_tile(acc, P, vc, rows, nt, D, 5, bf); break;
+        case 6: pv_tile(acc, P, vc, rows, nt, D, 6, bf); break;
+        case 7: pv_tile(acc, P, vc, rows, nt, D, 7, bf); break;
+        case 8: pv_tile(acc, P, vc, rows, nt, D, 8, bf); break;
+        default: pv_tile(acc, P, vc, rows, nt, D, G, bf);
+        }
+    }
+}
+
+/* The whole window of one (sequence, KV head) by attend_part, written to out normalized. acc: G * D floats. */
+static void attend_simd(const void *q, const void *kc, const void *vc, const int32_t *pages, int64_t ps, int64_t Hk,
+                        int64_t D, int64_t G, int64_t b, int64_t hk, int64_t start, int64_t L, float scale,
+                        void *out, float *acc, const int bf) {
+    float m[16], l[16];
+    for (int64_t g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.f;
+    memset(acc, 0, (size_t)(G * D) * sizeof(float));
+    attend_part(q, kc, vc, pages, ps, Hk, D, G, b, hk, start, 0, L, scale, m, l, acc, bf);
+    const int64_t q0 = (b * Hk * G + hk * G) * D;
+    for (int64_t g = 0; g < G; g++) {
+        const float inv = 1.f / l[g];
+        for (int64_t i = 0; i < D; i++) st(out, q0 + g * D + i, acc[g * D + i] * inv, bf);
+    }
+}
+#else
+#define ATT_SIMD 0
+#endif
+
+/* attend_simd where it applies (1, the default) or the scalar loops alone (0: for A/B timing); returns the setting
+ * before the call */
+static int att_simd_on = ATT_SIMD;
+int infercore_set_attn_simd(int on) {
+    const int before = att_simd_on;
+    att_simd_on = on && ATT_SIMD;
+    return before;
+}
+
+/* Whether attend_simd takes a (D, G) shape */
+static inline int simd_shape(int64_t D, int64_t G) { return att_simd_on && D % 16 == 0 && D <= 256 && G <= 16; }
+
+/* Key splits per (sequence, KV head) so that B Hk S units give each of nthreads threads about two (a decode step of
+ * few KV heads, such as SmolLM2's 3 on 2 threads, or 8 on a 16-core host, leaves threads idle otherwise), each split
+ * at least 256 keys of the longest sequence; 1: none (the vector path only) */
+static int64_t att_splits(int64_t B, int64_t Hk, int64_t D, int64_t G, int64_t maxn, int nthreads) {
+    if (!simd_shape(D, G) || nthreads < 2 || B * Hk >= 2 * nthreads) return 1;
+    int64_t S = (2 * nthreads + B * Hk - 1) / (B * Hk);
+    if (S > maxn / 256) S = maxn / 256;
+    return S > 1 ? S : 1;
+}
+
+/* att_splits, for the tests */
+int64_t infercore_attn_splits(int64_t B, int64_t Hk, int64_t D, int64_t G, int64_t maxn, int nthreads) {
+    return att_splits(B, Hk, D, G, maxn, nthreads);
+}
+
+/* floats of the split partials: per unit, m [G], l [G], acc [G, D] */
+static inline int64_t part_floats(int64_t G, int64_t D) { return 2 * G + G * D; }
+
 /* One (sequence b of length n, KV head): the G query heads of the group over its last `window` keys (all: 0), two
  * passes (scores, then the softmax-weighted sum of V); zeros where n <= 0. s: scratch of G * n floats; qf / kf /
  * acc: G * D, D and G * D floats. */
@@ -234,6 +412,12 @@ static inline __attribute__((always_inline)) void attend(const void *q, const vo
         return;
     }
     const int64_t start = window_start(n, window), L = n - start;
+#if ATT_SIMD
+    if (simd_shape(D, G)) {
+        attend_simd(q, kc, vc, pages, ps, Hk, D, G, b, hk, start, L, scale, out, acc, bf);
+        return;
+    }
+#endif
     for (int64_t g = 0; g < G; g++) ld_row(q, (b * Hq + hk * G + g) * D, D, qf + g * D, bf);
     for (int64_t j = 0; j < L; j++) {
         const int64_t key = start + j;
@@ -277,8 +461,48 @@ static int64_t max_len(const int32_t *seq_lens, int64_t B) {
 static inline void attend_units(const void *q, const void *kc, const void *vc, const int32_t *seq_lens,
                                 const int32_t *block_table, int64_t bt_stride, int64_t B, int64_t Hk, int64_t D,
                                 int64_t G, int64_t ps, float scale, int64_t window, void *out, float *buf, float *sc,
-                                int dt) {
+                                int dt, int64_t S, float *part) {
     float *qf = buf, *acc = qf + G * D, *kf = acc + G * D;
+#if ATT_SIMD
+    if (S > 1) { /* att_splits' key splits: partials into part, then merged per (sequence, KV head) */
+        const int64_t pf = part_floats(G, D);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < B * Hk * S; u++) {
+            const int64_t b = u / (Hk * S), hk = u / S % Hk, sp = u % S, n = seq_lens[b];
+            float *m = part + u * pf, *l = m + G, *a = l + G;
+            for (int64_t g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.f;
+            memset(a, 0, (size_t)(G * D) * sizeof(float));
+            if (n <= 0) continue;
+            const int64_t start = window_start(n, window), L = n - start;
+            const int64_t chunk = ((L + S - 1) / S + 15) / 16 * 16, j0 = sp * chunk, j1 = j0 + chunk < L ? j0 + chunk : L;
+            if (j0 < j1)
+                attend_part(q, kc, vc, block_table + b * bt_stride, ps, Hk, D, G, b, hk, start, j0, j1, scale, m, l, a,
+                            dt);
+        }
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < B * Hk; u++) {
+            const int64_t b = u / Hk, q0 = (b * Hk * G + u % Hk * G) * D;
+            const float *p0 = part + u * S * pf;
+            for (int64_t g = 0; g < G; g++) {
+                float M = -INFINITY, sum = 0.f;
+                for (int64_t sp = 0; sp < S; sp++) M = p0[sp * pf + g] > M ? p0[sp * pf + g] : M;
+                memset(acc, 0, (size_t)D * sizeof(float));
+                for (int64_t sp = 0; sp < S && M > -INFINITY; sp++) {
+                    const float *ps_ = p0 + sp * pf;
+                    if (ps_[g] == -INFINITY) continue;
+                    const float w = exp2f(ps_[g] - M);
+                    sum += w * ps_[G + g];
+                    for (int64_t i = 0; i < D; i++) acc[i] += w * ps_[2 * G + g * D + i];
+                }
+                const float inv = sum > 0.f ? 1.f / sum : 0.f; /* a sequence of length <= 0: zeros */
+                for (int64_t i = 0; i < D; i++) st(out, q0 + g * D + i, acc[i] * inv, dt);
+            }
+        }
+        return;
+    }
+#else
+    (void)S, (void)part;
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < B * Hk; u++) {
         const int64_t b = u / Hk, hk = u % Hk;
@@ -302,15 +526,20 @@ int infercore_decode_attention(const void *q, const void *kc, const void *vc, co
     const int64_t G = Hq / Hk, maxn = max_len(seq_lens, B);
     int64_t work = 0;
     for (int64_t b = 0; b < B; b++) work += seq_lens[b] > 0 ? seq_lens[b] : 0;
-    const int par = work * Hk >= 256 && nthreads > 1 && B * Hk > 1;
+    /* by the longest sequence, window or not: the fused layers (step_alloc) split alike, so they keep its results */
+    const int64_t S = att_splits(B, Hk, D, G, maxn, nthreads);
+    const int par = work * Hk >= 256 && nthreads > 1 && B * Hk * S > 1;
+    float *part = S > 1 ? (float *)malloc((size_t)(B * Hk * S * part_floats(G, D)) * sizeof(float)) : 0;
 #pragma omp parallel num_threads(par ? nthreads : 1)
     {
         float *buf = (float *)malloc((size_t)(3 * G * D + D) * sizeof(float));
         float *sc = (float *)malloc((size_t)(G * maxn) * sizeof(float));
-        attend_units(q, kc, vc, seq_lens, block_table, bt_stride, B, Hk, D, G, ps, scale, window, out, buf, sc, dt);
+        attend_units(q, kc, vc, seq_lens, block_table, bt_stride, B, Hk, D, G, ps, scale, window, out, buf, sc, dt, S,
+                     part);
         free(sc);
         free(buf);
     }
+    free(part);
     return 0;
 }
 
@@ -394,6 +623,8 @@ typedef struct {
     float scale;
     int dt;
     char *qkv, *qs, *ks, *vs, *qr, *attn, *o, *h;
+    int64_t S;  /* attention's key splits (att_splits) */
+    float *part; /* their partials */
 } step_t;
 
 /* What each thread keeps for itself: the normed rows xn [T, H], a residual rs [T, H], the activation act [T, I],
@@ -404,9 +635,11 @@ typedef struct {
     float *sums, *buf, *sc;
 } own_t;
 
-static void step_alloc(step_t *s) {
+static void step_alloc(step_t *s, int nthreads) {
     const size_t es = s->dt ? 2 : 4;
-    const int64_t T = s->T, NQ = s->Hq * s->D, NKV = s->Hk * s->D, NQKV = NQ + 2 * NKV;
+    const int64_t T = s->T, NQ = s->Hq * s->D, NKV = s->Hk * s->D, NQKV = NQ + 2 * NKV, G = s->Hq / s->Hk;
+    s->S = att_splits(T, s->Hk, s->D, G, max_len(s->seq_lens, T), nthreads);
+    s->part = s->S > 1 ? (float *)malloc((size_t)(T * s->Hk * s->S * part_floats(G, s->D)) * sizeof(float)) : 0;
     s->qkv = (char *)malloc(es * (size_t)T * (size_t)(2 * NQKV + 2 * NQ + s->H + 2 * s->I));
     s->qs = s->qkv + es * T * NQKV;
     s->ks = s->qs + es * T * NQ;
@@ -476,7 +709,7 @@ static void layer_body(const step_t *s, own_t *w, const void *x, const void *res
         rope_any(s->qs, s->ks, s->vs, s->pos, s->cs, kc, vc, s->slots, s->qr, 0, T, s->Hq, s->Hk, D, dt);
     }
     attend_units(s->qr, kc, vc, s->seq_lens, s->block_table, s->bt_stride, T, s->Hk, D, s->Hq / s->Hk, s->ps,
-                 s->scale, window, s->attn, w->buf, w->sc, dt);
+                 s->scale, window, s->attn, w->buf, w->sc, dt, s->S, s->part);
     lin_par(s->attn, T, NQ, lin + 4, H, s->o, dt, w->xp, w->sums);
     rms_any(s->o, res_out, w->rs, n2, w->xn, 0, T, H, eps2, 0.f, dt, dt, w->buf);
     lin_par(w->xn, T, H, lin + 8, 2 * s->I, s->h, dt, w->xp, w->sums);
@@ -508,8 +741,8 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
     rc = check_tables(seq_lens, block_table, T, bt_stride, bt_cols, num_pages, ps, window);
     if (rc) return (int)(rc - 2 * T); /* -1 - 2T - t / -1 - 3T - t */
     step_t s = {T, H, Hq, Hk, D, I, ps, bt_stride, pos, cs, slots, seq_lens, block_table, scale,
-                dt, 0, 0, 0, 0, 0, 0, 0, 0};
-    step_alloc(&s);
+                dt, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0};
+    step_alloc(&s, nthreads);
     int64_t kpmax = 0, gsums = 0;
     quant_sizes(lin, &kpmax, &gsums);
 #pragma omp parallel num_threads(nthreads)
@@ -520,6 +753,7 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
         own_free(&w);
     }
     free(s.qkv);
+    free(s.part);
     return 0;
 }
 
@@ -546,8 +780,8 @@ int infercore_llama_decode_layers(int64_t L, const int64_t *tab, const float *ep
         quant_sizes(tab + LAYER_TAB * l + 5, &kpmax, &gsums);
     }
     step_t s = {T, H, Hq, Hk, D, I, ps, bt_stride, pos, cs, slots, seq_lens, block_table, scale,
-                dt, 0, 0, 0, 0, 0, 0, 0, 0};
-    step_alloc(&s);
+                dt, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0};
+    step_alloc(&s, nthreads);
     const size_t es = dt ? 2 : 4, n = es * (size_t)(T * H);
     char *buf = (char *)malloc(4 * n);
 #pragma omp parallel num_threads(nthreads)
@@ -568,5 +802,6 @@ int infercore_llama_decode_layers(int64_t L, const int64_t *tab, const float *ep
     }
     free(buf);
     free(s.qkv);
+    free(s.part);
     return 0;
 }

@@ -101,6 +101,10 @@ def _build() -> ctypes.CDLL:
     dll.infercore_set_a8.argtypes = [_INT]
     dll.infercore_set_a8.restype = _INT
     dll.infercore_a8_active.restype = _INT
+    dll.infercore_set_attn_simd.argtypes = [_INT]
+    dll.infercore_set_attn_simd.restype = _INT
+    dll.infercore_attn_splits.argtypes = [_I64, _I64, _I64, _I64, _I64, _INT]
+    dll.infercore_attn_splits.restype = _I64
     dll.infercore_read_pass.argtypes = [_P, _I64, _INT]
     dll.infercore_read_pass.restype = ctypes.c_uint64
     _F = ctypes.c_float
@@ -174,6 +178,28 @@ def int8_activations(on: bool = True):
         yield int8_activations_on()
     finally:
         set_int8_activations(before)
+
+
+@contextmanager
+def scalar_attention():
+    """Within this block the native decode attention (standalone and in the fused decoder layers) runs its scalar
+    loops instead of the AVX-512 tiles (``attend_simd`` in ``ops/cpu_kernels.c``): for A/B timing. Yields whether
+    the vector path was on before."""
+    lib = _need()
+    before = bool(lib.infercore_set_attn_simd(0))
+    try:
+        yield before
+    finally:
+        lib.infercore_set_attn_simd(int(before))
+
+
+def attention_splits(batch: int, kv_heads: int, head_dim: int, group: int, max_len: int,
+                     threads: int | None = None) -> int:
+    """How many parts the native decode attention cuts each (sequence, KV head)'s keys into (partials merged after):
+    more than 1 where ``batch * kv_heads`` units would leave ``threads`` (default torch's) short of work, the AVX-512
+    path runs, and each part keeps at least 256 keys of the longest sequence."""
+    n = torch.get_num_threads() if threads is None else threads
+    return int(_need().infercore_attn_splits(batch, kv_heads, head_dim, group, max_len, n))
 
 
 @contextmanager

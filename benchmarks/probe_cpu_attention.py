@@ -1,0 +1,129 @@
+"""The native CPU decode attention (``ops/cpu_kernels.c``): its AVX-512 tiles against its scalar loops
+(``cpu_native.scalar_attention``) and torch's SDPA, one token row over a paged bf16 cache, at the head shapes of
+SmolLM2-135M (9 / 3 x 64), a 1B-class Llama (16 / 4 x 64) and Llama-3.1-8B (32 / 8 x 128) and 256-4096 keys, best
+time of interleaved rounds with torch's thread count; then SmolLM2's own Q4_1 blocks decoding after a long prompt
+(``--context`` tokens of ``pydoc_data.topics``), ours with each attention path against llama.cpp on the same file
+(llama-cpp-python where installed; its default options, and with ``flash_attn=True``).
+
+    python benchmarks/probe_cpu_attention.py [--out benchmarks/results/cpu/sweeps/cpu_attention.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import case, write_results  # noqa: E402
+from bench_cpu_decode import decode_rates  # noqa: E402
+from bench_cpu_quant import llama_cpp_runner  # noqa: E402
+
+from infercore import Engine, SamplingParams  # noqa: E402
+from infercore.ops.moe import cpu_native  # noqa: E402
+
+SHAPES = {"smollm2-135m 9/3 x 64": (9, 3, 64), "1b-class 16/4 x 64": (16, 4, 64), "llama-8b 32/8 x 128": (32, 8, 128)}
+PAGE = 16
+
+
+def time_shape(hq: int, hk: int, d: int, n: int, rounds: int) -> tuple[dict[str, float], float]:
+    """Best microseconds of each path over ``n`` keys, and the vector path's largest difference from SDPA."""
+    pages = n // PAGE + 1
+    kc, vc = (torch.randn(pages, PAGE, hk, d).bfloat16() for _ in range(2))
+    q = torch.randn(1, hq, d).bfloat16()
+    table = torch.arange(pages, dtype=torch.int32)[None]
+    lens = torch.tensor([n], dtype=torch.int32)
+    k = kc.reshape(-1, hk, d)[:n].transpose(0, 1)[None]
+    v = vc.reshape(-1, hk, d)[:n].transpose(0, 1)[None]
+
+    def native():
+        return cpu_native.decode_attention(q, kc, vc, lens, table, d ** -0.5, None)
+
+    def scalar():
+        with cpu_native.scalar_attention():
+            return native()
+
+    def sdpa():  # the cache's keys already gathered contiguous: only the product is timed
+        return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)
+
+    fns = {"vector": native, "scalar": scalar, "sdpa": sdpa}
+    for fn in fns.values():
+        fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            best[key] = min(best[key], time.perf_counter() - t)
+    return {key: v * 1e6 for key, v in best.items()}, (native().float() - sdpa().float()[:, :, 0]).abs().max().item()
+
+
+def op_cases(contexts: list[int], rounds: int) -> list[dict]:
+    torch.manual_seed(0)
+    cases = []
+    for name, (hq, hk, d) in SHAPES.items():
+        for n in contexts:
+            us, err = time_shape(hq, hk, d, n, rounds)
+            print(f"{name} {n} keys: vector {us['vector']:.1f} us, scalar {us['scalar']:.1f}, sdpa {us['sdpa']:.1f}",
+                  flush=True)
+            cases.append(case(f"decode attention {name}, {n} keys, bf16 paged cache, one row", metric="time",
+                              unit="us", ours=us["vector"],
+                              peers={"scalar loops (the previous kernel)": us["scalar"],
+                                     "torch SDPA (contiguous K/V, enable_gqa)": us["sdpa"]},
+                              floor=None, speedup_over_scalar=us["scalar"] / us["vector"],
+                              speedup_over_sdpa=us["sdpa"] / us["vector"], kv_bytes=2 * n * hk * d * 2,
+                              max_abs_diff_vs_sdpa=err))
+    return cases
+
+
+def e2e_case(context: int, tokens: int, repeats: int) -> dict:
+    from pydoc_data.topics import topics
+
+    eng = Engine.from_pretrained(device="cpu", dtype=torch.bfloat16, quantization="gguf", enable_prefix_caching=False)
+    ids = eng.tokenizer.encode(" ".join(topics.values()), add_special_tokens=False)[:context]
+
+    def runner(scalar: bool):
+        def run(n: int) -> list[int]:
+            with cpu_native.scalar_attention() if scalar else contextlib.nullcontext():
+                sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                return eng.generate([ids], sp)[0].token_ids
+        return run
+
+    runs, names = [runner(False), runner(True)], ["vector attention", "scalar attention"]
+    for kw in ({}, {"flash_attn": True}):
+        lcpp = llama_cpp_runner(ids, n_ctx=context + tokens + 64, **kw)
+        if lcpp is not None:
+            runs.append(lcpp[0])
+            names.append(f"llama.cpp {lcpp[1]} (llama-cpp-python, same GGUF file{', flash_attn' if kw else ''})")
+    rates = decode_rates(runs, tokens, repeats)
+    print(", ".join(f"{n} {r:.1f} tok/s" for n, r in zip(names, rates)), flush=True)
+    return case(f"smollm2-135m Q4_1 (the package's file, blocks as stored) decode bs1 after a {len(ids)}-token prompt, "
+                f"{tokens} tokens", metric="decode throughput", unit="tok/s", ours=rates[0],
+                peers={"ours, " + n if n.startswith("scalar") else n: r for n, r in zip(names[1:], rates[1:])},
+                floor=None, threads=torch.get_num_threads())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="256,1024,4096")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--context", type=int, default=2000, help="the end-to-end prompt's tokens (0: no end-to-end row)")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results/cpu/sweeps/cpu_attention.json")
+    args = ap.parse_args()
+    if not cpu_native.available():
+        raise SystemExit(f"the native kernels do not run here: {cpu_native.status()}")
+    cases = op_cases([int(c) for c in args.contexts.split(",")], args.rounds)
+    if args.context:
+        cases.append(e2e_case(args.context, args.tokens, args.repeats))
+    write_results(args.out, "probe_cpu_attention", "cpu", cases)
+
+
+if __name__ == "__main__":
+    main()

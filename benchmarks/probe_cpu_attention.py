@@ -1,9 +1,10 @@
 """The native CPU decode attention (``ops/cpu_kernels.c``): its AVX-512 tiles against its scalar loops
-(``cpu_native.scalar_attention``) and torch's SDPA, one token row over a paged bf16 cache, at the head shapes of
-SmolLM2-135M (9 / 3 x 64), a 1B-class Llama (16 / 4 x 64) and Llama-3.1-8B (32 / 8 x 128) and 256-4096 keys, best
-time of interleaved rounds with torch's thread count; then SmolLM2's own Q4_1 blocks decoding after a long prompt
-(``--context`` tokens of ``pydoc_data.topics``), ours with each attention path against llama.cpp on the same file
-(llama-cpp-python where installed; its default options, and with ``flash_attn=True``).
+(``cpu_native.scalar_attention``), without its key splits (``cpu_native.unsplit_attention``) and torch's SDPA, one
+token row over a paged bf16 cache, at the head shapes of SmolLM2-135M (9 / 3 x 64), a 1B-class Llama (16 / 4 x 64)
+and Llama-3.1-8B (32 / 8 x 128) and 256-4096 keys, best time of interleaved rounds with torch's thread count; then
+SmolLM2's own Q4_1 blocks decoding after a long prompt (``--context`` tokens of ``pydoc_data.topics``), ours with
+each attention path against llama.cpp on the same file (llama-cpp-python where installed; its default options, and
+with ``flash_attn=True``).
 
     python benchmarks/probe_cpu_attention.py [--out benchmarks/results/cpu/sweeps/cpu_attention.json]
 """
@@ -48,10 +49,14 @@ def time_shape(hq: int, hk: int, d: int, n: int, rounds: int) -> tuple[dict[str,
         with cpu_native.scalar_attention():
             return native()
 
+    def unsplit():
+        with cpu_native.unsplit_attention():
+            return native()
+
     def sdpa():  # the cache's keys already gathered contiguous: only the product is timed
         return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)
 
-    fns = {"vector": native, "scalar": scalar, "sdpa": sdpa}
+    fns = {"vector": native, "unsplit": unsplit, "scalar": scalar, "sdpa": sdpa}
     for fn in fns.values():
         fn()
     best = dict.fromkeys(fns, float("inf"))
@@ -69,13 +74,16 @@ def op_cases(contexts: list[int], rounds: int) -> list[dict]:
     for name, (hq, hk, d) in SHAPES.items():
         for n in contexts:
             us, err = time_shape(hq, hk, d, n, rounds)
-            print(f"{name} {n} keys: vector {us['vector']:.1f} us, scalar {us['scalar']:.1f}, sdpa {us['sdpa']:.1f}",
-                  flush=True)
+            splits = cpu_native.attention_splits(1, hk, d, hq // hk, n)
+            print(f"{name} {n} keys: vector {us['vector']:.1f} us ({splits} key splits), unsplit {us['unsplit']:.1f}, "
+                  f"scalar {us['scalar']:.1f}, sdpa {us['sdpa']:.1f}", flush=True)
             cases.append(case(f"decode attention {name}, {n} keys, bf16 paged cache, one row", metric="time",
                               unit="us", ours=us["vector"],
-                              peers={"scalar loops (the previous kernel)": us["scalar"],
+                              peers={"vector, no key splits": us["unsplit"],
+                                     "scalar loops (the previous kernel)": us["scalar"],
                                      "torch SDPA (contiguous K/V, enable_gqa)": us["sdpa"]},
-                              floor=None, speedup_over_scalar=us["scalar"] / us["vector"],
+                              floor=None, key_splits=splits, threads=torch.get_num_threads(),
+                              speedup_over_scalar=us["scalar"] / us["vector"],
                               speedup_over_sdpa=us["sdpa"] / us["vector"], kv_bytes=2 * n * hk * d * 2,
                               max_abs_diff_vs_sdpa=err))
     return cases

@@ -282,7 +282,7 @@ def test_the_cached_checks_keep_no_kv_cache_alive(tmp_path):
 def test_fused_decode_with_key_splits_equals_the_op_by_op_path(kind, kcfg, tmp_path, monkeypatch):
     """One long sequence on few KV heads: decode attention cuts its keys into parts (``cpu_native.attention_splits``),
     in the fused layers as in the standalone op, so the two paths still agree bit for bit."""
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     assert cpu_native.attention_splits(1, 2, 16, 2, 700) > 1  # the tiny model: 2 KV heads of 16, groups of 2
     fused_model, ops_model = _models(kind, torch.bfloat16, tmp_path, max_position_embeddings=1024, **kcfg)
     fused, ops = PagedRunner(fused_model, num_pages=200, seed=5), PagedRunner(ops_model, num_pages=200, seed=5)

@@ -105,7 +105,7 @@ def test_decode_attention(dtype, lens, hq, hk, d, ps, window, vector):
     assert not got[torch.tensor(lens) == 0].any()
 
 
-@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("threads", [3, 4])
 @pytest.mark.parametrize("window", [None, 300])
 def test_decode_attention_key_splits(threads, window, monkeypatch):
     # Few KV heads for the threads: each (sequence, KV head)'s keys in parts, merged after; a part may be empty (the
@@ -114,7 +114,9 @@ def test_decode_attention_key_splits(threads, window, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     assert cpu_native.attention_splits(len(lens), hk, d, hq // hk, max(lens)) > 1
     assert cpu_native.attention_splits(len(lens), hk, d, hq // hk, 300) == 1  # parts of >= 256 keys
-    assert cpu_native.attention_splits(len(lens), 2 * threads, d, hq // hk, max(lens)) == 1  # enough units
+    assert cpu_native.attention_splits(len(lens), threads, d, hq // hk, max(lens)) == 1  # a unit a thread
+    with cpu_native.unsplit_attention():
+        assert cpu_native.attention_splits(len(lens), hk, d, hq // hk, max(lens)) == 1
     kc, vc, table, _, _ = build_paged(lens, hk, d, 16, dtype=torch.bfloat16)
     q = torch.randn(len(lens), hq, d, dtype=torch.bfloat16)
     seq_lens = torch.tensor(lens, dtype=torch.int32)

@@ -368,24 +368,25 @@ static void attend_simd(const void *q, const void *kc, const void *vc, const int
 #define ATT_SIMD 0
 #endif
 
-/* attend_simd where it applies (1, the default) or the scalar loops alone (0: for A/B timing); returns the setting
- * before the call */
-static int att_simd_on = ATT_SIMD;
-int infercore_set_attn_simd(int on) {
+/* attend_simd where it applies with att_splits' key splits (2, the default), without them (1), or the scalar loops
+ * alone (0): for A/B timing; returns the setting before the call */
+static int att_simd_on = ATT_SIMD ? 2 : 0;
+int infercore_set_attn_simd(int mode) {
     const int before = att_simd_on;
-    att_simd_on = on && ATT_SIMD;
+    att_simd_on = ATT_SIMD && mode > 0 ? (mode > 2 ? 2 : mode) : 0;
     return before;
 }
 
 /* Whether attend_simd takes a (D, G) shape */
 static inline int simd_shape(int64_t D, int64_t G) { return att_simd_on && D % 16 == 0 && D <= 256 && G <= 16; }
 
-/* Key splits per (sequence, KV head) so that B Hk S units give each of nthreads threads about two (a decode step of
- * few KV heads, such as SmolLM2's 3 on 2 threads, or 8 on a 16-core host, leaves threads idle otherwise), each split
- * at least 256 keys of the longest sequence; 1: none (the vector path only) */
+/* Key splits per (sequence, KV head) where the B Hk units are fewer than the nthreads threads (a decode step of few
+ * KV heads on a many-core host: SmolLM2's 3 or Llama-3's 8 on 16 cores), so that B Hk S units give each thread one,
+ * each split at least 256 keys of the longest sequence; 1: none (the vector path only). Not at units >= threads:
+ * on the 2-vCPU test VM 3 units on 2 threads ran faster whole than in 6 parts (sweeps/cpu_attention*.json). */
 static int64_t att_splits(int64_t B, int64_t Hk, int64_t D, int64_t G, int64_t maxn, int nthreads) {
-    if (!simd_shape(D, G) || nthreads < 2 || B * Hk >= 2 * nthreads) return 1;
-    int64_t S = (2 * nthreads + B * Hk - 1) / (B * Hk);
+    if (!simd_shape(D, G) || att_simd_on < 2 || B * Hk >= nthreads) return 1;
+    int64_t S = (nthreads + B * Hk - 1) / (B * Hk);
     if (S > maxn / 256) S = maxn / 256;
     return S > 1 ? S : 1;
 }

@@ -181,23 +181,33 @@ def int8_activations(on: bool = True):
 
 
 @contextmanager
-def scalar_attention():
-    """Within this block the native decode attention (standalone and in the fused decoder layers) runs its scalar
-    loops instead of the AVX-512 tiles (``attend_simd`` in ``ops/cpu_kernels.c``): for A/B timing. Yields whether
-    the vector path was on before."""
+def _attention_mode(mode: int):
     lib = _need()
-    before = bool(lib.infercore_set_attn_simd(0))
+    before = int(lib.infercore_set_attn_simd(mode))
     try:
-        yield before
+        yield before > 0
     finally:
-        lib.infercore_set_attn_simd(int(before))
+        lib.infercore_set_attn_simd(before)
+
+
+def scalar_attention():
+    """Context manager: within it the native decode attention (standalone and in the fused decoder layers) runs its
+    scalar loops instead of the AVX-512 tiles (``attend_simd`` in ``ops/cpu_kernels.c``): for A/B timing. Yields
+    whether the vector path was on before."""
+    return _attention_mode(0)
+
+
+def unsplit_attention():
+    """Context manager: the AVX-512 decode attention without its key splits (:func:`attention_splits` answers 1):
+    for A/B timing. Yields whether the vector path was on before."""
+    return _attention_mode(1)
 
 
 def attention_splits(batch: int, kv_heads: int, head_dim: int, group: int, max_len: int,
                      threads: int | None = None) -> int:
     """How many parts the native decode attention cuts each (sequence, KV head)'s keys into (partials merged after):
-    more than 1 where ``batch * kv_heads`` units would leave ``threads`` (default torch's) short of work, the AVX-512
-    path runs, and each part keeps at least 256 keys of the longest sequence."""
+    more than 1 where ``batch * kv_heads`` units are fewer than ``threads`` (default torch's), the AVX-512 path runs,
+    and each part keeps at least 256 keys of the longest sequence."""
     n = torch.get_num_threads() if threads is None else threads
     return int(_need().infercore_attn_splits(batch, kv_heads, head_dim, group, max_len, n))
 

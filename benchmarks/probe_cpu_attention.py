@@ -1,10 +1,10 @@
 """The native CPU decode attention (``ops/cpu_kernels.c``): its AVX-512 tiles against its scalar loops
 (``cpu_native.scalar_attention``), without its key splits (``cpu_native.unsplit_attention``) and torch's SDPA, one
 token row over a paged bf16 cache, at the head shapes of SmolLM2-135M (9 / 3 x 64), a 1B-class Llama (16 / 4 x 64)
-and Llama-3.1-8B (32 / 8 x 128) and 256-4096 keys, best time of interleaved rounds with torch's thread count; then
-SmolLM2's own Q4_1 blocks decoding after a long prompt (``--context`` tokens of ``pydoc_data.topics``), ours with
-each attention path against llama.cpp on the same file (llama-cpp-python where installed; its default options, and
-with ``flash_attn=True``).
+and Llama-3.1-8B (32 / 8 x 128) and 256-4096 keys, cache-resident and read from DRAM, best time of interleaved
+rounds with torch's thread count; then SmolLM2's own Q4_1 blocks decoding after a long prompt (``--context`` tokens
+of ``pydoc_data.topics``), ours with each attention path against llama.cpp on the same file (llama-cpp-python where
+installed; its default options, and with ``flash_attn=True``).
 
     python benchmarks/probe_cpu_attention.py [--out benchmarks/results/cpu/sweeps/cpu_attention.json]
 """
@@ -32,18 +32,23 @@ SHAPES = {"smollm2-135m 9/3 x 64": (9, 3, 64), "1b-class 16/4 x 64": (16, 4, 64)
 PAGE = 16
 
 
-def time_shape(hq: int, hk: int, d: int, n: int, rounds: int) -> tuple[dict[str, float], float]:
-    """Best microseconds of each path over ``n`` keys, and the vector path's largest difference from SDPA."""
-    pages = n // PAGE + 1
-    kc, vc = (torch.randn(pages, PAGE, hk, d).bfloat16() for _ in range(2))
+def time_shape(hq: int, hk: int, d: int, n: int, rounds: int, cold: bool) -> tuple[dict[str, float], float]:
+    """Best microseconds of each path over ``n`` keys, and the vector path's largest difference from SDPA. ``cold``:
+    each call reads another set of pages of a pool of > 256 MB (a decode step's caches come from DRAM), else the
+    same pages every call (cache-resident at these sizes)."""
+    pp = n // PAGE + 1  # pages a set
+    sets = max(2, (256 << 20) // (pp * PAGE * hk * d * 4)) if cold else 1
+    kc, vc = (torch.randn(sets * pp, PAGE, hk, d).bfloat16() for _ in range(2))
     q = torch.randn(1, hq, d).bfloat16()
-    table = torch.arange(pages, dtype=torch.int32)[None]
+    tables = [torch.arange(r * pp, (r + 1) * pp, dtype=torch.int32)[None] for r in range(sets)]
     lens = torch.tensor([n], dtype=torch.int32)
-    k = kc.reshape(-1, hk, d)[:n].transpose(0, 1)[None]
-    v = vc.reshape(-1, hk, d)[:n].transpose(0, 1)[None]
+    kv = [tuple(c[r * pp:(r + 1) * pp].reshape(-1, hk, d)[:n].transpose(0, 1)[None] for c in (kc, vc))
+          for r in range(sets)]
+    calls = [0]
 
     def native():
-        return cpu_native.decode_attention(q, kc, vc, lens, table, d ** -0.5, None)
+        calls[0] += 1
+        return cpu_native.decode_attention(q, kc, vc, lens, tables[calls[0] % sets], d ** -0.5, None)
 
     def scalar():
         with cpu_native.scalar_attention():
@@ -54,6 +59,8 @@ def time_shape(hq: int, hk: int, d: int, n: int, rounds: int) -> tuple[dict[str,
             return native()
 
     def sdpa():  # the cache's keys already gathered contiguous: only the product is timed
+        calls[0] += 1
+        k, v = kv[calls[0] % sets]
         return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)
 
     fns = {"vector": native, "unsplit": unsplit, "scalar": scalar, "sdpa": sdpa}
@@ -65,34 +72,41 @@ def time_shape(hq: int, hk: int, d: int, n: int, rounds: int) -> tuple[dict[str,
             t = time.perf_counter()
             fn()
             best[key] = min(best[key], time.perf_counter() - t)
-    return {key: v * 1e6 for key, v in best.items()}, (native().float() - sdpa().float()[:, :, 0]).abs().max().item()
+    calls[0] = -1  # both on set 0
+    err = (native().float() - sdpa().float()[:, :, 0]).abs().max().item()
+    return {key: v * 1e6 for key, v in best.items()}, err
 
 
 def op_cases(contexts: list[int], rounds: int) -> list[dict]:
     torch.manual_seed(0)
     cases = []
-    for name, (hq, hk, d) in SHAPES.items():
-        for n in contexts:
-            us, err = time_shape(hq, hk, d, n, rounds)
-            splits = cpu_native.attention_splits(1, hk, d, hq // hk, n)
-            print(f"{name} {n} keys: vector {us['vector']:.1f} us ({splits} key splits), unsplit {us['unsplit']:.1f}, "
-                  f"scalar {us['scalar']:.1f}, sdpa {us['sdpa']:.1f}", flush=True)
-            cases.append(case(f"decode attention {name}, {n} keys, bf16 paged cache, one row", metric="time",
-                              unit="us", ours=us["vector"],
-                              peers={"vector, no key splits": us["unsplit"],
-                                     "scalar loops (the previous kernel)": us["scalar"],
-                                     "torch SDPA (contiguous K/V, enable_gqa)": us["sdpa"]},
-                              floor=None, key_splits=splits, threads=torch.get_num_threads(),
-                              speedup_over_scalar=us["scalar"] / us["vector"],
-                              speedup_over_sdpa=us["sdpa"] / us["vector"], kv_bytes=2 * n * hk * d * 2,
-                              max_abs_diff_vs_sdpa=err))
+    for cold in (False, True):
+        where = "caches read from DRAM (a pool of > 256 MB, another page set each call)" if cold else \
+            "the same pages each call (cache-resident)"
+        for name, (hq, hk, d) in SHAPES.items():
+            for n in contexts:
+                us, err = time_shape(hq, hk, d, n, rounds, cold)
+                splits = cpu_native.attention_splits(1, hk, d, hq // hk, n)
+                print(f"{name} {n} keys{' cold' if cold else ''}: vector {us['vector']:.1f} us ({splits} key splits), "
+                      f"unsplit {us['unsplit']:.1f}, scalar {us['scalar']:.1f}, sdpa {us['sdpa']:.1f}", flush=True)
+                cases.append(case(f"decode attention {name}, {n} keys, bf16 paged cache, one row, {where}",
+                                  metric="time", unit="us", ours=us["vector"],
+                                  peers={"vector, no key splits": us["unsplit"],
+                                         "scalar loops (the previous kernel)": us["scalar"],
+                                         "torch SDPA (contiguous K/V, enable_gqa)": us["sdpa"]},
+                                  floor=None, key_splits=splits, threads=torch.get_num_threads(),
+                                  speedup_over_scalar=us["scalar"] / us["vector"],
+                                  speedup_over_sdpa=us["sdpa"] / us["vector"], kv_bytes=2 * n * hk * d * 2,
+                                  max_abs_diff_vs_sdpa=err))
     return cases
 
 
 def e2e_case(context: int, tokens: int, repeats: int) -> dict:
     from pydoc_data.topics import topics
 
-    eng = Engine.from_pretrained(device="cpu", dtype=torch.bfloat16, quantization="gguf", enable_prefix_caching=False)
+    # prefix caching on: the timed runs reuse the prompt's KV as llama.cpp's do (its generate keeps the matching
+    # prefix), so the two-length difference is not a difference of two long prefills
+    eng = Engine.from_pretrained(device="cpu", dtype=torch.bfloat16, quantization="gguf", enable_prefix_caching=True)
     ids = eng.tokenizer.encode(" ".join(topics.values()), add_special_tokens=False)[:context]
 
     def runner(scalar: bool):
@@ -121,8 +135,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="256,1024,4096")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--context", type=int, default=2000, help="the end-to-end prompt's tokens (0: no end-to-end row)")
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/cpu/sweeps/cpu_attention.json")
     args = ap.parse_args()
     if not cpu_native.available():

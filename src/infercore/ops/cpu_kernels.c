@@ -280,6 +280,30 @@ static inline __attribute__((always_inline)) void pv_tile(float *acc, const floa
     }
 }
 
+/* The element offsets in the caches of the n (<= 16; none if n <= 0) keys from key0 of one KV head */
+static inline void tile_rows(const int32_t *pages, int64_t ps, int64_t Hk, int64_t hk, int64_t D, int64_t key0, int n,
+                             int64_t *rows) {
+    for (int64_t t = 0, pg = key0 / ps, off = key0 % ps; t < n; t++) {
+        rows[t] = (((int64_t)pages[pg] * ps + off) * Hk + hk) * D;
+        if (++off == ps) off = 0, pg++;
+    }
+}
+
+/* Software prefetch of those rows of K and V (rb bytes a row, es bytes an element) */
+static inline void prefetch_rows(const void *kc, const void *vc, const int64_t *rows, int n, int64_t rb, int64_t es,
+                                 const int hint) {
+    for (int t = 0; t < n; t++)
+        for (int64_t o = 0; o < rb; o += 64) {
+            if (hint == _MM_HINT_T0) {
+                _mm_prefetch((const char *)kc + rows[t] * es + o, _MM_HINT_T0);
+                _mm_prefetch((const char *)vc + rows[t] * es + o, _MM_HINT_T0);
+            } else {
+                _mm_prefetch((const char *)kc + rows[t] * es + o, _MM_HINT_T1);
+                _mm_prefetch((const char *)vc + rows[t] * es + o, _MM_HINT_T1);
+            }
+        }
+}
+
 /* attend() in 512-bit lanes for head dims of a multiple of 16 up to 256 and groups of up to 16 query heads, over
  * the keys [j0, j1) of the window's L = n - start (start: its first key): keys in tiles of 16, each tile's scores
  * one vector (bf16 pairs' dot products by vdpbf16ps where the host has it, else fp32 FMAs), an online softmax in
@@ -298,13 +322,22 @@ static void attend_part(const void *q, const void *kc, const void *vc, const int
 #else
     const int dp = 0;
 #endif
+    const int64_t es = bf ? 2 : 4;
+    int64_t nrows[16], frows[16];
     for (int64_t jt = j0; jt < j1; jt += 16) {
         const int nt = j1 - jt < 16 ? (int)(j1 - jt) : 16;
         const __mmask16 valid = (__mmask16)((1u << nt) - 1);
-        for (int64_t t = 0, key = start + jt, pg = key / ps, off = key % ps; t < nt; t++) {
-            rows[t] = (((int64_t)pages[pg] * ps + off) * Hk + hk) * D;
-            if (++off == ps) off = 0, pg++;
-        }
+        if (jt == j0) /* the first tile's rows; later ones were found (and prefetched) a tile ahead */
+            tile_rows(pages, ps, Hk, hk, D, start + jt, nt, rows);
+        else
+            memcpy(rows, nrows, sizeof(rows));
+        /* the K and V rows of the next tile into L1 and of the one after into L2, asked of memory now: a long
+         * context's caches come from DRAM once a step, in strided rows, and the tiles' arithmetic hides the wait */
+        const int n1 = j1 - jt - 16 < 16 ? (int)(j1 - jt - 16) : 16, n2 = j1 - jt - 32 < 16 ? (int)(j1 - jt - 32) : 16;
+        tile_rows(pages, ps, Hk, hk, D, start + jt + 16, n1, nrows);
+        prefetch_rows(kc, vc, nrows, n1, D * es, es, _MM_HINT_T0);
+        tile_rows(pages, ps, Hk, hk, D, start + jt + 32, n2, frows);
+        prefetch_rows(kc, vc, frows, n2, D * es, es, _MM_HINT_T1);
         for (int64_t g = 0; g < G; g++) {
             for (int t = 0; t < 16; t++) {
                 __m512 a = _mm512_setzero_ps();

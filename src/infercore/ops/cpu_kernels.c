@@ -564,7 +564,8 @@ int infercore_decode_attention(const void *q, const void *kc, const void *vc, co
     const int64_t S = att_splits(B, Hk, D, G, maxn, nthreads);
     const int par = work * Hk >= 256 && nthreads > 1 && B * Hk * S > 1;
     float *part = S > 1 ? (float *)malloc((size_t)(B * Hk * S * part_floats(G, D)) * sizeof(float)) : 0;
-#pragma omp parallel num_threads(par ? nthreads : 1)
+    const int nt = B * Hk * S < nthreads ? (int)(B * Hk * S) : nthreads; /* no more threads than units */
+#pragma omp parallel num_threads(par ? nt : 1)
     {
         float *buf = (float *)malloc((size_t)(3 * G * D + D) * sizeof(float));
         float *sc = (float *)malloc((size_t)(G * maxn) * sizeof(float));

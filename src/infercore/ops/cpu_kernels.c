@@ -118,11 +118,19 @@ static inline __attribute__((always_inline)) void silu_rows(const void *x, void 
         }
 }
 
+#if defined(__AVX512F__)
+static void silu_rows_simd(const void *x, void *out, int64_t r0, int64_t r1, int64_t d, const int bf);
+#endif
+
 static void silu_any(const void *x, void *out, int64_t r0, int64_t r1, int64_t d, int bf) {
+#if defined(__AVX512F__)
+    silu_rows_simd(x, out, r0, r1, d, bf);
+#else
     if (bf)
         silu_rows(x, out, r0, r1, d, 1);
     else
         silu_rows(x, out, r0, r1, d, 0);
+#endif
 }
 
 /* out [T, d] = silu(x[:, :d]) * x[:, d:] in fp32, rounded once */
@@ -224,7 +232,7 @@ static int check_tables(const int32_t *seq_lens, const int32_t *block_table, int
 #include <immintrin.h>
 #define ATT_SIMD 1
 
-/* 2^x per lane (x <= 0 here; below -150: 0): x = n + f, |f| <= 1/2, 2^f by its degree-7 Taylor polynomial
+/* 2^x per lane (below -150: 0; above 128: inf): x = n + f, |f| <= 1/2, 2^f by its degree-7 Taylor polynomial
  * (relative error ~1e-8 over that range), times 2^n by vscalefps */
 static inline __m512 exp2_ps(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
@@ -239,6 +247,20 @@ static inline __m512 exp2_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
+}
+
+/* 16 fp32 values stored as bf16 (rounded to nearest even, NaN kept: f32_to_bf16 per lane) or fp32 */
+static inline void st16(void *p, int64_t i, __m512 v, const int bf) {
+    if (!bf) {
+        _mm512_storeu_ps((float *)p + i, v);
+        return;
+    }
+    const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(hi, _mm512_set1_epi32(1)))),
+        16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtepi32_epi16(r));
 }
 
 /* Lane t of the result: the sum of v[t]'s 16 lanes (a transposing tree of 46 shuffles and adds for the 16) */
@@ -277,6 +299,26 @@ static inline __attribute__((always_inline)) void pv_tile(float *acc, const floa
             for (int64_t g = 0; g < G; g++) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(P[16 * g + t]), v, a[g]);
         }
         for (int64_t g = 0; g < G; g++) _mm512_storeu_ps(acc + g * D + c, a[g]);
+    }
+}
+
+/* silu_rows in 16 lanes: silu(g) u = g / (1 + 2^(-g log2 e)) u in fp32 (exp2_ps: within ~1e-7 of expf), rounded
+ * once; the tail of d past a multiple of 16 by silu_rows */
+static void silu_rows_simd(const void *x, void *out, int64_t r0, int64_t r1, int64_t d, const int bf) {
+    const __m512 nl2e = _mm512_set1_ps(-1.4426950408889634f), one = _mm512_set1_ps(1.f);
+    const int64_t d16 = d / 16 * 16;
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t i = 0; i < d16; i += 16) {
+            const __m512 g = ld16(x, r * 2 * d + i, bf), u = ld16(x, r * 2 * d + d + i, bf);
+            const __m512 e = exp2_ps(_mm512_mul_ps(g, nl2e));
+            st16(out, r * d + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), u), bf);
+        }
+        if (d16 < d) {
+            for (int64_t i = d16; i < d; i++) {
+                const float g = ld(x, r * 2 * d + i, bf), u = ld(x, r * 2 * d + d + i, bf);
+                st(out, r * d + i, g / (1.f + expf(-g)) * u, bf);
+            }
+        }
     }
 }
 

@@ -238,12 +238,14 @@ def _decoded_matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, bits
     if buf is None or buf.numel() < rows * kp:
         buf = _scratch.buf = torch.empty(rows * kp, dtype=torch.bfloat16)
     slab = buf[: rows * kp].view(rows, kp)
-    yt = torch.empty(n, x.shape[0], dtype=torch.bfloat16)  # W x^T, row slices written in place
-    xt = xp.t()
+    # x W^T, each slice's columns written in place (row-major with the output's stride): the same GEMM as W x^T
+    # followed by a transpose took 4x the time (SmolLM2's 3072 x 576 at 2000 rows: 8.1 vs 32.0 ms; half of the
+    # transposed GEMM's time, the other the bf16 transpose)
+    y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        torch.mm(cpu_native.dequant_rows(codes, sz, bits, r0, r1, slab), xt, out=yt[r0:r1])
-    return yt.t().contiguous()
+        torch.mm(xp, cpu_native.dequant_rows(codes, sz, bits, r0, r1, slab).t(), out=y[:, r0:r1])
+    return y
 
 
 def _matmul(x: torch.Tensor, w, bias: torch.Tensor | None, reference):

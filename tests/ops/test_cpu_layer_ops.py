@@ -59,10 +59,17 @@ def test_silu_and_mul(dtype, T, d):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,hq,hk,d", [(1, 9, 3, 64), (7, 4, 4, 24), (33, 8, 2, 128)])
-def test_rope_write_kv_is_exact(dtype, T, hq, hk, d):
+@pytest.mark.parametrize("fused", [False, True])
+def test_rope_write_kv_is_exact(dtype, T, hq, hk, d, fused):
+    # fused: q / k / v are views of one qkv output row (read in place at its row stride)
     pages, ps = 40, 4
     cache = rope_cos_sin_cache(rotary_dim=d, max_positions=256, base=10000.0)
-    q, k, v = (torch.randn(T, h, d, dtype=dtype) for h in (hq, hk, hk))
+    if fused:
+        q, k, v = torch.randn(T, (hq + 2 * hk) * d, dtype=dtype).split([hq * d, hk * d, hk * d], dim=1)
+        q, k, v = q.view(T, hq, d), k.view(T, hk, d), v.view(T, hk, d)
+        assert T == 1 or not q.is_contiguous()
+    else:
+        q, k, v = (torch.randn(T, h, d, dtype=dtype) for h in (hq, hk, hk))
     pos = torch.randint(0, 256, (T,))
     slots = torch.randperm(pages * ps)[:T].to(torch.int32)
     if T > 1:

@@ -150,16 +150,17 @@ static inline __attribute__((always_inline)) void rope_rows(const void *q, const
                                                             const int64_t *pos, const float *cs,
                                                             void *kc, void *vc, const int32_t *slots,
                                                             void *q_out, int64_t t0, int64_t t1, int64_t Hq,
-                                                            int64_t Hk, int64_t D, const int bf) {
+                                                            int64_t Hk, int64_t D, int64_t sq, int64_t sk,
+                                                            int64_t sv, const int bf) {
     const int64_t half = D / 2;
     for (int64_t t = t0; t < t1; t++) {
         const float *cos = cs + pos[t] * D, *sin = cos + half;
         const int store = slots[t] >= 0; /* slot -1: the row's K/V are not stored */
         for (int64_t h = 0; h < (store ? Hq + Hk : Hq); h++) {
             const void *src = h < Hq ? q : k;
-            const int64_t si = h < Hq ? (t * Hq + h) * D : (t * Hk + h - Hq) * D;
+            const int64_t si = h < Hq ? t * sq + h * D : t * sk + (h - Hq) * D;
             void *dst = h < Hq ? q_out : kc;
-            const int64_t di = h < Hq ? si : ((int64_t)slots[t] * Hk + h - Hq) * D;
+            const int64_t di = h < Hq ? (t * Hq + h) * D : ((int64_t)slots[t] * Hk + h - Hq) * D;
             for (int64_t i = 0; i < half; i++) {
                 const float x1 = ld(src, si + i, bf), x2 = ld(src, si + half + i, bf);
                 st(dst, di + i, x1 * cos[i] - x2 * sin[i], bf);
@@ -167,17 +168,18 @@ static inline __attribute__((always_inline)) void rope_rows(const void *q, const
             }
         }
         const size_t vb = (size_t)(Hk * D) * (bf ? 2 : 4);
-        if (store) memcpy((char *)vc + (size_t)slots[t] * vb, (const char *)v + (size_t)t * vb, vb);
+        if (store) memcpy((char *)vc + (size_t)slots[t] * vb, (const char *)v + (size_t)(t * sv) * (bf ? 2 : 4), vb);
     }
 }
 
+/* q / k / v rows of strides sq / sk / sv elements (their heads contiguous); q_out contiguous [T, Hq, D] */
 static void rope_any(const void *q, const void *k, const void *v, const int64_t *pos, const float *cs, void *kc,
                      void *vc, const int32_t *slots, void *q_out, int64_t t0, int64_t t1, int64_t Hq, int64_t Hk,
-                     int64_t D, int bf) {
+                     int64_t D, int64_t sq, int64_t sk, int64_t sv, int bf) {
     if (bf)
-        rope_rows(q, k, v, pos, cs, kc, vc, slots, q_out, t0, t1, Hq, Hk, D, 1);
+        rope_rows(q, k, v, pos, cs, kc, vc, slots, q_out, t0, t1, Hq, Hk, D, sq, sk, sv, 1);
     else
-        rope_rows(q, k, v, pos, cs, kc, vc, slots, q_out, t0, t1, Hq, Hk, D, 0);
+        rope_rows(q, k, v, pos, cs, kc, vc, slots, q_out, t0, t1, Hq, Hk, D, sq, sk, sv, 0);
 }
 
 /* The rows' slots (-1: not stored) and positions checked before anything is written: 0, -1 - t for a slot out of
@@ -195,7 +197,8 @@ static int check_rows(const int32_t *slots, const int64_t *pos, int64_t T, int64
  * row's K/V are not stored). q_out [T, Hq, D] gets rotated q. Returns check_rows' code (nothing written if < 0). */
 int infercore_rope_write_kv(const void *q, const void *k, const void *v, const int64_t *pos, const float *cs,
                             void *kc, void *vc, const int32_t *slots, void *q_out, int64_t T, int64_t Hq,
-                            int64_t Hk, int64_t D, int64_t num_slots, int64_t max_pos, int dt, int nthreads) {
+                            int64_t Hk, int64_t D, int64_t sq, int64_t sk, int64_t sv, int64_t num_slots,
+                            int64_t max_pos, int dt, int nthreads) {
     const int rc = check_rows(slots, pos, T, num_slots, max_pos);
     if (rc) return rc;
     const int par = T >= 16 && nthreads > 1;
@@ -203,7 +206,7 @@ int infercore_rope_write_kv(const void *q, const void *k, const void *v, const i
     {
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t t0 = T * id / nt, t1 = T * (id + 1) / nt;
-        rope_any(q, k, v, pos, cs, kc, vc, slots, q_out, t0, t1, Hq, Hk, D, dt);
+        rope_any(q, k, v, pos, cs, kc, vc, slots, q_out, t0, t1, Hq, Hk, D, sq, sk, sv, dt);
     }
     return 0;
 }
@@ -699,7 +702,7 @@ typedef struct {
     const int32_t *slots, *seq_lens, *block_table;
     float scale;
     int dt;
-    char *qkv, *qs, *ks, *vs, *qr, *attn, *o, *h;
+    char *qkv, *qr, *attn, *o, *h;
     int64_t S;  /* attention's key splits (att_splits) */
     float *part; /* their partials */
 } step_t;
@@ -717,11 +720,8 @@ static void step_alloc(step_t *s, int nthreads) {
     const int64_t T = s->T, NQ = s->Hq * s->D, NKV = s->Hk * s->D, NQKV = NQ + 2 * NKV, G = s->Hq / s->Hk;
     s->S = att_splits(T, s->Hk, s->D, G, max_len(s->seq_lens, T), nthreads);
     s->part = s->S > 1 ? (float *)malloc((size_t)(T * s->Hk * s->S * part_floats(G, s->D)) * sizeof(float)) : 0;
-    s->qkv = (char *)malloc(es * (size_t)T * (size_t)(2 * NQKV + 2 * NQ + s->H + 2 * s->I));
-    s->qs = s->qkv + es * T * NQKV;
-    s->ks = s->qs + es * T * NQ;
-    s->vs = s->ks + es * T * NKV;
-    s->qr = s->vs + es * T * NKV;
+    s->qkv = (char *)malloc(es * (size_t)T * (size_t)(NQKV + 2 * NQ + s->H + 2 * s->I));
+    s->qr = s->qkv + es * T * NQKV;
     s->attn = s->qr + es * T * NQ;
     s->o = s->attn + es * T * NQ;
     s->h = s->o + es * T * s->H;
@@ -777,14 +777,8 @@ static void layer_body(const step_t *s, own_t *w, const void *x, const void *res
     }
     lin_par(w->xn, T, H, lin, NQKV, s->qkv, dt, w->xp, w->sums);
 #pragma omp single
-    {
-        for (int64_t t = 0; t < T; t++) {
-            memcpy(s->qs + es * t * NQ, s->qkv + es * t * NQKV, es * NQ);
-            memcpy(s->ks + es * t * NKV, s->qkv + es * (t * NQKV + NQ), es * NKV);
-            memcpy(s->vs + es * t * NKV, s->qkv + es * (t * NQKV + NQ + NKV), es * NKV);
-        }
-        rope_any(s->qs, s->ks, s->vs, s->pos, s->cs, kc, vc, s->slots, s->qr, 0, T, s->Hq, s->Hk, D, dt);
-    }
+    rope_any(s->qkv, s->qkv + es * NQ, s->qkv + es * (NQ + NKV), s->pos, s->cs, kc, vc, s->slots, s->qr, 0, T, s->Hq,
+             s->Hk, D, NQKV, NQKV, NQKV, dt); /* q, k, v read in place from the qkv rows */
     attend_units(s->qr, kc, vc, s->seq_lens, s->block_table, s->bt_stride, T, s->Hk, D, s->Hq / s->Hk, s->ps,
                  s->scale, window, s->attn, w->buf, w->sc, dt, s->S, s->part);
     lin_par(s->attn, T, NQ, lin + 4, H, s->o, dt, w->xp, w->sums);
@@ -818,7 +812,7 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
     rc = check_tables(seq_lens, block_table, T, bt_stride, bt_cols, num_pages, ps, window);
     if (rc) return (int)(rc - 2 * T); /* -1 - 2T - t / -1 - 3T - t */
     step_t s = {T, H, Hq, Hk, D, I, ps, bt_stride, pos, cs, slots, seq_lens, block_table, scale,
-                dt, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0};
+                dt, 0, 0, 0, 0, 0, 1, 0};
     step_alloc(&s, nthreads);
     int64_t kpmax = 0, gsums = 0;
     quant_sizes(lin, &kpmax, &gsums);
@@ -857,7 +851,7 @@ int infercore_llama_decode_layers(int64_t L, const int64_t *tab, const float *ep
         quant_sizes(tab + LAYER_TAB * l + 5, &kpmax, &gsums);
     }
     step_t s = {T, H, Hq, Hk, D, I, ps, bt_stride, pos, cs, slots, seq_lens, block_table, scale,
-                dt, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0};
+                dt, 0, 0, 0, 0, 0, 1, 0};
     step_alloc(&s, nthreads);
     const size_t es = dt ? 2 : 4, n = es * (size_t)(T * H);
     char *buf = (char *)malloc(4 * n);

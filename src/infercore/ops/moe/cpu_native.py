@@ -111,7 +111,7 @@ def _build() -> ctypes.CDLL:
     dll.infercore_rms_norm.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _F, _F, _INT, _INT, _INT]
     dll.infercore_silu_and_mul.argtypes = [_P, _P, _I64, _I64, _INT, _INT]
     dll.infercore_rope_write_kv.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
-                                            _INT, _INT]
+                                            _I64, _I64, _I64, _INT, _INT]
     dll.infercore_decode_attention.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
                                                _F, _I64, _P, _INT, _INT]
     dll.infercore_llama_decode_layer.argtypes = [_P, _P, _P, _P, _I64, _I64, _P, _F, _P, _I64, _I64, _I64, _P, _P,
@@ -719,14 +719,15 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     lib = _need()
     T, Hq, D = q.shape
     Hk = k.shape[1]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    # rows of any stride with their heads contiguous (q / k / v as views of a fused qkv output) are read in place
+    q, k, v = (t if t.stride(2) == 1 and t.stride(1) == D else t.contiguous() for t in (q, k, v))
     pos, slots = _int_rows(positions, slot_mapping)
     cs = cos_sin_cache.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty(T, Hq, D, dtype=q.dtype)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     rc = lib.infercore_rope_write_kv(_ptr(q), _ptr(k), _ptr(v), _ptr(pos), _ptr(cs), _ptr(k_cache), _ptr(v_cache),
-                                     _ptr(slots), _ptr(out), T, Hq, Hk, D, num_slots, cs.shape[0], _DT[q.dtype],
-                                     torch.get_num_threads())
+                                     _ptr(slots), _ptr(out), T, Hq, Hk, D, q.stride(0), k.stride(0), v.stride(0),
+                                     num_slots, cs.shape[0], _DT[q.dtype], torch.get_num_threads())
     if rc < 0:  # nothing was written
         raise _rows_error("rope_and_write_kv", rc, slots, pos, num_slots, cs.shape[0])
     return out

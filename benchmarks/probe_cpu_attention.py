@@ -77,6 +77,19 @@ def time_shape(hq: int, hk: int, d: int, n: int, rounds: int, cold: bool) -> tup
     return {key: v * 1e6 for key, v in best.items()}, err
 
 
+PEERS = {"unsplit": "vector, no key splits", "scalar": "scalar loops (the previous kernel)",
+         "sdpa": "torch SDPA (contiguous K/V, enable_gqa)"}
+
+
+def op_case(name: str, us: dict[str, float], kv_bytes: int, **extra) -> dict:
+    """A result row of one shape: the rate each path reads the K / V bytes at (GB/s, higher is better), the times
+    beside it."""
+    return case(name, metric="K/V read rate", unit="GB/s", ours=kv_bytes / us["vector"] / 1e3,
+                peers={PEERS[k]: kv_bytes / us[k] / 1e3 for k in PEERS}, floor=None, time_us=us,
+                speedup_over_scalar=us["scalar"] / us["vector"], speedup_over_sdpa=us["sdpa"] / us["vector"],
+                kv_bytes=kv_bytes, **extra)
+
+
 def op_cases(contexts: list[int], rounds: int) -> list[dict]:
     torch.manual_seed(0)
     cases = []
@@ -89,15 +102,9 @@ def op_cases(contexts: list[int], rounds: int) -> list[dict]:
                 splits = cpu_native.attention_splits(1, hk, d, hq // hk, n)
                 print(f"{name} {n} keys{' cold' if cold else ''}: vector {us['vector']:.1f} us ({splits} key splits), "
                       f"unsplit {us['unsplit']:.1f}, scalar {us['scalar']:.1f}, sdpa {us['sdpa']:.1f}", flush=True)
-                cases.append(case(f"decode attention {name}, {n} keys, bf16 paged cache, one row, {where}",
-                                  metric="time", unit="us", ours=us["vector"],
-                                  peers={"vector, no key splits": us["unsplit"],
-                                         "scalar loops (the previous kernel)": us["scalar"],
-                                         "torch SDPA (contiguous K/V, enable_gqa)": us["sdpa"]},
-                                  floor=None, key_splits=splits, threads=torch.get_num_threads(),
-                                  speedup_over_scalar=us["scalar"] / us["vector"],
-                                  speedup_over_sdpa=us["sdpa"] / us["vector"], kv_bytes=2 * n * hk * d * 2,
-                                  max_abs_diff_vs_sdpa=err))
+                cases.append(op_case(f"decode attention {name}, {n} keys, bf16 paged cache, one row, {where}", us,
+                                     2 * n * hk * d * 2, key_splits=splits, threads=torch.get_num_threads(),
+                                     max_abs_diff_vs_sdpa=err))
     return cases
 
 

@@ -1,8 +1,9 @@
-"""The native CPU INT4 GEMVs on 8-bit activations (``cpu_native.set_int8_activations``) against the same model with
-bf16 activations and against llama.cpp on the same GGUF file, decode rates in interleaved rounds, and how many
-greedy tokens the 8-bit run shares with the bf16 one. Models: SmolLM2-135M-Instruct's own Q4_1 blocks (the
+"""The native CPU INT4 / INT8 GEMVs on 8-bit activations (``cpu_native.set_int8_activations``) against the same
+model with bf16 activations and against llama.cpp on the same GGUF file, decode rates in interleaved rounds, and how
+many greedy tokens the 8-bit run shares with the bf16 one. Models: SmolLM2-135M-Instruct's own Q4_1 blocks (the
 package's file, ``--model smollm2``), or with ``--synthetic H,I,L,HEADS,KV`` a random-weight Llama quantized to
-Q4_K_M by llama.cpp (``probe_gguf_kquants.py``; its Q4_K linears take the 8-bit path, its Q6_K ones do not).
+Q4_K_M by llama.cpp (``probe_gguf_kquants.py``; its Q4_K linears through the INT4 GEMV, its Q6_K ones through the
+INT8 one, both on 8-bit activations: the INT8 GEMV takes them where K is a multiple of 64).
 Needs llama-cpp-python for the llama.cpp peer.
 
     python benchmarks/probe_int8_activations.py --out benchmarks/results/cpu/sweeps/cpu_int8_activations.json

@@ -108,12 +108,15 @@ def op_cases(contexts: list[int], rounds: int) -> list[dict]:
     return cases
 
 
-def e2e_case(context: int, tokens: int, repeats: int) -> dict:
+def e2e_case(context: int, tokens: int, repeats: int, model: str | None = None, a8: bool = False) -> dict:
     from pydoc_data.topics import topics
 
     # prefix caching on: the timed runs reuse the prompt's KV as llama.cpp's do (its generate keeps the matching
     # prefix), so the two-length difference is not a difference of two long prefills
-    eng = Engine.from_pretrained(device="cpu", dtype=torch.bfloat16, quantization="gguf", enable_prefix_caching=True)
+    eng = Engine.from_pretrained(model, device="cpu", dtype=torch.bfloat16, quantization="gguf",
+                                 enable_prefix_caching=True)
+    if a8 and not cpu_native.set_int8_activations(True):
+        raise SystemExit("8-bit activations are not available here (AVX512-VNNI)")
     ids = eng.tokenizer.encode(" ".join(topics.values()), add_special_tokens=False)[:context]
 
     def runner(scalar: bool):
@@ -125,13 +128,15 @@ def e2e_case(context: int, tokens: int, repeats: int) -> dict:
 
     runs, names = [runner(False), runner(True)], ["vector attention", "scalar attention"]
     for kw in ({}, {"flash_attn": True}):
-        lcpp = llama_cpp_runner(ids, n_ctx=context + tokens + 64, **kw)
+        lcpp = llama_cpp_runner(ids, model, n_ctx=context + tokens + 64, **kw)
         if lcpp is not None:
             runs.append(lcpp[0])
             names.append(f"llama.cpp {lcpp[1]} (llama-cpp-python, same GGUF file{', flash_attn' if kw else ''})")
     rates = decode_rates(runs, tokens, repeats)
     print(", ".join(f"{n} {r:.1f} tok/s" for n, r in zip(names, rates)), flush=True)
-    return case(f"smollm2-135m Q4_1 (the package's file, blocks as stored) decode bs1 after a {len(ids)}-token prompt, "
+    what = f"{os.path.basename(model)} (blocks as stored{', 8-bit activations' if a8 else ''})" if model else \
+        "smollm2-135m Q4_1 (the package's file, blocks as stored)"
+    return case(f"{what} decode bs1 after a {len(ids)}-token prompt, "
                 f"{tokens} tokens", metric="decode throughput", unit="tok/s", ours=rates[0],
                 peers={"ours, " + n if n.startswith("scalar") else n: r for n, r in zip(names[1:], rates[1:])},
                 floor=None, threads=torch.get_num_threads())
@@ -142,15 +147,17 @@ def main() -> None:
     ap.add_argument("--contexts", default="256,1024,4096")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--context", type=int, default=2000, help="the end-to-end prompt's tokens (0: no end-to-end row)")
+    ap.add_argument("--model", default=None, help="the end-to-end row's GGUF file (default: the package's SmolLM2)")
+    ap.add_argument("--int8-activations", action="store_true", help="the end-to-end row on 8-bit activations")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/cpu/sweeps/cpu_attention.json")
     args = ap.parse_args()
     if not cpu_native.available():
         raise SystemExit(f"the native kernels do not run here: {cpu_native.status()}")
-    cases = op_cases([int(c) for c in args.contexts.split(",")], args.rounds)
+    cases = op_cases([int(c) for c in args.contexts.split(",") if c], args.rounds)  # --contexts '': none
     if args.context:
-        cases.append(e2e_case(args.context, args.tokens, args.repeats))
+        cases.append(e2e_case(args.context, args.tokens, args.repeats, args.model, args.int8_activations))
     write_results(args.out, "probe_cpu_attention", "cpu", cases)
 
 

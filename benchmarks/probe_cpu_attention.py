@@ -108,6 +108,71 @@ def op_cases(contexts: list[int], rounds: int) -> list[dict]:
     return cases
 
 
+def time_codes(hq: int, hk: int, d: int, n: int, rounds: int) -> dict[str, float]:
+    """Best microseconds over ``n`` keys of 1-byte caches (int8 / fp8 codes, fp32 scales per slot and KV head) read
+    by the vector path, of the same caches through the op's previous CPU path (each sequence's context dequantized,
+    then SDPA), and of the bf16 cache through the vector path; DRAM-read pools as in time_shape."""
+    from infercore.ops.attention import cpu as attn_cpu
+    from infercore.ops.kv_cache.quant import quantize_kv_ref
+
+    pp = n // PAGE + 1
+    sets = max(2, (256 << 20) // (pp * PAGE * hk * d * 4))
+    kb, vb = (torch.randn(sets * pp, PAGE, hk, d).bfloat16() for _ in range(2))
+    q = torch.randn(1, hq, d).bfloat16()
+    tables = [torch.arange(r * pp, (r + 1) * pp, dtype=torch.int32)[None] for r in range(sets)]
+    lens = torch.tensor([n], dtype=torch.int32)
+    quant = {}
+    for label, dt in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+        (kc, ks), (vc, vs) = (quantize_kv_ref(c.float(), dt) for c in (kb, vb))
+        quant[label] = (kc, vc, ks.reshape(kc.shape[:3]), vs.reshape(kc.shape[:3]))
+    calls = [0]
+
+    def table():
+        calls[0] += 1
+        return tables[calls[0] % sets]
+
+    def run(label, fallback=False):
+        kc, vc, ks, vs = quant[label]
+        if not fallback:
+            return cpu_native.decode_attention(q, kc, vc, lens, table(), d ** -0.5, None, ks, vs)
+        real = cpu_native.decode_attention
+        cpu_native.decode_attention = lambda *a, **k: None  # the op's previous path for these caches
+        try:
+            return attn_cpu.paged_attention_decode_cpu(q, kc, vc, seq_lens=lens, block_table=table(),
+                                                       scale=d ** -0.5, k_scale=ks, v_scale=vs)
+        finally:
+            cpu_native.decode_attention = real
+
+    fns = {"int8": lambda: run("int8"), "fp8": lambda: run("fp8"),
+           "bf16": lambda: cpu_native.decode_attention(q, kb, vb, lens, table(), d ** -0.5, None),
+           "int8 dequantized + SDPA": lambda: run("int8", True), "fp8 dequantized + SDPA": lambda: run("fp8", True)}
+    for fn in fns.values():
+        fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            best[key] = min(best[key], time.perf_counter() - t)
+    return {k: v * 1e6 for k, v in best.items()}
+
+
+def kv_cases(contexts: list[int], rounds: int) -> list[dict]:
+    torch.manual_seed(0)
+    cases = []
+    for name, (hq, hk, d) in SHAPES.items():
+        for n in contexts:
+            us = time_codes(hq, hk, d, n, rounds)
+            print(f"{name} {n} keys, 1-byte caches: " + ", ".join(f"{k} {v:.1f} us" for k, v in us.items()), flush=True)
+            for label in ("int8", "fp8"):
+                cases.append(case(f"decode attention {name}, {n} keys, {label} paged cache (codes and fp32 scales), "
+                                  "one row, caches read from DRAM", metric="speedup over the previous path "
+                                  "(dequantize + SDPA), from best times", unit="x",
+                                  ours=us[f"{label} dequantized + SDPA"] / us[label], peers={}, floor=None,
+                                  time_us=us, threads=torch.get_num_threads()))
+    return cases
+
+
 def e2e_case(context: int, tokens: int, repeats: int, model: str | None = None, a8: bool = False) -> dict:
     from pydoc_data.topics import topics
 
@@ -147,6 +212,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="256,1024,4096")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--context", type=int, default=2000, help="the end-to-end prompt's tokens (0: no end-to-end row)")
+    ap.add_argument("--kv-codes", action="store_true", help="also int8 / fp8 caches (kv_cases)")
     ap.add_argument("--model", default=None, help="the end-to-end row's GGUF file (default: the package's SmolLM2)")
     ap.add_argument("--int8-activations", action="store_true", help="the end-to-end row on 8-bit activations")
     ap.add_argument("--tokens", type=int, default=64)
@@ -155,7 +221,10 @@ def main() -> None:
     args = ap.parse_args()
     if not cpu_native.available():
         raise SystemExit(f"the native kernels do not run here: {cpu_native.status()}")
-    cases = op_cases([int(c) for c in args.contexts.split(",") if c], args.rounds)  # --contexts '': none
+    contexts = [int(c) for c in args.contexts.split(",") if c]  # --contexts '': none
+    cases = op_cases(contexts, args.rounds)
+    if args.kv_codes:
+        cases += kv_cases(contexts, args.rounds)
     if args.context:
         cases.append(e2e_case(args.context, args.tokens, args.repeats, args.model, args.int8_activations))
     write_results(args.out, "probe_cpu_attention", "cpu", cases)

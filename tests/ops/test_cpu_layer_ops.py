@@ -176,3 +176,38 @@ def test_out_of_range_indices_raise_before_touching_memory():
     out = cpu_native.decode_attention(qd, kc, vc, torch.tensor([6, 2]).int(), torch.tensor([[-1, 0], [1, 0]]).int(),
                                       0.25, 2)
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("kv", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens,hq,hk,d,window,threads", [
+    ([5, 0, 300, 17], 8, 2, 64, None, 2),  # an empty sequence, GQA
+    ([700], 9, 3, 64, 50, 2),               # a window
+    ([1000], 6, 1, 32, None, 4),            # key splits
+    ([129, 64], 4, 4, 128, None, 2),        # no GQA
+])
+def test_decode_attention_reads_1_byte_caches(kv, dtype, lens, hq, hk, d, window, threads, monkeypatch):
+    # int8 / fp8 code caches with fp32 scales per (slot, KV head), read as they are by the vector path, against the
+    # reference over the same codes; also through the op's CPU implementation
+    from infercore.ops.kv_cache.quant import quantize_kv_ref
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    kf, vf, table, _, _ = build_paged(lens, hk, d, 16, dtype=torch.float32)  # NaN outside the sequences' keys
+    (kc, ks), (vc, vs) = (quantize_kv_ref(c.nan_to_num(), kv) for c in (kf, vf))
+    ks, vs = ks.reshape(kc.shape[:3]), vs.reshape(kc.shape[:3])
+    q = torch.randn(len(lens), hq, d, dtype=dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    got = cpu_native.decode_attention(q, kc, vc, seq_lens, table, 0.2, window, ks, vs)
+    kw = dict(seq_lens=seq_lens, block_table=table, scale=0.2, sliding_window=window, k_scale=ks, v_scale=vs)
+    want = implementation("paged_attention_decode", "reference")(q, kc, vc, **kw)
+    torch.testing.assert_close(got, want, **tol(dtype))
+    assert not got[torch.tensor(lens) == 0].any()
+    torch.testing.assert_close(implementation("paged_attention_decode", "cpu")(q, kc, vc, **kw), got, rtol=0, atol=0)
+    # a head dim off the 16 lanes (d - 8): nothing read, the op's CPU path falls back to its SDPA loop
+    q40 = torch.randn(len(lens), hq, d - 8, dtype=dtype)
+    kc40, vc40 = kc[..., : d - 8].contiguous(), vc[..., : d - 8].contiguous()
+    assert cpu_native.decode_attention(q40, kc40, vc40, seq_lens, table, 0.2, window, ks, vs) is None
+    kw40 = dict(kw)
+    torch.testing.assert_close(implementation("paged_attention_decode", "cpu")(q40, kc40, vc40, **kw40),
+                               implementation("paged_attention_decode", "reference")(q40, kc40, vc40, **kw40),
+                               **tol(dtype))

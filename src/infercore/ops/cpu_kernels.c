@@ -234,6 +234,17 @@ static int check_tables(const int32_t *seq_lens, const int32_t *block_table, int
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define ATT_SIMD 1
+#endif
+
+/* A decode attention's caches: their own dtype (kv 0), or 1-byte codes (kv 1 int8, 2 float8_e4m3fn) with fp32 scales
+ * per (slot, KV head), ks / vs [num_pages, ps, Hk] (the AVX-512 path only) */
+typedef struct {
+    const float *ks, *vs;
+    int kv;
+} kvq_t;
+static const kvq_t KV_PLAIN = {0, 0, 0};
+
+#if ATT_SIMD
 
 /* 2^x per lane (below -150: 0; above 128: inf): x = n + f, |f| <= 1/2, 2^f by its degree-7 Taylor polynomial
  * (relative error ~1e-8 over that range), times 2^n by vscalefps */
@@ -290,15 +301,27 @@ static inline __m512 ld16(const void *p, int64_t i, const int bf) {
               : _mm512_loadu_ps((const float *)p + i);
 }
 
+/* 16 cache values from their 1-byte codes (kv 1: int8; 2: float8_e4m3fn, its bits moved into an fp32's and scaled by
+ * 2^120, exact for every finite code, subnormals included) or the cache's own dtype (kv 0: ld16) */
+static inline __m512 ldc16(const void *p, int64_t i, const int bf, const int kv) {
+    if (kv == 0) return ld16(p, i, bf);
+    const __m128i c = _mm_loadu_si128((const __m128i *)((const uint8_t *)p + i));
+    if (kv == 1) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
+    const __m512i u = _mm512_cvtepu8_epi32(c);
+    const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7f)), 20),
+                                         _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24));
+    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(1.329227995784916e36f)); /* 2^120 */
+}
+
 /* acc[g D + d] += sum_t P[16 g + t] V_t[d] over the tile's nt keys (rows: their offsets), 16 dims at a time */
 static inline __attribute__((always_inline)) void pv_tile(float *acc, const float *P, const void *vc,
                                                           const int64_t *rows, int nt, int64_t D, const int64_t G,
-                                                          const int bf) {
+                                                          const int bf, const int kv) {
     for (int64_t c = 0; c < D; c += 16) {
         __m512 a[16];
         for (int64_t g = 0; g < G; g++) a[g] = _mm512_loadu_ps(acc + g * D + c);
         for (int t = 0; t < nt; t++) {
-            const __m512 v = ld16(vc, rows[t] + c, bf);
+            const __m512 v = ldc16(vc, rows[t] + c, bf, kv);
             for (int64_t g = 0; g < G; g++) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(P[16 * g + t]), v, a[g]);
         }
         for (int64_t g = 0; g < G; g++) _mm512_storeu_ps(acc + g * D + c, a[g]);
@@ -356,18 +379,19 @@ static inline void prefetch_rows(const void *kc, const void *vc, const int64_t *
  * into acc [G, D]. m / l / acc carry over from call to call (start: -inf / 0 / 0). */
 static void attend_part(const void *q, const void *kc, const void *vc, const int32_t *pages, int64_t ps, int64_t Hk,
                         int64_t D, int64_t G, int64_t b, int64_t hk, int64_t start, int64_t j0, int64_t j1,
-                        float scale, float *m, float *l, float *acc, const int bf) {
+                        float scale, float *m, float *l, float *acc, const int bf, const kvq_t *kq) {
     const int64_t q0 = (b * Hk * G + hk * G) * D;
+    const int kv = kq->kv;
     const __m512 sl2 = _mm512_set1_ps(scale * 1.4426950408889634f);
     float P[16 * 16];
     int64_t rows[16];
     __m512 sv[16];
 #if defined(__AVX512BF16__)
-    const int dp = bf && D % 32 == 0;
+    const int dp = bf && D % 32 == 0 && kv == 0;
 #else
     const int dp = 0;
 #endif
-    const int64_t es = bf ? 2 : 4;
+    const int64_t es = kv ? 1 : bf ? 2 : 4; /* bytes a cache element */
     int64_t nrows[16], frows[16];
     for (int64_t jt = j0; jt < j1; jt += 16) {
         const int nt = j1 - jt < 16 ? (int)(j1 - jt) : 16;
@@ -376,6 +400,8 @@ static void attend_part(const void *q, const void *kc, const void *vc, const int
             tile_rows(pages, ps, Hk, hk, D, start + jt, nt, rows);
         else
             memcpy(rows, nrows, sizeof(rows));
+        float ksv[16] = {0}, vsv[16] = {0}; /* 1-byte caches: the tile's scales, [num_pages, ps, Hk] as rows / D */
+        for (int t = 0; kv && t < nt; t++) ksv[t] = kq->ks[rows[t] / D], vsv[t] = kq->vs[rows[t] / D];
         /* the K and V rows of the next tile into L1 and of the one after into L2, asked of memory now: a long
          * context's caches come from DRAM once a step, in strided rows, and the tiles' arithmetic hides the wait */
         const int n1 = j1 - jt - 16 < 16 ? (int)(j1 - jt - 16) : 16, n2 = j1 - jt - 32 < 16 ? (int)(j1 - jt - 32) : 16;
@@ -396,11 +422,13 @@ static void attend_part(const void *q, const void *kc, const void *vc, const int
                     } else
 #endif
                         for (int64_t c = 0; c < D; c += 16)
-                            a = _mm512_fmadd_ps(ld16(q, q0 + g * D + c, bf), ld16(kc, rows[t] + c, bf), a);
+                            a = _mm512_fmadd_ps(ld16(q, q0 + g * D + c, bf), ldc16(kc, rows[t] + c, bf, kv), a);
                 }
                 sv[t] = a;
             }
-            const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, _mm512_mul_ps(hsum16(sv), sl2));
+            __m512 s = _mm512_mul_ps(hsum16(sv), sl2);
+            if (kv) s = _mm512_mul_ps(s, _mm512_loadu_ps(ksv)); /* the keys' scales */
+            s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, s);
             const float mt = _mm512_reduce_max_ps(s), mn = mt > m[g] ? mt : m[g];
             const __m512 p = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(mn))));
             if (mn > m[g]) {
@@ -412,18 +440,19 @@ static void attend_part(const void *q, const void *kc, const void *vc, const int
                 m[g] = mn;
             }
             l[g] += _mm512_reduce_add_ps(p);
-            _mm512_storeu_ps(P + 16 * g, p);
+            /* the values' scales folded into the weights: sum_t p_t (s_t c_t) = sum_t (p_t s_t) c_t */
+            _mm512_storeu_ps(P + 16 * g, kv ? _mm512_mul_ps(p, _mm512_loadu_ps(vsv)) : p);
         }
         switch (G) { /* the group's accumulators of 16 dims in registers across the tile */
-        case 1: pv_tile(acc, P, vc, rows, nt, D, 1, bf); break;
-        case 2: pv_tile(acc, P, vc, rows, nt, D, 2, bf); break;
-        case 3: pv_tile(acc, P, vc, rows, nt, D, 3, bf); break;
-        case 4: pv_tile(acc, P, vc, rows, nt, D, 4, bf); break;
-        case 5: pv_tile(acc, P, vc, rows, nt, D, 5, bf); break;
-        case 6: pv_tile(acc, P, vc, rows, nt, D, 6, bf); break;
-        case 7: pv_tile(acc, P, vc, rows, nt, D, 7, bf); break;
-        case 8: pv_tile(acc, P, vc, rows, nt, D, 8, bf); break;
-        default: pv_tile(acc, P, vc, rows, nt, D, G, bf);
+        case 1: pv_tile(acc, P, vc, rows, nt, D, 1, bf, kq->kv); break;
+        case 2: pv_tile(acc, P, vc, rows, nt, D, 2, bf, kq->kv); break;
+        case 3: pv_tile(acc, P, vc, rows, nt, D, 3, bf, kq->kv); break;
+        case 4: pv_tile(acc, P, vc, rows, nt, D, 4, bf, kq->kv); break;
+        case 5: pv_tile(acc, P, vc, rows, nt, D, 5, bf, kq->kv); break;
+        case 6: pv_tile(acc, P, vc, rows, nt, D, 6, bf, kq->kv); break;
+        case 7: pv_tile(acc, P, vc, rows, nt, D, 7, bf, kq->kv); break;
+        case 8: pv_tile(acc, P, vc, rows, nt, D, 8, bf, kq->kv); break;
+        default: pv_tile(acc, P, vc, rows, nt, D, G, bf, kq->kv);
         }
     }
 }
@@ -431,11 +460,11 @@ static void attend_part(const void *q, const void *kc, const void *vc, const int
 /* The whole window of one (sequence, KV head) by attend_part, written to out normalized. acc: G * D floats. */
 static void attend_simd(const void *q, const void *kc, const void *vc, const int32_t *pages, int64_t ps, int64_t Hk,
                         int64_t D, int64_t G, int64_t b, int64_t hk, int64_t start, int64_t L, float scale,
-                        void *out, float *acc, const int bf) {
+                        void *out, float *acc, const int bf, const kvq_t *kq) {
     float m[16], l[16];
     for (int64_t g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.f;
     memset(acc, 0, (size_t)(G * D) * sizeof(float));
-    attend_part(q, kc, vc, pages, ps, Hk, D, G, b, hk, start, 0, L, scale, m, l, acc, bf);
+    attend_part(q, kc, vc, pages, ps, Hk, D, G, b, hk, start, 0, L, scale, m, l, acc, bf, kq);
     const int64_t q0 = (b * Hk * G + hk * G) * D;
     for (int64_t g = 0; g < G; g++) {
         const float inv = 1.f / l[g];
@@ -484,7 +513,7 @@ static inline __attribute__((always_inline)) void attend(const void *q, const vo
                                                          const int32_t *pages, int64_t ps, int64_t Hk, int64_t D,
                                                          int64_t G, int64_t b, int64_t hk, int64_t window,
                                                          int64_t n, float scale, void *out, float *s, float *qf,
-                                                         float *kf, float *acc, const int bf) {
+                                                         float *kf, float *acc, const int bf, const kvq_t *kq) {
     const int64_t Hq = Hk * G;
     if (n <= 0) {
         for (int64_t i = 0; i < G * D; i++) st(out, (b * Hq + hk * G) * D + i, 0.f, bf);
@@ -493,10 +522,11 @@ static inline __attribute__((always_inline)) void attend(const void *q, const vo
     const int64_t start = window_start(n, window), L = n - start;
 #if ATT_SIMD
     if (simd_shape(D, G)) {
-        attend_simd(q, kc, vc, pages, ps, Hk, D, G, b, hk, start, L, scale, out, acc, bf);
+        attend_simd(q, kc, vc, pages, ps, Hk, D, G, b, hk, start, L, scale, out, acc, bf, kq);
         return;
     }
 #endif
+    (void)kq; /* 1-byte caches take the vector path only (infercore_decode_attention checks) */
     for (int64_t g = 0; g < G; g++) ld_row(q, (b * Hq + hk * G + g) * D, D, qf + g * D, bf);
     for (int64_t j = 0; j < L; j++) {
         const int64_t key = start + j;
@@ -540,7 +570,7 @@ static int64_t max_len(const int32_t *seq_lens, int64_t B) {
 static inline void attend_units(const void *q, const void *kc, const void *vc, const int32_t *seq_lens,
                                 const int32_t *block_table, int64_t bt_stride, int64_t B, int64_t Hk, int64_t D,
                                 int64_t G, int64_t ps, float scale, int64_t window, void *out, float *buf, float *sc,
-                                int dt, int64_t S, float *part) {
+                                int dt, int64_t S, float *part, const kvq_t *kq) {
     float *qf = buf, *acc = qf + G * D, *kf = acc + G * D;
 #if ATT_SIMD
     if (S > 1) { /* att_splits' key splits: partials into part, then merged per (sequence, KV head) */
@@ -556,7 +586,7 @@ static inline void attend_units(const void *q, const void *kc, const void *vc, c
             const int64_t chunk = ((L + S - 1) / S + 15) / 16 * 16, j0 = sp * chunk, j1 = j0 + chunk < L ? j0 + chunk : L;
             if (j0 < j1)
                 attend_part(q, kc, vc, block_table + b * bt_stride, ps, Hk, D, G, b, hk, start, j0, j1, scale, m, l, a,
-                            dt);
+                            dt, kq);
         }
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < B * Hk; u++) {
@@ -587,22 +617,25 @@ static inline void attend_units(const void *q, const void *kc, const void *vc, c
         const int64_t b = u / Hk, hk = u % Hk;
         const int32_t *pages = block_table + b * bt_stride;
         if (dt)
-            attend(q, kc, vc, pages, ps, Hk, D, G, b, hk, window, seq_lens[b], scale, out, sc, qf, kf, acc, 1);
+            attend(q, kc, vc, pages, ps, Hk, D, G, b, hk, window, seq_lens[b], scale, out, sc, qf, kf, acc, 1, kq);
         else
-            attend(q, kc, vc, pages, ps, Hk, D, G, b, hk, window, seq_lens[b], scale, out, sc, qf, kf, acc, 0);
+            attend(q, kc, vc, pages, ps, Hk, D, G, b, hk, window, seq_lens[b], scale, out, sc, qf, kf, acc, 0, kq);
     }
 }
 
-/* q [B, Hq, D]; caches [num_pages, ps, Hk, D]; seq_lens int32 [B]; block_table int32 [B, bt_stride] with
- * bt_cols columns in use; window 0 = none; out [B, Hq, D]. Sequences of length <= 0 get zeros. Returns
- * check_tables' code (nothing read if < 0). */
+/* q [B, Hq, D]; caches [num_pages, ps, Hk, D] of q's dtype (kv 0), or 1-byte codes (kv 1 int8, 2 float8_e4m3fn) with
+ * fp32 scales ksc / vsc [num_pages, ps, Hk]; seq_lens int32 [B]; block_table int32 [B, bt_stride] with bt_cols
+ * columns in use; window 0 = none; out [B, Hq, D]. Sequences of length <= 0 get zeros. Returns check_tables' code
+ * (nothing read if < 0), or 1 (nothing read) for 1-byte caches of a shape the vector path does not take. */
 int infercore_decode_attention(const void *q, const void *kc, const void *vc, const int32_t *seq_lens,
                                const int32_t *block_table, int64_t bt_stride, int64_t bt_cols, int64_t num_pages,
                                int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t ps, float scale, int64_t window,
-                               void *out, int dt, int nthreads) {
+                               void *out, int dt, const float *ksc, const float *vsc, int kv, int nthreads) {
+    const int64_t G = Hq / Hk, maxn = max_len(seq_lens, B);
+    if (kv && !simd_shape(D, G)) return 1; /* 1-byte caches: the vector path only; nothing read */
     const int rc = check_tables(seq_lens, block_table, B, bt_stride, bt_cols, num_pages, ps, window);
     if (rc) return rc;
-    const int64_t G = Hq / Hk, maxn = max_len(seq_lens, B);
+    const kvq_t kq = {ksc, vsc, kv};
     int64_t work = 0;
     for (int64_t b = 0; b < B; b++) work += seq_lens[b] > 0 ? seq_lens[b] : 0;
     /* by the longest sequence, window or not: the fused layers (step_alloc) split alike, so they keep its results */
@@ -615,7 +648,7 @@ int infercore_decode_attention(const void *q, const void *kc, const void *vc, co
         float *buf = (float *)malloc((size_t)(3 * G * D + D) * sizeof(float));
         float *sc = (float *)malloc((size_t)(G * maxn) * sizeof(float));
         attend_units(q, kc, vc, seq_lens, block_table, bt_stride, B, Hk, D, G, ps, scale, window, out, buf, sc, dt, S,
-                     part);
+                     part, &kq);
         free(sc);
         free(buf);
     }
@@ -780,7 +813,7 @@ static void layer_body(const step_t *s, own_t *w, const void *x, const void *res
     rope_any(s->qkv, s->qkv + es * NQ, s->qkv + es * (NQ + NKV), s->pos, s->cs, kc, vc, s->slots, s->qr, 0, T, s->Hq,
              s->Hk, D, NQKV, NQKV, NQKV, dt); /* q, k, v read in place from the qkv rows */
     attend_units(s->qr, kc, vc, s->seq_lens, s->block_table, s->bt_stride, T, s->Hk, D, s->Hq / s->Hk, s->ps,
-                 s->scale, window, s->attn, w->buf, w->sc, dt, s->S, s->part);
+                 s->scale, window, s->attn, w->buf, w->sc, dt, s->S, s->part, &KV_PLAIN);
     lin_par(s->attn, T, NQ, lin + 4, H, s->o, dt, w->xp, w->sums);
     rms_any(s->o, res_out, w->rs, n2, w->xn, 0, T, H, eps2, 0.f, dt, dt, w->buf);
     lin_par(w->xn, T, H, lin + 8, 2 * s->I, s->h, dt, w->xp, w->sums);

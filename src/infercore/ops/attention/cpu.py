@@ -3,8 +3,9 @@ touches and run ATen's fused CPU attention (``scaled_dot_product_attention`` wit
 
 The reference materializes scores for the whole padded batch; on the CPU the engine mostly runs
 one or a few sequences, where a per-sequence loop over a fused kernel is the cheap shape. Softcap
-is not expressible in SDPA, so softcapped layers take the reference. Decode over fp32 / bf16 caches of q's dtype
-goes through the native kernel (``ops.moe.cpu_native``: fp32 scores, softmax and sum per KV head) where it builds.
+is not expressible in SDPA, so softcapped layers take the reference. Decode over fp32 / bf16 caches of q's dtype,
+and over int8 / fp8 code caches with their scales, goes through the native kernel (``ops.moe.cpu_native``: fp32
+scores, softmax and sum per KV head) where it builds.
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ def paged_attention_decode_cpu(q, k_cache, v_cache, *, seq_lens, block_table, sc
             and k_cache.shape[-1] == q.shape[-1] and q.shape[1] % k_cache.shape[2] == 0
             and seq_lens.shape == (q.shape[0],) and block_table.dim() == 2 and block_table.shape[0] == q.shape[0]):
         return cpu_native.decode_attention(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window)
+    if (k_scale is not None and q.shape[0] and q.dim() == 3 and q.dtype in (torch.float32, torch.bfloat16)
+            and cpu_native.available() and k_cache.dtype == v_cache.dtype in (torch.int8, torch.float8_e4m3fn)
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+            and k_cache.shape[-1] == q.shape[-1] and q.shape[1] % k_cache.shape[2] == 0
+            and k_scale.shape == v_scale.shape == k_cache.shape[:3]
+            and seq_lens.shape == (q.shape[0],) and block_table.dim() == 2 and block_table.shape[0] == q.shape[0]):
+        # int8 / fp8 codes read as they are by the native AVX-512 path (None: a shape it does not take)
+        out = cpu_native.decode_attention(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window,
+                                          k_scale, v_scale)
+        if out is not None:
+            return out
     # One query row: ATen's fp32 CPU attention is ~2x faster than its bf16 path at these sizes,
     # and the upcasts are tiny.
     qf = q.float().unsqueeze(2)  # [B, Hq, 1, D]

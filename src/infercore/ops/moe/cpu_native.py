@@ -113,7 +113,7 @@ def _build() -> ctypes.CDLL:
     dll.infercore_rope_write_kv.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
                                             _I64, _I64, _I64, _INT, _INT]
     dll.infercore_decode_attention.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
-                                               _F, _I64, _P, _INT, _INT]
+                                               _F, _I64, _P, _INT, _P, _P, _INT, _INT]
     dll.infercore_llama_decode_layer.argtypes = [_P, _P, _P, _P, _I64, _I64, _P, _F, _P, _I64, _I64, _I64, _P, _P,
                                                  _I64, _P, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _F, _I64, _P, _F,
                                                  _I64, _INT, _INT]
@@ -768,10 +768,14 @@ def _int_rows(positions: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torc
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
-                     block_table: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
+                     block_table: torch.Tensor, scale: float, sliding_window: int | None,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """Paged decode attention of ``q [B, Hq, D]`` over contiguous caches ``[pages, page_size, Hk, D]`` of its dtype
     (``seq_lens [B]``, ``block_table [B, P]``; the last ``sliding_window`` keys where given) -> ``[B, Hq, D]``:
-    fp32 scores, softmax and sum, the output rounded once; sequences of length <= 0 give zeros."""
+    fp32 scores, softmax and sum, the output rounded once; sequences of length <= 0 give zeros. With ``k_scale`` /
+    ``v_scale`` (contiguous fp32 ``[pages, page_size, Hk]``) the caches are int8 / float8_e4m3fn codes
+    (``ops.kv_cache.quant``): the AVX-512 path reads them as they are (value = code x scale); None where that path
+    does not take the shape (nothing read: the caller falls back)."""
     lib = _need()
     B, Hq, D = q.shape
     _, ps, Hk, _ = k_cache.shape
@@ -779,12 +783,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     lens, bt = _tables(seq_lens, block_table)
     out = torch.empty_like(q)
     num_pages = k_cache.shape[0]
+    kv = 0 if k_scale is None else {torch.int8: 1, torch.float8_e4m3fn: 2}[k_cache.dtype]
+    ks, vs = (None, None) if k_scale is None else (k_scale.float().contiguous(), v_scale.float().contiguous())
     rc = lib.infercore_decode_attention(_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(lens), _ptr(bt), bt.stride(0),
                                         bt.shape[1], num_pages, B, Hq, Hk, D, ps, scale, sliding_window or 0,
-                                        _ptr(out), _DT[q.dtype], torch.get_num_threads())
+                                        _ptr(out), _DT[q.dtype], _ptr(ks) if kv else None, _ptr(vs) if kv else None,
+                                        kv, torch.get_num_threads())
     if rc < 0:  # nothing was read
         raise _tables_error("paged_attention_decode", rc, lens, bt, num_pages, ps)
-    return out
+    return None if rc == 1 else out
 
 
 def layer_linear_store(lin):

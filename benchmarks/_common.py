@@ -100,6 +100,20 @@ def best_of(fn: Callable[[], Any], reps: int) -> float:
     return best
 
 
+def best_interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """Seconds of the fastest call of each of ``fns`` (host-side wall clock) over ``rounds`` rounds that each call
+    every entry once, after one warm-up call each: a drift of a shared machine hits them alike."""
+    for fn in fns.values():
+        fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            best[key] = min(best[key], time.perf_counter() - t)
+    return best
+
+
 def eager_us(call: Callable[[], Any], n: int = 300, warmup: int = 20) -> float:
     """Microseconds per ``call()`` run back to back without a CUDA graph (after ``warmup`` calls): for
     small kernels this is the host's dispatch and launch time, not the GPU's."""

@@ -15,13 +15,12 @@ import argparse
 import contextlib
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import case, write_results  # noqa: E402
+from _common import best_interleaved, case, write_results  # noqa: E402
 from bench_cpu_decode import decode_rates  # noqa: E402
 from bench_cpu_quant import llama_cpp_runner  # noqa: E402
 
@@ -64,14 +63,7 @@ def time_shape(hq: int, hk: int, d: int, n: int, rounds: int, cold: bool) -> tup
         return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)
 
     fns = {"vector": native, "unsplit": unsplit, "scalar": scalar, "sdpa": sdpa}
-    for fn in fns.values():
-        fn()
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(rounds):
-        for key, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            best[key] = min(best[key], time.perf_counter() - t)
+    best = best_interleaved(fns, rounds)
     calls[0] = -1  # both on set 0
     err = (native().float() - sdpa().float()[:, :, 0]).abs().max().item()
     return {key: v * 1e6 for key, v in best.items()}, err
@@ -146,14 +138,7 @@ def time_codes(hq: int, hk: int, d: int, n: int, rounds: int) -> dict[str, float
     fns = {"int8": lambda: run("int8"), "fp8": lambda: run("fp8"),
            "bf16": lambda: cpu_native.decode_attention(q, kb, vb, lens, table(), d ** -0.5, None),
            "int8 dequantized + SDPA": lambda: run("int8", True), "fp8 dequantized + SDPA": lambda: run("fp8", True)}
-    for fn in fns.values():
-        fn()
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(rounds):
-        for key, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            best[key] = min(best[key], time.perf_counter() - t)
+    best = best_interleaved(fns, rounds)
     return {k: v * 1e6 for k, v in best.items()}
 
 

@@ -211,3 +211,16 @@ def test_decode_attention_reads_1_byte_caches(kv, dtype, lens, hq, hk, d, window
     torch.testing.assert_close(implementation("paged_attention_decode", "cpu")(q40, kc40, vc40, **kw40),
                                implementation("paged_attention_decode", "reference")(q40, kc40, vc40, **kw40),
                                **tol(dtype))
+
+
+def test_decode_attention_scales_checked():
+    kc, vc = torch.zeros(4, 16, 2, 64, dtype=torch.int8), torch.zeros(4, 16, 2, 64, dtype=torch.int8)
+    ks, q = torch.ones(4, 16, 2), torch.randn(1, 4, 64)
+    args = (q, kc, vc, torch.tensor([5], dtype=torch.int32), torch.tensor([[0]], dtype=torch.int32), 0.1, None)
+    with pytest.raises(ValueError, match="go together"):
+        cpu_native.decode_attention(*args, ks, None)
+    with pytest.raises(ValueError, match=r"must be \(4, 16, 2\)"):
+        cpu_native.decode_attention(*args, ks, ks[:, :8])
+    with pytest.raises(TypeError, match="int8 or float8_e4m3fn"):
+        cpu_native.decode_attention(q, kc.float(), vc.float(), *args[3:], ks, ks)
+    assert torch.isfinite(cpu_native.decode_attention(*args, ks, ks)).all()

@@ -444,15 +444,15 @@ static void attend_part(const void *q, const void *kc, const void *vc, const int
             _mm512_storeu_ps(P + 16 * g, kv ? _mm512_mul_ps(p, _mm512_loadu_ps(vsv)) : p);
         }
         switch (G) { /* the group's accumulators of 16 dims in registers across the tile */
-        case 1: pv_tile(acc, P, vc, rows, nt, D, 1, bf, kq->kv); break;
-        case 2: pv_tile(acc, P, vc, rows, nt, D, 2, bf, kq->kv); break;
-        case 3: pv_tile(acc, P, vc, rows, nt, D, 3, bf, kq->kv); break;
-        case 4: pv_tile(acc, P, vc, rows, nt, D, 4, bf, kq->kv); break;
-        case 5: pv_tile(acc, P, vc, rows, nt, D, 5, bf, kq->kv); break;
-        case 6: pv_tile(acc, P, vc, rows, nt, D, 6, bf, kq->kv); break;
-        case 7: pv_tile(acc, P, vc, rows, nt, D, 7, bf, kq->kv); break;
-        case 8: pv_tile(acc, P, vc, rows, nt, D, 8, bf, kq->kv); break;
-        default: pv_tile(acc, P, vc, rows, nt, D, G, bf, kq->kv);
+        case 1: pv_tile(acc, P, vc, rows, nt, D, 1, bf, kv); break;
+        case 2: pv_tile(acc, P, vc, rows, nt, D, 2, bf, kv); break;
+        case 3: pv_tile(acc, P, vc, rows, nt, D, 3, bf, kv); break;
+        case 4: pv_tile(acc, P, vc, rows, nt, D, 4, bf, kv); break;
+        case 5: pv_tile(acc, P, vc, rows, nt, D, 5, bf, kv); break;
+        case 6: pv_tile(acc, P, vc, rows, nt, D, 6, bf, kv); break;
+        case 7: pv_tile(acc, P, vc, rows, nt, D, 7, bf, kv); break;
+        case 8: pv_tile(acc, P, vc, rows, nt, D, 8, bf, kv); break;
+        default: pv_tile(acc, P, vc, rows, nt, D, G, bf, kv);
         }
     }
 }
@@ -490,7 +490,7 @@ static inline int simd_shape(int64_t D, int64_t G) { return att_simd_on && D % 1
 /* Key splits per (sequence, KV head) where the B Hk units are fewer than the nthreads threads (a decode step of few
  * KV heads on a many-core host: SmolLM2's 3 or Llama-3's 8 on 16 cores), so that B Hk S units give each thread one,
  * each split at least 256 keys of the longest sequence; 1: none (the vector path only). Not at units >= threads:
- * on the 2-vCPU test VM 3 units on 2 threads ran faster whole than in 6 parts (sweeps/cpu_attention*.json). */
+ * on the 2-vCPU test VM 3 units on 2 threads ran faster whole than in 6 parts (ad hoc timings, no result file). */
 static int64_t att_splits(int64_t B, int64_t Hk, int64_t D, int64_t G, int64_t maxn, int nthreads) {
     if (!simd_shape(D, G) || att_simd_on < 2 || B * Hk >= nthreads) return 1;
     int64_t S = (nthreads + B * Hk - 1) / (B * Hk);
@@ -646,7 +646,7 @@ int infercore_decode_attention(const void *q, const void *kc, const void *vc, co
 #pragma omp parallel num_threads(par ? nt : 1)
     {
         float *buf = (float *)malloc((size_t)(3 * G * D + D) * sizeof(float));
-        float *sc = (float *)malloc((size_t)(G * maxn) * sizeof(float));
+        float *sc = simd_shape(D, G) ? 0 : (float *)malloc((size_t)(G * maxn) * sizeof(float)); /* scalar loops' */
         attend_units(q, kc, vc, seq_lens, block_table, bt_stride, B, Hk, D, G, ps, scale, window, out, buf, sc, dt, S,
                      part, &kq);
         free(sc);
@@ -770,7 +770,7 @@ static void own_alloc(own_t *w, const step_t *s, int64_t kpmax, int64_t gsums) {
     w->xp = (uint16_t *)malloc(2 * (size_t)(s->T * kpmax) + 2);
     w->sums = (float *)malloc(4 * (size_t)(s->T * gsums) + 4);
     w->buf = (float *)malloc((size_t)(H > 3 * G * s->D + s->D ? H : 3 * G * s->D + s->D) * sizeof(float));
-    w->sc = (float *)malloc((size_t)(G * maxn) * sizeof(float));
+    w->sc = simd_shape(s->D, G) ? 0 : (float *)malloc((size_t)(G * maxn) * sizeof(float)); /* the scalar loops' */
 }
 
 static void own_free(own_t *w) {

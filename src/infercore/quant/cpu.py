@@ -239,8 +239,8 @@ def _decoded_matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, bits
         buf = _scratch.buf = torch.empty(rows * kp, dtype=torch.bfloat16)
     slab = buf[: rows * kp].view(rows, kp)
     # x W^T, each slice's columns written in place (row-major with the output's stride): the same GEMM as W x^T
-    # followed by a transpose took 4x the time (SmolLM2's 3072 x 576 at 2000 rows: 8.1 vs 32.0 ms; half of the
-    # transposed GEMM's time, the other the bf16 transpose)
+    # followed by a transpose took 4x the time (SmolLM2's 3072 x 576 at 2000 rows: 2.8 vs 11.3 ms,
+    # benchmarks/results/cpu/sweeps/cpu_prefill_gemm_forms.json)
     y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)

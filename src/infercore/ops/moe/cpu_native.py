@@ -775,10 +775,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     fp32 scores, softmax and sum, the output rounded once; sequences of length <= 0 give zeros. With ``k_scale`` /
     ``v_scale`` (contiguous fp32 ``[pages, page_size, Hk]``) the caches are int8 / float8_e4m3fn codes
     (``ops.kv_cache.quant``): the AVX-512 path reads them as they are (value = code x scale); None where that path
-    does not take the shape (nothing read: the caller falls back)."""
+    does not take the shape (nothing read: the caller falls back). Scales with other caches, one scale tensor without
+    the other, or scales of another shape: ``TypeError`` / ``ValueError``."""
     lib = _need()
     B, Hq, D = q.shape
     _, ps, Hk, _ = k_cache.shape
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("decode_attention: k_scale and v_scale go together")
+    if k_scale is not None:
+        if k_cache.dtype not in (torch.int8, torch.float8_e4m3fn) or v_cache.dtype != k_cache.dtype:
+            raise TypeError(f"decode_attention: k_scale / v_scale need int8 or float8_e4m3fn caches, got "
+                            f"{k_cache.dtype} / {v_cache.dtype}")
+        if k_scale.shape != k_cache.shape[:3] or v_scale.shape != k_cache.shape[:3]:
+            raise ValueError(f"decode_attention: k_scale / v_scale must be {tuple(k_cache.shape[:3])}, got "
+                             f"{tuple(k_scale.shape)} / {tuple(v_scale.shape)}")
     q = q.contiguous()
     lens, bt = _tables(seq_lens, block_table)
     out = torch.empty_like(q)

@@ -19,6 +19,7 @@ from ..kv import BlockManager, CPUKVTier, allocate_kv_caches, bytes_per_page, re
 from ..models.gpu_layout import use_triton_gemv_
 from ..models.layout import pack_linears_for_cpu_
 from ..ops import token_logprobs
+from .detok import IncrementalDetokenizer
 from .graph_runner import CUDAGraphRunner, HybridCUDAGraphRunner
 from .hybrid import HybridModelRunner, build_hybrid_kv, choose_kv_layout, fits
 from .params import SamplingParams
@@ -687,13 +688,17 @@ class Engine:
         elif n >= p.max_tokens or len(req.prompt_token_ids) + n >= self.max_model_len:
             reason = "length"
         if self.tokenizer is not None:
+            if req._detok is None:
+                req._detok = IncrementalDetokenizer(self.tokenizer)
             before = len(req.text)
-            req.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            req.text += req._detok.step(req.output_token_ids)
+            cut = None
             if p.stop and reason is None and n >= p.min_tokens:
                 cut = _find_stop(req.text, p.stop, before)
                 if cut is not None:
-                    req.text = req.text[:cut]
                     reason = "stop"
+            if reason is not None:
+                req.text = _final_text(req, cut)
         if reason is not None:
             self.scheduler.finish(req, reason)
             req.drop_placeholders()
@@ -827,6 +832,21 @@ def _freeze_gc() -> None:
 @functools.cache
 def _unfreeze_at_exit() -> None:
     atexit.register(gc.unfreeze)
+
+
+def _final_text(req: Request, cut: int | None) -> str:
+    """A finishing request's text: the full decode of its output (one O(n) decode per request; it also
+    completes a trailing partial UTF-8 sequence the stream held back), cut at the stop string found in
+    the streamed text (``cut``). Where the stream differed from the full decode (a tokenizer whose
+    decode rewrites across tokens), the full text is searched for the stop strings again."""
+    streamed = req.text
+    full = req._detok.finish(req.output_token_ids)
+    if cut is None:
+        return full
+    if full.startswith(streamed):
+        return streamed[:cut]
+    again = _find_stop(full, req.params.stop, 0)
+    return full if again is None else full[:again]
 
 
 def _find_stop(text: str, stops: list[str], before: int) -> int | None:

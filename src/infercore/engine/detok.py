@@ -1,8 +1,8 @@
 """Incremental detokenization: a request's text grows by each new token's characters.
 
 Decoding the whole output again at every step costs O(n) per token and O(n^2) per request, per
-sequence of the batch: with SmolLM2's tokenizer, 256 sequences of 1024-token outputs spent 47.9 ms of host
-time per step on it, against 0.69 ms here (on the 2-vCPU Xeon, ``benchmarks/probe_detok.py``,
+sequence of the batch: with SmolLM2's tokenizer, 256 sequences of 1024-token outputs spent 51.4 ms of host
+time per step on it, against 0.76 ms here (on the 2-vCPU Xeon, ``benchmarks/probe_detok.py``,
 ``benchmarks/results/cpu/sweeps/detok.json``). Here each step decodes only the new token against a short
 window of the ones before it:
 

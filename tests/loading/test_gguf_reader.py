@@ -188,3 +188,21 @@ def test_no_dequantizer(tmp_path, write_gguf):
 def test_unknown_tensor_name(smollm):
     with pytest.raises(KeyError, match="nope"):
         smollm.tensor("nope")
+
+
+def test_string_arrays_read_whole_and_truncated(tmp_path, write_gguf):
+    """Token lists (arrays of strings) take a fast path; a cut inside one still names the file."""
+    words = ["a", "", "ünï", "🤖" * 3, "x" * 300]
+    path = write_gguf(tmp_path / "v.gguf", kv=lambda w: w.add_array("tokenizer.ggml.tokens", words * 50))
+    assert GGUFFile(path).metadata["tokenizer.ggml.tokens"] == words * 50
+    data = path.read_bytes()
+    cut = data.index(b"x" * 300) + 100  # inside the first long string
+    for end in (cut, data.index(b"x" * 300) - 4):  # inside a string, inside a length
+        path.write_bytes(data[:end])
+        with pytest.raises(ValueError, match=r"truncated or corrupt GGUF file .*v\.gguf"):
+            GGUFFile(path)
+    bad = bytearray(data)
+    bad[data.index("ünï".encode()) : data.index("ünï".encode()) + 1] = b"\xff"
+    path.write_bytes(bytes(bad))
+    with pytest.raises(ValueError, match=r"corrupt GGUF file .*v\.gguf: invalid utf-8"):
+        GGUFFile(path)

@@ -43,3 +43,25 @@ def test_forward_rejects_bad_step_arguments():
             model(ids, ids[:2], [None, None], None)
         with pytest.raises(ValueError, match="kv_caches"):
             model(ids, ids, [None], None)
+
+
+def test_build_skips_module_init_and_keeps_torch_init_intact():
+    """Building on the meta device runs no module initialisation (a meta normal_ would import torch._dynamo and
+    sympy, seconds of a one-shot CLI run) and leaves torch.nn.init as it was; tied weights stay tied."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from infercore.models import ModelConfig, build_model\n"
+        "init = torch.nn.init.normal_\n"
+        "m = build_model(ModelConfig.from_hf(dict(model_type='llama', vocab_size=64, hidden_size=32,"
+        " intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,"
+        " tie_word_embeddings=True)), dtype=torch.float32, device='cpu', init='empty')\n"
+        "assert torch.nn.init.normal_ is init\n"
+        "assert m.lm_head.weight is m.model.embed_tokens.weight\n"
+        "assert all(p.device.type == 'cpu' for p in m.parameters())\n"
+        "print(sorted(k for k in ('torch._dynamo', 'sympy') if k in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -110,6 +110,31 @@ class _Cursor:
         except UnicodeDecodeError as e:
             raise ValueError(f"corrupt GGUF file {self.path}: invalid utf-8 string ({e})") from None
 
+    def _strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a vocabulary's tokens and merges, 100k+ of them): :meth:`string`'s reads and
+        checks in one loop over local names."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        unpack = struct.Struct("<Q").unpack_from
+        out = []
+        append = out.append
+        try:
+            for _ in range(count):
+                if pos + 8 > end:
+                    break
+                (n,) = unpack(buf, pos)
+                pos += 8
+                if pos + n > end:
+                    pos -= 8
+                    break
+                append(str(buf[pos : pos + n], "utf-8"))
+                pos += n
+        except UnicodeDecodeError as e:
+            raise ValueError(f"corrupt GGUF file {self.path}: invalid utf-8 string ({e})") from None
+        self.pos = pos
+        if len(out) < count:  # truncated: the remaining string's read raises the usual error
+            self.string()
+        return out
+
     def value(self, value_type: int, depth: int = 0) -> Any:
         if value_type in _SCALAR_FORMATS:
             return self.scalar(_SCALAR_FORMATS[value_type])
@@ -126,6 +151,8 @@ class _Cursor:
                 arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
                 self.pos += count * dtype.itemsize
                 return arr.tolist()
+            if elem_type == _STRING:
+                return self._strings(count)
             return [self.value(elem_type, depth + 1) for _ in range(count)]
         raise ValueError(f"corrupt GGUF file {self.path}: unknown metadata value type {value_type}")
 

@@ -295,3 +295,51 @@ def test_fused_decode_with_key_splits_equals_the_op_by_op_path(kind, kcfg, tmp_p
     assert torch.equal(fused.step([(0, prompt)]), op_by_op([(0, prompt)]))
     for tok in (5, 9, 11):
         assert torch.equal(fused.step([(0, [tok])]), op_by_op([(0, [tok])]))
+
+
+def _quantized_caches_(runner, kv_dtype) -> None:
+    """The runner's caches as int8 / float8_e4m3fn codes with fp32 scales (its random values quantized)."""
+    from infercore.kv.cache import QuantizedKVCache
+    from infercore.ops.kv_cache.quant import quantize_kv_ref
+
+    caches = []
+    for k, v in runner.kv_caches:
+        (kc, ks), (vc, vs) = quantize_kv_ref(k, kv_dtype), quantize_kv_ref(v, kv_dtype)
+        caches.append(QuantizedKVCache(kc, vc, ks.contiguous(), vs.contiguous()))
+    runner.kv_caches = caches
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype,scheme", [(torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, "gguf-q4_0")])
+@pytest.mark.parametrize("kind,kcfg", [("llama", {}), ("mistral", {"sliding_window": 8})])
+@pytest.mark.parametrize("stack", [True, False])
+def test_fused_decode_over_quantized_kv_equals_the_op_by_op_path(kv_dtype, dtype, scheme, kind, kcfg, stack, tmp_path,
+                                                                  monkeypatch):
+    """int8 / fp8 KV caches: the fused layers quantize the new rows in their RoPE step and read the codes in their
+    attention, as the op-by-op path's native RoPE-write and decode attention do: the same logits, codes and scales."""
+    fused_model, ops_model = _models(kind, dtype, tmp_path, scheme, **kcfg)
+    if not stack:
+        monkeypatch.setattr(cpu_native, "_layer_stack_on", False)
+    fused, ops = PagedRunner(fused_model, seed=3), PagedRunner(ops_model, seed=3)
+    for r in (fused, ops):
+        _quantized_caches_(r, kv_dtype)
+    taken = []
+    for name in ("llama_decode_layer", "llama_decode_layers"):
+        real = getattr(cpu_native, name)
+        monkeypatch.setattr(cpu_native, name, lambda *a, _r=real, **kw: taken.append(1) or _r(*a, **kw))
+
+    def op_by_op(batch):
+        with cpu_native.fused_layers_disabled():
+            return ops.step(batch)
+
+    prefill = list(enumerate(PROMPTS))
+    assert torch.equal(fused.step(prefill), op_by_op(prefill))
+    steps = [[(0, [5]), (1, [9]), (2, [11])], [(1, [30])], [(2, [7]), (0, [60])]]
+    for _ in range(3):
+        for batch in steps:
+            assert torch.equal(fused.step(batch), op_by_op(batch))
+    assert len(taken) == (1 if stack else len(fused_model.model.layers)) * len(steps) * 3
+    for a, b in zip(fused.kv_caches, ops.kv_caches):
+        for x, y in zip((*a, a.k_scale, a.v_scale), (*b, b.k_scale, b.v_scale)):
+            assert torch.equal(x.view(torch.uint8) if x.element_size() == 1 else x,
+                               y.view(torch.uint8) if y.element_size() == 1 else y)

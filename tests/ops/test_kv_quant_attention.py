@@ -319,3 +319,44 @@ def test_tiny_llama_int8_kv_through_triton_kernels(tmp_path, monkeypatch):
     torch.testing.assert_close(logits, want_logits, atol=2e-3 * want_logits.abs().max(), rtol=0)
     # Codes written by the Triton kernel match the reference write (up to one step at exact .5 ties).
     assert (caches[0][0].int() - want_caches[0][0].int()).abs().max() <= 1
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_fused_rope_write_quantizes_as_the_reference(kv, dtype, monkeypatch):
+    """The CPU kernel's quantize-on-write equals the reference bit for bit (codes and scales), ties included: rows at
+    position 0 (RoPE leaves them as they are) whose scale is 1, so x / scale lands on .5 (int8) or halfway between two
+    e4m3 values, normal and subnormal (fp8); random rows at other positions; a skipped slot."""
+    from infercore.ops.moe import cpu_native
+
+    assert cpu_native.available(), cpu_native.status()
+    native = []
+    real = cpu_native.rope_write_kv
+    monkeypatch.setattr(cpu_native, "rope_write_kv", lambda *a: native.append(1) or real(*a))
+    torch.manual_seed(4)
+    hq, hk, d, pages, page = 2, 2, 16, 4, 4
+    qmax = 127.0 if kv == "int8" else 448.0
+    ties = torch.tensor([0.5, 1.5, -2.5, 3.5, 17.0, -19.0, 0.0029296875, 0.0048828125, 0.001953125, 240.0, 13.0,
+                         -0.0087890625, 100.5, 0.25, -6.5, 0.0]) if kv == "fp8" else \
+        torch.tensor([0.5, 1.5, -2.5, 3.5, 10.5, -11.5, 126.5, 0.49999997, 63.5, -0.5, 2.5, 5.5, 7.5, 0.0, 1.0, -3.0])
+    ties[-1] = qmax  # amax = qmax: scale 1
+    t = 6
+    k = torch.randn(t, hk, d) * 3
+    v = torch.randn(t, hk, d)
+    k[0, 0], v[0, 1], v[3, 0] = ties, ties, -ties
+    q = torch.randn(t, hq, d)
+    pos = torch.tensor([0, 3, 7, 0, 2, 11])
+    slots = torch.tensor([1, 5, -1, 15, 8, 2], dtype=torch.int32)
+    cs = infercore.ops.rope_cos_sin_cache(rotary_dim=d, max_positions=32, base=10000.0)
+    outs = []
+    for impl in ("cpu", "reference"):
+        kc = torch.zeros(pages, page, hk, d, dtype=DT[kv])
+        vc = torch.zeros_like(kc)
+        ks, vs = torch.zeros(pages, page, hk), torch.zeros(pages, page, hk)
+        q_rot = implementation("rope_and_write_kv", impl)(q.to(dtype), k.to(dtype), v.to(dtype), pos, cs, kc, vc,
+                                                         slots, k_scale=ks, v_scale=vs)
+        outs.append((q_rot, kc.view(torch.uint8), vc.view(torch.uint8), ks, vs))
+    assert native == [1]  # the cpu implementation ran the native kernel
+    for got, want in zip(*outs):
+        assert torch.equal(got, want)
+    assert torch.count_nonzero(outs[0][3]) == 5 * hk  # five stored rows

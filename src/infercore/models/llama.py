@@ -65,7 +65,13 @@ def _stack_step_key(version: int, x: torch.Tensor, layers, cos_sin: torch.Tensor
     count, x's dtype and width, the layers, the RoPE table's and every cache's address and layout (not the tensors
     themselves: a freed KV pool must not be kept alive)."""
     return (version, x.dtype, x.shape[1], layers, len(layers), _layout(cos_sin), tuple(map(type, kv_caches)),
-            [_layout(t) for kv in kv_caches for t in kv])
+            [_layout(t) for kv in kv_caches for t in (*kv, *_scales(kv))])
+
+
+def _scales(kv_cache) -> tuple:
+    """A quantized cache's ``(k_scale, v_scale)`` (``kv.cache.QuantizedKVCache``), else ()."""
+    ks = getattr(kv_cache, "k_scale", None)
+    return () if ks is None else (ks, kv_cache.v_scale)
 
 
 def tie_and_rope_table(model: nn.Module, *, base: float, scaling: dict | None) -> torch.Tensor:
@@ -268,7 +274,8 @@ class LlamaDecoderLayer(nn.Module):
         linears = self._native_decode(x, residual, cos_sin, kv_cache, meta)
         if linears is not None:  # CPU decode: the whole layer in one call
             return cpu_native.llama_decode_layer(x, residual, self, positions, cos_sin, kv_cache[0], kv_cache[1],
-                                                 meta, linears)  # fmt: skip
+                                                 meta, linears, getattr(kv_cache, "k_scale", None),
+                                                 getattr(kv_cache, "v_scale", None))  # fmt: skip
         # The residual stream is carried separately so each norm fuses the preceding residual add.
         norm = self.input_layernorm
         if residual is None:
@@ -287,15 +294,17 @@ class LlamaDecoderLayer(nn.Module):
         layer exactly this class's (plain norms, SiLU MLP, no q/k norm; linears without bias that the native
         GEMVs take, ``cpu_native.layer_linear``: dense of x's dtype, or INT4 / GGUF Q4 / INT8 with bf16 x), a
         plain cache of x's dtype, full neox RoPE, no backend override (``INFERCORE_BACKEND``): what the op-by-op
-        path would run, in one call."""
+        path would run, in one call. A quantized cache (int8 / float8_e4m3fn codes with their scales,
+        ``kv.cache.QuantizedKVCache``) takes it too where the native attention reads its codes."""
         if not _native_step(x, meta) or (residual is not None and (residual.shape != x.shape
                                                                    or residual.dtype != x.dtype)):
             return None
-        if len(kv_cache) != 2 or hasattr(kv_cache, "k_scale"):
+        if len(kv_cache) != 2:
             return None
-        return self._native_linears(x.dtype, x.shape[1], kv_cache[0], kv_cache[1], cos_sin)
+        return self._native_linears(x.dtype, x.shape[1], kv_cache[0], kv_cache[1], cos_sin,
+                                    getattr(kv_cache, "k_scale", None), getattr(kv_cache, "v_scale", None))
 
-    def _native_linears(self, dt, hidden: int, k_cache, v_cache, cos_sin) -> list | None:
+    def _native_linears(self, dt, hidden: int, k_cache, v_cache, cos_sin, k_scale=None, v_scale=None) -> list | None:
         """:meth:`_native_decode`'s checks of what stays fixed from step to step (the layer's modules and weights,
         the caches, the RoPE table), and the linears' descriptors: looked up once per such set (kept on the layer,
         keyed by the modules' and weights' identity, the tensors' data pointers and the caches' layouts)."""
@@ -313,14 +322,23 @@ class LlamaDecoderLayer(nn.Module):
         # the caches and the RoPE table by address and layout only: the cache must not keep a freed KV pool alive
         ptrs = (hidden, k_cache.data_ptr(), k_cache.dtype, k_cache.shape, k_cache.stride(), v_cache.data_ptr(),
                 v_cache.dtype, v_cache.shape, v_cache.stride(), cos_sin.data_ptr(), cos_sin.dtype, cos_sin.shape,
-                cos_sin.stride(), w1.data_ptr(), w2.data_ptr(), *[0 if t is None else t.data_ptr() for t in stores])
+                cos_sin.stride(), w1.data_ptr(), w2.data_ptr(), *[0 if t is None else t.data_ptr() for t in stores],
+                *[None if t is None else _layout(t) for t in (k_scale, v_scale)])
         cached = self.__dict__.get("_native_linears_cache")
         if cached is not None and cached[1] == ids and cached[2] == ptrs:
             return cached[3]
         linears = None
-        if (mlp.act is silu_and_mul and attn.q_norm is None
+        if k_scale is None:
+            cache_ok = k_cache.dtype == dt and v_cache.dtype == dt
+        else:  # 1-byte codes with fp32 scales [pages, page_size, Hk], at a shape the native attention reads
+            cache_ok = (v_scale is not None and k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
+                        and v_cache.dtype == k_cache.dtype and k_scale.dtype == v_scale.dtype == torch.float32
+                        and k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.is_contiguous()
+                        and v_scale.is_contiguous()
+                        and cpu_native.attention_reads_codes(attn.head_dim, attn.num_heads // attn.num_kv_heads))
+        if (cache_ok and mlp.act is silu_and_mul and attn.q_norm is None
                 and all(n.offset == 0.0 and n.weight.dtype == dt and n.weight.shape == (hidden,) for n in (n1, n2))
-                and k_cache.dtype == dt and v_cache.dtype == dt and k_cache.is_contiguous()
+                and k_cache.is_contiguous()
                 and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
                 and k_cache.shape[2:] == (attn.num_kv_heads, attn.head_dim) and cos_sin.dtype == torch.float32
                 and cos_sin.shape[-1] == attn.head_dim and cos_sin.is_contiguous()):
@@ -429,8 +447,9 @@ class LlamaForCausalLM(nn.Module):
         version = _registrations[0]
         linears = []
         for layer, kv_cache in zip(layers, kv_caches):
-            ok = isinstance(layer, LlamaDecoderLayer) and len(kv_cache) == 2 and not hasattr(kv_cache, "k_scale")
-            lin = layer._native_linears(dt, hidden, kv_cache[0], kv_cache[1], cos_sin) if ok else None
+            ok = isinstance(layer, LlamaDecoderLayer) and len(kv_cache) == 2
+            lin = layer._native_linears(dt, hidden, kv_cache[0], kv_cache[1], cos_sin,
+                                        *(_scales(kv_cache) or (None, None))) if ok else None
             if lin is None:
                 return None
             linears.append(lin)

@@ -146,12 +146,51 @@ void infercore_silu_and_mul(const void *x, void *out, int64_t T, int64_t d, int 
 
 /* ---- RoPE (neox, full rotary) with the KV-cache write ----------------------------------------------------- */
 
+/* float8_e4m3fn code of v (|v| <= 448, as the quantizer clamps), rounded to nearest even like torch's conversion:
+ * below 2^-6 a multiple of 2^-9 (subnormals, codes 0-8), else 3 mantissa bits */
+static inline uint8_t e4m3_code(float v) {
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    const uint8_t sign = (uint8_t)((b >> 24) & 0x80);
+    const float a = fabsf(v);
+    if (!(a == a)) return (uint8_t)(sign | 0x7f); /* NaN */
+    if (a < 0.015625f) return (uint8_t)(sign | (uint8_t)nearbyintf(a * 512.f));
+    memcpy(&b, &a, 4);
+    const uint32_t e = (b >> 23) - 127 + 7, m = b & 0x7fffff;
+    const uint32_t r = m + 0x7ffff + ((m >> 20) & 1); /* to 3 bits, ties to even; a carry bumps the exponent */
+    const uint32_t code = (e << 3) + (r >> 20);
+    return (uint8_t)(sign | (code > 0x7e ? 0x7e : code));
+}
+
+/* One cache row of D values (f, already rounded to the layer dtype) as 1-byte codes (kv 1 int8, 2 float8_e4m3fn)
+ * and its fp32 scale, as ops.kv_cache.quant.quantize_kv_ref computes them: scale = max(amax, 1e-8) / qmax, code =
+ * x / scale rounded half away from zero (int8, clamped to +-127) or to nearest even (e4m3, clamped to +-448) */
+static void quant_row(const float *f, int64_t D, int kv, uint8_t *codes, float *scale) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < D; i++) amax = fmaxf(amax, fabsf(f[i]));
+    const float s = fmaxf(amax, 1e-8f) / (kv == 1 ? 127.f : 448.f);
+    *scale = s;
+    for (int64_t i = 0; i < D; i++) {
+        const float x = f[i] / s;
+        if (kv == 1) {
+            float r = x >= 0.f ? floorf(x + 0.5f) : ceilf(x - 0.5f);
+            r = r > 127.f ? 127.f : r < -127.f ? -127.f : r;
+            codes[i] = (uint8_t)(int8_t)r;
+        } else {
+            codes[i] = e4m3_code(x > 448.f ? 448.f : x < -448.f ? -448.f : x);
+        }
+    }
+}
+
+/* kv 0: caches of the rows' dtype; kv 1 / 2: 1-byte codes with fp32 scales ksc / vsc [num_slots, Hk] (f: D floats
+ * of scratch) */
 static inline __attribute__((always_inline)) void rope_rows(const void *q, const void *k, const void *v,
                                                             const int64_t *pos, const float *cs,
                                                             void *kc, void *vc, const int32_t *slots,
                                                             void *q_out, int64_t t0, int64_t t1, int64_t Hq,
                                                             int64_t Hk, int64_t D, int64_t sq, int64_t sk,
-                                                            int64_t sv, const int bf) {
+                                                            int64_t sv, const int bf, int kv, float *ksc, float *vsc,
+                                                            float *f) {
     const int64_t half = D / 2;
     for (int64_t t = t0; t < t1; t++) {
         const float *cos = cs + pos[t] * D, *sin = cos + half;
@@ -159,27 +198,45 @@ static inline __attribute__((always_inline)) void rope_rows(const void *q, const
         for (int64_t h = 0; h < (store ? Hq + Hk : Hq); h++) {
             const void *src = h < Hq ? q : k;
             const int64_t si = h < Hq ? t * sq + h * D : t * sk + (h - Hq) * D;
-            void *dst = h < Hq ? q_out : kc;
             const int64_t di = h < Hq ? (t * Hq + h) * D : ((int64_t)slots[t] * Hk + h - Hq) * D;
+            if (h >= Hq && kv) { /* the rotated key rounded to the rows' dtype, then its codes and scale */
+                for (int64_t i = 0; i < half; i++) {
+                    const float x1 = ld(src, si + i, bf), x2 = ld(src, si + half + i, bf);
+                    f[i] = rnd(x1 * cos[i] - x2 * sin[i], bf);
+                    f[half + i] = rnd(x2 * cos[i] + x1 * sin[i], bf);
+                }
+                quant_row(f, D, kv, (uint8_t *)kc + di, ksc + (int64_t)slots[t] * Hk + h - Hq);
+                continue;
+            }
+            void *dst = h < Hq ? q_out : kc;
             for (int64_t i = 0; i < half; i++) {
                 const float x1 = ld(src, si + i, bf), x2 = ld(src, si + half + i, bf);
                 st(dst, di + i, x1 * cos[i] - x2 * sin[i], bf);
                 st(dst, di + half + i, x2 * cos[i] + x1 * sin[i], bf);
             }
         }
-        const size_t vb = (size_t)(Hk * D) * (bf ? 2 : 4);
-        if (store) memcpy((char *)vc + (size_t)slots[t] * vb, (const char *)v + (size_t)(t * sv) * (bf ? 2 : 4), vb);
+        if (!store) continue;
+        if (kv) {
+            for (int64_t h = 0; h < Hk; h++) {
+                ld_row(v, t * sv + h * D, D, f, bf);
+                quant_row(f, D, kv, (uint8_t *)vc + ((int64_t)slots[t] * Hk + h) * D, vsc + (int64_t)slots[t] * Hk + h);
+            }
+        } else {
+            const size_t vb = (size_t)(Hk * D) * (bf ? 2 : 4);
+            memcpy((char *)vc + (size_t)slots[t] * vb, (const char *)v + (size_t)(t * sv) * (bf ? 2 : 4), vb);
+        }
     }
 }
 
 /* q / k / v rows of strides sq / sk / sv elements (their heads contiguous); q_out contiguous [T, Hq, D] */
 static void rope_any(const void *q, const void *k, const void *v, const int64_t *pos, const float *cs, void *kc,
                      void *vc, const int32_t *slots, void *q_out, int64_t t0, int64_t t1, int64_t Hq, int64_t Hk,
-                     int64_t D, int64_t sq, int64_t sk, int64_t sv, int bf) {
+                     int64_t D, int64_t sq, int64_t sk, int64_t sv, int bf, int kv, float *ksc, float *vsc) {
+    float f[kv ? D : 1];
     if (bf)
-        rope_rows(q, k, v, pos, cs, kc, vc, slots, q_out, t0, t1, Hq, Hk, D, sq, sk, sv, 1);
+        rope_rows(q, k, v, pos, cs, kc, vc, slots, q_out, t0, t1, Hq, Hk, D, sq, sk, sv, 1, kv, ksc, vsc, f);
     else
-        rope_rows(q, k, v, pos, cs, kc, vc, slots, q_out, t0, t1, Hq, Hk, D, sq, sk, sv, 0);
+        rope_rows(q, k, v, pos, cs, kc, vc, slots, q_out, t0, t1, Hq, Hk, D, sq, sk, sv, 0, kv, ksc, vsc, f);
 }
 
 /* The rows' slots (-1: not stored) and positions checked before anything is written: 0, -1 - t for a slot out of
@@ -193,12 +250,13 @@ static int check_rows(const int32_t *slots, const int64_t *pos, int64_t T, int64
 }
 
 /* q [T, Hq, D], k / v [T, Hk, D] (contiguous); pos int64 [T] in [0, max_pos); cs fp32 [max_pos, D] = [cos | sin];
- * caches [num_slots = pages * page_size, Hk, D] of the same dtype; slots int32 [T] in [-1, num_slots) (-1: the
+ * caches [num_slots = pages * page_size, Hk, D] of the same dtype (kv 0), or of 1-byte codes (kv 1 int8, 2
+ * float8_e4m3fn) with fp32 scales ksc / vsc [num_slots, Hk] (quant_row); slots int32 [T] in [-1, num_slots) (-1: the
  * row's K/V are not stored). q_out [T, Hq, D] gets rotated q. Returns check_rows' code (nothing written if < 0). */
 int infercore_rope_write_kv(const void *q, const void *k, const void *v, const int64_t *pos, const float *cs,
                             void *kc, void *vc, const int32_t *slots, void *q_out, int64_t T, int64_t Hq,
                             int64_t Hk, int64_t D, int64_t sq, int64_t sk, int64_t sv, int64_t num_slots,
-                            int64_t max_pos, int dt, int nthreads) {
+                            int64_t max_pos, int dt, float *ksc, float *vsc, int kv, int nthreads) {
     const int rc = check_rows(slots, pos, T, num_slots, max_pos);
     if (rc) return rc;
     const int par = T >= 16 && nthreads > 1;
@@ -206,7 +264,7 @@ int infercore_rope_write_kv(const void *q, const void *k, const void *v, const i
     {
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t t0 = T * id / nt, t1 = T * (id + 1) / nt;
-        rope_any(q, k, v, pos, cs, kc, vc, slots, q_out, t0, t1, Hq, Hk, D, sq, sk, sv, dt);
+        rope_any(q, k, v, pos, cs, kc, vc, slots, q_out, t0, t1, Hq, Hk, D, sq, sk, sv, dt, kv, ksc, vsc);
     }
     return 0;
 }
@@ -242,7 +300,6 @@ typedef struct {
     const float *ks, *vs;
     int kv;
 } kvq_t;
-static const kvq_t KV_PLAIN = {0, 0, 0};
 
 #if ATT_SIMD
 
@@ -623,6 +680,9 @@ static inline void attend_units(const void *q, const void *kc, const void *vc, c
     }
 }
 
+/* Whether decode attention reads 1-byte caches (the vector path) at head dim D and group G */
+int infercore_att_codes_ok(int64_t D, int64_t G) { return simd_shape(D, G); }
+
 /* q [B, Hq, D]; caches [num_pages, ps, Hk, D] of q's dtype (kv 0), or 1-byte codes (kv 1 int8, 2 float8_e4m3fn) with
  * fp32 scales ksc / vsc [num_pages, ps, Hk]; seq_lens int32 [B]; block_table int32 [B, bt_stride] with bt_cols
  * columns in use; window 0 = none; out [B, Hq, D]. Sequences of length <= 0 get zeros. Returns check_tables' code
@@ -798,7 +858,7 @@ static void quant_sizes(const int64_t *lin, int64_t *kpmax, int64_t *gsums) {
  * the first. */
 static void layer_body(const step_t *s, own_t *w, const void *x, const void *res, void *res_out, void *out,
                        const void *n1, float eps1, const int64_t *lin, void *kc, void *vc, int64_t window,
-                       const void *n2, float eps2) {
+                       const void *n2, float eps2, const kvq_t *kq) {
     const int id = omp_get_thread_num(), dt = s->dt;
     const int64_t T = s->T, H = s->H, D = s->D, NQ = s->Hq * D, NKV = s->Hk * D, NQKV = NQ + 2 * NKV;
     const size_t es = dt ? 2 : 4;
@@ -811,9 +871,9 @@ static void layer_body(const step_t *s, own_t *w, const void *x, const void *res
     lin_par(w->xn, T, H, lin, NQKV, s->qkv, dt, w->xp, w->sums);
 #pragma omp single
     rope_any(s->qkv, s->qkv + es * NQ, s->qkv + es * (NQ + NKV), s->pos, s->cs, kc, vc, s->slots, s->qr, 0, T, s->Hq,
-             s->Hk, D, NQKV, NQKV, NQKV, dt); /* q, k, v read in place from the qkv rows */
+             s->Hk, D, NQKV, NQKV, NQKV, dt, kq->kv, (float *)kq->ks, (float *)kq->vs); /* q, k, v in place */
     attend_units(s->qr, kc, vc, s->seq_lens, s->block_table, s->bt_stride, T, s->Hk, D, s->Hq / s->Hk, s->ps,
-                 s->scale, window, s->attn, w->buf, w->sc, dt, s->S, s->part, &KV_PLAIN);
+                 s->scale, window, s->attn, w->buf, w->sc, dt, s->S, s->part, kq);
     lin_par(s->attn, T, NQ, lin + 4, H, s->o, dt, w->xp, w->sums);
     rms_any(s->o, res_out, w->rs, n2, w->xn, 0, T, H, eps2, 0.f, dt, dt, w->buf);
     lin_par(w->xn, T, H, lin + 8, 2 * s->I, s->h, dt, w->xp, w->sums);
@@ -829,17 +889,22 @@ static void layer_body(const step_t *s, own_t *w, const void *x, const void *res
  *   x [T, H]; res [T, H] or NULL (first layer: the residual is x); res_out [T, H]: the residual after both adds
  *   (not aliasing x / res); out [T, H]: the MLP's output. Norm weights (dt) n1 / n2 [H]; the linears lin [4][4],
  *   each {weight, sz, g, Kp} as lin_par takes it: qkv [(Hq + 2 Hk) D, H], o [H, Hq D], gu [2 I, H], down [H, I].
- *   pos int64 [T]; cs fp32 [max_pos, D]; caches [num_pages, ps, Hk, D]; slots / seq_lens int32 [T]; block_table
+ *   pos int64 [T]; cs fp32 [max_pos, D]; caches [num_pages, ps, Hk, D] of the dtype (kv 0) or of 1-byte codes (kv
+ *   1 int8, 2 float8_e4m3fn; ksc / vsc fp32 [num_pages, ps, Hk]: rope_rows quantizes the new rows, the attention
+ *   reads the codes); slots / seq_lens int32 [T]; block_table
  *   int32 [T, bt_stride] with bt_cols columns in use.
  * Returns 0, or before writing anything: -1 - t (slot t out of range), -1 - T - t (position t), -1 - 2T - t
- * (sequence t longer than its table row), -1 - 3T - t (a page id of sequence t out of range).
+ * (sequence t longer than its table row), -1 - 3T - t (a page id of sequence t out of range), 1 (1-byte caches at a
+ * shape infercore_att_codes_ok refuses).
  */
 int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, void *out, int64_t T, int64_t H,
                                  const void *n1, float eps1, const int64_t *lin, int64_t Hq, int64_t Hk, int64_t D,
                                  const int64_t *pos, const float *cs, int64_t max_pos, void *kc, void *vc,
                                  int64_t num_pages, int64_t ps, const int32_t *slots, const int32_t *seq_lens,
                                  const int32_t *block_table, int64_t bt_stride, int64_t bt_cols, float scale,
-                                 int64_t window, const void *n2, float eps2, int64_t I, int dt, int nthreads) {
+                                 int64_t window, const void *n2, float eps2, int64_t I, int dt, const float *ksc,
+                                 const float *vsc, int kv, int nthreads) {
+    if (kv && !simd_shape(D, Hq / Hk)) return 1; /* 1-byte caches: the vector attention only; nothing written */
     int rc = check_rows(slots, pos, T, num_pages * ps, max_pos);
     if (rc) return rc;
     rc = check_tables(seq_lens, block_table, T, bt_stride, bt_cols, num_pages, ps, window);
@@ -853,7 +918,8 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
     {
         own_t w;
         own_alloc(&w, &s, kpmax, gsums);
-        layer_body(&s, &w, x, res, res_out, out, n1, eps1, lin, kc, vc, window, n2, eps2);
+        const kvq_t kq = {ksc, vsc, kv};
+        layer_body(&s, &w, x, res, res_out, out, n1, eps1, lin, kc, vc, window, n2, eps2, &kq);
         own_free(&w);
     }
     free(s.qkv);
@@ -864,12 +930,13 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
 /*
  * L such decoder layers in a row (the whole stack of a decode step), the output and residual of each the next
  * one's input, through two buffers in turn; the last layer writes out / res_out. Per layer l, tab[LAYER_TAB * l ..]:
- * {n1, n2, k cache, v cache, window, lin[16]} (pointers as int64; lin as infercore_llama_decode_layer takes it),
+ * {n1, n2, k cache, v cache, window, lin[16], k scales, v scales, kv} (pointers as int64; lin, the scales and kv as
+ * infercore_llama_decode_layer takes them),
  * eps[2 l], eps[2 l + 1] the two norms' epsilons. The caches all [num_pages, ps, Hk, D]. Every layer's indices are
  * checked before the first one runs, so an error (the return codes of infercore_llama_decode_layer) writes nothing.
  * One parallel region for the whole stack.
  */
-#define LAYER_TAB 21
+#define LAYER_TAB 24
 int infercore_llama_decode_layers(int64_t L, const int64_t *tab, const float *eps, const void *x, const void *res,
                                   void *res_out, void *out, int64_t T, int64_t H, int64_t Hq, int64_t Hk, int64_t D,
                                   const int64_t *pos, const float *cs, int64_t max_pos, int64_t num_pages, int64_t ps,
@@ -879,6 +946,7 @@ int infercore_llama_decode_layers(int64_t L, const int64_t *tab, const float *ep
     if (rc) return rc;
     int64_t kpmax = 0, gsums = 0;
     for (int64_t l = 0; l < L; l++) { /* the windows may differ from layer to layer */
+        if (tab[LAYER_TAB * l + 23] && !simd_shape(D, Hq / Hk)) return 1; /* as infercore_llama_decode_layer */
         rc = check_tables(seq_lens, block_table, T, bt_stride, bt_cols, num_pages, ps, tab[LAYER_TAB * l + 4]);
         if (rc) return (int)(rc - 2 * T);
         quant_sizes(tab + LAYER_TAB * l + 5, &kpmax, &gsums);
@@ -897,8 +965,9 @@ int infercore_llama_decode_layers(int64_t L, const int64_t *tab, const float *ep
             const int64_t *t = tab + LAYER_TAB * l;
             const int last = l == L - 1;
             void *xo = last ? out : buf + (l % 2) * 2 * n, *ro = last ? res_out : buf + (l % 2) * 2 * n + n;
+            const kvq_t kq = {(const float *)t[21], (const float *)t[22], (int)t[23]};
             layer_body(&s, &w, xi, ri, ro, xo, (const void *)t[0], eps[2 * l], t + 5, (void *)t[2], (void *)t[3],
-                       t[4], (const void *)t[1], eps[2 * l + 1]);
+                       t[4], (const void *)t[1], eps[2 * l + 1], &kq);
             xi = xo;
             ri = ro;
         }

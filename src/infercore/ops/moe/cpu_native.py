@@ -111,12 +111,14 @@ def _build() -> ctypes.CDLL:
     dll.infercore_rms_norm.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _F, _F, _INT, _INT, _INT]
     dll.infercore_silu_and_mul.argtypes = [_P, _P, _I64, _I64, _INT, _INT]
     dll.infercore_rope_write_kv.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
-                                            _I64, _I64, _I64, _INT, _INT]
+                                            _I64, _I64, _I64, _INT, _P, _P, _INT, _INT]
+    dll.infercore_att_codes_ok.argtypes = [_I64, _I64]
+    dll.infercore_att_codes_ok.restype = _INT
     dll.infercore_decode_attention.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
                                                _F, _I64, _P, _INT, _P, _P, _INT, _INT]
     dll.infercore_llama_decode_layer.argtypes = [_P, _P, _P, _P, _I64, _I64, _P, _F, _P, _I64, _I64, _I64, _P, _P,
                                                  _I64, _P, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _F, _I64, _P, _F,
-                                                 _I64, _INT, _INT]
+                                                 _I64, _INT, _P, _P, _INT, _INT]
     dll.infercore_llama_decode_layer.restype = _INT
     dll.infercore_llama_decode_layers.argtypes = [_I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P,
                                                   _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _F, _I64, _INT, _INT]
@@ -710,12 +712,29 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2}  # 1-byte caches as the native kernels name them
+
+
+def kv_codes(k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> int:
+    """The native kernels' cache mode: 0 a cache of the rows' dtype (no scales), 1 int8 / 2 float8_e4m3fn codes."""
+    return 0 if k_scale is None else _KV_CODES[k_cache.dtype]
+
+
+def attention_reads_codes(head_dim: int, group: int) -> bool:
+    """Whether the native decode attention (and so the fused decoder layers) reads 1-byte KV caches at this head dim
+    and query-head group (its AVX-512 path: head dims of a multiple of 16 up to 256, groups of up to 16)."""
+    return bool(_need().infercore_att_codes_ok(head_dim, group))
+
+
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Neox RoPE over the full head dim of ``q [T, Hq, D]`` and ``k [T, Hk, D]`` (fp32 ``cos_sin_cache [*, D]``),
     rotated k and v written to contiguous caches ``[pages, page_size, Hk, D]`` of q's dtype at ``slot_mapping``
-    (every slot >= 0) -> rotated q."""
+    (slot -1: not stored) -> rotated q. With ``k_scale`` / ``v_scale`` (contiguous fp32 ``[pages, page_size, Hk]``)
+    the caches are int8 / float8_e4m3fn codes: each stored row (the rotated key rounded to q's dtype, the value) is
+    quantized as ``ops.kv_cache.quant.quantize_kv_ref`` does it, bit for bit."""
     lib = _need()
     T, Hq, D = q.shape
     Hk = k.shape[1]
@@ -725,9 +744,11 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     cs = cos_sin_cache.contiguous()
     out = torch.empty(T, Hq, D, dtype=q.dtype)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
+    kv = kv_codes(k_cache, k_scale)
     rc = lib.infercore_rope_write_kv(_ptr(q), _ptr(k), _ptr(v), _ptr(pos), _ptr(cs), _ptr(k_cache), _ptr(v_cache),
                                      _ptr(slots), _ptr(out), T, Hq, Hk, D, q.stride(0), k.stride(0), v.stride(0),
-                                     num_slots, cs.shape[0], _DT[q.dtype], torch.get_num_threads())
+                                     num_slots, cs.shape[0], _DT[q.dtype], _ptr(k_scale) if kv else None,
+                                     _ptr(v_scale) if kv else None, kv, torch.get_num_threads())
     if rc < 0:  # nothing was written
         raise _rows_error("rope_and_write_kv", rc, slots, pos, num_slots, cs.shape[0])
     return out
@@ -842,11 +863,14 @@ def layer_linear(lin, dtype: torch.dtype) -> tuple[int, int, int, int] | None:
 
 def llama_decode_layer(x: torch.Tensor, residual: torch.Tensor | None, layer, positions: torch.Tensor,
                        cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
-                       linears: list[tuple[int, int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+                       linears: list[tuple[int, int, int, int]], k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``models.llama.LlamaDecoderLayer.forward`` for ``T`` decode rows in one native call -> ``(mlp output [T, H],
     new residual [T, H])``, the same values as the op-by-op path. ``x`` / ``residual`` (or None in the first
     layer): ``[T, H]`` fp32 / bf16 like the layer's weights; ``positions [T]``; ``cos_sin_cache`` fp32 ``[max_pos,
-    head_dim]``; caches ``[pages, page_size, Hk, head_dim]`` of x's dtype; ``meta`` a decode-only
+    head_dim]``; caches ``[pages, page_size, Hk, head_dim]`` of x's dtype, or int8 / float8_e4m3fn codes with their
+    ``k_scale`` / ``v_scale`` (fp32 ``[pages, page_size, Hk]``, contiguous; :func:`attention_reads_codes` must
+    hold); ``meta`` a decode-only
     ``AttentionMetadata`` of ``T`` sequences; ``linears``: :func:`layer_linear` of qkv, o, gate_up and down. The
     caller checks that the layer and step fit (``LlamaDecoderLayer._native_decode``). Out-of-range slots,
     positions, page ids or sequence lengths raise ``IndexError`` before anything is written."""
@@ -861,12 +885,16 @@ def llama_decode_layer(x: torch.Tensor, residual: torch.Tensor | None, layer, po
     num_pages, ps = k_cache.shape[0], k_cache.shape[1]
     n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
     lin = (ctypes.c_int64 * 16)(*(v for t in linears for v in t))
+    kv = kv_codes(k_cache, k_scale)
     rc = lib.infercore_llama_decode_layer(
         _ptr(x), _ptr(res) if res is not None else None, _ptr(res_out), _ptr(out), T, H,
         _ptr(n1.weight), n1.eps, lin, attn.num_heads, attn.num_kv_heads, attn.head_dim,
         _ptr(pos), _ptr(cos_sin_cache), cos_sin_cache.shape[0], _ptr(k_cache), _ptr(v_cache), num_pages, ps,
         _ptr(slots), _ptr(lens), _ptr(bt), bt.stride(0), bt.shape[1], attn.scale, attn.sliding_window or 0,
-        _ptr(n2.weight), n2.eps, mlp.down_proj.in_features, _DT[x.dtype], torch.get_num_threads())
+        _ptr(n2.weight), n2.eps, mlp.down_proj.in_features, _DT[x.dtype], _ptr(k_scale) if kv else None,
+        _ptr(v_scale) if kv else None, kv, torch.get_num_threads())
+    if rc == 1:
+        raise ValueError("decoder layer: the native attention does not read 1-byte caches at this shape")
     if rc < 0:  # nothing was written
         if rc >= -2 * T:
             raise _rows_error("decoder layer", rc, slots, pos, num_pages * ps, cos_sin_cache.shape[0])
@@ -874,18 +902,22 @@ def llama_decode_layer(x: torch.Tensor, residual: torch.Tensor | None, layer, po
     return out, res_out
 
 
-LAYER_TAB = 21  # int64 entries per layer of llama_decode_layers' table (ops/cpu_kernels.c)
+LAYER_TAB = 24  # int64 entries per layer of llama_decode_layers' table (ops/cpu_kernels.c)
 
 
 def decode_layers_table(layers, kv_caches, linears: list) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`llama_decode_layers`' per-layer operands: ``(table int64 [L, LAYER_TAB], eps fp32 [L, 2])`` from the
-    layers, their ``(k_cache, v_cache)`` and :func:`layer_linear` descriptors (pointers: valid while those tensors
+    layers, their ``(k_cache, v_cache)`` (with ``k_scale`` / ``v_scale`` for 1-byte caches,
+    ``kv.cache.QuantizedKVCache``) and :func:`layer_linear` descriptors (pointers: valid while those tensors
     live)."""
     tab, eps = [], []
-    for layer, (k, v), lin in zip(layers, kv_caches, linears):
+    for layer, cache, lin in zip(layers, kv_caches, linears):
+        (k, v), ks, vs = cache, getattr(cache, "k_scale", None), getattr(cache, "v_scale", None)
         n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+        kv = kv_codes(k, ks)
         tab.append([n1.weight.data_ptr(), n2.weight.data_ptr(), k.data_ptr(), v.data_ptr(),
-                    layer.self_attn.sliding_window or 0, *(e for t in lin for e in t)])
+                    layer.self_attn.sliding_window or 0, *(e for t in lin for e in t),
+                    ks.data_ptr() if kv else 0, vs.data_ptr() if kv else 0, kv])
         eps.append([n1.eps, n2.eps])
     return torch.tensor(tab, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32)
 
@@ -911,6 +943,8 @@ def llama_decode_layers(x: torch.Tensor, layers, positions: torch.Tensor, cos_si
         attn.num_kv_heads, attn.head_dim, _ptr(pos), _ptr(cos_sin_cache), cos_sin_cache.shape[0], num_pages, ps,
         _ptr(slots), _ptr(lens), _ptr(bt), bt.stride(0), bt.shape[1], attn.scale, mlp.down_proj.in_features,
         _DT[x.dtype], torch.get_num_threads())
+    if rc == 1:
+        raise ValueError("decoder layers: the native attention does not read 1-byte caches at this shape")
     if rc < 0:  # nothing was written
         if rc >= -2 * T:
             raise _rows_error("decoder layers", rc, slots, pos, num_pages * ps, cos_sin_cache.shape[0])

@@ -1,7 +1,8 @@
 """CPU fast path of RoPE fused with the KV-cache write (neox style, full rotary): q and k rotate
 together in one pass of elementwise ops, and the write is one ``index_copy_`` per cache. fp32 / bf16 tensors with
-caches of their dtype go through the native kernel (``ops.moe.cpu_native``) where it builds, skipped slots (-1)
-included. Other variants (interleaved, partial rotary; skipped slots off the native path) take the reference."""
+caches of their dtype, or int8 / float8_e4m3fn caches with their scales (quantized in the kernel, bit for bit as the
+reference), go through the native kernel (``ops.moe.cpu_native``) where it builds, skipped slots (-1) included.
+Other variants (interleaved, partial rotary; skipped slots off the native path) take the reference."""
 
 from __future__ import annotations
 
@@ -11,9 +12,24 @@ from ...devices import implementation, register
 from ..moe import cpu_native
 
 
-def rope_and_write_kv_cpu(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, is_neox=True):
+def rope_and_write_kv_cpu(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, is_neox=True,
+                          k_scale=None, v_scale=None):
     T, hq, d = q.shape
     rd = cos_sin_cache.shape[-1]
+    if k_scale is not None:  # int8 / float8_e4m3fn codes: the native kernel quantizes the rows as the reference does
+        if (is_neox and rd == d and T and cpu_native.layer_ops_apply(q, k, v) and q.dtype in (torch.float32,
+                                                                                               torch.bfloat16)
+                and cos_sin_cache.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
+                and k_cache.dtype in (torch.int8, torch.float8_e4m3fn) and k_cache.is_contiguous()
+                and v_cache.is_contiguous() and k_cache.shape[2:] == k.shape[1:] and v.shape == k.shape
+                and v_cache.shape == k_cache.shape and k_scale.shape == v_scale.shape == k_cache.shape[:3]
+                and k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.is_contiguous()
+                and v_scale.is_contiguous() and positions.shape[0] == T == slot_mapping.shape[0]):
+            return cpu_native.rope_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                            k_scale, v_scale)
+        ref = implementation("rope_and_write_kv", "reference")
+        return ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=is_neox,
+                   k_scale=k_scale, v_scale=v_scale)
     if (is_neox and rd == d and T and cpu_native.layer_ops_apply(q, k, v, k_cache, v_cache)
             and cos_sin_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.shape[2:] == k.shape[1:] and v.shape == k.shape and v_cache.shape == k_cache.shape

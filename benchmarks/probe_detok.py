@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import case, write_results  # noqa: E402
+from _common import best_of, case, write_results  # noqa: E402
 
 from infercore.engine.detok import IncrementalDetokenizer  # noqa: E402
 from infercore.loading import default_model_path  # noqa: E402
@@ -26,15 +25,6 @@ from infercore.loading.tokenizer import Tokenizer  # noqa: E402
 class _DecodeOnly:
     def __init__(self, tok):
         self.decode = tok.decode
-
-
-def _seconds(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main() -> None:
@@ -69,8 +59,8 @@ def main() -> None:
 
         ref = tok.decode(ids)
         assert full() == ref and incremental() == ref and incremental(_DecodeOnly(tok)) == ref
-        secs = {"full": _seconds(full, args.repeats), "stream": _seconds(incremental, args.repeats),
-                "window": _seconds(lambda: incremental(_DecodeOnly(tok)), args.repeats)}
+        secs = {"full": best_of(full, args.repeats), "stream": best_of(incremental, args.repeats),
+                "window": best_of(lambda: incremental(_DecodeOnly(tok)), args.repeats)}
         per_step_ms = {k: v / n * args.batch * 1e3 for k, v in secs.items()}
         cases.append(case(
             f"SmolLM2 tokenizer, {n}-token outputs, text kept current every step", metric="tokens detokenized/s",

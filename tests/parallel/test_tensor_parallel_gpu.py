@@ -15,19 +15,18 @@ import torch.multiprocessing as mp
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, os.path.join(HERE, "..", "engine"))
 sys.path.insert(0, os.path.join(HERE, "..", "models"))
+sys.path.insert(0, HERE)
+
+from test_tensor_parallel import _leave  # noqa: E402  (leave the group together)
 
 WORLD = 2
 
 
-def _leave() -> None:
-    ok = sys.exc_info()[0] is None
-    if ok:
-        dist.barrier()
-    dist.destroy_process_group()
-    if ok:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+def _spawn_two(worker, *args) -> None:
+    """``worker(rank, *args)`` on two processes, one GPU each."""
+    if torch.cuda.device_count() < WORLD:
+        pytest.fail(f"needs {WORLD} CUDA GPUs, found {torch.cuda.device_count()}")
+    mp.spawn(worker, args=args, nprocs=WORLD, join=True)
 
 
 def _on_gpu(hf, dtype, device):
@@ -84,9 +83,7 @@ def _worker(rank: int, init: str, kind: str) -> None:
 @pytest.mark.gpu2
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_two_gpus_match_one(kind, tmp_path):
-    if torch.cuda.device_count() < WORLD:
-        pytest.fail(f"needs {WORLD} CUDA GPUs, found {torch.cuda.device_count()}")
-    mp.spawn(_worker, args=(f"file://{tmp_path}/rdzv", kind), nprocs=WORLD, join=True)
+    _spawn_two(_worker, f"file://{tmp_path}/rdzv", kind)
 
 
 def _moe_worker(rank: int, init: str, path: str, experts: str) -> None:
@@ -121,9 +118,7 @@ def _moe_worker(rank: int, init: str, path: str, experts: str) -> None:
 @pytest.mark.gpu2
 @pytest.mark.parametrize("experts", ["tp", "ep"])
 def test_two_gpus_routed_experts(experts, tmp_path):
-    if torch.cuda.device_count() < WORLD:
-        pytest.fail(f"needs {WORLD} CUDA GPUs, found {torch.cuda.device_count()}")
-    mp.spawn(_moe_worker, args=(f"file://{tmp_path}/rdzv", str(tmp_path), experts), nprocs=WORLD, join=True)
+    _spawn_two(_moe_worker, f"file://{tmp_path}/rdzv", str(tmp_path), experts)
 
 
 def _mirror_worker(rank: int, init: str) -> None:
@@ -162,9 +157,7 @@ def _mirror_worker(rank: int, init: str) -> None:
 
 @pytest.mark.gpu2
 def test_two_gpus_mirrored_engine(tmp_path):
-    if torch.cuda.device_count() < WORLD:
-        pytest.fail(f"needs {WORLD} CUDA GPUs, found {torch.cuda.device_count()}")
-    mp.spawn(_mirror_worker, args=(f"file://{tmp_path}/rdzv", ), nprocs=WORLD, join=True)
+    _spawn_two(_mirror_worker, f"file://{tmp_path}/rdzv")
 
 
 def _single_worker(rank: int, init: str) -> None:

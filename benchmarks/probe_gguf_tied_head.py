@@ -41,7 +41,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/cpu/sweeps/cpu_gguf_tied_head.json")
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="the quantized linears (the Q8_0 head included) on 8-bit activations (cpu_native)")
     args = ap.parse_args()
+    if args.int8_activations:
+        from infercore.ops.moe import cpu_native
+
+        if not cpu_native.set_int8_activations(True):
+            raise SystemExit("--int8-activations: this host has no AVX512-VNNI")
     engines = {}
     for tied in (True, False):
         eng = Engine.from_pretrained(device="cpu", dtype=torch.bfloat16, enable_prefix_caching=False)
@@ -68,11 +75,12 @@ def main() -> None:
     print(f"decode: Q8_0 head {r_q8:.1f} tok/s, dense bf16 head {r_dense:.1f}; head alone {h_q8:.0f} vs "
           f"{h_dense:.0f} us; {agree}/{args.tokens} greedy tokens agree", flush=True)
     bw = read_bandwidth()
-    cases = [case(f"smollm2-135m gguf-native-q4_1 decode bs1 bf16, tied lm_head from the Q8_0 blocks vs dense, "
+    a8 = ", 8-bit activations" if args.int8_activations else ""
+    cases = [case(f"smollm2-135m gguf-native-q4_1 decode bs1 bf16{a8}, tied lm_head from the Q8_0 blocks vs dense, "
                   f"{args.tokens} tokens", metric="decode throughput", unit="tok/s", ours=r_q8,
                   peers={"tied lm_head dense bf16": r_dense}, floor=None, greedy_tokens_agreeing=agree,
                   threads=torch.get_num_threads()),
-             case("smollm2-135m lm_head 49152x576 M=1 alone, Q8_0 blocks vs dense bf16", metric="calls per second",
+             case(f"smollm2-135m lm_head 49152x576 M=1 alone{a8}, Q8_0 blocks vs dense bf16", metric="calls per second",
                   unit="1/s", ours=1e6 / h_q8, peers={"dense bf16": 1e6 / h_dense},
                   floor=bw / (49152 * (576 + 144)),  # codes and fp32 scales / zeros a row, as the kernel reads them
                   q8_us=h_q8, dense_us=h_dense)]

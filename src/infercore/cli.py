@@ -282,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--int8-activations", action="store_true",
                        help="on the CPU, the quantized linears' decode rows (INT4, INT8, GGUF Q4 / Q8_0 / Q6_K) take "
                             "activations rounded to 8 bits in blocks of 32 (llama.cpp's design; AVX512-VNNI): faster "
-                            "where bf16 dot products are slow, not the bf16 activations' values (default: off)")
+                            "where bf16 dot products are slow, not the bf16 activations' values; with "
+                            "--quantization gguf a tied lm_head then runs the embedding's blocks (default: off)")
         q.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
                        help="KV cache storage: auto (the model's dtype), int8 or fp8 with per-token scales")
         q.add_argument("--tensor-parallel", type=int, default=1, metavar="N",

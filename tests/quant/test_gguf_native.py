@@ -41,8 +41,12 @@ def test_native_q4_1_blocks_match_dequantized_model():
 
 def test_tied_lm_head_stays_dense_by_default():
     path = default_model_path()
-    model, _, _ = load_model(path, dtype=torch.bfloat16, device="cpu")
-    swapped = use_gguf_blocks(model, path)
+    with cpu_native.int8_activations(True) as a8:  # with 8-bit activations the default runs the embedding's blocks
+        model, _, _ = load_model(path, dtype=torch.bfloat16, device="cpu")
+        assert ("lm_head" in use_gguf_blocks(model, path)) == a8
+    with cpu_native.int8_activations(False):
+        model, _, _ = load_model(path, dtype=torch.bfloat16, device="cpu")
+        swapped = use_gguf_blocks(model, path)
     assert "lm_head" not in swapped and model.lm_head.weight is model.model.embed_tokens.weight
     with torch.inference_mode():  # tied_lm_head=True: the Q8_0 blocks through the native INT8 GEMV, close to dense
         x = torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16)

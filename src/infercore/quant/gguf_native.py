@@ -25,6 +25,10 @@ this VM's memory bandwidth: 189.8 vs 181.0 in one later run, 163.4 vs 167.8 and 
 Evicted from the cache before each call, as in a decode step, the Q8_0 head was no faster than dense bf16 on the
 H200 machine's 16-core host either, at 1-16 threads (0.67-1.08x,
 ``benchmarks/results/h200/sweeps/head_threads_h200_host.json``, ``benchmarks/probe_head_threads.py``).
+With 8-bit activations (``cpu_native.set_int8_activations``) the INT8 GEMV takes 64 products an instruction and the
+Q8_0 head wins: on the 2-vCPU Xeon decode ran at 93.8 vs 82.0 tok/s with it (head alone 1209 vs 1405 us;
+``cpu/sweeps/cpu_gguf_tied_head_a8_xeon.json``; without them 81.1 vs 78.4, ``cpu_gguf_tied_head_xeon.json``), so
+the default (``tied_lm_head=None``) turns it on where those are on when the blocks are swapped in.
 """
 
 from __future__ import annotations
@@ -48,14 +52,21 @@ def _runs_here(qtype: str, device: torch.device) -> bool:
     return qtype in QUANTIZABLE or device.type == "cpu"
 
 
-def use_gguf_blocks(model: nn.Module, path: str | os.PathLike, *, tied_lm_head: bool = False) -> list[str]:
+def use_gguf_blocks(model: nn.Module, path: str | os.PathLike, *, tied_lm_head: bool | None = None) -> list[str]:
     """Swap block-quantized linears of ``model`` for native GGUF :class:`QuantLinear` s, in place.
 
     Returns the names of the swapped modules. ``tied_lm_head=True``: a tied ``lm_head`` runs the embedding's blocks
     when they are in one of the formats above that runs on the model's device (``"lm_head"`` in the list; on the CPU
-    the native kernels take them for bf16 activations, other dtypes dequantize them at every call); ``False``
-    (default) keeps it dense.
+    the native kernels take them for bf16 activations, other dtypes dequantize them at every call); ``False`` keeps it
+    dense; None (default): True on the CPU where the native GEMVs take 8-bit activations at the swap
+    (``cpu_native.int8_activations_on``, the CLI's ``--int8-activations``), False otherwise (module docstring).
     """
+    if tied_lm_head is None:
+        from ..ops.moe import cpu_native
+
+        head = getattr(model, "lm_head", None)
+        on_cpu = head is not None and getattr(head, "weight", None) is not None and head.weight.device.type == "cpu"
+        tied_lm_head = on_cpu and cpu_native.int8_activations_on()
     from ..loading.gguf import GGUFFile
     from ..loading.gguf_hf import _ARCHS, hf_name, unpermute_qk
 

@@ -343,3 +343,9 @@ def test_fused_decode_over_quantized_kv_equals_the_op_by_op_path(kv_dtype, dtype
         for x, y in zip((*a, a.k_scale, a.v_scale), (*b, b.k_scale, b.v_scale)):
             assert torch.equal(x.view(torch.uint8) if x.element_size() == 1 else x,
                                y.view(torch.uint8) if y.element_size() == 1 else y)
+    if stack and kind == "llama" and scheme is None and dtype == torch.bfloat16:
+        # the attention's scalar loops read no codes: the step goes op by op (dequantizing), no fused call
+        with cpu_native.scalar_attention():
+            n = len(taken)
+            fused.step(steps[0])
+            assert len(taken) == n

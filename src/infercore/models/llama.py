@@ -74,6 +74,13 @@ def _scales(kv_cache) -> tuple:
     return () if ks is None else (ks, kv_cache.v_scale)
 
 
+def _codes_readable(attn, kv_cache) -> bool:
+    """A cache of the layer's dtype, or 1-byte codes the native decode attention reads now (its vector path at this
+    head dim and group; checked every step: ``cpu_native.scalar_attention`` turns that path off)."""
+    return not hasattr(kv_cache, "k_scale") or cpu_native.attention_reads_codes(
+        attn.head_dim, attn.num_heads // attn.num_kv_heads)
+
+
 def tie_and_rope_table(model: nn.Module, *, base: float, scaling: dict | None) -> torch.Tensor:
     """Re-tie ``lm_head`` to the embedding when the config says so, and build the fp32 RoPE table
     ``[max_position_embeddings, rotary_dim]`` on the model's device (an uninitialised placeholder on
@@ -299,7 +306,7 @@ class LlamaDecoderLayer(nn.Module):
         if not _native_step(x, meta) or (residual is not None and (residual.shape != x.shape
                                                                    or residual.dtype != x.dtype)):
             return None
-        if len(kv_cache) != 2:
+        if len(kv_cache) != 2 or not _codes_readable(self.self_attn, kv_cache):
             return None
         return self._native_linears(x.dtype, x.shape[1], kv_cache[0], kv_cache[1], cos_sin,
                                     getattr(kv_cache, "k_scale", None), getattr(kv_cache, "v_scale", None))
@@ -334,8 +341,7 @@ class LlamaDecoderLayer(nn.Module):
             cache_ok = (v_scale is not None and k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
                         and v_cache.dtype == k_cache.dtype and k_scale.dtype == v_scale.dtype == torch.float32
                         and k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.is_contiguous()
-                        and v_scale.is_contiguous()
-                        and cpu_native.attention_reads_codes(attn.head_dim, attn.num_heads // attn.num_kv_heads))
+                        and v_scale.is_contiguous())
         if (cache_ok and mlp.act is silu_and_mul and attn.q_norm is None
                 and all(n.offset == 0.0 and n.weight.dtype == dt and n.weight.shape == (hidden,) for n in (n1, n2))
                 and k_cache.is_contiguous()
@@ -434,7 +440,9 @@ class LlamaForCausalLM(nn.Module):
         (``LlamaDecoderLayer._native_decode``) and all are alike (heads, head_dim, intermediate size, cache shape),
         else None. The table is kept while the layers' descriptors stay the same (their weights and caches)."""
         layers = self.model.layers
-        if not (len(layers) and cpu_native.layer_stack_on() and _native_step(x, meta)):
+        if not (len(layers) and cpu_native.layer_stack_on() and _native_step(x, meta)
+                and _codes_readable(layers[0].self_attn, next((kv for kv in kv_caches if hasattr(kv, "k_scale")),
+                                                               kv_caches[0]))):  # the layers' shapes alike (below)
             return None
         dt, hidden = x.dtype, x.shape[1]
         # Checked each step: no module / parameter / buffer was assigned anywhere since the table was built, the same

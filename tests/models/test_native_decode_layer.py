@@ -85,9 +85,15 @@ _QUANT = [("w4a16-g128", {}), (_G32, {"hidden_size": 96, "intermediate_size": 16
           ("w8a16+a8", {"hidden_size": 80, "intermediate_size": 136})]  # K % 64 != 0: INT8 keeps bf16 there
 
 
-@pytest.mark.parametrize("dtype,scheme,cfg", [(torch.float32, None, {}), (torch.bfloat16, None, {})]
-                         + [(torch.bfloat16, s, c) for s, c in _QUANT])
-@pytest.mark.parametrize("kind,kcfg", [("llama", {}), ("mistral", {"sliding_window": 8})])
+# Qwen3 (per-head q / k RMSNorms before RoPE, in the fused layers' RoPE step): dense and a few quantized schemes
+_QWEN3 = [("qwen3", {}, torch.float32, None, {}), ("qwen3", {}, torch.bfloat16, None, {})] + [
+    ("qwen3", {}, torch.bfloat16, s, c) for s, c in _QUANT if s in ("w4a16-g128", "gguf-q4_0", "gguf-q8_0+a8")]
+
+
+@pytest.mark.parametrize("kind,kcfg,dtype,scheme,cfg",
+                         [(k, kc, d, s, c) for k, kc in (("llama", {}), ("mistral", {"sliding_window": 8}))
+                          for d, s, c in [(torch.float32, None, {}), (torch.bfloat16, None, {})]
+                          + [(torch.bfloat16, s, c) for s, c in _QUANT]] + _QWEN3)
 @pytest.mark.parametrize("stack", [True, False])
 def test_fused_decode_equals_the_op_by_op_path(kind, kcfg, dtype, scheme, cfg, stack, tmp_path, monkeypatch, request):
     """Fused: all layers in one call (``llama_decode_layers``), or (stack=False) one call per layer."""
@@ -311,7 +317,7 @@ def _quantized_caches_(runner, kv_dtype) -> None:
 
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dtype,scheme", [(torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, "gguf-q4_0")])
-@pytest.mark.parametrize("kind,kcfg", [("llama", {}), ("mistral", {"sliding_window": 8})])
+@pytest.mark.parametrize("kind,kcfg", [("llama", {}), ("mistral", {"sliding_window": 8}), ("qwen3", {})])
 @pytest.mark.parametrize("stack", [True, False])
 def test_fused_decode_over_quantized_kv_equals_the_op_by_op_path(kv_dtype, dtype, scheme, kind, kcfg, stack, tmp_path,
                                                                   monkeypatch):

@@ -298,8 +298,9 @@ class LlamaDecoderLayer(nn.Module):
     def _native_decode(self, x, residual, cos_sin, kv_cache, meta) -> list | None:
         """The linears as ``cpu_native.llama_decode_layer`` takes them where this step runs through it, else None:
         decode rows on the CPU (up to ``NATIVE_MAX_ROWS``, where the linears take the native GEMVs anyway), the
-        layer exactly this class's (plain norms, SiLU MLP, no q/k norm; linears without bias that the native
-        GEMVs take, ``cpu_native.layer_linear``: dense of x's dtype, or INT4 / GGUF Q4 / INT8 with bf16 x), a
+        layer exactly this class's (plain norms, SiLU MLP, Qwen3's per-head q / k norms or none; linears without
+        bias that the native GEMVs take, ``cpu_native.layer_linear``: dense of x's dtype, or INT4 / GGUF Q4 / INT8
+        with bf16 x), a
         plain cache of x's dtype, full neox RoPE, no backend override (``INFERCORE_BACKEND``): what the op-by-op
         path would run, in one call. A quantized cache (int8 / float8_e4m3fn codes with their scales,
         ``kv.cache.QuantizedKVCache``) takes it too where the native attention reads its codes."""
@@ -322,15 +323,17 @@ class LlamaDecoderLayer(nn.Module):
         am, mm = attn._modules, mlp._modules
         lins = (am["qkv_proj"], am["o_proj"], mm["gate_up_proj"], mm["down_proj"])
         w1, w2 = n1._parameters["weight"], n2._parameters["weight"]
+        qk = (attn.q_norm, attn.k_norm)  # Qwen3's per-head norms, or None
+        qkw = tuple(None if n is None else n._parameters["weight"] for n in qk)
         stores = tuple(map(cpu_native.layer_linear_store, lins))
         objs = (dt, attn, mlp, n1, n2, mlp.__dict__.get("act"), *lins, *stores,
-                *[lin._parameters.get("bias") for lin in lins], w1, w2)
+                *[lin._parameters.get("bias") for lin in lins], w1, w2, *qk, *qkw)
         ids = tuple(map(id, objs))  # compared as ints; the entry holds objs, so none of these ids is reused meanwhile
         # the caches and the RoPE table by address and layout only: the cache must not keep a freed KV pool alive
         ptrs = (hidden, k_cache.data_ptr(), k_cache.dtype, k_cache.shape, k_cache.stride(), v_cache.data_ptr(),
                 v_cache.dtype, v_cache.shape, v_cache.stride(), cos_sin.data_ptr(), cos_sin.dtype, cos_sin.shape,
                 cos_sin.stride(), w1.data_ptr(), w2.data_ptr(), *[0 if t is None else t.data_ptr() for t in stores],
-                *[None if t is None else _layout(t) for t in (k_scale, v_scale)])
+                *[None if t is None else _layout(t) for t in (k_scale, v_scale, *qkw)])
         cached = self.__dict__.get("_native_linears_cache")
         if cached is not None and cached[1] == ids and cached[2] == ptrs:
             return cached[3]
@@ -342,7 +345,10 @@ class LlamaDecoderLayer(nn.Module):
                         and v_cache.dtype == k_cache.dtype and k_scale.dtype == v_scale.dtype == torch.float32
                         and k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.is_contiguous()
                         and v_scale.is_contiguous())
-        if (cache_ok and mlp.act is silu_and_mul and attn.q_norm is None
+        qk_ok = qk == (None, None) or (
+            all(type(n) is RMSNorm and n.offset == 0.0 and n.weight.dtype == dt and n.weight.shape == (attn.head_dim,)
+                for n in qk) and qk[0].eps == qk[1].eps)
+        if (cache_ok and qk_ok and mlp.act is silu_and_mul
                 and all(n.offset == 0.0 and n.weight.dtype == dt and n.weight.shape == (hidden,) for n in (n1, n2))
                 and k_cache.is_contiguous()
                 and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
@@ -351,7 +357,7 @@ class LlamaDecoderLayer(nn.Module):
             linears = [cpu_native.layer_linear(lin, dt) for lin in lins]
             linears = None if None in linears else linears
         # last: the tensors whose data pointers the answer rests on, for LlamaForCausalLM._native_stack
-        weights = [w1, w2, *(t for t in stores if t is not None)]
+        weights = [w1, w2, *(t for t in (*stores, *qkw) if t is not None)]
         self.__dict__["_native_linears_cache"] = (objs, ids, ptrs, linears, weights)
         return linears
 

@@ -118,7 +118,7 @@ def _build() -> ctypes.CDLL:
                                                _F, _I64, _P, _INT, _P, _P, _INT, _INT]
     dll.infercore_llama_decode_layer.argtypes = [_P, _P, _P, _P, _I64, _I64, _P, _F, _P, _I64, _I64, _I64, _P, _P,
                                                  _I64, _P, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _F, _I64, _P, _F,
-                                                 _I64, _INT, _P, _P, _INT, _INT]
+                                                 _I64, _INT, _P, _P, _INT, _P, _P, _F, _INT]
     dll.infercore_llama_decode_layer.restype = _INT
     dll.infercore_llama_decode_layers.argtypes = [_I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P,
                                                   _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _F, _I64, _INT, _INT]
@@ -892,7 +892,7 @@ def llama_decode_layer(x: torch.Tensor, residual: torch.Tensor | None, layer, po
         _ptr(pos), _ptr(cos_sin_cache), cos_sin_cache.shape[0], _ptr(k_cache), _ptr(v_cache), num_pages, ps,
         _ptr(slots), _ptr(lens), _ptr(bt), bt.stride(0), bt.shape[1], attn.scale, attn.sliding_window or 0,
         _ptr(n2.weight), n2.eps, mlp.down_proj.in_features, _DT[x.dtype], _ptr(k_scale) if kv else None,
-        _ptr(v_scale) if kv else None, kv, torch.get_num_threads())
+        _ptr(v_scale) if kv else None, kv, *_qk_norms(attn), torch.get_num_threads())
     if rc == 1:
         raise ValueError("decoder layer: the native attention does not read 1-byte caches at this shape")
     if rc < 0:  # nothing was written
@@ -902,11 +902,18 @@ def llama_decode_layer(x: torch.Tensor, residual: torch.Tensor | None, layer, po
     return out, res_out
 
 
-LAYER_TAB = 24  # int64 entries per layer of llama_decode_layers' table (ops/cpu_kernels.c)
+LAYER_TAB = 26  # int64 entries per layer of llama_decode_layers' table (ops/cpu_kernels.c)
+
+
+def _qk_norms(attn) -> tuple:
+    """The fused layer's q / k norm operands of ``attn`` (Qwen3's per-head RMSNorm weights and their epsilon; the
+    caller checked that both exist or neither): ``(q weight pointer, k weight pointer, eps)``, or (None, None, 0)."""
+    qn, kn = attn.q_norm, attn.k_norm
+    return (None, None, 0.0) if qn is None else (_ptr(qn.weight), _ptr(kn.weight), qn.eps)
 
 
 def decode_layers_table(layers, kv_caches, linears: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`llama_decode_layers`' per-layer operands: ``(table int64 [L, LAYER_TAB], eps fp32 [L, 2])`` from the
+    """:func:`llama_decode_layers`' per-layer operands: ``(table int64 [L, LAYER_TAB], eps fp32 [L, 3])`` from the
     layers, their ``(k_cache, v_cache)`` (with ``k_scale`` / ``v_scale`` for 1-byte caches,
     ``kv.cache.QuantizedKVCache``) and :func:`layer_linear` descriptors (pointers: valid while those tensors
     live)."""
@@ -915,10 +922,11 @@ def decode_layers_table(layers, kv_caches, linears: list) -> tuple[torch.Tensor,
         (k, v), ks, vs = cache, getattr(cache, "k_scale", None), getattr(cache, "v_scale", None)
         n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
         kv = kv_codes(k, ks)
+        qn, kn, qk_eps = _qk_norms(layer.self_attn)
         tab.append([n1.weight.data_ptr(), n2.weight.data_ptr(), k.data_ptr(), v.data_ptr(),
                     layer.self_attn.sliding_window or 0, *(e for t in lin for e in t),
-                    ks.data_ptr() if kv else 0, vs.data_ptr() if kv else 0, kv])
-        eps.append([n1.eps, n2.eps])
+                    ks.data_ptr() if kv else 0, vs.data_ptr() if kv else 0, kv, qn or 0, kn or 0])
+        eps.append([n1.eps, n2.eps, qk_eps])
     return torch.tensor(tab, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32)
 
 

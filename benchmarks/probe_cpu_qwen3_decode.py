@@ -1,0 +1,81 @@
+"""CPU decode of a random-weight Qwen3-0.6B-shaped model (28 layers, 1024 wide, 16 / 8 heads of 128, per-head q / k
+RMSNorms), bf16 and INT4 (w4a16-g128), batch 1: the fused decoder layers, which take Qwen3's q / k norms since the
+forty-first session (every layer in one native call), against the op-by-op path Qwen3 models took before
+(``cpu_native.fused_layers_disabled``). A ``--prompt``-token prompt, ``--new`` greedy tokens, interleaved rounds, best
+of ``--rounds``.
+
+    python benchmarks/probe_cpu_qwen3_decode.py [--out benchmarks/results/cpu/sweeps/cpu_qwen3_decode.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import case, write_results  # noqa: E402
+
+from infercore import Engine, SamplingParams  # noqa: E402
+from infercore.models import ModelConfig, build_model  # noqa: E402
+from infercore.ops.moe import cpu_native  # noqa: E402
+from infercore.quant import quantize  # noqa: E402
+
+QWEN3_0_6B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                  max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results/cpu/sweeps/cpu_qwen3_decode.json")
+    args = ap.parse_args()
+    prompt = [(7 * i + 3) % 150000 for i in range(args.prompt)]
+    sp = SamplingParams(temperature=0, max_tokens=args.new, ignore_eos=True)
+    cases = []
+    for scheme in (None, "w4a16-g128"):
+        torch.manual_seed(0)
+        model = build_model(ModelConfig.from_hf(QWEN3_0_6B), dtype=torch.bfloat16, device="cpu")
+        if scheme:
+            quantize(model, scheme)
+        eng = Engine(model, enable_prefix_caching=False)
+
+        def rate(fused: bool, eng=eng) -> tuple[float, list[int]]:
+            one = SamplingParams(temperature=0, max_tokens=1)
+            with contextlib.nullcontext() if fused else cpu_native.fused_layers_disabled():
+                t0 = time.perf_counter()
+                eng.generate([prompt], one)
+                t_pre = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                out = eng.generate([prompt], sp)[0]
+                t_all = time.perf_counter() - t0
+            return (args.new - 1) / max(t_all - t_pre, 1e-9), out.token_ids
+
+        rate(True)
+        best = {True: 0.0, False: 0.0}
+        toks = {}
+        for _ in range(args.rounds):
+            for fused in (True, False):
+                r, toks[fused] = rate(fused)
+                best[fused] = max(best[fused], r)
+        agree = sum(a == b for a, b in zip(toks[True], toks[False]))
+        label = scheme or "bf16"
+        print(f"{label}: fused {best[True]:.1f} tok/s, op by op {best[False]:.1f}; tokens equal {agree}/{args.new}",
+              flush=True)
+        cases.append(case(f"qwen3-0.6b-shape random {label} decode bs1, prompt {args.prompt}, {args.new} tokens",
+                          metric="decode throughput", unit="tok/s", ours=best[True],
+                          peers={"op by op (before: Qwen3's q / k norms kept it off the fused layers)": best[False]},
+                          floor=None, greedy_tokens_equal=f"{agree}/{args.new}", threads=torch.get_num_threads()))
+    write_results(args.out, "probe_cpu_qwen3_decode", "cpu", cases,
+                  {"note": "Decode rate = (new - 1) / (time of prompt + new tokens - time of prompt + 1 token)."})
+
+
+if __name__ == "__main__":
+    main()

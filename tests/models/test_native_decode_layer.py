@@ -85,9 +85,11 @@ _QUANT = [("w4a16-g128", {}), (_G32, {"hidden_size": 96, "intermediate_size": 16
           ("w8a16+a8", {"hidden_size": 80, "intermediate_size": 136})]  # K % 64 != 0: INT8 keeps bf16 there
 
 
-# Qwen3 (per-head q / k RMSNorms before RoPE, in the fused layers' RoPE step): dense and a few quantized schemes
-_QWEN3 = [("qwen3", {}, torch.float32, None, {}), ("qwen3", {}, torch.bfloat16, None, {})] + [
-    ("qwen3", {}, torch.bfloat16, s, c) for s, c in _QUANT if s in ("w4a16-g128", "gguf-q4_0", "gguf-q8_0+a8")]
+# Qwen3 (per-head q / k RMSNorms before RoPE, in the fused layers' RoPE step) and Qwen2 (a qkv bias): dense and a few
+# quantized schemes
+_QWEN3 = [(kind, {}, dt, None, {}) for kind in ("qwen3", "qwen2") for dt in (torch.float32, torch.bfloat16)] + [
+    (kind, {}, torch.bfloat16, s, c) for kind in ("qwen3", "qwen2") for s, c in _QUANT
+    if s in ("w4a16-g128", "gguf-q4_0", "gguf-q8_0+a8")]
 
 
 @pytest.mark.parametrize("kind,kcfg,dtype,scheme,cfg",
@@ -317,7 +319,8 @@ def _quantized_caches_(runner, kv_dtype) -> None:
 
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dtype,scheme", [(torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, "gguf-q4_0")])
-@pytest.mark.parametrize("kind,kcfg", [("llama", {}), ("mistral", {"sliding_window": 8}), ("qwen3", {})])
+@pytest.mark.parametrize("kind,kcfg", [("llama", {}), ("mistral", {"sliding_window": 8}), ("qwen3", {}),
+                                       ("qwen2", {})])
 @pytest.mark.parametrize("stack", [True, False])
 def test_fused_decode_over_quantized_kv_equals_the_op_by_op_path(kv_dtype, dtype, scheme, kind, kcfg, stack, tmp_path,
                                                                   monkeypatch):

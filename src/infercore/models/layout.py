@@ -54,9 +54,13 @@ class CPUPackedLinear(nn.Linear):
         w = self._parameters["weight"]  # (not through nn.Module.__getattr__: this runs ~100 times a CPU token)
         if x.device.type != "cpu" or x.dtype != w.dtype:
             return F.linear(x, w, self.bias)
-        if (self.bias is None and x.numel() <= NATIVE_MAX_ROWS * w.shape[1] and w.is_contiguous() and _native()
-                and x.dtype in (torch.bfloat16, torch.float32)):  # decode rows: the native GEMV, plain weight
-            return _native_linear(x, w)
+        b = self._parameters["bias"]
+        if (x.numel() <= NATIVE_MAX_ROWS * w.shape[1] and w.is_contiguous() and _native()
+                and x.dtype in (torch.bfloat16, torch.float32) and (b is None or b.dtype == x.dtype)):
+            # decode rows: the native GEMV over the plain weight (a bias added to its rounded output in fp32, then
+            # rounded: what the fused decoder layers do, cpu_kernels.c)
+            y = _native_linear(x, w)
+            return y if b is None else (y.float() + b.float()).to(x.dtype)
         if getattr(self, "_packed_key", None) != (w.data_ptr(), w._version):
             self._pack()
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")

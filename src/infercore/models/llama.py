@@ -298,9 +298,9 @@ class LlamaDecoderLayer(nn.Module):
     def _native_decode(self, x, residual, cos_sin, kv_cache, meta) -> list | None:
         """The linears as ``cpu_native.llama_decode_layer`` takes them where this step runs through it, else None:
         decode rows on the CPU (up to ``NATIVE_MAX_ROWS``, where the linears take the native GEMVs anyway), the
-        layer exactly this class's (plain norms, SiLU MLP, Qwen3's per-head q / k norms or none; linears without
-        bias that the native GEMVs take, ``cpu_native.layer_linear``: dense of x's dtype, or INT4 / GGUF Q4 / INT8
-        with bf16 x), a
+        layer exactly this class's (plain norms, SiLU MLP, Qwen3's per-head q / k norms or none; linears that the
+        native GEMVs take, ``cpu_native.layer_linear``: dense of x's dtype, or INT4 / GGUF Q4 / INT8 with bf16 x,
+        without bias but for qkv's, Qwen2's), a
         plain cache of x's dtype, full neox RoPE, no backend override (``INFERCORE_BACKEND``): what the op-by-op
         path would run, in one call. A quantized cache (int8 / float8_e4m3fn codes with their scales,
         ``kv.cache.QuantizedKVCache``) takes it too where the native attention reads its codes."""
@@ -324,7 +324,8 @@ class LlamaDecoderLayer(nn.Module):
         lins = (am["qkv_proj"], am["o_proj"], mm["gate_up_proj"], mm["down_proj"])
         w1, w2 = n1._parameters["weight"], n2._parameters["weight"]
         qk = (attn.q_norm, attn.k_norm)  # Qwen3's per-head norms, or None
-        qkw = tuple(None if n is None else n._parameters["weight"] for n in qk)
+        # their weights and qkv's bias (Qwen2), or None
+        qkw = (*(None if n is None else n._parameters["weight"] for n in qk), lins[0]._parameters.get("bias"))
         stores = tuple(map(cpu_native.layer_linear_store, lins))
         objs = (dt, attn, mlp, n1, n2, mlp.__dict__.get("act"), *lins, *stores,
                 *[lin._parameters.get("bias") for lin in lins], w1, w2, *qk, *qkw)
@@ -354,7 +355,7 @@ class LlamaDecoderLayer(nn.Module):
                 and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
                 and k_cache.shape[2:] == (attn.num_kv_heads, attn.head_dim) and cos_sin.dtype == torch.float32
                 and cos_sin.shape[-1] == attn.head_dim and cos_sin.is_contiguous()):
-            linears = [cpu_native.layer_linear(lin, dt) for lin in lins]
+            linears = [cpu_native.layer_linear(lin, dt, bias_ok=i == 0) for i, lin in enumerate(lins)]  # qkv's
             linears = None if None in linears else linears
         # last: the tensors whose data pointers the answer rests on, for LlamaForCausalLM._native_stack
         weights = [w1, w2, *(t for t in (*stores, *qkw) if t is not None)]

@@ -858,7 +858,8 @@ static void quant_sizes(const int64_t *lin, int64_t *kpmax, int64_t *gsums) {
  * the first. */
 static void layer_body(const step_t *s, own_t *w, const void *x, const void *res, void *res_out, void *out,
                        const void *n1, float eps1, const int64_t *lin, void *kc, void *vc, int64_t window,
-                       const void *n2, float eps2, const kvq_t *kq, const void *qn, const void *kn, float qk_eps) {
+                       const void *n2, float eps2, const kvq_t *kq, const void *qn, const void *kn, float qk_eps,
+                       const void *qb) {
     const int id = omp_get_thread_num(), dt = s->dt;
     const int64_t T = s->T, H = s->H, D = s->D, NQ = s->Hq * D, NKV = s->Hk * D, NQKV = NQ + 2 * NKV;
     const size_t es = dt ? 2 : 4;
@@ -871,6 +872,10 @@ static void layer_body(const step_t *s, own_t *w, const void *x, const void *res
     lin_par(w->xn, T, H, lin, NQKV, s->qkv, dt, w->xp, w->sums);
 #pragma omp single
     {
+        if (qb) /* qkv's bias [NQKV] (Qwen2), added to the rounded product in fp32 and rounded, as the linears do */
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t i = 0; i < NQKV; i++)
+                    st(s->qkv, t * NQKV + i, ld(s->qkv, t * NQKV + i, dt) + ld(qb, i, dt), dt);
         if (qn) /* Qwen3: each head of q and k RMS-normed over D (weights qn / kn [D]) in place, before RoPE */
             for (int64_t t = 0; t < T; t++) {
                 char *row = s->qkv + es * t * NQKV;
@@ -900,6 +905,7 @@ static void layer_body(const step_t *s, own_t *w, const void *x, const void *res
  *   pos int64 [T]; cs fp32 [max_pos, D]; caches [num_pages, ps, Hk, D] of the dtype (kv 0) or of 1-byte codes (kv
  *   1 int8, 2 float8_e4m3fn; ksc / vsc fp32 [num_pages, ps, Hk]: rope_rows quantizes the new rows, the attention
  *   reads the codes); qn / kn [D] (dt) or NULL: Qwen3's RMSNorm of each q / k head (epsilon qk_eps) before RoPE;
+ *   qkv_bias [(Hq + 2 Hk) D] (dt) or NULL: Qwen2's bias of the qkv projection;
  *   slots / seq_lens int32 [T]; block_table
  *   int32 [T, bt_stride] with bt_cols columns in use.
  * Returns 0, or before writing anything: -1 - t (slot t out of range), -1 - T - t (position t), -1 - 2T - t
@@ -913,7 +919,7 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
                                  const int32_t *block_table, int64_t bt_stride, int64_t bt_cols, float scale,
                                  int64_t window, const void *n2, float eps2, int64_t I, int dt, const float *ksc,
                                  const float *vsc, int kv, const void *qn, const void *kn, float qk_eps,
-                                 int nthreads) {
+                                 const void *qkv_bias, int nthreads) {
     if (kv && !simd_shape(D, Hq / Hk)) return 1; /* 1-byte caches: the vector attention only; nothing written */
     int rc = check_rows(slots, pos, T, num_pages * ps, max_pos);
     if (rc) return rc;
@@ -929,7 +935,8 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
         own_t w;
         own_alloc(&w, &s, kpmax, gsums);
         const kvq_t kq = {ksc, vsc, kv};
-        layer_body(&s, &w, x, res, res_out, out, n1, eps1, lin, kc, vc, window, n2, eps2, &kq, qn, kn, qk_eps);
+        layer_body(&s, &w, x, res, res_out, out, n1, eps1, lin, kc, vc, window, n2, eps2, &kq, qn, kn, qk_eps,
+                   qkv_bias);
         own_free(&w);
     }
     free(s.qkv);
@@ -940,13 +947,13 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
 /*
  * L such decoder layers in a row (the whole stack of a decode step), the output and residual of each the next
  * one's input, through two buffers in turn; the last layer writes out / res_out. Per layer l, tab[LAYER_TAB * l ..]:
- * {n1, n2, k cache, v cache, window, lin[16], k scales, v scales, kv, q norm, k norm} (pointers as int64; lin, the
- * scales, kv and the q / k norms (0: none) as infercore_llama_decode_layer takes them),
+ * {n1, n2, k cache, v cache, window, lin[16], k scales, v scales, kv, q norm, k norm, qkv bias} (pointers as int64;
+ * lin, the scales, kv, the q / k norms and the bias (0: none) as infercore_llama_decode_layer takes them),
  * eps[3 l], eps[3 l + 1] the two norms' epsilons, eps[3 l + 2] the q / k norms'. The caches all [num_pages, ps, Hk, D]. Every layer's indices are
  * checked before the first one runs, so an error (the return codes of infercore_llama_decode_layer) writes nothing.
  * One parallel region for the whole stack.
  */
-#define LAYER_TAB 26
+#define LAYER_TAB 27
 int infercore_llama_decode_layers(int64_t L, const int64_t *tab, const float *eps, const void *x, const void *res,
                                   void *res_out, void *out, int64_t T, int64_t H, int64_t Hq, int64_t Hk, int64_t D,
                                   const int64_t *pos, const float *cs, int64_t max_pos, int64_t num_pages, int64_t ps,
@@ -978,7 +985,7 @@ int infercore_llama_decode_layers(int64_t L, const int64_t *tab, const float *ep
             const kvq_t kq = {(const float *)t[21], (const float *)t[22], (int)t[23]};
             layer_body(&s, &w, xi, ri, ro, xo, (const void *)t[0], eps[3 * l], t + 5, (void *)t[2], (void *)t[3],
                        t[4], (const void *)t[1], eps[3 * l + 1], &kq, (const void *)t[24], (const void *)t[25],
-                       eps[3 * l + 2]);
+                       eps[3 * l + 2], (const void *)t[26]);
             xi = xo;
             ri = ro;
         }

@@ -118,7 +118,7 @@ def _build() -> ctypes.CDLL:
                                                _F, _I64, _P, _INT, _P, _P, _INT, _INT]
     dll.infercore_llama_decode_layer.argtypes = [_P, _P, _P, _P, _I64, _I64, _P, _F, _P, _I64, _I64, _I64, _P, _P,
                                                  _I64, _P, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _F, _I64, _P, _F,
-                                                 _I64, _INT, _P, _P, _INT, _P, _P, _F, _INT]
+                                                 _I64, _INT, _P, _P, _INT, _P, _P, _F, _P, _INT]
     dll.infercore_llama_decode_layer.restype = _INT
     dll.infercore_llama_decode_layers.argtypes = [_I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P,
                                                   _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _F, _I64, _INT, _INT]
@@ -834,22 +834,25 @@ def layer_linear_store(lin):
     return params.get("weight") if names is None else buffers.get(names[0]) if names else None
 
 
-def layer_linear(lin, dtype: torch.dtype) -> tuple[int, int, int, int] | None:
+def layer_linear(lin, dtype: torch.dtype, *, bias_ok: bool = False) -> tuple[int, int, int, int] | None:
     """How :func:`llama_decode_layer` takes the linear module ``lin`` for activations of ``dtype``: ``(weight
     pointer, scales-and-zeros pointer, group, Kp)``, for a ``models.layout.CPUPackedLinear`` without bias whose
     contiguous weight has ``dtype`` (group 0), or a ``quant.QuantLinear`` without bias or input permutation over
     INT4 groups / GGUF Q4_0 / Q4_1 blocks that the native INT4 GEMV takes (``quant.cpu.native_q4``) or symmetric
     per-channel INT8 / GGUF Q8_0 blocks (``native_q8``, the group negated), with bf16 activations; None for anything
-    else."""
+    else. ``bias_ok``: a bias of ``dtype`` is allowed (the caller passes it to the layer itself: qkv's)."""
     from ...models.layout import CPUPackedLinear
     from ...quant.cpu import native_operands
     from ...quant.linear import QuantLinear
 
+    b = lin.__dict__.get("_parameters", {}).get("bias")
+    if b is not None and not (bias_ok and b.dtype == dtype and b.is_contiguous()):
+        return None
     if type(lin) is CPUPackedLinear:
         w = lin._parameters["weight"]
-        ok = lin.bias is None and w.dtype == dtype and w.is_contiguous()
+        ok = w.dtype == dtype and w.is_contiguous()
         return (w.data_ptr(), 0, 0, w.shape[1]) if ok else None
-    if type(lin) is QuantLinear and dtype == torch.bfloat16 and lin.bias is None and lin.in_perm is None:
+    if type(lin) is QuantLinear and dtype == torch.bfloat16 and lin.in_perm is None:
         ops = native_operands(lin.qweight_format)
         if ops is not None:
             codes, sz, bits = ops
@@ -892,7 +895,7 @@ def llama_decode_layer(x: torch.Tensor, residual: torch.Tensor | None, layer, po
         _ptr(pos), _ptr(cos_sin_cache), cos_sin_cache.shape[0], _ptr(k_cache), _ptr(v_cache), num_pages, ps,
         _ptr(slots), _ptr(lens), _ptr(bt), bt.stride(0), bt.shape[1], attn.scale, attn.sliding_window or 0,
         _ptr(n2.weight), n2.eps, mlp.down_proj.in_features, _DT[x.dtype], _ptr(k_scale) if kv else None,
-        _ptr(v_scale) if kv else None, kv, *_qk_norms(attn), torch.get_num_threads())
+        _ptr(v_scale) if kv else None, kv, *_qk_norms(attn), _qkv_bias(attn), torch.get_num_threads())
     if rc == 1:
         raise ValueError("decoder layer: the native attention does not read 1-byte caches at this shape")
     if rc < 0:  # nothing was written
@@ -902,7 +905,13 @@ def llama_decode_layer(x: torch.Tensor, residual: torch.Tensor | None, layer, po
     return out, res_out
 
 
-LAYER_TAB = 26  # int64 entries per layer of llama_decode_layers' table (ops/cpu_kernels.c)
+LAYER_TAB = 27  # int64 entries per layer of llama_decode_layers' table (ops/cpu_kernels.c)
+
+
+def _qkv_bias(attn) -> int | None:
+    """The pointer to ``attn``'s qkv bias (Qwen2), or None."""
+    b = attn.qkv_proj.__dict__.get("_parameters", {}).get("bias")
+    return None if b is None else _ptr(b)
 
 
 def _qk_norms(attn) -> tuple:
@@ -925,7 +934,8 @@ def decode_layers_table(layers, kv_caches, linears: list) -> tuple[torch.Tensor,
         qn, kn, qk_eps = _qk_norms(layer.self_attn)
         tab.append([n1.weight.data_ptr(), n2.weight.data_ptr(), k.data_ptr(), v.data_ptr(),
                     layer.self_attn.sliding_window or 0, *(e for t in lin for e in t),
-                    ks.data_ptr() if kv else 0, vs.data_ptr() if kv else 0, kv, qn or 0, kn or 0])
+                    ks.data_ptr() if kv else 0, vs.data_ptr() if kv else 0, kv, qn or 0, kn or 0,
+                    _qkv_bias(layer.self_attn) or 0])
         eps.append([n1.eps, n2.eps, qk_eps])
     return torch.tensor(tab, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32)
 

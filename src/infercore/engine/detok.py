@@ -75,6 +75,9 @@ class IncrementalDetokenizer:
         if n == self._seen:
             return ""
         if self._stream is not None:
+            if n == self._seen + 1:  # the usual step: one new token
+                self._seen = n
+                return self._stream.step(self._backend, int(ids[-1])) or ""
             pieces = []
             for t in ids[self._seen :]:
                 piece = self._stream.step(self._backend, int(t))

@@ -713,7 +713,7 @@ class Engine:
             # Hold back an incomplete UTF-8 sequence and a possible start of a stop string.
             stops = req.params.stop
             hold = max(len(s) for s in stops) - 1 if stops else 0
-            stable = len(text.rstrip("\ufffd")) - hold
+            stable = (len(text.rstrip("\ufffd")) if text.endswith("\ufffd") else len(text)) - hold
             text = text[: max(stable, req._reported_text)]
         new_text = text[req._reported_text :]
         req._reported_tokens = len(out)

@@ -114,6 +114,20 @@ def best_interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str
     return best
 
 
+def engine_decode_rate(eng, prompt: list[int], new: int) -> tuple[float, list[int]]:
+    """Greedy batch-1 decode tokens/s of ``eng`` (an ``infercore.Engine``) after ``prompt`` (token ids): ``new - 1``
+    tokens over the time of prompt + ``new`` tokens less that of prompt + 1 token (the prefill); and the tokens."""
+    from infercore import SamplingParams
+
+    t0 = time.perf_counter()
+    eng.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+    t_pre = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))[0]
+    t_all = time.perf_counter() - t0
+    return (new - 1) / max(t_all - t_pre, 1e-9), out.token_ids
+
+
 def eager_us(call: Callable[[], Any], n: int = 300, warmup: int = 20) -> float:
     """Microseconds per ``call()`` run back to back without a CUDA graph (after ``warmup`` calls): for
     small kernels this is the host's dispatch and launch time, not the GPU's."""

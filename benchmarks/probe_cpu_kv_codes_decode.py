@@ -14,10 +14,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import case, write_results  # noqa: E402
+from _common import case, engine_decode_rate, write_results  # noqa: E402
 
 from infercore import Engine, SamplingParams  # noqa: E402
 from infercore.ops.moe import cpu_native  # noqa: E402
@@ -36,18 +35,10 @@ def main() -> None:
                                           enable_prefix_caching=False) for kv in ("auto", "int8", "fp8")}
     tok = engines["auto"].tokenizer
     prompt = tok.encode("\n".join(topics.values()), add_special_tokens=False)[: args.prompt]
-    sp = SamplingParams(temperature=0, max_tokens=args.new, ignore_eos=True)
 
     def decode_rate(eng) -> tuple[float, list[int]]:
-        eng.generate([prompt], SamplingParams(temperature=0, max_tokens=1))  # the prefill alone
-        t0 = time.perf_counter()
-        pre = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0]
-        t_pre = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = eng.generate([prompt], sp)[0]
-        t_all = time.perf_counter() - t0
-        del pre
-        return (args.new - 1) / max(t_all - t_pre, 1e-9), out.token_ids
+        eng.generate([prompt], SamplingParams(temperature=0, max_tokens=1))  # warm
+        return engine_decode_rate(eng, prompt, args.new)
 
     def run(kv: str, mode: str) -> tuple[float, list[int]]:
         eng = engines[kv]

@@ -15,14 +15,13 @@ import contextlib
 import itertools
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import case, write_results  # noqa: E402
+from _common import case, engine_decode_rate, write_results  # noqa: E402
 
-from infercore import Engine, SamplingParams  # noqa: E402
+from infercore import Engine  # noqa: E402
 from infercore.models import ModelConfig, build_model  # noqa: E402
 from infercore.ops.moe import cpu_native  # noqa: E402
 from infercore.quant import quantize  # noqa: E402
@@ -44,7 +43,6 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/cpu/sweeps/cpu_qwen_decode.json")
     args = ap.parse_args()
     prompt = [(7 * i + 3) % 150000 for i in range(args.prompt)]
-    sp = SamplingParams(temperature=0, max_tokens=args.new, ignore_eos=True)
     cases = []
     for (name, cfg), scheme in itertools.product(MODELS.items(), (None, "w4a16-g128")):
         torch.manual_seed(0)
@@ -58,15 +56,8 @@ def main() -> None:
         eng = Engine(model, enable_prefix_caching=False)
 
         def rate(fused: bool, eng=eng) -> tuple[float, list[int]]:
-            one = SamplingParams(temperature=0, max_tokens=1)
             with contextlib.nullcontext() if fused else cpu_native.fused_layers_disabled():
-                t0 = time.perf_counter()
-                eng.generate([prompt], one)
-                t_pre = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                out = eng.generate([prompt], sp)[0]
-                t_all = time.perf_counter() - t0
-            return (args.new - 1) / max(t_all - t_pre, 1e-9), out.token_ids
+                return engine_decode_rate(eng, prompt, args.new)
 
         rate(True)
         best = {True: 0.0, False: 0.0}

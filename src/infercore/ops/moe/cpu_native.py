@@ -814,7 +814,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     lens, bt = _tables(seq_lens, block_table)
     out = torch.empty_like(q)
     num_pages = k_cache.shape[0]
-    kv = 0 if k_scale is None else {torch.int8: 1, torch.float8_e4m3fn: 2}[k_cache.dtype]
+    kv = kv_codes(k_cache, k_scale)
     ks, vs = (None, None) if k_scale is None else (k_scale.float().contiguous(), v_scale.float().contiguous())
     rc = lib.infercore_decode_attention(_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(lens), _ptr(bt), bt.stride(0),
                                         bt.shape[1], num_pages, B, Hq, Hk, D, ps, scale, sliding_window or 0,
@@ -836,11 +836,12 @@ def layer_linear_store(lin):
 
 def layer_linear(lin, dtype: torch.dtype, *, bias_ok: bool = False) -> tuple[int, int, int, int] | None:
     """How :func:`llama_decode_layer` takes the linear module ``lin`` for activations of ``dtype``: ``(weight
-    pointer, scales-and-zeros pointer, group, Kp)``, for a ``models.layout.CPUPackedLinear`` without bias whose
-    contiguous weight has ``dtype`` (group 0), or a ``quant.QuantLinear`` without bias or input permutation over
+    pointer, scales-and-zeros pointer, group, Kp)``, for a ``models.layout.CPUPackedLinear`` whose contiguous weight
+    has ``dtype`` (group 0), or a ``quant.QuantLinear`` without input permutation over
     INT4 groups / GGUF Q4_0 / Q4_1 blocks that the native INT4 GEMV takes (``quant.cpu.native_q4``) or symmetric
     per-channel INT8 / GGUF Q8_0 blocks (``native_q8``, the group negated), with bf16 activations; None for anything
-    else. ``bias_ok``: a bias of ``dtype`` is allowed (the caller passes it to the layer itself: qkv's)."""
+    else. Either without bias, unless ``bias_ok``: then a contiguous bias of ``dtype`` is allowed (the caller passes
+    it to the layer itself: qkv's, :func:`_qkv_bias`)."""
     from ...models.layout import CPUPackedLinear
     from ...quant.cpu import native_operands
     from ...quant.linear import QuantLinear

@@ -17,8 +17,7 @@ def rope_and_write_kv_cpu(q, k, v, positions, cos_sin_cache, k_cache, v_cache, s
     T, hq, d = q.shape
     rd = cos_sin_cache.shape[-1]
     if k_scale is not None:  # int8 / float8_e4m3fn codes: the native kernel quantizes the rows as the reference does
-        if (is_neox and rd == d and T and cpu_native.layer_ops_apply(q, k, v) and q.dtype in (torch.float32,
-                                                                                               torch.bfloat16)
+        if (is_neox and rd == d and T and cpu_native.layer_ops_apply(q, k, v)  # fp32 / bf16 rows, the library built
                 and cos_sin_cache.dtype == torch.float32 and k_cache.dtype == v_cache.dtype
                 and k_cache.dtype in (torch.int8, torch.float8_e4m3fn) and k_cache.is_contiguous()
                 and v_cache.is_contiguous() and k_cache.shape[2:] == k.shape[1:] and v.shape == k.shape

@@ -6,7 +6,7 @@ import pytest
 from engine_helpers import ours_from_hf, tiny_hf
 
 from infercore import Engine, SamplingParams
-from infercore.engine.detok import IncrementalDetokenizer
+from infercore.engine.detok import MAX_PENDING, IncrementalDetokenizer
 from infercore.loading import default_model_path
 from infercore.loading.tokenizer import Tokenizer
 
@@ -97,6 +97,29 @@ def test_steps_may_take_several_tokens_and_reject_shrinking(smollm_tok):
         IncrementalDetokenizer(object())
 
 
+@pytest.mark.parametrize("kind", ["lone_bytes", "special"])
+@pytest.mark.parametrize("fallback", [False, True])
+def test_held_back_tokens_are_flushed(smollm_tok, kind, fallback):
+    """A run that never completes a character (lone continuation bytes) or decodes to nothing (special tokens)
+    is not held back, and so decoded again, for more than MAX_PENDING tokens: each step stays O(1)."""
+    if kind == "lone_bytes":
+        tid = next(i for i in range(17, 1000) if smollm_tok.decode([i]) == "\ufffd")
+    else:
+        tid = smollm_tok.token_to_id("<|im_end|>")
+    head = smollm_tok.encode("Hello", add_special_tokens=False)
+    ids = head + [tid] * 200 + smollm_tok.encode(" world", add_special_tokens=False)
+    tok = DecodeOnly(smollm_tok) if fallback else smollm_tok
+    det = IncrementalDetokenizer(tok)
+    pieces, streamed = _stream(det, ids)
+    full = smollm_tok.decode(ids)
+    assert streamed == full  # byte-level: the broken bytes show as U+FFFD either way
+    if kind == "lone_bytes":  # emitted at least every MAX_PENDING + 1 tokens
+        gaps = [j - i for i, j in zip(*[[k for k, p in enumerate(pieces) if p][x:] for x in (0, 1)])]
+        assert max(gaps) <= MAX_PENDING + 1
+    if fallback:
+        assert max(tok.calls) <= 2 * MAX_PENDING + 2
+
+
 class CleanupTokenizer(LetterTokenizer):
     """Its decode rewrites across token boundaries ("ab" -> "X"): streamed pieces differ from a full decode."""
 
@@ -131,3 +154,37 @@ def test_engine_keeps_the_full_decode_where_the_stream_differs():
     cut = _generate(clean, SamplingParams(temperature=1.0, seed=5, max_tokens=60, ignore_eos=True, stop=[stop]))
     assert cut.finish_reason == "stop"
     assert cut.text == full[: full.index(stop)]
+
+
+class CountingLetters(LetterTokenizer):
+    def __init__(self):
+        self.decodes = 0
+
+    def decode(self, ids, *, skip_special_tokens=True):
+        self.decodes += 1
+        return super().decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_generate_reports_final_outputs_only_and_decodes_once(monkeypatch):
+    """generate() reads only final outputs: no per-step RequestOutput, and without stop strings one decode of
+    each output at its end; step()'s callers still get one output per token."""
+    letters = CountingLetters()
+    eng = Engine(model(), letters, page_size=4)
+    built = []
+    output = Engine._output
+    monkeypatch.setattr(Engine, "_output", lambda self, req: built.append(req.request_id) or output(self, req))
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True)
+    outs = eng.generate([[1, 2, 3], [4, 5]], params)
+    assert len(built) == 2 and letters.decodes == 2
+    assert all(o.text == LetterTokenizer().decode(o.token_ids) and len(o.token_ids) == 20 for o in outs)
+    stop = outs[0].text[8:10]
+    cut = eng.generate([[1, 2, 3]], SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True,
+                                                  stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.text == outs[0].text[: outs[0].text.index(stop)]
+    built.clear()
+    eng.add_request([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))
+    streamed = []
+    while eng.has_unfinished():
+        streamed += eng.step()
+    assert len(streamed) == len(built) == 5 and streamed[-1].finished
+    assert "".join(o.new_text for o in streamed) == streamed[-1].text

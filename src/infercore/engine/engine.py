@@ -19,7 +19,7 @@ from ..kv import BlockManager, CPUKVTier, allocate_kv_caches, bytes_per_page, re
 from ..models.gpu_layout import use_triton_gemv_
 from ..models.layout import pack_linears_for_cpu_
 from ..ops import token_logprobs
-from .detok import IncrementalDetokenizer
+from .detok import IncrementalDetokenizer, full_text
 from .graph_runner import CUDAGraphRunner, HybridCUDAGraphRunner
 from .hybrid import HybridModelRunner, build_hybrid_kv, choose_kv_layout, fits
 from .params import SamplingParams
@@ -629,7 +629,8 @@ class Engine:
                 end = i + len(draft) + 1
                 if not req.is_finished:
                     self._verify(req, tokens[i:end], [lps.get(j) for j in range(i, end)])
-                    outputs.append(self._output(req))
+                    if not req._final_only or req.is_finished:
+                        outputs.append(self._output(req))
                 i = end
                 draft.clear()
                 continue
@@ -638,7 +639,8 @@ class Engine:
                 continue
             self._add_logprobs(req, token, lps.get(i - 1))
             self._append(req, token)
-            outputs.append(self._output(req))
+            if not req._final_only or req.is_finished:
+                outputs.append(self._output(req))
         return outputs
 
     @staticmethod
@@ -688,6 +690,11 @@ class Engine:
         elif n >= p.max_tokens or len(req.prompt_token_ids) + n >= self.max_model_len:
             reason = "length"
         if self.tokenizer is not None:
+            if req._final_only and not p.stop:  # nothing reads the text before the request ends
+                if reason is not None:
+                    req.text = full_text(self.tokenizer, req.output_token_ids)
+                    self._finish(req, reason)
+                return
             if req._detok is None:
                 req._detok = IncrementalDetokenizer(self.tokenizer)
             before = len(req.text)
@@ -700,9 +707,12 @@ class Engine:
             if reason is not None:
                 req.text = _final_text(req, cut)
         if reason is not None:
-            self.scheduler.finish(req, reason)
-            req.drop_placeholders()
-            self.runner.release(req)
+            self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.finish(req, reason)
+        req.drop_placeholders()
+        self.runner.release(req)
 
     def _output(self, req: Request) -> RequestOutput:
         out = req.output_token_ids
@@ -747,6 +757,7 @@ class Engine:
         # Check every prompt before queueing any: a bad one must not leave the others queued.
         reqs = [self._new_request(p, sp, request_id=None, chat=chat) for p, sp in zip(prompts, plist)]
         for req in reqs:
+            req._final_only = True  # only their final outputs are read (see Request._final_only)
             self._queue(req)
         ids = [req.request_id for req in reqs]
         final: dict[str, RequestOutput] = {}

@@ -88,6 +88,9 @@ class Request:
     _row: int = -1
     _reported_tokens: int = 0
     _reported_text: int = 0
+    # Engine.generate's requests: no output until they finish, and, without stop strings, their text decoded
+    # once at the end instead of token by token (nothing reads it before)
+    _final_only: bool = False
     # SamplingParams.logprobs: one {token id: log-probability} per output token, and the sampled ones' sum
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0

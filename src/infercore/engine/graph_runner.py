@@ -243,7 +243,7 @@ class CUDAGraphRunner:
         self.floats.copy_(self.floats_host[k], non_blocking=True)
         if self.ints.is_cuda:  # elsewhere the copy is done when it returns
             ev = torch.cuda.Event()
-            ev.record()
+            ev.record(torch.cuda.current_stream(self.ints.device))  # named: see Engine._launch
             self._copied[k] = ev
 
     def _scatter(self, n: int, b: int, width: int) -> None:

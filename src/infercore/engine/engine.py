@@ -82,8 +82,9 @@ class EngineConfig:
     num_pages: int | None = None
     kv_cache_bytes: int | None = None
     gpu_memory_fraction: float = 0.8
-    # Requests running at once (vLLM's default too). It was 64: a small model's offline batch of 256 requests then
-    # ran 64 at a time, 47.2k against 96.0k output tok/s (SmolLM2-shaped, an H100, sweeps/probe_engine_host_h100.json)
+    # Requests running at once (vLLM's default too). It was 64, which capped a small model's offline batches: a
+    # SmolLM2-shaped model on an H100 put out 47.2k tok/s at 64 running requests, 96.0k at 256
+    # (results/h200/sweeps/probe_engine_host_h100.json)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None

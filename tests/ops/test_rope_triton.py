@@ -68,6 +68,31 @@ def test_rope_and_write_kv(dtype, is_neox, rot):
     assert (kc.view(-1, Hk, D)[[0, 1, 3]] == -3.0).all(), "unmapped slots must stay untouched"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("is_neox,rot", [(True, 32), (False, 16)])
+def test_rope_and_write_kv_returns_the_rotated_k(dtype, is_neox, rot):
+    """return_k: one kernel rotates q and k, keeps the rotated k and writes the caches (a prefill that reads this
+    step's K/V from contiguous tensors), as apply_rope then write_kv_cache_ would."""
+    T, Hq, Hk, D, page = 7, 6, 2, 32, 8
+    q, k, v = (torch.randn(T, h, D, dtype=dtype) for h in (Hq, Hk, Hk))
+    pos = torch.randint(0, 40, (T,), dtype=torch.int32)
+    cache = _cache(40, rot)
+    slots = torch.tensor([5, 6, -1, 20, 31, 2, 9], dtype=torch.int32)
+    kc = torch.full((4, page, Hk, D), -3.0, dtype=dtype)
+    vc, kc_ref, vc_ref = kc.clone(), kc.clone(), kc.clone()
+    got_q, got_k = implementation("rope_and_write_kv", "triton")(q, k, v, pos, cache, kc, vc, slots, is_neox=is_neox,
+                                                                return_k=True)
+    want_q, want_k = implementation("apply_rope", "reference")(q, k, pos, cache, is_neox=is_neox)
+    implementation("write_kv_cache_", "reference")(want_k, v, kc_ref, vc_ref, slots)
+    torch.testing.assert_close(got_q, want_q, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(got_k, want_k, atol=TOL[dtype], rtol=TOL[dtype])  # the row not cached (-1) too
+    torch.testing.assert_close(kc, kc_ref, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(vc, vc_ref)
+    ref_q, ref_k = implementation("rope_and_write_kv", "reference")(q, k, v, pos, cache, kc_ref.clone(), vc_ref.clone(),
+                                                                   slots, is_neox=is_neox, return_k=True)
+    assert torch.equal(ref_q, want_q) and torch.equal(ref_k, want_k)
+
+
 def test_rope_and_write_kv_validates():
     q = torch.randn(3, 2, 16)
     k = v = torch.randn(3, 1, 16)

@@ -174,22 +174,6 @@ def accepts(fn: Callable, keyword: str) -> bool:
     """Whether ``fn`` (an implementation, a model method) takes the parameter ``keyword``: how callers
     pass optional inputs (``k_scale``, ``k``/``v``, ``only_seqs``, ``fp32``) only to implementations
     written to take them. False when the signature cannot be read."""
-    if inspect.ismethod(fn):  # the cache keeps the function, never the instance it is bound to
-        fn = fn.__func__
-    try:
-        return _accepts(fn, keyword)
-    except TypeError:  # an unhashable callable: read its signature each time
-        return _signature_has(fn, keyword)
-
-
-@functools.lru_cache(maxsize=4096)
-def _accepts(fn: Callable, keyword: str) -> bool:
-    # Asked per op call on eager paths (attention per layer, sampling per step); inspect.signature takes
-    # ~10-30 us, so the answer is kept per callable.
-    return _signature_has(fn, keyword)
-
-
-def _signature_has(fn: Callable, keyword: str) -> bool:
     try:
         return keyword in inspect.signature(fn).parameters
     except (TypeError, ValueError):

@@ -20,7 +20,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..devices import dispatch, resolve
+from ..devices import accepts, dispatch, resolve
 from ..kv.spec import FullAttentionSpec
 from ..ops import (
     AttentionMetadata,
@@ -216,10 +216,14 @@ class LlamaAttention(nn.Module):
         if prefill_takes_new_kv(meta, x.device):
             # Prefill reads this step's K/V straight from k/v (contiguous rows, as FlashAttention varlen
             # does), so keep the rotated k; the cache write is still needed for later steps.
-            q, k = dispatch("apply_rope", x.device)(q, k, positions, cos_sin)
-            if k_scale is None:
+            fused = dispatch("rope_and_write_kv", x.device)
+            if k_scale is None and accepts(fused, "return_k"):  # one kernel: the rotated k kept, k / v cached
+                q, k = fused(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, return_k=True)
+            elif k_scale is None:
+                q, k = dispatch("apply_rope", x.device)(q, k, positions, cos_sin)
                 dispatch("write_kv_cache_", x.device)(k, v, k_cache, v_cache, meta.slot_mapping)
             else:
+                q, k = dispatch("apply_rope", x.device)(q, k, positions, cos_sin)
                 scale_aware("write_kv_cache_", x.device)(k, v, k_cache, v_cache, meta.slot_mapping,
                                                          k_scale=k_scale, v_scale=v_scale)  # fmt: skip
             new_kv = {"k": k, "v": v}

@@ -29,7 +29,10 @@ def rope_and_write_kv_cache_reference(
     is_neox: bool = True,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
+    return_k: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The composition of the reference ops. ``return_k`` (implementations that take it): return the rotated k
+    as well, ``(q_rot, k_rot)``, for a prefill that reads this step's K/V from contiguous tensors."""
     # Looked up at call time: the reference ops register when their packages are imported.
     q_rot, k_rot = implementation("apply_rope", "reference")(q, k, positions, cos_sin_cache, is_neox=is_neox)
     write = implementation("write_kv_cache_", "reference")
@@ -37,7 +40,7 @@ def rope_and_write_kv_cache_reference(
         write(k_rot, v, k_cache, v_cache, slot_mapping)
     else:
         write(k_rot, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
-    return q_rot
+    return (q_rot, k_rot) if return_k else q_rot
 
 
 def check_rope_write_args(op: str, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping) -> None:

@@ -67,6 +67,7 @@ def _rope_kernel(
     stride_ksp, stride_kss, stride_vsp, stride_vss,
     IS_NEOX: tl.constexpr,
     WRITE_CACHE: tl.constexpr,
+    KEEP_K: tl.constexpr,  # with WRITE_CACHE: also store the rotated k to ko
     QUANT: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
@@ -92,6 +93,9 @@ def _rope_kernel(
         k_ptr + t * stride_kt, stride_kh, Hk, D, offs_hk, offs_d, partner, rot, sign, cos, sin
     )
     if WRITE_CACHE:
+        if KEEP_K:
+            ko = ko_ptr + t * stride_kot + offs_hk[:, None] * stride_koh + offs_d[None, :]
+            tl.store(ko, k.to(ko_ptr.dtype.element_ty), mask=kmask)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
             page = slot // PAGE
@@ -135,7 +139,8 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox, k_scale=None, v_scale=None):
+def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox, k_scale=None, v_scale=None,
+            keep_k=False):
     T, Hq, D = q.shape
     Hk = k.shape[1]
     rot = cos_sin_cache.shape[-1]
@@ -153,8 +158,8 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, i
             raise ValueError("k_cache/v_cache: the head_dim axis must be contiguous")
         v = _last_dim_contiguous(v)
         slot_mapping = slot_mapping.contiguous()
-        k_out = None
-        ko, kc, vc, slots, vv = q_out, k_cache, v_cache, slot_mapping, v
+        k_out = torch.empty((T, Hk, D), dtype=k.dtype, device=k.device) if keep_k else None
+        ko, kc, vc, slots, vv = (k_out if keep_k else q_out), k_cache, v_cache, slot_mapping, v
     else:
         k_out = torch.empty((T, Hk, D), dtype=k.dtype, device=k.device)
         ko, kc, vc, slots, vv = k_out, k_out, k_out, positions, k  # cache args unused
@@ -167,7 +172,7 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, i
             kc.stride(0), kc.stride(1), kc.stride(2) if write else 0,
             vc.stride(0), vc.stride(1), vc.stride(2) if write else 0,
             ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
-            IS_NEOX=bool(is_neox), WRITE_CACHE=write, QUANT=mode,
+            IS_NEOX=bool(is_neox), WRITE_CACHE=write, KEEP_K=write and keep_k, QUANT=mode,
             BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HK=triton.next_power_of_2(Hk),
             BLOCK_D=triton.next_power_of_2(D), num_warps=4, **pdl_launch(pdl_enabled(q)),
         )  # fmt: skip
@@ -199,8 +204,11 @@ def rope_and_write_kv_cache_(
     is_neox: bool = True,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Rotate q and k, write rotated k and v into the paged caches; returns the rotated q.
+    return_k: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k, write rotated k and v into the paged caches; returns the rotated q, or with ``return_k``
+    ``(q_rot, k_rot)`` from the same kernel (a prefill that reads this step's K/V from contiguous tensors: one launch
+    instead of ``apply_rope`` then ``write_kv_cache_``).
 
     q ``[T, Hq, D]``, k/v ``[T, Hk, D]``, caches ``[P, page_size, Hk, D]``, ``slot_mapping`` int32
     ``[T]`` (``-1`` skips the cache write of that token; its q is still rotated). int8 /
@@ -210,8 +218,10 @@ def rope_and_write_kv_cache_(
         # No e4m3 conversion in Triton before sm89: rotate here, quantize with torch.
         q_rot, k_rot = _launch(q, k, None, positions, cos_sin_cache, None, None, None, is_neox)
         write_kv_cache_quantized_ref(k_rot, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
-        return q_rot
-    return _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox, k_scale, v_scale)[0]
+        return (q_rot, k_rot) if return_k else q_rot
+    q_rot, k_rot = _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox, k_scale, v_scale,
+                           keep_k=return_k)
+    return (q_rot, k_rot) if return_k else q_rot
 
 
 _available = lambda cap: cap.is_cuda and cap.triton

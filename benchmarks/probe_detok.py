@@ -6,6 +6,12 @@ tokens; a sequence's steps are independent of the others', so a batch of B costs
 step (reported at ``--batch``).
 
     python benchmarks/probe_detok.py [--out benchmarks/results/cpu/sweeps/detok.json]
+
+``--held-back N``: instead, N tokens that never complete a character (one lone UTF-8 continuation byte, repeated),
+the stream with its flush after ``detok.MAX_PENDING`` held-back tokens against the flush off (what it was before the
+forty-second session): microseconds a step.
+
+    python benchmarks/probe_detok.py --held-back 1600 --out benchmarks/results/cpu/sweeps/detok_held_back.json
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import best_of, case, write_results  # noqa: E402
 
+from infercore.engine import detok  # noqa: E402
 from infercore.engine.detok import IncrementalDetokenizer  # noqa: E402
 from infercore.loading import default_model_path  # noqa: E402
 from infercore.loading.tokenizer import Tokenizer  # noqa: E402
@@ -32,8 +39,11 @@ def main() -> None:
     ap.add_argument("--lengths", default="256,1024,4096")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--held-back", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/cpu/sweeps/detok.json")
     args = ap.parse_args()
+    if args.held_back:
+        return held_back(args)
 
     from pydoc_data.topics import topics
 
@@ -75,6 +85,31 @@ def main() -> None:
     write_results(args.out, "probe_detok", "cpu", cases, {
         "note": "Host time only (no model): the text of each of `batch` sequences kept current after each generated "
                 "token; host_ms_per_step_at_batch = one sequence's total / its length x batch."})
+
+
+def held_back(args) -> None:
+    tok = Tokenizer.from_gguf(default_model_path())
+    lone = next(i for i in range(17, 1000) if tok.decode([i]) == "\ufffd")
+    n = args.held_back
+
+    def run():
+        det, out = IncrementalDetokenizer(tok), []
+        for _ in range(n):
+            out.append(lone)
+            det.step(out)
+
+    flush = detok.MAX_PENDING
+    us = {"flush": best_of(run, args.repeats) / n * 1e6}
+    detok.MAX_PENDING = 1 << 62  # the flush off
+    try:
+        us["no_flush"] = best_of(run, args.repeats) / n * 1e6
+    finally:
+        detok.MAX_PENDING = flush
+    print(f"{n} held-back tokens: {us['flush']:.2f} us a step with the flush, {us['no_flush']:.2f} without", flush=True)
+    write_results(args.out, "probe_detok", "cpu", [case(
+        f"SmolLM2 tokenizer, stream decoder, {n} tokens that never complete a character", metric="steps/s",
+        unit="1/s", ours=1e6 / us["flush"], peers={"no flush (before)": 1e6 / us["no_flush"]}, floor=None,
+        us_per_step=round(us["flush"], 3), us_per_step_no_flush=round(us["no_flush"], 3), max_pending=flush)])
 
 
 if __name__ == "__main__":

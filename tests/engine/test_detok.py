@@ -6,6 +6,7 @@ import pytest
 from engine_helpers import ours_from_hf, tiny_hf
 
 from infercore import Engine, SamplingParams
+from infercore.engine import detok
 from infercore.engine.detok import MAX_PENDING, IncrementalDetokenizer
 from infercore.loading import default_model_path
 from infercore.loading.tokenizer import Tokenizer
@@ -99,9 +100,21 @@ def test_steps_may_take_several_tokens_and_reject_shrinking(smollm_tok):
 
 @pytest.mark.parametrize("kind", ["lone_bytes", "special"])
 @pytest.mark.parametrize("fallback", [False, True])
-def test_held_back_tokens_are_flushed(smollm_tok, kind, fallback):
+def test_held_back_tokens_are_flushed(smollm_tok, kind, fallback, monkeypatch):
     """A run that never completes a character (lone continuation bytes) or decodes to nothing (special tokens)
     is not held back, and so decoded again, for more than MAX_PENDING tokens: each step stays O(1)."""
+    made = []  # the stream restarts after each flush (its held-back tokens are not observable otherwise)
+
+    class CountedStream:
+        def __init__(self, **kw):
+            made.append(1)
+            self.stream = stream_cls(**kw)
+
+        def step(self, backend, token):
+            return self.stream.step(backend, token)
+
+    stream_cls = detok._DecodeStream
+    monkeypatch.setattr(detok, "_DecodeStream", CountedStream)
     if kind == "lone_bytes":
         tid = next(i for i in range(17, 1000) if smollm_tok.decode([i]) == "\ufffd")
     else:
@@ -118,6 +131,8 @@ def test_held_back_tokens_are_flushed(smollm_tok, kind, fallback):
         assert max(gaps) <= MAX_PENDING + 1
     if fallback:
         assert max(tok.calls) <= 2 * MAX_PENDING + 2
+    else:
+        assert len(made) >= 200 // (MAX_PENDING + 1)
 
 
 class CleanupTokenizer(LetterTokenizer):

@@ -18,7 +18,8 @@ against a short window of the ones before it:
 Either holds back tokens while their text is incomplete, and decodes the held-back ones again at each
 step. A sequence that never completes a character (a run of lone UTF-8 continuation bytes, or of special
 tokens that decode to nothing) would make that O(n) a step again: with SmolLM2's tokenizer, 1600 such tokens
-took the stream 338 us a step against 2.9 us for ordinary text. So after :data:`MAX_PENDING` held-back tokens
+took the stream 183.4 us a step on average, 4.15 us with the flush (``benchmarks/probe_detok.py --held-back``,
+``benchmarks/results/cpu/sweeps/detok_held_back.json``). So after :data:`MAX_PENDING` held-back tokens
 their decode is emitted as it stands (U+FFFD for the broken bytes, as a full decode shows them) and the
 window starts after them.
 
@@ -89,7 +90,7 @@ class IncrementalDetokenizer:
         if self._stream is not None:
             if n == self._seen + 1:  # the usual step: one new token
                 self._seen = n
-                piece = self._stream_step(ids[-1])
+                piece = self._stream.step(self._backend, int(ids[-1]))
                 if piece:
                     self._mark = n
                     return piece
@@ -97,7 +98,7 @@ class IncrementalDetokenizer:
             pieces = []
             for t in ids[self._seen :]:
                 self._seen += 1
-                piece = self._stream_step(t)
+                piece = self._stream.step(self._backend, int(t))
                 if piece:
                     self._mark = self._seen
                     pieces.append(piece)
@@ -118,9 +119,6 @@ class IncrementalDetokenizer:
         if stuck:  # nothing to show (special tokens): the window moves on
             self._prefix, self._read = self._read, n
         return ""
-
-    def _stream_step(self, token: int) -> str | None:
-        return self._stream.step(self._backend, int(token))
 
     def _flush(self, ids: Sequence[int]) -> str:
         """Stream: the held-back tokens' text as it decodes; a fresh stream takes the tokens after them."""

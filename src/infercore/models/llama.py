@@ -65,13 +65,12 @@ def _stack_step_key(version: int, x: torch.Tensor, layers, cos_sin: torch.Tensor
     count, x's dtype and width, the layers, the RoPE table's and every cache's address and layout (not the tensors
     themselves: a freed KV pool must not be kept alive)."""
     return (version, x.dtype, x.shape[1], layers, len(layers), _layout(cos_sin), tuple(map(type, kv_caches)),
-            [_layout(t) for kv in kv_caches for t in (*kv, *_scales(kv))])
+            [_layout(t) for kv in kv_caches for t in (*kv, *_scales(kv)) if t is not None])
 
 
 def _scales(kv_cache) -> tuple:
-    """A quantized cache's ``(k_scale, v_scale)`` (``kv.cache.QuantizedKVCache``), else ()."""
-    ks = getattr(kv_cache, "k_scale", None)
-    return () if ks is None else (ks, kv_cache.v_scale)
+    """A quantized cache's ``(k_scale, v_scale)`` (``kv.cache.QuantizedKVCache``), else ``(None, None)``."""
+    return getattr(kv_cache, "k_scale", None), getattr(kv_cache, "v_scale", None)
 
 
 def _codes_readable(attn, kv_cache) -> bool:
@@ -209,7 +208,7 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k)
         k_cache, v_cache = kv_cache
         # Quantized caches (kv.QuantizedKVCache) carry their per-(token, head) scales.
-        k_scale, v_scale = getattr(kv_cache, "k_scale", None), getattr(kv_cache, "v_scale", None)
+        k_scale, v_scale = _scales(kv_cache)
         # one kernel: rotate q and k, write the rotated k and v into the paged cache
         # Model-internal calls go straight to the registered implementation: the shapes are the
         # model's own, so the public wrappers' argument checks would only repeat per layer.
@@ -219,13 +218,13 @@ class LlamaAttention(nn.Module):
             fused = dispatch("rope_and_write_kv", x.device)
             if k_scale is None and accepts(fused, "return_k"):  # one kernel: the rotated k kept, k / v cached
                 q, k = fused(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, return_k=True)
-            elif k_scale is None:
-                q, k = dispatch("apply_rope", x.device)(q, k, positions, cos_sin)
-                dispatch("write_kv_cache_", x.device)(k, v, k_cache, v_cache, meta.slot_mapping)
             else:
                 q, k = dispatch("apply_rope", x.device)(q, k, positions, cos_sin)
-                scale_aware("write_kv_cache_", x.device)(k, v, k_cache, v_cache, meta.slot_mapping,
-                                                         k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+                if k_scale is None:
+                    dispatch("write_kv_cache_", x.device)(k, v, k_cache, v_cache, meta.slot_mapping)
+                else:
+                    scale_aware("write_kv_cache_", x.device)(k, v, k_cache, v_cache, meta.slot_mapping,
+                                                             k_scale=k_scale, v_scale=v_scale)  # fmt: skip
             new_kv = {"k": k, "v": v}
         else:
             new_kv = {}
@@ -285,8 +284,7 @@ class LlamaDecoderLayer(nn.Module):
         linears = self._native_decode(x, residual, cos_sin, kv_cache, meta)
         if linears is not None:  # CPU decode: the whole layer in one call
             return cpu_native.llama_decode_layer(x, residual, self, positions, cos_sin, kv_cache[0], kv_cache[1],
-                                                 meta, linears, getattr(kv_cache, "k_scale", None),
-                                                 getattr(kv_cache, "v_scale", None))  # fmt: skip
+                                                 meta, linears, *_scales(kv_cache))  # fmt: skip
         # The residual stream is carried separately so each norm fuses the preceding residual add.
         norm = self.input_layernorm
         if residual is None:
@@ -314,7 +312,7 @@ class LlamaDecoderLayer(nn.Module):
         if len(kv_cache) != 2 or not _codes_readable(self.self_attn, kv_cache):
             return None
         return self._native_linears(x.dtype, x.shape[1], kv_cache[0], kv_cache[1], cos_sin,
-                                    getattr(kv_cache, "k_scale", None), getattr(kv_cache, "v_scale", None))
+                                    *_scales(kv_cache))
 
     def _native_linears(self, dt, hidden: int, k_cache, v_cache, cos_sin, k_scale=None, v_scale=None) -> list | None:
         """:meth:`_native_decode`'s checks of what stays fixed from step to step (the layer's modules and weights,
@@ -468,7 +466,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(layers, kv_caches):
             ok = isinstance(layer, LlamaDecoderLayer) and len(kv_cache) == 2
             lin = layer._native_linears(dt, hidden, kv_cache[0], kv_cache[1], cos_sin,
-                                        *(_scales(kv_cache) or (None, None))) if ok else None
+                                        *_scales(kv_cache)) if ok else None
             if lin is None:
                 return None
             linears.append(lin)

@@ -358,3 +358,42 @@ def test_split_decode_arguments_are_checked():
     # the reference ignores only_seqs (computes every row): same result as without it
     got = paged_attention_prefill(q, k_cache, v_cache, only_seqs=torch.tensor([1], dtype=torch.int32), **kw)
     torch.testing.assert_close(got, paged_attention_prefill(q, k_cache, v_cache, **kw))
+
+
+PERSISTENT_CASES = [
+    # seq_lens, Hq, Hk, D, page, window, softcap
+    ([5, 40, 1, 0, 17, 33, 64, 2], 4, 2, 32, 8, None, None),  # ragged, an empty (padding) row, 16 items
+    ([33, 70, 3, 48, 0, 19], 8, 2, 16, 16, 16, None),  # sliding window
+    ([50, 17, 9, 31, 40], 2, 2, 24, 8, None, 30.0),  # MHA, head_dim 24 (padded to 32), softcap
+    ([64, 9, 100, 1, 12, 77, 5, 30, 41], 4, 1, 64, 32, 7, 5.0),  # GQA 4, window + softcap, 9 items
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", PERSISTENT_CASES)
+@pytest.mark.parametrize("per_sm", [1, 2, 8])
+def test_decode_persistent_form(dtype, case, per_sm, monkeypatch):
+    # Launches without splits take the persistent kernel (one flat loop over each program's items' tiles): the
+    # same values as the per-item kernel and the reference, however many items a program walks (the CPU counts
+    # as 4 multiprocessors: 1 program a multiprocessor gives each program up to 4 items, 8 gives each one).
+    from infercore.ops.attention import triton_decode as td
+
+    lens, hq, hk, d, page, window, softcap = case
+    k_cache, v_cache, table = _paged_kv(lens, hk, d, page, dtype)
+    q = torch.randn(len(lens), hq, d, dtype=dtype)
+    kw = dict(seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table, scale=d**-0.5,
+              sliding_window=window, softcap=softcap)  # fmt: skip
+    want = implementation("paged_attention_decode", "reference")(q, k_cache, v_cache, **kw)
+    calls = []
+    real = td._decode_persistent_kernel
+    monkeypatch.setattr(td, "_decode_persistent_kernel", type("K", (), {
+        "__getitem__": lambda self, grid: (calls.append(grid), real[grid])[1]})())
+    monkeypatch.setitem(td.TUNING, "persistent_per_sm", per_sm)
+    got = td.paged_attention_decode(q, k_cache, v_cache, num_splits=1, **kw)
+    assert len(calls) == 1
+    torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+    assert not got[torch.tensor(lens) == 0].any()
+    monkeypatch.setitem(td.TUNING, "persistent", False)
+    other = td.paged_attention_decode(q, k_cache, v_cache, num_splits=1, **kw)
+    assert len(calls) == 1
+    torch.testing.assert_close(got, other, atol=TOL[dtype], rtol=TOL[dtype])

@@ -103,13 +103,6 @@ TUNING = {
     #   int8 stays on bf16 operands: Triton converts int8 to fp16 with I2F (268 us, sweeps/kvquant_grid.json).
     "kv_v16": True,
     "fp8_f16": True,
-    # Persistent form (``_decode_persistent_kernel``) for launches without splits over 16-bit caches, no PDL:
-    # ``persistent_per_sm`` programs per multiprocessor, each a flat loop over its items' tiles.
-    "persistent": os.environ.get("INFERCORE_DECODE_PERSISTENT", "1") != "0",
-    "persistent_per_sm": 2,
-    "persistent_block_n": 64,
-    "persistent_warps": 4,
-    "persistent_stages": 3,
 }
 
 
@@ -356,96 +349,6 @@ def _decode_kernel(
         tl.store(mid_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=gmask)
 
 
-# Persistent form for large launches (many (sequence, KV head) items, 16-bit caches, no split): each program
-# walks a fixed set of items (``pid + i * num_programs``) as ONE flat loop over all their key tiles, so the
-# software pipeline keeps loading across item boundaries instead of draining and refilling at each item's first
-# tile. The item and tile of loop step ``t`` follow from ``t`` alone (prefix sums of the items' tile counts held
-# in registers), so the loads of later steps are addressed without any loop-carried state.
-@triton.jit(do_not_specialize=["stride_bt", "n_items"])
-def _decode_persistent_kernel(
-    q_ptr, kc_ptr, vc_ptr, seq_lens_ptr, bt_ptr, out_ptr,
-    qk_scale, scale, softcap, window,
-    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    stride_bt, stride_ob, stride_oh, GROUP, n_items, Hk,
-    HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    MAX_ITEMS: tl.constexpr,  # >= items per program, a power of two
-    HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    offs_i = tl.arange(0, MAX_ITEMS)
-    items = pid + offs_i * nprog
-    imask = items < n_items
-    lens = tl.load(seq_lens_ptr + items // Hk, mask=imask, other=0)
-    los = tl.zeros_like(lens)
-    if HAS_WINDOW:
-        los = tl.maximum(lens - window, 0)
-    # An item without keys (a padding row) takes one fully masked tile: it writes zeros like the other form.
-    ntiles = tl.where(imask, tl.maximum(tl.cdiv(lens - los, BLOCK_N), 1), 0)
-    ends = tl.cumsum(ntiles, axis=0)  # loop step after each item's last tile
-    total = tl.sum(ntiles, axis=0)
-
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    gmask = offs_g < GROUP
-    dmask = offs_d < HEAD_DIM
-    omask = gmask[:, None] & dmask[None, :]
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for t in range(0, total):
-        slot = tl.sum((ends <= t).to(tl.int32), axis=0)
-        sel = offs_i == slot
-        end_t = tl.sum(tl.where(sel, ends, 0), axis=0)
-        nt = tl.sum(tl.where(sel, ntiles, 0), axis=0)
-        seq_len = tl.sum(tl.where(sel, lens, 0), axis=0)
-        lo = tl.sum(tl.where(sel, los, 0), axis=0)
-        j = t - (end_t - nt)
-        item = pid + slot * nprog
-        b = (item // Hk).to(tl.int64)
-        kvh = item % Hk
-        heads = kvh * GROUP + offs_g
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=omask, other=0.0)
-        q = q.to(kc_ptr.dtype.element_ty)
-        kpos = lo + j * BLOCK_N + offs_n
-        nmask = kpos < seq_len
-        page = tl.load(bt_ptr + b * stride_bt + kpos // PAGE, mask=nmask, other=0).to(tl.int64)
-        row = kpos % PAGE
-        kvmask = nmask[:, None] & dmask[None, :]
-        k = tl.load(kc_ptr + (page * stride_kp + row * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
-                    mask=kvmask, other=0.0)
-        v = tl.load(vc_ptr + (page * stride_vp + row * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
-                    mask=kvmask, other=0.0)
-        fresh = j == 0  # an item's first tile: its softmax state starts over
-        m_i = tl.where(fresh, float("-inf"), m_i)
-        l_i = tl.where(fresh, 0.0, l_i)
-        acc = tl.where(fresh, 0.0, acc)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if HAS_SOFTCAP:
-            s = softcap * (2.0 * tl.sigmoid(2.0 * (s * scale) / softcap) - 1.0) * _LOG2E
-        else:
-            s = s * qk_scale
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked tile: alpha, p = 0, not nan
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
-        if j == nt - 1:
-            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=omask)
-
-
 # TUNING keys of the tile and warps per KV mode: 0 a 16-bit cache, 1 int8, 2 / 3 FP8 (native / emulated).
 _TILE_KEYS = {0: ("block_n", "num_warps"), 1: ("block_n_codes", "num_warps_codes"),
               2: ("block_n_fp8", "num_warps_fp8"), 3: ("block_n_fp8", "num_warps_fp8")}
@@ -616,10 +519,6 @@ def paged_attention_decode(
         stages -= 1
     extra = {} if interp else {"num_warps": TUNING[warps_key], "num_stages": stages}
     use_pdl = pdl_enabled(q)
-    if kv_mode == 0 and _rope is None and num_splits == 1 and not use_pdl and TUNING["persistent"]:
-        _persistent(q, k_cache, v_cache, seq_lens, block_table, out, scale, sliding_window, softcap, precision,
-                    interp)
-        return out
     if _rope is not None and not interp and not use_pdl and TUNING["fused_maxnreg"]:
         extra["maxnreg"] = TUNING["fused_maxnreg"]
     if _rope is None:  # unused pointers / strides
@@ -656,33 +555,6 @@ def paged_attention_decode(
             **pdl_launch(use_pdl),
         )  # fmt: skip
     return out
-
-
-def _persistent(q, k_cache, v_cache, seq_lens, block_table, out, scale, sliding_window, softcap, precision,
-                interp):
-    """Launch ``_decode_persistent_kernel``: ``persistent_per_sm`` programs a multiprocessor at most, the items
-    dealt evenly (every program gets the same number, but for the last few)."""
-    B, Hq, D = q.shape
-    Hk = k_cache.shape[2]
-    n_items = B * Hk
-    per = triton.cdiv(n_items, TUNING["persistent_per_sm"] * _num_sms(q.device))
-    grid = triton.cdiv(n_items, per)
-    block_n, block_d = 16 if interp else TUNING["persistent_block_n"], max(triton.next_power_of_2(D), 16)
-    stages = TUNING["persistent_stages"]
-    while stages > 1 and 2 * stages * block_n * block_d * k_cache.element_size() > 160 * 1024:
-        stages -= 1
-    extra = {} if interp else {"num_warps": TUNING["persistent_warps"], "num_stages": stages}
-    _decode_persistent_kernel[(grid,)](
-        q, k_cache, v_cache, seq_lens, block_table, out,
-        scale * _LOG2E.value, scale, softcap or 1.0, sliding_window or 0,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), out.stride(0), out.stride(1),
-        Hq // Hk, n_items, Hk, D,
-        PAGE=k_cache.shape[1], BLOCK_G=max(triton.next_power_of_2(Hq // Hk), 16),
-        BLOCK_N=block_n, BLOCK_D=block_d,
-        MAX_ITEMS=triton.next_power_of_2(per), HAS_WINDOW=sliding_window is not None,
-        HAS_SOFTCAP=softcap is not None, DOT_PRECISION=precision, **extra,
-    )  # fmt: skip
 
 
 def rope_write_decode_attention(

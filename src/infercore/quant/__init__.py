@@ -13,17 +13,18 @@ from .api import (
     save_quantized,
     scheme_table,
 )
-from .formats import FP8Weight, GGUFWeight, Int8Weight, IntWeight, QuantizedWeight
+from .formats import FP4Weight, FP8Weight, GGUFWeight, Int8Weight, IntWeight, QuantizedWeight
 from .fp8 import fp8_e4m3_decode_emulated, fp8_e4m3_encode
 from .gptq import gptq_quantize
 from .kv import dequantize_kv, quantize_kv, write_quantized_kv_cache_
 from .linear import QuantLinear
-from .ops import fp8_decode, fp8_wo_matmul, gguf_matmul, per_token_quant, w8a8_matmul, wq_matmul
+from .ops import fp4_matmul, fp8_decode, fp8_wo_matmul, gguf_matmul, per_token_quant, w8a8_matmul, wq_matmul
 from .packing import from_awq, from_gptq, from_gptq_act_order, to_awq, to_gptq
 
 __all__ = [
     "SCHEMES",
     "CalibrationStats",
+    "FP4Weight",
     "FP8Weight",
     "GGUFWeight",
     "Int8Weight",
@@ -33,6 +34,7 @@ __all__ = [
     "QuantizedWeight",
     "collect_calibration",
     "dequantize_kv",
+    "fp4_matmul",
     "fp8_decode",
     "fp8_e4m3_decode_emulated",
     "fp8_e4m3_encode",

@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from .formats import (
+    FP4_BLOCK,
     FP8_BLOCK,
+    FP4Weight,
     FP8Weight,
     GGUFWeight,
     Int8Weight,
@@ -36,7 +38,8 @@ from .linear import QuantLinear
 @dataclass(frozen=True)
 class QuantScheme:
     """A named recipe. ``weight``: ``int4``/``int8`` (weight-only), ``fp8`` (weight-only,
-    emulated), ``w8a8`` (``act`` = ``int8`` or ``fp8``), or a GGUF block type ``q4_0``/``q4_1``/``q8_0``."""
+    emulated), ``mxfp4``/``nvfp4`` (FP4 weight-only, emulated), ``w8a8`` (``act`` = ``int8`` or ``fp8``), or a GGUF
+    block type ``q4_0``/``q4_1``/``q8_0``."""
 
     name: str
     weight: str
@@ -104,7 +107,7 @@ class QuantScheme:
         return self.method == "gptq" or self.smooth_alpha is not None
 
 
-_WEIGHTS = ("int4", "int8", "fp8", "w8a8", "q4_0", "q4_1", "q8_0")
+_WEIGHTS = ("int4", "int8", "fp8", "mxfp4", "nvfp4", "w8a8", "q4_0", "q4_1", "q8_0")
 
 
 SCHEMES: dict[str, QuantScheme] = {
@@ -136,6 +139,10 @@ SCHEMES: dict[str, QuantScheme] = {
         QuantScheme("w8a8-mixed-smooth", "w8a8", "MixQ on SmoothQuant-ed activations (alpha 0.5): outliers are "
                     "channels with abs(x / smooth) > 6, seeded by calibration and grown online; needs calibration",
                     act="int8", smooth_alpha=0.5, outlier_threshold=6.0),
+        QuantScheme("w4a16-mxfp4", "mxfp4", "FP4 e2m1 weights, OCP MXFP4 (blocks of 32 along K, power-of-two e8m0 "
+                    "scales, rounded up so no value clips); emulated decode (any GPU)"),
+        QuantScheme("w4a16-nvfp4", "nvfp4", "FP4 e2m1 weights, NVFP4 (blocks of 16, e4m3 scales times one fp32 scale "
+                    "per tensor); emulated decode (any GPU)"),
         QuantScheme("gguf-q4_0", "q4_0", "GGUF Q4_0 blocks (32 values, fp16 scale), run as stored"),
         QuantScheme("gguf-q4_1", "q4_1", "GGUF Q4_1 blocks (32 values, fp16 scale and min), run as stored"),
         QuantScheme("gguf-q8_0", "q8_0", "GGUF Q8_0 blocks (32 values, fp16 scale), run as stored"),
@@ -246,6 +253,8 @@ def quantize_weight(
                                   importance=act_mean_sq if s.scale_search else None)
     if s.weight in ("q4_0", "q4_1", "q8_0"):
         return GGUFWeight.quantize(w, qtype=s.weight)
+    if s.weight in FP4_BLOCK:
+        return FP4Weight.quantize(w, fmt=s.weight)
     smooth = outliers = None
     if act_absmax is not None:
         _check_vector("act_absmax", act_absmax, k)
@@ -271,7 +280,7 @@ def _eligible(name: str, mod: nn.Module, s: QuantScheme, skip: Iterable[str]) ->
                                              for p in skip):
         return False
     k = mod.in_features
-    return not (s.weight.startswith("q") and k % 32)
+    return not ((s.weight.startswith("q") and k % 32) or (s.weight in FP4_BLOCK and k % FP4_BLOCK[s.weight]))
 
 
 def quantize(
@@ -289,7 +298,7 @@ def quantize(
             Hessians: a callable, or stats from ``collect_calibration(..., hessian=True)``);
             seeds ``w8a8-mixed``; weights the ``fp8-wo-search`` scale search.
         skip: module names (or trailing name components) left unquantized; GGUF schemes also
-            skip layers whose K is not a multiple of 32.
+            skip layers whose K is not a multiple of 32, FP4 schemes those whose K is not one of their block.
         method: ``"rtn"`` or ``"gptq"`` to override the scheme's method (e.g.
             ``quantize(model, "w4a16-g128", calibration=run, method="gptq")``).
 

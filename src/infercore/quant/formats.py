@@ -20,6 +20,9 @@ Layouts (all row-major, rows = output channels):
   (``outlier_idx`` int32 ``[n_out]`` and ``w_outlier`` ``[N, n_out]`` in high precision).
   ``dequantize()`` returns the effective weight ``W_q * s / smooth`` with outlier columns replaced.
 * :class:`GGUFWeight` -- GGUF Q4_0/Q4_1/Q8_0 raw blocks ``uint8 [N, K/32 * block_bytes]``.
+* :class:`FP4Weight` -- FP4 e2m1 codes ``uint8 [N, K/2]`` (two a byte, element ``2j`` low) with block
+  scales ``uint8 [N, K/block]``: MXFP4 (blocks of 32, e8m0 powers of two) or NVFP4 (blocks of 16, e4m3
+  scales times one fp32 ``global_scale``). ``w = e2m1(q) * s_block (* global_scale)``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from typing import ClassVar
 
 import torch
 
+from .fp4 import BLOCK as FP4_BLOCK
+from .fp4 import e2m1_decode, e8m0_to_f32, mxfp4_quantize, nvfp4_quantize, unpack_nibbles
 from .fp8 import E4M3_MAX, fp8_e4m3_decode_emulated, fp8_e4m3_encode
 from .gguf import BLOCK_BYTES, BLOCK_ELEMS, affine_parts, gguf_dequantize, gguf_quantize, sub_block
 
@@ -496,6 +501,86 @@ class GGUFWeight(QuantizedWeight):
         return cls(torch.cat([w.raw.reshape(-1) for w in weights]), "mixed", [[w.qtype, w.shape[0]] for w in weights])
 
 
+# ----------------------------------------------------------------------------------------------
+# FP4 e2m1 with block scales (MXFP4 / NVFP4), weight-only
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FP4Weight(QuantizedWeight):
+    """FP4 e2m1 codes with block scales (``quant.fp4``): ``fmt`` ``"mxfp4"`` (blocks of 32 along K, e8m0 scale
+    bytes ``2**(e - 127)``) or ``"nvfp4"`` (blocks of 16, e4m3 scale bytes times ``global_scale``).
+    ``w = e2m1(code) * block scale (* global_scale)``."""
+
+    qweight: torch.Tensor  # uint8 [N, K / 2]: element 2j in the low nibble, 2j + 1 in the high one
+    scales: torch.Tensor  # uint8 [N, K / block]: e8m0 exponents (mxfp4) or e4m3 bytes (nvfp4)
+    fmt: str = "mxfp4"
+    global_scale: float = 1.0  # nvfp4's per-tensor fp32 scale (mxfp4: 1.0)
+    kind: ClassVar[str] = "fp4"
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FP4_BLOCK:
+            raise ValueError(f"fmt: expected one of {sorted(FP4_BLOCK)}, got {self.fmt!r}")
+        for name in ("qweight", "scales"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2:
+                raise TypeError(f"{name}: expected a uint8 [N, *] tensor, got {getattr(t, 'dtype', type(t))}")
+        n, half = self.qweight.shape
+        if self.scales.shape != (n, 2 * half // self.block):
+            raise ValueError(f"scales: expected shape ({n}, {2 * half // self.block}) for {self.fmt} codes "
+                             f"{tuple(self.qweight.shape)}, got {tuple(self.scales.shape)}")
+        if (2 * half) % self.block:
+            raise ValueError(f"qweight: K = {2 * half} is not a multiple of the {self.fmt} block ({self.block})")
+        _check_real("global_scale", self.global_scale, "a positive finite number", lambda g: g > 0)
+
+    @property
+    def block(self) -> int:
+        return FP4_BLOCK[self.fmt]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.qweight.shape[0], 2 * self.qweight.shape[1])
+
+    def block_scales(self) -> torch.Tensor:
+        """fp32 ``[N, K / block]``: the scale of each block (nvfp4: ``global_scale`` included)."""
+        if self.fmt == "mxfp4":
+            return e8m0_to_f32(self.scales)
+        return self.scales.view(torch.float8_e4m3fn).float() * torch.tensor(self.global_scale, dtype=torch.float32)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        v = e2m1_decode(unpack_nibbles(self.qweight)).view(n, k // self.block, self.block)
+        return (v * self.block_scales()[..., None]).reshape(n, k).to(dtype)
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, *, fmt: str = "mxfp4", scale_mode: str = "rceil") -> FP4Weight:
+        """``[N, K]`` -> FP4 (K a multiple of the block). ``scale_mode`` (mxfp4 only): see ``quant.fp4``."""
+        _check_weight(w)
+        if fmt not in FP4_BLOCK:
+            raise ValueError(f"fmt: expected one of {sorted(FP4_BLOCK)}, got {fmt!r}")
+        if w.shape[1] % FP4_BLOCK[fmt]:
+            raise ValueError(f"w: K = {w.shape[1]} is not a multiple of the {fmt} block ({FP4_BLOCK[fmt]})")
+        if fmt == "mxfp4":
+            codes, e = mxfp4_quantize(w, scale_mode=scale_mode)
+            return cls(codes, e, "mxfp4")
+        if scale_mode != "rceil":
+            raise ValueError("scale_mode: applies to mxfp4 only")
+        codes, s8, g = nvfp4_quantize(w)
+        return cls(codes, s8, "nvfp4", g)
+
+    @classmethod
+    def from_mxfp4_blocks(cls, blocks: torch.Tensor, scales: torch.Tensor) -> FP4Weight:
+        """From a checkpoint's MXFP4 tensors as gpt-oss stores them: ``blocks`` uint8 ``[N, K / 32, 16]``,
+        ``scales`` uint8 ``[N, K / 32]`` (e8m0)."""
+        if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.uint8 or blocks.dim() != 3 \
+                or blocks.shape[-1] != 16:
+            raise ValueError(f"blocks: expected uint8 [N, K / 32, 16], got {getattr(blocks, 'shape', blocks)}")
+        if not isinstance(scales, torch.Tensor) or scales.dtype != torch.uint8 or scales.shape != blocks.shape[:2]:
+            got = getattr(scales, "shape", scales)
+            raise ValueError(f"scales: expected uint8 {tuple(blocks.shape[:2])}, got {got}")
+        return cls(blocks.reshape(blocks.shape[0], -1).contiguous(), scales.contiguous(), "mxfp4")
+
+
 _KINDS: dict[str, type[QuantizedWeight]] = {
-    c.kind: c for c in (IntWeight, FP8Weight, Int8Weight, GGUFWeight)
+    c.kind: c for c in (IntWeight, FP8Weight, Int8Weight, GGUFWeight, FP4Weight)
 }

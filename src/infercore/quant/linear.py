@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .formats import FP8Weight, GGUFWeight, Int8Weight, IntWeight, QuantizedWeight, _check_int, _check_real
-from .ops import fp8_wo_matmul, gguf_matmul, per_token_quant, w8a8_matmul, wq_matmul
+from .formats import FP4Weight, FP8Weight, GGUFWeight, Int8Weight, IntWeight, QuantizedWeight, _check_int, _check_real
+from .ops import fp4_matmul, fp8_wo_matmul, gguf_matmul, per_token_quant, w8a8_matmul, wq_matmul
 
 
 class QuantLinear(nn.Module):
@@ -91,7 +91,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in_features]`` (fp32/fp16/bf16) -> ``[..., out_features]`` in ``x.dtype``, through the
-        format's op (weight-only, GGUF, or W8A8 with per-token activation quantization)."""
+        format's op (weight-only INT / FP8 / FP4, GGUF, or W8A8 with per-token activation quantization)."""
         x = self._permute(x)
         w = self.qweight_format
         if isinstance(w, IntWeight):
@@ -100,6 +100,8 @@ class QuantLinear(nn.Module):
             return fp8_wo_matmul(x, w, bias=self.bias)
         if isinstance(w, GGUFWeight):
             return gguf_matmul(x, w, bias=self.bias)
+        if isinstance(w, FP4Weight):
+            return fp4_matmul(x, w, bias=self.bias)
         # The weight-only ops above check x themselves; the W8A8 path starts with a reshape. Metadata only.
         if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"QuantLinear: x must be a fp32/fp16/bf16 tensor, got {getattr(x, 'dtype', type(x))}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.kv_cache.quant import round_half_away
-from .formats import FP8Weight, GGUFWeight, Int8Weight, IntWeight
+from .formats import FP4Weight, FP8Weight, GGUFWeight, Int8Weight, IntWeight
 from .fp8 import E4M3_MAX
 
 # Per-token scales never drop below this (an all-zero row quantizes to zeros, not NaN).
@@ -35,6 +35,11 @@ def fp8_wo_matmul_ref(x: torch.Tensor, w: FP8Weight, bias: torch.Tensor | None =
 def gguf_matmul_ref(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ dequant(w).T (+ bias [N]) -> [M, N]`` in ``x.dtype`` (fp32 math; blocks decoded by
     ``quant.gguf``)."""
+    return _dequant_matmul(x, w, bias)
+
+
+def fp4_matmul_ref(x: torch.Tensor, w: FP4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ dequant(w).T (+ bias [N]) -> [M, N]`` in ``x.dtype`` (fp32 math; e2m1 codes decoded by table)."""
     return _dequant_matmul(x, w, bias)
 
 

@@ -7,6 +7,7 @@ with ``native_fp8``; everything else runs wherever Triton does, sm80 included):
 ``quant.wq_matmul``        INT4/INT8 weight-only (:class:`IntWeight`), GEMV for M <= 4
 ``quant.fp8_wo_matmul``    FP8 weight-only, emulated decode (:class:`FP8Weight`)
 ``quant.gguf_matmul``      GGUF Q4_0/Q4_1/Q8_0 blocks (:class:`GGUFWeight`)
+``quant.fp4_matmul``       FP4 e2m1 weight-only, MXFP4 / NVFP4 block scales, emulated decode (:class:`FP4Weight`)
 ``quant.per_token_quant``  fused per-token INT8/FP8 activation quantizer
 ``quant.w8a8_matmul``      INT8 W8A8 (+ MixQ outliers) and FP8 W8A8 scaled GEMM
 ``quant.fp8_decode``       e4m3 bytes -> fp32 (kernel: the emulated integer decode)
@@ -19,7 +20,7 @@ import torch
 
 from ..devices import capability, dispatch, register, triton_available
 from . import naive
-from .formats import FP8Weight, GGUFWeight, Int8Weight, IntWeight
+from .formats import FP4Weight, FP8Weight, GGUFWeight, Int8Weight, IntWeight
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -74,6 +75,12 @@ def fp8_wo_matmul(x: torch.Tensor, w: FP8Weight, *, bias: torch.Tensor | None = 
 def gguf_matmul(x: torch.Tensor, w: GGUFWeight, *, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequant(w).T`` reading GGUF Q4_0/Q4_1/Q8_0 blocks as stored; ``[..., N]`` in x.dtype."""
     return _weight_only("quant.gguf_matmul", GGUFWeight, x, w, bias)
+
+
+def fp4_matmul(x: torch.Tensor, w: FP4Weight, *, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequant(w).T`` for FP4 e2m1 weights with MXFP4 / NVFP4 block scales, decoded with integer operations
+    on any GPU (no FP4 instruction); ``[..., N]`` in ``x.dtype``."""
+    return _weight_only("quant.fp4_matmul", FP4Weight, x, w, bias)
 
 
 def per_token_quant(
@@ -149,6 +156,7 @@ def fp8_decode(q: torch.Tensor) -> torch.Tensor:
 register("quant.wq_matmul", "reference", naive.wq_matmul_ref)
 register("quant.fp8_wo_matmul", "reference", naive.fp8_wo_matmul_ref)
 register("quant.gguf_matmul", "reference", naive.gguf_matmul_ref)
+register("quant.fp4_matmul", "reference", naive.fp4_matmul_ref)
 register("quant.per_token_quant", "reference", naive.per_token_quant_ref)
 register("quant.w8a8_matmul", "reference", naive.w8a8_matmul_ref)
 register("quant.fp8_w8a8_matmul", "reference", naive.w8a8_matmul_ref)
@@ -157,7 +165,7 @@ register("quant.fp8_decode", "reference", naive.fp8_decode_ref)
 from . import cpu as _cpu  # noqa: E402, F401  (registers the CPU fast path of quant.wq_matmul)
 
 if triton_available():
-    from . import triton_w8a8, triton_wo
+    from . import triton_fp4, triton_w8a8, triton_wo
 
     def _gpu(cap) -> bool:
         return cap.is_cuda and cap.triton
@@ -165,6 +173,7 @@ if triton_available():
     register("quant.wq_matmul", "triton", triton_wo.wq_matmul_triton, priority=10, available=_gpu)
     register("quant.fp8_wo_matmul", "triton", triton_wo.fp8_wo_matmul_triton, priority=10, available=_gpu)
     register("quant.gguf_matmul", "triton", triton_wo.gguf_matmul_triton, priority=10, available=_gpu)
+    register("quant.fp4_matmul", "triton", triton_fp4.fp4_matmul_triton, priority=10, available=_gpu)
     register("quant.fp8_decode", "triton", triton_wo.fp8_decode_triton, priority=10, available=_gpu)
     register("quant.per_token_quant", "triton", triton_w8a8.per_token_quant_triton, priority=10,
              available=_gpu)

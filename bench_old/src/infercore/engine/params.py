@@ -1,0 +1,121 @@
+"""Per-request sampling and stopping parameters."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# The runner keeps these per request in fixed-width host rows and device tensors (runner.RowTable,
+# ops.SamplingTensors): floats as fp32, top_k as int32, the seed as int64. A value outside those
+# ranges would overflow on assignment inside a step, or wrap silently, so it is refused here.
+_FLOAT32_MAX = 3.4028234663852886e38
+_INT32_MAX = 2**31 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# Most alternatives a request may ask log-probabilities for (each costs a top-k over the vocabulary).
+MAX_LOGPROBS = 20
+
+
+def _show(v) -> str:
+    # Python refuses to print ints of more than 4300 digits; a message must not fail on one.
+    return f"an int of {v.bit_length()} bits" if isinstance(v, int) and v.bit_length() > 64 else repr(v)
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    ``temperature=0`` is greedy. ``top_k=0``, ``top_p=1``, ``min_p=0`` and
+    ``repetition_penalty=1`` switch those filters off. A fixed ``seed`` makes the request's
+    tokens a function of its own logits alone, whatever else shares the batch.
+
+    ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, in [-2, 2], 0 = off) subtract ``presence`` from the
+    logit of every token already generated and ``frequency`` times its count, after the repetition penalty
+    (which also counts the prompt) and before temperature, as vLLM does.
+
+    ``logprobs`` (None = off, or 0 to :data:`MAX_LOGPROBS`): report, for every generated token, its
+    log-probability and those of the ``logprobs`` most likely tokens (``RequestOutput.logprobs``). They are
+    the model's own distribution: ``log_softmax`` of the fp32 logits, before the repetition penalty,
+    temperature and the top-k / top-p / min-p filters (vLLM's ``raw_logprobs``).
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        def real(name: str, v) -> float:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"SamplingParams.{name} must be a number, got {type(v).__name__}")
+            try:
+                f = float(v)
+            except OverflowError:  # an int beyond any float
+                f = math.inf
+            if math.isnan(f) or abs(f) > _FLOAT32_MAX:
+                raise ValueError(f"SamplingParams.{name} must be finite (as fp32), got {_show(v)}")
+            return f
+
+        def integer(name: str, v) -> int:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"SamplingParams.{name} must be an int, got {type(v).__name__}")
+            return v
+
+        def sequence(name: str, v) -> None:
+            # a list or tuple; anything else (None, a bare int) would fail later with no name attached
+            if not isinstance(v, (list, tuple)):
+                raise TypeError(f"SamplingParams.{name} must be a list, got {type(v).__name__}")
+
+        if integer("max_tokens", self.max_tokens) < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {_show(self.max_tokens)}")
+        if integer("min_tokens", self.min_tokens) < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens must be in [0, max_tokens], got {_show(self.min_tokens)}")
+        if real("temperature", self.temperature) < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 <= integer("top_k", self.top_k) <= _INT32_MAX:
+            raise ValueError(f"SamplingParams.top_k must be in [0, {_INT32_MAX}] (0 = off), got {_show(self.top_k)}")
+        if not 0.0 < real("top_p", self.top_p) <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= real("min_p", self.min_p) <= 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        if real("repetition_penalty", self.repetition_penalty) <= 0:
+            raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= real(name, getattr(self, name)) <= 2.0:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        if self.seed is not None and not _INT64_MIN <= integer("seed", self.seed) <= _INT64_MAX:
+            raise ValueError(f"SamplingParams.seed must fit in int64, got {_show(self.seed)}")
+        if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= MAX_LOGPROBS:
+            raise ValueError(
+                f"SamplingParams.logprobs must be None or in [0, {MAX_LOGPROBS}], got {_show(self.logprobs)}")
+        sequence("stop", self.stop)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("SamplingParams.stop must be a list of non-empty strings")
+        sequence("stop_token_ids", self.stop_token_ids)
+        # bool is an int subclass, but True is no token id
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError("SamplingParams.stop_token_ids must be a list of non-negative ints")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling reads the request's earlier tokens (a repetition, presence or frequency penalty):
+        such steps sample outside the captured graph, from tokens the host has read back."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

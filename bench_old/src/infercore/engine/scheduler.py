@@ -1,0 +1,180 @@
+"""Continuous batching with chunked prefill, prefix-cache reuse and preemption by recompute (or, with a
+CPU tier under the prefix cache, by swap: the preempted request's full pages are copied out when reused
+and copied back when it is readmitted).
+
+Each step the scheduler hands out a token budget: running requests first (one token per decode,
+or the next chunk of an unfinished prefill), in arrival order; then waiting requests, whose
+prompts are admitted (and chunked) while budget, sequence slots and KV pages last. When pages
+run out for a running request, the most recently admitted running request is preempted: its
+pages are freed and it goes back to the front of the queue, to be recomputed later (its
+prefix pages usually stay in the prefix cache). Nothing is dropped.
+
+With ``chunk_boundary`` set (models with recurrent layers and prefix caching), a prefill chunk that
+would cross a multiple of it is cut there: recurrent states can only be checkpointed for the prefix
+cache when a step ends exactly on the boundary.
+
+With ``lazy_prefill_alloc`` (the hybrid KV manager), an admitted request gets pages for its first
+chunk only; later chunks grow it. Sliding-window layers then never hold more than a window plus a
+chunk, instead of the whole prompt until its pages leave the window.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..kv import BlockManager
+from .request import Request, Status
+
+
+@dataclass
+class ScheduledBatch:
+    """The work of one step: ``num_new_tokens[i]`` tokens of ``requests[i]`` are fed, starting at
+    its ``num_computed_tokens``."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+        chunk_boundary: int | None = None,
+        lazy_prefill_alloc: bool = False,
+    ) -> None:
+        self.bm = block_manager
+        self.chunk_boundary = chunk_boundary
+        self.lazy_prefill_alloc = lazy_prefill_alloc
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Request | None:
+        for req in self.waiting:
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                return req
+        for req in self.running:
+            if req.request_id == request_id:
+                self.running.remove(req)
+                self.bm.free(req.request_id)
+                return req
+        return None
+
+    def _cut(self, start: int, n: int) -> int:
+        """``n`` tokens from ``start``, shortened to end on the next multiple of ``chunk_boundary``."""
+        b = self.chunk_boundary
+        if b is None or n <= 1:
+            return n
+        return min(n, (start // b + 1) * b - start)
+
+    def _preempt(self, req: Request) -> None:
+        self.bm.free(req.request_id)
+        req.spec_token_ids.clear()
+        req.status = Status.WAITING
+        req.num_computed_tokens = 0
+        req.metrics.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+
+        # 1. Running requests, oldest first; preempt from the newest end when pages run short.
+        pending = deque(self.running)
+        kept: list[Request] = []
+        while pending:
+            req = pending.popleft()
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            draft = req.spec_token_ids
+            if draft:  # speculative decoding: the draft rides along where budget and pages allow, else it goes
+                del draft[max(budget - n, 0):]
+                if draft and not self.bm.grow(req.request_id, req.num_computed_tokens + n + len(draft)):
+                    draft.clear()
+                n += len(draft)
+            if n == 0:
+                # No budget left, or (async scheduling) every known token is computed and the request
+                # only awaits the read-back of its last sampled token, which ends it by length.
+                kept.append(req)
+                continue
+            n = self._cut(req.num_computed_tokens, n)
+            while not self.bm.grow(req.request_id, req.num_computed_tokens + n):
+                victim = pending.pop() if pending else req
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                batch.requests.append(req)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                kept.append(req)
+        self.running = kept
+
+        # 2. Admit waiting requests; none after a preemption this step (the pool is tight).
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+            req = self.waiting[0]
+            tokens = req.all_token_ids
+            room = len(tokens)
+            if self.lazy_prefill_alloc:
+                room = min(room, self.bm.match_prefix(tokens, max_cached_tokens=len(tokens) - 1) + budget)
+            cached = self.bm.allocate(req.request_id, tokens, room, max_cached_tokens=len(tokens) - 1)
+            if cached is None:
+                break
+            remaining = len(tokens) - cached
+            if remaining > budget and not self.enable_chunked_prefill and batch.requests:
+                self.bm.free(req.request_id)
+                break
+            n = self._cut(cached, min(remaining, budget))
+            if cached + n > room and not self.bm.grow(req.request_id, cached + n):
+                self.bm.free(req.request_id)
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = cached
+            req.status = Status.RUNNING
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.perf_counter()
+                req.metrics.num_cached_tokens = cached
+                cpu_hit = getattr(self.bm, "cpu_hit_tokens", None)  # the dense manager's CPU tier
+                cpu = cpu_hit(req.request_id) if cpu_hit is not None else 0
+                req.metrics.num_cpu_cached_tokens = cpu
+                req.metrics.num_gpu_cached_tokens = cached - cpu
+            self.running.append(req)
+            batch.requests.append(req)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End ``req`` and release its pages. With async scheduling a request can end while back in
+        the queue: it was preempted after the step that sampled its last token was launched."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self.bm.free(req.request_id)
+        else:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.metrics.finish_time = time.perf_counter()

@@ -1,0 +1,199 @@
+"""Pre-quantized Hugging Face checkpoints: GPTQ (AutoGPTQ / GPTQModel) and AWQ (AutoAWQ ``GEMM``) directories.
+
+Such a directory's ``config.json`` carries a ``quantization_config`` (``quant_method`` ``"gptq"`` or ``"awq"``,
+``bits``, ``group_size``, ...) and each quantized linear ``<name>`` is stored as ``<name>.qweight``,
+``<name>.qzeros``, ``<name>.scales`` (and, for GPTQ, ``<name>.g_idx``) instead of ``<name>.weight``; the
+packings are described in :mod:`infercore.quant.packing`. :func:`load_prequantized` builds the model with
+those linears as :class:`~infercore.quant.QuantLinear` s over :class:`~infercore.quant.IntWeight` (q / k / v
+and gate / up merged as the dense loader merges them), so no dense copy of a quantized weight is ever made,
+and loads every other tensor through the model's own ``load_weights``.
+
+Supported: GPTQ 4 / 8 bits, symmetric or not, ``checkpoint_format`` ``gptq`` (zeros stored minus one) or
+``gptq_v2``, group sizes dividing K or -1 (one group per output channel), with or without act-order
+(``desc_act``: the input channels are sorted by group once at load and the activations gathered in that order,
+``QuantLinear.in_perm``);
+AWQ 4 bits, ``GEMM`` packing, with zero points. Llama-family models (Llama, Mistral, Qwen2, Qwen3).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+def prequantized_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
+    """The checkpoint's ``quantization_config`` checked and normalised (``method``, ``bits``, ``group_size``
+    (None = one group over K), ``zero_offset``), or None for a checkpoint without one. ``ValueError`` for a
+    method or setting this loader does not run."""
+    q = hf_config.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ValueError(f"config.json: quantization_config must be an object, got {type(q).__name__}")
+    method = str(q.get("quant_method", "")).lower()
+    if method not in ("gptq", "awq"):
+        raise ValueError(f"config.json: quantization_config.quant_method {method!r} is not supported; infercore "
+                         "loads 'gptq' and 'awq' checkpoints (or quantizes dense ones: from_pretrained(quantization=))")
+    bits = q.get("bits", q.get("w_bit"))
+    group = q.get("group_size", q.get("q_group_size"))
+    if isinstance(group, bool) or not isinstance(group, int) or not (group == -1 or group > 0):
+        raise ValueError(f"config.json: quantization_config.group_size must be a positive int or -1, got {group!r}")
+    out = {"method": method, "bits": bits, "group_size": None if group == -1 else group, "zero_offset": 0}
+    if method == "gptq":
+        if bits not in (4, 8):
+            raise ValueError(f"config.json: GPTQ bits must be 4 or 8, got {bits!r}")
+        fmt = str(q.get("checkpoint_format", "gptq")).lower()
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ValueError(f"config.json: GPTQ checkpoint_format {fmt!r} is not supported ('gptq' or 'gptq_v2')")
+        out["zero_offset"] = 1 if fmt == "gptq" else 0
+    else:
+        if bits != 4:
+            raise ValueError(f"config.json: AWQ bits must be 4, got {bits!r}")
+        version = str(q.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"config.json: AWQ version {version!r} is not supported (the GEMM packing only)")
+        if not q.get("zero_point", True):
+            raise ValueError("config.json: AWQ without zero points is not supported")
+        if group == -1:
+            raise ValueError("config.json: AWQ group_size must be positive")
+    return out
+
+
+def _int_weight(name: str, parts: dict[str, torch.Tensor], q: dict[str, Any]):
+    """``(IntWeight, input permutation or None)`` of one quantized linear's tensors."""
+    from ..quant.packing import from_awq, from_gptq, from_gptq_act_order
+
+    need = ("qweight", "qzeros", "scales")
+    missing = [p for p in need if p not in parts]
+    if missing:
+        raise ValueError(f"checkpoint: {name} has {sorted(parts)} but misses {missing}")
+    qweight, qzeros, scales = (parts[p] for p in need)
+    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+        raise ValueError(f"checkpoint: {name}.qweight / .qzeros must be int32, got {qweight.dtype} / {qzeros.dtype}")
+    if not scales.is_floating_point():
+        raise ValueError(f"checkpoint: {name}.scales must be floating-point, got {scales.dtype}")
+    try:
+        if q["method"] == "gptq":
+            k = qweight.shape[0] * (32 // q["bits"])
+            g = q["group_size"] or k
+            g_idx = parts.get("g_idx")
+            kw = dict(bits=q["bits"], group_size=g, zero_offset=q["zero_offset"])
+            if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k, device=g_idx.device) // g):
+                return from_gptq_act_order(qweight, qzeros, scales, g_idx, **kw)
+            return from_gptq(qweight, qzeros, scales, **kw), None
+        if "g_idx" in parts:
+            raise ValueError("AWQ tensors carry no g_idx")
+        return from_awq(qweight, qzeros, scales, group_size=q["group_size"]), None
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise ValueError(f"checkpoint: {name}: {e}") from None
+
+
+def _concat(ws: list) -> Any:
+    """One :class:`IntWeight` ``[sum N_i, K]`` from the shards ``ws`` (``[N_i, K]`` each, alike in bits, group size,
+    K and zero points), stacked along N in order, as the dense loader stacks q / k / v and gate / up."""
+    from ..quant.formats import IntWeight
+
+    first = ws[0]
+    for w in ws[1:]:
+        if (w.bits, w.group_size, w.in_features, w.symmetric) != (first.bits, first.group_size, first.in_features,
+                                                                  first.symmetric):
+            raise ValueError("checkpoint: the merged projections (q/k/v or gate/up) differ in bits, group size, "
+                             "input size or zero points")
+    zeros = None if first.zeros is None else torch.cat([w.zeros for w in ws])
+    return IntWeight(torch.cat([w.qweight for w in ws]), torch.cat([w.scales for w in ws]), zeros, first.bits,
+                     first.group_size, first.in_features)
+
+
+def load_prequantized(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Build the model of ``config`` on ``device`` with the quantized linears of ``ckpt`` (a
+    :class:`~infercore.loading.Checkpoint` of an HF directory) as ``QuantLinear`` s, and load the rest.
+
+    ``q`` is :func:`prequantized_config` of the checkpoint. Raises ``ValueError`` naming the tensor or module
+    for a model family without merged-projection loading, a quantized linear the model lacks, a shape
+    mismatch, a merged projection quantized only in part, or a tensor missing (by ``load_weights``)."""
+    from ..models import model_class
+    from ..quant import QuantLinear
+    from ..quant.api import _set_submodule
+
+    cls = model_class(config)
+    with torch.device("meta"):
+        model = cls(config, dtype=dtype)
+    stacked = getattr(model, "_STACKED", None)
+    if stacked is None or not hasattr(model, "_shard_rows"):
+        raise ValueError(f"checkpoint: pre-quantized (GPTQ / AWQ) loading covers Llama-family models, not "
+                         f"{config.architecture}")
+    modules = dict(model.named_modules())
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in ckpt.weights(None):
+        base, _, leaf = name.rpartition(".")
+        if leaf in _PARTS:
+            parts.setdefault(base, {})[leaf] = t
+    merged: dict[str, dict[int, Any]] = {}
+    biasless: set[str] = set()  # quantized linears without a bias in the model
+    converted = 0
+    for base, p in parts.items():
+        w, perm = _int_weight(base, p, q)
+        prefix, _, proj = base.rpartition(".")
+        target, shard = (f"{prefix}.{stacked[proj][0]}", stacked[proj][1]) if proj in stacked else (base, None)
+        lin = modules.get(target)
+        if not isinstance(lin, nn.Linear):
+            raise ValueError(f"checkpoint: quantized tensor {base}.qweight has no linear layer in "
+                             f"{config.architecture}")
+        if target == "lm_head" and config.tie_word_embeddings:
+            raise ValueError("checkpoint: a quantized lm_head with tied word embeddings is not supported")
+        if lin.bias is None:
+            biasless.add(base)
+        rows = lin.out_features
+        if shard is not None:
+            start, end = model._shard_rows(stacked[proj][0], shard)
+            rows = end - start
+        if w.shape != (rows, lin.in_features):
+            raise ValueError(f"checkpoint: {base} holds a [{w.shape[0]}, {w.shape[1]}] weight, expected "
+                             f"[{rows}, {lin.in_features}]")
+        if shard is not None:
+            merged.setdefault(target, {})[shard] = (w, perm)
+            n_shards = sum(1 for m, _ in stacked.values() if m == stacked[proj][0])
+            if len(merged[target]) < n_shards:
+                continue
+            shards = merged.pop(target)
+            perms = [shards[i][1] for i in range(n_shards)]
+            if any((a is None) != (perms[0] is None) or (a is not None and not torch.equal(a, perms[0]))
+                   for a in perms):
+                raise ValueError(f"checkpoint: the shards of {target} have different act-order channel orders "
+                                 "(g_idx); a merged projection needs one")
+            w, perm = _concat([shards[i][0] for i in range(n_shards)]), perms[0]
+        new = QuantLinear(w, in_perm=perm).to(device)
+        if lin.bias is not None:  # filled by load_weights below, like a dense bias
+            new.bias = nn.Parameter(torch.empty(lin.out_features, dtype=dtype, device=device), requires_grad=False)
+        _set_submodule(model, target, new)
+        converted += 1
+    if merged:
+        raise ValueError(f"checkpoint: {sorted(merged)} quantized only in part (every q/k/v and gate/up shard of a "
+                         "merged projection must be quantized alike)")
+    if not converted:
+        raise ValueError("checkpoint: quantization_config is set but no tensor ends in .qweight")
+    for mod in model.modules():  # everything still on meta gets real (uninitialised) memory
+        for key, t in list(mod._parameters.items()):
+            if t is not None and t.is_meta:
+                mod._parameters[key] = nn.Parameter(torch.empty_like(t, device=device), requires_grad=False)
+        for key, t in list(mod._buffers.items()):
+            if t is not None and t.is_meta:
+                mod._buffers[key] = torch.empty_like(t, device=device)
+    model.finish_init()
+
+    def rest():
+        for n, t in ckpt.weights(None):
+            base, _, leaf = n.rpartition(".")
+            if leaf in _PARTS:
+                continue
+            # GPTQ exporters may store an all-zero bias for every quantized linear; a model without one drops it
+            if leaf == "bias" and base in biasless and not t.any():
+                continue
+            yield n, t.to(dtype) if t.is_floating_point() else t
+
+    model.load_weights(rest())
+    return model.eval()

@@ -1,0 +1,319 @@
+"""Model configuration: one flat dataclass read from a Hugging Face ``config.json`` dict.
+
+Only the dense Llama family is described here (``llama`` — which includes SmolLM2 —,
+``mistral``, ``qwen2``, ``qwen3``). The per-family quirks that HF encodes in code rather than in
+the config file (Qwen2's always-on q/k/v bias, Mistral's window on every layer, Qwen2/3's
+``use_sliding_window`` + ``max_window_layers``) are resolved once in :meth:`ModelConfig.from_hf`, so the
+model code only reads plain per-layer facts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+# HF defaults for keys a minimal config dict (e.g. one synthesised from GGUF metadata) may omit.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2},
+    "mistral": {
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096 * 32,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "sliding_window": 4096,
+    },
+    "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
+    "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "head_dim": 128},
+}
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclass
+class ModelConfig:
+    """Everything a dense decoder needs, with HF quirks already resolved.
+
+    ``layer_types[i]`` is ``"full_attention"`` or ``"sliding_attention"``; a sliding layer sees the
+    last ``sliding_window`` keys including its own token (HF semantics). ``rope_scaling`` is the HF
+    ``rope_scaling``/``rope_parameters`` dict without ``rope_theta`` (``None`` for plain RoPE).
+    ``attention_bias`` is the q/k/v projection bias; ``o_bias`` and ``mlp_bias`` are separate because
+    Qwen2 has the first without the second.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    layer_types: list[str] = field(default_factory=list)
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = [FULL_ATTENTION] * self.num_layers
+        self.validate()
+
+    # ------------------------------------------------------------------ derived facts
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The window of layer ``layer`` (``None`` = full causal attention)."""
+        if self.layer_types[layer] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"ModelConfig.num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"
+            )
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ValueError(
+                f"ModelConfig.partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor!r}"
+            )
+        if self.rotary_dim % 2 != 0:
+            raise ValueError(
+                f"ModelConfig.partial_rotary_factor={self.partial_rotary_factor} gives an odd rotary_dim "
+                f"{self.rotary_dim} for head_dim={self.head_dim}"
+            )
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(
+                f"ModelConfig.hidden_act={self.hidden_act!r} is not supported; expected one of "
+                f"{SUPPORTED_ACTIVATIONS}"
+            )
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"ModelConfig.layer_types has {len(self.layer_types)} entries, expected num_layers="
+                f"{self.num_layers}"
+            )
+        for i, kind in enumerate(self.layer_types):
+            if kind not in (FULL_ATTENTION, SLIDING_ATTENTION):
+                raise ValueError(f"ModelConfig.layer_types[{i}]={kind!r} is not full/sliding attention")
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or self.sliding_window <= 0
+        ):
+            raise ValueError(
+                f"ModelConfig.sliding_window must be a positive int or None, got {self.sliding_window!r}"
+            )
+        if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
+            raise ValueError("ModelConfig.sliding_window is None but layer_types has sliding layers")
+
+    # ------------------------------------------------------------------ HF parsing
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> ModelConfig:
+        """Build from an HF ``config.json`` dict (transformers 4.x or 5.x key layout).
+
+        Raises ``ValueError`` for an unsupported ``model_type`` (listing the supported ones), a
+        missing required key, or inconsistent sizes (naming the field).
+        """
+        if not isinstance(hf, Mapping):
+            raise TypeError(f"hf config must be a mapping, got {type(hf).__name__}")
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type={model_type!r} is not supported; supported model types: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        defaults = _DEFAULTS[model_type]
+
+        def get(key: str, default: Any = None) -> Any:
+            value = hf.get(key)
+            return defaults.get(key, default) if value is None else value
+
+        def require(key: str) -> Any:
+            value = hf.get(key)
+            if value is None:
+                raise ValueError(f"HF config for model_type={model_type!r} is missing {key!r}")
+            return value
+
+        # Type-check raw values before any arithmetic on them, so the error names the config key
+        # (not a ZeroDivisionError or a str % int) and nothing is silently coerced.
+        def check(key: str, value: Any, kind: type | tuple[type, ...], what: str, ok=lambda v: True) -> Any:
+            if value is not None and (not isinstance(value, kind) or isinstance(value, bool) or not ok(value)):
+                raise ValueError(f"HF config key {key!r} must be {what}, got {value!r}")
+            return value
+
+        def positive_int(key: str, value: Any) -> Any:
+            return check(key, value, int, "a positive int", lambda v: v > 0)
+
+        def number(key: str) -> float:
+            value = get(key)
+            return float(check(key, value, (int, float), "a positive number", lambda v: v > 0))
+
+        def flag(key: str, default: bool = False) -> bool:
+            value = get(key, default)
+            if not isinstance(value, bool):
+                raise ValueError(f"HF config key {key!r} must be true or false, got {value!r}")
+            return value
+
+        archs = hf.get("architectures") or [_ARCHITECTURES[model_type]]
+        if not isinstance(archs, list) or not archs or archs[0] not in _ARCHITECTURES.values():
+            # Another head (sequence classification, a bare LlamaModel, a VLM) has other weights
+            # and outputs: refuse it here rather than build a causal LM from it.
+            raise ValueError(
+                f"HF config architectures={archs!r} is not supported for model_type={model_type!r}; "
+                f"expected one of {sorted(_ARCHITECTURES.values())}"
+            )
+
+        hidden = positive_int("hidden_size", require("hidden_size"))
+        num_heads = positive_int("num_attention_heads", require("num_attention_heads"))
+        num_layers = positive_int("num_hidden_layers", require("num_hidden_layers"))
+        num_kv_heads = positive_int("num_key_value_heads", get("num_key_value_heads", num_heads))
+        head_dim = positive_int("head_dim", get("head_dim"))
+        for key in ("vocab_size", "intermediate_size", "max_position_embeddings"):
+            positive_int(key, get(key))
+        for key in ("rope_parameters", "rope_scaling"):
+            check(key, hf.get(key), dict, "an object (or null)")
+        check("max_window_layers", hf.get("max_window_layers"), int, "an int >= 0", lambda v: v >= 0)
+        check("bos_token_id", get("bos_token_id"), int, "a token id", lambda v: v >= 0)
+        if head_dim is None:
+            # Only a derived head_dim needs hidden % heads == 0 (Qwen3 sets head_dim * heads != hidden).
+            if hidden % num_heads != 0:
+                raise ValueError(
+                    f"hidden_size={hidden} is not divisible by num_attention_heads={num_heads} "
+                    "(and head_dim is not given)"
+                )
+            head_dim = hidden // num_heads
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_key_value_heads={num_kv_heads} must divide num_attention_heads={num_heads}"
+            )
+
+        rope_theta, rope_scaling, partial = _parse_rope(hf, get("max_position_embeddings"))
+        sliding_window, layer_types = _parse_sliding(hf, model_type, num_layers, get)
+
+        eos = get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (eos,)
+        for e in eos_ids:
+            check("eos_token_id", e, int, "a token id or a list of token ids", lambda v: v >= 0)
+
+        return cls(
+            vocab_size=require("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=require("intermediate_size"),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=number("rms_norm_eps"),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            partial_rotary_factor=partial,
+            max_position_embeddings=get("max_position_embeddings"),
+            tie_word_embeddings=flag("tie_word_embeddings"),
+            # Qwen2 hard-codes q/k/v bias (and no o_proj bias) in its modeling code.
+            attention_bias=True if model_type == "qwen2" else flag("attention_bias"),
+            o_bias=False if model_type in ("qwen2", "mistral") else flag("attention_bias"),
+            mlp_bias=flag("mlp_bias") if model_type == "llama" else False,
+            qk_norm=model_type == "qwen3",
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            hidden_act=get("hidden_act", "silu"),
+            bos_token_id=get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            model_type=model_type,
+            architecture=archs[0],
+        )
+
+
+def _parse_rope(hf: Mapping[str, Any], max_positions: int) -> tuple[float, dict[str, Any] | None, float]:
+    """(rope_theta, rope_scaling or None, partial_rotary_factor) from either key layout.
+
+    transformers 5 writes ``rope_parameters`` (with ``rope_theta`` inside); 4.x writes ``rope_theta``
+    and ``rope_scaling`` (legacy ``type`` instead of ``rope_type``) at the top level.
+    """
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", None)
+    if theta is None:
+        theta = hf.get("rope_theta", 10000.0)
+    partial = params.pop("partial_rotary_factor", None)
+    if partial is None:
+        partial = hf.get("partial_rotary_factor", 1.0)
+    for key, value in (("rope_theta", theta), ("partial_rotary_factor", partial)):
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ValueError(f"HF config key {key!r} must be a number, got {value!r}")
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type == "default":
+        return float(theta), None, float(partial)
+    scaling = {"rope_type": rope_type, **params}
+    if rope_type in ("llama3", "yarn", "longrope"):
+        # HF falls back to the model's max_position_embeddings for the pretraining length.
+        scaling.setdefault(
+            "original_max_position_embeddings", hf.get("original_max_position_embeddings") or max_positions
+        )
+    return float(theta), scaling, float(partial)
+
+
+def _parse_sliding(
+    hf: Mapping[str, Any], model_type: str, num_layers: int, get
+) -> tuple[int | None, list[str]]:
+    """(sliding_window, layer_types) following each family's HF modeling code."""
+    if model_type == "llama":
+        return None, [FULL_ATTENTION] * num_layers
+    # An explicit null means "no window" (Mistral v0.2+), so only a missing key takes the default.
+    window = hf["sliding_window"] if "sliding_window" in hf else get("sliding_window")
+    if model_type == "mistral":
+        # MistralModel builds one sliding mask for every layer when sliding_window is set.
+        kind = SLIDING_ATTENTION if window is not None else FULL_ATTENTION
+        return window, [kind] * num_layers
+    # qwen2 / qwen3: the window only exists with use_sliding_window; layers >= max_window_layers slide
+    # unless layer_types is given explicitly.
+    if not hf.get("use_sliding_window", False) or window is None:
+        return None, [FULL_ATTENTION] * num_layers
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        max_window_layers = get("max_window_layers", 28)
+        layer_types = [
+            SLIDING_ATTENTION if i >= max_window_layers else FULL_ATTENTION for i in range(num_layers)
+        ]
+    return window, list(layer_types)

@@ -1,0 +1,88 @@
+"""Reference for the routed expert computation of a sparse MoE layer (SiLU-gated experts)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..activation import silu_and_mul
+
+
+def check_moe_args(op: str, x, gate_up, down, weights, ids) -> None:
+    """Shapes of ``x [T, H]``, ``gate_up [E, 2I, H]``, ``down [E, H, I]``, ``weights / ids [T, k]``."""
+    for name, t in (("x", x), ("gate_up", gate_up), ("down", down), ("weights", weights), ("ids", ids)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.ndim != 2:
+        raise ValueError(f"{op}: x must be [tokens, hidden], got shape {tuple(x.shape)}")
+    if gate_up.ndim != 3:
+        raise ValueError(f"{op}: gate_up must be [E, 2I, H], got shape {tuple(gate_up.shape)}")
+    E, two_i, H = gate_up.shape
+    if H != x.shape[1] or two_i % 2 or down.shape != (E, H, two_i // 2):
+        raise ValueError(
+            f"{op}: gate_up_proj {tuple(gate_up.shape)} / down_proj {tuple(down.shape)} do not match "
+            f"x {tuple(x.shape)} (expected [E, 2I, H] and [E, H, I])"
+        )
+    if weights.shape != ids.shape or weights.ndim != 2 or weights.shape[0] != x.shape[0]:
+        raise ValueError(f"{op}: topk weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must be [tokens, k]")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: ids must be int32 or int64, got {ids.dtype}")
+
+
+def moe_experts_ref(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    expert_offset: int | None = None,
+) -> torch.Tensor:
+    """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``, expert by expert (the HF loop).
+
+    ``expert_e(v) = silu_and_mul(v @ gate_up[e]^T) @ down[e]^T``; each expert's output is scaled in
+    fp32 and summed in ``x.dtype``. Returns ``[T, H]`` in ``x.dtype``. With ``expert_offset`` the tensors hold
+    experts ``[expert_offset, expert_offset + E)`` and pairs routed elsewhere are skipped.
+    """
+    out = torch.zeros_like(x)
+    if expert_offset is not None:
+        ids = ids - expert_offset
+    for e in torch.unique(ids).tolist():
+        if not 0 <= e < gate_up.shape[0]:
+            if expert_offset is not None:
+                continue
+            raise ValueError(f"moe_experts: expert id {e} is outside [0, {gate_up.shape[0]})")
+        tok, slot = torch.where(ids == e)
+        y = silu_and_mul(x[tok] @ gate_up[e].t()) @ down[e].t()
+        out.index_add_(0, tok, (y.float() * weights[tok, slot, None].float()).to(x.dtype))
+    return out
+
+
+def moe_experts_loop(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert_offset: int | None,
+                     num_experts: int, expert) -> torch.Tensor:  # fmt: skip
+    """:func:`moe_experts_ref`'s loop with the expert computation supplied (packed or quantized host kernels):
+    ``expert(e, rows [n, H]) -> [n, H]``, for ``x [T, H]`` and ``weights / ids [T, k]`` (checked by the caller);
+    returns ``[T, H]`` in ``x.dtype``. Fewer host ops than the reference: the pairs sorted by expert once, every
+    pair's rows scaled in fp32 and added by one ``index_add_`` in the reference's order (expert, then token, then
+    slot). In fp32 the sums are the reference's bit for bit; in bf16 / fp16 ``index_add_`` accumulates a token's
+    pairs in fp32 and rounds once (the reference rounds after every pair)."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    if expert_offset is not None:
+        flat = flat - expert_offset
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    tok_all = order // k
+    ys, toks, rows = [], [], []
+    start = 0
+    for e, n in zip(experts.tolist(), counts.tolist()):
+        pos = order[start : start + n]
+        start += n
+        if not 0 <= e < num_experts:
+            if expert_offset is not None:
+                continue
+            raise ValueError(f"moe_experts: expert id {e} is outside [0, {num_experts})")
+        tok = tok_all[start - n : start]
+        ys.append(expert(e, x[tok]))
+        toks.append(tok)
+        rows.append(pos)
+    out = torch.zeros_like(x)
+    if ys:
+        y = torch.cat(ys) if len(ys) > 1 else ys[0]
+        w = weights.reshape(-1)[torch.cat(rows)].float()
+        out.index_add_(0, torch.cat(toks), (y.float() * w[:, None]).to(x.dtype))
+    return out

@@ -1,0 +1,294 @@
+"""Triton routed MoE experts: grouped GEMMs over the (token, expert) pairs sorted by expert.
+
+Host side (torch, no sync, static shapes): the ``T * k`` pairs are sorted by expert id; per-expert
+counts (a scatter-add) and their exclusive prefix sum give each expert's slice of the sorted list.
+Two kernels, each over a grid of (expert, output tile); a program whose expert got no token exits
+at once:
+
+* ``_moe_gate_up_kernel``: for its expert's pairs, in chunks of ``BLOCK_M`` rows, gathers the
+  tokens' rows of ``x``, multiplies by the expert's gate and up rows of this tile (two
+  accumulators, K loop over ``H``) and stores ``silu(gate) * up`` (fp32 math) for the tile into an
+  intermediate ``[T * k, I]`` at the pairs' sorted positions;
+* ``_moe_down_kernel``: the intermediate rows times the expert's ``down`` tile, scaled by each
+  pair's routing weight, stored at the pair's own index in ``[T * k, H]`` (fp32).
+
+The ``k`` rows of a token are then summed (``view(T, k, H).sum(1)``). Each routed expert's weights
+are read once per call (per chunk of ``BLOCK_M`` of its tokens, the rest from L2); only routed
+products are computed, against every expert on every token in the dense form.
+
+Decode sizes (:func:`use_gemv`: few pairs, against many experts) take a sort-free GEMV path instead: the sort, the
+scatter-add, the prefix sum and the final sum are five small launches per layer, and the grouped
+grid leaves most programs idle (one per expert and tile, ``k`` experts routed). Two kernels:
+
+* ``_moe_gemv_gate_up_kernel``, a program per (pair, ``BLOCK_N`` intermediate columns): the pair's
+  expert is ``ids[pair]``, its token ``pair // k``; it reduces the token's row against the gate and
+  up rows of those columns (fp32 FMA, no tensor cores: one row) and stores ``silu(gate) * up``;
+* ``_moe_gemv_down_kernel``, a program per (token, ``BLOCK_N`` output columns): the ``k`` pairs of
+  the token in slot order, each pair's down rows times its intermediate row, scaled by the routing
+  weight and summed in fp32 in registers, stored once in ``x.dtype``: no ``[T * k, H]`` partials.
+
+A token routed twice to one expert reads that expert twice (from L2 the second time); beyond a few
+tokens per step the grouped path reads each expert once and wins.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ...devices import register
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the two kernels; tokens per expert are few at decode.
+_GPU_CFG = {"gate_up": (16, 64, 128, 4, 3), "down": (16, 64, 128, 4, 3)}
+_INTERP_CFG = {"gate_up": (16, 16, 32, 4, 1), "down": (16, 16, 32, 4, 1)}
+
+
+@triton.jit
+def _expert_span(counts_ptr, offsets_ptr):
+    """This program's expert: how many (token, slot) pairs it got and where they start in the sorted list."""
+    e = tl.program_id(0)
+    return e, tl.load(counts_ptr + e), tl.load(offsets_ptr + e)
+
+
+@triton.jit
+def _chunk(order_ptr, start, cnt, m0, BLOCK_M: tl.constexpr):
+    """Rows ``m0 .. m0 + BLOCK_M`` of an expert's slice of the sorted pairs: their positions, mask
+    and pair indices (``token * top_k + slot``)."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    r_mask = rows < cnt
+    return rows, r_mask, tl.load(order_ptr + start + rows, mask=r_mask, other=0)
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, w_ptr, order_ptr, counts_ptr, offsets_ptr, inter_ptr,
+    H, I, TOPK,
+    stride_xm, stride_we, stride_wn, stride_im,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    e, cnt, start = _expert_span(counts_ptr, offsets_ptr)
+    if cnt > 0:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < I
+        w_e = w_ptr + e.to(tl.int64) * stride_we
+        g_rows = w_e + offs_n.to(tl.int64)[:, None] * stride_wn
+        u_rows = w_e + (I + offs_n).to(tl.int64)[:, None] * stride_wn
+        for m0 in range(0, cnt, BLOCK_M):
+            rows, r_mask, pair = _chunk(order_ptr, start, cnt, m0, BLOCK_M)
+            x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_xm
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = offs_k < H
+                a = tl.load(x_rows + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+                wm = n_mask[:, None] & k_mask[None, :]
+                wg = tl.load(g_rows + offs_k[None, :], mask=wm, other=0.0)
+                wu = tl.load(u_rows + offs_k[None, :], mask=wm, other=0.0)
+                acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
+                acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+            y = acc_g * tl.sigmoid(acc_g) * acc_u
+            dst = inter_ptr + (start + rows).to(tl.int64)[:, None] * stride_im + offs_n[None, :]
+            tl.store(dst, y.to(inter_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    inter_ptr, w_ptr, order_ptr, counts_ptr, offsets_ptr, rw_ptr, out_ptr,
+    H, I,
+    stride_im, stride_we, stride_wn, stride_om,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    e, cnt, start = _expert_span(counts_ptr, offsets_ptr)
+    if cnt > 0:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < H
+        w_rows = w_ptr + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+        for m0 in range(0, cnt, BLOCK_M):
+            rows, r_mask, pair = _chunk(order_ptr, start, cnt, m0, BLOCK_M)
+            a_rows = inter_ptr + (start + rows).to(tl.int64)[:, None] * stride_im
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = offs_k < I
+                a = tl.load(a_rows + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+                w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            rw = tl.load(rw_ptr + pair, mask=r_mask, other=0.0).to(tl.float32)
+            dst = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+            tl.store(dst, acc * rw[:, None], mask=r_mask[:, None] & n_mask[None, :])
+
+
+# The GEMV path serves at most GEMV_MAX_PAIRS (token, expert) pairs, and at most half as many as there are experts
+# (with few experts a step's tokens share them, and the grouped path reads each once). H200 tile sweep
+# (results/h200/sweeps/sweep_moe_gemv.json, bf16, cold experts), GEMV vs grouped: Qwen3-30B-A3B experts 33 vs 51 us
+# at 1 token, 137 vs 151 at 8 (64 pairs); Qwen3-Next 27 vs 64 at 1, 126 vs 148 at 8; Mixtral 186 vs 220 at 1, even at
+# 2, 552 vs 437 at 4 (8 pairs for 8 experts: the grouped path's side of the rule).
+GEMV_MAX_PAIRS = int(os.environ.get("INFERCORE_MOE_GEMV_MAX_PAIRS", "64"))
+# (BLOCK_N, BLOCK_K, warps) of each kernel, by tokens (1, or 2 and more): narrow column blocks for one token (more
+# programs over the k experts' rows), 16 columns from two tokens on (best or within 3% of it at every shape swept).
+_GEMV_CFG = {1: {"gate_up": (2, 512, 4), "down": (2, 512, 4)}, 2: {"gate_up": (16, 256, 8), "down": (16, 256, 8)}}
+_GEMV_INTERP_CFG = {n: {"gate_up": (4, 16, 1), "down": (4, 16, 1)} for n in (1, 2)}
+
+
+def use_gemv(tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether :func:`moe_experts_triton` takes the GEMV path for this routing size."""
+    pairs = tokens * top_k
+    return 0 < pairs <= GEMV_MAX_PAIRS and 2 * pairs <= num_experts
+
+
+@triton.jit
+def _moe_gemv_gate_up_kernel(
+    x_ptr, w_ptr, ids_ptr, inter_ptr,
+    H, I, TOPK, E, OFFSET,
+    stride_xm, stride_we, stride_wn, stride_im,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0)
+    e = tl.load(ids_ptr + pair).to(tl.int64) - OFFSET
+    if (e < 0) | (e >= E):  # an expert held elsewhere (expert parallelism): the down kernel skips the pair
+        return
+    x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_xm
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    w_e = w_ptr + e * stride_we
+    g_rows = w_e + offs_n.to(tl.int64)[:, None] * stride_wn
+    u_rows = w_e + (I + offs_n).to(tl.int64)[:, None] * stride_wn
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < H
+        a = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        wm = n_mask[:, None] & k_mask[None, :]
+        acc_g += tl.load(g_rows + offs_k[None, :], mask=wm, other=0.0, eviction_policy="evict_first").to(tl.float32) * a
+        acc_u += tl.load(u_rows + offs_k[None, :], mask=wm, other=0.0, eviction_policy="evict_first").to(tl.float32) * a
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    y = g * tl.sigmoid(g) * u
+    tl.store(inter_ptr + pair.to(tl.int64) * stride_im + offs_n, y.to(inter_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _moe_gemv_down_kernel(
+    inter_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr,
+    H, I, E, OFFSET,
+    stride_im, stride_we, stride_wn, stride_om,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    tok = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(TOPK):  # the token's pairs in slot order: a fixed summation order
+        pair = tok * TOPK + j
+        e = tl.load(ids_ptr + pair).to(tl.int64) - OFFSET
+        if (e >= 0) & (e < E):
+            w_rows = w_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+            a_row = inter_ptr + pair.to(tl.int64) * stride_im
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_mask = offs_k < I
+                a = tl.load(a_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+                w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                            eviction_policy="evict_first")
+                acc += w.to(tl.float32) * a
+            out += tl.sum(acc, axis=1) * tl.load(rw_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + tok.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def moe_experts_gemv(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    expert_offset: int | None = None,
+) -> torch.Tensor:
+    """The decode-size path (see the module docstring): no sort, two launches. Same arguments and result as
+    :func:`moe_experts_triton`."""
+    T, topk = ids.shape
+    E, two_i, H = gate_up.shape
+    inter_dim = two_i // 2
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    down = down if down.stride(-1) == 1 else down.contiguous()
+    flat = ids.reshape(-1).contiguous()
+    rw = weights.reshape(-1).contiguous()
+    inter = torch.empty((T * topk, inter_dim), dtype=x.dtype, device=x.device)
+    cfgs = (_GEMV_INTERP_CFG if _INTERPRET else _GEMV_CFG)[min(T, 2)]
+    bn, bk, warps = cfgs["gate_up"]
+    extra = {} if _INTERPRET else {"num_warps": warps}
+    offset = expert_offset or 0
+    _moe_gemv_gate_up_kernel[(T * topk, triton.cdiv(inter_dim, bn))](
+        x, gate_up, flat, inter, H, inter_dim, topk, E, offset, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        inter.stride(0), BLOCK_N=bn, BLOCK_K=bk, **extra,
+    )  # fmt: skip
+    bn, bk, warps = cfgs["down"]
+    extra = {} if _INTERPRET else {"num_warps": warps}
+    _moe_gemv_down_kernel[(T, triton.cdiv(H, bn))](
+        inter, down, flat, rw, out, H, inter_dim, E, offset, inter.stride(0), down.stride(0), down.stride(1),
+        out.stride(0),
+        TOPK=topk, BLOCK_N=bn, BLOCK_K=bk, **extra,
+    )  # fmt: skip
+    return out
+
+
+def moe_experts_triton(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    expert_offset: int | None = None,
+) -> torch.Tensor:
+    """See :func:`infercore.ops.moe.moe_experts_routed` (arguments checked there). Decode sizes (:func:`use_gemv`)
+    run :func:`moe_experts_gemv`; the rest the grouped kernels below."""
+    T, topk = ids.shape
+    if use_gemv(T, topk, gate_up.shape[0] if expert_offset is None else 10**9):
+        return moe_experts_gemv(x, gate_up, down, weights, ids, expert_offset)
+    E, two_i, H = gate_up.shape
+    inter_dim = two_i // 2
+    P = T * topk
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    if P == 0:
+        return out.zero_()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    down = down if down.stride(-1) == 1 else down.contiguous()
+    flat = ids.reshape(-1)
+    if expert_offset is not None:  # pairs of experts held elsewhere sort last, into a bin no program reads
+        flat = flat - expert_offset
+        flat = torch.where((flat >= 0) & (flat < E), flat, E)
+    order = torch.argsort(flat, stable=True).to(torch.int32)  # sorted position -> pair index
+    counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat.long(), torch.ones(P, dtype=torch.int32, device=x.device))
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    rw = weights.reshape(-1).contiguous()
+    inter = torch.empty((P, inter_dim), dtype=x.dtype, device=x.device)
+    # skipped pairs' rows are never written: zeros then, so the final sum adds nothing for them
+    out_pairs = (torch.empty if expert_offset is None else torch.zeros)((P, H), dtype=torch.float32, device=x.device)
+    cfgs = _INTERP_CFG if _INTERPRET else _GPU_CFG
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    bm, bn, bk, warps, stages = cfgs["gate_up"]
+    extra = {} if _INTERPRET else {"num_warps": warps, "num_stages": stages}
+    _moe_gate_up_kernel[(E, triton.cdiv(inter_dim, bn))](
+        x, gate_up, order, counts, offsets, inter, H, inter_dim, topk,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0),
+        DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **extra,
+    )  # fmt: skip
+    bm, bn, bk, warps, stages = cfgs["down"]
+    extra = {} if _INTERPRET else {"num_warps": warps, "num_stages": stages}
+    _moe_down_kernel[(E, triton.cdiv(H, bn))](
+        inter, down, order, counts, offsets, rw, out_pairs, H, inter_dim,
+        inter.stride(0), down.stride(0), down.stride(1), out_pairs.stride(0),
+        DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **extra,
+    )  # fmt: skip
+    return out_pairs.view(T, topk, H).sum(1).to(x.dtype)
+
+
+register(
+    "moe_experts_routed", "triton", moe_experts_triton, priority=10,
+    available=lambda cap: cap.is_cuda and cap.triton,
+)  # fmt: skip

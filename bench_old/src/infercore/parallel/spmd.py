@@ -1,0 +1,77 @@
+"""Driving the engines of a tensor-parallel group from one rank (serving).
+
+Every rank of a sharded model must make the same engine calls in the same order. Offline (``generate``) every
+rank simply runs the same script. A server receives its requests on rank 0 only, so rank 0 drives a
+:class:`MirroredEngine`: each call that changes the engine (``add_request``, ``abort``, ``step``) is broadcast to
+the other ranks before it runs, and they replay it in :func:`follow` until rank 0 calls :meth:`MirroredEngine.close`.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..engine import Engine
+
+_STOP = "stop"
+
+
+def _broadcast(obj, group) -> object:
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
+
+
+class MirroredEngine:
+    """Rank 0's view of the group's engines: the calls that change an engine are sent to the followers first.
+    Everything else (``has_unfinished``, ``tokenizer``, ``requests``, ...) reads rank 0's engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        if not isinstance(engine, Engine):
+            raise TypeError(f"engine: expected an Engine, got {type(engine).__name__}")
+        if getattr(engine.model, "tp_size", 1) < 2:
+            raise ValueError("engine: its model is not sharded (parallel.tensor_parallel_); nothing to mirror")
+        if engine.model.tp_rank != 0:
+            raise ValueError(f"engine: rank {engine.model.tp_rank} follows (parallel.follow); rank 0 drives")
+        self.engine = engine
+        self.group = engine.model.tp_group
+        self._closed = False
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def _call(self, name: str, *args, **kwargs):
+        if self._closed:
+            raise RuntimeError("MirroredEngine: closed")
+        _broadcast((name, args, kwargs), self.group)
+        return getattr(self.engine, name)(*args, **kwargs)
+
+    def add_request(self, *args, **kwargs) -> str:
+        return self._call("add_request", *args, **kwargs)
+
+    def abort(self, request_id: str) -> None:
+        return self._call("abort", request_id)
+
+    def step(self):
+        return self._call("step")
+
+    def close(self) -> None:
+        """Release the followers (their :func:`follow` returns)."""
+        if not self._closed:
+            _broadcast((_STOP, (), {}), self.group)
+            self._closed = True
+
+
+def follow(engine: Engine) -> int:
+    """On a rank other than 0: replay rank 0's engine calls on ``engine`` until it closes; returns how many ran.
+    A call that raises on rank 0 (a refused request, a failed step) raises here too, and is passed over alike."""
+    group = engine.model.tp_group
+    n = 0
+    while True:
+        name, args, kwargs = _broadcast(None, group)
+        if name == _STOP:
+            return n
+        try:
+            getattr(engine, name)(*args, **kwargs)
+        except Exception:  # noqa: BLE001  (rank 0 met the same error in the same call, and goes on)
+            pass
+        n += 1

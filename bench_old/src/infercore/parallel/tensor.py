@@ -1,0 +1,217 @@
+"""Tensor parallelism (Megatron layout) for the Llama family over ``torch.distributed``.
+
+Each rank of a process group keeps a slice of every layer and the same replicated rest:
+
+- ``qkv_proj`` (column-parallel): the rank's query heads, then its KV heads (``num_heads / tp`` and
+  ``num_kv_heads / tp``), so attention and the paged KV cache of each rank hold only its heads;
+- ``o_proj`` and ``down_proj`` (row-parallel): the matching input columns, wrapped in :class:`RowParallel`,
+  which sums the outputs over the group (``all_reduce``); a bias is added by rank 0 only;
+- ``gate_up_proj`` (column-parallel): the rank's slice of the gate rows and the same slice of the up rows;
+- ``lm_head`` (vocabulary-parallel): a slice of the vocabulary, wrapped in :class:`VocabParallel`, which gathers
+  the logits over the group (``all_gather``), so every rank samples from the whole distribution;
+- embeddings and norms: replicated;
+- routed experts (Mixtral / Qwen-MoE): every expert keeps the rank's slice of its intermediate width, or (expert
+  parallelism, ``experts="ep"``) each rank keeps whole experts and skips the pairs routed to the others; the shared
+  expert is split by width; the router is replicated, so every rank routes every token alike, and the whole block's
+  output is summed over the group (one ``all_reduce`` per block, :class:`RowParallel` around the block).
+
+The shards stay ``nn.Linear`` modules inside the wrappers, so the device layouts' class swaps and
+:func:`~infercore.quant.quantize` (per shard) apply to them as to an unsharded model.
+
+Every rank then runs the same :class:`~infercore.Engine` loop on the same requests (SPMD): the scheduler is
+deterministic, the collectives give every rank the same activations, and the engine draws the seeds of unseeded
+requests from a stream that rank 0 seeds (:func:`shared_seed`), so the ranks sample the same tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..models.moe import SparseMoeBlock
+
+
+def _group_size_rank(group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("tensor_parallel_: torch.distributed is not initialized (call init_process_group first)")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _slice_rows(w: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
+    """Rows ``[a, b)`` of ``w`` for each ``(a, b)`` of ``parts``, concatenated (a new contiguous tensor)."""
+    return torch.cat([w[a:b] for a, b in parts]).contiguous()
+
+
+def _set(mod: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    mod.weight = nn.Parameter(weight, requires_grad=False)
+    mod.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
+    mod.out_features, mod.in_features = weight.shape
+
+
+class RowParallel(nn.Module):
+    """This rank's input columns of a row-parallel projection. ``linear`` maps ``[..., K / tp]`` to ``[..., N]``
+    (an ``nn.Linear`` or what a layout or quantization made of it); the output ``[..., N]`` is summed over
+    ``group`` in place. Also wraps a whole routed-expert block, whose output is this rank's partial sum."""
+
+    def __init__(self, linear: nn.Module, group) -> None:
+        super().__init__()
+        self.linear, self.group = linear, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        dist.all_reduce(y, group=self.group)
+        return y
+
+
+class VocabParallel(nn.Module):
+    """This rank's slice of the vocabulary: ``linear`` maps ``[..., H]`` to ``[..., V / tp]``; the logits
+    ``[..., V]`` are the group's slices gathered in rank order."""
+
+    def __init__(self, linear: nn.Module, group, world: int) -> None:
+        super().__init__()
+        self.linear, self.group, self.world = linear, group, world
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x).contiguous()
+        parts = [torch.empty_like(y) for _ in range(self.world)]
+        dist.all_gather(parts, y, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+@torch.no_grad()
+def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn.Module:
+    """Shard a loaded Llama-family model (:class:`~infercore.models.llama.LlamaForCausalLM`: Llama, Mistral,
+    Qwen2 / Qwen3, SmolLM2, and the routed-expert Mixtral / Qwen2-MoE / Qwen3-MoE) in place over ``group``
+    (default: the world), as this rank's slice; see the module docstring for the layout. Call it on every rank with
+    the same weights, before building the Engine.
+
+    ``experts`` (routed-expert models): ``"tp"`` gives every rank a slice of every expert's width; ``"ep"`` (expert
+    parallelism) gives each rank whole experts, ``num_experts / tp`` of them, and the rank skips the (token, expert)
+    pairs routed to the others. Either way the shared expert is split by width and the block's output summed.
+
+    Returns the model, with ``model.tp_group`` (``group``), ``tp_size`` and ``tp_rank`` set.
+
+    Raises:
+        TypeError: ``model`` is not a Llama-family model, or is quantized (quantize after sharding).
+        ValueError: ``torch.distributed`` is not initialized, or the group size does not divide the number of
+            query heads, KV heads, an MLP or expert width or the vocabulary (each named).
+    """
+    from ..models.llama import LlamaForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM):
+        raise TypeError(f"tensor_parallel_: model must be a Llama-family model, got {type(model).__name__}")
+    if hasattr(model, "tp_size"):
+        raise ValueError("tensor_parallel_: model is already sharded")
+    tp, rank = _group_size_rank(group)
+    cfg = model.config
+    if experts not in ("tp", "ep"):
+        raise ValueError(f"tensor_parallel_: experts must be 'tp' or 'ep', got {experts!r}")
+    widths = [("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads), ("vocab_size", cfg.vocab_size)]
+    sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers]
+    if not all(sparse):
+        widths.append(("intermediate_size", cfg.intermediate_size))
+    if any(sparse):
+        widths.append(("moe_intermediate_size", cfg.moe_intermediate_size) if experts == "tp"
+                      else ("num_experts", cfg.num_experts))
+        if cfg.shared_expert_intermediate_size:
+            widths.append(("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size))
+    for name, n in widths:
+        if n % tp:
+            raise ValueError(f"tensor_parallel_: the group size {tp} does not divide {name}={n}")
+    for mod in model.modules():
+        if isinstance(mod, nn.Linear) and type(mod) is not nn.Linear:
+            raise TypeError(f"tensor_parallel_: shard the model before any layout or quantization swap "
+                            f"(found {type(mod).__name__})")
+        if not isinstance(mod, nn.Linear) and hasattr(mod, "qweight_format"):
+            raise TypeError("tensor_parallel_: quantized linears are not sharded; shard the dense model, then "
+                            "quantize it")
+    d = cfg.head_dim
+    hq, hk = cfg.num_heads // tp, cfg.num_kv_heads // tp
+    q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        qkv = [(rank * hq * d, (rank + 1) * hq * d),
+               (q_rows + rank * hk * d, q_rows + (rank + 1) * hk * d),
+               (q_rows + kv_rows + rank * hk * d, q_rows + kv_rows + (rank + 1) * hk * d)]
+        p = attn.qkv_proj
+        _set(p, _slice_rows(p.weight, qkv), None if p.bias is None else _slice_rows(p.bias, qkv))
+        attn.num_heads, attn.num_kv_heads = hq, hk
+        attn.q_size, attn.kv_size = hq * d, hk * d
+        p = attn.o_proj
+        _set(p, p.weight[:, rank * hq * d : (rank + 1) * hq * d].contiguous(), p.bias if rank == 0 else None)
+        attn.o_proj = RowParallel(p, group)
+        if isinstance(layer.mlp, SparseMoeBlock):
+            _shard_moe_(layer.mlp, tp, rank, by_expert=experts == "ep")
+            layer.mlp = RowParallel(layer.mlp, group)  # experts and shared expert: partial sums, one all_reduce
+        else:
+            _shard_gated_mlp_(layer.mlp, tp, rank, group, reduce=True)
+    v = cfg.vocab_size // tp
+    head = model.lm_head  # tied to the embedding or not, the slice is a new tensor: the embedding stays whole
+    _set(head, head.weight[rank * v : (rank + 1) * v].clone(), None)
+    model.lm_head = VocabParallel(head, group, tp)
+    model.tp_group = group
+    model.tp_size, model.tp_rank = tp, rank
+    return model
+
+
+def _gate_up_rows(width: int, tp: int, rank: int) -> list[tuple[int, int]]:
+    """This rank's rows of a merged ``[gate; up]`` projection of ``width`` rows each."""
+    part = width // tp
+    return [(rank * part, (rank + 1) * part), (width + rank * part, width + (rank + 1) * part)]
+
+
+def _shard_gated_mlp_(mlp: nn.Module, tp: int, rank: int, group, *, reduce: bool) -> None:
+    """``gate_up_proj`` column-parallel; ``down_proj`` row-parallel, wrapped in :class:`RowParallel` with
+    ``reduce`` (else its partial sum is left to its block's sum)."""
+    p = mlp.gate_up_proj
+    rows = _gate_up_rows(p.out_features // 2, tp, rank)
+    _set(p, _slice_rows(p.weight, rows), None if p.bias is None else _slice_rows(p.bias, rows))
+    p = mlp.down_proj
+    part = p.in_features // tp
+    _set(p, p.weight[:, rank * part : (rank + 1) * part].contiguous(), p.bias if rank == 0 else None)
+    if reduce:
+        mlp.down_proj = RowParallel(p, group)
+
+
+def _shard_moe_(block: SparseMoeBlock, tp: int, rank: int, *, by_expert: bool) -> None:
+    """Every expert keeps its slice of the intermediate width (``[E, 2I/tp, H]`` / ``[E, H, I/tp]``), or with
+    ``by_expert`` the rank keeps whole experts ``[rank E/tp, (rank + 1) E/tp)`` (``block.expert_offset``); the
+    shared expert is split by width, the router and the shared expert's gate stay whole. The block's output is then
+    this rank's partial sum (the sigmoid gate scales each rank's part alike)."""
+    ex = block.experts
+    if by_expert:
+        n = ex.gate_up_proj.shape[0] // tp
+        ex.gate_up_proj = nn.Parameter(ex.gate_up_proj[rank * n : (rank + 1) * n].contiguous(), requires_grad=False)
+        ex.down_proj = nn.Parameter(ex.down_proj[rank * n : (rank + 1) * n].contiguous(), requires_grad=False)
+        block.expert_offset = rank * n
+    else:
+        rows = _gate_up_rows(ex.gate_up_proj.shape[1] // 2, tp, rank)
+        ex.gate_up_proj = nn.Parameter(torch.cat([ex.gate_up_proj[:, a:b] for a, b in rows], 1).contiguous(),
+                                       requires_grad=False)
+        part = ex.down_proj.shape[2] // tp
+        ex.down_proj = nn.Parameter(ex.down_proj[:, :, rank * part : (rank + 1) * part].contiguous(),
+                                    requires_grad=False)
+    if block.shared_expert is not None:
+        _shard_gated_mlp_(block.shared_expert, tp, rank, None, reduce=False)
+
+
+def _int_tensor(value: int, group) -> torch.Tensor:
+    t = torch.tensor([value], dtype=torch.int64)
+    return t.cuda() if dist.get_backend(group) == "nccl" else t  # NCCL: on this rank's current CUDA device
+
+
+def shared_seed(group=None) -> int:
+    """A random 63-bit seed drawn on rank 0 of ``group`` and broadcast, the same on every rank."""
+    import random
+
+    t = _int_tensor(random.getrandbits(63), group)
+    dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return int(t.item())
+
+
+def group_min(value: int, group=None) -> int:
+    """The smallest of every rank's ``value`` (the KV pool's page count, so that every rank schedules alike)."""
+    t = _int_tensor(value, group)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())

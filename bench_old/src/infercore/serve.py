@@ -1,0 +1,406 @@
+"""An OpenAI-compatible HTTP server over one :class:`~infercore.Engine` (``infercore serve``).
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions``, each with
+``"stream": true`` (server-sent events ending in ``data: [DONE]``) or a single JSON reply. Sampling fields:
+``max_tokens`` (``max_completion_tokens`` in chat), ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
+``stop`` (a string or a list), ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
+``ignore_eos``, ``min_tokens``, and ``logprobs`` (completions: an int; chat: ``true`` with ``top_logprobs``).
+A completion's ``prompt`` is a string, a list of token ids, or a list of either, and ``n`` (up to
+:data:`MAX_N`) asks for several samples of each: choice ``i * n + j`` is prompt ``i``'s sample ``j``, all of them
+batched together (with a ``seed``, sample ``j`` uses ``seed + j``); streamed chunks carry their choice's index.
+
+One thread owns the engine and runs its loop (:class:`EngineLoop`); the HTTP handler threads only submit
+requests and read their outputs from a queue, so any number of clients batch together in the engine's
+continuous batching. A client that disconnects has its request aborted. Bad requests get HTTP 400 with an
+OpenAI-style ``{"error": {"message", "type", "param"}}``; the engine's own checks (``SamplingParams``, prompt
+length, pool size) name the field. Stdlib only (``http.server``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import threading
+import time
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+from .engine import Engine, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from .parallel import MirroredEngine
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "ignore_eos", "min_tokens")
+
+
+class BadRequest(ValueError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineLoop:
+    """The thread that owns ``engine``: it admits submitted requests, steps while any is unfinished, and puts
+    each :class:`RequestOutput` (or the exception that refused the request) on the request's queue."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._ids = itertools.count()
+        self._queues: dict[str, queue.Queue] = {}
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="infercore-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, prompt: list[int], params: SamplingParams, out: queue.Queue | None = None
+               ) -> tuple[str, queue.Queue]:
+        """Queue a request; its outputs arrive on ``out`` (a new queue unless given, so several requests can
+        share one) as ``(request id, item)``: a :class:`RequestOutput` after each step that advanced it, the
+        exception that refused or failed it, or None once it is aborted."""
+        rid = f"req-{next(self._ids)}"
+        out = queue.Queue() if out is None else out
+        self._inbox.put(("add", rid, prompt, params, out))
+        return rid, out
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid, None, None, None))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None, None, None, None))
+        self.thread.join(timeout=30)
+
+    def _admit(self, item) -> None:
+        kind, rid, prompt, params, out = item
+        if kind == "add":
+            try:
+                self.engine.add_request(prompt, params, request_id=rid)
+            except (ValueError, TypeError) as e:
+                out.put((rid, e))
+                return
+            self._queues[rid] = out
+        elif kind == "abort" and rid in self._queues:
+            self.engine.abort(rid)
+            self._queues.pop(rid).put((rid, None))
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            try:  # wait for work when idle; otherwise only drain what has arrived
+                item = self._inbox.get(timeout=0.5) if not eng.has_unfinished() else self._inbox.get_nowait()
+                self._admit(item)
+                while True:
+                    self._admit(self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if not eng.has_unfinished():
+                continue
+            try:
+                outputs = eng.step()
+            except Exception as e:  # noqa: BLE001  (every waiting client hears of it; the loop goes on)
+                for rid, q in list(self._queues.items()):
+                    eng.abort(rid)
+                    q.put((rid, RuntimeError(f"engine step failed: {e}")))
+                self._queues.clear()
+                continue
+            for out in outputs:
+                q = self._queues.get(out.request_id)
+                if q is not None:
+                    q.put((out.request_id, out))
+                    if out.finished:
+                        del self._queues[out.request_id]
+
+
+def _number(body: dict, name: str, kind: type) -> Any:
+    """``body[name]`` if it is a ``kind`` (float takes ints too; bools are no numbers), None if absent."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if kind is bool:
+        ok = isinstance(v, bool)
+    elif kind is int:
+        ok = isinstance(v, int) and not isinstance(v, bool)
+    else:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if not ok:
+        raise BadRequest(f"{name} must be a {kind.__name__}, got {type(v).__name__}", name)
+    return v
+
+
+def sampling_params(body: dict, *, chat: bool) -> SamplingParams:
+    """The request body's sampling fields as :class:`SamplingParams` (``BadRequest`` / the params' own
+    ValueError / TypeError name a bad field)."""
+    kw: dict[str, Any] = {}
+    kinds = {"temperature": float, "top_p": float, "min_p": float, "presence_penalty": float,
+             "frequency_penalty": float, "repetition_penalty": float, "top_k": int, "seed": int, "min_tokens": int,
+             "ignore_eos": bool}
+    for name in _SAMPLING_FIELDS:
+        v = _number(body, name, kinds[name])
+        if v is not None:
+            kw[name] = v
+    if chat and body.get("max_completion_tokens") is not None:
+        kw["max_tokens"] = _number(body, "max_completion_tokens", int)
+    elif body.get("max_tokens") is not None:
+        kw["max_tokens"] = _number(body, "max_tokens", int)
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise BadRequest("stop must be a string or a list of strings", "stop")
+        kw["stop"] = stop
+    if chat:
+        if body.get("logprobs"):
+            kw["logprobs"] = _number(body, "top_logprobs", int) or 0
+    elif body.get("logprobs") is not None:
+        kw["logprobs"] = _number(body, "logprobs", int)
+    return SamplingParams(**kw)
+
+
+MAX_N = 16
+
+
+def _n(body: dict) -> int:
+    n = _number(body, "n", int)
+    if n is not None and not 1 <= n <= MAX_N:
+        raise BadRequest(f"n must be in [1, {MAX_N}], got {n}", "n")
+    return n or 1
+
+
+def _prompt_ids(engine: Engine, body: dict, *, chat: bool) -> list[list[int]]:
+    """The request's prompts as token ids: one chat conversation, or the completion prompt(s) (a string, a list
+    of token ids, or a list of either)."""
+    tok = engine.tokenizer
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise BadRequest("messages must be a non-empty list of {'role': str, 'content': str}", "messages")
+        if tok is None:
+            raise BadRequest("the model has no tokenizer for chat messages", "messages")
+        return [tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)]
+    prompt = body.get("prompt")
+
+    def ids(p) -> list[int]:
+        if isinstance(p, str):
+            if tok is None:
+                raise BadRequest("the model has no tokenizer; send token ids", "prompt")
+            return tok.encode(p)
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return p
+        raise BadRequest("prompt must be a string, a list of token ids, or a non-empty list of either", "prompt")
+
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return [ids(p) for p in prompt]  # OpenAI's batch form
+    return [ids(prompt)]
+
+
+def _logprobs(engine: Engine, out: RequestOutput, start: int, *, chat: bool) -> dict | None:
+    if out.logprobs is None:
+        return None
+    tok = engine.tokenizer
+
+    def text(t: int) -> str:
+        return tok.decode([t], skip_special_tokens=False) if tok is not None else str(t)
+
+    rows = list(zip(out.token_ids[start:], out.logprobs[start:]))
+    if chat:
+        return {"content": [{"token": text(t), "logprob": d[t],
+                             "top_logprobs": [{"token": text(a), "logprob": v} for a, v in list(d.items())[1:]]}
+                            for t, d in rows]}
+    return {"tokens": [text(t) for t, _ in rows], "token_logprobs": [d[t] for t, d in rows],
+            "top_logprobs": [{text(a): v for a, v in list(d.items())[1:]} for _, d in rows]}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt: str, *args) -> None:  # quiet unless asked
+        if self.server.verbose:
+            super().log_message(fmt, *args)
+
+    def _json(self, status: int, obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, status: int, message: str, param: str | None = None) -> None:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        self._json(status, {"error": {"message": message, "type": kind, "param": param, "code": None}})
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self.path.rstrip("/") == "/v1/models":
+            self._json(200, {"object": "list", "data": [{"id": self.server.model_name, "object": "model",
+                                                         "created": self.server.created, "owned_by": "infercore"}]})
+        elif self.path.rstrip("/") in ("/health", ""):
+            self._json(200, {"status": "ok"})
+        else:
+            self._error(404, f"no route {self.path}")
+
+    def do_POST(self) -> None:  # noqa: N802
+        route = self.path.rstrip("/")
+        if route not in ("/v1/completions", "/v1/chat/completions"):
+            self._error(404, f"no route {self.path}")
+            return
+        chat = route == "/v1/chat/completions"
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+            body = json.loads(self.rfile.read(length) or b"{}")
+            if not isinstance(body, dict):
+                raise BadRequest("the body must be a JSON object")
+            params = sampling_params(body, chat=chat)
+            n = _n(body)
+            ids = _prompt_ids(self.server.loop.engine, body, chat=chat)
+            stream = bool(body.get("stream", False))
+        except BadRequest as e:
+            self._error(400, str(e), e.param)
+            return
+        except (ValueError, TypeError) as e:  # the JSON itself, or SamplingParams' checks (they name the field)
+            self._error(400, str(e))
+            return
+        loop = self.server.loop
+        q: queue.Queue = queue.Queue()
+        # n samples per prompt are n requests; with a seed, sample j draws from seed + j (else each draws its own)
+        index = {}
+        for i, p in enumerate(ids):
+            for j in range(n):
+                sp = params if params.seed is None or j == 0 else replace(params, seed=params.seed + j)
+                index[loop.submit(p, sp, q)[0]] = i * n + j
+        first = self._first_outputs(q, index)
+        if first is None:
+            return
+        if stream:
+            self._stream(index, q, first, chat)
+        else:
+            self._whole(index, q, first, chat)
+
+    def _first_outputs(self, q: queue.Queue, index: dict[str, int]) -> list | None:
+        """Each request's first output, in arrival order; on a refused one, the others are aborted and the
+        error is answered (None)."""
+        first, seen = [], set()
+        while len(seen) < len(index):
+            rid, item = q.get()
+            if isinstance(item, RequestOutput):
+                seen.add(rid)
+                first.append((rid, item))
+                continue
+            for other in index:
+                if other != rid:
+                    self.server.loop.abort(other)
+            if item is None or isinstance(item, (ValueError, TypeError)):
+                prefix = f"prompt {index[rid]}: " if len(index) > 1 else ""
+                self._error(400, prefix + (str(item) if item is not None else "request aborted"))
+            else:
+                self._error(500, str(item))
+            return None
+        return first
+
+    def _whole(self, index: dict[str, int], q: queue.Queue, first: list, chat: bool) -> None:
+        final: dict[str, RequestOutput] = {}
+        pending = list(first)
+        while len(final) < len(index):
+            rid, out = pending.pop(0) if pending else q.get()
+            if not isinstance(out, RequestOutput):
+                for other in index:
+                    if other not in final:
+                        self.server.loop.abort(other)
+                self._error(500, str(out) if out is not None else "request aborted")
+                return
+            if out.finished:
+                final[rid] = out
+        eng = self.server.loop.engine
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for rid, i in sorted(index.items(), key=lambda kv: kv[1]):
+            out = final[rid]
+            reason = out.finish_reason  # "stop" / "length", as OpenAI names them
+            prompt_tokens += len(out.prompt_token_ids)
+            completion_tokens += len(out.token_ids)
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
+                                "logprobs": _logprobs(eng, out, 0, chat=True), "finish_reason": reason})
+            else:
+                choices.append({"index": i, "text": out.text, "logprobs": _logprobs(eng, out, 0, chat=False),
+                                "finish_reason": reason})
+        self._json(200, {"id": next(iter(index)), "object": "chat.completion" if chat else "text_completion",
+                         "created": int(time.time()), "model": self.server.model_name, "choices": choices,
+                         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                   "total_tokens": prompt_tokens + completion_tokens}})
+
+    def _stream(self, index: dict[str, int], q: queue.Queue, first: list, chat: bool) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        eng = self.server.loop.engine
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created, sid = int(time.time()), next(iter(index))
+        head = {"id": sid, "object": obj, "created": created, "model": self.server.model_name}
+        pending, done = list(first), set()
+        try:
+            if chat:
+                for i in sorted(index.values()):
+                    self._event({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                      "finish_reason": None}]})
+            while len(done) < len(index):
+                rid, out = pending.pop(0) if pending else q.get()
+                if not isinstance(out, RequestOutput):
+                    self._event({"error": {"message": str(out) if out is not None else "request aborted",
+                                           "type": "server_error"}})
+                    for other in index:
+                        if other not in done and other != rid:
+                            self.server.loop.abort(other)
+                    break
+                start = len(out.token_ids) - len(out.new_token_ids)
+                reason = out.finish_reason if out.finished else None
+                lp = _logprobs(eng, out, start, chat=chat)
+                if chat:
+                    choice = {"index": index[rid], "delta": {"content": out.new_text} if out.new_text else {},
+                              "logprobs": lp, "finish_reason": reason}
+                else:
+                    choice = {"index": index[rid], "text": out.new_text, "logprobs": lp, "finish_reason": reason}
+                self._event({**head, "choices": [choice]})
+                if out.finished:
+                    done.add(rid)
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            for rid in index:
+                if rid not in done:
+                    self.server.loop.abort(rid)
+
+    def _event(self, obj: dict) -> None:
+        self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+        self.wfile.flush()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, addr, loop: EngineLoop, model_name: str, verbose: bool) -> None:
+        super().__init__(addr, _Handler)
+        self.loop, self.model_name, self.verbose = loop, model_name, verbose
+        self.created = int(time.time())
+
+
+def make_server(engine: Engine | MirroredEngine, *, host: str = "127.0.0.1", port: int = 8000,
+                model_name: str = "infercore", verbose: bool = False) -> _Server:
+    """An HTTP server (not started: call ``serve_forever()``, or run it in a thread) whose engine loop is
+    running. ``port=0`` picks a free port (``server.server_address``). ``server.shutdown()`` then
+    ``server.loop.close()`` stop it."""
+    from .parallel import MirroredEngine
+
+    if not isinstance(engine, (Engine, MirroredEngine)):
+        raise TypeError(f"engine: expected an Engine (or a MirroredEngine), got {type(engine).__name__}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port: expected an int in [0, 65535], got {port!r}")
+    return _Server((host, port), EngineLoop(engine), model_name, verbose)

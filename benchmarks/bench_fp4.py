@@ -1,0 +1,87 @@
+"""FP4 weight-only (MXFP4 / NVFP4, emulated decode: ``quant.fp4_matmul``) at the Llama-3.1-8B MLP shape (N=14336,
+K=4096) and M = 1, 4, 16, 128, 2048, against bf16 ``F.linear`` (cuBLAS) and the INT4 W4A16 g128 dispatcher, all
+timed the same way in one run: a CUDA graph of calls rotating over weight copies larger than the L2, so weights
+stream from HBM as in decode. Each call is first checked against the reference. Floor: the FP4 weight's bytes
+(codes + scales) over the copy bandwidth measured here.
+
+    python benchmarks/bench_fp4.py --out $OUT/r/fp4.json     # GPU, ~1-2 min
+"""
+
+# ruff: noqa: B023  (closures are run inside the loop iteration that defines them)
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import case, copy_bandwidth, rel_err, time_graph, write_results  # noqa: E402
+
+from infercore.quant import FP4Weight, IntWeight, fp4_matmul, naive, wq_matmul  # noqa: E402
+
+L2_BYTES = 50e6 * 2  # rotate over at least this many weight bytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ms", default="1,4,8,16,32,128,2048")
+    ap.add_argument("--n", type=int, default=14336)
+    ap.add_argument("--k", type=int, default=4096)
+    args = ap.parse_args()
+    n, k, dev = args.n, args.k, torch.device("cuda")
+    bw = copy_bandwidth()
+    torch.manual_seed(0)
+    base = torch.randn(n, k, device=dev) * 0.02
+    w16 = base.to(torch.bfloat16)
+    fp4 = {f: FP4Weight.quantize(base, fmt=f) for f in ("mxfp4", "nvfp4")}
+    int4 = IntWeight.quantize(base, bits=4, group_size=128)
+
+    def copies_of(nbytes):
+        return max(2, math.ceil(L2_BYTES / nbytes))
+
+    def rotate(t, c):
+        return [t] + [t.clone() for _ in range(c - 1)]
+
+    c16 = copies_of(w16.numel() * 2)
+    w16s = rotate(w16, c16)
+    cases, rows = [], []
+    for m in (int(v) for v in args.ms.split(",")):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        def timer(calls, c):
+            for i in range(c):  # eager first: cuBLAS handles, repacks and compiles stay out of the capture
+                calls(i)
+            return time_graph(calls, math.ceil(max(c, 24) / c) * c, reps=7, warmup=1) * 1e6
+
+        bf16_us = timer(lambda i: F.linear(x, w16s[i % c16]), c16)
+        peers = {"bf16 F.linear (cuBLAS)": bf16_us}
+        c4 = copies_of(int4.qweight.numel() + int4.scales.numel() * 4)
+        i4s = [int4] + [IntWeight(int4.qweight.clone(), int4.scales.clone(), None if int4.zeros is None else
+                                  int4.zeros.clone(), 4, 128, k) for _ in range(c4 - 1)]  # fmt: skip
+        wq_matmul(x, int4)
+        peers["int4 w4a16-g128 (dispatcher)"] = timer(lambda i: wq_matmul(x, i4s[i % c4]), c4)
+        for fmt, q in fp4.items():
+            err = rel_err(fp4_matmul(x, q), naive.fp4_matmul_ref(x, q))
+            nbytes = q.qweight.numel() + q.scales.numel()
+            cq = copies_of(nbytes)
+            qs = [q] + [FP4Weight(q.qweight.clone(), q.scales.clone(), q.fmt, q.global_scale) for _ in range(cq - 1)]
+            us = timer(lambda i: fp4_matmul(x, qs[i % cq]), cq)
+            floor = nbytes / bw * 1e6
+            row = {"fmt": fmt, "m": m, "us": us, "bf16_us": bf16_us, "x_bf16": bf16_us / us,
+                   "int4_us": peers["int4 w4a16-g128 (dispatcher)"], "floor_us": floor, "err": err}
+            rows.append(row)
+            print(row, flush=True)
+            cases.append(case(f"fp4 weight-only {fmt} N={n} K={k} M={m} bf16", metric="time", unit="us", ours=us,
+                              peers=peers, floor=floor, speedup_vs_bf16=bf16_us / us, rel_err=err,
+                              weight_bytes=nbytes, copy_bw_TBps=bw / 1e12))  # fmt: skip
+    write_results(args.out, "fp4", torch.cuda.get_device_name(), cases, extra={"rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""Triton kernels for FP4 e2m1 weights with block scales (:class:`FP4Weight`, MXFP4 / NVFP4), decoded in
+registers with integer operations only (``quant.fp4``'s emulated decode: no FP4 or FP8 instruction, so they run
+on sm80 and Hopper alike).
+
+* ``_fp4_gemv_kernel`` -- up to :data:`GEMV_M_MAX` rows: one program owns ``BLOCK_N`` output channels and streams
+  their codes along K in 16-byte loads; per K tile the low and high nibbles multiply the even and odd activations
+  in fp32, block sums take the block scale, no ``tl.dot``.
+* ``_fp4_kernel`` -- more rows: codes and scales -> ``e2m1 * scale`` in the activation dtype (exact for MXFP4:
+  a power-of-two scale times a 2-bit significand) -> ``tl.dot`` (fp32 accumulation).
+* ``_fp4_dequant_kernel`` -- from :data:`DECODE_MIN_M` rows the weight is decoded once into the activation dtype and
+  cuBLAS multiplies (a transient ``[N, K]`` weight per call), as the INT4 / FP8 weight-only paths do at prefill sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .formats import FP4Weight
+from .fp4 import FP4_EMU_FOLD, unpack_nibbles
+from .triton_dequant import _fp8_e4m3_bits_to_f32
+from .wo_gemv import REPACK
+from .wo_tiles import _check_x, _dot_precision, _gemm_tile, _m_bucket, _prune_m, _store_tile, _x_tile
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_AUTOTUNE = os.environ.get("INFERCORE_QUANT_AUTOTUNE", "1") != "0"
+
+GEMV_M_MAX = 4
+DECODE_MIN_M = 96
+
+
+def _configs(gpu: list[triton.Config], interp: triton.Config) -> list[triton.Config]:
+    if _INTERPRET:
+        return [interp]
+    return gpu if _AUTOTUNE else gpu[:1]
+
+
+@triton.jit
+def _codes_to_f32(byte):
+    """uint8 code pairs -> (low, high) nibbles as fp32 values times 2**-14 (``quant.fp4``'s emulated decode)."""
+    b = byte.to(tl.int16)
+    lo = (((b & 8) << 12) | ((b & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (((b & 0x80) << 8) | ((b & 0x70) << 5)).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _block_scale(sb, gscale, NV: tl.constexpr, FOLD_EXP: tl.constexpr = 14):
+    """Scale bytes -> fp32 block scales times ``2**FOLD_EXP`` (the decode's fold): e8m0 ``2**(e - 127)`` (built as
+    the fp32 with exponent field ``e + FOLD_EXP``, so the byte 0 does not read as 0) or e4m3 times the tensor's
+    ``gscale``."""
+    if NV:
+        return _fp8_e4m3_bits_to_f32(sb) * 2.0**120 * (gscale * 2.0**FOLD_EXP)
+    return ((sb.to(tl.int32) + FOLD_EXP) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _ilv_code(w, J: tl.constexpr):
+    """Code ``J`` (bits ``4J .. 4J + 3``) of int32 words as fp32 equal to its value times 2**-126: the nibble to
+    the top, an arithmetic shift by 6 puts its magnitude under the exponent's low bits and the top mantissa bit
+    (e = 0: fp32's subnormals, exact) and keeps the sign in bit 31; the mask clears the sign's copies."""
+    if J < 7:
+        t = w << (28 - 4 * J)
+    else:
+        t = w
+    return ((t >> 6) & -2118123520).to(tl.float32, bitcast=True)  # mask 0x81C00000
+
+
+@triton.jit
+def _fp4_row_fma(p, v, x_ptr, row, k, K, EVEN: tl.constexpr):
+    if EVEN:
+        x = tl.load(x_ptr + row + k)
+    else:
+        x = tl.load(x_ptr + row + k, mask=k < K, other=0.0)
+    return p + v * x.to(tl.float32)
+
+
+@triton.autotune(
+    configs=_configs(
+        [
+            triton.Config({"BLOCK_N": 2, "BLOCK_W": 512}, num_warps=4, num_stages=3),
+            triton.Config({"BLOCK_N": 4, "BLOCK_W": 256}, num_warps=4, num_stages=3),
+            triton.Config({"BLOCK_N": 8, "BLOCK_W": 128}, num_warps=4, num_stages=3),
+            triton.Config({"BLOCK_N": 4, "BLOCK_W": 128}, num_warps=2, num_stages=4),
+            triton.Config({"BLOCK_N": 2, "BLOCK_W": 256}, num_warps=2, num_stages=4),
+        ],
+        triton.Config({"BLOCK_N": 4, "BLOCK_W": 8}, num_warps=4),
+    ),
+    key=["M", "N", "K", "NV"],
+)
+@triton.heuristics({"EVEN": lambda a: (a["K"] // 8) % a["BLOCK_W"] == 0})
+@triton.jit
+def _fp4_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym, gscale,
+    NV: tl.constexpr, BS: tl.constexpr, MR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+    EVEN: tl.constexpr,  # K / 8 is whole tiles of BLOCK_W words: no masks
+):  # fmt: skip
+    # ``w``: the codes as int32 words in the interleaved layout of ``fp4_words`` (within each block of ``BS``
+    # codes, word ``i`` holds codes ``i + WPB * j`` at bits ``4 j``): a thread's 16-byte load is 4 words of whole
+    # blocks, and code ``j`` of consecutive words sits at consecutive K, so each activation load is a vector
+    # in the weights' layout. Per code: three integer operations (``_ilv_code``) and one FMA a row; a block's
+    # products are summed in registers and scaled once. fp32 subnormal products (|value * x| < 1 before the
+    # 2**126) keep their absolute error below 2**-150 of the block scale, far under the output's rounding.
+    WPB: tl.constexpr = BS // 8  # words per block
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: full tiles need no mask
+    offs_w = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_W), BLOCK_W), BLOCK_W)
+    offs_b = tl.arange(0, BLOCK_W // WPB)
+    a0 = tl.zeros([BLOCK_N, BLOCK_W // WPB], dtype=tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    nw = K // 8
+    w_rows = w_ptr + rows[:, None] * stride_wn
+    r1 = tl.minimum(1, M - 1) * stride_xm  # rows past M re-read row M - 1 (the store masks them)
+    r2 = tl.minimum(2, M - 1) * stride_xm
+    r3 = tl.minimum(3, M - 1) * stride_xm
+    for w0 in range(0, nw, BLOCK_W):
+        kw = w0 + offs_w
+        if EVEN:
+            w = tl.load(w_rows + kw[None, :], eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + kw[None, :], mask=(kw < nw)[None, :], other=0, eviction_policy="evict_first")
+        k0 = ((kw // WPB) * BS + kw % WPB)[None, :]  # K of each word's code 0
+        p0 = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        p1 = p0
+        p2 = p0
+        p3 = p0
+        for j in tl.static_range(8):
+            v = _ilv_code(w, j)
+            k = k0 + WPB * j
+            p0 = _fp4_row_fma(p0, v, x_ptr, 0, k, K, EVEN)
+            if MR > 1:
+                p1 = _fp4_row_fma(p1, v, x_ptr, r1, k, K, EVEN)
+            if MR > 2:
+                p2 = _fp4_row_fma(p2, v, x_ptr, r2, k, K, EVEN)
+                p3 = _fp4_row_fma(p3, v, x_ptr, r3, k, K, EVEN)
+        kb = w0 // WPB + offs_b
+        if EVEN:
+            sb = tl.load(s_ptr + rows[:, None] * stride_sn + kb[None, :])
+        else:
+            sb = tl.load(s_ptr + rows[:, None] * stride_sn + kb[None, :], mask=(kb < nw // WPB)[None, :], other=0)
+        sc = _block_scale(sb, gscale, NV, 26)
+        a0 += (tl.sum(tl.reshape(p0, [BLOCK_N, BLOCK_W // WPB, WPB]), axis=2) * 2.0**100) * sc
+        if MR > 1:
+            a1 += (tl.sum(tl.reshape(p1, [BLOCK_N, BLOCK_W // WPB, WPB]), axis=2) * 2.0**100) * sc
+        if MR > 2:
+            a2 += (tl.sum(tl.reshape(p2, [BLOCK_N, BLOCK_W // WPB, WPB]), axis=2) * 2.0**100) * sc
+            a3 += (tl.sum(tl.reshape(p3, [BLOCK_N, BLOCK_W // WPB, WPB]), axis=2) * 2.0**100) * sc
+    offs_m = tl.arange(0, MR)
+    acc = tl.zeros([MR, BLOCK_N], dtype=tl.float32)
+    acc = tl.where(offs_m[:, None] == 0, tl.sum(a0, axis=1)[None, :], acc)
+    acc = tl.where(offs_m[:, None] == 1, tl.sum(a1, axis=1)[None, :], acc)
+    acc = tl.where(offs_m[:, None] == 2, tl.sum(a2, axis=1)[None, :], acc)
+    acc = tl.where(offs_m[:, None] == 3, tl.sum(a3, axis=1)[None, :], acc)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(offs_m < M)[:, None] & n_mask[None, :])
+
+
+@triton.autotune(
+    configs=_configs(
+        [
+            triton.Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=3),
+            triton.Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=3),
+            triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=3),
+            triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=3),
+            triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
+        ],
+        triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64, "GROUP_M": 2}, num_warps=4),
+    ),
+    key=["M_BUCKET", "N", "K", "NV"],
+    prune_configs_by={"early_config_prune": lambda cfgs, nargs, **kw: _prune_m(cfgs, {**nargs, **kw})},
+)
+@triton.jit
+def _fp4_kernel(
+    x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, M_BUCKET, stride_xm, stride_qn, stride_sn, stride_ym, gscale,
+    NV: tl.constexpr, BS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    HB: tl.constexpr = BS // 2
+    NBLK: tl.constexpr = BLOCK_K // BS
+    offs_m, offs_n, m_mask, n_mask, rows_x = _gemm_tile(M, N, stride_xm, BLOCK_M, BLOCK_N, GROUP_M)
+    rows = offs_n.to(tl.int64)
+    j = tl.arange(0, HB)[None, None, :]
+    blk = tl.arange(0, NBLK)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    nb = K // BS
+    for b0 in range(0, nb, NBLK):
+        bmask = n_mask[:, None] & ((b0 + blk)[None, :] < nb)  # [BN, NBLK]
+        byte = tl.load(q_ptr + rows[:, None, None] * stride_qn + (b0 + blk)[None, :, None] * HB + j,
+                       mask=bmask[:, :, None], other=0)  # fmt: skip
+        sb = tl.load(s_ptr + rows[:, None] * stride_sn + (b0 + blk)[None, :], mask=bmask, other=0)
+        lo, hi = _codes_to_f32(byte)  # [BN, NBLK, HB] each
+        v = tl.reshape(tl.join(lo, hi), [BLOCK_N, NBLK, BS])  # element 2j low, 2j + 1 high
+        w = v * _block_scale(sb, gscale, NV)[:, :, None]
+        a = _x_tile(x_ptr, rows_x, m_mask, b0 * BS, K, BLOCK_K)
+        wk = tl.reshape(w, [BLOCK_N, BLOCK_K]).to(a.dtype)
+        acc = tl.dot(a, tl.trans(wk), acc, input_precision=DOT_PRECISION)
+    _store_tile(y_ptr, acc, offs_m, m_mask, offs_n, n_mask, stride_ym)
+
+
+@triton.jit
+def _fp4_dequant_kernel(q_ptr, s_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_wn, gscale, NV: tl.constexpr,
+                        BS: tl.constexpr, BLOCK_N: tl.constexpr, NBLK: tl.constexpr):
+    HB: tl.constexpr = BS // 2
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    blk = tl.program_id(1) * NBLK + tl.arange(0, NBLK)
+    j = tl.arange(0, HB)[None, None, :]
+    rows = offs_n.to(tl.int64)
+    bmask = (offs_n < N)[:, None] & (blk < K // BS)[None, :]
+    byte = tl.load(q_ptr + rows[:, None, None] * stride_qn + blk[None, :, None] * HB + j, mask=bmask[:, :, None],
+                   other=0)
+    sb = tl.load(s_ptr + rows[:, None] * stride_sn + blk[None, :], mask=bmask, other=0)
+    lo, hi = _codes_to_f32(byte)
+    w = tl.reshape(tl.join(lo, hi), [BLOCK_N, NBLK, BS]) * _block_scale(sb, gscale, NV)[:, :, None]
+    k = blk[None, :, None] * BS + tl.arange(0, BS)[None, None, :]
+    tl.store(w_ptr + rows[:, None, None] * stride_wn + k, w.to(w_ptr.dtype.element_ty), mask=bmask[:, :, None])
+
+
+def fp4_dequantize_triton(w: FP4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The dense ``[N, K]`` weight in ``dtype`` (one kernel)."""
+    n, k = w.shape
+    out = torch.empty((n, k), dtype=dtype, device=w.qweight.device)
+    bn, nblk = (16, 2) if _INTERPRET else (32, 8)
+    grid = (triton.cdiv(n, bn), triton.cdiv(k // w.block, nblk))
+    _fp4_dequant_kernel[grid](w.qweight, w.scales, out, n, k, w.qweight.stride(0), w.scales.stride(0), out.stride(0),
+                              w.global_scale, NV=w.fmt == "nvfp4", BS=w.block, BLOCK_N=bn, NBLK=nblk)
+    return out
+
+
+# id(qweight) -> (weak reference to qweight, its interleaved words); entries leave with their qweight.
+_WORDS: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def fp4_words(w: FP4Weight) -> torch.Tensor:
+    """The codes of ``w`` as int32 words ``[N, K / 8]`` in the GEMV's interleaved layout: within each block of
+    ``w.block`` codes (``WPB = block / 8`` words), word ``i`` holds codes ``i + WPB * j`` at bits ``4 j``."""
+    n, k = w.shape
+    codes = unpack_nibbles(w.qweight).to(torch.int64).view(n, k // w.block, 8, w.block // 8).transpose(2, 3)
+    words = (codes << (4 * torch.arange(8, device=codes.device))).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(n, k // 8).contiguous()
+
+
+def _words_cached(w: FP4Weight) -> torch.Tensor | None:
+    """:func:`fp4_words` of ``w``, made once and kept while its codes live (a second copy of the codes, like the INT4
+    GEMV's repack; ``INFERCORE_WO_REPACK=0`` declines it); None when declined, or inside a CUDA-graph capture before
+    they were made (the capture must not allocate)."""
+    key = id(w.qweight)
+    hit = _WORDS.get(key)
+    if hit is not None and hit[0]() is w.qweight:
+        return hit[1]
+    if not REPACK or (w.qweight.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    words = fp4_words(w)
+    _WORDS[key] = (weakref.ref(w.qweight), words)
+    weakref.finalize(w.qweight, _WORDS.pop, key, None)
+    return words
+
+
+def fp4_matmul_triton(x: torch.Tensor, w: FP4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K]`` (fp16/bf16/fp32) times the FP4 weight ``w`` (logical ``[N, K]``) -> ``[M, N]`` in ``x.dtype``;
+    ``bias``: optional ``[N]``."""
+    n, k = w.shape
+    x = _check_x("fp4_matmul_triton", x, k)
+    m = x.shape[0]
+    nv = w.fmt == "nvfp4"
+    if m >= DECODE_MIN_M and x.dtype != torch.float32:
+        return F.linear(x, fp4_dequantize_triton(w, x.dtype), None if bias is None else bias.to(x.dtype))
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    words = _words_cached(w) if m <= GEMV_M_MAX else None
+    if m <= GEMV_M_MAX and words is not None:
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        _fp4_gemv_kernel[grid](x, words, w.scales, y, m, n, k, x.stride(0), words.stride(0), w.scales.stride(0),
+                               y.stride(0), w.global_scale, NV=nv, BS=w.block, MR=triton.next_power_of_2(m))
+    else:
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        _fp4_kernel[grid](x, w.qweight, w.scales, y, m, n, k, _m_bucket(m), x.stride(0), w.qweight.stride(0),
+                          w.scales.stride(0), y.stride(0), w.global_scale, NV=nv, BS=w.block,
+                          DOT_PRECISION=_dot_precision(x.dtype))  # fmt: skip
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+assert FP4_EMU_FOLD == 2.0**14  # the kernels' literal

@@ -91,3 +91,27 @@ def test_from_pretrained_quantizes_with_a_scheme():
     assert len(q) == 30 * 4 and all(isinstance(m.qweight_format, IntWeight) and m.qweight_format.bits == 8 for m in q)
     out = eng.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=3))[0]
     assert "Paris" in out.text
+
+
+def test_from_pretrained_with_fp4_weights():
+    # FP4 through the Engine on the CPU (the reference op). MXFP4 in bf16 still answers; NVFP4 in fp32 gives the
+    # tokens of the same model with its linears' weights replaced by the dequantized FP4 ones (on this prompt
+    # NVFP4 itself answers " 123,2", dense or not: the quantization's error, not the op's).
+    import torch
+
+    from infercore.quant import FP4Weight, QuantLinear
+
+    prompt, sp = ["The capital of France is"], SamplingParams(temperature=0, max_tokens=6)
+    eng = Engine.from_pretrained(device="cpu", dtype="bfloat16", quantization="w4a16-mxfp4", max_num_batched_tokens=64)
+    q = [m for m in eng.model.modules() if isinstance(m, QuantLinear)]
+    assert len(q) == 30 * 4 and all(isinstance(m.qweight_format, FP4Weight) for m in q)
+    assert "Paris" in eng.generate(prompt, sp)[0].text
+    eng = Engine.from_pretrained(device="cpu", dtype="float32", quantization="w4a16-nvfp4", max_num_batched_tokens=64)
+    assert {m.qweight_format.fmt for m in eng.model.modules() if isinstance(m, QuantLinear)} == {"nvfp4"}
+    got = eng.generate(prompt, sp)[0].token_ids
+    dense = Engine.from_pretrained(device="cpu", dtype="float32", max_num_batched_tokens=64)
+    with torch.no_grad():
+        for name, mod in dense.model.named_modules():
+            if isinstance(mod, torch.nn.Linear) and not name.endswith("lm_head"):
+                mod.weight.copy_(FP4Weight.quantize(mod.weight, fmt="nvfp4").dequantize())
+    assert dense.generate(prompt, sp)[0].token_ids == got

@@ -83,11 +83,13 @@ def _fp4_row_fma(p, v, x_ptr, row, k, K, EVEN: tl.constexpr):
 @triton.autotune(
     configs=_configs(
         [
-            triton.Config({"BLOCK_N": 2, "BLOCK_W": 512}, num_warps=4, num_stages=3),
-            triton.Config({"BLOCK_N": 4, "BLOCK_W": 256}, num_warps=4, num_stages=3),
-            triton.Config({"BLOCK_N": 8, "BLOCK_W": 128}, num_warps=4, num_stages=3),
-            triton.Config({"BLOCK_N": 4, "BLOCK_W": 128}, num_warps=2, num_stages=4),
-            triton.Config({"BLOCK_N": 2, "BLOCK_W": 256}, num_warps=2, num_stages=4),
+            # the five best of 80 at 14336 x 4096, M = 1, MXFP4 on an H100 (16.7-17.1 us; the worst 41.1 us;
+            # results/h200/sweeps/sweep_fp4_gemv_h100.json)
+            triton.Config({"BLOCK_N": 8, "BLOCK_W": 512}, num_warps=4, num_stages=3),
+            triton.Config({"BLOCK_N": 8, "BLOCK_W": 256}, num_warps=2, num_stages=1),
+            triton.Config({"BLOCK_N": 4, "BLOCK_W": 512}, num_warps=2, num_stages=3),
+            triton.Config({"BLOCK_N": 8, "BLOCK_W": 256}, num_warps=2, num_stages=3),
+            triton.Config({"BLOCK_N": 4, "BLOCK_W": 128}, num_warps=1, num_stages=1),
         ],
         triton.Config({"BLOCK_N": 4, "BLOCK_W": 8}, num_warps=4),
     ),
@@ -163,6 +165,15 @@ def _fp4_gemv_kernel(
              mask=(offs_m < M)[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _join8(v0, v1, v2, v3, v4, v5, v6, v7):
+    """Eight ``[R, C]`` tensors -> ``[R, C * 8]`` with ``v_j`` at columns ``8 c + j``."""
+    a = tl.join(tl.join(v0, v4), tl.join(v2, v6))
+    b = tl.join(tl.join(v1, v5), tl.join(v3, v7))
+    t = tl.join(a, b)
+    return tl.reshape(t, [t.shape[0], t.shape[1] * 8])
+
+
 @triton.autotune(
     configs=_configs(
         [
@@ -180,28 +191,39 @@ def _fp4_gemv_kernel(
 @triton.jit
 def _fp4_kernel(
     x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, M_BUCKET, stride_xm, stride_qn, stride_sn, stride_ym, gscale,
-    NV: tl.constexpr, BS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NV: tl.constexpr, BS: tl.constexpr, DOT_PRECISION: tl.constexpr, F16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    HB: tl.constexpr = BS // 2
+    # The stored codes read as int32 words (word w: K = 8w .. 8w + 7, code j at bits 4j), each code decoded by
+    # ``_ilv_code`` (value * 2**-126) and multiplied by its block scale times 2**66, so the dot operand is the weight
+    # times 2**-60 (normal in bf16 / fp32 for any block scale in 2**-66 .. 2**62); the 2**60 returns after the K
+    # loop. F16 (fp16 activations, a narrower range): the weight itself, from two folds of 2**63.
     NBLK: tl.constexpr = BLOCK_K // BS
+    BW: tl.constexpr = BLOCK_K // 8
     offs_m, offs_n, m_mask, n_mask, rows_x = _gemm_tile(M, N, stride_xm, BLOCK_M, BLOCK_N, GROUP_M)
-    rows = offs_n.to(tl.int64)
-    j = tl.arange(0, HB)[None, None, :]
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_rows = q_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_qn // 4)
+    offs_w = tl.arange(0, BW)
     blk = tl.arange(0, NBLK)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    nb = K // BS
-    for b0 in range(0, nb, NBLK):
-        bmask = n_mask[:, None] & ((b0 + blk)[None, :] < nb)  # [BN, NBLK]
-        byte = tl.load(q_ptr + rows[:, None, None] * stride_qn + (b0 + blk)[None, :, None] * HB + j,
-                       mask=bmask[:, :, None], other=0)  # fmt: skip
-        sb = tl.load(s_ptr + rows[:, None] * stride_sn + (b0 + blk)[None, :], mask=bmask, other=0)
-        lo, hi = _codes_to_f32(byte)  # [BN, NBLK, HB] each
-        v = tl.reshape(tl.join(lo, hi), [BLOCK_N, NBLK, BS])  # element 2j low, 2j + 1 high
-        w = v * _block_scale(sb, gscale, NV)[:, :, None]
-        a = _x_tile(x_ptr, rows_x, m_mask, b0 * BS, K, BLOCK_K)
-        wk = tl.reshape(w, [BLOCK_N, BLOCK_K]).to(a.dtype)
+    nw = K // 8
+    for w0 in range(0, nw, BW):
+        kw = w0 + offs_w
+        wd = tl.load(w_rows + kw[None, :], mask=(kw < nw)[None, :], other=0)  # [BN, BW]
+        v = _join8(_ilv_code(wd, 0), _ilv_code(wd, 1), _ilv_code(wd, 2), _ilv_code(wd, 3), _ilv_code(wd, 4),
+                   _ilv_code(wd, 5), _ilv_code(wd, 6), _ilv_code(wd, 7))  # [BN, BLOCK_K]
+        kb = w0 // (BS // 8) + blk
+        sb = tl.load(s_ptr + rows[:, None] * stride_sn + kb[None, :], mask=(kb < K // BS)[None, :], other=0)
+        v3 = tl.reshape(v, [BLOCK_N, NBLK, BS])
+        if F16:
+            w3 = (v3 * 2.0**63) * _block_scale(sb, gscale, NV, 63)[:, :, None]
+        else:
+            w3 = v3 * _block_scale(sb, gscale, NV, 66)[:, :, None]
+        a = _x_tile(x_ptr, rows_x, m_mask, w0 * 8, K, BLOCK_K)
+        wk = tl.reshape(w3, [BLOCK_N, BLOCK_K]).to(a.dtype)
         acc = tl.dot(a, tl.trans(wk), acc, input_precision=DOT_PRECISION)
+    if not F16:
+        acc = acc * 2.0**60
     _store_tile(y_ptr, acc, offs_m, m_mask, offs_n, n_mask, stride_ym)
 
 
@@ -284,7 +306,7 @@ def fp4_matmul_triton(x: torch.Tensor, w: FP4Weight, bias: torch.Tensor | None =
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         _fp4_kernel[grid](x, w.qweight, w.scales, y, m, n, k, _m_bucket(m), x.stride(0), w.qweight.stride(0),
                           w.scales.stride(0), y.stride(0), w.global_scale, NV=nv, BS=w.block,
-                          DOT_PRECISION=_dot_precision(x.dtype))  # fmt: skip
+                          DOT_PRECISION=_dot_precision(x.dtype), F16=x.dtype == torch.float16)  # fmt: skip
     return y if bias is None else y + bias.to(y.dtype)
 
 

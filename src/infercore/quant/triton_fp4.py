@@ -1,19 +1,17 @@
 """Triton kernels for FP4 e2m1 weights with block scales (:class:`FP4Weight`, MXFP4 / NVFP4), decoded in
-registers with integer operations only (``quant.fp4``'s emulated decode: no FP4 or FP8 instruction, so they run
-on sm80 and Hopper alike).
+registers with integer operations only (no FP4 or FP8 instruction, so they run on sm80 and Hopper alike).
 
-* ``_fp4_gemv_kernel`` -- up to :data:`GEMV_M_MAX` rows: one program owns ``BLOCK_N`` output channels and streams
-  their codes along K in 16-byte loads; per K tile the low and high nibbles multiply the even and odd activations
-  in fp32, block sums take the block scale, no ``tl.dot``.
-* ``_fp4_kernel`` -- more rows: codes and scales -> ``e2m1 * scale`` in the activation dtype (exact for MXFP4:
-  a power-of-two scale times a 2-bit significand) -> ``tl.dot`` (fp32 accumulation).
+* ``_fp4_gemv_kernel`` -- up to :data:`GEMV_M_MAX` rows: a CUDA-core GEMV over the codes repacked once into
+  interleaved int32 words (:func:`fp4_words`, cached beside the weight like the INT4 GEMV's repack): three integer
+  operations and one FMA a code and row, each block's products summed in registers and scaled once.
+* ``_fp4_kernel`` -- more rows: the stored codes read as words, decoded the same way, times the block scale, in the
+  activation dtype -> ``tl.dot`` (fp32 accumulation).
 * ``_fp4_dequant_kernel`` -- from :data:`DECODE_MIN_M` rows the weight is decoded once into the activation dtype and
   cuBLAS multiplies (a transient ``[N, K]`` weight per call), as the INT4 / FP8 weight-only paths do at prefill sizes.
 """
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
@@ -25,19 +23,20 @@ from .formats import FP4Weight
 from .fp4 import FP4_EMU_FOLD, unpack_nibbles
 from .triton_dequant import _fp8_e4m3_bits_to_f32
 from .wo_gemv import REPACK
-from .wo_tiles import _check_x, _dot_precision, _gemm_tile, _m_bucket, _prune_m, _store_tile, _x_tile
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_AUTOTUNE = os.environ.get("INFERCORE_QUANT_AUTOTUNE", "1") != "0"
+from .wo_tiles import (
+    _INTERPRET,
+    _check_x,
+    _configs,
+    _dot_precision,
+    _gemm_tile,
+    _m_bucket,
+    _prune_m,
+    _store_tile,
+    _x_tile,
+)
 
 GEMV_M_MAX = 4
 DECODE_MIN_M = 96
-
-
-def _configs(gpu: list[triton.Config], interp: triton.Config) -> list[triton.Config]:
-    if _INTERPRET:
-        return [interp]
-    return gpu if _AUTOTUNE else gpu[:1]
 
 
 @triton.jit
@@ -106,8 +105,9 @@ def _fp4_gemv_kernel(
     # codes, word ``i`` holds codes ``i + WPB * j`` at bits ``4 j``): a thread's 16-byte load is 4 words of whole
     # blocks, and code ``j`` of consecutive words sits at consecutive K, so each activation load is a vector
     # in the weights' layout. Per code: three integer operations (``_ilv_code``) and one FMA a row; a block's
-    # products are summed in registers and scaled once. fp32 subnormal products (|value * x| < 1 before the
-    # 2**126) keep their absolute error below 2**-150 of the block scale, far under the output's rounding.
+    # products are summed in registers and scaled once. A product below 2**-126 (|value * x| < 1 before the
+    # 2**126 returns) is an fp32 subnormal: its rounding error stays under 2**-24 times the block scale, far
+    # under the output's rounding.
     WPB: tl.constexpr = BS // 8  # words per block
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -196,7 +196,7 @@ def _fp4_kernel(
 ):  # fmt: skip
     # The stored codes read as int32 words (word w: K = 8w .. 8w + 7, code j at bits 4j), each code decoded by
     # ``_ilv_code`` (value * 2**-126) and multiplied by its block scale times 2**66, so the dot operand is the weight
-    # times 2**-60 (normal in bf16 / fp32 for any block scale in 2**-66 .. 2**62); the 2**60 returns after the K
+    # times 2**-60 (normal in bf16 / fp32 for any block scale from 2**-65 up); the 2**60 returns after the K
     # loop. F16 (fp16 activations, a narrower range): the weight itself, from two folds of 2**63.
     NBLK: tl.constexpr = BLOCK_K // BS
     BW: tl.constexpr = BLOCK_K // 8

@@ -37,7 +37,8 @@ def test_every_scheme_swaps_and_stays_close(scheme):
     assert isinstance(m[0], QuantLinear) and isinstance(m[2], QuantLinear)
     with torch.no_grad():
         y, r = m(x), ref(x)
-    tol = 0.15 if ("w4" in scheme or "q4" in scheme) else 0.05
+    # FP4 (e2m1: a 2-bit significand; MXFP4's power-of-two scales rounded up) errs ~12% a weight, INT4 g128 less
+    tol = 0.2 if "fp4" in scheme else 0.15 if ("w4" in scheme or "q4" in scheme) else 0.05
     assert ((y - r).norm() / r.norm()).item() < tol
 
 

@@ -174,3 +174,29 @@ def test_quantize_model_and_save_load(tmp_path, scheme):
     fresh = load_quantized(nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 48), nn.Linear(48, 8)), path)
     with torch.no_grad():
         assert torch.equal(fresh(x), y)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_cpu_fast_path(fmt):
+    # bf16 on the CPU: the native INT8 kernels over 2 * e2m1 as Q8_0-style bytes (decode rows), the same bytes
+    # decoded into a dense GEMM (from 16 rows); fp32 keeps the reference.
+    from infercore.devices import resolve
+    from infercore.ops.moe import cpu_native
+    from infercore.quant import cpu as qcpu
+
+    assert resolve("quant.fp4_matmul", "cpu").name == "cpu"
+    torch.manual_seed(0)
+    q = FP4Weight.quantize(torch.randn(96, 256) * 0.05, fmt=fmt)
+    codes, sz = qcpu.pack_fp4_q8(q)
+    n, k = q.shape
+    dec = (codes.float() - 128).view(n, -1, q.block) * sz[:, 0, :, None]  # the bytes decode to the weight exactly
+    assert torch.equal(dec.reshape(n, k), q.dequantize())
+    if cpu_native.q4_supported():
+        assert qcpu.native_operands(q) is not None and qcpu.native_operands(q)[2] == 8
+    for m in (1, 3, 20):
+        x = torch.randn(m, k, dtype=torch.bfloat16)
+        r = R.fp4_matmul_ref(x, q)
+        y = fp4_matmul(x, q)
+        assert y.dtype == torch.bfloat16 and ((y.float() - r.float()).norm() / r.float().norm()).item() < 1e-2
+    xf = torch.randn(2, k)
+    assert torch.equal(fp4_matmul(xf, q), R.fp4_matmul_ref(xf, q))

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ..devices import register
 from . import naive
-from .formats import GGUFWeight, IntWeight
+from .formats import FP4Weight, GGUFWeight, IntWeight
 from .gguf import BLOCK_BYTES, QK, q4_parts
 from .repacks import packed
 
@@ -163,7 +163,20 @@ def native_q8(w) -> tuple[torch.Tensor, torch.Tensor] | None:
         return _native_packed(w.raw, "native8", cpu_native.pack_gguf_q8, w)
     if _format(w) == "int8":
         return _native_packed(w.qweight, "native8", cpu_native.pack_q8, w)
+    if isinstance(w, FP4Weight):
+        return _native_packed(w.qweight, "native8", pack_fp4_q8, w)
     return None
+
+
+def pack_fp4_q8(w: FP4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The native INT8 operands of FP4 e2m1 codes (MXFP4 / NVFP4): twice an e2m1 value is an integer in [-12, 12],
+    so the codes become Q8_0-style bytes ``2 v + 128`` with ``d = block scale / 2`` per block of 32 / 16 (sz ``d``
+    and ``-2304 d``, as ``cpu_native.pack_gguf_q8`` lays Q8_0 out): exact, one byte a weight (the FP4 bytes' twice)."""
+    from .fp4 import e2m1_decode, unpack_nibbles
+
+    q = (e2m1_decode(unpack_nibbles(w.qweight.cpu())) * 2).to(torch.int16) + 128
+    d = w.block_scales().cpu() * 0.5
+    return q.to(torch.uint8).contiguous(), torch.stack([d, -2304.0 * d], 1).contiguous()
 
 
 def native_q5(w) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -199,7 +212,7 @@ def _native_kernel(w, kind: str | None, rows: int):
     if kind == "int8" and rows <= NATIVE_Q4_MAX_ROWS:
         ops = native_q8(w)
         return None if ops is None else (cpu_native.linear_q8, ops)
-    if kind is None and isinstance(w, GGUFWeight):
+    if kind is None and isinstance(w, (GGUFWeight, FP4Weight)):
         ops = native_operands(w)
         fn = {4: cpu_native.linear_q4, 5: cpu_native.linear_q5, 8: cpu_native.linear_q8}
         return None if ops is None else (fn[ops[2]], ops[:2])
@@ -298,5 +311,13 @@ def _on_cpu(cap) -> bool:
     return cap.device_type == "cpu"
 
 
+def fp4_matmul_cpu(x: torch.Tensor, w: FP4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``quant.fp4_matmul`` on the CPU: with bf16 ``x`` the native INT8 kernels over :func:`pack_fp4_q8`'s bytes
+    (decode rows), or those bytes decoded slice by slice into a dense GEMM (from ``DECODE_MIN_ROWS_Q8_0`` rows), else
+    the reference. Arguments are checked by the op."""
+    return _matmul(x, w, bias, naive.fp4_matmul_ref)
+
+
 register("quant.wq_matmul", "cpu", wq_matmul_cpu, priority=5, available=_on_cpu)
+register("quant.fp4_matmul", "cpu", fp4_matmul_cpu, priority=5, available=_on_cpu)
 register("quant.gguf_matmul", "cpu", gguf_matmul_cpu, priority=5, available=_on_cpu)

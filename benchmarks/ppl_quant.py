@@ -125,7 +125,8 @@ def main() -> None:
             "identical": dense == nat, "native_linears": len(swapped)}
     print(demo, flush=True)
     with open(args.out, "w") as f:
-        json.dump({"tokens": n, "window": args.window, "text": "pydoc_data.topics (sorted topics)",
+        json.dump({"command": "python " + " ".join(sys.argv), "device": "cpu", "tokens": n, "window": args.window,
+                   "text": "pydoc_data.topics (sorted topics)",
                    "calibration": {"seqs": args.calib_seqs, "len": args.calib_len, "first_token": first,
                                    "corpus_tokens": len(ids)},
                    "rows": rows, "demo": demo}, f, indent=1)

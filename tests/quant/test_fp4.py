@@ -32,7 +32,10 @@ def _weights(n=48, k=256, seed=0):
 
 
 def _torchao():
-    return pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    # a test dependency (pyproject's dev extras): its absence fails here rather than skipping the comparisons
+    import torchao.prototype.mx_formats.mx_tensor as mx
+
+    return mx
 
 
 def test_e2m1_encode_decode_match_torchao():
@@ -130,6 +133,25 @@ def test_extreme_scales_decode_exactly():
     s8 = torch.full((8, 4), 0x7E, dtype=torch.uint8)  # e4m3 448
     q = FP4Weight(codes, s8, "nvfp4", 3e-5)
     assert torch.equal(triton_fp4.fp4_dequantize_triton(q, torch.float32), q.dequantize())
+
+
+def test_helper_checks():
+    with pytest.raises(TypeError, match="codes"):
+        F4.e2m1_decode(torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(TypeError, match="codes"):
+        F4.unpack_nibbles(torch.zeros(4))
+    with pytest.raises(ValueError, match="even"):
+        F4.pack_nibbles(torch.zeros(3, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="x"):
+        F4.e2m1_encode(torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="multiple"):
+        F4.mxfp4_quantize(torch.randn(4, 48))
+    with pytest.raises(TypeError, match="w"):
+        F4.nvfp4_quantize(torch.zeros(4, 32, dtype=torch.int32))
+    with pytest.raises(ValueError, match="global_scale"):
+        F4.nvfp4_quantize(torch.randn(4, 32), global_scale=-1.0)
+    codes = torch.randint(0, 16, (3, 10), dtype=torch.uint8)
+    assert torch.equal(F4.unpack_nibbles(F4.pack_nibbles(codes)), codes)
 
 
 def test_format_checks():

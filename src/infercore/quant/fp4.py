@@ -21,6 +21,8 @@ The fp16 with those bits is the code's value times exactly ``2**-14``: for ``e >
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 E2M1_MAX = 6.0
@@ -36,6 +38,8 @@ E4M3_TINY = 2.0**-6
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """fp32 values (any shape) -> e2m1 codes ``uint8`` 0..15 (one per byte), round to nearest with ties to the even
     code, saturating at +-6; ``-0.0`` and negative values that round to zero keep the sign bit."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x: expected a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
     x = x.float()
     a = x.abs()
     mids = torch.tensor((0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0), device=x.device)
@@ -47,8 +51,22 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     return (code | sign).to(torch.uint8)
 
 
+def _check_codes(codes: object) -> None:
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
+        got = getattr(codes, "dtype", type(codes))
+        raise TypeError(f"codes: expected a uint8 tensor of e2m1 codes, got {got}")
+
+
+def _check_weight(w: object, block: int) -> None:
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
+        raise TypeError(f"w: expected a floating-point [N, K] tensor, got {getattr(w, 'shape', type(w))}")
+    if w.shape[1] % block:
+        raise ValueError(f"w: K = {w.shape[1]} is not a multiple of the block ({block})")
+
+
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """e2m1 codes ``uint8`` 0..15 (any shape) -> fp32 values, by table (the reference)."""
+    _check_codes(codes)
     lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=codes.device)
     return lut[codes.long()]
 
@@ -56,6 +74,7 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
 def e2m1_decode_emulated(codes: torch.Tensor, *, fold_scale: bool = True) -> torch.Tensor:
     """e2m1 codes -> fp32 with integer ops and an fp16 -> fp32 conversion only (the kernels' decode);
     ``fold_scale=False`` keeps the ``2**-14``."""
+    _check_codes(codes)
     c = codes.to(torch.int16)
     v = (((c & 8) << 12) | ((c & 7) << 9)).view(torch.float16).float()
     return v * FP4_EMU_FOLD if fold_scale else v
@@ -63,11 +82,15 @@ def e2m1_decode_emulated(codes: torch.Tensor, *, fold_scale: bool = True) -> tor
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """``uint8 [..., 2K]`` codes 0..15 -> ``uint8 [..., K]``, element ``2j`` in the low nibble."""
+    _check_codes(codes)
+    if codes.dim() == 0 or codes.shape[-1] % 2:
+        raise ValueError(f"codes: the last axis must hold an even number of codes, got {tuple(codes.shape)}")
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_nibbles`."""
+    """Inverse of :func:`pack_nibbles`: ``uint8 [..., K]`` -> codes ``uint8 [..., 2K]``."""
+    _check_codes(packed)
     return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
 
 
@@ -82,6 +105,7 @@ def mxfp4_quantize(w: torch.Tensor, *, scale_mode: str = "rceil") -> tuple[torch
     ``scale_mode``: ``"rceil"`` (default; the scale ``2**ceil(log2(amax / 6))``, no value clips) or ``"floor"``
     (the OCP spec's ``2**(floor(log2(amax)) - 2)``, which may clip up to 25% of a block's largest value to 6).
     Both as torchao's ``to_mx`` computes them."""
+    _check_weight(w, 32)
     if scale_mode not in ("rceil", "floor"):
         raise ValueError(f"scale_mode: expected 'rceil' or 'floor', got {scale_mode!r}")
     n, k = w.shape
@@ -103,6 +127,10 @@ def nvfp4_quantize(w: torch.Tensor, *, global_scale: float | None = None) -> tup
     """``[N, K]`` (K a multiple of 16) -> ``(codes uint8 [N, K / 2], e4m3 scale bytes uint8 [N, K / 16],
     global_scale)``: two-level NVFP4, the per-tensor scale ``amax / (448 * 6)`` unless given, block scales
     ``amax_block / 6 / global_scale`` rounded to e4m3; as torchao's ``nvfp4_quantize`` computes them."""
+    _check_weight(w, 16)
+    if global_scale is not None and (isinstance(global_scale, bool) or not isinstance(global_scale, (int, float))
+                                     or not math.isfinite(global_scale) or global_scale <= 0):
+        raise ValueError(f"global_scale: expected a positive finite number or None, got {global_scale!r}")
     n, k = w.shape
     x = w.float().reshape(n, k // 16, 16)
     if global_scale is None:

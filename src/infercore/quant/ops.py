@@ -78,8 +78,17 @@ def gguf_matmul(x: torch.Tensor, w: GGUFWeight, *, bias: torch.Tensor | None = N
 
 
 def fp4_matmul(x: torch.Tensor, w: FP4Weight, *, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ dequant(w).T`` for FP4 e2m1 weights with MXFP4 / NVFP4 block scales, decoded with integer operations
-    on any GPU (no FP4 instruction); ``[..., N]`` in ``x.dtype``."""
+    """``x @ dequant(w).T (+ bias)`` for FP4 e2m1 weights with MXFP4 / NVFP4 block scales, decoded with integer
+    operations on any GPU (no FP4 instruction).
+
+    Args:
+        x: ``[..., K]`` fp32/fp16/bf16, on the weight's device.
+        w: :class:`FP4Weight` of logical shape ``[N, K]``.
+        bias: optional ``[N]``.
+
+    Returns:
+        ``[..., N]`` in ``x.dtype`` (fp32 accumulation).
+    """
     return _weight_only("quant.fp4_matmul", FP4Weight, x, w, bias)
 
 

@@ -2,7 +2,7 @@
 registers with integer operations only (no FP4 or FP8 instruction, so they run on sm80 and Hopper alike).
 
 * ``_fp4_gemv_kernel`` -- up to :data:`GEMV_M_MAX` rows: a CUDA-core GEMV over the codes repacked once into
-  interleaved int32 words (:func:`fp4_words`, cached beside the weight like the INT4 GEMV's repack): three integer
+  interleaved int32 words (:func:`fp4_words`, cached beside the weight by the INT4 GEMV's repack cache): three integer
   operations and one FMA a code and row, each block's products summed in registers and scaled once.
 * ``_fp4_kernel`` -- more rows: the stored codes read as words, decoded the same way, times the block scale, in the
   activation dtype -> ``tl.dot`` (fp32 accumulation).
@@ -12,17 +12,15 @@ registers with integer operations only (no FP4 or FP8 instruction, so they run o
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from .formats import FP4Weight
-from .fp4 import FP4_EMU_FOLD, unpack_nibbles
+from .fp4 import unpack_nibbles
 from .triton_dequant import _fp8_e4m3_bits_to_f32
-from .wo_gemv import REPACK
+from .wo_gemv import _ilv_cached
 from .wo_tiles import (
     _INTERPRET,
     _check_x,
@@ -256,10 +254,6 @@ def fp4_dequantize_triton(w: FP4Weight, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-# id(qweight) -> (weak reference to qweight, its interleaved words); entries leave with their qweight.
-_WORDS: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
-
-
 def fp4_words(w: FP4Weight) -> torch.Tensor:
     """The codes of ``w`` as int32 words ``[N, K / 8]`` in the GEMV's interleaved layout: within each block of
     ``w.block`` codes (``WPB = block / 8`` words), word ``i`` holds codes ``i + WPB * j`` at bits ``4 j``."""
@@ -267,22 +261,6 @@ def fp4_words(w: FP4Weight) -> torch.Tensor:
     codes = unpack_nibbles(w.qweight).to(torch.int64).view(n, k // w.block, 8, w.block // 8).transpose(2, 3)
     words = (codes << (4 * torch.arange(8, device=codes.device))).sum(-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(n, k // 8).contiguous()
-
-
-def _words_cached(w: FP4Weight) -> torch.Tensor | None:
-    """:func:`fp4_words` of ``w``, made once and kept while its codes live (a second copy of the codes, like the INT4
-    GEMV's repack; ``INFERCORE_WO_REPACK=0`` declines it); None when declined, or inside a CUDA-graph capture before
-    they were made (the capture must not allocate)."""
-    key = id(w.qweight)
-    hit = _WORDS.get(key)
-    if hit is not None and hit[0]() is w.qweight:
-        return hit[1]
-    if not REPACK or (w.qweight.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return None
-    words = fp4_words(w)
-    _WORDS[key] = (weakref.ref(w.qweight), words)
-    weakref.finalize(w.qweight, _WORDS.pop, key, None)
-    return words
 
 
 def fp4_matmul_triton(x: torch.Tensor, w: FP4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -297,8 +275,10 @@ def fp4_matmul_triton(x: torch.Tensor, w: FP4Weight, bias: torch.Tensor | None =
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    words = _words_cached(w) if m <= GEMV_M_MAX else None
-    if m <= GEMV_M_MAX and words is not None:
+    # the GEMV's words, made once and kept beside the codes (wo_gemv's repack cache: INFERCORE_WO_REPACK=0 declines
+    # them, and a CUDA-graph capture does not make them); without them the tiled kernel takes these rows too
+    words = _ilv_cached(w.qweight, lambda: fp4_words(w)) if m <= GEMV_M_MAX else None
+    if words is not None:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         _fp4_gemv_kernel[grid](x, words, w.scales, y, m, n, k, x.stride(0), words.stride(0), w.scales.stride(0),
                                y.stride(0), w.global_scale, NV=nv, BS=w.block, MR=triton.next_power_of_2(m))
@@ -309,5 +289,3 @@ def fp4_matmul_triton(x: torch.Tensor, w: FP4Weight, bias: torch.Tensor | None =
                           DOT_PRECISION=_dot_precision(x.dtype), F16=x.dtype == torch.float16)  # fmt: skip
     return y if bias is None else y + bias.to(y.dtype)
 
-
-assert FP4_EMU_FOLD == 2.0**14  # the kernels' literal

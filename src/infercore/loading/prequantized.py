@@ -13,6 +13,9 @@ Supported: GPTQ 4 / 8 bits, symmetric or not, ``checkpoint_format`` ``gptq`` (ze
 (``desc_act``: the input channels are sorted by group once at load and the activations gathered in that order,
 ``QuantLinear.in_perm``);
 AWQ 4 bits, ``GEMM`` packing, with zero points. Llama-family models (Llama, Mistral, Qwen2, Qwen3).
+
+NVFP4 checkpoints (NVIDIA ModelOpt exports, compressed-tensors ``nvfp4-pack-quantized``) load through
+:mod:`infercore.loading.prequantized_fp4`.
 """
 
 from __future__ import annotations
@@ -25,19 +28,34 @@ from torch import nn
 _PARTS = ("qweight", "qzeros", "scales", "g_idx")
 
 
-def prequantized_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
+def prequantized_config(hf_config: dict[str, Any], hf_quant_config: dict[str, Any] | None = None
+                        ) -> dict[str, Any] | None:
     """The checkpoint's ``quantization_config`` checked and normalised (``method``, ``bits``, ``group_size``
     (None = one group over K), ``zero_offset``), or None for a checkpoint without one. ``ValueError`` for a
-    method or setting this loader does not run."""
+    method or setting this loader does not run.
+
+    ``quant_method`` ``"modelopt"`` and ``"compressed-tensors"`` (NVFP4) normalise through
+    :func:`infercore.loading.prequantized_fp4.nvfp4_config` (``method`` ``"nvfp4"``); ``hf_quant_config`` is a
+    ModelOpt directory's ``hf_quant_config.json`` (:func:`~infercore.loading.prequantized_fp4.read_hf_quant_config`),
+    read when ``config.json`` has no ``quantization_config``."""
     q = hf_config.get("quantization_config")
     if q is None:
-        return None
+        if hf_quant_config is None:
+            return None
+        from .prequantized_fp4 import HF_QUANT_CONFIG, nvfp4_config
+
+        return nvfp4_config(hf_quant_config, HF_QUANT_CONFIG)
     if not isinstance(q, dict):
         raise ValueError(f"config.json: quantization_config must be an object, got {type(q).__name__}")
     method = str(q.get("quant_method", "")).lower()
+    if method.startswith("modelopt") or method == "compressed-tensors":
+        from .prequantized_fp4 import nvfp4_config
+
+        return nvfp4_config(q)
     if method not in ("gptq", "awq"):
         raise ValueError(f"config.json: quantization_config.quant_method {method!r} is not supported; infercore "
-                         "loads 'gptq' and 'awq' checkpoints (or quantizes dense ones: from_pretrained(quantization=))")
+                         "loads 'gptq', 'awq', and NVFP4 'modelopt' / 'compressed-tensors' checkpoints (or quantizes "
+                         "dense ones: from_pretrained(quantization=))")
     bits = q.get("bits", q.get("w_bit"))
     group = q.get("group_size", q.get("q_group_size"))
     if isinstance(group, bool) or not isinstance(group, int) or not (group == -1 or group > 0):
@@ -112,9 +130,14 @@ def load_prequantized(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, de
     """Build the model of ``config`` on ``device`` with the quantized linears of ``ckpt`` (a
     :class:`~infercore.loading.Checkpoint` of an HF directory) as ``QuantLinear`` s, and load the rest.
 
-    ``q`` is :func:`prequantized_config` of the checkpoint. Raises ``ValueError`` naming the tensor or module
+    ``q`` is :func:`prequantized_config` of the checkpoint (``method`` ``"nvfp4"``: handed to
+    :func:`~infercore.loading.prequantized_fp4.load_nvfp4`). Raises ``ValueError`` naming the tensor or module
     for a model family without merged-projection loading, a quantized linear the model lacks, a shape
     mismatch, a merged projection quantized only in part, or a tensor missing (by ``load_weights``)."""
+    if q["method"] == "nvfp4":
+        from .prequantized_fp4 import load_nvfp4
+
+        return load_nvfp4(ckpt, config, q, dtype=dtype, device=device)
     from ..models import model_class
     from ..quant import QuantLinear
     from ..quant.api import _set_submodule

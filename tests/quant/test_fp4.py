@@ -99,14 +99,15 @@ def test_quantization_error_is_small(fmt):
     assert not q.dequantize()[1, :32].any()
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("fmt, k", [("mxfp4", 160), ("nvfp4", 160), ("nvfp4", 176)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kernels_match_the_reference(fmt, m, dtype):
-    # m <= 4: the GEMV; more: the tiled tl.dot kernel (the interpreter never takes the cuBLAS path, which needs
+def test_kernels_match_the_reference(fmt, k, m, dtype):
+    # m <= 4: the GEMV (K = 160: 20 words a row, a partial tile of the interpreter's 8); more, or NVFP4 with K not
+    # a multiple of 32 (176): the tiled tl.dot kernel (the interpreter never takes the cuBLAS path, which needs
     # 96 rows and 16-bit activations; test_dequantize_kernel covers its decode).
     torch.manual_seed(m)
-    q = FP4Weight.quantize(_weights(n=40, k=160 if fmt == "mxfp4" else 176), fmt=fmt)
+    q = FP4Weight.quantize(_weights(n=40, k=k), fmt=fmt)
     x = torch.randn(m, q.shape[1]).to(dtype)
     bias = torch.randn(40)
     y = triton_fp4.fp4_matmul_triton(x, q, bias)
@@ -114,6 +115,36 @@ def test_kernels_match_the_reference(fmt, m, dtype):
     assert y.dtype == dtype and y.shape == (m, 40)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert ((y.float() - r.float()).norm() / r.float().norm()).item() < tol
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gemv_words_layout(fmt):
+    # word i of each group of 32 codes holds codes i + 4 j at bits 4 j (one MXFP4 block, two NVFP4 blocks)
+    q = FP4Weight.quantize(_weights(n=3, k=64), fmt=fmt)
+    words = triton_fp4.fp4_words(q)
+    codes = F4.unpack_nibbles(q.qweight).long()
+    assert words.shape == (3, 8) and words.dtype == torch.int32
+    for g in range(2):
+        for i in range(4):
+            w = words[:, 4 * g + i].long() & 0xFFFFFFFF
+            for j in range(8):
+                assert torch.equal((w >> (4 * j)) & 15, codes[:, 32 * g + i + 4 * j])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        triton_fp4.fp4_words(FP4Weight.quantize(_weights(n=3, k=48), fmt="nvfp4"))
+
+
+def test_nvfp4_gemv_with_unaligned_scales():
+    # scales at an odd byte offset cannot be read two bytes at a time: the tiled kernel takes the rows instead
+    q = FP4Weight.quantize(_weights(n=8, k=64), fmt="nvfp4")
+    store = torch.zeros(8 * 4 + 1, dtype=torch.uint8)
+    store[1:] = q.scales.flatten()
+    odd = FP4Weight(q.qweight, store[1:].view(8, 4), "nvfp4", q.global_scale)
+    assert odd.scales.data_ptr() % 2 == 1 and not triton_fp4._gemv_ok(odd) and triton_fp4._gemv_ok(q)
+    x = torch.randn(2, 64)
+    r = R.fp4_matmul_ref(x, q)
+    for w in (q, odd):
+        y = triton_fp4.fp4_matmul_triton(x, w)
+        assert ((y - r).norm() / r.norm()).item() < 1e-5
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])

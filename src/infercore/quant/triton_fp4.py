@@ -1,9 +1,10 @@
 """Triton kernels for FP4 e2m1 weights with block scales (:class:`FP4Weight`, MXFP4 / NVFP4), decoded in
 registers with integer operations only (no FP4 or FP8 instruction, so they run on sm80 and Hopper alike).
 
-* ``_fp4_gemv_kernel`` -- up to :data:`GEMV_M_MAX` rows: a CUDA-core GEMV over the codes repacked once into
-  interleaved int32 words (:func:`fp4_words`, cached beside the weight by the INT4 GEMV's repack cache): three integer
-  operations and one FMA a code and row, each block's products summed in registers and scaled once.
+* ``_fp4_gemv_kernel`` -- up to :data:`GEMV_M_MAX` rows (K a multiple of 32): a CUDA-core GEMV over the codes
+  repacked once into interleaved int32 words (:func:`fp4_words`, cached beside the weight by the INT4 GEMV's repack
+  cache): three integer operations and one FMA a code and row, each block's products summed in registers and scaled
+  once.
 * ``_fp4_kernel`` -- more rows: the stored codes read as words, decoded the same way, times the block scale, in the
   activation dtype -> ``tl.dot`` (fp32 accumulation).
 * ``_fp4_dequant_kernel`` -- from :data:`DECODE_MIN_M` rows the weight is decoded once into the activation dtype and
@@ -99,25 +100,32 @@ def _fp4_gemv_kernel(
     NV: tl.constexpr, BS: tl.constexpr, MR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     EVEN: tl.constexpr,  # K / 8 is whole tiles of BLOCK_W words: no masks
 ):  # fmt: skip
-    # ``w``: the codes as int32 words in the interleaved layout of ``fp4_words`` (within each block of ``BS``
-    # codes, word ``i`` holds codes ``i + WPB * j`` at bits ``4 j``): a thread's 16-byte load is 4 words of whole
-    # blocks, and code ``j`` of consecutive words sits at consecutive K, so each activation load is a vector
-    # in the weights' layout. Per code: three integer operations (``_ilv_code``) and one FMA a row; a block's
-    # products are summed in registers and scaled once. A product below 2**-126 (|value * x| < 1 before the
-    # 2**126 returns) is an fp32 subnormal: its rounding error stays under 2**-24 times the block scale, far
-    # under the output's rounding.
-    WPB: tl.constexpr = BS // 8  # words per block
+    # ``w``: the codes as int32 words in the interleaved layout of ``fp4_words`` (within each group of 32 codes,
+    # word ``i`` of 4 holds codes ``i + 4 j`` at bits ``4 j``): a thread's 16-byte load is 4 words of whole
+    # groups, and code ``j`` of consecutive words sits at consecutive K, so each activation load is a vector in
+    # the weights' layout. A group is one MXFP4 block or two NVFP4 blocks (codes ``j < 4`` and ``j >= 4`` of its
+    # words), whose two scale bytes are read as one int16: the block sums and their scales keep the words'
+    # layout in every thread (no exchange through shared memory). Per code: three integer operations
+    # (``_ilv_code``) and one FMA a row; a block's products are summed in registers and scaled once. A product
+    # below 2**-126 (|value * x| < 1 before the 2**126 returns) is an fp32 subnormal: its rounding error stays
+    # under 2**-24 times the block scale, far under the output's rounding.
+    NH: tl.constexpr = 32 // BS  # blocks per group of 32 codes
+    JH: tl.constexpr = 8 // NH  # codes of a word in one block
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: full tiles need no mask
     offs_w = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_W), BLOCK_W), BLOCK_W)
-    offs_b = tl.arange(0, BLOCK_W // WPB)
-    a0 = tl.zeros([BLOCK_N, BLOCK_W // WPB], dtype=tl.float32)
+    offs_b = tl.arange(0, BLOCK_W // 4)
+    a0 = tl.zeros([BLOCK_N, BLOCK_W // 4], dtype=tl.float32)
     a1 = a0
     a2 = a0
     a3 = a0
     nw = K // 8
     w_rows = w_ptr + rows[:, None] * stride_wn
+    if NV:
+        s_rows = s_ptr.to(tl.pointer_type(tl.int16)) + rows[:, None] * (stride_sn // 2)
+    else:
+        s_rows = s_ptr + rows[:, None] * stride_sn
     r1 = tl.minimum(1, M - 1) * stride_xm  # rows past M re-read row M - 1 (the store masks them)
     r2 = tl.minimum(2, M - 1) * stride_xm
     r3 = tl.minimum(3, M - 1) * stride_xm
@@ -127,32 +135,37 @@ def _fp4_gemv_kernel(
             w = tl.load(w_rows + kw[None, :], eviction_policy="evict_first")
         else:
             w = tl.load(w_rows + kw[None, :], mask=(kw < nw)[None, :], other=0, eviction_policy="evict_first")
-        k0 = ((kw // WPB) * BS + kw % WPB)[None, :]  # K of each word's code 0
-        p0 = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
-        p1 = p0
-        p2 = p0
-        p3 = p0
-        for j in tl.static_range(8):
-            v = _ilv_code(w, j)
-            k = k0 + WPB * j
-            p0 = _fp4_row_fma(p0, v, x_ptr, 0, k, K, EVEN)
+        k0 = ((kw // 4) * 32 + kw % 4)[None, :]  # K of each word's code 0
+        kb = w0 // 4 + offs_b
+        for h in tl.static_range(NH):
+            p0 = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+            p1 = p0
+            p2 = p0
+            p3 = p0
+            for jj in tl.static_range(JH):
+                v = _ilv_code(w, h * JH + jj)
+                k = k0 + 4 * (h * JH + jj)
+                p0 = _fp4_row_fma(p0, v, x_ptr, 0, k, K, EVEN)
+                if MR > 1:
+                    p1 = _fp4_row_fma(p1, v, x_ptr, r1, k, K, EVEN)
+                if MR > 2:
+                    p2 = _fp4_row_fma(p2, v, x_ptr, r2, k, K, EVEN)
+                    p3 = _fp4_row_fma(p3, v, x_ptr, r3, k, K, EVEN)
+            if h == 0:  # the scales after the first codes' loads (as early, they cost a layout exchange)
+                if EVEN:
+                    sg = tl.load(s_rows + kb[None, :])
+                else:
+                    sg = tl.load(s_rows + kb[None, :], mask=(kb < nw // 4)[None, :], other=0)
+            if NV:
+                sc = _block_scale((sg.to(tl.int32) >> (8 * h)) & 0xFF, gscale, NV, 26)
+            else:
+                sc = _block_scale(sg, gscale, NV, 26)
+            a0 += (tl.sum(tl.reshape(p0, [BLOCK_N, BLOCK_W // 4, 4]), axis=2) * 2.0**100) * sc
             if MR > 1:
-                p1 = _fp4_row_fma(p1, v, x_ptr, r1, k, K, EVEN)
+                a1 += (tl.sum(tl.reshape(p1, [BLOCK_N, BLOCK_W // 4, 4]), axis=2) * 2.0**100) * sc
             if MR > 2:
-                p2 = _fp4_row_fma(p2, v, x_ptr, r2, k, K, EVEN)
-                p3 = _fp4_row_fma(p3, v, x_ptr, r3, k, K, EVEN)
-        kb = w0 // WPB + offs_b
-        if EVEN:
-            sb = tl.load(s_ptr + rows[:, None] * stride_sn + kb[None, :])
-        else:
-            sb = tl.load(s_ptr + rows[:, None] * stride_sn + kb[None, :], mask=(kb < nw // WPB)[None, :], other=0)
-        sc = _block_scale(sb, gscale, NV, 26)
-        a0 += (tl.sum(tl.reshape(p0, [BLOCK_N, BLOCK_W // WPB, WPB]), axis=2) * 2.0**100) * sc
-        if MR > 1:
-            a1 += (tl.sum(tl.reshape(p1, [BLOCK_N, BLOCK_W // WPB, WPB]), axis=2) * 2.0**100) * sc
-        if MR > 2:
-            a2 += (tl.sum(tl.reshape(p2, [BLOCK_N, BLOCK_W // WPB, WPB]), axis=2) * 2.0**100) * sc
-            a3 += (tl.sum(tl.reshape(p3, [BLOCK_N, BLOCK_W // WPB, WPB]), axis=2) * 2.0**100) * sc
+                a2 += (tl.sum(tl.reshape(p2, [BLOCK_N, BLOCK_W // 4, 4]), axis=2) * 2.0**100) * sc
+                a3 += (tl.sum(tl.reshape(p3, [BLOCK_N, BLOCK_W // 4, 4]), axis=2) * 2.0**100) * sc
     offs_m = tl.arange(0, MR)
     acc = tl.zeros([MR, BLOCK_N], dtype=tl.float32)
     acc = tl.where(offs_m[:, None] == 0, tl.sum(a0, axis=1)[None, :], acc)
@@ -255,12 +268,22 @@ def fp4_dequantize_triton(w: FP4Weight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def fp4_words(w: FP4Weight) -> torch.Tensor:
-    """The codes of ``w`` as int32 words ``[N, K / 8]`` in the GEMV's interleaved layout: within each block of
-    ``w.block`` codes (``WPB = block / 8`` words), word ``i`` holds codes ``i + WPB * j`` at bits ``4 j``."""
+    """The codes of ``w`` as int32 words ``[N, K / 8]`` in the GEMV's interleaved layout: within each group of 32
+    codes (4 words; one MXFP4 block, two NVFP4 blocks), word ``i`` holds codes ``i + 4 j`` at bits ``4 j``."""
     n, k = w.shape
-    codes = unpack_nibbles(w.qweight).to(torch.int64).view(n, k // w.block, 8, w.block // 8).transpose(2, 3)
+    if k % 32:
+        raise ValueError(f"w: the GEMV's words need K a multiple of 32, got {k}")
+    codes = unpack_nibbles(w.qweight).to(torch.int64).view(n, k // 32, 8, 4).transpose(2, 3)
     words = (codes << (4 * torch.arange(8, device=codes.device))).sum(-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(n, k // 8).contiguous()
+
+
+def _gemv_ok(w: FP4Weight) -> bool:
+    """The GEMV reads whole groups of 32 codes, and NVFP4's two scale bytes of a group as one int16."""
+    n, k = w.shape
+    s = w.scales
+    return k % 32 == 0 and (w.fmt == "mxfp4" or (s.stride(1) == 1 and s.stride(0) % 2 == 0
+                                                  and s.data_ptr() % 2 == 0))
 
 
 def fp4_matmul_triton(x: torch.Tensor, w: FP4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -277,7 +300,7 @@ def fp4_matmul_triton(x: torch.Tensor, w: FP4Weight, bias: torch.Tensor | None =
         return y
     # the GEMV's words, made once and kept beside the codes (wo_gemv's repack cache: INFERCORE_WO_REPACK=0 declines
     # them, and a CUDA-graph capture does not make them); without them the tiled kernel takes these rows too
-    words = _ilv_cached(w.qweight, lambda: fp4_words(w)) if m <= GEMV_M_MAX else None
+    words = _ilv_cached(w.qweight, lambda: fp4_words(w)) if m <= GEMV_M_MAX and _gemv_ok(w) else None
     if words is not None:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         _fp4_gemv_kernel[grid](x, words, w.scales, y, m, n, k, x.stride(0), words.stride(0), w.scales.stride(0),

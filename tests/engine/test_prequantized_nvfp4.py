@@ -267,7 +267,10 @@ L0 = "model.layers.0.self_attn.k_proj"
     "kw, match",
     [
         (dict(inner={"quant_algo": "NVFP4_AWQ"}), "quant_algo 'NVFP4_AWQ' is not supported"),
-        (dict(inner={"quant_algo": "FP8"}, style="hf_quant_config"), r"hf_quant_config.json.quantization: .*'FP8'"),
+        (
+            dict(inner={"quant_algo": "INT4_AWQ"}, style="hf_quant_config"),
+            r"hf_quant_config.json.quantization: .*'INT4_AWQ'",
+        ),
         (dict(inner={"group_size": 32}, style="hf_quant_config"), "group_size must be 16, got 32"),
         (
             dict(inner={"group_size": 32}),

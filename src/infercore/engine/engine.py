@@ -52,8 +52,8 @@ def _check_quantization(quantization, path) -> None:
 
 
 def _prequantized_method(path) -> str | None:
-    """``"gptq"`` / ``"awq"`` / ``"nvfp4"`` for a pre-quantized HF directory at ``path``, else None (checked before
-    loading)."""
+    """``"gptq"`` / ``"awq"`` / ``"nvfp4"`` / ``"fp8"`` for a pre-quantized HF directory at ``path``, else None
+    (checked before loading)."""
     from ..loading.prequantized import prequantized_config
     from ..loading.prequantized_fp4 import read_hf_quant_config
     from ..loading.safetensors_dir import read_config
@@ -328,9 +328,10 @@ class Engine:
         INT scheme (``"w4a16-g128"``) to quantize them to; the checkpoint is loaded on the host and everything else
         moves to ``device``. ``host_expert_layers``: only the first that many MoE layers' experts (default: all).
 
-        A GPTQ / AWQ / NVFP4 directory (``quantization_config`` in its ``config.json``, or ModelOpt's
+        A GPTQ / AWQ / NVFP4 / FP8 directory (``quantization_config`` in its ``config.json``, or ModelOpt's
         ``hf_quant_config.json``) loads quantized as it is (:mod:`infercore.loading.prequantized`,
-        :mod:`infercore.loading.prequantized_fp4`; ``quantization`` must then be None).
+        :mod:`infercore.loading.prequantized_fp4`, :mod:`infercore.loading.prequantized_fp8`; ``quantization``
+        must then be None).
 
         ``quantization``: None keeps the checkpoint's weights dense (GGUF blocks dequantized at load);
         ``"gguf"`` runs a GGUF checkpoint's block-quantized linears as stored

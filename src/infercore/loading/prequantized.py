@@ -16,6 +16,8 @@ AWQ 4 bits, ``GEMM`` packing, with zero points. Llama-family models (Llama, Mist
 
 NVFP4 checkpoints (NVIDIA ModelOpt exports, compressed-tensors ``nvfp4-pack-quantized``) load through
 :mod:`infercore.loading.prequantized_fp4`.
+FP8 checkpoints (``quant_method`` ``"fp8"``, ModelOpt FP8, compressed-tensors ``float-quantized`` /
+``naive-quantized`` FP8) load through :mod:`infercore.loading.prequantized_fp8`.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ def prequantized_config(hf_config: dict[str, Any], hf_quant_config: dict[str, An
     method or setting this loader does not run.
 
     ``quant_method`` ``"modelopt"`` and ``"compressed-tensors"`` (NVFP4) normalise through
-    :func:`infercore.loading.prequantized_fp4.nvfp4_config` (``method`` ``"nvfp4"``); ``hf_quant_config`` is a
+    :func:`infercore.loading.prequantized_fp4.nvfp4_config` (``method`` ``"nvfp4"``), ``"fp8"`` and FP8 ModelOpt /
+    compressed-tensors configs through :func:`infercore.loading.prequantized_fp8.fp8_config` (``method``
+    ``"fp8"``); ``hf_quant_config`` is a
     ModelOpt directory's ``hf_quant_config.json`` (:func:`~infercore.loading.prequantized_fp4.read_hf_quant_config`),
     read when ``config.json`` has no ``quantization_config``."""
     q = hf_config.get("quantization_config")
@@ -43,19 +47,23 @@ def prequantized_config(hf_config: dict[str, Any], hf_quant_config: dict[str, An
         if hf_quant_config is None:
             return None
         from .prequantized_fp4 import HF_QUANT_CONFIG, nvfp4_config
+        from .prequantized_fp8 import fp8_config, is_fp8_config
 
+        if is_fp8_config(hf_quant_config):
+            return fp8_config(hf_quant_config, HF_QUANT_CONFIG)
         return nvfp4_config(hf_quant_config, HF_QUANT_CONFIG)
     if not isinstance(q, dict):
         raise ValueError(f"config.json: quantization_config must be an object, got {type(q).__name__}")
     method = str(q.get("quant_method", "")).lower()
-    if method.startswith("modelopt") or method == "compressed-tensors":
+    if method.startswith("modelopt") or method in ("compressed-tensors", "fp8"):
         from .prequantized_fp4 import nvfp4_config
+        from .prequantized_fp8 import fp8_config, is_fp8_config
 
-        return nvfp4_config(q)
+        return fp8_config(q) if is_fp8_config(q) else nvfp4_config(q)
     if method not in ("gptq", "awq"):
         raise ValueError(f"config.json: quantization_config.quant_method {method!r} is not supported; infercore "
-                         "loads 'gptq', 'awq', and NVFP4 'modelopt' / 'compressed-tensors' checkpoints (or quantizes "
-                         "dense ones: from_pretrained(quantization=))")
+                         "loads 'gptq', 'awq', 'fp8', and FP8 / NVFP4 'modelopt' / 'compressed-tensors' checkpoints "
+                         "(or quantizes dense ones: from_pretrained(quantization=))")
     bits = q.get("bits", q.get("w_bit"))
     group = q.get("group_size", q.get("q_group_size"))
     if isinstance(group, bool) or not isinstance(group, int) or not (group == -1 or group > 0):
@@ -131,13 +139,18 @@ def load_prequantized(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, de
     :class:`~infercore.loading.Checkpoint` of an HF directory) as ``QuantLinear`` s, and load the rest.
 
     ``q`` is :func:`prequantized_config` of the checkpoint (``method`` ``"nvfp4"``: handed to
-    :func:`~infercore.loading.prequantized_fp4.load_nvfp4`). Raises ``ValueError`` naming the tensor or module
+    :func:`~infercore.loading.prequantized_fp4.load_nvfp4`; ``"fp8"``: to
+    :func:`~infercore.loading.prequantized_fp8.load_fp8`). Raises ``ValueError`` naming the tensor or module
     for a model family without merged-projection loading, a quantized linear the model lacks, a shape
     mismatch, a merged projection quantized only in part, or a tensor missing (by ``load_weights``)."""
     if q["method"] == "nvfp4":
         from .prequantized_fp4 import load_nvfp4
 
         return load_nvfp4(ckpt, config, q, dtype=dtype, device=device)
+    if q["method"] == "fp8":
+        from .prequantized_fp8 import load_fp8
+
+        return load_fp8(ckpt, config, q, dtype=dtype, device=device)
     from ..models import model_class
     from ..quant import QuantLinear
     from ..quant.api import _set_submodule

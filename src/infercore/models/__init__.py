@@ -197,9 +197,10 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> tuple[nn.Module, Any, ModelConfig]:
-    """Load an HF safetensors directory or a ``.gguf`` file. A GPTQ / AWQ / NVFP4 directory (``quantization_config``
-    in its ``config.json``, or ModelOpt's ``hf_quant_config.json``) loads with its quantized linears as
-    ``QuantLinear`` s (:mod:`infercore.loading.prequantized`, :mod:`infercore.loading.prequantized_fp4`).
+    """Load an HF safetensors directory or a ``.gguf`` file. A GPTQ / AWQ / NVFP4 / FP8 directory
+    (``quantization_config`` in its ``config.json``, or ModelOpt's ``hf_quant_config.json``) loads with its quantized
+    linears as ``QuantLinear`` s (:mod:`infercore.loading.prequantized`, :mod:`infercore.loading.prequantized_fp4`,
+    :mod:`infercore.loading.prequantized_fp8`).
 
     Returns ``(model, tokenizer or None, config)``; the model is in eval mode with every weight from
     the checkpoint (``ValueError`` naming the tensor if one is missing, unexpected or misshapen).
@@ -216,7 +217,8 @@ def load_model(
     ckpt = load_checkpoint(path)
     config = config_from_hf(ckpt.config)
     q = prequantized_config(ckpt.config, read_hf_quant_config(ckpt.path) if ckpt.format == "safetensors" else None)
-    if q is not None:  # GPTQ / AWQ / NVFP4: the quantized linears are built from their packed tensors, never densely
+    # GPTQ / AWQ / NVFP4 / FP8: the quantized linears are built from their packed tensors, never densely
+    if q is not None:
         return load_prequantized(ckpt, config, q, dtype=dtype, device=check_device(device)), ckpt.tokenizer(), config
     model = build_model(config, dtype=dtype, device=device, init="empty")
     model.load_weights(ckpt.weights(dtype))

@@ -76,11 +76,12 @@ def write_native(tmp_path, *, block=True, scale_leaf=None, exclude_key="modules_
     :func:`per_block`), and the reference. ``scale_leaf`` renames the per-tensor scale (``"weight_scale"``: vLLM /
     AutoFP8); ``static`` adds ``input_scale`` s and ``activation_scheme: "static"``; ``quant_lm_head`` quantizes the
     lm_head (96 rows: a partial block) with :func:`per_block`."""
-    from transformers.integrations.finegrained_fp8 import Fp8Quantize, _dequantize_fp8_weight
-
     size = [128, 128] if block else None
-    quantizer = Fp8Quantize(SimpleNamespace(quantization_config=SimpleNamespace(weight_block_size=size,
-                                                                                scale_fmt=None)))
+    if not own:
+        from transformers.integrations.finegrained_fp8 import Fp8Quantize, _dequantize_fp8_weight
+
+        quantizer = Fp8Quantize(SimpleNamespace(quantization_config=SimpleNamespace(weight_block_size=size,
+                                                                                    scale_fmt=None)))
     hf = tiny_hf("llama", **hf_overrides)
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
     for base in _targets(state):
@@ -369,3 +370,26 @@ def test_bad_compressed_tensors_fp8_checkpoints_are_refused(tmp_path):
     path, _ = write_ct(tmp_path, ignore=["lm_head", "re:.*\\.mlp\\.down_proj$"])
     with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj is excluded"):
         _engine(path)
+
+
+@pytest.mark.gpu
+def test_fp8_checkpoint_on_cuda(tmp_path):
+    """A block-128 ``quant_method: "fp8"`` directory (this file's own quantizer) on CUDA (bf16, the emulated FP8
+    kernels, CUDA graphs): the log-probabilities of each prompt's first generated token equal transformers' over
+    the dequantized weights (fp32, CPU) within bf16 error, and the first token is transformers' greedy choice where
+    that is not a near tie."""
+    path, ref = write_native(tmp_path, own=True, **BLOCKED)
+    eng = Engine.from_pretrained(str(path), device="cuda", page_size=16, num_pages=64, max_num_batched_tokens=64)
+    assert eng.dtype == torch.bfloat16 and eng.graph_runner is not None and eng.graph_runner.graphs
+    assert sum(isinstance(m, QuantLinear) for m in eng.model.modules()) == 2 * 4
+    prompts = [[(5 * i + 3 * j + 1) % 96 for j in range(8)] for i in range(3)]
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5))
+    for p, o in zip(prompts, outs):
+        with torch.inference_mode():
+            want = ref(torch.tensor([p])).logits[0, -1].float().log_softmax(-1)
+        top_v, top_i = want.topk(5)
+        got = o.logprobs[0]
+        if top_v[0] - top_v[1] > 0.2:
+            assert o.token_ids[0] == int(top_i[0])
+        for t, v in zip(top_i.tolist(), top_v.tolist()):
+            assert got[t] == pytest.approx(v, abs=0.1)

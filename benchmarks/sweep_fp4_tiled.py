@@ -1,6 +1,7 @@
-"""Launch configurations of the FP4 tiled kernel (``triton_fp4._fp4_kernel``, 5-95 rows) at 14336 x 4096, MXFP4 and
-NVFP4, M = 8 / 16 / 32 / 64: each config timed in a CUDA graph over weight copies past the L2 (as ``bench_fp4.py``
-times), checked against the reference first; prints the best per case and writes every row.
+"""Launch configurations of the FP4 tiled kernel (``triton_fp4._fp4_kernel``) at 14336 x 4096, MXFP4 and NVFP4,
+M = 8 / 16 / 32 / 64 by default (``--ms``; the grid's lists by flag): each config timed in a CUDA graph over weight
+copies past the L2 (as ``bench_fp4.py`` times), checked against the reference first; prints the best per case and
+writes every row.
 
     python benchmarks/sweep_fp4_tiled.py --out $OUT/r/sweep_fp4_tiled.json
 """
@@ -34,13 +35,19 @@ def main() -> None:
     ap.add_argument("--fmts", default="mxfp4,nvfp4")
     ap.add_argument("--n", type=int, default=14336)
     ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--bm", default="16,32,64")
+    ap.add_argument("--bn", default="32,64,128")
+    ap.add_argument("--bk", default="64,128,256")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--stages", default="2,3,4")
     args = ap.parse_args()
     n, k, dev = args.n, args.k, torch.device("cuda")
     torch.manual_seed(0)
     base = torch.randn(n, k, device=dev) * 0.02
     kern = T._fp4_kernel.fn  # past the autotuner
     rows = []
-    grid_cfgs = list(itertools.product([16, 32, 64], [32, 64, 128], [64, 128, 256], [4, 8], [2, 3, 4]))
+    grid_cfgs = list(itertools.product(*([int(v) for v in getattr(args, a).split(",")]
+                                         for a in ("bm", "bn", "bk", "warps", "stages"))))
     for fmt in args.fmts.split(","):
         q = FP4Weight.quantize(base, fmt=fmt)
         copies = max(2, math.ceil(1e8 / (q.qweight.numel() + q.scales.numel())))

@@ -177,3 +177,28 @@ def write_prequantized(tmp_path, method, bits=4, group=16, v2=False, skip=(), ex
     cfg["quantization_config"] = qc
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return tmp_path, hf
+
+
+def check_prequantized_on_cuda(path, ref, n_quant: int = 8) -> None:
+    """A pre-quantized directory on CUDA (bf16, CUDA graphs): ``n_quant`` QuantLinears; the log-probabilities of
+    each prompt's first generated token equal transformers' ``ref`` (the dequantized weights, fp32, CPU) within
+    bf16 error, and the first token is ``ref``'s greedy choice where that is not a near tie."""
+    import pytest
+
+    from infercore import Engine, SamplingParams
+    from infercore.quant import QuantLinear
+
+    eng = Engine.from_pretrained(str(path), device="cuda", page_size=16, num_pages=64, max_num_batched_tokens=64)
+    assert eng.dtype == torch.bfloat16 and eng.graph_runner is not None and eng.graph_runner.graphs
+    assert sum(isinstance(m, QuantLinear) for m in eng.model.modules()) == n_quant
+    prompts = [[(5 * i + 3 * j + 1) % 96 for j in range(8)] for i in range(3)]
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5))
+    for p, o in zip(prompts, outs):
+        with torch.inference_mode():
+            want = ref(torch.tensor([p])).logits[0, -1].float().log_softmax(-1)
+        top_v, top_i = want.topk(5)
+        got = o.logprobs[0]
+        if top_v[0] - top_v[1] > 0.2:
+            assert o.token_ids[0] == int(top_i[0])
+        for t, v in zip(top_i.tolist(), top_v.tolist()):
+            assert got[t] == pytest.approx(v, abs=0.1)

@@ -291,30 +291,14 @@ def test_presence_frequency_penalties_on_cuda_match_the_cpu_engine(async_schedul
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "gptq-act-order"])
 def test_prequantized_checkpoint_on_cuda(method, tmp_path):
-    """A GPTQ / AWQ directory on CUDA (bf16, the INT4 kernels, CUDA graphs): the log-probabilities of each
-    prompt's first generated token equal transformers' over the dequantized weights (fp32, CPU) within bf16
-    error, and the first token is transformers' greedy choice where that is not a near tie."""
-    from engine_helpers import write_prequantized
-
-    from infercore.quant import QuantLinear
+    """A GPTQ / AWQ directory on CUDA (bf16, the INT4 kernels, CUDA graphs), checked as
+    ``engine_helpers.check_prequantized_on_cuda`` says."""
+    from engine_helpers import check_prequantized_on_cuda, write_prequantized
 
     act_order = method == "gptq-act-order"
     path, ref = write_prequantized(tmp_path, method.split("-")[0], 4, 128, act_order=act_order, hidden_size=256,
                                    intermediate_size=512)
-    eng = Engine.from_pretrained(str(path), device="cuda", page_size=16, num_pages=64, max_num_batched_tokens=64)
-    assert eng.dtype == torch.bfloat16 and eng.graph_runner is not None and eng.graph_runner.graphs
-    assert sum(isinstance(m, QuantLinear) for m in eng.model.modules()) == 2 * 4
-    prompts = [[(5 * i + 3 * j + 1) % 96 for j in range(8)] for i in range(3)]
-    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5))
-    for p, o in zip(prompts, outs):
-        with torch.inference_mode():
-            want = ref(torch.tensor([p])).logits[0, -1].float().log_softmax(-1)
-        top_v, top_i = want.topk(5)
-        got = o.logprobs[0]
-        if top_v[0] - top_v[1] > 0.2:
-            assert o.token_ids[0] == int(top_i[0])
-        for t, v in zip(top_i.tolist(), top_v.tolist()):
-            assert got[t] == pytest.approx(v, abs=0.1)
+    check_prequantized_on_cuda(path, ref)
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])

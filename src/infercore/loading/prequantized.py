@@ -18,10 +18,13 @@ NVFP4 checkpoints (NVIDIA ModelOpt exports, compressed-tensors ``nvfp4-pack-quan
 :mod:`infercore.loading.prequantized_fp4`.
 FP8 checkpoints (``quant_method`` ``"fp8"``, ModelOpt FP8, compressed-tensors ``float-quantized`` /
 ``naive-quantized`` FP8) load through :mod:`infercore.loading.prequantized_fp8`.
+All three build the model through :func:`build_prequantized` here (model on meta, quantized linears collected,
+checked, merged and swapped in, the rest loaded), each handing it its format's parts, weight and merge rules.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -42,23 +45,19 @@ def prequantized_config(hf_config: dict[str, Any], hf_quant_config: dict[str, An
     ``"fp8"``); ``hf_quant_config`` is a
     ModelOpt directory's ``hf_quant_config.json`` (:func:`~infercore.loading.prequantized_fp4.read_hf_quant_config`),
     read when ``config.json`` has no ``quantization_config``."""
+    from .prequantized_fp4 import HF_QUANT_CONFIG, nvfp4_config
+    from .prequantized_fp8 import fp8_config, is_fp8_config
+
     q = hf_config.get("quantization_config")
     if q is None:
         if hf_quant_config is None:
             return None
-        from .prequantized_fp4 import HF_QUANT_CONFIG, nvfp4_config
-        from .prequantized_fp8 import fp8_config, is_fp8_config
-
-        if is_fp8_config(hf_quant_config):
-            return fp8_config(hf_quant_config, HF_QUANT_CONFIG)
-        return nvfp4_config(hf_quant_config, HF_QUANT_CONFIG)
+        q = hf_quant_config
+        return fp8_config(q, HF_QUANT_CONFIG) if is_fp8_config(q) else nvfp4_config(q, HF_QUANT_CONFIG)
     if not isinstance(q, dict):
         raise ValueError(f"config.json: quantization_config must be an object, got {type(q).__name__}")
     method = str(q.get("quant_method", "")).lower()
     if method.startswith("modelopt") or method in ("compressed-tensors", "fp8"):
-        from .prequantized_fp4 import nvfp4_config
-        from .prequantized_fp8 import fp8_config, is_fp8_config
-
         return fp8_config(q) if is_fp8_config(q) else nvfp4_config(q)
     if method not in ("gptq", "awq"):
         raise ValueError(f"config.json: quantization_config.quant_method {method!r} is not supported; infercore "
@@ -151,6 +150,44 @@ def load_prequantized(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, de
         from .prequantized_fp8 import load_fp8
 
         return load_fp8(ckpt, config, q, dtype=dtype, device=device)
+    return build_prequantized(ckpt, config, dtype=dtype, device=device, label="GPTQ / AWQ",
+                              is_part=lambda leaf, t: leaf in _PARTS, select=list,
+                              weight=lambda base, parts: _int_weight(base, parts, q),
+                              concat=lambda target, ws, names: _concat(ws), codes="qweight",
+                              none_converted="checkpoint: quantization_config is set but no tensor ends in .qweight")
+
+
+def build_prequantized(ckpt, config, *, dtype: torch.dtype, device: torch.device, label: str,
+                       is_part: Callable[[str, torch.Tensor], bool],
+                       select: Callable[[dict[str, dict[str, torch.Tensor]]], Iterable[str]],
+                       weight: Callable[[str, dict[str, torch.Tensor]], tuple[Any, torch.Tensor | None]],
+                       concat: Callable[[str, list, list[str]], Any], codes: str, none_converted: str,
+                       excluded: Callable[[str], bool] | None = None, drop: tuple[str, ...] = ()) -> nn.Module:
+    """The model of ``config`` built on ``device`` with the quantized linears of ``ckpt`` as ``QuantLinear`` s
+    (q / k / v and gate / up merged as the dense loader merges them) and everything else loaded through the
+    model's ``load_weights``: the skeleton of :func:`load_prequantized`,
+    :func:`~infercore.loading.prequantized_fp4.load_nvfp4` and :func:`~infercore.loading.prequantized_fp8.load_fp8`.
+
+    The format comes in as:
+
+    * ``label``: its name in messages (``"GPTQ / AWQ"``, ``"NVFP4"``, ``"FP8"``);
+    * ``is_part(leaf, tensor)``: whether a checkpoint tensor ``<base>.<leaf>`` is a part of a quantized linear
+      ``<base>`` (collected per base, and never handed to ``load_weights``: every part is converted, dropped, or
+      the load fails);
+    * ``select(parts)``: the bases of ``parts`` (``{base: {leaf: tensor}}``) that are quantized linears, in the
+      order they are converted (may raise for parts that make no linear);
+    * ``weight(base, parts[base])``: ``(quantized weight [N, K], input permutation or None)``, checked;
+    * ``concat(target, weights, bases)``: one weight of the shards of the merged projection ``target``, stacked
+      along N in shard order (their input permutations, if any, must be equal);
+    * ``codes``: the leaf named when a quantized tensor has no linear (``<base>.<codes>``);
+    * ``none_converted``: the message when no linear is quantized;
+    * ``excluded(base)``: whether the config excludes ``base`` from quantization (refused if stored quantized);
+    * ``drop``: leaves dropped wherever they stand (KV-cache scales).
+
+    A model without a bias in a quantized linear drops an all-zero ``<base>.bias`` (GPTQ exporters may store one for
+    every quantized linear). ``ValueError`` names the tensor or module for a model family without merged-projection
+    loading, an excluded or missing linear, a quantized lm_head with tied embeddings, a shape mismatch, a merged
+    projection quantized only in part, no quantized linear, or a tensor missing (by ``load_weights``)."""
     from ..models import model_class
     from ..quant import QuantLinear
     from ..quant.api import _set_submodule
@@ -160,24 +197,26 @@ def load_prequantized(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, de
         model = cls(config, dtype=dtype)
     stacked = getattr(model, "_STACKED", None)
     if stacked is None or not hasattr(model, "_shard_rows"):
-        raise ValueError(f"checkpoint: pre-quantized (GPTQ / AWQ) loading covers Llama-family models, not "
+        raise ValueError(f"checkpoint: pre-quantized ({label}) loading covers Llama-family models, not "
                          f"{config.architecture}")
     modules = dict(model.named_modules())
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in ckpt.weights(None):
         base, _, leaf = name.rpartition(".")
-        if leaf in _PARTS:
+        if is_part(leaf, t):
             parts.setdefault(base, {})[leaf] = t
-    merged: dict[str, dict[int, Any]] = {}
+    merged: dict[str, dict[int, tuple[Any, str, torch.Tensor | None]]] = {}
     biasless: set[str] = set()  # quantized linears without a bias in the model
     converted = 0
-    for base, p in parts.items():
-        w, perm = _int_weight(base, p, q)
+    for base in select(parts):
+        if excluded is not None and excluded(base):
+            raise ValueError(f"checkpoint: {base} is excluded from quantization by the config but stored as {label}")
+        w, perm = weight(base, parts[base])
         prefix, _, proj = base.rpartition(".")
         target, shard = (f"{prefix}.{stacked[proj][0]}", stacked[proj][1]) if proj in stacked else (base, None)
         lin = modules.get(target)
         if not isinstance(lin, nn.Linear):
-            raise ValueError(f"checkpoint: quantized tensor {base}.qweight has no linear layer in "
+            raise ValueError(f"checkpoint: quantized tensor {base}.{codes} has no linear layer in "
                              f"{config.architecture}")
         if target == "lm_head" and config.tie_word_embeddings:
             raise ValueError("checkpoint: a quantized lm_head with tied word embeddings is not supported")
@@ -191,17 +230,17 @@ def load_prequantized(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, de
             raise ValueError(f"checkpoint: {base} holds a [{w.shape[0]}, {w.shape[1]}] weight, expected "
                              f"[{rows}, {lin.in_features}]")
         if shard is not None:
-            merged.setdefault(target, {})[shard] = (w, perm)
+            merged.setdefault(target, {})[shard] = (w, base, perm)
             n_shards = sum(1 for m, _ in stacked.values() if m == stacked[proj][0])
             if len(merged[target]) < n_shards:
                 continue
             shards = merged.pop(target)
-            perms = [shards[i][1] for i in range(n_shards)]
+            ws, bases, perms = zip(*(shards[i] for i in range(n_shards)))
             if any((a is None) != (perms[0] is None) or (a is not None and not torch.equal(a, perms[0]))
                    for a in perms):
                 raise ValueError(f"checkpoint: the shards of {target} have different act-order channel orders "
                                  "(g_idx); a merged projection needs one")
-            w, perm = _concat([shards[i][0] for i in range(n_shards)]), perms[0]
+            w, perm = concat(target, list(ws), list(bases)), perms[0]
         new = QuantLinear(w, in_perm=perm).to(device)
         if lin.bias is not None:  # filled by load_weights below, like a dense bias
             new.bias = nn.Parameter(torch.empty(lin.out_features, dtype=dtype, device=device), requires_grad=False)
@@ -211,7 +250,7 @@ def load_prequantized(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, de
         raise ValueError(f"checkpoint: {sorted(merged)} quantized only in part (every q/k/v and gate/up shard of a "
                          "merged projection must be quantized alike)")
     if not converted:
-        raise ValueError("checkpoint: quantization_config is set but no tensor ends in .qweight")
+        raise ValueError(none_converted)
     for mod in model.modules():  # everything still on meta gets real (uninitialised) memory
         for key, t in list(mod._parameters.items()):
             if t is not None and t.is_meta:
@@ -224,7 +263,7 @@ def load_prequantized(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, de
     def rest():
         for n, t in ckpt.weights(None):
             base, _, leaf = n.rpartition(".")
-            if leaf in _PARTS:
+            if is_part(leaf, t) or leaf in drop:  # converted above, or read and dropped
                 continue
             # GPTQ exporters may store an all-zero bias for every quantized linear; a model without one drops it
             if leaf == "bias" and base in biasless and not t.any():

@@ -4,7 +4,9 @@ Both store an NVFP4 linear ``<name>`` ``[N, K]`` as FP4 e2m1 codes, two a byte, 
 16 along K and one fp32 scale per tensor; they are loaded weight-only into
 :class:`~infercore.quant.FP4Weight` (``fmt="nvfp4"``) :class:`~infercore.quant.QuantLinear` s, whose kernels
 decode the codes (no FP4 instruction needed), with q / k / v and gate / up merged as the dense loader merges
-them. Everything else loads through the model's ``load_weights``.
+them (:func:`infercore.loading.prequantized.build_prequantized`). Everything else loads through the model's
+``load_weights``. The ModelOpt and compressed-tensors config plumbing here (``_modelopt_settings``, ``_ct_groups``,
+exclude lists) serves :mod:`infercore.loading.prequantized_fp8` too.
 
 **ModelOpt** (``NVIDIA/Model-Optimizer``, ``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``
 ``NVFP4QTensor``; read by vLLM's ``vllm/model_executor/layers/quantization/modelopt.py``
@@ -61,12 +63,15 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Container
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from .prequantized import build_prequantized
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 _MODELOPT_ALGOS = ("NVFP4", "W4A16_NVFP4")
@@ -127,21 +132,10 @@ def nvfp4_config(q: dict[str, Any], where: str = "config.json: quantization_conf
     method = str(q.get("quant_method", "")).lower()
     if method == "compressed-tensors":
         return _ct_config(q, where)
-    if "quantization" in q:  # hf_quant_config.json, or a config.json holding it nested
-        inner = q["quantization"]
-        if not isinstance(inner, dict):
-            raise ValueError(f"{where}: 'quantization' must be an object, got {type(inner).__name__}")
-        where = f"{where}.quantization"
-    elif method.startswith("modelopt"):
-        inner = q
-    else:
-        raise ValueError(f"{where}: not a ModelOpt or compressed-tensors NVFP4 config (quant_method {method!r})")
-    algo = str(inner.get("quant_algo") or "").upper()
-    if algo not in _MODELOPT_ALGOS:
-        raise ValueError(
-            f"{where}: ModelOpt quant_algo {inner.get('quant_algo')!r} is not supported; infercore "
-            f"loads {' and '.join(_MODELOPT_ALGOS)} (FP4 weights, run weight-only)"
-        )
+    inner, where, _ = _modelopt_settings(
+        q, where, "a ModelOpt or compressed-tensors NVFP4", _MODELOPT_ALGOS,
+        f"{' and '.join(_MODELOPT_ALGOS)} (FP4 weights, run weight-only)",
+    )
     group = inner.get("group_size")
     sizes = _group_sizes(inner)
     if group is None and sizes:
@@ -149,15 +143,46 @@ def nvfp4_config(q: dict[str, Any], where: str = "config.json: quantization_conf
     _check_group(f"{where}.group_size", _GROUP if group is None else group)  # vLLM's default: 16
     for s in sizes:
         _check_group(f"{where}.config_groups", s)
+    return {"method": "nvfp4", "format": "modelopt", "group_size": _GROUP, "exclude": _modelopt_exclude(inner, where)}
+
+
+def _modelopt_settings(
+    q: dict[str, Any], where: str, what: str, algos: Container[str], loads: str
+) -> tuple[dict[str, Any], str, str]:
+    """``(settings, where, quant_algo)`` of a ModelOpt config ``q`` (NVFP4 or FP8): its ``quantization`` object (an
+    ``hf_quant_config.json``, or a ``config.json`` holding it nested) or ``q`` itself (``quant_method``
+    ``"modelopt..."``), ``where`` naming it, and its ``quant_algo`` (upper case), one of ``algos``. ``ValueError``
+    for anything else: calling it not ``what`` config, or saying the loader ``loads`` other algorithms."""
+    if "quantization" in q:  # hf_quant_config.json, or a config.json holding it nested
+        inner = q["quantization"]
+        if not isinstance(inner, dict):
+            raise ValueError(f"{where}: 'quantization' must be an object, got {type(inner).__name__}")
+        where = f"{where}.quantization"
+    else:
+        method = str(q.get("quant_method", "")).lower()
+        if not method.startswith("modelopt"):
+            raise ValueError(f"{where}: not {what} config (quant_method {method!r})")
+        inner = q
+    algo = str(inner.get("quant_algo") or "").upper()
+    if algo not in algos:
+        raise ValueError(
+            f"{where}: ModelOpt quant_algo {inner.get('quant_algo')!r} is not supported; infercore loads {loads}"
+        )
+    return inner, where, algo
+
+
+def _modelopt_exclude(inner: dict[str, Any], where: str) -> list[str]:
+    """The exclude patterns of ModelOpt settings (``exclude_modules``, or ``ignore`` in the config.json form)."""
     key = "exclude_modules" if "exclude_modules" in inner else "ignore"
-    exclude = _patterns(f"{where}.{key}", inner.get(key))
-    return {"method": "nvfp4", "format": "modelopt", "group_size": _GROUP, "exclude": exclude}
+    return _patterns(f"{where}.{key}", inner.get(key))
 
 
-def _ct_config(q: dict[str, Any], where: str) -> dict[str, Any]:
+def _ct_groups(q: dict[str, Any], where: str, stored: str):
+    """``(where, format, weights)`` of each of a compressed-tensors config's ``config_groups``, checked to be
+    ``"compressed"`` (``stored`` says what that means, in the message) and to hold objects with ``weights``."""
     status = q.get("quantization_status", "compressed")
     if status != "compressed":
-        raise ValueError(f"{where}.quantization_status: expected 'compressed' (packed tensors), got {status!r}")
+        raise ValueError(f"{where}.quantization_status: expected 'compressed' ({stored}), got {status!r}")
     groups = q.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ValueError(f"{where}.config_groups: expected a non-empty object, got {groups!r}")
@@ -165,17 +190,25 @@ def _ct_config(q: dict[str, Any], where: str) -> dict[str, Any]:
         at = f"{where}.config_groups.{gname}"
         if not isinstance(g, dict) or not isinstance(g.get("weights"), dict):
             raise ValueError(f"{at}: expected an object with 'weights'")
-        fmt = g.get("format") or q.get("format")
+        yield at, g.get("format") or q.get("format"), g["weights"]
+
+
+def _check_float_bits(at: str, w: dict[str, Any], bits: int, name: str) -> None:
+    if w.get("num_bits") != bits or str(w.get("type", "")).lower() != "float":
+        raise ValueError(
+            f"{at}.weights: expected num_bits {bits}, type 'float' ({name}), got {w.get('num_bits')!r}, "
+            f"{w.get('type')!r}"
+        )
+
+
+def _ct_config(q: dict[str, Any], where: str) -> dict[str, Any]:
+    for at, fmt, w in _ct_groups(q, where, "packed tensors"):
         if fmt != _CT_FORMAT:
             raise ValueError(
                 f"{at}: compressed-tensors format {fmt!r} is not supported; infercore loads "
                 f"{_CT_FORMAT!r} (and 'gptq' / 'awq' checkpoints)"
             )
-        w = g["weights"]
-        if w.get("num_bits") != 4 or str(w.get("type", "")).lower() != "float":
-            raise ValueError(
-                f"{at}.weights: expected num_bits 4, type 'float' (NVFP4), got {w.get('num_bits')!r}, {w.get('type')!r}"
-            )
+        _check_float_bits(at, w, 4, "NVFP4")
         strategy = str(w.get("strategy", "tensor_group")).lower()
         if strategy != "tensor_group":
             raise ValueError(f"{at}.weights.strategy: expected 'tensor_group' (NVFP4), got {strategy!r}")
@@ -281,100 +314,25 @@ def load_nvfp4(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, device: t
     dtype or shape, a missing part, a quantized linear the model lacks or the config excludes, a merged
     projection quantized only in part or with global scales that cannot be merged exactly (module docstring),
     or a tensor missing (by ``load_weights``)."""
-    from ..models import model_class
-    from ..quant import QuantLinear
-    from ..quant.api import _set_submodule
-
     leaves = _LEAVES[q["format"]]
     parts_of = {leaves["codes"], leaves["scales"], leaves["global"], *leaves["drop"]}
-    cls = model_class(config)
-    with torch.device("meta"):
-        model = cls(config, dtype=dtype)
-    stacked = getattr(model, "_STACKED", None)
-    if stacked is None or not hasattr(model, "_shard_rows"):
-        raise ValueError(
-            f"checkpoint: pre-quantized (NVFP4) loading covers Llama-family models, not {config.architecture}"
-        )
-    modules = dict(model.named_modules())
-    parts: dict[str, dict[str, torch.Tensor]] = {}
-    for name, t in ckpt.weights(None):
-        base, _, leaf = name.rpartition(".")
+    return build_prequantized(
+        ckpt,
+        config,
+        dtype=dtype,
+        device=device,
+        label="NVFP4",
         # ModelOpt's codes share the name "weight" with dense weights: floating-point ones are dense
-        if leaf in parts_of and (leaf != "weight" or not t.is_floating_point()):
-            parts.setdefault(base, {})[leaf] = t
-    quantized = {b for b, p in parts.items() if set(p) - set(leaves["drop"])}
-    merged: dict[str, dict[int, tuple[Any, str]]] = {}
-    biasless: set[str] = set()
-    converted = 0
-    for base in sorted(quantized):
-        if _excluded(base, q):
-            raise ValueError(f"checkpoint: {base} is excluded from quantization by the config but stored as NVFP4")
-        w = _fp4_weight(base, parts[base], q)
-        prefix, _, proj = base.rpartition(".")
-        target, shard = (f"{prefix}.{stacked[proj][0]}", stacked[proj][1]) if proj in stacked else (base, None)
-        lin = modules.get(target)
-        if not isinstance(lin, nn.Linear):
-            raise ValueError(
-                f"checkpoint: quantized tensor {base}.{leaves['codes']} has no linear layer in {config.architecture}"
-            )
-        if target == "lm_head" and config.tie_word_embeddings:
-            raise ValueError("checkpoint: a quantized lm_head with tied word embeddings is not supported")
-        if lin.bias is None:
-            biasless.add(base)
-        rows = lin.out_features
-        if shard is not None:
-            start, end = model._shard_rows(stacked[proj][0], shard)
-            rows = end - start
-        if w.shape != (rows, lin.in_features):
-            raise ValueError(
-                f"checkpoint: {base} holds a [{w.shape[0]}, {w.shape[1]}] weight, expected [{rows}, {lin.in_features}]"
-            )
-        if shard is not None:
-            merged.setdefault(target, {})[shard] = (w, base)
-            n_shards = sum(1 for m, _ in stacked.values() if m == stacked[proj][0])
-            if len(merged[target]) < n_shards:
-                continue
-            shards = merged.pop(target)
-            w = _concat(
-                target,
-                [shards[i][0] for i in range(n_shards)],
-                [shards[i][1] for i in range(n_shards)],
-                leaves["global"],
-            )
-        new = QuantLinear(w).to(device)
-        if lin.bias is not None:  # filled by load_weights below, like a dense bias
-            new.bias = nn.Parameter(torch.empty(lin.out_features, dtype=dtype, device=device), requires_grad=False)
-        _set_submodule(model, target, new)
-        converted += 1
-    if merged:
-        raise ValueError(
-            f"checkpoint: {sorted(merged)} quantized only in part (every q/k/v and gate/up shard of a "
-            "merged projection must be quantized alike)"
-        )
-    if not converted:
-        raise ValueError(
+        is_part=lambda leaf, t: leaf in parts_of and (leaf != "weight" or not t.is_floating_point()),
+        # a dense linear's activation scale is a part too: read and dropped
+        select=lambda parts: sorted(b for b, p in parts.items() if set(p) - set(leaves["drop"])),
+        weight=lambda base, parts: (_fp4_weight(base, parts, q), None),
+        concat=lambda target, ws, names: _concat(target, ws, names, leaves["global"]),
+        codes=leaves["codes"],
+        none_converted=(
             f"checkpoint: an NVFP4 quantization_config is set but no linear has "
             f"{leaves['codes']!r} codes with {leaves['scales']!r} / {leaves['global']!r} scales"
-        )
-    for mod in model.modules():  # everything still on meta gets real (uninitialised) memory
-        for key, t in list(mod._parameters.items()):
-            if t is not None and t.is_meta:
-                mod._parameters[key] = nn.Parameter(torch.empty_like(t, device=device), requires_grad=False)
-        for key, t in list(mod._buffers.items()):
-            if t is not None and t.is_meta:
-                mod._buffers[key] = torch.empty_like(t, device=device)
-    model.finish_init()
-
-    def rest():
-        for n, t in ckpt.weights(None):
-            base, _, leaf = n.rpartition(".")
-            if (base in quantized and leaf in parts_of) or leaf in _KV_SCALES:
-                continue
-            if base in parts and leaf in leaves["drop"]:  # an activation scale of a dense linear
-                continue
-            if leaf == "bias" and base in biasless and not t.any():
-                continue
-            yield n, t.to(dtype) if t.is_floating_point() else t
-
-    model.load_weights(rest())
-    return model.eval()
+        ),
+        excluded=lambda base: _excluded(base, q),
+        drop=_KV_SCALES,
+    )

@@ -6,10 +6,11 @@ Each stores an FP8 linear ``<name>`` ``[N, K]`` as ``<name>.weight`` ``float8_e4
 bf16 / fp16) scales that **multiply** the decoded e4m3 values: ``w = e4m3(weight) * scale``, the scale per tensor,
 per output channel or per 128 x 128 block. They load **weight-only** into :class:`~infercore.quant.FP8Weight`
 :class:`~infercore.quant.QuantLinear` s (whose kernels decode e4m3 on any GPU, and on the CPU), with q / k / v and
-gate / up merged as the dense loader merges them; everything else loads through the model's ``load_weights``. The
-activations stay in the model dtype: ``activation_scheme`` / ``input_activations`` are read but ignored, and the
-static activation scales (``<name>.input_scale``) are dropped. FP8 KV-cache scales (``k_scale``, ``v_scale``,
-``q_scale``, ``prob_scale``, ``output_scale``) are dropped too: the cache keeps the model dtype.
+gate / up merged as the dense loader merges them (:func:`infercore.loading.prequantized.build_prequantized`);
+everything else loads through the model's ``load_weights``. The activations stay in the model dtype:
+``activation_scheme`` / ``input_activations`` are read but ignored, and the static activation scales
+(``<name>.input_scale``) are dropped. FP8 KV-cache scales (``k_scale``, ``v_scale``, ``q_scale``, ``prob_scale``,
+``output_scale``) are dropped too: the cache keeps the model dtype.
 
 Scales map onto :class:`FP8Weight` exactly: a per-tensor scale is expanded to one per output channel (``[N]``, the
 same fp32 value in every row), a per-channel scale is ``[N]``, a block scale ``[ceil(N / 128), ceil(K / 128)]`` with
@@ -73,6 +74,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .prequantized import build_prequantized
+from .prequantized_fp4 import _check_float_bits, _ct_groups, _modelopt_exclude, _modelopt_settings, _patterns
+from .prequantized_fp4 import _excluded as _modelopt_or_ct_excluded
+
 _BLOCK = 128
 _E4M3 = torch.float8_e4m3fn
 _FP8_DTYPES = tuple(
@@ -124,8 +129,6 @@ def fp8_config(q: dict[str, Any], where: str = "config.json: quantization_config
     "compressed-tensors", "strategies": [the scale layouts it may store], "exclude": [patterns]}``. ``where``
     names the source in errors. ``ValueError`` for a setting this loader does not run; ``activation_scheme`` and
     input-activation settings are not checked (weight-only)."""
-    from .prequantized_fp4 import _patterns
-
     if not isinstance(q, dict):
         raise ValueError(f"{where}: expected an object, got {type(q).__name__}")
     method = str(q.get("quant_method", "")).lower()
@@ -133,29 +136,15 @@ def fp8_config(q: dict[str, Any], where: str = "config.json: quantization_config
         return _native_config(q, where)
     if method == "compressed-tensors":
         return _ct_config(q, where)
-    if "quantization" in q:  # hf_quant_config.json, or a config.json holding it nested
-        inner = q["quantization"]
-        if not isinstance(inner, dict):
-            raise ValueError(f"{where}: 'quantization' must be an object, got {type(inner).__name__}")
-        where = f"{where}.quantization"
-    elif method.startswith("modelopt"):
-        inner = q
-    else:
-        raise ValueError(f"{where}: not an FP8 config (quant_method {method!r})")
-    algo = str(inner.get("quant_algo") or "").upper()
-    if algo not in _MODELOPT_ALGOS:
-        raise ValueError(
-            f"{where}: ModelOpt quant_algo {inner.get('quant_algo')!r} is not supported; infercore loads "
-            f"{', '.join(_MODELOPT_ALGOS)} (FP8 weights, run weight-only) and NVFP4 / W4A16_NVFP4"
-        )
-    key = "exclude_modules" if "exclude_modules" in inner else "ignore"
-    exclude = _patterns(f"{where}.{key}", inner.get(key))
+    inner, where, algo = _modelopt_settings(
+        q, where, "an FP8", _MODELOPT_ALGOS,
+        f"{', '.join(_MODELOPT_ALGOS)} (FP8 weights, run weight-only) and NVFP4 / W4A16_NVFP4",
+    )
+    exclude = _modelopt_exclude(inner, where)
     return {"method": "fp8", "format": "modelopt", "strategies": [_MODELOPT_ALGOS[algo]], "exclude": exclude}
 
 
 def _native_config(q: dict[str, Any], where: str) -> dict[str, Any]:
-    from .prequantized_fp4 import _patterns
-
     fmt = q.get("fmt")
     if fmt is not None and str(fmt).lower() != "e4m3":
         raise ValueError(f"{where}.fmt: only 'e4m3' FP8 weights are supported, got {fmt!r}")
@@ -174,30 +163,14 @@ def _native_config(q: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _ct_config(q: dict[str, Any], where: str) -> dict[str, Any]:
-    from .prequantized_fp4 import _patterns
-
-    status = q.get("quantization_status", "compressed")
-    if status != "compressed":
-        raise ValueError(f"{where}.quantization_status: expected 'compressed' (FP8 tensors), got {status!r}")
-    groups = q.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise ValueError(f"{where}.config_groups: expected a non-empty object, got {groups!r}")
     strategies: list[str] = []
-    for gname, g in groups.items():
-        at = f"{where}.config_groups.{gname}"
-        if not isinstance(g, dict) or not isinstance(g.get("weights"), dict):
-            raise ValueError(f"{at}: expected an object with 'weights'")
-        fmt = g.get("format") or q.get("format")
+    for at, fmt, w in _ct_groups(q, where, "FP8 tensors"):
         if fmt not in _CT_FORMATS:
             raise ValueError(
                 f"{at}: compressed-tensors format {fmt!r} is not supported for FP8 weights; infercore loads "
                 f"{' / '.join(map(repr, _CT_FORMATS))} (and 'nvfp4-pack-quantized')"
             )
-        w = g["weights"]
-        if w.get("num_bits") != 8 or str(w.get("type", "")).lower() != "float":
-            raise ValueError(
-                f"{at}.weights: expected num_bits 8, type 'float' (FP8), got {w.get('num_bits')!r}, {w.get('type')!r}"
-            )
+        _check_float_bits(at, w, 8, "FP8")
         strategy = str(w.get("strategy", "tensor")).lower()
         if strategy not in _CT_STRATEGIES:
             raise ValueError(f"{at}.weights.strategy: expected one of {_CT_STRATEGIES} for FP8, got {strategy!r}")
@@ -217,9 +190,7 @@ def _ct_config(q: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _excluded(name: str, q: dict[str, Any]) -> bool:
     if q["format"] != "fp8":
-        from .prequantized_fp4 import _excluded as excluded
-
-        return excluded(name, q)
+        return _modelopt_or_ct_excluded(name, q)
     # vLLM / transformers module names: the name itself, a trailing part ("lm_head") or a parent module
     return any(name == p or name.endswith("." + p) or name.startswith(p + ".") for p in q["exclude"] if p)
 
@@ -271,6 +242,18 @@ def _fp8_weight(name: str, parts: dict[str, torch.Tensor], q: dict[str, Any]):
     return FP8Weight(w.contiguous().view(torch.uint8), scales.contiguous(), block)
 
 
+def _fp8_linears(parts: dict[str, dict[str, torch.Tensor]]) -> list[str]:
+    """The linears of ``parts`` stored as FP8 (those with a ``weight`` part), sorted; ``ValueError`` for a dense
+    linear with a weight scale or zero point (its other parts may only be activation scales, dropped)."""
+    for base, p in parts.items():
+        if "weight" not in p and set(p) & {*_SCALES, "weight_zero_point"}:
+            raise ValueError(
+                f"checkpoint: {base} has {sorted(p)} but its weight is not stored as float8_e4m3fn (a dense "
+                "weight takes no weight scale)"
+            )
+    return sorted(b for b, p in parts.items() if "weight" in p)
+
+
 def _concat(target: str, ws: list, names: list[str]):
     """One :class:`FP8Weight` of the shards ``ws`` stacked along N, only where exact."""
     from ..quant.formats import FP8Weight
@@ -300,95 +283,22 @@ def load_fp8(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, device: tor
     dtype or shape, a missing scale, a quantized linear the model lacks or the config excludes, a merged
     projection quantized only in part or whose block scales cannot be merged exactly (module docstring), or a
     tensor missing (by ``load_weights``)."""
-    from ..models import model_class
-    from ..quant import QuantLinear
-    from ..quant.api import _set_submodule
-
     part_leaves = {"weight", *_SCALES, *_DROP, "weight_zero_point"}
-    cls = model_class(config)
-    with torch.device("meta"):
-        model = cls(config, dtype=dtype)
-    stacked = getattr(model, "_STACKED", None)
-    if stacked is None or not hasattr(model, "_shard_rows"):
-        raise ValueError(
-            f"checkpoint: pre-quantized (FP8) loading covers Llama-family models, not {config.architecture}"
-        )
-    modules = dict(model.named_modules())
-    parts: dict[str, dict[str, torch.Tensor]] = {}
-    for name, t in ckpt.weights(None):
-        base, _, leaf = name.rpartition(".")
+    return build_prequantized(
+        ckpt,
+        config,
+        dtype=dtype,
+        device=device,
+        label="FP8",
         # FP8 codes share the name "weight" with dense weights: float16 / bfloat16 / float32 ones are dense
-        if leaf in part_leaves and (leaf != "weight" or t.dtype in _FP8_DTYPES or not t.is_floating_point()):
-            parts.setdefault(base, {})[leaf] = t
-    quantized = {b for b, p in parts.items() if "weight" in p}
-    for base, p in parts.items():
-        if base not in quantized and set(p) & {*_SCALES, "weight_zero_point"}:
-            raise ValueError(
-                f"checkpoint: {base} has {sorted(p)} but its weight is not stored as float8_e4m3fn (a dense "
-                "weight takes no weight scale)"
-            )
-    merged: dict[str, dict[int, tuple[Any, str]]] = {}
-    biasless: set[str] = set()
-    converted = 0
-    for base in sorted(quantized):
-        if _excluded(base, q):
-            raise ValueError(f"checkpoint: {base} is excluded from quantization by the config but stored as FP8")
-        w = _fp8_weight(base, parts[base], q)
-        prefix, _, proj = base.rpartition(".")
-        target, shard = (f"{prefix}.{stacked[proj][0]}", stacked[proj][1]) if proj in stacked else (base, None)
-        lin = modules.get(target)
-        if not isinstance(lin, nn.Linear):
-            raise ValueError(f"checkpoint: quantized tensor {base}.weight has no linear layer in {config.architecture}")
-        if target == "lm_head" and config.tie_word_embeddings:
-            raise ValueError("checkpoint: a quantized lm_head with tied word embeddings is not supported")
-        if lin.bias is None:
-            biasless.add(base)
-        rows = lin.out_features
-        if shard is not None:
-            start, end = model._shard_rows(stacked[proj][0], shard)
-            rows = end - start
-        if w.shape != (rows, lin.in_features):
-            raise ValueError(
-                f"checkpoint: {base} holds a [{w.shape[0]}, {w.shape[1]}] weight, expected [{rows}, {lin.in_features}]"
-            )
-        if shard is not None:
-            merged.setdefault(target, {})[shard] = (w, base)
-            n_shards = sum(1 for m, _ in stacked.values() if m == stacked[proj][0])
-            if len(merged[target]) < n_shards:
-                continue
-            shards = merged.pop(target)
-            w = _concat(target, [shards[i][0] for i in range(n_shards)], [shards[i][1] for i in range(n_shards)])
-        new = QuantLinear(w).to(device)
-        if lin.bias is not None:  # filled by load_weights below, like a dense bias
-            new.bias = nn.Parameter(torch.empty(lin.out_features, dtype=dtype, device=device), requires_grad=False)
-        _set_submodule(model, target, new)
-        converted += 1
-    if merged:
-        raise ValueError(
-            f"checkpoint: {sorted(merged)} quantized only in part (every q/k/v and gate/up shard of a "
-            "merged projection must be quantized alike)"
-        )
-    if not converted:
-        raise ValueError("checkpoint: an FP8 quantization_config is set but no linear has a float8_e4m3fn weight")
-    for mod in model.modules():  # everything still on meta gets real (uninitialised) memory
-        for key, t in list(mod._parameters.items()):
-            if t is not None and t.is_meta:
-                mod._parameters[key] = nn.Parameter(torch.empty_like(t, device=device), requires_grad=False)
-        for key, t in list(mod._buffers.items()):
-            if t is not None and t.is_meta:
-                mod._buffers[key] = torch.empty_like(t, device=device)
-    model.finish_init()
-
-    def rest():
-        for n, t in ckpt.weights(None):
-            base, _, leaf = n.rpartition(".")
-            if (base in quantized and leaf in part_leaves) or leaf in _KV_SCALES:
-                continue
-            if base in parts and leaf in _DROP:  # an activation scale of a dense linear
-                continue
-            if leaf == "bias" and base in biasless and not t.any():
-                continue
-            yield n, t.to(dtype) if t.is_floating_point() else t
-
-    model.load_weights(rest())
-    return model.eval()
+        is_part=lambda leaf, t: (
+            leaf in part_leaves and (leaf != "weight" or t.dtype in _FP8_DTYPES or not t.is_floating_point())
+        ),
+        select=_fp8_linears,
+        weight=lambda base, parts: (_fp8_weight(base, parts, q), None),
+        concat=_concat,
+        codes="weight",
+        none_converted="checkpoint: an FP8 quantization_config is set but no linear has a float8_e4m3fn weight",
+        excluded=lambda base: _excluded(base, q),
+        drop=_KV_SCALES,
+    )

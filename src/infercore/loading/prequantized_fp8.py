@@ -75,7 +75,14 @@ import torch
 from torch import nn
 
 from .prequantized import build_prequantized
-from .prequantized_fp4 import _check_float_bits, _ct_groups, _modelopt_exclude, _modelopt_settings, _patterns
+from .prequantized_fp4 import (
+    _KV_SCALES,
+    _check_float_bits,
+    _ct_groups,
+    _modelopt_exclude,
+    _modelopt_settings,
+    _patterns,
+)
 from .prequantized_fp4 import _excluded as _modelopt_or_ct_excluded
 
 _BLOCK = 128
@@ -94,7 +101,6 @@ _CT_FORMATS = ("float-quantized", "naive-quantized")
 _CT_STRATEGIES = ("tensor", "channel", "block")
 _SCALES = ("weight_scale", "weight_scale_inv")
 _DROP = ("input_scale",)  # static activation scales: the activations stay in the model dtype
-_KV_SCALES = ("k_scale", "v_scale", "q_scale", "prob_scale", "output_scale", "prob_output_scale")
 
 
 def is_fp8_config(q: Any) -> bool:

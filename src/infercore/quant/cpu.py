@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ..devices import register
 from . import naive
-from .formats import FP4Weight, GGUFWeight, IntWeight
+from .formats import FP4Weight, FP8Weight, GGUFWeight, IntWeight
 from .gguf import BLOCK_BYTES, QK, q4_parts
 from .repacks import packed
 
@@ -318,6 +318,26 @@ def fp4_matmul_cpu(x: torch.Tensor, w: FP4Weight, bias: torch.Tensor | None = No
     return _matmul(x, w, bias, naive.fp4_matmul_ref)
 
 
+# Rows up to which FP8 weights run the native e4m3 GEMV (cpu_native.linear_fp8: a pass over the weight serves 4 rows);
+# more rows take the reference.
+FP8_NATIVE_MAX_ROWS = 64
+
+
+def fp8_wo_matmul_cpu(x: torch.Tensor, w: FP8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``quant.fp8_wo_matmul`` on the CPU: with bf16 ``x`` of up to :data:`FP8_NATIVE_MAX_ROWS` rows the native e4m3
+    GEMV over the codes as stored (``cpu_native.linear_fp8``: each code decoded to its exact bf16, the products summed
+    in fp32 and scaled per row or per 128 x 128 block; no copy of the weight), where it runs vectorized; else the
+    reference. Arguments are checked by the op."""
+    from ..ops.moe import cpu_native
+
+    if (x.dtype == torch.bfloat16 and x.shape[0] <= FP8_NATIVE_MAX_ROWS and w.block_size in (None, 128)
+            and w.qweight.device.type == "cpu" and cpu_native.q4_supported()):
+        y = cpu_native.linear_fp8(x, w.qweight, w.scales.float(), w.block_size)
+        return _with_bias(y, bias, x.dtype)
+    return naive.fp8_wo_matmul_ref(x, w, bias)
+
+
 register("quant.wq_matmul", "cpu", wq_matmul_cpu, priority=5, available=_on_cpu)
+register("quant.fp8_wo_matmul", "cpu", fp8_wo_matmul_cpu, priority=5, available=_on_cpu)
 register("quant.fp4_matmul", "cpu", fp4_matmul_cpu, priority=5, available=_on_cpu)
 register("quant.gguf_matmul", "cpu", gguf_matmul_cpu, priority=5, available=_on_cpu)

@@ -1025,3 +1025,94 @@ void infercore_gemv_range(const void *x, int64_t M, int64_t K, const void *w, in
         }
     }
 }
+
+/* ---- FP8 e4m3 weights ----------------------------------------------------------------------------------------- */
+
+/* The bf16 bits of an e4m3 byte, exact (3 mantissa bits, exponents -9..8): sign | ((mag << 4) + (120 << 7)) for a
+ * normal byte (exponent field E >= 1: bf16 exponent E + 120); m * 2^-9 for the subnormals (E = 0); NaN (0x7F /
+ * 0xFF) -> a bf16 NaN. */
+static inline uint16_t e4m3_bf16(uint8_t b) {
+    const int mag = b & 0x7F, sign = (b & 0x80) << 8;
+    if (mag == 0x7F) return (uint16_t)(sign | 0x7FC0);
+    if (mag >= 8) return (uint16_t)(sign | ((mag << 4) + 0x3C00));
+    const float f = (float)mag * (1.0f / 512.0f);
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)(sign | (u >> 16));
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* 32 e4m3 bytes -> 32 bf16 (e4m3_bf16 in vector form; sub: its first 8 entries, the subnormals' bits) */
+static inline __attribute__((always_inline)) __m512i e4m3x32_bf16(__m256i bytes, __m512i sub) {
+    const __m512i v = _mm512_cvtepu8_epi16(bytes);
+    const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi16(0x7F));
+    __m512i r = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(0x3C00));
+    r = _mm512_mask_permutexvar_epi16(r, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), mag, sub);
+    r = _mm512_mask_mov_epi16(r, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7F)), _mm512_set1_epi16(0x7FC0));
+    return _mm512_ternarylogic_epi32(r, _mm512_slli_epi16(v, 8), _mm512_set1_epi16((short)0x8000), 0xF8); /* r|(b&c) */
+}
+#endif
+
+/* y[m] = sum over K-blocks j of s[j] * sum_{k in block j} x[m][k] * e4m3(w[k]), blocks of bk along K (bk = K: one
+ * scale a row), the inner sums in fp32 (vdpbf16ps over the exact bf16 of each code), m < M <= MB */
+static void dot_rows_fp8(const uint8_t *w, const float *s, int64_t bk, const uint16_t *const *x, int M, int64_t K,
+                         float *y) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    static const uint16_t lut[32] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60}; /* m * 2^-9 */
+    const __m512i sub = _mm512_loadu_si512((const void *)lut);
+    __m512 t[MB], a[MB];
+    for (int m = 0; m < M; m++) t[m] = _mm512_setzero_ps();
+    for (int64_t k0 = 0, j = 0; k0 < K; k0 += bk, j++) {
+        const int64_t k1 = k0 + bk < K ? k0 + bk : K;
+        for (int m = 0; m < M; m++) a[m] = _mm512_setzero_ps();
+        int64_t k = k0;
+        for (; k + 32 <= k1; k += 32) {
+            const __m512bh wv = (__m512bh)e4m3x32_bf16(_mm256_loadu_si256((const __m256i *)(w + k)), sub);
+            for (int m = 0; m < M; m++)
+                a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_loadu_si512((const void *)(x[m] + k)), wv);
+        }
+        if (k < k1) {
+            const __mmask32 mask = (__mmask32)((1ull << (k1 - k)) - 1);
+            const __m512bh wv = (__m512bh)e4m3x32_bf16(_mm256_maskz_loadu_epi8(mask, w + k), sub);
+            for (int m = 0; m < M; m++)
+                a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_maskz_loadu_epi16(mask, x[m] + k), wv);
+        }
+        const __m512 sv = _mm512_set1_ps(s[j]);
+        for (int m = 0; m < M; m++) t[m] = _mm512_fmadd_ps(a[m], sv, t[m]);
+    }
+    for (int m = 0; m < M; m++) y[m] = _mm512_reduce_add_ps(t[m]);
+#else
+    for (int m = 0; m < M; m++) {
+        float tot = 0.f;
+        for (int64_t k0 = 0, j = 0; k0 < K; k0 += bk, j++) {
+            const int64_t k1 = k0 + bk < K ? k0 + bk : K;
+            float acc = 0.f;
+            for (int64_t k = k0; k < k1; k++) acc += bf16_to_f32(x[m][k]) * bf16_to_f32(e4m3_bf16(w[k]));
+            tot += acc * s[j];
+        }
+        y[m] = tot;
+    }
+#endif
+}
+
+/* y [M, N] bf16 = x [M, K] bf16 @ dequant(w)^T for e4m3 codes w [N, K] with fp32 scales: blk = 0, one a row
+ * (scales [N]); blk = 128, 128 x 128 blocks (scales [ceil(N / 128), ceil(K / 128)]). Rows of w in blocks of RB
+ * across the threads. */
+void infercore_linear_fp8(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *scales, int64_t blk,
+                          int64_t N, uint16_t *y, int nthreads) {
+    const int64_t nb = (N + RB - 1) / RB, kb = blk ? (K + blk - 1) / blk : 1, bk = blk ? blk : K;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < nb; b++) {
+        const uint16_t *xs[MB];
+        float yt[MB];
+        const int64_t r1 = (b + 1) * RB < N ? (b + 1) * RB : N;
+        for (int64_t c = 0; c < M; c += MB) {
+            const int m = M - c < MB ? (int)(M - c) : MB;
+            for (int j = 0; j < m; j++) xs[j] = x + (c + j) * K;
+            for (int64_t r = b * RB; r < r1; r++) {
+                dot_rows_fp8(w + r * K, blk ? scales + (r / blk) * kb : scales + r, bk, xs, m, K, yt);
+                for (int j = 0; j < m; j++) y[(c + j) * N + r] = f32_to_bf16(yt[j]);
+            }
+        }
+    }
+}

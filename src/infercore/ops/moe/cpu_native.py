@@ -97,6 +97,8 @@ def _build() -> ctypes.CDLL:
     dll.infercore_dequant_rows.restype = None
     dll.infercore_linear_f32.argtypes = [_P, _I64, _I64, _P, _I64, _P, _INT]
     dll.infercore_linear_f32.restype = None
+    dll.infercore_linear_fp8.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _P, _INT]
+    dll.infercore_linear_fp8.restype = None
     dll.infercore_native_isa.restype = _INT
     dll.infercore_set_a8.argtypes = [_INT]
     dll.infercore_set_a8.restype = _INT
@@ -543,6 +545,29 @@ def linear_q8(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.T
     ``[N, 2, Kp / g]`` (``x`` zero-padded to Kp) -> ``[M, N]`` bf16."""
     kp = codes.shape[1]  # 8-bit activations where Kp is a multiple of 64
     return _linear_quant(_need().infercore_linear_q8, "linear_q8", x, codes, sz, kp, a8_ok=kp % 64 == 0)
+
+
+def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int | None) -> torch.Tensor:
+    """``x [M, K]`` bf16 ``@ dequant(w)^T`` for e4m3 codes ``[N, K]`` (uint8, contiguous) with fp32 ``scales``: one a
+    row (``block`` None, ``[N]``) or per 128 x 128 block (``block`` 128, ``[ceil(N / 128), ceil(K / 128)]``) ->
+    ``[M, N]`` bf16. Each code is decoded to its exact bf16, the products summed in fp32 within a block and scaled
+    there (the reference scales each weight first: the sums differ by fp32 rounding)."""
+    lib = _lib if _tried and _lib is not None else _need()
+    if x.dtype != torch.bfloat16 or codes.dtype != torch.uint8 or scales.dtype != torch.float32:
+        raise TypeError(f"linear_fp8: x bf16, codes uint8, scales fp32 expected, got {x.dtype}, {codes.dtype}, "
+                        f"{scales.dtype}")
+    M, K = x.shape
+    N = codes.shape[0]
+    if codes.shape[1] != K or block not in (None, 128):
+        raise ValueError(f"linear_fp8: x has K = {K}, codes are {tuple(codes.shape)}, block {block!r} (None or 128)")
+    want = (N,) if block is None else (-(-N // 128), -(-K // 128))
+    if tuple(scales.shape) != want:
+        raise ValueError(f"linear_fp8: scales must be {want}, got {tuple(scales.shape)}")
+    x, codes, scales = x.contiguous(), codes.contiguous(), scales.contiguous()
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    lib.infercore_linear_fp8(x.data_ptr(), M, K, codes.data_ptr(), scales.data_ptr(), block or 0, N, y.data_ptr(),
+                             torch.get_num_threads())
+    return y
 
 
 def dequant_rows(codes: torch.Tensor, sz: torch.Tensor, bits: int, r0: int, r1: int,

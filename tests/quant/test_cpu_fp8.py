@@ -1,0 +1,87 @@
+"""The CPU fast path of ``quant.fp8_wo_matmul`` (``quant/cpu.py`` -> ``ops.moe.cpu_native.linear_fp8``: e4m3 codes
+decoded to their exact bf16 in AVX-512 registers, fp32 sums scaled per row or per 128 x 128 block) against torch's
+float8_e4m3fn conversion and the reference op, its limits, and an FP8 model through the Engine."""
+
+import pytest
+import torch
+
+from infercore import Engine, SamplingParams
+from infercore.devices import resolve
+from infercore.ops.moe import cpu_native
+from infercore.quant import FP8Weight, QuantLinear, fp8_wo_matmul, naive
+from infercore.quant import cpu as QC
+
+
+def test_the_cpu_implementation_serves_cpu_calls_and_runs_vectorized():
+    assert resolve("quant.fp8_wo_matmul", "cpu").name == "cpu"
+    assert cpu_native.q4_supported(), cpu_native.status()  # the CI machine has AVX512-BF16
+
+
+@pytest.mark.parametrize("k, pos", [(64, 35), (40, 35), (64, 3), (1, 0)])
+def test_every_e4m3_byte_decodes_as_torch_does(k, pos):
+    # row n holds byte n at column pos (zeros elsewhere; a NaN byte elsewhere would make the whole sum NaN):
+    # the vector loop (k 64), its masked tail (k 40, pos 35; k 1) and the subnormal / NaN lanes
+    codes = torch.zeros(256, k, dtype=torch.uint8)
+    codes[:, pos] = torch.arange(256, dtype=torch.uint8)
+    x = torch.zeros(1, k, dtype=torch.bfloat16)
+    x[0, pos] = 1
+    got = cpu_native.linear_fp8(x, codes, torch.ones(256), None)[0].float()
+    want = codes[:, pos].view(torch.float8_e4m3fn).float()
+    assert torch.equal(got.isnan(), want.isnan()) and int(want.isnan().sum()) == 2
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()])
+
+
+@pytest.mark.parametrize("block", [None, 128])
+@pytest.mark.parametrize("m", [1, 3, 5, 17])
+@pytest.mark.parametrize("n, k", [(300, 200), (256, 576), (64, 32)])
+def test_matches_the_reference(block, m, n, k):
+    torch.manual_seed(m * 7 + n)
+    w = FP8Weight.quantize(torch.randn(n, k) * 0.05, block_size=block)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    for b in (None, bias):
+        y = fp8_wo_matmul(x, w, bias=b)
+        r = naive.fp8_wo_matmul_ref(x, w, b)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        # the same fp32 sums in another order and with the scale applied to the block's sum, rounded to bf16; a bias
+        # is added to the bf16 product (as the other CPU fast paths add it): one more rounding, up to half an ulp of
+        # the product's magnitude, which the bias may cancel
+        mag = r.float().abs().max().item() + (0.0 if b is None else b.float().abs().max().item())
+        torch.testing.assert_close(y.float(), r.float(), rtol=2 ** -7, atol=2 ** -8 * mag)
+
+
+def test_rows_past_the_limit_and_other_dtypes_take_the_reference(monkeypatch):
+    calls = []
+    real = cpu_native.linear_fp8
+    monkeypatch.setattr(cpu_native, "linear_fp8", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    w = FP8Weight.quantize(torch.randn(64, 128) * 0.05)
+    for m in (1, QC.FP8_NATIVE_MAX_ROWS, QC.FP8_NATIVE_MAX_ROWS + 1):
+        fp8_wo_matmul(torch.randn(m, 128).to(torch.bfloat16), w)
+    x32 = torch.randn(2, 128)
+    assert torch.equal(fp8_wo_matmul(x32, w), naive.fp8_wo_matmul_ref(x32, w))
+    assert calls == [1, QC.FP8_NATIVE_MAX_ROWS]
+
+
+def test_bad_operands():
+    codes = torch.zeros(8, 32, dtype=torch.uint8)
+    x = torch.zeros(1, 32, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="linear_fp8"):
+        cpu_native.linear_fp8(x.float(), codes, torch.ones(8), None)
+    with pytest.raises(ValueError, match="scales must be"):
+        cpu_native.linear_fp8(x, codes, torch.ones(4), None)
+    with pytest.raises(ValueError, match="block"):
+        cpu_native.linear_fp8(x, codes, torch.ones(1, 1), 64)
+
+
+def test_fp8_model_through_the_engine(monkeypatch):
+    # the real SmolLM2 weights as fp8-wo-block through the Engine in bf16: every FP8 linear call of the decode steps
+    # takes the native kernel, and the model still answers
+    calls = []
+    real = cpu_native.linear_fp8
+    monkeypatch.setattr(cpu_native, "linear_fp8", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    eng = Engine.from_pretrained(device="cpu", dtype="bfloat16", quantization="fp8-wo-block", max_num_batched_tokens=64)
+    q = [m for m in eng.model.modules() if isinstance(m, QuantLinear)]
+    assert len(q) == 30 * 4 and all(m.qweight_format.block_size == 128 for m in q)
+    out = eng.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert "Paris" in out.text
+    assert calls.count(1) == 7 * len(q)  # 7 decode steps (the 8th token comes from the prefill), each linear once

@@ -4,7 +4,8 @@ packed kernels past them, bf16 activations) against the reference it replaced (d
 kernels alone and the dense bf16 weight, same threads, same process.
 
 1. One linear (``quant.wq_matmul``) at 1-64 rows: a 4096 x 4096 weight (the 8B shape's o_proj) and SmolLM2's merged
-   gate_up (3072 x 576); INT4 g128 with zero points, INT8 per channel and GGUF Q4_1 blocks. Peers: the reference,
+   gate_up (3072 x 576); INT4 g128 with zero points, INT8 per channel, GGUF Q4_1 / Q8_0 blocks and FP8 e4m3
+   (``quant.fp8_wo_matmul``) per channel and per 128 x 128 block. Peers: the reference (of the op the format calls),
    ATen's packed kernel alone (native kernels off) and ``F.linear`` on the dense bf16 weight. Floor (1 row): bytes
    of the weight as stored / the measured read bandwidth.
    Where the native INT4 / INT8 GEMVs run, also with 8-bit activations (``cpu_native.set_int8_activations``).
@@ -35,11 +36,19 @@ from bench_cpu_decode import PROMPT, decode_rates, read_bandwidth  # noqa: E402
 from infercore import Engine, SamplingParams  # noqa: E402
 from infercore.loading import default_model_path  # noqa: E402
 from infercore.ops.moe import cpu_native  # noqa: E402
-from infercore.quant import GGUFWeight, IntWeight, gguf_matmul, quantize, wq_matmul  # noqa: E402
+from infercore.quant import (  # noqa: E402
+    FP8Weight,
+    GGUFWeight,
+    IntWeight,
+    QuantLinear,
+    fp8_wo_matmul,
+    gguf_matmul,
+    quantize,
+    wq_matmul,
+)
 from infercore.quant import cpu as QC  # noqa: E402
 from infercore.quant.gguf_native import use_gguf_blocks  # noqa: E402
 
-REFERENCE = "quant.wq_matmul:reference"
 A8 = "+a8"  # a scheme's suffix: its INT4 GEMVs on 8-bit activations (cpu_native.set_int8_activations)
 NATIVE_Q4_1 = "gguf-native-q4_1"  # the checkpoint's own Q4_1 blocks (quant.gguf_native), not a requantization
 SHAPES = {"4096x4096": (4096, 4096), "smollm2 gate_up 3072x576": (3072, 576)}
@@ -48,6 +57,8 @@ FORMATS = {  # name: the quantizer of a dense [N, K] weight
     "int8 per channel": lambda d: IntWeight.quantize(d, clip_search=False, bits=8, group_size=None, symmetric=True),
     "gguf q4_1": lambda d: GGUFWeight.quantize(d, qtype="q4_1"),
     "gguf q8_0": lambda d: GGUFWeight.quantize(d, qtype="q8_0"),
+    "fp8 per channel": lambda d: FP8Weight.quantize(d),
+    "fp8 block 128": lambda d: FP8Weight.quantize(d, block_size=128),
 }
 
 
@@ -77,11 +88,12 @@ def linear_cases(ms: list[int], bw: float) -> list[dict]:
             wb = w.dequantize(torch.bfloat16)
             nbytes = sum(t.numel() * t.element_size() for t in w.tensors().values())  # as stored
             gguf = isinstance(w, GGUFWeight)
-            mm = gguf_matmul if gguf else wq_matmul
+            mm = gguf_matmul if gguf else fp8_wo_matmul if isinstance(w, FP8Weight) else wq_matmul
+            op = {gguf_matmul: "quant.gguf_matmul", fp8_wo_matmul: "quant.fp8_wo_matmul"}.get(mm, "quant.wq_matmul")
             for m in ms:
                 x = torch.randn(m, k).to(torch.bfloat16)
                 ours = calls_per_s(lambda: mm(x, w))
-                os.environ["INFERCORE_BACKEND"] = "quant.gguf_matmul:reference" if gguf else REFERENCE
+                os.environ["INFERCORE_BACKEND"] = f"{op}:reference"
                 ref = calls_per_s(lambda: mm(x, w), budget_s=0.5, max_calls=20)
                 del os.environ["INFERCORE_BACKEND"]
                 bf16 = calls_per_s(lambda: F.linear(x, wb))
@@ -96,7 +108,8 @@ def linear_cases(ms: list[int], bw: float) -> list[dict]:
                            ours=ours, peers={"reference (dequantize + matmul)": ref, "bf16 F.linear, dense": bf16},
                            floor=bw / nbytes if m == 1 else None, kernel=QC.cpu_kind(w), weight_bytes=nbytes,
                            ours_us=1e6 / ours, reference_us=1e6 / ref, bf16_us=1e6 / bf16, aten_us=1e6 / aten,
-                           native=m <= QC.NATIVE_Q4_MAX_ROWS and (QC.native_q4(w) or QC.native_q8(w)) is not None,
+                           native=(m <= QC.FP8_NATIVE_MAX_ROWS and cpu_native.q4_supported()) if mm is fp8_wo_matmul
+                           else m <= QC.NATIVE_Q4_MAX_ROWS and (QC.native_q4(w) or QC.native_q8(w)) is not None,
                            **a8)
                 print(f"{row['case']}: {1e6 / ours:.0f} us (reference {1e6 / ref:.0f}, bf16 dense {1e6 / bf16:.0f}, "
                       f"ATen alone {1e6 / aten:.0f}" + (f", 8-bit activations {a8['int8_activations_us']:.0f}" if a8
@@ -160,7 +173,10 @@ def e2e_cases(schemes: list[str], tokens: int, repeats: int) -> list[dict]:
             use_gguf_blocks(eng.model, default_model_path())
         else:
             quantize(eng.model, scheme)
-        op = "quant.gguf_matmul" if scheme == NATIVE_Q4_1 else "quant.wq_matmul"
+        # the op whose reference the "reference" run forces: the one the model's quantized linears call
+        kinds = {m.qweight_format.kind for m in eng.model.modules() if isinstance(m, QuantLinear)}
+        op = {"gguf": "quant.gguf_matmul", "fp8": "quant.fp8_wo_matmul", "fp4": "quant.fp4_matmul"}.get(
+            kinds.pop() if len(kinds) == 1 else "", "quant.wq_matmul")
         def with_a8(ctx):  # the native paths of a "+a8" scheme on 8-bit activations
             if not a8:
                 return ctx

@@ -21,6 +21,9 @@ their exact fp32 scales and zeros (``quant.gguf.affine_parts``). From :data:`DEC
 those same operands are decoded to bf16 a cache-sized slice at a time into the dense GEMM instead
 (:func:`_decoded_matmul`).
 
+FP8 e4m3 weights (``quant.fp8_wo_matmul``, per channel or 128 x 128 blocks): bf16 rows up to
+:data:`FP8_NATIVE_MAX_ROWS` run the native e4m3 GEMV over the codes as stored (``cpu_native.linear_fp8``).
+
 Other formats, fp32 / fp16 activations (ATen vectorizes these kernels for bf16 activations only) and a torch
 without these ops take the reference (dequantize, then matmul). On a 2-core AVX-512 machine the packed kernels beat
 the reference at every row count measured and the bf16 ``F.linear`` of the dense weight at decode sizes;

@@ -71,7 +71,7 @@ def _models(kind: str, dtype: torch.dtype, tmp_path, scheme=None, **cfg):
 
 
 # Quantized schemes the fused layer takes: INT4 with K = 64 padded to 128 for groups of 128; GGUF blocks of 32 over
-# K = 96 and 160, whose last 32 elements are a tail of 16 code bytes in the kernel's layout; INT8 per channel
+# K = 96 and 160, whose last 32 elements are a tail of 16 code bytes in the kernel's layout; INT8 per channel; FP8
 _G32 = QuantScheme("test-w4a16-g32", "int4", "INT4, groups of 32", group_size=32)
 _QUANT = [("w4a16-g128", {}), (_G32, {"hidden_size": 96, "intermediate_size": 160}),
           ("gguf-q4_1", {"hidden_size": 96, "intermediate_size": 160}), ("gguf-q4_0", {}),
@@ -82,7 +82,11 @@ _QUANT = [("w4a16-g128", {}), (_G32, {"hidden_size": 96, "intermediate_size": 16
           # alike
           ("w4a16-g128+a8", {}), ("gguf-q4_1+a8", {"hidden_size": 96, "intermediate_size": 160}),
           ("gguf-mixed+a8", {"hidden_size": 256, "intermediate_size": 512}), ("gguf-q8_0+a8", {}),
-          ("w8a16+a8", {"hidden_size": 80, "intermediate_size": 136})]  # K % 64 != 0: INT8 keeps bf16 there
+          ("w8a16+a8", {"hidden_size": 80, "intermediate_size": 136}),  # K % 64 != 0: INT8 keeps bf16 there
+          # FP8 e4m3 codes as stored (cpu_native.linear_fp8's rows): per channel over K = 80 / 136 (masked tails),
+          # 128 x 128 blocks over K = 160 / 200 (partial blocks)
+          ("fp8-wo", {"hidden_size": 80, "intermediate_size": 136}),
+          ("fp8-wo-block", {"hidden_size": 160, "intermediate_size": 200})]
 
 
 # Qwen3 (per-head q / k RMSNorms before RoPE, in the fused layers' RoPE step) and Qwen2 (a qkv bias): dense and a few

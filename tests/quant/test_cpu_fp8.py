@@ -74,14 +74,20 @@ def test_bad_operands():
 
 
 def test_fp8_model_through_the_engine(monkeypatch):
-    # the real SmolLM2 weights as fp8-wo-block through the Engine in bf16: every FP8 linear call of the decode steps
-    # takes the native kernel, and the model still answers
+    # the real SmolLM2 weights as fp8-wo-block through the Engine in bf16: the decode steps run the fused native
+    # decoder layers (cpu_kernels.c over the FP8 codes: no Python-level FP8 call at one row), with the tokens of the
+    # op-by-op path, where every FP8 linear call of a decode step takes the native kernel; the model answers
     calls = []
     real = cpu_native.linear_fp8
     monkeypatch.setattr(cpu_native, "linear_fp8", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     eng = Engine.from_pretrained(device="cpu", dtype="bfloat16", quantization="fp8-wo-block", max_num_batched_tokens=64)
     q = [m for m in eng.model.modules() if isinstance(m, QuantLinear)]
     assert len(q) == 30 * 4 and all(m.qweight_format.block_size == 128 for m in q)
-    out = eng.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
-    assert "Paris" in out.text
+    assert all(cpu_native.layer_linear(m, torch.bfloat16) is not None for m in q)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    fused = eng.generate(["The capital of France is"], sp)[0]
+    assert "Paris" in fused.text and calls.count(1) == 0
+    with cpu_native.fused_layers_disabled():
+        op_by_op = eng.generate(["The capital of France is"], sp)[0]
+    assert op_by_op.token_ids == fused.token_ids
     assert calls.count(1) == 7 * len(q)  # 7 decode steps (the 8th token comes from the prefill), each linear once

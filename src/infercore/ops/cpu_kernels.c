@@ -743,19 +743,30 @@ void infercore_q5_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *
 #define Q5F ((int64_t)1 << 16)
 #define KF ((int64_t)1 << 20)
 #define A8F ((int64_t)1 << 21) /* INT4 / INT8 rows against 8-bit activations (infercore_set_a8) */
+#define FP8F ((int64_t)1 << 22) /* FP8F | blk: e4m3 codes [N, K], fp32 scales per row (blk 0) or 128 x 128 block */
+void infercore_fp8_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *scales, int64_t blk,
+                         int64_t r0, int64_t r1, uint16_t *y, int64_t ldy);
 
 static inline int64_t group_of(int64_t g) { return (g > 0 ? g : -g) & (Q5F - 1); }
 
 /* y [M, N] = x [M, K] @ w^T for one linear of the fused layer, L = {weight, sz, g, Kp}: dense rows [N, K] of the
  * layer's dtype (g = 0); INT4 codes [N, Kp / 2] in groups of g with sz fp32 [N, 2, Kp / g] (bf16 only); 5-bit codes
  * (g = Q5F + 32: the INT4 layout, sz [N, 3, Kp / 32]); or INT8 codes [N, Kp] in groups of -g with sz fp32
- * [N, 2, Kp / -g] (g < 0, bf16 only). Quantized: rows zero-padded from K
+ * [N, 2, Kp / -g] (g < 0, bf16 only); or e4m3 codes [N, K] with fp32 scales (g = FP8F | 0 or 128, bf16 only,
+ * infercore_fp8_range). INT4 / INT8 / 5-bit: rows zero-padded from K
  * to Kp in xp [M, Kp], their group sums in sums [M, Kp / |g|], both the calling thread's own (each thread prepares
  * them itself: no barrier before the rows); infercore_linear_q4 / _q8's values. Ends with the omp for's barrier. */
 static void lin_par(const void *x, int64_t M, int64_t K, const int64_t *L, int64_t N, void *y, int dt, uint16_t *xp,
                     float *sums) {
     if (L[2] == 0) {
         gemv_par(x, M, K, (const void *)L[0], N, y, dt);
+        return;
+    }
+    if (L[2] > 0 && (L[2] & FP8F)) { /* bf16 only; no padding, no group sums (INT8's g is negative) */
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < (N + GEMV_RB - 1) / GEMV_RB; b++)
+            infercore_fp8_range((const uint16_t *)x, M, K, (const uint8_t *)L[0], (const float *)L[1], L[2] & ~FP8F,
+                                b * GEMV_RB, (b + 1) * GEMV_RB < N ? (b + 1) * GEMV_RB : N, (uint16_t *)y, N);
         return;
     }
     const int64_t g = L[2], kp = L[3];
@@ -843,7 +854,7 @@ static void own_free(own_t *w) {
 
 static void quant_sizes(const int64_t *lin, int64_t *kpmax, int64_t *gsums) {
     for (int l = 0; l < 4; l++)
-        if (lin[4 * l + 2]) {
+        if (lin[4 * l + 2] && !(lin[4 * l + 2] > 0 && (lin[4 * l + 2] & FP8F))) {
             *kpmax = lin[4 * l + 3] > *kpmax ? lin[4 * l + 3] : *kpmax;
             /* the group sums, and room for 8-bit activations (infercore_act_prep: Kp / 2 floats more) */
             const int64_t ng = lin[4 * l + 3] / group_of(lin[4 * l + 2]) + lin[4 * l + 3] / 2;

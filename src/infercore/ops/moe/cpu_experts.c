@@ -1095,24 +1095,29 @@ static void dot_rows_fp8(const uint8_t *w, const float *s, int64_t bk, const uin
 #endif
 }
 
-/* y [M, N] bf16 = x [M, K] bf16 @ dequant(w)^T for e4m3 codes w [N, K] with fp32 scales: blk = 0, one a row
- * (scales [N]); blk = 128, 128 x 128 blocks (scales [ceil(N / 128), ceil(K / 128)]). Rows of w in blocks of RB
- * across the threads. */
-void infercore_linear_fp8(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *scales, int64_t blk,
-                          int64_t N, uint16_t *y, int nthreads) {
-    const int64_t nb = (N + RB - 1) / RB, kb = blk ? (K + blk - 1) / blk : 1, bk = blk ? blk : K;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t b = 0; b < nb; b++) {
-        const uint16_t *xs[MB];
-        float yt[MB];
-        const int64_t r1 = (b + 1) * RB < N ? (b + 1) * RB : N;
-        for (int64_t c = 0; c < M; c += MB) {
-            const int m = M - c < MB ? (int)(M - c) : MB;
-            for (int j = 0; j < m; j++) xs[j] = x + (c + j) * K;
-            for (int64_t r = b * RB; r < r1; r++) {
-                dot_rows_fp8(w + r * K, blk ? scales + (r / blk) * kb : scales + r, bk, xs, m, K, yt);
-                for (int j = 0; j < m; j++) y[(c + j) * N + r] = f32_to_bf16(yt[j]);
-            }
+/* Rows [r0, r1) of y [M, N] (row stride ldy) bf16 = x [M, K] bf16 @ dequant(w)^T for e4m3 codes w [N, K] with fp32
+ * scales: blk = 0, one a row (scales [N]); blk = 128, 128 x 128 blocks (scales [ceil(N / 128), ceil(K / 128)]).
+ * Opens no OpenMP region (the fused decoder layer calls it inside its own). */
+void infercore_fp8_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *scales, int64_t blk,
+                         int64_t r0, int64_t r1, uint16_t *y, int64_t ldy) {
+    const int64_t kb = blk ? (K + blk - 1) / blk : 1, bk = blk ? blk : K;
+    const uint16_t *xs[MB];
+    float yt[MB];
+    for (int64_t c = 0; c < M; c += MB) {
+        const int m = M - c < MB ? (int)(M - c) : MB;
+        for (int j = 0; j < m; j++) xs[j] = x + (c + j) * K;
+        for (int64_t r = r0; r < r1; r++) {
+            dot_rows_fp8(w + r * K, blk ? scales + (r / blk) * kb : scales + r, bk, xs, m, K, yt);
+            for (int j = 0; j < m; j++) y[(c + j) * ldy + r] = f32_to_bf16(yt[j]);
         }
     }
+}
+
+/* All of y [M, N] (infercore_fp8_range), rows of w in blocks of RB across the threads */
+void infercore_linear_fp8(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *scales, int64_t blk,
+                          int64_t N, uint16_t *y, int nthreads) {
+    const int64_t nb = (N + RB - 1) / RB;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < nb; b++)
+        infercore_fp8_range(x, M, K, w, scales, blk, b * RB, (b + 1) * RB < N ? (b + 1) * RB : N, y, N);
 }

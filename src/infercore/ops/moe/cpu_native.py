@@ -313,6 +313,7 @@ def moe_experts_bf16(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 Q4_GROUP = 128  # the MoE experts kernel's group (moe_experts_q4)
 Q4_GROUPS = (32, 64, 128, 256)  # the groups the INT4 GEMVs take (linear_q4, the fused decoder layer)
 Q5F = 1 << 16  # the fused layer's group value of a 5-bit linear is Q5F | 32 (cpu_kernels.c)
+FP8F = 1 << 22  # ... of an FP8 one FP8F | 0 (per-row scales) or FP8F | 128 (128 x 128 blocks)
 KF = 1 << 20  # a group value | KF: sz in the two-level form of the GGUF K-quants (cpu_experts.c, expand_kform)
 A8F = 1 << 21  # an INT4 GEMV's group value | A8F: 8-bit activations (set_int8_activations)
 
@@ -864,11 +865,13 @@ def layer_linear(lin, dtype: torch.dtype, *, bias_ok: bool = False) -> tuple[int
     pointer, scales-and-zeros pointer, group, Kp)``, for a ``models.layout.CPUPackedLinear`` whose contiguous weight
     has ``dtype`` (group 0), or a ``quant.QuantLinear`` without input permutation over
     INT4 groups / GGUF Q4_0 / Q4_1 blocks that the native INT4 GEMV takes (``quant.cpu.native_q4``) or symmetric
-    per-channel INT8 / GGUF Q8_0 blocks (``native_q8``, the group negated), with bf16 activations; None for anything
+    per-channel INT8 / GGUF Q8_0 blocks (``native_q8``, the group negated) or FP8 e4m3 weights with fp32 scales
+    (group ``FP8F | block``), with bf16 activations; None for anything
     else. Either without bias, unless ``bias_ok``: then a contiguous bias of ``dtype`` is allowed (the caller passes
     it to the layer itself: qkv's, :func:`_qkv_bias`)."""
     from ...models.layout import CPUPackedLinear
     from ...quant.cpu import native_operands
+    from ...quant.formats import FP8Weight
     from ...quant.linear import QuantLinear
 
     b = lin.__dict__.get("_parameters", {}).get("bias")
@@ -879,7 +882,12 @@ def layer_linear(lin, dtype: torch.dtype, *, bias_ok: bool = False) -> tuple[int
         ok = w.dtype == dtype and w.is_contiguous()
         return (w.data_ptr(), 0, 0, w.shape[1]) if ok else None
     if type(lin) is QuantLinear and dtype == torch.bfloat16 and lin.in_perm is None:
-        ops = native_operands(lin.qweight_format)
+        w = lin.qweight_format
+        if isinstance(w, FP8Weight):  # the codes as stored, fp32 scales (quant.cpu.fp8_wo_matmul_cpu's kernel)
+            ok = (w.block_size in (None, 128) and w.qweight.is_contiguous() and w.scales.dtype == torch.float32
+                  and w.scales.is_contiguous() and w.qweight.device.type == "cpu" and q4_supported())
+            return (w.qweight.data_ptr(), w.scales.data_ptr(), FP8F | (w.block_size or 0), w.shape[1]) if ok else None
+        ops = native_operands(w)
         if ops is not None:
             codes, sz, bits = ops
             kp = codes.shape[1] * (1 if bits == 8 else 2)

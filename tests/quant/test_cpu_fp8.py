@@ -71,6 +71,10 @@ def test_bad_operands():
         cpu_native.linear_fp8(x, codes, torch.ones(4), None)
     with pytest.raises(ValueError, match="block"):
         cpu_native.linear_fp8(x, codes, torch.ones(1, 1), 64)
+    with pytest.raises(ValueError, match=r"x \[M, K\]"):
+        cpu_native.linear_fp8(x[0], codes, torch.ones(8), None)
+    with pytest.raises(ValueError, match="host tensors"):
+        cpu_native.linear_fp8(x, codes.to("meta"), torch.ones(8), None)
 
 
 def test_fp8_model_through_the_engine(monkeypatch):

@@ -54,7 +54,8 @@ accepted only if every rescaled block scale is an e4m3 value whose product with 
 shard's original block scale bit for bit (in practice: ratios that are powers of two, within e4m3's range).
 Otherwise ``ValueError`` naming the tensors: nothing is rescaled lossily.
 
-KV-cache scales (``k_scale`` / ``v_scale``, for an FP8 KV cache) are dropped: the cache keeps the model dtype.
+FP8 KV-cache and attention scales (``k_scale``, ``v_scale``, ``q_scale``, ``prob_scale``, ``output_scale``,
+``prob_output_scale``) are dropped: the cache keeps the model dtype.
 A linear left dense (an excluded module, or any linear stored as a floating-point ``weight``) loads dense.
 """
 

@@ -557,6 +557,11 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block
     if x.dtype != torch.bfloat16 or codes.dtype != torch.uint8 or scales.dtype != torch.float32:
         raise TypeError(f"linear_fp8: x bf16, codes uint8, scales fp32 expected, got {x.dtype}, {codes.dtype}, "
                         f"{scales.dtype}")
+    if x.dim() != 2 or codes.dim() != 2:
+        raise ValueError(f"linear_fp8: x [M, K] and codes [N, K] expected, got {tuple(x.shape)} / {tuple(codes.shape)}")
+    if any(t.device.type != "cpu" for t in (x, codes, scales)):
+        raise ValueError(f"linear_fp8: host tensors expected, got x on {x.device}, codes on {codes.device}, scales on "
+                         f"{scales.device}")
     M, K = x.shape
     N = codes.shape[0]
     if codes.shape[1] != K or block not in (None, 128):

@@ -22,7 +22,8 @@ those same operands are decoded to bf16 a cache-sized slice at a time into the d
 (:func:`_decoded_matmul`).
 
 FP8 e4m3 weights (``quant.fp8_wo_matmul``, per channel or 128 x 128 blocks): bf16 rows up to
-:data:`FP8_NATIVE_MAX_ROWS` run the native e4m3 GEMV over the codes as stored (``cpu_native.linear_fp8``).
+:data:`FP8_NATIVE_MAX_ROWS` run the native e4m3 GEMV over the codes as stored (``cpu_native.linear_fp8``); more bf16
+rows decode the weight to bf16 a slice at a time into the dense GEMM (``cpu_native.dequant_fp8_rows``).
 
 Other formats, fp32 / fp16 activations (ATen vectorizes these kernels for bf16 activations only) and a torch
 without these ops take the reference (dequantize, then matmul). On a 2-core AVX-512 machine the packed kernels beat
@@ -247,7 +248,15 @@ def _decoded_matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, bits
     each slice through ``torch.mm``: the dequantizing reference's values (the weight rounded to bf16, a bf16 GEMM)."""
     from ..ops.moe import cpu_native
 
-    n, kp = codes.shape[0], codes.shape[1] * (1 if bits == 8 else 2)
+    kp = codes.shape[1] * (1 if bits == 8 else 2)
+    return _sliced_matmul(x, codes.shape[0], kp, lambda r0, r1, slab: cpu_native.dequant_rows(codes, sz, bits, r0, r1,
+                                                                                              slab))
+
+
+def _sliced_matmul(x: torch.Tensor, n: int, kp: int, decode) -> torch.Tensor:
+    """``x [M, K]`` bf16 ``@ W^T`` -> ``[M, N]`` bf16, ``W [n, kp]`` (``kp >= K``: x padded with zeros) made a slice
+    of rows at a time by ``decode(r0, r1, slab)`` (bf16 rows ``[r0, r1)`` into ``slab``, returned) in a reused
+    per-thread buffer of about :data:`DECODE_SLICE_BYTES`, each slice through ``torch.mm``."""
     xp = F.pad(x, (0, kp - x.shape[1])) if kp > x.shape[1] else x.contiguous()
     rows = min(n, max(16, DECODE_SLICE_BYTES // (2 * kp) // 16 * 16))
     buf = getattr(_scratch, "buf", None)
@@ -260,7 +269,7 @@ def _decoded_matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, bits
     y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        torch.mm(xp, cpu_native.dequant_rows(codes, sz, bits, r0, r1, slab).t(), out=y[:, r0:r1])
+        torch.mm(xp, decode(r0, r1, slab).t(), out=y[:, r0:r1])
     return y
 
 
@@ -322,20 +331,27 @@ def fp4_matmul_cpu(x: torch.Tensor, w: FP4Weight, bias: torch.Tensor | None = No
 
 
 # Rows up to which FP8 weights run the native e4m3 GEMV (cpu_native.linear_fp8: a pass over the weight serves 4 rows);
-# more rows take the reference.
-FP8_NATIVE_MAX_ROWS = 64
+# more rows (prefill chunks) decode the weight to bf16 a slice at a time into the dense GEMM (_sliced_matmul).
+FP8_NATIVE_MAX_ROWS = 8
 
 
 def fp8_wo_matmul_cpu(x: torch.Tensor, w: FP8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``quant.fp8_wo_matmul`` on the CPU: with bf16 ``x`` of up to :data:`FP8_NATIVE_MAX_ROWS` rows the native e4m3
     GEMV over the codes as stored (``cpu_native.linear_fp8``: each code decoded to its exact bf16, the products summed
-    in fp32 and scaled per row or per 128 x 128 block; no copy of the weight), where it runs vectorized; else the
-    reference. Arguments are checked by the op."""
+    in fp32 and scaled per row or per 128 x 128 block; no copy of the weight), where it runs vectorized; with more bf16
+    rows the weight decoded to bf16 (code times scale, rounded) a slice at a time into the dense GEMM
+    (``cpu_native.dequant_fp8_rows``); else the reference. Arguments are checked by the op."""
     from ..ops.moe import cpu_native
 
     if (x.dtype == torch.bfloat16 and x.shape[0] <= FP8_NATIVE_MAX_ROWS and w.block_size in (None, 128)
             and w.qweight.device.type == "cpu" and cpu_native.q4_supported()):
         y = cpu_native.linear_fp8(x, w.qweight, w.scales.float(), w.block_size)
+        return _with_bias(y, bias, x.dtype)
+    if (x.dtype == torch.bfloat16 and w.block_size in (None, 128) and w.qweight.device.type == "cpu"
+            and cpu_native.q4_supported()):
+        codes, scales = w.qweight.contiguous(), w.scales.float().contiguous()
+        y = _sliced_matmul(x, codes.shape[0], codes.shape[1], lambda r0, r1, slab: cpu_native.dequant_fp8_rows(
+            codes, scales, w.block_size, r0, r1, slab))
         return _with_bias(y, bias, x.dtype)
     return naive.fp8_wo_matmul_ref(x, w, bias)
 

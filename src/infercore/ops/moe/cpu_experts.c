@@ -1113,6 +1113,39 @@ void infercore_fp8_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t 
     }
 }
 
+/* Rows [r0, r1) of the weight behind e4m3 codes w [N, K] with fp32 scales (blk as infercore_fp8_range) decoded to
+ * bf16 rows out [r1 - r0, K]: e4m3(w) * scale rounded to nearest even, the reference's weight rounded to bf16. For
+ * prefill-sized row counts: a slice decoded here, then a dense GEMM (quant/cpu.py). */
+void infercore_dequant_fp8_rows(const uint8_t *w, const float *scales, int64_t K, int64_t blk, int64_t r0, int64_t r1,
+                                uint16_t *out, int nthreads) {
+    const int64_t kb = blk ? (K + blk - 1) / blk : 1, bk = blk ? blk : K;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *c = w + r * K;
+        const float *s = blk ? scales + (r / blk) * kb : scales + r;
+        uint16_t *o = out + (r - r0) * K;
+        for (int64_t k0 = 0, j = 0; k0 < K; k0 += bk, j++) {
+            const int64_t k1 = k0 + bk < K ? k0 + bk : K;
+            int64_t k = k0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+            static const uint16_t lut[32] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+            const __m512i sub = _mm512_loadu_si512((const void *)lut);
+            const __m512 sv = _mm512_set1_ps(s[j]);
+            for (; k + 32 <= k1; k += 32) {
+                const __m512i b = e4m3x32_bf16(_mm256_loadu_si256((const __m256i *)(c + k)), sub);
+                const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                    _mm512_castsi512_si256(b)), 16));
+                const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                    _mm512_extracti64x4_epi64(b, 1)), 16));
+                const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, sv), _mm512_mul_ps(lo, sv));
+                _mm512_storeu_si512((void *)(o + k), (__m512i)v);
+            }
+#endif
+            for (; k < k1; k++) o[k] = f32_to_bf16(bf16_to_f32(e4m3_bf16(c[k])) * s[j]);
+        }
+    }
+}
+
 /* All of y [M, N] (infercore_fp8_range), rows of w in blocks of RB across the threads */
 void infercore_linear_fp8(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *scales, int64_t blk,
                           int64_t N, uint16_t *y, int nthreads) {

@@ -99,6 +99,8 @@ def _build() -> ctypes.CDLL:
     dll.infercore_linear_f32.restype = None
     dll.infercore_linear_fp8.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _P, _INT]
     dll.infercore_linear_fp8.restype = None
+    dll.infercore_dequant_fp8_rows.argtypes = [_P, _P, _I64, _I64, _I64, _I64, _P, _INT]
+    dll.infercore_dequant_fp8_rows.restype = None
     dll.infercore_native_isa.restype = _INT
     dll.infercore_set_a8.argtypes = [_INT]
     dll.infercore_set_a8.restype = _INT
@@ -554,26 +556,55 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block
     ``[M, N]`` bf16. Each code is decoded to its exact bf16, the products summed in fp32 within a block and scaled
     there (the reference scales each weight first: the sums differ by fp32 rounding)."""
     lib = _lib if _tried and _lib is not None else _need()
-    if x.dtype != torch.bfloat16 or codes.dtype != torch.uint8 or scales.dtype != torch.float32:
-        raise TypeError(f"linear_fp8: x bf16, codes uint8, scales fp32 expected, got {x.dtype}, {codes.dtype}, "
-                        f"{scales.dtype}")
-    if x.dim() != 2 or codes.dim() != 2:
-        raise ValueError(f"linear_fp8: x [M, K] and codes [N, K] expected, got {tuple(x.shape)} / {tuple(codes.shape)}")
-    if any(t.device.type != "cpu" for t in (x, codes, scales)):
-        raise ValueError(f"linear_fp8: host tensors expected, got x on {x.device}, codes on {codes.device}, scales on "
-                         f"{scales.device}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"linear_fp8: x must be bf16, got {x.dtype}")
+    if x.dim() != 2 or x.device.type != "cpu":
+        raise ValueError(f"linear_fp8: a host x [M, K] expected, got {tuple(x.shape)} on {x.device}")
     M, K = x.shape
-    N = codes.shape[0]
-    if codes.shape[1] != K or block not in (None, 128):
-        raise ValueError(f"linear_fp8: x has K = {K}, codes are {tuple(codes.shape)}, block {block!r} (None or 128)")
-    want = (N,) if block is None else (-(-N // 128), -(-K // 128))
-    if tuple(scales.shape) != want:
-        raise ValueError(f"linear_fp8: scales must be {want}, got {tuple(scales.shape)}")
+    N = codes.shape[0] if codes.dim() else 0
+    _fp8_operands("linear_fp8", codes, scales, block, K)
     x, codes, scales = x.contiguous(), codes.contiguous(), scales.contiguous()
     y = torch.empty(M, N, dtype=torch.bfloat16)
     lib.infercore_linear_fp8(x.data_ptr(), M, K, codes.data_ptr(), scales.data_ptr(), block or 0, N, y.data_ptr(),
                              torch.get_num_threads())
     return y
+
+
+def _fp8_operands(fn: str, codes: torch.Tensor, scales: torch.Tensor, block: int | None, K: int) -> None:
+    """``TypeError`` / ``ValueError`` unless ``codes`` are host uint8 ``[N, K]`` with fp32 ``scales`` of the layout
+    ``block`` (None: ``[N]``; 128: ``[ceil(N / 128), ceil(K / 128)]``)."""
+    if codes.dtype != torch.uint8 or scales.dtype != torch.float32:
+        raise TypeError(f"{fn}: codes uint8 and scales fp32 expected, got {codes.dtype}, {scales.dtype}")
+    if codes.dim() != 2 or codes.shape[1] != K or block not in (None, 128):
+        raise ValueError(f"{fn}: codes [N, {K}] and block None or 128 expected, got {tuple(codes.shape)}, "
+                         f"block {block!r}")
+    if codes.device.type != "cpu" or scales.device.type != "cpu":
+        raise ValueError(f"{fn}: host tensors expected, got codes on {codes.device}, scales on {scales.device}")
+    N = codes.shape[0]
+    want = (N,) if block is None else (-(-N // 128), -(-K // 128))
+    if tuple(scales.shape) != want:
+        raise ValueError(f"{fn}: scales must be {want}, got {tuple(scales.shape)}")
+
+
+def dequant_fp8_rows(codes: torch.Tensor, scales: torch.Tensor, block: int | None, r0: int, r1: int,
+                     out: torch.Tensor) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of the weight behind e4m3 ``codes [N, K]`` (uint8, contiguous) with fp32 ``scales`` (one a
+    row, ``block`` None, or per 128 x 128 block, ``block`` 128; as :func:`linear_fp8`) decoded into the first
+    ``r1 - r0`` rows of ``out`` (bf16, contiguous ``[>= r1 - r0, K]``): each code's value times its scale, rounded to
+    bf16 (nearest even). Returns that slice. Bad arguments: ``TypeError`` / ``ValueError``."""
+    lib = _need()
+    if codes.dim() != 2 or not codes.is_contiguous() or not scales.is_contiguous():
+        raise ValueError("dequant_fp8_rows: contiguous codes [N, K] and scales expected")
+    K = codes.shape[1]
+    _fp8_operands("dequant_fp8_rows", codes, scales, block, K)
+    if not 0 <= r0 <= r1 <= codes.shape[0]:
+        raise ValueError(f"dequant_fp8_rows: rows [{r0}, {r1}) outside the weight's {codes.shape[0]}")
+    if out.dtype != torch.bfloat16 or not out.is_contiguous() or out.dim() != 2 or out.shape[0] < r1 - r0 \
+            or out.shape[1] != K:
+        raise ValueError(f"dequant_fp8_rows: out must be a contiguous bf16 [>= {r1 - r0}, {K}] tensor")
+    lib.infercore_dequant_fp8_rows(_ptr(codes), _ptr(scales), K, block or 0, r0, r1, _ptr(out),
+                                   torch.get_num_threads())
+    return out[: r1 - r0]
 
 
 def dequant_rows(codes: torch.Tensor, sz: torch.Tensor, bits: int, r0: int, r1: int,

@@ -17,8 +17,10 @@ AWQ 4 bits, ``GEMM`` packing, with zero points. Llama-family models (Llama, Mist
 NVFP4 checkpoints (NVIDIA ModelOpt exports, compressed-tensors ``nvfp4-pack-quantized``) load through
 :mod:`infercore.loading.prequantized_fp4`.
 FP8 checkpoints (``quant_method`` ``"fp8"``, ModelOpt FP8, compressed-tensors ``float-quantized`` /
-``naive-quantized`` FP8) load through :mod:`infercore.loading.prequantized_fp8`.
-All three build the model through :func:`build_prequantized` here (model on meta, quantized linears collected,
+``naive-quantized`` FP8) load through :mod:`infercore.loading.prequantized_fp8`, compressed-tensors integer
+checkpoints (``pack-quantized`` W4A16 / W8A16, ``int-quantized`` W8A8) through
+:mod:`infercore.loading.prequantized_int`.
+All four build the model through :func:`build_prequantized` here (model on meta, quantized linears collected,
 checked, merged and swapped in, the rest loaded), each handing it its format's parts, weight and merge rules.
 """
 
@@ -42,11 +44,13 @@ def prequantized_config(hf_config: dict[str, Any], hf_quant_config: dict[str, An
     ``quant_method`` ``"modelopt"`` and ``"compressed-tensors"`` (NVFP4) normalise through
     :func:`infercore.loading.prequantized_fp4.nvfp4_config` (``method`` ``"nvfp4"``), ``"fp8"`` and FP8 ModelOpt /
     compressed-tensors configs through :func:`infercore.loading.prequantized_fp8.fp8_config` (``method``
-    ``"fp8"``); ``hf_quant_config`` is a
+    ``"fp8"``), compressed-tensors integer weights (``pack-quantized``, ``int-quantized``) through
+    :func:`infercore.loading.prequantized_int.int_config` (``method`` ``"ct-int"``); ``hf_quant_config`` is a
     ModelOpt directory's ``hf_quant_config.json`` (:func:`~infercore.loading.prequantized_fp4.read_hf_quant_config`),
     read when ``config.json`` has no ``quantization_config``."""
     from .prequantized_fp4 import HF_QUANT_CONFIG, nvfp4_config
     from .prequantized_fp8 import fp8_config, is_fp8_config
+    from .prequantized_int import int_config, is_int_config
 
     q = hf_config.get("quantization_config")
     if q is None:
@@ -57,12 +61,14 @@ def prequantized_config(hf_config: dict[str, Any], hf_quant_config: dict[str, An
     if not isinstance(q, dict):
         raise ValueError(f"config.json: quantization_config must be an object, got {type(q).__name__}")
     method = str(q.get("quant_method", "")).lower()
+    if is_int_config(q):
+        return int_config(q)
     if method.startswith("modelopt") or method in ("compressed-tensors", "fp8"):
         return fp8_config(q) if is_fp8_config(q) else nvfp4_config(q)
     if method not in ("gptq", "awq"):
         raise ValueError(f"config.json: quantization_config.quant_method {method!r} is not supported; infercore "
-                         "loads 'gptq', 'awq', 'fp8', and FP8 / NVFP4 'modelopt' / 'compressed-tensors' checkpoints "
-                         "(or quantizes dense ones: from_pretrained(quantization=))")
+                         "loads 'gptq', 'awq', 'fp8', FP8 / NVFP4 'modelopt' and FP8 / NVFP4 / integer "
+                         "'compressed-tensors' checkpoints (or quantizes dense ones: from_pretrained(quantization=))")
     bits = q.get("bits", q.get("w_bit"))
     group = q.get("group_size", q.get("q_group_size"))
     if isinstance(group, bool) or not isinstance(group, int) or not (group == -1 or group > 0):
@@ -139,7 +145,8 @@ def load_prequantized(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, de
 
     ``q`` is :func:`prequantized_config` of the checkpoint (``method`` ``"nvfp4"``: handed to
     :func:`~infercore.loading.prequantized_fp4.load_nvfp4`; ``"fp8"``: to
-    :func:`~infercore.loading.prequantized_fp8.load_fp8`). Raises ``ValueError`` naming the tensor or module
+    :func:`~infercore.loading.prequantized_fp8.load_fp8`; ``"ct-int"``: to
+    :func:`~infercore.loading.prequantized_int.load_ct_int`). Raises ``ValueError`` naming the tensor or module
     for a model family without merged-projection loading, a quantized linear the model lacks, a shape
     mismatch, a merged projection quantized only in part, or a tensor missing (by ``load_weights``)."""
     if q["method"] == "nvfp4":
@@ -150,6 +157,10 @@ def load_prequantized(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, de
         from .prequantized_fp8 import load_fp8
 
         return load_fp8(ckpt, config, q, dtype=dtype, device=device)
+    if q["method"] == "ct-int":
+        from .prequantized_int import load_ct_int
+
+        return load_ct_int(ckpt, config, q, dtype=dtype, device=device)
     return build_prequantized(ckpt, config, dtype=dtype, device=device, label="GPTQ / AWQ",
                               is_part=lambda leaf, t: leaf in _PARTS, select=list,
                               weight=lambda base, parts: _int_weight(base, parts, q),

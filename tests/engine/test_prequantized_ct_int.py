@@ -31,6 +31,7 @@ def _targets(state):
 def _save(tmp_path, hf, state, qc):
     from safetensors.torch import save_file
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
     cfg = hf.config.to_dict()
     cfg["quantization_config"] = qc
@@ -51,9 +52,11 @@ def _qparams(w, args):
     return calculate_qparams(lo, hi, args)
 
 
-def write_ct(tmp_path, preset, *, ignore=("lm_head",), mutate=None, weights=None, hf=None, **hf_overrides):
+def write_ct(tmp_path, preset, *, ignore=("lm_head",), mutate=None, weights=None, hf=None, skip=lambda base: False,
+             **hf_overrides):
     """A tiny Llama directory (or ``hf``'s) quantized by compressed-tensors with ``preset`` (its weight settings
-    updated by ``weights``) and the reference holding its own dequantization."""
+    updated by ``weights``; linears for which ``skip`` holds left dense) and the reference holding its own
+    dequantization."""
     from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
@@ -68,6 +71,8 @@ def write_ct(tmp_path, preset, *, ignore=("lm_head",), mutate=None, weights=None
     if hf.config.tie_word_embeddings:
         state.pop("lm_head.weight")
     for base in _targets(state):
+        if skip(base):
+            continue
         w = state.pop(f"{base}.weight")
         scale, zp = _qparams(w, scheme.weights)
         out = comp.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp}, scheme)
@@ -247,6 +252,52 @@ def test_real_smollm2_w4a16_checkpoint(tmp_path):
         top_v, top_i = want.topk(5)
         for t, v in zip(top_i.tolist(), top_v.tolist()):
             assert o.logprobs[0][t] == pytest.approx(v, abs=1e-3)
+
+
+def test_gemma3_and_moe_families(tmp_path):
+    # families whose loaders map checkpoint names through _resolve: Gemma 3 (q / k / v into qkv_proj with its own
+    # head size, sliding-window layers) and a Qwen2-MoE model whose attention and shared expert are quantized while
+    # its routed experts stay dense; quantized routed experts (stacked, not linears) are refused by name
+    import transformers
+
+    cfg = transformers.Gemma3TextConfig(vocab_size=96, max_position_embeddings=256, num_hidden_layers=2, head_dim=64,
+                                        sliding_window=4, layer_types=["sliding_attention", "full_attention"], **DIMS)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    gemma = transformers.Gemma3ForCausalLM(cfg).eval()
+    path, ref = write_ct(tmp_path / "gemma3", "W4A16_ASYM", hf=gemma)
+    eng = _engine(path)
+    assert type(eng.model).__name__ == "Gemma3ForCausalLM"
+    assert sum(isinstance(m, QuantLinear) for m in eng.model.modules()) == 8
+    attn = ref.model.layers[1].self_attn
+    torch.testing.assert_close(eng.model.model.layers[1].self_attn.qkv_proj.qweight_format.dequantize(),
+                               torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), rtol=0, atol=0)
+    for p, o in zip(PROMPTS, eng.generate(PROMPTS, GREEDY)):
+        assert o.token_ids == hf_greedy(ref, p, GREEDY.max_tokens)
+
+    cfg = transformers.Qwen2MoeConfig(vocab_size=96, max_position_embeddings=256, num_hidden_layers=2,
+                                      tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=128, shared_expert_intermediate_size=256, **DIMS)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    moe = transformers.Qwen2MoeForCausalLM(cfg).eval()
+    path, ref = write_ct(tmp_path / "moe", "W8A16", hf=moe, skip=lambda base: ".experts." in base,
+                         ignore=["lm_head", "re:.*experts.*"])
+    eng = _engine(path)
+    assert sum(isinstance(m, QuantLinear) for m in eng.model.modules()) == 2 * 4  # qkv, o, shared gate_up, down
+    mlp = ref.model.layers[0].mlp.shared_expert
+    torch.testing.assert_close(eng.model.model.layers[0].mlp.shared_expert.gate_up_proj.qweight_format.dequantize(),
+                               torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), rtol=0, atol=0)
+    for p, o in zip(PROMPTS, eng.generate(PROMPTS, GREEDY)):
+        assert o.token_ids == hf_greedy(ref, p, GREEDY.max_tokens)
+    def expert_codes(state):  # checkpoints store experts one by one: expert 0's gate_proj as quantized tensors
+        src = "model.layers.0.self_attn.k_proj"
+        for leaf in ("weight_packed", "weight_scale", "weight_shape"):
+            state[f"model.layers.0.mlp.experts.0.gate_proj.{leaf}"] = state[f"{src}.{leaf}"].clone()
+
+    path, _ = write_ct(tmp_path / "moe_experts", "W8A16", hf=moe, mutate=expert_codes)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.0.gate_proj.weight_packed has no linear layer"):
+        _engine(path)
 
 
 def _drop(leaf, base="model.layers.0.self_attn.k_proj"):

@@ -168,6 +168,30 @@ def load_prequantized(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, de
                               none_converted="checkpoint: quantization_config is set but no tensor ends in .qweight")
 
 
+def _linear_target(model: nn.Module, base: str) -> tuple[str, tuple[int, int] | None | tuple[()]]:
+    """``(module name, rows or None)`` of the checkpoint linear ``base`` in ``model``: the model's own module (rows
+    None) or the rows ``(start, end)`` of a merged projection it is a shard of (q / k / v in ``qkv_proj``, gate / up
+    in ``gate_up_proj``), by the model's ``_resolve`` (checkpoint name -> parameter and index) or its ``_STACKED``
+    table; rows ``()`` for a tensor that is no linear's (a stacked expert's)."""
+    resolve = getattr(model, "_resolve", None)
+    if resolve is not None:
+        r = resolve(f"{base}.weight")
+        if r is None:
+            return base, None
+        name, index = r
+        target = name[: -len(".weight")] if name.endswith(".weight") else name
+        if index is None:
+            return target, None
+        if isinstance(index, slice) and index.step is None:
+            return target, (index.start, index.stop)
+        return target, ()
+    prefix, _, proj = base.rpartition(".")
+    if proj not in model._STACKED:
+        return base, None
+    merged, shard = model._STACKED[proj]
+    return f"{prefix}.{merged}", model._shard_rows(merged, shard)
+
+
 def build_prequantized(ckpt, config, *, dtype: torch.dtype, device: torch.device, label: str,
                        is_part: Callable[[str, torch.Tensor], bool],
                        select: Callable[[dict[str, dict[str, torch.Tensor]]], Iterable[str]],
@@ -206,47 +230,44 @@ def build_prequantized(ckpt, config, *, dtype: torch.dtype, device: torch.device
     cls = model_class(config)
     with torch.device("meta"):
         model = cls(config, dtype=dtype)
-    stacked = getattr(model, "_STACKED", None)
-    if stacked is None or not hasattr(model, "_shard_rows"):
-        raise ValueError(f"checkpoint: pre-quantized ({label}) loading covers Llama-family models, not "
-                         f"{config.architecture}")
+    if not hasattr(model, "_resolve") and not (hasattr(model, "_STACKED") and hasattr(model, "_shard_rows")):
+        raise ValueError(f"checkpoint: pre-quantized ({label}) loading does not cover {config.architecture} (no "
+                         "mapping of checkpoint names to its merged projections)")
     modules = dict(model.named_modules())
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in ckpt.weights(None):
         base, _, leaf = name.rpartition(".")
         if is_part(leaf, t):
             parts.setdefault(base, {})[leaf] = t
-    merged: dict[str, dict[int, tuple[Any, str, torch.Tensor | None]]] = {}
+    merged: dict[str, dict[tuple[int, int], tuple[Any, str, torch.Tensor | None]]] = {}
     biasless: set[str] = set()  # quantized linears without a bias in the model
     converted = 0
     for base in select(parts):
         if excluded is not None and excluded(base):
             raise ValueError(f"checkpoint: {base} is excluded from quantization by the config but stored as {label}")
         w, perm = weight(base, parts[base])
-        prefix, _, proj = base.rpartition(".")
-        target, shard = (f"{prefix}.{stacked[proj][0]}", stacked[proj][1]) if proj in stacked else (base, None)
+        target, rows = _linear_target(model, base)
         lin = modules.get(target)
-        if not isinstance(lin, nn.Linear):
+        if not isinstance(lin, nn.Linear) or rows == ():
             raise ValueError(f"checkpoint: quantized tensor {base}.{codes} has no linear layer in "
                              f"{config.architecture}")
         if target == "lm_head" and config.tie_word_embeddings:
             raise ValueError("checkpoint: a quantized lm_head with tied word embeddings is not supported")
         if lin.bias is None:
             biasless.add(base)
-        rows = lin.out_features
-        if shard is not None:
-            start, end = model._shard_rows(stacked[proj][0], shard)
-            rows = end - start
-        if w.shape != (rows, lin.in_features):
+        n_rows = lin.out_features if rows is None else rows[1] - rows[0]
+        if w.shape != (n_rows, lin.in_features):
             raise ValueError(f"checkpoint: {base} holds a [{w.shape[0]}, {w.shape[1]}] weight, expected "
-                             f"[{rows}, {lin.in_features}]")
-        if shard is not None:
-            merged.setdefault(target, {})[shard] = (w, base, perm)
-            n_shards = sum(1 for m, _ in stacked.values() if m == stacked[proj][0])
-            if len(merged[target]) < n_shards:
+                             f"[{n_rows}, {lin.in_features}]")
+        if rows is not None:  # a shard of a merged projection: merged once every row of it has come
+            shards = merged.setdefault(target, {})
+            if rows in shards:
+                raise ValueError(f"checkpoint: {base} and {shards[rows][1]} fill the same rows of {target}")
+            shards[rows] = (w, base, perm)
+            if sum(r1 - r0 for r0, r1 in shards) < lin.out_features:
                 continue
-            shards = merged.pop(target)
-            ws, bases, perms = zip(*(shards[i] for i in range(n_shards)))
+            del merged[target]
+            ws, bases, perms = zip(*(shards[r] for r in sorted(shards)))
             if any((a is None) != (perms[0] is None) or (a is not None and not torch.equal(a, perms[0]))
                    for a in perms):
                 raise ValueError(f"checkpoint: the shards of {target} have different act-order channel orders "

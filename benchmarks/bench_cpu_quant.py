@@ -175,7 +175,8 @@ def e2e_cases(schemes: list[str], tokens: int, repeats: int) -> list[dict]:
             quantize(eng.model, scheme)
         # the op whose reference the "reference" run forces: the one the model's quantized linears call
         kinds = {m.qweight_format.kind for m in eng.model.modules() if isinstance(m, QuantLinear)}
-        op = {"gguf": "quant.gguf_matmul", "fp8": "quant.fp8_wo_matmul", "fp4": "quant.fp4_matmul"}.get(
+        op = {"gguf": "quant.gguf_matmul", "fp8": "quant.fp8_wo_matmul", "fp4": "quant.fp4_matmul",
+              "w8a8": "quant.w8a8_matmul"}.get(
             kinds.pop() if len(kinds) == 1 else "", "quant.wq_matmul")
         def with_a8(ctx):  # the native paths of a "+a8" scheme on 8-bit activations
             if not a8:
@@ -225,7 +226,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/cpu/cpu_quant.json")
     args = ap.parse_args()
     bw = read_bandwidth()
-    cases = linear_cases([int(v) for v in args.ms.split(",")], bw)
+    cases = linear_cases([int(v) for v in args.ms.split(",") if v], bw)  # --ms "": model decode rates only
     cases += e2e_cases([s for s in args.schemes.split(",") if s], args.tokens, args.repeats)
     write_results(args.out, "cpu_quant", "cpu", cases, extra={"read_bandwidth_GBps": bw / 1e9})
 

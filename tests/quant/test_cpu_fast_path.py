@@ -229,3 +229,21 @@ def test_prefill_rows_multiply_the_decoded_weight(case, monkeypatch):
         dense = (x.float() @ w.dequantize(torch.float32).float().T + b.float()).to(torch.bfloat16)
         assert _rel(y, dense) < 4e-3  # bf16 products summed in another order, the output rounded
         assert _rel(y, ref_op(x, w, b)) < 1e-2
+
+
+@pytest.mark.parametrize("outliers", [False, True])
+@pytest.mark.parametrize("m, n, k", [(1, 64, 40), (5, 300, 200), (70, 96, 576)])
+def test_w8a8_matmul_on_the_cpu_is_bit_equal_to_the_reference(m, n, k, outliers):
+    # the integer products through torch._int_mm (int32 sums), then the reference's scaling / outlier / bias steps
+    from infercore.quant import Int8Weight, per_token_quant, w8a8_matmul
+
+    assert resolve("quant.w8a8_matmul", "cpu").name == "cpu"
+    torch.manual_seed(m + n)
+    idx = torch.tensor([3, 17, 30], dtype=torch.int32) if outliers else None
+    w = Int8Weight.quantize(torch.randn(n, k) * 0.05, outlier_idx=idx)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    qx, sx, xo = per_token_quant(x, outlier_idx=idx)
+    for dt in (torch.bfloat16, torch.float32):
+        y = w8a8_matmul(qx, sx, w, x_out=xo, bias=bias, out_dtype=dt)
+        assert torch.equal(y, naive.w8a8_matmul_ref(qx, sx, w, x_out=xo, bias=bias, out_dtype=dt))

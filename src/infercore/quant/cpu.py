@@ -25,6 +25,9 @@ FP8 e4m3 weights (``quant.fp8_wo_matmul``, per channel or 128 x 128 blocks): bf1
 :data:`FP8_NATIVE_MAX_ROWS` run the native e4m3 GEMV over the codes as stored (``cpu_native.linear_fp8``); more bf16
 rows decode the weight to bf16 a slice at a time into the dense GEMM (``cpu_native.dequant_fp8_rows``).
 
+INT8 W8A8 (``quant.w8a8_matmul``): the int8 x int8 products through ATen's int8 GEMM (``torch._int_mm``), bit-equal
+to the reference, which multiplies in float64.
+
 Other formats, fp32 / fp16 activations (ATen vectorizes these kernels for bf16 activations only) and a torch
 without these ops take the reference (dequantize, then matmul). On a 2-core AVX-512 machine the packed kernels beat
 the reference at every row count measured and the bf16 ``F.linear`` of the dense weight at decode sizes;
@@ -40,7 +43,7 @@ import torch.nn.functional as F
 
 from ..devices import register
 from . import naive
-from .formats import FP4Weight, FP8Weight, GGUFWeight, IntWeight
+from .formats import FP4Weight, FP8Weight, GGUFWeight, Int8Weight, IntWeight
 from .gguf import BLOCK_BYTES, QK, q4_parts
 from .repacks import packed
 
@@ -356,7 +359,24 @@ def fp8_wo_matmul_cpu(x: torch.Tensor, w: FP8Weight, bias: torch.Tensor | None =
     return naive.fp8_wo_matmul_ref(x, w, bias)
 
 
+def w8a8_matmul_cpu(qx: torch.Tensor, sx: torch.Tensor, w: Int8Weight, *, x_out: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``quant.w8a8_matmul`` (INT8 activations and weights) on the CPU: the integer products through ATen's int8
+    GEMM (``torch._int_mm``, int32 sums: exact, where the reference sums in float64, also exact), then the
+    reference's scaling, outlier and bias steps in its order: bit-equal to ``naive.w8a8_matmul_ref``. Arguments
+    are checked by the op."""
+    if w.act != "int8" or qx.device.type != "cpu" or w.qweight.device.type != "cpu":
+        return naive.w8a8_matmul_ref(qx, sx, w, x_out=x_out, bias=bias, out_dtype=out_dtype)
+    y = torch._int_mm(qx.contiguous(), w.qweight.t()).float() * sx.float()[:, None] * w.scales.float()[None, :]
+    if w.num_outliers and x_out is not None:
+        y = y + x_out.float() @ w.w_outlier.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
 register("quant.wq_matmul", "cpu", wq_matmul_cpu, priority=5, available=_on_cpu)
+register("quant.w8a8_matmul", "cpu", w8a8_matmul_cpu, priority=5, available=_on_cpu)
 register("quant.fp8_wo_matmul", "cpu", fp8_wo_matmul_cpu, priority=5, available=_on_cpu)
 register("quant.fp4_matmul", "cpu", fp4_matmul_cpu, priority=5, available=_on_cpu)
 register("quant.gguf_matmul", "cpu", gguf_matmul_cpu, priority=5, available=_on_cpu)

@@ -70,6 +70,14 @@ def write_ct(tmp_path, preset, *, ignore=("lm_head",), mutate=None, weights=None
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
     if hf.config.tie_word_embeddings:
         state.pop("lm_head.weight")
+    for name in [n for n in state if n.endswith(".mlp.experts.gate_up_proj")]:  # stored one expert at a time
+        prefix = name[: -len("gate_up_proj")]
+        gate_up, down = state.pop(name), state.pop(f"{prefix}down_proj")
+        i = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            state[f"{prefix}{e}.gate_proj.weight"] = gate_up[e, :i].clone()
+            state[f"{prefix}{e}.up_proj.weight"] = gate_up[e, i:].clone()
+            state[f"{prefix}{e}.down_proj.weight"] = down[e].clone()
     for base in _targets(state):
         if skip(base):
             continue
@@ -77,8 +85,15 @@ def write_ct(tmp_path, preset, *, ignore=("lm_head",), mutate=None, weights=None
         scale, zp = _qparams(w, scheme.weights)
         out = comp.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp}, scheme)
         state.update({f"{base}.{k}": v for k, v in out.items()})
-        deq = comp.decompress(dict(out), scheme)["weight"]
-        hf.get_submodule(base).weight.data.copy_(deq.float())
+        deq = comp.decompress(dict(out), scheme)["weight"].float()
+        if ".experts." in base:  # the reference's stacked experts
+            prefix, e, proj = base.rsplit(".", 2)
+            gate_up, down = hf.get_submodule(prefix).gate_up_proj.data, hf.get_submodule(prefix).down_proj.data
+            i = gate_up.shape[1] // 2
+            rows = {"gate_proj": gate_up[int(e), :i], "up_proj": gate_up[int(e), i:], "down_proj": down[int(e)]}
+            rows[proj].copy_(deq)
+        else:
+            hf.get_submodule(base).weight.data.copy_(deq)
     if mutate is not None:
         mutate(state)
     qc = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, ignore=list(ignore),
@@ -257,7 +272,7 @@ def test_real_smollm2_w4a16_checkpoint(tmp_path):
 def test_gemma3_and_moe_families(tmp_path):
     # families whose loaders map checkpoint names through _resolve: Gemma 3 (q / k / v into qkv_proj with its own
     # head size, sliding-window layers) and a Qwen2-MoE model whose attention and shared expert are quantized while
-    # its routed experts stay dense; quantized routed experts (stacked, not linears) are refused by name
+    # its routed experts stay dense (ignored), or are stored quantized too
     import transformers
 
     cfg = transformers.Gemma3TextConfig(vocab_size=96, max_position_embeddings=256, num_hidden_layers=2, head_dim=64,
@@ -290,14 +305,18 @@ def test_gemma3_and_moe_families(tmp_path):
                                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), rtol=0, atol=0)
     for p, o in zip(PROMPTS, eng.generate(PROMPTS, GREEDY)):
         assert o.token_ids == hf_greedy(ref, p, GREEDY.max_tokens)
-    def expert_codes(state):  # checkpoints store experts one by one: expert 0's gate_proj as quantized tensors
-        src = "model.layers.0.self_attn.k_proj"
-        for leaf in ("weight_packed", "weight_scale", "weight_shape"):
-            state[f"model.layers.0.mlp.experts.0.gate_proj.{leaf}"] = state[f"{src}.{leaf}"].clone()
-
-    path, _ = write_ct(tmp_path / "moe_experts", "W8A16", hf=moe, mutate=expert_codes)
-    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.0.gate_proj.weight_packed has no linear layer"):
-        _engine(path)
+    # the routed experts stored quantized too (one expert at a time, as exporters write them): dequantized at load
+    # into the stacked expert weights, with a warning; everything else quantized
+    path, ref = write_ct(tmp_path / "moe_experts", "W8A16", hf=moe)
+    with pytest.warns(UserWarning, match="24 routed-expert linears stored compressed-tensors integer-quantized were "
+                                         "dequantized"):
+        eng = _engine(path)
+    assert sum(isinstance(m, QuantLinear) for m in eng.model.modules()) == 2 * 4
+    experts = ref.model.layers[1].mlp.experts
+    torch.testing.assert_close(eng.model.model.layers[1].mlp.experts.gate_up_proj, experts.gate_up_proj, rtol=0, atol=0)
+    torch.testing.assert_close(eng.model.model.layers[1].mlp.experts.down_proj, experts.down_proj, rtol=0, atol=0)
+    for p, o in zip(PROMPTS, eng.generate(PROMPTS, GREEDY)):
+        assert o.token_ids == hf_greedy(ref, p, GREEDY.max_tokens)
 
 
 def _drop(leaf, base="model.layers.0.self_attn.k_proj"):

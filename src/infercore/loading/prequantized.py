@@ -172,7 +172,7 @@ def _linear_target(model: nn.Module, base: str) -> tuple[str, tuple[int, int] | 
     """``(module name, rows or None)`` of the checkpoint linear ``base`` in ``model``: the model's own module (rows
     None) or the rows ``(start, end)`` of a merged projection it is a shard of (q / k / v in ``qkv_proj``, gate / up
     in ``gate_up_proj``), by the model's ``_resolve`` (checkpoint name -> parameter and index) or its ``_STACKED``
-    table; rows ``()`` for a tensor that is no linear's (a stacked expert's)."""
+    table; rows ``()`` for a stacked expert's weight (an index into an ``[E, ...]`` parameter)."""
     resolve = getattr(model, "_resolve", None)
     if resolve is not None:
         r = resolve(f"{base}.weight")
@@ -220,9 +220,11 @@ def build_prequantized(ckpt, config, *, dtype: torch.dtype, device: torch.device
     * ``drop``: leaves dropped wherever they stand (KV-cache scales).
 
     A model without a bias in a quantized linear drops an all-zero ``<base>.bias`` (GPTQ exporters may store one for
-    every quantized linear). ``ValueError`` names the tensor or module for a model family without merged-projection
-    loading, an excluded or missing linear, a quantized lm_head with tied embeddings, a shape mismatch, a merged
-    projection quantized only in part, no quantized linear, or a tensor missing (by ``load_weights``)."""
+    every quantized linear). A routed expert's linear stored quantized (the model stacks its experts into ``[E, ...]``
+    tensors, which its kernels take dense) is dequantized to ``dtype`` and loaded as a dense weight, with a warning.
+    ``ValueError`` names the tensor or module for a model family without merged-projection loading, an excluded or
+    missing linear, a quantized lm_head with tied embeddings, a shape mismatch, a merged projection quantized only in
+    part, no quantized linear, or a tensor missing (by ``load_weights``)."""
     from ..models import model_class
     from ..quant import QuantLinear
     from ..quant.api import _set_submodule
@@ -241,14 +243,19 @@ def build_prequantized(ckpt, config, *, dtype: torch.dtype, device: torch.device
             parts.setdefault(base, {})[leaf] = t
     merged: dict[str, dict[tuple[int, int], tuple[Any, str, torch.Tensor | None]]] = {}
     biasless: set[str] = set()  # quantized linears without a bias in the model
+    expert_weights: dict[str, torch.Tensor] = {}  # routed experts' linears, dequantized
     converted = 0
     for base in select(parts):
         if excluded is not None and excluded(base):
             raise ValueError(f"checkpoint: {base} is excluded from quantization by the config but stored as {label}")
         w, perm = weight(base, parts[base])
         target, rows = _linear_target(model, base)
+        if rows == ():  # a routed expert's linear: the stacked experts take dense weights (dequantized here)
+            dense = w.dequantize(dtype)
+            expert_weights[f"{base}.weight"] = dense if perm is None else dense[:, torch.argsort(perm.cpu())]
+            continue
         lin = modules.get(target)
-        if not isinstance(lin, nn.Linear) or rows == ():
+        if not isinstance(lin, nn.Linear):
             raise ValueError(f"checkpoint: quantized tensor {base}.{codes} has no linear layer in "
                              f"{config.architecture}")
         if target == "lm_head" and config.tie_word_embeddings:
@@ -281,8 +288,14 @@ def build_prequantized(ckpt, config, *, dtype: torch.dtype, device: torch.device
     if merged:
         raise ValueError(f"checkpoint: {sorted(merged)} quantized only in part (every q/k/v and gate/up shard of a "
                          "merged projection must be quantized alike)")
-    if not converted:
+    if not converted and not expert_weights:
         raise ValueError(none_converted)
+    if expert_weights:
+        import warnings
+
+        warnings.warn(f"{len(expert_weights)} routed-expert linears stored {label}-quantized were dequantized to "
+                      f"{dtype} at load (the stacked expert kernels take dense weights); the rest stay quantized",
+                      stacklevel=3)
     for mod in model.modules():  # everything still on meta gets real (uninitialised) memory
         for key, t in list(mod._parameters.items()):
             if t is not None and t.is_meta:
@@ -301,6 +314,7 @@ def build_prequantized(ckpt, config, *, dtype: torch.dtype, device: torch.device
             if leaf == "bias" and base in biasless and not t.any():
                 continue
             yield n, t.to(dtype) if t.is_floating_point() else t
+        yield from expert_weights.items()
 
     model.load_weights(rest())
     return model.eval()

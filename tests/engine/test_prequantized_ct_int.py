@@ -375,12 +375,61 @@ def test_integer_configs_are_checked():
             prequantized_config(cfg(weights, acts, fmt))
 
 
+def write_ct_own(tmp_path, w8a8=False):
+    """A compressed-tensors W4A16 (symmetric, groups of 128; pack-quantized) or W8A8 (int-quantized) directory written
+    by this file's code from the format's description (no compressed-tensors: the GPU machine lacks it)."""
+    from safetensors.torch import save_file
+
+    from infercore.quant import Int8Weight, IntWeight
+
+    hf = tiny_hf("llama", **DIMS)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    for name in [n for n in state if n.endswith(".weight") and n.split(".")[-2] in LINEARS]:
+        w = state.pop(name)
+        base = name[: -len(".weight")]
+        if w8a8:
+            q = Int8Weight.quantize(w)
+            q = Int8Weight(q.qweight, q.scales.to(torch.bfloat16).float())
+            state[name], state[f"{base}.weight_scale"] = q.qweight, q.scales.to(torch.bfloat16)[:, None]
+        else:
+            q = IntWeight.quantize(w, bits=4, group_size=128, symmetric=True)
+            q = IntWeight(q.qweight, q.scales.to(torch.bfloat16).float(), None, 4, 128, q.in_features)
+            codes = q.codes().to(torch.int64).reshape(w.shape[0], -1, 8)  # unsigned, 8 a word, low bits first
+            words = (codes << (4 * torch.arange(8))).sum(-1)
+            state[f"{base}.weight_packed"] = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+            state[f"{base}.weight_scale"] = q.scales.to(torch.bfloat16)
+            state[f"{base}.weight_shape"] = torch.tensor(list(w.shape))
+        hf.get_submodule(base).weight.data.copy_(q.dequantize())
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    weights = {"num_bits": 8 if w8a8 else 4, "type": "int", "symmetric": True,
+               "strategy": "channel" if w8a8 else "group", "group_size": None if w8a8 else 128}
+    acts = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True} if w8a8 else None
+    cfg = hf.config.to_dict()
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors",
+                                  "format": "int-quantized" if w8a8 else "pack-quantized",
+                                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                                                "input_activations": acts}},
+                                  "ignore": ["lm_head"], "quantization_status": "compressed"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path, hf
+
+
+@pytest.mark.parametrize("w8a8", [False, True])
+def test_own_writer_reads_as_compressed_tensors_writes(tmp_path, w8a8):
+    # the CUDA test's checkpoints (this file's writer) load to the weights their reference holds, as
+    # compressed-tensors' own do
+    path, ref = write_ct_own(tmp_path, w8a8)
+    eng = _engine(path)
+    _check_weights(eng, ref, "w8a8" if w8a8 else "int")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["W4A16", "W8A8"])
-def test_ct_int_checkpoint_on_cuda(tmp_path, preset):
+@pytest.mark.parametrize("w8a8", [False, True])
+def test_ct_int_checkpoint_on_cuda(tmp_path, w8a8):
     """A compressed-tensors W4A16 (pack-quantized) / W8A8 (int-quantized) directory on CUDA, checked as
     ``engine_helpers.check_prequantized_on_cuda`` says (lm_head ignored: dense)."""
     from engine_helpers import check_prequantized_on_cuda
 
-    path, ref = write_ct(tmp_path, preset)
+    path, ref = write_ct_own(tmp_path, w8a8)
     check_prequantized_on_cuda(path, ref)

@@ -13,12 +13,21 @@ from .api import (
     save_quantized,
     scheme_table,
 )
-from .formats import FP4Weight, FP8Weight, GGUFWeight, Int8Weight, IntWeight, QuantizedWeight
+from .formats import FP4Weight, FP8Weight, GGUFWeight, Int8Weight, IntWeight, NF4Weight, QuantizedWeight
 from .fp8 import fp8_e4m3_decode_emulated, fp8_e4m3_encode
 from .gptq import gptq_quantize
 from .kv import dequantize_kv, quantize_kv, write_quantized_kv_cache_
 from .linear import QuantLinear
-from .ops import fp4_matmul, fp8_decode, fp8_wo_matmul, gguf_matmul, per_token_quant, w8a8_matmul, wq_matmul
+from .ops import (
+    fp4_matmul,
+    fp8_decode,
+    fp8_wo_matmul,
+    gguf_matmul,
+    nf4_matmul,
+    per_token_quant,
+    w8a8_matmul,
+    wq_matmul,
+)
 from .packing import from_awq, from_gptq, from_gptq_act_order, to_awq, to_gptq
 
 __all__ = [
@@ -29,6 +38,7 @@ __all__ = [
     "GGUFWeight",
     "Int8Weight",
     "IntWeight",
+    "NF4Weight",
     "QuantLinear",
     "QuantScheme",
     "QuantizedWeight",
@@ -45,6 +55,7 @@ __all__ = [
     "gguf_matmul",
     "gptq_quantize",
     "load_quantized",
+    "nf4_matmul",
     "outlier_hit_rate",
     "per_token_quant",
     "quantize",

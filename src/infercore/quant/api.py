@@ -25,6 +25,7 @@ from .formats import (
     GGUFWeight,
     Int8Weight,
     IntWeight,
+    NF4Weight,
     QuantizedWeight,
     _check_int,
     _check_real,
@@ -38,7 +39,8 @@ from .linear import QuantLinear
 @dataclass(frozen=True)
 class QuantScheme:
     """A named recipe. ``weight``: ``int4``/``int8`` (weight-only), ``fp8`` (weight-only,
-    emulated), ``mxfp4``/``nvfp4`` (FP4 weight-only, emulated), ``w8a8`` (``act`` = ``int8`` or ``fp8``), or a GGUF
+    emulated), ``mxfp4``/``nvfp4`` (FP4 weight-only, emulated), ``nf4`` (4-bit NormalFloat codebook, weight-only),
+    ``w8a8`` (``act`` = ``int8`` or ``fp8``), or a GGUF
     block type ``q4_0``/``q4_1``/``q8_0``."""
 
     name: str
@@ -107,7 +109,8 @@ class QuantScheme:
         return self.method == "gptq" or self.smooth_alpha is not None
 
 
-_WEIGHTS = ("int4", "int8", "fp8", "mxfp4", "nvfp4", "w8a8", "q4_0", "q4_1", "q8_0")
+_WEIGHTS = ("int4", "int8", "fp8", "mxfp4", "nvfp4", "nf4", "w8a8", "q4_0", "q4_1", "q8_0")
+NF4_BLOCKSIZE = 64  # the w4a16-nf4 scheme's absmax block (bitsandbytes' default)
 
 
 SCHEMES: dict[str, QuantScheme] = {
@@ -143,6 +146,8 @@ SCHEMES: dict[str, QuantScheme] = {
                     "scales, rounded up so no value clips); emulated decode (any GPU)"),
         QuantScheme("w4a16-nvfp4", "nvfp4", "FP4 e2m1 weights, NVFP4 (blocks of 16, e4m3 scales times one fp32 scale "
                     "per tensor); emulated decode (any GPU)"),
+        QuantScheme("w4a16-nf4", "nf4", "4-bit NormalFloat codes (bitsandbytes / QLoRA NF4 codebook), one fp32 absmax "
+                    "per block of 64 along K"),
         QuantScheme("gguf-q4_0", "q4_0", "GGUF Q4_0 blocks (32 values, fp16 scale), run as stored"),
         QuantScheme("gguf-q4_1", "q4_1", "GGUF Q4_1 blocks (32 values, fp16 scale and min), run as stored"),
         QuantScheme("gguf-q8_0", "q8_0", "GGUF Q8_0 blocks (32 values, fp16 scale), run as stored"),
@@ -255,6 +260,8 @@ def quantize_weight(
         return GGUFWeight.quantize(w, qtype=s.weight)
     if s.weight in FP4_BLOCK:
         return FP4Weight.quantize(w, fmt=s.weight)
+    if s.weight == "nf4":
+        return NF4Weight.quantize(w, blocksize=NF4_BLOCKSIZE)
     smooth = outliers = None
     if act_absmax is not None:
         _check_vector("act_absmax", act_absmax, k)
@@ -280,7 +287,8 @@ def _eligible(name: str, mod: nn.Module, s: QuantScheme, skip: Iterable[str]) ->
                                              for p in skip):
         return False
     k = mod.in_features
-    return not ((s.weight.startswith("q") and k % 32) or (s.weight in FP4_BLOCK and k % FP4_BLOCK[s.weight]))
+    return not ((s.weight.startswith("q") and k % 32) or (s.weight in FP4_BLOCK and k % FP4_BLOCK[s.weight])
+                or (s.weight == "nf4" and k % NF4_BLOCKSIZE))
 
 
 def quantize(
@@ -298,7 +306,8 @@ def quantize(
             Hessians: a callable, or stats from ``collect_calibration(..., hessian=True)``);
             seeds ``w8a8-mixed``; weights the ``fp8-wo-search`` scale search.
         skip: module names (or trailing name components) left unquantized; GGUF schemes also
-            skip layers whose K is not a multiple of 32, FP4 schemes those whose K is not one of their block.
+            skip layers whose K is not a multiple of 32, FP4 schemes those whose K is not one of their block, NF4 those
+            whose K is not a multiple of 64.
         method: ``"rtn"`` or ``"gptq"`` to override the scheme's method (e.g.
             ``quantize(model, "w4a16-g128", calibration=run, method="gptq")``).
 

@@ -25,6 +25,10 @@ FP8 e4m3 weights (``quant.fp8_wo_matmul``, per channel or 128 x 128 blocks): bf1
 :data:`FP8_NATIVE_MAX_ROWS` run the native e4m3 GEMV over the codes as stored (``cpu_native.linear_fp8``); more bf16
 rows decode the weight to bf16 a slice at a time into the dense GEMM (``cpu_native.dequant_fp8_rows``).
 
+4-bit codebook weights (bitsandbytes NF4 / FP4, ``quant.nf4_matmul``): bf16 rows up to :data:`NF4_NATIVE_MAX_ROWS`
+run the native codebook GEMV (``cpu_native.linear_lut4``); more decode the weight to bf16 a slice at a time into the
+dense GEMM (``cpu_native.dequant_lut4_rows``).
+
 INT8 W8A8 (``quant.w8a8_matmul``): the int8 x int8 products through ATen's int8 GEMM (``torch._int_mm``), bit-equal
 to the reference, which multiplies in float64.
 
@@ -43,7 +47,7 @@ import torch.nn.functional as F
 
 from ..devices import register
 from . import naive
-from .formats import FP4Weight, FP8Weight, GGUFWeight, Int8Weight, IntWeight
+from .formats import FP4Weight, FP8Weight, GGUFWeight, Int8Weight, IntWeight, NF4Weight
 from .gguf import BLOCK_BYTES, QK, q4_parts
 from .repacks import packed
 
@@ -359,6 +363,29 @@ def fp8_wo_matmul_cpu(x: torch.Tensor, w: FP8Weight, bias: torch.Tensor | None =
     return naive.fp8_wo_matmul_ref(x, w, bias)
 
 
+# Rows up to which NF4 weights run the native GEMV (cpu_native.linear_lut4); more rows decode the weight to bf16 a
+# slice at a time into the dense GEMM.
+NF4_NATIVE_MAX_ROWS = 8
+
+
+def nf4_matmul_cpu(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``quant.nf4_matmul`` on the CPU: with bf16 ``x`` of up to :data:`NF4_NATIVE_MAX_ROWS` rows the native GEMV over
+    the codes as stored (``cpu_native.linear_lut4``: codebook values times the activations summed in fp32 a block,
+    scaled by its absmax); with more bf16 rows the weight decoded to bf16 (codebook value times absmax, rounded) a
+    slice of rows at a time into the dense GEMM (``cpu_native.dequant_lut4_rows``); else the reference. Arguments
+    are checked by the op."""
+    from ..ops.moe import cpu_native
+
+    if x.dtype == torch.bfloat16 and w.qweight.device.type == "cpu" and cpu_native.q4_supported():
+        codes, absmax, lut = w.qweight.contiguous(), w.absmax.contiguous(), w.codebook.contiguous()
+        if x.shape[0] <= NF4_NATIVE_MAX_ROWS:
+            return _with_bias(cpu_native.linear_lut4(x, codes, absmax, lut), bias, x.dtype)
+        y = _sliced_matmul(x, codes.shape[0], 2 * codes.shape[1], lambda r0, r1, slab: cpu_native.dequant_lut4_rows(
+            codes, absmax, lut, r0, r1, slab))
+        return _with_bias(y, bias, x.dtype)
+    return naive.nf4_matmul_ref(x, w, bias)
+
+
 def w8a8_matmul_cpu(qx: torch.Tensor, sx: torch.Tensor, w: Int8Weight, *, x_out: torch.Tensor | None = None,
                     bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``quant.w8a8_matmul`` (INT8 activations and weights) on the CPU: the integer products through ATen's int8
@@ -377,6 +404,7 @@ def w8a8_matmul_cpu(qx: torch.Tensor, sx: torch.Tensor, w: Int8Weight, *, x_out:
 
 register("quant.wq_matmul", "cpu", wq_matmul_cpu, priority=5, available=_on_cpu)
 register("quant.w8a8_matmul", "cpu", w8a8_matmul_cpu, priority=5, available=_on_cpu)
+register("quant.nf4_matmul", "cpu", nf4_matmul_cpu, priority=5, available=_on_cpu)
 register("quant.fp8_wo_matmul", "cpu", fp8_wo_matmul_cpu, priority=5, available=_on_cpu)
 register("quant.fp4_matmul", "cpu", fp4_matmul_cpu, priority=5, available=_on_cpu)
 register("quant.gguf_matmul", "cpu", gguf_matmul_cpu, priority=5, available=_on_cpu)

@@ -20,6 +20,8 @@ Layouts (all row-major, rows = output channels):
   (``outlier_idx`` int32 ``[n_out]`` and ``w_outlier`` ``[N, n_out]`` in high precision).
   ``dequantize()`` returns the effective weight ``W_q * s / smooth`` with outlier columns replaced.
 * :class:`GGUFWeight` -- GGUF Q4_0/Q4_1/Q8_0 raw blocks ``uint8 [N, K/32 * block_bytes]``.
+* :class:`NF4Weight` -- 4-bit codes ``uint8 [N, K/2]`` into a 16-value fp32 codebook (bitsandbytes NF4 / FP4) with
+  fp32 absmax scales per block of ``blocksize`` along K. ``w = codebook[q] * absmax``.
 * :class:`FP4Weight` -- FP4 e2m1 codes ``uint8 [N, K/2]`` (two a byte, element ``2j`` low) with block
   scales ``uint8 [N, K/block]``: MXFP4 (blocks of 32, e8m0 powers of two) or NVFP4 (blocks of 16, e4m3
   scales times one fp32 ``global_scale``). ``w = e2m1(q) * s_block (* global_scale)``.
@@ -581,6 +583,89 @@ class FP4Weight(QuantizedWeight):
         return cls(blocks.reshape(blocks.shape[0], -1).contiguous(), scales.contiguous(), "mxfp4")
 
 
+# ----------------------------------------------------------------------------------------------
+# 4-bit codes into a 16-value codebook with absmax block scales (bitsandbytes NF4 / FP4), weight-only
+# ----------------------------------------------------------------------------------------------
+
+# bitsandbytes' NF4 codebook (QLoRA's NormalFloat4: quantiles of N(0, 1) scaled to [-1, 1]), as bitsandbytes stores
+# it in a checkpoint's quant_map (fp32)
+NF4_CODEBOOK = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+                -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+                0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                0.7229568362236023, 1.0)
+
+
+@dataclass
+class NF4Weight(QuantizedWeight):
+    """4-bit codes indexing a 16-entry fp32 ``codebook``, one fp32 ``absmax`` scale per block of ``blocksize``
+    along K: ``w = codebook[code] * absmax`` (bitsandbytes' 4-bit format: ``quant_type`` ``"nf4"``, its NormalFloat
+    codebook, or ``"fp4"``, its own FP4 table; the codebook is stored, so either reads the same). Double-quantized
+    scales are kept here as the fp32 values they decode to."""
+
+    qweight: torch.Tensor  # uint8 [N, K / 2]: element 2j in the low nibble, 2j + 1 in the high one
+    absmax: torch.Tensor  # fp32 [N, K / blocksize]
+    codebook: torch.Tensor  # fp32 [16]
+    blocksize: int = 64
+    quant_type: str = "nf4"
+    kind: ClassVar[str] = "nf4"
+
+    def __post_init__(self) -> None:
+        _check_int("blocksize", self.blocksize, "a power of two from 16 to 4096", lambda b: 16 <= b <= 4096
+                   and b & (b - 1) == 0)
+        if self.quant_type not in ("nf4", "fp4"):
+            raise ValueError(f"quant_type: expected 'nf4' or 'fp4', got {self.quant_type!r}")
+        q, a, c = self.qweight, self.absmax, self.codebook
+        if not isinstance(q, torch.Tensor) or q.dtype != torch.uint8 or q.dim() != 2:
+            raise TypeError(f"qweight: expected a uint8 [N, K / 2] tensor, got {getattr(q, 'dtype', type(q))}")
+        if not isinstance(a, torch.Tensor) or a.dtype != torch.float32:
+            raise TypeError(f"absmax: expected an fp32 tensor, got {getattr(a, 'dtype', type(a))}")
+        if not isinstance(c, torch.Tensor) or c.dtype != torch.float32 or c.shape != (16,):
+            raise TypeError(f"codebook: expected an fp32 [16] tensor, got {getattr(c, 'dtype', type(c))} "
+                            f"{tuple(getattr(c, 'shape', ()))}")
+        n, half = q.shape
+        if (2 * half) % self.blocksize:
+            raise ValueError(f"qweight: K = {2 * half} is not a multiple of the blocksize ({self.blocksize})")
+        if a.shape != (n, 2 * half // self.blocksize):
+            raise ValueError(f"absmax: expected shape ({n}, {2 * half // self.blocksize}), got {tuple(a.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.qweight.shape[0], 2 * self.qweight.shape[1])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        v = self.codebook[unpack_nibbles(self.qweight).long()].view(n, k // self.blocksize, self.blocksize)
+        return (v * self.absmax[..., None]).reshape(n, k).to(dtype)
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, *, blocksize: int = 64) -> NF4Weight:
+        """``[N, K]`` -> NF4 (K a multiple of ``blocksize``): ``absmax`` of each block, each weight the code of the
+        codebook value nearest to ``w / absmax`` (the lower code on a tie)."""
+        _check_weight(w)
+        _check_int("blocksize", blocksize, "a power of two from 16 to 4096", lambda b: 16 <= b <= 4096
+                   and b & (b - 1) == 0)
+        n, k = w.shape
+        if k % blocksize:
+            raise ValueError(f"w: K = {k} is not a multiple of the blocksize ({blocksize})")
+        wf = w.float().reshape(n, k // blocksize, blocksize)
+        absmax = wf.abs().amax(-1)
+        v = wf / torch.where(absmax > 0, absmax, torch.ones_like(absmax))[..., None]
+        book = torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=w.device)
+        codes = (v[..., None] - book).abs().argmin(-1).reshape(n, k).to(torch.uint8)
+        return cls((codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(), absmax.contiguous(), book.clone(), blocksize)
+
+    @classmethod
+    def concat(cls, weights: list[NF4Weight]) -> NF4Weight:
+        """The rows of ``weights`` one after another (same K, blocksize and codebook)."""
+        first = weights[0]
+        for w in weights[1:]:
+            if (w.shape[1], w.blocksize) != (first.shape[1], first.blocksize) or not torch.equal(w.codebook,
+                                                                                               first.codebook):
+                raise ValueError("weights: the merged NF4 weights differ in K, blocksize or codebook")
+        return cls(torch.cat([w.qweight for w in weights]), torch.cat([w.absmax for w in weights]), first.codebook,
+                   first.blocksize, first.quant_type)
+
+
 _KINDS: dict[str, type[QuantizedWeight]] = {
-    c.kind: c for c in (IntWeight, FP8Weight, Int8Weight, GGUFWeight, FP4Weight)
+    c.kind: c for c in (IntWeight, FP8Weight, Int8Weight, GGUFWeight, FP4Weight, NF4Weight)
 }

@@ -11,8 +11,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .formats import FP4Weight, FP8Weight, GGUFWeight, Int8Weight, IntWeight, QuantizedWeight, _check_int, _check_real
-from .ops import fp4_matmul, fp8_wo_matmul, gguf_matmul, per_token_quant, w8a8_matmul, wq_matmul
+from .formats import (
+    FP4Weight,
+    FP8Weight,
+    GGUFWeight,
+    Int8Weight,
+    IntWeight,
+    NF4Weight,
+    QuantizedWeight,
+    _check_int,
+    _check_real,
+)
+from .ops import fp4_matmul, fp8_wo_matmul, gguf_matmul, nf4_matmul, per_token_quant, w8a8_matmul, wq_matmul
 
 
 class QuantLinear(nn.Module):
@@ -102,6 +112,8 @@ class QuantLinear(nn.Module):
             return gguf_matmul(x, w, bias=self.bias)
         if isinstance(w, FP4Weight):
             return fp4_matmul(x, w, bias=self.bias)
+        if isinstance(w, NF4Weight):
+            return nf4_matmul(x, w, bias=self.bias)
         # The weight-only ops above check x themselves; the W8A8 path starts with a reshape. Metadata only.
         if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"QuantLinear: x must be a fp32/fp16/bf16 tensor, got {getattr(x, 'dtype', type(x))}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.kv_cache.quant import round_half_away
-from .formats import FP4Weight, FP8Weight, GGUFWeight, Int8Weight, IntWeight
+from .formats import FP4Weight, FP8Weight, GGUFWeight, Int8Weight, IntWeight, NF4Weight
 from .fp8 import E4M3_MAX
 
 # Per-token scales never drop below this (an all-zero row quantizes to zeros, not NaN).
@@ -40,6 +40,12 @@ def gguf_matmul_ref(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = 
 
 def fp4_matmul_ref(x: torch.Tensor, w: FP4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ dequant(w).T (+ bias [N]) -> [M, N]`` in ``x.dtype`` (fp32 math; e2m1 codes decoded by table)."""
+    return _dequant_matmul(x, w, bias)
+
+
+def nf4_matmul_ref(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ dequant(w).T (+ bias [N]) -> [M, N]`` in ``x.dtype`` (fp32 math; codes looked up in the
+    codebook, times the block's absmax)."""
     return _dequant_matmul(x, w, bias)
 
 

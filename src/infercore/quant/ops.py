@@ -8,6 +8,7 @@ with ``native_fp8``; everything else runs wherever Triton does, sm80 included):
 ``quant.fp8_wo_matmul``    FP8 weight-only, emulated decode (:class:`FP8Weight`)
 ``quant.gguf_matmul``      GGUF Q4_0/Q4_1/Q8_0 blocks (:class:`GGUFWeight`)
 ``quant.fp4_matmul``       FP4 e2m1 weight-only, MXFP4 / NVFP4 block scales, emulated decode (:class:`FP4Weight`)
+``quant.nf4_matmul``       4-bit codebook weight-only, bitsandbytes NF4 / FP4 with absmax blocks (:class:`NF4Weight`)
 ``quant.per_token_quant``  fused per-token INT8/FP8 activation quantizer
 ``quant.w8a8_matmul``      INT8 W8A8 (+ MixQ outliers) and FP8 W8A8 scaled GEMM
 ``quant.fp8_decode``       e4m3 bytes -> fp32 (kernel: the emulated integer decode)
@@ -20,7 +21,7 @@ import torch
 
 from ..devices import capability, dispatch, register, triton_available
 from . import naive
-from .formats import FP4Weight, FP8Weight, GGUFWeight, Int8Weight, IntWeight
+from .formats import FP4Weight, FP8Weight, GGUFWeight, Int8Weight, IntWeight, NF4Weight
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -90,6 +91,20 @@ def fp4_matmul(x: torch.Tensor, w: FP4Weight, *, bias: torch.Tensor | None = Non
         ``[..., N]`` in ``x.dtype`` (fp32 accumulation).
     """
     return _weight_only("quant.fp4_matmul", FP4Weight, x, w, bias)
+
+
+def nf4_matmul(x: torch.Tensor, w: NF4Weight, *, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequant(w).T (+ bias)`` for 4-bit codebook weights (bitsandbytes NF4 / FP4) with absmax block scales.
+
+    Args:
+        x: ``[..., K]`` fp32/fp16/bf16, on the weight's device.
+        w: :class:`NF4Weight` of logical shape ``[N, K]``.
+        bias: optional ``[N]``.
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``.
+    """
+    return _weight_only("quant.nf4_matmul", NF4Weight, x, w, bias)
 
 
 def per_token_quant(
@@ -166,6 +181,7 @@ register("quant.wq_matmul", "reference", naive.wq_matmul_ref)
 register("quant.fp8_wo_matmul", "reference", naive.fp8_wo_matmul_ref)
 register("quant.gguf_matmul", "reference", naive.gguf_matmul_ref)
 register("quant.fp4_matmul", "reference", naive.fp4_matmul_ref)
+register("quant.nf4_matmul", "reference", naive.nf4_matmul_ref)
 register("quant.per_token_quant", "reference", naive.per_token_quant_ref)
 register("quant.w8a8_matmul", "reference", naive.w8a8_matmul_ref)
 register("quant.fp8_w8a8_matmul", "reference", naive.w8a8_matmul_ref)
@@ -174,7 +190,7 @@ register("quant.fp8_decode", "reference", naive.fp8_decode_ref)
 from . import cpu as _cpu  # noqa: E402, F401  (registers the CPU fast path of quant.wq_matmul)
 
 if triton_available():
-    from . import triton_fp4, triton_w8a8, triton_wo
+    from . import triton_fp4, triton_nf4, triton_w8a8, triton_wo
 
     def _gpu(cap) -> bool:
         return cap.is_cuda and cap.triton
@@ -183,6 +199,7 @@ if triton_available():
     register("quant.fp8_wo_matmul", "triton", triton_wo.fp8_wo_matmul_triton, priority=10, available=_gpu)
     register("quant.gguf_matmul", "triton", triton_wo.gguf_matmul_triton, priority=10, available=_gpu)
     register("quant.fp4_matmul", "triton", triton_fp4.fp4_matmul_triton, priority=10, available=_gpu)
+    register("quant.nf4_matmul", "triton", triton_nf4.nf4_matmul_triton, priority=10, available=_gpu)
     register("quant.fp8_decode", "triton", triton_wo.fp8_decode_triton, priority=10, available=_gpu)
     register("quant.per_token_quant", "triton", triton_w8a8.per_token_quant_triton, priority=10,
              available=_gpu)

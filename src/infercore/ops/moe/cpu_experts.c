@@ -12,6 +12,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 #include "../cpu_bf16.h"
@@ -1144,6 +1145,120 @@ void infercore_dequant_fp8_rows(const uint8_t *w, const float *scales, int64_t K
             for (; k < k1; k++) o[k] = f32_to_bf16(bf16_to_f32(e4m3_bf16(c[k])) * s[j]);
         }
     }
+}
+
+/* ---- 4-bit codebook weights (bitsandbytes NF4 / FP4) ---------------------------------------------------------- */
+
+/* Rows [r0, r1) of the weight behind 4-bit codes w [N, K / 2] (element 2j in the low nibble of byte j) into a 16-entry
+ * fp32 codebook lut, one fp32 absmax a block of bs along K (absmax [N, K / bs]), decoded to bf16 rows out
+ * [r1 - r0, K]: lut[code] * absmax rounded to nearest even. For prefill-sized row counts (and the decode rows
+ * too): a slice decoded here, then a dense GEMM (quant/cpu.py). */
+void infercore_dequant_lut4_rows(const uint8_t *w, const float *absmax, const float *lut, int64_t K, int64_t bs,
+                                 int64_t r0, int64_t r1, uint16_t *out, int nthreads) {
+    const int64_t nb = K / bs;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *c = w + r * (K / 2);
+        const float *am = absmax + r * nb;
+        uint16_t *o = out + (r - r0) * K;
+        int64_t k = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+        const __m512 table = _mm512_loadu_ps(lut);
+        const __m512i i0 = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+        const __m512i i1 = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+        if (bs % 32 == 0)
+            for (; k < K; k += 32) { /* 16 bytes: 32 weights of one block */
+                const __m512 sv = _mm512_set1_ps(am[k / bs]);
+                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + k / 2)));
+                const __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), table),
+                                                sv);
+                const __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), sv);
+                const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(lo, i1, hi),
+                                                       _mm512_permutex2var_ps(lo, i0, hi));
+                _mm512_storeu_si512((void *)(o + k), (__m512i)v);
+            }
+#endif
+        for (; k < K; k += 2) {
+            const float s = am[k / bs];
+            o[k] = f32_to_bf16(lut[c[k / 2] & 15] * s);
+            o[k + 1] = f32_to_bf16(lut[c[k / 2] >> 4] * s);
+        }
+    }
+}
+
+/* y[m] = sum over blocks j of absmax[j] * sum_{k in block j} x[m][k] * lut[code k], the inner sums in fp32; the
+ * activations come split into even (xe) and odd (xo) elements, fp32, so that a byte's two codes (low nibble: the
+ * even element) multiply aligned vectors; m < M <= MB */
+static void dot_rows_lut4(const uint8_t *w, const float *am, int64_t bs, const float *const *xe,
+                          const float *const *xo, int M, int64_t K, const float *lut, float *y) {
+    float t[MB] = {0};
+    int64_t k0 = 0;
+#if defined(__AVX512F__)
+    if (bs % 32 == 0) {
+        const __m512 table = _mm512_loadu_ps(lut);
+        __m512 tv[MB];
+        for (int m = 0; m < M; m++) tv[m] = _mm512_setzero_ps();
+        for (int64_t j = 0; k0 < K; k0 += bs, j++) {
+            __m512 a[MB];
+            for (int m = 0; m < M; m++) a[m] = _mm512_setzero_ps();
+            for (int64_t k = k0; k < k0 + bs; k += 32) {
+                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + k / 2)));
+                const __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), table);
+                const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+                for (int m = 0; m < M; m++) {
+                    a[m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xe[m] + k / 2), a[m]);
+                    a[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xo[m] + k / 2), a[m]);
+                }
+            }
+            const __m512 sv = _mm512_set1_ps(am[j]);
+            for (int m = 0; m < M; m++) tv[m] = _mm512_fmadd_ps(a[m], sv, tv[m]);
+        }
+        for (int m = 0; m < M; m++) t[m] = _mm512_reduce_add_ps(tv[m]);
+    }
+#endif
+    for (int64_t j = k0 / bs; k0 < K; k0 += bs, j++) {
+        for (int m = 0; m < M; m++) {
+            float acc = 0.f;
+            for (int64_t k = k0; k < k0 + bs; k += 2)
+                acc += xe[m][k / 2] * lut[w[k / 2] & 15] + xo[m][k / 2] * lut[w[k / 2] >> 4];
+            t[m] += acc * am[j];
+        }
+    }
+    for (int m = 0; m < M; m++) y[m] = t[m];
+}
+
+/* y [M, N] bf16 = x [M, K] bf16 @ (lut[code] * absmax)^T for 4-bit codes w [N, K / 2] (element 2j in the low nibble
+ * of byte j) with fp32 absmax [N, K / bs] and codebook lut [16] (bitsandbytes NF4 / FP4); rows of w in blocks of RB
+ * across the threads, MB token rows a pass. Returns 0, or -1 when the activation buffer cannot be allocated. */
+int infercore_linear_lut4(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *absmax,
+                          const float *lut, int64_t bs, int64_t N, uint16_t *y, int nthreads) {
+    float *xs = (float *)malloc((size_t)(M * K) * sizeof(float));
+    if (!xs) return -1;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k += 2) {
+            xs[m * K + k / 2] = bf16_to_f32(x[m * K + k]);
+            xs[m * K + K / 2 + k / 2] = bf16_to_f32(x[m * K + k + 1]);
+        }
+    const int64_t nb = (N + RB - 1) / RB;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xe[MB], *xo[MB];
+        float yt[MB];
+        const int64_t r1 = (b + 1) * RB < N ? (b + 1) * RB : N;
+        for (int64_t c = 0; c < M; c += MB) {
+            const int m = M - c < MB ? (int)(M - c) : MB;
+            for (int j = 0; j < m; j++) {
+                xe[j] = xs + (c + j) * K;
+                xo[j] = xs + (c + j) * K + K / 2;
+            }
+            for (int64_t r = b * RB; r < r1; r++) {
+                dot_rows_lut4(w + r * (K / 2), absmax + r * (K / bs), bs, xe, xo, m, K, lut, yt);
+                for (int j = 0; j < m; j++) y[(c + j) * N + r] = f32_to_bf16(yt[j]);
+            }
+        }
+    }
+    free(xs);
+    return 0;
 }
 
 /* All of y [M, N] (infercore_fp8_range), rows of w in blocks of RB across the threads */

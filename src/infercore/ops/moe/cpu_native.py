@@ -101,6 +101,10 @@ def _build() -> ctypes.CDLL:
     dll.infercore_linear_fp8.restype = None
     dll.infercore_dequant_fp8_rows.argtypes = [_P, _P, _I64, _I64, _I64, _I64, _P, _INT]
     dll.infercore_dequant_fp8_rows.restype = None
+    dll.infercore_dequant_lut4_rows.argtypes = [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _INT]
+    dll.infercore_dequant_lut4_rows.restype = None
+    dll.infercore_linear_lut4.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _INT]
+    dll.infercore_linear_lut4.restype = _INT
     dll.infercore_native_isa.restype = _INT
     dll.infercore_set_a8.argtypes = [_INT]
     dll.infercore_set_a8.restype = _INT
@@ -604,6 +608,64 @@ def dequant_fp8_rows(codes: torch.Tensor, scales: torch.Tensor, block: int | Non
         raise ValueError(f"dequant_fp8_rows: out must be a contiguous bf16 [>= {r1 - r0}, {K}] tensor")
     lib.infercore_dequant_fp8_rows(_ptr(codes), _ptr(scales), K, block or 0, r0, r1, _ptr(out),
                                    torch.get_num_threads())
+    return out[: r1 - r0]
+
+
+def _lut4_operands(fn: str, codes: torch.Tensor, absmax: torch.Tensor, lut: torch.Tensor) -> tuple[int, int, int]:
+    """``(N, K, blocksize)`` of NF4 operands, checked (``TypeError`` / ``ValueError`` naming ``fn``)."""
+    if codes.dtype != torch.uint8 or absmax.dtype != torch.float32 or lut.dtype != torch.float32:
+        raise TypeError(f"{fn}: codes uint8, absmax and lut fp32 expected, got {codes.dtype}, {absmax.dtype}, "
+                        f"{lut.dtype}")
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in (codes, absmax, lut)):
+        raise ValueError(f"{fn}: contiguous host tensors expected")
+    if codes.dim() != 2 or absmax.dim() != 2 or lut.shape != (16,):
+        raise ValueError(f"{fn}: codes [N, K / 2], absmax [N, blocks], lut [16] expected, got {tuple(codes.shape)}, "
+                         f"{tuple(absmax.shape)}, {tuple(lut.shape)}")
+    n, k = codes.shape[0], 2 * codes.shape[1]
+    nb = absmax.shape[1]
+    if absmax.shape[0] != n or nb < 1 or k % nb or (k // nb) % 2:
+        raise ValueError(f"{fn}: absmax {tuple(absmax.shape)} does not fit codes {tuple(codes.shape)}")
+    return n, k, k // nb
+
+
+def linear_lut4(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` bf16 ``@ (lut[code] * absmax)^T`` for 4-bit codes ``[N, K / 2]`` (uint8, element ``2j`` in the low
+    nibble of byte ``j``) into the fp32 codebook ``lut [16]`` with fp32 ``absmax [N, K / blocksize]``
+    (:class:`~infercore.quant.NF4Weight`) -> ``[M, N]`` bf16: each code's codebook value times the activation summed
+    in fp32 within a block, then scaled by the block's absmax (the reference scales each weight first: the sums
+    differ by fp32 rounding). No copy of the weight."""
+    lib = _lib if _tried and _lib is not None else _need()
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"linear_lut4: x must be bf16, got {x.dtype}")
+    if x.dim() != 2 or x.device.type != "cpu":
+        raise ValueError(f"linear_lut4: a host x [M, K] expected, got {tuple(x.shape)} on {x.device}")
+    n, k, bs = _lut4_operands("linear_lut4", codes, absmax, lut)
+    if x.shape[1] != k:
+        raise ValueError(f"linear_lut4: x has K = {x.shape[1]}, the codes {k}")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    if lib.infercore_linear_lut4(_ptr(x), x.shape[0], k, _ptr(codes), _ptr(absmax), _ptr(lut), bs, n, _ptr(y),
+                                 torch.get_num_threads()):
+        raise MemoryError("linear_lut4: no memory for the activation buffer")
+    return y
+
+
+def dequant_lut4_rows(codes: torch.Tensor, absmax: torch.Tensor, lut: torch.Tensor, r0: int, r1: int,
+                      out: torch.Tensor) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of the weight behind 4-bit codes ``[N, K / 2]`` (uint8, element ``2j`` in the low nibble of
+    byte ``j``) into the fp32 codebook ``lut [16]``, scaled by fp32 ``absmax [N, K / blocksize]`` (bitsandbytes NF4 /
+    FP4, :class:`~infercore.quant.NF4Weight`), decoded into the first ``r1 - r0`` rows of ``out`` (bf16, contiguous
+    ``[>= r1 - r0, K]``): ``lut[code] * absmax`` rounded to bf16 (nearest even). Returns that slice. Bad arguments:
+    ``TypeError`` / ``ValueError``."""
+    lib = _need()
+    n, k, bs = _lut4_operands("dequant_lut4_rows", codes, absmax, lut)
+    if not 0 <= r0 <= r1 <= n:
+        raise ValueError(f"dequant_lut4_rows: rows [{r0}, {r1}) outside the weight's {n}")
+    if out.dtype != torch.bfloat16 or not out.is_contiguous() or out.dim() != 2 or out.shape[0] < r1 - r0 \
+            or out.shape[1] != k:
+        raise ValueError(f"dequant_lut4_rows: out must be a contiguous bf16 [>= {r1 - r0}, {k}] tensor")
+    lib.infercore_dequant_lut4_rows(_ptr(codes), _ptr(absmax), _ptr(lut), k, bs, r0, r1, _ptr(out),
+                                    torch.get_num_threads())
     return out[: r1 - r0]
 
 

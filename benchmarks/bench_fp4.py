@@ -2,9 +2,11 @@
 K=4096) and M = 1, 4, 16, 128, 2048, against bf16 ``F.linear`` (cuBLAS) and the INT4 W4A16 g128 dispatcher, all
 timed the same way in one run: a CUDA graph of calls rotating over weight copies larger than the L2, so weights
 stream from HBM as in decode. Each call is first checked against the reference. Floor: the FP4 weight's bytes
-(codes + scales) over the copy bandwidth measured here.
+(codes + scales) over the copy bandwidth measured here. ``--fmts nf4`` times bitsandbytes-style NF4 weights
+(``NF4Weight``, ``quant.nf4_matmul``, absmax per 64) the same way.
 
     python benchmarks/bench_fp4.py --out $OUT/r/fp4.json     # GPU, ~1-2 min
+    python benchmarks/bench_fp4.py --fmts nf4 --out $OUT/r/nf4.json
 """
 
 # ruff: noqa: B023  (closures are run inside the loop iteration that defines them)
@@ -23,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import case, copy_bandwidth, rel_err, time_graph, write_results  # noqa: E402
 
-from infercore.quant import FP4Weight, IntWeight, fp4_matmul, naive, wq_matmul  # noqa: E402
+from infercore.quant import FP4Weight, IntWeight, NF4Weight, fp4_matmul, naive, nf4_matmul, wq_matmul  # noqa: E402
 
 L2_BYTES = 50e6 * 2  # rotate over at least this many weight bytes
 
@@ -34,13 +36,22 @@ def main() -> None:
     ap.add_argument("--ms", default="1,4,8,16,32,128,2048")
     ap.add_argument("--n", type=int, default=14336)
     ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--fmts", default="mxfp4,nvfp4", help="of mxfp4, nvfp4, nf4")
     args = ap.parse_args()
     n, k, dev = args.n, args.k, torch.device("cuda")
     bw = copy_bandwidth()
     torch.manual_seed(0)
     base = torch.randn(n, k, device=dev) * 0.02
     w16 = base.to(torch.bfloat16)
-    fp4 = {f: FP4Weight.quantize(base, fmt=f) for f in ("mxfp4", "nvfp4")}
+    fmts = args.fmts.split(",")
+    fp4 = {f: NF4Weight.quantize(base) if f == "nf4" else FP4Weight.quantize(base, fmt=f) for f in fmts}
+
+    def parts(q):  # (matmul, reference, weight bytes, a copy)
+        if isinstance(q, NF4Weight):
+            return (nf4_matmul, naive.nf4_matmul_ref, q.qweight.numel() + 4 * q.absmax.numel(),
+                    lambda: NF4Weight(q.qweight.clone(), q.absmax.clone(), q.codebook.clone(), q.blocksize))
+        return (fp4_matmul, naive.fp4_matmul_ref, q.qweight.numel() + q.scales.numel(),
+                lambda: FP4Weight(q.qweight.clone(), q.scales.clone(), q.fmt, q.global_scale))
     int4 = IntWeight.quantize(base, bits=4, group_size=128)
 
     def copies_of(nbytes):
@@ -67,20 +78,22 @@ def main() -> None:
         wq_matmul(x, int4)
         peers["int4 w4a16-g128 (dispatcher)"] = timer(lambda i: wq_matmul(x, i4s[i % c4]), c4)
         for fmt, q in fp4.items():
-            err = rel_err(fp4_matmul(x, q), naive.fp4_matmul_ref(x, q))
-            nbytes = q.qweight.numel() + q.scales.numel()
+            mm, ref, nbytes, copy = parts(q)
+            err = rel_err(mm(x, q), ref(x, q))
             cq = copies_of(nbytes)
-            qs = [q] + [FP4Weight(q.qweight.clone(), q.scales.clone(), q.fmt, q.global_scale) for _ in range(cq - 1)]
-            us = timer(lambda i: fp4_matmul(x, qs[i % cq]), cq)
+            qs = [q] + [copy() for _ in range(cq - 1)]
+            us = timer(lambda i: mm(x, qs[i % cq]), cq)
             floor = nbytes / bw * 1e6
             row = {"fmt": fmt, "m": m, "us": us, "bf16_us": bf16_us, "x_bf16": bf16_us / us,
                    "int4_us": peers["int4 w4a16-g128 (dispatcher)"], "floor_us": floor, "err": err}
             rows.append(row)
             print(row, flush=True)
-            cases.append(case(f"fp4 weight-only {fmt} N={n} K={k} M={m} bf16", metric="time", unit="us", ours=us,
+            label = "nf4" if fmt == "nf4" else f"fp4 weight-only {fmt}"
+            cases.append(case(f"{label} N={n} K={k} M={m} bf16", metric="time", unit="us", ours=us,
                               peers=peers, floor=floor, speedup_vs_bf16=bf16_us / us, rel_err=err,
                               weight_bytes=nbytes, copy_bw_TBps=bw / 1e12))  # fmt: skip
-    write_results(args.out, "fp4", torch.cuda.get_device_name(), cases, extra={"rows": rows})
+    write_results(args.out, "nf4" if fmts == ["nf4"] else "fp4", torch.cuda.get_device_name(), cases,
+                  extra={"rows": rows})
 
 
 if __name__ == "__main__":

@@ -40,9 +40,11 @@ from infercore.quant import (  # noqa: E402
     FP8Weight,
     GGUFWeight,
     IntWeight,
+    NF4Weight,
     QuantLinear,
     fp8_wo_matmul,
     gguf_matmul,
+    nf4_matmul,
     quantize,
     wq_matmul,
 )
@@ -59,6 +61,7 @@ FORMATS = {  # name: the quantizer of a dense [N, K] weight
     "gguf q8_0": lambda d: GGUFWeight.quantize(d, qtype="q8_0"),
     "fp8 per channel": lambda d: FP8Weight.quantize(d),
     "fp8 block 128": lambda d: FP8Weight.quantize(d, block_size=128),
+    "nf4 absmax 64": lambda d: NF4Weight.quantize(d),
 }
 
 
@@ -78,18 +81,22 @@ def calls_per_s(fn, budget_s: float = 1.0, max_calls: int = 200) -> float:
     return 1.0 / best
 
 
-def linear_cases(ms: list[int], bw: float) -> list[dict]:
+def linear_cases(ms: list[int], bw: float, formats: list[str] | None = None) -> list[dict]:
     cases = []
     for sname, (n, k) in SHAPES.items():
         torch.manual_seed(0)
         dense = torch.randn(n, k) * 0.02
         for fname, make in FORMATS.items():
+            if formats and fname not in formats:
+                continue
             w = make(dense)
             wb = w.dequantize(torch.bfloat16)
             nbytes = sum(t.numel() * t.element_size() for t in w.tensors().values())  # as stored
             gguf = isinstance(w, GGUFWeight)
-            mm = gguf_matmul if gguf else fp8_wo_matmul if isinstance(w, FP8Weight) else wq_matmul
-            op = {gguf_matmul: "quant.gguf_matmul", fp8_wo_matmul: "quant.fp8_wo_matmul"}.get(mm, "quant.wq_matmul")
+            mm = (gguf_matmul if gguf else fp8_wo_matmul if isinstance(w, FP8Weight) else nf4_matmul
+                  if isinstance(w, NF4Weight) else wq_matmul)
+            op = {gguf_matmul: "quant.gguf_matmul", fp8_wo_matmul: "quant.fp8_wo_matmul",
+                  nf4_matmul: "quant.nf4_matmul"}.get(mm, "quant.wq_matmul")
             for m in ms:
                 x = torch.randn(m, k).to(torch.bfloat16)
                 ours = calls_per_s(lambda: mm(x, w))
@@ -109,6 +116,7 @@ def linear_cases(ms: list[int], bw: float) -> list[dict]:
                            floor=bw / nbytes if m == 1 else None, kernel=QC.cpu_kind(w), weight_bytes=nbytes,
                            ours_us=1e6 / ours, reference_us=1e6 / ref, bf16_us=1e6 / bf16, aten_us=1e6 / aten,
                            native=(m <= QC.FP8_NATIVE_MAX_ROWS and cpu_native.q4_supported()) if mm is fp8_wo_matmul
+                           else (m <= QC.NF4_NATIVE_MAX_ROWS and cpu_native.q4_supported()) if mm is nf4_matmul
                            else m <= QC.NATIVE_Q4_MAX_ROWS and (QC.native_q4(w) or QC.native_q8(w)) is not None,
                            **a8)
                 print(f"{row['case']}: {1e6 / ours:.0f} us (reference {1e6 / ref:.0f}, bf16 dense {1e6 / bf16:.0f}, "
@@ -176,7 +184,7 @@ def e2e_cases(schemes: list[str], tokens: int, repeats: int) -> list[dict]:
         # the op whose reference the "reference" run forces: the one the model's quantized linears call
         kinds = {m.qweight_format.kind for m in eng.model.modules() if isinstance(m, QuantLinear)}
         op = {"gguf": "quant.gguf_matmul", "fp8": "quant.fp8_wo_matmul", "fp4": "quant.fp4_matmul",
-              "w8a8": "quant.w8a8_matmul"}.get(
+              "w8a8": "quant.w8a8_matmul", "nf4": "quant.nf4_matmul"}.get(
             kinds.pop() if len(kinds) == 1 else "", "quant.wq_matmul")
         def with_a8(ctx):  # the native paths of a "+a8" scheme on 8-bit activations
             if not a8:
@@ -221,12 +229,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,4,16,64")
     ap.add_argument("--schemes", default=f"w4a16-g128,w8a16,{NATIVE_Q4_1}")
+    ap.add_argument("--formats", default="", help=f"linear cases of these formats only (of {', '.join(FORMATS)})")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/cpu/cpu_quant.json")
     args = ap.parse_args()
     bw = read_bandwidth()
-    cases = linear_cases([int(v) for v in args.ms.split(",") if v], bw)  # --ms "": model decode rates only
+    # --ms "": model decode rates only
+    cases = linear_cases([int(v) for v in args.ms.split(",") if v], bw, [f for f in args.formats.split(",") if f])
     cases += e2e_cases([s for s in args.schemes.split(",") if s], args.tokens, args.repeats)
     write_results(args.out, "cpu_quant", "cpu", cases, extra={"read_bandwidth_GBps": bw / 1e9})
 

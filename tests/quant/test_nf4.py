@@ -70,7 +70,7 @@ def test_cpu_decode_is_the_weight_rounded_to_bf16(n, k, bs):
         cpu_native.linear_lut4(torch.zeros(1, k + 2, dtype=torch.bfloat16), w.qweight, w.absmax, w.codebook)
 
 
-@pytest.mark.parametrize("m", [9, 70])
+@pytest.mark.parametrize("m", [5, 70])
 def test_cpu_prefill_rows_are_the_bf16_gemm_over_the_decoded_weight(m):
     from infercore.quant import cpu as QC
 
@@ -87,7 +87,7 @@ def test_cpu_prefill_rows_are_the_bf16_gemm_over_the_decoded_weight(m):
     assert torch.equal(nf4_matmul(x32, w), naive.nf4_matmul_ref(x32, w))
 
 
-@pytest.mark.parametrize("m", [1, 3, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("n, k, bs", [(200, 320, 64), (37, 512, 256), (64, 96, 32), (20, 64, 16)])
 def test_cpu_decode_rows_take_the_native_gemv(m, n, k, bs, monkeypatch):
     # up to NF4_NATIVE_MAX_ROWS rows: cpu_native.linear_lut4 over the codes as stored (the vector loop for blocks of

@@ -365,15 +365,15 @@ def fp8_wo_matmul_cpu(x: torch.Tensor, w: FP8Weight, bias: torch.Tensor | None =
 
 # Rows up to which NF4 weights run the native GEMV (cpu_native.linear_lut4); more rows decode the weight to bf16 a
 # slice at a time into the dense GEMM.
-NF4_NATIVE_MAX_ROWS = 8
+NF4_NATIVE_MAX_ROWS = 4
 
 
 def nf4_matmul_cpu(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``quant.nf4_matmul`` on the CPU: with bf16 ``x`` of up to :data:`NF4_NATIVE_MAX_ROWS` rows the native GEMV over
-    the codes as stored (``cpu_native.linear_lut4``: codebook values times the activations summed in fp32 a block,
-    scaled by its absmax); with more bf16 rows the weight decoded to bf16 (codebook value times absmax, rounded) a
-    slice of rows at a time into the dense GEMM (``cpu_native.dequant_lut4_rows``); else the reference. Arguments
-    are checked by the op."""
+    the codes as stored (``cpu_native.linear_lut4``: each codebook value scaled by its block's absmax, times the
+    activations, summed in fp32); with more bf16 rows the weight decoded to bf16 (codebook value times absmax,
+    rounded) a slice of rows at a time into the dense GEMM (``cpu_native.dequant_lut4_rows``); else the reference.
+    Arguments are checked by the op."""
     from ..ops.moe import cpu_native
 
     if x.dtype == torch.bfloat16 and w.qweight.device.type == "cpu" and cpu_native.q4_supported():

@@ -1186,43 +1186,63 @@ void infercore_dequant_lut4_rows(const uint8_t *w, const float *absmax, const fl
     }
 }
 
-/* y[m] = sum over blocks j of absmax[j] * sum_{k in block j} x[m][k] * lut[code k], the inner sums in fp32; the
+/* y[m] = sum_k x[m][k] * (lut[code k] * absmax[k / bs]) in fp32 (each weight scaled first, as the reference); the
  * activations come split into even (xe) and odd (xo) elements, fp32, so that a byte's two codes (low nibble: the
- * even element) multiply aligned vectors; m < M <= MB */
+ * even element) multiply aligned vectors; m < M <= MB. Several independent accumulators a row: one chain of
+ * dependent FMAs would bound the loop by FMA latency. */
 static void dot_rows_lut4(const uint8_t *w, const float *am, int64_t bs, const float *const *xe,
                           const float *const *xo, int M, int64_t K, const float *lut, float *y) {
+    int64_t k = 0;
     float t[MB] = {0};
-    int64_t k0 = 0;
 #if defined(__AVX512F__)
     if (bs % 32 == 0) {
         const __m512 table = _mm512_loadu_ps(lut);
-        __m512 tv[MB];
-        for (int m = 0; m < M; m++) tv[m] = _mm512_setzero_ps();
-        for (int64_t j = 0; k0 < K; k0 += bs, j++) {
-            __m512 a[MB];
-            for (int m = 0; m < M; m++) a[m] = _mm512_setzero_ps();
-            for (int64_t k = k0; k < k0 + bs; k += 32) {
-                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + k / 2)));
-                const __m512 lo = _mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), table);
-                const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-                for (int m = 0; m < M; m++) {
-                    a[m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xe[m] + k / 2), a[m]);
-                    a[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xo[m] + k / 2), a[m]);
-                }
+        const __m512i low = _mm512_set1_epi32(15);
+        if (M == 1) {
+            const float *e = xe[0], *o = xo[0];
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+            for (; k + 64 <= K; k += 64) { /* 64 weights: one block of 32 or more, or two of 32 */
+                const __m512 s0 = _mm512_set1_ps(am[k / bs]), s1 = _mm512_set1_ps(am[(k + 32) / bs]);
+                const __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + k / 2)));
+                const __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + k / 2 + 16)));
+                a0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(c0, low), table), s0),
+                                     _mm512_loadu_ps(e + k / 2), a0);
+                b0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), table), s0),
+                                     _mm512_loadu_ps(o + k / 2), b0);
+                a1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(c1, low), table), s1),
+                                     _mm512_loadu_ps(e + k / 2 + 16), a1);
+                b1 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c1, 4), table), s1),
+                                     _mm512_loadu_ps(o + k / 2 + 16), b1);
             }
-            const __m512 sv = _mm512_set1_ps(am[j]);
-            for (int m = 0; m < M; m++) tv[m] = _mm512_fmadd_ps(a[m], sv, tv[m]);
+            for (; k < K; k += 32) {
+                const __m512 s0 = _mm512_set1_ps(am[k / bs]);
+                const __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + k / 2)));
+                a0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(c0, low), table), s0),
+                                     _mm512_loadu_ps(e + k / 2), a0);
+                b0 = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), table), s0),
+                                     _mm512_loadu_ps(o + k / 2), b0);
+            }
+            y[0] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(b0, b1)));
+            return;
         }
-        for (int m = 0; m < M; m++) t[m] = _mm512_reduce_add_ps(tv[m]);
+        __m512 a[MB], b[MB];
+        for (int m = 0; m < M; m++) a[m] = b[m] = _mm512_setzero_ps();
+        for (; k < K; k += 32) {
+            const __m512 sv = _mm512_set1_ps(am[k / bs]);
+            const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + k / 2)));
+            const __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(c, low), table), sv);
+            const __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table), sv);
+            for (int m = 0; m < M; m++) {
+                a[m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xe[m] + k / 2), a[m]);
+                b[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xo[m] + k / 2), b[m]);
+            }
+        }
+        for (int m = 0; m < M; m++) t[m] = _mm512_reduce_add_ps(_mm512_add_ps(a[m], b[m]));
     }
 #endif
-    for (int64_t j = k0 / bs; k0 < K; k0 += bs, j++) {
-        for (int m = 0; m < M; m++) {
-            float acc = 0.f;
-            for (int64_t k = k0; k < k0 + bs; k += 2)
-                acc += xe[m][k / 2] * lut[w[k / 2] & 15] + xo[m][k / 2] * lut[w[k / 2] >> 4];
-            t[m] += acc * am[j];
-        }
+    for (; k < K; k += 2) {
+        const float s = am[k / bs], lo = lut[w[k / 2] & 15] * s, hi = lut[w[k / 2] >> 4] * s;
+        for (int m = 0; m < M; m++) t[m] += xe[m][k / 2] * lo + xo[m][k / 2] * hi;
     }
     for (int m = 0; m < M; m++) y[m] = t[m];
 }

@@ -631,9 +631,9 @@ def _lut4_operands(fn: str, codes: torch.Tensor, absmax: torch.Tensor, lut: torc
 def linear_lut4(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
     """``x [M, K]`` bf16 ``@ (lut[code] * absmax)^T`` for 4-bit codes ``[N, K / 2]`` (uint8, element ``2j`` in the low
     nibble of byte ``j``) into the fp32 codebook ``lut [16]`` with fp32 ``absmax [N, K / blocksize]``
-    (:class:`~infercore.quant.NF4Weight`) -> ``[M, N]`` bf16: each code's codebook value times the activation summed
-    in fp32 within a block, then scaled by the block's absmax (the reference scales each weight first: the sums
-    differ by fp32 rounding). No copy of the weight."""
+    (:class:`~infercore.quant.NF4Weight`) -> ``[M, N]`` bf16: each code's codebook value times its block's absmax
+    (fp32, as the reference scales each weight) times the activation, summed in fp32 in another order than the
+    reference's GEMM. No copy of the weight."""
     lib = _lib if _tried and _lib is not None else _need()
     if x.dtype != torch.bfloat16:
         raise TypeError(f"linear_lut4: x must be bf16, got {x.dtype}")

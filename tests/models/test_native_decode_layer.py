@@ -86,7 +86,9 @@ _QUANT = [("w4a16-g128", {}), (_G32, {"hidden_size": 96, "intermediate_size": 16
           # FP8 e4m3 codes as stored (cpu_native.linear_fp8's rows): per channel over K = 80 / 136 (masked tails),
           # 128 x 128 blocks over K = 160 / 200 (partial blocks)
           ("fp8-wo", {"hidden_size": 80, "intermediate_size": 136}),
-          ("fp8-wo-block", {"hidden_size": 160, "intermediate_size": 200})]
+          ("fp8-wo-block", {"hidden_size": 160, "intermediate_size": 200}),
+          # 4-bit codebook (NF4) codes as stored with the codebook and absmax (cpu_native.lut4_operands)
+          ("w4a16-nf4", {"hidden_size": 128, "intermediate_size": 192})]
 
 
 # Qwen3 (per-head q / k RMSNorms before RoPE, in the fused layers' RoPE step) and Qwen2 (a qkv bias): dense and a few

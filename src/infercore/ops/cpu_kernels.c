@@ -744,6 +744,10 @@ void infercore_q5_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *
 #define KF ((int64_t)1 << 20)
 #define A8F ((int64_t)1 << 21) /* INT4 / INT8 rows against 8-bit activations (infercore_set_a8) */
 #define FP8F ((int64_t)1 << 22) /* FP8F | blk: e4m3 codes [N, K], fp32 scales per row (blk 0) or 128 x 128 block */
+#define LUT4F ((int64_t)1 << 23) /* LUT4F | bs: 4-bit codebook codes [N, K / 2], sz = the codebook then absmax */
+void infercore_lut4_prep(const uint16_t *x, int64_t M, int64_t K, float *xs);
+void infercore_lut4_range(const float *xs, int64_t M, int64_t K, const uint8_t *w, const float *lutabs, int64_t bs,
+                          int64_t r0, int64_t r1, uint16_t *y, int64_t ldy);
 void infercore_fp8_range(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *scales, int64_t blk,
                          int64_t r0, int64_t r1, uint16_t *y, int64_t ldy);
 
@@ -760,6 +764,14 @@ static void lin_par(const void *x, int64_t M, int64_t K, const int64_t *L, int64
                     float *sums) {
     if (L[2] == 0) {
         gemv_par(x, M, K, (const void *)L[0], N, y, dt);
+        return;
+    }
+    if (L[2] > 0 && (L[2] & LUT4F)) { /* bf16 only; the thread's own split fp32 activations in sums [M, K] */
+        infercore_lut4_prep((const uint16_t *)x, M, K, sums);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < (N + GEMV_RB - 1) / GEMV_RB; b++)
+            infercore_lut4_range(sums, M, K, (const uint8_t *)L[0], (const float *)L[1], L[2] & ~LUT4F, b * GEMV_RB,
+                                 (b + 1) * GEMV_RB < N ? (b + 1) * GEMV_RB : N, (uint16_t *)y, N);
         return;
     }
     if (L[2] > 0 && (L[2] & FP8F)) { /* bf16 only; no padding, no group sums (INT8's g is negative) */
@@ -853,13 +865,16 @@ static void own_free(own_t *w) {
 }
 
 static void quant_sizes(const int64_t *lin, int64_t *kpmax, int64_t *gsums) {
-    for (int l = 0; l < 4; l++)
-        if (lin[4 * l + 2] && !(lin[4 * l + 2] > 0 && (lin[4 * l + 2] & FP8F))) {
+    for (int l = 0; l < 4; l++) {
+        if (lin[4 * l + 2] > 0 && (lin[4 * l + 2] & LUT4F)) /* the split activations: K floats a row */
+            *gsums = lin[4 * l + 3] > *gsums ? lin[4 * l + 3] : *gsums;
+        if (lin[4 * l + 2] && !(lin[4 * l + 2] > 0 && (lin[4 * l + 2] & (FP8F | LUT4F)))) {
             *kpmax = lin[4 * l + 3] > *kpmax ? lin[4 * l + 3] : *kpmax;
             /* the group sums, and room for 8-bit activations (infercore_act_prep: Kp / 2 floats more) */
             const int64_t ng = lin[4 * l + 3] / group_of(lin[4 * l + 2]) + lin[4 * l + 3] / 2;
             *gsums = ng > *gsums ? ng : *gsums;
         }
+    }
 }
 
 /* One decoder layer, run by every thread of the enclosing parallel region (see infercore_llama_decode_layer). The

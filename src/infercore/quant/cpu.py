@@ -379,7 +379,8 @@ def nf4_matmul_cpu(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None = No
     if x.dtype == torch.bfloat16 and w.qweight.device.type == "cpu" and cpu_native.q4_supported():
         codes, absmax, lut = w.qweight.contiguous(), w.absmax.contiguous(), w.codebook.contiguous()
         if x.shape[0] <= NF4_NATIVE_MAX_ROWS:
-            return _with_bias(cpu_native.linear_lut4(x, codes, absmax, lut), bias, x.dtype)
+            ops = cpu_native.lut4_operands(w)
+            return _with_bias(cpu_native.linear_lut4(x, codes, absmax, lut, ops), bias, x.dtype)
         y = _sliced_matmul(x, codes.shape[0], 2 * codes.shape[1], lambda r0, r1, slab: cpu_native.dequant_lut4_rows(
             codes, absmax, lut, r0, r1, slab))
         return _with_bias(y, bias, x.dtype)

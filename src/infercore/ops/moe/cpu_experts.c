@@ -1247,36 +1247,48 @@ static void dot_rows_lut4(const uint8_t *w, const float *am, int64_t bs, const f
     for (int m = 0; m < M; m++) y[m] = t[m];
 }
 
-/* y [M, N] bf16 = x [M, K] bf16 @ (lut[code] * absmax)^T for 4-bit codes w [N, K / 2] (element 2j in the low nibble
- * of byte j) with fp32 absmax [N, K / bs] and codebook lut [16] (bitsandbytes NF4 / FP4); rows of w in blocks of RB
- * across the threads, MB token rows a pass. Returns 0, or -1 when the activation buffer cannot be allocated. */
-int infercore_linear_lut4(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *absmax,
-                          const float *lut, int64_t bs, int64_t N, uint16_t *y, int nthreads) {
-    float *xs = (float *)malloc((size_t)(M * K) * sizeof(float));
-    if (!xs) return -1;
+/* The activations of the codebook GEMV: each row of x [M, K] bf16 split into its even and odd elements, fp32, into
+ * xs [M, K] (row m: K / 2 even, then K / 2 odd) */
+void infercore_lut4_prep(const uint16_t *x, int64_t M, int64_t K, float *xs) {
     for (int64_t m = 0; m < M; m++)
         for (int64_t k = 0; k < K; k += 2) {
             xs[m * K + k / 2] = bf16_to_f32(x[m * K + k]);
             xs[m * K + K / 2 + k / 2] = bf16_to_f32(x[m * K + k + 1]);
         }
-    const int64_t nb = (N + RB - 1) / RB;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t b = 0; b < nb; b++) {
-        const float *xe[MB], *xo[MB];
-        float yt[MB];
-        const int64_t r1 = (b + 1) * RB < N ? (b + 1) * RB : N;
-        for (int64_t c = 0; c < M; c += MB) {
-            const int m = M - c < MB ? (int)(M - c) : MB;
-            for (int j = 0; j < m; j++) {
-                xe[j] = xs + (c + j) * K;
-                xo[j] = xs + (c + j) * K + K / 2;
-            }
-            for (int64_t r = b * RB; r < r1; r++) {
-                dot_rows_lut4(w + r * (K / 2), absmax + r * (K / bs), bs, xe, xo, m, K, lut, yt);
-                for (int j = 0; j < m; j++) y[(c + j) * N + r] = f32_to_bf16(yt[j]);
-            }
+}
+
+/* Rows [r0, r1) of y [M, N] (row stride ldy) bf16 = x @ (lut[code] * absmax)^T for 4-bit codes w [N, K / 2] (element
+ * 2j in the low nibble of byte j), lutabs = the codebook (16 fp32) followed by absmax [N, K / bs], the activations
+ * as infercore_lut4_prep leaves them in xs. Opens no OpenMP region (the fused decoder layer calls it in its own). */
+void infercore_lut4_range(const float *xs, int64_t M, int64_t K, const uint8_t *w, const float *lutabs, int64_t bs,
+                          int64_t r0, int64_t r1, uint16_t *y, int64_t ldy) {
+    const float *xe[MB], *xo[MB];
+    float yt[MB];
+    for (int64_t c = 0; c < M; c += MB) {
+        const int m = M - c < MB ? (int)(M - c) : MB;
+        for (int j = 0; j < m; j++) {
+            xe[j] = xs + (c + j) * K;
+            xo[j] = xs + (c + j) * K + K / 2;
+        }
+        for (int64_t r = r0; r < r1; r++) {
+            dot_rows_lut4(w + r * (K / 2), lutabs + 16 + r * (K / bs), bs, xe, xo, m, K, lutabs, yt);
+            for (int j = 0; j < m; j++) y[(c + j) * ldy + r] = f32_to_bf16(yt[j]);
         }
     }
+}
+
+/* y [M, N] bf16 = x [M, K] bf16 @ (lut[code] * absmax)^T (infercore_lut4_range; lutabs: the codebook then absmax
+ * [N, K / bs]), rows of w in blocks of RB across the threads. Returns 0, or -1 when the activation buffer cannot be
+ * allocated. */
+int infercore_linear_lut4(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, const float *lutabs, int64_t bs,
+                          int64_t N, uint16_t *y, int nthreads) {
+    float *xs = (float *)malloc((size_t)(M * K) * sizeof(float));
+    if (!xs) return -1;
+    infercore_lut4_prep(x, M, K, xs);
+    const int64_t nb = (N + RB - 1) / RB;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < nb; b++)
+        infercore_lut4_range(xs, M, K, w, lutabs, bs, b * RB, (b + 1) * RB < N ? (b + 1) * RB : N, y, N);
     free(xs);
     return 0;
 }

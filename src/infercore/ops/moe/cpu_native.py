@@ -103,7 +103,7 @@ def _build() -> ctypes.CDLL:
     dll.infercore_dequant_fp8_rows.restype = None
     dll.infercore_dequant_lut4_rows.argtypes = [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _INT]
     dll.infercore_dequant_lut4_rows.restype = None
-    dll.infercore_linear_lut4.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _INT]
+    dll.infercore_linear_lut4.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _P, _INT]
     dll.infercore_linear_lut4.restype = _INT
     dll.infercore_native_isa.restype = _INT
     dll.infercore_set_a8.argtypes = [_INT]
@@ -320,6 +320,7 @@ Q4_GROUP = 128  # the MoE experts kernel's group (moe_experts_q4)
 Q4_GROUPS = (32, 64, 128, 256)  # the groups the INT4 GEMVs take (linear_q4, the fused decoder layer)
 Q5F = 1 << 16  # the fused layer's group value of a 5-bit linear is Q5F | 32 (cpu_kernels.c)
 FP8F = 1 << 22  # ... of an FP8 one FP8F | 0 (per-row scales) or FP8F | 128 (128 x 128 blocks)
+LUT4F = 1 << 23  # ... of a 4-bit codebook one (NF4Weight) LUT4F | blocksize
 KF = 1 << 20  # a group value | KF: sz in the two-level form of the GGUF K-quants (cpu_experts.c, expand_kform)
 A8F = 1 << 21  # an INT4 GEMV's group value | A8F: 8-bit activations (set_int8_activations)
 
@@ -628,12 +629,24 @@ def _lut4_operands(fn: str, codes: torch.Tensor, absmax: torch.Tensor, lut: torc
     return n, k, k // nb
 
 
-def linear_lut4(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+def lut4_operands(w) -> torch.Tensor | None:
+    """The fp32 ``[16 + N * K / blocksize]`` operand of an :class:`~infercore.quant.NF4Weight` on the host: its
+    codebook followed by its absmax, made once and kept beside the weight (:func:`linear_lut4` and the fused decoder
+    layers read it), or None during CUDA-graph capture before it exists."""
+    from ...quant.repacks import packed
+
+    return packed(w.qweight, ("cpu", "lut4"), lambda: torch.cat([w.codebook.float().reshape(16),
+                                                                 w.absmax.float().reshape(-1)]).contiguous())
+
+
+def linear_lut4(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, lut: torch.Tensor,
+                lutabs: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K]`` bf16 ``@ (lut[code] * absmax)^T`` for 4-bit codes ``[N, K / 2]`` (uint8, element ``2j`` in the low
     nibble of byte ``j``) into the fp32 codebook ``lut [16]`` with fp32 ``absmax [N, K / blocksize]``
-    (:class:`~infercore.quant.NF4Weight`) -> ``[M, N]`` bf16: each code's codebook value times its block's absmax
-    (fp32, as the reference scales each weight) times the activation, summed in fp32 in another order than the
-    reference's GEMM. No copy of the weight."""
+    (:class:`~infercore.quant.NF4Weight`; ``lutabs``: the two concatenated, :func:`lut4_operands`, else made here)
+    -> ``[M, N]`` bf16: each code's codebook value times its block's absmax (fp32, as the reference scales each
+    weight) times the activation, summed in fp32 in another order than the reference's GEMM. No copy of the
+    weight."""
     lib = _lib if _tried and _lib is not None else _need()
     if x.dtype != torch.bfloat16:
         raise TypeError(f"linear_lut4: x must be bf16, got {x.dtype}")
@@ -642,9 +655,13 @@ def linear_lut4(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, lut:
     n, k, bs = _lut4_operands("linear_lut4", codes, absmax, lut)
     if x.shape[1] != k:
         raise ValueError(f"linear_lut4: x has K = {x.shape[1]}, the codes {k}")
+    if lutabs is None:
+        lutabs = torch.cat([lut, absmax.reshape(-1)])
+    elif lutabs.dtype != torch.float32 or not lutabs.is_contiguous() or lutabs.numel() != 16 + absmax.numel():
+        raise ValueError(f"linear_lut4: lutabs must be a contiguous fp32 [{16 + absmax.numel()}] tensor")
     x = x.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    if lib.infercore_linear_lut4(_ptr(x), x.shape[0], k, _ptr(codes), _ptr(absmax), _ptr(lut), bs, n, _ptr(y),
+    if lib.infercore_linear_lut4(_ptr(x), x.shape[0], k, _ptr(codes), _ptr(lutabs), bs, n, _ptr(y),
                                  torch.get_num_threads()):
         raise MemoryError("linear_lut4: no memory for the activation buffer")
     return y
@@ -964,12 +981,13 @@ def layer_linear(lin, dtype: torch.dtype, *, bias_ok: bool = False) -> tuple[int
     has ``dtype`` (group 0), or a ``quant.QuantLinear`` without input permutation over
     INT4 groups / GGUF Q4_0 / Q4_1 blocks that the native INT4 GEMV takes (``quant.cpu.native_q4``) or symmetric
     per-channel INT8 / GGUF Q8_0 blocks (``native_q8``, the group negated) or FP8 e4m3 weights with fp32 scales
-    (group ``FP8F | block``), with bf16 activations; None for anything
+    (group ``FP8F | block``) or 4-bit codebook (NF4) weights (group ``LUT4F | blocksize``, :func:`lut4_operands`),
+    with bf16 activations; None for anything
     else. Either without bias, unless ``bias_ok``: then a contiguous bias of ``dtype`` is allowed (the caller passes
     it to the layer itself: qkv's, :func:`_qkv_bias`)."""
     from ...models.layout import CPUPackedLinear
     from ...quant.cpu import native_operands
-    from ...quant.formats import FP8Weight
+    from ...quant.formats import FP8Weight, NF4Weight
     from ...quant.linear import QuantLinear
 
     b = lin.__dict__.get("_parameters", {}).get("bias")
@@ -981,6 +999,10 @@ def layer_linear(lin, dtype: torch.dtype, *, bias_ok: bool = False) -> tuple[int
         return (w.data_ptr(), 0, 0, w.shape[1]) if ok else None
     if type(lin) is QuantLinear and dtype == torch.bfloat16 and lin.in_perm is None:
         w = lin.qweight_format
+        if isinstance(w, NF4Weight):  # the codes as stored, the codebook then absmax (quant.cpu.nf4_matmul_cpu's)
+            ok = w.qweight.is_contiguous() and w.qweight.device.type == "cpu" and q4_supported()
+            ops = lut4_operands(w) if ok else None
+            return (w.qweight.data_ptr(), ops.data_ptr(), LUT4F | w.blocksize, w.shape[1]) if ops is not None else None
         if isinstance(w, FP8Weight):  # the codes as stored, fp32 scales (quant.cpu.fp8_wo_matmul_cpu's kernel)
             ok = (w.block_size in (None, 128) and w.qweight.is_contiguous() and w.scales.dtype == torch.float32
                   and w.scales.is_contiguous() and w.qweight.device.type == "cpu" and q4_supported())

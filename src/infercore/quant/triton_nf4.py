@@ -2,15 +2,16 @@
 NF4 / FP4, :class:`~infercore.quant.NF4Weight`).
 
 * Up to :data:`DEQUANT_M_MIN` rows: one tiled ``tl.dot`` kernel decodes each weight tile in registers (the byte's two
-  nibbles split and joined in K order, each code looked up in the codebook, 16 fp32 values an L1-resident table, times
-  its block's absmax, rounded to x's dtype: the values of ``w.dequantize(x.dtype)``) and multiplies it by the
-  activation tile; fp32 accumulation, no weight copy.
+  nibbles split and joined in K order, each code's codebook value picked from the 16 values held as scalars by a tree
+  of selects on its bits, times its block's absmax, rounded to x's dtype: the values of ``w.dequantize(x.dtype)``)
+  and multiplies it by the activation tile; fp32 accumulation, no weight copy.
 * From :data:`DEQUANT_M_MIN` rows (16-bit x): the whole weight decoded to x's dtype in one pass (the same values),
   then the library GEMM (cuBLAS through torch), as the other weight-only formats do past ~100 rows
   (``quant/triton_dequant.py``).
 
-Their speed has not been measured on a GPU: written and checked against the reference under the Triton interpreter
-when no GPU was lent. ``DEQUANT_M_MIN`` and the tile sizes are guesses from the other formats' sweeps.
+First H100 run (a gather from the codebook in memory per weight): M=1 803 us against bf16's 47 at 14336 x 4096
+(``benchmarks/results/h200/sweeps/nf4_gather_h100.json``); the select tree replaced it. ``DEQUANT_M_MIN`` and the
+tile sizes are guesses from the other formats' sweeps.
 """
 
 from __future__ import annotations
@@ -26,6 +27,30 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def _lookup16(q, lut_ptr):
+    """``lut[q]`` for 4-bit codes ``q`` (int32 tensor): the 16 table values loaded once as scalars and picked by a tree
+    of 15 selects on the code's bits (a gather from memory per weight was ~20x slower on an H100)."""
+    t0, t1, t2, t3 = tl.load(lut_ptr + 0), tl.load(lut_ptr + 1), tl.load(lut_ptr + 2), tl.load(lut_ptr + 3)
+    t4, t5, t6, t7 = tl.load(lut_ptr + 4), tl.load(lut_ptr + 5), tl.load(lut_ptr + 6), tl.load(lut_ptr + 7)
+    t8, t9, t10, t11 = tl.load(lut_ptr + 8), tl.load(lut_ptr + 9), tl.load(lut_ptr + 10), tl.load(lut_ptr + 11)
+    t12, t13, t14, t15 = tl.load(lut_ptr + 12), tl.load(lut_ptr + 13), tl.load(lut_ptr + 14), tl.load(lut_ptr + 15)
+    b0, b1, b2, b3 = (q & 1) != 0, (q & 2) != 0, (q & 4) != 0, (q & 8) != 0
+    l0 = tl.where(b0, t1, t0)
+    l1 = tl.where(b0, t3, t2)
+    l2 = tl.where(b0, t5, t4)
+    l3 = tl.where(b0, t7, t6)
+    l4 = tl.where(b0, t9, t8)
+    l5 = tl.where(b0, t11, t10)
+    l6 = tl.where(b0, t13, t12)
+    l7 = tl.where(b0, t15, t14)
+    m0 = tl.where(b1, l1, l0)
+    m1 = tl.where(b1, l3, l2)
+    m2 = tl.where(b1, l5, l4)
+    m3 = tl.where(b1, l7, l6)
+    return tl.where(b3, tl.where(b2, m3, m2), tl.where(b2, m1, m0))
+
+
+@triton.jit
 def _lut4_tile(qw_ptr, am_ptr, lut_ptr, rows, n_mask, k0, K, stride_qn, stride_an, BS: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """fp32 ``[BLOCK_N, BLOCK_K]``: ``lut[code] * absmax`` of columns ``k0 ...`` of ``rows`` (0 past K / N)."""
@@ -33,7 +58,7 @@ def _lut4_tile(qw_ptr, am_ptr, lut_ptr, rows, n_mask, k0, K, stride_qn, stride_a
     b = tl.load(qw_ptr + rows * stride_qn + offs_b[None, :], mask=n_mask[:, None] & (2 * offs_b[None, :] < K),
                 other=0).to(tl.int32)
     q = tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_N, BLOCK_K])  # byte j: codes 2j, 2j + 1
-    v = tl.load(lut_ptr + q)
+    v = _lookup16(q, lut_ptr)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     s = tl.load(am_ptr + rows * stride_an + (offs_k // BS)[None, :], mask=n_mask[:, None] & (offs_k[None, :] < K),
                 other=0.0)

@@ -179,6 +179,23 @@ def write_prequantized(tmp_path, method, bits=4, group=16, v2=False, skip=(), ex
     return tmp_path, hf
 
 
+def check_greedy_and_first_logprobs(eng, ref, prompts: list[list[int]], n: int, *, abs_tol: float = 1e-3) -> None:
+    """The engine's greedy ``n`` tokens of each prompt equal transformers' ``ref``'s, and its first step's
+    log-probabilities of ``ref``'s 5 most likely tokens equal ``ref``'s within ``abs_tol``."""
+    import pytest
+
+    from infercore import SamplingParams
+
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=10))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(ref, p, n)
+        with torch.inference_mode():
+            want = ref(torch.tensor([p])).logits[0, -1].float().log_softmax(-1)
+        top_v, top_i = want.topk(5)
+        for t, v in zip(top_i.tolist(), top_v.tolist()):
+            assert o.logprobs[0][t] == pytest.approx(v, abs=abs_tol)
+
+
 def check_prequantized_on_cuda(path, ref, n_quant: int = 8) -> None:
     """A pre-quantized directory on CUDA (bf16, CUDA graphs): ``n_quant`` QuantLinears; the log-probabilities of
     each prompt's first generated token equal transformers' ``ref`` (the dequantized weights, fp32, CPU) within

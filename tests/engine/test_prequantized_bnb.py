@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from engine_helpers import LINEARS, hf_greedy, tiny_hf
+from engine_helpers import LINEARS, check_greedy_and_first_logprobs, hf_greedy, tiny_hf
 
 from infercore import Engine, SamplingParams
 from infercore.loading.prequantized import prequantized_config
@@ -101,14 +101,8 @@ def test_real_smollm2_nf4_checkpoint(tmp_path):
     eng = _engine(path)
     assert sum(isinstance(m, QuantLinear) for m in eng.model.modules()) == 30 * 4
     tok = load_checkpoint(gguf).tokenizer()
-    p = tok.encode("The capital of France is")  # fp32 runs the reference (whole weights dequantized each call)
-    o = eng.generate([p], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5))[0]
-    assert o.token_ids == hf_greedy(ref, p, 4)
-    with torch.inference_mode():
-        want = ref(torch.tensor([p])).logits[0, -1].float().log_softmax(-1)
-    top_v, top_i = want.topk(5)
-    for t, v in zip(top_i.tolist(), top_v.tolist()):
-        assert o.logprobs[0][t] == pytest.approx(v, abs=1e-3)
+    # fp32 runs the reference (whole weights dequantized each call): one prompt, 4 tokens
+    check_greedy_and_first_logprobs(eng, ref, [tok.encode("The capital of France is")], 4)
     bf = Engine.from_pretrained(str(path), device="cpu", dtype=torch.bfloat16)  # the fast path
     chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                    add_generation_prompt=True)

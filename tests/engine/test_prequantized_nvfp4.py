@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from engine_helpers import LINEARS, check_prequantized_on_cuda, hf_greedy, tiny_hf
+from engine_helpers import LINEARS, check_greedy_and_first_logprobs, check_prequantized_on_cuda, hf_greedy, tiny_hf
 
 from infercore import Engine, SamplingParams
 from infercore.models import load_model
@@ -409,11 +409,4 @@ def test_real_smollm2_compressed_tensors_nvfp4_checkpoint(tmp_path):
     _check_qkv(eng, ref, rtol=2e-7, atol=0)
     tok = load_checkpoint(gguf).tokenizer()
     prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
-    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5))
-    for p, o in zip(prompts, outs):
-        assert o.token_ids == hf_greedy(ref, p, 8)
-        with torch.inference_mode():
-            want = ref(torch.tensor([p])).logits[0, -1].float().log_softmax(-1)
-        top_v, top_i = want.topk(5)
-        for t, v in zip(top_i.tolist(), top_v.tolist()):
-            assert o.logprobs[0][t] == pytest.approx(v, abs=1e-3)
+    check_greedy_and_first_logprobs(eng, ref, prompts, 8)

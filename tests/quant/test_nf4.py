@@ -22,7 +22,7 @@ def _rel(y, r):
 def test_codebook_and_quantizer_match_bitsandbytes():
     # bitsandbytes' stored quant_map is our codebook, and its codes for the same weights are ours (the
     # weights drawn away from the midpoints between codebook values, where the two could round apart)
-    F = pytest.importorskip("bitsandbytes.functional")
+    import bitsandbytes.functional as F  # a dev dependency: its absence fails the test
     torch.manual_seed(0)
     w = torch.randn(16, 128)
     q, st = F.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False)
@@ -47,6 +47,8 @@ def test_format_checks():
         NF4Weight(w.qweight, w.absmax, w.codebook[:8])
     with pytest.raises(ValueError, match="quant_type"):
         NF4Weight(w.qweight, w.absmax, w.codebook, 64, "int4")
+    with pytest.raises(TypeError, match="non-empty list"):
+        NF4Weight.concat([])
     merged = NF4Weight.concat([w, NF4Weight.quantize(torch.randn(4, 64))])
     assert merged.shape == (12, 64) and torch.equal(merged.dequantize()[:8], w.dequantize())
 

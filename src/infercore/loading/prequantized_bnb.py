@@ -42,6 +42,7 @@ _PART = "bnb_"  # leaf prefix the loader gives the parts stored as ``<name>.weig
 
 
 def is_bnb_config(q: Any) -> bool:
+    """Whether the ``quantization_config`` ``q`` is a bitsandbytes one (``quant_method`` ``"bitsandbytes"``)."""
     return isinstance(q, dict) and str(q.get("quant_method", "")).lower() == "bitsandbytes"
 
 

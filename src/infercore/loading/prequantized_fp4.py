@@ -180,7 +180,7 @@ def _modelopt_exclude(inner: dict[str, Any], where: str) -> list[str]:
 
 
 def _ct_groups(q: dict[str, Any], where: str, stored: str):
-    """``(where, format, weights)`` of each of a compressed-tensors config's ``config_groups``, checked to be
+    """``(where, format, weights, group)`` of each of a compressed-tensors config's ``config_groups``, checked to be
     ``"compressed"`` (``stored`` says what that means, in the message) and to hold objects with ``weights``."""
     status = q.get("quantization_status", "compressed")
     if status != "compressed":
@@ -192,7 +192,7 @@ def _ct_groups(q: dict[str, Any], where: str, stored: str):
         at = f"{where}.config_groups.{gname}"
         if not isinstance(g, dict) or not isinstance(g.get("weights"), dict):
             raise ValueError(f"{at}: expected an object with 'weights'")
-        yield at, g.get("format") or q.get("format"), g["weights"]
+        yield at, g.get("format") or q.get("format"), g["weights"], g
 
 
 def _check_float_bits(at: str, w: dict[str, Any], bits: int, name: str) -> None:
@@ -204,7 +204,7 @@ def _check_float_bits(at: str, w: dict[str, Any], bits: int, name: str) -> None:
 
 
 def _ct_config(q: dict[str, Any], where: str) -> dict[str, Any]:
-    for at, fmt, w in _ct_groups(q, where, "packed tensors"):
+    for at, fmt, w, _ in _ct_groups(q, where, "packed tensors"):
         if fmt != _CT_FORMAT:
             raise ValueError(
                 f"{at}: compressed-tensors format {fmt!r} is not supported; infercore loads "

@@ -170,7 +170,7 @@ def _native_config(q: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _ct_config(q: dict[str, Any], where: str) -> dict[str, Any]:
     strategies: list[str] = []
-    for at, fmt, w in _ct_groups(q, where, "FP8 tensors"):
+    for at, fmt, w, _ in _ct_groups(q, where, "FP8 tensors"):
         if fmt not in _CT_FORMATS:
             raise ValueError(
                 f"{at}: compressed-tensors format {fmt!r} is not supported for FP8 weights; infercore loads "

@@ -78,7 +78,7 @@ def int_config(q: dict[str, Any], where: str = "config.json: quantization_config
     not run."""
     bits: set[int] = set()
     w8a8: set[bool] = set()
-    for at, fmt, w in _ct_groups(q, where, "packed / integer tensors"):
+    for at, fmt, w, group in _ct_groups(q, where, "packed / integer tensors"):
         if fmt not in _FORMATS:
             raise ValueError(
                 f"{at}: compressed-tensors format {fmt!r} is not supported for integer weights; infercore loads "
@@ -101,7 +101,7 @@ def int_config(q: dict[str, Any], where: str = "config.json: quantization_config
                 raise ValueError(f"{at}.weights.group_size: expected a positive int, got {g!r}")
         if w.get("dynamic", False):
             raise ValueError(f"{at}.weights.dynamic: dynamic weight scales are not stored in a checkpoint")
-        acts, g_acts = _group_of(q, at).get("input_activations"), False
+        acts, g_acts = group.get("input_activations"), False
         if acts is not None:
             if not isinstance(acts, dict):
                 raise ValueError(f"{at}.input_activations: expected an object or null, got {acts!r}")
@@ -125,11 +125,6 @@ def int_config(q: dict[str, Any], where: str = "config.json: quantization_config
                          "not supported")
     return {"method": "ct-int", "format": "compressed-tensors", "bits": sorted(bits), "w8a8": w8a8 == {True},
             "exclude": _patterns(f"{where}.ignore", q.get("ignore"))}
-
-
-def _group_of(q: dict[str, Any], at: str) -> dict[str, Any]:
-    """The config group that ``at`` (``<where>.config_groups.<name>``) names."""
-    return q["config_groups"][at.rpartition(".config_groups.")[2]]
 
 
 def _unpack_rows(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:

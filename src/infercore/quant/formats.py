@@ -657,6 +657,8 @@ class NF4Weight(QuantizedWeight):
     @classmethod
     def concat(cls, weights: list[NF4Weight]) -> NF4Weight:
         """The rows of ``weights`` one after another (same K, blocksize and codebook)."""
+        if not weights or any(not isinstance(w, NF4Weight) for w in weights):
+            raise TypeError("weights: expected a non-empty list of NF4Weights")
         first = weights[0]
         for w in weights[1:]:
             if (w.shape[1], w.blocksize) != (first.shape[1], first.blocksize) or not torch.equal(w.codebook,

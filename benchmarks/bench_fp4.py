@@ -3,7 +3,8 @@ K=4096) and M = 1, 4, 16, 128, 2048, against bf16 ``F.linear`` (cuBLAS) and the 
 timed the same way in one run: a CUDA graph of calls rotating over weight copies larger than the L2, so weights
 stream from HBM as in decode. Each call is first checked against the reference. Floor: the FP4 weight's bytes
 (codes + scales) over the copy bandwidth measured here. ``--fmts nf4`` times bitsandbytes-style NF4 weights
-(``NF4Weight``, ``quant.nf4_matmul``, absmax per 64) the same way.
+(``NF4Weight``, ``quant.nf4_matmul``, absmax per 64) the same way, beside bitsandbytes' own CUDA kernels
+(``bnb.matmul_4bit`` over the same weights quantized by bitsandbytes, fp32 absmax) where bitsandbytes is installed.
 
     python benchmarks/bench_fp4.py --out $OUT/r/fp4.json     # GPU, ~1-2 min
     python benchmarks/bench_fp4.py --fmts nf4 --out $OUT/r/nf4.json
@@ -37,7 +38,15 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=14336)
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--fmts", default="mxfp4,nvfp4", help="of mxfp4, nvfp4, nf4")
+    ap.add_argument("--nf4-dequant-min", type=int, default=0, help="override triton_nf4.DEQUANT_M_MIN (a sweep)")
+    ap.add_argument("--nf4-gemv-max", type=int, default=-1, help="override triton_nf4.GEMV_M_MAX (a sweep)")
     args = ap.parse_args()
+    from infercore.quant import triton_nf4
+
+    if args.nf4_dequant_min:
+        triton_nf4.DEQUANT_M_MIN = args.nf4_dequant_min
+    if args.nf4_gemv_max >= 0:
+        triton_nf4.GEMV_M_MAX = args.nf4_gemv_max
     n, k, dev = args.n, args.k, torch.device("cuda")
     bw = copy_bandwidth()
     torch.manual_seed(0)
@@ -53,6 +62,7 @@ def main() -> None:
         return (fp4_matmul, naive.fp4_matmul_ref, q.qweight.numel() + q.scales.numel(),
                 lambda: FP4Weight(q.qweight.clone(), q.scales.clone(), q.fmt, q.global_scale))
     int4 = IntWeight.quantize(base, bits=4, group_size=128)
+    bnb = _bnb_weights(w16) if "nf4" in fmts else None
 
     def copies_of(nbytes):
         return max(2, math.ceil(L2_BYTES / nbytes))
@@ -77,6 +87,13 @@ def main() -> None:
                                   int4.zeros.clone(), 4, 128, k) for _ in range(c4 - 1)]  # fmt: skip
         wq_matmul(x, int4)
         peers["int4 w4a16-g128 (dispatcher)"] = timer(lambda i: wq_matmul(x, i4s[i % c4]), c4)
+        if bnb is not None:
+            mm4, bq = bnb
+            try:
+                peers["bitsandbytes matmul_4bit nf4"] = timer(lambda i: mm4(x, bq[i % len(bq)][0].t(),
+                                                                            quant_state=bq[i % len(bq)][1]), len(bq))
+            except Exception as e:  # noqa: BLE001  (printed: a peer that could not be timed the same way)
+                print("bitsandbytes matmul_4bit not timed:", repr(e)[:300], flush=True)
         for fmt, q in fp4.items():
             mm, ref, nbytes, copy = parts(q)
             err = rel_err(mm(x, q), ref(x, q))
@@ -85,7 +102,8 @@ def main() -> None:
             us = timer(lambda i: mm(x, qs[i % cq]), cq)
             floor = nbytes / bw * 1e6
             row = {"fmt": fmt, "m": m, "us": us, "bf16_us": bf16_us, "x_bf16": bf16_us / us,
-                   "int4_us": peers["int4 w4a16-g128 (dispatcher)"], "floor_us": floor, "err": err}
+                   "int4_us": peers["int4 w4a16-g128 (dispatcher)"], "floor_us": floor, "err": err,
+                   "bnb_us": peers.get("bitsandbytes matmul_4bit nf4") if fmt == "nf4" else None}
             rows.append(row)
             print(row, flush=True)
             label = "nf4" if fmt == "nf4" else f"fp4 weight-only {fmt}"
@@ -94,6 +112,20 @@ def main() -> None:
                               weight_bytes=nbytes, copy_bw_TBps=bw / 1e12))  # fmt: skip
     write_results(args.out, "nf4" if fmts == ["nf4"] else "fp4", torch.cuda.get_device_name(), cases,
                   extra={"rows": rows})
+
+
+def _bnb_weights(w16):
+    """bitsandbytes' ``matmul_4bit`` and one copy of the weight NF4-quantized by bitsandbytes (fp32 absmax per 64)
+    per rotation slot, or None without bitsandbytes (it is not on the GPU machine's image unless carried)."""
+    try:
+        import bitsandbytes as bnb
+        import bitsandbytes.functional as BF
+    except Exception as e:  # noqa: BLE001
+        print("bitsandbytes unavailable:", repr(e)[:200], flush=True)
+        return None
+    copies = max(2, math.ceil(L2_BYTES / (w16.numel() // 2)))
+    return bnb.matmul_4bit, [BF.quantize_4bit(w16, blocksize=64, quant_type="nf4", compress_statistics=False)
+                             for _ in range(copies)]
 
 
 if __name__ == "__main__":

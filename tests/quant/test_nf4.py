@@ -109,7 +109,7 @@ def test_cpu_decode_rows_take_the_native_gemv(m, n, k, bs, monkeypatch):
 
 
 @pytest.mark.parametrize("m", [1, 5, 20])
-@pytest.mark.parametrize("bs", [32, 64, 256])
+@pytest.mark.parametrize("bs", [16, 32, 64, 256])
 def test_triton_kernels_match_the_reference(m, bs):
     from infercore.quant import triton_nf4
 
@@ -155,3 +155,17 @@ def test_nf4_on_cuda_bf16(m):
     assert resolve("quant.nf4_matmul", x.device).name == "triton"
     y = nf4_matmul(x, w, bias=bias)
     assert y.dtype == torch.bfloat16 and _rel(y, naive.nf4_matmul_ref(x, w, bias)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [32, 64, 256])
+def test_nf4_cuda_decode_is_exact(bs):
+    # the dequantization kernel looks the fp32 codebook up by byte permutes: the values of w.dequantize(dtype)
+    from infercore.quant import triton_nf4
+
+    torch.manual_seed(bs)
+    w = NF4Weight.quantize(torch.randn(1000, 1536, device="cuda"), blocksize=bs)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert torch.equal(triton_nf4.dequant_nf4_triton(w, dtype), w.dequantize(dtype))
+    fp4 = NF4Weight(w.qweight, w.absmax, torch.linspace(-1, 1, 16, device="cuda") ** 3, bs, "fp4")  # another table
+    assert torch.equal(triton_nf4.dequant_nf4_triton(fp4, torch.float32), fp4.dequantize())

@@ -221,7 +221,11 @@ def _scaled(vk, am_rows, k0, K, BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K
             triton.Config({"BLOCK_N": 4, "BLOCK_W": 512}, num_warps=2, num_stages=3),
             triton.Config({"BLOCK_N": 8, "BLOCK_W": 256}, num_warps=2, num_stages=3),
             triton.Config({"BLOCK_N": 4, "BLOCK_W": 128}, num_warps=1, num_stages=1),
-            # smaller tiles for 3-4 rows (the ones above spill there in an offline sm90 compile)
+            # fewer words a thread: all eight byte tables stay in registers (offline sm90 compile, 6.4 - 7.0
+            # instructions a code against 7.05)
+            triton.Config({"BLOCK_N": 4, "BLOCK_W": 512}, num_warps=4, num_stages=3),
+            triton.Config({"BLOCK_N": 8, "BLOCK_W": 256}, num_warps=4, num_stages=3),
+            # smaller tiles for 4-row forms (GEMV_M_MAX > 2; the ones above spill there in an offline sm90 compile)
             triton.Config({"BLOCK_N": 4, "BLOCK_W": 256}, num_warps=4, num_stages=3),
             triton.Config({"BLOCK_N": 4, "BLOCK_W": 128}, num_warps=2, num_stages=3),
             triton.Config({"BLOCK_N": 2, "BLOCK_W": 256}, num_warps=2, num_stages=3),

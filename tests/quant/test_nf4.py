@@ -124,6 +124,16 @@ def test_triton_kernels_match_the_reference(m, bs):
     assert torch.equal(triton_nf4.dequant_nf4_triton(w, torch.float32), w.dequantize())
 
 
+def test_triton_odd_k_takes_the_reference():
+    from infercore.quant import triton_nf4
+
+    torch.manual_seed(3)
+    w = NF4Weight.quantize(torch.randn(24, 48), blocksize=16)  # K = 48: not whole 32-code words
+    x = torch.randn(2, 48)
+    assert torch.equal(triton_nf4.nf4_matmul_triton(x, w), naive.nf4_matmul_ref(x, w))
+    assert torch.equal(triton_nf4.dequant_nf4_triton(w, torch.float16), w.dequantize(torch.float16))
+
+
 def test_triton_large_m_decodes_then_multiplies(monkeypatch):
     from infercore.quant import triton_nf4
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import naive
 from .formats import NF4Weight
 from .triton_fp4 import _join8
 from .wo_gemv import _ilv_cached, interleave_words
@@ -365,10 +366,11 @@ def _dequant_nf4_kernel(qw_ptr, am_ptr, lut_ptr, y_ptr, N, K, stride_qn, stride_
     tl.store(y_ptr + rows[:, None] * stride_yn + offs_k[None, :], w.to(y_ptr.dtype.element_ty), mask=n_mask[:, None])
 
 
-def _check_words(w: NF4Weight) -> None:
-    # the word kernels read 4-byte words of whole 32-code groups
-    if w.shape[1] % 32 or w.qweight.stride(0) % 4 or w.qweight.data_ptr() % 4:
-        raise ValueError(f"w: the NF4 kernels need K a multiple of 32 and 4-byte aligned rows, got K = {w.shape[1]}")
+def _words_ok(w: NF4Weight) -> bool:
+    """The kernels read 4-byte words of whole 32-code groups; other weights (K not a multiple of 32, rows not 4-byte
+    aligned) take the reference."""
+    q = w.qweight
+    return w.shape[1] % 32 == 0 and q.stride(1) == 1 and q.stride(0) % 4 == 0 and q.data_ptr() % 4 == 0
 
 
 def dequant_nf4_triton(w: NF4Weight, dtype: torch.dtype) -> torch.Tensor:
@@ -376,7 +378,8 @@ def dequant_nf4_triton(w: NF4Weight, dtype: torch.dtype) -> torch.Tensor:
     device."""
     if dtype not in _FLOATS:
         raise TypeError(f"dequant_nf4_triton: dtype must be torch.float32, float16 or bfloat16, got {dtype}")
-    _check_words(w)
+    if not _words_ok(w):
+        return w.dequantize(dtype)
     n, k = w.shape
     y = torch.empty((n, k), dtype=dtype, device=w.qweight.device)
     block_w = 4 if _INTERPRET else (16 if k % 128 == 0 else 4)
@@ -397,10 +400,11 @@ def nf4_words(w: NF4Weight) -> torch.Tensor:
 
 def nf4_matmul_triton(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``quant.nf4_matmul`` on CUDA: ``x [M, K]`` (fp32 / fp16 / bf16) ``@ dequant(w)^T (+ bias)`` -> ``[M, N]`` in
-    ``x.dtype`` (module docstring). Arguments are checked by the op; K must be a multiple of 32."""
+    ``x.dtype`` (module docstring). Arguments are checked by the op; K not a multiple of 32 takes the reference."""
     m, k = x.shape
     n = w.shape[0]
-    _check_words(w)
+    if not _words_ok(w):
+        return naive.nf4_matmul_ref(x, w, bias)
     qw, am, book = w.qweight, w.absmax.contiguous(), w.codebook.contiguous()
     half = x.dtype in (torch.float16, torch.bfloat16)
     if m >= DEQUANT_M_MIN and half:

@@ -21,8 +21,9 @@ Kernels:
 * from :data:`DEQUANT_M_MIN` rows (16-bit x): the whole weight decoded to x's dtype in one pass (select tree: the
   values of ``w.dequantize(x.dtype)``), then the library GEMM (cuBLAS through torch).
 
-The first CUDA forms (one tiled kernel, the codebook loaded per tile) ran 549 us at one row against bf16's 47 at
-14336 x 4096 on an H100 (``benchmarks/results/h200/sweeps/nf4_select_tiled_h100.json``).
+14336 x 4096 on an H100, bf16 x (``benchmarks/results/h200/sweeps/nf4_prmt_h100.json``): one row 21.9 us (bf16
+47.0, bitsandbytes' ``matmul_4bit`` 28.7), 16 rows 41.6 (41.2, 67.3), 2048 rows 391.8 (338.1, 401.2). The first CUDA
+form (one tiled kernel, a select tree) ran 549 us at one row (``sweeps/nf4_select_tiled_h100.json``).
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ from .wo_gemv import _ilv_cached, interleave_words
 from .wo_tiles import _INTERPRET, _configs, _dot_precision, _gemm_tile, _m_bucket, _prune_m, _store_tile, _x_tile
 
 # rows the GEMV takes: at 3-4 rows its 4-row form ran 45.1 / 45.7 us against the tiled kernel's 42.8 / 42.8
-# (14336 x 4096, H100; sweeps/nf4_prmt_h100.json, nf4_prmt_h100_gemv_max2.json)
+# (14336 x 4096, H100; sweeps/nf4_prmt_h100_select_decode.json, nf4_prmt_h100_gemv_max2.json)
 GEMV_M_MAX = 2
 # rows from which the weight is decoded once and multiplied by the library GEMM (16-bit x); at 14336 x 4096 on an
-# H100 the tiled kernel took 92 / 149 us at 96 / 256 rows, decode + cuBLAS 136 / 139 (sweeps/nf4_prmt_h100*.json)
+# H100 the tiled kernel took 92 / 149 us at 96 / 256 rows (sweeps/nf4_prmt_h100_tiled_large_m.json), decode (then a
+# select tree) + cuBLAS 136 / 139 (nf4_prmt_h100_select_decode.json); the byte-permute decode made the latter 111 at
+# 192 rows, 113 at 256 (nf4_prmt_h100.json)
 DEQUANT_M_MIN = 192
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -205,12 +208,13 @@ def _row_fma(p, v, x_ptr, row, k, K, EVEN: tl.constexpr):
 def _scaled(vk, am_rows, k0, K, BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Decoded codes ``vk [BLOCK_N, BLOCK_K]`` (columns ``k0 ...``) times their blocks' absmax (0 past K)."""
     if BS >= BLOCK_K:
-        sc = tl.load(am_rows + k0 // BS)  # [BLOCK_N, 1]: one block over the tile (k0 < K)
-        return vk * sc
-    NB: tl.constexpr = BLOCK_K // BS
-    b = k0 // BS + tl.arange(0, NB)
-    sc = tl.load(am_rows + b[None, :], mask=(b < K // BS)[None, :], other=0.0)
-    return tl.reshape(tl.reshape(vk, [BLOCK_N, NB, BS]) * sc[:, :, None], [BLOCK_N, BLOCK_K])
+        w = vk * tl.load(am_rows + k0 // BS)  # [BLOCK_N, 1]: one block over the tile (k0 < K)
+    else:
+        NB: tl.constexpr = BLOCK_K // BS
+        b = k0 // BS + tl.arange(0, NB)
+        sc = tl.load(am_rows + b[None, :], mask=(b < K // BS)[None, :], other=0.0)
+        w = tl.reshape(tl.reshape(vk, [BLOCK_N, NB, BS]) * sc[:, :, None], [BLOCK_N, BLOCK_K])
+    return w
 
 
 @triton.autotune(

@@ -1,5 +1,5 @@
-"""bitsandbytes 4-bit checkpoints (NF4 / FP4, with or without double-quantized scales) through
-``Engine.from_pretrained`` / ``load_model``.
+"""bitsandbytes checkpoints through ``Engine.from_pretrained`` / ``load_model``: 4-bit (NF4 / FP4, with or without
+double-quantized scales) and 8-bit (LLM.int8: int8 rows with their absmax, run weight-only INT8).
 
 The checkpoints are quantized by bitsandbytes itself (``bitsandbytes.functional.quantize_4bit`` on the CPU) and
 stored as transformers saves them (``<name>.weight`` codes and ``QuantState.as_dict(packed=True)`` under
@@ -137,13 +137,93 @@ def test_bad_bnb_checkpoints_are_refused(tmp_path, kw, match):
 def test_bnb_configs_are_checked():
     base = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
     for change, match in [
-        ({"load_in_4bit": False, "load_in_8bit": True}, "8-bit .* not supported"),
-        ({"load_in_4bit": False}, "without load_in_4bit"),
+        ({"load_in_8bit": True}, "load_in_4bit and load_in_8bit are both set"),
+        ({"load_in_4bit": False}, "neither load_in_4bit nor load_in_8bit"),
         ({"bnb_4bit_quant_type": "int4"}, "bnb_4bit_quant_type: expected 'nf4' or 'fp4'"),
         ({"bnb_4bit_quant_storage": "bfloat16"}, "only 'uint8' storage"),
     ]:
         with pytest.raises(ValueError, match=match):
             prequantized_config({"quantization_config": {**base, **change}})
+
+
+def write_bnb8(tmp_path, *, hf=None, skip=(), mutate=None):
+    """A tiny Llama directory (or ``hf``'s) quantized LLM.int8-style by bitsandbytes (``int8_vectorwise_quant`` of
+    the fp16 weight, as ``Int8Params`` does), saved as ``Linear8bitLt`` saves it, and the reference holding
+    bitsandbytes' ``int8_vectorwise_dequant`` of each weight."""
+    import bitsandbytes.functional as F  # a dev dependency: its absence fails the test
+    from safetensors.torch import save_file
+
+    hf = tiny_hf("llama", **DIMS) if hf is None else hf
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if hf.config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    for name in [n for n in state if n.endswith(".weight") and n.split(".")[-2] in LINEARS]:
+        base = name[: -len(".weight")]
+        if any(base.endswith(s) for s in skip):
+            continue
+        cb, scb, _ = F.int8_vectorwise_quant(state.pop(name).to(torch.float16))
+        state[name], state[f"{base}.SCB"] = cb, scb
+        state[f"{base}.weight_format"] = torch.tensor(0, dtype=torch.uint8)
+        hf.get_submodule(base).weight.data.copy_(F.int8_vectorwise_dequant(cb, scb))
+    if mutate is not None:
+        mutate(state)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    cfg = hf.config.to_dict()
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": False, "load_in_8bit": True,
+                                  "llm_int8_threshold": 6.0, "llm_int8_skip_modules": list(skip) or None,
+                                  "llm_int8_has_fp16_weight": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path, hf
+
+
+def test_bnb_int8_checkpoint_matches_the_dequantized_reference(tmp_path):
+    path, ref = write_bnb8(tmp_path, skip=("o_proj",))
+    q = prequantized_config(json.loads((path / "config.json").read_text()))
+    assert q == {"method": "bnb8", "exclude": ["o_proj"]}
+    eng = _engine(path)
+    quant = [m for m in eng.model.modules() if isinstance(m, QuantLinear)]
+    assert len(quant) == 6 and all(m.qweight_format.kind == "int" and m.qweight_format.bits == 8 for m in quant)
+    assert not isinstance(eng.model.model.layers[0].self_attn.o_proj, QuantLinear)
+    for i in range(2):  # the weights bitsandbytes dequantizes to, within one fp32 rounding (scale = SCB / 127)
+        attn, ref_attn = eng.model.model.layers[i].self_attn, ref.model.layers[i].self_attn
+        want = torch.cat([ref_attn.q_proj.weight, ref_attn.k_proj.weight, ref_attn.v_proj.weight])
+        torch.testing.assert_close(attn.qkv_proj.qweight_format.dequantize(), want, rtol=2 ** -23, atol=0)
+    for p, o in zip(PROMPTS, eng.generate(PROMPTS, GREEDY)):
+        assert o.token_ids == hf_greedy(ref, p, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(mutate=_set("SCB", None)), r"k_proj has \['weight', 'weight_format'\] but misses 'SCB'"),
+    (dict(mutate=_set("SCB", lambda t: t[:-1].contiguous())), r"k_proj.SCB must be a float \[64\] tensor"),
+    (dict(mutate=_set("weight_format", lambda t: t + 1)), r"k_proj.weight_format must be 0"),
+    (dict(mutate=_set("SCB", lambda t: -t)), r"k_proj.SCB holds negative"),
+])
+def test_bad_bnb_int8_checkpoints_are_refused(tmp_path, kw, match):
+    path, _ = write_bnb8(tmp_path, **kw)
+    with pytest.raises(ValueError, match=match):
+        _engine(path)
+
+
+def test_real_smollm2_int8_checkpoint(tmp_path):
+    """The real SmolLM2-135M-Instruct weights quantized LLM.int8-style by bitsandbytes: fp32 greedy tokens and first
+    logits as transformers' model over bitsandbytes' dequantized weights; in bf16 the model answers."""
+    from transformers import LlamaForCausalLM
+
+    from infercore.loading import default_model_path, load_checkpoint
+
+    gguf = default_model_path()
+    hf = LlamaForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32).eval()
+    path, ref = write_bnb8(tmp_path, hf=hf)
+    eng = _engine(path)
+    assert sum(isinstance(m, QuantLinear) for m in eng.model.modules()) == 30 * 4
+    tok = load_checkpoint(gguf).tokenizer()
+    check_greedy_and_first_logprobs(eng, ref, [tok.encode("The capital of France is")], 4)
+    bf = Engine.from_pretrained(str(path), device="cpu", dtype=torch.bfloat16)
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   add_generation_prompt=True)
+    out = bf.generate([tok.encode(chat, add_special_tokens=False)], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert "Paris" in tok.decode(out.token_ids)
 
 
 def write_bnb_own(tmp_path):

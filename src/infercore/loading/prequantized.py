@@ -46,10 +46,11 @@ def prequantized_config(hf_config: dict[str, Any], hf_quant_config: dict[str, An
     :func:`infercore.loading.prequantized_fp4.nvfp4_config` (``method`` ``"nvfp4"``), ``"fp8"`` and FP8 ModelOpt /
     compressed-tensors configs through :func:`infercore.loading.prequantized_fp8.fp8_config` (``method``
     ``"fp8"``), compressed-tensors integer weights (``pack-quantized``, ``int-quantized``) through
-    :func:`infercore.loading.prequantized_int.int_config` (``method`` ``"ct-int"``), bitsandbytes 4-bit through
-    :func:`infercore.loading.prequantized_bnb.bnb_config` (``method`` ``"bnb4"``); ``hf_quant_config`` is a
-    ModelOpt directory's ``hf_quant_config.json`` (:func:`~infercore.loading.prequantized_fp4.read_hf_quant_config`),
-    read when ``config.json`` has no ``quantization_config``."""
+    :func:`infercore.loading.prequantized_int.int_config` (``method`` ``"ct-int"``), bitsandbytes 4-bit and 8-bit
+    through :func:`infercore.loading.prequantized_bnb.bnb_config` (``method`` ``"bnb4"`` / ``"bnb8"``);
+    ``hf_quant_config`` is a ModelOpt directory's ``hf_quant_config.json``
+    (:func:`~infercore.loading.prequantized_fp4.read_hf_quant_config`), read when ``config.json`` has no
+    ``quantization_config``."""
     from .prequantized_bnb import bnb_config, is_bnb_config
     from .prequantized_fp4 import HF_QUANT_CONFIG, nvfp4_config
     from .prequantized_fp8 import fp8_config, is_fp8_config
@@ -72,8 +73,8 @@ def prequantized_config(hf_config: dict[str, Any], hf_quant_config: dict[str, An
         return fp8_config(q) if is_fp8_config(q) else nvfp4_config(q)
     if method not in ("gptq", "awq"):
         raise ValueError(f"config.json: quantization_config.quant_method {method!r} is not supported; infercore "
-                         "loads 'gptq', 'awq', 'fp8', 'bitsandbytes' (4-bit), FP8 / NVFP4 'modelopt' and FP8 / NVFP4 / "
-                         "integer 'compressed-tensors' checkpoints (or quantizes dense ones: "
+                         "loads 'gptq', 'awq', 'fp8', 'bitsandbytes' (4-bit, 8-bit), FP8 / NVFP4 'modelopt' and FP8 / "
+                         "NVFP4 / integer 'compressed-tensors' checkpoints (or quantizes dense ones: "
                          "from_pretrained(quantization=))")
     bits = q.get("bits", q.get("w_bit"))
     group = q.get("group_size", q.get("q_group_size"))
@@ -152,8 +153,9 @@ def load_prequantized(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, de
     ``q`` is :func:`prequantized_config` of the checkpoint (``method`` ``"nvfp4"``: handed to
     :func:`~infercore.loading.prequantized_fp4.load_nvfp4`; ``"fp8"``: to
     :func:`~infercore.loading.prequantized_fp8.load_fp8`; ``"ct-int"``: to
-    :func:`~infercore.loading.prequantized_int.load_ct_int`; ``"bnb4"``: to
-    :func:`~infercore.loading.prequantized_bnb.load_bnb4`). Raises ``ValueError`` naming the tensor or module
+    :func:`~infercore.loading.prequantized_int.load_ct_int`; ``"bnb4"`` / ``"bnb8"``: to
+    :func:`~infercore.loading.prequantized_bnb.load_bnb4` / :func:`~infercore.loading.prequantized_bnb.load_bnb8`).
+    Raises ``ValueError`` naming the tensor or module
     for a model family without merged-projection loading, a quantized linear the model lacks, a shape
     mismatch, a merged projection quantized only in part, or a tensor missing (by ``load_weights``)."""
     if q["method"] == "nvfp4":
@@ -168,6 +170,10 @@ def load_prequantized(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, de
         from .prequantized_bnb import load_bnb4
 
         return load_bnb4(ckpt, config, q, dtype=dtype, device=device)
+    if q["method"] == "bnb8":
+        from .prequantized_bnb import load_bnb8
+
+        return load_bnb8(ckpt, config, q, dtype=dtype, device=device)
     if q["method"] == "ct-int":
         from .prequantized_int import load_ct_int
 

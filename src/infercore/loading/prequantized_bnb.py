@@ -1,5 +1,5 @@
-"""Pre-quantized bitsandbytes 4-bit checkpoints (``load_in_4bit``: NF4 or FP4, with or without double-quantized
-scales), as transformers saves them (the ``*-bnb-4bit`` exports).
+"""Pre-quantized bitsandbytes checkpoints as transformers saves them: 4-bit (``load_in_4bit``: NF4 or FP4, with or
+without double-quantized scales; the ``*-bnb-4bit`` exports) and 8-bit (``load_in_8bit``, LLM.int8).
 
 Format facts from ``bitsandbytes-foundation/bitsandbytes`` (``bitsandbytes/functional.py`` ``quantize_4bit`` /
 ``dequantize_4bit`` / ``QuantState.as_dict(packed=True)`` / ``QuantState.from_dict``) and transformers'
@@ -8,7 +8,7 @@ bitsandbytes' own quantizer and dequantizer:
 
 * config: ``quantization_config`` ``{"quant_method": "bitsandbytes", "load_in_4bit": true, "bnb_4bit_quant_type":
   "nf4" | "fp4", "bnb_4bit_use_double_quant": ..., "bnb_4bit_compute_dtype": ..., "bnb_4bit_quant_storage":
-  "uint8", "llm_int8_skip_modules": [...]}``; ``load_in_8bit`` (LLM.int8) checkpoints are refused.
+  "uint8", "llm_int8_skip_modules": [...]}``, or ``{"load_in_8bit": true, "llm_int8_threshold": 6.0, ...}``.
 * tensors of a quantized linear ``<name>`` ``[N, K]``: ``<name>.weight`` uint8 ``[N K / 2, 1]``, the weight
   flattened row-major, two 4-bit codes a byte, **the first in the high nibble**; ``<name>.weight.quant_map`` fp32
   ``[16]``, the codebook (NF4's NormalFloat values, or bitsandbytes' FP4 table); ``<name>.weight.absmax``: one scale
@@ -19,7 +19,15 @@ bitsandbytes' own quantizer and dequantizer:
 * ``w = quant_map[code] * absmax`` (fp32), with ``absmax = nested_quant_map[absmax_code] * nested_absmax +
   nested_offset`` when double-quantized.
 
-Loaded weight-only as :class:`~infercore.quant.NF4Weight` ``QuantLinear`` s (codes re-packed to our nibble order,
+8-bit (``bitsandbytes/nn/modules.py`` ``Linear8bitLt._save_to_state_dict``, ``functional.int8_vectorwise_quant`` /
+``int8_vectorwise_dequant``): ``<name>.weight`` int8 ``[N, K]``, ``<name>.SCB`` fp32 ``[N]`` (each row's absmax),
+``<name>.weight_format`` uint8 0 ("row", the only layout saved); ``w = weight * SCB / 127``. Loaded weight-only
+as INT8 per-channel :class:`~infercore.quant.IntWeight` (scale ``SCB * (1 / 127)``, the weights bitsandbytes
+dequantizes to within one fp32 rounding) and run W8A16: bitsandbytes' own LLM.int8 matmul instead quantizes the
+activations per row to INT8 and keeps the columns over ``llm_int8_threshold`` in 16 bits; computing with the whole
+16-bit activations is the exact product it approximates.
+
+4-bit loads weight-only as :class:`~infercore.quant.NF4Weight` ``QuantLinear`` s (codes re-packed to our nibble order,
 double-quantized scales decoded to the fp32 values bitsandbytes computes: the same weights bit for bit), q / k / v
 and gate / up merged. Blocks must lie within a row (K a multiple of ``blocksize``), else ``ValueError``. Modules in
 ``llm_int8_skip_modules`` (and any linear stored with a floating-point ``weight``) load dense.
@@ -48,13 +56,16 @@ def is_bnb_config(q: Any) -> bool:
 
 def bnb_config(q: dict[str, Any], where: str = "config.json: quantization_config") -> dict[str, Any]:
     """The settings of a bitsandbytes ``quantization_config``, checked: ``{"method": "bnb4", "quant_type": "nf4" |
-    "fp4", "exclude": [module names]}``. ``ValueError`` for 8-bit (LLM.int8) checkpoints or a quant type or
-    storage this loader does not read."""
+    "fp4", "exclude": [module names]}`` or ``{"method": "bnb8", "exclude": [...]}``. ``ValueError`` for a config
+    with neither (or both) of ``load_in_4bit`` / ``load_in_8bit``, or a quant type or storage this loader does not
+    read."""
+    if q.get("load_in_8bit") and q.get("load_in_4bit"):
+        raise ValueError(f"{where}: load_in_4bit and load_in_8bit are both set")
     if q.get("load_in_8bit"):
-        raise ValueError(f"{where}: bitsandbytes 8-bit (LLM.int8) checkpoints are not supported; infercore loads "
-                         "bitsandbytes 4-bit (nf4 / fp4) ones, or quantizes a dense checkpoint to w8a16 / w8a8")
+        skip = _patterns(f"{where}.llm_int8_skip_modules", q.get("llm_int8_skip_modules"))
+        return {"method": "bnb8", "exclude": skip}
     if not q.get("load_in_4bit"):
-        raise ValueError(f"{where}: a bitsandbytes config without load_in_4bit is not supported")
+        raise ValueError(f"{where}: a bitsandbytes config sets neither load_in_4bit nor load_in_8bit")
     qt = str(q.get("bnb_4bit_quant_type", "fp4")).lower()
     if qt not in ("nf4", "fp4"):
         raise ValueError(f"{where}.bnb_4bit_quant_type: expected 'nf4' or 'fp4', got {q.get('bnb_4bit_quant_type')!r}")
@@ -174,5 +185,55 @@ def load_bnb4(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, device: to
         concat=lambda target, ws, names: NF4Weight.concat(ws),
         codes="weight",
         none_converted="checkpoint: a bitsandbytes quantization_config is set but no linear has a uint8 weight",
+        excluded=excluded,
+    )
+
+
+def _int8_weight(name: str, parts: dict[str, torch.Tensor]):
+    """INT8 per-channel :class:`IntWeight` of one LLM.int8 linear's ``weight`` / ``SCB`` (/ ``weight_format``)."""
+    from ..quant.formats import IntWeight
+    from ..quant.packing import _pack_codes
+
+    w, scb = parts.get("weight"), parts.get("SCB")
+    if w is None or scb is None:
+        raise ValueError(f"checkpoint: {name} has {sorted(parts)} but misses {['weight', 'SCB'][int(w is not None)]!r}")
+    if w.dtype != torch.int8 or w.dim() != 2:
+        raise ValueError(f"checkpoint: {name}.weight must be int8 [N, K], got {w.dtype} {list(w.shape)}")
+    n, k = w.shape
+    if scb.dtype not in (torch.float32, torch.float16, torch.bfloat16) or scb.numel() != n:
+        raise ValueError(f"checkpoint: {name}.SCB must be a float [{n}] tensor (each row's absmax), got {scb.dtype} "
+                         f"{list(scb.shape)}")
+    fmt = parts.get("weight_format")
+    if fmt is not None and (fmt.numel() != 1 or int(fmt.reshape(-1)[0]) != 0):
+        raise ValueError(f"checkpoint: {name}.weight_format must be 0 (row-major), got {fmt.reshape(-1).tolist()}")
+    scb = scb.float().reshape(n, 1)
+    if not bool(torch.isfinite(scb).all()) or bool((scb < 0).any()):
+        raise ValueError(f"checkpoint: {name}.SCB holds negative or non-finite values")
+    scales = scb * torch.tensor(7.874015718698502e-3)  # 1 / 127 as bitsandbytes writes it, in fp32
+    return IntWeight(_pack_codes(w.to(torch.int32) + 128, 8), scales.contiguous(), None, 8, k, k), None
+
+
+def load_bnb8(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Build the model of ``config`` on ``device`` with the bitsandbytes 8-bit (LLM.int8) linears of ``ckpt`` as
+    INT8 weight-only ``QuantLinear`` s (module docstring), and load the rest. ``q`` is :func:`bnb_config`. Raises
+    ``ValueError`` naming the tensor or module for a wrong dtype or shape, a missing part, a quantized linear the model
+    lacks or the config skips, or a tensor missing (by ``load_weights``)."""
+    from .prequantized_int import _concat
+
+    def excluded(base: str) -> bool:
+        return any(base == p or base.endswith("." + p) or base.startswith(p + ".") for p in q["exclude"] if p)
+
+    def select(parts: dict[str, dict[str, torch.Tensor]]) -> list[str]:
+        for base, p in parts.items():
+            if "weight" not in p:
+                raise ValueError(f"checkpoint: {base} has {sorted(p)} but its weight is not stored as int8")
+        return sorted(parts)
+
+    return build_prequantized(
+        ckpt, config, dtype=dtype, device=device, label="bitsandbytes 8-bit",
+        # the int8 codes share the name "weight" with dense weights: floating-point ones are dense
+        is_part=lambda leaf, t: leaf in ("SCB", "weight_format") or (leaf == "weight" and t.dtype == torch.int8),
+        select=select, weight=_int8_weight, concat=_concat, codes="weight",
+        none_converted="checkpoint: a bitsandbytes 8-bit quantization_config is set but no linear has an int8 weight",
         excluded=excluded,
     )

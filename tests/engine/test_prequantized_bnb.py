@@ -272,3 +272,52 @@ def test_bnb_checkpoint_on_cuda(tmp_path):
 
     path, ref = write_bnb_own(tmp_path)
     check_prequantized_on_cuda(path, ref)
+
+
+def write_bnb8_own(tmp_path):
+    """An LLM.int8 directory written by this file's code from the format's description (the GPU machine may lack
+    bitsandbytes): each row rounded to 127 steps of its absmax, ``SCB`` the absmax, ``weight_format`` 0."""
+    from safetensors.torch import save_file
+
+    hf = tiny_hf("llama", **DIMS)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    for name in [n for n in state if n.endswith(".weight") and n.split(".")[-2] in LINEARS]:
+        w = state.pop(name).float()
+        scb = w.abs().amax(1)
+        cb = torch.round(w * (127.0 / scb[:, None])).to(torch.int8)
+        base = name[: -len(".weight")]
+        state[name], state[f"{base}.SCB"] = cb, scb
+        state[f"{base}.weight_format"] = torch.tensor(0, dtype=torch.uint8)
+        hf.get_submodule(base).weight.data.copy_(cb.float() * scb[:, None] * 7.874015718698502e-3)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    cfg = hf.config.to_dict()
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path, hf
+
+
+def test_own_int8_writer_reads_as_bitsandbytes_writes(tmp_path):
+    # the CUDA test's LLM.int8 checkpoint: the codes and SCB bitsandbytes' quantizer makes of the same fp32 weights
+    import bitsandbytes.functional as F
+
+    path, ref = write_bnb8_own(tmp_path)
+    from safetensors.torch import load_file
+
+    state = load_file(str(path / "model.safetensors"))
+    w = ref.model.layers[0].mlp.down_proj.weight.detach()
+    cb, scb = state["model.layers.0.mlp.down_proj.weight"], state["model.layers.0.mlp.down_proj.SCB"]
+    torch.testing.assert_close(F.int8_vectorwise_dequant(cb, scb), w, rtol=0, atol=0)
+    eng = _engine(path)
+    for p, o in zip(PROMPTS, eng.generate(PROMPTS, GREEDY)):
+        assert o.token_ids == hf_greedy(ref, p, GREEDY.max_tokens)
+
+
+@pytest.mark.gpu
+def test_bnb_int8_checkpoint_on_cuda(tmp_path):
+    """An LLM.int8 directory on CUDA (the INT8 weight-only kernels), checked as
+    ``engine_helpers.check_prequantized_on_cuda`` says (lm_head dense)."""
+    from engine_helpers import check_prequantized_on_cuda
+
+    path, ref = write_bnb8_own(tmp_path)
+    check_prequantized_on_cuda(path, ref)

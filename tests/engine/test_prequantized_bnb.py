@@ -21,13 +21,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 
 
-def write_bnb(tmp_path, *, quant_type="nf4", double=True, blocksize=64, hf=None, skip=(), mutate=None):
-    """A tiny Llama directory (or ``hf``'s) quantized by bitsandbytes, and the reference holding its
-    dequantization."""
-    import bitsandbytes.functional as F  # a dev dependency: its absence fails the test
+def _write_dir(tmp_path, hf, skip, mutate, quantize, qcfg):
+    """``hf``'s state with each linear not in ``skip`` replaced by what ``quantize(state, name, weight)`` stores (it
+    returns the dequantized weight, copied into ``hf``: the reference), saved with ``qcfg`` as its
+    ``quantization_config``."""
     from safetensors.torch import save_file
 
-    hf = tiny_hf("llama", **DIMS) if hf is None else hf
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
     if hf.config.tie_word_embeddings:
         state.pop("lm_head.weight")
@@ -35,23 +34,34 @@ def write_bnb(tmp_path, *, quant_type="nf4", double=True, blocksize=64, hf=None,
         base = name[: -len(".weight")]
         if any(base.endswith(s) for s in skip):
             continue
-        w = state.pop(name)
-        q, st = F.quantize_4bit(w, blocksize=blocksize, quant_type=quant_type, compress_statistics=double)
-        state[name] = q
-        state.update({f"{name}.{k}": v for k, v in st.as_dict(packed=True).items()})
-        hf.get_submodule(base).weight.data.copy_(F.dequantize_4bit(q, st).float())
+        hf.get_submodule(base).weight.data.copy_(quantize(state, name, state.pop(name)))
     if mutate is not None:
         mutate(state)
     tmp_path.mkdir(parents=True, exist_ok=True)
     save_file(state, str(tmp_path / "model.safetensors"))
     cfg = hf.config.to_dict()
-    cfg["quantization_config"] = {
+    cfg["quantization_config"] = qcfg
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path, hf
+
+
+def write_bnb(tmp_path, *, quant_type="nf4", double=True, blocksize=64, hf=None, skip=(), mutate=None):
+    """A tiny Llama directory (or ``hf``'s) quantized by bitsandbytes, and the reference holding its
+    dequantization."""
+    import bitsandbytes.functional as F  # a dev dependency: its absence fails the test
+
+    def quantize(state, name, w):
+        q, st = F.quantize_4bit(w, blocksize=blocksize, quant_type=quant_type, compress_statistics=double)
+        state[name] = q
+        state.update({f"{name}.{k}": v for k, v in st.as_dict(packed=True).items()})
+        return F.dequantize_4bit(q, st).float()
+
+    qcfg = {
         "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
         "bnb_4bit_quant_type": quant_type, "bnb_4bit_use_double_quant": double, "bnb_4bit_compute_dtype": "bfloat16",
         "bnb_4bit_quant_storage": "uint8", "llm_int8_skip_modules": list(skip) or None, "llm_int8_threshold": 6.0,
     }
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return tmp_path, hf
+    return _write_dir(tmp_path, tiny_hf("llama", **DIMS) if hf is None else hf, skip, mutate, quantize, qcfg)
 
 
 def _engine(path, **kw):
@@ -151,30 +161,17 @@ def write_bnb8(tmp_path, *, hf=None, skip=(), mutate=None):
     the fp16 weight, as ``Int8Params`` does), saved as ``Linear8bitLt`` saves it, and the reference holding
     bitsandbytes' ``int8_vectorwise_dequant`` of each weight."""
     import bitsandbytes.functional as F  # a dev dependency: its absence fails the test
-    from safetensors.torch import save_file
 
-    hf = tiny_hf("llama", **DIMS) if hf is None else hf
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    if hf.config.tie_word_embeddings:
-        state.pop("lm_head.weight")
-    for name in [n for n in state if n.endswith(".weight") and n.split(".")[-2] in LINEARS]:
+    def quantize(state, name, w):
+        cb, scb, _ = F.int8_vectorwise_quant(w.to(torch.float16))
         base = name[: -len(".weight")]
-        if any(base.endswith(s) for s in skip):
-            continue
-        cb, scb, _ = F.int8_vectorwise_quant(state.pop(name).to(torch.float16))
         state[name], state[f"{base}.SCB"] = cb, scb
         state[f"{base}.weight_format"] = torch.tensor(0, dtype=torch.uint8)
-        hf.get_submodule(base).weight.data.copy_(F.int8_vectorwise_dequant(cb, scb))
-    if mutate is not None:
-        mutate(state)
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(tmp_path / "model.safetensors"))
-    cfg = hf.config.to_dict()
-    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": False, "load_in_8bit": True,
-                                  "llm_int8_threshold": 6.0, "llm_int8_skip_modules": list(skip) or None,
-                                  "llm_int8_has_fp16_weight": False}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return tmp_path, hf
+        return F.int8_vectorwise_dequant(cb, scb)
+
+    qcfg = {"quant_method": "bitsandbytes", "load_in_4bit": False, "load_in_8bit": True, "llm_int8_threshold": 6.0,
+            "llm_int8_skip_modules": list(skip) or None, "llm_int8_has_fp16_weight": False}
+    return _write_dir(tmp_path, tiny_hf("llama", **DIMS) if hf is None else hf, skip, mutate, quantize, qcfg)
 
 
 def test_bnb_int8_checkpoint_matches_the_dequantized_reference(tmp_path):
@@ -227,17 +224,13 @@ def test_real_smollm2_int8_checkpoint(tmp_path):
 
 
 def write_bnb_own(tmp_path):
-    """A bitsandbytes NF4 directory written by this file's code from the format's description (no bitsandbytes: the
-    GPU machine lacks it): NF4Weight's codes with the first code of a byte moved to the high nibble, flattened; fp32
+    """A bitsandbytes NF4 directory written by this file's code from the format's description (the GPU machine may
+    lack bitsandbytes): NF4Weight's codes with the first code of a byte moved to the high nibble, flattened; fp32
     absmax; the quant_map; the packed JSON state."""
-    from safetensors.torch import save_file
-
     from infercore.quant import NF4Weight
 
-    hf = tiny_hf("llama", **DIMS)
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    for name in [n for n in state if n.endswith(".weight") and n.split(".")[-2] in LINEARS]:
-        w = NF4Weight.quantize(state.pop(name))
+    def quantize(state, name, w):
+        w = NF4Weight.quantize(w)
         n, k = w.shape
         b = w.qweight
         state[name] = ((b >> 4) | (b << 4)).to(torch.uint8).reshape(-1, 1)
@@ -245,13 +238,10 @@ def write_bnb_own(tmp_path):
         state[f"{name}.quant_map"] = w.codebook
         js = json.dumps({"quant_type": "nf4", "blocksize": 64, "dtype": "bfloat16", "shape": [n, k]})
         state[f"{name}.quant_state.bitsandbytes__nf4"] = torch.tensor(list(js.encode()), dtype=torch.uint8)
-        hf.get_submodule(name[: -len(".weight")]).weight.data.copy_(w.dequantize())
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(tmp_path / "model.safetensors"))
-    cfg = hf.config.to_dict()
-    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return tmp_path, hf
+        return w.dequantize()
+
+    qcfg = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    return _write_dir(tmp_path, tiny_hf("llama", **DIMS), (), None, quantize, qcfg)
 
 
 def test_own_writer_reads_as_bitsandbytes_writes(tmp_path):
@@ -277,24 +267,18 @@ def test_bnb_checkpoint_on_cuda(tmp_path):
 def write_bnb8_own(tmp_path):
     """An LLM.int8 directory written by this file's code from the format's description (the GPU machine may lack
     bitsandbytes): each row rounded to 127 steps of its absmax, ``SCB`` the absmax, ``weight_format`` 0."""
-    from safetensors.torch import save_file
 
-    hf = tiny_hf("llama", **DIMS)
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    for name in [n for n in state if n.endswith(".weight") and n.split(".")[-2] in LINEARS]:
-        w = state.pop(name).float()
+    def quantize(state, name, w):
+        w = w.float()
         scb = w.abs().amax(1)
         cb = torch.round(w * (127.0 / scb[:, None])).to(torch.int8)
         base = name[: -len(".weight")]
         state[name], state[f"{base}.SCB"] = cb, scb
         state[f"{base}.weight_format"] = torch.tensor(0, dtype=torch.uint8)
-        hf.get_submodule(base).weight.data.copy_(cb.float() * scb[:, None] * 7.874015718698502e-3)
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(tmp_path / "model.safetensors"))
-    cfg = hf.config.to_dict()
-    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return tmp_path, hf
+        return cb.float() * scb[:, None] * 7.874015718698502e-3
+
+    qcfg = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    return _write_dir(tmp_path, tiny_hf("llama", **DIMS), (), None, quantize, qcfg)
 
 
 def test_own_int8_writer_reads_as_bitsandbytes_writes(tmp_path):

@@ -70,6 +70,34 @@ def _ilv_code(w, J: tl.constexpr):
 
 
 @triton.jit
+def _store_gemv_rows(y_ptr, a0, a1, a2, a3, M, stride_ym, offs_n, n_mask, MR: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The GEMVs' end: row r's partial sums ``a<r> [BLOCK_N, *]`` summed over their last axis, rows ``< min(M, MR)``
+    stored to ``y[r, offs_n]`` (the FP4 and NF4 GEMVs)."""
+    offs_m = tl.arange(0, MR)
+    acc = tl.zeros([MR, BLOCK_N], dtype=tl.float32)
+    acc = tl.where(offs_m[:, None] == 0, tl.sum(a0, axis=1)[None, :], acc)
+    acc = tl.where(offs_m[:, None] == 1, tl.sum(a1, axis=1)[None, :], acc)
+    acc = tl.where(offs_m[:, None] == 2, tl.sum(a2, axis=1)[None, :], acc)
+    acc = tl.where(offs_m[:, None] == 3, tl.sum(a3, axis=1)[None, :], acc)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(offs_m < M)[:, None] & n_mask[None, :])
+
+
+def gemv_launches(extra: tuple = ()) -> list[triton.Config]:
+    """The FP4 GEMV's launch list (fresh objects per autotuner), then ``extra``; the NF4 GEMV shares its loop."""
+    return [
+        # the five best of 80 at 14336 x 4096, M = 1, MXFP4 on an H100 (16.7-17.1 us; the worst 41.1 us;
+        # results/h200/sweeps/sweep_fp4_gemv_h100.json)
+        triton.Config({"BLOCK_N": 8, "BLOCK_W": 512}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_N": 8, "BLOCK_W": 256}, num_warps=2, num_stages=1),
+        triton.Config({"BLOCK_N": 4, "BLOCK_W": 512}, num_warps=2, num_stages=3),
+        triton.Config({"BLOCK_N": 8, "BLOCK_W": 256}, num_warps=2, num_stages=3),
+        triton.Config({"BLOCK_N": 4, "BLOCK_W": 128}, num_warps=1, num_stages=1),
+        *extra,
+    ]
+
+
+@triton.jit
 def _fp4_row_fma(p, v, x_ptr, row, k, K, EVEN: tl.constexpr):
     if EVEN:
         x = tl.load(x_ptr + row + k)
@@ -79,18 +107,7 @@ def _fp4_row_fma(p, v, x_ptr, row, k, K, EVEN: tl.constexpr):
 
 
 @triton.autotune(
-    configs=_configs(
-        [
-            # the five best of 80 at 14336 x 4096, M = 1, MXFP4 on an H100 (16.7-17.1 us; the worst 41.1 us;
-            # results/h200/sweeps/sweep_fp4_gemv_h100.json)
-            triton.Config({"BLOCK_N": 8, "BLOCK_W": 512}, num_warps=4, num_stages=3),
-            triton.Config({"BLOCK_N": 8, "BLOCK_W": 256}, num_warps=2, num_stages=1),
-            triton.Config({"BLOCK_N": 4, "BLOCK_W": 512}, num_warps=2, num_stages=3),
-            triton.Config({"BLOCK_N": 8, "BLOCK_W": 256}, num_warps=2, num_stages=3),
-            triton.Config({"BLOCK_N": 4, "BLOCK_W": 128}, num_warps=1, num_stages=1),
-        ],
-        triton.Config({"BLOCK_N": 4, "BLOCK_W": 8}, num_warps=4),
-    ),
+    configs=_configs(gemv_launches(), triton.Config({"BLOCK_N": 4, "BLOCK_W": 8}, num_warps=4)),
     key=["M", "N", "K", "NV"],
 )
 @triton.heuristics({"EVEN": lambda a: (a["K"] // 8) % a["BLOCK_W"] == 0})
@@ -166,14 +183,7 @@ def _fp4_gemv_kernel(
             if MR > 2:
                 a2 += (tl.sum(tl.reshape(p2, [BLOCK_N, BLOCK_W // 4, 4]), axis=2) * 2.0**100) * sc
                 a3 += (tl.sum(tl.reshape(p3, [BLOCK_N, BLOCK_W // 4, 4]), axis=2) * 2.0**100) * sc
-    offs_m = tl.arange(0, MR)
-    acc = tl.zeros([MR, BLOCK_N], dtype=tl.float32)
-    acc = tl.where(offs_m[:, None] == 0, tl.sum(a0, axis=1)[None, :], acc)
-    acc = tl.where(offs_m[:, None] == 1, tl.sum(a1, axis=1)[None, :], acc)
-    acc = tl.where(offs_m[:, None] == 2, tl.sum(a2, axis=1)[None, :], acc)
-    acc = tl.where(offs_m[:, None] == 3, tl.sum(a3, axis=1)[None, :], acc)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(offs_m < M)[:, None] & n_mask[None, :])
+    _store_gemv_rows(y_ptr, a0, a1, a2, a3, M, stride_ym, offs_n, n_mask, MR, BLOCK_N)
 
 
 @triton.jit

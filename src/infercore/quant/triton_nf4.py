@@ -35,9 +35,19 @@ import triton.language as tl
 
 from . import naive
 from .formats import NF4Weight
-from .triton_fp4 import _join8
+from .triton_fp4 import _join8, _store_gemv_rows, gemv_launches
 from .wo_gemv import _ilv_cached, interleave_words
-from .wo_tiles import _INTERPRET, _configs, _dot_precision, _gemm_tile, _m_bucket, _prune_m, _store_tile, _x_tile
+from .wo_tiles import (
+    _INTERPRET,
+    _configs,
+    _dot_precision,
+    _gemm_tile,
+    _m_bucket,
+    _mm_cfg,
+    _prune_m,
+    _store_tile,
+    _x_tile,
+)
 
 # rows the GEMV takes: at 3-4 rows its 4-row form ran 45.1 / 45.7 us against the tiled kernel's 42.8 / 42.8
 # (14336 x 4096, H100; sweeps/nf4_prmt_h100_select_decode.json, nf4_prmt_h100_gemv_max2.json)
@@ -219,13 +229,7 @@ def _scaled(vk, am_rows, k0, K, BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K
 
 @triton.autotune(
     configs=_configs(
-        [
-            # the FP4 GEMV's best launches at 14336 x 4096 (same word layout and loop)
-            triton.Config({"BLOCK_N": 8, "BLOCK_W": 512}, num_warps=4, num_stages=3),
-            triton.Config({"BLOCK_N": 8, "BLOCK_W": 256}, num_warps=2, num_stages=1),
-            triton.Config({"BLOCK_N": 4, "BLOCK_W": 512}, num_warps=2, num_stages=3),
-            triton.Config({"BLOCK_N": 8, "BLOCK_W": 256}, num_warps=2, num_stages=3),
-            triton.Config({"BLOCK_N": 4, "BLOCK_W": 128}, num_warps=1, num_stages=1),
+        gemv_launches((  # the FP4 GEMV's (same word layout and loop), then:
             # fewer words a thread: all eight byte tables stay in registers (offline sm90 compile, 6.4 - 7.0
             # instructions a code against 7.05)
             triton.Config({"BLOCK_N": 4, "BLOCK_W": 512}, num_warps=4, num_stages=3),
@@ -234,7 +238,7 @@ def _scaled(vk, am_rows, k0, K, BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K
             triton.Config({"BLOCK_N": 4, "BLOCK_W": 256}, num_warps=4, num_stages=3),
             triton.Config({"BLOCK_N": 4, "BLOCK_W": 128}, num_warps=2, num_stages=3),
             triton.Config({"BLOCK_N": 2, "BLOCK_W": 256}, num_warps=2, num_stages=3),
-        ],
+        )),
         triton.Config({"BLOCK_N": 4, "BLOCK_W": 8}, num_warps=4),
     ),
     key=["M", "N", "K", "LUT"],
@@ -295,29 +299,15 @@ def _nf4_gemv_kernel(
         if MR > 2:
             a2 += tl.sum(tl.reshape(p2, [BLOCK_N, BLOCK_W // 4, 4]), axis=2) * sc
             a3 += tl.sum(tl.reshape(p3, [BLOCK_N, BLOCK_W // 4, 4]), axis=2) * sc
-    offs_m = tl.arange(0, MR)
-    acc = tl.zeros([MR, BLOCK_N], dtype=tl.float32)
-    acc = tl.where(offs_m[:, None] == 0, tl.sum(a0, axis=1)[None, :], acc)
-    acc = tl.where(offs_m[:, None] == 1, tl.sum(a1, axis=1)[None, :], acc)
-    acc = tl.where(offs_m[:, None] == 2, tl.sum(a2, axis=1)[None, :], acc)
-    acc = tl.where(offs_m[:, None] == 3, tl.sum(a3, axis=1)[None, :], acc)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(offs_m < M)[:, None] & n_mask[None, :])
+    _store_gemv_rows(y_ptr, a0, a1, a2, a3, M, stride_ym, offs_n, n_mask, MR, BLOCK_N)
 
 
 @triton.autotune(
     configs=_configs(
-        [
-            triton.Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=3),
-            triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=3),
-            triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 8}, num_warps=4, num_stages=3),
-            triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256, "GROUP_M": 8}, num_warps=2, num_stages=3),
-            triton.Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=3),
-            triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=3),
-            triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=3),
-            triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=3),
-            triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
-        ],
+        # the FP4 tiled kernel's tiles and narrower ones (more programs at 8-64 rows)
+        [_mm_cfg(*c) for c in ((16, 64, 128, 4, 3), (16, 32, 128, 4, 3), (16, 32, 256, 4, 3), (16, 16, 256, 2, 3),
+                               (16, 128, 128, 4, 3), (32, 64, 128, 4, 3), (32, 32, 128, 4, 3), (64, 64, 128, 4, 3),
+                               (64, 128, 64, 8, 3))],
         triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2}, num_warps=4),
     ),
     key=["M_BUCKET", "N", "K", "LUT"],

@@ -1,12 +1,12 @@
-"""FP8 checkpoint directories (``quant_method`` ``"fp8"``, ModelOpt FP8, compressed-tensors ``float-quantized`` /
-``naive-quantized``) through ``Engine.from_pretrained`` / ``load_model``.
+"""FP8 checkpoint directories (``quant_method`` ``"fp8"`` / ``"fbgemm_fp8"``, ModelOpt FP8, compressed-tensors
+``float-quantized`` / ``naive-quantized``) through ``Engine.from_pretrained`` / ``load_model``.
 
 The ``"fp8"`` checkpoints are quantized by transformers' own ``Fp8Quantize`` (``finegrained_fp8``: e4m3 weights
 and a multiplied ``weight_scale_inv``) and dequantized for the reference by its ``_dequantize_fp8_weight``; a
-quantized lm_head with a partial block, the straddling-shard case and the ModelOpt checkpoints are written by this
-file's own code from the formats' descriptions (``scale = amax / 448``, ``weight = e4m3(w / scale)``); the
-compressed-tensors checkpoints are quantized by compressed-tensors itself and dequantized by its ``dequantize``.
-The reference is the transformers model whose linears hold the dequantized weights."""
+quantized lm_head with a partial block, the straddling-shard case, the fbgemm and the ModelOpt checkpoints are
+written by this file's own code from the formats' descriptions (``scale = amax / 448``, ``weight = e4m3(w /
+scale)``); the compressed-tensors checkpoints are quantized by compressed-tensors itself and dequantized by its
+``dequantize``. The reference is the transformers model whose linears hold the dequantized weights."""
 
 import json
 import math
@@ -231,6 +231,33 @@ def test_per_tensor_fp8_checkpoint_becomes_per_channel(tmp_path, scale_leaf, sta
     qkv = eng.model.model.layers[0].self_attn.qkv_proj.qweight_format
     assert qkv.scales.shape == (64,) and len(set(qkv.scales.tolist())) == 3  # q, k and v keep their own scale
     _check(eng, ref)
+
+
+def write_fbgemm(tmp_path, *, mutate=None):
+    """A tiny Llama ``quant_method: "fbgemm_fp8"`` directory written from the format's description (fbgemm's
+    ``quantize_fp8_per_row``: each row's scale ``amax / 448`` in ``weight_scale`` [N, 1]), an ``input_scale_ub``
+    beside each weight, lm_head dense."""
+    hf = tiny_hf("llama")
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    for base in _targets(state):
+        w = state.pop(f"{base}.weight")
+        s = (w.abs().amax(1, keepdim=True) / 448.0).float()
+        q = (w / s).clamp(-448, 448).to(torch.float8_e4m3fn)
+        state.update({f"{base}.weight": q, f"{base}.weight_scale": s, f"{base}.input_scale_ub": torch.tensor([1200.0])})
+        hf.get_submodule(base).weight.data.copy_(q.float() * s)
+    qc = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    return _save(tmp_path, hf, state, qc, mutate=mutate)
+
+
+def test_fbgemm_fp8_checkpoint_matches_the_dequantized_reference(tmp_path):
+    path, ref = write_fbgemm(tmp_path)
+    q = prequantized_config(json.loads((path / "config.json").read_text()))
+    assert q == {"method": "fp8", "format": "fbgemm", "strategies": ["channel"], "exclude": ["lm_head"]}
+    _check(_engine(path, dtype=torch.float32), ref)
+    bad, _ = write_fbgemm(tmp_path / "bad", mutate=_set(f"{L0}.weight_scale", torch.ones(1, 3)))
+    with pytest.raises(ValueError, match=r"k_proj.weight_scale holds \[1, 3\], expected \[16\] or \[16, 1\]"):
+        _engine(bad)
 
 
 def test_block_scales_straddling_merged_shards_are_refused(tmp_path):

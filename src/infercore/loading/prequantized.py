@@ -16,7 +16,7 @@ AWQ 4 bits, ``GEMM`` packing, with zero points. Llama-family models (Llama, Mist
 
 NVFP4 checkpoints (NVIDIA ModelOpt exports, compressed-tensors ``nvfp4-pack-quantized``) load through
 :mod:`infercore.loading.prequantized_fp4`.
-FP8 checkpoints (``quant_method`` ``"fp8"``, ModelOpt FP8, compressed-tensors ``float-quantized`` /
+FP8 checkpoints (``quant_method`` ``"fp8"`` / ``"fbgemm_fp8"``, ModelOpt FP8, compressed-tensors ``float-quantized`` /
 ``naive-quantized`` FP8) load through :mod:`infercore.loading.prequantized_fp8`, compressed-tensors integer
 checkpoints (``pack-quantized`` W4A16 / W8A16, ``int-quantized`` W8A8) through
 :mod:`infercore.loading.prequantized_int`, bitsandbytes 4-bit ones (NF4 / FP4) through
@@ -69,13 +69,13 @@ def prequantized_config(hf_config: dict[str, Any], hf_quant_config: dict[str, An
         return int_config(q)
     if is_bnb_config(q):
         return bnb_config(q)
-    if method.startswith("modelopt") or method in ("compressed-tensors", "fp8"):
+    if method.startswith("modelopt") or method in ("compressed-tensors", "fp8", "fbgemm_fp8"):
         return fp8_config(q) if is_fp8_config(q) else nvfp4_config(q)
     if method not in ("gptq", "awq"):
         raise ValueError(f"config.json: quantization_config.quant_method {method!r} is not supported; infercore "
-                         "loads 'gptq', 'awq', 'fp8', 'bitsandbytes' (4-bit, 8-bit), FP8 / NVFP4 'modelopt' and FP8 / "
-                         "NVFP4 / integer 'compressed-tensors' checkpoints (or quantizes dense ones: "
-                         "from_pretrained(quantization=))")
+                         "loads 'gptq', 'awq', 'fp8', 'fbgemm_fp8', 'bitsandbytes' (4-bit, 8-bit), FP8 / NVFP4 "
+                         "'modelopt' and FP8 / NVFP4 / integer 'compressed-tensors' checkpoints (or quantizes dense "
+                         "ones: from_pretrained(quantization=))")
     bits = q.get("bits", q.get("w_bit"))
     group = q.get("group_size", q.get("q_group_size"))
     if isinstance(group, bool) or not isinstance(group, int) or not (group == -1 or group > 0):

@@ -1,6 +1,6 @@
 """Pre-quantized FP8 checkpoints: ``quant_method`` ``"fp8"`` (DeepSeek / Qwen3-FP8 block-128 exports, transformers'
-``finegrained_fp8``, per-tensor FP8 exports), NVIDIA ModelOpt FP8 and compressed-tensors ``float-quantized`` /
-``naive-quantized`` with FP8 weights.
+``finegrained_fp8``, per-tensor FP8 exports), ``"fbgemm_fp8"`` (Meta's Llama-3.1 FP8 exports), NVIDIA ModelOpt FP8
+and compressed-tensors ``float-quantized`` / ``naive-quantized`` with FP8 weights.
 
 Each stores an FP8 linear ``<name>`` ``[N, K]`` as ``<name>.weight`` ``float8_e4m3fn`` ``[N, K]`` plus fp32 (or
 bf16 / fp16) scales that **multiply** the decoded e4m3 values: ``w = e4m3(weight) * scale``, the scale per tensor,
@@ -33,6 +33,13 @@ exactly, and the product ``e4m3 * scale`` is taken in fp32 (as vLLM, which loads
 * per tensor (no ``weight_block_size``): ``<name>.weight_scale`` fp32, one value (vLLM's ``PerTensorScaleParameter``;
   AutoFP8-style exports), or transformers' ``<name>.weight_scale_inv`` ``[1, 1]`` (its ``FP8Linear`` without a
   block size); ``<name>.input_scale`` with ``activation_scheme`` ``"static"``.
+
+**quant_method "fbgemm_fp8"** (transformers ``integrations/fbgemm_fp8.py`` ``FbgemmFp8Linear`` and
+``FbgemmFp8Config``; vLLM ``quantization/fbgemm_fp8.py``): config ``{"quant_method": "fbgemm_fp8",
+"activation_scale_ub": 1200.0, "modules_to_not_convert": [...]}``; ``<name>.weight`` e4m3 ``[N, K]`` and
+``<name>.weight_scale`` fp32 ``[N, 1]`` (per output row, multiplied); ``input_scale_ub`` (the bound of the dynamic
+per-token activation scales, a buffer transformers does not save) is dropped where present: the activations stay in
+the model dtype.
 
 **ModelOpt** (vLLM ``vllm/model_executor/layers/quantization/modelopt.py`` ``ModelOptFp8Config``,
 ``ModelOptFp8LinearMethod``, ``ModelOptFp8PcPtLinearMethod``, ``ModelOptFp8PbWoLinearMethod``): the same config
@@ -100,7 +107,7 @@ _MODELOPT_ALGOS = {"FP8": "tensor", "FP8_PER_CHANNEL_PER_TOKEN": "channel", "FP8
 _CT_FORMATS = ("float-quantized", "naive-quantized")
 _CT_STRATEGIES = ("tensor", "channel", "block")
 _SCALES = ("weight_scale", "weight_scale_inv")
-_DROP = ("input_scale",)  # static activation scales: the activations stay in the model dtype
+_DROP = ("input_scale", "input_scale_ub")  # activation scales / bounds: the activations stay in the model dtype
 
 
 def is_fp8_config(q: Any) -> bool:
@@ -111,7 +118,7 @@ def is_fp8_config(q: Any) -> bool:
     if not isinstance(q, dict):
         return False
     method = str(q.get("quant_method", "")).lower()
-    if method == "fp8":
+    if method in ("fp8", "fbgemm_fp8"):
         return True
     if method == "compressed-tensors":
         groups = q.get("config_groups")
@@ -131,7 +138,7 @@ def is_fp8_config(q: Any) -> bool:
 
 def fp8_config(q: dict[str, Any], where: str = "config.json: quantization_config") -> dict[str, Any]:
     """The FP8 settings of a ``quant_method`` ``"fp8"``, ModelOpt or compressed-tensors ``quantization_config``
-    (or an ``hf_quant_config.json``), checked: ``{"method": "fp8", "format": "fp8" | "modelopt" |
+    (or an ``hf_quant_config.json``), checked: ``{"method": "fp8", "format": "fp8" | "fbgemm" | "modelopt" |
     "compressed-tensors", "strategies": [the scale layouts it may store], "exclude": [patterns]}``. ``where``
     names the source in errors. ``ValueError`` for a setting this loader does not run; ``activation_scheme`` and
     input-activation settings are not checked (weight-only)."""
@@ -140,6 +147,9 @@ def fp8_config(q: dict[str, Any], where: str = "config.json: quantization_config
     method = str(q.get("quant_method", "")).lower()
     if method == "fp8":
         return _native_config(q, where)
+    if method == "fbgemm_fp8":
+        exclude = _patterns(f"{where}.modules_to_not_convert", q.get("modules_to_not_convert"))
+        return {"method": "fp8", "format": "fbgemm", "strategies": ["channel"], "exclude": exclude}
     if method == "compressed-tensors":
         return _ct_config(q, where)
     inner, where, algo = _modelopt_settings(
@@ -195,7 +205,7 @@ def _ct_config(q: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _excluded(name: str, q: dict[str, Any]) -> bool:
-    if q["format"] != "fp8":
+    if q["format"] not in ("fp8", "fbgemm"):
         return _modelopt_or_ct_excluded(name, q)
     # vLLM / transformers module names: the name itself, a trailing part ("lm_head") or a parent module
     return any(name == p or name.endswith("." + p) or name.startswith(p + ".") for p in q["exclude"] if p)

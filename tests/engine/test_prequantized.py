@@ -61,7 +61,7 @@ def test_partly_dense_projection_and_dense_lm_head(tmp_path):
 @pytest.mark.parametrize("kw, match", [
     (dict(act_order="split"), "different act-order channel orders"),
     (dict(extra_cfg={"quant_method": "hqq"}), "quant_method 'hqq' is not supported"),
-    (dict(extra_cfg={"quant_method": "bitsandbytes"}), "bitsandbytes config without load_in_4bit"),
+    (dict(extra_cfg={"quant_method": "bitsandbytes"}), "neither load_in_4bit nor load_in_8bit"),
     (dict(extra_cfg={"checkpoint_format": "marlin"}), "checkpoint_format 'marlin'"),
     (dict(method="awq", extra_cfg={"version": "gemv"}), "AWQ version 'gemv'"),
     (dict(group_cfg=0), "group_size"),

@@ -1,15 +1,17 @@
 """CUDA kernels of ``quant.nf4_matmul``: 4-bit codes into a 16-value codebook with fp32 absmax blocks (bitsandbytes
 NF4 / FP4, :class:`~infercore.quant.NF4Weight`).
 
-A code's value is found one of two ways:
+A code's value is found one of three ways (``LUT`` 1 / 2 / 0 in the kernels):
 
-* **PRMT** (16-bit activations on a GPU): the codebook rounded to fp16, its low and high bytes held in eight
-  registers (two 8-byte halves of 16 entries each), and four codes of a word looked up at once by byte permutes
-  (``prmt``, whose selector nibbles are the codes): a permute per half and byte, a byte mask from the codes' top bits
-  picks the half, two more permutes pair the bytes into fp16 values -- about 4.5 instructions a code.
-  bitsandbytes' own kernels round the codebook to the activation dtype; fp16 keeps 3 more bits than bf16.
-* **select tree** (fp32 activations, the interpreter, the dequantization kernel): the 16 fp32 values held as
-  scalars and picked by 15 selects on the code's bits (about 15 instructions a code): exactly the codebook.
+* **fp16 byte permutes** (16-bit activations on a GPU): the codebook rounded to fp16, its low and high bytes held in
+  eight registers (two 8-byte halves of 16 entries each), and four codes of a word looked up at once by ``prmt``
+  (whose selector nibbles are the codes): a permute per half and byte, a byte mask from the codes' top bits picks
+  the half, two more permutes pair the bytes into fp16 values -- about 4.5 instructions a code. bitsandbytes' own
+  kernels round the codebook to the activation dtype; fp16 keeps 3 more bits than bf16.
+* **fp32 byte permutes** (the weight decode on a GPU): the fp32 codebook's four byte planes looked up the same way,
+  then a 4 x 4 byte transpose: exactly the codebook, so the decode is bit for bit ``w.dequantize(dtype)``.
+* **select tree** (fp32 activations, the interpreter): the 16 fp32 values held as scalars and picked by 15 selects
+  on the code's bits (about 15 instructions a code): exactly the codebook.
 
 Kernels:
 
@@ -18,8 +20,8 @@ Kernels:
   block's products summed in registers and scaled once by its absmax;
 * more rows: ``_nf4_kernel``, the stored codes read as int32 words, decoded, times the absmax, in x's dtype ->
   ``tl.dot`` (fp32 accumulation);
-* from :data:`DEQUANT_M_MIN` rows (16-bit x): the whole weight decoded to x's dtype in one pass (select tree: the
-  values of ``w.dequantize(x.dtype)``), then the library GEMM (cuBLAS through torch).
+* from :data:`DEQUANT_M_MIN` rows (16-bit x): the whole weight decoded to x's dtype in one pass (the values of
+  ``w.dequantize(x.dtype)``), then the library GEMM (cuBLAS through torch).
 
 14336 x 4096 on an H100, bf16 x (``benchmarks/results/h200/sweeps/nf4_prmt_h100.json``): one row 21.9 us (bf16
 47.0, bitsandbytes' ``matmul_4bit`` 28.7), 16 rows 41.6 (41.2, 67.3), 2048 rows 391.8 (338.1, 401.2). The first CUDA

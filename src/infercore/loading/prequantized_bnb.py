@@ -76,6 +76,12 @@ def bnb_config(q: dict[str, Any], where: str = "config.json: quantization_config
     return {"method": "bnb4", "quant_type": qt, "exclude": exclude}
 
 
+def _skipped(base: str, q: dict[str, Any]) -> bool:
+    """Whether ``llm_int8_skip_modules`` names ``base``: the module itself, a trailing part of its name (``"lm_head"``)
+    or a parent module."""
+    return any(base == p or base.endswith("." + p) or base.startswith(p + ".") for p in q["exclude"] if p)
+
+
 class _Renamed:
     """A checkpoint whose parts ``<name>.weight.<sub>`` read as ``<name>.bnb_<sub>`` (one level, like the other
     formats' parts), so the loader groups them with the codes ``<name>.weight``."""
@@ -166,9 +172,6 @@ def load_bnb4(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, device: to
     the model lacks or the config skips, or a tensor missing (by ``load_weights``)."""
     from ..quant.formats import NF4Weight
 
-    def excluded(base: str) -> bool:
-        return any(base == p or base.endswith("." + p) or base.startswith(p + ".") for p in q["exclude"] if p)
-
     def select(parts: dict[str, dict[str, torch.Tensor]]) -> list[str]:
         for base, p in parts.items():
             if "weight" not in p:
@@ -185,7 +188,7 @@ def load_bnb4(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, device: to
         concat=lambda target, ws, names: NF4Weight.concat(ws),
         codes="weight",
         none_converted="checkpoint: a bitsandbytes quantization_config is set but no linear has a uint8 weight",
-        excluded=excluded,
+        excluded=lambda base: _skipped(base, q),
     )
 
 
@@ -220,9 +223,6 @@ def load_bnb8(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, device: to
     lacks or the config skips, or a tensor missing (by ``load_weights``)."""
     from .prequantized_int import _concat
 
-    def excluded(base: str) -> bool:
-        return any(base == p or base.endswith("." + p) or base.startswith(p + ".") for p in q["exclude"] if p)
-
     def select(parts: dict[str, dict[str, torch.Tensor]]) -> list[str]:
         for base, p in parts.items():
             if "weight" not in p:
@@ -235,5 +235,5 @@ def load_bnb8(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, device: to
         is_part=lambda leaf, t: leaf in ("SCB", "weight_format") or (leaf == "weight" and t.dtype == torch.int8),
         select=select, weight=_int8_weight, concat=_concat, codes="weight",
         none_converted="checkpoint: a bitsandbytes 8-bit quantization_config is set but no linear has an int8 weight",
-        excluded=excluded,
+        excluded=lambda base: _skipped(base, q),
     )

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from . import naive
 from .formats import NF4Weight
-from .triton_fp4 import _join8, _store_gemv_rows, gemv_launches
+from .triton_fp4 import _fp4_row_fma, _join8, _store_gemv_rows, gemv_launches
 from .wo_gemv import _ilv_cached, interleave_words
 from .wo_tiles import (
     _INTERPRET,
@@ -208,15 +208,6 @@ def _decode8(w, t, LUT: tl.constexpr):
 
 
 @triton.jit
-def _row_fma(p, v, x_ptr, row, k, K, EVEN: tl.constexpr):
-    if EVEN:
-        x = tl.load(x_ptr + row + k)
-    else:
-        x = tl.load(x_ptr + row + k, mask=k < K, other=0.0)
-    return p + v * x.to(tl.float32)
-
-
-@triton.jit
 def _scaled(vk, am_rows, k0, K, BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Decoded codes ``vk [BLOCK_N, BLOCK_K]`` (columns ``k0 ...``) times their blocks' absmax (0 past K)."""
     if BS >= BLOCK_K:
@@ -284,12 +275,12 @@ def _nf4_gemv_kernel(
         p2 = p0
         p3 = p0
         for j in tl.static_range(8):
-            p0 = _row_fma(p0, v[j], x_ptr, 0, k0 + 4 * j, K, EVEN)
+            p0 = _fp4_row_fma(p0, v[j], x_ptr, 0, k0 + 4 * j, K, EVEN)
             if MR > 1:
-                p1 = _row_fma(p1, v[j], x_ptr, r1, k0 + 4 * j, K, EVEN)
+                p1 = _fp4_row_fma(p1, v[j], x_ptr, r1, k0 + 4 * j, K, EVEN)
             if MR > 2:
-                p2 = _row_fma(p2, v[j], x_ptr, r2, k0 + 4 * j, K, EVEN)
-                p3 = _row_fma(p3, v[j], x_ptr, r3, k0 + 4 * j, K, EVEN)
+                p2 = _fp4_row_fma(p2, v[j], x_ptr, r2, k0 + 4 * j, K, EVEN)
+                p3 = _fp4_row_fma(p3, v[j], x_ptr, r3, k0 + 4 * j, K, EVEN)
         g = w0 // 4 + offs_g
         if EVEN:
             sc = tl.load(a_rows + ((g * 32) // BS)[None, :])

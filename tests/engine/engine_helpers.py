@@ -179,6 +179,12 @@ def write_prequantized(tmp_path, method, bits=4, group=16, v2=False, skip=(), ex
     return tmp_path, hf
 
 
+def _ref_top5(ref, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``ref``: the 5 largest next-token log-probabilities after ``prompt`` and their token ids."""
+    with torch.inference_mode():
+        return ref(torch.tensor([prompt])).logits[0, -1].float().log_softmax(-1).topk(5)
+
+
 def check_greedy_and_first_logprobs(eng, ref, prompts: list[list[int]], n: int, *, abs_tol: float = 1e-3) -> None:
     """The engine's greedy ``n`` tokens of each prompt equal transformers' ``ref``'s, and its first step's
     log-probabilities of ``ref``'s 5 most likely tokens equal ``ref``'s within ``abs_tol``."""
@@ -189,9 +195,7 @@ def check_greedy_and_first_logprobs(eng, ref, prompts: list[list[int]], n: int, 
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=10))
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(ref, p, n)
-        with torch.inference_mode():
-            want = ref(torch.tensor([p])).logits[0, -1].float().log_softmax(-1)
-        top_v, top_i = want.topk(5)
+        top_v, top_i = _ref_top5(ref, p)
         for t, v in zip(top_i.tolist(), top_v.tolist()):
             assert o.logprobs[0][t] == pytest.approx(v, abs=abs_tol)
 
@@ -212,9 +216,7 @@ def check_prequantized_on_cuda(path, ref, n_quant: int = 8) -> None:
     # the engine's 10 most likely tokens, so a 5th / 6th-rank near tie between the two models cannot hide one
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=10))
     for p, o in zip(prompts, outs):
-        with torch.inference_mode():
-            want = ref(torch.tensor([p])).logits[0, -1].float().log_softmax(-1)
-        top_v, top_i = want.topk(5)
+        top_v, top_i = _ref_top5(ref, p)
         got = o.logprobs[0]
         if top_v[0] - top_v[1] > 0.2:
             assert o.token_ids[0] == int(top_i[0])

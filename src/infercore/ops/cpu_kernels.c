@@ -757,7 +757,8 @@ static inline int64_t group_of(int64_t g) { return (g > 0 ? g : -g) & (Q5F - 1);
  * layer's dtype (g = 0); INT4 codes [N, Kp / 2] in groups of g with sz fp32 [N, 2, Kp / g] (bf16 only); 5-bit codes
  * (g = Q5F + 32: the INT4 layout, sz [N, 3, Kp / 32]); or INT8 codes [N, Kp] in groups of -g with sz fp32
  * [N, 2, Kp / -g] (g < 0, bf16 only); or e4m3 codes [N, K] with fp32 scales (g = FP8F | 0 or 128, bf16 only,
- * infercore_fp8_range). INT4 / INT8 / 5-bit: rows zero-padded from K
+ * infercore_fp8_range); or 4-bit codebook codes [N, K / 2] with sz = the codebook then absmax (g = LUT4F | blocksize,
+ * bf16 only, infercore_lut4_range; the split activations in sums [M, K]). INT4 / INT8 / 5-bit: rows zero-padded from K
  * to Kp in xp [M, Kp], their group sums in sums [M, Kp / |g|], both the calling thread's own (each thread prepares
  * them itself: no barrier before the rows); infercore_linear_q4 / _q8's values. Ends with the omp for's barrier. */
 static void lin_par(const void *x, int64_t M, int64_t K, const int64_t *L, int64_t N, void *y, int dt, uint16_t *xp,

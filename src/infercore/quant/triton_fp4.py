@@ -83,6 +83,34 @@ def _store_gemv_rows(y_ptr, a0, a1, a2, a3, M, stride_ym, offs_n, n_mask, MR: tl
              mask=(offs_m < M)[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _word_tile(w_rows, kw, nw, EVEN: tl.constexpr):
+    """The GEMVs' words ``kw`` of each row (0 past ``nw`` words unless EVEN), streamed once (evict first)."""
+    if EVEN:
+        w = tl.load(w_rows + kw[None, :], eviction_policy="evict_first")
+    else:
+        w = tl.load(w_rows + kw[None, :], mask=(kw < nw)[None, :], other=0, eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
+def _rows_fma(p0, p1, p2, p3, v, x_ptr, r1, r2, r3, k, K, EVEN: tl.constexpr, MR: tl.constexpr):
+    """The GEMVs' per-code step: ``p<r> += v * x[row r, k]`` for the first MR of four rows (row 0 at offset 0)."""
+    p0 = _fp4_row_fma(p0, v, x_ptr, 0, k, K, EVEN)
+    if MR > 1:
+        p1 = _fp4_row_fma(p1, v, x_ptr, r1, k, K, EVEN)
+    if MR > 2:
+        p2 = _fp4_row_fma(p2, v, x_ptr, r2, k, K, EVEN)
+        p3 = _fp4_row_fma(p3, v, x_ptr, r3, k, K, EVEN)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _group_sums(a, p, sc, f, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """``a + (the sums of p [BLOCK_N, BLOCK_W] over each group of 4 words) * f * sc``."""
+    return a + (tl.sum(tl.reshape(p, [BLOCK_N, BLOCK_W // 4, 4]), axis=2) * f) * sc
+
+
 def gemv_launches(extra: tuple = ()) -> list[triton.Config]:
     """The FP4 GEMV's launch list (fresh objects per autotuner), then ``extra``; the NF4 GEMV shares its loop."""
     return [
@@ -148,10 +176,7 @@ def _fp4_gemv_kernel(
     r3 = tl.minimum(3, M - 1) * stride_xm
     for w0 in range(0, nw, BLOCK_W):
         kw = w0 + offs_w
-        if EVEN:
-            w = tl.load(w_rows + kw[None, :], eviction_policy="evict_first")
-        else:
-            w = tl.load(w_rows + kw[None, :], mask=(kw < nw)[None, :], other=0, eviction_policy="evict_first")
+        w = _word_tile(w_rows, kw, nw, EVEN)
         k0 = ((kw // 4) * 32 + kw % 4)[None, :]  # K of each word's code 0
         kb = w0 // 4 + offs_b
         for h in tl.static_range(NH):
@@ -162,12 +187,7 @@ def _fp4_gemv_kernel(
             for jj in tl.static_range(JH):
                 v = _ilv_code(w, h * JH + jj)
                 k = k0 + 4 * (h * JH + jj)
-                p0 = _fp4_row_fma(p0, v, x_ptr, 0, k, K, EVEN)
-                if MR > 1:
-                    p1 = _fp4_row_fma(p1, v, x_ptr, r1, k, K, EVEN)
-                if MR > 2:
-                    p2 = _fp4_row_fma(p2, v, x_ptr, r2, k, K, EVEN)
-                    p3 = _fp4_row_fma(p3, v, x_ptr, r3, k, K, EVEN)
+                p0, p1, p2, p3 = _rows_fma(p0, p1, p2, p3, v, x_ptr, r1, r2, r3, k, K, EVEN, MR)
             if h == 0:  # the scales after the first codes' loads (as early, they cost a layout exchange)
                 if EVEN:
                     sg = tl.load(s_rows + kb[None, :])
@@ -177,12 +197,12 @@ def _fp4_gemv_kernel(
                 sc = _block_scale((sg.to(tl.int32) >> (8 * h)) & 0xFF, gscale, NV, 26)
             else:
                 sc = _block_scale(sg, gscale, NV, 26)
-            a0 += (tl.sum(tl.reshape(p0, [BLOCK_N, BLOCK_W // 4, 4]), axis=2) * 2.0**100) * sc
+            a0 = _group_sums(a0, p0, sc, 2.0**100, BLOCK_N, BLOCK_W)
             if MR > 1:
-                a1 += (tl.sum(tl.reshape(p1, [BLOCK_N, BLOCK_W // 4, 4]), axis=2) * 2.0**100) * sc
+                a1 = _group_sums(a1, p1, sc, 2.0**100, BLOCK_N, BLOCK_W)
             if MR > 2:
-                a2 += (tl.sum(tl.reshape(p2, [BLOCK_N, BLOCK_W // 4, 4]), axis=2) * 2.0**100) * sc
-                a3 += (tl.sum(tl.reshape(p3, [BLOCK_N, BLOCK_W // 4, 4]), axis=2) * 2.0**100) * sc
+                a2 = _group_sums(a2, p2, sc, 2.0**100, BLOCK_N, BLOCK_W)
+                a3 = _group_sums(a3, p3, sc, 2.0**100, BLOCK_N, BLOCK_W)
     _store_gemv_rows(y_ptr, a0, a1, a2, a3, M, stride_ym, offs_n, n_mask, MR, BLOCK_N)
 
 

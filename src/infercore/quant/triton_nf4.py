@@ -37,7 +37,7 @@ import triton.language as tl
 
 from . import naive
 from .formats import NF4Weight
-from .triton_fp4 import _fp4_row_fma, _join8, _store_gemv_rows, gemv_launches
+from .triton_fp4 import _group_sums, _join8, _rows_fma, _store_gemv_rows, _word_tile, gemv_launches
 from .wo_gemv import _ilv_cached, interleave_words
 from .wo_tiles import (
     _INTERPRET,
@@ -264,10 +264,7 @@ def _nf4_gemv_kernel(
     r3 = tl.minimum(3, M - 1) * stride_xm
     for w0 in range(0, nw, BLOCK_W):
         kw = w0 + offs_w
-        if EVEN:
-            w = tl.load(w_rows + kw[None, :], eviction_policy="evict_first")
-        else:
-            w = tl.load(w_rows + kw[None, :], mask=(kw < nw)[None, :], other=0, eviction_policy="evict_first")
+        w = _word_tile(w_rows, kw, nw, EVEN)
         k0 = ((kw // 4) * 32 + kw % 4)[None, :]  # K of each word's code 0
         v = _decode8(w, t, LUT)
         p0 = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
@@ -275,23 +272,18 @@ def _nf4_gemv_kernel(
         p2 = p0
         p3 = p0
         for j in tl.static_range(8):
-            p0 = _fp4_row_fma(p0, v[j], x_ptr, 0, k0 + 4 * j, K, EVEN)
-            if MR > 1:
-                p1 = _fp4_row_fma(p1, v[j], x_ptr, r1, k0 + 4 * j, K, EVEN)
-            if MR > 2:
-                p2 = _fp4_row_fma(p2, v[j], x_ptr, r2, k0 + 4 * j, K, EVEN)
-                p3 = _fp4_row_fma(p3, v[j], x_ptr, r3, k0 + 4 * j, K, EVEN)
+            p0, p1, p2, p3 = _rows_fma(p0, p1, p2, p3, v[j], x_ptr, r1, r2, r3, k0 + 4 * j, K, EVEN, MR)
         g = w0 // 4 + offs_g
         if EVEN:
             sc = tl.load(a_rows + ((g * 32) // BS)[None, :])
         else:
             sc = tl.load(a_rows + ((g * 32) // BS)[None, :], mask=(g < nw // 4)[None, :], other=0.0)
-        a0 += tl.sum(tl.reshape(p0, [BLOCK_N, BLOCK_W // 4, 4]), axis=2) * sc
+        a0 = _group_sums(a0, p0, sc, 1.0, BLOCK_N, BLOCK_W)
         if MR > 1:
-            a1 += tl.sum(tl.reshape(p1, [BLOCK_N, BLOCK_W // 4, 4]), axis=2) * sc
+            a1 = _group_sums(a1, p1, sc, 1.0, BLOCK_N, BLOCK_W)
         if MR > 2:
-            a2 += tl.sum(tl.reshape(p2, [BLOCK_N, BLOCK_W // 4, 4]), axis=2) * sc
-            a3 += tl.sum(tl.reshape(p3, [BLOCK_N, BLOCK_W // 4, 4]), axis=2) * sc
+            a2 = _group_sums(a2, p2, sc, 1.0, BLOCK_N, BLOCK_W)
+            a3 = _group_sums(a3, p3, sc, 1.0, BLOCK_N, BLOCK_W)
     _store_gemv_rows(y_ptr, a0, a1, a2, a3, M, stride_ym, offs_n, n_mask, MR, BLOCK_N)
 
 

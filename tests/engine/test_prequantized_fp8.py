@@ -405,3 +405,11 @@ def test_fp8_checkpoint_on_cuda(tmp_path):
     as ``engine_helpers.check_prequantized_on_cuda`` says (lm_head excluded: dense)."""
     path, ref = write_native(tmp_path, own=True, **BLOCKED)
     check_prequantized_on_cuda(path, ref)
+
+
+@pytest.mark.gpu
+def test_fbgemm_fp8_checkpoint_on_cuda(tmp_path):
+    """A ``quant_method: "fbgemm_fp8"`` directory (per-row scales; the FP8 weight-only kernels) on CUDA, checked as
+    ``engine_helpers.check_prequantized_on_cuda`` says (lm_head excluded: dense)."""
+    path, ref = write_fbgemm(tmp_path)
+    check_prequantized_on_cuda(path, ref)

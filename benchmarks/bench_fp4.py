@@ -8,7 +8,6 @@ stream from HBM as in decode. Each call is first checked against the reference. 
 
     python benchmarks/bench_fp4.py --out $OUT/r/fp4.json     # GPU, ~1-2 min
     python benchmarks/bench_fp4.py --fmts nf4 --out $OUT/r/nf4.json
-    python benchmarks/bench_fp4.py --fmts nf4 --ms 3,16 --variants 'tiled;64:4:64:4:3' --out ...  # a sweep
 """
 
 # ruff: noqa: B023  (closures are run inside the loop iteration that defines them)
@@ -41,10 +40,6 @@ def main() -> None:
     ap.add_argument("--fmts", default="mxfp4,nvfp4", help="of mxfp4, nvfp4, nf4")
     ap.add_argument("--nf4-dequant-min", type=int, default=0, help="override triton_nf4.DEQUANT_M_MIN (a sweep)")
     ap.add_argument("--nf4-gemv-max", type=int, default=-1, help="override triton_nf4.GEMV_M_MAX (a sweep)")
-    ap.add_argument("--variants", default="",
-                    help="';'-separated extra rows of every format at 3-64 rows: 'tiled' (the pairs kernel off), "
-                         "'max<rows>' (its PAIRS_M_MAX) or a pairs launch "
-                         "'block_n:programs_per_sm:block_k:num_warps:num_stages' (a sweep)")
     args = ap.parse_args()
     from infercore.quant import triton_nf4
 
@@ -99,32 +94,19 @@ def main() -> None:
                                                                             quant_state=bq[i % len(bq)][1]), len(bq))
             except Exception as e:  # noqa: BLE001  (printed: a peer that could not be timed the same way)
                 print("bitsandbytes matmul_4bit not timed:", repr(e)[:300], flush=True)
-        variants = [(fmt, q, None) for fmt, q in fp4.items()]
-        if args.variants and 2 < m <= 64:
-            variants += [(f"{f}[{v}]", q, v) for f, q in fp4.items() for v in args.variants.split(";")]
-        for fmt, q, variant in variants:
+        for fmt, q in fp4.items():
             mm, ref, nbytes, copy = parts(q)
-            saved = dict(triton_nf4.PAIRS_CFG), triton_nf4.PAIRS_M_MAX
-            if variant == "tiled":
-                triton_nf4.PAIRS_M_MAX = 0
-            elif variant and variant.startswith("max"):
-                triton_nf4.PAIRS_M_MAX = int(variant[3:])
-            elif variant:
-                triton_nf4.PAIRS_CFG.update(zip(("block_n", "programs_per_sm", "block_k", "num_warps", "num_stages"),
-                                                (int(v) for v in variant.split(":"))))
             err = rel_err(mm(x, q), ref(x, q))
             cq = copies_of(nbytes)
             qs = [q] + [copy() for _ in range(cq - 1)]
             us = timer(lambda i: mm(x, qs[i % cq]), cq)
-            triton_nf4.PAIRS_CFG.update(saved[0])
-            triton_nf4.PAIRS_M_MAX = saved[1]
             floor = nbytes / bw * 1e6
             row = {"fmt": fmt, "m": m, "us": us, "bf16_us": bf16_us, "x_bf16": bf16_us / us,
                    "int4_us": peers["int4 w4a16-g128 (dispatcher)"], "floor_us": floor, "err": err,
-                   "bnb_us": peers.get("bitsandbytes matmul_4bit nf4") if fmt.startswith("nf4") else None}
+                   "bnb_us": peers.get("bitsandbytes matmul_4bit nf4") if fmt == "nf4" else None}
             rows.append(row)
             print(row, flush=True)
-            label = fmt if fmt.startswith("nf4") else f"fp4 weight-only {fmt}"
+            label = "nf4" if fmt == "nf4" else f"fp4 weight-only {fmt}"
             cases.append(case(f"{label} N={n} K={k} M={m} bf16", metric="time", unit="us", ours=us,
                               peers=peers, floor=floor, speedup_vs_bf16=bf16_us / us, rel_err=err,
                               weight_bytes=nbytes, copy_bw_TBps=bw / 1e12))  # fmt: skip

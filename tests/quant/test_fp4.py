@@ -117,26 +117,6 @@ def test_kernels_match_the_reference(fmt, k, m, dtype):
     assert ((y.float() - r.float()).norm() / r.float().norm()).item() < tol
 
 
-@pytest.mark.parametrize("fmt, m, dtype", [("mxfp4", 5, torch.float32), ("nvfp4", 16, torch.float32),
-                                           ("nvfp4", 9, torch.float16)])
-def test_pairs_kernel_matches_the_reference(monkeypatch, fmt, m, dtype):
-    # 5-16 rows, K a multiple of 64: the tensor-core pairs kernel (triton_nf4.launch_pairs) with the e2m1 table, the
-    # block scales multiplied into the operand pairs, split-K finished in the kernel
-    from infercore.quant import triton_nf4
-
-    calls = []
-    real = triton_nf4.launch_pairs
-    monkeypatch.setattr(triton_nf4, "launch_pairs", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
-    torch.manual_seed(m)
-    q = FP4Weight.quantize(_weights(n=40, k=384), fmt=fmt)
-    x = torch.randn(m, 384).to(dtype)
-    y = triton_fp4.fp4_matmul_triton(x, q)
-    r = R.fp4_matmul_ref(x, q)
-    assert calls == [(m, 384)] and y.dtype == dtype
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
-    assert ((y.float() - r.float()).norm() / r.float().norm()).item() < tol
-
-
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_gemv_words_layout(fmt):
     # word i of each group of 32 codes holds codes i + 4 j at bits 4 j (one MXFP4 block, two NVFP4 blocks)

@@ -124,27 +124,6 @@ def test_triton_kernels_match_the_reference(m, bs):
     assert torch.equal(triton_nf4.dequant_nf4_triton(w, torch.float32), w.dequantize())
 
 
-@pytest.mark.parametrize("m,bs,dtype", [(3, 64, torch.float16), (16, 128, torch.float16), (9, 256, torch.float32)])
-def test_triton_pairs_kernel(monkeypatch, m, bs, dtype):
-    # 3-16 rows, blocks of 64 codes and more: the tensor-core pairs kernel (split-K finished in the kernel); the
-    # codebook rounded to x's 16-bit dtype, each block's sums scaled in fp32 (bf16 on the GPU only: the interpreter's
-    # bf16 dot is not exact)
-    from infercore.quant import triton_nf4
-
-    calls = []
-    real = triton_nf4.launch_pairs
-    monkeypatch.setattr(triton_nf4, "launch_pairs", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
-    torch.manual_seed(m + bs)
-    w = NF4Weight.quantize(torch.randn(40, 768), blocksize=bs)
-    x = torch.randn(m, 768).to(dtype)
-    bias = torch.randn(40).to(dtype)
-    y = triton_nf4.nf4_matmul_triton(x, w, bias)
-    assert calls == [(m, 768)] and y.dtype == dtype
-    assert _rel(y, naive.nf4_matmul_ref(x, w, bias)) < (1e-5 if dtype == torch.float32 else 6e-3)
-    y2 = triton_nf4.nf4_matmul_triton(x, w, bias)  # the arrival counters were reset: the same sums again
-    assert torch.equal(y, y2)
-
-
 def test_triton_odd_k_takes_the_reference():
     from infercore.quant import triton_nf4
 
@@ -186,23 +165,6 @@ def test_nf4_on_cuda_bf16(m):
     assert resolve("quant.nf4_matmul", x.device).name == "triton"
     y = nf4_matmul(x, w, bias=bias)
     assert y.dtype == torch.bfloat16 and _rel(y, naive.nf4_matmul_ref(x, w, bias)) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bs", [64, 128, 256])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_nf4_cuda_pairs_kernel(bs, dtype):
-    # the tensor-core pairs kernel (3-16 rows): codebook pairs from byte permutes, split-K finished in the kernel
-    from infercore.quant import triton_nf4
-
-    torch.manual_seed(bs)
-    w = NF4Weight.quantize(torch.randn(3000, 2048, device="cuda") * 0.02, blocksize=bs)
-    for m in (3, 8, 16):
-        x = torch.randn(m, 2048, device="cuda").to(dtype)
-        assert triton_nf4._pairs_ok(w, m, x)
-        y = triton_nf4.nf4_matmul_triton(x, w)
-        assert _rel(y, naive.nf4_matmul_ref(x, w)) < 1e-2
-        assert torch.equal(y, triton_nf4.nf4_matmul_triton(x, w))
 
 
 @pytest.mark.gpu

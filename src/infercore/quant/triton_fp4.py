@@ -316,31 +316,6 @@ def _gemv_ok(w: FP4Weight) -> bool:
                                                   and s.data_ptr() % 2 == 0))
 
 
-_E2M1: dict[torch.device, torch.Tensor] = {}
-
-
-def _e2m1_table(device: torch.device) -> torch.Tensor:
-    """The 16 e2m1 values (fp32) on ``device``: code c is ``(-1)^(c >> 3)`` times
-    ``[0, .5, 1, 1.5, 2, 3, 4, 6][c & 7]``."""
-    t = _E2M1.get(device)
-    if t is None:
-        mag = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-        t = _E2M1[device] = torch.cat([mag, -mag]).to(device)
-    return t
-
-
-def _pairs_ok(w: FP4Weight, m: int, x: torch.Tensor) -> bool:
-    """The tensor-core pairs kernel (``triton_nf4.launch_pairs``) from GEMV_M_MAX + 1 rows to its PAIRS_M_MAX:
-    16-bit activations (MXFP4: bf16, whose range holds every e8m0 scale; fp32 in the interpreter, for the tests), K a
-    multiple of its BLOCK_K."""
-    from . import triton_nf4
-
-    bk = triton_nf4.PAIRS_CFG["block_k"]
-    ok_dtype = x.dtype == torch.bfloat16 or (x.dtype == torch.float16 and w.fmt == "nvfp4")
-    return (GEMV_M_MAX < m <= triton_nf4.PAIRS_M_MAX and w.shape[1] % bk == 0 and bk % w.block == 0
-            and bk >= 64 and (ok_dtype or (_INTERPRET and x.dtype == torch.float32)))
-
-
 def fp4_matmul_triton(x: torch.Tensor, w: FP4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K]`` (fp16/bf16/fp32) times the FP4 weight ``w`` (logical ``[N, K]``) -> ``[M, N]`` in ``x.dtype``;
     ``bias``: optional ``[N]``."""
@@ -356,12 +331,7 @@ def fp4_matmul_triton(x: torch.Tensor, w: FP4Weight, bias: torch.Tensor | None =
     # the GEMV's words, made once and kept beside the codes (wo_gemv's repack cache: INFERCORE_WO_REPACK=0 declines
     # them, and a CUDA-graph capture does not make them); without them the tiled kernel takes these rows too
     words = _ilv_cached(w.qweight, lambda: fp4_words(w)) if m <= GEMV_M_MAX and _gemv_ok(w) else None
-    if words is None and _pairs_ok(w, m, x):
-        from . import triton_nf4
-
-        y = triton_nf4.launch_pairs(x.contiguous(), w.qweight, w.scales, _e2m1_table(x.device), n, w.block,
-                                    2 if nv else 1, w.global_scale)
-    elif words is not None:
+    if words is not None:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         _fp4_gemv_kernel[grid](x, words, w.scales, y, m, n, k, x.stride(0), words.stride(0), w.scales.stride(0),
                                y.stride(0), w.global_scale, NV=nv, BS=w.block, MR=triton.next_power_of_2(m))

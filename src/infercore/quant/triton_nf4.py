@@ -35,13 +35,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..ops.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
 from . import naive
-from ._splitk import arrival_counters
 from .formats import NF4Weight
-from .triton_dequant import _fp8_e4m3_bits_to_f32
 from .triton_fp4 import _group_sums, _join8, _rows_fma, _store_gemv_rows, _word_tile, gemv_launches
-from .wo_gemv import _gemv_finish, _ilv_cached, interleave_words
+from .wo_gemv import _ilv_cached, interleave_words
 from .wo_tiles import (
     _INTERPRET,
     _configs,
@@ -53,7 +50,6 @@ from .wo_tiles import (
     _store_tile,
     _x_tile,
 )
-from .wo_words import _unpair
 
 # rows the GEMV takes: at 3-4 rows its 4-row form ran 45.1 / 45.7 us against the tiled kernel's 42.8 / 42.8
 # (14336 x 4096, H100; sweeps/nf4_prmt_h100_select_decode.json, nf4_prmt_h100_gemv_max2.json)
@@ -63,11 +59,6 @@ GEMV_M_MAX = 2
 # select tree) + cuBLAS 136 / 139 (nf4_prmt_h100_select_decode.json); the byte-permute decode made the latter 111 at
 # 192 rows, 113 at 256 (nf4_prmt_h100.json)
 DEQUANT_M_MIN = 192
-# rows the tensor-core pairs kernel takes (from GEMV_M_MAX + 1; absmax blocks a multiple of 64 codes, K a multiple
-# of its BLOCK_K), and its launch: channels a program, programs aimed per multiprocessor (split-K fills the rest),
-# codes along K an iteration (at most the blocksize), warps and pipeline stages
-PAIRS_M_MAX = 16
-PAIRS_CFG = {"block_n": 128, "programs_per_sm": 4, "block_k": 64, "num_warps": 4, "num_stages": 3}
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 # Eight codes of a word (code j at bits 4j) -> eight fp32 values; $8 the word, $9-$12 the low bytes of the fp16
@@ -135,53 +126,20 @@ _PRMT8_F32 = tl.constexpr(_prmt8_f32())
 _PRMT8_F32_CONS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 17))
 
 
-def _prmt_pairs() -> str:
-    """Eight codes of a word -> four registers of two 16-bit codebook values each (codes 2p, 2p + 1 in output p, low
-    half first): the lookup of ``_PRMT8`` without the fp32 conversion, so each register is already a tensor-core
-    operand pair. $4 the word, $5-$8 the low bytes of the 16-bit codebook, $9-$12 the high bytes."""
-    body = ["{", ".reg .b32 s, q, t, u, m, la, lb, ha, hb, lo, hi, z, e;", "mov.b32 z, 0;", "mov.b32 e, 0x80808080;"]
-    for half in (0, 1):
-        body += ["mov.b32 s, $4;" if half == 0 else "shr.u32 s, $4, 16;", "and.b32 q, s, 0x7777;",
-                 "and.b32 t, s, 0x8888;", "shr.u32 u, t, 1;", "or.b32 u, u, t;", "or.b32 u, u, 0x3210;",
-                 "prmt.b32 m, z, e, u;", "prmt.b32 la, $5, $6, q;", "prmt.b32 lb, $7, $8, q;",
-                 "prmt.b32 ha, $9, $10, q;", "prmt.b32 hb, $11, $12, q;", "xor.b32 lb, lb, la;", "and.b32 lb, lb, m;",
-                 "xor.b32 lo, la, lb;", "xor.b32 hb, hb, ha;", "and.b32 hb, hb, m;", "xor.b32 hi, ha, hb;",
-                 f"prmt.b32 ${2 * half}, lo, hi, 0x5140;", f"prmt.b32 ${2 * half + 1}, lo, hi, 0x7362;"]
-    return "\n".join(body + ["}"])
-
-
-_PRMT_PAIRS = tl.constexpr(_prmt_pairs())
-_PRMT_PAIRS_CONS = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 9))
-
-
 @triton.jit
 def _fp16_bits(lut_ptr, i: tl.constexpr):
     return tl.load(lut_ptr + i).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
 
 
 @triton.jit
-def _bf16_bits(lut_ptr, i: tl.constexpr):
-    return tl.load(lut_ptr + i).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-
-
-@triton.jit
-def _bits16(lut_ptr, i: tl.constexpr, BF16: tl.constexpr):
-    if BF16:
-        r = _bf16_bits(lut_ptr, i)
-    else:
-        r = _fp16_bits(lut_ptr, i)
-    return r
-
-
-@triton.jit
-def _byte_table(lut_ptr, i0: tl.constexpr, HIGH: tl.constexpr, BF16: tl.constexpr = False):
-    """The low (or high) bytes of the fp16 (bf16) codebook entries ``i0 .. i0 + 3`` as one int32, entry ``i0 + j`` in
-    byte ``j``."""
+def _byte_table(lut_ptr, i0: tl.constexpr, HIGH: tl.constexpr):
+    """The low (or high) bytes of the fp16 codebook entries ``i0 .. i0 + 3`` as one int32, entry ``i0 + j`` in byte
+    ``j``."""
     sh: tl.constexpr = 8 if HIGH else 0
-    r = (_bits16(lut_ptr, i0, BF16) >> sh) & 0xFF
-    r |= ((_bits16(lut_ptr, i0 + 1, BF16) >> sh) & 0xFF) << 8
-    r |= ((_bits16(lut_ptr, i0 + 2, BF16) >> sh) & 0xFF) << 16
-    return r | (((_bits16(lut_ptr, i0 + 3, BF16) >> sh) & 0xFF) << 24)
+    r = (_fp16_bits(lut_ptr, i0) >> sh) & 0xFF
+    r |= ((_fp16_bits(lut_ptr, i0 + 1) >> sh) & 0xFF) << 8
+    r |= ((_fp16_bits(lut_ptr, i0 + 2) >> sh) & 0xFF) << 16
+    return r | (((_fp16_bits(lut_ptr, i0 + 3) >> sh) & 0xFF) << 24)
 
 
 @triton.jit
@@ -368,145 +326,6 @@ def _nf4_kernel(
     _store_tile(y_ptr, acc, offs_m, m_mask, offs_n, n_mask, stride_ym)
 
 
-
-@triton.jit
-def _pair_tables(lut_ptr, LUT: tl.constexpr, BF16: tl.constexpr):
-    """The pairs kernel's lookup operands: LUT 1 the eight byte tables of the codebook rounded to x's 16-bit dtype
-    (BF16 or fp16), LUT 0 the 16 fp32 codebook values."""
-    if LUT == 1:
-        z = tl.full((), 0, tl.int32)
-        t = (_byte_table(lut_ptr, 0, False, BF16), _byte_table(lut_ptr, 4, False, BF16),
-             _byte_table(lut_ptr, 8, False, BF16), _byte_table(lut_ptr, 12, False, BF16),
-             _byte_table(lut_ptr, 0, True, BF16), _byte_table(lut_ptr, 4, True, BF16),
-             _byte_table(lut_ptr, 8, True, BF16), _byte_table(lut_ptr, 12, True, BF16), z, z, z, z, z, z, z, z)
-    else:
-        t = _tables(lut_ptr, 0)
-    return t
-
-
-@triton.jit
-def _mul_pairs(r, s2, BF16: tl.constexpr):
-    """Two 16-bit floats per int32 of ``r`` times the pair ``s2`` (round to nearest: exact for FP4 codes times their
-    block scales)."""
-    if BF16:
-        out = tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [r, s2], dtype=tl.int32, is_pure=True,
-                                        pack=1)
-    else:
-        out = tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [r, s2], dtype=tl.int32, is_pure=True,
-                                        pack=1)
-    return out
-
-
-@triton.jit
-def _pair_of(v0, v1, sc, like, SCALED: tl.constexpr):
-    """Values ``v0``, ``v1`` (fp32 ``[R, C]``) -> ``[R, 2C]`` in ``like``'s dtype (word-major), times ``sc [R, C]`` in
-    that dtype when SCALED."""
-    R: tl.constexpr = v0.shape[0]
-    C: tl.constexpr = v0.shape[1]
-    a = v0.to(like.dtype)
-    b = v1.to(like.dtype)
-    if SCALED:
-        a = (a * sc).to(like.dtype)
-        b = (b * sc).to(like.dtype)
-    return tl.reshape(tl.join(a, b), [R, 2 * C])
-
-
-@triton.jit
-def _code_pairs(w, t, like, sc, LUT: tl.constexpr, SCALED: tl.constexpr):
-    """The codes of int32 words ``w [R, C]`` (code j at bits 4j) as four ``[R, 2C]`` tensors in ``like``'s dtype:
-    tensor p holds codes 2p, 2p + 1 of each word (word-major). LUT 1: byte permutes straight into operand pairs;
-    LUT 0: the exact values by select trees, rounded to ``like``'s dtype. SCALED: times ``sc`` (``[R, C]`` in
-    ``like``'s dtype, one value a word)."""
-    if LUT == 1:
-        r = tl.inline_asm_elementwise(_PRMT_PAIRS, _PRMT_PAIRS_CONS, [w, t[0], t[1], t[2], t[3], t[4], t[5], t[6],
-                                      t[7]], dtype=(tl.int32,) * 4, is_pure=True, pack=1)  # fmt: skip
-        r0, r1, r2, r3 = r[0], r[1], r[2], r[3]
-        if SCALED:
-            bits = sc.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            s2 = bits | (bits << 16)
-            bf: tl.constexpr = like.dtype == tl.bfloat16
-            r0 = _mul_pairs(r0, s2, bf)
-            r1 = _mul_pairs(r1, s2, bf)
-            r2 = _mul_pairs(r2, s2, bf)
-            r3 = _mul_pairs(r3, s2, bf)
-        out = (_unpair(r0, like), _unpair(r1, like), _unpair(r2, like), _unpair(r3, like))
-    else:
-        v = _decode8(w, t, 0)
-        out = (_pair_of(v[0], v[1], sc, like, SCALED), _pair_of(v[2], v[3], sc, like, SCALED),
-               _pair_of(v[4], v[5], sc, like, SCALED), _pair_of(v[6], v[7], sc, like, SCALED))
-    return out
-
-
-@triton.jit
-def _x_pair(x_ptr, rows_x, m_mask, kw0, P: tl.constexpr, BKW: tl.constexpr):
-    """Activations of code pair ``P`` of words ``kw0 .. kw0 + BKW``: ``x[rows, 8 w + 2 P + h]`` as
-    ``[BLOCK_M, 2 BKW]`` (word-major, then ``h``), the order of ``_code_pairs``."""
-    wi = kw0 + tl.arange(0, BKW)
-    offs = tl.reshape(8 * wi[:, None] + 2 * P + tl.arange(0, 2)[None, :], [2 * BKW])
-    return tl.load(x_ptr + rows_x + offs[None, :], mask=m_mask[:, None], other=0.0)
-
-
-@triton.jit
-def _pairs_kernel(
-    x_ptr, q_ptr, s_ptr, lut_ptr, ws_ptr, y_ptr, cnt_ptr, M, N, K, k_per_split, stride_xm, stride_qn, stride_sn,
-    stride_ym, gscale,
-    BS: tl.constexpr, SCALE: tl.constexpr, LUT: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr,
-    NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):  # fmt: skip
-    """Small-M 4-bit codebook weights on tensor cores (the INT4 words kernel's design, ``wo_words``): the stored codes
-    read as int32 words (word w: K = 8w .. 8w + 7, code j at bits 4j), looked up by byte permutes straight into
-    16-bit operand pairs, the weights as the dot's A operand (``w @ x^T``, rows padded to BLOCK_M), one dot per code
-    pair over the activations gathered in the same order. Block scales, by SCALE: 0 fp32 absmax per BS codes (NF4;
-    BLOCK_K divides BS), each block's sums scaled once in fp32; 1 / 2 e8m0 / e4m3 bytes per BS codes (MXFP4 / NVFP4;
-    BS divides BLOCK_K), multiplied into the operand pairs in the activation dtype (exact for e2m1 codes), NVFP4's
-    ``gscale`` at the end. Grid ``(cdiv(N, BLOCK_N), split)``; BLOCK_K divides ``k_per_split``; split-K partials
-    summed by the last program of each channel tile (``_gemv_finish``)."""
-    BKW: tl.constexpr = BLOCK_K // 8
-    pdl_release(USE_PDL)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: every row loads, the store masks
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    rows_x = offs_m.to(tl.int64)[:, None] * stride_xm
-    w_rows = q_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_qn // 4)
-    s_rows = s_ptr + rows * stride_sn
-    t = _pair_tables(lut_ptr, LUT, x_ptr.dtype.element_ty == tl.bfloat16)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    pdl_wait(USE_PDL)  # before x: the previous kernel writes it
-    kw_start = tl.program_id(1) * (k_per_split // 8)
-    kw_end = tl.minimum(kw_start + k_per_split // 8, K // 8)
-    for kw0 in range(kw_start, kw_end, BKW):
-        kw = kw0 + tl.arange(0, BKW)
-        w = tl.load(w_rows + kw[None, :], eviction_policy="evict_first")
-        x0 = _x_pair(x_ptr, rows_x, m_mask, kw0, 0, BKW)
-        sc = x0  # unused unless SCALE
-        if SCALE != 0:  # one scale a word, in x's dtype
-            sb = tl.load(s_rows[:, None] + ((8 * kw) // BS)[None, :])
-            if SCALE == 1:
-                e = sb.to(tl.int32)
-                sc = tl.where(e == 0, 2.0**-127, (e << 23).to(tl.float32, bitcast=True))  # 2^(e - 127)
-            else:
-                sc = _fp8_e4m3_bits_to_f32(sb) * 2.0**120
-            sc = sc.to(x0.dtype)
-        pr = _code_pairs(w, t, x0, sc, LUT, SCALE != 0)
-        part = tl.dot(pr[0], tl.trans(x0), input_precision=DOT_PRECISION)
-        part = tl.dot(pr[1], tl.trans(_x_pair(x_ptr, rows_x, m_mask, kw0, 1, BKW)), part,
-                      input_precision=DOT_PRECISION)
-        part = tl.dot(pr[2], tl.trans(_x_pair(x_ptr, rows_x, m_mask, kw0, 2, BKW)), part,
-                      input_precision=DOT_PRECISION)
-        part = tl.dot(pr[3], tl.trans(_x_pair(x_ptr, rows_x, m_mask, kw0, 3, BKW)), part,
-                      input_precision=DOT_PRECISION)
-        if SCALE == 0:
-            acc += part * tl.load(s_rows + (kw0 * 8) // BS)[:, None]
-        else:
-            acc += part
-    if SCALE == 2:
-        acc = acc * gscale
-    _gemv_finish(tl.trans(acc), ws_ptr, y_ptr, cnt_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, M, N, SPLIT_K,
-                 NSPLIT)
-
 @triton.jit
 def _dequant_nf4_kernel(qw_ptr, am_ptr, lut_ptr, y_ptr, N, K, stride_qn, stride_an, stride_yn, BS: tl.constexpr,
                         LUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -550,41 +369,6 @@ def dequant_nf4_triton(w: NF4Weight, dtype: torch.dtype) -> torch.Tensor:
     return y
 
 
-def _pairs_ok(w: NF4Weight, m: int, x: torch.Tensor) -> bool:
-    k, bs = w.shape[1], w.blocksize
-    bk = min(PAIRS_CFG["block_k"], bs)
-    return (GEMV_M_MAX < m <= PAIRS_M_MAX and bk >= 64 and bs % bk == 0 and k % bk == 0
-            and (_INTERPRET or x.dtype in (torch.float16, torch.bfloat16)))
-
-
-def launch_pairs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, lut: torch.Tensor, n: int, bs: int,
-                 scale_mode: int, gscale: float = 1.0, block_k: int | None = None) -> torch.Tensor:
-    """``_pairs_kernel`` over ``x [M, K]`` (contiguous) and 4-bit codes ``qweight`` (uint8 ``[N, K / 2]``, code 2j in
-    the low nibble) with ``scales`` per ``bs`` codes (``scale_mode`` as the kernel's SCALE) and the 16-entry fp32
-    codebook ``lut``: ``[M, N]`` in x's dtype. The caller checks that the shapes suit the kernel."""
-    m, k = x.shape
-    cfg = PAIRS_CFG
-    bk = block_k or (min(cfg["block_k"], bs) if scale_mode == 0 else cfg["block_k"])
-    bn = 16 if _INTERPRET else cfg["block_n"]
-    tiles = triton.cdiv(n, bn)
-    sms = 4 if _INTERPRET else torch.cuda.get_device_properties(x.device).multi_processor_count
-    split = max(1, min(triton.cdiv(cfg["programs_per_sm"] * sms, tiles), k // bk))
-    kps = triton.cdiv(triton.cdiv(k, split), bk) * bk
-    split = triton.cdiv(k, kps)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    cnt = arrival_counters(x.device, tiles) if split > 1 else y
-    extra = {} if _INTERPRET else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    half = x.dtype in (torch.float16, torch.bfloat16)
-    _pairs_kernel[(tiles, split)](
-        x, qweight, scales, lut, ws, y, cnt, m, n, k, kps, x.stride(0), qweight.stride(0), scales.stride(0),
-        y.stride(0), gscale, BS=bs, SCALE=scale_mode, LUT=1 if half and not _INTERPRET else 0,
-        DOT_PRECISION=_dot_precision(x.dtype), SPLIT_K=split > 1, NSPLIT=split,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk, **extra,
-        **pdl_launch(pdl_enabled(x)))  # fmt: skip
-    return y
-
-
 def nf4_words(w: NF4Weight) -> torch.Tensor:
     """The codes of ``w`` as int32 words ``[N, K / 8]`` in the GEMV's interleaved layout (within each group of 32
     codes, word ``i`` holds codes ``i + 4j`` at bits ``4j``; the FP4 GEMV's layout)."""
@@ -610,9 +394,7 @@ def nf4_matmul_triton(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None =
         return y
     lut = 1 if half and not _INTERPRET else 0
     words = _ilv_cached(qw, lambda: nf4_words(w)) if m <= GEMV_M_MAX and w.blocksize % 32 == 0 else None
-    if words is None and _pairs_ok(w, m, x):
-        y = launch_pairs(x, qw, am, book, n, w.blocksize, 0)
-    elif words is not None:
+    if words is not None:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         _nf4_gemv_kernel[grid](x, words, am, book, y, m, n, k, x.stride(0), words.stride(0), am.stride(0),
                                y.stride(0), BS=w.blocksize, LUT=lut, MR=triton.next_power_of_2(m))

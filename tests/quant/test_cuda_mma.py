@@ -260,3 +260,117 @@ def test_a_repack_is_first_launched_without_the_early_launch():
     key = id(a)
     del a
     assert key not in CM._LAUNCHED  # forgotten with the tensor: a new one at the same address starts over
+
+
+# ---- NF4 (bitsandbytes 4-bit codebook weights): the INT4 unit layout with each word's nibbles paired ----
+
+
+def _bperm(a: int, b: int, sel: int) -> int:
+    """CUDA ``__byte_perm(a, b, sel)``: result byte i is byte ``sel_i & 7`` of (a, b)."""
+    src = [(a >> (8 * i)) & 255 for i in range(4)] + [(b >> (8 * i)) & 255 for i in range(4)]
+    return sum(src[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+
+def _prmt2(a: int, b: int, sel: int) -> int:
+    """PTX ``prmt.b32 d, a, b, sel`` (default mode): as ``_bperm``, and a selector nibble's bit 3 replicates the
+    selected byte's sign bit."""
+    src = [(a >> (8 * i)) & 255 for i in range(4)] + [(b >> (8 * i)) & 255 for i in range(4)]
+    out = 0
+    for i in range(4):
+        s = (sel >> (4 * i)) & 15
+        v = src[s & 7]
+        out |= ((255 if v & 0x80 else 0) if s & 8 else v) << (8 * i)
+    return out
+
+
+def _nf4_quad(s: int, t: list) -> tuple[int, int]:
+    """wo_mma.cu's nf4_quad(): the codes in the low 16 bits of ``s`` -> (codes 0, 1), (codes 2, 3) as 16-bit pairs."""
+    q, tt = s & 0x7777, s & 0x8888
+    m = _prmt2(0, 0x80808080, (tt >> 1) | tt | 0x3210)
+    la, lb = _bperm(t[0], t[1], q), _bperm(t[2], t[3], q)
+    ha, hb = _bperm(t[4], t[5], q), _bperm(t[6], t[7], q)
+    lo, hi = la ^ ((la ^ lb) & m), ha ^ ((ha ^ hb) & m)
+    return _bperm(lo, hi, 0x5140), _bperm(lo, hi, 0x7362)
+
+
+def _nf4(n, k, bs=64, seed=0):
+    from infercore.quant import NF4Weight
+
+    torch.manual_seed(seed)
+    return NF4Weight.quantize(torch.randn(n, k), blocksize=bs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nf4_byte_permute_lookup(dtype):
+    # every code in every position of a word: the looked-up 16-bit value is the codebook entry rounded to dtype
+    q = _nf4(16, 128)
+    t = [int(v) & 0xFFFFFFFF for v in CM.nf4_tables(q.codebook, dtype)]
+    want = q.codebook.to(dtype).view(torch.int16).int() & 0xFFFF
+    torch.manual_seed(1)
+    for word in [0, 0xFFFFFFFF, 0x76543210, 0xFEDCBA98, *torch.randint(0, 2**31, (200,)).tolist()]:
+        for half in (0, 1):
+            a, b = _nf4_quad(word >> (16 * half), t)
+            codes = [(word >> (16 * half + 4 * i)) & 15 for i in range(4)]
+            got = [a & 0xFFFF, a >> 16, b & 0xFFFF, b >> 16]
+            assert got == [int(want[c]) for c in codes]
+
+
+@pytest.mark.parametrize("n,k,bs", [(300, 256, 64), (256, 384, 128), (264, 256, 256)])
+def test_nf4_repack_round_trip(n, k, bs):
+    q = _nf4(n, k, bs)
+    words, s = CM.repack_nf4(q)
+    assert CM.nf4_ok(q) and words.numel() == math.ceil(n / 256) * (k // 128) * 256 * 16
+    assert s.numel() == math.ceil(n / 256) * (k // 128) * 256 * 2
+    codes, am = CM.unpack_nf4(words, s, n, k)
+    from infercore.quant.fp4 import unpack_nibbles
+
+    assert torch.equal(codes, unpack_nibbles(q.qweight).int())
+    assert torch.equal(am, q.absmax.float()[:, (torch.arange(k // 64) * 64) // bs])
+    assert not CM.nf4_ok(_nf4(64, 256, 32)) and not CM.nf4_ok(_nf4(64, 192, 64))
+    with pytest.raises(ValueError, match="absmax blocks of 64"):
+        CM.repack_nf4(_nf4(64, 256, 32))
+
+
+def test_nf4_kernel_math_emulated():
+    """What wo_mma.cu computes for NF4: per unit, warp and lane the words decoded by nf4_quad into the A registers
+    (low half a0, a2; high half a1, a3), the two 64-K halves accumulated apart and scaled by their absmax."""
+    n, k, nw, mt = 264, 256, 8, 2
+    q = _nf4(n, k, 64, seed=3)
+    words, s = CM.repack_nf4(q)
+    dt = torch.bfloat16
+    t = [int(v) & 0xFFFFFFFF for v in CM.nf4_tables(q.codebook, dt)]
+    x = torch.randn(2, k).to(dt)
+    wn, bn = 16 * mt, 16 * nw * mt
+    nbk, kt = math.ceil(n / bn), k // 128
+    w = words.view(nbk, kt, nw, 2 * mt, 32, 4)
+    sw = s.view(nbk, kt, nw, 8, 2, 2 * mt)  # [nb, kt, warp, g, half, tile]
+    y = torch.zeros(2, nbk * bn, dtype=torch.float64)
+
+    def val(bits):
+        return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(dt).double().item()
+
+    for nb in range(nbk):
+        for u in range(kt):
+            xt = x[:, u * 128:(u + 1) * 128].double()
+            for warp in range(nw):
+                wq = torch.zeros(wn, 128, dtype=torch.float64)
+                for lane in range(32):
+                    g, c = lane // 4, lane % 4
+                    for j in range(2 * mt):
+                        for e in range(4):
+                            st, p = (4 * j + e) // mt, (4 * j + e) % mt
+                            word = int(w[nb, u, warp, j, lane, e]) & 0xFFFFFFFF
+                            a0, a2 = _nf4_quad(word, t)
+                            a1, a3 = _nf4_quad(word >> 16, t)
+                            for reg, dch, dk in ((a0, 0, 0), (a1, 8, 0), (a2, 0, 8), (a3, 8, 8)):
+                                for h in (0, 1):
+                                    wq[p * 16 + g + dch, st * 16 + 2 * c + dk + h] = val((reg >> (16 * h)) & 0xFFFF)
+                scale = sw[nb, u, warp].permute(1, 2, 0).reshape(2, wn).double()  # [half, channel t * 8 + g]
+                for h in (0, 1):
+                    part = xt[:, 64 * h:64 * h + 64] @ wq[:, 64 * h:64 * h + 64].T
+                    y[:, nb * bn + warp * wn:nb * bn + (warp + 1) * wn] += part * scale[h]
+    from infercore.quant.fp4 import unpack_nibbles
+
+    codes = unpack_nibbles(q.qweight).long()
+    ref = x.double() @ (q.codebook.to(dt).double()[codes] * q.absmax.double().repeat_interleave(64, 1)).T
+    torch.testing.assert_close(y[:, :n], ref, rtol=1e-9, atol=1e-9)

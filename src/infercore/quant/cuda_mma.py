@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .formats import FP8Weight, IntWeight
+from .formats import FP8Weight, IntWeight, NF4Weight
 
 BK = 128
 UNIT_BYTES = 16384  # the largest unit (8 warps x 2 m16 tiles INT4, 8 x 1 FP8): a CTA's partial-sum slots fit in it
@@ -45,9 +45,9 @@ _SRC = Path(__file__).with_name("wo_mma.cu")
 
 # Launch shape, measured on the H200 (benchmarks/probe_mma_wo.py, probe_mma_variants.py): cp.async ring depth, CTAs
 # per SM and K parts per unit (KSPLIT: 2 = 16 warps, each pair splitting a unit's K).
-STAGES = {"int4": 4, "fp8": 4}
-CTAS_PER_SM = {"int4": 1, "fp8": 1}
-KSPLIT = {"int4": 1, "fp8": 1}
+STAGES = {"int4": 4, "fp8": 4, "nf4": 4}
+CTAS_PER_SM = {"int4": 1, "fp8": 1, "nf4": 1}
+KSPLIT = {"int4": 1, "fp8": 1, "nf4": 1}
 
 ENABLED = os.environ.get("INFERCORE_WO_CUDA", "1") != "0"
 
@@ -63,7 +63,7 @@ DEFINES: tuple = tuple(d for d in os.environ.get("INFERCORE_WO_DEFINES", "").spl
 
 
 # Unit layout per kind: ``(warps, mt)``, warps per K part and m16 channel tiles per warp (INT4; FP8 takes one).
-LAYOUT = {"int4": (8, 2), "fp8": (8, 1)}
+LAYOUT = {"int4": (8, 2), "fp8": (8, 1), "nf4": (8, 2)}
 
 
 def _layout(kind: str, warps: int | None, mt: int | None) -> tuple[int, int]:
@@ -85,7 +85,12 @@ def block_n(kind: str, warps: int | None = None, mt: int | None = None) -> int:
 
 def unit_bytes(kind: str, warps: int | None = None, mt: int | None = None) -> int:
     """Bytes of weight codes in one unit (``block_n`` channels x 128 K)."""
-    return block_n(kind, warps, mt) * BK // (2 if kind == "int4" else 1)
+    return block_n(kind, warps, mt) * BK // (1 if kind == "fp8" else 2)
+
+
+def scale_words(kind: str) -> int:
+    """32-bit scale words per channel and unit: NF4 holds the absmax of each 64-K half."""
+    return 2 if kind == "nf4" else 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -154,6 +159,62 @@ def unpack_int4(words: torch.Tensor, scale_words: torch.Tensor, n: int, kp: int,
     return codes, (sw & ~15).view(torch.float32), sw & 15
 
 
+def nf4_ok(w: NF4Weight) -> bool:
+    """Whether :func:`repack_nf4` can take ``w``: K % 128 == 0, absmax blocks of 64 or a multiple of 128."""
+    return (isinstance(w, NF4Weight) and w.shape[1] % BK == 0
+            and (w.blocksize == 64 or w.blocksize % BK == 0))
+
+
+# A word's nibble j of the INT4 layout moves to nibble _NF4_ORDER.index(j): pairs (j, j + 4) become adjacent.
+_NF4_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def repack_nf4(w: NF4Weight, warps: int | None = None, mt: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(words int32 [U * BN * 16], absmax fp32 [U * BN * 2])`` for ``wo_mma.cu`` with ``NF4``: the INT4 unit layout
+    of the codes with each word's nibbles reordered (:data:`_NF4_ORDER`, so that a pair of adjacent nibbles is one MMA
+    register), and per unit, channel lane group ``g`` and 64-K half ``h`` the absmax words ``[h][tile]``."""
+    if not nf4_ok(w):
+        raise ValueError("w: MODE 9 needs NF4 codes with K % 128 == 0 and absmax blocks of 64 or a multiple of 128")
+    nw, mt = _layout("nf4", warps, mt)
+    n, k = w.shape
+    bn = block_n("nf4", nw, mt)
+    nb, kt = math.ceil(n / bn), k // BK
+    from .fp4 import unpack_nibbles
+
+    codes = _pad_rows(unpack_nibbles(w.qweight), nb * bn)
+    c = codes.view(nb, nw, mt, 2, 8, kt, 2 * mt, 4 // mt, 2, 4, 2)
+    c = c.permute(0, 5, 1, 6, 4, 9, 7, 2, 10, 3, 8).reshape(-1, 8)[:, list(_NF4_ORDER)].to(torch.int32)
+    shifts = torch.arange(0, 32, 4, device=c.device, dtype=torch.int32)
+    words = (c << shifts).sum(-1, dtype=torch.int32)
+    half = (torch.arange(kt * 2, device=w.absmax.device) * (BK // 2)) // w.blocksize  # absmax block of each half
+    s = _pad_rows(w.absmax.float()[:, half].contiguous(), nb * bn)  # [N, KT * 2]
+    s = s.view(nb, nw, 2 * mt, 8, kt, 2).permute(0, 4, 1, 3, 5, 2)  # [nb, kt, warp, g, h, t]
+    return words.contiguous(), s.reshape(-1).contiguous()
+
+
+def unpack_nf4(words: torch.Tensor, absmax: torch.Tensor, n: int, k: int, warps: int | None = None,
+               mt: int | None = None):
+    """Inverse of :func:`repack_nf4`: ``(codes int32 [N, K], absmax fp32 [N, K / 64])`` (one per 64-K half)."""
+    nw, mt = _layout("nf4", warps, mt)
+    bn = block_n("nf4", nw, mt)
+    nb, kt = math.ceil(n / bn), k // BK
+    shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
+    nib = ((words.view(-1, 1) >> shifts) & 15)[:, [_NF4_ORDER.index(j) for j in range(8)]]
+    c = nib.reshape(nb, kt, nw, 2 * mt, 8, 4, 4 // mt, mt, 2, 2, 2).permute(0, 2, 7, 9, 4, 1, 3, 6, 10, 5, 8)
+    s = absmax.view(nb, kt, nw, 8, 2, 2 * mt).permute(0, 2, 5, 3, 1, 4).reshape(nb * bn, kt * 2)[:n]
+    return c.reshape(nb * bn, k)[:n], s
+
+
+def nf4_tables(codebook: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The kernel's eight byte tables (int32 ``[8]`` on the codebook's device) of the 16-entry ``codebook`` rounded to
+    ``dtype`` (bf16 / fp16): the low bytes of entries 4i .. 4i + 3 in word i (entry 4i + j in byte j), the high bytes
+    in word 4 + i."""
+    bits = codebook.to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+    planes = torch.stack([bits & 0xFF, bits >> 8]).view(2, 4, 4)  # [plane, word, byte]
+    t = (planes << (8 * torch.arange(4, device=bits.device))).sum(-1).view(8)
+    return torch.where(t >= 2**31, t - 2**32, t).to(torch.int32)
+
+
 def fp8_ok(w: FP8Weight) -> bool:
     """Whether :func:`repack_fp8` can take ``w``: K % 128 == 0, per-channel or 128x128 block scales."""
     return isinstance(w, FP8Weight) and w.shape[1] % BK == 0 and w.block_size in (None, 128)
@@ -216,7 +277,8 @@ def available(x: torch.Tensor) -> bool:
 def stage_bytes(kind: str, warps: int | None = None, mt: int | None = None) -> int:
     """Shared memory of one ring stage: the unit's weight words, scale words and 16 x 128 activation tile (at a
     256-byte aligned offset: the kernel's swizzle XORs the K step into the offset's bits 5-7)."""
-    return -(-(unit_bytes(kind, warps, mt) + 4 * block_n(kind, warps, mt)) // 256) * 256 + 16 * BK * 2
+    sz = 4 * block_n(kind, warps, mt) * scale_words(kind)
+    return -(-(unit_bytes(kind, warps, mt) + sz) // 256) * 256 + 16 * BK * 2
 
 
 def reduce_bytes(kind: str, rows16: bool, ksplit: int, warps: int | None = None, mt: int | None = None) -> int:
@@ -243,7 +305,8 @@ def _kernel(kind: str, dtype: torch.dtype, device: torch.device, rows16: bool, s
     key = (kind, dtype, device.index, rows16, stages, ctas, ksplit, nw, m, DEFINES)
     hit = _KERNELS.get(key)
     if hit is None:
-        opts = [f"-DFP8={int(kind == 'fp8')}", f"-DACT_BF16={int(dtype == torch.bfloat16)}", f"-DSTAGES={stages}",
+        opts = [f"-DFP8={int(kind == 'fp8')}", f"-DNF4={int(kind == 'nf4')}",
+                f"-DACT_BF16={int(dtype == torch.bfloat16)}", f"-DSTAGES={stages}",
                 f"-DROWS16={int(rows16)}", f"-DKSPLIT={ksplit}", f"-DNWARPS_N={nw}", f"-DMT4={m}",
                 f"-DMIN_BLOCKS={ctas}", "-std=c++17", *(f"-D{d}" for d in DEFINES)]
         with torch.cuda.device(device):
@@ -332,7 +395,7 @@ def grid_size(units: int, sms: int, per_sm: int, occupancy: int) -> int:
 def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor, n: int, kp: int, *,
            stages: int | None = None, ctas: int | None = None, ksplit: int | None = None,
            pdl: bool | None = None, warps: int | None = None, mt: int | None = None,
-           grid: int | None = None) -> torch.Tensor:
+           grid: int | None = None, tables: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K]`` (bf16/fp16, :func:`available`) times a repacked weight (``kind`` ``"int4"`` / ``"fp8"``,
     logical ``[n, kp]``: ``words`` / ``scales`` from :func:`repack_int4` / :func:`repack_fp8`) -> ``[M, n]`` in
     ``x.dtype``. ``warps`` / ``mt`` name the repack's unit layout (:data:`LAYOUT` by default; they must be the ones
@@ -342,7 +405,7 @@ def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor
     the kernels that wrote it: the weight is read before the launch's wait). Bad arguments raise ``ValueError``
     naming them before anything is launched."""
     if kind not in STAGES:
-        raise ValueError(f"kind: expected 'int4' or 'fp8', got {kind!r}")
+        raise ValueError(f"kind: expected 'int4', 'fp8' or 'nf4', got {kind!r}")
     if isinstance(n, bool) or not isinstance(n, int) or not isinstance(kp, int) or n <= 0 or kp <= 0 or kp % BK:
         raise ValueError(f"n, kp: expected n > 0 and kp a positive multiple of {BK}, got {n!r}, {kp!r}")
     for name, v, lo, hi in (("stages", stages, 2, 8), ("ctas", ctas, 1, MAX_CTAS_PER_SM), ("ksplit", ksplit, 1, 2)):
@@ -353,7 +416,7 @@ def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor
     units = math.ceil(n / bn) * (kp // BK)
     for name, t, dtype, numel in (("words", words, torch.int32, units * unit_bytes(kind, nw, mt) // 4),
                                   ("scales", scales, torch.int32 if kind == "int4" else torch.float32,
-                                   units * bn)):
+                                   units * bn * scale_words(kind))):
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.numel() != numel or not t.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous {dtype} tensor of {numel} elements (the {kind} repack "
                              f"of an [{n}, {kp}] weight), got {getattr(t, 'dtype', type(t))} "
@@ -365,6 +428,9 @@ def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"x: expected {kp} columns, got {x.shape[1]}")
     if words.device != x.device or scales.device != x.device:
         raise ValueError(f"words, scales: expected them on x's device {x.device}, got {words.device}, {scales.device}")
+    if kind == "nf4" and (not isinstance(tables, torch.Tensor) or tables.dtype != torch.int32
+                          or tables.numel() != 8 or tables.device != x.device):
+        raise ValueError("tables: NF4 needs nf4_tables(codebook, x.dtype), int32 [8] on x's device")
     m = x.shape[0]
     st = STAGES[kind] if stages is None else stages
     per_sm = CTAS_PER_SM[kind] if ctas is None else ctas
@@ -381,7 +447,7 @@ def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor
     ws = _partials(x.device, sms * MAX_CTAS_PER_SM)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ldx = x.stride(0) if m > 1 else kp
-    args = [words, scales, x, y, ws, m, n, kt, nb, ldx]
+    args = [words, scales, x, y, ws, m, n, kt, nb, ldx, tables if kind == "nf4" else words]
     stream = torch.cuda.current_stream(x.device)
     early = (PDL if pdl is None else pdl) and torch.cuda.get_device_capability(x.device)[0] >= 9
     if _launched_before(words) and early:

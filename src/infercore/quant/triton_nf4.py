@@ -30,15 +30,19 @@ form (one tiled kernel, a select tree) ran 549 us at one row (``sweeps/nf4_selec
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import cuda_mma as CM
 from . import naive
 from .formats import NF4Weight
+from .repacks import packed
 from .triton_fp4 import _group_sums, _join8, _rows_fma, _store_gemv_rows, _word_tile, gemv_launches
-from .wo_gemv import _ilv_cached, interleave_words
+from .wo_gemv import REPACK, _ilv_cached, interleave_words
 from .wo_tiles import (
     _INTERPRET,
     _configs,
@@ -59,6 +63,10 @@ GEMV_M_MAX = 2
 # select tree) + cuBLAS 136 / 139 (nf4_prmt_h100_select_decode.json); the byte-permute decode made the latter 111 at
 # 192 rows, 113 at 256 (nf4_prmt_h100.json)
 DEQUANT_M_MIN = 192
+# rows MODE 9 takes (``cuda_mma``, the CUDA stream-K tensor-core kernel with ``NF4``: sm80+ with NVRTC, 16-bit
+# activations, K % 128 == 0, absmax blocks of 64 or a multiple of 128); INFERCORE_NF4_MMA=0 turns it off
+MMA_ROWS = (3, 16)
+MMA = os.environ.get("INFERCORE_NF4_MMA", "1") != "0"
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 # Eight codes of a word (code j at bits 4j) -> eight fp32 values; $8 the word, $9-$12 the low bytes of the fp16
@@ -369,6 +377,23 @@ def dequant_nf4_triton(w: NF4Weight, dtype: torch.dtype) -> torch.Tensor:
     return y
 
 
+def _run_mma(x: torch.Tensor, w: NF4Weight) -> torch.Tensor | None:
+    """MODE 9's product when it takes this call (:data:`MMA_ROWS`, :func:`cuda_mma.available`, a weight it can
+    repack, the kernel compiles), else None. The repack and the byte tables are made on the first eager call and kept
+    while the weight lives (none during a CUDA-graph capture: the Triton kernels then take the call)."""
+    lo, hi = MMA_ROWS
+    m = x.shape[0]
+    if not (MMA and REPACK and lo <= m <= hi and CM.nf4_ok(w) and CM.available(x) and x.shape[1] == w.shape[1]):
+        return None
+    if not CM.compiles("nf4", x.dtype, x.device, m > 8):
+        return None
+    p = packed(w.qweight, ("mode9-nf4",), lambda: CM.repack_nf4(w))
+    tables = packed(w.qweight, ("mode9-nf4-tables", x.dtype), lambda: CM.nf4_tables(w.codebook, x.dtype))
+    if p is None or tables is None:
+        return None
+    return CM.matmul(x, "nf4", p[0], p[1], w.shape[0], w.shape[1], tables=tables)
+
+
 def nf4_words(w: NF4Weight) -> torch.Tensor:
     """The codes of ``w`` as int32 words ``[N, K / 8]`` in the GEMV's interleaved layout (within each group of 32
     codes, word ``i`` holds codes ``i + 4j`` at bits ``4j``; the FP4 GEMV's layout)."""
@@ -389,6 +414,9 @@ def nf4_matmul_triton(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None =
     if m >= DEQUANT_M_MIN and half:
         return F.linear(x, dequant_nf4_triton(w, x.dtype), None if bias is None else bias.to(x.dtype))
     x = x.contiguous()
+    y = None if _INTERPRET or m == 0 else _run_mma(x, w)
+    if y is not None:
+        return y if bias is None else (y.float() + bias.float()).to(x.dtype)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y

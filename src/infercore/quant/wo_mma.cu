@@ -29,13 +29,21 @@
 // FP8 words (channel g, then g + 8): byte b holds k = 2c + (b & 1) + 8 (b >> 1); sign | exponent-mantissa moved
 // into a bf16 (fp16) is the value times 2^-120 (2^-8), exact; the fold is multiplied back with the scale.
 //
-// Compile-time switches (-D): FP8 (0/1), ACT_BF16 (1: bf16 activations, 0: fp16), ROWS16 (0: M <= 8, 1: M <= 16),
+// NF4 words (the INT4 layout, nibbles reordered by ``cuda_mma.repack_nf4``): nibbles 2i, 2i + 1 are one A register
+// (a0, a2, a1, a3 for i = 0..3), looked up in the 16-entry codebook rounded to the activation dtype by byte permutes
+// (nf4_quad); the unit's two 64-K halves accumulate apart and are multiplied by their fp32 absmax.
+//
+// Compile-time switches (-D): FP8 (0/1), NF4 (0/1), ACT_BF16 (1: bf16 activations, 0: fp16), ROWS16 (0: M <= 8, 1: M <= 16),
 // STAGES, MIN_BLOCKS, KSPLIT (1 / 2), PROBE (timing probes only: 1 no decode / MMA, 2 no weight loads; results
 // wrong), TIMING (1: thread 0 of each CTA writes clock64 / globaltimer stamps after the partial-sum slots).
 
 #ifndef FP8
 #define FP8 0
 #endif
+#ifndef NF4  // 1: 4-bit codes into a 16-entry codebook (bitsandbytes NF4 / FP4), fp32 absmax per 64 K (or per unit)
+#define NF4 0
+#endif
+
 #ifndef ACT_BF16
 #define ACT_BF16 1
 #endif
@@ -69,6 +77,9 @@
 #ifndef MT4  // INT4: m16 tiles per warp (cuda_mma's layout "mt"; FP8 always takes one)
 #define MT4 2
 #endif
+#if NF4 && (FP8 || KSPLIT != 1)
+#error "NF4 takes the INT4 unit layout with KSPLIT 1"
+#endif
 #define CT (NWARPS_N * 32)  // threads of one K part: partial-sum slots and outputs are indexed by them
 #define THREADS (CT * KSPLIT)
 #define SPW (8 / KSPLIT)  // K steps of 16 per warp per unit
@@ -82,11 +93,13 @@
 #endif
 #define WN (16 * MT)
 #define SPG (2 * MT)  // scale words per lane group g: two channels (g, g + 8) per m16 tile
+#define NSW (SPG * (NF4 ? 2 : 1))  // NF4: the two 64-K halves of the unit (h * SPG + t)
+#define NACC (NF4 ? 2 : 1 + SPLITACC)  // accumulator sets: NF4 one per absmax half, else per K step parity
 #define NTN (ROWS16 ? 2 : 1)  // n8 tiles of activation rows
 #define PB (MT * NTN >= 4 ? 1 : 4 / (MT * NTN))  // K-split finish: contributors polled at once (16 registers)
 #define BN (NWARPS_N * WN)
 #define W_BYTES (BN * BK / (FP8 ? 1 : 2))
-#define SZ_BYTES (BN * 4)
+#define SZ_BYTES (BN * 4 * (NF4 ? 2 : 1))
 #define X_BYTES 4096
 #define X_CHUNKS ((ROWS16 ? 16 : 8) * 16)  // 16-byte chunks of one unit's activation tile
 #define X_PER_THREAD ((X_CHUNKS + THREADS - 1) / THREADS)
@@ -216,6 +229,22 @@ __device__ __forceinline__ u32 fp8x2(u32 w, u32 sel) {
 #endif
 }
 
+// NF4: four codes (the selector nibbles of s's low 16 bits) -> the low / high bytes of their 16-bit codebook values,
+// paired: a = codes 0, 1, b = codes 2, 3 (two 16-bit floats each, the first in the low half). t[0..3] hold the low
+// bytes of entries 0-3, 4-7, 8-11, 12-15, t[4..7] the high bytes. prmt's byte select takes 3 bits, so each byte is
+// looked up in both 8-entry halves and a mask made from the codes' top bits (prmt's sign-replicate mode) picks one.
+__device__ __forceinline__ void nf4_quad(u32 s, const u32 (&t)[8], u32& a, u32& b) {
+  const u32 q = s & 0x7777u, tt = s & 0x8888u;
+  const u32 u = (tt >> 1) | tt | 0x3210u;
+  u32 m;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(m) : "r"(0u), "r"(0x80808080u), "r"(u));
+  const u32 la = __byte_perm(t[0], t[1], q), lb = __byte_perm(t[2], t[3], q);
+  const u32 ha = __byte_perm(t[4], t[5], q), hb = __byte_perm(t[6], t[7], q);
+  const u32 lo = la ^ ((la ^ lb) & m), hi = ha ^ ((ha ^ hb) & m);
+  a = __byte_perm(lo, hi, 0x5140);
+  b = __byte_perm(lo, hi, 0x7362);
+}
+
 // The partial exchange uses relaxed (morally strong) accesses: with weak ld / st, ptxas may assume no other thread
 // writes the slot, fold the polling loop into one load and move the sentinel store ahead of it (seen in SASS).
 __device__ __forceinline__ void st_cg4(float* p, float a, float b, float c, float d) {
@@ -249,7 +278,8 @@ __device__ __forceinline__ float* slot(float* ws, int c, int q, int ct) {
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
     wo_mma(const uint4* __restrict__ wpk, const uint4* __restrict__ szk, const unsigned short* __restrict__ x,
-           unsigned short* __restrict__ y, float* __restrict__ ws, int M, int N, int KT, int NB, int ldx) {
+           unsigned short* __restrict__ y, float* __restrict__ ws, int M, int N, int KT, int NB, int ldx,
+           const u32* __restrict__ tab) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wn = warp % NWARPS_N, kh = warp / NWARPS_N, ct = tid % CT;  // channel slice, K part
@@ -324,8 +354,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
   const int lchunk = ROWS16 ? ((lane >> 3) & 1) : (lane >> 3);
   const u32 xoff = X_OFF + lrow * 256 + kh * SPW * 32 + ((lchunk ^ (lrow & 7)) << 4);
   const u32 woff = (wn * 64 * WPS + kh * (SPW * WPS / 4) * 32 + lane) * 16;
-  const u32 soff = W_BYTES + (wn * 8 * SPG + g * SPG) * 4;
+  const u32 soff = W_BYTES + (wn * 8 * NSW + g * NSW) * 4;
   u32 rd = 0;
+#if NF4
+  u32 tb[8];  // the codebook's byte tables (nf4_quad)
+#pragma unroll
+  for (int i = 0; i < 8; i++) tb[i] = __ldg(tab + i);
+#else
+  (void)tab;
+#endif
 
   for (int i = 0; i < n_units; i++) {
     if (i == 0)
@@ -345,9 +382,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
     uint4 wv[SPW * WPS / 4];
 #pragma unroll
     for (int j = 0; j < SPW * WPS / 4; j++) wv[j] = *reinterpret_cast<const uint4*>(st + woff + j * 512);
-    u32 sv[SPG];  // scale words: channel g, then g + 8, of each m16 tile
+    u32 sv[NSW];  // scale words: channel g, then g + 8, of each m16 tile (NF4: for each 64-K half)
     {
-#if SPG == 4
+#if NSW == 8
+      const uint4 v0 = *reinterpret_cast<const uint4*>(st + soff);
+      const uint4 v1 = *reinterpret_cast<const uint4*>(st + soff + 16);
+      sv[0] = v0.x, sv[1] = v0.y, sv[2] = v0.z, sv[3] = v0.w, sv[4] = v1.x, sv[5] = v1.y, sv[6] = v1.z, sv[7] = v1.w;
+#elif NSW == 4
       const uint4 v = *reinterpret_cast<const uint4*>(st + soff);
       sv[0] = v.x, sv[1] = v.y, sv[2] = v.z, sv[3] = v.w;
 #else
@@ -355,15 +396,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
       sv[0] = v.x, sv[1] = v.y;
 #endif
     }
-#if !FP8
+#if !FP8 && !NF4
     // -(magic + z) twice per register, z < 16 in the scale words' low bits (no carry)
     u32 negz[SPG];
 #pragma unroll
     for (int e = 0; e < SPG; e++) negz[e] = (sv[e] & 15u) * 0x10001u + NEG_MAGIC * 0x10001u;
 #endif
-    float tmp[1 + SPLITACC][MT][NTN][4];  // [K step parity (SPLITACC)][m16 tile][n8 tile][register]
+    float tmp[NACC][MT][NTN][4];  // [K step parity (SPLITACC) / NF4's 64-K half][m16 tile][n8 tile][register]
 #pragma unroll
-    for (int h = 0; h <= SPLITACC; h++)
+    for (int h = 0; h < NACC; h++)
 #pragma unroll
       for (int a = 0; a < MT; a++)
 #pragma unroll
@@ -385,7 +426,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
       if ((s & 1) == 0) ldsm_x4(stu + (xoff ^ (s << 5)), xr4);  // two K steps
       xb[0][0] = xr4[(s & 1) * 2], xb[0][1] = xr4[(s & 1) * 2 + 1];
 #endif
-#if FP8
+#if NF4
+#pragma unroll
+      for (int p = 0; p < MT; p++) {
+        // the repack orders a word's nibbles so that each pair is one A register: (a0, a2) from the low half
+        const u32 w = word(wv, s * WPS + p);
+        u32 a0, a1, a2, a3;
+        nf4_quad(w, tb, a0, a2);
+        nf4_quad(w >> 16, tb, a1, a3);
+#pragma unroll
+        for (int b = 0; b < NTN; b++) mma(tmp[s / (SPW / 2)][p][b], a0, a1, a2, a3, xb[b][0], xb[b][1]);
+      }
+#elif FP8
       const u32 w0 = word(wv, s * WPS), w1 = word(wv, s * WPS + 1);
       const u32 a0 = fp8x2(w0, 0x9180u), a2 = fp8x2(w0, 0xB3A2u);
       const u32 a1 = fp8x2(w1, 0x9180u), a3 = fp8x2(w1, 0xB3A2u);
@@ -405,7 +457,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
       }
 #endif
     }
-#if SPLITACC
+#if SPLITACC && !NF4
 #pragma unroll
     for (int a = 0; a < MT; a++)
 #pragma unroll
@@ -415,6 +467,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 #endif
 #pragma unroll
     for (int a = 0; a < MT; a++) {
+#if NF4
+      const float sA = __uint_as_float(sv[2 * a]), sB = __uint_as_float(sv[2 * a + 1]);
+      const float tA = __uint_as_float(sv[SPG + 2 * a]), tB = __uint_as_float(sv[SPG + 2 * a + 1]);
+#pragma unroll
+      for (int b = 0; b < NTN; b++) {
+        acc[a][b][0] = fmaf(tmp[1][a][b][0], tA, fmaf(tmp[0][a][b][0], sA, acc[a][b][0]));
+        acc[a][b][1] = fmaf(tmp[1][a][b][1], tA, fmaf(tmp[0][a][b][1], sA, acc[a][b][1]));
+        acc[a][b][2] = fmaf(tmp[1][a][b][2], tB, fmaf(tmp[0][a][b][2], sB, acc[a][b][2]));
+        acc[a][b][3] = fmaf(tmp[1][a][b][3], tB, fmaf(tmp[0][a][b][3], sB, acc[a][b][3]));
+      }
+#else
 #if FP8
       const float sA = __uint_as_float(sv[0]) * FP8_FOLD, sB = __uint_as_float(sv[1]) * FP8_FOLD;
 #else
@@ -427,6 +490,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
         acc[a][b][2] = fmaf(tmp[0][a][b][2], sB, acc[a][b][2]);
         acc[a][b][3] = fmaf(tmp[0][a][b][3], sB, acc[a][b][3]);
       }
+#endif
     }
     rd += STAGE_BYTES;
     if (rd == STAGES * STAGE_BYTES) rd = 0;

@@ -304,7 +304,7 @@ def _nf4(n, k, bs=64, seed=0):
 def test_nf4_byte_permute_lookup(dtype):
     # every code in every position of a word: the looked-up 16-bit value is the codebook entry rounded to dtype
     q = _nf4(16, 128)
-    t = [int(v) & 0xFFFFFFFF for v in CM.nf4_tables(q.codebook, dtype)]
+    t = [int(v) & 0xFFFFFFFF for v in CM.lut_tables(q.codebook, dtype)]
     want = q.codebook.to(dtype).view(torch.int16).int() & 0xFFFF
     torch.manual_seed(1)
     for word in [0, 0xFFFFFFFF, 0x76543210, 0xFEDCBA98, *torch.randint(0, 2**31, (200,)).tolist()]:
@@ -338,7 +338,7 @@ def test_nf4_kernel_math_emulated():
     q = _nf4(n, k, 64, seed=3)
     words, s = CM.repack_nf4(q)
     dt = torch.bfloat16
-    t = [int(v) & 0xFFFFFFFF for v in CM.nf4_tables(q.codebook, dt)]
+    t = [int(v) & 0xFFFFFFFF for v in CM.lut_tables(q.codebook, dt)]
     x = torch.randn(2, k).to(dt)
     wn, bn = 16 * mt, 16 * nw * mt
     nbk, kt = math.ceil(n / bn), k // 128
@@ -374,3 +374,89 @@ def test_nf4_kernel_math_emulated():
     codes = unpack_nibbles(q.qweight).long()
     ref = x.double() @ (q.codebook.to(dt).double()[codes] * q.absmax.double().repeat_interleave(64, 1)).T
     torch.testing.assert_close(y[:, :n], ref, rtol=1e-9, atol=1e-9)
+
+
+# ---- FP4 (MXFP4 / NVFP4): the NF4 layout and lookup with the e2m1 table, block scales multiplied into the pairs ----
+
+
+def _fp4(n, k, fmt, seed=0):
+    from infercore.quant import FP4Weight
+
+    torch.manual_seed(seed)
+    return FP4Weight.quantize(torch.randn(n, k) * 0.05, fmt=fmt)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("n,k", [(300, 256), (256, 384)])
+def test_fp4_repack_round_trip(fmt, n, k):
+    from infercore.quant.fp4 import unpack_nibbles
+
+    q = _fp4(n, k, fmt)
+    words, sw = CM.repack_fp4(q)
+    assert CM.fp4_ok(q) and sw.dtype == torch.int32
+    assert sw.numel() == math.ceil(n / 256) * (k // 128) * 256 * (2 if fmt == "nvfp4" else 1)
+    codes, sb = CM.unpack_fp4(words, sw, n, k, fmt)
+    assert torch.equal(codes, unpack_nibbles(q.qweight).int()) and torch.equal(sb, q.scales)
+    with pytest.raises(ValueError, match="K % 128"):
+        CM.repack_fp4(_fp4(64, 192, fmt))
+
+
+def _fp4_scale(sv: list, t: int, s: int, fmt: str) -> float:
+    """wo_mma.cu's fp4_scale2() as a float: the scale of K step s for channel slot t."""
+    if fmt == "mxfp4":
+        e = (sv[t] >> (8 * (s >> 1))) & 0xFF
+        return 2.0 ** (e - 127)
+    b = (sv[2 * t + (s >> 2)] >> (8 * (s & 3))) & 0xFF
+    return torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).double().item()
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fp4_kernel_math_emulated(fmt):
+    """What wo_mma.cu computes for FP4: the NF4 lookup with the e2m1 table, each K step's pairs times the block scale
+    of their channel in bf16 (exact), one accumulation, NVFP4's tensor scale on y."""
+    from infercore.quant import triton_fp4
+
+    n, k, nw, mt = 264, 256, 8, 2
+    q = _fp4(n, k, fmt, seed=5)
+    if fmt == "nvfp4":
+        q.global_scale = 0.37
+    words, sw = CM.repack_fp4(q)
+    dt = torch.bfloat16
+    tab = CM.lut_tables(triton_fp4._e2m1_table(torch.device("cpu")), dt, q.global_scale)
+    t = [int(v) & 0xFFFFFFFF for v in tab]
+    assert tab[8].view(torch.float32).item() == pytest.approx(q.global_scale)
+    x = torch.randn(2, k).to(dt)
+    wn, bn = 16 * mt, 16 * nw * mt
+    nbk, kt = math.ceil(n / bn), k // 128
+    ns = 2 if fmt == "nvfp4" else 1
+    w = words.view(nbk, kt, nw, 2 * mt, 32, 4)
+    swv = sw.view(nbk, kt, nw, 8, 2 * mt * ns)
+    y = torch.zeros(2, nbk * bn, dtype=torch.float64)
+
+    def val(bits):
+        return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(dt).double().item()
+
+    for nb in range(nbk):
+        for u in range(kt):
+            xt = x[:, u * 128:(u + 1) * 128].double()
+            for warp in range(nw):
+                wq = torch.zeros(wn, 128, dtype=torch.float64)
+                for lane in range(32):
+                    g, c = lane // 4, lane % 4
+                    sv = [int(v) & 0xFFFFFFFF for v in swv[nb, u, warp, g]]
+                    for j in range(2 * mt):
+                        for e in range(4):
+                            st, p = (4 * j + e) // mt, (4 * j + e) % mt
+                            word = int(w[nb, u, warp, j, lane, e]) & 0xFFFFFFFF
+                            a0, a2 = _nf4_quad(word, t)
+                            a1, a3 = _nf4_quad(word >> 16, t)
+                            for reg, dch, dk in ((a0, 0, 0), (a1, 8, 0), (a2, 0, 8), (a3, 8, 8)):
+                                sc = _fp4_scale(sv, 2 * p + dch // 8, st, fmt)
+                                for h in (0, 1):
+                                    v = val((reg >> (16 * h)) & 0xFFFF) * sc
+                                    assert v == float(torch.tensor(v, dtype=torch.float64).to(dt))  # exact in bf16
+                                    wq[p * 16 + g + dch, st * 16 + 2 * c + dk + h] = v
+                y[:, nb * bn + warp * wn:nb * bn + (warp + 1) * wn] += xt @ wq.T
+    y *= tab[8].view(torch.float32).item()  # the kernel's fp32 tensor scale (1.0 for MXFP4)
+    ref = x.double() @ q.dequantize(torch.float64).T  # fp32 products of the scales: 2^-24 relative
+    torch.testing.assert_close(y[:, :n], ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .formats import FP8Weight, IntWeight, NF4Weight
+from .formats import FP4Weight, FP8Weight, IntWeight, NF4Weight
 
 BK = 128
 UNIT_BYTES = 16384  # the largest unit (8 warps x 2 m16 tiles INT4, 8 x 1 FP8): a CTA's partial-sum slots fit in it
@@ -45,9 +45,10 @@ _SRC = Path(__file__).with_name("wo_mma.cu")
 
 # Launch shape, measured on the H200 (benchmarks/probe_mma_wo.py, probe_mma_variants.py): cp.async ring depth, CTAs
 # per SM and K parts per unit (KSPLIT: 2 = 16 warps, each pair splitting a unit's K).
-STAGES = {"int4": 4, "fp8": 4, "nf4": 4}
-CTAS_PER_SM = {"int4": 1, "fp8": 1, "nf4": 1}
-KSPLIT = {"int4": 1, "fp8": 1, "nf4": 1}
+STAGES = {"int4": 4, "fp8": 4, "nf4": 4, "mxfp4": 4, "nvfp4": 4}
+CTAS_PER_SM = {"int4": 1, "fp8": 1, "nf4": 1, "mxfp4": 1, "nvfp4": 1}
+KSPLIT = {"int4": 1, "fp8": 1, "nf4": 1, "mxfp4": 1, "nvfp4": 1}
+LUT_KINDS = ("nf4", "mxfp4", "nvfp4")  # 4-bit codes looked up in a 16-entry table (``lut_tables``)
 
 ENABLED = os.environ.get("INFERCORE_WO_CUDA", "1") != "0"
 
@@ -63,7 +64,7 @@ DEFINES: tuple = tuple(d for d in os.environ.get("INFERCORE_WO_DEFINES", "").spl
 
 
 # Unit layout per kind: ``(warps, mt)``, warps per K part and m16 channel tiles per warp (INT4; FP8 takes one).
-LAYOUT = {"int4": (8, 2), "fp8": (8, 1), "nf4": (8, 2)}
+LAYOUT = {"int4": (8, 2), "fp8": (8, 1), "nf4": (8, 2), "mxfp4": (8, 2), "nvfp4": (8, 2)}
 
 
 def _layout(kind: str, warps: int | None, mt: int | None) -> tuple[int, int]:
@@ -89,8 +90,9 @@ def unit_bytes(kind: str, warps: int | None = None, mt: int | None = None) -> in
 
 
 def scale_words(kind: str) -> int:
-    """32-bit scale words per channel and unit: NF4 holds the absmax of each 64-K half."""
-    return 2 if kind == "nf4" else 1
+    """32-bit scale words per channel and unit: NF4 the absmax of each 64-K half, NVFP4 eight e4m3 bytes, MXFP4 four
+    e8m0 bytes."""
+    return 2 if kind in ("nf4", "nvfp4") else 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -169,6 +171,22 @@ def nf4_ok(w: NF4Weight) -> bool:
 _NF4_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
+def _lut4_words(codes: torch.Tensor, nb: int, bn: int, nw: int, mt: int, kt: int) -> torch.Tensor:
+    """The INT4 unit layout of 4-bit ``codes [N, K]`` with each word's nibbles reordered (:data:`_NF4_ORDER`)."""
+    c = _pad_rows(codes, nb * bn).view(nb, nw, mt, 2, 8, kt, 2 * mt, 4 // mt, 2, 4, 2)
+    c = c.permute(0, 5, 1, 6, 4, 9, 7, 2, 10, 3, 8).reshape(-1, 8)[:, list(_NF4_ORDER)].to(torch.int32)
+    shifts = torch.arange(0, 32, 4, device=c.device, dtype=torch.int32)
+    return (c << shifts).sum(-1, dtype=torch.int32)
+
+
+def _lut4_codes(words: torch.Tensor, n: int, k: int, nb: int, bn: int, nw: int, mt: int) -> torch.Tensor:
+    """Inverse of :func:`_lut4_words`: ``int32 [N, K]``."""
+    shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
+    nib = ((words.view(-1, 1) >> shifts) & 15)[:, [_NF4_ORDER.index(j) for j in range(8)]]
+    c = nib.reshape(nb, k // BK, nw, 2 * mt, 8, 4, 4 // mt, mt, 2, 2, 2).permute(0, 2, 7, 9, 4, 1, 3, 6, 10, 5, 8)
+    return c.reshape(nb * bn, k)[:n]
+
+
 def repack_nf4(w: NF4Weight, warps: int | None = None, mt: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(words int32 [U * BN * 16], absmax fp32 [U * BN * 2])`` for ``wo_mma.cu`` with ``NF4``: the INT4 unit layout
     of the codes with each word's nibbles reordered (:data:`_NF4_ORDER`, so that a pair of adjacent nibbles is one MMA
@@ -181,11 +199,7 @@ def repack_nf4(w: NF4Weight, warps: int | None = None, mt: int | None = None) ->
     nb, kt = math.ceil(n / bn), k // BK
     from .fp4 import unpack_nibbles
 
-    codes = _pad_rows(unpack_nibbles(w.qweight), nb * bn)
-    c = codes.view(nb, nw, mt, 2, 8, kt, 2 * mt, 4 // mt, 2, 4, 2)
-    c = c.permute(0, 5, 1, 6, 4, 9, 7, 2, 10, 3, 8).reshape(-1, 8)[:, list(_NF4_ORDER)].to(torch.int32)
-    shifts = torch.arange(0, 32, 4, device=c.device, dtype=torch.int32)
-    words = (c << shifts).sum(-1, dtype=torch.int32)
+    words = _lut4_words(unpack_nibbles(w.qweight), nb, bn, nw, mt, kt)
     half = (torch.arange(kt * 2, device=w.absmax.device) * (BK // 2)) // w.blocksize  # absmax block of each half
     s = _pad_rows(w.absmax.float()[:, half].contiguous(), nb * bn)  # [N, KT * 2]
     s = s.view(nb, nw, 2 * mt, 8, kt, 2).permute(0, 4, 1, 3, 5, 2)  # [nb, kt, warp, g, h, t]
@@ -198,21 +212,57 @@ def unpack_nf4(words: torch.Tensor, absmax: torch.Tensor, n: int, k: int, warps:
     nw, mt = _layout("nf4", warps, mt)
     bn = block_n("nf4", nw, mt)
     nb, kt = math.ceil(n / bn), k // BK
-    shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
-    nib = ((words.view(-1, 1) >> shifts) & 15)[:, [_NF4_ORDER.index(j) for j in range(8)]]
-    c = nib.reshape(nb, kt, nw, 2 * mt, 8, 4, 4 // mt, mt, 2, 2, 2).permute(0, 2, 7, 9, 4, 1, 3, 6, 10, 5, 8)
     s = absmax.view(nb, kt, nw, 8, 2, 2 * mt).permute(0, 2, 5, 3, 1, 4).reshape(nb * bn, kt * 2)[:n]
-    return c.reshape(nb * bn, k)[:n], s
+    return _lut4_codes(words, n, k, nb, bn, nw, mt), s
 
 
-def nf4_tables(codebook: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The kernel's eight byte tables (int32 ``[8]`` on the codebook's device) of the 16-entry ``codebook`` rounded to
-    ``dtype`` (bf16 / fp16): the low bytes of entries 4i .. 4i + 3 in word i (entry 4i + j in byte j), the high bytes
-    in word 4 + i."""
+def fp4_ok(w: FP4Weight) -> bool:
+    """Whether :func:`repack_fp4` can take ``w``: MXFP4 / NVFP4 with K % 128 == 0."""
+    return isinstance(w, FP4Weight) and w.shape[1] % BK == 0
+
+
+def repack_fp4(w: FP4Weight, warps: int | None = None, mt: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(words int32 [U * BN * 16], scale words int32 [U * BN * s])`` for ``wo_mma.cu`` with ``FP4`` (kind
+    ``w.fmt``): the codes as :func:`repack_nf4` lays them out, and per unit, channel lane group ``g`` and slot ``t``
+    the unit's scale bytes in K order (MXFP4 four e8m0 bytes, ``s = 1``; NVFP4 eight e4m3 bytes, ``s = 2``)."""
+    if not fp4_ok(w):
+        raise ValueError("w: MODE 9 needs FP4 codes with K % 128 == 0")
+    kind = w.fmt
+    nw, mt = _layout(kind, warps, mt)
+    n, k = w.shape
+    bn = block_n(kind, nw, mt)
+    nb, kt = math.ceil(n / bn), k // BK
+    from .fp4 import unpack_nibbles
+
+    words = _lut4_words(unpack_nibbles(w.qweight), nb, bn, nw, mt, kt)
+    sw = scale_words(kind)
+    b = _pad_rows(w.scales.contiguous(), nb * bn).view(nb, nw, 2 * mt, 8, kt, 4 * sw)
+    b = b.permute(0, 4, 1, 3, 2, 5).contiguous()  # [nb, kt, warp, g, t, bytes]
+    return words.contiguous(), b.view(torch.int32).reshape(-1).contiguous()
+
+
+def unpack_fp4(words: torch.Tensor, sc_words: torch.Tensor, n: int, k: int, fmt: str, warps: int | None = None,
+               mt: int | None = None):
+    """Inverse of :func:`repack_fp4`: ``(codes int32 [N, K], scale bytes uint8 [N, K / block])``."""
+    nw, mt = _layout(fmt, warps, mt)
+    bn = block_n(fmt, nw, mt)
+    nb, kt = math.ceil(n / bn), k // BK
+    sw = scale_words(fmt)
+    b = sc_words.view(torch.uint8).view(nb, kt, nw, 8, 2 * mt, 4 * sw)
+    s = b.permute(0, 2, 4, 3, 1, 5).reshape(nb * bn, kt * 4 * sw)[:n]
+    return _lut4_codes(words, n, k, nb, bn, nw, mt), s
+
+
+def lut_tables(codebook: torch.Tensor, dtype: torch.dtype, y_scale: float = 1.0) -> torch.Tensor:
+    """The kernel's table operand (int32 ``[9]`` on the codebook's device): the eight byte tables of the 16-entry
+    ``codebook`` rounded to ``dtype`` (bf16 / fp16; the low bytes of entries 4i .. 4i + 3 in word i, entry 4i + j in
+    byte j, the high bytes in word 4 + i), then the fp32 bits of ``y_scale`` (NVFP4's tensor scale)."""
     bits = codebook.to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
     planes = torch.stack([bits & 0xFF, bits >> 8]).view(2, 4, 4)  # [plane, word, byte]
     t = (planes << (8 * torch.arange(4, device=bits.device))).sum(-1).view(8)
-    return torch.where(t >= 2**31, t - 2**32, t).to(torch.int32)
+    t = torch.where(t >= 2**31, t - 2**32, t).to(torch.int32)
+    ys = torch.tensor([y_scale], dtype=torch.float32).view(torch.int32).to(t.device)
+    return torch.cat([t, ys])
 
 
 def fp8_ok(w: FP8Weight) -> bool:
@@ -306,6 +356,7 @@ def _kernel(kind: str, dtype: torch.dtype, device: torch.device, rows16: bool, s
     hit = _KERNELS.get(key)
     if hit is None:
         opts = [f"-DFP8={int(kind == 'fp8')}", f"-DNF4={int(kind == 'nf4')}",
+                f"-DFP4={({'mxfp4': 1, 'nvfp4': 2}).get(kind, 0)}",
                 f"-DACT_BF16={int(dtype == torch.bfloat16)}", f"-DSTAGES={stages}",
                 f"-DROWS16={int(rows16)}", f"-DKSPLIT={ksplit}", f"-DNWARPS_N={nw}", f"-DMT4={m}",
                 f"-DMIN_BLOCKS={ctas}", "-std=c++17", *(f"-D{d}" for d in DEFINES)]
@@ -405,7 +456,7 @@ def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor
     the kernels that wrote it: the weight is read before the launch's wait). Bad arguments raise ``ValueError``
     naming them before anything is launched."""
     if kind not in STAGES:
-        raise ValueError(f"kind: expected 'int4', 'fp8' or 'nf4', got {kind!r}")
+        raise ValueError(f"kind: expected one of {sorted(STAGES)}, got {kind!r}")
     if isinstance(n, bool) or not isinstance(n, int) or not isinstance(kp, int) or n <= 0 or kp <= 0 or kp % BK:
         raise ValueError(f"n, kp: expected n > 0 and kp a positive multiple of {BK}, got {n!r}, {kp!r}")
     for name, v, lo, hi in (("stages", stages, 2, 8), ("ctas", ctas, 1, MAX_CTAS_PER_SM), ("ksplit", ksplit, 1, 2)):
@@ -415,7 +466,7 @@ def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor
     bn = block_n(kind, nw, mt)
     units = math.ceil(n / bn) * (kp // BK)
     for name, t, dtype, numel in (("words", words, torch.int32, units * unit_bytes(kind, nw, mt) // 4),
-                                  ("scales", scales, torch.int32 if kind == "int4" else torch.float32,
+                                  ("scales", scales, torch.float32 if kind in ("fp8", "nf4") else torch.int32,
                                    units * bn * scale_words(kind))):
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.numel() != numel or not t.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous {dtype} tensor of {numel} elements (the {kind} repack "
@@ -428,9 +479,11 @@ def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"x: expected {kp} columns, got {x.shape[1]}")
     if words.device != x.device or scales.device != x.device:
         raise ValueError(f"words, scales: expected them on x's device {x.device}, got {words.device}, {scales.device}")
-    if kind == "nf4" and (not isinstance(tables, torch.Tensor) or tables.dtype != torch.int32
-                          or tables.numel() != 8 or tables.device != x.device):
-        raise ValueError("tables: NF4 needs nf4_tables(codebook, x.dtype), int32 [8] on x's device")
+    if kind in LUT_KINDS and (not isinstance(tables, torch.Tensor) or tables.dtype != torch.int32
+                              or tables.numel() != 9 or tables.device != x.device):
+        raise ValueError(f"tables: {kind} needs lut_tables(codebook, x.dtype, ...), int32 [9] on x's device")
+    if kind == "mxfp4" and x.dtype != torch.bfloat16:
+        raise ValueError("x: MODE 9 takes MXFP4 with bf16 activations only")
     m = x.shape[0]
     st = STAGES[kind] if stages is None else stages
     per_sm = CTAS_PER_SM[kind] if ctas is None else ctas
@@ -447,7 +500,7 @@ def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor
     ws = _partials(x.device, sms * MAX_CTAS_PER_SM)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ldx = x.stride(0) if m > 1 else kp
-    args = [words, scales, x, y, ws, m, n, kt, nb, ldx, tables if kind == "nf4" else words]
+    args = [words, scales, x, y, ws, m, n, kt, nb, ldx, tables if kind in LUT_KINDS else words]
     stream = torch.cuda.current_stream(x.device)
     early = (PDL if pdl is None else pdl) and torch.cuda.get_device_capability(x.device)[0] >= 9
     if _launched_before(words) and early:

@@ -13,15 +13,19 @@ registers with integer operations only (no FP4 or FP8 instruction, so they run o
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import cuda_mma as CM
 from .formats import FP4Weight
 from .fp4 import unpack_nibbles
+from .repacks import packed
 from .triton_dequant import _fp8_e4m3_bits_to_f32
-from .wo_gemv import _ilv_cached
+from .wo_gemv import REPACK, _ilv_cached
 from .wo_tiles import (
     _INTERPRET,
     _check_x,
@@ -36,6 +40,10 @@ from .wo_tiles import (
 
 GEMV_M_MAX = 4
 DECODE_MIN_M = 96
+# rows MODE 9 takes (``cuda_mma`` with ``FP4``: sm80+ with NVRTC, K % 128 == 0, bf16 activations for MXFP4, bf16 /
+# fp16 for NVFP4); INFERCORE_FP4_MMA=0 turns it off
+MMA_ROWS = (2, 16)
+MMA = os.environ.get("INFERCORE_FP4_MMA", "1") != "0"
 
 
 @triton.jit
@@ -316,6 +324,37 @@ def _gemv_ok(w: FP4Weight) -> bool:
                                                   and s.data_ptr() % 2 == 0))
 
 
+def _run_mma(x: torch.Tensor, w: FP4Weight) -> torch.Tensor | None:
+    """MODE 9's product when it takes this call (:data:`MMA_ROWS`, :func:`cuda_mma.available`, the kernel compiles),
+    else None. The repack and the table operand are made on the first eager call and kept while the weight lives
+    (none during a CUDA-graph capture: the Triton kernels then take the call)."""
+    lo, hi = MMA_ROWS
+    m, kind = x.shape[0], w.fmt
+    if not (MMA and REPACK and lo <= m <= hi and CM.fp4_ok(w) and CM.available(x)):
+        return None
+    if (kind == "mxfp4" and x.dtype != torch.bfloat16) or not CM.compiles(kind, x.dtype, x.device, m > 8):
+        return None
+    p = packed(w.qweight, ("mode9-fp4",), lambda: CM.repack_fp4(w))
+    tables = packed(w.qweight, ("mode9-fp4-tables", x.dtype),
+                    lambda: CM.lut_tables(_e2m1_table(x.device), x.dtype, w.global_scale if kind == "nvfp4" else 1.0))
+    if p is None or tables is None:
+        return None
+    return CM.matmul(x, kind, p[0], p[1], w.shape[0], w.shape[1], tables=tables)
+
+
+_E2M1: dict = {}
+
+
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    """The 16 e2m1 values (fp32) on ``device``: code c is ``(-1)^(c >> 3)`` times
+    ``[0, .5, 1, 1.5, 2, 3, 4, 6][c & 7]``."""
+    t = _E2M1.get(device)
+    if t is None:
+        mag = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+        t = _E2M1[device] = torch.cat([mag, -mag]).to(device)
+    return t
+
+
 def fp4_matmul_triton(x: torch.Tensor, w: FP4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K]`` (fp16/bf16/fp32) times the FP4 weight ``w`` (logical ``[N, K]``) -> ``[M, N]`` in ``x.dtype``;
     ``bias``: optional ``[N]``."""
@@ -325,6 +364,9 @@ def fp4_matmul_triton(x: torch.Tensor, w: FP4Weight, bias: torch.Tensor | None =
     nv = w.fmt == "nvfp4"
     if m >= DECODE_MIN_M and x.dtype != torch.float32:
         return F.linear(x, fp4_dequantize_triton(w, x.dtype), None if bias is None else bias.to(x.dtype))
+    y = None if _INTERPRET or m == 0 else _run_mma(x, w)
+    if y is not None:
+        return y if bias is None else y + bias.to(y.dtype)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y

@@ -388,7 +388,7 @@ def _run_mma(x: torch.Tensor, w: NF4Weight) -> torch.Tensor | None:
     if not CM.compiles("nf4", x.dtype, x.device, m > 8):
         return None
     p = packed(w.qweight, ("mode9-nf4",), lambda: CM.repack_nf4(w))
-    tables = packed(w.qweight, ("mode9-nf4-tables", x.dtype), lambda: CM.nf4_tables(w.codebook, x.dtype))
+    tables = packed(w.qweight, ("mode9-nf4-tables", x.dtype), lambda: CM.lut_tables(w.codebook, x.dtype))
     if p is None or tables is None:
         return None
     return CM.matmul(x, "nf4", p[0], p[1], w.shape[0], w.shape[1], tables=tables)

@@ -33,7 +33,10 @@
 // (a0, a2, a1, a3 for i = 0..3), looked up in the 16-entry codebook rounded to the activation dtype by byte permutes
 // (nf4_quad); the unit's two 64-K halves accumulate apart and are multiplied by their fp32 absmax.
 //
-// Compile-time switches (-D): FP8 (0/1), NF4 (0/1), ACT_BF16 (1: bf16 activations, 0: fp16), ROWS16 (0: M <= 8, 1: M <= 16),
+// FP4 words: the NF4 layout and lookup (the e2m1 table); each K step's A registers are multiplied by their block
+// scales (fp4_scale2) before the MMA, NVFP4's tensor scale multiplies y.
+//
+// Compile-time switches (-D): FP8 (0/1), NF4 (0/1), FP4 (0/1/2), ACT_BF16 (1: bf16 activations, 0: fp16), ROWS16 (0: M <= 8, 1: M <= 16),
 // STAGES, MIN_BLOCKS, KSPLIT (1 / 2), PROBE (timing probes only: 1 no decode / MMA, 2 no weight loads; results
 // wrong), TIMING (1: thread 0 of each CTA writes clock64 / globaltimer stamps after the partial-sum slots).
 
@@ -43,6 +46,10 @@
 #ifndef NF4  // 1: 4-bit codes into a 16-entry codebook (bitsandbytes NF4 / FP4), fp32 absmax per 64 K (or per unit)
 #define NF4 0
 #endif
+#ifndef FP4  // e2m1 codes (the codebook path) with block scale bytes: 1 MXFP4 (e8m0 per 32 K), 2 NVFP4 (e4m3 per 16 K)
+#define FP4 0
+#endif
+#define LUT4 (NF4 || FP4)
 
 #ifndef ACT_BF16
 #define ACT_BF16 1
@@ -77,8 +84,11 @@
 #ifndef MT4  // INT4: m16 tiles per warp (cuda_mma's layout "mt"; FP8 always takes one)
 #define MT4 2
 #endif
-#if NF4 && (FP8 || KSPLIT != 1)
-#error "NF4 takes the INT4 unit layout with KSPLIT 1"
+#if FP4 == 1 && !ACT_BF16
+#error "MXFP4 needs bf16 activations (e8m0 scales in the 16-bit type)"
+#endif
+#if LUT4 && (FP8 || KSPLIT != 1 || (NF4 && FP4))
+#error "NF4 / FP4 take the INT4 unit layout with KSPLIT 1"
 #endif
 #define CT (NWARPS_N * 32)  // threads of one K part: partial-sum slots and outputs are indexed by them
 #define THREADS (CT * KSPLIT)
@@ -93,13 +103,13 @@
 #endif
 #define WN (16 * MT)
 #define SPG (2 * MT)  // scale words per lane group g: two channels (g, g + 8) per m16 tile
-#define NSW (SPG * (NF4 ? 2 : 1))  // NF4: the two 64-K halves of the unit (h * SPG + t)
+#define NSW (SPG * ((NF4 || FP4 == 2) ? 2 : 1))  // NF4: the two 64-K halves ([h][t]); NVFP4: 8 scale bytes ([t][2])
 #define NACC (NF4 ? 2 : 1 + SPLITACC)  // accumulator sets: NF4 one per absmax half, else per K step parity
 #define NTN (ROWS16 ? 2 : 1)  // n8 tiles of activation rows
 #define PB (MT * NTN >= 4 ? 1 : 4 / (MT * NTN))  // K-split finish: contributors polled at once (16 registers)
 #define BN (NWARPS_N * WN)
 #define W_BYTES (BN * BK / (FP8 ? 1 : 2))
-#define SZ_BYTES (BN * 4 * (NF4 ? 2 : 1))
+#define SZ_BYTES (BN * 4 * ((NF4 || FP4 == 2) ? 2 : 1))
 #define X_BYTES 4096
 #define X_CHUNKS ((ROWS16 ? 16 : 8) * 16)  // 16-byte chunks of one unit's activation tile
 #define X_PER_THREAD ((X_CHUNKS + THREADS - 1) / THREADS)
@@ -245,6 +255,32 @@ __device__ __forceinline__ void nf4_quad(u32 s, const u32 (&t)[8], u32& a, u32& 
   b = __byte_perm(lo, hi, 0x7362);
 }
 
+// FP4: the block scale of K step s (16 K) for channel slot t, as two equal 16-bit floats. MXFP4: byte s / 2 of word t,
+// e8m0 -> 2^(e - 127) (bf16 only: e << 7, e = 0 the subnormal 2^-127); NVFP4: byte s % 4 of word 2t + s / 4, e4m3
+// -> fp32 (the value times 2^-120 from two shifts, times 2^120) -> 16 bits, exact. e2m1 codes times these scales
+// are exact in the 16-bit type, so the pairs are multiplied before the MMA.
+__device__ __forceinline__ u32 fp4_scale2(const u32* sv, int t, int s) {
+#if FP4 == 1
+  const u32 e = (sv[t] >> (8 * (s >> 1))) & 0xFFu;
+  const u32 h = e ? (e << 7) : 0x40u;
+#else
+  const u32 b = (sv[2 * t + (s >> 2)] >> (8 * (s & 3))) & 0xFFu;
+  const float f = __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7Fu) << 20)) * 1.329227995784916e36f;  // 2^120
+  const u32 h = pack2(f, 0.f) & 0xFFFFu;
+#endif
+  return h * 0x10001u;
+}
+
+__device__ __forceinline__ u32 mul2(u32 a, u32 b) {
+  u32 d;
+#if ACT_BF16
+  asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+#else
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+#endif
+  return d;
+}
+
 // The partial exchange uses relaxed (morally strong) accesses: with weak ld / st, ptxas may assume no other thread
 // writes the slot, fold the polling loop into one load and move the sentinel store ahead of it (seen in SASS).
 __device__ __forceinline__ void st_cg4(float* p, float a, float b, float c, float d) {
@@ -356,13 +392,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
   const u32 woff = (wn * 64 * WPS + kh * (SPW * WPS / 4) * 32 + lane) * 16;
   const u32 soff = W_BYTES + (wn * 8 * NSW + g * NSW) * 4;
   u32 rd = 0;
-#if NF4
+#if LUT4
   u32 tb[8];  // the codebook's byte tables (nf4_quad)
 #pragma unroll
   for (int i = 0; i < 8; i++) tb[i] = __ldg(tab + i);
-#else
-  (void)tab;
 #endif
+  const float y_scale = FP4 == 2 ? __uint_as_float(__ldg(tab + 8)) : 1.f;  // NVFP4's tensor scale
 
   for (int i = 0; i < n_units; i++) {
     if (i == 0)
@@ -396,7 +431,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
       sv[0] = v.x, sv[1] = v.y;
 #endif
     }
-#if !FP8 && !NF4
+#if !FP8 && !LUT4
     // -(magic + z) twice per register, z < 16 in the scale words' low bits (no carry)
     u32 negz[SPG];
 #pragma unroll
@@ -426,7 +461,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
       if ((s & 1) == 0) ldsm_x4(stu + (xoff ^ (s << 5)), xr4);  // two K steps
       xb[0][0] = xr4[(s & 1) * 2], xb[0][1] = xr4[(s & 1) * 2 + 1];
 #endif
-#if NF4
+#if LUT4
 #pragma unroll
       for (int p = 0; p < MT; p++) {
         // the repack orders a word's nibbles so that each pair is one A register: (a0, a2) from the low half
@@ -434,8 +469,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
         u32 a0, a1, a2, a3;
         nf4_quad(w, tb, a0, a2);
         nf4_quad(w >> 16, tb, a1, a3);
+#if FP4
+        const u32 sg = fp4_scale2(sv, 2 * p, s), sh = fp4_scale2(sv, 2 * p + 1, s);  // channels g, g + 8
+        a0 = mul2(a0, sg), a2 = mul2(a2, sg), a1 = mul2(a1, sh), a3 = mul2(a3, sh);
+#pragma unroll
+        for (int b = 0; b < NTN; b++) mma(tmp[SPLITACC & s][p][b], a0, a1, a2, a3, xb[b][0], xb[b][1]);
+#else
 #pragma unroll
         for (int b = 0; b < NTN; b++) mma(tmp[s / (SPW / 2)][p][b], a0, a1, a2, a3, xb[b][0], xb[b][1]);
+#endif
       }
 #elif FP8
       const u32 w0 = word(wv, s * WPS), w1 = word(wv, s * WPS + 1);
@@ -467,7 +509,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 #endif
 #pragma unroll
     for (int a = 0; a < MT; a++) {
-#if NF4
+#if FP4
+#pragma unroll
+      for (int b = 0; b < NTN; b++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[a][b][e] += tmp[0][a][b][e];
+#elif NF4
       const float sA = __uint_as_float(sv[2 * a]), sB = __uint_as_float(sv[2 * a + 1]);
       const float tA = __uint_as_float(sv[SPG + 2 * a]), tB = __uint_as_float(sv[SPG + 2 * a + 1]);
 #pragma unroll
@@ -639,7 +686,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
           const int n = nbase + a * 16 + 8 * (e >> 1), r = b * 8 + 2 * c4 + (e & 1);
-          if (n < N && r < M) y[(size_t)r * N + n] = (unsigned short)(pack2(acc[a][b][e], 0.f) & 0xFFFFu);
+          if (n < N && r < M) y[(size_t)r * N + n] = (unsigned short)(pack2(acc[a][b][e] * y_scale, 0.f) & 0xFFFFu);
           acc[a][b][e] = 0.f;
         }
   }

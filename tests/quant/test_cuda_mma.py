@@ -331,9 +331,36 @@ def test_nf4_repack_round_trip(n, k, bs):
         CM.repack_nf4(_nf4(64, 256, 32))
 
 
+def _lut4_unit(w_unit, t: list, dt, scale) -> torch.Tensor:
+    """One warp's weights of one unit ``[16 mt, 128]`` (float64) as wo_mma.cu's LUT kinds decode them: each word of
+    ``w_unit [2 mt, 32 lanes, 4]`` looked up by nf4_quad into the A registers (low half a0, a2; high half a1, a3),
+    each 16-bit value times ``scale(lane group g, channel slot, K step)`` (1.0 for NF4: its absmax comes after the
+    MMA)."""
+    mt = w_unit.shape[0] // 2
+    wq = torch.zeros(16 * mt, 128, dtype=torch.float64)
+    for lane in range(32):
+        g, c = lane // 4, lane % 4
+        for j in range(2 * mt):
+            for e in range(4):
+                st, p = (4 * j + e) // mt, (4 * j + e) % mt
+                word = int(w_unit[j, lane, e]) & 0xFFFFFFFF
+                a0, a2 = _nf4_quad(word, t)
+                a1, a3 = _nf4_quad(word >> 16, t)
+                for reg, dch, dk in ((a0, 0, 0), (a1, 8, 0), (a2, 0, 8), (a3, 8, 8)):
+                    sc = scale(g, 2 * p + dch // 8, st)
+                    for h in (0, 1):
+                        bits = (reg >> (16 * h)) & 0xFFFF
+                        v = torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(dt).double().item() * sc
+                        assert v == float(torch.tensor(v, dtype=torch.float64).to(dt))  # exact in the 16-bit type
+                        wq[p * 16 + g + dch, st * 16 + 2 * c + dk + h] = v
+    return wq
+
+
 def test_nf4_kernel_math_emulated():
-    """What wo_mma.cu computes for NF4: per unit, warp and lane the words decoded by nf4_quad into the A registers
-    (low half a0, a2; high half a1, a3), the two 64-K halves accumulated apart and scaled by their absmax."""
+    """What wo_mma.cu computes for NF4: per unit and warp the looked-up weights (``_lut4_unit``), the two 64-K halves
+    accumulated apart and scaled by their absmax."""
+    from infercore.quant.fp4 import unpack_nibbles
+
     n, k, nw, mt = 264, 256, 8, 2
     q = _nf4(n, k, 64, seed=3)
     words, s = CM.repack_nf4(q)
@@ -345,32 +372,15 @@ def test_nf4_kernel_math_emulated():
     w = words.view(nbk, kt, nw, 2 * mt, 32, 4)
     sw = s.view(nbk, kt, nw, 8, 2, 2 * mt)  # [nb, kt, warp, g, half, tile]
     y = torch.zeros(2, nbk * bn, dtype=torch.float64)
-
-    def val(bits):
-        return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(dt).double().item()
-
     for nb in range(nbk):
         for u in range(kt):
             xt = x[:, u * 128:(u + 1) * 128].double()
             for warp in range(nw):
-                wq = torch.zeros(wn, 128, dtype=torch.float64)
-                for lane in range(32):
-                    g, c = lane // 4, lane % 4
-                    for j in range(2 * mt):
-                        for e in range(4):
-                            st, p = (4 * j + e) // mt, (4 * j + e) % mt
-                            word = int(w[nb, u, warp, j, lane, e]) & 0xFFFFFFFF
-                            a0, a2 = _nf4_quad(word, t)
-                            a1, a3 = _nf4_quad(word >> 16, t)
-                            for reg, dch, dk in ((a0, 0, 0), (a1, 8, 0), (a2, 0, 8), (a3, 8, 8)):
-                                for h in (0, 1):
-                                    wq[p * 16 + g + dch, st * 16 + 2 * c + dk + h] = val((reg >> (16 * h)) & 0xFFFF)
+                wq = _lut4_unit(w[nb, u, warp], t, dt, lambda g, slot, st: 1.0)
                 scale = sw[nb, u, warp].permute(1, 2, 0).reshape(2, wn).double()  # [half, channel t * 8 + g]
                 for h in (0, 1):
                     part = xt[:, 64 * h:64 * h + 64] @ wq[:, 64 * h:64 * h + 64].T
                     y[:, nb * bn + warp * wn:nb * bn + (warp + 1) * wn] += part * scale[h]
-    from infercore.quant.fp4 import unpack_nibbles
-
     codes = unpack_nibbles(q.qweight).long()
     ref = x.double() @ (q.codebook.to(dt).double()[codes] * q.absmax.double().repeat_interleave(64, 1)).T
     torch.testing.assert_close(y[:, :n], ref, rtol=1e-9, atol=1e-9)
@@ -413,7 +423,7 @@ def _fp4_scale(sv: list, t: int, s: int, fmt: str) -> float:
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_fp4_kernel_math_emulated(fmt):
     """What wo_mma.cu computes for FP4: the NF4 lookup with the e2m1 table, each K step's pairs times the block scale
-    of their channel in bf16 (exact), one accumulation, NVFP4's tensor scale on y."""
+    of their channel in bf16 (exact; ``_lut4_unit``), one accumulation, NVFP4's tensor scale on y."""
     from infercore.quant import triton_fp4
 
     n, k, nw, mt = 264, 256, 8, 2
@@ -424,38 +434,18 @@ def test_fp4_kernel_math_emulated(fmt):
     dt = torch.bfloat16
     tab = CM.lut_tables(triton_fp4._e2m1_table(torch.device("cpu")), dt, q.global_scale)
     t = [int(v) & 0xFFFFFFFF for v in tab]
-    assert tab[8].view(torch.float32).item() == pytest.approx(q.global_scale)
     x = torch.randn(2, k).to(dt)
     wn, bn = 16 * mt, 16 * nw * mt
     nbk, kt = math.ceil(n / bn), k // 128
-    ns = 2 if fmt == "nvfp4" else 1
     w = words.view(nbk, kt, nw, 2 * mt, 32, 4)
-    swv = sw.view(nbk, kt, nw, 8, 2 * mt * ns)
+    swv = sw.view(nbk, kt, nw, 8, -1)  # [nb, kt, warp, g, words]
     y = torch.zeros(2, nbk * bn, dtype=torch.float64)
-
-    def val(bits):
-        return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(dt).double().item()
-
     for nb in range(nbk):
         for u in range(kt):
             xt = x[:, u * 128:(u + 1) * 128].double()
             for warp in range(nw):
-                wq = torch.zeros(wn, 128, dtype=torch.float64)
-                for lane in range(32):
-                    g, c = lane // 4, lane % 4
-                    sv = [int(v) & 0xFFFFFFFF for v in swv[nb, u, warp, g]]
-                    for j in range(2 * mt):
-                        for e in range(4):
-                            st, p = (4 * j + e) // mt, (4 * j + e) % mt
-                            word = int(w[nb, u, warp, j, lane, e]) & 0xFFFFFFFF
-                            a0, a2 = _nf4_quad(word, t)
-                            a1, a3 = _nf4_quad(word >> 16, t)
-                            for reg, dch, dk in ((a0, 0, 0), (a1, 8, 0), (a2, 0, 8), (a3, 8, 8)):
-                                sc = _fp4_scale(sv, 2 * p + dch // 8, st, fmt)
-                                for h in (0, 1):
-                                    v = val((reg >> (16 * h)) & 0xFFFF) * sc
-                                    assert v == float(torch.tensor(v, dtype=torch.float64).to(dt))  # exact in bf16
-                                    wq[p * 16 + g + dch, st * 16 + 2 * c + dk + h] = v
+                sv = [[int(v) & 0xFFFFFFFF for v in swv[nb, u, warp, g]] for g in range(8)]
+                wq = _lut4_unit(w[nb, u, warp], t, dt, lambda g, slot, st, sv=sv: _fp4_scale(sv[g], slot, st, fmt))
                 y[:, nb * bn + warp * wn:nb * bn + (warp + 1) * wn] += xt @ wq.T
     y *= tab[8].view(torch.float32).item()  # the kernel's fp32 tensor scale (1.0 for MXFP4)
     ref = x.double() @ q.dequantize(torch.float64).T  # fp32 products of the scales: 2^-24 relative

@@ -8,7 +8,7 @@ stream from HBM as in decode. Each call is first checked against the reference. 
 
     python benchmarks/bench_fp4.py --out $OUT/r/fp4.json     # GPU, ~1-2 min
     python benchmarks/bench_fp4.py --fmts nf4 --out $OUT/r/nf4.json
-    python benchmarks/bench_fp4.py --fmts nf4 --variants triton,mma --out ...  # MODE 9 off / from one row too
+    python benchmarks/bench_fp4.py --fmts nf4 --variants triton,mode9,mma --out ...  # MODE 9 off / on / from one row
 """
 
 # ruff: noqa: B023  (closures are run inside the loop iteration that defines them)
@@ -42,7 +42,8 @@ def main() -> None:
     ap.add_argument("--nf4-dequant-min", type=int, default=0, help="override triton_nf4.DEQUANT_M_MIN (a sweep)")
     ap.add_argument("--nf4-gemv-max", type=int, default=-1, help="override triton_nf4.GEMV_M_MAX (a sweep)")
     ap.add_argument("--variants", "--nf4-variants", dest="nf4_variants", default="",
-                    help="comma list of extra rows of every format: 'triton' (MODE 9 off), 'mma' (MODE 9 from one row)")
+                    help="comma list of extra rows of every format: 'triton' (MODE 9 off), 'mode9' (MODE 9 on at its "
+                         "rows), 'mma' (MODE 9 on from one row)")
     args = ap.parse_args()
     from infercore.quant import triton_fp4, triton_nf4
 
@@ -102,15 +103,17 @@ def main() -> None:
             runs += [(f"{f}[{v}]", q, v) for f, q in fp4.items() for v in args.nf4_variants.split(",")]
         for fmt, q, variant in runs:
             mm, ref, nbytes, copy = parts(q)
-            saved = triton_nf4.MMA_ROWS, triton_fp4.MMA_ROWS
-            rows = {"triton": (0, -1), "mma": (1, 16)}.get(variant)
+            saved = triton_nf4.MMA_ROWS, triton_fp4.MMA_ROWS, triton_nf4.MMA, triton_fp4.MMA
+            rows = {"triton": (0, -1), "mma": (1, 16), "mode9": None}.get(variant)
+            if variant in ("mma", "mode9"):
+                triton_nf4.MMA = triton_fp4.MMA = True
             if rows:
                 triton_nf4.MMA_ROWS = triton_fp4.MMA_ROWS = rows
             err = rel_err(mm(x, q), ref(x, q))
             cq = copies_of(nbytes)
             qs = [q] + [copy() for _ in range(cq - 1)]
             us = timer(lambda i: mm(x, qs[i % cq]), cq)
-            triton_nf4.MMA_ROWS, triton_fp4.MMA_ROWS = saved
+            triton_nf4.MMA_ROWS, triton_fp4.MMA_ROWS, triton_nf4.MMA, triton_fp4.MMA = saved
             floor = nbytes / bw * 1e6
             row = {"fmt": fmt, "m": m, "us": us, "bf16_us": bf16_us, "x_bf16": bf16_us / us,
                    "int4_us": peers["int4 w4a16-g128 (dispatcher)"], "floor_us": floor, "err": err,

@@ -73,7 +73,10 @@ def test_fp4_mode9_wide_scales(fmt, dtype):
         w = FP4Weight(codes, torch.randint(1, 0x7F, (2048, 64), dtype=torch.uint8, device=dev), "nvfp4", 1.7e-3)
     calls = []
     real = CM.matmul
+    mod = triton_fp4
+    on = mod.MMA
     try:
+        mod.MMA = True  # (off by default until measured on a GPU)
         CM.matmul = lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
         for m in (2, 5, 9, 16):
             x = torch.randn(m, 1024, device=dev, dtype=dtype)
@@ -89,3 +92,4 @@ def test_fp4_mode9_wide_scales(fmt, dtype):
         assert calls == [m for m in (2, 5, 9, 16) for _ in range(3)]
     finally:
         CM.matmul = real
+        mod.MMA = on

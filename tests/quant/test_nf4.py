@@ -180,7 +180,10 @@ def test_nf4_mode9(bs, dtype):
     w = NF4Weight.quantize(torch.randn(3000, 2048, device="cuda") * 0.02, blocksize=bs)
     calls = []
     real = CM.matmul
+    mod = triton_nf4
+    on = mod.MMA
     try:
+        mod.MMA = True  # (off by default until measured on a GPU)
         CM.matmul = lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
         for m in (3, 8, 9, 16):
             x = torch.randn(m, 2048, device="cuda").to(dtype)
@@ -200,6 +203,7 @@ def test_nf4_mode9(bs, dtype):
         assert len(calls) == 12
     finally:
         CM.matmul = real
+        mod.MMA = on
 
 
 @pytest.mark.gpu

@@ -41,9 +41,9 @@ from .wo_tiles import (
 GEMV_M_MAX = 4
 DECODE_MIN_M = 96
 # rows MODE 9 takes (``cuda_mma`` with ``FP4``: sm80+ with NVRTC, K % 128 == 0, bf16 activations for MXFP4, bf16 /
-# fp16 for NVFP4); INFERCORE_FP4_MMA=0 turns it off
+# fp16 for NVFP4); off until measured on a GPU: INFERCORE_FP4_MMA=1 turns it on
 MMA_ROWS = (2, 16)
-MMA = os.environ.get("INFERCORE_FP4_MMA", "1") != "0"
+MMA = os.environ.get("INFERCORE_FP4_MMA", "0") == "1"
 
 
 @triton.jit

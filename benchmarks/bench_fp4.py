@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--fmts", default="mxfp4,nvfp4", help="of mxfp4, nvfp4, nf4")
     ap.add_argument("--nf4-dequant-min", type=int, default=0, help="override triton_nf4.DEQUANT_M_MIN (a sweep)")
     ap.add_argument("--nf4-gemv-max", type=int, default=-1, help="override triton_nf4.GEMV_M_MAX (a sweep)")
-    ap.add_argument("--variants", "--nf4-variants", dest="nf4_variants", default="",
+    ap.add_argument("--variants", dest="nf4_variants", default="",
                     help="comma list of extra rows of every format: 'triton' (MODE 9 off), 'mode9' (MODE 9 on at its "
                          "rows), 'mma' (MODE 9 on from one row)")
     args = ap.parse_args()

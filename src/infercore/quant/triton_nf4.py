@@ -64,7 +64,8 @@ GEMV_M_MAX = 2
 # 192 rows, 113 at 256 (nf4_prmt_h100.json)
 DEQUANT_M_MIN = 192
 # rows MODE 9 takes (``cuda_mma``, the CUDA stream-K tensor-core kernel with ``NF4``: sm80+ with NVRTC, 16-bit
-# activations, K % 128 == 0, absmax blocks of 64 or a multiple of 128); off until measured on a GPU: INFERCORE_NF4_MMA=1 turns it on
+# activations, K % 128 == 0, absmax blocks of 64 or a multiple of 128); off until measured on a GPU:
+# INFERCORE_NF4_MMA=1 turns it on
 MMA_ROWS = (3, 16)
 MMA = os.environ.get("INFERCORE_NF4_MMA", "0") == "1"
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)

@@ -1,5 +1,7 @@
 """MODE 9: weight-only matmuls for 1-16 activation rows in CUDA C++ (``wo_mma.cu``, compiled at first use by
-NVRTC through torch), INT4 (group-wise scale + zero point) and emulated FP8 (per-channel or 128x128 block scales).
+NVRTC through torch), INT4 (group-wise scale + zero point), emulated FP8 (per-channel or 128x128 block scales) and
+4-bit codebook weights (``LUT_KINDS``: bitsandbytes NF4 with its fp32 absmax, MXFP4 / NVFP4 with their block scale
+bytes; the codes looked up by byte permutes, :func:`repack_nf4` / :func:`repack_fp4`).
 
 Why a CUDA kernel beside the Triton ones: at 9-16 rows the Triton / Gluon fragment kernels (MODE 6 / 7) hold each
 warp's decode chain, B fragments and split-K bookkeeping in ~190 registers, ~10 warps per SM, and stall on load

@@ -7,6 +7,8 @@ registers with integer operations only (no FP4 or FP8 instruction, so they run o
   once.
 * ``_fp4_kernel`` -- more rows: the stored codes read as words, decoded the same way, times the block scale, in the
   activation dtype -> ``tl.dot`` (fp32 accumulation).
+* MODE 9 (``cuda_mma`` with ``FP4``; :data:`MMA_ROWS`, when :data:`MMA` is on) -- the codes looked up in the e2m1
+  table by byte permutes straight into the MMA's A registers, times the block scales in the 16-bit type (exact).
 * ``_fp4_dequant_kernel`` -- from :data:`DECODE_MIN_M` rows the weight is decoded once into the activation dtype and
   cuBLAS multiplies (a transient ``[N, K]`` weight per call), as the INT4 / FP8 weight-only paths do at prefill sizes.
 """

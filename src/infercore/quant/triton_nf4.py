@@ -21,7 +21,9 @@ Kernels:
 * more rows: ``_nf4_kernel``, the stored codes read as int32 words, decoded, times the absmax, in x's dtype ->
   ``tl.dot`` (fp32 accumulation);
 * from :data:`DEQUANT_M_MIN` rows (16-bit x): the whole weight decoded to x's dtype in one pass (the values of
-  ``w.dequantize(x.dtype)``), then the library GEMM (cuBLAS through torch).
+  ``w.dequantize(x.dtype)``), then the library GEMM (cuBLAS through torch);
+* :data:`MMA_ROWS` (3-16 rows, 16-bit x, when :data:`MMA` is on): MODE 9, ``cuda_mma``'s CUDA kernel with ``NF4``,
+  the codes looked up by the same byte permutes straight into the MMA's A registers.
 
 14336 x 4096 on an H100, bf16 x (``benchmarks/results/h200/sweeps/nf4_prmt_h100.json``): one row 21.9 us (bf16
 47.0, bitsandbytes' ``matmul_4bit`` 28.7), 16 rows 41.6 (41.2, 67.3), 2048 rows 391.8 (338.1, 401.2). The first CUDA

@@ -502,7 +502,7 @@ def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor
     ws = _partials(x.device, sms * MAX_CTAS_PER_SM)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ldx = x.stride(0) if m > 1 else kp
-    args = [words, scales, x, y, ws, m, n, kt, nb, ldx, tables if kind in LUT_KINDS else words]
+    args = [words, scales, x, y, ws, m, n, kt, nb, ldx] + ([tables] if kind in LUT_KINDS else [])
     stream = torch.cuda.current_stream(x.device)
     early = (PDL if pdl is None else pdl) and torch.cuda.get_device_capability(x.device)[0] >= 9
     if _launched_before(words) and early:

@@ -314,8 +314,11 @@ __device__ __forceinline__ float* slot(float* ws, int c, int q, int ct) {
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
     wo_mma(const uint4* __restrict__ wpk, const uint4* __restrict__ szk, const unsigned short* __restrict__ x,
-           unsigned short* __restrict__ y, float* __restrict__ ws, int M, int N, int KT, int NB, int ldx,
-           const u32* __restrict__ tab) {
+           unsigned short* __restrict__ y, float* __restrict__ ws, int M, int N, int KT, int NB, int ldx
+#if LUT4
+           , const u32* __restrict__ tab  // the codebook's byte tables, then NVFP4's fp32 tensor scale
+#endif
+    ) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wn = warp % NWARPS_N, kh = warp / NWARPS_N, ct = tid % CT;  // channel slice, K part
@@ -397,7 +400,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 #pragma unroll
   for (int i = 0; i < 8; i++) tb[i] = __ldg(tab + i);
 #endif
-  const float y_scale = FP4 == 2 ? __uint_as_float(__ldg(tab + 8)) : 1.f;  // NVFP4's tensor scale
+#if FP4 == 2
+  const float y_scale = __uint_as_float(__ldg(tab + 8));  // NVFP4's tensor scale
+#else
+  const float y_scale = 1.f;
+#endif
 
   for (int i = 0; i < n_units; i++) {
     if (i == 0)

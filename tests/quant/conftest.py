@@ -31,3 +31,17 @@ def graph_matches_eager():
         return y
 
     return check
+
+
+@pytest.fixture
+def mode9_calls(monkeypatch):
+    """MODE 9 turned on for the codebook kinds (NF4, FP4: off by default until measured on a GPU); the returned list
+    records the rows of every ``cuda_mma.matmul`` call."""
+    from infercore.quant import cuda_mma, triton_fp4, triton_nf4
+
+    calls = []
+    real = cuda_mma.matmul
+    monkeypatch.setattr(cuda_mma, "matmul", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    monkeypatch.setattr(triton_nf4, "MMA", True)
+    monkeypatch.setattr(triton_fp4, "MMA", True)
+    return calls

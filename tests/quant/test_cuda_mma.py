@@ -86,15 +86,15 @@ def test_int4_kernel_math_emulated(group, sym, layout):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)  # scale words: 2^-19
 
 
-def _prmt(w: int, sel: int) -> int:
-    """PTX ``prmt.b32 d, w, 0, sel`` (default mode): result byte i is byte ``sel_i & 7`` of (0, w), replaced by
-    its sign bit replicated when ``sel_i & 8``."""
-    src = [(w >> (8 * i)) & 255 for i in range(4)] + [0] * 4
+def _prmt(w: int, sel: int, b: int = 0) -> int:
+    """PTX ``prmt.b32 d, w, b, sel`` (default mode): result byte i is byte ``sel_i & 7`` of (w, b), replaced by its
+    sign bit replicated when ``sel_i & 8``."""
+    src = [(w >> (8 * i)) & 255 for i in range(4)] + [(b >> (8 * i)) & 255 for i in range(4)]
     out = 0
     for i in range(4):
         s = (sel >> (4 * i)) & 15
-        b = src[s & 7]
-        out |= ((255 if b & 0x80 else 0) if s & 8 else b) << (8 * i)
+        v = src[s & 7]
+        out |= ((255 if v & 0x80 else 0) if s & 8 else v) << (8 * i)
     return out
 
 
@@ -271,22 +271,10 @@ def _bperm(a: int, b: int, sel: int) -> int:
     return sum(src[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
 
 
-def _prmt2(a: int, b: int, sel: int) -> int:
-    """PTX ``prmt.b32 d, a, b, sel`` (default mode): as ``_bperm``, and a selector nibble's bit 3 replicates the
-    selected byte's sign bit."""
-    src = [(a >> (8 * i)) & 255 for i in range(4)] + [(b >> (8 * i)) & 255 for i in range(4)]
-    out = 0
-    for i in range(4):
-        s = (sel >> (4 * i)) & 15
-        v = src[s & 7]
-        out |= ((255 if v & 0x80 else 0) if s & 8 else v) << (8 * i)
-    return out
-
-
 def _nf4_quad(s: int, t: list) -> tuple[int, int]:
     """wo_mma.cu's nf4_quad(): the codes in the low 16 bits of ``s`` -> (codes 0, 1), (codes 2, 3) as 16-bit pairs."""
     q, tt = s & 0x7777, s & 0x8888
-    m = _prmt2(0, 0x80808080, (tt >> 1) | tt | 0x3210)
+    m = _prmt(0, (tt >> 1) | tt | 0x3210, 0x80808080)
     la, lb = _bperm(t[0], t[1], q), _bperm(t[2], t[3], q)
     ha, hb = _bperm(t[4], t[5], q), _bperm(t[6], t[7], q)
     lo, hi = la ^ ((la ^ lb) & m), ha ^ ((ha ^ hb) & m)

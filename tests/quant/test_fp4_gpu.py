@@ -60,36 +60,19 @@ def test_fp4_linear_in_a_cuda_graph(graph_matches_eager):
 
 
 @pytest.mark.parametrize("fmt, dtype", [("nvfp4", torch.float16), ("nvfp4", torch.bfloat16), ("mxfp4", torch.bfloat16)])
-def test_fp4_mode9_wide_scales(fmt, dtype):
+def test_fp4_mode9_wide_scales(fmt, dtype, graph_matches_eager, mode9_calls):
     # 2-16 rows: MODE 9 (cuda_mma with FP4): e2m1 codes looked up into the MMA's A registers, times the block scales in
     # the 16-bit type (exact), over scales far apart (e8m0 2**-27 .. 2**22; e4m3 subnormals to 448); eager and
     # replayed in a CUDA graph, deterministic
-    from infercore.quant import cuda_mma as CM
-
     codes = torch.randint(0, 256, (2048, 512), dtype=torch.uint8, device=dev)
     if fmt == "mxfp4":
         w = FP4Weight(codes, torch.randint(100, 150, (2048, 32), dtype=torch.uint8, device=dev), "mxfp4")
     else:
         w = FP4Weight(codes, torch.randint(1, 0x7F, (2048, 64), dtype=torch.uint8, device=dev), "nvfp4", 1.7e-3)
-    calls = []
-    real = CM.matmul
-    mod = triton_fp4
-    on = mod.MMA
-    try:
-        mod.MMA = True  # (off by default until measured on a GPU)
-        CM.matmul = lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
-        for m in (2, 5, 9, 16):
-            x = torch.randn(m, 1024, device=dev, dtype=dtype)
-            y = triton_fp4.fp4_matmul_triton(x, w)
-            assert _rel(y, R.fp4_matmul_ref(x, w)) < 1e-2
-            assert torch.equal(y, triton_fp4.fp4_matmul_triton(x, w))
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                yg = triton_fp4.fp4_matmul_triton(x, w)
-            g.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(yg, y)
-        assert calls == [m for m in (2, 5, 9, 16) for _ in range(3)]
-    finally:
-        CM.matmul = real
-        mod.MMA = on
+    for m in (2, 5, 9, 16):
+        x = torch.randn(m, 1024, device=dev, dtype=dtype)
+        y = triton_fp4.fp4_matmul_triton(x, w)
+        assert _rel(y, R.fp4_matmul_ref(x, w)) < 1e-2
+        assert torch.equal(y, triton_fp4.fp4_matmul_triton(x, w))
+        graph_matches_eager(lambda x=x: triton_fp4.fp4_matmul_triton(x, w), x, rounds=2)
+    assert mode9_calls == [m for m in (2, 5, 9, 16) for _ in range(5)]  # eager twice, the capture, two rounds

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from .formats import FP4Weight, FP8Weight, IntWeight, NF4Weight
+from .fp4 import unpack_nibbles
 
 BK = 128
 UNIT_BYTES = 16384  # the largest unit (8 warps x 2 m16 tiles INT4, 8 x 1 FP8): a CTA's partial-sum slots fit in it
@@ -199,8 +200,6 @@ def repack_nf4(w: NF4Weight, warps: int | None = None, mt: int | None = None) ->
     n, k = w.shape
     bn = block_n("nf4", nw, mt)
     nb, kt = math.ceil(n / bn), k // BK
-    from .fp4 import unpack_nibbles
-
     words = _lut4_words(unpack_nibbles(w.qweight), nb, bn, nw, mt, kt)
     half = (torch.arange(kt * 2, device=w.absmax.device) * (BK // 2)) // w.blocksize  # absmax block of each half
     s = _pad_rows(w.absmax.float()[:, half].contiguous(), nb * bn)  # [N, KT * 2]
@@ -234,8 +233,6 @@ def repack_fp4(w: FP4Weight, warps: int | None = None, mt: int | None = None) ->
     n, k = w.shape
     bn = block_n(kind, nw, mt)
     nb, kt = math.ceil(n / bn), k // BK
-    from .fp4 import unpack_nibbles
-
     words = _lut4_words(unpack_nibbles(w.qweight), nb, bn, nw, mt, kt)
     sw = scale_words(kind)
     b = _pad_rows(w.scales.contiguous(), nb * bn).view(nb, nw, 2 * mt, 8, kt, 4 * sw)

@@ -23,11 +23,12 @@ import triton
 import triton.language as tl
 
 from . import cuda_mma as CM
+from . import wo_gemv
 from .formats import FP4Weight
 from .fp4 import unpack_nibbles
 from .repacks import packed
 from .triton_dequant import _fp8_e4m3_bits_to_f32
-from .wo_gemv import REPACK, _ilv_cached
+from .wo_gemv import _ilv_cached
 from .wo_tiles import (
     _INTERPRET,
     _check_x,
@@ -332,7 +333,7 @@ def _run_mma(x: torch.Tensor, w: FP4Weight) -> torch.Tensor | None:
     (none during a CUDA-graph capture: the Triton kernels then take the call)."""
     lo, hi = MMA_ROWS
     m, kind = x.shape[0], w.fmt
-    if not (MMA and REPACK and lo <= m <= hi and CM.fp4_ok(w) and CM.available(x)):
+    if not (MMA and wo_gemv.REPACK and lo <= m <= hi and CM.fp4_ok(w) and CM.available(x)):
         return None
     if (kind == "mxfp4" and x.dtype != torch.bfloat16) or not CM.compiles(kind, x.dtype, x.device, m > 8):
         return None

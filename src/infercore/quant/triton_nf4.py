@@ -40,11 +40,11 @@ import triton
 import triton.language as tl
 
 from . import cuda_mma as CM
-from . import naive
+from . import naive, wo_gemv
 from .formats import NF4Weight
 from .repacks import packed
 from .triton_fp4 import _group_sums, _join8, _rows_fma, _store_gemv_rows, _word_tile, gemv_launches
-from .wo_gemv import REPACK, _ilv_cached, interleave_words
+from .wo_gemv import _ilv_cached, interleave_words
 from .wo_tiles import (
     _INTERPRET,
     _configs,
@@ -386,7 +386,7 @@ def _run_mma(x: torch.Tensor, w: NF4Weight) -> torch.Tensor | None:
     while the weight lives (none during a CUDA-graph capture: the Triton kernels then take the call)."""
     lo, hi = MMA_ROWS
     m = x.shape[0]
-    if not (MMA and REPACK and lo <= m <= hi and CM.nf4_ok(w) and CM.available(x) and x.shape[1] == w.shape[1]):
+    if not (MMA and wo_gemv.REPACK and lo <= m <= hi and CM.nf4_ok(w) and CM.available(x)):
         return None
     if not CM.compiles("nf4", x.dtype, x.device, m > 8):
         return None

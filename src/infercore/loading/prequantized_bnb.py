@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from .prequantized import build_prequantized
-from .prequantized_fp4 import _patterns
+from .prequantized_fp4 import _named, _patterns
 
 _SUBS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 _STATE = "quant_state.bitsandbytes__"
@@ -74,12 +74,6 @@ def bnb_config(q: dict[str, Any], where: str = "config.json: quantization_config
         raise ValueError(f"{where}.bnb_4bit_quant_storage: only 'uint8' storage is supported, got {storage!r}")
     exclude = _patterns(f"{where}.llm_int8_skip_modules", q.get("llm_int8_skip_modules"))
     return {"method": "bnb4", "quant_type": qt, "exclude": exclude}
-
-
-def _skipped(base: str, q: dict[str, Any]) -> bool:
-    """Whether ``llm_int8_skip_modules`` names ``base``: the module itself, a trailing part of its name (``"lm_head"``)
-    or a parent module."""
-    return any(base == p or base.endswith("." + p) or base.startswith(p + ".") for p in q["exclude"] if p)
 
 
 class _Renamed:
@@ -188,7 +182,7 @@ def load_bnb4(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, device: to
         concat=lambda target, ws, names: NF4Weight.concat(ws),
         codes="weight",
         none_converted="checkpoint: a bitsandbytes quantization_config is set but no linear has a uint8 weight",
-        excluded=lambda base: _skipped(base, q),
+        excluded=lambda base: _named(base, q["exclude"]),
     )
 
 
@@ -235,5 +229,5 @@ def load_bnb8(ckpt, config, q: dict[str, Any], *, dtype: torch.dtype, device: to
         is_part=lambda leaf, t: leaf in ("SCB", "weight_format") or (leaf == "weight" and t.dtype == torch.int8),
         select=select, weight=_int8_weight, concat=_concat, codes="weight",
         none_converted="checkpoint: a bitsandbytes 8-bit quantization_config is set but no linear has an int8 weight",
-        excluded=lambda base: _skipped(base, q),
+        excluded=lambda base: _named(base, q["exclude"]),
     )

@@ -117,6 +117,12 @@ def _check_group(where: str, group: Any) -> None:
         raise ValueError(f"{where}: NVFP4 group_size must be {_GROUP}, got {group!r}")
 
 
+def _named(name: str, patterns: list[str]) -> bool:
+    """Whether a vLLM / transformers module-name list names module ``name``: the name itself, a trailing part of it
+    (``"lm_head"``) or a parent module."""
+    return any(name == p or name.endswith("." + p) or name.startswith(p + ".") for p in patterns if p)
+
+
 def _patterns(where: str, value: Any) -> list[str]:
     value = [] if value is None else value
     if not isinstance(value, list) or not all(isinstance(p, str) for p in value):

@@ -88,6 +88,7 @@ from .prequantized_fp4 import (
     _ct_groups,
     _modelopt_exclude,
     _modelopt_settings,
+    _named,
     _patterns,
 )
 from .prequantized_fp4 import _excluded as _modelopt_or_ct_excluded
@@ -207,8 +208,7 @@ def _ct_config(q: dict[str, Any], where: str) -> dict[str, Any]:
 def _excluded(name: str, q: dict[str, Any]) -> bool:
     if q["format"] not in ("fp8", "fbgemm"):
         return _modelopt_or_ct_excluded(name, q)
-    # vLLM / transformers module names: the name itself, a trailing part ("lm_head") or a parent module
-    return any(name == p or name.endswith("." + p) or name.startswith(p + ".") for p in q["exclude"] if p)
+    return _named(name, q["exclude"])
 
 
 def _fp8_weight(name: str, parts: dict[str, torch.Tensor], q: dict[str, Any]):

@@ -255,8 +255,14 @@ def unpack_fp4(words: torch.Tensor, sc_words: torch.Tensor, n: int, k: int, fmt:
 def lut_tables(codebook: torch.Tensor, dtype: torch.dtype, y_scale: float = 1.0) -> torch.Tensor:
     """The kernel's table operand (int32 ``[9]`` on the codebook's device): the eight byte tables of the 16-entry
     ``codebook`` rounded to ``dtype`` (bf16 / fp16; the low bytes of entries 4i .. 4i + 3 in word i, entry 4i + j in
-    byte j, the high bytes in word 4 + i), then the fp32 bits of ``y_scale`` (NVFP4's tensor scale)."""
-    bits = codebook.to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+    byte j, the high bytes in word 4 + i), then the fp32 bits of ``y_scale`` (NVFP4's tensor scale). ``TypeError`` for
+    another dtype, ``ValueError`` for a codebook that is not 16 floats."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"dtype: expected torch.bfloat16 or torch.float16, got {dtype}")
+    if not isinstance(codebook, torch.Tensor) or not codebook.is_floating_point() or codebook.numel() != 16:
+        raise ValueError(f"codebook: expected a float tensor of 16 entries, got "
+                         f"{getattr(codebook, 'dtype', type(codebook))} {tuple(getattr(codebook, 'shape', ()))}")
+    bits = codebook.reshape(16).to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
     planes = torch.stack([bits & 0xFF, bits >> 8]).view(2, 4, 4)  # [plane, word, byte]
     t = (planes << (8 * torch.arange(4, device=bits.device))).sum(-1).view(8)
     t = torch.where(t >= 2**31, t - 2**32, t).to(torch.int32)

@@ -28,7 +28,7 @@ from .formats import FP4Weight
 from .fp4 import unpack_nibbles
 from .repacks import packed
 from .triton_dequant import _fp8_e4m3_bits_to_f32
-from .wo_gemv import _ilv_cached
+from .wo_gemv import _gemv_rows, _ilv_cached
 from .wo_tiles import (
     _INTERPRET,
     _check_x,
@@ -84,14 +84,9 @@ def _ilv_code(w, J: tl.constexpr):
 def _store_gemv_rows(y_ptr, a0, a1, a2, a3, M, stride_ym, offs_n, n_mask, MR: tl.constexpr, BLOCK_N: tl.constexpr):
     """The GEMVs' end: row r's partial sums ``a<r> [BLOCK_N, *]`` summed over their last axis, rows ``< min(M, MR)``
     stored to ``y[r, offs_n]`` (the FP4 and NF4 GEMVs)."""
-    offs_m = tl.arange(0, MR)
-    acc = tl.zeros([MR, BLOCK_N], dtype=tl.float32)
-    acc = tl.where(offs_m[:, None] == 0, tl.sum(a0, axis=1)[None, :], acc)
-    acc = tl.where(offs_m[:, None] == 1, tl.sum(a1, axis=1)[None, :], acc)
-    acc = tl.where(offs_m[:, None] == 2, tl.sum(a2, axis=1)[None, :], acc)
-    acc = tl.where(offs_m[:, None] == 3, tl.sum(a3, axis=1)[None, :], acc)
+    acc, offs_m, m_mask = _gemv_rows(a0, a1, a2, a3, M, MR, BLOCK_N)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(offs_m < M)[:, None] & n_mask[None, :])
+             mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit

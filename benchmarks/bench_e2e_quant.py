@@ -42,7 +42,8 @@ from infercore.quant import quantize  # noqa: E402
 VARIANTS = (("bf16", None, ("lm_head",)), ("W4A16 g128", "w4a16-g128", ("lm_head",)),
             ("FP8 weight-only emulated", "fp8-wo", ("lm_head",)),
             ("FP8 weight-only emulated, lm_head too", "fp8-wo", ()), ("W4A16 g128, lm_head too", "w4a16-g128", ()),
-            ("NF4 weight-only", "w4a16-nf4", ("lm_head",)), ("NVFP4 weight-only emulated", "w4a16-nvfp4", ("lm_head",)))
+            ("NF4 weight-only", "w4a16-nf4", ("lm_head",)), ("NVFP4 weight-only emulated", "w4a16-nvfp4", ("lm_head",)),
+            ("MXFP4 weight-only emulated", "w4a16-mxfp4", ("lm_head",)))
 TARGET = {"W4A16 g128": 2.5, "FP8 weight-only emulated": 1.6}
 TINY = dict(LLAMA_8B, vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4,
             num_key_value_heads=2)

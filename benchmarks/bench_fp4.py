@@ -107,11 +107,11 @@ def main() -> None:
         for fmt, q, variant in runs:
             mm, ref, nbytes, copy = parts(q)
             saved = triton_nf4.MMA_ROWS, triton_fp4.MMA_ROWS, triton_nf4.MMA, triton_fp4.MMA
-            rows = {"triton": (0, -1), "mma": (1, 16), "mode9": None}.get(variant)
+            mrows = {"triton": (0, -1), "mma": (1, 16), "mode9": None}.get(variant)
             if variant in ("mma", "mode9"):
                 triton_nf4.MMA = triton_fp4.MMA = True
-            if rows:
-                triton_nf4.MMA_ROWS = triton_fp4.MMA_ROWS = rows
+            if mrows:
+                triton_nf4.MMA_ROWS = triton_fp4.MMA_ROWS = mrows
             err = rel_err(mm(x, q), ref(x, q))
             cq = copies_of(nbytes)
             qs = [q] + [copy() for _ in range(cq - 1)]

@@ -7,8 +7,9 @@ registers with integer operations only (no FP4 or FP8 instruction, so they run o
   once.
 * ``_fp4_kernel`` -- more rows: the stored codes read as words, decoded the same way, times the block scale, in the
   activation dtype -> ``tl.dot`` (fp32 accumulation).
-* MODE 9 (``cuda_mma`` with ``FP4``; :data:`MMA_ROWS`, when :data:`MMA` is on) -- the codes looked up in the e2m1
-  table by byte permutes straight into the MMA's A registers, times the block scales in the 16-bit type (exact).
+* MODE 9 (``cuda_mma`` with ``FP4``; :data:`MMA_ROWS`, when :data:`MMA` is on, the default) -- the codes looked up
+  in the e2m1 table by byte permutes straight into the MMA's A registers, times the block scales in the 16-bit type
+  (exact).
 * ``_fp4_dequant_kernel`` -- from :data:`DECODE_MIN_M` rows the weight is decoded once into the activation dtype and
   cuBLAS multiplies (a transient ``[N, K]`` weight per call), as the INT4 / FP8 weight-only paths do at prefill sizes.
 """
@@ -44,9 +45,12 @@ from .wo_tiles import (
 GEMV_M_MAX = 4
 DECODE_MIN_M = 96
 # rows MODE 9 takes (``cuda_mma`` with ``FP4``: sm80+ with NVRTC, K % 128 == 0, bf16 activations for MXFP4, bf16 /
-# fp16 for NVFP4); off until measured on a GPU: INFERCORE_FP4_MMA=1 turns it on
-MMA_ROWS = (2, 16)
-MMA = os.environ.get("INFERCORE_FP4_MMA", "0") == "1"
+# fp16 for NVFP4). 14336 x 4096 bf16 on an H200 (sweeps/mode9_lut_h200.json): MXFP4 3 / 8 / 16 rows 21.8 / 21.7 /
+# 24.4 us against the tiled kernel's 30.8 / 35.3 / 35.4, NVFP4 25.7 / 26.8 / 27.6 against 38.7 / 55.5 / 55.0; at 1-2
+# rows the GEMV is as fast or faster (MXFP4 16.3 / 21.3 against 21.6 / 21.7, NVFP4 15.8 / 23.8 against 25.2 / 26.0).
+# INFERCORE_FP4_MMA=0 turns it off
+MMA_ROWS = (3, 16)
+MMA = os.environ.get("INFERCORE_FP4_MMA", "1") == "1"
 
 
 @triton.jit

@@ -22,8 +22,8 @@ Kernels:
   ``tl.dot`` (fp32 accumulation);
 * from :data:`DEQUANT_M_MIN` rows (16-bit x): the whole weight decoded to x's dtype in one pass (the values of
   ``w.dequantize(x.dtype)``), then the library GEMM (cuBLAS through torch);
-* :data:`MMA_ROWS` (3-16 rows, 16-bit x, when :data:`MMA` is on): MODE 9, ``cuda_mma``'s CUDA kernel with ``NF4``,
-  the codes looked up by the same byte permutes straight into the MMA's A registers.
+* :data:`MMA_ROWS` (1-16 rows, 16-bit x, when :data:`MMA` is on, the default): MODE 9, ``cuda_mma``'s CUDA kernel
+  with ``NF4``, the codes looked up by the same byte permutes straight into the MMA's A registers.
 
 14336 x 4096 on an H100, bf16 x (``benchmarks/results/h200/sweeps/nf4_prmt_h100.json``): one row 21.9 us (bf16
 47.0, bitsandbytes' ``matmul_4bit`` 28.7), 16 rows 41.6 (41.2, 67.3), 2048 rows 391.8 (338.1, 401.2). The first CUDA
@@ -66,10 +66,12 @@ GEMV_M_MAX = 2
 # 192 rows, 113 at 256 (nf4_prmt_h100.json)
 DEQUANT_M_MIN = 192
 # rows MODE 9 takes (``cuda_mma``, the CUDA stream-K tensor-core kernel with ``NF4``: sm80+ with NVRTC, 16-bit
-# activations, K % 128 == 0, absmax blocks of 64 or a multiple of 128); off until measured on a GPU:
-# INFERCORE_NF4_MMA=1 turns it on
-MMA_ROWS = (3, 16)
-MMA = os.environ.get("INFERCORE_NF4_MMA", "0") == "1"
+# activations, K % 128 == 0, absmax blocks of 64 or a multiple of 128). 14336 x 4096 bf16 on an H200
+# (sweeps/mode9_lut_h200.json): 1 / 2 / 3 / 16 rows 20.0 / 19.9 / 20.2 / 22.6 us against the GEMV's 21.7 / 26.3 and the
+# tiled kernel's 43.3 / 42.0 (bf16 33.4 / 30.2 / 30.2 / 30.7); at 32 rows it is not taken (one 16-row tile).
+# INFERCORE_NF4_MMA=0 turns it off
+MMA_ROWS = (1, 16)
+MMA = os.environ.get("INFERCORE_NF4_MMA", "1") == "1"
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 # Eight codes of a word (code j at bits 4j) -> eight fp32 values; $8 the word, $9-$12 the low bytes of the fp16

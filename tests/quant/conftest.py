@@ -35,8 +35,8 @@ def graph_matches_eager():
 
 @pytest.fixture
 def mode9_calls(monkeypatch):
-    """MODE 9 turned on for the codebook kinds (NF4, FP4: off by default until measured on a GPU); the returned list
-    records the rows of every ``cuda_mma.matmul`` call."""
+    """MODE 9 on for the codebook kinds (NF4, FP4) at every row count it can take, 1-16 (the defaults leave FP4's 1-2
+    rows to the GEMV); the returned list records the rows of every ``cuda_mma.matmul`` call."""
     from infercore.quant import cuda_mma, triton_fp4, triton_nf4
 
     calls = []
@@ -44,4 +44,6 @@ def mode9_calls(monkeypatch):
     monkeypatch.setattr(cuda_mma, "matmul", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     monkeypatch.setattr(triton_nf4, "MMA", True)
     monkeypatch.setattr(triton_fp4, "MMA", True)
+    monkeypatch.setattr(triton_nf4, "MMA_ROWS", (1, 16))
+    monkeypatch.setattr(triton_fp4, "MMA_ROWS", (1, 16))
     return calls

@@ -61,7 +61,7 @@ def test_fp4_linear_in_a_cuda_graph(graph_matches_eager):
 
 @pytest.mark.parametrize("fmt, dtype", [("nvfp4", torch.float16), ("nvfp4", torch.bfloat16), ("mxfp4", torch.bfloat16)])
 def test_fp4_mode9_wide_scales(fmt, dtype, graph_matches_eager, mode9_calls):
-    # 2-16 rows: MODE 9 (cuda_mma with FP4): e2m1 codes looked up into the MMA's A registers, times the block scales in
+    # 1-16 rows: MODE 9 (cuda_mma with FP4): e2m1 codes looked up into the MMA's A registers, times the block scales in
     # the 16-bit type (exact), over scales far apart (e8m0 2**-27 .. 2**22; e4m3 subnormals to 448); eager and
     # replayed in a CUDA graph, deterministic
     codes = torch.randint(0, 256, (2048, 512), dtype=torch.uint8, device=dev)
@@ -69,10 +69,32 @@ def test_fp4_mode9_wide_scales(fmt, dtype, graph_matches_eager, mode9_calls):
         w = FP4Weight(codes, torch.randint(100, 150, (2048, 32), dtype=torch.uint8, device=dev), "mxfp4")
     else:
         w = FP4Weight(codes, torch.randint(1, 0x7F, (2048, 64), dtype=torch.uint8, device=dev), "nvfp4", 1.7e-3)
-    for m in (2, 5, 9, 16):
+    for m in (1, 2, 5, 9, 16):
         x = torch.randn(m, 1024, device=dev, dtype=dtype)
         y = triton_fp4.fp4_matmul_triton(x, w)
         assert _rel(y, R.fp4_matmul_ref(x, w)) < 1e-2
         assert torch.equal(y, triton_fp4.fp4_matmul_triton(x, w))
         graph_matches_eager(lambda x=x: triton_fp4.fp4_matmul_triton(x, w), x, rounds=2)
-    assert mode9_calls == [m for m in (2, 5, 9, 16) for _ in range(5)]  # eager twice, the capture, two rounds
+    assert mode9_calls == [m for m in (1, 2, 5, 9, 16) for _ in range(5)]  # eager twice, the capture, two rounds
+
+
+def test_mode9_takes_the_default_rows(monkeypatch):
+    # by default MODE 9 takes NF4 at 1-16 rows and FP4 at 3-16 (the FP4 GEMV is faster at 1-2; mode9_lut_h200.json)
+    from infercore.quant import cuda_mma, nf4_matmul
+    from infercore.quant.formats import NF4Weight
+
+    calls = []
+    real = cuda_mma.matmul
+    monkeypatch.setattr(cuda_mma, "matmul", lambda *a, **kw: calls.append((a[1], a[0].shape[0])) or real(*a, **kw))
+    torch.manual_seed(0)
+    w = torch.randn(1024, 2048, device=dev) * 0.02
+    weights = {"nf4": NF4Weight.quantize(w), "mxfp4": FP4Weight.quantize(w, fmt="mxfp4"),
+               "nvfp4": FP4Weight.quantize(w, fmt="nvfp4")}
+    for kind, q in weights.items():
+        for m in (1, 2, 3, 16, 17):
+            x = torch.randn(m, 2048, device=dev, dtype=torch.bfloat16)
+            y = nf4_matmul(x, q) if kind == "nf4" else fp4_matmul(x, q)
+            ref = R.nf4_matmul_ref(x, q) if kind == "nf4" else R.fp4_matmul_ref(x, q)
+            assert _rel(y, ref) < 1e-2
+    want = [("nf4", m) for m in (1, 2, 3, 16)] + [(k, m) for k in ("mxfp4", "nvfp4") for m in (3, 16)]
+    assert calls == want

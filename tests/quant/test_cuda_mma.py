@@ -421,7 +421,7 @@ def _fp4_scale(sv: list, t: int, s: int, fmt: str) -> float:
 def test_fp4_kernel_math_emulated(fmt):
     """What wo_mma.cu computes for FP4: the NF4 lookup with the e2m1 table, each K step's pairs times the block scale
     of their channel in bf16 (exact; ``_lut4_unit``), one accumulation, NVFP4's tensor scale on y."""
-    from infercore.quant import triton_fp4
+    from infercore.quant.fp4 import e2m1_decode
 
     n, k, nw, mt = 264, 256, 8, 2
     q = _fp4(n, k, fmt, seed=5)
@@ -429,7 +429,7 @@ def test_fp4_kernel_math_emulated(fmt):
         q.global_scale = 0.37
     words, sw = CM.repack_fp4(q)
     dt = torch.bfloat16
-    tab = CM.lut_tables(triton_fp4._e2m1_table(torch.device("cpu")), dt, q.global_scale)
+    tab = CM.lut_tables(e2m1_decode(torch.arange(16, dtype=torch.uint8)), dt, q.global_scale)
     t = [int(v) & 0xFFFFFFFF for v in tab]
     x = torch.randn(2, k).to(dt)
     wn, bn = 16 * mt, 16 * nw * mt

@@ -452,14 +452,16 @@ def matmul(x: torch.Tensor, kind: str, words: torch.Tensor, scales: torch.Tensor
            stages: int | None = None, ctas: int | None = None, ksplit: int | None = None,
            pdl: bool | None = None, warps: int | None = None, mt: int | None = None,
            grid: int | None = None, tables: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K]`` (bf16/fp16, :func:`available`) times a repacked weight (``kind`` ``"int4"`` / ``"fp8"``,
-    logical ``[n, kp]``: ``words`` / ``scales`` from :func:`repack_int4` / :func:`repack_fp8`) -> ``[M, n]`` in
-    ``x.dtype``. ``warps`` / ``mt`` name the repack's unit layout (:data:`LAYOUT` by default; they must be the ones
-    the repack was made with). ``stages`` / ``ctas`` / ``ksplit`` / ``grid`` (CTAs, at most one wave) override the
-    launch table; ``pdl`` the programmatic dependent
-    launch (default: :data:`PDL` on sm90+; never on the first launch of a given ``words`` tensor, which may follow
-    the kernels that wrote it: the weight is read before the launch's wait). Bad arguments raise ``ValueError``
-    naming them before anything is launched."""
+    """``x [M, K]`` (bf16/fp16, :func:`available`) times a repacked weight (``kind`` ``"int4"`` / ``"fp8"`` /
+    ``"nf4"`` / ``"mxfp4"`` / ``"nvfp4"``, logical ``[n, kp]``: ``words`` / ``scales`` from :func:`repack_int4` /
+    :func:`repack_fp8` / :func:`repack_nf4` / :func:`repack_fp4`) -> ``[M, n]`` in ``x.dtype``. The codebook kinds
+    (:data:`LUT_KINDS`) also take ``tables``, :func:`lut_tables` of their 16 values for ``x.dtype`` (int32 ``[9]``
+    on x's device; MXFP4 bf16 ``x`` only). ``warps`` / ``mt`` name the repack's unit layout (:data:`LAYOUT` by
+    default; they must be the ones the repack was made with). ``stages`` / ``ctas`` / ``ksplit`` / ``grid`` (CTAs,
+    at most one wave) override the launch table; ``pdl`` the programmatic dependent launch (default: :data:`PDL` on
+    sm90+; never on the first launch of a given ``words`` tensor, which may follow the kernels that wrote it: the
+    weight is read before the launch's wait). Bad arguments raise ``ValueError`` naming them before anything is
+    launched."""
     if kind not in STAGES:
         raise ValueError(f"kind: expected one of {sorted(STAGES)}, got {kind!r}")
     if isinstance(n, bool) or not isinstance(n, int) or not isinstance(kp, int) or n <= 0 or kp <= 0 or kp % BK:

@@ -26,7 +26,7 @@ import triton.language as tl
 from . import cuda_mma as CM
 from . import wo_gemv
 from .formats import FP4Weight
-from .fp4 import unpack_nibbles
+from .fp4 import e2m1_decode, unpack_nibbles
 from .repacks import packed
 from .triton_dequant import _fp8_e4m3_bits_to_f32
 from .wo_gemv import _gemv_rows, _ilv_cached
@@ -337,24 +337,12 @@ def _run_mma(x: torch.Tensor, w: FP4Weight) -> torch.Tensor | None:
     if (kind == "mxfp4" and x.dtype != torch.bfloat16) or not CM.compiles(kind, x.dtype, x.device, m > 8):
         return None
     p = packed(w.qweight, ("mode9-fp4",), lambda: CM.repack_fp4(w))
-    tables = packed(w.qweight, ("mode9-fp4-tables", x.dtype),
-                    lambda: CM.lut_tables(_e2m1_table(x.device), x.dtype, w.global_scale if kind == "nvfp4" else 1.0))
+    ys = w.global_scale if kind == "nvfp4" else 1.0
+    book = lambda: e2m1_decode(torch.arange(16, dtype=torch.uint8, device=x.device))  # noqa: E731 (the 16 values)
+    tables = packed(w.qweight, ("mode9-fp4-tables", x.dtype), lambda: CM.lut_tables(book(), x.dtype, ys))
     if p is None or tables is None:
         return None
     return CM.matmul(x, kind, p[0], p[1], w.shape[0], w.shape[1], tables=tables)
-
-
-_E2M1: dict = {}
-
-
-def _e2m1_table(device: torch.device) -> torch.Tensor:
-    """The 16 e2m1 values (fp32) on ``device``: code c is ``(-1)^(c >> 3)`` times
-    ``[0, .5, 1, 1.5, 2, 3, 4, 6][c & 7]``."""
-    t = _E2M1.get(device)
-    if t is None:
-        mag = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-        t = _E2M1[device] = torch.cat([mag, -mag]).to(device)
-    return t
 
 
 def fp4_matmul_triton(x: torch.Tensor, w: FP4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -40,6 +40,62 @@ def test_prefix_cache_hit_gives_same_tokens(llama_pair):
     assert third.metrics.num_cached_tokens == 32 and third.token_ids == first.token_ids
 
 
+def test_identical_prompts_are_prefilled_once(llama_pair):
+    hf, model = llama_pair
+    prompt = random_prompts(1, seed=21, lo=37, hi=37)[0]
+    eng = Engine(model, page_size=4, num_pages=128)
+    outs = eng.generate([prompt] * 4, GREEDY)
+    # the first computes the prompt; the others wait for its 9 full pages and take them as a hit
+    assert [o.metrics.num_cached_tokens for o in outs] == [0, 36, 36, 36]
+    want = hf_greedy(hf, prompt, 32)
+    assert all(o.token_ids == want for o in outs)
+    assert eng.block_manager.num_free_pages == 128  # free or evictable: nothing leaked
+    # without prefix caching every copy computes its prompt (nothing to wait for)
+    plain = Engine(model, page_size=4, num_pages=128, enable_prefix_caching=False).generate([prompt] * 4, GREEDY)
+    assert [o.metrics.num_cached_tokens for o in plain] == [0] * 4
+    assert all(o.token_ids == want for o in plain)
+
+
+def test_shared_prefix_wait_lets_later_requests_pass(llama_pair):
+    _, model = llama_pair
+    sys_prompt = random_prompts(1, seed=22, lo=32, hi=32)[0]
+    a, b, c = sys_prompt + [1, 2, 3], sys_prompt + [4, 5], random_prompts(1, seed=23, lo=20, hi=20)[0]
+    eng = Engine(model, page_size=4, num_pages=128, max_num_batched_tokens=512)
+    for rid, p in (("a", a), ("b", b), ("c", c)):
+        eng.add_request(p, GREEDY, request_id=rid)
+    first = eng.scheduler.schedule()
+    # b shares a's 8 full pages, more than half of what it would compute: it waits, and c goes past it
+    assert [r.request_id for r in first.requests] == ["a", "c"]
+    eng._process(eng._launch(first, None))
+    second = eng.scheduler.schedule()
+    assert second.requests[-1].request_id == "b" and second.num_new_tokens[-1] == 2
+    assert second.requests[-1].metrics.num_cached_tokens == 32
+
+
+def test_short_shared_prefix_does_not_wait(llama_pair):
+    _, model = llama_pair
+    head = random_prompts(1, seed=24, lo=4, hi=4)[0]
+    a = head + random_prompts(1, seed=25, lo=30, hi=30)[0]
+    b = head + random_prompts(1, seed=26, lo=30, hi=30)[0]
+    eng = Engine(model, page_size=4, num_pages=128)
+    eng.add_request(a, GREEDY, request_id="a")
+    eng.add_request(b, GREEDY, request_id="b")
+    # one shared page of the 34 tokens b has to compute: not worth a wait, both prefill at once
+    assert [r.request_id for r in eng.scheduler.schedule().requests] == ["a", "b"]
+
+
+def test_sampled_copies_of_one_prompt_differ_and_share_the_prefill(llama_pair):
+    _, model = llama_pair
+    prompt = random_prompts(1, seed=27, lo=40, hi=40)[0]
+    eng = Engine(model, page_size=4, num_pages=128)
+    sps = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True) for s in range(4)]
+    outs = eng.generate([prompt] * 4, sps)
+    assert [o.metrics.num_cached_tokens for o in outs] == [0, 36, 36, 36]
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+    alone = Engine(model, page_size=4, num_pages=128).generate([prompt], sps[2])[0]
+    assert outs[2].token_ids == alone.token_ids  # seeded: the same tokens as the copy run by itself
+
+
 def test_preemption_keeps_outputs(llama_pair):
     _, model = llama_pair
     ps = random_prompts(6, seed=3, lo=10, hi=20)

@@ -273,6 +273,7 @@ class Engine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             chunk_boundary=chunk_boundary,
             lazy_prefill_alloc=self.kv_layout != "dense",
+            share_prefills=self.kv_layout == "dense" and config.enable_prefix_caching,
         )
         self.graph_runner = None
         # A model that waits on the host inside its forward (offload.offload_experts_) is captured in segments.

@@ -13,6 +13,14 @@ With ``chunk_boundary`` set (models with recurrent layers and prefix caching), a
 would cross a multiple of it is cut there: recurrent states can only be checkpointed for the prefix
 cache when a step ends exactly on the boundary.
 
+With ``share_prefills`` (the dense KV manager with prefix caching), a waiting request whose prompt shares
+full pages with the prompt of a running request that has not yet computed them waits for those pages
+instead of computing the same KV beside it: identical prompts submitted together (``n`` samples of one
+prompt, a long system prompt) are prefilled once, and the others admitted with the pages as a cache hit.
+It only waits where the pages it would take from the other request are at least half of what it has left
+to compute; later requests are admitted past it meanwhile. The wait is short: a prefill computes its
+prompt in order, so the shared pages are among the first it publishes.
+
 With ``lazy_prefill_alloc`` (the hybrid KV manager), an admitted request gets pages for its first
 chunk only; later chunks grow it. Sliding-window layers then never hold more than a window plus a
 chunk, instead of the whole prompt until its pages leave the window.
@@ -55,8 +63,10 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         chunk_boundary: int | None = None,
         lazy_prefill_alloc: bool = False,
+        share_prefills: bool = False,
     ) -> None:
         self.bm = block_manager
+        self.share_prefills = share_prefills
         self.chunk_boundary = chunk_boundary
         self.lazy_prefill_alloc = lazy_prefill_alloc
         self.max_num_seqs = max_num_seqs
@@ -134,9 +144,14 @@ class Scheduler:
         self.running = kept
 
         # 2. Admit waiting requests; none after a preemption this step (the pool is tight).
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
-            req = self.waiting[0]
+        sources = self._prefill_sources() if self.share_prefills else []
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+            req = self.waiting[i]
             tokens = req.all_token_ids
+            if sources and self._wait_for_prefill(tokens, sources):
+                i += 1
+                continue
             room = len(tokens)
             if self.lazy_prefill_alloc:
                 room = min(room, self.bm.match_prefix(tokens, max_cached_tokens=len(tokens) - 1) + budget)
@@ -151,7 +166,9 @@ class Scheduler:
             if cached + n > room and not self.bm.grow(req.request_id, cached + n):
                 self.bm.free(req.request_id)
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
+            if self.share_prefills and self._publishes_later(req):
+                sources.append(req)
             req.num_computed_tokens = cached
             req.status = Status.RUNNING
             if req.metrics.first_scheduled_time is None:
@@ -167,6 +184,28 @@ class Scheduler:
             budget -= n
         return batch
 
+    def _publishes_later(self, req: Request) -> bool:
+        """Whether running ``req`` has full prompt pages that the prefix cache does not show yet."""
+        ps = self.bm.page_size
+        return self.bm.published_tokens(req.request_id) < len(req.prompt_token_ids) // ps * ps
+
+    def _prefill_sources(self) -> list[Request]:
+        return [r for r in self.running if self._publishes_later(r)]
+
+    def _wait_for_prefill(self, tokens: list[int], sources: list[Request]) -> bool:
+        """``share_prefills``: whether a request of ``tokens`` should wait for pages ``sources`` will publish."""
+        ps = self.bm.page_size
+        cap = (len(tokens) - 1) // ps  # pages a cache hit may cover (one token is always computed)
+        shared = 0
+        for src in sources:
+            shared = max(shared, _common_pages(tokens, src.prompt_token_ids, min(cap, len(src.prompt_token_ids) // ps),
+                                               ps))
+        if shared == 0:
+            return False
+        cached = self.bm.match_prefix(tokens, max_cached_tokens=len(tokens) - 1) // ps
+        gain = (shared - cached) * ps
+        return gain > 0 and 2 * gain >= len(tokens) - cached * ps
+
     def finish(self, req: Request, reason: str) -> None:
         """End ``req`` and release its pages. With async scheduling a request can end while back in
         the queue: it was preempted after the step that sampled its last token was launched."""
@@ -178,3 +217,20 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.metrics.finish_time = time.perf_counter()
+
+
+def _common_pages(a: list[int], b: list[int], n: int, ps: int) -> int:
+    """How many of the first ``n`` pages of ``ps`` tokens ``a`` and ``b`` have equal (a binary search over
+    list-slice comparisons, which run in C)."""
+    if n <= 0 or a[:ps] != b[:ps]:
+        return 0
+    if a[: n * ps] == b[: n * ps]:
+        return n
+    lo, hi = 1, n - 1  # the first lo pages are equal; the first hi + 1 are not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[: mid * ps] == b[: mid * ps]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -177,6 +177,12 @@ class BlockManager:
         _check_count("max_cached_tokens", max_cached_tokens, minimum=0)
         return len(self._lookup(token_ids, max_cached_tokens)[0]) * self.page_size
 
+    def published_tokens(self, req_id: Hashable) -> int:
+        """Tokens of ``req_id``'s leading full pages that are in the prefix cache's view: hashed by
+        :meth:`mark_computed` or taken from the cache at admission (a multiple of ``page_size``; 0 without
+        prefix caching)."""
+        return len(self._get(req_id).hashes) * self.page_size if self.enable_prefix_caching else 0
+
     def cpu_hit_tokens(self, req_id: Hashable) -> int:
         """Tokens of ``req_id``'s admission cache hit that were loaded from the CPU tier (a multiple of
         ``page_size``; included in what :meth:`allocate` returned)."""

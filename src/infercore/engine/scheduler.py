@@ -144,14 +144,17 @@ class Scheduler:
         self.running = kept
 
         # 2. Admit waiting requests; none after a preemption this step (the pool is tight).
-        sources = self._prefill_sources() if self.share_prefills else []
+        sources: list[Request] | None = None  # share_prefills: running requests whose prompt pages are to come
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             req = self.waiting[i]
             tokens = req.all_token_ids
-            if sources and self._wait_for_prefill(tokens, sources):
-                i += 1
-                continue
+            if self.share_prefills:
+                if sources is None:  # only in steps that admit: a decode-only step pays nothing
+                    sources = [r for r in self.running if self._publishes_later(r)]
+                if sources and self._wait_for_prefill(tokens, sources):
+                    i += 1
+                    continue
             room = len(tokens)
             if self.lazy_prefill_alloc:
                 room = min(room, self.bm.match_prefix(tokens, max_cached_tokens=len(tokens) - 1) + budget)
@@ -167,7 +170,7 @@ class Scheduler:
                 self.bm.free(req.request_id)
                 break
             del self.waiting[i]
-            if self.share_prefills and self._publishes_later(req):
+            if sources is not None and self._publishes_later(req):
                 sources.append(req)
             req.num_computed_tokens = cached
             req.status = Status.RUNNING
@@ -188,9 +191,6 @@ class Scheduler:
         """Whether running ``req`` has full prompt pages that the prefix cache does not show yet."""
         ps = self.bm.page_size
         return self.bm.published_tokens(req.request_id) < len(req.prompt_token_ids) // ps * ps
-
-    def _prefill_sources(self) -> list[Request]:
-        return [r for r in self.running if self._publishes_later(r)]
 
     def _wait_for_prefill(self, tokens: list[int], sources: list[Request]) -> bool:
         """``share_prefills``: whether a request of ``tokens`` should wait for pages ``sources`` will publish."""

@@ -9,9 +9,11 @@ Two workloads, each ``generate()`` from a cold prefix cache, alternating on / of
 - ``n`` questions behind one shared system prompt.
 
 Prompts are token runs of ``pydoc_data.topics`` (ships with Python). Default model: SmolLM2-135M-Instruct over its
-own GGUF Q4_1 blocks on the CPU (the demo's); ``--device cuda`` runs the same on a GPU.
+own GGUF Q4_1 blocks on the CPU (the demo's); ``--device cuda`` runs it in bf16 on a GPU, and ``--llama8b`` takes a
+random bf16 model of the Llama-3.1-8B shape instead (``bench_e2e``'s; prompts are then random token ids).
 
     python benchmarks/bench_shared_prefill.py --out benchmarks/results/cpu/shared_prefill.json
+    python benchmarks/bench_shared_prefill.py --device cuda --llama8b --n 16 --prompt-tokens 2048 --out ...
 """
 
 from __future__ import annotations
@@ -52,15 +54,30 @@ def main() -> None:
     ap.add_argument("--question-tokens", type=int, default=48, help="each request's own tail (system-prompt case)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--budget", type=int, default=0, help="max_num_batched_tokens (0: the engine's default)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--llama8b", action="store_true", help="a random bf16 model of the Llama-3.1-8B shape")
+    ap.add_argument("--layers", type=int, default=32, help="its layers (--llama8b)")
     ap.add_argument("--out", default="benchmarks/results/cpu/shared_prefill.json")
     args = ap.parse_args()
     from pydoc_data.topics import topics
 
-    kw = dict(quantization="gguf") if args.device == "cpu" else {}
-    eng = Engine.from_pretrained(device=args.device, dtype=torch.bfloat16, **kw)
-    ids = eng.tokenizer.encode(" ".join(topics.values()), add_special_tokens=False)
     n, p, q = args.n, args.prompt_tokens, args.question_tokens
+    kw = dict(max_num_batched_tokens=args.budget) if args.budget else {}
+    if args.llama8b:
+        from bench_e2e import LLAMA_8B
+
+        from infercore.models import ModelConfig, build_model
+
+        cfg = dict(LLAMA_8B, num_hidden_layers=args.layers)
+        model = build_model(ModelConfig.from_hf(cfg), dtype=torch.bfloat16, device=args.device, init="normal")
+        eng = Engine(model, None, max_model_len=p + n * q + args.max_tokens + 16, **kw)
+        ids = torch.randint(0, cfg["vocab_size"], (p + n * q,), generator=torch.Generator().manual_seed(0)).tolist()
+    else:
+        if args.device == "cpu":
+            kw["quantization"] = "gguf"
+        eng = Engine.from_pretrained(device=args.device, dtype=torch.bfloat16, **kw)
+        ids = eng.tokenizer.encode(" ".join(topics.values()), add_special_tokens=False)
     same = [ids[:p]] * n
     system = [ids[:p] + ids[p + i * q : p + (i + 1) * q] for i in range(n)]
     workloads = {
@@ -88,8 +105,11 @@ def main() -> None:
             seconds={"shared": best[True], "without": best[False]},
             prompt_tokens_computed={"shared": computed[True], "without": computed[False]},
             prompt_tokens_total=sum(len(x) for x in prompts), same_tokens=same_tokens,
-            max_tokens=args.max_tokens, threads=torch.get_num_threads()))
-    write_results(args.out, "shared_prefill", str(eng.device) if args.device != "cpu" else "cpu", cases)
+            max_tokens=args.max_tokens, max_num_batched_tokens=eng.config.max_num_batched_tokens,
+            threads=torch.get_num_threads()))
+    device = torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu"
+    model_name = "random Llama-3.1-8B shape, bf16" if args.llama8b else "SmolLM2-135M-Instruct"
+    write_results(args.out, "shared_prefill", device, cases, extra={"model": model_name})
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ Kernels:
   ``tl.dot`` (fp32 accumulation);
 * from :data:`DEQUANT_M_MIN` rows (16-bit x): the whole weight decoded to x's dtype in one pass (the values of
   ``w.dequantize(x.dtype)``), then the library GEMM (cuBLAS through torch);
-* :data:`MMA_ROWS` (1-16 rows, 16-bit x, when :data:`MMA` is on, the default): MODE 9, ``cuda_mma``'s CUDA kernel
+* :data:`MMA_ROWS` (3-16 rows, 16-bit x, when :data:`MMA` is on, the default): MODE 9, ``cuda_mma``'s CUDA kernel
   with ``NF4``, the codes looked up by the same byte permutes straight into the MMA's A registers.
 
 14336 x 4096 on an H100, bf16 x (``benchmarks/results/h200/sweeps/nf4_prmt_h100.json``): one row 21.9 us (bf16
@@ -69,8 +69,10 @@ DEQUANT_M_MIN = 192
 # activations, K % 128 == 0, absmax blocks of 64 or a multiple of 128). 14336 x 4096 bf16 on an H200
 # (sweeps/mode9_lut_h200.json): 1 / 2 / 3 / 16 rows 20.0 / 19.9 / 20.2 / 22.6 us against the GEMV's 21.7 / 26.3 and the
 # tiled kernel's 43.3 / 42.0 (bf16 33.4 / 30.2 / 30.2 / 30.7); at 32 rows it is not taken (one 16-row tile).
-# INFERCORE_NF4_MMA=0 turns it off
-MMA_ROWS = (1, 16)
+# From one row it made the 8B shape's batch-1 decode slower end to end, though: 195.7 tok/s against 244.2 with the
+# GEMV at 1-2 rows (H100; sweeps/e2e_quant_fp4_nf4_mode9_h100.json vs e2e_quant_nf4_h100.json), so 1-2 rows stay
+# on the GEMV, as for FP4. INFERCORE_NF4_MMA=0 turns it off
+MMA_ROWS = (3, 16)
 MMA = os.environ.get("INFERCORE_NF4_MMA", "1") == "1"
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 

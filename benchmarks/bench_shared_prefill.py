@@ -60,8 +60,6 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32, help="its layers (--llama8b)")
     ap.add_argument("--out", default="benchmarks/results/cpu/shared_prefill.json")
     args = ap.parse_args()
-    from pydoc_data.topics import topics
-
     n, p, q = args.n, args.prompt_tokens, args.question_tokens
     kw = dict(max_num_batched_tokens=args.budget) if args.budget else {}
     if args.llama8b:
@@ -74,6 +72,8 @@ def main() -> None:
         eng = Engine(model, None, max_model_len=p + n * q + args.max_tokens + 16, **kw)
         ids = torch.randint(0, cfg["vocab_size"], (p + n * q,), generator=torch.Generator().manual_seed(0)).tolist()
     else:
+        from pydoc_data.topics import topics
+
         if args.device == "cpu":
             kw["quantization"] = "gguf"
         eng = Engine.from_pretrained(device=args.device, dtype=torch.bfloat16, **kw)

@@ -65,6 +65,9 @@ def test_scheduler_cuts_prefill_at_checkpoint_boundaries():
     s = Scheduler(Pool(), max_num_seqs=4, max_num_batched_tokens=100, chunk_boundary=8)
     assert [s._cut(0, 30), s._cut(5, 30), s._cut(8, 30), s._cut(16, 3), s._cut(23, 1)] == [8, 3, 8, 3, 1]
     assert Scheduler(Pool(), max_num_seqs=4, max_num_batched_tokens=100)._cut(5, 30) == 30
+    # in-flight prefix sharing reads published pages, which only the dense manager reports
+    with pytest.raises(ValueError, match="share_prefills"):
+        Scheduler(Pool(), max_num_seqs=4, max_num_batched_tokens=100, share_prefills=True)
 
 
 def test_chunks_end_on_checkpoints_and_copies_run(qwen3_next):

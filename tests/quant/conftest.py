@@ -35,8 +35,8 @@ def graph_matches_eager():
 
 @pytest.fixture
 def mode9_calls(monkeypatch):
-    """MODE 9 on for the codebook kinds (NF4, FP4) at every row count it can take, 1-16 (the defaults leave FP4's 1-2
-    rows to the GEMV); the returned list records the rows of every ``cuda_mma.matmul`` call."""
+    """MODE 9 on for the codebook kinds (NF4, FP4) at every row count it can take, 1-16 (the defaults leave 1-2 rows
+    to the GEMVs); the returned list records the rows of every ``cuda_mma.matmul`` call."""
     from infercore.quant import cuda_mma, triton_fp4, triton_nf4
 
     calls = []

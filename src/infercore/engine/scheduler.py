@@ -65,6 +65,8 @@ class Scheduler:
         lazy_prefill_alloc: bool = False,
         share_prefills: bool = False,
     ) -> None:
+        if share_prefills and not hasattr(block_manager, "published_tokens"):
+            raise ValueError("share_prefills needs a block manager with published_tokens (the dense BlockManager)")
         self.bm = block_manager
         self.share_prefills = share_prefills
         self.chunk_boundary = chunk_boundary

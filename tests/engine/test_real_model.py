@@ -115,3 +115,49 @@ def test_from_pretrained_with_fp4_weights():
             if isinstance(mod, torch.nn.Linear) and not name.endswith("lm_head"):
                 mod.weight.copy_(FP4Weight.quantize(mod.weight, fmt="nvfp4").dequantize())
     assert dense.generate(prompt, sp)[0].token_ids == got
+
+
+def test_requests_taken_out_and_adopted_continue_as_they_were(engine):
+    # Engine.take_requests / adopt_request (how parallel.AdaptiveEngine moves requests between layouts): a sampled
+    # request with log-probabilities and a streamed text, moved mid-answer (through pickle, as between
+    # processes), ends with the tokens, text and log-probabilities of the run that never moved.
+    import pickle
+
+    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=24, logprobs=2)
+    greedy = SamplingParams(temperature=0, max_tokens=24, stop=["5"])
+    prompts = ["Name three colors.", "Count from 1 to 10, separated by commas."]
+    whole = [engine.generate([prompts[0]], sp, chat=True)[0], engine.generate([prompts[1]], greedy, chat=True)[0]]
+    ids = [engine.add_request(prompts[0], sp, chat=True), engine.add_request(prompts[1], greedy, chat=True)]
+    deltas = {i: [] for i in ids}
+    final = {}
+    for _ in range(6):
+        for out in engine.step() + engine.settle():  # settle: no step in flight (a no-op on the CPU)
+            deltas[out.request_id].append(out.new_text)
+    blob = pickle.dumps(engine.take_requests())
+    taken = pickle.loads(blob)
+    assert sorted(r.request_id for r in taken) == sorted(ids) and not engine.has_unfinished()
+    assert all(r.output_token_ids and r.metrics.num_migrations == 1 for r in taken)
+    with pytest.raises(RuntimeError, match="settle"):
+        engine._inflight = object()
+        try:
+            engine.take_requests()
+        finally:
+            engine._inflight = None
+    for req in reversed(taken):
+        engine.adopt_request(req)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.adopt_request(pickle.loads(blob)[0])
+    while engine.has_unfinished():
+        for out in engine.step():
+            deltas[out.request_id].append(out.new_text)
+            if out.finished:
+                final[out.request_id] = out
+    for rid, ref in zip(ids, whole):
+        got = final[rid]
+        assert got.token_ids == ref.token_ids and got.text == ref.text == "".join(deltas[rid])
+        assert got.finish_reason == ref.finish_reason
+    lp_got, lp_ref = final[ids[0]].logprobs, whole[0].logprobs
+    assert len(lp_got) == len(lp_ref) and all(a.keys() == b.keys() for a, b in zip(lp_got, lp_ref))
+    for a, b in zip(lp_got, lp_ref):
+        assert [a[t] for t in b] == pytest.approx([b[t] for t in b], abs=1e-4)
+    assert final[ids[1]].finish_reason == "stop" and "5" not in final[ids[1]].text

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "engine"))
 sys.path.insert(0, os.path.join(HERE, "..", "models"))
 sys.path.insert(0, HERE)
 
-from test_tensor_parallel import _leave  # noqa: E402  (leave the group together)
+from dist_helpers import _leave  # noqa: E402  (leave the group together)
 
 WORLD = 2
 

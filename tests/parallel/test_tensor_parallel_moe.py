@@ -18,9 +18,9 @@ WORLD = 2
 
 
 def _worker(rank: int, init: str, path: str) -> None:
+    from dist_helpers import _leave
     from paged_harness import hf_greedy, ours_from_hf
     from test_moe_llama import PROMPTS, tiny_moe
-    from test_tensor_parallel import _leave
 
     from infercore import Engine, SamplingParams
     from infercore.parallel import RowParallel, tensor_parallel_

@@ -453,21 +453,7 @@ class Engine:
                 f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
                 "(the prompt must leave room for at least one new token)"
             )
-        longest = min(len(ids) + params.max_tokens, self.max_model_len)
-        if self.kv_layout == "dense":
-            pages = -(-longest // self.config.page_size)
-            if pages > self.block_manager.num_pages:
-                raise ValueError(
-                    f"request needs up to {pages} KV pages but the pool has {self.block_manager.num_pages}; "
-                    "lower max_tokens or give the engine more KV memory"
-                )
-        elif not fits(self.block_manager, longest, chunk_tokens=self.config.max_num_batched_tokens):
-            raise ValueError(
-                f"request of up to {longest} tokens does not fit in the hybrid KV pool; "
-                "lower max_tokens or give the engine more KV memory"
-            )
-        if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
-            raise ValueError("prompt is longer than max_num_batched_tokens and chunked prefill is off")
+        self._check_fits(min(len(ids) + params.max_tokens, self.max_model_len), len(ids))
         if request_id is None:
             # Automatic ids skip those a caller chose; they only grow, so ids built for one
             # generate batch but not queued yet never collide with each other.
@@ -480,6 +466,24 @@ class Engine:
                 raise ValueError(f"request_id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         return Request(rid, ids, params, eos_token_ids=self._eos, seed=seed)
+
+    def _check_fits(self, longest: int, computed_at_once: int) -> None:
+        """Raise ValueError unless a request of up to ``longest`` tokens fits the KV pool, and one whose first
+        step computes ``computed_at_once`` tokens fits a step."""
+        if self.kv_layout == "dense":
+            pages = -(-longest // self.config.page_size)
+            if pages > self.block_manager.num_pages:
+                raise ValueError(
+                    f"request needs up to {pages} KV pages but the pool has {self.block_manager.num_pages}; "
+                    "lower max_tokens or give the engine more KV memory"
+                )
+        elif not fits(self.block_manager, longest, chunk_tokens=self.config.max_num_batched_tokens):
+            raise ValueError(
+                f"request of up to {longest} tokens does not fit in the hybrid KV pool; "
+                "lower max_tokens or give the engine more KV memory"
+            )
+        if not self.config.enable_chunked_prefill and computed_at_once > self.config.max_num_batched_tokens:
+            raise ValueError("prompt is longer than max_num_batched_tokens and chunked prefill is off")
 
     def _queue(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -514,6 +518,66 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
+
+    # ------------------------------------------------------------------ moving requests between engines
+
+    def settle(self) -> list[RequestOutput]:
+        """Read and postprocess the step launched ahead (async scheduling) and return its outputs; afterwards no
+        step is in flight. The synchronous engine has none: ``[]``."""
+        prev, self._inflight = self._inflight, None
+        return [] if prev is None else self._process(prev)
+
+    def take_requests(self) -> list[Request]:
+        """Take every unfinished request out of this engine, for another engine of the same model to continue
+        (:meth:`adopt_request`; the requests pickle, so the other engine may live in another process).
+        Running requests come first, in admission order, then the waiting ones in queue order.
+
+        Each leaves as a preempted request does: its KV pages go back to this engine's pool (full pages stay
+        in its prefix cache), nothing is computed, and its prompt, output so far, seed, log-probabilities and
+        text are kept. Call :meth:`settle` first: RuntimeError while a step is in flight."""
+        if self._inflight is not None:
+            raise RuntimeError("take_requests: a step is in flight; call settle() first")
+        sched = self.scheduler
+        taken = list(sched.running) + list(sched.waiting)
+        for req in taken:
+            sched.abort(req.request_id)
+            self.runner.release(req)
+            self.requests.pop(req.request_id, None)
+            req.status = Status.WAITING
+            req.num_computed_tokens = 0
+            req.spec_token_ids.clear()
+            req._detok = None  # rebuilt by the adopting engine (and a tokenizer does not travel)
+            req.metrics.num_migrations += 1
+        return taken
+
+    def adopt_request(self, req: Request) -> str:
+        """Continue ``req``, taken from another engine of the same model by :meth:`take_requests`: its prompt
+        and the tokens generated so far are computed again (as after a preemption, prefix-cache hits
+        included), then it decodes on where it stopped. Sampling depends on the request's seed and position
+        alone, so a request continued here draws the tokens it would have drawn there. Its id must be free
+        here; it must fit this engine's KV pool and context (ValueError otherwise, and nothing is queued).
+        Returns the request id."""
+        if not isinstance(req, Request):
+            raise TypeError(f"req: expected a Request, got {type(req).__name__}")
+        if req.is_finished or req.num_computed_tokens or req.num_pending or req._row >= 0:
+            raise ValueError(f"req: request {req.request_id!r} is finished or still held by an engine "
+                             "(take it with take_requests)")
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        n = req.num_tokens
+        if n >= self.max_model_len:
+            raise ValueError(f"request has {n} tokens; the model's context is {self.max_model_len}")
+        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in req.all_token_ids):
+            raise ValueError(f"request has token ids outside [0, {self.vocab_size})")
+        left = req.params.max_tokens - len(req.output_token_ids)
+        self._check_fits(min(n + max(left, 0), self.max_model_len), n)
+        p = req.params
+        if self.tokenizer is not None and req.output_token_ids and not (req._final_only and not p.stop):
+            # the text so far is kept; the detokenizer only has to know where it stands
+            req._detok = IncrementalDetokenizer(self.tokenizer)
+            req._detok.step(req.output_token_ids)
+        self._queue(req)
+        return req.request_id
 
     # ------------------------------------------------------------------ the loop
 

@@ -32,6 +32,9 @@ class RequestMetrics:
     num_gpu_cached_tokens: int = 0
     num_cpu_cached_tokens: int = 0
     num_preemptions: int = 0
+    # times the request was taken out of an engine to move to another (Engine.take_requests; the layout
+    # switches of parallel.AdaptiveEngine)
+    num_migrations: int = 0
     # speculative decoding: draft tokens fed for verification, and how many of them were kept
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -1,0 +1,312 @@
+"""Adaptive parallelism: one group of ranks that switches between a tensor-parallel and a data-parallel layout
+with the load.
+
+Tensor parallelism (TP) splits every layer over the ranks: each step reads ``1 / world`` of the weights per rank
+and pays two all-reduces a layer, so a lone request decodes faster than on one rank. Data parallelism (DP) gives
+each rank a whole replica and its own requests: no collectives in the forward, so under a high load the group
+serves more tokens per second. Load is tidal; :class:`AdaptiveEngine` keeps both layouts resident on every rank
+(the replica, plus the rank's TP shard: ``1 + 1 / world`` of the weights) and moves the unfinished requests from one
+layout's engines to the other's when :class:`LoadPolicy` says so.
+
+A switch moves requests as :meth:`Engine.take_requests <infercore.Engine.take_requests>` /
+:meth:`~infercore.Engine.adopt_request` do: the in-flight step is settled, and each request's prompt and output so
+far are computed again by the engine that adopts it (recompute, as a preemption does; the KV itself is not sent).
+Sampling depends on a request's seed and position alone, so its tokens do not depend on where it ran, up to the
+rounding differences of the two layouts' sums (exact in the fp32 tests on the CPU).
+
+Rank 0 drives, as :class:`~infercore.parallel.MirroredEngine` does: requests arrive there, and each
+:meth:`AdaptiveEngine.step` first broadcasts what changed (the layout, new requests, aborts); the other ranks run
+:meth:`AdaptiveEngine.follow` until rank 0 calls :meth:`AdaptiveEngine.close`. In DP a new request goes to the
+rank with the fewest unfinished requests, and the ranks' outputs are gathered to rank 0 after every step.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ..engine import Engine, RequestOutput, SamplingParams
+from ..engine.engine import _one_prompt
+from .spmd import _broadcast
+from .tensor import tensor_parallel_
+
+TP, DP = "tp", "dp"
+_STOP = "stop"
+
+
+@dataclass
+class LoadPolicy:
+    """When to switch. ``dp_at``: go data-parallel once at least this many requests are unfinished (queued
+    included); ``tp_at``: back to tensor-parallel once at most this many are. ``min_steps``: steps spent in a
+    layout before it may switch again, so that a load near a threshold does not pay a switch (a recompute of every
+    unfinished request) every step. The crossover depends on the model and the machine:
+    ``benchmarks/bench_adaptive_parallel.py`` measures both layouts' step times against the batch size."""
+
+    dp_at: int = 8
+    tp_at: int = 2
+    min_steps: int = 16
+
+    def validate(self) -> None:
+        for name in ("dp_at", "tp_at", "min_steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"LoadPolicy.{name}: expected an int >= 0, got {v!r}")
+        if self.tp_at >= self.dp_at:
+            raise ValueError(f"LoadPolicy: tp_at ({self.tp_at}) must be below dp_at ({self.dp_at})")
+
+    def choose(self, mode: str, load: int, steps_in_mode: int) -> str:
+        """The layout for the next step, given the current one, the unfinished requests and the steps spent in
+        the current layout."""
+        if steps_in_mode < self.min_steps:
+            return mode
+        if mode == TP and load >= self.dp_at:
+            return DP
+        if mode == DP and load <= self.tp_at:
+            return TP
+        return mode
+
+
+def build_adaptive(model, tokenizer=None, *, group=None, tp_engine_kwargs: dict | None = None,
+                   dp_engine_kwargs: dict | None = None, policy: LoadPolicy | None = None,
+                   mode: str = TP) -> AdaptiveEngine:
+    """On every rank of ``group`` (default: the world), with the same loaded unsharded Llama-family ``model``:
+    keep ``model`` as this rank's DP replica, shard a copy of it for TP (:func:`tensor_parallel_`), and build
+    both engines (``*_engine_kwargs`` go to :class:`~infercore.Engine`; give each its share of the KV memory).
+    Quantize, if at all, after: each engine's model is its own."""
+    tp_model = tensor_parallel_(copy.deepcopy(model), group)
+    tp_engine = Engine(tp_model, tokenizer, **(tp_engine_kwargs or {}))
+    dp_engine = Engine(model, tokenizer, **(dp_engine_kwargs or {}))
+    return AdaptiveEngine(dp_engine, tp_engine, policy=policy, mode=mode)
+
+
+class AdaptiveEngine:
+    """A TP engine and a DP engine on every rank of the TP engine's group, one of them serving at a time.
+
+    ``dp_engine``: this rank's engine over a whole (unsharded) replica. ``tp_engine``: the engine over this rank's
+    shard of the same model (:func:`tensor_parallel_`). Build both on every rank (:func:`build_adaptive` does), then
+    drive from rank 0 (``add_request``, ``abort``, ``step``, ``generate``, ``close``) while the other ranks call
+    :meth:`follow`. ``mode``: the starting layout, ``"tp"`` or ``"dp"``.
+
+    ``switches`` lists the layout changes (rank 0: step index, layout, requests moved, seconds the move took,
+    outputs included).
+    """
+
+    def __init__(self, dp_engine: Engine, tp_engine: Engine, *, policy: LoadPolicy | None = None,
+                 mode: str = TP) -> None:
+        for name, eng in (("dp_engine", dp_engine), ("tp_engine", tp_engine)):
+            if not isinstance(eng, Engine):
+                raise TypeError(f"{name}: expected an Engine, got {type(eng).__name__}")
+        if getattr(tp_engine.model, "tp_size", 1) < 2:
+            raise ValueError("tp_engine: its model is not sharded (parallel.tensor_parallel_)")
+        if getattr(dp_engine.model, "tp_size", 1) != 1:
+            raise ValueError("dp_engine: its model is sharded; it must be a whole replica")
+        if mode not in (TP, DP):
+            raise ValueError(f"mode: expected 'tp' or 'dp', got {mode!r}")
+        self.policy = policy or LoadPolicy()
+        if not isinstance(self.policy, LoadPolicy):
+            raise TypeError(f"policy: expected a LoadPolicy, got {type(self.policy).__name__}")
+        self.policy.validate()
+        self.dp, self.tp = dp_engine, tp_engine
+        self.group = tp_engine.model.tp_group
+        self.world, self.rank = tp_engine.model.tp_size, tp_engine.model.tp_rank
+        self.mode = mode
+        self.steps_in_mode = 0
+        self.num_steps = 0
+        self.switches: list[dict] = []
+        # rank 0's books: each unfinished request's place (-1: the TP engines, r: rank r's DP engine), in arrival
+        # order; what the next step's message carries
+        self._owner: dict[str, int] = {}
+        self._adds: list = []
+        self._aborts: list[str] = []
+        self._next_id = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ rank 0
+
+    def _driver(self, what: str) -> None:
+        if self.rank != 0:
+            raise RuntimeError(f"AdaptiveEngine.{what}: rank {self.rank} follows (call follow()); rank 0 drives")
+        if self._closed:
+            raise RuntimeError("AdaptiveEngine: closed")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, chat: bool = False) -> str:
+        """Queue a request (rank 0); checked like :meth:`Engine.add_request`, against both layouts' engines, since
+        it may run in either. It reaches its engine at the next :meth:`step`."""
+        self._driver("add_request")
+        return self._new(prompt, params, request_id, chat, final_only=False)
+
+    def _new(self, prompt, params, request_id, chat: bool, *, final_only: bool) -> str:
+        if request_id is None:
+            while str(self._next_id) in self._owner:
+                self._next_id += 1
+            request_id = str(self._next_id)
+            self._next_id += 1
+        request_id = str(request_id)
+        if request_id in self._owner:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        req = self.dp._new_request(prompt, params, request_id=request_id, chat=chat)
+        self.tp._check_fits(min(req.num_tokens + req.params.max_tokens, self.tp.max_model_len), req.num_tokens)
+        if req.num_tokens >= self.tp.max_model_len:
+            raise ValueError(f"prompt has {req.num_tokens} tokens; the model's context is {self.tp.max_model_len}")
+        req._final_only = final_only
+        self._owner[request_id] = -1  # placed when the step's layout is known
+        self._adds.append(req)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (rank 0); it leaves at the next step, and reports no output."""
+        self._driver("abort")
+        rid = str(request_id)
+        if self._owner.pop(rid, None) is None:
+            return
+        kept = [r for r in self._adds if r.request_id != rid]
+        if len(kept) == len(self._adds):
+            self._aborts.append(rid)
+        self._adds = kept
+
+    def has_unfinished(self) -> bool:
+        return bool(self._owner)
+
+    def step(self) -> list[RequestOutput]:
+        """One step of the group (rank 0): pick the layout, send the changes, step every rank's engine of that
+        layout; returns the outputs of every request that advanced, wherever it ran."""
+        self._driver("step")
+        mode = self.policy.choose(self.mode, len(self._owner), self.steps_in_mode)
+        adds, self._adds = self._adds, []
+        if mode == DP:
+            counts = [0] * self.world
+            for r in self._owner.values():
+                if r >= 0:
+                    counts[r] += 1
+            dest = [_least_loaded(counts) for _ in adds]
+        else:
+            dest = [-1] * len(adds)
+        msg = (mode, list(zip(adds, dest)), self._aborts, list(self._owner) if mode != self.mode else None)
+        self._aborts = []
+        _broadcast(msg, self.group)
+        outs = self._run(msg)
+        for out in outs:
+            if out.finished:
+                self._owner.pop(out.request_id, None)
+        return outs
+
+    def generate(self, prompts: str | list[int] | Iterable[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None, *, chat: bool = False
+                 ) -> list[RequestOutput]:
+        """Run a batch of prompts to completion (rank 0); outputs in the prompts' order."""
+        self._driver("generate")
+        prompts = [prompts] if _one_prompt(prompts) else list(prompts)
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"params has {len(plist)} entries for {len(prompts)} prompts")
+        ids = []
+        try:
+            for p, sp in zip(prompts, plist):
+                ids.append(self._new(p, sp, None, chat, final_only=True))
+        except (ValueError, TypeError):
+            for rid in ids:  # a bad prompt queues none of them
+                self.abort(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        while len(final) < len(ids) and self.has_unfinished():
+            for out in self.step():
+                if out.finished and out.request_id in wanted:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def close(self) -> None:
+        """Release the other ranks (their :meth:`follow` returns)."""
+        if self.rank == 0 and not self._closed:
+            _broadcast((_STOP, (), (), None), self.group)
+            self._closed = True
+
+    # ------------------------------------------------------------------ every rank
+
+    def follow(self) -> int:
+        """On a rank other than 0: run rank 0's steps until it closes; returns how many ran."""
+        if self.rank == 0:
+            raise RuntimeError("AdaptiveEngine.follow: rank 0 drives")
+        n = 0
+        while True:
+            msg = _broadcast(None, self.group)
+            if msg[0] == _STOP:
+                return n
+            self._run(msg)
+            n += 1
+
+    def _run(self, msg) -> list[RequestOutput]:
+        mode, adds, aborts, order = msg
+        for rid in aborts:
+            self.tp.abort(rid)
+            self.dp.abort(rid)
+        outs: list[RequestOutput] = []
+        if mode != self.mode:
+            t0 = time.perf_counter()
+            outs, moved = self._switch(mode, order)
+            self.switches.append({"step": self.num_steps, "to": mode, "requests": moved,
+                                  "seconds": time.perf_counter() - t0})
+            self.mode, self.steps_in_mode = mode, 0
+        for req, r in adds:
+            if r < 0:
+                self.tp.adopt_request(req)
+            elif r == self.rank:
+                self.dp.adopt_request(req)
+            if self.rank == 0:
+                self._owner[req.request_id] = r
+        if mode == TP:
+            step_outs = self.tp.step()
+            if self.rank == 0:
+                outs += step_outs
+        else:
+            outs += self._gather(self.dp.step() if self.dp.has_unfinished() else [])
+        self.steps_in_mode += 1
+        self.num_steps += 1
+        return outs
+
+    def _gather(self, outs: list) -> list:
+        """Every rank's ``outs`` on rank 0 (in rank order); ``[]`` elsewhere."""
+        box = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(outs, box, dst=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
+                           group=self.group)
+        return [o for part in box for o in part] if self.rank == 0 else []
+
+    def _switch(self, mode: str, order: list[str]) -> tuple[list[RequestOutput], int]:
+        """Move the unfinished requests to ``mode``'s engines; returns the outputs of the steps settled on the way
+        (rank 0) and how many requests moved."""
+        if mode == DP:
+            # Every rank's TP engine holds the same requests in the same order: each rank keeps its share.
+            outs = self.tp.settle()
+            reqs = self.tp.take_requests()
+            counts = [0] * self.world
+            for req in reqs:
+                r = _least_loaded(counts)
+                if r == self.rank:
+                    self.dp.adopt_request(req)
+                if self.rank == 0:
+                    self._owner[req.request_id] = r
+            return (outs if self.rank == 0 else []), len(reqs)
+        outs = self._gather(self.dp.settle())
+        mine = self.dp.take_requests()
+        parts = [None] * self.world
+        dist.all_gather_object(parts, mine, group=self.group)
+        by_id = {req.request_id: req for part in parts for req in part}
+        rank_of = {order[i]: i for i in range(len(order))}
+        reqs = sorted(by_id.values(), key=lambda q: rank_of.get(q.request_id, len(order)))
+        for req in reqs:  # the same order on every rank: the TP engines must schedule alike
+            self.tp.adopt_request(req)
+            if self.rank == 0:
+                self._owner[req.request_id] = -1
+        return outs, len(reqs)
+
+
+def _least_loaded(counts: list[int]) -> int:
+    """The rank with the fewest requests (the lowest such rank), counted in ``counts``, which it now has one more."""
+    r = min(range(len(counts)), key=counts.__getitem__)
+    counts[r] += 1
+    return r

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.moe import SparseMoeBlock
+from .shm import ShmGroup, shm_group
 
 
 def _group_size_rank(group) -> tuple[int, int]:
@@ -54,13 +55,16 @@ class RowParallel(nn.Module):
     (an ``nn.Linear`` or what a layout or quantization made of it); the output ``[..., N]`` is summed over
     ``group`` in place. Also wraps a whole routed-expert block, whose output is this rank's partial sum."""
 
-    def __init__(self, linear: nn.Module, group) -> None:
+    def __init__(self, linear: nn.Module, group, shm: ShmGroup | None = None) -> None:
         super().__init__()
-        self.linear, self.group = linear, group
+        self.linear, self.group, self.shm = linear, group, shm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x)
-        dist.all_reduce(y, group=self.group)
+        if self.shm is not None and self.shm.fits(y):
+            self.shm.all_reduce_(y)
+        else:
+            dist.all_reduce(y, group=self.group)
         return y
 
 
@@ -68,12 +72,14 @@ class VocabParallel(nn.Module):
     """This rank's slice of the vocabulary: ``linear`` maps ``[..., H]`` to ``[..., V / tp]``; the logits
     ``[..., V]`` are the group's slices gathered in rank order."""
 
-    def __init__(self, linear: nn.Module, group, world: int) -> None:
+    def __init__(self, linear: nn.Module, group, world: int, shm: ShmGroup | None = None) -> None:
         super().__init__()
-        self.linear, self.group, self.world = linear, group, world
+        self.linear, self.group, self.world, self.shm = linear, group, world, shm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x).contiguous()
+        if self.shm is not None and self.shm.fits(y):
+            return torch.cat(self.shm.all_gather(y), dim=-1)
         parts = [torch.empty_like(y) for _ in range(self.world)]
         dist.all_gather(parts, y, group=self.group)
         return torch.cat(parts, dim=-1)
@@ -126,6 +132,8 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
         if not isinstance(mod, nn.Linear) and hasattr(mod, "qweight_format"):
             raise TypeError("tensor_parallel_: quantized linears are not sharded; shard the dense model, then "
                             "quantize it")
+    # CPU ranks on one host exchange through shared memory (gloo's loopback round trips cost ~1 ms each)
+    shm = shm_group(group) if next(model.parameters()).device.type == "cpu" else None
     d = cfg.head_dim
     hq, hk = cfg.num_heads // tp, cfg.num_kv_heads // tp
     q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -140,16 +148,16 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
         attn.q_size, attn.kv_size = hq * d, hk * d
         p = attn.o_proj
         _set(p, p.weight[:, rank * hq * d : (rank + 1) * hq * d].contiguous(), p.bias if rank == 0 else None)
-        attn.o_proj = RowParallel(p, group)
+        attn.o_proj = RowParallel(p, group, shm)
         if isinstance(layer.mlp, SparseMoeBlock):
             _shard_moe_(layer.mlp, tp, rank, by_expert=experts == "ep")
-            layer.mlp = RowParallel(layer.mlp, group)  # experts and shared expert: partial sums, one all_reduce
+            layer.mlp = RowParallel(layer.mlp, group, shm)  # experts and shared expert: partial sums, one all_reduce
         else:
-            _shard_gated_mlp_(layer.mlp, tp, rank, group, reduce=True)
+            _shard_gated_mlp_(layer.mlp, tp, rank, group, reduce=True, shm=shm)
     v = cfg.vocab_size // tp
     head = model.lm_head  # tied to the embedding or not, the slice is a new tensor: the embedding stays whole
     _set(head, head.weight[rank * v : (rank + 1) * v].clone(), None)
-    model.lm_head = VocabParallel(head, group, tp)
+    model.lm_head = VocabParallel(head, group, tp, shm)
     model.tp_group = group
     model.tp_size, model.tp_rank = tp, rank
     return model
@@ -161,7 +169,8 @@ def _gate_up_rows(width: int, tp: int, rank: int) -> list[tuple[int, int]]:
     return [(rank * part, (rank + 1) * part), (width + rank * part, width + (rank + 1) * part)]
 
 
-def _shard_gated_mlp_(mlp: nn.Module, tp: int, rank: int, group, *, reduce: bool) -> None:
+def _shard_gated_mlp_(mlp: nn.Module, tp: int, rank: int, group, *, reduce: bool,
+                      shm: ShmGroup | None = None) -> None:
     """``gate_up_proj`` column-parallel; ``down_proj`` row-parallel, wrapped in :class:`RowParallel` with
     ``reduce`` (else its partial sum is left to its block's sum)."""
     p = mlp.gate_up_proj
@@ -171,7 +180,7 @@ def _shard_gated_mlp_(mlp: nn.Module, tp: int, rank: int, group, *, reduce: bool
     part = p.in_features // tp
     _set(p, p.weight[:, rank * part : (rank + 1) * part].contiguous(), p.bias if rank == 0 else None)
     if reduce:
-        mlp.down_proj = RowParallel(p, group)
+        mlp.down_proj = RowParallel(p, group, shm)
 
 
 def _shard_moe_(block: SparseMoeBlock, tp: int, rank: int, *, by_expert: bool) -> None:

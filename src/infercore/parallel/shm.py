@@ -1,0 +1,133 @@
+"""Collectives of CPU ranks on one host through shared memory.
+
+gloo's all-reduce of a decode step's few kilobytes takes ~1.3 ms between two processes of the 2-core test machine
+(loopback sockets and its own threads), twice a layer: a tensor-parallel decode of a 30-layer model spent 78 of its
+130 ms a token there (``benchmarks/bench_adaptive_parallel.py``'s model). Ranks that share a host can exchange the
+values through one shared-memory file instead, as vLLM's CPU backend and DeepSpeed's shm communicator do:
+
+- each rank writes its tensor into its own slot, then publishes the call's sequence number in its flag;
+- it waits until every other rank's flag reaches that number, then reads all slots: the sum in rank order (every
+  rank adds the same values in the same order, so all get the same bits, as tensor parallelism needs), or the
+  slots side by side (all-gather);
+- two sets of slots alternate by call parity. A rank can be at most one call ahead of another (it waits for the
+  other's flag of each call), so the set it writes next was read by everyone before.
+
+The flag is stored after the slot's data, and a reader loads the flag before the data: on x86-64 (total store
+order) that is enough; elsewhere the group falls back to ``torch.distributed``. Sums are taken in fp32 and cast back.
+Tensors larger than a slot go through ``torch.distributed`` as well.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import socket
+import tempfile
+import time
+import uuid
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+_FLAG_STRIDE = 8  # int64 per flag: 64 bytes apart, each on its own cache line
+SLOT_BYTES = 4 << 20  # per rank and parity: 1 Mi fp32 values
+
+
+def _is_tso() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+class ShmGroup:
+    """Shared-memory all-reduce / all-gather for the CPU ranks of ``group`` (all on this host). Create it
+    collectively (every rank of the group, same order as other collectives): :func:`shm_group` does, and returns
+    None where it cannot serve (ranks on several hosts, not x86-64)."""
+
+    def __init__(self, group, path: str, world: int, rank: int, slot_bytes: int = SLOT_BYTES) -> None:
+        self.group, self.world, self.rank = group, world, rank
+        self.slot_elems = slot_bytes // 4
+        flags_bytes = world * _FLAG_STRIDE * 8
+        size = flags_bytes + 2 * world * slot_bytes
+        with open(path, "r+b") as f:
+            self._mm = mmap.mmap(f.fileno(), size)
+        self.flags = np.frombuffer(self._mm, dtype=np.int64, count=world * _FLAG_STRIDE)[::_FLAG_STRIDE]
+        slots = torch.frombuffer(self._mm, dtype=torch.float32, offset=flags_bytes, count=2 * world * self.slot_elems)
+        self.slots = slots.view(2, world, self.slot_elems)
+        self.seq = 0
+
+    def fits(self, t: torch.Tensor) -> bool:
+        return (t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and t.numel() <= self.slot_elems)
+
+    def _exchange(self, t: torch.Tensor) -> torch.Tensor:
+        """Publish ``t`` and wait for every rank's tensor of this call; returns the ``[world, n]`` fp32 slots."""
+        self.seq += 1
+        seq = self.seq
+        n = t.numel()
+        slots = self.slots[seq & 1, :, :n]
+        slots[self.rank].copy_(t.reshape(-1))
+        self.flags[self.rank] = seq
+        flags = self.flags
+        for r in range(self.world):
+            spins = 0
+            while flags[r] < seq:
+                spins += 1
+                if spins > 64:  # another process may hold this core: give it the time slice
+                    time.sleep(0)
+        return slots
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the ranks, in place (the same bits on every rank)."""
+        slots = self._exchange(t)
+        acc = slots[0].clone()
+        for r in range(1, self.world):
+            acc += slots[r]
+        t.copy_(acc.view(t.shape))
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``t`` (same shape on every rank), in rank order."""
+        slots = self._exchange(t)
+        return [slots[r].view(t.shape).to(t.dtype, copy=True) for r in range(self.world)]
+
+    def close(self) -> None:
+        self.flags = self.slots = None
+        self._mm.close()
+
+
+def _host_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def shm_group(group=None, slot_bytes: int = SLOT_BYTES) -> ShmGroup | None:
+    """Collectively (every rank of ``group``, default the world) set up a :class:`ShmGroup`; None when the ranks
+    are not all on this host, the machine is not x86-64, or ``INFERCORE_SHM_COLLECTIVES=0``. Same answer on
+    every rank."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    hosts = [None] * world
+    dist.all_gather_object(hosts, _host_id(), group=group)
+    ok = len(set(hosts)) == 1 and _is_tso() and os.environ.get("INFERCORE_SHM_COLLECTIVES", "1") != "0"
+    votes = [None] * world
+    dist.all_gather_object(votes, ok, group=group)
+    if not all(votes):
+        return None
+    size = world * _FLAG_STRIDE * 8 + 2 * world * slot_bytes
+    box = [None]
+    if rank == 0:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        path = os.path.join(base, f"infercore_shm_{uuid.uuid4().hex}")
+        with open(path, "wb") as f:
+            f.truncate(size)
+        box[0] = path
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    shm = ShmGroup(group, box[0], world, rank, slot_bytes)
+    dist.barrier(group=group)  # every rank has mapped it: the name can go (the mappings stay)
+    if rank == 0:
+        os.unlink(box[0])
+    return shm

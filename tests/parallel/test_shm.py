@@ -41,6 +41,12 @@ def _worker(rank: int, init: str) -> None:
                 everyone = [None] * WORLD
                 dist.all_gather_object(everyone, y.view(-1).tolist())
                 assert everyone.count(everyone[0]) == WORLD
+        # objects: pickles in the slots; one rank's too large for its slot sends every rank's through gloo
+        assert shm.all_gather_object({"rank": rank, "x": [rank] * 10}) == [{"rank": r, "x": [r] * 10}
+                                                                          for r in range(WORLD)]
+        objs = shm.all_gather_object(bytes(8192) if rank == 2 else rank)
+        assert objs == [0, 1, bytes(8192)]
+        assert shm.all_gather_object(None if rank else "from rank 0")[0] == "from rank 0"
         shm.close()
         os.environ["INFERCORE_SHM_COLLECTIVES"] = "0" if rank == 1 else "1"  # one rank's veto holds for all
         assert shm_group() is None

@@ -112,6 +112,7 @@ class AdaptiveEngine:
         self.policy.validate()
         self.dp, self.tp = dp_engine, tp_engine
         self.group = tp_engine.model.tp_group
+        self.shm = getattr(tp_engine.model, "tp_shm", None)  # the control messages go through it too
         self.world, self.rank = tp_engine.model.tp_size, tp_engine.model.tp_rank
         self.mode = mode
         self.steps_in_mode = 0
@@ -188,7 +189,7 @@ class AdaptiveEngine:
             dest = [-1] * len(adds)
         msg = (mode, list(zip(adds, dest)), self._aborts, list(self._owner) if mode != self.mode else None)
         self._aborts = []
-        _broadcast(msg, self.group)
+        _broadcast(msg, self.group, self.shm)
         outs = self._run(msg)
         for out in outs:
             if out.finished:
@@ -223,7 +224,7 @@ class AdaptiveEngine:
     def close(self) -> None:
         """Release the other ranks (their :meth:`follow` returns)."""
         if self.rank == 0 and not self._closed:
-            _broadcast((_STOP, (), (), None), self.group)
+            _broadcast((_STOP, (), (), None), self.group, self.shm)
             self._closed = True
 
     # ------------------------------------------------------------------ every rank
@@ -234,7 +235,7 @@ class AdaptiveEngine:
             raise RuntimeError("AdaptiveEngine.follow: rank 0 drives")
         n = 0
         while True:
-            msg = _broadcast(None, self.group)
+            msg = _broadcast(None, self.group, self.shm)
             if msg[0] == _STOP:
                 return n
             self._run(msg)
@@ -271,9 +272,12 @@ class AdaptiveEngine:
 
     def _gather(self, outs: list) -> list:
         """Every rank's ``outs`` on rank 0 (in rank order); ``[]`` elsewhere."""
-        box = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(outs, box, dst=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
-                           group=self.group)
+        if self.shm is not None:
+            box = self.shm.all_gather_object(outs)
+        else:
+            box = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(outs, box, dst=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
+                               group=self.group)
         return [o for part in box for o in part] if self.rank == 0 else []
 
     def _switch(self, mode: str, order: list[str]) -> tuple[list[RequestOutput], int]:
@@ -293,8 +297,11 @@ class AdaptiveEngine:
             return (outs if self.rank == 0 else []), len(reqs)
         outs = self._gather(self.dp.settle())
         mine = self.dp.take_requests()
-        parts = [None] * self.world
-        dist.all_gather_object(parts, mine, group=self.group)
+        if self.shm is not None:
+            parts = self.shm.all_gather_object(mine)
+        else:
+            parts = [None] * self.world
+            dist.all_gather_object(parts, mine, group=self.group)
         by_id = {req.request_id: req for part in parts for req in part}
         rank_of = {order[i]: i for i in range(len(order))}
         reqs = sorted(by_id.values(), key=lambda q: rank_of.get(q.request_id, len(order)))

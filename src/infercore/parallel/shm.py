@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import pickle
 import platform
 import socket
 import tempfile
@@ -67,15 +68,21 @@ class ShmGroup:
         n = t.numel()
         slots = self.slots[seq & 1, :, :n]
         slots[self.rank].copy_(t.reshape(-1))
-        self.flags[self.rank] = seq
+        self._publish_and_wait(seq)
+        return slots
+
+    def _publish_and_wait(self, seq: int) -> None:
+        """Publish this rank's slot of call ``seq`` and wait for every rank's."""
         flags = self.flags
+        flags[self.rank] = seq
         for r in range(self.world):
             spins = 0
             while flags[r] < seq:
                 spins += 1
-                if spins > 64:  # another process may hold this core: give it the time slice
+                if spins > 4096:  # a long wait (an idle follower): stop burning the core
+                    time.sleep(0.0002)
+                elif spins > 64:  # another process may hold this core: give it the time slice
                     time.sleep(0)
-        return slots
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place (the same bits on every rank)."""
@@ -90,6 +97,26 @@ class ShmGroup:
         """Every rank's ``t`` (same shape on every rank), in rank order."""
         slots = self._exchange(t)
         return [slots[r].view(t.shape).to(t.dtype, copy=True) for r in range(self.world)]
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's picklable ``obj``, in rank order. A pickle larger than a slot (on any rank) sends them all
+        through ``torch.distributed`` instead (each rank sees every rank's size first, so all take the same way)."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        fits = len(data) + 8 <= self.slot_elems * 4
+        self.seq += 1
+        seq = self.seq
+        raw = self.slots[seq & 1].view(torch.uint8)  # [world, slot bytes]
+        mine = raw[self.rank]
+        mine[:8].view(torch.int64)[0] = len(data) if fits else -1
+        if fits:
+            mine[8 : 8 + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self._publish_and_wait(seq)
+        sizes = [int(raw[r, :8].view(torch.int64)[0]) for r in range(self.world)]
+        if min(sizes) < 0:
+            out = [None] * self.world
+            dist.all_gather_object(out, obj, group=self.group)
+            return out
+        return [pickle.loads(raw[r, 8 : 8 + n].numpy().tobytes()) for r, n in enumerate(sizes)]
 
     def close(self) -> None:
         self.flags = self.slots = None

@@ -15,7 +15,10 @@ from ..engine import Engine
 _STOP = "stop"
 
 
-def _broadcast(obj, group) -> object:
+def _broadcast(obj, group, shm=None) -> object:
+    """Rank 0's ``obj`` on every rank of ``group`` (through ``shm``, a :class:`~.shm.ShmGroup`, where given)."""
+    if shm is not None:
+        return shm.all_gather_object(obj)[0]
     box = [obj]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return box[0]
@@ -34,6 +37,7 @@ class MirroredEngine:
             raise ValueError(f"engine: rank {engine.model.tp_rank} follows (parallel.follow); rank 0 drives")
         self.engine = engine
         self.group = engine.model.tp_group
+        self.shm = getattr(engine.model, "tp_shm", None)
         self._closed = False
 
     def __getattr__(self, name):
@@ -42,7 +46,7 @@ class MirroredEngine:
     def _call(self, name: str, *args, **kwargs):
         if self._closed:
             raise RuntimeError("MirroredEngine: closed")
-        _broadcast((name, args, kwargs), self.group)
+        _broadcast((name, args, kwargs), self.group, self.shm)
         return getattr(self.engine, name)(*args, **kwargs)
 
     def add_request(self, *args, **kwargs) -> str:
@@ -57,17 +61,17 @@ class MirroredEngine:
     def close(self) -> None:
         """Release the followers (their :func:`follow` returns)."""
         if not self._closed:
-            _broadcast((_STOP, (), {}), self.group)
+            _broadcast((_STOP, (), {}), self.group, self.shm)
             self._closed = True
 
 
 def follow(engine: Engine) -> int:
     """On a rank other than 0: replay rank 0's engine calls on ``engine`` until it closes; returns how many ran.
     A call that raises on rank 0 (a refused request, a failed step) raises here too, and is passed over alike."""
-    group = engine.model.tp_group
+    group, shm = engine.model.tp_group, getattr(engine.model, "tp_shm", None)
     n = 0
     while True:
-        name, args, kwargs = _broadcast(None, group)
+        name, args, kwargs = _broadcast(None, group, shm)
         if name == _STOP:
             return n
         try:

@@ -96,7 +96,9 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     parallelism) gives each rank whole experts, ``num_experts / tp`` of them, and the rank skips the (token, expert)
     pairs routed to the others. Either way the shared expert is split by width and the block's output summed.
 
-    Returns the model, with ``model.tp_group`` (``group``), ``tp_size`` and ``tp_rank`` set.
+    Returns the model, with ``model.tp_group`` (``group``), ``tp_size`` and ``tp_rank`` set, and ``tp_shm``: the
+    :class:`~infercore.parallel.shm.ShmGroup` its CPU ranks exchange through (None on GPUs, across hosts, or
+    with ``INFERCORE_SHM_COLLECTIVES=0``).
 
     Raises:
         TypeError: ``model`` is not a Llama-family model, or is quantized (quantize after sharding).
@@ -158,7 +160,7 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     head = model.lm_head  # tied to the embedding or not, the slice is a new tensor: the embedding stays whole
     _set(head, head.weight[rank * v : (rank + 1) * v].clone(), None)
     model.lm_head = VocabParallel(head, group, tp, shm)
-    model.tp_group = group
+    model.tp_group, model.tp_shm = group, shm
     model.tp_size, model.tp_rank = tp, rank
     return model
 

@@ -4,6 +4,8 @@ switching between the two with the load (:class:`infercore.parallel.AdaptiveEngi
 Two measurements, every layout on the same ranks and engines (``build_adaptive``: each rank holds the whole model
 for DP and its TP shard):
 
+0. (CPU) TP batch-1 decode tokens/s with the collectives through gloo and through shared memory
+   (``parallel.shm``).
 1. step rate against batch: ``B`` greedy requests of ``--prompt`` tokens decoding ``--new`` tokens at once, in TP
    and in DP; output tokens/s of the whole ``generate`` (prefill included), best of ``--rounds``. Where DP passes
    TP is where a load policy should switch.
@@ -68,6 +70,30 @@ def _trace(eng, burst, trickle, params) -> tuple[float, float, list, int]:
     return t_burst, time.perf_counter() - t, toks, len(eng.switches) - before
 
 
+def _collectives(model, kw, args) -> dict[str, float]:
+    """TP batch-1 decode tokens/s with the collectives through gloo and through shared memory (every rank runs
+    the same calls), best of ``args.rounds`` alternating rounds."""
+    import copy
+
+    from _common import engine_decode_rate
+
+    from infercore import Engine
+    from infercore.parallel import tensor_parallel_
+
+    engines = {}
+    for name, flag in (("gloo", "0"), ("shm", "1")):
+        os.environ["INFERCORE_SHM_COLLECTIVES"] = flag
+        engines[name] = Engine(tensor_parallel_(copy.deepcopy(model)), None, **kw)
+    os.environ.pop("INFERCORE_SHM_COLLECTIVES")
+    assert engines["gloo"].model.tp_shm is None and engines["shm"].model.tp_shm is not None
+    prompt = list(range(10, 10 + args.prompt))
+    best = dict.fromkeys(engines, 0.0)
+    for _ in range(args.rounds):
+        for name, e in engines.items():
+            best[name] = max(best[name], engine_decode_rate(e, prompt, args.new)[0])
+    return best
+
+
 def _worker(rank: int, init: str, args) -> None:
     from infercore.models import load_model
 
@@ -90,6 +116,7 @@ def _worker(rank: int, init: str, args) -> None:
         model = build_model(ModelConfig.from_hf(cfg), dtype=dtype, device=device, init="normal")
         tok = None
     kw = dict(page_size=16, max_num_batched_tokens=args.budget, kv_cache_bytes=args.kv_mb << 20)
+    comm = _collectives(model, kw, args) if args.device == "cpu" else None
     eng = build_adaptive(model, tok, tp_engine_kwargs=kw, dp_engine_kwargs=kw)
     if rank != 0:
         eng.follow()
@@ -106,12 +133,18 @@ def _worker(rank: int, init: str, args) -> None:
     prompt = [ids[i * P : (i + 1) * P] for i in range(max(args.batches + [args.burst + args.trickle]))]
     params = SamplingParams(temperature=0, max_tokens=args.new, ignore_eos=True)
     cases, raw = [], {"rate": {}, "trace": {}}
+    if comm is not None:
+        print(f"TP batch-1 decode: {comm['gloo']:.1f} tok/s through gloo, {comm['shm']:.1f} through shared memory",
+              flush=True)
+        cases.append(case("TP batch-1 decode, collectives through shared memory vs gloo", metric="tokens/s",
+                          unit="tok/s", ours=comm["shm"], peers={"gloo": comm["gloo"]}, floor=None))
     for B in args.batches:
-        rates = {}
-        for layout in ("tp", "dp"):
-            eng.policy = _policy(layout, args.dp_at)
-            best = min(_timed_generate(eng, prompt[:B], params)[0] for _ in range(args.rounds))
-            rates[layout] = B * args.new / best
+        best = {"tp": float("inf"), "dp": float("inf")}
+        for _ in range(args.rounds):  # alternating: a drift of the machine hits both alike
+            for layout in best:
+                eng.policy = _policy(layout, args.dp_at)
+                best[layout] = min(best[layout], _timed_generate(eng, prompt[:B], params)[0])
+        rates = {layout: B * args.new / t for layout, t in best.items()}
         raw["rate"][B] = rates
         print(f"batch {B}: TP {rates['tp']:.1f} tok/s, DP {rates['dp']:.1f} tok/s", flush=True)
         cases.append(case(f"{B} requests at once ({P}-token prompts, {args.new} new tokens)",
@@ -145,7 +178,8 @@ def _worker(rank: int, init: str, args) -> None:
         switches_per_trace=switches, same_tokens=same, dp_at=args.dp_at))
     dev = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     write_results(args.out, "adaptive_parallel", dev, cases,
-                  extra={"model": args.model or f"random, {args.shape} shape", "dtype": args.dtype, "world": args.world,
+                  extra={"note": args.note, "model": args.model or f"random, {args.shape} shape", "dtype": args.dtype,
+                         "world": args.world,
                          "threads_per_rank": args.threads, "prompt_tokens": P, "new_tokens": args.new,
                          "raw": raw})
     dist.barrier()
@@ -162,7 +196,7 @@ def main() -> None:
     ap.add_argument("--shape", default="small", choices=["small", "llama8b"],
                     help="random model: SmolLM2-135M's widths with 8 / 4 heads (small), or the Llama-3.1-8B shape")
     ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--batches", default="1,2,4,8,16")
     ap.add_argument("--burst", type=int, default=16)
     ap.add_argument("--trickle", type=int, default=6)
@@ -170,6 +204,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=1024, help="max_num_batched_tokens of each engine")
     ap.add_argument("--kv-mb", type=int, default=256, help="KV memory of each engine, MiB")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--note", default="", help="a remark stored with the results (shown in docs/benchmarks.md)")
     ap.add_argument("--out", default="benchmarks/results/cpu/adaptive_parallel.json")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]

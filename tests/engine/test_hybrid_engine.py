@@ -224,3 +224,31 @@ def test_hybrid_logprobs_equal_a_fresh_prefill(qwen3_next, gemma3, name):
         assert fresh.token_ids[0] == out.token_ids[i]
         assert list(fresh.logprobs[0]) == list(d)
         assert list(fresh.logprobs[0].values()) == pytest.approx(list(d.values()), abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "gemma3"])
+def test_requests_moved_between_hybrid_engines_keep_their_tokens(qwen3_next, gemma3, name):
+    # Engine.take_requests / adopt_request over the hybrid managers (linear state, sliding windows): requests taken
+    # mid-decode from one engine and continued by another engine of the same model give the unmoved tokens, and
+    # the first engine's pool is whole again.
+    model = {"qwen3_next": qwen3_next, "gemma3": gemma3}[name]
+    ps = random_prompts(4, seed=9, lo=5, hi=20)
+    sampled = SamplingParams(temperature=0.9, seed=4, max_tokens=12, ignore_eos=True)
+    params = [GREEDY, sampled, GREEDY, sampled]
+    want = [o.token_ids for o in Engine(model, page_size=4, kv_cache_bytes=4 << 20).generate(ps, params)]
+    a = Engine(model, page_size=4, kv_cache_bytes=4 << 20, max_num_batched_tokens=16)
+    b = Engine(model, page_size=4, kv_cache_bytes=4 << 20, max_num_batched_tokens=16)
+    assert a.kv_layout != "dense"
+    ids = [a.add_request(p, sp) for p, sp in zip(ps, params)]
+    for _ in range(5):
+        a.step()
+    a.settle()
+    taken = a.take_requests()
+    assert {r.request_id for r in taken} == set(ids) and any(r.output_token_ids for r in taken)
+    assert a.block_manager.memory()["used"] == 0 and not a.has_unfinished()
+    for req in taken:
+        b.adopt_request(req)
+    got = {}
+    while b.has_unfinished():
+        got.update({o.request_id: o.token_ids for o in b.step() if o.finished})
+    assert [got[i] for i in ids] == want

@@ -11,8 +11,9 @@ for DP and its TP shard):
    TP is where a load policy should switch.
 2. a tidal trace: a burst of ``--burst`` requests submitted together, then ``--trickle`` requests one after the
    other (each submitted when the previous one finished). Seconds of each phase for TP only, DP only and the
-   adaptive engine (``LoadPolicy(dp_at=--dp-at, tp_at=1)``), alternating over ``--rounds`` rounds, best kept; and
-   whether the three gave the same tokens.
+   adaptive engine, alternating over ``--rounds`` rounds, best kept; and whether the three gave the same tokens.
+   The adaptive engine's policy is ``LoadPolicy.from_rates`` of measurement 1 (``--high-at N``: TP below N
+   unfinished requests, DP from N).
 
 Default: random fp32 weights of SmolLM2-135M's widths with 8 query / 4 KV heads (SmolLM2's own 9 / 3 do not split
 over two ranks; ``--model`` takes a checkpoint) on ``--world`` CPU processes over gloo, one thread each.
@@ -39,19 +40,14 @@ from _common import case, write_results  # noqa: E402
 from infercore import SamplingParams  # noqa: E402
 from infercore.parallel import LoadPolicy, build_adaptive  # noqa: E402
 
-NEVER = 1 << 30  # a dp_at no load reaches
 # SmolLM2-135M's widths with 8 query / 4 KV heads of 64 (its own 9 / 3 heads do not split over two ranks)
 SMALL = dict(vocab_size=49152, hidden_size=512, intermediate_size=1536, num_hidden_layers=30,
              num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=8192, rope_scaling=None,
              rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 
 
-def _policy(layout: str, dp_at: int) -> LoadPolicy:
-    if layout == "tp":  # any load at most tp_at: back to TP at once, never out of it
-        return LoadPolicy(dp_at=NEVER, tp_at=NEVER - 1, min_steps=0)
-    if layout == "dp":  # DP from the first request on (steps run only while some request is unfinished)
-        return LoadPolicy(dp_at=1, tp_at=0, min_steps=0)
-    return LoadPolicy(dp_at=dp_at, tp_at=1, min_steps=8)
+def _fixed(layout: str) -> LoadPolicy:
+    return LoadPolicy(low=layout, high=layout)
 
 
 def _timed_generate(eng, prompts, params) -> tuple[float, list]:
@@ -142,7 +138,7 @@ def _worker(rank: int, init: str, args) -> None:
         best = {"tp": float("inf"), "dp": float("inf")}
         for _ in range(args.rounds):  # alternating: a drift of the machine hits both alike
             for layout in best:
-                eng.policy = _policy(layout, args.dp_at)
+                eng.policy = _fixed(layout)
                 best[layout] = min(best[layout], _timed_generate(eng, prompt[:B], params)[0])
         rates = {layout: B * args.new / t for layout, t in best.items()}
         raw["rate"][B] = rates
@@ -151,13 +147,17 @@ def _worker(rank: int, init: str, args) -> None:
                           metric="output tokens/s of generate(), DP over TP", unit="x",
                           ours=rates["dp"] / rates["tp"], peers={}, floor=None,
                           tokens_per_s={"tp": rates["tp"], "dp": rates["dp"]}))
+    # the adaptive engine's policy, from the rates just measured (or --high-at: TP low, DP high)
+    policy = (LoadPolicy(high_at=args.high_at, low_at=1, min_steps=8) if args.high_at
+              else LoadPolicy.from_rates(raw["rate"], min_steps=8))
+    print(f"adaptive policy: {policy}", flush=True)
     burst = prompt[: args.burst]
     trickle = prompt[args.burst : args.burst + args.trickle]
     best = {lay: [float("inf"), float("inf")] for lay in ("tp", "dp", "adaptive")}
     tokens, switches = {}, {}
     for _ in range(args.rounds):
         for layout in best:
-            eng.policy = _policy(layout, args.dp_at)
+            eng.policy = policy if layout == "adaptive" else _fixed(layout)
             tb, tt, tokens[layout], switches[layout] = _trace(eng, burst, trickle, params)
             best[layout] = [min(best[layout][0], tb), min(best[layout][1], tt)]
     eng.close()
@@ -175,7 +175,7 @@ def _worker(rank: int, init: str, args) -> None:
         peers={"tp only": min(total["tp"], total["dp"]) / total["tp"],
                "dp only": min(total["tp"], total["dp"]) / total["dp"]},
         floor=None, seconds={lay: {"burst": b, "trickle": t} for lay, (b, t) in best.items()},
-        switches_per_trace=switches, same_tokens=same, dp_at=args.dp_at))
+        switches_per_trace=switches, same_tokens=same, policy=vars(policy)))
     dev = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     write_results(args.out, "adaptive_parallel", dev, cases,
                   extra={"note": args.note, "model": args.model or f"random, {args.shape} shape", "dtype": args.dtype,
@@ -200,7 +200,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,2,4,8,16")
     ap.add_argument("--burst", type=int, default=16)
     ap.add_argument("--trickle", type=int, default=6)
-    ap.add_argument("--dp-at", type=int, default=4)
+    ap.add_argument("--high-at", type=int, default=0,
+                    help="the adaptive policy: TP below this many requests, DP from it (0: from the measured rates)")
     ap.add_argument("--budget", type=int, default=1024, help="max_num_batched_tokens of each engine")
     ap.add_argument("--kv-mb", type=int, default=256, help="KV memory of each engine, MiB")
     ap.add_argument("--rounds", type=int, default=2)

@@ -155,6 +155,33 @@ def test_async_scheduling_matches_sync_on_cuda():
     assert Engine(_ours_on_cuda(hf, torch.float32), num_pages=16).async_scheduling  # on by default on CUDA
 
 
+def test_requests_moved_between_cuda_engines_keep_their_tokens():
+    """Engine.settle / take_requests / adopt_request with async scheduling and CUDA graphs: requests taken mid-run
+    (one step in flight settled first) and continued by another engine give the unmoved tokens."""
+    hf = tiny_hf("llama")
+    prompts = [[(5 * i + j) % 96 for j in range(4 + 7 * i)] for i in range(6)]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=10 + 2 * i, ignore_eos=True)
+              for i in range(6)]
+    want = [o.token_ids for o in Engine(_ours_on_cuda(hf, torch.float32), page_size=4, num_pages=256,
+                                        async_scheduling=False).generate(prompts, params)]
+    a, b = (Engine(_ours_on_cuda(hf, torch.float32), page_size=4, num_pages=256, max_num_batched_tokens=32)
+            for _ in range(2))
+    assert a.async_scheduling and a.graph_runner is not None
+    ids = [a.add_request(p, sp) for p, sp in zip(prompts, params)]
+    final = {}
+    for _ in range(6):
+        final.update({o.request_id: o.token_ids for o in a.step() if o.finished})
+    with pytest.raises(RuntimeError, match="settle"):
+        a.take_requests()  # a step is in flight
+    final.update({o.request_id: o.token_ids for o in a.settle() if o.finished})
+    for req in a.take_requests():
+        b.adopt_request(req)
+    assert a.block_manager.num_free_pages == 256 and not a.has_unfinished()
+    while b.has_unfinished():
+        final.update({o.request_id: o.token_ids for o in b.step() if o.finished})
+    assert [final[i] for i in ids] == want
+
+
 @pytest.mark.parametrize("name,layout", [("qwen3_next", "multi"), ("qwen3_next", "uniform"), ("gemma3", "multi")])
 def test_hybrid_cuda_graph_decode_matches_eager(name, layout):
     """Hybrid models decode through captured graphs (padding rows, sliding and linear groups, MoE

@@ -20,14 +20,33 @@ WORLD = 2
 def test_load_policy():
     from infercore.parallel import LoadPolicy
 
-    p = LoadPolicy(dp_at=4, tp_at=1, min_steps=3)
+    p = LoadPolicy(high_at=4, low_at=1, min_steps=3)
+    assert (p.low, p.high) == ("tp", "dp")
     assert p.choose("tp", 9, 2) == "tp"  # too soon after the last switch
     assert p.choose("tp", 4, 3) == "dp" and p.choose("tp", 3, 30) == "tp"
     assert p.choose("dp", 2, 30) == "dp" and p.choose("dp", 1, 3) == "tp"
-    with pytest.raises(ValueError, match="tp_at"):
-        LoadPolicy(dp_at=2, tp_at=2).validate()
+    rev = LoadPolicy(high_at=4, low_at=1, min_steps=0, low="dp", high="tp")
+    assert rev.choose("dp", 4, 0) == "tp" and rev.choose("tp", 1, 0) == "dp"
+    fixed = LoadPolicy(low="dp", high="dp")
+    assert fixed.choose("tp", 1, 0) == fixed.choose("dp", 100, 100) == "dp"
+    with pytest.raises(ValueError, match="low_at"):
+        LoadPolicy(high_at=2, low_at=2).validate()
     with pytest.raises(ValueError, match="min_steps"):
         LoadPolicy(min_steps=-1).validate()
+    with pytest.raises(ValueError, match="LoadPolicy.high"):
+        LoadPolicy(high="pp").validate()
+    # from measured rates: the faster layout at the fewest requests is `low`, at the most `high`; the switch where
+    # `high` stays ahead
+    rates = {1: {"tp": 40, "dp": 30}, 2: {"tp": 50, "dp": 55}, 4: {"tp": 90, "dp": 80}, 8: {"tp": 100, "dp": 150},
+             16: {"tp": 150, "dp": 290}}
+    p = LoadPolicy.from_rates(rates, min_steps=5)
+    assert (p.low, p.high, p.high_at, p.low_at, p.min_steps) == ("tp", "dp", 8, 4, 5)
+    p = LoadPolicy.from_rates({1: {"tp": 30, "dp": 40}, 16: {"tp": 200, "dp": 180}})
+    assert (p.low, p.high, p.high_at, p.low_at) == ("dp", "tp", 16, 1)
+    p = LoadPolicy.from_rates({1: {"tp": 30, "dp": 40}, 16: {"tp": 200, "dp": 280}})
+    assert p.low == p.high == "dp"
+    with pytest.raises(ValueError, match="two or more"):
+        LoadPolicy.from_rates({1: {"tp": 1, "dp": 2}})
 
 
 def _worker(rank: int, init: str) -> None:
@@ -42,7 +61,7 @@ def _worker(rank: int, init: str) -> None:
         hf = tiny_hf("llama", num_key_value_heads=2)
         kw = dict(page_size=4, num_pages=96, max_num_batched_tokens=32)
         eng = build_adaptive(ours_from_hf(hf), tp_engine_kwargs=kw, dp_engine_kwargs=kw,
-                             policy=LoadPolicy(dp_at=3, tp_at=1, min_steps=2))
+                             policy=LoadPolicy(high_at=3, low_at=1, min_steps=2))
         with pytest.raises(ValueError, match="not sharded"):
             AdaptiveEngine(eng.dp, eng.dp)
         with pytest.raises(ValueError, match="whole replica"):

@@ -40,34 +40,62 @@ _STOP = "stop"
 
 @dataclass
 class LoadPolicy:
-    """When to switch. ``dp_at``: go data-parallel once at least this many requests are unfinished (queued
-    included); ``tp_at``: back to tensor-parallel once at most this many are. ``min_steps``: steps spent in a
-    layout before it may switch again, so that a load near a threshold does not pay a switch (a recompute of every
-    unfinished request) every step. The crossover depends on the model and the machine:
-    ``benchmarks/bench_adaptive_parallel.py`` measures both layouts' step times against the batch size."""
+    """When to switch. ``low`` is the layout under a light load, ``high`` under a heavy one (TP and DP, the usual
+    way round: TP's latency for a few requests, DP's throughput for many; the other way round, or one layout for
+    both, where that measures better). ``high_at``: switch to ``high`` once at least this many requests are
+    unfinished (queued included); ``low_at``: back to ``low`` once at most this many are. ``min_steps``: steps spent
+    in a layout before it may switch again, so that a load near a threshold does not pay a switch (a recompute of
+    every unfinished request) every step. With ``low == high`` the group stays in that layout (it moves there at
+    once from the other). :meth:`from_rates` derives a policy from measured tokens/s of both layouts
+    (``benchmarks/bench_adaptive_parallel.py`` measures them)."""
 
-    dp_at: int = 8
-    tp_at: int = 2
+    high_at: int = 8
+    low_at: int = 2
     min_steps: int = 16
+    low: str = TP
+    high: str = DP
 
     def validate(self) -> None:
-        for name in ("dp_at", "tp_at", "min_steps"):
+        for name in ("high_at", "low_at", "min_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"LoadPolicy.{name}: expected an int >= 0, got {v!r}")
-        if self.tp_at >= self.dp_at:
-            raise ValueError(f"LoadPolicy: tp_at ({self.tp_at}) must be below dp_at ({self.dp_at})")
+        if self.low_at >= self.high_at:
+            raise ValueError(f"LoadPolicy: low_at ({self.low_at}) must be below high_at ({self.high_at})")
+        for name in ("low", "high"):
+            if getattr(self, name) not in (TP, DP):
+                raise ValueError(f"LoadPolicy.{name}: expected 'tp' or 'dp', got {getattr(self, name)!r}")
 
     def choose(self, mode: str, load: int, steps_in_mode: int) -> str:
         """The layout for the next step, given the current one, the unfinished requests and the steps spent in
         the current layout."""
+        if self.low == self.high:
+            return self.low
         if steps_in_mode < self.min_steps:
             return mode
-        if mode == TP and load >= self.dp_at:
-            return DP
-        if mode == DP and load <= self.tp_at:
-            return TP
+        if mode == self.low and load >= self.high_at:
+            return self.high
+        if mode == self.high and load <= self.low_at:
+            return self.low
         return mode
+
+    @classmethod
+    def from_rates(cls, rates: dict[int, dict[str, float]], *, min_steps: int = 16) -> LoadPolicy:
+        """A policy from measured throughput: ``rates[batch] = {"tp": tokens/s, "dp": tokens/s}`` at two or more
+        batch sizes. ``low`` is the faster layout at the smallest batch, ``high`` the faster at the largest; the
+        switch comes at the smallest measured batch from which ``high`` stays ahead (``high_at``), and back at the
+        measured batch below it (``low_at``)."""
+        if len(rates) < 2 or any(set(r) != {TP, DP} for r in rates.values()):
+            raise ValueError("rates: expected {batch: {'tp': tokens/s, 'dp': tokens/s}} for two or more batches")
+        batches = sorted(rates)
+        best = [max(rates[b], key=rates[b].get) for b in batches]
+        low, high = best[0], best[-1]
+        if low == high:
+            return cls(high_at=1 << 30, low_at=0, min_steps=min_steps, low=low, high=high)
+        i = len(best) - 1
+        while i > 0 and best[i - 1] == high:
+            i -= 1
+        return cls(high_at=batches[i], low_at=batches[i - 1], min_steps=min_steps, low=low, high=high)
 
 
 def build_adaptive(model, tokenizer=None, *, group=None, tp_engine_kwargs: dict | None = None,

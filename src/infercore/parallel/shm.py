@@ -1,9 +1,10 @@
 """Collectives of CPU ranks on one host through shared memory.
 
-gloo's all-reduce of a decode step's few kilobytes takes ~1.3 ms between two processes of the 2-core test machine
-(loopback sockets and its own threads), twice a layer: a tensor-parallel decode of a 30-layer model spent 78 of its
-130 ms a token there (``benchmarks/bench_adaptive_parallel.py``'s model). Ranks that share a host can exchange the
-values through one shared-memory file instead, as vLLM's CPU backend and DeepSpeed's shm communicator do:
+gloo's all-reduce of a decode step's few kilobytes costs about a millisecond between two processes of the 2-core
+test machine (loopback sockets and its own threads), twice a layer: a 30-layer model's tensor-parallel batch-1
+decode ran at 9.9 tok/s through gloo and at 41.0 through this module (``benchmarks/bench_adaptive_parallel.py``,
+``results/cpu/adaptive_parallel.json``). Ranks that share a host exchange the values through one shared-memory file,
+as vLLM's CPU backend and DeepSpeed's shm communicator do:
 
 - each rank writes its tensor into its own slot, then publishes the call's sequence number in its flag;
 - it waits until every other rank's flag reaches that number, then reads all slots: the sum in rank order (every

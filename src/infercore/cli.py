@@ -65,7 +65,7 @@ def _generate(args: argparse.Namespace) -> int:
         )
         _cpu_kv_bytes(args)  # checked before the ranks start
         _int8_activations(args)
-        if args.tensor_parallel != 1 or getattr(args, "expert_parallel", False):
+        if args.tensor_parallel != 1 or getattr(args, "expert_parallel", False) or args.adaptive is not None:
             return _spawn_tp(args, params)
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
@@ -123,6 +123,11 @@ def _spawn_tp(args: argparse.Namespace, params) -> int:
         raise ValueError(f"--tensor-parallel must be >= 1, got {n}")
     if getattr(args, "expert_parallel", False) and n == 1:
         raise ValueError("--expert-parallel needs --tensor-parallel N > 1 (it places whole experts on the N ranks)")
+    if args.adaptive is not None:
+        if n == 1:
+            raise ValueError("--adaptive needs --tensor-parallel N > 1 (it switches the N ranks between TP and DP)")
+        if _host_experts(args)["host_experts"]:
+            raise ValueError("--adaptive: not with --host-experts")
     if args.quantization == "gguf":
         raise ValueError("--tensor-parallel: a GGUF file's blocks run as stored are not sharded; use a scheme of "
                          "infercore.quant.SCHEMES, or no --quantization")
@@ -167,7 +172,10 @@ def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
         quantized = args.quantization is not None
         dtype = _parse_dtype(args.dtype) if args.dtype else default_dtype(device, quantized=quantized)
         model, tok, _ = load_model(args.model or default_model_path(), dtype=dtype, device=device)
-        tensor_parallel_(model, experts="ep" if getattr(args, "expert_parallel", False) else "tp")
+        experts = "ep" if getattr(args, "expert_parallel", False) else "tp"
+        if args.adaptive is not None:
+            return _adaptive_rank(rank, args, params, model, tok, experts)
+        tensor_parallel_(model, experts=experts)
         host = _host_experts(args)
         if host["host_experts"]:  # each rank's share of the experts on the host
             from .offload import offload_experts_
@@ -200,6 +208,41 @@ def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
         dist.destroy_process_group()
 
 
+def _adaptive_rank(rank: int, args: argparse.Namespace, params, model, tok, experts: str) -> None:
+    """``--adaptive HIGH,LOW``: the ranks switch with the load between TP and one whole replica each
+    (:class:`~infercore.parallel.AdaptiveEngine`); rank 0 generates or serves, the others follow."""
+    import torch.distributed as dist
+
+    from .parallel import LoadPolicy, build_adaptive
+
+    high, low = args.adaptive
+    kw = dict(kv_cache_dtype=args.kv_cache_dtype, num_speculative_tokens=args.num_speculative_tokens,
+              cpu_kv_cache_bytes=_cpu_kv_bytes(args))
+    eng = build_adaptive(model, tok, experts=experts, quantization=args.quantization, tp_engine_kwargs=kw,
+                         dp_engine_kwargs=kw, policy=LoadPolicy(high_at=high, low_at=low))
+    if rank:
+        eng.follow()
+    else:
+        try:
+            if args.cmd == "serve":
+                _run_server(eng, args)
+            else:
+                _print_stream(eng, args, params)
+        finally:
+            eng.close()
+    dist.barrier()
+
+
+def _adaptive_at(text: str) -> tuple[int, int]:
+    try:
+        high, low = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HIGH,LOW (two ints), got {text!r}") from None
+    if not 0 <= low < high:
+        raise argparse.ArgumentTypeError(f"expected 0 <= LOW < HIGH, got {text!r}")
+    return high, low
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .engine import Engine
 
@@ -209,7 +252,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         _cpu_kv_bytes(args)
         _int8_activations(args)
-        if args.tensor_parallel != 1 or getattr(args, "expert_parallel", False):
+        if args.tensor_parallel != 1 or getattr(args, "expert_parallel", False) or args.adaptive is not None:
             return _spawn_tp(args, None)
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
@@ -289,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                        help="shard the model over N processes (gloo on the CPU, NCCL on GPUs 0..N-1); N must "
                             "divide the heads, KV heads, MLP width and vocabulary (default 1)")
+        q.add_argument("--adaptive", nargs="?", const=(8, 2), default=None, type=_adaptive_at, metavar="HIGH,LOW",
+                       help="with --tensor-parallel N: each rank also keeps the whole model, and the N ranks serve as "
+                            "N data-parallel replicas from HIGH unfinished requests on, and tensor-parallel again "
+                            "at LOW or fewer (requests in flight move by recompute; default 8,2)")
         q.add_argument("--expert-parallel", action="store_true",
                        help="with --tensor-parallel N on a routed-expert model (Mixtral, Qwen2/3-MoE): each rank "
                             "keeps whole experts (N must divide their number) instead of a slice of every expert")

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from .engine import Engine, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
-    from .parallel import MirroredEngine
+    from .parallel import AdaptiveEngine, MirroredEngine
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "ignore_eos", "min_tokens")
@@ -392,15 +392,16 @@ class _Server(ThreadingHTTPServer):
         self.created = int(time.time())
 
 
-def make_server(engine: Engine | MirroredEngine, *, host: str = "127.0.0.1", port: int = 8000,
+def make_server(engine: Engine | MirroredEngine | AdaptiveEngine, *, host: str = "127.0.0.1", port: int = 8000,
                 model_name: str = "infercore", verbose: bool = False) -> _Server:
     """An HTTP server (not started: call ``serve_forever()``, or run it in a thread) whose engine loop is
     running. ``port=0`` picks a free port (``server.server_address``). ``server.shutdown()`` then
     ``server.loop.close()`` stop it."""
-    from .parallel import MirroredEngine
+    from .parallel import AdaptiveEngine, MirroredEngine
 
-    if not isinstance(engine, (Engine, MirroredEngine)):
-        raise TypeError(f"engine: expected an Engine (or a MirroredEngine), got {type(engine).__name__}")
+    if not isinstance(engine, (Engine, MirroredEngine, AdaptiveEngine)):
+        raise TypeError(f"engine: expected an Engine (or rank 0's MirroredEngine / AdaptiveEngine), got "
+                        f"{type(engine).__name__}")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port: expected an int in [0, 65535], got {port!r}")
     return _Server((host, port), EngineLoop(engine), model_name, verbose)

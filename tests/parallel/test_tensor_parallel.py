@@ -154,9 +154,17 @@ def test_cli_generate_over_three_ranks(capfd):
     assert "GGUF" in capfd.readouterr().err
     assert cli.main(argv + ["--tensor-parallel", "3", "--quantization", "w8a16"]) == 0  # each rank its shards
     assert "Paris" in capfd.readouterr().out
+    # --adaptive: the ranks hold the whole model too and switch between TP and DP with the load
+    assert cli.main(argv + ["--tensor-parallel", "3", "--adaptive"]) == 0
+    assert "Paris" in capfd.readouterr().out
+    assert cli.main(argv + ["--adaptive"]) == 2
+    assert "--adaptive needs --tensor-parallel" in capfd.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(argv + ["--tensor-parallel", "3", "--adaptive", "2,2"])
+    assert "LOW < HIGH" in capfd.readouterr().err
 
 
-def _serve_worker(rank: int, init: str, world: int, want: str) -> None:
+def _serve_worker(rank: int, init: str, world: int, want: str, adaptive: bool) -> None:
     import http.client
     import json
     import threading
@@ -172,13 +180,24 @@ def _serve_worker(rank: int, init: str, world: int, want: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         model, tok, _ = load_model(default_model_path(), dtype=torch.float32, device="cpu")
-        engine = Engine(tensor_parallel_(model), tok, page_size=16, num_pages=128, enable_prefix_caching=False)
-        if rank:
-            with pytest.raises(ValueError, match="follows"):
-                MirroredEngine(engine)
-            assert follow(engine) > 0
-            return
-        server = make_server(MirroredEngine(engine), port=0)
+        if adaptive:  # TP for one request, DP replicas from two on: the clients' requests move between them
+            from infercore.parallel import LoadPolicy, build_adaptive
+
+            kw = dict(page_size=16, num_pages=128, enable_prefix_caching=False)
+            driver = build_adaptive(model, tok, tp_engine_kwargs=kw, dp_engine_kwargs=kw,
+                                    policy=LoadPolicy(high_at=2, low_at=1, min_steps=1))
+            if rank:
+                assert driver.follow() > 0
+                return
+        else:
+            engine = Engine(tensor_parallel_(model), tok, page_size=16, num_pages=128, enable_prefix_caching=False)
+            if rank:
+                with pytest.raises(ValueError, match="follows"):
+                    MirroredEngine(engine)
+                assert follow(engine) > 0
+                return
+            driver = MirroredEngine(engine)
+        server = make_server(driver, port=0)
         threading.Thread(target=server.serve_forever, daemon=True).start()
 
         def ask(text):
@@ -194,6 +213,7 @@ def _serve_worker(rank: int, init: str, world: int, want: str) -> None:
             with ThreadPoolExecutor(3) as pool:  # concurrent clients: their requests batch in mirrored steps
                 answers = list(pool.map(ask, ["What is the capital of France?"] * 3))
             assert answers == [want] * 3
+            assert not adaptive or [s["to"] for s in driver.switches][:1] == ["dp"]
         finally:
             server.shutdown()
             server.server_close()
@@ -203,9 +223,11 @@ def _serve_worker(rank: int, init: str, world: int, want: str) -> None:
         _leave()
 
 
-def test_serve_over_three_ranks(tmp_path):
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_serve_over_three_ranks(tmp_path, adaptive):
     """``make_server`` over rank 0's MirroredEngine of a three-way sharded SmolLM2: the other ranks replay its calls
-    (``follow``) and concurrent chat requests get the unsharded engine's answer."""
+    (``follow``) and concurrent chat requests get the unsharded engine's answer. Likewise over rank 0's
+    AdaptiveEngine, whose ranks switch to data parallelism for the concurrent requests."""
     from infercore import Engine, SamplingParams
     from infercore.parallel import MirroredEngine
 
@@ -214,7 +236,7 @@ def test_serve_over_three_ranks(tmp_path):
                           chat=True)[0].text
     with pytest.raises(ValueError, match="not sharded"):
         MirroredEngine(plain)
-    mp.spawn(_serve_worker, args=(f"file://{tmp_path}/rdzv", 3, want), nprocs=3, join=True)
+    mp.spawn(_serve_worker, args=(f"file://{tmp_path}/rdzv", 3, want, adaptive), nprocs=3, join=True)
 
 
 def _cli_serve_worker(rank: int, init: str) -> None:

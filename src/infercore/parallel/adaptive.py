@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..engine import Engine, RequestOutput, SamplingParams
+from ..engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from ..engine.engine import _one_prompt
 from .spmd import _broadcast
 from .tensor import tensor_parallel_
@@ -98,16 +98,31 @@ class LoadPolicy:
         return cls(high_at=batches[i], low_at=batches[i - 1], min_steps=min_steps, low=low, high=high)
 
 
-def build_adaptive(model, tokenizer=None, *, group=None, tp_engine_kwargs: dict | None = None,
-                   dp_engine_kwargs: dict | None = None, policy: LoadPolicy | None = None,
-                   mode: str = TP) -> AdaptiveEngine:
+def build_adaptive(model, tokenizer=None, *, group=None, experts: str = "tp", quantization: str | None = None,
+                   tp_engine_kwargs: dict | None = None, dp_engine_kwargs: dict | None = None,
+                   policy: LoadPolicy | None = None, mode: str = TP) -> AdaptiveEngine:
     """On every rank of ``group`` (default: the world), with the same loaded unsharded Llama-family ``model``:
-    keep ``model`` as this rank's DP replica, shard a copy of it for TP (:func:`tensor_parallel_`), and build
-    both engines (``*_engine_kwargs`` go to :class:`~infercore.Engine`; give each its share of the KV memory).
-    Quantize, if at all, after: each engine's model is its own."""
-    tp_model = tensor_parallel_(copy.deepcopy(model), group)
-    tp_engine = Engine(tp_model, tokenizer, **(tp_engine_kwargs or {}))
-    dp_engine = Engine(model, tokenizer, **(dp_engine_kwargs or {}))
+    keep ``model`` as this rank's DP replica, shard a copy of it for TP (:func:`tensor_parallel_`, ``experts`` as
+    there), quantize both to ``quantization`` (a scheme of :data:`infercore.quant.SCHEMES`) if given, and build both
+    engines (``*_engine_kwargs`` go to :class:`~infercore.Engine`). On a GPU, engines given no KV budget
+    (``kv_cache_bytes`` / ``num_pages`` / ``gpu_memory_fraction``) share the default fraction of free memory
+    between them, half each."""
+    tp_kw, dp_kw = dict(tp_engine_kwargs or {}), dict(dp_engine_kwargs or {})
+    tp_model = tensor_parallel_(copy.deepcopy(model), group, experts=experts)
+    if quantization is not None:
+        from ..quant import quantize
+
+        quantize(tp_model, quantization)
+        quantize(model, quantization)
+    sized = ("kv_cache_bytes", "num_pages", "gpu_memory_fraction")
+    if next(model.parameters()).device.type == "cuda":
+        share = EngineConfig.gpu_memory_fraction / 2
+        if not any(k in tp_kw for k in sized):
+            tp_kw["gpu_memory_fraction"] = share
+        if not any(k in dp_kw for k in sized):  # of what the TP engine left: about the other half of the total
+            dp_kw["gpu_memory_fraction"] = min(0.95, share / (1 - share))
+    tp_engine = Engine(tp_model, tokenizer, **tp_kw)
+    dp_engine = Engine(model, tokenizer, **dp_kw)
     return AdaptiveEngine(dp_engine, tp_engine, policy=policy, mode=mode)
 
 
@@ -248,6 +263,33 @@ class AdaptiveEngine:
                 if out.finished and out.request_id in wanted:
                     final[out.request_id] = out
         return [final[i] for i in ids]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False
+               ) -> Iterator[RequestOutput]:
+        """Yield this request's output after every step that advanced it (rank 0)."""
+        rid = self.add_request(prompt, params, chat=chat)
+        while True:
+            for out in self.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+    @property
+    def tokenizer(self):
+        return self.dp.tokenizer
+
+    @property
+    def device(self):
+        return self.dp.device
+
+    @property
+    def dtype(self):
+        return self.dp.dtype
+
+    @property
+    def max_model_len(self) -> int:
+        return min(self.dp.max_model_len, self.tp.max_model_len)
 
     def close(self) -> None:
         """Release the other ranks (their :meth:`follow` returns)."""

@@ -300,7 +300,8 @@ class AdaptiveEngine:
     # ------------------------------------------------------------------ every rank
 
     def follow(self) -> int:
-        """On a rank other than 0: run rank 0's steps until it closes; returns how many ran."""
+        """On a rank other than 0: run rank 0's steps until it closes; returns how many ran. A step that raises
+        here raised on rank 0 too (the same calls on the same state), and is passed over alike."""
         if self.rank == 0:
             raise RuntimeError("AdaptiveEngine.follow: rank 0 drives")
         n = 0
@@ -308,7 +309,10 @@ class AdaptiveEngine:
             msg = _broadcast(None, self.group, self.shm)
             if msg[0] == _STOP:
                 return n
-            self._run(msg)
+            try:
+                self._run(msg)
+            except Exception:  # noqa: BLE001  (rank 0's caller sees it; this rank waits for the next step)
+                pass
             n += 1
 
     def _run(self, msg) -> list[RequestOutput]:

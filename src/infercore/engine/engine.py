@@ -833,25 +833,34 @@ class Engine:
         for req in reqs:
             req._final_only = True  # only their final outputs are read (see Request._final_only)
             self._queue(req)
-        ids = [req.request_id for req in reqs]
-        final: dict[str, RequestOutput] = {}
-        wanted = set(ids)  # requests queued earlier by add_request may finish in these steps too
-        while len(final) < len(ids) and self.has_unfinished():
-            for out in self.step():
-                if out.finished and out.request_id in wanted:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
+        return run_to_completion(self, [req.request_id for req in reqs])
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False
                ) -> Iterator[RequestOutput]:
         """Yield this request's output after every step that advanced it (``new_text`` is the delta)."""
-        rid = self.add_request(prompt, params, chat=chat)
-        while True:
-            for out in self.step():
-                if out.request_id == rid:
-                    yield out
-                    if out.finished:
-                        return
+        return stream_outputs(self, self.add_request(prompt, params, chat=chat))
+
+
+def run_to_completion(driver, ids: list[str]) -> list[RequestOutput]:
+    """Step ``driver`` (an Engine, or anything with ``step`` / ``has_unfinished``) until the requests ``ids`` have
+    finished; their final outputs in the order of ``ids``. Requests queued earlier may finish in these steps too."""
+    final: dict[str, RequestOutput] = {}
+    wanted = set(ids)
+    while len(final) < len(ids) and driver.has_unfinished():
+        for out in driver.step():
+            if out.finished and out.request_id in wanted:
+                final[out.request_id] = out
+    return [final[i] for i in ids]
+
+
+def stream_outputs(driver, rid: str) -> Iterator[RequestOutput]:
+    """Step ``driver`` and yield request ``rid``'s output after every step that advanced it, until it finishes."""
+    while True:
+        for out in driver.step():
+            if out.request_id == rid:
+                yield out
+                if out.finished:
+                    return
 
 
 class _Step:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ..engine import Engine, EngineConfig, RequestOutput, SamplingParams
-from ..engine.engine import _one_prompt
+from ..engine.engine import _one_prompt, run_to_completion, stream_outputs
 from .spmd import _broadcast
 from .tensor import tensor_parallel_
 
@@ -256,24 +256,12 @@ class AdaptiveEngine:
             for rid in ids:  # a bad prompt queues none of them
                 self.abort(rid)
             raise
-        final: dict[str, RequestOutput] = {}
-        wanted = set(ids)
-        while len(final) < len(ids) and self.has_unfinished():
-            for out in self.step():
-                if out.finished and out.request_id in wanted:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
+        return run_to_completion(self, ids)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False
                ) -> Iterator[RequestOutput]:
         """Yield this request's output after every step that advanced it (rank 0)."""
-        rid = self.add_request(prompt, params, chat=chat)
-        while True:
-            for out in self.step():
-                if out.request_id == rid:
-                    yield out
-                    if out.finished:
-                        return
+        return stream_outputs(self, self.add_request(prompt, params, chat=chat))
 
     @property
     def tokenizer(self):

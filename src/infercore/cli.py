@@ -65,7 +65,7 @@ def _generate(args: argparse.Namespace) -> int:
         )
         _cpu_kv_bytes(args)  # checked before the ranks start
         _int8_activations(args)
-        if args.tensor_parallel != 1 or getattr(args, "expert_parallel", False) or args.adaptive is not None:
+        if _multi_rank(args):
             return _spawn_tp(args, params)
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
@@ -109,6 +109,12 @@ def _host_experts(args: argparse.Namespace) -> dict:
     return {"host_experts": host, "host_expert_layers": layers}
 
 
+def _multi_rank(args: argparse.Namespace) -> bool:
+    """Whether the flags ask for several ranks (:func:`_spawn_tp` checks them)."""
+    return (args.tensor_parallel != 1 or getattr(args, "expert_parallel", False)
+            or getattr(args, "adaptive", None) is not None)
+
+
 def _spawn_tp(args: argparse.Namespace, params) -> int:
     """``--tensor-parallel N``: N processes (gloo on the CPU, NCCL on GPUs 0..N-1), each loading the model and
     keeping its shard. ``generate``: every rank runs the same engine calls and rank 0 prints. ``serve``: rank 0
@@ -123,7 +129,7 @@ def _spawn_tp(args: argparse.Namespace, params) -> int:
         raise ValueError(f"--tensor-parallel must be >= 1, got {n}")
     if getattr(args, "expert_parallel", False) and n == 1:
         raise ValueError("--expert-parallel needs --tensor-parallel N > 1 (it places whole experts on the N ranks)")
-    if args.adaptive is not None:
+    if getattr(args, "adaptive", None) is not None:
         if n == 1:
             raise ValueError("--adaptive needs --tensor-parallel N > 1 (it switches the N ranks between TP and DP)")
         if _host_experts(args)["host_experts"]:
@@ -173,7 +179,7 @@ def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
         dtype = _parse_dtype(args.dtype) if args.dtype else default_dtype(device, quantized=quantized)
         model, tok, _ = load_model(args.model or default_model_path(), dtype=dtype, device=device)
         experts = "ep" if getattr(args, "expert_parallel", False) else "tp"
-        if args.adaptive is not None:
+        if getattr(args, "adaptive", None) is not None:
             return _adaptive_rank(rank, args, params, model, tok, experts)
         tensor_parallel_(model, experts=experts)
         host = _host_experts(args)
@@ -252,7 +258,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         _cpu_kv_bytes(args)
         _int8_activations(args)
-        if args.tensor_parallel != 1 or getattr(args, "expert_parallel", False) or args.adaptive is not None:
+        if _multi_rank(args):
             return _spawn_tp(args, None)
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,

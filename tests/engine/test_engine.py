@@ -288,3 +288,54 @@ def test_chunked_prompt_longer_than_the_host_table_matches_transformers(llama_pa
     for p, o in zip(ps, outs):
         assert o.token_ids == hf_greedy(hf, p, 6)
     assert eng.block_manager.num_free_pages == 256
+
+
+def test_prefix_kv_moves_between_engines(llama_pair):
+    # Engine.read_prefix_kv / write_prefix_kv: the KV one engine computed, written into another engine's prefix
+    # cache, is taken there as a cache hit, and the tokens are those of computing it. Requests taken out mid-run
+    # (take_requests) move with their KV the same way.
+    from infercore.engine.request import Request
+
+    hf, model = llama_pair
+    prompts = [[(3 * i + 5 * j) % 96 for j in range(9 + 6 * i)] for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [o.token_ids for o in Engine(model, page_size=4, num_pages=64).generate(prompts, greedy)]
+    a = Engine(model, page_size=4, num_pages=64)
+    b = Engine(model, page_size=4, num_pages=64)
+    a.generate(prompts[:1], greedy)
+    n, kv = a.read_prefix_kv(prompts[0])
+    assert n == 8 and len(kv) == 2 and kv[0][0].shape == (8, 2, 8)
+    assert b.write_prefix_kv(prompts[0], kv) == 8
+    assert b.write_prefix_kv(prompts[0], kv) == 8  # already cached: kept
+    out = b.generate(prompts[:1], greedy)[0]
+    assert out.metrics.num_cached_tokens == 8 and out.token_ids == want[0]
+    # the hit reads what was written: zeroed KV gives other log-probabilities
+    c = Engine(model, page_size=4, num_pages=64)
+    assert c.write_prefix_kv(prompts[0], [(k * 0, v * 0) for k, v in kv]) == 8
+    lp = SamplingParams(temperature=0, max_tokens=1, logprobs=1)
+    zeroed = c.generate(prompts[:1], lp)[0]
+    fresh = Engine(model, page_size=4, num_pages=64).generate(prompts[:1], lp)[0]
+    assert zeroed.metrics.num_cached_tokens == 8 and zeroed.cumulative_logprob != fresh.cumulative_logprob
+    with pytest.raises(ValueError, match="layers"):
+        b.write_prefix_kv(prompts[0], kv[:1])
+    assert b.read_prefix_kv([95, 94, 93, 92, 91]) == (0, [])
+    # mid-run: KV first, then the requests
+    ids = [a.add_request(p, greedy) for p in prompts]
+    for _ in range(4):
+        a.step()
+    taken = a.take_requests()
+    moved = 0
+    for req in taken:
+        n, kv = a.read_prefix_kv(req.all_token_ids)
+        moved += b.write_prefix_kv(req.all_token_ids, kv)
+    assert moved > sum(len(p) for p in prompts) // 2
+    for req in taken:
+        b.adopt_request(req)
+    got = {}
+    while b.has_unfinished():
+        got.update({o.request_id: o.token_ids for o in b.step() if o.finished})
+    assert [got[i] for i in ids] == want
+    assert isinstance(taken[0], Request)
+    # no prefix caching, no transfer
+    plain = Engine(model, page_size=4, num_pages=64, enable_prefix_caching=False)
+    assert plain.read_prefix_kv(prompts[0]) == (0, []) and plain.write_prefix_kv(prompts[0], kv) == 0

@@ -550,6 +550,60 @@ class Engine:
             req.metrics.num_migrations += 1
         return taken
 
+    def _plain_kv(self) -> list | None:
+        """The dense pool's ``(k, v)`` pairs when they are plain tensors and prefix caching is on (what the KV
+        transfer methods read and write), else None."""
+        if self.kv_layout != "dense" or not self.config.enable_prefix_caching:
+            return None
+        kv = self.runner.kv_caches
+        return kv if all(type(pair) is tuple and len(pair) == 2 for pair in kv) else None
+
+    def read_prefix_kv(self, token_ids: list[int]) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The KV of the longest prefix of ``token_ids`` that this engine's prefix cache holds, in whole pages:
+        ``(n, [(k, v) per layer])`` with ``k`` / ``v`` ``[n, kv_heads, head_dim]`` (copies). ``(0, [])`` where there
+        is none, and where the pool is not a dense one of plain tensors with prefix caching on. The pages of a
+        request just taken out (:meth:`take_requests`) are there until something else is allocated."""
+        kv = self._plain_kv()
+        pages = self.block_manager.cached_pages(token_ids) if kv is not None else []
+        if not pages:
+            return 0, []
+        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
+        n = len(pages) * self.config.page_size
+        return n, [(k.index_select(0, idx).flatten(0, 1), v.index_select(0, idx).flatten(0, 1)) for k, v in kv]
+
+    def write_prefix_kv(self, token_ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Put the KV of the first ``n`` tokens of ``token_ids`` (``kv``: ``[(k, v) per layer]``, each
+        ``[n, kv_heads, head_dim]``, ``n`` a multiple of the page size, as :meth:`read_prefix_kv` gives it, perhaps
+        from another engine of the same model) into this engine's prefix cache, as if a request had computed it:
+        a request with that prefix admitted next takes it as a cache hit instead of computing it. Pages already
+        cached are kept. Returns ``n``, or 0 where nothing was written: the pool is short of pages, or it is not a
+        dense one of plain tensors with prefix caching on. ValueError for KV of the wrong shape or layer count."""
+        caches = self._plain_kv()
+        if caches is None or not kv:
+            return 0
+        ps = self.config.page_size
+        n = kv[0][0].shape[0]
+        if len(kv) != len(caches) or n % ps or n > len(token_ids):
+            raise ValueError(f"kv: expected {len(caches)} layers of [n, heads, dim] with n a multiple of {ps} and at "
+                             f"most {len(token_ids)}, got {len(kv)} layers of n={n}")
+        for (k, v), (kc, _) in zip(kv, caches):
+            if k.shape != (n, *kc.shape[2:]) or v.shape != k.shape:
+                raise ValueError(f"kv: expected [{n}, {kc.shape[2]}, {kc.shape[3]}] per layer, got {tuple(k.shape)}")
+        bm = self.block_manager
+        key = ("write_prefix_kv", object())
+        cached = bm.allocate(key, token_ids[:n], n, max_cached_tokens=n)
+        if cached is None:
+            return 0
+        fresh = bm.block_table(key)[cached // ps : n // ps]
+        if fresh:
+            idx = torch.tensor(fresh, dtype=torch.long, device=self.device)
+            for (k, v), (kc, vc) in zip(kv, caches):
+                kc.index_copy_(0, idx, k[cached:].to(kc.device, kc.dtype).view(-1, ps, *kc.shape[2:]))
+                vc.index_copy_(0, idx, v[cached:].to(vc.device, vc.dtype).view(-1, ps, *vc.shape[2:]))
+        bm.mark_computed(key, token_ids, n)
+        bm.free(key)
+        return n
+
     def adopt_request(self, req: Request) -> str:
         """Continue ``req``, taken from another engine of the same model by :meth:`take_requests`: its prompt
         and the tokens generated so far are computed again (as after a preemption, prefix-cache hits

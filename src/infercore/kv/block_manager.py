@@ -177,6 +177,14 @@ class BlockManager:
         _check_count("max_cached_tokens", max_cached_tokens, minimum=0)
         return len(self._lookup(token_ids, max_cached_tokens)[0]) * self.page_size
 
+    def cached_pages(self, token_ids: Sequence[int]) -> list[int]:
+        """The device pages holding the longest cached full-page prefix of ``token_ids``, in order (read-only;
+        it stops before a page found only in the CPU tier). Their KV stays there until the pages are evicted:
+        read it before anything else allocates."""
+        hits = self._lookup(token_ids, len(token_ids))[0]
+        n = next((i for i, p in enumerate(hits) if p < 0), len(hits))
+        return hits[:n]
+
     def published_tokens(self, req_id: Hashable) -> int:
         """Tokens of ``req_id``'s leading full pages that are in the prefix cache's view: hashed by
         :meth:`mark_computed` or taken from the cache at admission (a multiple of ``page_size``; 0 without

@@ -105,6 +105,8 @@ def _worker(rank: int, init: str) -> None:
             step()
         assert "dp" in modes and modes[-1] == "tp"  # back to tensor parallel for the tail
         assert [s["to"] for s in eng.switches] == ["dp", "tp"] and eng.switches[1]["requests"] >= 1
+        # the moved requests' KV went along (rank 0 took the first one's whole heads, then its TP slice of all)
+        assert eng.move_kv and all(s["kv_tokens"] > 0 for s in eng.switches)
         assert sorted(final) == sorted(i for i in ids if i != ids[4])
         plain = Engine(ours_from_hf(hf), page_size=4, num_pages=96)
         for rid, p, sp in zip(ids, prompts, params[:5] + [params[5]]):

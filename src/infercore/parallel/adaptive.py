@@ -8,11 +8,14 @@ serves more tokens per second. Load is tidal; :class:`AdaptiveEngine` keeps both
 (the replica, plus the rank's TP shard: ``1 + 1 / world`` of the weights) and moves the unfinished requests from one
 layout's engines to the other's when :class:`LoadPolicy` says so.
 
-A switch moves requests as :meth:`Engine.take_requests <infercore.Engine.take_requests>` /
-:meth:`~infercore.Engine.adopt_request` do: the in-flight step is settled, and each request's prompt and output so
-far are computed again by the engine that adopts it (recompute, as a preemption does; the KV itself is not sent).
-Sampling depends on a request's seed and position alone, so its tokens do not depend on where it ran, up to the
-rounding differences of the two layouts' sums (exact in the fp32 tests on the CPU).
+A switch settles the in-flight step and moves every unfinished request with
+:meth:`Engine.take_requests <infercore.Engine.take_requests>` / :meth:`~infercore.Engine.adopt_request`, and its
+KV with :meth:`~infercore.Engine.read_prefix_kv` / :meth:`~infercore.Engine.write_prefix_kv`: TP to DP, the ranks'
+head slices of each request's computed full pages are gathered on the request's new rank; DP to TP, each rank
+takes its heads' slice of the owner's pages. The adopting engine finds that KV in its prefix cache and computes
+only the rest (the last partial page, or everything where the pools cannot exchange KV: hybrid or quantized KV,
+prefix caching off). Sampling depends on a request's seed and position alone, so its tokens do not depend on where
+it ran, up to the rounding differences of the two layouts' sums (exact in the fp32 tests on the CPU).
 
 Rank 0 drives, as :class:`~infercore.parallel.MirroredEngine` does: requests arrive there, and each
 :meth:`AdaptiveEngine.step` first broadcasts what changed (the layout, new requests, aborts); the other ranks run
@@ -27,6 +30,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from ..engine import Engine, EngineConfig, RequestOutput, SamplingParams
@@ -134,12 +138,13 @@ class AdaptiveEngine:
     drive from rank 0 (``add_request``, ``abort``, ``step``, ``generate``, ``close``) while the other ranks call
     :meth:`follow`. ``mode``: the starting layout, ``"tp"`` or ``"dp"``.
 
-    ``switches`` lists the layout changes (rank 0: step index, layout, requests moved, seconds the move took,
-    outputs included).
+    ``switches`` lists the layout changes (rank 0: step index, layout, requests moved, tokens of KV rank 0 wrote
+    instead of recomputing, seconds the move took, outputs included). ``move_kv=False`` recomputes every moved
+    request's KV instead of sending it.
     """
 
     def __init__(self, dp_engine: Engine, tp_engine: Engine, *, policy: LoadPolicy | None = None,
-                 mode: str = TP) -> None:
+                 mode: str = TP, move_kv: bool = True) -> None:
         for name, eng in (("dp_engine", dp_engine), ("tp_engine", tp_engine)):
             if not isinstance(eng, Engine):
                 raise TypeError(f"{name}: expected an Engine, got {type(eng).__name__}")
@@ -158,6 +163,10 @@ class AdaptiveEngine:
         self.shm = getattr(tp_engine.model, "tp_shm", None)  # the control messages go through it too
         self.world, self.rank = tp_engine.model.tp_size, tp_engine.model.tp_rank
         self.mode = mode
+        # A switch sends the moved requests' KV along (Engine.read_prefix_kv / write_prefix_kv) where both engines'
+        # pools are dense ones of plain tensors with prefix caching on and pages of one size; else it is recomputed.
+        self.move_kv = bool(move_kv) and dp_engine._plain_kv() is not None and tp_engine._plain_kv() is not None \
+            and dp_engine.config.page_size == tp_engine.config.page_size
         self.steps_in_mode = 0
         self.num_steps = 0
         self.switches: list[dict] = []
@@ -311,8 +320,8 @@ class AdaptiveEngine:
         outs: list[RequestOutput] = []
         if mode != self.mode:
             t0 = time.perf_counter()
-            outs, moved = self._switch(mode, order)
-            self.switches.append({"step": self.num_steps, "to": mode, "requests": moved,
+            outs, moved, kv_tokens = self._switch(mode, order)
+            self.switches.append({"step": self.num_steps, "to": mode, "requests": moved, "kv_tokens": kv_tokens,
                                   "seconds": time.perf_counter() - t0})
             self.mode, self.steps_in_mode = mode, 0
         for req, r in adds:
@@ -342,36 +351,102 @@ class AdaptiveEngine:
                                group=self.group)
         return [o for part in box for o in part] if self.rank == 0 else []
 
-    def _switch(self, mode: str, order: list[str]) -> tuple[list[RequestOutput], int]:
+    def _all_gather_object(self, obj) -> list:
+        if self.shm is not None:
+            return self.shm.all_gather_object(obj)
+        parts = [None] * self.world
+        dist.all_gather_object(parts, obj, group=self.group)
+        return parts
+
+    def _all_gather_flat(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's 1-D ``flat`` (lengths may differ), in rank order, through ``torch.distributed``."""
+        sizes = self._all_gather_object(flat.numel())
+        padded = torch.zeros(max(sizes), dtype=flat.dtype, device=flat.device)
+        padded[: flat.numel()] = flat
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(parts, padded, group=self.group)
+        return [p[:n] for p, n in zip(parts, sizes)]
+
+    def _kv_of(self, engine: Engine, reqs: list) -> tuple[list[int], torch.Tensor]:
+        """Tokens of cached KV of each of ``reqs`` in ``engine`` (whole pages), and that KV flattened: per request,
+        per layer, K then V."""
+        ns, parts = [], []
+        for req in reqs:
+            n, kv = engine.read_prefix_kv(req.all_token_ids) if self.move_kv else (0, [])
+            ns.append(n)
+            parts += [t.reshape(-1) for pair in kv for t in pair]
+        k0 = engine.runner.kv_caches[0][0]
+        return ns, (torch.cat(parts) if parts else torch.empty(0, dtype=k0.dtype, device=k0.device))
+
+    def _unflatten(self, engine: Engine, flat: torch.Tensor, ns: list[int], heads: int):
+        """Per request of :meth:`_kv_of`'s ``ns``: its ``[(k, v) per layer]`` of ``heads`` KV heads (None where
+        ``n == 0``), read off ``flat``."""
+        shapes = [(heads, kc.shape[3]) for kc, _ in engine.runner.kv_caches]
+        at, out = 0, []
+        for n in ns:
+            kv = []
+            for h, d in shapes if n else ():
+                size = n * h * d
+                k = flat[at : at + size].view(n, h, d)
+                v = flat[at + size : at + 2 * size].view(n, h, d)
+                at += 2 * size
+                kv.append((k, v))
+            out.append(kv or None)
+        return out
+
+    def _switch(self, mode: str, order: list[str]) -> tuple[list[RequestOutput], int, int]:
         """Move the unfinished requests to ``mode``'s engines; returns the outputs of the steps settled on the way
-        (rank 0) and how many requests moved."""
+        (rank 0), how many requests moved, and how many tokens of KV this rank wrote instead of recomputing.
+
+        The KV of each request's computed full pages moves with it where both layouts' pools can take it
+        (:attr:`move_kv`): TP to DP, each rank's head slices are gathered and the request's new rank writes them
+        into its DP engine's prefix cache; DP to TP, the owner's whole heads are gathered and each rank writes its
+        slice. The request is then adopted, and its admission takes that KV as a prefix-cache hit (if the pool
+        has evicted it meanwhile, the prefix is recomputed)."""
+        written = 0
         if mode == DP:
-            # Every rank's TP engine holds the same requests in the same order: each rank keeps its share.
+            # Every rank's TP engine holds the same requests in the same order (and the same KV pages): each rank
+            # keeps its share.
             outs = self.tp.settle()
             reqs = self.tp.take_requests()
             counts = [0] * self.world
-            for req in reqs:
-                r = _least_loaded(counts)
+            dest = [_least_loaded(counts) for _ in reqs]
+            ns, flat = self._kv_of(self.tp, reqs)
+            if any(ns):  # the same on every rank
+                hk = self.tp.runner.kv_caches[0][0].shape[2]
+                ranks = [self._unflatten(self.tp, f, ns, hk) for f in self._all_gather_flat(flat)]
+                for i, req in enumerate(reqs):
+                    if dest[i] == self.rank and ns[i]:
+                        kv = [tuple(torch.cat([pairs[layer][j] for pairs in (r[i] for r in ranks)], dim=1)
+                                    for j in (0, 1)) for layer in range(len(ranks[0][i]))]
+                        written += self.dp.write_prefix_kv(req.all_token_ids, kv)
+            for req, r in zip(reqs, dest):
                 if r == self.rank:
                     self.dp.adopt_request(req)
                 if self.rank == 0:
                     self._owner[req.request_id] = r
-            return (outs if self.rank == 0 else []), len(reqs)
+            return (outs if self.rank == 0 else []), len(reqs), written
         outs = self._gather(self.dp.settle())
         mine = self.dp.take_requests()
-        if self.shm is not None:
-            parts = self.shm.all_gather_object(mine)
-        else:
-            parts = [None] * self.world
-            dist.all_gather_object(parts, mine, group=self.group)
-        by_id = {req.request_id: req for part in parts for req in part}
+        ns, flat = self._kv_of(self.dp, mine)
+        parts = self._all_gather_object((mine, ns))
+        if any(n for _, part_ns in parts for n in part_ns):
+            hk = self.tp.runner.kv_caches[0][0].shape[2]  # this rank's heads: [rank * hk, (rank + 1) * hk)
+            heads = slice(self.rank * hk, (self.rank + 1) * hk)
+            whole = self.dp.runner.kv_caches[0][0].shape[2]
+            for (part, part_ns), f in zip(parts, self._all_gather_flat(flat)):
+                for req, kv in zip(part, self._unflatten(self.dp, f, part_ns, whole)):
+                    if kv is not None:
+                        written += self.tp.write_prefix_kv(req.all_token_ids, [(k[:, heads], v[:, heads])
+                                                                               for k, v in kv])
+        by_id = {req.request_id: req for part, _ in parts for req in part}
         rank_of = {order[i]: i for i in range(len(order))}
         reqs = sorted(by_id.values(), key=lambda q: rank_of.get(q.request_id, len(order)))
         for req in reqs:  # the same order on every rank: the TP engines must schedule alike
             self.tp.adopt_request(req)
             if self.rank == 0:
                 self._owner[req.request_id] = -1
-        return outs, len(reqs)
+        return outs, len(reqs), written
 
 
 def _least_loaded(counts: list[int]) -> int:

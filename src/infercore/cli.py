@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--adaptive", nargs="?", const=(8, 2), default=None, type=_adaptive_at, metavar="HIGH,LOW",
                        help="with --tensor-parallel N: each rank also keeps the whole model, and the N ranks serve as "
                             "N data-parallel replicas from HIGH unfinished requests on, and tensor-parallel again "
-                            "at LOW or fewer (requests in flight move by recompute; default 8,2)")
+                            "at LOW or fewer (requests in flight move with their KV; default 8,2)")
         q.add_argument("--expert-parallel", action="store_true",
                        help="with --tensor-parallel N on a routed-expert model (Mixtral, Qwen2/3-MoE): each rank "
                             "keeps whole experts (N must divide their number) instead of a slice of every expert")

@@ -157,7 +157,8 @@ def test_async_scheduling_matches_sync_on_cuda():
 
 def test_requests_moved_between_cuda_engines_keep_their_tokens():
     """Engine.settle / take_requests / adopt_request with async scheduling and CUDA graphs: requests taken mid-run
-    (one step in flight settled first) and continued by another engine give the unmoved tokens."""
+    (one step in flight settled first) and continued by another engine, their KV moved by read_prefix_kv /
+    write_prefix_kv, give the unmoved tokens."""
     hf = tiny_hf("llama")
     prompts = [[(5 * i + j) % 96 for j in range(4 + 7 * i)] for i in range(6)]
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=10 + 2 * i, ignore_eos=True)
@@ -174,8 +175,11 @@ def test_requests_moved_between_cuda_engines_keep_their_tokens():
     with pytest.raises(RuntimeError, match="settle"):
         a.take_requests()  # a step is in flight
     final.update({o.request_id: o.token_ids for o in a.settle() if o.finished})
-    for req in a.take_requests():
+    moved = 0
+    for req in a.take_requests():  # with their KV (through b's prefix cache)
+        moved += b.write_prefix_kv(req.all_token_ids, a.read_prefix_kv(req.all_token_ids)[1])
         b.adopt_request(req)
+    assert moved > 0
     assert a.block_manager.num_free_pages == 256 and not a.has_unfinished()
     while b.has_unfinished():
         final.update({o.request_id: o.token_ids for o in b.step() if o.finished})

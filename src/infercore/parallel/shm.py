@@ -2,7 +2,7 @@
 
 gloo's all-reduce of a decode step's few kilobytes costs about a millisecond between two processes of the 2-core
 test machine (loopback sockets and its own threads), twice a layer: a 30-layer model's tensor-parallel batch-1
-decode ran at 9.9 tok/s through gloo and at 41.0 through this module (``benchmarks/bench_adaptive_parallel.py``,
+decode ran at 9.4 tok/s through gloo and at 29.7 through this module (``benchmarks/bench_adaptive_parallel.py``,
 ``results/cpu/adaptive_parallel.json``). Ranks that share a host exchange the values through one shared-memory file,
 as vLLM's CPU backend and DeepSpeed's shm communicator do:
 

@@ -80,7 +80,9 @@ class ShmGroup:
             spins = 0
             while flags[r] < seq:
                 spins += 1
-                if spins > 4096:  # a long wait (an idle follower): stop burning the core
+                if spins > 8192:  # an idle follower (a server without requests): ~1 ms to wake
+                    time.sleep(0.001)
+                elif spins > 4096:  # a long wait: stop burning the core
                     time.sleep(0.0002)
                 elif spins > 64:  # another process may hold this core: give it the time slice
                     time.sleep(0)
@@ -124,6 +126,11 @@ class ShmGroup:
         self._mm.close()
 
 
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
 def _host_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -148,7 +155,9 @@ def shm_group(group=None, slot_bytes: int = SLOT_BYTES) -> ShmGroup | None:
     size = world * _FLAG_STRIDE * 8 + 2 * world * slot_bytes
     box = [None]
     if rank == 0:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        base = "/dev/shm"  # tmpfs; a small one (containers' 64 MB) would SIGBUS a rank that touches a page past it
+        if not os.path.isdir(base) or _free_bytes(base) < 4 * size:
+            base = tempfile.gettempdir()  # a file in the page cache serves alike
         path = os.path.join(base, f"infercore_shm_{uuid.uuid4().hex}")
         with open(path, "wb") as f:
             f.truncate(size)

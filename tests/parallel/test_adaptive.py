@@ -95,7 +95,7 @@ def _worker(rank: int, init: str) -> None:
         ids += [eng.add_request(p, sp) for p, sp in zip(prompts[1:5], params[1:5])]
         step()
         assert eng.mode == "dp" and eng.switches[-1]["requests"] == 1  # the running one moved
-        # both ranks' DP engines hold requests; one is aborted there, one more arrives there
+        # rank 0's DP engine holds requests; one is aborted in DP, one more arrives in DP
         assert eng.dp.has_unfinished()
         eng.abort(ids[4])
         ids.append(eng.add_request(prompts[5], params[5]))
@@ -109,7 +109,7 @@ def _worker(rank: int, init: str) -> None:
         assert eng.move_kv and all(s["kv_tokens"] > 0 for s in eng.switches)
         assert sorted(final) == sorted(i for i in ids if i != ids[4])
         plain = Engine(ours_from_hf(hf), page_size=4, num_pages=96)
-        for rid, p, sp in zip(ids, prompts, params[:5] + [params[5]]):
+        for rid, p, sp in zip(ids, prompts, params):
             if rid == ids[4]:
                 continue
             want = plain.generate([p], sp)[0]

@@ -222,3 +222,15 @@ def check_prequantized_on_cuda(path, ref, n_quant: int = 8) -> None:
             assert o.token_ids[0] == int(top_i[0])
         for t, v in zip(top_i.tolist(), top_v.tolist()):
             assert got[t] == pytest.approx(v, abs=0.1)
+
+
+def adopt_and_finish(eng, taken, ids: list[str]) -> list[list[int]]:
+    """``eng`` adopts the requests ``taken`` (``Engine.take_requests`` of another engine) and runs them to the end;
+    the finished requests' tokens in the order of ``ids``."""
+    for req in taken:
+        eng.adopt_request(req)
+    got = {}
+    while eng.has_unfinished():
+        got.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    return [got[i] for i in ids]
+

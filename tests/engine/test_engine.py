@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from engine_helpers import hf_greedy, ours_from_hf, random_prompts, tiny_hf
+from engine_helpers import adopt_and_finish, hf_greedy, ours_from_hf, random_prompts, tiny_hf
 
 from infercore import Engine, SamplingParams
 from infercore.models import ModelConfig, build_model
@@ -329,12 +329,7 @@ def test_prefix_kv_moves_between_engines(llama_pair):
         n, kv = a.read_prefix_kv(req.all_token_ids)
         moved += b.write_prefix_kv(req.all_token_ids, kv)
     assert moved > sum(len(p) for p in prompts) // 2
-    for req in taken:
-        b.adopt_request(req)
-    got = {}
-    while b.has_unfinished():
-        got.update({o.request_id: o.token_ids for o in b.step() if o.finished})
-    assert [got[i] for i in ids] == want
+    assert adopt_and_finish(b, taken, ids) == want
     assert isinstance(taken[0], Request)
     # no prefix caching, no transfer
     plain = Engine(model, page_size=4, num_pages=64, enable_prefix_caching=False)

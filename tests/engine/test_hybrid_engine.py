@@ -4,7 +4,7 @@ preemption, prefix hits equal to misses, and multi-granularity capacity against 
 
 import pytest
 import torch
-from engine_helpers import ours_from_hf, random_prompts, tiny_hf, with_fake_graphs
+from engine_helpers import adopt_and_finish, ours_from_hf, random_prompts, tiny_hf, with_fake_graphs
 
 from infercore import Engine, SamplingParams
 from infercore.engine.graph_runner import HybridCUDAGraphRunner
@@ -246,9 +246,4 @@ def test_requests_moved_between_hybrid_engines_keep_their_tokens(qwen3_next, gem
     taken = a.take_requests()
     assert {r.request_id for r in taken} == set(ids) and any(r.output_token_ids for r in taken)
     assert a.block_manager.memory()["used"] == 0 and not a.has_unfinished()
-    for req in taken:
-        b.adopt_request(req)
-    got = {}
-    while b.has_unfinished():
-        got.update({o.request_id: o.token_ids for o in b.step() if o.finished})
-    assert [got[i] for i in ids] == want
+    assert adopt_and_finish(b, taken, ids) == want

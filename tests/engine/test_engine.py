@@ -294,8 +294,6 @@ def test_prefix_kv_moves_between_engines(llama_pair):
     # Engine.read_prefix_kv / write_prefix_kv: the KV one engine computed, written into another engine's prefix
     # cache, is taken there as a cache hit, and the tokens are those of computing it. Requests taken out mid-run
     # (take_requests) move with their KV the same way.
-    from infercore.engine.request import Request
-
     hf, model = llama_pair
     prompts = [[(3 * i + 5 * j) % 96 for j in range(9 + 6 * i)] for i in range(4)]
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -318,6 +316,8 @@ def test_prefix_kv_moves_between_engines(llama_pair):
     assert zeroed.metrics.num_cached_tokens == 8 and zeroed.cumulative_logprob != fresh.cumulative_logprob
     with pytest.raises(ValueError, match="layers"):
         b.write_prefix_kv(prompts[0], kv[:1])
+    with pytest.raises(TypeError, match="pairs"):
+        b.write_prefix_kv(prompts[0], [kv[0][0]])
     assert b.read_prefix_kv([95, 94, 93, 92, 91]) == (0, [])
     # mid-run: KV first, then the requests
     ids = [a.add_request(p, greedy) for p in prompts]
@@ -330,7 +330,6 @@ def test_prefix_kv_moves_between_engines(llama_pair):
         moved += b.write_prefix_kv(req.all_token_ids, kv)
     assert moved > sum(len(p) for p in prompts) // 2
     assert adopt_and_finish(b, taken, ids) == want
-    assert isinstance(taken[0], Request)
     # no prefix caching, no transfer
     plain = Engine(model, page_size=4, num_pages=64, enable_prefix_caching=False)
     assert plain.read_prefix_kv(prompts[0]) == (0, []) and plain.write_prefix_kv(prompts[0], kv) == 0

@@ -66,6 +66,9 @@ def _worker(rank: int, init: str) -> None:
             AdaptiveEngine(eng.dp, eng.dp)
         with pytest.raises(ValueError, match="whole replica"):
             AdaptiveEngine(eng.tp, eng.tp)
+        other = Engine(ours_from_hf(tiny_hf("llama", num_key_value_heads=2, intermediate_size=32)), num_pages=8)
+        with pytest.raises(ValueError, match="one model"):
+            AdaptiveEngine(other, eng.tp)
         if rank != 0:
             with pytest.raises(RuntimeError, match="follows"):
                 eng.add_request([1, 2, 3])

@@ -3,6 +3,7 @@
 import os
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -24,6 +25,8 @@ def _worker(rank: int, init: str) -> None:
         assert shm is not None and shm.world == WORLD and shm.rank == rank
         big = torch.ones(1025)
         assert not shm.fits(big) and shm.fits(big[:1024]) and not shm.fits(torch.ones(4, dtype=torch.int32))
+        with pytest.raises(ValueError, match="ShmGroup.fits"):
+            shm.all_reduce_(big)  # a clear error on every rank (no rank reached the exchange)
         g = torch.Generator().manual_seed(100 + rank)
         for i in range(200):  # back to back, of changing sizes and dtypes: the two parities' slots alternate
             n = 1 + (i * 37) % 1024

@@ -577,7 +577,13 @@ class Engine:
         from another engine of the same model) into this engine's prefix cache, as if a request had computed it:
         a request with that prefix admitted next takes it as a cache hit instead of computing it. Pages already
         cached are kept. Returns ``n``, or 0 where nothing was written: the pool is short of pages, or it is not a
-        dense one of plain tensors with prefix caching on. ValueError for KV of the wrong shape or layer count."""
+        dense one of plain tensors with prefix caching on. ValueError for KV of the wrong shape or layer count,
+        TypeError for anything but a list of tensor pairs. The write counts as one request (of ``n`` tokens) in the
+        block manager's prefix-cache statistics."""
+        if not isinstance(kv, (list, tuple)) or not all(
+                isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(t, torch.Tensor) for t in pair)
+                for pair in kv):
+            raise TypeError("kv: expected a list of (k, v) tensor pairs, one per layer")
         caches = self._plain_kv()
         if caches is None or not kv:
             return 0

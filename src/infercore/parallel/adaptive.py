@@ -48,10 +48,10 @@ class LoadPolicy:
     way round: TP's latency for a few requests, DP's throughput for many; the other way round, or one layout for
     both, where that measures better). ``high_at``: switch to ``high`` once at least this many requests are
     unfinished (queued included); ``low_at``: back to ``low`` once at most this many are. ``min_steps``: steps spent
-    in a layout before it may switch again, so that a load near a threshold does not pay a switch (a recompute of
-    every unfinished request) every step. With ``low == high`` the group stays in that layout (it moves there at
-    once from the other). :meth:`from_rates` derives a policy from measured tokens/s of both layouts
-    (``benchmarks/bench_adaptive_parallel.py`` measures them)."""
+    in a layout before it may switch again, so that a load near a threshold does not pay a switch (a settle, and
+    every unfinished request's KV gathered or recomputed) every step. With ``low == high`` the group stays in that
+    layout (it moves there at once from the other). :meth:`from_rates` derives a policy from measured tokens/s of
+    both layouts (``benchmarks/bench_adaptive_parallel.py`` measures them)."""
 
     high_at: int = 8
     low_at: int = 2
@@ -154,6 +154,8 @@ class AdaptiveEngine:
             raise ValueError("dp_engine: its model is sharded; it must be a whole replica")
         if mode not in (TP, DP):
             raise ValueError(f"mode: expected 'tp' or 'dp', got {mode!r}")
+        if getattr(dp_engine.model, "config", None) != getattr(tp_engine.model, "config", None):
+            raise ValueError("dp_engine, tp_engine: not engines of one model (their model configs differ)")
         self.policy = policy or LoadPolicy()
         if not isinstance(self.policy, LoadPolicy):
             raise TypeError(f"policy: expected a LoadPolicy, got {type(self.policy).__name__}")
@@ -202,10 +204,10 @@ class AdaptiveEngine:
         request_id = str(request_id)
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        req = self.dp._new_request(prompt, params, request_id=request_id, chat=chat)
-        self.tp._check_fits(min(req.num_tokens + req.params.max_tokens, self.tp.max_model_len), req.num_tokens)
-        if req.num_tokens >= self.tp.max_model_len:
+        req = self.dp._new_request(prompt, params, request_id=request_id, chat=chat)  # checked against dp's pool
+        if req.num_tokens >= self.tp.max_model_len:  # and against tp's: a request may run in either
             raise ValueError(f"prompt has {req.num_tokens} tokens; the model's context is {self.tp.max_model_len}")
+        self.tp._check_fits(min(req.num_tokens + req.params.max_tokens, self.tp.max_model_len), req.num_tokens)
         req._final_only = final_only
         self._owner[request_id] = -1  # placed when the step's layout is known
         self._adds.append(req)
@@ -370,9 +372,11 @@ class AdaptiveEngine:
     def _kv_of(self, engine: Engine, reqs: list) -> tuple[list[int], torch.Tensor]:
         """Tokens of cached KV of each of ``reqs`` in ``engine`` (whole pages), and that KV flattened: per request,
         per layer, K then V."""
+        if not self.move_kv:
+            return [0] * len(reqs), torch.empty(0)
         ns, parts = [], []
         for req in reqs:
-            n, kv = engine.read_prefix_kv(req.all_token_ids) if self.move_kv else (0, [])
+            n, kv = engine.read_prefix_kv(req.all_token_ids)
             ns.append(n)
             parts += [t.reshape(-1) for pair in kv for t in pair]
         k0 = engine.runner.kv_caches[0][0]

@@ -59,11 +59,15 @@ class ShmGroup:
         self.seq = 0
 
     def fits(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` can go through the slots: a CPU fp32 / bf16 / fp16 tensor of at most a slot's values."""
         return (t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
                 and t.numel() <= self.slot_elems)
 
     def _exchange(self, t: torch.Tensor) -> torch.Tensor:
         """Publish ``t`` and wait for every rank's tensor of this call; returns the ``[world, n]`` fp32 slots."""
+        if not self.fits(t):
+            raise ValueError(f"t: expected a CPU float32 / bfloat16 / float16 tensor of at most {self.slot_elems} "
+                             f"values (ShmGroup.fits), got {t.dtype} {tuple(t.shape)} on {t.device}")
         self.seq += 1
         seq = self.seq
         n = t.numel()
@@ -88,7 +92,8 @@ class ShmGroup:
                     time.sleep(0)
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over the ranks, in place (the same bits on every rank)."""
+        """Sum ``t`` (any shape, the same on every rank; :meth:`fits`) over the ranks in place, in fp32 in rank order
+        (the same bits on every rank), and return it."""
         slots = self._exchange(t)
         acc = slots[0].clone()
         for r in range(1, self.world):
@@ -97,7 +102,7 @@ class ShmGroup:
         return t
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``t`` (same shape on every rank), in rank order."""
+        """Every rank's ``t`` (:meth:`fits`; the same shape and dtype on every rank), as new tensors in rank order."""
         slots = self._exchange(t)
         return [slots[r].view(t.shape).to(t.dtype, copy=True) for r in range(self.world)]
 

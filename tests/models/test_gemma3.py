@@ -20,8 +20,9 @@ def _prompts(n, seed, lo=9, hi=30, vocab=96):
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def pair():
+def tiny_pair():
+    """A tiny random transformers Gemma 3 (two sliding layers, a global one, softcapped logits) and ours with its
+    weights."""
     import transformers
 
     cfg = transformers.Gemma3TextConfig(
@@ -43,6 +44,11 @@ def pair():
     ours = build_model(Gemma3Config.from_hf(cfg.to_dict()), dtype=torch.float32, device="cpu", init="empty")
     ours.load_weights(hf.state_dict().items())
     return hf, ours
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair()
 
 
 def test_config_from_hf_reads_per_type_rope(pair):

@@ -256,8 +256,13 @@ class Engine:
             )
             self.runner = ModelRunner(model, kv, self.block_manager, device=self.device)
         else:
+            budget = self._budget_bytes(specs)
+            if getattr(model, "tp_size", 1) > 1:  # equal shards, so the same budget gives every rank the same pools
+                from ..parallel import group_min
+
+                budget = group_min(budget, model.tp_group)
             self.block_manager, kv, rows = build_hybrid_kv(
-                specs, mode=self.kv_layout, page_tokens=config.page_size, budget_bytes=self._budget_bytes(specs),
+                specs, mode=self.kv_layout, page_tokens=config.page_size, budget_bytes=budget,
                 dtype=self.dtype, device=self.device, enable_prefix_caching=config.enable_prefix_caching,
                 checkpoint_interval=config.checkpoint_interval,
             )  # fmt: skip

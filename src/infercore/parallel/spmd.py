@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..engine import Engine
+from ..engine.engine import _one_prompt, run_to_completion, stream_outputs
 
 _STOP = "stop"
 
@@ -25,8 +26,10 @@ def _broadcast(obj, group, shm=None) -> object:
 
 
 class MirroredEngine:
-    """Rank 0's view of the group's engines: the calls that change an engine are sent to the followers first.
-    Everything else (``has_unfinished``, ``tokenizer``, ``requests``, ...) reads rank 0's engine."""
+    """Rank 0's view of the group's engines: the calls that change an engine (``add_request``, ``abort``,
+    ``step``, ``settle``, ``take_requests``, ``adopt_request``, and ``generate`` / ``stream`` through them) are sent
+    to the followers first. Everything else (``has_unfinished``, ``tokenizer``, ``requests``, ...) reads rank 0's
+    engine."""
 
     def __init__(self, engine: Engine) -> None:
         if not isinstance(engine, Engine):
@@ -57,6 +60,37 @@ class MirroredEngine:
 
     def step(self):
         return self._call("step")
+
+    def settle(self) -> None:
+        return self._call("settle")
+
+    def take_requests(self):
+        """Rank 0's unfinished requests, taken out of every rank's engine alike (see :meth:`Engine.take_requests`)."""
+        return self._call("take_requests")
+
+    def adopt_request(self, request) -> str:
+        return self._call("adopt_request", request)
+
+    def generate(self, prompts, params=None, *, chat: bool = False) -> list:
+        """Run a batch of prompts to completion on every rank; rank 0's outputs, in the prompts' order. A bad
+        prompt queues none of them (the ones queued before it are aborted on every rank)."""
+        prompts = [prompts] if _one_prompt(prompts) else list(prompts)
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"params has {len(plist)} entries for {len(prompts)} prompts")
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, plist):
+                ids.append(self.add_request(p, sp, chat=chat))
+        except (ValueError, TypeError):
+            for rid in ids:
+                self.abort(rid)
+            raise
+        return run_to_completion(self, ids)
+
+    def stream(self, prompt, params=None, *, chat: bool = False):
+        """Yield this request's output after every step that advanced it, every rank stepping alike."""
+        return stream_outputs(self, self.add_request(prompt, params, chat=chat))
 
     def close(self) -> None:
         """Release the followers (their :func:`follow` returns)."""

@@ -1,4 +1,4 @@
-"""Tensor parallelism (Megatron layout) for the Llama family over ``torch.distributed``.
+"""Tensor parallelism (Megatron layout) over ``torch.distributed`` for the Llama family, Gemma 3 and Qwen3-Next.
 
 Each rank of a process group keeps a slice of every layer and the same replicated rest:
 
@@ -9,7 +9,10 @@ Each rank of a process group keeps a slice of every layer and the same replicate
 - ``gate_up_proj`` (column-parallel): the rank's slice of the gate rows and the same slice of the up rows;
 - ``lm_head`` (vocabulary-parallel): a slice of the vocabulary, wrapped in :class:`VocabParallel`, which gathers
   the logits over the group (``all_gather``), so every rank samples from the whole distribution;
-- embeddings and norms: replicated;
+- gated DeltaNet layers (Qwen3-Next): the rank's key heads with their value heads, i.e. a contiguous block of
+  ``in_proj_qkvz`` / ``in_proj_ba`` rows (HF groups them per key head), the matching conv channels, ``dt_bias`` and
+  ``A_log`` entries, so each rank's conv and recurrent states hold only its heads; ``out_proj`` row-parallel;
+- embeddings and norms (the per-head q / k norms and DeltaNet's gated norm included): replicated;
 - routed experts (Mixtral / Qwen-MoE): every expert keeps the rank's slice of its intermediate width, or (expert
   parallelism, ``experts="ep"``) each rank keeps whole experts and skips the pairs routed to the others; the shared
   expert is split by width; the router is replicated, so every rank routes every token alike, and the whole block's
@@ -87,10 +90,14 @@ class VocabParallel(nn.Module):
 
 @torch.no_grad()
 def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn.Module:
-    """Shard a loaded Llama-family model (:class:`~infercore.models.llama.LlamaForCausalLM`: Llama, Mistral,
-    Qwen2 / Qwen3, SmolLM2, and the routed-expert Mixtral / Qwen2-MoE / Qwen3-MoE) in place over ``group``
-    (default: the world), as this rank's slice; see the module docstring for the layout. Call it on every rank with
-    the same weights, before building the Engine.
+    """Shard a loaded model in place over ``group`` (default: the world), as this rank's slice; see the module
+    docstring for the layout. Call it on every rank with the same weights, before building the Engine.
+
+    Families: the Llama family (:class:`~infercore.models.llama.LlamaForCausalLM`: Llama, Mistral, Qwen2 / Qwen3,
+    SmolLM2, and the routed-expert Mixtral / Qwen2-MoE / Qwen3-MoE), Gemma 3
+    (:class:`~infercore.models.gemma3.Gemma3ForCausalLM`: its sliding and global layers alike) and Qwen3-Next
+    (:class:`~infercore.models.qwen3_next.Qwen3NextForCausalLM`: the gated attention by heads, each gated DeltaNet
+    layer by key heads, the routed experts as in the Llama family).
 
     ``experts`` (routed-expert models): ``"tp"`` gives every rank a slice of every expert's width; ``"ep"`` (expert
     parallelism) gives each rank whole experts, ``num_experts / tp`` of them, and the rank skips the (token, expert)
@@ -101,22 +108,33 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     with ``INFERCORE_SHM_COLLECTIVES=0``).
 
     Raises:
-        TypeError: ``model`` is not a Llama-family model, or is quantized (quantize after sharding).
+        TypeError: ``model`` is none of these families, or is quantized (quantize after sharding).
         ValueError: ``torch.distributed`` is not initialized, or the group size does not divide the number of
-            query heads, KV heads, an MLP or expert width or the vocabulary (each named).
+            query heads, KV heads, DeltaNet key heads, an MLP or expert width or the vocabulary (each named).
     """
+    from ..models.gemma3 import Gemma3ForCausalLM
     from ..models.llama import LlamaForCausalLM
+    from ..models.qwen3_next import Qwen3NextForCausalLM
 
-    if not isinstance(model, LlamaForCausalLM):
-        raise TypeError(f"tensor_parallel_: model must be a Llama-family model, got {type(model).__name__}")
+    families = (LlamaForCausalLM, Gemma3ForCausalLM, Qwen3NextForCausalLM)
+    if not isinstance(model, families):
+        raise TypeError(f"tensor_parallel_: model must be a Llama-family, Gemma 3 or Qwen3-Next model, got "
+                        f"{type(model).__name__}")
     if hasattr(model, "tp_size"):
         raise ValueError("tensor_parallel_: model is already sharded")
     tp, rank = _group_size_rank(group)
     cfg = model.config
     if experts not in ("tp", "ep"):
         raise ValueError(f"tensor_parallel_: experts must be 'tp' or 'ep', got {experts!r}")
-    widths = [("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads), ("vocab_size", cfg.vocab_size)]
-    sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers]
+    layers = model.model.layers
+    attn_layers = [layer for layer in layers if hasattr(layer, "self_attn")]
+    delta_layers = [layer for layer in layers if hasattr(layer, "linear_attn")]
+    widths = [("vocab_size", cfg.vocab_size)]
+    if attn_layers:
+        widths += [("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads)]
+    if delta_layers:  # the value heads are a multiple of the key heads
+        widths.append(("linear_num_key_heads", cfg.linear_num_key_heads))
+    sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in layers]
     if not all(sparse):
         widths.append(("intermediate_size", cfg.intermediate_size))
     if any(sparse):
@@ -136,21 +154,13 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
                             "quantize it")
     # CPU ranks on one host exchange through shared memory (gloo's loopback round trips cost ~1 ms each)
     shm = shm_group(group) if next(model.parameters()).device.type == "cpu" else None
-    d = cfg.head_dim
-    hq, hk = cfg.num_heads // tp, cfg.num_kv_heads // tp
-    q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
-    for layer in model.model.layers:
-        attn = layer.self_attn
-        qkv = [(rank * hq * d, (rank + 1) * hq * d),
-               (q_rows + rank * hk * d, q_rows + (rank + 1) * hk * d),
-               (q_rows + kv_rows + rank * hk * d, q_rows + kv_rows + (rank + 1) * hk * d)]
-        p = attn.qkv_proj
-        _set(p, _slice_rows(p.weight, qkv), None if p.bias is None else _slice_rows(p.bias, qkv))
-        attn.num_heads, attn.num_kv_heads = hq, hk
-        attn.q_size, attn.kv_size = hq * d, hk * d
-        p = attn.o_proj
-        _set(p, p.weight[:, rank * hq * d : (rank + 1) * hq * d].contiguous(), p.bias if rank == 0 else None)
-        attn.o_proj = RowParallel(p, group, shm)
+    # Qwen3-Next's q_proj emits [q, gate] per head: 2 * head_dim rows a query head
+    q_per_head = 2 if isinstance(model, Qwen3NextForCausalLM) else 1
+    for layer in layers:
+        if hasattr(layer, "linear_attn"):
+            _shard_delta_net_(layer.linear_attn, tp, rank, group, shm)
+        else:
+            _shard_attention_(layer.self_attn, tp, rank, group, shm, q_per_head=q_per_head)
         if isinstance(layer.mlp, SparseMoeBlock):
             _shard_moe_(layer.mlp, tp, rank, by_expert=experts == "ep")
             layer.mlp = RowParallel(layer.mlp, group, shm)  # experts and shared expert: partial sums, one all_reduce
@@ -163,6 +173,50 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     model.tp_group, model.tp_shm = group, shm
     model.tp_size, model.tp_rank = tp, rank
     return model
+
+
+def _shard_attention_(attn: nn.Module, tp: int, rank: int, group, shm: ShmGroup | None, *, q_per_head: int) -> None:
+    """``qkv_proj`` column-parallel (the rank's query heads, each ``q_per_head * head_dim`` rows, then its KV
+    heads), ``o_proj`` row-parallel over the matching columns; the module's head counts become the rank's."""
+    d = attn.head_dim
+    hq, hk = attn.num_heads // tp, attn.num_kv_heads // tp
+    q_rows, kv_rows, qh = attn.num_heads * d * q_per_head, attn.num_kv_heads * d, d * q_per_head
+    qkv = [(rank * hq * qh, (rank + 1) * hq * qh),
+           (q_rows + rank * hk * d, q_rows + (rank + 1) * hk * d),
+           (q_rows + kv_rows + rank * hk * d, q_rows + kv_rows + (rank + 1) * hk * d)]
+    p = attn.qkv_proj
+    _set(p, _slice_rows(p.weight, qkv), None if p.bias is None else _slice_rows(p.bias, qkv))
+    attn.num_heads, attn.num_kv_heads = hq, hk
+    attn.q_size, attn.kv_size = hq * d, hk * d
+    p = attn.o_proj
+    _set(p, p.weight[:, rank * hq * d : (rank + 1) * hq * d].contiguous(), p.bias if rank == 0 else None)
+    attn.o_proj = RowParallel(p, group, shm)
+
+
+def _shard_delta_net_(net: nn.Module, tp: int, rank: int, group, shm: ShmGroup | None) -> None:
+    """A gated DeltaNet layer by key heads (each with its ``hv / hk`` value heads): the rank's rows of
+    ``in_proj_qkvz`` / ``in_proj_ba`` (grouped per key head, so one contiguous block each), its channels of the
+    causal conv (its q, k and v heads), its ``dt_bias`` / ``A_log`` entries; ``out_proj`` row-parallel over its value
+    heads' columns. The per-request conv and recurrent states shrink alike (``state_spec``)."""
+    hk, hv, dk, dv = net.hk // tp, net.hv // tp, net.dk, net.dv
+    r = net.hv // net.hk
+    per_key = 2 * dk + 2 * r * dv
+    p = net.in_proj_qkvz
+    _set(p, p.weight[rank * hk * per_key : (rank + 1) * hk * per_key].contiguous(), None)
+    p = net.in_proj_ba
+    _set(p, p.weight[rank * hk * 2 * r : (rank + 1) * hk * 2 * r].contiguous(), None)
+    conv = [(rank * hk * dk, (rank + 1) * hk * dk),
+            (net.key_dim + rank * hk * dk, net.key_dim + (rank + 1) * hk * dk),
+            (2 * net.key_dim + rank * hv * dv, 2 * net.key_dim + (rank + 1) * hv * dv)]
+    net.conv1d.weight = nn.Parameter(_slice_rows(net.conv1d.weight, conv), requires_grad=False)
+    for name in ("dt_bias", "A_log"):
+        setattr(net, name, nn.Parameter(getattr(net, name)[rank * hv : (rank + 1) * hv].clone(), requires_grad=False))
+    p = net.out_proj
+    _set(p, p.weight[:, rank * hv * dv : (rank + 1) * hv * dv].contiguous(), None)
+    net.out_proj = RowParallel(p, group, shm)
+    net.hk, net.hv = hk, hv
+    net.key_dim, net.value_dim = hk * dk, hv * dv
+    net.conv_dim = 2 * net.key_dim + net.value_dim
 
 
 def _gate_up_rows(width: int, tp: int, rank: int) -> list[tuple[int, int]]:

@@ -1,7 +1,8 @@
-"""Tensor parallelism of Gemma 3 (sliding + global attention) and Qwen3-Next (gated DeltaNet + gated attention +
-routed experts) over torch.distributed (gloo, two CPU processes): each rank keeps half of every layer's heads, its
-KV pages and recurrent states hold only those, and the Engine's tokens on every rank equal transformers' greedy ones
-and the unsharded engine's sampled ones, in each KV layout."""
+"""Tensor parallelism of Gemma 3 (sliding + global attention), Qwen3-Next (gated DeltaNet + gated attention +
+routed experts), Mamba2 (B / C groups split) and Bamba (one group kept whole, its norm summed over the ranks) over
+torch.distributed (gloo, two CPU processes): each rank keeps half of every layer's heads, its KV pages and recurrent
+states hold only those, and the Engine's tokens on every rank equal transformers' greedy ones and the unsharded
+engine's sampled ones, in each KV layout; rank 0 also drives the other through MirroredEngine."""
 
 import os
 import sys
@@ -39,18 +40,34 @@ def _worker(rank: int, init: str, family: str) -> None:
         hf, ref = tiny_pair()
         _, model = tiny_pair()
         layouts, kv = ["dense", "multi"], dict(page_size=4, num_pages=96)
-    else:
+    elif family == "qwen3_next":
         from test_qwen3_next import _tiny_pair
 
         hf, ref = _tiny_pair(0)
         _, model = _tiny_pair(0)
         layouts, kv = ["multi", "uniform"], dict(page_size=4, kv_cache_bytes=1 << 20, checkpoint_interval=8)
+    else:  # mamba2: two groups of B / C, split; bamba: one group, kept whole, its norm summed over the ranks
+        from test_mamba2 import _hf
+
+        from infercore.models import Mamba2Config, build_model
+
+        hf = _hf(family)
+        ref, model = (build_model(Mamba2Config.from_hf(hf.config.to_dict()), dtype=torch.float32, device="cpu",
+                                  init="empty") for _ in range(2))
+        ref.load_weights(hf.state_dict().items())
+        model.load_weights(hf.state_dict().items())
+        layouts, kv = ["multi", "uniform"], dict(page_size=4, kv_cache_bytes=1 << 20, checkpoint_interval=8)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
         tensor_parallel_(model)
-        layers = model.model.layers
+        layers = model.backbone.layers if family == "mamba2" else model.model.layers
         if family == "gemma3":
             assert layers[0].self_attn.num_heads == 2 and layers[0].self_attn.num_kv_heads == 1
+        elif family in ("mamba2", "bamba"):  # 8 heads of 8: 4 a rank
+            mix = layers[0].mixer if family == "mamba2" else layers[0].mamba
+            assert (mix.H, mix.inner, mix.G) == (4, 32, 1)
+            assert (mix.norm_reduce is None) == (family == "mamba2")
+            assert mix.conv_dim == 32 + 2 * 16 and mix.in_proj.out_features == 2 * 32 + 2 * 16 + 4
         else:
             net = layers[0].linear_attn  # 2 key heads / 4 value heads of 8: one / two per rank
             assert (net.hk, net.hv, net.conv_dim) == (1, 2, 2 * 8 + 2 * 8)
@@ -66,6 +83,8 @@ def _worker(rank: int, init: str, family: str) -> None:
             specs = model.kv_specs()
             if family == "qwen3_next":  # this rank's states: its value heads only
                 assert specs[0].recurrent_state_shape == (2, 8, 8) and specs[2].num_kv_heads == 1
+            elif family != "gemma3":
+                assert specs[0].recurrent_state_shape == (4, 8, 16)
             outs[layout] = {name: [(o.token_ids, o.logprobs) for o in eng.generate(prompts, sp)]
                             for name, sp in (("greedy", greedy), ("seeded", seeded))}
             if layout != "dense":
@@ -95,7 +114,7 @@ def _worker(rank: int, init: str, family: str) -> None:
         _leave()
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3_next"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_next", "mamba2", "bamba"])
 def test_two_ranks_match_one(family, tmp_path):
     mp.spawn(_worker, args=(f"file://{tmp_path}/rdzv", family), nprocs=WORLD, join=True)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kv.hybrid import FullAttentionSpec, LinearStateSpec
@@ -191,6 +192,9 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(self.H, dtype=dtype))
         self.norm = _Weight(self.inner, dtype=dtype)
         self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=cfg.use_bias, dtype=dtype)
+        # Tensor parallelism with one group over every rank's heads (parallel.tensor_parallel_): sums a fp32 tensor
+        # over the ranks in place, so that the gated norm's mean square spans the whole group of norm_width channels.
+        self.norm_reduce, self.norm_width = None, self.inner
 
     def state_spec(self, dtype: torch.dtype) -> LinearStateSpec:
         return LinearStateSpec(
@@ -221,10 +225,16 @@ class Mamba2Mixer(nn.Module):
                 xs, dt, A, B, C, ssm_state, cu_seqlens=meta.cu_seqlens, state_slots=meta.state_slots,
                 has_initial_state=meta.has_initial_state, **common,
             )  # fmt: skip
-        y = gated_rms_norm(
-            y.reshape(T, self.inner), gate, self.norm.weight, eps=self.eps, group_size=self.inner // self.G,
-            norm_before_gate=False,
-        )  # fmt: skip
+        if self.norm_reduce is None:
+            y = gated_rms_norm(
+                y.reshape(T, self.inner), gate, self.norm.weight, eps=self.eps, group_size=self.inner // self.G,
+                norm_before_gate=False,
+            )  # fmt: skip
+        else:  # this rank's channels of the one group: rms_norm(y * silu(gate)) with the sum of squares of all ranks
+            z = y.reshape(T, self.inner).float() * F.silu(gate.float())
+            ss = z.pow(2).sum(-1, keepdim=True)
+            self.norm_reduce(ss)
+            y = (z * torch.rsqrt(ss / self.norm_width + self.eps) * self.norm.weight.float()).to(x.dtype)
         return self.out_proj(y)
 
 

@@ -1,4 +1,5 @@
-"""Tensor parallelism (Megatron layout) over ``torch.distributed`` for the Llama family, Gemma 3 and Qwen3-Next.
+"""Tensor parallelism (Megatron layout) over ``torch.distributed`` for the Llama family, Gemma 3, Qwen3-Next,
+Mamba2 and Bamba.
 
 Each rank of a process group keeps a slice of every layer and the same replicated rest:
 
@@ -12,6 +13,9 @@ Each rank of a process group keeps a slice of every layer and the same replicate
 - gated DeltaNet layers (Qwen3-Next): the rank's key heads with their value heads, i.e. a contiguous block of
   ``in_proj_qkvz`` / ``in_proj_ba`` rows (HF groups them per key head), the matching conv channels, ``dt_bias`` and
   ``A_log`` entries, so each rank's conv and recurrent states hold only its heads; ``out_proj`` row-parallel;
+- Mamba2 mixers (Mamba2, Bamba): the rank's heads (``in_proj``'s gate, x and dt rows, the conv's x channels,
+  ``dt_bias`` / ``A_log`` / ``D``, the gated norm's channels), B and C by groups where ``n_groups`` splits, else
+  whole on every rank, with the gated norm's mean square summed over the group; ``out_proj`` row-parallel;
 - embeddings and norms (the per-head q / k norms and DeltaNet's gated norm included): replicated;
 - routed experts (Mixtral / Qwen-MoE): every expert keeps the rank's slice of its intermediate width, or (expert
   parallelism, ``experts="ep"``) each rank keeps whole experts and skips the pairs routed to the others; the shared
@@ -27,6 +31,8 @@ requests from a stream that rank 0 seeds (:func:`shared_seed`), so the ranks sam
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -63,12 +69,7 @@ class RowParallel(nn.Module):
         self.linear, self.group, self.shm = linear, group, shm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(x)
-        if self.shm is not None and self.shm.fits(y):
-            self.shm.all_reduce_(y)
-        else:
-            dist.all_reduce(y, group=self.group)
-        return y
+        return _all_reduce_(self.linear(x), self.group, self.shm)
 
 
 class VocabParallel(nn.Module):
@@ -97,7 +98,8 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     SmolLM2, and the routed-expert Mixtral / Qwen2-MoE / Qwen3-MoE), Gemma 3
     (:class:`~infercore.models.gemma3.Gemma3ForCausalLM`: its sliding and global layers alike) and Qwen3-Next
     (:class:`~infercore.models.qwen3_next.Qwen3NextForCausalLM`: the gated attention by heads, each gated DeltaNet
-    layer by key heads, the routed experts as in the Llama family).
+    layer by key heads, the routed experts as in the Llama family), Mamba2 and Bamba
+    (:class:`~infercore.models.mamba2.Mamba2ForCausalLM` / ``BambaForCausalLM``: each mixer by heads).
 
     ``experts`` (routed-expert models): ``"tp"`` gives every rank a slice of every expert's width; ``"ep"`` (expert
     parallelism) gives each rank whole experts, ``num_experts / tp`` of them, and the rank skips the (token, expert)
@@ -110,31 +112,36 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     Raises:
         TypeError: ``model`` is none of these families, or is quantized (quantize after sharding).
         ValueError: ``torch.distributed`` is not initialized, or the group size does not divide the number of
-            query heads, KV heads, DeltaNet key heads, an MLP or expert width or the vocabulary (each named).
+            query heads, KV heads, DeltaNet key heads, Mamba2 heads or groups (more than one), an MLP or expert
+            width or the vocabulary (each named).
     """
     from ..models.gemma3 import Gemma3ForCausalLM
     from ..models.llama import LlamaForCausalLM
+    from ..models.mamba2 import BambaForCausalLM, Mamba2ForCausalLM
     from ..models.qwen3_next import Qwen3NextForCausalLM
 
-    families = (LlamaForCausalLM, Gemma3ForCausalLM, Qwen3NextForCausalLM)
+    families = (LlamaForCausalLM, Gemma3ForCausalLM, Qwen3NextForCausalLM, Mamba2ForCausalLM, BambaForCausalLM)
     if not isinstance(model, families):
-        raise TypeError(f"tensor_parallel_: model must be a Llama-family, Gemma 3 or Qwen3-Next model, got "
-                        f"{type(model).__name__}")
+        raise TypeError(f"tensor_parallel_: model must be a Llama-family, Gemma 3, Qwen3-Next, Mamba2 or Bamba model, "
+                        f"got {type(model).__name__}")
     if hasattr(model, "tp_size"):
         raise ValueError("tensor_parallel_: model is already sharded")
     tp, rank = _group_size_rank(group)
     cfg = model.config
     if experts not in ("tp", "ep"):
         raise ValueError(f"tensor_parallel_: experts must be 'tp' or 'ep', got {experts!r}")
-    layers = model.model.layers
-    attn_layers = [layer for layer in layers if hasattr(layer, "self_attn")]
-    delta_layers = [layer for layer in layers if hasattr(layer, "linear_attn")]
+    layers = model.backbone.layers if isinstance(model, Mamba2ForCausalLM) else model.model.layers
+    mlps = [m for layer in layers if (m := getattr(layer, "mlp", getattr(layer, "feed_forward", None))) is not None]
     widths = [("vocab_size", cfg.vocab_size)]
-    if attn_layers:
+    if any(hasattr(layer, "self_attn") for layer in layers):
         widths += [("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads)]
-    if delta_layers:  # the value heads are a multiple of the key heads
+    if any(hasattr(layer, "linear_attn") for layer in layers):  # the value heads are a multiple of the key heads
         widths.append(("linear_num_key_heads", cfg.linear_num_key_heads))
-    sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in layers]
+    if isinstance(model, (Mamba2ForCausalLM, BambaForCausalLM)) and any(_mixer(layer) for layer in layers):
+        widths.append(("mamba_heads", cfg.mamba_heads))
+        if cfg.n_groups > 1:  # one group is kept whole on every rank, more are split
+            widths.append(("n_groups", cfg.n_groups))
+    sparse = [isinstance(m, SparseMoeBlock) for m in mlps]
     if not all(sparse):
         widths.append(("intermediate_size", cfg.intermediate_size))
     if any(sparse):
@@ -159,13 +166,15 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     for layer in layers:
         if hasattr(layer, "linear_attn"):
             _shard_delta_net_(layer.linear_attn, tp, rank, group, shm)
+        elif _mixer(layer) is not None:
+            _shard_mamba2_mixer_(_mixer(layer), tp, rank, group, shm)
         else:
             _shard_attention_(layer.self_attn, tp, rank, group, shm, q_per_head=q_per_head)
-        if isinstance(layer.mlp, SparseMoeBlock):
+        if isinstance(getattr(layer, "mlp", None), SparseMoeBlock):
             _shard_moe_(layer.mlp, tp, rank, by_expert=experts == "ep")
             layer.mlp = RowParallel(layer.mlp, group, shm)  # experts and shared expert: partial sums, one all_reduce
-        else:
-            _shard_gated_mlp_(layer.mlp, tp, rank, group, reduce=True, shm=shm)
+        elif hasattr(layer, "mlp") or hasattr(layer, "feed_forward"):
+            _shard_gated_mlp_(getattr(layer, "mlp", None) or layer.feed_forward, tp, rank, group, reduce=True, shm=shm)
     v = cfg.vocab_size // tp
     head = model.lm_head  # tied to the embedding or not, the slice is a new tensor: the embedding stays whole
     _set(head, head.weight[rank * v : (rank + 1) * v].clone(), None)
@@ -191,6 +200,51 @@ def _shard_attention_(attn: nn.Module, tp: int, rank: int, group, shm: ShmGroup 
     p = attn.o_proj
     _set(p, p.weight[:, rank * hq * d : (rank + 1) * hq * d].contiguous(), p.bias if rank == 0 else None)
     attn.o_proj = RowParallel(p, group, shm)
+
+
+def _mixer(layer: nn.Module) -> nn.Module | None:
+    """A Mamba2 layer's mixer (``mixer`` in a pure Mamba2 block, ``mamba`` in a Bamba layer), else None."""
+    return getattr(layer, "mixer", None) or getattr(layer, "mamba", None)
+
+
+def _all_reduce_(t: torch.Tensor, group, shm: ShmGroup | None) -> torch.Tensor:
+    """``t`` summed over ``group`` in place (through ``shm`` where it fits)."""
+    if shm is not None and shm.fits(t):
+        shm.all_reduce_(t)
+    else:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+def _shard_mamba2_mixer_(mix: nn.Module, tp: int, rank: int, group, shm: ShmGroup | None) -> None:
+    """A Mamba2 mixer by heads: the rank's rows of ``in_proj``'s gate, x and dt parts and its channels of the conv,
+    ``dt_bias`` / ``A_log`` / ``D`` and the gated norm; B and C by groups where ``n_groups`` splits, else (one group)
+    whole on every rank, and then the norm's mean square is summed over the ranks (``norm_reduce``). ``out_proj``
+    row-parallel. The conv and SSM states shrink alike."""
+    H, P, N, G, inner = mix.H // tp, mix.P, mix.N, mix.G, mix.inner
+    ir = H * P
+    split = G > 1
+    g0, g1 = (rank * G // tp * N, (rank + 1) * G // tp * N) if split else (0, G * N)
+    xs = (rank * ir, (rank + 1) * ir)
+    conv = [xs, (inner + g0, inner + g1), (inner + G * N + g0, inner + G * N + g1)]
+    rows = [xs, *[(inner + a, inner + b) for a, b in conv],
+            (inner + mix.conv_dim + rank * H, inner + mix.conv_dim + (rank + 1) * H)]
+    p = mix.in_proj
+    _set(p, _slice_rows(p.weight, rows), None if p.bias is None else _slice_rows(p.bias, rows))
+    c = mix.conv1d
+    c.weight = nn.Parameter(_slice_rows(c.weight, conv), requires_grad=False)
+    if c.bias is not None:
+        c.bias = nn.Parameter(_slice_rows(c.bias, conv), requires_grad=False)
+    for name in ("dt_bias", "A_log", "D"):
+        setattr(mix, name, nn.Parameter(getattr(mix, name)[rank * H : (rank + 1) * H].clone(), requires_grad=False))
+    mix.norm.weight = nn.Parameter(mix.norm.weight[xs[0] : xs[1]].clone(), requires_grad=False)
+    p = mix.out_proj
+    _set(p, p.weight[:, xs[0] : xs[1]].contiguous(), p.bias if rank == 0 else None)
+    mix.out_proj = RowParallel(p, group, shm)
+    if not split:
+        mix.norm_reduce, mix.norm_width = functools.partial(_all_reduce_, group=group, shm=shm), inner
+    mix.H, mix.inner, mix.G = H, ir, G // tp if split else G
+    mix.conv_dim = ir + 2 * mix.G * N
 
 
 def _shard_delta_net_(net: nn.Module, tp: int, rank: int, group, shm: ShmGroup | None) -> None:

@@ -4,7 +4,9 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/comp
 ``"stream": true`` (server-sent events ending in ``data: [DONE]``) or a single JSON reply. Sampling fields:
 ``max_tokens`` (``max_completion_tokens`` in chat), ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
 ``stop`` (a string or a list), ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
-``ignore_eos``, ``min_tokens``, and ``logprobs`` (completions: an int; chat: ``true`` with ``top_logprobs``).
+``ignore_eos``, ``min_tokens``, ``logprobs`` (completions: an int; chat: ``true`` with ``top_logprobs``), and
+guided decoding: ``response_format`` (``json_object`` or ``json_schema``), ``guided_regex``, ``guided_choice``,
+``guided_json``.
 A completion's ``prompt`` is a string, a list of token ids, or a list of either, and ``n`` (up to
 :data:`MAX_N`) asks for several samples of each: choice ``i * n + j`` is prompt ``i``'s sample ``j``, all of them
 batched together (with a ``seed``, sample ``j`` uses ``seed + j``); streamed chunks carry their choice's index.
@@ -157,7 +159,35 @@ def sampling_params(body: dict, *, chat: bool) -> SamplingParams:
             kw["logprobs"] = _number(body, "top_logprobs", int) or 0
     elif body.get("logprobs") is not None:
         kw["logprobs"] = _number(body, "logprobs", int)
+    kw.update(_guided(body))
     return SamplingParams(**kw)
+
+
+def _guided(body: dict) -> dict[str, Any]:
+    """Guided-decoding fields: ``guided_regex`` / ``guided_choice`` / ``guided_json``, or OpenAI's
+    ``response_format`` (``{"type": "json_object"}``, or ``{"type": "json_schema", "json_schema": {"schema": ...}}``;
+    ``{"type": "text"}`` is no constraint)."""
+    kw: dict[str, Any] = {}
+    for name in ("guided_regex", "guided_choice", "guided_json"):
+        if body.get(name) is not None:
+            kw[name] = body[name]
+    fmt = body.get("response_format")
+    if fmt is None:
+        return kw
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise BadRequest("response_format must be an object whose type is text, json_object or json_schema",
+                         "response_format")
+    if fmt["type"] == "text":
+        return kw
+    if kw:
+        raise BadRequest("response_format: not together with guided_regex / guided_choice / guided_json",
+                         "response_format")
+    if fmt["type"] == "json_object":
+        return {"guided_json": True}
+    schema = fmt.get("json_schema")
+    if not isinstance(schema, dict) or not isinstance(schema.get("schema"), dict):
+        raise BadRequest("response_format: json_schema must be an object with a schema object", "response_format")
+    return {"guided_json": schema["schema"]}
 
 
 MAX_N = 16

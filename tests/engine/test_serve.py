@@ -163,6 +163,9 @@ def test_concurrent_requests_batch_and_all_finish(served):
     ("/v1/completions", {"prompt": [1, 2, 10**9]}, None, "token ids outside"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages", "messages"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 5.0}, None, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
+     "response_format", "response_format must be"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "(?=a)b"}, None, "unsupported regex construct"),
 ])
 def test_bad_requests_get_400_naming_the_field(served, path, body, param, text):
     server, _ = served
@@ -188,3 +191,22 @@ def test_disconnected_stream_is_aborted(served):
     while server.loop.engine.has_unfinished() and time.time() < deadline:
         time.sleep(0.2)
     assert not server.loop.engine.has_unfinished()
+
+
+def test_guided_outputs(served):
+    """OpenAI's response_format (a JSON schema, any JSON object) and the guided_* fields."""
+    server, _ = served
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 10**8}}}
+    status, body = _post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Which city is the capital of France? Answer in JSON."}],
+        "max_tokens": 40, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}})
+    assert status == 200
+    answer = json.loads(body["choices"][0]["message"]["content"])
+    assert answer["city"] in ("Paris", "Lyon", "Nice") and type(answer["population"]) is int
+    assert 0 <= answer["population"] <= 10**8
+    status, body = _post(server, "/v1/completions", {"prompt": "Is water wet? Answer:", "max_tokens": 5,
+                                                     "temperature": 0, "guided_choice": [" yes", " no"]})
+    assert status == 200 and body["choices"][0]["text"] in (" yes", " no")
+    assert body["choices"][0]["finish_reason"] == "stop"

@@ -21,6 +21,7 @@ from ..models.layout import pack_linears_for_cpu_
 from ..ops import token_logprobs
 from .detok import IncrementalDetokenizer, full_text
 from .graph_runner import CUDAGraphRunner, HybridCUDAGraphRunner
+from .guided import GuideSet
 from .hybrid import HybridModelRunner, build_hybrid_kv, choose_kv_layout, fits
 from .params import SamplingParams
 from .request import Request, RequestOutput, Status
@@ -313,6 +314,11 @@ class Engine:
         # async scheduling: the launched step whose tokens the host has not read yet
         self._inflight: _Step | None = None
         self._eos = frozenset(getattr(tokenizer, "eos_token_ids", None) or _config_eos(mcfg))
+        # guided decoding: one TokenGuide per pattern, masking the sampler's logits (no reference back to the
+        # engine: a frozen engine is freed by reference counting alone)
+        self._guides = GuideSet(tokenizer, self.vocab_size, self._eos,
+                                speculative=bool(config.num_speculative_tokens))
+        self.runner.guide = self._guides
 
     @classmethod
     def from_pretrained(
@@ -469,6 +475,8 @@ class Engine:
             rid = str(request_id)
             if rid in self.requests:
                 raise ValueError(f"request_id {rid!r} is already in use")
+        if params.guided:
+            self._guides.guide_for(params)  # the vocabulary's walk is set up (and a refusal raised) at submission
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         return Request(rid, ids, params, eos_token_ids=self._eos, seed=seed)
 
@@ -823,7 +831,7 @@ class Engine:
         n = len(req.output_token_ids)
         reason = None
         if n >= p.min_tokens and (
-            (not p.ignore_eos and token in req.eos_token_ids) or token in p.stop_token_ids
+            ((not p.ignore_eos or p.guided) and token in req.eos_token_ids) or token in p.stop_token_ids
         ):
             reason = "stop"
         elif n >= p.max_tokens or len(req.prompt_token_ids) + n >= self.max_model_len:

@@ -36,6 +36,12 @@ class SamplingParams:
     log-probability and those of the ``logprobs`` most likely tokens (``RequestOutput.logprobs``). They are
     the model's own distribution: ``log_softmax`` of the fp32 logits, before the repetition penalty,
     temperature and the top-k / top-p / min-p filters (vLLM's ``raw_logprobs``).
+
+    Guided decoding (at most one; see ``engine/guided.py``): ``guided_regex`` (the output matches it whole,
+    ``re.fullmatch`` semantics, a subset of Python's syntax), ``guided_choice`` (the output is one of these
+    strings) or ``guided_json`` (a JSON schema, as a dict or JSON text, or ``True`` for any JSON object). The
+    request ends with end-of-sequence once its output is a whole match and nothing more can follow, or when
+    the model picks end-of-sequence at a whole match; it needs an engine with a tokenizer.
     """
 
     max_tokens: int = 256
@@ -52,6 +58,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_json: dict | str | bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -109,6 +118,39 @@ class SamplingParams:
         # bool is an int subclass, but True is no token id
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("SamplingParams.stop_token_ids must be a list of non-negative ints")
+        guided = [n for n in ("guided_regex", "guided_choice", "guided_json") if getattr(self, n) not in (None, False)]
+        if len(guided) > 1:
+            raise ValueError(f"SamplingParams: at most one of guided_regex, guided_choice, guided_json, got {guided}")
+        if self.guided_regex is not None and not isinstance(self.guided_regex, str):
+            raise TypeError(f"SamplingParams.guided_regex must be a str, got {type(self.guided_regex).__name__}")
+        if self.guided_choice is not None:
+            sequence("guided_choice", self.guided_choice)
+        if self.guided_json is not None and not isinstance(self.guided_json, (dict, str, bool)):
+            raise TypeError(f"SamplingParams.guided_json must be a dict, a JSON string or True, got "
+                            f"{type(self.guided_json).__name__}")
+        if guided:
+            from .fsm import CharDFA
+
+            CharDFA(self.guided_pattern())  # a pattern the DFA cannot take is refused here, with its construct
+
+    def guided_pattern(self) -> str | None:
+        """The regex that guided decoding constrains the output to, or None."""
+        from .fsm import choice_regex, json_object_regex, json_schema_regex
+
+        if self.guided_regex is not None:
+            return self.guided_regex
+        if self.guided_choice is not None:
+            return choice_regex(list(self.guided_choice))
+        if self.guided_json is True:
+            return json_object_regex()
+        if self.guided_json not in (None, False):
+            return json_schema_regex(self.guided_json)
+        return None
+
+    @property
+    def guided(self) -> bool:
+        return (self.guided_regex is not None or self.guided_choice is not None
+                or self.guided_json not in (None, False))
 
     @property
     def greedy(self) -> bool:
@@ -116,6 +158,7 @@ class SamplingParams:
 
     @property
     def reads_history(self) -> bool:
-        """Whether sampling reads the request's earlier tokens (a repetition, presence or frequency penalty):
-        such steps sample outside the captured graph, from tokens the host has read back."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Whether sampling reads the request's earlier tokens (a repetition, presence or frequency penalty, or
+        guided decoding): such steps sample outside the captured graph, from tokens the host has read back."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.guided)

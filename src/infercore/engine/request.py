@@ -99,6 +99,8 @@ class Request:
     cumulative_logprob: float = 0.0
     # speculative decoding: this step's draft, fed after all_token_ids (the scheduler may shorten it)
     spec_token_ids: list[int] = field(default_factory=list)
+    # guided decoding: (the engine's TokenGuide.key, output tokens walked, DFA state after them)
+    _guide: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         self._all = list(self.prompt_token_ids) + list(self.output_token_ids)

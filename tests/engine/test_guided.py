@@ -107,3 +107,21 @@ def test_bad_guided_params(engine):
     with pytest.raises(ValueError, match="speculative"):
         spec.add_request("hi", SamplingParams(guided_regex="a+"))
     assert CharDFA(SamplingParams(guided_choice=["a.b"]).guided_pattern()).fullmatch("a.b")
+
+
+def test_vocab_texts_from_any_tokenizer(engine):
+    """The vocabulary's texts through the infercore tokenizer's batch decode, or any tokenizer's ``decode``."""
+    from infercore.engine.guided import vocab_strings
+
+    tok = engine.tokenizer
+
+    class Plain:
+        vocab_size, eos_token_ids, bos_token_id = tok.vocab_size, tok.eos_token_ids, tok.bos_token_id
+
+        def decode(self, ids, skip_special_tokens=True):
+            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    texts = vocab_strings(tok, 3000)
+    assert texts == vocab_strings(Plain(), 3000)
+    assert all(texts[i] is None for i in tok.eos_token_ids if i < 3000) and texts[1003] == " return"
+    assert vocab_strings(tok, tok.vocab_size + 5)[-5:] == [None] * 5  # ids past the tokenizer: never allowed

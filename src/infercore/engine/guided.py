@@ -29,7 +29,11 @@ def vocab_strings(tokenizer, size: int) -> list[str | None]:
     """Each id's text (``size`` ids), or None for special tokens, ids past the tokenizer's vocabulary and
     pieces that are not valid UTF-8 alone."""
     n = min(size, tokenizer.vocab_size)
-    texts = tokenizer.backend.decode_batch([[i] for i in range(n)], skip_special_tokens=True)
+    backend = getattr(tokenizer, "backend", None)
+    if hasattr(backend, "decode_batch"):  # infercore's Tokenizer: one call
+        texts = backend.decode_batch([[i] for i in range(n)], skip_special_tokens=True)
+    else:  # any tokenizer with decode(ids, skip_special_tokens=...)
+        texts = [tokenizer.decode([i], skip_special_tokens=True) for i in range(n)]
     special = {int(i) for i in getattr(tokenizer, "eos_token_ids", ())}
     for i in (getattr(tokenizer, "bos_token_id", None),):
         if i is not None:

@@ -5,8 +5,8 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/comp
 ``max_tokens`` (``max_completion_tokens`` in chat), ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
 ``stop`` (a string or a list), ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ``logprobs`` (completions: an int; chat: ``true`` with ``top_logprobs``), and
-guided decoding: ``response_format`` (``json_object`` or ``json_schema``), ``guided_regex``, ``guided_choice``,
-``guided_json``.
+``logit_bias``, ``allowed_token_ids``, and guided decoding: ``response_format`` (``json_object`` or
+``json_schema``), ``guided_regex``, ``guided_choice``, ``guided_json``.
 A completion's ``prompt`` is a string, a list of token ids, or a list of either, and ``n`` (up to
 :data:`MAX_N`) asks for several samples of each: choice ``i * n + j`` is prompt ``i``'s sample ``j``, all of them
 batched together (with a ``seed``, sample ``j`` uses ``seed + j``); streamed chunks carry their choice's index.
@@ -168,9 +168,17 @@ def _guided(body: dict) -> dict[str, Any]:
     ``response_format`` (``{"type": "json_object"}``, or ``{"type": "json_schema", "json_schema": {"schema": ...}}``;
     ``{"type": "text"}`` is no constraint)."""
     kw: dict[str, Any] = {}
-    for name in ("guided_regex", "guided_choice", "guided_json"):
+    for name in ("guided_regex", "guided_choice", "guided_json", "allowed_token_ids"):
         if body.get(name) is not None:
             kw[name] = body[name]
+    bias = body.get("logit_bias")
+    if bias is not None:  # OpenAI's keys are token ids written as strings
+        if not isinstance(bias, dict):
+            raise BadRequest("logit_bias must be an object of token id: bias", "logit_bias")
+        try:
+            kw["logit_bias"] = {int(k): v for k, v in bias.items()}
+        except (TypeError, ValueError):
+            raise BadRequest("logit_bias: keys must be token ids", "logit_bias") from None
     fmt = body.get("response_format")
     if fmt is None:
         return kw

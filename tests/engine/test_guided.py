@@ -125,3 +125,31 @@ def test_vocab_texts_from_any_tokenizer(engine):
     assert texts == vocab_strings(Plain(), 3000)
     assert all(texts[i] is None for i in tok.eos_token_ids if i < 3000) and texts[1003] == " return"
     assert vocab_strings(tok, tok.vocab_size + 5)[-5:] == [None] * 5  # ids past the tokenizer: never allowed
+
+
+def test_logit_bias_and_allowed_token_ids(engine):
+    """OpenAI's logit_bias and an allowed set, next to a plain request in the same batch; both sample outside the
+    captured graph and leave the raw log-probabilities."""
+    prompt = "Name a color."
+    plain = SamplingParams(temperature=0, max_tokens=6)
+    base = engine.generate([prompt], plain, chat=True)[0]
+    banned = base.token_ids[0]
+    allowed = engine.tokenizer.encode(" red blue", add_special_tokens=False)
+    outs = engine.generate([prompt] * 3, [SamplingParams(temperature=0, max_tokens=6, logit_bias={banned: -100.0}),
+                                          SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=allowed,
+                                                         logprobs=0),
+                                          plain], chat=True)
+    assert outs[0].token_ids[0] != banned
+    assert set(outs[1].token_ids) <= set(allowed)
+    assert outs[2].token_ids == base.token_ids
+    boosted = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=2, logit_bias={allowed[0]: 100.0}),
+                              chat=True)[0]
+    assert boosted.token_ids[0] == allowed[0]
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={3: 200.0})
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="exclude each other"):
+        SamplingParams(allowed_token_ids=[1], guided_regex="a")
+    with pytest.raises(ValueError, match="outside"):
+        engine.add_request("hi", SamplingParams(logit_bias={10**7: 1.0}))

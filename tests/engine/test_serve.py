@@ -166,6 +166,7 @@ def test_concurrent_requests_batch_and_all_finish(served):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
      "response_format", "response_format must be"),
     ("/v1/completions", {"prompt": "x", "guided_regex": "(?=a)b"}, None, "unsupported regex construct"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
 ])
 def test_bad_requests_get_400_naming_the_field(served, path, body, param, text):
     server, _ = served
@@ -194,8 +195,8 @@ def test_disconnected_stream_is_aborted(served):
 
 
 def test_guided_outputs(served):
-    """OpenAI's response_format (a JSON schema, any JSON object) and the guided_* fields."""
-    server, _ = served
+    """OpenAI's response_format (a JSON schema) and logit_bias, and the guided_* fields."""
+    server, want = served
     schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
                                                "population": {"type": "integer", "minimum": 0, "maximum": 10**8}}}
     status, body = _post(server, "/v1/chat/completions", {
@@ -210,3 +211,11 @@ def test_guided_outputs(served):
                                                      "temperature": 0, "guided_choice": [" yes", " no"]})
     assert status == 200 and body["choices"][0]["text"] in (" yes", " no")
     assert body["choices"][0]["finish_reason"] == "stop"
+    # OpenAI's logit_bias (string keys): the greedy first token, banned, is not chosen
+    banned = want["text"].token_ids[0]
+    status, body = _post(server, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 1,
+                                                     "temperature": 0, "logprobs": 0,
+                                                     "logit_bias": {str(banned): -100}})
+    tok = server.loop.engine.tokenizer
+    assert status == 200 and body["choices"][0]["logprobs"]["tokens"][0] != tok.decode([banned],
+                                                                                    skip_special_tokens=False)

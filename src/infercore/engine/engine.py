@@ -459,6 +459,10 @@ class Engine:
         vocab = self.vocab_size if self.vocab_size is not None else 2**63
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt has token ids outside [0, {vocab})")
+        for name in ("logit_bias", "allowed_token_ids"):
+            chosen = getattr(params, name)
+            if chosen is not None and any(t >= vocab for t in chosen):
+                raise ValueError(f"SamplingParams.{name} has token ids outside [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "

@@ -124,8 +124,9 @@ class TokenGuide:
 
 class GuideSet:
     """An engine's guides, one :class:`TokenGuide` per pattern over ``tokenizer``'s vocabulary (its texts read at the
-    first use), and the sampler's mask: ``guides(reqs, logits)`` returns a copy of ``logits`` ``[len(reqs), V]`` with
-    each guided request's row masked to what its pattern allows after its output so far."""
+    first use), and the sampler's logits processing: ``guides(reqs, logits)`` returns a copy of ``logits``
+    ``[len(reqs), V]`` with each request's ``logit_bias`` added, its ``allowed_token_ids`` kept alone, and each guided
+    request's row masked to what its pattern allows after its output so far."""
 
     def __init__(self, tokenizer, vocab_size: int | None, eos_ids, *, speculative: bool) -> None:
         self.tokenizer, self.vocab_size, self.eos, self.speculative = tokenizer, vocab_size, eos_ids, speculative
@@ -150,7 +151,15 @@ class GuideSet:
     def __call__(self, reqs, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.clone()  # the raw logits stay for the log-probabilities
         for i, req in enumerate(reqs):
-            if not req.params.guided:
+            p = req.params
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+            if p.allowed_token_ids is not None:
+                keep = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
+                keep[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=logits.device)] = True
+                logits[i].masked_fill_(~keep, float("-inf"))
+            if not p.guided:
                 continue
             guide = self.guide_for(req.params)
             key, pos, state = req._guide if req._guide is not None else (None, 0, 0)

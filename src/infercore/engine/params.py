@@ -42,6 +42,10 @@ class SamplingParams:
     strings) or ``guided_json`` (a JSON schema, as a dict or JSON text, or ``True`` for any JSON object). The
     request ends with end-of-sequence once its output is a whole match and nothing more can follow, or when
     the model picks end-of-sequence at a whole match; it needs an engine with a tokenizer.
+
+    ``logit_bias`` (OpenAI's: ``{token id: bias}``, biases in [-100, 100]) adds to those logits; ``allowed_token_ids``
+    (a non-empty list) masks every other token. Both apply before the penalties, temperature and filters, and
+    before a guided mask.
     """
 
     max_tokens: int = 256
@@ -61,6 +65,8 @@ class SamplingParams:
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_json: dict | str | bool | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -128,6 +134,21 @@ class SamplingParams:
         if self.guided_json is not None and not isinstance(self.guided_json, (dict, str, bool)):
             raise TypeError(f"SamplingParams.guided_json must be a dict, a JSON string or True, got "
                             f"{type(self.guided_json).__name__}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"SamplingParams.logit_bias must be a dict, got {type(self.logit_bias).__name__}")
+            for t, b in self.logit_bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise ValueError(f"SamplingParams.logit_bias: keys must be non-negative token ids, got {t!r}")
+                if not -100.0 <= real("logit_bias", b) <= 100.0:
+                    raise ValueError(f"SamplingParams.logit_bias: biases must be in [-100, 100], got {b!r}")
+        if self.allowed_token_ids is not None:
+            sequence("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids):
+                raise ValueError("SamplingParams.allowed_token_ids must be a non-empty list of non-negative ints")
+        if guided and self.allowed_token_ids is not None:
+            raise ValueError("SamplingParams: allowed_token_ids and guided decoding exclude each other")
         if guided:
             from .fsm import CharDFA
 
@@ -153,12 +174,18 @@ class SamplingParams:
                 or self.guided_json not in (None, False))
 
     @property
+    def processes_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before sampling (a bias, an allowed set, a guide)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or self.guided
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     @property
     def reads_history(self) -> bool:
-        """Whether sampling reads the request's earlier tokens (a repetition, presence or frequency penalty, or
-        guided decoding): such steps sample outside the captured graph, from tokens the host has read back."""
+        """Whether sampling reads the request's earlier tokens (a repetition, presence or frequency penalty, guided
+        decoding) or changes its logits (``logit_bias``, ``allowed_token_ids``): such steps sample outside the
+        captured graph, from tokens the host has read back."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.guided)
+                or self.processes_logits)

@@ -173,7 +173,8 @@ class ModelRunner:
         self.bm = block_manager
         self.device = device
         self.rows = RowTable()
-        # guided decoding (set by the Engine): (requests, logits [n, V]) -> logits masked per guided request
+        # logit biases, allowed sets and guided decoding (set by the Engine): (requests, logits [n, V]) -> a processed
+        # copy of the logits
         self.guide = None
         # the logits [len(reqs), vocab] of the last launch's sampling requests (the engine's log-probabilities)
         self.last_logits: torch.Tensor | None = None
@@ -282,7 +283,7 @@ class ModelRunner:
         int64 ``[len(reqs)]`` on the device, not synced. ``ahead`` int64 ``[len(reqs)]`` (speculative
         decoding): row i samples ``ahead[i]`` tokens past its request's next one (its offset in the
         request's sampling stream; penalties see the request's tokens and its draft's first ``ahead[i]``)."""
-        if self.guide is not None and any(r.params.guided for r in reqs):
+        if self.guide is not None and any(r.params.processes_logits for r in reqs):
             logits = self.guide(reqs, logits)
         rows = [r._row for r in reqs]
         if min(rows) >= 0:

@@ -5,7 +5,8 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/comp
 ``max_tokens`` (``max_completion_tokens`` in chat), ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
 ``stop`` (a string or a list), ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ``logprobs`` (completions: an int; chat: ``true`` with ``top_logprobs``), and
-``logit_bias``, ``allowed_token_ids``, and guided decoding: ``response_format`` (``json_object`` or
+``prompt_logprobs`` (an int: each choice's ``prompt_logprobs``, not in streams), ``logit_bias``,
+``allowed_token_ids``, and guided decoding: ``response_format`` (``json_object`` or
 ``json_schema``), ``guided_regex``, ``guided_choice``, ``guided_json``.
 A completion's ``prompt`` is a string, a list of token ids, or a list of either, and ``n`` (up to
 :data:`MAX_N`) asks for several samples of each: choice ``i * n + j`` is prompt ``i``'s sample ``j``, all of them
@@ -159,6 +160,8 @@ def sampling_params(body: dict, *, chat: bool) -> SamplingParams:
             kw["logprobs"] = _number(body, "top_logprobs", int) or 0
     elif body.get("logprobs") is not None:
         kw["logprobs"] = _number(body, "logprobs", int)
+    if body.get("prompt_logprobs") is not None:
+        kw["prompt_logprobs"] = _number(body, "prompt_logprobs", int)
     kw.update(_guided(body))
     return SamplingParams(**kw)
 
@@ -252,6 +255,18 @@ def _logprobs(engine: Engine, out: RequestOutput, start: int, *, chat: bool) -> 
                             for t, d in rows]}
     return {"tokens": [text(t) for t, _ in rows], "token_logprobs": [d[t] for t, d in rows],
             "top_logprobs": [{text(a): v for a, v in list(d.items())[1:]} for _, d in rows]}
+
+
+def _prompt_logprobs(engine: Engine, out: RequestOutput) -> list:
+    """``prompt_logprobs``: None for the first prompt token, then ``{token id: {"logprob", "decoded_token"}}`` per
+    position (the prompt's token first)."""
+    tok = engine.tokenizer
+
+    def text(t: int) -> str:
+        return tok.decode([t], skip_special_tokens=False) if tok is not None else str(t)
+
+    return [None if d is None else {str(t): {"logprob": v, "decoded_token": text(t)} for t, v in d.items()}
+            for d in out.prompt_logprobs]
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -367,6 +382,8 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 choices.append({"index": i, "text": out.text, "logprobs": _logprobs(eng, out, 0, chat=False),
                                 "finish_reason": reason})
+            if out.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = _prompt_logprobs(eng, out)
         self._json(200, {"id": next(iter(index)), "object": "chat.completion" if chat else "text_completion",
                          "created": int(time.time()), "model": self.server.model_name, "choices": choices,
                          "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,

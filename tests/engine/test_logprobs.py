@@ -139,3 +139,34 @@ def test_token_logprobs_op():
 def test_token_logprobs_bad_inputs(args, err, match):
     with pytest.raises(err, match=match):
         token_logprobs(*args)
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_prompt_logprobs_match_transformers(llama_pair, chunk):
+    """``SamplingParams.prompt_logprobs``: every prompt position's log-probability and top ones equal transformers'
+    log_softmax, through chunked prefills (5-token steps) and mixed with other requests, and a request sharing a
+    cached prefix still computes (and reports) every position."""
+    hf, ours = llama_pair
+    prompts = random_prompts(3, seed=11)
+    shared = prompts[0] + [7, 8, 9]  # the first prompt's pages are in the prefix cache by then
+    eng = Engine(ours, page_size=4, num_pages=96, max_num_batched_tokens=chunk, enable_prefix_caching=True)
+    eng.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=3)
+    outs = eng.generate([prompts[1], shared, prompts[2]],
+                        [sp, sp, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)])
+    assert outs[2].prompt_logprobs is None
+    assert outs[1].metrics.num_cached_tokens == 0  # no prefix hit for a request that reports its prompt
+    for prompt, out in zip([prompts[1], shared], outs[:2]):
+        with torch.inference_mode():
+            want = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        plp = out.prompt_logprobs
+        assert len(plp) == len(prompt) and plp[0] is None
+        for pos in range(1, len(prompt)):
+            d, tok = plp[pos], prompt[pos]
+            assert next(iter(d)) == tok and d[tok] == pytest.approx(want[pos - 1, tok].item(), abs=2e-4)
+            top_v, top_i = want[pos - 1].topk(3)
+            assert set(d) == set(top_i.tolist()) | {tok}
+            for t, v in zip(top_i.tolist(), top_v.tolist()):
+                assert d[t] == pytest.approx(v, abs=2e-4)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=MAX_LOGPROBS + 1)

@@ -219,3 +219,17 @@ def test_guided_outputs(served):
     tok = server.loop.engine.tokenizer
     assert status == 200 and body["choices"][0]["logprobs"]["tokens"][0] != tok.decode([banned],
                                                                                     skip_special_tokens=False)
+
+
+def test_prompt_logprobs(served):
+    """``prompt_logprobs``: None for the first prompt token, then the prompt token's log-probability first."""
+    server, want = served
+    status, body = _post(server, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 2,
+                                                     "temperature": 0, "prompt_logprobs": 2})
+    assert status == 200
+    plp = body["choices"][0]["prompt_logprobs"]
+    prompt = want["text"].prompt_token_ids
+    assert len(plp) == len(prompt) and plp[0] is None
+    for pos in range(1, len(prompt)):
+        first = next(iter(plp[pos]))
+        assert int(first) == prompt[pos] and plp[pos][first]["logprob"] <= 0 and 2 <= len(plp[pos]) <= 3

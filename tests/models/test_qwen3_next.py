@@ -179,3 +179,15 @@ def test_cuda_host_experts_in_the_hybrid_model_through_segmented_graphs():
     got = eng.generate(ps, GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in eager]
     assert all(h.calls_host - c >= 31 for h, c in zip(ours.host_experts.values(), calls))  # each decode step
+
+
+def test_prompt_logprobs_through_the_hybrid_runner(pair):
+    """``prompt_logprobs`` over recurrent and attention layers, in 7-token chunks: transformers' log_softmax."""
+    hf, ours = pair
+    p = _prompts(1, seed=9, lo=17, hi=17)[0]
+    eng = Engine(ours, max_num_batched_tokens=7, **KV)
+    out = eng.generate([p], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))[0]
+    want = hf_logits(hf, p).log_softmax(-1)
+    assert len(out.prompt_logprobs) == len(p) and out.prompt_logprobs[0] is None
+    for i in range(1, len(p)):
+        assert out.prompt_logprobs[i][p[i]] == pytest.approx(want[i - 1, p[i]].item(), abs=2e-4)

@@ -882,9 +882,11 @@ class Engine:
         if finished:
             self.requests.pop(req.request_id, None)
         lp = req.params.logprobs is not None
+        plp = req.params.prompt_logprobs is not None
         return RequestOutput(req.request_id, req.prompt_token_ids, list(out), text, new_ids, new_text, finished,
                              req.finish_reason, req.metrics, logprobs=list(req.logprobs) if lp else None,
-                             cumulative_logprob=req.cumulative_logprob if lp else None)
+                             cumulative_logprob=req.cumulative_logprob if lp else None,
+                             prompt_logprobs=list(req.prompt_logprobs) if plp else None)
 
     # ------------------------------------------------------------------ conveniences
 

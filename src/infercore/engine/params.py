@@ -43,6 +43,11 @@ class SamplingParams:
     request ends with end-of-sequence once its output is a whole match and nothing more can follow, or when
     the model picks end-of-sequence at a whole match; it needs an engine with a tokenizer.
 
+    ``prompt_logprobs`` (None = off, or 0 to :data:`MAX_LOGPROBS`): ``RequestOutput.prompt_logprobs``, for every
+    prompt position after the first, the log-probability of the prompt's token there and those of the
+    ``prompt_logprobs`` most likely ones (None at position 0), from the prefill's own logits; such a request takes
+    no prefix-cache hit (every prompt position is computed).
+
     ``logit_bias`` (OpenAI's: ``{token id: bias}``, biases in [-100, 100]) adds to those logits; ``allowed_token_ids``
     (a non-empty list) masks every other token. Both apply before the penalties, temperature and filters, and
     before a guided mask.
@@ -67,6 +72,7 @@ class SamplingParams:
     guided_json: dict | str | bool | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -117,6 +123,10 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= MAX_LOGPROBS:
             raise ValueError(
                 f"SamplingParams.logprobs must be None or in [0, {MAX_LOGPROBS}], got {_show(self.logprobs)}")
+        plp = self.prompt_logprobs
+        if plp is not None and not 0 <= integer("prompt_logprobs", plp) <= MAX_LOGPROBS:
+            raise ValueError(f"SamplingParams.prompt_logprobs must be None or in [0, {MAX_LOGPROBS}], got "
+                             f"{_show(self.prompt_logprobs)}")
         sequence("stop", self.stop)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("SamplingParams.stop must be a list of non-empty strings")

@@ -66,6 +66,8 @@ class RequestOutput:
     metrics: RequestMetrics
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    # SamplingParams.prompt_logprobs: None for position 0, then one {token id: log-probability} per prompt position
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(eq=False)
@@ -99,6 +101,8 @@ class Request:
     cumulative_logprob: float = 0.0
     # speculative decoding: this step's draft, fed after all_token_ids (the scheduler may shorten it)
     spec_token_ids: list[int] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: position 0's None, then one dict per prompt position computed so far
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     # guided decoding: (the engine's TokenGuide.key, output tokens walked, DFA state after them)
     _guide: tuple[int, int, int] | None = None
 

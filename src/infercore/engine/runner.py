@@ -20,7 +20,14 @@ import torch
 
 from ..devices import accepts
 from ..kv import BlockManager
-from ..ops import AttentionMetadata, SamplingTensors, apply_presence_frequency_penalty, apply_repetition_penalty, sample
+from ..ops import (
+    AttentionMetadata,
+    SamplingTensors,
+    apply_presence_frequency_penalty,
+    apply_repetition_penalty,
+    sample,
+    token_logprobs,
+)
 from ..ops.attention import SPLIT_DECODES_MIN
 from .request import Request
 from .scheduler import ScheduledBatch
@@ -253,6 +260,8 @@ class ModelRunner:
             input_ids[torch.from_numpy(gather.dst).to(self.device)] = gather.prev[
                 torch.from_numpy(gather.src).to(gather.prev.device)]
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if any(r.params.prompt_logprobs is not None for r in batch.requests):
+            self._prompt_logprobs(batch, hidden)
         rows = np.asarray(rows, dtype=np.int64)
         if not rows.size:
             return [], None
@@ -276,6 +285,41 @@ class ModelRunner:
         has now consumed all of its known tokens."""
         reqs, tokens = self.launch(batch)
         return {} if tokens is None else dict(zip(reqs, tokens.tolist()))
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
+        """Extend ``Request.prompt_logprobs`` of the batch's requests that ask for them with this chunk's prompt
+        positions: row ``j`` of a chunk starting at position ``c`` gives the log-probability of prompt token
+        ``c + j + 1`` (the chunk's last row of the last chunk predicts the first output token: none). Waits for the
+        device (a prefill step of such a request is not overlapped)."""
+        rows, targets, owners, places = [], [], [], []
+        off = 0
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            plen = len(req.prompt_token_ids)
+            if req.params.prompt_logprobs is not None:
+                c = req.num_computed_tokens  # before this step
+                if not req.prompt_logprobs:
+                    req.prompt_logprobs.append(None)  # position 0: nothing predicts it
+                for j in range(n):
+                    t = c + j + 1
+                    if len(req.prompt_logprobs) == t and t < plen:  # recomputed positions are not reported twice
+                        rows.append(off + j)
+                        targets.append(req.prompt_token_ids[t])
+                        owners.append(req)
+                        places.append(t)
+                        req.prompt_logprobs.append(None)  # filled below
+            off += n
+        if not rows:
+            return
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        k = max(r.params.prompt_logprobs for r in owners)
+        lp, top, ids = token_logprobs(logits, torch.tensor(targets, device=logits.device), min(k, logits.shape[1]))
+        lp, top, ids = lp.tolist(), top.tolist(), ids.tolist()
+        for i, (req, token, t) in enumerate(zip(owners, targets, places)):
+            k = req.params.prompt_logprobs
+            d = {token: lp[i]}
+            for a, v in zip(ids[i][:k], top[i][:k]):
+                d.setdefault(a, v)
+            req.prompt_logprobs[t] = d  # prompt position t
 
     def sample_tokens(self, reqs: list[Request], logits: torch.Tensor, ahead: np.ndarray | None = None
                       ) -> torch.Tensor:

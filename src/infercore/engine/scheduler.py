@@ -158,9 +158,11 @@ class Scheduler:
                     i += 1
                     continue
             room = len(tokens)
+            # a request that reports its prompt's log-probabilities computes every prompt position
+            most = 0 if req.params.prompt_logprobs is not None else len(tokens) - 1
             if self.lazy_prefill_alloc:
-                room = min(room, self.bm.match_prefix(tokens, max_cached_tokens=len(tokens) - 1) + budget)
-            cached = self.bm.allocate(req.request_id, tokens, room, max_cached_tokens=len(tokens) - 1)
+                room = min(room, self.bm.match_prefix(tokens, max_cached_tokens=most) + budget)
+            cached = self.bm.allocate(req.request_id, tokens, room, max_cached_tokens=most)
             if cached is None:
                 break
             remaining = len(tokens) - cached

@@ -1,6 +1,8 @@
 """An OpenAI-compatible HTTP server over one :class:`~infercore.Engine` (``infercore serve``).
 
-Endpoints: ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions``, each with
+Endpoints: ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text: request and token counters,
+running / waiting requests, KV pool use, time-to-first-token and latency histograms; :class:`ServerMetrics`),
+``POST /v1/completions`` and ``POST /v1/chat/completions``, each with
 ``"stream": true`` (server-sent events ending in ``data: [DONE]``) or a single JSON reply. Sampling fields:
 ``max_tokens`` (``max_completion_tokens`` in chat), ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
 ``stop`` (a string or a list), ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
@@ -51,6 +53,7 @@ class EngineLoop:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.metrics = ServerMetrics()
         self._inbox: queue.Queue = queue.Queue()
         self._ids = itertools.count()
         self._queues: dict[str, queue.Queue] = {}
@@ -82,6 +85,7 @@ class EngineLoop:
             try:
                 self.engine.add_request(prompt, params, request_id=rid)
             except (ValueError, TypeError) as e:
+                self.metrics.count("requests_refused_total")
                 out.put((rid, e))
                 return
             self._queues[rid] = out
@@ -109,12 +113,86 @@ class EngineLoop:
                     q.put((rid, RuntimeError(f"engine step failed: {e}")))
                 self._queues.clear()
                 continue
+            self.metrics.observe_step(eng, outputs)
             for out in outputs:
                 q = self._queues.get(out.request_id)
                 if q is not None:
                     q.put((out.request_id, out))
                     if out.finished:
                         del self._queues[out.request_id]
+
+
+class ServerMetrics:
+    """What ``GET /metrics`` reports (Prometheus text format, names prefixed ``infercore:``): counters of requests
+    (finished by reason, refused), prompt and generated tokens, prefix-cache hit tokens and preemptions; gauges of
+    running / waiting requests and the KV pool's use after the last step; histograms of time to first token and
+    request latency. Written by the engine loop's thread, read by the handlers' (under a lock)."""
+
+    BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counters: dict[str, float] = {"requests_refused_total": 0, "prompt_tokens_total": 0,
+                                           "generation_tokens_total": 0, "prefix_cache_hit_tokens_total": 0,
+                                           "preemptions_total": 0}
+        self.finished: dict[str, int] = {}
+        self.gauges: dict[str, float] = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage": 0.0}
+        self.hist: dict[str, list] = {name: [[0] * len(self.BUCKETS), 0.0, 0]
+                                      for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds")}
+
+    def count(self, name: str, n: float = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def _observe(self, name: str, v: float) -> None:
+        counts, _, _ = h = self.hist[name]
+        for i, b in enumerate(self.BUCKETS):
+            if v <= b:
+                counts[i] += 1
+        h[1] += v
+        h[2] += 1
+
+    def observe_step(self, engine, outputs: list[RequestOutput]) -> None:
+        sched = getattr(engine, "scheduler", None)
+        bm = getattr(engine, "block_manager", None)
+        with self._lock:
+            for out in outputs:
+                self.counters["generation_tokens_total"] += len(out.new_token_ids)
+                m = out.metrics
+                if out.new_token_ids and len(out.token_ids) == len(out.new_token_ids) and m.first_token_time:
+                    self._observe("time_to_first_token_seconds", m.first_token_time - m.arrival_time)
+                if out.finished:
+                    self.finished[out.finish_reason or "abort"] = self.finished.get(out.finish_reason or "abort", 0) + 1
+                    self.counters["prompt_tokens_total"] += len(out.prompt_token_ids)
+                    self.counters["prefix_cache_hit_tokens_total"] += m.num_cached_tokens
+                    self.counters["preemptions_total"] += m.num_preemptions
+                    end = m.finish_time or time.perf_counter()
+                    self._observe("e2e_request_latency_seconds", end - m.arrival_time)
+            if sched is not None:
+                self.gauges["num_requests_running"] = len(sched.running)
+                self.gauges["num_requests_waiting"] = len(sched.waiting)
+            if bm is not None and getattr(bm, "num_pages", 0):
+                self.gauges["kv_cache_usage"] = 1.0 - bm.num_free_pages / bm.num_pages
+
+    def render(self, model_name: str) -> str:
+        """The Prometheus text exposition of every metric."""
+        lab = f'model_name="{model_name}"'
+        lines = []
+        with self._lock:
+            for name, v in self.counters.items():
+                lines += [f"# TYPE infercore:{name} counter", f"infercore:{name}{{{lab}}} {v}"]
+            lines.append("# TYPE infercore:request_success_total counter")
+            for reason, v in sorted(self.finished.items()):
+                lines.append(f'infercore:request_success_total{{{lab},finished_reason="{reason}"}} {v}')
+            for name, v in self.gauges.items():
+                lines += [f"# TYPE infercore:{name} gauge", f"infercore:{name}{{{lab}}} {v}"]
+            for name, (counts, total, n) in self.hist.items():
+                lines.append(f"# TYPE infercore:{name} histogram")
+                for b, c in zip(self.BUCKETS, counts):
+                    lines.append(f'infercore:{name}_bucket{{{lab},le="{b}"}} {c}')
+                lines += [f'infercore:{name}_bucket{{{lab},le="+Inf"}} {n}', f"infercore:{name}_sum{{{lab}}} {total}",
+                          f"infercore:{name}_count{{{lab}}} {n}"]
+        return "\n".join(lines) + "\n"
 
 
 def _number(body: dict, name: str, kind: type) -> Any:
@@ -295,6 +373,13 @@ class _Handler(BaseHTTPRequestHandler):
                                                          "created": self.server.created, "owned_by": "infercore"}]})
         elif self.path.rstrip("/") in ("/health", ""):
             self._json(200, {"status": "ok"})
+        elif self.path.rstrip("/") == "/metrics":
+            data = self.server.loop.metrics.render(self.server.model_name).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
         else:
             self._error(404, f"no route {self.path}")
 

@@ -233,3 +233,36 @@ def test_prompt_logprobs(served):
     for pos in range(1, len(prompt)):
         first = next(iter(plp[pos]))
         assert int(first) == prompt[pos] and plp[pos][first]["logprob"] <= 0 and 2 <= len(plp[pos]) <= 3
+
+
+def test_metrics_endpoint(served):
+    """``GET /metrics``: Prometheus text whose counters and histograms grow with the requests served."""
+    server, _ = served
+
+    def scrape():
+        conn = http.client.HTTPConnection(*server.server_address[:2], timeout=30)
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/plain")
+        vals = {}
+        for line in resp.read().decode().splitlines():
+            if line and not line.startswith("#"):
+                name, v = line.rsplit(" ", 1)
+                vals[name] = float(v)
+        return vals
+
+    before = scrape()
+    lab = 'model_name="smollm2"'
+    status, _ = _post(server, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 5,
+                                                  "temperature": 0})
+    assert status == 200
+    after = scrape()
+    gen = f"infercore:generation_tokens_total{{{lab}}}"
+    assert after[gen] == before[gen] + 5
+    key = f'infercore:request_success_total{{{lab},finished_reason="length"}}'
+    assert after[key] == before.get(key, 0) + 1
+    n = f"infercore:e2e_request_latency_seconds_count{{{lab}}}"
+    assert after[n] == before[n] + 1 and after[f"infercore:time_to_first_token_seconds_count{{{lab}}}"] >= 1
+    assert after[f'infercore:e2e_request_latency_seconds_bucket{{{lab},le="+Inf"}}'] == after[n]
+    assert after[f"infercore:num_requests_running{{{lab}}}"] == 0
+    assert 0 <= after[f"infercore:kv_cache_usage{{{lab}}}"] <= 1

@@ -451,7 +451,11 @@ class Engine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()  # the caller may have changed its fields since construction
         # and a change after submission must not reach the queued request: it runs on a copy
-        params = replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
+        params = replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+                         logit_bias=None if params.logit_bias is None else dict(params.logit_bias),
+                         allowed_token_ids=None if params.allowed_token_ids is None else list(params.allowed_token_ids))
+        if params.guided:  # the request keeps its pattern's regex alone (a choice list or schema is read once)
+            params = replace(params, guided_regex=params.guided_pattern(), guided_choice=None, guided_json=None)
         ids = self._encode(prompt, chat)
         if not ids:
             raise ValueError("prompt is empty")

@@ -65,25 +65,31 @@ def _generate(args: argparse.Namespace) -> int:
         )
         _cpu_kv_bytes(args)  # checked before the ranks start
         _int8_activations(args)
+        adapters, lora_kw = _loras(args)
+        if len(adapters) > 1:
+            raise ValueError("--lora: generate runs one prompt through one adapter; give one")
         if _multi_rank(args):
             return _spawn_tp(args, params)
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                         num_speculative_tokens=args.num_speculative_tokens,
-                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args), **_host_experts(args))
+                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args), **_host_experts(args), **lora_kw)
+        _add_loras(engine, adapters)
     except (OSError, ValueError, TypeError, ImportError) as e:  # OSError: unreadable files too
         print(f"infercore: {e}", file=sys.stderr)
         return 2
-    _print_stream(engine, args, params)
+    _print_stream(engine, args, params, lora=adapters[0].name if adapters else None)
     return 0
 
 
-def _print_stream(engine, args: argparse.Namespace, params) -> None:
-    """Stream the answer to stdout and a timing line to stderr."""
+def _print_stream(engine, args: argparse.Namespace, params, *, lora: str | None = None) -> None:
+    """Stream the answer (through LoRA adapter ``lora``, or the base model) to stdout and a timing line to
+    stderr."""
     start = time.perf_counter()
     first = None
     out = None
-    for out in engine.stream(args.prompt, params, chat=not args.no_chat):
+    kw = {} if lora is None else {"lora": lora}
+    for out in engine.stream(args.prompt, params, chat=not args.no_chat, **kw):
         if first is None:
             first = time.perf_counter()
         sys.stdout.write(out.new_text)
@@ -107,6 +113,35 @@ def _host_experts(args: argparse.Namespace) -> dict:
     if layers is not None and not host:
         raise ValueError("--host-expert-layers needs --host-experts")
     return {"host_experts": host, "host_expert_layers": layers}
+
+
+def _loras(args: argparse.Namespace) -> tuple[list, dict]:
+    """``--lora [NAME=]PATH`` (repeatable): the adapters read (``lora.load_lora_adapter``) and the engine options
+    that give them slots (``max_loras``, ``max_lora_rank``: ``--max-lora-rank`` or the largest rank read)."""
+    specs = getattr(args, "lora", None) or []
+    if not specs:
+        return [], {}
+    if _multi_rank(args):
+        raise ValueError("--lora: LoRA adapters are not supported with --tensor-parallel / --expert-parallel / "
+                         "--adaptive")
+    from .lora import load_lora_adapter
+
+    adapters = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = "", spec
+        adapters.append(load_lora_adapter(path, name=name or None))
+    names = [a.name for a in adapters]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora: adapter names must differ, got {names}")
+    rank = getattr(args, "max_lora_rank", None) or max(a.rank for a in adapters)
+    return adapters, {"max_loras": len(adapters), "max_lora_rank": rank}
+
+
+def _add_loras(engine, adapters: list) -> None:
+    for a in adapters:
+        engine.add_lora(a.name, a)
 
 
 def _multi_rank(args: argparse.Namespace) -> bool:
@@ -258,12 +293,18 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         _cpu_kv_bytes(args)
         _int8_activations(args)
+        adapters, lora_kw = _loras(args)
+        if getattr(args, "max_loras", 0):  # room for adapters loaded while serving (POST /v1/load_lora_adapter)
+            lora_kw = {"max_lora_rank": 16, **lora_kw, "max_loras": max(args.max_loras, len(adapters))}
+            if getattr(args, "max_lora_rank", None):
+                lora_kw["max_lora_rank"] = args.max_lora_rank
         if _multi_rank(args):
             return _spawn_tp(args, None)
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                         num_speculative_tokens=args.num_speculative_tokens,
-                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args), **_host_experts(args))
+                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args), **_host_experts(args), **lora_kw)
+        _add_loras(engine, adapters)
         _run_server(engine, args)
     except (OSError, ValueError, TypeError, ImportError) as e:
         print(f"infercore: {e}", file=sys.stderr)
@@ -323,6 +364,12 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--model", default=None, type=_model_path,
                        help="HF safetensors dir (GPTQ / AWQ ones too) or .gguf file (default: SmolLM2-135M-Instruct)")
         q.add_argument("--device", default=None, type=_device, help="cpu, cuda, cuda:1 (default: cuda if available)")
+        q.add_argument("--lora", action="append", default=None, metavar="[NAME=]PATH",
+                       help="a PEFT LoRA adapter directory (NAME defaults to its directory name). generate: the "
+                            "prompt runs through it; serve (repeatable): requests whose model is NAME do")
+        q.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
+                       help="the largest adapter rank the slots hold (default: the largest --lora rank; 16 for "
+                            "serve --max-loras without --lora)")
         q.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
         q.add_argument("--quantization", default=None, metavar="Q",
                        help="'gguf': run a GGUF file's Q4_0 / Q4_1 / Q8_0 linears as stored; or a weight scheme of "
@@ -379,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--served-model-name", default=None, help="the model id the API reports (default: the file name)")
     v.add_argument("--verbose", action="store_true", help="log every HTTP request")
+    v.add_argument("--max-loras", type=int, default=0, metavar="N",
+                   help="LoRA adapter slots (at least the --lora count), for adapters loaded while serving")
     v.set_defaults(fn=_serve)
     i = sub.add_parser("info", help="devices and which backend serves each op")
     i.add_argument("--device", default=None, type=_device)

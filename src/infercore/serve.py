@@ -14,6 +14,11 @@ A completion's ``prompt`` is a string, a list of token ids, or a list of either,
 :data:`MAX_N`) asks for several samples of each: choice ``i * n + j`` is prompt ``i``'s sample ``j``, all of them
 batched together (with a ``seed``, sample ``j`` uses ``seed + j``); streamed chunks carry their choice's index.
 
+LoRA (an engine with ``max_loras > 0``): a request's ``model`` names a loaded adapter to run it through, or the
+served model for the base; any other name is a 404 there. ``GET /v1/models`` lists the adapters after the base
+model (``"parent"``: the base), and ``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``) /
+``POST /v1/unload_lora_adapter`` (``{"lora_name"}``) load and unload them while serving.
+
 One thread owns the engine and runs its loop (:class:`EngineLoop`); the HTTP handler threads only submit
 requests and read their outputs from a queue, so any number of clients batch together in the engine's
 continuous batching. A client that disconnects has its request aborted. Bad requests get HTTP 400 with an
@@ -47,6 +52,16 @@ class BadRequest(ValueError):
         self.param = param
 
 
+class NotFound(BadRequest):
+    """A request for a model (LoRA adapter) the server does not have: HTTP 404."""
+
+
+def _loras(engine) -> list[str]:
+    """The loaded LoRA adapters of ``engine`` (none for engines without the method)."""
+    fn = getattr(engine, "list_loras", None)
+    return fn() if fn is not None else []
+
+
 class EngineLoop:
     """The thread that owns ``engine``: it admits submitted requests, steps while any is unfinished, and puts
     each :class:`RequestOutput` (or the exception that refused the request) on the request's queue."""
@@ -61,15 +76,26 @@ class EngineLoop:
         self.thread = threading.Thread(target=self._run, name="infercore-engine", daemon=True)
         self.thread.start()
 
-    def submit(self, prompt: list[int], params: SamplingParams, out: queue.Queue | None = None
-               ) -> tuple[str, queue.Queue]:
-        """Queue a request; its outputs arrive on ``out`` (a new queue unless given, so several requests can
-        share one) as ``(request id, item)``: a :class:`RequestOutput` after each step that advanced it, the
-        exception that refused or failed it, or None once it is aborted."""
+    def submit(self, prompt: list[int], params: SamplingParams, out: queue.Queue | None = None, *,
+               lora: str | None = None) -> tuple[str, queue.Queue]:
+        """Queue a request (through LoRA adapter ``lora``, or the base model); its outputs arrive on ``out`` (a new
+        queue unless given, so several requests can share one) as ``(request id, item)``: a
+        :class:`RequestOutput` after each step that advanced it, the exception that refused or failed it, or None
+        once it is aborted."""
         rid = f"req-{next(self._ids)}"
         out = queue.Queue() if out is None else out
-        self._inbox.put(("add", rid, prompt, params, out))
+        self._inbox.put(("add", rid, prompt, (params, lora), out))
         return rid, out
+
+    def call(self, fn, *args):
+        """Run ``fn(engine, *args)`` on the engine's thread, between steps; returns its result or raises its
+        exception here (LoRA loading: the engine is not thread-safe)."""
+        done: queue.Queue = queue.Queue()
+        self._inbox.put(("call", None, (fn, args), None, done))
+        ok, value = done.get()
+        if not ok:
+            raise value
+        return value
 
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid, None, None, None))
@@ -81,9 +107,17 @@ class EngineLoop:
 
     def _admit(self, item) -> None:
         kind, rid, prompt, params, out = item
-        if kind == "add":
+        if kind == "call":
+            fn, args = prompt
             try:
-                self.engine.add_request(prompt, params, request_id=rid)
+                out.put((True, fn(self.engine, *args)))
+            except Exception as e:  # noqa: BLE001  (handed to the caller)
+                out.put((False, e))
+        elif kind == "add":
+            params, lora = params
+            kw = {} if lora is None else {"lora": lora}  # engines without LoRA need not take the argument
+            try:
+                self.engine.add_request(prompt, params, request_id=rid, **kw)
             except (ValueError, TypeError) as e:
                 self.metrics.count("requests_refused_total")
                 out.put((rid, e))
@@ -369,8 +403,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         if self.path.rstrip("/") == "/v1/models":
-            self._json(200, {"object": "list", "data": [{"id": self.server.model_name, "object": "model",
-                                                         "created": self.server.created, "owned_by": "infercore"}]})
+            srv = self.server
+            data = [{"id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "infercore"}]
+            for name in _loras(srv.loop.engine):
+                data.append({"id": name, "object": "model", "created": srv.created, "owned_by": "infercore",
+                             "parent": srv.model_name})
+            self._json(200, {"object": "list", "data": data})
         elif self.path.rstrip("/") in ("/health", ""):
             self._json(200, {"status": "ok"})
         elif self.path.rstrip("/") == "/metrics":
@@ -385,6 +423,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         route = self.path.rstrip("/")
+        if route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            self._lora_admin(route)
+            return
         if route not in ("/v1/completions", "/v1/chat/completions"):
             self._error(404, f"no route {self.path}")
             return
@@ -398,6 +439,10 @@ class _Handler(BaseHTTPRequestHandler):
             n = _n(body)
             ids = _prompt_ids(self.server.loop.engine, body, chat=chat)
             stream = bool(body.get("stream", False))
+            lora = self._adapter(body.get("model"))
+        except NotFound as e:
+            self._error(404, str(e), "model")
+            return
         except BadRequest as e:
             self._error(400, str(e), e.param)
             return
@@ -411,7 +456,7 @@ class _Handler(BaseHTTPRequestHandler):
         for i, p in enumerate(ids):
             for j in range(n):
                 sp = params if params.seed is None or j == 0 else replace(params, seed=params.seed + j)
-                index[loop.submit(p, sp, q)[0]] = i * n + j
+                index[loop.submit(p, sp, q, lora=lora)[0]] = i * n + j
         first = self._first_outputs(q, index)
         if first is None:
             return
@@ -419,6 +464,43 @@ class _Handler(BaseHTTPRequestHandler):
             self._stream(index, q, first, chat)
         else:
             self._whole(index, q, first, chat)
+
+    def _adapter(self, model) -> str | None:
+        """The LoRA adapter a request's ``model`` names, or None for the base model. Without LoRA slots any name
+        means the base model (clients send all sorts); with them, a name that is neither is refused."""
+        eng = self.server.loop.engine
+        if model is None or model == self.server.model_name or getattr(eng, "lora", None) is None:
+            return None
+        if not isinstance(model, str):
+            raise BadRequest("model must be a string", "model")
+        if model not in _loras(eng):
+            raise NotFound(f"the model {model!r} does not exist (served: {[self.server.model_name, *_loras(eng)]})")
+        return model
+
+    def _lora_admin(self, route: str) -> None:
+        """``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``, run on the engine's thread."""
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+            body = json.loads(self.rfile.read(length) or b"{}")
+            if not isinstance(body, dict) or not isinstance(body.get("lora_name"), str) or not body["lora_name"]:
+                raise BadRequest("expected a JSON object with lora_name (a non-empty string)", "lora_name")
+            name = body["lora_name"]
+            if route.endswith("/load_lora_adapter"):
+                path = body.get("lora_path")
+                if not isinstance(path, str) or not path:
+                    raise BadRequest("expected lora_path (a PEFT adapter directory)", "lora_path")
+                self.server.loop.call(lambda eng: eng.add_lora(name, path))
+                msg = f"loaded LoRA adapter {name!r}"
+            else:
+                self.server.loop.call(lambda eng: eng.remove_lora(name))
+                msg = f"unloaded LoRA adapter {name!r}"
+        except BadRequest as e:
+            self._error(400, str(e), e.param)
+            return
+        except (ValueError, TypeError, OSError) as e:  # the engine's own checks, an unreadable directory
+            self._error(400, str(e))
+            return
+        self._json(200, {"status": "ok", "message": msg})
 
     def _first_outputs(self, q: queue.Queue, index: dict[str, int]) -> list | None:
         """Each request's first output, in arrival order; on a refused one, the others are aborted and the

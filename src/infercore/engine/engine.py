@@ -16,6 +16,8 @@ import numpy as np
 import torch
 
 from ..kv import BlockManager, CPUKVTier, allocate_kv_caches, bytes_per_page, resolve_kv_cache_dtype
+from ..lora import LoRAAdapter, LoRAManager, enable_lora_, load_lora_adapter
+from ..lora.layers import BATCHED_MAX_TOKENS
 from ..models.gpu_layout import use_triton_gemv_
 from ..models.layout import pack_linears_for_cpu_
 from ..ops import token_logprobs
@@ -134,6 +136,11 @@ class EngineConfig:
     # on into it, so a returning session's history is copied back instead of recomputed. Needs prefix
     # caching and the dense KV layout; with tensor parallelism each rank keeps its own shard's pages.
     cpu_kv_cache_bytes: int = 0
+    # Multi-LoRA serving (see infercore.lora): up to ``max_loras`` adapters loaded at once (Engine.add_lora), each
+    # of rank up to ``max_lora_rank``; a request names its adapter (``lora=``) or runs the base model. 0 = off (the
+    # projections stay unwrapped). Dense KV layout only.
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         self.validate()
@@ -164,6 +171,12 @@ class EngineConfig:
         if self.num_speculative_tokens and self.async_scheduling:
             raise ValueError("EngineConfig.num_speculative_tokens: speculative decoding runs synchronous steps; "
                              "leave async_scheduling None or False")
+        if not is_int(self.max_loras) or self.max_loras < 0:
+            raise ValueError(f"EngineConfig.max_loras must be an int >= 0 (0 = off), got {self.max_loras!r}")
+        if not is_int(self.max_lora_rank) or self.max_lora_rank < 1:
+            raise ValueError(f"EngineConfig.max_lora_rank must be an int >= 1, got {self.max_lora_rank!r}")
+        if self.max_loras and self.kv_layout not in (None, "dense"):
+            raise ValueError(f"EngineConfig.max_loras: LoRA needs kv_layout='dense' (or None), got {self.kv_layout!r}")
         if not is_int(self.cpu_kv_cache_bytes) or self.cpu_kv_cache_bytes < 0:
             raise ValueError(f"EngineConfig.cpu_kv_cache_bytes must be an int >= 0 (0 = off), got "
                              f"{self.cpu_kv_cache_bytes!r}")
@@ -219,13 +232,26 @@ class Engine:
         model_max = getattr(mcfg, "max_position_embeddings", None)
         self.max_model_len = config.max_model_len or model_max or 4096
         self.vocab_size = getattr(mcfg, "vocab_size", None)
+        specs = model.kv_specs()
+        self.kv_layout = choose_kv_layout(model, specs, config.kv_layout)
+        self.lora: LoRAManager | None = getattr(model, "lora_manager", None)
+        if config.max_loras:
+            if self.kv_layout != "dense":
+                raise ValueError(f"EngineConfig.max_loras: LoRA needs the dense KV layout; this model uses "
+                                 f"{self.kv_layout!r}")
+            if self.lora is None:  # wrapped before the device layouts below, which then convert the base linears
+                rows = max(min(config.cuda_graph_max_batch, config.max_num_seqs * (1 + config.num_speculative_tokens)),
+                           BATCHED_MAX_TOKENS)
+                self.lora = enable_lora_(model, max_loras=config.max_loras, max_rank=config.max_lora_rank,
+                                         max_tokens=rows)
+            elif (self.lora.max_loras, self.lora.max_rank) != (config.max_loras, config.max_lora_rank):
+                raise ValueError(f"EngineConfig.max_loras / max_lora_rank: the model's LoRA slots were made for "
+                                 f"{self.lora.max_loras} / {self.lora.max_rank}")
         # Device-specific linear layouts are chosen here, once, before the KV pool and CUDA graphs.
         if config.cpu_packed_linears and self.device.type == "cpu":
             pack_linears_for_cpu_(model)
         elif config.gpu_gemv_linears and self.device.type == "cuda":
             use_triton_gemv_(model, max_m=min(16, config.max_num_seqs * (1 + config.num_speculative_tokens)))
-        specs = model.kv_specs()
-        self.kv_layout = choose_kv_layout(model, specs, config.kv_layout)
         if config.num_speculative_tokens and self.kv_layout != "dense":
             # a recurrent state cannot take back the rejected draft tokens
             raise ValueError(f"EngineConfig.num_speculative_tokens: speculative decoding needs the dense KV layout; "
@@ -256,6 +282,7 @@ class Engine:
                 cpu_tier=self.cpu_tier,
             )
             self.runner = ModelRunner(model, kv, self.block_manager, device=self.device)
+            self.runner.lora = self.lora
         else:
             budget = self._budget_bytes(specs)
             if getattr(model, "tp_size", 1) > 1:  # equal shards, so the same budget gives every rank the same pools
@@ -436,15 +463,60 @@ class Engine:
         *,
         request_id: str | None = None,
         chat: bool = False,
+        lora: str | None = None,
     ) -> str:
         """Queue a request; ``prompt`` is text (needs a tokenizer) or a list of token ids.
         With ``chat=True`` the text is wrapped in the tokenizer's chat template as a user turn.
+        ``lora`` names a loaded LoRA adapter (:meth:`add_lora`) to run the request through; None = the base model.
         A request that cannot run raises here (ValueError/TypeError) and nothing is queued."""
-        req = self._new_request(prompt, params, request_id=request_id, chat=chat)
+        req = self._new_request(prompt, params, request_id=request_id, chat=chat, lora=lora)
         self._queue(req)
         return req.request_id
 
-    def _new_request(self, prompt, params, *, request_id, chat: bool) -> Request:
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def add_lora(self, name: str, adapter: str | os.PathLike | LoRAAdapter) -> None:
+        """Load a LoRA adapter under ``name``: a PEFT adapter directory or a :class:`~infercore.lora.LoRAAdapter`.
+        Requests then pick it with ``lora=name``. Needs ``EngineConfig.max_loras > 0``; ValueError if the name is
+        taken, the slots are full, or the adapter does not fit the model (its rank, layers or shapes)."""
+        if self.lora is None:
+            raise ValueError("add_lora: this engine has no LoRA slots; build it with max_loras > 0")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"add_lora: name must be a non-empty str, got {name!r}")
+        if isinstance(adapter, LoRAAdapter):
+            adapter = replace(adapter, name=name)
+        elif isinstance(adapter, (str, os.PathLike)):
+            adapter = load_lora_adapter(adapter, name=name)
+        else:
+            raise TypeError(f"add_lora: adapter must be a path or a LoRAAdapter, got {type(adapter).__name__}")
+        self.lora.add(adapter)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter ``name`` (ValueError if it is not loaded or an unfinished request uses it)."""
+        if self.lora is None or name not in self.lora.slots:
+            raise ValueError(f"remove_lora: no LoRA adapter named {name!r} is loaded")
+        busy = [r.request_id for r in self.requests.values() if r.lora == name]
+        if busy:
+            raise ValueError(f"remove_lora: adapter {name!r} is in use by request(s) {busy[:4]}")
+        self.lora.remove(name)
+
+    def list_loras(self) -> list[str]:
+        """The names of the loaded LoRA adapters."""
+        return [] if self.lora is None else sorted(self.lora.slots)
+
+    def _bind_lora(self, req: Request, lora: str | None) -> None:
+        """Give ``req`` its adapter's slot and prefix-cache salt here (ValueError for an adapter not loaded)."""
+        if lora is not None and not isinstance(lora, str):
+            raise TypeError(f"lora must be an adapter name (str) or None, got {type(lora).__name__}")
+        if lora is None:
+            req.lora, req._lora_slot, req.cache_salt = None, -1, None
+            return
+        if self.lora is None or lora not in self.lora.slots:
+            loaded = self.list_loras()
+            raise ValueError(f"lora: no adapter named {lora!r} is loaded (loaded: {loaded})")
+        req.lora, req._lora_slot, req.cache_salt = lora, self.lora.slots[lora], self.lora.salt(lora)
+
+    def _new_request(self, prompt, params, *, request_id, chat: bool, lora: str | None = None) -> Request:
         """Check one submission and build its request, queueing nothing."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -486,7 +558,9 @@ class Engine:
         if params.guided:
             self._guides.guide_for(params)  # the vocabulary's walk is set up (and a refusal raised) at submission
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        return Request(rid, ids, params, eos_token_ids=self._eos, seed=seed)
+        req = Request(rid, ids, params, eos_token_ids=self._eos, seed=seed)
+        self._bind_lora(req, lora)
+        return req
 
     def _check_fits(self, longest: int, computed_at_once: int) -> None:
         """Raise ValueError unless a request of up to ``longest`` tokens fits the KV pool, and one whose first
@@ -579,20 +653,23 @@ class Engine:
         kv = self.runner.kv_caches
         return kv if all(type(pair) is tuple and len(pair) == 2 for pair in kv) else None
 
-    def read_prefix_kv(self, token_ids: list[int]) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def read_prefix_kv(self, token_ids: list[int], *, extra_key: bytes | None = None
+                       ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
         """The KV of the longest prefix of ``token_ids`` that this engine's prefix cache holds, in whole pages:
         ``(n, [(k, v) per layer])`` with ``k`` / ``v`` ``[n, kv_heads, head_dim]`` (copies). ``(0, [])`` where there
         is none, and where the pool is not a dense one of plain tensors with prefix caching on. The pages of a
-        request just taken out (:meth:`take_requests`) are there until something else is allocated."""
+        request just taken out (:meth:`take_requests`) are there until something else is allocated. ``extra_key``: the
+        request's prefix-cache salt (``Request.cache_salt``: its LoRA adapter's), None for the base model."""
         kv = self._plain_kv()
-        pages = self.block_manager.cached_pages(token_ids) if kv is not None else []
+        pages = self.block_manager.cached_pages(token_ids, extra_key=extra_key) if kv is not None else []
         if not pages:
             return 0, []
         idx = torch.tensor(pages, dtype=torch.long, device=self.device)
         n = len(pages) * self.config.page_size
         return n, [(k.index_select(0, idx).flatten(0, 1), v.index_select(0, idx).flatten(0, 1)) for k, v in kv]
 
-    def write_prefix_kv(self, token_ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    def write_prefix_kv(self, token_ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], *,
+                        extra_key: bytes | None = None) -> int:
         """Put the KV of the first ``n`` tokens of ``token_ids`` (``kv``: ``[(k, v) per layer]``, each
         ``[n, kv_heads, head_dim]``, ``n`` a multiple of the page size, as :meth:`read_prefix_kv` gives it, perhaps
         from another engine of the same model) into this engine's prefix cache, as if a request had computed it:
@@ -618,7 +695,7 @@ class Engine:
                 raise ValueError(f"kv: expected [{n}, {kc.shape[2]}, {kc.shape[3]}] per layer, got {tuple(k.shape)}")
         bm = self.block_manager
         key = ("write_prefix_kv", object())
-        cached = bm.allocate(key, token_ids[:n], n, max_cached_tokens=n)
+        cached = bm.allocate(key, token_ids[:n], n, max_cached_tokens=n, extra_key=extra_key)
         if cached is None:
             return 0
         fresh = bm.block_table(key)[cached // ps : n // ps]
@@ -652,6 +729,7 @@ class Engine:
             raise ValueError(f"request has token ids outside [0, {self.vocab_size})")
         left = req.params.max_tokens - len(req.output_token_ids)
         self._check_fits(min(n + max(left, 0), self.max_model_len), n)
+        self._bind_lora(req, req.lora)  # its adapter must be loaded here too
         p = req.params
         if self.tokenizer is not None and req.output_token_ids and not (req._final_only and not p.stop):
             # the text so far is kept; the detokenizer only has to know where it stands
@@ -900,8 +978,10 @@ class Engine:
         params: SamplingParams | list[SamplingParams] | None = None,
         *,
         chat: bool = False,
+        lora: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run a batch of prompts to completion; outputs come back in the prompts' order."""
+        """Run a batch of prompts to completion; outputs come back in the prompts' order. ``lora``: one adapter
+        name for all of them, or one per prompt (None = the base model)."""
         if _one_prompt(prompts):
             prompts = [prompts]
         elif isinstance(prompts, Iterable):
@@ -911,17 +991,21 @@ class Engine:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params has {len(plist)} entries for {len(prompts)} prompts")
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora has {len(loras)} entries for {len(prompts)} prompts")
         # Check every prompt before queueing any: a bad one must not leave the others queued.
-        reqs = [self._new_request(p, sp, request_id=None, chat=chat) for p, sp in zip(prompts, plist)]
+        reqs = [self._new_request(p, sp, request_id=None, chat=chat, lora=la)
+                for p, sp, la in zip(prompts, plist, loras)]
         for req in reqs:
             req._final_only = True  # only their final outputs are read (see Request._final_only)
             self._queue(req)
         return run_to_completion(self, [req.request_id for req in reqs])
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False
-               ) -> Iterator[RequestOutput]:
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False,
+               lora: str | None = None) -> Iterator[RequestOutput]:
         """Yield this request's output after every step that advanced it (``new_text`` is the delta)."""
-        return stream_outputs(self, self.add_request(prompt, params, chat=chat))
+        return stream_outputs(self, self.add_request(prompt, params, chat=chat, lora=lora))
 
 
 def run_to_completion(driver, ids: list[str]) -> list[RequestOutput]:

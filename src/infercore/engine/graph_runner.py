@@ -29,7 +29,7 @@ from .scheduler import ScheduledBatch
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 # int64 staging rows (each B long), then the block table (B x max_pages)
-_IDS, _POS, _SLOT, _LEN, _TOPK, _SEED, _OFF, _GDST, _GSRC, _NI = range(10)
+_IDS, _POS, _SLOT, _LEN, _TOPK, _SEED, _OFF, _GDST, _GSRC, _LORA, _NI = range(11)
 # float32 staging rows
 _TEMP, _TOPP, _MINP, _NF = range(4)
 
@@ -113,6 +113,9 @@ class CUDAGraphRunner:
         the host inside its forward (``model.host_synchronizing``: host experts) is captured as a chain of graphs
         split where it does (``devices.graphs.capture_segmented``)."""
         model = self.runner.model
+        lora = getattr(self.runner, "lora", None)
+        if lora is not None:  # the graphs apply LoRA to every row, reading the slots from its persistent buffer
+            lora.capturing()
         segmented = bool(getattr(model, "host_synchronizing", False))
         if segmented:
             for h in getattr(model, "host_experts", {}).values():
@@ -164,6 +167,10 @@ class CUDAGraphRunner:
         g = self._stage_rows(k, n, b, x.input_ids, x.positions, seq_lens, rows, gather)
         ih[_SLOT * B : _SLOT * B + b] = -1
         ih[_SLOT * B : _SLOT * B + n] = x.slots
+        if getattr(self.runner, "lora", None) is not None:  # each row's adapter slot (-1: the base model)
+            ih[_LORA * B : _LORA * B + b] = -1
+            slots = np.array([r._lora_slot for r in batch.requests], dtype=np.int64)
+            ih[_LORA * B : _LORA * B + n] = slots if n == len(slots) else np.repeat(slots, np.diff(x.cu_seqlens))
         width = table.shape[1]
         ih[_NI * B : _NI * B + n * P].reshape(n, P)[:, :width] = table
         return k, n, b, width, g
@@ -220,6 +227,9 @@ class CUDAGraphRunner:
         self._upload(k, self._used(n, width))
         self.seq_lens[:b] = self._row(self.ints, _LEN, b)
         self.top_k[:b] = self._row(self.ints, _TOPK, b)
+        lora = getattr(self.runner, "lora", None)
+        if lora is not None:
+            lora.indices[:b] = self._row(self.ints, _LORA, b)
         self._scatter(n, b, width)
         if g:
             src = self._row(self.ints, _GSRC, g)

@@ -105,6 +105,11 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     # guided decoding: (the engine's TokenGuide.key, output tokens walked, DFA state after them)
     _guide: tuple[int, int, int] | None = None
+    # LoRA: the adapter's name (None = the base model); the adapter's slot in the engine that runs it (-1 = none,
+    # set at submission / adoption) and the prefix-cache salt that keeps its KV apart from other adapters'
+    lora: str | None = None
+    _lora_slot: int = -1
+    cache_salt: bytes | None = None
 
     def __post_init__(self) -> None:
         self._all = list(self.prompt_token_ids) + list(self.output_token_ids)

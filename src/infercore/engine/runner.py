@@ -185,6 +185,8 @@ class ModelRunner:
         self.guide = None
         # the logits [len(reqs), vocab] of the last launch's sampling requests (the engine's log-probabilities)
         self.last_logits: torch.Tensor | None = None
+        # multi-LoRA (lora.LoRAManager, set by the Engine): told each token's adapter slot before a forward
+        self.lora = None
 
     def _tensor(self, data, dtype=torch.int32) -> torch.Tensor:
         if isinstance(data, np.ndarray):
@@ -259,6 +261,9 @@ class ModelRunner:
         if gather is not None and len(gather.dst):
             input_ids[torch.from_numpy(gather.dst).to(self.device)] = gather.prev[
                 torch.from_numpy(gather.src).to(gather.prev.device)]
+        if self.lora is not None:
+            slots = [r._lora_slot for r in batch.requests]
+            self.lora.set_tokens(np.repeat(slots, batch.num_new_tokens) if max(slots) >= 0 else None)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if any(r.params.prompt_logprobs is not None for r in batch.requests):
             self._prompt_logprobs(batch, hidden)

@@ -154,15 +154,16 @@ class Scheduler:
             if self.share_prefills:
                 if sources is None:  # only in steps that admit: a decode-only step pays nothing
                     sources = [r for r in self.running if self._publishes_later(r)]
-                if sources and self._wait_for_prefill(tokens, sources):
+                if sources and self._wait_for_prefill(req, sources):
                     i += 1
                     continue
             room = len(tokens)
             # a request that reports its prompt's log-probabilities computes every prompt position
             most = 0 if req.params.prompt_logprobs is not None else len(tokens) - 1
             if self.lazy_prefill_alloc:
-                room = min(room, self.bm.match_prefix(tokens, max_cached_tokens=most) + budget)
-            cached = self.bm.allocate(req.request_id, tokens, room, max_cached_tokens=most)
+                room = min(room, self.bm.match_prefix(tokens, max_cached_tokens=most, extra_key=req.cache_salt)
+                           + budget)
+            cached = self.bm.allocate(req.request_id, tokens, room, max_cached_tokens=most, extra_key=req.cache_salt)
             if cached is None:
                 break
             remaining = len(tokens) - cached
@@ -196,17 +197,21 @@ class Scheduler:
         ps = self.bm.page_size
         return self.bm.published_tokens(req.request_id) < len(req.prompt_token_ids) // ps * ps
 
-    def _wait_for_prefill(self, tokens: list[int], sources: list[Request]) -> bool:
-        """``share_prefills``: whether a request of ``tokens`` should wait for pages ``sources`` will publish."""
+    def _wait_for_prefill(self, req: Request, sources: list[Request]) -> bool:
+        """``share_prefills``: whether ``req`` should wait for pages ``sources`` will publish (those of the same
+        prefix-cache salt: the same LoRA adapter or none)."""
+        tokens = req.all_token_ids
         ps = self.bm.page_size
         cap = (len(tokens) - 1) // ps  # pages a cache hit may cover (one token is always computed)
         shared = 0
         for src in sources:
+            if src.cache_salt != req.cache_salt:
+                continue
             shared = max(shared, _common_pages(tokens, src.prompt_token_ids, min(cap, len(src.prompt_token_ids) // ps),
                                                ps))
         if shared == 0:
             return False
-        cached = self.bm.match_prefix(tokens, max_cached_tokens=len(tokens) - 1) // ps
+        cached = self.bm.match_prefix(tokens, max_cached_tokens=len(tokens) - 1, extra_key=req.cache_salt) // ps
         gain = (shared - cached) * ps
         return gain > 0 and 2 * gain >= len(tokens) - cached * ps
 

@@ -29,7 +29,7 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
-from .prefix_cache import ROOT_HASH, PrefixCacheStats, hash_page
+from .prefix_cache import PrefixCacheStats, hash_page, root_hash
 
 if TYPE_CHECKING:
     from .cpu_tier import CPUKVTier
@@ -38,15 +38,17 @@ if TYPE_CHECKING:
 class _Request:
     """Per-request state: its pages, and the chain keys of its leading full computed pages."""
 
-    __slots__ = ("block_table", "hashes", "num_computed", "cpu_hit")
+    __slots__ = ("block_table", "hashes", "num_computed", "cpu_hit", "root")
 
-    def __init__(self, block_table: list[int], hashes: list[bytes], num_computed: int, cpu_hit: int = 0) -> None:
+    def __init__(self, block_table: list[int], hashes: list[bytes], num_computed: int, cpu_hit: int = 0,
+                 root: bytes | None = None) -> None:
         self.cpu_hit = cpu_hit  # tokens of the admission's cache hit that came from the CPU tier
         self.block_table = block_table
         # hashes[i] is the chain key of page i; len(hashes) full pages have been hashed so far,
         # so mark_computed only hashes pages it has not seen.
         self.hashes = hashes
         self.num_computed = num_computed  # the cache hit at admission, then the last mark_computed
+        self.root = root if root is not None else root_hash()  # the chain's root (salted by the extra key)
 
 
 def _check_count(name: str, value: object, *, minimum: int) -> int:
@@ -68,6 +70,9 @@ class BlockManager:
         enable_prefix_caching: share computed full pages between requests with equal prefixes.
         cpu_tier: a :class:`~infercore.kv.cpu_tier.CPUKVTier` over this pool's caches, or None; needs
             prefix caching (its pages are found by chain key).
+
+    Prefix lookups and admissions take an optional ``extra_key`` (bytes, e.g. a LoRA adapter's identity): it
+    salts the request's whole hash chain, so requests with different keys never share pages.
 
     Request ids are any hashable values. Running out of pages is not an error: ``allocate``
     returns None and ``grow`` returns False, without changing anything, so the scheduler can
@@ -172,16 +177,16 @@ class BlockManager:
             pos = stop
         return out
 
-    def match_prefix(self, token_ids: Sequence[int], *, max_cached_tokens: int) -> int:
+    def match_prefix(self, token_ids: Sequence[int], *, max_cached_tokens: int, extra_key: bytes | None = None) -> int:
         """Tokens that :meth:`allocate` would take from the cache now (read-only)."""
         _check_count("max_cached_tokens", max_cached_tokens, minimum=0)
-        return len(self._lookup(token_ids, max_cached_tokens)[0]) * self.page_size
+        return len(self._lookup(token_ids, max_cached_tokens, root_hash(extra_key))[0]) * self.page_size
 
-    def cached_pages(self, token_ids: Sequence[int]) -> list[int]:
+    def cached_pages(self, token_ids: Sequence[int], *, extra_key: bytes | None = None) -> list[int]:
         """The device pages holding the longest cached full-page prefix of ``token_ids``, in order (read-only;
         it stops before a page found only in the CPU tier). Their KV stays there until the pages are evicted:
         read it before anything else allocates."""
-        hits = self._lookup(token_ids, len(token_ids))[0]
+        hits = self._lookup(token_ids, len(token_ids), root_hash(extra_key))[0]
         n = next((i for i, p in enumerate(hits) if p < 0), len(hits))
         return hits[:n]
 
@@ -199,7 +204,8 @@ class BlockManager:
     # ------------------------------------------------------------------ mutations
 
     def allocate(
-        self, req_id: Hashable, token_ids: Sequence[int], num_tokens: int, *, max_cached_tokens: int
+        self, req_id: Hashable, token_ids: Sequence[int], num_tokens: int, *, max_cached_tokens: int,
+        extra_key: bytes | None = None,
     ) -> int | None:
         """Admit ``req_id``: reuse cached pages of its longest cached prefix, allocate the rest.
 
@@ -210,6 +216,8 @@ class BlockManager:
                 it for chunked prefill). If the cache hit is longer, room for the hit is held.
             max_cached_tokens: cap on tokens taken from the cache; pass ``len(token_ids) - 1`` so
                 at least one token is computed and yields logits.
+            extra_key: salts the request's hash chain (bytes, or None): it shares pages only with
+                requests of the same key.
 
         Returns:
             The number of cached tokens (a multiple of ``page_size``): KV for positions
@@ -221,7 +229,8 @@ class BlockManager:
         _check_count("num_tokens", num_tokens, minimum=0)
         _check_count("max_cached_tokens", max_cached_tokens, minimum=0)
 
-        hits, hit_hashes = self._lookup(token_ids, max_cached_tokens)
+        root = root_hash(extra_key)
+        hits, hit_hashes = self._lookup(token_ids, max_cached_tokens, root)
         num_hit = len(hits)
         # Tier hits (negative entries: -1 - slot) need fresh device pages like uncached tokens do.
         num_device = sum(1 for p in hits if p >= 0)
@@ -257,7 +266,7 @@ class BlockManager:
             tier.flush()
         cached = num_hit * self.page_size
         cpu_hit = len(slots) * self.page_size
-        self._requests[req_id] = _Request(table, hit_hashes, cached, cpu_hit)
+        self._requests[req_id] = _Request(table, hit_hashes, cached, cpu_hit, root)
         if self.enable_prefix_caching:
             self.stats.requests += 1
             self.stats.query_tokens += len(token_ids)
@@ -309,7 +318,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         ps, hashes, table = self.page_size, req.hashes, req.block_table
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else req.root
         for i in range(len(hashes), num_computed // ps):
             tokens = tuple(token_ids[i * ps : (i + 1) * ps])
             parent = hash_page(parent, tokens)
@@ -361,7 +370,7 @@ class BlockManager:
             raise ValueError(f"request {req_id!r} is not allocated")
         return req
 
-    def _lookup(self, token_ids: Sequence[int], max_cached_tokens: int) -> tuple[list[int], list[bytes]]:
+    def _lookup(self, token_ids: Sequence[int], max_cached_tokens: int, root: bytes) -> tuple[list[int], list[bytes]]:
         """Hits (and chain keys) of the longest cached full-page prefix, at most ``max_cached_tokens``
         tokens: a device page id, or ``-1 - slot`` for a page found in the CPU tier. No side effects."""
         tier = self.cpu_tier
@@ -371,7 +380,7 @@ class BlockManager:
         limit = min(max_cached_tokens, len(token_ids)) // ps
         hits: list[int] = []
         hashes: list[bytes] = []
-        parent = ROOT_HASH
+        parent = root
         for i in range(limit):
             tokens = tuple(token_ids[i * ps : (i + 1) * ps])
             parent = hash_page(parent, tokens)

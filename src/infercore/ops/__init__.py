@@ -20,6 +20,7 @@ from .gated_delta import chunk_gated_delta_rule_, fused_recurrent_gated_delta_ru
 from .gated_norm import gated_rms_norm
 from .kv_cache import write_kv_cache_
 from .linear import skinny_linear
+from .lora import lora_expand_, lora_shrink
 from .mamba import mamba_chunk_scan_, selective_state_update_
 from .moe import moe_experts_routed
 from .moe.routing import moe_route_topk
@@ -54,6 +55,8 @@ __all__ = [
     "attention_with_key_scores",
     "fused_add_rms_norm",
     "gelu_and_mul",
+    "lora_expand_",
+    "lora_shrink",
     "paged_attention",
     "paged_attention_decode",
     "rope_write_decode_attention",

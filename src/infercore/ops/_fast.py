@@ -25,6 +25,7 @@ if triton_available():
     from .gated_norm import triton as _gated_norm_triton  # noqa: F401
     from .kv_cache import triton as _kv_cache_triton  # noqa: F401
     from .linear import triton as _linear_triton  # noqa: F401
+    from .lora import triton as _lora_triton  # noqa: F401
     from .mamba import triton as _mamba_triton  # noqa: F401
     from .moe import routing_triton as _moe_routing_triton  # noqa: F401
     from .moe import triton as _moe_triton  # noqa: F401

@@ -376,7 +376,7 @@ class AdaptiveEngine:
             return [0] * len(reqs), torch.empty(0)
         ns, parts = [], []
         for req in reqs:
-            n, kv = engine.read_prefix_kv(req.all_token_ids)
+            n, kv = engine.read_prefix_kv(req.all_token_ids, extra_key=req.cache_salt)
             ns.append(n)
             parts += [t.reshape(-1) for pair in kv for t in pair]
         k0 = engine.runner.kv_caches[0][0]
@@ -423,7 +423,7 @@ class AdaptiveEngine:
                     if dest[i] == self.rank and ns[i]:
                         kv = [tuple(torch.cat([pairs[layer][j] for pairs in (r[i] for r in ranks)], dim=1)
                                     for j in (0, 1)) for layer in range(len(ranks[0][i]))]
-                        written += self.dp.write_prefix_kv(req.all_token_ids, kv)
+                        written += self.dp.write_prefix_kv(req.all_token_ids, kv, extra_key=req.cache_salt)
             for req, r in zip(reqs, dest):
                 if r == self.rank:
                     self.dp.adopt_request(req)
@@ -442,7 +442,8 @@ class AdaptiveEngine:
                 for req, kv in zip(part, self._unflatten(self.dp, f, part_ns, whole)):
                     if kv is not None:
                         written += self.tp.write_prefix_kv(req.all_token_ids, [(k[:, heads], v[:, heads])
-                                                                               for k, v in kv])
+                                                                               for k, v in kv],
+                                                           extra_key=req.cache_salt)
         by_id = {req.request_id: req for part, _ in parts for req in part}
         rank_of = {order[i]: i for i in range(len(order))}
         reqs = sorted(by_id.values(), key=lambda q: rank_of.get(q.request_id, len(order)))

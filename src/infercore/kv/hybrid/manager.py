@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..prefix_cache import ROOT_HASH, PrefixCacheStats, hash_page
+from ..prefix_cache import PrefixCacheStats, hash_page, root_hash
 from .layout import HybridKVLayout
 from .policies import FullAttentionPolicy, LinearStatePolicy, SlidingWindowPolicy
 from .pool import TwoLevelPool
@@ -59,9 +59,10 @@ class _Node:
 
 
 class _Request:
-    __slots__ = ("tables", "hashes", "num_tokens", "num_computed", "released")
+    __slots__ = ("tables", "hashes", "num_tokens", "num_computed", "released", "root")
 
-    def __init__(self, num_groups: int) -> None:
+    def __init__(self, num_groups: int, root: bytes | None = None) -> None:
+        self.root = root if root is not None else root_hash()  # the chain's root (salted by the extra key)
         # Token groups: small page ids by page index (PAD_PAGE once released);
         # linear groups: [live state slot].
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
@@ -181,10 +182,10 @@ class HybridBlockManager:
             out[i, : len(t)] = torch.tensor([max(p, 0) for p in t], dtype=torch.int32)
         return out.to(device) if device is not None else out
 
-    def match_prefix(self, token_ids: Sequence[int], *, max_cached_tokens: int) -> int:
+    def match_prefix(self, token_ids: Sequence[int], *, max_cached_tokens: int, extra_key: bytes | None = None) -> int:
         """Tokens that :meth:`allocate` would serve from the cache now (read-only)."""
         _count("max_cached_tokens", max_cached_tokens)
-        return len(self._lookup(token_ids, max_cached_tokens)[0]) * self.page_tokens
+        return len(self._lookup(token_ids, max_cached_tokens, root_hash(extra_key))[0]) * self.page_tokens
 
     def memory(self) -> dict[str, int]:
         """Byte accounting of the pool: ``used`` (small pages referenced by requests),
@@ -212,7 +213,8 @@ class HybridBlockManager:
     # ------------------------------------------------------------------ mutations
 
     def allocate(
-        self, req_id: Hashable, token_ids: Sequence[int], num_tokens: int, *, max_cached_tokens: int
+        self, req_id: Hashable, token_ids: Sequence[int], num_tokens: int, *, max_cached_tokens: int,
+        extra_key: bytes | None = None,
     ) -> int | None:
         """Admit ``req_id``: serve the longest prefix every group can serve, allocate the rest.
 
@@ -222,6 +224,8 @@ class HybridBlockManager:
             num_tokens: tokens to make room for (chunked prefill may stop short of the prompt).
             max_cached_tokens: cap on tokens served from the cache (``len(token_ids) - 1`` keeps
                 one token to compute logits from).
+            extra_key: salts the request's hash chain (bytes, or None; e.g. a LoRA adapter's identity): it
+                shares pages only with requests of the same key.
 
         Returns:
             Cached tokens (a multiple of ``page_tokens``), or None if the pool is short. Linear
@@ -232,10 +236,11 @@ class HybridBlockManager:
             raise ValueError(f"request {req_id!r} is already allocated")
         _count("num_tokens", num_tokens)
         _count("max_cached_tokens", max_cached_tokens)
-        hit, hashes = self._lookup(token_ids, max_cached_tokens)
+        root = root_hash(extra_key)
+        hit, hashes = self._lookup(token_ids, max_cached_tokens, root)
         j = len(hashes)
         P = self.page_tokens
-        req = _Request(self.num_groups)
+        req = _Request(self.num_groups, root)
         req.hashes = hashes
         req.num_computed = j * P
         req.num_tokens = max(num_tokens, j * P)
@@ -304,7 +309,7 @@ class HybridBlockManager:
         req.num_computed = num_computed
         P = self.page_tokens
         if self.enable_prefix_caching:
-            parent = req.hashes[-1] if req.hashes else ROOT_HASH
+            parent = req.hashes[-1] if req.hashes else req.root
             for i in range(len(req.hashes), num_computed // P):
                 tokens = tuple(token_ids[i * P : (i + 1) * P])
                 key = hash_page(parent, tokens)
@@ -334,7 +339,7 @@ class HybridBlockManager:
                 up = self._nodes.get(req.hashes[i])
                 if self._full_groups and (up is None or any(g not in up.entries for g in self._full_groups)):
                     return self._release_window(req, num_computed)
-                node = self._node(req.hashes[i], req.hashes[i - 1] if i else ROOT_HASH, tokens, i)
+                node = self._node(req.hashes[i], req.hashes[i - 1] if i else req.root, tokens, i)
                 if node.tokens == tokens:
                     for g in self._linear_groups:
                         self._checkpoint(req_id, req, node, g)
@@ -391,7 +396,8 @@ class HybridBlockManager:
             what = "an attention" if token else "a linear-state"
             raise ValueError(f"group {group} is not {what} group")
 
-    def _lookup(self, token_ids: Sequence[int], max_cached_tokens: int) -> tuple[list[_Node], list[bytes]]:
+    def _lookup(self, token_ids: Sequence[int], max_cached_tokens: int,
+                root: bytes) -> tuple[list[_Node], list[bytes]]:
         """Nodes and keys of the longest prefix every group can serve (no side effects)."""
         if not self.enable_prefix_caching or not self._nodes:
             return [], []
@@ -399,7 +405,7 @@ class HybridBlockManager:
         limit = min(max_cached_tokens, len(token_ids)) // P
         nodes: list[_Node] = []
         keys: list[bytes] = []
-        parent = ROOT_HASH
+        parent = root
         for i in range(limit):
             tokens = tuple(token_ids[i * P : (i + 1) * P])
             key = hash_page(parent, tokens)

@@ -1,0 +1,111 @@
+"""Multi-LoRA shrink + expand (BGMV) at the 8B Llama projection shapes, by batch.
+
+Ours: ``ops.lora_shrink`` then ``ops.lora_expand_`` (Triton, one adapter per token). Peer in the same run:
+torch gathering each token's adapter (``a[indices]``, ``b[indices]``) then ``torch.bmm`` (one per slice for
+the expand). Shapes: K = 4096; qkv N = 6144 with slices (4096, 1024, 1024); gate_up N = 28672 with slices
+(14336, 14336); S = 8 slots, rank 16, tokens spread over the slots (``t % S``).
+
+Metric: effective bandwidth = the bytes the update must move (the distinct adapters' A and B read once, x
+read, y read and written) / time, against the copy bandwidth measured here (the floor in time is those
+bytes over it). Times: ``do_bench`` medians (L2 flushed before each call); ``graph_us`` extras: one CUDA
+graph of 16 calls rotating over weight copies larger than the L2, so launch gaps are gone and every
+call reads its adapters from HBM, as the layers of a model do.
+
+    python benchmarks/bench_lora.py --out benchmarks/results/h200/lora.json     # H200, ~1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import bench_ms, case, copy_bandwidth, rel_err, time_graph, write_results  # noqa: E402
+
+from infercore.devices import implementation  # noqa: E402
+from infercore.ops import lora_expand_, lora_shrink  # noqa: E402
+
+K = 4096
+SHAPES = {"qkv": (6144, (4096, 5120)), "gate_up": (28672, (14336,))}
+L2_SPAN = 256 << 20  # weight bytes the graph timing rotates over: several times any GPU's L2
+
+
+def torch_peer(y, x, a, b, idx, bounds):
+    """Gather every token's adapter, then batched GEMVs (cuBLAS): what plain torch does without a kernel."""
+    r = b.shape[2]
+    s = torch.bmm(a[idx], x.unsqueeze(-1))  # [T, R, 1]
+    bg = b[idx]  # [T, N, r]
+    edges = (0, *bounds, y.shape[1])
+    for j, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+        y[:, lo:hi] += torch.bmm(bg[:, lo:hi], s[:, j * r : (j + 1) * r]).squeeze(-1)
+    return y
+
+
+def ours(y, x, a, b, idx, bounds):
+    return lora_expand_(y, lora_shrink(x, a, idx), b, idx, slice_bounds=bounds)
+
+
+def measure(proj: str, N: int, bounds: tuple[int, ...], T: int, ws: list, S: int, r: int, bw: float) -> dict:
+    """One case: ``ws`` holds the weight copies ``(a, b)`` the graph timing rotates over."""
+    dev, dt = "cuda", torch.bfloat16
+    a, b = ws[0]
+    x = torch.randn(T, K, device=dev, dtype=dt)
+    y = (torch.randn(T, N, device=dev) * 0.1).to(dt)
+    idx = torch.arange(T, device=dev, dtype=torch.int32) % S
+    distinct = min(T, S)
+    nbytes = distinct * (a[0].numel() + b[0].numel()) * 2 + T * K * 2 + 2 * T * N * 2
+    floor_us = nbytes / bw * 1e6
+    # correctness on this shape: both against the fp32 reference
+    s_ref = implementation("lora_shrink", "reference")(x.float(), a.float(), idx)
+    want = implementation("lora_expand_", "reference")(y.float(), s_ref, b.float(), idx, slice_bounds=bounds)
+    err = rel_err(ours(y.clone(), x, a, b, idx, bounds), want)
+    err_peer = rel_err(torch_peer(y.clone(), x, a, b, idx, bounds), want)
+    us = bench_ms(lambda: ours(y, x, a, b, idx, bounds)) * 1e3
+    peer_us = bench_ms(lambda: torch_peer(y, x, a, b, idx, bounds)) * 1e3
+    g_us = time_graph(lambda i: ours(y, x, *ws[i % len(ws)], idx, bounds), 16) * 1e6
+    g_peer_us = time_graph(lambda i: torch_peer(y, x, *ws[i % len(ws)], idx, bounds), 16) * 1e6
+    print(f"{proj:7s} T={T:4d}: ours {us:7.1f} us (graph {g_us:6.1f})  torch gather+bmm {peer_us:7.1f} us "
+          f"(graph {g_peer_us:6.1f})  floor {floor_us:6.2f} us  rel err {err:.1e} / peer {err_peer:.1e}",
+          flush=True)  # fmt: skip
+    tbps = lambda t_us: nbytes / (t_us * 1e-6) / 1e12  # noqa: E731
+    return case(
+        f"LoRA shrink+expand {proj} K={K} N={N} slices={len(bounds) + 1} rank={r} S={S}, {T} tokens",
+        metric="effective bandwidth", unit="TB/s", ours=tbps(us), peers={"torch gather+bmm": tbps(peer_us)},
+        floor=bw / 1e12, us=us, peers_us={"torch gather+bmm": peer_us}, floor_us=floor_us, bytes=nbytes,
+        graph_us=g_us, peers_graph_us={"torch gather+bmm": g_peer_us}, graph_weight_copies=len(ws),
+        adapters_touched=distinct, rel_err_vs_ref=err, peer_rel_err_vs_ref=err_peer,
+    )  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="results JSON path")
+    ap.add_argument("--batches", default="1,16,64,256", help="token counts, comma-separated")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--slots", type=int, default=8, help="adapter slots S")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_lora: needs a CUDA GPU")
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    dev, dt, S, r = "cuda", torch.bfloat16, args.slots, args.rank
+    torch.manual_seed(0)
+    cases = []
+    for proj, (N, bounds) in SHAPES.items():
+        R = (len(bounds) + 1) * r
+        copies = max(1, min(16, L2_SPAN // (S * (R * K + N * r) * 2)))
+        ws = [((torch.randn(S, R, K, device=dev) * K**-0.5).to(dt), (torch.randn(S, N, r, device=dev) * r**-0.5).to(dt))
+              for _ in range(copies)]  # fmt: skip
+        for T in (int(t) for t in args.batches.split(",")):
+            cases.append(measure(proj, N, bounds, T, ws, S, r, bw))
+        del ws
+    write_results(args.out, "bench_lora", torch.cuda.get_device_name(), cases, extra={"copy_bandwidth_Bps": bw})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""Multi-LoRA serving (Punica / S-LoRA style): each token of a batch runs the base model plus its own adapter.
+
+:func:`enable_lora_` wraps every attention and MLP projection of a model's decoder layers in a :class:`LoRALinear`
+with ``max_loras`` slots of stacked adapter weights, and returns the model's :class:`LoRAManager`. Before each
+forward the caller gives the manager the adapter slot of every token (:meth:`LoRAManager.set_tokens`, -1 = the base
+model); each wrapped projection then adds ``B[slot] @ (A[slot] @ x)`` to its base output:
+
+- on a GPU, decode-sized steps (and CUDA graphs, which read the slots from a persistent device buffer) run the
+  batched shrink / expand kernels (``ops.lora_shrink`` / ``ops.lora_expand_``: one adapter per token, BGMV);
+- larger eager steps, and every step on the CPU, group the tokens by adapter and run two GEMMs per adapter
+  present.
+
+Merged projections keep one slice per Hugging Face module: ``qkv_proj`` stacks the ``q_proj`` / ``k_proj`` /
+``v_proj`` A matrices (``[3r, in]``) and gives each output column the B of its slice; ``gate_up_proj`` likewise for
+``gate_proj`` / ``up_proj``. A slot an adapter does not fill (a projection it does not target, ranks below
+``max_rank``) holds zeros.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..ops import lora_expand_, lora_shrink
+from .adapter import LoRAAdapter
+
+# tokens up to which an eager step takes the batched kernels rather than per-adapter GEMMs
+BATCHED_MAX_TOKENS = 64
+
+# our merged projection -> the Hugging Face modules of its slices, in output order
+MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class LoRALinear(nn.Module):
+    """``base(x)`` plus the LoRA of each token's adapter slot (read from ``manager``).
+
+    ``a``: ``[max_loras, n_slices * max_rank, in]``; ``b``: ``[max_loras, out, max_rank]`` (the scaling folded in);
+    ``bounds``: the output column where each slice after the first begins."""
+
+    def __init__(self, base: nn.Module, manager: LoRAManager, slices: tuple[str, ...], sizes: tuple[int, ...],
+                 in_features: int, *, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.base = base
+        self.slices, self.sizes = slices, sizes
+        self.in_features, self.out_features = in_features, sum(sizes)
+        self.bounds = tuple(int(v) for v in np.cumsum(sizes)[:-1])
+        S, r = manager.max_loras, manager.max_rank
+        self.register_buffer("a", torch.zeros(S, len(slices) * r, in_features, device=device, dtype=dtype),
+                             persistent=False)
+        self.register_buffer("b", torch.zeros(S, self.out_features, r, device=device, dtype=dtype), persistent=False)
+        self.__dict__["manager"] = manager  # not a submodule: one manager serves every layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        m = self.manager
+        if not m.active:
+            return y
+        x2, y2 = x.reshape(-1, self.in_features), y.view(-1, self.out_features)
+        groups = m.groups
+        if groups is None:  # the batched kernels, one adapter per token
+            idx = m.indices[: x2.shape[0]]
+            lora_expand_(y2, lora_shrink(x2, self.a, idx), self.b, idx, slice_bounds=self.bounds)
+            return y
+        r = m.max_rank
+        for slot, rows in groups:  # per adapter: two GEMMs over its tokens
+            xs = x2 if rows is None else x2.index_select(0, rows)
+            s = xs @ self.a[slot].t()  # [n, n_slices * r]
+            parts = [s[:, j * r : (j + 1) * r] @ self.b[slot, lo:hi].t()
+                     for j, (lo, hi) in enumerate(zip((0, *self.bounds), (*self.bounds, self.out_features)))]
+            d = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            if rows is None:
+                y2.add_(d)
+            else:
+                y2.index_add_(0, rows, d.to(y2.dtype))
+        return y
+
+    def set_slot(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Fill ``slot`` with one ``(A [r, in], B [size, r])`` per slice (None: the slice is not targeted)."""
+        r = self.manager.max_rank
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        lo = 0
+        for j, (pair, size) in enumerate(zip(pairs, self.sizes)):
+            if pair is not None:
+                a, b = pair
+                k = a.shape[0]
+                self.a[slot, j * r : j * r + k].copy_(a)
+                self.b[slot, lo : lo + size, :k].copy_(b)
+            lo += size
+
+    def extra_repr(self) -> str:
+        return (f"slices={self.slices}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"max_loras={self.a.shape[0]}, max_rank={self.manager.max_rank}")
+
+
+class LoRAManager:
+    """The adapter slots of one model and the current step's token -> slot map.
+
+    ``max_loras`` adapters can be loaded at once, each of rank up to ``max_rank``; ``max_tokens`` bounds the tokens
+    of a step that takes the batched kernels (the persistent ``indices`` buffer CUDA graphs read)."""
+
+    def __init__(self, max_loras: int, max_rank: int, max_tokens: int, *, device: torch.device) -> None:
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.layers: dict[tuple[int, str], LoRALinear] = {}
+        self.slots: dict[str, int] = {}  # adapter name -> slot
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self.device = device
+        self.indices = torch.full((max(max_tokens, 1),), -1, dtype=torch.int32, device=device)
+        self.active = False  # whether this step's forward applies LoRA at all
+        # large eager steps: [(slot, token rows on the device, or None for every token)]
+        self.groups: list[tuple[int, torch.Tensor | None]] | None = None
+
+    # ------------------------------------------------------------------ adapters
+
+    def add(self, adapter: LoRAAdapter) -> int:
+        """Load ``adapter`` into a free slot; returns the slot. ValueError if the name is taken, every slot is
+        full, its rank exceeds ``max_rank``, or it targets a layer / projection this model does not have or with
+        shapes that do not match."""
+        if not isinstance(adapter, LoRAAdapter):
+            raise TypeError(f"adapter must be a LoRAAdapter, got {type(adapter).__name__}")
+        if adapter.name in self.slots:
+            raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded")
+        if adapter.rank > self.max_rank:
+            raise ValueError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank={self.max_rank}")
+        free = sorted(set(range(self.max_loras)) - set(self.slots.values()))
+        if not free:
+            raise ValueError(f"all max_loras={self.max_loras} LoRA slots are taken; remove an adapter first")
+        per_layer = self._place(adapter)
+        slot = free[0]
+        with torch.no_grad():
+            for key, lin in self.layers.items():
+                pairs = per_layer.get(key)
+                if pairs is None:
+                    lin.a[slot].zero_()
+                    lin.b[slot].zero_()
+                else:
+                    lin.set_slot(slot, [None if p is None else (p[0].to(lin.a.dtype), p[1].to(lin.b.dtype))
+                                        for p in pairs])
+        adapter.fingerprint()  # now, not in the first request's admission
+        self.slots[adapter.name] = slot
+        self.adapters[adapter.name] = adapter
+        return slot
+
+    def remove(self, name: str) -> None:
+        """Free ``name``'s slot (ValueError if no such adapter is loaded)."""
+        if name not in self.slots:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
+        del self.slots[name], self.adapters[name]
+
+    def salt(self, name: str) -> bytes:
+        """The prefix-cache key of adapter ``name``'s requests: its weights' digest (the same adapter shares KV
+        across names and engines; a different one under a reused name does not)."""
+        return b"lora:" + self.adapters[name].fingerprint()
+
+    def _place(self, adapter: LoRAAdapter) -> dict[tuple[int, str], list]:
+        """The adapter's pairs by wrapped layer, slice by slice, checked against the model's shapes."""
+        out: dict[tuple[int, str], list] = {}
+        where = {}
+        for (layer, ours), lin in self.layers.items():
+            for j, hf in enumerate(lin.slices):
+                where[(layer, hf)] = ((layer, ours), j)
+        for (layer, module), (a, b) in adapter.weights.items():
+            hit = where.get((layer, module))
+            if hit is None:
+                raise ValueError(f"LoRA adapter {adapter.name!r} targets layer {layer} {module}, which this model "
+                                 "does not have (or does not take LoRA on)")
+            key, j = hit
+            lin = self.layers[key]
+            if a.shape[1] != lin.in_features or b.shape[0] != lin.sizes[j]:
+                raise ValueError(f"LoRA adapter {adapter.name!r}: layer {layer} {module} has A {tuple(a.shape)} / "
+                                 f"B {tuple(b.shape)}; this model's projection is [{lin.sizes[j]}, {lin.in_features}]")
+            out.setdefault(key, [None] * len(lin.slices))[j] = (a, b)
+        return out
+
+    # ------------------------------------------------------------------ steps
+
+    def set_tokens(self, slots: np.ndarray | list[int] | None, *, segments: list[tuple[int, int, int]] | None = None
+                   ) -> None:
+        """The adapter slot of each token of the next eager forward (int, -1 = the base model), or None for none.
+
+        ``segments`` (optional): the same as ``(slot, start, end)`` runs of tokens, which large steps group by."""
+        if slots is None:
+            self.active, self.groups = False, None
+            return
+        slots = np.asarray(slots, dtype=np.int64)
+        T = len(slots)
+        if T == 0 or not (slots >= 0).any():
+            self.active, self.groups = False, None
+            return
+        self.active = True
+        if T <= min(BATCHED_MAX_TOKENS, len(self.indices)) and self.device.type != "cpu":
+            self.groups = None
+            self.indices[:T].copy_(torch.from_numpy(slots.astype(np.int32)))
+            return
+        groups: list[tuple[int, torch.Tensor | None]] = []
+        for slot in np.unique(slots[slots >= 0]).tolist():
+            rows = np.flatnonzero(slots == slot)
+            groups.append((slot, None if len(rows) == T else torch.from_numpy(rows).to(self.device)))
+        self.groups = groups
+
+    def stage_graph(self, slots: np.ndarray, rows: int) -> None:
+        """A captured decode step of ``rows`` rows: write each row's slot (-1 past ``len(slots)``) into the buffer
+        the graphs read (they always apply LoRA once any adapter is loaded)."""
+        buf = np.full(rows, -1, dtype=np.int32)
+        buf[: len(slots)] = slots
+        self.indices[:rows].copy_(torch.from_numpy(buf), non_blocking=False)
+
+    def capturing(self) -> None:
+        """Before capturing decode graphs: LoRA on, through the batched kernels over the persistent buffer."""
+        self.active, self.groups = True, None
+
+
+def enable_lora_(model: nn.Module, *, max_loras: int = 4, max_rank: int = 16, max_tokens: int = 256) -> LoRAManager:
+    """Wrap the decoder layers' attention (``qkv_proj``, ``o_proj``) and gated-MLP (``gate_up_proj``, ``down_proj``)
+    projections of ``model`` in :class:`LoRALinear` (in place) and return its :class:`LoRAManager` (also kept as
+    ``model.lora_manager``). Call it once, after the weights are loaded (quantized bases are fine) and before device
+    layouts (``Engine`` does this when ``max_loras > 0``).
+
+    Raises ValueError for a model without such layers, an already-enabled model, a tensor-parallel model, or bad
+    limits."""
+    for name, v in (("max_loras", max_loras), ("max_rank", max_rank), ("max_tokens", max_tokens)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"enable_lora_: {name} must be an int >= 1, got {v!r}")
+    if getattr(model, "lora_manager", None) is not None:
+        raise ValueError("enable_lora_: LoRA is already enabled on this model")
+    if getattr(model, "tp_size", 1) > 1:
+        raise ValueError("enable_lora_: LoRA is not supported on a tensor-parallel model")
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"enable_lora_: {type(model).__name__} has no model.layers")
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    if not dtype.is_floating_point:
+        dtype = torch.float32
+    manager = LoRAManager(max_loras, max_rank, max_tokens, device=device)
+    for i, layer in enumerate(layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        q_size, kv_size = getattr(attn, "q_size", None), getattr(attn, "kv_size", None)
+        qkv = getattr(attn, "qkv_proj", None)
+        if qkv is not None and q_size is not None and _out(qkv) == q_size + 2 * kv_size:
+            _wrap(manager, attn, "qkv_proj", i, MERGED["qkv_proj"], (q_size, kv_size, kv_size), device, dtype)
+        if getattr(attn, "o_proj", None) is not None:
+            _wrap(manager, attn, "o_proj", i, ("o_proj",), (_out(attn.o_proj),), device, dtype)
+        gu = getattr(mlp, "gate_up_proj", None)
+        if isinstance(gu, nn.Module) and getattr(mlp, "down_proj", None) is not None:
+            half = _out(gu) // 2
+            _unfuse(mlp)
+            _wrap(manager, mlp, "gate_up_proj", i, MERGED["gate_up_proj"], (half, half), device, dtype)
+            _wrap(manager, mlp, "down_proj", i, ("down_proj",), (_out(mlp.down_proj),), device, dtype)
+    if not manager.layers:
+        raise ValueError(f"enable_lora_: {type(model).__name__} has no projections LoRA can target")
+    model.lora_manager = manager
+    return manager
+
+
+def _out(lin: nn.Module) -> int:
+    n = getattr(lin, "out_features", None)
+    if n is None:
+        raise ValueError(f"enable_lora_: cannot tell the output size of {type(lin).__name__}")
+    return int(n)
+
+
+def _wrap(manager: LoRAManager, parent: nn.Module, attr: str, layer: int, slices, sizes, device, dtype) -> None:
+    base = getattr(parent, attr)
+    k = getattr(base, "in_features", None)
+    if k is None:
+        raise ValueError(f"enable_lora_: cannot tell the input size of {type(base).__name__}")
+    lin = LoRALinear(base, manager, tuple(slices), tuple(int(s) for s in sizes), int(k), device=device, dtype=dtype)
+    setattr(parent, attr, lin)
+    manager.layers[(layer, attr)] = lin
+
+
+def _unfuse(mlp: nn.Module) -> None:
+    """An MLP whose class the CUDA layout swapped for its fused-GEMV form goes back to its own class (the fusion
+    would bypass the LoRA of ``gate_up_proj``)."""
+    from ..models.gpu_layout import _GemvFusedMLP
+
+    if isinstance(mlp, _GemvFusedMLP):
+        mlp.__class__ = next(c for c in type(mlp).__mro__[1:] if c is not _GemvFusedMLP and issubclass(c, nn.Module))

@@ -1,0 +1,196 @@
+"""Triton BGMV kernels of multi-LoRA: one token per program row, its adapter's slot read on the device.
+
+Shrink ``s[t] = a[slot_t] @ x[t]``: grid ``(T, R blocks, K splits)``; each program reduces a
+``[BLOCK_R, K / splits]`` strip of its token's A against x in fp32. Small batches split K (summed
+with fp32 atomics into a zeroed output) so that a decode step of one token still spreads its A over
+the GPU instead of one program reading all ``R * K`` weights.
+
+Expand ``y[t, n] += s[t, slice(n)] . b[slot_t, n, :]``: grid ``(T, N blocks)``; each program reads a
+``[BLOCK_N, r]`` tile of its token's B (contiguous: ``b[slot]`` is ``[N, r]`` row-major), picks each
+column's slice of ``s`` with up to three column bounds passed as scalars, and adds in fp32.
+
+Both are memory-bound GEMVs (each token reads its adapter's A and B; tokens sharing an adapter
+re-read it from L2). Nothing here synchronizes or branches on tensor values on the host, so both are
+CUDA-graph capturable; a negative slot makes its programs skip all loads (shrink stores zeros).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from infercore.devices import capability, register
+
+# Elements of weight tile per program: 4096 fp32 partial sums over 128 threads = 32 registers each.
+_TILE = 4096
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, idx_ptr, out_ptr,
+    R, K, K_PER_SPLIT,
+    stride_xt, stride_as, stride_ar, stride_it, stride_ot,
+    ATOMIC: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    slot = tl.load(idx_ptr + t * stride_it).to(tl.int64)
+    if slot >= 0:
+        k_lo = tl.program_id(2) * K_PER_SPLIT
+        k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+        a_rows = a_ptr + slot * stride_as + rows[:, None] * stride_ar
+        acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            kmask = cols < k_hi
+            xv = tl.load(x_ptr + t * stride_xt + cols, mask=kmask, other=0.0).to(tl.float32)
+            av = tl.load(a_rows + cols[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            acc += av * xv[None, :]
+        part = tl.sum(acc, axis=1)
+        if ATOMIC:
+            tl.atomic_add(out_ptr + t * stride_ot + rows, part, mask=rmask, sem="relaxed")
+        else:
+            tl.store(out_ptr + t * stride_ot + rows, part, mask=rmask)
+    elif not ATOMIC:  # the atomic path's output starts zeroed
+        tl.store(out_ptr + t * stride_ot + rows, tl.zeros([BLOCK_R], dtype=tl.float32), mask=rmask)
+
+
+@triton.jit
+def _expand_kernel(
+    y_ptr, s_ptr, b_ptr, idx_ptr,
+    N, RANK, BOUND0, BOUND1, BOUND2,
+    stride_yt, stride_st, stride_bs, stride_bn, stride_it,
+    NSLICES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(idx_ptr + t * stride_it).to(tl.int64)
+    if slot >= 0:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = cols < N
+        b_rows = b_ptr + slot * stride_bs + cols[:, None] * stride_bn
+        s_row = s_ptr + t * stride_st
+        acc = tl.zeros([BLOCK_N, BLOCK_R], dtype=tl.float32)
+        for k0 in range(0, RANK, BLOCK_R):
+            ks = k0 + tl.arange(0, BLOCK_R)
+            kmask = ks < RANK
+            bv = tl.load(b_rows + ks[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            # Each column's slice of s, selected in registers: the (at most 4) slices' r values are
+            # loaded once per program instead of gathered per column.
+            sv = tl.load(s_row + ks, mask=kmask, other=0.0)[None, :]
+            if NSLICES > 1:
+                sv = tl.where(cols[:, None] >= BOUND0, tl.load(s_row + RANK + ks, mask=kmask, other=0.0)[None, :], sv)
+            if NSLICES > 2:
+                s2 = tl.load(s_row + 2 * RANK + ks, mask=kmask, other=0.0)
+                sv = tl.where(cols[:, None] >= BOUND1, s2[None, :], sv)
+            if NSLICES > 3:
+                s3 = tl.load(s_row + 3 * RANK + ks, mask=kmask, other=0.0)
+                sv = tl.where(cols[:, None] >= BOUND2, s3[None, :], sv)
+            acc += bv * sv
+        y_row = y_ptr + t * stride_yt + cols
+        yv = tl.load(y_row, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(y_row, (yv + tl.sum(acc, axis=1)).to(y_ptr.dtype.element_ty), mask=nmask)
+
+
+def _inner_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _target_programs(device: torch.device) -> int:
+    # Enough programs to keep every multiprocessor's memory pipe busy (a few per SM).
+    return 4 * capability(device).multiprocessors
+
+
+def _shrink_config(T: int, R: int, K: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_K, splits of K) from the shapes only (so a captured graph's batch size fixes them)."""
+    block_r = min(triton.next_power_of_2(R), 16)
+    block_k = min(max(_TILE // block_r, 16), triton.next_power_of_2(max(K, 1)))
+    k_blocks = triton.cdiv(K, block_k)
+    base = T * triton.cdiv(R, block_r)
+    split = min(k_blocks, max(1, _target_programs(device) // max(base, 1)))
+    return block_r, block_k, split
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    block_r: int | None = None,
+    block_k: int | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """``out[t] = a[indices[t]] @ x[t]`` fp32 ``[T, R]`` for x ``[T, K]``, a ``[S, R, K]``, indices ``[T]``.
+
+    ``block_r`` / ``block_k`` (powers of two) and ``split_k`` override the shape heuristic (tests, sweeps).
+    """
+    T, K = x.shape
+    R = a.shape[1]
+    br, bk, split = _shrink_config(T, R, K, x.device)
+    br, bk, split = block_r or br, block_k or bk, split_k or split
+    # Every split but the last covers whole K blocks; recount so no split is empty.
+    k_per_split = triton.cdiv(triton.cdiv(K, bk), split) * bk
+    split = max(triton.cdiv(K, k_per_split), 1)
+    atomic = split > 1
+    out = (torch.zeros if atomic else torch.empty)((T, R), dtype=torch.float32, device=x.device)
+    if T == 0:
+        return out
+    x, a = _inner_contiguous(x), _inner_contiguous(a)
+    _shrink_kernel[(T, triton.cdiv(R, br), split)](
+        x, a, indices, out, R, K, k_per_split,
+        x.stride(0), a.stride(0), a.stride(1), indices.stride(0), out.stride(0),
+        ATOMIC=atomic, BLOCK_R=br, BLOCK_K=bk, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def _expand_config(T: int, N: int, r: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_R): a ``_TILE``-element B tile, narrower while the grid is short of programs."""
+    block_r = min(triton.next_power_of_2(r), 64)
+    block_n = min(max(_TILE // block_r, 16), triton.next_power_of_2(max(N, 1)))
+    target = _target_programs(device)
+    while block_n > 32 and T * triton.cdiv(N, block_n) < target:
+        block_n //= 2
+    return block_n, block_r
+
+
+def lora_expand_(
+    y: torch.Tensor,
+    s: torch.Tensor,
+    b: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    slice_bounds: tuple[int, ...] = (),
+    block_n: int | None = None,
+    block_r: int | None = None,
+) -> torch.Tensor:
+    """``y[t, n] += s[t, j*r:(j+1)*r] . b[indices[t], n]`` in place (``j``: slice of column ``n``); returns y.
+
+    ``block_n`` / ``block_r`` (powers of two) override the shape heuristic (tests, sweeps).
+    """
+    if len(slice_bounds) > 3:
+        raise ValueError(f"lora_expand_: the Triton kernel takes at most 3 slice_bounds, got {slice_bounds}")
+    T, N = y.shape
+    r = b.shape[2]
+    bn, br = _expand_config(T, N, r, y.device)
+    bn, br = block_n or bn, block_r or br
+    if T == 0 or N == 0:
+        return y
+    s, b = _inner_contiguous(s), _inner_contiguous(b)
+    bounds = (*slice_bounds, N, N, N)[:3]  # unused bounds: never reached
+    _expand_kernel[(T, triton.cdiv(N, bn))](
+        y, s, b, indices, N, r, *bounds,
+        y.stride(0), s.stride(0), b.stride(0), b.stride(1), indices.stride(0),
+        NSLICES=len(slice_bounds) + 1, BLOCK_N=bn, BLOCK_R=br, num_warps=4,
+    )  # fmt: skip
+    return y
+
+
+_available = lambda cap: cap.is_cuda and cap.triton
+register("lora_shrink", "triton", lora_shrink, priority=10, available=_available)
+register("lora_expand_", "triton", lora_expand_, priority=10, available=_available)

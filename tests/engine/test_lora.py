@@ -1,0 +1,310 @@
+"""Multi-LoRA serving against PEFT: adapters saved by ``peft`` over tiny random transformers models, loaded into the
+engine's slots; each request's greedy tokens equal the PEFT model's with its adapter (or the base model's), in
+mixed batches, with prefix caching kept apart per adapter."""
+
+import json
+import os
+
+import peft
+import pytest
+import torch
+from engine_helpers import hf_greedy, ours_from_hf, tiny_hf
+
+from infercore import Engine, SamplingParams
+from infercore.lora import LoRAAdapter, enable_lora_, load_lora_adapter
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _save_adapter(hf, path, *, r, alpha, targets, seed, rslora=False, layers=None):
+    """A PEFT LoRA adapter over ``hf`` with random A and B (B is zero at PEFT's init), saved to ``path``."""
+    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, use_rslora=rslora,
+                          init_lora_weights=False, layers_to_transform=layers)
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(hf, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(path)
+    merged = model.merge_and_unload()  # the reference: PEFT's own merge (its forward equals the unmerged one)
+    return merged
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    base = tiny_hf("llama")
+    state = {k: v.clone() for k, v in base.state_dict().items()}
+    d = tmp_path_factory.mktemp("lora")
+    refs = {}
+    specs = {"all": dict(r=8, alpha=16, targets=ALL, seed=1),
+             "attn": dict(r=4, alpha=8, targets=["q_proj", "v_proj"], seed=2, rslora=True),
+             "mlp1": dict(r=16, alpha=4, targets=["gate_proj", "down_proj"], seed=3, layers=[1])}
+    for name, spec in specs.items():
+        hf = tiny_hf("llama")
+        hf.load_state_dict(state)
+        refs[name] = _save_adapter(hf, os.path.join(d, name), **spec)
+    base.load_state_dict(state)
+    return base, refs, d
+
+
+def _prompts():
+    return [[(5 * i + 3 * j) % 96 for j in range(4 + 7 * i)] for i in range(5)]
+
+
+def test_loaded_adapter_reads_peft_layout(setup):
+    _, _, d = setup
+    a = load_lora_adapter(os.path.join(d, "attn"))
+    assert a.name == "attn" and a.rank == 4
+    assert {m for _, m in a.weights} == {"q_proj", "v_proj"} and len(a.weights) == 4
+    mlp = load_lora_adapter(os.path.join(d, "mlp1"), name="x")
+    assert {k for k in mlp.weights} == {(1, "gate_proj"), (1, "down_proj")} and mlp.rank == 16
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_mixed_batch_matches_peft(setup, packed):
+    """Five prompts, each under a different adapter or none, in one batch: greedy tokens equal PEFT's merged model
+    per adapter and transformers' base model; a prompt long enough for the grouped-GEMM path (> 64 tokens) too."""
+    base, refs, d = setup
+    eng = Engine(ours_from_hf(base), page_size=4, num_pages=256, max_loras=3, max_lora_rank=16,
+                 cpu_packed_linears=packed)
+    for name in refs:
+        eng.add_lora(name, os.path.join(d, name))
+    assert eng.list_loras() == sorted(refs)
+    prompts = _prompts() + [[(11 * j + 1) % 96 for j in range(90)]]
+    loras = ["all", None, "attn", "mlp1", "all", "attn"]
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), lora=loras)
+    for p, la, o in zip(prompts, loras, outs):
+        ref = base if la is None else refs[la]
+        assert o.token_ids == hf_greedy(ref, p, 10), la
+        if la is not None:  # the adapter changes what the model says (the check above could not pass by accident)
+            assert o.token_ids != hf_greedy(base, p, 10), la
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_graph_runner_stages_each_rows_adapter(setup, async_scheduling):
+    """The CUDA-graph runner's path on the CPU (its graphs replayed eagerly, as captured: LoRA on for every row,
+    the slots read from the staged buffer, the batched shrink / expand ops): tokens equal PEFT's per adapter."""
+    from engine_helpers import EagerGraph, with_fake_graphs
+
+    from infercore.engine.graph_runner import CUDAGraphRunner
+
+    base, refs, d = setup
+    eng = Engine(ours_from_hf(base), page_size=4, num_pages=256, max_num_seqs=8, max_loras=3, max_lora_rank=16,
+                 async_scheduling=async_scheduling)
+    for name in refs:
+        eng.add_lora(name, os.path.join(d, name))
+    gr = with_fake_graphs(eng, CUDAGraphRunner, max_batch=8, buckets=(1, 2, 4))
+    lora = eng.lora
+
+    class Captured(EagerGraph):
+        def replay(self):
+            lora.capturing()  # what the captured kernels do whatever the last eager step set
+            super().replay()
+
+    replays = []
+    for b in gr.buckets:
+        gr.graphs[b] = Captured(gr, b)
+    orig = gr.launch
+    gr.launch = lambda batch, gather=None: (replays.append(len(batch)), orig(batch, gather))[1]
+    prompts = _prompts()
+    loras = ["all", None, "attn", "mlp1", "all"]
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), lora=loras)
+    assert replays and 5 in replays  # a bucket of 8 with three padded rows
+    for p, la, o in zip(prompts, loras, outs):
+        assert o.token_ids == hf_greedy(base if la is None else refs[la], p, 8), la
+
+
+def test_prefix_cache_is_kept_apart_per_adapter(setup):
+    base, refs, d = setup
+    eng = Engine(ours_from_hf(base), page_size=4, num_pages=128, max_loras=2, max_lora_rank=8)
+    eng.add_lora("all", os.path.join(d, "all"))
+    prompt = [(7 * j + 2) % 96 for j in range(33)]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = eng.generate([prompt], sp)[0]
+    lora = eng.generate([prompt], sp, lora="all")[0]
+    assert lora.metrics.num_cached_tokens == 0  # the base model's pages are not the adapter's KV
+    assert lora.token_ids == hf_greedy(refs["all"], prompt, 6) and first.token_ids == hf_greedy(base, prompt, 6)
+    again = eng.generate([prompt], sp, lora="all")[0]
+    assert again.metrics.num_cached_tokens == 32 and again.token_ids == lora.token_ids
+    # the same weights under another name share the KV; removing frees the slot
+    eng.add_lora("same", load_lora_adapter(os.path.join(d, "all")))
+    same = eng.generate([prompt], sp, lora="same")[0]
+    assert same.metrics.num_cached_tokens == 32 and same.token_ids == lora.token_ids
+    eng.remove_lora("same")
+    assert eng.list_loras() == ["all"]
+
+
+def test_streamed_request_and_moved_request_keep_their_adapter(setup):
+    base, refs, d = setup
+    a = Engine(ours_from_hf(base), page_size=4, num_pages=64, max_loras=1, max_lora_rank=8)
+    b = Engine(ours_from_hf(base), page_size=4, num_pages=64, max_loras=1, max_lora_rank=8)
+    for e in (a, b):
+        e.add_lora("all", os.path.join(d, "all"))
+    prompt = _prompts()[3]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    streamed = [t for o in a.stream(prompt, sp, lora="all") for t in o.new_token_ids]
+    want = hf_greedy(refs["all"], prompt, 12)
+    assert streamed == want
+    a.add_request(prompt, sp, request_id="m", lora="all")
+    for _ in range(4):
+        a.step()
+    (req,) = a.take_requests()
+    b.adopt_request(req)
+    outs = []
+    while b.has_unfinished():
+        outs += b.step()
+    assert outs[-1].token_ids == want
+
+
+def test_errors(setup, tmp_path):
+    base, refs, d = setup
+    with pytest.raises(ValueError, match="max_loras"):
+        Engine(ours_from_hf(base), page_size=4, num_pages=16, max_loras=-1)
+    plain = Engine(ours_from_hf(base), page_size=4, num_pages=64)
+    with pytest.raises(ValueError, match="no LoRA slots"):
+        plain.add_lora("x", os.path.join(d, "all"))
+    with pytest.raises(ValueError, match="no adapter named"):
+        plain.add_request([1, 2, 3], lora="x")
+    eng = Engine(ours_from_hf(base), page_size=4, num_pages=64, max_loras=1, max_lora_rank=8)
+    with pytest.raises(ValueError, match="rank 16 > max_lora_rank=8"):
+        eng.add_lora("mlp1", os.path.join(d, "mlp1"))
+    eng.add_lora("all", os.path.join(d, "all"))
+    with pytest.raises(ValueError, match="already loaded"):
+        eng.add_lora("all", os.path.join(d, "all"))
+    with pytest.raises(ValueError, match="slots are taken"):
+        eng.add_lora("attn", os.path.join(d, "attn"))
+    with pytest.raises(TypeError, match="lora must be"):
+        eng.add_request([1, 2, 3], lora=3)
+    eng.add_request([1, 2, 3], SamplingParams(max_tokens=2), lora="all")
+    with pytest.raises(ValueError, match="in use"):
+        eng.remove_lora("all")
+    while eng.has_unfinished():
+        eng.step()
+    eng.remove_lora("all")
+    # a layer the model does not have, a shape that does not match
+    bad = LoRAAdapter("bad", {(5, "q_proj"): (torch.zeros(2, 32), torch.zeros(32, 2))})
+    with pytest.raises(ValueError, match="layer 5 q_proj"):
+        eng.add_lora("bad", bad)
+    bad = LoRAAdapter("bad", {(0, "k_proj"): (torch.zeros(2, 32), torch.zeros(32, 2))})
+    with pytest.raises(ValueError, match="k_proj"):
+        eng.add_lora("bad", bad)
+    with pytest.raises(ValueError, match="not one of"):
+        LoRAAdapter("bad", {(0, "embed"): (torch.zeros(2, 32), torch.zeros(32, 2))})
+    # unsupported PEFT settings
+    cfg = json.load(open(os.path.join(d, "all", "adapter_config.json")))
+    (tmp_path / "dora").mkdir()
+    json.dump({**cfg, "use_dora": True}, open(tmp_path / "dora" / "adapter_config.json", "w"))
+    with pytest.raises(ValueError, match="use_dora"):
+        load_lora_adapter(tmp_path / "dora")
+    with pytest.raises(FileNotFoundError):
+        load_lora_adapter(tmp_path)
+    with pytest.raises(ValueError, match="already enabled"):
+        enable_lora_(eng.model)
+
+
+def test_server_routes_requests_by_model_name(setup):
+    """``model`` picks the adapter; adapters load and unload over HTTP; an unknown name is a 404."""
+    import http.client
+    import threading
+
+    from infercore.serve import make_server
+
+    base, refs, d = setup
+    eng = Engine(ours_from_hf(base), page_size=4, num_pages=128, max_loras=2, max_lora_rank=8)
+    eng.add_lora("all", os.path.join(d, "all"))
+    server = make_server(eng, port=0, model_name="tiny")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def call(method, path, body=None):
+        conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+        conn.request(method, path, body=None if body is None else json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        out = resp.status, json.loads(resp.read())
+        conn.close()
+        return out
+
+    try:
+        prompt = _prompts()[2]
+        req = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+        for model, ref in (("tiny", base), ("all", refs["all"]), (None, base)):
+            status, body = call("POST", "/v1/completions", {**req, **({} if model is None else {"model": model})})
+            assert status == 200, body
+            # without a tokenizer the logprobs name each token by its id
+            assert [int(t) for t in body["choices"][0]["logprobs"]["tokens"]] == hf_greedy(ref, prompt, 6), model
+        status, body = call("POST", "/v1/completions", {**req, "model": "attn"})
+        assert status == 404 and body["error"]["param"] == "model"
+        status, body = call("POST", "/v1/load_lora_adapter",
+                            {"lora_name": "attn", "lora_path": os.path.join(d, "attn")})
+        assert status == 200, body
+        status, body = call("GET", "/v1/models")
+        assert [m["id"] for m in body["data"]] == ["tiny", "all", "attn"] and body["data"][2]["parent"] == "tiny"
+        status, body = call("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": os.path.join(d, "mlp1")})
+        assert status == 400 and "max_lora_rank" in body["error"]["message"]
+        status, body = call("POST", "/v1/unload_lora_adapter", {"lora_name": "attn"})
+        assert status == 200 and eng.list_loras() == ["all"]
+        status, body = call("POST", "/v1/unload_lora_adapter", {"lora_name": "attn"})
+        assert status == 400
+    finally:
+        server.shutdown()
+        server.server_close()
+        server.loop.close()
+
+
+def _smollm2_adapter(path, *, scale, seed=0):
+    """A PEFT-format adapter for SmolLM2-135M's shapes (30 layers, hidden 576, 9 / 3 heads of 64), q / v only."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(30):
+        for mod, out in (("q_proj", 576), ("v_proj", 192)):
+            pre = f"base_model.model.model.layers.{i}.self_attn.{mod}"
+            tensors[f"{pre}.lora_A.weight"] = torch.randn(4, 576, generator=g) * 0.05
+            tensors[f"{pre}.lora_B.weight"] = torch.randn(out, 4, generator=g) * scale
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}, f)
+
+
+def test_cli_generate_through_an_adapter(tmp_path, capsys):
+    """``infercore generate --lora PATH`` on the real SmolLM2 weights: an all-zero adapter answers as the base
+    model does, a random one otherwise; errors exit with 2."""
+    from infercore import cli
+
+    _smollm2_adapter(tmp_path / "zero", scale=0.0)
+    _smollm2_adapter(tmp_path / "rand", scale=0.5)
+    args = ["generate", "What is the capital of France?", "--device", "cpu", "--dtype", "float32",
+            "--max-tokens", "8"]
+    outs = {}
+    for name, extra in (("base", []), ("zero", ["--lora", str(tmp_path / "zero")]),
+                        ("rand", ["--lora", f"mine={tmp_path / 'rand'}"])):
+        assert cli.main(args + extra) == 0
+        outs[name] = capsys.readouterr().out
+    assert outs["zero"] == outs["base"] and outs["rand"] != outs["base"]
+    assert cli.main(args + ["--lora", str(tmp_path / "zero"), "--lora", str(tmp_path / "rand")]) == 2
+    assert cli.main(args + ["--lora", str(tmp_path / "missing")]) == 2
+    assert cli.main(args + ["--lora", str(tmp_path / "rand"), "--max-lora-rank", "2"]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_mixed_adapters_on_cuda_match_peft(setup, async_scheduling):
+    """On CUDA (fp32): decode steps replay the captured graphs with each row's adapter slot staged beside its
+    inputs (the batched shrink / expand kernels), prefill steps take the kernels or the grouped GEMMs; every
+    request's greedy tokens equal PEFT's model with its adapter."""
+    from test_engine_gpu import _ours_on_cuda
+
+    base, refs, d = setup
+    eng = Engine(_ours_on_cuda(base, torch.float32), page_size=16, num_pages=256, max_num_batched_tokens=128,
+                 max_loras=3, max_lora_rank=16, async_scheduling=async_scheduling)
+    assert eng.graph_runner is not None and eng.graph_runner.graphs
+    for name in refs:
+        eng.add_lora(name, os.path.join(d, name))
+    prompts = _prompts() + [[(11 * j + 1) % 96 for j in range(90)], [3, 4, 5]]
+    loras = ["all", None, "attn", "mlp1", "all", "attn", "mlp1"]
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), lora=loras)
+    for p, la, o in zip(prompts, loras, outs):
+        assert o.token_ids == hf_greedy(base if la is None else refs[la], p, 24), la

@@ -299,7 +299,7 @@ def test_mixed_adapters_on_cuda_match_peft(setup, async_scheduling):
 
     base, refs, d = setup
     eng = Engine(_ours_on_cuda(base, torch.float32), page_size=16, num_pages=256, max_num_batched_tokens=128,
-                 max_loras=3, max_lora_rank=16, async_scheduling=async_scheduling)
+                 max_num_seqs=8, max_loras=3, max_lora_rank=16, async_scheduling=async_scheduling)
     assert eng.graph_runner is not None and eng.graph_runner.graphs
     for name in refs:
         eng.add_lora(name, os.path.join(d, name))

@@ -81,6 +81,48 @@ def test_mixed_batch_matches_peft(setup, packed):
             assert o.token_ids != hf_greedy(base, p, 10), la
 
 
+def _tiny_gemma3():
+    """A tiny random Gemma 3 (sliding and global layers), greedy far from ties."""
+    import transformers
+
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], query_pre_attn_scalar=8,
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.mul_(4.0)
+    return hf
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "mistral", "gemma3"])
+def test_other_families_match_peft(kind, tmp_path):
+    """Qwen3 (per-head q / k norms), Mistral (sliding window) and Gemma 3 (its multi-granularity KV layout, sliding
+    and global layers): an adapter over every projection, next to the base model, equals PEFT's."""
+    from infercore.models import Gemma3Config, ModelConfig, build_model
+
+    def make():
+        return _tiny_gemma3() if kind == "gemma3" else tiny_hf(kind)
+
+    base = make()
+    ref = _save_adapter(make(), tmp_path / "a", r=8, alpha=16, targets=ALL, seed=4)
+    cfg = (Gemma3Config if kind == "gemma3" else ModelConfig).from_hf(base.config.to_dict())
+    ours = build_model(cfg, dtype=torch.float32, device=torch.device("cpu"))
+    ours.load_weights(base.state_dict().items())
+    eng = Engine(ours, page_size=4, num_pages=128, max_loras=1, max_lora_rank=8)
+    assert eng.kv_layout == ("multi" if kind == "gemma3" else "dense")
+    eng.add_lora("a", tmp_path / "a")
+    prompts = _prompts()[1:4]
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                        lora=["a", None, "a"])
+    for p, la, o in zip(prompts, ["a", None, "a"], outs):
+        assert o.token_ids == hf_greedy(ref if la else base, p, 10), la
+    assert outs[0].token_ids != hf_greedy(base, prompts[0], 10)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_graph_runner_stages_each_rows_adapter(setup, async_scheduling):
     """The CUDA-graph runner's path on the CPU (its graphs replayed eagerly, as captured: LoRA on for every row,

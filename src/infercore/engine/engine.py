@@ -138,7 +138,7 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = 0
     # Multi-LoRA serving (see infercore.lora): up to ``max_loras`` adapters loaded at once (Engine.add_lora), each
     # of rank up to ``max_lora_rank``; a request names its adapter (``lora=``) or runs the base model. 0 = off (the
-    # projections stay unwrapped). Dense KV layout only.
+    # projections stay unwrapped).
     max_loras: int = 0
     max_lora_rank: int = 16
 
@@ -175,8 +175,6 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_loras must be an int >= 0 (0 = off), got {self.max_loras!r}")
         if not is_int(self.max_lora_rank) or self.max_lora_rank < 1:
             raise ValueError(f"EngineConfig.max_lora_rank must be an int >= 1, got {self.max_lora_rank!r}")
-        if self.max_loras and self.kv_layout not in (None, "dense"):
-            raise ValueError(f"EngineConfig.max_loras: LoRA needs kv_layout='dense' (or None), got {self.kv_layout!r}")
         if not is_int(self.cpu_kv_cache_bytes) or self.cpu_kv_cache_bytes < 0:
             raise ValueError(f"EngineConfig.cpu_kv_cache_bytes must be an int >= 0 (0 = off), got "
                              f"{self.cpu_kv_cache_bytes!r}")
@@ -236,9 +234,6 @@ class Engine:
         self.kv_layout = choose_kv_layout(model, specs, config.kv_layout)
         self.lora: LoRAManager | None = getattr(model, "lora_manager", None)
         if config.max_loras:
-            if self.kv_layout != "dense":
-                raise ValueError(f"EngineConfig.max_loras: LoRA needs the dense KV layout; this model uses "
-                                 f"{self.kv_layout!r}")
             if self.lora is None:  # wrapped before the device layouts below, which then convert the base linears
                 rows = max(min(config.cuda_graph_max_batch, config.max_num_seqs * (1 + config.num_speculative_tokens)),
                            BATCHED_MAX_TOKENS)
@@ -282,7 +277,6 @@ class Engine:
                 cpu_tier=self.cpu_tier,
             )
             self.runner = ModelRunner(model, kv, self.block_manager, device=self.device)
-            self.runner.lora = self.lora
         else:
             budget = self._budget_bytes(specs)
             if getattr(model, "tp_size", 1) > 1:  # equal shards, so the same budget gives every rank the same pools
@@ -299,6 +293,7 @@ class Engine:
             if layout.linear_groups and config.enable_prefix_caching:
                 # Recurrent states are checkpointed only when a step ends exactly on the interval.
                 chunk_boundary = layout.checkpoint_interval
+        self.runner.lora = self.lora
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,

@@ -167,10 +167,6 @@ class CUDAGraphRunner:
         g = self._stage_rows(k, n, b, x.input_ids, x.positions, seq_lens, rows, gather)
         ih[_SLOT * B : _SLOT * B + b] = -1
         ih[_SLOT * B : _SLOT * B + n] = x.slots
-        if getattr(self.runner, "lora", None) is not None:  # each row's adapter slot (-1: the base model)
-            ih[_LORA * B : _LORA * B + b] = -1
-            slots = np.array([r._lora_slot for r in batch.requests], dtype=np.int64)
-            ih[_LORA * B : _LORA * B + n] = slots if n == len(slots) else np.repeat(slots, np.diff(x.cu_seqlens))
         width = table.shape[1]
         ih[_NI * B : _NI * B + n * P].reshape(n, P)[:, :width] = table
         return k, n, b, width, g
@@ -205,6 +201,9 @@ class CUDAGraphRunner:
         ih[_SEED * B : _SEED * B + n] = rt.iparams[rows, 1]
         ih[_OFF * B : _OFF * B + b] = 0
         ih[_OFF * B : _OFF * B + n] = seq_lens - rt.prompt_lens[rows]  # decode: num_tokens == end
+        if getattr(self.runner, "lora", None) is not None:  # each row's adapter slot (-1: the base model)
+            ih[_LORA * B : _LORA * B + b] = -1
+            ih[_LORA * B : _LORA * B + n] = rt.lora[rows]
         g = 0 if gather is None else len(gather.dst)
         if g:
             ih[_GDST * B : _GDST * B + g] = gather.dst

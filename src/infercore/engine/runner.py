@@ -64,7 +64,7 @@ class RowTable:
     ``tables`` int32 ``[R, P]`` (page ids, valid up to ``num_pages[row]``), ``fparams`` fp32 ``[R, 4]``
     (temperature, top_p, min_p, repetition_penalty), ``pf`` fp32 ``[R, 2]`` (presence and frequency
     penalties), ``history`` bool ``[R]`` (``SamplingParams.reads_history``: sampling reads earlier tokens),
-    ``iparams`` int64 ``[R, 2]`` (top_k, seed),
+    ``iparams`` int64 ``[R, 2]`` (top_k, seed), ``lora`` int64 ``[R]`` (the request's LoRA slot, -1 = none),
     ``prompt_lens`` int64 ``[R]``, ``serial`` int64 ``[R]`` (a number no other assignment of the row
     had: lets a cache keyed by row tell a new request, or the same one re-admitted, from the last).
     Rows and columns grow on demand.
@@ -77,6 +77,7 @@ class RowTable:
         self.pf = np.zeros((rows, 2), dtype=np.float32)
         self.history = np.zeros(rows, dtype=bool)
         self.iparams = np.zeros((rows, 2), dtype=np.int64)
+        self.lora = np.full(rows, -1, dtype=np.int64)
         self.prompt_lens = np.zeros(rows, dtype=np.int64)
         self.serial = np.zeros(rows, dtype=np.int64)
         self._assigned = 0
@@ -91,6 +92,7 @@ class RowTable:
         self.pf = np.concatenate([self.pf, np.zeros_like(self.pf)])
         self.history = np.concatenate([self.history, np.zeros_like(self.history)])
         self.iparams = np.concatenate([self.iparams, np.zeros_like(self.iparams)])
+        self.lora = np.concatenate([self.lora, np.full_like(self.lora, -1)])
         self.prompt_lens = np.concatenate([self.prompt_lens, np.zeros_like(self.prompt_lens)])
         self.serial = np.concatenate([self.serial, np.zeros_like(self.serial)])
         self.free.extend(range(new - 1, old - 1, -1))
@@ -105,6 +107,7 @@ class RowTable:
         self.pf[row] = (p.presence_penalty, p.frequency_penalty)
         self.history[row] = p.reads_history
         self.iparams[row] = (p.top_k, req.seed)
+        self.lora[row] = req._lora_slot
         self.prompt_lens[row] = len(req.prompt_token_ids)
         self._assigned += 1
         self.serial[row] = self._assigned

@@ -350,3 +350,33 @@ def test_mixed_adapters_on_cuda_match_peft(setup, async_scheduling):
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), lora=loras)
     for p, la, o in zip(prompts, loras, outs):
         assert o.token_ids == hf_greedy(base if la is None else refs[la], p, 24), la
+
+
+def test_adapter_over_a_quantized_base_matches_peft_on_the_dequantized_weights(setup):
+    """LoRA over INT8 weight-only linears (``quantize(model, "w8a16")``): equals PEFT's adapter over transformers
+    holding the same dequantized weights."""
+    from infercore.quant import quantize
+    from infercore.quant.linear import QuantLinear
+
+    base, refs, d = setup
+    ours = ours_from_hf(base)
+    quantize(ours, "w8a16")
+    hf = tiny_hf("llama")
+    sd = {k: v.clone() for k, v in base.state_dict().items()}
+    for i, layer in enumerate(ours.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        assert isinstance(attn.qkv_proj, QuantLinear)
+        q, k, v = attn.qkv_proj.qweight_format.dequantize().split([attn.q_size, attn.kv_size, attn.kv_size])
+        g, u = mlp.gate_up_proj.qweight_format.dequantize().chunk(2)
+        for name, w in (("self_attn.q_proj", q), ("self_attn.k_proj", k), ("self_attn.v_proj", v),
+                        ("self_attn.o_proj", attn.o_proj.qweight_format.dequantize()), ("mlp.gate_proj", g),
+                        ("mlp.up_proj", u), ("mlp.down_proj", mlp.down_proj.qweight_format.dequantize())):
+            sd[f"model.layers.{i}.{name}.weight"] = w
+    hf.load_state_dict(sd)
+    ref = peft.PeftModel.from_pretrained(hf, os.path.join(d, "all")).merge_and_unload()
+    eng = Engine(ours, page_size=4, num_pages=128, max_loras=1, max_lora_rank=8)
+    eng.add_lora("all", os.path.join(d, "all"))
+    prompts = _prompts()[1:4]
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), lora="all")
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(ref, p, 10)

@@ -58,22 +58,36 @@ class LoRALinear(nn.Module):
             return y
         x2, y2 = x.reshape(-1, self.in_features), y.view(-1, self.out_features)
         groups = m.groups
+        a, b = self.a, self.b
+        if x2.dtype != a.dtype:  # the CPU keeps fp32 slots: its small bf16 GEMMs are slow
+            x2 = x2.to(a.dtype)
         if groups is None:  # the batched kernels, one adapter per token
             idx = m.indices[: x2.shape[0]]
-            lora_expand_(y2, lora_shrink(x2, self.a, idx), self.b, idx, slice_bounds=self.bounds)
+            lora_expand_(y2, lora_shrink(x2, a, idx), b, idx, slice_bounds=self.bounds)
             return y
         r = m.max_rank
-        for slot, rows in groups:  # per adapter: two GEMMs over its tokens
+        edges = tuple(zip((0, *self.bounds), (*self.bounds, self.out_features)))
+        for slot, rows in groups:  # per adapter: a GEMM into the low rank, one per slice out of it
             xs = x2 if rows is None else x2.index_select(0, rows)
-            s = xs @ self.a[slot].t()  # [n, n_slices * r]
-            parts = [s[:, j * r : (j + 1) * r] @ self.b[slot, lo:hi].t()
-                     for j, (lo, hi) in enumerate(zip((0, *self.bounds), (*self.bounds, self.out_features)))]
-            d = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            s = xs @ a[slot].t()  # [n, n_slices * r]
+            if rows is None and y2.dtype == b.dtype:  # every token: accumulate straight into y's slices
+                for j, (lo, hi) in enumerate(edges):
+                    y2[:, lo:hi].addmm_(s[:, j * r : (j + 1) * r], b[slot, lo:hi].t())
+                continue
+            d = torch.empty(len(xs), self.out_features, dtype=b.dtype, device=y2.device)
+            for j, (lo, hi) in enumerate(edges):
+                torch.mm(s[:, j * r : (j + 1) * r], b[slot, lo:hi].t(), out=d[:, lo:hi])
             if rows is None:
                 y2.add_(d)
             else:
                 y2.index_add_(0, rows, d.to(y2.dtype))
         return y
+
+    @property
+    def passthrough(self) -> nn.Module:
+        """The base linear while this step applies no adapter (the fused CPU decoder layers then take it), else
+        this module."""
+        return self if self.manager.active else self.base
 
     def set_slot(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Fill ``slot`` with one ``(A [r, in], B [size, r])`` per slice (None: the slice is not targeted)."""
@@ -231,7 +245,7 @@ def enable_lora_(model: nn.Module, *, max_loras: int = 4, max_rank: int = 16, ma
         raise ValueError(f"enable_lora_: {type(model).__name__} has no model.layers")
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
-    if not dtype.is_floating_point:
+    if not dtype.is_floating_point or device.type == "cpu":  # the CPU's small GEMMs are fastest in fp32
         dtype = torch.float32
     manager = LoRAManager(max_loras, max_rank, max_tokens, device=device)
     for i, layer in enumerate(layers):

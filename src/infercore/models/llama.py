@@ -323,7 +323,10 @@ class LlamaDecoderLayer(nn.Module):
         if type(self) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
             return None
         am, mm = attn._modules, mlp._modules
-        lins = (am["qkv_proj"], am["o_proj"], mm["gate_up_proj"], mm["down_proj"])
+        # a LoRA-wrapped linear (lora.LoRALinear) is its base linear in a step without adapters, else itself (which
+        # the native layer does not take)
+        lins = tuple(getattr(m, "passthrough", m) for m in (am["qkv_proj"], am["o_proj"], mm["gate_up_proj"],
+                                                            mm["down_proj"]))
         w1, w2 = n1._parameters["weight"], n2._parameters["weight"]
         qk = (attn.q_norm, attn.k_norm)  # Qwen3's per-head norms, or None
         # their weights and qkv's bias (Qwen2), or None
@@ -449,6 +452,9 @@ class LlamaForCausalLM(nn.Module):
         (``LlamaDecoderLayer._native_decode``) and all are alike (heads, head_dim, intermediate size, cache shape),
         else None. The table is kept while the layers' descriptors stay the same (their weights and caches)."""
         layers = self.model.layers
+        lora = self.__dict__.get("lora_manager")
+        if lora is not None and lora.active:  # this step applies LoRA adapters: the layers run op by op
+            return None
         if not (len(layers) and cpu_native.layer_stack_on() and _native_step(x, meta)
                 and _codes_readable(layers[0].self_attn, next((kv for kv in kv_caches if hasattr(kv, "k_scale")),
                                                                kv_caches[0]))):  # the layers' shapes alike (below)

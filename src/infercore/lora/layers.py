@@ -7,8 +7,9 @@ model); each wrapped projection then adds ``B[slot] @ (A[slot] @ x)`` to its bas
 
 - on a GPU, decode-sized steps (and CUDA graphs, which read the slots from a persistent device buffer) run the
   batched shrink / expand kernels (``ops.lora_shrink`` / ``ops.lora_expand_``: one adapter per token, BGMV);
-- larger eager steps, and every step on the CPU, group the tokens by adapter and run two GEMMs per adapter
-  present.
+- on the CPU, steps of up to ``BATCHED_MAX_TOKENS`` tokens run one native call per projection
+  (``cpu_native.lora_apply_``: both halves, each token's own adapter, fp32 slots);
+- larger eager steps group the tokens by adapter and run two GEMMs per adapter present.
 
 Merged projections keep one slice per Hugging Face module: ``qkv_proj`` stacks the ``q_proj`` / ``k_proj`` /
 ``v_proj`` A matrices (``[3r, in]``) and gives each output column the B of its slice; ``gate_up_proj`` likewise for
@@ -59,6 +60,9 @@ class LoRALinear(nn.Module):
         x2, y2 = x.reshape(-1, self.in_features), y.view(-1, self.out_features)
         groups = m.groups
         a, b = self.a, self.b
+        hs = m.host_slots
+        if hs is not None and x2.dtype in (torch.float32, torch.bfloat16) and y2.dtype == x2.dtype:
+            return _native().lora_apply_(y2, x2.contiguous(), a, b, hs, self.bounds).view_as(y)
         if x2.dtype != a.dtype:  # the CPU keeps fp32 slots: its small bf16 GEMMs are slow
             x2 = x2.to(a.dtype)
         if groups is None:  # the batched kernels, one adapter per token
@@ -122,6 +126,8 @@ class LoRAManager:
         self.device = device
         self.indices = torch.full((max(max_tokens, 1),), -1, dtype=torch.int32, device=device)
         self.active = False  # whether this step's forward applies LoRA at all
+        # CPU steps of few tokens: each token's slot (int64, on the host) for the native kernel, else None
+        self.host_slots: torch.Tensor | None = None
         # large eager steps: [(slot, token rows on the device, or None for every token)]
         self.groups: list[tuple[int, torch.Tensor | None]] | None = None
 
@@ -194,6 +200,7 @@ class LoRAManager:
         """The adapter slot of each token of the next eager forward (int, -1 = the base model), or None for none.
 
         ``segments`` (optional): the same as ``(slot, start, end)`` runs of tokens, which large steps group by."""
+        self.host_slots = None
         if slots is None:
             self.active, self.groups = False, None
             return
@@ -203,6 +210,8 @@ class LoRAManager:
             self.active, self.groups = False, None
             return
         self.active = True
+        if self.device.type == "cpu" and T <= BATCHED_MAX_TOKENS and _native().available():
+            self.host_slots = torch.from_numpy(np.ascontiguousarray(slots))
         if T <= min(BATCHED_MAX_TOKENS, len(self.indices)) and self.device.type != "cpu":
             self.groups = None
             self.indices[:T].copy_(torch.from_numpy(slots.astype(np.int32)))
@@ -222,7 +231,13 @@ class LoRAManager:
 
     def capturing(self) -> None:
         """Before capturing decode graphs: LoRA on, through the batched kernels over the persistent buffer."""
-        self.active, self.groups = True, None
+        self.active, self.groups, self.host_slots = True, None, None
+
+
+def _native():
+    from ..ops.moe import cpu_native
+
+    return cpu_native
 
 
 def enable_lora_(model: nn.Module, *, max_loras: int = 4, max_rank: int = 16, max_tokens: int = 256) -> LoRAManager:

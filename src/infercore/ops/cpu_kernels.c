@@ -144,6 +144,48 @@ void infercore_silu_and_mul(const void *x, void *out, int64_t T, int64_t d, int 
     }
 }
 
+/* ---- multi-LoRA: one adapter per token (lora.LoRALinear's CPU decode path) --------------------------------- */
+
+/* y [T, N] (dt) += the LoRA of each token t whose slot s = idx[t] is >= 0: lo = A[s] . x[t] (A fp32 [S, R, K]),
+ * then y[t, n] += lo[j * r : (j + 1) * r] . B[s][n] (B fp32 [S, N, r]) for column n of slice j = the number of
+ * bounds b0 <= b1 <= b2 at or below n (unused bounds = N), summed in fp32 and rounded to y's dtype once. */
+void infercore_lora_apply(const void *x, void *y, const float *a, const float *b, const int64_t *idx, int64_t T,
+                          int64_t K, int64_t N, int64_t R, int64_t r, int64_t b0, int64_t b1, int64_t b2, int dt,
+                          int nthreads) {
+    const int bf = dt == 1;
+    const int par = T * (R * K + N * r) >= 262144 && nthreads > 1;
+    float *xf = malloc(sizeof(float) * (size_t)K * (size_t)(par ? nthreads : 1));
+    float *lo = malloc(sizeof(float) * (size_t)R * (size_t)T);
+#pragma omp parallel num_threads(par ? nthreads : 1)
+    {
+        float *xt = xf + (size_t)K * (size_t)omp_get_thread_num();
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t s = idx[t];
+            if (s < 0) continue;
+            ld_row(x, t * K, K, xt, bf);
+            const float *as = a + s * R * K;
+            for (int64_t i = 0; i < R; i++) lo[t * R + i] = dot_f32(as + i * K, xt, K);
+        }
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t c = 0; c < 8; c++) { /* eighths of the columns: work for every thread at one token */
+                const int64_t s = idx[t];
+                if (s < 0) continue;
+                const float *bs = b + s * N * r;
+                for (int64_t n = N * c / 8; n < N * (c + 1) / 8; n++) {
+                    const int64_t j = (n >= b0) + (n >= b1) + (n >= b2);
+                    const float *l = lo + t * R + j * r, *bn = bs + n * r;
+                    float acc = 0.f;
+                    for (int64_t k = 0; k < r; k++) acc += l[k] * bn[k];
+                    st(y, t * N + n, ld(y, t * N + n, bf) + acc, bf);
+                }
+            }
+    }
+    free(xf);
+    free(lo);
+}
+
 /* ---- RoPE (neox, full rotary) with the KV-cache write ----------------------------------------------------- */
 
 /* float8_e4m3fn code of v (|v| <= 448, as the quantizer clamps), rounded to nearest even like torch's conversion:

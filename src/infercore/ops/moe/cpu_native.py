@@ -118,6 +118,8 @@ def _build() -> ctypes.CDLL:
     _F = ctypes.c_float
     dll.infercore_rms_norm.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _F, _F, _INT, _INT, _INT]
     dll.infercore_silu_and_mul.argtypes = [_P, _P, _I64, _I64, _INT, _INT]
+    dll.infercore_lora_apply.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _INT,
+                                         _INT]
     dll.infercore_rope_write_kv.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
                                             _I64, _I64, _I64, _INT, _P, _P, _INT, _INT]
     dll.infercore_att_codes_ok.argtypes = [_I64, _I64]
@@ -851,6 +853,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
     lib.infercore_silu_and_mul(_ptr(x), _ptr(out), x.numel() // (2 * d), d, _DT[x.dtype], torch.get_num_threads())
     return out
+
+
+def lora_apply_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, idx: torch.Tensor,
+                bounds: tuple[int, ...]) -> torch.Tensor:
+    """``y [T, N] += `` each token's LoRA (``ops.lora_shrink`` then ``ops.lora_expand_`` with fp32 slots) in one
+    call: x ``[T, K]`` and y contiguous fp32 / bf16 of one dtype, a fp32 ``[S, R, K]``, b fp32 ``[S, N, r]``
+    (contiguous), idx int64 ``[T]`` on the host (-1: none), at most 3 ``bounds``. Returns y."""
+    lib = _need()
+    T, K = x.shape
+    N, r = b.shape[1], b.shape[2]
+    bnd = (*bounds, N, N, N)[:3]
+    lib.infercore_lora_apply(_ptr(x), _ptr(y), _ptr(a), _ptr(b), _ptr(idx), T, K, N, a.shape[1], r, *bnd,
+                             _DT[x.dtype], torch.get_num_threads())
+    return y
 
 
 _KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2}  # 1-byte caches as the native kernels name them

@@ -78,18 +78,18 @@ def main() -> None:
             loras = names[:B]
             prompts = [ids] * B
 
-            def ours(n: int, loras=loras, prompts=prompts) -> list[list[int]]:
+            def ours(n: int, loras=loras, prompts=prompts, eng=eng) -> list[list[int]]:
                 sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
                 return [o.token_ids for o in eng.generate(prompts, sp, lora=loras)]
 
-            def ours_base(n: int, prompts=prompts) -> list[list[int]]:
+            def ours_base(n: int, prompts=prompts, base=base) -> list[list[int]]:
                 sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
                 return [o.token_ids for o in base.generate(prompts, sp)]
 
             x = torch.tensor(prompts)
 
             @torch.inference_mode()
-            def theirs(n: int, x=x, loras=loras) -> list[list[int]]:
+            def theirs(n: int, x=x, loras=loras, pm=pm, ids=ids) -> list[list[int]]:
                 out = pm.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                                   min_new_tokens=n, do_sample=False, pad_token_id=2, adapter_names=loras)
                 return out[:, len(ids):].tolist()

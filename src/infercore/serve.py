@@ -2,7 +2,8 @@
 
 Endpoints: ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text: request and token counters,
 running / waiting requests, KV pool use, time-to-first-token and latency histograms; :class:`ServerMetrics`),
-``POST /v1/completions`` and ``POST /v1/chat/completions``, each with
+``POST /v1/embeddings`` (``input``: a string, token ids or a list of either; extensions ``pooling`` "last" / "mean" and
+``normalize``), ``POST /v1/completions`` and ``POST /v1/chat/completions``, each with
 ``"stream": true`` (server-sent events ending in ``data: [DONE]``) or a single JSON reply. Sampling fields:
 ``max_tokens`` (``max_completion_tokens`` in chat), ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
 ``stop`` (a string or a list), ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
@@ -38,6 +39,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 from .engine import Engine, RequestOutput, SamplingParams
+from .engine.engine import POOLING
 
 if TYPE_CHECKING:
     from .parallel import AdaptiveEngine, MirroredEngine
@@ -76,15 +78,16 @@ class EngineLoop:
         self.thread = threading.Thread(target=self._run, name="infercore-engine", daemon=True)
         self.thread.start()
 
-    def submit(self, prompt: list[int], params: SamplingParams, out: queue.Queue | None = None, *,
-               lora: str | None = None) -> tuple[str, queue.Queue]:
+    def submit(self, prompt: list[int], params: SamplingParams | None, out: queue.Queue | None = None, *,
+               lora: str | None = None, pooling: str | None = None) -> tuple[str, queue.Queue]:
         """Queue a request (through LoRA adapter ``lora``, or the base model); its outputs arrive on ``out`` (a new
         queue unless given, so several requests can share one) as ``(request id, item)``: a
         :class:`RequestOutput` after each step that advanced it, the exception that refused or failed it, or None
         once it is aborted."""
         rid = f"req-{next(self._ids)}"
         out = queue.Queue() if out is None else out
-        self._inbox.put(("add", rid, prompt, (params, lora), out))
+        kw = {k: v for k, v in (("lora", lora), ("pooling", pooling)) if v is not None}
+        self._inbox.put(("add", rid, prompt, (params, kw), out))
         return rid, out
 
     def call(self, fn, *args):
@@ -114,8 +117,7 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001  (handed to the caller)
                 out.put((False, e))
         elif kind == "add":
-            params, lora = params
-            kw = {} if lora is None else {"lora": lora}  # engines without LoRA need not take the argument
+            params, kw = params  # only the options given: engines without LoRA need not take the argument
             try:
                 self.engine.add_request(prompt, params, request_id=rid, **kw)
             except (ValueError, TypeError) as e:
@@ -323,9 +325,9 @@ def _n(body: dict) -> int:
     return n or 1
 
 
-def _prompt_ids(engine: Engine, body: dict, *, chat: bool) -> list[list[int]]:
-    """The request's prompts as token ids: one chat conversation, or the completion prompt(s) (a string, a list
-    of token ids, or a list of either)."""
+def _prompt_ids(engine: Engine, body: dict, *, chat: bool, key: str = "prompt") -> list[list[int]]:
+    """The request's prompts as token ids: one chat conversation, or the completion prompt(s) (``body[key]``: a
+    string, a list of token ids, or a list of either)."""
     tok = engine.tokenizer
     if chat:
         messages = body.get("messages")
@@ -336,16 +338,16 @@ def _prompt_ids(engine: Engine, body: dict, *, chat: bool) -> list[list[int]]:
         if tok is None:
             raise BadRequest("the model has no tokenizer for chat messages", "messages")
         return [tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)]
-    prompt = body.get("prompt")
+    prompt = body.get(key)
 
     def ids(p) -> list[int]:
         if isinstance(p, str):
             if tok is None:
-                raise BadRequest("the model has no tokenizer; send token ids", "prompt")
+                raise BadRequest("the model has no tokenizer; send token ids", key)
             return tok.encode(p)
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             return p
-        raise BadRequest("prompt must be a string, a list of token ids, or a non-empty list of either", "prompt")
+        raise BadRequest(f"{key} must be a string, a list of token ids, or a non-empty list of either", key)
 
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         return [ids(p) for p in prompt]  # OpenAI's batch form
@@ -426,6 +428,9 @@ class _Handler(BaseHTTPRequestHandler):
         if route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
             self._lora_admin(route)
             return
+        if route == "/v1/embeddings":
+            self._embeddings()
+            return
         if route not in ("/v1/completions", "/v1/chat/completions"):
             self._error(404, f"no route {self.path}")
             return
@@ -476,6 +481,62 @@ class _Handler(BaseHTTPRequestHandler):
         if model not in _loras(eng):
             raise NotFound(f"the model {model!r} does not exist (served: {[self.server.model_name, *_loras(eng)]})")
         return model
+
+    def _embeddings(self) -> None:
+        """``POST /v1/embeddings``: ``input`` (a string, token ids, or a list of either), ``model`` (a LoRA adapter
+        or the base), ``encoding_format`` "float", and the extensions ``pooling`` ("last", the default, or "mean")
+        and ``normalize`` (default true)."""
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+            body = json.loads(self.rfile.read(length) or b"{}")
+            if not isinstance(body, dict):
+                raise BadRequest("the body must be a JSON object")
+            if body.get("encoding_format", "float") != "float":
+                raise BadRequest("encoding_format: only 'float' is served", "encoding_format")
+            pooling = body.get("pooling", "last")
+            if pooling not in POOLING:
+                raise BadRequest(f"pooling must be one of {POOLING}", "pooling")
+            normalize = body.get("normalize", True)
+            if not isinstance(normalize, bool):
+                raise BadRequest("normalize must be a boolean", "normalize")
+            ids = _prompt_ids(self.server.loop.engine, body, chat=False, key="input")
+            lora = self._adapter(body.get("model"))
+        except NotFound as e:
+            self._error(404, str(e), "model")
+            return
+        except BadRequest as e:
+            self._error(400, str(e), e.param)
+            return
+        except (ValueError, TypeError) as e:
+            self._error(400, str(e))
+            return
+        loop = self.server.loop
+        q: queue.Queue = queue.Queue()
+        index = {loop.submit(p, None, q, lora=lora, pooling=pooling)[0]: i for i, p in enumerate(ids)}
+        first = self._first_outputs(q, index)
+        if first is None:
+            return
+        final = {rid: out for rid, out in first if out.finished}
+        while len(final) < len(index):
+            rid, out = q.get()
+            if not isinstance(out, RequestOutput):
+                for other in index:
+                    if other not in final:
+                        loop.abort(other)
+                self._error(500, str(out) if out is not None else "request aborted")
+                return
+            if out.finished:
+                final[rid] = out
+        data, tokens = [], 0
+        for rid, i in sorted(index.items(), key=lambda kv: kv[1]):
+            out = final[rid]
+            e = out.embedding
+            if normalize:
+                e = e / e.norm().clamp_min(1e-12)
+            data.append({"object": "embedding", "index": i, "embedding": e.tolist()})
+            tokens += len(out.prompt_token_ids)
+        self._json(200, {"object": "list", "data": data, "model": body.get("model") or self.server.model_name,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     def _lora_admin(self, route: str) -> None:
         """``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``, run on the engine's thread."""

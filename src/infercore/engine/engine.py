@@ -459,12 +459,15 @@ class Engine:
         request_id: str | None = None,
         chat: bool = False,
         lora: str | None = None,
+        pooling: str | None = None,
     ) -> str:
         """Queue a request; ``prompt`` is text (needs a tokenizer) or a list of token ids.
         With ``chat=True`` the text is wrapped in the tokenizer's chat template as a user turn.
         ``lora`` names a loaded LoRA adapter (:meth:`add_lora`) to run the request through; None = the base model.
+        ``pooling`` ("last" or "mean"): an embedding request (see :meth:`embed`): it computes its prompt and ends,
+        its output's ``embedding`` the pooled final hidden state (not normalized); ``params`` are ignored.
         A request that cannot run raises here (ValueError/TypeError) and nothing is queued."""
-        req = self._new_request(prompt, params, request_id=request_id, chat=chat, lora=lora)
+        req = self._new_request(prompt, params, request_id=request_id, chat=chat, lora=lora, pooling=pooling)
         self._queue(req)
         return req.request_id
 
@@ -511,8 +514,13 @@ class Engine:
             raise ValueError(f"lora: no adapter named {lora!r} is loaded (loaded: {loaded})")
         req.lora, req._lora_slot, req.cache_salt = lora, self.lora.slots[lora], self.lora.salt(lora)
 
-    def _new_request(self, prompt, params, *, request_id, chat: bool, lora: str | None = None) -> Request:
+    def _new_request(self, prompt, params, *, request_id, chat: bool, lora: str | None = None,
+                     pooling: str | None = None) -> Request:
         """Check one submission and build its request, queueing nothing."""
+        if pooling is not None:
+            if pooling not in POOLING:
+                raise ValueError(f"pooling must be one of {POOLING} or None, got {pooling!r}")
+            params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)  # one step: the prompt
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -553,7 +561,7 @@ class Engine:
         if params.guided:
             self._guides.guide_for(params)  # the vocabulary's walk is set up (and a refusal raised) at submission
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        req = Request(rid, ids, params, eos_token_ids=self._eos, seed=seed)
+        req = Request(rid, ids, params, eos_token_ids=self._eos, seed=seed, pooling=pooling)
         self._bind_lora(req, lora)
         return req
 
@@ -958,12 +966,15 @@ class Engine:
         req._reported_text = len(text)
         if finished:
             self.requests.pop(req.request_id, None)
+            if req.pooling is not None and req.embedding is None and req._pooled is not None:
+                pooled = req._pooled.cpu()
+                req.embedding = pooled / len(req.prompt_token_ids) if req.pooling == "mean" else pooled
         lp = req.params.logprobs is not None
         plp = req.params.prompt_logprobs is not None
         return RequestOutput(req.request_id, req.prompt_token_ids, list(out), text, new_ids, new_text, finished,
                              req.finish_reason, req.metrics, logprobs=list(req.logprobs) if lp else None,
                              cumulative_logprob=req.cumulative_logprob if lp else None,
-                             prompt_logprobs=list(req.prompt_logprobs) if plp else None)
+                             prompt_logprobs=list(req.prompt_logprobs) if plp else None, embedding=req.embedding)
 
     # ------------------------------------------------------------------ conveniences
 
@@ -997,10 +1008,41 @@ class Engine:
             self._queue(req)
         return run_to_completion(self, [req.request_id for req in reqs])
 
+    def embed(self, prompts: str | list[int] | Iterable[str | list[int]], *, pooling: str = "last",
+              normalize: bool = True, chat: bool = False, lora: str | list[str | None] | None = None
+              ) -> list[torch.Tensor]:
+        """Embeddings of ``prompts`` (fp32 ``[hidden]`` tensors on the host, in order): the final hidden state
+        (after the model's last norm) of the last prompt token (``pooling="last"``: decoder embedding models such as
+        Qwen3-Embedding or e5-mistral) or the mean over the prompt (``"mean"``), L2-normalized unless
+        ``normalize=False``. The prompts run through the engine like any request (batched, chunked, preempted;
+        "last" takes prefix-cache hits) and may share steps with generation. Pass the text as the model expects it
+        (e.g. with its end-of-text token where its card says so)."""
+        if _one_prompt(prompts):
+            prompts = [prompts]
+        elif isinstance(prompts, Iterable):
+            prompts = list(prompts)
+        else:
+            raise TypeError(f"prompts must be a prompt or an iterable of prompts, got {type(prompts).__name__}")
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora has {len(loras)} entries for {len(prompts)} prompts")
+        reqs = [self._new_request(p, None, request_id=None, chat=chat, lora=la, pooling=pooling)
+                for p, la in zip(prompts, loras)]
+        for req in reqs:
+            req._final_only = True
+            self._queue(req)
+        outs = run_to_completion(self, [req.request_id for req in reqs])
+        embs = [o.embedding for o in outs]
+        return [torch.nn.functional.normalize(e, dim=0) for e in embs] if normalize else embs
+
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False,
                lora: str | None = None) -> Iterator[RequestOutput]:
         """Yield this request's output after every step that advanced it (``new_text`` is the delta)."""
         return stream_outputs(self, self.add_request(prompt, params, chat=chat, lora=lora))
+
+
+# Engine.embed's pooling modes
+POOLING = ("last", "mean")
 
 
 def run_to_completion(driver, ids: list[str]) -> list[RequestOutput]:

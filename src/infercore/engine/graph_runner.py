@@ -145,8 +145,9 @@ class CUDAGraphRunner:
         if not self.graphs or batch.num_tokens > self.B:
             return False
         reqs = batch.requests
-        if batch.num_tokens == len(batch):
-            return all(r.num_computed_tokens + 1 == r.num_tokens for r in reqs)
+        if batch.num_tokens == len(batch):  # (a pooling request's one-token prompt needs its hidden state: eager)
+            return all(r.num_computed_tokens + 1 == r.num_tokens and (r.num_computed_tokens or r.pooling is None)
+                       for r in reqs)
         # speculative verification: each request feeds its last token and its draft
         return self.draft_rows and all(r.num_computed_tokens + 1 == r.num_tokens and n == 1 + len(r.spec_token_ids)
                                        for r, n in zip(reqs, batch.num_new_tokens))

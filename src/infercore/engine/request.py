@@ -68,6 +68,9 @@ class RequestOutput:
     cumulative_logprob: float | None = None
     # SamplingParams.prompt_logprobs: None for position 0, then one {token id: log-probability} per prompt position
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Engine.embed / add_request(pooling=...): the prompt's pooled final hidden state (fp32 [hidden] on the host,
+    # not normalized), once finished
+    embedding: Any = None
 
 
 @dataclass(eq=False)
@@ -110,6 +113,12 @@ class Request:
     lora: str | None = None
     _lora_slot: int = -1
     cache_salt: bytes | None = None
+    # pooling requests (Engine.embed): "last" or "mean" (None: an ordinary request); the pooled state so far (fp32
+    # [hidden] on the device) and how many prompt positions it holds (a recomputed position is not added twice)
+    pooling: str | None = None
+    _pooled: Any = field(default=None, repr=False)
+    _pooled_upto: int = 0
+    embedding: Any = field(default=None, repr=False)  # the pooled state on the host once finished ("mean": the mean)
 
     def __post_init__(self) -> None:
         self._all = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -268,8 +268,9 @@ class ModelRunner:
             slots = [r._lora_slot for r in batch.requests]
             self.lora.set_tokens(np.repeat(slots, batch.num_new_tokens) if max(slots) >= 0 else None)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if any(r.params.prompt_logprobs is not None for r in batch.requests):
+        if any(r.params.prompt_logprobs is not None or r.pooling is not None for r in batch.requests):
             self._prompt_logprobs(batch, hidden)
+            self._pool(batch, hidden)
         rows = np.asarray(rows, dtype=np.int64)
         if not rows.size:
             return [], None
@@ -328,6 +329,27 @@ class ModelRunner:
             for a, v in zip(ids[i][:k], top[i][:k]):
                 d.setdefault(a, v)
             req.prompt_logprobs[t] = d  # prompt position t
+
+    @staticmethod
+    def _pool(batch: ScheduledBatch, hidden: torch.Tensor) -> None:
+        """Add this chunk's prompt rows of the batch's pooling requests to ``Request._pooled`` (fp32, on the device):
+        "last" keeps the last prompt position's row, "mean" sums the rows of positions not added before."""
+        off = 0
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            mode = req.pooling
+            if mode is not None:
+                plen = len(req.prompt_token_ids)
+                c = req.num_computed_tokens  # before this step
+                if mode == "last":
+                    if c < plen <= c + n:
+                        req._pooled = hidden[off + plen - 1 - c].float()
+                else:
+                    lo, hi = max(c, req._pooled_upto), min(c + n, plen)
+                    if lo < hi:
+                        part = hidden[off + lo - c : off + hi - c].float().sum(0)
+                        req._pooled = part if req._pooled is None else req._pooled + part
+                        req._pooled_upto = hi
+            off += n
 
     def sample_tokens(self, reqs: list[Request], logits: torch.Tensor, ahead: np.ndarray | None = None
                       ) -> torch.Tensor:

@@ -151,15 +151,15 @@ class Scheduler:
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             req = self.waiting[i]
             tokens = req.all_token_ids
-            if self.share_prefills:
+            # a request that reports its prompt's log-probabilities, or pools over all of it, computes every position
+            most = 0 if req.params.prompt_logprobs is not None or req.pooling == "mean" else len(tokens) - 1
+            if self.share_prefills and most:
                 if sources is None:  # only in steps that admit: a decode-only step pays nothing
                     sources = [r for r in self.running if self._publishes_later(r)]
                 if sources and self._wait_for_prefill(req, sources):
                     i += 1
                     continue
             room = len(tokens)
-            # a request that reports its prompt's log-probabilities computes every prompt position
-            most = 0 if req.params.prompt_logprobs is not None else len(tokens) - 1
             if self.lazy_prefill_alloc:
                 room = min(room, self.bm.match_prefix(tokens, max_cached_tokens=most, extra_key=req.cache_salt)
                            + budget)

@@ -1,0 +1,111 @@
+"""Embeddings (``Engine.embed``, ``add_request(pooling=...)``, the server's ``/v1/embeddings``): the final hidden
+state of the last prompt token, or the mean over the prompt, against transformers' ``last_hidden_state`` of the same
+tiny random models; through chunked prefill, the prefix cache, batches shared with generation, and a LoRA adapter."""
+
+import http.client
+import json
+import threading
+
+import pytest
+import torch
+from engine_helpers import hf_greedy, ours_from_hf, tiny_hf
+
+from infercore import Engine, SamplingParams
+
+
+def _prompts():
+    return [[(7 * i + 3 * j + 1) % 96 for j in range(1 + 9 * i)] for i in range(5)]  # 1 .. 37 tokens
+
+
+@torch.inference_mode()
+def _hf_embedding(hf, prompt, pooling):
+    h = hf.model(torch.tensor([prompt])).last_hidden_state[0].float()  # after the final norm
+    e = h[-1] if pooling == "last" else h.mean(0)
+    return torch.nn.functional.normalize(e, dim=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_embeddings_match_transformers(kind, pooling):
+    hf = tiny_hf(kind)
+    # chunks of 8 tokens: the longer prompts pool over several steps
+    eng = Engine(ours_from_hf(hf), page_size=4, num_pages=128, max_num_batched_tokens=8)
+    prompts = _prompts()
+    embs = eng.embed(prompts, pooling=pooling)
+    for p, e in zip(prompts, embs):
+        assert e.shape == (hf.config.hidden_size,) and e.dtype == torch.float32
+        torch.testing.assert_close(e, _hf_embedding(hf, p, pooling), atol=2e-5, rtol=1e-4)
+    # again: "last" takes the prefix cache's pages (all but the last token), "mean" computes every position
+    again = eng.embed(prompts, pooling=pooling)
+    for a, b in zip(embs, again):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    raw = eng.embed(prompts[2], pooling=pooling, normalize=False)[0]
+    torch.testing.assert_close(torch.nn.functional.normalize(raw, dim=0), embs[2], atol=1e-6, rtol=1e-5)
+    assert raw.norm() > 1.5  # not normalized
+
+
+def test_embedding_requests_share_steps_with_generation():
+    hf = tiny_hf("llama")
+    eng = Engine(ours_from_hf(hf), page_size=4, num_pages=128, max_num_batched_tokens=16)
+    prompts = _prompts()
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    gen = [eng.add_request(p, sp) for p in prompts[1:3]]
+    emb = [eng.add_request(p, pooling="mean") for p in prompts]
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+    for rid, p in zip(gen, prompts[1:3]):
+        assert outs[rid].token_ids == hf_greedy(hf, p, 12) and outs[rid].embedding is None
+    for rid, p in zip(emb, prompts):
+        e = torch.nn.functional.normalize(outs[rid].embedding, dim=0)
+        torch.testing.assert_close(e, _hf_embedding(hf, p, "mean"), atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="pooling must be one of"):
+        eng.add_request([1, 2], pooling="cls")
+    with pytest.raises(ValueError, match="pooling must be one of"):
+        eng.embed([[1, 2]], pooling="max")
+
+
+def test_embeddings_endpoint():
+    from infercore.serve import make_server
+
+    hf = tiny_hf("llama")
+    eng = Engine(ours_from_hf(hf), page_size=4, num_pages=128)
+    server = make_server(eng, port=0, model_name="tiny")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def post(body):
+        conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+        conn.request("POST", "/v1/embeddings", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        out = resp.status, json.loads(resp.read())
+        conn.close()
+        return out
+
+    try:
+        prompts = _prompts()[1:4]
+        status, body = post({"input": prompts, "model": "tiny"})
+        assert status == 200, body
+        assert body["object"] == "list" and [d["index"] for d in body["data"]] == [0, 1, 2]
+        assert body["usage"]["prompt_tokens"] == sum(map(len, prompts))
+        for d, p in zip(body["data"], prompts):
+            assert d["object"] == "embedding"
+            torch.testing.assert_close(torch.tensor(d["embedding"]), _hf_embedding(hf, p, "last"), atol=2e-5,
+                                       rtol=1e-4)
+        status, body = post({"input": prompts[0]})  # one prompt of token ids
+        assert status == 200 and len(body["data"]) == 1
+        status, body = post({"input": prompts[0], "pooling": "mean"})
+        torch.testing.assert_close(torch.tensor(body["data"][0]["embedding"]), _hf_embedding(hf, prompts[0], "mean"),
+                                   atol=2e-5, rtol=1e-4)
+        for bad, param in (({}, "input"), ({"input": []}, "input"), ({"input": [[]]}, "input"),
+                           ({"input": [1, 2], "pooling": "max"}, "pooling"),
+                           ({"input": [1, 2], "encoding_format": "base64"}, "encoding_format")):
+            status, body = post(bad)
+            assert status == 400 and body["error"]["param"] == param, (bad, body)
+        status, body = post({"input": "text"})  # no tokenizer
+        assert status == 400
+    finally:
+        server.shutdown()
+        server.server_close()
+        server.loop.close()

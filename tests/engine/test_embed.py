@@ -109,3 +109,25 @@ def test_embeddings_endpoint():
         server.shutdown()
         server.server_close()
         server.loop.close()
+
+
+def test_real_smollm2_embeddings_match_transformers():
+    """SmolLM2-135M-Instruct's own weights (fp32): last-token and mean embeddings of two texts equal transformers'
+    LlamaModel on the same dequantized weights."""
+    import transformers
+
+    from infercore.loading import default_model_path, load_checkpoint
+
+    eng = Engine.from_pretrained(device="cpu", dtype=torch.float32)
+    ckpt = load_checkpoint(default_model_path())
+    hf = transformers.LlamaForCausalLM(transformers.AutoConfig.for_model(**ckpt.config)).eval()
+    hf.load_state_dict({k: v.float() for k, v in ckpt.weights()}, strict=False)
+    texts = ["The capital of France is Paris.", "A lighthouse keeper wrote a letter to the sea every night."]
+    for pooling in ("last", "mean"):
+        embs = eng.embed(texts, pooling=pooling)
+        for t, e in zip(texts, embs):
+            want = _hf_embedding(hf, eng.tokenizer.encode(t), pooling)
+            torch.testing.assert_close(e, want, atol=1e-4, rtol=1e-3)
+    # different texts, different directions
+    a, b = eng.embed(texts)
+    assert float(a @ b) < 0.99

@@ -22,6 +22,7 @@ from ..models.gpu_layout import use_triton_gemv_
 from ..models.layout import pack_linears_for_cpu_
 from ..ops import token_logprobs
 from .detok import IncrementalDetokenizer, full_text
+from .draft import DraftModelProposer
 from .graph_runner import CUDAGraphRunner, HybridCUDAGraphRunner
 from .guided import GuideSet
 from .hybrid import HybridModelRunner, build_hybrid_kv, choose_kv_layout, fits
@@ -208,7 +209,8 @@ class Engine:
     ``compute_logits``, ``kv_specs``); ``tokenizer`` is optional (token ids in and out without it).
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None, **kwargs):
+    def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None, *,
+                 draft_model: torch.nn.Module | None = None, **kwargs):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if config is None:
@@ -294,6 +296,9 @@ class Engine:
                 # Recurrent states are checkpointed only when a step ends exactly on the interval.
                 chunk_boundary = layout.checkpoint_interval
         self.runner.lora = self.lora
+        self.draft: DraftModelProposer | None = None
+        if draft_model is not None:
+            self.draft = self._draft_proposer(draft_model)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -352,6 +357,7 @@ class Engine:
         quantization: str | None = None,
         host_experts: bool | str = False,
         host_expert_layers: int | None = None,
+        draft_model: str | None = None,
         **kwargs,
     ) -> Engine:
         """Load a checkpoint (HF safetensors directory or GGUF file; default: the SmolLM2-135M-Instruct
@@ -366,6 +372,9 @@ class Engine:
         ``hf_quant_config.json``) loads quantized as it is (:mod:`infercore.loading.prequantized`,
         :mod:`infercore.loading.prequantized_fp4`, :mod:`infercore.loading.prequantized_fp8`; ``quantization``
         must then be None).
+
+        ``draft_model``: a smaller checkpoint of the same vocabulary, loaded in the same dtype on the same device, that
+        proposes ``num_speculative_tokens`` tokens per decoding request (speculative decoding with a draft model).
 
         ``quantization``: None keeps the checkpoint's weights dense (GGUF blocks dequantized at load);
         ``"gguf"`` runs a GGUF checkpoint's block-quantized linears as stored
@@ -414,7 +423,28 @@ class Engine:
             from ..quant import quantize
 
             quantize(model, quantization)
+        if draft_model is not None:
+            kwargs["draft_model"] = load_model(draft_model, dtype=dtype, device=device)[0]
         return cls(model, tokenizer, **kwargs)
+
+    def _draft_proposer(self, draft: torch.nn.Module) -> DraftModelProposer:
+        """Check ``draft`` against the target and build its proposer (its own KV pool of as many pages)."""
+        if not isinstance(draft, torch.nn.Module):
+            raise TypeError(f"draft_model must be a torch.nn.Module, got {type(draft).__name__}")
+        if not self.config.num_speculative_tokens:
+            raise ValueError("draft_model: set num_speculative_tokens (the draft's length) too")
+        p = next(draft.parameters(), None)
+        if p is None or p.device != self.device:
+            raise ValueError(f"draft_model must live on the target's device ({self.device})")
+        dv = getattr(getattr(draft, "config", None), "vocab_size", None)
+        if dv is not None and self.vocab_size is not None and dv != self.vocab_size:
+            raise ValueError(f"draft_model: its vocabulary ({dv}) is not the target's ({self.vocab_size})")
+        if self.config.cpu_packed_linears and self.device.type == "cpu":
+            pack_linears_for_cpu_(draft)
+        elif self.config.gpu_gemv_linears and self.device.type == "cuda":
+            use_triton_gemv_(draft, max_m=16)
+        return DraftModelProposer(draft, num_pages=self.block_manager.num_pages, page_size=self.config.page_size,
+                                  device=self.device)
 
     def _budget_bytes(self, specs) -> int:
         budget = self.config.kv_cache_bytes
@@ -777,14 +807,22 @@ class Engine:
         ``engine/speculative.py``): never more tokens than it may still generate, less one, or than its
         context has positions left."""
         cfg = self.config
+        wanted = []
         for req in self.scheduler.running:
             p = req.params
             if req.num_tokens - req.num_computed_tokens != 1:
                 continue
             k = min(cfg.num_speculative_tokens, p.max_tokens - len(req.output_token_ids) - 1,
                     self.max_model_len - req.num_tokens)
+            if self.draft is not None:  # the draft model's greedy continuation, batched below
+                req.spec_token_ids.clear()
+                if k > 0:
+                    wanted.append((req, k))
+                continue
             req.spec_token_ids[:] = propose_ngram(req.all_token_ids, k, min_n=cfg.prompt_lookup_min,
                                                   max_n=cfg.prompt_lookup_max)
+        if self.draft is not None:
+            self.draft.propose(wanted, self.scheduler.running)
 
     def _launch(self, batch: ScheduledBatch, prev: _Step | None) -> _Step | None:
         """Enqueue ``batch`` on the device; ``prev`` (async) is the step whose tokens are still there."""

@@ -66,6 +66,7 @@ def _generate(args: argparse.Namespace) -> int:
         _cpu_kv_bytes(args)  # checked before the ranks start
         _int8_activations(args)
         adapters, lora_kw = _loras(args)
+        _draft(args)  # refused with several ranks, before they start
         if len(adapters) > 1:
             raise ValueError("--lora: generate runs one prompt through one adapter; give one")
         if _multi_rank(args):
@@ -73,7 +74,8 @@ def _generate(args: argparse.Namespace) -> int:
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                         num_speculative_tokens=args.num_speculative_tokens,
-                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args), **_host_experts(args), **lora_kw)
+                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args), **_host_experts(args), **lora_kw,
+                                        **_draft(args))
         _add_loras(engine, adapters)
     except (OSError, ValueError, TypeError, ImportError) as e:  # OSError: unreadable files too
         print(f"infercore: {e}", file=sys.stderr)
@@ -137,6 +139,18 @@ def _loras(args: argparse.Namespace) -> tuple[list, dict]:
         raise ValueError(f"--lora: adapter names must differ, got {names}")
     rank = getattr(args, "max_lora_rank", None) or max(a.rank for a in adapters)
     return adapters, {"max_loras": len(adapters), "max_lora_rank": rank}
+
+
+def _draft(args: argparse.Namespace) -> dict:
+    """``--draft-model PATH`` as ``Engine.from_pretrained`` takes it (checked against the other flags first)."""
+    path = getattr(args, "draft_model", None)
+    if path is None:
+        return {}
+    if _multi_rank(args):
+        raise ValueError("--draft-model: not supported with --tensor-parallel / --expert-parallel / --adaptive")
+    if not getattr(args, "num_speculative_tokens", 0):
+        raise ValueError("--draft-model: set --num-speculative-tokens K (the draft's length) too")
+    return {"draft_model": path}
 
 
 def _add_loras(engine, adapters: list) -> None:
@@ -294,6 +308,7 @@ def _serve(args: argparse.Namespace) -> int:
         _cpu_kv_bytes(args)
         _int8_activations(args)
         adapters, lora_kw = _loras(args)
+        _draft(args)
         if getattr(args, "max_loras", 0):  # room for adapters loaded while serving (POST /v1/load_lora_adapter)
             lora_kw = {"max_lora_rank": 16, **lora_kw, "max_loras": max(args.max_loras, len(adapters))}
             if getattr(args, "max_lora_rank", None):
@@ -303,7 +318,8 @@ def _serve(args: argparse.Namespace) -> int:
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                         num_speculative_tokens=args.num_speculative_tokens,
-                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args), **_host_experts(args), **lora_kw)
+                                        cpu_kv_cache_bytes=_cpu_kv_bytes(args), **_host_experts(args), **lora_kw,
+                                        **_draft(args))
         _add_loras(engine, adapters)
         _run_server(engine, args)
     except (OSError, ValueError, TypeError, ImportError) as e:
@@ -400,7 +416,11 @@ def main(argv: list[str] | None = None) -> int:
                             "--device (default: all)")
         q.add_argument("--num-speculative-tokens", default=0, type=int, metavar="K",
                        help="speculative decoding by prompt lookup: draft up to K tokens from n-grams of the "
-                            "request's own text, verified in one forward (default 0: off)")
+                            "request's own text, verified in one forward (default 0: off); with --draft-model, "
+                            "K tokens of the draft model")
+        q.add_argument("--draft-model", default=None, type=_model_path, metavar="PATH",
+                       help="a smaller checkpoint of the same vocabulary that drafts --num-speculative-tokens tokens "
+                            "(speculative decoding with a draft model; one process only)")
         q.add_argument("--cpu-kv-cache-gb", default=0.0, type=float, metavar="GB",
                        help="host memory for a CPU tier under the prefix cache: cached KV pages the GPU pool "
                             "reuses are copied there and copied back when a prompt continues them (default 0: "

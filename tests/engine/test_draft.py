@@ -92,3 +92,17 @@ def test_real_smollm2_drafting_for_itself():
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     drafted = sum(o.metrics.num_draft_tokens for o in got)
     assert drafted > 0 and sum(o.metrics.num_accepted_tokens for o in got) >= 0.9 * drafted
+
+
+def test_cli_generate_with_a_draft_model(capsys):
+    from infercore import cli
+    from infercore.loading import default_model_path
+
+    args = ["generate", "What is 2 + 2?", "--device", "cpu", "--dtype", "float32", "--max-tokens", "8"]
+    assert cli.main(args) == 0
+    plain = capsys.readouterr().out
+    assert cli.main(args + ["--num-speculative-tokens", "3", "--draft-model", str(default_model_path())]) == 0
+    assert capsys.readouterr().out == plain
+    assert cli.main(args + ["--draft-model", str(default_model_path())]) == 2  # no --num-speculative-tokens
+    assert cli.main(args + ["--num-speculative-tokens", "3", "--draft-model", str(default_model_path()),
+                            "--tensor-parallel", "3"]) == 2

@@ -337,7 +337,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.next_id = 0
-        # req -> {"tokens": list, "computed": int}
+        # req -> {"tokens": list, "computed": int, "key": its prefix-cache salt}
         self.reqs: dict[int, dict] = {}
         # slot -> token prefix whose KV was written there
         self.shadow: dict[int, tuple[int, ...]] = {}
@@ -363,7 +363,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             # Writing into a page someone else reads, or a published page, corrupts the cache.
             assert self.bm._ref[page] == 1, "write into a shared page"
             assert self.bm._page_hash[page] is None, "write into a cached page"
-            self.shadow[slot] = tuple(tokens[: pos + 1])
+            self.shadow[slot] = (self.reqs[rid]["key"], tuple(tokens[: pos + 1]))
 
     def _compute(self, rid: int, chunk: int) -> None:
         r = self.reqs[rid]
@@ -382,10 +382,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         extra=st.integers(-4, 4),
         cap_slack=st.integers(0, 2),
         prefill=st.booleans(),
+        key=st.sampled_from([None, None, b"lora-a", b"lora-b"]),
     )
     def allocate(
-        self, base: list[int], head: int, tail: list[int], extra: int, cap_slack: int, prefill: bool
+        self, base: list[int], head: int, tail: list[int], extra: int, cap_slack: int, prefill: bool,
+        key: bytes | None,
     ) -> None:
+        # ``key``: the prefix-cache salt (a LoRA adapter's): KV computed under one key is never another's hit
         # Prompts share prefixes of a few base sequences, so hits (and near misses) are common.
         prompt = base[:head] + tail
         assume(prompt)
@@ -393,9 +396,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         num_tokens = max(0, len(prompt) + extra)
         max_cached = max(0, len(prompt) - cap_slack)
         could_fit = self.bm.can_allocate(num_tokens)
-        expected_hit = self.bm.match_prefix(prompt, max_cached_tokens=max_cached)
+        expected_hit = self.bm.match_prefix(prompt, max_cached_tokens=max_cached, extra_key=key)
         before = snapshot(self.bm)
-        cached = self.bm.allocate(rid, prompt, num_tokens, max_cached_tokens=max_cached)
+        cached = self.bm.allocate(rid, prompt, num_tokens, max_cached_tokens=max_cached, extra_key=key)
         if cached is None:
             assert snapshot(self.bm) == before
             # Prefix hits can only reduce the need, so a refusal implies plain shortage.
@@ -413,8 +416,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert len(table) == max(self.bm.num_pages_for(num_tokens), cached // ps)
         # The hit's KV must be exactly that of this prompt's prefix.
         for pos, slot in zip(range(cached), self.bm.slot_mapping(rid, 0, cached)):
-            assert self.shadow.get(slot) == tuple(prompt[: pos + 1]), "prefix hit returned foreign KV"
-        self.reqs[rid] = {"tokens": list(prompt), "computed": cached}
+            assert self.shadow.get(slot) == (key, tuple(prompt[: pos + 1])), "prefix hit returned foreign KV"
+        self.reqs[rid] = {"tokens": list(prompt), "computed": cached, "key": key}
         if prefill:  # the engine usually runs the first chunk in the same step
             self._compute(rid, len(prompt))
 
@@ -467,14 +470,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         # Nobody overwrote or evicted KV that a live request has computed.
         for rid, r in self.reqs.items():
             for pos, slot in zip(range(r["computed"]), self.bm.slot_mapping(rid, 0, r["computed"])):
-                assert self.shadow[slot] == tuple(r["tokens"][: pos + 1])
+                assert self.shadow[slot] == (r["key"], tuple(r["tokens"][: pos + 1]))
         # Every cached page holds the KV its recorded tokens say.
         ps = self.bm.page_size
         for page, tokens in enumerate(self.bm._page_tokens):
             if tokens is not None:
                 written = [self.shadow.get(page * ps + i) for i in range(ps)]
                 assert all(w is not None for w in written)
-                assert tuple(w[-1] for w in written) == tokens
+                assert tuple(w[1][-1] for w in written) == tokens
 
     def teardown(self) -> None:
         if not hasattr(self, "bm"):

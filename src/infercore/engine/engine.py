@@ -21,12 +21,13 @@ from ..lora.layers import BATCHED_MAX_TOKENS
 from ..models.gpu_layout import use_triton_gemv_
 from ..models.layout import pack_linears_for_cpu_
 from ..ops import token_logprobs
+from .beam import BeamSequence, beam_search
 from .detok import IncrementalDetokenizer, full_text
 from .draft import DraftModelProposer
 from .graph_runner import CUDAGraphRunner, HybridCUDAGraphRunner
 from .guided import GuideSet
 from .hybrid import HybridModelRunner, build_hybrid_kv, choose_kv_layout, fits
-from .params import SamplingParams
+from .params import MAX_LOGPROBS, SamplingParams
 from .request import Request, RequestOutput, Status
 from .runner import Gather, ModelRunner
 from .scheduler import ScheduledBatch, Scheduler
@@ -1072,6 +1073,36 @@ class Engine:
         outs = run_to_completion(self, [req.request_id for req in reqs])
         embs = [o.embedding for o in outs]
         return [torch.nn.functional.normalize(e, dim=0) for e in embs] if normalize else embs
+
+    def beam_search(self, prompts: str | list[int] | Iterable[str | list[int]], *, beam_width: int = 4,
+                    max_tokens: int = 16, length_penalty: float = 1.0, early_stopping: bool = False,
+                    ignore_eos: bool = False, chat: bool = False, lora: str | list[str | None] | None = None
+                    ) -> list[list[BeamSequence]]:
+        """Beam search (Hugging Face's ``generate(num_beams=beam_width)`` semantics, ``engine/beam.py``): for each
+        prompt, its best ``beam_width`` hypotheses, best first (:class:`~infercore.engine.beam.BeamSequence`: tokens,
+        text, summed log-probability, the ``length_penalty``-normalized score, finish reason). Every step runs the
+        live beams of all prompts as one-token requests in the engine's batches, their prefixes from the prefix
+        cache (without it each step recomputes every beam)."""
+        if _one_prompt(prompts):
+            prompts = [prompts]
+        elif isinstance(prompts, Iterable):
+            prompts = list(prompts)
+        else:
+            raise TypeError(f"prompts must be a prompt or an iterable of prompts, got {type(prompts).__name__}")
+        for name, v, lo in (("beam_width", beam_width, 1), ("max_tokens", max_tokens, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"beam_search: {name} must be an int >= {lo}, got {v!r}")
+        if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)):
+            raise TypeError(f"beam_search: length_penalty must be a number, got {length_penalty!r}")
+        ids = [self._encode(p, chat) for p in prompts]
+        if any(not p for p in ids):
+            raise ValueError("beam_search: a prompt is empty")
+        if 2 * beam_width > MAX_LOGPROBS or (self.vocab_size is not None and 2 * beam_width > self.vocab_size):
+            raise ValueError(f"beam_search: beam_width={beam_width} reads the top 2 * beam_width log-probabilities; "
+                             f"at most {MAX_LOGPROBS // 2}, and 2 * beam_width <= the vocabulary")
+        return beam_search(self, ids, beam_width=beam_width, max_tokens=max_tokens,
+                           length_penalty=float(length_penalty), early_stopping=bool(early_stopping),
+                           ignore_eos=bool(ignore_eos), lora=lora)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False,
                lora: str | None = None) -> Iterator[RequestOutput]:

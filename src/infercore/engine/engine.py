@@ -30,7 +30,7 @@ from .hybrid import HybridModelRunner, build_hybrid_kv, choose_kv_layout, fits
 from .params import MAX_LOGPROBS, SamplingParams
 from .request import Request, RequestOutput, Status
 from .runner import Gather, ModelRunner
-from .scheduler import ScheduledBatch, Scheduler
+from .scheduler import POLICIES, ScheduledBatch, Scheduler
 from .speculative import propose_ngram
 
 
@@ -143,6 +143,9 @@ class EngineConfig:
     # projections stay unwrapped).
     max_loras: int = 0
     max_lora_rank: int = 16
+    # "fcfs" (arrival order) or "priority": requests run by (priority, arrival), lower first, and a waiting request
+    # preempts running ones ranked below it when the pool or the sequence slots are full (Scheduler's docstring)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -173,6 +176,9 @@ class EngineConfig:
         if self.num_speculative_tokens and self.async_scheduling:
             raise ValueError("EngineConfig.num_speculative_tokens: speculative decoding runs synchronous steps; "
                              "leave async_scheduling None or False")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"EngineConfig.scheduling_policy must be one of {POLICIES}, got "
+                             f"{self.scheduling_policy!r}")
         if not is_int(self.max_loras) or self.max_loras < 0:
             raise ValueError(f"EngineConfig.max_loras must be an int >= 0 (0 = off), got {self.max_loras!r}")
         if not is_int(self.max_lora_rank) or self.max_lora_rank < 1:
@@ -308,6 +314,7 @@ class Engine:
             chunk_boundary=chunk_boundary,
             lazy_prefill_alloc=self.kv_layout != "dense",
             share_prefills=self.kv_layout == "dense" and config.enable_prefix_caching,
+            policy=config.scheduling_policy,
         )
         self.graph_runner = None
         # A model that waits on the host inside its forward (offload.offload_experts_) is captured in segments.
@@ -491,14 +498,17 @@ class Engine:
         chat: bool = False,
         lora: str | None = None,
         pooling: str | None = None,
+        priority: int = 0,
     ) -> str:
         """Queue a request; ``prompt`` is text (needs a tokenizer) or a list of token ids.
         With ``chat=True`` the text is wrapped in the tokenizer's chat template as a user turn.
         ``lora`` names a loaded LoRA adapter (:meth:`add_lora`) to run the request through; None = the base model.
         ``pooling`` ("last" or "mean"): an embedding request (see :meth:`embed`): it computes its prompt and ends,
         its output's ``embedding`` the pooled final hidden state (not normalized); ``params`` are ignored.
+        ``priority`` (an int, lower first) orders requests under ``scheduling_policy="priority"``.
         A request that cannot run raises here (ValueError/TypeError) and nothing is queued."""
-        req = self._new_request(prompt, params, request_id=request_id, chat=chat, lora=lora, pooling=pooling)
+        req = self._new_request(prompt, params, request_id=request_id, chat=chat, lora=lora, pooling=pooling,
+                                priority=priority)
         self._queue(req)
         return req.request_id
 
@@ -546,8 +556,10 @@ class Engine:
         req.lora, req._lora_slot, req.cache_salt = lora, self.lora.slots[lora], self.lora.salt(lora)
 
     def _new_request(self, prompt, params, *, request_id, chat: bool, lora: str | None = None,
-                     pooling: str | None = None) -> Request:
+                     pooling: str | None = None, priority: int = 0) -> Request:
         """Check one submission and build its request, queueing nothing."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         if pooling is not None:
             if pooling not in POOLING:
                 raise ValueError(f"pooling must be one of {POOLING} or None, got {pooling!r}")
@@ -592,7 +604,7 @@ class Engine:
         if params.guided:
             self._guides.guide_for(params)  # the vocabulary's walk is set up (and a refusal raised) at submission
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        req = Request(rid, ids, params, eos_token_ids=self._eos, seed=seed, pooling=pooling)
+        req = Request(rid, ids, params, eos_token_ids=self._eos, seed=seed, pooling=pooling, priority=priority)
         self._bind_lora(req, lora)
         return req
 
@@ -1024,9 +1036,11 @@ class Engine:
         *,
         chat: bool = False,
         lora: str | list[str | None] | None = None,
+        priority: int | list[int] = 0,
     ) -> list[RequestOutput]:
         """Run a batch of prompts to completion; outputs come back in the prompts' order. ``lora``: one adapter
-        name for all of them, or one per prompt (None = the base model)."""
+        name for all of them, or one per prompt (None = the base model); ``priority`` likewise (see
+        :meth:`add_request`)."""
         if _one_prompt(prompts):
             prompts = [prompts]
         elif isinstance(prompts, Iterable):
@@ -1037,11 +1051,13 @@ class Engine:
         if len(plist) != len(prompts):
             raise ValueError(f"params has {len(plist)} entries for {len(prompts)} prompts")
         loras = lora if isinstance(lora, list) else [lora] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"lora has {len(loras)} entries for {len(prompts)} prompts")
+        prios = priority if isinstance(priority, list) else [priority] * len(prompts)
+        for name, v in (("lora", loras), ("priority", prios)):
+            if len(v) != len(prompts):
+                raise ValueError(f"{name} has {len(v)} entries for {len(prompts)} prompts")
         # Check every prompt before queueing any: a bad one must not leave the others queued.
-        reqs = [self._new_request(p, sp, request_id=None, chat=chat, lora=la)
-                for p, sp, la in zip(prompts, plist, loras)]
+        reqs = [self._new_request(p, sp, request_id=None, chat=chat, lora=la, priority=pr)
+                for p, sp, la, pr in zip(prompts, plist, loras, prios)]
         for req in reqs:
             req._final_only = True  # only their final outputs are read (see Request._final_only)
             self._queue(req)

@@ -119,6 +119,9 @@ class Request:
     _pooled: Any = field(default=None, repr=False)
     _pooled_upto: int = 0
     embedding: Any = field(default=None, repr=False)  # the pooled state on the host once finished ("mean": the mean)
+    # the scheduler's "priority" policy: lower runs first (ties by arrival, numbered at the first queueing)
+    priority: int = 0
+    _arrival: int = -1
 
     def __post_init__(self) -> None:
         self._all = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -21,6 +21,11 @@ It only waits where the pages it would take from the other request are at least 
 to compute; later requests are admitted past it meanwhile. The wait is short: a prefill computes its
 prompt in order, so the shared pages are among the first it publishes.
 
+With ``policy="priority"`` requests are served by ``(Request.priority, arrival)``, lower first (vLLM's priority
+policy): the queue is kept in that order, running requests are scheduled in it and preempted from its far end, and
+a waiting request that finds no pages or no sequence slot preempts the worst running request ranked below it
+(taking it out of the step being built) until it fits or none is left.
+
 With ``lazy_prefill_alloc`` (the hybrid KV manager), an admitted request gets pages for its first
 chunk only; later chunks grow it. Sliding-window layers then never hold more than a window plus a
 chunk, instead of the whole prompt until its pages leave the window.
@@ -34,6 +39,9 @@ from dataclasses import dataclass, field
 
 from ..kv import BlockManager
 from .request import Request, Status
+
+# Scheduler policies: first come first served, or by (priority, arrival)
+POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -64,7 +72,12 @@ class Scheduler:
         chunk_boundary: int | None = None,
         lazy_prefill_alloc: bool = False,
         share_prefills: bool = False,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        self._arrivals = 0
         if share_prefills and not hasattr(block_manager, "published_tokens"):
             raise ValueError("share_prefills needs a block manager with published_tokens (the dense BlockManager)")
         self.bm = block_manager
@@ -78,7 +91,25 @@ class Scheduler:
         self.running: list[Request] = []
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        if req._arrival < 0:
+            req._arrival = self._arrivals
+            self._arrivals += 1
+        if self.policy == "fcfs":
+            self.waiting.append(req)
+        else:
+            self._insert(req)
+
+    @staticmethod
+    def _key(req: Request) -> tuple[int, int]:
+        return req.priority, req._arrival
+
+    def _insert(self, req: Request) -> None:
+        """Put ``req`` into the (priority-ordered) queue after every request that ranks before it."""
+        key, w = self._key(req), self.waiting
+        i = len(w)
+        while i > 0 and self._key(w[i - 1]) > key:
+            i -= 1
+        w.insert(i, req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -108,14 +139,17 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_computed_tokens = 0
         req.metrics.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.policy == "fcfs":
+            self.waiting.appendleft(req)
+        else:
+            self._insert(req)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
 
-        # 1. Running requests, oldest first; preempt from the newest end when pages run short.
-        pending = deque(self.running)
+        # 1. Running requests, oldest (or best-ranked) first; preempt from the other end when pages run short.
+        pending = deque(self.running if self.policy == "fcfs" else sorted(self.running, key=self._key))
         kept: list[Request] = []
         while pending:
             req = pending.popleft()
@@ -148,8 +182,15 @@ class Scheduler:
         # 2. Admit waiting requests; none after a preemption this step (the pool is tight).
         sources: list[Request] | None = None  # share_prefills: running requests whose prompt pages are to come
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+        displaced = 0  # requests preempted below for better-ranked ones (policy "priority")
+        while i < len(self.waiting) and budget > 0 and len(batch.preempted) == displaced:
             req = self.waiting[i]
+            if len(self.running) >= self.max_num_seqs:
+                freed = self._displace(req, batch)
+                if freed is None:
+                    break
+                budget += freed
+                displaced += 1
             tokens = req.all_token_ids
             # a request that reports its prompt's log-probabilities, or pools over all of it, computes every position
             most = 0 if req.params.prompt_logprobs is not None or req.pooling == "mean" else len(tokens) - 1
@@ -165,7 +206,12 @@ class Scheduler:
                            + budget)
             cached = self.bm.allocate(req.request_id, tokens, room, max_cached_tokens=most, extra_key=req.cache_salt)
             if cached is None:
-                break
+                freed = self._displace(req, batch)
+                if freed is None:
+                    break
+                budget += freed
+                displaced += 1
+                continue  # the same request again, with the victim's pages free
             remaining = len(tokens) - cached
             if remaining > budget and not self.enable_chunked_prefill and batch.requests:
                 self.bm.free(req.request_id)
@@ -191,6 +237,25 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def _displace(self, req: Request, batch: ScheduledBatch) -> int | None:
+        """Policy "priority": preempt the worst-ranked running request if it ranks below ``req`` (out of ``batch``
+        too, if it is in it); returns the budget its tokens in the batch held, or None (no such request, or FCFS)."""
+        if self.policy == "fcfs" or not self.running:
+            return None
+        victim = max(self.running, key=self._key)
+        if self._key(victim) <= self._key(req):
+            return None
+        self.running.remove(victim)
+        freed = 0
+        for j, r in enumerate(batch.requests):
+            if r is victim:
+                freed = batch.num_new_tokens[j]
+                del batch.requests[j], batch.num_new_tokens[j]
+                break
+        self._preempt(victim)
+        batch.preempted.append(victim)
+        return freed
 
     def _publishes_later(self, req: Request) -> bool:
         """Whether running ``req`` has full prompt pages that the prefix cache does not show yet."""

@@ -45,7 +45,7 @@ def test_urgent_arrival_preempts_for_slots_and_pages(async_scheduling):
                      **kw)
         displaced = []
         orig = eng.scheduler._displace
-        eng.scheduler._displace = lambda req, batch: displaced.append(orig(req, batch)) or displaced[-1]
+        eng.scheduler._displace = lambda req, batch, d=displaced, f=orig: d.append(f(req, batch)) or d[-1]
         eng.add_request(long[0], sp_long, request_id="low0", priority=5)
         eng.add_request(long[1], sp_long, request_id="low1", priority=6)
         outs = {}

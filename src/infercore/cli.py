@@ -309,6 +309,8 @@ def _serve(args: argparse.Namespace) -> int:
         _int8_activations(args)
         adapters, lora_kw = _loras(args)
         _draft(args)
+        if getattr(args, "scheduling_policy", "fcfs") != "fcfs":
+            lora_kw["scheduling_policy"] = args.scheduling_policy
         if getattr(args, "max_loras", 0):  # room for adapters loaded while serving (POST /v1/load_lora_adapter)
             lora_kw = {"max_lora_rank": 16, **lora_kw, "max_loras": max(args.max_loras, len(adapters))}
             if getattr(args, "max_lora_rank", None):
@@ -446,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--served-model-name", default=None, help="the model id the API reports (default: the file name)")
     v.add_argument("--verbose", action="store_true", help="log every HTTP request")
+    v.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: arrival order; priority: by each request's priority field (lower first), preempting "
+                        "worse-ranked running requests when full")
     v.add_argument("--max-loras", type=int, default=0, metavar="N",
                    help="LoRA adapter slots (at least the --lora count), for adapters loaded while serving")
     v.set_defaults(fn=_serve)

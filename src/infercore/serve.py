@@ -15,6 +15,8 @@ A completion's ``prompt`` is a string, a list of token ids, or a list of either,
 :data:`MAX_N`) asks for several samples of each: choice ``i * n + j`` is prompt ``i``'s sample ``j``, all of them
 batched together (with a ``seed``, sample ``j`` uses ``seed + j``); streamed chunks carry their choice's index.
 
+``priority`` (an int, lower first) orders requests when the engine's ``scheduling_policy`` is "priority".
+
 LoRA (an engine with ``max_loras > 0``): a request's ``model`` names a loaded adapter to run it through, or the
 served model for the base; any other name is a 404 there. ``GET /v1/models`` lists the adapters after the base
 model (``"parent"``: the base), and ``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``) /
@@ -79,14 +81,14 @@ class EngineLoop:
         self.thread.start()
 
     def submit(self, prompt: list[int], params: SamplingParams | None, out: queue.Queue | None = None, *,
-               lora: str | None = None, pooling: str | None = None) -> tuple[str, queue.Queue]:
+               lora: str | None = None, pooling: str | None = None, priority: int = 0) -> tuple[str, queue.Queue]:
         """Queue a request (through LoRA adapter ``lora``, or the base model); its outputs arrive on ``out`` (a new
         queue unless given, so several requests can share one) as ``(request id, item)``: a
         :class:`RequestOutput` after each step that advanced it, the exception that refused or failed it, or None
         once it is aborted."""
         rid = f"req-{next(self._ids)}"
         out = queue.Queue() if out is None else out
-        kw = {k: v for k, v in (("lora", lora), ("pooling", pooling)) if v is not None}
+        kw = {k: v for k, v in (("lora", lora), ("pooling", pooling), ("priority", priority or None)) if v is not None}
         self._inbox.put(("add", rid, prompt, (params, kw), out))
         return rid, out
 
@@ -445,6 +447,7 @@ class _Handler(BaseHTTPRequestHandler):
             ids = _prompt_ids(self.server.loop.engine, body, chat=chat)
             stream = bool(body.get("stream", False))
             lora = self._adapter(body.get("model"))
+            priority = _number(body, "priority", int) or 0
         except NotFound as e:
             self._error(404, str(e), "model")
             return
@@ -461,7 +464,7 @@ class _Handler(BaseHTTPRequestHandler):
         for i, p in enumerate(ids):
             for j in range(n):
                 sp = params if params.seed is None or j == 0 else replace(params, seed=params.seed + j)
-                index[loop.submit(p, sp, q, lora=lora)[0]] = i * n + j
+                index[loop.submit(p, sp, q, lora=lora, priority=priority)[0]] = i * n + j
         first = self._first_outputs(q, index)
         if first is None:
             return

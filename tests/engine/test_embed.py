@@ -131,3 +131,23 @@ def test_real_smollm2_embeddings_match_transformers():
     # different texts, different directions
     a, b = eng.embed(texts)
     assert float(a @ b) < 0.99
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "mistral"])
+def test_bare_decoder_checkpoint_embeds_like_transformers(kind, tmp_path):
+    """A bare decoder saved by transformers (``Qwen3Model`` / ``MistralModel``: no ``model.`` prefix, no head; what
+    Qwen3-Embedding and e5-mistral ship) loads through ``from_pretrained`` and embeds as transformers does."""
+    import transformers
+
+    kw = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    cfg = transformers.Qwen3Config(**kw, head_dim=8) if kind == "qwen3" else transformers.MistralConfig(**kw)
+    torch.manual_seed(0)
+    bare = (transformers.Qwen3Model if kind == "qwen3" else transformers.MistralModel)(cfg).eval()
+    bare.save_pretrained(tmp_path)
+    eng = Engine.from_pretrained(tmp_path, device="cpu", dtype=torch.float32)
+    prompts = _prompts()[1:4]
+    with torch.inference_mode():
+        for p, e in zip(prompts, eng.embed(prompts)):
+            want = torch.nn.functional.normalize(bare(torch.tensor([p])).last_hidden_state[0, -1], dim=0)
+            torch.testing.assert_close(e, want, atol=2e-5, rtol=1e-4)

@@ -59,9 +59,13 @@ def test_config_from_hf_needs_a_mapping():
 
 
 def test_load_model_refuses_unsupported_architecture(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({**BASE, "architectures": ["LlamaModel"]}))
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "architectures": ["LlamaForTokenClassification"]}))
     save_file({"embed_tokens.weight": torch.zeros(16, 16)}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match="architectures=\\['LlamaModel'\\]"):
+    with pytest.raises(ValueError, match="architectures=\\['LlamaForTokenClassification'\\]"):
+        load_model(tmp_path, dtype=torch.float32, device="cpu")
+    # a bare decoder (embedding models) loads, but not without its weights
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "architectures": ["LlamaModel"]}))
+    with pytest.raises(ValueError, match="missing"):
         load_model(tmp_path, dtype=torch.float32, device="cpu")
 
 

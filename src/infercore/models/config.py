@@ -39,6 +39,15 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+# Bare decoders (embedding models such as Qwen3-Embedding, e5-mistral, gte-Qwen2): the causal LM without its head.
+# They load as the causal LM with the output head tied to the embedding matrix (their weights have no other), so
+# Engine.embed serves them; text generated from one is not meaningful.
+_BASE_ARCHITECTURES = {
+    "llama": "LlamaModel",
+    "mistral": "MistralModel",
+    "qwen2": "Qwen2Model",
+    "qwen3": "Qwen3Model",
+}
 
 
 @dataclass
@@ -196,12 +205,15 @@ class ModelConfig:
             return value
 
         archs = hf.get("architectures") or [_ARCHITECTURES[model_type]]
+        bare = isinstance(archs, list) and bool(archs) and archs[0] == _BASE_ARCHITECTURES.get(model_type)
+        if bare:
+            archs = [_ARCHITECTURES[model_type]]
         if not isinstance(archs, list) or not archs or archs[0] not in _ARCHITECTURES.values():
             # Another head (sequence classification, a bare LlamaModel, a VLM) has other weights
             # and outputs: refuse it here rather than build a causal LM from it.
             raise ValueError(
                 f"HF config architectures={archs!r} is not supported for model_type={model_type!r}; "
-                f"expected one of {sorted(_ARCHITECTURES.values())}"
+                f"expected one of {sorted(_ARCHITECTURES.values())} (or the bare {_BASE_ARCHITECTURES[model_type]})"
             )
 
         hidden = positive_int("hidden_size", require("hidden_size"))
@@ -249,7 +261,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             partial_rotary_factor=partial,
             max_position_embeddings=get("max_position_embeddings"),
-            tie_word_embeddings=flag("tie_word_embeddings"),
+            tie_word_embeddings=True if bare else flag("tie_word_embeddings"),
             # Qwen2 hard-codes q/k/v bias (and no o_proj bias) in its modeling code.
             attention_bias=True if model_type == "qwen2" else flag("attention_bias"),
             o_bias=False if model_type in ("qwen2", "mistral") else flag("attention_bias"),

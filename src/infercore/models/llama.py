@@ -558,6 +558,8 @@ class LlamaForCausalLM(nn.Module):
         for hf_name, tensor in weights:
             if self._IGNORED_RE.search(hf_name) or (tied and hf_name == "lm_head.weight"):
                 continue
+            if hf_name not in expected and f"model.{hf_name}" in expected:  # a bare decoder's (LlamaModel's) names
+                hf_name = f"model.{hf_name}"
             if hf_name not in expected:
                 raise ValueError(
                     f"load_weights: unexpected tensor {hf_name!r} for {self.config.architecture}"

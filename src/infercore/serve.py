@@ -2,8 +2,9 @@
 
 Endpoints: ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text: request and token counters,
 running / waiting requests, KV pool use, time-to-first-token and latency histograms; :class:`ServerMetrics`),
-``POST /v1/embeddings`` (``input``: a string, token ids or a list of either; extensions ``pooling`` "last" / "mean" and
-``normalize``), ``POST /v1/completions`` and ``POST /v1/chat/completions``, each with
+``POST /tokenize`` / ``POST /detokenize``, ``POST /v1/embeddings`` (``input``: a string, token ids or a list of
+either; extensions ``pooling`` "last" / "mean" and ``normalize``), ``POST /v1/completions`` and
+``POST /v1/chat/completions``, each with
 ``"stream": true`` (server-sent events ending in ``data: [DONE]``) or a single JSON reply. Sampling fields:
 ``max_tokens`` (``max_completion_tokens`` in chat), ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
 ``stop`` (a string or a list), ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
@@ -433,6 +434,9 @@ class _Handler(BaseHTTPRequestHandler):
         if route == "/v1/embeddings":
             self._embeddings()
             return
+        if route in ("/tokenize", "/detokenize"):
+            self._tokens(route)
+            return
         if route not in ("/v1/completions", "/v1/chat/completions"):
             self._error(404, f"no route {self.path}")
             return
@@ -484,6 +488,40 @@ class _Handler(BaseHTTPRequestHandler):
         if model not in _loras(eng):
             raise NotFound(f"the model {model!r} does not exist (served: {[self.server.model_name, *_loras(eng)]})")
         return model
+
+    def _tokens(self, route: str) -> None:
+        """``POST /tokenize`` (``prompt``, or chat ``messages``, as the completion routes take them) -> ``{"tokens",
+        "count", "max_model_len"}``; ``POST /detokenize`` (``tokens``: ids) -> ``{"prompt"}``. The tokenizer is
+        read-only here, so these run on the handler's thread."""
+        eng = self.server.loop.engine
+        tok = getattr(eng, "tokenizer", None)
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+            body = json.loads(self.rfile.read(length) or b"{}")
+            if not isinstance(body, dict):
+                raise BadRequest("the body must be a JSON object")
+            if tok is None:
+                raise BadRequest("the model has no tokenizer")
+            if route == "/tokenize":
+                chat = "messages" in body
+                if not chat and not isinstance(body.get("prompt"), str):
+                    raise BadRequest("prompt must be a string (or send chat messages)", "prompt")
+                ids = _prompt_ids(eng, body, chat=chat)[0]
+                out = {"tokens": ids, "count": len(ids), "max_model_len": eng.max_model_len}
+            else:
+                ids = body.get("tokens")
+                vocab = eng.vocab_size or 2**63
+                if not isinstance(ids, list) or not all(
+                        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+                    raise BadRequest(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
+                out = {"prompt": tok.decode(ids, skip_special_tokens=False)}
+        except BadRequest as e:
+            self._error(400, str(e), e.param)
+            return
+        except (ValueError, TypeError) as e:
+            self._error(400, str(e))
+            return
+        self._json(200, out)
 
     def _embeddings(self) -> None:
         """``POST /v1/embeddings``: ``input`` (a string, token ids, or a list of either), ``model`` (a LoRA adapter

@@ -266,3 +266,18 @@ def test_metrics_endpoint(served):
     assert after[f'infercore:e2e_request_latency_seconds_bucket{{{lab},le="+Inf"}}'] == after[n]
     assert after[f"infercore:num_requests_running{{{lab}}}"] == 0
     assert 0 <= after[f"infercore:kv_cache_usage{{{lab}}}"] <= 1
+
+
+def test_tokenize_and_detokenize(served):
+    server, _ = served
+    status, body = _post(server, "/tokenize", {"prompt": "The capital of France is"})
+    assert status == 200 and body["count"] == len(body["tokens"]) > 3 and body["max_model_len"] > 0
+    status, back = _post(server, "/detokenize", {"tokens": body["tokens"]})
+    assert status == 200 and back["prompt"] == "The capital of France is"
+    status, chat = _post(server, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]})
+    status, text = _post(server, "/detokenize", {"tokens": chat["tokens"]})
+    assert status == 200 and "user" in text["prompt"] and "Hi" in text["prompt"]  # the chat template around "Hi"
+    for path, bad, param in (("/tokenize", {"prompt": 3}, "prompt"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+                             ("/detokenize", {"tokens": "x"}, "tokens")):
+        status, err = _post(server, path, bad)
+        assert status == 400 and err["error"]["param"] == param

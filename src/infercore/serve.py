@@ -442,21 +442,15 @@ class _Handler(BaseHTTPRequestHandler):
             return
         chat = route == "/v1/chat/completions"
         try:
-            length = int(self.headers.get("Content-Length", "0"))
-            body = json.loads(self.rfile.read(length) or b"{}")
-            if not isinstance(body, dict):
-                raise BadRequest("the body must be a JSON object")
+            body = self._read_json()
             params = sampling_params(body, chat=chat)
             n = _n(body)
             ids = _prompt_ids(self.server.loop.engine, body, chat=chat)
             stream = bool(body.get("stream", False))
             lora = self._adapter(body.get("model"))
             priority = _number(body, "priority", int) or 0
-        except NotFound as e:
-            self._error(404, str(e), "model")
-            return
-        except BadRequest as e:
-            self._error(400, str(e), e.param)
+        except BadRequest as e:  # NotFound too
+            self._refuse(e)
             return
         except (ValueError, TypeError) as e:  # the JSON itself, or SamplingParams' checks (they name the field)
             self._error(400, str(e))
@@ -489,6 +483,21 @@ class _Handler(BaseHTTPRequestHandler):
             raise NotFound(f"the model {model!r} does not exist (served: {[self.server.model_name, *_loras(eng)]})")
         return model
 
+    def _read_json(self) -> dict:
+        """The request's JSON object (BadRequest for anything else; json's ValueError for what does not parse)."""
+        length = int(self.headers.get("Content-Length", "0"))
+        body = json.loads(self.rfile.read(length) or b"{}")
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        return body
+
+    def _refuse(self, e: BadRequest) -> None:
+        """Answer a refused request: 404 for a model the server does not have, else 400 naming the field."""
+        if isinstance(e, NotFound):
+            self._error(404, str(e), "model")
+        else:
+            self._error(400, str(e), e.param)
+
     def _tokens(self, route: str) -> None:
         """``POST /tokenize`` (``prompt``, or chat ``messages``, as the completion routes take them) -> ``{"tokens",
         "count", "max_model_len"}``; ``POST /detokenize`` (``tokens``: ids) -> ``{"prompt"}``. The tokenizer is
@@ -496,10 +505,7 @@ class _Handler(BaseHTTPRequestHandler):
         eng = self.server.loop.engine
         tok = getattr(eng, "tokenizer", None)
         try:
-            length = int(self.headers.get("Content-Length", "0"))
-            body = json.loads(self.rfile.read(length) or b"{}")
-            if not isinstance(body, dict):
-                raise BadRequest("the body must be a JSON object")
+            body = self._read_json()
             if tok is None:
                 raise BadRequest("the model has no tokenizer")
             if route == "/tokenize":
@@ -516,7 +522,7 @@ class _Handler(BaseHTTPRequestHandler):
                     raise BadRequest(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
                 out = {"prompt": tok.decode(ids, skip_special_tokens=False)}
         except BadRequest as e:
-            self._error(400, str(e), e.param)
+            self._refuse(e)
             return
         except (ValueError, TypeError) as e:
             self._error(400, str(e))
@@ -528,10 +534,7 @@ class _Handler(BaseHTTPRequestHandler):
         or the base), ``encoding_format`` "float", and the extensions ``pooling`` ("last", the default, or "mean")
         and ``normalize`` (default true)."""
         try:
-            length = int(self.headers.get("Content-Length", "0"))
-            body = json.loads(self.rfile.read(length) or b"{}")
-            if not isinstance(body, dict):
-                raise BadRequest("the body must be a JSON object")
+            body = self._read_json()
             if body.get("encoding_format", "float") != "float":
                 raise BadRequest("encoding_format: only 'float' is served", "encoding_format")
             pooling = body.get("pooling", "last")
@@ -542,11 +545,8 @@ class _Handler(BaseHTTPRequestHandler):
                 raise BadRequest("normalize must be a boolean", "normalize")
             ids = _prompt_ids(self.server.loop.engine, body, chat=False, key="input")
             lora = self._adapter(body.get("model"))
-        except NotFound as e:
-            self._error(404, str(e), "model")
-            return
-        except BadRequest as e:
-            self._error(400, str(e), e.param)
+        except BadRequest as e:  # NotFound too
+            self._refuse(e)
             return
         except (ValueError, TypeError) as e:
             self._error(400, str(e))
@@ -582,9 +582,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _lora_admin(self, route: str) -> None:
         """``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``, run on the engine's thread."""
         try:
-            length = int(self.headers.get("Content-Length", "0"))
-            body = json.loads(self.rfile.read(length) or b"{}")
-            if not isinstance(body, dict) or not isinstance(body.get("lora_name"), str) or not body["lora_name"]:
+            body = self._read_json()
+            if not isinstance(body.get("lora_name"), str) or not body["lora_name"]:
                 raise BadRequest("expected a JSON object with lora_name (a non-empty string)", "lora_name")
             name = body["lora_name"]
             if route.endswith("/load_lora_adapter"):
@@ -597,7 +596,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self.server.loop.call(lambda eng: eng.remove_lora(name))
                 msg = f"unloaded LoRA adapter {name!r}"
         except BadRequest as e:
-            self._error(400, str(e), e.param)
+            self._refuse(e)
             return
         except (ValueError, TypeError, OSError) as e:  # the engine's own checks, an unreadable directory
             self._error(400, str(e))

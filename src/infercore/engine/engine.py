@@ -1041,23 +1041,16 @@ class Engine:
         """Run a batch of prompts to completion; outputs come back in the prompts' order. ``lora``: one adapter
         name for all of them, or one per prompt (None = the base model); ``priority`` likewise (see
         :meth:`add_request`)."""
-        if _one_prompt(prompts):
-            prompts = [prompts]
-        elif isinstance(prompts, Iterable):
-            prompts = list(prompts)
-        else:
-            raise TypeError(f"prompts must be a prompt or an iterable of prompts, got {type(prompts).__name__}")
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"params has {len(plist)} entries for {len(prompts)} prompts")
-        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
-        prios = priority if isinstance(priority, list) else [priority] * len(prompts)
-        for name, v in (("lora", loras), ("priority", prios)):
-            if len(v) != len(prompts):
-                raise ValueError(f"{name} has {len(v)} entries for {len(prompts)} prompts")
-        # Check every prompt before queueing any: a bad one must not leave the others queued.
-        reqs = [self._new_request(p, sp, request_id=None, chat=chat, lora=la, priority=pr)
-                for p, sp, la, pr in zip(prompts, plist, loras, prios)]
+        prompts = _prompt_list(prompts)
+        n = len(prompts)
+        plist, loras, prios = (_per_prompt(name, v, n) for name, v in (("params", params), ("lora", lora),
+                                                                        ("priority", priority)))
+        return self._run_all([self._new_request(p, sp, request_id=None, chat=chat, lora=la, priority=pr)
+                              for p, sp, la, pr in zip(prompts, plist, loras, prios)])
+
+    def _run_all(self, reqs: list[Request]) -> list[RequestOutput]:
+        """Queue ``reqs`` (built, so checked, all before any is queued: a bad one leaves none queued) and step until
+        they finish; their final outputs in order."""
         for req in reqs:
             req._final_only = True  # only their final outputs are read (see Request._final_only)
             self._queue(req)
@@ -1072,21 +1065,10 @@ class Engine:
         ``normalize=False``. The prompts run through the engine like any request (batched, chunked, preempted;
         "last" takes prefix-cache hits) and may share steps with generation. Pass the text as the model expects it
         (e.g. with its end-of-text token where its card says so)."""
-        if _one_prompt(prompts):
-            prompts = [prompts]
-        elif isinstance(prompts, Iterable):
-            prompts = list(prompts)
-        else:
-            raise TypeError(f"prompts must be a prompt or an iterable of prompts, got {type(prompts).__name__}")
-        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"lora has {len(loras)} entries for {len(prompts)} prompts")
-        reqs = [self._new_request(p, None, request_id=None, chat=chat, lora=la, pooling=pooling)
-                for p, la in zip(prompts, loras)]
-        for req in reqs:
-            req._final_only = True
-            self._queue(req)
-        outs = run_to_completion(self, [req.request_id for req in reqs])
+        prompts = _prompt_list(prompts)
+        loras = _per_prompt("lora", lora, len(prompts))
+        outs = self._run_all([self._new_request(p, None, request_id=None, chat=chat, lora=la, pooling=pooling)
+                              for p, la in zip(prompts, loras)])
         embs = [o.embedding for o in outs]
         return [torch.nn.functional.normalize(e, dim=0) for e in embs] if normalize else embs
 
@@ -1099,12 +1081,7 @@ class Engine:
         text, summed log-probability, the ``length_penalty``-normalized score, finish reason). Every step runs the
         live beams of all prompts as one-token requests in the engine's batches, their prefixes from the prefix
         cache (without it each step recomputes every beam)."""
-        if _one_prompt(prompts):
-            prompts = [prompts]
-        elif isinstance(prompts, Iterable):
-            prompts = list(prompts)
-        else:
-            raise TypeError(f"prompts must be a prompt or an iterable of prompts, got {type(prompts).__name__}")
+        prompts = _prompt_list(prompts)
         for name, v, lo in (("beam_width", beam_width, 1), ("max_tokens", max_tokens, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"beam_search: {name} must be an int >= {lo}, got {v!r}")
@@ -1128,6 +1105,24 @@ class Engine:
 
 # Engine.embed's pooling modes
 POOLING = ("last", "mean")
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (a string or a list of token ids) or an iterable of them, as a list of prompts."""
+    if _one_prompt(prompts):
+        return [prompts]
+    if isinstance(prompts, Iterable):
+        return list(prompts)
+    raise TypeError(f"prompts must be a prompt or an iterable of prompts, got {type(prompts).__name__}")
+
+
+def _per_prompt(name: str, value, n: int) -> list:
+    """A per-prompt option: one value for all ``n`` prompts, or a list of exactly ``n``."""
+    if not isinstance(value, list):
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+    return value
 
 
 def run_to_completion(driver, ids: list[str]) -> list[RequestOutput]:

@@ -1,3 +1,4 @@
+import contextlib
 import json
 import random
 import zlib
@@ -234,3 +235,32 @@ def adopt_and_finish(eng, taken, ids: list[str]) -> list[list[int]]:
         got.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
     return [got[i] for i in ids]
 
+
+
+@contextlib.contextmanager
+def serving(engine, model_name: str = "tiny"):
+    """Serve ``engine`` over HTTP on a free port for the block; yields ``call(method, path, body=None)`` ->
+    ``(status, decoded JSON)``. The server is shut down and its engine loop closed afterwards."""
+    import http.client
+    import threading
+
+    from infercore.serve import make_server
+
+    server = make_server(engine, port=0, model_name=model_name)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def call(method: str, path: str, body=None):
+        conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+        conn.request(method, path, body=None if body is None else json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        out = resp.status, json.loads(resp.read())
+        conn.close()
+        return out
+
+    try:
+        yield call
+    finally:
+        server.shutdown()
+        server.server_close()
+        server.loop.close()

@@ -2,13 +2,9 @@
 state of the last prompt token, or the mean over the prompt, against transformers' ``last_hidden_state`` of the same
 tiny random models; through chunked prefill, the prefix cache, batches shared with generation, and a LoRA adapter."""
 
-import http.client
-import json
-import threading
-
 import pytest
 import torch
-from engine_helpers import hf_greedy, ours_from_hf, tiny_hf
+from engine_helpers import hf_greedy, ours_from_hf, serving, tiny_hf
 
 from infercore import Engine, SamplingParams
 
@@ -68,22 +64,11 @@ def test_embedding_requests_share_steps_with_generation():
 
 
 def test_embeddings_endpoint():
-    from infercore.serve import make_server
-
     hf = tiny_hf("llama")
-    eng = Engine(ours_from_hf(hf), page_size=4, num_pages=128)
-    server = make_server(eng, port=0, model_name="tiny")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with serving(Engine(ours_from_hf(hf), page_size=4, num_pages=128)) as call:
+        def post(body):
+            return call("POST", "/v1/embeddings", body)
 
-    def post(body):
-        conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
-        conn.request("POST", "/v1/embeddings", body=json.dumps(body), headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        out = resp.status, json.loads(resp.read())
-        conn.close()
-        return out
-
-    try:
         prompts = _prompts()[1:4]
         status, body = post({"input": prompts, "model": "tiny"})
         assert status == 200, body
@@ -105,10 +90,6 @@ def test_embeddings_endpoint():
             assert status == 400 and body["error"]["param"] == param, (bad, body)
         status, body = post({"input": "text"})  # no tokenizer
         assert status == 400
-    finally:
-        server.shutdown()
-        server.server_close()
-        server.loop.close()
 
 
 def test_real_smollm2_embeddings_match_transformers():

@@ -8,7 +8,7 @@ import os
 import peft
 import pytest
 import torch
-from engine_helpers import hf_greedy, ours_from_hf, tiny_hf
+from engine_helpers import hf_greedy, ours_from_hf, serving, tiny_hf
 
 from infercore import Engine, SamplingParams
 from infercore.lora import LoRAAdapter, enable_lora_, load_lora_adapter
@@ -247,27 +247,10 @@ def test_errors(setup, tmp_path):
 
 def test_server_routes_requests_by_model_name(setup):
     """``model`` picks the adapter; adapters load and unload over HTTP; an unknown name is a 404."""
-    import http.client
-    import threading
-
-    from infercore.serve import make_server
-
     base, refs, d = setup
     eng = Engine(ours_from_hf(base), page_size=4, num_pages=128, max_loras=2, max_lora_rank=8)
     eng.add_lora("all", os.path.join(d, "all"))
-    server = make_server(eng, port=0, model_name="tiny")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-
-    def call(method, path, body=None):
-        conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
-        conn.request(method, path, body=None if body is None else json.dumps(body),
-                     headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        out = resp.status, json.loads(resp.read())
-        conn.close()
-        return out
-
-    try:
+    with serving(eng) as call:
         prompt = _prompts()[2]
         req = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0}
         for model, ref in (("tiny", base), ("all", refs["all"]), (None, base)):
@@ -288,10 +271,6 @@ def test_server_routes_requests_by_model_name(setup):
         assert status == 200 and eng.list_loras() == ["all"]
         status, body = call("POST", "/v1/unload_lora_adapter", {"lora_name": "attn"})
         assert status == 400
-    finally:
-        server.shutdown()
-        server.server_close()
-        server.loop.close()
 
 
 def _smollm2_adapter(path, *, scale, seed=0):

@@ -2,7 +2,7 @@
 requests for pages or sequence slots; nothing is lost and no output changes (random arrivals too)."""
 
 import pytest
-from engine_helpers import ours_from_hf, tiny_hf
+from engine_helpers import ours_from_hf, serving, tiny_hf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_scheduler_properties import model, reference
@@ -113,31 +113,9 @@ def test_random_priorities_finish_everything_unchanged(reqs, num_pages, budget, 
 
 
 def test_server_takes_a_priority():
-    import http.client
-    import json
-    import threading
-
-    from infercore.serve import make_server
-
-    eng = Engine(model(), page_size=4, num_pages=64, scheduling_policy="priority")
-    server = make_server(eng, port=0, model_name="tiny")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-
-    def post(body):
-        conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
-        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        out = resp.status, json.loads(resp.read())
-        conn.close()
-        return out
-
-    try:
+    with serving(Engine(model(), page_size=4, num_pages=64, scheduling_policy="priority")) as call:
         req = {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 0}
-        status, body = post({**req, "priority": -3})
+        status, body = call("POST", "/v1/completions", {**req, "priority": -3})
         assert status == 200 and [int(t) for t in body["choices"][0]["logprobs"]["tokens"]] == reference((1, 2, 3), 4)
-        status, body = post({**req, "priority": "high"})
+        status, body = call("POST", "/v1/completions", {**req, "priority": "high"})
         assert status == 400 and body["error"]["param"] == "priority"
-    finally:
-        server.shutdown()
-        server.server_close()
-        server.loop.close()

@@ -311,8 +311,8 @@ def _serve(args: argparse.Namespace) -> int:
         _draft(args)
         if getattr(args, "scheduling_policy", "fcfs") != "fcfs":
             lora_kw["scheduling_policy"] = args.scheduling_policy
-        if getattr(args, "max_loras", 0):  # room for adapters loaded while serving (POST /v1/load_lora_adapter)
-            lora_kw = {"max_lora_rank": 16, **lora_kw, "max_loras": max(args.max_loras, len(adapters))}
+        if getattr(args, "max_loras", 0):  # slots (also for adapters loaded while serving: POST /v1/load_lora_adapter)
+            lora_kw = {"max_lora_rank": 16, **lora_kw, "max_loras": args.max_loras}
             if getattr(args, "max_lora_rank", None):
                 lora_kw["max_lora_rank"] = args.max_lora_rank
         if _multi_rank(args):
@@ -452,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="fcfs: arrival order; priority: by each request's priority field (lower first), preempting "
                         "worse-ranked running requests when full")
     v.add_argument("--max-loras", type=int, default=0, metavar="N",
-                   help="LoRA adapter slots (at least the --lora count), for adapters loaded while serving")
+                   help="LoRA adapters that run at once (device slots; default: the --lora count); any number "
+                        "may be loaded (--lora, POST /v1/load_lora_adapter), taking turns in the slots")
     v.set_defaults(fn=_serve)
     i = sub.add_parser("info", help="devices and which backend serves each op")
     i.add_argument("--device", default=None, type=_device)

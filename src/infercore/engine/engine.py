@@ -138,8 +138,9 @@ class EngineConfig:
     # on into it, so a returning session's history is copied back instead of recomputed. Needs prefix
     # caching and the dense KV layout; with tensor parallelism each rank keeps its own shard's pages.
     cpu_kv_cache_bytes: int = 0
-    # Multi-LoRA serving (see infercore.lora): up to ``max_loras`` adapters loaded at once (Engine.add_lora), each
-    # of rank up to ``max_lora_rank``; a request names its adapter (``lora=``) or runs the base model. 0 = off (the
+    # Multi-LoRA serving (see infercore.lora): device slots for ``max_loras`` adapters at once, each of rank up to
+    # ``max_lora_rank``; any number may be loaded (Engine.add_lora; kept on the host, copied into an idle slot when a
+    # request for one is admitted). A request names its adapter (``lora=``) or runs the base model. 0 = off (the
     # projections stay unwrapped).
     max_loras: int = 0
     max_lora_rank: int = 16
@@ -316,6 +317,7 @@ class Engine:
             share_prefills=self.kv_layout == "dense" and config.enable_prefix_caching,
             policy=config.scheduling_policy,
         )
+        self.scheduler.lora = self.lora
         self.graph_runner = None
         # A model that waits on the host inside its forward (offload.offload_experts_) is captured in segments.
         if self.device.type == "cuda" and config.cuda_graph_max_batch > 0:
@@ -516,8 +518,10 @@ class Engine:
 
     def add_lora(self, name: str, adapter: str | os.PathLike | LoRAAdapter) -> None:
         """Load a LoRA adapter under ``name``: a PEFT adapter directory or a :class:`~infercore.lora.LoRAAdapter`.
-        Requests then pick it with ``lora=name``. Needs ``EngineConfig.max_loras > 0``; ValueError if the name is
-        taken, the slots are full, or the adapter does not fit the model (its rank, layers or shapes)."""
+        Requests then pick it with ``lora=name``. Any number may be loaded; at most ``max_loras`` run at once (each
+        running request holds its adapter's slot; an adapter not in a slot is copied into an idle one when a
+        request for it is admitted). Needs ``EngineConfig.max_loras > 0``; ValueError if the name is taken or the
+        adapter does not fit the model (its rank, layers or shapes)."""
         if self.lora is None:
             raise ValueError("add_lora: this engine has no LoRA slots; build it with max_loras > 0")
         if not isinstance(name, str) or not name:
@@ -532,7 +536,7 @@ class Engine:
 
     def remove_lora(self, name: str) -> None:
         """Unload adapter ``name`` (ValueError if it is not loaded or an unfinished request uses it)."""
-        if self.lora is None or name not in self.lora.slots:
+        if self.lora is None or name not in self.lora.adapters:
             raise ValueError(f"remove_lora: no LoRA adapter named {name!r} is loaded")
         busy = [r.request_id for r in self.requests.values() if r.lora == name]
         if busy:
@@ -541,19 +545,21 @@ class Engine:
 
     def list_loras(self) -> list[str]:
         """The names of the loaded LoRA adapters."""
-        return [] if self.lora is None else sorted(self.lora.slots)
+        return [] if self.lora is None else sorted(self.lora.adapters)
 
     def _bind_lora(self, req: Request, lora: str | None) -> None:
-        """Give ``req`` its adapter's slot and prefix-cache salt here (ValueError for an adapter not loaded)."""
+        """Give ``req`` its adapter and the adapter's prefix-cache salt here (ValueError for an adapter not
+        loaded)."""
         if lora is not None and not isinstance(lora, str):
             raise TypeError(f"lora must be an adapter name (str) or None, got {type(lora).__name__}")
         if lora is None:
             req.lora, req._lora_slot, req.cache_salt = None, -1, None
             return
-        if self.lora is None or lora not in self.lora.slots:
+        if self.lora is None or lora not in self.lora.adapters:
             loaded = self.list_loras()
             raise ValueError(f"lora: no adapter named {lora!r} is loaded (loaded: {loaded})")
-        req.lora, req._lora_slot, req.cache_salt = lora, self.lora.slots[lora], self.lora.salt(lora)
+        # the slot comes at admission (Scheduler: lora.acquire)
+        req.lora, req._lora_slot, req.cache_salt = lora, -1, self.lora.salt(lora)
 
     def _new_request(self, prompt, params, *, request_id, chat: bool, lora: str | None = None,
                      pooling: str | None = None, priority: int = 0) -> Request:

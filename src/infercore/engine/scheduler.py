@@ -26,6 +26,10 @@ policy): the queue is kept in that order, running requests are scheduled in it a
 a waiting request that finds no pages or no sequence slot preempts the worst running request ranked below it
 (taking it out of the step being built) until it fits or none is left.
 
+With a LoRA manager (``lora``), an admitted request that names an adapter takes a slot for it (the adapter copied
+into a free or idle slot when it is not in one); when every slot is held by running requests of other adapters it
+stays queued, and later requests may be admitted past it. Finishing, aborting and preemption give the slot back.
+
 With ``lazy_prefill_alloc`` (the hybrid KV manager), an admitted request gets pages for its first
 chunk only; later chunks grow it. Sliding-window layers then never hold more than a window plus a
 chunk, instead of the whole prompt until its pages leave the window.
@@ -78,6 +82,8 @@ class Scheduler:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
         self._arrivals = 0
+        # multi-LoRA (lora.LoRAManager, set by the Engine): a request takes its adapter's slot when admitted
+        self.lora = None
         if share_prefills and not hasattr(block_manager, "published_tokens"):
             raise ValueError("share_prefills needs a block manager with published_tokens (the dense BlockManager)")
         self.bm = block_manager
@@ -123,8 +129,15 @@ class Scheduler:
             if req.request_id == request_id:
                 self.running.remove(req)
                 self.bm.free(req.request_id)
+                self._release_lora(req)
                 return req
         return None
+
+    def _release_lora(self, req: Request) -> None:
+        """``req`` (finished, aborted or preempted) gives its LoRA slot back."""
+        if req._lora_slot >= 0:
+            self.lora.release(req._lora_slot)
+            req._lora_slot = -1
 
     def _cut(self, start: int, n: int) -> int:
         """``n`` tokens from ``start``, shortened to end on the next multiple of ``chunk_boundary``."""
@@ -135,6 +148,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.bm.free(req.request_id)
+        self._release_lora(req)
         req.spec_token_ids.clear()
         req.status = Status.WAITING
         req.num_computed_tokens = 0
@@ -220,6 +234,13 @@ class Scheduler:
             if cached + n > room and not self.bm.grow(req.request_id, cached + n):
                 self.bm.free(req.request_id)
                 break
+            if req.lora is not None:  # its adapter's slot (copied in if need be); none free: later requests may go
+                slot = self.lora.acquire(req.lora)
+                if slot is None:
+                    self.bm.free(req.request_id)
+                    i += 1
+                    continue
+                req._lora_slot = slot
             del self.waiting[i]
             if sources is not None and self._publishes_later(req):
                 sources.append(req)
@@ -286,6 +307,7 @@ class Scheduler:
         if req.status is Status.RUNNING:
             self.running.remove(req)
             self.bm.free(req.request_id)
+            self._release_lora(req)
         else:
             self.waiting.remove(req)
         req.status = Status.FINISHED

@@ -113,16 +113,24 @@ class LoRALinear(nn.Module):
 
 
 class LoRAManager:
-    """The adapter slots of one model and the current step's token -> slot map.
+    """The adapters of one model, its ``max_loras`` device slots, and the current step's token -> slot map.
 
-    ``max_loras`` adapters can be loaded at once, each of rank up to ``max_rank``; ``max_tokens`` bounds the tokens
-    of a step that takes the batched kernels (the persistent ``indices`` buffer CUDA graphs read)."""
+    Any number of adapters can be registered (:meth:`add`; their weights stay on the host); at most ``max_loras``
+    are in slots at once, each of rank up to ``max_rank``. A request takes its adapter's slot when admitted
+    (:meth:`acquire`: the adapter is copied into a free slot, or into the least recently used one no running request
+    holds) and gives it back when it finishes or is preempted (:meth:`release`). ``max_tokens`` bounds the tokens of
+    a step that takes the batched kernels (the persistent ``indices`` buffer CUDA graphs read)."""
 
     def __init__(self, max_loras: int, max_rank: int, max_tokens: int, *, device: torch.device) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.layers: dict[tuple[int, str], LoRALinear] = {}
-        self.slots: dict[str, int] = {}  # adapter name -> slot
-        self.adapters: dict[str, LoRAAdapter] = {}
+        self.adapters: dict[str, LoRAAdapter] = {}  # registered, by name
+        self.slots: dict[str, int] = {}  # adapter name -> slot, for the adapters in slots
+        self.refs = [0] * max_loras  # running requests holding each slot
+        self._owner: list[str | None] = [None] * max_loras
+        self._used = [0] * max_loras  # when each slot was last given back (LRU among the idle ones)
+        self._clock = 0
+        self.loads = 0  # adapters copied into slots so far
         self.device = device
         self.indices = torch.full((max(max_tokens, 1),), -1, dtype=torch.int32, device=device)
         self.active = False  # whether this step's forward applies LoRA at all
@@ -133,21 +141,61 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ adapters
 
-    def add(self, adapter: LoRAAdapter) -> int:
-        """Load ``adapter`` into a free slot; returns the slot. ValueError if the name is taken, every slot is
-        full, its rank exceeds ``max_rank``, or it targets a layer / projection this model does not have or with
-        shapes that do not match."""
+    def add(self, adapter: LoRAAdapter) -> None:
+        """Register ``adapter`` (and copy it into a free slot, if one is); ValueError if the name is taken, its rank
+        exceeds ``max_rank``, or it targets a layer / projection this model does not have or with shapes that do
+        not match."""
         if not isinstance(adapter, LoRAAdapter):
             raise TypeError(f"adapter must be a LoRAAdapter, got {type(adapter).__name__}")
-        if adapter.name in self.slots:
+        if adapter.name in self.adapters:
             raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded")
         if adapter.rank > self.max_rank:
             raise ValueError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank={self.max_rank}")
-        free = sorted(set(range(self.max_loras)) - set(self.slots.values()))
-        if not free:
-            raise ValueError(f"all max_loras={self.max_loras} LoRA slots are taken; remove an adapter first")
-        per_layer = self._place(adapter)
-        slot = free[0]
+        self._place(adapter)  # checked now, not at the first request's admission
+        adapter.fingerprint()
+        self.adapters[adapter.name] = adapter
+        if None in self._owner:
+            self._load(adapter.name, self._owner.index(None))
+
+    def remove(self, name: str) -> None:
+        """Unregister ``name`` (ValueError if it is not registered, or a running request holds its slot)."""
+        if name not in self.adapters:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
+        slot = self.slots.get(name)
+        if slot is not None:
+            if self.refs[slot]:
+                raise ValueError(f"LoRA adapter {name!r} is in use by {self.refs[slot]} running request(s)")
+            del self.slots[name]
+            self._owner[slot] = None
+        del self.adapters[name]
+
+    def acquire(self, name: str) -> int | None:
+        """A slot holding adapter ``name`` for one more running request: its slot, or a free one, or the least
+        recently used one no running request holds (the adapter is copied in); None when every slot is held."""
+        slot = self.slots.get(name)
+        if slot is None:
+            idle = [s for s in range(self.max_loras) if self.refs[s] == 0]
+            if not idle:
+                return None
+            slot = min(idle, key=lambda s: (self._owner[s] is not None, self._used[s]))
+            old = self._owner[slot]
+            if old is not None:
+                del self.slots[old]
+            self._load(name, slot)
+        self.refs[slot] += 1
+        return slot
+
+    def release(self, slot: int) -> None:
+        """One running request no longer holds ``slot``."""
+        self.refs[slot] -= 1
+        self._clock += 1
+        self._used[slot] = self._clock
+
+    def _load(self, name: str, slot: int) -> None:
+        """Copy adapter ``name``'s weights into ``slot`` (every wrapped projection; zeros where it has none). The
+        copies are queued on the current stream, after every step already launched (which may still read the
+        slot's old adapter)."""
+        per_layer = self._place(self.adapters[name])
         with torch.no_grad():
             for key, lin in self.layers.items():
                 pairs = per_layer.get(key)
@@ -157,16 +205,9 @@ class LoRAManager:
                 else:
                     lin.set_slot(slot, [None if p is None else (p[0].to(lin.a.dtype), p[1].to(lin.b.dtype))
                                         for p in pairs])
-        adapter.fingerprint()  # now, not in the first request's admission
-        self.slots[adapter.name] = slot
-        self.adapters[adapter.name] = adapter
-        return slot
-
-    def remove(self, name: str) -> None:
-        """Free ``name``'s slot (ValueError if no such adapter is loaded)."""
-        if name not in self.slots:
-            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
-        del self.slots[name], self.adapters[name]
+        self.slots[name] = slot
+        self._owner[slot] = name
+        self.loads += 1
 
     def salt(self, name: str) -> bytes:
         """The prefix-cache key of adapter ``name``'s requests: its weights' digest (the same adapter shares KV

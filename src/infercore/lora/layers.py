@@ -236,11 +236,8 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ steps
 
-    def set_tokens(self, slots: np.ndarray | list[int] | None, *, segments: list[tuple[int, int, int]] | None = None
-                   ) -> None:
-        """The adapter slot of each token of the next eager forward (int, -1 = the base model), or None for none.
-
-        ``segments`` (optional): the same as ``(slot, start, end)`` runs of tokens, which large steps group by."""
+    def set_tokens(self, slots: np.ndarray | list[int] | None) -> None:
+        """The adapter slot of each token of the next eager forward (int, -1 = the base model), or None for none."""
         self.host_slots = None
         if slots is None:
             self.active, self.groups = False, None
@@ -262,13 +259,6 @@ class LoRAManager:
             rows = np.flatnonzero(slots == slot)
             groups.append((slot, None if len(rows) == T else torch.from_numpy(rows).to(self.device)))
         self.groups = groups
-
-    def stage_graph(self, slots: np.ndarray, rows: int) -> None:
-        """A captured decode step of ``rows`` rows: write each row's slot (-1 past ``len(slots)``) into the buffer
-        the graphs read (they always apply LoRA once any adapter is loaded)."""
-        buf = np.full(rows, -1, dtype=np.int32)
-        buf[: len(slots)] = slots
-        self.indices[:rows].copy_(torch.from_numpy(buf), non_blocking=False)
 
     def capturing(self) -> None:
         """Before capturing decode graphs: LoRA on, through the batched kernels over the persistent buffer."""

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from .parallel import AdaptiveEngine, MirroredEngine
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "ignore_eos", "min_tokens")
+                    "repetition_penalty", "ignore_eos", "min_tokens", "truncate_prompt_tokens")
 
 
 class BadRequest(ValueError):
@@ -256,7 +256,7 @@ def sampling_params(body: dict, *, chat: bool) -> SamplingParams:
     kw: dict[str, Any] = {}
     kinds = {"temperature": float, "top_p": float, "min_p": float, "presence_penalty": float,
              "frequency_penalty": float, "repetition_penalty": float, "top_k": int, "seed": int, "min_tokens": int,
-             "ignore_eos": bool}
+             "ignore_eos": bool, "truncate_prompt_tokens": int}
     for name in _SAMPLING_FIELDS:
         v = _number(body, name, kinds[name])
         if v is not None:
@@ -531,8 +531,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _embeddings(self) -> None:
         """``POST /v1/embeddings``: ``input`` (a string, token ids, or a list of either), ``model`` (a LoRA adapter
-        or the base), ``encoding_format`` "float", and the extensions ``pooling`` ("last", the default, or "mean")
-        and ``normalize`` (default true)."""
+        or the base), ``encoding_format`` "float", ``dimensions`` (the first that many components, then normalized),
+        and the extensions ``pooling`` ("last", the default, or "mean"), ``normalize`` (default true) and
+        ``truncate_prompt_tokens``."""
         try:
             body = self._read_json()
             if body.get("encoding_format", "float") != "float":
@@ -543,6 +544,11 @@ class _Handler(BaseHTTPRequestHandler):
             normalize = body.get("normalize", True)
             if not isinstance(normalize, bool):
                 raise BadRequest("normalize must be a boolean", "normalize")
+            dims = _number(body, "dimensions", int)
+            hidden = getattr(getattr(self.server.loop.engine.model, "config", None), "hidden_size", None)
+            if dims is not None and not 1 <= dims <= (hidden or dims):
+                raise BadRequest(f"dimensions must be in [1, {hidden}]", "dimensions")
+            sp = SamplingParams(truncate_prompt_tokens=_number(body, "truncate_prompt_tokens", int))
             ids = _prompt_ids(self.server.loop.engine, body, chat=False, key="input")
             lora = self._adapter(body.get("model"))
         except BadRequest as e:  # NotFound too
@@ -553,7 +559,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         loop = self.server.loop
         q: queue.Queue = queue.Queue()
-        index = {loop.submit(p, None, q, lora=lora, pooling=pooling)[0]: i for i, p in enumerate(ids)}
+        index = {loop.submit(p, sp, q, lora=lora, pooling=pooling)[0]: i for i, p in enumerate(ids)}
         first = self._first_outputs(q, index)
         if first is None:
             return
@@ -571,7 +577,7 @@ class _Handler(BaseHTTPRequestHandler):
         data, tokens = [], 0
         for rid, i in sorted(index.items(), key=lambda kv: kv[1]):
             out = final[rid]
-            e = out.embedding
+            e = out.embedding if dims is None else out.embedding[:dims]
             if normalize:
                 e = e / e.norm().clamp_min(1e-12)
             data.append({"object": "embedding", "index": i, "embedding": e.tolist()})

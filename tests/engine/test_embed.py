@@ -132,3 +132,31 @@ def test_bare_decoder_checkpoint_embeds_like_transformers(kind, tmp_path):
         for p, e in zip(prompts, eng.embed(prompts)):
             want = torch.nn.functional.normalize(bare(torch.tensor([p])).last_hidden_state[0, -1], dim=0)
             torch.testing.assert_close(e, want, atol=2e-5, rtol=1e-4)
+
+
+def test_dimensions_and_prompt_truncation():
+    hf = tiny_hf("llama")
+    eng = Engine(ours_from_hf(hf), page_size=4, num_pages=128)
+    p = _prompts()[3]
+    full = eng.embed([p], normalize=False)[0]
+    cut = eng.embed([p], dimensions=8)[0]
+    torch.testing.assert_close(cut, torch.nn.functional.normalize(full[:8], dim=0), atol=1e-6, rtol=1e-5)
+    last = eng.embed([p], truncate_prompt_tokens=5)[0]  # only the prompt's last 5 tokens
+    torch.testing.assert_close(last, _hf_embedding(hf, p[-5:], "last"), atol=2e-5, rtol=1e-4)
+    # generation too: the request keeps its prompt's last k tokens
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, truncate_prompt_tokens=7)
+    out = eng.generate([p], sp)[0]
+    assert out.prompt_token_ids == p[-7:] and out.token_ids == hf_greedy(hf, p[-7:], 6)
+    with pytest.raises(ValueError, match="dimensions"):
+        eng.embed([p], dimensions=33)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+    with serving(eng) as call:
+        status, body = call("POST", "/v1/embeddings", {"input": p, "dimensions": 8, "truncate_prompt_tokens": 5})
+        assert status == 200 and len(body["data"][0]["embedding"]) == 8 and body["usage"]["prompt_tokens"] == 5
+        want = torch.nn.functional.normalize(eng.embed([p[-5:]], normalize=False)[0][:8], dim=0)
+        torch.testing.assert_close(torch.tensor(body["data"][0]["embedding"]), want, atol=1e-6, rtol=1e-5)
+        status, body = call("POST", "/v1/embeddings", {"input": p, "dimensions": 0})
+        assert status == 400 and body["error"]["param"] == "dimensions"
+        status, body = call("POST", "/v1/completions", {"prompt": p, "max_tokens": 2, "truncate_prompt_tokens": 4})
+        assert status == 200 and body["usage"]["prompt_tokens"] == 4

@@ -563,13 +563,16 @@ class Engine:
 
     def _new_request(self, prompt, params, *, request_id, chat: bool, lora: str | None = None,
                      pooling: str | None = None, priority: int = 0) -> Request:
-        """Check one submission and build its request, queueing nothing."""
+        """Check one submission and build its request, queueing nothing. A pooling request's ``params`` only give
+        its ``truncate_prompt_tokens``."""
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         if pooling is not None:
             if pooling not in POOLING:
                 raise ValueError(f"pooling must be one of {POOLING} or None, got {pooling!r}")
-            params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)  # one step: the prompt
+            k = params.truncate_prompt_tokens if isinstance(params, SamplingParams) else None
+            # one step: the prompt
+            params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, truncate_prompt_tokens=k)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -583,6 +586,8 @@ class Engine:
         ids = self._encode(prompt, chat)
         if not ids:
             raise ValueError("prompt is empty")
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens :]
         # Without a vocabulary size, still keep ids in the int64 inputs and off PLACEHOLDER (-1).
         vocab = self.vocab_size if self.vocab_size is not None else 2**63
         if any(not 0 <= t < vocab for t in ids):
@@ -1063,19 +1068,28 @@ class Engine:
         return run_to_completion(self, [req.request_id for req in reqs])
 
     def embed(self, prompts: str | list[int] | Iterable[str | list[int]], *, pooling: str = "last",
-              normalize: bool = True, chat: bool = False, lora: str | list[str | None] | None = None
-              ) -> list[torch.Tensor]:
+              normalize: bool = True, chat: bool = False, lora: str | list[str | None] | None = None,
+              dimensions: int | None = None, truncate_prompt_tokens: int | None = None) -> list[torch.Tensor]:
         """Embeddings of ``prompts`` (fp32 ``[hidden]`` tensors on the host, in order): the final hidden state
         (after the model's last norm) of the last prompt token (``pooling="last"``: decoder embedding models such as
         Qwen3-Embedding or e5-mistral) or the mean over the prompt (``"mean"``), L2-normalized unless
         ``normalize=False``. The prompts run through the engine like any request (batched, chunked, preempted;
         "last" takes prefix-cache hits) and may share steps with generation. Pass the text as the model expects it
-        (e.g. with its end-of-text token where its card says so)."""
+        (e.g. with its end-of-text token where its card says so). ``dimensions``: keep the first that many
+        components before normalizing (Matryoshka embeddings, OpenAI's ``dimensions``); ``truncate_prompt_tokens``:
+        embed only each prompt's last that many tokens."""
+        if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int)
+                                       or dimensions < 1):
+            raise ValueError(f"embed: dimensions must be None or an int >= 1, got {dimensions!r}")
+        hidden = getattr(getattr(self.model, "config", None), "hidden_size", None)
+        if dimensions is not None and hidden is not None and dimensions > hidden:
+            raise ValueError(f"embed: dimensions={dimensions} exceeds the model's hidden size {hidden}")
+        sp = SamplingParams(truncate_prompt_tokens=truncate_prompt_tokens)
         prompts = _prompt_list(prompts)
         loras = _per_prompt("lora", lora, len(prompts))
-        outs = self._run_all([self._new_request(p, None, request_id=None, chat=chat, lora=la, pooling=pooling)
+        outs = self._run_all([self._new_request(p, sp, request_id=None, chat=chat, lora=la, pooling=pooling)
                               for p, la in zip(prompts, loras)])
-        embs = [o.embedding for o in outs]
+        embs = [o.embedding if dimensions is None else o.embedding[:dimensions] for o in outs]
         return [torch.nn.functional.normalize(e, dim=0) for e in embs] if normalize else embs
 
     def beam_search(self, prompts: str | list[int] | Iterable[str | list[int]], *, beam_width: int = 4,

@@ -51,6 +51,9 @@ class SamplingParams:
     ``logit_bias`` (OpenAI's: ``{token id: bias}``, biases in [-100, 100]) adds to those logits; ``allowed_token_ids``
     (a non-empty list) masks every other token. Both apply before the penalties, temperature and filters, and
     before a guided mask.
+
+    ``truncate_prompt_tokens`` (None = off, or k >= 1): the request keeps only the last ``k`` tokens of its prompt
+    (left truncation, vLLM's), applied when it is submitted.
     """
 
     max_tokens: int = 256
@@ -73,6 +76,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -127,6 +131,9 @@ class SamplingParams:
         if plp is not None and not 0 <= integer("prompt_logprobs", plp) <= MAX_LOGPROBS:
             raise ValueError(f"SamplingParams.prompt_logprobs must be None or in [0, {MAX_LOGPROBS}], got "
                              f"{_show(self.prompt_logprobs)}")
+        k = self.truncate_prompt_tokens
+        if k is not None and integer("truncate_prompt_tokens", k) < 1:
+            raise ValueError(f"SamplingParams.truncate_prompt_tokens must be None or >= 1, got {_show(k)}")
         sequence("stop", self.stop)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("SamplingParams.stop must be a list of non-empty strings")

@@ -400,3 +400,46 @@ def test_guided_decoding_on_cuda_matches_the_cpu_engine(async_scheduling):
         assert isinstance(json.loads(outs[0].text), dict)
     assert re.fullmatch(r"\d{3}-\d{4}", outs[1].text) and outs[1].finish_reason == "stop"
     assert outs[2].text in ("yes", "no")
+
+
+def test_embeddings_on_cuda_match_transformers():
+    """Embeddings (last and mean pooling) on CUDA, a one-token prompt among them (it must not replay a decode graph,
+    which returns no hidden state), equal transformers' on the CPU."""
+    hf = tiny_hf("llama")
+    eng = Engine(_ours_on_cuda(hf, torch.float32), page_size=16, num_pages=128, max_num_batched_tokens=24)
+    assert eng.graph_runner is not None and eng.graph_runner.graphs
+    prompts = [[5], [(3 * j + 1) % 96 for j in range(9)], [(7 * j + 2) % 96 for j in range(40)]]
+    for pooling in ("last", "mean"):
+        for p, e in zip(prompts, eng.embed(prompts, pooling=pooling)):
+            with torch.inference_mode():
+                h = hf.model(torch.tensor([p])).last_hidden_state[0]
+            want = torch.nn.functional.normalize(h[-1] if pooling == "last" else h.mean(0), dim=0)
+            torch.testing.assert_close(e, want, atol=1e-4, rtol=1e-3)
+
+
+def test_beam_search_on_cuda_matches_transformers():
+    hf = tiny_hf("llama")
+    eng = Engine(_ours_on_cuda(hf, torch.float32), page_size=16, num_pages=128)
+    prompt = [(5 * j + 3) % 96 for j in range(11)]
+    beams = eng.beam_search(prompt, beam_width=4, max_tokens=8, ignore_eos=True)[0]
+    x = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = hf.generate(x, attention_mask=torch.ones_like(x), num_beams=4, num_return_sequences=4, max_new_tokens=8,
+                          min_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0, early_stopping=False)
+    assert [b.token_ids for b in beams] == [s[len(prompt):].tolist() for s in out]
+
+
+def test_draft_model_on_cuda_equals_plain_decoding():
+    """Draft-model speculative decoding on CUDA (the verification through the decode graphs' draft rows): the tokens
+    of the engine without drafts, greedy and seeded."""
+    hf = tiny_hf("llama")
+    draft_hf = tiny_hf("llama", num_hidden_layers=1)
+    prompts = [[(3 * i + 7 * j) % 96 for j in range(5 + 6 * i)] for i in range(4)]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)] * 2
+    want = Engine(_ours_on_cuda(hf, torch.float32), page_size=16, num_pages=128).generate(prompts, params)
+    eng = Engine(_ours_on_cuda(hf, torch.float32), page_size=16, num_pages=128, num_speculative_tokens=3,
+                 draft_model=_ours_on_cuda(draft_hf, torch.float32))
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0

@@ -88,10 +88,10 @@ class LoRALinear(nn.Module):
         return y
 
     @property
-    def passthrough(self) -> nn.Module:
-        """The base linear while this step applies no adapter (the fused CPU decoder layers then take it), else
-        this module."""
-        return self if self.manager.active else self.base
+    def native_base(self) -> nn.Module:
+        """The base linear, which the fused CPU decoder layers run (they add the adapters themselves, from
+        :meth:`LoRAManager.native_operands`)."""
+        return self.base
 
     def set_slot(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Fill ``slot`` with one ``(A [r, in], B [size, r])`` per slice (None: the slice is not targeted)."""
@@ -260,6 +260,28 @@ class LoRAManager:
             groups.append((slot, None if len(rows) == T else torch.from_numpy(rows).to(self.device)))
         self.groups = groups
 
+    def native_operands(self, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None | bool:
+        """What the fused CPU decoder layers take for this step: None when no token has an adapter; ``(operands
+        int64 [num_layers, LORA_TAB] (or the row of ``layer``), slots int64 [T])`` for a CPU step of the native
+        kernel (:attr:`host_slots`); False otherwise (the layers then run op by op)."""
+        if not self.active:
+            return None
+        if self.host_slots is None:
+            return False
+        tab = self.__dict__.get("_native_tab")
+        if tab is None:
+            layers = 1 + max(i for i, _ in self.layers)
+            tab = torch.zeros(layers, 28, dtype=torch.int64)
+            for (i, attr), lin in self.layers.items():
+                j = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj").index(attr)
+                if lin.a.dtype != torch.float32 or not (lin.a.is_contiguous() and lin.b.is_contiguous()):
+                    return False
+                bounds = (*lin.bounds, lin.out_features, lin.out_features, lin.out_features)[:3]
+                tab[i, 7 * j : 7 * j + 7] = torch.tensor([lin.a.data_ptr(), lin.b.data_ptr(), lin.a.shape[1],
+                                                          self.max_rank, *bounds])
+            self.__dict__["_native_tab"] = tab
+        return (tab if layer is None else tab[layer]), self.host_slots
+
     def capturing(self) -> None:
         """Before capturing decode graphs: LoRA on, through the batched kernels over the persistent buffer."""
         self.active, self.groups, self.host_slots = True, None, None
@@ -327,6 +349,7 @@ def _wrap(manager: LoRAManager, parent: nn.Module, attr: str, layer: int, slices
     if k is None:
         raise ValueError(f"enable_lora_: cannot tell the input size of {type(base).__name__}")
     lin = LoRALinear(base, manager, tuple(slices), tuple(int(s) for s in sizes), int(k), device=device, dtype=dtype)
+    lin.layer_index = layer
     setattr(parent, attr, lin)
     manager.layers[(layer, attr)] = lin
 

@@ -282,9 +282,11 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         linears = self._native_decode(x, residual, cos_sin, kv_cache, meta)
-        if linears is not None:  # CPU decode: the whole layer in one call
+        lora = _lora_operands(self) if linears is not None else None
+        if linears is not None and lora is not False:  # CPU decode: the whole layer in one call
+            kw = {} if lora is None else {"lora": lora}
             return cpu_native.llama_decode_layer(x, residual, self, positions, cos_sin, kv_cache[0], kv_cache[1],
-                                                 meta, linears, *_scales(kv_cache))  # fmt: skip
+                                                 meta, linears, *_scales(kv_cache), **kw)  # fmt: skip
         # The residual stream is carried separately so each norm fuses the preceding residual add.
         norm = self.input_layernorm
         if residual is None:
@@ -323,9 +325,8 @@ class LlamaDecoderLayer(nn.Module):
         if type(self) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
             return None
         am, mm = attn._modules, mlp._modules
-        # a LoRA-wrapped linear (lora.LoRALinear) is its base linear in a step without adapters, else itself (which
-        # the native layer does not take)
-        lins = tuple(getattr(m, "passthrough", m) for m in (am["qkv_proj"], am["o_proj"], mm["gate_up_proj"],
+        # a LoRA-wrapped linear (lora.LoRALinear): its base, the adapters added by the native layer itself
+        lins = tuple(getattr(m, "native_base", m) for m in (am["qkv_proj"], am["o_proj"], mm["gate_up_proj"],
                                                             mm["down_proj"]))
         w1, w2 = n1._parameters["weight"], n2._parameters["weight"]
         qk = (attn.q_norm, attn.k_norm)  # Qwen3's per-head norms, or None
@@ -366,6 +367,14 @@ class LlamaDecoderLayer(nn.Module):
         weights = [w1, w2, *(t for t in (*stores, *qkw) if t is not None)]
         self.__dict__["_native_linears_cache"] = (objs, ids, ptrs, linears, weights)
         return linears
+
+
+def _lora_operands(layer: nn.Module):
+    """The fused native layer's LoRA operands for ``layer`` this step (``LoRAManager.native_operands``): None without
+    adapters in the step (or without LoRA), False where the layer must run op by op."""
+    qkv = layer.self_attn._modules["qkv_proj"]
+    mgr = qkv.__dict__.get("manager")  # a lora.LoRALinear keeps its manager there
+    return None if mgr is None else mgr.native_operands(qkv.layer_index)
 
 
 def _native_step(x: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -439,7 +448,10 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = self.cos_sin_cache
         table = self._native_stack(x, cos_sin, kv_caches, meta)
         if table is not None:  # CPU decode: every layer in one native call
-            x, residual = cpu_native.llama_decode_layers(x, layers, positions, cos_sin, kv_caches, meta, table)
+            mgr = self.__dict__.get("lora_manager")
+            lora = None if mgr is None else mgr.native_operands()
+            kw = {} if lora is None else {"lora": lora}  # (a step without adapters passes none)
+            x, residual = cpu_native.llama_decode_layers(x, layers, positions, cos_sin, kv_caches, meta, table, **kw)
         else:
             for layer, kv_cache in zip(layers, kv_caches):
                 x, residual = layer(x, residual, positions, cos_sin, kv_cache, meta)
@@ -453,7 +465,7 @@ class LlamaForCausalLM(nn.Module):
         else None. The table is kept while the layers' descriptors stay the same (their weights and caches)."""
         layers = self.model.layers
         lora = self.__dict__.get("lora_manager")
-        if lora is not None and lora.active:  # this step applies LoRA adapters: the layers run op by op
+        if lora is not None and lora.native_operands() is False:  # LoRA this step, not through the native kernel
             return None
         if not (len(layers) and cpu_native.layer_stack_on() and _native_step(x, meta)
                 and _codes_readable(layers[0].self_attn, next((kv for kv in kv_caches if hasattr(kv, "k_scale")),

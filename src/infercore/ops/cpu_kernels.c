@@ -925,10 +925,21 @@ static void quant_sizes(const int64_t *lin, int64_t *kpmax, int64_t *gsums) {
  * so only the linears, RoPE with the KV write and attention need barriers (six a layer). Thread 0 writes the
  * shared residual; it writes the second one after the gate_up rows, whose barrier follows every thread's read of
  * the first. */
+#define LORA_TAB 28 /* int64 per layer of the LoRA operands: qkv, o, gate_up, down, 7 each (lora_rows' d) */
+
+/* LoRA of one projection inside the fused layer (one thread: run it in an omp single): d = {a, b, R, r, b0, b1, b2}
+ * as infercore_lora_apply takes them (a == 0: the projection has none), slots int64 [T] */
+static void lora_rows(const void *x, void *y, int64_t T, int64_t K, int64_t N, const int64_t *d, const int64_t *slots,
+                      int dt) {
+    if (d[0])
+        infercore_lora_apply(x, y, (const float *)d[0], (const float *)d[1], slots, T, K, N, d[2], d[3], d[4], d[5],
+                             d[6], dt, 1);
+}
+
 static void layer_body(const step_t *s, own_t *w, const void *x, const void *res, void *res_out, void *out,
                        const void *n1, float eps1, const int64_t *lin, void *kc, void *vc, int64_t window,
                        const void *n2, float eps2, const kvq_t *kq, const void *qn, const void *kn, float qk_eps,
-                       const void *qb) {
+                       const void *qb, const int64_t *lt, const int64_t *lslots) {
     const int id = omp_get_thread_num(), dt = s->dt;
     const int64_t T = s->T, H = s->H, D = s->D, NQ = s->Hq * D, NKV = s->Hk * D, NQKV = NQ + 2 * NKV;
     const size_t es = dt ? 2 : 4;
@@ -945,6 +956,7 @@ static void layer_body(const step_t *s, own_t *w, const void *x, const void *res
             for (int64_t t = 0; t < T; t++)
                 for (int64_t i = 0; i < NQKV; i++)
                     st(s->qkv, t * NQKV + i, ld(s->qkv, t * NQKV + i, dt) + ld(qb, i, dt), dt);
+        if (lt) lora_rows(w->xn, s->qkv, T, H, NQKV, lt, lslots, dt); /* after the bias: as the op-by-op path */
         if (qn) /* Qwen3: each head of q and k RMS-normed over D (weights qn / kn [D]) in place, before RoPE */
             for (int64_t t = 0; t < T; t++) {
                 char *row = s->qkv + es * t * NQKV;
@@ -957,11 +969,23 @@ static void layer_body(const step_t *s, own_t *w, const void *x, const void *res
     attend_units(s->qr, kc, vc, s->seq_lens, s->block_table, s->bt_stride, T, s->Hk, D, s->Hq / s->Hk, s->ps,
                  s->scale, window, s->attn, w->buf, w->sc, dt, s->S, s->part, kq);
     lin_par(s->attn, T, NQ, lin + 4, H, s->o, dt, w->xp, w->sums);
+    if (lt) {
+#pragma omp single
+        lora_rows(s->attn, s->o, T, NQ, H, lt + 7, lslots, dt);
+    }
     rms_any(s->o, res_out, w->rs, n2, w->xn, 0, T, H, eps2, 0.f, dt, dt, w->buf);
     lin_par(w->xn, T, H, lin + 8, 2 * s->I, s->h, dt, w->xp, w->sums);
+    if (lt) {
+#pragma omp single
+        lora_rows(w->xn, s->h, T, H, 2 * s->I, lt + 14, lslots, dt);
+    }
     if (id == 0) memcpy(res_out, w->rs, es * T * H);
     silu_any(s->h, w->act, 0, T, s->I, dt);
     lin_par(w->act, T, s->I, lin + 12, H, out, dt, w->xp, w->sums);
+    if (lt) {
+#pragma omp single
+        lora_rows(w->act, out, T, s->I, H, lt + 21, lslots, dt);
+    }
 }
 
 /*
@@ -975,6 +999,8 @@ static void layer_body(const step_t *s, own_t *w, const void *x, const void *res
  *   1 int8, 2 float8_e4m3fn; ksc / vsc fp32 [num_pages, ps, Hk]: rope_rows quantizes the new rows, the attention
  *   reads the codes); qn / kn [D] (dt) or NULL: Qwen3's RMSNorm of each q / k head (epsilon qk_eps) before RoPE;
  *   qkv_bias [(Hq + 2 Hk) D] (dt) or NULL: Qwen2's bias of the qkv projection;
+ *   lt [LORA_TAB] or NULL: each projection's LoRA (lora_rows' operands; a 0 pointer: none), applied after it with the
+ *   adapter slot of each row from lslots int64 [T] (-1: none), as lora.LoRALinear adds it;
  *   slots / seq_lens int32 [T]; block_table
  *   int32 [T, bt_stride] with bt_cols columns in use.
  * Returns 0, or before writing anything: -1 - t (slot t out of range), -1 - T - t (position t), -1 - 2T - t
@@ -988,7 +1014,7 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
                                  const int32_t *block_table, int64_t bt_stride, int64_t bt_cols, float scale,
                                  int64_t window, const void *n2, float eps2, int64_t I, int dt, const float *ksc,
                                  const float *vsc, int kv, const void *qn, const void *kn, float qk_eps,
-                                 const void *qkv_bias, int nthreads) {
+                                 const void *qkv_bias, int nthreads, const int64_t *lt, const int64_t *lslots) {
     if (kv && !simd_shape(D, Hq / Hk)) return 1; /* 1-byte caches: the vector attention only; nothing written */
     int rc = check_rows(slots, pos, T, num_pages * ps, max_pos);
     if (rc) return rc;
@@ -1005,7 +1031,7 @@ int infercore_llama_decode_layer(const void *x, const void *res, void *res_out, 
         own_alloc(&w, &s, kpmax, gsums);
         const kvq_t kq = {ksc, vsc, kv};
         layer_body(&s, &w, x, res, res_out, out, n1, eps1, lin, kc, vc, window, n2, eps2, &kq, qn, kn, qk_eps,
-                   qkv_bias);
+                   qkv_bias, lt, lslots);
         own_free(&w);
     }
     free(s.qkv);
@@ -1027,7 +1053,8 @@ int infercore_llama_decode_layers(int64_t L, const int64_t *tab, const float *ep
                                   void *res_out, void *out, int64_t T, int64_t H, int64_t Hq, int64_t Hk, int64_t D,
                                   const int64_t *pos, const float *cs, int64_t max_pos, int64_t num_pages, int64_t ps,
                                   const int32_t *slots, const int32_t *seq_lens, const int32_t *block_table,
-                                  int64_t bt_stride, int64_t bt_cols, float scale, int64_t I, int dt, int nthreads) {
+                                  int64_t bt_stride, int64_t bt_cols, float scale, int64_t I, int dt, int nthreads,
+                                  const int64_t *ltab, const int64_t *lslots) {
     int rc = check_rows(slots, pos, T, num_pages * ps, max_pos);
     if (rc) return rc;
     int64_t kpmax = 0, gsums = 0;
@@ -1054,7 +1081,7 @@ int infercore_llama_decode_layers(int64_t L, const int64_t *tab, const float *ep
             const kvq_t kq = {(const float *)t[21], (const float *)t[22], (int)t[23]};
             layer_body(&s, &w, xi, ri, ro, xo, (const void *)t[0], eps[3 * l], t + 5, (void *)t[2], (void *)t[3],
                        t[4], (const void *)t[1], eps[3 * l + 1], &kq, (const void *)t[24], (const void *)t[25],
-                       eps[3 * l + 2], (const void *)t[26]);
+                       eps[3 * l + 2], (const void *)t[26], ltab ? ltab + LORA_TAB * l : 0, lslots);
             xi = xo;
             ri = ro;
         }

@@ -128,10 +128,11 @@ def _build() -> ctypes.CDLL:
                                                _F, _I64, _P, _INT, _P, _P, _INT, _INT]
     dll.infercore_llama_decode_layer.argtypes = [_P, _P, _P, _P, _I64, _I64, _P, _F, _P, _I64, _I64, _I64, _P, _P,
                                                  _I64, _P, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _F, _I64, _P, _F,
-                                                 _I64, _INT, _P, _P, _INT, _P, _P, _F, _P, _INT]
+                                                 _I64, _INT, _P, _P, _INT, _P, _P, _F, _P, _INT, _P, _P]
     dll.infercore_llama_decode_layer.restype = _INT
     dll.infercore_llama_decode_layers.argtypes = [_I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P,
-                                                  _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _F, _I64, _INT, _INT]
+                                                  _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _F, _I64, _INT, _INT, _P,
+                                                  _P]
     dll.infercore_llama_decode_layers.restype = _INT
     for f in ("rms_norm", "silu_and_mul"):
         getattr(dll, f"infercore_{f}").restype = None
@@ -1037,7 +1038,8 @@ def layer_linear(lin, dtype: torch.dtype, *, bias_ok: bool = False) -> tuple[int
 def llama_decode_layer(x: torch.Tensor, residual: torch.Tensor | None, layer, positions: torch.Tensor,
                        cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
                        linears: list[tuple[int, int, int, int]], k_scale: torch.Tensor | None = None,
-                       v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       v_scale: torch.Tensor | None = None, lora: tuple | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``models.llama.LlamaDecoderLayer.forward`` for ``T`` decode rows in one native call -> ``(mlp output [T, H],
     new residual [T, H])``, the same values as the op-by-op path. ``x`` / ``residual`` (or None in the first
     layer): ``[T, H]`` fp32 / bf16 like the layer's weights; ``positions [T]``; ``cos_sin_cache`` fp32 ``[max_pos,
@@ -1046,7 +1048,9 @@ def llama_decode_layer(x: torch.Tensor, residual: torch.Tensor | None, layer, po
     hold); ``meta`` a decode-only
     ``AttentionMetadata`` of ``T`` sequences; ``linears``: :func:`layer_linear` of qkv, o, gate_up and down. The
     caller checks that the layer and step fit (``LlamaDecoderLayer._native_decode``). Out-of-range slots,
-    positions, page ids or sequence lengths raise ``IndexError`` before anything is written."""
+    positions, page ids or sequence lengths raise ``IndexError`` before anything is written. ``lora``: ``(operands
+    int64 [LORA_TAB], slots int64 [T])`` (``lora.LoRAManager.native_table`` row, ``host_slots``) to add each row's
+    adapter after each projection, or None."""
     lib = _need()
     attn, mlp = layer.self_attn, layer.mlp
     T, H = x.shape
@@ -1065,7 +1069,8 @@ def llama_decode_layer(x: torch.Tensor, residual: torch.Tensor | None, layer, po
         _ptr(pos), _ptr(cos_sin_cache), cos_sin_cache.shape[0], _ptr(k_cache), _ptr(v_cache), num_pages, ps,
         _ptr(slots), _ptr(lens), _ptr(bt), bt.stride(0), bt.shape[1], attn.scale, attn.sliding_window or 0,
         _ptr(n2.weight), n2.eps, mlp.down_proj.in_features, _DT[x.dtype], _ptr(k_scale) if kv else None,
-        _ptr(v_scale) if kv else None, kv, *_qk_norms(attn), _qkv_bias(attn), torch.get_num_threads())
+        _ptr(v_scale) if kv else None, kv, *_qk_norms(attn), _qkv_bias(attn), torch.get_num_threads(),
+        *((None, None) if lora is None else (_ptr(lora[0]), _ptr(lora[1]))))
     if rc == 1:
         raise ValueError("decoder layer: the native attention does not read 1-byte caches at this shape")
     if rc < 0:  # nothing was written
@@ -1076,6 +1081,7 @@ def llama_decode_layer(x: torch.Tensor, residual: torch.Tensor | None, layer, po
 
 
 LAYER_TAB = 27  # int64 entries per layer of llama_decode_layers' table (ops/cpu_kernels.c)
+LORA_TAB = 28  # int64 LoRA operands per layer: qkv, o, gate_up, down, each (a, b, R, r, three slice bounds)
 
 
 def _qkv_bias(attn) -> int | None:
@@ -1111,10 +1117,12 @@ def decode_layers_table(layers, kv_caches, linears: list) -> tuple[torch.Tensor,
 
 
 def llama_decode_layers(x: torch.Tensor, layers, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                        kv_caches, meta, table: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                        kv_caches, meta, table: tuple[torch.Tensor, torch.Tensor], lora: tuple | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """A stack of :func:`llama_decode_layer` calls in one native call (the first layer's residual is ``x``):
     ``(last layer's MLP output [T, H], its residual [T, H])``, the same values. ``layers`` alike in shapes
-    (heads, head_dim, intermediate size), their caches all of one shape; ``table``: :func:`decode_layers_table`.
+    (heads, head_dim, intermediate size), their caches all of one shape; ``table``: :func:`decode_layers_table`;
+    ``lora``: ``(operands int64 [L, LORA_TAB], slots int64 [T])`` or None (see :func:`llama_decode_layer`).
     Out-of-range indices raise ``IndexError`` before any layer runs."""
     lib = _need()
     attn, mlp = layers[0].self_attn, layers[0].mlp
@@ -1130,7 +1138,7 @@ def llama_decode_layers(x: torch.Tensor, layers, positions: torch.Tensor, cos_si
         len(layers), _ptr(tab), _ptr(eps), _ptr(x), None, _ptr(res_out), _ptr(out), T, H, attn.num_heads,
         attn.num_kv_heads, attn.head_dim, _ptr(pos), _ptr(cos_sin_cache), cos_sin_cache.shape[0], num_pages, ps,
         _ptr(slots), _ptr(lens), _ptr(bt), bt.stride(0), bt.shape[1], attn.scale, mlp.down_proj.in_features,
-        _DT[x.dtype], torch.get_num_threads())
+        _DT[x.dtype], torch.get_num_threads(), *((None, None) if lora is None else (_ptr(lora[0]), _ptr(lora[1]))))
     if rc == 1:
         raise ValueError("decoder layers: the native attention does not read 1-byte caches at this shape")
     if rc < 0:  # nothing was written

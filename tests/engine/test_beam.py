@@ -65,3 +65,9 @@ def test_errors():
         eng.beam_search([1, 2, 3], length_penalty="1")
     with pytest.raises(ValueError, match="empty"):
         eng.beam_search([[]])
+    with pytest.raises(ValueError, match="finite"):
+        eng.beam_search([1, 2, 3], length_penalty=float("nan"))
+    with pytest.raises(ValueError, match="lora has 1 entries for 2 prompts"):
+        eng.beam_search([[1, 2], [3, 4]], lora=["x"])
+    with pytest.raises(ValueError, match="no adapter named"):
+        eng.beam_search([1, 2, 3], lora="x")

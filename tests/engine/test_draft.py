@@ -49,7 +49,9 @@ def test_draft_equal_to_the_target_is_always_accepted():
         assert o.token_ids == hf_greedy(hf, p, 24)
         m = o.metrics
         assert m.num_draft_tokens > 0 and m.num_accepted_tokens == m.num_draft_tokens
-    assert not eng.draft.shadows or all(rid not in eng.requests for rid in eng.draft.shadows)
+    # the shadows of finished requests are freed at the next proposal
+    eng.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(eng.draft.shadows) <= 1 and eng.draft.bm.num_free_pages >= eng.draft.bm.num_pages - 16
 
 
 def test_tight_pools_preempt_and_still_match():

@@ -65,7 +65,7 @@ def beam_search(engine, prompts: list[list[int]], *, beam_width: int, max_tokens
     P = len(prompts)
     hyps = [_Hyps(beam_width, length_penalty, early_stopping) for _ in range(P)]
     beams: list[list[tuple[list[int], float]]] = [[([], 0.0)] for _ in range(P)]  # per prompt: (generated, logprob)
-    loras = lora if isinstance(lora, list) else [lora] * P
+    loras = lora if isinstance(lora, list) else [lora] * P  # (Engine.beam_search checked a list's length)
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=2 * beam_width)
     for step in range(max_tokens):
         live = [(i, b) for i in range(P) for b in beams[i]]

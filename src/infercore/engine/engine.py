@@ -6,6 +6,7 @@ import atexit
 import functools
 import gc
 import itertools
+import math
 import os
 import random
 import time
@@ -1113,9 +1114,14 @@ class Engine:
         if 2 * beam_width > MAX_LOGPROBS or (self.vocab_size is not None and 2 * beam_width > self.vocab_size):
             raise ValueError(f"beam_search: beam_width={beam_width} reads the top 2 * beam_width log-probabilities; "
                              f"at most {MAX_LOGPROBS // 2}, and 2 * beam_width <= the vocabulary")
+        if not math.isfinite(length_penalty):
+            raise ValueError(f"beam_search: length_penalty must be finite, got {length_penalty!r}")
+        loras = _per_prompt("lora", lora, len(ids))
+        for la in set(loras) - {None}:  # checked before the first step
+            self._bind_lora(Request("check", [0], SamplingParams()), la)
         return beam_search(self, ids, beam_width=beam_width, max_tokens=max_tokens,
                            length_penalty=float(length_penalty), early_stopping=bool(early_stopping),
-                           ignore_eos=bool(ignore_eos), lora=lora)
+                           ignore_eos=bool(ignore_eos), lora=loras)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False,
                lora: str | None = None) -> Iterator[RequestOutput]:

@@ -464,7 +464,7 @@ def json_object_regex(depth: int = 2, *, whitespace: str = r"[ ]?") -> str:
 
 
 def _hex_escape(o: int) -> str:
-    """A regex for the JSON escape \\uXXXX of the UTF-16 unit ``o``, hex digits in either case."""
+    """A regex for the JSON escape (\\u and four hex digits) of the UTF-16 unit ``o``, hex digits in either case."""
     return r"\\u" + "".join(f"[{d}{d.upper()}]" if d.isalpha() else d for d in f"{o:04x}")
 
 

@@ -262,8 +262,8 @@ class LoRAManager:
 
     def native_operands(self, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None | bool:
         """What the fused CPU decoder layers take for this step: None when no token has an adapter; ``(operands
-        int64 [num_layers, LORA_TAB] (or the row of ``layer``), slots int64 [T])`` for a CPU step of the native
-        kernel (:attr:`host_slots`); False otherwise (the layers then run op by op)."""
+        int64 [num_layers, cpu_native.LORA_TAB] (or the row of ``layer``), slots int64 [T])`` for a CPU step of
+        the native kernel (:attr:`host_slots`); False otherwise (the layers then run op by op)."""
         if not self.active:
             return None
         if self.host_slots is None:
@@ -271,7 +271,7 @@ class LoRAManager:
         tab = self.__dict__.get("_native_tab")
         if tab is None:
             layers = 1 + max(i for i, _ in self.layers)
-            tab = torch.zeros(layers, 28, dtype=torch.int64)
+            tab = torch.zeros(layers, _native().LORA_TAB, dtype=torch.int64)
             for (i, attr), lin in self.layers.items():
                 j = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj").index(attr)
                 if lin.a.dtype != torch.float32 or not (lin.a.is_contiguous() and lin.b.is_contiguous()):

@@ -338,7 +338,9 @@ def _run_server(engine, args: argparse.Namespace) -> None:
     from .serve import make_server
 
     name = args.served_model_name or Path(args.model or default_model_path()).name
-    server = make_server(engine, host=args.host, port=args.port, model_name=name, verbose=args.verbose)
+    parser = getattr(args, "tool_call_parser", "hermes")
+    server = make_server(engine, host=args.host, port=args.port, model_name=name, verbose=args.verbose,
+                         tool_call_parser=None if parser == "none" else parser)
     host, port = server.server_address[:2]
     print(f"infercore: serving {name} on http://{host}:{port}/v1 ({engine.device}, {engine.dtype})", file=sys.stderr)
     try:
@@ -375,6 +377,7 @@ def _info(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from .kv.cache import KV_CACHE_DTYPES
+    from .tool_parsers import TOOL_PARSERS
 
     p = argparse.ArgumentParser(prog="infercore", description="LLM inference building blocks")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -454,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--max-loras", type=int, default=0, metavar="N",
                    help="LoRA adapters that run at once (device slots; default: the --lora count); any number "
                         "may be loaded (--lora, POST /v1/load_lora_adapter), taking turns in the slots")
+    v.add_argument("--tool-call-parser", default="hermes", choices=[*sorted(TOOL_PARSERS), "none"],
+                   help="the format tool_choice 'auto' replies are read in for tool_calls (hermes: "
+                        "<tool_call>{...}</tool_call>, as Hermes / Qwen2.5 / Qwen3 write them); none: leave the text")
     v.set_defaults(fn=_serve)
     i = sub.add_parser("info", help="devices and which backend serves each op")
     i.add_argument("--device", default=None, type=_device)

@@ -18,6 +18,28 @@ batched together (with a ``seed``, sample ``j`` uses ``seed + j``); streamed chu
 
 ``priority`` (an int, lower first) orders requests when the engine's ``scheduling_policy`` is "priority".
 
+Tool calling (chat): ``tools`` (OpenAI function tools, handed to the chat template as ``tools=``; messages may be
+``tool`` results with ``tool_call_id`` and assistant turns with ``tool_calls``) and ``tool_choice``, as vLLM does it:
+a named function constrains the output to its ``parameters`` schema (guided decoding) and returns it as the one
+``tool_calls`` entry (``finish_reason`` "stop"); "required" constrains it to a JSON array of at least one
+``{"name", "parameters"}`` (one schema per tool) and returns each item as a call ("tool_calls"); "auto" (the
+default with tools) generates freely and reads the calls out of the text with the server's tool-call parser
+(:mod:`infercore.tool_parsers`, "hermes" unless ``make_server(tool_call_parser=...)`` says otherwise; the text
+outside them stays ``content``; "tool_calls" when any was read); "none" (the default without tools) leaves the text
+alone. Streamed, the calls come whole in the choice's last chunk (``delta.tool_calls`` with ``index``); the text
+before the first call of an "auto" reply streams as it comes, a named or required reply is held back to the end.
+
+Beam search: ``use_beam_search: true`` (vLLM's extension; not with ``stream``, guided decoding, ``stop`` or
+logprobs) returns each prompt's best ``n`` of ``beam_width`` (default ``n``) hypotheses by
+:meth:`Engine.beam_search` (``length_penalty``, ``early_stopping``, ``ignore_eos``, ``max_tokens``); its
+one-token steps run as requests through the engine loop, batched with everyone else's (and counted in the
+metrics as requests).
+
+``stream_options: {"include_usage": true}`` ends a stream with a chunk of empty ``choices`` and the request's
+``usage`` (the other chunks then carry ``"usage": null``). ``echo: true`` (completions) puts each prompt's text
+before its choices' text (with ``logprobs``, the prompt's tokens and log-probabilities before theirs, the first
+None; streamed, the prompt text is each choice's first chunk).
+
 LoRA (an engine with ``max_loras > 0``): a request's ``model`` names a loaded adapter to run it through, or the
 served model for the base; any other name is a 404 there. ``GET /v1/models`` lists the adapters after the base
 model (``"parent"``: the base), and ``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``) /
@@ -37,12 +59,14 @@ import json
 import queue
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 from .engine import Engine, RequestOutput, SamplingParams
 from .engine.engine import POOLING
+from .engine.fsm import json_schema_regex
+from .tool_parsers import ToolCall, ToolParser, get_tool_parser
 
 if TYPE_CHECKING:
     from .parallel import AdaptiveEngine, MirroredEngine
@@ -328,19 +352,137 @@ def _n(body: dict) -> int:
     return n or 1
 
 
-def _prompt_ids(engine: Engine, body: dict, *, chat: bool, key: str = "prompt") -> list[list[int]]:
-    """The request's prompts as token ids: one chat conversation, or the completion prompt(s) (``body[key]``: a
-    string, a list of token ids, or a list of either)."""
+@dataclass
+class ToolPlan:
+    """What a chat request's ``tools`` / ``tool_choice`` ask for: ``tools`` as the chat template takes them (None:
+    none given), ``choice`` "none" / "auto" / "required" / "named" (``name``: the function), and ``schema``, the
+    guided-decoding JSON schema of a named or required choice."""
+
+    tools: list[dict] | None = None
+    choice: str = "none"
+    name: str | None = None
+    schema: dict | None = None
+
+
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def tool_plan(body: dict) -> ToolPlan:
+    """Check a chat request's ``tools`` and ``tool_choice`` (BadRequest naming the field) into a :class:`ToolPlan`."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    functions: dict[str, dict] = {}
+    if tools is not None:
+        if not isinstance(tools, list) or not tools:
+            raise BadRequest("tools must be a non-empty list of {'type': 'function', 'function': {...}}", "tools")
+        for i, t in enumerate(tools):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if not isinstance(fn, dict) or t.get("type", "function") != "function":
+                raise BadRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{'name', 'description', "
+                                 f"'parameters'}}}}", "tools")
+            name = fn.get("name")
+            if not isinstance(name, str) or not name:
+                raise BadRequest(f"tools[{i}].function.name must be a non-empty string", "tools")
+            if name in functions:
+                raise BadRequest(f"tools[{i}]: a second function named {name!r}", "tools")
+            if fn.get("description") is not None and not isinstance(fn["description"], str):
+                raise BadRequest(f"tools[{i}].function.description must be a string", "tools")
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+            functions[name] = fn
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise BadRequest("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
+                             "'function': {'name': ...}}", "tool_choice")
+        if choice == "required" and not tools:
+            raise BadRequest("tool_choice 'required' needs tools", "tool_choice")
+        plan = ToolPlan(tools, choice if tools else "none")
+        if choice == "required":  # vLLM's form: one schema per tool, any number (>= 1) of calls
+            plan.schema = {"type": "array", "minItems": 1, "items": {"anyOf": [
+                {"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                  "parameters": fn.get("parameters") or _EMPTY_PARAMETERS},
+                 "required": ["name", "parameters"]} for name, fn in functions.items()]}}
+    elif isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRequest("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
+                             "'function': {'name': ...}}", "tool_choice")
+        if fn["name"] not in functions:
+            raise BadRequest(f"tool_choice names the function {fn['name']!r}, which is not in tools "
+                             f"({sorted(functions)})", "tool_choice")
+        plan = ToolPlan(tools, "named", fn["name"], functions[fn["name"]].get("parameters") or _EMPTY_PARAMETERS)
+    else:
+        raise BadRequest("tool_choice must be a string or an object", "tool_choice")
+    if plan.schema is not None:
+        try:  # the schema's own faults, named here rather than at submission
+            json_schema_regex(plan.schema)
+        except ValueError as e:
+            raise BadRequest(f"tools: the parameters schema cannot guide decoding: {e}", "tools") from None
+    return plan
+
+
+def _chat_messages(messages) -> list[dict]:
+    """Checked chat messages, as HF chat templates take them: text content parts joined, an assistant turn's
+    ``tool_calls`` arguments as objects (JSON text parsed) and its null content as "", ``tool`` results with their
+    ``tool_call_id``."""
+    shape = "messages must be a non-empty list of {'role': str, 'content': str}"
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest(shape, "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(shape, "messages")
+        m = dict(m)
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI's content parts: text ones only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise BadRequest(f"messages[{i}].content: only text parts are served", "messages")
+            m["content"] = "".join(p["text"] for p in content)
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if m["role"] != "assistant" or not isinstance(calls, list):
+                raise BadRequest(f"messages[{i}].tool_calls: a list, in an assistant message", "messages")
+            fixed = []
+            for j, c in enumerate(calls):
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise BadRequest(f"messages[{i}].tool_calls[{j}] must be {{'id', 'type': 'function', "
+                                     f"'function': {{'name', 'arguments'}}}}", "messages")
+                args = fn.get("arguments", {})
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        args = None
+                if not isinstance(args, dict):
+                    raise BadRequest(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object "
+                                     f"(or its text)", "messages")
+                fixed.append({**c, "function": {**fn, "arguments": args}})
+            m["tool_calls"] = fixed
+            if m.get("content") is None:  # a template writing it would print "None"
+                m["content"] = ""
+        if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise BadRequest(f"messages[{i}]: a tool message needs tool_call_id (a string)", "messages")
+        if not isinstance(m.get("content"), str):
+            raise BadRequest(f"{shape} (messages[{i}].content)", "messages")
+        out.append(m)
+    return out
+
+
+def _prompt_ids(engine: Engine, body: dict, *, chat: bool, key: str = "prompt",
+                tools: list[dict] | None = None) -> list[list[int]]:
+    """The request's prompts as token ids: one chat conversation (its chat template given ``tools`` where there are
+    any), or the completion prompt(s) (``body[key]``: a string, a list of token ids, or a list of either)."""
     tok = engine.tokenizer
     if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise BadRequest("messages must be a non-empty list of {'role': str, 'content': str}", "messages")
+        messages = _chat_messages(body.get("messages"))
         if tok is None:
             raise BadRequest("the model has no tokenizer for chat messages", "messages")
-        return [tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)]
+        extra = {"tools": tools} if tools else {}
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, **extra)
+        return [tok.encode(text, add_special_tokens=False)]
     prompt = body.get(key)
 
     def ids(p) -> list[int]:
@@ -384,6 +526,153 @@ def _prompt_logprobs(engine: Engine, out: RequestOutput) -> list:
 
     return [None if d is None else {str(t): {"logprob": v, "decoded_token": text(t)} for t, v in d.items()}
             for d in out.prompt_logprobs]
+
+
+def chat_message(plan: ToolPlan, parser: ToolParser | None, text: str, reason: str | None
+                 ) -> tuple[dict, str | None]:
+    """The assistant message of a chat choice whose output is ``text`` and its ``finish_reason``, after ``plan``:
+    a named call (reason unchanged: "stop"), the calls of a required reply ("tool_calls" where the JSON array
+    closed), those ``parser`` reads out of an auto reply ("tool_calls" when there is any), or the text alone."""
+    calls: list[ToolCall] = []
+    content: str | None = text
+    if plan.choice == "named":
+        calls, content = [ToolCall(plan.name, text)], None
+    elif plan.choice == "required":
+        try:
+            items = json.loads(text)
+        except ValueError:  # cut off by max_tokens: the text as it is
+            items = None
+        if isinstance(items, list) and items and all(isinstance(x, dict) and isinstance(x.get("name"), str)
+                                                     for x in items):
+            calls = [ToolCall(x["name"], json.dumps(x.get("parameters", {}), ensure_ascii=False)) for x in items]
+            content, reason = None, "tool_calls" if reason == "stop" else reason
+    elif plan.choice == "auto" and parser is not None:
+        content, calls = parser.extract(text)
+        if calls:
+            reason = "tool_calls"
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [c.to_openai() for c in calls]
+    return message, reason
+
+
+def _streamable(text: str, sent: int, start: str) -> int:
+    """How far into ``text`` (of which ``sent`` characters are out) an auto reply's content may stream: up to a
+    call's opening ``start`` or a tail that may begin one, trailing whitespace held back too (it goes with a call)."""
+    k = text.find(start, sent)
+    end = k if k >= 0 else len(text)
+    if k < 0:
+        for m in range(min(len(start) - 1, len(text) - sent), 0, -1):
+            if text.endswith(start[:m]):
+                end = len(text) - m
+                break
+    return max(sent, len(text[:end].rstrip()))
+
+
+def _echo_texts(engine: Engine, body: dict, ids: list[list[int]]) -> list[str]:
+    """``echo``: each completion prompt's text (as sent, or its token ids decoded)."""
+    prompt, tok = body.get("prompt"), engine.tokenizer
+    raw = prompt if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt) \
+        else [prompt]
+    return [p if isinstance(p, str) else tok.decode(i, skip_special_tokens=False) if tok is not None else ""
+            for p, i in zip(raw, ids)]
+
+
+def _echo_logprobs(engine: Engine, out: RequestOutput, lp: dict) -> dict:
+    """A completion choice's ``logprobs`` with its prompt's before them (``echo`` with ``logprobs``): the first
+    prompt token's log-probability and top ones None, as vLLM writes them."""
+    tok = engine.tokenizer
+
+    def text(t: int) -> str:
+        return tok.decode([t], skip_special_tokens=False) if tok is not None else str(t)
+
+    rows = list(zip(out.prompt_token_ids, out.prompt_logprobs))
+    return {"tokens": [text(t) for t, _ in rows] + lp["tokens"],
+            "token_logprobs": [None if d is None else d[t] for t, d in rows] + lp["token_logprobs"],
+            "top_logprobs": [None if d is None else {text(a): v for a, v in list(d.items())[1:]} for _, d in rows]
+            + lp["top_logprobs"]}
+
+
+class _LoopDriver:
+    """An engine as :meth:`Engine.beam_search` sees it whose ``generate`` submits through the engine loop and waits
+    (on the calling thread) for the outputs, so a beam search's steps batch with the other requests instead of
+    stepping the engine behind the loop's back. Everything else reads the loop's engine."""
+
+    def __init__(self, loop: EngineLoop, priority: int) -> None:
+        self._loop, self._priority = loop, priority
+
+    def __getattr__(self, name: str):
+        return getattr(self._loop.engine, name)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *, lora=None) -> list[RequestOutput]:
+        q: queue.Queue = queue.Queue()
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        index = {self._loop.submit(p, params, q, lora=la, priority=self._priority)[0]: i
+                 for i, (p, la) in enumerate(zip(prompts, loras))}
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(index):
+            rid, out = q.get()
+            if not isinstance(out, RequestOutput):
+                for other in index:
+                    if other not in final and other != rid:
+                        self._loop.abort(other)
+                raise out if isinstance(out, Exception) else RuntimeError("request aborted")
+            if out.finished:
+                final[rid] = out
+        return [final[rid] for rid in sorted(index, key=index.__getitem__)]
+
+
+@dataclass
+class _Reply:
+    """How a completion request's outputs become its reply: chat or not, its tool plan, ``n`` (choice ``i`` is
+    prompt ``i // n``'s), the echoed prompt texts (None: no echo), whether the reply shows ``prompt_logprobs``
+    (echo may ask the engine for them alone) and whether a stream ends with its usage."""
+
+    chat: bool
+    plan: ToolPlan
+    n: int = 1
+    echo: list[str] | None = None
+    show_prompt_logprobs: bool = True
+    include_usage: bool = False
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _include_usage(body: dict, stream: bool) -> bool:
+    """``stream_options.include_usage`` (only with ``stream``)."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not stream:
+        raise BadRequest("stream_options is only for stream: true", "stream_options")
+    if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+        raise BadRequest("stream_options must be an object with include_usage (a boolean)", "stream_options")
+    return opts.get("include_usage", False)
+
+
+def _beam_options(body: dict, params: SamplingParams, n: int, stream: bool) -> dict:
+    """``use_beam_search``'s options for :meth:`Engine.beam_search` (``beam_width`` >= ``n``, default ``n``;
+    ``length_penalty``, ``early_stopping``), refusing what it cannot honour."""
+    if stream:
+        raise BadRequest("use_beam_search: not with stream", "stream")
+    if params.guided:
+        raise BadRequest("use_beam_search: not with guided decoding (response_format, guided_*, a named or "
+                         "required tool_choice)", "use_beam_search")
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None:
+            raise BadRequest(f"use_beam_search: {name} are not returned by beam search", name)
+    if params.stop:
+        raise BadRequest("use_beam_search: not with stop strings", "stop")
+    width = _number(body, "beam_width", int)
+    width = n if width is None else width
+    if width < n:
+        raise BadRequest(f"beam_width ({width}) must be >= n ({n})", "beam_width")
+    penalty = _number(body, "length_penalty", float)
+    return {"beam_width": width, "length_penalty": 1.0 if penalty is None else penalty,
+            "early_stopping": bool(_number(body, "early_stopping", bool))}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -441,19 +730,36 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(404, f"no route {self.path}")
             return
         chat = route == "/v1/chat/completions"
+        eng = self.server.loop.engine
         try:
             body = self._read_json()
             params = sampling_params(body, chat=chat)
             n = _n(body)
-            ids = _prompt_ids(self.server.loop.engine, body, chat=chat)
+            plan = tool_plan(body) if chat else ToolPlan()
+            ids = _prompt_ids(eng, body, chat=chat, tools=plan.tools)
             stream = bool(body.get("stream", False))
+            reply = _Reply(chat, plan, n, include_usage=_include_usage(body, stream))
+            if not chat and _number(body, "echo", bool):
+                reply.echo = _echo_texts(eng, body, ids)
+                if params.logprobs is not None and params.prompt_logprobs is None:
+                    params = replace(params, prompt_logprobs=params.logprobs)  # for the echoed prompt's logprobs
+                    reply.show_prompt_logprobs = False
+            if plan.schema is not None:
+                if params.guided:
+                    raise BadRequest("tool_choice: a named or required tool choice guides the output itself; not "
+                                     "together with response_format or guided_*", "tool_choice")
+                params = replace(params, guided_json=plan.schema)
             lora = self._adapter(body.get("model"))
             priority = _number(body, "priority", int) or 0
+            beam = _beam_options(body, params, n, stream) if _number(body, "use_beam_search", bool) else None
         except BadRequest as e:  # NotFound too
             self._refuse(e)
             return
         except (ValueError, TypeError) as e:  # the JSON itself, or SamplingParams' checks (they name the field)
             self._error(400, str(e))
+            return
+        if beam is not None:
+            self._beam_search(ids, params, beam, lora, priority, reply)
             return
         loop = self.server.loop
         q: queue.Queue = queue.Queue()
@@ -467,9 +773,44 @@ class _Handler(BaseHTTPRequestHandler):
         if first is None:
             return
         if stream:
-            self._stream(index, q, first, chat)
+            self._stream(index, q, first, reply)
         else:
-            self._whole(index, q, first, chat)
+            self._whole(index, q, first, reply)
+
+    def _beam_search(self, ids: list[list[int]], params: SamplingParams, beam: dict, lora: str | None,
+                     priority: int, reply: _Reply) -> None:
+        """``use_beam_search``: :meth:`Engine.beam_search` run from this handler's thread over a
+        :class:`_LoopDriver`, so its steps go through the engine loop; each prompt's best ``n`` hypotheses."""
+        driver = _LoopDriver(self.server.loop, priority)
+        if not all(hasattr(driver, a) for a in ("_encode", "_eos", "_bind_lora")):
+            self._error(400, f"use_beam_search: {type(self.server.loop.engine).__name__} does not serve beam search",
+                        "use_beam_search")
+            return
+        try:
+            # Engine's own checks and search, on the driver (it reads the loop's engine for all but generate)
+            results = Engine.beam_search(driver, ids, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                                         lora=lora, **beam)
+        except (ValueError, TypeError) as e:
+            self._error(400, str(e))
+            return
+        except Exception as e:  # noqa: BLE001  (an engine step failed, or the request was aborted)
+            self._error(500, str(e))
+            return
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for i, (p, hyps) in enumerate(zip(ids, results)):
+            for j, h in enumerate(hyps[:reply.n]):
+                idx = i * reply.n + j
+                prompt_tokens += len(p)
+                completion_tokens += len(h.token_ids)
+                if reply.chat:
+                    message, reason = chat_message(reply.plan, self.server.tool_parser, h.text, h.finish_reason)
+                    choices.append({"index": idx, "message": message, "logprobs": None, "finish_reason": reason})
+                else:
+                    text = h.text if reply.echo is None else reply.echo[i] + h.text
+                    choices.append({"index": idx, "text": text, "logprobs": None, "finish_reason": h.finish_reason})
+        self._json(200, {"id": f"beam-{time.monotonic_ns()}", "object": "chat.completion" if reply.chat
+                         else "text_completion", "created": int(time.time()), "model": self.server.model_name,
+                         "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)})
 
     def _adapter(self, model) -> str | None:
         """The LoRA adapter a request's ``model`` names, or None for the base model. Without LoRA slots any name
@@ -512,7 +853,7 @@ class _Handler(BaseHTTPRequestHandler):
                 chat = "messages" in body
                 if not chat and not isinstance(body.get("prompt"), str):
                     raise BadRequest("prompt must be a string (or send chat messages)", "prompt")
-                ids = _prompt_ids(eng, body, chat=chat)[0]
+                ids = _prompt_ids(eng, body, chat=chat, tools=tool_plan(body).tools if chat else None)[0]
                 out = {"tokens": ids, "count": len(ids), "max_model_len": eng.max_model_len}
             else:
                 ids = body.get("tokens")
@@ -630,7 +971,7 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         return first
 
-    def _whole(self, index: dict[str, int], q: queue.Queue, first: list, chat: bool) -> None:
+    def _whole(self, index: dict[str, int], q: queue.Queue, first: list, reply: _Reply) -> None:
         final: dict[str, RequestOutput] = {}
         pending = list(first)
         while len(final) < len(index):
@@ -650,35 +991,54 @@ class _Handler(BaseHTTPRequestHandler):
             reason = out.finish_reason  # "stop" / "length", as OpenAI names them
             prompt_tokens += len(out.prompt_token_ids)
             completion_tokens += len(out.token_ids)
-            if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
-                                "logprobs": _logprobs(eng, out, 0, chat=True), "finish_reason": reason})
-            else:
-                choices.append({"index": i, "text": out.text, "logprobs": _logprobs(eng, out, 0, chat=False),
+            if reply.chat:
+                message, reason = chat_message(reply.plan, self.server.tool_parser, out.text, reason)
+                choices.append({"index": i, "message": message, "logprobs": _logprobs(eng, out, 0, chat=True),
                                 "finish_reason": reason})
-            if out.prompt_logprobs is not None:
+            else:
+                text, lp = out.text, _logprobs(eng, out, 0, chat=False)
+                if reply.echo is not None:
+                    text = reply.echo[i // reply.n] + text
+                    if lp is not None and out.prompt_logprobs is not None:
+                        lp = _echo_logprobs(eng, out, lp)
+                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
+            if out.prompt_logprobs is not None and reply.show_prompt_logprobs:
                 choices[-1]["prompt_logprobs"] = _prompt_logprobs(eng, out)
-        self._json(200, {"id": next(iter(index)), "object": "chat.completion" if chat else "text_completion",
+        self._json(200, {"id": next(iter(index)), "object": "chat.completion" if reply.chat else "text_completion",
                          "created": int(time.time()), "model": self.server.model_name, "choices": choices,
-                         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                   "total_tokens": prompt_tokens + completion_tokens}})
+                         "usage": _usage(prompt_tokens, completion_tokens)})
 
-    def _stream(self, index: dict[str, int], q: queue.Queue, first: list, chat: bool) -> None:
+    def _stream(self, index: dict[str, int], q: queue.Queue, first: list, reply: _Reply) -> None:
+        """Server-sent chunks, one per step that advanced a choice. A chat choice under a tool plan holds its text
+        back as :func:`chat_message` needs it (an auto reply streams its content up to the first call) and sends
+        the rest, the calls and its finish reason in its last chunk."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
-        eng = self.server.loop.engine
+        eng, chat, parser = self.server.loop.engine, reply.chat, self.server.tool_parser
+        choice = reply.plan.choice if chat else "none"
+        tools = choice in ("named", "required") or (choice == "auto" and parser is not None)
+        start = parser.start if tools and choice == "auto" else None
         obj = "chat.completion.chunk" if chat else "text_completion"
         created, sid = int(time.time()), next(iter(index))
         head = {"id": sid, "object": obj, "created": created, "model": self.server.model_name}
+        if reply.include_usage:
+            head["usage"] = None
         pending, done = list(first), set()
+        texts: dict[str, str] = dict.fromkeys(index, "")
+        sent: dict[str, int] = dict.fromkeys(index, 0)
+        usage = [0, 0]
         try:
             if chat:
                 for i in sorted(index.values()):
                     self._event({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                      "finish_reason": None}]})
+            elif reply.echo is not None:
+                for i in sorted(index.values()):
+                    self._event({**head, "choices": [{"index": i, "text": reply.echo[i // reply.n], "logprobs": None,
                                                       "finish_reason": None}]})
             while len(done) < len(index):
                 rid, out = pending.pop(0) if pending else q.get()
@@ -689,10 +1049,15 @@ class _Handler(BaseHTTPRequestHandler):
                         if other not in done and other != rid:
                             self.server.loop.abort(other)
                     break
-                start = len(out.token_ids) - len(out.new_token_ids)
+                begin = len(out.token_ids) - len(out.new_token_ids)
                 reason = out.finish_reason if out.finished else None
-                lp = _logprobs(eng, out, start, chat=chat)
-                if chat:
+                lp = _logprobs(eng, out, begin, chat=chat)
+                if tools:
+                    delta, reason = self._tool_delta(reply, rid, out, texts, sent, start)
+                    choice = {"index": index[rid], "delta": delta, "logprobs": lp, "finish_reason": reason}
+                    if not delta and lp is None and reason is None:  # held back: nothing to say yet
+                        continue
+                elif chat:
                     choice = {"index": index[rid], "delta": {"content": out.new_text} if out.new_text else {},
                               "logprobs": lp, "finish_reason": reason}
                 else:
@@ -700,12 +1065,38 @@ class _Handler(BaseHTTPRequestHandler):
                 self._event({**head, "choices": [choice]})
                 if out.finished:
                     done.add(rid)
+                    usage[0] += len(out.prompt_token_ids)
+                    usage[1] += len(out.token_ids)
+            if reply.include_usage and len(done) == len(index):
+                self._event({**head, "choices": [], "usage": _usage(*usage)})
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
             for rid in index:
                 if rid not in done:
                     self.server.loop.abort(rid)
+
+    def _tool_delta(self, reply: _Reply, rid: str, out: RequestOutput, texts: dict, sent: dict,
+                    start: str | None) -> tuple[dict, str | None]:
+        """A tool-planned chat choice's delta after ``out`` and its finish reason: the content that may go now
+        (``texts[rid]`` so far, ``sent[rid]`` characters of it out), and once finished the rest: the remaining
+        content and ``tool_calls`` (each with its ``index``)."""
+        texts[rid] += out.new_text
+        text = texts[rid]
+        delta: dict[str, Any] = {}
+        if start is not None:
+            end = _streamable(text, sent[rid], start)
+            if end > sent[rid]:
+                delta["content"] = text[sent[rid]:end]
+                sent[rid] = end
+        if not out.finished:
+            return delta, None
+        message, reason = chat_message(reply.plan, self.server.tool_parser, text[sent[rid]:], out.finish_reason)
+        if message["content"]:
+            delta["content"] = delta.get("content", "") + message["content"]
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
+        return delta, reason
 
     def _event(self, obj: dict) -> None:
         self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
@@ -715,17 +1106,20 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, addr, loop: EngineLoop, model_name: str, verbose: bool) -> None:
+    def __init__(self, addr, loop: EngineLoop, model_name: str, verbose: bool, tool_parser: ToolParser | None
+                 ) -> None:
         super().__init__(addr, _Handler)
-        self.loop, self.model_name, self.verbose = loop, model_name, verbose
+        self.loop, self.model_name, self.verbose, self.tool_parser = loop, model_name, verbose, tool_parser
         self.created = int(time.time())
 
 
 def make_server(engine: Engine | MirroredEngine | AdaptiveEngine, *, host: str = "127.0.0.1", port: int = 8000,
-                model_name: str = "infercore", verbose: bool = False) -> _Server:
+                model_name: str = "infercore", verbose: bool = False, tool_call_parser: str | None = "hermes"
+                ) -> _Server:
     """An HTTP server (not started: call ``serve_forever()``, or run it in a thread) whose engine loop is
     running. ``port=0`` picks a free port (``server.server_address``). ``server.shutdown()`` then
-    ``server.loop.close()`` stop it."""
+    ``server.loop.close()`` stop it. ``tool_call_parser``: the format (:data:`infercore.tool_parsers.TOOL_PARSERS`)
+    that ``tool_choice: "auto"`` replies are read in; None leaves their text alone."""
     from .parallel import AdaptiveEngine, MirroredEngine
 
     if not isinstance(engine, (Engine, MirroredEngine, AdaptiveEngine)):
@@ -733,4 +1127,5 @@ def make_server(engine: Engine | MirroredEngine | AdaptiveEngine, *, host: str =
                         f"{type(engine).__name__}")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port: expected an int in [0, 65535], got {port!r}")
-    return _Server((host, port), EngineLoop(engine), model_name, verbose)
+    parser = None if tool_call_parser is None else get_tool_parser(tool_call_parser)
+    return _Server((host, port), EngineLoop(engine), model_name, verbose, parser)

@@ -1,0 +1,390 @@
+"""The HTTP server's tool calling (named / required / auto / none), beam search, ``stream_options.include_usage`` and
+``echo``, on a tiny random Llama with a byte-level tokenizer whose chat template renders tools Hermes-style; and the
+Hermes tool-call parser on strings."""
+
+import http.client
+import json
+import re
+import threading
+
+import pytest
+from engine_helpers import ours_from_hf, tiny_hf
+
+from infercore import Engine, SamplingParams
+from infercore.serve import make_server
+from infercore.tool_parsers import TOOL_PARSERS, HermesToolParser, ToolParser, get_tool_parser, register_tool_parser
+
+TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}. Call one as "
+    "<tool_call>{...}</tool_call>.<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response id={{ m.tool_call_id }}>{{ m.content }}"
+    "</tool_response><|im_end|>\n"
+    "{%- elif m.tool_calls %}<|im_start|>assistant\n{{ m.content }}{% for c in m.tool_calls %}<tool_call>"
+    "{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city", "days"]}
+CLOCK = {"type": "object", "properties": {"zone": {"type": "string", "pattern": "[A-Z][a-z]{2,8}"}},
+         "required": ["zone"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "Local time", "parameters": CLOCK}}]
+ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+
+
+def byte_tokenizer():
+    """Byte-level BPE without merges (one token per byte, ids 0-255) plus <|im_start|> (256) and <|im_end|> (257,
+    the end of a turn)."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    from infercore.loading.tokenizer import Tokenizer, _bytes_to_unicode
+
+    backend = Backend(models.BPE(vocab={c: i for i, c in enumerate(_bytes_to_unicode().values())}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    return Tokenizer(backend, eos_token="<|im_end|>", chat_template=TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def served():
+    tok = byte_tokenizer()
+    model = ours_from_hf(tiny_hf("llama", vocab_size=258, max_position_embeddings=1024))
+    engine = Engine(model, tok, page_size=16, num_pages=256, async_scheduling=False)
+    server = make_server(engine, port=0, model_name="tiny")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    server.loop.close()
+
+
+def _post(server, path, body, *, raw=False):
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=120)
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, (data if raw else json.loads(data))
+
+
+def _events(data: bytes) -> list:
+    chunks = [c[len(b"data: "):] for c in data.split(b"\n\n") if c.startswith(b"data: ")]
+    assert chunks[-1] == b"[DONE]"
+    return [json.loads(c) for c in chunks[:-1]]
+
+
+def valid(value, schema) -> bool:
+    """``value`` against the JSON-schema subset these tests use (object / string / integer, properties, required,
+    enum, pattern, minimum / maximum)."""
+    if "enum" in schema and value not in schema["enum"]:
+        return False
+    kind = schema.get("type")
+    if kind == "object":
+        props = schema.get("properties", {})
+        return (isinstance(value, dict) and all(k in value for k in schema.get("required", []))
+                and all(k in props and valid(v, props[k]) for k, v in value.items()))
+    if kind == "string":
+        return isinstance(value, str) and re.fullmatch(schema.get("pattern", ".*"), value) is not None
+    if kind == "integer":
+        return (type(value) is int and schema.get("minimum", value) <= value <= schema.get("maximum", value))
+    return kind is None
+
+
+# ---------------------------------------------------------------------------------------------- the parser
+
+
+def test_hermes_parser_reads_calls_and_leaves_the_rest():
+    p = get_tool_parser("hermes")
+    assert isinstance(p, HermesToolParser) and "hermes" in TOOL_PARSERS
+    text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+            '</tool_call>\n<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"Utc\\"}"}</tool_call> Done.')
+    content, calls = p.extract(text)
+    assert content == "Let me look.\n\n Done."
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+    assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris", "days": 3}, {"zone": "Utc"}]
+    assert all(c.id.startswith("call_") and len(c.id) == 29 for c in calls) and calls[0].id != calls[1].id
+    assert calls[0].to_openai() == {"id": calls[0].id, "type": "function",
+                                    "function": {"name": "get_weather", "arguments": calls[0].arguments}}
+    # a malformed block stays in the content as written; a good one beside it is still read
+    bad = '<tool_call>{"name": "get_weather", "arguments": {"city": }</tool_call>'
+    content, calls = p.extract(f'{bad}<tool_call>{{"name": "f", "arguments": {{}}}}</tool_call>')
+    assert content == bad and [(c.name, c.arguments) for c in calls] == [("f", "{}")]
+    for junk in ('<tool_call>["f"]</tool_call>', '<tool_call>{"arguments": {}}</tool_call>',
+                 '<tool_call>{"name": "f", "arguments": 3}</tool_call>'):
+        assert p.extract(junk) == (junk, [])
+    # no call: the text untouched; an unclosed last block (cut off) is read to the end; only calls: no content
+    assert p.extract("  plain text\n") == ("  plain text\n", [])
+    content, calls = p.extract('ok <tool_call>{"name": "f", "arguments": {"a": [1, 2]}}')
+    assert content == "ok" and json.loads(calls[0].arguments) == {"a": [1, 2]}
+    assert p.extract('<tool_call>{"name": "f", "arguments": {}}</tool_call>\n')[0] is None
+
+
+def test_tool_parser_registry(served):
+    with pytest.raises(ValueError, match="unknown parser 'nope'.*hermes"):
+        get_tool_parser("nope")
+
+    @register_tool_parser("test-upper")
+    class Upper(ToolParser):
+        def extract(self, text):
+            return text.upper(), []
+
+    try:
+        assert get_tool_parser("test-upper").extract("ab") == ("AB", [])
+        with pytest.raises(ValueError, match="unknown parser"):
+            make_server(served.loop.engine, port=0, tool_call_parser="nope")
+    finally:
+        del TOOL_PARSERS["test-upper"]
+
+
+# ---------------------------------------------------------------------------------------------- tool calling
+
+
+def test_tools_reach_the_chat_template(served):
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    status, body = _post(served, "/tokenize", {"messages": messages, "tools": TOOLS})
+    assert status == 200
+    text = _post(served, "/detokenize", {"tokens": body["tokens"]})[1]["prompt"]
+    assert "Tools: get_weather get_time." in text
+    # the assistant's arguments (JSON text) reach the template as an object, null content as ""
+    call = '<|im_start|>assistant\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
+    assert call in text.replace('"days": 3, "city": "Paris"', '"city": "Paris", "days": 3')
+    assert "<tool_response id=call_1>sunny</tool_response>" in text and "None" not in text
+    status, plain = _post(served, "/tokenize", {"messages": ASK})
+    assert status == 200 and plain["count"] < body["count"]
+
+
+def test_named_tool_choice_is_guided_by_its_schema(served):
+    for fn, schema in (("get_weather", WEATHER), ("get_time", CLOCK)):
+        req = {"messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": fn}},
+               "max_tokens": 80, "temperature": 0.8, "seed": 1}
+        status, body = _post(served, "/v1/chat/completions", req)
+        assert status == 200
+        choice = body["choices"][0]
+        msg = choice["message"]
+        assert choice["finish_reason"] == "stop" and msg["content"] is None and len(msg["tool_calls"]) == 1
+        call = msg["tool_calls"][0]
+        assert call["type"] == "function" and call["id"].startswith("call_") and call["function"]["name"] == fn
+        args = json.loads(call["function"]["arguments"])
+        assert valid(args, schema), args
+        # streamed: the same call, whole, in the last chunk
+        status, data = _post(served, "/v1/chat/completions", {**req, "stream": True}, raw=True)
+        events = _events(data)
+        last = events[-1]["choices"][0]
+        assert status == 200 and last["finish_reason"] == "stop"
+        assert all("tool_calls" not in e["choices"][0]["delta"] for e in events[:-1])
+        [streamed] = last["delta"]["tool_calls"]
+        assert streamed["index"] == 0 and streamed["type"] == "function" and streamed["id"].startswith("call_")
+        assert streamed["function"] == call["function"]  # same seed, same arguments
+
+
+def test_required_tool_choice_gives_calls_valid_for_their_tools(served):
+    close = str(ord("]"))  # only the array's end can be "]" in these schemas: favour ending after one call
+    seen = set()
+    for seed in range(3):
+        status, body = _post(served, "/v1/chat/completions", {
+            "messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200, "temperature": 1.0,
+            "seed": seed, "logit_bias": {close: 30}})
+        assert status == 200
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        calls = choice["message"]["tool_calls"]
+        assert len(calls) >= 1
+        for call in calls:
+            name = call["function"]["name"]
+            assert name in ("get_weather", "get_time") and call["id"].startswith("call_")
+            assert valid(json.loads(call["function"]["arguments"]), WEATHER if name == "get_weather" else CLOCK)
+            seen.add(name)
+    assert seen  # (which tool the random model picks is its own business)
+
+
+FORCED = 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+
+
+def test_auto_tool_choice_parses_hermes_calls(served):
+    """A reply written in the Hermes format (forced with guided_regex: a random model would not) is read into
+    tool_calls; with tool_choice "none" it stays text."""
+    req = {"messages": ASK, "tools": TOOLS, "max_tokens": 200, "temperature": 0, "guided_regex": re.escape(FORCED)}
+    status, body = _post(served, "/v1/chat/completions", req)  # tool_choice defaults to "auto" with tools
+    assert status == 200
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me check."
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    status, data = _post(served, "/v1/chat/completions", {**req, "stream": True, "n": 2}, raw=True)
+    events = _events(data)
+    for i in range(2):
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == i]
+        assert mine[-1]["finish_reason"] == "tool_calls"
+        assert "".join(c["delta"].get("content", "") for c in mine) == "Let me check."
+        assert any(c["delta"].get("content") for c in mine[:-1])  # the text before the call streamed as it came
+        [streamed] = mine[-1]["delta"]["tool_calls"]
+        assert streamed["index"] == 0 and streamed["function"] == call["function"]
+        assert all("tool_calls" not in c["delta"] for c in mine[:-1])
+    status, body = _post(served, "/v1/chat/completions", {**req, "tool_choice": "none"})
+    msg = body["choices"][0]["message"]
+    assert status == 200 and msg == {"role": "assistant", "content": FORCED}
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("body, param, text", [
+    ({"tools": {"name": "f"}}, "tools", "tools must be a non-empty list"),
+    ({"tools": [{"type": "function"}]}, "tools", "tools[0] must be"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools", "parameters"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "'nope', which is not in tools"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice must be"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {"type": "string"}}}}],
+      "tool_choice": "required"}, "tools", "unsupported keyword 'not'"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+      "response_format": {"type": "json_object"}}, "tool_choice", "guides the output itself"),
+    ({"messages": ASK + [{"role": "tool", "content": "sunny"}]}, "messages", "tool_call_id"),
+    ({"messages": ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, "messages", "arguments"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages", "messages[0].content"),
+    ({"use_beam_search": True, "stream": True}, "stream", "not with stream"),
+    ({"use_beam_search": True, "n": 3, "beam_width": 2}, "beam_width", "must be >= n"),
+    ({"use_beam_search": True, "logprobs": True}, "logprobs", "not returned by beam search"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "only for stream"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options", "include_usage"),
+])
+def test_bad_tool_beam_and_stream_fields_get_400(served, body, param, text):
+    status, reply = _post(served, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, **body})
+    assert status == 400, reply
+    assert text in reply["error"]["message"] and reply["error"]["param"] == param
+
+
+# ---------------------------------------------------------------------------------------------- beam search
+
+
+def test_beam_search_equals_the_engine(served):
+    eng = served.loop.engine
+    prompt = eng.tokenizer.encode("The weather is")
+    want = served.loop.call(lambda e: e.beam_search(prompt, beam_width=3, max_tokens=6, length_penalty=0.5))[0]
+    plain = served.loop.call(lambda e: e.generate(["Count:"], SamplingParams(temperature=0, max_tokens=40,
+                                                                            ignore_eos=True)))[0]
+    other = []  # a stream running beside the beam search is served as if alone
+    t = threading.Thread(target=lambda: other.append(_post(served, "/v1/completions", {
+        "prompt": "Count:", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}, raw=True)))
+    t.start()
+    status, body = _post(served, "/v1/completions", {"prompt": "The weather is", "use_beam_search": True, "n": 2,
+                                                     "beam_width": 3, "max_tokens": 6, "length_penalty": 0.5})
+    t.join(timeout=120)
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1]
+    assert [(c["text"], c["finish_reason"]) for c in body["choices"]] == [(h.text, h.finish_reason) for h in want[:2]]
+    assert body["usage"]["completion_tokens"] == sum(len(h.token_ids) for h in want[:2])
+    assert body["usage"]["prompt_tokens"] == 2 * len(prompt)
+    assert "".join(e["choices"][0]["text"] for e in _events(other[0][1])) == plain.text
+    # chat: the conversation's template, then the same search; echo on a completion puts the prompt first
+    ids = _post(served, "/tokenize", {"messages": ASK})[1]["tokens"]
+    want = served.loop.call(lambda e: e.beam_search(ids, beam_width=2, max_tokens=4))[0]
+    status, body = _post(served, "/v1/chat/completions", {"messages": ASK, "use_beam_search": True, "n": 2,
+                                                          "max_tokens": 4})
+    assert status == 200
+    assert [c["message"]["content"] for c in body["choices"]] == [h.text for h in want]
+    status, body = _post(served, "/v1/completions", {"prompt": "The weather is", "use_beam_search": True,
+                                                     "max_tokens": 4, "echo": True})
+    best = served.loop.call(lambda e: e.beam_search(prompt, beam_width=1, max_tokens=4))[0][0]
+    assert status == 200 and body["choices"][0]["text"] == "The weather is" + best.text
+    assert not served.loop.engine.has_unfinished()
+
+
+def test_beam_search_length_penalty_over_http(served):
+    """With an end-of-sequence token among the candidates (as test_beam.py makes one), hypotheses of several
+    lengths compete and ``length_penalty`` reorders them: the server's replies follow the engine's."""
+    eng = served.loop.engine
+    prompt = eng.tokenizer.encode("The weather is")
+    free = served.loop.call(lambda e: e.beam_search(prompt, beam_width=3, max_tokens=6, ignore_eos=True))[0]
+    saved = eng._eos
+    served.loop.call(lambda e: setattr(e, "_eos", frozenset({free[1].token_ids[0]})))
+    try:
+        got = {}
+        for penalty in (0.0, 3.0):
+            want = served.loop.call(lambda e, lp: e.beam_search(prompt, beam_width=3, max_tokens=6,
+                                                                length_penalty=lp), penalty)[0]
+            status, body = _post(served, "/v1/completions", {"prompt": prompt, "use_beam_search": True, "n": 3,
+                                                             "max_tokens": 6, "length_penalty": penalty})
+            assert status == 200
+            got[penalty] = [(c["text"], c["finish_reason"]) for c in body["choices"]]
+            assert got[penalty] == [(h.text, h.finish_reason) for h in want]
+        assert got[0.0] != got[3.0] and "stop" in {r for _, r in got[0.0]}
+    finally:
+        served.loop.call(lambda e: setattr(e, "_eos", saved))
+
+
+# ---------------------------------------------------------------------------------------------- usage and echo
+
+
+def test_stream_usage_chunk_equals_the_whole_reply(served):
+    for path, req in (("/v1/completions", {"prompt": ["Hello", "Count to 3:"], "n": 2, "max_tokens": 7}),
+                      ("/v1/chat/completions", {"messages": ASK, "max_tokens": 9})):
+        req = {**req, "temperature": 0}
+        status, whole = _post(served, path, req)
+        status2, data = _post(served, path, {**req, "stream": True, "stream_options": {"include_usage": True}},
+                              raw=True)
+        events = _events(data)
+        assert status == status2 == 200
+        assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+        assert all(e["usage"] is None for e in events[:-1]) and events[-1]["id"] == events[0]["id"]
+        _, data = _post(served, path, {**req, "stream": True}, raw=True)
+        assert all("usage" not in e for e in _events(data))
+
+
+def test_echo_puts_the_prompt_first(served):
+    tok = served.loop.engine.tokenizer
+    prompts = ["The weather is", tok.encode("Count to 3:")]
+    req = {"prompt": prompts, "max_tokens": 6, "temperature": 0}
+    plain = _post(served, "/v1/completions", req)[1]["choices"]
+    status, body = _post(served, "/v1/completions", {**req, "echo": True})
+    assert status == 200
+    want = ["The weather is" + plain[0]["text"], "Count to 3:" + plain[1]["text"]]
+    assert [c["text"] for c in body["choices"]] == want
+    status, data = _post(served, "/v1/completions", {**req, "echo": True, "stream": True}, raw=True)
+    texts = ["", ""]
+    for e in _events(data):
+        texts[e["choices"][0]["index"]] += e["choices"][0]["text"]
+    assert status == 200 and texts == [c["text"] for c in body["choices"]]
+    # with logprobs: the prompt's tokens and log-probabilities before the generated ones (the first None)
+    ref = _post(served, "/v1/completions", {**req, "prompt": "The weather is", "logprobs": 1,
+                                            "prompt_logprobs": 1})[1]["choices"][0]
+    status, body = _post(served, "/v1/completions", {**req, "prompt": "The weather is", "logprobs": 1, "echo": True})
+    choice = body["choices"][0]
+    lp, n = choice["logprobs"], len(tok.encode("The weather is"))
+    assert status == 200 and "prompt_logprobs" not in choice
+    assert "".join(lp["tokens"]) == choice["text"] and len(lp["tokens"]) == n + 6
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    want = [next(iter(d.values()))["logprob"] for d in ref["prompt_logprobs"][1:]]
+    assert lp["token_logprobs"][1:n] == pytest.approx(want, abs=1e-5)
+    assert lp["token_logprobs"][n:] == pytest.approx(ref["logprobs"]["token_logprobs"], abs=1e-5)
+
+
+def test_cli_tool_call_parser_flag(served, monkeypatch, capsys):
+    from infercore import cli, serve
+
+    seen = {}
+
+    def fake_server(engine, **kw):
+        seen.update(kw)
+        raise ValueError("not serving here")
+
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(lambda *a, **k: served.loop.engine))
+    monkeypatch.setattr(serve, "make_server", fake_server)
+    for flag, want in (([], "hermes"), (["--tool-call-parser", "none"], None)):
+        assert cli.main(["serve", *flag]) == 2 and "not serving here" in capsys.readouterr().err
+        assert seen["tool_call_parser"] == want
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--tool-call-parser", "xml"])
+    assert "invalid choice: 'xml'" in capsys.readouterr().err

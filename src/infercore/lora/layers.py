@@ -15,9 +15,21 @@ Merged projections keep one slice per Hugging Face module: ``qkv_proj`` stacks t
 ``v_proj`` A matrices (``[3r, in]``) and gives each output column the B of its slice; ``gate_up_proj`` likewise for
 ``gate_proj`` / ``up_proj``. A slot an adapter does not fill (a projection it does not target, ranks below
 ``max_rank``) holds zeros.
+
+On a tensor-parallel model (:func:`~infercore.parallel.tensor_parallel_` first, then :func:`enable_lora_`) each rank's
+slots hold its slice of every adapter, cut as the base weight is (Punica / vLLM's layout), when the adapter is copied
+into a slot; the host keeps the whole adapter, so the slot table and prefix-cache salt are the same on every rank:
+
+- column-parallel (``qkv_proj``, ``gate_up_proj``): A whole (every rank needs the whole shrink), B the rank's rows of
+  each slice (the rank's query heads, KV heads, gate and up rows: each slice split in rank order, as tensor.py does);
+- row-parallel (``o_proj``, ``down_proj``): A the rank's input columns, B whole; the :class:`LoRALinear` sits inside
+  :class:`~infercore.parallel.tensor.RowParallel`, so ``x_i A_i^T B^T`` joins the rank's partial output before the
+  group's sum, and ``sum_i x_i A_i^T B^T = x A^T B^T``: no collective of its own.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -37,14 +49,24 @@ class LoRALinear(nn.Module):
     """``base(x)`` plus the LoRA of each token's adapter slot (read from ``manager``).
 
     ``a``: ``[max_loras, n_slices * max_rank, in]``; ``b``: ``[max_loras, out, max_rank]`` (the scaling folded in);
-    ``bounds``: the output column where each slice after the first begins."""
+    ``bounds``: the output column where each slice after the first begins. ``in_features`` / ``sizes`` are this
+    rank's; ``shard`` (``"column"`` / ``"row"``, or None unsharded) with ``tp = (size, rank)`` says how a whole
+    adapter's pair is cut for it (:meth:`shard_pair`)."""
 
     def __init__(self, base: nn.Module, manager: LoRAManager, slices: tuple[str, ...], sizes: tuple[int, ...],
-                 in_features: int, *, device: torch.device, dtype: torch.dtype) -> None:
+                 in_features: int, *, device: torch.device, dtype: torch.dtype, shard: str | None = None,
+                 tp: tuple[int, int] = (1, 0)) -> None:
         super().__init__()
+        if shard not in (None, "column", "row"):
+            raise ValueError(f"LoRALinear: shard must be None, 'column' or 'row', got {shard!r}")
         self.base = base
         self.slices, self.sizes = slices, sizes
         self.in_features, self.out_features = in_features, sum(sizes)
+        self.shard, self.tp = (shard, tp) if tp[0] > 1 else (None, (1, 0))
+        n = self.tp[0]
+        # the whole model's shapes, which an adapter has
+        self.full_in_features = in_features * (n if self.shard == "row" else 1)
+        self.full_sizes = tuple(size * (n if self.shard == "column" else 1) for size in sizes)
         self.bounds = tuple(int(v) for v in np.cumsum(sizes)[:-1])
         S, r = manager.max_loras, manager.max_rank
         self.register_buffer("a", torch.zeros(S, len(slices) * r, in_features, device=device, dtype=dtype),
@@ -93,6 +115,19 @@ class LoRALinear(nn.Module):
         :meth:`LoRAManager.native_operands`)."""
         return self.base
 
+    def shard_pair(self, j: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of slice ``j``'s whole pair ``(A [r, full_in], B [full_size, r])`` (views): B's rows
+        ``[rank * size, (rank + 1) * size)`` of a column-parallel projection, A's columns ``[rank * in, (rank + 1) *
+        in)`` of a row-parallel one, the pair itself unsharded."""
+        rank = self.tp[1]
+        if self.shard == "column":
+            size = self.sizes[j]
+            return a, b[rank * size : (rank + 1) * size]
+        if self.shard == "row":
+            k = self.in_features
+            return a[:, rank * k : (rank + 1) * k], b
+        return a, b
+
     def set_slot(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Fill ``slot`` with one ``(A [r, in], B [size, r])`` per slice (None: the slice is not targeted)."""
         r = self.manager.max_rank
@@ -108,8 +143,9 @@ class LoRALinear(nn.Module):
             lo += size
 
     def extra_repr(self) -> str:
+        tp = "" if self.shard is None else f", shard={self.shard}, tp={self.tp}"
         return (f"slices={self.slices}, in_features={self.in_features}, out_features={self.out_features}, "
-                f"max_loras={self.a.shape[0]}, max_rank={self.manager.max_rank}")
+                f"max_loras={self.a.shape[0]}, max_rank={self.manager.max_rank}{tp}")
 
 
 class LoRAManager:
@@ -215,7 +251,8 @@ class LoRAManager:
         return b"lora:" + self.adapters[name].fingerprint()
 
     def _place(self, adapter: LoRAAdapter) -> dict[tuple[int, str], list]:
-        """The adapter's pairs by wrapped layer, slice by slice, checked against the model's shapes."""
+        """The adapter's pairs by wrapped layer, slice by slice, checked against the whole model's shapes and cut to
+        this rank's (:meth:`LoRALinear.shard_pair`) on a tensor-parallel model."""
         out: dict[tuple[int, str], list] = {}
         where = {}
         for (layer, ours), lin in self.layers.items():
@@ -228,10 +265,11 @@ class LoRAManager:
                                  "does not have (or does not take LoRA on)")
             key, j = hit
             lin = self.layers[key]
-            if a.shape[1] != lin.in_features or b.shape[0] != lin.sizes[j]:
+            if a.shape[1] != lin.full_in_features or b.shape[0] != lin.full_sizes[j]:
                 raise ValueError(f"LoRA adapter {adapter.name!r}: layer {layer} {module} has A {tuple(a.shape)} / "
-                                 f"B {tuple(b.shape)}; this model's projection is [{lin.sizes[j]}, {lin.in_features}]")
-            out.setdefault(key, [None] * len(lin.slices))[j] = (a, b)
+                                 f"B {tuple(b.shape)}; this model's projection is [{lin.full_sizes[j]}, "
+                                 f"{lin.full_in_features}]")
+            out.setdefault(key, [None] * len(lin.slices))[j] = lin.shard_pair(j, a, b)
         return out
 
     # ------------------------------------------------------------------ steps
@@ -296,44 +334,56 @@ def _native():
 def enable_lora_(model: nn.Module, *, max_loras: int = 4, max_rank: int = 16, max_tokens: int = 256) -> LoRAManager:
     """Wrap the decoder layers' attention (``qkv_proj``, ``o_proj``) and gated-MLP (``gate_up_proj``, ``down_proj``)
     projections of ``model`` in :class:`LoRALinear` (in place) and return its :class:`LoRAManager` (also kept as
-    ``model.lora_manager``). Call it once, after the weights are loaded (quantized bases are fine) and before device
-    layouts (``Engine`` does this when ``max_loras > 0``).
+    ``model.lora_manager``). Call it once, after the weights are loaded (quantized bases are fine), after
+    :func:`~infercore.parallel.tensor_parallel_` on a sharded model (each rank's slots then hold its slice of every
+    adapter; see the module docstring), and before device layouts (``Engine`` does this when ``max_loras > 0``).
 
-    Raises ValueError for a model without such layers, an already-enabled model, a tensor-parallel model, or bad
-    limits."""
+    Raises ValueError for a model without such layers, an already-enabled model, a sharded model whose row-parallel
+    projections are not :class:`~infercore.parallel.tensor.RowParallel`, or bad limits."""
     for name, v in (("max_loras", max_loras), ("max_rank", max_rank), ("max_tokens", max_tokens)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"enable_lora_: {name} must be an int >= 1, got {v!r}")
     if getattr(model, "lora_manager", None) is not None:
         raise ValueError("enable_lora_: LoRA is already enabled on this model")
-    if getattr(model, "tp_size", 1) > 1:
-        raise ValueError("enable_lora_: LoRA is not supported on a tensor-parallel model")
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"enable_lora_: {type(model).__name__} has no model.layers")
+    tp = (int(getattr(model, "tp_size", 1)), int(getattr(model, "tp_rank", 0)))
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     if not dtype.is_floating_point or device.type == "cpu":  # the CPU's small GEMMs are fastest in fp32
         dtype = torch.float32
     manager = LoRAManager(max_loras, max_rank, max_tokens, device=device)
+    wrap = functools.partial(_wrap, manager, device=device, dtype=dtype, tp=tp)
     for i, layer in enumerate(layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        q_size, kv_size = getattr(attn, "q_size", None), getattr(attn, "kv_size", None)
+        q_size, kv_size = getattr(attn, "q_size", None), getattr(attn, "kv_size", None)  # this rank's
         qkv = getattr(attn, "qkv_proj", None)
         if qkv is not None and q_size is not None and _out(qkv) == q_size + 2 * kv_size:
-            _wrap(manager, attn, "qkv_proj", i, MERGED["qkv_proj"], (q_size, kv_size, kv_size), device, dtype)
+            _check_even_heads(model, attn, i, tp[0])
+            wrap(attn, "qkv_proj", i, MERGED["qkv_proj"], (q_size, kv_size, kv_size), shard="column")
         if getattr(attn, "o_proj", None) is not None:
-            _wrap(manager, attn, "o_proj", i, ("o_proj",), (_out(attn.o_proj),), device, dtype)
+            wrap(attn, "o_proj", i, ("o_proj",), None, shard="row")
         gu = getattr(mlp, "gate_up_proj", None)
         if isinstance(gu, nn.Module) and getattr(mlp, "down_proj", None) is not None:
             half = _out(gu) // 2
             _unfuse(mlp)
-            _wrap(manager, mlp, "gate_up_proj", i, MERGED["gate_up_proj"], (half, half), device, dtype)
-            _wrap(manager, mlp, "down_proj", i, ("down_proj",), (_out(mlp.down_proj),), device, dtype)
+            wrap(mlp, "gate_up_proj", i, MERGED["gate_up_proj"], (half, half), shard="column")
+            wrap(mlp, "down_proj", i, ("down_proj",), None, shard="row")
     if not manager.layers:
         raise ValueError(f"enable_lora_: {type(model).__name__} has no projections LoRA can target")
     model.lora_manager = manager
     return manager
+
+
+def _check_even_heads(model: nn.Module, attn: nn.Module, layer: int, tp: int) -> None:
+    """A sharded attention's heads must be an even split of the model's (each slice of B is cut so: KV heads
+    replicated over ranks would need other rows)."""
+    cfg = getattr(model, "config", None)
+    want = (getattr(cfg, "num_heads", None), getattr(cfg, "num_kv_heads", None))
+    if tp > 1 and None not in want and (attn.num_heads * tp, attn.num_kv_heads * tp) != want:
+        raise ValueError(f"enable_lora_: layer {layer} holds {attn.num_heads} query / {attn.num_kv_heads} KV heads "
+                         f"of {want[0]} / {want[1]} on each of {tp} ranks; LoRA needs them split evenly")
 
 
 def _out(lin: nn.Module) -> int:
@@ -343,15 +393,29 @@ def _out(lin: nn.Module) -> int:
     return int(n)
 
 
-def _wrap(manager: LoRAManager, parent: nn.Module, attr: str, layer: int, slices, sizes, device, dtype) -> None:
+def _wrap(manager: LoRAManager, parent: nn.Module, attr: str, layer: int, slices, sizes, *, device, dtype,
+          tp: tuple[int, int], shard: str) -> None:
+    """Wrap ``parent.<attr>`` (``sizes`` None: one slice of its output size). On a sharded model a row-parallel
+    projection's LoRA goes inside its ``RowParallel``, so that the adapter's partial output is summed with the base's
+    (``manager.layers`` still names it ``attr``)."""
+    key = (layer, attr)
+    if tp[0] > 1 and shard == "row":
+        from ..parallel.tensor import RowParallel
+
+        if not isinstance(getattr(parent, attr), RowParallel):
+            raise ValueError(f"enable_lora_: layer {layer} {attr} of this tensor-parallel model is not a RowParallel "
+                             f"(found {type(getattr(parent, attr)).__name__}); shard it with tensor_parallel_")
+        parent, attr = getattr(parent, attr), "linear"
     base = getattr(parent, attr)
     k = getattr(base, "in_features", None)
     if k is None:
         raise ValueError(f"enable_lora_: cannot tell the input size of {type(base).__name__}")
-    lin = LoRALinear(base, manager, tuple(slices), tuple(int(s) for s in sizes), int(k), device=device, dtype=dtype)
+    sizes = (_out(base),) if sizes is None else sizes
+    lin = LoRALinear(base, manager, tuple(slices), tuple(int(s) for s in sizes), int(k), device=device, dtype=dtype,
+                     shard=shard, tp=tp)
     lin.layer_index = layer
     setattr(parent, attr, lin)
-    manager.layers[(layer, attr)] = lin
+    manager.layers[key] = lin
 
 
 def _unfuse(mlp: nn.Module) -> None:

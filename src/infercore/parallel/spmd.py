@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..engine import Engine
-from ..engine.engine import _one_prompt, run_to_completion, stream_outputs
+from ..engine.engine import _one_prompt, _per_prompt, run_to_completion, stream_outputs
 
 _STOP = "stop"
 
@@ -27,7 +27,8 @@ def _broadcast(obj, group, shm=None) -> object:
 
 class MirroredEngine:
     """Rank 0's view of the group's engines: the calls that change an engine (``add_request``, ``abort``,
-    ``step``, ``settle``, ``take_requests``, ``adopt_request``, and ``generate`` / ``stream`` through them) are sent
+    ``step``, ``settle``, ``take_requests``, ``adopt_request``, ``add_lora`` / ``remove_lora`` (every rank loads the
+    adapter and keeps the same slot table), and ``generate`` / ``stream`` through them) are sent
     to the followers first. Everything else (``has_unfinished``, ``tokenizer``, ``requests``, ...) reads rank 0's
     engine."""
 
@@ -64,6 +65,14 @@ class MirroredEngine:
     def settle(self) -> None:
         return self._call("settle")
 
+    def add_lora(self, name: str, adapter) -> None:
+        """Load a LoRA adapter on every rank (a path each rank reads, or a ``LoRAAdapter`` sent to each); each rank's
+        slots take its slice of it."""
+        return self._call("add_lora", name, adapter)
+
+    def remove_lora(self, name: str) -> None:
+        return self._call("remove_lora", name)
+
     def take_requests(self):
         """Rank 0's unfinished requests, taken out of every rank's engine alike (see :meth:`Engine.take_requests`)."""
         return self._call("take_requests")
@@ -71,26 +80,25 @@ class MirroredEngine:
     def adopt_request(self, request) -> str:
         return self._call("adopt_request", request)
 
-    def generate(self, prompts, params=None, *, chat: bool = False) -> list:
-        """Run a batch of prompts to completion on every rank; rank 0's outputs, in the prompts' order. A bad
-        prompt queues none of them (the ones queued before it are aborted on every rank)."""
+    def generate(self, prompts, params=None, *, chat: bool = False, lora=None) -> list:
+        """Run a batch of prompts to completion on every rank; rank 0's outputs, in the prompts' order (``lora``: one
+        adapter name, or one per prompt, as :meth:`Engine.generate`). A bad prompt queues none of them (the ones
+        queued before it are aborted on every rank)."""
         prompts = [prompts] if _one_prompt(prompts) else list(prompts)
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"params has {len(plist)} entries for {len(prompts)} prompts")
+        plist, loras = _per_prompt("params", params, len(prompts)), _per_prompt("lora", lora, len(prompts))
         ids: list[str] = []
         try:
-            for p, sp in zip(prompts, plist):
-                ids.append(self.add_request(p, sp, chat=chat))
+            for p, sp, la in zip(prompts, plist, loras):
+                ids.append(self.add_request(p, sp, chat=chat, lora=la))
         except (ValueError, TypeError):
             for rid in ids:
                 self.abort(rid)
             raise
         return run_to_completion(self, ids)
 
-    def stream(self, prompt, params=None, *, chat: bool = False):
+    def stream(self, prompt, params=None, *, chat: bool = False, lora: str | None = None):
         """Yield this request's output after every step that advanced it, every rank stepping alike."""
-        return stream_outputs(self, self.add_request(prompt, params, chat=chat))
+        return stream_outputs(self, self.add_request(prompt, params, chat=chat, lora=lora))
 
     def close(self) -> None:
         """Release the followers (their :func:`follow` returns)."""

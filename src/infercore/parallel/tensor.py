@@ -17,6 +17,8 @@ Each rank of a process group keeps a slice of every layer and the same replicate
   ``dt_bias`` / ``A_log`` / ``D``, the gated norm's channels), B and C by groups where ``n_groups`` splits, else
   whole on every rank, with the gated norm's mean square summed over the group; ``out_proj`` row-parallel;
 - embeddings and norms (the per-head q / k norms and DeltaNet's gated norm included): replicated;
+- LoRA slots (:func:`~infercore.lora.enable_lora_` after sharding): B by the rank's rows of a column-parallel
+  projection, A by the input columns of a row-parallel one, inside its :class:`RowParallel` (``infercore.lora.layers``);
 - routed experts (Mixtral / Qwen-MoE): every expert keeps the rank's slice of its intermediate width, or (expert
   parallelism, ``experts="ep"``) each rank keeps whole experts and skips the pairs routed to the others; the shared
   expert is split by width; the router is replicated, so every rank routes every token alike, and the whole block's
@@ -111,7 +113,8 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
 
     Raises:
         TypeError: ``model`` is none of these families, or is quantized (quantize after sharding).
-        ValueError: ``torch.distributed`` is not initialized, or the group size does not divide the number of
+        ValueError: the model has LoRA slots (shard first, then :func:`~infercore.lora.enable_lora_`),
+            ``torch.distributed`` is not initialized, or the group size does not divide the number of
             query heads, KV heads, DeltaNet key heads, Mamba2 heads or groups (more than one), an MLP or expert
             width or the vocabulary (each named).
     """
@@ -126,6 +129,10 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
                         f"got {type(model).__name__}")
     if hasattr(model, "tp_size"):
         raise ValueError("tensor_parallel_: model is already sharded")
+    if getattr(model, "lora_manager", None) is not None:
+        raise ValueError("tensor_parallel_: LoRA is already enabled on this model; shard it first, then enable LoRA "
+                         "(lora.enable_lora_ or Engine(max_loras=...)), which gives each rank its slice of the "
+                         "adapters")
     tp, rank = _group_size_rank(group)
     cfg = model.config
     if experts not in ("tp", "ep"):

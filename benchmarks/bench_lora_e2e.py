@@ -32,6 +32,35 @@ from infercore.models import ModelConfig, build_model  # noqa: E402
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+@torch.inference_mode()
+def first_token_check(eng: Engine, pm, prompt: torch.Tensor, lora: str, k: int = 20) -> dict:
+    """The first generated position's log-probabilities, ours against PEFT's, with the adapter and without it (the
+    base model's own bf16 disagreement is the noise level; random 8B-shape weights leave the top logits so close that
+    greedy tokens of two correct bf16 implementations part early). ``lora_shift``: how far the adapter moves PEFT's
+    log-probabilities, so an adapter that was not applied would show as an error of that size."""
+    x = prompt.to(pm.device)[None]
+
+    def theirs() -> torch.Tensor:
+        return pm(input_ids=x).logits[0, -1].float().log_softmax(-1).cpu()
+
+    def ours(name) -> dict:
+        out = eng.generate([prompt.tolist()], SamplingParams(temperature=0, max_tokens=1, logprobs=k), lora=[name])
+        return out[0].logprobs[0]
+
+    pm.set_adapter(lora)
+    with_lora = theirs()
+    with pm.disable_adapter():
+        base = theirs()
+    res = {}
+    for tag, name, ref in (("lora", lora, with_lora), ("base", None, base)):
+        got = ours(name)
+        top = set(ref.topk(k).indices.tolist())
+        res[f"{tag}_max_abs_logprob_err"] = max(abs(v - ref[t].item()) for t, v in got.items())
+        res[f"{tag}_top{k}_overlap"] = len(top & set(got)) / k
+    res["lora_shift_max_abs_logprob"] = (with_lora - base).abs().max().item()
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/h200/lora_e2e.json")
@@ -132,6 +161,8 @@ def main() -> None:
                                                                           ignore_eos=True), lora=loras)[0].token_ids
                 b = theirs(16)[0, args.prompt:].tolist()
                 same = sum(int(u == v) for u, v in zip(a, b))
+                check = first_token_check(eng, pm, prompts[1][0], loras[0])
+                print(f"first-token log-probabilities vs PEFT: {check}", flush=True)
         distinct = min(B, len(names))
         mean_ctx = args.prompt + args.new / 2
         floor = B * bw / (read_bytes + distinct * adapter_bytes + B * mean_ctx * kv_per_token)
@@ -142,7 +173,8 @@ def main() -> None:
                           f"7 projections) prompt{args.prompt} new{args.new} bf16", metric="decode throughput",
                           unit="tok/s", ours=ours, peers=peers, floor=floor, base_model_tok_s=base_rates[B],
                           ours_over_base_model=ours / base_rates[B], adapter_bytes=adapter_bytes,
-                          greedy_first16_agree=same, copy_bw_TBps=bw / 1e12))
+                          greedy_first16_agree=same, copy_bw_TBps=bw / 1e12,
+                          **({"first_token_vs_peft": check} if B == 1 and not args.no_hf else {})))
     write_results(args.out, "lora_e2e", "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(), cases)
 
 

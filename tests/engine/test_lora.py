@@ -2,9 +2,11 @@
 engine's slots; each request's greedy tokens equal the PEFT model's with its adapter (or the base model's), in
 mixed batches, with prefix caching kept apart per adapter."""
 
+import functools
 import json
 import os
 
+import numpy as np
 import peft
 import pytest
 import torch
@@ -152,13 +154,22 @@ def test_more_adapters_than_slots_take_turns(setup, async_scheduling):
     assert done.index("c") < done.index("a") < done.index("b")
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_graph_runner_stages_each_rows_adapter(setup, async_scheduling):
+@pytest.mark.parametrize("async_scheduling,kernels", [(False, "reference"), (True, "reference"), (True, "grouped")])
+def test_graph_runner_stages_each_rows_adapter(setup, async_scheduling, kernels, monkeypatch):
     """The CUDA-graph runner's path on the CPU (its graphs replayed eagerly, as captured: LoRA on for every row,
-    the slots read from the staged buffer, the batched shrink / expand ops): tokens equal PEFT's per adapter."""
+    the slots and their slot order read from the staged buffers, the batched shrink / expand ops): tokens equal
+    PEFT's per adapter. ``grouped``: the Triton grouped kernels (interpreted) run every step, tiling the rows in
+    the staged order."""
     from engine_helpers import EagerGraph, with_fake_graphs
 
     from infercore.engine.graph_runner import CUDAGraphRunner
+    from infercore.lora import layers as lora_layers
+
+    if kernels == "grouped":
+        from infercore.ops.lora import triton as lora_triton
+
+        monkeypatch.setattr(lora_layers, "lora_shrink", functools.partial(lora_triton.lora_shrink, grouped=True))
+        monkeypatch.setattr(lora_layers, "lora_expand_", functools.partial(lora_triton.lora_expand_, grouped=True))
 
     base, refs, d = setup
     eng = Engine(ours_from_hf(base), page_size=4, num_pages=256, max_num_seqs=8, max_loras=2, max_lora_rank=16,
@@ -171,6 +182,8 @@ def test_graph_runner_stages_each_rows_adapter(setup, async_scheduling):
     class Captured(EagerGraph):
         def replay(self):
             lora.capturing()  # what the captured kernels do whatever the last eager step set
+            idx = lora.indices[: self.b].numpy()
+            assert np.array_equal(lora.order[: self.b].numpy(), np.argsort(idx, kind="stable"))  # staged with them
             super().replay()
 
     replays = []

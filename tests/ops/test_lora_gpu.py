@@ -33,10 +33,11 @@ def test_triton_selected_on_cuda():
     assert resolve("lora_expand_", DEV).name == "triton"
 
 
-@pytest.mark.parametrize("T", [1, 16, 64, 256])
+@pytest.mark.parametrize("T", [1, 4, 8, 16, 64, 256])
 @pytest.mark.parametrize("rank", [16, 64])
 @pytest.mark.parametrize("proj", ["qkv", "gate_up"])
-def test_shrink_expand_bf16(proj, rank, T):
+@pytest.mark.parametrize("sorted_order", [False, True])
+def test_shrink_expand_bf16(proj, rank, T, sorted_order):
     torch.manual_seed(T + rank)
     N, bounds = SHAPES[proj]
     ns = len(bounds) + 1
@@ -45,11 +46,13 @@ def test_shrink_expand_bf16(proj, rank, T):
     b = (torch.randn(S, N, rank, device=DEV) * rank**-0.5).to(BF16)
     y = (torch.randn(T, N, device=DEV) * 0.1).to(BF16)  # the LoRA delta (~1) dominates, so its error shows
     idx = indices(T)
-    s = lora_shrink(x, a, idx)
+    # the engine's order (sorted on the host), or none given (the grouped kernels, from 8 tokens, sort themselves)
+    kw = dict(order=torch.argsort(idx.cpu(), stable=True).to(DEV)) if sorted_order else {}
+    s = lora_shrink(x, a, idx, **kw)
     s_ref = implementation("lora_shrink", "reference")(x.float(), a.float(), idx)
     assert s.dtype == torch.float32 and rel(s, s_ref) < 1e-5
     y0 = y.clone()
-    out = lora_expand_(y, s_ref, b, idx, slice_bounds=bounds)
+    out = lora_expand_(y, s_ref, b, idx, slice_bounds=bounds, **kw)
     y_ref = implementation("lora_expand_", "reference")(y0.float(), s_ref, b.float(), idx, slice_bounds=bounds)
     assert out is y and rel(y, y_ref) < 5e-3  # one bf16 rounding
     none = idx < 0
@@ -57,24 +60,27 @@ def test_shrink_expand_bf16(proj, rank, T):
         assert torch.equal(y[none], y0[none]) and torch.equal(s[none], torch.zeros_like(s[none]))
 
 
-def test_graph_capture_reads_indices_on_device():
-    # Captured once, replayed with other slots written into the same index buffer: the kernels must read
-    # the slots on the device (no host copy of them baked into the graph).
+@pytest.mark.parametrize("T", [4, 16])
+def test_graph_capture_reads_indices_on_device(T):
+    # Captured once, replayed with other slots (and their slot order) written into the same buffers: the kernels
+    # must read both on the device (no host copy of them baked into the graph). 4 tokens: BGMV; 16: grouped.
     N, bounds = SHAPES["qkv"]
-    T, rank = 16, 16
+    rank = 16
     x = torch.randn(T, K, device=DEV, dtype=BF16)
     a = (torch.randn(S, 3 * rank, K, device=DEV) * K**-0.5).to(BF16)
     b = (torch.randn(S, N, rank, device=DEV) * rank**-0.5).to(BF16)
     y = torch.zeros(T, N, device=DEV, dtype=BF16)
     idx = torch.zeros(T, device=DEV, dtype=torch.int32)
-    lora_expand_(y, lora_shrink(x, a, idx), b, idx, slice_bounds=bounds)  # compile outside the capture
+    order = torch.arange(T, device=DEV)
+    lora_expand_(y, lora_shrink(x, a, idx, order=order), b, idx, slice_bounds=bounds, order=order)  # compile first
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         y.zero_()
-        lora_expand_(y, lora_shrink(x, a, idx), b, idx, slice_bounds=bounds)
+        lora_expand_(y, lora_shrink(x, a, idx, order=order), b, idx, slice_bounds=bounds, order=order)
     for new in (indices(T), torch.full((T,), 3, device=DEV, dtype=torch.int32)):
         idx.copy_(new)
+        order.copy_(torch.argsort(new.cpu(), stable=True))
         g.replay()
         want = torch.zeros(T, N, device=DEV)
         s_ref = implementation("lora_shrink", "reference")(x.float(), a.float(), new)

@@ -5,6 +5,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -52,7 +53,7 @@ def make(T, K, N, r, bounds, dtype, S=3, idx_dtype=torch.int32, seed=0):
     a = (torch.randn(S, ns * r, K, generator=g) * 0.3).to(dtype)
     b = (torch.randn(S, N, r, generator=g) * 0.3).to(dtype)
     y = torch.randn(T, N, generator=g).to(dtype)
-    idx = torch.tensor((IDX * 2)[:T], dtype=idx_dtype)
+    idx = torch.tensor((IDX * (T // len(IDX) + 1))[:T], dtype=idx_dtype)
     return x, a, b, y, idx
 
 
@@ -123,6 +124,50 @@ def test_triton_split_k_and_small_blocks(dtype):
     # Expand: 3 N blocks straddling both bounds, the rank looped in 2 blocks (one partial).
     both(dtype, 7, 90, 37, 5, (10, 23), shrink_kw=dict(block_r=8, block_k=16, split_k=3),
          expand_kw=dict(block_n=16, block_r=4))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+@pytest.mark.parametrize("T,K,N,r,bounds", [*CASES, (37, 40, 70, 4, (16, 40))])
+def test_triton_grouped_matches_reference(T, K, N, r, bounds, dtype):
+    # Tiles of 16 tokens in slot order, several adapters (and tokens without one) within a tile; 37 tokens:
+    # three tiles, the last partial.
+    both(dtype, T, K, N, r, bounds, shrink_kw=dict(grouped=True), expand_kw=dict(grouped=True))
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_triton_grouped_split_k_blocks_and_given_order(dtype):
+    # Shrink: K in 16-wide blocks over 3 splits summed with atomics; expand: 16-column tiles straddling the
+    # bounds, the rank looped in one 16-wide block (r = 5 masked). The order passed in (int64, as the
+    # engine's host sort gives it) is the one used: any permutation gives the right rows (sorting only makes
+    # tiles hold fewer adapters), one that skips a token leaves its row unwritten.
+    T = 21
+    idx = torch.tensor((IDX * 3)[:T], dtype=torch.int32)
+    order = torch.from_numpy(np.argsort(idx.numpy(), kind="stable"))
+    both(dtype, T, 90, 37, 5, (10, 23), shrink_kw=dict(grouped=True, order=order, block_k=16, split_k=3),
+         expand_kw=dict(grouped=True, order=order, block_n=16))  # fmt: skip
+    shuffled = torch.randperm(T, generator=torch.Generator().manual_seed(3))
+    both(dtype, T, 40, 37, 5, (10, 23), shrink_kw=dict(grouped=True, order=shuffled),
+         expand_kw=dict(grouped=True, order=shuffled))  # fmt: skip
+    x, a, b, y, idx = make(T, 24, 19, 4, (), dtype)
+    skip = torch.arange(T)
+    t = int((idx >= 0).nonzero()[0])
+    skip[t] = (t + 1) % T  # token t never visited
+    s_bad = lora_triton.lora_shrink(x, a, idx, grouped=True, order=skip, block_k=16, split_k=2)  # zeroed output
+    s_ref = implementation("lora_shrink", "reference")(x, a, idx)
+    assert torch.equal(s_bad[t], torch.zeros_like(s_bad[t])) and s_ref[t].abs().max() > 0
+
+
+def test_grouped_threshold_and_public_order():
+    # The public ops take order and check it; from GROUPED_MIN_TOKENS tokens the grouped kernels run.
+    T = lora_triton.GROUPED_MIN_TOKENS
+    x, a, b, y, idx = make(T, 24, 19, 4, (9,), F32)
+    order = torch.argsort(idx, stable=True)
+    s = ops.lora_shrink(x, a, idx, order=order)
+    torch.testing.assert_close(s, implementation("lora_shrink", "reference")(x, a, idx), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="order"):
+        ops.lora_shrink(x, a, idx, order=order[:-1])
+    with pytest.raises(TypeError, match="order"):
+        ops.lora_expand_(y, s, b, idx, slice_bounds=(9,), order=order.float())
 
 
 def test_triton_int64_indices_and_strided_inputs():

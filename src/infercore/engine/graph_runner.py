@@ -29,7 +29,7 @@ from .scheduler import ScheduledBatch
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 # int64 staging rows (each B long), then the block table (B x max_pages)
-_IDS, _POS, _SLOT, _LEN, _TOPK, _SEED, _OFF, _GDST, _GSRC, _LORA, _NI = range(11)
+_IDS, _POS, _SLOT, _LEN, _TOPK, _SEED, _OFF, _GDST, _GSRC, _LORA, _LORD, _NI = range(12)
 # float32 staging rows
 _TEMP, _TOPP, _MINP, _NF = range(4)
 
@@ -203,8 +203,10 @@ class CUDAGraphRunner:
         ih[_OFF * B : _OFF * B + b] = 0
         ih[_OFF * B : _OFF * B + n] = seq_lens - rt.prompt_lens[rows]  # decode: num_tokens == end
         if getattr(self.runner, "lora", None) is not None:  # each row's adapter slot (-1: the base model)
-            ih[_LORA * B : _LORA * B + b] = -1
-            ih[_LORA * B : _LORA * B + n] = rt.lora[rows]
+            slots = np.full(b, -1, dtype=np.int64)
+            slots[:n] = rt.lora[rows]
+            ih[_LORA * B : _LORA * B + b] = slots
+            ih[_LORD * B : _LORD * B + b] = np.argsort(slots, kind="stable")  # the rows in slot order
         g = 0 if gather is None else len(gather.dst)
         if g:
             ih[_GDST * B : _GDST * B + g] = gather.dst
@@ -230,6 +232,7 @@ class CUDAGraphRunner:
         lora = getattr(self.runner, "lora", None)
         if lora is not None:
             lora.indices[:b] = self._row(self.ints, _LORA, b)
+            lora.order[:b] = self._row(self.ints, _LORD, b)
         self._scatter(n, b, width)
         if g:
             src = self._row(self.ints, _GSRC, g)

@@ -88,8 +88,9 @@ class LoRALinear(nn.Module):
         if x2.dtype != a.dtype:  # the CPU keeps fp32 slots: its small bf16 GEMMs are slow
             x2 = x2.to(a.dtype)
         if groups is None:  # the batched kernels, one adapter per token
-            idx = m.indices[: x2.shape[0]]
-            lora_expand_(y2, lora_shrink(x2, a, idx), b, idx, slice_bounds=self.bounds)
+            T = x2.shape[0]
+            idx, order = m.indices[:T], m.order[:T]
+            lora_expand_(y2, lora_shrink(x2, a, idx, order=order), b, idx, slice_bounds=self.bounds, order=order)
             return y
         r = m.max_rank
         edges = tuple(zip((0, *self.bounds), (*self.bounds, self.out_features)))
@@ -169,6 +170,8 @@ class LoRAManager:
         self.loads = 0  # adapters copied into slots so far
         self.device = device
         self.indices = torch.full((max(max_tokens, 1),), -1, dtype=torch.int32, device=device)
+        # the same tokens sorted by slot (stable), which the grouped kernels tile: sorted once a step on the host
+        self.order = torch.arange(max(max_tokens, 1), dtype=torch.int64, device=device)
         self.active = False  # whether this step's forward applies LoRA at all
         # CPU steps of few tokens: each token's slot (int64, on the host) for the native kernel, else None
         self.host_slots: torch.Tensor | None = None
@@ -291,6 +294,7 @@ class LoRAManager:
         if T <= min(BATCHED_MAX_TOKENS, len(self.indices)) and self.device.type != "cpu":
             self.groups = None
             self.indices[:T].copy_(torch.from_numpy(slots.astype(np.int32)))
+            self.order[:T].copy_(torch.from_numpy(np.argsort(slots, kind="stable")))
             return
         groups: list[tuple[int, torch.Tensor | None]] = []
         for slot in np.unique(slots[slots >= 0]).tolist():

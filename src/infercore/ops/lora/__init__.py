@@ -44,6 +44,16 @@ def _check_indices(op: str, indices: object, T: int) -> torch.Tensor:
     return indices
 
 
+def _check_order(op: str, order: object, indices: torch.Tensor) -> None:
+    if order is None:
+        return
+    V.integer(op, "order", order)
+    if order.shape != indices.shape:
+        raise ValueError(f"{op}: order must be 1-D [{indices.shape[0]}] (the tokens in slot order), got shape "
+                         f"{tuple(order.shape)}")  # fmt: skip
+    V.same_device(op, "indices", indices, order=order)
+
+
 def _check_shrink(x: object, a: object, indices: object) -> None:
     op = "lora_shrink"
     V.floating(op, "x", x)
@@ -104,7 +114,8 @@ def _check_expand(y: object, s: object, b: object, indices: object, slice_bounds
     return bounds
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor, *,
+                order: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token LoRA A: ``out[t] = a[indices[t]] @ x[t]``, accumulated in fp32.
 
     Args:
@@ -112,12 +123,21 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor) -> torc
         a: ``[S, R, K]`` in ``x.dtype``: ``S`` adapter slots, ``R = n_slices * r`` (every slice's A stacked).
         indices: ``[T]`` int32/int64 on x's device, the slot of each token in ``[-1, S)``; ``-1`` (any
             negative) = no adapter, whose output row is 0. Not range-checked on the device.
+        order: optional ``[T]`` int tensor, a permutation of the tokens, best sorted by slot
+            (``torch.argsort(indices, stable=True)``; not checked on the device: any permutation gives the same
+            result, sorting only makes the kernels faster). From ``GROUPED_MIN_TOKENS`` tokens the Triton
+            kernels take tiles of tokens in this order, each adapter's weights read once per tile, and sort
+            themselves when it is not given; a caller running many projections over one step's slots passes it
+            once for all. The reference ignores it.
 
     Returns:
         ``[T, R]`` fp32.
     """
     _check_shrink(x, a, indices)
-    return dispatch("lora_shrink", x.device)(x, a, indices)
+    _check_order("lora_shrink", order, indices)
+    if order is None:
+        return dispatch("lora_shrink", x.device)(x, a, indices)
+    return dispatch("lora_shrink", x.device)(x, a, indices, order=order)
 
 
 def lora_expand_(
@@ -127,6 +147,7 @@ def lora_expand_(
     indices: torch.Tensor,
     *,
     slice_bounds: tuple[int, ...] = (),
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token LoRA B, added in place: ``y[t, n] += sum_k s[t, j*r + k] * b[indices[t], n, k]``.
 
@@ -140,12 +161,16 @@ def lora_expand_(
         indices: ``[T]`` int32/int64, as in :func:`lora_shrink`.
         slice_bounds: strictly increasing output columns in ``(0, N)`` where slices 1, 2, ... start;
             ``n_slices = len(slice_bounds) + 1 <= MAX_SLICES``.
+        order: optional, as in :func:`lora_shrink`.
 
     Returns:
         ``y``.
     """
     bounds = _check_expand(y, s, b, indices, slice_bounds)
-    return dispatch("lora_expand_", y.device)(y, s, b, indices, slice_bounds=bounds)
+    _check_order("lora_expand_", order, indices)
+    if order is None:
+        return dispatch("lora_expand_", y.device)(y, s, b, indices, slice_bounds=bounds)
+    return dispatch("lora_expand_", y.device)(y, s, b, indices, slice_bounds=bounds, order=order)
 
 
 register("lora_shrink", "reference", lora_shrink_ref)

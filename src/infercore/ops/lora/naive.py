@@ -14,7 +14,8 @@ def _slots(indices: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     return [(slot, (indices == slot).nonzero().squeeze(1)) for slot in indices.unique().tolist() if slot >= 0]
 
 
-def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor, *,
+                    order: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
     for slot, rows in _slots(indices):
         out[rows] = x[rows].float() @ a[slot].float().T
@@ -28,6 +29,7 @@ def lora_expand_ref(
     indices: torch.Tensor,
     *,
     slice_bounds: tuple[int, ...] = (),
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     N, r = b.shape[1], b.shape[2]
     edges = (0, *slice_bounds, N)

@@ -123,9 +123,9 @@ def _loras(args: argparse.Namespace) -> tuple[list, dict]:
     specs = getattr(args, "lora", None) or []
     if not specs:
         return [], {}
-    if _multi_rank(args):
-        raise ValueError("--lora: LoRA adapters are not supported with --tensor-parallel / --expert-parallel / "
-                         "--adaptive")
+    if getattr(args, "expert_parallel", False) or getattr(args, "adaptive", None) is not None:
+        raise ValueError("--lora: LoRA adapters are not supported with --expert-parallel / --adaptive (they are "
+                         "with --tensor-parallel)")
     from .lora import load_lora_adapter
 
     adapters = []
@@ -242,8 +242,14 @@ def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
             from .quant import quantize
 
             quantize(model, args.quantization)
+        # LoRA after the sharding: each rank's slots hold its slice of every adapter, all ranks the same adapters in
+        # the same order (so their slot tables agree)
+        adapters, lora_kw = _serve_engine_kw(args) if args.cmd == "serve" else _loras(args)
         engine = Engine(model, tok, kv_cache_dtype=args.kv_cache_dtype,
-                        num_speculative_tokens=args.num_speculative_tokens, cpu_kv_cache_bytes=_cpu_kv_bytes(args))
+                        num_speculative_tokens=args.num_speculative_tokens, cpu_kv_cache_bytes=_cpu_kv_bytes(args),
+                        **lora_kw)
+        _add_loras(engine, adapters)
+        lora = {"lora": adapters[0].name} if adapters and args.cmd != "serve" else {}
         if args.cmd == "serve":
             if rank:
                 follow(engine)
@@ -254,9 +260,9 @@ def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
                 finally:
                     mirrored.close()
         elif rank == 0:
-            _print_stream(engine, args, params)
+            _print_stream(engine, args, params, **lora)
         else:
-            for _ in engine.stream(args.prompt, params, chat=not args.no_chat):
+            for _ in engine.stream(args.prompt, params, chat=not args.no_chat, **lora):
                 pass
         dist.barrier()  # leave together: no rank exits while another still works
     finally:
@@ -307,14 +313,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         _cpu_kv_bytes(args)
         _int8_activations(args)
-        adapters, lora_kw = _loras(args)
+        adapters, lora_kw = _serve_engine_kw(args)
         _draft(args)
-        if getattr(args, "scheduling_policy", "fcfs") != "fcfs":
-            lora_kw["scheduling_policy"] = args.scheduling_policy
-        if getattr(args, "max_loras", 0):  # slots (also for adapters loaded while serving: POST /v1/load_lora_adapter)
-            lora_kw = {"max_lora_rank": 16, **lora_kw, "max_loras": args.max_loras}
-            if getattr(args, "max_lora_rank", None):
-                lora_kw["max_lora_rank"] = args.max_lora_rank
         if _multi_rank(args):
             return _spawn_tp(args, None)
         engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
@@ -328,6 +328,20 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"infercore: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _serve_engine_kw(args: argparse.Namespace) -> tuple[list, dict]:
+    """``serve``'s adapters and engine options: ``--lora`` / ``--max-lora-rank`` as :func:`_loras` reads them, the
+    slots of ``--max-loras`` (for adapters loaded while serving: POST /v1/load_lora_adapter), and
+    ``--scheduling-policy``."""
+    adapters, kw = _loras(args)
+    if getattr(args, "scheduling_policy", "fcfs") != "fcfs":
+        kw["scheduling_policy"] = args.scheduling_policy
+    if getattr(args, "max_loras", 0):
+        kw = {"max_lora_rank": 16, **kw, "max_loras": args.max_loras}
+        if getattr(args, "max_lora_rank", None):
+            kw["max_lora_rank"] = args.max_lora_rank
+    return adapters, kw
 
 
 def _run_server(engine, args: argparse.Namespace) -> None:

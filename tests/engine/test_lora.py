@@ -350,6 +350,25 @@ def test_cli_generate_through_an_adapter(tmp_path, capsys):
     assert cli.main(args + ["--lora", str(tmp_path / "rand"), "--max-lora-rank", "2"]) == 2
 
 
+def test_cli_generate_through_an_adapter_over_three_ranks(tmp_path, capfd):
+    """``infercore generate --lora PATH --tensor-parallel 3`` (real SmolLM2 weights, fp32): each rank's slots hold its
+    slice of the adapter, and rank 0 prints the single-process answer; --expert-parallel with --lora is refused."""
+    from infercore import cli
+
+    _smollm2_adapter(tmp_path / "rand", scale=0.5)
+    args = ["generate", "What is the capital of France?", "--device", "cpu", "--dtype", "float32",
+            "--max-tokens", "8", "--lora", f"mine={tmp_path / 'rand'}"]
+    assert cli.main(args) == 0
+    one = capfd.readouterr().out
+    assert cli.main(args + ["--tensor-parallel", "3"]) == 0
+    out, err = capfd.readouterr()
+    assert out == one and "tokens/s" in err
+    assert cli.main(args[:-2] + ["--tensor-parallel", "3"]) == 0  # the adapter changes the answer
+    assert capfd.readouterr().out != one
+    assert cli.main(args + ["--tensor-parallel", "3", "--expert-parallel"]) == 2
+    assert "--expert-parallel" in capfd.readouterr().err
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_mixed_adapters_on_cuda_match_peft(setup, async_scheduling):

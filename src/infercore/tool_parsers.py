@@ -8,13 +8,14 @@ the text outside the calls (the message's ``content``) and the calls as :class:`
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 import secrets
 from dataclasses import dataclass, field
 
-__all__ = ["TOOL_PARSERS", "HermesToolParser", "ToolCall", "ToolParser", "get_tool_parser", "new_call_id",
-           "register_tool_parser"]
+__all__ = ["TOOL_PARSERS", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "ToolCall", "ToolParser",
+           "get_tool_parser", "new_call_id", "register_tool_parser"]
 
 
 def new_call_id() -> str:
@@ -35,16 +36,16 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """Reads tool calls out of a model's finished output. ``start``: the text that opens a call, so a stream can
     send the text before it as it comes (None: the parser cannot say; streams hold the whole text back)."""
 
     start: str | None = None
 
+    @abc.abstractmethod
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """``(content, calls)``: the calls in the order written and the text outside them, stripped (None when
         nothing is left); without calls, ``text`` itself."""
-        raise NotImplementedError
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {}
@@ -99,17 +100,93 @@ class HermesToolParser(ToolParser):
     @staticmethod
     def _call(body: str) -> ToolCall | None:
         try:
-            obj = json.loads(body)
+            return _call_from(json.loads(body))
         except ValueError:
             return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+
+def _call_from(obj: object) -> ToolCall | None:
+    """A call from a decoded ``{"name": ..., "arguments" | "parameters": {...} | JSON text}`` object, else None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
             return None
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):  # some models write the arguments as JSON text already
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+@register_tool_parser("llama3_json")
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.1 / 3.2 / 3.3's JSON tool calls: the whole reply is one or more ``{"name": ..., "parameters": {...}}``
+    objects (``arguments`` accepted too), separated by ``;``, optionally after ``<|python_tag|>``. A reply that is
+    anything else (prose, or JSON that is not such objects throughout) is content, unchanged. Streams hold the
+    text back (a reply is a call only once it has parsed whole)."""
+
+    tag = "<|python_tag|>"
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = text.strip()
+        if body.startswith(self.tag):
+            body = body[len(self.tag):].lstrip()
+        if not body.startswith("{"):
+            return text, []
+        dec = json.JSONDecoder()
+        calls: list[ToolCall] = []
+        pos = 0
+        while pos < len(body):
             try:
-                args = json.loads(args)
+                obj, end = dec.raw_decode(body, pos)
             except ValueError:
-                return None
-        if not isinstance(args, dict):
-            return None
-        return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+                return text, []
+            call = _call_from(obj)
+            if call is None:
+                return text, []
+            calls.append(call)
+            pos = end
+            while pos < len(body) and (body[pos].isspace() or body[pos] == ";"):
+                pos += 1
+        return None, calls
+
+
+@register_tool_parser("mistral")
+class MistralToolParser(ToolParser):
+    """Mistral's tool calls after its ``[TOOL_CALLS]`` marker: a JSON array of ``{"name", "arguments"}`` objects
+    (the v3 tokenizers' form), or ``name[ARGS]{...}`` per call (the v11+ form, repeated after further markers).
+    The text before the marker is content; a reply whose calls do not parse is content, unchanged."""
+
+    start = "[TOOL_CALLS]"
+    _args = "[ARGS]"
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        head, sep, rest = text.partition(self.start)
+        if not sep:
+            return text, []
+        calls: list[ToolCall] = []
+        for part in rest.split(self.start):
+            part = part.strip()
+            if not part:
+                continue
+            if part.startswith("["):
+                try:
+                    objs = json.loads(part)
+                except ValueError:
+                    return text, []
+                if not isinstance(objs, list) or not objs:
+                    return text, []
+                got = [_call_from(o) for o in objs]
+                if any(c is None for c in got):
+                    return text, []
+                calls.extend(got)
+                continue
+            name, sep2, args = part.partition(self._args)
+            call = _call_from({"name": name.strip(), "arguments": args.strip()}) if sep2 else None
+            if call is None:
+                return text, []
+            calls.append(call)
+        if not calls:
+            return text, []
+        return (head.strip() or None), calls

@@ -127,6 +127,35 @@ def test_hermes_parser_reads_calls_and_leaves_the_rest():
     assert p.extract('<tool_call>{"name": "f", "arguments": {}}</tool_call>\n')[0] is None
 
 
+def test_llama3_json_parser():
+    p = get_tool_parser("llama3_json")
+    content, calls = p.extract('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                               '{"name": "get_time", "arguments": {"zone": "UTC"}}')
+    assert content is None and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris"}, {"zone": "UTC"}]
+    content, calls = p.extract(' {"name": "f", "parameters": {}}\n')  # without the tag
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("f", "{}")]
+    for text in ("The weather is fine.", '{"city": "Paris"}', '{"name": "f", "parameters": {}} and more',
+                 '{"name": "f", "parameters": {"a": }', '{"name": "f", "parameters": [1]}'):
+        assert p.extract(text) == (text, []), text
+
+
+def test_mistral_parser():
+    p = get_tool_parser("mistral")
+    assert p.start == "[TOOL_CALLS]"
+    content, calls = p.extract('Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                               '{"name": "get_time", "arguments": {}}]')
+    assert content == "Checking." and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].arguments) == {"city": "Paris"}
+    # the v11 form: name[ARGS]{json}, one marker per call
+    content, calls = p.extract('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}')
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    for text in ("no calls here", "[TOOL_CALLS][{\"name\": 3}]", "[TOOL_CALLS]not json", "[TOOL_CALLS][]",
+                 "[TOOL_CALLS]f[ARGS]{bad}"):
+        assert p.extract(text) == (text, []), text
+
+
 def test_tool_parser_registry(served):
     with pytest.raises(ValueError, match="unknown parser 'nope'.*hermes"):
         get_tool_parser("nope")

@@ -354,7 +354,8 @@ def _run_server(engine, args: argparse.Namespace) -> None:
     name = args.served_model_name or Path(args.model or default_model_path()).name
     parser = getattr(args, "tool_call_parser", "hermes")
     server = make_server(engine, host=args.host, port=args.port, model_name=name, verbose=args.verbose,
-                         tool_call_parser=None if parser == "none" else parser)
+                         tool_call_parser=None if parser == "none" else parser,
+                         reasoning_parser=getattr(args, "reasoning_parser", None))
     host, port = server.server_address[:2]
     print(f"infercore: serving {name} on http://{host}:{port}/v1 ({engine.device}, {engine.dtype})", file=sys.stderr)
     try:
@@ -391,6 +392,7 @@ def _info(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from .kv.cache import KV_CACHE_DTYPES
+    from .reasoning_parsers import REASONING_PARSERS
     from .tool_parsers import TOOL_PARSERS
 
     p = argparse.ArgumentParser(prog="infercore", description="LLM inference building blocks")
@@ -474,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--tool-call-parser", default="hermes", choices=[*sorted(TOOL_PARSERS), "none"],
                    help="the format tool_choice 'auto' replies are read in for tool_calls (hermes: "
                         "<tool_call>{...}</tool_call>, as Hermes / Qwen2.5 / Qwen3 write them); none: leave the text")
+    v.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="return a thinking model's <think> block as the chat message's reasoning_content "
+                        "(deepseek_r1: replies start inside the block; qwen3: only a reply that opens one)")
     v.set_defaults(fn=_serve)
     i = sub.add_parser("info", help="devices and which backend serves each op")
     i.add_argument("--device", default=None, type=_device)

@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 from .engine import Engine, RequestOutput, SamplingParams
 from .engine.engine import POOLING
 from .engine.fsm import json_schema_regex
+from .reasoning_parsers import ReasoningParser, get_reasoning_parser
 from .tool_parsers import ToolCall, ToolParser, get_tool_parser
 
 if TYPE_CHECKING:
@@ -481,6 +482,15 @@ def _prompt_ids(engine: Engine, body: dict, *, chat: bool, key: str = "prompt",
         if tok is None:
             raise BadRequest("the model has no tokenizer for chat messages", "messages")
         extra = {"tools": tools} if tools else {}
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None:  # e.g. Qwen3's {"enable_thinking": false}
+            if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+                raise BadRequest("chat_template_kwargs must be an object", "chat_template_kwargs")
+            reserved = {"messages", "conversation", "tools", "add_generation_prompt", "tokenize"} & set(kwargs)
+            if reserved:
+                raise BadRequest(f"chat_template_kwargs: {sorted(reserved)} are set by the server",
+                                 "chat_template_kwargs")
+            extra.update(kwargs)
         text = tok.apply_chat_template(messages, add_generation_prompt=True, **extra)
         return [tok.encode(text, add_special_tokens=False)]
     prompt = body.get(key)
@@ -634,6 +644,20 @@ class _Reply:
     echo: list[str] | None = None
     show_prompt_logprobs: bool = True
     include_usage: bool = False
+    reasoning: ReasoningParser | None = None  # splits a chat reply's reasoning out (None: the server has none)
+    guided: bool = False  # the output is guided: it has a reasoning block only where it opens one itself
+
+
+def reply_message(reply: _Reply, parser: ToolParser | None, text: str, reason: str | None) -> tuple[dict, str | None]:
+    """:func:`chat_message` of a chat choice's whole ``text``, its reasoning first split out by the reply's reasoning
+    parser (``reasoning_content``; the tool plan then reads the answer alone)."""
+    if reply.reasoning is None:
+        return chat_message(reply.plan, parser, text, reason)
+    reasoning, answer = reply.reasoning.split(text, explicit=reply.guided)
+    message, reason = chat_message(reply.plan, parser, answer or "", reason)
+    message["content"] = message["content"] or None
+    message["reasoning_content"] = reasoning
+    return message, reason
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -749,6 +773,8 @@ class _Handler(BaseHTTPRequestHandler):
                     raise BadRequest("tool_choice: a named or required tool choice guides the output itself; not "
                                      "together with response_format or guided_*", "tool_choice")
                 params = replace(params, guided_json=plan.schema)
+            if chat:
+                reply.reasoning, reply.guided = self.server.reasoning_parser, params.guided
             lora = self._adapter(body.get("model"))
             priority = _number(body, "priority", int) or 0
             beam = _beam_options(body, params, n, stream) if _number(body, "use_beam_search", bool) else None
@@ -803,7 +829,7 @@ class _Handler(BaseHTTPRequestHandler):
                 prompt_tokens += len(p)
                 completion_tokens += len(h.token_ids)
                 if reply.chat:
-                    message, reason = chat_message(reply.plan, self.server.tool_parser, h.text, h.finish_reason)
+                    message, reason = reply_message(reply, self.server.tool_parser, h.text, h.finish_reason)
                     choices.append({"index": idx, "message": message, "logprobs": None, "finish_reason": reason})
                 else:
                     text = h.text if reply.echo is None else reply.echo[i] + h.text
@@ -992,7 +1018,7 @@ class _Handler(BaseHTTPRequestHandler):
             prompt_tokens += len(out.prompt_token_ids)
             completion_tokens += len(out.token_ids)
             if reply.chat:
-                message, reason = chat_message(reply.plan, self.server.tool_parser, out.text, reason)
+                message, reason = reply_message(reply, self.server.tool_parser, out.text, reason)
                 choices.append({"index": i, "message": message, "logprobs": _logprobs(eng, out, 0, chat=True),
                                 "finish_reason": reason})
             else:
@@ -1021,7 +1047,9 @@ class _Handler(BaseHTTPRequestHandler):
         eng, chat, parser = self.server.loop.engine, reply.chat, self.server.tool_parser
         choice = reply.plan.choice if chat else "none"
         tools = choice in ("named", "required") or (choice == "auto" and parser is not None)
-        start = parser.start if tools and choice == "auto" else None
+        # an auto reply's content streams up to its first call, unless a reasoning block comes first: then the
+        # whole reply waits for its end (the reasoning, answer and calls in the last chunk)
+        start = parser.start if tools and choice == "auto" and reply.reasoning is None else None
         obj = "chat.completion.chunk" if chat else "text_completion"
         created, sid = int(time.time()), next(iter(index))
         head = {"id": sid, "object": obj, "created": created, "model": self.server.model_name}
@@ -1030,6 +1058,7 @@ class _Handler(BaseHTTPRequestHandler):
         pending, done = list(first), set()
         texts: dict[str, str] = dict.fromkeys(index, "")
         sent: dict[str, int] = dict.fromkeys(index, 0)
+        thought: dict[str, int] = dict.fromkeys(index, 0)  # reasoning characters sent
         usage = [0, 0]
         try:
             if chat:
@@ -1057,6 +1086,17 @@ class _Handler(BaseHTTPRequestHandler):
                     choice = {"index": index[rid], "delta": delta, "logprobs": lp, "finish_reason": reason}
                     if not delta and lp is None and reason is None:  # held back: nothing to say yet
                         continue
+                elif chat and reply.reasoning is not None:  # reasoning deltas until the block closes, then content
+                    texts[rid] += out.new_text
+                    r, c = reply.reasoning.split(texts[rid], finished=out.finished, explicit=reply.guided)
+                    delta = {}
+                    if r and len(r) > thought[rid]:
+                        delta["reasoning_content"], thought[rid] = r[thought[rid]:], len(r)
+                    if c and len(c) > sent[rid]:
+                        delta["content"], sent[rid] = c[sent[rid]:], len(c)
+                    if not delta and lp is None and reason is None:
+                        continue
+                    choice = {"index": index[rid], "delta": delta, "logprobs": lp, "finish_reason": reason}
                 elif chat:
                     choice = {"index": index[rid], "delta": {"content": out.new_text} if out.new_text else {},
                               "logprobs": lp, "finish_reason": reason}
@@ -1091,7 +1131,9 @@ class _Handler(BaseHTTPRequestHandler):
                 sent[rid] = end
         if not out.finished:
             return delta, None
-        message, reason = chat_message(reply.plan, self.server.tool_parser, text[sent[rid]:], out.finish_reason)
+        message, reason = reply_message(reply, self.server.tool_parser, text[sent[rid]:], out.finish_reason)
+        if message.get("reasoning_content"):
+            delta["reasoning_content"] = message["reasoning_content"]
         if message["content"]:
             delta["content"] = delta.get("content", "") + message["content"]
         if message.get("tool_calls"):
@@ -1110,16 +1152,19 @@ class _Server(ThreadingHTTPServer):
                  ) -> None:
         super().__init__(addr, _Handler)
         self.loop, self.model_name, self.verbose, self.tool_parser = loop, model_name, verbose, tool_parser
+        self.reasoning_parser: ReasoningParser | None = None
         self.created = int(time.time())
 
 
 def make_server(engine: Engine | MirroredEngine | AdaptiveEngine, *, host: str = "127.0.0.1", port: int = 8000,
-                model_name: str = "infercore", verbose: bool = False, tool_call_parser: str | None = "hermes"
-                ) -> _Server:
+                model_name: str = "infercore", verbose: bool = False, tool_call_parser: str | None = "hermes",
+                reasoning_parser: str | None = None) -> _Server:
     """An HTTP server (not started: call ``serve_forever()``, or run it in a thread) whose engine loop is
     running. ``port=0`` picks a free port (``server.server_address``). ``server.shutdown()`` then
     ``server.loop.close()`` stop it. ``tool_call_parser``: the format (:data:`infercore.tool_parsers.TOOL_PARSERS`)
-    that ``tool_choice: "auto"`` replies are read in; None leaves their text alone."""
+    that ``tool_choice: "auto"`` replies are read in; None leaves their text alone. ``reasoning_parser``: the format
+    (:data:`infercore.reasoning_parsers.REASONING_PARSERS`, e.g. "deepseek_r1", "qwen3") whose reasoning block chat
+    replies return as ``reasoning_content``; None (the default): none."""
     from .parallel import AdaptiveEngine, MirroredEngine
 
     if not isinstance(engine, (Engine, MirroredEngine, AdaptiveEngine)):
@@ -1128,4 +1173,7 @@ def make_server(engine: Engine | MirroredEngine | AdaptiveEngine, *, host: str =
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port: expected an int in [0, 65535], got {port!r}")
     parser = None if tool_call_parser is None else get_tool_parser(tool_call_parser)
-    return _Server((host, port), EngineLoop(engine), model_name, verbose, parser)
+    reasoning = None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
+    server = _Server((host, port), EngineLoop(engine), model_name, verbose, parser)
+    server.reasoning_parser = reasoning
+    return server

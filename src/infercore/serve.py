@@ -304,6 +304,8 @@ def sampling_params(body: dict, *, chat: bool) -> SamplingParams:
         kw["logprobs"] = _number(body, "logprobs", int)
     if body.get("prompt_logprobs") is not None:
         kw["prompt_logprobs"] = _number(body, "prompt_logprobs", int)
+    if body.get("bad_words") is not None:
+        kw["bad_words"] = body["bad_words"]  # SamplingParams checks it (a TypeError naming the field)
     kw.update(_guided(body))
     return SamplingParams(**kw)
 

@@ -581,7 +581,8 @@ class Engine:
         # and a change after submission must not reach the queued request: it runs on a copy
         params = replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
                          logit_bias=None if params.logit_bias is None else dict(params.logit_bias),
-                         allowed_token_ids=None if params.allowed_token_ids is None else list(params.allowed_token_ids))
+                         allowed_token_ids=None if params.allowed_token_ids is None else list(params.allowed_token_ids),
+                         bad_words=None if params.bad_words is None else list(params.bad_words))
         if params.guided:  # the request keeps its pattern's regex alone (a choice list or schema is read once)
             params = replace(params, guided_regex=params.guided_pattern(), guided_choice=None, guided_json=None)
         ids = self._encode(prompt, chat)
@@ -617,8 +618,27 @@ class Engine:
             self._guides.guide_for(params)  # the vocabulary's walk is set up (and a refusal raised) at submission
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         req = Request(rid, ids, params, eos_token_ids=self._eos, seed=seed, pooling=pooling, priority=priority)
+        if params.bad_words:
+            req._bad_words = self._bad_word_ids(params.bad_words)
         self._bind_lora(req, lora)
         return req
+
+    def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """``SamplingParams.bad_words`` as token sequences, vLLM's way: each word as written (leading spaces
+        dropped), and after a space where that makes another first token but as many tokens (the word inside a
+        text)."""
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs an engine with a tokenizer")
+        if self._guides.speculative:
+            raise ValueError("SamplingParams.bad_words: not with speculative decoding")
+        seqs: list[list[int]] = []
+        for word in words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            seqs.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                seqs.append(spaced)
+        return [q for q in seqs if q]
 
     def _check_fits(self, longest: int, computed_at_once: int) -> None:
         """Raise ValueError unless a request of up to ``longest`` tokens fits the KV pool, and one whose first

@@ -159,6 +159,12 @@ class GuideSet:
                 keep = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
                 keep[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=logits.device)] = True
                 logits[i].masked_fill_(~keep, float("-inf"))
+            if req._bad_words:  # a bad word's last token, where the output ends with the rest of it
+                out = req.output_token_ids
+                ban = [w[-1] for w in req._bad_words
+                       if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1])]
+                if ban:
+                    logits[i, torch.tensor(ban, dtype=torch.long, device=logits.device)] = float("-inf")
             if not p.guided:
                 continue
             guide = self.guide_for(req.params)

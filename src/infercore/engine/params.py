@@ -54,6 +54,11 @@ class SamplingParams:
 
     ``truncate_prompt_tokens`` (None = off, or k >= 1): the request keeps only the last ``k`` tokens of its prompt
     (left truncation, vLLM's), applied when it is submitted.
+
+    ``bad_words`` (vLLM's): words the output never contains as the tokenizer writes them, each tokenized as it is
+    and after a space (the form inside a text; kept where it is a different word of as many tokens). A word's last
+    token is masked whenever the output so far ends with its other tokens (a one-token word: always). Needs an
+    engine with a tokenizer; not with speculative decoding.
     """
 
     max_tokens: int = 256
@@ -77,6 +82,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -141,6 +147,10 @@ class SamplingParams:
         # bool is an int subclass, but True is no token id
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("SamplingParams.stop_token_ids must be a list of non-negative ints")
+        if self.bad_words is not None:
+            sequence("bad_words", self.bad_words)
+            if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError("SamplingParams.bad_words must be a list of non-blank strings")
         guided = [n for n in ("guided_regex", "guided_choice", "guided_json") if getattr(self, n) not in (None, False)]
         if len(guided) > 1:
             raise ValueError(f"SamplingParams: at most one of guided_regex, guided_choice, guided_json, got {guided}")
@@ -193,7 +203,7 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Whether the sampler changes this request's logits before sampling (a bias, an allowed set, a guide)."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None or self.guided
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or self.guided or bool(self.bad_words)
 
     @property
     def greedy(self) -> bool:

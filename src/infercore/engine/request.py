@@ -108,6 +108,7 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     # guided decoding: (the engine's TokenGuide.key, output tokens walked, DFA state after them)
     _guide: tuple[int, int, int] | None = None
+    _bad_words: list[list[int]] | None = None  # SamplingParams.bad_words as token sequences (Engine._bad_word_ids)
     # LoRA: the adapter's name (None = the base model); the adapter's slot in the engine that runs it (-1 = none,
     # set at submission / adoption) and the prefix-cache salt that keeps its KV apart from other adapters'
     lora: str | None = None

@@ -1,10 +1,11 @@
 """Multi-LoRA shrink + expand at the 8B Llama projection shapes, by batch.
 
 Ours: ``ops.lora_shrink`` then ``ops.lora_expand_`` (Triton) as the engine calls them, the step's tokens sorted
-by slot once on the host (``order``): from 8 tokens the grouped kernels (tiles of tokens per adapter, tensor-core
-products), below that the per-token BGMV ones. Peers in the same run: torch gathering each token's adapter
-(``a[indices]``, ``b[indices]``) then ``torch.bmm`` (one per slice for the expand), and our BGMV kernels forced at
-every size (what the grouped ones replace). Shapes: K = 4096; qkv N = 6144 with slices (4096, 1024, 1024);
+by slot once on the host (``order``): the per-token BGMV kernels, or the grouped ones from
+``ops.lora.triton.GROUPED_MIN_TOKENS`` tokens when that is set. ``grouped_graph_us``: the grouped kernels (tiles of
+tokens per adapter, tensor-core products) asked for at every size, beside them. Peer in the same run: torch
+gathering each token's adapter (``a[indices]``, ``b[indices]``) then ``torch.bmm`` (one per slice for the expand).
+Shapes: K = 4096; qkv N = 6144 with slices (4096, 1024, 1024);
 gate_up N = 28672 with slices (14336, 14336); S = 8 slots, rank 16, tokens spread over the slots (``t % S``).
 
 Metric: effective bandwidth = the bytes the update must move (the distinct adapters' A and B read once, x
@@ -56,10 +57,10 @@ def ours(y, x, a, b, idx, bounds, order=None):
     return lora_expand_(y, lora_shrink(x, a, idx, order=order), b, idx, slice_bounds=bounds, order=order)
 
 
-def bgmv(y, x, a, b, idx, bounds):
-    """Our per-token kernels (BGMV) forced at every size: what the grouped kernels replace from 8 tokens."""
-    s = lora_triton.lora_shrink(x, a, idx, grouped=False)
-    return lora_triton.lora_expand_(y, s, b, idx, slice_bounds=bounds, grouped=False)
+def grouped(y, x, a, b, idx, bounds, order):
+    """Our grouped (SGMV) kernels, asked for at every size (by default they are off: GROUPED_MIN_TOKENS is None)."""
+    s = lora_triton.lora_shrink(x, a, idx, grouped=True, order=order)
+    return lora_triton.lora_expand_(y, s, b, idx, slice_bounds=bounds, grouped=True, order=order)
 
 
 def measure(proj: str, N: int, bounds: tuple[int, ...], T: int, ws: list, S: int, r: int, bw: float) -> dict:
@@ -77,26 +78,27 @@ def measure(proj: str, N: int, bounds: tuple[int, ...], T: int, ws: list, S: int
     s_ref = implementation("lora_shrink", "reference")(x.float(), a.float(), idx)
     want = implementation("lora_expand_", "reference")(y.float(), s_ref, b.float(), idx, slice_bounds=bounds)
     err = rel_err(ours(y.clone(), x, a, b, idx, bounds, order), want)
-    err_bgmv = rel_err(bgmv(y.clone(), x, a, b, idx, bounds), want)
+    err_grouped = rel_err(grouped(y.clone(), x, a, b, idx, bounds, order), want)
     err_peer = rel_err(torch_peer(y.clone(), x, a, b, idx, bounds), want)
     us = bench_ms(lambda: ours(y, x, a, b, idx, bounds, order)) * 1e3
     peer_us = bench_ms(lambda: torch_peer(y, x, a, b, idx, bounds)) * 1e3
     g_us = time_graph(lambda i: ours(y, x, *ws[i % len(ws)], idx, bounds, order), 16) * 1e6
-    g_bgmv_us = time_graph(lambda i: bgmv(y, x, *ws[i % len(ws)], idx, bounds), 16) * 1e6
+    g_grouped_us = time_graph(lambda i: grouped(y, x, *ws[i % len(ws)], idx, bounds, order), 16) * 1e6
     g_peer_us = time_graph(lambda i: torch_peer(y, x, *ws[i % len(ws)], idx, bounds), 16) * 1e6
-    print(f"{proj:7s} T={T:4d}: ours graph {g_us:6.1f} us (eager {us:6.1f})  bgmv graph {g_bgmv_us:6.1f}  "
+    print(f"{proj:7s} T={T:4d}: ours graph {g_us:6.1f} us (eager {us:6.1f})  grouped graph {g_grouped_us:6.1f}  "
           f"torch gather+bmm graph {g_peer_us:6.1f} (eager {peer_us:6.1f})  floor {floor_us:6.2f} us  "
-          f"rel err {err:.1e} / bgmv {err_bgmv:.1e} / peer {err_peer:.1e}", flush=True)  # fmt: skip
+          f"rel err {err:.1e} / grouped {err_grouped:.1e} / peer {err_peer:.1e}", flush=True)  # fmt: skip
     tbps = lambda t_us: nbytes / (t_us * 1e-6) / 1e12  # noqa: E731
     return case(
         f"LoRA shrink+expand {proj} K={K} N={N} slices={len(bounds) + 1} rank={r} S={S}, {T} tokens",
         metric="effective bandwidth (in a CUDA graph)", unit="TB/s", ours=tbps(g_us),
-        peers={"torch gather+bmm": tbps(g_peer_us), "ours per-token BGMV kernels": tbps(g_bgmv_us)},
-        floor=bw / 1e12, graph_us=g_us, peers_graph_us={"torch gather+bmm": g_peer_us,
-                                                        "ours per-token BGMV kernels": g_bgmv_us},
+        peers={"torch gather+bmm": tbps(g_peer_us)}, floor=bw / 1e12, graph_us=g_us,
+        peers_graph_us={"torch gather+bmm": g_peer_us}, grouped_graph_us=g_grouped_us,
+        grouped_TBps=tbps(g_grouped_us),
         floor_us=floor_us, bytes=nbytes, eager_us=us, peers_eager_us={"torch gather+bmm": peer_us},
-        graph_weight_copies=len(ws), adapters_touched=distinct, kernels="grouped" if T >= GROUPED else "bgmv",
-        rel_err_vs_ref=err, bgmv_rel_err_vs_ref=err_bgmv, peer_rel_err_vs_ref=err_peer,
+        graph_weight_copies=len(ws), adapters_touched=distinct,
+        kernels="grouped" if GROUPED is not None and T >= GROUPED else "bgmv",
+        rel_err_vs_ref=err, grouped_rel_err_vs_ref=err_grouped, peer_rel_err_vs_ref=err_peer,
     )  # fmt: skip
 
 

@@ -72,8 +72,15 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--grouped-min", type=int, default=None,
+                    help="run the grouped (SGMV) LoRA kernels from this many tokens (ops.lora.triton."
+                         "GROUPED_MIN_TOKENS; default: the library's, off)")
     ap.add_argument("--smoke", action="store_true", help="a tiny config on the CPU (checks the script, times nothing)")
     args = ap.parse_args()
+    if args.grouped_min is not None:
+        from infercore.ops.lora import triton as lora_triton
+
+        lora_triton.GROUPED_MIN_TOKENS = args.grouped_min
     import peft
     import transformers
     from peft.utils import get_peft_model_state_dict
@@ -173,7 +180,7 @@ def main() -> None:
                           f"7 projections) prompt{args.prompt} new{args.new} bf16", metric="decode throughput",
                           unit="tok/s", ours=ours, peers=peers, floor=floor, base_model_tok_s=base_rates[B],
                           ours_over_base_model=ours / base_rates[B], adapter_bytes=adapter_bytes,
-                          greedy_first16_agree=same, copy_bw_TBps=bw / 1e12,
+                          greedy_first16_agree=same, copy_bw_TBps=bw / 1e12, grouped_min_tokens=args.grouped_min,
                           **({"first_token_vs_peft": check} if B == 1 and not args.no_hf else {})))
     write_results(args.out, "lora_e2e", "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(), cases)
 

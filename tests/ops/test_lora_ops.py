@@ -157,13 +157,23 @@ def test_triton_grouped_split_k_blocks_and_given_order(dtype):
     assert torch.equal(s_bad[t], torch.zeros_like(s_bad[t])) and s_ref[t].abs().max() > 0
 
 
-def test_grouped_threshold_and_public_order():
-    # The public ops take order and check it; from GROUPED_MIN_TOKENS tokens the grouped kernels run.
-    T = lora_triton.GROUPED_MIN_TOKENS
-    x, a, b, y, idx = make(T, 24, 19, 4, (9,), F32)
+def test_grouped_threshold_and_public_order(monkeypatch):
+    # The public ops take order and check it; from GROUPED_MIN_TOKENS tokens (when set) the grouped kernels run.
+    calls = []
+    real = lora_triton._grouped_shrink
+    monkeypatch.setattr(lora_triton, "_grouped_shrink", lambda *a: (calls.append(a[0].shape[0]), real(*a))[1])
+    assert lora_triton.GROUPED_MIN_TOKENS is None  # off by default
+    x, a, b, y, idx = make(8, 24, 19, 4, (9,), F32)
+    lora_triton.lora_shrink(x, a, idx)
+    assert calls == []
+    monkeypatch.setattr(lora_triton, "GROUPED_MIN_TOKENS", 8)
+    lora_triton.lora_shrink(x[:7], a, idx[:7])
+    assert calls == []
     order = torch.argsort(idx, stable=True)
-    s = ops.lora_shrink(x, a, idx, order=order)
+    s = lora_triton.lora_shrink(x, a, idx, order=order)
+    assert calls == [8]
     torch.testing.assert_close(s, implementation("lora_shrink", "reference")(x, a, idx), rtol=1e-5, atol=1e-5)
+    assert torch.equal(ops.lora_shrink(x, a, idx, order=order), ops.lora_shrink(x, a, idx))  # CPU: the reference
     with pytest.raises(ValueError, match="order"):
         ops.lora_shrink(x, a, idx, order=order[:-1])
     with pytest.raises(TypeError, match="order"):

@@ -10,7 +10,8 @@ Expand ``y[t, n] += s[t, slice(n)] . b[slot_t, n, :]``: grid ``(T, N blocks)``; 
 column's slice of ``s`` with up to three column bounds passed as scalars, and adds in fp32.
 
 Both are memory-bound GEMVs (each token reads its adapter's A and B; tokens sharing an adapter
-re-read it from L2). From ``GROUPED_MIN_TOKENS`` tokens the grouped kernels replace them (Punica's SGMV,
+re-read it from L2). From ``GROUPED_MIN_TOKENS`` tokens (None, the default: never unless ``grouped=True``; they
+have not yet run on a GPU) the grouped kernels replace them (Punica's SGMV,
 as vLLM sorts tokens by adapter): programs take tiles of 16 tokens in slot order (``order``, any
 permutation of the tokens; sorted, a tile holds one adapter or a few), loop over the slots from the
 tile's smallest to its largest with each other token masked out, and multiply on the tensor cores
@@ -31,8 +32,10 @@ from infercore.devices import capability, register
 
 # Elements of weight tile per program: 4096 fp32 partial sums over 128 threads = 32 registers each.
 _TILE = 4096
-# Tokens from which the grouped kernels (tiles of tokens in slot order, tensor-core products) replace BGMV.
-GROUPED_MIN_TOKENS = 8
+# Tokens from which the grouped kernels (tiles of tokens in slot order, tensor-core products) replace BGMV by default;
+# None: only when asked (grouped=True). Off until they are measured on a GPU: they are checked against the reference
+# under the interpreter only (8 is the intended threshold).
+GROUPED_MIN_TOKENS: int | None = None
 
 
 @triton.jit
@@ -219,7 +222,9 @@ def _shrink_config(T: int, R: int, K: int, device: torch.device) -> tuple[int, i
 
 
 def _use_grouped(T: int, grouped: bool | None) -> bool:
-    return T >= GROUPED_MIN_TOKENS if grouped is None else grouped
+    if grouped is not None:
+        return grouped
+    return GROUPED_MIN_TOKENS is not None and T >= GROUPED_MIN_TOKENS
 
 
 def _order(indices: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
@@ -269,10 +274,11 @@ def lora_shrink(
 ) -> torch.Tensor:
     """``out[t] = a[indices[t]] @ x[t]`` fp32 ``[T, R]`` for x ``[T, K]``, a ``[S, R, K]``, indices ``[T]``.
 
-    From ``GROUPED_MIN_TOKENS`` tokens (or ``grouped=True``) the grouped kernel runs: tiles of tokens in slot
-    order (``order``, the stable argsort of ``indices``; computed here when not given), each adapter's A read
-    once per tile as a tensor-core product, instead of once per token. ``block_r`` / ``block_k`` (powers of
-    two) and ``split_k`` override the shape heuristic (tests, sweeps; the grouped kernel takes the last two).
+    With ``grouped=True`` (or from ``GROUPED_MIN_TOKENS`` tokens, when that is set) the grouped kernel runs: tiles
+    of tokens in slot order (``order``, the stable argsort of ``indices``; computed here when not given), each
+    adapter's A read once per tile as a tensor-core product, instead of once per token. ``block_r`` / ``block_k``
+    (powers of two) and ``split_k`` override the shape heuristic (tests, sweeps; the grouped kernel takes the last
+    two).
     """
     T, K = x.shape
     R = a.shape[1]

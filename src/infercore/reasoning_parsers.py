@@ -9,6 +9,8 @@ name (:func:`register_reasoning_parser`); :func:`get_reasoning_parser` builds on
 
 from __future__ import annotations
 
+from ._registry import Registry
+
 __all__ = ["REASONING_PARSERS", "DeepSeekR1ReasoningParser", "Qwen3ReasoningParser", "ReasoningParser",
            "get_reasoning_parser", "register_reasoning_parser"]
 
@@ -51,25 +53,13 @@ class ReasoningParser:
         return body[: len(body) - _held(body, self.end)], None
 
 
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {}
-
-
-def register_reasoning_parser(name: str):
-    """Class decorator: register a :class:`ReasoningParser` subclass under ``name``."""
-
-    def wrap(cls: type[ReasoningParser]) -> type[ReasoningParser]:
-        REASONING_PARSERS[name] = cls
-        return cls
-
-    return wrap
+REASONING_PARSERS = Registry("reasoning_parser")  # name -> ReasoningParser subclass
+register_reasoning_parser = REASONING_PARSERS.register  # class decorator: register a subclass under a name
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
     """A new parser of the format ``name`` (ValueError naming the registered ones for anything else)."""
-    cls = REASONING_PARSERS.get(name)
-    if cls is None:
-        raise ValueError(f"reasoning_parser: unknown parser {name!r} (registered: {sorted(REASONING_PARSERS)})")
-    return cls()
+    return REASONING_PARSERS.build(name)
 
 
 @register_reasoning_parser("deepseek_r1")

@@ -14,6 +14,8 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
+from ._registry import Registry
+
 __all__ = ["TOOL_PARSERS", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "ToolCall", "ToolParser",
            "get_tool_parser", "new_call_id", "register_tool_parser"]
 
@@ -48,25 +50,13 @@ class ToolParser(abc.ABC):
         nothing is left); without calls, ``text`` itself."""
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {}
-
-
-def register_tool_parser(name: str):
-    """Class decorator: register a :class:`ToolParser` subclass under ``name``."""
-
-    def wrap(cls: type[ToolParser]) -> type[ToolParser]:
-        TOOL_PARSERS[name] = cls
-        return cls
-
-    return wrap
+TOOL_PARSERS = Registry("tool_call_parser")  # name -> ToolParser subclass
+register_tool_parser = TOOL_PARSERS.register  # class decorator: register a ToolParser subclass under a name
 
 
 def get_tool_parser(name: str) -> ToolParser:
     """A new parser of the format ``name`` (ValueError naming the registered ones for anything else)."""
-    cls = TOOL_PARSERS.get(name)
-    if cls is None:
-        raise ValueError(f"tool_call_parser: unknown parser {name!r} (registered: {sorted(TOOL_PARSERS)})")
-    return cls()
+    return TOOL_PARSERS.build(name)
 
 
 @register_tool_parser("hermes")

@@ -236,6 +236,24 @@ def adopt_and_finish(eng, taken, ids: list[str]) -> list[list[int]]:
     return [got[i] for i in ids]
 
 
+def post(server, path: str, body, *, raw: bool = False):
+    """POST ``body`` as JSON to a running server; ``(status, decoded JSON)``, or the raw bytes with ``raw``."""
+    import http.client
+
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=120)
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, (data if raw else json.loads(data))
+
+
+def sse_events(data: bytes) -> list:
+    """A server-sent stream's JSON chunks (its closing ``[DONE]`` checked and dropped)."""
+    chunks = [c[len(b"data: "):] for c in data.split(b"\n\n") if c.startswith(b"data: ")]
+    assert chunks[-1] == b"[DONE]"
+    return [json.loads(c) for c in chunks[:-1]]
+
 
 @contextlib.contextmanager
 def serving(engine, model_name: str = "tiny"):

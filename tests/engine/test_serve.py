@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from engine_helpers import post, sse_events
 
 from infercore import Engine, SamplingParams
 from infercore.serve import make_server
@@ -32,19 +33,7 @@ def served():
     server.loop.close()
 
 
-def _post(server, path, body, *, raw=False):
-    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=120)
-    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    data = resp.read()
-    conn.close()
-    return resp.status, (data if raw else json.loads(data))
-
-
-def _events(data: bytes) -> list:
-    chunks = [c[len(b"data: "):] for c in data.split(b"\n\n") if c.startswith(b"data: ")]
-    assert chunks[-1] == b"[DONE]"
-    return [json.loads(c) for c in chunks[:-1]]
+_post, _events = post, sse_events
 
 
 def test_models(served):

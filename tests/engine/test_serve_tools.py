@@ -2,13 +2,12 @@
 ``echo``, on a tiny random Llama with a byte-level tokenizer whose chat template renders tools Hermes-style; and the
 Hermes tool-call parser on strings."""
 
-import http.client
 import json
 import re
 import threading
 
 import pytest
-from engine_helpers import ours_from_hf, tiny_hf
+from engine_helpers import ours_from_hf, post, sse_events, tiny_hf
 
 from infercore import Engine, SamplingParams
 from infercore.serve import make_server
@@ -66,19 +65,7 @@ def served():
     server.loop.close()
 
 
-def _post(server, path, body, *, raw=False):
-    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=120)
-    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    data = resp.read()
-    conn.close()
-    return resp.status, (data if raw else json.loads(data))
-
-
-def _events(data: bytes) -> list:
-    chunks = [c[len(b"data: "):] for c in data.split(b"\n\n") if c.startswith(b"data: ")]
-    assert chunks[-1] == b"[DONE]"
-    return [json.loads(c) for c in chunks[:-1]]
+_post, _events = post, sse_events
 
 
 def valid(value, schema) -> bool:

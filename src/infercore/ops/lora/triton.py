@@ -221,6 +221,17 @@ def _shrink_config(T: int, R: int, K: int, device: torch.device) -> tuple[int, i
     return block_r, block_k, split
 
 
+def _split_output(T: int, R: int, K: int, bk: int, split: int, device: torch.device
+                  ) -> tuple[int, int, torch.Tensor]:
+    """``(K per split, splits, fp32 [T, R] output)`` of a shrink over ``split`` parts of K in ``bk`` blocks: every
+    split but the last covers whole blocks, recounted so none is empty; the output zeroed where several splits add
+    into it with atomics."""
+    k_per_split = triton.cdiv(triton.cdiv(K, bk), split) * bk
+    split = max(triton.cdiv(K, k_per_split), 1)
+    out = (torch.zeros if split > 1 else torch.empty)((T, R), dtype=torch.float32, device=device)
+    return k_per_split, split, out
+
+
 def _use_grouped(T: int, grouped: bool | None) -> bool:
     if grouped is not None:
         return grouped
@@ -245,11 +256,9 @@ def _grouped_shrink(x, a, indices, order, block_k=None, split_k=None) -> torch.T
     T, K = x.shape
     R = a.shape[1]
     bm, br, bk, split = _grouped_shrink_config(T, R, K, x.device)
-    bk, split = block_k or bk, split_k or split
-    k_per_split = triton.cdiv(triton.cdiv(K, bk), split) * bk
-    split = max(triton.cdiv(K, k_per_split), 1)
+    bk = block_k or bk
+    k_per_split, split, out = _split_output(T, R, K, bk, split_k or split, x.device)
     atomic = split > 1
-    out = (torch.zeros if atomic else torch.empty)((T, R), dtype=torch.float32, device=x.device)
     if T == 0:
         return out
     x, a = _inner_contiguous(x), _inner_contiguous(a)
@@ -285,12 +294,9 @@ def lora_shrink(
     if _use_grouped(T, grouped):
         return _grouped_shrink(x, a, indices, _order(indices, order), block_k, split_k)
     br, bk, split = _shrink_config(T, R, K, x.device)
-    br, bk, split = block_r or br, block_k or bk, split_k or split
-    # Every split but the last covers whole K blocks; recount so no split is empty.
-    k_per_split = triton.cdiv(triton.cdiv(K, bk), split) * bk
-    split = max(triton.cdiv(K, k_per_split), 1)
+    br, bk = block_r or br, block_k or bk
+    k_per_split, split, out = _split_output(T, R, K, bk, split_k or split, x.device)
     atomic = split > 1
-    out = (torch.zeros if atomic else torch.empty)((T, R), dtype=torch.float32, device=x.device)
     if T == 0:
         return out
     x, a = _inner_contiguous(x), _inner_contiguous(a)

@@ -3,7 +3,8 @@
 Endpoints: ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text: request and token counters,
 running / waiting requests, KV pool use, time-to-first-token and latency histograms; :class:`ServerMetrics`),
 ``POST /tokenize`` / ``POST /detokenize``, ``POST /v1/embeddings`` (``input``: a string, token ids or a list of
-either; extensions ``pooling`` "last" / "mean" and ``normalize``), ``POST /v1/completions`` and
+either; extensions ``pooling`` "last" / "mean" and ``normalize``), ``POST /classify`` (vLLM's: a
+sequence-classification checkpoint's ``label`` / ``probs`` per ``input``), ``POST /v1/completions`` and
 ``POST /v1/chat/completions``, each with
 ``"stream": true`` (server-sent events ending in ``data: [DONE]``) or a single JSON reply. Sampling fields:
 ``max_tokens`` (``max_completion_tokens`` in chat), ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
@@ -62,6 +63,8 @@ import time
 from dataclasses import dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from .engine import Engine, RequestOutput, SamplingParams
 from .engine.engine import POOLING
@@ -749,6 +752,9 @@ class _Handler(BaseHTTPRequestHandler):
         if route == "/v1/embeddings":
             self._embeddings()
             return
+        if route == "/classify":
+            self._classify()
+            return
         if route in ("/tokenize", "/detokenize"):
             self._tokens(route)
             return
@@ -926,12 +932,29 @@ class _Handler(BaseHTTPRequestHandler):
         except (ValueError, TypeError) as e:
             self._error(400, str(e))
             return
+        outs = self._pooled(ids, sp, lora, pooling)
+        if outs is None:
+            return
+        data, tokens = [], 0
+        for i, out in enumerate(outs):
+            e = out.embedding if dims is None else out.embedding[:dims]
+            if normalize:
+                e = e / e.norm().clamp_min(1e-12)
+            data.append({"object": "embedding", "index": i, "embedding": e.tolist()})
+            tokens += len(out.prompt_token_ids)
+        self._json(200, {"object": "list", "data": data, "model": body.get("model") or self.server.model_name,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    def _pooled(self, ids: list[list[int]], sp: SamplingParams, lora: str | None,
+                pooling: str) -> list[RequestOutput] | None:
+        """Run ``ids`` as pooling requests through the engine loop; their final outputs in order, or None once an
+        error has been answered (the others aborted)."""
         loop = self.server.loop
         q: queue.Queue = queue.Queue()
         index = {loop.submit(p, sp, q, lora=lora, pooling=pooling)[0]: i for i, p in enumerate(ids)}
         first = self._first_outputs(q, index)
         if first is None:
-            return
+            return None
         final = {rid: out for rid, out in first if out.finished}
         while len(final) < len(index):
             rid, out = q.get()
@@ -940,18 +963,43 @@ class _Handler(BaseHTTPRequestHandler):
                     if other not in final:
                         loop.abort(other)
                 self._error(500, str(out) if out is not None else "request aborted")
-                return
+                return None
             if out.finished:
                 final[rid] = out
-        data, tokens = [], 0
-        for rid, i in sorted(index.items(), key=lambda kv: kv[1]):
-            out = final[rid]
-            e = out.embedding if dims is None else out.embedding[:dims]
-            if normalize:
-                e = e / e.norm().clamp_min(1e-12)
-            data.append({"object": "embedding", "index": i, "embedding": e.tolist()})
-            tokens += len(out.prompt_token_ids)
-        self._json(200, {"object": "list", "data": data, "model": body.get("model") or self.server.model_name,
+        return [final[rid] for rid, _ in sorted(index.items(), key=lambda kv: kv[1])]
+
+    def _classify(self) -> None:
+        """``POST /classify`` (vLLM's): ``input`` (a string, token ids, or a list of either), ``model`` (a LoRA
+        adapter or the base), the extension ``truncate_prompt_tokens``; each prompt's ``label``, ``probs`` (softmax
+        over the labels) and ``num_classes`` from a sequence-classification checkpoint's score head
+        (:meth:`Engine.classify`'s computation: the last token's final hidden state, run in the engine's batches)."""
+        eng = self.server.loop.engine
+        model = getattr(eng, "model", None)
+        try:
+            if not callable(getattr(model, "compute_scores", None)):
+                raise BadRequest("classify: the served model has no sequence-classification head (load a "
+                                 "*ForSequenceClassification checkpoint)", "model")
+            body = self._read_json()
+            sp = SamplingParams(truncate_prompt_tokens=_number(body, "truncate_prompt_tokens", int))
+            ids = _prompt_ids(eng, body, chat=False, key="input")
+            lora = self._adapter(body.get("model"))
+        except BadRequest as e:  # NotFound too
+            self._refuse(e)
+            return
+        except (ValueError, TypeError) as e:
+            self._error(400, str(e))
+            return
+        outs = self._pooled(ids, sp, lora, "last")
+        if outs is None:
+            return
+        # the score head only reads its weight: computed here, off the engine's thread
+        probs = torch.softmax(model.compute_scores(torch.stack([o.embedding for o in outs])).cpu(), dim=-1)
+        labels = model.config.labels
+        data = [{"index": i, "label": labels[int(p.argmax())], "probs": p.tolist(), "num_classes": len(labels)}
+                for i, p in enumerate(probs)]
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        self._json(200, {"id": f"classify-{time.monotonic_ns()}", "object": "list", "created": int(time.time()),
+                         "model": body.get("model") or self.server.model_name, "data": data,
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     def _lora_admin(self, route: str) -> None:

@@ -37,7 +37,10 @@ BASE = {
         ({"rope_scaling": "linear"}, "'rope_scaling' must be an object"),
         ({"tie_word_embeddings": "false"}, "'tie_word_embeddings' must be true or false"),
         ({"eos_token_id": "x"}, "'eos_token_id' must be a token id"),
-        ({"architectures": ["LlamaForSequenceClassification"]}, "architectures=.*LlamaForSequenceClassification"),
+        ({"architectures": ["LlamaForTokenClassification"]}, "architectures=.*LlamaForTokenClassification"),
+        ({"architectures": ["Qwen3ForSequenceClassification"]}, "architectures=.*Qwen3ForSequenceClassification"),
+        ({"architectures": ["LlamaForSequenceClassification"], "id2label": {"0": "a", "2": "b"}}, "'id2label'"),
+        ({"architectures": ["LlamaForSequenceClassification"], "id2label": None, "num_labels": 0}, "'num_labels'"),
         ({"architectures": "LlamaForCausalLM"}, "architectures='LlamaForCausalLM' is not supported"),
     ],
 )

@@ -2,8 +2,8 @@
 
 from .engine import Engine, EngineConfig
 from .params import SamplingParams
-from .request import RequestMetrics, RequestOutput
+from .request import ClassificationOutput, RequestMetrics, RequestOutput
 from .scheduler import ScheduledBatch, Scheduler
 
-__all__ = ["Engine", "EngineConfig", "RequestMetrics", "RequestOutput", "SamplingParams", "ScheduledBatch",
-           "Scheduler"]
+__all__ = ["ClassificationOutput", "Engine", "EngineConfig", "RequestMetrics", "RequestOutput", "SamplingParams",
+           "ScheduledBatch", "Scheduler"]

@@ -29,7 +29,7 @@ from .graph_runner import CUDAGraphRunner, HybridCUDAGraphRunner
 from .guided import GuideSet
 from .hybrid import HybridModelRunner, build_hybrid_kv, choose_kv_layout, fits
 from .params import MAX_LOGPROBS, SamplingParams
-from .request import Request, RequestOutput, Status
+from .request import ClassificationOutput, Request, RequestOutput, Status
 from .runner import Gather, ModelRunner
 from .scheduler import POLICIES, ScheduledBatch, Scheduler
 from .speculative import propose_ngram
@@ -568,6 +568,9 @@ class Engine:
         its ``truncate_prompt_tokens``."""
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if pooling is None and self._classifier:
+            raise ValueError(f"this engine's model is a sequence classifier ({self.model.config.architecture}): it has "
+                             "no lm_head to generate with; use classify() (or embed())")
         if pooling is not None:
             if pooling not in POOLING:
                 raise ValueError(f"pooling must be one of {POOLING} or None, got {pooling!r}")
@@ -1105,13 +1108,45 @@ class Engine:
         hidden = getattr(getattr(self.model, "config", None), "hidden_size", None)
         if dimensions is not None and hidden is not None and dimensions > hidden:
             raise ValueError(f"embed: dimensions={dimensions} exceeds the model's hidden size {hidden}")
+        outs = self._pool(prompts, pooling, chat, lora, truncate_prompt_tokens)
+        embs = [o.embedding if dimensions is None else o.embedding[:dimensions] for o in outs]
+        return [torch.nn.functional.normalize(e, dim=0) for e in embs] if normalize else embs
+
+    def _pool(self, prompts, pooling: str, chat: bool, lora, truncate_prompt_tokens: int | None) -> list[RequestOutput]:
+        """Run ``prompts`` as pooling requests to completion; their final outputs (``embedding`` set) in order."""
         sp = SamplingParams(truncate_prompt_tokens=truncate_prompt_tokens)
         prompts = _prompt_list(prompts)
         loras = _per_prompt("lora", lora, len(prompts))
-        outs = self._run_all([self._new_request(p, sp, request_id=None, chat=chat, lora=la, pooling=pooling)
+        return self._run_all([self._new_request(p, sp, request_id=None, chat=chat, lora=la, pooling=pooling)
                               for p, la in zip(prompts, loras)])
-        embs = [o.embedding if dimensions is None else o.embedding[:dimensions] for o in outs]
-        return [torch.nn.functional.normalize(e, dim=0) for e in embs] if normalize else embs
+
+    @property
+    def _classifier(self) -> bool:
+        """Whether the model is a sequence classifier (a ``score`` head, no ``lm_head`` of its own)."""
+        return callable(getattr(self.model, "compute_scores", None))
+
+    def classify(self, prompts: str | list[int] | Iterable[str | list[int]], *, chat: bool = False,
+                 lora: str | list[str | None] | None = None,
+                 truncate_prompt_tokens: int | None = None) -> list[ClassificationOutput]:
+        """Classify ``prompts`` with a sequence-classification checkpoint (``LlamaForSequenceClassification``,
+        ``Qwen3ForSequenceClassification``, ...): the score head over the final-normed hidden state of each prompt's
+        last token (HF's pooling when the prompt has no pad token), as :meth:`embed` computes it (batched, chunked,
+        prefix-cache hits). One :class:`ClassificationOutput` per prompt, in order: fp32 ``logits`` and ``probs``
+        (softmax over the labels) ``[num_labels]`` on the host and the argmax's ``label`` (``id2label``).
+        ``truncate_prompt_tokens``: classify only each prompt's last that many tokens. ValueError for a model without
+        a score head."""
+        if not self._classifier:
+            arch = getattr(getattr(self.model, "config", None), "architecture", type(self.model).__name__)
+            raise ValueError(f"classify: the model ({arch}) has no sequence-classification head; load a "
+                             "*ForSequenceClassification checkpoint")
+        outs = self._pool(prompts, "last", chat, lora, truncate_prompt_tokens)
+        if not outs:
+            return []
+        logits = self.model.compute_scores(torch.stack([o.embedding for o in outs])).cpu()
+        probs = torch.softmax(logits, dim=-1)
+        labels = self.model.config.labels
+        return [ClassificationOutput(labels[int(p.argmax())], p, lg, o.prompt_token_ids)
+                for p, lg, o in zip(probs, logits, outs)]
 
     def beam_search(self, prompts: str | list[int] | Iterable[str | list[int]], *, beam_width: int = 4,
                     max_tokens: int = 16, length_penalty: float = 1.0, early_stopping: bool = False,

@@ -73,6 +73,21 @@ class RequestOutput:
     embedding: Any = None
 
 
+@dataclass
+class ClassificationOutput:
+    """One prompt's result from ``Engine.classify``: fp32 ``logits`` and ``probs`` (softmax) ``[num_labels]`` on the
+    host, ``label`` the argmax's name (the checkpoint's ``id2label``), and the token ids that were classified."""
+
+    label: str
+    probs: Any
+    logits: Any
+    prompt_token_ids: list[int]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str

@@ -18,7 +18,17 @@ from torch import nn
 from ..devices import check_device
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig
 from .gemma3 import Gemma3Config, Gemma3ForCausalLM
-from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, RMSNorm
+from .llama import (
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    MistralForCausalLM,
+    MistralForSequenceClassification,
+    Qwen2ForCausalLM,
+    Qwen2ForSequenceClassification,
+    Qwen3ForCausalLM,
+    Qwen3ForSequenceClassification,
+    RMSNorm,
+)
 from .mamba2 import BambaForCausalLM, Mamba2Config, Mamba2ForCausalLM
 from .moe_llama import MOE_FAMILIES, MoeLlamaForCausalLM, MoeModelConfig
 from .qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -32,6 +42,10 @@ __all__ = [
     "Qwen3NextConfig",
     "Qwen3NextForCausalLM",
     "LlamaForCausalLM",
+    "LlamaForSequenceClassification",
+    "MistralForSequenceClassification",
+    "Qwen2ForSequenceClassification",
+    "Qwen3ForSequenceClassification",
     "Mamba2Config",
     "Mamba2ForCausalLM",
     "MistralForCausalLM",
@@ -67,6 +81,9 @@ register_model("llama", LlamaForCausalLM, architectures=("LlamaForCausalLM",))
 register_model("mistral", MistralForCausalLM, architectures=("MistralForCausalLM",))
 register_model("qwen2", Qwen2ForCausalLM, architectures=("Qwen2ForCausalLM",))
 register_model("qwen3", Qwen3ForCausalLM, architectures=("Qwen3ForCausalLM",))
+for _cls in (LlamaForSequenceClassification, MistralForSequenceClassification, Qwen2ForSequenceClassification,
+             Qwen3ForSequenceClassification):
+    _BY_ARCHITECTURE[_cls.__name__] = _cls
 register_model("gemma3_text", Gemma3ForCausalLM, architectures=("Gemma3ForCausalLM",), config_class=Gemma3Config,
                hf_model_types=("gemma3",))
 register_model("qwen3_next", Qwen3NextForCausalLM, architectures=("Qwen3NextForCausalLM",),

@@ -48,6 +48,15 @@ _BASE_ARCHITECTURES = {
     "qwen2": "Qwen2Model",
     "qwen3": "Qwen3Model",
 }
+# Sequence classifiers (reward models, classifiers fine-tuned from a decoder): the bare decoder plus ``score.weight``
+# [num_labels, hidden] (no bias) read at the last token. They load like a bare decoder (the output head tied to the
+# embedding matrix) with the score head beside it; Engine.classify serves them and Engine.generate refuses them.
+_CLASSIFIER_ARCHITECTURES = {
+    "llama": "LlamaForSequenceClassification",
+    "mistral": "MistralForSequenceClassification",
+    "qwen2": "Qwen2ForSequenceClassification",
+    "qwen3": "Qwen3ForSequenceClassification",
+}
 
 
 @dataclass
@@ -85,6 +94,16 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
     architecture: str = "LlamaForCausalLM"
+    # A sequence classifier's labels (``id2label`` by id, ``num_labels`` of them); empty for a causal LM.
+    labels: tuple[str, ...] = ()
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
+
+    @property
+    def id2label(self) -> dict[int, str]:
+        return dict(enumerate(self.labels))
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -205,16 +224,21 @@ class ModelConfig:
             return value
 
         archs = hf.get("architectures") or [_ARCHITECTURES[model_type]]
-        bare = isinstance(archs, list) and bool(archs) and archs[0] == _BASE_ARCHITECTURES.get(model_type)
+        first = archs[0] if isinstance(archs, list) and archs else None
+        bare = first == _BASE_ARCHITECTURES.get(model_type)
+        classifier = first == _CLASSIFIER_ARCHITECTURES.get(model_type)
         if bare:
             archs = [_ARCHITECTURES[model_type]]
-        if not isinstance(archs, list) or not archs or archs[0] not in _ARCHITECTURES.values():
-            # Another head (sequence classification, a bare LlamaModel, a VLM) has other weights
+        if not isinstance(archs, list) or not archs or archs[0] not in (*_ARCHITECTURES.values(),
+                                                                        _CLASSIFIER_ARCHITECTURES[model_type]):
+            # Another head (token classification, a VLM, another family's) has other weights
             # and outputs: refuse it here rather than build a causal LM from it.
             raise ValueError(
                 f"HF config architectures={archs!r} is not supported for model_type={model_type!r}; "
-                f"expected one of {sorted(_ARCHITECTURES.values())} (or the bare {_BASE_ARCHITECTURES[model_type]})"
+                f"expected one of {sorted(_ARCHITECTURES.values())} (or the bare {_BASE_ARCHITECTURES[model_type]}, "
+                f"or {_CLASSIFIER_ARCHITECTURES[model_type]})"
             )
+        labels = _parse_labels(hf) if classifier else ()
 
         hidden = positive_int("hidden_size", require("hidden_size"))
         num_heads = positive_int("num_attention_heads", require("num_attention_heads"))
@@ -261,7 +285,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             partial_rotary_factor=partial,
             max_position_embeddings=get("max_position_embeddings"),
-            tie_word_embeddings=True if bare else flag("tie_word_embeddings"),
+            tie_word_embeddings=True if bare or classifier else flag("tie_word_embeddings"),
             # Qwen2 hard-codes q/k/v bias (and no o_proj bias) in its modeling code.
             attention_bias=True if model_type == "qwen2" else flag("attention_bias"),
             o_bias=False if model_type in ("qwen2", "mistral") else flag("attention_bias"),
@@ -274,7 +298,28 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             model_type=model_type,
             architecture=archs[0],
+            labels=labels,
         )
+
+
+def _parse_labels(hf: Mapping[str, Any]) -> tuple[str, ...]:
+    """A classifier's label names by id from ``id2label`` (JSON keys are strings), else ``num_labels`` of HF's
+    default ``LABEL_i`` names (HF's default num_labels is 2)."""
+    id2label = hf.get("id2label")
+    if id2label:
+        if not isinstance(id2label, Mapping):
+            raise ValueError(f"HF config key 'id2label' must be an object, got {id2label!r}")
+        try:
+            by_id = {int(k): str(v) for k, v in id2label.items()}
+        except (TypeError, ValueError):
+            raise ValueError(f"HF config key 'id2label' must map label ids to names, got {id2label!r}") from None
+        if sorted(by_id) != list(range(len(by_id))):
+            raise ValueError(f"HF config key 'id2label' must name ids 0 .. n-1, got ids {sorted(by_id)}")
+        return tuple(by_id[i] for i in range(len(by_id)))
+    n = hf.get("num_labels", 2)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"HF config key 'num_labels' must be a positive int, got {n!r}")
+    return tuple(f"LABEL_{i}" for i in range(n))
 
 
 def _parse_rope(hf: Mapping[str, Any], max_positions: int) -> tuple[float, dict[str, Any] | None, float]:

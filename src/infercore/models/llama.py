@@ -614,7 +614,43 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     pass
 
 
+class LlamaForSequenceClassification(LlamaForCausalLM):
+    """A decoder with HF's sequence-classification head: ``score`` ``[num_labels, hidden]`` (no bias) applied to the
+    final-normed hidden state of the last token (:meth:`compute_scores`). The checkpoint has no ``lm_head``; the
+    inherited one is tied to the embedding matrix so the module stays a causal LM in shape, and the engine refuses to
+    generate from it."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None) -> None:
+        if config.num_labels < 1 or not config.tie_word_embeddings:
+            raise ValueError(f"{type(self).__name__}: the config needs labels and a tied lm_head (got "
+                             f"num_labels={config.num_labels}, tie_word_embeddings={config.tie_word_embeddings})")
+        super().__init__(config, dtype=dtype)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False, dtype=dtype)
+
+    def compute_scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, H]`` (final-normed, any float dtype) -> fp32 label logits ``[N, num_labels]``, computed in
+        fp32 from the score weight."""
+        w = self.score.weight
+        return hidden.to(w.device, torch.float32) @ w.float().t()
+
+
+class MistralForSequenceClassification(LlamaForSequenceClassification):
+    pass
+
+
+class Qwen2ForSequenceClassification(LlamaForSequenceClassification):
+    pass
+
+
+class Qwen3ForSequenceClassification(LlamaForSequenceClassification):
+    pass
+
+
 __all__ = [
+    "LlamaForSequenceClassification",
+    "MistralForSequenceClassification",
+    "Qwen2ForSequenceClassification",
+    "Qwen3ForSequenceClassification",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",

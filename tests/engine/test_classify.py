@@ -78,6 +78,20 @@ def test_classify_matches_transformers(kind, tmp_path):
     torch.testing.assert_close(one[0].probs, _hf_probs(hf, prompts[3][-5:]), atol=1e-5, rtol=1e-4)
 
 
+def test_quantized_classifier_keeps_its_head(tmp_path):
+    """quantize()'s default skip leaves the score head (like lm_head) in full precision; the quantized decoder's
+    probabilities stay close to transformers'."""
+    from infercore.quant import QuantLinear
+
+    hf = _save_classifier("llama", tmp_path)
+    eng = Engine.from_pretrained(str(tmp_path), device="cpu", dtype=torch.float32, quantization="w8a16",
+                                 page_size=4, num_pages=64)
+    assert not isinstance(eng.model.score, QuantLinear)  # full precision (packed for the CPU)
+    assert any(isinstance(m, QuantLinear) for m in eng.model.modules())
+    for p, o in zip(_prompts(), eng.classify(_prompts())):
+        torch.testing.assert_close(o.probs, _hf_probs(hf, p), atol=3e-2, rtol=0)
+
+
 def test_refusals(tmp_path):
     _save_classifier("llama", tmp_path)
     eng = Engine.from_pretrained(str(tmp_path), device="cpu", dtype=torch.float32, page_size=4, num_pages=64)

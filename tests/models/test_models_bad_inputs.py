@@ -151,7 +151,7 @@ def test_cli_serve_starts_the_server_on_the_loaded_engine(capsys, monkeypatch):
     monkeypatch.setattr(serve, "make_server", fake_make_server)
     assert cli.main(["serve", "--port", "0", "--served-model-name", "m", "--host", "0.0.0.0"]) == 0
     assert seen == {"host": "0.0.0.0", "port": 0, "model_name": "m", "verbose": False, "served": True,
-                    "closed": True, "loop closed": True}
+                    "closed": True, "loop closed": True, "tool_call_parser": "hermes", "reasoning_parser": None}
     assert "serving m on http://127.0.0.1:1234/v1" in capsys.readouterr().err
 
 

@@ -294,7 +294,7 @@ def _eligible(name: str, mod: nn.Module, s: QuantScheme, skip: Iterable[str]) ->
 def quantize(
     model: nn.Module, scheme: str | QuantScheme, *,
     calibration: CalibrationStats | Callable[[nn.Module], object] | None = None,
-    skip: Iterable[str] = ("lm_head",), method: str | None = None,
+    skip: Iterable[str] = ("lm_head", "score"), method: str | None = None,
 ) -> nn.Module:
     """Replace every eligible ``nn.Linear`` of ``model`` by a :class:`QuantLinear`, in place.
 

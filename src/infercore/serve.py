@@ -976,10 +976,10 @@ class _Handler(BaseHTTPRequestHandler):
         eng = self.server.loop.engine
         model = getattr(eng, "model", None)
         try:
+            body = self._read_json()  # read first: the connection stays usable whatever the answer
             if not callable(getattr(model, "compute_scores", None)):
                 raise BadRequest("classify: the served model has no sequence-classification head (load a "
                                  "*ForSequenceClassification checkpoint)", "model")
-            body = self._read_json()
             sp = SamplingParams(truncate_prompt_tokens=_number(body, "truncate_prompt_tokens", int))
             ids = _prompt_ids(eng, body, chat=False, key="input")
             lora = self._adapter(body.get("model"))

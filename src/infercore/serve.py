@@ -27,8 +27,10 @@ a named function constrains the output to its ``parameters`` schema (guided deco
 default with tools) generates freely and reads the calls out of the text with the server's tool-call parser
 (:mod:`infercore.tool_parsers`, "hermes" unless ``make_server(tool_call_parser=...)`` says otherwise; the text
 outside them stays ``content``; "tool_calls" when any was read); "none" (the default without tools) leaves the text
-alone. Streamed, the calls come whole in the choice's last chunk (``delta.tool_calls`` with ``index``); the text
-before the first call of an "auto" reply streams as it comes, a named or required reply is held back to the end.
+alone. Streamed, a named call's arguments come as they are generated (its first chunk carries the call's ``id`` and
+``name``, later ones ``function.arguments`` pieces, all ``index`` 0, vLLM's way); the calls of a required or "auto"
+reply come whole in the choice's last chunk (``delta.tool_calls`` with ``index``), the text before the first call
+of an "auto" reply streaming as it comes.
 
 Beam search: ``use_beam_search: true`` (vLLM's extension; not with ``stream``, guided decoding, ``stop`` or
 logprobs) returns each prompt's best ``n`` of ``beam_width`` (default ``n``) hypotheses by
@@ -70,7 +72,7 @@ from .engine import Engine, RequestOutput, SamplingParams
 from .engine.engine import POOLING
 from .engine.fsm import json_schema_regex
 from .reasoning_parsers import ReasoningParser, get_reasoning_parser
-from .tool_parsers import ToolCall, ToolParser, get_tool_parser
+from .tool_parsers import ToolCall, ToolParser, get_tool_parser, new_call_id
 
 if TYPE_CHECKING:
     from .parallel import AdaptiveEngine, MirroredEngine
@@ -1085,9 +1087,9 @@ class _Handler(BaseHTTPRequestHandler):
                          "usage": _usage(prompt_tokens, completion_tokens)})
 
     def _stream(self, index: dict[str, int], q: queue.Queue, first: list, reply: _Reply) -> None:
-        """Server-sent chunks, one per step that advanced a choice. A chat choice under a tool plan holds its text
-        back as :func:`chat_message` needs it (an auto reply streams its content up to the first call) and sends
-        the rest, the calls and its finish reason in its last chunk."""
+        """Server-sent chunks, one per step that advanced a choice. A named tool call streams its arguments; another
+        chat choice under a tool plan holds its text back as :func:`chat_message` needs it (an auto reply streams
+        its content up to the first call) and sends the rest, the calls and its finish reason in its last chunk."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -1174,6 +1176,17 @@ class _Handler(BaseHTTPRequestHandler):
         texts[rid] += out.new_text
         text = texts[rid]
         delta: dict[str, Any] = {}
+        if reply.plan.choice == "named":  # the output is the arguments: streamed as they come, vLLM's way
+            fn: dict[str, Any] = {"arguments": out.new_text}
+            call: dict[str, Any] = {"index": 0, "function": fn}
+            if sent[rid] == 0:  # the call's first chunk names it
+                sent[rid] = 1
+                call.update(id=new_call_id(), type="function")
+                fn["name"] = reply.plan.name
+            elif not out.new_text:
+                return delta, out.finish_reason if out.finished else None
+            delta["tool_calls"] = [call]
+            return delta, out.finish_reason if out.finished else None
         if start is not None:
             end = _streamable(text, sent[rid], start)
             if end > sent[rid]:

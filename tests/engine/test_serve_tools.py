@@ -194,15 +194,18 @@ def test_named_tool_choice_is_guided_by_its_schema(served):
         assert call["type"] == "function" and call["id"].startswith("call_") and call["function"]["name"] == fn
         args = json.loads(call["function"]["arguments"])
         assert valid(args, schema), args
-        # streamed: the same call, whole, in the last chunk
+        # streamed: the call named in its first chunk, its arguments in pieces as they are generated
         status, data = _post(served, "/v1/chat/completions", {**req, "stream": True}, raw=True)
-        events = _events(data)
-        last = events[-1]["choices"][0]
-        assert status == 200 and last["finish_reason"] == "stop"
-        assert all("tool_calls" not in e["choices"][0]["delta"] for e in events[:-1])
-        [streamed] = last["delta"]["tool_calls"]
-        assert streamed["index"] == 0 and streamed["type"] == "function" and streamed["id"].startswith("call_")
-        assert streamed["function"] == call["function"]  # same seed, same arguments
+        events = [e for e in _events(data) if e["choices"]]
+        assert status == 200 and events[-1]["choices"][0]["finish_reason"] == "stop"
+        pieces = [e["choices"][0]["delta"]["tool_calls"] for e in events if "tool_calls" in e["choices"][0]["delta"]]
+        assert len(pieces) > 2 and all(len(p) == 1 and p[0]["index"] == 0 for p in pieces)
+        head = pieces[0][0]
+        assert head["type"] == "function" and head["id"].startswith("call_") and head["function"]["name"] == fn
+        assert all("id" not in p[0] and "name" not in p[0]["function"] for p in pieces[1:])
+        # same seed, same arguments
+        assert "".join(p[0]["function"]["arguments"] for p in pieces) == call["function"]["arguments"]
+        assert not any(e["choices"][0]["delta"].get("content") for e in events)
 
 
 def test_required_tool_choice_gives_calls_valid_for_their_tools(served):

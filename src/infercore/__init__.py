@@ -4,8 +4,9 @@ Layers (imports point left): devices <- ops <- kv, quant <- models <- engine <- 
 """
 
 from . import devices, ops
-from .engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from .engine import ClassificationOutput, Engine, EngineConfig, RequestOutput, SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "EngineConfig", "RequestOutput", "SamplingParams", "devices", "ops", "__version__"]
+__all__ = ["ClassificationOutput", "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "devices", "ops",
+           "__version__"]

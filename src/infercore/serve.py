@@ -27,10 +27,10 @@ a named function constrains the output to its ``parameters`` schema (guided deco
 default with tools) generates freely and reads the calls out of the text with the server's tool-call parser
 (:mod:`infercore.tool_parsers`, "hermes" unless ``make_server(tool_call_parser=...)`` says otherwise; the text
 outside them stays ``content``; "tool_calls" when any was read); "none" (the default without tools) leaves the text
-alone. Streamed, a named call's arguments come as they are generated (its first chunk carries the call's ``id`` and
-``name``, later ones ``function.arguments`` pieces, all ``index`` 0, vLLM's way); the calls of a required or "auto"
-reply come whole in the choice's last chunk (``delta.tool_calls`` with ``index``), the text before the first call
-of an "auto" reply streaming as it comes.
+alone. Streamed, named and "required" calls come as they are generated, vLLM's way: a call's first piece carries
+its ``index``, ``id``, ``type`` and ``name``, later ones ``function.arguments`` pieces (a required reply's calls in
+order, each once its name is out: :func:`required_calls_so_far`); an "auto" reply's calls come whole in the
+choice's last chunk (``delta.tool_calls`` with ``index``), the text before its first call streaming as it comes.
 
 Beam search: ``use_beam_search: true`` (vLLM's extension; not with ``stream``, guided decoding, ``stop`` or
 logprobs) returns each prompt's best ``n`` of ``beam_width`` (default ``n``) hypotheses by
@@ -573,6 +573,50 @@ def chat_message(plan: ToolPlan, parser: ToolParser | None, text: str, reason: s
     return message, reason
 
 
+def required_calls_so_far(text: str) -> list[tuple[str | None, str]]:
+    """The calls of a "required" reply's JSON array ``[{"name": ..., "parameters": {...}}, ...]`` as far as ``text``
+    has written it: per item, its name once the string has closed (else None) and its ``parameters`` object's
+    text so far (from its ``{``; "" before it starts). Later texts extend each item's parameters text, so a stream
+    can send the difference."""
+    items: list[list] = []  # [name, start of parameters, end of parameters]
+    depth, in_str, esc, str_start, key, value = 0, False, False, 0, None, False
+    for i, ch in enumerate(text):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+                if depth == 2 and items:
+                    word = json.loads(text[str_start:i + 1])
+                    if value:
+                        if key == "name":
+                            items[-1][0] = word
+                        value = False
+                    else:
+                        key = word
+            continue
+        if ch == '"':
+            in_str, str_start = True, i
+        elif ch in "[{":
+            depth += 1
+            if depth == 2 and ch == "{":
+                items.append([None, None, None])
+                key, value = None, False
+            elif depth == 3 and value and key == "parameters" and ch == "{" and items:
+                items[-1][1], value = i, False
+        elif ch in "]}":
+            if depth == 3 and items and items[-1][1] is not None and items[-1][2] is None:
+                items[-1][2] = i + 1
+            depth -= 1
+        elif depth == 2 and ch == ":":
+            value = True
+        elif depth == 2 and ch == ",":
+            key, value = None, False
+    return [(name, "" if lo is None else text[lo:hi if hi is not None else len(text)]) for name, lo, hi in items]
+
+
 def _streamable(text: str, sent: int, start: str) -> int:
     """How far into ``text`` (of which ``sent`` characters are out) an auto reply's content may stream: up to a
     call's opening ``start`` or a tail that may begin one, trailing whitespace held back too (it goes with a call)."""
@@ -1087,8 +1131,8 @@ class _Handler(BaseHTTPRequestHandler):
                          "usage": _usage(prompt_tokens, completion_tokens)})
 
     def _stream(self, index: dict[str, int], q: queue.Queue, first: list, reply: _Reply) -> None:
-        """Server-sent chunks, one per step that advanced a choice. A named tool call streams its arguments; another
-        chat choice under a tool plan holds its text back as :func:`chat_message` needs it (an auto reply streams
+        """Server-sent chunks, one per step that advanced a choice. Named and required tool calls stream their
+        arguments; an auto chat choice holds its text back as :func:`chat_message` needs it (an auto reply streams
         its content up to the first call) and sends the rest, the calls and its finish reason in its last chunk."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -1110,6 +1154,7 @@ class _Handler(BaseHTTPRequestHandler):
         pending, done = list(first), set()
         texts: dict[str, str] = dict.fromkeys(index, "")
         sent: dict[str, int] = dict.fromkeys(index, 0)
+        calls_sent: dict[str, list[int]] = {}  # a "required" reply's calls sent: each one's argument characters
         thought: dict[str, int] = dict.fromkeys(index, 0)  # reasoning characters sent
         usage = [0, 0]
         try:
@@ -1134,7 +1179,7 @@ class _Handler(BaseHTTPRequestHandler):
                 reason = out.finish_reason if out.finished else None
                 lp = _logprobs(eng, out, begin, chat=chat)
                 if tools:
-                    delta, reason = self._tool_delta(reply, rid, out, texts, sent, start)
+                    delta, reason = self._tool_delta(reply, rid, out, texts, sent, calls_sent, start)
                     choice = {"index": index[rid], "delta": delta, "logprobs": lp, "finish_reason": reason}
                     if not delta and lp is None and reason is None:  # held back: nothing to say yet
                         continue
@@ -1168,7 +1213,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if rid not in done:
                     self.server.loop.abort(rid)
 
-    def _tool_delta(self, reply: _Reply, rid: str, out: RequestOutput, texts: dict, sent: dict,
+    def _tool_delta(self, reply: _Reply, rid: str, out: RequestOutput, texts: dict, sent: dict, calls_sent: dict,
                     start: str | None) -> tuple[dict, str | None]:
         """A tool-planned chat choice's delta after ``out`` and its finish reason: the content that may go now
         (``texts[rid]`` so far, ``sent[rid]`` characters of it out), and once finished the rest: the remaining
@@ -1187,6 +1232,24 @@ class _Handler(BaseHTTPRequestHandler):
                 return delta, out.finish_reason if out.finished else None
             delta["tool_calls"] = [call]
             return delta, out.finish_reason if out.finished else None
+        if reply.plan.choice == "required":  # each call once its name is out, then its arguments as they come
+            done = calls_sent.setdefault(rid, [])
+            pieces = []
+            for k, (name, args) in enumerate(required_calls_so_far(text)):
+                if name is None:
+                    break  # calls stream in order
+                if k == len(done):
+                    pieces.append({"index": k, "id": new_call_id(), "type": "function",
+                                   "function": {"name": name, "arguments": args}})
+                    done.append(len(args))
+                elif len(args) > done[k]:
+                    pieces.append({"index": k, "function": {"arguments": args[done[k]:]}})
+                    done[k] = len(args)
+            if pieces:
+                delta["tool_calls"] = pieces
+            if not out.finished:
+                return delta, None
+            return delta, chat_message(reply.plan, None, text, out.finish_reason)[1]
         if start is not None:
             end = _streamable(text, sent[rid], start)
             if end > sent[rid]:

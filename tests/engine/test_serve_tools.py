@@ -225,7 +225,46 @@ def test_required_tool_choice_gives_calls_valid_for_their_tools(served):
             assert name in ("get_weather", "get_time") and call["id"].startswith("call_")
             assert valid(json.loads(call["function"]["arguments"]), WEATHER if name == "get_weather" else CLOCK)
             seen.add(name)
+        # streamed (same seed): each call named in its first piece, its arguments in pieces after it
+        status, data = _post(served, "/v1/chat/completions", {
+            "messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200, "temperature": 1.0,
+            "seed": seed, "logit_bias": {close: 30}, "stream": True}, raw=True)
+        events = [e["choices"][0] for e in _events(data) if e["choices"]]
+        assert status == 200 and events[-1]["finish_reason"] == "tool_calls"
+        pieces = [p for e in events for p in e["delta"].get("tool_calls", [])]
+        streamed: dict[int, dict] = {}
+        for p in pieces:
+            if p["index"] not in streamed:  # a call's first piece: id, type and name
+                assert p["id"].startswith("call_") and p["type"] == "function" and p["index"] == len(streamed)
+                streamed[p["index"]] = {"name": p["function"]["name"], "arguments": ""}
+            else:
+                assert "id" not in p and "name" not in p["function"]
+            streamed[p["index"]]["arguments"] += p["function"]["arguments"]
+        assert len(pieces) > len(calls)  # the arguments came in pieces
+        assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
     assert seen  # (which tool the random model picks is its own business)
+
+
+def test_required_calls_so_far_extend_at_every_prefix():
+    from infercore.serve import required_calls_so_far
+
+    text = ('[ {"name": "get_weather", "parameters": {"city": "Pa\\"ris{", "nested": {"a": [1, {"b": "}"}]}}}, '
+            '{"parameters": {"zone": "Utc"}, "name": "get_time"} ]')
+    final = required_calls_so_far(text)
+    assert final == [("get_weather", '{"city": "Pa\\"ris{", "nested": {"a": [1, {"b": "}"}]}}'),
+                     ("get_time", '{"zone": "Utc"}')]
+    assert [json.loads(a) for _, a in final] == [{"city": 'Pa"ris{', "nested": {"a": [1, {"b": "}"}]}},
+                                                 {"zone": "Utc"}]
+    prev = []
+    for k in range(len(text) + 1):
+        now = required_calls_so_far(text[:k])
+        assert len(now) >= len(prev)
+        for (n0, a0), (n1, a1) in zip(prev, now):
+            assert (n0 is None or n0 == n1) and a1.startswith(a0)
+        for (n, a), (fn, fa) in zip(now, final):
+            assert n in (None, fn) and fa.startswith(a)
+        prev = now
 
 
 FORCED = 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'

@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .engine import Engine, RequestOutput, SamplingParams
-from .engine.engine import POOLING
+from .engine.engine import POOLING, pair_scores, score_prompts
 from .engine.fsm import json_schema_regex
 from .reasoning_parsers import ReasoningParser, get_reasoning_parser
 from .tool_parsers import ToolCall, ToolParser, get_tool_parser, new_call_id
@@ -801,6 +801,9 @@ class _Handler(BaseHTTPRequestHandler):
         if route == "/classify":
             self._classify()
             return
+        if route in ("/score", "/v1/score", "/rerank", "/v1/rerank"):
+            self._score(route.endswith("rerank"))
+            return
         if route in ("/tokenize", "/detokenize"):
             self._tokens(route)
             return
@@ -1047,6 +1050,58 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, {"id": f"classify-{time.monotonic_ns()}", "object": "list", "created": int(time.time()),
                          "model": body.get("model") or self.server.model_name, "data": data,
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    def _score(self, rerank: bool) -> None:
+        """``POST /score`` (vLLM's: ``text_1`` one text or a list, ``text_2`` one or a list; pairwise or the one
+        against each) -> ``data`` of ``{"index", "object": "score", "score"}``; ``POST /rerank`` (Jina / Cohere's:
+        ``query``, ``documents``, optional ``top_n``) -> ``results`` of ``{"index", "document": {"text"},
+        "relevance_score"}``, best first. Scores as :meth:`Engine.score`: a one-label classifier's sigmoid over the
+        joined pair, or the cosine of an embedding model's last-token embeddings."""
+        eng = self.server.loop.engine
+        try:
+            body = self._read_json()
+            if rerank:
+                first, second, top_n = body.get("query"), body.get("documents"), _number(body, "top_n", int)
+                if not isinstance(first, (str, list)) or not first:
+                    raise BadRequest("query must be a non-empty string or token ids", "query")
+                if not isinstance(second, list) or not second:
+                    raise BadRequest("documents must be a non-empty list of strings or token ids", "documents")
+                if isinstance(first, list) and not all(isinstance(t, int) for t in first):
+                    raise BadRequest("query must be one text (a string or token ids)", "query")
+                if top_n is not None and top_n < 1:
+                    raise BadRequest("top_n must be >= 1", "top_n")
+            else:
+                first, second = body.get("text_1"), body.get("text_2")
+                for name, v in (("text_1", first), ("text_2", second)):
+                    if not isinstance(v, (str, list)) or not v:
+                        raise BadRequest(f"{name} must be a non-empty string, token ids, or a list of either", name)
+            try:
+                prompts, n = score_prompts(eng, first, second)
+            except (ValueError, TypeError) as e:
+                raise BadRequest(str(e), "documents" if rerank else "text_2") from None
+            sp = SamplingParams(truncate_prompt_tokens=_number(body, "truncate_prompt_tokens", int))
+            lora = self._adapter(body.get("model"))
+        except BadRequest as e:  # NotFound too
+            self._refuse(e)
+            return
+        except (ValueError, TypeError) as e:
+            self._error(400, str(e))
+            return
+        outs = self._pooled(prompts, sp, lora, "last")
+        if outs is None:
+            return
+        scores = pair_scores(eng.model, outs, n)  # reads the score head's weight only: off the engine's thread
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        head = {"id": f"{'rerank' if rerank else 'score'}-{time.monotonic_ns()}", "model": body.get("model") or
+                self.server.model_name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        if not rerank:
+            self._json(200, {**head, "object": "list", "created": int(time.time()),
+                             "data": [{"index": i, "object": "score", "score": v} for i, v in enumerate(scores)]})
+            return
+        order = sorted(range(n), key=lambda i: -scores[i])[:top_n]
+        self._json(200, {**head, "results": [
+            {"index": i, "document": {"text": second[i] if isinstance(second[i], str) else None},
+             "relevance_score": scores[i]} for i in order]})
 
     def _lora_admin(self, route: str) -> None:
         """``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``, run on the engine's thread."""

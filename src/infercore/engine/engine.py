@@ -1148,6 +1148,16 @@ class Engine:
         return [ClassificationOutput(labels[int(p.argmax())], p, lg, o.prompt_token_ids)
                 for p, lg, o in zip(probs, logits, outs)]
 
+    def score(self, text_1: str | list[int] | list[str | list[int]], text_2: str | list[int] | list[str | list[int]],
+              *, lora: str | None = None, truncate_prompt_tokens: int | None = None) -> list[float]:
+        """Relevance scores of text pairs (vLLM's score task): ``text_1`` one query (paired with every ``text_2``) or
+        as many as ``text_2``, pairwise; texts or token ids. A sequence classifier with one label (a cross-encoder)
+        scores each pair as one prompt, ``text_1``'s tokens then ``text_2``'s (its special tokens not repeated),
+        through the sigmoid of its logit; any other model (an embedding model) scores the cosine similarity of the
+        two texts' last-token embeddings. ValueError for a classifier of more labels, or lists that do not pair."""
+        prompts, n = score_prompts(self, text_1, text_2)
+        return pair_scores(self.model, self._pool(prompts, "last", False, lora, truncate_prompt_tokens), n)
+
     def beam_search(self, prompts: str | list[int] | Iterable[str | list[int]], *, beam_width: int = 4,
                     max_tokens: int = 16, length_penalty: float = 1.0, early_stopping: bool = False,
                     ignore_eos: bool = False, chat: bool = False, lora: str | list[str | None] | None = None
@@ -1186,6 +1196,50 @@ class Engine:
 
 # Engine.embed's pooling modes
 POOLING = ("last", "mean")
+
+
+def score_prompts(engine, text_1, text_2) -> tuple[list, int]:
+    """The prompts that score ``n`` pairs (:meth:`Engine.score`): for a one-label classifier the ``n`` joined pairs,
+    else the distinct texts to embed (the one query, then the ``n`` others; or the ``n`` firsts, then the ``n``
+    seconds). ``engine``: an Engine, or a stand-in with ``model`` and ``tokenizer``."""
+    one = _one_prompt(text_1)
+    firsts, seconds = _prompt_list(text_1), _prompt_list(text_2)
+    if not one and len(firsts) != len(seconds):
+        raise ValueError(f"score: text_1 has {len(firsts)} entries for {len(seconds)} in text_2 (give one text_1, or "
+                         "as many as text_2)")
+    n = len(seconds)
+    if not callable(getattr(engine.model, "compute_scores", None)):
+        return (firsts if not one else firsts[:1]) + seconds, n
+    labels = engine.model.config.labels
+    if len(labels) != 1:
+        raise ValueError(f"score: a classifier scores pairs with one label (a cross-encoder); this one has "
+                         f"{len(labels)}: use classify")
+    tok = engine.tokenizer
+
+    def ids(p, first: bool) -> list[int]:
+        if isinstance(p, str):
+            if tok is None:
+                raise ValueError("score: text given but the engine has no tokenizer; pass token ids")
+            return tok.encode(p) if first else tok.encode(p, add_special_tokens=False)
+        if isinstance(p, (list, tuple)) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return list(p)
+        raise TypeError(f"score: each text must be a string or a non-empty list of token ids, got {p!r:.60}")
+
+    return [ids(a, True) + ids(b, False) for a, b in zip(firsts * n if one else firsts, seconds)], n
+
+
+def pair_scores(model, outs: list, n: int) -> list[float]:
+    """The ``n`` pair scores from the pooled outputs of :func:`score_prompts`' prompts (``model``'s one-label head
+    through a sigmoid, or the cosine of normalized embeddings: the first ``len(outs) - n`` outputs pair with the
+    last ``n``, one query with each or pairwise)."""
+    if n == 0:
+        return []
+    if callable(getattr(model, "compute_scores", None)):
+        logits = model.compute_scores(torch.stack([o.embedding for o in outs]))[:, 0]
+        return torch.sigmoid(logits).cpu().tolist()
+    embs = torch.nn.functional.normalize(torch.stack([o.embedding.float() for o in outs]), dim=-1)
+    a, b = embs[: len(outs) - n], embs[len(outs) - n :]
+    return (a.expand(n, -1) * b).sum(-1).tolist() if len(a) == 1 else (a * b).sum(-1).tolist()
 
 
 def _prompt_list(prompts) -> list:

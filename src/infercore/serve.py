@@ -953,13 +953,39 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._json(200, out)
 
+    def _pooling_route(self, parse) -> tuple[dict, list[RequestOutput], Any] | None:
+        """The steps every pooling route shares: read the body, ``parse(body) -> (prompts, pooling, extra)`` (raising
+        BadRequest / ValueError / TypeError for a bad field: answered 400, or 404 for an unknown model), then run the
+        prompts (``truncate_prompt_tokens`` and the ``model``'s adapter from the body) as pooling requests. Returns
+        ``(body, outputs in order, extra)``, or None once an answer has gone out."""
+        try:
+            body = self._read_json()  # read first: the connection stays usable whatever the answer
+            prompts, pooling, extra = parse(body)
+            sp = SamplingParams(truncate_prompt_tokens=_number(body, "truncate_prompt_tokens", int))
+            lora = self._adapter(body.get("model"))
+        except BadRequest as e:  # NotFound too
+            self._refuse(e)
+            return None
+        except (ValueError, TypeError) as e:
+            self._error(400, str(e))
+            return None
+        outs = self._pooled(prompts, sp, lora, pooling)
+        return None if outs is None else (body, outs, extra)
+
+    def _pooled_reply(self, body: dict, outs: list[RequestOutput], reply: dict) -> None:
+        """Answer a pooling route: ``reply`` with the request's ``model`` and the prompts' ``usage``."""
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        self._json(200, {**reply, "model": body.get("model") or self.server.model_name,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
     def _embeddings(self) -> None:
         """``POST /v1/embeddings``: ``input`` (a string, token ids, or a list of either), ``model`` (a LoRA adapter
         or the base), ``encoding_format`` "float", ``dimensions`` (the first that many components, then normalized),
         and the extensions ``pooling`` ("last", the default, or "mean"), ``normalize`` (default true) and
         ``truncate_prompt_tokens``."""
-        try:
-            body = self._read_json()
+        eng = self.server.loop.engine
+
+        def parse(body: dict):
             if body.get("encoding_format", "float") != "float":
                 raise BadRequest("encoding_format: only 'float' is served", "encoding_format")
             pooling = body.get("pooling", "last")
@@ -969,30 +995,22 @@ class _Handler(BaseHTTPRequestHandler):
             if not isinstance(normalize, bool):
                 raise BadRequest("normalize must be a boolean", "normalize")
             dims = _number(body, "dimensions", int)
-            hidden = getattr(getattr(self.server.loop.engine.model, "config", None), "hidden_size", None)
+            hidden = getattr(getattr(eng.model, "config", None), "hidden_size", None)
             if dims is not None and not 1 <= dims <= (hidden or dims):
                 raise BadRequest(f"dimensions must be in [1, {hidden}]", "dimensions")
-            sp = SamplingParams(truncate_prompt_tokens=_number(body, "truncate_prompt_tokens", int))
-            ids = _prompt_ids(self.server.loop.engine, body, chat=False, key="input")
-            lora = self._adapter(body.get("model"))
-        except BadRequest as e:  # NotFound too
-            self._refuse(e)
+            return _prompt_ids(eng, body, chat=False, key="input"), pooling, (normalize, dims)
+
+        done = self._pooling_route(parse)
+        if done is None:
             return
-        except (ValueError, TypeError) as e:
-            self._error(400, str(e))
-            return
-        outs = self._pooled(ids, sp, lora, pooling)
-        if outs is None:
-            return
-        data, tokens = [], 0
+        body, outs, (normalize, dims) = done
+        data = []
         for i, out in enumerate(outs):
             e = out.embedding if dims is None else out.embedding[:dims]
             if normalize:
                 e = e / e.norm().clamp_min(1e-12)
             data.append({"object": "embedding", "index": i, "embedding": e.tolist()})
-            tokens += len(out.prompt_token_ids)
-        self._json(200, {"object": "list", "data": data, "model": body.get("model") or self.server.model_name,
-                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        self._pooled_reply(body, outs, {"object": "list", "data": data})
 
     def _pooled(self, ids: list[list[int]], sp: SamplingParams, lora: str | None,
                 pooling: str) -> list[RequestOutput] | None:
@@ -1024,32 +1042,24 @@ class _Handler(BaseHTTPRequestHandler):
         (:meth:`Engine.classify`'s computation: the last token's final hidden state, run in the engine's batches)."""
         eng = self.server.loop.engine
         model = getattr(eng, "model", None)
-        try:
-            body = self._read_json()  # read first: the connection stays usable whatever the answer
+
+        def parse(body: dict):
             if not callable(getattr(model, "compute_scores", None)):
                 raise BadRequest("classify: the served model has no sequence-classification head (load a "
                                  "*ForSequenceClassification checkpoint)", "model")
-            sp = SamplingParams(truncate_prompt_tokens=_number(body, "truncate_prompt_tokens", int))
-            ids = _prompt_ids(eng, body, chat=False, key="input")
-            lora = self._adapter(body.get("model"))
-        except BadRequest as e:  # NotFound too
-            self._refuse(e)
+            return _prompt_ids(eng, body, chat=False, key="input"), "last", None
+
+        done = self._pooling_route(parse)
+        if done is None:
             return
-        except (ValueError, TypeError) as e:
-            self._error(400, str(e))
-            return
-        outs = self._pooled(ids, sp, lora, "last")
-        if outs is None:
-            return
+        body, outs, _ = done
         # the score head only reads its weight: computed here, off the engine's thread
         probs = torch.softmax(model.compute_scores(torch.stack([o.embedding for o in outs])).cpu(), dim=-1)
         labels = model.config.labels
         data = [{"index": i, "label": labels[int(p.argmax())], "probs": p.tolist(), "num_classes": len(labels)}
                 for i, p in enumerate(probs)]
-        tokens = sum(len(o.prompt_token_ids) for o in outs)
-        self._json(200, {"id": f"classify-{time.monotonic_ns()}", "object": "list", "created": int(time.time()),
-                         "model": body.get("model") or self.server.model_name, "data": data,
-                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        self._pooled_reply(body, outs, {"id": f"classify-{time.monotonic_ns()}", "object": "list",
+                                        "created": int(time.time()), "data": data})
 
     def _score(self, rerank: bool) -> None:
         """``POST /score`` (vLLM's: ``text_1`` one text or a list, ``text_2`` one or a list; pairwise or the one
@@ -1058,8 +1068,9 @@ class _Handler(BaseHTTPRequestHandler):
         "relevance_score"}``, best first. Scores as :meth:`Engine.score`: a one-label classifier's sigmoid over the
         joined pair, or the cosine of an embedding model's last-token embeddings."""
         eng = self.server.loop.engine
-        try:
-            body = self._read_json()
+
+        def parse(body: dict):
+            top_n = None
             if rerank:
                 first, second, top_n = body.get("query"), body.get("documents"), _number(body, "top_n", int)
                 if not isinstance(first, (str, list)) or not first:
@@ -1079,27 +1090,20 @@ class _Handler(BaseHTTPRequestHandler):
                 prompts, n = score_prompts(eng, first, second)
             except (ValueError, TypeError) as e:
                 raise BadRequest(str(e), "documents" if rerank else "text_2") from None
-            sp = SamplingParams(truncate_prompt_tokens=_number(body, "truncate_prompt_tokens", int))
-            lora = self._adapter(body.get("model"))
-        except BadRequest as e:  # NotFound too
-            self._refuse(e)
+            return prompts, "last", (second, n, top_n)
+
+        done = self._pooling_route(parse)
+        if done is None:
             return
-        except (ValueError, TypeError) as e:
-            self._error(400, str(e))
-            return
-        outs = self._pooled(prompts, sp, lora, "last")
-        if outs is None:
-            return
+        body, outs, (second, n, top_n) = done
         scores = pair_scores(eng.model, outs, n)  # reads the score head's weight only: off the engine's thread
-        tokens = sum(len(o.prompt_token_ids) for o in outs)
-        head = {"id": f"{'rerank' if rerank else 'score'}-{time.monotonic_ns()}", "model": body.get("model") or
-                self.server.model_name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        ident = f"{'rerank' if rerank else 'score'}-{time.monotonic_ns()}"
         if not rerank:
-            self._json(200, {**head, "object": "list", "created": int(time.time()),
-                             "data": [{"index": i, "object": "score", "score": v} for i, v in enumerate(scores)]})
+            self._pooled_reply(body, outs, {"id": ident, "object": "list", "created": int(time.time()), "data": [
+                {"index": i, "object": "score", "score": v} for i, v in enumerate(scores)]})
             return
         order = sorted(range(n), key=lambda i: -scores[i])[:top_n]
-        self._json(200, {**head, "results": [
+        self._pooled_reply(body, outs, {"id": ident, "results": [
             {"index": i, "document": {"text": second[i] if isinstance(second[i], str) else None},
              "relevance_score": scores[i]} for i in order]})
 

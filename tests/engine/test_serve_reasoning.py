@@ -137,22 +137,7 @@ def test_chat_template_kwargs(served):
         assert status == 400 and body["error"]["param"] == "chat_template_kwargs", bad
 
 
-def test_cli_reasoning_parser_flag(served, monkeypatch, capsys):
-    from infercore import cli, serve
-
-    seen = {}
-
-    def fake_server(engine, **kw):
-        seen.update(kw)
-        raise ValueError("not serving here")
-
-    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(lambda *a, **k: served.loop.engine))
-    monkeypatch.setattr(serve, "make_server", fake_server)
-    for flag, want in (([], None), (["--reasoning-parser", "qwen3"], "qwen3")):
-        assert cli.main(["serve", *flag]) == 2 and "not serving here" in capsys.readouterr().err
-        assert seen["reasoning_parser"] == want
-    with pytest.raises(SystemExit):
-        cli.main(["serve", "--reasoning-parser", "xml"])
-    assert "invalid choice: 'xml'" in capsys.readouterr().err
+def test_make_server_refuses_an_unknown_reasoning_parser(served):
+    # (the CLI's --reasoning-parser: tests/engine/test_serve_tools.py, test_cli_parser_flags)
     with pytest.raises(ValueError, match="unknown parser"):
         make_server(served.loop.engine, port=0, reasoning_parser="nope")

@@ -429,7 +429,12 @@ def test_echo_puts_the_prompt_first(served):
     assert lp["token_logprobs"][n:] == pytest.approx(ref["logprobs"]["token_logprobs"], abs=1e-5)
 
 
-def test_cli_tool_call_parser_flag(served, monkeypatch, capsys):
+@pytest.mark.parametrize("flag,key,cases", [
+    ("--tool-call-parser", "tool_call_parser", (([], "hermes"), (["none"], None), (["mistral"], "mistral"))),
+    ("--reasoning-parser", "reasoning_parser", (([], None), (["qwen3"], "qwen3"), (["deepseek_r1"], "deepseek_r1"))),
+])
+def test_cli_parser_flags(served, monkeypatch, capsys, flag, key, cases):
+    """``infercore serve``'s parser options reach ``make_server``; an unknown name is refused by argparse."""
     from infercore import cli, serve
 
     seen = {}
@@ -440,9 +445,10 @@ def test_cli_tool_call_parser_flag(served, monkeypatch, capsys):
 
     monkeypatch.setattr(Engine, "from_pretrained", staticmethod(lambda *a, **k: served.loop.engine))
     monkeypatch.setattr(serve, "make_server", fake_server)
-    for flag, want in (([], "hermes"), (["--tool-call-parser", "none"], None)):
-        assert cli.main(["serve", *flag]) == 2 and "not serving here" in capsys.readouterr().err
-        assert seen["tool_call_parser"] == want
+    for value, want in cases:
+        assert cli.main(["serve", *([flag, *value] if value else [])]) == 2
+        assert "not serving here" in capsys.readouterr().err
+        assert seen[key] == want
     with pytest.raises(SystemExit):
-        cli.main(["serve", "--tool-call-parser", "xml"])
+        cli.main(["serve", flag, "xml"])
     assert "invalid choice: 'xml'" in capsys.readouterr().err

@@ -167,7 +167,6 @@ def _expand_grouped_kernel(
     y_ptr, s_ptr, b_ptr, idx_ptr, ord_ptr,
     T, N, RANK, BOUND0, BOUND1, BOUND2,
     stride_yt, stride_st, stride_bs, stride_bn, stride_it,
-    NSLICES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -359,7 +358,7 @@ def lora_expand_(
         _expand_grouped_kernel[(triton.cdiv(T, bm), triton.cdiv(N, bn))](
             y, s, b, indices, _order(indices, order), T, N, r, *bounds,
             y.stride(0), s.stride(0), b.stride(0), b.stride(1), indices.stride(0),
-            NSLICES=len(slice_bounds) + 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br, num_warps=4,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br, num_warps=4,
         )  # fmt: skip
         return y
     bn, br = _expand_config(T, N, r, y.device)

@@ -8,18 +8,63 @@ routed expert's weights once, computes only the routed products and never syncs 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ...devices import dispatch, register
 from .. import _validate as V
-from .naive import check_moe_args, moe_experts_ref
+from .naive import check_moe_args, moe_experts_lora_ref, moe_experts_ref
 
-__all__ = ["moe_experts_routed"]
+__all__ = ["MoELoRA", "moe_experts_routed"]
+
+
+@dataclass(frozen=True)
+class MoELoRA:
+    """Multi-LoRA operands of the routed experts: ``S`` adapter slots of ``E`` experts each, row ``s * E + e`` =
+    slot ``s``'s adapter of expert ``e`` (the layouts of ``ops.lora_shrink`` / ``ops.lora_expand_``, the scaling
+    folded into ``B``; zeros where an adapter does not target an expert).
+
+    - ``a_gate_up`` ``[S * E, 2 r, H]``: the gate's A (rows ``[0, r)``) and the up projection's (``[r, 2r)``);
+    - ``b_gate_up`` ``[S * E, 2 I, r]``: the gate's B (rows ``[0, I)``), the up projection's (``[I, 2I)``);
+    - ``a_down`` ``[S * E, r, I]``, ``b_down`` ``[S * E, H, r]``;
+    - ``slots`` ``[T]`` int32/int64: each token's slot, negative = none (read on the device, not range-checked).
+    """
+
+    a_gate_up: torch.Tensor
+    b_gate_up: torch.Tensor
+    a_down: torch.Tensor
+    b_down: torch.Tensor
+    slots: torch.Tensor
+
+
+def _check_lora(op: str, lora: object, x: torch.Tensor, gate_up: torch.Tensor) -> None:
+    if not isinstance(lora, MoELoRA):
+        raise TypeError(f"{op}: lora must be an ops.moe.MoELoRA or None, got {type(lora).__name__}")
+    E, two_i, H = gate_up.shape
+    a1, b1, a2, b2 = lora.a_gate_up, lora.b_gate_up, lora.a_down, lora.b_down
+    for name, t in (("a_gate_up", a1), ("b_gate_up", b1), ("a_down", a2), ("b_down", b2)):
+        V.floating(op, f"lora.{name}", t)
+        V.ndim(op, f"lora.{name}", t, 3, "[S * E, *, *]")
+        V.same_device(op, "x", x, **{f"lora.{name}": t})
+    V.integer(op, "lora.slots", lora.slots)
+    V.same_device(op, "x", x, **{"lora.slots": lora.slots})
+    rows, r = a1.shape[0], a2.shape[1]
+    if rows % E or rows == 0:
+        raise ValueError(f"{op}: lora.a_gate_up must have S * E rows (E = {E}), got {rows}")
+    want = {"a_gate_up": (rows, 2 * r, H), "b_gate_up": (rows, two_i, r), "a_down": (rows, r, two_i // 2),
+            "b_down": (rows, H, r)}
+    for name, t in (("a_gate_up", a1), ("b_gate_up", b1), ("a_down", a2), ("b_down", b2)):
+        if tuple(t.shape) != want[name]:
+            raise ValueError(f"{op}: lora.{name} must be {list(want[name])}, got {list(t.shape)}")
+    if lora.slots.shape != (x.shape[0],):
+        raise ValueError(f"{op}: lora.slots must be [{x.shape[0]}] (one slot per token), got "
+                         f"{list(lora.slots.shape)}")
 
 
 def moe_experts_routed(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    *, expert_offset: int | None = None,
+    *, expert_offset: int | None = None, lora: MoELoRA | None = None,
 ) -> torch.Tensor:
     """Top-k routed SiLU-gated experts.
 
@@ -32,6 +77,9 @@ def moe_experts_routed(
         expert_offset: expert parallelism: ``gate_up`` / ``down`` hold the experts
             ``[expert_offset, expert_offset + E)`` of a larger set, ``ids`` are global, and pairs routed to an
             expert outside that range are skipped (the result is this holder's share of the sum).
+        lora: multi-LoRA on the experts (:class:`MoELoRA`): each token adds its slot's adapter of each of its
+            experts to the gate / up projections (before the activation) and to the down projection (before the
+            routing weight). CUDA-graph safe on CUDA; the reference syncs.
 
     Returns:
         ``[T, H]`` in ``x.dtype``.
@@ -45,11 +93,21 @@ def moe_experts_routed(
         raise TypeError(f"{op}: gate_up / down must have x's dtype {x.dtype}, got {gate_up.dtype} / {down.dtype}")
     if not weights.is_floating_point():
         raise TypeError(f"{op}: weights must be a floating tensor, got {weights.dtype}")
+    if expert_offset is not None and (isinstance(expert_offset, bool) or not isinstance(expert_offset, int)
+                                      or expert_offset < 0):
+        raise ValueError(f"{op}: expert_offset must be an int >= 0 or None, got {expert_offset!r}")
+    if lora is not None:
+        _check_lora(op, lora, x, gate_up)
+        return dispatch(op, x.device)(x, gate_up, down, weights, ids, expert_offset, lora=lora)
     if expert_offset is None:
         return dispatch(op, x.device)(x, gate_up, down, weights, ids)
-    if isinstance(expert_offset, bool) or not isinstance(expert_offset, int) or expert_offset < 0:
-        raise ValueError(f"{op}: expert_offset must be an int >= 0 or None, got {expert_offset!r}")
     return dispatch(op, x.device)(x, gate_up, down, weights, ids, expert_offset)
 
 
-register("moe_experts_routed", "reference", moe_experts_ref)
+def _reference(x, gate_up, down, weights, ids, expert_offset=None, *, lora=None):
+    if lora is None:
+        return moe_experts_ref(x, gate_up, down, weights, ids, expert_offset)
+    return moe_experts_lora_ref(x, gate_up, down, weights, ids, lora, expert_offset)
+
+
+register("moe_experts_routed", "reference", _reference)

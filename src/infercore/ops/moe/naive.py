@@ -86,3 +86,47 @@ def moe_experts_loop(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
         w = weights.reshape(-1)[torch.cat(rows)].float()
         out.index_add_(0, torch.cat(toks), (y.float() * w[:, None]).to(x.dtype))
     return out
+
+
+def moe_lora_pairs(ids: torch.Tensor, slots: torch.Tensor, num_experts: int,
+                   expert_offset: int | None = None) -> torch.Tensor:
+    """Each (token, expert) pair's LoRA row, ``slot * E + (expert - offset)``, or -1 where the token has no adapter
+    (``slots[t] < 0``) or the expert is held elsewhere: ``[T * k]`` int64, device-side (no sync)."""
+    T, k = ids.shape
+    e = ids.reshape(-1).long() - (expert_offset or 0)
+    s = slots.to(device=ids.device, dtype=torch.int64).view(T, 1).expand(T, k).reshape(-1)
+    ok = (s >= 0) & (e >= 0) & (e < num_experts)
+    return torch.where(ok, s * num_experts + e, torch.full_like(e, -1))
+
+
+def moe_experts_lora_ref(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    lora, expert_offset: int | None = None,
+) -> torch.Tensor:
+    """:func:`moe_experts_ref` with each token's LoRA on its experts (``lora``: an
+    :class:`~infercore.ops.moe.MoELoRA`): expert ``e`` of a token in slot ``s`` computes
+    ``h = x W_gu[e]^T + (x A_gu[s, e]^T) B_gu[s, e]^T``, ``a = silu(h_gate) * h_up``, ``y = a W_d[e]^T + (a A_d[s, e]^T)
+    B_d[s, e]^T`` (each LoRA added in fp32 before the rounding to ``x.dtype``). Host syncs: not graph-capturable."""
+    from ..lora.naive import lora_expand_ref, lora_shrink_ref
+
+    E, two_i, _ = gate_up.shape
+    rows = moe_lora_pairs(ids, lora.slots, E, expert_offset)
+    out = torch.zeros_like(x)
+    local = ids - (expert_offset or 0)
+    k = ids.shape[1]
+    for e in torch.unique(local).tolist():
+        if not 0 <= e < E:
+            if expert_offset is not None:
+                continue
+            raise ValueError(f"moe_experts: expert id {e} is outside [0, {E})")
+        tok, j = torch.where(local == e)
+        c = rows[tok * k + j]
+        xs = x[tok]
+        h = (xs @ gate_up[e].t()).float()
+        lora_expand_ref(h, lora_shrink_ref(xs.to(lora.a_gate_up.dtype), lora.a_gate_up, c), lora.b_gate_up, c,
+                        slice_bounds=(two_i // 2,))
+        a = silu_and_mul(h.to(x.dtype))
+        y = (a @ down[e].t()).float()
+        lora_expand_ref(y, lora_shrink_ref(a.to(lora.a_down.dtype), lora.a_down, c), lora.b_down, c)
+        out.index_add_(0, tok, (y.to(x.dtype).float() * weights[tok, j, None].float()).to(x.dtype))
+    return out

@@ -66,10 +66,11 @@ def _chunk(order_ptr, start, cnt, m0, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, order_ptr, counts_ptr, offsets_ptr, inter_ptr,
+    x_ptr, w_ptr, order_ptr, counts_ptr, offsets_ptr, inter_ptr, extra_ptr,
     H, I, TOPK,
-    stride_xm, stride_we, stride_wn, stride_im,
+    stride_xm, stride_we, stride_wn, stride_im, stride_em,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
 ):  # fmt: skip
     e, cnt, start = _expert_span(counts_ptr, offsets_ptr)
     if cnt > 0:
@@ -92,6 +93,11 @@ def _moe_gate_up_kernel(
                 wu = tl.load(u_rows + offs_k[None, :], mask=wm, other=0.0)
                 acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
                 acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+            if HAS_EXTRA:  # fp32 [rows, 2I] added before the activation (the experts' LoRA), by inter row
+                e_rows = extra_ptr + (start + rows).to(tl.int64)[:, None] * stride_em
+                em = r_mask[:, None] & n_mask[None, :]
+                acc_g += tl.load(e_rows + offs_n[None, :], mask=em, other=0.0)
+                acc_u += tl.load(e_rows + (I + offs_n)[None, :], mask=em, other=0.0)
             y = acc_g * tl.sigmoid(acc_g) * acc_u
             dst = inter_ptr + (start + rows).to(tl.int64)[:, None] * stride_im + offs_n[None, :]
             tl.store(dst, y.to(inter_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
@@ -99,10 +105,11 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    inter_ptr, w_ptr, order_ptr, counts_ptr, offsets_ptr, rw_ptr, out_ptr,
+    inter_ptr, w_ptr, order_ptr, counts_ptr, offsets_ptr, rw_ptr, out_ptr, extra_ptr,
     H, I,
-    stride_im, stride_we, stride_wn, stride_om,
+    stride_im, stride_we, stride_wn, stride_om, stride_em,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
 ):  # fmt: skip
     e, cnt, start = _expert_span(counts_ptr, offsets_ptr)
     if cnt > 0:
@@ -119,6 +126,9 @@ def _moe_down_kernel(
                 a = tl.load(a_rows + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
                 w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
                 acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            if HAS_EXTRA:  # fp32 [rows, H] added before the routing weight, by inter row
+                e_rows = extra_ptr + (start + rows).to(tl.int64)[:, None] * stride_em
+                acc += tl.load(e_rows + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
             rw = tl.load(rw_ptr + pair, mask=r_mask, other=0.0).to(tl.float32)
             dst = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
             tl.store(dst, acc * rw[:, None], mask=r_mask[:, None] & n_mask[None, :])
@@ -144,10 +154,10 @@ def use_gemv(tokens: int, top_k: int, num_experts: int) -> bool:
 
 @triton.jit
 def _moe_gemv_gate_up_kernel(
-    x_ptr, w_ptr, ids_ptr, inter_ptr,
+    x_ptr, w_ptr, ids_ptr, inter_ptr, extra_ptr,
     H, I, TOPK, E, OFFSET,
-    stride_xm, stride_we, stride_wn, stride_im,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_xm, stride_we, stride_wn, stride_im, stride_em,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_EXTRA: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     e = tl.load(ids_ptr + pair).to(tl.int64) - OFFSET
@@ -170,16 +180,20 @@ def _moe_gemv_gate_up_kernel(
         acc_u += tl.load(u_rows + offs_k[None, :], mask=wm, other=0.0, eviction_policy="evict_first").to(tl.float32) * a
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
+    if HAS_EXTRA:  # fp32 [pairs, 2I] added before the activation (the experts' LoRA)
+        e_row = extra_ptr + pair.to(tl.int64) * stride_em
+        g += tl.load(e_row + offs_n, mask=n_mask, other=0.0)
+        u += tl.load(e_row + I + offs_n, mask=n_mask, other=0.0)
     y = g * tl.sigmoid(g) * u
     tl.store(inter_ptr + pair.to(tl.int64) * stride_im + offs_n, y.to(inter_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
 def _moe_gemv_down_kernel(
-    inter_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr,
+    inter_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, extra_ptr,
     H, I, E, OFFSET,
-    stride_im, stride_we, stride_wn, stride_om,
-    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_im, stride_we, stride_wn, stride_om, stride_em,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_EXTRA: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -199,13 +213,51 @@ def _moe_gemv_down_kernel(
                 w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                             eviction_policy="evict_first")
                 acc += w.to(tl.float32) * a
-            out += tl.sum(acc, axis=1) * tl.load(rw_ptr + pair).to(tl.float32)
+            d = tl.sum(acc, axis=1)
+            if HAS_EXTRA:  # fp32 [pairs, H] added before the routing weight
+                d += tl.load(extra_ptr + pair.to(tl.int64) * stride_em + offs_n, mask=n_mask, other=0.0)
+            out += d * tl.load(rw_ptr + pair).to(tl.float32)
     tl.store(out_ptr + tok.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+class _LoRARows:
+    """The experts' LoRA of one call (``ops.moe.MoELoRA``) over the intermediate's rows: ``rows`` [R] the pair of
+    each row (None: row = pair), their LoRA rows ``c`` (``slot * E + expert`` or -1) and the two fp32 extras the
+    kernels add: :meth:`gate_up` before the activation, :meth:`down` (from the activated rows) before the routing
+    weight. Only ``ops.lora_shrink`` / ``ops.lora_expand_`` launches: no sync, CUDA-graph safe."""
+
+    def __init__(self, lora, ids: torch.Tensor, num_experts: int, expert_offset: int | None,
+                 rows: torch.Tensor | None) -> None:
+        from .naive import moe_lora_pairs
+
+        self.lora, self.k = lora, ids.shape[1]
+        c = moe_lora_pairs(ids, lora.slots, num_experts, expert_offset)
+        self.rows = rows
+        self.c = c if rows is None else c[rows.long()]
+
+    def gate_up(self, x: torch.Tensor, inter_dim: int) -> torch.Tensor:
+        from ..lora import lora_expand_, lora_shrink
+
+        lo = self.lora
+        T, H = x.shape
+        xr = (x.unsqueeze(1).expand(T, self.k, H).reshape(-1, H) if self.rows is None
+              else x.index_select(0, self.rows.long() // self.k))
+        extra = torch.zeros(len(self.c), 2 * inter_dim, dtype=torch.float32, device=x.device)
+        s = lora_shrink(xr.to(lo.a_gate_up.dtype).contiguous(), lo.a_gate_up, self.c)
+        return lora_expand_(extra, s, lo.b_gate_up, self.c, slice_bounds=(inter_dim,))
+
+    def down(self, inter: torch.Tensor, hidden: int) -> torch.Tensor:
+        from ..lora import lora_expand_, lora_shrink
+
+        lo = self.lora
+        extra = torch.zeros(len(self.c), hidden, dtype=torch.float32, device=inter.device)
+        s = lora_shrink(inter.to(lo.a_down.dtype).contiguous(), lo.a_down, self.c)
+        return lora_expand_(extra, s, lo.b_down, self.c)
 
 
 def moe_experts_gemv(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    expert_offset: int | None = None,
+    expert_offset: int | None = None, *, lora=None,
 ) -> torch.Tensor:
     """The decode-size path (see the module docstring): no sort, two launches. Same arguments and result as
     :func:`moe_experts_triton`."""
@@ -220,34 +272,39 @@ def moe_experts_gemv(
     down = down if down.stride(-1) == 1 else down.contiguous()
     flat = ids.reshape(-1).contiguous()
     rw = weights.reshape(-1).contiguous()
-    inter = torch.empty((T * topk, inter_dim), dtype=x.dtype, device=x.device)
+    # rows of pairs held elsewhere are never written: zeros under LoRA, whose shrink reads every row
+    alloc = torch.zeros if lora is not None and expert_offset is not None else torch.empty
+    inter = alloc((T * topk, inter_dim), dtype=x.dtype, device=x.device)
     cfgs = (_GEMV_INTERP_CFG if _INTERPRET else _GEMV_CFG)[min(T, 2)]
     bn, bk, warps = cfgs["gate_up"]
     extra = {} if _INTERPRET else {"num_warps": warps}
     offset = expert_offset or 0
+    lr = None if lora is None else _LoRARows(lora, ids, E, expert_offset, None)
+    add = inter if lr is None else lr.gate_up(x, inter_dim)  # any tensor when there is nothing to add
     _moe_gemv_gate_up_kernel[(T * topk, triton.cdiv(inter_dim, bn))](
-        x, gate_up, flat, inter, H, inter_dim, topk, E, offset, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        inter.stride(0), BLOCK_N=bn, BLOCK_K=bk, **extra,
+        x, gate_up, flat, inter, add, H, inter_dim, topk, E, offset, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        inter.stride(0), add.stride(0), BLOCK_N=bn, BLOCK_K=bk, HAS_EXTRA=lr is not None, **extra,
     )  # fmt: skip
     bn, bk, warps = cfgs["down"]
     extra = {} if _INTERPRET else {"num_warps": warps}
+    add = inter if lr is None else lr.down(inter, H)
     _moe_gemv_down_kernel[(T, triton.cdiv(H, bn))](
-        inter, down, flat, rw, out, H, inter_dim, E, offset, inter.stride(0), down.stride(0), down.stride(1),
-        out.stride(0),
-        TOPK=topk, BLOCK_N=bn, BLOCK_K=bk, **extra,
+        inter, down, flat, rw, out, add, H, inter_dim, E, offset, inter.stride(0), down.stride(0), down.stride(1),
+        out.stride(0), add.stride(0),
+        TOPK=topk, BLOCK_N=bn, BLOCK_K=bk, HAS_EXTRA=lr is not None, **extra,
     )  # fmt: skip
     return out
 
 
 def moe_experts_triton(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    expert_offset: int | None = None,
+    expert_offset: int | None = None, *, lora=None,
 ) -> torch.Tensor:
     """See :func:`infercore.ops.moe.moe_experts_routed` (arguments checked there). Decode sizes (:func:`use_gemv`)
     run :func:`moe_experts_gemv`; the rest the grouped kernels below."""
     T, topk = ids.shape
     if use_gemv(T, topk, gate_up.shape[0] if expert_offset is None else 10**9):
-        return moe_experts_gemv(x, gate_up, down, weights, ids, expert_offset)
+        return moe_experts_gemv(x, gate_up, down, weights, ids, expert_offset, lora=lora)
     E, two_i, H = gate_up.shape
     inter_dim = two_i // 2
     P = T * topk
@@ -266,24 +323,29 @@ def moe_experts_triton(
     counts.scatter_add_(0, flat.long(), torch.ones(P, dtype=torch.int32, device=x.device))
     offsets = torch.cumsum(counts, 0, dtype=torch.int32) - counts
     rw = weights.reshape(-1).contiguous()
-    inter = torch.empty((P, inter_dim), dtype=x.dtype, device=x.device)
+    alloc = torch.zeros if lora is not None and expert_offset is not None else torch.empty
+    inter = alloc((P, inter_dim), dtype=x.dtype, device=x.device)
     # skipped pairs' rows are never written: zeros then, so the final sum adds nothing for them
     out_pairs = (torch.empty if expert_offset is None else torch.zeros)((P, H), dtype=torch.float32, device=x.device)
     cfgs = _INTERP_CFG if _INTERPRET else _GPU_CFG
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     bm, bn, bk, warps, stages = cfgs["gate_up"]
     extra = {} if _INTERPRET else {"num_warps": warps, "num_stages": stages}
+    # the intermediate's rows are the pairs in sorted order (row i = pair order[i]); so are the LoRA extras'
+    lr = None if lora is None else _LoRARows(lora, ids, E, expert_offset, order)
+    add = inter if lr is None else lr.gate_up(x, inter_dim)  # any tensor when there is nothing to add
     _moe_gate_up_kernel[(E, triton.cdiv(inter_dim, bn))](
-        x, gate_up, order, counts, offsets, inter, H, inter_dim, topk,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0),
-        DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **extra,
+        x, gate_up, order, counts, offsets, inter, add, H, inter_dim, topk,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0), add.stride(0),
+        DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_EXTRA=lr is not None, **extra,
     )  # fmt: skip
     bm, bn, bk, warps, stages = cfgs["down"]
     extra = {} if _INTERPRET else {"num_warps": warps, "num_stages": stages}
+    add = inter if lr is None else lr.down(inter, H)
     _moe_down_kernel[(E, triton.cdiv(H, bn))](
-        inter, down, order, counts, offsets, rw, out_pairs, H, inter_dim,
-        inter.stride(0), down.stride(0), down.stride(1), out_pairs.stride(0),
-        DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **extra,
+        inter, down, order, counts, offsets, rw, out_pairs, add, H, inter_dim,
+        inter.stride(0), down.stride(0), down.stride(1), out_pairs.stride(0), add.stride(0),
+        DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_EXTRA=lr is not None, **extra,
     )  # fmt: skip
     return out_pairs.view(T, topk, H).sum(1).to(x.dtype)
 

@@ -43,6 +43,10 @@ BATCHED_MAX_TOKENS = 64
 
 # our merged projection -> the Hugging Face modules of its slices, in output order
 MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# a sparse-MoE layer's routed experts, as adapters name their stacked pairs
+EXPERT_SLICES = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
+# the projections the fused CPU decoder layers add adapters to, in their operand table's order
+_NATIVE = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class LoRALinear(nn.Module):
@@ -116,6 +120,16 @@ class LoRALinear(nn.Module):
         :meth:`LoRAManager.native_operands`)."""
         return self.base
 
+    def fit_pair(self, j: int, a: torch.Tensor, b: torch.Tensor, name: str, layer: int,
+                 module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slice ``j``'s whole pair checked against the model's shapes (ValueError naming the adapter) and cut to this
+        rank's (:meth:`shard_pair`)."""
+        if a.dim() != 2 or a.shape[1] != self.full_in_features or b.shape[0] != self.full_sizes[j]:
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)} / B "
+                             f"{tuple(b.shape)}; this model's projection is [{self.full_sizes[j]}, "
+                             f"{self.full_in_features}]")
+        return self.shard_pair(j, a, b)
+
     def shard_pair(self, j: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of slice ``j``'s whole pair ``(A [r, full_in], B [full_size, r])`` (views): B's rows
         ``[rank * size, (rank + 1) * size)`` of a column-parallel projection, A's columns ``[rank * in, (rank + 1) *
@@ -149,6 +163,69 @@ class LoRALinear(nn.Module):
                 f"max_loras={self.a.shape[0]}, max_rank={self.manager.max_rank}{tp}")
 
 
+class MoEExpertsLoRA(nn.Module):
+    """The LoRA slots of one sparse-MoE layer's routed experts: slot ``s``'s adapter of expert ``e`` in row
+    ``s * E + e`` of each stacked operand (:class:`~infercore.ops.moe.MoELoRA`'s layouts). Not a wrapper: the
+    :class:`~infercore.models.moe.SparseMoeBlock` calls it in place of its experts while the manager is active, and
+    it runs ``ops.moe_experts_routed(..., lora=)`` on the block's own expert weights."""
+
+    slices = EXPERT_SLICES
+
+    def __init__(self, block: nn.Module, manager: LoRAManager, *, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        E, two_i, H = block.experts.gate_up_proj.shape
+        self.num_experts, self.hidden, self.inter = E, H, two_i // 2
+        S, r = manager.max_loras, manager.max_rank
+        for name, shape in (("a_gate_up", (S * E, 2 * r, H)), ("b_gate_up", (S * E, two_i, r)),
+                            ("a_down", (S * E, r, self.inter)), ("b_down", (S * E, H, r))):
+            self.register_buffer(name, torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.__dict__["manager"] = manager
+
+    def fit_pair(self, j: int, a: torch.Tensor, b: torch.Tensor, name: str, layer: int,
+                 module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slice ``j``'s stacked pair ``(A [E', r, in], B [E', out, r])``, ``E' <= E``, checked against the experts'
+        shapes."""
+        k, n = (self.inter, self.hidden) if j == 2 else (self.hidden, self.inter)
+        if a.dim() != 3 or a.shape[0] > self.num_experts or a.shape[2] != k or b.shape[1] != n:
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)} / B "
+                             f"{tuple(b.shape)}; this model's experts take A [<= {self.num_experts}, r, {k}] and B "
+                             f"[<= {self.num_experts}, {n}, r]")
+        return a, b
+
+    def set_slot(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Fill ``slot`` with the gate's, the up projection's and the down projection's stacked pairs (None: not
+        targeted; experts past an adapter's own count stay zero)."""
+        E, r, inter = self.num_experts, self.manager.max_rank, self.inter
+        rows = slice(slot * E, (slot + 1) * E)
+        for t in (self.a_gate_up, self.b_gate_up, self.a_down, self.b_down):
+            t[rows].zero_()
+        for j, pair in enumerate(pairs):
+            if pair is None:
+                continue
+            a, b = pair
+            n, k = a.shape[0], a.shape[1]
+            base = slot * E
+            if j == 2:
+                self.a_down[base : base + n, :k].copy_(a)
+                self.b_down[base : base + n, :, :k].copy_(b)
+            else:
+                self.a_gate_up[base : base + n, j * r : j * r + k].copy_(a)
+                self.b_gate_up[base : base + n, j * inter : (j + 1) * inter, :k].copy_(b)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor, expert_offset: int | None) -> torch.Tensor:
+        from ..models.moe import moe_experts
+        from ..ops.moe import MoELoRA
+
+        slots = self.manager.token_slots(x.shape[0])
+        lora = MoELoRA(self.a_gate_up, self.b_gate_up, self.a_down, self.b_down, slots)
+        return moe_experts(x, gate_up, down, weights, ids, expert_offset, lora=lora)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.inter}, "
+                f"max_loras={self.manager.max_loras}, max_rank={self.manager.max_rank}")
+
+
 class LoRAManager:
     """The adapters of one model, its ``max_loras`` device slots, and the current step's token -> slot map.
 
@@ -177,6 +254,10 @@ class LoRAManager:
         self.host_slots: torch.Tensor | None = None
         # large eager steps: [(slot, token rows on the device, or None for every token)]
         self.groups: list[tuple[int, torch.Tensor | None]] | None = None
+        # sparse-MoE layers' routed experts (MoEExpertsLoRA), which take every token's slot as a device tensor: on
+        # large eager steps the slots copied for them (``step_slots``), else ``indices`` / ``host_slots``
+        self.moe_layers = 0
+        self.step_slots: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ adapters
 
@@ -237,13 +318,7 @@ class LoRAManager:
         per_layer = self._place(self.adapters[name])
         with torch.no_grad():
             for key, lin in self.layers.items():
-                pairs = per_layer.get(key)
-                if pairs is None:
-                    lin.a[slot].zero_()
-                    lin.b[slot].zero_()
-                else:
-                    lin.set_slot(slot, [None if p is None else (p[0].to(lin.a.dtype), p[1].to(lin.b.dtype))
-                                        for p in pairs])
+                lin.set_slot(slot, per_layer.get(key) or [None] * len(lin.slices))  # copy_ casts
         self.slots[name] = slot
         self._owner[slot] = name
         self.loads += 1
@@ -268,11 +343,7 @@ class LoRAManager:
                                  "does not have (or does not take LoRA on)")
             key, j = hit
             lin = self.layers[key]
-            if a.shape[1] != lin.full_in_features or b.shape[0] != lin.full_sizes[j]:
-                raise ValueError(f"LoRA adapter {adapter.name!r}: layer {layer} {module} has A {tuple(a.shape)} / "
-                                 f"B {tuple(b.shape)}; this model's projection is [{lin.full_sizes[j]}, "
-                                 f"{lin.full_in_features}]")
-            out.setdefault(key, [None] * len(lin.slices))[j] = lin.shard_pair(j, a, b)
+            out.setdefault(key, [None] * len(lin.slices))[j] = lin.fit_pair(j, a, b, adapter.name, layer, module)
         return out
 
     # ------------------------------------------------------------------ steps
@@ -296,6 +367,8 @@ class LoRAManager:
             self.indices[:T].copy_(torch.from_numpy(slots.astype(np.int32)))
             self.order[:T].copy_(torch.from_numpy(np.argsort(slots, kind="stable")))
             return
+        if self.moe_layers:  # the routed experts read every token's slot on the device
+            self.step_slots = torch.from_numpy(slots).to(self.device, non_blocking=True)
         groups: list[tuple[int, torch.Tensor | None]] = []
         for slot in np.unique(slots[slots >= 0]).tolist():
             rows = np.flatnonzero(slots == slot)
@@ -314,8 +387,10 @@ class LoRAManager:
         if tab is None:
             layers = 1 + max(i for i, _ in self.layers)
             tab = torch.zeros(layers, _native().LORA_TAB, dtype=torch.int64)
+            if any(attr not in _NATIVE for _, attr in self.layers):  # MoE layers run op by op
+                return False
             for (i, attr), lin in self.layers.items():
-                j = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj").index(attr)
+                j = _NATIVE.index(attr)
                 if lin.a.dtype != torch.float32 or not (lin.a.is_contiguous() and lin.b.is_contiguous()):
                     return False
                 bounds = (*lin.bounds, lin.out_features, lin.out_features, lin.out_features)[:3]
@@ -323,6 +398,15 @@ class LoRAManager:
                                                           self.max_rank, *bounds])
             self.__dict__["_native_tab"] = tab
         return (tab if layer is None else tab[layer]), self.host_slots
+
+    def token_slots(self, T: int) -> torch.Tensor:
+        """Every token's slot of this step (``T`` tokens), as a tensor on the model's device (the persistent
+        ``indices`` under CUDA graphs)."""
+        if self.host_slots is not None:
+            return self.host_slots
+        if self.groups is None:
+            return self.indices[:T]
+        return self.step_slots
 
     def capturing(self) -> None:
         """Before capturing decode graphs: LoRA on, through the batched kernels over the persistent buffer."""
@@ -341,6 +425,9 @@ def enable_lora_(model: nn.Module, *, max_loras: int = 4, max_rank: int = 16, ma
     ``model.lora_manager``). Call it once, after the weights are loaded (quantized bases are fine), after
     :func:`~infercore.parallel.tensor_parallel_` on a sharded model (each rank's slots then hold its slice of every
     adapter; see the module docstring), and before device layouts (``Engine`` does this when ``max_loras > 0``).
+    A sparse-MoE layer's routed experts get a :class:`MoEExpertsLoRA` (``S * E`` stacked rows per operand: mind the
+    memory, ``max_loras * E * max_rank * (4 H + 3 I)`` values per layer) and its shared expert :class:`LoRALinear`
+    wrappers, when its experts are dense tensors on the model's device and the model runs in one process.
 
     Raises ValueError for a model without such layers, an already-enabled model, a sharded model whose row-parallel
     projections are not :class:`~infercore.parallel.tensor.RowParallel`, or bad limits."""
@@ -374,6 +461,18 @@ def enable_lora_(model: nn.Module, *, max_loras: int = 4, max_rank: int = 16, ma
             _unfuse(mlp)
             wrap(mlp, "gate_up_proj", i, MERGED["gate_up_proj"], (half, half), shard="column")
             wrap(mlp, "down_proj", i, ("down_proj",), None, shard="row")
+        elif _lora_experts(mlp, tp[0]):
+            lin = MoEExpertsLoRA(mlp, manager, device=device, dtype=dtype)
+            mlp.experts_lora = lin
+            manager.layers[(i, "experts")] = lin
+            manager.moe_layers += 1
+            shared = getattr(mlp, "shared_expert", None)
+            if shared is not None:
+                half = _out(shared.gate_up_proj) // 2
+                wrap(shared, "gate_up_proj", i, ("shared_expert.gate_proj", "shared_expert.up_proj"), (half, half),
+                     shard="column", key="shared_expert.gate_up_proj")
+                wrap(shared, "down_proj", i, ("shared_expert.down_proj",), None, shard="row",
+                     key="shared_expert.down_proj")
     if not manager.layers:
         raise ValueError(f"enable_lora_: {type(model).__name__} has no projections LoRA can target")
     model.lora_manager = manager
@@ -397,12 +496,22 @@ def _out(lin: nn.Module) -> int:
     return int(n)
 
 
+def _lora_experts(mlp: nn.Module, tp: int) -> bool:
+    """Whether a sparse-MoE block's routed experts take LoRA: stacked floating expert tensors on the block's device
+    (not quantized, not offloaded to the host), one process (no tensor or expert parallelism)."""
+    experts = getattr(mlp, "experts", None)
+    gu, d = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    return (tp == 1 and type(gu) in (torch.Tensor, nn.Parameter) and type(d) in (torch.Tensor, nn.Parameter)
+            and gu.is_floating_point() and gu.dim() == 3 and getattr(mlp, "expert_offset", None) is None
+            and getattr(mlp, "host_experts", None) is None and getattr(mlp, "top_k", None) is not None)
+
+
 def _wrap(manager: LoRAManager, parent: nn.Module, attr: str, layer: int, slices, sizes, *, device, dtype,
-          tp: tuple[int, int], shard: str) -> None:
+          tp: tuple[int, int], shard: str, key: str | None = None) -> None:
     """Wrap ``parent.<attr>`` (``sizes`` None: one slice of its output size). On a sharded model a row-parallel
     projection's LoRA goes inside its ``RowParallel``, so that the adapter's partial output is summed with the base's
-    (``manager.layers`` still names it ``attr``)."""
-    key = (layer, attr)
+    (``manager.layers`` still names it ``attr``, or ``key``)."""
+    key = (layer, key or attr)
     if tp[0] > 1 and shard == "row":
         from ..parallel.tensor import RowParallel
 

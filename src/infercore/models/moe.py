@@ -21,6 +21,8 @@ the same result:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -130,13 +132,16 @@ def moe_experts_dense(
 
 def moe_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    expert_offset: int | None = None,
+    expert_offset: int | None = None, *, lora=None,
 ) -> torch.Tensor:
     """Dispatch. CPU: the reference loop (it costs less than either batched form there).
     Accelerators: the routed op (``ops.moe_experts_routed``: on CUDA a Triton grouped GEMM over the
     pairs sorted by expert on the device -- only routed experts read and computed, no host sync),
     ``ROUTED_MAX_TOKENS`` tokens at a time. ``expert_offset``: the tensors hold experts
-    ``[expert_offset, expert_offset + E)`` of a larger set (expert parallelism); pairs routed elsewhere are skipped."""
+    ``[expert_offset, expert_offset + E)`` of a larger set (expert parallelism); pairs routed elsewhere are skipped.
+    ``lora``: multi-LoRA on the experts (``ops.moe.MoELoRA``), through ``ops.moe_experts_routed`` on every device."""
+    if lora is not None:
+        return _routed_in_chunks(x, gate_up, down, weights, ids, expert_offset, lora=lora)
     if x.device.type == "cpu":
         _check(x, gate_up, down, weights, ids)
         return moe_experts_ref(x, gate_up, down, weights, ids, expert_offset)
@@ -145,14 +150,15 @@ def moe_experts(
 
 def _routed_in_chunks(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    expert_offset: int | None = None,
+    expert_offset: int | None = None, lora=None,
 ) -> torch.Tensor:
     T, R = x.shape[0], ROUTED_MAX_TOKENS
     if T <= R:
-        return moe_experts_routed(x, gate_up, down, weights, ids, expert_offset=expert_offset)
+        return moe_experts_routed(x, gate_up, down, weights, ids, expert_offset=expert_offset, lora=lora)
     _check(x, gate_up, down, weights, ids)
     return torch.cat([moe_experts_routed(x[s : s + R], gate_up, down, weights[s : s + R], ids[s : s + R],
-                                         expert_offset=expert_offset)
+                                         expert_offset=expert_offset,
+                                         lora=None if lora is None else replace(lora, slots=lora.slots[s : s + R]))
                       for s in range(0, T, R)])  # fmt: skip
 
 
@@ -217,7 +223,10 @@ class SparseMoeBlock(nn.Module):
             return self._forward_host(x, weights, ids)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         packed = self.cpu_packed_experts
-        if packed is not None and x.device.type == "cpu" and x.dtype == packed.dtype:
+        lora = self.__dict__["_modules"].get("experts_lora")  # lora.enable_lora_: the experts' adapter slots
+        if lora is not None and lora.manager.active:
+            out = lora(x, weights, ids, gate_up, down, self.expert_offset)
+        elif packed is not None and x.device.type == "cpu" and x.dtype == packed.dtype:
             if not packed.current(gate_up, down):  # the weights were written since packing
                 packed = self.cpu_packed_experts = type(packed)(gate_up, down)
             out = packed(x, weights, ids, self.expert_offset)

@@ -344,8 +344,44 @@ def _serve_engine_kw(args: argparse.Namespace) -> tuple[list, dict]:
     return adapters, kw
 
 
+def _run_batch(args: argparse.Namespace) -> int:
+    """``run-batch``: ``serve``'s engine (one process or rank 0 of several), answering a file of requests instead of
+    listening (:func:`_run_server` sees ``args.batch_job``)."""
+    import os
+
+    if args.input_file != "-" and not os.path.isfile(args.input_file):
+        print(f"infercore: --input-file {args.input_file!r} not found", file=sys.stderr)
+        return 2
+    if args.concurrency < 1:
+        print(f"infercore: --concurrency must be >= 1, got {args.concurrency}", file=sys.stderr)
+        return 2
+    args.cmd, args.batch_job, args.host, args.port, args.verbose = "serve", True, "127.0.0.1", 0, False
+    return _serve(args)
+
+
+def _batch_file(engine, args: argparse.Namespace, name: str, parser: str) -> None:
+    """Answer ``--input-file`` into ``--output-file`` (``-``: standard input / output), one line per request."""
+    from .batch import run_batch
+
+    src = sys.stdin if args.input_file == "-" else open(args.input_file, encoding="utf-8")
+    dst = sys.stdout if args.output_file == "-" else open(args.output_file, "w", encoding="utf-8")
+    done = failed = 0
+    try:
+        for out in run_batch(engine, src, model_name=name, concurrency=args.concurrency,
+                             tool_call_parser=None if parser == "none" else parser,
+                             reasoning_parser=getattr(args, "reasoning_parser", None)):
+            dst.write(json.dumps(out) + "\n")
+            done += 1
+            failed += out["error"] is not None or out["response"]["status_code"] != 200
+    finally:
+        for f, std in ((src, sys.stdin), (dst, sys.stdout)):
+            if f is not std:
+                f.close()
+    print(f"infercore: {done} requests answered ({failed} with an error)", file=sys.stderr)
+
+
 def _run_server(engine, args: argparse.Namespace) -> None:
-    """Serve ``engine`` (an Engine or rank 0's MirroredEngine) until interrupted."""
+    """Serve ``engine`` (an Engine or rank 0's MirroredEngine) until interrupted (``run-batch``: answer its file)."""
     from pathlib import Path
 
     from .loading import default_model_path
@@ -353,6 +389,9 @@ def _run_server(engine, args: argparse.Namespace) -> None:
 
     name = args.served_model_name or Path(args.model or default_model_path()).name
     parser = getattr(args, "tool_call_parser", "hermes")
+    if getattr(args, "batch_job", False):
+        _batch_file(engine, args, name, parser)
+        return
     server = make_server(engine, host=args.host, port=args.port, model_name=name, verbose=args.verbose,
                          tool_call_parser=None if parser == "none" else parser,
                          reasoning_parser=getattr(args, "reasoning_parser", None))
@@ -480,6 +519,24 @@ def main(argv: list[str] | None = None) -> int:
                    help="return a thinking model's <think> block as the chat message's reasoning_content "
                         "(deepseek_r1: replies start inside the block; qwen3: only a reply that opens one)")
     v.set_defaults(fn=_serve)
+    b = sub.add_parser("run-batch", help="answer a JSONL file of OpenAI Batch API requests (chat / completions / "
+                                         "embeddings / score / rerank / classify) into a JSONL file")
+    model_args(b)
+    b.add_argument("-i", "--input-file", required=True, metavar="PATH",
+                   help="one request per line: {custom_id, method: POST, url, body} (- for standard input)")
+    b.add_argument("-o", "--output-file", required=True, metavar="PATH",
+                   help="one answer per line, in input order: {id, custom_id, response: {status_code, request_id, "
+                        "body}, error} (- for standard output)")
+    b.add_argument("--concurrency", type=int, default=64, metavar="N",
+                   help="requests in the engine at once (default 64)")
+    b.add_argument("--served-model-name", default=None, help="the model id the answers report")
+    b.add_argument("--max-loras", type=int, default=0, metavar="N",
+                   help="LoRA adapters that run at once (default: the --lora count); a request whose body's model "
+                        "is an adapter's NAME runs through it")
+    b.add_argument("--tool-call-parser", default="hermes", choices=[*sorted(TOOL_PARSERS), "none"],
+                   help="as serve's")
+    b.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS), help="as serve's")
+    b.set_defaults(fn=_run_batch)
     i = sub.add_parser("info", help="devices and which backend serves each op")
     i.add_argument("--device", default=None, type=_device)
     i.add_argument("--json", action="store_true")

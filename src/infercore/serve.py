@@ -27,10 +27,12 @@ a named function constrains the output to its ``parameters`` schema (guided deco
 default with tools) generates freely and reads the calls out of the text with the server's tool-call parser
 (:mod:`infercore.tool_parsers`, "hermes" unless ``make_server(tool_call_parser=...)`` says otherwise; the text
 outside them stays ``content``; "tool_calls" when any was read); "none" (the default without tools) leaves the text
-alone. Streamed, named and "required" calls come as they are generated, vLLM's way: a call's first piece carries
-its ``index``, ``id``, ``type`` and ``name``, later ones ``function.arguments`` pieces (a required reply's calls in
-order, each once its name is out: :func:`required_calls_so_far`); an "auto" reply's calls come whole in the
-choice's last chunk (``delta.tool_calls`` with ``index``), the text before its first call streaming as it comes.
+alone. Streamed, calls come as they are generated, vLLM's way: a call's first piece carries its ``index``, ``id``,
+``type`` and ``name``, later ones ``function.arguments`` pieces (a required reply's calls in order, each once its
+name is out: :func:`required_calls_so_far`); an "auto" reply is read as it comes by the parser's
+:class:`~infercore.tool_parsers.ToolStream`: text outside the calls streams as ``content`` (a tail that may begin a
+call's opening held back), each call goes out once its name is, then its arguments' text as it grows (the pieces
+add up to the whole reply's ``arguments``), after a reasoning block that streams as ``reasoning_content``.
 
 Beam search: ``use_beam_search: true`` (vLLM's extension; not with ``stream``, guided decoding, ``stop`` or
 logprobs) returns each prompt's best ``n`` of ``beam_width`` (default ``n``) hypotheses by
@@ -72,7 +74,7 @@ from .engine import Engine, RequestOutput, SamplingParams
 from .engine.engine import POOLING, pair_scores, score_prompts
 from .engine.fsm import json_schema_regex
 from .reasoning_parsers import ReasoningParser, get_reasoning_parser
-from .tool_parsers import ToolCall, ToolParser, get_tool_parser, new_call_id
+from .tool_parsers import ToolCall, ToolParser, ToolStream, get_tool_parser, new_call_id
 
 if TYPE_CHECKING:
     from .parallel import AdaptiveEngine, MirroredEngine
@@ -615,19 +617,6 @@ def required_calls_so_far(text: str) -> list[tuple[str | None, str]]:
         elif depth == 2 and ch == ",":
             key, value = None, False
     return [(name, "" if lo is None else text[lo:hi if hi is not None else len(text)]) for name, lo, hi in items]
-
-
-def _streamable(text: str, sent: int, start: str) -> int:
-    """How far into ``text`` (of which ``sent`` characters are out) an auto reply's content may stream: up to a
-    call's opening ``start`` or a tail that may begin one, trailing whitespace held back too (it goes with a call)."""
-    k = text.find(start, sent)
-    end = k if k >= 0 else len(text)
-    if k < 0:
-        for m in range(min(len(start) - 1, len(text) - sent), 0, -1):
-            if text.endswith(start[:m]):
-                end = len(text) - m
-                break
-    return max(sent, len(text[:end].rstrip()))
 
 
 def _echo_texts(engine: Engine, body: dict, ids: list[list[int]]) -> list[str]:
@@ -1191,8 +1180,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _stream(self, index: dict[str, int], q: queue.Queue, first: list, reply: _Reply) -> None:
         """Server-sent chunks, one per step that advanced a choice. Named and required tool calls stream their
-        arguments; an auto chat choice holds its text back as :func:`chat_message` needs it (an auto reply streams
-        its content up to the first call) and sends the rest, the calls and its finish reason in its last chunk."""
+        arguments; an auto chat choice is read by its :class:`~infercore.tool_parsers.ToolStream`, which sends its
+        content, each call once named and its arguments as they grow (after the reasoning, which streams first)."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -1202,9 +1191,7 @@ class _Handler(BaseHTTPRequestHandler):
         eng, chat, parser = self.server.loop.engine, reply.chat, self.server.tool_parser
         choice = reply.plan.choice if chat else "none"
         tools = choice in ("named", "required") or (choice == "auto" and parser is not None)
-        # an auto reply's content streams up to its first call, unless a reasoning block comes first: then the
-        # whole reply waits for its end (the reasoning, answer and calls in the last chunk)
-        start = parser.start if tools and choice == "auto" and reply.reasoning is None else None
+        readers = {rid: parser.stream() for rid in index} if tools and choice == "auto" else {}
         obj = "chat.completion.chunk" if chat else "text_completion"
         created, sid = int(time.time()), next(iter(index))
         head = {"id": sid, "object": obj, "created": created, "model": self.server.model_name}
@@ -1238,7 +1225,7 @@ class _Handler(BaseHTTPRequestHandler):
                 reason = out.finish_reason if out.finished else None
                 lp = _logprobs(eng, out, begin, chat=chat)
                 if tools:
-                    delta, reason = self._tool_delta(reply, rid, out, texts, sent, calls_sent, start)
+                    delta, reason = self._tool_delta(reply, rid, out, texts, sent, calls_sent, thought, readers)
                     choice = {"index": index[rid], "delta": delta, "logprobs": lp, "finish_reason": reason}
                     if not delta and lp is None and reason is None:  # held back: nothing to say yet
                         continue
@@ -1273,10 +1260,11 @@ class _Handler(BaseHTTPRequestHandler):
                     self.server.loop.abort(rid)
 
     def _tool_delta(self, reply: _Reply, rid: str, out: RequestOutput, texts: dict, sent: dict, calls_sent: dict,
-                    start: str | None) -> tuple[dict, str | None]:
-        """A tool-planned chat choice's delta after ``out`` and its finish reason: the content that may go now
-        (``texts[rid]`` so far, ``sent[rid]`` characters of it out), and once finished the rest: the remaining
-        content and ``tool_calls`` (each with its ``index``)."""
+                    thought: dict, readers: dict[str, ToolStream]) -> tuple[dict, str | None]:
+        """A tool-planned chat choice's delta after ``out`` (``texts[rid]``: its text so far) and its finish reason.
+        Named: the arguments as generated; required: :func:`required_calls_so_far`'s growth; auto: what the
+        choice's reader (``readers[rid]``) lets out of the answer (``sent[rid]`` characters of it read; the
+        reasoning before it, ``thought[rid]`` characters of it out, streams as ``reasoning_content``)."""
         texts[rid] += out.new_text
         text = texts[rid]
         delta: dict[str, Any] = {}
@@ -1309,21 +1297,22 @@ class _Handler(BaseHTTPRequestHandler):
             if not out.finished:
                 return delta, None
             return delta, chat_message(reply.plan, None, text, out.finish_reason)[1]
-        if start is not None:
-            end = _streamable(text, sent[rid], start)
-            if end > sent[rid]:
-                delta["content"] = text[sent[rid]:end]
-                sent[rid] = end
+        answer = out.new_text
+        if reply.reasoning is not None:  # the reasoning as it settles; the answer after it goes to the reader
+            r, c = reply.reasoning.split(text, finished=out.finished, explicit=reply.guided)
+            if r and len(r) > thought[rid]:
+                delta["reasoning_content"], thought[rid] = r[thought[rid]:], len(r)
+            answer = (c or "")[sent[rid]:]
+            sent[rid] += len(answer)
+        reader = readers[rid]
+        got = reader.feed(answer, final=out.finished)
+        if got.content:
+            delta["content"] = got.content
+        if got.tool_calls:
+            delta["tool_calls"] = got.tool_calls
         if not out.finished:
             return delta, None
-        message, reason = reply_message(reply, self.server.tool_parser, text[sent[rid]:], out.finish_reason)
-        if message.get("reasoning_content"):
-            delta["reasoning_content"] = message["reasoning_content"]
-        if message["content"]:
-            delta["content"] = delta.get("content", "") + message["content"]
-        if message.get("tool_calls"):
-            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
-        return delta, reason
+        return delta, "tool_calls" if reader.called else out.finish_reason
 
     def _event(self, obj: dict) -> None:
         self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")

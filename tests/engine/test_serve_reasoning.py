@@ -7,7 +7,7 @@ import threading
 
 import pytest
 from engine_helpers import ours_from_hf, tiny_hf
-from test_serve_tools import TOOLS, _events, _post, byte_tokenizer
+from test_serve_tools import TOOLS, _events, _post, add_up, byte_tokenizer
 
 from infercore import Engine
 from infercore.reasoning_parsers import REASONING_PARSERS, get_reasoning_parser
@@ -110,20 +110,27 @@ def test_unguided_reply_follows_the_parser(served):
 
 
 def test_reasoning_then_tool_call(served):
+    """The tool parser reads the answer alone, whole and streamed: the reasoning streams first, then the answer's
+    content, then its call, named before its arguments come in pieces."""
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}</tool_call>'
-    forced = f"<think>{THOUGHT}</think>{call}"
+    forced = f"<think>{THOUGHT}</think>On it. {call}"
     req = {"messages": ASK, "tools": TOOLS, "max_tokens": 200, "temperature": 0, "guided_regex": re.escape(forced)}
     body = _post(served, "/v1/chat/completions", req)[1]
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] == THOUGHT
-    assert choice["message"]["content"] is None
-    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+    assert choice["message"]["content"] == "On it."
+    [whole] = choice["message"]["tool_calls"]
+    assert whole["function"] == {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}
     _, data = _post(served, "/v1/chat/completions", {**req, "stream": True}, raw=True)
     chunks = [e["choices"][0] for e in _events(data) if e["choices"]]
-    last = chunks[-1]
-    assert last["finish_reason"] == "tool_calls" and last["delta"]["reasoning_content"] == THOUGHT
-    assert last["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
-    assert not any(c["delta"].get("content") for c in chunks)  # the block is not streamed as content
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    assert "".join(c["delta"].get("reasoning_content", "") for c in chunks) == THOUGHT
+    assert add_up(chunks) == ("On it.", [("get_weather", whole["function"]["arguments"])])
+    thought = [k for k, c in enumerate(chunks) if c["delta"].get("reasoning_content")]
+    said = [k for k, c in enumerate(chunks) if c["delta"].get("content")]
+    called = [k for k, c in enumerate(chunks) if c["delta"].get("tool_calls")]
+    assert len(thought) > 5 and len(said) > 1 and len(called) > 5  # each streamed, in pieces
+    assert max(thought) < min(said) and max(said) < min(called)  # in that order, the block not as content
 
 
 def test_chat_template_kwargs(served):

@@ -1,6 +1,7 @@
-"""The HTTP server's tool calling (named / required / auto / none), beam search, ``stream_options.include_usage`` and
-``echo``, on a tiny random Llama with a byte-level tokenizer whose chat template renders tools Hermes-style; and the
-Hermes tool-call parser on strings."""
+"""The HTTP server's tool calling (named / required / auto / none, auto calls streamed as generated), beam search,
+``stream_options.include_usage`` and ``echo``, on a tiny random Llama with a byte-level tokenizer (one token per
+byte) whose chat template renders tools Hermes-style; and the tool-call parsers on strings, whole and streamed in
+any chunking (hypothesis)."""
 
 import json
 import re
@@ -8,10 +9,21 @@ import threading
 
 import pytest
 from engine_helpers import ours_from_hf, post, sse_events, tiny_hf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from infercore import Engine, SamplingParams
 from infercore.serve import make_server
-from infercore.tool_parsers import TOOL_PARSERS, HermesToolParser, ToolParser, get_tool_parser, register_tool_parser
+from infercore.tool_parsers import (
+    TOOL_PARSERS,
+    HermesToolParser,
+    HermesToolStream,
+    Llama3JsonToolStream,
+    MistralToolStream,
+    ToolParser,
+    get_tool_parser,
+    register_tool_parser,
+)
 
 TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}. Call one as "
@@ -94,9 +106,10 @@ def test_hermes_parser_reads_calls_and_leaves_the_rest():
     text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
             '</tool_call>\n<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"Utc\\"}"}</tool_call> Done.')
     content, calls = p.extract(text)
-    assert content == "Let me look.\n\n Done."
+    assert content == "Let me look. Done."  # less the whitespace before each call and at the end
     assert [c.name for c in calls] == ["get_weather", "get_time"]
-    assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris", "days": 3}, {"zone": "Utc"}]
+    # the arguments as written; written as a JSON string: its decoded text
+    assert [c.arguments for c in calls] == ['{"city": "Paris", "days": 3}', '{"zone": "Utc"}']
     assert all(c.id.startswith("call_") and len(c.id) == 29 for c in calls) and calls[0].id != calls[1].id
     assert calls[0].to_openai() == {"id": calls[0].id, "type": "function",
                                     "function": {"name": "get_weather", "arguments": calls[0].arguments}}
@@ -110,8 +123,17 @@ def test_hermes_parser_reads_calls_and_leaves_the_rest():
     # no call: the text untouched; an unclosed last block (cut off) is read to the end; only calls: no content
     assert p.extract("  plain text\n") == ("  plain text\n", [])
     content, calls = p.extract('ok <tool_call>{"name": "f", "arguments": {"a": [1, 2]}}')
-    assert content == "ok" and json.loads(calls[0].arguments) == {"a": [1, 2]}
+    assert content == "ok" and calls[0].arguments == '{"a": [1, 2]}'
     assert p.extract('<tool_call>{"name": "f", "arguments": {}}</tool_call>\n')[0] is None
+    # the object is read as JSON: a closing tag inside a string is no end; junk after the object is no call
+    content, calls = p.extract('<tool_call>{"name": "f", "arguments": {"s": "</tool_call>"}}</tool_call>')
+    assert content is None and calls[0].arguments == '{"s": "</tool_call>"}'
+    junk = '<tool_call>{"name": "f", "arguments": {}} oops</tool_call>'
+    assert p.extract(junk) == (junk, [])
+    # without arguments: {}; "parameters" for "arguments"; other keys ignored
+    content, calls = p.extract('<tool_call>{"name": "f"}</tool_call><tool_call>{"id": 1, "parameters": {"b": 2}, '
+                               '"name": "g"}</tool_call>')
+    assert [(c.name, c.arguments) for c in calls] == [("f", "{}"), ("g", '{"b": 2}')]
 
 
 def test_llama3_json_parser():
@@ -143,6 +165,239 @@ def test_mistral_parser():
         assert p.extract(text) == (text, []), text
 
 
+# ---------------------------------------------------------------------------------------------- streamed parsing
+
+
+def replay(parser: str, pieces: list[str]) -> tuple[str, list[tuple[str, str]], list]:
+    """Feed ``pieces`` (the last one final) to a new stream of ``parser``: the content and ``(name, arguments)`` its
+    deltas add up to, and the deltas. Checks the chunk shape on the way: a call's first piece has its index (the
+    next one), id, type and name; later pieces only add (non-empty) arguments."""
+    s = get_tool_parser(parser).stream()
+    content, calls, deltas = "", [], []
+    for i, piece in enumerate(pieces):
+        d = s.feed(piece, final=i == len(pieces) - 1)
+        deltas.append(d)
+        content += d.content
+        for p in d.tool_calls:
+            if p["index"] == len(calls):
+                assert p["id"].startswith("call_") and p["type"] == "function" and p["function"]["name"]
+                assert set(p["function"]) == {"name", "arguments"}
+                calls.append([p["function"]["name"], p["function"]["arguments"]])
+            else:
+                assert p["index"] < len(calls) and set(p) == {"index", "function"}
+                assert set(p["function"]) == {"arguments"} and p["function"]["arguments"]
+                calls[p["index"]][1] += p["function"]["arguments"]
+    assert s.called == bool(calls)
+    assert [(c.name, c.arguments) for c in s.tool_calls()] == [tuple(c) for c in calls]
+    return content, [tuple(c) for c in calls], deltas
+
+
+def chunked(text: str, cuts) -> list[str]:
+    """``text`` split at ``cuts`` (any positions, repeats and ends allowed: empty pieces too)."""
+    cuts = sorted({min(max(c, 0), len(text)) for c in cuts})
+    edges = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in zip(edges, edges[1:])] or [""]
+
+
+def whole(parser: str, text: str) -> tuple[str, list[tuple[str, str]]]:
+    """``extract``'s reading of ``text`` in :func:`replay`'s terms (no content: "")."""
+    content, calls = get_tool_parser(parser).extract(text)
+    return content or "", [(c.name, c.arguments) for c in calls]
+
+
+def test_hermes_stream_sends_content_then_each_call_as_it_grows():
+    args = '{"city": "Paris", "days": 3}'
+    text = f'Let me check. <tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call> Then more.'
+    s = get_tool_parser("hermes").stream()
+    assert isinstance(s, HermesToolStream)
+    content, pieces = "", []
+    for k in range(len(text)):
+        d = s.feed(text[k], final=k == len(text) - 1)
+        content += d.content
+        seen = text[:k + 1]
+        if d.tool_calls:
+            pieces.append((k, d.tool_calls))
+        if seen.endswith('"get_weather"'):  # the call goes out as soon as its name is known
+            [head] = d.tool_calls
+            assert head["index"] == 0 and head["function"] == {"name": "get_weather", "arguments": ""}
+        if len(seen) < text.index("<tool_call>"):
+            assert content == seen.rstrip()  # the text before the call streams as it comes, less trailing spaces
+        elif len(seen) < text.index("</tool_call>"):
+            assert content == "Let me check."  # nothing of the call is content
+        a = text.index(args)
+        if a <= k < a + len(args):  # the arguments so far: every character of the object already written
+            assert "".join(p[0]["function"]["arguments"] for _, p in pieces) == text[a:k + 1]
+    assert content == "Let me check. Then more." == whole("hermes", text)[0]
+    assert len(pieces) == len(args) + 1  # the name, then one piece per character of the arguments
+
+
+def test_hermes_stream_false_starts_are_content():
+    s = get_tool_parser("hermes").stream()
+    assert s.feed("Use <tool").content == "Use"  # " <tool" may begin a call: held back
+    assert s.feed("s> not <tool_c").content == " <tools> not"
+    assert s.feed("alls").content == " <tool_calls"
+    assert s.feed(" <", final=True).content == " <" and not s.called
+    # a block whose body is no call object is content as written, streamed once it proves none
+    s = get_tool_parser("hermes").stream()
+    assert s.feed("a <tool_call>").content == "a"
+    assert s.feed(" [1, 2] </tool").content == " <tool_call> [1, 2]"
+    assert s.feed("_call> b", final=True).content == " </tool_call> b" and not s.called
+    # an object that is no call (no name) is held until it closes, then is content
+    text = '<tool_call>{"arguments": {"a": 1}}</tool_call>'
+    content, calls, deltas = replay("hermes", list(text))
+    assert (content, calls) == (text, []) == whole("hermes", text) and "".join(d.content for d in deltas[:30]) == ""
+
+
+def test_hermes_stream_string_arguments_decode_as_they_settle():
+    inner = '{"q": "a\\"b", "e": "\\u00e9\\ud83d\\ude00"}'  # the arguments' own JSON text
+    text = '<tool_call>{"name": "f", "arguments": ' + json.dumps(inner) + "}</tool_call>"
+    content, calls, deltas = replay("hermes", list(text))
+    assert calls == [("f", inner)] == whole("hermes", text)[1] and content == ""
+    args = [p["function"]["arguments"] for d in deltas for p in d.tool_calls]
+    assert len(args) > 20 and "\\" not in "".join(args[:2])  # decoded piece by piece, no escape cut in half
+
+
+def test_llama3_json_stream():
+    s = get_tool_parser("llama3_json").stream()
+    assert isinstance(s, Llama3JsonToolStream)
+    assert s.feed("  The weather").content == "  The weather"  # not a call: content as it comes
+    assert s.feed(" is {fine}.", final=True).content == " is {fine}." and not s.called
+    text = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+            '{"name": "get_time", "arguments": {"zone": "UTC"}}')
+    content, calls, deltas = replay("llama3_json", list(text))
+    assert (content, calls) == whole("llama3_json", text) == (
+        "", [("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "UTC"}')])
+    first = next(i for i, d in enumerate(deltas) if d.tool_calls)
+    assert text[:first + 1].endswith('"get_weather"')
+    # a reply that starts with "{" is held until its first object shows a name, or closes without one
+    s = get_tool_parser("llama3_json").stream()
+    assert s.feed('{"city": "Pa').content == ""
+    assert s.feed('ris"}').content == '{"city": "Paris"}' and s.feed(" ok", final=True).content == " ok"
+    # a "<|python" that is no tag is content too
+    assert replay("llama3_json", ["<|pyth", "on is great"])[0] == "<|python is great"
+
+
+def test_mistral_stream():
+    s = get_tool_parser("mistral").stream()
+    assert isinstance(s, MistralToolStream)
+    assert s.feed("Checking. [TOOL").content == "Checking."
+    assert s.feed("S] are fine", final=True).content == " [TOOLS] are fine" and not s.called
+    for text, want in (
+            ('Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+             '{"name": "get_time", "arguments": {}}]', [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+            ('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS] get_time [ARGS] {}',
+             [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")])):
+        content, calls, deltas = replay("mistral", list(text))
+        assert (content, calls) == whole("mistral", text) and calls == want
+        args = [p["function"]["arguments"] for d in deltas for p in d.tool_calls if "id" not in p]
+        assert "".join(args).startswith('{"city": "') and len(args) > 5  # the arguments in pieces
+    # v11: the name is known at [ARGS]
+    s = get_tool_parser("mistral").stream()
+    assert s.feed("[TOOL_CALLS]get_weather").tool_calls == []
+    [head] = s.feed("[ARGS]{").tool_calls
+    assert head["function"] == {"name": "get_weather", "arguments": "{"}
+
+
+def test_a_stream_commits_to_a_named_call():
+    """A call goes out once named; a reply then cut off inside it keeps it (arguments as far as they went), where
+    the whole reply, read at once, is content (the documented limit of streaming)."""
+    text = 'ok <tool_call>{"name": "f", "arguments": {"a": 1'
+    assert replay("hermes", chunked(text, [20, 30]))[:2] == ("ok", [("f", '{"a": 1')])
+    assert whole("hermes", text) == (text, [])
+    assert replay("hermes", [text])[:2] == (text, [])  # one piece: read as a whole
+
+
+# the JSON-ish characters and markers that strings, keys and content are drawn from
+_BITS = ["a", "Z", " ", "\n", '"', "\\", "{", "}", "[", "]", ":", ",", ";", "<", ">", "/", "é", "😀", "\\u", "<tool",
+         "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "[TOOL"]
+_WORD = st.lists(st.sampled_from(_BITS), max_size=5).map("".join)
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6)
+                     | st.floats(allow_nan=False, allow_infinity=False) | _WORD,
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_WORD, inner, max_size=3),
+                     max_leaves=6)
+_NAME = st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True)
+_WS = st.sampled_from(["", " ", "\n", " \n  "])
+
+
+@st.composite
+def _call(draw, *, strings: bool) -> tuple[str, str, str]:
+    """``(name, arguments text, call object text)``: the arguments rendered in some JSON style, the object with its
+    keys in either order, maybe an extra key, "arguments" or "parameters", the arguments maybe as a JSON string."""
+    name, value = draw(_NAME), draw(st.dictionaries(_WORD, _JSON, max_size=3))
+    args = json.dumps(value, ensure_ascii=draw(st.booleans()), indent=draw(st.sampled_from([None, 1])))
+    written = json.dumps(args) if strings and draw(st.booleans()) else args
+    w = draw(_WS)
+    key = draw(st.sampled_from(["arguments", "parameters"]))
+    fields = [f'"name"{w}:{w}{json.dumps(name)}', f'"{key}":{w}{written}']
+    if draw(st.booleans()):
+        fields.reverse()
+    if draw(st.booleans()):
+        fields.insert(draw(st.integers(0, 2)), f'"id": {json.dumps(draw(_JSON))}')
+    return name, args, "{" + w + f",{w}".join(fields) + w + "}"
+
+
+def _content(draw, marker: str) -> str:
+    return draw(st.lists(st.sampled_from(_BITS + ["Let me", ".", "  "]), max_size=6).map("".join)
+                .filter(lambda t: marker not in t))
+
+
+@st.composite
+def _reply(draw, parser: str) -> tuple[str, str | None, list[tuple[str, str]]]:
+    """A well-formed reply in ``parser``'s format (zero or more calls) and what it must read as: ``(text, content,
+    calls)``, the content by the documented rule (the text outside the calls less the whitespace before each call
+    and at the end; without calls the text itself)."""
+    n = draw(st.integers(0, 3))
+    calls = [draw(_call(strings=parser == "hermes")) for _ in range(n)]
+    if parser == "hermes":
+        outside = [_content(draw, "<tool_call>") for _ in range(n + 1)]
+        text = outside[0]
+        for k, (_, _, obj) in enumerate(calls):
+            last = k == n - 1 and not outside[-1].strip()
+            close = "" if last and draw(st.booleans()) else "</tool_call>"  # a last block may stay open
+            text += "<tool_call>" + draw(_WS) + obj + draw(_WS) + close + outside[k + 1]
+        content = "".join(p.rstrip() for p in outside) or None
+    elif parser == "llama3_json":
+        if not n:
+            text = _content(draw, "<tool_call>").lstrip().lstrip("{")  # prose: no call
+            text = draw(_WS) + ("Sure" if text.startswith("<|python_tag|>") else "") + text
+        else:
+            seps = st.sampled_from([";", "; ", "\n", "", " ;\n"])
+            text = draw(_WS) + draw(st.sampled_from(["", "<|python_tag|>"])) + draw(_WS) + calls[0][2]
+            text += "".join(draw(seps) + obj for _, _, obj in calls[1:]) + draw(_WS)
+        content = None
+    else:
+        head = _content(draw, "[TOOL_CALLS]")
+        text, rest = head, list(calls)
+        while rest:
+            if draw(st.booleans()):  # an array of one or more calls
+                k = draw(st.integers(1, len(rest)))
+                take, rest = rest[:k], rest[k:]
+                text += "[TOOL_CALLS]" + draw(_WS) + "[" + ",".join(draw(_WS) + obj for _, _, obj in take) + "]"
+            else:  # name[ARGS]{...}
+                (name, args, _), rest = rest[0], rest[1:]
+                text += "[TOOL_CALLS]" + draw(_WS) + name + draw(_WS) + "[ARGS]" + draw(_WS) + args
+            text += draw(_WS)
+        content = head.rstrip() or None
+    if not n:
+        content = text
+    return text, content, [(name, args) for name, args, _ in calls]
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_chunking_streams_the_whole_reply(parser, data):
+    """Generated replies: ``extract`` reads the calls as written and the content by the rule, and a stream of the
+    same text in any chunking (down to empty pieces) adds up to exactly that."""
+    text, content, calls = data.draw(_reply(parser))
+    got_content, got_calls = get_tool_parser(parser).extract(text)
+    assert got_content == content and [(c.name, c.arguments) for c in got_calls] == calls
+    assert all(isinstance(json.loads(args), dict) for _, args in calls)
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=max(1, len(text))))
+    assert replay(parser, chunked(text, cuts))[:2] == ((content or ""), calls)
+    assert replay(parser, list(text) + [""])[:2] == ((content or ""), calls)  # one character at a time
+
+
 def test_tool_parser_registry(served):
     with pytest.raises(ValueError, match="unknown parser 'nope'.*hermes"):
         get_tool_parser("nope")
@@ -154,6 +409,10 @@ def test_tool_parser_registry(served):
 
     try:
         assert get_tool_parser("test-upper").extract("ab") == ("AB", [])
+        # a parser with no stream of its own: its streams hold the reply back and read it whole at the end
+        s = get_tool_parser("test-upper").stream()
+        assert s.feed("a<tool_call>").content == "" and s.feed("b", final=True).content == "A<TOOL_CALL>B"
+        assert not s.called
         with pytest.raises(ValueError, match="unknown parser"):
             make_server(served.loop.engine, port=0, tool_call_parser="nope")
     finally:
@@ -279,22 +538,96 @@ def test_auto_tool_choice_parses_hermes_calls(served):
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me check."
     [call] = choice["message"]["tool_calls"]
-    assert call["function"]["name"] == "get_weather"
-    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
-    status, data = _post(served, "/v1/chat/completions", {**req, "stream": True, "n": 2}, raw=True)
-    events = _events(data)
-    for i in range(2):
-        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == i]
-        assert mine[-1]["finish_reason"] == "tool_calls"
-        assert "".join(c["delta"].get("content", "") for c in mine) == "Let me check."
-        assert any(c["delta"].get("content") for c in mine[:-1])  # the text before the call streamed as it came
-        [streamed] = mine[-1]["delta"]["tool_calls"]
-        assert streamed["index"] == 0 and streamed["function"] == call["function"]
-        assert all("tool_calls" not in c["delta"] for c in mine[:-1])
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}
     status, body = _post(served, "/v1/chat/completions", {**req, "tool_choice": "none"})
     msg = body["choices"][0]["message"]
     assert status == 200 and msg == {"role": "assistant", "content": FORCED}
     assert body["choices"][0]["finish_reason"] == "stop"
+    _, data = _post(served, "/v1/chat/completions", {**req, "tool_choice": "none", "stream": True}, raw=True)
+    chunks = [e["choices"][0] for e in _events(data)]
+    assert "".join(c["delta"].get("content", "") for c in chunks) == FORCED
+    assert not any("tool_calls" in c["delta"] for c in chunks) and chunks[-1]["finish_reason"] == "stop"
+
+
+def add_up(chunks: list[dict]) -> tuple[str, list[tuple[str, str]]]:
+    """A streamed chat choice's chunks added up: its content and ``(name, arguments)`` per call, checking the chunk
+    shape: a call's first piece carries its index (the next), id, type and name; later ones only arguments."""
+    content, calls = "", []
+    for c in chunks:
+        content += c["delta"].get("content") or ""
+        for p in c["delta"].get("tool_calls", []):
+            if p["index"] == len(calls):
+                assert p["id"].startswith("call_") and p["type"] == "function" and p["function"]["name"]
+                calls.append([p["function"]["name"], p["function"]["arguments"]])
+            else:
+                assert p["index"] < len(calls) and "id" not in p and set(p["function"]) == {"arguments"}
+                calls[p["index"]][1] += p["function"]["arguments"]
+    return content, [tuple(c) for c in calls]
+
+
+WANT_CALLS = [("get_weather", '{"city": "Paris", "days": 3}'), ("get_time", '{"zone": "Utc"}')]
+AUTO_REPLIES = {  # parser -> a reply in its format with the two calls of WANT_CALLS, and that reply's content
+    "hermes": ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+               '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": "Utc"}}</tool_call>',
+               "Let me check."),
+    "llama3_json": ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
+                    '{"name": "get_time", "parameters": {"zone": "Utc"}}', None),
+    "mistral": ('Let me check. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+                '{"name": "get_time", "arguments": {"zone": "Utc"}}]', "Let me check."),
+}
+
+
+@pytest.mark.parametrize("parser", list(AUTO_REPLIES))
+def test_auto_tool_calls_stream_as_generated(served, monkeypatch, parser):
+    """Each parser's reply (forced; one token per byte): the whole reply's message, and its stream, which sends the
+    content before the calls as it comes, then each call once named and its arguments a piece per token, adding
+    up to the whole reply's, for every choice."""
+    monkeypatch.setattr(served, "tool_parser", get_tool_parser(parser))
+    text, content = AUTO_REPLIES[parser]
+    req = {"messages": ASK, "tools": TOOLS, "max_tokens": 300, "temperature": 0, "guided_regex": re.escape(text)}
+    status, body = _post(served, "/v1/chat/completions", req)
+    choice = body["choices"][0]
+    assert status == 200 and choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == content
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
+    assert calls == WANT_CALLS
+    status, data = _post(served, "/v1/chat/completions", {**req, "stream": True, "n": 2}, raw=True)
+    events = _events(data)
+    assert status == 200
+    for i in range(2):
+        chunks = [e["choices"][0] for e in events if e["choices"][0]["index"] == i]
+        assert add_up(chunks) == ((content or ""), calls)
+        assert chunks[-1]["finish_reason"] == "tool_calls" and all(c["finish_reason"] is None for c in chunks[:-1])
+        pieces = [(k, p) for k, c in enumerate(chunks) for p in c["delta"].get("tool_calls", [])]
+        # each call named as soon as its name is out, with no arguments yet; then one piece per token
+        assert [p["function"] for _, p in pieces if "id" in p] == [{"name": n, "arguments": ""} for n, _ in calls]
+        assert len(pieces) == len(calls) + sum(len(a) for _, a in calls)
+        first = pieces[0][0]
+        said = [k for k, c in enumerate(chunks) if c["delta"].get("content")]
+        assert all(k < first for k in said)  # no content once the call began
+        if content:
+            assert len(said) > 5  # the content streamed as it came
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", "Use <tool> or <tool_call tags, not </tool_call>."),
+    ("mistral", "A [TOOL] or [TOOL_CALLS is no call."),
+    ("llama3_json", "<|python is no tag {x}"),
+])
+def test_auto_false_starts_stream_as_content(served, monkeypatch, parser, text):
+    """Text that looks like the start of a call but is none streams as content (held back only while it may still
+    be one): all of it, as it comes, with finish_reason "stop"."""
+    monkeypatch.setattr(served, "tool_parser", get_tool_parser(parser))
+    req = {"messages": ASK, "tools": TOOLS, "max_tokens": 100, "temperature": 0, "guided_regex": re.escape(text),
+           "stream": True}
+    status, data = _post(served, "/v1/chat/completions", req, raw=True)
+    chunks = [e["choices"][0] for e in _events(data)]
+    assert status == 200 and add_up(chunks) == (text, []) and chunks[-1]["finish_reason"] == "stop"
+    said = [c["delta"]["content"] for c in chunks if c["delta"].get("content")]
+    # as it came (a space waits for the next word): a held-back start went out once it proved none
+    assert len(said) > len(text) // 3
+    marker = {"hermes": "<tool", "mistral": "[TOOL", "llama3_json": "<|python"}[parser]
+    k = text.index(marker) + len(marker)
+    assert len("".join(said[:-3])) >= k  # the false start went out well before the end of the reply
 
 
 @pytest.mark.parametrize("body, param, text", [

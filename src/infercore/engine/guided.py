@@ -1,12 +1,13 @@
-"""Guided (structured-output) decoding: a request's tokens constrained to a regular language.
+"""Guided (structured-output) decoding: a request's tokens constrained to a regular or context-free language.
 
 A request's :class:`~infercore.engine.params.SamplingParams` names the language (``guided_regex``,
-``guided_choice`` or ``guided_json``); :meth:`SamplingParams.guided_pattern` gives its regex. The engine keeps
-one :class:`TokenGuide` per pattern: the pattern's character DFA (:class:`~infercore.engine.fsm.CharDFA`) walked
-over the tokenizer's vocabulary. For each DFA state it finds the tokens whose text keeps the output a prefix of
-some match (a walk of the vocabulary's character trie, pruned where the DFA dies; cached per state), and the
-sampler masks every other logit to ``-inf`` (:meth:`TokenGuide.mask_`). End-of-sequence is allowed only where
-the output so far is a whole match, and is the only choice once nothing can follow.
+``guided_choice`` or ``guided_json``, whose regex :meth:`SamplingParams.guided_pattern` gives, or a GBNF grammar
+``guided_grammar``). The engine keeps one guide per language: a :class:`TokenGuide` walks the pattern's character
+DFA (:class:`~infercore.engine.fsm.CharDFA`) over the tokenizer's vocabulary, a :class:`GrammarGuide` the grammar's
+pushdown recognizer (:class:`~infercore.engine.grammar.Grammar`). For each state it finds the tokens whose text
+keeps the output a prefix of some match (a walk of the vocabulary's character trie, pruned where the language
+dies; cached per state), and the sampler masks every other logit to ``-inf`` (``mask_``). End-of-sequence is
+allowed only where the output so far is a whole match, and is the only choice once nothing can follow.
 
 Limits: a token whose text is not valid UTF-8 on its own (a byte-level BPE piece of a multi-byte character)
 is never chosen, so characters spelled only by such pieces cannot appear; special tokens other than
@@ -17,12 +18,14 @@ before the next (as penalties do), and take no speculative drafts.
 from __future__ import annotations
 
 import secrets
+from collections import OrderedDict
 
 import torch
 
 from .fsm import DEAD, CharDFA
+from .grammar import Grammar
 
-__all__ = ["GuideSet", "TokenGuide", "vocab_strings"]
+__all__ = ["GrammarGuide", "GuideSet", "TokenGuide", "vocab_strings", "vocab_trie"]
 
 
 def vocab_strings(tokenizer, size: int) -> list[str | None]:
@@ -44,30 +47,42 @@ def vocab_strings(tokenizer, size: int) -> list[str | None]:
     return out + [None] * (size - n)
 
 
+def vocab_trie(strings: list[str | None]) -> tuple[dict, list[int]]:
+    """The vocabulary's texts as a character trie: a node is ``(children by character, ids of the tokens ending
+    there)``; None texts are left out."""
+    trie: tuple[dict, list[int]] = ({}, [])
+    for i, s in enumerate(strings):
+        if s is None:
+            continue
+        node = trie
+        for ch in s:
+            node = node[0].setdefault(ch, ({}, []))
+        node[1].append(i)
+    return trie
+
+
 class TokenGuide:
     """The tokens allowed after each state of ``pattern``'s DFA, over a vocabulary of ``len(strings)`` ids
-    (``strings[i]``: token i's text, None = never allowed); ``eos_ids``: the end-of-sequence ids."""
+    (``strings[i]``: token i's text, None = never allowed); ``eos_ids``: the end-of-sequence ids; ``trie``: the
+    vocabulary's :func:`vocab_trie`, when the caller has it already."""
 
-    def __init__(self, pattern: str, strings: list[str | None], eos_ids) -> None:
+    def __init__(self, pattern: str, strings: list[str | None], eos_ids, *, trie=None) -> None:
         self.dfa = CharDFA(pattern)
         self.strings = strings
         self.eos = sorted(int(i) for i in eos_ids)
         if not self.eos:
             raise ValueError("guided decoding needs a tokenizer with an end-of-sequence token")
-        # a character trie of the vocabulary: node = (children by character, ids ending here)
-        self._trie: tuple[dict, list[int]] = ({}, [])
-        for i, s in enumerate(strings):
-            if s is None:
-                continue
-            node = self._trie
-            for ch in s:
-                node = node[0].setdefault(ch, ({}, []))
-            node[1].append(i)
+        self._trie = vocab_trie(strings) if trie is None else trie
         self._allowed: dict[int, list[int]] = {}
         # Names this guide in a request's progress (Request._guide): its DFA's state numbers mean nothing to
         # another guide, so a request adopted from another engine walks its output again.
         self.key = secrets.randbits(63)
         self._masks: dict[tuple[int, torch.device, int], torch.Tensor] = {}
+
+    @property
+    def start(self) -> int:
+        """The state of an empty output."""
+        return self.dfa.start
 
     def advance(self, state: int, token_ids) -> int:
         """The state after the texts of ``token_ids`` (end-of-sequence ids add nothing); DEAD when one leaves
@@ -122,30 +137,152 @@ class TokenGuide:
         logits[row].masked_fill_(~keep, float("-inf"))
 
 
+class GrammarGuide:
+    """:class:`TokenGuide`'s interface over a GBNF grammar (``SamplingParams.guided_grammar``): states are the
+    grammar recognizer's parse-stack sets (:class:`~infercore.engine.grammar.Grammar`), hashable values that a
+    request carries as they are.
+
+    A context-free language has unboundedly many states (a string inside an object inside a list is another
+    state than a string inside an object), so a walk of the whole vocabulary per state would be paid again at
+    every new depth. A token is allowed where some parse stack of the state allows it, and what a stack allows
+    depends on its top ``top_frames`` frames alone unless a token ends all of them: so the walk is done (and kept)
+    per top of stack, and only from where a token ends those frames is the rest of the stack walked, from those
+    trie nodes on (few: a token rarely closes a string and the member and object around it). Where tokens end the
+    top frames at more than ``max_exits`` trie nodes (frames that end after a character or two), twice as many
+    frames are taken. The tokens allowed are kept for the ``max_cached`` states and stack tops used last (bool
+    masks; per device and width for the sampler)."""
+
+    def __init__(self, grammar: str, strings: list[str | None], eos_ids, *, trie=None, top_frames: int = 3,
+                 max_exits: int = 256, max_cached: int = 256) -> None:
+        self.grammar = Grammar(grammar)
+        self.strings = strings
+        self.eos = sorted(int(i) for i in eos_ids)
+        if not self.eos:
+            raise ValueError("guided decoding needs a tokenizer with an end-of-sequence token")
+        self._trie = vocab_trie(strings) if trie is None else trie
+        self.key = secrets.randbits(63)  # as TokenGuide.key: another guide's states are walked again
+        self.top_frames, self.max_exits, self.max_cached = top_frames, max_exits, max_cached
+        self._width = max(len(strings), self.eos[-1] + 1)
+        self._keep: OrderedDict = OrderedDict()  # state -> bool [_width] on the CPU
+        self._tops: OrderedDict = OrderedDict()  # a stack's top frames -> (bool [_width], trie nodes where they end)
+        self._banned: OrderedDict = OrderedDict()  # (state, device, width) -> bool [width]: the masked ids
+
+    @property
+    def start(self):
+        """The state of an empty output."""
+        return self.grammar.start
+
+    def advance(self, state, token_ids):
+        """The state after the texts of ``token_ids`` (end-of-sequence ids add nothing); the empty (dead) state
+        when one leaves the language."""
+        g = self.grammar
+        for t in token_ids:
+            if not state:
+                return state
+            s = self.strings[t] if 0 <= t < len(self.strings) else None
+            if s is None:
+                if t in self.eos:
+                    continue
+                return frozenset()
+            state = g.walk(state, s)
+        return state
+
+    def _allowed_mask(self, state) -> torch.Tensor:
+        keep = self._keep.get(state)
+        if keep is not None:
+            self._keep.move_to_end(state)
+            return keep
+        g = self.grammar
+        keep = torch.zeros(self._width, dtype=torch.bool)
+        for stack in state:
+            if not stack:
+                continue
+            k = self.top_frames
+            while True:
+                top = stack[-k:]
+                got = self._tops.get(top)  # (mask, trie nodes where the top frames end); None: not known
+                if got is None:
+                    exits: list = []
+                    ids = g.token_ids(frozenset((top,)), self._trie, exits, self.max_exits)
+                    got = (None, None) if ids is None else (self._mask(ids), exits)
+                    _put(self._tops, top, got, self.max_cached)
+                else:
+                    self._tops.move_to_end(top)
+                if got[1] is not None or len(stack) <= k:
+                    break
+                k *= 2  # too many ends: more frames
+            if got[0] is None:  # the whole stack, whose ends were too many to keep
+                got = self._tops[top] = self._mask(g.token_ids(frozenset((top,)), self._trie)), None
+            keep |= got[0]
+            if got[1] and len(stack) > k:  # tokens that end the top frames go on in the frames below
+                below = g.resume(stack[:-k])
+                for node in got[1]:
+                    keep[g.token_ids(below, node)] = True
+        if g.accepting(state) or not keep.any():  # as TokenGuide: no way on (or none spelled) ends it
+            keep[self.eos] = True
+        _put(self._keep, state, keep, self.max_cached)
+        return keep
+
+    def _mask(self, ids: list[int]) -> torch.Tensor:
+        keep = torch.zeros(self._width, dtype=torch.bool)
+        keep[ids] = True
+        return keep
+
+    def allowed(self, state) -> list[int]:
+        """Sorted ids allowed after ``state`` (as :meth:`TokenGuide.allowed`)."""
+        return self._allowed_mask(state).nonzero().flatten().tolist()
+
+    def mask_(self, logits: torch.Tensor, row: int, state) -> None:
+        """Set every logit of ``logits[row]`` that ``state`` does not allow to ``-inf``, in place."""
+        width = logits.shape[1]
+        key = (state, logits.device, width)
+        banned = self._banned.get(key)
+        if banned is None:
+            keep = self._allowed_mask(state)[:width]
+            banned = torch.ones(width, dtype=torch.bool)
+            banned[: len(keep)] = ~keep
+            banned = banned.to(logits.device)
+            _put(self._banned, key, banned, self.max_cached)
+        else:
+            self._banned.move_to_end(key)
+        logits[row].masked_fill_(banned, float("-inf"))
+
+
+def _put(cache: OrderedDict, key, value, limit: int) -> None:
+    cache[key] = value
+    if len(cache) > limit:
+        cache.popitem(last=False)
+
+
 class GuideSet:
-    """An engine's guides, one :class:`TokenGuide` per pattern over ``tokenizer``'s vocabulary (its texts read at the
-    first use), and the sampler's logits processing: ``guides(reqs, logits)`` returns a copy of ``logits``
-    ``[len(reqs), V]`` with each request's ``logit_bias`` added, its ``allowed_token_ids`` kept alone, and each guided
-    request's row masked to what its pattern allows after its output so far."""
+    """An engine's guides, one :class:`TokenGuide` per pattern and one :class:`GrammarGuide` per grammar over
+    ``tokenizer``'s vocabulary (its texts and trie built at the first use), and the sampler's logits processing:
+    ``guides(reqs, logits)`` returns a copy of ``logits`` ``[len(reqs), V]`` with each request's ``logit_bias``
+    added, its ``allowed_token_ids`` kept alone, and each guided request's row masked to what its pattern or
+    grammar allows after its output so far."""
 
     def __init__(self, tokenizer, vocab_size: int | None, eos_ids, *, speculative: bool) -> None:
         self.tokenizer, self.vocab_size, self.eos, self.speculative = tokenizer, vocab_size, eos_ids, speculative
-        self._guides: dict[str, TokenGuide] = {}
+        self._guides: dict[tuple[str, str], TokenGuide | GrammarGuide] = {}
         self._texts: list[str | None] | None = None
+        self._trie: tuple[dict, list[int]] | None = None
 
-    def guide_for(self, params) -> TokenGuide:
-        """The guide of ``params``' pattern (:meth:`SamplingParams.guided_pattern`). Raises ValueError without a
-        tokenizer or with speculative decoding."""
+    def guide_for(self, params) -> TokenGuide | GrammarGuide:
+        """The guide of ``params``' grammar (``guided_grammar``) or pattern (:meth:`SamplingParams.guided_pattern`).
+        Raises ValueError without a tokenizer or with speculative decoding."""
         if self.tokenizer is None:
             raise ValueError("SamplingParams guided_*: guided decoding needs an engine with a tokenizer")
         if self.speculative:
             raise ValueError("SamplingParams guided_*: not with speculative decoding (num_speculative_tokens)")
-        pattern = params.guided_pattern()
-        guide = self._guides.get(pattern)
+        key = ("grammar", params.guided_grammar) if params.guided_grammar is not None else (
+            "regex", params.guided_pattern())
+        guide = self._guides.get(key)
         if guide is None:
             if self._texts is None:
                 self._texts = vocab_strings(self.tokenizer, self.vocab_size or self.tokenizer.vocab_size)
-            guide = self._guides[pattern] = TokenGuide(pattern, self._texts, self.eos)
+                self._trie = vocab_trie(self._texts)
+            kind = GrammarGuide if key[0] == "grammar" else TokenGuide
+            guide = self._guides[key] = kind(key[1], self._texts, self.eos, trie=self._trie)
         return guide
 
     def __call__(self, reqs, logits: torch.Tensor) -> torch.Tensor:
@@ -170,7 +307,7 @@ class GuideSet:
             guide = self.guide_for(req.params)
             key, pos, state = req._guide if req._guide is not None else (None, 0, 0)
             if key != guide.key:  # first use, or a request moved here from another engine
-                pos, state = 0, guide.dfa.start
+                pos, state = 0, guide.start
             out = req.output_token_ids
             if len(out) > pos:
                 state = guide.advance(state, out[pos:])

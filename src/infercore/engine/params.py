@@ -39,7 +39,9 @@ class SamplingParams:
 
     Guided decoding (at most one; see ``engine/guided.py``): ``guided_regex`` (the output matches it whole,
     ``re.fullmatch`` semantics, a subset of Python's syntax), ``guided_choice`` (the output is one of these
-    strings) or ``guided_json`` (a JSON schema, as a dict or JSON text, or ``True`` for any JSON object). The
+    strings), ``guided_json`` (a JSON schema, as a dict or JSON text, or ``True`` for any JSON object) or
+    ``guided_grammar`` (a context-free grammar in llama.cpp's GBNF, start rule ``root``; see ``engine/grammar.py``;
+    left recursion is refused). The
     request ends with end-of-sequence once its output is a whole match and nothing more can follow, or when
     the model picks end-of-sequence at a whole match; it needs an engine with a tokenizer.
 
@@ -78,6 +80,7 @@ class SamplingParams:
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_json: dict | str | bool | None = None
+    guided_grammar: str | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
@@ -151,9 +154,11 @@ class SamplingParams:
             sequence("bad_words", self.bad_words)
             if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
                 raise ValueError("SamplingParams.bad_words must be a list of non-blank strings")
-        guided = [n for n in ("guided_regex", "guided_choice", "guided_json") if getattr(self, n) not in (None, False)]
+        guided = [n for n in ("guided_regex", "guided_choice", "guided_json", "guided_grammar")
+                  if getattr(self, n) not in (None, False)]
         if len(guided) > 1:
-            raise ValueError(f"SamplingParams: at most one of guided_regex, guided_choice, guided_json, got {guided}")
+            raise ValueError("SamplingParams: at most one of guided_regex, guided_choice, guided_json, guided_grammar, "
+                             f"got {guided}")
         if self.guided_regex is not None and not isinstance(self.guided_regex, str):
             raise TypeError(f"SamplingParams.guided_regex must be a str, got {type(self.guided_regex).__name__}")
         if self.guided_choice is not None:
@@ -161,6 +166,12 @@ class SamplingParams:
         if self.guided_json is not None and not isinstance(self.guided_json, (dict, str, bool)):
             raise TypeError(f"SamplingParams.guided_json must be a dict, a JSON string or True, got "
                             f"{type(self.guided_json).__name__}")
+        if self.guided_grammar is not None:
+            if not isinstance(self.guided_grammar, str):
+                raise TypeError(
+                    f"SamplingParams.guided_grammar must be a str, got {type(self.guided_grammar).__name__}")
+            if not self.guided_grammar.strip():
+                raise ValueError("SamplingParams.guided_grammar must be a non-empty GBNF grammar")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise TypeError(f"SamplingParams.logit_bias must be a dict, got {type(self.logit_bias).__name__}")
@@ -176,13 +187,18 @@ class SamplingParams:
                 raise ValueError("SamplingParams.allowed_token_ids must be a non-empty list of non-negative ints")
         if guided and self.allowed_token_ids is not None:
             raise ValueError("SamplingParams: allowed_token_ids and guided decoding exclude each other")
-        if guided:
+        if self.guided_grammar is not None:
+            from .grammar import compile_gbnf
+
+            compile_gbnf(self.guided_grammar)  # a bad grammar is refused here, with its line and column (cached)
+        elif guided:
             from .fsm import CharDFA
 
             CharDFA(self.guided_pattern())  # a pattern the DFA cannot take is refused here, with its construct
 
     def guided_pattern(self) -> str | None:
-        """The regex that guided decoding constrains the output to, or None."""
+        """The regex that guided decoding constrains the output to, or None (also with ``guided_grammar``, which
+        the engine's guide reads itself)."""
         from .fsm import choice_regex, json_object_regex, json_schema_regex
 
         if self.guided_regex is not None:
@@ -198,7 +214,7 @@ class SamplingParams:
     @property
     def guided(self) -> bool:
         return (self.guided_regex is not None or self.guided_choice is not None
-                or self.guided_json not in (None, False))
+                or self.guided_json not in (None, False) or self.guided_grammar is not None)
 
     @property
     def processes_logits(self) -> bool:

@@ -121,8 +121,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     # SamplingParams.prompt_logprobs: position 0's None, then one dict per prompt position computed so far
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
-    # guided decoding: (the engine's TokenGuide.key, output tokens walked, DFA state after them)
-    _guide: tuple[int, int, int] | None = None
+    # guided decoding: (the engine's guide's key, output tokens walked, the guide's state after them: a DFA state id,
+    # or a grammar's set of parse stacks)
+    _guide: tuple[int, int, Any] | None = None
     _bad_words: list[list[int]] | None = None  # SamplingParams.bad_words as token sequences (Engine._bad_word_ids)
     # LoRA: the adapter's name (None = the base model); the adapter's slot in the engine that runs it (-1 = none,
     # set at submission / adoption) and the prefix-cache salt that keeps its KV apart from other adapters'

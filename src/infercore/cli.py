@@ -123,9 +123,9 @@ def _loras(args: argparse.Namespace) -> tuple[list, dict]:
     specs = getattr(args, "lora", None) or []
     if not specs:
         return [], {}
-    if getattr(args, "expert_parallel", False) or getattr(args, "adaptive", None) is not None:
-        raise ValueError("--lora: LoRA adapters are not supported with --expert-parallel / --adaptive (they are "
-                         "with --tensor-parallel)")
+    if getattr(args, "expert_parallel", False):
+        raise ValueError("--lora: LoRA adapters are not supported with --expert-parallel (they are with "
+                         "--tensor-parallel and --adaptive)")
     from .lora import load_lora_adapter
 
     adapters = []
@@ -277,18 +277,20 @@ def _adaptive_rank(rank: int, args: argparse.Namespace, params, model, tok, expe
     from .parallel import LoadPolicy, build_adaptive
 
     high, low = args.adaptive
+    adapters, lora_kw = _serve_engine_kw(args) if args.cmd == "serve" else _loras(args)
     kw = dict(kv_cache_dtype=args.kv_cache_dtype, num_speculative_tokens=args.num_speculative_tokens,
-              cpu_kv_cache_bytes=_cpu_kv_bytes(args))
+              cpu_kv_cache_bytes=_cpu_kv_bytes(args), **lora_kw)
     eng = build_adaptive(model, tok, experts=experts, quantization=args.quantization, tp_engine_kwargs=kw,
                          dp_engine_kwargs=kw, policy=LoadPolicy(high_at=high, low_at=low))
     if rank:
         eng.follow()
     else:
         try:
+            _add_loras(eng, adapters)  # rank 0 sends each to both engines of every rank
             if args.cmd == "serve":
                 _run_server(eng, args)
             else:
-                _print_stream(eng, args, params)
+                _print_stream(eng, args, params, **({"lora": adapters[0].name} if adapters else {}))
         finally:
             eng.close()
     dist.barrier()

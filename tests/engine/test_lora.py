@@ -352,7 +352,8 @@ def test_cli_generate_through_an_adapter(tmp_path, capsys):
 
 def test_cli_generate_through_an_adapter_over_three_ranks(tmp_path, capfd):
     """``infercore generate --lora PATH --tensor-parallel 3`` (real SmolLM2 weights, fp32): each rank's slots hold its
-    slice of the adapter, and rank 0 prints the single-process answer; --expert-parallel with --lora is refused."""
+    slice of the adapter, and rank 0 prints the single-process answer, also as an adaptive TP / DP group;
+    --expert-parallel with --lora is refused."""
     from infercore import cli
 
     _smollm2_adapter(tmp_path / "rand", scale=0.5)
@@ -365,6 +366,8 @@ def test_cli_generate_through_an_adapter_over_three_ranks(tmp_path, capfd):
     assert out == one and "tokens/s" in err
     assert cli.main(args[:-2] + ["--tensor-parallel", "3"]) == 0  # the adapter changes the answer
     assert capfd.readouterr().out != one
+    assert cli.main(args + ["--tensor-parallel", "3", "--adaptive"]) == 0  # the TP / DP group: both engines have it
+    assert capfd.readouterr().out == one
     assert cli.main(args + ["--tensor-parallel", "3", "--expert-parallel"]) == 2
     assert "--expert-parallel" in capfd.readouterr().err
 

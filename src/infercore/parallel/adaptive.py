@@ -40,6 +40,7 @@ from .tensor import tensor_parallel_
 
 TP, DP = "tp", "dp"
 _STOP = "stop"
+_LORA = "lora"  # a message that loads or unloads a LoRA adapter in both engines of every rank
 
 
 @dataclass
@@ -175,6 +176,7 @@ class AdaptiveEngine:
         # rank 0's books: each unfinished request's place (-1: the TP engines, r: rank r's DP engine), in arrival
         # order; what the next step's message carries
         self._owner: dict[str, int] = {}
+        self._lora_of: dict[str, str] = {}  # rank 0: the adapter of each unfinished request that has one
         self._adds: list = []
         self._aborts: list[str] = []
         self._next_id = 0
@@ -189,13 +191,54 @@ class AdaptiveEngine:
             raise RuntimeError("AdaptiveEngine: closed")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None, chat: bool = False) -> str:
+                    request_id: str | None = None, chat: bool = False, lora: str | None = None) -> str:
         """Queue a request (rank 0); checked like :meth:`Engine.add_request`, against both layouts' engines, since
-        it may run in either. It reaches its engine at the next :meth:`step`."""
+        it may run in either. It reaches its engine at the next :meth:`step`. ``lora``: a loaded adapter's name
+        (:meth:`add_lora`); the request keeps it when it moves between the layouts."""
         self._driver("add_request")
-        return self._new(prompt, params, request_id, chat, final_only=False)
+        return self._new(prompt, params, request_id, chat, final_only=False, lora=lora)
 
-    def _new(self, prompt, params, request_id, chat: bool, *, final_only: bool) -> str:
+    def add_lora(self, name: str, adapter) -> None:
+        """Load a LoRA adapter (a PEFT directory every rank can read, or a :class:`~infercore.lora.LoRAAdapter`,
+        sent to every rank) into both engines of every rank (rank 0; both need ``max_loras > 0``: pass it in both
+        engines' kwargs). Checked on rank 0's engines first, so a refused adapter reaches no rank."""
+        self._driver("add_lora")
+        for eng in (self.dp, self.tp):
+            if eng.lora is None:
+                raise ValueError("add_lora: LoRA is not enabled; build both engines with max_loras > 0")
+            if name in eng.lora.adapters:
+                raise ValueError(f"add_lora: a LoRA adapter named {name!r} is already loaded")
+        self._lora_call(("add", name, adapter))
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter ``name`` from every engine (rank 0); ValueError if it is not loaded or an unfinished
+        request uses it."""
+        self._driver("remove_lora")
+        if name not in self.list_loras():
+            raise ValueError(f"remove_lora: no LoRA adapter named {name!r} is loaded")
+        busy = [rid for rid, la in self._lora_of.items() if la == name and rid in self._owner]
+        if busy:
+            raise ValueError(f"remove_lora: adapter {name!r} is in use by request(s) {busy[:4]}")
+        self._lora_call(("remove", name))
+
+    def list_loras(self) -> list[str]:
+        """The loaded adapters' names."""
+        return self.dp.list_loras()
+
+    def _lora_call(self, op: tuple) -> None:
+        msg = (_LORA, op, (), None)
+        _broadcast(msg, self.group, self.shm)
+        self._run(msg)
+
+    def _lora_op(self, op: tuple) -> list:
+        for eng in (self.dp, self.tp):
+            if op[0] == "add":
+                eng.add_lora(op[1], op[2])
+            else:
+                eng.remove_lora(op[1])
+        return []
+
+    def _new(self, prompt, params, request_id, chat: bool, *, final_only: bool, lora: str | None = None) -> str:
         if request_id is None:
             while str(self._next_id) in self._owner:
                 self._next_id += 1
@@ -204,12 +247,15 @@ class AdaptiveEngine:
         request_id = str(request_id)
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        req = self.dp._new_request(prompt, params, request_id=request_id, chat=chat)  # checked against dp's pool
+        req = self.dp._new_request(prompt, params, request_id=request_id, chat=chat,
+                                   lora=lora)  # checked against dp's pool (and its adapters)
         if req.num_tokens >= self.tp.max_model_len:  # and against tp's: a request may run in either
             raise ValueError(f"prompt has {req.num_tokens} tokens; the model's context is {self.tp.max_model_len}")
         self.tp._check_fits(min(req.num_tokens + req.params.max_tokens, self.tp.max_model_len), req.num_tokens)
         req._final_only = final_only
         self._owner[request_id] = -1  # placed when the step's layout is known
+        if lora is not None:
+            self._lora_of[request_id] = lora
         self._adds.append(req)
         return request_id
 
@@ -217,6 +263,7 @@ class AdaptiveEngine:
         """Abort a request (rank 0); it leaves at the next step, and reports no output."""
         self._driver("abort")
         rid = str(request_id)
+        self._lora_of.pop(rid, None)
         if self._owner.pop(rid, None) is None:
             return
         kept = [r for r in self._adds if r.request_id != rid]
@@ -248,31 +295,36 @@ class AdaptiveEngine:
         for out in outs:
             if out.finished:
                 self._owner.pop(out.request_id, None)
+                self._lora_of.pop(out.request_id, None)
         return outs
 
     def generate(self, prompts: str | list[int] | Iterable[str | list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None, *, chat: bool = False
-                 ) -> list[RequestOutput]:
-        """Run a batch of prompts to completion (rank 0); outputs in the prompts' order."""
+                 params: SamplingParams | list[SamplingParams] | None = None, *, chat: bool = False,
+                 lora: str | list[str | None] | None = None) -> list[RequestOutput]:
+        """Run a batch of prompts to completion (rank 0); outputs in the prompts' order (``lora``: one adapter name
+        for all, or one name or None per prompt)."""
         self._driver("generate")
         prompts = [prompts] if _one_prompt(prompts) else list(prompts)
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params has {len(plist)} entries for {len(prompts)} prompts")
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora has {len(loras)} entries for {len(prompts)} prompts")
         ids = []
         try:
-            for p, sp in zip(prompts, plist):
-                ids.append(self._new(p, sp, None, chat, final_only=True))
+            for p, sp, la in zip(prompts, plist, loras):
+                ids.append(self._new(p, sp, None, chat, final_only=True, lora=la))
         except (ValueError, TypeError):
             for rid in ids:  # a bad prompt queues none of them
                 self.abort(rid)
             raise
         return run_to_completion(self, ids)
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False
-               ) -> Iterator[RequestOutput]:
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False,
+               lora: str | None = None) -> Iterator[RequestOutput]:
         """Yield this request's output after every step that advanced it (rank 0)."""
-        return stream_outputs(self, self.add_request(prompt, params, chat=chat))
+        return stream_outputs(self, self.add_request(prompt, params, chat=chat, lora=lora))
 
     @property
     def tokenizer(self):
@@ -316,6 +368,8 @@ class AdaptiveEngine:
 
     def _run(self, msg) -> list[RequestOutput]:
         mode, adds, aborts, order = msg
+        if mode == _LORA:
+            return self._lora_op(adds)
         for rid in aborts:
             self.tp.abort(rid)
             self.dp.abort(rid)

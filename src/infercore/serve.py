@@ -318,13 +318,29 @@ def sampling_params(body: dict, *, chat: bool) -> SamplingParams:
 
 
 def _guided(body: dict) -> dict[str, Any]:
-    """Guided-decoding fields: ``guided_regex`` / ``guided_choice`` / ``guided_json``, or OpenAI's
-    ``response_format`` (``{"type": "json_object"}``, or ``{"type": "json_schema", "json_schema": {"schema": ...}}``;
-    ``{"type": "text"}`` is no constraint)."""
+    """Guided-decoding fields: ``guided_regex`` / ``guided_choice`` / ``guided_json`` / ``guided_grammar`` (GBNF),
+    vLLM's ``structured_outputs`` object (``regex`` / ``choice`` / ``json`` / ``grammar``, or ``json_object: true``),
+    or OpenAI's ``response_format`` (``{"type": "json_object"}``, or ``{"type": "json_schema", "json_schema":
+    {"schema": ...}}``; ``{"type": "text"}`` is no constraint)."""
     kw: dict[str, Any] = {}
-    for name in ("guided_regex", "guided_choice", "guided_json", "allowed_token_ids"):
+    for name in ("guided_regex", "guided_choice", "guided_json", "guided_grammar", "allowed_token_ids"):
         if body.get(name) is not None:
             kw[name] = body[name]
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise BadRequest("structured_outputs must be an object", "structured_outputs")
+        unknown = sorted(set(so) - {"regex", "choice", "json", "grammar", "json_object"})
+        if unknown:
+            raise BadRequest(f"structured_outputs: unsupported field(s) {unknown} (regex, choice, json, grammar, "
+                             "json_object)", "structured_outputs")
+        given = {f"guided_{k}": v for k, v in so.items() if k != "json_object" and v is not None}
+        if so.get("json_object"):
+            given["guided_json"] = True
+        if len(given) > 1 or (given and any(k.startswith("guided_") for k in kw)):
+            raise BadRequest("structured_outputs: give one constraint, and no guided_* field beside it",
+                             "structured_outputs")
+        kw.update(given)
     bias = body.get("logit_bias")
     if bias is not None:  # OpenAI's keys are token ids written as strings
         if not isinstance(bias, dict):

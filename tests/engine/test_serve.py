@@ -156,6 +156,10 @@ def test_concurrent_requests_batch_and_all_finish(served):
      "response_format", "response_format must be"),
     ("/v1/completions", {"prompt": "x", "guided_regex": "(?=a)b"}, None, "unsupported regex construct"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+    ("/v1/completions", {"prompt": "x", "guided_grammar": "root ::= undefined"}, None, "guided_grammar"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"xml": "a"}}, "structured_outputs", "unsupported"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "grammar": "root ::= \"a\""}},
+     "structured_outputs", "one constraint"),
 ])
 def test_bad_requests_get_400_naming_the_field(served, path, body, param, text):
     server, _ = served
@@ -200,6 +204,19 @@ def test_guided_outputs(served):
                                                      "temperature": 0, "guided_choice": [" yes", " no"]})
     assert status == 200 and body["choices"][0]["text"] in (" yes", " no")
     assert body["choices"][0]["finish_reason"] == "stop"
+    # a context-free grammar (GBNF), as guided_grammar and as vLLM's structured_outputs
+    arith = 'root ::= expr\nexpr ::= term (("+" | "-") term)*\nterm ::= [0-9] | "(" expr ")"'
+    for extra in ({"guided_grammar": arith}, {"structured_outputs": {"grammar": arith}}):
+        status, body = _post(server, "/v1/completions", {"prompt": "An arithmetic sum:", "max_tokens": 24,
+                                                         "temperature": 0, **extra})
+        text = body["choices"][0]["text"]
+        assert status == 200 and text and set(text) <= set("0123456789+-()"), text
+        if body["choices"][0]["finish_reason"] == "stop":
+            assert text.count("(") == text.count(")")
+    status, body = _post(server, "/v1/completions", {"prompt": "Is water wet? Answer:", "max_tokens": 5,
+                                                     "temperature": 0,
+                                                     "structured_outputs": {"choice": [" yes", " no"]}})
+    assert status == 200 and body["choices"][0]["text"] in (" yes", " no")
     # OpenAI's logit_bias (string keys): the greedy first token, banned, is not chosen
     banned = want["text"].token_ids[0]
     status, body = _post(server, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 1,

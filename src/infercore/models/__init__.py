@@ -17,7 +17,7 @@ from torch import nn
 
 from ..devices import check_device
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig
-from .gemma3 import Gemma3Config, Gemma3ForCausalLM
+from .gemma3 import Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM
 from .llama import (
     LlamaForCausalLM,
     LlamaForSequenceClassification,
@@ -37,6 +37,7 @@ __all__ = [
     "config_from_hf",
     "SUPPORTED_MODEL_TYPES",
     "BambaForCausalLM",
+    "Gemma2ForCausalLM",
     "Gemma3Config",
     "Gemma3ForCausalLM",
     "Qwen3NextConfig",
@@ -86,6 +87,7 @@ for _cls in (LlamaForSequenceClassification, MistralForSequenceClassification, Q
     _BY_ARCHITECTURE[_cls.__name__] = _cls
 register_model("gemma3_text", Gemma3ForCausalLM, architectures=("Gemma3ForCausalLM",), config_class=Gemma3Config,
                hf_model_types=("gemma3",))
+register_model("gemma2", Gemma2ForCausalLM, architectures=("Gemma2ForCausalLM",), config_class=Gemma3Config)
 register_model("qwen3_next", Qwen3NextForCausalLM, architectures=("Qwen3NextForCausalLM",),
                config_class=Qwen3NextConfig)
 for _mt, (_, _arch) in MOE_FAMILIES.items():

@@ -1,4 +1,4 @@
-"""Gemma 3 (text) decoder: interleaved local (sliding-window) and global attention layers.
+"""Gemma 3 (text) and Gemma 2 decoders: interleaved local (sliding-window) and global attention layers.
 
 Differences from Llama, all resolved here: RMSNorms scale by ``1 + w``; four norms per layer
 (before and after attention, before and after the MLP); per-head q/k norms; the embedding is
@@ -6,6 +6,10 @@ multiplied by ``sqrt(hidden_size)`` (rounded to the model dtype, as HF does); at
 ``query_pre_attn_scalar ** -0.5``; local and global layers use different RoPE bases (and only global
 layers take ``rope_scaling``); optional tanh softcaps on attention scores and final logits; GeLU-tanh
 MLP.
+
+Gemma 2 is the same decoder without the q/k norms, with one RoPE base for both layer kinds, every other layer
+sliding (the first one included) and the softcaps on (attention 50, final logits 30 in its configs):
+:class:`Gemma3Config` reads its ``gemma2`` configs and :class:`Gemma2ForCausalLM` runs them.
 
 KV: each layer declares a :class:`~infercore.kv.FullAttentionSpec` with its window, so the engine
 can give sliding layers the multi-granularity manager (pages leave the window and are freed). The
@@ -36,7 +40,7 @@ from .config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from .hybrid import HFConfigReader, HybridMetadata, check_step, layer_metadata, load_hf_weights
 from .llama import RMSNorm, tie_and_rope_table
 
-__all__ = ["Gemma3Config", "Gemma3ForCausalLM"]
+__all__ = ["Gemma2ForCausalLM", "Gemma3Config", "Gemma3ForCausalLM"]
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -74,6 +78,8 @@ class Gemma3Config(ModelConfig):
         (``rope_theta``, ``rope_local_base_freq``, ``rope_scaling``, ``sliding_window_pattern``)."""
         if not isinstance(hf, Mapping):
             raise TypeError(f"hf config must be a mapping, got {type(hf).__name__}")
+        if hf.get("model_type") == "gemma2":
+            return cls._from_hf_gemma2(hf)
         if hf.get("model_type") == "gemma3" and "text_config" in hf:
             if not isinstance(hf["text_config"], Mapping):
                 raise ValueError(f"HF gemma3 config key 'text_config' must be an object, got {hf['text_config']!r}")
@@ -146,6 +152,62 @@ class Gemma3Config(ModelConfig):
         )
 
 
+    @classmethod
+    def _from_hf_gemma2(cls, hf: Mapping[str, Any]) -> Gemma3Config:
+        """An HF ``gemma2`` config: one RoPE (``rope_parameters`` or 4.x ``rope_theta`` / ``rope_scaling``) for both
+        layer kinds, ``layer_types`` or every other layer sliding from the first, no q/k norms."""
+        r = HFConfigReader(hf, "gemma2")
+        num_layers = r.positive_int("num_hidden_layers")
+        num_heads = r.positive_int("num_attention_heads")
+        layer_types = r.str_list("layer_types")
+        if layer_types is None:
+            layer_types = [SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(num_layers)]
+        rope = dict(r.mapping("rope_parameters") or r.mapping("rope_scaling") or {})
+        theta = rope.pop("rope_theta", None)
+        if theta is None:
+            theta = r.number("rope_theta", 10_000.0)
+        r.check("rope_parameters.rope_theta", theta, (int, float), "a positive number", lambda v: v > 0)
+        scaling = None if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
+        eos_ids, bos = r.token_ids()
+        bias = r.flag("attention_bias", False)
+        return cls(
+            vocab_size=r.positive_int("vocab_size"),
+            hidden_size=r.positive_int("hidden_size"),
+            intermediate_size=r.positive_int("intermediate_size"),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=r.positive_int("num_key_value_heads", num_heads),
+            head_dim=r.positive_int("head_dim", 256),
+            rms_norm_eps=r.number("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=r.positive_int("max_position_embeddings", 8192),
+            tie_word_embeddings=r.flag("tie_word_embeddings", True),
+            attention_bias=bias,
+            o_bias=bias,
+            qk_norm=False,
+            sliding_window=r.check(
+                "sliding_window", hf.get("sliding_window"), int, "a positive int or null", lambda v: v > 0
+            ),  # fmt: skip
+            layer_types=layer_types,
+            hidden_act=r.check(
+                "hidden_activation",
+                hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+                str,
+                "an activation name",
+            ),  # fmt: skip
+            bos_token_id=bos,
+            eos_token_ids=eos_ids,
+            query_pre_attn_scalar=r.number("query_pre_attn_scalar", 256),
+            final_logit_softcapping=r.number("final_logit_softcapping", optional=True),
+            attn_logit_softcapping=r.number("attn_logit_softcapping", optional=True),
+            rope_local_theta=float(theta),
+            rope_local_scaling=scaling,
+            model_type="gemma2",
+            architecture="Gemma2ForCausalLM",
+        )
+
+
 class Gemma3Attention(nn.Module):
     def __init__(self, config: Gemma3Config, layer: int, *, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -160,8 +222,11 @@ class Gemma3Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias, dtype=dtype)
-        self.q_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype, offset=1.0)
-        self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype, offset=1.0)
+        if config.model_type != "gemma2":  # Gemma 3's per-head q/k norms (Gemma 2 has none)
+            self.q_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype, offset=1.0)
+            self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype, offset=1.0)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: KVCache,
@@ -169,8 +234,9 @@ class Gemma3Attention(nn.Module):
     ) -> torch.Tensor:  # fmt: skip
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
+        q, k = q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, k, positions, cos_sin)
         k_cache, v_cache = kv_cache
@@ -329,3 +395,8 @@ class Gemma3ForCausalLM(nn.Module):
             return bool(self._SKIP.search(name)) or (tied and name.endswith("lm_head.weight"))
 
         load_hf_weights(self, weights, self._resolve, arch=self.config.architecture, ignore=ignore)
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2 causal LM: :class:`Gemma3ForCausalLM` over a ``gemma2`` :class:`Gemma3Config` (no q/k norms, one
+    RoPE base, softcapped attention scores and logits)."""

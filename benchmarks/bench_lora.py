@@ -58,7 +58,7 @@ def ours(y, x, a, b, idx, bounds, order=None):
 
 
 def grouped(y, x, a, b, idx, bounds, order):
-    """Our grouped (SGMV) kernels, asked for at every size (by default they are off: GROUPED_MIN_TOKENS is None)."""
+    """Our grouped (SGMV) kernels, asked for at every size (by default they run from GROUPED_MIN_TOKENS tokens)."""
     s = lora_triton.lora_shrink(x, a, idx, grouped=True, order=order)
     return lora_triton.lora_expand_(y, s, b, idx, slice_bounds=bounds, grouped=True, order=order)
 

@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--grouped-min", type=int, default=None,
                     help="run the grouped (SGMV) LoRA kernels from this many tokens (ops.lora.triton."
-                         "GROUPED_MIN_TOKENS; default: the library's, off)")
+                         "GROUPED_MIN_TOKENS; default: the library's)")
     ap.add_argument("--smoke", action="store_true", help="a tiny config on the CPU (checks the script, times nothing)")
     args = ap.parse_args()
     if args.grouped_min is not None:

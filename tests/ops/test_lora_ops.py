@@ -162,8 +162,11 @@ def test_grouped_threshold_and_public_order(monkeypatch):
     calls = []
     real = lora_triton._grouped_shrink
     monkeypatch.setattr(lora_triton, "_grouped_shrink", lambda *a: (calls.append(a[0].shape[0]), real(*a))[1])
-    assert lora_triton.GROUPED_MIN_TOKENS is None  # off by default
+    assert lora_triton.GROUPED_MIN_TOKENS == 32  # the default, from the H100 measurements
     x, a, b, y, idx = make(8, 24, 19, 4, (9,), F32)
+    lora_triton.lora_shrink(x, a, idx)
+    assert calls == []
+    monkeypatch.setattr(lora_triton, "GROUPED_MIN_TOKENS", None)  # None: only when asked
     lora_triton.lora_shrink(x, a, idx)
     assert calls == []
     monkeypatch.setattr(lora_triton, "GROUPED_MIN_TOKENS", 8)

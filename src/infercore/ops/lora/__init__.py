@@ -126,7 +126,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor, *,
         order: optional ``[T]`` int tensor, a permutation of the tokens, best sorted by slot
             (``torch.argsort(indices, stable=True)``; not checked on the device: any permutation gives the same
             result, sorting only makes the kernels faster). The grouped Triton kernels (``ops.lora.triton``,
-            ``grouped=True`` or from its ``GROUPED_MIN_TOKENS`` tokens, off by default) take tiles of tokens in this
+            ``grouped=True`` or from its ``GROUPED_MIN_TOKENS`` tokens, 32 by default) take tiles of tokens in this
             order, each adapter's weights read once per tile, and sort themselves when it is not given; a caller
             running many projections over one step's slots passes it once for all. The reference ignores it.
 

@@ -220,6 +220,20 @@ def _moe_gemv_down_kernel(
     tl.store(out_ptr + tok.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _lora_rows_kernel(ids_ptr, slots_ptr, rows_ptr, order_ptr, P, TOPK, E, OFFSET,
+                      HAS_ORDER: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """``rows[i] = slots[pair // TOPK] * E + (ids[pair] - OFFSET)`` for the pair of row ``i`` (``order[i]``, or ``i``),
+    -1 where the token has no adapter or the expert is held elsewhere: one launch for what is a dozen torch ops."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < P
+    pair = tl.load(order_ptr + i, mask=m, other=0).to(tl.int64) if HAS_ORDER else i.to(tl.int64)
+    e = tl.load(ids_ptr + pair, mask=m, other=0).to(tl.int64) - OFFSET
+    s = tl.load(slots_ptr + pair // TOPK, mask=m, other=-1).to(tl.int64)
+    ok = (s >= 0) & (e >= 0) & (e < E)
+    tl.store(rows_ptr + i, tl.where(ok, s * E + e, -1), mask=m)
+
+
 class _LoRARows:
     """The experts' LoRA of one call (``ops.moe.MoELoRA``) over the intermediate's rows: ``rows`` [R] the pair of
     each row (None: row = pair), their LoRA rows ``c`` (``slot * E + expert`` or -1) and the two fp32 extras the
@@ -228,12 +242,17 @@ class _LoRARows:
 
     def __init__(self, lora, ids: torch.Tensor, num_experts: int, expert_offset: int | None,
                  rows: torch.Tensor | None) -> None:
-        from .naive import moe_lora_pairs
-
         self.lora, self.k = lora, ids.shape[1]
-        c = moe_lora_pairs(ids, lora.slots, num_experts, expert_offset)
         self.rows = rows
-        self.c = c if rows is None else c[rows.long()]
+        P = ids.numel()
+        self.c = torch.empty(P, dtype=torch.int64, device=ids.device)
+        if P:
+            flat = ids.reshape(-1)
+            _lora_rows_kernel[(triton.cdiv(P, 256),)](
+                flat if flat.is_contiguous() else flat.contiguous(), lora.slots, self.c,
+                flat if rows is None else rows, P, self.k, num_experts, expert_offset or 0,
+                HAS_ORDER=rows is not None, BLOCK=256,
+            )  # fmt: skip
 
     def gate_up(self, x: torch.Tensor, inter_dim: int) -> torch.Tensor:
         from ..lora import lora_expand_, lora_shrink

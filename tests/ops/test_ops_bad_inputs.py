@@ -213,7 +213,7 @@ BAD = {
         ValueError, "rope_inv_freq: scaling is missing key 'factor'",
     ),
     "inv_freq unknown type": (
-        lambda: ops.rope_inv_freq(rotary_dim=8, base=1e4, scaling={"rope_type": "longrope"}),
+        lambda: ops.rope_inv_freq(rotary_dim=8, base=1e4, scaling={"rope_type": "dynamic"}),
         ValueError, "rope_inv_freq: scaling rope_type",
     ),
     "inv_freq rotary_dim 7": (lambda: ops.rope_inv_freq(rotary_dim=7, base=1e4), ValueError, "rotary_dim must be"),

@@ -168,7 +168,19 @@ def test_rope_errors_name_the_argument():
         rope_cos_sin_cache(rotary_dim=15, max_positions=8, base=10000.0)
     with pytest.raises(ValueError, match="rope_cos_sin_cache: base"):
         rope_cos_sin_cache(rotary_dim=16, max_positions=8, base=-1.0)
-    with pytest.raises(ValueError, match="rope_cos_sin_cache: scaling rope_type 'longrope'"):
-        rope_cos_sin_cache(rotary_dim=16, max_positions=8, base=1e4, scaling={"rope_type": "longrope"})
+    with pytest.raises(ValueError, match="rope_cos_sin_cache: scaling rope_type 'dynamic'"):
+        rope_cos_sin_cache(rotary_dim=16, max_positions=8, base=1e4, scaling={"rope_type": "dynamic"})
+    with pytest.raises(ValueError, match="rope_cos_sin_cache: scaling is missing key 'short_factor'"):
+        rope_cos_sin_cache(rotary_dim=16, max_positions=8, base=1e4,
+                           scaling={"rope_type": "longrope", "original_max_position_embeddings": 4})
+    longrope = {"rope_type": "longrope", "original_max_position_embeddings": 4, "factor": 2.0,
+                "short_factor": [1.0] * 8, "long_factor": [1.0] * 7}
+    with pytest.raises(ValueError, match=r"rope_cos_sin_cache: scaling\['long_factor'\] must be a list of 8"):
+        rope_cos_sin_cache(rotary_dim=16, max_positions=8, base=1e4, scaling=longrope)
+    no_factor = {k: v for k, v in longrope.items() if k != "factor"} | {"long_factor": [1.0] * 8}
+    with pytest.raises(ValueError, match="rope_cos_sin_cache: scaling is missing key 'factor'"):
+        rope_cos_sin_cache(rotary_dim=16, max_positions=8, base=1e4, scaling=no_factor)
+    with pytest.raises(ValueError, match="rope_cos_sin_cache: seq_len"):
+        rope_cos_sin_cache(rotary_dim=16, max_positions=8, base=1e4, seq_len=0)
     with pytest.raises(ValueError, match="rope_cos_sin_cache: scaling is missing key 'factor'"):
         rope_cos_sin_cache(rotary_dim=16, max_positions=8, base=1e4, scaling={"rope_type": "linear"})

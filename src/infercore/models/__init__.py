@@ -18,11 +18,13 @@ from torch import nn
 from ..devices import check_device
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig
 from .gemma3 import Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM
+from .granite import GraniteForCausalLM
 from .llama import (
     LlamaForCausalLM,
     LlamaForSequenceClassification,
     MistralForCausalLM,
     MistralForSequenceClassification,
+    Phi3ForCausalLM,
     Qwen2ForCausalLM,
     Qwen2ForSequenceClassification,
     Qwen3ForCausalLM,
@@ -31,6 +33,7 @@ from .llama import (
 )
 from .mamba2 import BambaForCausalLM, Mamba2Config, Mamba2ForCausalLM
 from .moe_llama import MOE_FAMILIES, MoeLlamaForCausalLM, MoeModelConfig
+from .olmo2 import Olmo2ForCausalLM
 from .qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 
 __all__ = [
@@ -40,6 +43,9 @@ __all__ = [
     "Gemma2ForCausalLM",
     "Gemma3Config",
     "Gemma3ForCausalLM",
+    "GraniteForCausalLM",
+    "Olmo2ForCausalLM",
+    "Phi3ForCausalLM",
     "Qwen3NextConfig",
     "Qwen3NextForCausalLM",
     "LlamaForCausalLM",
@@ -82,6 +88,9 @@ register_model("llama", LlamaForCausalLM, architectures=("LlamaForCausalLM",))
 register_model("mistral", MistralForCausalLM, architectures=("MistralForCausalLM",))
 register_model("qwen2", Qwen2ForCausalLM, architectures=("Qwen2ForCausalLM",))
 register_model("qwen3", Qwen3ForCausalLM, architectures=("Qwen3ForCausalLM",))
+register_model("phi3", Phi3ForCausalLM, architectures=("Phi3ForCausalLM",))
+register_model("granite", GraniteForCausalLM, architectures=("GraniteForCausalLM",))
+register_model("olmo2", Olmo2ForCausalLM, architectures=("Olmo2ForCausalLM",))
 for _cls in (LlamaForSequenceClassification, MistralForSequenceClassification, Qwen2ForSequenceClassification,
              Qwen3ForSequenceClassification):
     _BY_ARCHITECTURE[_cls.__name__] = _cls

@@ -1,10 +1,11 @@
 """Model configuration: one flat dataclass read from a Hugging Face ``config.json`` dict.
 
 Only the dense Llama family is described here (``llama`` — which includes SmolLM2 —,
-``mistral``, ``qwen2``, ``qwen3``). The per-family quirks that HF encodes in code rather than in
-the config file (Qwen2's always-on q/k/v bias, Mistral's window on every layer, Qwen2/3's
-``use_sliding_window`` + ``max_window_layers``) are resolved once in :meth:`ModelConfig.from_hf`, so the
-model code only reads plain per-layer facts.
+``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``granite``, ``olmo2``). The per-family quirks that HF encodes in
+code rather than in the config file (Qwen2's always-on q/k/v bias, Mistral's and Phi-3's window on every layer,
+Qwen2/3's ``use_sliding_window`` + ``max_window_layers``, Phi-3's ``original_max_position_embeddings`` default
+and legacy ``su`` RoPE type, Granite's multipliers, OLMo 2's norm placement) are resolved once in
+:meth:`ModelConfig.from_hf`, so the model code only reads plain per-layer facts.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 
 FULL_ATTENTION = "full_attention"
@@ -31,6 +32,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
     "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "head_dim": 128},
+    # Phi3Config's original_max_position_embeddings is a field of its own (4096), which HF's RoPE setup prefers
+    # over the rope dict's.
+    "phi3": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+             "bos_token_id": 1, "eos_token_id": 32000},
+    "granite": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2,
+                "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": 1.0,
+                "logits_scaling": 1.0},
+    "olmo2": {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "eos_token_id": 50279},
 }
 
 _ARCHITECTURES = {
@@ -38,6 +47,9 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 # Bare decoders (embedding models such as Qwen3-Embedding, e5-mistral, gte-Qwen2): the causal LM without its head.
 # They load as the causal LM with the output head tied to the embedding matrix (their weights have no other), so
@@ -47,6 +59,9 @@ _BASE_ARCHITECTURES = {
     "mistral": "MistralModel",
     "qwen2": "Qwen2Model",
     "qwen3": "Qwen3Model",
+    "phi3": "Phi3Model",
+    "granite": "GraniteModel",
+    "olmo2": "Olmo2Model",
 }
 # Sequence classifiers (reward models, classifiers fine-tuned from a decoder): the bare decoder plus ``score.weight``
 # [num_labels, hidden] (no bias) read at the last token. They load like a bare decoder (the output head tied to the
@@ -68,6 +83,19 @@ class ModelConfig:
     ``rope_scaling``/``rope_parameters`` dict without ``rope_theta`` (``None`` for plain RoPE).
     ``attention_bias`` is the q/k/v projection bias; ``o_bias`` and ``mlp_bias`` are separate because
     Qwen2 has the first without the second.
+
+    ``rope_scaling`` ``longrope`` (Phi-3 128k): one RoPE table serves every position, so the model takes the
+    factor set transformers picks for a sequence of ``max_position_embeddings`` tokens (``long_factor`` when that
+    exceeds ``original_max_position_embeddings``, as vLLM does for its ``max_model_len``). transformers picks by
+    the current length instead and recomputes the whole cache when a sequence crosses the original length, which
+    a paged engine does not do; lower ``max_position_embeddings`` to the original length (then call
+    ``model.finish_init()``) for the short factors and transformers' results on sequences up to that length.
+
+    Granite: ``embedding_multiplier`` scales the embeddings, ``residual_multiplier`` each sublayer's output before
+    its residual add, ``attention_multiplier`` is the softmax scale (None: ``head_dim ** -0.5``) and the logits
+    are divided by ``logits_scaling``. OLMo 2 (``post_norm``): no norm before a sublayer, an RMSNorm on its output
+    before the residual add; ``qk_proj_norm``: RMSNorms over the whole q and k projections (all heads at once),
+    where Qwen3's ``qk_norm`` normalises each head.
     """
 
     vocab_size: int
@@ -87,6 +115,12 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    qk_proj_norm: bool = False
+    post_norm: bool = False
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     sliding_window: int | None = None
     layer_types: list[str] = field(default_factory=list)
     hidden_act: str = "silu"
@@ -174,6 +208,17 @@ class ModelConfig:
             )
         if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
             raise ValueError("ModelConfig.sliding_window is None but layer_types has sliding layers")
+        for name in ("qk_norm", "qk_proj_norm", "post_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.qk_norm and self.qk_proj_norm:
+            raise ValueError("ModelConfig.qk_norm (per head) and qk_proj_norm (whole projection) exclude each other")
+        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+            value = getattr(self, name)
+            if value is None and name == "attention_multiplier":
+                continue
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
 
     # ------------------------------------------------------------------ HF parsing
     @classmethod
@@ -226,17 +271,18 @@ class ModelConfig:
         archs = hf.get("architectures") or [_ARCHITECTURES[model_type]]
         first = archs[0] if isinstance(archs, list) and archs else None
         bare = first == _BASE_ARCHITECTURES.get(model_type)
-        classifier = first == _CLASSIFIER_ARCHITECTURES.get(model_type)
+        classifier_arch = _CLASSIFIER_ARCHITECTURES.get(model_type)  # (none registered for Phi-3 / Granite / OLMo 2)
+        classifier = classifier_arch is not None and first == classifier_arch
         if bare:
             archs = [_ARCHITECTURES[model_type]]
-        if not isinstance(archs, list) or not archs or archs[0] not in (*_ARCHITECTURES.values(),
-                                                                        _CLASSIFIER_ARCHITECTURES[model_type]):
+        accepted = (*_ARCHITECTURES.values(), *([classifier_arch] if classifier_arch else []))
+        if not isinstance(archs, list) or not archs or archs[0] not in accepted:
             # Another head (token classification, a VLM, another family's) has other weights
             # and outputs: refuse it here rather than build a causal LM from it.
             raise ValueError(
                 f"HF config architectures={archs!r} is not supported for model_type={model_type!r}; "
-                f"expected one of {sorted(_ARCHITECTURES.values())} (or the bare {_BASE_ARCHITECTURES[model_type]}, "
-                f"or {_CLASSIFIER_ARCHITECTURES[model_type]})"
+                f"expected one of {sorted(_ARCHITECTURES.values())} (or the bare {_BASE_ARCHITECTURES[model_type]}"
+                + (f", or {classifier_arch})" if classifier_arch else ")")
             )
         labels = _parse_labels(hf) if classifier else ()
 
@@ -264,8 +310,23 @@ class ModelConfig:
                 f"num_key_value_heads={num_kv_heads} must divide num_attention_heads={num_heads}"
             )
 
-        rope_theta, rope_scaling, partial = _parse_rope(hf, get("max_position_embeddings"))
+        rope_theta, rope_scaling, partial = _parse_rope(
+            hf, model_type, get("max_position_embeddings"), positive_int(
+                "original_max_position_embeddings", get("original_max_position_embeddings")))
+        if model_type == "olmo2":
+            partial = 1.0  # OLMo 2's modeling code rotates the whole head whatever the config says
+        if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
+            half = int(head_dim * partial) // 2  # one divisor per rotated frequency
+            for key in ("short_factor", "long_factor"):
+                if len(rope_scaling[key]) != half:
+                    raise ValueError(f"HF config rope_scaling key {key!r} has {len(rope_scaling[key])} entries, "
+                                     f"expected rotary_dim // 2 = {half}")
         sliding_window, layer_types = _parse_sliding(hf, model_type, num_layers, get)
+
+        granite = {}
+        if model_type == "granite":
+            granite = {key: number(key) for key in ("embedding_multiplier", "residual_multiplier",
+                                                    "attention_multiplier", "logits_scaling")}
 
         eos = get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (eos,)
@@ -286,11 +347,14 @@ class ModelConfig:
             partial_rotary_factor=partial,
             max_position_embeddings=get("max_position_embeddings"),
             tie_word_embeddings=True if bare or classifier else flag("tie_word_embeddings"),
-            # Qwen2 hard-codes q/k/v bias (and no o_proj bias) in its modeling code.
-            attention_bias=True if model_type == "qwen2" else flag("attention_bias"),
-            o_bias=False if model_type in ("qwen2", "mistral") else flag("attention_bias"),
-            mlp_bias=flag("mlp_bias") if model_type == "llama" else False,
+            # Qwen2 hard-codes q/k/v bias (and no o_proj bias) in its modeling code, Phi-3 no bias at all.
+            attention_bias=True if model_type == "qwen2" else False if model_type == "phi3" else flag("attention_bias"),
+            o_bias=False if model_type in ("qwen2", "mistral", "phi3") else flag("attention_bias"),
+            mlp_bias=flag("mlp_bias") if model_type in ("llama", "granite") else False,
             qk_norm=model_type == "qwen3",
+            qk_proj_norm=model_type == "olmo2",
+            post_norm=model_type == "olmo2",
+            **granite,
             sliding_window=sliding_window,
             layer_types=layer_types,
             hidden_act=get("hidden_act", "silu"),
@@ -322,11 +386,13 @@ def _parse_labels(hf: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(f"LABEL_{i}" for i in range(n))
 
 
-def _parse_rope(hf: Mapping[str, Any], max_positions: int) -> tuple[float, dict[str, Any] | None, float]:
+def _parse_rope(hf: Mapping[str, Any], model_type: str, max_positions: int, original_max: int | None
+                ) -> tuple[float, dict[str, Any] | None, float]:
     """(rope_theta, rope_scaling or None, partial_rotary_factor) from either key layout.
 
     transformers 5 writes ``rope_parameters`` (with ``rope_theta`` inside); 4.x writes ``rope_theta``
-    and ``rope_scaling`` (legacy ``type`` instead of ``rope_type``) at the top level.
+    and ``rope_scaling`` (legacy ``type`` instead of ``rope_type``) at the top level. ``original_max``: the
+    top-level ``original_max_position_embeddings`` (or the family's default), which HF prefers to the rope dict's.
     """
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = params.pop("rope_theta", None)
@@ -340,14 +406,28 @@ def _parse_rope(hf: Mapping[str, Any], max_positions: int) -> tuple[float, dict[
             raise ValueError(f"HF config key {key!r} must be a number, got {value!r}")
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
+    if model_type == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # Phi3Config renames the types early Phi-3 checkpoints wrote
     if rope_type == "default":
         return float(theta), None, float(partial)
     scaling = {"rope_type": rope_type, **params}
     if rope_type in ("llama3", "yarn", "longrope"):
         # HF falls back to the model's max_position_embeddings for the pretraining length.
-        scaling.setdefault(
-            "original_max_position_embeddings", hf.get("original_max_position_embeddings") or max_positions
-        )
+        if original_max is not None:
+            scaling["original_max_position_embeddings"] = original_max
+        scaling.setdefault("original_max_position_embeddings", max_positions)
+    if rope_type == "longrope":
+        for key in ("short_factor", "long_factor"):
+            f = scaling.get(key)
+            if not isinstance(f, list) or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in f):
+                raise ValueError(f"HF config rope_scaling key {key!r} must be a list of numbers for rope_type "
+                                 f"'longrope', got {f!r}")
+        original = scaling["original_max_position_embeddings"]
+        if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+            raise ValueError(f"HF config key 'original_max_position_embeddings' must be a positive int, got "
+                             f"{original!r}")
+        if scaling.get("factor") is None:  # HF's default: the context extension itself
+            scaling["factor"] = max_positions / original
     return float(theta), scaling, float(partial)
 
 
@@ -355,12 +435,12 @@ def _parse_sliding(
     hf: Mapping[str, Any], model_type: str, num_layers: int, get
 ) -> tuple[int | None, list[str]]:
     """(sliding_window, layer_types) following each family's HF modeling code."""
-    if model_type == "llama":
+    if model_type in ("llama", "granite", "olmo2"):
         return None, [FULL_ATTENTION] * num_layers
     # An explicit null means "no window" (Mistral v0.2+), so only a missing key takes the default.
     window = hf["sliding_window"] if "sliding_window" in hf else get("sliding_window")
-    if model_type == "mistral":
-        # MistralModel builds one sliding mask for every layer when sliding_window is set.
+    if model_type in ("mistral", "phi3"):
+        # MistralModel / Phi3Model build one sliding mask for every layer when sliding_window is set.
         kind = SLIDING_ATTENTION if window is not None else FULL_ATTENTION
         return window, [kind] * num_layers
     # qwen2 / qwen3: the window only exists with use_sliding_window; layers >= max_window_layers slide

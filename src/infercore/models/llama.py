@@ -1,4 +1,4 @@
-"""Dense Llama-family decoder (Llama 2/3.x, SmolLM2, Mistral, Qwen2, Qwen3) built from infercore ops.
+"""Dense Llama-family decoder (Llama 2/3.x, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) built from infercore ops.
 
 Layout: tokens-first ragged batches. ``input_ids`` and ``positions`` are ``[T]`` for all sequences of
 the step concatenated; the per-step :class:`~infercore.ops.AttentionMetadata` says where each sequence's
@@ -6,8 +6,9 @@ tokens and KV pages are. Every layer owns a ``(k_cache, v_cache)`` pair of shape
 ``[num_pages, page_size, num_kv_heads, head_dim]`` supplied by the caller (see :meth:`kv_specs`).
 
 Projections are merged (one ``qkv_proj`` and one ``gate_up_proj`` GEMM per layer); :meth:`load_weights`
-stacks the separate HF tensors into them, so checkpoints keep their HF names. All linear layers are
-plain ``torch.nn.Linear`` so quantization can swap them.
+stacks the separate HF tensors into them, so checkpoints keep their HF names (Phi-3 checkpoints store them
+merged already). All linear layers are plain ``torch.nn.Linear`` so quantization can swap them. Granite and
+OLMo 2 (``granite.py``, ``olmo2.py``) are this model with other decoder layers.
 """
 
 from __future__ import annotations
@@ -90,8 +91,10 @@ def tie_and_rope_table(model: nn.Module, *, base: float, scaling: dict | None) -
     device = model.model.embed_tokens.weight.device
     if device.type == "meta":
         return torch.empty(cfg.max_position_embeddings, cfg.rotary_dim, device=device)
+    # seq_len: longrope's factor set for the longest sequence the table serves (see ModelConfig)
     return rope_cos_sin_cache(rotary_dim=cfg.rotary_dim, max_positions=cfg.max_position_embeddings, base=base,
-                              scaling=scaling, dtype=torch.float32, device=device)
+                              scaling=scaling, dtype=torch.float32, device=device,
+                              seq_len=cfg.max_position_embeddings)
 
 
 def _attention(q, k_cache, v_cache, meta: AttentionMetadata, *, scale, sliding_window, k_scale=None, v_scale=None,
@@ -180,7 +183,8 @@ class LlamaAttention(nn.Module):
         d = config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
         self.q_size, self.kv_size = config.num_heads * d, config.num_kv_heads * d
-        self.scale = d**-0.5
+        # Granite's attention_multiplier is its softmax scale
+        self.scale = d**-0.5 if config.attention_multiplier is None else float(config.attention_multiplier)
         self.sliding_window = config.layer_sliding_window(layer)
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype
@@ -199,13 +203,7 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
+        q, k, v = self._qkv(x)
         k_cache, v_cache = kv_cache
         # Quantized caches (kv.QuantizedKVCache) carry their per-(token, head) scales.
         k_scale, v_scale = _scales(kv_cache)
@@ -243,6 +241,19 @@ class LlamaAttention(nn.Module):
         o = _attention(q, k_cache, v_cache, meta, scale=self.scale, sliding_window=self.sliding_window,
                        k_scale=k_scale, v_scale=v_scale, **new_kv)  # fmt: skip
         return self.o_proj(o.reshape(T, self.q_size))
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [T, hidden]`` -> un-rotated q ``[T, Hq, D]``, k and v ``[T, Hk, D]`` (q and k normed where the
+        family norms them)."""
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
@@ -387,12 +398,12 @@ def _native_step(x: torch.Tensor, meta: AttentionMetadata) -> bool:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None,
+                 layer_class: type[nn.Module] | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype=dtype) for i in range(config.num_layers)
-        )
+        layer_class = layer_class or LlamaDecoderLayer
+        self.layers = nn.ModuleList(layer_class(config, i, dtype=dtype) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
 
 
@@ -402,12 +413,27 @@ class LlamaForCausalLM(nn.Module):
     Module names follow HF (``model.layers.{i}.self_attn.qkv_proj`` ...) except that q/k/v and gate/up
     are merged. The RoPE cos/sin table (fp32, ``[max_position_embeddings, rotary_dim]``) is a
     non-persistent buffer built once.
+
+    ``decoder_layer``: the layer class a family builds its stack from (``LlamaDecoderLayer`` here; Granite's and
+    OLMo 2's subclasses of this model name theirs). ``tensor_parallel_unsupported``: why
+    :func:`~infercore.parallel.tensor_parallel_` refuses the family (None: it shards like Llama).
     """
+
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer
+    tensor_parallel_unsupported: str | None = None
+    # Phi-3 checkpoints store qkv_proj / gate_up_proj merged, as this model holds them
+    _MERGED_CHECKPOINT = False
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        if self.decoder_layer is LlamaDecoderLayer and (config.post_norm or config.qk_proj_norm
+                                                        or config.residual_multiplier != 1.0):
+            # those decoder layers live in other classes; this one would drop them silently
+            raise ValueError(f"{type(self).__name__}: config of model_type={config.model_type!r} needs its "
+                             "family's class (post_norm / qk_proj_norm: Olmo2ForCausalLM, residual_multiplier: "
+                             "GraniteForCausalLM; build_model picks it)")
         self.config = config
-        self.model = LlamaModel(config, dtype=dtype)
+        self.model = LlamaModel(config, dtype=dtype, layer_class=self.decoder_layer)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
         self.finish_init()
@@ -444,6 +470,8 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         check_step(input_ids, positions, kv_caches, len(layers))
         x = self.model.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            x = x * self.config.embedding_multiplier
         residual = None
         cos_sin = self.cos_sin_cache
         table = self._native_stack(x, cos_sin, kv_caches, meta)
@@ -506,9 +534,12 @@ class LlamaForCausalLM(nn.Module):
         return table
 
     def compute_logits(self, hidden: torch.Tensor, *, fp32: bool = True) -> torch.Tensor:
-        """``hidden [N, H]`` -> logits ``[N, vocab_size]`` (tied to the embedding when configured): fp32,
-        or with ``fp32=False`` the lm_head's own dtype (what the sampler reads, skipping a widening copy)."""
+        """``hidden [N, H]`` -> logits ``[N, vocab_size]`` (tied to the embedding when configured; divided by
+        Granite's ``logits_scaling``): fp32, or with ``fp32=False`` the lm_head's own dtype (what the sampler
+        reads, skipping a widening copy)."""
         logits = self.lm_head(hidden)
+        if self.config.logits_scaling != 1.0:  # in the head's dtype, as HF divides
+            logits = logits / self.config.logits_scaling
         return logits.float() if fp32 else logits
 
     def kv_specs(self) -> list[FullAttentionSpec]:
@@ -559,7 +590,7 @@ class LlamaForCausalLM(nn.Module):
         for name in params:
             if tied and name == "lm_head.weight":
                 continue
-            if ".qkv_proj." in name or ".gate_up_proj." in name:
+            if not self._MERGED_CHECKPOINT and (".qkv_proj." in name or ".gate_up_proj." in name):
                 merged = "qkv_proj" if ".qkv_proj." in name else "gate_up_proj"
                 for hf, (m, _) in self._STACKED.items():
                     if m == merged:
@@ -579,7 +610,7 @@ class LlamaForCausalLM(nn.Module):
             if hf_name in seen:
                 raise ValueError(f"load_weights: tensor {hf_name!r} given twice")
             seen.add(hf_name)
-            m = self._STACKED_RE.match(hf_name)
+            m = None if self._MERGED_CHECKPOINT else self._STACKED_RE.match(hf_name)
             if m is not None:
                 prefix, proj, kind = m.groups()
                 merged, shard = self._STACKED[proj]
@@ -612,6 +643,13 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     pass
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 / Phi-3.5 / Phi-4-mini: the Llama decoder (partial rotary and LongRoPE come from the config) whose
+    checkpoints store ``qkv_proj`` and ``gate_up_proj`` merged, in this model's row order (q, k, v; gate, up)."""
+
+    _MERGED_CHECKPOINT = True
 
 
 class LlamaForSequenceClassification(LlamaForCausalLM):
@@ -655,4 +693,5 @@ __all__ = [
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
 ]

@@ -113,7 +113,8 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
 
     Raises:
         TypeError: ``model`` is none of these families, or is quantized (quantize after sharding).
-        ValueError: the model has LoRA slots (shard first, then :func:`~infercore.lora.enable_lora_`),
+        ValueError: the model's family cannot be sharded (its class names why in ``tensor_parallel_unsupported``:
+            OLMo 2), the model has LoRA slots (shard first, then :func:`~infercore.lora.enable_lora_`),
             ``torch.distributed`` is not initialized, or the group size does not divide the number of
             query heads, KV heads, DeltaNet key heads, Mamba2 heads or groups (more than one), an MLP or expert
             width or the vocabulary (each named).
@@ -127,6 +128,8 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     if not isinstance(model, families):
         raise TypeError(f"tensor_parallel_: model must be a Llama-family, Gemma 3, Qwen3-Next, Mamba2 or Bamba model, "
                         f"got {type(model).__name__}")
+    if getattr(model, "tensor_parallel_unsupported", None):  # a family this layout would shard wrongly
+        raise ValueError(f"tensor_parallel_: {type(model).__name__}: {model.tensor_parallel_unsupported}")
     if hasattr(model, "tp_size"):
         raise ValueError("tensor_parallel_: model is already sharded")
     if getattr(model, "lora_manager", None) is not None:

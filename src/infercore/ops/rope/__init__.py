@@ -21,6 +21,8 @@ _REQUIRED_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    # and ``factor`` unless ``attention_factor`` is given (checked below with the factor lists)
+    "longrope": ("original_max_position_embeddings",),
 }
 assert set(_REQUIRED_KEYS) == set(_SUPPORTED)
 
@@ -32,8 +34,10 @@ def _positive_int(op: str, name: str, x: object) -> None:
         raise ValueError(f"{op}: {name} must be a positive int, got {x}")
 
 
-def _check_rope_args(op: str, rotary_dim: object, base: object, scaling: object) -> None:
+def _check_rope_args(op: str, rotary_dim: object, base: object, scaling: object, seq_len: object = None) -> None:
     _positive_int(op, "rotary_dim", rotary_dim)
+    if seq_len is not None:
+        _positive_int(op, "seq_len", seq_len)
     if rotary_dim % 2:
         raise ValueError(f"{op}: rotary_dim must be a positive even int, got {rotary_dim}")
     V.number(op, "base", base, positive=True)
@@ -49,15 +53,36 @@ def _check_rope_args(op: str, rotary_dim: object, base: object, scaling: object)
         if key not in scaling:
             raise ValueError(f"{op}: scaling is missing key {key!r} needed by rope_type {rope_type!r}")
         V.number(op, f"scaling[{key!r}]", scaling[key], positive=True)
+    if rope_type == "longrope":
+        _check_longrope(op, rotary_dim, scaling)
+
+
+def _check_longrope(op: str, rotary_dim: int, scaling: Mapping) -> None:
+    """``short_factor`` / ``long_factor``: ``rotary_dim // 2`` positive numbers each; ``factor`` (which sets the
+    attention factor) unless ``attention_factor`` is given; both positive numbers where present."""
+    for key in ("short_factor", "long_factor"):
+        f = scaling.get(key)
+        if f is None:
+            raise ValueError(f"{op}: scaling is missing key {key!r} needed by rope_type 'longrope'")
+        if (not isinstance(f, list | tuple) or len(f) != rotary_dim // 2
+                or not all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in f)):
+            raise ValueError(f"{op}: scaling[{key!r}] must be a list of {rotary_dim // 2} positive numbers "
+                             f"(rotary_dim // 2), got {f!r}")
+    if scaling.get("attention_factor") is None and "factor" not in scaling:
+        raise ValueError(f"{op}: scaling is missing key 'factor' (or 'attention_factor') needed by rope_type "
+                         "'longrope'")
+    for key in ("factor", "attention_factor"):
+        if scaling.get(key) is not None:
+            V.number(op, f"scaling[{key!r}]", scaling[key], positive=True)
 
 
 def rope_inv_freq(
-    *, rotary_dim: int, base: float, scaling: Mapping[str, Any] | None = None
+    *, rotary_dim: int, base: float, scaling: Mapping[str, Any] | None = None, seq_len: int | None = None
 ) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``[rotary_dim // 2]`` fp32 and the attention factor that scales cos/sin
     (arguments as in :func:`rope_cos_sin_cache`). Mirrors HF ``ROPE_INIT_FUNCTIONS`` bit for bit."""
-    _check_rope_args("rope_inv_freq", rotary_dim, base, scaling)
-    return rope_inv_freq_ref(rotary_dim=rotary_dim, base=float(base), scaling=scaling)
+    _check_rope_args("rope_inv_freq", rotary_dim, base, scaling, seq_len)
+    return rope_inv_freq_ref(rotary_dim=rotary_dim, base=float(base), scaling=scaling, seq_len=seq_len)
 
 
 def rope_cos_sin_cache(
@@ -68,6 +93,7 @@ def rope_cos_sin_cache(
     scaling: Mapping[str, Any] | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    seq_len: int | None = None,
 ) -> torch.Tensor:
     """Precomputed rotation table for :func:`apply_rope`.
 
@@ -79,20 +105,27 @@ def rope_cos_sin_cache(
             ``type``) ``default``, ``linear`` (``factor``), ``llama3`` (``factor``, ``low_freq_factor``,
             ``high_freq_factor``, ``original_max_position_embeddings``) or ``yarn`` (``factor``,
             ``original_max_position_embeddings``, optional ``beta_fast``, ``beta_slow``, ``mscale``,
-            ``mscale_all_dim``, ``attention_factor``, ``truncate``). Other keys are ignored.
+            ``mscale_all_dim``, ``attention_factor``, ``truncate``) or ``longrope`` (``short_factor`` and
+            ``long_factor``: ``rotary_dim // 2`` divisors of the frequencies each,
+            ``original_max_position_embeddings``, and ``factor`` -- HF's default is ``max_position_embeddings /
+            original_max_position_embeddings``, which :meth:`~infercore.models.ModelConfig.from_hf` fills in -- or
+            ``attention_factor``). Other keys are ignored.
+        seq_len: longrope only, as HF's rope init takes it: the table holds ``long_factor`` 's frequencies when
+            ``seq_len > original_max_position_embeddings``, else (and for None) ``short_factor`` 's. One table
+            serves every position, so a caller picks the set once for the sequence lengths it runs.
 
     Returns:
         ``[max_positions, rotary_dim]`` in ``dtype``: columns ``[:rotary_dim//2]`` hold cos, the rest sin,
-        both already multiplied by YaRN's attention factor.
+        both already multiplied by YaRN's / LongRoPE's attention factor.
     """
     op = "rope_cos_sin_cache"
-    _check_rope_args(op, rotary_dim, base, scaling)
+    _check_rope_args(op, rotary_dim, base, scaling, seq_len)
     _positive_int(op, "max_positions", max_positions)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"{op}: dtype must be a floating torch.dtype, got {dtype!r}")
     return rope_cos_sin_cache_ref(
         rotary_dim=rotary_dim, max_positions=max_positions, base=float(base), scaling=scaling,
-        dtype=dtype, device=device,
+        dtype=dtype, device=device, seq_len=seq_len,
     )
 
 

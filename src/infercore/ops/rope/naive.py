@@ -8,16 +8,17 @@ from typing import Any
 
 import torch
 
-_SUPPORTED = ("default", "linear", "llama3", "yarn")
+_SUPPORTED = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_inv_freq(
-    *, rotary_dim: int, base: float, scaling: Mapping[str, Any] | None = None
+    *, rotary_dim: int, base: float, scaling: Mapping[str, Any] | None = None, seq_len: int | None = None
 ) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``[rotary_dim // 2]`` fp32 and the attention factor that scales cos/sin.
 
     Mirrors ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS`` (same fp32 arithmetic, so the
-    caches agree bit for bit with HF's on the same device).
+    caches agree bit for bit with HF's on the same device); ``seq_len`` is that function's argument
+    (only longrope reads it).
     """
     rope_type = _rope_type(scaling)
     # HF builds the exponent from an int64 arange converted to fp32; keep that order of rounding.
@@ -30,6 +31,8 @@ def rope_inv_freq(
         inv_freq = _llama3(inv_freq, scaling)
     elif rope_type == "yarn":
         inv_freq, attention_factor = _yarn(rotary_dim, base, scaling)
+    elif rope_type == "longrope":
+        inv_freq, attention_factor = _longrope(exponent, base, scaling, seq_len)
     return inv_freq, attention_factor
 
 
@@ -41,9 +44,10 @@ def rope_cos_sin_cache_ref(
     scaling: Mapping[str, Any] | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    seq_len: int | None = None,
 ) -> torch.Tensor:
-    inv_freq, attention_factor = rope_inv_freq(rotary_dim=rotary_dim, base=base, scaling=scaling)
-    # Angles in fp32 like HF (positions * inv_freq); folding YaRN's mscale into the table means the
+    inv_freq, attention_factor = rope_inv_freq(rotary_dim=rotary_dim, base=base, scaling=scaling, seq_len=seq_len)
+    # Angles in fp32 like HF (positions * inv_freq); folding YaRN's / LongRoPE's factor into the table means the
     # rotation itself needs no knowledge of the scaling type.
     pos = torch.arange(max_positions, dtype=torch.float32)
     freqs = pos[:, None] * inv_freq[None, :]
@@ -142,3 +146,19 @@ def _yarn(dim: int, base: float, s: Mapping[str, Any]) -> tuple[torch.Tensor, fl
     keep = 1 - ramp
     inv_freq = interpolation * (1 - keep) + extrapolation * keep
     return inv_freq, float(attention_factor)
+
+
+def _longrope(exponent: torch.Tensor, base: float, s: Mapping[str, Any], seq_len: int | None
+              ) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3 128k): per-frequency divisors, ``long_factor`` for a sequence longer than
+    ``original_max_position_embeddings`` and ``short_factor`` otherwise (HF picks by ``seq_len``; None is short),
+    and one attention factor for both sets: ``sqrt(1 + ln(factor) / ln(original))`` unless given."""
+    original_max = float(s["original_max_position_embeddings"])
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        factor = float(s["factor"])
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max))
+    long = seq_len is not None and seq_len > original_max
+    ext = torch.tensor(s["long_factor"] if long else s["short_factor"], dtype=torch.float32)
+    # HF's order of operations: 1 / (ext * base ** exponent)
+    return 1.0 / (ext * base**exponent), float(attention_factor)

@@ -33,6 +33,19 @@ from .request import ClassificationOutput, Request, RequestOutput, Status
 from .runner import Gather, ModelRunner
 from .scheduler import POLICIES, ScheduledBatch, Scheduler
 from .speculative import propose_ngram
+from .weights import (
+    SLEEP_TAGS,
+    Stash,
+    Unwritten,
+    apply_update_,
+    check_in_place,
+    frees_memory,
+    model_parameters,
+    plan_update,
+    pool_tensors,
+    storage_bytes,
+    unique_storages,
+)
 
 
 def _check_quantization(quantization, path) -> None:
@@ -357,6 +370,12 @@ class Engine:
         self._guides = GuideSet(tokenizer, self.vocab_size, self._eos,
                                 speculative=bool(config.num_speculative_tokens))
         self.runner.guide = self._guides
+        # sleep mode: what sleeps (of SLEEP_TAGS), at which level, the storages given back (Stash per tag), and after
+        # a level-2 sleep the parameters update_weights has yet to write
+        self._asleep: set[str] = set()
+        self._sleep_level = 0
+        self._stash: dict[str, Stash] = {}
+        self._unwritten: Unwritten | None = None
 
     @classmethod
     def from_pretrained(
@@ -662,6 +681,13 @@ class Engine:
             raise ValueError("prompt is longer than max_num_batched_tokens and chunked prefill is off")
 
     def _queue(self, req: Request) -> None:
+        if self._asleep:
+            raise RuntimeError(f"the engine sleeps (sleep(level={self._sleep_level})): call wake_up() before "
+                               "submitting requests")
+        if self._unwritten:
+            left = sorted(self._unwritten.left)
+            raise RuntimeError(f"sleep(level=2) discarded the weights: load them with update_weights() before "
+                               f"submitting requests ({len(left)} parameters not written yet, e.g. {left[:3]})")
         self.requests[req.request_id] = req
         self.scheduler.add(req)
 
@@ -729,7 +755,7 @@ class Engine:
     def _plain_kv(self) -> list | None:
         """The dense pool's ``(k, v)`` pairs when they are plain tensors and prefix caching is on (what the KV
         transfer methods read and write), else None."""
-        if self.kv_layout != "dense" or not self.config.enable_prefix_caching:
+        if self.kv_layout != "dense" or not self.config.enable_prefix_caching or "kv_cache" in self._asleep:
             return None
         kv = self.runner.kv_caches
         return kv if all(type(pair) is tuple and len(pair) == 2 for pair in kv) else None
@@ -818,6 +844,145 @@ class Engine:
             req._detok.step(req.output_token_ids)
         self._queue(req)
         return req.request_id
+
+    # ------------------------------------------------------------------ weights in place, prefix cache, sleep mode
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> int:
+        """Copy new values into the model's weights in place, as an RL trainer does between steps (vLLM's
+        ``load_weights`` through ``collective_rpc``): ``weights`` are ``(HF name, tensor)`` pairs as
+        ``model.load_weights`` takes them (q / k / v and gate / up rows of the merged projections, per-expert tensors
+        of stacked experts, a tied ``lm_head.weight`` skipped), or a state-dict mapping; any subset of the
+        checkpoint's names (a partial update). Each tensor is cast to its parameter's dtype and device. The
+        parameters keep their storage (captured CUDA graphs stay valid); derived copies (oneDNN-packed CPU linears
+        and experts) are rebuilt (``engine/weights.py`` lists them). Then the prefix cache is reset: its KV was
+        computed with the old weights. Returns the number of tensors written.
+
+        Everything is checked before anything is written, so a refused update changes nothing: ``ValueError``
+        naming the tensor for an unknown name, a shape that is not its parameter's, a tensor given twice, or a
+        quantized target (``QuantLinear``: infercore.quant schemes, GGUF blocks, pre-quantized checkpoints); for a
+        tensor-parallel model, streamed layers or host-resident experts; and while requests are unfinished (finish
+        or abort them first). ``RuntimeError`` while the weights sleep (:meth:`wake_up` first). A draft model
+        (``draft_model=``) is not updated. The iterable is read to its end first: its tensors are alive together."""
+        self._refuse_busy("update_weights")
+        if "weights" in self._asleep:
+            raise RuntimeError("update_weights: the weights sleep; call wake_up() (or wake_up(tags=['weights'])) "
+                               "first")
+        plan = plan_update(self.model, weights)
+        apply_update_(self.model, plan)
+        if self._unwritten is not None:
+            self._unwritten.note(plan)
+            if not self._unwritten:
+                self._unwritten = None
+        self.block_manager.reset_prefix_cache()
+        return len(plan)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix page that no request holds (and the CPU tier's pages), as vLLM's
+        ``reset_prefix_cache``: True once done; False, changing nothing, while requests hold KV pages (running) or a
+        step is in flight. The prefix-cache statistics (``block_manager.stats``) start again from zero."""
+        if not self.requests and self._inflight is not None:
+            self.settle()  # a step launched ahead for requests that have all finished
+        if self._inflight is not None or len(self.block_manager):
+            return False
+        self.block_manager.reset_prefix_cache()
+        return True
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether anything sleeps (:meth:`sleep`; until :meth:`wake_up` has woken everything)."""
+        return bool(self._asleep)
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the device memory back between uses (vLLM's sleep mode, for RL rollouts between training steps):
+        ``level=1`` moves the model's weights to host memory (pinned) and frees the KV pool (its contents are
+        discarded, the prefix cache reset); ``level=2`` discards the weights too (buffers such as RoPE tables,
+        quantized weights and LoRA slots go to host memory, as do a draft model's weights): after :meth:`wake_up`
+        load them with :meth:`update_weights` before submitting requests (``RuntimeError`` until every parameter is
+        written). CUDA graphs are dropped and captured again on wake-up (the storages may come back at other
+        addresses); freed memory returns to the driver where the caching allocator's segments empty.
+
+        On the CPU nothing moves: the KV pool is zeroed, and at level 2 the weights; the rest is the same.
+
+        While asleep, submitting a request raises ``RuntimeError``; ``ValueError`` for unfinished requests, a level
+        other than 1 or 2, a tensor-parallel model, streamed layers or host-resident experts; ``RuntimeError`` if it
+        already sleeps."""
+        if isinstance(level, bool) or level not in (1, 2):
+            raise ValueError(f"sleep: level must be 1 or 2, got {level!r}")
+        if self._asleep:
+            raise RuntimeError(f"sleep: the engine already sleeps (level {self._sleep_level}); call wake_up() first")
+        self._refuse_busy("sleep")
+        check_in_place(self.model, "sleep")
+        stash = {tag: Stash() for tag in SLEEP_TAGS}
+        kv = self._kv_tensors()
+        frees = frees_memory(self.device)
+        if frees:  # checked whole before anything changes
+            extra = [*self.model.buffers()]
+            if self.draft is not None:
+                extra += [*self.draft.model.parameters(), *self.draft.model.buffers()]
+            stash["weights"].prepare([(list(self.model.parameters()), level == 1), (extra, True)])
+            stash["kv_cache"].prepare([(kv, False)])
+        self.block_manager.reset_prefix_cache()  # (and the CPU tier's queued copies are issued)
+        if self.draft is not None:  # the shadows' KV goes with the pool
+            for rid in list(self.draft.shadows):
+                self.draft._free(rid)
+        if frees:
+            if self.device.type == "cuda":
+                self._drop_graphs()
+                torch.cuda.synchronize(self.device)
+            for s in stash.values():
+                s.release()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        else:
+            with torch.no_grad():
+                for t in unique_storages(kv):
+                    storage_bytes(t).zero_()
+                if level == 2:
+                    for p in self.model.parameters():
+                        p.zero_()
+        self._stash, self._asleep, self._sleep_level = stash, set(SLEEP_TAGS), level
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo :meth:`sleep`: the weights come back from host memory (after level 2: zeros, to be written by
+        :meth:`update_weights`) and the KV pool is allocated again, empty. ``tags`` wakes a part only, as vLLM's
+        (``["weights"]``: the weights, to update them before the KV pool takes its memory; ``["kv_cache"]``); the
+        CUDA graphs are captured again once both are awake. Awake already: nothing happens."""
+        if tags is None:
+            tags = list(SLEEP_TAGS)
+        if isinstance(tags, str) or not all(t in SLEEP_TAGS for t in tags):
+            raise ValueError(f"wake_up: tags must be a list of {SLEEP_TAGS}, got {tags!r}")
+        for tag in SLEEP_TAGS:
+            if tag in tags and tag in self._asleep:
+                self._stash.pop(tag).restore()
+                self._asleep.discard(tag)
+                if tag == "weights" and self._sleep_level == 2:
+                    self._unwritten = Unwritten(model_parameters(self.model))
+        if self._sleep_level and not self._asleep:
+            self._sleep_level = 0
+            if self.graph_runner is not None and self.device.type == "cuda":
+                self.graph_runner.capture()
+
+    def _refuse_busy(self, what: str) -> None:
+        if not self.requests and self._inflight is not None:
+            self.settle()  # a step launched ahead for requests that have all finished
+        if self.has_unfinished():
+            raise ValueError(f"{what}: {len(self.requests)} request(s) unfinished; let them finish or abort them "
+                             "first")
+
+    def _kv_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the KV pools: the model's (its hybrid state rows too) and a draft model's."""
+        draft = None if self.draft is None else self.draft.runner.kv_caches
+        return pool_tensors([self.runner.kv_caches, getattr(self.runner, "group_rows", None), draft])
+
+    def _drop_graphs(self) -> None:
+        """Free the captured CUDA graphs (their memory pools) and their output buffers."""
+        gr = self.graph_runner
+        if gr is not None:
+            gr.graphs.clear()
+            gr.logits.clear()
+            gr.tokens.clear()
+            gr.last_logits = None
+        self.runner.last_logits = None
 
     # ------------------------------------------------------------------ the loop
 

@@ -19,6 +19,9 @@ batched together (with a ``seed``, sample ``j`` uses ``seed + j``); streamed chu
 
 ``priority`` (an int, lower first) orders requests when the engine's ``scheduling_policy`` is "priority".
 
+vLLM's development routes: ``POST /reset_prefix_cache``, ``POST /sleep`` (``level``), ``POST /wake_up`` (``tags``),
+``GET /is_sleeping`` (:meth:`Engine.sleep`; a request submitted while the engine sleeps is answered 500).
+
 Tool calling (chat): ``tools`` (OpenAI function tools, handed to the chat template as ``tools=``; messages may be
 ``tool`` results with ``tool_call_id`` and assistant turns with ``tool_calls``) and ``tool_choice``, as vLLM does it:
 a named function constrains the output to its ``parameters`` schema (guided decoding) and returns it as the one
@@ -155,7 +158,7 @@ class EngineLoop:
             params, kw = params  # only the options given: engines without LoRA need not take the argument
             try:
                 self.engine.add_request(prompt, params, request_id=rid, **kw)
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError, RuntimeError) as e:  # RuntimeError: the engine sleeps
                 self.metrics.count("requests_refused_total")
                 out.put((rid, e))
                 return
@@ -785,6 +788,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(200, {"object": "list", "data": data})
         elif self.path.rstrip("/") in ("/health", ""):
             self._json(200, {"status": "ok"})
+        elif self.path.rstrip("/") == "/is_sleeping":
+            self._sleep_mode("/is_sleeping")
         elif self.path.rstrip("/") == "/metrics":
             data = self.server.loop.metrics.render(self.server.model_name).encode()
             self.send_response(200)
@@ -797,6 +802,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         route = self.path.rstrip("/")
+        if route.partition("?")[0] in ("/reset_prefix_cache", "/sleep", "/wake_up"):
+            self._sleep_mode(route)
+            return
         if route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
             self._lora_admin(route)
             return
@@ -1135,6 +1143,39 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(400, str(e))
             return
         self._json(200, {"status": "ok", "message": msg})
+
+    def _sleep_mode(self, route: str) -> None:
+        """vLLM's development routes, run on the engine's thread: ``POST /reset_prefix_cache`` -> ``{"reset": bool}``
+        (false while requests hold KV pages), ``POST /sleep`` (``level`` 1 or 2, in the query or a JSON body),
+        ``POST /wake_up`` (``tags``: ``?tags=weights`` or a JSON list; default all), ``GET /is_sleeping``; 400 for
+        what the engine refuses (running requests, a bad level or tag, an engine without them)."""
+        from urllib.parse import parse_qs
+
+        path, _, query = route.partition("?")
+        loop = self.server.loop
+        try:
+            args = {k: v if k == "tags" else v[-1] for k, v in parse_qs(query).items()}
+            if self.command == "POST":
+                args.update(self._read_json())
+            if path == "/is_sleeping":
+                out = {"is_sleeping": bool(loop.engine.is_sleeping)}
+            elif path == "/reset_prefix_cache":
+                out = {"reset": loop.call(lambda eng: eng.reset_prefix_cache())}
+            elif path == "/sleep":
+                level = args.get("level", 1)
+                level = int(level) if isinstance(level, str) and level.isdigit() else level  # from the query
+                loop.call(lambda eng: eng.sleep(level))
+                out = {"status": "ok"}
+            else:
+                loop.call(lambda eng: eng.wake_up(args.get("tags")))
+                out = {"status": "ok"}
+        except BadRequest as e:
+            self._refuse(e)
+            return
+        except (ValueError, TypeError, RuntimeError, AttributeError) as e:
+            self._error(400, str(e))
+            return
+        self._json(200, out)
 
     def _first_outputs(self, q: queue.Queue, index: dict[str, int]) -> list | None:
         """Each request's first output, in arrival order; on a refused one, the others are aborted and the

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from engine_helpers import hf_greedy, ours_from_hf, random_prompts, tiny_hf
+from engine_helpers import hf_greedy, ours_from_hf, random_prompts, serving, tiny_hf
 
 from infercore import Engine, SamplingParams
 from infercore.engine import engine as engine_mod
@@ -379,6 +379,30 @@ def test_sleep_argument_checks(models):
     with pytest.raises(ValueError, match="tags"):
         eng.wake_up(tags="weights")
     assert not eng.is_sleeping
+
+
+def test_server_routes(models):
+    a, _, refs = models
+    eng = _engine(a)
+    with serving(eng) as call:
+        body = {"prompt": PROMPTS[0], "max_tokens": N, "temperature": 0, "ignore_eos": True}
+        status, out = call("POST", "/v1/completions", body)
+        assert status == 200
+        assert call("POST", "/reset_prefix_cache") == (200, {"reset": True})
+        assert call("POST", "/sleep?level=3")[0] == 400
+        assert call("POST", "/sleep?level=1") == (200, {"status": "ok"})
+        assert call("GET", "/is_sleeping") == (200, {"is_sleeping": True})
+        status, out = call("POST", "/v1/completions", body)
+        assert status >= 400 and "sleeps" in out["error"]["message"]
+        assert call("POST", "/wake_up") == (200, {"status": "ok"})
+        assert call("GET", "/is_sleeping") == (200, {"is_sleeping": False})
+        assert call("POST", "/sleep", {"level": 2})[0] == 200
+        assert call("POST", "/wake_up?tags=weights")[0] == 200
+        assert call("GET", "/is_sleeping") == (200, {"is_sleeping": True})
+        assert call("POST", "/wake_up", {"tags": ["kv_cache"]})[0] == 200
+        assert call("GET", "/is_sleeping") == (200, {"is_sleeping": False})
+    eng.update_weights(a.state_dict().items())
+    assert _tokens(eng) == refs["a"]
 
 
 @pytest.mark.gpu

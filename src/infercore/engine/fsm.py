@@ -17,7 +17,8 @@ returns :data:`DEAD` exactly when no continuation of the text read so far can ma
 :func:`json_schema_regex` and :func:`json_object_regex` turn a practical subset of JSON Schema into a regex
 whose matches are JSON texts valid for the schema; :func:`choice_regex` matches exactly one of a list of
 strings. A regex from them is always a restriction: every match is valid, not every valid text matches (for
-instance, object properties always come in the order the schema lists them).
+instance, object properties always come in the order the schema lists them). ``guided_json`` takes a schema that
+recurses or leaves a value free through a grammar instead (:mod:`infercore.engine.json_grammar`).
 """
 
 from __future__ import annotations
@@ -587,13 +588,36 @@ def _strip_anchors(pattern: str) -> str:
 
 
 class _JsonSchemaRegex:
+    """The walk of a schema and its checks, with the pieces put together as a regex. The GBNF generator
+    (:mod:`infercore.engine.json_grammar`) takes the same walk and overrides how pieces are joined (``leaf``,
+    ``alt``, ``any_value``, ``ref``, ``object``, ``array``), so what the two accept can only differ where the regex
+    has to stop: recursion and free-form values of any depth."""
+
     def __init__(self, root: object, whitespace: str) -> None:
         self.root = root
         self.ws = _ws(whitespace)
         self.refs: list[str] = []
 
+    @staticmethod
+    def leaf(regex: str) -> str:
+        """A regular piece (a scalar, a const or enum) in this generator's syntax."""
+        return regex
+
+    @staticmethod
+    def alt(parts: list[str]) -> str:
+        return _alternation(parts)
+
     def any_value(self) -> str:
         return _any_value(2, self.ws)
+
+    def ref(self, ref: str) -> str:
+        if ref in self.refs:
+            raise ValueError(f"guided_json: recursive $ref {ref!r} is not supported")
+        self.refs.append(ref)
+        try:
+            return self.gen(self.resolve(ref))
+        finally:
+            self.refs.pop()
 
     def resolve(self, ref: object) -> object:
         if not isinstance(ref, str) or not ref.startswith("#"):
@@ -621,41 +645,34 @@ class _JsonSchemaRegex:
             raise ValueError("guided_json: unsupported keyword 'uniqueItems'")
         if schema.get("nullable") is True:
             rest = {k: v for k, v in schema.items() if k != "nullable"}
-            return _alternation([self.gen(rest), JSON_NULL])
+            return self.alt([self.gen(rest), self.leaf(JSON_NULL)])
 
         if "$ref" in schema:
             self._no_siblings(schema, "$ref")
-            ref = schema["$ref"]
-            if ref in self.refs:
-                raise ValueError(f"guided_json: recursive $ref {ref!r} is not supported")
-            self.refs.append(ref)
-            try:
-                return self.gen(self.resolve(ref))
-            finally:
-                self.refs.pop()
+            return self.ref(schema["$ref"])
         if "allOf" in schema:  # a single subschema (as emitted to attach annotations to a $ref)
             self._no_siblings(schema, "allOf")
             return self.gen(schema["allOf"][0])
         if "const" in schema:
-            return _literal(schema["const"], self.ws)
+            return self.leaf(_literal(schema["const"], self.ws))
         if "enum" in schema:
             values = schema["enum"]
             if not isinstance(values, list) or not values:
                 raise ValueError("guided_json: 'enum' must be a non-empty list")
-            return _alternation([_literal(v, self.ws) for v in values])
+            return self.leaf(_alternation([_literal(v, self.ws) for v in values]))
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 self._no_siblings(schema, key)
                 subs = schema[key]
                 if not isinstance(subs, list) or not subs:
                     raise ValueError(f"guided_json: '{key}' must be a non-empty list")
-                return _alternation([self.gen(s) for s in subs])
+                return self.alt([self.gen(s) for s in subs])
 
         types = schema.get("type")
         if isinstance(types, list):
             if not types:
                 raise ValueError("guided_json: 'type' is an empty list")
-            return _alternation([self.gen({**schema, "type": t}) for t in types])
+            return self.alt([self.gen({**schema, "type": t}) for t in types])
         if types is None:
             found = [t for t, keys in _TYPE_HINTS.items() if any(k in schema for k in keys)]
             if not found:
@@ -668,18 +685,18 @@ class _JsonSchemaRegex:
         if types == "array":
             return self.array(schema)
         if types == "string":
-            return self.string(schema)
+            return self.leaf(self.string(schema))
         if types == "integer":
-            return self.integer(schema)
+            return self.leaf(self.integer(schema))
         if types == "number":
             for key in _NUMBER_BOUNDS:
                 if key in schema:
                     raise ValueError(f"guided_json: unsupported keyword '{key}' for type 'number'")
-            return JSON_NUMBER
+            return self.leaf(JSON_NUMBER)
         if types == "boolean":
-            return JSON_BOOLEAN
+            return self.leaf(JSON_BOOLEAN)
         if types == "null":
-            return JSON_NULL
+            return self.leaf(JSON_NULL)
         raise ValueError(f"guided_json: unsupported type {types!r}")
 
     @staticmethod
@@ -693,8 +710,12 @@ class _JsonSchemaRegex:
         if others:
             raise ValueError(f"guided_json: '{key}' together with {others} is not supported")
 
-    def object(self, schema: dict) -> str:
-        ws = self.ws
+    @staticmethod
+    def object_shape(schema: dict) -> tuple[str, object]:
+        """An object schema checked: ``("map", value schema or None)`` (no ``properties``: any keys, values
+        matching ``additionalProperties`` when it is a non-empty schema, else free), ``("props", [(key, schema,
+        required), ...])`` (every property the schema lists, in order; ``false`` ones left out) or ``("props",
+        [])`` for ``{}`` alone."""
         props = schema.get("properties")
         required = schema.get("required", [])
         if not isinstance(required, list):
@@ -704,37 +725,53 @@ class _JsonSchemaRegex:
                 raise ValueError("guided_json: 'required' without 'properties' is not supported")
             extra = schema.get("additionalProperties", True)
             if extra is False:
-                return rf"\{{{ws}\}}"
-            value = self.gen(extra) if isinstance(extra, dict) and extra else _JSON_SCALAR
-            return _object_of(value, ws)
+                return "props", []
+            return "map", (extra if isinstance(extra, dict) and extra else None)
         if not isinstance(props, dict):
             raise ValueError("guided_json: 'properties' must be an object")
         missing = [k for k in required if k not in props]
         if missing:
             raise ValueError(f"guided_json: required properties {missing} are not in 'properties'")
-        pairs = []
+        members = []
         for key, sub in props.items():
             if sub is False:
                 if key in required:
                     raise ValueError(f"guided_json: required property {key!r} has schema false")
                 continue
-            pairs.append(f"{_string_literal(key)}{ws}:{ws}{self.gen(sub)}")
+            members.append((key, sub, key in required))
+        return "props", members
+
+    def object(self, schema: dict) -> str:
+        ws = self.ws
+        kind, arg = self.object_shape(schema)
+        if kind == "map":
+            return _object_of(_JSON_SCALAR if arg is None else self.gen(arg), ws)
+        pairs = [f"{_string_literal(key)}{ws}:{ws}{self.gen(sub)}" for key, sub, _ in arg]
         if not pairs:
             return rf"\{{{ws}\}}"
         return rf"\{{{ws}" + f"{ws},{ws}".join(pairs) + rf"{ws}\}}"
 
-    def array(self, schema: dict) -> str:
-        ws = self.ws
+    @staticmethod
+    def array_shape(schema: dict) -> tuple[object, int, int | None]:
+        """An array schema checked: (the items' schema, None where any value goes; minItems; maxItems or
+        None)."""
         items = schema.get("items")
         if isinstance(items, list):
             raise ValueError("guided_json: unsupported keyword 'items' as a list")
-        item = self.any_value() if items is None or items is True or items == {} else self.gen(items)
         lo = _int_param(schema, "minItems", 0)
         hi = _int_param(schema, "maxItems", None)
         if hi is not None and hi < lo:
             raise ValueError(f"guided_json: maxItems {hi} < minItems {lo}")
+        return (None if items is None or items is True or items == {} else items), lo, hi
+
+    def array(self, schema: dict) -> str:
+        ws = self.ws
+        items, lo, hi = self.array_shape(schema)
+        item = None if items is None else self.gen(items)  # a bad items schema is refused even under maxItems 0
         if hi == 0:
             return rf"\[{ws}\]"
+        if item is None:
+            item = self.any_value()
         more = f"(?:{ws},{ws}{item})"
         low = max(lo - 1, 0)
         body = item + (f"{more}{{{low},}}" if hi is None else f"{more}{{{low},{hi - 1}}}")

@@ -1,13 +1,15 @@
 """Guided (structured-output) decoding: a request's tokens constrained to a regular or context-free language.
 
 A request's :class:`~infercore.engine.params.SamplingParams` names the language (``guided_regex``,
-``guided_choice`` or ``guided_json``, whose regex :meth:`SamplingParams.guided_pattern` gives, or a GBNF grammar
-``guided_grammar``). The engine keeps one guide per language: a :class:`TokenGuide` walks the pattern's character
-DFA (:class:`~infercore.engine.fsm.CharDFA`) over the tokenizer's vocabulary, a :class:`GrammarGuide` the grammar's
-pushdown recognizer (:class:`~infercore.engine.grammar.Grammar`). For each state it finds the tokens whose text
-keeps the output a prefix of some match (a walk of the vocabulary's character trie, pruned where the language
-dies; cached per state), and the sampler masks every other logit to ``-inf`` (``mask_``). End-of-sequence is
-allowed only where the output so far is a whole match, and is the only choice once nothing can follow.
+``guided_choice``, ``guided_json`` or a GBNF grammar ``guided_grammar``), which
+:meth:`SamplingParams.guided_spec` gives as a regex or a grammar (a JSON schema is a regex unless it recurses or
+leaves a value free: :mod:`~infercore.engine.json_grammar`). The engine keeps one guide per language: a
+:class:`TokenGuide` walks the pattern's character DFA (:class:`~infercore.engine.fsm.CharDFA`) over the tokenizer's
+vocabulary, a :class:`GrammarGuide` the grammar's pushdown recognizer (:class:`~infercore.engine.grammar.Grammar`).
+For each state it finds the tokens whose text keeps the output a prefix of some match (a walk of the vocabulary's
+character trie, pruned where the language dies; cached per state), and the sampler masks every other logit to
+``-inf`` (``mask_``). End-of-sequence is allowed only where the output so far is a whole match, and is the only
+choice once nothing can follow.
 
 Limits: a token whose text is not valid UTF-8 on its own (a byte-level BPE piece of a multi-byte character)
 is never chosen, so characters spelled only by such pieces cannot appear; special tokens other than
@@ -268,14 +270,13 @@ class GuideSet:
         self._trie: tuple[dict, list[int]] | None = None
 
     def guide_for(self, params) -> TokenGuide | GrammarGuide:
-        """The guide of ``params``' grammar (``guided_grammar``) or pattern (:meth:`SamplingParams.guided_pattern`).
-        Raises ValueError without a tokenizer or with speculative decoding."""
+        """The guide of ``params``' regex or grammar (:meth:`SamplingParams.guided_spec`). Raises ValueError
+        without a tokenizer or with speculative decoding."""
         if self.tokenizer is None:
             raise ValueError("SamplingParams guided_*: guided decoding needs an engine with a tokenizer")
         if self.speculative:
             raise ValueError("SamplingParams guided_*: not with speculative decoding (num_speculative_tokens)")
-        key = ("grammar", params.guided_grammar) if params.guided_grammar is not None else (
-            "regex", params.guided_pattern())
+        key = params.guided_spec()
         guide = self._guides.get(key)
         if guide is None:
             if self._texts is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # The runner keeps these per request in fixed-width host rows and device tensors (runner.RowTable,
 # ops.SamplingTensors): floats as fp32, top_k as int32, the seed as int64. A value outside those
@@ -39,9 +39,10 @@ class SamplingParams:
 
     Guided decoding (at most one; see ``engine/guided.py``): ``guided_regex`` (the output matches it whole,
     ``re.fullmatch`` semantics, a subset of Python's syntax), ``guided_choice`` (the output is one of these
-    strings), ``guided_json`` (a JSON schema, as a dict or JSON text, or ``True`` for any JSON object) or
-    ``guided_grammar`` (a context-free grammar in llama.cpp's GBNF, start rule ``root``; see ``engine/grammar.py``;
-    left recursion is refused). The
+    strings), ``guided_json`` (a JSON schema, as a dict or JSON text, or ``True`` for any JSON object; a regex
+    where the schema allows one, else a grammar: recursive ``$ref`` and free values of any depth, see
+    ``engine/json_grammar.py``) or ``guided_grammar`` (a context-free grammar in llama.cpp's GBNF, start rule
+    ``root``; see ``engine/grammar.py``; left recursion is refused). The
     request ends with end-of-sequence once its output is a whole match and nothing more can follow, or when
     the model picks end-of-sequence at a whole match; it needs an engine with a tokenizer.
 
@@ -187,29 +188,58 @@ class SamplingParams:
                 raise ValueError("SamplingParams.allowed_token_ids must be a non-empty list of non-negative ints")
         if guided and self.allowed_token_ids is not None:
             raise ValueError("SamplingParams: allowed_token_ids and guided decoding exclude each other")
-        if self.guided_grammar is not None:
-            from .grammar import compile_gbnf
+        if guided:
+            kind, text = self.guided_spec()
+            if kind == "grammar":
+                from .grammar import compile_gbnf
 
-            compile_gbnf(self.guided_grammar)  # a bad grammar is refused here, with its line and column (cached)
-        elif guided:
-            from .fsm import CharDFA
+                compile_gbnf(text)  # a bad grammar is refused here, with its line and column (cached)
+            else:
+                from .fsm import CharDFA
 
-            CharDFA(self.guided_pattern())  # a pattern the DFA cannot take is refused here, with its construct
+                CharDFA(text)  # a pattern the DFA cannot take is refused here, with its construct
 
-    def guided_pattern(self) -> str | None:
-        """The regex that guided decoding constrains the output to, or None (also with ``guided_grammar``, which
-        the engine's guide reads itself)."""
-        from .fsm import choice_regex, json_object_regex, json_schema_regex
+    def guided_spec(self) -> tuple[str, str] | None:
+        """The language guided decoding constrains the output to: ``("regex", pattern)`` (``guided_regex``, a
+        choice list, a JSON schema a regex can express) or ``("grammar", gbnf)`` (``guided_grammar``, a JSON schema
+        that recurses or leaves a value free); None when not guided."""
+        from .fsm import choice_regex
+        from .json_grammar import json_schema_guide
 
         if self.guided_regex is not None:
-            return self.guided_regex
+            return "regex", self.guided_regex
         if self.guided_choice is not None:
-            return choice_regex(list(self.guided_choice))
+            return "regex", choice_regex(list(self.guided_choice))
         if self.guided_json is True:
-            return json_object_regex()
+            return json_schema_guide({"type": "object"})
         if self.guided_json not in (None, False):
-            return json_schema_regex(self.guided_json)
+            return json_schema_guide(self.guided_json)
+        if self.guided_grammar is not None:
+            return "grammar", self.guided_grammar
         return None
+
+    def guided_pattern(self) -> str | None:
+        """A regex for the guide: :meth:`guided_spec`'s where it is one; for a JSON schema that takes a grammar,
+        the regex path's bounded restriction of it (free values two levels deep; a recursive ``$ref`` raises
+        ValueError); None with ``guided_grammar`` or unguided. :meth:`guided_lowered` keeps the grammar."""
+        from .fsm import json_object_regex, json_schema_regex
+
+        spec = self.guided_spec()
+        if spec is None or spec[0] == "regex":
+            return None if spec is None else spec[1]
+        if self.guided_grammar is not None:
+            return None
+        return json_object_regex() if self.guided_json is True else json_schema_regex(self.guided_json)
+
+    def guided_lowered(self) -> SamplingParams:
+        """These parameters with their guide as ``guided_regex`` or ``guided_grammar`` alone (a choice list or a
+        JSON schema compiled once, for a request to keep)."""
+        spec = self.guided_spec()
+        if spec is None:
+            return self
+        kind, text = spec
+        return replace(self, guided_regex=text if kind == "regex" else None, guided_choice=None, guided_json=None,
+                       guided_grammar=text if kind == "grammar" else None)
 
     @property
     def guided(self) -> bool:

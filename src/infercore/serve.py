@@ -75,7 +75,7 @@ import torch
 
 from .engine import Engine, RequestOutput, SamplingParams
 from .engine.engine import POOLING, pair_scores, score_prompts
-from .engine.fsm import json_schema_regex
+from .engine.json_grammar import json_schema_guide
 from .reasoning_parsers import ReasoningParser, get_reasoning_parser
 from .tool_parsers import ToolCall, ToolParser, ToolStream, get_tool_parser, new_call_id
 
@@ -445,7 +445,7 @@ def tool_plan(body: dict) -> ToolPlan:
         raise BadRequest("tool_choice must be a string or an object", "tool_choice")
     if plan.schema is not None:
         try:  # the schema's own faults, named here rather than at submission
-            json_schema_regex(plan.schema)
+            json_schema_guide(plan.schema)  # a regex, or a grammar for recursive / free-valued schemas
         except ValueError as e:
             raise BadRequest(f"tools: the parameters schema cannot guide decoding: {e}", "tools") from None
     return plan

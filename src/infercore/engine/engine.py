@@ -605,8 +605,8 @@ class Engine:
                          logit_bias=None if params.logit_bias is None else dict(params.logit_bias),
                          allowed_token_ids=None if params.allowed_token_ids is None else list(params.allowed_token_ids),
                          bad_words=None if params.bad_words is None else list(params.bad_words))
-        if params.guided:  # the request keeps its pattern's regex alone (a choice list or schema is read once)
-            params = replace(params, guided_regex=params.guided_pattern(), guided_choice=None, guided_json=None)
+        if params.guided:  # the request keeps its regex or grammar alone (a choice list or schema is read once)
+            params = params.guided_lowered()
         ids = self._encode(prompt, chat)
         if not ids:
             raise ValueError("prompt is empty")

@@ -113,29 +113,29 @@ class Gemma3Config(ModelConfig):
         def scaling(d: dict[str, Any]) -> dict[str, Any] | None:
             return None if d.get("rope_type", d.get("type", "default")) == "default" else d
 
+        return cls._build(r, hf, num_layers=num_layers, num_heads=num_heads, layer_types=layer_types,
+                          rope_theta=float(glob_theta), rope_scaling=scaling(glob), rope_local_theta=float(local_theta),
+                          rope_local_scaling=scaling(local), max_position_embeddings=r.positive_int(
+                              "max_position_embeddings", 131072), qk_norm=True)
+
+    @classmethod
+    def _build(cls, r: HFConfigReader, hf: Mapping[str, Any], **kw) -> Gemma3Config:
+        """The fields Gemma 2 and 3 read alike, plus ``kw`` (layers, heads, RoPE, q/k norms, names)."""
         eos_ids, bos = r.token_ids()
-        # Gemma 3 has no q/k/v/o bias variant in HF other than this one flag.
-        bias = r.flag("attention_bias", False)
+        bias = r.flag("attention_bias", False)  # Gemma's one q/k/v/o bias flag
         return cls(
             vocab_size=r.positive_int("vocab_size"),
             hidden_size=r.positive_int("hidden_size"),
             intermediate_size=r.positive_int("intermediate_size"),
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=r.positive_int("num_key_value_heads", num_heads),
+            num_kv_heads=r.positive_int("num_key_value_heads", kw["num_heads"]),
             head_dim=r.positive_int("head_dim", 256),
             rms_norm_eps=r.number("rms_norm_eps", 1e-6),
-            rope_theta=float(glob_theta),
-            rope_scaling=scaling(glob),
-            max_position_embeddings=r.positive_int("max_position_embeddings", 131072),
             tie_word_embeddings=r.flag("tie_word_embeddings", True),
             attention_bias=bias,
             o_bias=bias,
-            qk_norm=True,
             sliding_window=r.check(
                 "sliding_window", hf.get("sliding_window"), int, "a positive int or null", lambda v: v > 0
             ),  # fmt: skip
-            layer_types=layer_types,
             hidden_act=r.check(
                 "hidden_activation",
                 hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
@@ -147,10 +147,8 @@ class Gemma3Config(ModelConfig):
             query_pre_attn_scalar=r.number("query_pre_attn_scalar", 256),
             final_logit_softcapping=r.number("final_logit_softcapping", optional=True),
             attn_logit_softcapping=r.number("attn_logit_softcapping", optional=True),
-            rope_local_theta=float(local_theta),
-            rope_local_scaling=scaling(local),
+            **kw,
         )
-
 
     @classmethod
     def _from_hf_gemma2(cls, hf: Mapping[str, Any]) -> Gemma3Config:
@@ -168,44 +166,11 @@ class Gemma3Config(ModelConfig):
             theta = r.number("rope_theta", 10_000.0)
         r.check("rope_parameters.rope_theta", theta, (int, float), "a positive number", lambda v: v > 0)
         scaling = None if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
-        eos_ids, bos = r.token_ids()
-        bias = r.flag("attention_bias", False)
-        return cls(
-            vocab_size=r.positive_int("vocab_size"),
-            hidden_size=r.positive_int("hidden_size"),
-            intermediate_size=r.positive_int("intermediate_size"),
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=r.positive_int("num_key_value_heads", num_heads),
-            head_dim=r.positive_int("head_dim", 256),
-            rms_norm_eps=r.number("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            max_position_embeddings=r.positive_int("max_position_embeddings", 8192),
-            tie_word_embeddings=r.flag("tie_word_embeddings", True),
-            attention_bias=bias,
-            o_bias=bias,
-            qk_norm=False,
-            sliding_window=r.check(
-                "sliding_window", hf.get("sliding_window"), int, "a positive int or null", lambda v: v > 0
-            ),  # fmt: skip
-            layer_types=layer_types,
-            hidden_act=r.check(
-                "hidden_activation",
-                hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
-                str,
-                "an activation name",
-            ),  # fmt: skip
-            bos_token_id=bos,
-            eos_token_ids=eos_ids,
-            query_pre_attn_scalar=r.number("query_pre_attn_scalar", 256),
-            final_logit_softcapping=r.number("final_logit_softcapping", optional=True),
-            attn_logit_softcapping=r.number("attn_logit_softcapping", optional=True),
-            rope_local_theta=float(theta),
-            rope_local_scaling=scaling,
-            model_type="gemma2",
-            architecture="Gemma2ForCausalLM",
-        )
+        return cls._build(r, hf, num_layers=num_layers, num_heads=num_heads, layer_types=layer_types,
+                          rope_theta=float(theta), rope_scaling=scaling, rope_local_theta=float(theta),
+                          rope_local_scaling=scaling, max_position_embeddings=r.positive_int(
+                              "max_position_embeddings", 8192), qk_norm=False, model_type="gemma2",
+                          architecture="Gemma2ForCausalLM")
 
 
 class Gemma3Attention(nn.Module):

@@ -281,6 +281,19 @@ class ToolStream:
     def _advance(self) -> None:
         raise NotImplementedError
 
+    def _text_until(self, mark: str) -> int | None:
+        """Content from ``pos`` up to ``mark``: said, and the marker's index returned; without the marker all of the
+        text is said but a tail that may yet become it (none once final), and None."""
+        text = self.text
+        k = text.find(mark, self.pos)
+        if k < 0:
+            stop = len(text) if self.final else len(text) - _tail(text, mark, self.pos)
+            self._say(text[self.pos:stop])
+            self.pos = stop
+            return None
+        self._say(text[self.pos:k])
+        return k
+
     def _say(self, s: str) -> None:
         if not s:
             return
@@ -376,13 +389,9 @@ class HermesToolStream(ToolStream):
         text, final, start, end = self.text, self.final, self.start, self.end
         while True:
             if self.state == "text":
-                k = text.find(start, self.pos)
-                if k < 0:
-                    stop = len(text) if final else len(text) - _tail(text, start, self.pos)
-                    self._say(text[self.pos:stop])
-                    self.pos = stop
+                k = self._text_until(start)
+                if k is None:
                     return
-                self._say(text[self.pos:k])
                 self.block, self.pos, self.state = k, k + len(start), "open"
             elif self.state == "open":  # after the tag: a call object, or the block is content
                 j = _skip_ws(text, self.pos)
@@ -513,13 +522,9 @@ class MistralToolStream(ToolStream):
         while True:
             state = self.state
             if state == "text":
-                k = text.find(mark, self.pos)
-                if k < 0:
-                    stop = len(text) if final else len(text) - _tail(text, mark, self.pos)
-                    self._say(text[self.pos:stop])
-                    self.pos = stop
+                k = self._text_until(mark)
+                if k is None:
                     return
-                self._say(text[self.pos:k])
                 self.first, self.pos, self.state = k, k + len(mark), "part"
             elif state in ("part", "between"):  # after a marker / after a call: a call, or the next marker
                 j = _skip_ws(text, self.pos)

@@ -83,6 +83,46 @@ def test_mixed_batch_matches_peft(setup, packed):
             assert o.token_ids != hf_greedy(base, p, 10), la
 
 
+def test_merged_projection_adapters_of_phi3_match_peft(tmp_path):
+    """Phi-3 checkpoints keep qkv_proj / gate_up_proj merged, and PEFT adapters target them so: one A per projection,
+    B cut by slice when the adapter is placed; greedy tokens equal PEFT's, beside the base model. An adapter
+    targeting a slice both alone and through its merged projection is refused."""
+    import transformers
+
+    from infercore.models import ModelConfig, build_model
+
+    def make():
+        cfg = transformers.Phi3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        cfg._attn_implementation = "eager"
+        torch.manual_seed(0)
+        hf = transformers.Phi3ForCausalLM(cfg).eval()
+        with torch.no_grad():
+            hf.lm_head.weight.mul_(4.0)
+        return hf
+
+    base = make()
+    ref = _save_adapter(make(), tmp_path / "a", r=8, alpha=16, targets=["qkv_proj", "o_proj", "gate_up_proj",
+                                                                         "down_proj"], seed=6)
+    a = load_lora_adapter(tmp_path / "a")
+    assert {m for _, m in a.weights} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    ours = build_model(ModelConfig.from_hf(base.config.to_dict()), dtype=torch.float32, device=torch.device("cpu"))
+    ours.load_weights(base.state_dict().items())
+    eng = Engine(ours, page_size=4, num_pages=128, max_loras=1, max_lora_rank=8)
+    eng.add_lora("a", a)
+    prompts = _prompts()[1:4]
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), lora=["a", None, "a"])
+    for p, la, o in zip(prompts, ["a", None, "a"], outs):
+        assert o.token_ids == hf_greedy(ref if la else base, p, 8), la
+        if la:
+            assert o.token_ids != hf_greedy(base, p, 8)
+    both = LoRAAdapter("both", {**a.weights, (0, "q_proj"): (a.weights[(0, "o_proj")][0],
+                                                              a.weights[(0, "o_proj")][1])})
+    with pytest.raises(ValueError, match="both alone and through"):
+        eng.add_lora("both", both)
+
+
 def _tiny_gemma3():
     """A tiny random Gemma 3 (sliding and global layers), greedy far from ties."""
     import transformers

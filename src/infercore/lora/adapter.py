@@ -30,7 +30,9 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # a sparse-MoE layer's routed experts (pairs stacked over the experts) and shared expert
 EXPERT_TARGETS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
 SHARED_TARGETS = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
-ALL_TARGETS = TARGETS + EXPERT_TARGETS + SHARED_TARGETS
+# projections some checkpoints store merged (Phi-3): one pair, B's rows cut by slice when placed
+MERGED_TARGETS = ("qkv_proj", "gate_up_proj")
+ALL_TARGETS = TARGETS + MERGED_TARGETS + EXPERT_TARGETS + SHARED_TARGETS
 
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.((?:shared_expert\.)?\w+)\.lora_([AB])(?:\.[\w-]+)?"
                   r"\.weight$")
@@ -93,7 +95,8 @@ def load_lora_adapter(path: str | os.PathLike, name: str | None = None) -> LoRAA
     """Read a PEFT LoRA adapter directory.
 
     Supported: ``lora`` adapters over the attention and MLP projections of the decoder layers (``target_modules``
-    among ``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj``), a sparse-MoE layer's routed experts
+    among ``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj``, or Phi-3's merged ``qkv_proj`` /
+    ``gate_up_proj``, whose B is cut by slice when placed), a sparse-MoE layer's routed experts
     (per-expert modules, or ``target_parameters`` on the stacked tensors) and shared expert, any rank per
     projection (``rank_pattern``), ``alpha_pattern``, rsLoRA. Refused with a ValueError naming the setting: DoRA,
     bias training, ``fan_in_fan_out``, ``modules_to_save``, embeddings and ``lm_head`` as targets, other PEFT methods.
@@ -147,9 +150,10 @@ def adapter_from_state_dict(name: str, state: dict[str, torch.Tensor], cfg: dict
             raise ValueError(f"load_lora_adapter: unexpected weight {key!r} (expected "
                              "...layers.<i>.(self_attn|mlp).<proj>.lora_(A|B).weight)")
         layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
-        if module not in TARGETS and module not in SHARED_TARGETS:
+        if module not in TARGETS and module not in SHARED_TARGETS and module not in MERGED_TARGETS:
             raise ValueError(f"load_lora_adapter: {key!r}: target module {module!r} is not supported "
-                             f"(supported: {', '.join(TARGETS + SHARED_TARGETS)}, and the routed experts)")
+                             f"(supported: {', '.join(TARGETS + MERGED_TARGETS + SHARED_TARGETS)}, and the routed "
+                             "experts)")
         pairs.setdefault((layer, module), {})[ab] = t
     weights = {}
     for (layer, module), ab in sorted(pairs.items()):
@@ -243,7 +247,7 @@ def _expert_params(layer: int, wrappers: dict[int, dict[str, torch.Tensor]], cfg
 def _pattern(pattern: dict, layer: int, module: str, default: float, *, full: str | None = None) -> float:
     """PEFT's per-module override: the value of the first key whose regex matches the end of the module's name
     (``full``, or the name of ``module`` of ``layer``)."""
-    mlp = module in ("gate_proj", "up_proj", "down_proj") or module.startswith("shared_expert.")
+    mlp = module in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") or module.startswith("shared_expert.")
     full = full or f"model.layers.{layer}.{'mlp' if mlp else 'self_attn'}.{module}"
     for key, value in pattern.items():
         if re.match(rf"(.*\.)?({key})$", full):

@@ -337,13 +337,32 @@ class LoRAManager:
             for j, hf in enumerate(lin.slices):
                 where[(layer, hf)] = ((layer, ours), j)
         for (layer, module), (a, b) in adapter.weights.items():
+            merged = self.layers.get((layer, module)) if module in MERGED else None
+            if merged is not None and isinstance(merged, LoRALinear):
+                # one pair over a merged projection (Phi-3's qkv_proj / gate_up_proj): A shared, B cut by slice
+                if b.dim() != 2 or b.shape[0] != sum(merged.full_sizes):
+                    raise ValueError(f"LoRA adapter {adapter.name!r}: layer {layer} {module} has B "
+                                     f"{tuple(b.shape)}; this model's projection has {sum(merged.full_sizes)} rows")
+                row = 0
+                for j, size in enumerate(merged.full_sizes):
+                    pairs = out.setdefault((layer, module), [None] * len(merged.slices))
+                    if pairs[j] is not None:
+                        raise ValueError(f"LoRA adapter {adapter.name!r}: layer {layer} {merged.slices[j]} is "
+                                         f"targeted both alone and through {module}")
+                    pairs[j] = merged.fit_pair(j, a, b[row : row + size], adapter.name, layer, module)
+                    row += size
+                continue
             hit = where.get((layer, module))
             if hit is None:
                 raise ValueError(f"LoRA adapter {adapter.name!r} targets layer {layer} {module}, which this model "
                                  "does not have (or does not take LoRA on)")
             key, j = hit
             lin = self.layers[key]
-            out.setdefault(key, [None] * len(lin.slices))[j] = lin.fit_pair(j, a, b, adapter.name, layer, module)
+            pairs = out.setdefault(key, [None] * len(lin.slices))
+            if pairs[j] is not None:
+                raise ValueError(f"LoRA adapter {adapter.name!r}: layer {layer} {module} is targeted both alone and "
+                                 "through its merged projection")
+            pairs[j] = lin.fit_pair(j, a, b, adapter.name, layer, module)
         return out
 
     # ------------------------------------------------------------------ steps

@@ -25,6 +25,7 @@ from .llama import (
     MistralForCausalLM,
     MistralForSequenceClassification,
     Phi3ForCausalLM,
+    Phi3ForSequenceClassification,
     Qwen2ForCausalLM,
     Qwen2ForSequenceClassification,
     Qwen3ForCausalLM,
@@ -53,6 +54,7 @@ __all__ = [
     "MistralForSequenceClassification",
     "Qwen2ForSequenceClassification",
     "Qwen3ForSequenceClassification",
+    "Phi3ForSequenceClassification",
     "Mamba2Config",
     "Mamba2ForCausalLM",
     "MistralForCausalLM",
@@ -92,7 +94,7 @@ register_model("phi3", Phi3ForCausalLM, architectures=("Phi3ForCausalLM",))
 register_model("granite", GraniteForCausalLM, architectures=("GraniteForCausalLM",))
 register_model("olmo2", Olmo2ForCausalLM, architectures=("Olmo2ForCausalLM",))
 for _cls in (LlamaForSequenceClassification, MistralForSequenceClassification, Qwen2ForSequenceClassification,
-             Qwen3ForSequenceClassification):
+             Qwen3ForSequenceClassification, Phi3ForSequenceClassification):
     _BY_ARCHITECTURE[_cls.__name__] = _cls
 register_model("gemma3_text", Gemma3ForCausalLM, architectures=("Gemma3ForCausalLM",), config_class=Gemma3Config,
                hf_model_types=("gemma3",))

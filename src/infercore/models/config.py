@@ -71,6 +71,7 @@ _CLASSIFIER_ARCHITECTURES = {
     "mistral": "MistralForSequenceClassification",
     "qwen2": "Qwen2ForSequenceClassification",
     "qwen3": "Qwen3ForSequenceClassification",
+    "phi3": "Phi3ForSequenceClassification",
 }
 
 

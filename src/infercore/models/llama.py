@@ -684,11 +684,18 @@ class Qwen3ForSequenceClassification(LlamaForSequenceClassification):
     pass
 
 
+class Phi3ForSequenceClassification(LlamaForSequenceClassification):
+    """Phi-3 with the sequence-classification head (merged ``qkv_proj`` / ``gate_up_proj`` in the checkpoint)."""
+
+    _MERGED_CHECKPOINT = True
+
+
 __all__ = [
     "LlamaForSequenceClassification",
     "MistralForSequenceClassification",
     "Qwen2ForSequenceClassification",
     "Qwen3ForSequenceClassification",
+    "Phi3ForSequenceClassification",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",

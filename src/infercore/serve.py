@@ -582,7 +582,13 @@ def chat_message(plan: ToolPlan, parser: ToolParser | None, text: str, reason: s
             items = None
         if isinstance(items, list) and items and all(isinstance(x, dict) and isinstance(x.get("name"), str)
                                                      for x in items):
-            calls = [ToolCall(x["name"], json.dumps(x.get("parameters", {}), ensure_ascii=False)) for x in items]
+            # each call's arguments as the model wrote them (what the stream sends, piece by piece)
+            written = required_calls_so_far(text)
+            if [n for n, _ in written] == [x["name"] for x in items]:
+                calls = [ToolCall(n, args or "{}") for n, args in written]
+            else:  # not expected for the guided output; its parsed form then
+                calls = [ToolCall(x["name"], json.dumps(x.get("parameters", {}), ensure_ascii=False))
+                         for x in items]
             content, reason = None, "tool_calls" if reason == "stop" else reason
     elif plan.choice == "auto" and parser is not None:
         content, calls = parser.extract(text)

@@ -1,5 +1,6 @@
 """Guided decoding's cost on the real SmolLM2-135M-Instruct weights: a batch of 8 requests constrained to a JSON
-schema or a regex, against the same requests unguided, each generating as many tokens as its guided twin (the peer),
+schema or a regex (the character DFA), or to a GBNF grammar, any JSON object, or a recursive JSON schema (the
+pushdown recognizer), against the same requests unguided, each generating as many tokens as its guided twin (the peer),
 in alternating rounds; and the one-time cost of a new pattern (the vocabulary's texts and trie, the first walks of
 its DFA states).
 
@@ -32,6 +33,11 @@ SCHEMA = {"type": "object", "properties": {
     "age": {"type": "integer", "minimum": 0, "maximum": 150},
     "city": {"type": "string", "enum": ["Paris", "London", "Tokyo", "Lima"]},
     "hobbies": {"type": "array", "items": {"type": "string", "pattern": "[a-z ]{1,20}"}, "maxItems": 3}}}
+ARITH = 'root ::= expr\nexpr ::= term (" " [-+*] " " term)*\nterm ::= [0-9]{1,3} | "(" expr ")"'
+TREE = {"$defs": {"node": {"type": "object", "properties": {
+    "name": {"type": "string", "pattern": "[a-z]{1,8}"},
+    "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}, "required": ["name"]}},
+    "$ref": "#/$defs/node"}
 PROMPTS = ["Describe a person as JSON.", "Invent a character and give it as JSON.", "A JSON record of a traveller.",
            "Give a JSON profile of a chef.", "A student as JSON, please.", "JSON for a fictional pilot.",
            "Describe your neighbour in JSON.", "A musician, as a JSON object."]
@@ -51,10 +57,16 @@ def main() -> None:
         "json schema": [SamplingParams(temperature=0.7, seed=i, max_tokens=n, guided_json=SCHEMA) for i in range(8)],
         "regex": [SamplingParams(temperature=0.7, seed=i, max_tokens=n, guided_regex=r"(\d{3}-\d{4}, ){0,6}\d{3}-\d{4}")
                   for i in range(8)],
+        "GBNF grammar": [SamplingParams(temperature=0.7, seed=i, max_tokens=n, guided_grammar=ARITH) for i in range(8)],
+        "any JSON object (grammar)": [SamplingParams(temperature=0.7, seed=i, max_tokens=n, guided_json=True)
+                                      for i in range(8)],
+        "recursive JSON schema (grammar)": [SamplingParams(temperature=0.7, seed=i, max_tokens=n, guided_json=TREE)
+                                            for i in range(8)],
     }
+    guided = list(kinds)
     # one-time cost of a pattern: the first request of each kind on a fresh engine's guides
     cold = {}
-    for name in ("json schema", "regex"):
+    for name in guided:
         t = time.perf_counter()
         out = eng.generate(PROMPTS[:1], kinds[name][:1], chat=True)[0]
         cold[name] = (time.perf_counter() - t, len(out.token_ids))
@@ -80,7 +92,7 @@ def main() -> None:
             finished[name] = sum(o.finish_reason == "stop" for o in outs)
     rate = {k: statistics.median(t / s for t, s in zip(tokens[k], times[k])) for k in kinds}
     cases = []
-    for name in ("json schema", "regex"):
+    for name in guided:
         peer = f"{name}, unguided"
         cases.append(case(f"SmolLM2-135M guided decoding ({name}), 8 requests, <= {n} tokens, {dev.type}",
                           metric="generated tokens/s", unit="tok/s", ours=rate[name],

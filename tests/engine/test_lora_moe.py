@@ -244,6 +244,24 @@ def test_moe_lora_errors(qwen3, tmp_path):
     assert {m for _, m in load_lora_adapter(one).weights} == {"experts.down_proj"}
 
 
+def test_experts_kept_on_the_host_take_no_adapter(qwen3, tmp_path):
+    """Experts offloaded to the host (``offload_experts_``) have no LoRA slots: an expert adapter is refused with the
+    reason, an attention-only one still loads."""
+    from infercore.lora import LoRAAdapter
+    from infercore.offload import offload_experts_
+
+    base, _, d = qwen3
+    model = _ours(base, tmp_path)
+    offload_experts_(model, device="cpu")
+    eng = Engine(model, page_size=4, num_pages=64, max_loras=1, max_lora_rank=8)
+    assert (1, "experts") not in eng.lora.layers
+    with pytest.raises(ValueError, match="no experts that take LoRA"):
+        eng.add_lora("experts", d / "experts")
+    full = load_lora_adapter(d / "down")
+    eng.add_lora("attn", LoRAAdapter("attn", {k: v for k, v in full.weights.items() if not k[1].startswith("experts")}))
+    assert eng.list_loras() == ["attn"]
+
+
 def test_slots_hold_each_adapters_experts(qwen3, tmp_path):
     """The experts' slot rows: slot s of expert e at row s * E + e; an adapter's A / B copied there (zeros past its
     rank), zeros where its adapter has no expert weights."""

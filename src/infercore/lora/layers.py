@@ -353,6 +353,11 @@ class LoRAManager:
                     row += size
                 continue
             hit = where.get((layer, module))
+            if hit is None and module.startswith(("experts.", "shared_expert.")):
+                raise ValueError(f"LoRA adapter {adapter.name!r} targets layer {layer} {module}: this model's layer "
+                                 f"{layer} has no experts that take LoRA (routed experts take it only as dense tensors "
+                                 "on the model's device, in a one-process model: not quantized, offloaded to the "
+                                 "host, or tensor / expert parallel)")
             if hit is None:
                 raise ValueError(f"LoRA adapter {adapter.name!r} targets layer {layer} {module}, which this model "
                                  "does not have (or does not take LoRA on)")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from ._registry import Registry
@@ -243,7 +244,7 @@ class _Call:
     id: str = field(default_factory=new_call_id)
 
 
-class ToolStream:
+class ToolStream(ABC):
     """Reads one reply's tool calls as its text grows. :meth:`feed` each new piece (``final=True`` with the last);
     each feed returns the :class:`ToolDelta` to send. Subclasses implement :meth:`_advance`, which reads
     ``self.text`` from ``self.pos`` as far as it can decide, handing content to :meth:`_say` and keeping the calls
@@ -278,8 +279,9 @@ class ToolStream:
         """The calls announced so far (after the final feed: all of the reply's)."""
         return [ToolCall(c.name, c.args, c.id) for c in self.calls if c.sent is not None]
 
+    @abstractmethod
     def _advance(self) -> None:
-        raise NotImplementedError
+        """Read on from ``pos`` as far as the text decides, saying content and opening / growing calls."""
 
     def _text_until(self, mark: str) -> int | None:
         """Content from ``pos`` up to ``mark``: said, and the marker's index returned; without the marker all of the
@@ -626,6 +628,11 @@ class ToolParser:
     start: str | None = None
     stream_class: type[ToolStream] | None = None
 
+    def __init_subclass__(cls, **kw) -> None:
+        super().__init_subclass__(**kw)
+        if cls.stream_class is None and cls.extract is ToolParser.extract:
+            raise TypeError(f"{cls.__name__}: a tool parser defines stream_class or extract")
+
     def stream(self) -> ToolStream:
         """A reader of one reply as it is generated."""
         return self.stream_class() if self.stream_class is not None else _HeldStream(self)
@@ -633,8 +640,8 @@ class ToolParser:
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """``(content, calls)``: the calls in the order written and the text outside them (None when nothing is
         left); without calls, ``text`` itself."""
-        if self.stream_class is None:
-            raise NotImplementedError(f"{type(self).__name__} defines neither extract nor stream_class")
+        if self.stream_class is None:  # only the base class itself (subclasses are checked when defined)
+            raise TypeError("ToolParser is the base of the formats: use get_tool_parser(name)")
         s = self.stream_class()
         content = s.feed(text, final=True).content
         if not s.calls:

@@ -18,19 +18,21 @@ from infercore.lora import LoRAAdapter, enable_lora_, load_lora_adapter
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _save_adapter(hf, path, *, r, alpha, targets, seed, rslora=False, layers=None):
-    """A PEFT LoRA adapter over ``hf`` with random A and B (B is zero at PEFT's init), saved to ``path``."""
-    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, use_rslora=rslora,
-                          init_lora_weights=False, layers_to_transform=layers)
+def _save_adapter(hf, path, *, r, alpha, targets, seed, rslora=False, layers=None, params=None, std=0.3,
+                  merge=True):
+    """A PEFT LoRA adapter over ``hf`` with random A and B of ``std`` (B is zero at PEFT's init), saved to ``path``
+    (``params``: PEFT's ``target_parameters``, e.g. stacked expert tensors). Returns PEFT's merged model, the
+    reference (its forward equals the unmerged one), or with ``merge=False`` the PEFT model itself."""
+    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, use_rslora=rslora,
+                          init_lora_weights=False, layers_to_transform=layers, target_parameters=params or None)
     torch.manual_seed(seed)
     model = peft.get_peft_model(hf, cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.normal_(0, 0.3)
+                p.normal_(0, std)
     model.save_pretrained(path)
-    merged = model.merge_and_unload()  # the reference: PEFT's own merge (its forward equals the unmerged one)
-    return merged
+    return model.merge_and_unload() if merge else model
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import pytest
 import torch
 from engine_helpers import hf_greedy
 from safetensors.torch import save_file
+from test_lora import _save_adapter
 
 from infercore import Engine, SamplingParams
 from infercore.lora import load_lora_adapter
@@ -42,16 +43,9 @@ def _tiny(kind):
 
 
 def _peft(hf, path, *, seed, modules=(), params=(), r=4, alpha=8):
-    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(modules), target_parameters=list(params) or None,
-                          lora_dropout=0.0, init_lora_weights=False)
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(hf, cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.4)
-    model.save_pretrained(path)
-    return model
+    """The PEFT model (unmerged) of a random adapter on ``modules`` and the stacked expert tensors ``params``."""
+    return _save_adapter(hf, path, r=r, alpha=alpha, targets=modules, params=list(params), seed=seed, std=0.4,
+                         merge=False)
 
 
 def _ours(hf, tmp_path, device="cpu"):

@@ -785,3 +785,19 @@ def test_cli_parser_flags(served, monkeypatch, capsys, flag, key, cases):
     with pytest.raises(SystemExit):
         cli.main(["serve", flag, "xml"])
     assert "invalid choice: 'xml'" in capsys.readouterr().err
+
+
+def test_a_tool_parser_defines_a_reader():
+    """A format must give a stream reader or extract: checked when the class is defined, not at a reply."""
+    from infercore.tool_parsers import ToolParser
+
+    with pytest.raises(TypeError, match="stream_class or extract"):
+        type("Empty", (ToolParser,), {})
+    with pytest.raises(TypeError, match="get_tool_parser"):
+        ToolParser().extract("x")
+
+    class Whole(ToolParser):  # extract alone: its streams hold the reply back and read it whole at the end
+        def extract(self, text):
+            return None, []
+
+    assert Whole().extract("x") == (None, [])

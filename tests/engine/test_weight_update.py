@@ -5,6 +5,8 @@ manager; prefix-cache pages computed under A are not reused; refused updates cha
 1 and 2, the memory really given back where ``frees_memory`` says so) come back to the same tokens."""
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
@@ -14,6 +16,9 @@ from infercore import Engine, SamplingParams
 from infercore.engine import engine as engine_mod
 from infercore.engine.weights import model_parameters
 from infercore.ops.moe import cpu_native
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+from test_qwen3_next import _tiny_pair  # noqa: E402
 
 N = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
@@ -208,35 +213,12 @@ def test_quantized_linears_refused_by_name():
     assert torch.equal(eng.model.model.norm.weight, state["model.norm.weight"] * 2)
 
 
-def _tiny_qwen3_next(seed: int):
-    """A tiny random transformers Qwen3-Next (DeltaNet and attention layers, routed experts)."""
-    import transformers
-
-    cfg = transformers.Qwen3NextConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
-        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-        linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-        shared_expert_intermediate_size=24, decoder_sparse_step=1, mlp_only_layers=[1],
-        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    hf = transformers.Qwen3NextForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name or "dt_bias" in name:
-                p.normal_(0.0, 0.3)
-        hf.lm_head.weight.mul_(4.0)
-    return hf
-
-
 def test_hybrid_model_update_and_sleep(monkeypatch):
     """Qwen3-Next through the hybrid KV manager (recurrent-state rows, checkpoints), its routed experts packed for
     the CPU: an update equals an engine loaded with the new weights; sleep / wake with the memory given back."""
     from infercore.models import Qwen3NextConfig, build_model
 
-    hfa, hfb = _tiny_qwen3_next(0), _tiny_qwen3_next(1)
+    hfa, hfb = _tiny_pair(0)[0], _tiny_pair(1)[0]  # transformers' Qwen3-Next of two seeds
 
     def engine(hf):
         m = build_model(Qwen3NextConfig.from_hf(hf.config.to_dict()), dtype=torch.float32, device="cpu")

@@ -258,8 +258,8 @@ NATIVE = {"phi3": True, "phi3_longrope": False, "granite": False, "olmo2": False
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_bf16_cpu_decode_path_and_accuracy(kind, checkpoints, monkeypatch):
-    if not (cpu_native.available() and cpu_native.fused_layers_on()):
-        pytest.skip("the native CPU layer library is not built here")
+    assert cpu_native.available(), cpu_native.status()  # built at first use, as the other native-kernel tests ask
+    assert cpu_native.fused_layers_on()
     calls = _NativeCalls(monkeypatch)
     hf, model, _ = _load(checkpoints, kind, dtype=torch.bfloat16)
     assert pack_linears_for_cpu_(model) > 0  # as the Engine does: the native layer takes packed linears

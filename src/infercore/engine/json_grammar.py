@@ -29,6 +29,7 @@ import json
 import re
 
 from .fsm import (
+    _CATEGORY_SOURCES,
     _FLAGS_OK,
     JSON_BOOLEAN,
     JSON_INTEGER,
@@ -45,14 +46,6 @@ from .gbnf import MAX_CHAR, merge_ranges
 __all__ = ["json_schema_grammar", "json_schema_guide", "regex_gbnf"]
 
 _OP = sre_parse
-_CATEGORY_SOURCES = {
-    sre_parse.CATEGORY_DIGIT: r"\d",
-    sre_parse.CATEGORY_NOT_DIGIT: r"\D",
-    sre_parse.CATEGORY_SPACE: r"\s",
-    sre_parse.CATEGORY_NOT_SPACE: r"\S",
-    sre_parse.CATEGORY_WORD: r"\w",
-    sre_parse.CATEGORY_NOT_WORD: r"\W",
-}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -65,8 +65,15 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=4)
+    ap.add_argument("--moe-grouped-min", default=None,
+                    help="ops.moe.triton.LORA_GROUPED_MIN_PAIRS for this run: pairs from which the experts' LoRA "
+                         "takes the grouped kernels ('lora': the lora ops' own threshold)")
     ap.add_argument("--smoke", action="store_true", help="a tiny config on the CPU (checks the script, times nothing)")
     args = ap.parse_args()
+    if args.moe_grouped_min is not None:
+        from infercore.ops.moe import triton as moe_triton
+
+        moe_triton.LORA_GROUPED_MIN_PAIRS = None if args.moe_grouped_min == "lora" else int(args.moe_grouped_min)
     cfg = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
     dev = torch.device("cuda")
     if args.smoke:
@@ -139,7 +146,10 @@ def main() -> None:
                           step_bytes_floor=step, copy_bw_TBps=bw / 1e12, layers=L,
                           slot_bytes=sum(b.numel() * b.element_size() for b in eng.model.buffers()
                                          if b.dim() == 3 and b.shape[0] == args.adapters * E)))
-    write_results(args.out, "lora_moe", "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(), cases)
+    from infercore.ops.moe import triton as moe_triton
+
+    write_results(args.out, "lora_moe", "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(), cases,
+                  extra={"moe_lora_grouped_min_pairs": moe_triton.LORA_GROUPED_MIN_PAIRS})  # fmt: skip
 
 
 if __name__ == "__main__":

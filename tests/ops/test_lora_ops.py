@@ -157,6 +157,27 @@ def test_triton_grouped_split_k_blocks_and_given_order(dtype):
     assert torch.equal(s_bad[t], torch.zeros_like(s_bad[t])) and s_ref[t].abs().max() > 0
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_triton_grouped_sparse_slots(shuffle):
+    # The experts' LoRA indexes slot * E + expert: a tile of 16 rows holds a few of hundreds of values. The grouped
+    # kernels visit only the slots a tile holds (in any order of its rows), and each row gets its own adapter.
+    T, K, N, r, S = 37, 24, 19, 4, 300
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, K, generator=g)
+    a = torch.randn(S, r, K, generator=g) * 0.3
+    b = torch.randn(S, N, r, generator=g) * 0.3
+    y = torch.randn(T, N, generator=g)
+    idx = torch.randint(0, S, (T,), generator=g, dtype=torch.int32)
+    idx[::7] = -1
+    idx[1] = idx[2] = S - 1
+    order = torch.randperm(T, generator=g) if shuffle else torch.argsort(idx, stable=True)
+    s_tri = lora_triton.lora_shrink(x, a, idx, grouped=True, order=order)
+    torch.testing.assert_close(s_tri, shrink_formula(x, a, idx).float(), rtol=1e-5, atol=1e-5)
+    y_tri = y.clone()
+    lora_triton.lora_expand_(y_tri, s_tri, b, idx, grouped=True, order=order)
+    torch.testing.assert_close(y_tri, expand_formula(y, s_tri, b, idx, ()).float(), rtol=1e-5, atol=1e-5)
+
+
 def test_grouped_threshold_and_public_order(monkeypatch):
     # The public ops take order and check it; from GROUPED_MIN_TOKENS tokens (when set) the grouped kernels run.
     calls = []

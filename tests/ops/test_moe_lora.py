@@ -66,9 +66,14 @@ def _by_pair(x, gate_up, down, w, ids, lora, offset=0):
     (40, 4, 32, 16, 2, 2, 8, True),  # several BLOCK_M chunks per expert
     (1, 8, 16, 16, 3, 2, 4, False),  # one decode token
 ])  # fmt: skip
-@pytest.mark.parametrize("path", ["reference", "grouped", "gemv"])
+@pytest.mark.parametrize("path", ["reference", "grouped", "gemv", "grouped-sgmv", "gemv-sgmv"])
 def test_moe_lora_matches_merged_weights(T, E, H, I, k, S, r, skew, path, monkeypatch):
+    # "-sgmv": the pairs' LoRA through the grouped (SGMV) lora kernels instead of per-pair BGMV
     from infercore.ops.moe import triton as moe_triton
+
+    if path.endswith("-sgmv"):
+        monkeypatch.setattr(moe_triton, "LORA_GROUPED_MIN_PAIRS", 1)
+        path = path[: -len("-sgmv")]
 
     x, gate_up, down, w, ids, lora = _case(T, E, H, I, k, S, r, torch.float32, skew=skew, none_rows=(0,))
     want = _by_pair(x, gate_up, down, w, ids, lora).float()

@@ -13,8 +13,8 @@ Both are memory-bound GEMVs (each token reads its adapter's A and B; tokens shar
 re-read it from L2). From ``GROUPED_MIN_TOKENS`` tokens (32; or always with ``grouped=True``, never with None) the
 grouped kernels replace them (Punica's SGMV,
 as vLLM sorts tokens by adapter): programs take tiles of 16 tokens in slot order (``order``, any
-permutation of the tokens; sorted, a tile holds one adapter or a few), loop over the slots from the
-tile's smallest to its largest with each other token masked out, and multiply on the tensor cores
+permutation of the tokens; sorted, a tile holds one adapter or a few), loop over the slots the tile holds
+with each other token masked out, and multiply on the tensor cores
 (``tl.dot``; fp32 operands in full fp32), so an adapter's A and B tiles are read once per tile of
 tokens rather than once per token. The grouped shrink splits K over the grid as the BGMV one does.
 
@@ -127,6 +127,14 @@ def _tile_tokens(idx_ptr, ord_ptr, T, stride_it, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _next_slot(slot, s):
+    """The tile's smallest slot above ``s`` (past ``hi`` when none): the grouped loops visit only the slots the
+    tile holds, not every value between its smallest and largest. Slots of the experts' LoRA (``slot * E + expert``)
+    are sparse, so a tile of 16 rows can span hundreds of values it does not hold."""
+    return tl.min(tl.where(slot > s, slot, 2147483647), axis=0)
+
+
+@triton.jit
 def _shrink_grouped_kernel(
     x_ptr, a_ptr, idx_ptr, ord_ptr, out_ptr,
     T, R, K, K_PER_SPLIT,
@@ -143,7 +151,8 @@ def _shrink_grouped_kernel(
     k_lo = tl.program_id(1) * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for s in range(lo, hi + 1):  # the tile's adapters (usually one): each A tile read once for all its tokens
+    s = lo
+    while s <= hi:  # the tile's adapters (usually one): each A tile read once for all its tokens
         sel = slot == s
         a_rows = a_ptr + tl.cast(s, tl.int64) * stride_as + rows[:, None] * stride_ar
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -156,6 +165,7 @@ def _shrink_grouped_kernel(
                 acc += tl.dot(xv, tl.trans(av), input_precision="ieee")
             else:
                 acc += tl.dot(xv, tl.trans(av))
+        s = _next_slot(slot, s)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     o = out_ptr + tok[:, None] * stride_ot + rows[None, :]
     omask = (m < T)[:, None] & rmask[None, :]
@@ -183,7 +193,8 @@ def _expand_grouped_kernel(
     j_lo = (n0 >= BOUND0).to(tl.int32) + (n0 >= BOUND1).to(tl.int32) + (n0 >= BOUND2).to(tl.int32)
     j_hi = (n1 >= BOUND0).to(tl.int32) + (n1 >= BOUND1).to(tl.int32) + (n1 >= BOUND2).to(tl.int32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for s in range(lo, hi + 1):
+    s = lo
+    while s <= hi:
         sel = slot == s
         b_rows = b_ptr + tl.cast(s, tl.int64) * stride_bs + cols[:, None] * stride_bn
         for j in range(j_lo, j_hi + 1):
@@ -197,6 +208,7 @@ def _expand_grouped_kernel(
                              mask=sel[:, None] & kmask[None, :], other=0.0)
                 bv = tl.load(b_rows + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
                 acc += tl.dot(sv, tl.trans(bv), input_precision="ieee")
+        s = _next_slot(slot, s)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     ymask = ((m < T) & (slot >= 0))[:, None] & nmask[None, :]
     yp = y_ptr + tok[:, None] * stride_yt + cols[None, :]

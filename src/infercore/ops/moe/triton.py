@@ -234,6 +234,12 @@ def _lora_rows_kernel(ids_ptr, slots_ptr, rows_ptr, order_ptr, P, TOPK, E, OFFSE
     tl.store(rows_ptr + i, tl.where(ok, s * E + e, -1), mask=m)
 
 
+# (token, expert) pairs from which the experts' LoRA takes the grouped (SGMV) kernels; below, per-pair BGMV. Shapes
+# only, so graph-safe. Each pair's LoRA row is slot * E + expert: at decode sizes nearly every pair has its own, so a
+# tile of 16 pairs shares nothing. None: the lora ops' own threshold (ops.lora.triton.GROUPED_MIN_TOKENS).
+LORA_GROUPED_MIN_PAIRS: int | None = 1 << 30
+
+
 class _LoRARows:
     """The experts' LoRA of one call (``ops.moe.MoELoRA``) over the intermediate's rows: ``rows`` [R] the pair of
     each row (None: row = pair), their LoRA rows ``c`` (``slot * E + expert`` or -1) and the two fp32 extras the
@@ -255,23 +261,28 @@ class _LoRARows:
             )  # fmt: skip
 
     def gate_up(self, x: torch.Tensor, inter_dim: int) -> torch.Tensor:
-        from ..lora import lora_expand_, lora_shrink
+        from ..lora.triton import lora_expand_, lora_shrink
 
         lo = self.lora
         T, H = x.shape
         xr = (x.unsqueeze(1).expand(T, self.k, H).reshape(-1, H) if self.rows is None
               else x.index_select(0, self.rows.long() // self.k))
         extra = torch.zeros(len(self.c), 2 * inter_dim, dtype=torch.float32, device=x.device)
-        s = lora_shrink(xr.to(lo.a_gate_up.dtype).contiguous(), lo.a_gate_up, self.c)
-        return lora_expand_(extra, s, lo.b_gate_up, self.c, slice_bounds=(inter_dim,))
+        g = self._grouped()
+        s = lora_shrink(xr.to(lo.a_gate_up.dtype).contiguous(), lo.a_gate_up, self.c, grouped=g)
+        return lora_expand_(extra, s, lo.b_gate_up, self.c, slice_bounds=(inter_dim,), grouped=g)
 
     def down(self, inter: torch.Tensor, hidden: int) -> torch.Tensor:
-        from ..lora import lora_expand_, lora_shrink
+        from ..lora.triton import lora_expand_, lora_shrink
 
         lo = self.lora
         extra = torch.zeros(len(self.c), hidden, dtype=torch.float32, device=inter.device)
-        s = lora_shrink(inter.to(lo.a_down.dtype).contiguous(), lo.a_down, self.c)
-        return lora_expand_(extra, s, lo.b_down, self.c)
+        g = self._grouped()
+        s = lora_shrink(inter.to(lo.a_down.dtype).contiguous(), lo.a_down, self.c, grouped=g)
+        return lora_expand_(extra, s, lo.b_down, self.c, grouped=g)
+
+    def _grouped(self) -> bool | None:
+        return None if LORA_GROUPED_MIN_PAIRS is None else len(self.c) >= LORA_GROUPED_MIN_PAIRS
 
 
 def moe_experts_gemv(

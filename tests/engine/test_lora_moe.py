@@ -68,7 +68,9 @@ def qwen3(tmp_path_factory):
     specs = {"experts": dict(params=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], seed=1),
              "down": dict(params=["mlp.experts.down_proj"], modules=["q_proj", "o_proj"], seed=2, r=8, alpha=4),
              # PEFT turns target_modules naming the experts' projections into target_parameters (gate_up at rank 2r)
-             "modules": dict(modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"], seed=3)}
+             "modules": dict(modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"], seed=3),
+             # attention only: its slot is not live in the experts' LoRA (their kernels skip its pairs)
+             "attn": dict(modules=["q_proj", "o_proj"], seed=4)}
     for name, spec in specs.items():
         hf = _tiny("qwen3_moe")
         hf.load_state_dict(state)
@@ -99,8 +101,8 @@ def test_target_parameters_are_read_per_expert(qwen3):
 @pytest.mark.parametrize("graphs", [False, True])
 def test_mixed_batch_matches_peft(qwen3, tmp_path, graphs):
     """Five prompts, each under an adapter on the experts, on the experts' down projections and attention, on the
-    attention and (PEFT's conversion of ``target_modules``) the experts, or none, in one batch (two slots for three
-    adapters): greedy tokens equal PEFT's.
+    attention and (PEFT's conversion of ``target_modules``) the experts, on attention only, or none, in one batch
+    (two slots for four adapters): greedy tokens equal PEFT's.
     ``graphs``: the CUDA-graph runner's path on the CPU (captured graphs replayed eagerly: LoRA on for every row,
     the slots read from the staged buffer by the experts too)."""
     from engine_helpers import EagerGraph, with_fake_graphs
@@ -125,7 +127,7 @@ def test_mixed_batch_matches_peft(qwen3, tmp_path, graphs):
         for b in gr.buckets:
             gr.graphs[b] = Captured(gr, b)
     prompts = _prompts() + [[(7 * j + 2) % 96 for j in range(70)]]  # > 64 tokens: the per-adapter GEMM path
-    loras = ["experts", None, "down", "modules", "experts"]
+    loras = ["experts", None, "down", "modules", "attn"]
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), lora=loras)
     assert not graphs or replays
     for p, la, o in zip(prompts, loras, outs):

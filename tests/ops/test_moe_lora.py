@@ -137,3 +137,28 @@ def test_moe_lora_bad_operands():
     bad = MoELoRA(lora.a_gate_up, lora.b_gate_up, lora.a_down, lora.b_down, lora.slots.float())
     with pytest.raises(TypeError, match="lora.slots"):
         moe_experts_routed(x, gate_up, down, w, ids, lora=bad)
+    for live in (torch.ones(3, dtype=torch.int32), torch.ones(2, dtype=torch.int64)):
+        bad = MoELoRA(lora.a_gate_up, lora.b_gate_up, lora.a_down, lora.b_down, lora.slots, live)
+        with pytest.raises(ValueError, match="lora.live"):
+            moe_experts_routed(x, gate_up, down, w, ids, lora=bad)
+
+
+@pytest.mark.parametrize("path", ["grouped", "gemv", "gemv-sgmv"])
+def test_moe_lora_live_flags_skip_slots(path, monkeypatch):
+    # MoELoRA.live: the GPU kernels skip the pairs of a slot flagged 0 (its rows are zeros in a real manager, so the
+    # result is unchanged; here they are not, to show the pairs really are skipped), the others' pairs as before.
+    from infercore.ops.moe import triton as moe_triton
+
+    if path == "grouped":
+        monkeypatch.setattr(moe_triton, "GEMV_MAX_PAIRS", 0)
+    if path.endswith("-sgmv"):
+        monkeypatch.setattr(moe_triton, "LORA_GROUPED_MIN_PAIRS", 1)
+    fn = moe_triton.moe_experts_triton if path == "grouped" else moe_triton.moe_experts_gemv
+    x, gate_up, down, w, ids, lora = _case(9, 6, 32, 16, 2, 3, 4, torch.float32, seed=7)
+    lora.slots[:3] = torch.tensor([0, 1, 2])
+    live = torch.tensor([1, 0, 1], dtype=torch.int32)
+    flagged = MoELoRA(lora.a_gate_up, lora.b_gate_up, lora.a_down, lora.b_down, lora.slots, live)
+    without = MoELoRA(lora.a_gate_up, lora.b_gate_up, lora.a_down, lora.b_down,
+                      torch.where(lora.slots == 1, -1, lora.slots))  # fmt: skip
+    want = _by_pair(x, gate_up, down, w, ids, without).float()
+    torch.testing.assert_close(fn(x, gate_up, down, w, ids, None, lora=flagged), want, atol=3e-4, rtol=3e-4)

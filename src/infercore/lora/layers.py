@@ -179,6 +179,9 @@ class MoEExpertsLoRA(nn.Module):
         for name, shape in (("a_gate_up", (S * E, 2 * r, H)), ("b_gate_up", (S * E, two_i, r)),
                             ("a_down", (S * E, r, self.inter)), ("b_down", (S * E, H, r))):
             self.register_buffer(name, torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        # 1 where the slot's adapter targets this layer's experts: the kernels skip the others' pairs (their rows
+        # are zeros), so attention-only adapters read no expert LoRA weights inside the captured graphs
+        self.register_buffer("live", torch.zeros(S, device=device, dtype=torch.int32), persistent=False)
         self.__dict__["manager"] = manager
 
     def fit_pair(self, j: int, a: torch.Tensor, b: torch.Tensor, name: str, layer: int,
@@ -199,6 +202,7 @@ class MoEExpertsLoRA(nn.Module):
         rows = slice(slot * E, (slot + 1) * E)
         for t in (self.a_gate_up, self.b_gate_up, self.a_down, self.b_down):
             t[rows].zero_()
+        self.live[slot] = int(any(p is not None for p in pairs))
         for j, pair in enumerate(pairs):
             if pair is None:
                 continue
@@ -218,7 +222,7 @@ class MoEExpertsLoRA(nn.Module):
         from ..ops.moe import MoELoRA
 
         slots = self.manager.token_slots(x.shape[0])
-        lora = MoELoRA(self.a_gate_up, self.b_gate_up, self.a_down, self.b_down, slots)
+        lora = MoELoRA(self.a_gate_up, self.b_gate_up, self.a_down, self.b_down, slots, self.live)
         return moe_experts(x, gate_up, down, weights, ids, expert_offset, lora=lora)
 
     def extra_repr(self) -> str:

@@ -28,7 +28,9 @@ class MoELoRA:
     - ``a_gate_up`` ``[S * E, 2 r, H]``: the gate's A (rows ``[0, r)``) and the up projection's (``[r, 2r)``);
     - ``b_gate_up`` ``[S * E, 2 I, r]``: the gate's B (rows ``[0, I)``), the up projection's (``[I, 2I)``);
     - ``a_down`` ``[S * E, r, I]``, ``b_down`` ``[S * E, H, r]``;
-    - ``slots`` ``[T]`` int32/int64: each token's slot, negative = none (read on the device, not range-checked).
+    - ``slots`` ``[T]`` int32/int64: each token's slot, negative = none (read on the device, not range-checked);
+    - ``live`` (optional) ``[S]`` int32: 0 where a slot's rows are all zero (an adapter without experts), so that
+      the GPU kernels skip its pairs' loads; it changes no result.
     """
 
     a_gate_up: torch.Tensor
@@ -36,6 +38,7 @@ class MoELoRA:
     a_down: torch.Tensor
     b_down: torch.Tensor
     slots: torch.Tensor
+    live: torch.Tensor | None = None
 
 
 def _check_lora(op: str, lora: object, x: torch.Tensor, gate_up: torch.Tensor) -> None:
@@ -60,6 +63,11 @@ def _check_lora(op: str, lora: object, x: torch.Tensor, gate_up: torch.Tensor) -
     if lora.slots.shape != (x.shape[0],):
         raise ValueError(f"{op}: lora.slots must be [{x.shape[0]}] (one slot per token), got "
                          f"{list(lora.slots.shape)}")
+    if lora.live is not None:
+        if lora.live.dtype != torch.int32 or lora.live.shape != (rows // E,):
+            raise ValueError(f"{op}: lora.live must be int32 [{rows // E}] (one flag per slot), got "
+                             f"{lora.live.dtype} {list(lora.live.shape)}")
+        V.same_device(op, "x", x, **{"lora.live": lora.live})
 
 
 def moe_experts_routed(

@@ -221,16 +221,19 @@ def _moe_gemv_down_kernel(
 
 
 @triton.jit
-def _lora_rows_kernel(ids_ptr, slots_ptr, rows_ptr, order_ptr, P, TOPK, E, OFFSET,
-                      HAS_ORDER: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _lora_rows_kernel(ids_ptr, slots_ptr, live_ptr, rows_ptr, order_ptr, P, TOPK, E, OFFSET,
+                      HAS_ORDER: tl.constexpr, HAS_LIVE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """``rows[i] = slots[pair // TOPK] * E + (ids[pair] - OFFSET)`` for the pair of row ``i`` (``order[i]``, or ``i``),
-    -1 where the token has no adapter or the expert is held elsewhere: one launch for what is a dozen torch ops."""
+    -1 where the token has no adapter, its slot is not live or the expert is held elsewhere: one launch for what is
+    a dozen torch ops."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < P
     pair = tl.load(order_ptr + i, mask=m, other=0).to(tl.int64) if HAS_ORDER else i.to(tl.int64)
     e = tl.load(ids_ptr + pair, mask=m, other=0).to(tl.int64) - OFFSET
     s = tl.load(slots_ptr + pair // TOPK, mask=m, other=-1).to(tl.int64)
     ok = (s >= 0) & (e >= 0) & (e < E)
+    if HAS_LIVE:
+        ok = ok & (tl.load(live_ptr + s, mask=m & ok, other=0) != 0)
     tl.store(rows_ptr + i, tl.where(ok, s * E + e, -1), mask=m)
 
 
@@ -255,9 +258,10 @@ class _LoRARows:
         if P:
             flat = ids.reshape(-1)
             _lora_rows_kernel[(triton.cdiv(P, 256),)](
-                flat if flat.is_contiguous() else flat.contiguous(), lora.slots, self.c,
+                flat if flat.is_contiguous() else flat.contiguous(), lora.slots,
+                lora.slots if lora.live is None else lora.live, self.c,
                 flat if rows is None else rows, P, self.k, num_experts, expert_offset or 0,
-                HAS_ORDER=rows is not None, BLOCK=256,
+                HAS_ORDER=rows is not None, HAS_LIVE=lora.live is not None, BLOCK=256,
             )  # fmt: skip
 
     def gate_up(self, x: torch.Tensor, inter_dim: int) -> torch.Tensor:

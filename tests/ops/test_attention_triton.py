@@ -64,29 +64,6 @@ def test_decode_reading_ahead_of_the_pdl_wait(case, monkeypatch):
         torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
 
 
-@pytest.mark.parametrize("prewait", [False, True])
-@pytest.mark.parametrize("case", DECODE_CASES)
-def test_decode_tail_tiles(case, prewait, monkeypatch):
-    # TUNING["tail_n"]: the keys past the last whole block_n tile go through narrower tiles; 32-key tiles
-    # with 16-key tails reach every remainder (0, < 16, >= 16) among these lengths, with splits and windows.
-    from infercore.ops.attention import triton_decode as td
-
-    monkeypatch.setitem(td.TUNING, "interp_block_n", 32)
-    monkeypatch.setitem(td.TUNING, "tail_n", 16)
-    if prewait:
-        monkeypatch.setattr(td, "pdl_enabled", lambda t: True)
-        monkeypatch.setattr(td, "pdl_launch", lambda use: {})
-    lens, hq, hk, d, page, window, softcap, splits = case
-    k_cache, v_cache, table = _paged_kv(lens, hk, d, page, torch.float32)
-    q = torch.randn(len(lens), hq, d)
-    kw = dict(seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table, scale=d**-0.5,
-              sliding_window=window, softcap=softcap)  # fmt: skip
-    want = implementation("paged_attention_decode", "reference")(q, k_cache, v_cache, **kw)
-    for n in (splits, 1, 2):
-        got = td.paged_attention_decode(q, k_cache, v_cache, num_splits=n, **kw)
-        torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
-
-
 def test_decode_split_counts_agree():
     # The merge of partial softmaxes must not depend on how the keys were split.
     k_cache, v_cache, table = _paged_kv([61, 23], 2, 16, 8, torch.float32)

@@ -206,23 +206,6 @@ def test_decode_split_count_does_not_recompile():
     assert _compiled_variants(td._decode_kernel) == before
 
 
-@pytest.mark.parametrize("tail", [16, 32])
-def test_decode_tail_tiles(tail, monkeypatch):
-    """TUNING["tail_n"]: the remainder past the last whole 64-key tile in narrower tiles, bf16 at the 8B heads,
-    every remainder class (none, < tail, >= tail) and with split-K."""
-    from infercore.ops.attention import triton_decode as td
-
-    monkeypatch.setitem(td.TUNING, "tail_n", tail)
-    lens = [576, 577, 600, 623, 639, 1, 33, 4095]
-    kc, vc, table = _paged(lens, 8, 128, 16)
-    q = torch.randn(len(lens), 32, 128, device=DEV, dtype=BF16)
-    sl = torch.tensor(lens, device=DEV, dtype=torch.int32)
-    ref = implementation("paged_attention_decode", "reference")(q, kc, vc, seq_lens=sl, block_table=table, scale=0.1)
-    for splits in (1, 3, None):
-        out = td.paged_attention_decode(q, kc, vc, seq_lens=sl, block_table=table, scale=0.1, num_splits=splits)
-        assert rel(out, ref) < 1e-2
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 def test_sampling_greedy_exact(dtype):
     B, V = 64, 128256

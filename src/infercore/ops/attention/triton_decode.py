@@ -73,11 +73,6 @@ TUNING = {
     # predecessor (the RoPE / KV-write kernel); INFERCORE_DECODE_PREWAIT=0 reads everything after.
     "prewait": os.environ.get("INFERCORE_DECODE_PREWAIT", "1") != "0",
     "block_n": 64,
-    # Keys past a sequence's last whole block_n tile go through tiles of this many keys (0: off, the
-    # remainder is one masked block_n tile). Float caches only.
-    "tail_n": int(os.environ.get("INFERCORE_DECODE_TAIL_N", "0")),
-    # Keys per tile under TRITON_INTERPRET=1 (tests shrink or grow it to reach the tail path).
-    "interp_block_n": 16,
     # 1-byte caches: keys per tile and warps per program, int8 (``_codes``) and FP8 (``_fp8``). With the operand
     # paths below (kv_v16, fp8_f16) 32 keys per warp measured best at b64 ctx4096, and fewer warps per program
     # (more programs per SM) better: int8 64 keys / 2 warps 225 us (128 / 4: 248; 32 / 1: 230), FP8 32 / 1 202 us
@@ -235,7 +230,6 @@ def _decode_kernel(
     IS_NEOX: tl.constexpr = True,
     V16: tl.constexpr = False,  # 1-byte caches: V converted to 16 bits before its shared-memory staging
     F16: tl.constexpr = False,  # 1-byte caches: fp16 dot operands (q saturated to the fp16 range)
-    TAIL_N: tl.constexpr = 0,  # < BLOCK_N: the keys past the last whole BLOCK_N tile in TAIL_N tiles
 ):  # fmt: skip
     pdl_release(USE_PDL)
     if not PREWAIT:
@@ -331,10 +325,7 @@ def _decode_kernel(
             v = tl.where(newest[:, None], v_new[None, :], v)
             m_i, l_i, acc = _decode_tile(q, k, v, k_sc, v_sc, nmask, m_i, l_i, acc, qk_scale, scale, softcap,
                                          HAS_SOFTCAP, DOT_PRECISION, KV_MODE)
-    full_end = loop_end
-    if TAIL_N < BLOCK_N:  # whole BLOCK_N tiles, then the remainder in TAIL_N tiles
-        full_end = first + (tl.maximum(loop_end - first, 0) // BLOCK_N) * BLOCK_N
-    for j0 in range(first, full_end, BLOCK_N):
+    for j0 in range(first, loop_end, BLOCK_N):
         kpos = j0 + offs_n
         nmask = kpos < end
         k, v, k_sc, v_sc = _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_row, kpos, nmask, kvh, offs_d, dmask,
@@ -343,17 +334,6 @@ def _decode_kernel(
                                         KV_MODE, V16, F16)
         m_i, l_i, acc = _decode_tile(q, k, v, k_sc, v_sc, nmask, m_i, l_i, acc, qk_scale, scale, softcap,
                                      HAS_SOFTCAP, DOT_PRECISION, KV_MODE)
-    if TAIL_N < BLOCK_N:
-        offs_t = tl.arange(0, TAIL_N)
-        for j0 in range(full_end, loop_end, TAIL_N):
-            kpos = j0 + offs_t
-            nmask = kpos < end
-            k, v, k_sc, v_sc = _decode_load(kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_row, kpos, nmask, kvh, offs_d,
-                                            dmask, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                                            stride_ksp, stride_kss, stride_vsp, stride_vss, code_scale,
-                                            q_ptr.dtype.element_ty, PAGE, KV_MODE, V16, F16)  # fmt: skip
-            m_i, l_i, acc = _decode_tile(q, k, v, k_sc, v_sc, nmask, m_i, l_i, acc, qk_scale, scale, softcap,
-                                         HAS_SOFTCAP, DOT_PRECISION, KV_MODE)
 
     # Empty ranges (padding rows with seq_len 0, or a split past the end) produce zeros / lse -inf.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -530,10 +510,7 @@ def paged_attention_decode(
     else:
         k_scale = v_scale = seq_lens  # unused pointers
     tile_key, warps_key = _TILE_KEYS[kv_mode]
-    block_n = TUNING["interp_block_n"] if interp else TUNING[tile_key]
-    tail_n = TUNING["tail_n"] if kv_mode == 0 else 0
-    if not 0 < tail_n < block_n:
-        tail_n = block_n  # off
+    block_n = 16 if interp else TUNING[tile_key]
     dot_dtype = q.dtype if kv_mode else k_cache.dtype
     precision = "ieee" if dot_dtype == torch.float32 else "tf32"
     stages = TUNING["num_stages"]
@@ -565,7 +542,7 @@ def paged_attention_decode(
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         DOT_PRECISION=precision, KV_MODE=kv_mode,
         PREWAIT=(use_pdl or bool(fuse)) and TUNING["prewait"] and not shared_seqs, **fuse,
-        TAIL_N=tail_n, V16=bool(kv_mode and not interp and TUNING["kv_v16"]),
+        V16=bool(kv_mode and not interp and TUNING["kv_v16"]),
         F16=bool(kv_mode in (2, 3) and not interp and TUNING["fp8_f16"] and q.dtype == torch.bfloat16),
         **extra, **pdl_launch(use_pdl),
     )  # fmt: skip

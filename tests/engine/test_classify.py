@@ -1,5 +1,5 @@
 """Sequence classification (``Engine.classify``, the server's ``/classify``): tiny random transformers
-``{Llama,Qwen3,Qwen2,Mistral,Phi3}ForSequenceClassification`` checkpoints saved with ``save_pretrained``,
+``{Llama,Qwen3,Qwen2,Mistral,Phi3,Olmo2}ForSequenceClassification`` checkpoints saved with ``save_pretrained``,
 loaded through ``from_pretrained``; our probabilities against ``softmax(hf(input_ids).logits)``, through chunked
 prefill and the prefix cache; and the refusals (classify on a causal LM, generate on a classifier)."""
 
@@ -30,6 +30,8 @@ def _save_classifier(kind, path):
     elif kind == "phi3":  # merged qkv / gate_up in the checkpoint, partial rotary
         cfg = transformers.Phi3Config(**kw, partial_rotary_factor=0.5)
         cls = transformers.Phi3ForSequenceClassification
+    elif kind == "olmo2":  # post-norms, q / k norms over the whole projections
+        cfg, cls = transformers.Olmo2Config(**kw), transformers.Olmo2ForSequenceClassification
     elif kind == "mistral":  # a window shorter than the longer prompts
         cfg, cls = transformers.MistralConfig(**kw, sliding_window=6), transformers.MistralForSequenceClassification
     else:
@@ -48,7 +50,7 @@ def _hf_probs(hf, prompt):
     return torch.softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "mistral", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "mistral", "phi3", "olmo2"])
 def test_classify_matches_transformers(kind, tmp_path):
     hf = _save_classifier(kind, tmp_path)
     # chunks of 8 tokens: the longer prompts are classified over several steps

@@ -34,7 +34,7 @@ from .llama import (
 )
 from .mamba2 import BambaForCausalLM, Mamba2Config, Mamba2ForCausalLM
 from .moe_llama import MOE_FAMILIES, MoeLlamaForCausalLM, MoeModelConfig
-from .olmo2 import Olmo2ForCausalLM
+from .olmo2 import Olmo2ForCausalLM, Olmo2ForSequenceClassification
 from .qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "Gemma3ForCausalLM",
     "GraniteForCausalLM",
     "Olmo2ForCausalLM",
+    "Olmo2ForSequenceClassification",
     "Phi3ForCausalLM",
     "Qwen3NextConfig",
     "Qwen3NextForCausalLM",
@@ -94,7 +95,7 @@ register_model("phi3", Phi3ForCausalLM, architectures=("Phi3ForCausalLM",))
 register_model("granite", GraniteForCausalLM, architectures=("GraniteForCausalLM",))
 register_model("olmo2", Olmo2ForCausalLM, architectures=("Olmo2ForCausalLM",))
 for _cls in (LlamaForSequenceClassification, MistralForSequenceClassification, Qwen2ForSequenceClassification,
-             Qwen3ForSequenceClassification, Phi3ForSequenceClassification):
+             Qwen3ForSequenceClassification, Phi3ForSequenceClassification, Olmo2ForSequenceClassification):
     _BY_ARCHITECTURE[_cls.__name__] = _cls
 register_model("gemma3_text", Gemma3ForCausalLM, architectures=("Gemma3ForCausalLM",), config_class=Gemma3Config,
                hf_model_types=("gemma3",))

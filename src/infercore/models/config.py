@@ -72,6 +72,7 @@ _CLASSIFIER_ARCHITECTURES = {
     "qwen2": "Qwen2ForSequenceClassification",
     "qwen3": "Qwen3ForSequenceClassification",
     "phi3": "Phi3ForSequenceClassification",
+    "olmo2": "Olmo2ForSequenceClassification",
 }
 
 
@@ -272,7 +273,7 @@ class ModelConfig:
         archs = hf.get("architectures") or [_ARCHITECTURES[model_type]]
         first = archs[0] if isinstance(archs, list) and archs else None
         bare = first == _BASE_ARCHITECTURES.get(model_type)
-        classifier_arch = _CLASSIFIER_ARCHITECTURES.get(model_type)  # (none registered for Phi-3 / Granite / OLMo 2)
+        classifier_arch = _CLASSIFIER_ARCHITECTURES.get(model_type)  # (transformers has none for Granite)
         classifier = classifier_arch is not None and first == classifier_arch
         if bare:
             archs = [_ARCHITECTURES[model_type]]

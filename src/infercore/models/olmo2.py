@@ -23,7 +23,7 @@ from torch import nn
 from ..devices import dispatch
 from ..ops import AttentionMetadata
 from .config import ModelConfig
-from .llama import KVCache, LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm
+from .llama import KVCache, LlamaAttention, LlamaForCausalLM, LlamaForSequenceClassification, LlamaMLP, RMSNorm
 
 
 class Olmo2Attention(LlamaAttention):
@@ -83,4 +83,8 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
         "rank holding a slice of the heads cannot compute; run it unsharded")
 
 
-__all__ = ["Olmo2Attention", "Olmo2DecoderLayer", "Olmo2ForCausalLM"]
+class Olmo2ForSequenceClassification(Olmo2ForCausalLM, LlamaForSequenceClassification):
+    """OLMo 2 with HF's sequence-classification head (``score`` at the last token's final-normed hidden state)."""
+
+
+__all__ = ["Olmo2Attention", "Olmo2DecoderLayer", "Olmo2ForCausalLM", "Olmo2ForSequenceClassification"]

@@ -1,5 +1,5 @@
 """Sequence classification (``Engine.classify``, the server's ``/classify``): tiny random transformers
-``{Llama,Qwen3,Qwen2,Mistral,Phi3,Olmo2}ForSequenceClassification`` checkpoints saved with ``save_pretrained``,
+``{Llama,Qwen3,Qwen2,Mistral,Phi3,Olmo2,Gemma2,Gemma3Text}ForSequenceClassification`` checkpoints saved with ``save_pretrained``,
 loaded through ``from_pretrained``; our probabilities against ``softmax(hf(input_ids).logits)``, through chunked
 prefill and the prefix cache; and the refusals (classify on a causal LM, generate on a classifier)."""
 
@@ -32,6 +32,12 @@ def _save_classifier(kind, path):
         cls = transformers.Phi3ForSequenceClassification
     elif kind == "olmo2":  # post-norms, q / k norms over the whole projections
         cfg, cls = transformers.Olmo2Config(**kw), transformers.Olmo2ForSequenceClassification
+    elif kind == "gemma2":  # softcapped attention, sliding layers, the head not softcapped
+        kw.update(head_dim=8, sliding_window=6, attn_logit_softcapping=30.0, final_logit_softcapping=5.0)
+        cfg, cls = transformers.Gemma2Config(**kw), transformers.Gemma2ForSequenceClassification
+    elif kind == "gemma3":
+        kw.update(head_dim=8, sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+        cfg, cls = transformers.Gemma3TextConfig(**kw), transformers.Gemma3TextForSequenceClassification
     elif kind == "mistral":  # a window shorter than the longer prompts
         cfg, cls = transformers.MistralConfig(**kw, sliding_window=6), transformers.MistralForSequenceClassification
     else:
@@ -50,7 +56,7 @@ def _hf_probs(hf, prompt):
     return torch.softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "mistral", "phi3", "olmo2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "mistral", "phi3", "olmo2", "gemma2", "gemma3"])
 def test_classify_matches_transformers(kind, tmp_path):
     hf = _save_classifier(kind, tmp_path)
     # chunks of 8 tokens: the longer prompts are classified over several steps

@@ -17,7 +17,13 @@ from torch import nn
 
 from ..devices import check_device
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig
-from .gemma3 import Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM
+from .gemma3 import (
+    Gemma2ForCausalLM,
+    Gemma2ForSequenceClassification,
+    Gemma3Config,
+    Gemma3ForCausalLM,
+    Gemma3TextForSequenceClassification,
+)
 from .granite import GraniteForCausalLM
 from .llama import (
     LlamaForCausalLM,
@@ -44,6 +50,8 @@ __all__ = [
     "Gemma2ForCausalLM",
     "Gemma3Config",
     "Gemma3ForCausalLM",
+    "Gemma2ForSequenceClassification",
+    "Gemma3TextForSequenceClassification",
     "GraniteForCausalLM",
     "Olmo2ForCausalLM",
     "Olmo2ForSequenceClassification",
@@ -100,6 +108,8 @@ for _cls in (LlamaForSequenceClassification, MistralForSequenceClassification, Q
 register_model("gemma3_text", Gemma3ForCausalLM, architectures=("Gemma3ForCausalLM",), config_class=Gemma3Config,
                hf_model_types=("gemma3",))
 register_model("gemma2", Gemma2ForCausalLM, architectures=("Gemma2ForCausalLM",), config_class=Gemma3Config)
+for _cls in (Gemma2ForSequenceClassification, Gemma3TextForSequenceClassification):
+    _BY_ARCHITECTURE[_cls.__name__] = _cls
 register_model("qwen3_next", Qwen3NextForCausalLM, architectures=("Qwen3NextForCausalLM",),
                config_class=Qwen3NextConfig)
 for _mt, (_, _arch) in MOE_FAMILIES.items():

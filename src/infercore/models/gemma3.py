@@ -36,11 +36,12 @@ from ..ops import (
     paged_attention,
     write_kv_cache_,
 )
-from .config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from .config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, _parse_labels
 from .hybrid import HFConfigReader, HybridMetadata, check_step, layer_metadata, load_hf_weights
-from .llama import RMSNorm, tie_and_rope_table
+from .llama import LlamaForSequenceClassification, RMSNorm, tie_and_rope_table
 
-__all__ = ["Gemma2ForCausalLM", "Gemma3Config", "Gemma3ForCausalLM"]
+__all__ = ["Gemma2ForCausalLM", "Gemma2ForSequenceClassification", "Gemma3Config", "Gemma3ForCausalLM",
+           "Gemma3TextForSequenceClassification"]
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -120,9 +121,15 @@ class Gemma3Config(ModelConfig):
 
     @classmethod
     def _build(cls, r: HFConfigReader, hf: Mapping[str, Any], **kw) -> Gemma3Config:
-        """The fields Gemma 2 and 3 read alike, plus ``kw`` (layers, heads, RoPE, q/k norms, names)."""
+        """The fields Gemma 2 and 3 read alike, plus ``kw`` (layers, heads, RoPE, q/k norms, names). A sequence
+        classifier's checkpoint (``architectures``: Gemma2ForSequenceClassification /
+        Gemma3TextForSequenceClassification) gets its labels and a tied output head (it has none)."""
         eos_ids, bos = r.token_ids()
         bias = r.flag("attention_bias", False)  # Gemma's one q/k/v/o bias flag
+        archs = hf.get("architectures")
+        classifier = _CLASSIFIERS[kw.get("model_type", "gemma3_text")]
+        if isinstance(archs, list) and archs and archs[0] == classifier:
+            kw.update(architecture=classifier, labels=_parse_labels(hf))
         return cls(
             vocab_size=r.positive_int("vocab_size"),
             hidden_size=r.positive_int("hidden_size"),
@@ -130,7 +137,7 @@ class Gemma3Config(ModelConfig):
             num_kv_heads=r.positive_int("num_key_value_heads", kw["num_heads"]),
             head_dim=r.positive_int("head_dim", 256),
             rms_norm_eps=r.number("rms_norm_eps", 1e-6),
-            tie_word_embeddings=r.flag("tie_word_embeddings", True),
+            tie_word_embeddings=True if "labels" in kw else r.flag("tie_word_embeddings", True),
             attention_bias=bias,
             o_bias=bias,
             sliding_window=r.check(
@@ -259,6 +266,9 @@ class Gemma3Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, offset=1.0)
 
 
+_CLASSIFIERS = {"gemma3_text": "Gemma3TextForSequenceClassification", "gemma2": "Gemma2ForSequenceClassification"}
+
+
 class Gemma3ForCausalLM(nn.Module):
     """Gemma 3 text causal LM over paged KV (dense or hybrid metadata).
 
@@ -365,3 +375,33 @@ class Gemma3ForCausalLM(nn.Module):
 class Gemma2ForCausalLM(Gemma3ForCausalLM):
     """Gemma 2 causal LM: :class:`Gemma3ForCausalLM` over a ``gemma2`` :class:`Gemma3Config` (no q/k norms, one
     RoPE base, softcapped attention scores and logits)."""
+
+
+class _GemmaClassifier:
+    """HF's sequence-classification head on a Gemma decoder: ``score`` ``[num_labels, hidden]`` (no bias) at the last
+    token's final-normed hidden state (:meth:`compute_scores`, fp32; no logit softcap, as in HF). The checkpoint has
+    no ``lm_head``: the inherited one is tied to the embedding and the engine refuses to generate from the model."""
+
+    def _add_score(self, config: Gemma3Config, dtype: torch.dtype | None) -> None:
+        if config.num_labels < 1 or not config.tie_word_embeddings:
+            raise ValueError(f"{type(self).__name__}: the config needs labels and a tied lm_head (got "
+                             f"num_labels={config.num_labels}, tie_word_embeddings={config.tie_word_embeddings})")
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False, dtype=dtype)
+
+    compute_scores = LlamaForSequenceClassification.compute_scores
+
+
+class Gemma3TextForSequenceClassification(_GemmaClassifier, Gemma3ForCausalLM):
+    """Gemma 3 (text) with the sequence-classification head."""
+
+    def __init__(self, config: Gemma3Config, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__(config, dtype=dtype)
+        self._add_score(config, dtype)
+
+
+class Gemma2ForSequenceClassification(_GemmaClassifier, Gemma2ForCausalLM):
+    """Gemma 2 with the sequence-classification head (reward models such as Skywork-Reward-Gemma-2 are this)."""
+
+    def __init__(self, config: Gemma3Config, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__(config, dtype=dtype)
+        self._add_score(config, dtype)

@@ -1,7 +1,8 @@
 """Sequence classification (``Engine.classify``, the server's ``/classify``): tiny random transformers
-``{Llama,Qwen3,Qwen2,Mistral,Phi3,Olmo2,Gemma2,Gemma3Text}ForSequenceClassification`` checkpoints saved with ``save_pretrained``,
-loaded through ``from_pretrained``; our probabilities against ``softmax(hf(input_ids).logits)``, through chunked
-prefill and the prefix cache; and the refusals (classify on a causal LM, generate on a classifier)."""
+``{Llama,Qwen3,Qwen2,Mistral,Phi3,Olmo2,Gemma2,Gemma3Text,Qwen3Moe,Mixtral}ForSequenceClassification`` checkpoints
+saved with ``save_pretrained``, loaded through ``from_pretrained``; our probabilities against
+``softmax(hf(input_ids).logits)``, through chunked prefill and the prefix cache; and the refusals (classify on a
+causal LM, generate on a classifier)."""
 
 import pytest
 import torch
@@ -38,6 +39,12 @@ def _save_classifier(kind, path):
     elif kind == "gemma3":
         kw.update(head_dim=8, sliding_window=6, layer_types=["sliding_attention", "full_attention"])
         cfg, cls = transformers.Gemma3TextConfig(**kw), transformers.Gemma3TextForSequenceClassification
+    elif kind == "qwen3_moe":  # routed experts
+        kw.update(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+        cfg, cls = transformers.Qwen3MoeConfig(**kw), transformers.Qwen3MoeForSequenceClassification
+    elif kind == "mixtral":
+        cfg = transformers.MixtralConfig(**kw, num_local_experts=4, num_experts_per_tok=2)
+        cls = transformers.MixtralForSequenceClassification
     elif kind == "mistral":  # a window shorter than the longer prompts
         cfg, cls = transformers.MistralConfig(**kw, sliding_window=6), transformers.MistralForSequenceClassification
     else:
@@ -56,7 +63,8 @@ def _hf_probs(hf, prompt):
     return torch.softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "mistral", "phi3", "olmo2", "gemma2", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "mistral", "phi3", "olmo2", "gemma2", "gemma3",
+                                  "qwen3_moe", "mixtral"])
 def test_classify_matches_transformers(kind, tmp_path):
     hf = _save_classifier(kind, tmp_path)
     # chunks of 8 tokens: the longer prompts are classified over several steps

@@ -118,7 +118,7 @@ def test_bad_configs_and_checkpoints(tmp_path):
     for key, value, needle in [("num_local_experts", 0, "num_local_experts"), ("num_experts", 0, "num_experts"),
                                ("num_experts_per_tok", 9, "num_experts_per_tok"),
                                ("mlp_only_layers", "1", "mlp_only_layers"), ("norm_topk_prob", 1, "norm_topk_prob"),
-                               ("architectures", ["Qwen3MoeForSequenceClassification"], "architectures")]:  # fmt: skip
+                               ("architectures", ["Qwen3MoeForTokenClassification"], "architectures")]:  # fmt: skip
         with pytest.raises(ValueError, match=needle):
             config_from_hf({**hf, key: value})
     with pytest.raises(TypeError, match="MoeModelConfig"):

@@ -39,7 +39,13 @@ from .llama import (
     RMSNorm,
 )
 from .mamba2 import BambaForCausalLM, Mamba2Config, Mamba2ForCausalLM
-from .moe_llama import MOE_FAMILIES, MoeLlamaForCausalLM, MoeModelConfig
+from .moe_llama import (
+    MOE_CLASSIFIERS,
+    MOE_FAMILIES,
+    MoeLlamaForCausalLM,
+    MoeLlamaForSequenceClassification,
+    MoeModelConfig,
+)
 from .olmo2 import Olmo2ForCausalLM, Olmo2ForSequenceClassification
 from .qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -114,6 +120,7 @@ register_model("qwen3_next", Qwen3NextForCausalLM, architectures=("Qwen3NextForC
                config_class=Qwen3NextConfig)
 for _mt, (_, _arch) in MOE_FAMILIES.items():
     register_model(_mt, MoeLlamaForCausalLM, architectures=(_arch,), config_class=MoeModelConfig)
+    _BY_ARCHITECTURE[MOE_CLASSIFIERS[_mt]] = MoeLlamaForSequenceClassification
 register_model("mamba2", Mamba2ForCausalLM, architectures=("Mamba2ForCausalLM",), config_class=Mamba2Config)
 register_model("bamba", BambaForCausalLM, architectures=("BambaForCausalLM",), config_class=Mamba2Config)
 

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import ModelConfig
+from .config import ModelConfig, _parse_labels
 from .hybrid import load_hf_weights
-from .llama import LlamaDecoderLayer, LlamaForCausalLM
+from .llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaForSequenceClassification
 from .moe import SparseMoeBlock
 
 # HF model_type -> (the dense family whose attention / RoPE / window rules it shares, its architecture name)
@@ -32,6 +32,12 @@ MOE_FAMILIES = {
     "mixtral": ("mistral", "MixtralForCausalLM"),
     "qwen2_moe": ("qwen2", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("qwen3", "Qwen3MoeForCausalLM"),
+}
+# Their sequence classifiers: the decoder plus ``score`` [num_labels, hidden], no lm_head (tied in the module).
+MOE_CLASSIFIERS = {
+    "mixtral": "MixtralForSequenceClassification",
+    "qwen2_moe": "Qwen2MoeForSequenceClassification",
+    "qwen3_moe": "Qwen3MoeForSequenceClassification",
 }
 
 
@@ -82,9 +88,10 @@ class MoeModelConfig(ModelConfig):
             raise ValueError(f"model_type={model_type!r} is not a sparse-MoE family; supported: {sorted(MOE_FAMILIES)}")
         base, arch = MOE_FAMILIES[model_type]
         archs = hf.get("architectures") or [arch]
-        if archs != [arch]:
+        classifier = archs == [MOE_CLASSIFIERS[model_type]]
+        if archs != [arch] and not classifier:
             raise ValueError(f"HF config architectures={archs!r} is not supported for model_type={model_type!r}; "
-                             f"expected [{arch!r}]")  # fmt: skip
+                             f"expected [{arch!r}] or [{MOE_CLASSIFIERS[model_type]!r}]")  # fmt: skip
 
         def positive_int(key: str, default: Any = None) -> int:
             v = hf.get(key, default)
@@ -124,6 +131,8 @@ class MoeModelConfig(ModelConfig):
         base_cfg = ModelConfig.from_hf(dense)
         values = {f.name: getattr(base_cfg, f.name) for f in fields(ModelConfig)}
         values.update(model_type=model_type, architecture=arch)
+        if classifier:
+            values.update(architecture=archs[0], labels=_parse_labels(hf), tie_word_embeddings=True)
         if model_type == "qwen2_moe":  # its q/k/v bias is a config key (Qwen2 hard-codes it)
             qkv_bias = hf.get("qkv_bias", True)
             if not isinstance(qkv_bias, bool):
@@ -203,4 +212,9 @@ class MoeLlamaForCausalLM(LlamaForCausalLM):
             self.lm_head.weight = self.model.embed_tokens.weight
 
 
-__all__ = ["MOE_FAMILIES", "MoeDecoderLayer", "MoeLlamaForCausalLM", "MoeModelConfig"]
+class MoeLlamaForSequenceClassification(MoeLlamaForCausalLM, LlamaForSequenceClassification):
+    """Mixtral / Qwen2-MoE / Qwen3-MoE with HF's sequence-classification head (``score`` at the last token)."""
+
+
+__all__ = ["MOE_CLASSIFIERS", "MOE_FAMILIES", "MoeDecoderLayer", "MoeLlamaForCausalLM",
+           "MoeLlamaForSequenceClassification", "MoeModelConfig"]

@@ -86,9 +86,10 @@ def _check_dtype(name: str, dtype: object) -> torch.dtype:
 
 def _layer_shapes(
     specs: Sequence[KVSpec], dtype: torch.dtype, kv_cache_dtype: str | torch.dtype | None = None
-) -> list[tuple[int, int, torch.dtype]]:
-    """``(Hk, D, dtype)`` of each layer, validated; a spec's own dtype overrides ``dtype``, and a
-    non-auto ``kv_cache_dtype`` overrides both (the storage format is an engine choice)."""
+) -> list[tuple[int, int, torch.dtype, bool]]:
+    """``(Hk, D, dtype, shared)`` of each layer, validated; a spec's own dtype overrides ``dtype``, and a
+    non-auto ``kv_cache_dtype`` overrides both (the storage format is an engine choice). ``shared``: the
+    spec's ``shared_kv`` (one tensor serves as keys and values)."""
     _check_dtype("dtype", dtype)
     forced = resolve_kv_cache_dtype(kv_cache_dtype)
     if isinstance(specs, (str, bytes)) or not isinstance(specs, Sequence):
@@ -109,22 +110,27 @@ def _layer_shapes(
         layer_dtype = getattr(spec, "dtype", None)
         if forced is not None:
             layer_dtype = forced
-        out.append((hk, d, dtype if layer_dtype is None else _check_dtype(f"specs[{i}].dtype", layer_dtype)))
+        shared = getattr(spec, "shared_kv", False) is True
+        if shared and _quantized(kv_cache_dtype):
+            # keys and values would each want their own scales in the one tensor
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: specs[{i}] keeps keys and values in one tensor "
+                             "(shared_kv, a latent-attention cache), which int8 / fp8 KV does not support; use 'auto'")
+        out.append((hk, d, dtype if layer_dtype is None else _check_dtype(f"specs[{i}].dtype", layer_dtype), shared))
     return out
 
 
 def bytes_per_page(
     specs: Sequence[KVSpec], page_size: int, dtype: torch.dtype, *, kv_cache_dtype: str | torch.dtype | None = None
 ) -> int:
-    """Bytes one page id costs across all layers: ``sum 2 * page_size * Hk * D * itemsize``, plus
-    ``2 * page_size * Hk * 4`` scale bytes for int8 / fp8 layers (``kv_cache_dtype``, see
+    """Bytes one page id costs across all layers: ``sum 2 * page_size * Hk * D * itemsize`` (once, not twice, for a
+    ``shared_kv`` layer), plus ``2 * page_size * Hk * 4`` scale bytes for int8 / fp8 layers (``kv_cache_dtype``, see
     :func:`resolve_kv_cache_dtype`)."""
     _check_positive("page_size", page_size)
     # Scales exist only for caches quantized through kv_cache_dtype; a plain ``dtype`` of int8/fp8
     # keeps its old meaning (storage cast, no scales).
     scale = _SCALE_BYTES if _quantized(kv_cache_dtype) else 0
     shapes = _layer_shapes(specs, dtype, kv_cache_dtype)
-    return sum(2 * page_size * hk * (d * dt.itemsize + scale) for hk, d, dt in shapes)
+    return sum((1 if shared else 2) * page_size * hk * (d * dt.itemsize + scale) for hk, d, dt, shared in shapes)
 
 
 def pages_for_budget(
@@ -152,7 +158,8 @@ def allocate_kv_caches(
     device: torch.device | str,
     kv_cache_dtype: str | torch.dtype | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One ``(k_cache, v_cache)`` pair per spec, each ``[num_pages, page_size, Hk, D]``.
+    """One ``(k_cache, v_cache)`` pair per spec, each ``[num_pages, page_size, Hk, D]`` (for a ``shared_kv`` spec
+    one tensor, given as both).
 
     Tensors are zero-filled: attention kernels may load (then mask) slots that were never
     written, and stale NaN/Inf bit patterns there would poison masked arithmetic.
@@ -166,9 +173,10 @@ def allocate_kv_caches(
     shapes = _layer_shapes(specs, dtype, kv_cache_dtype)
     device = check_device(device)
     caches = []
-    for hk, d, dt in shapes:
+    for hk, d, dt, shared in shapes:
         shape = (num_pages, page_size, hk, d)
-        k, v = torch.zeros(shape, dtype=dt, device=device), torch.zeros(shape, dtype=dt, device=device)
+        k = torch.zeros(shape, dtype=dt, device=device)
+        v = k if shared else torch.zeros(shape, dtype=dt, device=device)
         if _quantized(kv_cache_dtype):
             zs = (num_pages, page_size, hk)
             caches.append(QuantizedKVCache(k, v, torch.zeros(zs, device=device), torch.zeros(zs, device=device)))

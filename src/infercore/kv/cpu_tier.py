@@ -88,7 +88,7 @@ class CPUKVTier:
             raise ValueError(f"staging_pages must be an int >= 1, got {staging_pages!r}")
         tensors: list[torch.Tensor] = []
         for layer in kv_caches:
-            tensors += [layer[0], layer[1]]
+            tensors += [layer[0]] if layer[1] is layer[0] else [layer[0], layer[1]]  # a shared_kv layer: one tensor
             if hasattr(layer, "k_scale"):
                 tensors += [layer.k_scale, layer.v_scale]
         if not tensors:

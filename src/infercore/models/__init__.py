@@ -17,6 +17,7 @@ from torch import nn
 
 from ..devices import check_device
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig
+from .deepseek import DEEPSEEK_ARCHITECTURES, DeepseekConfig, DeepseekForCausalLM
 from .gemma3 import (
     Gemma2ForCausalLM,
     Gemma2ForSequenceClassification,
@@ -53,6 +54,8 @@ __all__ = [
     "config_from_hf",
     "SUPPORTED_MODEL_TYPES",
     "BambaForCausalLM",
+    "DeepseekConfig",
+    "DeepseekForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3Config",
     "Gemma3ForCausalLM",
@@ -123,6 +126,8 @@ for _mt, (_, _arch) in MOE_FAMILIES.items():
     _BY_ARCHITECTURE[MOE_CLASSIFIERS[_mt]] = MoeLlamaForSequenceClassification
 register_model("mamba2", Mamba2ForCausalLM, architectures=("Mamba2ForCausalLM",), config_class=Mamba2Config)
 register_model("bamba", BambaForCausalLM, architectures=("BambaForCausalLM",), config_class=Mamba2Config)
+for _mt, _arch in DEEPSEEK_ARCHITECTURES.items():
+    register_model(_mt, DeepseekForCausalLM, architectures=(_arch,), config_class=DeepseekConfig)
 
 
 def config_from_hf(hf: dict) -> Any:

@@ -249,3 +249,21 @@ def test_cuda_graph_greedy_matches_hf(kind, checkpoints):
     eager = Engine(model, page_size=4, num_pages=96, max_num_seqs=4, cuda_graph_max_batch=0)
     graphs = Engine(model, page_size=4, num_pages=96, max_num_seqs=4)
     assert [o.token_ids for o in graphs.generate(PROMPTS, sp)] == [o.token_ids for o in eager.generate(PROMPTS, sp)]
+
+
+def test_triton_attention_kernels_at_the_latent_head_dim(checkpoints, split_attention_through_triton):
+    """The GPU paged-attention kernels (Triton, interpreted on the CPU) over the latent cache: one KV head of
+    ``kv_lora_rank + qk_rope_head_dim`` (40, not a power of two) shared by the query heads, keys and values one
+    tensor, this step's latents read contiguously by the prefill kernel; mixed steps split their decodes off to the
+    decode kernel. The tokens are transformers'."""
+    from infercore.models import llama
+    from infercore.ops import attention
+
+    hf, path = checkpoints["v3"]
+    split_attention_through_triton(attention)  # the decode kernel of decode-only steps (ops.attention.decode_impl)
+    split = split_attention_through_triton(llama)  # the prefill kernel, and mixed steps' split-off decodes
+    engine = Engine.from_pretrained(str(path), device="cpu", dtype=torch.float32, page_size=4, num_pages=64,
+                                    max_num_seqs=4, max_num_batched_tokens=12)
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in PROMPTS]
+    assert split and max(split) >= 2

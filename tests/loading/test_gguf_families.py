@@ -297,6 +297,18 @@ def test_gguf_family_matches_transformers(case, tmp_path):
     outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf, prompt, 6)
+    if mode == "q8_0":  # the Q8_0 linears run as stored (quantization="gguf"): the same tokens
+        from infercore.quant import QuantLinear
+
+        engine = Engine.from_pretrained(str(path), device="cpu", dtype=torch.float32, quantization="gguf",
+                                        config=EngineConfig(page_size=4, num_pages=96, max_num_seqs=4))  # fmt: skip
+        native = [n for n, m in engine.model.named_modules() if isinstance(m, QuantLinear)]
+        # (routed experts are stacked tensors, not linears: they stay dense)
+        assert any("self_attn" in n for n in native), native
+        assert kind in ("mixtral", "qwen2moe", "qwen3moe") or any("mlp" in n for n in native), native
+        outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        for prompt, out in zip(prompts, outs):
+            assert out.token_ids == hf_greedy(hf, prompt, 6)
 
 
 # ------------------------------------------------------------------------------- hyperparameters and errors

@@ -78,7 +78,7 @@ def use_gguf_blocks(model: nn.Module, path: str | os.PathLike, *, tied_lm_head: 
     stacked = getattr(model, "_STACKED", {})
     parts: dict[str, dict[int, tuple[torch.Tensor, str]]] = {}
     for name in gf.tensors:
-        target = hf_name(name)
+        target = hf_name(name, arch)
         if target is None or not target.endswith(".weight"):
             continue
         blocks, ggml_type, _ = gf.raw(name)

@@ -99,6 +99,33 @@ def test_prefill_and_decode_logits_match_hf(kind, checkpoints):
         _close(logits, ref)
 
 
+def test_original_release_config_layout(tmp_path):
+    """A config.json laid out as DeepSeek released V2-Lite's (top-level rope_theta, rope_scaling with the legacy
+    'type' key and equal mscales, routing keys transformers' class does not declare, auto_map): the model equals the
+    one transformers builds from that dict."""
+    import json
+
+    import transformers as tf
+
+    legacy = {**COMMON, "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "q_lora_rank": None,
+              "topk_method": "greedy", "n_group": 1, "topk_group": 1, "scoring_func": "softmax",
+              "norm_topk_prob": False, "moe_layer_freq": 1, "first_k_dense_replace": 1, "ep_size": 1,
+              "aux_loss_alpha": 0.001, "seq_aux": True, "rope_theta": 10000,
+              "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 32, "mscale": 0.707,
+                               "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
+              "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV2Config"}}  # fmt: skip
+    cfg = tf.DeepseekV2Config.from_dict(legacy)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = tf.DeepseekV2ForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    (tmp_path / "config.json").write_text(json.dumps(legacy))
+    model, _, config = load_model(tmp_path, dtype=torch.float32, device="cpu")
+    assert config.softmax_scale == pytest.approx(hf.model.layers[0].self_attn.scaling, rel=1e-12)
+    assert config.softmax_scale != (16 + 8) ** -0.5
+    _close(PagedRunner(model).step(list(enumerate(PROMPTS))), torch.cat([hf_logits(hf, p) for p in PROMPTS]))
+
+
 def test_config_facts(checkpoints):
     cfg = load_model(checkpoints["v3"][1], dtype=torch.float32, device="cpu")[2]
     assert (cfg.scoring_func, cfg.topk_method, cfg.norm_topk_prob, cfg.rope_interleave) == (
@@ -218,6 +245,8 @@ def test_refusals(checkpoints):
         tensor_parallel_(model)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         Engine(model, page_size=4, num_pages=8, kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="takes no LoRA adapters"):
+        Engine(load_model(path, dtype=torch.float32, device="cpu")[0], page_size=4, num_pages=8, max_loras=1)
     with pytest.raises(TypeError, match="DeepseekConfig"):
         DeepseekForCausalLM(config_from_hf(checkpoints["v2"][0].config.to_dict() | {"model_type": "llama",
                                                                                     "architectures": None,

@@ -174,6 +174,18 @@ def test_bf16_cpu_paths(checkpoints):
     _close(runner.step([(i, [7]) for i in range(len(PROMPTS))]), ref, rel=5e-2)
 
 
+def test_host_experts(checkpoints):
+    """offload.offload_experts_ takes DeepSeekMoE's routed experts (a SparseMoeBlock's storage) to the host path; the
+    dense first layer keeps its MLP; the logits are transformers'."""
+    from infercore.offload import offload_experts_
+
+    hf, path = checkpoints["v3"]
+    model = load_model(path, dtype=torch.float32, device="cpu")[0]
+    offload_experts_(model)
+    assert [getattr(la.mlp, "host_experts", None) is not None for la in model.model.layers] == [False, True, True]
+    _close(PagedRunner(model).step(list(enumerate(PROMPTS))), torch.cat([hf_logits(hf, p) for p in PROMPTS]))
+
+
 # ------------------------------------------------------------------------------------------ engine
 @pytest.mark.parametrize("kind", ["v2_lite", "v2", "v3"])
 def test_engine_greedy_matches_hf_generate(kind, checkpoints):
@@ -296,3 +308,15 @@ def test_triton_attention_kernels_at_the_latent_head_dim(checkpoints, split_atte
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in PROMPTS]
     assert split and max(split) >= 2
+
+
+def test_speculative_decoding_keeps_the_tokens(checkpoints):
+    """n-gram drafts verified as decode rows of one sequence (shared_seqs: each row reads latents the step writes
+    for the rows before it): the tokens are transformers' greedy ones, with drafts proposed and accepted."""
+    hf, path = checkpoints["v2"]
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10, 11, 9, 10]]
+    engine = Engine.from_pretrained(str(path), device="cpu", dtype=torch.float32, page_size=4, num_pages=64,
+                                    num_speculative_tokens=3)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 10) for p in prompts]
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0

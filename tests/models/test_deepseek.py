@@ -246,6 +246,11 @@ def test_bad_configs_name_the_field(checkpoints):
     ]:
         with pytest.raises(ValueError, match=needle):
             config_from_hf({**hf, key: value})
+    with pytest.raises(ValueError, match="rope_scaling"):
+        config_from_hf({**v3, "rope_parameters": {**YARN, "factor": None}})
+    # transformers reads these flags for truth: an explicit null is off
+    cfg = config_from_hf({**v3, "rope_interleave": None, "norm_topk_prob": None})
+    assert not cfg.rope_interleave and not cfg.norm_topk_prob
 
 
 def test_refusals(checkpoints):

@@ -165,6 +165,11 @@ class DeepseekConfig(ModelConfig):
         for name in ("norm_topk_prob", "rope_interleave"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DeepseekConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        rs = self.rope_scaling or {}
+        if rs.get("mscale_all_dim") and (not isinstance(rs.get("factor"), int | float) or isinstance(rs["factor"], bool)
+                                         or not rs["factor"] > 0):
+            raise ValueError(f"DeepseekConfig.rope_scaling: mscale_all_dim scales the softmax by the YaRN 'factor', "
+                             f"which must be a positive number, got {rs.get('factor')!r}")
         if self.partial_rotary_factor != 1.0:
             raise ValueError(f"DeepseekConfig.partial_rotary_factor must be 1 (q_pe / k_pe rotate whole), got "
                              f"{self.partial_rotary_factor!r}")
@@ -194,6 +199,9 @@ class DeepseekConfig(ModelConfig):
         full = {**defaults, **{k: v for k, v in hf.items() if v is not None}}
         if "q_lora_rank" in hf:  # an explicit null: no q compression (V2-Lite)
             full["q_lora_rank"] = hf["q_lora_rank"]
+        for key in ("norm_topk_prob", "rope_interleave"):  # transformers tests these for truth: null is off
+            if key in hf and hf[key] is None:
+                full[key] = False
         r = HFConfigReader(full, model_type)
 
         def choice(key: str, allowed: tuple[str, ...]) -> str:

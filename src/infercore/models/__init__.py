@@ -26,6 +26,7 @@ from .gemma3 import (
     Gemma3TextForSequenceClassification,
 )
 from .granite import GraniteForCausalLM
+from .granite_hybrid import GRANITE_MOE_ARCHITECTURES, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 from .llama import (
     LlamaForCausalLM,
     LlamaForSequenceClassification,
@@ -62,6 +63,8 @@ __all__ = [
     "Gemma2ForSequenceClassification",
     "Gemma3TextForSequenceClassification",
     "GraniteForCausalLM",
+    "GraniteMoeHybridConfig",
+    "GraniteMoeHybridForCausalLM",
     "Olmo2ForCausalLM",
     "Olmo2ForSequenceClassification",
     "Phi3ForCausalLM",
@@ -126,6 +129,8 @@ for _mt, (_, _arch) in MOE_FAMILIES.items():
     _BY_ARCHITECTURE[MOE_CLASSIFIERS[_mt]] = MoeLlamaForSequenceClassification
 register_model("mamba2", Mamba2ForCausalLM, architectures=("Mamba2ForCausalLM",), config_class=Mamba2Config)
 register_model("bamba", BambaForCausalLM, architectures=("BambaForCausalLM",), config_class=Mamba2Config)
+for _mt, _arch in GRANITE_MOE_ARCHITECTURES.items():
+    register_model(_mt, GraniteMoeHybridForCausalLM, architectures=(_arch,), config_class=GraniteMoeHybridConfig)
 for _mt, _arch in DEEPSEEK_ARCHITECTURES.items():
     register_model(_mt, DeepseekForCausalLM, architectures=(_arch,), config_class=DeepseekConfig)
 

@@ -219,8 +219,8 @@ class DeepseekConfig(ModelConfig):
             raise ValueError("HF deepseek_v2 config key 'norm_topk_prob' is true: DeepseekV2ForCausalLM never "
                              "renormalises the routing weights (the original release does), so the checkpoint's "
                              "meaning is ambiguous")
-        freq = r.check("moe_layer_freq", full.get("moe_layer_freq", 1), int, "1", lambda v: v == 1)
-        del freq  # transformers routes every layer from first_k_dense_replace on
+        # transformers routes every layer from first_k_dense_replace on (the original code every moe_layer_freq-th)
+        r.check("moe_layer_freq", full.get("moe_layer_freq", 1), int, "1", lambda v: v == 1)
         if r.flag("mlp_bias", False):
             raise ValueError(f"HF {model_type} config key 'mlp_bias' is true: MLP biases are not supported")
         if full.get("hidden_act", "silu") != "silu":

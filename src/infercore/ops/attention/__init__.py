@@ -69,6 +69,27 @@ def _check_common(
     V.same_device(op, "q", q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens, block_table=block_table)
 
 
+def _check_sinks(op: str, q: torch.Tensor, sinks: torch.Tensor | None) -> None:
+    if sinks is None:
+        return
+    V.floating(op, "sinks", sinks, (torch.float32,))
+    if tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"{op}: sinks has shape {tuple(sinks.shape)}, expected [q_heads] = ({q.shape[1]},)")
+    V.same_device(op, "q", q, sinks=sinks)
+
+
+def sinks_kw(op: str, fn: Callable, sinks: torch.Tensor | None) -> dict:
+    """``{"sinks": sinks}`` for an implementation ``fn`` of ``op`` that takes them, ``{}`` when ``sinks`` is None
+    (nothing changes for models without sinks); ValueError naming ``fn`` when it takes none (its result would
+    leave the sinks out)."""
+    if sinks is None:
+        return {}
+    if not accepts(fn, "sinks"):
+        raise ValueError(f"{op}: the implementation {getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', fn)} "
+                         "takes no attention sinks; force another backend (INFERCORE_BACKEND) for this model")
+    return {"sinks": sinks}
+
+
 def paged_attention_prefill(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -86,6 +107,7 @@ def paged_attention_prefill(
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
     only_seqs: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for a ragged batch of query chunks against their paged KV.
 
@@ -118,6 +140,9 @@ def paged_attention_prefill(
             may be left unwritten (an implementation that takes the argument computes these alone;
             others compute everything). For a caller that runs a mixed step's decodes through
             :func:`paged_attention_decode` (see :func:`split_decodes`).
+        sinks: optional fp32 ``[Hq]`` attention sinks (GPT-OSS): head h's softmax denominator gets one more
+            term ``exp(sinks[h])`` (a logit with no value), so ``o = sum_j e^{s_j} v_j / (e^{sinks[h]} +
+            sum_j e^{s_j})``. None: plain softmax (the implementations see no extra argument).
 
     Returns:
         ``[T, Hq, D]`` in ``q.dtype``; softmax in fp32.
@@ -139,6 +164,7 @@ def paged_attention_prefill(
         V.ndim(op, "only_seqs", only_seqs, 1, "[num_selected_sequences]")
         V.same_device(op, "q", q, only_seqs=only_seqs)
     _check_new_kv(op, q, k_cache, k, v)
+    _check_sinks(op, q, sinks)
     quantized = check_kv_scales(op, k_cache, v_cache, k_scale, v_scale)
     fn = prefill_impl(q.device, new_kv=k is not None, cache_holds_new_kv=not quantized and k_cache.dtype == q.dtype)
     if quantized:
@@ -147,6 +173,7 @@ def paged_attention_prefill(
     new_kv = {"k": k, "v": v} if k is not None and takes_new_kv(fn) else {}
     if only_seqs is not None and accepts(fn, "only_seqs"):
         new_kv["only_seqs"] = only_seqs
+    new_kv.update(sinks_kw(op, fn, sinks))
     return fn(
         q,
         k_cache,
@@ -245,12 +272,14 @@ def paged_attention_decode(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     shared_seqs: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence (at position ``seq_lens[b] - 1``) against its paged KV.
 
     Args:
         q: ``[B, Hq, D]`` fp32/fp16/bf16.
-        k_cache, v_cache, block_table, scale, sliding_window, softcap: as in :func:`paged_attention_prefill`.
+        k_cache, v_cache, block_table, scale, sliding_window, softcap, sinks: as in
+            :func:`paged_attention_prefill`.
         k_scale, v_scale: fp32 ``[num_pages, page_size, Hk]`` for int8 / float8_e4m3fn caches; the
             kernels read the 1-byte codes and dequantize in registers (no temporary cache).
         seq_lens: int32 ``[B]`` KV lengths including the current token; a sequence with length 0
@@ -266,10 +295,12 @@ def paged_attention_decode(
     _check_common(op, q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, softcap)
     if seq_lens.shape[0] != q.shape[0]:
         raise ValueError(f"{op}: seq_lens has {seq_lens.shape[0]} entries but q has {q.shape[0]} sequences")
+    _check_sinks(op, q, sinks)
     quantized = check_kv_scales(op, k_cache, v_cache, k_scale, v_scale)
     fn, extra = decode_impl(q.device, quantized=quantized, shared_seqs=shared_seqs)
     if quantized:
         extra.update(k_scale=k_scale, v_scale=v_scale)
+    extra.update(sinks_kw(op, fn, sinks))
     return fn(q, k_cache, v_cache, seq_lens=seq_lens, block_table=block_table, scale=float(scale),
               sliding_window=sliding_window, softcap=None if softcap is None else float(softcap), **extra)
 
@@ -298,22 +329,27 @@ def rope_write_decode_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     is_neox: bool = True,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode with the new token's RoPE and KV write folded in: ``rope_and_write_kv_cache_`` on the
     un-rotated q ``[B, Hq, D]`` and k / v ``[B, Hk, D]`` (``positions``, ``slot_mapping`` ``[B]``), then
     :func:`paged_attention_decode` (the other arguments as there). On CUDA one kernel does both (the
-    RoPE / KV-write launch is gone); float caches only. Returns ``[B, Hq, D]`` in ``q.dtype``."""
+    RoPE / KV-write launch is gone); float caches only; ``sinks`` fp32 ``[Hq]`` as there. Returns ``[B, Hq, D]`` in
+    ``q.dtype``."""
     op = "rope_write_decode_attention"
     _check_common(op, q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window, softcap)
+    _check_sinks(op, q, sinks)
     check_rope_write_args(op, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     if is_quantized_kv(k_cache.dtype):
         raise ValueError(f"{op}: k_cache: a quantized ({k_cache.dtype}) cache takes the unfused ops")
     if seq_lens.shape[0] != q.shape[0]:
         raise ValueError(f"{op}: seq_lens has {seq_lens.shape[0]} entries but q has {q.shape[0]} sequences")
-    return dispatch(op, q.device)(
+    fn = dispatch(op, q.device)
+    return fn(
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, seq_lens=seq_lens,
         block_table=block_table, scale=float(scale), sliding_window=sliding_window,
-        softcap=None if softcap is None else float(softcap), is_neox=V.flag(op, "is_neox", is_neox))  # fmt: skip
+        softcap=None if softcap is None else float(softcap), is_neox=V.flag(op, "is_neox", is_neox),
+        **sinks_kw(op, fn, sinks))  # fmt: skip
 
 
 def paged_attention(
@@ -329,6 +365,7 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged attention driven by the step's :class:`AttentionMetadata`.
 
@@ -336,7 +373,7 @@ def paged_attention(
     ``T == B``) and :func:`paged_attention_prefill` otherwise, with ``meta.num_split_decodes`` one-query
     sequences of a mixed step through the decode kernel where the prefill one can leave them out.
     ``k_scale``/``v_scale`` as there (quantized caches); ``k``/``v`` (this step's new K/V, optional) go to
-    prefill only. Returns ``[T, Hq, D]`` in ``q.dtype``.
+    prefill only; ``sinks`` (fp32 ``[Hq]``, optional) to both. Returns ``[T, Hq, D]`` in ``q.dtype``.
     """
     if not isinstance(meta, AttentionMetadata):
         raise TypeError(f"paged_attention: meta must be an AttentionMetadata, got {type(meta).__name__}")
@@ -353,6 +390,7 @@ def paged_attention(
             k_scale=k_scale,
             v_scale=v_scale,
             shared_seqs=meta.shared_seqs,
+            sinks=sinks,
         )
     split = split_decodes(meta, dispatch("paged_attention_prefill", q.device))
     o = paged_attention_prefill(
@@ -371,23 +409,26 @@ def paged_attention(
         k=k,
         v=v,
         only_seqs=meta.prefill_seqs if split else None,
+        sinks=sinks,
     )
     if split:
         attend_split_decodes(o, q, k_cache, v_cache, meta, paged_attention_decode, scale=scale,
                              sliding_window=sliding_window, softcap=softcap, k_scale=k_scale,
-                             v_scale=v_scale)  # fmt: skip
+                             v_scale=v_scale, sinks=sinks)  # fmt: skip
     return o
 
 
 def rope_write_decode_attention_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, seq_lens,
-                                    block_table, scale, sliding_window=None, softcap=None, is_neox=True):  # fmt: skip
+                                    block_table, scale, sliding_window=None, softcap=None, is_neox=True,
+                                    sinks=None):  # fmt: skip
     """Reference of ``rope_write_decode_attention`` (the fused decode kernel in ``triton_decode``): the
     ``rope_and_write_kv`` reference (rotates q / k, writes the rotated k and v into the cache), then
     the decode-attention reference."""
     q_rot = implementation("rope_and_write_kv", "reference")(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                                                              slot_mapping, is_neox=is_neox)  # fmt: skip
     return paged_attention_decode_ref(q_rot, k_cache, v_cache, seq_lens=seq_lens, block_table=block_table,
-                                      scale=scale, sliding_window=sliding_window, softcap=softcap)  # fmt: skip
+                                      scale=scale, sliding_window=sliding_window, softcap=softcap,
+                                      sinks=sinks)  # fmt: skip
 
 
 register("paged_attention_prefill", "reference", paged_attention_prefill_ref)

@@ -6,6 +6,10 @@ one or a few sequences, where a per-sequence loop over a fused kernel is the che
 is not expressible in SDPA, so softcapped layers take the reference. Decode over fp32 / bf16 caches of q's dtype,
 and over int8 / fp8 code caches with their scales, goes through the native kernel (``ops.moe.cpu_native``: fp32
 scores, softmax and sum per KV head) where it builds.
+
+Attention sinks (``sinks [Hq]``, GPT-OSS) are expressible in SDPA: a zero key (score 0) with a zero value, whose
+column of a float mask holds each head's sink logit (``_with_sinks``), in fp32. The native kernel takes no sinks, so
+decode with sinks runs the SDPA loop.
 """
 
 from __future__ import annotations
@@ -29,19 +33,36 @@ def _context(k_cache, v_cache, pages_row, start: int, end: int):
     return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
 
 
+def _with_sinks(k, v, mask, sinks):
+    """fp32 ``k``/``v`` ``[1, Hk, L, D]`` and a bool ``mask`` broadcastable to ``[1, 1, M, L]`` (None: all visible)
+    -> ``(k, v, float mask [1, Hq, M, L + 1])`` whose extra key scores ``sinks[h]`` and adds nothing to the
+    output: softmax with the sink in its denominator, through SDPA."""
+    zero = k.new_zeros(k.shape[0], k.shape[1], 1, k.shape[3])
+    k, v = torch.cat([k, zero], dim=2), torch.cat([v, zero], dim=2)
+    L = k.shape[2] - 1
+    m = mask if mask is not None else torch.ones(1, 1, 1, L, dtype=torch.bool, device=k.device)
+    m = m.reshape(1, 1, -1, L)
+    add = torch.zeros(1, sinks.shape[0], m.shape[2], L + 1, dtype=torch.float32, device=k.device)
+    add[..., :L].masked_fill_(~m, float("-inf"))
+    add[..., L] = sinks.float().view(-1, 1)
+    return k, v, add
+
+
 def paged_attention_decode_cpu(q, k_cache, v_cache, *, seq_lens, block_table, scale, sliding_window=None,
-                               softcap=None, k_scale=None, v_scale=None):
+                               softcap=None, k_scale=None, v_scale=None, sinks=None):
     if softcap is not None:
+        kw = {} if sinks is None else {"sinks": sinks}
         return implementation("paged_attention_decode", "reference")(
             q, k_cache, v_cache, seq_lens=seq_lens, block_table=block_table, scale=scale,
-            sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
-    if (k_scale is None and q.shape[0] and cpu_native.layer_ops_apply(q, k_cache, v_cache) and q.dim() == 3
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+            sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale, **kw)
+    if (sinks is None and k_scale is None and q.shape[0] and cpu_native.layer_ops_apply(q, k_cache, v_cache)
+            and q.dim() == 3 and k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
             and k_cache.shape[-1] == q.shape[-1] and q.shape[1] % k_cache.shape[2] == 0
             and seq_lens.shape == (q.shape[0],) and block_table.dim() == 2 and block_table.shape[0] == q.shape[0]):
         return cpu_native.decode_attention(q, k_cache, v_cache, seq_lens, block_table, scale, sliding_window)
-    if (k_scale is not None and q.shape[0] and q.dim() == 3 and q.dtype in (torch.float32, torch.bfloat16)
-            and cpu_native.available() and k_cache.dtype == v_cache.dtype in (torch.int8, torch.float8_e4m3fn)
+    if (sinks is None and k_scale is not None and q.shape[0] and q.dim() == 3
+            and q.dtype in (torch.float32, torch.bfloat16) and cpu_native.available()
+            and k_cache.dtype == v_cache.dtype in (torch.int8, torch.float8_e4m3fn)
             and k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
             and k_cache.shape[-1] == q.shape[-1] and q.shape[1] % k_cache.shape[2] == 0
             and k_scale.shape == v_scale.shape == k_cache.shape[:3]
@@ -65,17 +86,22 @@ def paged_attention_decode_cpu(q, k_cache, v_cache, *, seq_lens, block_table, sc
             # int8 / fp8 codes: dequantize only this sequence's (windowed) context.
             ks, vs = _context(k_scale, v_scale, block_table[b], start, n)
             k, v = k.float() * ks.unsqueeze(-1), v.float() * vs.unsqueeze(-1)
-        rows.append(F.scaled_dot_product_attention(qf[b : b + 1], k.float(), v.float(), scale=scale, enable_gqa=True))
+        mask = None
+        if sinks is not None:
+            k, v, mask = _with_sinks(k.float(), v.float(), None, sinks)
+        rows.append(F.scaled_dot_product_attention(qf[b : b + 1], k.float(), v.float(), attn_mask=mask, scale=scale,
+                                                   enable_gqa=True))
     out = rows[0] if len(rows) == 1 else torch.cat(rows)
     return out.squeeze(2).to(q.dtype)
 
 
 def paged_attention_prefill_cpu(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, block_table, scale,
-                                sliding_window=None, softcap=None, max_seqlen_q=None):
+                                sliding_window=None, softcap=None, max_seqlen_q=None, sinks=None):
     if softcap is not None:
+        kw = {} if sinks is None else {"sinks": sinks}
         return implementation("paged_attention_prefill", "reference")(
             q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_table=block_table,
-            scale=scale, sliding_window=sliding_window, softcap=softcap, max_seqlen_q=max_seqlen_q)
+            scale=scale, sliding_window=sliding_window, softcap=softcap, max_seqlen_q=max_seqlen_q, **kw)
     out = torch.zeros_like(q)
     cu = cu_seqlens_q.tolist()
     for b, n in enumerate(seq_lens.tolist()):
@@ -87,7 +113,7 @@ def paged_attention_prefill_cpu(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, 
         start = max(0, first - sliding_window + 1) if sliding_window is not None else 0
         k, v = _context(k_cache, v_cache, block_table[b], start, n)
         qb = q[t0:t1].transpose(0, 1).unsqueeze(0)  # [1, Hq, qlen, D]
-        if start == 0 and first == 0 and sliding_window is None:
+        if start == 0 and first == 0 and sliding_window is None and sinks is None:
             o = F.scaled_dot_product_attention(qb, k.to(q.dtype), v.to(q.dtype), scale=scale, is_causal=True,
                                                enable_gqa=True)
         else:
@@ -96,9 +122,13 @@ def paged_attention_prefill_cpu(q, k_cache, v_cache, *, cu_seqlens_q, seq_lens, 
             mask = kpos <= qpos
             if sliding_window is not None:
                 mask &= kpos > qpos - sliding_window
-            o = F.scaled_dot_product_attention(qb, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
-                                               enable_gqa=True)
-        out[t0:t1] = o[0].transpose(0, 1)
+            if sinks is None:
+                o = F.scaled_dot_product_attention(qb, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+                                                   enable_gqa=True)
+            else:
+                k, v, add = _with_sinks(k.float(), v.float(), mask, sinks)
+                o = F.scaled_dot_product_attention(qb.float(), k, v, attn_mask=add, scale=scale, enable_gqa=True)
+        out[t0:t1] = o[0].transpose(0, 1).to(q.dtype)
     return out
 
 

@@ -34,10 +34,19 @@ def _attend(
     *,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 ``q[..., Hk, M, D]``, ``k/v[..., Hk, L, D]``, bool ``mask[..., M, L]`` (True = visible)."""
+    """fp32 ``q[..., Hk, M, D]``, ``k/v[..., Hk, L, D]``, bool ``mask[..., M, L]`` (True = visible);
+    ``sinks`` fp32 ``[..., Hk, M]``: each row's sink logit, one more term of the softmax's denominator."""
     mask = mask.unsqueeze(-3)  # broadcast over KV heads
-    if softcap is None:
+    if sinks is not None:
+        s = torch.matmul(q, k.transpose(-1, -2)) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(torch.cat([s, sinks.unsqueeze(-1)], dim=-1), dim=-1)[..., :-1]
+        out = torch.matmul(p, v)
+    elif softcap is None:
         # SDPA's fused CPU kernel avoids materializing the [M, L] score matrix; it takes the same
         # boolean mask (True = attend) and computes in fp32 for fp32 inputs.
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
@@ -72,10 +81,12 @@ def paged_attention_decode_ref(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference of :func:`~infercore.ops.paged_attention_decode`: q ``[B, Hq, D]``, caches
     ``[num_pages, page_size, Hk, D]`` (float, or int8/fp8 codes with fp32 ``k_scale``/``v_scale``
-    ``[num_pages, page_size, Hk]``), int32 ``seq_lens [B]`` and ``block_table [B, max_pages]``.
+    ``[num_pages, page_size, Hk]``), int32 ``seq_lens [B]`` and ``block_table [B, max_pages]``, optional
+    fp32 ``sinks [Hq]`` (a per-head logit in each softmax's denominator, no value).
     Returns ``[B, Hq, D]`` in ``q.dtype`` (fp32 softmax; zeros for a zero-length sequence)."""
     b, hq, d = q.shape
     page_size, hk = k_cache.shape[1], k_cache.shape[2]
@@ -116,7 +127,11 @@ def paged_attention_decode_ref(
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     s.masked_fill_(~valid.view(b, 1, 1, L), float("-inf"))
-    p = torch.softmax(s, dim=-1)
+    if sinks is None:
+        p = torch.softmax(s, dim=-1)
+    else:
+        sink = sinks.float().view(1, hk, group, 1).expand(b, hk, group, 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :L]
     out = torch.stack([torch.matmul(p[:, h], vals[:, :, h]) for h in range(hk)], dim=1)  # [B, Hk, G, D]
     # seq_len 0 (batch padding) has no visible key: zeros, not NaN.
     out = torch.where((seq > 0).view(b, 1, 1, 1), out, 0.0)
@@ -137,10 +152,12 @@ def paged_attention_prefill_ref(
     max_seqlen_q: int | None = None,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference of :func:`~infercore.ops.paged_attention_prefill` (float caches): q ``[T, Hq, D]`` ragged
     by int32 ``cu_seqlens_q [B+1]``, caches ``[num_pages, page_size, Hk, D]``, int32 ``seq_lens [B]`` and
-    ``block_table [B, max_pages]``. ``k``/``v`` ``[T, Hk, D]`` (ragged like q), when given, supply the
+    ``block_table [B, max_pages]``, optional fp32 ``sinks [Hq]`` (per-head softmax sink logits).
+    ``k``/``v`` ``[T, Hk, D]`` (ragged like q), when given, supply the
     keys/values of each sequence's own query positions; then only the cached prefix is read from the
     pages. Returns ``[T, Hq, D]`` in ``q.dtype`` (fp32 softmax). Raises ValueError when a sequence has
     more queries than ``seq_lens`` keys."""
@@ -174,6 +191,7 @@ def paged_attention_prefill_ref(
         mask = _visible(q_pos, k_pos, sliding_window)  # [q_len, L]; every key lies below seq_len
         # [q_len, Hq, D] -> [Hk, group * q_len, D]; the mask repeats once per query head of the group.
         qg = q[q0:q1].float().view(q_len, hk, group, d).permute(1, 2, 0, 3).reshape(hk, group * q_len, d)
-        o = _attend(qg, keys, vals, mask.repeat(group, 1), scale=scale, softcap=softcap)
+        sink = None if sinks is None else sinks.float().view(hk, group, 1).expand(hk, group, q_len).reshape(hk, -1)
+        o = _attend(qg, keys, vals, mask.repeat(group, 1), scale=scale, softcap=softcap, sinks=sink)
         out[q0:q1] = o.view(hk, group, q_len, d).permute(2, 0, 1, 3).reshape(q_len, hq, d).to(q.dtype)
     return out

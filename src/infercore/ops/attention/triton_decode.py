@@ -26,6 +26,11 @@ Design:
   Without PDL the kernel is the plain loop (``PREWAIT`` off).
 - Sliding window / softcap are compile-time switches; softmax runs in base 2 with the scale and
   ``log2(e)`` folded into one multiply.
+- Attention sinks (``sinks [Hq]`` fp32, GPT-OSS; compile-time ``HAS_SINKS``): one more term
+  ``exp(sink)`` of each head's softmax denominator, with no value. It enters once, after the key loop:
+  without split-K in the decode kernel (``l = l * 2^(m - m') + 2^(sink * log2e - m')`` with the running
+  max ``m' = max(m, sink * log2e)``, the accumulator rescaled alike), with split-K in the merge kernel
+  (a term of the merged denominator beside the splits' log-sum-exps), so no split counts it twice.
 - Quantized KV (int8 / float8_e4m3fn codes, fp32 scale per (token, KV head) in
   ``[num_pages, page_size, Hk]``, see ``ops/kv_cache/quant.py``): tiles load as 1-byte codes (half the
   DRAM traffic of bf16) and convert to q's dtype in registers; the scales never touch the D axis.
@@ -207,7 +212,7 @@ def _rope_new_token(q_ptr, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc
 # those variants mid-run.
 @triton.jit(do_not_specialize=["stride_bt", "stride_lb", "stride_lh", "num_splits"])
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, seq_lens_ptr, bt_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, seq_lens_ptr, bt_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, sinks_ptr,
     qk_scale, scale, softcap, window, code_scale,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_ksp, stride_kss, stride_vsp, stride_vss,
@@ -230,6 +235,7 @@ def _decode_kernel(
     IS_NEOX: tl.constexpr = True,
     V16: tl.constexpr = False,  # 1-byte caches: V converted to 16 bits before its shared-memory staging
     F16: tl.constexpr = False,  # 1-byte caches: fp16 dot operands (q saturated to the fp16 range)
+    HAS_SINKS: tl.constexpr = False,  # sinks_ptr [Hq] fp32: added here without SPLIT, by the merge kernel with it
 ):  # fmt: skip
     pdl_release(USE_PDL)
     if not PREWAIT:
@@ -335,6 +341,14 @@ def _decode_kernel(
         m_i, l_i, acc = _decode_tile(q, k, v, k_sc, v_sc, nmask, m_i, l_i, acc, qk_scale, scale, softcap,
                                      HAS_SOFTCAP, DOT_PRECISION, KV_MODE)
 
+    if HAS_SINKS and not SPLIT:
+        # The sink joins the denominator once, after the loop (m_i is -inf for an empty range: l = 1, o = 0).
+        sink = tl.load(sinks_ptr + heads, mask=gmask, other=0.0) * _LOG2E
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
+        m_i = m_new
     # Empty ranges (padding rows with seq_len 0, or a split past the end) produce zeros / lse -inf.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -397,12 +411,13 @@ def _e4m3_bytes_to_f16(c):
 
 @triton.jit(do_not_specialize=["stride_lb", "stride_lh", "num_splits"])
 def _merge_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr,
+    mid_o_ptr, mid_lse_ptr, out_ptr, sinks_ptr,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
     HEAD_DIM, num_splits,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,  # sinks_ptr [Hq] fp32: one more term of the merged denominator
 ):  # fmt: skip
     pdl_release(USE_PDL)
     pdl_wait(USE_PDL)
@@ -413,11 +428,16 @@ def _merge_kernel(
     smask = offs_s < num_splits
     lse = tl.load(mid_lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=smask, other=float("-inf"))
     m = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h) * _LOG2E
+        m = tl.maximum(m, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m_safe)  # 0 for empty splits
     o = tl.load(mid_o_ptr + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
                 mask=smask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # fmt: skip
     denom = tl.sum(w, axis=0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m_safe)
     res = tl.sum(o * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)  # fmt: skip
@@ -457,6 +477,7 @@ def paged_attention_decode(
     num_splits: int | None = None,
     fp8_emulation: bool | None = None,
     shared_seqs: bool = False,
+    sinks: torch.Tensor | None = None,
     _rope: tuple | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache; see the module docstring for layouts.
@@ -470,8 +491,8 @@ def paged_attention_decode(
     shapes only); ``fp8_emulation`` forces (True) or forbids (False) the bit-trick FP8 decode
     (default: emulate where the GPU lacks native FP8). ``_rope`` (for :func:`rope_write_decode_attention`
     only): ``(k, v, positions, cos_sin_cache, slot_mapping, is_neox)`` of the new tokens, rotated and
-    written by the kernel itself. Returns ``[B, Hq, D]`` in ``q.dtype``;
-    sequences with ``seq_lens == 0`` get zeros.
+    written by the kernel itself. ``sinks`` fp32 ``[Hq]``: per-head softmax sinks (see the module docstring).
+    Returns ``[B, Hq, D]`` in ``q.dtype``; sequences with ``seq_lens == 0`` get zeros.
     """
     B, Hq, D = q.shape
     page_size, Hk = k_cache.shape[1], k_cache.shape[2]
@@ -529,8 +550,10 @@ def paged_attention_decode(
         kn, vn, pos, cs, slots, is_neox = _rope
         fuse = {"FUSE_ROPE": True, "IS_NEOX": bool(is_neox)}
         rope_strides = (kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cs.stride(0), cs.shape[-1])
+    has_sinks = sinks is not None
+    sinks_arg = sinks.contiguous() if has_sinks else out  # unused pointer without sinks
     _decode_kernel[(B, Hk, num_splits)](
-        q, k_cache, v_cache, k_scale, v_scale, seq_lens, block_table, out, mid_o, mid_lse,
+        q, k_cache, v_cache, k_scale, v_scale, seq_lens, block_table, out, mid_o, mid_lse, sinks_arg,
         scale * _LOG2E.value, scale, softcap or 1.0, sliding_window or 0, code_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -544,15 +567,15 @@ def paged_attention_decode(
         PREWAIT=(use_pdl or bool(fuse)) and TUNING["prewait"] and not shared_seqs, **fuse,
         V16=bool(kv_mode and not interp and TUNING["kv_v16"]),
         F16=bool(kv_mode in (2, 3) and not interp and TUNING["fp8_f16"] and q.dtype == torch.bfloat16),
-        **extra, **pdl_launch(use_pdl),
+        **({"HAS_SINKS": True} if has_sinks else {}), **extra, **pdl_launch(use_pdl),
     )  # fmt: skip
     if num_splits > 1:
         _merge_kernel[(B, Hq)](
-            mid_o, mid_lse, out,
+            mid_o, mid_lse, out, sinks_arg,
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             out.stride(0), out.stride(1), D, num_splits,
             BLOCK_S=16 if num_splits <= 16 else max(64, triton.next_power_of_2(num_splits)), BLOCK_D=block_d,
-            **pdl_launch(use_pdl),
+            **({"HAS_SINKS": True} if has_sinks else {}), **pdl_launch(use_pdl),
         )  # fmt: skip
     return out
 
@@ -574,6 +597,7 @@ def rope_write_decode_attention(
     softcap: float | None = None,
     is_neox: bool = True,
     num_splits: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RoPE of the decode token's q / k, the write of its rotated k and its v into the paged cache,
     and decode attention, in the decode kernel (the RoPE / KV-write launch is gone; the split merge
@@ -582,14 +606,14 @@ def rope_write_decode_attention(
     q ``[B, Hq, D]``, k / v ``[B, Hk, D]`` un-rotated (the new token of each sequence, at position
     ``positions[b] = seq_lens[b] - 1``), ``slot_mapping`` ``[B]`` (-1: no cache write, e.g. padding
     rows), the rest as :func:`paged_attention_decode`. Float caches only (int8 / FP8 caches keep the
-    unfused ops)."""
+    unfused ops). ``sinks`` fp32 ``[Hq]``: per-head softmax sinks, as there."""
     # Shapes are checked by the public wrapper (ops.attention); models call this with their own.
     if k_cache.dtype in (torch.int8, torch.float8_e4m3fn, torch.uint8):
         raise ValueError(f"k_cache: rope_write_decode_attention takes float caches, got {k_cache.dtype}")
     k, v, cos_sin_cache = _last_dim_contiguous(k), _last_dim_contiguous(v), _last_dim_contiguous(cos_sin_cache)
     return paged_attention_decode(
         q, k_cache, v_cache, seq_lens=seq_lens, block_table=block_table, scale=scale, sliding_window=sliding_window,
-        softcap=softcap, num_splits=num_splits,
+        softcap=softcap, num_splits=num_splits, sinks=sinks,
         _rope=(k, v, positions.contiguous(), cos_sin_cache, slot_mapping.contiguous(), is_neox))  # fmt: skip
 
 

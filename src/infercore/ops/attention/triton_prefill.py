@@ -19,6 +19,10 @@ varlen and FlashInfer's ragged prefill take them), only the cached prefix ``[0, 
 gathered through the block table; the new tokens' tiles are plain row blocks of k/v, aligned to the
 first new token and read with TMA descriptors (``tma``), which is what Triton's warp specialization
 pipelines best. Without them, every key comes from the cache.
+
+Attention sinks (``sinks [Hq]`` fp32, GPT-OSS; compile-time ``HAS_SINKS``) join each row's softmax denominator
+once, after the key loops: ``l = l * 2^(m - m') + 2^(sink * log2e - m')`` with ``m' = max(m, sink * log2e)`` and the
+accumulator rescaled alike.
 """
 
 from __future__ import annotations
@@ -197,6 +201,8 @@ def _prefill_kernel(
     NEW_KV: tl.constexpr,
     USE_TMA: tl.constexpr,
     seqs_ptr,
+    sinks_ptr,
+    HAS_SINKS: tl.constexpr = False,
 ):  # fmt: skip
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     h = tl.program_id(0) % NUM_HEADS
@@ -297,6 +303,12 @@ def _prefill_kernel(
                 True, HAS_WINDOW, HAS_SOFTCAP, DOT_PRECISION, EVEN_D, USE_TMA, kc_ptr.dtype.element_ty,
             )  # fmt: skip
 
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h) * _LOG2E
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])  # fmt: skip
@@ -337,6 +349,7 @@ def paged_attention_prefill(
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
     only_seqs: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal prefill attention over the paged cache; see the module docstring for layouts.
 
@@ -348,7 +361,8 @@ def paged_attention_prefill(
     are read from them (contiguous rows, TMA where possible) and only the cached prefix goes through
     the block table. ``only_seqs`` (int32 ``[S]``): compute these sequences only (the launch grid covers
     them alone); the other rows of the result are left unwritten (a mixed step's decodes, which the
-    caller runs through the decode kernel: ``split_decodes``). Returns ``[T, Hq, D]`` in ``q.dtype``.
+    caller runs through the decode kernel: ``split_decodes``). ``sinks`` fp32 ``[Hq]``: per-head softmax sinks.
+    Returns ``[T, Hq, D]`` in ``q.dtype``.
     """
     T, Hq, D = q.shape
     # Any page size works (pages are looked up per key); powers of two make // and % shifts.
@@ -375,7 +389,7 @@ def paged_attention_prefill(
         tuned = TUNING_NEW_KV.get(bucket, TUNING[bucket]) if k is not None else TUNING[bucket]
         cfg = _fit_shared_memory(dict(tuned), block_d, k_cache.element_size())
     _launch(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, scale, sliding_window, softcap,
-            max_seqlen_q, cfg, k=k, v=v, seqs=only_seqs)  # fmt: skip
+            max_seqlen_q, cfg, k=k, v=v, seqs=only_seqs, sinks=sinks)  # fmt: skip
     return out
 
 
@@ -420,12 +434,13 @@ def _launch(
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
     seqs: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Launch the kernel with an explicit config: ``block_m``, ``block_n`` and optionally ``num_warps``,
     ``num_stages``, ``maxnreg`` and the variant switches of ``_VARIANT_DEFAULTS`` (the sweep and the
     variant tests call this directly). ``k``/``v``: the new tokens' contiguous K/V (see
     :func:`paged_attention_prefill`); ``tma`` then picks descriptor loads for them when the layout allows
-    (else pointer loads)."""
+    (else pointer loads). ``sinks``: fp32 ``[Hq]`` softmax sinks, or None."""
     Hq, D = q.shape[1], q.shape[2]
     page_size, Hk = k_cache.shape[1], k_cache.shape[2]
     B = seq_lens.shape[0]
@@ -465,7 +480,9 @@ def _launch(
         PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         DOT_PRECISION=precision, OFF64=off64, WARP_SPEC=var["warp_spec"], NEW_KV=new_kv, USE_TMA=use_tma,
-        seqs_ptr=_all_seqs(B, q.device) if seqs is None else seqs, **extra,
+        seqs_ptr=_all_seqs(B, q.device) if seqs is None else seqs,
+        sinks_ptr=q if sinks is None else sinks.contiguous(), **({"HAS_SINKS": True} if sinks is not None else {}),
+        **extra,
     )  # fmt: skip
 
 

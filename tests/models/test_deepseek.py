@@ -99,6 +99,32 @@ def test_prefill_and_decode_logits_match_hf(kind, checkpoints):
         _close(logits, ref)
 
 
+def test_real_latent_dims(tmp_path):
+    """V2-Lite's attention dims (16 heads, kv_lora_rank 512, qk_nope / qk_rope / v 128 / 64 / 128: a 576-wide latent
+    cache) and its YaRN (factor 40, mscale 0.707) on a narrow model: logits and the Engine's greedy tokens (16-token
+    pages, chunked prefill) are transformers'."""
+    import transformers as tf
+
+    cfg = tf.DeepseekV2Config(**{**COMMON, "hidden_size": 128, "num_attention_heads": 16, "num_key_value_heads": 16,
+                                 "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
+                                 "qk_rope_head_dim": 64, "v_head_dim": 128, "num_experts_per_tok": 6,
+                                 "first_k_dense_replace": 1, "num_hidden_layers": 2, "max_position_embeddings": 4096,
+                                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40,
+                                                     "original_max_position_embeddings": 4096, "mscale": 0.707,
+                                                     "mscale_all_dim": 0.707}})  # fmt: skip
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = tf.DeepseekV2ForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = load_model(tmp_path, dtype=torch.float32, device="cpu")[0]
+    assert model.kv_specs()[0].head_dim == 576
+    _close(PagedRunner(model, page_size=16).step(list(enumerate(PROMPTS))),
+           torch.cat([hf_logits(hf, p) for p in PROMPTS]))
+    engine = Engine(model, page_size=16, num_pages=16, max_num_batched_tokens=24)
+    outs = engine.generate(PROMPTS[1:], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 3) for p in PROMPTS[1:]]
+
+
 def test_original_release_config_layout(tmp_path):
     """A config.json laid out as DeepSeek released V2-Lite's (top-level rope_theta, rope_scaling with the legacy
     'type' key and equal mscales, routing keys transformers' class does not declare, auto_map): the model equals the

@@ -25,6 +25,7 @@ from .gemma3 import (
     Gemma3ForCausalLM,
     Gemma3TextForSequenceClassification,
 )
+from .gpt_oss import GptOssConfig, GptOssForCausalLM
 from .granite import GraniteForCausalLM
 from .granite_hybrid import GRANITE_MOE_ARCHITECTURES, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 from .llama import (
@@ -62,6 +63,8 @@ __all__ = [
     "Gemma3ForCausalLM",
     "Gemma2ForSequenceClassification",
     "Gemma3TextForSequenceClassification",
+    "GptOssConfig",
+    "GptOssForCausalLM",
     "GraniteForCausalLM",
     "GraniteMoeHybridConfig",
     "GraniteMoeHybridForCausalLM",
@@ -133,6 +136,7 @@ for _mt, _arch in GRANITE_MOE_ARCHITECTURES.items():
     register_model(_mt, GraniteMoeHybridForCausalLM, architectures=(_arch,), config_class=GraniteMoeHybridConfig)
 for _mt, _arch in DEEPSEEK_ARCHITECTURES.items():
     register_model(_mt, DeepseekForCausalLM, architectures=(_arch,), config_class=DeepseekConfig)
+register_model("gpt_oss", GptOssForCausalLM, architectures=("GptOssForCausalLM",), config_class=GptOssConfig)
 
 
 def config_from_hf(hf: dict) -> Any:

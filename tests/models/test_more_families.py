@@ -306,7 +306,7 @@ def test_bf16_cpu_engine_matches_fp32_reference(kind, checkpoints, monkeypatch):
     ("granite", "residual_multiplier", -0.5),
     ("granite", "attention_multiplier", True),
     ("olmo2", "num_key_value_heads", 3),
-    ("olmo2", "architectures", ["Olmo2ForSequenceClassification"]),
+    ("olmo2", "architectures", ["Olmo2ForTokenClassification"]),
 ])  # fmt: skip
 def test_bad_configs_name_the_key(kind, key, value):
     hf = tiny(kind).config.to_dict()

@@ -111,6 +111,29 @@ def test_prefill_and_decode_logits_match_hf(tmp_path):
     assert (PagedRunner(model).step([(0, PROMPTS[0])]) - hf_logits(hf, PROMPTS[0])).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("path", ["loop", "grouped", "dense"])
+def test_expert_paths_match_transformers(tmp_path, monkeypatch, path):
+    """Each way of running the experts (per routed expert, grouped GEMMs over the sorted pairs, all experts densely)
+    equals transformers' MoE block on the same tokens, and through the whole model."""
+    import infercore.models.gpt_oss as gpt_oss
+
+    monkeypatch.setenv("INFERCORE_GPT_OSS_EXPERTS", path)
+    hf = tiny_gpt_oss()
+    model, _ = ours_from_hf(hf, tmp_path)
+    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(4)) * 3
+    with torch.no_grad():
+        ref = hf.model.layers[1].mlp(x[None])[0][0]
+        assert gpt_oss.experts_path(x) == path
+        torch.testing.assert_close(model.model.layers[1].mlp(x), ref, rtol=1e-5, atol=1e-5)
+        # one token: two of the four experts get no rows (empty groups)
+        torch.testing.assert_close(model.model.layers[1].mlp(x[:1]), hf.model.layers[1].mlp(x[None, :1])[0][0],
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+    _close(PagedRunner(model).step(list(enumerate(PROMPTS))), torch.cat([hf_logits(hf, p) for p in PROMPTS]))
+    monkeypatch.setenv("INFERCORE_GPT_OSS_EXPERTS", "fast")
+    with pytest.raises(ValueError, match="INFERCORE_GPT_OSS_EXPERTS"):
+        gpt_oss.experts_path(x)
+
+
 @pytest.mark.parametrize("kv_layout", ["dense", "multi"])
 def test_engine_greedy_matches_hf_generate(tmp_path, kv_layout):
     """Prompts of 5 to 19 tokens (window 6) in one batch, chunked (12-token budget, 4-token pages) and mixed with
@@ -224,3 +247,24 @@ def test_refusals():
     with pytest.raises(ValueError, match="unexpected tensor"):
         build_model(cfg, dtype=torch.float32, device="cpu", init="empty").load_weights(
             [("model.layers.0.mlp.gate.weight", torch.zeros(4, 32))])
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_cuda_engine_greedy_matches_hf(tmp_path):
+    """On CUDA (Triton paged attention with sinks, decode CUDA graphs: the dense expert path in fp32, the grouped
+    GEMMs in bf16): fp32 tokens equal transformers' greedy ones on the CPU; in bf16 the graphs give the eager
+    engine's tokens."""
+    from infercore.models import load_model
+
+    hf = tiny_gpt_oss(seed=1)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    eng = Engine.from_pretrained(str(tmp_path), device="cuda", dtype=torch.float32, page_size=4, num_pages=96,
+                                 max_num_seqs=4, max_num_batched_tokens=12)  # fmt: skip
+    assert eng.graph_runner is not None
+    assert [o.token_ids for o in eng.generate(PROMPTS, sp)] == [hf_greedy(hf, p, 10) for p in PROMPTS]
+    model = load_model(tmp_path, dtype=torch.bfloat16, device="cuda")[0]
+    eager = Engine(model, page_size=4, num_pages=96, max_num_seqs=4, cuda_graph_max_batch=0)
+    graphs = Engine(model, page_size=4, num_pages=96, max_num_seqs=4)
+    assert [o.token_ids for o in graphs.generate(PROMPTS, sp)] == [o.token_ids for o in eager.generate(PROMPTS, sp)]

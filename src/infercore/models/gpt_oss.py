@@ -12,9 +12,11 @@ Differences from Llama, all resolved here:
   clamped SwiGLU: ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``,
   ``(up + 1) * gate * sigmoid(alpha * gate)`` (``alpha`` 1.702, ``limit`` 7.0 in the released configs).
 
-The experts run in torch (:class:`GptOssExperts`): one pair of matmuls per routed expert over the tokens routed to
-it, reading only those experts' weights, in transformers' layout (``x @ W``), so checkpoints load as they are
-stored. ``ops.moe_experts_routed`` takes neither biases nor this activation.
+The experts run in torch (:class:`GptOssExperts`), in transformers' layout (``x @ W``), so checkpoints load as
+they are stored; ``ops.moe_experts_routed`` takes neither biases nor this activation. On the CPU (and CUDA outside
+graph capture without bf16) one pair of matmuls per routed expert over its tokens, reading only routed experts; CUDA
+bf16 sorts the (token, expert) pairs through ``torch._grouped_mm`` (no host wait, so decode steps can be CUDA
+graphs); other CUDA dtypes under graph capture run every expert densely (``experts_path``).
 
 KV: each layer declares a :class:`~infercore.kv.FullAttentionSpec` with its window (``kv_specs``; sliding layers get
 the multi-granularity manager's freed pages); the model reads a dense :class:`~infercore.ops.AttentionMetadata` or a
@@ -27,6 +29,7 @@ Checkpoints: HF safetensors with bf16 / fp32 tensors, or the released MXFP4 ones
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -190,7 +193,17 @@ class GptOssExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, expert ids ``[T, k]`` and their weights ``[T, k]`` -> ``[T, H]`` in x's dtype, the routed
-        experts' outputs summed with their weights. Only the experts some token chose are read."""
+        experts' outputs summed with their weights (the path :func:`experts_path` picks)."""
+        path = experts_path(x)
+        if path == "grouped":
+            return self.forward_grouped(x, ids, weights)
+        if path == "dense":
+            return self.forward_dense(x, ids, weights)
+        return self.forward_loop(x, ids, weights)
+
+    def forward_loop(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """One pair of matmuls per expert some token chose, over its tokens (reads only those experts; the
+        per-expert counts come to the host)."""
         out = torch.zeros_like(x)
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)
@@ -207,6 +220,51 @@ class GptOssExperts(nn.Module):
             y = self.activation(h) @ self.down_proj[e] + self.down_proj_bias[e]
             out.index_add_(0, tok, (y * weights.reshape(-1)[sel, None]).to(x.dtype))
         return out
+
+    def forward_grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The (token, expert) pairs sorted by expert through two grouped GEMMs (``torch._grouped_mm``, offsets on
+        the device): only routed experts are read and nothing waits for the host (CUDA-graph safe)."""
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)
+        eid = flat[order]
+        tok = order // k
+        # end of each expert's rows: searchsorted on the sorted ids (bincount would read its size on the host)
+        experts = torch.arange(self.gate_up_proj.shape[0], device=x.device, dtype=eid.dtype)
+        offs = torch.searchsorted(eid, experts, right=True).to(torch.int32)
+        h = torch._grouped_mm(x[tok], self.gate_up_proj, offs=offs) + self.gate_up_proj_bias[eid]
+        y = torch._grouped_mm(self.activation(h).contiguous(), self.down_proj, offs=offs) + self.down_proj_bias[eid]
+        return torch.zeros_like(x).index_add_(0, tok, (y * weights.reshape(-1)[order, None]).to(x.dtype))
+
+    def forward_dense(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every expert over every token, weighted by the routing weights (0 for experts a token did not choose):
+        fixed shapes and no host wait, at ``num_experts / k`` times the routed work (CUDA graphs without
+        ``torch._grouped_mm``)."""
+        w = torch.zeros(x.shape[0], self.gate_up_proj.shape[0], dtype=weights.dtype, device=x.device)
+        w.scatter_(1, ids, weights)
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up_proj.shape[0]):
+            h = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+            y = self.activation(h) @ self.down_proj[e] + self.down_proj_bias[e]
+            out += (y * w[:, e, None]).to(x.dtype)
+        return out
+
+
+def experts_path(x: torch.Tensor) -> str:
+    """How :class:`GptOssExperts` runs for activations ``x``: ``"grouped"`` (CUDA bf16 with ``torch._grouped_mm``),
+    ``"dense"`` (other CUDA dtypes while a CUDA graph is being captured: the loop's host wait cannot be captured),
+    else ``"loop"``. ``INFERCORE_GPT_OSS_EXPERTS`` (loop / grouped / dense) forces one."""
+    forced = os.environ.get("INFERCORE_GPT_OSS_EXPERTS")
+    if forced:
+        if forced not in ("loop", "grouped", "dense"):
+            raise ValueError(f"INFERCORE_GPT_OSS_EXPERTS: expected loop, grouped or dense, got {forced!r}")
+        return forced
+    if x.device.type == "cuda":
+        if x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+            return "grouped"
+        if torch.cuda.is_current_stream_capturing():
+            return "dense"
+    return "loop"
 
 
 class GptOssMLP(nn.Module):

@@ -49,6 +49,7 @@ from .moe_llama import (
     MoeLlamaForSequenceClassification,
     MoeModelConfig,
 )
+from .nemotron_h import NemotronHConfig, NemotronHForCausalLM
 from .olmo2 import Olmo2ForCausalLM, Olmo2ForSequenceClassification
 from .qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -85,6 +86,8 @@ __all__ = [
     "ModelConfig",
     "MoeLlamaForCausalLM",
     "MoeModelConfig",
+    "NemotronHConfig",
+    "NemotronHForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "build_model",
@@ -134,6 +137,8 @@ register_model("mamba2", Mamba2ForCausalLM, architectures=("Mamba2ForCausalLM",)
 register_model("bamba", BambaForCausalLM, architectures=("BambaForCausalLM",), config_class=Mamba2Config)
 for _mt, _arch in GRANITE_MOE_ARCHITECTURES.items():
     register_model(_mt, GraniteMoeHybridForCausalLM, architectures=(_arch,), config_class=GraniteMoeHybridConfig)
+register_model("nemotron_h", NemotronHForCausalLM, architectures=("NemotronHForCausalLM",),
+               config_class=NemotronHConfig)
 for _mt, _arch in DEEPSEEK_ARCHITECTURES.items():
     register_model(_mt, DeepseekForCausalLM, architectures=(_arch,), config_class=DeepseekConfig)
 register_model("gpt_oss", GptOssForCausalLM, architectures=("GptOssForCausalLM",), config_class=GptOssConfig)

@@ -1,0 +1,282 @@
+"""NVIDIA Nemotron-H (HF ``NemotronHForCausalLM``): Mamba2 mixers, attention and MLP-only layers in one stack.
+
+Each layer is ``x += mixer(rms_norm(x))`` with one of three mixers, from ``hybrid_override_pattern`` (``M`` / ``*`` /
+``-``) or transformers' ``layers_block_type`` (``linear_attention`` / ``full_attention`` / ``mlp``):
+
+* ``M``: the Mamba2 mixer (:class:`~infercore.models.mamba2.Mamba2Mixer`, HF Bamba's math) with
+  ``mamba_num_heads * mamba_head_dim`` inner channels (not necessarily ``expand * hidden_size``);
+* ``*``: GQA attention without positional encoding (no RoPE), softmax scale ``head_dim ** -0.5``;
+* ``-``: an ungated MLP ``down_proj(relu(up_proj(x)) ** 2)``.
+
+Then ``norm_f`` and ``lm_head``. Mixer layers hold conv / SSM state slots in the hybrid KV pool, attention layers paged
+KV; MLP layers read no cache but declare the smallest attention spec (see :meth:`NemotronHForCausalLM.kv_specs`).
+Routed-expert layers (``E`` / ``moe``, Nemotron 3) are refused. Tensor names are HF's (``backbone.*``; transformers'
+renamed ``model.*`` also load), q/k/v merged into ``qkv_proj``. Tensor parallelism is refused.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..kv.hybrid import FullAttentionSpec, LinearStateSpec
+from ..ops import fused_add_rms_norm, paged_attention, rms_norm, write_kv_cache_
+from .hybrid import HFConfigReader, HybridMetadata, check_step, layer_metadata, linear_metadata, load_hf_weights
+from .mamba2 import Mamba2ForCausalLM, Mamba2Mixer, _Weight
+
+__all__ = ["NemotronHConfig", "NemotronHForCausalLM"]
+
+MAMBA, ATTENTION, MLP = "linear_attention", "full_attention", "mlp"
+_PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": "moe"}
+
+
+@dataclass
+class NemotronHConfig:
+    """Nemotron-H sizes. ``layer_types[i]`` is ``"linear_attention"`` (Mamba2 mixer), ``"full_attention"`` or
+    ``"mlp"``. The Mamba2 fields are named as :class:`~infercore.models.mamba2.Mamba2Config`'s (the mixer reads
+    them)."""
+
+    vocab_size: int
+    hidden_size: int
+    layer_types: list[str]
+    mamba_heads: int
+    mamba_head_dim: int
+    state_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    n_groups: int = 1
+    conv_kernel: int = 4
+    use_bias: bool = False
+    use_conv_bias: bool = True
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    norm_eps: float = 1e-5
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "nemotron_h"
+    architecture: str = "NemotronHForCausalLM"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "mamba_heads", "mamba_head_dim", "state_size", "num_heads",
+                     "num_kv_heads", "head_dim", "intermediate_size", "n_groups", "conv_kernel"):  # fmt: skip
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"NemotronHConfig.{name} must be a positive int, got {v!r}")
+        if not self.layer_types or set(self.layer_types) - {MAMBA, ATTENTION, MLP}:
+            raise ValueError(f"NemotronHConfig.layer_types must be a non-empty list of {MAMBA!r} / {ATTENTION!r} / "
+                             f"{MLP!r}, got {self.layer_types!r}")  # fmt: skip
+        if self.mamba_heads % self.n_groups:
+            raise ValueError(f"NemotronHConfig.n_groups={self.n_groups} must divide mamba_heads={self.mamba_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"NemotronHConfig.num_kv_heads={self.num_kv_heads} must divide "
+                             f"num_heads={self.num_heads}")  # fmt: skip
+        if not self.norm_eps > 0:
+            raise ValueError(f"NemotronHConfig.norm_eps must be > 0, got {self.norm_eps!r}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def intermediate_mamba(self) -> int:
+        return self.mamba_heads * self.mamba_head_dim
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> NemotronHConfig:
+        """From an HF ``nemotron_h`` config dict: ``layers_block_type`` (transformers 5) or
+        ``hybrid_override_pattern`` (the checkpoints' own), the ``mamba_*`` aliases HF accepts included."""
+        if not isinstance(hf, Mapping):
+            raise TypeError(f"hf config must be a mapping, got {type(hf).__name__}")
+        mt = hf.get("model_type")
+        if mt != "nemotron_h":
+            raise ValueError(f"model_type must be 'nemotron_h', got {mt!r}")
+        r = HFConfigReader(hf, mt)
+        eos_ids, _ = r.token_ids()
+        types = r.str_list("layers_block_type") or r.str_list("layer_types")
+        if types is None:
+            pattern = r.get("hybrid_override_pattern")
+            r.check("hybrid_override_pattern", pattern, str, "a string of 'M' / '*' / '-'",
+                    lambda v: v and set(v) <= set(_PATTERN))  # fmt: skip
+            types = [_PATTERN[c] for c in pattern]
+            n = r.get("num_hidden_layers", len(types))
+            r.check("num_hidden_layers", n, int, f"the length of hybrid_override_pattern ({len(types)})",
+                    lambda v: v == len(types))  # fmt: skip
+        types = [{"mamba": MAMBA, "attention": ATTENTION}.get(t, t) for t in types]
+        if "moe" in types:
+            raise ValueError(f"HF {mt} config: routed-expert layers ('E' / 'moe' in layers_block_type / "
+                             f"hybrid_override_pattern) are not supported")  # fmt: skip
+        if not types or set(types) - {MAMBA, ATTENTION, MLP}:
+            raise ValueError(f"HF {mt} config key 'layers_block_type' must list 'linear_attention' / "
+                             f"'full_attention' / 'mlp' layers, got {types!r}")  # fmt: skip
+        for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+            r.check(key, r.get(key, want), str, repr(want), lambda v, w=want: v == w)
+        r.check("sliding_window", r.hf.get("sliding_window"), int, "null (attention over every key)",
+                lambda v: False)  # fmt: skip
+        if r.hf.get("rope_parameters") or r.hf.get("rope_scaling"):
+            raise ValueError(f"HF {mt} config key 'rope_parameters': Nemotron-H attention has no RoPE")
+
+        def alias(key: str, old: str, default: Any) -> Any:  # HF's constructor takes the older mamba_* names too
+            return r.get(key, r.get(old, default)) if key in hf or old in hf else default
+
+        limit = alias("time_step_limit", "mamba_dt_limit", (0.0, math.inf))
+        r.check("time_step_limit", limit, list | tuple, "a [min, max] pair of numbers with 0 <= min <= max",
+                lambda v: len(v) == 2 and all(isinstance(x, int | float) and not isinstance(x, bool) for x in v)
+                and 0 <= v[0] <= v[1])  # fmt: skip
+        n_groups = r.check("n_groups", alias("n_groups", "mamba_n_groups", 8), int, "a positive int", lambda v: v > 0)
+        kernel = r.check("conv_kernel", alias("conv_kernel", "mamba_d_conv", 4), int, "a positive int",
+                         lambda v: v > 0)  # fmt: skip
+        conv_bias = r.check("use_conv_bias", alias("use_conv_bias", "mamba_conv_bias", True), bool, "true or false")
+        heads = r.positive_int("num_attention_heads", 32)
+        return cls(
+            vocab_size=r.positive_int("vocab_size", 131072), hidden_size=r.positive_int("hidden_size", 4096),
+            layer_types=types, mamba_heads=r.positive_int("mamba_num_heads", 128),
+            mamba_head_dim=r.positive_int("mamba_head_dim", 64), state_size=r.positive_int("ssm_state_size", 128),
+            num_heads=heads, num_kv_heads=r.positive_int("num_key_value_heads", heads),
+            head_dim=r.positive_int("head_dim", 128), intermediate_size=r.positive_int("intermediate_size", 21504),
+            n_groups=n_groups, conv_kernel=kernel, use_bias=r.flag("use_bias", False), use_conv_bias=conv_bias,
+            time_step_limit=(float(limit[0]), float(limit[1])), norm_eps=r.number("layer_norm_epsilon", 1e-5),
+            attention_bias=r.flag("attention_bias", False), mlp_bias=r.flag("mlp_bias", False),
+            # HF's NemotronHForCausalLM ties nothing (no _tied_weights_keys), whatever tie_word_embeddings says
+            max_position_embeddings=r.positive_int("max_position_embeddings", 4096), eos_token_ids=eos_ids,
+        )  # fmt: skip
+
+
+class NemotronHAttention(nn.Module):
+    """GQA over paged KV without positional encoding (HF names ``q/k/v_proj`` merged into ``qkv_proj``)."""
+
+    def __init__(self, cfg: NemotronHConfig, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        d = cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias,
+                                  dtype=dtype)  # fmt: skip
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, kv_cache, meta) -> torch.Tensor:
+        T, D = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(T, self.num_heads, D).contiguous()
+        k, v = k.reshape(T, self.num_kv_heads, D).contiguous(), v.reshape(T, self.num_kv_heads, D)
+        write_kv_cache_(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        o = paged_attention(q, kv_cache[0], kv_cache[1], meta, scale=D**-0.5)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class NemotronHMLP(nn.Module):
+    """``down_proj(relu(up_proj(x)) ** 2)`` (squared ReLU, no gate)."""
+
+    def __init__(self, cfg: NemotronHConfig, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.relu(self.up_proj(x)).square())
+
+
+class NemotronHBlock(nn.Module):
+    _MIXERS = {MAMBA: Mamba2Mixer, ATTENTION: NemotronHAttention, MLP: NemotronHMLP}
+
+    def __init__(self, cfg: NemotronHConfig, layer: int, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.kind = cfg.layer_types[layer]
+        self.norm = _Weight(cfg.hidden_size, dtype=dtype)
+        self.mixer = self._MIXERS[self.kind](cfg, dtype=dtype)
+
+
+class NemotronHBackbone(nn.Module):
+    def __init__(self, cfg: NemotronHConfig, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(NemotronHBlock(cfg, i, dtype=dtype) for i in range(cfg.num_layers))
+        self.norm_f = _Weight(cfg.hidden_size, dtype=dtype)
+
+
+class NemotronHForCausalLM(Mamba2ForCausalLM):
+    """Nemotron-H causal LM (HF names ``backbone.*``, ``lm_head``) over the hybrid KV pool.
+
+    ``kv_caches[i]``: ``(conv_state, ssm_state)`` for mixer layers, ``(k_cache, v_cache)`` for attention layers, and
+    for MLP layers the entry of a one-page attention spec that no op reads: every layer needs a spec in the engine's
+    layout, the smallest one is declared (1 kv head of head_dim 1).
+    """
+
+    supports_hybrid_kv = True
+    tensor_parallel_unsupported = (
+        "Nemotron-H's attention / MLP-only layers have no sharding layout in tensor_parallel_; run it unsharded")
+
+    def __init__(self, config: NemotronHConfig, *, dtype: torch.dtype | None = None) -> None:
+        nn.Module.__init__(self)
+        if not isinstance(config, NemotronHConfig):
+            raise TypeError(f"config must be a NemotronHConfig, got {type(config).__name__}")
+        self.config = config
+        self.backbone = NemotronHBackbone(config, dtype=dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.finish_init()
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: HybridMetadata
+    ) -> torch.Tensor:
+        """One ragged step. Returns ``[T, hidden]`` (final-normed, model dtype)."""
+        layers, eps = self.backbone.layers, self.config.norm_eps
+        check_step(input_ids, positions, kv_caches, len(layers))
+        x = self.backbone.embeddings(input_ids)
+        residual = None
+        for i, (block, cache) in enumerate(zip(layers, kv_caches)):
+            if residual is None:
+                residual, x = x, rms_norm(x, block.norm.weight, eps=eps)
+            else:
+                x, residual = fused_add_rms_norm(x, residual, block.norm.weight, eps=eps)
+            if block.kind == MAMBA:
+                x = block.mixer(x, cache, linear_metadata(meta, i))
+            elif block.kind == ATTENTION:
+                x = block.mixer(x, cache, layer_metadata(meta, i))
+            else:
+                x = block.mixer(x)
+        x, _ = fused_add_rms_norm(x, residual, self.backbone.norm_f.weight, eps=eps)
+        return x
+
+    def kv_specs(self) -> list[FullAttentionSpec | LinearStateSpec]:
+        dtype = self.backbone.embeddings.weight.dtype
+        specs = []
+        for block in self.backbone.layers:
+            if block.kind == MAMBA:
+                specs.append(block.mixer.state_spec(dtype))
+            elif block.kind == ATTENTION:
+                specs.append(FullAttentionSpec(block.mixer.num_kv_heads, block.mixer.head_dim, dtype=dtype))
+            else:
+                specs.append(FullAttentionSpec(1, 1, dtype=dtype))
+        return specs
+
+    _QKV = re.compile(r"^(backbone\.layers\.\d+\.)mixer\.(q|k|v)_proj\.(weight|bias)$")
+
+    def _resolve(self, name: str) -> tuple[str, Any]:
+        if name.startswith("model."):  # transformers' renamed prefix
+            name = "backbone." + name[len("model."):]
+        m = self._QKV.match(name)
+        if m is None:
+            return name, None
+        prefix, which, kind = m.groups()
+        cfg = self.config
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        rows = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}[which]
+        return f"{prefix}mixer.qkv_proj.{kind}", slice(*rows)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        tied = self.config.tie_word_embeddings
+
+        def ignore(name: str) -> bool:
+            return tied and name == "lm_head.weight"
+
+        load_hf_weights(self, weights, self._resolve, arch=self.config.architecture, ignore=ignore)

@@ -1,0 +1,135 @@
+"""NVIDIA Nemotron-H (Mamba2 mixers, NoPE attention and squared-ReLU MLP layers from ``hybrid_override_pattern``)
+against transformers' NemotronHForCausalLM on tiny random fp32 configs, through ``save_pretrained`` and
+``Engine.from_pretrained`` (the hybrid KV pool): prefill logits, the Engine's batched greedy tokens through chunked
+prefill and a prefix-cache hit against ``generate``, and bad configs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hybrid_harness import engine_prefill_logits, hf_greedy, hf_logits
+
+from infercore import Engine, SamplingParams
+from infercore.models import NemotronHConfig, NemotronHForCausalLM, load_model
+
+COMMON = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+              intermediate_size=48, mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2,
+              chunk_size=8, layer_norm_epsilon=1e-5, bos_token_id=1, eos_token_id=None, pad_token_id=0)  # fmt: skip
+KINDS = {
+    # the checkpoints' pattern form; 2 mixer groups, MLP layers between
+    "pattern": dict(hybrid_override_pattern="M-M*-M"),
+    # mamba_num_heads * mamba_head_dim != expand * hidden_size (as Nemotron-H-4B), one group; tie_word_embeddings,
+    # which transformers ignores
+    "wide": dict(hybrid_override_pattern="M*M-", mamba_num_heads=12, n_groups=1, tie_word_embeddings=True),
+}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+KV = dict(device="cpu", dtype=torch.float32, page_size=4, kv_cache_bytes=1 << 20, checkpoint_interval=8)
+
+
+def _prompts(n, seed, lo=5, hi=30, vocab=96):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def tiny(kind: str):
+    import transformers
+
+    cfg = transformers.NemotronHConfig(**{**COMMON, **KINDS[kind]})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.NemotronHForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or "dt_bias" in name or name.endswith(".D"):
+                p.normal_(1.0, 0.3)
+            elif any(k in name for k in ("o_proj", "out_proj", "down_proj")):
+                p.mul_(3.0)  # sublayers that move the residual stream: varied continuations
+        hf.lm_head.weight.mul_(4.0)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = {}
+    for kind in KINDS:
+        hf = tiny(kind)
+        path = tmp_path_factory.mktemp(kind)
+        hf.save_pretrained(path)
+        out[kind] = hf, str(path)
+    return out
+
+
+def test_config_and_load(checkpoints):
+    model, _, cfg = load_model(checkpoints["pattern"][1], dtype=torch.float32, device="cpu")
+    assert isinstance(model, NemotronHForCausalLM)
+    assert cfg.layer_types == ["linear_attention", "mlp", "linear_attention", "full_attention", "mlp",
+                               "linear_attention"]  # fmt: skip
+    specs = model.kv_specs()
+    assert [type(s).__name__[0] for s in specs] == ["L", "F", "L", "F", "F", "L"]
+    assert (specs[1].num_kv_heads, specs[1].head_dim, specs[3].num_kv_heads, specs[3].head_dim) == (1, 1, 2, 8)
+    wide = load_model(checkpoints["wide"][1], dtype=torch.float32, device="cpu")[0]
+    assert wide.backbone.layers[0].mixer.inner == 96 and wide.lm_head.weight is not wide.backbone.embeddings.weight
+    # the checkpoints' own config form (hybrid_override_pattern + num_hidden_layers, mamba_* aliases)
+    own = dict(model_type="nemotron_h", **COMMON, hybrid_override_pattern="M-*", num_hidden_layers=3,
+               mamba_d_conv=3)  # fmt: skip
+    cfg = NemotronHConfig.from_hf(own)
+    assert cfg.layer_types == ["linear_attention", "mlp", "full_attention"] and cfg.conv_kernel == 3
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_prefill_logits_match(kind, checkpoints):
+    hf, path = checkpoints[kind]
+    eng = Engine.from_pretrained(path, enable_prefix_caching=False, **KV)
+    assert eng.kv_layout == "multi"
+    ps = _prompts(3, seed=1)
+    for p, got in zip(ps, engine_prefill_logits(eng, ps)):
+        torch.testing.assert_close(got, hf_logits(hf, p), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_batched_chunked_greedy_and_prefix_hit(kind, checkpoints):
+    """Three prompts of different lengths in one batch, prefilled in 11-token chunks beside the others' decodes;
+    then the first again, resumed from the prefix cache's state checkpoint after 16 tokens."""
+    hf, path = checkpoints[kind]
+    eng = Engine.from_pretrained(path, max_num_batched_tokens=11, **KV)
+    ps = _prompts(3, seed=2, lo=6, hi=28)
+    ps[0] = _prompts(1, seed=3, lo=21, hi=21)[0]  # its last checkpoint (every 8 tokens) is at 16
+    outs = eng.generate(ps, GREEDY)
+    for p, o in zip(ps, outs):
+        assert o.token_ids == hf_greedy(hf, p, GREEDY.max_tokens)
+    assert len({t for o in outs for t in o.token_ids}) > 8  # not one repeated token
+    again = eng.generate([ps[0]], GREEDY)[0]
+    assert again.metrics.num_cached_tokens == 16
+    assert again.token_ids == outs[0].token_ids
+    eng.block_manager.check_invariants()
+
+
+def test_tensor_parallel_refused(checkpoints):
+    from infercore.parallel import tensor_parallel_
+
+    model = load_model(checkpoints["pattern"][1], dtype=torch.float32, device="cpu")[0]
+    with pytest.raises(ValueError, match="Nemotron-H"):
+        tensor_parallel_(model)
+
+
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        (dict(hybrid_override_pattern="M*E-"), "routed-expert"),
+        (dict(hybrid_override_pattern="M*x"), "hybrid_override_pattern"),
+        (dict(hybrid_override_pattern="M*-", num_hidden_layers=4), "num_hidden_layers"),
+        (dict(layers_block_type=["linear_attention", "conv"]), "layers_block_type"),
+        (dict(mlp_hidden_act="gelu"), "mlp_hidden_act"),
+        (dict(sliding_window=16), "sliding_window"),
+        (dict(n_groups=3), "n_groups"),
+        (dict(num_key_value_heads=3), "num_kv_heads"),
+        (dict(time_step_limit=[0.0]), "time_step_limit"),
+        (dict(ssm_state_size=0), "ssm_state_size"),
+    ],
+)
+def test_bad_configs_name_the_key(changes, key):
+    hf = {"model_type": "nemotron_h", **COMMON, "hybrid_override_pattern": "M*-"} | changes
+    with pytest.raises(ValueError, match=key):
+        NemotronHConfig.from_hf(hf)

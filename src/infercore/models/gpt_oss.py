@@ -162,11 +162,13 @@ class GptOssAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, k, positions, cos_sin)
         k_cache, v_cache = kv_cache
-        write_kv_cache_(k, v, k_cache, v_cache, meta.slot_mapping)
+        # int8 / fp8 caches (kv.cache.QuantizedKVCache) carry their per-(token, head) scales
+        scales = {"k_scale": kv_cache.k_scale, "v_scale": kv_cache.v_scale} if hasattr(kv_cache, "k_scale") else {}
+        write_kv_cache_(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         # A prefill implementation that takes this step's K/V contiguously reads them from k / v (else the cache).
         new_kv = {} if meta.decode_only else {"k": k, "v": v.contiguous()}
         o = paged_attention(q, k_cache, v_cache, meta, scale=self.scale, sliding_window=self.sliding_window,
-                            sinks=self.sinks.float(), **new_kv)  # fmt: skip
+                            sinks=self.sinks.float(), **scales, **new_kv)  # fmt: skip
         return self.o_proj(o.reshape(T, self.q_size))
 
 

@@ -155,6 +155,22 @@ def test_engine_greedy_matches_hf_generate(tmp_path, kv_layout):
         assert out.token_ids == hf_greedy(hf, prompt, 8)
 
 
+def test_triton_attention_kernels_with_sinks(tmp_path, split_attention_through_triton):
+    """The GPU paged-attention kernels (Triton, interpreted on the CPU) with the sinks: chunked prefill reading this
+    step's K/V contiguously, decode with split-K, mixed steps' decodes split off to the decode kernel. The tokens are
+    transformers'."""
+    from infercore.ops import attention
+
+    split = split_attention_through_triton(attention)
+    hf = tiny_gpt_oss(seed=1)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    engine = Engine.from_pretrained(str(tmp_path), device="cpu", dtype=torch.float32, page_size=4, num_pages=96,
+                                    max_num_seqs=4, max_num_batched_tokens=12)  # fmt: skip
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 3) for p in PROMPTS]
+    assert split and max(split) >= 2
+
+
 def test_quantized_kv_cache(tmp_path):
     """int8 KV (codes with per-(token, head) scales) through the Engine: the model writes and reads the scales, and
     the greedy tokens stay mostly those of the float cache (a random tiny model has near-tied logits)."""

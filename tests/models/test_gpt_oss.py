@@ -71,6 +71,49 @@ def test_config_reads_gpt_oss():
             config_from_hf({**d, **bad})
 
 
+# gpt-oss-20b's config.json as released (transformers 4.x keys, no swiglu_alpha), quantization_config left out
+RELEASED_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+    "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+    "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                            "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088,
+}  # fmt: skip
+
+
+def test_released_config_and_shapes():
+    """The released 20B config reads as transformers reads it, and the model it builds (on the meta device) has the
+    checkpoint's shapes and per-layer KV windows."""
+    import transformers as tf
+
+    from infercore.models import build_model
+
+    cfg = config_from_hf(RELEASED_20B)
+    hf_cfg = tf.GptOssConfig(**{k: v for k, v in RELEASED_20B.items() if k not in ("architectures", "model_type")})
+    assert (cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.head_dim) == (24, 32, 4, 64)
+    assert cfg.swiglu_alpha == hf_cfg.swiglu_alpha == 1.702 and cfg.eos_token_ids == (200002,)
+    assert cfg.rope_theta == hf_cfg.rope_parameters["rope_theta"] == 150000
+    assert {k: cfg.rope_scaling[k] for k in ("factor", "truncate", "original_max_position_embeddings")} == {
+        k: hf_cfg.rope_parameters[k] for k in ("factor", "truncate", "original_max_position_embeddings")}
+    model = build_model(cfg, dtype=torch.bfloat16, device="meta", init="empty")
+    layer = model.model.layers[0]
+    assert layer.mlp.experts.gate_up_proj.shape == (32, 2880, 5760) and layer.mlp.experts.down_proj.shape == (
+        32, 2880, 2880)
+    assert layer.self_attn.qkv_proj.weight.shape == (64 * 64 + 2 * 8 * 64, 2880)
+    assert layer.self_attn.sinks.shape == (64,)
+    assert [s.sliding_window for s in model.kv_specs()] == [128, None] * 12
+    # defaults when keys are absent: transformers' GptOssConfig()
+    bare = config_from_hf({"model_type": "gpt_oss"})
+    assert (bare.num_layers, bare.num_experts, bare.sliding_window, bare.rope_theta) == (36, 128, 128, 150000.0)
+    assert bare.rope_scaling["factor"] == 32.0 and bare.layer_types[:2] == ["sliding_attention", "full_attention"]
+
+
 def test_rope_table_is_transformers_yarn(tmp_path):
     """YaRN with ``truncate: false`` (the released configs'), which changes the ramp at this head_dim / original
     length, and its attention factor in the table."""

@@ -186,6 +186,24 @@ def test_public_ops_with_sinks_on_the_cpu():
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_decode_int8_cache_with_sinks(splits):
+    """1-byte codes with their scales (the kernel's KV_MODE 1) take the sink as float caches do."""
+    gen = torch.Generator().manual_seed(12)
+    lens, hq, hk, d, page = [37, 5], 4, 2, 16, 8
+    k_cache, _, table = _paged_kv(lens, hk, d, page, torch.float32, gen)
+    kq, vq = (torch.randint(-127, 128, k_cache.shape, generator=gen, dtype=torch.int8) for _ in range(2))
+    ks, vs = (torch.rand(k_cache.shape[:3], generator=gen) * 0.02 + 0.01 for _ in range(2))
+    q = torch.randn(2, hq, d, generator=gen)
+    kw = dict(seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table, scale=0.25, sliding_window=20,
+              sinks=_sinks(hq, gen))  # fmt: skip
+    got = implementation("paged_attention_decode", "triton")(q, kq, vq, k_scale=ks, v_scale=vs, num_splits=splits,
+                                                             **kw)  # fmt: skip
+    want = implementation("paged_attention_decode", "reference")(q, kq.float() * ks[..., None],
+                                                                 vq.float() * vs[..., None], **kw)  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_sinks_none_leaves_every_implementation_unchanged():
     gen = torch.Generator().manual_seed(2)
     k_cache, v_cache, table = _paged_kv([20, 7], 2, 16, 4, torch.float32, gen)

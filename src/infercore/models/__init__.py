@@ -18,6 +18,7 @@ from torch import nn
 from ..devices import check_device
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig
 from .deepseek import DEEPSEEK_ARCHITECTURES, DeepseekConfig, DeepseekForCausalLM
+from .falcon_h1 import FalconH1Config, FalconH1ForCausalLM
 from .gemma3 import (
     Gemma2ForCausalLM,
     Gemma2ForSequenceClassification,
@@ -59,6 +60,8 @@ __all__ = [
     "BambaForCausalLM",
     "DeepseekConfig",
     "DeepseekForCausalLM",
+    "FalconH1Config",
+    "FalconH1ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3Config",
     "Gemma3ForCausalLM",
@@ -139,6 +142,7 @@ for _mt, _arch in GRANITE_MOE_ARCHITECTURES.items():
     register_model(_mt, GraniteMoeHybridForCausalLM, architectures=(_arch,), config_class=GraniteMoeHybridConfig)
 register_model("nemotron_h", NemotronHForCausalLM, architectures=("NemotronHForCausalLM",),
                config_class=NemotronHConfig)
+register_model("falcon_h1", FalconH1ForCausalLM, architectures=("FalconH1ForCausalLM",), config_class=FalconH1Config)
 for _mt, _arch in DEEPSEEK_ARCHITECTURES.items():
     register_model(_mt, DeepseekForCausalLM, architectures=(_arch,), config_class=DeepseekConfig)
 register_model("gpt_oss", GptOssForCausalLM, architectures=("GptOssForCausalLM",), config_class=GptOssConfig)

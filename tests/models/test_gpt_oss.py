@@ -306,6 +306,34 @@ def test_mxfp4_checkpoint_loads_into_the_model(tmp_path):
     for (n, a), (_, b) in zip(dense_model.named_parameters(), mx.named_parameters()):
         assert torch.equal(a, b), n
 
+    # The same as a released checkpoint's directory (quantization_config mxfp4, uint8 *_blocks / *_scales beside the
+    # dense tensors): load_model and Engine.from_pretrained read it into the dense model's logits and tokens.
+    import json
+
+    from safetensors.torch import save_file
+
+    from infercore.models import load_model
+
+    hf.config.save_pretrained(tmp_path)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    conf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    save_file({**{k: v.contiguous() for k, v in sd.items() if k not in stem}, **quantized},
+              str(tmp_path / "model.safetensors"))  # fmt: skip
+    loaded, _, _ = load_model(tmp_path, dtype=torch.float32, device="cpu")
+    for (n, a), (_, b) in zip(dense_model.named_parameters(), loaded.named_parameters()):
+        assert torch.equal(a, b), n
+    hf.load_state_dict(sd)  # the dense reference of the quantized experts
+    eng = Engine.from_pretrained(str(tmp_path), device="cpu", dtype=torch.float32, page_size=4, num_pages=64)
+    prompt = [3, 17, 29, 5, 11, 40, 2]
+    out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(hf, prompt, 5)
+    conf["model_type"] = "llama"  # MXFP4 is read for GPT-OSS's experts only
+    with pytest.raises(ValueError, match="mxfp4"):
+        from infercore.loading.prequantized import prequantized_config
+
+        prequantized_config(conf)
+
 
 def test_refusals():
     hf = tiny_gpt_oss()

@@ -65,6 +65,13 @@ def prequantized_config(hf_config: dict[str, Any], hf_quant_config: dict[str, An
     if not isinstance(q, dict):
         raise ValueError(f"config.json: quantization_config must be an object, got {type(q).__name__}")
     method = str(q.get("quant_method", "")).lower()
+    if method == "mxfp4":
+        # GPT-OSS's released checkpoints: only the routed experts are MXFP4 (``*_blocks`` / ``*_scales``), which the
+        # model's own load_weights decodes; everything else is dense, so the dense path loads the directory.
+        if hf_config.get("model_type") != "gpt_oss":
+            raise ValueError(f"config.json: quantization_config.quant_method 'mxfp4' is supported for gpt_oss "
+                             f"checkpoints (their MXFP4 experts), not model_type {hf_config.get('model_type')!r}")
+        return None
     if is_int_config(q):
         return int_config(q)
     if is_bnb_config(q):

@@ -108,8 +108,13 @@ def iter_safetensors(
                     tensor = f.get_tensor(name)
                 except SafetensorError as e:
                     raise _corrupt(file, f"tensor {name!r}: {e}") from None
-                # Casting integer/bool data to a float dtype "works" and gives a silently wrong model.
+                # Casting integer/bool data to a float dtype "works" and gives a silently wrong model. MXFP4 codes
+                # and scales (uint8 ``*_blocks`` / ``*_scales``, GPT-OSS's experts) go uncast to the model's
+                # loader, which decodes them (a model that takes none refuses the names).
                 if dtype is not None and not tensor.is_floating_point():
+                    if tensor.dtype == torch.uint8 and name.endswith(("_blocks", "_scales")):
+                        yield name, tensor
+                        continue
                     raise ValueError(
                         f"tensor {name!r} in {file} has dtype {tensor.dtype}, expected a floating-point weight"
                     )

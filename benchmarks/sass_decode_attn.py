@@ -39,11 +39,12 @@ def compile_decode(kv: str, block_n: int, warps: int, stages: int, v16: bool, f1
     fn = TD._decode_kernel
     ptr = {"q_ptr": "*bf16", "kc_ptr": f"*{cache}", "vc_ptr": f"*{cache}", "ksc_ptr": "*fp32", "vsc_ptr": "*fp32",
            "seq_lens_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*bf16", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
-           "kn_ptr": "*bf16", "vn_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64"}
+           "kn_ptr": "*bf16", "vn_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64",
+           "sinks_ptr": "*fp32"}
     floats = {"qk_scale", "scale", "softcap", "code_scale"}
     ce = dict(HEAD_DIM=128, PAGE=16, SPLIT=True, BLOCK_G=16, BLOCK_N=block_n, BLOCK_D=128, HAS_WINDOW=False,
               HAS_SOFTCAP=False, DOT_PRECISION="tf32", KV_MODE=mode, PREWAIT=False, USE_PDL=False, FUSE_ROPE=False,
-              IS_NEOX=True, V16=v16 and mode > 0, F16=f16 and mode > 1)
+              IS_NEOX=True, V16=v16 and mode > 0, F16=f16 and mode > 1, HAS_SINKS=False)
     sig = {n: "constexpr" if n in ce else ptr.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names

@@ -1,4 +1,4 @@
-"""NVIDIA Nemotron-H (Mamba2 mixers, NoPE attention and squared-ReLU MLP layers from ``hybrid_override_pattern``)
+"""NVIDIA Nemotron-H (Mamba2 mixers, NoPE attention, squared-ReLU MLP and MoE layers from ``hybrid_override_pattern``)
 against transformers' NemotronHForCausalLM on tiny random fp32 configs, through ``save_pretrained`` and
 ``Engine.from_pretrained`` (the hybrid KV pool): prefill logits, the Engine's batched greedy tokens through chunked
 prefill and a prefix-cache hit against ``generate``, and bad configs."""
@@ -22,6 +22,11 @@ KINDS = {
     "pattern": dict(hybrid_override_pattern="M-M*-M"),
     # mamba_num_heads * mamba_head_dim != expand * hidden_size (as Nemotron-H-4B), one group; tie_word_embeddings,
     # which transformers ignores
+    # Nemotron 3's MoE layers: 8 squared-ReLU experts top-2 in a latent space, 2 groups of which 1 is kept, a scaling
+    # factor, the shared MLP
+    "moe": dict(hybrid_override_pattern="ME*EM", n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                moe_shared_expert_intermediate_size=24, moe_latent_size=16, n_group=2, topk_group=1,
+                routed_scaling_factor=2.0),
     "wide": dict(hybrid_override_pattern="M*M-", mamba_num_heads=12, n_groups=1, tie_word_embeddings=True),
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -44,9 +49,16 @@ def tiny(kind: str):
         for name, p in hf.named_parameters():
             if "norm" in name or "dt_bias" in name or name.endswith(".D"):
                 p.normal_(1.0, 0.3)
+            elif name.endswith("gate.weight"):  # transformers zero-initialises the router
+                p.normal_(0.0, 0.5)
+            elif ".experts." in name or "latent_proj" in name:
+                p.mul_(6.0)  # routed experts whose choice shows in the logits (squared ReLU of small inputs is tiny)
             elif any(k in name for k in ("o_proj", "out_proj", "down_proj")):
                 p.mul_(3.0)  # sublayers that move the residual stream: varied continuations
         hf.lm_head.weight.mul_(4.0)
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.2)
     return hf
 
 
@@ -69,6 +81,12 @@ def test_config_and_load(checkpoints):
     specs = model.kv_specs()
     assert [type(s).__name__[0] for s in specs] == ["L", "F", "L", "F", "F", "L"]
     assert (specs[1].num_kv_heads, specs[1].head_dim, specs[3].num_kv_heads, specs[3].head_dim) == (1, 1, 2, 8)
+    hf, path = checkpoints["moe"]
+    moe = load_model(path, dtype=torch.float32, device="cpu")[0].backbone.layers[1].mixer
+    ref = hf.model.layers[1].mixer
+    # one tensor per expert in the checkpoint, stacked here; the router's correction bias came along
+    assert torch.equal(moe.experts.up_proj, ref.experts.up_proj) and moe.experts.up_proj.shape == (8, 16, 16)
+    assert torch.equal(moe.gate.e_score_correction_bias, ref.gate.e_score_correction_bias)
     wide = load_model(checkpoints["wide"][1], dtype=torch.float32, device="cpu")[0]
     assert wide.backbone.layers[0].mixer.inner == 96 and wide.lm_head.weight is not wide.backbone.embeddings.weight
     # the checkpoints' own config form (hybrid_override_pattern + num_hidden_layers, mamba_* aliases)
@@ -117,7 +135,9 @@ def test_tensor_parallel_refused(checkpoints):
 @pytest.mark.parametrize(
     "changes, key",
     [
-        (dict(hybrid_override_pattern="M*E-"), "routed-expert"),
+        (dict(hybrid_override_pattern="M*E-", n_routed_experts=6, n_group=4), "n_group"),
+        (dict(hybrid_override_pattern="M*E-", num_experts_per_tok=9), "top_k"),
+        (dict(hybrid_override_pattern="M*E-", moe_latent_size=0), "moe_latent_size"),
         (dict(hybrid_override_pattern="M*x"), "hybrid_override_pattern"),
         (dict(hybrid_override_pattern="M*-", num_hidden_layers=4), "num_hidden_layers"),
         (dict(layers_block_type=["linear_attention", "conv"]), "layers_block_type"),

@@ -1,17 +1,24 @@
-"""NVIDIA Nemotron-H (HF ``NemotronHForCausalLM``): Mamba2 mixers, attention and MLP-only layers in one stack.
+"""NVIDIA Nemotron-H (HF ``NemotronHForCausalLM``): Mamba2 mixers, attention, MLP-only and MoE
+layers in one stack.
 
-Each layer is ``x += mixer(rms_norm(x))`` with one of three mixers, from ``hybrid_override_pattern`` (``M`` / ``*`` /
-``-``) or transformers' ``layers_block_type`` (``linear_attention`` / ``full_attention`` / ``mlp``):
+Each layer is ``x += mixer(rms_norm(x))`` with one of four mixers, from ``hybrid_override_pattern`` (``M`` / ``*`` /
+``-`` / ``E``) or transformers' ``layers_block_type`` (``linear_attention`` / ``full_attention`` / ``mlp`` / ``moe``):
 
 * ``M``: the Mamba2 mixer (:class:`~infercore.models.mamba2.Mamba2Mixer`, HF Bamba's math) with
   ``mamba_num_heads * mamba_head_dim`` inner channels (not necessarily ``expand * hidden_size``);
 * ``*``: GQA attention without positional encoding (no RoPE), softmax scale ``head_dim ** -0.5``;
-* ``-``: an ungated MLP ``down_proj(relu(up_proj(x)) ** 2)``.
+* ``-``: an ungated MLP ``down_proj(relu(up_proj(x)) ** 2)``;
+* ``E`` (``moe``, Nemotron 3): routed squared-ReLU experts under DeepSeek-V3's router (sigmoid scores, the
+  ``e_score_correction_bias`` for the choice only, ``n_group`` / ``topk_group`` groups ranked by their two best,
+  renormalised, times ``routed_scaling_factor``), optionally in a latent space (``fc1_latent_proj`` in,
+  ``fc2_latent_proj`` out, ``moe_latent_size``), plus a shared squared-ReLU MLP on every token.
 
 Then ``norm_f`` and ``lm_head``. Mixer layers hold conv / SSM state slots in the hybrid KV pool, attention layers paged
-KV; MLP layers read no cache but declare the smallest attention spec (see :meth:`NemotronHForCausalLM.kv_specs`).
-Routed-expert layers (``E`` / ``moe``, Nemotron 3) are refused. Tensor names are HF's (``backbone.*``; transformers'
-renamed ``model.*`` also load), q/k/v merged into ``qkv_proj``. Tensor parallelism is refused.
+KV; MLP and MoE layers read no cache but declare the smallest attention spec (see
+:meth:`NemotronHForCausalLM.kv_specs`). The routed experts run expert by expert in torch (one host sync per MoE layer
+for the routed set), not through ``moe_experts_routed`` (its experts are SiLU-gated). Tensor names are HF's
+(``backbone.*``, one tensor per expert; transformers' renamed ``model.*`` and stacked experts also load), q/k/v merged
+into ``qkv_proj``. Tensor parallelism is refused.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -27,19 +35,22 @@ from torch import nn
 
 from ..kv.hybrid import FullAttentionSpec, LinearStateSpec
 from ..ops import fused_add_rms_norm, paged_attention, rms_norm, write_kv_cache_
+from .deepseek import DeepseekRouter
 from .hybrid import HFConfigReader, HybridMetadata, check_step, layer_metadata, linear_metadata, load_hf_weights
 from .mamba2 import Mamba2ForCausalLM, Mamba2Mixer, _Weight
 
 __all__ = ["NemotronHConfig", "NemotronHForCausalLM"]
 
-MAMBA, ATTENTION, MLP = "linear_attention", "full_attention", "mlp"
+MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 _PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": "moe"}
 
 
 @dataclass
 class NemotronHConfig:
     """Nemotron-H sizes. ``layer_types[i]`` is ``"linear_attention"`` (Mamba2 mixer), ``"full_attention"`` or
-    ``"mlp"``. The Mamba2 fields are named as :class:`~infercore.models.mamba2.Mamba2Config`'s (the mixer reads
+    ``"mlp"`` or ``"moe"`` (``num_experts`` routed experts of width ``moe_intermediate_size``, ``top_k`` per token,
+    over ``moe_latent_size`` channels when non-zero, plus a shared MLP of ``moe_shared_intermediate_size``). The Mamba2
+    fields are named as :class:`~infercore.models.mamba2.Mamba2Config`'s (the mixer reads
     them)."""
 
     vocab_size: int
@@ -63,6 +74,15 @@ class NemotronHConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     eos_token_ids: tuple[int, ...] = ()
+    num_experts: int = 0
+    top_k: int = 1
+    moe_intermediate_size: int = 0
+    moe_shared_intermediate_size: int = 0
+    moe_latent_size: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
     model_type: str = "nemotron_h"
     architecture: str = "NemotronHForCausalLM"
 
@@ -72,9 +92,11 @@ class NemotronHConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"NemotronHConfig.{name} must be a positive int, got {v!r}")
-        if not self.layer_types or set(self.layer_types) - {MAMBA, ATTENTION, MLP}:
+        if not self.layer_types or set(self.layer_types) - {MAMBA, ATTENTION, MLP, MOE}:
             raise ValueError(f"NemotronHConfig.layer_types must be a non-empty list of {MAMBA!r} / {ATTENTION!r} / "
-                             f"{MLP!r}, got {self.layer_types!r}")  # fmt: skip
+                             f"{MLP!r} / {MOE!r}, got {self.layer_types!r}")  # fmt: skip
+        if MOE in self.layer_types:
+            self._check_moe()
         if self.mamba_heads % self.n_groups:
             raise ValueError(f"NemotronHConfig.n_groups={self.n_groups} must divide mamba_heads={self.mamba_heads}")
         if self.num_heads % self.num_kv_heads:
@@ -82,6 +104,25 @@ class NemotronHConfig:
                              f"num_heads={self.num_heads}")  # fmt: skip
         if not self.norm_eps > 0:
             raise ValueError(f"NemotronHConfig.norm_eps must be > 0, got {self.norm_eps!r}")
+
+    def _check_moe(self) -> None:
+        for name in ("num_experts", "top_k", "moe_intermediate_size", "moe_shared_intermediate_size", "n_group",
+                     "topk_group"):  # fmt: skip
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"NemotronHConfig.{name} must be a positive int for MoE layers, got {v!r}")
+        E, G = self.num_experts, self.n_group
+        if self.top_k > E:
+            raise ValueError(f"NemotronHConfig.top_k={self.top_k} must be <= num_experts={E}")
+        if E % G or E // G < 2 or self.topk_group > G:
+            raise ValueError(f"NemotronHConfig.n_group={G} must divide num_experts={E} into groups of >= 2 experts, "
+                             f"and topk_group={self.topk_group} be <= n_group")  # fmt: skip
+        v = self.moe_latent_size
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"NemotronHConfig.moe_latent_size must be an int >= 0, got {v!r}")
+        v = self.routed_scaling_factor
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"NemotronHConfig.routed_scaling_factor must be a positive number, got {v!r}")
 
     @property
     def num_layers(self) -> int:
@@ -112,12 +153,21 @@ class NemotronHConfig:
             r.check("num_hidden_layers", n, int, f"the length of hybrid_override_pattern ({len(types)})",
                     lambda v: v == len(types))  # fmt: skip
         types = [{"mamba": MAMBA, "attention": ATTENTION}.get(t, t) for t in types]
-        if "moe" in types:
-            raise ValueError(f"HF {mt} config: routed-expert layers ('E' / 'moe' in layers_block_type / "
-                             f"hybrid_override_pattern) are not supported")  # fmt: skip
-        if not types or set(types) - {MAMBA, ATTENTION, MLP}:
+        if not types or set(types) - {MAMBA, ATTENTION, MLP, MOE}:
             raise ValueError(f"HF {mt} config key 'layers_block_type' must list 'linear_attention' / "
-                             f"'full_attention' / 'mlp' layers, got {types!r}")  # fmt: skip
+                             f"'full_attention' / 'mlp' / 'moe' layers, got {types!r}")  # fmt: skip
+        moe = {}
+        if MOE in types:
+            latent = r.check("moe_latent_size", r.hf.get("moe_latent_size"), int, "a positive int or null",
+                             lambda v: v > 0) or 0  # fmt: skip
+            moe = dict(
+                num_experts=r.positive_int("n_routed_experts", 8), top_k=r.positive_int("num_experts_per_tok", 2),
+                moe_intermediate_size=r.positive_int("moe_intermediate_size", 7688),
+                moe_shared_intermediate_size=r.positive_int("moe_shared_expert_intermediate_size", 7688),
+                moe_latent_size=latent, n_group=r.positive_int("n_group", 1),
+                topk_group=r.positive_int("topk_group", 1), norm_topk_prob=r.flag("norm_topk_prob", True),
+                routed_scaling_factor=float(r.number("routed_scaling_factor", 1.0)),
+            )  # fmt: skip
         for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
             r.check(key, r.get(key, want), str, repr(want), lambda v, w=want: v == w)
         r.check("sliding_window", r.hf.get("sliding_window"), int, "null (attention over every key)",
@@ -147,7 +197,7 @@ class NemotronHConfig:
             time_step_limit=(float(limit[0]), float(limit[1])), norm_eps=r.number("layer_norm_epsilon", 1e-5),
             attention_bias=r.flag("attention_bias", False), mlp_bias=r.flag("mlp_bias", False),
             # HF's NemotronHForCausalLM ties nothing (no _tied_weights_keys), whatever tie_word_embeddings says
-            max_position_embeddings=r.positive_int("max_position_embeddings", 4096), eos_token_ids=eos_ids,
+            max_position_embeddings=r.positive_int("max_position_embeddings", 4096), eos_token_ids=eos_ids, **moe,
         )  # fmt: skip
 
 
@@ -176,17 +226,63 @@ class NemotronHAttention(nn.Module):
 class NemotronHMLP(nn.Module):
     """``down_proj(relu(up_proj(x)) ** 2)`` (squared ReLU, no gate)."""
 
-    def __init__(self, cfg: NemotronHConfig, *, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: NemotronHConfig, *, intermediate: int | None = None,
+                 dtype: torch.dtype | None = None) -> None:  # fmt: skip
         super().__init__()
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
+        width = intermediate or cfg.intermediate_size
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=cfg.mlp_bias, dtype=dtype)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(torch.relu(self.up_proj(x)).square())
 
 
+class NemotronHExperts(nn.Module):
+    """Stacked squared-ReLU experts: ``up_proj [E, I, L]``, ``down_proj [E, L, I]`` (transformers 5's names)."""
+
+    def __init__(self, num_experts: int, width: int, intermediate: int, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, width, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, width, intermediate, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``; ``x [T, L]``, ``weights`` fp32 / ``ids [T, k]``."""
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            y = torch.relu(x[tok] @ self.up_proj[e].t()).square() @ self.down_proj[e].t()
+            out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
+        return out
+
+
+class NemotronHMoE(nn.Module):
+    """Routed experts (DeepSeek-V3 routing, optionally in a latent space) plus the shared MLP."""
+
+    def __init__(self, cfg: NemotronHConfig, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        # DeepseekRouter reads these names: sigmoid scores with the correction bias, groups by their two best
+        self.gate = DeepseekRouter(SimpleNamespace(
+            num_experts=cfg.num_experts, hidden_size=cfg.hidden_size, scoring_func="sigmoid",
+            num_experts_per_tok=cfg.top_k, topk_method="noaux_tc", n_group=cfg.n_group, topk_group=cfg.topk_group,
+            norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor))  # fmt: skip
+        L = cfg.moe_latent_size or cfg.hidden_size
+        self.experts = NemotronHExperts(cfg.num_experts, L, cfg.moe_intermediate_size, dtype=dtype)
+        self.shared_experts = NemotronHMLP(cfg, intermediate=cfg.moe_shared_intermediate_size, dtype=dtype)
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        if cfg.moe_latent_size:
+            self.fc1_latent_proj = nn.Linear(cfg.hidden_size, L, bias=cfg.mlp_bias, dtype=dtype)
+            self.fc2_latent_proj = nn.Linear(L, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        h = self.experts(h, weights, ids)
+        h = h if self.fc2_latent_proj is None else self.fc2_latent_proj(h)
+        return h + self.shared_experts(x)
+
+
 class NemotronHBlock(nn.Module):
-    _MIXERS = {MAMBA: Mamba2Mixer, ATTENTION: NemotronHAttention, MLP: NemotronHMLP}
+    _MIXERS = {MAMBA: Mamba2Mixer, ATTENTION: NemotronHAttention, MLP: NemotronHMLP, MOE: NemotronHMoE}
 
     def __init__(self, cfg: NemotronHConfig, layer: int, *, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -207,8 +303,8 @@ class NemotronHForCausalLM(Mamba2ForCausalLM):
     """Nemotron-H causal LM (HF names ``backbone.*``, ``lm_head``) over the hybrid KV pool.
 
     ``kv_caches[i]``: ``(conv_state, ssm_state)`` for mixer layers, ``(k_cache, v_cache)`` for attention layers, and
-    for MLP layers the entry of a one-page attention spec that no op reads: every layer needs a spec in the engine's
-    layout, the smallest one is declared (1 kv head of head_dim 1).
+    for MLP / MoE layers the entry of a one-page attention spec that no op reads: every layer needs a spec in the
+    engine's layout, the smallest one is declared (1 kv head of head_dim 1).
     """
 
     supports_hybrid_kv = True
@@ -259,10 +355,15 @@ class NemotronHForCausalLM(Mamba2ForCausalLM):
         return specs
 
     _QKV = re.compile(r"^(backbone\.layers\.\d+\.)mixer\.(q|k|v)_proj\.(weight|bias)$")
+    _EXPERT = re.compile(r"^(backbone\.layers\.\d+\.mixer\.experts\.)(\d+)\.(up|down)_proj\.weight$")
 
     def _resolve(self, name: str) -> tuple[str, Any]:
         if name.startswith("model."):  # transformers' renamed prefix
             name = "backbone." + name[len("model."):]
+        m = self._EXPERT.match(name)
+        if m is not None:  # the checkpoints' one tensor per expert into the stacked ones
+            prefix, e, which = m.groups()
+            return f"{prefix}{which}_proj", int(e)
         m = self._QKV.match(name)
         if m is None:
             return name, None

@@ -116,6 +116,16 @@ def test_batched_chunked_greedy_and_prefix_hit(kind, checkpoints):
     eng.block_manager.check_invariants()
 
 
+def test_host_experts_give_the_same_tokens(checkpoints):
+    """``host_experts=True``: the routed experts found and run by the expert offload (the shared MLP stays)."""
+    hf, path = checkpoints["moe_rope"]
+    eng = Engine.from_pretrained(path, host_experts=True, **KV)
+    assert sorted(eng.model.host_experts) == [0, 1, 2, 3]
+    ps = _prompts(2, seed=4, lo=6, hi=20)
+    for p, o in zip(ps, eng.generate(ps, GREEDY)):
+        assert o.token_ids == hf_greedy(hf, p, GREEDY.max_tokens)
+
+
 def test_tensor_parallel_refused(checkpoints):
     from infercore.parallel import tensor_parallel_
 

@@ -220,6 +220,11 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         shared = cfg.shared_intermediate_size
         self.shared_mlp = GatedMLP(cfg.hidden_size, shared, dtype=dtype) if shared else None
 
+    @property
+    def mlp(self) -> SparseMoeBlock | None:
+        """The routed experts under the name the expert offload looks for (``offload.offload_experts_``)."""
+        return self.block_sparse_moe
+
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.block_sparse_moe is None:
             return self.shared_mlp(x)

@@ -78,9 +78,10 @@ def test_config_and_load(checkpoints):
     assert isinstance(model, NemotronHForCausalLM)
     assert cfg.layer_types == ["linear_attention", "mlp", "linear_attention", "full_attention", "mlp",
                                "linear_attention"]  # fmt: skip
-    specs = model.kv_specs()
-    assert [type(s).__name__[0] for s in specs] == ["L", "F", "L", "F", "F", "L"]
-    assert (specs[1].num_kv_heads, specs[1].head_dim, specs[3].num_kv_heads, specs[3].head_dim) == (1, 1, 2, 8)
+    specs = model.kv_specs()  # none for the MLP layers
+    assert [type(s).__name__[0] for s in specs] == ["L", "L", "F", "L"]
+    assert model.cache_index == [0, None, 1, 2, None, 3]
+    assert (specs[2].num_kv_heads, specs[2].head_dim) == (2, 8)
     hf, path = checkpoints["moe"]
     moe = load_model(path, dtype=torch.float32, device="cpu")[0].backbone.layers[1].mixer
     ref = hf.model.layers[1].mixer

@@ -14,9 +14,10 @@ Each layer is ``x += mixer(rms_norm(x))`` with one of four mixers, from ``hybrid
   ``fc2_latent_proj`` out, ``moe_latent_size``), plus a shared squared-ReLU MLP on every token.
 
 Then ``norm_f`` and ``lm_head``. Mixer layers hold conv / SSM state slots in the hybrid KV pool, attention layers paged
-KV; MLP and MoE layers read no cache but declare the smallest attention spec (see
-:meth:`NemotronHForCausalLM.kv_specs`). The routed experts run expert by expert in torch (one host sync per MoE layer
-for the routed set), not through ``moe_experts_routed`` (its experts are SiLU-gated). Tensor names are HF's
+KV; MLP and MoE layers hold nothing and declare no KV spec (the specs, ``kv_caches`` and the metadata's entries are
+those of the mixer and attention layers in order: see :meth:`NemotronHForCausalLM.kv_specs`). The routed experts run
+expert by expert in torch (one host sync per MoE layer for the routed set), not through ``moe_experts_routed`` (its
+experts are SiLU-gated). Tensor names are HF's
 (``backbone.*``, one tensor per expert; transformers' renamed ``model.*`` and stacked experts also load), q/k/v merged
 into ``qkv_proj``. Tensor parallelism is refused.
 """
@@ -302,9 +303,9 @@ class NemotronHBackbone(nn.Module):
 class NemotronHForCausalLM(Mamba2ForCausalLM):
     """Nemotron-H causal LM (HF names ``backbone.*``, ``lm_head``) over the hybrid KV pool.
 
-    ``kv_caches[i]``: ``(conv_state, ssm_state)`` for mixer layers, ``(k_cache, v_cache)`` for attention layers, and
-    for MLP / MoE layers the entry of a one-page attention spec that no op reads: every layer needs a spec in the
-    engine's layout, the smallest one is declared (1 kv head of head_dim 1).
+    Only mixer and attention layers hold a cache: ``kv_caches[j]`` (and the :class:`HybridMetadata` entry ``j``) is
+    that of the ``j``-th of them, ``(conv_state, ssm_state)`` for a mixer, ``(k_cache, v_cache)`` for attention;
+    ``cache_index[i]`` maps layer ``i`` to its ``j`` (None for MLP / MoE layers).
     """
 
     supports_hybrid_kv = True
@@ -318,6 +319,9 @@ class NemotronHForCausalLM(Mamba2ForCausalLM):
         self.config = config
         self.backbone = NemotronHBackbone(config, dtype=dtype)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        cached = [i for i, t in enumerate(config.layer_types) if t in (MAMBA, ATTENTION)]
+        self.cache_index = [cached.index(i) if i in cached else None for i in range(config.num_layers)]
+        self.num_caches = len(cached)
         self.finish_init()
 
     def forward(
@@ -325,24 +329,25 @@ class NemotronHForCausalLM(Mamba2ForCausalLM):
     ) -> torch.Tensor:
         """One ragged step. Returns ``[T, hidden]`` (final-normed, model dtype)."""
         layers, eps = self.backbone.layers, self.config.norm_eps
-        check_step(input_ids, positions, kv_caches, len(layers))
+        check_step(input_ids, positions, kv_caches, self.num_caches)
         x = self.backbone.embeddings(input_ids)
         residual = None
-        for i, (block, cache) in enumerate(zip(layers, kv_caches)):
+        for block, j in zip(layers, self.cache_index):
             if residual is None:
                 residual, x = x, rms_norm(x, block.norm.weight, eps=eps)
             else:
                 x, residual = fused_add_rms_norm(x, residual, block.norm.weight, eps=eps)
             if block.kind == MAMBA:
-                x = block.mixer(x, cache, linear_metadata(meta, i))
+                x = block.mixer(x, kv_caches[j], linear_metadata(meta, j))
             elif block.kind == ATTENTION:
-                x = block.mixer(x, cache, layer_metadata(meta, i))
+                x = block.mixer(x, kv_caches[j], layer_metadata(meta, j))
             else:
                 x = block.mixer(x)
         x, _ = fused_add_rms_norm(x, residual, self.backbone.norm_f.weight, eps=eps)
         return x
 
     def kv_specs(self) -> list[FullAttentionSpec | LinearStateSpec]:
+        """One spec per mixer or attention layer, in layer order (MLP / MoE layers have none)."""
         dtype = self.backbone.embeddings.weight.dtype
         specs = []
         for block in self.backbone.layers:
@@ -350,8 +355,6 @@ class NemotronHForCausalLM(Mamba2ForCausalLM):
                 specs.append(block.mixer.state_spec(dtype))
             elif block.kind == ATTENTION:
                 specs.append(FullAttentionSpec(block.mixer.num_kv_heads, block.mixer.head_dim, dtype=dtype))
-            else:
-                specs.append(FullAttentionSpec(1, 1, dtype=dtype))
         return specs
 
     _QKV = re.compile(r"^(backbone\.layers\.\d+\.)mixer\.(q|k|v)_proj\.(weight|bias)$")

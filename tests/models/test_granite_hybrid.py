@@ -87,6 +87,9 @@ def test_config_and_load(checkpoints):
     # Granite 4.0 checkpoints' own layer names map as transformers' do
     hf_cfg = {**hf.config.to_dict(), "layer_types": ["mamba", "attention", "mamba", "mamba"]}
     assert config_from_hf(hf_cfg).layer_types == cfg.layer_types
+    # a dense checkpoint's expert keys are not read (Granite 4.0 dense configs carry zeros there)
+    dense_cfg = {**hf_cfg, "num_local_experts": 0, "num_experts_per_tok": 0, "intermediate_size": 0}
+    assert config_from_hf(dense_cfg).num_experts == 0
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -112,7 +112,7 @@ class GraniteMoeHybridConfig(Mamba2Config):
         experts = r.get("num_local_experts", 8)
         r.check("num_local_experts", experts, int, "an int >= 0 (a positive int for GraniteMoe)",
                 lambda v: v > 0 or (hybrid and v == 0))  # fmt: skip
-        top_k = r.positive_int("num_experts_per_tok", 2)
+        top_k = r.positive_int("num_experts_per_tok", 2) if experts else 1  # unread without experts (may be 0)
         if experts and top_k > experts:
             raise ValueError(f"HF {mt} config key 'num_experts_per_tok' must be <= num_local_experts={experts}, "
                              f"got {top_k}")  # fmt: skip

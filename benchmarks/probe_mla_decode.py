@@ -5,30 +5,38 @@ and is right at V2-Lite (16 heads) and V2 / V3 (128 heads) widths, and how fast 
     python benchmarks/probe_mla_decode.py
 """
 
+from __future__ import annotations
+
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-
 import torch
 
-from infercore.devices import implementation
-from infercore.ops.attention import triton_decode as td
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-for hq, B, L in ((16, 8, 1024), (128, 8, 1024), (128, 64, 2048)):
-    D, page = 576, 16
+from infercore.devices import implementation  # noqa: E402
+from infercore.ops.attention import triton_decode as td  # noqa: E402
+
+
+def probe(hq: int, B: int, L: int, D: int = 576, page: int = 16) -> str:
+    from triton.testing import do_bench
+
     n = B * L // page + 8
     kc = torch.randn(n, page, 1, D, device="cuda", dtype=torch.bfloat16)
     table = torch.randperm(n, device="cuda")[: B * L // page].view(B, L // page).to(torch.int32)
     q = torch.randn(B, hq, D, device="cuda", dtype=torch.bfloat16)
-    sl = torch.full((B,), L, device="cuda", dtype=torch.int32)
+    kw = dict(seq_lens=torch.full((B,), L, device="cuda", dtype=torch.int32), block_table=table, scale=0.07)
     try:
-        out = td.paged_attention_decode(q, kc, kc, seq_lens=sl, block_table=table, scale=0.07)
-        ref = implementation("paged_attention_decode", "reference")(q, kc, kc, seq_lens=sl, block_table=table, scale=0.07)
-        err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        from triton.testing import do_bench
-        t = do_bench(lambda: td.paged_attention_decode(q, kc, kc, seq_lens=sl, block_table=table, scale=0.07))
-        gb = B * L * D * 2 / 1e9
-        print(f"MLA decode Hq={hq} B={B} L={L}: rel err {err:.2e}, {t*1e3:.1f} us, {gb / (t*1e-3) / 1e3:.2f} TB/s of latent KV")
-    except Exception as e:
-        print(f"MLA decode Hq={hq} B={B} L={L}: {type(e).__name__}: {str(e)[:300]}")
+        out = td.paged_attention_decode(q, kc, kc, **kw).float()
+        ref = implementation("paged_attention_decode", "reference")(q, kc, kc, **kw).float()
+        err = ((out - ref).abs().max() / ref.abs().max()).item()
+        ms = do_bench(lambda: td.paged_attention_decode(q, kc, kc, **kw))
+    except Exception as e:  # noqa: BLE001 (a shape the kernel cannot compile is the finding)
+        return f"MLA decode Hq={hq} B={B} L={L}: {type(e).__name__}: {str(e)[:300]}"
+    tbps = B * L * D * 2 / (ms * 1e-3) / 1e12
+    return f"MLA decode Hq={hq} B={B} L={L}: rel err {err:.2e}, {ms * 1e3:.1f} us, {tbps:.2f} TB/s of latent KV"
+
+
+if __name__ == "__main__":
+    for hq, B, L in ((16, 8, 1024), (128, 8, 1024), (128, 64, 2048)):
+        print(probe(hq, B, L), flush=True)

@@ -33,9 +33,7 @@ from torch import nn
 
 from ..kv.hybrid import FullAttentionSpec, LinearStateSpec
 from ..ops import apply_rope, fused_add_rms_norm, paged_attention, rms_norm, write_kv_cache_
-from ..ops.conv1d import causal_conv1d_prefill_, causal_conv1d_update_
 from ..ops.gated_norm import gated_rms_norm
-from ..ops.mamba import mamba_chunk_scan_, selective_state_update_
 from .hybrid import HFConfigReader, HybridMetadata, check_step, layer_metadata, linear_metadata, load_hf_weights
 from .llama import tie_and_rope_table
 from .mamba2 import BambaAttention, BambaForCausalLM, BambaMLP, Mamba2Mixer, _Weight
@@ -222,32 +220,10 @@ class FalconH1Mixer(Mamba2Mixer):
             part.fill_(m)
 
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
-        T = x.shape[0]
         proj = self.in_proj(x * self.in_multiplier if self.in_multiplier != 1.0 else x)
         if self.segment_scale is not None:
             proj = proj * self.segment_scale
-        gate, xbc, dt = proj.split([self.inner, self.conv_dim, self.H], dim=-1)
-        conv_state, ssm_state = state
-        w, b = self.conv1d.weight.squeeze(1), self.conv1d.bias
-        if meta.decode_only:
-            xbc = causal_conv1d_update_(xbc, w, conv_state, state_slots=meta.state_slots, bias=b, activation="silu")
-        else:
-            xbc = causal_conv1d_prefill_(
-                xbc, w, conv_state, cu_seqlens=meta.cu_seqlens, state_slots=meta.state_slots,
-                has_initial_state=meta.has_initial_state, bias=b, activation="silu",
-            )  # fmt: skip
-        xs, B, C = xbc.split([self.inner, self.G * self.N, self.G * self.N], dim=-1)
-        xs, B, C = xs.reshape(T, self.H, self.P), B.reshape(T, self.G, self.N), C.reshape(T, self.G, self.N)
-        A = -torch.exp(self.A_log.float())
-        common = dict(D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
-        if meta.decode_only:
-            y = selective_state_update_(xs, dt, A, B, C, ssm_state, state_slots=meta.state_slots, **common)
-        else:
-            y = mamba_chunk_scan_(
-                xs, dt, A, B, C, ssm_state, cu_seqlens=meta.cu_seqlens, state_slots=meta.state_slots,
-                has_initial_state=meta.has_initial_state, **common,
-            )  # fmt: skip
-        y = y.reshape(T, self.inner)
+        gate, y = self._conv_scan(proj, state, meta)
         if self.norm is None:
             y = (y.float() * F.silu(gate.float())).to(x.dtype)
         else:

@@ -203,8 +203,24 @@ class Mamba2Mixer(nn.Module):
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
-        T = x.shape[0]
-        gate, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.H], dim=-1)
+        gate, y = self._conv_scan(self.in_proj(x), state, meta)
+        if self.norm_reduce is None:
+            y = gated_rms_norm(y, gate, self.norm.weight, eps=self.eps, group_size=self.inner // self.G,
+                               norm_before_gate=False)  # fmt: skip
+        else:  # this rank's channels of the one group: rms_norm(y * silu(gate)) with the sum of squares of all ranks
+            z = y.float() * F.silu(gate.float())
+            ss = z.pow(2).sum(-1, keepdim=True)
+            self.norm_reduce(ss)
+            y = (z * torch.rsqrt(ss / self.norm_width + self.eps) * self.norm.weight.float()).to(x.dtype)
+        return self.out_proj(y)
+
+    def _conv_scan(self, proj: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], meta
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``in_proj``'s output ``[T, inner + conv_dim + H]`` -> ``(gate [T, inner], y [T, inner])``: the causal conv
+        (SiLU) over ``xBC`` and the SSD scan (decode: one step per sequence; else chunked over ``cu_seqlens``), each
+        reading and updating this layer's conv / SSM state slots."""
+        T = proj.shape[0]
+        gate, xbc, dt = proj.split([self.inner, self.conv_dim, self.H], dim=-1)
         conv_state, ssm_state = state
         w, b = self.conv1d.weight.squeeze(1), self.conv1d.bias
         if meta.decode_only:
@@ -225,17 +241,7 @@ class Mamba2Mixer(nn.Module):
                 xs, dt, A, B, C, ssm_state, cu_seqlens=meta.cu_seqlens, state_slots=meta.state_slots,
                 has_initial_state=meta.has_initial_state, **common,
             )  # fmt: skip
-        if self.norm_reduce is None:
-            y = gated_rms_norm(
-                y.reshape(T, self.inner), gate, self.norm.weight, eps=self.eps, group_size=self.inner // self.G,
-                norm_before_gate=False,
-            )  # fmt: skip
-        else:  # this rank's channels of the one group: rms_norm(y * silu(gate)) with the sum of squares of all ranks
-            z = y.reshape(T, self.inner).float() * F.silu(gate.float())
-            ss = z.pow(2).sum(-1, keepdim=True)
-            self.norm_reduce(ss)
-            y = (z * torch.rsqrt(ss / self.norm_width + self.eps) * self.norm.weight.float()).to(x.dtype)
-        return self.out_proj(y)
+        return gate, y.reshape(T, self.inner)
 
 
 def _resolve_plain(name: str) -> tuple[str, Any]:

@@ -247,12 +247,27 @@ class NemotronHExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, width, intermediate, dtype=dtype))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``; ``x [T, L]``, ``weights`` fp32 / ``ids [T, k]``."""
+        """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``; ``x [T, L]``, ``weights`` fp32 / ``ids [T, k]``. Only
+        the chosen experts run, their ids read on the host; while a CUDA graph is captured (which cannot wait for the
+        host) every expert runs instead (:meth:`forward_dense`)."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.forward_dense(x, weights, ids)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             tok, slot = (ids == e).nonzero(as_tuple=True)
             y = torch.relu(x[tok] @ self.up_proj[e].t()).square() @ self.down_proj[e].t()
             out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
+        return out
+
+    def forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every expert over every token, weighted by the routing weights (0 where a token did not choose it): fixed
+        shapes, no host wait, ``num_experts / k`` times the routed work."""
+        w = torch.zeros(x.shape[0], self.up_proj.shape[0], dtype=weights.dtype, device=x.device)
+        w.scatter_(1, ids, weights)
+        out = torch.zeros_like(x)
+        for e in range(self.up_proj.shape[0]):
+            y = torch.relu(x @ self.up_proj[e].t()).square() @ self.down_proj[e].t()
+            out += (y * w[:, e, None]).to(out.dtype)
         return out
 
 

@@ -5,11 +5,10 @@ prefill and a prefix-cache hit against ``generate``, and bad configs."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from hybrid_harness import engine_prefill_logits, hf_greedy, hf_logits
+from family_harness import check_batched_greedy_and_prefix_hit, random_prompts, save_checkpoints
+from hybrid_harness import engine_prefill_logits, hf_logits
 
 from infercore import Engine, SamplingParams
 from infercore.models import NemotronHConfig, NemotronHForCausalLM, load_model
@@ -32,10 +31,6 @@ KINDS = {
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 KV = dict(device="cpu", dtype=torch.float32, page_size=4, kv_cache_bytes=1 << 20, checkpoint_interval=8)
 
-
-def _prompts(n, seed, lo=5, hi=30, vocab=96):
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 def tiny(kind: str):
@@ -64,13 +59,7 @@ def tiny(kind: str):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    out = {}
-    for kind in KINDS:
-        hf = tiny(kind)
-        path = tmp_path_factory.mktemp(kind)
-        hf.save_pretrained(path)
-        out[kind] = hf, str(path)
-    return out
+    return save_checkpoints(tmp_path_factory, KINDS, tiny)
 
 
 def test_config_and_load(checkpoints):
@@ -106,7 +95,7 @@ def test_prefill_logits_match(kind, checkpoints):
     hf, path = checkpoints[kind]
     eng = Engine.from_pretrained(path, enable_prefix_caching=False, **KV)
     assert eng.kv_layout == "multi"
-    ps = _prompts(3, seed=1)
+    ps = random_prompts(3, seed=1)
     for p, got in zip(ps, engine_prefill_logits(eng, ps)):
         torch.testing.assert_close(got, hf_logits(hf, p), atol=2e-4, rtol=1e-4)
 
@@ -116,17 +105,7 @@ def test_batched_chunked_greedy_and_prefix_hit(kind, checkpoints):
     """Three prompts of different lengths in one batch, prefilled in 11-token chunks beside the others' decodes;
     then the first again, resumed from the prefix cache's state checkpoint after 16 tokens."""
     hf, path = checkpoints[kind]
-    eng = Engine.from_pretrained(path, max_num_batched_tokens=11, **KV)
-    ps = _prompts(3, seed=2, lo=6, hi=28)
-    ps[0] = _prompts(1, seed=3, lo=21, hi=21)[0]  # its last checkpoint (every 8 tokens) is at 16
-    outs = eng.generate(ps, GREEDY)
-    for p, o in zip(ps, outs):
-        assert o.token_ids == hf_greedy(hf, p, GREEDY.max_tokens)
-    assert len({t for o in outs for t in o.token_ids}) > 8  # not one repeated token
-    again = eng.generate([ps[0]], GREEDY)[0]
-    assert again.metrics.num_cached_tokens == 16
-    assert again.token_ids == outs[0].token_ids
-    eng.block_manager.check_invariants()
+    check_batched_greedy_and_prefix_hit(hf, path, KV, cached=16)
 
 
 def test_tensor_parallel_refused(checkpoints):

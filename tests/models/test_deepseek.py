@@ -288,8 +288,11 @@ def test_refusals(checkpoints):
         tensor_parallel_(model)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         Engine(model, page_size=4, num_pages=8, kv_cache_dtype="int8")
+    fresh = load_model(path, dtype=torch.float32, device="cpu")[0]
+    names = [n for n, _ in fresh.named_modules()]
     with pytest.raises(ValueError, match="takes no LoRA adapters"):
-        Engine(load_model(path, dtype=torch.float32, device="cpu")[0], page_size=4, num_pages=8, max_loras=1)
+        Engine(fresh, page_size=4, num_pages=8, max_loras=1)
+    assert [n for n, _ in fresh.named_modules()] == names  # refused before any projection was wrapped
     with pytest.raises(TypeError, match="DeepseekConfig"):
         DeepseekForCausalLM(config_from_hf(checkpoints["v2"][0].config.to_dict() | {"model_type": "llama",
                                                                                     "architectures": None,

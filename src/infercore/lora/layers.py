@@ -457,13 +457,17 @@ def enable_lora_(model: nn.Module, *, max_loras: int = 4, max_rank: int = 16, ma
     memory, ``max_loras * E * max_rank * (4 H + 3 I)`` values per layer) and its shared expert :class:`LoRALinear`
     wrappers, when its experts are dense tensors on the model's device and the model runs in one process.
 
-    Raises ValueError for a model without such layers, an already-enabled model, a sharded model whose row-parallel
+    Raises ValueError (leaving the model as it was) for a model without such layers or whose family says
+    ``lora_unsupported``, an already-enabled model, a sharded model whose row-parallel
     projections are not :class:`~infercore.parallel.tensor.RowParallel`, or bad limits."""
     for name, v in (("max_loras", max_loras), ("max_rank", max_rank), ("max_tokens", max_tokens)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"enable_lora_: {name} must be an int >= 1, got {v!r}")
     if getattr(model, "lora_manager", None) is not None:
         raise ValueError("enable_lora_: LoRA is already enabled on this model")
+    reason = getattr(model, "lora_unsupported", None)  # a family's reason, checked before anything is wrapped
+    if reason:
+        raise ValueError(f"enable_lora_: {type(model).__name__}: {reason}")
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"enable_lora_: {type(model).__name__} has no model.layers")

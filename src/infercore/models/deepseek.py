@@ -425,15 +425,8 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         super().__init__(config, dtype=dtype)
 
     # enable_lora_ (Engine(max_loras=...)) would wrap o_proj and the dense / routed MLPs but none of the latent
-    # projections, and adapters for those would be dropped: refused where it attaches its manager.
-    @property
-    def lora_manager(self) -> None:
-        return None
-
-    @lora_manager.setter
-    def lora_manager(self, manager: Any) -> None:
-        raise ValueError(f"enable_lora_: {type(self).__name__} takes no LoRA adapters (its latent-attention "
-                         "projections have no adapter slots); reload the model, whose projections were wrapped")
+    # projections, and adapters for those would be dropped: refused before anything is wrapped.
+    lora_unsupported = "it takes no LoRA adapters (its latent-attention projections have no adapter slots)"
 
     def kv_specs(self) -> list[FullAttentionSpec]:
         """One latent cache per layer: one KV head of ``kv_lora_rank + qk_rope_head_dim``, keys and values in one

@@ -335,6 +335,27 @@ def test_mxfp4_checkpoint_loads_into_the_model(tmp_path):
         prequantized_config(conf)
 
 
+def test_lora_refuses_expert_adapters():
+    """GPT-OSS's experts (biased, interleaved, in x @ W layout) have no LoRA slots: an adapter on them is refused when
+    added, with the reason; one on the attention projections loads."""
+    from infercore.lora import LoRAAdapter
+    from infercore.models import build_model
+
+    hf = tiny_gpt_oss()
+    cfg = config_from_hf(hf.config.to_dict())
+    model = build_model(cfg, dtype=torch.float32, device="cpu")
+    model.load_weights(hf.state_dict().items())
+    eng = Engine(model, page_size=4, num_pages=32, max_loras=1, max_lora_rank=4)
+    assert not any(key[1] == "experts" for key in eng.lora.layers)
+    H, E, I = cfg.hidden_size, cfg.num_experts, cfg.intermediate_size  # noqa: E741
+    experts = LoRAAdapter("e", {(0, "experts.down_proj"): (torch.zeros(E, 4, I), torch.zeros(E, H, 4))})
+    with pytest.raises(ValueError, match="no experts that take LoRA"):
+        eng.add_lora("e", experts)
+    q = cfg.num_heads * cfg.head_dim
+    eng.add_lora("a", LoRAAdapter("a", {(0, "q_proj"): (torch.zeros(4, H), torch.zeros(q, 4))}))
+    assert eng.list_loras() == ["a"]
+
+
 def test_refusals():
     hf = tiny_gpt_oss()
     cfg = config_from_hf(hf.config.to_dict())

@@ -189,6 +189,9 @@ class SparseMoeBlock(nn.Module):
     ``forward(x [T, H]) -> [T, H]``: ``sum_k p_k expert_k(x) + sigmoid(x . g) * shared(x)``.
     """
 
+    # lora.enable_lora_ gives the experts adapter slots only in blocks that run them (``experts_lora`` in forward)
+    takes_experts_lora = True
+
     def __init__(
         self,
         hidden: int,

@@ -50,7 +50,7 @@ from ..kv.spec import FullAttentionSpec
 from ..ops import AttentionMetadata
 from .config import ModelConfig
 from .hybrid import HFConfigReader, load_hf_weights
-from .llama import KVCache, LlamaForCausalLM, RMSNorm, _attention
+from .llama import KVCache, LlamaForCausalLM, RMSNorm, _attention, prenorm_block
 from .moe import GatedMLP, SparseMoeBlock, moe_experts
 
 # HF model_type -> architecture
@@ -398,15 +398,7 @@ class DeepseekDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, cos_sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        norm = self.input_layernorm
-        if residual is None:
-            residual, x = x, dispatch("rms_norm", x.device)(x, norm.weight, eps=norm.eps)
-        else:
-            x, residual = dispatch("fused_add_rms_norm", x.device)(x, residual, norm.weight, eps=norm.eps)
-        x = self.self_attn(x, positions, cos_sin, kv_cache, meta)
-        norm = self.post_attention_layernorm
-        x, residual = dispatch("fused_add_rms_norm", x.device)(x, residual, norm.weight, eps=norm.eps)
-        return self.mlp(x), residual
+        return prenorm_block(self, x, residual, positions, cos_sin, kv_cache, meta)
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):

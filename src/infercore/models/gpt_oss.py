@@ -38,10 +38,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..ops import AttentionMetadata, apply_rope, fused_add_rms_norm, paged_attention, rms_norm, write_kv_cache_
+from ..ops import AttentionMetadata, apply_rope, fused_add_rms_norm, paged_attention, write_kv_cache_
 from .config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, _parse_rope
 from .hybrid import HFConfigReader, HybridMetadata, check_step, layer_metadata, load_hf_weights
-from .llama import LlamaForCausalLM, RMSNorm
+from .llama import LlamaForCausalLM, RMSNorm, prenorm_block
 
 __all__ = ["GptOssConfig", "GptOssExperts", "GptOssForCausalLM", "dequantize_mxfp4"]
 
@@ -299,16 +299,7 @@ class GptOssDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, cos_sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        # The residual stream is carried separately: each pre-norm fuses the preceding residual add.
-        norm = self.input_layernorm
-        if residual is None:
-            residual, x = x, rms_norm(x, norm.weight, eps=norm.eps)
-        else:
-            x, residual = fused_add_rms_norm(x, residual, norm.weight, eps=norm.eps)
-        x = self.self_attn(x, positions, cos_sin, kv_cache, meta)
-        norm = self.post_attention_layernorm
-        x, residual = fused_add_rms_norm(x, residual, norm.weight, eps=norm.eps)
-        return self.mlp(x), residual
+        return prenorm_block(self, x, residual, positions, cos_sin, kv_cache, meta)
 
 
 class GptOssForCausalLM(LlamaForCausalLM):

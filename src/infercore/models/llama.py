@@ -275,6 +275,23 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(h))
 
 
+def prenorm_block(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                  cos_sin: torch.Tensor, kv_cache: KVCache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pre-norm decoder layer ``x += attn(norm(x)); x += mlp(norm(x))`` over ``layer.input_layernorm``,
+    ``self_attn``, ``post_attention_layernorm`` and ``mlp``, the residual stream carried separately so each norm fuses
+    the preceding residual add: ``x [T, H]`` (with ``residual`` None at the first layer) -> ``(mlp out, residual)``,
+    both ``[T, H]`` in x's dtype."""
+    norm = layer.input_layernorm
+    if residual is None:
+        residual, x = x, dispatch("rms_norm", x.device)(x, norm.weight, eps=norm.eps)
+    else:
+        x, residual = dispatch("fused_add_rms_norm", x.device)(x, residual, norm.weight, eps=norm.eps)
+    x = layer.self_attn(x, positions, cos_sin, kv_cache, meta)
+    norm = layer.post_attention_layernorm
+    x, residual = dispatch("fused_add_rms_norm", x.device)(x, residual, norm.weight, eps=norm.eps)
+    return layer.mlp(x), residual
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, *, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -298,16 +315,7 @@ class LlamaDecoderLayer(nn.Module):
             kw = {} if lora is None else {"lora": lora}
             return cpu_native.llama_decode_layer(x, residual, self, positions, cos_sin, kv_cache[0], kv_cache[1],
                                                  meta, linears, *_scales(kv_cache), **kw)  # fmt: skip
-        # The residual stream is carried separately so each norm fuses the preceding residual add.
-        norm = self.input_layernorm
-        if residual is None:
-            residual, x = x, dispatch("rms_norm", x.device)(x, norm.weight, eps=norm.eps)
-        else:
-            x, residual = dispatch("fused_add_rms_norm", x.device)(x, residual, norm.weight, eps=norm.eps)
-        x = self.self_attn(x, positions, cos_sin, kv_cache, meta)
-        norm = self.post_attention_layernorm
-        x, residual = dispatch("fused_add_rms_norm", x.device)(x, residual, norm.weight, eps=norm.eps)
-        return self.mlp(x), residual
+        return prenorm_block(self, x, residual, positions, cos_sin, kv_cache, meta)
 
 
     def _native_decode(self, x, residual, cos_sin, kv_cache, meta) -> list | None:

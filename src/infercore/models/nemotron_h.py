@@ -38,7 +38,7 @@ from ..kv.hybrid import FullAttentionSpec, LinearStateSpec
 from ..ops import fused_add_rms_norm, paged_attention, rms_norm, write_kv_cache_
 from .deepseek import DeepseekRouter
 from .hybrid import HFConfigReader, HybridMetadata, check_step, layer_metadata, linear_metadata, load_hf_weights
-from .mamba2 import Mamba2ForCausalLM, Mamba2Mixer, _Weight
+from .mamba2 import BambaAttention, Mamba2ForCausalLM, Mamba2Mixer, _Weight
 
 __all__ = ["NemotronHConfig", "NemotronHForCausalLM"]
 
@@ -202,19 +202,10 @@ class NemotronHConfig:
         )  # fmt: skip
 
 
-class NemotronHAttention(nn.Module):
-    """GQA over paged KV without positional encoding (HF names ``q/k/v_proj`` merged into ``qkv_proj``)."""
+class NemotronHAttention(BambaAttention):
+    """Bamba's GQA over paged KV (HF names ``q/k/v_proj`` merged into ``qkv_proj``) without positional encoding."""
 
-    def __init__(self, cfg: NemotronHConfig, *, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        d = cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias,
-                                  dtype=dtype)  # fmt: skip
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias, dtype=dtype)
-
-    def forward(self, x: torch.Tensor, kv_cache, meta) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache, meta) -> torch.Tensor:  # type: ignore[override]
         T, D = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, D).contiguous()

@@ -326,22 +326,40 @@ def test_cuda_graph_greedy_matches_hf(kind, checkpoints):
     assert [o.token_ids for o in graphs.generate(PROMPTS, sp)] == [o.token_ids for o in eager.generate(PROMPTS, sp)]
 
 
-def test_triton_attention_kernels_at_the_latent_head_dim(checkpoints, split_attention_through_triton):
-    """The GPU paged-attention kernels (Triton, interpreted on the CPU) over the latent cache: one KV head of
-    ``kv_lora_rank + qk_rope_head_dim`` (40, not a power of two) shared by the query heads, keys and values one
-    tensor, this step's latents read contiguously by the prefill kernel; mixed steps split their decodes off to the
-    decode kernel. The tokens are transformers'."""
-    from infercore.models import llama
-    from infercore.ops import attention
+def test_triton_attention_kernels_mla(checkpoints, monkeypatch):
+    """The GPU attention kernels (Triton, interpreted on the CPU): decode through the MLA kernel over the latent
+    cache (``kv_lora_rank + qk_rope_head_dim`` = 40 wide, not a power of two), prefill chunks in the plain form
+    through the paged prefill kernel over the expanded per-head keys / values, and mixed steps' one-query sequences
+    split off to the MLA kernel. The tokens are transformers'."""
+    from infercore.devices import implementation
+    from infercore.engine import runner
+    from infercore.models import deepseek
 
+    kernels = {op: implementation(op, "triton") for op in ("paged_attention_prefill", "paged_mla_decode")}
+    real_dispatch, used, split = deepseek.dispatch, [], []
+
+    def routed(op, device):
+        if op in kernels:
+            used.append(op)
+            return kernels[op]
+        return real_dispatch(op, device)
+
+    real_prefill = deepseek.MLAttention._prefill
+
+    def prefill(self, q_nope, q_pe, cache, meta):
+        split.append(meta.num_split_decodes)
+        return real_prefill(self, q_nope, q_pe, cache, meta)
+
+    monkeypatch.setattr(deepseek, "dispatch", routed)
+    monkeypatch.setattr(deepseek.MLAttention, "_prefill", prefill)
+    monkeypatch.setattr(runner, "SPLIT_DECODES_MIN", 2)
     hf, path = checkpoints["v3"]
-    split_attention_through_triton(attention)  # the decode kernel of decode-only steps (ops.attention.decode_impl)
-    split = split_attention_through_triton(llama)  # the prefill kernel, and mixed steps' split-off decodes
     engine = Engine.from_pretrained(str(path), device="cpu", dtype=torch.float32, page_size=4, num_pages=64,
                                     max_num_seqs=4, max_num_batched_tokens=12)
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in PROMPTS]
-    assert split and max(split) >= 2
+    assert set(used) == set(kernels)
+    assert max(split) >= 2  # a mixed step split its decodes off
 
 
 def test_speculative_decoding_keeps_the_tokens(checkpoints):

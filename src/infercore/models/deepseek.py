@@ -48,9 +48,10 @@ from torch import nn
 from ..devices import dispatch
 from ..kv.spec import FullAttentionSpec
 from ..ops import AttentionMetadata
+from ..ops.attention import split_decodes
 from .config import ModelConfig
 from .hybrid import HFConfigReader, load_hf_weights
-from .llama import KVCache, LlamaForCausalLM, RMSNorm, _attention, prenorm_block
+from .llama import KVCache, LlamaForCausalLM, RMSNorm, prenorm_block
 from .moe import GatedMLP, SparseMoeBlock, moe_experts
 
 # HF model_type -> architecture
@@ -287,7 +288,7 @@ class MLAttention(nn.Module):
         if hasattr(kv_cache, "k_scale"):
             raise ValueError("kv_caches: the MLA latent cache takes no int8 / fp8 codes; allocate it in the model's "
                              "dtype (kv_cache_dtype='auto')")
-        k_cache, v_cache = kv_cache
+        k_cache = kv_cache[0]  # the latent cache (shared_kv: the same tensor twice)
         norm = dispatch("rms_norm", x.device)
         mods = self._modules
         if "q_proj" in mods:
@@ -302,14 +303,68 @@ class MLAttention(nn.Module):
         q_pe, k_pe = dispatch("apply_rope", x.device)(q_pe.contiguous(), k_pe.reshape(T, 1, self.rope).contiguous(),
                                                       positions, cos_sin, is_neox=self.is_neox)
         latent = torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1)  # [T, 1, rank + rope]
-        dispatch("write_kv_cache_", x.device)(latent, latent, k_cache, v_cache, meta.slot_mapping)
-        # W_UK [H, nope, rank] and W_UV [H, v, rank]: kv_b_proj's rows per head are (k_nope, v)
-        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.rank)
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, : self.nope])  # [H, T, rank]
-        q = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [T, H, rank + rope]
-        o = _attention(q, k_cache, v_cache, meta, scale=self.scale, sliding_window=None, k=latent, v=latent)
-        o = torch.bmm(o[..., : self.rank].transpose(0, 1), w[:, self.nope :].transpose(1, 2))  # [H, T, v]
-        return self.o_proj(o.transpose(0, 1).reshape(T, H * self.v_dim))
+        dispatch("write_kv_cache_", x.device)(latent, latent, k_cache, k_cache, meta.slot_mapping)
+        if meta.decode_only:
+            o = self._absorbed_decode(q_nope, q_pe, k_cache, meta.seq_lens, meta.block_table)
+        else:
+            o = self._prefill(q_nope, q_pe, k_cache, meta)
+        return self.o_proj(o.reshape(T, H * self.v_dim))
+
+    def _w_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_UK [H, nope, rank]`` and ``W_UV [H, v, rank]``: kv_b_proj's rows per head are (k_nope, v)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        return w[:, : self.nope], w[:, self.nope :]
+
+    def _absorbed_decode(self, q_nope, q_pe, cache, seq_lens, block_table) -> torch.Tensor:
+        """One query per sequence: ``[q_nope W_UK, q_pe]`` over the latent cache (``ops.paged_mla_decode``), the
+        latent output through ``W_UV``. Returns ``[B, H, v_head_dim]``."""
+        w_uk, w_uv = self._w_kv()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, B, rank]
+        q = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [B, H, rank + rope]
+        o = dispatch("paged_mla_decode", q.device)(q, cache, seq_lens=seq_lens, block_table=block_table,
+                                                   scale=self.scale, kv_lora_rank=self.rank)  # fmt: skip
+        return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, v]
+
+    def _prefill(self, q_nope, q_pe, cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Prefill / mixed steps in the plain (non-absorbed) form: each sequence's latent context is gathered page by
+        page and expanded through ``kv_b_proj`` into per-head keys ``[k_nope, k_pe]`` and values (padded to the key
+        width), which the paged prefill op reads through an identity block table. Scores then cost ``qk_head_dim``
+        (192) multiply-adds a (query, head, key) instead of the absorbed form's 576, and values 128 instead of 512.
+        A mixed step's one-query sequences (``meta.num_split_decodes``) take the absorbed decode instead, and only
+        the other sequences' contexts are expanded. Returns ``[T, H, v_head_dim]``."""
+        H, page = self.num_heads, cache.shape[1]
+        fn = dispatch("paged_attention_prefill", q_nope.device)
+        split = split_decodes(meta, fn)
+        n_pages = -(-meta.max_seqlen_k // page)
+        table = meta.block_table[:, :n_pages]
+        if split:
+            table = table.index_select(0, meta.prefill_seqs)
+        # Entries past a sequence's own pages may hold anything: clamp to a real page (its rows are never read).
+        pages = table.clamp(0, cache.shape[0] - 1).reshape(-1).long()
+        latent = cache.index_select(0, pages).view(-1, self.rank + self.rope)  # [S * n_pages * page, rank + rope]
+        kv = self.kv_b_proj(latent[:, : self.rank]).view(-1, H, self.nope + self.v_dim)
+        d = self.nope + self.rope
+        k = torch.cat([kv[..., : self.nope], latent[:, None, self.rank :].expand(-1, H, self.rope)], dim=-1)
+        v = torch.nn.functional.pad(kv[..., self.nope :], (0, d - self.v_dim))
+        k, v = k.view(-1, page, H, d), v.view(-1, page, H, d)
+        ident = torch.arange(table.numel(), device=table.device, dtype=torch.int32).view(table.shape)
+        if split:  # rows of the decodes point at page 0 (only_seqs leaves them out)
+            ident = ident.new_zeros(meta.block_table.shape[0], n_pages).index_copy_(0, meta.prefill_seqs.long(), ident)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        kw = {"only_seqs": meta.prefill_seqs} if split else {}
+        o = fn(q, k, v, cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens, block_table=ident, scale=self.scale,
+               sliding_window=None, softcap=None, max_seqlen_q=meta.max_seqlen_q, **kw)[..., : self.v_dim]  # fmt: skip
+        if split:
+            o = o.contiguous()
+            n = meta.num_split_decodes
+            if meta.decode_seqs is None:  # the batch's first n sequences, rows 0 .. n - 1
+                o[:n] = self._absorbed_decode(q_nope[:n], q_pe[:n], cache, meta.seq_lens[:n], meta.block_table[:n])
+            else:
+                rows, seqs = meta.decode_tokens, meta.decode_seqs
+                od = self._absorbed_decode(q_nope.index_select(0, rows), q_pe.index_select(0, rows), cache,
+                                           meta.seq_lens.index_select(0, seqs), meta.block_table.index_select(0, seqs))
+                o.index_copy_(0, rows, od)
+        return o
 
 
 class DeepseekRouter(nn.Module):

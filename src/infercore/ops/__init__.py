@@ -14,6 +14,7 @@ from .attention import (
     paged_attention_prefill,
     rope_write_decode_attention,
 )
+from .attention.mla import paged_mla_decode
 from .attention.scores import attention_with_key_scores, select_kv_tokens
 from .conv1d import causal_conv1d_prefill_, causal_conv1d_update_
 from .gated_delta import chunk_gated_delta_rule_, fused_recurrent_gated_delta_rule_
@@ -61,6 +62,7 @@ __all__ = [
     "paged_attention_decode",
     "rope_write_decode_attention",
     "paged_attention_prefill",
+    "paged_mla_decode",
     "rms_norm",
     "rope_and_write_kv_cache_",
     "rope_cos_sin_cache",

@@ -18,6 +18,7 @@ from .rope import fused as _rope_fused  # noqa: F401  (reference of "rope_and_wr
 if triton_available():
     from .activation import triton as _activation_triton  # noqa: F401
     from .attention import triton_decode as _attention_decode_triton  # noqa: F401
+    from .attention import triton_mla as _attention_mla_triton  # noqa: F401
     from .attention import triton_prefill as _attention_prefill_triton  # noqa: F401
     from .attention import triton_scores as _attention_scores_triton  # noqa: F401
     from .conv1d import triton as _conv1d_triton  # noqa: F401

@@ -1,0 +1,160 @@
+"""Triton MLA decode (absorbed form) over a paged latent cache; see ``mla.py`` for the math and layouts.
+
+One program owns one (sequence, block of ``BLOCK_H`` query heads, split). Per ``BLOCK_N``-key tile it gathers the
+latent rows through the block table once, as two operands: ``c_kv`` ``[BLOCK_N, R]`` and ``k_pe`` ``[BLOCK_N, P]``
+(R = kv_lora_rank, P = rope dim; each padded to a power of two on its own, so 512 + 64 costs no padding where the
+generic kernel would pad 576 to 1024). Scores are ``q_lat c_kv^T + q_pe k_pe^T``; the same ``c_kv`` tile is the PV
+product's value operand, so the latent is read from memory once per head block, not once as K and once as V.
+
+The head block is 16 (the MMA's M minimum): a program's fp32 accumulator is ``[16, 512]`` (64 registers a thread on
+four warps) and its query tile ``[16, 576]``. Wider head blocks would read the latent fewer times from L2 but
+spill. Split-K over the keys (the count from static shapes only, so CUDA-graph safe) writes normalized fp32 partials
+and base-2 log-sum-exps that the generic decode's merge kernel combines.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from infercore.devices import register, triton_interpreter
+
+from .triton_decode import _LOG2E, _merge_kernel, _pick_splits
+
+# Launch knobs (H200 sweep: benchmarks/probe_mla_decode.py); block_h 16 keeps the accumulator in registers.
+TUNING = {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
+
+
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
+def _mla_decode_kernel(
+    q_ptr, kv_ptr, seq_lens_ptr, bt_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    qk_scale,
+    stride_qb, stride_qh, stride_kp, stride_ks, stride_bt, stride_ob, stride_oh,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    H, num_splits, R, P,
+    PAGE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_p = tl.arange(0, BLOCK_P)
+    rmask = offs_r < R
+    pmask = offs_p < P
+    offs_n = tl.arange(0, BLOCK_N)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    # Splits start on tile boundaries: chunk = whole tiles of ceil(seq_len / num_splits) keys.
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    q_lat = tl.load(q_row + offs_r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
+    q_pe = tl.load(q_row + R + offs_p[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    for j0 in range(lo, hi, BLOCK_N):
+        kpos = j0 + offs_n
+        nmask = kpos < hi
+        page = tl.load(bt_row + kpos // PAGE, mask=nmask, other=0)
+        row = kv_ptr + page.to(tl.int64) * stride_kp + (kpos % PAGE) * stride_ks
+        c = tl.load(row[:, None] + offs_r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
+        pe = tl.load(row[:, None] + R + offs_p[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0)
+        s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(pe))
+        s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        m_i = m_new
+
+    # Empty ranges (padding rows, splits past the end) give zeros / lse -inf.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    omask = hmask[:, None] & rmask[None, :]
+    if not SPLIT:
+        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_r[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        base = b.to(tl.int64) * stride_mb + split * stride_ms
+        tl.store(mid_o_ptr + base + heads[:, None] * stride_mh + offs_r[None, :], o, mask=omask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(mid_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=hmask)
+
+
+def paged_mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    *,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    num_splits: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Triton implementation of :func:`~infercore.ops.attention.mla.paged_mla_decode`. ``num_splits`` overrides
+    the split-K factor (default: from static shapes), ``config`` the launch knobs of ``TUNING``."""
+    B, H, D = q.shape
+    R, P = kv_lora_rank, D - kv_lora_rank
+    page_size = kv_cache.shape[1]
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache: the latent axis must be contiguous")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty((B, H, R), dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    cfg = {**TUNING, **(config or {})}
+    interp = triton_interpreter()
+    block_h = max(16, min(cfg["block_h"], triton.next_power_of_2(H)))
+    head_blocks = triton.cdiv(H, block_h)
+    if num_splits is None:
+        num_splits = _pick_splits(B, head_blocks, block_table.shape[1] * page_size, q.device)
+    block_r = max(triton.next_power_of_2(R), 16)
+    block_p = max(triton.next_power_of_2(max(P, 1)), 16)
+    if num_splits > 1:
+        mid_o = torch.empty((B, H, num_splits, R), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        mid_o = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
+        mid_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
+    extra = {} if interp else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    _mla_decode_kernel[(B, head_blocks, num_splits)](
+        q, kv_cache, seq_lens, block_table, out, mid_o, mid_lse,
+        scale * _LOG2E.value,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        H, num_splits, R, P,
+        PAGE=page_size, SPLIT=num_splits > 1, BLOCK_H=block_h, BLOCK_N=16 if interp else cfg["block_n"],
+        BLOCK_R=block_r, BLOCK_P=block_p, **extra,
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge_kernel[(B, H)](
+            mid_o, mid_lse, out, out,
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+            out.stride(0), out.stride(1), R, num_splits,
+            BLOCK_S=16 if num_splits <= 16 else max(64, triton.next_power_of_2(num_splits)), BLOCK_D=block_r,
+        )  # fmt: skip
+    return out
+
+
+register(
+    "paged_mla_decode", "triton", paged_mla_decode, priority=10,
+    available=lambda cap: cap.is_cuda and cap.triton,
+)  # fmt: skip

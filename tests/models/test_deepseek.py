@@ -125,6 +125,32 @@ def test_real_latent_dims(tmp_path):
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 3) for p in PROMPTS[1:]]
 
 
+@pytest.mark.parametrize("scheme", ["w8a16", "w4a16-g128"])
+def test_quantized_kv_b_proj(scheme, checkpoints):
+    """``quantize`` swaps kv_b_proj for a QuantLinear too: prefill runs it as a layer, the absorbed decode takes its
+    matrix as the layer computes it. Logits equal those of the model whose kv_b_proj is an nn.Linear holding the
+    dequantized weight (the other linears quantized alike), through prefill and two decode steps."""
+    from infercore.quant import quantize
+    from infercore.quant.linear import QuantLinear
+
+    _, path = checkpoints["v3"]
+    model = load_model(path, dtype=torch.float32, device="cpu")[0]
+    quantize(model, scheme)
+    ref = load_model(path, dtype=torch.float32, device="cpu")[0]
+    quantize(ref, scheme, skip=("lm_head", "kv_b_proj"))
+    for a, b in zip(model.model.layers, ref.model.layers):
+        qa = a.self_attn.kv_b_proj
+        assert isinstance(qa, QuantLinear) and isinstance(b.self_attn.kv_b_proj, torch.nn.Linear)
+        with torch.no_grad():
+            b.self_attn.kv_b_proj.weight.copy_(qa(torch.eye(qa.in_features)).t())
+    runs = [PagedRunner(m) for m in (model, ref)]
+    outs = [r.step(list(enumerate(PROMPTS))) for r in runs]
+    _close(outs[0], outs[1], 1e-4)
+    for step in range(2):
+        outs = [r.step([(i, [5 + i + step]) for i in range(len(PROMPTS))]) for r in runs]
+        _close(outs[0], outs[1], 1e-4)
+
+
 def test_original_release_config_layout(tmp_path):
     """A config.json laid out as DeepSeek released V2-Lite's (top-level rope_theta, rope_scaling with the legacy
     'type' key and equal mscales, routing keys transformers' class does not declare, auto_map): the model equals the

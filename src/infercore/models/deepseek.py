@@ -1,19 +1,28 @@
 """DeepSeek-V2 / V2-Lite / V3: multi-head latent attention (MLA) over a paged latent cache, and DeepSeekMoE.
 
-The math is transformers' ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``; the attention runs in the
-"absorbed" form, so the cache holds the compressed latent instead of per-head keys and values:
+The math is transformers' ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``; the cache holds the compressed
+latent instead of per-head keys and values:
 
 - per token the cache keeps ``[c_kv, k_pe]``: ``c_kv`` ``[kv_lora_rank]`` (after ``kv_a_layernorm``) and the
   rotated ``k_pe`` ``[qk_rope_head_dim]``, one KV head of ``kv_lora_rank + qk_rope_head_dim`` (576 for V3). The
   layer's spec is ``FullAttentionSpec(num_kv_heads=1, shared_kv=True)``: one tensor per layer, handed out as
   ``(cache, cache)``;
-- each head's ``q_nope`` goes through its ``W_UK`` slice of ``kv_b_proj`` (a latent query), so ``q = [q_nope W_UK,
-  q_pe]`` attends over keys ``[c_kv, k_pe]`` as multi-query attention (every query head on the one KV head). The
-  same tensor passed as the values gives ``softmax(q k^T) [c_kv, k_pe]``, whose first ``kv_lora_rank`` columns are
-  the latent output; each head's goes through its ``W_UV`` slice of ``kv_b_proj``, then ``o_proj``. The paged
-  attention ops need nothing new (keys and values of one head dim). Softmax scale ``qk_head_dim ** -0.5``, times
-  YaRN's ``mscale(factor, mscale_all_dim) ** 2`` where ``rope_scaling`` has ``mscale_all_dim`` (transformers'
-  ``yarn_apply_mscale``); YaRN's attention factor itself is in the cos/sin table, as for every family;
+- decode runs the "absorbed" form: each head's ``q_nope`` goes through its ``W_UK`` slice of ``kv_b_proj`` (a
+  latent query), so ``q = [q_nope W_UK, q_pe]`` attends over keys ``[c_kv, k_pe]`` as multi-query attention (every
+  query head on the one latent head) and reads back ``softmax . c_kv``, which goes through each head's ``W_UV``
+  slice, then ``o_proj``: :func:`~infercore.ops.paged_mla_decode` (a Triton kernel on CUDA that reads each latent
+  tile once for both products). A quantized ``kv_b_proj`` (``quantize``) gives its matrix by running the layer on
+  the identity, once per weight version;
+- prefill chunks (and the prefill part of mixed steps) run the plain form, as vLLM's MLA prefill does: the
+  sequences' latent contexts are expanded through ``kv_b_proj`` into per-head keys ``[k_nope, k_pe]`` (192 wide for
+  V3) and values (128, zero-padded to the key width) in a temporary paged layout read by
+  :func:`~infercore.ops.paged_attention_prefill`: 192 + 192 multiply-adds per (query, head, key) against the
+  absorbed form's 576 + 512. The temporary holds ``context x heads x 2 x 192`` elements of each expanded sequence
+  (~98 KB a token for V3's 128 heads), so long contexts cost that much transient memory. A mixed step's one-query
+  sequences (``AttentionMetadata.num_split_decodes``) take the absorbed decode;
+- softmax scale ``qk_head_dim ** -0.5``, times YaRN's ``mscale(factor, mscale_all_dim) ** 2`` where
+  ``rope_scaling`` has ``mscale_all_dim`` (transformers' ``yarn_apply_mscale``); YaRN's attention factor itself is
+  in the cos/sin table, as for every family;
 - RoPE on ``q_pe`` / ``k_pe`` only: interleaved pairs ``(2i, 2i+1)`` for V2 (its complex rotation) and for V3 with
   ``rope_interleave`` (the default), the halves otherwise. Only dot products of rotated vectors are taken, so the
   layout the rotation leaves them in does not matter;
@@ -31,7 +40,8 @@ groups by their best expert); V3 ``sigmoid`` scores plus ``e_score_correction_bi
 Checkpoints keep their HF names (per-expert ``mlp.experts.{e}.{gate,up,down}_proj`` as ``save_pretrained`` writes
 them, or transformers 5's stacked ``mlp.experts.gate_up_proj`` / ``down_proj``); V3's multi-token-prediction layers
 (``model.layers.{num_hidden_layers}...``) are skipped as transformers skips them. Not supported: tensor / expert
-parallelism, int8 / fp8 KV, quantized checkpoints (V3's FP8 release), LoRA.
+parallelism, int8 / fp8 KV, pre-quantized checkpoints (V3's FP8 release; ``quantize`` of a loaded model works),
+LoRA.
 """
 
 from __future__ import annotations
@@ -312,8 +322,21 @@ class MLAttention(nn.Module):
 
     def _w_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_UK [H, nope, rank]`` and ``W_UV [H, v, rank]``: kv_b_proj's rows per head are (k_nope, v)."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        proj = self.kv_b_proj
+        if isinstance(proj, nn.Linear):
+            w = proj.weight
+        else:  # quantized (QuantLinear): the absorbed decode needs the matrix itself, as the layer computes it
+            key = tuple((t.data_ptr(), t._version) for t in proj.buffers())
+            if getattr(self, "_w_kv_key", None) != key:
+                eye = torch.eye(self.rank, dtype=self._act_dtype(), device=next(proj.buffers()).device)
+                self._w_kv_mat, self._w_kv_key = proj(eye).t().contiguous(), key  # no bias: W^T = kv_b_proj(I)
+            w = self._w_kv_mat
+        w = w.view(self.num_heads, self.nope + self.v_dim, self.rank)
         return w[:, : self.nope], w[:, self.nope :]
+
+    def _act_dtype(self) -> torch.dtype:
+        """The activations' dtype (the kv_a projection's, never quantized to another storage here)."""
+        return self.kv_a_layernorm.weight.dtype
 
     def _absorbed_decode(self, q_nope, q_pe, cache, seq_lens, block_table) -> torch.Tensor:
         """One query per sequence: ``[q_nope W_UK, q_pe]`` over the latent cache (``ops.paged_mla_decode``), the

@@ -39,8 +39,9 @@ groups by their best expert); V3 ``sigmoid`` scores plus ``e_score_correction_bi
 
 Checkpoints keep their HF names (per-expert ``mlp.experts.{e}.{gate,up,down}_proj`` as ``save_pretrained`` writes
 them, or transformers 5's stacked ``mlp.experts.gate_up_proj`` / ``down_proj``); V3's multi-token-prediction layers
-(``model.layers.{num_hidden_layers}...``) are skipped as transformers skips them. Not supported: tensor / expert
-parallelism, int8 / fp8 KV, pre-quantized checkpoints (V3's FP8 release; ``quantize`` of a loaded model works),
+(``model.layers.{num_hidden_layers}...``) are skipped as transformers skips them. ``tensor_parallel_`` shards
+the query heads (each rank keeps the whole latent cache) and the experts by width or whole (``experts="ep"``).
+Not supported: int8 / fp8 KV, pre-quantized checkpoints (V3's FP8 release; ``quantize`` of a loaded model works),
 LoRA.
 """
 
@@ -485,9 +486,6 @@ class DeepseekForCausalLM(LlamaForCausalLM):
     and the logits are :class:`LlamaForCausalLM` 's; the decoder layers and the weights' names are DeepSeek's."""
 
     decoder_layer = DeepseekDecoderLayer
-    tensor_parallel_unsupported = (
-        "DeepSeek's latent attention keeps one latent KV head for all query heads and its MoE layers route with a "
-        "group-limited top-k over every expert; neither is sharded here (run it unsharded)")
 
     def __init__(self, config: DeepseekConfig, *, dtype: torch.dtype | None = None) -> None:
         if not isinstance(config, DeepseekConfig):

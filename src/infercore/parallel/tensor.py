@@ -97,7 +97,8 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     docstring for the layout. Call it on every rank with the same weights, before building the Engine.
 
     Families: the Llama family (:class:`~infercore.models.llama.LlamaForCausalLM`: Llama, Mistral, Qwen2 / Qwen3,
-    SmolLM2, and the routed-expert Mixtral / Qwen2-MoE / Qwen3-MoE), Gemma 3
+    SmolLM2, the routed-expert Mixtral / Qwen2-MoE / Qwen3-MoE, and DeepSeek-V2 / V3: its latent attention by query
+    heads, the latent cache whole on every rank), Gemma 3
     (:class:`~infercore.models.gemma3.Gemma3ForCausalLM`: its sliding and global layers alike) and Qwen3-Next
     (:class:`~infercore.models.qwen3_next.Qwen3NextForCausalLM`: the gated attention by heads, each gated DeltaNet
     layer by key heads, the routed experts as in the Llama family), Mamba2 and Bamba
@@ -119,6 +120,7 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
             query heads, KV heads, DeltaNet key heads, Mamba2 heads or groups (more than one), an MLP or expert
             width or the vocabulary (each named).
     """
+    from ..models.deepseek import MLAttention
     from ..models.gemma3 import Gemma3ForCausalLM
     from ..models.llama import LlamaForCausalLM
     from ..models.mamba2 import BambaForCausalLM, Mamba2ForCausalLM
@@ -157,7 +159,7 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     if any(sparse):
         widths.append(("moe_intermediate_size", cfg.moe_intermediate_size) if experts == "tp"
                       else ("num_experts", cfg.num_experts))
-        if cfg.shared_expert_intermediate_size:
+        if getattr(cfg, "shared_expert_intermediate_size", 0):
             widths.append(("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size))
     for name, n in widths:
         if n % tp:
@@ -178,6 +180,8 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
             _shard_delta_net_(layer.linear_attn, tp, rank, group, shm)
         elif _mixer(layer) is not None:
             _shard_mamba2_mixer_(_mixer(layer), tp, rank, group, shm)
+        elif isinstance(layer.self_attn, MLAttention):
+            _shard_mla_(layer.self_attn, tp, rank, group, shm)
         else:
             _shard_attention_(layer.self_attn, tp, rank, group, shm, q_per_head=q_per_head)
         if isinstance(getattr(layer, "mlp", None), SparseMoeBlock):
@@ -210,6 +214,25 @@ def _shard_attention_(attn: nn.Module, tp: int, rank: int, group, shm: ShmGroup 
     p = attn.o_proj
     _set(p, p.weight[:, rank * hq * d : (rank + 1) * hq * d].contiguous(), p.bias if rank == 0 else None)
     attn.o_proj = RowParallel(p, group, shm)
+
+
+def _shard_mla_(attn: nn.Module, tp: int, rank: int, group, shm: ShmGroup | None) -> None:
+    """DeepSeek's latent attention by query heads: the rank's rows of ``q_proj`` / ``q_b_proj`` (``qk_head_dim`` a
+    head) and of ``kv_b_proj`` (``qk_nope_head_dim + v_head_dim`` a head: its heads' ``W_UK`` / ``W_UV``), ``o_proj``
+    row-parallel over its heads' value columns. The down projections (``q_a_proj``, ``kv_a_proj_with_mqa``), their
+    norms and the latent cache (one head shared by all query heads) stay whole on every rank."""
+    h = attn.num_heads // tp
+    q = attn.q_proj if "q_proj" in attn._modules else attn.q_b_proj
+    per = q.out_features // attn.num_heads
+    _set(q, q.weight[rank * h * per : (rank + 1) * h * per].contiguous(),
+         None if q.bias is None else q.bias[rank * h * per : (rank + 1) * h * per])  # fmt: skip
+    kvb, per = attn.kv_b_proj, attn.nope + attn.v_dim
+    _set(kvb, kvb.weight[rank * h * per : (rank + 1) * h * per].contiguous(), None)
+    p = attn.o_proj
+    _set(p, p.weight[:, rank * h * attn.v_dim : (rank + 1) * h * attn.v_dim].contiguous(),
+         p.bias if rank == 0 else None)  # fmt: skip
+    attn.o_proj = RowParallel(p, group, shm)
+    attn.num_heads = h
 
 
 def _mixer(layer: nn.Module) -> nn.Module | None:
@@ -323,6 +346,8 @@ def _shard_moe_(block: SparseMoeBlock, tp: int, rank: int, *, by_expert: bool) -
                                     requires_grad=False)
     if block.shared_expert is not None:
         _shard_gated_mlp_(block.shared_expert, tp, rank, None, reduce=False)
+    if isinstance(getattr(block, "shared_experts", None), nn.Module):  # DeepSeekMoE's (ungated) shared experts
+        _shard_gated_mlp_(block.shared_experts, tp, rank, None, reduce=False)
 
 
 def _int_tensor(value: int, group) -> torch.Tensor:

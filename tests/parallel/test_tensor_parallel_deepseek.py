@@ -1,0 +1,60 @@
+"""Tensor / expert parallelism of DeepSeek (gloo, two CPU processes): each rank keeps half of the query heads of the
+latent attention (its rows of q_proj / q_b_proj and kv_b_proj, o_proj's columns; the latent cache whole) and a slice
+of every expert, or half of the experts whole; the shared experts by width. Tokens equal transformers' greedy ones on
+every rank, through prefill, chunked prefill with split-off decodes and decode."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, os.path.join(HERE, "..", "models"))
+sys.path.insert(0, HERE)
+
+WORLD = 2
+
+
+def _worker(rank: int, init: str, path: str) -> None:
+    from dist_helpers import _leave
+    from paged_harness import hf_greedy, ours_from_hf
+    from test_deepseek import PROMPTS, tiny
+
+    from infercore import Engine, SamplingParams
+    from infercore.parallel import RowParallel, tensor_parallel_
+
+    torch.set_num_threads(1)
+    layouts = [("v2_lite", "tp"), ("v2", "ep"), ("v3", "tp"), ("v3", "ep")]
+    hfs = {kind: tiny(kind) for kind in ("v2_lite", "v2", "v3")}
+    models = {lay: ours_from_hf(hfs[lay[0]], os.path.join(path, f"{lay[0]}-{lay[1]}-{rank}"))[0] for lay in layouts}
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        for kind, experts in layouts:
+            hf = hfs[kind]
+            model = tensor_parallel_(models[kind, experts], experts=experts)
+            attn = model.model.layers[0].self_attn
+            assert attn.num_heads == hf.config.num_attention_heads // WORLD
+            assert isinstance(attn.o_proj, RowParallel)
+            moe = model.model.layers[-1].mlp
+            assert isinstance(moe, RowParallel)
+            E = hf.config.n_routed_experts
+            if experts == "ep":
+                assert moe.linear.experts.down_proj.shape[0] == E // WORLD
+            else:
+                assert moe.linear.experts.down_proj.shape[2] == hf.config.moe_intermediate_size // WORLD
+            eng = Engine(model, page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=12)
+            outs = [o.token_ids for o in eng.generate(PROMPTS, greedy)]
+            everyone = [None] * WORLD
+            dist.all_gather_object(everyone, outs)
+            assert everyone[0] == everyone[1]
+            if rank == 0:
+                assert outs == [hf_greedy(hf, p, 8) for p in PROMPTS], (kind, experts)
+    finally:
+        _leave()
+
+
+def test_deepseek_over_two_ranks(tmp_path):
+    mp.spawn(_worker, args=(f"file://{tmp_path}/rdzv", str(tmp_path)), nprocs=WORLD, join=True)

@@ -23,8 +23,8 @@ the multi-granularity manager's freed pages); the model reads a dense :class:`~i
 :class:`~infercore.models.hybrid.HybridMetadata` with one entry per layer.
 
 Checkpoints: HF safetensors with bf16 / fp32 tensors, or the released MXFP4 ones (the experts' ``*_blocks`` /
-``*_scales``), dequantized on load (:func:`dequantize_mxfp4`). Tensor parallelism is refused
-(``tensor_parallel_unsupported``).
+``*_scales``), dequantized on load (:func:`dequantize_mxfp4`). ``tensor_parallel_`` shards the attention by heads
+(the sinks with their heads) and every expert by width (``experts="tp"``; whole experts per rank are refused).
 """
 
 from __future__ import annotations
@@ -310,9 +310,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     decoder_layer = GptOssDecoderLayer
     supports_hybrid_kv = True
-    tensor_parallel_unsupported = (
-        "GPT-OSS's experts are stacked tensors with interleaved gate / up columns and biases, and its attention "
-        "carries per-head sinks; the tensor-parallel layout shards neither (run it unsharded)")
 
     def __init__(self, config: GptOssConfig, *, dtype: torch.dtype | None = None) -> None:
         if not isinstance(config, GptOssConfig):

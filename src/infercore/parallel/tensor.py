@@ -97,8 +97,9 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     docstring for the layout. Call it on every rank with the same weights, before building the Engine.
 
     Families: the Llama family (:class:`~infercore.models.llama.LlamaForCausalLM`: Llama, Mistral, Qwen2 / Qwen3,
-    SmolLM2, the routed-expert Mixtral / Qwen2-MoE / Qwen3-MoE, and DeepSeek-V2 / V3: its latent attention by query
-    heads, the latent cache whole on every rank), Gemma 3
+    SmolLM2, the routed-expert Mixtral / Qwen2-MoE / Qwen3-MoE, DeepSeek-V2 / V3: its latent attention by query
+    heads, the latent cache whole on every rank, and GPT-OSS: the sinks by query heads, the biased experts by width,
+    ``experts="tp"`` only), Gemma 3
     (:class:`~infercore.models.gemma3.Gemma3ForCausalLM`: its sliding and global layers alike) and Qwen3-Next
     (:class:`~infercore.models.qwen3_next.Qwen3NextForCausalLM`: the gated attention by heads, each gated DeltaNet
     layer by key heads, the routed experts as in the Llama family), Mamba2 and Bamba
@@ -122,6 +123,7 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     """
     from ..models.deepseek import MLAttention
     from ..models.gemma3 import Gemma3ForCausalLM
+    from ..models.gpt_oss import GptOssForCausalLM, GptOssMLP
     from ..models.llama import LlamaForCausalLM
     from ..models.mamba2 import BambaForCausalLM, Mamba2ForCausalLM
     from ..models.qwen3_next import Qwen3NextForCausalLM
@@ -142,6 +144,9 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     cfg = model.config
     if experts not in ("tp", "ep"):
         raise ValueError(f"tensor_parallel_: experts must be 'tp' or 'ep', got {experts!r}")
+    if experts == "ep" and isinstance(model, GptOssForCausalLM):
+        raise ValueError("tensor_parallel_: experts='ep' is not available for GPT-OSS (its experts run in torch over "
+                         "all of their stacked weights); use experts='tp'")
     layers = model.backbone.layers if isinstance(model, Mamba2ForCausalLM) else model.model.layers
     mlps = [m for layer in layers if (m := getattr(layer, "mlp", getattr(layer, "feed_forward", None))) is not None]
     widths = [("vocab_size", cfg.vocab_size)]
@@ -184,7 +189,13 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
             _shard_mla_(layer.self_attn, tp, rank, group, shm)
         else:
             _shard_attention_(layer.self_attn, tp, rank, group, shm, q_per_head=q_per_head)
-        if isinstance(getattr(layer, "mlp", None), SparseMoeBlock):
+            if getattr(layer.self_attn, "sinks", None) is not None:  # GPT-OSS: one sink logit per query head
+                sinks, h = layer.self_attn.sinks, layer.self_attn.num_heads
+                layer.self_attn.sinks = nn.Parameter(sinks[rank * h : (rank + 1) * h].clone(), requires_grad=False)
+        if isinstance(getattr(layer, "mlp", None), GptOssMLP):
+            _shard_gpt_oss_experts_(layer.mlp.experts, tp, rank)
+            layer.mlp = RowParallel(layer.mlp, group, shm)
+        elif isinstance(getattr(layer, "mlp", None), SparseMoeBlock):
             _shard_moe_(layer.mlp, tp, rank, by_expert=experts == "ep")
             layer.mlp = RowParallel(layer.mlp, group, shm)  # experts and shared expert: partial sums, one all_reduce
         elif hasattr(layer, "mlp") or hasattr(layer, "feed_forward"):
@@ -233,6 +244,21 @@ def _shard_mla_(attn: nn.Module, tp: int, rank: int, group, shm: ShmGroup | None
          p.bias if rank == 0 else None)  # fmt: skip
     attn.o_proj = RowParallel(p, group, shm)
     attn.num_heads = h
+
+
+def _shard_gpt_oss_experts_(ex: nn.Module, tp: int, rank: int) -> None:
+    """GPT-OSS's experts by width: ``gate_up_proj [E, H, 2I]`` holds (gate, up) column pairs interleaved, so the rank's
+    ``I / tp`` pairs are one contiguous block of ``2I / tp`` columns (and of ``gate_up_proj_bias``); ``down_proj``
+    ``[E, I, H]`` the matching rows; ``down_proj_bias`` on rank 0 only (the block's output is summed over the ranks).
+    The router stays whole, so every rank routes alike."""
+    w = ex.gate_up_proj.shape[2] // tp
+    ex.gate_up_proj = nn.Parameter(ex.gate_up_proj[:, :, rank * w : (rank + 1) * w].contiguous(), requires_grad=False)
+    ex.gate_up_proj_bias = nn.Parameter(ex.gate_up_proj_bias[:, rank * w : (rank + 1) * w].contiguous(),
+                                        requires_grad=False)  # fmt: skip
+    i = ex.down_proj.shape[1] // tp
+    ex.down_proj = nn.Parameter(ex.down_proj[:, rank * i : (rank + 1) * i].contiguous(), requires_grad=False)
+    if rank:
+        ex.down_proj_bias = nn.Parameter(torch.zeros_like(ex.down_proj_bias), requires_grad=False)
 
 
 def _mixer(layer: nn.Module) -> nn.Module | None:

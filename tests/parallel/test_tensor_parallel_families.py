@@ -1,11 +1,13 @@
-"""Tensor / expert parallelism of DeepSeek (gloo, two CPU processes): each rank keeps half of the query heads of the
-latent attention (its rows of q_proj / q_b_proj and kv_b_proj, o_proj's columns; the latent cache whole) and a slice
-of every expert, or half of the experts whole; the shared experts by width. Tokens equal transformers' greedy ones on
-every rank, through prefill, chunked prefill with split-off decodes and decode."""
+"""Tensor / expert parallelism of DeepSeek and GPT-OSS (gloo, two CPU processes). DeepSeek: each rank keeps half of
+the query heads of the latent attention (its rows of q_proj / q_b_proj and kv_b_proj, o_proj's columns; the latent
+cache whole) and a slice of every expert, or half of the experts whole; the shared experts by width. GPT-OSS: half
+of the heads with their sinks, every biased expert by width (interleaved gate / up pairs). Tokens equal
+transformers' greedy ones on every rank, through prefill, chunked prefill with split-off decodes and decode."""
 
 import os
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -21,6 +23,8 @@ def _worker(rank: int, init: str, path: str) -> None:
     from dist_helpers import _leave
     from paged_harness import hf_greedy, ours_from_hf
     from test_deepseek import PROMPTS, tiny
+    from test_gpt_oss import PROMPTS as OSS_PROMPTS
+    from test_gpt_oss import tiny_gpt_oss
 
     from infercore import Engine, SamplingParams
     from infercore.parallel import RowParallel, tensor_parallel_
@@ -29,6 +33,8 @@ def _worker(rank: int, init: str, path: str) -> None:
     layouts = [("v2_lite", "tp"), ("v2", "ep"), ("v3", "tp"), ("v3", "ep")]
     hfs = {kind: tiny(kind) for kind in ("v2_lite", "v2", "v3")}
     models = {lay: ours_from_hf(hfs[lay[0]], os.path.join(path, f"{lay[0]}-{lay[1]}-{rank}"))[0] for lay in layouts}
+    oss = tiny_gpt_oss()
+    oss_models = [ours_from_hf(oss, os.path.join(path, f"oss{i}-{rank}"))[0] for i in range(2)]
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
         greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -52,9 +58,22 @@ def _worker(rank: int, init: str, path: str) -> None:
             assert everyone[0] == everyone[1]
             if rank == 0:
                 assert outs == [hf_greedy(hf, p, 8) for p in PROMPTS], (kind, experts)
+        with pytest.raises(ValueError, match="experts='ep' is not available for GPT-OSS"):
+            tensor_parallel_(oss_models[1], experts="ep")
+        model = tensor_parallel_(oss_models[0])
+        attn = model.model.layers[0].self_attn
+        assert attn.num_heads == oss.config.num_attention_heads // WORLD and attn.sinks.shape == (attn.num_heads,)
+        assert model.model.layers[0].mlp.linear.experts.down_proj.shape[1] == oss.config.intermediate_size // WORLD
+        eng = Engine(model, page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=12)
+        outs = [o.token_ids for o in eng.generate(OSS_PROMPTS, greedy)]
+        everyone = [None] * WORLD
+        dist.all_gather_object(everyone, outs)
+        assert everyone[0] == everyone[1]
+        if rank == 0:
+            assert outs == [hf_greedy(oss, p, 8) for p in OSS_PROMPTS]
     finally:
         _leave()
 
 
-def test_deepseek_over_two_ranks(tmp_path):
+def test_deepseek_and_gpt_oss_over_two_ranks(tmp_path):
     mp.spawn(_worker, args=(f"file://{tmp_path}/rdzv", str(tmp_path)), nprocs=WORLD, join=True)

@@ -109,14 +109,6 @@ def test_host_experts_give_the_same_tokens(checkpoints):
         assert o.token_ids == hf_greedy(hf, p, GREEDY.max_tokens)
 
 
-def test_tensor_parallel_refused(checkpoints):
-    from infercore.parallel import tensor_parallel_
-
-    model = load_model(checkpoints["dense_nope"][1], dtype=torch.float32, device="cpu")[0]
-    with pytest.raises(ValueError, match="Granite's MoE layers"):
-        tensor_parallel_(model)
-
-
 def _hf_dict(**changes):
     d = {"model_type": "granitemoehybrid", **COMMON, **KINDS["moe_rope"], **changes}
     return {k: v for k, v in d.items() if v is not None}

@@ -108,14 +108,6 @@ def test_batched_chunked_greedy_and_prefix_hit(kind, checkpoints):
     check_batched_greedy_and_prefix_hit(hf, path, KV, cached=16)
 
 
-def test_tensor_parallel_refused(checkpoints):
-    from infercore.parallel import tensor_parallel_
-
-    model = load_model(checkpoints["pattern"][1], dtype=torch.float32, device="cpu")[0]
-    with pytest.raises(ValueError, match="Nemotron-H"):
-        tensor_parallel_(model)
-
-
 @pytest.mark.parametrize(
     "changes, key",
     [

@@ -58,7 +58,7 @@ def _worker(rank: int, init: str, path: str) -> None:
             assert everyone[0] == everyone[1]
             if rank == 0:
                 assert outs == [hf_greedy(hf, p, 8) for p in PROMPTS], (kind, experts)
-        with pytest.raises(ValueError, match="experts='ep' is not available for GPT-OSS"):
+        with pytest.raises(ValueError, match="experts='ep' is not available for GptOssForCausalLM"):
             tensor_parallel_(oss_models[1], experts="ep")
         model = tensor_parallel_(oss_models[0])
         attn = model.model.layers[0].self_attn
@@ -77,3 +77,55 @@ def _worker(rank: int, init: str, path: str) -> None:
 
 def test_deepseek_and_gpt_oss_over_two_ranks(tmp_path):
     mp.spawn(_worker, args=(f"file://{tmp_path}/rdzv", str(tmp_path)), nprocs=WORLD, join=True)
+
+
+def _hybrid_worker(rank: int, init: str, path: str) -> None:
+    """Granite 4.0 hybrid (Mamba2 mixers, attention, experts + the ungated shared MLP, or the shared MLP alone) and
+    Nemotron-H (Mamba2, NoPE attention, squared-ReLU MLP and latent MoE blocks) over two ranks on the hybrid pool:
+    transformers' greedy tokens through chunked prefill."""
+    import test_granite_hybrid as granite
+    import test_nemotron_h as nemotron
+    from dist_helpers import _leave
+    from family_harness import random_prompts
+    from paged_harness import hf_greedy, ours_from_hf
+
+    from infercore import Engine, SamplingParams
+    from infercore.parallel import RowParallel, tensor_parallel_
+
+    torch.set_num_threads(1)
+    cases = [(granite, "moe_rope", "tp"), (granite, "moe_rope", "ep"), (granite, "dense_nope", "tp"),
+             (nemotron, "pattern", "tp"), (nemotron, "moe", "tp"), (nemotron, "wide", "tp")]  # fmt: skip
+    hfs = {(m.__name__, kind): m.tiny(kind) for m, kind, _ in cases}
+    models = [ours_from_hf(hfs[m.__name__, kind], os.path.join(path, f"{m.__name__}-{kind}-{ex}-{rank}"))[0]
+              for m, kind, ex in cases]  # fmt: skip
+    spare = ours_from_hf(hfs["test_nemotron_h", "moe"], os.path.join(path, f"spare-{rank}"))[0]
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        prompts = random_prompts(3, seed=2, lo=6, hi=24)
+        for (mod, kind, experts), model in zip(cases, models):
+            hf = hfs[mod.__name__, kind]
+            tensor_parallel_(model, experts=experts)
+            if mod is nemotron:  # "M-M*-M", "ME*EM", "M*M-": layer 1 an MLP or MoE block, layer 0 a mixer
+                assert isinstance(model.backbone.layers[1 if kind != "wide" else 3].mixer, RowParallel)
+                assert model.backbone.layers[0].mixer.H == hf.config.mamba_num_heads // WORLD
+            else:
+                layers = model.model.layers
+                assert layers[0].mamba.H == hf.config.mamba_n_heads // WORLD and layers[0].ffn_reduce is not None
+                attn = next(la.self_attn for la in layers if hasattr(la, "self_attn"))
+                assert attn.num_heads == hf.config.num_attention_heads // WORLD
+            eng = Engine(model, page_size=4, kv_cache_bytes=1 << 20, checkpoint_interval=8, max_num_batched_tokens=11)
+            outs = [o.token_ids for o in eng.generate(prompts, greedy)]
+            everyone = [None] * WORLD
+            dist.all_gather_object(everyone, outs)
+            assert everyone[0] == everyone[1]
+            if rank == 0:
+                assert outs == [hf_greedy(hf, p, 10) for p in prompts], (mod.__name__, kind, experts)
+        with pytest.raises(ValueError, match="experts='ep' is not available for NemotronHForCausalLM"):
+            tensor_parallel_(spare, experts="ep")
+    finally:
+        _leave()
+
+
+def test_granite_hybrid_and_nemotron_h_over_two_ranks(tmp_path):
+    mp.spawn(_hybrid_worker, args=(f"file://{tmp_path}/rdzv", str(tmp_path)), nprocs=WORLD, join=True)

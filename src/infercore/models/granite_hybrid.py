@@ -21,8 +21,9 @@ Checkpoint names: Granite's own (``block_sparse_moe.input_linear`` ``[E, 2I, H]`
 ``output_linear``) and transformers 5's renamed ones (``experts.gate_up_proj`` / ``experts.down_proj`` /
 ``router.weight``) both load; q/k/v merge into ``qkv_proj``.
 
-Tensor parallelism is refused (``tensor_parallel_unsupported``): the sharding layout of
-:func:`infercore.parallel.tensor_parallel_` knows neither Granite's ungated shared MLP nor its expert names.
+``tensor_parallel_`` shards the Mamba2 mixers and the attention by heads, the experts by width or whole
+(``experts="ep"``) and the shared MLP by width, with one sum over the group for the experts and the shared MLP
+together (``ffn_reduce``).
 """
 
 from __future__ import annotations
@@ -225,11 +226,15 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         """The routed experts under the name the expert offload looks for (``offload.offload_experts_``)."""
         return self.block_sparse_moe
 
+    ffn_reduce = None  # tensor_parallel_: sums this rank's partial MoE + shared MLP output over the group
+
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.block_sparse_moe is None:
-            return self.shared_mlp(x)
-        out = self.block_sparse_moe(x)
-        return out if self.shared_mlp is None else out + self.shared_mlp(x)
+            out = self.shared_mlp(x)
+        else:
+            out = self.block_sparse_moe(x)
+            out = out if self.shared_mlp is None else out + self.shared_mlp(x)
+        return out if self.ffn_reduce is None else self.ffn_reduce(out)
 
 
 class GraniteMoeHybridModel(nn.Module):
@@ -248,9 +253,6 @@ class GraniteMoeHybridForCausalLM(BambaForCausalLM):
     and ``shared_mlp.gate_up_proj`` / ``down_proj``.
     """
 
-    tensor_parallel_unsupported = (
-        "Granite's MoE layers (ungated shared MLP, Granite expert names) have no sharding layout in "
-        "tensor_parallel_; run it unsharded")
 
     def __init__(self, config: GraniteMoeHybridConfig, *, dtype: torch.dtype | None = None) -> None:
         nn.Module.__init__(self)

@@ -19,7 +19,8 @@ those of the mixer and attention layers in order: see :meth:`NemotronHForCausalL
 expert by expert in torch (one host sync per MoE layer for the routed set), not through ``moe_experts_routed`` (its
 experts are SiLU-gated). Tensor names are HF's
 (``backbone.*``, one tensor per expert; transformers' renamed ``model.*`` and stacked experts also load), q/k/v merged
-into ``qkv_proj``. Tensor parallelism is refused.
+into ``qkv_proj``. ``tensor_parallel_`` shards each block by its kind: Mamba2 mixers and attention by heads, MLPs,
+experts and the shared MLP by width (``experts="ep"`` is refused: the experts run in torch).
 """
 
 from __future__ import annotations
@@ -315,8 +316,6 @@ class NemotronHForCausalLM(Mamba2ForCausalLM):
     """
 
     supports_hybrid_kv = True
-    tensor_parallel_unsupported = (
-        "Nemotron-H's attention / MLP-only layers have no sharding layout in tensor_parallel_; run it unsharded")
 
     def __init__(self, config: NemotronHConfig, *, dtype: torch.dtype | None = None) -> None:
         nn.Module.__init__(self)

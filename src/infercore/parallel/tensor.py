@@ -124,8 +124,10 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     from ..models.deepseek import MLAttention
     from ..models.gemma3 import Gemma3ForCausalLM
     from ..models.gpt_oss import GptOssForCausalLM, GptOssMLP
+    from ..models.granite_hybrid import GraniteMoeHybridForCausalLM
     from ..models.llama import LlamaForCausalLM
     from ..models.mamba2 import BambaForCausalLM, Mamba2ForCausalLM
+    from ..models.nemotron_h import NemotronHForCausalLM
     from ..models.qwen3_next import Qwen3NextForCausalLM
 
     families = (LlamaForCausalLM, Gemma3ForCausalLM, Qwen3NextForCausalLM, Mamba2ForCausalLM, BambaForCausalLM)
@@ -144,9 +146,9 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     cfg = model.config
     if experts not in ("tp", "ep"):
         raise ValueError(f"tensor_parallel_: experts must be 'tp' or 'ep', got {experts!r}")
-    if experts == "ep" and isinstance(model, GptOssForCausalLM):
-        raise ValueError("tensor_parallel_: experts='ep' is not available for GPT-OSS (its experts run in torch over "
-                         "all of their stacked weights); use experts='tp'")
+    if experts == "ep" and isinstance(model, (GptOssForCausalLM, NemotronHForCausalLM)):
+        raise ValueError(f"tensor_parallel_: experts='ep' is not available for {type(model).__name__} (its experts "
+                         "run in torch over all of their stacked weights); use experts='tp'")
     layers = model.backbone.layers if isinstance(model, Mamba2ForCausalLM) else model.model.layers
     mlps = [m for layer in layers if (m := getattr(layer, "mlp", getattr(layer, "feed_forward", None))) is not None]
     widths = [("vocab_size", cfg.vocab_size)]
@@ -159,9 +161,17 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
         if cfg.n_groups > 1:  # one group is kept whole on every rank, more are split
             widths.append(("n_groups", cfg.n_groups))
     sparse = [isinstance(m, SparseMoeBlock) for m in mlps]
-    if not all(sparse):
+    if isinstance(model, NemotronHForCausalLM):
+        widths = [("vocab_size", cfg.vocab_size), *_nemotron_h_widths(cfg, {layer.kind for layer in layers})]
+    elif isinstance(model, GraniteMoeHybridForCausalLM):
+        if cfg.num_experts:
+            widths.append(("intermediate_size", cfg.intermediate_size) if experts == "tp"
+                          else ("num_experts", cfg.num_experts))  # fmt: skip
+        if cfg.shared_intermediate_size:
+            widths.append(("shared_intermediate_size", cfg.shared_intermediate_size))
+    elif not all(sparse):
         widths.append(("intermediate_size", cfg.intermediate_size))
-    if any(sparse):
+    if any(sparse) and not isinstance(model, GraniteMoeHybridForCausalLM):
         widths.append(("moe_intermediate_size", cfg.moe_intermediate_size) if experts == "tp"
                       else ("num_experts", cfg.num_experts))
         if getattr(cfg, "shared_expert_intermediate_size", 0):
@@ -181,6 +191,9 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     # Qwen3-Next's q_proj emits [q, gate] per head: 2 * head_dim rows a query head
     q_per_head = 2 if isinstance(model, Qwen3NextForCausalLM) else 1
     for layer in layers:
+        if isinstance(model, NemotronHForCausalLM):
+            _shard_nemotron_h_block_(layer, tp, rank, group, shm)
+            continue
         if hasattr(layer, "linear_attn"):
             _shard_delta_net_(layer.linear_attn, tp, rank, group, shm)
         elif _mixer(layer) is not None:
@@ -192,7 +205,13 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
             if getattr(layer.self_attn, "sinks", None) is not None:  # GPT-OSS: one sink logit per query head
                 sinks, h = layer.self_attn.sinks, layer.self_attn.num_heads
                 layer.self_attn.sinks = nn.Parameter(sinks[rank * h : (rank + 1) * h].clone(), requires_grad=False)
-        if isinstance(getattr(layer, "mlp", None), GptOssMLP):
+        if isinstance(model, GraniteMoeHybridForCausalLM):  # routed experts and / or the ungated shared MLP
+            if layer.block_sparse_moe is not None:
+                _shard_moe_(layer.block_sparse_moe, tp, rank, by_expert=experts == "ep")
+            if layer.shared_mlp is not None:
+                _shard_gated_mlp_(layer.shared_mlp, tp, rank, None, reduce=False)
+            layer.ffn_reduce = functools.partial(_all_reduce_, group=group, shm=shm)  # one sum for both
+        elif isinstance(getattr(layer, "mlp", None), GptOssMLP):
             _shard_gpt_oss_experts_(layer.mlp.experts, tp, rank)
             layer.mlp = RowParallel(layer.mlp, group, shm)
         elif isinstance(getattr(layer, "mlp", None), SparseMoeBlock):
@@ -259,6 +278,60 @@ def _shard_gpt_oss_experts_(ex: nn.Module, tp: int, rank: int) -> None:
     ex.down_proj = nn.Parameter(ex.down_proj[:, rank * i : (rank + 1) * i].contiguous(), requires_grad=False)
     if rank:
         ex.down_proj_bias = nn.Parameter(torch.zeros_like(ex.down_proj_bias), requires_grad=False)
+
+
+def _nemotron_h_widths(cfg, kinds: set[str]) -> list[tuple[str, int]]:
+    """The widths a Nemotron-H model's layer kinds shard (``M`` Mamba2, ``*`` attention, ``-`` MLP, ``E`` MoE)."""
+    from ..models.nemotron_h import ATTENTION, MAMBA, MLP, MOE
+
+    widths = []
+    if MAMBA in kinds:
+        widths.append(("mamba_heads", cfg.mamba_heads))
+        if cfg.n_groups > 1:
+            widths.append(("n_groups", cfg.n_groups))
+    if ATTENTION in kinds:
+        widths += [("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads)]
+    if MLP in kinds:
+        widths.append(("intermediate_size", cfg.intermediate_size))
+    if MOE in kinds:
+        widths += [("moe_intermediate_size", cfg.moe_intermediate_size),
+                   ("moe_shared_intermediate_size", cfg.moe_shared_intermediate_size)]  # fmt: skip
+    return widths
+
+
+def _shard_relu2_mlp_(mlp: nn.Module, tp: int, rank: int) -> None:
+    """Nemotron-H's ungated MLP: ``up_proj`` column-parallel (its bias sliced), ``down_proj`` row-parallel (its bias on
+    rank 0); the caller sums the partial outputs."""
+    p, n = mlp.up_proj, mlp.up_proj.out_features // tp
+    _set(p, p.weight[rank * n : (rank + 1) * n].contiguous(),
+         None if p.bias is None else p.bias[rank * n : (rank + 1) * n])  # fmt: skip
+    p = mlp.down_proj
+    _set(p, p.weight[:, rank * n : (rank + 1) * n].contiguous(), p.bias if rank == 0 else None)
+
+
+def _shard_nemotron_h_block_(block: nn.Module, tp: int, rank: int, group, shm: ShmGroup | None) -> None:
+    """One Nemotron-H block by its kind: a Mamba2 mixer by heads, attention by heads, the MLP by width, the MoE's
+    experts and its shared MLP by width (``by_expert`` is refused by the caller); the latent projections whole, the
+    output latent projection's bias on rank 0. MLP and MoE outputs are summed over the group (``RowParallel``)."""
+    from ..models.nemotron_h import ATTENTION, MAMBA, MLP
+
+    mix = block.mixer
+    if block.kind == MAMBA:
+        _shard_mamba2_mixer_(mix, tp, rank, group, shm)
+    elif block.kind == ATTENTION:
+        _shard_attention_(mix, tp, rank, group, shm, q_per_head=1)
+    elif block.kind == MLP:
+        _shard_relu2_mlp_(mix, tp, rank)
+        block.mixer = RowParallel(mix, group, shm)
+    else:
+        ex, i = mix.experts, mix.experts.up_proj.shape[1] // tp
+        ex.up_proj = nn.Parameter(ex.up_proj[:, rank * i : (rank + 1) * i].contiguous(), requires_grad=False)
+        ex.down_proj = nn.Parameter(ex.down_proj[:, :, rank * i : (rank + 1) * i].contiguous(), requires_grad=False)
+        _shard_relu2_mlp_(mix.shared_experts, tp, rank)
+        fc2 = mix.fc2_latent_proj
+        if fc2 is not None and fc2.bias is not None and rank:
+            fc2.bias = None
+        block.mixer = RowParallel(mix, group, shm)
 
 
 def _mixer(layer: nn.Module) -> nn.Module | None:

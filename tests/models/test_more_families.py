@@ -333,18 +333,6 @@ def test_family_classes_refuse_what_they_would_drop():
         model.load_weights([("model.layers.0.self_attn.q_proj.weight", torch.zeros(64, 64))])
 
 
-def test_tensor_parallel_refuses_olmo2_only():
-    """OLMo 2's whole-projection q / k norms need every head: sharding by heads is refused up front (before the
-    process group is even looked at); Phi-3 and Granite shard like Llama, so they get as far as the group check."""
-    from infercore.parallel import tensor_parallel_
-
-    with pytest.raises(ValueError, match="OLMo 2 normalises q and k over all heads"):
-        tensor_parallel_(Olmo2ForCausalLM(ModelConfig.from_hf(tiny("olmo2").config.to_dict())))
-    for kind, cls in (("phi3", Phi3ForCausalLM), ("granite", GraniteForCausalLM)):
-        with pytest.raises(ValueError, match="torch.distributed is not initialized"):
-            tensor_parallel_(cls(ModelConfig.from_hf(tiny(kind).config.to_dict())))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS + BIAS_KINDS)
 def test_cuda_graph_greedy_matches_hf(kind, checkpoints):

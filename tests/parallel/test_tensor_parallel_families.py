@@ -1,8 +1,9 @@
-"""Tensor / expert parallelism of DeepSeek and GPT-OSS (gloo, two CPU processes). DeepSeek: each rank keeps half of
-the query heads of the latent attention (its rows of q_proj / q_b_proj and kv_b_proj, o_proj's columns; the latent
-cache whole) and a slice of every expert, or half of the experts whole; the shared experts by width. GPT-OSS: half
-of the heads with their sinks, every biased expert by width (interleaved gate / up pairs). Tokens equal
-transformers' greedy ones on every rank, through prefill, chunked prefill with split-off decodes and decode."""
+"""Tensor / expert parallelism of the families added after the first layouts (gloo, two CPU processes). DeepSeek:
+each rank keeps half of the query heads of the latent attention (its rows of q_proj / q_b_proj and kv_b_proj,
+o_proj's columns; the latent cache whole) and a slice of every expert, or half of the experts whole; the shared
+experts by width. GPT-OSS: half of the heads with their sinks, every biased expert by width (interleaved gate / up
+pairs). Then Granite 4.0 hybrid and Nemotron-H, and OLMo 2, Phi-3 and Granite 3. Tokens equal transformers' greedy
+ones on every rank, through prefill, chunked prefill with split-off decodes and decode."""
 
 import os
 import sys
@@ -129,3 +130,43 @@ def _hybrid_worker(rank: int, init: str, path: str) -> None:
 
 def test_granite_hybrid_and_nemotron_h_over_two_ranks(tmp_path):
     mp.spawn(_hybrid_worker, args=(f"file://{tmp_path}/rdzv", str(tmp_path)), nprocs=WORLD, join=True)
+
+
+def _dense_worker(rank: int, init: str, path: str) -> None:
+    """OLMo 2 (q / k norms over the whole projections: partial sums of squares summed over the ranks), Phi-3 (partial
+    rotary, LongRoPE, a window) and Granite 3 (multipliers, tied or untied, biases) over two ranks: transformers'
+    greedy tokens on every rank."""
+    from dist_helpers import _leave
+    from paged_harness import hf_greedy, ours_from_hf
+    from test_more_families import LONG_PROMPTS, SHORT_PROMPTS, tiny
+
+    from infercore import Engine, SamplingParams
+    from infercore.parallel import tensor_parallel_
+
+    torch.set_num_threads(1)
+    kinds = ["olmo2", "olmo2_bias", "phi3", "phi3_longrope", "granite", "granite_bias"]
+    hfs = {kind: tiny(kind) for kind in kinds}
+    models = {kind: ours_from_hf(hfs[kind], os.path.join(path, f"{kind}-{rank}"))[0] for kind in kinds}
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        for kind in kinds:
+            hf, model = hfs[kind], tensor_parallel_(models[kind])
+            attn = model.model.layers[0].self_attn
+            assert attn.num_heads == hf.config.num_attention_heads // WORLD
+            if kind.startswith("olmo2"):
+                assert attn.q_norm.weight.shape == (attn.q_size,) and attn.norm_reduce is not None
+            prompts = LONG_PROMPTS if kind == "phi3_longrope" else SHORT_PROMPTS
+            eng = Engine(model, page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=12)
+            outs = [o.token_ids for o in eng.generate(prompts, greedy)]
+            everyone = [None] * WORLD
+            dist.all_gather_object(everyone, outs)
+            assert everyone[0] == everyone[1]
+            if rank == 0:
+                assert outs == [hf_greedy(hf, p, 8) for p in prompts], kind
+    finally:
+        _leave()
+
+
+def test_olmo2_phi3_granite_over_two_ranks(tmp_path):
+    mp.spawn(_dense_worker, args=(f"file://{tmp_path}/rdzv", str(tmp_path)), nprocs=WORLD, join=True)

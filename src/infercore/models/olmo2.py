@@ -11,8 +11,8 @@ The fused CPU decode layer (``cpu_native.llama_decode_layer``) computes the pre-
 by op (``LlamaForCausalLM._native_stack`` takes ``LlamaDecoderLayer`` s alone). Inside the attention the Llama
 paths run, fused ones included (RoPE + KV write + decode attention on CUDA), after the norms.
 
-Tensor parallelism is refused (``tensor_parallel_unsupported``): a rank holding its heads' rows of q cannot take
-the norm's mean square over every head without another all-reduce per layer.
+``tensor_parallel_``: a rank holding its heads' rows of q and k takes the norms' mean squares over every head from
+the group's partial sums of squares (one all-reduce of ``[T, 2]`` floats per layer, ``Olmo2Attention.norm_reduce``).
 """
 
 from __future__ import annotations
@@ -35,12 +35,22 @@ class Olmo2Attention(LlamaAttention):
         self.q_norm = RMSNorm(self.q_size, eps=config.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(self.kv_size, eps=config.rms_norm_eps, dtype=dtype)
 
+    # tensor_parallel_: sums [T, 2] partial sums of squares over the group, and the unsharded q / k widths
+    norm_reduce = None
+    norm_widths: tuple[int, int] = (0, 0)
+
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        norm = dispatch("rms_norm", x.device)
-        q = norm(q.contiguous(), self.q_norm.weight, eps=self.q_norm.eps)
-        k = norm(k.contiguous(), self.k_norm.weight, eps=self.k_norm.eps)
+        if self.norm_reduce is None:
+            norm = dispatch("rms_norm", x.device)
+            q = norm(q.contiguous(), self.q_norm.weight, eps=self.q_norm.eps)
+            k = norm(k.contiguous(), self.k_norm.weight, eps=self.k_norm.eps)
+        else:  # this rank's heads: the mean squares over every head's columns, from the group's partial sums
+            qf, kf = q.float(), k.float()
+            ss = self.norm_reduce(torch.stack([qf.square().sum(-1), kf.square().sum(-1)], dim=-1).contiguous())
+            q = (qf * torch.rsqrt(ss[:, :1] / self.norm_widths[0] + self.q_norm.eps)).to(x.dtype) * self.q_norm.weight
+            k = (kf * torch.rsqrt(ss[:, 1:] / self.norm_widths[1] + self.k_norm.eps)).to(x.dtype) * self.k_norm.weight
         return (q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim),
                 v.view(T, self.num_kv_heads, self.head_dim))
 
@@ -78,9 +88,6 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     """OLMo 2 causal LM over paged KV (HF tensor names; q/k/v and gate/up merged on load as for Llama)."""
 
     decoder_layer = Olmo2DecoderLayer
-    tensor_parallel_unsupported = (
-        "OLMo 2 normalises q and k over all heads at once (q_norm / k_norm over the whole projections), which a "
-        "rank holding a slice of the heads cannot compute; run it unsharded")
 
 
 class Olmo2ForSequenceClassification(Olmo2ForCausalLM, LlamaForSequenceClassification):

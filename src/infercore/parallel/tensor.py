@@ -128,6 +128,7 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     from ..models.llama import LlamaForCausalLM
     from ..models.mamba2 import BambaForCausalLM, Mamba2ForCausalLM
     from ..models.nemotron_h import NemotronHForCausalLM
+    from ..models.olmo2 import Olmo2Attention
     from ..models.qwen3_next import Qwen3NextForCausalLM
 
     families = (LlamaForCausalLM, Gemma3ForCausalLM, Qwen3NextForCausalLM, Mamba2ForCausalLM, BambaForCausalLM)
@@ -201,7 +202,10 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
         elif isinstance(layer.self_attn, MLAttention):
             _shard_mla_(layer.self_attn, tp, rank, group, shm)
         else:
+            full = (layer.self_attn.q_size, layer.self_attn.kv_size)
             _shard_attention_(layer.self_attn, tp, rank, group, shm, q_per_head=q_per_head)
+            if isinstance(layer.self_attn, Olmo2Attention):  # q / k norms over every head's columns
+                _shard_whole_qk_norms_(layer.self_attn, full, rank, group, shm)
             if getattr(layer.self_attn, "sinks", None) is not None:  # GPT-OSS: one sink logit per query head
                 sinks, h = layer.self_attn.sinks, layer.self_attn.num_heads
                 layer.self_attn.sinks = nn.Parameter(sinks[rank * h : (rank + 1) * h].clone(), requires_grad=False)
@@ -263,6 +267,14 @@ def _shard_mla_(attn: nn.Module, tp: int, rank: int, group, shm: ShmGroup | None
          p.bias if rank == 0 else None)  # fmt: skip
     attn.o_proj = RowParallel(p, group, shm)
     attn.num_heads = h
+
+
+def _shard_whole_qk_norms_(attn: nn.Module, full: tuple[int, int], rank: int, group, shm: ShmGroup | None) -> None:
+    """OLMo 2's ``q_norm`` / ``k_norm`` span the whole projections: the rank keeps its heads' columns of their weights
+    and sums the squares over the group (``norm_reduce``) against the unsharded widths ``full``."""
+    for norm, n in ((attn.q_norm, attn.q_size), (attn.k_norm, attn.kv_size)):
+        norm.weight = nn.Parameter(norm.weight[rank * n : (rank + 1) * n].clone(), requires_grad=False)
+    attn.norm_reduce, attn.norm_widths = functools.partial(_all_reduce_, group=group, shm=shm), full
 
 
 def _shard_gpt_oss_experts_(ex: nn.Module, tp: int, rank: int) -> None:

@@ -97,13 +97,15 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     docstring for the layout. Call it on every rank with the same weights, before building the Engine.
 
     Families: the Llama family (:class:`~infercore.models.llama.LlamaForCausalLM`: Llama, Mistral, Qwen2 / Qwen3,
-    SmolLM2, the routed-expert Mixtral / Qwen2-MoE / Qwen3-MoE, DeepSeek-V2 / V3: its latent attention by query
-    heads, the latent cache whole on every rank, and GPT-OSS: the sinks by query heads, the biased experts by width,
-    ``experts="tp"`` only), Gemma 3
-    (:class:`~infercore.models.gemma3.Gemma3ForCausalLM`: its sliding and global layers alike) and Qwen3-Next
-    (:class:`~infercore.models.qwen3_next.Qwen3NextForCausalLM`: the gated attention by heads, each gated DeltaNet
-    layer by key heads, the routed experts as in the Llama family), Mamba2 and Bamba
-    (:class:`~infercore.models.mamba2.Mamba2ForCausalLM` / ``BambaForCausalLM``: each mixer by heads).
+    SmolLM2, Phi-3, Granite 3, OLMo 2 (its whole-projection q / k norms from the group's partial sums of squares),
+    the routed-expert Mixtral / Qwen2-MoE / Qwen3-MoE, DeepSeek-V2 / V3 (its latent attention by query heads, the
+    latent cache whole on every rank) and GPT-OSS (the sinks by query heads, the biased experts by width,
+    ``experts="tp"`` only)), Gemma 2 / 3 (:class:`~infercore.models.gemma3.Gemma3ForCausalLM`: its sliding and global
+    layers alike), Qwen3-Next (:class:`~infercore.models.qwen3_next.Qwen3NextForCausalLM`: the gated attention by
+    heads, each gated DeltaNet layer by key heads, the routed experts as in the Llama family), Mamba2, Bamba and
+    Granite 4.0 hybrid (:class:`~infercore.models.mamba2.Mamba2ForCausalLM` / ``BambaForCausalLM``: each mixer by
+    heads; Granite's experts and ungated shared MLP summed once) and Nemotron-H (each block by its kind). Falcon-H1
+    is refused (``tensor_parallel_unsupported``).
 
     ``experts`` (routed-expert models): ``"tp"`` gives every rank a slice of every expert's width; ``"ep"`` (expert
     parallelism) gives each rank whole experts, ``num_experts / tp`` of them, and the rank skips the (token, expert)
@@ -116,7 +118,7 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     Raises:
         TypeError: ``model`` is none of these families, or is quantized (quantize after sharding).
         ValueError: the model's family cannot be sharded (its class names why in ``tensor_parallel_unsupported``:
-            OLMo 2), the model has LoRA slots (shard first, then :func:`~infercore.lora.enable_lora_`),
+            Falcon-H1), the model has LoRA slots (shard first, then :func:`~infercore.lora.enable_lora_`),
             ``torch.distributed`` is not initialized, or the group size does not divide the number of
             query heads, KV heads, DeltaNet key heads, Mamba2 heads or groups (more than one), an MLP or expert
             width or the vocabulary (each named).

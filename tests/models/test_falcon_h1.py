@@ -90,14 +90,6 @@ def test_batched_chunked_greedy_and_prefix_hit(kind, checkpoints):
     check_batched_greedy_and_prefix_hit(hf, path, KV, cached=16)
 
 
-def test_tensor_parallel_refused(checkpoints):
-    from infercore.parallel import tensor_parallel_
-
-    model = load_model(checkpoints["plain"][1], dtype=torch.float32, device="cpu")[0]
-    with pytest.raises(ValueError, match="Falcon-H1"):
-        tensor_parallel_(model)
-
-
 @pytest.mark.parametrize(
     "changes, key",
     [

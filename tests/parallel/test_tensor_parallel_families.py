@@ -81,9 +81,11 @@ def test_deepseek_and_gpt_oss_over_two_ranks(tmp_path):
 
 
 def _hybrid_worker(rank: int, init: str, path: str) -> None:
-    """Granite 4.0 hybrid (Mamba2 mixers, attention, experts + the ungated shared MLP, or the shared MLP alone) and
-    Nemotron-H (Mamba2, NoPE attention, squared-ReLU MLP and latent MoE blocks) over two ranks on the hybrid pool:
+    """Granite 4.0 hybrid (Mamba2 mixers, attention, experts + the ungated shared MLP, or the shared MLP alone),
+    Nemotron-H (Mamba2, NoPE attention, squared-ReLU MLP and latent MoE blocks) and Falcon-H1 (attention beside the
+    mixer, muP multipliers, gated norms split by group or summed over the ranks) over two ranks on the hybrid pool:
     transformers' greedy tokens through chunked prefill."""
+    import test_falcon_h1 as falcon
     import test_granite_hybrid as granite
     import test_nemotron_h as nemotron
     from dist_helpers import _leave
@@ -94,8 +96,15 @@ def _hybrid_worker(rank: int, init: str, path: str) -> None:
     from infercore.parallel import RowParallel, tensor_parallel_
 
     torch.set_num_threads(1)
+    # Falcon-H1 with one group and a gated norm: its mean square summed over the ranks (before and after the gate)
+    falcon.KINDS["one_group_before"] = dict(falcon.MUP, mamba_rms_norm=True, mamba_norm_before_gate=True,
+                                            mamba_n_groups=1)  # fmt: skip
+    falcon.KINDS["one_group_after"] = dict(falcon.MUP, mamba_rms_norm=True, mamba_norm_before_gate=False,
+                                           mamba_n_groups=1, mamba_proj_bias=True)  # fmt: skip
     cases = [(granite, "moe_rope", "tp"), (granite, "moe_rope", "ep"), (granite, "dense_nope", "tp"),
-             (nemotron, "pattern", "tp"), (nemotron, "moe", "tp"), (nemotron, "wide", "tp")]  # fmt: skip
+             (nemotron, "pattern", "tp"), (nemotron, "moe", "tp"), (nemotron, "wide", "tp"),
+             *[(falcon, kind, "tp") for kind in ("mup_norm", "plain", "norm_before_gate", "one_group_before",
+                                                 "one_group_after")]]  # fmt: skip
     hfs = {(m.__name__, kind): m.tiny(kind) for m, kind, _ in cases}
     models = [ours_from_hf(hfs[m.__name__, kind], os.path.join(path, f"{m.__name__}-{kind}-{ex}-{rank}"))[0]
               for m, kind, ex in cases]  # fmt: skip
@@ -110,6 +119,11 @@ def _hybrid_worker(rank: int, init: str, path: str) -> None:
             if mod is nemotron:  # "M-M*-M", "ME*EM", "M*M-": layer 1 an MLP or MoE block, layer 0 a mixer
                 assert isinstance(model.backbone.layers[1 if kind != "wide" else 3].mixer, RowParallel)
                 assert model.backbone.layers[0].mixer.H == hf.config.mamba_num_heads // WORLD
+            elif mod is falcon:
+                layer = model.model.layers[0]
+                assert layer.mamba.H == hf.config.mamba_n_heads // WORLD
+                assert layer.self_attn.num_heads == hf.config.num_attention_heads // WORLD
+                assert (layer.mamba.norm_reduce is not None) == kind.startswith("one_group")
             else:
                 layers = model.model.layers
                 assert layers[0].mamba.H == hf.config.mamba_n_heads // WORLD and layers[0].ffn_reduce is not None
@@ -128,7 +142,7 @@ def _hybrid_worker(rank: int, init: str, path: str) -> None:
         _leave()
 
 
-def test_granite_hybrid_and_nemotron_h_over_two_ranks(tmp_path):
+def test_hybrid_families_over_two_ranks(tmp_path):
     mp.spawn(_hybrid_worker, args=(f"file://{tmp_path}/rdzv", str(tmp_path)), nprocs=WORLD, join=True)
 
 

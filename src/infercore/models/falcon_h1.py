@@ -16,7 +16,8 @@ as stored):
 
 Every layer holds both paged KV and Mamba2 states, so the model declares ``2 * num_layers`` KV specs: attention
 layer ``i``'s at index ``i``, its mixer's at ``num_layers + i`` (``kv_caches`` and the
-:class:`~infercore.models.hybrid.HybridMetadata` entries follow). Tensor parallelism is refused.
+:class:`~infercore.models.hybrid.HybridMetadata` entries follow). ``tensor_parallel_`` shards the attention and the mixer by heads (``segment_scale`` rebuilt for
+the rank's rows; with one group the gated norm's mean square is summed over the ranks) and the MLP by width.
 """
 
 from __future__ import annotations
@@ -226,6 +227,13 @@ class FalconH1Mixer(Mamba2Mixer):
         gate, y = self._conv_scan(proj, state, meta)
         if self.norm is None:
             y = (y.float() * F.silu(gate.float())).to(x.dtype)
+        elif self.norm_reduce is not None:  # tensor_parallel_, one group: mean squares over every rank's channels
+            g = F.silu(gate.float())
+            z = y.float() if self.norm_before_gate else y.float() * g
+            ss = z.pow(2).sum(-1, keepdim=True)
+            self.norm_reduce(ss)
+            z = z * torch.rsqrt(ss / self.norm_width + self.eps) * self.norm.weight.float()
+            y = (z * g if self.norm_before_gate else z).to(x.dtype)
         else:
             y = gated_rms_norm(y, gate, self.norm.weight, eps=self.eps, group_size=self.inner // self.G,
                                norm_before_gate=self.norm_before_gate)  # fmt: skip
@@ -285,9 +293,6 @@ class FalconH1ForCausalLM(BambaForCausalLM):
     ``feed_forward.gate_up_proj``). ``kv_caches`` / metadata: ``num_layers`` attention entries, then
     ``num_layers`` mixer entries."""
 
-    tensor_parallel_unsupported = (
-        "Falcon-H1's parallel attention + mixer layers (muP multipliers per in_proj segment) have no sharding layout "
-        "in tensor_parallel_; run it unsharded")
 
     def __init__(self, config: FalconH1Config, *, dtype: torch.dtype | None = None) -> None:
         nn.Module.__init__(self)

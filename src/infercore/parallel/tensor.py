@@ -104,8 +104,8 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     layers alike), Qwen3-Next (:class:`~infercore.models.qwen3_next.Qwen3NextForCausalLM`: the gated attention by
     heads, each gated DeltaNet layer by key heads, the routed experts as in the Llama family), Mamba2, Bamba and
     Granite 4.0 hybrid (:class:`~infercore.models.mamba2.Mamba2ForCausalLM` / ``BambaForCausalLM``: each mixer by
-    heads; Granite's experts and ungated shared MLP summed once) and Nemotron-H (each block by its kind). Falcon-H1
-    is refused (``tensor_parallel_unsupported``).
+    heads; Granite's experts and ungated shared MLP summed once; Falcon-H1's attention and mixer side by side, its
+    per-segment multipliers rebuilt for the rank's rows) and Nemotron-H (each block by its kind).
 
     ``experts`` (routed-expert models): ``"tp"`` gives every rank a slice of every expert's width; ``"ep"`` (expert
     parallelism) gives each rank whole experts, ``num_experts / tp`` of them, and the rank skips the (token, expert)
@@ -117,8 +117,8 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
 
     Raises:
         TypeError: ``model`` is none of these families, or is quantized (quantize after sharding).
-        ValueError: the model's family cannot be sharded (its class names why in ``tensor_parallel_unsupported``:
-            Falcon-H1), the model has LoRA slots (shard first, then :func:`~infercore.lora.enable_lora_`),
+        ValueError: the model's family cannot be sharded (its class names why in ``tensor_parallel_unsupported``),
+            the model has LoRA slots (shard first, then :func:`~infercore.lora.enable_lora_`),
             ``torch.distributed`` is not initialized, or the group size does not divide the number of
             query heads, KV heads, DeltaNet key heads, Mamba2 heads or groups (more than one), an MLP or expert
             width or the vocabulary (each named).
@@ -201,6 +201,8 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
             _shard_delta_net_(layer.linear_attn, tp, rank, group, shm)
         elif _mixer(layer) is not None:
             _shard_mamba2_mixer_(_mixer(layer), tp, rank, group, shm)
+            if hasattr(layer, "self_attn"):  # Falcon-H1: attention beside the mixer in every layer
+                _shard_attention_(layer.self_attn, tp, rank, group, shm, q_per_head=1)
         elif isinstance(layer.self_attn, MLAttention):
             _shard_mla_(layer.self_attn, tp, rank, group, shm)
         else:
@@ -383,14 +385,19 @@ def _shard_mamba2_mixer_(mix: nn.Module, tp: int, rank: int, group, shm: ShmGrou
         c.bias = nn.Parameter(_slice_rows(c.bias, conv), requires_grad=False)
     for name in ("dt_bias", "A_log", "D"):
         setattr(mix, name, nn.Parameter(getattr(mix, name)[rank * H : (rank + 1) * H].clone(), requires_grad=False))
-    mix.norm.weight = nn.Parameter(mix.norm.weight[xs[0] : xs[1]].clone(), requires_grad=False)
+    if mix.norm is not None:  # Falcon-H1's mixers may have no gated norm
+        mix.norm.weight = nn.Parameter(mix.norm.weight[xs[0] : xs[1]].clone(), requires_grad=False)
     p = mix.out_proj
     _set(p, p.weight[:, xs[0] : xs[1]].contiguous(), p.bias if rank == 0 else None)
     mix.out_proj = RowParallel(p, group, shm)
-    if not split:
+    if not split and mix.norm is not None:
         mix.norm_reduce, mix.norm_width = functools.partial(_all_reduce_, group=group, shm=shm), inner
     mix.H, mix.inner, mix.G = H, ir, G // tp if split else G
     mix.conv_dim = ir + 2 * mix.G * N
+    if getattr(mix, "segment_scale", None) is not None:  # Falcon-H1: per-segment multipliers of in_proj's rows
+        mix.segment_scale = torch.ones(mix.in_proj.out_features, dtype=mix.segment_scale.dtype,
+                                       device=mix.segment_scale.device)  # fmt: skip
+        mix.fill_segment_scale_()
 
 
 def _shard_delta_net_(net: nn.Module, tp: int, rank: int, group, shm: ShmGroup | None) -> None:

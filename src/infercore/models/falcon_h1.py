@@ -16,8 +16,9 @@ as stored):
 
 Every layer holds both paged KV and Mamba2 states, so the model declares ``2 * num_layers`` KV specs: attention
 layer ``i``'s at index ``i``, its mixer's at ``num_layers + i`` (``kv_caches`` and the
-:class:`~infercore.models.hybrid.HybridMetadata` entries follow). ``tensor_parallel_`` shards the attention and the mixer by heads (``segment_scale`` rebuilt for
-the rank's rows; with one group the gated norm's mean square is summed over the ranks) and the MLP by width.
+:class:`~infercore.models.hybrid.HybridMetadata` entries follow). ``tensor_parallel_`` shards the attention and
+the mixer by heads (``segment_scale`` rebuilt for the rank's rows; with one group the gated norm's mean square is
+summed over the ranks) and the MLP by width.
 """
 
 from __future__ import annotations

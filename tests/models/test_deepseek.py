@@ -151,6 +151,64 @@ def test_quantized_kv_b_proj(scheme, checkpoints):
         _close(outs[0], outs[1], 1e-4)
 
 
+def test_fp8_block_checkpoint_in_the_v3_release_layout(tmp_path):
+    """A ``quant_method: fp8`` directory laid out as DeepSeek-V3's release: every projection of the attention (q_a /
+    q_b / kv_a / kv_b / o), the dense and shared MLPs and each routed expert (per-expert tensors) stored e4m3 with
+    128 x 128 ``weight_scale_inv`` blocks, a multi-token-prediction layer's too; router, norms, embeddings and lm_head
+    in full precision. It loads (the MTP layer skipped) with the
+    projections as FP8 QuantLinears (kv_b_proj included, which the absorbed decode reads through the identity) and
+    the routed experts dequantized; the tokens equal those of transformers' model holding the dequantized weights."""
+    import json
+    import warnings
+
+    from safetensors.torch import save_file
+    from test_prequantized_fp8 import per_block
+
+    from infercore.quant import QuantLinear
+
+    wide = dict(intermediate_size=128, moe_intermediate_size=128, hidden_size=128)  # whole 128-row blocks to merge
+    old = dict(COMMON)
+    COMMON.update(wide)
+    try:
+        hf = tiny("v3")
+    finally:
+        COMMON.clear()
+        COMMON.update(old)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}  # views of hf's parameters
+    for name in [k for k in state if k.endswith("mlp.experts.gate_up_proj")]:
+        pre = name[: -len("gate_up_proj")]
+        gate_up, down = state.pop(name), state.pop(pre + "down_proj")
+        i = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            for proj, w in (("gate_proj", gate_up[e, :i]), ("up_proj", gate_up[e, i:]), ("down_proj", down[e])):
+                q, scale, deq = per_block(w.float())
+                state.update({f"{pre}{e}.{proj}.weight": q, f"{pre}{e}.{proj}.weight_scale_inv": scale})
+                w.copy_(deq)
+    for name in [k for k in state if k.endswith(("proj.weight", "proj_with_mqa.weight")) and ".experts." not in k]:
+        q, scale, deq = per_block(state.pop(name).float())
+        state.update({name: q, name[: -len("weight")] + "weight_scale_inv": scale})
+        hf.get_submodule(name[: -len(".weight")]).weight.data.copy_(deq)
+    for name in ("eh_proj", "self_attn.o_proj", "mlp.experts.0.down_proj"):  # a multi-token-prediction layer: skipped
+        q, scale, _ = per_block(torch.randn(128, 128))
+        state.update({f"model.layers.3.{name}.weight": q, f"model.layers.3.{name}.weight_scale_inv": scale})
+    save_file(state, str(tmp_path / "model.safetensors"))
+    cfg = hf.config.to_dict()
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                  "weight_block_size": [128, 128]}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = load_model(tmp_path, dtype=torch.float32, device="cpu")[0]
+    assert any("routed-expert linears stored FP8-quantized were dequantized" in str(w.message) for w in caught)
+    attn = model.model.layers[0].self_attn
+    for mod in (attn.q_a_proj, attn.q_b_proj, attn.kv_a_proj_with_mqa, attn.kv_b_proj, attn.o_proj):
+        assert isinstance(mod, QuantLinear) and mod.qweight_format.kind == "fp8"
+    assert isinstance(model.model.layers[1].mlp.shared_experts.gate_up_proj, QuantLinear)
+    engine = Engine(model, page_size=4, num_pages=64, max_num_batched_tokens=12)
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in PROMPTS]
+
+
 def test_original_release_config_layout(tmp_path):
     """A config.json laid out as DeepSeek released V2-Lite's (top-level rope_theta, rope_scaling with the legacy
     'type' key and equal mscales, routing keys transformers' class does not declare, auto_map): the model equals the

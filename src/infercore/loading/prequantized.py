@@ -269,7 +269,10 @@ def build_prequantized(ckpt, config, *, dtype: torch.dtype, device: torch.device
     biasless: set[str] = set()  # quantized linears without a bias in the model
     expert_weights: dict[str, torch.Tensor] = {}  # routed experts' linears, dequantized
     converted = 0
+    skips = getattr(model, "skips_checkpoint_tensor", None)  # layers a family does not run (DeepSeek's MTP layers)
     for base in select(parts):
+        if skips is not None and skips(f"{base}.weight"):
+            continue
         if excluded is not None and excluded(base):
             raise ValueError(f"checkpoint: {base} is excluded from quantization by the config but stored as {label}")
         w, perm = weight(base, parts[base])

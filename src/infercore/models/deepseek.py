@@ -41,8 +41,10 @@ Checkpoints keep their HF names (per-expert ``mlp.experts.{e}.{gate,up,down}_pro
 them, or transformers 5's stacked ``mlp.experts.gate_up_proj`` / ``down_proj``); V3's multi-token-prediction layers
 (``model.layers.{num_hidden_layers}...``) are skipped as transformers skips them. ``tensor_parallel_`` shards
 the query heads (each rank keeps the whole latent cache) and the experts by width or whole (``experts="ep"``).
-Not supported: int8 / fp8 KV, pre-quantized checkpoints (V3's FP8 release; ``quantize`` of a loaded model works),
-LoRA.
+FP8 checkpoints in V3's release layout (``quant_method: fp8``, 128 x 128 ``weight_scale_inv`` blocks) load through
+the pre-quantized FP8 loader: the projections as FP8 ``QuantLinear`` s, the routed experts dequantized to the model
+dtype (the stacked expert kernels take dense weights; the full V3 would then need its bf16 size). ``quantize`` of a
+loaded model works too. Not supported: int8 / fp8 KV, LoRA.
 """
 
 from __future__ import annotations
@@ -522,6 +524,14 @@ class DeepseekForCausalLM(LlamaForCausalLM):
             return f"{prefix}gate_up_proj", (e, slice(0, i) if proj == "gate" else slice(i, 2 * i))
         return name, None
 
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        """Whether a checkpoint tensor belongs to a multi-token-prediction layer (layer ids from ``num_hidden_layers``
+        on, ``num_nextn_predict_layers`` of them), which is not run: skipped by every loader, the pre-quantized ones
+        included."""
+        cfg = self.config
+        m = self._LAYER.match(name)
+        return m is not None and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.num_mtp_layers
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors: per-expert or stacked experts, dense / shared gate and up projections merged
@@ -532,9 +542,8 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         tied = cfg.tie_word_embeddings
 
         def ignore(name: str) -> bool:
-            m = self._LAYER.match(name)
-            mtp = m is not None and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.num_mtp_layers
-            return mtp or bool(self._IGNORED.search(name)) or (tied and name == "lm_head.weight")
+            return self.skips_checkpoint_tensor(name) or bool(self._IGNORED.search(name)) or (
+                tied and name == "lm_head.weight")
 
         load_hf_weights(self, weights, self._resolve, arch=cfg.architecture, ignore=ignore)
         if tied:  # load_hf_weights wrote the embedding; the head shares it

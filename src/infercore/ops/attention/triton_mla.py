@@ -7,8 +7,8 @@ generic kernel would pad 576 to 1024). Scores are ``q_lat c_kv^T + q_pe k_pe^T``
 product's value operand, so the latent is read from memory once per head block, not once as K and once as V.
 
 The head block is 16 (the MMA's M minimum): a program's fp32 accumulator is ``[16, 512]`` (64 registers a thread on
-four warps) and its query tile ``[16, 576]``. Wider head blocks would read the latent fewer times from L2 but
-spill. Split-K over the keys (the count from static shapes only, so CUDA-graph safe) writes normalized fp32 partials
+four warps) and its query tile ``[16, 576]``. The grid puts the head blocks on its fastest axis, so the programs
+reading one sequence's latent run side by side and all but the first find it in L2. Split-K over the keys (the count from static shapes only, so CUDA-graph safe) writes normalized fp32 partials
 and base-2 log-sum-exps that the generic decode's merge kernel combines.
 """
 
@@ -40,8 +40,8 @@ def _mla_decode_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    hb = tl.program_id(1)
+    hb = tl.program_id(0)  # fastest: the head blocks of one sequence run side by side and share its latent in L2
+    b = tl.program_id(1)
     split = tl.program_id(2)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
@@ -134,7 +134,7 @@ def paged_mla_decode(
         mid_o = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
         mid_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
     extra = {} if interp else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    _mla_decode_kernel[(B, head_blocks, num_splits)](
+    _mla_decode_kernel[(head_blocks, B, num_splits)](
         q, kv_cache, seq_lens, block_table, out, mid_o, mid_lse,
         scale * _LOG2E.value,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),

@@ -22,7 +22,7 @@ from infercore.devices import register, triton_interpreter
 
 from .triton_decode import _LOG2E, _merge_kernel, _pick_splits
 
-# Launch knobs (H200 sweep: benchmarks/probe_mla_decode.py); block_h 16 keeps the accumulator in registers.
+# Launch knobs (swept by benchmarks/bench_mla_decode.py); block_h 16 keeps the accumulator in registers.
 TUNING = {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
 
 

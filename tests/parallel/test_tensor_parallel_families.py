@@ -148,18 +148,20 @@ def test_hybrid_families_over_two_ranks(tmp_path):
 
 def _dense_worker(rank: int, init: str, path: str) -> None:
     """OLMo 2 (q / k norms over the whole projections: partial sums of squares summed over the ranks), Phi-3 (partial
-    rotary, LongRoPE, a window) and Granite 3 (multipliers, tied or untied, biases) over two ranks: transformers'
-    greedy tokens on every rank."""
+    rotary, LongRoPE, a window), Granite 3 (multipliers, tied or untied, biases) and Gemma 2 (softcaps, sliding
+    layers) over two ranks: transformers' greedy tokens on every rank."""
     from dist_helpers import _leave
     from paged_harness import hf_greedy, ours_from_hf
+    from test_gemma2 import PROMPTS as GEMMA_PROMPTS
+    from test_gemma2 import tiny_gemma2
     from test_more_families import LONG_PROMPTS, SHORT_PROMPTS, tiny
 
     from infercore import Engine, SamplingParams
     from infercore.parallel import tensor_parallel_
 
     torch.set_num_threads(1)
-    kinds = ["olmo2", "olmo2_bias", "phi3", "phi3_longrope", "granite", "granite_bias"]
-    hfs = {kind: tiny(kind) for kind in kinds}
+    kinds = ["olmo2", "olmo2_bias", "phi3", "phi3_longrope", "granite", "granite_bias", "gemma2"]
+    hfs = {kind: tiny_gemma2(seed=1) if kind == "gemma2" else tiny(kind) for kind in kinds}
     models = {kind: ours_from_hf(hfs[kind], os.path.join(path, f"{kind}-{rank}"))[0] for kind in kinds}
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
@@ -170,7 +172,7 @@ def _dense_worker(rank: int, init: str, path: str) -> None:
             assert attn.num_heads == hf.config.num_attention_heads // WORLD
             if kind.startswith("olmo2"):
                 assert attn.q_norm.weight.shape == (attn.q_size,) and attn.norm_reduce is not None
-            prompts = LONG_PROMPTS if kind == "phi3_longrope" else SHORT_PROMPTS
+            prompts = {"phi3_longrope": LONG_PROMPTS, "gemma2": GEMMA_PROMPTS}.get(kind, SHORT_PROMPTS)
             eng = Engine(model, page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=12)
             outs = [o.token_ids for o in eng.generate(prompts, greedy)]
             everyone = [None] * WORLD
@@ -182,5 +184,5 @@ def _dense_worker(rank: int, init: str, path: str) -> None:
         _leave()
 
 
-def test_olmo2_phi3_granite_over_two_ranks(tmp_path):
+def test_olmo2_phi3_granite_gemma2_over_two_ranks(tmp_path):
     mp.spawn(_dense_worker, args=(f"file://{tmp_path}/rdzv", str(tmp_path)), nprocs=WORLD, join=True)

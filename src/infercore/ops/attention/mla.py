@@ -25,18 +25,14 @@ from .naive import paged_attention_decode_ref
 __all__ = ["paged_mla_decode", "paged_mla_decode_ref"]
 
 
-def paged_mla_decode_ref(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    *,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    scale: float,
-    kv_lora_rank: int,
-) -> torch.Tensor:
+def paged_mla_decode_ref(q, kv_cache, *, seq_lens, block_table, scale, kv_lora_rank) -> torch.Tensor:
     """Reference of :func:`paged_mla_decode`: the generic decode reference with the latent cache as keys and values,
     its first ``kv_lora_rank`` columns kept. Returns ``[B, H, kv_lora_rank]`` in ``q.dtype``."""
-    o = paged_attention_decode_ref(q, kv_cache, kv_cache, seq_lens=seq_lens, block_table=block_table, scale=scale)
+    return _sliced(paged_attention_decode_ref, q, kv_cache, seq_lens, block_table, scale, kv_lora_rank)
+
+
+def _sliced(decode, q, kv_cache, seq_lens, block_table, scale, kv_lora_rank) -> torch.Tensor:
+    o = decode(q, kv_cache, kv_cache, seq_lens=seq_lens, block_table=block_table, scale=scale)
     return o[..., :kv_lora_rank].contiguous()
 
 
@@ -90,11 +86,10 @@ def paged_mla_decode(
                                   kv_lora_rank=kv_lora_rank)  # fmt: skip
 
 
-def paged_mla_decode_cpu(q, kv_cache, *, seq_lens, block_table, scale, kv_lora_rank):
+def paged_mla_decode_cpu(q, kv_cache, *, seq_lens, block_table, scale, kv_lora_rank) -> torch.Tensor:
     """CPU: the generic CPU decode (native kernels / SDPA) with the latent cache as keys and values, sliced."""
-    o = implementation("paged_attention_decode", "cpu")(q, kv_cache, kv_cache, seq_lens=seq_lens,
-                                                        block_table=block_table, scale=scale)  # fmt: skip
-    return o[..., :kv_lora_rank].contiguous()
+    decode = implementation("paged_attention_decode", "cpu")
+    return _sliced(decode, q, kv_cache, seq_lens, block_table, scale, kv_lora_rank)
 
 
 register("paged_mla_decode", "reference", paged_mla_decode_ref)

@@ -349,10 +349,20 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.exp2(sink - m_new)
         acc = acc * alpha[:, None]
         m_i = m_new
-    # Empty ranges (padding rows with seq_len 0, or a split past the end) produce zeros / lse -inf.
+    _store_decode_out(acc, m_i, l_i, heads, gmask, offs_d, dmask, b, split, out_ptr, mid_o_ptr, mid_lse_ptr,
+                      stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, SPLIT)
+
+
+@triton.jit
+def _store_decode_out(acc, m_i, l_i, heads, hmask, offs_d, dmask, b, split, out_ptr, mid_o_ptr, mid_lse_ptr,
+                      stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                      SPLIT: tl.constexpr):  # fmt: skip
+    """A decode program's end: ``acc / l`` into the output rows ``[b, heads, offs_d]`` (one split), or with ``SPLIT``
+    as the split's fp32 partial and its base-2 log-sum-exp ``m + log2(l)`` for :func:`_merge_kernel`. Empty ranges
+    (padding rows with seq_len 0, or a split past the end) produce zeros / lse -inf."""
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
-    omask = gmask[:, None] & dmask[None, :]
+    omask = hmask[:, None] & dmask[None, :]
     if not SPLIT:
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=omask)
@@ -360,7 +370,7 @@ def _decode_kernel(
         base = b.to(tl.int64) * stride_mb + split * stride_ms
         tl.store(mid_o_ptr + base + heads[:, None] * stride_mh + offs_d[None, :], o, mask=omask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(mid_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=gmask)
+        tl.store(mid_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=hmask)
 
 
 # TUNING keys of the tile and warps per KV mode: 0 a 16-bit cache, 1 int8, 2 / 3 FP8 (native / emulated).

@@ -8,8 +8,9 @@ product's value operand, so the latent is read from memory once per head block, 
 
 The head block is 16 (the MMA's M minimum): a program's fp32 accumulator is ``[16, 512]`` (64 registers a thread on
 four warps) and its query tile ``[16, 576]``. The grid puts the head blocks on its fastest axis, so the programs
-reading one sequence's latent run side by side and all but the first find it in L2. Split-K over the keys (the count from static shapes only, so CUDA-graph safe) writes normalized fp32 partials
-and base-2 log-sum-exps that the generic decode's merge kernel combines.
+reading one sequence's latent run side by side and all but the first find it in L2. Split-K over the keys (the
+count from static shapes only, so CUDA-graph safe) writes normalized fp32 partials and base-2 log-sum-exps that the
+generic decode's merge kernel combines.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import triton.language as tl
 
 from infercore.devices import register, triton_interpreter
 
-from .triton_decode import _LOG2E, _merge_kernel, _pick_splits
+from .triton_decode import _LOG2E, _merge_kernel, _pick_splits, _store_decode_out
 
 # Launch knobs (swept by benchmarks/bench_mla_decode.py); block_h 16 keeps the accumulator in registers.
 TUNING = {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
@@ -82,18 +83,8 @@ def _mla_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
         m_i = m_new
 
-    # Empty ranges (padding rows, splits past the end) give zeros / lse -inf.
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    omask = hmask[:, None] & rmask[None, :]
-    if not SPLIT:
-        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_r[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=omask)
-    else:
-        base = b.to(tl.int64) * stride_mb + split * stride_ms
-        tl.store(mid_o_ptr + base + heads[:, None] * stride_mh + offs_r[None, :], o, mask=omask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(mid_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=hmask)
+    _store_decode_out(acc, m_i, l_i, heads, hmask, offs_r, rmask, b, split, out_ptr, mid_o_ptr, mid_lse_ptr,
+                      stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, SPLIT)
 
 
 def paged_mla_decode(

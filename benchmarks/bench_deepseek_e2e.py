@@ -18,13 +18,13 @@ import os
 import sys
 
 import torch
-from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import case, copy_bandwidth, write_results  # noqa: E402
-from bench_e2e import steady_decode, timed  # noqa: E402
+from bench_e2e import timed  # noqa: E402
+from bench_moe_e2e import decode_rates, hf_sharing  # noqa: E402
 
 from infercore import Engine, SamplingParams  # noqa: E402
 from infercore.models import build_model, config_from_hf  # noqa: E402
@@ -38,29 +38,6 @@ DEEPSEEK_V2_LITE = dict(
     first_k_dense_replace=1, max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000.0,
     tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001, hidden_act="silu", attention_bias=False,
 )
-
-
-def hf_sharing(model, hcfg, dev):
-    """A transformers DeepseekV2ForCausalLM whose parameters are views of ``model``'s."""
-    import transformers
-
-    with torch.device("meta"):
-        hf = transformers.DeepseekV2ForCausalLM(hcfg)
-    ours = dict(model.named_parameters())
-    for name, _ in list(hf.named_parameters()):
-        mapped, index = model._resolve(name)
-        t = ours[mapped].data
-        t = t if index is None else t[index]
-        owner, attr = hf.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
-        owner._parameters[attr] = nn.Parameter(t, requires_grad=False)
-    rot = hf.model.rotary_emb
-    try:
-        hf.model.rotary_emb = type(rot)(config=hcfg, device=dev)
-    except TypeError:
-        with torch.device("cpu"):
-            hf.model.rotary_emb = type(rot)(config=hcfg).to(dev)
-    hf.generation_config.pad_token_id = 0
-    return hf.eval()
 
 
 def main() -> None:
@@ -97,7 +74,7 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - older transformers: the per-expert loop
             pass
         try:
-            hf = hf_sharing(model, hcfg, dev)
+            hf = hf_sharing(model, hcfg, dev, transformers.DeepseekV2ForCausalLM)
         except Exception as e:  # noqa: BLE001 - report the peer's failure, keep our figures
             print(f"transformers peer not built: {type(e).__name__}: {e}", flush=True)
     batches = [int(b) for b in args.batches.split(",")]
@@ -111,36 +88,8 @@ def main() -> None:
     for B in batches:
         prompts = torch.randint(0, 100000, (B, args.prompt), generator=gen)
 
-        def ours(n: int, prompts=prompts):
-            sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-            return eng.generate([p.tolist() for p in prompts], sp)
-
-        ours(2)
-        t1 = min(timed(lambda: ours(1)) for _ in range(2))
-        tn = min(timed(lambda: ours(args.new)) for _ in range(2))
-        r_ours = B * (args.new - 1) / (tn - t1)
-        steady = steady_decode(eng, prompts, args.new, async_scheduling=True)
-        peers, same = {}, None
-        if hf is not None:
-            x = prompts.to(dev)
-
-            @torch.inference_mode()
-            def theirs(n: int, x=x):
-                return hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                                   do_sample=False)
-
-            try:
-                theirs(2)
-                h1 = timed(lambda: theirs(1))
-                hn = timed(lambda: theirs(args.hf_new))
-                peers[f"transformers generate (sdpa, experts {impl})"] = B * (args.hf_new - 1) / (hn - h1)
-                if B == 1:
-                    a = ours(16)[0].token_ids
-                    b = theirs(16)[0, args.prompt :].tolist()
-                    same = sum(int(u == v) for u, v in zip(a, b))
-            except Exception as e:  # noqa: BLE001 - report the peer's failure, keep our figures
-                print(f"transformers peer failed at B={B}: {type(e).__name__}: {e}", flush=True)
-                peers = {}
+        r_ours, steady, peers, same = decode_rates(eng, hf, prompts, args.new, args.hf_new,
+                                                   f"transformers generate (sdpa, experts {impl})")  # fmt: skip
         distinct = E * (1 - (1 - k / E) ** B)
         step_bytes = (dense_read + moe_layers * distinct * expert_bytes
                       + B * (args.prompt + args.new / 2) * kv_per_token)  # fmt: skip

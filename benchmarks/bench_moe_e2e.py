@@ -37,15 +37,17 @@ QWEN3_30B_A3B = dict(
 )
 
 
-def hf_sharing(model, hcfg, dev):
-    """A transformers Qwen3-MoE whose parameters are views of ``model``'s (q/k/v: row slices of qkv_proj)."""
+def hf_sharing(model, hcfg, dev, cls=None):
+    """A transformers model (``cls``, default Qwen3MoeForCausalLM) whose parameters are views of ``model``'s (names
+    mapped by ``model._resolve``: q/k/v row slices of qkv_proj, per-expert slices of the stacked experts)."""
     import transformers
 
     with torch.device("meta"):
-        hf = transformers.Qwen3MoeForCausalLM(hcfg)
+        hf = (cls or transformers.Qwen3MoeForCausalLM)(hcfg)
+    ours = dict(model.named_parameters())
     for name, _ in list(hf.named_parameters()):
-        ours, index = model._resolve(name)
-        t = dict(model.named_parameters())[ours].data
+        mapped, index = model._resolve(name)
+        t = ours[mapped].data
         t = t if index is None else t[index]
         owner, attr = hf.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
         owner._parameters[attr] = nn.Parameter(t, requires_grad=False)
@@ -57,6 +59,45 @@ def hf_sharing(model, hcfg, dev):
             hf.model.rotary_emb = type(rot)(config=hcfg).to(dev)
     hf.generation_config.pad_token_id = 0
     return hf.eval()
+
+
+def decode_rates(eng, hf, prompts: torch.Tensor, new: int, hf_new: int, label: str) -> tuple[float, float, dict, int]:
+    """Decode tok/s of the Engine on ``prompts`` ``[B, P]`` (``B (new - 1) / (t(new) - t(1))``, best of two), its
+    steady rate (every request decoding), transformers ``generate``'s rate as ``{label: rate}`` (``hf_new`` tokens;
+    empty if ``hf`` is None or fails) and, at batch 1, how many of the first 16 greedy tokens agree."""
+    B, P = prompts.shape
+
+    def ours(n: int):
+        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        return eng.generate([p.tolist() for p in prompts], sp)
+
+    ours(2)
+    t1 = min(timed(lambda: ours(1)) for _ in range(2))
+    tn = min(timed(lambda: ours(new)) for _ in range(2))
+    rate = B * (new - 1) / (tn - t1)
+    steady = steady_decode(eng, prompts, new, async_scheduling=True)
+    peers, same = {}, None
+    if hf is not None:
+        x = prompts.to(next(hf.parameters()).device)
+
+        @torch.inference_mode()
+        def theirs(n: int):
+            return hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False)
+
+        try:
+            theirs(2)
+            h1 = timed(lambda: theirs(1))
+            hn = timed(lambda: theirs(hf_new))
+            peers[label] = B * (hf_new - 1) / (hn - h1)
+            if B == 1:
+                a = ours(16)[0].token_ids
+                b = theirs(16)[0, P:].tolist()
+                same = sum(int(u == v) for u, v in zip(a, b))
+        except Exception as e:  # noqa: BLE001 - report the peer's failure, keep our figures
+            print(f"transformers peer failed at B={B}: {type(e).__name__}: {e}", flush=True)
+            peers = {}
+    return rate, steady, peers, same
 
 
 def main() -> None:
@@ -104,36 +145,8 @@ def main() -> None:
     for B in batches:
         prompts = torch.randint(0, 150000, (B, args.prompt), generator=gen)
 
-        def ours(n: int, prompts=prompts):
-            sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-            return eng.generate([p.tolist() for p in prompts], sp)
-
-        ours(2)
-        t1 = min(timed(lambda: ours(1)) for _ in range(2))
-        tn = min(timed(lambda: ours(args.new)) for _ in range(2))
-        r_ours = B * (args.new - 1) / (tn - t1)
-        steady = steady_decode(eng, prompts, args.new, async_scheduling=True)
-        peers, same = {}, None
-        if hf is not None:
-            x = prompts.to(dev)
-
-            @torch.inference_mode()
-            def theirs(n: int, x=x):
-                return hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                                   do_sample=False)
-
-            try:
-                theirs(2)
-                h1 = timed(lambda: theirs(1))
-                hn = timed(lambda: theirs(args.hf_new))
-                peers[f"transformers generate (sdpa, experts {impl})"] = B * (args.hf_new - 1) / (hn - h1)
-                if B == 1:
-                    a = ours(16)[0].token_ids
-                    b = theirs(16)[0, args.prompt:].tolist()
-                    same = sum(int(u == v) for u, v in zip(a, b))
-            except Exception as e:  # noqa: BLE001 - report the peer's failure, keep our figures
-                print(f"transformers peer failed at B={B}: {type(e).__name__}: {e}", flush=True)
-                peers = {}
+        r_ours, steady, peers, same = decode_rates(eng, hf, prompts, args.new, args.hf_new,
+                                                   f"transformers generate (sdpa, experts {impl})")  # fmt: skip
         distinct = E * (1 - (1 - k / E) ** B)
         step_bytes = dense_read + L * distinct * expert_bytes + B * (args.prompt + args.new / 2) * kv_per_token
         floor = B * bw / step_bytes

@@ -40,6 +40,7 @@ def _mla_decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    DOT_PRECISION: tl.constexpr = "tf32",  # "ieee" for fp32 inputs (exact products, as the generic kernel)
 ):  # fmt: skip
     hb = tl.program_id(0)  # fastest: the head blocks of one sequence run side by side and share its latent in L2
     b = tl.program_id(1)
@@ -73,14 +74,15 @@ def _mla_decode_kernel(
         row = kv_ptr + page.to(tl.int64) * stride_kp + (kpos % PAGE) * stride_ks
         c = tl.load(row[:, None] + offs_r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
         pe = tl.load(row[:, None] + R + offs_p[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0)
-        s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(pe))
+        s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION) + tl.dot(
+            q_pe, tl.trans(pe), input_precision=DOT_PRECISION)
         s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
     _store_decode_out(acc, m_i, l_i, heads, hmask, offs_r, rmask, b, split, out_ptr, mid_o_ptr, mid_lse_ptr,
@@ -133,7 +135,7 @@ def paged_mla_decode(
         mid_lse.stride(0), mid_lse.stride(1),
         H, num_splits, R, P,
         PAGE=page_size, SPLIT=num_splits > 1, BLOCK_H=block_h, BLOCK_N=16 if interp else cfg["block_n"],
-        BLOCK_R=block_r, BLOCK_P=block_p, **extra,
+        BLOCK_R=block_r, BLOCK_P=block_p, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **extra,
     )  # fmt: skip
     if num_splits > 1:
         _merge_kernel[(B, H)](

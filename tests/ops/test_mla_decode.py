@@ -98,7 +98,7 @@ def test_mla_decode_bad_inputs_name_the_argument():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("H,B,L", [(16, 8, 1000), (128, 4, 2049), (128, 64, 300)])
 def test_mla_decode_gpu_deepseek_widths(H, B, L):
-    lens = [L - 7 * i for i in range(B)]
+    lens = [max(L - 7 * i, 1) for i in range(B)]
     q, cache, lens_t, table = _case(lens, H, 512, 64, 16, torch.bfloat16, device="cuda")
     scale = 192**-0.5
     got = implementation("paged_mla_decode", "triton")(q, cache, seq_lens=lens_t, block_table=table, scale=scale,

@@ -8,9 +8,9 @@ product's value operand, so the latent is read from memory once per head block, 
 
 The head block is 16 (the MMA's M minimum) for models of few heads, 64 for V2 / V3's 128 (``TUNING_WIDE``: 8 warps,
 an fp32 accumulator ``[64, 512]`` of 128 registers a thread). The grid puts the head blocks on its fastest axis, so
-the programs reading one sequence's latent run side by side and all but the first find it in L2. Split-K over the keys (the
-count from static shapes only, so CUDA-graph safe) writes normalized fp32 partials and base-2 log-sum-exps that the
-generic decode's merge kernel combines.
+the programs reading one sequence's latent run side by side and all but the first find it in L2. Split-K over the
+keys (the count from static shapes only, so CUDA-graph safe) writes normalized fp32 partials and base-2
+log-sum-exps that the generic decode's merge kernel combines.
 """
 
 from __future__ import annotations

@@ -101,3 +101,67 @@ def test_expert_offset_skips_the_experts_held_elsewhere(path, ids_dtype, monkeyp
         ref(x, gate_up[:4], down[:4], w, ids)
     with pytest.raises(ValueError, match="expert_offset"):
         moe_experts_routed(x, gate_up, down, w, ids, expert_offset=-1)
+
+
+def _relu2_want(x, up, down, w, ids):
+    """``sum_k w[t, k] relu(x[t] @ up[e]^T) ** 2 @ down[e]^T`` written here, pair by pair in fp32."""
+    out = torch.zeros(x.shape[0], down.shape[1])
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = torch.relu(x[t].float() @ up[e].float().t()).square()
+            out[t] += w[t, j].float() * (h @ down[e].float().t())
+    return out
+
+
+# fp16: the squared intermediate is stored in fp16 between the two kernels (the plain computation keeps fp32)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float16, 1e-2)])
+@pytest.mark.parametrize("T,skew", [(5, False), (40, True), (1, False)])
+@pytest.mark.parametrize("path", ["dispatch", "grouped", "gemv", "reference"])
+def test_relu2_experts_match_a_plain_computation(dtype, tol, T, skew, path, monkeypatch):
+    """``activation="relu2"`` (Nemotron-H): ungated squared-ReLU experts, ``gate_up`` the up rows ``[E, I, H]``, in
+    every path (grouped kernels, GEMVs, the reference, the public op) and with expert parallelism."""
+    from infercore.ops.moe import triton as moe_triton
+
+    x, gate_up, down, w, ids = _case(T, 6, 40, 24, 2, dtype, skew=skew)
+    up = gate_up[:, :24].contiguous()  # [E, I, H]
+    want = _relu2_want(x, up, down, w, ids)
+    if path == "grouped":
+        monkeypatch.setattr(moe_triton, "GEMV_MAX_PAIRS", 0)
+    fn = {"gemv": moe_triton.moe_experts_gemv, "reference": implementation("moe_experts_routed", "reference"),
+          "dispatch": moe_experts_routed}.get(path) or implementation("moe_experts_routed", "triton")  # fmt: skip
+    got = fn(x, up, down, w.to(dtype), ids, activation="relu2")
+    assert got.dtype == dtype and got.shape == (T, 40)
+    if path in ("dispatch", "reference") and dtype == torch.float16:
+        tol = 2e-2  # on the CPU these are the reference, whose products round to fp16 too
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    if path in ("grouped", "gemv"):  # two holders of three experts each sum to the whole
+        halves = [fn(x, up[lo : lo + 3], down[lo : lo + 3], w.to(dtype), ids, lo, activation="relu2") for lo in (0, 3)]
+        torch.testing.assert_close((halves[0].float() + halves[1].float()), want, atol=2 * tol, rtol=2 * tol)
+
+
+def test_relu2_bad_arguments_name_them():
+    x, gate_up, down, w, ids = _case(3, 4, 16, 8, 2, torch.float32)
+    with pytest.raises(ValueError, match=r"\[E, I, H\] and \[E, H, I\] \(ungated relu2\)"):
+        moe_experts_routed(x, gate_up, down, w, ids, activation="relu2")  # [E, 2I, H]: the gated layout
+    with pytest.raises(ValueError, match="activation must be one of"):
+        moe_experts_routed(x, gate_up, down, w, ids, activation="gelu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("T", [1, 4, 64, 600])
+def test_relu2_experts_gpu_bf16(T):
+    """The relu2 kernels in bf16 at a Nemotron-3-like width on CUDA (GEMV path at decode sizes, grouped beyond),
+    against the pair-by-pair fp32 computation, eager and in a CUDA graph."""
+    x, gate_up, down, w, ids = _case(T, 64, 1024, 512, 6, torch.float32, seed=3)
+    up = gate_up[:, :512].contiguous()
+    want = _relu2_want(x, up, down, w, ids)
+    args = [t.cuda() for t in (x.bfloat16(), up.bfloat16(), down.bfloat16(), w, ids)]
+    got = moe_experts_routed(*args, activation="relu2")
+    torch.testing.assert_close(got.float().cpu(), want, atol=3e-2 * want.abs().max().item(), rtol=3e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_experts_routed(*args, activation="relu2")
+    graph.replay()
+    torch.testing.assert_close(out, got)

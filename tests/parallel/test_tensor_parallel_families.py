@@ -102,13 +102,12 @@ def _hybrid_worker(rank: int, init: str, path: str) -> None:
     falcon.KINDS["one_group_after"] = dict(falcon.MUP, mamba_rms_norm=True, mamba_norm_before_gate=False,
                                            mamba_n_groups=1, mamba_proj_bias=True)  # fmt: skip
     cases = [(granite, "moe_rope", "tp"), (granite, "moe_rope", "ep"), (granite, "dense_nope", "tp"),
-             (nemotron, "pattern", "tp"), (nemotron, "moe", "tp"), (nemotron, "wide", "tp"),
+             (nemotron, "pattern", "tp"), (nemotron, "moe", "tp"), (nemotron, "moe", "ep"), (nemotron, "wide", "tp"),
              *[(falcon, kind, "tp") for kind in ("mup_norm", "plain", "norm_before_gate", "one_group_before",
                                                  "one_group_after")]]  # fmt: skip
     hfs = {(m.__name__, kind): m.tiny(kind) for m, kind, _ in cases}
     models = [ours_from_hf(hfs[m.__name__, kind], os.path.join(path, f"{m.__name__}-{kind}-{ex}-{rank}"))[0]
               for m, kind, ex in cases]  # fmt: skip
-    spare = ours_from_hf(hfs["test_nemotron_h", "moe"], os.path.join(path, f"spare-{rank}"))[0]
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
         greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -118,6 +117,12 @@ def _hybrid_worker(rank: int, init: str, path: str) -> None:
             tensor_parallel_(model, experts=experts)
             if mod is nemotron:  # "M-M*-M", "ME*EM", "M*M-": layer 1 an MLP or MoE block, layer 0 a mixer
                 assert isinstance(model.backbone.layers[1 if kind != "wide" else 3].mixer, RowParallel)
+                if kind == "moe":
+                    ex = model.backbone.layers[1].mixer.linear.experts
+                    E = hf.config.n_routed_experts
+                    whole = experts == "ep"
+                    assert ex.up_proj.shape[0] == (E // WORLD if whole else E)
+                    assert ex.expert_offset == (rank * E // WORLD if whole else None)
                 assert model.backbone.layers[0].mixer.H == hf.config.mamba_num_heads // WORLD
             elif mod is falcon:
                 layer = model.model.layers[0]
@@ -136,8 +141,6 @@ def _hybrid_worker(rank: int, init: str, path: str) -> None:
             assert everyone[0] == everyone[1]
             if rank == 0:
                 assert outs == [hf_greedy(hf, p, 10) for p in prompts], (mod.__name__, kind, experts)
-        with pytest.raises(ValueError, match="experts='ep' is not available for NemotronHForCausalLM"):
-            tensor_parallel_(spare, experts="ep")
     finally:
         _leave()
 

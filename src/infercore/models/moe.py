@@ -132,33 +132,36 @@ def moe_experts_dense(
 
 def moe_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    expert_offset: int | None = None, *, lora=None,
+    expert_offset: int | None = None, *, lora=None, activation: str = "silu",
 ) -> torch.Tensor:
     """Dispatch. CPU: the reference loop (it costs less than either batched form there).
     Accelerators: the routed op (``ops.moe_experts_routed``: on CUDA a Triton grouped GEMM over the
     pairs sorted by expert on the device -- only routed experts read and computed, no host sync),
     ``ROUTED_MAX_TOKENS`` tokens at a time. ``expert_offset``: the tensors hold experts
     ``[expert_offset, expert_offset + E)`` of a larger set (expert parallelism); pairs routed elsewhere are skipped.
-    ``lora``: multi-LoRA on the experts (``ops.moe.MoELoRA``), through ``ops.moe_experts_routed`` on every device."""
+    ``lora``: multi-LoRA on the experts (``ops.moe.MoELoRA``), through ``ops.moe_experts_routed`` on every device.
+    ``activation``: ``"silu"`` (gated) or ``"relu2"`` (ungated squared ReLU, ``gate_up`` the up rows ``[E, I, H]``)."""
     if lora is not None:
         return _routed_in_chunks(x, gate_up, down, weights, ids, expert_offset, lora=lora)
     if x.device.type == "cpu":
-        _check(x, gate_up, down, weights, ids)
-        return moe_experts_ref(x, gate_up, down, weights, ids, expert_offset)
-    return _routed_in_chunks(x, gate_up, down, weights, ids, expert_offset)
+        check_moe_args("moe_experts", x, gate_up, down, weights, ids, activation)
+        return moe_experts_ref(x, gate_up, down, weights, ids, expert_offset, activation)
+    return _routed_in_chunks(x, gate_up, down, weights, ids, expert_offset, activation=activation)
 
 
 def _routed_in_chunks(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    expert_offset: int | None = None, lora=None,
+    expert_offset: int | None = None, lora=None, activation: str = "silu",
 ) -> torch.Tensor:
     T, R = x.shape[0], ROUTED_MAX_TOKENS
+    act = {} if activation == "silu" else {"activation": activation}
     if T <= R:
-        return moe_experts_routed(x, gate_up, down, weights, ids, expert_offset=expert_offset, lora=lora)
-    _check(x, gate_up, down, weights, ids)
+        return moe_experts_routed(x, gate_up, down, weights, ids, expert_offset=expert_offset, lora=lora, **act)
+    check_moe_args("moe_experts", x, gate_up, down, weights, ids, activation)
     return torch.cat([moe_experts_routed(x[s : s + R], gate_up, down, weights[s : s + R], ids[s : s + R],
                                          expert_offset=expert_offset,
-                                         lora=None if lora is None else replace(lora, slots=lora.slots[s : s + R]))
+                                         lora=None if lora is None else replace(lora, slots=lora.slots[s : s + R]),
+                                         **act)
                       for s in range(0, T, R)])  # fmt: skip
 
 

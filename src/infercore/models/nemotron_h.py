@@ -16,11 +16,11 @@ Each layer is ``x += mixer(rms_norm(x))`` with one of four mixers, from ``hybrid
 Then ``norm_f`` and ``lm_head``. Mixer layers hold conv / SSM state slots in the hybrid KV pool, attention layers paged
 KV; MLP and MoE layers hold nothing and declare no KV spec (the specs, ``kv_caches`` and the metadata's entries are
 those of the mixer and attention layers in order: see :meth:`NemotronHForCausalLM.kv_specs`). The routed experts run
-expert by expert in torch (one host sync per MoE layer for the routed set), not through ``moe_experts_routed`` (its
-experts are SiLU-gated). Tensor names are HF's
-(``backbone.*``, one tensor per expert; transformers' renamed ``model.*`` and stacked experts also load), q/k/v merged
-into ``qkv_proj``. ``tensor_parallel_`` shards each block by its kind: Mamba2 mixers and attention by heads, MLPs,
-experts and the shared MLP by width (``experts="ep"`` is refused: the experts run in torch).
+through ``moe_experts_routed`` with its ungated squared-ReLU activation (``activation="relu2"``: on CUDA the Triton
+kernels, no host wait; the reference loop on the CPU). Tensor names are HF's (``backbone.*``, one tensor per expert;
+transformers' renamed ``model.*`` and stacked experts also load), q/k/v merged into ``qkv_proj``.
+``tensor_parallel_`` shards each block by its kind: Mamba2 mixers and attention by heads, MLPs and the shared MLP by
+width, the experts by width or whole (``experts="ep"``: ``NemotronHExperts.expert_offset``).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from ..ops import fused_add_rms_norm, paged_attention, rms_norm, write_kv_cache_
 from .deepseek import DeepseekRouter
 from .hybrid import HFConfigReader, HybridMetadata, check_step, layer_metadata, linear_metadata, load_hf_weights
 from .mamba2 import BambaAttention, Mamba2ForCausalLM, Mamba2Mixer, _Weight
+from .moe import moe_experts
 
 __all__ = ["NemotronHConfig", "NemotronHForCausalLM"]
 
@@ -237,30 +238,14 @@ class NemotronHExperts(nn.Module):
         super().__init__()
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, width, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(num_experts, width, intermediate, dtype=dtype))
+        self.expert_offset: int | None = None  # expert parallelism: these are experts [offset, offset + E)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``; ``x [T, L]``, ``weights`` fp32 / ``ids [T, k]``. Only
-        the chosen experts run, their ids read on the host; while a CUDA graph is captured (which cannot wait for the
-        host) every expert runs instead (:meth:`forward_dense`)."""
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return self.forward_dense(x, weights, ids)
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            y = torch.relu(x[tok] @ self.up_proj[e].t()).square() @ self.down_proj[e].t()
-            out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
-        return out
-
-    def forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Every expert over every token, weighted by the routing weights (0 where a token did not choose it): fixed
-        shapes, no host wait, ``num_experts / k`` times the routed work."""
-        w = torch.zeros(x.shape[0], self.up_proj.shape[0], dtype=weights.dtype, device=x.device)
-        w.scatter_(1, ids, weights)
-        out = torch.zeros_like(x)
-        for e in range(self.up_proj.shape[0]):
-            y = torch.relu(x @ self.up_proj[e].t()).square() @ self.down_proj[e].t()
-            out += (y * w[:, e, None]).to(out.dtype)
-        return out
+        """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``; ``x [T, L]``, ``weights`` fp32 / ``ids [T, k]``, through
+        the routed experts op with the ungated squared ReLU (:func:`~infercore.models.moe.moe_experts`: the reference
+        loop on the CPU; on CUDA the Triton kernels over the pairs sorted on the device, only the chosen experts
+        read and no host wait, so decode steps capture into CUDA graphs)."""
+        return moe_experts(x, self.up_proj, self.down_proj, weights, ids, self.expert_offset, activation="relu2")
 
 
 class NemotronHMoE(nn.Module):

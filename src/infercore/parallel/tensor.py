@@ -149,7 +149,7 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     cfg = model.config
     if experts not in ("tp", "ep"):
         raise ValueError(f"tensor_parallel_: experts must be 'tp' or 'ep', got {experts!r}")
-    if experts == "ep" and isinstance(model, (GptOssForCausalLM, NemotronHForCausalLM)):
+    if experts == "ep" and isinstance(model, GptOssForCausalLM):
         raise ValueError(f"tensor_parallel_: experts='ep' is not available for {type(model).__name__} (its experts "
                          "run in torch over all of their stacked weights); use experts='tp'")
     layers = model.backbone.layers if isinstance(model, Mamba2ForCausalLM) else model.model.layers
@@ -165,7 +165,8 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
             widths.append(("n_groups", cfg.n_groups))
     sparse = [isinstance(m, SparseMoeBlock) for m in mlps]
     if isinstance(model, NemotronHForCausalLM):
-        widths = [("vocab_size", cfg.vocab_size), *_nemotron_h_widths(cfg, {layer.kind for layer in layers})]
+        widths = [("vocab_size", cfg.vocab_size), *_nemotron_h_widths(cfg, {layer.kind for layer in layers},
+                                                                        by_expert=experts == "ep")]
     elif isinstance(model, GraniteMoeHybridForCausalLM):
         if cfg.num_experts:
             widths.append(("intermediate_size", cfg.intermediate_size) if experts == "tp"
@@ -195,7 +196,7 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     q_per_head = 2 if isinstance(model, Qwen3NextForCausalLM) else 1
     for layer in layers:
         if isinstance(model, NemotronHForCausalLM):
-            _shard_nemotron_h_block_(layer, tp, rank, group, shm)
+            _shard_nemotron_h_block_(layer, tp, rank, group, shm, by_expert=experts == "ep")
             continue
         if hasattr(layer, "linear_attn"):
             _shard_delta_net_(layer.linear_attn, tp, rank, group, shm)
@@ -296,7 +297,7 @@ def _shard_gpt_oss_experts_(ex: nn.Module, tp: int, rank: int) -> None:
         ex.down_proj_bias = nn.Parameter(torch.zeros_like(ex.down_proj_bias), requires_grad=False)
 
 
-def _nemotron_h_widths(cfg, kinds: set[str]) -> list[tuple[str, int]]:
+def _nemotron_h_widths(cfg, kinds: set[str], *, by_expert: bool) -> list[tuple[str, int]]:
     """The widths a Nemotron-H model's layer kinds shard (``M`` Mamba2, ``*`` attention, ``-`` MLP, ``E`` MoE)."""
     from ..models.nemotron_h import ATTENTION, MAMBA, MLP, MOE
 
@@ -310,8 +311,8 @@ def _nemotron_h_widths(cfg, kinds: set[str]) -> list[tuple[str, int]]:
     if MLP in kinds:
         widths.append(("intermediate_size", cfg.intermediate_size))
     if MOE in kinds:
-        widths += [("moe_intermediate_size", cfg.moe_intermediate_size),
-                   ("moe_shared_intermediate_size", cfg.moe_shared_intermediate_size)]  # fmt: skip
+        routed = ("num_experts", cfg.num_experts) if by_expert else ("moe_intermediate_size", cfg.moe_intermediate_size)
+        widths += [routed, ("moe_shared_intermediate_size", cfg.moe_shared_intermediate_size)]
     return widths
 
 
@@ -325,10 +326,11 @@ def _shard_relu2_mlp_(mlp: nn.Module, tp: int, rank: int) -> None:
     _set(p, p.weight[:, rank * n : (rank + 1) * n].contiguous(), p.bias if rank == 0 else None)
 
 
-def _shard_nemotron_h_block_(block: nn.Module, tp: int, rank: int, group, shm: ShmGroup | None) -> None:
+def _shard_nemotron_h_block_(block: nn.Module, tp: int, rank: int, group, shm: ShmGroup | None, *,
+                             by_expert: bool) -> None:  # fmt: skip
     """One Nemotron-H block by its kind: a Mamba2 mixer by heads, attention by heads, the MLP by width, the MoE's
-    experts and its shared MLP by width (``by_expert`` is refused by the caller); the latent projections whole, the
-    output latent projection's bias on rank 0. MLP and MoE outputs are summed over the group (``RowParallel``)."""
+    experts by width (or whole, ``by_expert``) and its shared MLP by width; the latent projections whole, the output
+    latent projection's bias on rank 0. MLP and MoE outputs are summed over the group (``RowParallel``)."""
     from ..models.nemotron_h import ATTENTION, MAMBA, MLP
 
     mix = block.mixer
@@ -340,9 +342,17 @@ def _shard_nemotron_h_block_(block: nn.Module, tp: int, rank: int, group, shm: S
         _shard_relu2_mlp_(mix, tp, rank)
         block.mixer = RowParallel(mix, group, shm)
     else:
-        ex, i = mix.experts, mix.experts.up_proj.shape[1] // tp
-        ex.up_proj = nn.Parameter(ex.up_proj[:, rank * i : (rank + 1) * i].contiguous(), requires_grad=False)
-        ex.down_proj = nn.Parameter(ex.down_proj[:, :, rank * i : (rank + 1) * i].contiguous(), requires_grad=False)
+        ex = mix.experts
+        if by_expert:  # whole experts: the rank's [rank E / tp, (rank + 1) E / tp), the others' pairs skipped
+            n = ex.up_proj.shape[0] // tp
+            ex.up_proj = nn.Parameter(ex.up_proj[rank * n : (rank + 1) * n].contiguous(), requires_grad=False)
+            ex.down_proj = nn.Parameter(ex.down_proj[rank * n : (rank + 1) * n].contiguous(), requires_grad=False)
+            ex.expert_offset = rank * n
+        else:
+            i = ex.up_proj.shape[1] // tp
+            ex.up_proj = nn.Parameter(ex.up_proj[:, rank * i : (rank + 1) * i].contiguous(), requires_grad=False)
+            ex.down_proj = nn.Parameter(ex.down_proj[:, :, rank * i : (rank + 1) * i].contiguous(),
+                                        requires_grad=False)  # fmt: skip
         _shard_relu2_mlp_(mix.shared_experts, tp, rank)
         fc2 = mix.fc2_latent_proj
         if fc2 is not None and fc2.bias is not None and rank:

@@ -72,9 +72,9 @@ def _check_lora(op: str, lora: object, x: torch.Tensor, gate_up: torch.Tensor) -
 
 def moe_experts_routed(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    *, expert_offset: int | None = None, lora: MoELoRA | None = None,
+    *, expert_offset: int | None = None, lora: MoELoRA | None = None, activation: str = "silu",
 ) -> torch.Tensor:
-    """Top-k routed SiLU-gated experts.
+    """Top-k routed experts, SiLU-gated (or ungated squared-ReLU ones, ``activation="relu2"``).
 
     Args:
         x: ``[T, H]`` fp32/fp16/bf16. gate_up: ``[E, 2I, H]`` (gate rows, then up rows); down:
@@ -87,13 +87,15 @@ def moe_experts_routed(
             expert outside that range are skipped (the result is this holder's share of the sum).
         lora: multi-LoRA on the experts (:class:`MoELoRA`): each token adds its slot's adapter of each of its
             experts to the gate / up projections (before the activation) and to the down projection (before the
-            routing weight). CUDA-graph safe on CUDA; the reference syncs.
+            routing weight). CUDA-graph safe on CUDA; the reference syncs. SiLU-gated experts only.
+        activation: ``"silu"`` (``silu(gate) * up``, ``gate_up [E, 2I, H]``) or ``"relu2"`` (Nemotron-H's ungated
+            ``relu(up) ** 2``: ``gate_up`` is then the up projection alone, ``[E, I, H]``).
 
     Returns:
         ``[T, H]`` in ``x.dtype``.
     """
     op = "moe_experts_routed"
-    check_moe_args(op, x, gate_up, down, weights, ids)
+    check_moe_args(op, x, gate_up, down, weights, ids, activation)
     V.dim_at_least_one(op, "gate_up", gate_up, 0, "num_experts (E)")  # down has the same E
     V.floating(op, "x", x)
     V.same_device(op, "x", x, gate_up=gate_up, down=down, weights=weights, ids=ids)
@@ -105,16 +107,19 @@ def moe_experts_routed(
                                       or expert_offset < 0):
         raise ValueError(f"{op}: expert_offset must be an int >= 0 or None, got {expert_offset!r}")
     if lora is not None:
+        if activation != "silu":
+            raise ValueError(f"{op}: lora takes SiLU-gated experts only, got activation={activation!r}")
         _check_lora(op, lora, x, gate_up)
         return dispatch(op, x.device)(x, gate_up, down, weights, ids, expert_offset, lora=lora)
+    act = {} if activation == "silu" else {"activation": activation}
     if expert_offset is None:
-        return dispatch(op, x.device)(x, gate_up, down, weights, ids)
-    return dispatch(op, x.device)(x, gate_up, down, weights, ids, expert_offset)
+        return dispatch(op, x.device)(x, gate_up, down, weights, ids, **act)
+    return dispatch(op, x.device)(x, gate_up, down, weights, ids, expert_offset, **act)
 
 
-def _reference(x, gate_up, down, weights, ids, expert_offset=None, *, lora=None):
+def _reference(x, gate_up, down, weights, ids, expert_offset=None, *, lora=None, activation="silu"):
     if lora is None:
-        return moe_experts_ref(x, gate_up, down, weights, ids, expert_offset)
+        return moe_experts_ref(x, gate_up, down, weights, ids, expert_offset, activation)
     return moe_experts_lora_ref(x, gate_up, down, weights, ids, lora, expert_offset)
 
 

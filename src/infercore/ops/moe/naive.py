@@ -1,4 +1,5 @@
-"""Reference for the routed expert computation of a sparse MoE layer (SiLU-gated experts)."""
+"""Reference for the routed expert computation of a sparse MoE layer (SiLU-gated experts, or ungated squared-ReLU
+ones: ``activation="relu2"``, Nemotron-H's)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,17 @@ import torch
 
 from ..activation import silu_and_mul
 
+ACTIVATIONS = ("silu", "relu2")  # SiLU-gated (gate_up [E, 2I, H]); squared ReLU, ungated (up [E, I, H])
 
-def check_moe_args(op: str, x, gate_up, down, weights, ids) -> None:
-    """Shapes of ``x [T, H]``, ``gate_up [E, 2I, H]``, ``down [E, H, I]``, ``weights / ids [T, k]``."""
+
+def expert_act(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """The experts' activation of the first projection's output ``h``: ``silu(gate) * up`` or ``relu(h) ** 2``."""
+    return silu_and_mul(h) if activation == "silu" else torch.relu(h).square()
+
+
+def check_moe_args(op: str, x, gate_up, down, weights, ids, activation: str = "silu") -> None:
+    """Shapes of ``x [T, H]``, ``gate_up [E, 2I, H]`` (``[E, I, H]`` for the ungated ``relu2``), ``down [E, H, I]``,
+    ``weights / ids [T, k]``."""
     for name, t in (("x", x), ("gate_up", gate_up), ("down", down), ("weights", weights), ("ids", ids)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -16,11 +25,15 @@ def check_moe_args(op: str, x, gate_up, down, weights, ids) -> None:
         raise ValueError(f"{op}: x must be [tokens, hidden], got shape {tuple(x.shape)}")
     if gate_up.ndim != 3:
         raise ValueError(f"{op}: gate_up must be [E, 2I, H], got shape {tuple(gate_up.shape)}")
-    E, two_i, H = gate_up.shape
-    if H != x.shape[1] or two_i % 2 or down.shape != (E, H, two_i // 2):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    gated = activation == "silu"
+    E, rows, H = gate_up.shape
+    if H != x.shape[1] or (gated and rows % 2) or down.shape != (E, H, rows // 2 if gated else rows):
+        want = "[E, 2I, H] and [E, H, I]" if gated else "[E, I, H] and [E, H, I] (ungated relu2)"
         raise ValueError(
             f"{op}: gate_up_proj {tuple(gate_up.shape)} / down_proj {tuple(down.shape)} do not match "
-            f"x {tuple(x.shape)} (expected [E, 2I, H] and [E, H, I])"
+            f"x {tuple(x.shape)} (expected {want})"
         )
     if weights.shape != ids.shape or weights.ndim != 2 or weights.shape[0] != x.shape[0]:
         raise ValueError(f"{op}: topk weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must be [tokens, k]")
@@ -30,11 +43,12 @@ def check_moe_args(op: str, x, gate_up, down, weights, ids) -> None:
 
 def moe_experts_ref(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    expert_offset: int | None = None,
+    expert_offset: int | None = None, activation: str = "silu",
 ) -> torch.Tensor:
     """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``, expert by expert (the HF loop).
 
-    ``expert_e(v) = silu_and_mul(v @ gate_up[e]^T) @ down[e]^T``; each expert's output is scaled in
+    ``expert_e(v) = silu_and_mul(v @ gate_up[e]^T) @ down[e]^T`` (``relu(v @ gate_up[e]^T) ** 2 @ down[e]^T`` with
+    ``activation="relu2"``); each expert's output is scaled in
     fp32 and summed in ``x.dtype``. Returns ``[T, H]`` in ``x.dtype``. With ``expert_offset`` the tensors hold
     experts ``[expert_offset, expert_offset + E)`` and pairs routed elsewhere are skipped.
     """
@@ -47,7 +61,7 @@ def moe_experts_ref(
                 continue
             raise ValueError(f"moe_experts: expert id {e} is outside [0, {gate_up.shape[0]})")
         tok, slot = torch.where(ids == e)
-        y = silu_and_mul(x[tok] @ gate_up[e].t()) @ down[e].t()
+        y = expert_act(x[tok] @ gate_up[e].t(), activation) @ down[e].t()
         out.index_add_(0, tok, (y.float() * weights[tok, slot, None].float()).to(x.dtype))
     return out
 

@@ -70,7 +70,7 @@ def _moe_gate_up_kernel(
     H, I, TOPK,
     stride_xm, stride_we, stride_wn, stride_im, stride_em,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_EXTRA: tl.constexpr,
+    HAS_EXTRA: tl.constexpr, RELU2: tl.constexpr = False,  # ungated relu(up) ** 2: w holds the up rows alone
 ):  # fmt: skip
     e, cnt, start = _expert_span(counts_ptr, offsets_ptr)
     if cnt > 0:
@@ -89,16 +89,24 @@ def _moe_gate_up_kernel(
                 k_mask = offs_k < H
                 a = tl.load(x_rows + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
                 wm = n_mask[:, None] & k_mask[None, :]
-                wg = tl.load(g_rows + offs_k[None, :], mask=wm, other=0.0)
-                wu = tl.load(u_rows + offs_k[None, :], mask=wm, other=0.0)
-                acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
-                acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+                if RELU2:
+                    wu = tl.load(g_rows + offs_k[None, :], mask=wm, other=0.0)
+                    acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+                else:
+                    wg = tl.load(g_rows + offs_k[None, :], mask=wm, other=0.0)
+                    wu = tl.load(u_rows + offs_k[None, :], mask=wm, other=0.0)
+                    acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
+                    acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
             if HAS_EXTRA:  # fp32 [rows, 2I] added before the activation (the experts' LoRA), by inter row
                 e_rows = extra_ptr + (start + rows).to(tl.int64)[:, None] * stride_em
                 em = r_mask[:, None] & n_mask[None, :]
                 acc_g += tl.load(e_rows + offs_n[None, :], mask=em, other=0.0)
                 acc_u += tl.load(e_rows + (I + offs_n)[None, :], mask=em, other=0.0)
-            y = acc_g * tl.sigmoid(acc_g) * acc_u
+            if RELU2:
+                r = tl.maximum(acc_u, 0.0)
+                y = r * r
+            else:
+                y = acc_g * tl.sigmoid(acc_g) * acc_u
             dst = inter_ptr + (start + rows).to(tl.int64)[:, None] * stride_im + offs_n[None, :]
             tl.store(dst, y.to(inter_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
 
@@ -109,7 +117,7 @@ def _moe_down_kernel(
     H, I,
     stride_im, stride_we, stride_wn, stride_om, stride_em,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_EXTRA: tl.constexpr,
+    HAS_EXTRA: tl.constexpr, RELU2: tl.constexpr = False,  # ungated relu(up) ** 2: w holds the up rows alone
 ):  # fmt: skip
     e, cnt, start = _expert_span(counts_ptr, offsets_ptr)
     if cnt > 0:
@@ -158,6 +166,7 @@ def _moe_gemv_gate_up_kernel(
     H, I, TOPK, E, OFFSET,
     stride_xm, stride_we, stride_wn, stride_im, stride_em,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_EXTRA: tl.constexpr,
+    RELU2: tl.constexpr = False,  # ungated relu(up) ** 2: w holds the up rows alone
 ):  # fmt: skip
     pair = tl.program_id(0)
     e = tl.load(ids_ptr + pair).to(tl.int64) - OFFSET
@@ -176,15 +185,25 @@ def _moe_gemv_gate_up_kernel(
         k_mask = offs_k < H
         a = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         wm = n_mask[:, None] & k_mask[None, :]
-        acc_g += tl.load(g_rows + offs_k[None, :], mask=wm, other=0.0, eviction_policy="evict_first").to(tl.float32) * a
-        acc_u += tl.load(u_rows + offs_k[None, :], mask=wm, other=0.0, eviction_policy="evict_first").to(tl.float32) * a
+        if RELU2:
+            acc_u += tl.load(g_rows + offs_k[None, :], mask=wm, other=0.0,
+                             eviction_policy="evict_first").to(tl.float32) * a  # fmt: skip
+        else:
+            acc_g += tl.load(g_rows + offs_k[None, :], mask=wm, other=0.0,
+                             eviction_policy="evict_first").to(tl.float32) * a  # fmt: skip
+            acc_u += tl.load(u_rows + offs_k[None, :], mask=wm, other=0.0,
+                             eviction_policy="evict_first").to(tl.float32) * a  # fmt: skip
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
     if HAS_EXTRA:  # fp32 [pairs, 2I] added before the activation (the experts' LoRA)
         e_row = extra_ptr + pair.to(tl.int64) * stride_em
         g += tl.load(e_row + offs_n, mask=n_mask, other=0.0)
         u += tl.load(e_row + I + offs_n, mask=n_mask, other=0.0)
-    y = g * tl.sigmoid(g) * u
+    if RELU2:
+        r = tl.maximum(u, 0.0)
+        y = r * r
+    else:
+        y = g * tl.sigmoid(g) * u
     tl.store(inter_ptr + pair.to(tl.int64) * stride_im + offs_n, y.to(inter_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -291,13 +310,14 @@ class _LoRARows:
 
 def moe_experts_gemv(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    expert_offset: int | None = None, *, lora=None,
+    expert_offset: int | None = None, *, lora=None, activation: str = "silu",
 ) -> torch.Tensor:
     """The decode-size path (see the module docstring): no sort, two launches. Same arguments and result as
     :func:`moe_experts_triton`."""
     T, topk = ids.shape
-    E, two_i, H = gate_up.shape
-    inter_dim = two_i // 2
+    E, rows, H = gate_up.shape
+    relu2 = activation == "relu2"
+    inter_dim = rows if relu2 else rows // 2
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if T == 0:
         return out
@@ -317,7 +337,8 @@ def moe_experts_gemv(
     add = inter if lr is None else lr.gate_up(x, inter_dim)  # any tensor when there is nothing to add
     _moe_gemv_gate_up_kernel[(T * topk, triton.cdiv(inter_dim, bn))](
         x, gate_up, flat, inter, add, H, inter_dim, topk, E, offset, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        inter.stride(0), add.stride(0), BLOCK_N=bn, BLOCK_K=bk, HAS_EXTRA=lr is not None, **extra,
+        inter.stride(0), add.stride(0), BLOCK_N=bn, BLOCK_K=bk, HAS_EXTRA=lr is not None,
+        **({"RELU2": True} if relu2 else {}), **extra,
     )  # fmt: skip
     bn, bk, warps = cfgs["down"]
     extra = {} if _INTERPRET else {"num_warps": warps}
@@ -332,15 +353,17 @@ def moe_experts_gemv(
 
 def moe_experts_triton(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    expert_offset: int | None = None, *, lora=None,
+    expert_offset: int | None = None, *, lora=None, activation: str = "silu",
 ) -> torch.Tensor:
     """See :func:`infercore.ops.moe.moe_experts_routed` (arguments checked there). Decode sizes (:func:`use_gemv`)
-    run :func:`moe_experts_gemv`; the rest the grouped kernels below."""
+    run :func:`moe_experts_gemv`; the rest the grouped kernels below. ``activation="relu2"``: ``gate_up`` holds the
+    up rows alone and the first kernel stores ``relu(up) ** 2`` (the constexpr ``RELU2``)."""
     T, topk = ids.shape
     if use_gemv(T, topk, gate_up.shape[0] if expert_offset is None else 10**9):
-        return moe_experts_gemv(x, gate_up, down, weights, ids, expert_offset, lora=lora)
-    E, two_i, H = gate_up.shape
-    inter_dim = two_i // 2
+        return moe_experts_gemv(x, gate_up, down, weights, ids, expert_offset, lora=lora, activation=activation)
+    E, rows, H = gate_up.shape
+    relu2 = activation == "relu2"
+    inter_dim = rows if relu2 else rows // 2
     P = T * topk
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if P == 0:
@@ -371,7 +394,8 @@ def moe_experts_triton(
     _moe_gate_up_kernel[(E, triton.cdiv(inter_dim, bn))](
         x, gate_up, order, counts, offsets, inter, add, H, inter_dim, topk,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0), add.stride(0),
-        DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_EXTRA=lr is not None, **extra,
+        DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_EXTRA=lr is not None,
+        **({"RELU2": True} if relu2 else {}), **extra,
     )  # fmt: skip
     bm, bn, bk, warps, stages = cfgs["down"]
     extra = {} if _INTERPRET else {"num_warps": warps, "num_stages": stages}

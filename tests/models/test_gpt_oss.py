@@ -171,6 +171,19 @@ def test_expert_paths_match_transformers(tmp_path, monkeypatch, path):
         # one token: two of the four experts get no rows (empty groups)
         torch.testing.assert_close(model.model.layers[1].mlp(x[:1]), hf.model.layers[1].mlp(x[None, :1])[0][0],
                                    rtol=1e-5, atol=1e-5)  # fmt: skip
+        # expert parallelism: two holders of two experts each (global ids, expert_offset) sum to the whole
+        mlp = model.model.layers[1].mlp
+        weights, ids = mlp.route(x)
+        whole = mlp.experts(x, ids, weights)
+        halves = []
+        for lo in (0, 2):
+            part = gpt_oss.GptOssExperts(model.config)
+            for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+                setattr(part, name, torch.nn.Parameter(getattr(mlp.experts, name)[lo : lo + 2].clone()))
+            part.expert_offset = lo
+            halves.append(part(x, ids, weights))
+        torch.testing.assert_close(halves[0] + halves[1], whole, rtol=1e-5, atol=1e-4)
+        assert (halves[0] - whole).abs().max() > 1e-2  # each alone is only a share
     _close(PagedRunner(model).step(list(enumerate(PROMPTS))), torch.cat([hf_logits(hf, p) for p in PROMPTS]))
     monkeypatch.setenv("INFERCORE_GPT_OSS_EXPERTS", "fast")
     with pytest.raises(ValueError, match="INFERCORE_GPT_OSS_EXPERTS"):

@@ -2,13 +2,13 @@
 each rank keeps half of the query heads of the latent attention (its rows of q_proj / q_b_proj and kv_b_proj,
 o_proj's columns; the latent cache whole) and a slice of every expert, or half of the experts whole; the shared
 experts by width. GPT-OSS: half of the heads with their sinks, every biased expert by width (interleaved gate / up
-pairs). Then Granite 4.0 hybrid and Nemotron-H, and OLMo 2, Phi-3 and Granite 3. Tokens equal transformers' greedy
-ones on every rank, through prefill, chunked prefill with split-off decodes and decode."""
+pairs) or half of them whole. Then Granite 4.0 hybrid, Nemotron-H and Falcon-H1, and OLMo 2, Phi-3, Granite 3 and
+Gemma 2. Tokens equal transformers' greedy ones on every rank, through prefill, chunked prefill with split-off
+decodes and decode."""
 
 import os
 import sys
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -59,19 +59,23 @@ def _worker(rank: int, init: str, path: str) -> None:
             assert everyone[0] == everyone[1]
             if rank == 0:
                 assert outs == [hf_greedy(hf, p, 8) for p in PROMPTS], (kind, experts)
-        with pytest.raises(ValueError, match="experts='ep' is not available for GptOssForCausalLM"):
-            tensor_parallel_(oss_models[1], experts="ep")
-        model = tensor_parallel_(oss_models[0])
-        attn = model.model.layers[0].self_attn
-        assert attn.num_heads == oss.config.num_attention_heads // WORLD and attn.sinks.shape == (attn.num_heads,)
-        assert model.model.layers[0].mlp.linear.experts.down_proj.shape[1] == oss.config.intermediate_size // WORLD
-        eng = Engine(model, page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=12)
-        outs = [o.token_ids for o in eng.generate(OSS_PROMPTS, greedy)]
-        everyone = [None] * WORLD
-        dist.all_gather_object(everyone, outs)
-        assert everyone[0] == everyone[1]
-        if rank == 0:
-            assert outs == [hf_greedy(oss, p, 8) for p in OSS_PROMPTS]
+        for experts, model in zip(("tp", "ep"), oss_models):
+            model = tensor_parallel_(model, experts=experts)
+            attn = model.model.layers[0].self_attn
+            assert attn.num_heads == oss.config.num_attention_heads // WORLD and attn.sinks.shape == (attn.num_heads,)
+            ex = model.model.layers[0].mlp.linear.experts
+            E, width = oss.config.num_local_experts, oss.config.intermediate_size
+            if experts == "tp":
+                assert ex.down_proj.shape[:2] == (E, width // WORLD) and ex.expert_offset is None
+            else:
+                assert ex.down_proj.shape[:2] == (E // WORLD, width) and ex.expert_offset == rank * E // WORLD
+            eng = Engine(model, page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=12)
+            outs = [o.token_ids for o in eng.generate(OSS_PROMPTS, greedy)]
+            everyone = [None] * WORLD
+            dist.all_gather_object(everyone, outs)
+            assert everyone[0] == everyone[1]
+            if rank == 0:
+                assert outs == [hf_greedy(oss, p, 8) for p in OSS_PROMPTS], experts
     finally:
         _leave()
 

@@ -24,7 +24,8 @@ the multi-granularity manager's freed pages); the model reads a dense :class:`~i
 
 Checkpoints: HF safetensors with bf16 / fp32 tensors, or the released MXFP4 ones (the experts' ``*_blocks`` /
 ``*_scales``), dequantized on load (:func:`dequantize_mxfp4`). ``tensor_parallel_`` shards the attention by heads
-(the sinks with their heads) and every expert by width (``experts="tp"``; whole experts per rank are refused).
+(the sinks with their heads) and every expert by width, or whole experts per rank (``experts="ep"``:
+``GptOssExperts.expert_offset``; pairs routed elsewhere skipped).
 """
 
 from __future__ import annotations
@@ -185,6 +186,8 @@ class GptOssExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, i, h, dtype=dtype))
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h, dtype=dtype))
         self.alpha, self.limit = float(config.swiglu_alpha), float(config.swiglu_limit)
+        # expert parallelism (tensor_parallel_(experts="ep")): these are experts [offset, offset + E) of a larger set
+        self.expert_offset: int | None = None
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``[N, 2I]`` interleaved gate / up -> ``[N, I]``: ``(clamp(up) + 1) * g * sigmoid(alpha * g)``,
@@ -196,6 +199,11 @@ class GptOssExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, expert ids ``[T, k]`` and their weights ``[T, k]`` -> ``[T, H]`` in x's dtype, the routed
         experts' outputs summed with their weights (the path :func:`experts_path` picks)."""
+        if self.expert_offset is not None:  # pairs routed to experts held elsewhere: the sentinel id E, weight 0
+            E = self.gate_up_proj.shape[0]
+            local = ids - self.expert_offset
+            held = (local >= 0) & (local < E)
+            ids, weights = torch.where(held, local, E), torch.where(held, weights, 0)
         path = experts_path(x)
         if path == "grouped":
             return self.forward_grouped(x, ids, weights)
@@ -209,10 +217,11 @@ class GptOssExperts(nn.Module):
         out = torch.zeros_like(x)
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        E = self.gate_up_proj.shape[0]
+        counts = torch.bincount(flat, minlength=E).tolist()
         k = ids.shape[1]
         start = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(counts[:E]):  # the sentinel id E (experts held elsewhere) sorts last: never run
             if n == 0:
                 continue
             sel = order[start : start + n]
@@ -232,20 +241,26 @@ class GptOssExperts(nn.Module):
         eid = flat[order]
         tok = order // k
         # end of each expert's rows: searchsorted on the sorted ids (bincount would read its size on the host)
-        experts = torch.arange(self.gate_up_proj.shape[0], device=x.device, dtype=eid.dtype)
+        E = self.gate_up_proj.shape[0]
+        experts = torch.arange(E, device=x.device, dtype=eid.dtype)
         offs = torch.searchsorted(eid, experts, right=True).to(torch.int32)
-        h = torch._grouped_mm(x[tok], self.gate_up_proj, offs=offs) + self.gate_up_proj_bias[eid]
-        y = torch._grouped_mm(self.activation(h).contiguous(), self.down_proj, offs=offs) + self.down_proj_bias[eid]
-        return torch.zeros_like(x).index_add_(0, tok, (y * weights.reshape(-1)[order, None]).to(x.dtype))
+        bias = eid.clamp(max=E - 1)  # the sentinel id E (experts held elsewhere) sorts last, past every group
+        h = torch._grouped_mm(x[tok], self.gate_up_proj, offs=offs) + self.gate_up_proj_bias[bias]
+        y = torch._grouped_mm(self.activation(h).contiguous(), self.down_proj, offs=offs) + self.down_proj_bias[bias]
+        y = y * weights.reshape(-1)[order, None]
+        if self.expert_offset is not None:  # rows past the last group are not written by the grouped GEMMs
+            y = torch.where((eid < E)[:, None], y, 0)
+        return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
 
     def forward_dense(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every expert over every token, weighted by the routing weights (0 for experts a token did not choose):
         fixed shapes and no host wait, at ``num_experts / k`` times the routed work (CUDA graphs without
         ``torch._grouped_mm``)."""
-        w = torch.zeros(x.shape[0], self.gate_up_proj.shape[0], dtype=weights.dtype, device=x.device)
+        E = self.gate_up_proj.shape[0]
+        w = torch.zeros(x.shape[0], E + 1, dtype=weights.dtype, device=x.device)  # column E: the sentinel id
         w.scatter_(1, ids, weights)
         out = torch.zeros_like(x)
-        for e in range(self.gate_up_proj.shape[0]):
+        for e in range(E):
             h = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
             y = self.activation(h) @ self.down_proj[e] + self.down_proj_bias[e]
             out += (y * w[:, e, None]).to(x.dtype)

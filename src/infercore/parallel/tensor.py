@@ -99,8 +99,8 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     Families: the Llama family (:class:`~infercore.models.llama.LlamaForCausalLM`: Llama, Mistral, Qwen2 / Qwen3,
     SmolLM2, Phi-3, Granite 3, OLMo 2 (its whole-projection q / k norms from the group's partial sums of squares),
     the routed-expert Mixtral / Qwen2-MoE / Qwen3-MoE, DeepSeek-V2 / V3 (its latent attention by query heads, the
-    latent cache whole on every rank) and GPT-OSS (the sinks by query heads, the biased experts by width,
-    ``experts="tp"`` only)), Gemma 2 / 3 (:class:`~infercore.models.gemma3.Gemma3ForCausalLM`: its sliding and global
+    latent cache whole on every rank) and GPT-OSS (the sinks by query heads, the biased experts by width or whole)),
+    Gemma 2 / 3 (:class:`~infercore.models.gemma3.Gemma3ForCausalLM`: its sliding and global
     layers alike), Qwen3-Next (:class:`~infercore.models.qwen3_next.Qwen3NextForCausalLM`: the gated attention by
     heads, each gated DeltaNet layer by key heads, the routed experts as in the Llama family), Mamba2, Bamba and
     Granite 4.0 hybrid (:class:`~infercore.models.mamba2.Mamba2ForCausalLM` / ``BambaForCausalLM``: each mixer by
@@ -125,7 +125,7 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     """
     from ..models.deepseek import MLAttention
     from ..models.gemma3 import Gemma3ForCausalLM
-    from ..models.gpt_oss import GptOssForCausalLM, GptOssMLP
+    from ..models.gpt_oss import GptOssMLP
     from ..models.granite_hybrid import GraniteMoeHybridForCausalLM
     from ..models.llama import LlamaForCausalLM
     from ..models.mamba2 import BambaForCausalLM, Mamba2ForCausalLM
@@ -149,9 +149,6 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
     cfg = model.config
     if experts not in ("tp", "ep"):
         raise ValueError(f"tensor_parallel_: experts must be 'tp' or 'ep', got {experts!r}")
-    if experts == "ep" and isinstance(model, GptOssForCausalLM):
-        raise ValueError(f"tensor_parallel_: experts='ep' is not available for {type(model).__name__} (its experts "
-                         "run in torch over all of their stacked weights); use experts='tp'")
     layers = model.backbone.layers if isinstance(model, Mamba2ForCausalLM) else model.model.layers
     mlps = [m for layer in layers if (m := getattr(layer, "mlp", getattr(layer, "feed_forward", None))) is not None]
     widths = [("vocab_size", cfg.vocab_size)]
@@ -221,7 +218,7 @@ def tensor_parallel_(model: nn.Module, group=None, *, experts: str = "tp") -> nn
                 _shard_gated_mlp_(layer.shared_mlp, tp, rank, None, reduce=False)
             layer.ffn_reduce = functools.partial(_all_reduce_, group=group, shm=shm)  # one sum for both
         elif isinstance(getattr(layer, "mlp", None), GptOssMLP):
-            _shard_gpt_oss_experts_(layer.mlp.experts, tp, rank)
+            _shard_gpt_oss_experts_(layer.mlp.experts, tp, rank, by_expert=experts == "ep")
             layer.mlp = RowParallel(layer.mlp, group, shm)
         elif isinstance(getattr(layer, "mlp", None), SparseMoeBlock):
             _shard_moe_(layer.mlp, tp, rank, by_expert=experts == "ep")
@@ -282,11 +279,19 @@ def _shard_whole_qk_norms_(attn: nn.Module, full: tuple[int, int], rank: int, gr
     attn.norm_reduce, attn.norm_widths = functools.partial(_all_reduce_, group=group, shm=shm), full
 
 
-def _shard_gpt_oss_experts_(ex: nn.Module, tp: int, rank: int) -> None:
+def _shard_gpt_oss_experts_(ex: nn.Module, tp: int, rank: int, *, by_expert: bool) -> None:
     """GPT-OSS's experts by width: ``gate_up_proj [E, H, 2I]`` holds (gate, up) column pairs interleaved, so the rank's
     ``I / tp`` pairs are one contiguous block of ``2I / tp`` columns (and of ``gate_up_proj_bias``); ``down_proj``
     ``[E, I, H]`` the matching rows; ``down_proj_bias`` on rank 0 only (the block's output is summed over the ranks).
-    The router stays whole, so every rank routes alike."""
+    With ``by_expert`` the rank keeps whole experts ``[rank E / tp, (rank + 1) E / tp)`` with their biases
+    (``expert_offset``). The router stays whole, so every rank routes alike."""
+    if by_expert:
+        n = ex.gate_up_proj.shape[0] // tp
+        for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+            t = getattr(ex, name)
+            setattr(ex, name, nn.Parameter(t[rank * n : (rank + 1) * n].contiguous(), requires_grad=False))
+        ex.expert_offset = rank * n
+        return
     w = ex.gate_up_proj.shape[2] // tp
     ex.gate_up_proj = nn.Parameter(ex.gate_up_proj[:, :, rank * w : (rank + 1) * w].contiguous(), requires_grad=False)
     ex.gate_up_proj_bias = nn.Parameter(ex.gate_up_proj_bias[:, rank * w : (rank + 1) * w].contiguous(),

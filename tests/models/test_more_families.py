@@ -333,6 +333,20 @@ def test_family_classes_refuse_what_they_would_drop():
         model.load_weights([("model.layers.0.self_attn.q_proj.weight", torch.zeros(64, 64))])
 
 
+def test_a_family_can_refuse_tensor_parallelism():
+    """Every family shards now; a model class that cannot names why in ``tensor_parallel_unsupported`` and is refused
+    up front (before the process group is even looked at)."""
+    from infercore.parallel import tensor_parallel_
+
+    class Unshardable(Phi3ForCausalLM):
+        tensor_parallel_unsupported = "its projections cannot be split by heads"
+
+    with pytest.raises(ValueError, match="Unshardable: its projections cannot be split by heads"):
+        tensor_parallel_(Unshardable(ModelConfig.from_hf(tiny("phi3").config.to_dict())))
+    with pytest.raises(ValueError, match="torch.distributed is not initialized"):
+        tensor_parallel_(Olmo2ForCausalLM(ModelConfig.from_hf(tiny("olmo2").config.to_dict())))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS + BIAS_KINDS)
 def test_cuda_graph_greedy_matches_hf(kind, checkpoints):

@@ -95,7 +95,6 @@ def test_mla_decode_bad_inputs_name_the_argument():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("H,B,L", [(16, 8, 1000), (128, 4, 2049), (128, 64, 300)])
 def test_mla_decode_gpu_deepseek_widths(H, B, L):
     lens = [max(L - 7 * i, 1) for i in range(B)]

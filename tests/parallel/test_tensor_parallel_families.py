@@ -20,14 +20,28 @@ sys.path.insert(0, HERE)
 WORLD = 2
 
 
+def _same_tokens_everywhere(eng, hf, prompts, n: int, rank: int, tag) -> None:
+    """Greedy ``n`` tokens of ``prompts`` through ``eng`` on this rank: equal on every rank, and to transformers'."""
+    from paged_harness import hf_greedy
+
+    from infercore import SamplingParams
+
+    outs = [o.token_ids for o in eng.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))]
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, outs)
+    assert everyone[0] == everyone[1], tag
+    if rank == 0:
+        assert outs == [hf_greedy(hf, p, n) for p in prompts], tag
+
+
 def _worker(rank: int, init: str, path: str) -> None:
     from dist_helpers import _leave
-    from paged_harness import hf_greedy, ours_from_hf
+    from paged_harness import ours_from_hf
     from test_deepseek import PROMPTS, tiny
     from test_gpt_oss import PROMPTS as OSS_PROMPTS
     from test_gpt_oss import tiny_gpt_oss
 
-    from infercore import Engine, SamplingParams
+    from infercore import Engine
     from infercore.parallel import RowParallel, tensor_parallel_
 
     torch.set_num_threads(1)
@@ -38,7 +52,6 @@ def _worker(rank: int, init: str, path: str) -> None:
     oss_models = [ours_from_hf(oss, os.path.join(path, f"oss{i}-{rank}"))[0] for i in range(2)]
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
-        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         for kind, experts in layouts:
             hf = hfs[kind]
             model = tensor_parallel_(models[kind, experts], experts=experts)
@@ -53,12 +66,7 @@ def _worker(rank: int, init: str, path: str) -> None:
             else:
                 assert moe.linear.experts.down_proj.shape[2] == hf.config.moe_intermediate_size // WORLD
             eng = Engine(model, page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=12)
-            outs = [o.token_ids for o in eng.generate(PROMPTS, greedy)]
-            everyone = [None] * WORLD
-            dist.all_gather_object(everyone, outs)
-            assert everyone[0] == everyone[1]
-            if rank == 0:
-                assert outs == [hf_greedy(hf, p, 8) for p in PROMPTS], (kind, experts)
+            _same_tokens_everywhere(eng, hf, PROMPTS, 8, rank, (kind, experts))
         for experts, model in zip(("tp", "ep"), oss_models):
             model = tensor_parallel_(model, experts=experts)
             attn = model.model.layers[0].self_attn
@@ -70,12 +78,7 @@ def _worker(rank: int, init: str, path: str) -> None:
             else:
                 assert ex.down_proj.shape[:2] == (E // WORLD, width) and ex.expert_offset == rank * E // WORLD
             eng = Engine(model, page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=12)
-            outs = [o.token_ids for o in eng.generate(OSS_PROMPTS, greedy)]
-            everyone = [None] * WORLD
-            dist.all_gather_object(everyone, outs)
-            assert everyone[0] == everyone[1]
-            if rank == 0:
-                assert outs == [hf_greedy(oss, p, 8) for p in OSS_PROMPTS], experts
+            _same_tokens_everywhere(eng, oss, OSS_PROMPTS, 8, rank, experts)
     finally:
         _leave()
 
@@ -94,9 +97,9 @@ def _hybrid_worker(rank: int, init: str, path: str) -> None:
     import test_nemotron_h as nemotron
     from dist_helpers import _leave
     from family_harness import random_prompts
-    from paged_harness import hf_greedy, ours_from_hf
+    from paged_harness import ours_from_hf
 
-    from infercore import Engine, SamplingParams
+    from infercore import Engine
     from infercore.parallel import RowParallel, tensor_parallel_
 
     torch.set_num_threads(1)
@@ -114,7 +117,6 @@ def _hybrid_worker(rank: int, init: str, path: str) -> None:
               for m, kind, ex in cases]  # fmt: skip
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
-        greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
         prompts = random_prompts(3, seed=2, lo=6, hi=24)
         for (mod, kind, experts), model in zip(cases, models):
             hf = hfs[mod.__name__, kind]
@@ -139,12 +141,7 @@ def _hybrid_worker(rank: int, init: str, path: str) -> None:
                 attn = next(la.self_attn for la in layers if hasattr(la, "self_attn"))
                 assert attn.num_heads == hf.config.num_attention_heads // WORLD
             eng = Engine(model, page_size=4, kv_cache_bytes=1 << 20, checkpoint_interval=8, max_num_batched_tokens=11)
-            outs = [o.token_ids for o in eng.generate(prompts, greedy)]
-            everyone = [None] * WORLD
-            dist.all_gather_object(everyone, outs)
-            assert everyone[0] == everyone[1]
-            if rank == 0:
-                assert outs == [hf_greedy(hf, p, 10) for p in prompts], (mod.__name__, kind, experts)
+            _same_tokens_everywhere(eng, hf, prompts, 10, rank, (mod.__name__, kind, experts))
     finally:
         _leave()
 
@@ -158,12 +155,12 @@ def _dense_worker(rank: int, init: str, path: str) -> None:
     rotary, LongRoPE, a window), Granite 3 (multipliers, tied or untied, biases) and Gemma 2 (softcaps, sliding
     layers) over two ranks: transformers' greedy tokens on every rank."""
     from dist_helpers import _leave
-    from paged_harness import hf_greedy, ours_from_hf
+    from paged_harness import ours_from_hf
     from test_gemma2 import PROMPTS as GEMMA_PROMPTS
     from test_gemma2 import tiny_gemma2
     from test_more_families import LONG_PROMPTS, SHORT_PROMPTS, tiny
 
-    from infercore import Engine, SamplingParams
+    from infercore import Engine
     from infercore.parallel import tensor_parallel_
 
     torch.set_num_threads(1)
@@ -172,7 +169,6 @@ def _dense_worker(rank: int, init: str, path: str) -> None:
     models = {kind: ours_from_hf(hfs[kind], os.path.join(path, f"{kind}-{rank}"))[0] for kind in kinds}
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
-        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         for kind in kinds:
             hf, model = hfs[kind], tensor_parallel_(models[kind])
             attn = model.model.layers[0].self_attn
@@ -181,12 +177,7 @@ def _dense_worker(rank: int, init: str, path: str) -> None:
                 assert attn.q_norm.weight.shape == (attn.q_size,) and attn.norm_reduce is not None
             prompts = {"phi3_longrope": LONG_PROMPTS, "gemma2": GEMMA_PROMPTS}.get(kind, SHORT_PROMPTS)
             eng = Engine(model, page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=12)
-            outs = [o.token_ids for o in eng.generate(prompts, greedy)]
-            everyone = [None] * WORLD
-            dist.all_gather_object(everyone, outs)
-            assert everyone[0] == everyone[1]
-            if rank == 0:
-                assert outs == [hf_greedy(hf, p, 8) for p in prompts], kind
+            _same_tokens_everywhere(eng, hf, prompts, 8, rank, kind)
     finally:
         _leave()
 

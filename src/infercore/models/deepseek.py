@@ -61,7 +61,7 @@ from torch import nn
 from ..devices import dispatch
 from ..kv.spec import FullAttentionSpec
 from ..ops import AttentionMetadata
-from ..ops.attention import split_decodes
+from ..ops.attention import attend_split_decodes, split_decodes
 from .config import ModelConfig
 from .hybrid import HFConfigReader, load_hf_weights
 from .llama import KVCache, LlamaForCausalLM, RMSNorm, prenorm_block
@@ -331,15 +331,12 @@ class MLAttention(nn.Module):
         else:  # quantized (QuantLinear): the absorbed decode needs the matrix itself, as the layer computes it
             key = tuple((t.data_ptr(), t._version) for t in proj.buffers())
             if getattr(self, "_w_kv_key", None) != key:
-                eye = torch.eye(self.rank, dtype=self._act_dtype(), device=next(proj.buffers()).device)
+                dtype = self.kv_a_layernorm.weight.dtype  # the activations' (norm weights are never quantized)
+                eye = torch.eye(self.rank, dtype=dtype, device=next(proj.buffers()).device)
                 self._w_kv_mat, self._w_kv_key = proj(eye).t().contiguous(), key  # no bias: W^T = kv_b_proj(I)
             w = self._w_kv_mat
         w = w.view(self.num_heads, self.nope + self.v_dim, self.rank)
         return w[:, : self.nope], w[:, self.nope :]
-
-    def _act_dtype(self) -> torch.dtype:
-        """The activations' dtype (the kv_a projection's, never quantized to another storage here)."""
-        return self.kv_a_layernorm.weight.dtype
 
     def _absorbed_decode(self, q_nope, q_pe, cache, seq_lens, block_table) -> torch.Tensor:
         """One query per sequence: ``[q_nope W_UK, q_pe]`` over the latent cache (``ops.paged_mla_decode``), the
@@ -380,16 +377,13 @@ class MLAttention(nn.Module):
         kw = {"only_seqs": meta.prefill_seqs} if split else {}
         o = fn(q, k, v, cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens, block_table=ident, scale=self.scale,
                sliding_window=None, softcap=None, max_seqlen_q=meta.max_seqlen_q, **kw)[..., : self.v_dim]  # fmt: skip
-        if split:
-            o = o.contiguous()
-            n = meta.num_split_decodes
-            if meta.decode_seqs is None:  # the batch's first n sequences, rows 0 .. n - 1
-                o[:n] = self._absorbed_decode(q_nope[:n], q_pe[:n], cache, meta.seq_lens[:n], meta.block_table[:n])
-            else:
-                rows, seqs = meta.decode_tokens, meta.decode_seqs
-                od = self._absorbed_decode(q_nope.index_select(0, rows), q_pe.index_select(0, rows), cache,
-                                           meta.seq_lens.index_select(0, seqs), meta.block_table.index_select(0, seqs))
-                o.index_copy_(0, rows, od)
+        if split:  # the one-query sequences through the absorbed decode (ops.attention.attend_split_decodes)
+            nope = self.nope
+
+            def decode(rows, cache_, _, *, seq_lens, block_table):
+                return self._absorbed_decode(rows[..., :nope], rows[..., nope:], cache_, seq_lens, block_table)
+
+            o = attend_split_decodes(o.contiguous(), q, cache, cache, meta, decode)
         return o
 
 

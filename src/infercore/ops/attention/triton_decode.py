@@ -520,12 +520,7 @@ def paged_attention_decode(
         num_splits = _pick_splits(B, Hk, block_table.shape[1] * page_size, q.device)
     block_d = max(triton.next_power_of_2(D), 16)
     block_g = max(triton.next_power_of_2(group), 16)
-    if num_splits > 1:
-        mid_o = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        mid_o = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
-        mid_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
+    mid_o, mid_lse = split_buffers(out, num_splits)
     kv_mode, code_scale = 0, 1.0
     if k_cache.dtype in (torch.int8, torch.float8_e4m3fn):
         if k_scale is None or v_scale is None:
@@ -580,14 +575,32 @@ def paged_attention_decode(
         **({"HAS_SINKS": True} if has_sinks else {}), **extra, **pdl_launch(use_pdl),
     )  # fmt: skip
     if num_splits > 1:
-        _merge_kernel[(B, Hq)](
-            mid_o, mid_lse, out, sinks_arg,
-            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-            out.stride(0), out.stride(1), D, num_splits,
-            BLOCK_S=16 if num_splits <= 16 else max(64, triton.next_power_of_2(num_splits)), BLOCK_D=block_d,
-            **({"HAS_SINKS": True} if has_sinks else {}), **pdl_launch(use_pdl),
-        )  # fmt: skip
+        merge_splits(mid_o, mid_lse, out, block_d, sinks=sinks_arg if has_sinks else None, use_pdl=use_pdl)
     return out
+
+
+def split_buffers(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K partials of a decode launch writing ``out [B, H, D]``: fp32 ``[B, H, num_splits, D]`` outputs and
+    ``[B, H, num_splits]`` log-sum-exps, or one-element placeholders when there is one split (unused pointers)."""
+    B, H, D = out.shape
+    if num_splits > 1:
+        return (torch.empty((B, H, num_splits, D), dtype=torch.float32, device=out.device),
+                torch.empty((B, H, num_splits), dtype=torch.float32, device=out.device))  # fmt: skip
+    return out.new_empty((1, 1, 1, 1), dtype=torch.float32), out.new_empty((1, 1, 1), dtype=torch.float32)
+
+
+def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, block_d: int, *,
+                 sinks: torch.Tensor | None = None, use_pdl: bool = False) -> None:  # fmt: skip
+    """Launch :func:`_merge_kernel`: the splits of :func:`split_buffers` combined into ``out`` (``sinks`` fp32
+    ``[H]``: one more term of each head's denominator)."""
+    B, H, num_splits, D = mid_o.shape
+    _merge_kernel[(B, H)](
+        mid_o, mid_lse, out, out if sinks is None else sinks,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1), D, num_splits,
+        BLOCK_S=16 if num_splits <= 16 else max(64, triton.next_power_of_2(num_splits)), BLOCK_D=block_d,
+        **({} if sinks is None else {"HAS_SINKS": True}), **pdl_launch(use_pdl),
+    )  # fmt: skip
 
 
 def rope_write_decode_attention(

@@ -21,12 +21,13 @@ import triton.language as tl
 
 from infercore.devices import register, triton_interpreter
 
-from .triton_decode import _LOG2E, _merge_kernel, _pick_splits, _store_decode_out
+from .triton_decode import _LOG2E, _pick_splits, _store_decode_out, merge_splits, split_buffers
 
 # Launch knobs (swept by benchmarks/bench_mla_decode.py over block_h 16 / 32 / 64, block_n 16 / 32 / 64, 4 / 8 warps,
 # 2 / 3 stages at batch 64 x 4096 keys on an H100): 16 heads (V2-Lite) read fastest in 16-head blocks of 32 keys on 4
 # warps (154.8 us); 128 heads (V2 / V3) in 64-head blocks of 64 keys on 8 warps, 3 stages (405.1 us), where fewer
-# programs re-read each latent tile. TUNING_WIDE serves 64 heads or more.
+# programs re-read each latent tile (results/h100/sweeps/mla_decode_sweep_h100.json). TUNING_WIDE serves 64 heads or
+# more.
 TUNING = {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
 TUNING_WIDE = {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 3}
 
@@ -124,12 +125,7 @@ def paged_mla_decode(
         num_splits = _pick_splits(B, head_blocks, block_table.shape[1] * page_size, q.device)
     block_r = max(triton.next_power_of_2(R), 16)
     block_p = max(triton.next_power_of_2(max(P, 1)), 16)
-    if num_splits > 1:
-        mid_o = torch.empty((B, H, num_splits, R), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        mid_o = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
-        mid_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
+    mid_o, mid_lse = split_buffers(out, num_splits)
     extra = {} if interp else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     _mla_decode_kernel[(head_blocks, B, num_splits)](
         q, kv_cache, seq_lens, block_table, out, mid_o, mid_lse,
@@ -142,12 +138,7 @@ def paged_mla_decode(
         BLOCK_R=block_r, BLOCK_P=block_p, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **extra,
     )  # fmt: skip
     if num_splits > 1:
-        _merge_kernel[(B, H)](
-            mid_o, mid_lse, out, out,
-            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-            out.stride(0), out.stride(1), R, num_splits,
-            BLOCK_S=16 if num_splits <= 16 else max(64, triton.next_power_of_2(num_splits)), BLOCK_D=block_r,
-        )  # fmt: skip
+        merge_splits(mid_o, mid_lse, out, block_r)
     return out
 
 

@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--hf-new", type=int, default=16)
     ap.add_argument("--prefill", type=int, default=4096, help="prompt length of the prefill case")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="print the prefill's top CUDA kernels (torch.profiler)")
     args = ap.parse_args()
     import transformers
 
@@ -77,8 +78,8 @@ def main() -> None:
             hf = hf_sharing(model, hcfg, dev, transformers.DeepseekV2ForCausalLM)
         except Exception as e:  # noqa: BLE001 - report the peer's failure, keep our figures
             print(f"transformers peer not built: {type(e).__name__}: {e}", flush=True)
-    batches = [int(b) for b in args.batches.split(",")]
-    max_b, page = max(batches), 16
+    batches = [int(b) for b in args.batches.split(",") if b]
+    max_b, page = max(batches, default=1), 16
     max_len = max(args.prompt + args.new, args.prefill + 8) + page
     pages = max_b * -(-(args.prompt + args.new + page) // page) + -(-max_len // page) + 64
     eng = Engine(model, num_pages=pages, page_size=page, max_num_seqs=max_b, max_num_batched_tokens=8192,
@@ -107,6 +108,15 @@ def main() -> None:
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     eng.generate([prompt[0].tolist()], sp)
     t_ours = min(timed(lambda: eng.generate([prompt[0].tolist()], sp)) for _ in range(3))
+    profile = None
+    if args.profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as prof
+
+        with prof(activities=[ProfilerActivity.CUDA]) as p:
+            eng.generate([prompt[0].tolist()], sp)
+        profile = p.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        print(profile, flush=True)
     peers = {}
     if hf is not None:
         x = prompt.to(dev)
@@ -119,7 +129,8 @@ def main() -> None:
             print(f"transformers prefill failed: {type(e).__name__}: {e}", flush=True)
     print(f"prefill {args.prefill}: ours {args.prefill / t_ours:.0f} tok/s, peers {peers}", flush=True)
     cases.append(case(f"deepseek-v2-lite-shape prefill {args.prefill} tokens bf16", metric="prefill throughput",
-                      unit="tok/s", ours=args.prefill / t_ours, peers=peers, floor=None, ttft_s=t_ours))
+                      unit="tok/s", ours=args.prefill / t_ours, peers=peers, floor=None, ttft_s=t_ours,
+                      **({"profile": profile} if profile else {})))
     write_results(args.out, "deepseek_e2e", torch.cuda.get_device_name(), cases)
 
 

@@ -92,7 +92,7 @@ def test_moe_lora_matches_merged_weights(T, E, H, I, k, S, r, skew, path, monkey
     torch.testing.assert_close(fn(x, gate_up, down, w, ids, None, lora=none), base, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("path", ["reference", "grouped", "gemv"])
+@pytest.mark.parametrize("path", ["reference", "grouped", "mblock", "gemv"])
 def test_moe_lora_expert_offset(path, monkeypatch):
     """Expert parallelism: this holder's experts [2, 5) of 8, pairs routed elsewhere skipped, adapters by local
     expert."""
@@ -103,10 +103,11 @@ def test_moe_lora_expert_offset(path, monkeypatch):
     sub = MoELoRA(*(t.view(2, 8, *t.shape[1:])[:, held].reshape(-1, *t.shape[1:])
                     for t in (lora.a_gate_up, lora.b_gate_up, lora.a_down, lora.b_down)), lora.slots)
     want = _by_pair(x, gate_up[held], down[held], w, ids, sub, offset=2).float()
-    if path == "grouped":
+    if path in ("grouped", "mblock"):  # mblock: a program per block of an expert's rows (the prefill form)
         monkeypatch.setattr(moe_triton, "GEMV_MAX_PAIRS", 0)
+        monkeypatch.setattr(moe_triton, "MBLOCK_MIN_ROWS", 0 if path == "mblock" else 10**9)
     fn = {"reference": implementation("moe_experts_routed", "reference"), "gemv": moe_triton.moe_experts_gemv,
-          "grouped": moe_triton.moe_experts_triton}[path]
+          "grouped": moe_triton.moe_experts_triton, "mblock": moe_triton.moe_experts_triton}[path]
     got = fn(x, gate_up[held].contiguous(), down[held].contiguous(), w, ids, 2, lora=sub)
     torch.testing.assert_close(got, want, atol=3e-4, rtol=3e-4)
 

@@ -30,21 +30,45 @@ def _case(T, E, H, I, k, dtype, seed=0, skew=False):
     (40, 4, 32, 16, 2, True),  # 40 tokens on experts 0/1: several BLOCK_M chunks per expert
     (1, 8, 16, 16, 3, False),  # one decode token
 ])  # fmt: skip
-@pytest.mark.parametrize("path", ["dispatch", "grouped", "gemv"])
+@pytest.mark.parametrize("path", ["dispatch", "grouped", "mblock", "gemv"])
 def test_routed_matches_reference(dtype, tol, T, E, H, I, k, skew, path, monkeypatch):
-    """The op as dispatched, and each path of it: the grouped kernels over the sorted pairs, the decode-size GEMVs."""
+    """The op as dispatched, and each path of it: the grouped kernels over the sorted pairs (each program walking its
+    expert's rows, or one block of them: the prefill form), the decode-size GEMVs."""
     from infercore.ops.moe import triton as moe_triton
 
     x, gate_up, down, w, ids = _case(T, E, H, I, k, dtype, skew=skew)
     want = implementation("moe_experts_routed", "reference")(x.float(), gate_up.float(), down.float(), w, ids)
-    if path == "grouped":
-        monkeypatch.setattr(moe_triton, "GEMV_MAX_PAIRS", 0)
+    _pick_path(monkeypatch, path)
     fn = moe_triton.moe_experts_gemv if path == "gemv" else implementation("moe_experts_routed", "triton")
     got = fn(x, gate_up, down, w.to(dtype), ids)
     assert got.dtype == dtype and got.shape == (T, H)
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     got32 = fn(x, gate_up, down, w, ids.to(torch.int32))
     torch.testing.assert_close(got32.float(), want, atol=tol, rtol=tol)
+
+
+def _pick_path(monkeypatch, path):
+    """Route the Triton op to one path: "grouped" (a program per expert and tile), "mblock" (a program per block of
+    an expert's rows and tile), "gemv" or the dispatcher's choice for anything else."""
+    from infercore.ops.moe import triton as moe_triton
+
+    if path in ("grouped", "mblock"):
+        monkeypatch.setattr(moe_triton, "GEMV_MAX_PAIRS", 0)
+        monkeypatch.setattr(moe_triton, "MBLOCK_MIN_ROWS", 0 if path == "mblock" else 10**9)
+    elif path == "gemv":
+        monkeypatch.setattr(moe_triton, "GEMV_MAX_PAIRS", 10**6)
+
+
+def test_mblock_blocks_cover_every_row(monkeypatch):
+    """The row-block form with many experts of uneven loads (several blocks for the crowded ones, none for the idle,
+    more experts than one power of two), and with expert parallelism: every pair is computed once."""
+    _pick_path(monkeypatch, "mblock")
+    x, gate_up, down, w, ids = _case(37, 20, 24, 16, 3, torch.float32, seed=3, skew=True)
+    want = implementation("moe_experts_routed", "reference")(x, gate_up, down, w, ids)
+    fn = implementation("moe_experts_routed", "triton")
+    torch.testing.assert_close(fn(x, gate_up, down, w, ids), want, atol=2e-5, rtol=2e-5)
+    halves = [fn(x, gate_up[lo:lo + 10], down[lo:lo + 10], w, ids, lo) for lo in (0, 10)]
+    torch.testing.assert_close(halves[0] + halves[1], want, atol=2e-5, rtol=2e-5)
 
 
 def test_gemv_path_rule():
@@ -79,14 +103,14 @@ def test_routed_bad_arguments_name_them():
         moe_experts_routed(x, gate_up, down, w.int(), ids)
 
 
-@pytest.mark.parametrize("path", ["grouped", "gemv"])
+@pytest.mark.parametrize("path", ["grouped", "mblock", "gemv"])
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
 def test_expert_offset_skips_the_experts_held_elsewhere(path, ids_dtype, monkeypatch):
     """Expert parallelism: two holders of half the experts each (global ids, expert_offset) sum to the whole
-    result, in both Triton paths and the reference; the reference refuses an id out of range without an offset."""
+    result, in every Triton path and the reference; the reference refuses an id out of range without an offset."""
     from infercore.ops.moe import triton as moe_triton
 
-    monkeypatch.setattr(moe_triton, "GEMV_MAX_PAIRS", 0 if path == "grouped" else 10**6)
+    _pick_path(monkeypatch, path)
     x, gate_up, down, w, ids = _case(6, 8, 40, 24, 3, torch.float32)
     ids = ids.to(ids_dtype)
     ref = implementation("moe_experts_routed", "reference")
@@ -117,7 +141,7 @@ def _relu2_want(x, up, down, w, ids):
 # fp16: the squared intermediate is stored in fp16 between the two kernels (the plain computation keeps fp32)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float16, 1e-2)])
 @pytest.mark.parametrize("T,skew", [(5, False), (40, True), (1, False)])
-@pytest.mark.parametrize("path", ["dispatch", "grouped", "gemv", "reference"])
+@pytest.mark.parametrize("path", ["dispatch", "grouped", "mblock", "gemv", "reference"])
 def test_relu2_experts_match_a_plain_computation(dtype, tol, T, skew, path, monkeypatch):
     """``activation="relu2"`` (Nemotron-H): ungated squared-ReLU experts, ``gate_up`` the up rows ``[E, I, H]``, in
     every path (grouped kernels, GEMVs, the reference, the public op) and with expert parallelism."""
@@ -126,8 +150,7 @@ def test_relu2_experts_match_a_plain_computation(dtype, tol, T, skew, path, monk
     x, gate_up, down, w, ids = _case(T, 6, 40, 24, 2, dtype, skew=skew)
     up = gate_up[:, :24].contiguous()  # [E, I, H]
     want = _relu2_want(x, up, down, w, ids)
-    if path == "grouped":
-        monkeypatch.setattr(moe_triton, "GEMV_MAX_PAIRS", 0)
+    _pick_path(monkeypatch, path)
     fn = {"gemv": moe_triton.moe_experts_gemv, "reference": implementation("moe_experts_routed", "reference"),
           "dispatch": moe_experts_routed}.get(path) or implementation("moe_experts_routed", "triton")  # fmt: skip
     got = fn(x, up, down, w.to(dtype), ids, activation="relu2")
@@ -135,7 +158,7 @@ def test_relu2_experts_match_a_plain_computation(dtype, tol, T, skew, path, monk
     if path in ("dispatch", "reference") and dtype == torch.float16:
         tol = 2e-2  # on the CPU these are the reference, whose products round to fp16 too
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
-    if path in ("grouped", "gemv"):  # two holders of three experts each sum to the whole
+    if path in ("grouped", "mblock", "gemv"):  # two holders of three experts each sum to the whole
         halves = [fn(x, up[lo : lo + 3], down[lo : lo + 3], w.to(dtype), ids, lo, activation="relu2") for lo in (0, 3)]
         torch.testing.assert_close((halves[0].float() + halves[1].float()), want, atol=2 * tol, rtol=2 * tol)
 
@@ -162,5 +185,25 @@ def test_relu2_experts_gpu_bf16(T):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = moe_experts_routed(*args, activation="relu2")
+    graph.replay()
+    torch.testing.assert_close(out, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["grouped", "mblock"])
+@pytest.mark.parametrize("T", [300, 2500])
+def test_routed_gpu_bf16_prefill_sizes(T, path, monkeypatch):
+    """Prefill sizes in bf16 on CUDA (tens to hundreds of rows per expert, uneven): both grouped forms against the
+    fp32 reference, eager and replayed in a CUDA graph (the row-block grid depends on the shapes alone)."""
+    _pick_path(monkeypatch, path)
+    x, gate_up, down, w, ids = _case(T, 64, 1024, 704, 6, torch.float32, seed=4, skew=True)
+    want = implementation("moe_experts_routed", "reference")(x.cuda(), gate_up.cuda(), down.cuda(), w.cuda(),
+                                                            ids.cuda())  # fmt: skip
+    args = [t.cuda() for t in (x.bfloat16(), gate_up.bfloat16(), down.bfloat16(), w, ids)]
+    got = moe_experts_routed(*args)
+    torch.testing.assert_close(got.float(), want, atol=3e-2 * want.abs().max().item(), rtol=3e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_experts_routed(*args)
     graph.replay()
     torch.testing.assert_close(out, got)

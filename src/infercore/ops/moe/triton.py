@@ -46,13 +46,45 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the two kernels; tokens per expert are few at decode.
 _GPU_CFG = {"gate_up": (16, 64, 128, 4, 3), "down": (16, 64, 128, 4, 3)}
 _INTERP_CFG = {"gate_up": (16, 16, 32, 4, 1), "down": (16, 16, 32, 4, 1)}
+# From MBLOCK_MIN_ROWS (token, expert) pairs per expert on average (prefill), a program per (block of BLOCK_M of an
+# expert's rows, tile) with tensor-core-sized tiles, instead of one program walking all of its expert's rows in
+# 16-row chunks: at 4096 tokens of DeepSeek-V2-Lite's 64 experts (384 rows each) that walk is 24 chunks in series
+# on 16 x 64 tiles. (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), then the GROUP_M swizzle.
+MBLOCK_MIN_ROWS = int(os.environ.get("INFERCORE_MOE_MBLOCK_MIN_ROWS", "32"))
+_MBLOCK_CFG = {"gate_up": (128, 64, 64, 8, 3), "down": (128, 128, 64, 8, 3)}
+_MBLOCK_INTERP_CFG = {"gate_up": (16, 16, 32, 4, 1), "down": (16, 16, 32, 4, 1)}
+MBLOCK_GROUP_M = 8
 
 
 @triton.jit
-def _expert_span(counts_ptr, offsets_ptr):
-    """This program's expert: how many (token, slot) pairs it got and where they start in the sorted list."""
-    e = tl.program_id(0)
-    return e, tl.load(counts_ptr + e), tl.load(offsets_ptr + e)
+def _expert_span(counts_ptr, offsets_ptr, ends_ptr, E, NUM_N, LOOP_M: tl.constexpr, E_P2: tl.constexpr,
+                 BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+    """This program's expert, how many (token, slot) pairs it got, where they start in the sorted list, the rows
+    ``[m_first, m_end)`` of them it multiplies and its output tile.
+
+    ``LOOP_M``: grid (expert, tile), the program walks all its expert's rows. Otherwise a 1-D grid of (row block,
+    tile) in ``GROUP_M`` swizzle: block ``b``'s expert is the number of experts whose blocks end at or before it
+    (``ends`` = inclusive prefix sum of ``cdiv(count, BLOCK_M)``); blocks past the last one get no rows."""
+    if LOOP_M:
+        e = tl.program_id(0)
+        cnt = tl.load(counts_ptr + e)
+        return e, cnt, tl.load(offsets_ptr + e), 0, cnt, tl.program_id(1)
+    pid = tl.program_id(0)
+    num_m = tl.num_programs(0) // NUM_N
+    in_group = GROUP_M * NUM_N
+    first_m = (pid // in_group) * GROUP_M
+    group = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group
+    pid_n = (pid % in_group) // group
+    idx = tl.arange(0, E_P2)
+    ends = tl.load(ends_ptr + idx, mask=idx < E, other=2147483647)
+    e = tl.sum((ends <= pid_m).to(tl.int32), 0)
+    live = e < E
+    e_safe = tl.minimum(e, E - 1)
+    cnt = tl.where(live, tl.load(counts_ptr + e_safe), 0)
+    first_block = tl.load(ends_ptr + e_safe) - tl.cdiv(cnt, BLOCK_M)
+    m_first = (pid_m - first_block) * BLOCK_M
+    return e_safe, cnt, tl.load(offsets_ptr + e_safe), m_first, tl.minimum(m_first + BLOCK_M, cnt), pid_n
 
 
 @triton.jit
@@ -66,20 +98,22 @@ def _chunk(order_ptr, start, cnt, m0, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, order_ptr, counts_ptr, offsets_ptr, inter_ptr, extra_ptr,
-    H, I, TOPK,
+    x_ptr, w_ptr, order_ptr, counts_ptr, offsets_ptr, ends_ptr, inter_ptr, extra_ptr,
+    H, I, TOPK, E, NUM_N,
     stride_xm, stride_we, stride_wn, stride_im, stride_em,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_EXTRA: tl.constexpr, RELU2: tl.constexpr = False,  # ungated relu(up) ** 2: w holds the up rows alone
+    HAS_EXTRA: tl.constexpr, LOOP_M: tl.constexpr, E_P2: tl.constexpr, GROUP_M: tl.constexpr,
+    RELU2: tl.constexpr = False,  # ungated relu(up) ** 2: w holds the up rows alone
 ):  # fmt: skip
-    e, cnt, start = _expert_span(counts_ptr, offsets_ptr)
+    e, cnt, start, m_first, m_end, pid_n = _expert_span(counts_ptr, offsets_ptr, ends_ptr, E, NUM_N, LOOP_M, E_P2,
+                                                        BLOCK_M, GROUP_M)  # fmt: skip
     if cnt > 0:
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < I
         w_e = w_ptr + e.to(tl.int64) * stride_we
         g_rows = w_e + offs_n.to(tl.int64)[:, None] * stride_wn
         u_rows = w_e + (I + offs_n).to(tl.int64)[:, None] * stride_wn
-        for m0 in range(0, cnt, BLOCK_M):
+        for m0 in range(m_first, m_end, BLOCK_M):
             rows, r_mask, pair = _chunk(order_ptr, start, cnt, m0, BLOCK_M)
             x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_xm
             acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -113,18 +147,19 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    inter_ptr, w_ptr, order_ptr, counts_ptr, offsets_ptr, rw_ptr, out_ptr, extra_ptr,
-    H, I,
+    inter_ptr, w_ptr, order_ptr, counts_ptr, offsets_ptr, ends_ptr, rw_ptr, out_ptr, extra_ptr,
+    H, I, E, NUM_N,
     stride_im, stride_we, stride_wn, stride_om, stride_em,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_EXTRA: tl.constexpr, RELU2: tl.constexpr = False,  # ungated relu(up) ** 2: w holds the up rows alone
+    HAS_EXTRA: tl.constexpr, LOOP_M: tl.constexpr, E_P2: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    e, cnt, start = _expert_span(counts_ptr, offsets_ptr)
+    e, cnt, start, m_first, m_end, pid_n = _expert_span(counts_ptr, offsets_ptr, ends_ptr, E, NUM_N, LOOP_M, E_P2,
+                                                        BLOCK_M, GROUP_M)  # fmt: skip
     if cnt > 0:
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < H
         w_rows = w_ptr + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-        for m0 in range(0, cnt, BLOCK_M):
+        for m0 in range(m_first, m_end, BLOCK_M):
             rows, r_mask, pair = _chunk(order_ptr, start, cnt, m0, BLOCK_M)
             a_rows = inter_ptr + (start + rows).to(tl.int64)[:, None] * stride_im
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -384,27 +419,38 @@ def moe_experts_triton(
     inter = alloc((P, inter_dim), dtype=x.dtype, device=x.device)
     # skipped pairs' rows are never written: zeros then, so the final sum adds nothing for them
     out_pairs = (torch.empty if expert_offset is None else torch.zeros)((P, H), dtype=torch.float32, device=x.device)
-    cfgs = _INTERP_CFG if _INTERPRET else _GPU_CFG
+    loop_m = P < MBLOCK_MIN_ROWS * E
+    if loop_m:
+        cfgs = _INTERP_CFG if _INTERPRET else _GPU_CFG
+    else:
+        cfgs = _MBLOCK_INTERP_CFG if _INTERPRET else _MBLOCK_CFG
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    bm, bn, bk, warps, stages = cfgs["gate_up"]
-    extra = {} if _INTERPRET else {"num_warps": warps, "num_stages": stages}
     # the intermediate's rows are the pairs in sorted order (row i = pair order[i]); so are the LoRA extras'
     lr = None if lora is None else _LoRARows(lora, ids, E, expert_offset, order)
-    add = inter if lr is None else lr.gate_up(x, inter_dim)  # any tensor when there is nothing to add
-    _moe_gate_up_kernel[(E, triton.cdiv(inter_dim, bn))](
-        x, gate_up, order, counts, offsets, inter, add, H, inter_dim, topk,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0), add.stride(0),
-        DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_EXTRA=lr is not None,
-        **({"RELU2": True} if relu2 else {}), **extra,
-    )  # fmt: skip
-    bm, bn, bk, warps, stages = cfgs["down"]
-    extra = {} if _INTERPRET else {"num_warps": warps, "num_stages": stages}
-    add = inter if lr is None else lr.down(inter, H)
-    _moe_down_kernel[(E, triton.cdiv(H, bn))](
-        inter, down, order, counts, offsets, rw, out_pairs, add, H, inter_dim,
-        inter.stride(0), down.stride(0), down.stride(1), out_pairs.stride(0), add.stride(0),
-        DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_EXTRA=lr is not None, **extra,
-    )  # fmt: skip
+    for kernel, n_dim in (("gate_up", inter_dim), ("down", H)):
+        bm, bn, bk, warps, stages = cfgs[kernel]
+        num_n = triton.cdiv(n_dim, bn)
+        if loop_m:
+            grid, ends = (E, num_n), counts
+        else:  # row blocks: at most cdiv(P, bm) + E of them (one partial block per expert); the rest exit
+            ends = torch.cumsum((counts[:E] + (bm - 1)) // bm, 0, dtype=torch.int32)
+            grid = ((triton.cdiv(P, bm) + min(E, P)) * num_n,)
+        meta = dict(DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_EXTRA=lr is not None,
+                    LOOP_M=loop_m, E_P2=triton.next_power_of_2(E), GROUP_M=MBLOCK_GROUP_M,
+                    **({} if _INTERPRET else {"num_warps": warps, "num_stages": stages}))  # fmt: skip
+        if kernel == "gate_up":
+            add = inter if lr is None else lr.gate_up(x, inter_dim)  # any tensor when there is nothing to add
+            _moe_gate_up_kernel[grid](
+                x, gate_up, order, counts, offsets, ends, inter, add, H, inter_dim, topk, E, num_n,
+                x.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0), add.stride(0),
+                **meta, **({"RELU2": True} if relu2 else {}),
+            )  # fmt: skip
+        else:
+            add = inter if lr is None else lr.down(inter, H)
+            _moe_down_kernel[grid](
+                inter, down, order, counts, offsets, ends, rw, out_pairs, add, H, inter_dim, E, num_n,
+                inter.stride(0), down.stride(0), down.stride(1), out_pairs.stride(0), add.stride(0), **meta,
+            )  # fmt: skip
     return out_pairs.view(T, topk, H).sum(1).to(x.dtype)
 
 

@@ -23,10 +23,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import case, copy_bandwidth, write_results  # noqa: E402
-from bench_e2e import timed  # noqa: E402
-from bench_moe_e2e import decode_rates, hf_sharing  # noqa: E402
+from bench_moe_e2e import decode_rates, hf_sharing, prefill_case  # noqa: E402
 
-from infercore import Engine, SamplingParams  # noqa: E402
+from infercore import Engine  # noqa: E402
 from infercore.models import build_model, config_from_hf  # noqa: E402
 
 DEEPSEEK_V2_LITE = dict(
@@ -105,32 +104,8 @@ def main() -> None:
                           steady_step_ms=1e3 * B / steady))  # fmt: skip
     # prefill: one long prompt, time to its first token
     prompt = torch.randint(0, 100000, (1, args.prefill), generator=gen)
-    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    eng.generate([prompt[0].tolist()], sp)
-    t_ours = min(timed(lambda: eng.generate([prompt[0].tolist()], sp)) for _ in range(3))
-    profile = None
-    if args.profile:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as prof
-
-        with prof(activities=[ProfilerActivity.CUDA]) as p:
-            eng.generate([prompt[0].tolist()], sp)
-        profile = p.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-        print(profile, flush=True)
-    peers = {}
-    if hf is not None:
-        x = prompt.to(dev)
-        try:
-            with torch.inference_mode():
-                hf(x)
-                t_hf = min(timed(lambda: hf(x)) for _ in range(3))
-            peers[f"transformers forward (sdpa, experts {impl})"] = args.prefill / t_hf
-        except Exception as e:  # noqa: BLE001
-            print(f"transformers prefill failed: {type(e).__name__}: {e}", flush=True)
-    print(f"prefill {args.prefill}: ours {args.prefill / t_ours:.0f} tok/s, peers {peers}", flush=True)
-    cases.append(case(f"deepseek-v2-lite-shape prefill {args.prefill} tokens bf16", metric="prefill throughput",
-                      unit="tok/s", ours=args.prefill / t_ours, peers=peers, floor=None, ttft_s=t_ours,
-                      **({"profile": profile} if profile else {})))
+    cases.append(prefill_case(eng, hf, prompt, f"transformers forward (sdpa, experts {impl})",
+                              f"deepseek-v2-lite-shape prefill {args.prefill} tokens bf16", profile=args.profile))
     write_results(args.out, "deepseek_e2e", torch.cuda.get_device_name(), cases)
 
 

@@ -100,6 +100,38 @@ def decode_rates(eng, hf, prompts: torch.Tensor, new: int, hf_new: int, label: s
     return rate, steady, peers, same
 
 
+def prefill_case(eng, hf, prompt: torch.Tensor, peer: str, name: str, *, profile: bool = False) -> dict:
+    """Time to the first token of one prompt (``[1, L]``) through the Engine, against a transformers forward of the
+    same tokens (best of 3 each, after a warm-up); ``profile``: the Engine prefill's top CUDA kernels
+    (torch.profiler), printed and kept in the row."""
+    L = prompt.shape[1]
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    ids = prompt[0].tolist()
+    eng.generate([ids], sp)
+    t_ours = min(timed(lambda: eng.generate([ids], sp)) for _ in range(3))
+    extra = {}
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as prof
+
+        with prof(activities=[ProfilerActivity.CUDA]) as p:
+            eng.generate([ids], sp)
+        extra["profile"] = p.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        print(extra["profile"], flush=True)
+    peers = {}
+    if hf is not None:
+        x = prompt.to(next(hf.parameters()).device)
+        try:
+            with torch.inference_mode():
+                hf(x)
+                peers[peer] = L / min(timed(lambda: hf(x)) for _ in range(3))
+        except Exception as e:  # noqa: BLE001 - report the peer's failure, keep our figure
+            print(f"transformers prefill failed: {type(e).__name__}: {e}", flush=True)
+    print(f"prefill {L}: ours {L / t_ours:.0f} tok/s, peers {peers}", flush=True)
+    return case(name, metric="prefill throughput", unit="tok/s", ours=L / t_ours, peers=peers, floor=None,
+                ttft_s=t_ours, **extra)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/h200/moe_e2e.json")
@@ -109,6 +141,8 @@ def main() -> None:
     ap.add_argument("--hf-new", type=int, default=16, help="new tokens for the (slow) transformers peer")
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--prefill", type=int, default=4096, help="prompt length of the prefill case (0: none)")
+    ap.add_argument("--profile", action="store_true", help="print the prefill's top CUDA kernels (torch.profiler)")
     args = ap.parse_args()
     import transformers
 
@@ -123,23 +157,22 @@ def main() -> None:
     expert_bytes = 3 * config.hidden_size * config.moe_intermediate_size * 2
     dense_read = weight_bytes - L * E * expert_bytes - model.model.embed_tokens.weight.numel() * 2
     kv_per_token = L * 2 * config.num_kv_heads * config.head_dim * 2
-    hf = None
+    hf, impl = None, "default"
     if not args.no_hf:
         hcfg = transformers.Qwen3MoeConfig(**{k_: v for k_, v in cfg.items() if k_ != "model_type"})
         hcfg._attn_implementation = "sdpa"
-        impl = "default"
         try:  # transformers 5: batched expert GEMMs (torch grouped_mm) instead of the per-expert loop
             hcfg._experts_implementation = "grouped_mm"
             impl = "grouped_mm"
         except Exception:  # noqa: BLE001 - older transformers: the per-expert loop
             pass
         hf = hf_sharing(model, hcfg, dev)
-    batches = [int(b) for b in args.batches.split(",")]
-    max_b, page = max(batches), 16
-    pages = max_b * -(-(args.prompt + args.new + page) // page) + 64
+    batches = [int(b) for b in args.batches.split(",") if b]
+    max_b, page = max(batches, default=1), 16
+    max_len = max(args.prompt + args.new, args.prefill + 8) + page
+    pages = max_b * -(-(args.prompt + args.new + page) // page) + -(-max_len // page) + 64
     eng = Engine(model, num_pages=pages, page_size=page, max_num_seqs=max_b, max_num_batched_tokens=16384,
-                 max_model_len=args.prompt + args.new + page, enable_prefix_caching=False,
-                 cuda_graph_max_batch=max_b)
+                 max_model_len=max_len, enable_prefix_caching=False, cuda_graph_max_batch=max_b)
     gen = torch.Generator().manual_seed(1)
     cases = []
     for B in batches:
@@ -159,6 +192,11 @@ def main() -> None:
                           expected_distinct_experts_per_layer=distinct, copy_bw_TBps=bw / 1e12,
                           steady_decode_tok_s=steady, steady_over_floor=steady / floor,
                           steady_step_ms=1e3 * B / steady, layers=L))
+    if args.prefill:
+        prompt = torch.randint(0, 150000, (1, args.prefill), generator=gen)
+        cases.append(prefill_case(eng, hf, prompt, f"transformers forward (sdpa, experts {impl})",
+                                  f"qwen3-30b-a3b-shape ({L} layers) prefill {args.prefill} tokens bf16",
+                                  profile=args.profile))  # fmt: skip
     write_results(args.out, "moe_e2e", torch.cuda.get_device_name(), cases)
 
 

@@ -81,6 +81,9 @@ def test_moe_implementations_agree():
         torch.testing.assert_close(moe_mod._routed_in_chunks(x, gate_up, down, w, ids), want, atol=1e-5, rtol=1e-5)
     finally:
         moe_mod.ROUTED_MAX_TOKENS = old
+    # unset, the chunk bounds the fp32 per-pair outputs (rows * k * H * 4 bytes), from 1024 rows up
+    assert moe_mod.routed_chunk_rows(6, 2048) == moe_mod.ROUTED_CHUNK_BYTES // (4 * 6 * 2048) > 1024
+    assert moe_mod.routed_chunk_rows(8, 16384) == moe_mod.ROUTED_MIN_CHUNK
     with pytest.raises(ValueError, match="top_k"):
         route_topk(torch.randn(T, E), top_k=E + 1, renormalize=False)
 

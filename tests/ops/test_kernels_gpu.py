@@ -369,14 +369,16 @@ def test_moe_routed_bf16(T):
     assert got.dtype == BF16 and rel(got, want) < 1e-2
 
 
-def test_moe_experts_prefill_runs_routed_chunks():
-    """A prefill longer than ROUTED_MAX_TOKENS runs the routed op chunk by chunk (2500 = 1024 + 1024
-    + 452 tokens) and matches the reference."""
-    from infercore.models.moe import ROUTED_MAX_TOKENS, moe_experts
+def test_moe_experts_prefill_runs_routed_chunks(monkeypatch):
+    """A prefill longer than a chunk runs the routed op chunk by chunk (2500 = 1024 + 1024 + 452 tokens with the
+    per-pair outputs bounded to 1 MiB: the minimum chunk) and matches the reference."""
+    from infercore.models import moe as moe_mod
+    from infercore.models.moe import moe_experts, routed_chunk_rows
 
+    monkeypatch.setattr(moe_mod, "ROUTED_CHUNK_BYTES", 1 << 20)
     torch.manual_seed(0)
     T, E, H, I, k = 2500, 32, 512, 256, 4
-    assert T > 2 * ROUTED_MAX_TOKENS
+    assert T > 2 * routed_chunk_rows(k, H) and routed_chunk_rows(k, H) == moe_mod.ROUTED_MIN_CHUNK
     x = torch.randn(T, H, device=DEV, dtype=BF16)
     gate_up = (torch.randn(E, 2 * I, H, device=DEV) * 0.05).to(BF16)
     down = (torch.randn(E, H, I, device=DEV) * 0.05).to(BF16)

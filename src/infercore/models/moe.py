@@ -14,7 +14,7 @@ the same result:
   work and reads every expert (kept as an alternative; not dispatched).
 * ``ops.moe_experts_routed`` -- the routed op: on CUDA a Triton grouped GEMM over the pairs sorted
   by expert on the device (reads only the routed experts, computes only routed products, no host
-  sync: CUDA-graph safe). Decode, and prefill in chunks of ``ROUTED_MAX_TOKENS``.
+  sync: CUDA-graph safe). Decode, and prefill in chunks of :func:`routed_chunk_rows`.
 
 :func:`moe_experts` dispatches: the reference on the CPU, the routed op elsewhere.
 """
@@ -39,11 +39,21 @@ __all__ = [
     "route_topk",
 ]
 
-# The routed op serves accelerators this many tokens at a time (its fp32 per-pair outputs,
-# T * k * H, stay small); longer prefills run as consecutive chunks. The grouped form's per-expert
-# loop measured 52.7 ms at 256 tokens vs the routed op's 0.82 ms (results/h200/moe.json, Qwen3-Next
-# expert shape), so it is not dispatched on accelerators.
-ROUTED_MAX_TOKENS = 1024
+# The routed op serves accelerators in chunks of rows whose fp32 per-pair outputs (rows * k * H * 4 bytes) fit in
+# ROUTED_CHUNK_BYTES, and at least ROUTED_MIN_CHUNK rows; ROUTED_MAX_TOKENS, when set, fixes the chunk instead. Long
+# chunks keep the prefill GEMMs large: DeepSeek-V2-Lite's experts at 1024 rows ran at 195 TFLOP/s on an H100 against
+# 275 at 4096 (results/h100/moe_prefill.json). The grouped form's per-expert loop measured 52.7 ms at 256 tokens vs
+# the routed op's 0.82 ms (results/h200/moe.json, Qwen3-Next expert shape), so it is not dispatched on accelerators.
+ROUTED_MAX_TOKENS: int | None = None
+ROUTED_CHUNK_BYTES = 256 << 20
+ROUTED_MIN_CHUNK = 1024
+
+
+def routed_chunk_rows(top_k: int, hidden: int) -> int:
+    """Rows per call of the routed op on accelerators (see ``ROUTED_CHUNK_BYTES``)."""
+    if ROUTED_MAX_TOKENS is not None:
+        return ROUTED_MAX_TOKENS
+    return max(ROUTED_MIN_CHUNK, ROUTED_CHUNK_BYTES // (4 * max(top_k, 1) * max(hidden, 1)))
 
 
 def route_topk(router_logits: torch.Tensor, *, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +147,7 @@ def moe_experts(
     """Dispatch. CPU: the reference loop (it costs less than either batched form there).
     Accelerators: the routed op (``ops.moe_experts_routed``: on CUDA a Triton grouped GEMM over the
     pairs sorted by expert on the device -- only routed experts read and computed, no host sync),
-    ``ROUTED_MAX_TOKENS`` tokens at a time. ``expert_offset``: the tensors hold experts
+    :func:`routed_chunk_rows` tokens at a time. ``expert_offset``: the tensors hold experts
     ``[expert_offset, expert_offset + E)`` of a larger set (expert parallelism); pairs routed elsewhere are skipped.
     ``lora``: multi-LoRA on the experts (``ops.moe.MoELoRA``), through ``ops.moe_experts_routed`` on every device.
     ``activation``: ``"silu"`` (gated) or ``"relu2"`` (ungated squared ReLU, ``gate_up`` the up rows ``[E, I, H]``)."""
@@ -153,7 +163,7 @@ def _routed_in_chunks(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     expert_offset: int | None = None, lora=None, activation: str = "silu",
 ) -> torch.Tensor:
-    T, R = x.shape[0], ROUTED_MAX_TOKENS
+    T, R = x.shape[0], routed_chunk_rows(ids.shape[-1], x.shape[-1])
     act = {} if activation == "silu" else {"activation": activation}
     if T <= R:
         return moe_experts_routed(x, gate_up, down, weights, ids, expert_offset=expert_offset, lora=lora, **act)

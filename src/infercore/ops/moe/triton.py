@@ -49,9 +49,13 @@ _INTERP_CFG = {"gate_up": (16, 16, 32, 4, 1), "down": (16, 16, 32, 4, 1)}
 # From MBLOCK_MIN_ROWS (token, expert) pairs per expert on average (prefill), a program per (block of BLOCK_M of an
 # expert's rows, tile) with tensor-core-sized tiles, instead of one program walking all of its expert's rows in
 # 16-row chunks: at 4096 tokens of DeepSeek-V2-Lite's 64 experts (384 rows each) that walk is 24 chunks in series
-# on 16 x 64 tiles. (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), then the GROUP_M swizzle.
+# on 16 x 64 tiles. (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), then the GROUP_M swizzle; fp32 halves BLOCK_K (the
+# same shared memory). H100 tile sweep at 4096 tokens (results/h100/moe_prefill.json, "sweep"): these two were the
+# best of five each at the DeepSeek-V2-Lite, Qwen3-30B-A3B and Mixtral expert shapes (down within 0.1% at Mixtral).
+# At 32 rows per expert the blocks beat the walk already (Qwen3-30B-A3B at 512 tokens: 58.6 vs 34.6 TFLOP/s); at 12
+# they did not (DeepSeek-V2-Lite at 128: 23.5 vs 27.2).
 MBLOCK_MIN_ROWS = int(os.environ.get("INFERCORE_MOE_MBLOCK_MIN_ROWS", "32"))
-_MBLOCK_CFG = {"gate_up": (128, 64, 64, 8, 3), "down": (128, 128, 64, 8, 3)}
+_MBLOCK_CFG = {"gate_up": (128, 128, 64, 8, 3), "down": (128, 256, 64, 8, 3)}
 _MBLOCK_INTERP_CFG = {"gate_up": (16, 16, 32, 4, 1), "down": (16, 16, 32, 4, 1)}
 MBLOCK_GROUP_M = 8
 
@@ -429,6 +433,8 @@ def moe_experts_triton(
     lr = None if lora is None else _LoRARows(lora, ids, E, expert_offset, order)
     for kernel, n_dim in (("gate_up", inter_dim), ("down", H)):
         bm, bn, bk, warps, stages = cfgs[kernel]
+        if not loop_m and x.element_size() == 4 and not _INTERPRET:
+            bk //= 2
         num_n = triton.cdiv(n_dim, bn)
         if loop_m:
             grid, ends = (E, num_n), counts

@@ -410,7 +410,7 @@ def moe_experts_triton(
     x = x if x.stride(-1) == 1 else x.contiguous()
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     down = down if down.stride(-1) == 1 else down.contiguous()
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1).to(torch.int32)  # int32 keys: half the radix-sort passes of int64
     if expert_offset is not None:  # pairs of experts held elsewhere sort last, into a bin no program reads
         flat = flat - expert_offset
         flat = torch.where((flat >= 0) & (flat < E), flat, E)

@@ -190,18 +190,21 @@ def test_relu2_experts_gpu_bf16(T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("path", ["grouped", "mblock"])
 @pytest.mark.parametrize("T", [300, 2500])
-def test_routed_gpu_bf16_prefill_sizes(T, path, monkeypatch):
-    """Prefill sizes in bf16 on CUDA (tens to hundreds of rows per expert, uneven): both grouped forms against the
-    fp32 reference, eager and replayed in a CUDA graph (the row-block grid depends on the shapes alone)."""
+def test_routed_gpu_prefill_sizes(T, path, dtype, monkeypatch):
+    """Prefill sizes on CUDA (tens to hundreds of rows per expert, uneven), bf16 and fp32 (whose row-block tiles
+    take half the K width): both grouped forms against the fp32 reference, eager and replayed in a CUDA graph (the
+    row-block grid depends on the shapes alone)."""
     _pick_path(monkeypatch, path)
     x, gate_up, down, w, ids = _case(T, 64, 1024, 704, 6, torch.float32, seed=4, skew=True)
     want = implementation("moe_experts_routed", "reference")(x.cuda(), gate_up.cuda(), down.cuda(), w.cuda(),
                                                             ids.cuda())  # fmt: skip
-    args = [t.cuda() for t in (x.bfloat16(), gate_up.bfloat16(), down.bfloat16(), w, ids)]
+    args = [t.cuda() for t in (x.to(dtype), gate_up.to(dtype), down.to(dtype), w, ids)]
     got = moe_experts_routed(*args)
-    torch.testing.assert_close(got.float(), want, atol=3e-2 * want.abs().max().item(), rtol=3e-2)
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), want, atol=tol * want.abs().max().item(), rtol=tol)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = moe_experts_routed(*args)

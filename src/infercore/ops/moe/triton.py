@@ -52,9 +52,11 @@ _INTERP_CFG = {"gate_up": (16, 16, 32, 4, 1), "down": (16, 16, 32, 4, 1)}
 # on 16 x 64 tiles. (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), then the GROUP_M swizzle; fp32 halves BLOCK_K (the
 # same shared memory). H100 tile sweep at 4096 tokens (results/h100/moe_prefill.json, "sweep"): these two were the
 # best of five each at the DeepSeek-V2-Lite, Qwen3-30B-A3B and Mixtral expert shapes (down within 0.1% at Mixtral).
-# At 32 rows per expert the blocks beat the walk already (Qwen3-30B-A3B at 512 tokens: 58.6 vs 34.6 TFLOP/s); at 12
-# they did not (DeepSeek-V2-Lite at 128: 23.5 vs 27.2).
-MBLOCK_MIN_ROWS = int(os.environ.get("INFERCORE_MOE_MBLOCK_MIN_ROWS", "32"))
+# From 16 rows per expert the blocks beat the walk (Mixtral at 64 tokens: 42.1 vs 29.6 TFLOP/s; Qwen3-30B-A3B at 256:
+# 33.2 vs 28.9; Qwen3-Next's 512 experts at 1024 tokens, 20 rows: 1309 vs 2059 us, results/h100/moe.json and
+# sweeps/moe_expert_loop_only.json); at 12 and below they did not (Qwen3-30B-A3B at 192 tokens: 23.5 vs 27.7,
+# sweeps/moe_prefill_small_sizes.json).
+MBLOCK_MIN_ROWS = int(os.environ.get("INFERCORE_MOE_MBLOCK_MIN_ROWS", "16"))
 _MBLOCK_CFG = {"gate_up": (128, 128, 64, 8, 3), "down": (128, 256, 64, 8, 3)}
 _MBLOCK_INTERP_CFG = {"gate_up": (16, 16, 32, 4, 1), "down": (16, 16, 32, 4, 1)}
 MBLOCK_GROUP_M = 8

@@ -210,3 +210,96 @@ def test_routed_gpu_prefill_sizes(T, path, dtype, monkeypatch):
         out = moe_experts_routed(*args)
     graph.replay()
     torch.testing.assert_close(out, got)
+
+
+def _quantize(w, kind):
+    """int8 / fp8 codes of ``w [E, N, K]`` and fp32 scales: "int8" / "fp8" per output channel, "fp8-block" per
+    16 x 16 block (ragged at the edges when N, K are not multiples of 16)."""
+    from infercore.ops.moe import dequantize_experts
+
+    E, N, K = w.shape
+    if kind == "fp8-block":
+        nb, kb = -(-N // 16), -(-K // 16)
+        pad = torch.nn.functional.pad(w.float().abs(), (0, kb * 16 - K, 0, nb * 16 - N))
+        scale = pad.view(E, nb, 16, kb, 16).amax(dim=(2, 4)).clamp(min=1e-6) / 448.0
+        codes = (w.float() / dequantize_experts(torch.ones_like(w, dtype=torch.float32), scale, torch.float32))
+        return codes.to(torch.float8_e4m3fn), scale
+    top = 127.0 if kind == "int8" else 448.0
+    scale = w.float().abs().amax(dim=2).clamp(min=1e-6) / top
+    codes = w.float() / scale[..., None]
+    codes = codes.round().clamp(-127, 127).to(torch.int8) if kind == "int8" else codes.to(torch.float8_e4m3fn)
+    return codes, scale
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8", "fp8-block"])
+@pytest.mark.parametrize("T,skew", [(5, False), (40, True), (1, False)])
+@pytest.mark.parametrize("path", ["dispatch", "grouped", "mblock", "gemv"])
+def test_quantized_experts_match_the_dequantized_reference(kind, T, skew, path, monkeypatch):
+    """Weight-only int8 / fp8 experts (per-channel or block scales) in every Triton path: the experts over the
+    dequantized weights, as the reference computes them; also with expert parallelism and relu2."""
+    from infercore.ops.moe import dequantize_experts
+    from infercore.ops.moe import triton as moe_triton
+
+    x, gate_up, down, w, ids = _case(T, 6, 40, 24, 2, torch.float32, seed=2, skew=skew)
+    gq, gs = _quantize(gate_up, kind)
+    dq, ds = _quantize(down, kind)
+    ref = implementation("moe_experts_routed", "reference")
+    want = ref(x, dequantize_experts(gq, gs, x.dtype), dequantize_experts(dq, ds, x.dtype), w, ids)
+    assert (want - ref(x, gate_up, down, w, ids)).abs().max() < 0.3 * want.abs().max()  # codes near the weights
+    _pick_path(monkeypatch, path)
+    fn = {"gemv": moe_triton.moe_experts_gemv, "dispatch": moe_experts_routed}.get(path) or implementation(
+        "moe_experts_routed", "triton")
+    q = dict(gate_up_scale=gs, down_scale=ds)
+    torch.testing.assert_close(fn(x, gq, dq, w, ids, **q), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ref(x, gq, dq, w, ids, **q), want, atol=1e-5, rtol=1e-5)
+    if path != "dispatch":  # two holders of three experts each sum to the whole
+        halves = [fn(x, gq[lo:lo + 3], dq[lo:lo + 3], w, ids, lo, gate_up_scale=gs[lo:lo + 3],
+                     down_scale=ds[lo:lo + 3]) for lo in (0, 3)]  # fmt: skip
+        torch.testing.assert_close(halves[0] + halves[1], want, atol=2e-4, rtol=2e-4)
+        up_q, up_s = gq[:, :24].contiguous(), gs[:, :24].contiguous() if kind != "fp8-block" else gs[:, :2].contiguous()
+        want2 = _relu2_want(x, dequantize_experts(up_q, up_s, x.dtype), dequantize_experts(dq, ds, x.dtype), w, ids)
+        got2 = fn(x, up_q, dq, w, ids, activation="relu2", gate_up_scale=up_s, down_scale=ds)
+        torch.testing.assert_close(got2, want2, atol=1e-4, rtol=1e-4)
+
+
+def test_quantized_experts_bad_scales_name_them():
+    x, gate_up, down, w, ids = _case(3, 4, 16, 8, 2, torch.float32)
+    gq, gs = _quantize(gate_up, "int8")
+    dq, ds = _quantize(down, "int8")
+    with pytest.raises(TypeError, match="gate_up_scale"):
+        moe_experts_routed(x, gq, dq, w, ids, down_scale=ds)
+    with pytest.raises(TypeError, match="down_scale"):
+        moe_experts_routed(x, gq, dq, w, ids, gate_up_scale=gs, down_scale=ds.half())
+    with pytest.raises(ValueError, match="gate_up_scale"):
+        moe_experts_routed(x, gq, dq, w, ids, gate_up_scale=gs[:, :5], down_scale=ds)
+    with pytest.raises(ValueError, match="down_scale"):
+        moe_experts_routed(x, gq, dq, w, ids, gate_up_scale=gs, down_scale=torch.ones(4, 3, 7))
+    with pytest.raises(ValueError, match="gate_up_scale"):
+        moe_experts_routed(x, gate_up, down, w, ids, gate_up_scale=gs)
+    with pytest.raises(TypeError, match="gate_up"):
+        moe_experts_routed(x, gate_up.to(torch.int16), down, w, ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["int8", "fp8", "fp8-block"])
+@pytest.mark.parametrize("T", [1, 8, 300, 2500])
+def test_quantized_experts_gpu_bf16(kind, T):
+    """Weight-only int8 / fp8 experts with bf16 activations on CUDA at decode (GEMV), batch (grouped) and prefill
+    (row blocks) sizes: the experts over the dequantized bf16 weights, eager and replayed in a CUDA graph."""
+    from infercore.ops.moe import dequantize_experts
+
+    x, gate_up, down, w, ids = _case(T, 64, 1024, 704, 6, torch.float32, seed=5, skew=T > 8)
+    gq, gs = _quantize(gate_up, kind)
+    dq, ds = _quantize(down, kind)
+    args = [t.cuda() for t in (x.bfloat16(), gq, dq, w, ids)]
+    q = dict(gate_up_scale=gs.cuda(), down_scale=ds.cuda())
+    want = implementation("moe_experts_routed", "reference")(
+        x.cuda(), dequantize_experts(gq, gs, torch.bfloat16).float().cuda(),
+        dequantize_experts(dq, ds, torch.bfloat16).float().cuda(), w.cuda(), ids.cuda())  # fmt: skip
+    got = moe_experts_routed(*args, **q)
+    torch.testing.assert_close(got.float(), want, atol=3e-2 * want.abs().max().item(), rtol=3e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_experts_routed(*args, **q)
+    graph.replay()
+    torch.testing.assert_close(out, got)

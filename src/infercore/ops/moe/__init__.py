@@ -14,9 +14,9 @@ import torch
 
 from ...devices import dispatch, register
 from .. import _validate as V
-from .naive import check_moe_args, moe_experts_lora_ref, moe_experts_ref
+from .naive import check_expert_scales, check_moe_args, dequantize_experts, moe_experts_lora_ref, moe_experts_ref
 
-__all__ = ["MoELoRA", "moe_experts_routed"]
+__all__ = ["MoELoRA", "dequantize_experts", "moe_experts_routed"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,7 @@ def _check_lora(op: str, lora: object, x: torch.Tensor, gate_up: torch.Tensor) -
 def moe_experts_routed(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     *, expert_offset: int | None = None, lora: MoELoRA | None = None, activation: str = "silu",
+    gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Top-k routed experts, SiLU-gated (or ungated squared-ReLU ones, ``activation="relu2"``).
 
@@ -90,6 +91,11 @@ def moe_experts_routed(
             routing weight). CUDA-graph safe on CUDA; the reference syncs. SiLU-gated experts only.
         activation: ``"silu"`` (``silu(gate) * up``, ``gate_up [E, 2I, H]``) or ``"relu2"`` (Nemotron-H's ungated
             ``relu(up) ** 2``: ``gate_up`` is then the up projection alone, ``[E, I, H]``).
+        gate_up_scale / down_scale: weight-only quantized experts: ``gate_up`` / ``down`` as int8 or
+            float8_e4m3fn codes and their fp32 scales, per output channel (``[E, N]``) or per ``bn x bk`` block
+            (``[E, ceil(N / bn), ceil(K / bk)]``, as DeepSeek-V3's FP8 checkpoints store 128 x 128). The result is
+            the experts over the dequantized weights (``codes * scale`` in ``x.dtype``); on CUDA the kernels read
+            the codes and scale in registers (half or a quarter of the bytes a step reads).
 
     Returns:
         ``[T, H]`` in ``x.dtype``.
@@ -99,8 +105,9 @@ def moe_experts_routed(
     V.dim_at_least_one(op, "gate_up", gate_up, 0, "num_experts (E)")  # down has the same E
     V.floating(op, "x", x)
     V.same_device(op, "x", x, gate_up=gate_up, down=down, weights=weights, ids=ids)
-    if gate_up.dtype != x.dtype or down.dtype != x.dtype:
-        raise TypeError(f"{op}: gate_up / down must have x's dtype {x.dtype}, got {gate_up.dtype} / {down.dtype}")
+    check_expert_scales(op, x, "gate_up", gate_up, gate_up_scale)
+    check_expert_scales(op, x, "down", down, down_scale)
+    scales = {k: v for k, v in (("gate_up_scale", gate_up_scale), ("down_scale", down_scale)) if v is not None}
     if not weights.is_floating_point():
         raise TypeError(f"{op}: weights must be a floating tensor, got {weights.dtype}")
     if expert_offset is not None and (isinstance(expert_offset, bool) or not isinstance(expert_offset, int)
@@ -110,14 +117,17 @@ def moe_experts_routed(
         if activation != "silu":
             raise ValueError(f"{op}: lora takes SiLU-gated experts only, got activation={activation!r}")
         _check_lora(op, lora, x, gate_up)
-        return dispatch(op, x.device)(x, gate_up, down, weights, ids, expert_offset, lora=lora)
+        return dispatch(op, x.device)(x, gate_up, down, weights, ids, expert_offset, lora=lora, **scales)
     act = {} if activation == "silu" else {"activation": activation}
     if expert_offset is None:
-        return dispatch(op, x.device)(x, gate_up, down, weights, ids, **act)
-    return dispatch(op, x.device)(x, gate_up, down, weights, ids, expert_offset, **act)
+        return dispatch(op, x.device)(x, gate_up, down, weights, ids, **act, **scales)
+    return dispatch(op, x.device)(x, gate_up, down, weights, ids, expert_offset, **act, **scales)
 
 
-def _reference(x, gate_up, down, weights, ids, expert_offset=None, *, lora=None, activation="silu"):
+def _reference(x, gate_up, down, weights, ids, expert_offset=None, *, lora=None, activation="silu",
+               gate_up_scale=None, down_scale=None):  # fmt: skip
+    gate_up = dequantize_experts(gate_up, gate_up_scale, x.dtype)
+    down = dequantize_experts(down, down_scale, x.dtype)
     if lora is None:
         return moe_experts_ref(x, gate_up, down, weights, ids, expert_offset, activation)
     return moe_experts_lora_ref(x, gate_up, down, weights, ids, lora, expert_offset)

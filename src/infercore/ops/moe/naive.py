@@ -41,6 +41,50 @@ def check_moe_args(op: str, x, gate_up, down, weights, ids, activation: str = "s
         raise TypeError(f"{op}: ids must be int32 or int64, got {ids.dtype}")
 
 
+QUANT_EXPERT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Stacked expert weights ``[E, N, K]`` in ``dtype``: ``w`` itself without a scale, else int8 / fp8 codes times
+    their fp32 scales, per output channel (``[E, N]``) or per ``bn x bk`` block (``[E, ceil(N / bn), ceil(K / bk)]``,
+    DeepSeek-V3's 128 x 128 layout among them)."""
+    if scale is None:
+        return w
+    wf = w.float()
+    if scale.ndim == 2:
+        return (wf * scale.float()[..., None]).to(dtype)
+    E, N, K = w.shape
+    bn, bk = -(-N // scale.shape[1]), -(-K // scale.shape[2])
+    s = scale.float().repeat_interleave(bn, 1)[:, :N].repeat_interleave(bk, 2)[:, :, :K]
+    return (wf * s).to(dtype)
+
+
+def check_expert_scales(op: str, x: torch.Tensor, name: str, w: torch.Tensor, scale) -> None:
+    """``w`` in x's dtype with no scale, or int8 / float8_e4m3fn codes with fp32 scales ``[E, N]`` or
+    ``[E, ceil(N / bn), ceil(K / bk)]``."""
+    if w.dtype not in QUANT_EXPERT_DTYPES:
+        if w.dtype != x.dtype:
+            raise TypeError(f"{op}: {name} must have x's dtype {x.dtype} (or be int8 / float8_e4m3fn codes with "
+                            f"{name}_scale), got {w.dtype}")  # fmt: skip
+        if scale is not None:
+            raise ValueError(f"{op}: {name}_scale is for int8 / float8_e4m3fn {name} only; {name} is {w.dtype}")
+        return
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"{op}: {w.dtype} {name} needs {name}_scale (an fp32 tensor), got {type(scale).__name__}")
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{op}: {name}_scale must be float32, got {scale.dtype}")
+    if scale.device != w.device:
+        raise ValueError(f"{op}: {name}_scale must be on {name}'s device {w.device}, got {scale.device}")
+    E, N, K = w.shape
+    ok = scale.ndim == 2 and tuple(scale.shape) == (E, N)
+    if scale.ndim == 3 and scale.shape[0] == E and 0 < scale.shape[1] <= N and 0 < scale.shape[2] <= K:
+        bn, bk = -(-N // scale.shape[1]), -(-K // scale.shape[2])
+        ok = -(-N // bn) == scale.shape[1] and -(-K // bk) == scale.shape[2]
+    if not ok:
+        raise ValueError(f"{op}: {name}_scale must be [E, N] = [{E}, {N}] (per channel) or [E, ceil(N / bn), "
+                         f"ceil(K / bk)] (blocks) for {name} {list(w.shape)}, got {list(scale.shape)}")  # fmt: skip
+
+
 def moe_experts_ref(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     expert_offset: int | None = None, activation: str = "silu",

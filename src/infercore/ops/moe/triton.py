@@ -103,20 +103,46 @@ def _chunk(order_ptr, start, cnt, m0, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _w_tile(ptrs, mask, s_e, rows, offs_k, stride_sn, stride_sk, S_BN, S_BK, W_SCALE: tl.constexpr, DT: tl.constexpr,
+            EVICT: tl.constexpr = ""):  # fmt: skip
+    """A weight tile ``[rows, offs_k]`` in ``DT``: as stored (16-bit / fp32 weights, or int8 / fp8 codes whose
+    per-channel scales (``W_SCALE`` 1) the caller applies to the products), or codes times their block scales
+    (``W_SCALE`` 2: ``s_e[row // S_BN, k // S_BK]``)."""
+    w = tl.load(ptrs, mask=mask, other=0.0, eviction_policy=EVICT)
+    if W_SCALE == 2:
+        s = tl.load(s_e + (rows // S_BN).to(tl.int64)[:, None] * stride_sn + (offs_k // S_BK)[None, :] * stride_sk,
+                    mask=mask, other=0.0)  # fmt: skip
+        w = w.to(tl.float32) * s
+    return w.to(DT)
+
+
+@triton.jit
+def _chan_scale(s_e, rows, mask, stride_sn, W_SCALE: tl.constexpr):
+    """Per-channel scales of ``rows`` (``W_SCALE`` 1), else 1."""
+    if W_SCALE == 1:
+        return tl.load(s_e + rows.to(tl.int64) * stride_sn, mask=mask, other=0.0)
+    return tl.full(rows.shape, 1.0, tl.float32)
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, order_ptr, counts_ptr, offsets_ptr, ends_ptr, inter_ptr, extra_ptr,
+    s_ptr, stride_se, stride_sn, stride_sk, S_BN, S_BK,
     H, I, TOPK, E, NUM_N,
     stride_xm, stride_we, stride_wn, stride_im, stride_em,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_EXTRA: tl.constexpr, LOOP_M: tl.constexpr, E_P2: tl.constexpr, GROUP_M: tl.constexpr,
     RELU2: tl.constexpr = False,  # ungated relu(up) ** 2: w holds the up rows alone
+    W_SCALE: tl.constexpr = 0,  # 0: weights as x; 1: int8 / fp8 codes, per-channel scales; 2: block scales
 ):  # fmt: skip
     e, cnt, start, m_first, m_end, pid_n = _expert_span(counts_ptr, offsets_ptr, ends_ptr, E, NUM_N, LOOP_M, E_P2,
                                                         BLOCK_M, GROUP_M)  # fmt: skip
     if cnt > 0:
+        DT: tl.constexpr = x_ptr.dtype.element_ty
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < I
         w_e = w_ptr + e.to(tl.int64) * stride_we
+        s_e = s_ptr + e.to(tl.int64) * stride_se
         g_rows = w_e + offs_n.to(tl.int64)[:, None] * stride_wn
         u_rows = w_e + (I + offs_n).to(tl.int64)[:, None] * stride_wn
         for m0 in range(m_first, m_end, BLOCK_M):
@@ -130,13 +156,22 @@ def _moe_gate_up_kernel(
                 a = tl.load(x_rows + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
                 wm = n_mask[:, None] & k_mask[None, :]
                 if RELU2:
-                    wu = tl.load(g_rows + offs_k[None, :], mask=wm, other=0.0)
+                    wu = _w_tile(g_rows + offs_k[None, :], wm, s_e, offs_n, offs_k, stride_sn, stride_sk, S_BN, S_BK,
+                                 W_SCALE, DT)  # fmt: skip
                     acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
                 else:
-                    wg = tl.load(g_rows + offs_k[None, :], mask=wm, other=0.0)
-                    wu = tl.load(u_rows + offs_k[None, :], mask=wm, other=0.0)
+                    wg = _w_tile(g_rows + offs_k[None, :], wm, s_e, offs_n, offs_k, stride_sn, stride_sk, S_BN, S_BK,
+                                 W_SCALE, DT)  # fmt: skip
+                    wu = _w_tile(u_rows + offs_k[None, :], wm, s_e, I + offs_n, offs_k, stride_sn, stride_sk, S_BN,
+                                 S_BK, W_SCALE, DT)  # fmt: skip
                     acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
                     acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+            if W_SCALE == 1:
+                if RELU2:
+                    acc_u = acc_u * _chan_scale(s_e, offs_n, n_mask, stride_sn, W_SCALE)[None, :]
+                else:
+                    acc_g = acc_g * _chan_scale(s_e, offs_n, n_mask, stride_sn, W_SCALE)[None, :]
+                    acc_u = acc_u * _chan_scale(s_e, I + offs_n, n_mask, stride_sn, W_SCALE)[None, :]
             if HAS_EXTRA:  # fp32 [rows, 2I] added before the activation (the experts' LoRA), by inter row
                 e_rows = extra_ptr + (start + rows).to(tl.int64)[:, None] * stride_em
                 em = r_mask[:, None] & n_mask[None, :]
@@ -154,10 +189,12 @@ def _moe_gate_up_kernel(
 @triton.jit
 def _moe_down_kernel(
     inter_ptr, w_ptr, order_ptr, counts_ptr, offsets_ptr, ends_ptr, rw_ptr, out_ptr, extra_ptr,
+    s_ptr, stride_se, stride_sn, stride_sk, S_BN, S_BK,
     H, I, E, NUM_N,
     stride_im, stride_we, stride_wn, stride_om, stride_em,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_EXTRA: tl.constexpr, LOOP_M: tl.constexpr, E_P2: tl.constexpr, GROUP_M: tl.constexpr,
+    W_SCALE: tl.constexpr = 0,  # as in _moe_gate_up_kernel
 ):  # fmt: skip
     e, cnt, start, m_first, m_end, pid_n = _expert_span(counts_ptr, offsets_ptr, ends_ptr, E, NUM_N, LOOP_M, E_P2,
                                                         BLOCK_M, GROUP_M)  # fmt: skip
@@ -165,6 +202,7 @@ def _moe_down_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < H
         w_rows = w_ptr + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+        s_e = s_ptr + e.to(tl.int64) * stride_se
         for m0 in range(m_first, m_end, BLOCK_M):
             rows, r_mask, pair = _chunk(order_ptr, start, cnt, m0, BLOCK_M)
             a_rows = inter_ptr + (start + rows).to(tl.int64)[:, None] * stride_im
@@ -173,8 +211,11 @@ def _moe_down_kernel(
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 k_mask = offs_k < I
                 a = tl.load(a_rows + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-                w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                w = _w_tile(w_rows + offs_k[None, :], n_mask[:, None] & k_mask[None, :], s_e, offs_n, offs_k,
+                            stride_sn, stride_sk, S_BN, S_BK, W_SCALE, inter_ptr.dtype.element_ty)  # fmt: skip
                 acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            if W_SCALE == 1:
+                acc = acc * _chan_scale(s_e, offs_n, n_mask, stride_sn, W_SCALE)[None, :]
             if HAS_EXTRA:  # fp32 [rows, H] added before the routing weight, by inter row
                 e_rows = extra_ptr + (start + rows).to(tl.int64)[:, None] * stride_em
                 acc += tl.load(e_rows + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
@@ -204,10 +245,12 @@ def use_gemv(tokens: int, top_k: int, num_experts: int) -> bool:
 @triton.jit
 def _moe_gemv_gate_up_kernel(
     x_ptr, w_ptr, ids_ptr, inter_ptr, extra_ptr,
+    s_ptr, stride_se, stride_sn, stride_sk, S_BN, S_BK,
     H, I, TOPK, E, OFFSET,
     stride_xm, stride_we, stride_wn, stride_im, stride_em,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_EXTRA: tl.constexpr,
     RELU2: tl.constexpr = False,  # ungated relu(up) ** 2: w holds the up rows alone
+    W_SCALE: tl.constexpr = 0,  # as in _moe_gate_up_kernel
 ):  # fmt: skip
     pair = tl.program_id(0)
     e = tl.load(ids_ptr + pair).to(tl.int64) - OFFSET
@@ -217,6 +260,7 @@ def _moe_gemv_gate_up_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     w_e = w_ptr + e * stride_we
+    s_e = s_ptr + e * stride_se
     g_rows = w_e + offs_n.to(tl.int64)[:, None] * stride_wn
     u_rows = w_e + (I + offs_n).to(tl.int64)[:, None] * stride_wn
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -227,15 +271,19 @@ def _moe_gemv_gate_up_kernel(
         a = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         wm = n_mask[:, None] & k_mask[None, :]
         if RELU2:
-            acc_u += tl.load(g_rows + offs_k[None, :], mask=wm, other=0.0,
-                             eviction_policy="evict_first").to(tl.float32) * a  # fmt: skip
+            acc_u += _w_tile(g_rows + offs_k[None, :], wm, s_e, offs_n, offs_k, stride_sn, stride_sk, S_BN, S_BK,
+                             W_SCALE, tl.float32, "evict_first") * a  # fmt: skip
         else:
-            acc_g += tl.load(g_rows + offs_k[None, :], mask=wm, other=0.0,
-                             eviction_policy="evict_first").to(tl.float32) * a  # fmt: skip
-            acc_u += tl.load(u_rows + offs_k[None, :], mask=wm, other=0.0,
-                             eviction_policy="evict_first").to(tl.float32) * a  # fmt: skip
+            acc_g += _w_tile(g_rows + offs_k[None, :], wm, s_e, offs_n, offs_k, stride_sn, stride_sk, S_BN, S_BK,
+                             W_SCALE, tl.float32, "evict_first") * a  # fmt: skip
+            acc_u += _w_tile(u_rows + offs_k[None, :], wm, s_e, I + offs_n, offs_k, stride_sn, stride_sk, S_BN, S_BK,
+                             W_SCALE, tl.float32, "evict_first") * a  # fmt: skip
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
+    if W_SCALE == 1:
+        u = u * _chan_scale(s_e, offs_n if RELU2 else I + offs_n, n_mask, stride_sn, W_SCALE)
+        if not RELU2:
+            g = g * _chan_scale(s_e, offs_n, n_mask, stride_sn, W_SCALE)
     if HAS_EXTRA:  # fp32 [pairs, 2I] added before the activation (the experts' LoRA)
         e_row = extra_ptr + pair.to(tl.int64) * stride_em
         g += tl.load(e_row + offs_n, mask=n_mask, other=0.0)
@@ -251,9 +299,11 @@ def _moe_gemv_gate_up_kernel(
 @triton.jit
 def _moe_gemv_down_kernel(
     inter_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, extra_ptr,
+    s_ptr, stride_se, stride_sn, stride_sk, S_BN, S_BK,
     H, I, E, OFFSET,
     stride_im, stride_we, stride_wn, stride_om, stride_em,
     TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_EXTRA: tl.constexpr,
+    W_SCALE: tl.constexpr = 0,  # as in _moe_gate_up_kernel
 ):  # fmt: skip
     tok = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -264,16 +314,18 @@ def _moe_gemv_down_kernel(
         e = tl.load(ids_ptr + pair).to(tl.int64) - OFFSET
         if (e >= 0) & (e < E):
             w_rows = w_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+            s_e = s_ptr + e * stride_se
             a_row = inter_ptr + pair.to(tl.int64) * stride_im
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, I, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 k_mask = offs_k < I
                 a = tl.load(a_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-                w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                            eviction_policy="evict_first")
-                acc += w.to(tl.float32) * a
+                acc += _w_tile(w_rows + offs_k[None, :], n_mask[:, None] & k_mask[None, :], s_e, offs_n, offs_k,
+                               stride_sn, stride_sk, S_BN, S_BK, W_SCALE, tl.float32, "evict_first") * a  # fmt: skip
             d = tl.sum(acc, axis=1)
+            if W_SCALE == 1:
+                d = d * _chan_scale(s_e, offs_n, n_mask, stride_sn, W_SCALE)
             if HAS_EXTRA:  # fp32 [pairs, H] added before the routing weight
                 d += tl.load(extra_ptr + pair.to(tl.int64) * stride_em + offs_n, mask=n_mask, other=0.0)
             out += d * tl.load(rw_ptr + pair).to(tl.float32)
@@ -349,9 +401,22 @@ class _LoRARows:
         return None if LORA_GROUPED_MIN_PAIRS is None else len(self.c) >= LORA_GROUPED_MIN_PAIRS
 
 
+def _scale_args(scale: torch.Tensor | None, w: torch.Tensor) -> tuple[dict, tuple]:
+    """The kernels' scale operands for weights ``w [E, N, K]``: ``(constexprs, (s, stride_se, stride_sn, stride_sk,
+    S_BN, S_BK))``. None: weights in x's dtype (W_SCALE 0, ``w`` as a placeholder pointer); ``[E, N]``: per-channel
+    (W_SCALE 1); ``[E, ceil(N / bn), ceil(K / bk)]``: blocks of ``bn x bk`` (W_SCALE 2)."""
+    if scale is None:
+        return {}, (w, 0, 0, 0, 1, 1)
+    if scale.ndim == 2:
+        return {"W_SCALE": 1}, (scale, scale.stride(0), scale.stride(1), 0, 1, 1)
+    bn, bk = -(-w.shape[1] // scale.shape[1]), -(-w.shape[2] // scale.shape[2])
+    return {"W_SCALE": 2}, (scale, scale.stride(0), scale.stride(1), scale.stride(2), bn, bk)
+
+
 def moe_experts_gemv(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     expert_offset: int | None = None, *, lora=None, activation: str = "silu",
+    gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decode-size path (see the module docstring): no sort, two launches. Same arguments and result as
     :func:`moe_experts_triton`."""
@@ -376,18 +441,20 @@ def moe_experts_gemv(
     offset = expert_offset or 0
     lr = None if lora is None else _LoRARows(lora, ids, E, expert_offset, None)
     add = inter if lr is None else lr.gate_up(x, inter_dim)  # any tensor when there is nothing to add
+    sc, sa = _scale_args(gate_up_scale, gate_up)
     _moe_gemv_gate_up_kernel[(T * topk, triton.cdiv(inter_dim, bn))](
-        x, gate_up, flat, inter, add, H, inter_dim, topk, E, offset, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        inter.stride(0), add.stride(0), BLOCK_N=bn, BLOCK_K=bk, HAS_EXTRA=lr is not None,
-        **({"RELU2": True} if relu2 else {}), **extra,
+        x, gate_up, flat, inter, add, *sa, H, inter_dim, topk, E, offset, x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), inter.stride(0), add.stride(0), BLOCK_N=bn, BLOCK_K=bk, HAS_EXTRA=lr is not None,
+        **({"RELU2": True} if relu2 else {}), **sc, **extra,
     )  # fmt: skip
     bn, bk, warps = cfgs["down"]
     extra = {} if _INTERPRET else {"num_warps": warps}
     add = inter if lr is None else lr.down(inter, H)
+    sc, sa = _scale_args(down_scale, down)
     _moe_gemv_down_kernel[(T, triton.cdiv(H, bn))](
-        inter, down, flat, rw, out, add, H, inter_dim, E, offset, inter.stride(0), down.stride(0), down.stride(1),
-        out.stride(0), add.stride(0),
-        TOPK=topk, BLOCK_N=bn, BLOCK_K=bk, HAS_EXTRA=lr is not None, **extra,
+        inter, down, flat, rw, out, add, *sa, H, inter_dim, E, offset, inter.stride(0), down.stride(0),
+        down.stride(1), out.stride(0), add.stride(0),
+        TOPK=topk, BLOCK_N=bn, BLOCK_K=bk, HAS_EXTRA=lr is not None, **sc, **extra,
     )  # fmt: skip
     return out
 
@@ -395,13 +462,15 @@ def moe_experts_gemv(
 def moe_experts_triton(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     expert_offset: int | None = None, *, lora=None, activation: str = "silu",
+    gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See :func:`infercore.ops.moe.moe_experts_routed` (arguments checked there). Decode sizes (:func:`use_gemv`)
     run :func:`moe_experts_gemv`; the rest the grouped kernels below. ``activation="relu2"``: ``gate_up`` holds the
     up rows alone and the first kernel stores ``relu(up) ** 2`` (the constexpr ``RELU2``)."""
     T, topk = ids.shape
     if use_gemv(T, topk, gate_up.shape[0] if expert_offset is None else 10**9):
-        return moe_experts_gemv(x, gate_up, down, weights, ids, expert_offset, lora=lora, activation=activation)
+        return moe_experts_gemv(x, gate_up, down, weights, ids, expert_offset, lora=lora, activation=activation,
+                                gate_up_scale=gate_up_scale, down_scale=down_scale)  # fmt: skip
     E, rows, H = gate_up.shape
     relu2 = activation == "relu2"
     inter_dim = rows if relu2 else rows // 2
@@ -448,16 +517,18 @@ def moe_experts_triton(
                     **({} if _INTERPRET else {"num_warps": warps, "num_stages": stages}))  # fmt: skip
         if kernel == "gate_up":
             add = inter if lr is None else lr.gate_up(x, inter_dim)  # any tensor when there is nothing to add
+            sc, sa = _scale_args(gate_up_scale, gate_up)
             _moe_gate_up_kernel[grid](
-                x, gate_up, order, counts, offsets, ends, inter, add, H, inter_dim, topk, E, num_n,
+                x, gate_up, order, counts, offsets, ends, inter, add, *sa, H, inter_dim, topk, E, num_n,
                 x.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0), add.stride(0),
-                **meta, **({"RELU2": True} if relu2 else {}),
+                **meta, **({"RELU2": True} if relu2 else {}), **sc,
             )  # fmt: skip
         else:
             add = inter if lr is None else lr.down(inter, H)
+            sc, sa = _scale_args(down_scale, down)
             _moe_down_kernel[grid](
-                inter, down, order, counts, offsets, ends, rw, out_pairs, add, H, inter_dim, E, num_n,
-                inter.stride(0), down.stride(0), down.stride(1), out_pairs.stride(0), add.stride(0), **meta,
+                inter, down, order, counts, offsets, ends, rw, out_pairs, add, *sa, H, inter_dim, E, num_n,
+                inter.stride(0), down.stride(0), down.stride(1), out_pairs.stride(0), add.stride(0), **meta, **sc,
             )  # fmt: skip
     return out_pairs.view(T, topk, H).sum(1).to(x.dtype)
 

@@ -531,13 +531,14 @@ def _out(lin: nn.Module) -> int:
 def _lora_experts(mlp: nn.Module, tp: int) -> bool:
     """Whether a sparse-MoE block's routed experts take LoRA: a block that runs them with the slots
     (``takes_experts_lora``: ``models.moe.SparseMoeBlock``), stacked floating expert tensors on the block's device
-    (not quantized, not offloaded to the host), one process (no tensor or expert parallelism). Other expert blocks
-    (GPT-OSS's, in another layout) get no slots, so an adapter on their experts is refused when added."""
+    (not int8 / fp8 codes, not offloaded to the host), one process (no tensor or expert parallelism). Other expert
+    blocks (GPT-OSS's, in another layout) get no slots, so an adapter on their experts is refused when added."""
     experts = getattr(mlp, "experts", None)
     gu, d = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     return (tp == 1 and getattr(mlp, "takes_experts_lora", False) and type(gu) in (torch.Tensor, nn.Parameter)
             and type(d) in (torch.Tensor, nn.Parameter)
-            and gu.is_floating_point() and gu.dim() == 3 and getattr(mlp, "expert_offset", None) is None
+            and gu.is_floating_point() and gu.dim() == 3 and getattr(experts, "gate_up_scale", None) is None
+            and getattr(mlp, "expert_offset", None) is None
             and getattr(mlp, "host_experts", None) is None and getattr(mlp, "top_k", None) is not None)
 
 

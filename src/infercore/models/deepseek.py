@@ -447,13 +447,14 @@ class DeepseekMoE(SparseMoeBlock):
             out = self.host_experts(x, weights, ids, self.expert_offset)
         else:
             gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+            scales = self.experts.scales()  # int8 / fp8 experts (StackedExperts.quantize_)
             packed = self.cpu_packed_experts
-            if packed is not None and x.device.type == "cpu" and x.dtype == packed.dtype:
+            if packed is not None and not scales and x.device.type == "cpu" and x.dtype == packed.dtype:
                 if not packed.current(gate_up, down):  # the weights were written since packing
                     packed = self.cpu_packed_experts = type(packed)(gate_up, down)
                 out = packed(x, weights, ids, self.expert_offset)
             else:
-                out = moe_experts(x, gate_up, down, weights, ids, self.expert_offset)
+                out = moe_experts(x, gate_up, down, weights, ids, self.expert_offset, **scales)
         return out + self.shared_experts(x)
 
 

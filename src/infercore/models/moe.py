@@ -143,6 +143,7 @@ def moe_experts_dense(
 def moe_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     expert_offset: int | None = None, *, lora=None, activation: str = "silu",
+    gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dispatch. CPU: the reference loop (it costs less than either batched form there).
     Accelerators: the routed op (``ops.moe_experts_routed``: on CUDA a Triton grouped GEMM over the
@@ -150,21 +151,32 @@ def moe_experts(
     :func:`routed_chunk_rows` tokens at a time. ``expert_offset``: the tensors hold experts
     ``[expert_offset, expert_offset + E)`` of a larger set (expert parallelism); pairs routed elsewhere are skipped.
     ``lora``: multi-LoRA on the experts (``ops.moe.MoELoRA``), through ``ops.moe_experts_routed`` on every device.
-    ``activation``: ``"silu"`` (gated) or ``"relu2"`` (ungated squared ReLU, ``gate_up`` the up rows ``[E, I, H]``)."""
+    ``activation``: ``"silu"`` (gated) or ``"relu2"`` (ungated squared ReLU, ``gate_up`` the up rows ``[E, I, H]``).
+    ``gate_up_scale`` / ``down_scale``: int8 / fp8 expert codes' scales (:meth:`StackedExperts.quantize_`); the CPU
+    dequantizes them per call."""
+    scales = {} if gate_up_scale is None and down_scale is None else {"gate_up_scale": gate_up_scale,
+                                                                     "down_scale": down_scale}
     if lora is not None:
-        return _routed_in_chunks(x, gate_up, down, weights, ids, expert_offset, lora=lora)
+        return _routed_in_chunks(x, gate_up, down, weights, ids, expert_offset, lora=lora, scales=scales)
     if x.device.type == "cpu":
+        if scales:
+            from ..ops.moe.naive import check_expert_scales, dequantize_experts
+
+            check_expert_scales("moe_experts", x, "gate_up", gate_up, gate_up_scale)
+            check_expert_scales("moe_experts", x, "down", down, down_scale)
+            gate_up = dequantize_experts(gate_up, gate_up_scale, x.dtype)
+            down = dequantize_experts(down, down_scale, x.dtype)
         check_moe_args("moe_experts", x, gate_up, down, weights, ids, activation)
         return moe_experts_ref(x, gate_up, down, weights, ids, expert_offset, activation)
-    return _routed_in_chunks(x, gate_up, down, weights, ids, expert_offset, activation=activation)
+    return _routed_in_chunks(x, gate_up, down, weights, ids, expert_offset, activation=activation, scales=scales)
 
 
 def _routed_in_chunks(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    expert_offset: int | None = None, lora=None, activation: str = "silu",
+    expert_offset: int | None = None, lora=None, activation: str = "silu", scales: dict | None = None,
 ) -> torch.Tensor:
     T, R = x.shape[0], routed_chunk_rows(ids.shape[-1], x.shape[-1])
-    act = {} if activation == "silu" else {"activation": activation}
+    act = ({} if activation == "silu" else {"activation": activation}) | (scales or {})
     if T <= R:
         return moe_experts_routed(x, gate_up, down, weights, ids, expert_offset=expert_offset, lora=lora, **act)
     check_moe_args("moe_experts", x, gate_up, down, weights, ids, activation)
@@ -176,12 +188,63 @@ def _routed_in_chunks(
 
 
 class StackedExperts(nn.Module):
-    """Expert weights, HF transformers 5 names: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
+    """Expert weights, HF transformers 5 names: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``.
+
+    :meth:`quantize_` makes them weight-only int8 / fp8 codes with fp32 scales (``gate_up_scale`` / ``down_scale``,
+    None while unquantized), which :meth:`scales` hands to the routed op."""
+
+    KINDS = ("int8", "fp8", "fp8-block")
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, *, dtype: torch.dtype | None = None):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=dtype))
+        self.register_buffer("gate_up_scale", None)
+        self.register_buffer("down_scale", None)
+
+    def scales(self) -> dict[str, torch.Tensor]:
+        """``{"gate_up_scale": ..., "down_scale": ...}`` for quantized experts, else ``{}``."""
+        if self.gate_up_scale is None:
+            return {}
+        return {"gate_up_scale": self.gate_up_scale, "down_scale": self.down_scale}
+
+    @torch.no_grad()
+    def quantize_(self, kind: str, block: int = 128) -> StackedExperts:
+        """Weight-only quantization in place: ``"int8"`` (symmetric, per output channel), ``"fp8"`` (e4m3, per
+        output channel) or ``"fp8-block"`` (e4m3, ``block x block`` scales). The codes replace the weights (a half
+        of bf16's bytes); the experts then compute over ``codes * scale`` in the activations' dtype."""
+        if kind not in self.KINDS:
+            raise ValueError(f"kind: expected one of {self.KINDS}, got {kind!r}")
+        if self.gate_up_scale is not None:
+            raise ValueError("quantize_: the experts are quantized already")
+        if not self.gate_up_proj.is_floating_point():
+            raise TypeError(f"quantize_: expected floating expert weights, got {self.gate_up_proj.dtype}")
+        for name in ("gate_up_proj", "down_proj"):
+            codes, scale = quantize_expert_weights(getattr(self, name).detach(), kind, block)
+            setattr(self, name, nn.Parameter(codes, requires_grad=False))
+            setattr(self, name.replace("_proj", "_scale"), scale)
+        return self
+
+
+def quantize_expert_weights(w: torch.Tensor, kind: str, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and fp32 scales of stacked expert weights ``w [E, N, K]`` (see :meth:`StackedExperts.quantize_`);
+    ``ops.moe.dequantize_experts(codes, scale, dtype)`` gives the weights they stand for."""
+    from ..ops.moe import dequantize_experts
+
+    E, N, K = w.shape
+    wf = w.float()
+    if kind == "fp8-block":
+        nb, kb = -(-N // block), -(-K // block)
+        pad = torch.nn.functional.pad(wf.abs(), (0, kb * block - K, 0, nb * block - N))
+        scale = pad.view(E, nb, block, kb, block).amax(dim=(2, 4)).clamp(min=1e-12) / 448.0
+        full = dequantize_experts(torch.ones_like(wf), scale, torch.float32)
+        return (wf / full).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+    top = 127.0 if kind == "int8" else 448.0
+    scale = wf.abs().amax(dim=2).clamp(min=1e-12) / top
+    codes = wf / scale[..., None]
+    if kind == "int8":
+        return codes.round().clamp(-127, 127).to(torch.int8), scale
+    return codes.clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
 
 class GatedMLP(nn.Module):
@@ -238,16 +301,17 @@ class SparseMoeBlock(nn.Module):
         if self.host_experts is not None:
             return self._forward_host(x, weights, ids)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        scales = self.experts.scales()  # int8 / fp8 experts (StackedExperts.quantize_)
         packed = self.cpu_packed_experts
         lora = self.__dict__["_modules"].get("experts_lora")  # lora.enable_lora_: the experts' adapter slots
         if lora is not None and lora.manager.active:
             out = lora(x, weights, ids, gate_up, down, self.expert_offset)
-        elif packed is not None and x.device.type == "cpu" and x.dtype == packed.dtype:
+        elif packed is not None and not scales and x.device.type == "cpu" and x.dtype == packed.dtype:
             if not packed.current(gate_up, down):  # the weights were written since packing
                 packed = self.cpu_packed_experts = type(packed)(gate_up, down)
             out = packed(x, weights, ids, self.expert_offset)
         else:
-            out = moe_experts(x, gate_up, down, weights, ids, self.expert_offset)
+            out = moe_experts(x, gate_up, down, weights, ids, self.expert_offset, **scales)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

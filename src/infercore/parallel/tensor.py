@@ -467,6 +467,9 @@ def _shard_moe_(block: SparseMoeBlock, tp: int, rank: int, *, by_expert: bool) -
     shared expert is split by width, the router and the shared expert's gate stay whole. The block's output is then
     this rank's partial sum (the sigmoid gate scales each rank's part alike)."""
     ex = block.experts
+    if getattr(ex, "gate_up_scale", None) is not None:
+        raise ValueError("tensor_parallel_: the routed experts are quantized already; shard first, then quantize "
+                         "(quantize(model, scheme, experts=True) after tensor_parallel_)")
     if by_expert:
         n = ex.gate_up_proj.shape[0] // tp
         ex.gate_up_proj = nn.Parameter(ex.gate_up_proj[rank * n : (rank + 1) * n].contiguous(), requires_grad=False)

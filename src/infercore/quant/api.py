@@ -294,7 +294,7 @@ def _eligible(name: str, mod: nn.Module, s: QuantScheme, skip: Iterable[str]) ->
 def quantize(
     model: nn.Module, scheme: str | QuantScheme, *,
     calibration: CalibrationStats | Callable[[nn.Module], object] | None = None,
-    skip: Iterable[str] = ("lm_head", "score"), method: str | None = None,
+    skip: Iterable[str] = ("lm_head", "score"), method: str | None = None, experts: bool = False,
 ) -> nn.Module:
     """Replace every eligible ``nn.Linear`` of ``model`` by a :class:`QuantLinear`, in place.
 
@@ -310,6 +310,10 @@ def quantize(
             whose K is not a multiple of 64.
         method: ``"rtn"`` or ``"gptq"`` to override the scheme's method (e.g.
             ``quantize(model, "w4a16-g128", calibration=run, method="gptq")``).
+        experts: also quantize the stacked routed experts (``models.moe.StackedExperts``: Mixtral, Qwen2 / Qwen3-MoE,
+            Qwen3-Next, DeepSeek) with the scheme's weight format, which must be weight-only int8 per channel
+            (``w8a16``) or fp8 (``fp8-wo``, ``fp8-wo-block``): the routed op reads their codes (half of bf16's
+            bytes) and scales them in registers. After ``tensor_parallel_``, not before.
 
     Returns:
         ``model`` (modified in place).
@@ -326,6 +330,7 @@ def quantize(
     if not all(isinstance(p, str) for p in skip):
         raise TypeError(f"skip: expected module names (str), got {skip!r}")
     targets = [(n, m) for n, m in model.named_modules() if _eligible(n, m, s, skip)]
+    expert_kind = _expert_kind(s) if experts else None
     if calibration is not None and not isinstance(calibration, CalibrationStats):
         if not callable(calibration):
             raise TypeError("calibration: expected CalibrationStats (see collect_calibration) or a callable "
@@ -348,7 +353,24 @@ def quantize(
                                  act_mean_sq=stats.mean_sq.get(name), hessian=stats.hessians.get(name))
         new = QuantLinear(qw, mod.bias, outlier_threshold=s.outlier_threshold, max_outliers=s.max_outliers)
         _set_submodule(model, name, new)
+    if expert_kind is not None:
+        from ..models.moe import StackedExperts
+
+        for name, mod in model.named_modules():
+            if isinstance(mod, StackedExperts) and mod.gate_up_scale is None and not any(
+                    name == p or name.endswith("." + p) or name.startswith(p + ".") for p in skip):
+                mod.quantize_(*expert_kind)
     return model
+
+
+def _expert_kind(s: QuantScheme) -> tuple[str, int]:
+    """``StackedExperts.quantize_``'s arguments for scheme ``s``, or ValueError naming the schemes that have some."""
+    if s.weight == "int8" and s.group_size is None and s.method == "rtn":
+        return "int8", 128
+    if s.weight == "fp8" and not s.scale_search:
+        return ("fp8", 128) if s.fp8_block is None else ("fp8-block", s.fp8_block)
+    raise ValueError(f"experts: the routed experts take weight-only int8 per channel or fp8 schemes (w8a16, fp8-wo, "
+                     f"fp8-wo-block), not {s.name!r}")
 
 
 def _check_stats(stats: CalibrationStats, name: str, k: int) -> None:

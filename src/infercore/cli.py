@@ -75,7 +75,7 @@ def _generate(args: argparse.Namespace) -> int:
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                         num_speculative_tokens=args.num_speculative_tokens,
                                         cpu_kv_cache_bytes=_cpu_kv_bytes(args), **_host_experts(args), **lora_kw,
-                                        **_draft(args))
+                                        **_draft(args), **_quantize_experts(args))
         _add_loras(engine, adapters)
     except (OSError, ValueError, TypeError, ImportError) as e:  # OSError: unreadable files too
         print(f"infercore: {e}", file=sys.stderr)
@@ -107,6 +107,15 @@ def _print_stream(engine, args: argparse.Namespace, params, *, lora: str | None 
         f"decode {rate:.1f} tokens/s, finish: {out.finish_reason}; {engine.device}, {engine.dtype}]",
         file=sys.stderr,
     )
+
+
+def _quantize_experts(args) -> dict:
+    """``Engine.from_pretrained``'s ``quantize_experts`` from ``--quantize-experts``."""
+    if not getattr(args, "quantize_experts", False):
+        return {}
+    if args.quantization is None:
+        raise ValueError("--quantize-experts: set --quantization (w8a16, fp8-wo or fp8-wo-block)")
+    return {"quantize_experts": True}
 
 
 def _host_experts(args: argparse.Namespace) -> dict:
@@ -241,7 +250,7 @@ def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
         if quantized:  # each rank quantizes its shards
             from .quant import quantize
 
-            quantize(model, args.quantization)
+            quantize(model, args.quantization, **{"experts": True} if _quantize_experts(args) else {})
         # LoRA after the sharding: each rank's slots hold its slice of every adapter, all ranks the same adapters in
         # the same order (so their slot tables agree)
         adapters, lora_kw = _serve_engine_kw(args) if args.cmd == "serve" else _loras(args)
@@ -276,6 +285,8 @@ def _adaptive_rank(rank: int, args: argparse.Namespace, params, model, tok, expe
 
     from .parallel import LoadPolicy, build_adaptive
 
+    if _quantize_experts(args):
+        raise ValueError("--quantize-experts: not with --adaptive (its layouts re-shard the experts)")
     high, low = args.adaptive
     adapters, lora_kw = _serve_engine_kw(args) if args.cmd == "serve" else _loras(args)
     kw = dict(kv_cache_dtype=args.kv_cache_dtype, num_speculative_tokens=args.num_speculative_tokens,
@@ -323,7 +334,7 @@ def _serve(args: argparse.Namespace) -> int:
                                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                                         num_speculative_tokens=args.num_speculative_tokens,
                                         cpu_kv_cache_bytes=_cpu_kv_bytes(args), **_host_experts(args), **lora_kw,
-                                        **_draft(args))
+                                        **_draft(args), **_quantize_experts(args))
         _add_loras(engine, adapters)
         _run_server(engine, args)
     except (OSError, ValueError, TypeError, ImportError) as e:
@@ -453,6 +464,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="'gguf': run a GGUF file's Q4_0 / Q4_1 / Q8_0 linears as stored; or a weight scheme of "
                             "infercore.quant.SCHEMES (e.g. w4a16-g128, w8a16, fp8-wo); the dtype then defaults to "
                             "bfloat16, which the packed CPU kernels take (default: dense weights)")
+        q.add_argument("--quantize-experts", action="store_true",
+                       help="with --quantization w8a16 / fp8-wo / fp8-wo-block: a MoE model's stacked routed experts "
+                            "too (int8 / fp8 codes the routed kernels read)")
         q.add_argument("--int8-activations", action="store_true",
                        help="on the CPU, the quantized linears' decode rows (INT4, INT8, GGUF Q4 / Q8_0 / Q6_K) take "
                             "activations rounded to 8 bits in blocks of 32 (llama.cpp's design; AVX512-VNNI): faster "

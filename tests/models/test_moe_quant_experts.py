@@ -90,3 +90,24 @@ def test_refusals_name_the_argument(tmp_path):
     with pytest.raises(ValueError, match="tensor_parallel_"):
         _shard_moe_(block, 2, 0, by_expert=False)
     assert not _lora_experts(block, 1)  # no adapter slots on int8 / fp8 experts
+
+
+def test_engine_from_pretrained_quantize_experts(tmp_path):
+    """``Engine.from_pretrained(..., quantization="w8a16", quantize_experts=True)`` runs the int8 experts and gives
+    the tokens of the model quantized by hand; the flag is checked before the load."""
+    from infercore.engine import Engine, SamplingParams
+
+    hf = tiny_moe("qwen3_moe")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    eng = Engine.from_pretrained(str(tmp_path), device="cpu", dtype=torch.float32, quantization="w8a16",
+                                 quantize_experts=True, num_pages=64, page_size=4)  # fmt: skip
+    assert any(isinstance(m, StackedExperts) and m.gate_up_proj.dtype == torch.int8 for m in eng.model.modules())
+    model = load_model(tmp_path, dtype=torch.float32, device="cpu")[0]
+    by_hand = Engine(quantize(model, "w8a16", experts=True), num_pages=64, page_size=4)
+    assert [o.token_ids for o in eng.generate(PROMPTS, params)] == [
+        o.token_ids for o in by_hand.generate(PROMPTS, params)]
+    with pytest.raises(ValueError, match="quantize_experts"):
+        Engine.from_pretrained(str(tmp_path), device="cpu", quantize_experts=True)
+    with pytest.raises(ValueError, match="experts"):
+        Engine.from_pretrained(str(tmp_path), device="cpu", quantization="w4a16-g128", quantize_experts=True)

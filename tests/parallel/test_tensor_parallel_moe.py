@@ -106,3 +106,12 @@ def test_cli_generate_with_expert_parallelism(tmp_path, capfd):
     assert "weight-only INT" in capfd.readouterr().err
     assert cli.main(["generate", "Hi", "--device", "cpu", "--host-experts"]) == 2  # SmolLM2 has no experts
     assert "no routed-expert" in capfd.readouterr().err
+    # int8 experts, in one process and over two expert-parallel ranks (each quantizing its own experts and shards:
+    # the row-parallel linears' per-channel scales then come from their halves, so the answers may differ)
+    assert cli.main(argv + ["--quantization", "w8a16", "--quantize-experts", "--dtype", "float32"]) == 0
+    assert capfd.readouterr().out.strip()
+    assert cli.main(argv + ["--quantization", "w8a16", "--quantize-experts", "--dtype", "float32",
+                            "--tensor-parallel", "2", "--expert-parallel"]) == 0  # fmt: skip
+    assert capfd.readouterr().out.strip()
+    assert cli.main(argv + ["--quantize-experts"]) == 2
+    assert "--quantization" in capfd.readouterr().err

@@ -388,6 +388,7 @@ class Engine:
         host_experts: bool | str = False,
         host_expert_layers: int | None = None,
         draft_model: str | None = None,
+        quantize_experts: bool = False,
         **kwargs,
     ) -> Engine:
         """Load a checkpoint (HF safetensors directory or GGUF file; default: the SmolLM2-135M-Instruct
@@ -413,7 +414,10 @@ class Engine:
         :data:`infercore.quant.SCHEMES` that needs no calibration, applied to the loaded weights
         (:func:`infercore.quant.quantize`, ``lm_head`` kept). Checked before the (slow) load. ``dtype``
         defaults to bf16 on CUDA, and on the CPU when ``quantization`` is set (the packed INT4 / INT8 CPU
-        kernels take bf16 activations; an explicit fp32 / fp16 runs the dequantizing reference), else fp32."""
+        kernels take bf16 activations; an explicit fp32 / fp16 runs the dequantizing reference), else fp32.
+
+        ``quantize_experts``: with ``quantization`` ``w8a16`` / ``fp8-wo`` / ``fp8-wo-block``, the stacked routed
+        experts of a MoE model too (``quantize(..., experts=True)``: int8 / fp8 codes the routed op reads)."""
         from ..devices import check_device, default_device
         from ..loading import default_model_path
         from ..models import load_model
@@ -423,6 +427,16 @@ class Engine:
             dtype = _parse_dtype(dtype)
         path = path or default_model_path()
         _check_quantization(quantization, path)
+        if not isinstance(quantize_experts, bool):
+            raise TypeError(f"quantize_experts must be a bool, got {quantize_experts!r}")
+        if quantize_experts:
+            from ..quant import SCHEMES
+            from ..quant.api import _expert_kind
+
+            if quantization is None or quantization == "gguf" or host_experts:
+                raise ValueError("quantize_experts: takes quantization='w8a16', 'fp8-wo' or 'fp8-wo-block', and "
+                                 "experts on the device (not host_experts)")
+            _expert_kind(SCHEMES[quantization])  # checked before the (slow) load
         if not isinstance(host_experts, (bool, str)):
             raise TypeError(f"host_experts must be a bool or a scheme name, got {host_experts!r}")
         if host_expert_layers is not None and not host_experts:
@@ -452,7 +466,7 @@ class Engine:
         elif quantization is not None:
             from ..quant import quantize
 
-            quantize(model, quantization)
+            quantize(model, quantization, experts=quantize_experts)
         if draft_model is not None:
             kwargs["draft_model"] = load_model(draft_model, dtype=dtype, device=device)[0]
         return cls(model, tokenizer, **kwargs)

@@ -117,11 +117,9 @@ def _w_tile(ptrs, mask, s_e, rows, offs_k, stride_sn, stride_sk, S_BN, S_BK, W_S
 
 
 @triton.jit
-def _chan_scale(s_e, rows, mask, stride_sn, W_SCALE: tl.constexpr):
-    """Per-channel scales of ``rows`` (``W_SCALE`` 1), else 1."""
-    if W_SCALE == 1:
-        return tl.load(s_e + rows.to(tl.int64) * stride_sn, mask=mask, other=0.0)
-    return tl.full(rows.shape, 1.0, tl.float32)
+def _chan_scale(s_e, rows, mask, stride_sn):
+    """The per-channel scales (``W_SCALE`` 1) of ``rows``."""
+    return tl.load(s_e + rows.to(tl.int64) * stride_sn, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -168,10 +166,10 @@ def _moe_gate_up_kernel(
                     acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
             if W_SCALE == 1:
                 if RELU2:
-                    acc_u = acc_u * _chan_scale(s_e, offs_n, n_mask, stride_sn, W_SCALE)[None, :]
+                    acc_u = acc_u * _chan_scale(s_e, offs_n, n_mask, stride_sn)[None, :]
                 else:
-                    acc_g = acc_g * _chan_scale(s_e, offs_n, n_mask, stride_sn, W_SCALE)[None, :]
-                    acc_u = acc_u * _chan_scale(s_e, I + offs_n, n_mask, stride_sn, W_SCALE)[None, :]
+                    acc_g = acc_g * _chan_scale(s_e, offs_n, n_mask, stride_sn)[None, :]
+                    acc_u = acc_u * _chan_scale(s_e, I + offs_n, n_mask, stride_sn)[None, :]
             if HAS_EXTRA:  # fp32 [rows, 2I] added before the activation (the experts' LoRA), by inter row
                 e_rows = extra_ptr + (start + rows).to(tl.int64)[:, None] * stride_em
                 em = r_mask[:, None] & n_mask[None, :]
@@ -215,7 +213,7 @@ def _moe_down_kernel(
                             stride_sn, stride_sk, S_BN, S_BK, W_SCALE, inter_ptr.dtype.element_ty)  # fmt: skip
                 acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
             if W_SCALE == 1:
-                acc = acc * _chan_scale(s_e, offs_n, n_mask, stride_sn, W_SCALE)[None, :]
+                acc = acc * _chan_scale(s_e, offs_n, n_mask, stride_sn)[None, :]
             if HAS_EXTRA:  # fp32 [rows, H] added before the routing weight, by inter row
                 e_rows = extra_ptr + (start + rows).to(tl.int64)[:, None] * stride_em
                 acc += tl.load(e_rows + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
@@ -281,9 +279,11 @@ def _moe_gemv_gate_up_kernel(
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
     if W_SCALE == 1:
-        u = u * _chan_scale(s_e, offs_n if RELU2 else I + offs_n, n_mask, stride_sn, W_SCALE)
-        if not RELU2:
-            g = g * _chan_scale(s_e, offs_n, n_mask, stride_sn, W_SCALE)
+        if RELU2:
+            u = u * _chan_scale(s_e, offs_n, n_mask, stride_sn)
+        else:
+            g = g * _chan_scale(s_e, offs_n, n_mask, stride_sn)
+            u = u * _chan_scale(s_e, I + offs_n, n_mask, stride_sn)
     if HAS_EXTRA:  # fp32 [pairs, 2I] added before the activation (the experts' LoRA)
         e_row = extra_ptr + pair.to(tl.int64) * stride_em
         g += tl.load(e_row + offs_n, mask=n_mask, other=0.0)
@@ -325,7 +325,7 @@ def _moe_gemv_down_kernel(
                                stride_sn, stride_sk, S_BN, S_BK, W_SCALE, tl.float32, "evict_first") * a  # fmt: skip
             d = tl.sum(acc, axis=1)
             if W_SCALE == 1:
-                d = d * _chan_scale(s_e, offs_n, n_mask, stride_sn, W_SCALE)
+                d = d * _chan_scale(s_e, offs_n, n_mask, stride_sn)
             if HAS_EXTRA:  # fp32 [pairs, H] added before the routing weight
                 d += tl.load(extra_ptr + pair.to(tl.int64) * stride_em + offs_n, mask=n_mask, other=0.0)
             out += d * tl.load(rw_ptr + pair).to(tl.float32)

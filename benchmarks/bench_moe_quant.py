@@ -22,26 +22,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import bench_ms, case, copy_bandwidth, rel_err, time_graph, write_results  # noqa: E402
 
-from infercore.models.moe import route_topk  # noqa: E402
+from infercore.models.moe import quantize_expert_weights, route_topk  # noqa: E402
 from infercore.ops import moe_experts_routed  # noqa: E402
 from infercore.ops.moe import dequantize_experts  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v2-lite": (64, 2048, 1408, 6)}
-
-
-def quantize(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and fp32 scales of ``w [E, N, K]``: per output channel (int8 / fp8) or per 128 x 128 block."""
-    E, N, K = w.shape
-    if kind == "fp8-block":
-        nb, kb = -(-N // 128), -(-K // 128)
-        pad = torch.nn.functional.pad(w.float().abs(), (0, kb * 128 - K, 0, nb * 128 - N))
-        scale = pad.view(E, nb, 128, kb, 128).amax(dim=(2, 4)).clamp(min=1e-8) / 448.0
-        full = dequantize_experts(torch.ones(E, N, K, device=w.device), scale, torch.float32)
-        return (w.float() / full).to(torch.float8_e4m3fn), scale
-    top = 127.0 if kind == "int8" else 448.0
-    scale = w.float().abs().amax(dim=2).clamp(min=1e-8) / top
-    codes = w.float() / scale[..., None]
-    return (codes.round().clamp(-127, 127).to(torch.int8) if kind == "int8" else codes.to(torch.float8_e4m3fn)), scale
 
 
 def timed(call, prefill: bool) -> float:
@@ -64,7 +49,8 @@ def main() -> None:
     for name, (E, H, I, k) in SHAPES.items():
         gate_up = (torch.randn(E, 2 * I, H, device=dev) * 0.02).to(dt)
         down = (torch.randn(E, H, I, device=dev) * 0.02).to(dt)
-        quant = {kind: (quantize(gate_up, kind), quantize(down, kind)) for kind in args.kinds.split(",")}
+        quant = {kind: (quantize_expert_weights(gate_up, kind), quantize_expert_weights(down, kind))
+                 for kind in args.kinds.split(",")}
         for T in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(T, H, device=dev, dtype=dt)
             w, ids = route_topk(torch.randn(T, E, device=dev), top_k=k, renormalize=True)

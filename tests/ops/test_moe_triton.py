@@ -215,20 +215,9 @@ def test_routed_gpu_prefill_sizes(T, path, dtype, monkeypatch):
 def _quantize(w, kind):
     """int8 / fp8 codes of ``w [E, N, K]`` and fp32 scales: "int8" / "fp8" per output channel, "fp8-block" per
     16 x 16 block (ragged at the edges when N, K are not multiples of 16)."""
-    from infercore.ops.moe import dequantize_experts
+    from infercore.models.moe import quantize_expert_weights
 
-    E, N, K = w.shape
-    if kind == "fp8-block":
-        nb, kb = -(-N // 16), -(-K // 16)
-        pad = torch.nn.functional.pad(w.float().abs(), (0, kb * 16 - K, 0, nb * 16 - N))
-        scale = pad.view(E, nb, 16, kb, 16).amax(dim=(2, 4)).clamp(min=1e-6) / 448.0
-        codes = (w.float() / dequantize_experts(torch.ones_like(w, dtype=torch.float32), scale, torch.float32))
-        return codes.to(torch.float8_e4m3fn), scale
-    top = 127.0 if kind == "int8" else 448.0
-    scale = w.float().abs().amax(dim=2).clamp(min=1e-6) / top
-    codes = w.float() / scale[..., None]
-    codes = codes.round().clamp(-127, 127).to(torch.int8) if kind == "int8" else codes.to(torch.float8_e4m3fn)
-    return codes, scale
+    return quantize_expert_weights(w, kind, block=16)
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8", "fp8-block"])

@@ -73,6 +73,21 @@ def test_deepseek_experts_quantized(tmp_path):
         assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
 
 
+def test_cpu_packed_experts_dropped_when_quantized(tmp_path):
+    """A model whose experts were oneDNN-packed for the CPU (bf16) drops those copies when its experts are quantized,
+    and runs the codes."""
+    from infercore.models.layout import cpu_packing_supported, pack_linears_for_cpu_
+
+    model, _ = ours_from_hf(tiny_moe("mixtral"), tmp_path)
+    model = model.to(torch.bfloat16)
+    pack_linears_for_cpu_(model)
+    block = next(m for m in model.modules() if isinstance(m, SparseMoeBlock))
+    assert (block.cpu_packed_experts is not None) == cpu_packing_supported(torch.bfloat16)
+    quantize(model, "w8a16", experts=True)
+    assert block.cpu_packed_experts is None and block.experts.gate_up_proj.dtype == torch.int8
+    assert torch.isfinite(_logits(model)[0]).all()
+
+
 def test_refusals_name_the_argument(tmp_path):
     from infercore.lora.layers import _lora_experts
     from infercore.parallel.tensor import _shard_moe_

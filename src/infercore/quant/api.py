@@ -360,6 +360,10 @@ def quantize(
             if isinstance(mod, StackedExperts) and mod.gate_up_scale is None and not any(
                     name == p or name.endswith("." + p) or name.startswith(p + ".") for p in skip):
                 mod.quantize_(*expert_kind)
+        for mod in model.modules():  # oneDNN-packed copies of experts now quantized are stale: dropped
+            ex = getattr(mod, "experts", None)
+            if getattr(mod, "cpu_packed_experts", None) is not None and getattr(ex, "gate_up_scale", None) is not None:
+                mod.cpu_packed_experts = None
     return model
 
 

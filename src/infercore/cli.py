@@ -113,8 +113,12 @@ def _quantize_experts(args) -> dict:
     """``Engine.from_pretrained``'s ``quantize_experts`` from ``--quantize-experts``."""
     if not getattr(args, "quantize_experts", False):
         return {}
-    if args.quantization is None:
-        raise ValueError("--quantize-experts: set --quantization (w8a16, fp8-wo or fp8-wo-block)")
+    from .engine.engine import _prequantized_method
+    from .loading import default_model_path
+
+    if args.quantization is None and _prequantized_method(args.model or default_model_path()) != "fp8":
+        raise ValueError("--quantize-experts: set --quantization (w8a16, fp8-wo or fp8-wo-block), or load an FP8 "
+                         "checkpoint")
     return {"quantize_experts": True}
 
 
@@ -251,6 +255,10 @@ def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
             from .quant import quantize
 
             quantize(model, args.quantization, **{"experts": True} if _quantize_experts(args) else {})
+        elif _quantize_experts(args):  # an FP8 checkpoint: each rank's experts back to FP8 codes
+            from .quant import quantize_experts_
+
+            quantize_experts_(model, "fp8-block")
         # LoRA after the sharding: each rank's slots hold its slice of every adapter, all ranks the same adapters in
         # the same order (so their slot tables agree)
         adapters, lora_kw = _serve_engine_kw(args) if args.cmd == "serve" else _loras(args)

@@ -207,6 +207,17 @@ def test_fp8_block_checkpoint_in_the_v3_release_layout(tmp_path):
     engine = Engine(model, page_size=4, num_pages=64, max_num_batched_tokens=12)
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in PROMPTS]
+    # quantize_experts=True: the dequantized experts back to FP8 codes with 128 x 128 block scales -- the stored ones
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fp8 = Engine.from_pretrained(str(tmp_path), device="cpu", dtype=torch.float32, quantize_experts=True,
+                                     page_size=4, num_pages=64, max_num_batched_tokens=12)  # fmt: skip
+    ex = fp8.model.model.layers[1].mlp.experts
+    assert ex.gate_up_proj.dtype == torch.float8_e4m3fn and ex.gate_up_scale.shape[1:] == (2, 1)
+    stored = per_block(hf.model.layers[1].mlp.experts.gate_up_proj[3, :128].float())[0]
+    assert torch.equal(ex.gate_up_proj[3, :128].float(), stored.float())
+    outs = fp8.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in PROMPTS]
 
 
 def test_original_release_config_layout(tmp_path):

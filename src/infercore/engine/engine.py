@@ -417,7 +417,9 @@ class Engine:
         kernels take bf16 activations; an explicit fp32 / fp16 runs the dequantizing reference), else fp32.
 
         ``quantize_experts``: with ``quantization`` ``w8a16`` / ``fp8-wo`` / ``fp8-wo-block``, the stacked routed
-        experts of a MoE model too (``quantize(..., experts=True)``: int8 / fp8 codes the routed op reads)."""
+        experts of a MoE model too (``quantize(..., experts=True)``: int8 / fp8 codes the routed op reads); with an
+        FP8 checkpoint (whose experts the loader dequantizes), the experts back to FP8 codes with 128 x 128 block
+        scales after the load (``quant.quantize_experts_``)."""
         from ..devices import check_device, default_device
         from ..loading import default_model_path
         from ..models import load_model
@@ -429,14 +431,17 @@ class Engine:
         _check_quantization(quantization, path)
         if not isinstance(quantize_experts, bool):
             raise TypeError(f"quantize_experts must be a bool, got {quantize_experts!r}")
+        prequantized = _prequantized_method(path)
         if quantize_experts:
             from ..quant import SCHEMES
             from ..quant.api import _expert_kind
 
-            if quantization is None or quantization == "gguf" or host_experts:
-                raise ValueError("quantize_experts: takes quantization='w8a16', 'fp8-wo' or 'fp8-wo-block', and "
-                                 "experts on the device (not host_experts)")
-            _expert_kind(SCHEMES[quantization])  # checked before the (slow) load
+            fp8_checkpoint = prequantized == "fp8" and quantization is None
+            if host_experts or not (fp8_checkpoint or quantization not in (None, "gguf")):
+                raise ValueError("quantize_experts: takes quantization='w8a16', 'fp8-wo' or 'fp8-wo-block' (or an FP8 "
+                                 "checkpoint), and experts on the device (not host_experts)")
+            if not fp8_checkpoint:
+                _expert_kind(SCHEMES[quantization])  # checked before the (slow) load
         if not isinstance(host_experts, (bool, str)):
             raise TypeError(f"host_experts must be a bool or a scheme name, got {host_experts!r}")
         if host_expert_layers is not None and not host_experts:
@@ -445,7 +450,6 @@ class Engine:
             from ..quant.api import _resolve
 
             _resolve(host_experts)
-        prequantized = _prequantized_method(path)
         if prequantized is not None and quantization is not None:
             raise ValueError(f"quantization: {str(path)!r} is a {prequantized.upper()} checkpoint, loaded as "
                              f"quantized; pass quantization=None")
@@ -467,6 +471,10 @@ class Engine:
             from ..quant import quantize
 
             quantize(model, quantization, experts=quantize_experts)
+        elif quantize_experts:  # an FP8 checkpoint: its experts back to FP8 codes
+            from ..quant import quantize_experts_
+
+            quantize_experts_(model, "fp8-block")
         if draft_model is not None:
             kwargs["draft_model"] = load_model(draft_model, dtype=dtype, device=device)[0]
         return cls(model, tokenizer, **kwargs)

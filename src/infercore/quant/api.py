@@ -354,17 +354,27 @@ def quantize(
         new = QuantLinear(qw, mod.bias, outlier_threshold=s.outlier_threshold, max_outliers=s.max_outliers)
         _set_submodule(model, name, new)
     if expert_kind is not None:
-        from ..models.moe import StackedExperts
-
-        for name, mod in model.named_modules():
-            if isinstance(mod, StackedExperts) and mod.gate_up_scale is None and not any(
-                    name == p or name.endswith("." + p) or name.startswith(p + ".") for p in skip):
-                mod.quantize_(*expert_kind)
-        for mod in model.modules():  # oneDNN-packed copies of experts now quantized are stale: dropped
-            ex = getattr(mod, "experts", None)
-            if getattr(mod, "cpu_packed_experts", None) is not None and getattr(ex, "gate_up_scale", None) is not None:
-                mod.cpu_packed_experts = None
+        quantize_experts_(model, *expert_kind, skip=skip)
     return model
+
+
+def quantize_experts_(model: nn.Module, kind: str, block: int = 128, *, skip: Iterable[str] = ()) -> int:
+    """Quantize every stacked routed-experts module of ``model`` not quantized yet (``StackedExperts.quantize_``:
+    ``"int8"``, ``"fp8"`` or ``"fp8-block"``), except those named in ``skip``; drops the oneDNN-packed CPU copies of
+    those experts (stale). Returns how many were quantized."""
+    from ..models.moe import StackedExperts
+
+    n = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, StackedExperts) and mod.gate_up_scale is None and not any(
+                name == p or name.endswith("." + p) or name.startswith(p + ".") for p in skip):
+            mod.quantize_(kind, block)
+            n += 1
+    for mod in model.modules():
+        ex = getattr(mod, "experts", None)
+        if getattr(mod, "cpu_packed_experts", None) is not None and getattr(ex, "gate_up_scale", None) is not None:
+            mod.cpu_packed_experts = None
+    return n
 
 
 def _expert_kind(s: QuantScheme) -> tuple[str, int]:

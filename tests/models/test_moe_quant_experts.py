@@ -88,6 +88,22 @@ def test_cpu_packed_experts_dropped_when_quantized(tmp_path):
     assert torch.isfinite(_logits(model)[0]).all()
 
 
+def test_save_and_load_quantized_keep_the_expert_codes(tmp_path):
+    """``save_quantized`` / ``load_quantized`` carry the experts' codes and scales: the reloaded model gives the same
+    logits."""
+    from infercore.quant import load_quantized, save_quantized
+
+    model, _ = ours_from_hf(tiny_moe("qwen2_moe"), tmp_path / "hf")
+    quantize(model, "fp8-wo", experts=True)
+    save_quantized(model, tmp_path / "q.safetensors")
+    fresh = load_model(tmp_path / "hf", dtype=torch.float32, device="cpu")[0]
+    load_quantized(fresh, tmp_path / "q.safetensors")
+    ex = next(m for m in fresh.modules() if isinstance(m, StackedExperts))
+    assert ex.gate_up_proj.dtype == torch.float8_e4m3fn and ex.down_scale is not None
+    for got, want in zip(_logits(fresh), _logits(model)):
+        torch.testing.assert_close(got, want)
+
+
 def test_refusals_name_the_argument(tmp_path):
     from infercore.lora.layers import _lora_experts
     from infercore.parallel.tensor import _shard_moe_

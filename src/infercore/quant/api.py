@@ -423,6 +423,7 @@ def outlier_hit_rate(model: nn.Module) -> dict[str, float]:
 # Checkpoints (safetensors): module state plus a JSON header describing each QuantLinear
 # ----------------------------------------------------------------------------------------------
 
+_EXPERTS_KEY = "infercore.quantized_experts"
 _META_KEY = "infercore.quant"
 
 
@@ -436,6 +437,8 @@ def save_quantized(model: nn.Module, path: str | os.PathLike) -> None:
             layers[name] = {"format": m._meta, "outlier_threshold": m.outlier_threshold,
                             "max_outliers": m.max_outliers, "bias": m.bias is not None,
                             "in_perm": m.in_perm is not None}
+    experts = [name for name, m in model.named_modules() if getattr(m, "gate_up_scale", None) is not None
+               and hasattr(m, "quantize_")]  # int8 / fp8 stacked experts (quantize(..., experts=True))
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     # Tied weights (e.g. lm_head = embed_tokens) are one tensor; safetensors refuses shared storage.
     seen: dict[int, str] = {}
@@ -444,7 +447,7 @@ def save_quantized(model: nn.Module, path: str | os.PathLike) -> None:
         if ptr in seen and state[k].numel():
             state[k] = state[k].clone()
         seen[ptr] = k
-    save_file(state, os.fspath(path), metadata={_META_KEY: json.dumps(layers)})
+    save_file(state, os.fspath(path), metadata={_META_KEY: json.dumps(layers), _EXPERTS_KEY: json.dumps(experts)})
 
 
 def load_quantized(model: nn.Module, path: str | os.PathLike) -> nn.Module:
@@ -459,8 +462,20 @@ def load_quantized(model: nn.Module, path: str | os.PathLike) -> nn.Module:
         if _META_KEY not in meta:
             raise ValueError(f"path: {path} is not an infercore quantized checkpoint")
         layers = json.loads(meta[_META_KEY])
+        experts = json.loads(meta.get(_EXPERTS_KEY, "[]"))
         state = {k: f.get_tensor(k) for k in f.keys()}
     device = next(iter(model.parameters())).device
+    for name in experts:  # quantized stacked experts: codes and scales in the stored dtypes and shapes
+        try:
+            m = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"path: checkpoint has quantized experts {name!r}, which the model lacks") from None
+        for proj, scale in (("gate_up_proj", "gate_up_scale"), ("down_proj", "down_scale")):
+            codes = state.get(f"{name}.{proj}")
+            if codes is None or f"{name}.{scale}" not in state:
+                raise ValueError(f"path: quantized experts {name!r} lack {proj} or {scale}")
+            setattr(m, proj, nn.Parameter(torch.empty_like(codes, device=device), requires_grad=False))
+            setattr(m, scale, torch.empty_like(state[f"{name}.{scale}"], device=device))
     for name, info in layers.items():
         fmt_meta = info["format"]
         prefix = name + "."

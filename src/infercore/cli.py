@@ -258,7 +258,8 @@ def _tp_rank(rank: int, args: argparse.Namespace, params, init: str) -> None:
         elif _quantize_experts(args):  # an FP8 checkpoint: each rank's experts back to FP8 codes
             from .quant import quantize_experts_
 
-            quantize_experts_(model, "fp8-block")
+            if not quantize_experts_(model, "fp8-block"):
+                raise ValueError("--quantize-experts: the model has no stacked routed experts to quantize")
         # LoRA after the sharding: each rank's slots hold its slice of every adapter, all ranks the same adapters in
         # the same order (so their slot tables agree)
         adapters, lora_kw = _serve_engine_kw(args) if args.cmd == "serve" else _loras(args)
@@ -474,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
                             "bfloat16, which the packed CPU kernels take (default: dense weights)")
         q.add_argument("--quantize-experts", action="store_true",
                        help="with --quantization w8a16 / fp8-wo / fp8-wo-block: a MoE model's stacked routed experts "
-                            "too (int8 / fp8 codes the routed kernels read)")
+                            "too (int8 / fp8 codes the routed kernels read); with an FP8 checkpoint, its experts "
+                            "(dequantized by the loader) back to FP8 block codes")
         q.add_argument("--int8-activations", action="store_true",
                        help="on the CPU, the quantized linears' decode rows (INT4, INT8, GGUF Q4 / Q8_0 / Q6_K) take "
                             "activations rounded to 8 bits in blocks of 32 (llama.cpp's design; AVX512-VNNI): faster "

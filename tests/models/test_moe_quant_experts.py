@@ -111,6 +111,8 @@ def test_refusals_name_the_argument(tmp_path):
     model, _ = ours_from_hf(tiny_moe("mixtral"), tmp_path)
     with pytest.raises(ValueError, match="experts"):
         quantize(model, "w4a16-g128", experts=True)
+    with pytest.raises(ValueError, match="no stacked routed experts"):  # everything skipped: nothing to quantize
+        quantize(model, "w8a16", experts=True, skip=("model",))
     assert all(m.gate_up_scale is None for m in model.modules() if isinstance(m, StackedExperts))  # nothing changed
     quantize(model, "w8a16", experts=True)
     block = next(m for m in model.modules() if isinstance(m, SparseMoeBlock))
@@ -118,6 +120,8 @@ def test_refusals_name_the_argument(tmp_path):
         block.experts.quantize_("int8")
     with pytest.raises(ValueError, match="kind"):
         StackedExperts(2, 8, 4).quantize_("int4")
+    with pytest.raises(ValueError, match="block"):
+        StackedExperts(2, 8, 4).quantize_("fp8-block", block=0)
     with pytest.raises(ValueError, match="tensor_parallel_"):
         _shard_moe_(block, 2, 0, by_expert=False)
     assert not _lora_experts(block, 1)  # no adapter slots on int8 / fp8 experts

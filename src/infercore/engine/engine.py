@@ -474,7 +474,8 @@ class Engine:
         elif quantize_experts:  # an FP8 checkpoint: its experts back to FP8 codes
             from ..quant import quantize_experts_
 
-            quantize_experts_(model, "fp8-block")
+            if not quantize_experts_(model, "fp8-block"):
+                raise ValueError(f"quantize_experts: {str(path)!r} has no stacked routed experts to quantize")
         if draft_model is not None:
             kwargs["draft_model"] = load_model(draft_model, dtype=dtype, device=device)[0]
         return cls(model, tokenizer, **kwargs)

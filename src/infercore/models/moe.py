@@ -215,6 +215,8 @@ class StackedExperts(nn.Module):
         of bf16's bytes); the experts then compute over ``codes * scale`` in the activations' dtype."""
         if kind not in self.KINDS:
             raise ValueError(f"kind: expected one of {self.KINDS}, got {kind!r}")
+        if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+            raise ValueError(f"block: expected a positive int, got {block!r}")
         if self.gate_up_scale is not None:
             raise ValueError("quantize_: the experts are quantized already")
         if not self.gate_up_proj.is_floating_point():
@@ -227,24 +229,30 @@ class StackedExperts(nn.Module):
 
 
 def quantize_expert_weights(w: torch.Tensor, kind: str, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and fp32 scales of stacked expert weights ``w [E, N, K]`` (see :meth:`StackedExperts.quantize_`);
-    ``ops.moe.dequantize_experts(codes, scale, dtype)`` gives the weights they stand for."""
-    from ..ops.moe import dequantize_experts
-
+    """Codes and fp32 scales of stacked expert weights ``w [E, N, K]`` (see :meth:`StackedExperts.quantize_`), one
+    expert at a time (a transient of one expert in fp32); ``ops.moe.dequantize_experts(codes, scale, dtype)`` gives
+    the weights they stand for."""
     E, N, K = w.shape
-    wf = w.float()
     if kind == "fp8-block":
         nb, kb = -(-N // block), -(-K // block)
-        pad = torch.nn.functional.pad(wf.abs(), (0, kb * block - K, 0, nb * block - N))
-        scale = pad.view(E, nb, block, kb, block).amax(dim=(2, 4)).clamp(min=1e-12) / 448.0
-        full = dequantize_experts(torch.ones_like(wf), scale, torch.float32)
-        return (wf / full).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
-    top = 127.0 if kind == "int8" else 448.0
-    scale = wf.abs().amax(dim=2).clamp(min=1e-12) / top
-    codes = wf / scale[..., None]
-    if kind == "int8":
-        return codes.round().clamp(-127, 127).to(torch.int8), scale
-    return codes.clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+        codes = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=w.device)
+        scale = torch.empty(E, nb, kb, dtype=torch.float32, device=w.device)
+        for e in range(E):
+            wf = w[e].float()
+            pad = torch.nn.functional.pad(wf.abs(), (0, kb * block - K, 0, nb * block - N))
+            scale[e] = pad.view(nb, block, kb, block).amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+            full = scale[e].repeat_interleave(block, 0)[:N].repeat_interleave(block, 1)[:, :K]
+            codes[e] = (wf / full).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return codes, scale
+    top, dtype = (127.0, torch.int8) if kind == "int8" else (448.0, torch.float8_e4m3fn)
+    codes = torch.empty(E, N, K, dtype=dtype, device=w.device)
+    scale = torch.empty(E, N, dtype=torch.float32, device=w.device)
+    for e in range(E):
+        wf = w[e].float()
+        scale[e] = wf.abs().amax(dim=1).clamp(min=1e-12) / top
+        q = (wf / scale[e][:, None]).clamp(-top, top)
+        codes[e] = (q.round() if kind == "int8" else q).to(dtype)
+    return codes, scale
 
 
 class GatedMLP(nn.Module):

@@ -282,9 +282,13 @@ def quantize_weight(
                                outlier_dtype=torch.bfloat16 if w.dtype == torch.float32 else w.dtype)
 
 
+def _skipped(name: str, skip: Iterable[str]) -> bool:
+    """Whether module ``name`` is named by ``skip`` (the whole name, a trailing component or a parent)."""
+    return any(name == p or name.endswith("." + p) or name.startswith(p + ".") for p in skip)
+
+
 def _eligible(name: str, mod: nn.Module, s: QuantScheme, skip: Iterable[str]) -> bool:
-    if not isinstance(mod, nn.Linear) or any(name == p or name.endswith("." + p) or name.startswith(p + ".")
-                                             for p in skip):
+    if not isinstance(mod, nn.Linear) or _skipped(name, skip):
         return False
     k = mod.in_features
     return not ((s.weight.startswith("q") and k % 32) or (s.weight in FP4_BLOCK and k % FP4_BLOCK[s.weight])
@@ -331,6 +335,9 @@ def quantize(
         raise TypeError(f"skip: expected module names (str), got {skip!r}")
     targets = [(n, m) for n, m in model.named_modules() if _eligible(n, m, s, skip)]
     expert_kind = _expert_kind(s) if experts else None
+    if experts and not _stacked_experts(model, skip):
+        raise ValueError("experts: the model has no stacked routed experts (models.moe.StackedExperts: Mixtral, "
+                         "Qwen2 / Qwen3-MoE, Qwen3-Next, DeepSeek) to quantize")
     if calibration is not None and not isinstance(calibration, CalibrationStats):
         if not callable(calibration):
             raise TypeError("calibration: expected CalibrationStats (see collect_calibration) or a callable "
@@ -362,12 +369,9 @@ def quantize_experts_(model: nn.Module, kind: str, block: int = 128, *, skip: It
     """Quantize every stacked routed-experts module of ``model`` not quantized yet (``StackedExperts.quantize_``:
     ``"int8"``, ``"fp8"`` or ``"fp8-block"``), except those named in ``skip``; drops the oneDNN-packed CPU copies of
     those experts (stale). Returns how many were quantized."""
-    from ..models.moe import StackedExperts
-
     n = 0
-    for name, mod in model.named_modules():
-        if isinstance(mod, StackedExperts) and mod.gate_up_scale is None and not any(
-                name == p or name.endswith("." + p) or name.startswith(p + ".") for p in skip):
+    for mod in _stacked_experts(model, skip):
+        if mod.gate_up_scale is None:
             mod.quantize_(kind, block)
             n += 1
     for mod in model.modules():
@@ -375,6 +379,13 @@ def quantize_experts_(model: nn.Module, kind: str, block: int = 128, *, skip: It
         if getattr(mod, "cpu_packed_experts", None) is not None and getattr(ex, "gate_up_scale", None) is not None:
             mod.cpu_packed_experts = None
     return n
+
+
+def _stacked_experts(model: nn.Module, skip: Iterable[str]) -> list[nn.Module]:
+    """The ``models.moe.StackedExperts`` modules of ``model`` not named by ``skip``."""
+    from ..models.moe import StackedExperts
+
+    return [m for n, m in model.named_modules() if isinstance(m, StackedExperts) and not _skipped(n, skip)]
 
 
 def _expert_kind(s: QuantScheme) -> tuple[str, int]:

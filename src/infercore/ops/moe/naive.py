@@ -44,6 +44,12 @@ def check_moe_args(op: str, x, gate_up, down, weights, ids, activation: str = "s
 QUANT_EXPERT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
+def scale_blocks(shape: tuple[int, ...], scale: torch.Tensor) -> tuple[int, int]:
+    """``(bn, bk)``: the block of weights ``[E, N, K]`` (``shape``) each entry of block scales
+    ``[E, ceil(N / bn), ceil(K / bk)]`` covers."""
+    return -(-shape[1] // scale.shape[1]), -(-shape[2] // scale.shape[2])
+
+
 def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """Stacked expert weights ``[E, N, K]`` in ``dtype``: ``w`` itself without a scale, else int8 / fp8 codes times
     their fp32 scales, per output channel (``[E, N]``) or per ``bn x bk`` block (``[E, ceil(N / bn), ceil(K / bk)]``,
@@ -54,7 +60,7 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch
     if scale.ndim == 2:
         return (wf * scale.float()[..., None]).to(dtype)
     E, N, K = w.shape
-    bn, bk = -(-N // scale.shape[1]), -(-K // scale.shape[2])
+    bn, bk = scale_blocks(w.shape, scale)
     s = scale.float().repeat_interleave(bn, 1)[:, :N].repeat_interleave(bk, 2)[:, :, :K]
     return (wf * s).to(dtype)
 
@@ -78,7 +84,7 @@ def check_expert_scales(op: str, x: torch.Tensor, name: str, w: torch.Tensor, sc
     E, N, K = w.shape
     ok = scale.ndim == 2 and tuple(scale.shape) == (E, N)
     if scale.ndim == 3 and scale.shape[0] == E and 0 < scale.shape[1] <= N and 0 < scale.shape[2] <= K:
-        bn, bk = -(-N // scale.shape[1]), -(-K // scale.shape[2])
+        bn, bk = scale_blocks(w.shape, scale)
         ok = -(-N // bn) == scale.shape[1] and -(-K // bk) == scale.shape[2]
     if not ok:
         raise ValueError(f"{op}: {name}_scale must be [E, N] = [{E}, {N}] (per channel) or [E, ceil(N / bn), "

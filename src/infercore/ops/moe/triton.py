@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from ...devices import register
+from .naive import scale_blocks
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -409,7 +410,7 @@ def _scale_args(scale: torch.Tensor | None, w: torch.Tensor) -> tuple[dict, tupl
         return {}, (w, 0, 0, 0, 1, 1)
     if scale.ndim == 2:
         return {"W_SCALE": 1}, (scale, scale.stride(0), scale.stride(1), 0, 1, 1)
-    bn, bk = -(-w.shape[1] // scale.shape[1]), -(-w.shape[2] // scale.shape[2])
+    bn, bk = scale_blocks(w.shape, scale)
     return {"W_SCALE": 2}, (scale, scale.stride(0), scale.stride(1), scale.stride(2), bn, bk)
 
 
